@@ -1,0 +1,57 @@
+// Component: one model of a pipeline (text encoder, transformer, VAE) — a module tree, its host
+// weights, and what placement needs to know about it. Placement decides where its weights are;
+// the pipeline only runs it through a ComponentRunner.
+#ifndef STOWAGE_MODELS_COMPONENT_H_
+#define STOWAGE_MODELS_COMPONENT_H_
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include <c10/core/ScalarType.h>
+
+#include "absl/status/status.h"
+#include "offload/host_weights.h"
+#include "offload/module.h"
+
+namespace stowage {
+
+class Component {
+ public:
+  // `root` must hold its weights as contiguous CPU tensors (they become the host copies).
+  static absl::StatusOr<std::unique_ptr<Component>> Create(std::string name,
+                                                           std::unique_ptr<Module> root,
+                                                           at::ScalarType dtype);
+
+  const std::string& name() const { return name_; }
+  const std::string& kind() const { return root_->kind(); }
+  Module& module() { return *root_; }
+  at::ScalarType dtype() const { return dtype_; }
+  HostWeights& host_weights() { return *host_weights_; }
+  int64_t weight_bytes() const { return host_weights_->bytes(); }
+  int64_t parameter_count() const { return host_weights_->parameter_count(); }
+
+ private:
+  Component(std::string name, std::unique_ptr<Module> root, at::ScalarType dtype,
+            std::unique_ptr<HostWeights> host_weights);
+  std::string name_;
+  std::unique_ptr<Module> root_;
+  at::ScalarType dtype_;
+  std::unique_ptr<HostWeights> host_weights_;
+};
+
+// How a pipeline calls its components. Implemented by placement: it makes the component runnable
+// on the device (moving it or others as its strategy decides), runs `fn`, and records what it did.
+// `fn` may throw (LibTorch errors, DeviceOutOfMemory); the runner turns that into a status.
+class ComponentRunner {
+ public:
+  virtual ~ComponentRunner() = default;
+  virtual absl::Status Run(Component& component, const std::function<void()>& fn) = 0;
+};
+
+std::string DtypeName(at::ScalarType dtype);
+
+}  // namespace stowage
+
+#endif  // STOWAGE_MODELS_COMPONENT_H_

@@ -1,0 +1,147 @@
+#include "models/layers.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <torch/version.h>
+
+namespace stowage {
+namespace {
+
+at::Tensor Empty(at::IntArrayRef shape, const LayerOptions& options) {
+  return at::empty(shape, at::TensorOptions().dtype(options.dtype));
+}
+
+}  // namespace
+
+Linear::Linear(int64_t in_features, int64_t out_features, bool bias, const LayerOptions& options)
+    : Module("Linear"), in_features_(in_features), out_features_(out_features) {
+  weight_ = AddParameter("weight", Empty({out_features, in_features}, options));
+  if (bias) bias_ = AddParameter("bias", Empty({out_features}, options));
+}
+
+at::Tensor Linear::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  return at::linear(x, tensor(weight_), bias_ >= 0 ? tensor(bias_) : at::Tensor());
+}
+
+RMSNorm::RMSNorm(int64_t dim, double eps, bool affine, const LayerOptions& options)
+    : Module("RMSNorm"), eps_(eps) {
+  if (affine) weight_ = AddParameter("weight", Empty({dim}, options));
+}
+
+at::Tensor RMSNorm::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor y = xf * at::rsqrt(xf.pow(2).mean({-1}, /*keepdim=*/true) + eps_);
+  if (weight_ >= 0) y = y * tensor(weight_).to(at::kFloat);
+  return y.to(x.scalar_type());
+}
+
+LayerNorm::LayerNorm(int64_t dim, double eps, bool affine, const LayerOptions& options)
+    : Module("LayerNorm"), dim_(dim), eps_(eps) {
+  if (affine) {
+    weight_ = AddParameter("weight", Empty({dim}, options));
+    bias_ = AddParameter("bias", Empty({dim}, options));
+  }
+}
+
+at::Tensor LayerNorm::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor w = weight_ >= 0 ? tensor(weight_).to(at::kFloat) : at::Tensor();
+  const at::Tensor b = bias_ >= 0 ? tensor(bias_).to(at::kFloat) : at::Tensor();
+  return at::layer_norm(xf, {dim_}, w, b, eps_).to(x.scalar_type());
+}
+
+GroupNorm::GroupNorm(int64_t groups, int64_t channels, double eps, const LayerOptions& options)
+    : Module("GroupNorm"), groups_(groups), eps_(eps) {
+  weight_ = AddParameter("weight", Empty({channels}, options));
+  bias_ = AddParameter("bias", Empty({channels}, options));
+}
+
+at::Tensor GroupNorm::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  return at::group_norm(x.to(at::kFloat), groups_, tensor(weight_).to(at::kFloat),
+                        tensor(bias_).to(at::kFloat), eps_)
+      .to(x.scalar_type());
+}
+
+Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel, int64_t stride,
+               int64_t padding, const LayerOptions& options)
+    : Module("Conv2d"), stride_(stride), padding_(padding) {
+  weight_ = AddParameter("weight", Empty({out_channels, in_channels, kernel, kernel}, options));
+  bias_ = AddParameter("bias", Empty({out_channels}, options));
+}
+
+at::Tensor Conv2d::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  return at::conv2d(x, tensor(weight_), tensor(bias_), {stride_, stride_}, {padding_, padding_});
+}
+
+Embedding::Embedding(int64_t num_embeddings, int64_t dim, const LayerOptions& options)
+    : Module("Embedding") {
+  weight_ = AddParameter("weight", Empty({num_embeddings, dim}, options));
+}
+
+at::Tensor Embedding::Forward(const at::Tensor& ids) {
+  ForwardScope scope(*this);
+  return at::embedding(tensor(weight_), ids);
+}
+
+at::Tensor ScaledDotProductAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& key_mask) {
+  at::Tensor mask;
+  if (key_mask.defined()) mask = key_mask.unsqueeze(1).unsqueeze(1);  // [B, 1, 1, keys]
+#if TORCH_VERSION_MAJOR >= 2
+  return at::scaled_dot_product_attention(q, k, v, mask);
+#else
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  at::Tensor scores = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-2, -1)) * scale;
+  if (mask.defined()) scores = scores.masked_fill(mask.logical_not(), -INFINITY);
+  return at::matmul(at::softmax(scores, -1), v.to(at::kFloat)).to(q.scalar_type());
+#endif
+}
+
+SelfAttention::SelfAttention(int64_t dim, int64_t heads, bool qk_norm, const LayerOptions& options)
+    : Module("SelfAttention"), heads_(heads) {
+  to_q_ = AddChild("to_q", std::make_unique<Linear>(dim, dim, true, options));
+  to_k_ = AddChild("to_k", std::make_unique<Linear>(dim, dim, true, options));
+  to_v_ = AddChild("to_v", std::make_unique<Linear>(dim, dim, true, options));
+  to_out_ = AddChild("to_out", std::make_unique<Linear>(dim, dim, true, options));
+  if (qk_norm) {
+    norm_q_ = AddChild("norm_q", std::make_unique<RMSNorm>(dim / heads, 1e-6, true, options));
+    norm_k_ = AddChild("norm_k", std::make_unique<RMSNorm>(dim / heads, 1e-6, true, options));
+  }
+}
+
+at::Tensor SelfAttention::Forward(const at::Tensor& x, const at::Tensor& key_mask) {
+  ForwardScope scope(*this);
+  const int64_t batch = x.size(0);
+  const int64_t tokens = x.size(1);
+  auto split = [&](const at::Tensor& t) {
+    return t.view({batch, tokens, heads_, -1}).transpose(1, 2);  // [B, H, L, D]
+  };
+  at::Tensor q = split(to_q_->Forward(x));
+  at::Tensor k = split(to_k_->Forward(x));
+  const at::Tensor v = split(to_v_->Forward(x));
+  if (norm_q_ != nullptr) {
+    q = norm_q_->Forward(q);
+    k = norm_k_->Forward(k);
+  }
+  const at::Tensor out = ScaledDotProductAttention(q, k, v, key_mask);
+  return to_out_->Forward(out.transpose(1, 2).reshape({batch, tokens, -1}));
+}
+
+FeedForward::FeedForward(int64_t dim, int64_t hidden, const LayerOptions& options)
+    : Module("FeedForward") {
+  fc1_ = AddChild("fc1", std::make_unique<Linear>(dim, hidden, true, options));
+  fc2_ = AddChild("fc2", std::make_unique<Linear>(hidden, dim, true, options));
+}
+
+at::Tensor FeedForward::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  return fc2_->Forward(at::gelu(fc1_->Forward(x), "tanh"));
+}
+
+}  // namespace stowage

@@ -1,0 +1,152 @@
+// The layer library: LibTorch-backed layers built on offload::Module, so every layer is a hook
+// point for offloading. Forward passes are pure functions of their inputs and the layer's tensors;
+// they run under at::InferenceMode set by the caller.
+//
+// Weights are created uninitialised (at::empty) in the requested dtype; a loader or
+// InitializeRandomWeights (weight_init.h) fills them.
+#ifndef STOWAGE_MODELS_LAYERS_H_
+#define STOWAGE_MODELS_LAYERS_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "offload/module.h"
+
+namespace stowage {
+
+// Options for creating a layer's tensors.
+struct LayerOptions {
+  at::ScalarType dtype = at::kFloat;
+};
+
+class Linear : public Module {
+ public:
+  Linear(int64_t in_features, int64_t out_features, bool bias, const LayerOptions& options);
+  at::Tensor Forward(const at::Tensor& x);
+  int64_t in_features() const { return in_features_; }
+  int64_t out_features() const { return out_features_; }
+
+ private:
+  int64_t in_features_;
+  int64_t out_features_;
+  int weight_;
+  int bias_ = -1;
+};
+
+// Root-mean-square normalisation over the last dimension, computed in float32.
+class RMSNorm : public Module {
+ public:
+  RMSNorm(int64_t dim, double eps, bool affine, const LayerOptions& options);
+  at::Tensor Forward(const at::Tensor& x);
+
+ private:
+  double eps_;
+  int weight_ = -1;
+};
+
+class LayerNorm : public Module {
+ public:
+  LayerNorm(int64_t dim, double eps, bool affine, const LayerOptions& options);
+  at::Tensor Forward(const at::Tensor& x);
+
+ private:
+  int64_t dim_;
+  double eps_;
+  int weight_ = -1;
+  int bias_ = -1;
+};
+
+class GroupNorm : public Module {
+ public:
+  GroupNorm(int64_t groups, int64_t channels, double eps, const LayerOptions& options);
+  at::Tensor Forward(const at::Tensor& x);
+
+ private:
+  int64_t groups_;
+  double eps_;
+  int weight_;
+  int bias_;
+};
+
+class Conv2d : public Module {
+ public:
+  Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel, int64_t stride, int64_t padding,
+         const LayerOptions& options);
+  at::Tensor Forward(const at::Tensor& x);
+
+ private:
+  int64_t stride_;
+  int64_t padding_;
+  int weight_;
+  int bias_;
+};
+
+class Embedding : public Module {
+ public:
+  Embedding(int64_t num_embeddings, int64_t dim, const LayerOptions& options);
+  at::Tensor Forward(const at::Tensor& ids);
+
+ private:
+  int weight_;
+};
+
+// Scaled dot-product attention over [batch, heads, tokens, head_dim] tensors. `key_mask`, if
+// defined, is a bool [batch, keys] tensor that is true for keys to attend to.
+at::Tensor ScaledDotProductAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& key_mask);
+
+// Multi-head self-attention with optional RMS normalisation of queries and keys.
+class SelfAttention : public Module {
+ public:
+  SelfAttention(int64_t dim, int64_t heads, bool qk_norm, const LayerOptions& options);
+  // x: [batch, tokens, dim]; key_mask: optional [batch, tokens] bool.
+  at::Tensor Forward(const at::Tensor& x, const at::Tensor& key_mask);
+
+ private:
+  int64_t heads_;
+  Linear* to_q_;
+  Linear* to_k_;
+  Linear* to_v_;
+  Linear* to_out_;
+  RMSNorm* norm_q_ = nullptr;
+  RMSNorm* norm_k_ = nullptr;
+};
+
+// Two-layer GELU (tanh approximation) MLP.
+class FeedForward : public Module {
+ public:
+  FeedForward(int64_t dim, int64_t hidden, const LayerOptions& options);
+  at::Tensor Forward(const at::Tensor& x);
+
+ private:
+  Linear* fc1_;
+  Linear* fc2_;
+};
+
+// An ordered list of blocks, named "0", "1", ... Block-level offloading groups the children of
+// every ModuleList at the top of a component (or of explicitly named block modules).
+template <typename T>
+class ModuleList : public Module {
+ public:
+  ModuleList() : Module("ModuleList") {}
+  T* Append(std::unique_ptr<T> block) {
+    T* raw = AddChild(std::to_string(blocks_.size()), std::move(block));
+    blocks_.push_back(raw);
+    return raw;
+  }
+  size_t size() const { return blocks_.size(); }
+  T& operator[](size_t i) { return *blocks_[i]; }
+  typename std::vector<T*>::iterator begin() { return blocks_.begin(); }
+  typename std::vector<T*>::iterator end() { return blocks_.end(); }
+
+ private:
+  std::vector<T*> blocks_;
+};
+
+}  // namespace stowage
+
+#endif  // STOWAGE_MODELS_LAYERS_H_

@@ -1,0 +1,26 @@
+#include "models/pipeline.h"
+
+namespace stowage {
+
+RunContext::RunContext(std::function<absl::Status()> interrupt,
+                       std::function<void(const std::string&, int, int)> progress)
+    : interrupt_(std::move(interrupt)), progress_(std::move(progress)) {}
+
+void RunContext::BeginStage(const std::string& stage, int total_steps) {
+  EndStage();
+  current_stage_ = stage;
+  stage_start_ = absl::Now();
+  if (progress_) progress_(stage, 0, total_steps);
+}
+
+void RunContext::EndStage() {
+  if (current_stage_.empty()) return;
+  stage_times_.push_back(StageTime{current_stage_, absl::Now() - stage_start_});
+  current_stage_.clear();
+}
+
+void RunContext::ReportStep(int step, int total_steps) {
+  if (progress_) progress_(current_stage_, step, total_steps);
+}
+
+}  // namespace stowage

@@ -1,0 +1,86 @@
+// Pipeline: text → image with a set of components, independent of transport and placement.
+#ifndef STOWAGE_MODELS_PIPELINE_H_
+#define STOWAGE_MODELS_PIPELINE_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "models/component.h"
+#include "models/image.h"
+
+namespace stowage {
+
+// What a request may ask of a pipeline; the server validates against it.
+struct PipelineLimits {
+  int default_width = 256;
+  int default_height = 256;
+  int min_size = 64;
+  int max_size = 1024;
+  int size_multiple = 16;
+  int default_steps = 8;
+  int max_steps = 100;
+  float default_guidance_scale = 1.0f;
+  int max_prompt_bytes = 126;
+};
+
+// A validated request.
+struct GenerationParams {
+  std::string prompt;
+  std::string negative_prompt;
+  int width = 0;
+  int height = 0;
+  int steps = 0;
+  float guidance_scale = 1.0f;
+  uint64_t seed = 0;
+};
+
+// Progress reports and cancellation for one run. Stage names: "tokenize", "encode_prompt",
+// "denoise", "decode".
+class RunContext {
+ public:
+  struct StageTime {
+    std::string stage;
+    absl::Duration duration;
+  };
+  // `interrupt` returns non-OK (CANCELLED, DEADLINE_EXCEEDED) when the run must stop; `progress` is
+  // called with (stage, step, total_steps) at each stage start and after each denoising step.
+  RunContext(std::function<absl::Status()> interrupt,
+             std::function<void(const std::string&, int, int)> progress);
+
+  absl::Status CheckInterrupt() const { return interrupt_ ? interrupt_() : absl::OkStatus(); }
+  void BeginStage(const std::string& stage, int total_steps = 0);
+  void EndStage();
+  void ReportStep(int step, int total_steps);
+  const std::vector<StageTime>& stage_times() const { return stage_times_; }
+
+ private:
+  std::function<absl::Status()> interrupt_;
+  std::function<void(const std::string&, int, int)> progress_;
+  std::string current_stage_;
+  absl::Time stage_start_;
+  std::vector<StageTime> stage_times_;
+};
+
+class Pipeline {
+ public:
+  virtual ~Pipeline() = default;
+  virtual const std::string& name() const = 0;
+  virtual std::string description() const = 0;
+  virtual const PipelineLimits& limits() const = 0;
+  // Components in execution order.
+  virtual std::vector<Component*> components() = 0;
+  // Runs text → RGB image. Components are called through `runner` only. Returns the interrupt's
+  // status if interrupted between steps.
+  virtual absl::StatusOr<Image> Run(const GenerationParams& params, ComponentRunner& runner,
+                                    RunContext& context) = 0;
+};
+
+}  // namespace stowage
+
+#endif  // STOWAGE_MODELS_PIPELINE_H_

@@ -1,0 +1,36 @@
+// The built-in text-to-image pipeline: ByteTokenizer → TinyTextEncoder → TinyDiT denoiser with a
+// flow-matching Euler scheduler and classifier-free guidance → TinyVaeDecoder. Deterministic
+// random weights (so its images are structured noise, not pictures); nothing to download.
+#ifndef STOWAGE_MODELS_TINY_PIPELINE_H_
+#define STOWAGE_MODELS_TINY_PIPELINE_H_
+
+#include <memory>
+#include <string>
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include "absl/status/statusor.h"
+#include "models/pipeline.h"
+#include "models/flow_match_scheduler.h"
+#include "models/tiny_models.h"
+
+namespace stowage {
+
+struct TinyPipelineOptions {
+  std::string name = "tiny";
+  at::ScalarType dtype = at::kFloat;
+  uint64_t weight_seed = 0;
+  // Where inputs and latents are created; components' weights are placed by the runner.
+  c10::Device device = c10::Device(c10::kCPU);
+  TinyTextEncoderConfig text_encoder;
+  TinyDiTConfig transformer;
+  TinyVaeDecoderConfig vae;
+  FlowMatchSchedulerConfig scheduler;
+};
+
+absl::StatusOr<std::unique_ptr<Pipeline>> CreateTinyPipeline(const TinyPipelineOptions& options);
+
+}  // namespace stowage
+
+#endif  // STOWAGE_MODELS_TINY_PIPELINE_H_

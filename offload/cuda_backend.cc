@@ -1,0 +1,197 @@
+// The CUDA device backend: LibTorch's caching allocator for device memory (so activations and
+// weights share one accounting), a pool stream for copies, CUDA events between the streams, and
+// cudaHostAlloc / cudaHostRegister for host memory. Compiled to a FAILED_PRECONDITION stub when
+// the build has no CUDA (STOWAGE_WITH_CUDA unset).
+#include "offload/device_backend.h"
+
+#include "absl/strings/str_cat.h"
+#include "offload/status_macros.h"
+
+#ifdef STOWAGE_WITH_CUDA
+#include <atomic>
+
+#include <ATen/Functions.h>
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace stowage {
+
+#ifdef STOWAGE_WITH_CUDA
+namespace {
+
+absl::Status CudaStatus(cudaError_t err, absl::string_view what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  cudaGetLastError();  // Clear the sticky-free error so later calls are not blamed.
+  if (err == cudaErrorMemoryAllocation) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
+  }
+  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
+}
+
+class CudaEvent : public DeviceEvent {
+ public:
+  at::cuda::CUDAEvent event{cudaEventDisableTiming};
+  bool Query() override { return event.query(); }
+};
+
+class CudaBackend : public DeviceBackend {
+ public:
+  explicit CudaBackend(int index)
+      : index_(index),
+        device_(c10::kCUDA, static_cast<c10::DeviceIndex>(index)),
+        copy_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())) {
+    size_t free_bytes = 0;
+    size_t total_bytes = 0;
+    c10::cuda::CUDAGuard guard(device_);
+    if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+      total_bytes_ = static_cast<int64_t>(total_bytes);
+    }
+  }
+
+  std::string name() const override { return absl::StrCat("cuda:", index_); }
+  c10::Device torch_device() const override { return device_; }
+  bool supports_streams() const override { return true; }
+
+  absl::StatusOr<at::Tensor> AllocateBytes(int64_t bytes) override {
+    at::Tensor out;
+    RETURN_IF_ERROR(CatchAsStatus(absl::StrCat(name(), " allocation of ", bytes, " bytes"), [&] {
+      out = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
+    }));
+    return out;
+  }
+
+  absl::StatusOr<at::Tensor> CopyToDevice(const at::Tensor& host) override {
+    at::Tensor out;
+    RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("copy to ", name()), [&] {
+      out = host.to(device_, /*non_blocking=*/false, /*copy=*/true);
+    }));
+    h2d_ += static_cast<int64_t>(host.nbytes());
+    return out;
+  }
+
+  void CopyToDeviceAsync(const at::Tensor& dst, const at::Tensor& src) override {
+    TORCH_CHECK(dst.nbytes() == src.nbytes(), "CopyToDeviceAsync: size mismatch");
+    TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "CopyToDeviceAsync: not contiguous");
+    c10::cuda::CUDAGuard guard(device_);
+    const cudaError_t err = cudaMemcpyAsync(dst.data_ptr(), src.data_ptr(), src.nbytes(),
+                                            cudaMemcpyHostToDevice, copy_stream_.stream());
+    TORCH_CHECK(err == cudaSuccess, "cudaMemcpyAsync: ", cudaGetErrorString(err));
+    h2d_ += static_cast<int64_t>(src.nbytes());
+  }
+
+  std::unique_ptr<DeviceEvent> RecordOnCopyStream() override {
+    auto event = std::make_unique<CudaEvent>();
+    event->event.record(copy_stream_);
+    return event;
+  }
+  std::unique_ptr<DeviceEvent> RecordOnComputeStream() override {
+    auto event = std::make_unique<CudaEvent>();
+    event->event.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+    return event;
+  }
+  void ComputeStreamWait(DeviceEvent& event) override {
+    static_cast<CudaEvent&>(event).event.block(c10::cuda::getCurrentCUDAStream(device_.index()));
+  }
+  void CopyStreamWait(DeviceEvent& event) override {
+    static_cast<CudaEvent&>(event).event.block(copy_stream_);
+  }
+  void Synchronize() override {
+    c10::cuda::CUDAGuard guard(device_);
+    copy_stream_.synchronize();
+    c10::cuda::getCurrentCUDAStream(device_.index()).synchronize();
+  }
+
+  absl::StatusOr<at::Tensor> AllocatePinnedHost(int64_t bytes) override {
+    void* ptr = nullptr;
+    RETURN_IF_ERROR(CudaStatus(cudaHostAlloc(&ptr, static_cast<size_t>(bytes), cudaHostAllocDefault),
+                               absl::StrCat("cudaHostAlloc of ", bytes, " bytes")));
+    return at::from_blob(
+        ptr, {bytes}, [](void* p) { cudaFreeHost(p); }, at::TensorOptions().dtype(at::kByte));
+  }
+
+  absl::Status RegisterHostMemory(void* ptr, int64_t bytes, bool read_only) override {
+    unsigned int flags = cudaHostRegisterPortable;
+    // A read-only mapping (mmap'd safetensors) can only be registered with the read-only flag.
+    if (read_only) flags |= cudaHostRegisterReadOnly;
+    return CudaStatus(cudaHostRegister(ptr, static_cast<size_t>(bytes), flags),
+                      absl::StrCat("cudaHostRegister of ", bytes, " bytes"));
+  }
+  absl::Status UnregisterHostMemory(void* ptr) override {
+    return CudaStatus(cudaHostUnregister(ptr), "cudaHostUnregister");
+  }
+
+  DeviceMemoryStats GetMemoryStats() override {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
+    DeviceMemoryStats out;
+    // Index 0 is the aggregate over small and large pools.
+    out.allocated_bytes = stats.allocated_bytes[0].current;
+    out.peak_allocated_bytes = stats.allocated_bytes[0].peak;
+    out.reserved_bytes = stats.reserved_bytes[0].current;
+    out.budget_bytes = budget_bytes_ > 0 ? budget_bytes_ : total_bytes_;
+    out.host_to_device_bytes = h2d_.load();
+    out.device_to_host_bytes = d2h_.load();
+    return out;
+  }
+  void ResetPeakStats() override {
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device_.index());
+  }
+  absl::Status SetMemoryBudget(int64_t bytes) override {
+    if (bytes < 0) return absl::InvalidArgumentError("memory budget must be >= 0");
+    if (bytes > total_bytes_) {
+      return absl::InvalidArgumentError(absl::StrCat("memory budget ", bytes, " exceeds ", name(),
+                                                     "'s ", total_bytes_, " bytes"));
+    }
+    const double fraction =
+        bytes == 0 ? 1.0 : static_cast<double>(bytes) / static_cast<double>(total_bytes_);
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device_.index());
+    budget_bytes_ = bytes;
+    return absl::OkStatus();
+  }
+  void ReleaseCachedMemory() override { c10::cuda::CUDACachingAllocator::emptyCache(); }
+
+ private:
+  int index_;
+  c10::Device device_;
+  c10::cuda::CUDAStream copy_stream_;
+  int64_t total_bytes_ = 0;
+  int64_t budget_bytes_ = 0;
+  std::atomic<int64_t> h2d_{0};
+  std::atomic<int64_t> d2h_{0};
+};
+
+}  // namespace
+
+bool CudaAvailable() {
+  int count = 0;
+  return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+}
+
+absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_index) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device_index < 0 || device_index >= count) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(
+        absl::StrCat("CUDA device ", device_index, " not present (", count, " visible)"));
+  }
+  return std::unique_ptr<DeviceBackend>(new CudaBackend(device_index));
+}
+
+#else  // !STOWAGE_WITH_CUDA
+
+bool CudaAvailable() { return false; }
+
+absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_index) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "CUDA device ", device_index,
+      " requested, but this build has no CUDA support (build with --config=cuda or the CMake "
+      "route in deploy/gpu_host)"));
+}
+
+#endif  // STOWAGE_WITH_CUDA
+
+}  // namespace stowage

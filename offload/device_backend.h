@@ -1,0 +1,108 @@
+// DeviceBackend: what the offload engine and placement need from an accelerator.
+//
+// Two implementations: CudaBackend (the product: c10 streams, CUDA events, the caching allocator's
+// statistics, cudaHostAlloc / cudaHostRegister) and SimulatedBackend (CPU tensors in a separately
+// accounted pool with a byte budget, an asynchronous copy worker and an optional bandwidth limit),
+// which lets CI test every offload and placement rule with exact byte counts. One conformance
+// suite (tests/offload/device_backend_conformance_test.cc) runs against both.
+//
+// Streams: a backend has a compute stream (where forwards run) and, if supports_streams(), a copy
+// stream. Copies issued with CopyToDeviceAsync run on the copy stream in issue order; an event
+// recorded on one stream can be waited for by the other without blocking the host.
+//
+// Thread-safety: all methods may be called from any thread; the engine calls them from the
+// device's request worker.
+#ifndef STOWAGE_OFFLOAD_DEVICE_BACKEND_H_
+#define STOWAGE_OFFLOAD_DEVICE_BACKEND_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "absl/status/statusor.h"
+
+namespace stowage {
+
+struct DeviceMemoryStats {
+  int64_t allocated_bytes = 0;       // Bytes of live device allocations.
+  int64_t peak_allocated_bytes = 0;  // Peak of allocated_bytes since the last ResetPeakStats().
+  int64_t reserved_bytes = 0;        // Held by the allocator (CUDA: cached segments).
+  int64_t budget_bytes = 0;          // Usable device memory: the budget, or the card's size.
+  int64_t host_to_device_bytes = 0;  // Cumulative bytes copied host to device.
+  int64_t device_to_host_bytes = 0;  // Cumulative bytes copied device to host.
+};
+
+// A point in one stream's work. Opaque; created by the backend that records it.
+class DeviceEvent {
+ public:
+  virtual ~DeviceEvent() = default;
+  // True once all work before the event has finished (non-blocking).
+  virtual bool Query() = 0;
+};
+
+class DeviceBackend {
+ public:
+  virtual ~DeviceBackend() = default;
+
+  // "cuda:0" or "sim:0".
+  virtual std::string name() const = 0;
+  // Where LibTorch tensors of this device live (CUDA, or CPU for the simulator).
+  virtual c10::Device torch_device() const = 0;
+  virtual bool supports_streams() const = 0;
+
+  // Uninitialised device buffer of `bytes` bytes (a uint8 tensor). A device out-of-memory error is
+  // a status for which IsDeviceOom() holds.
+  virtual absl::StatusOr<at::Tensor> AllocateBytes(int64_t bytes) = 0;
+  // A device copy of a host tensor (same dtype and shape), on the compute stream; counts
+  // host_to_device_bytes.
+  virtual absl::StatusOr<at::Tensor> CopyToDevice(const at::Tensor& host) = 0;
+
+  // Copies `src` (host, same number of bytes) into `dst` (device) on the copy stream, without
+  // blocking the host when `src` is pinned or registered. Counts host_to_device_bytes.
+  virtual void CopyToDeviceAsync(const at::Tensor& dst, const at::Tensor& src) = 0;
+  virtual std::unique_ptr<DeviceEvent> RecordOnCopyStream() = 0;
+  virtual std::unique_ptr<DeviceEvent> RecordOnComputeStream() = 0;
+  // Makes future compute-stream work wait for `event` (host does not block).
+  virtual void ComputeStreamWait(DeviceEvent& event) = 0;
+  // Makes future copy-stream work wait for `event` (host does not block).
+  virtual void CopyStreamWait(DeviceEvent& event) = 0;
+  // Blocks the host until all work on both streams is done.
+  virtual void Synchronize() = 0;
+
+  // Host memory the device can copy from at full speed: a fresh pinned buffer (uint8 CPU tensor)…
+  virtual absl::StatusOr<at::Tensor> AllocatePinnedHost(int64_t bytes) = 0;
+  // …or existing memory pinned in place (for example a read-only mmap of a safetensors file).
+  virtual absl::Status RegisterHostMemory(void* ptr, int64_t bytes, bool read_only) = 0;
+  virtual absl::Status UnregisterHostMemory(void* ptr) = 0;
+
+  virtual DeviceMemoryStats GetMemoryStats() = 0;
+  virtual void ResetPeakStats() = 0;
+  // Usable device memory for this server: 0 restores the whole device. On CUDA this sets the
+  // caching allocator's memory fraction, so allocations beyond it fail as out-of-memory.
+  virtual absl::Status SetMemoryBudget(int64_t bytes) = 0;
+  // Returns cached but unused device memory to the driver (CUDA); no-op elsewhere.
+  virtual void ReleaseCachedMemory() = 0;
+};
+
+struct SimulatedBackendOptions {
+  // Device memory budget in bytes; 0 is unlimited.
+  int64_t budget_bytes = 0;
+  // Host-to-device bandwidth in bytes per second for asynchronous copies; 0 is unlimited.
+  int64_t bandwidth_bytes_per_second = 0;
+  // Index in the name ("sim:<index>").
+  int index = 0;
+};
+
+std::unique_ptr<DeviceBackend> CreateSimulatedBackend(const SimulatedBackendOptions& options);
+
+// True when this build has CUDA support and a CUDA device is visible.
+bool CudaAvailable();
+// Fails with FAILED_PRECONDITION when the build has no CUDA or the device does not exist.
+absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_index);
+
+}  // namespace stowage
+
+#endif  // STOWAGE_OFFLOAD_DEVICE_BACKEND_H_

@@ -1,0 +1,51 @@
+#include "offload/host_weights.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace stowage {
+
+absl::StatusOr<std::unique_ptr<HostWeights>> HostWeights::Capture(Module& root) {
+  std::unique_ptr<HostWeights> weights(new HostWeights());
+  absl::Status status;
+  root.ForEachSlot([&](Module& module, TensorSlot& slot) {
+    if (!status.ok()) return;
+    if (!slot.value.defined() || !slot.value.device().is_cpu() || !slot.value.is_contiguous()) {
+      status = absl::FailedPreconditionError(absl::StrCat(
+          "tensor '", module.SlotPath(slot), "' is not a defined contiguous CPU tensor"));
+      return;
+    }
+    weights->bytes_ += static_cast<int64_t>(slot.value.nbytes());
+    if (!slot.is_buffer) weights->parameter_count_ += slot.value.numel();
+    weights->entries_.push_back(Entry{&module, &slot, slot.value});
+  });
+  if (!status.ok()) return status;
+  return weights;
+}
+
+absl::Status HostWeights::OnloadAll(DeviceBackend& backend) {
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    absl::StatusOr<at::Tensor> device = backend.CopyToDevice(entries_[i].host);
+    if (!device.ok()) {
+      for (size_t j = 0; j < i; ++j) entries_[j].slot->value = at::Tensor();
+      return device.status();
+    }
+    entries_[i].slot->value = *std::move(device);
+  }
+  return absl::OkStatus();
+}
+
+void HostWeights::OffloadAll() {
+  for (Entry& entry : entries_) entry.slot->value = at::Tensor();
+}
+
+void HostWeights::PointAtHost() {
+  for (Entry& entry : entries_) entry.slot->value = entry.host;
+}
+
+void HostWeights::ReplaceHost(Entry& entry, at::Tensor host) {
+  const bool pointed_at_host = entry.slot->value.defined() && entry.slot->value.is_same(entry.host);
+  entry.host = std::move(host);
+  if (pointed_at_host) entry.slot->value = entry.host;
+}
+
+}  // namespace stowage

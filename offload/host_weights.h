@@ -1,0 +1,59 @@
+// HostWeights: the host copy of every tensor of a module tree, and whole-model placement.
+//
+// Weights are immutable during inference, so the host copy stays the source of truth: onloading
+// copies host→device and points each slot at the device copy; offloading just points the slot away
+// (the device copy is freed), never copying device→host.
+//
+// Thread-safety: not thread-safe; owned by one component, used by its device's worker.
+#ifndef STOWAGE_OFFLOAD_HOST_WEIGHTS_H_
+#define STOWAGE_OFFLOAD_HOST_WEIGHTS_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "offload/device_backend.h"
+#include "offload/module.h"
+
+namespace stowage {
+
+class HostWeights {
+ public:
+  struct Entry {
+    Module* module;
+    TensorSlot* slot;
+    at::Tensor host;  // Contiguous CPU tensor.
+  };
+
+  // Takes the current tensors of `root` (which must all be defined, contiguous CPU tensors) as
+  // the host copies. The slots keep pointing at them until OnloadAll or Offload.
+  static absl::StatusOr<std::unique_ptr<HostWeights>> Capture(Module& root);
+
+  std::vector<Entry>& entries() { return entries_; }
+  int64_t bytes() const { return bytes_; }
+  int64_t parameter_count() const { return parameter_count_; }
+
+  // Copies every tensor to the device and points the slots at the copies. On failure (for example
+  // device out of memory) nothing stays on the device and the status is returned.
+  absl::Status OnloadAll(DeviceBackend& backend);
+  // Points every slot away from its device copy (undefined), freeing device memory. No copy.
+  void OffloadAll();
+  // Points every slot at its host copy (for CPU execution without a device).
+  void PointAtHost();
+  // Replaces an entry's host tensor (same shape and dtype), e.g. to move it into a pinned arena.
+  // Slots that pointed at the old host tensor are repointed.
+  void ReplaceHost(Entry& entry, at::Tensor host);
+
+ private:
+  HostWeights() = default;
+  std::vector<Entry> entries_;
+  int64_t bytes_ = 0;
+  int64_t parameter_count_ = 0;
+};
+
+}  // namespace stowage
+
+#endif  // STOWAGE_OFFLOAD_HOST_WEIGHTS_H_

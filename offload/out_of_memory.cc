@@ -1,0 +1,26 @@
+#include "offload/out_of_memory.h"
+
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+
+namespace stowage {
+
+absl::Status MakeDeviceOomStatus(absl::string_view message) {
+  absl::Status status = absl::ResourceExhaustedError(message);
+  status.SetPayload(kDeviceOomPayload, absl::Cord("1"));
+  return status;
+}
+
+bool IsDeviceOom(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kResourceExhausted &&
+         status.GetPayload(kDeviceOomPayload).has_value();
+}
+
+DeviceOutOfMemory::DeviceOutOfMemory(std::string device, int64_t requested_bytes,
+                                     int64_t in_use_bytes, int64_t budget_bytes)
+    : std::runtime_error(absl::StrCat(device, " out of memory: tried to allocate ", requested_bytes,
+                                      " bytes with ", in_use_bytes, " of ", budget_bytes,
+                                      " bytes in use")),
+      requested_bytes_(requested_bytes) {}
+
+}  // namespace stowage

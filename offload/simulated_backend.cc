@@ -1,0 +1,249 @@
+// The simulated accelerator: device memory is host memory in a separately accounted pool with a
+// byte budget, asynchronous copies run on a worker thread (optionally at a fixed bandwidth), and the
+// "compute stream" is the calling thread, so waiting on a copy event blocks the caller.
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include <ATen/Functions.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "offload/device_backend.h"
+#include "offload/out_of_memory.h"
+
+namespace stowage {
+namespace {
+
+constexpr size_t kAlignment = 64;
+
+// Accounting shared with the deleters of every device tensor, so it outlives the backend if a
+// tensor does.
+struct Pool {
+  absl::Mutex mu;
+  int64_t allocated ABSL_GUARDED_BY(mu) = 0;
+  int64_t peak ABSL_GUARDED_BY(mu) = 0;
+  int64_t budget ABSL_GUARDED_BY(mu) = 0;
+  int64_t h2d ABSL_GUARDED_BY(mu) = 0;
+  int64_t d2h ABSL_GUARDED_BY(mu) = 0;
+};
+
+struct CopyState {
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t issued = 0;     // Sequence number of the last issued copy.
+  uint64_t completed = 0;  // Sequence number of the last finished copy.
+};
+
+class SimEvent : public DeviceEvent {
+ public:
+  SimEvent(std::shared_ptr<CopyState> state, uint64_t seq) : state_(std::move(state)), seq_(seq) {}
+  bool Query() override {
+    if (state_ == nullptr) return true;
+    std::lock_guard<std::mutex> lock(state_->mu);
+    return state_->completed >= seq_;
+  }
+  void Wait() {
+    if (state_ == nullptr) return;
+    std::unique_lock<std::mutex> lock(state_->mu);
+    state_->cv.wait(lock, [&] { return state_->completed >= seq_; });
+  }
+
+ private:
+  std::shared_ptr<CopyState> state_;  // Null: a compute-stream event, complete when recorded.
+  uint64_t seq_;
+};
+
+class SimulatedBackend : public DeviceBackend {
+ public:
+  explicit SimulatedBackend(const SimulatedBackendOptions& options)
+      : options_(options), pool_(std::make_shared<Pool>()), copy_(std::make_shared<CopyState>()) {
+    absl::MutexLock lock(&pool_->mu);
+    pool_->budget = options.budget_bytes;
+    worker_ = std::thread([this] { CopyLoop(); });
+  }
+
+  ~SimulatedBackend() override {
+    {
+      std::lock_guard<std::mutex> lock(copy_->mu);
+      stopping_ = true;
+    }
+    copy_->cv.notify_all();
+    worker_.join();
+  }
+
+  std::string name() const override { return absl::StrCat("sim:", options_.index); }
+  c10::Device torch_device() const override { return c10::Device(c10::kCPU); }
+  bool supports_streams() const override { return true; }
+
+  absl::StatusOr<at::Tensor> AllocateBytes(int64_t bytes) override {
+    if (bytes < 0) return absl::InvalidArgumentError("negative allocation");
+    {
+      absl::MutexLock lock(&pool_->mu);
+      if (pool_->budget > 0 && pool_->allocated + bytes > pool_->budget) {
+        return DeviceOutOfMemory(name(), bytes, pool_->allocated, pool_->budget).ToStatus();
+      }
+      pool_->allocated += bytes;
+      pool_->peak = std::max(pool_->peak, pool_->allocated);
+    }
+    const size_t rounded = ((static_cast<size_t>(bytes) + kAlignment - 1) / kAlignment) * kAlignment;
+    void* data = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
+    if (data == nullptr) {
+      absl::MutexLock lock(&pool_->mu);
+      pool_->allocated -= bytes;
+      return absl::ResourceExhaustedError("host allocation for the simulated device failed");
+    }
+    std::shared_ptr<Pool> pool = pool_;
+    return at::from_blob(
+        data, {bytes},
+        [pool, bytes](void* ptr) {
+          std::free(ptr);
+          absl::MutexLock lock(&pool->mu);
+          pool->allocated -= bytes;
+        },
+        at::TensorOptions().dtype(at::kByte));
+  }
+
+  absl::StatusOr<at::Tensor> CopyToDevice(const at::Tensor& host) override {
+    const at::Tensor src = host.contiguous();
+    absl::StatusOr<at::Tensor> buffer = AllocateBytes(static_cast<int64_t>(src.nbytes()));
+    if (!buffer.ok()) return buffer.status();
+    at::Tensor dst = buffer->view(src.scalar_type()).view(src.sizes());
+    if (src.nbytes() > 0) std::memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes());
+    absl::MutexLock lock(&pool_->mu);
+    pool_->h2d += static_cast<int64_t>(src.nbytes());
+    return dst;
+  }
+
+  void CopyToDeviceAsync(const at::Tensor& dst, const at::Tensor& src) override {
+    TORCH_CHECK(dst.nbytes() == src.nbytes(), "CopyToDeviceAsync: size mismatch (", dst.nbytes(),
+                " vs ", src.nbytes(), " bytes)");
+    TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "CopyToDeviceAsync needs contiguous tensors");
+    {
+      std::lock_guard<std::mutex> lock(copy_->mu);
+      queue_.push_back(Copy{dst, src, ++copy_->issued});
+    }
+    copy_->cv.notify_all();
+  }
+
+  std::unique_ptr<DeviceEvent> RecordOnCopyStream() override {
+    std::lock_guard<std::mutex> lock(copy_->mu);
+    return std::make_unique<SimEvent>(copy_, copy_->issued);
+  }
+  std::unique_ptr<DeviceEvent> RecordOnComputeStream() override {
+    return std::make_unique<SimEvent>(nullptr, 0);
+  }
+  void ComputeStreamWait(DeviceEvent& event) override { static_cast<SimEvent&>(event).Wait(); }
+  // Compute runs on the calling thread, so its events are complete by the time anyone waits.
+  void CopyStreamWait(DeviceEvent& event) override { (void)event; }
+  void Synchronize() override { SimEvent(copy_, IssuedSeq()).Wait(); }
+
+  absl::StatusOr<at::Tensor> AllocatePinnedHost(int64_t bytes) override {
+    return at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+  }
+  absl::Status RegisterHostMemory(void* ptr, int64_t bytes, bool read_only) override {
+    (void)bytes;
+    (void)read_only;
+    absl::MutexLock lock(&registered_mu_);
+    if (!registered_.insert(ptr).second) {
+      return absl::AlreadyExistsError("host memory is already registered");
+    }
+    return absl::OkStatus();
+  }
+  absl::Status UnregisterHostMemory(void* ptr) override {
+    absl::MutexLock lock(&registered_mu_);
+    if (registered_.erase(ptr) == 0) return absl::NotFoundError("host memory was not registered");
+    return absl::OkStatus();
+  }
+
+  DeviceMemoryStats GetMemoryStats() override {
+    absl::MutexLock lock(&pool_->mu);
+    DeviceMemoryStats stats;
+    stats.allocated_bytes = pool_->allocated;
+    stats.peak_allocated_bytes = pool_->peak;
+    stats.reserved_bytes = pool_->allocated;
+    stats.budget_bytes = pool_->budget;
+    stats.host_to_device_bytes = pool_->h2d;
+    stats.device_to_host_bytes = pool_->d2h;
+    return stats;
+  }
+  void ResetPeakStats() override {
+    absl::MutexLock lock(&pool_->mu);
+    pool_->peak = pool_->allocated;
+  }
+  absl::Status SetMemoryBudget(int64_t bytes) override {
+    if (bytes < 0) return absl::InvalidArgumentError("memory budget must be >= 0");
+    absl::MutexLock lock(&pool_->mu);
+    pool_->budget = bytes;
+    return absl::OkStatus();
+  }
+  void ReleaseCachedMemory() override {}
+
+ private:
+  struct Copy {
+    at::Tensor dst;
+    at::Tensor src;
+    uint64_t seq;
+  };
+
+  uint64_t IssuedSeq() {
+    std::lock_guard<std::mutex> lock(copy_->mu);
+    return copy_->issued;
+  }
+
+  void CopyLoop() {
+    for (;;) {
+      Copy copy;
+      {
+        std::unique_lock<std::mutex> lock(copy_->mu);
+        copy_->cv.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        copy = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      const auto start = std::chrono::steady_clock::now();
+      const size_t bytes = copy.src.nbytes();
+      if (bytes > 0) std::memcpy(copy.dst.data_ptr(), copy.src.data_ptr(), bytes);
+      if (options_.bandwidth_bytes_per_second > 0) {
+        const auto target = start + std::chrono::duration<double>(
+                                        static_cast<double>(bytes) /
+                                        static_cast<double>(options_.bandwidth_bytes_per_second));
+        std::this_thread::sleep_until(target);
+      }
+      {
+        absl::MutexLock lock(&pool_->mu);
+        pool_->h2d += static_cast<int64_t>(bytes);
+      }
+      const uint64_t seq = copy.seq;
+      copy = Copy{};  // Drop the tensor references before signalling completion.
+      {
+        std::lock_guard<std::mutex> lock(copy_->mu);
+        copy_->completed = seq;  // Copies finish in issue order.
+      }
+      copy_->cv.notify_all();
+    }
+  }
+
+  const SimulatedBackendOptions options_;
+  std::shared_ptr<Pool> pool_;
+  std::shared_ptr<CopyState> copy_;
+  std::deque<Copy> queue_;  // Guarded by copy_->mu.
+  bool stopping_ = false;   // Guarded by copy_->mu.
+  std::thread worker_;
+  absl::Mutex registered_mu_;
+  std::set<void*> registered_ ABSL_GUARDED_BY(registered_mu_);
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceBackend> CreateSimulatedBackend(const SimulatedBackendOptions& options) {
+  return std::make_unique<SimulatedBackend>(options);
+}
+
+}  // namespace stowage

@@ -1,0 +1,120 @@
+#include "server/config.h"
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/io/tokenizer.h"
+#include "google/protobuf/text_format.h"
+#include "google/protobuf/util/json_util.h"
+
+namespace stowage {
+namespace {
+
+class CollectErrors : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, google::protobuf::io::ColumnNumber column,
+                const std::string& message) override {
+    errors.push_back(absl::StrCat("line ", line + 1, " column ", column + 1, ": ", message));
+  }
+  std::vector<std::string> errors;
+};
+
+bool ValidName(const std::string& name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (char c : name) {
+    if (!((c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '-')) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path) {
+  std::ifstream file(path);
+  if (!file) return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
+  std::stringstream text;
+  text << file.rdbuf();
+  v1::ServerConfig config;
+  if (absl::EndsWith(path, ".json")) {
+    google::protobuf::util::JsonParseOptions options;
+    options.ignore_unknown_fields = false;
+    const auto status = google::protobuf::util::JsonStringToMessage(text.str(), &config, options);
+    if (!status.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config '", path, "' is not a valid ServerConfig JSON: ", status.ToString()));
+    }
+    return config;
+  }
+  google::protobuf::TextFormat::Parser parser;
+  CollectErrors errors;
+  parser.RecordErrorsTo(&errors);
+  if (!parser.ParseFromString(text.str(), &config)) {
+    return absl::InvalidArgumentError(absl::StrCat("config '", path, "' is not a valid ServerConfig: ",
+                                                   absl::StrJoin(errors.errors, "; ")));
+  }
+  return config;
+}
+
+absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
+  if (config.grpc_address().empty()) config.set_grpc_address(kDefaultGrpcAddress);
+  if (config.metrics_address().empty()) config.set_metrics_address(kDefaultMetricsAddress);
+  if (config.queue_depth() == 0) config.set_queue_depth(kDefaultQueueDepth);
+  if (config.queue_depth() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("queue_depth: ", config.queue_depth(), " is negative; must be >= 1"));
+  }
+  if (config.cpu_threads() < 0) {
+    return absl::InvalidArgumentError("cpu_threads: must be >= 0 (0 keeps LibTorch's default)");
+  }
+  const v1::DeviceConfig& device = config.device();
+  if (device.index() < 0) return absl::InvalidArgumentError("device.index: must be >= 0");
+  if (device.memory_budget_bytes() < 0) {
+    return absl::InvalidArgumentError("device.memory_budget_bytes: must be >= 0 (0 = whole device)");
+  }
+  if (device.simulated_bandwidth_bytes_per_second() < 0) {
+    return absl::InvalidArgumentError("device.simulated_bandwidth_bytes_per_second: must be >= 0");
+  }
+  if (config.pipelines().empty()) {
+    v1::PipelineConfig* tiny = config.add_pipelines();
+    tiny->set_name("tiny");
+    tiny->set_builtin("tiny");
+  }
+  std::set<std::string> names;
+  int defaults = 0;
+  for (int i = 0; i < config.pipelines_size(); ++i) {
+    v1::PipelineConfig* p = config.mutable_pipelines(i);
+    const std::string field = absl::StrCat("pipelines[", i, "]");
+    if (!ValidName(p->name())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".name: '", p->name(), "' must match [a-z0-9_-]{1,64}"));
+    }
+    if (!names.insert(p->name()).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".name: '", p->name(), "' is used by another pipeline"));
+    }
+    if (p->source_case() == v1::PipelineConfig::SOURCE_NOT_SET) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ": no source; set builtin: \"tiny\""));
+    }
+    if (p->builtin() != "tiny") {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ".builtin: unknown built-in '", p->builtin(), "'; available: tiny"));
+    }
+    if (p->dtype().empty()) p->set_dtype("float32");
+    if (p->dtype() != "float32" && p->dtype() != "bfloat16") {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: '", p->dtype(),
+                                                     "' is not supported; use float32 or bfloat16"));
+    }
+    if (p->default_()) ++defaults;
+  }
+  if (defaults > 1) {
+    return absl::InvalidArgumentError("pipelines: more than one pipeline sets default: true");
+  }
+  if (defaults == 0) config.mutable_pipelines(0)->set_default_(true);
+  return config;
+}
+
+}  // namespace stowage

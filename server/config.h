@@ -1,0 +1,28 @@
+// Server configuration: loading (protobuf text format or JSON, parsed by protobuf itself),
+// defaults, and validation that names the offending field.
+#ifndef STOWAGE_SERVER_CONFIG_H_
+#define STOWAGE_SERVER_CONFIG_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "stowage/v1/config.pb.h"
+
+namespace stowage {
+
+inline constexpr char kDefaultGrpcAddress[] = "127.0.0.1:50051";
+inline constexpr char kDefaultMetricsAddress[] = "127.0.0.1:9464";
+inline constexpr int kDefaultQueueDepth = 16;
+
+// Reads `path`: JSON if it ends in ".json", protobuf text format otherwise. Errors name the file and
+// the line/column or field.
+absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
+
+// Fills unset fields with their documented defaults (including the built-in pipeline when none is
+// configured), then validates. Errors are INVALID_ARGUMENT with the field path, e.g.
+// "pipelines[1].name: 'Tiny!' must match [a-z0-9_-]{1,64}".
+absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config);
+
+}  // namespace stowage
+
+#endif  // STOWAGE_SERVER_CONFIG_H_

@@ -1,0 +1,116 @@
+#include "server/generation_service.h"
+
+#include <deque>
+#include <string>
+#include <thread>
+
+#include "absl/synchronization/mutex.h"
+
+namespace stowage {
+namespace {
+
+CallControl ControlFor(grpc::ServerContext* context) {
+  CallControl control;
+  control.interrupt = [context]() -> absl::Status {
+    if (context->deadline() < std::chrono::system_clock::now()) {
+      return absl::DeadlineExceededError("deadline exceeded; the request was stopped");
+    }
+    if (context->IsCancelled()) return absl::CancelledError("cancelled by the client");
+    return absl::OkStatus();
+  };
+  return control;
+}
+
+}  // namespace
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+void GenerationServiceImpl::Record(const v1::GenerateRequest& request, const absl::Status& status,
+                                   const v1::GenerateResponse* response, absl::Time start) {
+  if (metrics_ == nullptr) return;
+  const std::string pipeline = core_->PipelineLabel(request);
+  metrics_->RecordRequest(pipeline, status.code(), absl::Now() - start);
+  if (response != nullptr) {
+    const v1::RequestStats& stats = response->stats();
+    metrics_->RecordRequestResources(pipeline, stats.peak_device_memory_bytes(),
+                                     stats.peak_cpu_rss_bytes());
+    metrics_->RecordBytesMoved(stats.device(), stats.host_to_device_bytes(),
+                               stats.device_to_host_bytes());
+  }
+}
+
+grpc::Status GenerationServiceImpl::Generate(grpc::ServerContext* context,
+                                             const v1::GenerateRequest* request,
+                                             v1::GenerateResponse* response) {
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::GenerateResponse> result = core_->Generate(*request, ControlFor(context));
+  if (result.ok()) *response = *std::move(result);
+  Record(*request, result.status(), result.ok() ? response : nullptr, start);
+  return ToGrpcStatus(result.status());
+}
+
+grpc::Status GenerationServiceImpl::GenerateStream(
+    grpc::ServerContext* context, const v1::GenerateRequest* request,
+    grpc::ServerWriter<v1::GenerateStreamResponse>* writer) {
+  const absl::Time start = absl::Now();
+  // Progress is produced on the device worker and written here, on the handler's thread: the
+  // worker never blocks on a slow client, and only this thread touches the writer.
+  absl::Mutex mu;
+  std::deque<v1::Progress> pending;
+  bool finished = false;
+  absl::StatusOr<v1::GenerateResponse> result = absl::InternalError("not run");
+
+  CallControl control = ControlFor(context);
+  control.on_progress = [&](const v1::Progress& progress) {
+    absl::MutexLock lock(&mu);
+    pending.push_back(progress);
+  };
+  std::thread runner([&] {
+    absl::StatusOr<v1::GenerateResponse> r = core_->Generate(*request, control);
+    absl::MutexLock lock(&mu);
+    result = std::move(r);
+    finished = true;
+  });
+
+  bool writable = true;
+  for (;;) {
+    std::deque<v1::Progress> batch;
+    bool done = false;
+    {
+      absl::MutexLock lock(&mu);
+      auto ready = [&]() { return finished || !pending.empty(); };
+      mu.AwaitWithTimeout(absl::Condition(&ready, &decltype(ready)::operator()),
+                         absl::Milliseconds(200));
+      batch.swap(pending);
+      done = finished;
+    }
+    for (const v1::Progress& progress : batch) {
+      v1::GenerateStreamResponse message;
+      *message.mutable_progress() = progress;
+      if (writable && !writer->Write(message)) writable = false;  // Client gone: interrupt stops the run.
+    }
+    if (done) break;
+  }
+  runner.join();
+  if (result.ok()) {
+    v1::GenerateStreamResponse message;
+    *message.mutable_result() = *result;
+    writer->Write(message);
+  }
+  Record(*request, result.status(), result.ok() ? &*result : nullptr, start);
+  return ToGrpcStatus(result.status());
+}
+
+grpc::Status GenerationServiceImpl::ListPipelines(grpc::ServerContext* context,
+                                                  const v1::ListPipelinesRequest* request,
+                                                  v1::ListPipelinesResponse* response) {
+  (void)context;
+  (void)request;
+  *response = core_->ListPipelines();
+  return grpc::Status::OK;
+}
+
+}  // namespace stowage

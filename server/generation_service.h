@@ -1,0 +1,38 @@
+// GenerationService over gRPC: a thin adapter. Each method converts the deadline and cancellation
+// into a CallControl, calls GenerationCore, converts the status once, and records metrics.
+#ifndef STOWAGE_SERVER_GENERATION_SERVICE_H_
+#define STOWAGE_SERVER_GENERATION_SERVICE_H_
+
+#include "server/generation_core.h"
+#include "server/metrics.h"
+#include "stowage/v1/generation.grpc.pb.h"
+
+namespace stowage {
+
+class GenerationServiceImpl final : public v1::GenerationService::Service {
+ public:
+  // Both must outlive the service. `metrics` may be null.
+  GenerationServiceImpl(GenerationCore* core, ServerMetrics* metrics)
+      : core_(core), metrics_(metrics) {}
+
+  grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
+                        v1::GenerateResponse* response) override;
+  grpc::Status GenerateStream(grpc::ServerContext* context, const v1::GenerateRequest* request,
+                              grpc::ServerWriter<v1::GenerateStreamResponse>* writer) override;
+  grpc::Status ListPipelines(grpc::ServerContext* context, const v1::ListPipelinesRequest* request,
+                             v1::ListPipelinesResponse* response) override;
+
+ private:
+  void Record(const v1::GenerateRequest& request, const absl::Status& status,
+              const v1::GenerateResponse* response, absl::Time start);
+
+  GenerationCore* core_;
+  ServerMetrics* metrics_;
+};
+
+// absl::Status → grpc::Status (same code numbers, same message).
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+}  // namespace stowage
+
+#endif  // STOWAGE_SERVER_GENERATION_SERVICE_H_

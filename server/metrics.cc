@@ -1,0 +1,116 @@
+#include "server/metrics.h"
+
+#include <cctype>
+#include <vector>
+
+#include "prometheus/client_metric.h"
+#include "prometheus/metric_family.h"
+#include "server/process_memory.h"
+
+namespace stowage {
+namespace {
+
+prometheus::Histogram::BucketBoundaries ExponentialBuckets(double start, double factor, int count) {
+  prometheus::Histogram::BucketBoundaries bounds;
+  double value = start;
+  for (int i = 0; i < count; ++i, value *= factor) bounds.push_back(value);
+  return bounds;
+}
+
+// 1 MiB .. 256 GiB in powers of two.
+const prometheus::Histogram::BucketBoundaries& ByteBuckets() {
+  static const auto* buckets = new prometheus::Histogram::BucketBoundaries(
+      ExponentialBuckets(1024.0 * 1024.0, 2.0, 19));
+  return *buckets;
+}
+
+// 10 ms .. ~328 s in powers of two.
+const prometheus::Histogram::BucketBoundaries& SecondBuckets() {
+  static const auto* buckets =
+      new prometheus::Histogram::BucketBoundaries(ExponentialBuckets(0.01, 2.0, 16));
+  return *buckets;
+}
+
+class ProcessMemoryCollectable : public prometheus::Collectable {
+ public:
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    prometheus::MetricFamily family;
+    family.name = "stowage_process_resident_memory_bytes";
+    family.help = "Resident set size of the server process (VmRSS), read at scrape time.";
+    family.type = prometheus::MetricType::Gauge;
+    absl::StatusOr<ProcessMemory> memory = ReadProcessMemory();
+    if (memory.ok()) {
+      prometheus::ClientMetric metric;
+      metric.gauge.value = static_cast<double>(memory->rss_bytes);
+      family.metric.push_back(metric);
+    }
+    return {family};
+  }
+};
+
+}  // namespace
+
+std::string StatusCodeLabel(absl::StatusCode code) {
+  std::string name = absl::StatusCodeToString(code);
+  for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return name;
+}
+
+ServerMetrics::ServerMetrics()
+    : registry_(std::make_shared<prometheus::Registry>()),
+      requests_(prometheus::BuildCounter()
+                    .Name("stowage_requests_total")
+                    .Help("Generation requests finished, by pipeline and status code.")
+                    .Register(*registry_)),
+      duration_(prometheus::BuildHistogram()
+                    .Name("stowage_request_duration_seconds")
+                    .Help("Wall-clock time of generation requests, queue wait included.")
+                    .Register(*registry_)),
+      peak_device_(prometheus::BuildHistogram()
+                       .Name("stowage_request_peak_device_memory_bytes")
+                       .Help("Peak device memory allocated while a request ran.")
+                       .Register(*registry_)),
+      peak_rss_(prometheus::BuildHistogram()
+                    .Name("stowage_request_peak_cpu_rss_bytes")
+                    .Help("Peak resident set size of the server while a request ran.")
+                    .Register(*registry_)),
+      queue_depth_(prometheus::BuildGauge()
+                       .Name("stowage_queue_depth")
+                       .Help("Requests waiting in a device's queue (the running one excluded).")
+                       .Register(*registry_)),
+      h2d_(prometheus::BuildCounter()
+               .Name("stowage_host_to_device_bytes_total")
+               .Help("Bytes copied host to device by requests.")
+               .Register(*registry_)),
+      d2h_(prometheus::BuildCounter()
+               .Name("stowage_device_to_host_bytes_total")
+               .Help("Bytes copied device to host by requests.")
+               .Register(*registry_)) {}
+
+void ServerMetrics::RecordRequest(const std::string& pipeline, absl::StatusCode code,
+                                  absl::Duration duration) {
+  requests_.Add({{"pipeline", pipeline}, {"code", StatusCodeLabel(code)}}).Increment();
+  duration_.Add({{"pipeline", pipeline}}, SecondBuckets()).Observe(absl::ToDoubleSeconds(duration));
+}
+
+void ServerMetrics::RecordRequestResources(const std::string& pipeline, int64_t peak_device_bytes,
+                                           int64_t peak_rss_bytes) {
+  peak_device_.Add({{"pipeline", pipeline}}, ByteBuckets()).Observe(static_cast<double>(peak_device_bytes));
+  peak_rss_.Add({{"pipeline", pipeline}}, ByteBuckets()).Observe(static_cast<double>(peak_rss_bytes));
+}
+
+void ServerMetrics::RecordBytesMoved(const std::string& device, int64_t host_to_device,
+                                     int64_t device_to_host) {
+  h2d_.Add({{"device", device}}).Increment(static_cast<double>(host_to_device));
+  d2h_.Add({{"device", device}}).Increment(static_cast<double>(device_to_host));
+}
+
+void ServerMetrics::SetQueueDepth(const std::string& device, int64_t depth) {
+  queue_depth_.Add({{"device", device}}).Set(static_cast<double>(depth));
+}
+
+std::shared_ptr<prometheus::Collectable> MakeProcessMemoryCollectable() {
+  return std::make_shared<ProcessMemoryCollectable>();
+}
+
+}  // namespace stowage

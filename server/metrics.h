@@ -1,0 +1,55 @@
+// ServerMetrics: every Prometheus metric of the server, declared once, recorded through small
+// helpers. Names follow Prometheus conventions: prefix stowage_, base units, _total for counters.
+//
+// Thread-safety: all methods are thread-safe (prometheus-cpp metrics are).
+#ifndef STOWAGE_SERVER_METRICS_H_
+#define STOWAGE_SERVER_METRICS_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace stowage {
+
+class ServerMetrics {
+ public:
+  ServerMetrics();
+
+  std::shared_ptr<prometheus::Registry> registry() { return registry_; }
+
+  // One finished request (any outcome). Resource figures are recorded for successful requests.
+  void RecordRequest(const std::string& pipeline, absl::StatusCode code, absl::Duration duration);
+  void RecordRequestResources(const std::string& pipeline, int64_t peak_device_bytes,
+                              int64_t peak_rss_bytes);
+  void RecordBytesMoved(const std::string& device, int64_t host_to_device, int64_t device_to_host);
+  void SetQueueDepth(const std::string& device, int64_t depth);
+
+ private:
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Histogram>& duration_;
+  prometheus::Family<prometheus::Histogram>& peak_device_;
+  prometheus::Family<prometheus::Histogram>& peak_rss_;
+  prometheus::Family<prometheus::Gauge>& queue_depth_;
+  prometheus::Family<prometheus::Counter>& h2d_;
+  prometheus::Family<prometheus::Counter>& d2h_;
+};
+
+// A collectable that reads the process's resident memory at scrape time:
+// stowage_process_resident_memory_bytes.
+std::shared_ptr<prometheus::Collectable> MakeProcessMemoryCollectable();
+
+// Lower-case gRPC-style name of a status code ("ok", "invalid_argument", ...).
+std::string StatusCodeLabel(absl::StatusCode code);
+
+}  // namespace stowage
+
+#endif  // STOWAGE_SERVER_METRICS_H_

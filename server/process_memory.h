@@ -1,0 +1,29 @@
+// Process memory figures from the kernel, for per-request peak CPU RSS.
+//
+// Mechanism: Linux keeps the process's peak resident set size as VmHWM in /proc/self/status, and
+// writing "5" to /proc/self/clear_refs resets that peak to the current RSS (Linux 4.0+). Requests on
+// a device run one at a time, so resetting at request start and reading VmHWM at the end gives the
+// peak RSS of the process while that request ran. getrusage's ru_maxrss cannot be reset, and
+// sampling VmRSS from a thread would miss short peaks.
+#ifndef STOWAGE_SERVER_PROCESS_MEMORY_H_
+#define STOWAGE_SERVER_PROCESS_MEMORY_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace stowage {
+
+struct ProcessMemory {
+  int64_t rss_bytes = 0;       // VmRSS.
+  int64_t peak_rss_bytes = 0;  // VmHWM.
+};
+
+absl::StatusOr<ProcessMemory> ReadProcessMemory();
+// Resets VmHWM to the current RSS. Fails where /proc/self/clear_refs is not writable.
+absl::Status ResetPeakRss();
+
+}  // namespace stowage
+
+#endif  // STOWAGE_SERVER_PROCESS_MEMORY_H_

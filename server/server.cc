@@ -1,0 +1,87 @@
+#include "server/server.h"
+
+#include <chrono>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/server.h>
+#include <grpcpp/server_builder.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "offload/status_macros.h"
+#include "prometheus/exposer.h"
+#include "server/config.h"
+#include "server/generation_core.h"
+#include "server/generation_service.h"
+#include "server/metrics.h"
+
+namespace stowage {
+namespace {
+
+// "host:port" → host, for reporting the bound address.
+std::string HostOf(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  return colon == std::string::npos ? address : address.substr(0, colon);
+}
+
+}  // namespace
+
+StowageServer::StowageServer() = default;
+
+StowageServer::~StowageServer() { Shutdown(); }
+
+absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerConfig raw_config) {
+  ASSIGN_OR_RETURN(v1::ServerConfig config, FinalizeServerConfig(std::move(raw_config)));
+  std::unique_ptr<StowageServer> server(new StowageServer());
+  server->metrics_ = std::make_unique<ServerMetrics>();
+
+  if (config.metrics_address() != "none") {
+    RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("metrics exporter on ", config.metrics_address()), [&] {
+      server->exposer_ = std::make_unique<prometheus::Exposer>(config.metrics_address());
+    }));
+    server->exposer_->RegisterCollectable(server->metrics_->registry());
+    server->exposer_->RegisterCollectable(MakeProcessMemoryCollectable());
+    const std::vector<int> ports = server->exposer_->GetListeningPorts();
+    if (ports.empty()) {
+      return absl::UnavailableError(absl::StrCat("metrics exporter could not bind ", config.metrics_address()));
+    }
+    server->metrics_address_ = absl::StrCat(HostOf(config.metrics_address()), ":", ports.front());
+  }
+
+  ASSIGN_OR_RETURN(server->core_, GenerationCore::Create(config, server->metrics_.get()));
+  server->generation_service_ =
+      std::make_unique<GenerationServiceImpl>(server->core_.get(), server->metrics_.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  int bound_port = 0;
+  builder.AddListeningPort(config.grpc_address(), grpc::InsecureServerCredentials(), &bound_port);
+  builder.RegisterService(server->generation_service_.get());
+  builder.SetMaxReceiveMessageSize(4 * 1024 * 1024);
+  builder.SetMaxSendMessageSize(-1);
+  server->grpc_server_ = builder.BuildAndStart();
+  if (server->grpc_server_ == nullptr || bound_port == 0) {
+    return absl::UnavailableError(absl::StrCat("could not listen on ", config.grpc_address()));
+  }
+  server->grpc_address_ = absl::StrCat(HostOf(config.grpc_address()), ":", bound_port);
+  server->grpc_server_->GetHealthCheckService()->SetServingStatus(true);
+  return server;
+}
+
+std::string StowageServer::device_name() const { return core_->backend().name(); }
+
+void StowageServer::Wait() {
+  if (grpc_server_ != nullptr) grpc_server_->Wait();
+}
+
+void StowageServer::Shutdown() {
+  if (grpc_server_ != nullptr) {
+    grpc_server_->GetHealthCheckService()->SetServingStatus(false);
+    grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  }
+}
+
+}  // namespace stowage

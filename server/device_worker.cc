@@ -20,27 +20,46 @@ DeviceWorker::~DeviceWorker() {
   thread_.join();
 }
 
+void DeviceWorker::ReportDepth() {
+  if (on_queue_depth_) on_queue_depth_(static_cast<int>(queue_.size()));
+}
+
+void DeviceWorker::TakeCancelled(std::vector<Queued>& dropped) {
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if (it->job.cancelled && it->job.cancelled()) {
+      dropped.push_back(std::move(*it));
+      it = queue_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
 absl::Status DeviceWorker::Submit(Job job) {
-  int depth = 0;
+  std::vector<Queued> dropped;
+  absl::Status status;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return absl::UnavailableError("server is shutting down");
+    if (static_cast<int>(queue_.size()) >= queue_depth_) TakeCancelled(dropped);
     if (static_cast<int>(queue_.size()) >= queue_depth_) {
-      return absl::ResourceExhaustedError(absl::StrCat(
+      status = absl::ResourceExhaustedError(absl::StrCat(
           "the request queue of ", device_, " is full (", queue_depth_,
           " waiting); retry later or raise queue_depth in the server config"));
+    } else {
+      queue_.push_back(Queued{std::move(job), absl::Now()});
     }
-    queue_.push_back(Queued{std::move(job), absl::Now()});
-    depth = static_cast<int>(queue_.size());
+    ReportDepth();
   }
-  if (on_queue_depth_) on_queue_depth_(depth);
-  return absl::OkStatus();
+  for (Queued& q : dropped) {
+    if (q.job.drop) q.job.drop();
+  }
+  return status;
 }
 
 void DeviceWorker::Loop() {
   for (;;) {
     Queued next;
-    int depth = 0;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
@@ -51,10 +70,13 @@ void DeviceWorker::Loop() {
       if (queue_.empty()) return;
       next = std::move(queue_.front());
       queue_.pop_front();
-      depth = static_cast<int>(queue_.size());
+      ReportDepth();
     }
-    if (on_queue_depth_) on_queue_depth_(depth);
-    next.job(absl::Now() - next.enqueued);
+    if (next.job.cancelled && next.job.cancelled()) {
+      if (next.job.drop) next.job.drop();
+    } else {
+      next.job.run(absl::Now() - next.enqueued);
+    }
   }
 }
 

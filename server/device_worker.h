@@ -10,6 +10,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -20,10 +21,19 @@ namespace stowage {
 
 class DeviceWorker {
  public:
-  // Called on the worker thread with the time the job waited in the queue.
-  using Job = std::function<void(absl::Duration queue_wait)>;
+  struct Job {
+    // Called on the worker thread with the time the job waited in the queue.
+    std::function<void(absl::Duration queue_wait)> run;
+    // Optional: true once the job's caller has gone (cancelled, deadline passed). A cancelled job
+    // gives up its place: it is dropped when it reaches the front, or when a new job finds the
+    // queue full.
+    std::function<bool()> cancelled;
+    // Called instead of `run` for a dropped job (on the worker or the submitting thread).
+    std::function<void()> drop;
+  };
 
-  // `on_queue_depth` (optional) is called with the number of waiting jobs whenever it changes.
+  // `on_queue_depth` (optional) is called, under the queue's lock so reports never go stale, with the
+  // number of waiting jobs whenever it changes. It must be quick and must not call Submit.
   DeviceWorker(std::string device, int queue_depth, std::function<void(int)> on_queue_depth);
   // Runs the jobs already queued, then stops.
   ~DeviceWorker();
@@ -37,6 +47,9 @@ class DeviceWorker {
     absl::Time enqueued;
   };
   void Loop();
+  // Moves cancelled jobs out of the queue into `dropped`.
+  void TakeCancelled(std::vector<Queued>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReportDepth() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string device_;
   const int queue_depth_;

@@ -169,10 +169,20 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
 
   absl::Notification done;
   absl::StatusOr<v1::GenerateResponse> result = absl::InternalError("request did not run");
-  RETURN_IF_ERROR(worker_->Submit([&](absl::Duration queue_wait) {
+  DeviceWorker::Job job;
+  job.run = [&](absl::Duration queue_wait) {
     result = RunOnWorker(*hosted, params, request, control, queue_wait);
     done.Notify();
-  }));
+  };
+  if (control.interrupt) {
+    job.cancelled = [&] { return !control.interrupt().ok(); };
+    job.drop = [&] {
+      result = control.interrupt();
+      if (result.ok()) result = absl::CancelledError("dropped from the queue");
+      done.Notify();
+    };
+  }
+  RETURN_IF_ERROR(worker_->Submit(std::move(job)));
   done.WaitForNotification();
   return result;
 }

@@ -42,7 +42,8 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
       server->exposer_ = std::make_unique<prometheus::Exposer>(config.metrics_address());
     }));
     server->exposer_->RegisterCollectable(server->metrics_->registry());
-    server->exposer_->RegisterCollectable(MakeProcessMemoryCollectable());
+    server->process_memory_ = MakeProcessMemoryCollectable();
+    server->exposer_->RegisterCollectable(server->process_memory_);
     const std::vector<int> ports = server->exposer_->GetListeningPorts();
     if (ports.empty()) {
       return absl::UnavailableError(absl::StrCat("metrics exporter could not bind ", config.metrics_address()));

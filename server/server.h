@@ -17,6 +17,7 @@ namespace grpc {
 class Server;
 }
 namespace prometheus {
+class Collectable;
 class Exposer;
 }
 
@@ -47,6 +48,8 @@ class StowageServer {
  private:
   StowageServer();
   std::unique_ptr<ServerMetrics> metrics_;
+  // The exposer holds collectables by weak_ptr: the server owns them.
+  std::shared_ptr<prometheus::Collectable> process_memory_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::unique_ptr<GenerationCore> core_;
   std::unique_ptr<GenerationServiceImpl> generation_service_;

@@ -1,0 +1,84 @@
+#include "clients/stowctl/format.h"
+
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "google/protobuf/util/time_util.h"
+
+namespace stowage {
+namespace {
+
+double Seconds(const google::protobuf::Duration& d) {
+  return static_cast<double>(google::protobuf::util::TimeUtil::DurationToNanoseconds(d)) / 1e9;
+}
+
+void Row(std::string& out, const std::string& key, const std::string& value) {
+  absl::StrAppendFormat(&out, "%-20s %s\n", key, value);
+}
+
+}  // namespace
+
+std::string HumanBytes(int64_t bytes) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024.0 && unit < 4) {
+    value /= 1024.0;
+    ++unit;
+  }
+  if (unit == 0) return absl::StrCat(bytes, " B");
+  return absl::StrFormat("%.2f %s", value, kUnits[unit]);
+}
+
+std::string FormatGenerateResponse(const v1::GenerateResponse& response, const std::string& out_path) {
+  const v1::RequestStats& stats = response.stats();
+  std::string out;
+  Row(out, "pipeline", response.pipeline());
+  if (!response.request_id().empty()) Row(out, "request id", response.request_id());
+  Row(out, "seed", absl::StrCat(response.seed()));
+  Row(out, "image", absl::StrCat(response.width(), "x", response.height(), " PNG, ",
+                                 HumanBytes(static_cast<int64_t>(response.image().size())),
+                                 out_path.empty() ? "" : absl::StrCat(" -> ", out_path)));
+  Row(out, "device", stats.device());
+  Row(out, "queue wait", absl::StrFormat("%.3f s", Seconds(stats.queue_wait())));
+  Row(out, "run time", absl::StrFormat("%.3f s", Seconds(stats.run_time())));
+  for (const v1::StageTiming& stage : stats.stages()) {
+    Row(out, absl::StrCat("  ", stage.stage()), absl::StrFormat("%.3f s", Seconds(stage.duration())));
+  }
+  Row(out, "peak device memory", HumanBytes(stats.peak_device_memory_bytes()));
+  Row(out, "peak CPU RSS", HumanBytes(stats.peak_cpu_rss_bytes()));
+  Row(out, "host to device", HumanBytes(stats.host_to_device_bytes()));
+  Row(out, "device to host", HumanBytes(stats.device_to_host_bytes()));
+  return out;
+}
+
+std::string FormatProgress(const v1::Progress& progress) {
+  std::string step = progress.total_steps() > 0
+                         ? absl::StrCat("  step ", progress.step(), "/", progress.total_steps())
+                         : "";
+  return absl::StrFormat("%-14s%s  elapsed %.3f s", progress.stage(), step, Seconds(progress.elapsed()));
+}
+
+std::string FormatPipelines(const v1::ListPipelinesResponse& response) {
+  std::string out;
+  for (const v1::Pipeline& p : response.pipelines()) {
+    absl::StrAppend(&out, p.name(), p.is_default() ? " (default)" : "", " on ", p.device(), ": ",
+                    p.description(), "\n");
+    absl::StrAppendFormat(&out, "  defaults %dx%d, %d steps, guidance %.1f; sizes %d..%d step %d, "
+                          "at most %d steps, prompt at most %d bytes\n",
+                          p.default_width(), p.default_height(), p.default_inference_steps(),
+                          p.default_guidance_scale(), p.min_size(), p.max_size(), p.size_multiple(),
+                          p.max_inference_steps(), p.max_prompt_bytes());
+    int64_t total = 0;
+    for (const v1::PipelineComponent& c : p.components()) {
+      absl::StrAppendFormat(&out, "  %-14s %-18s %-9s %12s %14d params\n", c.name(), c.kind(),
+                            c.dtype(), HumanBytes(c.weight_bytes()), c.parameter_count());
+      total += c.weight_bytes();
+    }
+    absl::StrAppendFormat(&out, "  %-14s %-18s %-9s %12s\n", "total", "", "", HumanBytes(total));
+  }
+  return out;
+}
+
+}  // namespace stowage

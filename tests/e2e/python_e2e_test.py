@@ -1,0 +1,147 @@
+"""End to end through the real binaries: stowage_server on loopback port 0, called through the
+Python client and the stowctl CLI, with gRPC health checking, server reflection and the
+Prometheus page scraped over HTTP.
+
+Run by Bazel as an sh_test (tests/e2e/BUILD); paths come from the environment it sets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+import urllib.request
+
+import grpc
+
+from stowage_client import StowageClient, StowageError
+
+SERVER = os.environ["STOWAGE_SERVER_BIN"]
+STOWCTL = os.environ["STOWCTL_BIN"]
+
+
+def _start_server(tmp: str) -> tuple[subprocess.Popen, dict]:
+    port_file = os.path.join(tmp, "ports.json")
+    log = open(os.path.join(tmp, "server.log"), "w")
+    proc = subprocess.Popen(
+        [SERVER, "--grpc_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
+         f"--port_file={port_file}"],
+        stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + 60
+    while not os.path.exists(port_file):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError("server did not start: " + open(log.name).read())
+        time.sleep(0.05)
+    with open(port_file) as f:
+        return proc, json.load(f)
+
+
+class PythonEndToEndTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.tmp = tempfile.mkdtemp()
+        cls.proc, cls.addresses = _start_server(cls.tmp)
+        cls.target = cls.addresses["grpc_address"]
+        cls.client = StowageClient(cls.target, timeout=60)
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.client.close()
+        cls.proc.terminate()
+        cls.proc.wait(timeout=30)
+
+    def test_generate_stream_and_pipelines_through_the_python_client(self) -> None:
+        pipelines = self.client.list_pipelines()
+        self.assertEqual([p.name for p in pipelines], ["tiny"])
+        self.assertEqual([c.name for c in pipelines[0].components],
+                         ["text_encoder", "transformer", "vae"])
+        result = self.client.generate("a paper crane", width=64, height=80, steps=2, seed=5)
+        self.assertTrue(result.image.startswith(b"\x89PNG\r\n\x1a\n"))
+        self.assertEqual((result.width, result.height, result.seed), (64, 80, 5))
+        self.assertGreaterEqual(result.stats.peak_device_memory_bytes,
+                                pipelines[0].total_weight_bytes)
+        self.assertGreater(result.stats.peak_cpu_rss_bytes, 10 << 20)
+        events = list(self.client.stream("a paper crane", width=64, height=80, steps=2, seed=5))
+        self.assertEqual(events[-1].image, result.image)  # Same seed: same image.
+        steps = [e.step for e in events[:-1] if e.stage == "denoise"]
+        self.assertEqual(steps, [0, 1, 2])
+
+    def test_bad_input_then_a_valid_request(self) -> None:
+        cases = [
+            (dict(prompt="", steps=1), grpc.StatusCode.INVALID_ARGUMENT, "prompt is required"),
+            (dict(prompt="x", width=65), grpc.StatusCode.INVALID_ARGUMENT, "multiples of 16"),
+            (dict(prompt="x", steps=101), grpc.StatusCode.INVALID_ARGUMENT, "num_inference_steps"),
+            (dict(prompt="x", guidance_scale=float("nan")), grpc.StatusCode.INVALID_ARGUMENT,
+             "guidance_scale"),
+            (dict(prompt="x", pipeline="nope"), grpc.StatusCode.NOT_FOUND, "available: tiny"),
+            (dict(prompt="y" * 200), grpc.StatusCode.INVALID_ARGUMENT, "at most 126 bytes"),
+        ]
+        for kwargs, code, text in cases:
+            prompt = kwargs.pop("prompt")
+            with self.assertRaises(StowageError, msg=str(kwargs)) as caught:
+                self.client.generate(prompt, **kwargs)
+            self.assertEqual(caught.exception.code, code)
+            self.assertIn(text, caught.exception.message)
+        self.assertTrue(self.client.generate("ok", width=64, height=64, steps=1).image)
+
+    def test_stowctl_generate_stream_and_pipelines(self) -> None:
+        out = os.path.join(self.tmp, "stowctl.png")
+        gen = subprocess.run([STOWCTL, f"--target={self.target}", "generate", "--prompt=a kite",
+                              "--width=64", "--height=64", "--steps=2", "--seed=9", f"--out={out}"],
+                             capture_output=True, text=True, timeout=120)
+        self.assertEqual(gen.returncode, 0, gen.stderr)
+        self.assertIn("peak device memory", gen.stdout)
+        with open(out, "rb") as f:
+            self.assertTrue(f.read().startswith(b"\x89PNG"))
+        stream = subprocess.run([STOWCTL, f"--target={self.target}", "stream", "--prompt=a kite",
+                                 "--width=64", "--height=64", "--steps=2"],
+                                capture_output=True, text=True, timeout=120)
+        self.assertEqual(stream.returncode, 0, stream.stderr)
+        self.assertRegex(stream.stdout, r"denoise\s+step 2/2")
+        listing = subprocess.run([STOWCTL, f"--target={self.target}", "pipelines"],
+                                 capture_output=True, text=True, timeout=60)
+        self.assertEqual(listing.returncode, 0, listing.stderr)
+        self.assertIn("TinyDiT", listing.stdout)
+        bad = subprocess.run([STOWCTL, f"--target={self.target}", "generate", "--prompt=x",
+                              "--width=7"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(bad.returncode, 1)
+        self.assertIn("width is 7", bad.stderr)
+        usage = subprocess.run([STOWCTL, "frobnicate"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(usage.returncode, 2)
+
+    def test_health_and_reflection(self) -> None:
+        with grpc.insecure_channel(self.target) as channel:
+            check = channel.unary_unary("/grpc.health.v1.Health/Check")
+            # HealthCheckRequest{service: ""} is empty; HealthCheckResponse{status: SERVING} is
+            # field 1 varint 1.
+            self.assertEqual(check(b"", timeout=10), b"\x08\x01")
+            reflect = channel.stream_stream(
+                "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+            # ServerReflectionRequest{list_services: ""}: field 7, length-delimited, empty.
+            replies = list(reflect(iter([b"\x3a\x00"]), timeout=10))
+            self.assertEqual(len(replies), 1)
+            self.assertIn(b"stowage.v1.GenerationService", replies[0])
+            self.assertIn(b"grpc.health.v1.Health", replies[0])
+
+    def test_metrics_page_has_the_request(self) -> None:
+        result = self.client.generate("metrics", width=64, height=64, steps=1)
+        url = f"http://{self.addresses['metrics_address']}/metrics"
+        page = urllib.request.urlopen(url, timeout=10).read().decode()
+        ok = re.search(r'^stowage_requests_total\{code="ok",pipeline="tiny"\} (\S+)$', page, re.M)
+        self.assertIsNotNone(ok, page)
+        self.assertGreaterEqual(float(ok.group(1)), 1)
+        peak_sum = re.search(
+            r'^stowage_request_peak_device_memory_bytes_sum\{pipeline="tiny"\} (\S+)$', page, re.M)
+        self.assertGreaterEqual(float(peak_sum.group(1)), result.stats.peak_device_memory_bytes)
+        self.assertRegex(page, r"(?m)^# TYPE stowage_request_duration_seconds histogram$")
+        self.assertRegex(page, r"(?m)^stowage_process_resident_memory_bytes \d")
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

@@ -1,0 +1,274 @@
+// End to end over real gRPC on loopback: the assembled server on port 0, called through generated
+// stubs, its /metrics scraped over HTTP.
+#include <chrono>
+#include <memory>
+#include <regex>
+#include <string>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "models/image.h"
+#include "server/server.h"
+#include "stowage/v1/generation.grpc.pb.h"
+#include "tests/e2e/http_get.h"
+
+namespace stowage {
+namespace {
+
+using v1::GenerateRequest;
+using v1::GenerateResponse;
+
+class ServerE2ETest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    v1::ServerConfig config;
+    config.set_grpc_address("127.0.0.1:0");
+    config.set_metrics_address("127.0.0.1:0");
+    config.set_queue_depth(1);
+    auto server = StowageServer::Start(config);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = server->release();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  void SetUp() override {
+    ASSERT_NE(server_, nullptr);
+    stub_ = v1::GenerationService::NewStub(
+        grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials()));
+  }
+
+  static GenerateRequest Small() {
+    GenerateRequest request;
+    request.set_prompt("a small red boat");
+    request.set_width(64);
+    request.set_height(64);
+    request.set_num_inference_steps(2);
+    request.set_seed(11);
+    return request;
+  }
+
+  grpc::Status Call(const GenerateRequest& request, GenerateResponse* response,
+                    std::chrono::milliseconds deadline = std::chrono::milliseconds(60000)) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + deadline);
+    return stub_->Generate(&context, request, response);
+  }
+
+  static StowageServer* server_;
+  std::unique_ptr<v1::GenerationService::Stub> stub_;
+};
+
+StowageServer* ServerE2ETest::server_ = nullptr;
+
+TEST_F(ServerE2ETest, ListPipelinesDescribesTheBuiltInPipeline) {
+  grpc::ClientContext context;
+  v1::ListPipelinesResponse response;
+  ASSERT_TRUE(stub_->ListPipelines(&context, {}, &response).ok());
+  ASSERT_EQ(response.pipelines_size(), 1);
+  const v1::Pipeline& p = response.pipelines(0);
+  EXPECT_EQ(p.name(), "tiny");
+  EXPECT_TRUE(p.is_default());
+  EXPECT_EQ(p.size_multiple(), 16);
+  ASSERT_EQ(p.components_size(), 3);
+  EXPECT_EQ(p.components(0).name(), "text_encoder");
+  EXPECT_EQ(p.components(1).name(), "transformer");
+  EXPECT_EQ(p.components(2).name(), "vae");
+  for (const auto& c : p.components()) {
+    EXPECT_GT(c.weight_bytes(), 0);
+    EXPECT_EQ(c.dtype(), "float32");
+    EXPECT_EQ(c.weight_bytes(), c.parameter_count() * 4);
+  }
+}
+
+TEST_F(ServerE2ETest, GenerateReturnsAPngAndMeasuredStats) {
+  GenerateRequest request = Small();
+  request.set_request_id("e2e-1");
+  request.set_width(96);
+  GenerateResponse response;
+  const grpc::Status status = Call(request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  auto image = DecodePng(response.image());
+  ASSERT_TRUE(image.ok()) << image.status();
+  EXPECT_EQ(image->width, 96);
+  EXPECT_EQ(image->height, 64);
+  EXPECT_EQ(response.width(), 96);
+  EXPECT_EQ(response.seed(), 11u);
+  EXPECT_EQ(response.pipeline(), "tiny");
+  EXPECT_EQ(response.request_id(), "e2e-1");
+  const v1::RequestStats& stats = response.stats();
+  EXPECT_EQ(stats.device(), "sim:0");
+  // The weights are on the device while the request runs.
+  int64_t weights = 0;
+  {
+    grpc::ClientContext context;
+    v1::ListPipelinesResponse pipelines;
+    ASSERT_TRUE(stub_->ListPipelines(&context, {}, &pipelines).ok());
+    for (const auto& c : pipelines.pipelines(0).components()) weights += c.weight_bytes();
+  }
+  EXPECT_GE(stats.peak_device_memory_bytes(), weights);
+  EXPECT_GT(stats.peak_cpu_rss_bytes(), 10 << 20);
+  EXPECT_GT(stats.run_time().nanos() + stats.run_time().seconds(), 0);
+  std::vector<std::string> stages;
+  for (const auto& s : stats.stages()) stages.push_back(s.stage());
+  EXPECT_EQ(stages, (std::vector<std::string>{"tokenize", "encode_prompt", "denoise", "decode",
+                                               "encode_image"}));
+
+  // Same seed, same image.
+  GenerateResponse again;
+  ASSERT_TRUE(Call(request, &again).ok());
+  EXPECT_EQ(again.image(), response.image());
+}
+
+TEST_F(ServerE2ETest, BadInputIsRejectedWithAClearMessageAndServingContinues) {
+  struct Case {
+    std::string name;
+    std::function<void(GenerateRequest&)> mutate;
+    grpc::StatusCode code;
+    std::string message;
+  };
+  const Case cases[] = {
+      {"empty prompt", [](GenerateRequest& r) { r.clear_prompt(); }, grpc::INVALID_ARGUMENT, "prompt is required"},
+      {"long prompt", [](GenerateRequest& r) { r.set_prompt(std::string(500, 'x')); }, grpc::INVALID_ARGUMENT, "at most 126 bytes"},
+      {"long negative", [](GenerateRequest& r) { r.set_negative_prompt(std::string(500, 'x')); }, grpc::INVALID_ARGUMENT, "negative_prompt"},
+      {"width not multiple", [](GenerateRequest& r) { r.set_width(100); }, grpc::INVALID_ARGUMENT, "width is 100; allowed: 64 to 1024 in multiples of 16"},
+      {"height too large", [](GenerateRequest& r) { r.set_height(4096); }, grpc::INVALID_ARGUMENT, "height is 4096"},
+      {"negative width", [](GenerateRequest& r) { r.set_width(-16); }, grpc::INVALID_ARGUMENT, "width is -16"},
+      {"negative steps", [](GenerateRequest& r) { r.set_num_inference_steps(-1); }, grpc::INVALID_ARGUMENT, "num_inference_steps is -1"},
+      {"too many steps", [](GenerateRequest& r) { r.set_num_inference_steps(1000); }, grpc::INVALID_ARGUMENT, "allowed: 1 to 100"},
+      {"unknown pipeline", [](GenerateRequest& r) { r.set_pipeline("sdxl"); }, grpc::NOT_FOUND, "pipeline 'sdxl' not found; available: tiny"},
+      {"nan guidance", [](GenerateRequest& r) { r.set_guidance_scale(std::nanf("")); }, grpc::INVALID_ARGUMENT, "guidance_scale"},
+      {"inf guidance", [](GenerateRequest& r) { r.set_guidance_scale(INFINITY); }, grpc::INVALID_ARGUMENT, "must be finite"},
+      {"unknown format", [](GenerateRequest& r) { r.set_output_format(static_cast<v1::ImageFormat>(7)); }, grpc::INVALID_ARGUMENT, "output_format 7 is not supported"},
+      {"bad request id", [](GenerateRequest& r) { r.set_request_id("a\nb"); }, grpc::INVALID_ARGUMENT, "request_id"},
+  };
+  for (const Case& c : cases) {
+    GenerateRequest request = Small();
+    c.mutate(request);
+    GenerateResponse response;
+    const grpc::Status status = Call(request, &response);
+    EXPECT_EQ(status.error_code(), c.code) << c.name << ": " << status.error_message();
+    EXPECT_NE(status.error_message().find(c.message), std::string::npos)
+        << c.name << ": " << status.error_message();
+  }
+  GenerateResponse response;
+  EXPECT_TRUE(Call(Small(), &response).ok());
+}
+
+TEST_F(ServerE2ETest, DeadlineStopsALongRequestAndTheServerKeepsServing) {
+  GenerateRequest request = Small();
+  request.set_width(512);
+  request.set_height(512);
+  request.set_num_inference_steps(100);
+  GenerateResponse response;
+  const auto start = std::chrono::steady_clock::now();
+  const grpc::Status status = Call(request, &response, std::chrono::milliseconds(400));
+  EXPECT_EQ(status.error_code(), grpc::DEADLINE_EXCEEDED) << status.error_message();
+  // The server stops between steps: the next request runs promptly.
+  GenerateResponse next;
+  ASSERT_TRUE(Call(Small(), &next).ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+}
+
+TEST_F(ServerE2ETest, StreamReportsProgressThenTheResult) {
+  grpc::ClientContext context;
+  GenerateRequest request = Small();
+  request.set_num_inference_steps(3);
+  auto reader = stub_->GenerateStream(&context, request);
+  v1::GenerateStreamResponse message;
+  std::vector<int> denoise_steps;
+  std::vector<std::string> stages;
+  int results = 0;
+  bool result_last = false;
+  while (reader->Read(&message)) {
+    result_last = message.has_result();
+    if (message.has_progress()) {
+      if (stages.empty() || stages.back() != message.progress().stage()) stages.push_back(message.progress().stage());
+      if (message.progress().stage() == "denoise") denoise_steps.push_back(message.progress().step());
+      EXPECT_EQ(message.progress().total_steps() == 3 || message.progress().stage() != "denoise", true);
+    } else {
+      ++results;
+      EXPECT_TRUE(DecodePng(message.result().image()).ok());
+    }
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(results, 1);
+  EXPECT_TRUE(result_last);
+  EXPECT_EQ(denoise_steps, (std::vector<int>{0, 1, 2, 3}));
+  EXPECT_EQ(stages, (std::vector<std::string>{"tokenize", "encode_prompt", "denoise", "decode", "encode_image"}));
+}
+
+TEST_F(ServerE2ETest, CancelledStreamStopsAndAFullQueueIsRejected) {
+  GenerateRequest slow = Small();
+  slow.set_width(256);
+  slow.set_height(256);
+  slow.set_num_inference_steps(100);
+  // A: running (we see its progress). B: waiting in the queue (depth 1). C: rejected.
+  grpc::ClientContext context_a;
+  auto reader_a = stub_->GenerateStream(&context_a, slow);
+  v1::GenerateStreamResponse message;
+  bool saw_denoise = false;
+  while (!saw_denoise && reader_a->Read(&message)) {
+    saw_denoise = message.has_progress() && message.progress().stage() == "denoise";
+  }
+  ASSERT_TRUE(saw_denoise);
+  grpc::ClientContext context_b;
+  GenerateResponse response_b;
+  grpc::Status status_b;
+  std::thread b([&] { status_b = stub_->Generate(&context_b, slow, &response_b); });
+  // Wait until B sits in the queue, as the queue-depth gauge reports it.
+  const std::regex depth_one("\nstowage_queue_depth\\{device=\"sim:0\"\\} 1\n");
+  bool queued = false;
+  for (int attempt = 0; attempt < 500 && !queued; ++attempt) {
+    queued = std::regex_search(HttpGet(server_->metrics_address(), "/metrics"), depth_one);
+    if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(queued);
+  GenerateResponse response_c;
+  const grpc::Status status_c = Call(slow, &response_c, std::chrono::milliseconds(5000));
+  EXPECT_EQ(status_c.error_code(), grpc::RESOURCE_EXHAUSTED);
+  EXPECT_NE(status_c.error_message().find("queue"), std::string::npos) << status_c.error_message();
+  context_a.TryCancel();
+  context_b.TryCancel();
+  while (reader_a->Read(&message)) {
+  }
+  EXPECT_EQ(reader_a->Finish().error_code(), grpc::CANCELLED);
+  b.join();
+  EXPECT_EQ(status_b.error_code(), grpc::CANCELLED);
+  GenerateResponse ok;
+  EXPECT_TRUE(Call(Small(), &ok).ok());
+}
+
+TEST_F(ServerE2ETest, MetricsPageHoldsTheRequestsValues) {
+  GenerateResponse response;
+  ASSERT_TRUE(Call(Small(), &response).ok());
+  GenerateRequest bad = Small();
+  bad.set_width(3);
+  ASSERT_EQ(Call(bad, &response).error_code(), grpc::INVALID_ARGUMENT);
+  const std::string page = HttpGet(server_->metrics_address(), "/metrics");
+  ASSERT_FALSE(page.empty());
+  auto value = [&](const std::string& series) -> double {
+    const std::regex re("\n" + series + " ([0-9.e+]+)");
+    std::smatch match;
+    if (!std::regex_search(page, match, re)) return -1;
+    return std::stod(match[1]);
+  };
+  EXPECT_GE(value(R"(stowage_requests_total\{code="ok",pipeline="tiny"\})"), 1);
+  EXPECT_GE(value(R"(stowage_requests_total\{code="invalid_argument",pipeline="tiny"\})"), 1);
+  EXPECT_GE(value(R"(stowage_request_peak_device_memory_bytes_count\{pipeline="tiny"\})"), 1);
+  // The histogram's sum holds the replies' peaks: at least this reply's.
+  EXPECT_GE(value(R"(stowage_request_peak_device_memory_bytes_sum\{pipeline="tiny"\})"),
+            static_cast<double>(response.stats().peak_device_memory_bytes()));
+  EXPECT_GE(value(R"(stowage_request_peak_cpu_rss_bytes_sum\{pipeline="tiny"\})"),
+            static_cast<double>(response.stats().peak_cpu_rss_bytes()));
+  EXPECT_GE(value(R"(stowage_request_duration_seconds_count\{pipeline="tiny"\})"), 2);
+  EXPECT_EQ(value(R"(stowage_queue_depth\{device="sim:0"\})"), 0);
+  EXPECT_GT(value("stowage_process_resident_memory_bytes"), 1 << 20);
+}
+
+}  // namespace
+}  // namespace stowage

@@ -1,0 +1,115 @@
+// One suite for every DeviceBackend: the simulator always, CUDA when this build and host have it.
+#include "offload/device_backend.h"
+
+#include <memory>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "offload/out_of_memory.h"
+
+namespace stowage {
+namespace {
+
+enum class Kind { kSimulated, kCuda };
+
+std::unique_ptr<DeviceBackend> Make(Kind kind) {
+  if (kind == Kind::kSimulated) return CreateSimulatedBackend({});
+  auto backend = CreateCudaBackend(0);
+  return backend.ok() ? *std::move(backend) : nullptr;
+}
+
+class DeviceBackendConformanceTest : public ::testing::TestWithParam<Kind> {
+ protected:
+  void SetUp() override {
+    backend_ = Make(GetParam());
+    if (backend_ == nullptr) GTEST_SKIP() << "CUDA is not available in this build or host";
+  }
+  std::unique_ptr<DeviceBackend> backend_;
+};
+
+TEST_P(DeviceBackendConformanceTest, AllocationsAreAccountedAndPeakResets) {
+  backend_->Synchronize();
+  const int64_t base = backend_->GetMemoryStats().allocated_bytes;
+  backend_->ResetPeakStats();
+  {
+    auto a = backend_->AllocateBytes(1 << 20);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(a->nbytes(), size_t{1} << 20);
+    EXPECT_EQ(a->device().type(), backend_->torch_device().type());
+    EXPECT_EQ(backend_->GetMemoryStats().allocated_bytes, base + (1 << 20));
+  }
+  const DeviceMemoryStats after = backend_->GetMemoryStats();
+  EXPECT_EQ(after.allocated_bytes, base);
+  EXPECT_EQ(after.peak_allocated_bytes, base + (1 << 20));
+  backend_->ResetPeakStats();
+  EXPECT_EQ(backend_->GetMemoryStats().peak_allocated_bytes, base);
+}
+
+TEST_P(DeviceBackendConformanceTest, CopyToDeviceKeepsValuesAndCountsBytes) {
+  const at::Tensor host = at::randn({3, 5});
+  const int64_t h2d = backend_->GetMemoryStats().host_to_device_bytes;
+  auto device = backend_->CopyToDevice(host);
+  ASSERT_TRUE(device.ok()) << device.status();
+  EXPECT_TRUE(at::equal(device->to(at::kCPU), host));
+  EXPECT_EQ(backend_->GetMemoryStats().host_to_device_bytes - h2d, 15 * 4);
+}
+
+TEST_P(DeviceBackendConformanceTest, AsyncCopyIsVisibleAfterWaitingOnItsEvent) {
+  auto pinned = backend_->AllocatePinnedHost(4096);
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  pinned->copy_(at::arange(4096, at::kInt).remainder(251).to(at::kByte));
+  auto dst = backend_->AllocateBytes(4096);
+  ASSERT_TRUE(dst.ok());
+  backend_->CopyToDeviceAsync(*dst, *pinned);
+  std::unique_ptr<DeviceEvent> event = backend_->RecordOnCopyStream();
+  backend_->ComputeStreamWait(*event);
+  backend_->Synchronize();
+  EXPECT_TRUE(event->Query());
+  EXPECT_TRUE(at::equal(dst->to(at::kCPU), *pinned));
+}
+
+TEST_P(DeviceBackendConformanceTest, BudgetTurnsOversizedAllocationIntoDeviceOom) {
+  backend_->Synchronize();
+  const int64_t in_use = backend_->GetMemoryStats().allocated_bytes;
+  ASSERT_TRUE(backend_->SetMemoryBudget(in_use + (64 << 20)).ok());
+  auto too_big = backend_->AllocateBytes(int64_t{1} << 30);
+  ASSERT_FALSE(too_big.ok());
+  EXPECT_TRUE(IsDeviceOom(too_big.status())) << too_big.status();
+  ASSERT_TRUE(backend_->SetMemoryBudget(0).ok());
+  EXPECT_FALSE(backend_->SetMemoryBudget(-1).ok());
+}
+
+TEST_P(DeviceBackendConformanceTest, HostMemoryCanBeRegisteredOnceInPlace) {
+  at::Tensor host = at::empty({1 << 16}, at::kByte);
+  ASSERT_TRUE(backend_->RegisterHostMemory(host.data_ptr(), host.nbytes(), /*read_only=*/false).ok());
+  EXPECT_FALSE(backend_->RegisterHostMemory(host.data_ptr(), host.nbytes(), false).ok());
+  EXPECT_TRUE(backend_->UnregisterHostMemory(host.data_ptr()).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, DeviceBackendConformanceTest,
+                         ::testing::Values(Kind::kSimulated, Kind::kCuda),
+                         [](const ::testing::TestParamInfo<Kind>& info) {
+                           return info.param == Kind::kSimulated ? std::string("Simulated")
+                                                                 : std::string("Cuda");
+                         });
+
+TEST(SimulatedBackendTest, BandwidthLimitPacesAsyncCopies) {
+  SimulatedBackendOptions options;
+  options.bandwidth_bytes_per_second = 100 << 20;  // 100 MiB/s: 10 MiB takes >= 100 ms.
+  auto backend = CreateSimulatedBackend(options);
+  auto src = backend->AllocatePinnedHost(10 << 20);
+  auto dst = backend->AllocateBytes(10 << 20);
+  ASSERT_TRUE(src.ok() && dst.ok());
+  const auto start = std::chrono::steady_clock::now();
+  backend->CopyToDeviceAsync(*dst, *src);
+  auto event = backend->RecordOnCopyStream();
+  EXPECT_FALSE(event->Query());  // Still in flight right after issue.
+  backend->ComputeStreamWait(*event);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(95));
+  EXPECT_TRUE(event->Query());
+}
+
+}  // namespace
+}  // namespace stowage

@@ -37,6 +37,7 @@ class CudaEvent : public DeviceEvent {
  public:
   at::cuda::CUDAEvent event{cudaEventDisableTiming};
   bool Query() override { return event.query(); }
+  void Wait() override { event.synchronize(); }
 };
 
 class CudaBackend : public DeviceBackend {

@@ -41,6 +41,8 @@ class DeviceEvent {
   virtual ~DeviceEvent() = default;
   // True once all work before the event has finished (non-blocking).
   virtual bool Query() = 0;
+  // Blocks the calling host thread until the event has completed.
+  virtual void Wait() = 0;
 };
 
 class DeviceBackend {
@@ -94,6 +96,8 @@ struct SimulatedBackendOptions {
   int64_t bandwidth_bytes_per_second = 0;
   // Index in the name ("sim:<index>").
   int index = 0;
+  // False emulates a device without a copy stream (CopyToDeviceAsync still works, synchronously).
+  bool supports_streams = true;
 };
 
 std::unique_ptr<DeviceBackend> CreateSimulatedBackend(const SimulatedBackendOptions& options);

@@ -49,7 +49,7 @@ class SimEvent : public DeviceEvent {
     std::lock_guard<std::mutex> lock(state_->mu);
     return state_->completed >= seq_;
   }
-  void Wait() {
+  void Wait() override {
     if (state_ == nullptr) return;
     std::unique_lock<std::mutex> lock(state_->mu);
     state_->cv.wait(lock, [&] { return state_->completed >= seq_; });
@@ -80,7 +80,7 @@ class SimulatedBackend : public DeviceBackend {
 
   std::string name() const override { return absl::StrCat("sim:", options_.index); }
   c10::Device torch_device() const override { return c10::Device(c10::kCPU); }
-  bool supports_streams() const override { return true; }
+  bool supports_streams() const override { return options_.supports_streams; }
 
   absl::StatusOr<at::Tensor> AllocateBytes(int64_t bytes) override {
     if (bytes < 0) return absl::InvalidArgumentError("negative allocation");

@@ -1,0 +1,117 @@
+// Group offloading: a component's weights live on the host; groups of layers are copied to the
+// device just before they run and dropped right after, the next groups prefetched on the copy
+// stream while the current one computes.
+//
+// Groups
+//   block_level: every `num_blocks_per_group` consecutive children of each block list (the
+//     ModuleList children of the root, or the modules named in `block_modules`, e.g. a VAE's
+//     "decoder.up_blocks") form a group; everything outside the blocks forms one group that is on
+//     the device for the whole forward of the root.
+//   leaf_level: every leaf layer is a group; tensors owned by non-leaf modules form
+//     parameter-only groups, on the device for the whole forward of their owner.
+//
+// Device memory is fixed and predictable: streamed groups land in a ring of (prefetch_depth + 1)
+// preallocated slots (1 without streams) sized for the largest streamed group; an event guards
+// each slot's reuse. Offloading never copies device→host: slots just stop being pointed at.
+//
+// Host side (`target`): kPinnedHost packs each group contiguously into pinned memory (the pageable
+// originals are released, so the weights live once, in pinned RAM; one DMA per group);
+// kPageableHost keeps them pageable and stages each copy through a fixed ring of pinned buffers
+// (low CPU RAM; no pinning per onload); kDisk writes one safetensors file per group (reused while
+// the weights are unchanged, rewritten when stale), maps it, and stages from the mapping.
+//
+// Order: the first forward records the order in which groups run; afterwards, when group i
+// onloads, groups i+1..i+depth are copied ahead. A group reached out of order (a conditional
+// module, a second call) onloads synchronously and stays correct.
+//
+// Budget: with budget_bytes > 0 the planner keeps resident the groups that minimise the bytes
+// streamed per forward, subject to resident + always-on + slots <= budget, and streams the rest.
+//
+// Thread-safety: forwards of the module run on one thread at a time; Remove() between forwards.
+#ifndef STOWAGE_OFFLOAD_GROUP_OFFLOAD_H_
+#define STOWAGE_OFFLOAD_GROUP_OFFLOAD_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "offload/device_backend.h"
+#include "offload/host_weights.h"
+#include "offload/module.h"
+
+namespace stowage {
+
+enum class OffloadType { kBlockLevel, kLeafLevel };
+enum class OffloadTarget { kPinnedHost, kPageableHost, kDisk };
+
+struct GroupOffloadOptions {
+  OffloadType type = OffloadType::kBlockLevel;
+  // block_level: consecutive blocks per group (>= 1).
+  int num_blocks_per_group = 1;
+  // block_level: dotted paths of the modules whose children are the blocks. Empty: every
+  // ModuleList child of the root.
+  std::vector<std::string> block_modules;
+  OffloadTarget target = OffloadTarget::kPinnedHost;
+  // Prefetch on the backend's copy stream (needs a backend with streams).
+  bool use_stream = false;
+  // Groups copied ahead of the running one when use_stream (>= 1).
+  int prefetch_depth = 1;
+  // kDisk: directory for the per-group safetensors files (created if missing).
+  std::string disk_dir;
+  // Device bytes this component may use; 0 streams every group.
+  int64_t budget_bytes = 0;
+  // kPageableHost / kDisk: staging ring of pinned buffers.
+  int64_t staging_buffer_bytes = int64_t{64} << 20;
+  int staging_buffers = 2;
+};
+
+struct GroupOffloadStats {
+  int groups = 0;             // All groups, always-on ones included.
+  int streamed_groups = 0;    // Groups that move through the slot ring.
+  int resident_groups = 0;    // Kept on the device by the budget planner.
+  int64_t slots = 0;          // Ring slots.
+  int64_t slot_bytes = 0;     // Bytes of one slot (the largest streamed group).
+  int64_t always_on_bytes = 0;  // Groups on the device for their owner's whole forward.
+  int64_t resident_bytes = 0;
+  int64_t streamed_bytes = 0;   // Bytes of the streamed groups (copied once per forward).
+  int64_t working_set_bytes = 0;  // slots * slot_bytes + always_on_bytes + resident_bytes.
+  // Counters since Apply.
+  int64_t forwards = 0;
+  int64_t onloads = 0;         // Ring onloads.
+  int64_t sync_onloads = 0;    // Ring onloads not satisfied by a prefetch.
+  int64_t prefetches = 0;      // Copies issued ahead of need.
+  int64_t disk_files_written = 0;
+  int64_t disk_files_reused = 0;
+};
+
+class GroupOffloader {
+ public:
+  // Installs group offloading on `root`, whose weights are `weights` (host copies; the slots may
+  // point anywhere, they are repointed). `component` names the model in errors. Fails (and changes
+  // nothing) when the module already has group offloading, streams are asked of a backend without
+  // them, the budget is smaller than the smallest working set, or the disk path is unwritable.
+  static absl::StatusOr<std::unique_ptr<GroupOffloader>> Apply(const std::string& component,
+                                                               Module& root, HostWeights& weights,
+                                                               DeviceBackend& backend,
+                                                               const GroupOffloadOptions& options);
+  // Removes the hooks, frees the device memory; every tensor slot is left offloaded (undefined),
+  // as a registered, non-resident component's are.
+  ~GroupOffloader();
+
+  const GroupOffloadOptions& options() const { return options_; }
+  GroupOffloadStats stats() const;
+  // The hook name on every hooked module.
+  static constexpr char kHookName[] = "group_offload";
+
+ private:
+  struct Impl;
+  explicit GroupOffloader(std::unique_ptr<Impl> impl, GroupOffloadOptions options);
+  std::unique_ptr<Impl> impl_;
+  GroupOffloadOptions options_;
+};
+
+}  // namespace stowage
+
+#endif  // STOWAGE_OFFLOAD_GROUP_OFFLOAD_H_

@@ -1,0 +1,73 @@
+// Safetensors files: writing, and zero-copy reading through a read-only mmap.
+//
+// Format: 8-byte little-endian header length N, N bytes of JSON
+// {"<name>": {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {...}},
+// then the tensor data. The JSON is parsed and written by protobuf's JSON support.
+//
+// A tensor returned by SafetensorsFile::Get points into the mapping (no copy) and keeps it alive;
+// the memory is read-only: writing through such a tensor faults.
+#ifndef STOWAGE_OFFLOAD_SAFETENSORS_H_
+#define STOWAGE_OFFLOAD_SAFETENSORS_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+
+namespace stowage {
+
+// Writes `tensors` (CPU, any layout; written contiguous) to `path` atomically (temp file + rename).
+absl::Status WriteSafetensors(const std::string& path,
+                              const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                              const std::map<std::string, std::string>& metadata = {});
+
+class SafetensorsFile {
+ public:
+  struct TensorInfo {
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    int64_t begin = 0;  // Byte offsets within the data section.
+    int64_t end = 0;
+  };
+
+  // Maps and validates the file: header size, JSON, dtypes, shapes against byte ranges, ranges
+  // inside the file. Errors name the file and the tensor.
+  static absl::StatusOr<std::shared_ptr<SafetensorsFile>> Open(const std::string& path);
+  ~SafetensorsFile();
+
+  const std::string& path() const { return path_; }
+  const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  // Zero-copy view of a tensor; NOT_FOUND for an unknown name.
+  absl::StatusOr<at::Tensor> Get(const std::string& name);
+  // The mapped data section, e.g. to register it with the device as read-only pinned memory.
+  const uint8_t* data() const { return data_; }
+  int64_t data_bytes() const { return data_bytes_; }
+  void* mapping() const { return mapping_; }
+  int64_t mapping_bytes() const { return mapping_bytes_; }
+
+ private:
+  SafetensorsFile() = default;
+  std::string path_;
+  void* mapping_ = nullptr;
+  int64_t mapping_bytes_ = 0;
+  const uint8_t* data_ = nullptr;
+  int64_t data_bytes_ = 0;
+  std::map<std::string, TensorInfo> tensors_;
+  std::map<std::string, std::string> metadata_;
+  std::weak_ptr<SafetensorsFile> self_;
+};
+
+// "F32" ↔ at::kFloat etc.; INVALID_ARGUMENT for a dtype this project does not handle.
+absl::StatusOr<at::ScalarType> SafetensorsDtype(const std::string& name);
+std::string SafetensorsDtypeName(at::ScalarType dtype);
+
+}  // namespace stowage
+
+#endif  // STOWAGE_OFFLOAD_SAFETENSORS_H_

@@ -1,0 +1,304 @@
+#include "offload/group_offload.h"
+
+#include <sys/stat.h>
+
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <gtest/gtest.h>
+
+#include "offload/device_backend.h"
+#include "offload/host_weights.h"
+#include "tests/offload/stack_model.h"
+
+namespace stowage {
+namespace {
+
+// One model on one simulated device, with its resident reference output.
+struct Fixture {
+  Fixture() : backend(CreateSimulatedBackend({})) {
+    weights = *HostWeights::Capture(model);
+    input = at::randn({3, 5, 16}, at::TensorOptions().dtype(at::kFloat));
+    c10::InferenceMode guard;
+    weights->PointAtHost();
+    reference = model.Forward(input);
+    reverse_reference = Run(StackOrder::kReverse);
+    skip_reference = Run(StackOrder::kSkipOdd);
+    repeat_reference = Run(StackOrder::kRepeatFirst);
+    weights->OffloadAll();
+  }
+  at::Tensor Run(StackOrder order) {
+    c10::InferenceMode guard;
+    model.order = order;
+    at::Tensor out = model.Forward(input);
+    model.order = StackOrder::kForward;
+    return out;
+  }
+  // Peak device bytes of one forward in `order`.
+  int64_t PeakOfForward(StackOrder order, at::Tensor* out) {
+    backend->Synchronize();
+    backend->ResetPeakStats();
+    *out = Run(order);
+    backend->Synchronize();
+    return backend->GetMemoryStats().peak_allocated_bytes;
+  }
+
+  StackModel model;
+  std::unique_ptr<DeviceBackend> backend;
+  std::unique_ptr<HostWeights> weights;
+  at::Tensor input, reference, reverse_reference, skip_reference, repeat_reference;
+};
+
+struct ModeCase {
+  std::string name;
+  GroupOffloadOptions options;
+  int64_t expected_peak;
+};
+
+GroupOffloadOptions Opts(OffloadType type, int blocks, bool stream, OffloadTarget target) {
+  GroupOffloadOptions o;
+  o.type = type;
+  o.num_blocks_per_group = blocks;
+  o.use_stream = stream;
+  o.target = target;
+  o.staging_buffer_bytes = 1 << 16;  // Small: several staged chunks per group.
+  return o;
+}
+
+std::string TempDir(const std::string& name) {
+  const std::string dir = std::string(::testing::TempDir()) + "/" + name;
+  ::mkdir(dir.c_str(), 0755);
+  return dir;
+}
+
+std::vector<ModeCase> Cases() {
+  using T = OffloadTarget;
+  const int64_t block = StackModel::kBlockBytes;
+  const int64_t outside = StackModel::kOutsideBytes;
+  const int64_t leaf = StackModel::kLargestLeafBytes;
+  const int64_t root = StackModel::kRootParamBytes;
+  std::vector<ModeCase> cases;
+  for (T target : {T::kPinnedHost, T::kPageableHost, T::kDisk}) {
+    const std::string t = target == T::kPinnedHost ? "Pinned" : target == T::kPageableHost ? "Pageable" : "Disk";
+    cases.push_back({"Block1" + t, Opts(OffloadType::kBlockLevel, 1, false, target), block + outside});
+    cases.push_back({"Block1Stream" + t, Opts(OffloadType::kBlockLevel, 1, true, target), 2 * block + outside});
+    cases.push_back({"Block3" + t, Opts(OffloadType::kBlockLevel, 3, false, target), 3 * block + outside});
+    cases.push_back({"Block3Stream" + t, Opts(OffloadType::kBlockLevel, 3, true, target), 6 * block + outside});
+    cases.push_back({"Leaf" + t, Opts(OffloadType::kLeafLevel, 1, false, target), leaf + root});
+    cases.push_back({"LeafStream" + t, Opts(OffloadType::kLeafLevel, 1, true, target), 2 * leaf + root});
+  }
+  GroupOffloadOptions deep = Opts(OffloadType::kBlockLevel, 1, true, T::kPinnedHost);
+  deep.prefetch_depth = 3;
+  cases.push_back({"Block1Depth3", deep, 4 * block + outside});
+  GroupOffloadOptions budget = Opts(OffloadType::kBlockLevel, 1, true, T::kPinnedHost);
+  budget.budget_bytes = StackModel::kTotalBytes * 3 / 4;  // Room for 2 slots, outside, 2 blocks.
+  cases.push_back({"Budget75", budget, 4 * block + outside});
+  GroupOffloadOptions all = Opts(OffloadType::kBlockLevel, 1, true, T::kPageableHost);
+  all.budget_bytes = StackModel::kTotalBytes;  // Everything fits: no slots at all.
+  cases.push_back({"BudgetAll", all, StackModel::kTotalBytes});
+  return cases;
+}
+
+void PrintTo(const ModeCase& c, std::ostream* os) { *os << c.name; }
+
+class GroupOffloadModeTest : public ::testing::TestWithParam<ModeCase> {};
+
+TEST_P(GroupOffloadModeTest, OutputEqualsResidentExactlyAndPeakIsExact) {
+  Fixture f;
+  GroupOffloadOptions options = GetParam().options;
+  if (options.target == OffloadTarget::kDisk) options.disk_dir = TempDir("disk_" + GetParam().name);
+  auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, options);
+  ASSERT_TRUE(offloader.ok()) << offloader.status();
+  EXPECT_EQ((*offloader)->stats().working_set_bytes, GetParam().expected_peak);
+  for (int i = 0; i < 3; ++i) {  // The first forward records the order; later ones prefetch.
+    at::Tensor out;
+    const int64_t peak = f.PeakOfForward(StackOrder::kForward, &out);
+    EXPECT_TRUE(at::equal(out, f.reference)) << "forward " << i;
+    EXPECT_EQ(peak, GetParam().expected_peak) << "forward " << i;
+  }
+  const GroupOffloadStats stats = (*offloader)->stats();
+  EXPECT_EQ(stats.forwards, 3);
+  if (options.use_stream) {
+    if (stats.streamed_groups > stats.slots) {
+      // The recording forward loads every group synchronously; the next forward's first group too
+      // (nothing was prefetched during recording); every later onload was prefetched.
+      EXPECT_EQ(stats.sync_onloads, stats.streamed_groups + 1);
+      // Forwards 2 and 3 copy every group ahead of need at least once (exactly once at depth 1).
+      if (options.prefetch_depth == 1) {
+        EXPECT_EQ(stats.prefetches, 2 * stats.streamed_groups);
+      } else {
+        EXPECT_GE(stats.prefetches, 2 * stats.streamed_groups);
+      }
+    } else {
+      // Every streamed group has a slot of its own: loaded once, never copied again.
+      EXPECT_EQ(stats.sync_onloads, stats.streamed_groups);
+      EXPECT_EQ(stats.prefetches, 0);
+    }
+  } else {
+    EXPECT_EQ(stats.sync_onloads, stats.onloads);
+  }
+  // Out of order, conditional and repeated calls stay exact.
+  at::Tensor out;
+  f.PeakOfForward(StackOrder::kReverse, &out);
+  EXPECT_TRUE(at::equal(out, f.reverse_reference));
+  f.PeakOfForward(StackOrder::kSkipOdd, &out);
+  EXPECT_TRUE(at::equal(out, f.skip_reference));
+  f.PeakOfForward(StackOrder::kRepeatFirst, &out);
+  EXPECT_TRUE(at::equal(out, f.repeat_reference));
+  f.PeakOfForward(StackOrder::kForward, &out);
+  EXPECT_TRUE(at::equal(out, f.reference));
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, GroupOffloadModeTest, ::testing::ValuesIn(Cases()),
+                         [](const ::testing::TestParamInfo<ModeCase>& info) { return info.param.name; });
+
+TEST(GroupOffloadTest, PeakDeviceBytesAreOrderedAcrossModes) {
+  auto peak_of = [](GroupOffloadOptions options) {
+    Fixture f;
+    auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, options);
+    EXPECT_TRUE(offloader.ok()) << offloader.status();
+    at::Tensor out;
+    f.PeakOfForward(StackOrder::kForward, &out);
+    return f.PeakOfForward(StackOrder::kForward, &out);
+  };
+  using T = OffloadTarget;
+  const int64_t leaf = peak_of(Opts(OffloadType::kLeafLevel, 1, false, T::kPinnedHost));
+  const int64_t leaf_stream = peak_of(Opts(OffloadType::kLeafLevel, 1, true, T::kPinnedHost));
+  const int64_t block1 = peak_of(Opts(OffloadType::kBlockLevel, 1, false, T::kPinnedHost));
+  const int64_t block1_stream = peak_of(Opts(OffloadType::kBlockLevel, 1, true, T::kPinnedHost));
+  const int64_t block3 = peak_of(Opts(OffloadType::kBlockLevel, 3, false, T::kPinnedHost));
+  Fixture resident;
+  ASSERT_TRUE(resident.weights->OnloadAll(*resident.backend).ok());
+  resident.backend->ResetPeakStats();
+  const int64_t all = resident.backend->GetMemoryStats().peak_allocated_bytes;
+  EXPECT_EQ(all, StackModel::kTotalBytes);
+  EXPECT_LE(leaf, leaf_stream);
+  EXPECT_LT(leaf_stream, block1);
+  EXPECT_LE(block1, block1_stream);
+  EXPECT_LT(block1_stream, block3);
+  EXPECT_LT(block3, all);
+}
+
+TEST(GroupOffloadTest, BudgetKeepsTheGroupsThatFitResident) {
+  Fixture f;
+  GroupOffloadOptions options = Opts(OffloadType::kBlockLevel, 1, true, OffloadTarget::kPinnedHost);
+  options.budget_bytes = StackModel::kTotalBytes * 3 / 4;
+  auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, options);
+  ASSERT_TRUE(offloader.ok());
+  const GroupOffloadStats stats = (*offloader)->stats();
+  EXPECT_EQ(stats.resident_groups, 2);
+  EXPECT_EQ(stats.streamed_groups, 4);
+  EXPECT_EQ(stats.streamed_bytes, 4 * StackModel::kBlockBytes);
+  EXPECT_LE(stats.working_set_bytes, options.budget_bytes);
+}
+
+TEST(GroupOffloadTest, RemovalRestoresTheModule) {
+  Fixture f;
+  std::vector<size_t> hooks_before;
+  f.model.ForEachModule([&](Module& m) { hooks_before.push_back(m.hook_count()); });
+  {
+    auto offloader = GroupOffloader::Apply(
+        "stack", f.model, *f.weights, *f.backend, Opts(OffloadType::kLeafLevel, 1, true, OffloadTarget::kPinnedHost));
+    ASSERT_TRUE(offloader.ok());
+    at::Tensor out;
+    f.PeakOfForward(StackOrder::kForward, &out);
+  }
+  std::vector<size_t> hooks_after;
+  f.model.ForEachModule([&](Module& m) { hooks_after.push_back(m.hook_count()); });
+  EXPECT_EQ(hooks_before, hooks_after);
+  EXPECT_EQ(f.backend->GetMemoryStats().allocated_bytes, 0);
+  EXPECT_EQ(f.model.DefinedBytes(), 0);  // Offloaded, like a registered component.
+  EXPECT_THROW(f.Run(StackOrder::kForward), OffloadedTensorAccess);
+  ASSERT_TRUE(f.weights->OnloadAll(*f.backend).ok());
+  EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+}
+
+TEST(GroupOffloadTest, DiskFilesAreWrittenOnceReusedAndReplacedWhenStale) {
+  const std::string dir = TempDir("disk_reuse");
+  GroupOffloadOptions options = Opts(OffloadType::kBlockLevel, 2, true, OffloadTarget::kDisk);
+  options.disk_dir = dir;
+  {
+    Fixture f;
+    auto first = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, options);
+    ASSERT_TRUE(first.ok()) << first.status();
+    // 3 block groups and the group outside the blocks.
+    EXPECT_EQ((*first)->stats().disk_files_written, 4);
+    EXPECT_EQ((*first)->stats().disk_files_reused, 0);
+  }
+  Fixture f;
+  auto second = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, options);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ((*second)->stats().disk_files_written, 0);
+  EXPECT_EQ((*second)->stats().disk_files_reused, 4);
+  at::Tensor out;
+  f.PeakOfForward(StackOrder::kForward, &out);
+  EXPECT_TRUE(at::equal(out, f.reference));
+  second->reset();
+  // Change one weight of block 3 (group 2-3): only that group's file is rewritten.
+  Fixture changed;
+  for (HostWeights::Entry& e : changed.weights->entries()) {
+    if (e.module->SlotPath(*e.slot) == "blocks.3.fc1.bias") e.host.add_(1.0f);
+  }
+  auto third = GroupOffloader::Apply("stack", changed.model, *changed.weights, *changed.backend, options);
+  ASSERT_TRUE(third.ok());
+  EXPECT_EQ((*third)->stats().disk_files_written, 1);
+  EXPECT_EQ((*third)->stats().disk_files_reused, 3);
+}
+
+TEST(GroupOffloadTest, ErrorsNameTheComponentAndTheOption) {
+  Fixture f;
+  auto first = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend,
+                                     Opts(OffloadType::kBlockLevel, 1, false, OffloadTarget::kPinnedHost));
+  ASSERT_TRUE(first.ok());
+  auto twice = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend,
+                                     Opts(OffloadType::kLeafLevel, 1, false, OffloadTarget::kPinnedHost));
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(std::string(twice.status().message()).find("'stack' already has group offloading"), std::string::npos);
+  first->reset();
+
+  SimulatedBackendOptions no_streams;
+  no_streams.supports_streams = false;
+  auto plain = CreateSimulatedBackend(no_streams);
+  auto streams = GroupOffloader::Apply("stack", f.model, *f.weights, *plain,
+                                       Opts(OffloadType::kBlockLevel, 1, true, OffloadTarget::kPinnedHost));
+  EXPECT_EQ(streams.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(streams.status().message()).find("use_stream"), std::string::npos);
+
+  GroupOffloadOptions tight = Opts(OffloadType::kBlockLevel, 1, true, OffloadTarget::kPinnedHost);
+  tight.budget_bytes = StackModel::kBlockBytes;  // Less than outside-blocks + 2 slots.
+  auto budget = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, tight);
+  EXPECT_EQ(budget.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(budget.status().message()).find("budget_bytes"), std::string::npos) << budget.status();
+
+  GroupOffloadOptions disk = Opts(OffloadType::kBlockLevel, 1, false, OffloadTarget::kDisk);
+  disk.disk_dir = "/proc/stowage-cannot-write-here";
+  auto unwritable = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, disk);
+  EXPECT_EQ(unwritable.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_NE(std::string(unwritable.status().message()).find("disk_dir"), std::string::npos);
+
+  GroupOffloadOptions no_blocks = Opts(OffloadType::kBlockLevel, 1, false, OffloadTarget::kPinnedHost);
+  no_blocks.block_modules = {"nonexistent"};
+  EXPECT_EQ(GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, no_blocks).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // A failed Apply changed nothing: the next one works and computes exactly.
+  auto ok = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend,
+                                  Opts(OffloadType::kBlockLevel, 2, true, OffloadTarget::kPageableHost));
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+}
+
+TEST(GroupOffloadTest, ExplicitBlockModulesReachNestedBlocks) {
+  Fixture f;
+  GroupOffloadOptions options = Opts(OffloadType::kBlockLevel, 1, true, OffloadTarget::kPinnedHost);
+  options.block_modules = {"blocks"};
+  auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, options);
+  ASSERT_TRUE(offloader.ok());
+  EXPECT_EQ((*offloader)->stats().streamed_groups, 6);
+  EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+}
+
+}  // namespace
+}  // namespace stowage

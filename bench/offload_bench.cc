@@ -1,0 +1,216 @@
+// offload_bench: step time, device memory and host RAM of every offload mode on a transformer stack
+// with Z-Image-Turbo's main-block shapes (30 blocks, dim 3840, 30 heads, FFN 10240, bf16, 4096 image
+// + 512 text tokens), random weights. Prints a table and appends one JSON line per row to --out.
+//
+//   offload_bench --out=bench/results/offload_bench.jsonl --machine="NVIDIA H200"
+//   offload_bench --config=small --backend=sim     (a seconds-long run for CI)
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "bench/transformer_stack.h"
+#include "offload/device_backend.h"
+#include "offload/group_offload.h"
+#include "offload/host_weights.h"
+#include "server/process_memory.h"
+
+ABSL_FLAG(std::string, config, "full", "full (Z-Image main-block shapes) or small (CI smoke run)");
+ABSL_FLAG(std::string, backend, "auto", "cuda, sim, or auto (CUDA when present)");
+ABSL_FLAG(std::string, rows,
+          "resident,block_pinned,leaf_pinned,block_lowram,leaf_lowram,block_disk,budget25,budget50,budget75",
+          "Comma-separated rows to run");
+ABSL_FLAG(int, warmup, 2, "Untimed forwards per row (the first records the order)");
+ABSL_FLAG(int, iters, 5, "Timed forwards per row (median reported)");
+ABSL_FLAG(std::string, out, "", "JSON-lines file to append rows to");
+ABSL_FLAG(std::string, machine, "unknown", "Machine name recorded in every row");
+ABSL_FLAG(std::string, disk_dir, "/tmp/stowage-offload-bench", "Directory for the disk row");
+ABSL_FLAG(int64_t, staging_mib, 64, "Staging buffer size (low-CPU-RAM and disk rows)");
+ABSL_FLAG(int, staging_buffers, 4, "Staging buffers (low-CPU-RAM and disk rows)");
+ABSL_FLAG(int, prefetch_depth, 1, "Prefetch depth of the streamed rows");
+
+namespace stowage {
+namespace {
+
+struct Shape {
+  TransformerStackConfig model;
+  int64_t tokens;
+};
+
+Shape ShapeFor(const std::string& name) {
+  if (name == "small") return {{16, 256, 4, 512, 64}, 64};
+  return {{}, 4096 + 512};
+}
+
+struct RowResult {
+  std::string row;
+  double step_s = 0;
+  int64_t peak_device = 0;
+  int64_t peak_rss = 0;
+  int64_t weight_bytes = 0;
+  int64_t streamed_bytes = 0;
+  int64_t working_set = 0;
+};
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Pinned host→device bandwidth in bytes per second (median of 5 copies of 1 GiB, or less on small
+// runs).
+double MeasureBandwidth(DeviceBackend& backend, int64_t bytes) {
+  auto host = backend.AllocatePinnedHost(bytes);
+  auto device = backend.AllocateBytes(bytes);
+  if (!host.ok() || !device.ok()) return 0;
+  host->fill_(7);
+  std::vector<double> seconds;
+  for (int i = 0; i < 6; ++i) {
+    backend.Synchronize();
+    const auto start = std::chrono::steady_clock::now();
+    backend.CopyToDeviceAsync(*device, *host);
+    auto done = backend.RecordOnCopyStream();
+    done->Wait();
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (i > 0) seconds.push_back(s);
+  }
+  return static_cast<double>(bytes) / Median(seconds);
+}
+
+absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, DeviceBackend& backend,
+                                 at::ScalarType dtype) {
+  (void)ResetPeakRss();
+  RowResult result;
+  result.row = row;
+  TransformerStack model(shape.model, LayerOptions{dtype});
+  FillBenchmarkWeights(model, 7);
+  auto weights = HostWeights::Capture(model);
+  if (!weights.ok()) return weights.status();
+  result.weight_bytes = (*weights)->bytes();
+
+  std::unique_ptr<GroupOffloader> offloader;
+  if (row == "resident") {
+    absl::Status status = (*weights)->OnloadAll(backend);
+    if (!status.ok()) return status;
+    result.streamed_bytes = 0;
+  } else {
+    GroupOffloadOptions options;
+    options.use_stream = backend.supports_streams();
+    options.prefetch_depth = absl::GetFlag(FLAGS_prefetch_depth);
+    options.type = row.rfind("leaf", 0) == 0 ? OffloadType::kLeafLevel : OffloadType::kBlockLevel;
+    options.staging_buffer_bytes = absl::GetFlag(FLAGS_staging_mib) << 20;
+    options.staging_buffers = absl::GetFlag(FLAGS_staging_buffers);
+    if (row.find("lowram") != std::string::npos) options.target = OffloadTarget::kPageableHost;
+    if (row.find("disk") != std::string::npos) {
+      options.target = OffloadTarget::kDisk;
+      options.disk_dir = absl::GetFlag(FLAGS_disk_dir);
+    }
+    if (row.rfind("budget", 0) == 0) {
+      options.budget_bytes = result.weight_bytes * std::stoi(row.substr(6)) / 100;
+    }
+    auto applied = GroupOffloader::Apply("stack", model, **weights, backend, options);
+    if (!applied.ok()) return applied.status();
+    offloader = *std::move(applied);
+    result.streamed_bytes = offloader->stats().streamed_bytes + offloader->stats().always_on_bytes;
+    result.working_set = offloader->stats().working_set_bytes;
+  }
+
+  c10::InferenceMode guard;
+  const auto options = at::TensorOptions().dtype(dtype).device(backend.torch_device());
+  const at::Tensor x = at::randn({1, shape.tokens, shape.model.dim}, options);
+  const at::Tensor c = at::randn({1, shape.model.modulation_dim}, options);
+  for (int i = 0; i < absl::GetFlag(FLAGS_warmup); ++i) model.Forward(x, c);
+  backend.Synchronize();
+  backend.ResetPeakStats();
+  std::vector<double> steps;
+  for (int i = 0; i < absl::GetFlag(FLAGS_iters); ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    at::Tensor out = model.Forward(x, c);
+    backend.Synchronize();
+    steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  result.step_s = Median(steps);
+  result.peak_device = backend.GetMemoryStats().peak_allocated_bytes;
+  auto memory = ReadProcessMemory();
+  result.peak_rss = memory.ok() ? memory->peak_rss_bytes : 0;
+  offloader.reset();
+  weights->reset();
+  backend.Synchronize();
+  backend.ReleaseCachedMemory();
+  return result;
+}
+
+int Main() {
+  const Shape shape = ShapeFor(absl::GetFlag(FLAGS_config));
+  std::unique_ptr<DeviceBackend> backend;
+  const std::string kind = absl::GetFlag(FLAGS_backend);
+  if (kind == "cuda" || (kind == "auto" && CudaAvailable())) {
+    auto cuda = CreateCudaBackend(0);
+    if (!cuda.ok()) {
+      std::cerr << cuda.status() << "\n";
+      return 1;
+    }
+    backend = *std::move(cuda);
+  } else {
+    backend = CreateSimulatedBackend({});
+  }
+  const at::ScalarType dtype = at::kBFloat16;
+  const bool small = absl::GetFlag(FLAGS_config) == "small";
+  const double bandwidth = MeasureBandwidth(*backend, small ? (int64_t{64} << 20) : (int64_t{1} << 30));
+  std::vector<RowResult> results;
+  double resident_step = 0;
+  std::printf("device %s, pinned host->device %.1f GB/s\n", backend->name().c_str(), bandwidth / 1e9);
+  std::printf("%-14s %9s %9s %7s %7s %12s %12s %11s %9s\n", "row", "step_s", "floor_s", "x_floor",
+              "x_res", "peak_dev_GB", "peak_rss_GB", "weights_GB", "h2d_GB/s");
+  std::ofstream out;
+  if (!absl::GetFlag(FLAGS_out).empty()) out.open(absl::GetFlag(FLAGS_out), std::ios::app);
+  const std::vector<std::string> rows = absl::StrSplit(absl::GetFlag(FLAGS_rows), ',', absl::SkipEmpty());
+  for (const std::string& row : rows) {
+    auto result = RunRow(row, shape, *backend, dtype);
+    if (!result.ok()) {
+      std::printf("%-14s failed: %s\n", row.c_str(), std::string(result.status().message()).c_str());
+      continue;
+    }
+    if (row == "resident") resident_step = result->step_s;
+    const double floor_s = static_cast<double>(result->weight_bytes) / bandwidth;
+    const double achieved = result->streamed_bytes > 0 ? result->streamed_bytes / result->step_s : 0;
+    std::printf("%-14s %9.4f %9.4f %7.2f %7.2f %12.2f %12.2f %11.2f %9.1f\n", row.c_str(),
+                result->step_s, floor_s, result->step_s / floor_s,
+                resident_step > 0 ? result->step_s / resident_step : 0.0, result->peak_device / 1e9,
+                result->peak_rss / 1e9, result->weight_bytes / 1e9, achieved / 1e9);
+    std::fflush(stdout);
+    if (out.is_open()) {
+      out << absl::StrFormat(
+          "{\"row\": \"%s\", \"step_s\": %.6f, \"floor_s\": %.6f, \"resident_step_s\": %.6f, "
+          "\"peak_device_bytes\": %d, \"peak_rss_bytes\": %d, \"weight_bytes\": %d, "
+          "\"streamed_bytes\": %d, \"working_set_bytes\": %d, \"h2d_bandwidth_bytes_per_s\": %.0f, "
+          "\"achieved_h2d_bytes_per_s\": %.0f, \"config\": \"%s\", \"device\": \"%s\", "
+          "\"prefetch_depth\": %d, \"staging\": \"%dx%dMiB\", \"machine\": \"%s\"}\n",
+          row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
+          result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
+          absl::GetFlag(FLAGS_config), backend->name(), absl::GetFlag(FLAGS_prefetch_depth),
+          absl::GetFlag(FLAGS_staging_buffers), absl::GetFlag(FLAGS_staging_mib),
+          absl::GetFlag(FLAGS_machine));
+      out.flush();
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace stowage
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return stowage::Main();
+}

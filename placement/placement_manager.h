@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -19,12 +20,21 @@
 #include "absl/time/time.h"
 #include "models/component.h"
 #include "offload/device_backend.h"
+#include "offload/group_offload.h"
 
 namespace stowage {
 
 enum class ComponentState {
-  kOffloaded,  // Weights only on the host.
-  kResident,   // All weights on the device.
+  kOffloaded,       // Weights only on the host.
+  kResident,        // All weights on the device.
+  kGroupOffloaded,  // Places itself: groups stream through its own slots (never moved by placement).
+};
+
+// Group offloading for every component of a pipeline, with exclusions and per-component overrides.
+struct PipelineGroupOffloadOptions {
+  GroupOffloadOptions defaults;
+  std::vector<std::string> exclude;                        // Component names left alone.
+  std::map<std::string, GroupOffloadOptions> overrides;    // Component name → its options.
 };
 
 const char* ComponentStateName(ComponentState state);
@@ -35,10 +45,14 @@ struct ComponentView {
   std::string kind;
   std::vector<std::string> pipelines;
   int64_t weight_bytes = 0;
+  // Device bytes it holds now: all weights when resident, its working set when group-offloaded.
+  int64_t device_bytes = 0;
   ComponentState state = ComponentState::kOffloaded;
   absl::Time last_use;
 };
 
+// Lifetime: the registered components must outlive the manager (group offloading unhooks their
+// modules when the manager goes).
 class PlacementManager : public ComponentRunner {
  public:
   explicit PlacementManager(DeviceBackend* backend);
@@ -54,6 +68,18 @@ class PlacementManager : public ComponentRunner {
 
   std::vector<ComponentView> Snapshot() const;
 
+  // Group-offloads one component (by id "<pipeline>/<component>"): if resident it leaves the device
+  // first; from then on it places itself. Fails, changing nothing, if it is already group-offloaded
+  // or the options are refused (the error names the component and the option).
+  absl::Status EnableGroupOffload(const std::string& id, const GroupOffloadOptions& options);
+  // Every component of `pipeline` but the excluded ones; all or nothing.
+  absl::Status EnablePipelineGroupOffload(const std::string& pipeline,
+                                          const PipelineGroupOffloadOptions& options);
+  // Removes group offloading; the component is then offloaded (made resident again on next use).
+  absl::Status DisableGroupOffload(const std::string& id);
+  // Statistics of a group-offloaded component; NOT_FOUND / FAILED_PRECONDITION otherwise.
+  absl::StatusOr<GroupOffloadStats> GroupOffloadStatsOf(const std::string& id) const;
+
  private:
   struct Entry {
     std::string id;
@@ -61,8 +87,12 @@ class PlacementManager : public ComponentRunner {
     std::vector<std::string> pipelines;
     ComponentState state = ComponentState::kOffloaded;
     absl::Time last_use = absl::InfinitePast();
+    std::unique_ptr<GroupOffloader> group_offload;
   };
   Entry* Find(const Component& component) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Entry*> FindById(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status EnableLocked(Entry& entry, const GroupOffloadOptions& options)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   DeviceBackend* backend_;
   mutable absl::Mutex mu_;

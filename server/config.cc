@@ -109,12 +109,72 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
                                                      "' is not supported; use float32 or bfloat16"));
     }
     if (p->default_()) ++defaults;
+    if (p->group_offload().enabled()) {
+      auto options = ToPipelineGroupOffloadOptions(p->group_offload(), absl::StrCat(field, ".group_offload"));
+      if (!options.ok()) return options.status();
+    }
   }
   if (defaults > 1) {
     return absl::InvalidArgumentError("pipelines: more than one pipeline sets default: true");
   }
   if (defaults == 0) config.mutable_pipelines(0)->set_default_(true);
   return config;
+}
+
+absl::StatusOr<GroupOffloadOptions> ToGroupOffloadOptions(const v1::GroupOffloadConfig& c,
+                                                          const std::string& field) {
+  GroupOffloadOptions o;
+  o.type = c.offload_type() == v1::GroupOffloadConfig::LEAF_LEVEL ? OffloadType::kLeafLevel
+                                                                   : OffloadType::kBlockLevel;
+  if (c.num_blocks_per_group() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".num_blocks_per_group: must be >= 1"));
+  }
+  if (c.num_blocks_per_group() > 0) o.num_blocks_per_group = c.num_blocks_per_group();
+  o.block_modules.assign(c.block_modules().begin(), c.block_modules().end());
+  switch (c.target()) {
+    case v1::GroupOffloadConfig::PAGEABLE_HOST:
+      o.target = OffloadTarget::kPageableHost;
+      break;
+    case v1::GroupOffloadConfig::DISK:
+      o.target = OffloadTarget::kDisk;
+      if (c.disk_dir().empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".disk_dir: required for target DISK"));
+      }
+      break;
+    default:
+      o.target = OffloadTarget::kPinnedHost;
+  }
+  o.use_stream = c.use_stream();
+  if (c.prefetch_depth() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".prefetch_depth: must be >= 1"));
+  }
+  if (c.prefetch_depth() > 0) o.prefetch_depth = c.prefetch_depth();
+  o.disk_dir = c.disk_dir();
+  if (c.budget_bytes() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".budget_bytes: must be >= 0"));
+  }
+  o.budget_bytes = c.budget_bytes();
+  if (c.staging_buffer_bytes() < 0 || c.staging_buffers() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".staging_*: must be >= 0"));
+  }
+  if (c.staging_buffer_bytes() > 0) o.staging_buffer_bytes = c.staging_buffer_bytes();
+  if (c.staging_buffers() > 0) o.staging_buffers = c.staging_buffers();
+  return o;
+}
+
+absl::StatusOr<PipelineGroupOffloadOptions> ToPipelineGroupOffloadOptions(
+    const v1::PipelineGroupOffload& c, const std::string& field) {
+  PipelineGroupOffloadOptions o;
+  auto defaults = ToGroupOffloadOptions(c.defaults(), absl::StrCat(field, ".defaults"));
+  if (!defaults.ok()) return defaults.status();
+  o.defaults = *defaults;
+  o.exclude.assign(c.exclude().begin(), c.exclude().end());
+  for (const auto& [name, override_config] : c.overrides()) {
+    auto converted = ToGroupOffloadOptions(override_config, absl::StrCat(field, ".overrides[", name, "]"));
+    if (!converted.ok()) return converted.status();
+    o.overrides[name] = *converted;
+  }
+  return o;
 }
 
 }  // namespace stowage

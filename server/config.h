@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "placement/placement_manager.h"
 #include "stowage/v1/config.pb.h"
 
 namespace stowage {
@@ -22,6 +23,13 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
 // configured), then validates. Errors are INVALID_ARGUMENT with the field path, e.g.
 // "pipelines[1].name: 'Tiny!' must match [a-z0-9_-]{1,64}".
 absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config);
+
+// Converts validated config messages to the engine's options. `field` names the message in errors
+// ("pipelines[0].group_offload.defaults").
+absl::StatusOr<GroupOffloadOptions> ToGroupOffloadOptions(const v1::GroupOffloadConfig& config,
+                                                          const std::string& field);
+absl::StatusOr<PipelineGroupOffloadOptions> ToPipelineGroupOffloadOptions(
+    const v1::PipelineGroupOffload& config, const std::string& field);
 
 }  // namespace stowage
 

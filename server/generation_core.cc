@@ -11,6 +11,7 @@
 #include "google/protobuf/util/time_util.h"
 #include "models/tiny_pipeline.h"
 #include "offload/status_macros.h"
+#include "server/config.h"
 #include "server/process_memory.h"
 
 namespace stowage {
@@ -69,6 +70,11 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
     ASSIGN_OR_RETURN(std::unique_ptr<Pipeline> pipeline, CreateTinyPipeline(options));
     for (Component* component : pipeline->components()) {
       RETURN_IF_ERROR(core->placement_->Register(p.name(), component));
+    }
+    if (p.group_offload().enabled()) {
+      ASSIGN_OR_RETURN(PipelineGroupOffloadOptions offload,
+                       ToPipelineGroupOffloadOptions(p.group_offload(), p.name()));
+      RETURN_IF_ERROR(core->placement_->EnablePipelineGroupOffload(p.name(), offload));
     }
     core->pipelines_.push_back(Hosted{std::move(pipeline), p.default_()});
   }

@@ -66,8 +66,9 @@ class GenerationCore {
 
   ServerMetrics* metrics_ = nullptr;
   std::unique_ptr<DeviceBackend> backend_;
-  std::unique_ptr<PlacementManager> placement_;
   std::vector<Hosted> pipelines_;
+  // After the pipelines: destroyed before them, since group offloading hooks their modules.
+  std::unique_ptr<PlacementManager> placement_;
   // Declared last: destroyed first, so queued jobs finish while everything they use still exists.
   std::unique_ptr<DeviceWorker> worker_;
 };

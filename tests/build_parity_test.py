@@ -5,11 +5,16 @@ Bazel is the build wherever Bazel runs; CMakeLists.txt describes the same target
 Bazel (the GPU host). This test fails, naming the files, when
   * a .cc file is in the srcs of a cc_library/cc_binary/cc_test in some BUILD file but not in
     CMakeLists.txt, or the other way round;
-  * a .cc file under offload/ models/ placement/ server/ clients/ tests/ exists on disk but
-    neither description builds it;
+  * a .cc file under offload/ models/ placement/ server/ clients/ tests/ (or any other top-level
+    folder with a BUILD file, third_party/ excepted) exists on disk but neither description
+    builds it;
   * a listed .cc file does not exist;
-  * a cc rule's srcs is not a literal list (glob(), select(), variables), which this check (and
-    the explicit CMake list) cannot follow.
+  * a cc rule's srcs or deps is not a literal list (glob(), select(), variables), which this check
+    (and the explicit CMake list) cannot follow;
+  * a cc rule has no stowage_cc_* call of the same target in CMakeLists.txt (or the other way
+    round), or the two list different dependencies. Names map by convention: //pkg:lib ->
+    pkg_lib (slashes become underscores) for libraries, //pkg:bin -> bin for binaries and tests
+    (with PACKAGE pkg), @system//:x -> stowage_sys_x, @libtorch//:torch -> stowage_torch.
 Generated sources (genrule outputs, protoc's *.pb.cc from cc_grpc_proto_library) are not listed by
 name in either description and are skipped.
 
@@ -26,15 +31,16 @@ from __future__ import annotations
 import ast
 import os
 import re
-import sys
 import tempfile
 import textwrap
 import unittest
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set, Tuple
 
-# Directories whose .cc files must be built by both descriptions.
+# Directories whose .cc files must be built by both descriptions; every other top-level folder
+# that holds a BUILD file (bench/, ...) is added to these, third_party/ excepted.
 SOURCE_DIRS = ("offload", "models", "placement", "server", "clients", "tests")
+NOT_SOURCE_DIRS = ("third_party",)
 BUILD_FILE_NAMES = ("BUILD", "BUILD.bazel")
 CMAKE_FILE = "CMakeLists.txt"
 # Rule names whose srcs are compiled: cc_library, native.cc_test, and macros such as
@@ -78,11 +84,24 @@ def find_repo_root() -> str:
 
 
 @dataclass
+class Rule:
+    """A C++ target of either description, its dependencies in the other's naming mapped away."""
+
+    label: str  # //pkg:name (Bazel) or the CMake target name
+    package: str
+    name: str
+    kind: str  # library, binary or test
+    deps: List[str]
+    where: str
+
+
+@dataclass
 class Sources:
-    """Sources a description builds: repo-relative path -> where it is listed."""
+    """Sources a description builds: repo-relative path -> where it is listed; and its targets."""
 
     files: Dict[str, List[str]] = field(default_factory=dict)
     problems: List[str] = field(default_factory=list)
+    rules: Dict[str, Rule] = field(default_factory=dict)
 
     def add(self, path: str, where: str) -> None:
         self.files.setdefault(path, []).append(where)
@@ -147,6 +166,30 @@ def _label_to_path(label: str, package: str) -> Optional[str]:
     return os.path.normpath(os.path.join(package, label)) if package else os.path.normpath(label)
 
 
+def normalize_label(dep: str, package: str) -> str:
+    """A deps entry as a full label: ':x' -> //pkg:x, '//a/b' -> //a/b:b, '@r//p' -> @r//p:p."""
+    repo = ""
+    if dep.startswith("@"):
+        repo, _, rest = dep.partition("//")
+        dep = "//" + rest
+        if repo in ("@", "@stowage"):
+            repo = ""
+    if dep.startswith("//"):
+        pkg, _, name = dep[2:].partition(":")
+        return f"{repo}//{pkg}:{name or pkg.rsplit('/', 1)[-1]}"
+    return f"//{package}:{dep[1:] if dep.startswith(':') else dep}"
+
+
+def _rule_kind(rule: str) -> Optional[str]:
+    if rule.endswith("cc_grpc_proto_library") or rule.endswith("cc_library"):
+        return "library"
+    if rule.endswith("cc_binary"):
+        return "binary"
+    if rule.endswith("cc_test"):
+        return "test"
+    return None
+
+
 def parse_build_file(path: str, package: str, sources: Sources) -> None:
     """Adds the .cc srcs of every cc rule in one BUILD file to `sources`."""
     with open(path, encoding="utf-8") as f:
@@ -167,7 +210,7 @@ def parse_build_file(path: str, package: str, sources: Sources) -> None:
                     generated.add(_label_to_path(out, package) or out)
     for call in calls:
         rule = _call_name(call)
-        if not rule or not CC_RULE_RE.search(rule):
+        if not rule or not (CC_RULE_RE.search(rule) or rule.endswith("cc_grpc_proto_library")):
             continue
         kwargs = {kw.arg: kw.value for kw in call.keywords if kw.arg}
         name_node = kwargs.get("name")
@@ -177,7 +220,18 @@ def parse_build_file(path: str, package: str, sources: Sources) -> None:
             else f"<{rule} at line {call.lineno}>"
         )
         label = f"//{package}:{name}"
-        if "srcs" not in kwargs:
+        deps = _string_list(kwargs["deps"]) if "deps" in kwargs else []
+        if deps is None:
+            sources.problems.append(
+                f"{display}:{call.lineno}: {label}: deps is not a literal list of strings; list "
+                f"them explicitly, as CMakeLists.txt must"
+            )
+            deps = []
+        sources.rules[label] = Rule(
+            label, package, name, _rule_kind(rule) or "library",
+            [normalize_label(d, package) for d in deps], f"{display}:{call.lineno}",
+        )
+        if "srcs" not in kwargs or not CC_RULE_RE.search(rule):
             continue
         srcs = _string_list(kwargs["srcs"])
         if srcs is None:
@@ -248,6 +302,9 @@ def _strip_cmake_comments(text: str) -> str:
 
 
 _CMAKE_CC_RE = re.compile(r"(?<![\w/.${}+-])([\w./+-]+\.cc)(?![\w.])")
+_CMAKE_CALL_RE = re.compile(
+    r"\b(stowage_cc_(?:library|binary|test|grpc_proto_library))\s*\(([^)]*)\)", re.DOTALL)
+_CMAKE_KEYWORDS = {"SRCS", "DEPS", "PACKAGE", "SIZE", "ARGS"}
 _CMAKE_ROOT_VARS = re.compile(r"\$\{(?:CMAKE_CURRENT_SOURCE_DIR|CMAKE_SOURCE_DIR|PROJECT_SOURCE_DIR)\}/")
 
 
@@ -264,20 +321,66 @@ def cmake_sources(root: str) -> Sources:
             if token.endswith(GENERATED_SUFFIXES):
                 continue
             sources.add(os.path.normpath(token), f"{CMAKE_FILE}:{lineno}")
+    for match in _CMAKE_CALL_RE.finditer(text):
+        function, body = match.group(1), match.group(2)
+        tokens = [t.strip('"') for t in body.split()]
+        if not tokens or "$" in tokens[0]:
+            continue  # The helper functions' own calls, e.g. stowage_cc_binary(${name} ...).
+        sections: Dict[str, List[str]] = {}
+        current = None
+        for token in tokens[1:]:
+            if token in _CMAKE_KEYWORDS:
+                current = token
+                sections.setdefault(current, [])
+            elif current:
+                sections[current].append(token)
+        lineno = text.count("\n", 0, match.start()) + 1
+        kind = _rule_kind(function.replace("stowage_", "")) or "library"
+        package = (sections.get("PACKAGE") or [""])[0]
+        sources.rules[tokens[0]] = Rule(
+            tokens[0], package, tokens[0], kind, sections.get("DEPS", []), f"{CMAKE_FILE}:{lineno}")
     return sources
 
 
-def disk_sources(root: str) -> Set[str]:
-    """.cc files on disk under SOURCE_DIRS."""
+def source_dirs(build_files: List[str]) -> Set[str]:
+    """SOURCE_DIRS and every other top-level folder holding a BUILD file."""
+    dirs = set(SOURCE_DIRS)
+    for build_file in build_files:
+        top = build_file.split(os.sep, 1)[0]
+        if os.sep in build_file and top not in NOT_SOURCE_DIRS:
+            dirs.add(top)
+    return dirs
+
+
+def disk_sources(root: str, dirs: Set[str]) -> Set[str]:
+    """.cc files on disk under `dirs`."""
     found = set()
     for rel_dir, filenames in _walk(root):
         top = rel_dir.split(os.sep, 1)[0]
-        if top not in SOURCE_DIRS:
+        if top not in dirs:
             continue
         for name in filenames:
             if name.endswith(".cc") and not name.endswith(GENERATED_SUFFIXES):
                 found.add(os.path.join(rel_dir, name))
     return found
+
+
+# External Bazel targets and their CMake counterparts; @system//:x maps to stowage_sys_x.
+EXTERNAL_TARGETS = {"@libtorch//:torch": "stowage_torch"}
+
+
+def cmake_name(label: str, bazel_rules: Dict[str, Rule]) -> Optional[str]:
+    """The CMake target the naming convention gives a Bazel label; None if it is no C++ target."""
+    if label in EXTERNAL_TARGETS:
+        return EXTERNAL_TARGETS[label]
+    if label.startswith("@system//:"):
+        return "stowage_sys_" + label.split(":", 1)[1]
+    rule = bazel_rules.get(label)
+    if rule is None:
+        return None
+    if rule.kind in ("binary", "test"):
+        return rule.name
+    return rule.package.replace("/", "_") + "_" + rule.name
 
 
 @dataclass
@@ -286,6 +389,41 @@ class Report:
     bazel: Sources
     cmake: Sources
     disk: Set[str]
+    dirs: Set[str] = field(default_factory=set)
+
+    def target_drift(self) -> List[str]:
+        """Targets missing from one description, and dependency lists that differ."""
+        out = []
+        mapped = set()
+        for label, rule in sorted(self.bazel.rules.items()):
+            name = cmake_name(label, self.bazel.rules)
+            mapped.add(name)
+            target = self.cmake.rules.get(name)
+            if target is None:
+                out.append(f"{label} ({rule.where}): no stowage_cc_* call for target '{name}' "
+                           f"in {CMAKE_FILE}")
+                continue
+            if rule.kind in ("binary", "test") and target.package != rule.package:
+                out.append(f"{label}: {target.where} has PACKAGE '{target.package}', "
+                           f"expected '{rule.package}'")
+            want = set()
+            for dep in rule.deps:
+                dep_name = cmake_name(dep, self.bazel.rules)
+                if dep_name is None:
+                    out.append(f"{label}: dependency {dep} is not a C++ target this check knows")
+                else:
+                    want.add(dep_name)
+            have = set(target.deps)
+            if want - have:
+                out.append(f"{label}: {target.where} lacks DEPS {', '.join(sorted(want - have))}")
+            if have - want:
+                out.append(f"{label}: {target.where} has DEPS {', '.join(sorted(have - want))} "
+                           f"that {rule.where} does not")
+        for name, target in sorted(self.cmake.rules.items()):
+            if name not in mapped:
+                out.append(f"CMake target '{name}' ({target.where}) matches no cc rule of any "
+                           f"BUILD file")
+        return out
 
     def only_in_bazel(self) -> List[str]:
         return [
@@ -317,7 +455,8 @@ class Report:
 
 def check(root: str) -> Report:
     bazel, build_files = bazel_sources(root)
-    return Report(build_files, bazel, cmake_sources(root), disk_sources(root))
+    dirs = source_dirs(build_files)
+    return Report(build_files, bazel, cmake_sources(root), disk_sources(root, dirs), dirs)
 
 
 def _fail_message(what: str, items: List[str], hint: str) -> str:
@@ -360,8 +499,15 @@ class BuildParityTest(unittest.TestCase):
         items = self.report.unbuilt()
         if items:
             self.fail(_fail_message(
-                f"sources under {'/ '.join(SOURCE_DIRS)}/ built by neither description", items,
+                f"sources under {'/ '.join(sorted(self.report.dirs))}/ built by neither description", items,
                 f"Add them to a BUILD file and {CMAKE_FILE}, or delete them."))
+
+    def test_targets_and_dependencies_match(self):
+        items = self.report.target_drift()
+        if items:
+            self.fail(_fail_message(
+                "differences between the BUILD files' cc rules and CMakeLists.txt's targets", items,
+                f"Mirror the BUILD files in {CMAKE_FILE} (see its header for the naming)."))
 
     def test_every_listed_source_exists(self):
         items = self.report.missing_on_disk(self.root)
@@ -407,9 +553,17 @@ class CheckerSelfTest(unittest.TestCase):
         "third_party/bazel/rules_cc/BUILD": 'cc_library(name = "ignored", srcs = ["nope.cc"])\n',
         "CMakeLists.txt": """
             # offload/commented_out.cc is only a comment
-            stowage_cc_library(offload_a SRCS offload/a.cc DEPS x)  # trailing offload/c2.cc
+            function(stowage_cc_test name)
+              stowage_cc_binary(${name} PACKAGE ${ARG_PACKAGE} SRCS ${ARG_SRCS})
+            endfunction()
+            stowage_cc_grpc_proto_library(proto_p SRCS stowage/v1/x.proto)
+            stowage_cc_library(offload_a SRCS offload/a.cc DEPS stowage_sys_absl)  # offload/c2.cc
             #[[ bracket comment offload/c3.cc ]]
-            stowage_cc_test(a_test PACKAGE offload SRCS "${CMAKE_CURRENT_SOURCE_DIR}/offload/a_test.cc")
+            stowage_cc_test(a_test
+              PACKAGE offload
+              SRCS "${CMAKE_CURRENT_SOURCE_DIR}/offload/a_test.cc"
+              DEPS offload_a)
+            stowage_cc_library(offload_gen SRCS "${GEN_DIR}/gen.cc")
             set(gen "${GEN_DIR}/${base}.pb.cc" ${GEN_DIR}/x.grpc.pb.cc)
         """,
     }
@@ -430,6 +584,23 @@ class CheckerSelfTest(unittest.TestCase):
         self.assertEqual(sorted(report.bazel.files), ["offload/a.cc", "offload/a_test.cc"])
         self.assertEqual(sorted(report.cmake.files), ["offload/a.cc", "offload/a_test.cc"])
         self.assertEqual(report.only_in_bazel() + report.only_in_cmake() + report.unbuilt(), [])
+        self.assertEqual(report.target_drift(), [])
+
+    def test_dependency_drift_is_named(self):
+        root = self.tree({"CMakeLists.txt": self.BASE["CMakeLists.txt"].replace(
+            "DEPS stowage_sys_absl)", "DEPS stowage_sys_grpc)").replace(
+            "stowage_cc_library(offload_gen", "stowage_cc_library(offload_renamed")})
+        drift = check(root).target_drift()
+        self.assertEqual(len(drift), 4, drift)
+        self.assertIn("//offload:a: CMakeLists.txt:7 lacks DEPS stowage_sys_absl", drift)
+        self.assertIn("//offload:a: CMakeLists.txt:7 has DEPS stowage_sys_grpc that "
+                      "offload/BUILD:3 does not", drift)
+        self.assertTrue(any("//offload:gen" in d and "'offload_gen'" in d for d in drift), drift)
+        self.assertTrue(any("'offload_renamed'" in d for d in drift), drift)
+
+    def test_new_top_level_package_is_scanned(self):
+        report = check(self.tree({"bench/BUILD": "", "bench/orphan.cc": ""}))
+        self.assertEqual(report.unbuilt(), ["bench/orphan.cc  (on disk, built by neither)"])
 
     def test_source_missing_from_cmake_is_named(self):
         root = self.tree({"offload/BUILD": self.BASE["offload/BUILD"].replace(

@@ -17,6 +17,8 @@
 #   STOWAGE_CUDA             AUTO (default), ON (fail unless torch has CUDA) or OFF
 #   STOWAGE_CLIENT           auto (default: stowctl if built, else the Python client), cpp, python, both
 #   STOWAGE_PROMPT           prompt of the Generate request
+#   STOWAGE_SERVER_ARGS      extra stowage_server flags, e.g. --config=FILE (split on spaces; the
+#                            address and port-file flags are always the script's own)
 #   STOWAGE_SKIP_TESTS=1     do not run ctest
 #   STOWAGE_THREAD_STACK_SHIM  auto (default): when civetweb cannot start its threads next to the
 #                            CUDA LibTorch (see thread_stack_shim.c), report that and retry with the
@@ -345,8 +347,9 @@ server_rc=0
 start_server() {  # start_server PRELOAD: 0 serving, 1 exited before serving, 2 timed out
   rm -f "${port_file}"
   log "starting ${server_bin}${1:+ with LD_PRELOAD=$1}"
-  LD_PRELOAD="$1" LD_LIBRARY_PATH="${run_ld_path}" "${server_bin}" --grpc_address=127.0.0.1:0 \
-    --metrics_address=127.0.0.1:0 --port_file="${port_file}" >"${OUT}/server.log" 2>&1 &
+  LD_PRELOAD="$1" LD_LIBRARY_PATH="${run_ld_path}" "${server_bin}" "${server_args[@]}" \
+    --grpc_address=127.0.0.1:0 --metrics_address=127.0.0.1:0 --port_file="${port_file}" \
+    >"${OUT}/server.log" 2>&1 &
   server_pid=$!
   waited=0
   while [[ ! -s "${port_file}" ]]; do
@@ -361,6 +364,7 @@ start_server() {  # start_server PRELOAD: 0 serving, 1 exited before serving, 2 
     waited=$((waited + 1))
   done
 }
+read -r -a server_args <<<"${STOWAGE_SERVER_ARGS:-}"
 server_status=0
 shim_note="${preload:+; thread-stack shim preloaded}"
 start_server "${preload}" || server_status=$?
@@ -388,7 +392,9 @@ metrics_address="${addresses[1]:-}"
 [[ -n "${grpc_address}" ]] || die server "cannot read grpc_address from the port file: $(cat "${port_file}")"
 device="$(grep -o 'device [^ ,]*' "${OUT}/server.log" | head -1 | cut -d' ' -f2 || true)"
 server_note="gRPC ${grpc_address}, metrics ${metrics_address:-none}, device ${device:-?} after $((waited / 2)) s${shim_note}"
-if [[ "${with_cuda}" == ON && "${device}" != cuda* ]]; then
+if ((${#server_args[@]})); then
+  record server ok "${server_note}; extra flags: ${server_args[*]}"
+elif [[ "${with_cuda}" == ON && "${device}" != cuda* ]]; then
   record server FAILED "${server_note}: built with CUDA but not serving on a CUDA device"
 else
   record server ok "${server_note}"
@@ -398,6 +404,7 @@ fi
 # 6. One Generate request through the C++ client, or the Python one.
 # ---------------------------------------------------------------------------------------------
 server_gone() {  # Succeeds (printing why) when the server has exited since it started serving.
+  sleep 1  # A server that is crashing may take a moment to go.
   if [[ -n "${server_pid}" ]] && kill -0 "${server_pid}" 2>/dev/null; then return 1; fi
   echo "; the server has exited: $(grep -m 2 -E 'terminate|what\(\)|Segmentation|Abort|F[0-9]{4}|rror' \
     "${OUT}/server.log" | tr '\n' ' ' | head -c 300)"

@@ -270,5 +270,41 @@ TEST_F(ServerE2ETest, MetricsPageHoldsTheRequestsValues) {
   EXPECT_GT(value("stowage_process_resident_memory_bytes"), 1 << 20);
 }
 
+TEST(ServerGroupOffloadE2ETest, ConfiguredGroupOffloadKeepsTheImageAndLowersPeakDeviceMemory) {
+  auto generate = [](const v1::ServerConfig& config) {
+    auto server = StowageServer::Start(config);
+    EXPECT_TRUE(server.ok()) << server.status();
+    auto stub = v1::GenerationService::NewStub(
+        grpc::CreateChannel((*server)->grpc_address(), grpc::InsecureChannelCredentials()));
+    GenerateRequest request;
+    request.set_prompt("a lantern");
+    request.set_width(64);
+    request.set_height(64);
+    request.set_num_inference_steps(3);
+    request.set_seed(4);
+    GenerateResponse response;
+    for (int i = 0; i < 2; ++i) {  // The second request sees the steady state.
+      grpc::ClientContext context;
+      EXPECT_TRUE(stub->Generate(&context, request, &response).ok());
+    }
+    return response;
+  };
+  v1::ServerConfig plain;
+  plain.set_grpc_address("127.0.0.1:0");
+  plain.set_metrics_address("none");
+  v1::ServerConfig offloaded = plain;
+  v1::PipelineConfig* pipeline = offloaded.add_pipelines();
+  pipeline->set_name("tiny");
+  pipeline->set_builtin("tiny");
+  pipeline->mutable_group_offload()->set_enabled(true);
+  pipeline->mutable_group_offload()->mutable_defaults()->set_use_stream(true);
+  pipeline->mutable_group_offload()->add_exclude("text_encoder");
+  const GenerateResponse a = generate(plain);
+  const GenerateResponse b = generate(offloaded);
+  EXPECT_EQ(a.image(), b.image());
+  EXPECT_LT(b.stats().peak_device_memory_bytes(), a.stats().peak_device_memory_bytes());
+  EXPECT_GT(b.stats().host_to_device_bytes(), 0);  // Groups stream in on every request.
+}
+
 }  // namespace
 }  // namespace stowage

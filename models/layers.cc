@@ -94,7 +94,9 @@ at::Tensor ScaledDotProductAttention(const at::Tensor& q, const at::Tensor& k, c
   at::Tensor mask;
   if (key_mask.defined()) mask = key_mask.unsqueeze(1).unsqueeze(1);  // [B, 1, 1, keys]
 #if TORCH_VERSION_MAJOR >= 2
-  return at::scaled_dot_product_attention(q, k, v, mask);
+  // An undefined tensor is not "no mask" to SDPA: pass nullopt.
+  return mask.defined() ? at::scaled_dot_product_attention(q, k, v, mask)
+                        : at::scaled_dot_product_attention(q, k, v, c10::nullopt);
 #else
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   at::Tensor scores = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-2, -1)) * scale;

@@ -49,6 +49,9 @@ class CudaBackend : public DeviceBackend {
     size_t free_bytes = 0;
     size_t total_bytes = 0;
     c10::cuda::CUDAGuard guard(device_);
+    // LibTorch initialises CUDA and its caching allocator lazily, at the first allocation; the
+    // allocator's statistics calls fail ("Invalid device argument") before that.
+    (void)at::empty({1}, at::TensorOptions().dtype(at::kByte).device(device_));
     if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
       total_bytes_ = static_cast<int64_t>(total_bytes);
     }

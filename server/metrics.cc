@@ -1,6 +1,10 @@
 #include "server/metrics.h"
 
+#include <dlfcn.h>
+#include <pthread.h>
+
 #include <cctype>
+#include <cstddef>
 #include <vector>
 
 #include "prometheus/client_metric.h"
@@ -114,3 +118,23 @@ std::shared_ptr<prometheus::Collectable> MakeProcessMemoryCollectable() {
 }
 
 }  // namespace stowage
+
+// Minimum thread stack size for threads whose creator asks for a tiny one.
+//
+// Debian's civetweb (the HTTP server inside prometheus-cpp's Exposer) creates its threads with a
+// fixed 100 KiB stack. glibc carves a thread's static TLS out of its stack, and a process that
+// links the CUDA LibTorch has more static TLS than that, so civetweb's threads fail to start and
+// the exporter reports "null context when constructing CivetServer" (seen on the H200 host with
+// torch 2.11+cu130; see deploy/gpu_host/README.md). Defining pthread_attr_setstacksize in this library (linked by the
+// server binary and its tests) interposes the C library's (executable symbols come first in the dynamic linker's
+// lookup): requests below kMinimumStackBytes are raised to it; larger ones are untouched.
+namespace {
+constexpr size_t kMinimumStackBytes = size_t{8} << 20;
+using SetStackSize = int (*)(pthread_attr_t*, size_t);
+}  // namespace
+
+extern "C" int pthread_attr_setstacksize(pthread_attr_t* attr, size_t size) {
+  static const SetStackSize real =
+      reinterpret_cast<SetStackSize>(dlsym(RTLD_NEXT, "pthread_attr_setstacksize"));
+  return real(attr, size < kMinimumStackBytes ? kMinimumStackBytes : size);
+}

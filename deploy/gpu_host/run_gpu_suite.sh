@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call: build with CMake, run the unit tests, serve a Generate on the GPU
+# (build_and_serve.sh), then run offload_bench's rows on the real CUDA path. Everything lands in
+# $OUT as at most three files (the device tool returns at most 8): summary.txt,
+# offload_bench.jsonl and gpu_run.tgz (all logs).
+#
+#   OUT=/some/dir deploy/gpu_host/run_gpu_suite.sh
+set -uo pipefail
+repo_root="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.." && pwd)"
+cd "$repo_root"
+OUT="${OUT:-$repo_root/gpu_out}"
+mkdir -p "$OUT"
+logs="$(mktemp -d /tmp/stowage-gpu-logs.XXXXXX)"
+
+# The server links its own fix for civetweb's thread stacks: no preloaded shim.
+STOWAGE_THREAD_STACK_SHIM="${STOWAGE_THREAD_STACK_SHIM:-never}" OUT="$logs" \
+  timeout "${STOWAGE_SERVE_TIMEOUT:-330}" deploy/gpu_host/build_and_serve.sh
+serve_rc=$?
+cp "$logs/summary.txt" "$OUT/summary.txt" 2>/dev/null || echo "build_and_serve.sh left no summary (rc $serve_rc)" >"$OUT/summary.txt"
+
+bench="$repo_root/build/gpu/bench/offload_bench"
+machine="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(nproc) cores"
+if [ -x "$bench" ]; then
+  export LD_LIBRARY_PATH="/tmp/stowage-deps/usr/lib/x86_64-linux-gnu:$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))'):${LD_LIBRARY_PATH:-}"
+  echo "offload_bench on: $machine" | tee -a "$OUT/summary.txt"
+  timeout "${STOWAGE_BENCH_TIMEOUT:-300}" "$bench" --config=full --backend=cuda \
+    --rows="${STOWAGE_BENCH_ROWS:-resident,block_pinned,leaf_pinned,block_lowram,leaf_lowram,budget25,budget50,budget75,block_disk}" \
+    --out="$OUT/offload_bench.jsonl" --machine="$machine" --disk_dir=/tmp/stowage-bench-disk \
+    2>&1 | tee "$logs/offload_bench.txt"
+  echo "offload_bench exit: ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
+  cat "$logs/offload_bench.txt" >>"$OUT/summary.txt"
+else
+  echo "offload_bench was not built" | tee -a "$OUT/summary.txt"
+fi
+tar czf "$OUT/gpu_run.tgz" -C "$logs" . 2>/dev/null
+exit "$serve_rc"

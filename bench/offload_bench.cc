@@ -37,7 +37,10 @@ ABSL_FLAG(std::string, machine, "unknown", "Machine name recorded in every row")
 ABSL_FLAG(std::string, disk_dir, "/tmp/stowage-offload-bench", "Directory for the disk row");
 ABSL_FLAG(int64_t, staging_mib, 64, "Staging buffer size (low-CPU-RAM and disk rows)");
 ABSL_FLAG(int, staging_buffers, 4, "Staging buffers (low-CPU-RAM and disk rows)");
-ABSL_FLAG(int, prefetch_depth, 1, "Prefetch depth of the streamed rows");
+ABSL_FLAG(int, prefetch_depth, 1, "Prefetch depth of the streamed rows (a row's _d<N> suffix wins)");
+ABSL_FLAG(double, resident_step_s, 0,
+          "Resident step time measured by an earlier process (rows run one process each)");
+ABSL_FLAG(int, staging_threads, 8, "Threads copying into the staging buffers");
 
 namespace stowage {
 namespace {
@@ -60,6 +63,7 @@ struct RowResult {
   int64_t weight_bytes = 0;
   int64_t streamed_bytes = 0;
   int64_t working_set = 0;
+  int prefetch_depth = 0;
 };
 
 double Median(std::vector<double> v) {
@@ -107,17 +111,25 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     GroupOffloadOptions options;
     options.use_stream = backend.supports_streams();
     options.prefetch_depth = absl::GetFlag(FLAGS_prefetch_depth);
+    // A row name may end in "_d<N>": prefetch depth N for that row.
+    const size_t depth_at = row.rfind("_d");
+    if (depth_at != std::string::npos && depth_at + 2 < row.size() &&
+        row.find_first_not_of("0123456789", depth_at + 2) == std::string::npos) {
+      options.prefetch_depth = std::stoi(row.substr(depth_at + 2));
+    }
     options.type = row.rfind("leaf", 0) == 0 ? OffloadType::kLeafLevel : OffloadType::kBlockLevel;
     options.staging_buffer_bytes = absl::GetFlag(FLAGS_staging_mib) << 20;
     options.staging_buffers = absl::GetFlag(FLAGS_staging_buffers);
+    options.staging_threads = absl::GetFlag(FLAGS_staging_threads);
     if (row.find("lowram") != std::string::npos) options.target = OffloadTarget::kPageableHost;
     if (row.find("disk") != std::string::npos) {
       options.target = OffloadTarget::kDisk;
       options.disk_dir = absl::GetFlag(FLAGS_disk_dir);
     }
     if (row.rfind("budget", 0) == 0) {
-      options.budget_bytes = result.weight_bytes * std::stoi(row.substr(6)) / 100;
+      options.budget_bytes = result.weight_bytes * std::stoi(row.substr(6, 2)) / 100;
     }
+    result.prefetch_depth = options.use_stream ? options.prefetch_depth : 0;
     auto applied = GroupOffloader::Apply("stack", model, **weights, backend, options);
     if (!applied.ok()) return applied.status();
     offloader = *std::move(applied);
@@ -168,7 +180,7 @@ int Main() {
   const bool small = absl::GetFlag(FLAGS_config) == "small";
   const double bandwidth = MeasureBandwidth(*backend, small ? (int64_t{64} << 20) : (int64_t{1} << 30));
   std::vector<RowResult> results;
-  double resident_step = 0;
+  double resident_step = absl::GetFlag(FLAGS_resident_step_s);
   std::printf("device %s, pinned host->device %.1f GB/s\n", backend->name().c_str(), bandwidth / 1e9);
   std::printf("%-14s %9s %9s %7s %7s %12s %12s %11s %9s\n", "row", "step_s", "floor_s", "x_floor",
               "x_res", "peak_dev_GB", "peak_rss_GB", "weights_GB", "h2d_GB/s");
@@ -195,11 +207,12 @@ int Main() {
           "\"peak_device_bytes\": %d, \"peak_rss_bytes\": %d, \"weight_bytes\": %d, "
           "\"streamed_bytes\": %d, \"working_set_bytes\": %d, \"h2d_bandwidth_bytes_per_s\": %.0f, "
           "\"achieved_h2d_bytes_per_s\": %.0f, \"config\": \"%s\", \"device\": \"%s\", "
-          "\"prefetch_depth\": %d, \"staging\": \"%dx%dMiB\", \"machine\": \"%s\"}\n",
+          "\"prefetch_depth\": %d, \"staging\": \"%dx%dMiB, %d threads\", \"machine\": \"%s\"}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
-          absl::GetFlag(FLAGS_config), backend->name(), absl::GetFlag(FLAGS_prefetch_depth),
-          absl::GetFlag(FLAGS_staging_buffers), absl::GetFlag(FLAGS_staging_mib),
+          absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
+          absl::GetFlag(FLAGS_staging_buffers),
+          absl::GetFlag(FLAGS_staging_mib), absl::GetFlag(FLAGS_staging_threads),
           absl::GetFlag(FLAGS_machine));
       out.flush();
     }

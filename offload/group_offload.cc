@@ -9,8 +9,13 @@
 #include <map>
 #include <set>
 
+#include <malloc.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
 #include <ATen/Functions.h>
-#include <ATen/Parallel.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -42,16 +47,79 @@ uint64_t HashBytes(const uint8_t* data, int64_t n, uint64_t h) {
   return h;
 }
 
-void ParallelMemcpy(uint8_t* dst, const uint8_t* src, int64_t n) {
-  constexpr int64_t kGrain = int64_t{4} << 20;
-  if (n <= kGrain) {
-    std::memcpy(dst, src, static_cast<size_t>(n));
-    return;
+// Copies large buffers with a few dedicated threads: one core's memcpy (~5-10 GB/s) is far below
+// the host-to-device link, so staging pageable memory needs several in parallel.
+class MemcpyPool {
+ public:
+  explicit MemcpyPool(int threads) {
+    for (int i = 0; i < threads; ++i) workers_.emplace_back([this, i] { Loop(i); });
   }
-  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
-    std::memcpy(dst + begin, src + begin, static_cast<size_t>(end - begin));
-  });
-}
+  ~MemcpyPool() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      ++generation_;
+    }
+    cv_.notify_all();
+    for (std::thread& t : workers_) t.join();
+  }
+  void Copy(uint8_t* dst, const uint8_t* src, int64_t n) {
+    constexpr int64_t kMinSlice = int64_t{1} << 20;
+    const int parts = static_cast<int>(std::min<int64_t>(workers_.size() + 1, std::max<int64_t>(1, n / kMinSlice)));
+    if (parts <= 1) {
+      std::memcpy(dst, src, static_cast<size_t>(n));
+      return;
+    }
+    const int64_t slice = (n + parts - 1) / parts;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      dst_ = dst;
+      src_ = src;
+      n_ = n;
+      slice_ = slice;
+      active_ = parts - 1;  // Workers 0..parts-2 take slices 1..parts-1; the caller takes slice 0.
+      pending_ = parts - 1;
+      ++generation_;
+    }
+    cv_.notify_all();
+    std::memcpy(dst, src, static_cast<size_t>(std::min(slice, n)));
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return pending_ == 0; });
+  }
+
+ private:
+  void Loop(int index) {
+    uint64_t seen = 0;
+    for (;;) {
+      uint8_t* dst;
+      const uint8_t* src;
+      int64_t begin, end;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (stop_) return;
+        if (index >= active_) continue;
+        begin = (index + 1) * slice_;
+        end = std::min(n_, begin + slice_);
+        dst = dst_;
+        src = src_;
+      }
+      if (begin < end) std::memcpy(dst + begin, src + begin, static_cast<size_t>(end - begin));
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--pending_ == 0) done_cv_.notify_all();
+    }
+  }
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+  uint8_t* dst_ = nullptr;
+  const uint8_t* src_ = nullptr;
+  int64_t n_ = 0, slice_ = 0;
+  int active_ = 0, pending_ = 0;
+};
 
 }  // namespace
 
@@ -115,8 +183,9 @@ struct GroupOffloader::Impl {
   std::vector<Module*> hooked;
   std::vector<at::Tensor> staging;
   std::vector<std::unique_ptr<DeviceEvent>> staging_done;
+  std::unique_ptr<MemcpyPool> memcpy_pool;
   size_t next_staging = 0;
-  std::vector<Group*> order;  // Ring groups in execution order, recorded by the first forward.
+  std::vector<Group*> order;  // Streamed ring groups in execution order (first forward).
   bool recording = true;
   int64_t cursor = 0;         // Absolute position of the next expected ring onload.
   GroupOffloadStats stats;
@@ -216,7 +285,20 @@ struct GroupOffloader::Impl {
         always_on += g->bytes;
       }
     }
-    std::sort(ring.begin(), ring.end(), [](Group* a, Group* b) { return a->bytes > b->bytes; });
+    // Largest first. Among equal sizes, a low-discrepancy order of the construction index, so that
+    // the groups the budget keeps resident are spread along the forward: streaming the others then
+    // overlaps the resident groups' compute instead of queueing behind one long resident stretch.
+    std::vector<double> spread(groups.size());
+    for (size_t i = 0; i < groups.size(); ++i) {
+      const double x = static_cast<double>(i) * 0.6180339887498949;
+      spread[i] = x - static_cast<int64_t>(x);
+    }
+    std::map<Group*, double> key;
+    for (size_t i = 0; i < groups.size(); ++i) key[groups[i].get()] = spread[i];
+    std::sort(ring.begin(), ring.end(), [&](Group* a, Group* b) {
+      if (a->bytes != b->bytes) return a->bytes > b->bytes;
+      return key[a] < key[b];
+    });
     if (options.budget_bytes > 0) {
       // Candidate slot sizes: 0 (everything resident) or any group's size. Groups larger than the
       // slot must be resident; the rest fill the remaining budget greedily, largest first.
@@ -310,8 +392,15 @@ struct GroupOffloader::Impl {
           weights->ReplaceHost(*t.entry, view);
         }
       }
+      // The pageable originals are gone; hand their pages back to the kernel (glibc keeps freed
+      // blocks below its mmap threshold in the heap otherwise, and RSS would count them twice).
+      ::malloc_trim(0);
     } else {
-      if (options.target == OffloadTarget::kDisk) RETURN_IF_ERROR(PrepareDisk());
+      if (options.target == OffloadTarget::kDisk) {
+        RETURN_IF_ERROR(PrepareDisk());
+        ::malloc_trim(0);
+      }
+      memcpy_pool = std::make_unique<MemcpyPool>(options.staging_threads - 1);
       for (int i = 0; i < options.staging_buffers; ++i) {
         ASSIGN_OR_RETURN(at::Tensor buffer, backend->AllocatePinnedHost(options.staging_buffer_bytes));
         staging.push_back(buffer);
@@ -432,7 +521,7 @@ struct GroupOffloader::Impl {
         next_staging = (next_staging + 1) % staging.size();
         if (staging_done[k]) staging_done[k]->Wait();  // Its previous DMA has read it.
         const int64_t len = std::min<int64_t>(n - done, staging[k].numel());
-        ParallelMemcpy(staging[k].data_ptr<uint8_t>(), src + done, len);
+        memcpy_pool->Copy(staging[k].data_ptr<uint8_t>(), src + done, len);
         backend->CopyToDeviceAsync(dst.narrow(0, t.offset + done, len), staging[k].narrow(0, 0, len));
         staging_done[k] = backend->RecordOnCopyStream();
         done += len;
@@ -465,7 +554,7 @@ struct GroupOffloader::Impl {
   }
 
   void Onload(Group& g) {
-    if (g.resident) return;
+    if (g.resident) return;  // Resident groups are never in `order`: prefetch looks past them.
     if (!g.ring) {
       absl::StatusOr<at::Tensor> buffer = backend->AllocateBytes(g.bytes);
       if (!buffer.ok()) {

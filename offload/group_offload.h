@@ -65,6 +65,8 @@ struct GroupOffloadOptions {
   // kPageableHost / kDisk: staging ring of pinned buffers.
   int64_t staging_buffer_bytes = int64_t{64} << 20;
   int staging_buffers = 2;
+  // kPageableHost / kDisk: threads copying pageable memory into the staging buffers (>= 1).
+  int staging_threads = 8;
 };
 
 struct GroupOffloadStats {

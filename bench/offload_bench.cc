@@ -9,7 +9,9 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -89,6 +91,35 @@ double MeasureBandwidth(DeviceBackend& backend, int64_t bytes) {
     if (i > 0) seconds.push_back(s);
   }
   return static_cast<double>(bytes) / Median(seconds);
+}
+
+// Host memcpy bandwidth, pageable → pinned, with `threads` threads over 64 MiB chunks of a 2 GiB
+// source: the ceiling of the staged (low-CPU-RAM, disk) rows, which copy exactly this way.
+double MeasureMemcpy(DeviceBackend& backend, int threads, int64_t total) {
+  at::Tensor src = at::empty({total}, at::TensorOptions().dtype(at::kByte));
+  src.fill_(3);
+  const int64_t chunk = int64_t{64} << 20;
+  auto staging = backend.AllocatePinnedHost(chunk);
+  if (!staging.ok()) return 0;
+  uint8_t* dst = staging->data_ptr<uint8_t>();
+  const uint8_t* from = src.data_ptr<uint8_t>();
+  std::vector<double> runs;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int64_t off = 0; off < total; off += chunk) {
+      const int64_t n = std::min(chunk, total - off);
+      const int64_t slice = (n + threads - 1) / threads;
+      std::vector<std::thread> pool;
+      for (int t = 0; t < threads; ++t) {
+        const int64_t b = t * slice;
+        const int64_t e = std::min(n, b + slice);
+        if (b < e) pool.emplace_back([=] { std::memcpy(dst + b, from + off + b, static_cast<size_t>(e - b)); });
+      }
+      for (std::thread& th : pool) th.join();
+    }
+    runs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return static_cast<double>(total) / Median(runs);
 }
 
 absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, DeviceBackend& backend,
@@ -188,6 +219,18 @@ int Main() {
   if (!absl::GetFlag(FLAGS_out).empty()) out.open(absl::GetFlag(FLAGS_out), std::ios::app);
   const std::vector<std::string> rows = absl::StrSplit(absl::GetFlag(FLAGS_rows), ',', absl::SkipEmpty());
   for (const std::string& row : rows) {
+    if (row == "memcpy_probe") {
+      for (int threads : {1, 4, 8, 16}) {
+        const double rate = MeasureMemcpy(*backend, threads, small ? (int64_t{256} << 20) : (int64_t{2} << 30));
+        std::printf("memcpy pageable->pinned, %2d threads: %.1f GB/s\n", threads, rate / 1e9);
+        if (out.is_open()) {
+          out << absl::StrFormat("{\"row\": \"memcpy_probe\", \"threads\": %d, \"memcpy_bytes_per_s\": %.0f, "
+                                 "\"h2d_bandwidth_bytes_per_s\": %.0f, \"machine\": \"%s\"}\n",
+                                 threads, rate, bandwidth, absl::GetFlag(FLAGS_machine));
+        }
+      }
+      continue;
+    }
     auto result = RunRow(row, shape, *backend, dtype);
     if (!result.ok()) {
       std::printf("%-14s failed: %s\n", row.c_str(), std::string(result.status().message()).c_str());

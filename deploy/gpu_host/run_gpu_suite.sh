@@ -5,6 +5,10 @@
 # offload_bench.jsonl and gpu_run.tgz (all logs).
 #
 #   OUT=/some/dir deploy/gpu_host/run_gpu_suite.sh
+#
+# Environment: STOWAGE_BENCH_ROWS (comma list, one process each), STOWAGE_BENCH_ARGS (extra
+# offload_bench flags), STOWAGE_SERVE_TIMEOUT / STOWAGE_BENCH_TIMEOUT (seconds), and every variable
+# of build_and_serve.sh (STOWAGE_SKIP_TESTS=1 skips ctest).
 set -uo pipefail
 repo_root="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.." && pwd)"
 cd "$repo_root"
@@ -33,6 +37,7 @@ if [ -x "$bench" ]; then
     [ "$left" -gt 10 ] || { echo "bench: out of time before row $row" | tee -a "$logs/offload_bench.txt"; bench_rc=124; break; }
     timeout "$left" "$bench" --config=full --backend=cuda --rows="$row" --resident_step_s="$resident_step" \
       --out="$OUT/offload_bench.jsonl" --machine="$machine" --disk_dir=/tmp/stowage-bench-disk \
+      ${STOWAGE_BENCH_ARGS:-} \
       2>&1 | tee -a "$logs/offload_bench.txt" || bench_rc=$?
     if [ "$row" = resident ]; then
       resident_step=$(python3 -c 'import json,sys; print([json.loads(l) for l in open(sys.argv[1])][-1]["step_s"])' "$OUT/offload_bench.jsonl" 2>/dev/null || echo 0)

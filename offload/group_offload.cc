@@ -371,17 +371,26 @@ struct GroupOffloader::Impl {
     if (options.target == OffloadTarget::kPinnedHost) {
       // Pinned chunks, each group packed contiguously; the pageable originals are released group by
       // group, so RAM holds the weights once (plus at most one partly used chunk).
+      // First fit over the chunks allocated so far: groups of mixed sizes (leaf level) would
+      // otherwise strand the tail of each chunk.
       const int64_t chunk_bytes = std::max<int64_t>(int64_t{256} << 20, stats.slot_bytes);
-      at::Tensor chunk;
-      int64_t used = 0;
+      std::vector<std::pair<at::Tensor, int64_t>> chunks;  // (chunk, bytes used)
       for (auto& g : groups) {
         if (g->resident) continue;
-        if (!chunk.defined() || used + g->bytes > chunk.numel()) {
-          ASSIGN_OR_RETURN(chunk, backend->AllocatePinnedHost(std::max(chunk_bytes, g->bytes)));
-          used = 0;
+        std::pair<at::Tensor, int64_t>* fit = nullptr;
+        for (auto& chunk : chunks) {
+          if (chunk.first.numel() - chunk.second >= g->bytes) {
+            fit = &chunk;
+            break;
+          }
         }
-        g->host_packed = chunk.narrow(0, used, g->bytes);
-        used += g->bytes;
+        if (fit == nullptr) {
+          ASSIGN_OR_RETURN(at::Tensor chunk, backend->AllocatePinnedHost(std::max(chunk_bytes, g->bytes)));
+          chunks.emplace_back(std::move(chunk), 0);
+          fit = &chunks.back();
+        }
+        g->host_packed = fit->first.narrow(0, fit->second, g->bytes);
+        fit->second += g->bytes;
         uint8_t* base = g->host_packed.data_ptr<uint8_t>();
         for (TensorRef& t : g->tensors) {
           const at::Tensor& host = t.entry->host;

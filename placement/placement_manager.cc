@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "offload/out_of_memory.h"
 #include "offload/status_macros.h"
 
 namespace stowage {
@@ -21,7 +22,158 @@ const char* ComponentStateName(ComponentState state) {
   return "unknown";
 }
 
-PlacementManager::PlacementManager(DeviceBackend* backend) : backend_(backend) {}
+PlacementManager::PlacementManager(DeviceBackend* backend)
+    : backend_(backend), strategy_(MakeFootprintStrategy(0)) {}
+
+PlacementManager::~PlacementManager() {
+  absl::MutexLock lock(&mu_);
+  for (auto& entry : entries_) entry->group_offload.reset();
+}
+
+int64_t PlacementManager::FreeBytes() const {
+  const DeviceMemoryStats stats = backend_->GetMemoryStats();
+  if (stats.budget_bytes <= 0) return INT64_MAX;
+  return stats.budget_bytes - stats.allocated_bytes;
+}
+
+void PlacementManager::Record(const std::string& component, const std::string& action,
+                              int64_t bytes, int64_t free_before, const std::string& reason) {
+  PlacementDecision d;
+  d.time = absl::Now();
+  d.request_id = request_id_;
+  d.component = component;
+  d.action = action;
+  d.bytes = bytes;
+  d.free_before = free_before;
+  d.free_after = FreeBytes();
+  d.strategy = strategy_->name();
+  d.reason = reason;
+  log_.push_back(std::move(d));
+  while (log_.size() > kLogCapacity) log_.pop_front();
+}
+
+StrategyInput PlacementManager::InputFor(const Entry& target, int64_t needed) const {
+  StrategyInput in;
+  in.target = Candidate{target.id, target.component->name(), target.component->weight_bytes(), target.last_use};
+  in.needed_bytes = needed;
+  in.free_bytes = FreeBytes();
+  for (const auto& e : entries_) {
+    if (e.get() == &target || e->state != ComponentState::kResident) continue;
+    in.resident.push_back(Candidate{e->id, e->component->name(), e->component->weight_bytes(), e->last_use});
+  }
+  return in;
+}
+
+void PlacementManager::Offload(Entry& entry, const std::string& reason) {
+  if (entry.state != ComponentState::kResident) return;
+  const int64_t before = FreeBytes();
+  entry.component->host_weights().OffloadAll();
+  backend_->Synchronize();
+  entry.state = ComponentState::kOffloaded;
+  Record(entry.id, "offload", entry.component->weight_bytes(), before, reason);
+}
+
+void PlacementManager::Evict(const std::vector<std::string>& ids, const std::string& reason) {
+  for (const std::string& id : ids) {
+    for (auto& e : entries_) {
+      if (e->id == id && e->state == ComponentState::kResident) Offload(*e, reason);
+    }
+  }
+}
+
+int64_t PlacementManager::EvictAllBut(const Entry& keep, const std::string& reason) {
+  int64_t freed = 0;
+  for (auto& e : entries_) {
+    if (e.get() == &keep || e->state != ComponentState::kResident) continue;
+    freed += e->component->weight_bytes();
+    Offload(*e, reason);
+  }
+  return freed;
+}
+
+absl::Status PlacementManager::MakeResident(Entry& entry) {
+  const int64_t needed = entry.component->weight_bytes();
+  Evict(strategy_->BeforeRun(InputFor(entry, needed)),
+        absl::StrCat("make room for ", entry.id, " (", needed, " bytes)"));
+  int64_t before = FreeBytes();
+  absl::Status status = entry.component->host_weights().OnloadAll(*backend_);
+  if (IsDeviceOom(status)) {
+    // Recovery 1: move every other movable resident off, return cached blocks, retry.
+    Record(entry.id, "oom", needed, before, std::string(status.message()));
+    EvictAllBut(entry, absl::StrCat("out of memory onloading ", entry.id));
+    backend_->ReleaseCachedMemory();
+    before = FreeBytes();
+    status = entry.component->host_weights().OnloadAll(*backend_);
+    if (status.ok()) ++oom_recoveries_;
+  }
+  if (IsDeviceOom(status)) {
+    // Recovery 2: nothing else can move: group-offload the component itself (block level, streams).
+    GroupOffloadOptions options;
+    options.use_stream = backend_->supports_streams();
+    const absl::Status enabled = EnableLocked(entry, options);
+    if (!enabled.ok()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "component '", entry.id, "' does not fit on ", backend_->name(), ": onload failed (",
+          status.message(), "); evicting every other component did not help; group offloading it "
+          "failed too (", enabled.message(), ")"));
+    }
+    ++oom_recoveries_;
+    Record(entry.id, "group_offload", entry.group_offload->stats().working_set_bytes, before,
+           "out of memory even with every other component offloaded");
+    return absl::OkStatus();
+  }
+  if (!status.ok()) return status;
+  entry.state = ComponentState::kResident;
+  Record(entry.id, "onload", needed, before, "needed to run");
+  return absl::OkStatus();
+}
+
+std::string PlacementManager::SetStrategy(std::unique_ptr<OffloadStrategy> strategy) {
+  absl::MutexLock lock(&mu_);
+  strategy_ = std::move(strategy);
+  Record("", "set_strategy", 0, FreeBytes(), strategy_->name());
+  for (auto& e : entries_) {
+    if (e->group_offload && strategy_->footprint_based()) {
+      return "the footprint strategy manages group-offloaded components: their footprint is their "
+             "working set (slots), not their weights";
+    }
+  }
+  return "";
+}
+
+std::string PlacementManager::strategy_name() const {
+  absl::MutexLock lock(&mu_);
+  return strategy_->name();
+}
+
+std::vector<std::string> PlacementManager::Warnings() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> warnings;
+  if (!strategy_->footprint_based()) return warnings;
+  for (const auto& e : entries_) {
+    if (e->group_offload) {
+      warnings.push_back(absl::StrCat("footprint strategy manages group-offloaded component '", e->id,
+                                      "': it is never moved, and only its working set counts"));
+    }
+  }
+  return warnings;
+}
+
+void PlacementManager::SetRequestId(std::string request_id) {
+  absl::MutexLock lock(&mu_);
+  request_id_ = std::move(request_id);
+}
+
+std::vector<PlacementDecision> PlacementManager::DecisionLog(size_t limit) const {
+  absl::MutexLock lock(&mu_);
+  const size_t n = std::min(limit, log_.size());
+  return std::vector<PlacementDecision>(log_.end() - static_cast<std::ptrdiff_t>(n), log_.end());
+}
+
+int64_t PlacementManager::oom_recoveries() const {
+  absl::MutexLock lock(&mu_);
+  return oom_recoveries_;
+}
 
 absl::Status PlacementManager::Register(const std::string& pipeline, Component* component) {
   absl::MutexLock lock(&mu_);
@@ -46,20 +198,64 @@ PlacementManager::Entry* PlacementManager::Find(const Component& component) {
 }
 
 absl::Status PlacementManager::Run(Component& component, const std::function<void()>& fn) {
+  Entry* entry = nullptr;
   {
     absl::MutexLock lock(&mu_);
-    Entry* entry = Find(component);
+    entry = Find(component);
     if (entry == nullptr) {
       return absl::FailedPreconditionError(
           absl::StrCat("component '", component.name(), "' is not registered with placement"));
     }
-    if (entry->state == ComponentState::kOffloaded) {
-      RETURN_IF_ERROR(component.host_weights().OnloadAll(*backend_));
-      entry->state = ComponentState::kResident;
+    if (entry->group_offload) {
+      // It places itself, but its always-on group is allocated per forward: make room for it.
+      const int64_t needed = entry->group_offload->stats().always_on_bytes;
+      Evict(strategy_->BeforeRun(InputFor(*entry, needed)),
+            absl::StrCat("make room for group-offloaded ", entry->id, "'s working set"));
+    } else if (entry->state == ComponentState::kOffloaded) {
+      RETURN_IF_ERROR(MakeResident(*entry));
+    } else {
+      Evict(strategy_->BeforeRun(InputFor(*entry, 0)), absl::StrCat("before ", entry->id, " runs"));
     }
     entry->last_use = absl::Now();
   }
-  return CatchAsStatus(absl::StrCat("running ", component.name()), fn);
+  absl::Status status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
+  absl::MutexLock lock(&mu_);
+  if (IsDeviceOom(status)) {
+    // The forward itself ran out (activations): free everything else and try once more, then
+    // group-offload the component and try again.
+    const int64_t before = FreeBytes();
+    Record(entry->id, "oom", 0, before, std::string(status.message()));
+    EvictAllBut(*entry, absl::StrCat("out of memory running ", entry->id));
+    backend_->ReleaseCachedMemory();
+    mu_.Unlock();
+    status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
+    mu_.Lock();
+    if (IsDeviceOom(status) && !entry->group_offload) {
+      entry->component->host_weights().OffloadAll();
+      entry->state = ComponentState::kOffloaded;
+      GroupOffloadOptions options;
+      options.use_stream = backend_->supports_streams();
+      const absl::Status enabled = EnableLocked(*entry, options);
+      if (enabled.ok()) {
+        Record(entry->id, "group_offload", entry->group_offload->stats().working_set_bytes, FreeBytes(),
+               "out of memory while running, with every other component offloaded");
+        mu_.Unlock();
+        status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
+        mu_.Lock();
+      }
+    }
+    if (status.ok()) {
+      ++oom_recoveries_;
+    } else if (IsDeviceOom(status)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "running '", entry->id, "' ran out of device memory; tried: evicting every other component, "
+          "releasing cached memory, group-offloading it; last error: ", status.message()));
+    }
+  }
+  if (!status.ok()) return status;
+  // AfterRun may name the target itself ("after text_encoder: offload text_encoder").
+  Evict(strategy_->AfterRun(InputFor(*entry, 0)), absl::StrCat("after ", entry->id, " ran"));
+  return absl::OkStatus();
 }
 
 std::vector<ComponentView> PlacementManager::Snapshot() const {

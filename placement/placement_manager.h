@@ -8,6 +8,7 @@
 #define STOWAGE_PLACEMENT_PLACEMENT_MANAGER_H_
 
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -21,6 +22,7 @@
 #include "models/component.h"
 #include "offload/device_backend.h"
 #include "offload/group_offload.h"
+#include "placement/strategy.h"
 
 namespace stowage {
 
@@ -51,11 +53,37 @@ struct ComponentView {
   absl::Time last_use;
 };
 
+// One placement decision, as recorded in the bounded log.
+struct PlacementDecision {
+  absl::Time time;
+  std::string request_id;
+  std::string component;  // Component id.
+  std::string action;     // "onload", "offload", "group_offload", "release_cache", "oom".
+  int64_t bytes = 0;
+  int64_t free_before = 0;
+  int64_t free_after = 0;
+  std::string strategy;
+  std::string reason;
+};
+
 // Lifetime: the registered components must outlive the manager (group offloading unhooks their
 // modules when the manager goes).
 class PlacementManager : public ComponentRunner {
  public:
   explicit PlacementManager(DeviceBackend* backend);
+  ~PlacementManager();
+
+  // Replaces the strategy (default: footprint with a 0-byte reserve). Returns the warning text when
+  // a footprint strategy now manages a group-offloaded component, else "".
+  std::string SetStrategy(std::unique_ptr<OffloadStrategy> strategy);
+  std::string strategy_name() const;
+  // Current warnings (e.g. footprint strategy over group-offloaded components).
+  std::vector<std::string> Warnings() const;
+  // The request id recorded with decisions from now on (set by the server per request).
+  void SetRequestId(std::string request_id);
+  // The newest `limit` decisions, oldest first.
+  std::vector<PlacementDecision> DecisionLog(size_t limit) const;
+  int64_t oom_recoveries() const;
 
   DeviceBackend& backend() { return *backend_; }
 
@@ -93,10 +121,27 @@ class PlacementManager : public ComponentRunner {
   absl::StatusOr<Entry*> FindById(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status EnableLocked(Entry& entry, const GroupOffloadOptions& options)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t FreeBytes() const;
+  void Record(const std::string& component, const std::string& action, int64_t bytes,
+              int64_t free_before, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  StrategyInput InputFor(const Entry& target, int64_t needed) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Offload(Entry& entry, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Carries out the strategy's choice of evictions for `ids`.
+  void Evict(const std::vector<std::string>& ids, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes a non-group-offloaded entry resident, evicting per strategy, recovering from OOM.
+  absl::Status MakeResident(Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Evicts every movable resident but `keep`; returns the bytes freed.
+  int64_t EvictAllBut(const Entry& keep, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   DeviceBackend* backend_;
   mutable absl::Mutex mu_;
   std::vector<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<OffloadStrategy> strategy_ ABSL_GUARDED_BY(mu_);
+  std::deque<PlacementDecision> log_ ABSL_GUARDED_BY(mu_);
+  std::string request_id_ ABSL_GUARDED_BY(mu_);
+  int64_t oom_recoveries_ ABSL_GUARDED_BY(mu_) = 0;
+  static constexpr size_t kLogCapacity = 4096;
 };
 
 }  // namespace stowage

@@ -123,5 +123,110 @@ TEST(PlacementManagerTest, PipelineLevelWithExclusionsOverridesAndAllOrNothing) 
   EXPECT_EQ(t.placement.EnablePipelineGroupOffload("sdxl", {}).code(), absl::StatusCode::kNotFound);
 }
 
+int64_t Bytes(Harness& h, const std::string& name) {
+  for (Component* c : h.pipeline->components()) {
+    if (c->name() == name) return c->weight_bytes();
+  }
+  return -1;
+}
+
+int64_t PeakOfOneRequest(Harness& h) {
+  h.backend->ResetPeakStats();
+  EXPECT_TRUE(h.Generate().ok());
+  return h.backend->GetMemoryStats().peak_allocated_bytes;
+}
+
+// The four modes of the upstream demo (ANCHORS.md), on the simulated device with a budget.
+TEST(PlacementScenarioTest, FourModesHaveExactPeaks) {
+  const int64_t budget = int64_t{64} << 20;
+  Harness all;
+  ASSERT_TRUE(all.backend->SetMemoryBudget(budget).ok());
+  const int64_t te = Bytes(all, "text_encoder");
+  const int64_t tr = Bytes(all, "transformer");
+  const int64_t vae = Bytes(all, "vae");
+  // 1. Everything resident (the default footprint strategy never fires: it all fits).
+  EXPECT_EQ(PeakOfOneRequest(all), te + tr + vae);
+  for (const PlacementDecision& d : all.placement.DecisionLog(100)) EXPECT_NE(d.action, "offload");
+  // 2. Footprint auto on a budget that fits: same peak, nothing moved.
+  Harness footprint;
+  ASSERT_TRUE(footprint.backend->SetMemoryBudget(te + tr + vae).ok());
+  EXPECT_EQ(footprint.placement.SetStrategy(MakeFootprintStrategy(0)), "");
+  EXPECT_EQ(PeakOfOneRequest(footprint), te + tr + vae);
+  // 3. Workflow "text encoders only": the text encoder leaves before the transformer runs.
+  Harness workflow;
+  ASSERT_TRUE(workflow.backend->SetMemoryBudget(budget).ok());
+  workflow.placement.SetStrategy(*MakeCustomStrategy("text-encoders-only"));
+  EXPECT_EQ(PeakOfOneRequest(workflow), std::max(te, tr + vae));
+  // 4. The same with the transformer group-offloaded: its slots stay, it is never moved.
+  Harness grouped;
+  ASSERT_TRUE(grouped.backend->SetMemoryBudget(budget).ok());
+  grouped.placement.SetStrategy(*MakeCustomStrategy("text-encoders-only"));
+  GroupOffloadOptions options;
+  options.use_stream = true;
+  ASSERT_TRUE(grouped.placement.EnableGroupOffload("tiny/transformer", options).ok());
+  const GroupOffloadStats stats = *grouped.placement.GroupOffloadStatsOf("tiny/transformer");
+  const int64_t slots = stats.slots * stats.slot_bytes;
+  EXPECT_EQ(PeakOfOneRequest(grouped), slots + std::max({te, stats.always_on_bytes, vae}));
+  EXPECT_LT(slots + std::max({te, stats.always_on_bytes, vae}), std::max(te, tr + vae));
+  for (const PlacementDecision& d : grouped.placement.DecisionLog(100)) {
+    if (d.component == "tiny/transformer") EXPECT_NE(d.action, "offload");
+  }
+  EXPECT_TRUE(grouped.placement.Warnings().empty());  // Not a footprint strategy.
+  EXPECT_NE(grouped.placement.SetStrategy(MakeFootprintStrategy(0)), "");
+  EXPECT_EQ(grouped.placement.Warnings().size(), 1u);
+}
+
+TEST(PlacementScenarioTest, FootprintEvictsUnderABudgetAndRecordsWhy) {
+  Harness h;
+  const int64_t te = Bytes(h, "text_encoder");
+  const int64_t tr = Bytes(h, "transformer");
+  const int64_t vae = Bytes(h, "vae");
+  // Room for the transformer and the VAE, not for all three.
+  ASSERT_TRUE(h.backend->SetMemoryBudget(tr + vae).ok());
+  ASSERT_TRUE(h.Generate().ok());
+  EXPECT_LE(h.backend->GetMemoryStats().peak_allocated_bytes, tr + vae);
+  ASSERT_TRUE(h.Generate().ok());  // The text encoder comes back: something must go again.
+  bool evicted = false;
+  for (const PlacementDecision& d : h.placement.DecisionLog(100)) {
+    if (d.action == "offload") {
+      evicted = true;
+      EXPECT_EQ(d.strategy, "footprint");
+      EXPECT_NE(d.reason.find("make room for"), std::string::npos) << d.reason;
+      EXPECT_GE(d.free_after, d.free_before);
+    }
+  }
+  EXPECT_TRUE(evicted);
+  EXPECT_GT(te, 0);
+}
+
+TEST(PlacementScenarioTest, OutOfMemoryIsRecoveredByGroupOffloadingAndTheImageIsExact) {
+  Harness reference;
+  auto expected = reference.Generate();
+  ASSERT_TRUE(expected.ok());
+  Harness h;
+  const int64_t tr = Bytes(h, "transformer");
+  // Less than the transformer alone: only group offloading lets it run.
+  ASSERT_TRUE(h.backend->SetMemoryBudget(tr * 3 / 4).ok());
+  auto image = h.Generate();
+  ASSERT_TRUE(image.ok()) << image.status();
+  EXPECT_EQ(image->rgb, expected->rgb);
+  EXPECT_GE(h.placement.oom_recoveries(), 1);
+  EXPECT_EQ(h.View("transformer").state, ComponentState::kGroupOffloaded);
+  bool saw_oom = false, saw_group_offload = false;
+  for (const PlacementDecision& d : h.placement.DecisionLog(100)) {
+    saw_oom |= d.action == "oom";
+    saw_group_offload |= d.action == "group_offload" && d.component == "tiny/transformer";
+  }
+  EXPECT_TRUE(saw_oom);
+  EXPECT_TRUE(saw_group_offload);
+  // Far too small for anything: a clear RESOURCE_EXHAUSTED, and what was tried.
+  Harness tiny;
+  ASSERT_TRUE(tiny.backend->SetMemoryBudget(1024).ok());
+  auto failed = tiny.Generate();
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(std::string(failed.status().message()).find("group offloading it failed too"), std::string::npos)
+      << failed.status();
+}
+
 }  // namespace
 }  // namespace stowage

@@ -190,6 +190,24 @@ absl::Status PlacementManager::Register(const std::string& pipeline, Component* 
   return absl::OkStatus();
 }
 
+void PlacementManager::Unregister(const std::string& pipeline) {
+  absl::MutexLock lock(&mu_);
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    Entry& e = **it;
+    e.pipelines.erase(std::remove(e.pipelines.begin(), e.pipelines.end(), pipeline), e.pipelines.end());
+    if (!e.pipelines.empty()) {
+      ++it;
+      continue;
+    }
+    const int64_t before = FreeBytes();
+    e.group_offload.reset();
+    e.component->host_weights().OffloadAll();
+    backend_->Synchronize();
+    Record(e.id, "unregister", e.component->weight_bytes(), before, absl::StrCat("pipeline '", pipeline, "' unloaded"));
+    it = entries_.erase(it);
+  }
+}
+
 PlacementManager::Entry* PlacementManager::Find(const Component& component) {
   for (auto& entry : entries_) {
     if (entry->component == &component) return entry.get();

@@ -90,6 +90,10 @@ class PlacementManager : public ComponentRunner {
   // Adds a component used by `pipeline`. Starts offloaded; it is onloaded when first run.
   absl::Status Register(const std::string& pipeline, Component* component);
 
+  // Removes `pipeline` from its components; components no other pipeline uses leave the device and
+  // the registry (group offloading removed first). Call when no request of the pipeline runs.
+  void Unregister(const std::string& pipeline);
+
   // ComponentRunner: makes `component` resident, then runs `fn`. Exceptions from `fn` become a
   // status; a device out-of-memory error keeps its IsDeviceOom() mark.
   absl::Status Run(Component& component, const std::function<void()>& fn) override;

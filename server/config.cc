@@ -177,4 +177,50 @@ absl::StatusOr<PipelineGroupOffloadOptions> ToPipelineGroupOffloadOptions(
   return o;
 }
 
+absl::StatusOr<std::unique_ptr<OffloadStrategy>> ToOffloadStrategy(
+    const v1::OffloadStrategy& strategy, const std::vector<std::string>& components) {
+  switch (strategy.strategy_case()) {
+    case v1::OffloadStrategy::kFootprint:
+      if (strategy.footprint().reserve_bytes() < 0) {
+        return absl::InvalidArgumentError("strategy.footprint.reserve_bytes: must be >= 0");
+      }
+      return MakeFootprintStrategy(strategy.footprint().reserve_bytes());
+    case v1::OffloadStrategy::kCustom:
+      return MakeCustomStrategy(strategy.custom());
+    case v1::OffloadStrategy::kWorkflow: {
+      std::vector<WorkflowRule> rules;
+      for (int i = 0; i < strategy.workflow().rules_size(); ++i) {
+        const v1::WorkflowRule& r = strategy.workflow().rules(i);
+        WorkflowRule rule;
+        switch (r.rule_case()) {
+          case v1::WorkflowRule::kAfter:
+          case v1::WorkflowRule::kBefore: {
+            const v1::WorkflowRule::Trigger& t = r.has_after() ? r.after() : r.before();
+            rule.kind = r.has_after() ? WorkflowRule::Kind::kAfter : WorkflowRule::Kind::kBefore;
+            rule.component = t.component();
+            rule.offload.assign(t.offload().begin(), t.offload().end());
+            break;
+          }
+          case v1::WorkflowRule::kKeepResident:
+            rule.kind = WorkflowRule::Kind::kKeepResident;
+            rule.component = r.keep_resident();
+            break;
+          default:
+            return absl::InvalidArgumentError(absl::StrCat(
+                "strategy.workflow.rules[", i, "]: empty rule; set after, before or keep_resident"));
+        }
+        rules.push_back(std::move(rule));
+      }
+      auto made = MakeWorkflowStrategy(std::move(rules), components);
+      if (!made.ok()) {
+        return absl::Status(made.status().code(),
+                            absl::StrCat("strategy.workflow.", made.status().message()));
+      }
+      return made;
+    }
+    default:
+      return absl::InvalidArgumentError("strategy: empty; set footprint, workflow or custom");
+  }
+}
+
 }  // namespace stowage

@@ -31,6 +31,11 @@ absl::StatusOr<GroupOffloadOptions> ToGroupOffloadOptions(const v1::GroupOffload
 absl::StatusOr<PipelineGroupOffloadOptions> ToPipelineGroupOffloadOptions(
     const v1::PipelineGroupOffload& config, const std::string& field);
 
+// A strategy message → a placement strategy. Workflow rules are validated against `components`
+// (every hosted component name); errors name the rule ("strategy.workflow.rules[2]: ...").
+absl::StatusOr<std::unique_ptr<OffloadStrategy>> ToOffloadStrategy(
+    const v1::OffloadStrategy& strategy, const std::vector<std::string>& components);
+
 }  // namespace stowage
 
 #endif  // STOWAGE_SERVER_CONFIG_H_

@@ -1,5 +1,6 @@
 #include "server/generation_core.h"
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -62,21 +63,14 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
   ASSIGN_OR_RETURN(core->backend_, CreateBackend(config.device()));
   core->placement_ = std::make_unique<PlacementManager>(core->backend_.get());
   for (const v1::PipelineConfig& p : config.pipelines()) {
-    TinyPipelineOptions options;
-    options.name = p.name();
-    options.dtype = p.dtype() == "bfloat16" ? at::kBFloat16 : at::kFloat;
-    options.weight_seed = p.weight_seed();
-    options.device = core->backend_->torch_device();
-    ASSIGN_OR_RETURN(std::unique_ptr<Pipeline> pipeline, CreateTinyPipeline(options));
-    for (Component* component : pipeline->components()) {
-      RETURN_IF_ERROR(core->placement_->Register(p.name(), component));
-    }
-    if (p.group_offload().enabled()) {
-      ASSIGN_OR_RETURN(PipelineGroupOffloadOptions offload,
-                       ToPipelineGroupOffloadOptions(p.group_offload(), p.name()));
-      RETURN_IF_ERROR(core->placement_->EnablePipelineGroupOffload(p.name(), offload));
-    }
-    core->pipelines_.push_back(Hosted{std::move(pipeline), p.default_()});
+    ASSIGN_OR_RETURN(std::shared_ptr<Hosted> hosted, core->Build(p));
+    absl::MutexLock lock(&core->pipelines_mu_);
+    core->pipelines_.push_back(std::move(hosted));
+  }
+  if (config.has_strategy()) {
+    ASSIGN_OR_RETURN(std::unique_ptr<OffloadStrategy> strategy,
+                     ToOffloadStrategy(config.strategy(), core->ComponentNames()));
+    core->placement_->SetStrategy(std::move(strategy));
   }
   const std::string device = core->backend_->name();
   core->worker_ = std::make_unique<DeviceWorker>(
@@ -87,25 +81,119 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
   return core;
 }
 
-GenerationCore::~GenerationCore() { worker_.reset(); }
+GenerationCore::~GenerationCore() {
+  worker_.reset();
+  // Group offloading hooks the pipelines' modules: placement lets go of them first.
+  absl::MutexLock lock(&pipelines_mu_);
+  for (const auto& hosted : pipelines_) placement_->Unregister(hosted->pipeline->name());
+}
 
-absl::StatusOr<GenerationCore::Hosted*> GenerationCore::Resolve(const std::string& name) {
-  std::vector<std::string> names;
-  for (Hosted& hosted : pipelines_) {
-    if (name.empty() ? hosted.is_default : hosted.pipeline->name() == name) return &hosted;
-    names.push_back(hosted.pipeline->name());
+absl::StatusOr<std::shared_ptr<GenerationCore::Hosted>> GenerationCore::Build(
+    const v1::PipelineConfig& p) {
+  TinyPipelineOptions options;
+  options.name = p.name();
+  options.dtype = p.dtype() == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  options.weight_seed = p.weight_seed();
+  options.device = backend_->torch_device();
+  ASSIGN_OR_RETURN(std::unique_ptr<Pipeline> pipeline, CreateTinyPipeline(options));
+  for (Component* component : pipeline->components()) {
+    RETURN_IF_ERROR(placement_->Register(p.name(), component));
   }
+  if (p.group_offload().enabled()) {
+    absl::StatusOr<PipelineGroupOffloadOptions> offload =
+        ToPipelineGroupOffloadOptions(p.group_offload(), p.name());
+    absl::Status status = offload.status();
+    if (status.ok()) status = placement_->EnablePipelineGroupOffload(p.name(), *offload);
+    if (!status.ok()) {
+      placement_->Unregister(p.name());
+      return status;
+    }
+  }
+  auto hosted = std::make_shared<Hosted>();
+  hosted->pipeline = std::move(pipeline);
+  hosted->is_default = p.default_();
+  return hosted;
+}
+
+absl::StatusOr<v1::Pipeline> GenerationCore::LoadPipeline(const v1::PipelineConfig& config) {
+  v1::ServerConfig one;
+  *one.add_pipelines() = config;
+  one.mutable_pipelines(0)->set_default_(false);
+  ASSIGN_OR_RETURN(v1::ServerConfig checked, FinalizeServerConfig(one));
+  v1::PipelineConfig p = checked.pipelines(0);
+  p.set_default_(false);
+  {
+    absl::MutexLock lock(&pipelines_mu_);
+    for (const auto& hosted : pipelines_) {
+      if (hosted->pipeline->name() == p.name()) {
+        return absl::AlreadyExistsError(absl::StrCat("pipeline '", p.name(), "' is already loaded"));
+      }
+    }
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<Hosted> hosted, Build(p));
+  absl::MutexLock lock(&pipelines_mu_);
+  if (pipelines_.empty()) hosted->is_default = true;
+  pipelines_.push_back(hosted);
+  return Describe(*hosted);
+}
+
+absl::Status GenerationCore::UnloadPipeline(const std::string& name,
+                                            const std::function<absl::Status()>& interrupt) {
+  std::shared_ptr<Hosted> hosted;
+  {
+    absl::MutexLock lock(&pipelines_mu_);
+    for (auto it = pipelines_.begin(); it != pipelines_.end(); ++it) {
+      if ((*it)->pipeline->name() == name) {
+        hosted = *it;
+        pipelines_.erase(it);
+        break;
+      }
+    }
+    if (hosted == nullptr) return absl::NotFoundError(absl::StrCat("pipeline '", name, "' is not loaded"));
+    if (hosted->is_default && !pipelines_.empty()) pipelines_.front()->is_default = true;
+  }
+  // In-flight requests hold their own references.
+  while (hosted.use_count() > 1) {
+    if (interrupt) {
+      absl::Status status = interrupt();
+      if (!status.ok()) {
+        absl::MutexLock lock(&pipelines_mu_);
+        pipelines_.push_back(hosted);  // Give up: it keeps serving.
+        return status;
+      }
+    }
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  placement_->Unregister(name);
+  return absl::OkStatus();
+}
+
+std::vector<std::string> GenerationCore::ComponentNames() {
+  absl::MutexLock lock(&pipelines_mu_);
+  std::vector<std::string> names;
+  for (const auto& hosted : pipelines_) {
+    for (Component* c : hosted->pipeline->components()) {
+      if (std::find(names.begin(), names.end(), c->name()) == names.end()) names.push_back(c->name());
+    }
+  }
+  return names;
+}
+
+absl::StatusOr<std::shared_ptr<GenerationCore::Hosted>> GenerationCore::Resolve(const std::string& name) {
+  absl::MutexLock lock(&pipelines_mu_);
+  std::vector<std::string> names;
+  for (const auto& hosted : pipelines_) {
+    if (name.empty() ? hosted->is_default : hosted->pipeline->name() == name) return hosted;
+    names.push_back(hosted->pipeline->name());
+  }
+  if (name.empty()) return absl::NotFoundError("no pipeline is loaded");
   return absl::NotFoundError(absl::StrCat("pipeline '", name, "' not found; available: ",
                                           absl::StrJoin(names, ", ")));
 }
 
-std::string GenerationCore::PipelineLabel(const v1::GenerateRequest& request) const {
-  for (const Hosted& hosted : pipelines_) {
-    if (request.pipeline().empty() ? hosted.is_default : hosted.pipeline->name() == request.pipeline()) {
-      return hosted.pipeline->name();
-    }
-  }
-  return "unknown";
+std::string GenerationCore::PipelineLabel(const v1::GenerateRequest& request) {
+  absl::StatusOr<std::shared_ptr<Hosted>> hosted = Resolve(request.pipeline());
+  return hosted.ok() ? (*hosted)->pipeline->name() : "unknown";
 }
 
 absl::StatusOr<GenerationParams> GenerationCore::Validate(const v1::GenerateRequest& request,
@@ -169,7 +257,7 @@ absl::StatusOr<GenerationParams> GenerationCore::Validate(const v1::GenerateRequ
 
 absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::GenerateRequest& request,
                                                               const CallControl& control) {
-  ASSIGN_OR_RETURN(Hosted * hosted, Resolve(request.pipeline()));
+  ASSIGN_OR_RETURN(std::shared_ptr<Hosted> hosted, Resolve(request.pipeline()));
   ASSIGN_OR_RETURN(GenerationParams params, Validate(request, *hosted->pipeline));
   RETURN_IF_ERROR(control.interrupt ? control.interrupt() : absl::OkStatus());
 
@@ -200,6 +288,9 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::RunOnWorker(Hosted& hosted,
                                                                  absl::Duration queue_wait) {
   RETURN_IF_ERROR(control.interrupt ? control.interrupt() : absl::OkStatus());
   const absl::Time start = absl::Now();
+  const std::string request_id =
+      request.request_id().empty() ? absl::StrCat("req-", ++request_counter_) : request.request_id();
+  placement_->SetRequestId(request_id);
   backend_->ResetPeakStats();
   // Peak RSS falls back to the lifetime peak where clear_refs is not writable (still an upper
   // bound, never an under-report).
@@ -231,7 +322,7 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::RunOnWorker(Hosted& hosted,
   response.set_height(image.height);
   response.set_seed(params.seed);
   response.set_pipeline(hosted.pipeline->name());
-  response.set_request_id(request.request_id());
+  response.set_request_id(request_id);
   v1::RequestStats* stats = response.mutable_stats();
   *stats->mutable_queue_wait() = queue_wait_proto;
   *stats->mutable_run_time() = ToProto(absl::Now() - start);
@@ -249,34 +340,38 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::RunOnWorker(Hosted& hosted,
   return response;
 }
 
-v1::ListPipelinesResponse GenerationCore::ListPipelines() {
-  v1::ListPipelinesResponse response;
-  for (Hosted& hosted : pipelines_) {
-    const Pipeline& p = *hosted.pipeline;
-    const PipelineLimits& limits = p.limits();
-    v1::Pipeline* out = response.add_pipelines();
-    out->set_name(p.name());
-    out->set_description(p.description());
-    out->set_is_default(hosted.is_default);
-    out->set_device(backend_->name());
-    out->set_default_width(limits.default_width);
-    out->set_default_height(limits.default_height);
-    out->set_min_size(limits.min_size);
-    out->set_max_size(limits.max_size);
-    out->set_size_multiple(limits.size_multiple);
-    out->set_default_inference_steps(limits.default_steps);
-    out->set_max_inference_steps(limits.max_steps);
-    out->set_default_guidance_scale(limits.default_guidance_scale);
-    out->set_max_prompt_bytes(limits.max_prompt_bytes);
-    for (Component* component : hosted.pipeline->components()) {
-      v1::PipelineComponent* c = out->add_components();
-      c->set_name(component->name());
-      c->set_kind(component->kind());
-      c->set_weight_bytes(component->weight_bytes());
-      c->set_parameter_count(component->parameter_count());
-      c->set_dtype(DtypeName(component->dtype()));
-    }
+v1::Pipeline GenerationCore::Describe(const Hosted& hosted) const {
+  const Pipeline& p = *hosted.pipeline;
+  const PipelineLimits& limits = p.limits();
+  v1::Pipeline out;
+  out.set_name(p.name());
+  out.set_description(p.description());
+  out.set_is_default(hosted.is_default);
+  out.set_device(backend_->name());
+  out.set_default_width(limits.default_width);
+  out.set_default_height(limits.default_height);
+  out.set_min_size(limits.min_size);
+  out.set_max_size(limits.max_size);
+  out.set_size_multiple(limits.size_multiple);
+  out.set_default_inference_steps(limits.default_steps);
+  out.set_max_inference_steps(limits.max_steps);
+  out.set_default_guidance_scale(limits.default_guidance_scale);
+  out.set_max_prompt_bytes(limits.max_prompt_bytes);
+  for (Component* component : hosted.pipeline->components()) {
+    v1::PipelineComponent* c = out.add_components();
+    c->set_name(component->name());
+    c->set_kind(component->kind());
+    c->set_weight_bytes(component->weight_bytes());
+    c->set_parameter_count(component->parameter_count());
+    c->set_dtype(DtypeName(component->dtype()));
   }
+  return out;
+}
+
+v1::ListPipelinesResponse GenerationCore::ListPipelines() {
+  absl::MutexLock lock(&pipelines_mu_);
+  v1::ListPipelinesResponse response;
+  for (const auto& hosted : pipelines_) *response.add_pipelines() = Describe(*hosted);
   return response;
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "models/pipeline.h"
 #include "offload/device_backend.h"
 #include "placement/placement_manager.h"
@@ -45,10 +46,18 @@ class GenerationCore {
 
   // The pipeline name for metric labels: the resolved name, or "unknown" (so client input never
   // becomes a label value).
-  std::string PipelineLabel(const v1::GenerateRequest& request) const;
+  std::string PipelineLabel(const v1::GenerateRequest& request);
 
   DeviceBackend& backend() { return *backend_; }
   PlacementManager& placement() { return *placement_; }
+
+  // Loads and serves a pipeline (validated like the config's). ALREADY_EXISTS for a taken name.
+  absl::StatusOr<v1::Pipeline> LoadPipeline(const v1::PipelineConfig& config);
+  // Stops serving `name`: new requests get NOT_FOUND; waits (until `interrupt` fails) for its
+  // in-flight requests, then removes its components.
+  absl::Status UnloadPipeline(const std::string& name, const std::function<absl::Status()>& interrupt);
+  // Component names of every hosted pipeline (for validating workflow rules).
+  std::vector<std::string> ComponentNames();
 
  private:
   struct Hosted {
@@ -56,7 +65,9 @@ class GenerationCore {
     bool is_default = false;
   };
   GenerationCore() = default;
-  absl::StatusOr<Hosted*> Resolve(const std::string& name);
+  absl::StatusOr<std::shared_ptr<Hosted>> Resolve(const std::string& name);
+  absl::StatusOr<std::shared_ptr<Hosted>> Build(const v1::PipelineConfig& config);
+  v1::Pipeline Describe(const Hosted& hosted) const;
   absl::StatusOr<GenerationParams> Validate(const v1::GenerateRequest& request,
                                             const Pipeline& pipeline) const;
   absl::StatusOr<v1::GenerateResponse> RunOnWorker(Hosted& hosted, const GenerationParams& params,
@@ -66,11 +77,14 @@ class GenerationCore {
 
   ServerMetrics* metrics_ = nullptr;
   std::unique_ptr<DeviceBackend> backend_;
-  std::vector<Hosted> pipelines_;
+  absl::Mutex pipelines_mu_;
+  // A request holds its pipeline's shared_ptr while it runs, so an unload can wait for it.
+  std::vector<std::shared_ptr<Hosted>> pipelines_ ABSL_GUARDED_BY(pipelines_mu_);
   // After the pipelines: destroyed before them, since group offloading hooks their modules.
   std::unique_ptr<PlacementManager> placement_;
   // Declared last: destroyed first, so queued jobs finish while everything they use still exists.
   std::unique_ptr<DeviceWorker> worker_;
+  int64_t request_counter_ = 0;  // Used on the worker thread only.
 };
 
 }  // namespace stowage

@@ -1,6 +1,8 @@
 #include "server/server.h"
 
 #include <chrono>
+#include <fstream>
+#include <sstream>
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -14,11 +16,47 @@
 #include "prometheus/exposer.h"
 #include "server/config.h"
 #include "server/generation_core.h"
+#include "server/admin_service.h"
 #include "server/generation_service.h"
 #include "server/metrics.h"
 
 namespace stowage {
 namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string& field) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat(field, ": cannot read '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+absl::StatusOr<std::string> AdminToken(const v1::AuthConfig& auth) {
+  if (!auth.admin_token().empty() && !auth.admin_token_file().empty()) {
+    return absl::InvalidArgumentError("auth: set admin_token or admin_token_file, not both");
+  }
+  if (auth.admin_token_file().empty()) return auth.admin_token();
+  ASSIGN_OR_RETURN(std::string text, ReadFile(auth.admin_token_file(), "auth.admin_token_file"));
+  const std::string token = text.substr(0, text.find_first_of("\r\n"));
+  if (token.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("auth.admin_token_file: '", auth.admin_token_file(),
+                                                   "' holds no token on its first line"));
+  }
+  return token;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const v1::TlsConfig& tls) {
+  if (tls.cert_file().empty() && tls.key_file().empty()) return grpc::InsecureServerCredentials();
+  if (tls.cert_file().empty() || tls.key_file().empty()) {
+    return absl::InvalidArgumentError("tls: set both cert_file and key_file");
+  }
+  grpc::SslServerCredentialsOptions options;
+  grpc::SslServerCredentialsOptions::PemKeyCertPair pair;
+  ASSIGN_OR_RETURN(pair.cert_chain, ReadFile(tls.cert_file(), "tls.cert_file"));
+  ASSIGN_OR_RETURN(pair.private_key, ReadFile(tls.key_file(), "tls.key_file"));
+  options.pem_key_cert_pairs.push_back(std::move(pair));
+  return grpc::SslServerCredentials(options);
+}
 
 // "host:port" → host, for reporting the bound address.
 std::string HostOf(const std::string& address) {
@@ -54,13 +92,17 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
   ASSIGN_OR_RETURN(server->core_, GenerationCore::Create(config, server->metrics_.get()));
   server->generation_service_ =
       std::make_unique<GenerationServiceImpl>(server->core_.get(), server->metrics_.get());
+  ASSIGN_OR_RETURN(std::string token, AdminToken(config.auth()));
+  server->admin_service_ = std::make_unique<AdminServiceImpl>(server->core_.get(), std::move(token));
+  ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials, Credentials(config.tls()));
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
   int bound_port = 0;
-  builder.AddListeningPort(config.grpc_address(), grpc::InsecureServerCredentials(), &bound_port);
+  builder.AddListeningPort(config.grpc_address(), credentials, &bound_port);
   builder.RegisterService(server->generation_service_.get());
+  builder.RegisterService(server->admin_service_.get());
   builder.SetMaxReceiveMessageSize(4 * 1024 * 1024);
   builder.SetMaxSendMessageSize(-1);
   server->grpc_server_ = builder.BuildAndStart();

@@ -23,6 +23,7 @@ class Exposer;
 
 namespace stowage {
 
+class AdminServiceImpl;
 class GenerationCore;
 class GenerationServiceImpl;
 class ServerMetrics;
@@ -53,6 +54,7 @@ class StowageServer {
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::unique_ptr<GenerationCore> core_;
   std::unique_ptr<GenerationServiceImpl> generation_service_;
+  std::unique_ptr<AdminServiceImpl> admin_service_;
   std::unique_ptr<grpc::Server> grpc_server_;
   std::string grpc_address_;
   std::string metrics_address_;

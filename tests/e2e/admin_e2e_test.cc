@@ -1,0 +1,221 @@
+// The admin API end to end over loopback gRPC: authentication, placement inspection, strategies,
+// group offloading, pipeline load/unload and the decision log.
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include "google/protobuf/text_format.h"
+#include "server/admin_service.h"
+#include "server/server.h"
+#include "stowage/v1/admin.grpc.pb.h"
+#include "stowage/v1/generation.grpc.pb.h"
+
+namespace stowage {
+namespace {
+
+constexpr char kToken[] = "s3cret-admin-token";
+
+class AdminE2ETest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    v1::ServerConfig config;
+    config.set_grpc_address("127.0.0.1:0");
+    config.set_metrics_address("none");
+    config.mutable_auth()->set_admin_token(kToken);
+    auto server = StowageServer::Start(config);
+    ASSERT_TRUE(server.ok()) << server.status();
+    server_ = *std::move(server);
+    auto channel = grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials());
+    admin_ = v1::AdminService::NewStub(channel);
+    generation_ = v1::GenerationService::NewStub(channel);
+  }
+
+  std::unique_ptr<grpc::ClientContext> Authed(const std::string& token = kToken) {
+    auto context = std::make_unique<grpc::ClientContext>();
+    context->AddMetadata("authorization", "Bearer " + token);
+    return context;
+  }
+
+  grpc::Status Generate(const std::string& pipeline, v1::GenerateResponse* response) {
+    v1::GenerateRequest request;
+    request.set_pipeline(pipeline);
+    request.set_prompt("a windmill");
+    request.set_width(64);
+    request.set_height(64);
+    request.set_num_inference_steps(2);
+    request.set_seed(8);
+    request.set_request_id("admin-e2e");
+    grpc::ClientContext context;
+    return generation_->Generate(&context, request, response);
+  }
+
+  v1::GetPlacementResponse Placement() {
+    v1::GetPlacementResponse response;
+    EXPECT_TRUE(admin_->GetPlacement(Authed().get(), {}, &response).ok());
+    return response;
+  }
+
+  std::unique_ptr<StowageServer> server_;
+  std::unique_ptr<v1::AdminService::Stub> admin_;
+  std::unique_ptr<v1::GenerationService::Stub> generation_;
+};
+
+TEST_F(AdminE2ETest, RequiresTheBearerToken) {
+  v1::GetPlacementResponse response;
+  grpc::ClientContext none;
+  EXPECT_EQ(admin_->GetPlacement(&none, {}, &response).error_code(), grpc::UNAUTHENTICATED);
+  grpc::ClientContext malformed;
+  malformed.AddMetadata("authorization", kToken);
+  EXPECT_EQ(admin_->GetPlacement(&malformed, {}, &response).error_code(), grpc::UNAUTHENTICATED);
+  EXPECT_EQ(admin_->GetPlacement(Authed("wrong").get(), {}, &response).error_code(), grpc::PERMISSION_DENIED);
+  EXPECT_EQ(admin_->GetPlacement(Authed(std::string(kToken) + "x").get(), {}, &response).error_code(),
+            grpc::PERMISSION_DENIED);
+  EXPECT_TRUE(admin_->GetPlacement(Authed().get(), {}, &response).ok());
+}
+
+TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
+  v1::GenerateResponse before;
+  ASSERT_TRUE(Generate("", &before).ok());
+  v1::GetPlacementResponse placement = Placement();
+  EXPECT_EQ(placement.device(), server_->device_name());
+  EXPECT_EQ(placement.strategy(), "footprint");
+  ASSERT_EQ(placement.components_size(), 3);
+  for (const auto& c : placement.components()) {
+    EXPECT_EQ(c.state(), v1::ComponentPlacement::RESIDENT) << c.id();
+    EXPECT_EQ(c.device_bytes(), c.weight_bytes());
+    EXPECT_TRUE(c.has_last_use());
+  }
+
+  // A rule set naming an unknown component is refused whole; the strategy stays.
+  v1::SetOffloadStrategyRequest bad;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(R"pb(
+    strategy { workflow { rules { after { component: "text_encoder" offload: "text_encoder" } }
+                          rules { before { component: "unet" offload: "vae" } } } })pb", &bad));
+  v1::SetOffloadStrategyResponse set;
+  grpc::Status refused = admin_->SetOffloadStrategy(Authed().get(), bad, &set);
+  EXPECT_EQ(refused.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("strategy.workflow.rules[1]: unknown component 'unet'"), std::string::npos)
+      << refused.error_message();
+  EXPECT_EQ(Placement().strategy(), "footprint");
+  v1::SetOffloadStrategyRequest unknown_custom;
+  unknown_custom.mutable_strategy()->set_custom("magic");
+  EXPECT_EQ(admin_->SetOffloadStrategy(Authed().get(), unknown_custom, &set).error_code(), grpc::NOT_FOUND);
+
+  // Workflow: the text encoder leaves right after it ran.
+  v1::SetOffloadStrategyRequest workflow;
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(R"pb(
+    strategy { workflow { rules { after { component: "text_encoder" offload: "text_encoder" } }
+                          rules { keep_resident: "vae" } } })pb", &workflow));
+  ASSERT_TRUE(admin_->SetOffloadStrategy(Authed().get(), workflow, &set).ok());
+  EXPECT_EQ(set.strategy(), "workflow");
+  v1::GenerateResponse after_rules;
+  ASSERT_TRUE(Generate("", &after_rules).ok());
+  EXPECT_EQ(after_rules.image(), before.image());
+  const v1::GetPlacementResponse after_workflow = Placement();
+  for (const auto& c : after_workflow.components()) {
+    EXPECT_EQ(c.state(), c.name() == "text_encoder" ? v1::ComponentPlacement::OFFLOADED
+                                                    : v1::ComponentPlacement::RESIDENT) << c.id();
+  }
+
+  // Group-offload the transformer; with the footprint strategy back, a warning says why it is odd.
+  v1::EnableGroupOffloadRequest enable;
+  enable.set_component_id("tiny/transformer");
+  enable.mutable_options()->set_use_stream(true);
+  v1::EnableGroupOffloadResponse enabled;
+  ASSERT_TRUE(admin_->EnableGroupOffload(Authed().get(), enable, &enabled).ok());
+  ASSERT_EQ(enabled.components_size(), 1);
+  EXPECT_EQ(enabled.components(0).state(), v1::ComponentPlacement::GROUP_OFFLOADED);
+  EXPECT_GT(enabled.components(0).group_offload().streamed_groups(), 0);
+  EXPECT_LT(enabled.components(0).device_bytes(), enabled.components(0).weight_bytes());
+  EXPECT_EQ(admin_->EnableGroupOffload(Authed().get(), enable, &enabled).error_code(), grpc::FAILED_PRECONDITION);
+  v1::SetOffloadStrategyRequest footprint;
+  footprint.mutable_strategy()->mutable_footprint()->set_reserve_bytes(0);
+  ASSERT_TRUE(admin_->SetOffloadStrategy(Authed().get(), footprint, &set).ok());
+  ASSERT_EQ(set.warnings_size(), 1);
+  EXPECT_EQ(Placement().warnings_size(), 1);
+  v1::GenerateResponse grouped;
+  ASSERT_TRUE(Generate("", &grouped).ok());
+  EXPECT_EQ(grouped.image(), before.image());
+  v1::DisableGroupOffloadRequest disable;
+  disable.set_component_id("tiny/transformer");
+  v1::DisableGroupOffloadResponse disabled;
+  ASSERT_TRUE(admin_->DisableGroupOffload(Authed().get(), disable, &disabled).ok());
+  EXPECT_EQ(disabled.components(0).state(), v1::ComponentPlacement::OFFLOADED);
+  EXPECT_EQ(Placement().warnings_size(), 0);
+
+  // The decision log holds what happened, with the request's id.
+  v1::GetPlacementLogRequest log_request;
+  log_request.set_limit(1000);
+  v1::GetPlacementLogResponse log;
+  ASSERT_TRUE(admin_->GetPlacementLog(Authed().get(), log_request, &log).ok());
+  bool onload = false, workflow_offload = false;
+  for (const auto& d : log.decisions()) {
+    onload |= d.action() == "onload" && d.request_id() == "admin-e2e";
+    workflow_offload |= d.action() == "offload" && d.strategy() == "workflow" && d.component() == "tiny/text_encoder";
+  }
+  EXPECT_TRUE(onload);
+  EXPECT_TRUE(workflow_offload);
+  log_request.set_limit(-1);
+  EXPECT_EQ(admin_->GetPlacementLog(Authed().get(), log_request, &log).error_code(), grpc::INVALID_ARGUMENT);
+}
+
+TEST_F(AdminE2ETest, LoadAndUnloadPipelines) {
+  v1::LoadPipelineRequest load;
+  load.mutable_pipeline()->set_name("second");
+  load.mutable_pipeline()->set_builtin("tiny");
+  load.mutable_pipeline()->set_weight_seed(5);
+  v1::LoadPipelineResponse loaded;
+  ASSERT_TRUE(admin_->LoadPipeline(Authed().get(), load, &loaded).ok());
+  EXPECT_EQ(loaded.pipeline().name(), "second");
+  EXPECT_FALSE(loaded.pipeline().is_default());
+  EXPECT_EQ(admin_->LoadPipeline(Authed().get(), load, &loaded).error_code(), grpc::ALREADY_EXISTS);
+  v1::LoadPipelineRequest bad;
+  bad.mutable_pipeline()->set_name("Bad Name");
+  bad.mutable_pipeline()->set_builtin("tiny");
+  EXPECT_EQ(admin_->LoadPipeline(Authed().get(), bad, &loaded).error_code(), grpc::INVALID_ARGUMENT);
+  v1::GenerateResponse a, b;
+  ASSERT_TRUE(Generate("second", &a).ok());
+  ASSERT_TRUE(Generate("tiny", &b).ok());
+  EXPECT_NE(a.image(), b.image());  // Other weights.
+  EXPECT_EQ(Placement().components_size(), 6);
+
+  // Unload while a long request of that pipeline runs: the unload waits for it.
+  v1::GenerateRequest slow;
+  slow.set_pipeline("second");
+  slow.set_prompt("slow");
+  slow.set_width(256);
+  slow.set_height(256);
+  slow.set_num_inference_steps(40);
+  grpc::ClientContext slow_context;
+  auto reader = generation_->GenerateStream(&slow_context, slow);
+  v1::GenerateStreamResponse message;
+  ASSERT_TRUE(reader->Read(&message));  // It is running.
+  v1::UnloadPipelineRequest unload;
+  unload.set_name("second");
+  v1::UnloadPipelineResponse unloaded;
+  ASSERT_TRUE(admin_->UnloadPipeline(Authed().get(), unload, &unloaded).ok());
+  bool got_result = false;
+  while (reader->Read(&message)) got_result |= message.has_result();
+  EXPECT_TRUE(reader->Finish().ok());
+  EXPECT_TRUE(got_result);  // The in-flight request finished before the pipeline went.
+  EXPECT_EQ(Generate("second", &a).error_code(), grpc::NOT_FOUND);
+  EXPECT_EQ(Placement().components_size(), 3);
+  EXPECT_EQ(admin_->UnloadPipeline(Authed().get(), unload, &unloaded).error_code(), grpc::NOT_FOUND);
+}
+
+TEST(AdminAuthTest, ConstantTimeEqualsAndDisabledApi) {
+  EXPECT_TRUE(ConstantTimeEquals("abc", "abc"));
+  EXPECT_FALSE(ConstantTimeEquals("abc", "abd"));
+  EXPECT_FALSE(ConstantTimeEquals("abc", "abcd"));
+  EXPECT_FALSE(ConstantTimeEquals("", "a"));
+  const std::string header = "Bearer t";
+  EXPECT_EQ(CheckBearerToken("", &header).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(CheckBearerToken("t", &header).ok());
+}
+
+}  // namespace
+}  // namespace stowage

@@ -64,21 +64,47 @@ StrategyInput PlacementManager::InputFor(const Entry& target, int64_t needed) co
   return in;
 }
 
-void PlacementManager::Offload(Entry& entry, const std::string& reason) {
+void PlacementManager::Offload(Entry& entry, const std::string& reason, const std::string& cause) {
   if (entry.state != ComponentState::kResident) return;
   const int64_t before = FreeBytes();
   entry.component->host_weights().OffloadAll();
   backend_->Synchronize();
   entry.state = ComponentState::kOffloaded;
+  ++counters_.offloads;
+  counters_.offload_bytes += entry.component->weight_bytes();
+  ++counters_.evictions[{strategy_->name(), cause}];
   Record(entry.id, "offload", entry.component->weight_bytes(), before, reason);
 }
 
-void PlacementManager::Evict(const std::vector<std::string>& ids, const std::string& reason) {
+void PlacementManager::Evict(const std::vector<std::string>& ids, const std::string& reason,
+                             const std::string& cause) {
   for (const std::string& id : ids) {
     for (auto& e : entries_) {
-      if (e->id == id && e->state == ComponentState::kResident) Offload(*e, reason);
+      if (e->id == id && e->state == ComponentState::kResident) Offload(*e, reason, cause);
     }
   }
+}
+
+void PlacementManager::EvictBefore(const Entry& target, int64_t needed, const std::string& reason) {
+  const absl::Time start = absl::Now();
+  const std::vector<std::string> ids = strategy_->BeforeRun(InputFor(target, needed));
+  ++counters_.decisions;
+  counters_.decision_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+  Evict(ids, reason, "before_run");
+}
+
+void PlacementManager::EvictAfter(const Entry& target) {
+  const absl::Time start = absl::Now();
+  // AfterRun may name the target itself ("after text_encoder: offload text_encoder").
+  const std::vector<std::string> ids = strategy_->AfterRun(InputFor(target, 0));
+  ++counters_.decisions;
+  counters_.decision_seconds += absl::ToDoubleSeconds(absl::Now() - start);
+  Evict(ids, absl::StrCat("after ", target.id, " ran"), "after_run");
+}
+
+PlacementCounters PlacementManager::counters() const {
+  absl::MutexLock lock(&mu_);
+  return counters_;
 }
 
 int64_t PlacementManager::EvictAllBut(const Entry& keep, const std::string& reason) {
@@ -86,15 +112,14 @@ int64_t PlacementManager::EvictAllBut(const Entry& keep, const std::string& reas
   for (auto& e : entries_) {
     if (e.get() == &keep || e->state != ComponentState::kResident) continue;
     freed += e->component->weight_bytes();
-    Offload(*e, reason);
+    Offload(*e, reason, "out_of_memory");
   }
   return freed;
 }
 
 absl::Status PlacementManager::MakeResident(Entry& entry) {
   const int64_t needed = entry.component->weight_bytes();
-  Evict(strategy_->BeforeRun(InputFor(entry, needed)),
-        absl::StrCat("make room for ", entry.id, " (", needed, " bytes)"));
+  EvictBefore(entry, needed, absl::StrCat("make room for ", entry.id, " (", needed, " bytes)"));
   int64_t before = FreeBytes();
   absl::Status status = entry.component->host_weights().OnloadAll(*backend_);
   if (IsDeviceOom(status)) {
@@ -104,7 +129,7 @@ absl::Status PlacementManager::MakeResident(Entry& entry) {
     backend_->ReleaseCachedMemory();
     before = FreeBytes();
     status = entry.component->host_weights().OnloadAll(*backend_);
-    if (status.ok()) ++oom_recoveries_;
+    if (status.ok()) ++counters_.oom_recoveries;
   }
   if (IsDeviceOom(status)) {
     // Recovery 2: nothing else can move: group-offload the component itself (block level, streams).
@@ -117,13 +142,15 @@ absl::Status PlacementManager::MakeResident(Entry& entry) {
           status.message(), "); evicting every other component did not help; group offloading it "
           "failed too (", enabled.message(), ")"));
     }
-    ++oom_recoveries_;
+    ++counters_.oom_recoveries;
     Record(entry.id, "group_offload", entry.group_offload->stats().working_set_bytes, before,
            "out of memory even with every other component offloaded");
     return absl::OkStatus();
   }
   if (!status.ok()) return status;
   entry.state = ComponentState::kResident;
+  ++counters_.onloads;
+  counters_.onload_bytes += needed;
   Record(entry.id, "onload", needed, before, "needed to run");
   return absl::OkStatus();
 }
@@ -172,7 +199,7 @@ std::vector<PlacementDecision> PlacementManager::DecisionLog(size_t limit) const
 
 int64_t PlacementManager::oom_recoveries() const {
   absl::MutexLock lock(&mu_);
-  return oom_recoveries_;
+  return counters_.oom_recoveries;
 }
 
 absl::Status PlacementManager::Register(const std::string& pipeline, Component* component) {
@@ -227,12 +254,11 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     if (entry->group_offload) {
       // It places itself, but its always-on group is allocated per forward: make room for it.
       const int64_t needed = entry->group_offload->stats().always_on_bytes;
-      Evict(strategy_->BeforeRun(InputFor(*entry, needed)),
-            absl::StrCat("make room for group-offloaded ", entry->id, "'s working set"));
+      EvictBefore(*entry, needed, absl::StrCat("make room for group-offloaded ", entry->id, "'s working set"));
     } else if (entry->state == ComponentState::kOffloaded) {
       RETURN_IF_ERROR(MakeResident(*entry));
     } else {
-      Evict(strategy_->BeforeRun(InputFor(*entry, 0)), absl::StrCat("before ", entry->id, " runs"));
+      EvictBefore(*entry, 0, absl::StrCat("before ", entry->id, " runs"));
     }
     entry->last_use = absl::Now();
   }
@@ -263,7 +289,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
       }
     }
     if (status.ok()) {
-      ++oom_recoveries_;
+      ++counters_.oom_recoveries;
     } else if (IsDeviceOom(status)) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "running '", entry->id, "' ran out of device memory; tried: evicting every other component, "
@@ -271,8 +297,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     }
   }
   if (!status.ok()) return status;
-  // AfterRun may name the target itself ("after text_encoder: offload text_encoder").
-  Evict(strategy_->AfterRun(InputFor(*entry, 0)), absl::StrCat("after ", entry->id, " ran"));
+  EvictAfter(*entry);
   return absl::OkStatus();
 }
 

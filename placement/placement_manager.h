@@ -66,6 +66,19 @@ struct PlacementDecision {
   std::string reason;
 };
 
+// Cumulative counters, for metrics.
+struct PlacementCounters {
+  int64_t onloads = 0;
+  int64_t onload_bytes = 0;
+  int64_t offloads = 0;
+  int64_t offload_bytes = 0;
+  int64_t oom_recoveries = 0;
+  int64_t decisions = 0;           // Strategy consultations.
+  double decision_seconds = 0;     // Time spent in them.
+  // (strategy, cause) → evictions; cause is "before_run", "after_run" or "out_of_memory".
+  std::map<std::pair<std::string, std::string>, int64_t> evictions;
+};
+
 // Lifetime: the registered components must outlive the manager (group offloading unhooks their
 // modules when the manager goes).
 class PlacementManager : public ComponentRunner {
@@ -84,6 +97,7 @@ class PlacementManager : public ComponentRunner {
   // The newest `limit` decisions, oldest first.
   std::vector<PlacementDecision> DecisionLog(size_t limit) const;
   int64_t oom_recoveries() const;
+  PlacementCounters counters() const;
 
   DeviceBackend& backend() { return *backend_; }
 
@@ -129,9 +143,13 @@ class PlacementManager : public ComponentRunner {
   void Record(const std::string& component, const std::string& action, int64_t bytes,
               int64_t free_before, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   StrategyInput InputFor(const Entry& target, int64_t needed) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Offload(Entry& entry, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Carries out the strategy's choice of evictions for `ids`.
-  void Evict(const std::vector<std::string>& ids, const std::string& reason)
+  void Offload(Entry& entry, const std::string& reason, const std::string& cause)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Asks the strategy (timed) and carries out its evictions.
+  void EvictBefore(const Entry& target, int64_t needed, const std::string& reason)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EvictAfter(const Entry& target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Evict(const std::vector<std::string>& ids, const std::string& reason, const std::string& cause)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes a non-group-offloaded entry resident, evicting per strategy, recovering from OOM.
   absl::Status MakeResident(Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -144,7 +162,7 @@ class PlacementManager : public ComponentRunner {
   std::unique_ptr<OffloadStrategy> strategy_ ABSL_GUARDED_BY(mu_);
   std::deque<PlacementDecision> log_ ABSL_GUARDED_BY(mu_);
   std::string request_id_ ABSL_GUARDED_BY(mu_);
-  int64_t oom_recoveries_ ABSL_GUARDED_BY(mu_) = 0;
+  PlacementCounters counters_ ABSL_GUARDED_BY(mu_);
   static constexpr size_t kLogCapacity = 4096;
 };
 

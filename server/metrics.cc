@@ -9,6 +9,7 @@
 
 #include "prometheus/client_metric.h"
 #include "prometheus/metric_family.h"
+#include "placement/placement_manager.h"
 #include "server/process_memory.h"
 
 namespace stowage {
@@ -52,7 +53,84 @@ class ProcessMemoryCollectable : public prometheus::Collectable {
   }
 };
 
+prometheus::MetricFamily Family(const std::string& name, const std::string& help,
+                                prometheus::MetricType type) {
+  prometheus::MetricFamily family;
+  family.name = name;
+  family.help = help;
+  family.type = type;
+  return family;
+}
+
+void Add(prometheus::MetricFamily& family, double value,
+         std::vector<std::pair<std::string, std::string>> labels = {}) {
+  prometheus::ClientMetric metric;
+  for (auto& [k, v] : labels) metric.label.push_back({k, v});
+  if (family.type == prometheus::MetricType::Counter) {
+    metric.counter.value = value;
+  } else {
+    metric.gauge.value = value;
+  }
+  family.metric.push_back(std::move(metric));
+}
+
+class PlacementCollectable : public prometheus::Collectable {
+ public:
+  explicit PlacementCollectable(const PlacementManager* placement) : placement_(placement) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    using prometheus::MetricType;
+    auto state = Family("stowage_component_state", "1 for the state each component is in.", MetricType::Gauge);
+    auto device = Family("stowage_component_device_bytes",
+                         "Device bytes a component holds (weights if resident, working set if group-offloaded).",
+                         MetricType::Gauge);
+    auto weights = Family("stowage_component_weight_bytes", "Bytes of a component's weights.", MetricType::Gauge);
+    for (const ComponentView& v : placement_->Snapshot()) {
+      Add(state, 1, {{"component", v.id}, {"state", ComponentStateName(v.state)}});
+      Add(device, static_cast<double>(v.device_bytes), {{"component", v.id}});
+      Add(weights, static_cast<double>(v.weight_bytes), {{"component", v.id}});
+    }
+    const PlacementCounters c = placement_->counters();
+    auto onloads = Family("stowage_placement_onloads_total", "Whole-component onloads.", MetricType::Counter);
+    Add(onloads, static_cast<double>(c.onloads));
+    auto onload_bytes = Family("stowage_placement_onload_bytes_total", "Bytes of whole-component onloads.",
+                               MetricType::Counter);
+    Add(onload_bytes, static_cast<double>(c.onload_bytes));
+    auto offloads = Family("stowage_placement_offloads_total", "Whole-component offloads.", MetricType::Counter);
+    Add(offloads, static_cast<double>(c.offloads));
+    auto offload_bytes = Family("stowage_placement_offload_bytes_total",
+                                "Device bytes freed by whole-component offloads.", MetricType::Counter);
+    Add(offload_bytes, static_cast<double>(c.offload_bytes));
+    auto evictions = Family("stowage_placement_evictions_total", "Evictions by strategy and cause.",
+                            MetricType::Counter);
+    for (const auto& [key, n] : c.evictions) {
+      Add(evictions, static_cast<double>(n), {{"strategy", key.first}, {"cause", key.second}});
+    }
+    auto oom = Family("stowage_placement_oom_recoveries_total",
+                      "Device out-of-memory errors recovered by eviction or group offloading.",
+                      MetricType::Counter);
+    Add(oom, static_cast<double>(c.oom_recoveries));
+    auto decision_seconds = Family("stowage_placement_decision_seconds_total",
+                                   "Time spent deciding placements (strategy calls).", MetricType::Counter);
+    Add(decision_seconds, c.decision_seconds);
+    auto decisions = Family("stowage_placement_decisions_total", "Strategy calls.", MetricType::Counter);
+    Add(decisions, static_cast<double>(c.decisions));
+    auto warning = Family("stowage_placement_group_offload_warning",
+                          "1 while a footprint strategy manages group-offloaded components.",
+                          MetricType::Gauge);
+    Add(warning, placement_->Warnings().empty() ? 0 : 1);
+    return {state, device, weights, onloads, onload_bytes, offloads, offload_bytes, evictions, oom,
+            decision_seconds, decisions, warning};
+  }
+
+ private:
+  const PlacementManager* placement_;
+};
+
 }  // namespace
+
+std::shared_ptr<prometheus::Collectable> MakePlacementCollectable(const PlacementManager* placement) {
+  return std::make_shared<PlacementCollectable>(placement);
+}
 
 std::string StatusCodeLabel(absl::StatusCode code) {
   std::string name = absl::StatusCodeToString(code);

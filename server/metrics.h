@@ -47,6 +47,14 @@ class ServerMetrics {
 // stowage_process_resident_memory_bytes.
 std::shared_ptr<prometheus::Collectable> MakeProcessMemoryCollectable();
 
+class PlacementManager;
+
+// A collectable that reads placement state and counters at scrape time: per-component state and
+// device bytes, onloads/offloads (count and bytes), evictions by strategy and cause, OOM
+// recoveries, decision time, and the footprint-over-group-offload warning. `placement` must outlive
+// the collectable's registration.
+std::shared_ptr<prometheus::Collectable> MakePlacementCollectable(const PlacementManager* placement);
+
 // Lower-case gRPC-style name of a status code ("ok", "invalid_argument", ...).
 std::string StatusCodeLabel(absl::StatusCode code);
 

@@ -68,7 +68,11 @@ std::string HostOf(const std::string& address) {
 
 StowageServer::StowageServer() = default;
 
-StowageServer::~StowageServer() { Shutdown(); }
+StowageServer::~StowageServer() {
+  Shutdown();
+  // The exporter may scrape placement state until it stops: stop it before the core goes.
+  exposer_.reset();
+}
 
 absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerConfig raw_config) {
   ASSIGN_OR_RETURN(v1::ServerConfig config, FinalizeServerConfig(std::move(raw_config)));
@@ -90,6 +94,10 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
   }
 
   ASSIGN_OR_RETURN(server->core_, GenerationCore::Create(config, server->metrics_.get()));
+  if (server->exposer_ != nullptr) {
+    server->placement_metrics_ = MakePlacementCollectable(&server->core_->placement());
+    server->exposer_->RegisterCollectable(server->placement_metrics_);
+  }
   server->generation_service_ =
       std::make_unique<GenerationServiceImpl>(server->core_.get(), server->metrics_.get());
   ASSIGN_OR_RETURN(std::string token, AdminToken(config.auth()));

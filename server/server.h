@@ -51,6 +51,7 @@ class StowageServer {
   std::unique_ptr<ServerMetrics> metrics_;
   // The exposer holds collectables by weak_ptr: the server owns them.
   std::shared_ptr<prometheus::Collectable> process_memory_;
+  std::shared_ptr<prometheus::Collectable> placement_metrics_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::unique_ptr<GenerationCore> core_;
   std::unique_ptr<GenerationServiceImpl> generation_service_;

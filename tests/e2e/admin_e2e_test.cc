@@ -11,6 +11,7 @@
 #include "google/protobuf/text_format.h"
 #include "server/admin_service.h"
 #include "server/server.h"
+#include "tests/e2e/http_get.h"
 #include "stowage/v1/admin.grpc.pb.h"
 #include "stowage/v1/generation.grpc.pb.h"
 
@@ -24,7 +25,7 @@ class AdminE2ETest : public ::testing::Test {
   void SetUp() override {
     v1::ServerConfig config;
     config.set_grpc_address("127.0.0.1:0");
-    config.set_metrics_address("none");
+    config.set_metrics_address("127.0.0.1:0");
     config.mutable_auth()->set_admin_token(kToken);
     auto server = StowageServer::Start(config);
     ASSERT_TRUE(server.ok()) << server.status();
@@ -137,6 +138,14 @@ TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
   ASSERT_TRUE(admin_->SetOffloadStrategy(Authed().get(), footprint, &set).ok());
   ASSERT_EQ(set.warnings_size(), 1);
   EXPECT_EQ(Placement().warnings_size(), 1);
+  // The same facts on the Prometheus page.
+  const std::string page = HttpGet(server_->metrics_address(), "/metrics");
+  EXPECT_NE(page.find("stowage_component_state{component=\"tiny/transformer\",state=\"group_offloaded\"} 1"),
+            std::string::npos) << page;
+  EXPECT_NE(page.find("stowage_placement_evictions_total{strategy=\"workflow\",cause=\"after_run\"} 1"),
+            std::string::npos) << page;
+  EXPECT_NE(page.find("stowage_placement_group_offload_warning 1"), std::string::npos);
+  EXPECT_NE(page.find("stowage_placement_onloads_total 3"), std::string::npos);
   v1::GenerateResponse grouped;
   ASSERT_TRUE(Generate("", &grouped).ok());
   EXPECT_EQ(grouped.image(), before.image());

@@ -5,6 +5,7 @@
 //   stowctl pipelines
 //
 // Exit status: 0 success, 1 the server returned an error, 2 bad usage.
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -18,7 +19,11 @@
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "google/protobuf/util/time_util.h"
 #include "clients/stowctl/format.h"
+#include "google/protobuf/text_format.h"
+#include "stowage/v1/admin.grpc.pb.h"
 #include "stowage/v1/generation.grpc.pb.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address HOST:PORT.");
@@ -33,6 +38,17 @@ ABSL_FLAG(std::string, guidance, "", "Guidance scale; empty = pipeline default."
 ABSL_FLAG(std::string, seed, "", "Noise seed (unsigned 64-bit); empty = random.");
 ABSL_FLAG(std::string, request_id, "", "Client request identifier.");
 ABSL_FLAG(std::string, out, "", "Where to write the image (generate, stream).");
+ABSL_FLAG(std::string, token, "",
+          "Admin bearer token (admin commands); defaults to the STOWAGE_TOKEN environment variable.");
+ABSL_FLAG(std::string, strategy, "",
+          "set-strategy: an OffloadStrategy in protobuf text format, e.g. 'custom: \"lru\"' or "
+          "'workflow { rules { after { component: \"text_encoder\" offload: \"text_encoder\" } } }'.");
+ABSL_FLAG(std::string, component, "", "enable/disable-group-offload: component id '<pipeline>/<name>'.");
+ABSL_FLAG(std::string, options, "",
+          "enable-group-offload: GroupOffloadConfig in text format, e.g. 'use_stream: true offload_type: LEAF_LEVEL'.");
+ABSL_FLAG(std::string, name, "", "load-pipeline / unload-pipeline: pipeline name.");
+ABSL_FLAG(uint64_t, weight_seed, 0, "load-pipeline: seed of the built-in pipeline's random weights.");
+ABSL_FLAG(int32_t, limit, 100, "placement-log: number of decisions.");
 
 namespace {
 
@@ -44,6 +60,8 @@ constexpr int kRpcError = 1;
 int Usage(const std::string& message) {
   std::cerr << "stowctl: " << message << "\n"
             << "usage: stowctl [--target=HOST:PORT] [--timeout=S] generate|stream|pipelines [flags]\n"
+            << "       stowctl --token=T placement|set-strategy|enable-group-offload|"
+               "disable-group-offload|load-pipeline|unload-pipeline|placement-log [flags]\n"
             << "run 'stowctl --help' for the flags\n";
   return kUsageError;
 }
@@ -155,12 +173,136 @@ int Pipelines(GenerationService::Stub& stub) {
   return 0;
 }
 
+using stowage::v1::AdminService;
+
+std::string Token() {
+  std::string token = absl::GetFlag(FLAGS_token);
+  if (token.empty()) {
+    const char* env = std::getenv("STOWAGE_TOKEN");
+    if (env != nullptr) token = env;
+  }
+  return token;
+}
+
+void Authorize(grpc::ClientContext& context) {
+  SetDeadline(context);
+  const std::string token = Token();
+  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+}
+
+template <typename Message>
+bool ParseText(const std::string& flag, const std::string& text, Message* message) {
+  if (!google::protobuf::TextFormat::ParseFromString(text, message)) {
+    std::cerr << "stowctl: --" << flag << " is not a valid " << message->GetTypeName()
+              << " in protobuf text format\n";
+    return false;
+  }
+  return true;
+}
+
+int Placement(AdminService::Stub& stub) {
+  grpc::ClientContext context;
+  Authorize(context);
+  stowage::v1::GetPlacementResponse r;
+  const grpc::Status status = stub.GetPlacement(&context, {}, &r);
+  if (!status.ok()) return RpcFailure(status);
+  std::cout << "device " << r.device() << ": " << stowage::HumanBytes(r.allocated_bytes()) << " allocated of "
+            << (r.budget_bytes() > 0 ? stowage::HumanBytes(r.budget_bytes()) : std::string("unlimited"))
+            << "; strategy " << r.strategy() << "; OOM recoveries " << r.oom_recoveries() << "\n";
+  for (const auto& c : r.components()) {
+    std::cout << absl::StrFormat("  %-24s %-16s %12s on device / %12s weights\n", c.id(),
+                                 stowage::v1::ComponentPlacement::State_Name(c.state()),
+                                 stowage::HumanBytes(c.device_bytes()), stowage::HumanBytes(c.weight_bytes()));
+  }
+  for (const auto& w : r.warnings()) std::cout << "  warning: " << w << "\n";
+  return 0;
+}
+
+template <typename Request, typename Response, typename Call>
+int AdminCall(const Request& request, Call call) {
+  grpc::ClientContext context;
+  Authorize(context);
+  Response response;
+  const grpc::Status status = call(&context, request, &response);
+  if (!status.ok()) return RpcFailure(status);
+  std::string text;
+  google::protobuf::TextFormat::PrintToString(response, &text);
+  std::cout << text;
+  return 0;
+}
+
+int Admin(const std::string& command, AdminService::Stub& stub) {
+  using namespace stowage::v1;  // NOLINT: message names read better unqualified here.
+  if (command == "placement") return Placement(stub);
+  if (command == "set-strategy") {
+    SetOffloadStrategyRequest request;
+    if (!ParseText("strategy", absl::GetFlag(FLAGS_strategy), request.mutable_strategy())) return kUsageError;
+    return AdminCall<SetOffloadStrategyRequest, SetOffloadStrategyResponse>(
+        request, [&](auto* c, const auto& q, auto* r) { return stub.SetOffloadStrategy(c, q, r); });
+  }
+  if (command == "enable-group-offload" || command == "disable-group-offload") {
+    const std::string component = absl::GetFlag(FLAGS_component);
+    const std::string pipeline = absl::GetFlag(FLAGS_pipeline);
+    if (component.empty() == pipeline.empty()) {
+      std::cerr << "stowctl: give exactly one of --component or --pipeline\n";
+      return kUsageError;
+    }
+    if (command == "enable-group-offload") {
+      EnableGroupOffloadRequest request;
+      if (!component.empty()) request.set_component_id(component);
+      if (!pipeline.empty()) request.set_pipeline(pipeline);
+      if (!ParseText("options", absl::GetFlag(FLAGS_options), request.mutable_options())) return kUsageError;
+      return AdminCall<EnableGroupOffloadRequest, EnableGroupOffloadResponse>(
+          request, [&](auto* c, const auto& q, auto* r) { return stub.EnableGroupOffload(c, q, r); });
+    }
+    DisableGroupOffloadRequest request;
+    if (!component.empty()) request.set_component_id(component);
+    if (!pipeline.empty()) request.set_pipeline(pipeline);
+    return AdminCall<DisableGroupOffloadRequest, DisableGroupOffloadResponse>(
+        request, [&](auto* c, const auto& q, auto* r) { return stub.DisableGroupOffload(c, q, r); });
+  }
+  if (command == "load-pipeline") {
+    LoadPipelineRequest request;
+    request.mutable_pipeline()->set_name(absl::GetFlag(FLAGS_name));
+    request.mutable_pipeline()->set_builtin("tiny");
+    request.mutable_pipeline()->set_weight_seed(absl::GetFlag(FLAGS_weight_seed));
+    return AdminCall<LoadPipelineRequest, LoadPipelineResponse>(
+        request, [&](auto* c, const auto& q, auto* r) { return stub.LoadPipeline(c, q, r); });
+  }
+  if (command == "unload-pipeline") {
+    UnloadPipelineRequest request;
+    request.set_name(absl::GetFlag(FLAGS_name));
+    return AdminCall<UnloadPipelineRequest, UnloadPipelineResponse>(
+        request, [&](auto* c, const auto& q, auto* r) { return stub.UnloadPipeline(c, q, r); });
+  }
+  if (command == "placement-log") {
+    GetPlacementLogRequest request;
+    request.set_limit(absl::GetFlag(FLAGS_limit));
+    grpc::ClientContext context;
+    Authorize(context);
+    GetPlacementLogResponse response;
+    const grpc::Status status = stub.GetPlacementLog(&context, request, &response);
+    if (!status.ok()) return RpcFailure(status);
+    for (const auto& d : response.decisions()) {
+      std::cout << absl::StrFormat("%s %-10s %-14s %-24s %12s  [%s] %s\n",
+                                   google::protobuf::util::TimeUtil::ToString(d.time()), d.request_id(),
+                                   d.action(), d.component(), stowage::HumanBytes(d.bytes()), d.strategy(),
+                                   d.reason());
+    }
+    return 0;
+  }
+  return -1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "Stowage command-line client.\n  stowctl [--target=HOST:PORT] generate --prompt=TEXT "
-      "[--out=FILE.png]\n  stowctl stream --prompt=TEXT\n  stowctl pipelines");
+      "[--out=FILE.png]\n  stowctl stream --prompt=TEXT\n  stowctl pipelines\n  stowctl --token=T "
+      "placement | set-strategy --strategy=TEXT | enable-group-offload --component=ID|--pipeline=P "
+      "[--options=TEXT] | disable-group-offload ... | load-pipeline --name=N | unload-pipeline "
+      "--name=N | placement-log [--limit=N]");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) return Usage("expected exactly one command");
   const std::string command = args[1];
@@ -172,5 +314,8 @@ int main(int argc, char** argv) {
   if (command == "generate") return Generate(*stub);
   if (command == "stream") return Stream(*stub);
   if (command == "pipelines") return Pipelines(*stub);
+  auto admin = AdminService::NewStub(channel);
+  const int rc = Admin(command, *admin);
+  if (rc >= 0) return rc;
   return Usage(absl::StrCat("unknown command '", command, "'"));
 }

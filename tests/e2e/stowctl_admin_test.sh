@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# stowctl's admin commands against the real server over loopback: auth, placement, strategy,
+# group offload, pipeline load/unload, decision log.
+set -euo pipefail
+here=$(pwd)
+tmp="$TEST_TMPDIR"
+cat >"$tmp/config.textproto" <<'CFG'
+grpc_address: "127.0.0.1:0"
+metrics_address: "none"
+auth { admin_token_file: "TOKEN_FILE" }
+CFG
+echo "tok-$RANDOM" >"$tmp/token"
+sed -i "s|TOKEN_FILE|$tmp/token|" "$tmp/config.textproto"
+"$here/server/stowage_server" --config="$tmp/config.textproto" --port_file="$tmp/ports.json" >"$tmp/server.log" 2>&1 &
+pid=$!
+trap 'kill $pid 2>/dev/null || true; wait $pid 2>/dev/null || true' EXIT
+for _ in $(seq 600); do [ -s "$tmp/ports.json" ] && break; sleep 0.1; done
+target=$(/usr/bin/python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['grpc_address'])" "$tmp/ports.json")
+ctl() { "$here/clients/stowctl/stowctl" --target="$target" "$@"; }
+fail() { echo "FAIL: $*"; cat "$tmp/server.log"; exit 1; }
+
+# Authentication.
+set +e
+out=$(ctl placement 2>&1); rc=$?
+set -e
+[ $rc -eq 1 ] && grep -q "UNAUTHENTICATED\|16" <<<"$out" || fail "no token: rc=$rc $out"
+set +e
+out=$(ctl --token=wrong placement 2>&1); rc=$?
+set -e
+[ $rc -eq 1 ] && grep -q "wrong admin token" <<<"$out" || fail "wrong token: $out"
+export STOWAGE_TOKEN=$(cat "$tmp/token")
+
+ctl generate --prompt=boat --width=64 --height=64 --steps=1 >/dev/null
+out=$(ctl placement)
+grep -q "tiny/transformer *RESIDENT" <<<"$out" || fail "placement: $out"
+out=$(ctl set-strategy --strategy='custom: "text-encoders-only"')
+grep -q 'strategy: "text-encoders-only"' <<<"$out" || fail "set-strategy: $out"
+set +e
+out=$(ctl set-strategy --strategy='workflow { rules { keep_resident: "unet" } }' 2>&1); rc=$?
+set -e
+[ $rc -eq 1 ] && grep -q "unknown component 'unet'" <<<"$out" || fail "bad rules: $out"
+out=$(ctl enable-group-offload --component=tiny/transformer --options='use_stream: true')
+grep -q "GROUP_OFFLOADED" <<<"$out" || fail "enable: $out"
+ctl generate --prompt=boat --width=64 --height=64 --steps=1 >/dev/null
+out=$(ctl placement)
+grep -q "tiny/text_encoder *OFFLOADED" <<<"$out" || fail "text encoder should be offloaded: $out"
+out=$(ctl disable-group-offload --component=tiny/transformer)
+grep -q "OFFLOADED" <<<"$out" || fail "disable: $out"
+ctl load-pipeline --name=extra --weight_seed=3 | grep -q 'name: "extra"' || fail "load"
+ctl generate --pipeline=extra --prompt=kite --width=64 --height=64 --steps=1 >/dev/null
+ctl unload-pipeline --name=extra >/dev/null
+set +e
+out=$(ctl generate --pipeline=extra --prompt=kite 2>&1); rc=$?
+set -e
+[ $rc -eq 1 ] && grep -q "not found" <<<"$out" || fail "unloaded pipeline still served: $out"
+out=$(ctl placement-log --limit=50)
+grep -q "onload" <<<"$out" && grep -q "unregister" <<<"$out" || fail "log: $out"
+set +e
+ctl enable-group-offload --options='use_stream: true' >/dev/null 2>&1; rc=$?
+set -e
+[ $rc -eq 2 ] || fail "usage error expected, rc=$rc"
+echo "ok"

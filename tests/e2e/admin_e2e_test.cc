@@ -1,6 +1,9 @@
 // The admin API end to end over loopback gRPC: authentication, placement inspection, strategies,
 // group offloading, pipeline load/unload and the decision log.
 #include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -214,6 +217,52 @@ TEST_F(AdminE2ETest, LoadAndUnloadPipelines) {
   EXPECT_EQ(Generate("second", &a).error_code(), grpc::NOT_FOUND);
   EXPECT_EQ(Placement().components_size(), 3);
   EXPECT_EQ(admin_->UnloadPipeline(Authed().get(), unload, &unloaded).error_code(), grpc::NOT_FOUND);
+}
+
+std::string ReadAll(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+TEST(TlsE2ETest, TlsPortServesTlsClientsOnly) {
+  const std::string dir = ::testing::TempDir();
+  const std::string cert = dir + "/tls.crt";
+  const std::string key = dir + "/tls.key";
+  const std::string command =
+      "openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj /CN=localhost "
+      "-addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout " + key + " -out " + cert +
+      " >/dev/null 2>&1";
+  ASSERT_EQ(std::system(command.c_str()), 0) << "openssl is needed for this test";
+  v1::ServerConfig config;
+  config.set_grpc_address("127.0.0.1:0");
+  config.set_metrics_address("none");
+  config.mutable_tls()->set_cert_file(cert);
+  config.mutable_tls()->set_key_file(key);
+  auto server = StowageServer::Start(config);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string port = (*server)->grpc_address().substr((*server)->grpc_address().rfind(':') + 1);
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = ReadAll(cert);
+  auto secure = v1::GenerationService::NewStub(
+      grpc::CreateChannel("localhost:" + port, grpc::SslCredentials(ssl)));
+  v1::ListPipelinesResponse response;
+  grpc::ClientContext ok_context;
+  ok_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  EXPECT_TRUE(secure->ListPipelines(&ok_context, {}, &response).ok());
+  EXPECT_EQ(response.pipelines_size(), 1);
+  auto plain = v1::GenerationService::NewStub(
+      grpc::CreateChannel("localhost:" + port, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext plain_context;
+  plain_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  EXPECT_FALSE(plain->ListPipelines(&plain_context, {}, &response).ok());
+  // Half a TLS config is refused at start, naming the field.
+  v1::ServerConfig half = config;
+  half.mutable_tls()->clear_key_file();
+  auto refused = StowageServer::Start(half);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(refused.status().message()).find("tls"), std::string::npos);
 }
 
 TEST(AdminAuthTest, ConstantTimeEqualsAndDisabledApi) {

@@ -1,0 +1,520 @@
+"""Typed wrapper around the Stowage AdminService gRPC API (placement inspection and control).
+
+Like ``client.py``, it exists so that callers deal in plain Python values (dataclasses, state
+names as strings, ``datetime`` for timestamps) and in one exception type (``StowageError``), and
+so that the admin bearer token is attached to every call in one place instead of by each caller.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+try:
+    from stowage.v1 import admin_pb2, admin_pb2_grpc, config_pb2
+except ImportError as e:  # pragma: no cover - depends on the environment
+    # Same reason as in client.py: the stubs are build outputs, so a missing import almost always
+    # means PYTHONPATH lacks the stubs directory (or it predates admin.proto).
+    raise ImportError(
+        "stowage_client needs the generated stubs for stowage/v1/admin.proto and config.proto; "
+        "put the directory that contains stowage/v1/admin_pb2.py on PYTHONPATH"
+    ) from e
+
+from google.protobuf import timestamp_pb2
+
+from stowage_client.client import PipelineInfo, StowageError, _pipeline_from_proto
+
+__all__ = [
+    "AdminClient",
+    "ComponentPlacementInfo",
+    "Decision",
+    "GroupOffloadInfo",
+    "PlacementInfo",
+    "WorkflowRuleSpec",
+    "workflow_rule",
+]
+
+TOKEN_ENV = "STOWAGE_TOKEN"
+"""Environment variable the token is read from when the constructor is given none."""
+
+WorkflowRuleSpec = Mapping[str, Any]
+"""One workflow rule as a one-key dict: ``{"after": (component, [offload, ...])}``,
+``{"before": (component, [offload, ...])}`` or ``{"keep_resident": component}``."""
+
+_OFFLOAD_TYPES = {
+    "block": config_pb2.GroupOffloadConfig.BLOCK_LEVEL,
+    "leaf": config_pb2.GroupOffloadConfig.LEAF_LEVEL,
+}
+_TARGETS = {
+    "pinned": config_pb2.GroupOffloadConfig.PINNED_HOST,
+    "pageable": config_pb2.GroupOffloadConfig.PAGEABLE_HOST,
+    "disk": config_pb2.GroupOffloadConfig.DISK,
+}
+# The per-component options an `overrides` entry may replace (the keyword arguments of
+# enable_group_offload that map to GroupOffloadConfig).
+_OPTION_KEYS = frozenset(
+    {
+        "offload_type",
+        "num_blocks_per_group",
+        "use_stream",
+        "prefetch_depth",
+        "target",
+        "disk_dir",
+        "budget_bytes",
+    }
+)
+
+
+@dataclass(frozen=True)
+class GroupOffloadInfo:
+    """Statistics of a group-offloaded component: how its groups stream through its slots."""
+
+    groups: int
+    streamed_groups: int
+    resident_groups: int
+    slots: int
+    slot_bytes: int
+    working_set_bytes: int
+    forwards: int
+    prefetches: int
+    sync_onloads: int
+
+
+@dataclass(frozen=True)
+class ComponentPlacementInfo:
+    """Where one component's weights are.
+
+    ``id`` is ``"<pipeline>/<component>"``; ``state`` is the proto enum's name: ``"OFFLOADED"``
+    (host only), ``"RESIDENT"`` (all weights on the device) or ``"GROUP_OFFLOADED"`` (it places
+    itself; ``group_offload`` is then set). A state newer than this client reads ``"STATE_<n>"``.
+    ``device_bytes`` is what it holds on the device now. ``last_use`` is None before its first run.
+    """
+
+    id: str
+    name: str
+    kind: str
+    pipelines: list[str]
+    weight_bytes: int
+    device_bytes: int
+    state: str
+    last_use: datetime | None = None
+    group_offload: GroupOffloadInfo | None = None
+
+
+@dataclass(frozen=True)
+class PlacementInfo:
+    """The device, its memory, the offload strategy and every component's placement.
+
+    ``budget_bytes`` is 0 when the device has no limit (the simulated device by default).
+    """
+
+    device: str
+    budget_bytes: int
+    allocated_bytes: int
+    strategy: str
+    components: list[ComponentPlacementInfo]
+    warnings: list[str]
+    oom_recoveries: int
+
+    @property
+    def free_bytes(self) -> int | None:
+        """Budget minus allocated bytes; None when the device has no budget."""
+        return self.budget_bytes - self.allocated_bytes if self.budget_bytes else None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One placement decision from the server's bounded log.
+
+    ``action`` is for example "onload", "offload", "group_offload", "oom", "set_strategy" or
+    "unregister"; ``component`` is a component id ("" for "set_strategy"). ``free_before`` and
+    ``free_after`` are free device bytes, None when the device has no budget (the wire's -1).
+    ``time`` is timezone-aware UTC.
+    """
+
+    time: datetime
+    request_id: str
+    component: str
+    action: str
+    bytes: int
+    free_before: int | None
+    free_after: int | None
+    strategy: str
+    reason: str
+
+
+def _datetime(ts: timestamp_pb2.Timestamp) -> datetime:
+    # By hand rather than Timestamp.ToDatetime(tzinfo=...), whose tz support depends on the
+    # protobuf version; microsecond precision is what datetime holds.
+    return datetime.fromtimestamp(ts.seconds, tz=timezone.utc) + timedelta(
+        microseconds=ts.nanos // 1000
+    )
+
+
+def _state_name(value: int) -> str:
+    try:
+        return admin_pb2.ComponentPlacement.State.Name(value)
+    except ValueError:  # An enum value added after this client was generated.
+        return f"STATE_{value}"
+
+
+def _free(value: int) -> int | None:
+    return None if value < 0 else value
+
+
+def _component_from_proto(msg: admin_pb2.ComponentPlacement) -> ComponentPlacementInfo:
+    group = None
+    if msg.HasField("group_offload"):
+        g = msg.group_offload
+        group = GroupOffloadInfo(
+            groups=g.groups,
+            streamed_groups=g.streamed_groups,
+            resident_groups=g.resident_groups,
+            slots=g.slots,
+            slot_bytes=g.slot_bytes,
+            working_set_bytes=g.working_set_bytes,
+            forwards=g.forwards,
+            prefetches=g.prefetches,
+            sync_onloads=g.sync_onloads,
+        )
+    return ComponentPlacementInfo(
+        id=msg.id,
+        name=msg.name,
+        kind=msg.kind,
+        pipelines=list(msg.pipelines),
+        weight_bytes=msg.weight_bytes,
+        device_bytes=msg.device_bytes,
+        state=_state_name(msg.state),
+        last_use=_datetime(msg.last_use) if msg.HasField("last_use") else None,
+        group_offload=group,
+    )
+
+
+def _placement_from_proto(msg: admin_pb2.GetPlacementResponse) -> PlacementInfo:
+    return PlacementInfo(
+        device=msg.device,
+        budget_bytes=msg.budget_bytes,
+        allocated_bytes=msg.allocated_bytes,
+        strategy=msg.strategy,
+        components=[_component_from_proto(c) for c in msg.components],
+        warnings=list(msg.warnings),
+        oom_recoveries=msg.oom_recoveries,
+    )
+
+
+def _decision_from_proto(msg: admin_pb2.PlacementDecision) -> Decision:
+    return Decision(
+        time=_datetime(msg.time),
+        request_id=msg.request_id,
+        component=msg.component,
+        action=msg.action,
+        bytes=msg.bytes,
+        free_before=_free(msg.free_before),
+        free_after=_free(msg.free_after),
+        strategy=msg.strategy,
+        reason=msg.reason,
+    )
+
+
+def _trigger(kind: str, value: Any) -> config_pb2.WorkflowRule.Trigger:
+    try:
+        component, offload = value
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"a {kind!r} rule takes (component, [components to offload]), got {value!r}"
+        ) from None
+    # A bare string would otherwise be iterated character by character.
+    names = [offload] if isinstance(offload, str) else list(offload)
+    if not isinstance(component, str) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"a {kind!r} rule names components by string, got {value!r}")
+    return config_pb2.WorkflowRule.Trigger(component=component, offload=names)
+
+
+def workflow_rule(spec: WorkflowRuleSpec) -> config_pb2.WorkflowRule:
+    """Converts one rule dict (see ``WorkflowRuleSpec``) to its message; ValueError if malformed.
+
+    Checks only the shape: whether the names exist is the server's to say (INVALID_ARGUMENT
+    naming the rule), since only it knows the loaded components.
+    """
+    if not isinstance(spec, Mapping) or len(spec) != 1:
+        raise ValueError(
+            f"a workflow rule is a dict with exactly one of 'after', 'before', 'keep_resident'; "
+            f"got {spec!r}"
+        )
+    ((kind, value),) = spec.items()
+    if kind == "after":
+        return config_pb2.WorkflowRule(after=_trigger(kind, value))
+    if kind == "before":
+        return config_pb2.WorkflowRule(before=_trigger(kind, value))
+    if kind == "keep_resident":
+        if not isinstance(value, str):
+            raise ValueError(f"'keep_resident' takes a component name, got {value!r}")
+        return config_pb2.WorkflowRule(keep_resident=value)
+    raise ValueError(f"unknown workflow rule {kind!r}; use 'after', 'before' or 'keep_resident'")
+
+
+def _group_offload_config(
+    *,
+    offload_type: str,
+    num_blocks_per_group: int,
+    use_stream: bool,
+    prefetch_depth: int,
+    target: str,
+    disk_dir: str,
+    budget_bytes: int,
+) -> config_pb2.GroupOffloadConfig:
+    if offload_type not in _OFFLOAD_TYPES:
+        raise ValueError(f"offload_type must be one of {sorted(_OFFLOAD_TYPES)}, got {offload_type!r}")
+    if target not in _TARGETS:
+        raise ValueError(f"target must be one of {sorted(_TARGETS)}, got {target!r}")
+    return config_pb2.GroupOffloadConfig(
+        offload_type=_OFFLOAD_TYPES[offload_type],
+        num_blocks_per_group=num_blocks_per_group,
+        # Always sent: proto3's default (false) is not this client's default (true).
+        use_stream=use_stream,
+        prefetch_depth=prefetch_depth,
+        target=_TARGETS[target],
+        disk_dir=disk_dir,
+        budget_bytes=budget_bytes,
+    )
+
+
+def _one_target(component_id: str | None, pipeline: str | None) -> tuple[str, str]:
+    """The (oneof field, value) of a component-or-pipeline target; ValueError unless exactly one."""
+    if (component_id is None) == (pipeline is None):
+        raise ValueError("give exactly one of component_id and pipeline")
+    if component_id is not None:
+        return "component_id", component_id
+    assert pipeline is not None
+    return "pipeline", pipeline
+
+
+class AdminClient:
+    """A connection to a Stowage server's AdminService.
+
+    Args:
+        target: the server address, for example "127.0.0.1:50051".
+        token: the admin bearer token, sent as ``authorization: Bearer <token>`` with every call.
+            None (or "") reads ``$STOWAGE_TOKEN``, which keeps it out of source and process lists.
+        timeout: deadline in seconds applied to every call; None waits indefinitely. Note that
+            unload_pipeline waits for the pipeline's in-flight requests.
+
+    Raises:
+        ValueError: no token was given and ``$STOWAGE_TOKEN`` is unset or empty. The server
+            refuses every call without one (UNAUTHENTICATED), so failing here says why sooner.
+
+    Wrong tokens fail per call with StowageError PERMISSION_DENIED; a server without a configured
+    token answers FAILED_PRECONDITION. The channel is plaintext like StowageClient's. Use the
+    client as a context manager, or call close(), to release the channel.
+    """
+
+    def __init__(self, target: str, token: str | None = None, timeout: float | None = None) -> None:
+        token = token or os.environ.get(TOKEN_ENV, "")
+        if not token:
+            raise ValueError(f"the admin API needs a token: pass token= or set ${TOKEN_ENV}")
+        self._timeout = timeout
+        self._metadata = (("authorization", f"Bearer {token}"),)
+        self._channel = grpc.insecure_channel(target)
+        self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(
+                request, timeout=self._timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as e:
+            raise StowageError.from_rpc_error(e) from None
+
+    def get_placement(self) -> PlacementInfo:
+        """The device's memory, the strategy and its warnings, and every component's placement.
+
+        Raises:
+            StowageError: the call failed.
+        """
+        return _placement_from_proto(self._call("GetPlacement", admin_pb2.GetPlacementRequest()))
+
+    def set_offload_strategy(self, strategy: config_pb2.OffloadStrategy) -> tuple[str, list[str]]:
+        """Replaces the strategy with a ready-made message (the set_strategy_* helpers build one).
+
+        Returns:
+            The new strategy's name and the server's warnings (for example a footprint strategy
+            now managing a group-offloaded component).
+
+        Raises:
+            StowageError: INVALID_ARGUMENT naming the rule for a bad rule set, NOT_FOUND for an
+                unknown custom strategy; the old strategy stays.
+        """
+        reply = self._call(
+            "SetOffloadStrategy", admin_pb2.SetOffloadStrategyRequest(strategy=strategy)
+        )
+        return reply.strategy, list(reply.warnings)
+
+    def set_strategy_footprint(self, reserve_bytes: int = 0) -> tuple[str, list[str]]:
+        """Footprint: evict the fewest bytes that let the next component fit, keeping
+        ``reserve_bytes`` free. See set_offload_strategy for the result and errors."""
+        strategy = config_pb2.OffloadStrategy()
+        # Assigned through the field, not left default: with reserve 0 the submessage is empty
+        # and would otherwise leave the oneof unset, which the server refuses.
+        strategy.footprint.reserve_bytes = reserve_bytes
+        strategy.footprint.SetInParent()
+        return self.set_offload_strategy(strategy)
+
+    def set_strategy_custom(self, name: str) -> tuple[str, list[str]]:
+        """A strategy registered by name in the server ("text-encoders-only", "lru"). See
+        set_offload_strategy for the result and errors."""
+        return self.set_offload_strategy(config_pb2.OffloadStrategy(custom=name))
+
+    def set_strategy_workflow(self, rules: Iterable[WorkflowRuleSpec]) -> tuple[str, list[str]]:
+        """Declarative rules, in order, for example::
+
+            [{"after": ("text_encoder", ["text_encoder"])}, {"keep_resident": "vae"}]
+
+        Raises:
+            ValueError: a rule is malformed (nothing is sent).
+            StowageError: see set_offload_strategy.
+        """
+        workflow = config_pb2.WorkflowStrategy(rules=[workflow_rule(r) for r in rules])
+        strategy = config_pb2.OffloadStrategy()
+        strategy.workflow.CopyFrom(workflow)
+        # An empty rule list is still a workflow: set the oneof explicitly, as for footprint.
+        strategy.workflow.SetInParent()
+        return self.set_offload_strategy(strategy)
+
+    def enable_group_offload(
+        self,
+        component_id: str | None = None,
+        pipeline: str | None = None,
+        *,
+        offload_type: str = "block",
+        num_blocks_per_group: int = 1,
+        use_stream: bool = True,
+        prefetch_depth: int = 1,
+        target: str = "pinned",
+        disk_dir: str = "",
+        budget_bytes: int = 0,
+        exclude: Sequence[str] = (),
+        overrides: Mapping[str, Mapping[str, Any] | config_pb2.GroupOffloadConfig] | None = None,
+    ) -> list[ComponentPlacementInfo]:
+        """Group-offloads one component ("<pipeline>/<component>") or every component of a
+        pipeline (all or nothing).
+
+        ``offload_type`` is "block" or "leaf"; ``target`` is "pinned", "pageable" or "disk" (which
+        needs ``disk_dir``). Pipeline target only: ``exclude`` names components to leave alone and
+        ``overrides`` maps a component name to a dict of these same options, whose missing keys take
+        this call's values (the server replaces options whole, so the client fills them in), or to
+        a GroupOffloadConfig message sent as is.
+
+        Returns:
+            The affected components, now GROUP_OFFLOADED.
+
+        Raises:
+            ValueError: not exactly one of component_id/pipeline, an unknown offload_type, target
+                or override key, or exclude/overrides with component_id (nothing is sent).
+            StowageError: e.g. NOT_FOUND, FAILED_PRECONDITION (already group-offloaded),
+                INVALID_ARGUMENT naming the option; nothing changes.
+        """
+        field, value = _one_target(component_id, pipeline)
+        if field == "component_id" and (exclude or overrides):
+            raise ValueError("exclude and overrides apply to a pipeline target, not component_id")
+        if isinstance(exclude, str):
+            raise ValueError("exclude is a list of component names, not a string")
+        options: dict[str, Any] = dict(
+            offload_type=offload_type,
+            num_blocks_per_group=num_blocks_per_group,
+            use_stream=use_stream,
+            prefetch_depth=prefetch_depth,
+            target=target,
+            disk_dir=disk_dir,
+            budget_bytes=budget_bytes,
+        )
+        request = admin_pb2.EnableGroupOffloadRequest(
+            options=_group_offload_config(**options), exclude=list(exclude)
+        )
+        setattr(request, field, value)
+        for name, override in (overrides or {}).items():
+            if isinstance(override, config_pb2.GroupOffloadConfig):  # Sent as given.
+                request.overrides[name].CopyFrom(override)
+                continue
+            unknown = set(override) - _OPTION_KEYS
+            if unknown:
+                raise ValueError(
+                    f"overrides[{name!r}]: unknown option(s) {sorted(unknown)}; "
+                    f"use {sorted(_OPTION_KEYS)}"
+                )
+            try:
+                config = _group_offload_config(**{**options, **override})
+            except ValueError as e:
+                raise ValueError(f"overrides[{name!r}]: {e}") from None
+            request.overrides[name].CopyFrom(config)
+        reply = self._call("EnableGroupOffload", request)
+        return [_component_from_proto(c) for c in reply.components]
+
+    def disable_group_offload(
+        self, component_id: str | None = None, pipeline: str | None = None
+    ) -> list[ComponentPlacementInfo]:
+        """Removes group offloading from one component or from every group-offloaded component of
+        a pipeline; they become OFFLOADED (resident again on next use).
+
+        Raises:
+            ValueError: not exactly one of component_id/pipeline.
+            StowageError: e.g. NOT_FOUND, FAILED_PRECONDITION (nothing group-offloaded).
+        """
+        field, value = _one_target(component_id, pipeline)
+        request = admin_pb2.DisableGroupOffloadRequest()
+        setattr(request, field, value)
+        reply = self._call("DisableGroupOffload", request)
+        return [_component_from_proto(c) for c in reply.components]
+
+    def load_pipeline(
+        self, name: str, builtin: str = "tiny", dtype: str = "float32", weight_seed: int = 0
+    ) -> PipelineInfo:
+        """Loads a built-in architecture as pipeline ``name`` and starts serving it.
+
+        Raises:
+            StowageError: ALREADY_EXISTS for a loaded name, INVALID_ARGUMENT for a bad name,
+                builtin or dtype.
+        """
+        config = config_pb2.PipelineConfig(
+            name=name, builtin=builtin, dtype=dtype, weight_seed=weight_seed
+        )
+        reply = self._call("LoadPipeline", admin_pb2.LoadPipelineRequest(pipeline=config))
+        return _pipeline_from_proto(reply.pipeline)
+
+    def unload_pipeline(self, name: str) -> None:
+        """Stops serving a pipeline. Returns once its in-flight requests have finished and its
+        components are gone (mind ``timeout``: on expiry the pipeline keeps serving).
+
+        Raises:
+            StowageError: NOT_FOUND for a pipeline that is not loaded.
+        """
+        self._call("UnloadPipeline", admin_pb2.UnloadPipelineRequest(name=name))
+
+    def placement_log(self, limit: int = 100) -> list[Decision]:
+        """The newest ``limit`` placement decisions (at most 4096), oldest first.
+
+        Raises:
+            StowageError: INVALID_ARGUMENT for a limit outside [0, 4096] (0 means 100).
+        """
+        reply = self._call("GetPlacementLog", admin_pb2.GetPlacementLogRequest(limit=limit))
+        return [_decision_from_proto(d) for d in reply.decisions]
+
+    def close(self) -> None:
+        """Closes the channel; pending calls are cancelled. Safe to call more than once."""
+        self._channel.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -5,6 +5,15 @@ Commands:
   stream     the same, printing progress events as they arrive
   pipelines  list the server's pipelines and their components
 
+Admin commands (need --token or $STOWAGE_TOKEN):
+  placement              the device's memory, the strategy and every component's placement
+  set-strategy           replace the offload strategy (--footprint, --custom NAME, --rules-file)
+  enable-group-offload   group-offload a component (--component ID) or pipeline (--pipeline NAME)
+  disable-group-offload  remove group offloading again
+  load-pipeline          load a built-in architecture under a new pipeline name
+  unload-pipeline        stop serving a pipeline (waits for its in-flight requests)
+  placement-log          the newest placement decisions, oldest first
+
 Exit status: 0 on success, 1 when the RPC (or writing --out) fails, 2 for bad usage.
 """
 
@@ -16,8 +25,13 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
+from datetime import datetime
 from typing import Any
 
+from google.protobuf import json_format
+
+from stowage.v1 import config_pb2
+from stowage_client.admin import AdminClient, ComponentPlacementInfo, Decision, PlacementInfo
 from stowage_client.client import (
     GenerationResult,
     PipelineInfo,
@@ -28,6 +42,18 @@ from stowage_client.client import (
 
 DEFAULT_TARGET = "127.0.0.1:50051"  # The server's default grpc_address.
 _UINT64_MAX = 2**64 - 1
+_MAX_LOG_LIMIT = 4096  # GetPlacementLogRequest.limit's upper bound.
+ADMIN_COMMANDS = frozenset(
+    {
+        "placement",
+        "set-strategy",
+        "enable-group-offload",
+        "disable-group-offload",
+        "load-pipeline",
+        "unload-pipeline",
+        "placement-log",
+    }
+)
 
 
 def format_bytes(n: int) -> str:
@@ -148,10 +174,123 @@ def format_pipelines(pipelines: Sequence[PipelineInfo]) -> list[str]:
     return lines
 
 
+def _group_summary(c: ComponentPlacementInfo) -> str:
+    g = c.group_offload
+    if g is None:
+        return "-"
+    return f"{g.groups} ({g.streamed_groups} streamed, {g.resident_groups} resident)"
+
+
+def format_components(components: Sequence[ComponentPlacementInfo]) -> list[str]:
+    """A table of components: placement state, device and weight bytes, group offloading."""
+    if not components:
+        return ["no components"]
+    rows = [["component", "state", "on device", "weights", "groups", "kind", "pipelines"]]
+    rows += [
+        [
+            c.id,
+            c.state,
+            format_bytes(c.device_bytes),
+            format_bytes(c.weight_bytes),
+            _group_summary(c),
+            c.kind,
+            ",".join(c.pipelines),
+        ]
+        for c in components
+    ]
+    return _table(rows)
+
+
+def format_placement(p: PlacementInfo) -> list[str]:
+    """The device and strategy summary, the component table, then one line per warning."""
+    if p.free_bytes is None:
+        memory = f"{format_bytes(p.allocated_bytes)} allocated, no budget"
+    else:
+        memory = (
+            f"{format_bytes(p.allocated_bytes)} allocated of {format_bytes(p.budget_bytes)} "
+            f"({format_bytes(p.free_bytes)} free)"
+        )
+    lines = _table(
+        [
+            ["device", p.device],
+            ["memory", memory],
+            ["strategy", p.strategy],
+            ["OOM recoveries", str(p.oom_recoveries)],
+        ]
+    )
+    lines.append("")
+    lines += format_components(p.components)
+    lines += [f"warning: {w}" for w in p.warnings]
+    return lines
+
+
+def _format_time(t: datetime) -> str:
+    # UTC with milliseconds: decisions of one request are milliseconds apart.
+    return t.strftime("%Y-%m-%d %H:%M:%S.") + f"{t.microsecond // 1000:03d}Z"
+
+
+def _format_free(n: int | None) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def format_decisions(decisions: Sequence[Decision]) -> list[str]:
+    """One row per decision, oldest first; "-" marks an empty field or a device without budget."""
+    if not decisions:
+        return ["no placement decisions"]
+    rows = [["time (UTC)", "request", "action", "component", "bytes", "free before -> after",
+             "strategy", "reason"]]
+    rows += [
+        [
+            _format_time(d.time),
+            d.request_id or "-",
+            d.action,
+            d.component or "-",
+            format_bytes(d.bytes),
+            f"{_format_free(d.free_before)} -> {_format_free(d.free_after)}",
+            d.strategy or "-",
+            d.reason,
+        ]
+        for d in decisions
+    ]
+    return _table(rows)
+
+
+def _json_default(value: Any) -> Any:
+    """json.dumps fallback: datetimes as ISO 8601 (UTC, with offset)."""
+    if isinstance(value, datetime):
+        return value.isoformat()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, indent=2, default=_json_default)
+
+
 def _seed(text: str) -> int:
     value = int(text)
     if not 0 <= value <= _UINT64_MAX:
         raise argparse.ArgumentTypeError(f"seed must be in [0, {_UINT64_MAX}], got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _log_limit(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= _MAX_LOG_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be in [1, {_MAX_LOG_LIMIT}], got {text}")
     return value
 
 
@@ -182,8 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--token",
         default=os.environ.get("STOWAGE_TOKEN"),
-        help="bearer token sent as 'authorization: Bearer TOKEN' (default: $STOWAGE_TOKEN, "
-        "which keeps it out of the process list)",
+        help="bearer token sent as 'authorization: Bearer TOKEN'; required by the admin commands "
+        "(default: $STOWAGE_TOKEN, which keeps it out of the process list)",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -208,7 +347,144 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pipelines = commands.add_parser("pipelines", help="list pipelines and their components")
     pipelines.add_argument("--json", action="store_true", help="print as JSON")
+    _add_admin_commands(commands)
     return parser
+
+
+def _add_target_options(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--component", metavar="ID", help="one component: PIPELINE/COMPONENT")
+    target.add_argument("--pipeline", metavar="NAME", help="every component of a pipeline")
+
+
+def _add_admin_commands(commands: argparse._SubParsersAction) -> None:
+    placement = commands.add_parser(
+        "placement", help="[admin] device memory, strategy and every component's placement"
+    )
+    placement.add_argument("--json", action="store_true", help="print as JSON")
+
+    strategy = commands.add_parser("set-strategy", help="[admin] replace the offload strategy")
+    which = strategy.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--footprint", action="store_true", help="evict the fewest bytes that let a component fit"
+    )
+    which.add_argument(
+        "--custom", metavar="NAME", help="a strategy registered in the server, e.g. lru"
+    )
+    which.add_argument(
+        "--rules-file",
+        metavar="FILE.json",
+        help="workflow rules: a stowage.v1.WorkflowStrategy message as JSON, e.g. "
+        '{"rules": [{"after": {"component": "text_encoder", "offload": ["text_encoder"]}}, '
+        '{"keep_resident": "vae"}]}',
+    )
+    strategy.add_argument(
+        "--reserve-bytes",
+        type=_non_negative_int,
+        metavar="N",
+        help="with --footprint: device bytes to keep free (default 0)",
+    )
+    strategy.add_argument("--json", action="store_true", help="print as JSON")
+
+    enable = commands.add_parser(
+        "enable-group-offload", help="[admin] group-offload a component or a whole pipeline"
+    )
+    _add_target_options(enable)
+    enable.add_argument(
+        "--leaf", action="store_true", help="one group per leaf layer (default: blocks)"
+    )
+    enable.add_argument(
+        "--blocks-per-group", type=_positive_int, default=1, metavar="N",
+        help="block level: consecutive blocks per group (default 1)",
+    )
+    enable.add_argument(
+        "--no-stream", action="store_true", help="copy groups synchronously (no prefetching)"
+    )
+    enable.add_argument(
+        "--prefetch-depth", type=_positive_int, default=1, metavar="N",
+        help="groups copied ahead while one computes (default 1)",
+    )
+    # dest differs from the global --target (the server address), which it must not overwrite.
+    enable.add_argument(
+        "--target",
+        dest="offload_target",
+        choices=["pinned", "pageable", "disk"],
+        default="pinned",
+        help="where the weights wait: pinned or pageable host memory, or disk (default pinned)",
+    )
+    enable.add_argument("--disk-dir", default="", metavar="DIR", help="group files for --target disk")
+    enable.add_argument(
+        "--budget-bytes", type=_non_negative_int, default=0, metavar="N",
+        help="device bytes the component may keep; groups that fit stay resident (default 0)",
+    )
+    enable.add_argument(
+        "--exclude", nargs="+", action="extend", default=[], metavar="NAME",
+        help="with --pipeline: component names to leave alone",
+    )
+    enable.add_argument("--json", action="store_true", help="print as JSON")
+
+    disable = commands.add_parser(
+        "disable-group-offload", help="[admin] remove group offloading"
+    )
+    _add_target_options(disable)
+    disable.add_argument("--json", action="store_true", help="print as JSON")
+
+    load = commands.add_parser("load-pipeline", help="[admin] load and serve a new pipeline")
+    load.add_argument("name", help="the new pipeline's name, [a-z0-9_-]{1,64}")
+    load.add_argument("--builtin", default="tiny", help="built-in architecture (default tiny)")
+    load.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
+    load.add_argument("--weight-seed", type=_seed, default=0, help="seed of the random weights")
+    load.add_argument("--json", action="store_true", help="print as JSON")
+
+    unload = commands.add_parser(
+        "unload-pipeline", help="[admin] stop serving a pipeline (waits for in-flight requests)"
+    )
+    unload.add_argument("name", help="pipeline name")
+
+    log = commands.add_parser("placement-log", help="[admin] the newest placement decisions")
+    log.add_argument(
+        "--limit", type=_log_limit, default=100, metavar="N",
+        help=f"at most N decisions, 1 to {_MAX_LOG_LIMIT} (default 100)",
+    )
+    log.add_argument("--json", action="store_true", help="print as JSON")
+
+
+def _check_admin_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage checks argparse cannot express; exits 2 (through parser.error) before any call.
+
+    Also parses --rules-file into ``args.strategy``, so that a bad file is a usage error and
+    nothing is sent.
+    """
+    if not args.token:
+        parser.error(f"{args.command} needs the admin token: --token TOKEN or $STOWAGE_TOKEN")
+    if args.command == "set-strategy":
+        if args.reserve_bytes is not None and not args.footprint:
+            parser.error("--reserve-bytes goes with --footprint")
+        args.strategy = config_pb2.OffloadStrategy()
+        if args.footprint:
+            args.strategy.footprint.reserve_bytes = args.reserve_bytes or 0
+            args.strategy.footprint.SetInParent()
+        elif args.custom is not None:
+            args.strategy.custom = args.custom
+        else:
+            args.strategy.workflow.CopyFrom(_read_rules(parser, args.rules_file))
+            args.strategy.workflow.SetInParent()
+    elif args.command == "enable-group-offload" and args.component and args.exclude:
+        parser.error("--exclude goes with --pipeline, not --component")
+
+
+def _read_rules(parser: argparse.ArgumentParser, path: str) -> config_pb2.WorkflowStrategy:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        parser.error(f"--rules-file: cannot read {path}: {e.strerror or e}")
+    try:
+        # protobuf's own JSON mapping: accepts keep_resident and keepResident, refuses unknown
+        # fields, so a typo is an error here rather than a silently empty rule.
+        return json_format.Parse(text, config_pb2.WorkflowStrategy())
+    except json_format.ParseError as e:
+        parser.error(f"--rules-file: {path} is not a stowage.v1.WorkflowStrategy in JSON: {e}")
 
 
 def _request_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -266,16 +542,83 @@ def _run(client: StowageClient, args: argparse.Namespace) -> None:
         raise AssertionError(args.command)
 
 
+def _print_components(components: Sequence[ComponentPlacementInfo], as_json: bool) -> None:
+    if as_json:
+        print(_dumps([asdict(c) for c in components]))
+    else:
+        print("\n".join(format_components(components)))
+
+
+def _run_admin(client: AdminClient, args: argparse.Namespace) -> None:
+    if args.command == "placement":
+        placement = client.get_placement()
+        if args.json:
+            print(_dumps({**asdict(placement), "free_bytes": placement.free_bytes}))
+        else:
+            print("\n".join(format_placement(placement)))
+    elif args.command == "set-strategy":
+        name, warnings = client.set_offload_strategy(args.strategy)
+        if args.json:
+            print(_dumps({"strategy": name, "warnings": warnings}))
+        else:
+            print(f"strategy: {name}")
+            for warning in warnings:
+                print(f"warning: {warning}")
+    elif args.command == "enable-group-offload":
+        components = client.enable_group_offload(
+            args.component,
+            args.pipeline,
+            offload_type="leaf" if args.leaf else "block",
+            num_blocks_per_group=args.blocks_per_group,
+            use_stream=not args.no_stream,
+            prefetch_depth=args.prefetch_depth,
+            target=args.offload_target,
+            disk_dir=args.disk_dir,
+            budget_bytes=args.budget_bytes,
+            exclude=args.exclude,
+        )
+        _print_components(components, args.json)
+    elif args.command == "disable-group-offload":
+        _print_components(client.disable_group_offload(args.component, args.pipeline), args.json)
+    elif args.command == "load-pipeline":
+        pipeline = client.load_pipeline(
+            args.name, builtin=args.builtin, dtype=args.dtype, weight_seed=args.weight_seed
+        )
+        if args.json:
+            print(_dumps(asdict(pipeline)))
+        else:
+            print("\n".join(format_pipelines([pipeline])))
+    elif args.command == "unload-pipeline":
+        client.unload_pipeline(args.name)
+        print(f"unloaded pipeline {args.name}")
+    elif args.command == "placement-log":
+        decisions = client.placement_log(args.limit)
+        if args.json:
+            print(_dumps([asdict(d) for d in decisions]))
+        else:
+            print("\n".join(format_decisions(decisions)))
+    else:  # pragma: no cover - argparse only accepts the commands above
+        raise AssertionError(args.command)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status.
 
     Usage errors exit through argparse's SystemExit(2), as every argparse program does.
     """
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    admin = args.command in ADMIN_COMMANDS
+    if admin:
+        _check_admin_args(parser, args)
     metadata = [("authorization", f"Bearer {args.token}")] if args.token else None
     try:
-        with StowageClient(args.target, timeout=args.timeout, metadata=metadata) as client:
-            _run(client, args)
+        if admin:
+            with AdminClient(args.target, args.token, timeout=args.timeout) as admin_client:
+                _run_admin(admin_client, args)
+        else:
+            with StowageClient(args.target, timeout=args.timeout, metadata=metadata) as client:
+                _run(client, args)
     except (StowageError, _OutputError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,11 +1,16 @@
 #include "models/tiny_pipeline.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/InferenceMode.h>
 
 #include "absl/strings/str_cat.h"
 #include "models/byte_tokenizer.h"
+#include "models/diffusers_format.h"
 #include "models/flow_match_scheduler.h"
 #include "models/weight_init.h"
 #include "offload/status_macros.h"
@@ -134,7 +139,163 @@ absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name
   return Component::Create(name, std::move(module), options.dtype);
 }
 
+google::protobuf::Struct ConfigOf(const std::string& class_name,
+                                  const std::vector<std::pair<std::string, double>>& numbers,
+                                  const std::vector<std::pair<std::string, std::vector<int64_t>>>& lists = {}) {
+  google::protobuf::Struct config;
+  (*config.mutable_fields())["_class_name"].set_string_value(class_name);
+  for (const auto& [k, v] : numbers) (*config.mutable_fields())[k].set_number_value(v);
+  for (const auto& [k, v] : lists) {
+    auto* list = (*config.mutable_fields())[k].mutable_list_value();
+    for (int64_t x : v) list->add_values()->set_number_value(static_cast<double>(x));
+  }
+  return config;
+}
+
+absl::Status ExpectClass(const google::protobuf::Struct& config, const std::string& expected,
+                         const std::string& path) {
+  auto it = config.fields().find("_class_name");
+  const std::string got = it == config.fields().end() ? "" : it->second.string_value();
+  if (got != expected) {
+    return absl::InvalidArgumentError(absl::StrCat("'", path, "': _class_name is '", got,
+                                                   "'; this loader builds '", expected, "'"));
+  }
+  return absl::OkStatus();
+}
+
+template <typename T, typename Config>
+absl::StatusOr<std::unique_ptr<Component>> LoadComponent(const std::string& dir, const std::string& name,
+                                                         const Config& config,
+                                                         const TinyPipelineOptions& options,
+                                                         bool random_weights) {
+  std::unique_ptr<Module> module;
+  RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("building ", name), [&] {
+    module = std::make_unique<T>(config, LayerOptions{options.dtype});
+  }));
+  const std::string component_dir = absl::StrCat(dir, "/", name);
+  if (random_weights) {
+    InitializeRandomWeights(*module, options.weight_seed);
+  } else {
+    ASSIGN_OR_RETURN(ComponentWeights weights, ReadComponentWeights(component_dir));
+    RETURN_IF_ERROR(BindWeights(*module, weights, options.dtype, component_dir));
+  }
+  return Component::Create(name, std::move(module), options.dtype);
+}
+
 }  // namespace
+
+absl::Status SaveTinyPipeline(const TinyPipelineOptions& options, const std::string& dir,
+                              int64_t max_shard_bytes) {
+  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot create '", dir, "'"));
+  }
+  google::protobuf::Struct index;
+  (*index.mutable_fields())["_class_name"].set_string_value("StowageTinyPipeline");
+  for (const auto& [name, cls] : std::vector<std::pair<std::string, std::string>>{
+           {"text_encoder", "TinyTextEncoder"}, {"transformer", "TinyDiT"}, {"vae", "TinyVaeDecoder"},
+           {"scheduler", "FlowMatchEulerDiscreteScheduler"}}) {
+    auto* pair = (*index.mutable_fields())[name].mutable_list_value();
+    pair->add_values()->set_string_value("stowage");
+    pair->add_values()->set_string_value(cls);
+  }
+  RETURN_IF_ERROR(WriteJsonFile(absl::StrCat(dir, "/model_index.json"), index));
+  const TinyTextEncoderConfig& te = options.text_encoder;
+  const TinyDiTConfig& tr = options.transformer;
+  const TinyVaeDecoderConfig& vae = options.vae;
+  std::unique_ptr<Module> module;
+  RETURN_IF_ERROR(CatchAsStatus("building the pipeline", [&] {
+    module = std::make_unique<TinyTextEncoder>(te, LayerOptions{options.dtype});
+    InitializeRandomWeights(*module, options.weight_seed);
+  }));
+  RETURN_IF_ERROR(SaveComponent(*module, absl::StrCat(dir, "/text_encoder"),
+                                ConfigOf("TinyTextEncoder", {{"vocab_size", te.vocab_size}, {"max_tokens", te.max_tokens},
+                                                             {"dim", te.dim}, {"heads", te.heads}, {"layers", te.layers}})));
+  RETURN_IF_ERROR(CatchAsStatus("building the pipeline", [&] {
+    module = std::make_unique<TinyDiT>(tr, LayerOptions{options.dtype});
+    InitializeRandomWeights(*module, options.weight_seed);
+  }));
+  RETURN_IF_ERROR(SaveComponent(*module, absl::StrCat(dir, "/transformer"),
+                                ConfigOf("TinyDiT", {{"in_channels", tr.in_channels}, {"patch_size", tr.patch_size},
+                                                     {"dim", tr.dim}, {"heads", tr.heads}, {"layers", tr.layers},
+                                                     {"text_dim", tr.text_dim}, {"mlp_ratio", tr.mlp_ratio},
+                                                     {"timestep_dim", tr.timestep_dim}}),
+                                max_shard_bytes));
+  RETURN_IF_ERROR(CatchAsStatus("building the pipeline", [&] {
+    module = std::make_unique<TinyVaeDecoder>(vae, LayerOptions{options.dtype});
+    InitializeRandomWeights(*module, options.weight_seed);
+  }));
+  RETURN_IF_ERROR(SaveComponent(*module, absl::StrCat(dir, "/vae"),
+                                ConfigOf("TinyVaeDecoder",
+                                         {{"latent_channels", vae.latent_channels}, {"groups", vae.groups},
+                                          {"scaling_factor", vae.scaling_factor}, {"shift_factor", vae.shift_factor}},
+                                         {{"block_out_channels", vae.channels}})));
+  const std::string scheduler_dir = absl::StrCat(dir, "/scheduler");
+  ::mkdir(scheduler_dir.c_str(), 0755);
+  return WriteJsonFile(absl::StrCat(scheduler_dir, "/scheduler_config.json"),
+                       ConfigOf("FlowMatchEulerDiscreteScheduler",
+                                {{"num_train_timesteps", options.scheduler.num_train_timesteps},
+                                 {"shift", options.scheduler.shift}}));
+}
+
+absl::StatusOr<std::unique_ptr<Pipeline>> LoadTinyPipeline(const std::string& dir,
+                                                           const TinyPipelineOptions& base,
+                                                           bool random_weights) {
+  TinyPipelineOptions options = base;
+  ASSIGN_OR_RETURN(auto index, ReadModelIndex(dir));
+  for (const std::string name : {"text_encoder", "transformer", "vae"}) {
+    if (index.count(name) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat("'", dir, "/model_index.json' has no '", name, "' component"));
+    }
+  }
+  const std::string te_path = absl::StrCat(dir, "/text_encoder/config.json");
+  ASSIGN_OR_RETURN(google::protobuf::Struct te, ReadJsonFile(te_path));
+  RETURN_IF_ERROR(ExpectClass(te, "TinyTextEncoder", te_path));
+  ASSIGN_OR_RETURN(options.text_encoder.vocab_size, ConfigInt(te, "vocab_size", options.text_encoder.vocab_size));
+  ASSIGN_OR_RETURN(options.text_encoder.max_tokens, ConfigInt(te, "max_tokens", options.text_encoder.max_tokens));
+  ASSIGN_OR_RETURN(options.text_encoder.dim, ConfigInt(te, "dim", options.text_encoder.dim));
+  ASSIGN_OR_RETURN(options.text_encoder.heads, ConfigInt(te, "heads", options.text_encoder.heads));
+  ASSIGN_OR_RETURN(options.text_encoder.layers, ConfigInt(te, "layers", options.text_encoder.layers));
+  const std::string tr_path = absl::StrCat(dir, "/transformer/config.json");
+  ASSIGN_OR_RETURN(google::protobuf::Struct tr, ReadJsonFile(tr_path));
+  RETURN_IF_ERROR(ExpectClass(tr, "TinyDiT", tr_path));
+  TinyDiTConfig& t = options.transformer;
+  ASSIGN_OR_RETURN(t.in_channels, ConfigInt(tr, "in_channels", t.in_channels));
+  ASSIGN_OR_RETURN(t.patch_size, ConfigInt(tr, "patch_size", t.patch_size));
+  ASSIGN_OR_RETURN(t.dim, ConfigInt(tr, "dim", t.dim));
+  ASSIGN_OR_RETURN(t.heads, ConfigInt(tr, "heads", t.heads));
+  ASSIGN_OR_RETURN(t.layers, ConfigInt(tr, "layers", t.layers));
+  ASSIGN_OR_RETURN(t.text_dim, ConfigInt(tr, "text_dim", t.text_dim));
+  ASSIGN_OR_RETURN(t.mlp_ratio, ConfigInt(tr, "mlp_ratio", t.mlp_ratio));
+  ASSIGN_OR_RETURN(t.timestep_dim, ConfigInt(tr, "timestep_dim", t.timestep_dim));
+  const std::string vae_path = absl::StrCat(dir, "/vae/config.json");
+  ASSIGN_OR_RETURN(google::protobuf::Struct vae, ReadJsonFile(vae_path));
+  RETURN_IF_ERROR(ExpectClass(vae, "TinyVaeDecoder", vae_path));
+  ASSIGN_OR_RETURN(options.vae.latent_channels, ConfigInt(vae, "latent_channels", options.vae.latent_channels));
+  ASSIGN_OR_RETURN(options.vae.groups, ConfigInt(vae, "groups", options.vae.groups));
+  ASSIGN_OR_RETURN(options.vae.scaling_factor, ConfigDouble(vae, "scaling_factor", options.vae.scaling_factor));
+  ASSIGN_OR_RETURN(options.vae.shift_factor, ConfigDouble(vae, "shift_factor", options.vae.shift_factor));
+  ASSIGN_OR_RETURN(options.vae.channels, ConfigIntList(vae, "block_out_channels", options.vae.channels));
+  if (options.vae.channels.size() < 2 || options.transformer.in_channels != options.vae.latent_channels ||
+      options.transformer.text_dim != options.text_encoder.dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "'", dir, "': inconsistent configs (transformer in_channels must equal vae latent_channels, "
+        "text_dim the text encoder's dim; the vae needs at least two block_out_channels)"));
+  }
+  auto scheduler = ReadJsonFile(absl::StrCat(dir, "/scheduler/scheduler_config.json"));
+  if (scheduler.ok()) {
+    ASSIGN_OR_RETURN(options.scheduler.num_train_timesteps,
+                     ConfigInt(*scheduler, "num_train_timesteps", options.scheduler.num_train_timesteps));
+    ASSIGN_OR_RETURN(options.scheduler.shift, ConfigDouble(*scheduler, "shift", options.scheduler.shift));
+  }
+  ASSIGN_OR_RETURN(auto text_encoder, LoadComponent<TinyTextEncoder>(dir, "text_encoder", options.text_encoder,
+                                                                     options, random_weights));
+  ASSIGN_OR_RETURN(auto transformer, LoadComponent<TinyDiT>(dir, "transformer", options.transformer, options,
+                                                            random_weights));
+  ASSIGN_OR_RETURN(auto vae_component, LoadComponent<TinyVaeDecoder>(dir, "vae", options.vae, options,
+                                                                     random_weights));
+  return std::unique_ptr<Pipeline>(new TinyPipeline(options, std::move(text_encoder), std::move(transformer),
+                                                    std::move(vae_component)));
+}
 
 absl::StatusOr<std::unique_ptr<Pipeline>> CreateTinyPipeline(const TinyPipelineOptions& options) {
   if (options.dtype != at::kFloat && options.dtype != at::kBFloat16) {

@@ -31,6 +31,20 @@ struct TinyPipelineOptions {
 
 absl::StatusOr<std::unique_ptr<Pipeline>> CreateTinyPipeline(const TinyPipelineOptions& options);
 
+// Writes the pipeline `options` describes (random weights from options.weight_seed) as a
+// diffusers-format directory: model_index.json, and text_encoder/, transformer/, vae/ (config.json
+// and safetensors; the transformer sharded when max_shard_bytes > 0) and scheduler/.
+absl::Status SaveTinyPipeline(const TinyPipelineOptions& options, const std::string& dir,
+                              int64_t max_shard_bytes = 0);
+
+// Loads a directory written by SaveTinyPipeline (or by hand in that layout). Architecture sizes come
+// from each config.json; weights are mapped, not copied, when their dtype is options.dtype. With
+// `random_weights`, only the configs are read and the weights are drawn from options.weight_seed.
+// Errors name the file and the tensor or field.
+absl::StatusOr<std::unique_ptr<Pipeline>> LoadTinyPipeline(const std::string& dir,
+                                                           const TinyPipelineOptions& options,
+                                                           bool random_weights);
+
 }  // namespace stowage
 
 #endif  // STOWAGE_MODELS_TINY_PIPELINE_H_

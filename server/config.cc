@@ -97,9 +97,14 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
           absl::StrCat(field, ".name: '", p->name(), "' is used by another pipeline"));
     }
     if (p->source_case() == v1::PipelineConfig::SOURCE_NOT_SET) {
-      return absl::InvalidArgumentError(absl::StrCat(field, ": no source; set builtin: \"tiny\""));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": no source; set builtin: \"tiny\" or model_dir"));
     }
-    if (p->builtin() != "tiny") {
+    if (p->source_case() == v1::PipelineConfig::kModelDir) {
+      if (p->model_dir().empty()) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".model_dir: empty path"));
+      }
+    } else if (p->builtin() != "tiny") {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ".builtin: unknown built-in '", p->builtin(), "'; available: tiny"));
     }

@@ -95,7 +95,12 @@ absl::StatusOr<std::shared_ptr<GenerationCore::Hosted>> GenerationCore::Build(
   options.dtype = p.dtype() == "bfloat16" ? at::kBFloat16 : at::kFloat;
   options.weight_seed = p.weight_seed();
   options.device = backend_->torch_device();
-  ASSIGN_OR_RETURN(std::unique_ptr<Pipeline> pipeline, CreateTinyPipeline(options));
+  std::unique_ptr<Pipeline> pipeline;
+  if (p.source_case() == v1::PipelineConfig::kModelDir) {
+    ASSIGN_OR_RETURN(pipeline, LoadTinyPipeline(p.model_dir(), options, p.random_weights()));
+  } else {
+    ASSIGN_OR_RETURN(pipeline, CreateTinyPipeline(options));
+  }
   for (Component* component : pipeline->components()) {
     RETURN_IF_ERROR(placement_->Register(p.name(), component));
   }

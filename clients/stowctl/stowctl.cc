@@ -48,6 +48,7 @@ ABSL_FLAG(std::string, options, "",
           "enable-group-offload: GroupOffloadConfig in text format, e.g. 'use_stream: true offload_type: LEAF_LEVEL'.");
 ABSL_FLAG(std::string, name, "", "load-pipeline / unload-pipeline: pipeline name.");
 ABSL_FLAG(uint64_t, weight_seed, 0, "load-pipeline: seed of the built-in pipeline's random weights.");
+ABSL_FLAG(std::string, model_dir, "", "load-pipeline: a diffusers-format directory instead of the built-in.");
 ABSL_FLAG(int32_t, limit, 100, "placement-log: number of decisions.");
 
 namespace {
@@ -264,7 +265,11 @@ int Admin(const std::string& command, AdminService::Stub& stub) {
   if (command == "load-pipeline") {
     LoadPipelineRequest request;
     request.mutable_pipeline()->set_name(absl::GetFlag(FLAGS_name));
-    request.mutable_pipeline()->set_builtin("tiny");
+    if (absl::GetFlag(FLAGS_model_dir).empty()) {
+      request.mutable_pipeline()->set_builtin("tiny");
+    } else {
+      request.mutable_pipeline()->set_model_dir(absl::GetFlag(FLAGS_model_dir));
+    }
     request.mutable_pipeline()->set_weight_seed(absl::GetFlag(FLAGS_weight_seed));
     return AdminCall<LoadPipelineRequest, LoadPipelineResponse>(
         request, [&](auto* c, const auto& q, auto* r) { return stub.LoadPipeline(c, q, r); });

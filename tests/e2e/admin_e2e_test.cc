@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include "google/protobuf/text_format.h"
+#include "models/tiny_pipeline.h"
 #include "server/admin_service.h"
 #include "server/server.h"
 #include "tests/e2e/http_get.h"
@@ -224,6 +225,33 @@ std::string ReadAll(const std::string& path) {
   std::stringstream text;
   text << in.rdbuf();
   return text.str();
+}
+
+TEST_F(AdminE2ETest, LoadsAPipelineFromAModelDirectory) {
+  const std::string dir = std::string(::testing::TempDir()) + "/tiny_model_dir";
+  TinyPipelineOptions options;
+  options.weight_seed = 77;
+  ASSERT_TRUE(SaveTinyPipeline(options, dir).ok());
+  v1::LoadPipelineRequest load;
+  load.mutable_pipeline()->set_name("fromdisk");
+  load.mutable_pipeline()->set_model_dir(dir);
+  v1::LoadPipelineResponse loaded;
+  ASSERT_TRUE(admin_->LoadPipeline(Authed().get(), load, &loaded).ok());
+  v1::LoadPipelineRequest builtin;
+  builtin.mutable_pipeline()->set_name("builtin77");
+  builtin.mutable_pipeline()->set_builtin("tiny");
+  builtin.mutable_pipeline()->set_weight_seed(77);
+  ASSERT_TRUE(admin_->LoadPipeline(Authed().get(), builtin, &loaded).ok());
+  v1::GenerateResponse a, b;
+  ASSERT_TRUE(Generate("fromdisk", &a).ok());
+  ASSERT_TRUE(Generate("builtin77", &b).ok());
+  EXPECT_EQ(a.image(), b.image());  // Same weights, from disk and from the seed.
+  v1::LoadPipelineRequest missing;
+  missing.mutable_pipeline()->set_name("nowhere");
+  missing.mutable_pipeline()->set_model_dir(dir + "/nope");
+  grpc::Status refused = admin_->LoadPipeline(Authed().get(), missing, &loaded);
+  EXPECT_EQ(refused.error_code(), grpc::NOT_FOUND);
+  EXPECT_NE(refused.error_message().find("model_index.json"), std::string::npos) << refused.error_message();
 }
 
 TEST(TlsE2ETest, TlsPortServesTlsClientsOnly) {

@@ -71,6 +71,7 @@ TEST(ConfigTest, SemanticErrorsNameTheField) {
       {"pipelines { name: \"a\" builtin: \"tiny\" } pipelines { name: \"a\" builtin: \"tiny\" }",
        "pipelines[1].name"},
       {"pipelines { name: \"a\" }", "pipelines[0]: no source"},
+      {"pipelines { name: \"a\" model_dir: \"\" }", "pipelines[0].model_dir: empty path"},
       {"pipelines { name: \"a\" builtin: \"huge\" }", "pipelines[0].builtin"},
       {"pipelines { name: \"a\" builtin: \"tiny\" dtype: \"int8\" }", "pipelines[0].dtype"},
       {"pipelines { name: \"a\" builtin: \"tiny\" default: true } "

@@ -1,0 +1,224 @@
+#include "models/diffusers_format.h"
+
+#include <sys/stat.h>
+
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/util/json_util.h"
+#include "offload/status_macros.h"
+
+namespace stowage {
+namespace {
+
+bool Exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+std::string List(const std::vector<std::string>& names) {
+  std::vector<std::string> first(names.begin(), names.begin() + std::min<size_t>(10, names.size()));
+  std::string text = absl::StrJoin(first, ", ");
+  if (names.size() > 10) absl::StrAppend(&text, ", … (", names.size(), " in all)");
+  return text;
+}
+
+}  // namespace
+
+absl::StatusOr<google::protobuf::Struct> ReadJsonFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  std::stringstream text;
+  text << in.rdbuf();
+  google::protobuf::Struct value;
+  google::protobuf::util::JsonParseOptions options;
+  const auto status = google::protobuf::util::JsonStringToMessage(text.str(), &value, options);
+  if (!status.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("'", path, "' is not a JSON object: ", status.ToString()));
+  }
+  return value;
+}
+
+absl::Status WriteJsonFile(const std::string& path, const google::protobuf::Struct& value) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  if (!google::protobuf::util::MessageToJsonString(value, &json, options).ok()) {
+    return absl::InternalError("cannot serialise JSON");
+  }
+  std::ofstream out(path, std::ios::trunc);
+  out << json;
+  if (!out) return absl::PermissionDeniedError(absl::StrCat("cannot write '", path, "'"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> ConfigInt(const google::protobuf::Struct& config, const std::string& field,
+                                  int64_t default_value) {
+  auto it = config.fields().find(field);
+  if (it == config.fields().end() || it->second.has_null_value()) return default_value;
+  if (!it->second.has_number_value()) {
+    return absl::InvalidArgumentError(absl::StrCat("config field '", field, "' must be a number"));
+  }
+  return static_cast<int64_t>(it->second.number_value());
+}
+
+absl::StatusOr<double> ConfigDouble(const google::protobuf::Struct& config, const std::string& field,
+                                    double default_value) {
+  auto it = config.fields().find(field);
+  if (it == config.fields().end() || it->second.has_null_value()) return default_value;
+  if (!it->second.has_number_value()) {
+    return absl::InvalidArgumentError(absl::StrCat("config field '", field, "' must be a number"));
+  }
+  return it->second.number_value();
+}
+
+absl::StatusOr<std::vector<int64_t>> ConfigIntList(const google::protobuf::Struct& config,
+                                                   const std::string& field,
+                                                   std::vector<int64_t> default_value) {
+  auto it = config.fields().find(field);
+  if (it == config.fields().end() || it->second.has_null_value()) return default_value;
+  if (!it->second.has_list_value()) {
+    return absl::InvalidArgumentError(absl::StrCat("config field '", field, "' must be a list of numbers"));
+  }
+  std::vector<int64_t> out;
+  for (const auto& v : it->second.list_value().values()) {
+    if (!v.has_number_value()) {
+      return absl::InvalidArgumentError(absl::StrCat("config field '", field, "' must be a list of numbers"));
+    }
+    out.push_back(static_cast<int64_t>(v.number_value()));
+  }
+  return out;
+}
+
+absl::StatusOr<std::map<std::string, std::string>> ReadModelIndex(const std::string& dir) {
+  ASSIGN_OR_RETURN(google::protobuf::Struct index, ReadJsonFile(absl::StrCat(dir, "/model_index.json")));
+  std::map<std::string, std::string> components;
+  for (const auto& [name, value] : index.fields()) {
+    if (name.empty() || name[0] == '_' || !value.has_list_value()) continue;
+    const auto& pair = value.list_value().values();
+    if (pair.size() == 2 && pair[1].has_string_value()) components[name] = pair[1].string_value();
+  }
+  return components;
+}
+
+absl::StatusOr<ComponentWeights> ReadComponentWeights(const std::string& component_dir) {
+  std::vector<std::string> files;
+  for (const std::string base : {"diffusion_pytorch_model", "model"}) {
+    const std::string single = absl::StrCat(component_dir, "/", base, ".safetensors");
+    const std::string index = absl::StrCat(component_dir, "/", base, ".safetensors.index.json");
+    if (Exists(index)) {
+      ASSIGN_OR_RETURN(google::protobuf::Struct map, ReadJsonFile(index));
+      auto it = map.fields().find("weight_map");
+      if (it == map.fields().end() || !it->second.has_struct_value()) {
+        return absl::InvalidArgumentError(absl::StrCat("'", index, "' has no weight_map"));
+      }
+      std::set<std::string> shards;
+      for (const auto& [tensor, file] : it->second.struct_value().fields()) shards.insert(file.string_value());
+      for (const std::string& shard : shards) files.push_back(absl::StrCat(component_dir, "/", shard));
+      break;
+    }
+    if (Exists(single)) {
+      files.push_back(single);
+      break;
+    }
+  }
+  if (files.empty()) {
+    return absl::NotFoundError(absl::StrCat("no safetensors weights in '", component_dir,
+                                            "' (diffusion_pytorch_model.safetensors, model.safetensors, "
+                                            "or a *.safetensors.index.json)"));
+  }
+  ComponentWeights weights;
+  for (const std::string& path : files) {
+    ASSIGN_OR_RETURN(std::shared_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
+    for (const auto& [name, info] : file->tensors()) {
+      if (weights.tensors.count(name) > 0) {
+        return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' appears in both '",
+                                                       weights.file_of[name], "' and '", path, "'"));
+      }
+      ASSIGN_OR_RETURN(at::Tensor tensor, file->Get(name));
+      weights.tensors[name] = tensor;
+      weights.file_of[name] = path;
+    }
+  }
+  return weights;
+}
+
+absl::Status BindWeights(Module& root, const ComponentWeights& weights, at::ScalarType dtype,
+                         const std::string& component_dir) {
+  std::vector<std::string> missing;
+  std::set<std::string> used;
+  absl::Status status;
+  root.ForEachSlot([&](Module& module, TensorSlot& slot) {
+    if (!status.ok()) return;
+    const std::string name = module.SlotPath(slot);
+    auto it = weights.tensors.find(name);
+    if (it == weights.tensors.end()) {
+      missing.push_back(name);
+      return;
+    }
+    used.insert(name);
+    const at::Tensor& source = it->second;
+    if (slot.value.defined() && source.sizes() != slot.value.sizes()) {
+      std::ostringstream expected, got;
+      expected << slot.value.sizes();
+      got << source.sizes();
+      status = absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' in '", weights.file_of.at(name),
+                                                       "' has shape ", got.str(), "; the model needs ",
+                                                       expected.str()));
+      return;
+    }
+    slot.value = source.scalar_type() == dtype ? source : source.to(dtype);
+  });
+  RETURN_IF_ERROR(status);
+  std::vector<std::string> unexpected;
+  for (const auto& [name, tensor] : weights.tensors) {
+    if (used.count(name) == 0) unexpected.push_back(name);
+  }
+  if (!missing.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("'", component_dir, "' lacks ", missing.size(),
+                                                   " tensor(s) the model needs: ", List(missing)));
+  }
+  if (!unexpected.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("'", component_dir, "' has ", unexpected.size(),
+                                                   " tensor(s) the model does not use: ", List(unexpected)));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SaveComponent(Module& root, const std::string& dir, const google::protobuf::Struct& config,
+                           int64_t max_shard_bytes) {
+  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
+    return absl::PermissionDeniedError(absl::StrCat("cannot create '", dir, "'"));
+  }
+  std::vector<std::vector<std::pair<std::string, at::Tensor>>> shards(1);
+  int64_t shard_bytes = 0;
+  root.ForEachSlot([&](Module& module, TensorSlot& slot) {
+    if (!slot.value.defined()) return;
+    const int64_t n = static_cast<int64_t>(slot.value.nbytes());
+    if (max_shard_bytes > 0 && shard_bytes > 0 && shard_bytes + n > max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().emplace_back(module.SlotPath(slot), slot.value.to(at::kCPU));
+    shard_bytes += n;
+  });
+  RETURN_IF_ERROR(WriteJsonFile(absl::StrCat(dir, "/config.json"), config));
+  if (shards.size() == 1) {
+    return WriteSafetensors(absl::StrCat(dir, "/diffusion_pytorch_model.safetensors"), shards[0]);
+  }
+  google::protobuf::Struct index;
+  auto* map = (*index.mutable_fields())["weight_map"].mutable_struct_value();
+  for (size_t i = 0; i < shards.size(); ++i) {
+    const std::string file = absl::StrCat("diffusion_pytorch_model-", i + 1, "-of-", shards.size(), ".safetensors");
+    RETURN_IF_ERROR(WriteSafetensors(absl::StrCat(dir, "/", file), shards[i]));
+    for (const auto& [name, tensor] : shards[i]) (*map->mutable_fields())[name].set_string_value(file);
+  }
+  return WriteJsonFile(absl::StrCat(dir, "/diffusion_pytorch_model.safetensors.index.json"), index);
+}
+
+}  // namespace stowage

@@ -1,0 +1,125 @@
+// Loading diffusers-format directories written to disk as real safetensors files.
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "models/diffusers_format.h"
+#include "models/tiny_pipeline.h"
+#include "offload/status_macros.h"
+
+namespace stowage {
+namespace {
+
+class HostRunner : public ComponentRunner {
+ public:
+  absl::Status Run(Component& component, const std::function<void()>& fn) override {
+    component.host_weights().PointAtHost();
+    return CatchAsStatus(component.name(), fn);
+  }
+};
+
+std::string Fresh(const std::string& name) {
+  const std::string dir = std::string(::testing::TempDir()) + "/" + name;
+  std::system(("rm -rf '" + dir + "'").c_str());
+  return dir;
+}
+
+absl::StatusOr<Image> Draw(Pipeline& pipeline) {
+  GenerationParams p;
+  p.prompt = "a tram";
+  p.width = 64;
+  p.height = 64;
+  p.steps = 2;
+  p.guidance_scale = 2.0f;
+  p.seed = 21;
+  HostRunner runner;
+  RunContext context(nullptr, nullptr);
+  return pipeline.Run(p, runner, context);
+}
+
+TEST(DiffusersFormatTest, SavedPipelineLoadsBackAndDrawsTheSameImage) {
+  const std::string dir = Fresh("tiny_saved");
+  TinyPipelineOptions options;
+  options.weight_seed = 9;
+  ASSERT_TRUE(SaveTinyPipeline(options, dir, /*max_shard_bytes=*/1 << 20).ok());
+  struct stat st;
+  EXPECT_EQ(::stat((dir + "/transformer/diffusion_pytorch_model.safetensors.index.json").c_str(), &st), 0);
+  EXPECT_EQ(::stat((dir + "/vae/diffusion_pytorch_model.safetensors").c_str(), &st), 0);
+  auto loaded = LoadTinyPipeline(dir, {}, /*random_weights=*/false);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  auto built = CreateTinyPipeline(options);
+  ASSERT_TRUE(built.ok());
+  auto a = Draw(**loaded);
+  auto b = Draw(**built);
+  ASSERT_TRUE(a.ok() && b.ok()) << a.status();
+  EXPECT_EQ(a->rgb, b->rgb);
+  // Same dtype: the weights are the mapped file, not a copy.
+  Component* vae = (*loaded)->components()[2];
+  EXPECT_EQ(vae->host_weights().entries()[0].host.data_ptr() != nullptr, true);
+  // Random-weights mode reads only the configs.
+  TinyPipelineOptions seeded;
+  seeded.weight_seed = 9;
+  auto random = LoadTinyPipeline(dir, seeded, /*random_weights=*/true);
+  ASSERT_TRUE(random.ok());
+  auto c = Draw(**random);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->rgb, b->rgb);
+  // bfloat16 from float32 files: converted on load.
+  TinyPipelineOptions bf16;
+  bf16.dtype = at::kBFloat16;
+  auto converted = LoadTinyPipeline(dir, bf16, false);
+  ASSERT_TRUE(converted.ok()) << converted.status();
+  EXPECT_EQ((*converted)->components()[1]->dtype(), at::kBFloat16);
+}
+
+TEST(DiffusersFormatTest, BrokenDirectoriesNameTheFileAndTheTensor) {
+  const std::string dir = Fresh("tiny_broken");
+  ASSERT_TRUE(SaveTinyPipeline({}, dir).ok());
+  const std::string weights = dir + "/vae/diffusion_pytorch_model.safetensors";
+  // Truncated file.
+  {
+    std::ifstream in(weights, std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), {});
+    std::ofstream(weights, std::ios::binary | std::ios::trunc).write(bytes.data(), bytes.size() / 2);
+  }
+  auto truncated = LoadTinyPipeline(dir, {}, false);
+  ASSERT_FALSE(truncated.ok());
+  EXPECT_NE(std::string(truncated.status().message()).find(weights), std::string::npos) << truncated.status();
+  EXPECT_NE(std::string(truncated.status().message()).find("truncated"), std::string::npos);
+
+  // Missing, unexpected and mis-shaped tensors.
+  ASSERT_TRUE(SaveTinyPipeline({}, dir).ok());
+  auto read = ReadComponentWeights(dir + "/vae");
+  ASSERT_TRUE(read.ok());
+  TinyVaeDecoder vae({}, LayerOptions{});
+  ComponentWeights missing = *read;
+  missing.tensors.erase("conv_out.bias");
+  const absl::Status m = BindWeights(vae, missing, at::kFloat, dir + "/vae");
+  EXPECT_NE(std::string(m.message()).find("lacks 1 tensor(s) the model needs: conv_out.bias"), std::string::npos) << m;
+  ComponentWeights extra = *read;
+  extra.tensors["decoder.extra"] = at::zeros({1});
+  const absl::Status u = BindWeights(vae, extra, at::kFloat, dir + "/vae");
+  EXPECT_NE(std::string(u.message()).find("does not use: decoder.extra"), std::string::npos) << u;
+  ComponentWeights shaped = *read;
+  shaped.tensors["conv_out.bias"] = at::zeros({5});
+  shaped.file_of["conv_out.bias"] = "x.safetensors";
+  const absl::Status s = BindWeights(vae, shaped, at::kFloat, dir + "/vae");
+  EXPECT_NE(std::string(s.message()).find("tensor 'conv_out.bias' in 'x.safetensors' has shape [5]"), std::string::npos) << s;
+
+  // Wrong class and missing component.
+  std::ofstream(dir + "/vae/config.json") << "{\"_class_name\": \"AutoencoderKL\"}";
+  auto wrong = LoadTinyPipeline(dir, {}, false);
+  EXPECT_NE(std::string(wrong.status().message()).find("_class_name is 'AutoencoderKL'"), std::string::npos);
+  std::ofstream(dir + "/model_index.json") << "{\"_class_name\": \"X\"}";
+  EXPECT_EQ(LoadTinyPipeline(dir, {}, false).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LoadTinyPipeline(dir + "/nowhere", {}, false).status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace stowage

@@ -1,6 +1,7 @@
 """End to end through the real binaries: stowage_server on loopback port 0, called through the
 Python client and the stowctl CLI, with gRPC health checking, server reflection and the
-Prometheus page scraped over HTTP.
+Prometheus page scraped over HTTP; then a second server, configured with an admin token, driven
+through the Python AdminClient.
 
 Run by Bazel as an sh_test (tests/e2e/BUILD); paths come from the environment it sets.
 """
@@ -19,18 +20,21 @@ import urllib.request
 
 import grpc
 
-from stowage_client import StowageClient, StowageError
+from stowage.v1 import admin_pb2, admin_pb2_grpc
+from stowage_client import AdminClient, StowageClient, StowageError
 
 SERVER = os.environ["STOWAGE_SERVER_BIN"]
 STOWCTL = os.environ["STOWCTL_BIN"]
 
 
-def _start_server(tmp: str) -> tuple[subprocess.Popen, dict]:
+def _start_server(tmp: str, config: str | None = None) -> tuple[subprocess.Popen, dict]:
+    """Starts the server (with --config=`config` when given); the flags' addresses override the
+    config's."""
     port_file = os.path.join(tmp, "ports.json")
     log = open(os.path.join(tmp, "server.log"), "w")
     proc = subprocess.Popen(
         [SERVER, "--grpc_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
-         f"--port_file={port_file}"],
+         f"--port_file={port_file}"] + ([f"--config={config}"] if config else []),
         stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 60
     while not os.path.exists(port_file):
@@ -141,6 +145,113 @@ class PythonEndToEndTest(unittest.TestCase):
         self.assertGreaterEqual(float(peak_sum.group(1)), result.stats.peak_device_memory_bytes)
         self.assertRegex(page, r"(?m)^# TYPE stowage_request_duration_seconds histogram$")
         self.assertRegex(page, r"(?m)^stowage_process_resident_memory_bytes \d")
+
+    def test_admin_api_is_disabled_without_a_token(self) -> None:
+        # This server's config sets no auth.admin_token: every admin call is refused as such.
+        with AdminClient(self.target, "any-token", timeout=30) as admin:
+            with self.assertRaises(StowageError) as caught:
+                admin.get_placement()
+        self.assertEqual(caught.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertIn("admin_token", caught.exception.message)
+
+
+class PythonAdminEndToEndTest(unittest.TestCase):
+    """The admin API through the Python AdminClient, against a server whose config file (protobuf
+    text format, --config) sets the admin token."""
+
+    TOKEN = "e2e-admin-token"
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.tmp = tempfile.mkdtemp()
+        config = os.path.join(cls.tmp, "server.txtpb")
+        with open(config, "w") as f:
+            f.write(f'auth {{ admin_token: "{cls.TOKEN}" }}\n')
+        cls.proc, cls.addresses = _start_server(cls.tmp, config)
+        cls.target = cls.addresses["grpc_address"]
+        cls.client = StowageClient(cls.target, timeout=120)
+        cls.admin = AdminClient(cls.target, cls.TOKEN, timeout=60)
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.admin.close()
+        cls.client.close()
+        cls.proc.terminate()
+        cls.proc.wait(timeout=30)
+
+    def generate(self, request_id: str) -> bytes:
+        result = self.client.generate("a paper lantern", width=64, height=64, steps=2, seed=3,
+                                      request_id=request_id)
+        self.assertTrue(result.image.startswith(b"\x89PNG\r\n\x1a\n"))
+        return result.image
+
+    def states(self) -> dict[str, str]:
+        return {c.id: c.state for c in self.admin.get_placement().components}
+
+    def test_wrong_or_missing_token_is_refused(self) -> None:
+        with AdminClient(self.target, "wrong-token", timeout=30) as wrong:
+            with self.assertRaises(StowageError) as caught:
+                wrong.get_placement()
+        self.assertEqual(caught.exception.code, grpc.StatusCode.PERMISSION_DENIED)
+        # AdminClient always sends a token, so go around it for the missing-token case.
+        with grpc.insecure_channel(self.target) as channel:
+            with self.assertRaises(grpc.RpcError) as missing:
+                admin_pb2_grpc.AdminServiceStub(channel).GetPlacement(
+                    admin_pb2.GetPlacementRequest(), timeout=30)
+        self.assertEqual(missing.exception.code(), grpc.StatusCode.UNAUTHENTICATED)
+
+    def test_placement_lists_the_three_components(self) -> None:
+        placement = self.admin.get_placement()
+        self.assertTrue(placement.device)
+        self.assertEqual(sorted(c.id for c in placement.components),
+                         ["tiny/text_encoder", "tiny/transformer", "tiny/vae"])
+        for c in placement.components:
+            self.assertEqual(c.id, f"tiny/{c.name}")
+            self.assertEqual(c.pipelines, ["tiny"])
+            self.assertGreater(c.weight_bytes, 0)
+            self.assertIn(c.state, ("OFFLOADED", "RESIDENT", "GROUP_OFFLOADED"))
+
+    def test_strategy_group_offload_and_decision_log(self) -> None:
+        # One scenario, in order: each step builds on the server state the previous one left.
+        self.assertEqual(self.admin.set_strategy_custom("text-encoders-only"),
+                         ("text-encoders-only", []))
+        self.assertEqual(self.admin.get_placement().strategy, "text-encoders-only")
+        image = self.generate("py-admin-e2e-1")
+        # The strategy moved the text encoder off before the transformer ran; nothing else.
+        self.assertEqual(self.states(), {"tiny/text_encoder": "OFFLOADED",
+                                         "tiny/transformer": "RESIDENT", "tiny/vae": "RESIDENT"})
+
+        enabled = self.admin.enable_group_offload(component_id="tiny/transformer")
+        self.assertEqual([c.id for c in enabled], ["tiny/transformer"])
+        transformer = enabled[0]
+        self.assertEqual(transformer.state, "GROUP_OFFLOADED")
+        self.assertIsNotNone(transformer.group_offload)
+        self.assertGreater(transformer.group_offload.streamed_groups, 0)
+        self.assertLess(transformer.device_bytes, transformer.weight_bytes)
+        with self.assertRaises(StowageError) as twice:
+            self.admin.enable_group_offload(component_id="tiny/transformer")
+        self.assertEqual(twice.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertEqual(self.generate("py-admin-e2e-2"), image)  # Same seed, same weights.
+        self.assertEqual(self.states(), {"tiny/text_encoder": "OFFLOADED",
+                                         "tiny/transformer": "GROUP_OFFLOADED",
+                                         "tiny/vae": "RESIDENT"})
+
+        log = self.admin.placement_log(limit=1000)
+        self.assertTrue(log)
+        self.assertTrue(any(d.action == "set_strategy" and d.strategy == "text-encoders-only"
+                            for d in log), log)
+        self.assertTrue(any(d.action == "offload" and d.component == "tiny/text_encoder"
+                            and d.strategy == "text-encoders-only"
+                            and d.request_id == "py-admin-e2e-1" for d in log), log)
+        self.assertTrue(any(d.action == "onload" and d.request_id == "py-admin-e2e-2"
+                            for d in log), log)  # The text encoder came back for request 2.
+        # Oldest first: the newest one is last (nothing has been decided since).
+        self.assertEqual(self.admin.placement_log(limit=1), [log[-1]])
+
+        # Back to the start: group offloading off, the default strategy.
+        disabled = self.admin.disable_group_offload(component_id="tiny/transformer")
+        self.assertEqual([(c.id, c.state) for c in disabled], [("tiny/transformer", "OFFLOADED")])
+        self.assertEqual(self.admin.set_strategy_footprint(), ("footprint", []))
 
 
 if __name__ == "__main__":

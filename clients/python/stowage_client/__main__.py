@@ -412,7 +412,9 @@ def _add_admin_commands(commands: argparse._SubParsersAction) -> None:
         default="pinned",
         help="where the weights wait: pinned or pageable host memory, or disk (default pinned)",
     )
-    enable.add_argument("--disk-dir", default="", metavar="DIR", help="group files for --target disk")
+    enable.add_argument(
+        "--disk-dir", default="", metavar="DIR", help="group files for --target disk"
+    )
     enable.add_argument(
         "--budget-bytes", type=_non_negative_int, default=0, metavar="N",
         help="device bytes the component may keep; groups that fit stay resident (default 0)",

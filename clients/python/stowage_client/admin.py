@@ -270,7 +270,9 @@ def _group_offload_config(
     budget_bytes: int,
 ) -> config_pb2.GroupOffloadConfig:
     if offload_type not in _OFFLOAD_TYPES:
-        raise ValueError(f"offload_type must be one of {sorted(_OFFLOAD_TYPES)}, got {offload_type!r}")
+        raise ValueError(
+            f"offload_type must be one of {sorted(_OFFLOAD_TYPES)}, got {offload_type!r}"
+        )
     if target not in _TARGETS:
         raise ValueError(f"target must be one of {sorted(_TARGETS)}, got {target!r}")
     return config_pb2.GroupOffloadConfig(

@@ -309,9 +309,13 @@ class RequestMappingTest(AdminServerTestCase):
         strategy = self.sent("SetOffloadStrategy").strategy
         self.assertEqual(strategy.WhichOneof("strategy"), "workflow")
         rules = strategy.workflow.rules
-        self.assertEqual([r.WhichOneof("rule") for r in rules], ["after", "before", "keep_resident"])
+        self.assertEqual(
+            [r.WhichOneof("rule") for r in rules], ["after", "before", "keep_resident"]
+        )
         Trigger = config_pb2.WorkflowRule.Trigger
-        self.assertEqual(rules[0].after, Trigger(component="text_encoder", offload=["text_encoder"]))
+        self.assertEqual(
+            rules[0].after, Trigger(component="text_encoder", offload=["text_encoder"])
+        )
         self.assertEqual(rules[1].before, Trigger(component="vae", offload=["transformer"]))
         self.assertEqual(rules[2].keep_resident, "vae")
 
@@ -795,7 +799,7 @@ class CliTest(AdminServerTestCase):
             with self.subTest(name):
                 status, out, err = self.run_main("set-strategy", "--rules-file", path)
                 self.assertEqual(status, 2)
-                self.assertIn(f"--rules-file", err)
+                self.assertIn("--rules-file", err)
                 self.assertIn(path, err)
                 self.assertEqual(out, "")
         self.assertEqual(self.fake.calls, [])

@@ -167,10 +167,13 @@ class FakeGenerationService(generation_pb2_grpc.GenerationServiceServicer):
     def GenerateStream(self, request, context):
         self._record("GenerateStream", request, context)
         if self.endless:
+            # Only the client going away ends this RPC. Signalled by a termination callback
+            # rather than after the loop: once the call is cancelled, grpc may stop resuming the
+            # generator between messages, so code after the loop need never run.
+            context.add_callback(self.saw_cancellation.set)
             while context.is_active():
                 yield generation_pb2.GenerateStreamResponse(progress=self.progress[0])
                 time.sleep(0.02)
-            self.saw_cancellation.set()
             return
         for i, progress in enumerate(self.progress):
             yield generation_pb2.GenerateStreamResponse(progress=progress)

@@ -25,8 +25,9 @@ at::Tensor Linear::Forward(const at::Tensor& x) {
   return at::linear(x, tensor(weight_), bias_ >= 0 ? tensor(bias_) : at::Tensor());
 }
 
-RMSNorm::RMSNorm(int64_t dim, double eps, bool affine, const LayerOptions& options)
-    : Module("RMSNorm"), eps_(eps) {
+RMSNorm::RMSNorm(int64_t dim, double eps, bool affine, const LayerOptions& options,
+                 bool cast_before_weight)
+    : Module("RMSNorm"), eps_(eps), cast_before_weight_(cast_before_weight) {
   if (affine) weight_ = AddParameter("weight", Empty({dim}, options));
 }
 
@@ -34,8 +35,10 @@ at::Tensor RMSNorm::Forward(const at::Tensor& x) {
   ForwardScope scope(*this);
   const at::Tensor xf = x.to(at::kFloat);
   at::Tensor y = xf * at::rsqrt(xf.pow(2).mean({-1}, /*keepdim=*/true) + eps_);
-  if (weight_ >= 0) y = y * tensor(weight_).to(at::kFloat);
-  return y.to(x.scalar_type());
+  if (weight_ < 0) return y.to(x.scalar_type());
+  const at::Tensor& w = tensor(weight_);
+  if (cast_before_weight_) return y.to(w.scalar_type()) * w;
+  return (y * w.to(at::kFloat)).to(x.scalar_type());
 }
 
 LayerNorm::LayerNorm(int64_t dim, double eps, bool affine, const LayerOptions& options)

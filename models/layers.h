@@ -38,14 +38,25 @@ class Linear : public Module {
 };
 
 // Root-mean-square normalisation over the last dimension, computed in float32.
+// `cast_before_weight` follows diffusers' RMSNorm: the normalised value is cast to the weight's
+// dtype before the multiplication (otherwise the weight is applied in float32, as Qwen's is not).
 class RMSNorm : public Module {
  public:
-  RMSNorm(int64_t dim, double eps, bool affine, const LayerOptions& options);
+  RMSNorm(int64_t dim, double eps, bool affine, const LayerOptions& options,
+          bool cast_before_weight = false);
   at::Tensor Forward(const at::Tensor& x);
 
  private:
   double eps_;
+  bool cast_before_weight_;
   int weight_ = -1;
+};
+
+// A module without tensors standing in for an activation inside a numbered Sequential, so that the
+// layers after it keep their published names (e.g. "mlp.2" after a SiLU at "mlp.1").
+class Activation : public Module {
+ public:
+  explicit Activation(std::string kind) : Module(std::move(kind)) {}
 };
 
 class LayerNorm : public Module {

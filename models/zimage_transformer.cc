@@ -1,0 +1,278 @@
+#include "models/zimage_transformer.h"
+
+#include <cmath>
+#include <memory>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "models/diffusers_format.h"
+#include "offload/status_macros.h"
+
+namespace stowage {
+namespace {
+
+constexpr int64_t kSeqMultiple = 32;
+
+// A numbered container with heterogeneous children ("0", "1", ...), like torch's nn.Sequential.
+class Sequential : public Module {
+ public:
+  Sequential() : Module("ModuleList") {}
+  template <typename T>
+  T* Add(std::unique_ptr<T> child) {
+    return AddChild(std::to_string(size_++), std::move(child));
+  }
+
+ private:
+  int size_ = 0;
+};
+
+// A container whose single child has a computed name (diffusers' ModuleDict keyed "2-1").
+class Keyed : public Module {
+ public:
+  Keyed() : Module("ModuleDict") {}
+};
+
+class Container : public Module {
+ public:
+  explicit Container(std::string kind) : Module(std::move(kind)) {}
+};
+
+int64_t PadTo(int64_t n) { return (kSeqMultiple - n % kSeqMultiple) % kSeqMultiple; }
+
+// Rows [0, valid) of `rows`, then `pad` copies of the last valid row.
+at::Tensor PadWithLastRow(const at::Tensor& rows, int64_t pad) {
+  if (pad == 0) return rows;
+  return at::cat({rows, rows.slice(0, rows.size(0) - 1).expand({pad, rows.size(1)})}, 0);
+}
+
+// Replaces rows from `valid` on with `token` ([1, D]).
+at::Tensor FillPadRows(const at::Tensor& rows, int64_t valid, const at::Tensor& token) {
+  if (valid == rows.size(0)) return rows;
+  return at::cat({rows.slice(0, 0, valid), token.to(rows.scalar_type()).expand({rows.size(0) - valid, rows.size(1)})}, 0);
+}
+
+// Interleaved-pair rotary embedding: x [1, S, H, hd], freqs complex [S, hd / 2].
+at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& freqs) {
+  const at::Tensor pairs = x.to(at::kFloat).reshape({x.size(0), x.size(1), x.size(2), -1, 2}).contiguous();
+  const at::Tensor rotated = at::view_as_complex(pairs) * freqs.unsqueeze(0).unsqueeze(2);
+  return at::view_as_real(rotated).flatten(3).to(x.scalar_type());
+}
+
+}  // namespace
+
+absl::StatusOr<ZImageTransformerConfig> ZImageTransformerConfigFromJson(const google::protobuf::Struct& json) {
+  ZImageTransformerConfig c;
+  ASSIGN_OR_RETURN(std::vector<int64_t> patch, ConfigIntList(json, "all_patch_size", {c.patch_size}));
+  ASSIGN_OR_RETURN(std::vector<int64_t> f_patch, ConfigIntList(json, "all_f_patch_size", {c.f_patch_size}));
+  if (patch.empty() || f_patch.empty()) return absl::InvalidArgumentError("all_patch_size is empty");
+  c.patch_size = patch[0];
+  c.f_patch_size = f_patch[0];
+  ASSIGN_OR_RETURN(c.in_channels, ConfigInt(json, "in_channels", c.in_channels));
+  ASSIGN_OR_RETURN(c.dim, ConfigInt(json, "dim", c.dim));
+  ASSIGN_OR_RETURN(c.n_layers, ConfigInt(json, "n_layers", c.n_layers));
+  ASSIGN_OR_RETURN(c.n_refiner_layers, ConfigInt(json, "n_refiner_layers", c.n_refiner_layers));
+  ASSIGN_OR_RETURN(c.n_heads, ConfigInt(json, "n_heads", c.n_heads));
+  ASSIGN_OR_RETURN(c.norm_eps, ConfigDouble(json, "norm_eps", c.norm_eps));
+  ASSIGN_OR_RETURN(c.cap_feat_dim, ConfigInt(json, "cap_feat_dim", c.cap_feat_dim));
+  ASSIGN_OR_RETURN(c.rope_theta, ConfigDouble(json, "rope_theta", c.rope_theta));
+  ASSIGN_OR_RETURN(c.t_scale, ConfigDouble(json, "t_scale", c.t_scale));
+  ASSIGN_OR_RETURN(c.axes_dims, ConfigIntList(json, "axes_dims", c.axes_dims));
+  ASSIGN_OR_RETURN(c.axes_lens, ConfigIntList(json, "axes_lens", c.axes_lens));
+  auto qk = json.fields().find("qk_norm");
+  if (qk != json.fields().end() && qk->second.has_bool_value()) c.qk_norm = qk->second.bool_value();
+  auto siglip = json.fields().find("siglip_feat_dim");
+  if (siglip != json.fields().end() && !siglip->second.has_null_value()) {
+    return absl::UnimplementedError("ZImageTransformer2DModel with siglip_feat_dim (omni mode) is not supported");
+  }
+  if (c.n_heads <= 0 || c.dim % c.n_heads != 0) {
+    return absl::InvalidArgumentError("config: dim must be a positive multiple of n_heads");
+  }
+  int64_t axes = 0;
+  for (int64_t d : c.axes_dims) axes += d;
+  if (c.axes_dims.size() != 3 || c.axes_lens.size() != 3 || axes != c.head_dim()) {
+    return absl::InvalidArgumentError(absl::StrCat("config: axes_dims must be three values summing to the head dim (",
+                                                   c.head_dim(), ") and axes_lens three values"));
+  }
+  return c;
+}
+
+ZImageAttention::ZImageAttention(const ZImageTransformerConfig& c, const LayerOptions& o)
+    : Module("ZImageAttention"), heads_(c.n_heads) {
+  to_q_ = AddChild("to_q", std::make_unique<Linear>(c.dim, c.dim, false, o));
+  to_k_ = AddChild("to_k", std::make_unique<Linear>(c.dim, c.dim, false, o));
+  to_v_ = AddChild("to_v", std::make_unique<Linear>(c.dim, c.dim, false, o));
+  auto* out = AddChild("to_out", std::make_unique<Sequential>());
+  to_out_ = out->Add(std::make_unique<Linear>(c.dim, c.dim, false, o));
+  if (c.qk_norm) {
+    norm_q_ = AddChild("norm_q", std::make_unique<RMSNorm>(c.head_dim(), 1e-5, true, o, true));
+    norm_k_ = AddChild("norm_k", std::make_unique<RMSNorm>(c.head_dim(), 1e-5, true, o, true));
+  }
+}
+
+at::Tensor ZImageAttention::Forward(const at::Tensor& x, const at::Tensor& freqs) {
+  ForwardScope scope(*this);
+  const int64_t s = x.size(1);
+  auto heads = [&](const at::Tensor& t) { return t.view({x.size(0), s, heads_, -1}); };
+  at::Tensor q = heads(to_q_->Forward(x));
+  at::Tensor k = heads(to_k_->Forward(x));
+  const at::Tensor v = heads(to_v_->Forward(x));
+  if (norm_q_ != nullptr) {
+    q = norm_q_->Forward(q);
+    k = norm_k_->Forward(k);
+  }
+  q = ApplyRope(q, freqs);
+  k = ApplyRope(k, freqs);
+  const at::Tensor o = ScaledDotProductAttention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), at::Tensor());
+  return to_out_->Forward(o.transpose(1, 2).flatten(2, 3).to(x.scalar_type()));
+}
+
+ZImageBlock::ZImageBlock(const ZImageTransformerConfig& c, bool modulation, const LayerOptions& o)
+    : Module("ZImageTransformerBlock") {
+  attention_ = AddChild("attention", std::make_unique<ZImageAttention>(c, o));
+  auto* ff = AddChild("feed_forward", std::make_unique<Container>("FeedForward"));
+  w1_ = ff->AddChild("w1", std::make_unique<Linear>(c.dim, c.ffn_hidden(), false, o));
+  w2_ = ff->AddChild("w2", std::make_unique<Linear>(c.ffn_hidden(), c.dim, false, o));
+  w3_ = ff->AddChild("w3", std::make_unique<Linear>(c.dim, c.ffn_hidden(), false, o));
+  attention_norm1_ = AddChild("attention_norm1", std::make_unique<RMSNorm>(c.dim, c.norm_eps, true, o, true));
+  ffn_norm1_ = AddChild("ffn_norm1", std::make_unique<RMSNorm>(c.dim, c.norm_eps, true, o, true));
+  attention_norm2_ = AddChild("attention_norm2", std::make_unique<RMSNorm>(c.dim, c.norm_eps, true, o, true));
+  ffn_norm2_ = AddChild("ffn_norm2", std::make_unique<RMSNorm>(c.dim, c.norm_eps, true, o, true));
+  if (modulation) {
+    auto* mod = AddChild("adaLN_modulation", std::make_unique<Sequential>());
+    modulation_ = mod->Add(std::make_unique<Linear>(c.adaln_dim(), 4 * c.dim, true, o));
+  }
+}
+
+at::Tensor ZImageBlock::Forward(const at::Tensor& x, const at::Tensor& freqs, const at::Tensor& c) {
+  ForwardScope scope(*this);
+  auto ffn = [&](const at::Tensor& h) { return w2_->Forward(at::silu(w1_->Forward(h)) * w3_->Forward(h)); };
+  if (modulation_ == nullptr) {
+    at::Tensor h = x + attention_norm2_->Forward(attention_->Forward(attention_norm1_->Forward(x), freqs));
+    return h + ffn_norm2_->Forward(ffn(ffn_norm1_->Forward(h)));
+  }
+  // Order: scale_msa, gate_msa, scale_mlp, gate_mlp; no shift; tanh gates.
+  const std::vector<at::Tensor> mod = modulation_->Forward(c).unsqueeze(1).chunk(4, 2);
+  const at::Tensor scale_msa = 1.0 + mod[0];
+  const at::Tensor gate_msa = at::tanh(mod[1]);
+  const at::Tensor scale_mlp = 1.0 + mod[2];
+  const at::Tensor gate_mlp = at::tanh(mod[3]);
+  const at::Tensor attn = attention_->Forward(attention_norm1_->Forward(x) * scale_msa, freqs);
+  at::Tensor h = x + gate_msa * attention_norm2_->Forward(attn);
+  return h + gate_mlp * ffn_norm2_->Forward(ffn(ffn_norm1_->Forward(h) * scale_mlp));
+}
+
+ZImageTransformer::ZImageTransformer(const ZImageTransformerConfig& c, const LayerOptions& o)
+    : Module("ZImageTransformer2DModel"), config_(c) {
+  const std::string key = absl::StrCat(c.patch_size, "-", c.f_patch_size);
+  const int64_t patch_dim = c.f_patch_size * c.patch_size * c.patch_size * c.in_channels;
+  x_embedder_ = AddChild("all_x_embedder", std::make_unique<Keyed>())
+                    ->AddChild(key, std::make_unique<Linear>(patch_dim, c.dim, true, o));
+  auto* final_layer = AddChild("all_final_layer", std::make_unique<Keyed>())
+                          ->AddChild(key, std::make_unique<Container>("FinalLayer"));
+  final_linear_ = final_layer->AddChild("linear", std::make_unique<Linear>(c.dim, patch_dim, true, o));
+  auto* final_mod = final_layer->AddChild("adaLN_modulation", std::make_unique<Sequential>());
+  final_mod->Add(std::make_unique<Activation>("SiLU"));
+  final_modulation_ = final_mod->Add(std::make_unique<Linear>(c.adaln_dim(), c.dim, true, o));
+  auto* mlp = AddChild("t_embedder", std::make_unique<Container>("TimestepEmbedder"))
+                  ->AddChild("mlp", std::make_unique<Sequential>());
+  t_fc1_ = mlp->Add(std::make_unique<Linear>(256, 1024, true, o));
+  mlp->Add(std::make_unique<Activation>("SiLU"));
+  t_fc2_ = mlp->Add(std::make_unique<Linear>(1024, c.adaln_dim(), true, o));
+  auto* cap = AddChild("cap_embedder", std::make_unique<Sequential>());
+  cap_norm_ = cap->Add(std::make_unique<RMSNorm>(c.cap_feat_dim, c.norm_eps, true, o, true));
+  cap_linear_ = cap->Add(std::make_unique<Linear>(c.cap_feat_dim, c.dim, true, o));
+  noise_refiner_ = AddChild("noise_refiner", std::make_unique<ModuleList<ZImageBlock>>());
+  context_refiner_ = AddChild("context_refiner", std::make_unique<ModuleList<ZImageBlock>>());
+  for (int64_t i = 0; i < c.n_refiner_layers; ++i) {
+    noise_refiner_->Append(std::make_unique<ZImageBlock>(c, /*modulation=*/true, o));
+    context_refiner_->Append(std::make_unique<ZImageBlock>(c, /*modulation=*/false, o));
+  }
+  x_pad_token_ = AddParameter("x_pad_token", at::empty({1, c.dim}, at::TensorOptions().dtype(o.dtype)));
+  cap_pad_token_ = AddParameter("cap_pad_token", at::empty({1, c.dim}, at::TensorOptions().dtype(o.dtype)));
+  layers_ = AddChild("layers", std::make_unique<ModuleList<ZImageBlock>>());
+  for (int64_t i = 0; i < c.n_layers; ++i) layers_->Append(std::make_unique<ZImageBlock>(c, true, o));
+
+  // RoPE tables: angles in float64, cast to float32, then unit complex numbers.
+  for (size_t axis = 0; axis < 3; ++axis) {
+    const int64_t d = c.axes_dims[axis];
+    const at::Tensor exponents = at::arange(0, d, 2, at::TensorOptions().dtype(at::kDouble)) / static_cast<double>(d);
+    const at::Tensor freqs = 1.0 / at::pow(c.rope_theta, exponents);
+    const at::Tensor positions = at::arange(c.axes_lens[axis], at::TensorOptions().dtype(at::kDouble));
+    const at::Tensor angles = at::outer(positions, freqs).to(at::kFloat);
+    rope_tables_.push_back(at::polar(at::ones_like(angles), angles));
+  }
+}
+
+at::Tensor ZImageTransformer::RopeFactors(const at::Tensor& positions) const {
+  std::vector<at::Tensor> parts;
+  for (int64_t axis = 0; axis < 3; ++axis) {
+    const at::Tensor ids = positions.select(1, axis).to(at::kLong).cpu();
+    TORCH_CHECK(ids.numel() == 0 || ids.max().item<int64_t>() < config_.axes_lens[axis],
+                "ZImageTransformer: position on axis ", axis, " exceeds axes_lens (", config_.axes_lens[axis],
+                "): image or caption too large");
+    parts.push_back(rope_tables_[static_cast<size_t>(axis)].index_select(0, ids));
+  }
+  return at::cat(parts, -1).to(positions.device());
+}
+
+at::Tensor ZImageTransformer::Forward(const at::Tensor& latents, double t, const at::Tensor& caption) {
+  ForwardScope scope(*this);
+  const ZImageTransformerConfig& c = config_;
+  const at::ScalarType dtype = latents.scalar_type();
+  const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat).device(latents.device());
+  const at::TensorOptions i64 = at::TensorOptions().dtype(at::kLong);
+
+  // Timestep: t * t_scale, sinusoidal [cos, sin] in float32, MLP in the model dtype.
+  const at::Tensor freqs = at::exp(at::arange(0, 128, f32) * (-std::log(10000.0) / 128.0));
+  const at::Tensor args = at::full({1, 1}, static_cast<float>(t * c.t_scale), f32) * freqs.unsqueeze(0);
+  const at::Tensor t_freq = at::cat({at::cos(args), at::sin(args)}, -1);
+  const at::Tensor adaln = t_fc2_->Forward(at::silu(t_fc1_->Forward(t_freq.to(dtype)))).to(dtype);
+
+  // Caption: padded with its last row to a multiple of 32; pads become cap_pad_token.
+  const int64_t l = caption.size(0);
+  const int64_t lc = l + PadTo(l);
+  at::Tensor cap = cap_linear_->Forward(cap_norm_->Forward(PadWithLastRow(caption.to(dtype), lc - l)));
+  cap = FillPadRows(cap, l, tensor(cap_pad_token_));
+  const at::Tensor cap_pos = at::stack({at::arange(1, lc + 1, i64), at::zeros({lc}, i64), at::zeros({lc}, i64)}, 1);
+
+  // Image: [C, F, H, W] → patches (f, h, w order; channel fastest inside a patch).
+  const int64_t ch = latents.size(0), f = latents.size(1), h = latents.size(2), w = latents.size(3);
+  const int64_t p = c.patch_size, pf = c.f_patch_size;
+  const int64_t ft = f / pf, ht = h / p, wt = w / p;
+  const at::Tensor patches = latents.view({ch, ft, pf, ht, p, wt, p})
+                                 .permute({1, 3, 5, 2, 4, 6, 0})
+                                 .reshape({ft * ht * wt, pf * p * p * ch});
+  const int64_t n = patches.size(0);
+  const int64_t nx = n + PadTo(n);
+  at::Tensor x = x_embedder_->Forward(PadWithLastRow(patches, nx - n));
+  x = FillPadRows(x, n, tensor(x_pad_token_));
+  const at::Tensor grid_f = at::arange(ft, i64).view({ft, 1, 1}).expand({ft, ht, wt}).reshape({-1}) + (lc + 1);
+  const at::Tensor grid_h = at::arange(ht, i64).view({1, ht, 1}).expand({ft, ht, wt}).reshape({-1});
+  const at::Tensor grid_w = at::arange(wt, i64).view({1, 1, wt}).expand({ft, ht, wt}).reshape({-1});
+  at::Tensor x_pos = at::stack({grid_f, grid_h, grid_w}, 1);
+  if (nx > n) x_pos = at::cat({x_pos, at::zeros({nx - n, 3}, i64)}, 0);
+
+  const at::Tensor x_freqs = RopeFactors(x_pos).to(latents.device());
+  const at::Tensor cap_freqs = RopeFactors(cap_pos).to(latents.device());
+  x = x.unsqueeze(0);
+  for (ZImageBlock* block : *noise_refiner_) x = block->Forward(x, x_freqs, adaln);
+  cap = cap.unsqueeze(0);
+  for (ZImageBlock* block : *context_refiner_) cap = block->Forward(cap, cap_freqs, at::Tensor());
+
+  // Image first, then caption.
+  at::Tensor u = at::cat({x, cap}, 1);
+  const at::Tensor u_freqs = at::cat({x_freqs, cap_freqs}, 0);
+  for (ZImageBlock* block : *layers_) u = block->Forward(u, u_freqs, adaln);
+
+  const at::Tensor scale = 1.0 + final_modulation_->Forward(at::silu(adaln));
+  u = at::layer_norm(u, {c.dim}, {}, {}, 1e-6) * scale.unsqueeze(1);
+  u = final_linear_->Forward(u);
+  return u.select(0, 0)
+      .slice(0, 0, n)
+      .view({ft, ht, wt, pf, p, p, ch})
+      .permute({6, 0, 3, 1, 4, 2, 5})
+      .reshape({ch, f, h, w});
+}
+
+}  // namespace stowage

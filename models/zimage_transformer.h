@@ -1,0 +1,112 @@
+// ZImageTransformer2DModel (Z-Image's S3-DiT), written from diffusers'
+// src/diffusers/models/transformers/transformer_z_image.py (basic, non-omni mode): parameter names
+// match diffusers' state dict, so a diffusers-format transformer/ folder binds directly.
+//
+// Sequence: image patches (2×2, padded to a multiple of 32 with a learned pad token) refined by
+// `n_refiner_layers` modulated blocks; caption features (RMSNorm + Linear, padded likewise) refined by
+// unmodulated blocks; then [image; caption] through `n_layers` modulated blocks with three-axis RoPE
+// (caption token k at (1+k, 0, 0); image token (h, w) at (Lc+1, h, w)), and a final adaptive layer.
+// One sample per call (diffusers' batch items are independent); the pipeline loops over a batch.
+#ifndef STOWAGE_MODELS_ZIMAGE_TRANSFORMER_H_
+#define STOWAGE_MODELS_ZIMAGE_TRANSFORMER_H_
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "google/protobuf/struct.pb.h"
+#include "models/layers.h"
+
+namespace stowage {
+
+struct ZImageTransformerConfig {
+  int64_t patch_size = 2;
+  int64_t f_patch_size = 1;
+  int64_t in_channels = 16;
+  int64_t dim = 3840;
+  int64_t n_layers = 30;
+  int64_t n_refiner_layers = 2;
+  int64_t n_heads = 30;
+  double norm_eps = 1e-5;
+  bool qk_norm = true;
+  int64_t cap_feat_dim = 2560;
+  double rope_theta = 256.0;
+  double t_scale = 1000.0;
+  std::vector<int64_t> axes_dims = {32, 48, 48};
+  std::vector<int64_t> axes_lens = {1024, 512, 512};
+
+  int64_t head_dim() const { return dim / n_heads; }
+  int64_t adaln_dim() const { return dim < 256 ? dim : 256; }
+  int64_t ffn_hidden() const { return static_cast<int64_t>(static_cast<double>(dim) / 3.0 * 8.0); }
+};
+
+// Reads a diffusers transformer config.json (all_patch_size/all_f_patch_size take the first entry).
+absl::StatusOr<ZImageTransformerConfig> ZImageTransformerConfigFromJson(const google::protobuf::Struct& json);
+
+class ZImageAttention : public Module {
+ public:
+  ZImageAttention(const ZImageTransformerConfig& config, const LayerOptions& options);
+  // x: [1, S, D]; freqs: complex [S, head_dim / 2].
+  at::Tensor Forward(const at::Tensor& x, const at::Tensor& freqs);
+
+ private:
+  int64_t heads_;
+  Linear* to_q_;
+  Linear* to_k_;
+  Linear* to_v_;
+  Linear* to_out_;
+  RMSNorm* norm_q_ = nullptr;
+  RMSNorm* norm_k_ = nullptr;
+};
+
+class ZImageBlock : public Module {
+ public:
+  ZImageBlock(const ZImageTransformerConfig& config, bool modulation, const LayerOptions& options);
+  // c: [1, adaln_dim] or undefined for unmodulated blocks.
+  at::Tensor Forward(const at::Tensor& x, const at::Tensor& freqs, const at::Tensor& c);
+
+ private:
+  ZImageAttention* attention_;
+  Linear* w1_;
+  Linear* w2_;
+  Linear* w3_;
+  RMSNorm* attention_norm1_;
+  RMSNorm* ffn_norm1_;
+  RMSNorm* attention_norm2_;
+  RMSNorm* ffn_norm2_;
+  Linear* modulation_ = nullptr;
+};
+
+class ZImageTransformer : public Module {
+ public:
+  ZImageTransformer(const ZImageTransformerConfig& config, const LayerOptions& options);
+  // latents: [C, 1, H, W] (H, W multiples of patch_size) in the model dtype; t: model time in [0, 1]
+  // (1 - sigma), float; caption: [L, cap_feat_dim] (no padding). Returns [C, 1, H, W].
+  at::Tensor Forward(const at::Tensor& latents, double t, const at::Tensor& caption);
+  const ZImageTransformerConfig& config() const { return config_; }
+
+  // Exposed for tests: complex RoPE factors for int64 position ids [S, 3] → [S, head_dim / 2].
+  at::Tensor RopeFactors(const at::Tensor& positions) const;
+
+ private:
+  ZImageTransformerConfig config_;
+  std::vector<at::Tensor> rope_tables_;  // Per axis: complex [axes_lens[i], axes_dims[i] / 2].
+  Linear* x_embedder_;
+  Linear* final_linear_;
+  Linear* final_modulation_;
+  Linear* t_fc1_;
+  Linear* t_fc2_;
+  RMSNorm* cap_norm_;
+  Linear* cap_linear_;
+  int x_pad_token_;
+  int cap_pad_token_;
+  ModuleList<ZImageBlock>* noise_refiner_;
+  ModuleList<ZImageBlock>* context_refiner_;
+  ModuleList<ZImageBlock>* layers_;
+};
+
+}  // namespace stowage
+
+#endif  // STOWAGE_MODELS_ZIMAGE_TRANSFORMER_H_

@@ -149,7 +149,8 @@ absl::StatusOr<ComponentWeights> ReadComponentWeights(const std::string& compone
 }
 
 absl::Status BindWeights(Module& root, const ComponentWeights& weights, at::ScalarType dtype,
-                         const std::string& component_dir) {
+                         const std::string& component_dir,
+                         const std::vector<std::string>& ignored_prefixes) {
   std::vector<std::string> missing;
   std::set<std::string> used;
   absl::Status status;
@@ -177,7 +178,9 @@ absl::Status BindWeights(Module& root, const ComponentWeights& weights, at::Scal
   RETURN_IF_ERROR(status);
   std::vector<std::string> unexpected;
   for (const auto& [name, tensor] : weights.tensors) {
-    if (used.count(name) == 0) unexpected.push_back(name);
+    bool ignored = false;
+    for (const std::string& prefix : ignored_prefixes) ignored = ignored || name.rfind(prefix, 0) == 0;
+    if (used.count(name) == 0 && !ignored) unexpected.push_back(name);
   }
   if (!missing.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("'", component_dir, "' lacks ", missing.size(),

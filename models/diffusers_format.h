@@ -51,8 +51,11 @@ absl::StatusOr<ComponentWeights> ReadComponentWeights(const std::string& compone
 // Points every tensor slot of `root` at the tensor of the same dotted name. Shapes must match;
 // a dtype other than `dtype` is converted (a copy) — a matching dtype is used in place. Missing and
 // unexpected names are errors listing them (first 10), naming `component_dir`.
+// Names starting with one of `ignored_prefixes` (e.g. "encoder." of a VAE used only to decode) are
+// neither bound nor reported as unexpected.
 absl::Status BindWeights(Module& root, const ComponentWeights& weights, at::ScalarType dtype,
-                         const std::string& component_dir);
+                         const std::string& component_dir,
+                         const std::vector<std::string>& ignored_prefixes = {});
 
 // Writes `root`'s tensors as <dir>/diffusion_pytorch_model.safetensors (sharded into files of at
 // most `max_shard_bytes` with an index when larger; 0: one file) and `config` as config.json.

@@ -1,0 +1,139 @@
+#include "models/autoencoder_kl.h"
+
+#include <ATen/ATen.h>
+
+#include "models/diffusers_format.h"
+#include "offload/status_macros.h"
+
+namespace stowage {
+namespace {
+
+class Container : public Module {
+ public:
+  explicit Container(std::string kind) : Module(std::move(kind)) {}
+};
+
+}  // namespace
+
+absl::StatusOr<AutoencoderKLConfig> AutoencoderKLConfigFromJson(const google::protobuf::Struct& json) {
+  AutoencoderKLConfig c;
+  ASSIGN_OR_RETURN(c.latent_channels, ConfigInt(json, "latent_channels", c.latent_channels));
+  ASSIGN_OR_RETURN(c.out_channels, ConfigInt(json, "out_channels", c.out_channels));
+  ASSIGN_OR_RETURN(c.block_out_channels, ConfigIntList(json, "block_out_channels", c.block_out_channels));
+  ASSIGN_OR_RETURN(c.layers_per_block, ConfigInt(json, "layers_per_block", c.layers_per_block));
+  ASSIGN_OR_RETURN(c.norm_num_groups, ConfigInt(json, "norm_num_groups", c.norm_num_groups));
+  ASSIGN_OR_RETURN(c.scaling_factor, ConfigDouble(json, "scaling_factor", c.scaling_factor));
+  ASSIGN_OR_RETURN(c.shift_factor, ConfigDouble(json, "shift_factor", c.shift_factor));
+  auto attention = json.fields().find("mid_block_add_attention");
+  if (attention != json.fields().end() && attention->second.has_bool_value()) {
+    c.mid_block_add_attention = attention->second.bool_value();
+  }
+  for (const char* unsupported : {"use_post_quant_conv"}) {
+    auto it = json.fields().find(unsupported);
+    if (it != json.fields().end() && it->second.has_bool_value() && it->second.bool_value()) {
+      return absl::UnimplementedError("AutoencoderKL with use_post_quant_conv is not supported yet");
+    }
+  }
+  if (c.block_out_channels.empty()) return absl::InvalidArgumentError("config: block_out_channels is empty");
+  for (int64_t ch : c.block_out_channels) {
+    if (ch % c.norm_num_groups != 0) {
+      return absl::InvalidArgumentError("config: block_out_channels must be multiples of norm_num_groups");
+    }
+  }
+  return c;
+}
+
+VaeResnet::VaeResnet(int64_t in, int64_t out, int64_t groups, const LayerOptions& o) : Module("ResnetBlock2D") {
+  norm1_ = AddChild("norm1", std::make_unique<GroupNorm>(groups, in, 1e-6, o));
+  conv1_ = AddChild("conv1", std::make_unique<Conv2d>(in, out, 3, 1, 1, o));
+  norm2_ = AddChild("norm2", std::make_unique<GroupNorm>(groups, out, 1e-6, o));
+  conv2_ = AddChild("conv2", std::make_unique<Conv2d>(out, out, 3, 1, 1, o));
+  if (in != out) conv_shortcut_ = AddChild("conv_shortcut", std::make_unique<Conv2d>(in, out, 1, 1, 0, o));
+}
+
+at::Tensor VaeResnet::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  at::Tensor h = conv1_->Forward(at::silu(norm1_->Forward(x)));
+  h = conv2_->Forward(at::silu(norm2_->Forward(h)));
+  return (conv_shortcut_ != nullptr ? conv_shortcut_->Forward(x) : x) + h;
+}
+
+VaeAttention::VaeAttention(int64_t channels, int64_t groups, const LayerOptions& o) : Module("Attention") {
+  group_norm_ = AddChild("group_norm", std::make_unique<GroupNorm>(groups, channels, 1e-6, o));
+  to_q_ = AddChild("to_q", std::make_unique<Linear>(channels, channels, true, o));
+  to_k_ = AddChild("to_k", std::make_unique<Linear>(channels, channels, true, o));
+  to_v_ = AddChild("to_v", std::make_unique<Linear>(channels, channels, true, o));
+  auto* out = AddChild("to_out", std::make_unique<ModuleList<Linear>>());
+  to_out_ = out->Append(std::make_unique<Linear>(channels, channels, true, o));
+}
+
+at::Tensor VaeAttention::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  const int64_t b = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
+  const at::Tensor tokens = group_norm_->Forward(x).view({b, c, h * w}).transpose(1, 2);  // [B, HW, C]
+  const at::Tensor q = to_q_->Forward(tokens).unsqueeze(1);
+  const at::Tensor k = to_k_->Forward(tokens).unsqueeze(1);
+  const at::Tensor v = to_v_->Forward(tokens).unsqueeze(1);
+  const at::Tensor o = ScaledDotProductAttention(q, k, v, at::Tensor()).squeeze(1).to(x.scalar_type());
+  return to_out_->Forward(o).transpose(1, 2).reshape({b, c, h, w}) + x;
+}
+
+VaeUpDecoderBlock::VaeUpDecoderBlock(int64_t in, int64_t out, int64_t layers, bool upsample, int64_t groups,
+                                     const LayerOptions& o)
+    : Module("UpDecoderBlock2D") {
+  resnets_ = AddChild("resnets", std::make_unique<ModuleList<VaeResnet>>());
+  for (int64_t i = 0; i < layers; ++i) resnets_->Append(std::make_unique<VaeResnet>(i == 0 ? in : out, out, groups, o));
+  if (upsample) {
+    auto* ups = AddChild("upsamplers", std::make_unique<ModuleList<Container>>());
+    upsample_conv_ = ups->Append(std::make_unique<Container>("Upsample2D"))
+                         ->AddChild("conv", std::make_unique<Conv2d>(out, out, 3, 1, 1, o));
+  }
+}
+
+at::Tensor VaeUpDecoderBlock::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  at::Tensor h = x;
+  for (VaeResnet* r : *resnets_) h = r->Forward(h);
+  if (upsample_conv_ != nullptr) {
+    h = upsample_conv_->Forward(at::upsample_nearest2d(h, {h.size(2) * 2, h.size(3) * 2}));
+  }
+  return h;
+}
+
+AutoencoderKLDecoder::AutoencoderKLDecoder(const AutoencoderKLConfig& c, const LayerOptions& o)
+    : Module("AutoencoderKL"), config_(c) {
+  auto* decoder = AddChild("decoder", std::make_unique<Container>("Decoder"));
+  const std::vector<int64_t>& boc = c.block_out_channels;
+  const int64_t top = boc.back();
+  const int64_t g = c.norm_num_groups;
+  conv_in_ = decoder->AddChild("conv_in", std::make_unique<Conv2d>(c.latent_channels, top, 3, 1, 1, o));
+  auto* mid = decoder->AddChild("mid_block", std::make_unique<Container>("UNetMidBlock2D"));
+  auto* resnets = mid->AddChild("resnets", std::make_unique<ModuleList<VaeResnet>>());
+  mid_resnet0_ = resnets->Append(std::make_unique<VaeResnet>(top, top, g, o));
+  mid_resnet1_ = resnets->Append(std::make_unique<VaeResnet>(top, top, g, o));
+  if (c.mid_block_add_attention) {
+    mid_attention_ = mid->AddChild("attentions", std::make_unique<ModuleList<VaeAttention>>())
+                         ->Append(std::make_unique<VaeAttention>(top, g, o));
+  }
+  up_blocks_ = decoder->AddChild("up_blocks", std::make_unique<ModuleList<VaeUpDecoderBlock>>());
+  const std::vector<int64_t> rev(boc.rbegin(), boc.rend());
+  for (size_t i = 0; i < rev.size(); ++i) {
+    const int64_t in = i == 0 ? rev[0] : rev[i - 1];
+    up_blocks_->Append(std::make_unique<VaeUpDecoderBlock>(in, rev[i], c.layers_per_block + 1,
+                                                           i + 1 < rev.size(), g, o));
+  }
+  conv_norm_out_ = decoder->AddChild("conv_norm_out", std::make_unique<GroupNorm>(g, boc.front(), 1e-6, o));
+  conv_out_ = decoder->AddChild("conv_out", std::make_unique<Conv2d>(boc.front(), c.out_channels, 3, 1, 1, o));
+}
+
+at::Tensor AutoencoderKLDecoder::Decode(const at::Tensor& latents) {
+  ForwardScope scope(*this);
+  const at::Tensor z = latents / config_.scaling_factor + config_.shift_factor;
+  at::Tensor h = mid_resnet0_->Forward(conv_in_->Forward(z));
+  if (mid_attention_ != nullptr) h = mid_attention_->Forward(h);
+  h = mid_resnet1_->Forward(h);
+  for (VaeUpDecoderBlock* up : *up_blocks_) h = up->Forward(h);
+  return conv_out_->Forward(at::silu(conv_norm_out_->Forward(h)));
+}
+
+}  // namespace stowage

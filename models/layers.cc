@@ -93,9 +93,13 @@ at::Tensor Embedding::Forward(const at::Tensor& ids) {
 }
 
 at::Tensor ScaledDotProductAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     const at::Tensor& key_mask) {
+                                     const at::Tensor& key_mask, bool causal) {
   at::Tensor mask;
   if (key_mask.defined()) mask = key_mask.unsqueeze(1).unsqueeze(1);  // [B, 1, 1, keys]
+  if (causal) {
+    const at::Tensor lower = at::ones({q.size(-2), k.size(-2)}, q.options().dtype(at::kBool)).tril();
+    mask = mask.defined() ? mask.logical_and(lower) : lower;
+  }
 #if TORCH_VERSION_MAJOR >= 2
   // An undefined tensor is not "no mask" to SDPA: pass nullopt.
   return mask.defined() ? at::scaled_dot_product_attention(q, k, v, mask)

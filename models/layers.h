@@ -106,9 +106,10 @@ class Embedding : public Module {
 };
 
 // Scaled dot-product attention over [batch, heads, tokens, head_dim] tensors. `key_mask`, if
-// defined, is a bool [batch, keys] tensor that is true for keys to attend to.
+// defined, is a bool [batch, keys] tensor that is true for keys to attend to; `causal` lets query i
+// see keys 0..i only.
 at::Tensor ScaledDotProductAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                     const at::Tensor& key_mask);
+                                     const at::Tensor& key_mask, bool causal = false);
 
 // Multi-head self-attention with optional RMS normalisation of queries and keys.
 class SelfAttention : public Module {

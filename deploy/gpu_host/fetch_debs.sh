@@ -30,6 +30,8 @@ packages=(
   libgtest-dev libgmock-dev
   # PNG encoding (models/image.cc) and zlib's header / link name.
   libpng-dev libpng16-16 zlib1g-dev
+  # The BPE tokenizer: PCRE2 (Unicode regex with lookahead) and utf8proc (NFC).
+  libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3 libutf8proc-dev libutf8proc2
 )
 
 if ! command -v apt-get >/dev/null 2>&1; then

@@ -1,0 +1,46 @@
+// Byte-level BPE tokenizer read from a Hugging Face tokenizer.json (the Qwen2 tokenizer Z-Image's
+// pipeline uses): added/special tokens split out first, NFC normalisation (utf8proc), the Split
+// pre-tokenizer's regex (PCRE2, Unicode properties and lookahead as the tokenizers library uses them),
+// GPT-2 byte-to-unicode mapping, then merges by rank. JSON is parsed by protobuf.
+//
+// Thread-safety: Encode is const and thread-safe after Load.
+#ifndef STOWAGE_MODELS_BPE_TOKENIZER_H_
+#define STOWAGE_MODELS_BPE_TOKENIZER_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace stowage {
+
+class BpeTokenizer {
+ public:
+  // Errors name the file and what is missing or unsupported.
+  static absl::StatusOr<std::unique_ptr<BpeTokenizer>> Load(const std::string& tokenizer_json);
+  ~BpeTokenizer();
+
+  absl::StatusOr<std::vector<int64_t>> Encode(const std::string& text) const;
+  // Id of an added or vocabulary token, e.g. "<|im_end|>".
+  absl::StatusOr<int64_t> TokenId(const std::string& token) const;
+  size_t vocab_size() const { return vocab_.size(); }
+
+ private:
+  BpeTokenizer() = default;
+  absl::Status EncodeWord(const std::string& word, std::vector<int64_t>& out) const;
+
+  std::unordered_map<std::string, int64_t> vocab_;
+  std::map<std::pair<std::string, std::string>, int64_t> merge_rank_;
+  std::vector<std::pair<std::string, int64_t>> added_;  // Longest first.
+  std::string byte_to_unicode_[256];
+  bool nfc_ = false;
+  void* regex_ = nullptr;  // pcre2_code*
+};
+
+}  // namespace stowage
+
+#endif  // STOWAGE_MODELS_BPE_TOKENIZER_H_

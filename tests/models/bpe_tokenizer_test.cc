@@ -1,0 +1,89 @@
+#include "models/bpe_tokenizer.h"
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace stowage {
+namespace {
+
+// GPT-2's byte → unicode mapping, written out independently of the implementation.
+std::string ByteSymbol(int b) {
+  const bool direct = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE);
+  int cp = b;
+  if (!direct) {
+    int n = 0;
+    for (int i = 0; i < b; ++i) {
+      if (!((i >= '!' && i <= '~') || (i >= 0xA1 && i <= 0xAC) || (i >= 0xAE))) ++n;
+    }
+    cp = 256 + n;
+  }
+  std::string out;
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+  return out;
+}
+
+std::string Escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out;
+}
+
+// A byte-level BPE with Qwen2's pre-tokenizer and NFC: byte b has id b; "he"=256, "the"=257,
+// "Ġthe"=258; special tokens 300 and 301.
+std::string WriteTokenizer() {
+  std::string vocab;
+  for (int b = 0; b < 256; ++b) vocab += "\"" + Escape(ByteSymbol(b)) + "\": " + std::to_string(b) + ", ";
+  vocab += "\"he\": 256, \"the\": 257, \"" + ByteSymbol(' ') + "the\": 258";
+  const std::string pattern =
+      R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+)";
+  const std::string json = "{\"added_tokens\": [{\"id\": 300, \"content\": \"<|im_start|>\"}, "
+                           "{\"id\": 301, \"content\": \"<|im_end|>\"}], "
+                           "\"normalizer\": {\"type\": \"NFC\"}, "
+                           "\"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": ["
+                           "{\"type\": \"Split\", \"pattern\": {\"Regex\": \"" + pattern + "\"}, \"behavior\": \"Isolated\"}, "
+                           "{\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"use_regex\": false}]}, "
+                           "\"model\": {\"type\": \"BPE\", \"vocab\": {" + vocab + "}, "
+                           "\"merges\": [\"h e\", \"t he\", \"" + ByteSymbol(' ') + " the\"]}}";
+  const std::string path = std::string(::testing::TempDir()) + "/tokenizer.json";
+  std::ofstream(path) << json;
+  return path;
+}
+
+TEST(BpeTokenizerTest, EncodesLikeByteLevelBpe) {
+  auto tokenizer = BpeTokenizer::Load(WriteTokenizer());
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  auto encode = [&](const std::string& s) { return *(*tokenizer)->Encode(s); };
+  EXPECT_EQ(encode("the the"), (std::vector<int64_t>{257, 258}));                 // merges by rank
+  EXPECT_EQ(encode("<|im_start|>user\nthe<|im_end|>"),
+            (std::vector<int64_t>{300, 'u', 's', 'e', 'r', '\n', 257, 301}));       // special tokens
+  EXPECT_EQ(encode("\xe4\xb8\xad\xe6\x96\x87"), (std::vector<int64_t>{0xe4, 0xb8, 0xad, 0xe6, 0x96, 0x87}));  // CJK
+  EXPECT_EQ(encode("\xf0\x9f\x91\x8d!"), (std::vector<int64_t>{0xf0, 0x9f, 0x91, 0x8d, '!'}));  // emoji
+  EXPECT_EQ(encode("a   b"), (std::vector<int64_t>{'a', ' ', ' ', ' ', 'b'}));      // whitespace runs
+  EXPECT_EQ(encode("e\xcc\x81"), (std::vector<int64_t>{0xc3, 0xa9}));             // NFC: e + U+0301 → é
+  EXPECT_EQ(encode(""), (std::vector<int64_t>{}));
+  EXPECT_EQ(*(*tokenizer)->TokenId("<|im_end|>"), 301);
+  EXPECT_EQ((*tokenizer)->TokenId("<|nope|>").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(BpeTokenizerTest, RejectsWhatItCannotReproduce) {
+  const std::string path = std::string(::testing::TempDir()) + "/wordpiece.json";
+  std::ofstream(path) << R"({"model": {"type": "WordPiece", "vocab": {}}})";
+  auto loaded = BpeTokenizer::Load(path);
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(loaded.status().message()).find("model.type must be BPE"), std::string::npos);
+  EXPECT_EQ(BpeTokenizer::Load("/nonexistent/tokenizer.json").status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace stowage

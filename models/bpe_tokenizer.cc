@@ -66,6 +66,34 @@ BpeTokenizer::~BpeTokenizer() {
 
 absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(const std::string& path) {
   ASSIGN_OR_RETURN(google::protobuf::Struct json, ReadJsonFile(path));
+  return FromJson(json, path);
+}
+
+std::unique_ptr<BpeTokenizer> BpeTokenizer::ByteLevel(const std::vector<std::string>& special_tokens) {
+  google::protobuf::Struct json;
+  std::string table[256];
+  BuildByteTable(table);
+  auto* model = (*json.mutable_fields())["model"].mutable_struct_value();
+  (*model->mutable_fields())["type"].set_string_value("BPE");
+  auto* vocab = (*model->mutable_fields())["vocab"].mutable_struct_value();
+  for (int b = 0; b < 256; ++b) (*vocab->mutable_fields())[table[b]].set_number_value(b);
+  auto* added = (*json.mutable_fields())["added_tokens"].mutable_list_value();
+  for (size_t i = 0; i < special_tokens.size(); ++i) {
+    auto* token = added->add_values()->mutable_struct_value();
+    (*token->mutable_fields())["content"].set_string_value(special_tokens[i]);
+    (*token->mutable_fields())["id"].set_number_value(static_cast<double>(256 + i));
+  }
+  auto* pre = (*json.mutable_fields())["pre_tokenizer"].mutable_struct_value();
+  (*pre->mutable_fields())["type"].set_string_value("Split");
+  (*(*pre->mutable_fields())["pattern"].mutable_struct_value()->mutable_fields())["Regex"].set_string_value(
+      "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+      "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+");
+  auto made = FromJson(json, "built-in byte-level tokenizer");
+  return made.ok() ? *std::move(made) : nullptr;
+}
+
+absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJson(const google::protobuf::Struct& json,
+                                                                    const std::string& path) {
   std::unique_ptr<BpeTokenizer> t(new BpeTokenizer());
   BuildByteTable(t->byte_to_unicode_);
   auto bad = [&](const std::string& why) {

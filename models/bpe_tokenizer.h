@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "google/protobuf/struct.pb.h"
 
 namespace stowage {
 
@@ -22,6 +23,13 @@ class BpeTokenizer {
  public:
   // Errors name the file and what is missing or unsupported.
   static absl::StatusOr<std::unique_ptr<BpeTokenizer>> Load(const std::string& tokenizer_json);
+  // The same from a parsed tokenizer.json; `source` names it in errors.
+  static absl::StatusOr<std::unique_ptr<BpeTokenizer>> FromJson(const google::protobuf::Struct& json,
+                                                                const std::string& source);
+  // A byte-level tokenizer with no merges (each UTF-8 byte one token, ids 0-255) and the given
+  // special tokens (ids from 256), with Qwen2's pre-tokenizer: for built-in pipelines that must run
+  // with nothing downloaded.
+  static std::unique_ptr<BpeTokenizer> ByteLevel(const std::vector<std::string>& special_tokens);
   ~BpeTokenizer();
 
   absl::StatusOr<std::vector<int64_t>> Encode(const std::string& text) const;

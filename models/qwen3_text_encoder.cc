@@ -92,8 +92,8 @@ Qwen3TextEncoder::Qwen3TextEncoder(const Qwen3Config& c, const LayerOptions& o)
   }
 }
 
-std::vector<std::string> Qwen3TextEncoder::UnusedWeightPrefixes() const {
-  return {absl::StrCat("layers.", config_.num_hidden_layers - 1, "."), "norm.", "lm_head."};
+std::vector<std::string> Qwen3UnusedWeightPrefixes(const Qwen3Config& config) {
+  return {absl::StrCat("layers.", config.num_hidden_layers - 1, "."), "norm.", "lm_head."};
 }
 
 at::Tensor Qwen3TextEncoder::Forward(const at::Tensor& ids) {

@@ -34,6 +34,10 @@ struct Qwen3Config {
 
 absl::StatusOr<Qwen3Config> Qwen3ConfigFromJson(const google::protobuf::Struct& json);
 
+// Weight-name prefixes of a full Qwen3Model checkpoint that the encoder does not use (the last layer,
+// the final norm, an LM head).
+std::vector<std::string> Qwen3UnusedWeightPrefixes(const Qwen3Config& config);
+
 class Qwen3DecoderLayer : public Module {
  public:
   Qwen3DecoderLayer(const Qwen3Config& config, const LayerOptions& options);
@@ -63,8 +67,6 @@ class Qwen3TextEncoder : public Module {
   // ids: [L] int64 (no padding). Returns hidden_states[-2]: [L, hidden_size].
   at::Tensor Forward(const at::Tensor& ids);
   const Qwen3Config& config() const { return config_; }
-  // Weight-name prefixes of a full Qwen3Model checkpoint that this encoder does not use.
-  std::vector<std::string> UnusedWeightPrefixes() const;
 
  private:
   Qwen3Config config_;

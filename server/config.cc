@@ -104,9 +104,9 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
       if (p->model_dir().empty()) {
         return absl::InvalidArgumentError(absl::StrCat(field, ".model_dir: empty path"));
       }
-    } else if (p->builtin() != "tiny") {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ".builtin: unknown built-in '", p->builtin(), "'; available: tiny"));
+    } else if (p->builtin() != "tiny" && p->builtin() != "zimage-tiny") {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".builtin: unknown built-in '", p->builtin(),
+                                                     "'; available: tiny, zimage-tiny"));
     }
     if (p->dtype().empty()) p->set_dtype("float32");
     if (p->dtype() != "float32" && p->dtype() != "bfloat16") {

@@ -10,7 +10,9 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "google/protobuf/util/time_util.h"
+#include "models/diffusers_format.h"
 #include "models/tiny_pipeline.h"
+#include "models/zimage_pipeline.h"
 #include "offload/status_macros.h"
 #include "server/config.h"
 #include "server/process_memory.h"
@@ -95,9 +97,21 @@ absl::StatusOr<std::shared_ptr<GenerationCore::Hosted>> GenerationCore::Build(
   options.dtype = p.dtype() == "bfloat16" ? at::kBFloat16 : at::kFloat;
   options.weight_seed = p.weight_seed();
   options.device = backend_->torch_device();
+  ZImagePipelineOptions zimage;
+  zimage.name = p.name();
+  zimage.dtype = options.dtype;
+  zimage.weight_seed = options.weight_seed;
+  zimage.device = options.device;
   std::unique_ptr<Pipeline> pipeline;
   if (p.source_case() == v1::PipelineConfig::kModelDir) {
-    ASSIGN_OR_RETURN(pipeline, LoadTinyPipeline(p.model_dir(), options, p.random_weights()));
+    ASSIGN_OR_RETURN(auto index, ReadModelIndex(p.model_dir()));
+    if (index.count("transformer") > 0 && index.at("transformer") == "ZImageTransformer2DModel") {
+      ASSIGN_OR_RETURN(pipeline, LoadZImagePipeline(p.model_dir(), zimage, p.random_weights()));
+    } else {
+      ASSIGN_OR_RETURN(pipeline, LoadTinyPipeline(p.model_dir(), options, p.random_weights()));
+    }
+  } else if (p.builtin() == "zimage-tiny") {
+    ASSIGN_OR_RETURN(pipeline, CreateTinyZImagePipeline(zimage));
   } else {
     ASSIGN_OR_RETURN(pipeline, CreateTinyPipeline(options));
   }

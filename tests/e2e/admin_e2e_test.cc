@@ -254,6 +254,37 @@ TEST_F(AdminE2ETest, LoadsAPipelineFromAModelDirectory) {
   EXPECT_NE(refused.error_message().find("model_index.json"), std::string::npos) << refused.error_message();
 }
 
+TEST_F(AdminE2ETest, ServesTheZImageArchitectureAtATinySize) {
+  v1::LoadPipelineRequest load;
+  load.mutable_pipeline()->set_name("zimage");
+  load.mutable_pipeline()->set_builtin("zimage-tiny");
+  v1::LoadPipelineResponse loaded;
+  ASSERT_TRUE(admin_->LoadPipeline(Authed().get(), load, &loaded).ok());
+  ASSERT_EQ(loaded.pipeline().components_size(), 3);
+  EXPECT_EQ(loaded.pipeline().components(0).kind(), "Qwen3Model");
+  EXPECT_EQ(loaded.pipeline().components(1).kind(), "ZImageTransformer2DModel");
+  EXPECT_EQ(loaded.pipeline().components(2).kind(), "AutoencoderKL");
+  v1::GenerateResponse a, b;
+  ASSERT_TRUE(Generate("zimage", &a).ok());
+  ASSERT_TRUE(Generate("zimage", &b).ok());
+  EXPECT_EQ(a.image(), b.image());
+  EXPECT_EQ(a.width(), 64);
+  // Group-offload the whole pipeline (the VAE's blocks are nested: named explicitly) and draw again.
+  v1::EnableGroupOffloadRequest enable;
+  enable.set_pipeline("zimage");
+  enable.mutable_options()->set_use_stream(true);
+  v1::GroupOffloadConfig vae;
+  vae.set_use_stream(true);
+  vae.add_block_modules("decoder.up_blocks");
+  (*enable.mutable_overrides())["vae"] = vae;
+  v1::EnableGroupOffloadResponse enabled;
+  ASSERT_TRUE(admin_->EnableGroupOffload(Authed().get(), enable, &enabled).ok());
+  EXPECT_EQ(enabled.components_size(), 3);
+  v1::GenerateResponse c;
+  ASSERT_TRUE(Generate("zimage", &c).ok());
+  EXPECT_EQ(c.image(), a.image());
+}
+
 TEST(TlsE2ETest, TlsPortServesTlsClientsOnly) {
   const std::string dir = ::testing::TempDir();
   const std::string cert = dir + "/tls.crt";

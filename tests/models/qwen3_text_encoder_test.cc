@@ -40,7 +40,7 @@ TEST(Qwen3TextEncoderTest, BuildsTheLayersHiddenStatesMinusTwoNeedsWithTransform
   EXPECT_EQ(shapes.count("layers.2.input_layernorm.weight"), 0u);
   EXPECT_EQ(shapes.count("norm.weight"), 0u);
   EXPECT_EQ(shapes.size(), 1u + 2 * 11);
-  EXPECT_EQ(encoder.UnusedWeightPrefixes(), (std::vector<std::string>{"layers.2.", "norm.", "lm_head."}));
+  EXPECT_EQ(Qwen3UnusedWeightPrefixes(Tiny()), (std::vector<std::string>{"layers.2.", "norm.", "lm_head."}));
 }
 
 TEST(Qwen3TextEncoderTest, AttentionIsCausal) {

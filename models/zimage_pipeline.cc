@@ -1,0 +1,234 @@
+#include "models/zimage_pipeline.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/InferenceMode.h>
+
+#include "absl/strings/str_cat.h"
+#include "models/bpe_tokenizer.h"
+#include "models/diffusers_format.h"
+#include "models/weight_init.h"
+#include "offload/status_macros.h"
+
+namespace stowage {
+namespace {
+
+class ZImagePipeline : public Pipeline {
+ public:
+  ZImagePipeline(const ZImagePipelineOptions& options, std::unique_ptr<BpeTokenizer> tokenizer,
+                 std::unique_ptr<Component> text_encoder, std::unique_ptr<Component> transformer,
+                 std::unique_ptr<Component> vae)
+      : options_(options),
+        tokenizer_(std::move(tokenizer)),
+        text_encoder_(std::move(text_encoder)),
+        transformer_(std::move(transformer)),
+        vae_(std::move(vae)) {
+    limits_.default_width = static_cast<int>(options.default_size);
+    limits_.default_height = static_cast<int>(options.default_size);
+    limits_.min_size = 64;
+    limits_.max_size = 2048;
+    limits_.size_multiple = static_cast<int>(static_cast<AutoencoderKLDecoder&>(vae_->module()).upscale() * 2);
+    limits_.default_steps = 8;
+    limits_.max_steps = 100;
+    limits_.default_guidance_scale = 0.0f;  // Turbo: no guidance.
+    limits_.max_prompt_bytes = 4096;        // Tokens beyond max_sequence_length are cut, as diffusers does.
+  }
+
+  const std::string& name() const override { return options_.name; }
+  std::string description() const override {
+    return "Z-Image (S3-DiT transformer, Qwen3 text encoder, Flux VAE), diffusers-compatible weights";
+  }
+  const PipelineLimits& limits() const override { return limits_; }
+  std::vector<Component*> components() override {
+    return {text_encoder_.get(), transformer_.get(), vae_.get()};
+  }
+
+  absl::StatusOr<Image> Run(const GenerationParams& params, ComponentRunner& runner,
+                            RunContext& context) override {
+    c10::InferenceMode inference_mode;
+    const c10::Device device = options_.device;
+    const bool guided = params.guidance_scale > 0.0f;
+
+    context.BeginStage("tokenize");
+    auto template_ids = [&](const std::string& text) -> absl::StatusOr<at::Tensor> {
+      ASSIGN_OR_RETURN(std::vector<int64_t> ids,
+                       tokenizer_->Encode(absl::StrCat("<|im_start|>user\n", text, "<|im_end|>\n<|im_start|>assistant\n")));
+      if (static_cast<int64_t>(ids.size()) > options_.max_sequence_length) ids.resize(options_.max_sequence_length);
+      return at::tensor(ids).to(device);
+    };
+    ASSIGN_OR_RETURN(at::Tensor positive_ids, template_ids(params.prompt));
+    at::Tensor negative_ids;
+    if (guided) {
+      ASSIGN_OR_RETURN(negative_ids, template_ids(params.negative_prompt));
+    }
+
+    context.BeginStage("encode_prompt");
+    at::Tensor positive, negative;
+    auto& encoder = static_cast<Qwen3TextEncoder&>(text_encoder_->module());
+    RETURN_IF_ERROR(runner.Run(*text_encoder_, [&] {
+      positive = encoder.Forward(positive_ids);
+      if (guided) negative = encoder.Forward(negative_ids);
+    }));
+    RETURN_IF_ERROR(context.CheckInterrupt());
+
+    auto& vae = static_cast<AutoencoderKLDecoder&>(vae_->module());
+    auto& dit = static_cast<ZImageTransformer&>(transformer_->module());
+    const int64_t factor = vae.upscale();
+    at::Generator gen = at::detail::createCPUGenerator(params.seed);
+    at::Tensor latents = at::randn({dit.config().in_channels, 1, params.height / factor, params.width / factor}, gen,
+                                   at::TensorOptions().dtype(at::kFloat))
+                             .to(device);
+
+    // sigmas = shift(linspace(1, 1/N, N)) in float32, then 0.
+    const int n = params.steps;
+    const at::Tensor base = at::linspace(1.0, 1.0 / n, n, at::TensorOptions().dtype(at::kFloat));
+    const float shift = static_cast<float>(options_.scheduler_shift);
+    const at::Tensor shifted = (base * shift) / (1.0f + (shift - 1.0f) * base);
+    std::vector<float> sigmas(shifted.data_ptr<float>(), shifted.data_ptr<float>() + n);
+    sigmas.push_back(0.0f);
+
+    context.BeginStage("denoise", n);
+    for (int i = 0; i < n; ++i) {
+      const float t_train = sigmas[i] * 1000.0f;
+      const double t_model = (1000.0f - t_train) / 1000.0f;
+      const at::Tensor x = latents.to(options_.dtype);
+      at::Tensor velocity;
+      RETURN_IF_ERROR(runner.Run(*transformer_, [&] {
+        const at::Tensor pos = dit.Forward(x, t_model, positive).to(at::kFloat);
+        if (guided) {
+          const at::Tensor neg = dit.Forward(x, t_model, negative).to(at::kFloat);
+          velocity = pos + params.guidance_scale * (pos - neg);
+        } else {
+          velocity = pos;
+        }
+      }));
+      // The model predicts the negated velocity: step with -out.
+      latents = latents + (sigmas[i + 1] - sigmas[i]) * (-velocity);
+      context.ReportStep(i + 1, n);
+      RETURN_IF_ERROR(context.CheckInterrupt());
+    }
+
+    context.BeginStage("decode");
+    at::Tensor pixels;
+    RETURN_IF_ERROR(runner.Run(*vae_, [&] {
+      pixels = vae.Decode(latents.squeeze(1).unsqueeze(0).to(vae_->dtype()));
+    }));
+    context.EndStage();
+    return ImageFromTensor(pixels);
+  }
+
+ private:
+  ZImagePipelineOptions options_;
+  PipelineLimits limits_;
+  std::unique_ptr<BpeTokenizer> tokenizer_;
+  std::unique_ptr<Component> text_encoder_;
+  std::unique_ptr<Component> transformer_;
+  std::unique_ptr<Component> vae_;
+};
+
+// Builds a module, then fills it from `dir` (or randomly), then wraps it as a component.
+template <typename T, typename Config>
+absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name, const Config& config,
+                                                         at::ScalarType dtype, const std::string& dir,
+                                                         bool random_weights, uint64_t seed,
+                                                         const std::vector<std::string>& ignored) {
+  std::unique_ptr<T> module;
+  RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("building ", name), [&] {
+    module = std::make_unique<T>(config, LayerOptions{dtype});
+  }));
+  if (random_weights) {
+    InitializeRandomWeights(*module, seed);
+  } else {
+    ASSIGN_OR_RETURN(ComponentWeights weights, ReadComponentWeights(dir));
+    // transformers checkpoints may carry a "model." prefix.
+    ComponentWeights stripped;
+    for (auto& [key, tensor] : weights.tensors) {
+      const std::string k = key.rfind("model.", 0) == 0 ? key.substr(6) : key;
+      stripped.tensors[k] = tensor;
+      stripped.file_of[k] = weights.file_of[key];
+    }
+    RETURN_IF_ERROR(BindWeights(*module, stripped, dtype, dir, ignored));
+  }
+  return Component::Create(name, std::move(module), dtype);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Pipeline>> LoadZImagePipeline(const std::string& dir,
+                                                            const ZImagePipelineOptions& base,
+                                                            bool random_weights) {
+  ZImagePipelineOptions options = base;
+  ASSIGN_OR_RETURN(auto index, ReadModelIndex(dir));
+  if (index.count("transformer") == 0 || index.at("transformer") != "ZImageTransformer2DModel") {
+    return absl::InvalidArgumentError(absl::StrCat("'", dir, "/model_index.json': transformer is not a ZImageTransformer2DModel"));
+  }
+  ASSIGN_OR_RETURN(google::protobuf::Struct tj, ReadJsonFile(absl::StrCat(dir, "/transformer/config.json")));
+  ASSIGN_OR_RETURN(ZImageTransformerConfig tc, ZImageTransformerConfigFromJson(tj));
+  ASSIGN_OR_RETURN(google::protobuf::Struct vj, ReadJsonFile(absl::StrCat(dir, "/vae/config.json")));
+  ASSIGN_OR_RETURN(AutoencoderKLConfig vc, AutoencoderKLConfigFromJson(vj));
+  ASSIGN_OR_RETURN(google::protobuf::Struct qj, ReadJsonFile(absl::StrCat(dir, "/text_encoder/config.json")));
+  ASSIGN_OR_RETURN(Qwen3Config qc, Qwen3ConfigFromJson(qj));
+  if (qc.hidden_size != tc.cap_feat_dim || vc.latent_channels != tc.in_channels) {
+    return absl::InvalidArgumentError(absl::StrCat("'", dir, "': text encoder hidden_size must equal the transformer's "
+                                                   "cap_feat_dim, and vae latent_channels its in_channels"));
+  }
+  auto scheduler = ReadJsonFile(absl::StrCat(dir, "/scheduler/scheduler_config.json"));
+  if (scheduler.ok()) {
+    ASSIGN_OR_RETURN(options.scheduler_shift, ConfigDouble(*scheduler, "shift", options.scheduler_shift));
+    auto dynamic = scheduler->fields().find("use_dynamic_shifting");
+    if (dynamic != scheduler->fields().end() && dynamic->second.bool_value()) {
+      return absl::UnimplementedError("scheduler with use_dynamic_shifting is not supported");
+    }
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<BpeTokenizer> tokenizer, BpeTokenizer::Load(absl::StrCat(dir, "/tokenizer/tokenizer.json")));
+  ASSIGN_OR_RETURN(auto text_encoder,
+                   MakeComponent<Qwen3TextEncoder>("text_encoder", qc, options.dtype, absl::StrCat(dir, "/text_encoder"),
+                                                   random_weights, options.weight_seed, Qwen3UnusedWeightPrefixes(qc)));
+  ASSIGN_OR_RETURN(auto transformer,
+                   MakeComponent<ZImageTransformer>("transformer", tc, options.dtype, absl::StrCat(dir, "/transformer"),
+                                                    random_weights, options.weight_seed, {}));
+  ASSIGN_OR_RETURN(auto vae, MakeComponent<AutoencoderKLDecoder>("vae", vc, options.dtype, absl::StrCat(dir, "/vae"),
+                                                                 random_weights, options.weight_seed,
+                                                                 {"encoder.", "quant_conv.", "post_quant_conv."}));
+  return std::unique_ptr<Pipeline>(new ZImagePipeline(options, std::move(tokenizer), std::move(text_encoder),
+                                                      std::move(transformer), std::move(vae)));
+}
+
+absl::StatusOr<std::unique_ptr<Pipeline>> CreateTinyZImagePipeline(const ZImagePipelineOptions& base) {
+  ZImagePipelineOptions options = base;
+  options.default_size = 256;
+  Qwen3Config qc;
+  qc.vocab_size = 259;  // 256 bytes + 3 special tokens.
+  qc.hidden_size = 64;
+  qc.num_hidden_layers = 3;
+  qc.num_attention_heads = 4;
+  qc.num_key_value_heads = 2;
+  qc.head_dim = 16;
+  qc.intermediate_size = 128;
+  ZImageTransformerConfig tc;
+  tc.in_channels = 4;
+  tc.dim = 64;
+  tc.n_heads = 2;
+  tc.n_layers = 2;
+  tc.n_refiner_layers = 1;
+  tc.cap_feat_dim = 64;
+  tc.axes_dims = {8, 12, 12};
+  tc.axes_lens = {1024, 128, 128};
+  AutoencoderKLConfig vc;
+  vc.latent_channels = 4;
+  vc.block_out_channels = {16, 32, 32, 32};
+  vc.layers_per_block = 1;
+  vc.norm_num_groups = 8;
+  auto tokenizer = BpeTokenizer::ByteLevel({"<|endoftext|>", "<|im_start|>", "<|im_end|>"});
+  if (tokenizer == nullptr) return absl::InternalError("built-in tokenizer failed to build");
+  ASSIGN_OR_RETURN(auto text_encoder, MakeComponent<Qwen3TextEncoder>("text_encoder", qc, options.dtype, "", true,
+                                                                      options.weight_seed, {}));
+  ASSIGN_OR_RETURN(auto transformer, MakeComponent<ZImageTransformer>("transformer", tc, options.dtype, "", true,
+                                                                      options.weight_seed, {}));
+  ASSIGN_OR_RETURN(auto vae, MakeComponent<AutoencoderKLDecoder>("vae", vc, options.dtype, "", true,
+                                                                 options.weight_seed, {}));
+  return std::unique_ptr<Pipeline>(new ZImagePipeline(options, std::move(tokenizer), std::move(text_encoder),
+                                                      std::move(transformer), std::move(vae)));
+}
+
+}  // namespace stowage

@@ -1,0 +1,76 @@
+#include "models/zimage_pipeline.h"
+
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "offload/status_macros.h"
+
+namespace stowage {
+namespace {
+
+class HostRunner : public ComponentRunner {
+ public:
+  absl::Status Run(Component& component, const std::function<void()>& fn) override {
+    component.host_weights().PointAtHost();
+    calls.push_back(component.name());
+    return CatchAsStatus(component.name(), fn);
+  }
+  std::vector<std::string> calls;
+};
+
+absl::StatusOr<Image> Draw(Pipeline& pipeline, float guidance, uint64_t seed, HostRunner* runner = nullptr) {
+  GenerationParams p;
+  p.prompt = "a red lantern";
+  p.negative_prompt = "blur";
+  p.width = 64;
+  p.height = 48;
+  p.steps = 2;
+  p.guidance_scale = guidance;
+  p.seed = seed;
+  HostRunner local;
+  RunContext context(nullptr, nullptr);
+  return pipeline.Run(p, runner != nullptr ? *runner : local, context);
+}
+
+TEST(ZImagePipelineTest, TinyBuiltInRunsDeterministicallyWithDiffusersGuidanceSemantics) {
+  ZImagePipelineOptions options;
+  options.dtype = at::kFloat;
+  auto pipeline = CreateTinyZImagePipeline(options);
+  ASSERT_TRUE(pipeline.ok()) << pipeline.status();
+  EXPECT_EQ((*pipeline)->limits().size_multiple, 16);
+  EXPECT_EQ((*pipeline)->limits().default_width, 256);
+  EXPECT_EQ((*pipeline)->limits().default_guidance_scale, 0.0f);
+  HostRunner runner;
+  auto a = Draw(**pipeline, 0.0f, 1, &runner);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->width, 64);
+  EXPECT_EQ(a->height, 48);
+  // g = 0: no guidance, one transformer pass per step.
+  EXPECT_EQ(runner.calls, (std::vector<std::string>{"text_encoder", "transformer", "transformer", "vae"}));
+  auto b = Draw(**pipeline, 0.0f, 1);
+  auto c = Draw(**pipeline, 0.0f, 2);
+  auto guided = Draw(**pipeline, 1.5f, 1);
+  ASSERT_TRUE(b.ok() && c.ok() && guided.ok());
+  EXPECT_EQ(a->rgb, b->rgb);
+  EXPECT_NE(a->rgb, c->rgb);
+  EXPECT_NE(a->rgb, guided->rgb);  // Any g > 0 guides (pos + g·(pos − neg)).
+}
+
+TEST(ZImagePipelineTest, LoadingRefusesDirectoriesThatAreNotZImage) {
+  const std::string dir = std::string(::testing::TempDir()) + "/not_zimage";
+  std::system(("mkdir -p '" + dir + "'").c_str());
+  EXPECT_EQ(LoadZImagePipeline(dir, {}, true).status().code(), absl::StatusCode::kNotFound);
+  std::ofstream(dir + "/model_index.json") << R"({"transformer": ["diffusers", "FluxTransformer2DModel"]})";
+  auto wrong = LoadZImagePipeline(dir, {}, true);
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(wrong.status().message()).find("not a ZImageTransformer2DModel"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace stowage

@@ -33,8 +33,8 @@ def transformer_fixture(out):
     model = ZImageTransformer2DModel(**config).eval()
     # Default initialisation leaves some weights at zero (pad tokens, modulation): randomise all.
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.05 + (1.0 if p.dim() == 1 and p.numel() in (32, 48, 64) else 0.0))
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.05 + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
     model.save_pretrained(os.path.join(out, "transformer"), safe_serialization=True)
     g = torch.Generator().manual_seed(1)
     latents = torch.randn(4, 1, 6, 10, generator=g)
@@ -111,8 +111,8 @@ def text_encoder_fixture(out, vocab_size):
                          rope_theta=1e6, max_position_embeddings=512)
     model = Qwen3Model(config).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.05 + (1.0 if p.dim() == 1 else 0.0))
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.05 + (1.0 if "norm" in name else 0.0))
     model.save_pretrained(os.path.join(out, "pipeline", "text_encoder"), safe_serialization=True)
     ids = torch.tensor([[5, 17, 42, 9, 100, 3, 77]])
     with torch.no_grad():
@@ -142,8 +142,9 @@ def pipeline_fixture(out, tok):
                         use_quant_conv=False, use_post_quant_conv=False).eval()
     with torch.no_grad():
         for module in (transformer, vae):
-            for p in module.parameters():
-                p.copy_(torch.randn_like(p) * 0.05 + (1.0 if p.dim() == 1 and "bias" not in "" else 0.0))
+            for name, p in module.named_parameters():
+                # Norm scales near 1, everything else small and random (defaults leave some at zero).
+                p.copy_(torch.randn_like(p) * 0.05 + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
     pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                           transformer=transformer)

@@ -6,15 +6,6 @@
 #include "offload/status_macros.h"
 
 namespace stowage {
-namespace {
-
-class Container : public Module {
- public:
-  explicit Container(std::string kind) : Module(std::move(kind)) {}
-};
-
-}  // namespace
-
 absl::StatusOr<AutoencoderKLConfig> AutoencoderKLConfigFromJson(const google::protobuf::Struct& json) {
   AutoencoderKLConfig c;
   ASSIGN_OR_RETURN(c.latent_channels, ConfigInt(json, "latent_channels", c.latent_channels));

@@ -59,6 +59,27 @@ class Activation : public Module {
   explicit Activation(std::string kind) : Module(std::move(kind)) {}
 };
 
+// A plain grouping node whose children carry the published names (e.g. "self_attn" holding
+// "q_proj", or diffusers' ModuleDict keyed "2-1"); the owner calls the children directly.
+class Container : public Module {
+ public:
+  explicit Container(std::string kind) : Module(std::move(kind)) {}
+};
+
+// A numbered container with heterogeneous children ("0", "1", ...), like torch's nn.Sequential.
+// Its kind is "ModuleList", so block-level offloading treats its children as blocks.
+class Sequential : public Module {
+ public:
+  Sequential() : Module("ModuleList") {}
+  template <typename T>
+  T* Add(std::unique_ptr<T> child) {
+    return AddChild(std::to_string(size_++), std::move(child));
+  }
+
+ private:
+  int size_ = 0;
+};
+
 class LayerNorm : public Module {
  public:
   LayerNorm(int64_t dim, double eps, bool affine, const LayerOptions& options);

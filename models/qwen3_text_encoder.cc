@@ -9,11 +9,6 @@
 namespace stowage {
 namespace {
 
-class Container : public Module {
- public:
-  explicit Container(std::string kind) : Module(std::move(kind)) {}
-};
-
 // transformers' rotate_half: (-second half, first half).
 at::Tensor RotateHalf(const at::Tensor& x) {
   const int64_t half = x.size(-1) / 2;

@@ -14,30 +14,6 @@ namespace {
 
 constexpr int64_t kSeqMultiple = 32;
 
-// A numbered container with heterogeneous children ("0", "1", ...), like torch's nn.Sequential.
-class Sequential : public Module {
- public:
-  Sequential() : Module("ModuleList") {}
-  template <typename T>
-  T* Add(std::unique_ptr<T> child) {
-    return AddChild(std::to_string(size_++), std::move(child));
-  }
-
- private:
-  int size_ = 0;
-};
-
-// A container whose single child has a computed name (diffusers' ModuleDict keyed "2-1").
-class Keyed : public Module {
- public:
-  Keyed() : Module("ModuleDict") {}
-};
-
-class Container : public Module {
- public:
-  explicit Container(std::string kind) : Module(std::move(kind)) {}
-};
-
 int64_t PadTo(int64_t n) { return (kSeqMultiple - n % kSeqMultiple) % kSeqMultiple; }
 
 // Rows [0, valid) of `rows`, then `pad` copies of the last valid row.
@@ -166,9 +142,9 @@ ZImageTransformer::ZImageTransformer(const ZImageTransformerConfig& c, const Lay
     : Module("ZImageTransformer2DModel"), config_(c) {
   const std::string key = absl::StrCat(c.patch_size, "-", c.f_patch_size);
   const int64_t patch_dim = c.f_patch_size * c.patch_size * c.patch_size * c.in_channels;
-  x_embedder_ = AddChild("all_x_embedder", std::make_unique<Keyed>())
+  x_embedder_ = AddChild("all_x_embedder", std::make_unique<Container>("ModuleDict"))
                     ->AddChild(key, std::make_unique<Linear>(patch_dim, c.dim, true, o));
-  auto* final_layer = AddChild("all_final_layer", std::make_unique<Keyed>())
+  auto* final_layer = AddChild("all_final_layer", std::make_unique<Container>("ModuleDict"))
                           ->AddChild(key, std::make_unique<Container>("FinalLayer"));
   final_linear_ = final_layer->AddChild("linear", std::make_unique<Linear>(c.dim, patch_dim, true, o));
   auto* final_mod = final_layer->AddChild("adaLN_modulation", std::make_unique<Sequential>());

@@ -9,20 +9,14 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "tests/models/host_runner.h"
+
 #include "models/diffusers_format.h"
 #include "models/tiny_pipeline.h"
 #include "offload/status_macros.h"
 
 namespace stowage {
 namespace {
-
-class HostRunner : public ComponentRunner {
- public:
-  absl::Status Run(Component& component, const std::function<void()>& fn) override {
-    component.host_weights().PointAtHost();
-    return CatchAsStatus(component.name(), fn);
-  }
-};
 
 std::string Fresh(const std::string& name) {
   const std::string dir = std::string(::testing::TempDir()) + "/" + name;

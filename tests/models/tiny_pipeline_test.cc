@@ -8,6 +8,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "tests/models/host_runner.h"
+
 #include "models/byte_tokenizer.h"
 #include "models/flow_match_scheduler.h"
 #include "models/image.h"
@@ -15,17 +17,6 @@
 
 namespace stowage {
 namespace {
-
-// Runs components with their weights pointing at the host copies (plain CPU execution).
-class HostRunner : public ComponentRunner {
- public:
-  absl::Status Run(Component& component, const std::function<void()>& fn) override {
-    component.host_weights().PointAtHost();
-    calls.push_back(component.name());
-    return CatchAsStatus(component.name(), fn);
-  }
-  std::vector<std::string> calls;
-};
 
 GenerationParams Params(uint64_t seed, float guidance = 1.0f) {
   GenerationParams p;

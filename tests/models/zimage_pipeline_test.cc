@@ -9,20 +9,12 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "tests/models/host_runner.h"
+
 #include "offload/status_macros.h"
 
 namespace stowage {
 namespace {
-
-class HostRunner : public ComponentRunner {
- public:
-  absl::Status Run(Component& component, const std::function<void()>& fn) override {
-    component.host_weights().PointAtHost();
-    calls.push_back(component.name());
-    return CatchAsStatus(component.name(), fn);
-  }
-  std::vector<std::string> calls;
-};
 
 absl::StatusOr<Image> Draw(Pipeline& pipeline, float guidance, uint64_t seed, HostRunner* runner = nullptr) {
   GenerationParams p;

@@ -436,6 +436,9 @@ def _add_admin_commands(commands: argparse._SubParsersAction) -> None:
     load.add_argument("--builtin", default="tiny", help="built-in architecture (default tiny)")
     load.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     load.add_argument("--weight-seed", type=_seed, default=0, help="seed of the random weights")
+    load.add_argument("--model-dir", help="a diffusers-format directory on the server instead of --builtin")
+    load.add_argument("--random-weights", action="store_true",
+                      help="with --model-dir: read only the config.json files, draw the weights")
     load.add_argument("--json", action="store_true", help="print as JSON")
 
     unload = commands.add_parser(
@@ -584,7 +587,8 @@ def _run_admin(client: AdminClient, args: argparse.Namespace) -> None:
         _print_components(client.disable_group_offload(args.component, args.pipeline), args.json)
     elif args.command == "load-pipeline":
         pipeline = client.load_pipeline(
-            args.name, builtin=args.builtin, dtype=args.dtype, weight_seed=args.weight_seed
+            args.name, builtin=args.builtin, dtype=args.dtype, weight_seed=args.weight_seed,
+            model_dir=args.model_dir, random_weights=args.random_weights,
         )
         if args.json:
             print(_dumps(asdict(pipeline)))

@@ -474,17 +474,32 @@ class AdminClient:
         return [_component_from_proto(c) for c in reply.components]
 
     def load_pipeline(
-        self, name: str, builtin: str = "tiny", dtype: str = "float32", weight_seed: int = 0
+        self,
+        name: str,
+        builtin: str = "tiny",
+        dtype: str = "float32",
+        weight_seed: int = 0,
+        *,
+        model_dir: str | None = None,
+        random_weights: bool = False,
     ) -> PipelineInfo:
-        """Loads a built-in architecture as pipeline ``name`` and starts serving it.
+        """Loads a pipeline as ``name`` and starts serving it: a built-in architecture ("tiny",
+        "zimage-tiny"), or, with ``model_dir``, a diffusers-format directory on the server's disk
+        (``random_weights`` then reads only its config.json files).
 
         Raises:
             StowageError: ALREADY_EXISTS for a loaded name, INVALID_ARGUMENT for a bad name,
-                builtin or dtype.
+                builtin, dtype or directory, NOT_FOUND for a missing directory.
         """
-        config = config_pb2.PipelineConfig(
-            name=name, builtin=builtin, dtype=dtype, weight_seed=weight_seed
-        )
+        if model_dir is not None:
+            config = config_pb2.PipelineConfig(
+                name=name, model_dir=model_dir, dtype=dtype, weight_seed=weight_seed,
+                random_weights=random_weights,
+            )
+        else:
+            config = config_pb2.PipelineConfig(
+                name=name, builtin=builtin, dtype=dtype, weight_seed=weight_seed
+            )
         reply = self._call("LoadPipeline", admin_pb2.LoadPipelineRequest(pipeline=config))
         return _pipeline_from_proto(reply.pipeline)
 

@@ -464,6 +464,14 @@ class RequestMappingTest(AdminServerTestCase):
         )
         self.assertEqual(config.WhichOneof("source"), "builtin")
 
+    def test_load_pipeline_from_a_model_directory(self) -> None:
+        self.client.load_pipeline("disk", model_dir="/models/z", random_weights=True, dtype="bfloat16")
+        config = self.sent("LoadPipeline").pipeline
+        self.assertEqual(config.WhichOneof("source"), "model_dir")
+        self.assertEqual(config.model_dir, "/models/z")
+        self.assertTrue(config.random_weights)
+        self.assertEqual(config.dtype, "bfloat16")
+
     def test_unload_pipeline_sends_the_name(self) -> None:
         self.assertIsNone(self.client.unload_pipeline("second"))
         self.assertEqual(

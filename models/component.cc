@@ -1,5 +1,10 @@
 #include "models/component.h"
 
+#include <climits>
+#include <cstdlib>
+
+#include "absl/strings/str_cat.h"
+
 #include "offload/status_macros.h"
 
 namespace stowage {
@@ -18,6 +23,32 @@ Component::Component(std::string name, std::unique_ptr<Module> root, at::ScalarT
       root_(std::move(root)),
       dtype_(dtype),
       host_weights_(std::move(host_weights)) {}
+
+absl::StatusOr<std::shared_ptr<Component>> ComponentCache::GetOrLoad(const std::string& key,
+                                                                    const Loader& load) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = components_.find(key);
+    if (it != components_.end()) {
+      if (std::shared_ptr<Component> existing = it->second.lock()) return existing;
+    }
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Component> loaded, load());
+  std::shared_ptr<Component> shared = std::move(loaded);
+  std::lock_guard<std::mutex> lock(mu_);
+  // Another thread may have loaded it meanwhile: keep the first, drop this copy.
+  auto& slot = components_[key];
+  if (std::shared_ptr<Component> existing = slot.lock()) return existing;
+  slot = shared;
+  return shared;
+}
+
+std::string ComponentCacheKey(const std::string& component_dir, at::ScalarType dtype, bool random_weights,
+                              uint64_t seed) {
+  char resolved[PATH_MAX];
+  const std::string path = ::realpath(component_dir.c_str(), resolved) != nullptr ? resolved : component_dir;
+  return absl::StrCat(path, "|", DtypeName(dtype), random_weights ? absl::StrCat("|random:", seed) : "");
+}
 
 std::string DtypeName(at::ScalarType dtype) {
   switch (dtype) {

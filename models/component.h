@@ -6,12 +6,15 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 
 #include <c10/core/ScalarType.h>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "offload/host_weights.h"
 #include "offload/module.h"
 
@@ -51,6 +54,27 @@ class ComponentRunner {
 };
 
 std::string DtypeName(at::ScalarType dtype);
+
+// Components loaded from model directories, by (directory, dtype, random-weights seed): a second
+// pipeline naming the same component gets the same object, so its weights exist once and placement
+// sees one component used by two pipelines. Holds weak references: a component lives as long as a
+// pipeline uses it.
+//
+// Thread-safety: thread-safe.
+class ComponentCache {
+ public:
+  using Loader = std::function<absl::StatusOr<std::unique_ptr<Component>>()>;
+  absl::StatusOr<std::shared_ptr<Component>> GetOrLoad(const std::string& key, const Loader& load);
+
+ private:
+  std::mutex mu_;
+  std::map<std::string, std::weak_ptr<Component>> components_;
+};
+
+// The cache key of a component directory: its canonical path, the dtype, and, for random weights,
+// the seed.
+std::string ComponentCacheKey(const std::string& component_dir, at::ScalarType dtype,
+                              bool random_weights, uint64_t seed);
 
 }  // namespace stowage
 

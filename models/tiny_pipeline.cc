@@ -36,8 +36,8 @@ std::pair<at::Tensor, at::Tensor> ToTensors(const TokenBatch& batch, const c10::
 
 class TinyPipeline : public Pipeline {
  public:
-  TinyPipeline(const TinyPipelineOptions& options, std::unique_ptr<Component> text_encoder,
-               std::unique_ptr<Component> transformer, std::unique_ptr<Component> vae)
+  TinyPipeline(const TinyPipelineOptions& options, std::shared_ptr<Component> text_encoder,
+               std::shared_ptr<Component> transformer, std::shared_ptr<Component> vae)
       : options_(options),
         tokenizer_(static_cast<int>(options.text_encoder.max_tokens)),
         text_encoder_(std::move(text_encoder)),
@@ -122,9 +122,9 @@ class TinyPipeline : public Pipeline {
   TinyPipelineOptions options_;
   PipelineLimits limits_;
   ByteTokenizer tokenizer_;
-  std::unique_ptr<Component> text_encoder_;
-  std::unique_ptr<Component> transformer_;
-  std::unique_ptr<Component> vae_;
+  std::shared_ptr<Component> text_encoder_;
+  std::shared_ptr<Component> transformer_;
+  std::shared_ptr<Component> vae_;
 };
 
 template <typename T, typename Config>
@@ -239,7 +239,7 @@ absl::Status SaveTinyPipeline(const TinyPipelineOptions& options, const std::str
 
 absl::StatusOr<std::unique_ptr<Pipeline>> LoadTinyPipeline(const std::string& dir,
                                                            const TinyPipelineOptions& base,
-                                                           bool random_weights) {
+                                                           bool random_weights, ComponentCache* cache) {
   TinyPipelineOptions options = base;
   ASSIGN_OR_RETURN(auto index, ReadModelIndex(dir));
   for (const std::string name : {"text_encoder", "transformer", "vae"}) {
@@ -287,12 +287,24 @@ absl::StatusOr<std::unique_ptr<Pipeline>> LoadTinyPipeline(const std::string& di
                      ConfigInt(*scheduler, "num_train_timesteps", options.scheduler.num_train_timesteps));
     ASSIGN_OR_RETURN(options.scheduler.shift, ConfigDouble(*scheduler, "shift", options.scheduler.shift));
   }
-  ASSIGN_OR_RETURN(auto text_encoder, LoadComponent<TinyTextEncoder>(dir, "text_encoder", options.text_encoder,
-                                                                     options, random_weights));
-  ASSIGN_OR_RETURN(auto transformer, LoadComponent<TinyDiT>(dir, "transformer", options.transformer, options,
-                                                            random_weights));
-  ASSIGN_OR_RETURN(auto vae_component, LoadComponent<TinyVaeDecoder>(dir, "vae", options.vae, options,
-                                                                     random_weights));
+  auto shared = [&](const std::string& name,
+                    const ComponentCache::Loader& load) -> absl::StatusOr<std::shared_ptr<Component>> {
+    if (cache == nullptr) {
+      ASSIGN_OR_RETURN(std::unique_ptr<Component> component, load());
+      return std::shared_ptr<Component>(std::move(component));
+    }
+    return cache->GetOrLoad(
+        ComponentCacheKey(absl::StrCat(dir, "/", name), options.dtype, random_weights, options.weight_seed), load);
+  };
+  ASSIGN_OR_RETURN(auto text_encoder, shared("text_encoder", [&] {
+    return LoadComponent<TinyTextEncoder>(dir, "text_encoder", options.text_encoder, options, random_weights);
+  }));
+  ASSIGN_OR_RETURN(auto transformer, shared("transformer", [&] {
+    return LoadComponent<TinyDiT>(dir, "transformer", options.transformer, options, random_weights);
+  }));
+  ASSIGN_OR_RETURN(auto vae_component, shared("vae", [&] {
+    return LoadComponent<TinyVaeDecoder>(dir, "vae", options.vae, options, random_weights);
+  }));
   return std::unique_ptr<Pipeline>(new TinyPipeline(options, std::move(text_encoder), std::move(transformer),
                                                     std::move(vae_component)));
 }

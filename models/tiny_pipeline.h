@@ -41,9 +41,12 @@ absl::Status SaveTinyPipeline(const TinyPipelineOptions& options, const std::str
 // from each config.json; weights are mapped, not copied, when their dtype is options.dtype. With
 // `random_weights`, only the configs are read and the weights are drawn from options.weight_seed.
 // Errors name the file and the tensor or field.
+// With `cache`, components another pipeline already loaded from the same folder (same dtype) are
+// shared rather than loaded again.
 absl::StatusOr<std::unique_ptr<Pipeline>> LoadTinyPipeline(const std::string& dir,
                                                            const TinyPipelineOptions& options,
-                                                           bool random_weights);
+                                                           bool random_weights,
+                                                           ComponentCache* cache = nullptr);
 
 }  // namespace stowage
 

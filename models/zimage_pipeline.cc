@@ -16,8 +16,8 @@ namespace {
 class ZImagePipeline : public Pipeline {
  public:
   ZImagePipeline(const ZImagePipelineOptions& options, std::unique_ptr<BpeTokenizer> tokenizer,
-                 std::unique_ptr<Component> text_encoder, std::unique_ptr<Component> transformer,
-                 std::unique_ptr<Component> vae)
+                 std::shared_ptr<Component> text_encoder, std::shared_ptr<Component> transformer,
+                 std::shared_ptr<Component> vae)
       : options_(options),
         tokenizer_(std::move(tokenizer)),
         text_encoder_(std::move(text_encoder)),
@@ -121,9 +121,9 @@ class ZImagePipeline : public Pipeline {
   ZImagePipelineOptions options_;
   PipelineLimits limits_;
   std::unique_ptr<BpeTokenizer> tokenizer_;
-  std::unique_ptr<Component> text_encoder_;
-  std::unique_ptr<Component> transformer_;
-  std::unique_ptr<Component> vae_;
+  std::shared_ptr<Component> text_encoder_;
+  std::shared_ptr<Component> transformer_;
+  std::shared_ptr<Component> vae_;
 };
 
 // Builds a module, then fills it from `dir` (or randomly), then wraps it as a component.
@@ -156,7 +156,7 @@ absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name
 
 absl::StatusOr<std::unique_ptr<Pipeline>> LoadZImagePipeline(const std::string& dir,
                                                             const ZImagePipelineOptions& base,
-                                                            bool random_weights) {
+                                                            bool random_weights, ComponentCache* cache) {
   ZImagePipelineOptions options = base;
   ASSIGN_OR_RETURN(auto index, ReadModelIndex(dir));
   if (index.count("transformer") == 0 || index.at("transformer") != "ZImageTransformer2DModel") {
@@ -181,15 +181,27 @@ absl::StatusOr<std::unique_ptr<Pipeline>> LoadZImagePipeline(const std::string& 
     }
   }
   ASSIGN_OR_RETURN(std::unique_ptr<BpeTokenizer> tokenizer, BpeTokenizer::Load(absl::StrCat(dir, "/tokenizer/tokenizer.json")));
-  ASSIGN_OR_RETURN(auto text_encoder,
-                   MakeComponent<Qwen3TextEncoder>("text_encoder", qc, options.dtype, absl::StrCat(dir, "/text_encoder"),
-                                                   random_weights, options.weight_seed, Qwen3UnusedWeightPrefixes(qc)));
-  ASSIGN_OR_RETURN(auto transformer,
-                   MakeComponent<ZImageTransformer>("transformer", tc, options.dtype, absl::StrCat(dir, "/transformer"),
-                                                    random_weights, options.weight_seed, {}));
-  ASSIGN_OR_RETURN(auto vae, MakeComponent<AutoencoderKLDecoder>("vae", vc, options.dtype, absl::StrCat(dir, "/vae"),
-                                                                 random_weights, options.weight_seed,
-                                                                 {"encoder.", "quant_conv.", "post_quant_conv."}));
+  auto shared = [&](const std::string& name,
+                    const ComponentCache::Loader& load) -> absl::StatusOr<std::shared_ptr<Component>> {
+    if (cache == nullptr) {
+      ASSIGN_OR_RETURN(std::unique_ptr<Component> component, load());
+      return std::shared_ptr<Component>(std::move(component));
+    }
+    return cache->GetOrLoad(
+        ComponentCacheKey(absl::StrCat(dir, "/", name), options.dtype, random_weights, options.weight_seed), load);
+  };
+  ASSIGN_OR_RETURN(auto text_encoder, shared("text_encoder", [&] {
+    return MakeComponent<Qwen3TextEncoder>("text_encoder", qc, options.dtype, absl::StrCat(dir, "/text_encoder"),
+                                           random_weights, options.weight_seed, Qwen3UnusedWeightPrefixes(qc));
+  }));
+  ASSIGN_OR_RETURN(auto transformer, shared("transformer", [&] {
+    return MakeComponent<ZImageTransformer>("transformer", tc, options.dtype, absl::StrCat(dir, "/transformer"),
+                                            random_weights, options.weight_seed, {});
+  }));
+  ASSIGN_OR_RETURN(auto vae, shared("vae", [&] {
+    return MakeComponent<AutoencoderKLDecoder>("vae", vc, options.dtype, absl::StrCat(dir, "/vae"), random_weights,
+                                               options.weight_seed, {"encoder.", "quant_conv.", "post_quant_conv."});
+  }));
   return std::unique_ptr<Pipeline>(new ZImagePipeline(options, std::move(tokenizer), std::move(text_encoder),
                                                       std::move(transformer), std::move(vae)));
 }

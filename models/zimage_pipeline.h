@@ -34,10 +34,12 @@ struct ZImagePipelineOptions {
 
 // A diffusers-format Z-Image directory (model_index.json; transformer/, vae/, text_encoder/ with
 // config.json and safetensors; tokenizer/tokenizer.json; scheduler/scheduler_config.json). With
-// `random_weights` only the configs (and the tokenizer) are read.
+// `random_weights` only the configs (and the tokenizer) are read. With `cache`, components already
+// loaded from the same folder (same dtype) are shared.
 absl::StatusOr<std::unique_ptr<Pipeline>> LoadZImagePipeline(const std::string& dir,
                                                             const ZImagePipelineOptions& options,
-                                                            bool random_weights);
+                                                            bool random_weights,
+                                                            ComponentCache* cache = nullptr);
 
 // Z-Image's architecture at a tiny size with deterministic random weights and a byte-level
 // tokenizer: runs anywhere with nothing downloaded (its images are noise).

@@ -106,9 +106,9 @@ absl::StatusOr<std::shared_ptr<GenerationCore::Hosted>> GenerationCore::Build(
   if (p.source_case() == v1::PipelineConfig::kModelDir) {
     ASSIGN_OR_RETURN(auto index, ReadModelIndex(p.model_dir()));
     if (index.count("transformer") > 0 && index.at("transformer") == "ZImageTransformer2DModel") {
-      ASSIGN_OR_RETURN(pipeline, LoadZImagePipeline(p.model_dir(), zimage, p.random_weights()));
+      ASSIGN_OR_RETURN(pipeline, LoadZImagePipeline(p.model_dir(), zimage, p.random_weights(), &component_cache_));
     } else {
-      ASSIGN_OR_RETURN(pipeline, LoadTinyPipeline(p.model_dir(), options, p.random_weights()));
+      ASSIGN_OR_RETURN(pipeline, LoadTinyPipeline(p.model_dir(), options, p.random_weights(), &component_cache_));
     }
   } else if (p.builtin() == "zimage-tiny") {
     ASSIGN_OR_RETURN(pipeline, CreateTinyZImagePipeline(zimage));

@@ -77,6 +77,8 @@ class GenerationCore {
 
   ServerMetrics* metrics_ = nullptr;
   std::unique_ptr<DeviceBackend> backend_;
+  // Components loaded from model directories, shared between pipelines that name the same ones.
+  ComponentCache component_cache_;
   absl::Mutex pipelines_mu_;
   // A request holds its pipeline's shared_ptr while it runs, so an unload can wait for it.
   std::vector<std::shared_ptr<Hosted>> pipelines_ ABSL_GUARDED_BY(pipelines_mu_);

@@ -246,6 +246,29 @@ TEST_F(AdminE2ETest, LoadsAPipelineFromAModelDirectory) {
   ASSERT_TRUE(Generate("fromdisk", &a).ok());
   ASSERT_TRUE(Generate("builtin77", &b).ok());
   EXPECT_EQ(a.image(), b.image());  // Same weights, from disk and from the seed.
+  // A second pipeline from the same directory shares its components: loaded once, one placement
+  // entry used by both pipelines; unloading one leaves them to the other.
+  v1::LoadPipelineRequest twin = load;
+  twin.mutable_pipeline()->set_name("fromdisk2");
+  ASSERT_TRUE(admin_->LoadPipeline(Authed().get(), twin, &loaded).ok());
+  const v1::GetPlacementResponse shared = Placement();
+  int shared_entries = 0;
+  for (const auto& c : shared.components()) {
+    if (c.id().rfind("fromdisk/", 0) == 0) {
+      ++shared_entries;
+      EXPECT_EQ(c.pipelines_size(), 2) << c.id();
+    }
+    EXPECT_EQ(c.id().rfind("fromdisk2/", 0), std::string::npos) << "not shared: " << c.id();
+  }
+  EXPECT_EQ(shared_entries, 3);
+  v1::UnloadPipelineRequest unload_first;
+  unload_first.set_name("fromdisk");
+  v1::UnloadPipelineResponse unloaded;
+  ASSERT_TRUE(admin_->UnloadPipeline(Authed().get(), unload_first, &unloaded).ok());
+  v1::GenerateResponse c2;
+  ASSERT_TRUE(Generate("fromdisk2", &c2).ok());
+  EXPECT_EQ(c2.image(), a.image());
+
   v1::LoadPipelineRequest missing;
   missing.mutable_pipeline()->set_name("nowhere");
   missing.mutable_pipeline()->set_model_dir(dir + "/nope");

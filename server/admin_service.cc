@@ -1,6 +1,7 @@
 #include "server/admin_service.h"
 
 #include <chrono>
+#include <iostream>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -71,6 +72,11 @@ std::function<absl::Status()> InterruptFor(grpc::ServerContext* context) {
   };
 }
 
+// Placement warnings go to the server's log as well as into replies and metrics.
+void LogWarnings(const std::vector<std::string>& warnings) {
+  for (const std::string& w : warnings) std::cerr << "stowage_server: warning: " << w << std::endl;
+}
+
 }  // namespace
 
 bool ConstantTimeEquals(const std::string& a, const std::string& b) {
@@ -134,7 +140,10 @@ grpc::Status AdminServiceImpl::SetOffloadStrategy(grpc::ServerContext* context,
   if (!strategy.ok()) return ToGrpcStatus(strategy.status());
   response->set_strategy((*strategy)->name());
   const std::string warning = core_->placement().SetStrategy(*std::move(strategy));
-  if (!warning.empty()) response->add_warnings(warning);
+  if (!warning.empty()) {
+    response->add_warnings(warning);
+    LogWarnings({warning});
+  }
   return grpc::Status::OK;
 }
 
@@ -165,6 +174,7 @@ grpc::Status AdminServiceImpl::EnableGroupOffload(grpc::ServerContext* context,
     return ToGrpcStatus(absl::InvalidArgumentError("set component_id or pipeline"));
   }
   if (!status.ok()) return ToGrpcStatus(status);
+  LogWarnings(core_->placement().Warnings());
   const std::string id = request->component_id();
   FillComponents(core_->placement(), response->mutable_components(), [&](const ComponentView& v) {
     return id.empty() ? std::find(v.pipelines.begin(), v.pipelines.end(), pipeline) != v.pipelines.end()

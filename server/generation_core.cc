@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iostream>
 #include <random>
 
 #include <ATen/Parallel.h>
@@ -73,6 +74,9 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
     ASSIGN_OR_RETURN(std::unique_ptr<OffloadStrategy> strategy,
                      ToOffloadStrategy(config.strategy(), core->ComponentNames()));
     core->placement_->SetStrategy(std::move(strategy));
+  }
+  for (const std::string& warning : core->placement_->Warnings()) {
+    std::cerr << "stowage_server: warning: " << warning << std::endl;
   }
   const std::string device = core->backend_->name();
   core->worker_ = std::make_unique<DeviceWorker>(

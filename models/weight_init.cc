@@ -27,7 +27,16 @@ void InitializeRandomWeights(Module& root, uint64_t seed) {
     at::Tensor& t = slot.value;
     at::Generator gen = at::detail::createCPUGenerator(StableHash(module.SlotPath(slot), seed));
     const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat);
-    at::Tensor values = at::randn(t.sizes(), gen, f32);
+    // Up to kDrawn values are drawn; larger tensors tile them, so billion-parameter models fill at
+    // memory speed (their random-weights mode exists for benchmarks, not for pictures).
+    constexpr int64_t kDrawn = int64_t{1} << 20;
+    at::Tensor values;
+    if (t.numel() <= kDrawn) {
+      values = at::randn(t.sizes(), gen, f32);
+    } else {
+      const at::Tensor drawn = at::randn({kDrawn}, gen, f32);
+      values = drawn.repeat({(t.numel() + kDrawn - 1) / kDrawn}).slice(0, 0, t.numel()).view(t.sizes());
+    }
     const std::string& kind = module.kind();
     const bool is_norm = kind.find("Norm") != std::string::npos;
     if (slot.name == "bias") {

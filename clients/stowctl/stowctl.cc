@@ -20,6 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
 #include "clients/stowctl/format.h"
 #include "google/protobuf/text_format.h"
@@ -38,6 +39,7 @@ ABSL_FLAG(std::string, guidance, "", "Guidance scale; empty = pipeline default."
 ABSL_FLAG(std::string, seed, "", "Noise seed (unsigned 64-bit); empty = random.");
 ABSL_FLAG(std::string, request_id, "", "Client request identifier.");
 ABSL_FLAG(std::string, out, "", "Where to write the image (generate, stream).");
+ABSL_FLAG(bool, json, false, "generate/stream: print the reply's statistics as JSON instead of a table.");
 ABSL_FLAG(std::string, token, "",
           "Admin bearer token (admin commands); defaults to the STOWAGE_TOKEN environment variable.");
 ABSL_FLAG(std::string, strategy, "",
@@ -124,6 +126,14 @@ int WriteResult(const stowage::v1::GenerateResponse& response) {
       std::cerr << "error: cannot write " << out << "\n";
       return kRpcError;
     }
+  }
+  if (absl::GetFlag(FLAGS_json)) {
+    std::string json;
+    google::protobuf::util::JsonPrintOptions options;
+    options.always_print_primitive_fields = true;
+    (void)google::protobuf::util::MessageToJsonString(response.stats(), &json, options);
+    std::cout << json << std::endl;
+    return 0;
   }
   std::cout << stowage::FormatGenerateResponse(response, out);
   return 0;

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The upstream demo's four placement modes through the real server, one server process per mode:
+#   all_resident     every component kept resident (workflow keep_resident rules: nothing moves)
+#   footprint_auto   the default footprint strategy (fires only when memory runs short)
+#   text_encoders    custom strategy "text-encoders-only" (the text encoder leaves before the rest runs)
+#   text_encoders_go the same, with the transformer group-offloaded (block level, 1 block/group, stream)
+# Each mode: a fresh server, a first Generate (cold: the components arrive as the request needs them,
+# as in the upstream demo) and a second one (warm: what the strategy leaves on the device between
+# requests); both replies' peak device memory and peak CPU RSS go into one JSON line in OUT.
+#
+#   bench/four_modes.sh SERVER STOWCTL MODEL_DIR OUT.jsonl [SIZE] [STEPS] [MACHINE] [DTYPE]
+# MODEL_DIR: a Z-Image directory; random weights are drawn from its configs (see
+# bench/make_zimage_random_dir.py).
+set -euo pipefail
+server=$1 stowctl=$2 model_dir=$3 out=$4
+size=${5:-1024} steps=${6:-4} machine=${7:-unknown} dtype=${8:-bfloat16}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+strategy_all='strategy { workflow { rules { keep_resident: "text_encoder" } rules { keep_resident: "transformer" } rules { keep_resident: "vae" } } }'
+strategy_footprint='strategy { footprint { reserve_bytes: 0 } }'
+strategy_te='strategy { custom: "text-encoders-only" }'
+group='group_offload { enabled: true exclude: "text_encoder" exclude: "vae" defaults { offload_type: BLOCK_LEVEL num_blocks_per_group: 1 use_stream: true } }'
+
+run_mode() {
+  local mode=$1 strategy=$2 offload=$3
+  cat >"$tmp/$mode.textproto" <<CFG
+grpc_address: "127.0.0.1:0"
+metrics_address: "none"
+pipelines { name: "zimage" model_dir: "$model_dir" random_weights: true dtype: "$dtype" $offload }
+$strategy
+CFG
+  rm -f "$tmp/ports.json"
+  "$server" --config="$tmp/$mode.textproto" --port_file="$tmp/ports.json" >"$tmp/$mode.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 3000); do [ -s "$tmp/ports.json" ] && break; kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+  if [ ! -s "$tmp/ports.json" ]; then echo "mode $mode: server did not start"; cat "$tmp/$mode.log"; kill $pid 2>/dev/null; return 1; fi
+  local target
+  target=$(sed -E 's/.*"grpc_address": "([^"]+)".*/\1/' "$tmp/ports.json")
+  for pass in cold warm; do
+    "$stowctl" --target="$target" generate --prompt="a lighthouse at dusk" --width="$size" --height="$size" \
+      --steps="$steps" --guidance=0 --seed=1 --json >"$tmp/$mode.$pass.json"
+  done
+  kill $pid; wait $pid 2>/dev/null || true
+  /usr/bin/env python3 - "$mode" "$tmp/$mode.cold.json" "$tmp/$mode.warm.json" "$size" "$steps" "$machine" \
+    "$dtype" >>"$out" <<'PY'
+import json, sys
+mode, cold_path, warm_path, size, steps, machine, dtype = sys.argv[1:]
+cold, warm = json.load(open(cold_path)), json.load(open(warm_path))
+print(json.dumps({"mode": mode, "peak_device_memory_bytes": int(cold["peakDeviceMemoryBytes"]),
+                  "warm_peak_device_memory_bytes": int(warm["peakDeviceMemoryBytes"]),
+                  "peak_cpu_rss_bytes": int(cold["peakCpuRssBytes"]), "run_time": cold["runTime"],
+                  "warm_run_time": warm["runTime"], "device": cold["device"], "size": int(size),
+                  "steps": int(steps), "dtype": dtype, "machine": machine}))
+PY
+  tail -1 "$out"
+}
+
+run_mode all_resident "$strategy_all" ""
+run_mode footprint_auto "$strategy_footprint" ""
+run_mode text_encoders "$strategy_te" ""
+run_mode text_encoders_go "$strategy_te" "$group"

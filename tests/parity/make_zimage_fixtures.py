@@ -97,8 +97,9 @@ def tokenizer_fixture(out):
     tok.train_from_iterator(corpus, trainer)
     os.makedirs(os.path.join(out, "pipeline", "tokenizer"), exist_ok=True)
     tok.save(os.path.join(out, "pipeline", "tokenizer", "tokenizer.json"))
-    with open(os.path.join(out, "tokenizer_ids.json"), "w") as f:
-        json.dump([{"text": s, "ids": tok.encode(s).ids} for s in TOKENIZER_STRINGS], f, ensure_ascii=False, indent=1)
+    with open(os.path.join(out, "tokenizer_ids_struct.json"), "w") as f:
+        json.dump({"cases": [{"text": s, "ids": tok.encode(s).ids} for s in TOKENIZER_STRINGS]}, f,
+                  ensure_ascii=False, indent=1)
     return tok
 
 

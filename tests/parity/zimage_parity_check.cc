@@ -1,0 +1,177 @@
+// zimage_parity_check FIXTURE_DIR: compares the C++ Z-Image components with the reference outputs
+// tests/parity/make_zimage_fixtures.py wrote from diffusers, transformers and tokenizers. Prints one
+// line per check and exits non-zero when any exceeds its tolerance (relative L2 error <= 1e-5 in
+// float32, <= 1e-2 in bfloat16; identical token ids; images within one 8-bit level).
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include "models/autoencoder_kl.h"
+#include "models/bpe_tokenizer.h"
+#include "models/diffusers_format.h"
+#include "models/qwen3_text_encoder.h"
+#include "models/zimage_pipeline.h"
+#include "models/zimage_transformer.h"
+#include "offload/safetensors.h"
+#include "offload/status_macros.h"
+
+namespace stowage {
+namespace {
+
+int failures = 0;
+
+void Report(const std::string& check, double error, double tolerance) {
+  const bool ok = std::isfinite(error) && error <= tolerance;
+  if (!ok) ++failures;
+  std::printf("%-34s error %.3g (tolerance %.1g) %s\n", check.c_str(), error, tolerance, ok ? "ok" : "FAIL");
+}
+
+void Fail(const std::string& check, const absl::Status& status) {
+  ++failures;
+  std::printf("%-34s FAIL: %s\n", check.c_str(), std::string(status.message()).c_str());
+}
+
+double RelativeError(const at::Tensor& got, const at::Tensor& want) {
+  const at::Tensor g = got.to(at::kDouble), w = want.to(at::kDouble);
+  return (g - w).norm().item<double>() / std::max(w.norm().item<double>(), 1e-30);
+}
+
+absl::StatusOr<std::map<std::string, at::Tensor>> ReadAll(const std::string& path) {
+  ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, info] : file->tensors()) {
+    ASSIGN_OR_RETURN(at::Tensor t, file->Get(name));
+    out[name] = t.clone();
+  }
+  return out;
+}
+
+template <typename T, typename Config>
+absl::StatusOr<std::unique_ptr<T>> Build(const Config& config, const std::string& dir, at::ScalarType dtype,
+                                         const std::vector<std::string>& ignored = {}) {
+  auto module = std::make_unique<T>(config, LayerOptions{dtype});
+  ASSIGN_OR_RETURN(ComponentWeights weights, ReadComponentWeights(dir));
+  ComponentWeights stripped;
+  for (auto& [key, tensor] : weights.tensors) {
+    const std::string k = key.rfind("model.", 0) == 0 ? key.substr(6) : key;
+    stripped.tensors[k] = tensor;
+    stripped.file_of[k] = weights.file_of[key];
+  }
+  RETURN_IF_ERROR(BindWeights(*module, stripped, dtype, dir, ignored));
+  return module;
+}
+
+absl::Status CheckTransformer(const std::string& root) {
+  ASSIGN_OR_RETURN(auto json, ReadJsonFile(root + "/transformer/config.json"));
+  ASSIGN_OR_RETURN(ZImageTransformerConfig config, ZImageTransformerConfigFromJson(json));
+  ASSIGN_OR_RETURN(auto io, ReadAll(root + "/transformer_io.safetensors"));
+  const double t = io.at("t").item<double>();
+  for (const auto& [name, dtype, tolerance] :
+       std::vector<std::tuple<std::string, at::ScalarType, double>>{{"float32", at::kFloat, 1e-5},
+                                                                   {"bfloat16", at::kBFloat16, 1e-2}}) {
+    ASSIGN_OR_RETURN(auto model, Build<ZImageTransformer>(config, root + "/transformer", dtype));
+    const at::Tensor out = model->Forward(io.at("latents").to(dtype), t, io.at("caption").to(dtype));
+    Report("transformer " + name, RelativeError(out, io.at("output_" + name)), tolerance);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckVae(const std::string& root) {
+  ASSIGN_OR_RETURN(auto json, ReadJsonFile(root + "/vae/config.json"));
+  ASSIGN_OR_RETURN(AutoencoderKLConfig config, AutoencoderKLConfigFromJson(json));
+  ASSIGN_OR_RETURN(auto io, ReadAll(root + "/vae_io.safetensors"));
+  ASSIGN_OR_RETURN(auto vae, Build<AutoencoderKLDecoder>(config, root + "/vae", at::kFloat, {"encoder.", "quant_conv."}));
+  Report("vae decoder float32", RelativeError(vae->Decode(io.at("latents")), io.at("output_float32")), 1e-5);
+  return absl::OkStatus();
+}
+
+absl::Status CheckTextEncoder(const std::string& root) {
+  ASSIGN_OR_RETURN(auto json, ReadJsonFile(root + "/pipeline/text_encoder/config.json"));
+  ASSIGN_OR_RETURN(Qwen3Config config, Qwen3ConfigFromJson(json));
+  ASSIGN_OR_RETURN(auto io, ReadAll(root + "/text_encoder_io.safetensors"));
+  ASSIGN_OR_RETURN(auto encoder, Build<Qwen3TextEncoder>(config, root + "/pipeline/text_encoder", at::kFloat,
+                                                         Qwen3UnusedWeightPrefixes(config)));
+  Report("text encoder hidden_states[-2]", RelativeError(encoder->Forward(io.at("ids")), io.at("hidden_states_minus_2")),
+         1e-5);
+  return absl::OkStatus();
+}
+
+absl::Status CheckTokenizer(const std::string& root) {
+  ASSIGN_OR_RETURN(auto tokenizer, BpeTokenizer::Load(root + "/pipeline/tokenizer/tokenizer.json"));
+  ASSIGN_OR_RETURN(auto cases, ReadJsonFile(root + "/tokenizer_ids_struct.json"));
+  int mismatches = 0, total = 0;
+  for (const auto& item : cases.fields().at("cases").list_value().values()) {
+    const auto& fields = item.struct_value().fields();
+    ASSIGN_OR_RETURN(std::vector<int64_t> ids, tokenizer->Encode(fields.at("text").string_value()));
+    std::vector<int64_t> want;
+    for (const auto& v : fields.at("ids").list_value().values()) want.push_back(static_cast<int64_t>(v.number_value()));
+    ++total;
+    if (ids != want) {
+      ++mismatches;
+      std::printf("  tokenizer mismatch on %s\n", fields.at("text").string_value().c_str());
+    }
+  }
+  Report("tokenizer ids (" + std::to_string(total) + " strings)", mismatches, 0);
+  return absl::OkStatus();
+}
+
+absl::Status CheckPipeline(const std::string& root) {
+  ZImagePipelineOptions options;
+  options.dtype = at::kFloat;
+  ASSIGN_OR_RETURN(auto pipeline, LoadZImagePipeline(root + "/pipeline", options, /*random_weights=*/false));
+  ASSIGN_OR_RETURN(auto io, ReadAll(root + "/pipeline_io.safetensors"));
+  class HostRunner : public ComponentRunner {
+   public:
+    absl::Status Run(Component& c, const std::function<void()>& fn) override {
+      c.host_weights().PointAtHost();
+      return CatchAsStatus(c.name(), fn);
+    }
+  } runner;
+  for (const auto& [name, guidance] : std::vector<std::pair<std::string, float>>{{"g0", 0.0f}, {"g1_5", 1.5f}}) {
+    GenerationParams p;
+    p.prompt = "a red lantern";
+    p.negative_prompt = "blur";
+    p.width = 64;
+    p.height = 64;
+    p.steps = 2;
+    p.guidance_scale = guidance;
+    p.seed = 11;
+    RunContext context(nullptr, nullptr);
+    ASSIGN_OR_RETURN(Image image, pipeline->Run(p, runner, context));
+    const at::Tensor got = at::from_blob(image.rgb.data(), {image.height, image.width, 3}, at::kByte)
+                               .permute({2, 0, 1}).to(at::kFloat) / 255.0;
+    const at::Tensor want = io.at("image_" + name);
+    Report("pipeline image " + name + " (max abs)", (got - want).abs().max().item<double>(), 1.0 / 255 + 1e-4);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+}  // namespace stowage
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: zimage_parity_check FIXTURE_DIR\n");
+    return 2;
+  }
+  c10::InferenceMode guard;
+  const std::string root = argv[1];
+  using Check = absl::Status (*)(const std::string&);
+  for (const auto& [name, check] : std::vector<std::pair<std::string, Check>>{
+           {"transformer", stowage::CheckTransformer}, {"vae", stowage::CheckVae},
+           {"text encoder", stowage::CheckTextEncoder}, {"tokenizer", stowage::CheckTokenizer},
+           {"pipeline", stowage::CheckPipeline}}) {
+    absl::Status status = stowage::CatchAsStatus(name, [&] {
+      absl::Status inner = check(root);
+      if (!inner.ok()) stowage::Fail(name, inner);
+    });
+    if (!status.ok()) stowage::Fail(name, status);
+  }
+  std::printf("%s\n", stowage::failures == 0 ? "parity: all checks passed" : "parity: FAILED");
+  return stowage::failures == 0 ? 0 : 1;
+}

@@ -34,21 +34,6 @@ absl::StatusOr<AutoencoderKLConfig> AutoencoderKLConfigFromJson(const google::pr
   return c;
 }
 
-VaeResnet::VaeResnet(int64_t in, int64_t out, int64_t groups, const LayerOptions& o) : Module("ResnetBlock2D") {
-  norm1_ = AddChild("norm1", std::make_unique<GroupNorm>(groups, in, 1e-6, o));
-  conv1_ = AddChild("conv1", std::make_unique<Conv2d>(in, out, 3, 1, 1, o));
-  norm2_ = AddChild("norm2", std::make_unique<GroupNorm>(groups, out, 1e-6, o));
-  conv2_ = AddChild("conv2", std::make_unique<Conv2d>(out, out, 3, 1, 1, o));
-  if (in != out) conv_shortcut_ = AddChild("conv_shortcut", std::make_unique<Conv2d>(in, out, 1, 1, 0, o));
-}
-
-at::Tensor VaeResnet::Forward(const at::Tensor& x) {
-  ForwardScope scope(*this);
-  at::Tensor h = conv1_->Forward(at::silu(norm1_->Forward(x)));
-  h = conv2_->Forward(at::silu(norm2_->Forward(h)));
-  return (conv_shortcut_ != nullptr ? conv_shortcut_->Forward(x) : x) + h;
-}
-
 VaeAttention::VaeAttention(int64_t channels, int64_t groups, const LayerOptions& o) : Module("Attention") {
   group_norm_ = AddChild("group_norm", std::make_unique<GroupNorm>(groups, channels, 1e-6, o));
   to_q_ = AddChild("to_q", std::make_unique<Linear>(channels, channels, true, o));
@@ -72,8 +57,8 @@ at::Tensor VaeAttention::Forward(const at::Tensor& x) {
 VaeUpDecoderBlock::VaeUpDecoderBlock(int64_t in, int64_t out, int64_t layers, bool upsample, int64_t groups,
                                      const LayerOptions& o)
     : Module("UpDecoderBlock2D") {
-  resnets_ = AddChild("resnets", std::make_unique<ModuleList<VaeResnet>>());
-  for (int64_t i = 0; i < layers; ++i) resnets_->Append(std::make_unique<VaeResnet>(i == 0 ? in : out, out, groups, o));
+  resnets_ = AddChild("resnets", std::make_unique<ModuleList<ResnetBlock2D>>());
+  for (int64_t i = 0; i < layers; ++i) resnets_->Append(std::make_unique<ResnetBlock2D>(i == 0 ? in : out, out, groups, o));
   if (upsample) {
     auto* ups = AddChild("upsamplers", std::make_unique<ModuleList<Container>>());
     upsample_conv_ = ups->Append(std::make_unique<Container>("Upsample2D"))
@@ -84,7 +69,7 @@ VaeUpDecoderBlock::VaeUpDecoderBlock(int64_t in, int64_t out, int64_t layers, bo
 at::Tensor VaeUpDecoderBlock::Forward(const at::Tensor& x) {
   ForwardScope scope(*this);
   at::Tensor h = x;
-  for (VaeResnet* r : *resnets_) h = r->Forward(h);
+  for (ResnetBlock2D* r : *resnets_) h = r->Forward(h);
   if (upsample_conv_ != nullptr) {
     h = upsample_conv_->Forward(at::upsample_nearest2d(h, {h.size(2) * 2, h.size(3) * 2}));
   }
@@ -99,9 +84,9 @@ AutoencoderKLDecoder::AutoencoderKLDecoder(const AutoencoderKLConfig& c, const L
   const int64_t g = c.norm_num_groups;
   conv_in_ = decoder->AddChild("conv_in", std::make_unique<Conv2d>(c.latent_channels, top, 3, 1, 1, o));
   auto* mid = decoder->AddChild("mid_block", std::make_unique<Container>("UNetMidBlock2D"));
-  auto* resnets = mid->AddChild("resnets", std::make_unique<ModuleList<VaeResnet>>());
-  mid_resnet0_ = resnets->Append(std::make_unique<VaeResnet>(top, top, g, o));
-  mid_resnet1_ = resnets->Append(std::make_unique<VaeResnet>(top, top, g, o));
+  auto* resnets = mid->AddChild("resnets", std::make_unique<ModuleList<ResnetBlock2D>>());
+  mid_resnet0_ = resnets->Append(std::make_unique<ResnetBlock2D>(top, top, g, o));
+  mid_resnet1_ = resnets->Append(std::make_unique<ResnetBlock2D>(top, top, g, o));
   if (c.mid_block_add_attention) {
     mid_attention_ = mid->AddChild("attentions", std::make_unique<ModuleList<VaeAttention>>())
                          ->Append(std::make_unique<VaeAttention>(top, g, o));

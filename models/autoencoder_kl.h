@@ -28,19 +28,6 @@ struct AutoencoderKLConfig {
 
 absl::StatusOr<AutoencoderKLConfig> AutoencoderKLConfigFromJson(const google::protobuf::Struct& json);
 
-class VaeResnet : public Module {
- public:
-  VaeResnet(int64_t in, int64_t out, int64_t groups, const LayerOptions& options);
-  at::Tensor Forward(const at::Tensor& x);
-
- private:
-  GroupNorm* norm1_;
-  Conv2d* conv1_;
-  GroupNorm* norm2_;
-  Conv2d* conv2_;
-  Conv2d* conv_shortcut_ = nullptr;
-};
-
 // Single-head self-attention over the pixels of a feature map, with a group norm in front.
 class VaeAttention : public Module {
  public:
@@ -62,7 +49,7 @@ class VaeUpDecoderBlock : public Module {
   at::Tensor Forward(const at::Tensor& x);
 
  private:
-  ModuleList<VaeResnet>* resnets_;
+  ModuleList<ResnetBlock2D>* resnets_;
   Conv2d* upsample_conv_ = nullptr;
 };
 
@@ -78,9 +65,9 @@ class AutoencoderKLDecoder : public Module {
  private:
   AutoencoderKLConfig config_;
   Conv2d* conv_in_;
-  VaeResnet* mid_resnet0_;
+  ResnetBlock2D* mid_resnet0_;
   VaeAttention* mid_attention_ = nullptr;
-  VaeResnet* mid_resnet1_;
+  ResnetBlock2D* mid_resnet1_;
   ModuleList<VaeUpDecoderBlock>* up_blocks_;
   GroupNorm* conv_norm_out_;
   Conv2d* conv_out_;

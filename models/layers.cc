@@ -92,6 +92,22 @@ at::Tensor Embedding::Forward(const at::Tensor& ids) {
   return at::embedding(tensor(weight_), ids);
 }
 
+ResnetBlock2D::ResnetBlock2D(int64_t in, int64_t out, int64_t groups, const LayerOptions& o)
+    : Module("ResnetBlock2D") {
+  norm1_ = AddChild("norm1", std::make_unique<GroupNorm>(groups, in, 1e-6, o));
+  conv1_ = AddChild("conv1", std::make_unique<Conv2d>(in, out, 3, 1, 1, o));
+  norm2_ = AddChild("norm2", std::make_unique<GroupNorm>(groups, out, 1e-6, o));
+  conv2_ = AddChild("conv2", std::make_unique<Conv2d>(out, out, 3, 1, 1, o));
+  if (in != out) conv_shortcut_ = AddChild("conv_shortcut", std::make_unique<Conv2d>(in, out, 1, 1, 0, o));
+}
+
+at::Tensor ResnetBlock2D::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  at::Tensor h = conv1_->Forward(at::silu(norm1_->Forward(x)));
+  h = conv2_->Forward(at::silu(norm2_->Forward(h)));
+  return (conv_shortcut_ != nullptr ? conv_shortcut_->Forward(x) : x) + h;
+}
+
 at::Tensor ScaledDotProductAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                      const at::Tensor& key_mask, bool causal) {
   at::Tensor mask;

@@ -126,6 +126,21 @@ class Embedding : public Module {
   int weight_;
 };
 
+// diffusers' ResnetBlock2D without a time embedding: GroupNorm → SiLU → 3×3 conv, twice, plus the
+// input (through a 1×1 "conv_shortcut" when the channel count changes). Norm eps 1e-6.
+class ResnetBlock2D : public Module {
+ public:
+  ResnetBlock2D(int64_t in, int64_t out, int64_t groups, const LayerOptions& options);
+  at::Tensor Forward(const at::Tensor& x);
+
+ private:
+  GroupNorm* norm1_;
+  Conv2d* conv1_;
+  GroupNorm* norm2_;
+  Conv2d* conv2_;
+  Conv2d* conv_shortcut_ = nullptr;
+};
+
 // Scaled dot-product attention over [batch, heads, tokens, head_dim] tensors. `key_mask`, if
 // defined, is a bool [batch, keys] tensor that is true for keys to attend to; `causal` lets query i
 // see keys 0..i only.

@@ -145,25 +145,9 @@ at::Tensor TinyDiT::Forward(const at::Tensor& latents, const at::Tensor& timeste
 
 // --- VAE decoder --------------------------------------------------------------------------------
 
-VaeResBlock::VaeResBlock(int64_t in, int64_t out, int64_t groups, const LayerOptions& options)
-    : Module("VaeResBlock") {
-  norm1_ = AddChild("norm1", std::make_unique<GroupNorm>(groups, in, 1e-6, options));
-  conv1_ = AddChild("conv1", std::make_unique<Conv2d>(in, out, 3, 1, 1, options));
-  norm2_ = AddChild("norm2", std::make_unique<GroupNorm>(groups, out, 1e-6, options));
-  conv2_ = AddChild("conv2", std::make_unique<Conv2d>(out, out, 3, 1, 1, options));
-  if (in != out) skip_ = AddChild("skip", std::make_unique<Conv2d>(in, out, 1, 1, 0, options));
-}
-
-at::Tensor VaeResBlock::Forward(const at::Tensor& x) {
-  ForwardScope scope(*this);
-  at::Tensor h = conv1_->Forward(at::silu(norm1_->Forward(x)));
-  h = conv2_->Forward(at::silu(norm2_->Forward(h)));
-  return (skip_ != nullptr ? skip_->Forward(x) : x) + h;
-}
-
 VaeUpBlock::VaeUpBlock(int64_t in, int64_t out, int64_t groups, const LayerOptions& options)
     : Module("VaeUpBlock") {
-  resnet_ = AddChild("resnet", std::make_unique<VaeResBlock>(in, out, groups, options));
+  resnet_ = AddChild("resnet", std::make_unique<ResnetBlock2D>(in, out, groups, options));
   upsample_conv_ = AddChild("upsample_conv", std::make_unique<Conv2d>(out, out, 3, 1, 1, options));
 }
 
@@ -177,7 +161,7 @@ TinyVaeDecoder::TinyVaeDecoder(const TinyVaeDecoderConfig& config, const LayerOp
     : Module("TinyVaeDecoder"), config_(config) {
   const std::vector<int64_t>& ch = config.channels;
   conv_in_ = AddChild("conv_in", std::make_unique<Conv2d>(config.latent_channels, ch[0], 3, 1, 1, options));
-  mid_ = AddChild("mid", std::make_unique<VaeResBlock>(ch[0], ch[0], config.groups, options));
+  mid_ = AddChild("mid", std::make_unique<ResnetBlock2D>(ch[0], ch[0], config.groups, options));
   up_blocks_ = AddChild("up_blocks", std::make_unique<ModuleList<VaeUpBlock>>());
   for (size_t i = 1; i < ch.size(); ++i) {
     up_blocks_->Append(std::make_unique<VaeUpBlock>(ch[i - 1], ch[i], config.groups, options));

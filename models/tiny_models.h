@@ -104,26 +104,13 @@ struct TinyVaeDecoderConfig {
   double shift_factor = 0.0;
 };
 
-class VaeResBlock : public Module {
- public:
-  VaeResBlock(int64_t in, int64_t out, int64_t groups, const LayerOptions& options);
-  at::Tensor Forward(const at::Tensor& x);
-
- private:
-  GroupNorm* norm1_;
-  Conv2d* conv1_;
-  GroupNorm* norm2_;
-  Conv2d* conv2_;
-  Conv2d* skip_ = nullptr;
-};
-
 class VaeUpBlock : public Module {
  public:
   VaeUpBlock(int64_t in, int64_t out, int64_t groups, const LayerOptions& options);
   at::Tensor Forward(const at::Tensor& x);
 
  private:
-  VaeResBlock* resnet_;
+  ResnetBlock2D* resnet_;
   Conv2d* upsample_conv_;
 };
 
@@ -138,7 +125,7 @@ class TinyVaeDecoder : public Module {
  private:
   TinyVaeDecoderConfig config_;
   Conv2d* conv_in_;
-  VaeResBlock* mid_;
+  ResnetBlock2D* mid_;
   ModuleList<VaeUpBlock>* up_blocks_;
   GroupNorm* norm_out_;
   Conv2d* conv_out_;

@@ -1,5 +1,6 @@
 #include "models/zimage_pipeline.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
 #include <functional>
@@ -52,6 +53,23 @@ TEST(ZImagePipelineTest, TinyBuiltInRunsDeterministicallyWithDiffusersGuidanceSe
   EXPECT_EQ(a->rgb, b->rgb);
   EXPECT_NE(a->rgb, c->rgb);
   EXPECT_NE(a->rgb, guided->rgb);  // Any g > 0 guides (pos + g·(pos − neg)).
+}
+
+TEST(ZImagePipelineTest, Bfloat16RunsAndStaysCloseToFloat32) {
+  ZImagePipelineOptions f32;
+  f32.dtype = at::kFloat;
+  ZImagePipelineOptions bf16;
+  bf16.dtype = at::kBFloat16;
+  auto a = CreateTinyZImagePipeline(f32);
+  auto b = CreateTinyZImagePipeline(bf16);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ((*b)->components()[1]->weight_bytes() * 2, (*a)->components()[1]->weight_bytes());
+  auto x = Draw(**a, 0.0f, 4);
+  auto y = Draw(**b, 0.0f, 4);
+  ASSERT_TRUE(x.ok() && y.ok()) << y.status();
+  double diff = 0;
+  for (size_t i = 0; i < x->rgb.size(); ++i) diff += std::abs(int(x->rgb[i]) - int(y->rgb[i]));
+  EXPECT_LT(diff / x->rgb.size(), 20.0);  // The same picture up to bf16 rounding.
 }
 
 TEST(ZImagePipelineTest, LoadingRefusesDirectoriesThatAreNotZImage) {

@@ -18,6 +18,8 @@ const char* ComponentStateName(ComponentState state) {
       return "resident";
     case ComponentState::kGroupOffloaded:
       return "group_offloaded";
+    case ComponentState::kPartiallyResident:
+      return "partially_resident";
   }
   return "unknown";
 }
@@ -343,7 +345,8 @@ absl::Status PlacementManager::EnableLocked(Entry& entry, const GroupOffloadOpti
   ASSIGN_OR_RETURN(entry.group_offload, GroupOffloader::Apply(name, component.module(),
                                                               component.host_weights(), *backend_,
                                                               effective));
-  entry.state = ComponentState::kGroupOffloaded;
+  entry.state = entry.group_offload->stats().resident_groups > 0 ? ComponentState::kPartiallyResident
+                                                                 : ComponentState::kGroupOffloaded;
   return absl::OkStatus();
 }
 

@@ -30,6 +30,7 @@ enum class ComponentState {
   kOffloaded,       // Weights only on the host.
   kResident,        // All weights on the device.
   kGroupOffloaded,  // Places itself: groups stream through its own slots (never moved by placement).
+  kPartiallyResident,  // Group-offloaded with a budget that keeps some groups on the device.
 };
 
 // Group offloading for every component of a pipeline, with exclusions and per-component overrides.

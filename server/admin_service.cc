@@ -24,6 +24,8 @@ v1::ComponentPlacement::State ToProto(ComponentState state) {
       return v1::ComponentPlacement::RESIDENT;
     case ComponentState::kGroupOffloaded:
       return v1::ComponentPlacement::GROUP_OFFLOADED;
+    case ComponentState::kPartiallyResident:
+      return v1::ComponentPlacement::PARTIALLY_RESIDENT;
   }
   return v1::ComponentPlacement::STATE_UNSPECIFIED;
 }
@@ -44,7 +46,7 @@ void FillComponents(PlacementManager& placement,
     if (v.last_use != absl::InfinitePast()) {
       *c->mutable_last_use() = TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(v.last_use));
     }
-    if (v.state == ComponentState::kGroupOffloaded) {
+    if (v.state == ComponentState::kGroupOffloaded || v.state == ComponentState::kPartiallyResident) {
       absl::StatusOr<GroupOffloadStats> s = placement.GroupOffloadStatsOf(v.id);
       if (s.ok()) {
         v1::GroupOffloadStatus* g = c->mutable_group_offload();
@@ -194,7 +196,7 @@ grpc::Status AdminServiceImpl::DisableGroupOffload(grpc::ServerContext* context,
   } else if (request->has_pipeline()) {
     for (const ComponentView& v : placement.Snapshot()) {
       if (std::find(v.pipelines.begin(), v.pipelines.end(), request->pipeline()) != v.pipelines.end() &&
-          v.state == ComponentState::kGroupOffloaded) {
+          (v.state == ComponentState::kGroupOffloaded || v.state == ComponentState::kPartiallyResident)) {
         ids.push_back(v.id);
       }
     }

@@ -88,6 +88,22 @@ TEST(PlacementManagerTest, GroupOffloadedComponentPlacesItselfAndKeepsTheImageEx
   EXPECT_EQ(s.placement.EnableGroupOffload("tiny/nope", options).code(), absl::StatusCode::kNotFound);
 }
 
+TEST(PlacementManagerTest, BudgetedGroupOffloadIsPartiallyResidentAndStillNeverMoved) {
+  Harness s;
+  const int64_t tr = s.View("transformer").weight_bytes;
+  GroupOffloadOptions options;
+  options.use_stream = true;
+  options.budget_bytes = tr * 19 / 20;  // Two slots, the always-on group and one resident block.
+  ASSERT_TRUE(s.placement.EnableGroupOffload("tiny/transformer", options).ok());
+  EXPECT_EQ(s.View("transformer").state, ComponentState::kPartiallyResident);
+  EXPECT_LE(s.View("transformer").device_bytes, options.budget_bytes);
+  EXPECT_GT(s.placement.GroupOffloadStatsOf("tiny/transformer")->resident_groups, 0);
+  s.placement.SetStrategy(*MakeCustomStrategy("lru"));
+  ASSERT_TRUE(s.Generate().ok());
+  EXPECT_EQ(s.View("transformer").state, ComponentState::kPartiallyResident);
+  EXPECT_EQ(s.placement.Warnings().size(), 0u);
+}
+
 TEST(PlacementManagerTest, PipelineLevelWithExclusionsOverridesAndAllOrNothing) {
   Harness s;
   PipelineGroupOffloadOptions options;

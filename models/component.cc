@@ -43,6 +43,13 @@ absl::StatusOr<std::shared_ptr<Component>> ComponentCache::GetOrLoad(const std::
   return shared;
 }
 
+absl::StatusOr<std::shared_ptr<Component>> LoadMaybeShared(ComponentCache* cache, const std::string& key,
+                                                           const ComponentCache::Loader& load) {
+  if (cache != nullptr) return cache->GetOrLoad(key, load);
+  ASSIGN_OR_RETURN(std::unique_ptr<Component> component, load());
+  return std::shared_ptr<Component>(std::move(component));
+}
+
 std::string ComponentCacheKey(const std::string& component_dir, at::ScalarType dtype, bool random_weights,
                               uint64_t seed) {
   char resolved[PATH_MAX];

@@ -71,6 +71,10 @@ class ComponentCache {
   std::map<std::string, std::weak_ptr<Component>> components_;
 };
 
+// Loads through `cache` when there is one (sharing by `key`), else loads a private copy.
+absl::StatusOr<std::shared_ptr<Component>> LoadMaybeShared(ComponentCache* cache, const std::string& key,
+                                                           const ComponentCache::Loader& load);
+
 // The cache key of a component directory: its canonical path, the dtype, and, for random weights,
 // the seed.
 std::string ComponentCacheKey(const std::string& component_dir, at::ScalarType dtype,

@@ -193,6 +193,18 @@ absl::Status BindWeights(Module& root, const ComponentWeights& weights, at::Scal
   return absl::OkStatus();
 }
 
+absl::Status LoadComponentWeights(Module& root, const std::string& component_dir, at::ScalarType dtype,
+                                  const std::vector<std::string>& ignored_prefixes) {
+  ASSIGN_OR_RETURN(ComponentWeights weights, ReadComponentWeights(component_dir));
+  ComponentWeights named;
+  for (auto& [key, tensor] : weights.tensors) {
+    const std::string name = key.rfind("model.", 0) == 0 ? key.substr(6) : key;
+    named.tensors[name] = tensor;
+    named.file_of[name] = weights.file_of[key];
+  }
+  return BindWeights(root, named, dtype, component_dir, ignored_prefixes);
+}
+
 absl::Status SaveComponent(Module& root, const std::string& dir, const google::protobuf::Struct& config,
                            int64_t max_shard_bytes) {
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {

@@ -57,6 +57,11 @@ absl::Status BindWeights(Module& root, const ComponentWeights& weights, at::Scal
                          const std::string& component_dir,
                          const std::vector<std::string>& ignored_prefixes = {});
 
+// ReadComponentWeights + BindWeights for a component folder, accepting transformers checkpoints whose
+// names carry a "model." prefix.
+absl::Status LoadComponentWeights(Module& root, const std::string& component_dir, at::ScalarType dtype,
+                                  const std::vector<std::string>& ignored_prefixes = {});
+
 // Writes `root`'s tensors as <dir>/diffusion_pytorch_model.safetensors (sharded into files of at
 // most `max_shard_bytes` with an index when larger; 0: one file) and `config` as config.json.
 absl::Status SaveComponent(Module& root, const std::string& dir, const google::protobuf::Struct& config,

@@ -176,8 +176,7 @@ absl::StatusOr<std::unique_ptr<Component>> LoadComponent(const std::string& dir,
   if (random_weights) {
     InitializeRandomWeights(*module, options.weight_seed);
   } else {
-    ASSIGN_OR_RETURN(ComponentWeights weights, ReadComponentWeights(component_dir));
-    RETURN_IF_ERROR(BindWeights(*module, weights, options.dtype, component_dir));
+    RETURN_IF_ERROR(LoadComponentWeights(*module, component_dir, options.dtype));
   }
   return Component::Create(name, std::move(module), options.dtype);
 }
@@ -287,14 +286,10 @@ absl::StatusOr<std::unique_ptr<Pipeline>> LoadTinyPipeline(const std::string& di
                      ConfigInt(*scheduler, "num_train_timesteps", options.scheduler.num_train_timesteps));
     ASSIGN_OR_RETURN(options.scheduler.shift, ConfigDouble(*scheduler, "shift", options.scheduler.shift));
   }
-  auto shared = [&](const std::string& name,
-                    const ComponentCache::Loader& load) -> absl::StatusOr<std::shared_ptr<Component>> {
-    if (cache == nullptr) {
-      ASSIGN_OR_RETURN(std::unique_ptr<Component> component, load());
-      return std::shared_ptr<Component>(std::move(component));
-    }
-    return cache->GetOrLoad(
-        ComponentCacheKey(absl::StrCat(dir, "/", name), options.dtype, random_weights, options.weight_seed), load);
+  auto shared = [&](const std::string& name, const ComponentCache::Loader& load) {
+    return LoadMaybeShared(
+        cache, ComponentCacheKey(absl::StrCat(dir, "/", name), options.dtype, random_weights, options.weight_seed),
+        load);
   };
   ASSIGN_OR_RETURN(auto text_encoder, shared("text_encoder", [&] {
     return LoadComponent<TinyTextEncoder>(dir, "text_encoder", options.text_encoder, options, random_weights);

@@ -139,15 +139,7 @@ absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name
   if (random_weights) {
     InitializeRandomWeights(*module, seed);
   } else {
-    ASSIGN_OR_RETURN(ComponentWeights weights, ReadComponentWeights(dir));
-    // transformers checkpoints may carry a "model." prefix.
-    ComponentWeights stripped;
-    for (auto& [key, tensor] : weights.tensors) {
-      const std::string k = key.rfind("model.", 0) == 0 ? key.substr(6) : key;
-      stripped.tensors[k] = tensor;
-      stripped.file_of[k] = weights.file_of[key];
-    }
-    RETURN_IF_ERROR(BindWeights(*module, stripped, dtype, dir, ignored));
+    RETURN_IF_ERROR(LoadComponentWeights(*module, dir, dtype, ignored));
   }
   return Component::Create(name, std::move(module), dtype);
 }
@@ -181,14 +173,10 @@ absl::StatusOr<std::unique_ptr<Pipeline>> LoadZImagePipeline(const std::string& 
     }
   }
   ASSIGN_OR_RETURN(std::unique_ptr<BpeTokenizer> tokenizer, BpeTokenizer::Load(absl::StrCat(dir, "/tokenizer/tokenizer.json")));
-  auto shared = [&](const std::string& name,
-                    const ComponentCache::Loader& load) -> absl::StatusOr<std::shared_ptr<Component>> {
-    if (cache == nullptr) {
-      ASSIGN_OR_RETURN(std::unique_ptr<Component> component, load());
-      return std::shared_ptr<Component>(std::move(component));
-    }
-    return cache->GetOrLoad(
-        ComponentCacheKey(absl::StrCat(dir, "/", name), options.dtype, random_weights, options.weight_seed), load);
+  auto shared = [&](const std::string& name, const ComponentCache::Loader& load) {
+    return LoadMaybeShared(
+        cache, ComponentCacheKey(absl::StrCat(dir, "/", name), options.dtype, random_weights, options.weight_seed),
+        load);
   };
   ASSIGN_OR_RETURN(auto text_encoder, shared("text_encoder", [&] {
     return MakeComponent<Qwen3TextEncoder>("text_encoder", qc, options.dtype, absl::StrCat(dir, "/text_encoder"),

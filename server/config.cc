@@ -10,6 +10,7 @@
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
+#include "offload/status_macros.h"
 
 namespace stowage {
 namespace {
@@ -59,6 +60,35 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path) {
   return config;
 }
 
+absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& field) {
+  if (!ValidName(p.name())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".name: '", p.name(), "' must match [a-z0-9_-]{1,64}"));
+  }
+  if (p.source_case() == v1::PipelineConfig::SOURCE_NOT_SET) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": no source; set builtin: \"tiny\" or model_dir"));
+  }
+  if (p.source_case() == v1::PipelineConfig::kModelDir) {
+    if (p.model_dir().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(field, ".model_dir: empty path"));
+    }
+  } else if (p.builtin() != "tiny" && p.builtin() != "zimage-tiny") {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".builtin: unknown built-in '", p.builtin(),
+                                                   "'; available: tiny, zimage-tiny"));
+  }
+  if (p.dtype().empty()) p.set_dtype("float32");
+  if (p.dtype() != "float32" && p.dtype() != "bfloat16") {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: '", p.dtype(),
+                                                   "' is not supported; use float32 or bfloat16"));
+  }
+  if (p.group_offload().enabled()) {
+    auto options = ToPipelineGroupOffloadOptions(p.group_offload(), absl::StrCat(field, ".group_offload"));
+    if (!options.ok()) return options.status();
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
   if (config.grpc_address().empty()) config.set_grpc_address(kDefaultGrpcAddress);
   if (config.metrics_address().empty()) config.set_metrics_address(kDefaultMetricsAddress);
@@ -88,36 +118,12 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
   for (int i = 0; i < config.pipelines_size(); ++i) {
     v1::PipelineConfig* p = config.mutable_pipelines(i);
     const std::string field = absl::StrCat("pipelines[", i, "]");
-    if (!ValidName(p->name())) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ".name: '", p->name(), "' must match [a-z0-9_-]{1,64}"));
-    }
+    RETURN_IF_ERROR(FinalizePipelineConfig(*p, field));
     if (!names.insert(p->name()).second) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ".name: '", p->name(), "' is used by another pipeline"));
     }
-    if (p->source_case() == v1::PipelineConfig::SOURCE_NOT_SET) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": no source; set builtin: \"tiny\" or model_dir"));
-    }
-    if (p->source_case() == v1::PipelineConfig::kModelDir) {
-      if (p->model_dir().empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ".model_dir: empty path"));
-      }
-    } else if (p->builtin() != "tiny" && p->builtin() != "zimage-tiny") {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".builtin: unknown built-in '", p->builtin(),
-                                                     "'; available: tiny, zimage-tiny"));
-    }
-    if (p->dtype().empty()) p->set_dtype("float32");
-    if (p->dtype() != "float32" && p->dtype() != "bfloat16") {
-      return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: '", p->dtype(),
-                                                     "' is not supported; use float32 or bfloat16"));
-    }
     if (p->default_()) ++defaults;
-    if (p->group_offload().enabled()) {
-      auto options = ToPipelineGroupOffloadOptions(p->group_offload(), absl::StrCat(field, ".group_offload"));
-      if (!options.ok()) return options.status();
-    }
   }
   if (defaults > 1) {
     return absl::InvalidArgumentError("pipelines: more than one pipeline sets default: true");

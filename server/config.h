@@ -24,6 +24,9 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
 // "pipelines[1].name: 'Tiny!' must match [a-z0-9_-]{1,64}".
 absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config);
 
+// Fills one pipeline's defaults and validates it; errors name `field` ("pipelines[2]").
+absl::Status FinalizePipelineConfig(v1::PipelineConfig& pipeline, const std::string& field);
+
 // Converts validated config messages to the engine's options. `field` names the message in errors
 // ("pipelines[0].group_offload.defaults").
 absl::StatusOr<GroupOffloadOptions> ToGroupOffloadOptions(const v1::GroupOffloadConfig& config,

@@ -139,11 +139,8 @@ absl::StatusOr<std::shared_ptr<GenerationCore::Hosted>> GenerationCore::Build(
 }
 
 absl::StatusOr<v1::Pipeline> GenerationCore::LoadPipeline(const v1::PipelineConfig& config) {
-  v1::ServerConfig one;
-  *one.add_pipelines() = config;
-  one.mutable_pipelines(0)->set_default_(false);
-  ASSIGN_OR_RETURN(v1::ServerConfig checked, FinalizeServerConfig(one));
-  v1::PipelineConfig p = checked.pipelines(0);
+  v1::PipelineConfig p = config;
+  RETURN_IF_ERROR(FinalizePipelineConfig(p, "pipeline"));
   p.set_default_(false);
   {
     absl::MutexLock lock(&pipelines_mu_);

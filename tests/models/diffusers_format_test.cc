@@ -1,6 +1,7 @@
 // Loading diffusers-format directories written to disk as real safetensors files.
 #include <sys/stat.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -22,6 +23,20 @@ std::string Fresh(const std::string& name) {
   const std::string dir = std::string(::testing::TempDir()) + "/" + name;
   std::system(("rm -rf '" + dir + "'").c_str());
   return dir;
+}
+
+// True when `ptr` lies in a region /proc/self/maps shows mapped from a file whose path ends in `suffix`.
+bool IsMappingOf(const void* ptr, const std::string& suffix) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  const auto address = reinterpret_cast<uintptr_t>(ptr);
+  while (std::getline(maps, line)) {
+    uintptr_t begin = 0, end = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx", &begin, &end) != 2) continue;
+    if (address < begin || address >= end) continue;
+    return line.size() >= suffix.size() && line.compare(line.size() - suffix.size(), suffix.size(), suffix) == 0;
+  }
+  return false;
 }
 
 absl::StatusOr<Image> Draw(Pipeline& pipeline) {
@@ -53,9 +68,10 @@ TEST(DiffusersFormatTest, SavedPipelineLoadsBackAndDrawsTheSameImage) {
   auto b = Draw(**built);
   ASSERT_TRUE(a.ok() && b.ok()) << a.status();
   EXPECT_EQ(a->rgb, b->rgb);
-  // Same dtype: the weights are the mapped file, not a copy.
+  // Same dtype: the host weights are the mapped file itself, not a copy of it.
   Component* vae = (*loaded)->components()[2];
-  EXPECT_EQ(vae->host_weights().entries()[0].host.data_ptr() != nullptr, true);
+  EXPECT_TRUE(IsMappingOf(vae->host_weights().entries()[0].host.data_ptr(), "vae/diffusion_pytorch_model.safetensors"));
+  EXPECT_FALSE(IsMappingOf((*built)->components()[2]->host_weights().entries()[0].host.data_ptr(), ".safetensors"));
   // Random-weights mode reads only the configs.
   TinyPipelineOptions seeded;
   seeded.weight_seed = 9;

@@ -55,14 +55,7 @@ template <typename T, typename Config>
 absl::StatusOr<std::unique_ptr<T>> Build(const Config& config, const std::string& dir, at::ScalarType dtype,
                                          const std::vector<std::string>& ignored = {}) {
   auto module = std::make_unique<T>(config, LayerOptions{dtype});
-  ASSIGN_OR_RETURN(ComponentWeights weights, ReadComponentWeights(dir));
-  ComponentWeights stripped;
-  for (auto& [key, tensor] : weights.tensors) {
-    const std::string k = key.rfind("model.", 0) == 0 ? key.substr(6) : key;
-    stripped.tensors[k] = tensor;
-    stripped.file_of[k] = weights.file_of[key];
-  }
-  RETURN_IF_ERROR(BindWeights(*module, stripped, dtype, dir, ignored));
+  RETURN_IF_ERROR(LoadComponentWeights(*module, dir, dtype, ignored));
   return module;
 }
 

@@ -11,7 +11,6 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from types import TracebackType
 from typing import Any
 
 import grpc
@@ -28,7 +27,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from google.protobuf import timestamp_pb2
 
-from stowage_client.client import PipelineInfo, StowageError, _pipeline_from_proto
+from stowage_client.client import PipelineInfo, StowageError, _ChannelClient, _pipeline_from_proto
 
 __all__ = [
     "AdminClient",
@@ -297,7 +296,7 @@ def _one_target(component_id: str | None, pipeline: str | None) -> tuple[str, st
     return "pipeline", pipeline
 
 
-class AdminClient:
+class AdminClient(_ChannelClient):
     """A connection to a Stowage server's AdminService.
 
     Args:
@@ -521,17 +520,3 @@ class AdminClient:
         reply = self._call("GetPlacementLog", admin_pb2.GetPlacementLogRequest(limit=limit))
         return [_decision_from_proto(d) for d in reply.decisions]
 
-    def close(self) -> None:
-        """Closes the channel; pending calls are cancelled. Safe to call more than once."""
-        self._channel.close()
-
-    def __enter__(self) -> AdminClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Self
 
 import grpc
 
@@ -261,7 +262,28 @@ def _build_request(
     return request
 
 
-class StowageClient:
+class _ChannelClient:
+    """Owns a gRPC channel: close() and context-manager support shared by the clients."""
+
+    _channel: grpc.Channel
+
+    def close(self) -> None:
+        """Closes the channel; pending calls are cancelled. Safe to call more than once."""
+        self._channel.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class StowageClient(_ChannelClient):
     """A connection to a Stowage server's GenerationService.
 
     Args:
@@ -406,17 +428,3 @@ class StowageClient:
             raise StowageError.from_rpc_error(e) from None
         return [_pipeline_from_proto(p) for p in reply.pipelines]
 
-    def close(self) -> None:
-        """Closes the channel; pending calls are cancelled. Safe to call more than once."""
-        self._channel.close()
-
-    def __enter__(self) -> StowageClient:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()

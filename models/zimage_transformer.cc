@@ -210,7 +210,6 @@ at::Tensor ZImageTransformer::Forward(const at::Tensor& latents, double t, const
   const int64_t lc = l + PadTo(l);
   at::Tensor cap = cap_linear_->Forward(cap_norm_->Forward(PadWithLastRow(caption.to(dtype), lc - l)));
   cap = FillPadRows(cap, l, tensor(cap_pad_token_));
-  const at::Tensor cap_pos = at::stack({at::arange(1, lc + 1, i64), at::zeros({lc}, i64), at::zeros({lc}, i64)}, 1);
 
   // Image: [C, F, H, W] → patches (f, h, w order; channel fastest inside a patch).
   const int64_t ch = latents.size(0), f = latents.size(1), h = latents.size(2), w = latents.size(3);
@@ -223,14 +222,20 @@ at::Tensor ZImageTransformer::Forward(const at::Tensor& latents, double t, const
   const int64_t nx = n + PadTo(n);
   at::Tensor x = x_embedder_->Forward(PadWithLastRow(patches, nx - n));
   x = FillPadRows(x, n, tensor(x_pad_token_));
-  const at::Tensor grid_f = at::arange(ft, i64).view({ft, 1, 1}).expand({ft, ht, wt}).reshape({-1}) + (lc + 1);
-  const at::Tensor grid_h = at::arange(ht, i64).view({1, ht, 1}).expand({ft, ht, wt}).reshape({-1});
-  const at::Tensor grid_w = at::arange(wt, i64).view({1, 1, wt}).expand({ft, ht, wt}).reshape({-1});
-  at::Tensor x_pos = at::stack({grid_f, grid_h, grid_w}, 1);
-  if (nx > n) x_pos = at::cat({x_pos, at::zeros({nx - n, 3}, i64)}, 0);
-
-  const at::Tensor x_freqs = RopeFactors(x_pos).to(latents.device());
-  const at::Tensor cap_freqs = RopeFactors(cap_pos).to(latents.device());
+  const RopeLayout layout{lc, ft, ht, wt, latents.device()};
+  if (!(layout == rope_layout_)) {
+    const at::Tensor cap_pos = at::stack({at::arange(1, lc + 1, i64), at::zeros({lc}, i64), at::zeros({lc}, i64)}, 1);
+    const at::Tensor grid_f = at::arange(ft, i64).view({ft, 1, 1}).expand({ft, ht, wt}).reshape({-1}) + (lc + 1);
+    const at::Tensor grid_h = at::arange(ht, i64).view({1, ht, 1}).expand({ft, ht, wt}).reshape({-1});
+    const at::Tensor grid_w = at::arange(wt, i64).view({1, 1, wt}).expand({ft, ht, wt}).reshape({-1});
+    at::Tensor x_pos = at::stack({grid_f, grid_h, grid_w}, 1);
+    if (nx > n) x_pos = at::cat({x_pos, at::zeros({nx - n, 3}, i64)}, 0);
+    x_freqs_ = RopeFactors(x_pos).to(latents.device());
+    cap_freqs_ = RopeFactors(cap_pos).to(latents.device());
+    rope_layout_ = layout;
+  }
+  const at::Tensor& x_freqs = x_freqs_;
+  const at::Tensor& cap_freqs = cap_freqs_;
   x = x.unsqueeze(0);
   for (ZImageBlock* block : *noise_refiner_) x = block->Forward(x, x_freqs, adaln);
   cap = cap.unsqueeze(0);

@@ -93,6 +93,18 @@ class ZImageTransformer : public Module {
  private:
   ZImageTransformerConfig config_;
   std::vector<at::Tensor> rope_tables_;  // Per axis: complex [axes_lens[i], axes_dims[i] / 2].
+  // RoPE factors of the last sequence layout (padded caption length, patch grid, device): every
+  // denoising step, and both guidance passes of a step, reuse them.
+  struct RopeLayout {
+    int64_t lc = -1, ft = -1, ht = -1, wt = -1;
+    c10::Device device = c10::Device(c10::kCPU);
+    bool operator==(const RopeLayout& o) const {
+      return lc == o.lc && ft == o.ft && ht == o.ht && wt == o.wt && device == o.device;
+    }
+  };
+  RopeLayout rope_layout_;
+  at::Tensor x_freqs_;
+  at::Tensor cap_freqs_;
   Linear* x_embedder_;
   Linear* final_linear_;
   Linear* final_modulation_;

@@ -194,7 +194,6 @@ TEST(PlacementScenarioTest, FourModesHaveExactPeaks) {
 
 TEST(PlacementScenarioTest, FootprintEvictsUnderABudgetAndRecordsWhy) {
   Harness h;
-  const int64_t te = Bytes(h, "text_encoder");
   const int64_t tr = Bytes(h, "transformer");
   const int64_t vae = Bytes(h, "vae");
   // Room for the transformer and the VAE, not for all three.
@@ -212,7 +211,6 @@ TEST(PlacementScenarioTest, FootprintEvictsUnderABudgetAndRecordsWhy) {
     }
   }
   EXPECT_TRUE(evicted);
-  EXPECT_GT(te, 0);
 }
 
 TEST(PlacementScenarioTest, OutOfMemoryIsRecoveredByGroupOffloadingAndTheImageIsExact) {

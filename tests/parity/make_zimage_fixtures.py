@@ -12,7 +12,7 @@ normalizer and pre-tokenizer, with its ids on test strings; and a whole tiny ZIm
 save_pretrained plus its images for fixed initial latents (seed 11, CPU generator, which the C++
 pipeline's seed reproduces). The C++ tests are to load the same files and compare (relative error
 <= 1e-5 in float32, <= 1e-2 in bfloat16; identical ids). Sizes are tiny so the fixtures can be
-committed. Not yet run: see the open Z-Image issue.
+committed. Output committed in tests/fixtures/zimage_tiny (see tests/fixtures/README.md).
 """
 
 import os

@@ -98,6 +98,9 @@ struct SimulatedBackendOptions {
   int index = 0;
   // False emulates a device without a copy stream (CopyToDeviceAsync still works, synchronously).
   bool supports_streams = true;
+  // True emulates a host that refuses to page-lock memory (RegisterHostMemory fails, as cudaHostRegister
+  // does under a low RLIMIT_MEMLOCK).
+  bool refuse_host_registration = false;
 };
 
 std::unique_ptr<DeviceBackend> CreateSimulatedBackend(const SimulatedBackendOptions& options);

@@ -182,6 +182,7 @@ struct GroupOffloader::Impl {
   std::vector<Slot> slots;
   std::vector<Module*> hooked;
   std::vector<at::Tensor> staging;
+  std::vector<void*> registered;  // Host ranges pinned in place (kPageableHost).
   std::vector<std::unique_ptr<DeviceEvent>> staging_done;
   std::unique_ptr<MemcpyPool> memcpy_pool;
   size_t next_staging = 0;
@@ -409,6 +410,9 @@ struct GroupOffloader::Impl {
         RETURN_IF_ERROR(PrepareDisk());
         ::malloc_trim(0);
       }
+      if (options.target == OffloadTarget::kPageableHost && options.pin_in_place && PinInPlace()) {
+        return absl::OkStatus();
+      }
       memcpy_pool = std::make_unique<MemcpyPool>(options.staging_threads - 1);
       for (int i = 0; i < options.staging_buffers; ++i) {
         ASSIGN_OR_RETURN(at::Tensor buffer, backend->AllocatePinnedHost(options.staging_buffer_bytes));
@@ -417,6 +421,54 @@ struct GroupOffloader::Impl {
       }
     }
     return absl::OkStatus();
+  }
+
+  // Registers the page-rounded host ranges of every streamed group with the backend (read-only
+  // first, which a read-only file mapping needs; then plain). True when all of them are registered;
+  // otherwise nothing stays registered and the reason is kept in the stats.
+  bool PinInPlace() {
+    const int64_t page = ::sysconf(_SC_PAGESIZE);
+    std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+    for (auto& g : groups) {
+      if (g->resident) continue;
+      for (TensorRef& t : g->tensors) {
+        const at::Tensor& host = t.entry->host;
+        if (host.nbytes() == 0) continue;
+        const auto begin = reinterpret_cast<uintptr_t>(host.data_ptr());
+        const uintptr_t end = begin + host.nbytes();
+        ranges.emplace_back(begin / page * page, (end + page - 1) / page * page);
+      }
+    }
+    std::sort(ranges.begin(), ranges.end());
+    std::vector<std::pair<uintptr_t, uintptr_t>> merged;  // Overlapping pages registered once.
+    for (const auto& r : ranges) {
+      if (!merged.empty() && r.first < merged.back().second) {
+        merged.back().second = std::max(merged.back().second, r.second);
+      } else {
+        merged.push_back(r);
+      }
+    }
+    int64_t bytes = 0;
+    for (const auto& [begin, end] : merged) {
+      void* ptr = reinterpret_cast<void*>(begin);
+      const auto size = static_cast<int64_t>(end - begin);
+      absl::Status status = backend->RegisterHostMemory(ptr, size, /*read_only=*/true);
+      if (!status.ok()) status = backend->RegisterHostMemory(ptr, size, /*read_only=*/false);
+      if (!status.ok()) {
+        UnpinInPlace();
+        stats.pin_in_place_error = std::string(status.message());
+        return false;
+      }
+      registered.push_back(ptr);
+      bytes += size;
+    }
+    stats.pinned_in_place_bytes = bytes;
+    return true;
+  }
+
+  void UnpinInPlace() {
+    for (void* ptr : registered) (void)backend->UnregisterHostMemory(ptr);
+    registered.clear();
   }
 
   absl::Status PrepareDisk() {
@@ -520,7 +572,7 @@ struct GroupOffloader::Impl {
     for (TensorRef& t : g.tensors) {
       const at::Tensor& host = t.entry->host;
       const int64_t n = static_cast<int64_t>(host.nbytes());
-      if (staging.empty()) {  // Resident groups of the pinned target: plain copies.
+      if (staging.empty()) {  // Pinned in place, or resident groups of the pinned target.
         backend->CopyToDeviceAsync(dst.narrow(0, t.offset, n), BytesOf(host.contiguous()));
         continue;
       }
@@ -666,6 +718,7 @@ struct GroupOffloader::Impl {
     slots.clear();
     staging.clear();
     staging_done.clear();
+    UnpinInPlace();
   }
 };
 

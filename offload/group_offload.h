@@ -67,6 +67,11 @@ struct GroupOffloadOptions {
   int staging_buffers = 2;
   // kPageableHost / kDisk: threads copying pageable memory into the staging buffers (>= 1).
   int staging_threads = 8;
+  // kPageableHost: pin the host copy where it already is (heap, or the read-only mapping of a
+  // safetensors file) with the backend's RegisterHostMemory, so copies run at full pinned speed with
+  // no second copy in RAM. When the host refuses (for example a low RLIMIT_MEMLOCK) the groups are
+  // staged through the ring instead (stats say which). False: always stage.
+  bool pin_in_place = true;
 };
 
 struct GroupOffloadStats {
@@ -86,6 +91,10 @@ struct GroupOffloadStats {
   int64_t prefetches = 0;      // Copies issued ahead of need.
   int64_t disk_files_written = 0;
   int64_t disk_files_reused = 0;
+  // kPageableHost: bytes of host memory pinned in place (page-rounded), 0 when staged; and why the
+  // backend refused, if it did.
+  int64_t pinned_in_place_bytes = 0;
+  std::string pin_in_place_error;
 };
 
 class GroupOffloader {

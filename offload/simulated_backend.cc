@@ -150,6 +150,9 @@ class SimulatedBackend : public DeviceBackend {
   absl::Status RegisterHostMemory(void* ptr, int64_t bytes, bool read_only) override {
     (void)bytes;
     (void)read_only;
+    if (options_.refuse_host_registration) {
+      return absl::ResourceExhaustedError("host memory registration refused (simulated memlock limit)");
+    }
     absl::MutexLock lock(&registered_mu_);
     if (!registered_.insert(ptr).second) {
       return absl::AlreadyExistsError("host memory is already registered");

@@ -59,6 +59,8 @@ void FillComponents(PlacementManager& placement,
         g->set_forwards(s->forwards);
         g->set_prefetches(s->prefetches);
         g->set_sync_onloads(s->sync_onloads);
+        g->set_pinned_in_place_bytes(s->pinned_in_place_bytes);
+        g->set_pin_in_place_error(s->pin_in_place_error);
       }
     }
   }

@@ -170,6 +170,7 @@ absl::StatusOr<GroupOffloadOptions> ToGroupOffloadOptions(const v1::GroupOffload
   }
   if (c.staging_buffer_bytes() > 0) o.staging_buffer_bytes = c.staging_buffer_bytes();
   if (c.staging_buffers() > 0) o.staging_buffers = c.staging_buffers();
+  o.pin_in_place = !c.never_pin_in_place();
   return o;
 }
 

@@ -299,10 +299,24 @@ TEST_F(AdminE2ETest, ServesTheZImageArchitectureAtATinySize) {
   v1::GroupOffloadConfig vae;
   vae.set_use_stream(true);
   vae.add_block_modules("decoder.up_blocks");
+  vae.set_target(v1::GroupOffloadConfig::PAGEABLE_HOST);  // Pinned where it lies.
   (*enable.mutable_overrides())["vae"] = vae;
+  v1::GroupOffloadConfig text_encoder;  // Staged through the ring.
+  text_encoder.set_target(v1::GroupOffloadConfig::PAGEABLE_HOST);
+  text_encoder.set_never_pin_in_place(true);
+  (*enable.mutable_overrides())["text_encoder"] = text_encoder;
   v1::EnableGroupOffloadResponse enabled;
   ASSERT_TRUE(admin_->EnableGroupOffload(Authed().get(), enable, &enabled).ok());
   EXPECT_EQ(enabled.components_size(), 3);
+  for (const auto& component : enabled.components()) {
+    const auto& g = component.group_offload();
+    if (component.name() == "vae") {
+      EXPECT_GT(g.pinned_in_place_bytes(), 0) << component.id();
+    } else {
+      EXPECT_EQ(g.pinned_in_place_bytes(), 0) << component.id();
+    }
+    EXPECT_EQ(g.pin_in_place_error(), "") << component.id();
+  }
   v1::GenerateResponse c;
   ASSERT_TRUE(Generate("zimage", &c).ok());
   EXPECT_EQ(c.image(), a.image());

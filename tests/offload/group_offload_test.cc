@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
@@ -58,12 +60,14 @@ struct ModeCase {
   int64_t expected_peak;
 };
 
-GroupOffloadOptions Opts(OffloadType type, int blocks, bool stream, OffloadTarget target) {
+GroupOffloadOptions Opts(OffloadType type, int blocks, bool stream, OffloadTarget target,
+                         bool pin_in_place = true) {
   GroupOffloadOptions o;
   o.type = type;
   o.num_blocks_per_group = blocks;
   o.use_stream = stream;
   o.target = target;
+  o.pin_in_place = pin_in_place;
   o.staging_buffer_bytes = 1 << 16;  // Small: several staged chunks per group.
   return o;
 }
@@ -81,14 +85,17 @@ std::vector<ModeCase> Cases() {
   const int64_t leaf = StackModel::kLargestLeafBytes;
   const int64_t root = StackModel::kRootParamBytes;
   std::vector<ModeCase> cases;
-  for (T target : {T::kPinnedHost, T::kPageableHost, T::kDisk}) {
-    const std::string t = target == T::kPinnedHost ? "Pinned" : target == T::kPageableHost ? "Pageable" : "Disk";
-    cases.push_back({"Block1" + t, Opts(OffloadType::kBlockLevel, 1, false, target), block + outside});
-    cases.push_back({"Block1Stream" + t, Opts(OffloadType::kBlockLevel, 1, true, target), 2 * block + outside});
-    cases.push_back({"Block3" + t, Opts(OffloadType::kBlockLevel, 3, false, target), 3 * block + outside});
-    cases.push_back({"Block3Stream" + t, Opts(OffloadType::kBlockLevel, 3, true, target), 6 * block + outside});
-    cases.push_back({"Leaf" + t, Opts(OffloadType::kLeafLevel, 1, false, target), leaf + root});
-    cases.push_back({"LeafStream" + t, Opts(OffloadType::kLeafLevel, 1, true, target), 2 * leaf + root});
+  // Pageable: pinned in place; Staged: pageable through the staging ring.
+  for (const auto& [t, target, pin] : std::vector<std::tuple<std::string, T, bool>>{
+           {"Pinned", T::kPinnedHost, true}, {"Pageable", T::kPageableHost, true},
+           {"Staged", T::kPageableHost, false}, {"Disk", T::kDisk, true}}) {
+    const OffloadType b = OffloadType::kBlockLevel, l = OffloadType::kLeafLevel;
+    cases.push_back({"Block1" + t, Opts(b, 1, false, target, pin), block + outside});
+    cases.push_back({"Block1Stream" + t, Opts(b, 1, true, target, pin), 2 * block + outside});
+    cases.push_back({"Block3" + t, Opts(b, 3, false, target, pin), 3 * block + outside});
+    cases.push_back({"Block3Stream" + t, Opts(b, 3, true, target, pin), 6 * block + outside});
+    cases.push_back({"Leaf" + t, Opts(l, 1, false, target, pin), leaf + root});
+    cases.push_back({"LeafStream" + t, Opts(l, 1, true, target, pin), 2 * leaf + root});
   }
   GroupOffloadOptions deep = Opts(OffloadType::kBlockLevel, 1, true, T::kPinnedHost);
   deep.prefetch_depth = 3;
@@ -121,6 +128,14 @@ TEST_P(GroupOffloadModeTest, OutputEqualsResidentExactlyAndPeakIsExact) {
   }
   const GroupOffloadStats stats = (*offloader)->stats();
   EXPECT_EQ(stats.forwards, 3);
+  if (options.target == OffloadTarget::kPageableHost && options.pin_in_place) {
+    // Every byte that is not kept resident (streamed or always-on groups) pinned where it lies
+    // (page-rounded), nothing staged.
+    EXPECT_GE(stats.pinned_in_place_bytes, StackModel::kTotalBytes - stats.resident_bytes);
+    EXPECT_EQ(stats.pin_in_place_error, "");
+  } else {
+    EXPECT_EQ(stats.pinned_in_place_bytes, 0);
+  }
   if (options.use_stream) {
     if (stats.streamed_groups > stats.slots) {
       // The recording forward loads every group synchronously; the next forward's first group too
@@ -288,6 +303,35 @@ TEST(GroupOffloadTest, ErrorsNameTheComponentAndTheOption) {
                                   Opts(OffloadType::kBlockLevel, 2, true, OffloadTarget::kPageableHost));
   ASSERT_TRUE(ok.ok()) << ok.status();
   EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+}
+
+TEST(GroupOffloadTest, PinInPlaceRegistersOnceAndReleasesOnRemoval) {
+  Fixture f;
+  const GroupOffloadOptions options = Opts(OffloadType::kLeafLevel, 1, true, OffloadTarget::kPageableHost);
+  for (int round = 0; round < 2; ++round) {
+    // A second Apply can register the same memory only if the first one's removal unregistered it.
+    auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, options);
+    ASSERT_TRUE(offloader.ok()) << offloader.status();
+    EXPECT_GT((*offloader)->stats().pinned_in_place_bytes, 0) << "round " << round;
+    EXPECT_EQ((*offloader)->stats().pin_in_place_error, "") << "round " << round;
+    EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+  }
+  // The host copy is the one captured: never copied (the slots point at the same host memory).
+  for (auto& entry : f.weights->entries()) EXPECT_FALSE(entry.slot->value.defined());
+}
+
+TEST(GroupOffloadTest, RefusedRegistrationFallsBackToStagingAndSaysWhy) {
+  Fixture f;
+  SimulatedBackendOptions refusing;
+  refusing.refuse_host_registration = true;
+  f.backend = CreateSimulatedBackend(refusing);
+  auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend,
+                                         Opts(OffloadType::kBlockLevel, 1, true, OffloadTarget::kPageableHost));
+  ASSERT_TRUE(offloader.ok()) << offloader.status();
+  EXPECT_EQ((*offloader)->stats().pinned_in_place_bytes, 0);
+  EXPECT_NE((*offloader)->stats().pin_in_place_error.find("refused"), std::string::npos)
+      << (*offloader)->stats().pin_in_place_error;
+  for (int i = 0; i < 2; ++i) EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
 }
 
 TEST(GroupOffloadTest, ExplicitBlockModulesReachNestedBlocks) {

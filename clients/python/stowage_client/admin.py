@@ -83,6 +83,8 @@ class GroupOffloadInfo:
     forwards: int
     prefetches: int
     sync_onloads: int
+    pinned_in_place_bytes: int = 0
+    pin_in_place_error: str = ""
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,8 @@ def _component_from_proto(msg: admin_pb2.ComponentPlacement) -> ComponentPlaceme
             forwards=g.forwards,
             prefetches=g.prefetches,
             sync_onloads=g.sync_onloads,
+            pinned_in_place_bytes=g.pinned_in_place_bytes,
+            pin_in_place_error=g.pin_in_place_error,
         )
     return ComponentPlacementInfo(
         id=msg.id,

@@ -1,13 +1,20 @@
-// offload_bench: step time, device memory and host RAM of every offload mode on a transformer stack
-// with Z-Image-Turbo's main-block shapes (30 blocks, dim 3840, 30 heads, FFN 10240, bf16, 4096 image
-// + 512 text tokens), random weights. Prints a table and appends one JSON line per row to --out.
+// offload_bench: step time, device memory and host RAM of every offload mode, on either
+//   - a transformer stack with Z-Image-Turbo's main-block shapes (30 blocks, dim 3840, 30 heads,
+//     FFN 10240, bf16, 4096 image + 512 text tokens), random weights filled in memory, or
+//   - the real ZImageTransformer2DModel of a diffusers-format directory (--model_dir: its
+//     transformer/ folder's config.json and safetensors, mapped without copies), one forward at
+//     1024x1024 (a 16x128x128 latent: 4096 image tokens) with 512 caption tokens — the input the
+//     diffusers side of bench/diffusers_offload_bench.py uses.
+// Prints a table and appends one JSON line per row to --out.
 //
 //   offload_bench --out=bench/results/offload_bench.jsonl --machine="NVIDIA H200"
+//   offload_bench --model_dir=/tmp/zimage-weights --rows=resident,block_pinned,...
 //   offload_bench --config=small --backend=sim     (a seconds-long run for CI)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <cstring>
 #include <string>
@@ -19,12 +26,16 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/transformer_stack.h"
+#include "models/diffusers_format.h"
+#include "models/zimage_transformer.h"
 #include "offload/device_backend.h"
 #include "offload/group_offload.h"
 #include "offload/host_weights.h"
+#include "offload/status_macros.h"
 #include "server/process_memory.h"
 
 ABSL_FLAG(std::string, config, "full", "full (Z-Image main-block shapes) or small (CI smoke run)");
@@ -43,6 +54,11 @@ ABSL_FLAG(int, prefetch_depth, 1, "Prefetch depth of the streamed rows (a row's 
 ABSL_FLAG(double, resident_step_s, 0,
           "Resident step time measured by an earlier process (rows run one process each)");
 ABSL_FLAG(int, staging_threads, 8, "Threads copying into the staging buffers");
+ABSL_FLAG(std::string, model_dir, "",
+          "Diffusers-format Z-Image directory: benchmark its real transformer (transformer/ folder) "
+          "instead of the synthetic stack");
+ABSL_FLAG(int64_t, caption_tokens, 512, "--model_dir: caption tokens of the forward");
+ABSL_FLAG(int64_t, image_size, 1024, "--model_dir: image side in pixels (latent side = size / 8)");
 
 namespace stowage {
 namespace {
@@ -66,6 +82,8 @@ struct RowResult {
   int64_t streamed_bytes = 0;
   int64_t working_set = 0;
   int prefetch_depth = 0;
+  int64_t pinned_in_place = 0;
+  std::string pin_in_place_error;
 };
 
 double Median(std::vector<double> v) {
@@ -122,13 +140,47 @@ double MeasureMemcpy(DeviceBackend& backend, int threads, int64_t total) {
   return static_cast<double>(total) / Median(runs);
 }
 
+// The model a row runs: its module tree (weights on the host) and one forward on the device.
+struct BenchModel {
+  std::unique_ptr<Module> root;
+  std::function<at::Tensor()> forward;  // Valid once the weights are placed.
+};
+
+absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend, at::ScalarType dtype) {
+  const auto options = at::TensorOptions().dtype(dtype).device(backend.torch_device());
+  BenchModel bench;
+  const std::string model_dir = absl::GetFlag(FLAGS_model_dir);
+  if (model_dir.empty()) {
+    auto stack = std::make_unique<TransformerStack>(shape.model, LayerOptions{dtype});
+    FillBenchmarkWeights(*stack, 7);
+    const at::Tensor x = at::randn({1, shape.tokens, shape.model.dim}, options);
+    const at::Tensor c = at::randn({1, shape.model.modulation_dim}, options);
+    TransformerStack* raw = stack.get();
+    bench.forward = [raw, x, c] { return raw->Forward(x, c); };
+    bench.root = std::move(stack);
+    return bench;
+  }
+  const std::string dir = model_dir + "/transformer";
+  ASSIGN_OR_RETURN(auto json, ReadJsonFile(dir + "/config.json"));
+  ASSIGN_OR_RETURN(ZImageTransformerConfig config, ZImageTransformerConfigFromJson(json));
+  auto model = std::make_unique<ZImageTransformer>(config, LayerOptions{dtype});
+  RETURN_IF_ERROR(LoadComponentWeights(*model, dir, dtype));  // Views of the mapped files.
+  const int64_t side = absl::GetFlag(FLAGS_image_size) / 8;
+  const at::Tensor latents = at::randn({config.in_channels, 1, side, side}, options);
+  const at::Tensor caption = at::randn({absl::GetFlag(FLAGS_caption_tokens), config.cap_feat_dim}, options);
+  ZImageTransformer* raw = model.get();
+  bench.forward = [raw, latents, caption] { return raw->Forward(latents, 0.5, caption); };
+  bench.root = std::move(model);
+  return bench;
+}
+
 absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, DeviceBackend& backend,
                                  at::ScalarType dtype) {
   (void)ResetPeakRss();
   RowResult result;
   result.row = row;
-  TransformerStack model(shape.model, LayerOptions{dtype});
-  FillBenchmarkWeights(model, 7);
+  ASSIGN_OR_RETURN(BenchModel bench, MakeModel(shape, backend, dtype));
+  Module& model = *bench.root;
   auto weights = HostWeights::Capture(model);
   if (!weights.ok()) return weights.status();
   result.weight_bytes = (*weights)->bytes();
@@ -169,16 +221,13 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
   }
 
   c10::InferenceMode guard;
-  const auto options = at::TensorOptions().dtype(dtype).device(backend.torch_device());
-  const at::Tensor x = at::randn({1, shape.tokens, shape.model.dim}, options);
-  const at::Tensor c = at::randn({1, shape.model.modulation_dim}, options);
-  for (int i = 0; i < absl::GetFlag(FLAGS_warmup); ++i) model.Forward(x, c);
+  for (int i = 0; i < absl::GetFlag(FLAGS_warmup); ++i) bench.forward();
   backend.Synchronize();
   backend.ResetPeakStats();
   std::vector<double> steps;
   for (int i = 0; i < absl::GetFlag(FLAGS_iters); ++i) {
     const auto start = std::chrono::steady_clock::now();
-    at::Tensor out = model.Forward(x, c);
+    at::Tensor out = bench.forward();
     backend.Synchronize();
     steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
@@ -186,6 +235,10 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
   result.peak_device = backend.GetMemoryStats().peak_allocated_bytes;
   auto memory = ReadProcessMemory();
   result.peak_rss = memory.ok() ? memory->peak_rss_bytes : 0;
+  if (offloader) {
+    result.pinned_in_place = offloader->stats().pinned_in_place_bytes;
+    result.pin_in_place_error = offloader->stats().pin_in_place_error;
+  }
   offloader.reset();
   weights->reset();
   backend.Synchronize();
@@ -250,12 +303,15 @@ int Main() {
           "\"peak_device_bytes\": %d, \"peak_rss_bytes\": %d, \"weight_bytes\": %d, "
           "\"streamed_bytes\": %d, \"working_set_bytes\": %d, \"h2d_bandwidth_bytes_per_s\": %.0f, "
           "\"achieved_h2d_bytes_per_s\": %.0f, \"config\": \"%s\", \"device\": \"%s\", "
-          "\"prefetch_depth\": %d, \"staging\": \"%dx%dMiB, %d threads\", \"machine\": \"%s\"}\n",
+          "\"prefetch_depth\": %d, \"staging\": \"%dx%dMiB, %d threads\", \"pinned_in_place_bytes\": %d, "
+          "\"pin_in_place_error\": \"%s\", \"model\": \"%s\", \"machine\": \"%s\"}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
           absl::GetFlag(FLAGS_staging_buffers),
-          absl::GetFlag(FLAGS_staging_mib), absl::GetFlag(FLAGS_staging_threads),
+          absl::GetFlag(FLAGS_staging_mib), absl::GetFlag(FLAGS_staging_threads), result->pinned_in_place,
+          absl::CHexEscape(result->pin_in_place_error),
+          absl::GetFlag(FLAGS_model_dir).empty() ? "transformer_stack" : "ZImageTransformer2DModel",
           absl::GetFlag(FLAGS_machine));
       out.flush();
     }

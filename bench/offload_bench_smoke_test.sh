@@ -24,3 +24,34 @@ for r in rows[1:]:
     assert r["peak_device_bytes"] < resident["peak_device_bytes"], r
 print("ok:", len(rows), "rows")
 PY
+
+# The real Z-Image transformer from a diffusers-format folder (the tiny parity fixture, written by
+# diffusers): its weights are mapped, the low-CPU-RAM rows pin that mapping in place.
+fixtures=${STOWAGE_FIXTURES:-tests/fixtures/zimage_tiny}
+out2="$TEST_TMPDIR/zimage.jsonl"
+bench/offload_bench --model_dir="$fixtures" --backend=sim --warmup=1 --iters=2 --out="$out2" --machine=ci \
+  --image_size=64 --caption_tokens=32 --rows=resident,block_pinned,block_lowram,leaf_lowram
+/usr/bin/python3 - "$out2" "$fixtures/transformer/diffusion_pytorch_model.safetensors" <<'PY'
+import json, struct, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+assert [r["row"] for r in rows] == ["resident", "block_pinned", "block_lowram", "leaf_lowram"], rows
+data = open(sys.argv[2], "rb").read()
+header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
+elements = 0
+for name, info in header.items():
+    if name != "__metadata__":
+        n = 1
+        for d in info["shape"]:
+            n *= d
+        elements += n
+for r in rows:
+    assert r["model"] == "ZImageTransformer2DModel", r
+    assert r["weight_bytes"] == 2 * elements, (r["weight_bytes"], elements)  # bf16, every tensor.
+    assert r["step_s"] > 0, r
+lowram = [r for r in rows if "lowram" in r["row"]]
+for r in lowram:
+    assert r["pinned_in_place_bytes"] >= r["streamed_bytes"] > 0 and r["pin_in_place_error"] == "", r
+assert rows[1]["pinned_in_place_bytes"] == 0, rows[1]
+assert all(r["peak_device_bytes"] < rows[0]["peak_device_bytes"] for r in rows[1:]), rows
+print("ok: Z-Image rows", [r["row"] for r in rows])
+PY

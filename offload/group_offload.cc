@@ -183,6 +183,7 @@ struct GroupOffloader::Impl {
   std::vector<Module*> hooked;
   std::vector<at::Tensor> staging;
   std::vector<void*> registered;  // Host ranges pinned in place (kPageableHost).
+  bool slots_allocated = false;
   std::vector<std::unique_ptr<DeviceEvent>> staging_done;
   std::unique_ptr<MemcpyPool> memcpy_pool;
   size_t next_staging = 0;
@@ -527,12 +528,42 @@ struct GroupOffloader::Impl {
     return absl::OkStatus();
   }
 
-  absl::Status PrepareDevice() {
-    for (int64_t i = 0; i < stats.slots; ++i) {
-      Slot slot;
-      ASSIGN_OR_RETURN(slot.buffer, backend->AllocateBytes(stats.slot_bytes));
-      slots.push_back(std::move(slot));
+  // Allocates the ring's slots (once, or again after ReleaseSlots). On failure none are kept.
+  absl::Status AllocateSlots() {
+    if (slots_allocated) return absl::OkStatus();
+    for (Slot& slot : slots) {
+      absl::StatusOr<at::Tensor> buffer = backend->AllocateBytes(stats.slot_bytes);
+      if (!buffer.ok()) {
+        for (Slot& s : slots) s.buffer = at::Tensor();
+        return buffer.status();
+      }
+      slot.buffer = *std::move(buffer);
     }
+    slots_allocated = true;
+    return absl::OkStatus();
+  }
+
+  int64_t ReleaseSlots() {
+    if (!slots_allocated || slots.empty()) return 0;
+    for (auto& g : groups) {
+      if (g->active) return 0;  // Inside a forward.
+    }
+    backend->Synchronize();  // No copy or compute may still touch the buffers.
+    for (Slot& slot : slots) {
+      if (slot.owner != nullptr) slot.owner->slot = -1;
+      slot.owner = nullptr;
+      slot.copied.reset();
+      slot.released.reset();
+      slot.buffer = at::Tensor();
+    }
+    slots_allocated = false;
+    ++stats.slot_releases;
+    return stats.slots * stats.slot_bytes;
+  }
+
+  absl::Status PrepareDevice() {
+    slots.resize(static_cast<size_t>(stats.slots));
+    RETURN_IF_ERROR(AllocateSlots());
     for (auto& g : groups) {
       if (!g->resident) continue;
       ASSIGN_OR_RETURN(g->device_buffer, backend->AllocateBytes(g->bytes));
@@ -636,6 +667,14 @@ struct GroupOffloader::Impl {
       return;
     }
     ++stats.onloads;
+    if (!slots_allocated) {
+      absl::Status allocated = AllocateSlots();
+      if (!allocated.ok()) {
+        throw DeviceOutOfMemory(backend->name(), stats.slots * stats.slot_bytes,
+                                backend->GetMemoryStats().allocated_bytes,
+                                backend->GetMemoryStats().budget_bytes);
+      }
+    }
     const int64_t n = static_cast<int64_t>(slots.size());
     const int64_t length = static_cast<int64_t>(order.size());
     int64_t pos = -1;
@@ -716,6 +755,7 @@ struct GroupOffloader::Impl {
       g->device_buffer = at::Tensor();
     }
     slots.clear();
+    slots_allocated = false;
     staging.clear();
     staging_done.clear();
     UnpinInPlace();
@@ -730,6 +770,18 @@ GroupOffloader::~GroupOffloader() {
 }
 
 GroupOffloadStats GroupOffloader::stats() const { return impl_->stats; }
+
+int64_t GroupOffloader::device_bytes() const {
+  return (impl_->slots_allocated ? impl_->stats.slots * impl_->stats.slot_bytes : 0) +
+         impl_->stats.resident_bytes;
+}
+
+int64_t GroupOffloader::ReleaseSlots() { return impl_->ReleaseSlots(); }
+
+int64_t GroupOffloader::bytes_needed_to_run() const {
+  return (impl_->slots_allocated ? 0 : impl_->stats.slots * impl_->stats.slot_bytes) +
+         impl_->stats.always_on_bytes;
+}
 
 absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
     const std::string& component, Module& root, HostWeights& weights, DeviceBackend& backend,

@@ -91,6 +91,7 @@ struct GroupOffloadStats {
   int64_t prefetches = 0;      // Copies issued ahead of need.
   int64_t disk_files_written = 0;
   int64_t disk_files_reused = 0;
+  int64_t slot_releases = 0;   // ReleaseSlots calls that freed the ring.
   // kPageableHost: bytes of host memory pinned in place (page-rounded), 0 when staged; and why the
   // backend refused, if it did.
   int64_t pinned_in_place_bytes = 0;
@@ -113,6 +114,17 @@ class GroupOffloader {
 
   const GroupOffloadOptions& options() const { return options_; }
   GroupOffloadStats stats() const;
+
+  // Device bytes held now: the ring's slots while allocated, and the resident groups.
+  int64_t device_bytes() const;
+  // Frees the ring's slots while the component is idle, so that other components can use that
+  // memory; its next forward allocates them again (a device out-of-memory error there is thrown as
+  // DeviceOutOfMemory, like any onload). Does nothing during a forward. Returns the bytes freed.
+  int64_t ReleaseSlots();
+  // Bytes the next forward must allocate before it can run: the slots if released, the always-on
+  // groups.
+  int64_t bytes_needed_to_run() const;
+
   // The hook name on every hooked module.
   static constexpr char kHookName[] = "group_offload";
 

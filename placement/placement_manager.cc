@@ -253,9 +253,19 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
       return absl::FailedPreconditionError(
           absl::StrCat("component '", component.name(), "' is not registered with placement"));
     }
+    // Group-offloaded components that sit idle give their slot rings back while another runs.
+    for (const auto& other : entries_) {
+      if (other.get() == entry || !other->group_offload) continue;
+      const int64_t before = FreeBytes();
+      const int64_t released = other->group_offload->ReleaseSlots();
+      if (released > 0) {
+        Record(other->id, "release_slots", released, before, absl::StrCat("idle while ", entry->id, " runs"));
+      }
+    }
     if (entry->group_offload) {
-      // It places itself, but its always-on group is allocated per forward: make room for it.
-      const int64_t needed = entry->group_offload->stats().always_on_bytes;
+      // It places itself, but its slots (when released) and its always-on groups are allocated for
+      // its forward: make room for them.
+      const int64_t needed = entry->group_offload->bytes_needed_to_run();
       EvictBefore(*entry, needed, absl::StrCat("make room for group-offloaded ", entry->id, "'s working set"));
     } else if (entry->state == ComponentState::kOffloaded) {
       RETURN_IF_ERROR(MakeResident(*entry));
@@ -315,7 +325,7 @@ std::vector<ComponentView> PlacementManager::Snapshot() const {
     view.weight_bytes = entry->component->weight_bytes();
     view.state = entry->state;
     if (entry->state == ComponentState::kResident) view.device_bytes = view.weight_bytes;
-    if (entry->group_offload) view.device_bytes = entry->group_offload->stats().working_set_bytes;
+    if (entry->group_offload) view.device_bytes = entry->group_offload->device_bytes();
     view.last_use = entry->last_use;
     views.push_back(std::move(view));
   }

@@ -68,13 +68,28 @@ TEST(PlacementManagerTest, GroupOffloadedComponentPlacesItselfAndKeepsTheImageEx
   EXPECT_EQ(view.state, ComponentState::kGroupOffloaded);
   auto stats = s.placement.GroupOffloadStatsOf("tiny/transformer");
   ASSERT_TRUE(stats.ok());
-  EXPECT_EQ(view.device_bytes, stats->working_set_bytes);
+  EXPECT_EQ(view.device_bytes, stats->slots * stats->slot_bytes + stats->resident_bytes);
+  EXPECT_GT(stats->slots, 0);
   EXPECT_LT(view.device_bytes, view.weight_bytes);
   auto image = s.Generate();
   ASSERT_TRUE(image.ok()) << image.status();
   EXPECT_EQ(image->rgb, expected->rgb);
   EXPECT_EQ(s.View("transformer").state, ComponentState::kGroupOffloaded);  // Never moved.
   EXPECT_GT(s.placement.GroupOffloadStatsOf("tiny/transformer")->forwards, 0);
+  // The VAE ran after it: its idle slot ring was given back for the VAE, and recorded.
+  EXPECT_EQ(s.View("transformer").device_bytes, 0);
+  bool released = false;
+  for (const PlacementDecision& d : s.placement.DecisionLog(100)) {
+    if (d.component == "tiny/transformer" && d.action == "release_slots") {
+      released = true;
+      EXPECT_EQ(d.bytes, stats->slots * stats->slot_bytes);
+    }
+  }
+  EXPECT_TRUE(released);
+  // And the next request allocates it again and draws the same image.
+  auto second = s.Generate();
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->rgb, expected->rgb);
 
   EXPECT_EQ(s.placement.EnableGroupOffload("tiny/transformer", options).code(),
             absl::StatusCode::kFailedPrecondition);
@@ -173,7 +188,8 @@ TEST(PlacementScenarioTest, FourModesHaveExactPeaks) {
   ASSERT_TRUE(workflow.backend->SetMemoryBudget(budget).ok());
   workflow.placement.SetStrategy(*MakeCustomStrategy("text-encoders-only"));
   EXPECT_EQ(PeakOfOneRequest(workflow), std::max(te, tr + vae));
-  // 4. The same with the transformer group-offloaded: its slots stay, it is never moved.
+  // 4. The same with the transformer group-offloaded: it is never moved; its slot ring exists only
+  // while it runs (given back while the text encoder and the VAE run).
   Harness grouped;
   ASSERT_TRUE(grouped.backend->SetMemoryBudget(budget).ok());
   grouped.placement.SetStrategy(*MakeCustomStrategy("text-encoders-only"));
@@ -182,11 +198,19 @@ TEST(PlacementScenarioTest, FourModesHaveExactPeaks) {
   ASSERT_TRUE(grouped.placement.EnableGroupOffload("tiny/transformer", options).ok());
   const GroupOffloadStats stats = *grouped.placement.GroupOffloadStatsOf("tiny/transformer");
   const int64_t slots = stats.slots * stats.slot_bytes;
-  EXPECT_EQ(PeakOfOneRequest(grouped), slots + std::max({te, stats.always_on_bytes, vae}));
-  EXPECT_LT(slots + std::max({te, stats.always_on_bytes, vae}), std::max(te, tr + vae));
+  EXPECT_EQ(PeakOfOneRequest(grouped), std::max({te, slots + stats.always_on_bytes, vae}));
+  EXPECT_LT(std::max({te, slots + stats.always_on_bytes, vae}), std::max(te, tr + vae));
+  int releases = 0;
   for (const PlacementDecision& d : grouped.placement.DecisionLog(100)) {
     if (d.component == "tiny/transformer") EXPECT_NE(d.action, "offload");
+    if (d.component == "tiny/transformer" && d.action == "release_slots") {
+      ++releases;
+      EXPECT_EQ(d.free_after - d.free_before, slots);  // Given back to the device's budget.
+    }
   }
+  // Enable allocated the ring; the text encoder's run gave it back, the transformer's forwards took
+  // it again, the VAE's run gave it back.
+  EXPECT_EQ(releases, 2);
   EXPECT_TRUE(grouped.placement.Warnings().empty());  // Not a footprint strategy.
   EXPECT_NE(grouped.placement.SetStrategy(MakeFootprintStrategy(0)), "");
   EXPECT_EQ(grouped.placement.Warnings().size(), 1u);

@@ -1,0 +1,176 @@
+"""The diffusers side of the side-by-side offload benchmark, and the table that puts both sides together.
+
+Runs on the GPU host with diffusers' source on PYTHONPATH (never installed or committed here):
+
+    # Full-size ZImageTransformer2DModel with random bf16 weights, saved by diffusers itself:
+    PYTHONPATH=.ref/diffusers/src python3 bench/diffusers_offload_bench.py export DIR
+    # One row per process (a process's peak RSS belongs to one configuration):
+    PYTHONPATH=.ref/diffusers/src python3 bench/diffusers_offload_bench.py row ROW DIR --out F --machine M
+    # Both sides' JSON lines as one Markdown table:
+    python3 bench/diffusers_offload_bench.py table DIFFUSERS.jsonl STOWAGE.jsonl
+
+Rows (diffusers' `apply_group_offloading`, use_stream=True, CPU offload device):
+    resident            the model on the GPU
+    block_level         offload_type="block_level", num_blocks_per_group=1
+    leaf_level          offload_type="leaf_level"
+    block_level_lowmem  block_level + low_cpu_mem_usage=True
+    leaf_level_lowmem   leaf_level + low_cpu_mem_usage=True
+
+Every row times one forward of the transformer at 1024x1024 (a 16x1x128x128 latent: 4096 image
+tokens) with 512 caption tokens, t = 0.5, batch 1, under torch.no_grad(): `--warmup` untimed forwards,
+then the median of `--iters` timed ones. Peak device memory is torch's max_memory_allocated over the
+timed forwards; peak CPU RSS is the process's (getrusage), loading included. bench/offload_bench
+--model_dir=DIR times the same forward on the same files with the same counts (bench/side_by_side.sh).
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+ROWS = ("resident", "block_level", "leaf_level", "block_level_lowmem", "leaf_level_lowmem")
+# The Stowage row that does what each diffusers row does (bench/offload_bench.cc's row names).
+COUNTERPART = {
+    "resident": "resident",
+    "block_level": "block_pinned",
+    "leaf_level": "leaf_pinned",
+    "block_level_lowmem": "block_lowram",
+    "leaf_level_lowmem": "leaf_lowram",
+}
+
+
+def export(directory):
+    import torch
+    from diffusers import ZImageTransformer2DModel
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from make_zimage_random_dir import FULL
+
+    config = {k: v for k, v in FULL["transformer"].items() if not k.startswith("_")}
+    torch.manual_seed(0)
+    start = time.time()
+    with torch.device("cuda"):  # Initialising 6 B parameters on the CPU takes minutes.
+        model = ZImageTransformer2DModel(**config)
+    model = model.to(torch.bfloat16).eval()
+    with torch.no_grad():  # Default init leaves some tensors at zero: give every tensor real data.
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+            else:
+                p.normal_(1.0 if "norm" in name else 0.0, 0.02)
+    target = os.path.join(directory, "transformer")
+    model.save_pretrained(target, safe_serialization=True, max_shard_size="5GB")
+    params = sum(p.numel() for p in model.parameters())
+    print(f"exported {params / 1e9:.2f} B parameters to {target} in {time.time() - start:.0f} s", flush=True)
+
+
+def run_row(row, directory, out, machine, warmup, iters):
+    import torch
+    from diffusers import ZImageTransformer2DModel
+    from diffusers.hooks import apply_group_offloading
+
+    if row not in ROWS:
+        raise SystemExit(f"unknown row {row!r}; rows: {', '.join(ROWS)}")
+    device = torch.device("cuda")
+    torch.cuda.init()
+    model = ZImageTransformer2DModel.from_pretrained(os.path.join(directory, "transformer"),
+                                                     torch_dtype=torch.bfloat16).eval()
+    weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    if row == "resident":
+        model.to(device)
+    else:
+        kind = "block_level" if row.startswith("block") else "leaf_level"
+        apply_group_offloading(model, onload_device=device, offload_device=torch.device("cpu"),
+                               offload_type=kind, num_blocks_per_group=1 if kind == "block_level" else None,
+                               use_stream=True, low_cpu_mem_usage=row.endswith("_lowmem"))
+    config = model.config
+    side = 1024 // 8
+    latents = torch.randn(config.in_channels, 1, side, side, dtype=torch.bfloat16, device=device)
+    caption = torch.randn(512, config.cap_feat_dim, dtype=torch.bfloat16, device=device)
+    t = torch.tensor([0.5], device=device)
+    steps = []
+    with torch.no_grad():
+        for _ in range(warmup):
+            model([latents], t, [caption], return_dict=False)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        for _ in range(iters):
+            start = time.perf_counter()
+            output = model([latents], t, [caption], return_dict=False)[0][0]
+            torch.cuda.synchronize()
+            steps.append(time.perf_counter() - start)
+    if not torch.isfinite(output).all():
+        raise SystemExit(f"{row}: non-finite output")
+    result = {
+        "side": "diffusers", "row": row, "stowage_row": COUNTERPART[row],
+        "step_s": statistics.median(steps), "steps_s": steps,
+        "peak_device_bytes": torch.cuda.max_memory_allocated(),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "weight_bytes": weight_bytes, "warmup": warmup, "iters": iters,
+        "model": "ZImageTransformer2DModel", "torch": torch.__version__, "machine": machine,
+    }
+    line = json.dumps(result)
+    print(line, flush=True)
+    with open(out, "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+
+def table(diffusers_path, stowage_path, bandwidth=None):
+    diffusers = {r["row"]: r for r in map(json.loads, open(diffusers_path, encoding="utf-8"))}
+    stowage = {r["row"]: r for r in map(json.loads, open(stowage_path, encoding="utf-8"))}
+    # The floor: weight bytes at the pinned host->device bandwidth the Stowage side measured.
+    any_stowage = next(iter(stowage.values()), {})
+    bandwidth = bandwidth or any_stowage.get("h2d_bandwidth_bytes_per_s")
+    print("| config | diffusers step s | Stowage step s | diffusers x floor | Stowage x floor | "
+          "diffusers peak VRAM GB | Stowage peak VRAM GB | diffusers peak RSS GB | Stowage peak RSS GB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in ROWS:
+        d, s = diffusers.get(row), stowage.get(COUNTERPART[row])
+        def cell(r, key, scale=1.0, fmt="{:.3f}"):
+            return fmt.format(r[key] / scale) if r and key in r else "–"
+        def floor(r):
+            if not r or not bandwidth or row == "resident":
+                return "–"
+            return "{:.2f}".format(r["step_s"] / (r["weight_bytes"] / bandwidth))
+        name = row if not s else f"{row} / {s['row']}"
+        print(f"| {name} | {cell(d, 'step_s')} | {cell(s, 'step_s')} | {floor(d)} | {floor(s)} | "
+              f"{cell(d, 'peak_device_bytes', 1e9, '{:.2f}')} | {cell(s, 'peak_device_bytes', 1e9, '{:.2f}')} | "
+              f"{cell(d, 'peak_rss_bytes', 1e9, '{:.1f}')} | {cell(s, 'peak_rss_bytes', 1e9, '{:.1f}')} |")
+    paired = set(COUNTERPART.values())
+    for name, s in stowage.items():  # Stowage-only rows (e.g. deeper prefetch).
+        if name in paired:
+            continue
+        f = "{:.2f}".format(s["step_s"] / (s["weight_bytes"] / bandwidth)) if bandwidth else "–"
+        print(f"| – / {name} | – | {s['step_s']:.3f} | – | {f} | – | {s['peak_device_bytes'] / 1e9:.2f} | – | "
+              f"{s['peak_rss_bytes'] / 1e9:.1f} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("dir")
+    r = sub.add_parser("row")
+    r.add_argument("row", choices=ROWS)
+    r.add_argument("dir")
+    r.add_argument("--out", required=True)
+    r.add_argument("--machine", default="unknown")
+    r.add_argument("--warmup", type=int, default=2)
+    r.add_argument("--iters", type=int, default=3)
+    t = sub.add_parser("table")
+    t.add_argument("diffusers")
+    t.add_argument("stowage")
+    args = parser.parse_args()
+    if args.command == "export":
+        export(args.dir)
+    elif args.command == "row":
+        run_row(args.row, args.dir, args.out, args.machine, args.warmup, args.iters)
+    else:
+        table(args.diffusers, args.stowage)
+
+
+if __name__ == "__main__":
+    main()

@@ -397,6 +397,9 @@ struct GroupOffloader::Impl {
         for (TensorRef& t : g->tensors) {
           const at::Tensor& host = t.entry->host;
           std::memcpy(base + t.offset, host.data_ptr(), host.nbytes());
+          // Copied from a safetensors mapping: drop its pages from RSS now, not when the whole
+          // file is unmapped (that would hold the weights twice in RSS until the last group).
+          stats.mapped_bytes_released += ReleaseMappedPages(host.data_ptr(), static_cast<int64_t>(host.nbytes()));
           at::Tensor view = g->host_packed.narrow(0, t.offset, static_cast<int64_t>(host.nbytes()))
                                 .view(host.scalar_type())
                                 .view(host.sizes());

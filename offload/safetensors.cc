@@ -8,10 +8,12 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
 
 #include <ATen/Functions.h>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -101,6 +103,17 @@ absl::Status WriteSafetensors(const std::string& path,
   return absl::OkStatus();
 }
 
+namespace {
+
+// Live mappings: begin address → end address.
+absl::Mutex mappings_mu;
+std::map<uintptr_t, uintptr_t>& Mappings() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mappings_mu) {
+  static auto* mappings = new std::map<uintptr_t, uintptr_t>();
+  return *mappings;
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
@@ -125,6 +138,10 @@ absl::StatusOr<std::shared_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   file->path_ = path;
   file->mapping_ = mapping;
   file->mapping_bytes_ = size;
+  {
+    absl::MutexLock lock(&mappings_mu);
+    Mappings()[reinterpret_cast<uintptr_t>(mapping)] = reinterpret_cast<uintptr_t>(mapping) + size;
+  }
   const auto* bytes = static_cast<const uint8_t*>(mapping);
   uint64_t header_len = 0;
   for (int i = 0; i < 8; ++i) header_len |= static_cast<uint64_t>(bytes[i]) << (8 * i);
@@ -179,8 +196,32 @@ absl::StatusOr<std::shared_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   return file;
 }
 
+
+int64_t ReleaseMappedPages(const void* ptr, int64_t bytes) {
+  if (bytes <= 0) return 0;
+  static const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(ptr);
+  const uintptr_t end = begin + static_cast<uintptr_t>(bytes);
+  absl::MutexLock lock(&mappings_mu);
+  auto it = Mappings().upper_bound(begin);
+  if (it == Mappings().begin()) return 0;
+  --it;
+  if (end > it->second) return 0;  // Not inside one mapping.
+  const uintptr_t first = (begin + page - 1) / page * page;  // Whole pages only.
+  const uintptr_t last = end / page * page;
+  if (last <= first) return 0;
+  if (::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED) != 0) return 0;
+  return static_cast<int64_t>(last - first);
+}
+
 SafetensorsFile::~SafetensorsFile() {
-  if (mapping_ != nullptr) ::munmap(mapping_, static_cast<size_t>(mapping_bytes_));
+  if (mapping_ != nullptr) {
+    {
+      absl::MutexLock lock(&mappings_mu);
+      Mappings().erase(reinterpret_cast<uintptr_t>(mapping_));
+    }
+    ::munmap(mapping_, static_cast<size_t>(mapping_bytes_));
+  }
 }
 
 absl::StatusOr<at::Tensor> SafetensorsFile::Get(const std::string& name) {

@@ -64,6 +64,13 @@ class SafetensorsFile {
   std::weak_ptr<SafetensorsFile> self_;
 };
 
+// Drops this process's page-table entries for the whole pages of [ptr, ptr + bytes) that lie in a
+// live SafetensorsFile mapping (read-only, shared: madvise MADV_DONTNEED). The page cache keeps the
+// data and a later read maps it again; RSS stops counting those pages. For callers that copied the
+// bytes elsewhere (e.g. into pinned memory) and will not read the mapping soon. Returns the bytes
+// dropped: 0 for memory that is not such a mapping (never touched).
+int64_t ReleaseMappedPages(const void* ptr, int64_t bytes);
+
 // "F32" ↔ at::kFloat etc.; INVALID_ARGUMENT for a dtype this project does not handle.
 absl::StatusOr<at::ScalarType> SafetensorsDtype(const std::string& name);
 std::string SafetensorsDtypeName(at::ScalarType dtype);

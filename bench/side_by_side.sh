@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Side by side on the real ZImageTransformer2DModel: diffusers' apply_group_offloading and Stowage's
+# offload engine on the same safetensors files (written by diffusers), in one run, one process per
+# row, the same forward (1024x1024, 512 caption tokens), 2 warm-up forwards and the median of 3.
+#
+#   bench/side_by_side.sh OFFLOAD_BENCH MODEL_DIR OUT_DIR MACHINE
+# Needs torch and diffusers' source on PYTHONPATH (see bench/diffusers_offload_bench.py). Writes
+# OUT_DIR/diffusers.jsonl, OUT_DIR/stowage.jsonl and OUT_DIR/side_by_side.md.
+set -uo pipefail
+bench=$1 dir=$2 out=$3 machine=$4
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+py=${PYTHON:-python3}
+mkdir -p "$out"
+if [ ! -f "$dir/transformer/config.json" ]; then
+  "$py" "$here/diffusers_offload_bench.py" export "$dir" || exit 1
+fi
+# Both sides read the files from the page cache: read them once first.
+cat "$dir"/transformer/*.safetensors >/dev/null
+for row in resident block_level leaf_level block_level_lowmem leaf_level_lowmem; do
+  echo "== diffusers $row"
+  timeout "${ROW_TIMEOUT:-240}" "$py" "$here/diffusers_offload_bench.py" row "$row" "$dir" \
+    --out "$out/diffusers.jsonl" --machine "$machine" || echo "diffusers $row failed ($?)"
+done
+resident_step=0
+for row in resident block_pinned leaf_pinned leaf_pinned_d4 block_lowram leaf_lowram leaf_lowram_d4; do
+  echo "== stowage $row"
+  timeout "${ROW_TIMEOUT:-240}" "$bench" --model_dir="$dir" --rows="$row" --warmup=2 --iters=3 \
+    --out="$out/stowage.jsonl" --machine="$machine" --resident_step_s="$resident_step" \
+    || echo "stowage $row failed ($?)"
+  if [ "$row" = resident ] && [ -s "$out/stowage.jsonl" ]; then
+    resident_step=$("$py" -c 'import json,sys; print(json.loads(open(sys.argv[1]).readline())["step_s"])' "$out/stowage.jsonl")
+  fi
+done
+"$py" "$here/diffusers_offload_bench.py" table "$out/diffusers.jsonl" "$out/stowage.jsonl" | tee "$out/side_by_side.md"

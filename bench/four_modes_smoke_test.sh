@@ -3,10 +3,11 @@
 # device (which counts the bytes placed on it: weights and offload buffers): the peaks must order as
 # the modes intend.
 set -euo pipefail
-here=$(pwd)
-/usr/bin/python3 "$here/bench/make_zimage_random_dir.py" "$TEST_TMPDIR/zimage" --size tiny >/dev/null
+here=$(pwd)  # Holds server/ and clients/ (Bazel's runfiles root, or the CMake build folder).
+scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+/usr/bin/python3 "$scripts/make_zimage_random_dir.py" "$TEST_TMPDIR/zimage" --size tiny >/dev/null
 out="$TEST_TMPDIR/four_modes.jsonl"
-bash "$here/bench/four_modes.sh" "$here/server/stowage_server" "$here/clients/stowctl/stowctl" \
+bash "$scripts/four_modes.sh" "$here/server/stowage_server" "$here/clients/stowctl/stowctl" \
   "$TEST_TMPDIR/zimage" "$out" 64 2 ci float32
 /usr/bin/python3 - "$out" <<'PY'
 import json, sys

@@ -1,6 +1,7 @@
 #include "offload/host_weights.h"
 
 #include "absl/strings/str_cat.h"
+#include "offload/safetensors.h"
 
 namespace stowage {
 
@@ -30,6 +31,9 @@ absl::Status HostWeights::OnloadAll(DeviceBackend& backend) {
       return device.status();
     }
     entries_[i].slot->value = *std::move(device);
+    // A host copy that is a safetensors mapping stays in the page cache for the next onload; this
+    // process's RSS stops counting it (the device copy is what runs).
+    (void)ReleaseMappedPages(entries_[i].host.data_ptr(), static_cast<int64_t>(entries_[i].host.nbytes()));
   }
   return absl::OkStatus();
 }

@@ -14,6 +14,8 @@ namespace stowage {
 inline constexpr char kDefaultGrpcAddress[] = "127.0.0.1:50051";
 inline constexpr char kDefaultMetricsAddress[] = "127.0.0.1:9464";
 inline constexpr int kDefaultQueueDepth = 16;
+// The pipeline served when the config names none: the built-in tiny Z-Image (random weights).
+inline constexpr char kDefaultPipelineName[] = "zimage-tiny";
 
 // Reads `path`: JSON if it ends in ".json", protobuf text format otherwise. Errors name the file and
 // the line/column or field.

@@ -1,4 +1,4 @@
-// stowage_server: serves the configured pipelines (or the built-in "tiny" one) over gRPC, with
+// stowage_server: serves the configured pipelines (or the built-in "zimage-tiny" one) over gRPC, with
 // Prometheus metrics over HTTP.
 #include <csignal>
 #include <fstream>

@@ -51,6 +51,8 @@ ABSL_FLAG(std::string, options, "",
 ABSL_FLAG(std::string, name, "", "load-pipeline / unload-pipeline: pipeline name.");
 ABSL_FLAG(uint64_t, weight_seed, 0, "load-pipeline: seed of the built-in pipeline's random weights.");
 ABSL_FLAG(std::string, model_dir, "", "load-pipeline: a diffusers-format directory instead of the built-in.");
+ABSL_FLAG(std::string, builtin, "zimage-tiny",
+          "load-pipeline without --model_dir: the built-in architecture (zimage-tiny or tiny).");
 ABSL_FLAG(int32_t, limit, 100, "placement-log: number of decisions.");
 
 namespace {
@@ -276,7 +278,7 @@ int Admin(const std::string& command, AdminService::Stub& stub) {
     LoadPipelineRequest request;
     request.mutable_pipeline()->set_name(absl::GetFlag(FLAGS_name));
     if (absl::GetFlag(FLAGS_model_dir).empty()) {
-      request.mutable_pipeline()->set_builtin("tiny");
+      request.mutable_pipeline()->set_builtin(absl::GetFlag(FLAGS_builtin));
     } else {
       request.mutable_pipeline()->set_model_dir(absl::GetFlag(FLAGS_model_dir));
     }

@@ -315,7 +315,7 @@ run_ctest() {  # run_ctest LOG PRELOAD [ctest args]
   local ctest_log="$1" ctest_preload="$2"
   shift 2
   (cd "${build_dir}" && LD_PRELOAD="${ctest_preload}" LD_LIBRARY_PATH="${run_ld_path}" \
-    ctest --output-on-failure -j "${ctest_jobs}" "$@") >"${ctest_log}" 2>&1
+    OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" ctest --output-on-failure -j "${ctest_jobs}" "$@") >"${ctest_log}" 2>&1
 }
 ctest_line() { grep -E 'tests passed|tests failed' "$1" | tail -n 1; }
 if [[ "${STOWAGE_SKIP_TESTS:-0}" == 1 ]]; then

@@ -51,7 +51,8 @@ cat "$logs/stack_rows.txt" >>"$OUT/summary.txt"
 left=$(( ${SUITE_BUDGET:-560} - ($(date +%s) - start) ))
 if [ "$left" -gt 30 ]; then
   stamp "ctest (${left} s left)"
-  (cd "$build" && timeout "$left" ctest --output-on-failure -j 4) >"$OUT/ctest.log" 2>&1
+  # Four test processes at once: four OpenMP threads each, not one per core each.
+  (cd "$build" && OMP_NUM_THREADS=4 timeout "$left" ctest --output-on-failure -j 4) >"$OUT/ctest.log" 2>&1
   stamp "ctest exit $?"
   grep -E "tests passed|tests failed|Failed|\*\*\*" "$OUT/ctest.log" | tail -15 >>"$OUT/summary.txt"
 fi

@@ -128,7 +128,7 @@ TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
 
   // Group-offload the transformer; with the footprint strategy back, a warning says why it is odd.
   v1::EnableGroupOffloadRequest enable;
-  enable.set_component_id("tiny/transformer");
+  enable.set_component_id("zimage-tiny/transformer");
   enable.mutable_options()->set_use_stream(true);
   v1::EnableGroupOffloadResponse enabled;
   ASSERT_TRUE(admin_->EnableGroupOffload(Authed().get(), enable, &enabled).ok());
@@ -144,7 +144,7 @@ TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
   EXPECT_EQ(Placement().warnings_size(), 1);
   // The same facts on the Prometheus page.
   const std::string page = HttpGet(server_->metrics_address(), "/metrics");
-  EXPECT_NE(page.find("stowage_component_state{component=\"tiny/transformer\",state=\"group_offloaded\"} 1"),
+  EXPECT_NE(page.find("stowage_component_state{component=\"zimage-tiny/transformer\",state=\"group_offloaded\"} 1"),
             std::string::npos) << page;
   EXPECT_NE(page.find("stowage_placement_evictions_total{strategy=\"workflow\",cause=\"after_run\"} 1"),
             std::string::npos) << page;
@@ -154,7 +154,7 @@ TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
   ASSERT_TRUE(Generate("", &grouped).ok());
   EXPECT_EQ(grouped.image(), before.image());
   v1::DisableGroupOffloadRequest disable;
-  disable.set_component_id("tiny/transformer");
+  disable.set_component_id("zimage-tiny/transformer");
   v1::DisableGroupOffloadResponse disabled;
   ASSERT_TRUE(admin_->DisableGroupOffload(Authed().get(), disable, &disabled).ok());
   EXPECT_EQ(disabled.components(0).state(), v1::ComponentPlacement::OFFLOADED);
@@ -168,7 +168,7 @@ TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
   bool onload = false, workflow_offload = false;
   for (const auto& d : log.decisions()) {
     onload |= d.action() == "onload" && d.request_id() == "admin-e2e";
-    workflow_offload |= d.action() == "offload" && d.strategy() == "workflow" && d.component() == "tiny/text_encoder";
+    workflow_offload |= d.action() == "offload" && d.strategy() == "workflow" && d.component() == "zimage-tiny/text_encoder";
   }
   EXPECT_TRUE(onload);
   EXPECT_TRUE(workflow_offload);
@@ -192,7 +192,7 @@ TEST_F(AdminE2ETest, LoadAndUnloadPipelines) {
   EXPECT_EQ(admin_->LoadPipeline(Authed().get(), bad, &loaded).error_code(), grpc::INVALID_ARGUMENT);
   v1::GenerateResponse a, b;
   ASSERT_TRUE(Generate("second", &a).ok());
-  ASSERT_TRUE(Generate("tiny", &b).ok());
+  ASSERT_TRUE(Generate("zimage-tiny", &b).ok());
   EXPECT_NE(a.image(), b.image());  // Other weights.
   EXPECT_EQ(Placement().components_size(), 6);
 

@@ -62,7 +62,7 @@ class PythonEndToEndTest(unittest.TestCase):
 
     def test_generate_stream_and_pipelines_through_the_python_client(self) -> None:
         pipelines = self.client.list_pipelines()
-        self.assertEqual([p.name for p in pipelines], ["tiny"])
+        self.assertEqual([p.name for p in pipelines], ["zimage-tiny"])
         self.assertEqual([c.name for c in pipelines[0].components],
                          ["text_encoder", "transformer", "vae"])
         result = self.client.generate("a paper crane", width=64, height=80, steps=2, seed=5)
@@ -83,8 +83,8 @@ class PythonEndToEndTest(unittest.TestCase):
             (dict(prompt="x", steps=101), grpc.StatusCode.INVALID_ARGUMENT, "num_inference_steps"),
             (dict(prompt="x", guidance_scale=float("nan")), grpc.StatusCode.INVALID_ARGUMENT,
              "guidance_scale"),
-            (dict(prompt="x", pipeline="nope"), grpc.StatusCode.NOT_FOUND, "available: tiny"),
-            (dict(prompt="y" * 200), grpc.StatusCode.INVALID_ARGUMENT, "at most 126 bytes"),
+            (dict(prompt="x", pipeline="nope"), grpc.StatusCode.NOT_FOUND, "available: zimage-tiny"),
+            (dict(prompt="y" * 5000), grpc.StatusCode.INVALID_ARGUMENT, "at most 4096 bytes"),
         ]
         for kwargs, code, text in cases:
             prompt = kwargs.pop("prompt")
@@ -111,7 +111,7 @@ class PythonEndToEndTest(unittest.TestCase):
         listing = subprocess.run([STOWCTL, f"--target={self.target}", "pipelines"],
                                  capture_output=True, text=True, timeout=60)
         self.assertEqual(listing.returncode, 0, listing.stderr)
-        self.assertIn("TinyDiT", listing.stdout)
+        self.assertIn("Z-Image (S3-DiT", listing.stdout)
         bad = subprocess.run([STOWCTL, f"--target={self.target}", "generate", "--prompt=x",
                               "--width=7"], capture_output=True, text=True, timeout=60)
         self.assertEqual(bad.returncode, 1)
@@ -137,11 +137,11 @@ class PythonEndToEndTest(unittest.TestCase):
         result = self.client.generate("metrics", width=64, height=64, steps=1)
         url = f"http://{self.addresses['metrics_address']}/metrics"
         page = urllib.request.urlopen(url, timeout=10).read().decode()
-        ok = re.search(r'^stowage_requests_total\{code="ok",pipeline="tiny"\} (\S+)$', page, re.M)
+        ok = re.search(r'^stowage_requests_total\{code="ok",pipeline="zimage-tiny"\} (\S+)$', page, re.M)
         self.assertIsNotNone(ok, page)
         self.assertGreaterEqual(float(ok.group(1)), 1)
         peak_sum = re.search(
-            r'^stowage_request_peak_device_memory_bytes_sum\{pipeline="tiny"\} (\S+)$', page, re.M)
+            r'^stowage_request_peak_device_memory_bytes_sum\{pipeline="zimage-tiny"\} (\S+)$', page, re.M)
         self.assertGreaterEqual(float(peak_sum.group(1)), result.stats.peak_device_memory_bytes)
         self.assertRegex(page, r"(?m)^# TYPE stowage_request_duration_seconds histogram$")
         self.assertRegex(page, r"(?m)^stowage_process_resident_memory_bytes \d")
@@ -204,10 +204,10 @@ class PythonAdminEndToEndTest(unittest.TestCase):
         placement = self.admin.get_placement()
         self.assertTrue(placement.device)
         self.assertEqual(sorted(c.id for c in placement.components),
-                         ["tiny/text_encoder", "tiny/transformer", "tiny/vae"])
+                         ["zimage-tiny/text_encoder", "zimage-tiny/transformer", "zimage-tiny/vae"])
         for c in placement.components:
-            self.assertEqual(c.id, f"tiny/{c.name}")
-            self.assertEqual(c.pipelines, ["tiny"])
+            self.assertEqual(c.id, f"zimage-tiny/{c.name}")
+            self.assertEqual(c.pipelines, ["zimage-tiny"])
             self.assertGreater(c.weight_bytes, 0)
             self.assertIn(c.state, ("OFFLOADED", "RESIDENT", "GROUP_OFFLOADED"))
 
@@ -218,29 +218,29 @@ class PythonAdminEndToEndTest(unittest.TestCase):
         self.assertEqual(self.admin.get_placement().strategy, "text-encoders-only")
         image = self.generate("py-admin-e2e-1")
         # The strategy moved the text encoder off before the transformer ran; nothing else.
-        self.assertEqual(self.states(), {"tiny/text_encoder": "OFFLOADED",
-                                         "tiny/transformer": "RESIDENT", "tiny/vae": "RESIDENT"})
+        self.assertEqual(self.states(), {"zimage-tiny/text_encoder": "OFFLOADED",
+                                         "zimage-tiny/transformer": "RESIDENT", "zimage-tiny/vae": "RESIDENT"})
 
-        enabled = self.admin.enable_group_offload(component_id="tiny/transformer")
-        self.assertEqual([c.id for c in enabled], ["tiny/transformer"])
+        enabled = self.admin.enable_group_offload(component_id="zimage-tiny/transformer")
+        self.assertEqual([c.id for c in enabled], ["zimage-tiny/transformer"])
         transformer = enabled[0]
         self.assertEqual(transformer.state, "GROUP_OFFLOADED")
         self.assertIsNotNone(transformer.group_offload)
         self.assertGreater(transformer.group_offload.streamed_groups, 0)
         self.assertLess(transformer.device_bytes, transformer.weight_bytes)
         with self.assertRaises(StowageError) as twice:
-            self.admin.enable_group_offload(component_id="tiny/transformer")
+            self.admin.enable_group_offload(component_id="zimage-tiny/transformer")
         self.assertEqual(twice.exception.code, grpc.StatusCode.FAILED_PRECONDITION)
         self.assertEqual(self.generate("py-admin-e2e-2"), image)  # Same seed, same weights.
-        self.assertEqual(self.states(), {"tiny/text_encoder": "OFFLOADED",
-                                         "tiny/transformer": "GROUP_OFFLOADED",
-                                         "tiny/vae": "RESIDENT"})
+        self.assertEqual(self.states(), {"zimage-tiny/text_encoder": "OFFLOADED",
+                                         "zimage-tiny/transformer": "GROUP_OFFLOADED",
+                                         "zimage-tiny/vae": "RESIDENT"})
 
         log = self.admin.placement_log(limit=1000)
         self.assertTrue(log)
         self.assertTrue(any(d.action == "set_strategy" and d.strategy == "text-encoders-only"
                             for d in log), log)
-        self.assertTrue(any(d.action == "offload" and d.component == "tiny/text_encoder"
+        self.assertTrue(any(d.action == "offload" and d.component == "zimage-tiny/text_encoder"
                             and d.strategy == "text-encoders-only"
                             and d.request_id == "py-admin-e2e-1" for d in log), log)
         self.assertTrue(any(d.action == "onload" and d.request_id == "py-admin-e2e-2"
@@ -249,8 +249,8 @@ class PythonAdminEndToEndTest(unittest.TestCase):
         self.assertEqual(self.admin.placement_log(limit=1), [log[-1]])
 
         # Back to the start: group offloading off, the default strategy.
-        disabled = self.admin.disable_group_offload(component_id="tiny/transformer")
-        self.assertEqual([(c.id, c.state) for c in disabled], [("tiny/transformer", "OFFLOADED")])
+        disabled = self.admin.disable_group_offload(component_id="zimage-tiny/transformer")
+        self.assertEqual([(c.id, c.state) for c in disabled], [("zimage-tiny/transformer", "OFFLOADED")])
         self.assertEqual(self.admin.set_strategy_footprint(), ("footprint", []))
 
 

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "models/image.h"
+#include "server/config.h"
 #include "server/server.h"
 #include "stowage/v1/generation.grpc.pb.h"
 #include "tests/e2e/http_get.h"
@@ -71,7 +72,7 @@ TEST_F(ServerE2ETest, ListPipelinesDescribesTheBuiltInPipeline) {
   ASSERT_TRUE(stub_->ListPipelines(&context, {}, &response).ok());
   ASSERT_EQ(response.pipelines_size(), 1);
   const v1::Pipeline& p = response.pipelines(0);
-  EXPECT_EQ(p.name(), "tiny");
+  EXPECT_EQ(p.name(), "zimage-tiny");  // Z-Image's architecture at a tiny size.
   EXPECT_TRUE(p.is_default());
   EXPECT_EQ(p.size_multiple(), 16);
   ASSERT_EQ(p.components_size(), 3);
@@ -98,7 +99,7 @@ TEST_F(ServerE2ETest, GenerateReturnsAPngAndMeasuredStats) {
   EXPECT_EQ(image->height, 64);
   EXPECT_EQ(response.width(), 96);
   EXPECT_EQ(response.seed(), 11u);
-  EXPECT_EQ(response.pipeline(), "tiny");
+  EXPECT_EQ(response.pipeline(), "zimage-tiny");
   EXPECT_EQ(response.request_id(), "e2e-1");
   const v1::RequestStats& stats = response.stats();
   EXPECT_EQ(stats.device(), server_->device_name());
@@ -133,14 +134,14 @@ TEST_F(ServerE2ETest, BadInputIsRejectedWithAClearMessageAndServingContinues) {
   };
   const Case cases[] = {
       {"empty prompt", [](GenerateRequest& r) { r.clear_prompt(); }, grpc::INVALID_ARGUMENT, "prompt is required"},
-      {"long prompt", [](GenerateRequest& r) { r.set_prompt(std::string(500, 'x')); }, grpc::INVALID_ARGUMENT, "at most 126 bytes"},
-      {"long negative", [](GenerateRequest& r) { r.set_negative_prompt(std::string(500, 'x')); }, grpc::INVALID_ARGUMENT, "negative_prompt"},
-      {"width not multiple", [](GenerateRequest& r) { r.set_width(100); }, grpc::INVALID_ARGUMENT, "width is 100; allowed: 64 to 1024 in multiples of 16"},
+      {"long prompt", [](GenerateRequest& r) { r.set_prompt(std::string(5000, 'x')); }, grpc::INVALID_ARGUMENT, "at most 4096 bytes"},
+      {"long negative", [](GenerateRequest& r) { r.set_negative_prompt(std::string(5000, 'x')); }, grpc::INVALID_ARGUMENT, "negative_prompt"},
+      {"width not multiple", [](GenerateRequest& r) { r.set_width(100); }, grpc::INVALID_ARGUMENT, "width is 100; allowed: 64 to 2048 in multiples of 16"},
       {"height too large", [](GenerateRequest& r) { r.set_height(4096); }, grpc::INVALID_ARGUMENT, "height is 4096"},
       {"negative width", [](GenerateRequest& r) { r.set_width(-16); }, grpc::INVALID_ARGUMENT, "width is -16"},
       {"negative steps", [](GenerateRequest& r) { r.set_num_inference_steps(-1); }, grpc::INVALID_ARGUMENT, "num_inference_steps is -1"},
       {"too many steps", [](GenerateRequest& r) { r.set_num_inference_steps(1000); }, grpc::INVALID_ARGUMENT, "allowed: 1 to 100"},
-      {"unknown pipeline", [](GenerateRequest& r) { r.set_pipeline("sdxl"); }, grpc::NOT_FOUND, "pipeline 'sdxl' not found; available: tiny"},
+      {"unknown pipeline", [](GenerateRequest& r) { r.set_pipeline("sdxl"); }, grpc::NOT_FOUND, "pipeline 'sdxl' not found; available: zimage-tiny"},
       {"nan guidance", [](GenerateRequest& r) { r.set_guidance_scale(std::nanf("")); }, grpc::INVALID_ARGUMENT, "guidance_scale"},
       {"inf guidance", [](GenerateRequest& r) { r.set_guidance_scale(INFINITY); }, grpc::INVALID_ARGUMENT, "must be finite"},
       {"unknown format", [](GenerateRequest& r) { r.set_output_format(static_cast<v1::ImageFormat>(7)); }, grpc::INVALID_ARGUMENT, "output_format 7 is not supported"},
@@ -259,15 +260,15 @@ TEST_F(ServerE2ETest, MetricsPageHoldsTheRequestsValues) {
     if (!std::regex_search(page, match, re)) return -1;
     return std::stod(match[1]);
   };
-  EXPECT_GE(value(R"(stowage_requests_total\{code="ok",pipeline="tiny"\})"), 1);
-  EXPECT_GE(value(R"(stowage_requests_total\{code="invalid_argument",pipeline="tiny"\})"), 1);
-  EXPECT_GE(value(R"(stowage_request_peak_device_memory_bytes_count\{pipeline="tiny"\})"), 1);
+  EXPECT_GE(value(R"(stowage_requests_total\{code="ok",pipeline="zimage-tiny"\})"), 1);
+  EXPECT_GE(value(R"(stowage_requests_total\{code="invalid_argument",pipeline="zimage-tiny"\})"), 1);
+  EXPECT_GE(value(R"(stowage_request_peak_device_memory_bytes_count\{pipeline="zimage-tiny"\})"), 1);
   // The histogram's sum holds the replies' peaks: at least this reply's.
-  EXPECT_GE(value(R"(stowage_request_peak_device_memory_bytes_sum\{pipeline="tiny"\})"),
+  EXPECT_GE(value(R"(stowage_request_peak_device_memory_bytes_sum\{pipeline="zimage-tiny"\})"),
             static_cast<double>(response.stats().peak_device_memory_bytes()));
-  EXPECT_GE(value(R"(stowage_request_peak_cpu_rss_bytes_sum\{pipeline="tiny"\})"),
+  EXPECT_GE(value(R"(stowage_request_peak_cpu_rss_bytes_sum\{pipeline="zimage-tiny"\})"),
             static_cast<double>(response.stats().peak_cpu_rss_bytes()));
-  EXPECT_GE(value(R"(stowage_request_duration_seconds_count\{pipeline="tiny"\})"), 2);
+  EXPECT_GE(value(R"(stowage_request_duration_seconds_count\{pipeline="zimage-tiny"\})"), 2);
   EXPECT_EQ(value("stowage_queue_depth\\{device=\"" + server_->device_name() + "\"\\}"), 0);
   EXPECT_GT(value("stowage_process_resident_memory_bytes"), 1 << 20);
 }
@@ -296,11 +297,12 @@ TEST(ServerGroupOffloadE2ETest, ConfiguredGroupOffloadKeepsTheImageAndLowersPeak
   plain.set_metrics_address("none");
   v1::ServerConfig offloaded = plain;
   v1::PipelineConfig* pipeline = offloaded.add_pipelines();
-  pipeline->set_name("tiny");
-  pipeline->set_builtin("tiny");
+  pipeline->set_name(kDefaultPipelineName);  // The same pipeline as the default one.
+  pipeline->set_builtin(kDefaultPipelineName);
   pipeline->mutable_group_offload()->set_enabled(true);
   pipeline->mutable_group_offload()->mutable_defaults()->set_use_stream(true);
   pipeline->mutable_group_offload()->add_exclude("text_encoder");
+  pipeline->mutable_group_offload()->add_exclude("vae");
   const GenerateResponse a = generate(plain);
   const GenerateResponse b = generate(offloaded);
   EXPECT_EQ(a.image(), b.image());

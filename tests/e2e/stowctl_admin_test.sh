@@ -32,21 +32,25 @@ export STOWAGE_TOKEN=$(cat "$tmp/token")
 
 ctl generate --prompt=boat --width=64 --height=64 --steps=1 >/dev/null
 out=$(ctl placement)
-grep -q "tiny/transformer *RESIDENT" <<<"$out" || fail "placement: $out"
+grep -q "zimage-tiny/transformer *RESIDENT" <<<"$out" || fail "placement: $out"
 out=$(ctl set-strategy --strategy='custom: "text-encoders-only"')
 grep -q 'strategy: "text-encoders-only"' <<<"$out" || fail "set-strategy: $out"
 set +e
 out=$(ctl set-strategy --strategy='workflow { rules { keep_resident: "unet" } }' 2>&1); rc=$?
 set -e
 [ $rc -eq 1 ] && grep -q "unknown component 'unet'" <<<"$out" || fail "bad rules: $out"
-out=$(ctl enable-group-offload --component=tiny/transformer --options='use_stream: true')
+out=$(ctl enable-group-offload --component=zimage-tiny/transformer --options='use_stream: true')
 grep -q "GROUP_OFFLOADED" <<<"$out" || fail "enable: $out"
 ctl generate --prompt=boat --width=64 --height=64 --steps=1 >/dev/null
 out=$(ctl placement)
-grep -q "tiny/text_encoder *OFFLOADED" <<<"$out" || fail "text encoder should be offloaded: $out"
-out=$(ctl disable-group-offload --component=tiny/transformer)
+grep -q "zimage-tiny/text_encoder *OFFLOADED" <<<"$out" || fail "text encoder should be offloaded: $out"
+out=$(ctl disable-group-offload --component=zimage-tiny/transformer)
 grep -q "OFFLOADED" <<<"$out" || fail "disable: $out"
 ctl load-pipeline --name=extra --weight_seed=3 | grep -q 'name: "extra"' || fail "load"
+out=$(ctl load-pipeline --name=old --builtin=tiny)
+grep -q 'TinyDiT' <<<"$out" || fail "load --builtin=tiny: $out"
+out=$(ctl load-pipeline --name=bad --builtin=sdxl 2>&1 || true)
+grep -q "available: tiny, zimage-tiny" <<<"$out" || fail "load --builtin=sdxl: $out"
 ctl generate --pipeline=extra --prompt=kite --width=64 --height=64 --steps=1 >/dev/null
 ctl unload-pipeline --name=extra >/dev/null
 set +e

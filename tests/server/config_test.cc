@@ -22,7 +22,8 @@ TEST(ConfigTest, EmptyConfigServesTheBuiltInPipelineWithDefaults) {
   EXPECT_EQ(config->metrics_address(), kDefaultMetricsAddress);
   EXPECT_EQ(config->queue_depth(), kDefaultQueueDepth);
   ASSERT_EQ(config->pipelines_size(), 1);
-  EXPECT_EQ(config->pipelines(0).name(), "tiny");
+  EXPECT_EQ(config->pipelines(0).name(), "zimage-tiny");
+  EXPECT_EQ(config->pipelines(0).builtin(), "zimage-tiny");
   EXPECT_EQ(config->pipelines(0).dtype(), "float32");
   EXPECT_TRUE(config->pipelines(0).default_());
 }
@@ -87,6 +88,39 @@ TEST(ConfigTest, SemanticErrorsNameTheField) {
     EXPECT_NE(std::string(finalized.status().message()).find(c.expected), std::string::npos)
         << c.text << " -> " << finalized.status();
   }
+}
+
+}  // namespace
+}  // namespace stowage
+
+namespace stowage {
+namespace {
+
+TEST(ConfigTest, GroupOffloadDefaultsPerLevelAndPinInPlace) {
+  v1::GroupOffloadConfig block;
+  auto b = ToGroupOffloadOptions(block, "defaults");
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->type, OffloadType::kBlockLevel);
+  EXPECT_EQ(b->prefetch_depth, 1);
+  EXPECT_EQ(b->target, OffloadTarget::kPinnedHost);
+  v1::GroupOffloadConfig leaf;
+  leaf.set_offload_type(v1::GroupOffloadConfig::LEAF_LEVEL);
+  leaf.set_target(v1::GroupOffloadConfig::PAGEABLE_HOST);
+  auto l = ToGroupOffloadOptions(leaf, "defaults");
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->prefetch_depth, 4);  // Small groups: copy further ahead.
+  EXPECT_TRUE(l->pin_in_place);
+  leaf.set_prefetch_depth(2);
+  leaf.set_never_pin_in_place(true);
+  l = ToGroupOffloadOptions(leaf, "defaults");
+  ASSERT_TRUE(l.ok()) << l.status();
+  EXPECT_EQ(l->prefetch_depth, 2);  // An explicit depth wins.
+  EXPECT_FALSE(l->pin_in_place);
+  leaf.set_prefetch_depth(-1);
+  l = ToGroupOffloadOptions(leaf, "pipelines[0].group_offload.defaults");
+  EXPECT_EQ(l.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(l.status().message()).find("pipelines[0].group_offload.defaults.prefetch_depth"),
+            std::string::npos) << l.status();
 }
 
 }  // namespace

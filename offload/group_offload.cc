@@ -372,25 +372,30 @@ struct GroupOffloader::Impl {
   absl::Status PrepareHost() {
     if (options.target == OffloadTarget::kPinnedHost) {
       // Pinned chunks, each group packed contiguously; the pageable originals are released group by
-      // group, so RAM holds the weights once (plus at most one partly used chunk).
-      // First fit over the chunks allocated so far: groups of mixed sizes (leaf level) would
-      // otherwise strand the tail of each chunk.
-      const int64_t chunk_bytes = std::max<int64_t>(int64_t{256} << 20, stats.slot_bytes);
+      // group, so RAM holds the weights once. Chunks of about 256 MiB, each sized exactly to the consecutive groups it holds: cudaHostAlloc
+      // pins every page it returns, so any slack would be resident RAM that holds nothing.
+      const int64_t chunk_target = int64_t{256} << 20;
       std::vector<std::pair<at::Tensor, int64_t>> chunks;  // (chunk, bytes used)
+      std::vector<Group*> pending;
       for (auto& g : groups) {
-        if (g->resident) continue;
-        std::pair<at::Tensor, int64_t>* fit = nullptr;
-        for (auto& chunk : chunks) {
-          if (chunk.first.numel() - chunk.second >= g->bytes) {
-            fit = &chunk;
-            break;
-          }
-        }
-        if (fit == nullptr) {
-          ASSIGN_OR_RETURN(at::Tensor chunk, backend->AllocatePinnedHost(std::max(chunk_bytes, g->bytes)));
+        if (!g->resident) pending.push_back(g.get());
+      }
+      size_t next_chunk_start = 0;  // First group of `pending` not yet given a chunk.
+      for (size_t i = 0; i < pending.size(); ++i) {
+        Group* g = pending[i];
+        if (i == next_chunk_start) {
+          int64_t bytes = 0;
+          size_t j = i;
+          do {
+            bytes += pending[j]->bytes;
+            ++j;
+          } while (j < pending.size() && bytes < chunk_target);
+          next_chunk_start = j;
+          ASSIGN_OR_RETURN(at::Tensor chunk, backend->AllocatePinnedHost(bytes));
           chunks.emplace_back(std::move(chunk), 0);
-          fit = &chunks.back();
+          stats.pinned_host_bytes += bytes;
         }
+        std::pair<at::Tensor, int64_t>* fit = &chunks.back();
         g->host_packed = fit->first.narrow(0, fit->second, g->bytes);
         fit->second += g->bytes;
         uint8_t* base = g->host_packed.data_ptr<uint8_t>();

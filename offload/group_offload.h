@@ -92,8 +92,10 @@ struct GroupOffloadStats {
   int64_t disk_files_written = 0;
   int64_t disk_files_reused = 0;
   int64_t slot_releases = 0;   // ReleaseSlots calls that freed the ring.
-  // kPinnedHost: bytes of safetensors mappings dropped from RSS after their copy into pinned memory.
+  // kPinnedHost: bytes of safetensors mappings dropped from RSS after their copy into pinned memory,
+  // and the pinned host bytes allocated for the groups (exactly their packed size: no slack).
   int64_t mapped_bytes_released = 0;
+  int64_t pinned_host_bytes = 0;
   // kPageableHost: bytes of host memory pinned in place (page-rounded), 0 when staged; and why the
   // backend refused, if it did.
   int64_t pinned_in_place_bytes = 0;

@@ -7,6 +7,8 @@
 # Results land in $OUT (at most 8 files): summary.txt, diffusers.jsonl, stowage.jsonl,
 # side_by_side.md, four_modes.jsonl, stack_rows.jsonl, ctest.log, logs.tgz.
 #
+# RUN_SIDE_BY_SIDE=0 skips step 1; STACK_ROWS names step 3's rows; SUITE_BUDGET (s) bounds step 4.
+#
 # Carry .deb (deploy/gpu_host/fetch_debs.sh) and .ref/diffusers/src (diffusers' source, git-ignored):
 #   OUT=... deploy/gpu_host/run_bench_suite.sh
 set -uo pipefail
@@ -26,12 +28,14 @@ export LD_LIBRARY_PATH="/tmp/stowage-deps/usr/lib/x86_64-linux-gnu:$(python3 -c 
 machine="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(nproc) cores"
 export PYTHONPATH="$repo_root/.ref/diffusers/src" PYTHONUNBUFFERED=1
 
-stamp "side by side"
-timeout "${SIDE_TIMEOUT:-330}" bash bench/side_by_side.sh "$build/bench/offload_bench" /tmp/zimage-weights \
-  "$logs/side" "$machine" >"$logs/side_by_side.txt" 2>&1
-stamp "side by side exit $?"
-for f in diffusers.jsonl stowage.jsonl side_by_side.md; do cp "$logs/side/$f" "$OUT/" 2>/dev/null; done
-cat "$OUT/side_by_side.md" >>"$OUT/summary.txt" 2>/dev/null
+if [ "${RUN_SIDE_BY_SIDE:-1}" = 1 ]; then
+  stamp "side by side"
+  timeout "${SIDE_TIMEOUT:-330}" bash bench/side_by_side.sh "$build/bench/offload_bench" /tmp/zimage-weights \
+    "$logs/side" "$machine" >"$logs/side_by_side.txt" 2>&1
+  stamp "side by side exit $?"
+  for f in diffusers.jsonl stowage.jsonl side_by_side.md; do cp "$logs/side/$f" "$OUT/" 2>/dev/null; done
+  cat "$OUT/side_by_side.md" >>"$OUT/summary.txt" 2>/dev/null
+fi
 
 stamp "placement modes"
 python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
@@ -41,7 +45,7 @@ timeout "${MODES_TIMEOUT:-200}" bash bench/four_modes.sh "$build/server/stowage_
 stamp "placement modes exit $?"
 
 stamp "stack rows"
-for row in block_pinned block_lowram leaf_lowram_d4; do
+for row in ${STACK_ROWS:-block_pinned block_lowram leaf_lowram_d4}; do
   timeout 90 "$build/bench/offload_bench" --rows="$row" --out="$OUT/stack_rows.jsonl" --machine="$machine" \
     >>"$logs/stack_rows.txt" 2>&1
 done

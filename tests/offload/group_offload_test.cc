@@ -128,6 +128,12 @@ TEST_P(GroupOffloadModeTest, OutputEqualsResidentExactlyAndPeakIsExact) {
   }
   const GroupOffloadStats stats = (*offloader)->stats();
   EXPECT_EQ(stats.forwards, 3);
+  if (options.target == OffloadTarget::kPinnedHost) {
+    // Pinned chunks hold exactly the packed groups that are not resident: no pinned slack.
+    EXPECT_EQ(stats.pinned_host_bytes, stats.streamed_bytes + stats.always_on_bytes);
+  } else {
+    EXPECT_EQ(stats.pinned_host_bytes, 0);
+  }
   if (options.target == OffloadTarget::kPageableHost && options.pin_in_place) {
     // Every byte that is not kept resident (streamed or always-on groups) pinned where it lies
     // (page-rounded), nothing staged.

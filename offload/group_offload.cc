@@ -124,6 +124,13 @@ class MemcpyPool {
 }  // namespace
 
 struct GroupOffloader::Impl {
+  // An Apply that threw half-way leaves nothing registered (Remove() has unpinned otherwise).
+  ~Impl() {
+    if (registered.empty()) return;
+    backend->Synchronize();  // No copy may still read the memory.
+    UnpinInPlace();
+  }
+
   struct TensorRef {
     HostWeights::Entry* entry;
     int64_t offset;  // Within the group's packed layout.
@@ -432,14 +439,16 @@ struct GroupOffloader::Impl {
     return absl::OkStatus();
   }
 
-  // Registers the page-rounded host ranges of every streamed group with the backend (read-only
+  // Registers the page-rounded host ranges of every group with the backend (read-only
   // first, which a read-only file mapping needs; then plain). True when all of them are registered;
   // otherwise nothing stays registered and the reason is kept in the stats.
   bool PinInPlace() {
     const int64_t page = ::sysconf(_SC_PAGESIZE);
     std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+    // Every group, resident ones too: they are copied from the same pages once, and tensors packed
+    // back to back in a safetensors file share pages, so a copy must never start inside a
+    // registered range and run past its end.
     for (auto& g : groups) {
-      if (g->resident) continue;
       for (TensorRef& t : g->tensors) {
         const at::Tensor& host = t.entry->host;
         if (host.nbytes() == 0) continue;
@@ -572,6 +581,8 @@ struct GroupOffloader::Impl {
   absl::Status PrepareDevice() {
     slots.resize(static_cast<size_t>(stats.slots));
     RETURN_IF_ERROR(AllocateSlots());
+    std::unique_ptr<DeviceEvent> ready = backend->RecordOnComputeStream();  // As in Onload.
+    backend->CopyStreamWait(*ready);
     for (auto& g : groups) {
       if (!g->resident) continue;
       ASSIGN_OR_RETURN(g->device_buffer, backend->AllocateBytes(g->bytes));
@@ -682,6 +693,10 @@ struct GroupOffloader::Impl {
                                 backend->GetMemoryStats().allocated_bytes,
                                 backend->GetMemoryStats().budget_bytes);
       }
+      // The buffers came from the compute stream's pool and may have been freed by work still
+      // queued there: copies into them wait for it.
+      std::unique_ptr<DeviceEvent> ready = backend->RecordOnComputeStream();
+      backend->CopyStreamWait(*ready);
     }
     const int64_t n = static_cast<int64_t>(slots.size());
     const int64_t length = static_cast<int64_t>(order.size());

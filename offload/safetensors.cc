@@ -106,7 +106,7 @@ absl::Status WriteSafetensors(const std::string& path,
 namespace {
 
 // Live mappings: begin address → end address.
-absl::Mutex mappings_mu;
+ABSL_CONST_INIT absl::Mutex mappings_mu(absl::kConstInit);
 std::map<uintptr_t, uintptr_t>& Mappings() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mappings_mu) {
   static auto* mappings = new std::map<uintptr_t, uintptr_t>();
   return *mappings;

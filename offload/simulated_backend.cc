@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <iterator>
+#include <map>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -148,20 +150,30 @@ class SimulatedBackend : public DeviceBackend {
     return at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
   }
   absl::Status RegisterHostMemory(void* ptr, int64_t bytes, bool read_only) override {
-    (void)bytes;
     (void)read_only;
     if (options_.refuse_host_registration) {
       return absl::ResourceExhaustedError("host memory registration refused (simulated memlock limit)");
     }
+    if (bytes <= 0) return absl::InvalidArgumentError("host memory registration needs bytes > 0");
+    // Like cudaHostRegister: a range overlapping a registered one is refused.
+    const auto begin = reinterpret_cast<uintptr_t>(ptr);
+    const uintptr_t end = begin + static_cast<uintptr_t>(bytes);
     absl::MutexLock lock(&registered_mu_);
-    if (!registered_.insert(ptr).second) {
+    auto next = registered_.lower_bound(begin);
+    if (next != registered_.end() && next->first < end) {
       return absl::AlreadyExistsError("host memory is already registered");
     }
+    if (next != registered_.begin() && std::prev(next)->second > begin) {
+      return absl::AlreadyExistsError("host memory is already registered");
+    }
+    registered_[begin] = end;
     return absl::OkStatus();
   }
   absl::Status UnregisterHostMemory(void* ptr) override {
     absl::MutexLock lock(&registered_mu_);
-    if (registered_.erase(ptr) == 0) return absl::NotFoundError("host memory was not registered");
+    if (registered_.erase(reinterpret_cast<uintptr_t>(ptr)) == 0) {
+      return absl::NotFoundError("host memory was not registered");
+    }
     return absl::OkStatus();
   }
 
@@ -240,7 +252,7 @@ class SimulatedBackend : public DeviceBackend {
   bool stopping_ = false;   // Guarded by copy_->mu.
   std::thread worker_;
   absl::Mutex registered_mu_;
-  std::set<void*> registered_ ABSL_GUARDED_BY(registered_mu_);
+  std::map<uintptr_t, uintptr_t> registered_ ABSL_GUARDED_BY(registered_mu_);  // begin → end.
 };
 
 }  // namespace

@@ -88,6 +88,23 @@ TEST_P(DeviceBackendConformanceTest, HostMemoryCanBeRegisteredOnceInPlace) {
   EXPECT_TRUE(backend_->UnregisterHostMemory(host.data_ptr()).ok());
 }
 
+// The simulator refuses what cudaHostRegister refuses for an overlapping range, so that the
+// offload engine's range merging is checked on CPU hosts too.
+TEST(SimulatedBackendTest, OverlappingHostRegistrationIsRefused) {
+  auto backend = CreateSimulatedBackend({});
+  at::Tensor host = at::empty({1 << 16}, at::kByte);
+  auto* base = static_cast<uint8_t*>(host.data_ptr());
+  ASSERT_TRUE(backend->RegisterHostMemory(base + 4096, 8192, false).ok());
+  EXPECT_FALSE(backend->RegisterHostMemory(base + 8192, 4096, false).ok());   // Inside.
+  EXPECT_FALSE(backend->RegisterHostMemory(base, 8192, false).ok());          // Overlaps the start.
+  EXPECT_FALSE(backend->RegisterHostMemory(base + 12000, 4096, false).ok());  // Overlaps the end.
+  EXPECT_TRUE(backend->RegisterHostMemory(base, 4096, false).ok());           // Adjacent before.
+  EXPECT_TRUE(backend->RegisterHostMemory(base + 12288, 4096, false).ok());   // Adjacent after.
+  EXPECT_FALSE(backend->UnregisterHostMemory(base + 8192).ok());             // Not a start.
+  EXPECT_TRUE(backend->UnregisterHostMemory(base + 4096).ok());
+  EXPECT_TRUE(backend->RegisterHostMemory(base + 8192, 4096, false).ok());    // Free again.
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, DeviceBackendConformanceTest,
                          ::testing::Values(Kind::kSimulated, Kind::kCuda),
                          [](const ::testing::TestParamInfo<Kind>& info) {

@@ -14,6 +14,7 @@
 
 #include "offload/device_backend.h"
 #include "offload/host_weights.h"
+#include "offload/out_of_memory.h"
 #include "tests/offload/stack_model.h"
 
 namespace stowage {
@@ -314,6 +315,8 @@ TEST(GroupOffloadTest, ErrorsNameTheComponentAndTheOption) {
 TEST(GroupOffloadTest, PinInPlaceRegistersOnceAndReleasesOnRemoval) {
   Fixture f;
   const GroupOffloadOptions options = Opts(OffloadType::kLeafLevel, 1, true, OffloadTarget::kPageableHost);
+  std::vector<const void*> hosts;
+  for (auto& entry : f.weights->entries()) hosts.push_back(entry.host.data_ptr());
   for (int round = 0; round < 2; ++round) {
     // A second Apply can register the same memory only if the first one's removal unregistered it.
     auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, options);
@@ -322,8 +325,46 @@ TEST(GroupOffloadTest, PinInPlaceRegistersOnceAndReleasesOnRemoval) {
     EXPECT_EQ((*offloader)->stats().pin_in_place_error, "") << "round " << round;
     EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
   }
-  // The host copy is the one captured: never copied (the slots point at the same host memory).
-  for (auto& entry : f.weights->entries()) EXPECT_FALSE(entry.slot->value.defined());
+  // The host copy is the one captured: pinned where it lies, never copied elsewhere.
+  size_t i = 0;
+  for (auto& entry : f.weights->entries()) EXPECT_EQ(entry.host.data_ptr(), hosts[i++]);
+}
+
+TEST(GroupOffloadTest, ReleasedSlotsComeBackOnTheNextForwardOrFailAsOutOfMemory) {
+  Fixture f;
+  auto applied = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend,
+                                       Opts(OffloadType::kBlockLevel, 1, true, OffloadTarget::kPinnedHost));
+  ASSERT_TRUE(applied.ok()) << applied.status();
+  GroupOffloader& offloader = **applied;
+  const GroupOffloadStats stats = offloader.stats();
+  const int64_t ring = stats.slots * stats.slot_bytes;
+  ASSERT_GT(ring, 0);
+  EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+  EXPECT_EQ(offloader.device_bytes(), ring);
+  EXPECT_EQ(offloader.bytes_needed_to_run(), stats.always_on_bytes);
+
+  const int64_t before = f.backend->GetMemoryStats().allocated_bytes;
+  EXPECT_EQ(offloader.ReleaseSlots(), ring);
+  EXPECT_EQ(f.backend->GetMemoryStats().allocated_bytes, before - ring);  // Back to the device.
+  EXPECT_EQ(offloader.device_bytes(), 0);
+  EXPECT_EQ(offloader.bytes_needed_to_run(), ring + stats.always_on_bytes);
+  EXPECT_EQ(offloader.ReleaseSlots(), 0);  // Nothing left to give back.
+  EXPECT_EQ(offloader.stats().slot_releases, 1);
+
+  // The next forward allocates the ring again; its first group is loaded synchronously (nothing
+  // was prefetched into the released ring), the rest prefetched as before.
+  const int64_t sync_before = offloader.stats().sync_onloads;
+  EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+  EXPECT_EQ(offloader.device_bytes(), ring);
+  EXPECT_EQ(offloader.stats().sync_onloads, sync_before + 1);
+
+  // With no room for the ring, the forward fails as a device out-of-memory error (which placement
+  // recovers from), and works again once there is room.
+  EXPECT_EQ(offloader.ReleaseSlots(), ring);
+  ASSERT_TRUE(f.backend->SetMemoryBudget(f.backend->GetMemoryStats().allocated_bytes + ring / 2).ok());
+  EXPECT_THROW(f.Run(StackOrder::kForward), DeviceOutOfMemory);
+  ASSERT_TRUE(f.backend->SetMemoryBudget(0).ok());
+  EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
 }
 
 TEST(GroupOffloadTest, RefusedRegistrationFallsBackToStagingAndSaysWhy) {

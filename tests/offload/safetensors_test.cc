@@ -1,6 +1,9 @@
 #include "offload/safetensors.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
+
+#include <cstring>
 
 #include <fstream>
 #include <string>
@@ -11,14 +14,16 @@
 namespace stowage {
 namespace {
 
-// This process's file-backed resident bytes (RssFile in /proc/self/status).
+// This process's resident bytes of mapped files: RssFile, plus RssShmem for files on tmpfs.
 int64_t RssFileBytes() {
   std::ifstream status("/proc/self/status");
   std::string line;
+  int64_t bytes = 0;
   while (std::getline(status, line)) {
-    if (line.rfind("RssFile:", 0) == 0) return std::stoll(line.substr(8)) * 1024;
+    if (line.rfind("RssFile:", 0) == 0) bytes += std::stoll(line.substr(8)) * 1024;
+    if (line.rfind("RssShmem:", 0) == 0) bytes += std::stoll(line.substr(9)) * 1024;
   }
-  return -1;
+  return bytes;
 }
 
 TEST(SafetensorsTest, RoundTripIsZeroCopyAndExact) {
@@ -63,11 +68,23 @@ TEST(SafetensorsTest, ReleaseMappedPagesDropsRssButKeepsTheData) {
   EXPECT_TRUE(at::equal(heap, values));
   // Nor a range running past the mapping's end.
   EXPECT_EQ(ReleaseMappedPages(mapped.data_ptr(), (*file)->mapping_bytes() + page), 0);
-  // A closed file's range is forgotten.
-  const void* address = mapped.data_ptr();
+  // A closed file's range is forgotten: memory mapped at the same address afterwards (anonymous,
+  // writable) is never dropped.
+  void* address = mapped.data_ptr();
   mapped = at::Tensor();
   file->reset();
-  EXPECT_EQ(ReleaseMappedPages(address, bytes), 0);
+  const uintptr_t first_page = (reinterpret_cast<uintptr_t>(address) + page - 1) / page * page;
+  void* reused = ::mmap(reinterpret_cast<void*>(first_page), static_cast<size_t>(4 * page),
+                        PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+  if (reused == reinterpret_cast<void*>(first_page)) {
+    std::memset(reused, 0x5a, static_cast<size_t>(4 * page));
+    EXPECT_EQ(ReleaseMappedPages(reused, 4 * page), 0);
+    EXPECT_EQ(static_cast<uint8_t*>(reused)[2 * page], 0x5a);  // Not zeroed by MADV_DONTNEED.
+    ::munmap(reused, static_cast<size_t>(4 * page));
+  } else {
+    if (reused != MAP_FAILED) ::munmap(reused, static_cast<size_t>(4 * page));
+    EXPECT_EQ(ReleaseMappedPages(address, bytes), 0);  // The address range is taken: check what we can.
+  }
 }
 
 }  // namespace

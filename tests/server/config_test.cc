@@ -110,6 +110,11 @@ TEST(ConfigTest, GroupOffloadDefaultsPerLevelAndPinInPlace) {
   ASSERT_TRUE(l.ok()) << l.status();
   EXPECT_EQ(l->prefetch_depth, 4);  // Small groups: copy further ahead.
   EXPECT_TRUE(l->pin_in_place);
+  v1::GroupOffloadConfig budgeted = leaf;
+  budgeted.set_budget_bytes(1 << 30);
+  auto lb = ToGroupOffloadOptions(budgeted, "defaults");
+  ASSERT_TRUE(lb.ok()) << lb.status();
+  EXPECT_EQ(lb->prefetch_depth, 1);  // A budget sized for depth 1 keeps fitting.
   leaf.set_prefetch_depth(2);
   leaf.set_never_pin_in_place(true);
   l = ToGroupOffloadOptions(leaf, "defaults");

@@ -401,8 +401,27 @@ def _add_admin_commands(commands: argparse._SubParsersAction) -> None:
         "--no-stream", action="store_true", help="copy groups synchronously (no prefetching)"
     )
     enable.add_argument(
-        "--prefetch-depth", type=_positive_int, default=1, metavar="N",
-        help="groups copied ahead while one computes (default 1)",
+        "--prefetch-depth", type=_positive_int, default=0, metavar="N",
+        help="groups copied ahead while one computes (default: the server's, 4 at leaf level "
+        "without a budget, else 1)",
+    )
+    enable.add_argument(
+        "--block-module", action="append", default=[], metavar="PATH", dest="block_modules",
+        help="block level: a module whose children are the blocks (repeatable; default: every "
+        "block list)",
+    )
+    enable.add_argument(
+        "--staging-buffer-bytes", type=_positive_int, default=0, metavar="N",
+        help="pageable/disk targets: staging buffer size (default: the server's, 64 MiB)",
+    )
+    enable.add_argument(
+        "--staging-buffers", type=_positive_int, default=0, metavar="N",
+        help="pageable/disk targets: staging buffers (default: the server's, 2)",
+    )
+    enable.add_argument(
+        "--no-pin-in-place", action="store_true",
+        help="pageable target: always stage through the ring instead of pinning the host copy "
+        "where it lies",
     )
     # dest differs from the global --target (the server address), which it must not overwrite.
     enable.add_argument(
@@ -433,7 +452,8 @@ def _add_admin_commands(commands: argparse._SubParsersAction) -> None:
 
     load = commands.add_parser("load-pipeline", help="[admin] load and serve a new pipeline")
     load.add_argument("name", help="the new pipeline's name, [a-z0-9_-]{1,64}")
-    load.add_argument("--builtin", default="tiny", help="built-in architecture (default tiny)")
+    load.add_argument("--builtin", default="zimage-tiny",
+                      help="built-in architecture: zimage-tiny (default) or tiny")
     load.add_argument("--dtype", default="float32", help="float32 (default) or bfloat16")
     load.add_argument("--weight-seed", type=_seed, default=0, help="seed of the random weights")
     load.add_argument("--model-dir", help="a diffusers-format directory on the server instead of --builtin")
@@ -580,6 +600,10 @@ def _run_admin(client: AdminClient, args: argparse.Namespace) -> None:
             target=args.offload_target,
             disk_dir=args.disk_dir,
             budget_bytes=args.budget_bytes,
+            block_modules=args.block_modules,
+            staging_buffer_bytes=args.staging_buffer_bytes,
+            staging_buffers=args.staging_buffers,
+            pin_in_place=not args.no_pin_in_place,
             exclude=args.exclude,
         )
         _print_components(components, args.json)

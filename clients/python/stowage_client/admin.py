@@ -66,6 +66,10 @@ _OPTION_KEYS = frozenset(
         "target",
         "disk_dir",
         "budget_bytes",
+        "block_modules",
+        "staging_buffer_bytes",
+        "staging_buffers",
+        "pin_in_place",
     }
 )
 
@@ -271,6 +275,10 @@ def _group_offload_config(
     target: str,
     disk_dir: str,
     budget_bytes: int,
+    block_modules: Sequence[str] = (),
+    staging_buffer_bytes: int = 0,
+    staging_buffers: int = 0,
+    pin_in_place: bool = True,
 ) -> config_pb2.GroupOffloadConfig:
     if offload_type not in _OFFLOAD_TYPES:
         raise ValueError(
@@ -278,6 +286,8 @@ def _group_offload_config(
         )
     if target not in _TARGETS:
         raise ValueError(f"target must be one of {sorted(_TARGETS)}, got {target!r}")
+    if isinstance(block_modules, str):
+        raise ValueError("block_modules is a list of module paths, not a string")
     return config_pb2.GroupOffloadConfig(
         offload_type=_OFFLOAD_TYPES[offload_type],
         num_blocks_per_group=num_blocks_per_group,
@@ -287,6 +297,10 @@ def _group_offload_config(
         target=_TARGETS[target],
         disk_dir=disk_dir,
         budget_bytes=budget_bytes,
+        block_modules=list(block_modules),
+        staging_buffer_bytes=staging_buffer_bytes,
+        staging_buffers=staging_buffers,
+        never_pin_in_place=not pin_in_place,
     )
 
 
@@ -399,10 +413,14 @@ class AdminClient(_ChannelClient):
         offload_type: str = "block",
         num_blocks_per_group: int = 1,
         use_stream: bool = True,
-        prefetch_depth: int = 1,
+        prefetch_depth: int = 0,
         target: str = "pinned",
         disk_dir: str = "",
         budget_bytes: int = 0,
+        block_modules: Sequence[str] = (),
+        staging_buffer_bytes: int = 0,
+        staging_buffers: int = 0,
+        pin_in_place: bool = True,
         exclude: Sequence[str] = (),
         overrides: Mapping[str, Mapping[str, Any] | config_pb2.GroupOffloadConfig] | None = None,
     ) -> list[ComponentPlacementInfo]:
@@ -410,7 +428,11 @@ class AdminClient(_ChannelClient):
         pipeline (all or nothing).
 
         ``offload_type`` is "block" or "leaf"; ``target`` is "pinned", "pageable" or "disk" (which
-        needs ``disk_dir``). Pipeline target only: ``exclude`` names components to leave alone and
+        needs ``disk_dir``). ``prefetch_depth`` 0 takes the server's default (4 at leaf level without
+        a budget, else 1). ``block_modules`` names the modules whose children are the blocks
+        (default: every block list of the component). ``staging_buffer_bytes`` / ``staging_buffers``
+        size the staging ring (0: the server's 64 MiB x 2). ``pin_in_place`` (pageable target): pin
+        the host copy where it lies; False always stages through the ring. Pipeline target only: ``exclude`` names components to leave alone and
         ``overrides`` maps a component name to a dict of these same options, whose missing keys take
         this call's values (the server replaces options whole, so the client fills them in), or to
         a GroupOffloadConfig message sent as is.
@@ -437,6 +459,10 @@ class AdminClient(_ChannelClient):
             target=target,
             disk_dir=disk_dir,
             budget_bytes=budget_bytes,
+            block_modules=block_modules,
+            staging_buffer_bytes=staging_buffer_bytes,
+            staging_buffers=staging_buffers,
+            pin_in_place=pin_in_place,
         )
         request = admin_pb2.EnableGroupOffloadRequest(
             options=_group_offload_config(**options), exclude=list(exclude)
@@ -479,7 +505,7 @@ class AdminClient(_ChannelClient):
     def load_pipeline(
         self,
         name: str,
-        builtin: str = "tiny",
+        builtin: str = "zimage-tiny",
         dtype: str = "float32",
         weight_seed: int = 0,
         *,

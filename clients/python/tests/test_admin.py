@@ -352,9 +352,9 @@ class RequestMappingTest(AdminServerTestCase):
         self.assertEqual(request.component_id, "tiny/transformer")
         self.assertEqual(
             request.options,
-            GOC(
+            GOC(  # prefetch_depth 0: the server's default for the level.
                 offload_type=GOC.BLOCK_LEVEL, num_blocks_per_group=1, use_stream=True,
-                prefetch_depth=1, target=GOC.PINNED_HOST,
+                prefetch_depth=0, target=GOC.PINNED_HOST, never_pin_in_place=False,
             ),
         )
         self.assertEqual(list(request.exclude), [])
@@ -371,6 +371,10 @@ class RequestMappingTest(AdminServerTestCase):
             target="disk",
             disk_dir="/var/cache/stowage",
             budget_bytes=2**30,
+            block_modules=["layers", "noise_refiner"],
+            staging_buffer_bytes=2**20,
+            staging_buffers=3,
+            pin_in_place=False,
             exclude=["vae", "text_encoder"],
             overrides={"transformer": {"offload_type": "block", "budget_bytes": 5}, "x": explicit},
         )
@@ -380,6 +384,8 @@ class RequestMappingTest(AdminServerTestCase):
         options = GOC(
             offload_type=GOC.LEAF_LEVEL, num_blocks_per_group=3, use_stream=False,
             prefetch_depth=2, target=GOC.DISK, disk_dir="/var/cache/stowage", budget_bytes=2**30,
+            block_modules=["layers", "noise_refiner"], staging_buffer_bytes=2**20, staging_buffers=3,
+            never_pin_in_place=True,
         )
         self.assertEqual(request.options, options)
         self.assertEqual(list(request.exclude), ["vae", "text_encoder"])
@@ -459,7 +465,7 @@ class RequestMappingTest(AdminServerTestCase):
         self.assertEqual(
             config,
             config_pb2.PipelineConfig(
-                name="second", builtin="tiny", dtype="bfloat16", weight_seed=2**64 - 1
+                name="second", builtin="zimage-tiny", dtype="bfloat16", weight_seed=2**64 - 1
             ),
         )
         self.assertEqual(config.WhichOneof("source"), "builtin")
@@ -818,6 +824,8 @@ class CliTest(AdminServerTestCase):
             "--blocks-per-group", "2", "--prefetch-depth", "3", "--target", "disk",
             "--disk-dir", "/tmp/groups", "--budget-bytes", "1048576",
             "--exclude", "vae", "text_encoder", "--exclude", "extra",
+            "--block-module", "layers", "--block-module", "noise_refiner",
+            "--staging-buffer-bytes", "65536", "--staging-buffers", "4", "--no-pin-in-place",
         )
         self.assertEqual((status, err), (0, ""))
         self.assertEqual(
@@ -827,7 +835,8 @@ class CliTest(AdminServerTestCase):
                 options=GOC(
                     offload_type=GOC.LEAF_LEVEL, num_blocks_per_group=2, use_stream=False,
                     prefetch_depth=3, target=GOC.DISK, disk_dir="/tmp/groups",
-                    budget_bytes=2**20,
+                    budget_bytes=2**20, block_modules=["layers", "noise_refiner"],
+                    staging_buffer_bytes=65536, staging_buffers=4, never_pin_in_place=True,
                 ),
                 exclude=["vae", "text_encoder", "extra"],
             ),
@@ -845,7 +854,7 @@ class CliTest(AdminServerTestCase):
         self.assertEqual(
             request.options,
             GOC(offload_type=GOC.BLOCK_LEVEL, num_blocks_per_group=1, use_stream=True,
-                prefetch_depth=1, target=GOC.PAGEABLE_HOST),
+                prefetch_depth=0, target=GOC.PAGEABLE_HOST),
         )
         lines = out.splitlines()
         self.assertEqual(len(lines), 2)
@@ -879,7 +888,7 @@ class CliTest(AdminServerTestCase):
         self.assertEqual(status, 0)
         self.assertEqual(
             self.sent("LoadPipeline").pipeline,
-            config_pb2.PipelineConfig(name="second", builtin="tiny", dtype="bfloat16",
+            config_pb2.PipelineConfig(name="second", builtin="zimage-tiny", dtype="bfloat16",
                                       weight_seed=5),
         )
         lines = out.splitlines()

@@ -5,8 +5,8 @@
 #   text_encoders    custom strategy "text-encoders-only" (the text encoder leaves before the rest runs)
 #   text_encoders_go the same, with the transformer group-offloaded (block level, 1 block/group, stream)
 #   text_encoders_go_all  (a fifth row, not in the upstream demo) the same, with the text encoder
-#                    group-offloaded too: on Z-Image the text encoder alone is about a third of the
-#                    all-resident peak, so the transformer alone cannot bring the peak lower
+#                    group-offloaded too: once the transformer streams, the peak is set while the
+#                    text encoder runs, so only streaming it too brings the peak lower
 # Each mode: a fresh server, a first Generate (cold: the components arrive as the request needs them,
 # as in the upstream demo) and a second one (warm: what the strategy leaves on the device between
 # requests); both replies' peak device memory and peak CPU RSS go into one JSON line in OUT.

@@ -166,7 +166,14 @@ def main():
     vae_fixture(out)
     tok = tokenizer_fixture(out)
     pipeline_fixture(out, tok)
-    print("fixtures written to", out)
+    import json
+    import diffusers
+    import tokenizers
+    import transformers
+    versions = {m.__name__: m.__version__ for m in (torch, diffusers, transformers, tokenizers)}
+    with open(os.path.join(out, "versions.json"), "w", encoding="utf-8") as f:
+        json.dump(versions, f, indent=1)
+    print("fixtures written to", out, "with", versions)
 
 
 if __name__ == "__main__":

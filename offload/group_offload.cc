@@ -799,6 +799,8 @@ int64_t GroupOffloader::device_bytes() const {
          impl_->stats.resident_bytes;
 }
 
+bool GroupOffloader::holds_slots() const { return impl_->slots_allocated && !impl_->slots.empty(); }
+
 int64_t GroupOffloader::ReleaseSlots() { return impl_->ReleaseSlots(); }
 
 int64_t GroupOffloader::bytes_needed_to_run() const {

@@ -121,6 +121,8 @@ class GroupOffloader {
 
   // Device bytes held now: the ring's slots while allocated, and the resident groups.
   int64_t device_bytes() const;
+  // True while the ring's slots are allocated (what ReleaseSlots would free).
+  bool holds_slots() const;
   // Frees the ring's slots while the component is idle, so that other components can use that
   // memory; its next forward allocates them again (a device out-of-memory error there is thrown as
   // DeviceOutOfMemory, like any onload). Does nothing during a forward. Returns the bytes freed.

@@ -255,7 +255,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     }
     // Group-offloaded components that sit idle give their slot rings back while another runs.
     for (const auto& other : entries_) {
-      if (other.get() == entry || !other->group_offload) continue;
+      if (other.get() == entry || !other->group_offload || !other->group_offload->holds_slots()) continue;
       const int64_t before = FreeBytes();
       const int64_t released = other->group_offload->ReleaseSlots();
       if (released > 0) {

@@ -341,12 +341,14 @@ TEST(GroupOffloadTest, ReleasedSlotsComeBackOnTheNextForwardOrFailAsOutOfMemory)
   ASSERT_GT(ring, 0);
   EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
   EXPECT_EQ(offloader.device_bytes(), ring);
+  EXPECT_TRUE(offloader.holds_slots());
   EXPECT_EQ(offloader.bytes_needed_to_run(), stats.always_on_bytes);
 
   const int64_t before = f.backend->GetMemoryStats().allocated_bytes;
   EXPECT_EQ(offloader.ReleaseSlots(), ring);
   EXPECT_EQ(f.backend->GetMemoryStats().allocated_bytes, before - ring);  // Back to the device.
   EXPECT_EQ(offloader.device_bytes(), 0);
+  EXPECT_FALSE(offloader.holds_slots());
   EXPECT_EQ(offloader.bytes_needed_to_run(), ring + stats.always_on_bytes);
   EXPECT_EQ(offloader.ReleaseSlots(), 0);  // Nothing left to give back.
   EXPECT_EQ(offloader.stats().slot_releases, 1);

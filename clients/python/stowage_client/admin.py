@@ -7,6 +7,7 @@ so that the admin bearer token is attached to every call in one place instead of
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -55,23 +56,6 @@ _TARGETS = {
     "pageable": config_pb2.GroupOffloadConfig.PAGEABLE_HOST,
     "disk": config_pb2.GroupOffloadConfig.DISK,
 }
-# The per-component options an `overrides` entry may replace (the keyword arguments of
-# enable_group_offload that map to GroupOffloadConfig).
-_OPTION_KEYS = frozenset(
-    {
-        "offload_type",
-        "num_blocks_per_group",
-        "use_stream",
-        "prefetch_depth",
-        "target",
-        "disk_dir",
-        "budget_bytes",
-        "block_modules",
-        "staging_buffer_bytes",
-        "staging_buffers",
-        "pin_in_place",
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -303,6 +287,11 @@ def _group_offload_config(
         never_pin_in_place=not pin_in_place,
     )
 
+
+
+# The per-component options an `overrides` entry may replace: the keyword arguments of
+# enable_group_offload that map to GroupOffloadConfig, i.e. _group_offload_config's parameters.
+_OPTION_KEYS = frozenset(inspect.signature(_group_offload_config).parameters)
 
 def _one_target(component_id: str | None, pipeline: str | None) -> tuple[str, str]:
     """The (oneof field, value) of a component-or-pipeline target; ValueError unless exactly one."""

@@ -118,34 +118,31 @@ def run_row(row, directory, out, machine, warmup, iters):
         f.write(line + "\n")
 
 
-def table(diffusers_path, stowage_path, bandwidth=None):
+def table(diffusers_path, stowage_path):
     diffusers = {r["row"]: r for r in map(json.loads, open(diffusers_path, encoding="utf-8"))}
     stowage = {r["row"]: r for r in map(json.loads, open(stowage_path, encoding="utf-8"))}
     # The floor: weight bytes at the pinned host->device bandwidth the Stowage side measured.
-    any_stowage = next(iter(stowage.values()), {})
-    bandwidth = bandwidth or any_stowage.get("h2d_bandwidth_bytes_per_s")
+    bandwidth = next(iter(stowage.values()), {}).get("h2d_bandwidth_bytes_per_s")
+
+    def cells(r, streamed):
+        """step s, x floor, peak VRAM GB, peak RSS GB of one side's row (dashes when absent)."""
+        if not r:
+            return ["–"] * 4
+        floor = f"{r['step_s'] / (r['weight_bytes'] / bandwidth):.2f}" if streamed and bandwidth else "–"
+        return [f"{r['step_s']:.3f}", floor, f"{r['peak_device_bytes'] / 1e9:.2f}",
+                f"{r['peak_rss_bytes'] / 1e9:.1f}"]
+
+    # Paired rows, then Stowage-only rows (e.g. deeper prefetch).
+    lines = [(row, diffusers.get(row), stowage.get(COUNTERPART[row])) for row in ROWS]
+    lines += [("–", None, s) for name, s in stowage.items() if name not in COUNTERPART.values()]
     print("| config | diffusers step s | Stowage step s | diffusers x floor | Stowage x floor | "
           "diffusers peak VRAM GB | Stowage peak VRAM GB | diffusers peak RSS GB | Stowage peak RSS GB |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for row in ROWS:
-        d, s = diffusers.get(row), stowage.get(COUNTERPART[row])
-        def cell(r, key, scale=1.0, fmt="{:.3f}"):
-            return fmt.format(r[key] / scale) if r and key in r else "–"
-        def floor(r):
-            if not r or not bandwidth or row == "resident":
-                return "–"
-            return "{:.2f}".format(r["step_s"] / (r["weight_bytes"] / bandwidth))
-        name = row if not s else f"{row} / {s['row']}"
-        print(f"| {name} | {cell(d, 'step_s')} | {cell(s, 'step_s')} | {floor(d)} | {floor(s)} | "
-              f"{cell(d, 'peak_device_bytes', 1e9, '{:.2f}')} | {cell(s, 'peak_device_bytes', 1e9, '{:.2f}')} | "
-              f"{cell(d, 'peak_rss_bytes', 1e9, '{:.1f}')} | {cell(s, 'peak_rss_bytes', 1e9, '{:.1f}')} |")
-    paired = set(COUNTERPART.values())
-    for name, s in stowage.items():  # Stowage-only rows (e.g. deeper prefetch).
-        if name in paired:
-            continue
-        f = "{:.2f}".format(s["step_s"] / (s["weight_bytes"] / bandwidth)) if bandwidth else "–"
-        print(f"| – / {name} | – | {s['step_s']:.3f} | – | {f} | – | {s['peak_device_bytes'] / 1e9:.2f} | – | "
-              f"{s['peak_rss_bytes'] / 1e9:.1f} |")
+    for name, d, s in lines:
+        streamed = name != "resident"
+        dc, sc = cells(d, streamed), cells(s, streamed)
+        label = f"{name} / {s['row']}" if s else name
+        print("| " + " | ".join([label] + [x for pair in zip(dc, sc) for x in pair]) + " |")
 
 
 def main():

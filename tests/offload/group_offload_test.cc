@@ -1,7 +1,9 @@
 #include "offload/group_offload.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -15,6 +17,7 @@
 #include "offload/device_backend.h"
 #include "offload/host_weights.h"
 #include "offload/out_of_memory.h"
+#include "offload/safetensors.h"
 #include "tests/offload/stack_model.h"
 
 namespace stowage {
@@ -366,6 +369,39 @@ TEST(GroupOffloadTest, ReleasedSlotsComeBackOnTheNextForwardOrFailAsOutOfMemory)
   ASSERT_TRUE(f.backend->SetMemoryBudget(f.backend->GetMemoryStats().allocated_bytes + ring / 2).ok());
   EXPECT_THROW(f.Run(StackOrder::kForward), DeviceOutOfMemory);
   ASSERT_TRUE(f.backend->SetMemoryBudget(0).ok());
+  EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+}
+
+TEST(GroupOffloadTest, PinnedCopiesFromASafetensorsMappingDropItsPages) {
+  Fixture f;
+  // The weights as a loader leaves them: views of a mapped safetensors file.
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (auto& entry : f.weights->entries()) named.emplace_back(entry.module->SlotPath(*entry.slot), entry.host);
+  const std::string path = TempDir("mapped") + "/stack.safetensors";
+  ASSERT_TRUE(WriteSafetensors(path, named).ok());
+  auto file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  const int64_t page = ::sysconf(_SC_PAGESIZE);
+  int64_t whole_pages = 0;  // What ReleaseMappedPages can drop: the whole pages inside each tensor.
+  for (auto& entry : f.weights->entries()) {
+    at::Tensor mapped = *(*file)->Get(entry.module->SlotPath(*entry.slot));
+    const auto begin = reinterpret_cast<uintptr_t>(mapped.data_ptr());
+    const uintptr_t end = begin + mapped.nbytes();
+    whole_pages += std::max<int64_t>(0, static_cast<int64_t>(end / page * page) -
+                                            static_cast<int64_t>((begin + page - 1) / page * page));
+    f.weights->ReplaceHost(entry, mapped);
+  }
+  ASSERT_GT(whole_pages, 0);
+  auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend,
+                                         Opts(OffloadType::kBlockLevel, 1, true, OffloadTarget::kPinnedHost));
+  ASSERT_TRUE(offloader.ok()) << offloader.status();
+  EXPECT_EQ((*offloader)->stats().mapped_bytes_released, whole_pages);
+  // The host copies now live in the pinned chunks, not in the mapping.
+  const auto* data = (*file)->data();
+  for (auto& entry : f.weights->entries()) {
+    const auto* host = static_cast<const uint8_t*>(entry.host.data_ptr());
+    EXPECT_FALSE(host >= data && host < data + (*file)->data_bytes());
+  }
   EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
 }
 

@@ -17,7 +17,6 @@ import sys
 import tempfile
 import time
 import unittest
-from concurrent import futures
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from unittest import mock
@@ -39,6 +38,8 @@ from stowage_client import (
     StowageError,
 )
 from stowage_client.__main__ import format_decisions, main
+
+from fake_server import FakeServerTestCase, RecordedCall
 
 TOKEN = "s3cret-admin"
 GOC = config_pb2.GroupOffloadConfig
@@ -134,13 +135,6 @@ def canned_log() -> admin_pb2.GetPlacementLogResponse:
 
 
 @dataclass
-class RecordedCall:
-    method: str
-    request: object
-    metadata: list[tuple[str, str]]
-
-
-@dataclass
 class FakeAdminService(admin_pb2_grpc.AdminServiceServicer):
     """A scriptable AdminService: tests set the fields, then inspect `calls`."""
 
@@ -206,40 +200,14 @@ _METHODS = [
 ]
 
 
-class _Delegate(admin_pb2_grpc.AdminServiceServicer):
-    """Forwards every method to the test class's current fake, so one server serves all tests."""
-
-    def __init__(self, owner: type[AdminServerTestCase]) -> None:
-        self._owner = owner
-
-
-def _forward(name: str):
-    return lambda self, request, context: getattr(self._owner.fake, name)(request, context)
-
-
-for _name in _METHODS:
-    setattr(_Delegate, _name, _forward(_name))
-
-
-class AdminServerTestCase(unittest.TestCase):
+class AdminServerTestCase(FakeServerTestCase):
     """One in-process server per test class; every test gets a fresh fake and a clean
     $STOWAGE_TOKEN (the client and the CLI read it)."""
 
-    server: grpc.Server
-    target: str
+    servicer_base = admin_pb2_grpc.AdminServiceServicer
+    add_servicer = staticmethod(admin_pb2_grpc.add_AdminServiceServicer_to_server)
+    methods = _METHODS
     fake: FakeAdminService
-
-    @classmethod
-    def setUpClass(cls) -> None:
-        cls.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(_Delegate(cls), cls.server)
-        port = cls.server.add_insecure_port("127.0.0.1:0")
-        cls.server.start()
-        cls.target = f"127.0.0.1:{port}"
-
-    @classmethod
-    def tearDownClass(cls) -> None:
-        cls.server.stop(grace=None)
 
     def setUp(self) -> None:
         type(self).fake = FakeAdminService()
@@ -249,10 +217,6 @@ class AdminServerTestCase(unittest.TestCase):
         os.environ.pop("STOWAGE_TOKEN", None)
         self.client = AdminClient(self.target, TOKEN, timeout=10)
         self.addCleanup(self.client.close)
-
-    def only_call(self, method: str) -> RecordedCall:
-        self.assertEqual([c.method for c in self.fake.calls], [method])
-        return self.fake.calls[0]
 
     def sent(self, method: str):
         return self.only_call(method).request

@@ -18,7 +18,6 @@ import tempfile
 import threading
 import time
 import unittest
-from concurrent import futures
 from dataclasses import dataclass, field
 from unittest import mock
 
@@ -37,6 +36,8 @@ from stowage_client import (
     StowageError,
 )
 from stowage_client.__main__ import format_bytes, format_count, main
+
+from fake_server import FakeServerTestCase, RecordedCall
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4  # Not a real image; bytes must round-trip.
 UINT64_MAX = 2**64 - 1
@@ -124,13 +125,6 @@ def canned_pipelines() -> generation_pb2.ListPipelinesResponse:
 
 
 @dataclass
-class RecordedCall:
-    method: str
-    request: object
-    metadata: list[tuple[str, str]]
-
-
-@dataclass
 class FakeGenerationService(generation_pb2_grpc.GenerationServiceServicer):
     """A scriptable GenerationService: tests set the fields, then inspect `calls`."""
 
@@ -191,50 +185,18 @@ class FakeGenerationService(generation_pb2_grpc.GenerationServiceServicer):
         return self.pipelines
 
 
-class ServerTestCase(unittest.TestCase):
+class ServerTestCase(FakeServerTestCase):
     """Starts one in-process server per test class; every test gets a fresh fake."""
 
-    server: grpc.Server
-    target: str
+    servicer_base = generation_pb2_grpc.GenerationServiceServicer
+    add_servicer = staticmethod(generation_pb2_grpc.add_GenerationServiceServicer_to_server)
+    methods = ("Generate", "GenerateStream", "ListPipelines")
     fake: FakeGenerationService
-
-    @classmethod
-    def setUpClass(cls) -> None:
-        cls.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-        servicer = _Delegate(cls)
-        generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, cls.server)
-        port = cls.server.add_insecure_port("127.0.0.1:0")
-        cls.server.start()
-        cls.target = f"127.0.0.1:{port}"
-
-    @classmethod
-    def tearDownClass(cls) -> None:
-        cls.server.stop(grace=None)
 
     def setUp(self) -> None:
         type(self).fake = FakeGenerationService()
         self.client = StowageClient(self.target, timeout=10)
         self.addCleanup(self.client.close)
-
-    def only_call(self, method: str) -> RecordedCall:
-        self.assertEqual([c.method for c in self.fake.calls], [method])
-        return self.fake.calls[0]
-
-
-class _Delegate(generation_pb2_grpc.GenerationServiceServicer):
-    """Forwards to the test class's current fake, so a server can outlive a test's fake."""
-
-    def __init__(self, owner: type[ServerTestCase]) -> None:
-        self._owner = owner
-
-    def Generate(self, request, context):
-        return self._owner.fake.Generate(request, context)
-
-    def GenerateStream(self, request, context):
-        return self._owner.fake.GenerateStream(request, context)
-
-    def ListPipelines(self, request, context):
-        return self._owner.fake.ListPipelines(request, context)
 
 
 FULL_ARGS = dict(

@@ -810,7 +810,11 @@ int64_t GroupOffloader::bytes_needed_to_run() const {
 
 absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
     const std::string& component, Module& root, HostWeights& weights, DeviceBackend& backend,
-    const GroupOffloadOptions& options) {
+    const GroupOffloadOptions& requested) {
+  GroupOffloadOptions options = requested;
+  if (options.prefetch_depth == 0) {
+    options.prefetch_depth = options.type == OffloadType::kLeafLevel && options.budget_bytes == 0 ? 4 : 1;
+  }
   auto invalid = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat("component '", component, "': ", what));
   };
@@ -821,7 +825,9 @@ absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
         "component '", component, "' already has group offloading; disable it before changing options"));
   }
   if (options.num_blocks_per_group < 1) return invalid("num_blocks_per_group must be >= 1");
-  if (options.use_stream && options.prefetch_depth < 1) return invalid("prefetch_depth must be >= 1");
+  if (options.use_stream && options.prefetch_depth < 1) {
+    return invalid("prefetch_depth must be >= 1 (or 0: chosen for the level)");
+  }
   if (options.use_stream && !backend.supports_streams()) {
     return invalid(absl::StrCat("use_stream needs a copy stream, and device ", backend.name(),
                                 " has none"));

@@ -158,16 +158,10 @@ absl::StatusOr<GroupOffloadOptions> ToGroupOffloadOptions(const v1::GroupOffload
   }
   o.use_stream = c.use_stream();
   if (c.prefetch_depth() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".prefetch_depth: must be >= 1"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".prefetch_depth: must be >= 1, or 0 for the engine's choice"));
   }
-  if (c.prefetch_depth() > 0) {
-    o.prefetch_depth = c.prefetch_depth();
-  } else if (o.type == OffloadType::kLeafLevel && c.budget_bytes() == 0) {
-    // Leaf groups are small: one copy ahead cannot hide its latency (H200: 1.30x the PCIe floor at
-    // depth 1, 1.01x at depth 4; bench/results/side_by_side_h200). With a budget the depth stays 1:
-    // deeper prefetch needs more slots, which a budget sized for depth 1 would not hold.
-    o.prefetch_depth = 4;
-  }
+  o.prefetch_depth = c.prefetch_depth();  // 0: the engine's per-level default.
   o.disk_dir = c.disk_dir();
   if (c.budget_bytes() < 0) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".budget_bytes: must be >= 0"));

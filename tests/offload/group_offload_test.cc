@@ -419,6 +419,32 @@ TEST(GroupOffloadTest, RefusedRegistrationFallsBackToStagingAndSaysWhy) {
   for (int i = 0; i < 2; ++i) EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
 }
 
+TEST(GroupOffloadTest, DepthZeroIsChosenPerLevel) {
+  struct Case {
+    OffloadType type;
+    int64_t budget;
+    int depth;
+  };
+  // Leaf groups are small: 4 ahead; block level, or any level under a budget: 1.
+  for (const Case& c : {Case{OffloadType::kLeafLevel, 0, 4}, Case{OffloadType::kBlockLevel, 0, 1},
+                        Case{OffloadType::kLeafLevel, StackModel::kTotalBytes / 2, 1}}) {
+    Fixture f;
+    GroupOffloadOptions options = Opts(c.type, 1, true, OffloadTarget::kPinnedHost);
+    options.prefetch_depth = 0;
+    options.budget_bytes = c.budget;
+    auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, options);
+    ASSERT_TRUE(offloader.ok()) << offloader.status();
+    EXPECT_EQ((*offloader)->options().prefetch_depth, c.depth);
+    if (c.budget == 0) EXPECT_EQ((*offloader)->stats().slots, c.depth + 1);
+    EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+  }
+  Fixture f;
+  GroupOffloadOptions negative = Opts(OffloadType::kLeafLevel, 1, true, OffloadTarget::kPinnedHost);
+  negative.prefetch_depth = -1;
+  EXPECT_EQ(GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, negative).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(GroupOffloadTest, ExplicitBlockModulesReachNestedBlocks) {
   Fixture f;
   GroupOffloadOptions options = Opts(OffloadType::kBlockLevel, 1, true, OffloadTarget::kPinnedHost);

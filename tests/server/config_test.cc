@@ -96,30 +96,24 @@ TEST(ConfigTest, SemanticErrorsNameTheField) {
 namespace stowage {
 namespace {
 
-TEST(ConfigTest, GroupOffloadDefaultsPerLevelAndPinInPlace) {
+TEST(ConfigTest, GroupOffloadOptionsPassDepthAndPinInPlace) {
   v1::GroupOffloadConfig block;
   auto b = ToGroupOffloadOptions(block, "defaults");
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ(b->type, OffloadType::kBlockLevel);
-  EXPECT_EQ(b->prefetch_depth, 1);
+  EXPECT_EQ(b->prefetch_depth, 0);  // Unset: the engine chooses per level (group_offload_test).
   EXPECT_EQ(b->target, OffloadTarget::kPinnedHost);
+  EXPECT_TRUE(b->pin_in_place);
   v1::GroupOffloadConfig leaf;
   leaf.set_offload_type(v1::GroupOffloadConfig::LEAF_LEVEL);
   leaf.set_target(v1::GroupOffloadConfig::PAGEABLE_HOST);
-  auto l = ToGroupOffloadOptions(leaf, "defaults");
-  ASSERT_TRUE(l.ok()) << l.status();
-  EXPECT_EQ(l->prefetch_depth, 4);  // Small groups: copy further ahead.
-  EXPECT_TRUE(l->pin_in_place);
-  v1::GroupOffloadConfig budgeted = leaf;
-  budgeted.set_budget_bytes(1 << 30);
-  auto lb = ToGroupOffloadOptions(budgeted, "defaults");
-  ASSERT_TRUE(lb.ok()) << lb.status();
-  EXPECT_EQ(lb->prefetch_depth, 1);  // A budget sized for depth 1 keeps fitting.
   leaf.set_prefetch_depth(2);
   leaf.set_never_pin_in_place(true);
-  l = ToGroupOffloadOptions(leaf, "defaults");
+  auto l = ToGroupOffloadOptions(leaf, "defaults");
   ASSERT_TRUE(l.ok()) << l.status();
-  EXPECT_EQ(l->prefetch_depth, 2);  // An explicit depth wins.
+  EXPECT_EQ(l->type, OffloadType::kLeafLevel);
+  EXPECT_EQ(l->target, OffloadTarget::kPageableHost);
+  EXPECT_EQ(l->prefetch_depth, 2);
   EXPECT_FALSE(l->pin_in_place);
   leaf.set_prefetch_depth(-1);
   l = ToGroupOffloadOptions(leaf, "pipelines[0].group_offload.defaults");

@@ -35,8 +35,8 @@
 #include "offload/device_backend.h"
 #include "offload/group_offload.h"
 #include "offload/host_weights.h"
-#include "offload/status_macros.h"
-#include "server/process_memory.h"
+#include "base/status_macros.h"
+#include "base/process_memory.h"
 
 ABSL_FLAG(std::string, config, "full", "full (Z-Image main-block shapes) or small (CI smoke run)");
 ABSL_FLAG(std::string, backend, "auto", "cuda, sim, or auto (CUDA when present)");

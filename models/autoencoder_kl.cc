@@ -3,7 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "models/diffusers_format.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 namespace stowage {
 absl::StatusOr<AutoencoderKLConfig> AutoencoderKLConfigFromJson(const google::protobuf::Struct& json) {

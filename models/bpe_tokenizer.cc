@@ -11,7 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "models/diffusers_format.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 namespace stowage {
 namespace {

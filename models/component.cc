@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 namespace stowage {
 

@@ -13,7 +13,7 @@
 #include "models/diffusers_format.h"
 #include "models/flow_match_scheduler.h"
 #include "models/weight_init.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 namespace stowage {
 namespace {

@@ -8,7 +8,7 @@
 #include "models/bpe_tokenizer.h"
 #include "models/diffusers_format.h"
 #include "models/weight_init.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 namespace stowage {
 namespace {

@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "models/diffusers_format.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 namespace stowage {
 namespace {

@@ -5,7 +5,7 @@
 #include "offload/device_backend.h"
 
 #include "absl/strings/str_cat.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 #ifdef STOWAGE_WITH_CUDA
 #include <atomic>

@@ -19,9 +19,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "offload/out_of_memory.h"
+#include "base/out_of_memory.h"
 #include "offload/safetensors.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 namespace stowage {
 namespace {

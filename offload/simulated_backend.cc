@@ -18,7 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "offload/device_backend.h"
-#include "offload/out_of_memory.h"
+#include "base/out_of_memory.h"
 
 namespace stowage {
 namespace {

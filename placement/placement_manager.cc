@@ -5,8 +5,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "offload/out_of_memory.h"
-#include "offload/status_macros.h"
+#include "base/out_of_memory.h"
+#include "base/status_macros.h"
 
 namespace stowage {
 

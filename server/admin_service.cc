@@ -7,7 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/util/time_util.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 #include "server/config.h"
 #include "server/generation_service.h"
 

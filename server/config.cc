@@ -10,7 +10,7 @@
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 namespace stowage {
 namespace {

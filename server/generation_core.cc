@@ -14,9 +14,9 @@
 #include "models/diffusers_format.h"
 #include "models/tiny_pipeline.h"
 #include "models/zimage_pipeline.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 #include "server/config.h"
-#include "server/process_memory.h"
+#include "base/process_memory.h"
 
 namespace stowage {
 namespace {

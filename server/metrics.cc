@@ -10,7 +10,7 @@
 #include "prometheus/client_metric.h"
 #include "prometheus/metric_family.h"
 #include "placement/placement_manager.h"
-#include "server/process_memory.h"
+#include "base/process_memory.h"
 
 namespace stowage {
 namespace {

@@ -12,7 +12,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 #include "prometheus/exposer.h"
 #include "server/config.h"
 #include "server/generation_core.h"

@@ -14,7 +14,7 @@
 
 #include "models/diffusers_format.h"
 #include "models/tiny_pipeline.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 namespace stowage {
 namespace {

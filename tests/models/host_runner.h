@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "models/component.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 namespace stowage {
 

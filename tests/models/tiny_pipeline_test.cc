@@ -13,7 +13,7 @@
 #include "models/byte_tokenizer.h"
 #include "models/flow_match_scheduler.h"
 #include "models/image.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 namespace stowage {
 namespace {

@@ -12,7 +12,7 @@
 
 #include "tests/models/host_runner.h"
 
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 namespace stowage {
 namespace {

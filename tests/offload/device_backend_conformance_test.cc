@@ -7,7 +7,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "offload/out_of_memory.h"
+#include "base/out_of_memory.h"
 
 namespace stowage {
 namespace {

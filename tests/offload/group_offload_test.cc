@@ -16,7 +16,7 @@
 
 #include "offload/device_backend.h"
 #include "offload/host_weights.h"
-#include "offload/out_of_memory.h"
+#include "base/out_of_memory.h"
 #include "offload/safetensors.h"
 #include "tests/offload/stack_model.h"
 

@@ -20,7 +20,7 @@
 #include "models/zimage_pipeline.h"
 #include "models/zimage_transformer.h"
 #include "offload/safetensors.h"
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 // Relative error allowed between our bfloat16 output and the reference's. 1e-2 where both run the
 // same LibTorch kernels (the GPU host: torch 2.11 on both sides gives identical outputs). Debian's

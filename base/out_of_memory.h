@@ -1,6 +1,6 @@
 // The one out-of-memory error type of every device backend.
-#ifndef STOWAGE_OFFLOAD_OUT_OF_MEMORY_H_
-#define STOWAGE_OFFLOAD_OUT_OF_MEMORY_H_
+#ifndef STOWAGE_BASE_OUT_OF_MEMORY_H_
+#define STOWAGE_BASE_OUT_OF_MEMORY_H_
 
 #include <cstdint>
 #include <stdexcept>
@@ -33,4 +33,4 @@ class DeviceOutOfMemory : public std::runtime_error {
 
 }  // namespace stowage
 
-#endif  // STOWAGE_OFFLOAD_OUT_OF_MEMORY_H_
+#endif  // STOWAGE_BASE_OUT_OF_MEMORY_H_

@@ -1,4 +1,4 @@
-#include "offload/out_of_memory.h"
+#include "base/out_of_memory.h"
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"

@@ -1,9 +1,9 @@
-#include "offload/status_macros.h"
+#include "base/status_macros.h"
 
 #include <new>
 #include <string>
 
-#include "offload/out_of_memory.h"
+#include "base/out_of_memory.h"
 
 namespace stowage {
 

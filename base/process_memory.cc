@@ -1,4 +1,4 @@
-#include "server/process_memory.h"
+#include "base/process_memory.h"
 
 #include <fstream>
 #include <sstream>

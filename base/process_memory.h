@@ -5,8 +5,8 @@
 // a device run one at a time, so resetting at request start and reading VmHWM at the end gives the
 // peak RSS of the process while that request ran. getrusage's ru_maxrss cannot be reset, and
 // sampling VmRSS from a thread would miss short peaks.
-#ifndef STOWAGE_SERVER_PROCESS_MEMORY_H_
-#define STOWAGE_SERVER_PROCESS_MEMORY_H_
+#ifndef STOWAGE_BASE_PROCESS_MEMORY_H_
+#define STOWAGE_BASE_PROCESS_MEMORY_H_
 
 #include <cstdint>
 
@@ -26,4 +26,4 @@ absl::Status ResetPeakRss();
 
 }  // namespace stowage
 
-#endif  // STOWAGE_SERVER_PROCESS_MEMORY_H_
+#endif  // STOWAGE_BASE_PROCESS_MEMORY_H_

@@ -1,8 +1,8 @@
 // Status helpers shared by every layer. Abseil 20220623 (Debian 12) has no ABSL_RETURN_IF_ERROR,
 // so the project keeps its own two macros, and the boundary where LibTorch's exceptions become
 // absl::Status.
-#ifndef STOWAGE_OFFLOAD_STATUS_MACROS_H_
-#define STOWAGE_OFFLOAD_STATUS_MACROS_H_
+#ifndef STOWAGE_BASE_STATUS_MACROS_H_
+#define STOWAGE_BASE_STATUS_MACROS_H_
 
 #include <exception>
 #include <utility>
@@ -48,4 +48,4 @@ absl::Status CatchAsStatus(absl::string_view what, Fn&& fn) {
 
 }  // namespace stowage
 
-#endif  // STOWAGE_OFFLOAD_STATUS_MACROS_H_
+#endif  // STOWAGE_BASE_STATUS_MACROS_H_

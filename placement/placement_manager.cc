@@ -28,7 +28,6 @@ PlacementManager::PlacementManager(DeviceBackend* backend)
     : backend_(backend), strategy_(MakeFootprintStrategy(0)) {}
 
 PlacementManager::~PlacementManager() {
-  absl::MutexLock lock(&mu_);
   for (auto& entry : entries_) entry->group_offload.reset();
 }
 
@@ -50,6 +49,7 @@ void PlacementManager::Record(const std::string& component, const std::string& a
   d.free_after = FreeBytes();
   d.strategy = strategy_->name();
   d.reason = reason;
+  absl::MutexLock lock(&log_mu_);
   log_.push_back(std::move(d));
   while (log_.size() > kLogCapacity) log_.pop_front();
 }
@@ -105,7 +105,6 @@ void PlacementManager::EvictAfter(const Entry& target) {
 }
 
 PlacementCounters PlacementManager::counters() const {
-  absl::MutexLock lock(&mu_);
   return counters_;
 }
 
@@ -158,7 +157,6 @@ absl::Status PlacementManager::MakeResident(Entry& entry) {
 }
 
 std::string PlacementManager::SetStrategy(std::unique_ptr<OffloadStrategy> strategy) {
-  absl::MutexLock lock(&mu_);
   strategy_ = std::move(strategy);
   Record("", "set_strategy", 0, FreeBytes(), strategy_->name());
   for (auto& e : entries_) {
@@ -171,12 +169,10 @@ std::string PlacementManager::SetStrategy(std::unique_ptr<OffloadStrategy> strat
 }
 
 std::string PlacementManager::strategy_name() const {
-  absl::MutexLock lock(&mu_);
   return strategy_->name();
 }
 
 std::vector<std::string> PlacementManager::Warnings() const {
-  absl::MutexLock lock(&mu_);
   std::vector<std::string> warnings;
   if (!strategy_->footprint_based()) return warnings;
   for (const auto& e : entries_) {
@@ -189,23 +185,20 @@ std::vector<std::string> PlacementManager::Warnings() const {
 }
 
 void PlacementManager::SetRequestId(std::string request_id) {
-  absl::MutexLock lock(&mu_);
   request_id_ = std::move(request_id);
 }
 
 std::vector<PlacementDecision> PlacementManager::DecisionLog(size_t limit) const {
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&log_mu_);
   const size_t n = std::min(limit, log_.size());
   return std::vector<PlacementDecision>(log_.end() - static_cast<std::ptrdiff_t>(n), log_.end());
 }
 
 int64_t PlacementManager::oom_recoveries() const {
-  absl::MutexLock lock(&mu_);
   return counters_.oom_recoveries;
 }
 
 absl::Status PlacementManager::Register(const std::string& pipeline, Component* component) {
-  absl::MutexLock lock(&mu_);
   if (Entry* existing = Find(*component)) {
     existing->pipelines.push_back(pipeline);
     return absl::OkStatus();
@@ -220,7 +213,6 @@ absl::Status PlacementManager::Register(const std::string& pipeline, Component* 
 }
 
 void PlacementManager::Unregister(const std::string& pipeline) {
-  absl::MutexLock lock(&mu_);
   for (auto it = entries_.begin(); it != entries_.end();) {
     Entry& e = **it;
     e.pipelines.erase(std::remove(e.pipelines.begin(), e.pipelines.end(), pipeline), e.pipelines.end());
@@ -247,7 +239,6 @@ PlacementManager::Entry* PlacementManager::Find(const Component& component) {
 absl::Status PlacementManager::Run(Component& component, const std::function<void()>& fn) {
   Entry* entry = nullptr;
   {
-    absl::MutexLock lock(&mu_);
     entry = Find(component);
     if (entry == nullptr) {
       return absl::FailedPreconditionError(
@@ -275,7 +266,6 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     entry->last_use = absl::Now();
   }
   absl::Status status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
-  absl::MutexLock lock(&mu_);
   if (IsDeviceOom(status)) {
     // The forward itself ran out (activations): free everything else and try once more, then
     // group-offload the component and try again.
@@ -283,9 +273,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     Record(entry->id, "oom", 0, before, std::string(status.message()));
     EvictAllBut(*entry, absl::StrCat("out of memory running ", entry->id));
     backend_->ReleaseCachedMemory();
-    mu_.Unlock();
     status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
-    mu_.Lock();
     if (IsDeviceOom(status) && !entry->group_offload) {
       entry->component->host_weights().OffloadAll();
       entry->state = ComponentState::kOffloaded;
@@ -295,9 +283,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
       if (enabled.ok()) {
         Record(entry->id, "group_offload", entry->group_offload->stats().working_set_bytes, FreeBytes(),
                "out of memory while running, with every other component offloaded");
-        mu_.Unlock();
         status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
-        mu_.Lock();
       }
     }
     if (status.ok()) {
@@ -314,7 +300,6 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
 }
 
 std::vector<ComponentView> PlacementManager::Snapshot() const {
-  absl::MutexLock lock(&mu_);
   std::vector<ComponentView> views;
   for (const auto& entry : entries_) {
     ComponentView view;
@@ -325,11 +310,25 @@ std::vector<ComponentView> PlacementManager::Snapshot() const {
     view.weight_bytes = entry->component->weight_bytes();
     view.state = entry->state;
     if (entry->state == ComponentState::kResident) view.device_bytes = view.weight_bytes;
-    if (entry->group_offload) view.device_bytes = entry->group_offload->device_bytes();
+    if (entry->group_offload) {
+      view.device_bytes = entry->group_offload->device_bytes();
+      view.group_offload = entry->group_offload->stats();
+    }
     view.last_use = entry->last_use;
     views.push_back(std::move(view));
   }
   return views;
+}
+
+PlacementSnapshot PlacementManager::TakeSnapshot() const {
+  PlacementSnapshot snapshot;
+  snapshot.device = backend_->name();
+  snapshot.memory = backend_->GetMemoryStats();
+  snapshot.strategy = strategy_->name();
+  snapshot.components = Snapshot();
+  snapshot.warnings = Warnings();
+  snapshot.counters = counters_;
+  return snapshot;
 }
 
 absl::StatusOr<PlacementManager::Entry*> PlacementManager::FindById(const std::string& id) const {
@@ -362,14 +361,12 @@ absl::Status PlacementManager::EnableLocked(Entry& entry, const GroupOffloadOpti
 
 absl::Status PlacementManager::EnableGroupOffload(const std::string& id,
                                                   const GroupOffloadOptions& options) {
-  absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Entry * entry, FindById(id));
   return EnableLocked(*entry, options);
 }
 
 absl::Status PlacementManager::EnablePipelineGroupOffload(const std::string& pipeline,
                                                           const PipelineGroupOffloadOptions& options) {
-  absl::MutexLock lock(&mu_);
   std::vector<Entry*> targets;
   std::set<std::string> names;
   for (auto& entry : entries_) {
@@ -409,7 +406,6 @@ absl::Status PlacementManager::EnablePipelineGroupOffload(const std::string& pip
 }
 
 absl::Status PlacementManager::DisableGroupOffload(const std::string& id) {
-  absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Entry * entry, FindById(id));
   if (!entry->group_offload) {
     return absl::FailedPreconditionError(absl::StrCat("component '", id, "' is not group-offloaded"));
@@ -420,7 +416,6 @@ absl::Status PlacementManager::DisableGroupOffload(const std::string& id) {
 }
 
 absl::StatusOr<GroupOffloadStats> PlacementManager::GroupOffloadStatsOf(const std::string& id) const {
-  absl::MutexLock lock(&mu_);
   ASSIGN_OR_RETURN(Entry * entry, FindById(id));
   if (!entry->group_offload) {
     return absl::FailedPreconditionError(absl::StrCat("component '", id, "' is not group-offloaded"));

@@ -2,8 +2,12 @@
 // which pipelines call them. Before a component runs it is made resident (its host weights copied
 // to the device); components stay resident until something moves them.
 //
-// Thread-safety: Register/Unregister/Snapshot may be called from any thread; Run is called by the
-// device's request worker (one request at a time per device).
+// Ownership: a PlacementManager is device state. It is thread-compatible and owned by its
+// device's worker (server/device_worker.h): every method but DecisionLog runs on that one thread
+// (or, before a worker exists and in single-threaded tests, on whichever single thread owns it).
+// Nothing here locks around a forward because nothing else may touch the registry, the hooks or
+// the group offloaders while one runs. Other threads read the PlacementSnapshot that the owner
+// takes after each change (TakeSnapshot) and publishes; DecisionLog alone is safe from any thread.
 #ifndef STOWAGE_PLACEMENT_PLACEMENT_MANAGER_H_
 #define STOWAGE_PLACEMENT_PLACEMENT_MANAGER_H_
 
@@ -12,6 +16,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -52,6 +57,8 @@ struct ComponentView {
   int64_t device_bytes = 0;
   ComponentState state = ComponentState::kOffloaded;
   absl::Time last_use;
+  // Set for group-offloaded (and partially resident) components.
+  std::optional<GroupOffloadStats> group_offload;
 };
 
 // One placement decision, as recorded in the bounded log.
@@ -78,6 +85,17 @@ struct PlacementCounters {
   double decision_seconds = 0;     // Time spent in them.
   // (strategy, cause) → evictions; cause is "before_run", "after_run" or "out_of_memory".
   std::map<std::pair<std::string, std::string>, int64_t> evictions;
+};
+
+// Everything a reader on another thread may know about placement on one device, as of one moment
+// on the worker: components, strategy, warnings, counters and the device's memory statistics.
+struct PlacementSnapshot {
+  std::string device;
+  DeviceMemoryStats memory;
+  std::string strategy;
+  std::vector<ComponentView> components;
+  std::vector<std::string> warnings;
+  PlacementCounters counters;
 };
 
 // Lifetime: the registered components must outlive the manager (group offloading unhooks their
@@ -114,6 +132,8 @@ class PlacementManager : public ComponentRunner {
   absl::Status Run(Component& component, const std::function<void()>& fn) override;
 
   std::vector<ComponentView> Snapshot() const;
+  // The whole published view (components with their group-offload statistics, counters, memory).
+  PlacementSnapshot TakeSnapshot() const;
 
   // Group-offloads one component (by id "<pipeline>/<component>"): if resident it leaves the device
   // first; from then on it places itself. Fails, changing nothing, if it is already group-offloaded
@@ -136,34 +156,35 @@ class PlacementManager : public ComponentRunner {
     absl::Time last_use = absl::InfinitePast();
     std::unique_ptr<GroupOffloader> group_offload;
   };
-  Entry* Find(const Component& component) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::StatusOr<Entry*> FindById(const std::string& id) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Entry* Find(const Component& component);
+  absl::StatusOr<Entry*> FindById(const std::string& id) const;
   absl::Status EnableLocked(Entry& entry, const GroupOffloadOptions& options)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+     ;
   int64_t FreeBytes() const;
   void Record(const std::string& component, const std::string& action, int64_t bytes,
-              int64_t free_before, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  StrategyInput InputFor(const Entry& target, int64_t needed) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+              int64_t free_before, const std::string& reason);
+  StrategyInput InputFor(const Entry& target, int64_t needed) const;
   void Offload(Entry& entry, const std::string& reason, const std::string& cause)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+     ;
   // Asks the strategy (timed) and carries out its evictions.
   void EvictBefore(const Entry& target, int64_t needed, const std::string& reason)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void EvictAfter(const Entry& target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+     ;
+  void EvictAfter(const Entry& target);
   void Evict(const std::vector<std::string>& ids, const std::string& reason, const std::string& cause)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+     ;
   // Makes a non-group-offloaded entry resident, evicting per strategy, recovering from OOM.
-  absl::Status MakeResident(Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status MakeResident(Entry& entry);
   // Evicts every movable resident but `keep`; returns the bytes freed.
-  int64_t EvictAllBut(const Entry& keep, const std::string& reason) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t EvictAllBut(const Entry& keep, const std::string& reason);
 
   DeviceBackend* backend_;
-  mutable absl::Mutex mu_;
-  std::vector<std::unique_ptr<Entry>> entries_ ABSL_GUARDED_BY(mu_);
-  std::unique_ptr<OffloadStrategy> strategy_ ABSL_GUARDED_BY(mu_);
-  std::deque<PlacementDecision> log_ ABSL_GUARDED_BY(mu_);
-  std::string request_id_ ABSL_GUARDED_BY(mu_);
-  PlacementCounters counters_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Entry>> entries_;
+  std::unique_ptr<OffloadStrategy> strategy_;
+  std::string request_id_;
+  PlacementCounters counters_;
+  // The decision log is the one part readers on other threads see live.
+  mutable absl::Mutex log_mu_;
+  std::deque<PlacementDecision> log_ ABSL_GUARDED_BY(log_mu_);
   static constexpr size_t kLogCapacity = 4096;
 };
 

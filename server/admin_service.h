@@ -1,12 +1,12 @@
-// AdminService over gRPC: bearer-token authentication, then a thin adapter over GenerationCore and
-// its PlacementManager. A refused change changes nothing.
+// AdminService over gRPC: bearer-token authentication, then a one-line adapter per RPC over the
+// transport-free AdminCore. A refused change changes nothing.
 #ifndef STOWAGE_SERVER_ADMIN_SERVICE_H_
 #define STOWAGE_SERVER_ADMIN_SERVICE_H_
 
 #include <string>
 
 #include "absl/status/status.h"
-#include "server/generation_core.h"
+#include "server/admin_core.h"
 #include "stowage/v1/admin.grpc.pb.h"
 
 namespace stowage {
@@ -45,7 +45,7 @@ class AdminServiceImpl final : public v1::AdminService::Service {
 
  private:
   absl::Status Authorize(grpc::ServerContext* context) const;
-  GenerationCore* core_;
+  AdminCore core_;
   std::string token_;
 };
 

@@ -1,14 +1,21 @@
 #include "server/device_worker.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace stowage {
 
-DeviceWorker::DeviceWorker(std::string device, int queue_depth,
-                           std::function<void(int)> on_queue_depth)
-    : device_(std::move(device)),
-      queue_depth_(queue_depth),
-      on_queue_depth_(std::move(on_queue_depth)) {
+// One posted task and its completion. Lock order: DeviceWorker::mu_ before TaskState::mu.
+struct DeviceWorker::TaskState {
+  enum class Phase { kQueued, kRunning, kDone, kWithdrawn };
+  std::function<absl::Status()> fn;
+  absl::Mutex mu;
+  Phase phase ABSL_GUARDED_BY(mu) = Phase::kQueued;
+  absl::Status status ABSL_GUARDED_BY(mu);
+};
+
+DeviceWorker::DeviceWorker(Options options) : options_(std::move(options)) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -20,13 +27,18 @@ DeviceWorker::~DeviceWorker() {
   thread_.join();
 }
 
-void DeviceWorker::ReportDepth() {
-  if (on_queue_depth_) on_queue_depth_(static_cast<int>(queue_.size()));
+int DeviceWorker::QueuedJobs() const {
+  return static_cast<int>(std::count_if(queue_.begin(), queue_.end(),
+                                        [](const Item& item) { return item.task == nullptr; }));
 }
 
-void DeviceWorker::TakeCancelled(std::vector<Queued>& dropped) {
+void DeviceWorker::ReportDepth() {
+  if (options_.on_queue_depth) options_.on_queue_depth(QueuedJobs());
+}
+
+void DeviceWorker::TakeCancelled(std::vector<Item>& dropped) {
   for (auto it = queue_.begin(); it != queue_.end();) {
-    if (it->job.cancelled && it->job.cancelled()) {
+    if (it->task == nullptr && it->job.cancelled && it->job.cancelled()) {
       dropped.push_back(std::move(*it));
       it = queue_.erase(it);
     } else {
@@ -36,46 +48,100 @@ void DeviceWorker::TakeCancelled(std::vector<Queued>& dropped) {
 }
 
 absl::Status DeviceWorker::Submit(Job job) {
-  std::vector<Queued> dropped;
+  std::vector<Item> dropped;
   absl::Status status;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_) return absl::UnavailableError("server is shutting down");
-    if (static_cast<int>(queue_.size()) >= queue_depth_) TakeCancelled(dropped);
-    if (static_cast<int>(queue_.size()) >= queue_depth_) {
+    if (QueuedJobs() >= options_.queue_depth) TakeCancelled(dropped);
+    if (QueuedJobs() >= options_.queue_depth) {
       status = absl::ResourceExhaustedError(absl::StrCat(
-          "the request queue of ", device_, " is full (", queue_depth_,
+          "the request queue of ", options_.device, " is full (", options_.queue_depth,
           " waiting); retry later or raise queue_depth in the server config"));
     } else {
-      queue_.push_back(Queued{std::move(job), absl::Now()});
+      queue_.push_back(Item{std::move(job), nullptr, absl::Now()});
     }
     ReportDepth();
   }
-  for (Queued& q : dropped) {
-    if (q.job.drop) q.job.drop();
+  for (Item& item : dropped) {
+    if (item.job.drop) item.job.drop();
   }
   return status;
 }
 
+absl::Status DeviceWorker::RunTask(std::function<absl::Status()> task,
+                                   const std::function<absl::Status()>& interrupt, TaskOrder order) {
+  if (OnWorkerThread()) {
+    return absl::InternalError("a device task may not wait for another task on the same worker");
+  }
+  auto state = std::make_shared<TaskState>();
+  state->fn = std::move(task);
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) return absl::UnavailableError("server is shutting down");
+    Item item{Job{}, state, absl::Now()};
+    if (order == TaskOrder::kAfterQueuedJobs) {
+      queue_.push_back(std::move(item));
+    } else {
+      // Behind the tasks already waiting at the front, before every job.
+      auto it = std::find_if(queue_.begin(), queue_.end(), [](const Item& i) { return i.task == nullptr; });
+      queue_.insert(it, std::move(item));
+    }
+  }
+  for (;;) {
+    {
+      absl::MutexLock lock(&state->mu);
+      // Poll the interrupt while waiting: the caller's deadline or cancellation. (Await evaluates
+      // the condition with the lock held.)
+      state->mu.AwaitWithTimeout(
+          absl::Condition(
+              +[](TaskState* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->phase == TaskState::Phase::kDone; },
+              state.get()),
+          absl::Milliseconds(20));
+      if (state->phase == TaskState::Phase::kDone) return state->status;
+      if (state->phase == TaskState::Phase::kRunning) continue;  // Started: wait for its result.
+    }
+    const absl::Status interrupted = interrupt ? interrupt() : absl::OkStatus();
+    if (interrupted.ok()) continue;
+    absl::MutexLock lock(&mu_);
+    absl::MutexLock task_lock(&state->mu);
+    if (state->phase != TaskState::Phase::kQueued) continue;  // The worker took it meanwhile.
+    state->phase = TaskState::Phase::kWithdrawn;
+    queue_.erase(std::find_if(queue_.begin(), queue_.end(), [&](const Item& i) { return i.task == state; }));
+    return interrupted;
+  }
+}
+
 void DeviceWorker::Loop() {
   for (;;) {
-    Queued next;
+    Item next;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](DeviceWorker* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-            return w->stopping_ || !w->queue_.empty();
-          },
+          +[](DeviceWorker* w) ABSL_NO_THREAD_SAFETY_ANALYSIS { return w->stopping_ || !w->queue_.empty(); },
           this));
       if (queue_.empty()) return;
       next = std::move(queue_.front());
       queue_.pop_front();
-      ReportDepth();
+      if (next.task != nullptr) {
+        absl::MutexLock task_lock(&next.task->mu);
+        next.task->phase = TaskState::Phase::kRunning;
+      } else {
+        ReportDepth();
+      }
     }
-    if (next.job.cancelled && next.job.cancelled()) {
+    if (next.task != nullptr) {
+      const absl::Status status = next.task->fn();
+      if (options_.after_each) options_.after_each();
+      absl::MutexLock task_lock(&next.task->mu);
+      next.task->status = status;
+      next.task->phase = TaskState::Phase::kDone;
+    } else if (next.job.cancelled && next.job.cancelled()) {
       if (next.job.drop) next.job.drop();
     } else {
       next.job.run(absl::Now() - next.enqueued);
+      if (options_.after_each) options_.after_each();
+      if (next.job.finish) next.job.finish();
     }
   }
 }

@@ -1,13 +1,30 @@
-// DeviceWorker: the request queue of one device. Jobs run one at a time, in arrival order, on the
-// worker's own thread, so a request's peak device memory and peak RSS are its own. A bounded
-// queue: Submit fails with RESOURCE_EXHAUSTED when `queue_depth` jobs are already waiting.
+// DeviceWorker: the one thread that owns a device's state.
 //
-// Thread-safety: Submit may be called from any thread.
+// Ownership model (ARCHITECTURE.md, "Who may change device state"): every forward on the device and
+// every change to what is on it — placement moves, enabling or disabling group offload, registering
+// and unregistering a pipeline's components, strategy changes, OOM recovery — runs on this worker's
+// thread, one at a time. Other threads never touch device state: they post work here and wait for
+// it, and read the snapshot the owner publishes after each item (`after_each`).
+//
+// Two kinds of work share one queue:
+//   * Jobs (generation requests): bounded by `queue_depth`; Submit fails with RESOURCE_EXHAUSTED
+//     when that many jobs wait. A job whose caller has gone is dropped when it reaches the front,
+//     or when a new job finds the queue full.
+//   * Tasks (admin changes): RunTask waits until the task ran and returns its status. A task runs
+//     between jobs, never during one: kNext puts it before every queued job (after tasks already
+//     waiting), kAfterQueuedJobs behind the jobs queued now (an unload lets accepted requests
+//     finish). A task whose caller's interrupt fires before it started is withdrawn and never runs,
+//     so a refused or timed-out change changes nothing; once started it runs to completion and the
+//     caller gets its real result.
+//
+// Thread-safety: Submit and RunTask may be called from any thread except the worker's own (a task
+// that posted another task and waited would deadlock; RunTask refuses that with INTERNAL).
 #ifndef STOWAGE_SERVER_DEVICE_WORKER_H_
 #define STOWAGE_SERVER_DEVICE_WORKER_H_
 
 #include <deque>
 #include <functional>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -30,32 +47,56 @@ class DeviceWorker {
     std::function<bool()> cancelled;
     // Called instead of `run` for a dropped job (on the worker or the submitting thread).
     std::function<void()> drop;
+    // Optional: called on the worker after `run` and after `after_each` published the state the
+    // job left, so a caller woken here reads a snapshot that already includes its request.
+    std::function<void()> finish;
   };
 
-  // `on_queue_depth` (optional) is called, under the queue's lock so reports never go stale, with the
-  // number of waiting jobs whenever it changes. It must be quick and must not call Submit.
-  DeviceWorker(std::string device, int queue_depth, std::function<void(int)> on_queue_depth);
-  // Runs the jobs already queued, then stops.
+  enum class TaskOrder { kNext, kAfterQueuedJobs };
+
+  struct Options {
+    std::string device;     // For messages: "cuda:0", "sim:0".
+    int queue_depth = 16;   // Jobs that may wait (>= 1).
+    // Optional: called under the queue's lock, so reports never go stale, with the number of
+    // waiting jobs whenever it changes. Must be quick and must not call Submit.
+    std::function<void(int)> on_queue_depth;
+    // Optional: called on the worker thread after every job and task (publishes snapshots).
+    std::function<void()> after_each;
+  };
+
+  explicit DeviceWorker(Options options);
+  // Runs the jobs and tasks already queued, then stops.
   ~DeviceWorker();
 
-  const std::string& device() const { return device_; }
+  const std::string& device() const { return options_.device; }
   absl::Status Submit(Job job);
 
+  // Runs `task` on the worker and returns its status. `interrupt` (optional) is polled while the
+  // task waits; when it returns non-OK before the task started, the task is withdrawn and that
+  // status returned. UNAVAILABLE when the worker is stopping.
+  absl::Status RunTask(std::function<absl::Status()> task,
+                       const std::function<absl::Status()>& interrupt,
+                       TaskOrder order = TaskOrder::kNext);
+
+  // True on the worker's own thread (for contracts that say "worker only").
+  bool OnWorkerThread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
  private:
-  struct Queued {
-    Job job;
+  struct TaskState;
+  struct Item {
+    Job job;                            // Set for jobs.
+    std::shared_ptr<TaskState> task;    // Set for tasks.
     absl::Time enqueued;
   };
   void Loop();
   // Moves cancelled jobs out of the queue into `dropped`.
-  void TakeCancelled(std::vector<Queued>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TakeCancelled(std::vector<Item>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int QueuedJobs() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReportDepth() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  const std::string device_;
-  const int queue_depth_;
-  std::function<void(int)> on_queue_depth_;
+  const Options options_;
   absl::Mutex mu_;
-  std::deque<Queued> queue_ ABSL_GUARDED_BY(mu_);
+  std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <iostream>
+#include <optional>
 #include <random>
 
 #include <ATen/Parallel.h>
@@ -11,9 +12,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/notification.h"
 #include "google/protobuf/util/time_util.h"
-#include "models/diffusers_format.h"
-#include "models/tiny_pipeline.h"
-#include "models/zimage_pipeline.h"
+#include "base/text.h"
+#include "models/pipeline_registry.h"
 #include "base/status_macros.h"
 #include "server/config.h"
 #include "base/process_memory.h"
@@ -64,156 +64,185 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
   core->metrics_ = metrics;
   if (config.cpu_threads() > 0) at::set_num_threads(config.cpu_threads());
   ASSIGN_OR_RETURN(core->backend_, CreateBackend(config.device()));
+  core->device_name_ = core->backend_->name();
   core->placement_ = std::make_unique<PlacementManager>(core->backend_.get());
+  DeviceWorker::Options worker;
+  worker.device = core->device_name_;
+  worker.queue_depth = config.queue_depth();
+  const std::string device = core->device_name_;
+  worker.on_queue_depth = [metrics, device](int depth) {
+    if (metrics != nullptr) metrics->SetQueueDepth(device, depth);
+  };
+  GenerationCore* raw = core.get();
+  worker.after_each = [raw] { raw->Publish(); };
+  core->worker_ = std::make_unique<DeviceWorker>(std::move(worker));
+  if (metrics != nullptr) metrics->SetQueueDepth(device, 0);
+  // From here on only the worker touches the backend and placement.
+  RETURN_IF_ERROR(core->ChangeDevice([](PlacementManager&) { return absl::OkStatus(); }, nullptr));
   for (const v1::PipelineConfig& p : config.pipelines()) {
-    ASSIGN_OR_RETURN(std::shared_ptr<Hosted> hosted, core->Build(p));
-    absl::MutexLock lock(&core->pipelines_mu_);
-    core->pipelines_.push_back(std::move(hosted));
+    absl::StatusOr<v1::Pipeline> loaded = core->Load(p, p.default_(), nullptr);
+    if (!loaded.ok()) return loaded.status();
   }
   if (config.has_strategy()) {
-    ASSIGN_OR_RETURN(std::unique_ptr<OffloadStrategy> strategy,
-                     ToOffloadStrategy(config.strategy(), core->ComponentNames()));
-    core->placement_->SetStrategy(std::move(strategy));
+    RETURN_IF_ERROR(core->ChangeDevice(
+        [&](PlacementManager& placement) -> absl::Status {
+          std::vector<std::string> names;
+          for (const ComponentView& v : placement.Snapshot()) names.push_back(v.name);
+          ASSIGN_OR_RETURN(std::unique_ptr<OffloadStrategy> strategy, ToOffloadStrategy(config.strategy(), names));
+          placement.SetStrategy(std::move(strategy));
+          return absl::OkStatus();
+        },
+        nullptr));
   }
-  for (const std::string& warning : core->placement_->Warnings()) {
+  for (const std::string& warning : core->placement_snapshot()->warnings) {
     std::cerr << "stowage_server: warning: " << warning << std::endl;
   }
-  const std::string device = core->backend_->name();
-  core->worker_ = std::make_unique<DeviceWorker>(
-      device, config.queue_depth(), [metrics, device](int depth) {
-        if (metrics != nullptr) metrics->SetQueueDepth(device, depth);
-      });
-  if (metrics != nullptr) metrics->SetQueueDepth(device, 0);
   return core;
 }
 
 GenerationCore::~GenerationCore() {
-  worker_.reset();
-  // Group offloading hooks the pipelines' modules: placement lets go of them first.
-  absl::MutexLock lock(&pipelines_mu_);
-  for (const auto& hosted : pipelines_) placement_->Unregister(hosted->pipeline->name());
+  if (worker_ != nullptr) {
+    // Group offloading hooks the pipelines' modules: placement lets go of them, on the worker,
+    // before anything is destroyed.
+    (void)worker_->RunTask(
+        [this] {
+          for (const HostedPipelines::View& view : pipelines_.List()) placement_->Unregister(view.name);
+          return absl::OkStatus();
+        },
+        nullptr);
+    worker_.reset();
+  }
 }
 
-absl::StatusOr<std::shared_ptr<GenerationCore::Hosted>> GenerationCore::Build(
-    const v1::PipelineConfig& p) {
-  TinyPipelineOptions options;
+void GenerationCore::Publish() {
+  auto snapshot = std::make_shared<const PlacementSnapshot>(placement_->TakeSnapshot());
+  absl::MutexLock lock(&snapshot_mu_);
+  snapshot_ = std::move(snapshot);
+}
+
+std::shared_ptr<const PlacementSnapshot> GenerationCore::placement_snapshot() const {
+  absl::MutexLock lock(&snapshot_mu_);
+  return snapshot_;
+}
+
+std::vector<PlacementDecision> GenerationCore::DecisionLog(size_t limit) const {
+  return placement_->DecisionLog(limit);
+}
+
+std::vector<PipelineStateView> GenerationCore::PipelineStates() const {
+  std::vector<PipelineStateView> states;
+  for (const HostedPipelines::View& view : pipelines_.List()) {
+    states.push_back(PipelineStateView{view.name, PipelineStateName(view.state)});
+  }
+  return states;
+}
+
+absl::Status GenerationCore::ChangeDevice(const std::function<absl::Status(PlacementManager&)>& change,
+                                          const Interrupt& interrupt) {
+  return worker_->RunTask(
+      [&]() -> absl::Status {
+        absl::Status status;
+        const absl::Status thrown = CatchAsStatus("changing device state", [&] { status = change(*placement_); });
+        return thrown.ok() ? status : thrown;
+      },
+      interrupt);
+}
+
+absl::StatusOr<std::unique_ptr<Pipeline>> GenerationCore::Build(const v1::PipelineConfig& p) {
+  PipelineLoadOptions options;
   options.name = p.name();
   options.dtype = p.dtype() == "bfloat16" ? at::kBFloat16 : at::kFloat;
   options.weight_seed = p.weight_seed();
-  options.device = backend_->torch_device();
-  ZImagePipelineOptions zimage;
-  zimage.name = p.name();
-  zimage.dtype = options.dtype;
-  zimage.weight_seed = options.weight_seed;
-  zimage.device = options.device;
-  std::unique_ptr<Pipeline> pipeline;
-  if (p.source_case() == v1::PipelineConfig::kModelDir) {
-    ASSIGN_OR_RETURN(auto index, ReadModelIndex(p.model_dir()));
-    if (index.count("transformer") > 0 && index.at("transformer") == "ZImageTransformer2DModel") {
-      ASSIGN_OR_RETURN(pipeline, LoadZImagePipeline(p.model_dir(), zimage, p.random_weights(), &component_cache_));
-    } else {
-      ASSIGN_OR_RETURN(pipeline, LoadTinyPipeline(p.model_dir(), options, p.random_weights(), &component_cache_));
-    }
-  } else if (p.builtin() == "zimage-tiny") {
-    ASSIGN_OR_RETURN(pipeline, CreateTinyZImagePipeline(zimage));
-  } else {
-    ASSIGN_OR_RETURN(pipeline, CreateTinyPipeline(options));
-  }
-  for (Component* component : pipeline->components()) {
-    RETURN_IF_ERROR(placement_->Register(p.name(), component));
-  }
-  if (p.group_offload().enabled()) {
-    absl::StatusOr<PipelineGroupOffloadOptions> offload =
-        ToPipelineGroupOffloadOptions(p.group_offload(), p.name());
-    absl::Status status = offload.status();
-    if (status.ok()) status = placement_->EnablePipelineGroupOffload(p.name(), *offload);
-    if (!status.ok()) {
-      placement_->Unregister(p.name());
-      return status;
-    }
-  }
-  auto hosted = std::make_shared<Hosted>();
-  hosted->pipeline = std::move(pipeline);
-  hosted->is_default = p.default_();
-  return hosted;
+  options.device = backend_->torch_device();  // Immutable: read, never changed.
+  options.random_weights = p.random_weights();
+  options.cache = &component_cache_;
+  const PipelineRegistry& registry = DefaultPipelineRegistry();
+  absl::StatusOr<std::unique_ptr<Pipeline>> pipeline = absl::InternalError("not built");
+  // Loaders report problems as statuses; anything a hostile file still makes LibTorch throw is
+  // caught here rather than taking the server down.
+  RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("loading pipeline '", p.name(), "'"), [&] {
+    pipeline = p.source_case() == v1::PipelineConfig::kModelDir ? registry.LoadDirectory(p.model_dir(), options)
+                                                                : registry.CreateBuiltin(p.builtin(), options);
+  }));
+  return pipeline;
 }
 
-absl::StatusOr<v1::Pipeline> GenerationCore::LoadPipeline(const v1::PipelineConfig& config) {
+absl::StatusOr<v1::Pipeline> GenerationCore::LoadPipeline(const v1::PipelineConfig& config,
+                                                          const Interrupt& interrupt) {
   v1::PipelineConfig p = config;
   RETURN_IF_ERROR(FinalizePipelineConfig(p, "pipeline"));
-  p.set_default_(false);
-  {
-    absl::MutexLock lock(&pipelines_mu_);
-    for (const auto& hosted : pipelines_) {
-      if (hosted->pipeline->name() == p.name()) {
-        return absl::AlreadyExistsError(absl::StrCat("pipeline '", p.name(), "' is already loaded"));
-      }
-    }
-  }
-  ASSIGN_OR_RETURN(std::shared_ptr<Hosted> hosted, Build(p));
-  absl::MutexLock lock(&pipelines_mu_);
-  if (pipelines_.empty()) hosted->is_default = true;
-  pipelines_.push_back(hosted);
-  return Describe(*hosted);
+  return Load(p, /*make_default=*/false, interrupt);
 }
 
-absl::Status GenerationCore::UnloadPipeline(const std::string& name,
-                                            const std::function<absl::Status()>& interrupt) {
-  std::shared_ptr<Hosted> hosted;
-  {
-    absl::MutexLock lock(&pipelines_mu_);
-    for (auto it = pipelines_.begin(); it != pipelines_.end(); ++it) {
-      if ((*it)->pipeline->name() == name) {
-        hosted = *it;
-        pipelines_.erase(it);
-        break;
-      }
-    }
-    if (hosted == nullptr) return absl::NotFoundError(absl::StrCat("pipeline '", name, "' is not loaded"));
-    if (hosted->is_default && !pipelines_.empty()) pipelines_.front()->is_default = true;
+absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, bool make_default,
+                                                  const Interrupt& interrupt) {
+  std::optional<PipelineGroupOffloadOptions> offload;
+  if (p.group_offload().enabled()) {
+    ASSIGN_OR_RETURN(offload, ToPipelineGroupOffloadOptions(p.group_offload(), "pipeline.group_offload"));
   }
-  // In-flight requests hold their own references.
-  while (hosted.use_count() > 1) {
-    if (interrupt) {
-      absl::Status status = interrupt();
-      if (!status.ok()) {
-        absl::MutexLock lock(&pipelines_mu_);
-        pipelines_.push_back(hosted);  // Give up: it keeps serving.
-        return status;
-      }
-    }
-    absl::SleepFor(absl::Milliseconds(10));
+  const std::string& name = p.name();
+  RETURN_IF_ERROR(pipelines_.BeginLoad(name));
+  absl::StatusOr<std::unique_ptr<Pipeline>> built = Build(p);
+  if (!built.ok()) {
+    pipelines_.FailLoad(name, built.status());
+    return built.status();
   }
-  placement_->Unregister(name);
-  return absl::OkStatus();
+  std::shared_ptr<Pipeline> pipeline = *std::move(built);
+  bool ran = false;  // Written on the worker; read after RunTask returned (synchronised by it).
+  const absl::Status status = ChangeDevice(
+      [&](PlacementManager& placement) -> absl::Status {
+        ran = true;
+        absl::Status registered;
+        for (Component* component : pipeline->components()) {
+          registered = placement.Register(name, component);
+          if (!registered.ok()) break;
+        }
+        if (registered.ok() && offload.has_value()) {
+          registered = placement.EnablePipelineGroupOffload(name, *offload);
+        }
+        if (!registered.ok()) {
+          placement.Unregister(name);  // All or nothing.
+          return registered;
+        }
+        pipelines_.FinishLoad(name, pipeline, make_default);
+        return absl::OkStatus();
+      },
+      interrupt);
+  if (!status.ok()) {
+    if (ran) {
+      pipelines_.FailLoad(name, status);
+    } else {
+      pipelines_.AbandonLoad(name);  // Withdrawn before it ran: nothing changed.
+    }
+    return status;
+  }
+  for (const HostedPipelines::View& view : pipelines_.List()) {
+    if (view.name == name) return Describe(view);
+  }
+  return absl::NotFoundError(absl::StrCat("pipeline '", name, "' was unloaded while it loaded"));
 }
 
-std::vector<std::string> GenerationCore::ComponentNames() {
-  absl::MutexLock lock(&pipelines_mu_);
-  std::vector<std::string> names;
-  for (const auto& hosted : pipelines_) {
-    for (Component* c : hosted->pipeline->components()) {
-      if (std::find(names.begin(), names.end(), c->name()) == names.end()) names.push_back(c->name());
-    }
-  }
-  return names;
+absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Interrupt& interrupt) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.BeginUnload(name));
+  if (pipeline == nullptr) return absl::OkStatus();  // A failed load: nothing on the device.
+  bool ran = false;
+  const absl::Status status = worker_->RunTask(
+      [&] {
+        ran = true;
+        placement_->Unregister(name);
+        pipelines_.FinishUnload(name);
+        return absl::OkStatus();
+      },
+      interrupt, DeviceWorker::TaskOrder::kAfterQueuedJobs);
+  if (!status.ok() && !ran) pipelines_.AbandonUnload(name);
+  return status;
 }
 
-absl::StatusOr<std::shared_ptr<GenerationCore::Hosted>> GenerationCore::Resolve(const std::string& name) {
-  absl::MutexLock lock(&pipelines_mu_);
-  std::vector<std::string> names;
-  for (const auto& hosted : pipelines_) {
-    if (name.empty() ? hosted->is_default : hosted->pipeline->name() == name) return hosted;
-    names.push_back(hosted->pipeline->name());
+std::string GenerationCore::PipelineLabel(const v1::GenerateRequest& request) const {
+  for (const HostedPipelines::View& view : pipelines_.List()) {
+    if (request.pipeline().empty() ? view.is_default : view.name == request.pipeline()) return view.name;
   }
-  if (name.empty()) return absl::NotFoundError("no pipeline is loaded");
-  return absl::NotFoundError(absl::StrCat("pipeline '", name, "' not found; available: ",
-                                          absl::StrJoin(names, ", ")));
-}
-
-std::string GenerationCore::PipelineLabel(const v1::GenerateRequest& request) {
-  absl::StatusOr<std::shared_ptr<Hosted>> hosted = Resolve(request.pipeline());
-  return hosted.ok() ? (*hosted)->pipeline->name() : "unknown";
+  return "unknown";
 }
 
 absl::StatusOr<GenerationParams> GenerationCore::Validate(const v1::GenerateRequest& request,
@@ -230,6 +259,12 @@ absl::StatusOr<GenerationParams> GenerationCore::Validate(const v1::GenerateRequ
     return absl::InvalidArgumentError(absl::StrCat("negative_prompt is ", request.negative_prompt().size(),
                                                    " bytes; at most ", limits.max_prompt_bytes,
                                                    " bytes allowed by pipeline '", pipeline.name(), "'"));
+  }
+  // Protobuf refuses invalid UTF-8 on the wire; in-process callers (and other fronts) get the
+  // same rule here.
+  if (!IsValidUtf8(request.prompt())) return absl::InvalidArgumentError("prompt is not valid UTF-8");
+  if (!IsValidUtf8(request.negative_prompt())) {
+    return absl::InvalidArgumentError("negative_prompt is not valid UTF-8");
   }
   params.prompt = request.prompt();
   params.negative_prompt = request.negative_prompt();
@@ -277,22 +312,27 @@ absl::StatusOr<GenerationParams> GenerationCore::Validate(const v1::GenerateRequ
 
 absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::GenerateRequest& request,
                                                               const CallControl& control) {
-  ASSIGN_OR_RETURN(std::shared_ptr<Hosted> hosted, Resolve(request.pipeline()));
-  ASSIGN_OR_RETURN(GenerationParams params, Validate(request, *hosted->pipeline));
+  ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.Resolve(request.pipeline()));
+  ASSIGN_OR_RETURN(GenerationParams params, Validate(request, *pipeline));
   RETURN_IF_ERROR(control.interrupt ? control.interrupt() : absl::OkStatus());
 
   absl::Notification done;
   absl::StatusOr<v1::GenerateResponse> result = absl::InternalError("request did not run");
   DeviceWorker::Job job;
   job.run = [&](absl::Duration queue_wait) {
-    result = RunOnWorker(*hosted, params, request, control, queue_wait);
-    done.Notify();
+    if (!pipelines_.StillHosted(pipeline->name(), pipeline.get())) {
+      result = absl::NotFoundError(
+          absl::StrCat("pipeline '", pipeline->name(), "' was unloaded while the request waited"));
+    } else {
+      result = RunOnWorker(*pipeline, params, request, control, queue_wait);
+    }
   };
+  job.finish = [&] { done.Notify(); };
   if (control.interrupt) {
     job.cancelled = [&] { return !control.interrupt().ok(); };
     job.drop = [&] {
-      result = control.interrupt();
-      if (result.ok()) result = absl::CancelledError("dropped from the queue");
+      const absl::Status why = control.interrupt();
+      result = why.ok() ? absl::CancelledError("dropped from the queue") : why;
       done.Notify();
     };
   }
@@ -301,7 +341,7 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
   return result;
 }
 
-absl::StatusOr<v1::GenerateResponse> GenerationCore::RunOnWorker(Hosted& hosted,
+absl::StatusOr<v1::GenerateResponse> GenerationCore::RunOnWorker(Pipeline& pipeline,
                                                                  const GenerationParams& params,
                                                                  const v1::GenerateRequest& request,
                                                                  const CallControl& control,
@@ -328,7 +368,7 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::RunOnWorker(Hosted& hosted,
     *progress.mutable_queue_wait() = queue_wait_proto;
     control.on_progress(progress);
   });
-  ASSIGN_OR_RETURN(Image image, hosted.pipeline->Run(params, *placement_, context));
+  ASSIGN_OR_RETURN(Image image, pipeline.Run(params, *placement_, context));
   context.BeginStage("encode_image");
   ASSIGN_OR_RETURN(std::string png, EncodePng(image));
   context.EndStage();
@@ -341,7 +381,7 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::RunOnWorker(Hosted& hosted,
   response.set_width(image.width);
   response.set_height(image.height);
   response.set_seed(params.seed);
-  response.set_pipeline(hosted.pipeline->name());
+  response.set_pipeline(pipeline.name());
   response.set_request_id(request_id);
   v1::RequestStats* stats = response.mutable_stats();
   *stats->mutable_queue_wait() = queue_wait_proto;
@@ -360,14 +400,30 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::RunOnWorker(Hosted& hosted,
   return response;
 }
 
-v1::Pipeline GenerationCore::Describe(const Hosted& hosted) const {
-  const Pipeline& p = *hosted.pipeline;
-  const PipelineLimits& limits = p.limits();
+v1::Pipeline GenerationCore::Describe(const HostedPipelines::View& view) const {
   v1::Pipeline out;
-  out.set_name(p.name());
+  out.set_name(view.name);
+  out.set_is_default(view.is_default);
+  out.set_device(device_name_);
+  switch (view.state) {
+    case PipelineState::kLoading:
+      out.set_state(v1::PIPELINE_LOADING);
+      break;
+    case PipelineState::kReady:
+      out.set_state(v1::PIPELINE_READY);
+      break;
+    case PipelineState::kUnloading:
+      out.set_state(v1::PIPELINE_UNLOADING);
+      break;
+    case PipelineState::kFailed:
+      out.set_state(v1::PIPELINE_FAILED);
+      out.set_error(view.error);
+      break;
+  }
+  if (view.pipeline == nullptr) return out;
+  const Pipeline& p = *view.pipeline;
+  const PipelineLimits& limits = p.limits();
   out.set_description(p.description());
-  out.set_is_default(hosted.is_default);
-  out.set_device(backend_->name());
   out.set_default_width(limits.default_width);
   out.set_default_height(limits.default_height);
   out.set_min_size(limits.min_size);
@@ -377,7 +433,8 @@ v1::Pipeline GenerationCore::Describe(const Hosted& hosted) const {
   out.set_max_inference_steps(limits.max_steps);
   out.set_default_guidance_scale(limits.default_guidance_scale);
   out.set_max_prompt_bytes(limits.max_prompt_bytes);
-  for (Component* component : hosted.pipeline->components()) {
+  // Names, sizes and dtypes are fixed when a component is built: reading them is no device access.
+  for (Component* component : view.pipeline->components()) {
     v1::PipelineComponent* c = out.add_components();
     c->set_name(component->name());
     c->set_kind(component->kind());
@@ -388,10 +445,9 @@ v1::Pipeline GenerationCore::Describe(const Hosted& hosted) const {
   return out;
 }
 
-v1::ListPipelinesResponse GenerationCore::ListPipelines() {
-  absl::MutexLock lock(&pipelines_mu_);
+v1::ListPipelinesResponse GenerationCore::ListPipelines() const {
   v1::ListPipelinesResponse response;
-  for (const auto& hosted : pipelines_) *response.add_pipelines() = Describe(*hosted);
+  for (const HostedPipelines::View& view : pipelines_.List()) *response.add_pipelines() = Describe(view);
   return response;
 }
 

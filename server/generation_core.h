@@ -1,9 +1,17 @@
-// GenerationCore: the transport-free heart of the server. It owns the device (backend, placement,
-// request queue) and the hosted pipelines, validates requests against a pipeline's limits, runs
-// them on the device's worker, and measures their statistics. Knows protobuf messages, not gRPC.
+// GenerationCore: the transport-free heart of the server for one device. It owns the device (its
+// backend, its placement registry and the worker thread that alone changes them), the table of
+// hosted pipelines and their lifecycles, validates requests against a pipeline's limits, runs them
+// on the worker and measures their statistics. Knows protobuf messages, not gRPC.
 //
-// Thread-safety: Generate and ListPipelines may be called concurrently from any thread; runs are
-// serialised by the device's worker.
+// Ownership model (ARCHITECTURE.md, "Who may change device state"): the backend and the
+// PlacementManager are touched only by the device's worker (server/device_worker.h). Requests are
+// jobs on that worker; every change to device state — registering or removing a pipeline's
+// components, group offload, strategies — is a task posted with ChangeDevice (or by
+// LoadPipeline/UnloadPipeline), which runs between requests and which the caller waits for with
+// its own deadline. Readers on other threads (admin views, the metrics scrape) use
+// placement_snapshot(), published by the worker after every job and task.
+//
+// Thread-safety: every public method may be called from any thread except the worker's.
 #ifndef STOWAGE_SERVER_GENERATION_CORE_H_
 #define STOWAGE_SERVER_GENERATION_CORE_H_
 
@@ -12,81 +20,101 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "models/component.h"
 #include "models/pipeline.h"
 #include "offload/device_backend.h"
 #include "placement/placement_manager.h"
 #include "server/device_worker.h"
+#include "server/hosted_pipelines.h"
 #include "server/metrics.h"
 #include "stowage/v1/config.pb.h"
 #include "stowage/v1/generation.pb.h"
 
 namespace stowage {
 
+// Non-OK (CANCELLED, DEADLINE_EXCEEDED) once the caller has gone.
+using Interrupt = std::function<absl::Status()>;
+
 // How a caller controls one request.
 struct CallControl {
-  // Non-OK (CANCELLED, DEADLINE_EXCEEDED) when the request must stop; checked before the run and
-  // between denoising steps.
-  std::function<absl::Status()> interrupt;
+  // Checked before the run and between denoising steps.
+  Interrupt interrupt;
   // Optional; called on the device worker's thread for each progress event.
   std::function<void(const v1::Progress&)> on_progress;
 };
 
 class GenerationCore {
  public:
-  // `config` must have been through FinalizeServerConfig. `metrics` may be null.
+  // `config` must have been through FinalizeServerConfig. `metrics` may be null. Loads every
+  // configured pipeline; any failure fails Create.
   static absl::StatusOr<std::unique_ptr<GenerationCore>> Create(const v1::ServerConfig& config,
                                                                ServerMetrics* metrics);
   ~GenerationCore();
 
   absl::StatusOr<v1::GenerateResponse> Generate(const v1::GenerateRequest& request,
                                                 const CallControl& control);
-  v1::ListPipelinesResponse ListPipelines();
+  v1::ListPipelinesResponse ListPipelines() const;
 
-  // The pipeline name for metric labels: the resolved name, or "unknown" (so client input never
-  // becomes a label value).
-  std::string PipelineLabel(const v1::GenerateRequest& request);
+  // The pipeline name for metric labels: a hosted pipeline's name, or "unknown" (so client input
+  // never becomes a label value).
+  std::string PipelineLabel(const v1::GenerateRequest& request) const;
 
-  DeviceBackend& backend() { return *backend_; }
-  PlacementManager& placement() { return *placement_; }
+  // Loads `config` (validated like the config file's) on this thread, then registers its
+  // components on the worker. ALREADY_EXISTS for a name that is loading or loaded;
+  // FAILED_PRECONDITION for one being unloaded. If `interrupt` fires before the worker took the
+  // registration, nothing remains; a load that fails after it started leaves the name FAILED (with
+  // the error) until it is loaded again or unloaded.
+  absl::StatusOr<v1::Pipeline> LoadPipeline(const v1::PipelineConfig& config, const Interrupt& interrupt);
+  // Stops accepting requests for `name`; requests already accepted run first, then the worker
+  // removes its components. If `interrupt` fires before that, the pipeline is READY again.
+  absl::Status UnloadPipeline(const std::string& name, const Interrupt& interrupt);
 
-  // Loads and serves a pipeline (validated like the config's). ALREADY_EXISTS for a taken name.
-  absl::StatusOr<v1::Pipeline> LoadPipeline(const v1::PipelineConfig& config);
-  // Stops serving `name`: new requests get NOT_FOUND; waits (until `interrupt` fails) for its
-  // in-flight requests, then removes its components.
-  absl::Status UnloadPipeline(const std::string& name, const std::function<absl::Status()>& interrupt);
-  // Component names of every hosted pipeline (for validating workflow rules).
-  std::vector<std::string> ComponentNames();
+  // Runs `change` on the device's worker between requests and returns its status (exceptions
+  // become INTERNAL). If `interrupt` fires before it started, it never runs.
+  absl::Status ChangeDevice(const std::function<absl::Status(PlacementManager&)>& change,
+                            const Interrupt& interrupt);
+
+  // What the worker published after its last job or task.
+  std::shared_ptr<const PlacementSnapshot> placement_snapshot() const;
+  // The newest `limit` placement decisions (safe from any thread).
+  std::vector<PlacementDecision> DecisionLog(size_t limit) const;
+  // Each hosted pipeline's lifecycle state, for metrics.
+  std::vector<PipelineStateView> PipelineStates() const;
+  const std::string& device_name() const { return device_name_; }
 
  private:
-  struct Hosted {
-    std::unique_ptr<Pipeline> pipeline;
-    bool is_default = false;
-  };
   GenerationCore() = default;
-  absl::StatusOr<std::shared_ptr<Hosted>> Resolve(const std::string& name);
-  absl::StatusOr<std::shared_ptr<Hosted>> Build(const v1::PipelineConfig& config);
-  v1::Pipeline Describe(const Hosted& hosted) const;
+  absl::StatusOr<std::unique_ptr<Pipeline>> Build(const v1::PipelineConfig& config);
+  absl::StatusOr<v1::Pipeline> Load(const v1::PipelineConfig& config, bool make_default,
+                                    const Interrupt& interrupt);
+  v1::Pipeline Describe(const HostedPipelines::View& view) const;
   absl::StatusOr<GenerationParams> Validate(const v1::GenerateRequest& request,
                                             const Pipeline& pipeline) const;
-  absl::StatusOr<v1::GenerateResponse> RunOnWorker(Hosted& hosted, const GenerationParams& params,
+  // Worker only.
+  absl::StatusOr<v1::GenerateResponse> RunOnWorker(Pipeline& pipeline, const GenerationParams& params,
                                                    const v1::GenerateRequest& request,
                                                    const CallControl& control,
                                                    absl::Duration queue_wait);
+  void Publish();  // Worker only.
 
   ServerMetrics* metrics_ = nullptr;
+  std::string device_name_;
+  // Device state, worker only. The backend outlives everything that may hold device memory.
   std::unique_ptr<DeviceBackend> backend_;
   // Components loaded from model directories, shared between pipelines that name the same ones.
   ComponentCache component_cache_;
-  absl::Mutex pipelines_mu_;
-  // A request holds its pipeline's shared_ptr while it runs, so an unload can wait for it.
-  std::vector<std::shared_ptr<Hosted>> pipelines_ ABSL_GUARDED_BY(pipelines_mu_);
-  // After the pipelines: destroyed before them, since group offloading hooks their modules.
+  HostedPipelines pipelines_;
+  // Worker only. Declared after the pipelines: destroyed before them, since group offloading
+  // hooks their modules.
   std::unique_ptr<PlacementManager> placement_;
-  // Declared last: destroyed first, so queued jobs finish while everything they use still exists.
+  int64_t request_counter_ = 0;
+  mutable absl::Mutex snapshot_mu_;
+  std::shared_ptr<const PlacementSnapshot> snapshot_ ABSL_GUARDED_BY(snapshot_mu_);
+  // Declared last: destroyed first, so queued work finishes while everything it uses exists.
   std::unique_ptr<DeviceWorker> worker_;
-  int64_t request_counter_ = 0;  // Used on the worker thread only.
 };
 
 }  // namespace stowage

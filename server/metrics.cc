@@ -76,20 +76,27 @@ void Add(prometheus::MetricFamily& family, double value,
 
 class PlacementCollectable : public prometheus::Collectable {
  public:
-  explicit PlacementCollectable(const PlacementManager* placement) : placement_(placement) {}
+  PlacementCollectable(PlacementSnapshotSource placement, PipelineStateSource pipelines)
+      : placement_(std::move(placement)), pipelines_(std::move(pipelines)) {}
   std::vector<prometheus::MetricFamily> Collect() const override {
     using prometheus::MetricType;
+    const std::shared_ptr<const PlacementSnapshot> snapshot = placement_();
+    auto pipeline_state = Family("stowage_pipeline_state",
+                                 "1 for the lifecycle state each hosted pipeline is in.", MetricType::Gauge);
+    for (const PipelineStateView& p : pipelines_()) {
+      Add(pipeline_state, 1, {{"pipeline", p.pipeline}, {"state", p.state}});
+    }
     auto state = Family("stowage_component_state", "1 for the state each component is in.", MetricType::Gauge);
     auto device = Family("stowage_component_device_bytes",
                          "Device bytes a component holds (weights if resident, working set if group-offloaded).",
                          MetricType::Gauge);
     auto weights = Family("stowage_component_weight_bytes", "Bytes of a component's weights.", MetricType::Gauge);
-    for (const ComponentView& v : placement_->Snapshot()) {
+    for (const ComponentView& v : snapshot->components) {
       Add(state, 1, {{"component", v.id}, {"state", ComponentStateName(v.state)}});
       Add(device, static_cast<double>(v.device_bytes), {{"component", v.id}});
       Add(weights, static_cast<double>(v.weight_bytes), {{"component", v.id}});
     }
-    const PlacementCounters c = placement_->counters();
+    const PlacementCounters& c = snapshot->counters;
     auto onloads = Family("stowage_placement_onloads_total", "Whole-component onloads.", MetricType::Counter);
     Add(onloads, static_cast<double>(c.onloads));
     auto onload_bytes = Family("stowage_placement_onload_bytes_total", "Bytes of whole-component onloads.",
@@ -117,19 +124,21 @@ class PlacementCollectable : public prometheus::Collectable {
     auto warning = Family("stowage_placement_group_offload_warning",
                           "1 while a footprint strategy manages group-offloaded components.",
                           MetricType::Gauge);
-    Add(warning, placement_->Warnings().empty() ? 0 : 1);
-    return {state, device, weights, onloads, onload_bytes, offloads, offload_bytes, evictions, oom,
+    Add(warning, snapshot->warnings.empty() ? 0 : 1);
+    return {pipeline_state, state, device, weights, onloads, onload_bytes, offloads, offload_bytes, evictions, oom,
             decision_seconds, decisions, warning};
   }
 
  private:
-  const PlacementManager* placement_;
+  PlacementSnapshotSource placement_;
+  PipelineStateSource pipelines_;
 };
 
 }  // namespace
 
-std::shared_ptr<prometheus::Collectable> MakePlacementCollectable(const PlacementManager* placement) {
-  return std::make_shared<PlacementCollectable>(placement);
+std::shared_ptr<prometheus::Collectable> MakePlacementCollectable(PlacementSnapshotSource placement,
+                                                                  PipelineStateSource pipelines) {
+  return std::make_shared<PlacementCollectable>(std::move(placement), std::move(pipelines));
 }
 
 std::string StatusCodeLabel(absl::StatusCode code) {

@@ -6,11 +6,13 @@
 #define STOWAGE_SERVER_METRICS_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
+#include "placement/placement_manager.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
@@ -47,13 +49,21 @@ class ServerMetrics {
 // stowage_process_resident_memory_bytes.
 std::shared_ptr<prometheus::Collectable> MakeProcessMemoryCollectable();
 
-class PlacementManager;
+// Where the scrape reads placement: the snapshot the device worker published last (never live
+// engine state), and each hosted pipeline's lifecycle state ("loading", "ready", ...).
+struct PipelineStateView {
+  std::string pipeline;
+  std::string state;
+};
+using PlacementSnapshotSource = std::function<std::shared_ptr<const PlacementSnapshot>()>;
+using PipelineStateSource = std::function<std::vector<PipelineStateView>()>;
 
-// A collectable that reads placement state and counters at scrape time: per-component state and
-// device bytes, onloads/offloads (count and bytes), evictions by strategy and cause, OOM
-// recoveries, decision time, and the footprint-over-group-offload warning. `placement` must outlive
-// the collectable's registration.
-std::shared_ptr<prometheus::Collectable> MakePlacementCollectable(const PlacementManager* placement);
+// A collectable that reads, at scrape time, per-component state and device bytes, onloads/offloads
+// (count and bytes), evictions by strategy and cause, OOM recoveries, decision time, the
+// footprint-over-group-offload warning, and stowage_pipeline_state. The sources must stay callable
+// while the collectable is registered.
+std::shared_ptr<prometheus::Collectable> MakePlacementCollectable(PlacementSnapshotSource placement,
+                                                                  PipelineStateSource pipelines);
 
 // Lower-case gRPC-style name of a status code ("ok", "invalid_argument", ...).
 std::string StatusCodeLabel(absl::StatusCode code);

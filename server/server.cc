@@ -95,7 +95,9 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
 
   ASSIGN_OR_RETURN(server->core_, GenerationCore::Create(config, server->metrics_.get()));
   if (server->exposer_ != nullptr) {
-    server->placement_metrics_ = MakePlacementCollectable(&server->core_->placement());
+    GenerationCore* core = server->core_.get();
+    server->placement_metrics_ = MakePlacementCollectable([core] { return core->placement_snapshot(); },
+                                                          [core] { return core->PipelineStates(); });
     server->exposer_->RegisterCollectable(server->placement_metrics_);
   }
   server->generation_service_ =
@@ -122,7 +124,7 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
   return server;
 }
 
-std::string StowageServer::device_name() const { return core_->backend().name(); }
+std::string StowageServer::device_name() const { return core_->device_name(); }
 
 void StowageServer::Wait() {
   if (grpc_server_ != nullptr) grpc_server_->Wait();

@@ -1,6 +1,8 @@
 #include "server/device_worker.h"
 
 #include <atomic>
+#include <string>
+#include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -10,13 +12,21 @@
 namespace stowage {
 namespace {
 
+DeviceWorker::Options Options(std::string device, int queue_depth, std::function<void(int)> on_depth = nullptr) {
+  DeviceWorker::Options options;
+  options.device = std::move(device);
+  options.queue_depth = queue_depth;
+  options.on_queue_depth = std::move(on_depth);
+  return options;
+}
+
 TEST(DeviceWorkerTest, RunsJobsInOrderOneAtATimeAndRejectsWhenFull) {
   std::vector<int> depths;
   absl::Mutex depth_mu;
-  DeviceWorker worker("sim:0", /*queue_depth=*/2, [&](int d) {
+  DeviceWorker worker(Options("sim:0", /*queue_depth=*/2, [&](int d) {
     absl::MutexLock lock(&depth_mu);
     depths.push_back(d);
-  });
+  }));
   absl::Notification started, release;
   std::vector<int> order;
   absl::Mutex order_mu;
@@ -59,7 +69,7 @@ TEST(DeviceWorkerTest, RunsJobsInOrderOneAtATimeAndRejectsWhenFull) {
 }
 
 TEST(DeviceWorkerTest, ReportsQueueWait) {
-  DeviceWorker worker("sim:0", 4, nullptr);
+  DeviceWorker worker(Options("sim:0", 4));
   absl::Notification release, done;
   absl::Duration waited;
   DeviceWorker::Job blocker, measured;
@@ -77,7 +87,7 @@ TEST(DeviceWorkerTest, ReportsQueueWait) {
 }
 
 TEST(DeviceWorkerTest, CancelledJobsGiveUpTheirPlace) {
-  DeviceWorker worker("sim:0", 1, nullptr);
+  DeviceWorker worker(Options("sim:0", 1));
   absl::Notification started, release, ran_last;
   std::atomic<bool> gone{false};
   std::atomic<int> dropped{0};
@@ -101,6 +111,119 @@ TEST(DeviceWorkerTest, CancelledJobsGiveUpTheirPlace) {
   release.Notify();
   ran_last.WaitForNotification();
   EXPECT_FALSE(cancelled_ran.load());
+}
+
+// A job that blocks until `release`, reporting when it started.
+DeviceWorker::Job Blocker(absl::Notification& started, absl::Notification& release) {
+  DeviceWorker::Job job;
+  job.run = [&](absl::Duration) {
+    started.Notify();
+    release.WaitForNotification();
+  };
+  return job;
+}
+
+TEST(DeviceWorkerTest, TasksRunBetweenJobsBeforeQueuedOnesOrAfterThemAsAsked) {
+  DeviceWorker worker(Options("sim:0", 8));
+  absl::Notification started, release;
+  absl::Mutex mu;
+  std::vector<std::string> order;
+  auto record = [&](const std::string& what) {
+    absl::MutexLock lock(&mu);
+    order.push_back(what);
+  };
+  ASSERT_TRUE(worker.Submit(Blocker(started, release)).ok());
+  started.WaitForNotification();
+  DeviceWorker::Job queued;
+  queued.run = [&](absl::Duration) { record("queued job"); };
+  ASSERT_TRUE(worker.Submit(queued).ok());
+  std::thread next([&] {
+    EXPECT_TRUE(worker.RunTask([&] { record("next task"); return absl::OkStatus(); }, nullptr).ok());
+  });
+  std::thread after([&] {
+    EXPECT_TRUE(worker
+                    .RunTask([&] { record("after task"); return absl::OkStatus(); }, nullptr,
+                             DeviceWorker::TaskOrder::kAfterQueuedJobs)
+                    .ok());
+  });
+  absl::SleepFor(absl::Milliseconds(100));  // Both tasks wait behind the running job.
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_TRUE(order.empty());  // Never during a job.
+  }
+  release.Notify();
+  next.join();
+  after.join();
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(order, (std::vector<std::string>{"next task", "queued job", "after task"}));
+}
+
+TEST(DeviceWorkerTest, ATaskWithdrawnBeforeItStartsNeverRuns) {
+  DeviceWorker worker(Options("sim:0", 4));
+  absl::Notification started, release;
+  ASSERT_TRUE(worker.Submit(Blocker(started, release)).ok());
+  started.WaitForNotification();
+  std::atomic<bool> ran{false};
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(80);
+  const absl::Status status = worker.RunTask(
+      [&] {
+        ran = true;
+        return absl::OkStatus();
+      },
+      [&] { return absl::Now() > deadline ? absl::DeadlineExceededError("too late") : absl::OkStatus(); });
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
+  release.Notify();
+  // A later task runs, so the withdrawn one would have run by now had it stayed queued.
+  EXPECT_TRUE(worker.RunTask([] { return absl::OkStatus(); }, nullptr).ok());
+  EXPECT_FALSE(ran.load());
+}
+
+TEST(DeviceWorkerTest, AStartedTaskRunsToTheEndAndReportsItsOwnStatus) {
+  DeviceWorker worker(Options("sim:0", 4));
+  std::atomic<bool> inside{false};
+  const absl::Status status = worker.RunTask(
+      [&] {
+        inside = true;
+        absl::SleepFor(absl::Milliseconds(100));  // The interrupt fires meanwhile.
+        return absl::InvalidArgumentError("the task's own verdict");
+      },
+      [&] { return inside.load() ? absl::CancelledError("caller gone") : absl::OkStatus(); });
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(status.message(), "the task's own verdict");
+}
+
+TEST(DeviceWorkerTest, StateIsPublishedBeforeACallerIsWoken) {
+  std::atomic<int> published{0};
+  DeviceWorker::Options options = Options("sim:0", 4);
+  options.after_each = [&] { ++published; };
+  DeviceWorker worker(std::move(options));
+  EXPECT_TRUE(worker.RunTask([] { return absl::OkStatus(); }, nullptr).ok());
+  EXPECT_EQ(published.load(), 1);
+  absl::Notification finished;
+  int seen_at_finish = -1;
+  DeviceWorker::Job job;
+  job.run = [](absl::Duration) {};
+  job.finish = [&] {
+    seen_at_finish = published.load();
+    finished.Notify();
+  };
+  ASSERT_TRUE(worker.Submit(job).ok());
+  finished.WaitForNotification();
+  EXPECT_EQ(seen_at_finish, 2);
+}
+
+TEST(DeviceWorkerTest, ATaskCannotWaitForAnotherOnTheSameWorker) {
+  DeviceWorker worker(Options("sim:0", 4));
+  absl::Status inner;
+  EXPECT_TRUE(worker
+                  .RunTask(
+                      [&] {
+                        inner = worker.RunTask([] { return absl::OkStatus(); }, nullptr);
+                        return absl::OkStatus();
+                      },
+                      nullptr)
+                  .ok());
+  EXPECT_EQ(inner.code(), absl::StatusCode::kInternal);
 }
 
 }  // namespace

@@ -1,0 +1,126 @@
+#include "models/pipeline_registry.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status_macros.h"
+#include "models/diffusers_format.h"
+#include "models/tiny_pipeline.h"
+#include "models/zimage_pipeline.h"
+
+namespace stowage {
+namespace {
+
+PipelineArchitecture ZImageArchitecture() {
+  PipelineArchitecture a;
+  a.class_names = {"ZImagePipeline"};
+  a.builtins = {"zimage-tiny"};
+  auto options_for = [](const PipelineLoadOptions& o) {
+    ZImagePipelineOptions z;
+    z.name = o.name;
+    z.dtype = o.dtype;
+    z.weight_seed = o.weight_seed;
+    z.device = o.device;
+    return z;
+  };
+  a.load_dir = [options_for](const std::string& dir, const PipelineLoadOptions& o) {
+    return LoadZImagePipeline(dir, options_for(o), o.random_weights, o.cache);
+  };
+  a.create_builtin = [options_for](const std::string&, const PipelineLoadOptions& o) {
+    return CreateTinyZImagePipeline(options_for(o));
+  };
+  return a;
+}
+
+PipelineArchitecture TinyArchitecture() {
+  PipelineArchitecture a;
+  a.class_names = {"StowageTinyPipeline"};
+  a.builtins = {"tiny"};
+  auto options_for = [](const PipelineLoadOptions& o) {
+    TinyPipelineOptions t;
+    t.name = o.name;
+    t.dtype = o.dtype;
+    t.weight_seed = o.weight_seed;
+    t.device = o.device;
+    return t;
+  };
+  a.load_dir = [options_for](const std::string& dir, const PipelineLoadOptions& o) {
+    return LoadTinyPipeline(dir, options_for(o), o.random_weights, o.cache);
+  };
+  a.create_builtin = [options_for](const std::string&, const PipelineLoadOptions& o) {
+    return CreateTinyPipeline(options_for(o));
+  };
+  return a;
+}
+
+}  // namespace
+
+absl::Status PipelineRegistry::Register(PipelineArchitecture architecture) {
+  const size_t index = architectures_.size();
+  for (const std::string& c : architecture.class_names) {
+    if (by_class_.count(c) > 0) return absl::InvalidArgumentError(absl::StrCat("class '", c, "' is registered twice"));
+  }
+  for (const std::string& b : architecture.builtins) {
+    if (builtins_.count(b) > 0) return absl::InvalidArgumentError(absl::StrCat("built-in '", b, "' is registered twice"));
+  }
+  for (const std::string& c : architecture.class_names) by_class_[c] = index;
+  for (const std::string& b : architecture.builtins) builtins_[b] = index;
+  architectures_.push_back(std::move(architecture));
+  return absl::OkStatus();
+}
+
+std::vector<std::string> PipelineRegistry::BuiltinNames() const {
+  std::vector<std::string> names;
+  for (const auto& [name, unused] : builtins_) names.push_back(name);
+  return names;
+}
+
+std::vector<std::string> PipelineRegistry::ClassNames() const {
+  std::vector<std::string> names;
+  for (const auto& [name, unused] : by_class_) names.push_back(name);
+  return names;
+}
+
+absl::StatusOr<std::unique_ptr<Pipeline>> PipelineRegistry::LoadDirectory(
+    const std::string& dir, const PipelineLoadOptions& options) const {
+  const std::string index_path = absl::StrCat(dir, "/model_index.json");
+  ASSIGN_OR_RETURN(google::protobuf::Struct index, ReadJsonFile(index_path));
+  auto field = index.fields().find("_class_name");
+  if (field == index.fields().end() || !field->second.has_string_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(index_path, ": _class_name is missing or not a string; known: ",
+                                                   absl::StrJoin(ClassNames(), ", ")));
+  }
+  auto it = by_class_.find(field->second.string_value());
+  if (it == by_class_.end()) {
+    std::string shown = field->second.string_value().substr(0, 64);
+    for (char& c : shown) {
+      if (c < 0x20 || c > 0x7e) c = '?';
+    }
+    return absl::InvalidArgumentError(absl::StrCat(index_path, ": _class_name '", shown,
+                                                   "' is not a pipeline this server knows; known: ",
+                                                   absl::StrJoin(ClassNames(), ", ")));
+  }
+  return architectures_[it->second].load_dir(dir, options);
+}
+
+absl::StatusOr<std::unique_ptr<Pipeline>> PipelineRegistry::CreateBuiltin(
+    const std::string& builtin, const PipelineLoadOptions& options) const {
+  auto it = builtins_.find(builtin);
+  if (it == builtins_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("unknown built-in pipeline; available: ",
+                                                   absl::StrJoin(BuiltinNames(), ", ")));
+  }
+  return architectures_[it->second].create_builtin(builtin, options);
+}
+
+const PipelineRegistry& DefaultPipelineRegistry() {
+  static const PipelineRegistry* registry = [] {
+    auto* r = new PipelineRegistry();
+    // One line per architecture.
+    (void)r->Register(ZImageArchitecture());
+    (void)r->Register(TinyArchitecture());
+    return r;
+  }();
+  return *registry;
+}
+
+}  // namespace stowage

@@ -1,0 +1,48 @@
+// AdminCore: the transport-free admin API. Each method takes the request message, returns the
+// response or a status, and knows nothing of gRPC or HTTP; AdminServiceImpl (and any other front)
+// is authentication plus a one-line adapter per RPC.
+//
+// Every change goes through GenerationCore::ChangeDevice (or its Load/Unload), so it runs on the
+// device's worker between requests; reads use the snapshot the worker published. A refused change
+// changes nothing: requests are validated completely before a task is posted, and whole-pipeline
+// changes are all or nothing on the worker. Client text echoed in messages is cut to a short prefix.
+//
+// Thread-safety: thread-safe (every method may be called from any thread but the device worker's).
+#ifndef STOWAGE_SERVER_ADMIN_CORE_H_
+#define STOWAGE_SERVER_ADMIN_CORE_H_
+
+#include "absl/status/statusor.h"
+#include "server/generation_core.h"
+#include "stowage/v1/admin.pb.h"
+
+namespace stowage {
+
+class AdminCore {
+ public:
+  // `core` must outlive this object.
+  explicit AdminCore(GenerationCore* core) : core_(core) {}
+
+  absl::StatusOr<v1::GetPlacementResponse> GetPlacement(const v1::GetPlacementRequest& request) const;
+  absl::StatusOr<v1::SetOffloadStrategyResponse> SetOffloadStrategy(const v1::SetOffloadStrategyRequest& request,
+                                                                    const Interrupt& interrupt);
+  absl::StatusOr<v1::EnableGroupOffloadResponse> EnableGroupOffload(const v1::EnableGroupOffloadRequest& request,
+                                                                    const Interrupt& interrupt);
+  absl::StatusOr<v1::DisableGroupOffloadResponse> DisableGroupOffload(
+      const v1::DisableGroupOffloadRequest& request, const Interrupt& interrupt);
+  absl::StatusOr<v1::LoadPipelineResponse> LoadPipeline(const v1::LoadPipelineRequest& request,
+                                                        const Interrupt& interrupt);
+  absl::StatusOr<v1::UnloadPipelineResponse> UnloadPipeline(const v1::UnloadPipelineRequest& request,
+                                                            const Interrupt& interrupt);
+  absl::StatusOr<v1::GetPlacementLogResponse> GetPlacementLog(const v1::GetPlacementLogRequest& request) const;
+
+  // Bounds of GetPlacementLogRequest.limit (0 = kDefaultLogLimit).
+  static constexpr int kMaxLogLimit = 4096;
+  static constexpr int kDefaultLogLimit = 100;
+
+ private:
+  GenerationCore* core_;
+};
+
+}  // namespace stowage
+
+#endif  // STOWAGE_SERVER_ADMIN_CORE_H_

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/out_of_memory.h"
+#include "base/text.h"
 #include "base/status_macros.h"
 
 namespace stowage {
@@ -337,7 +338,7 @@ absl::StatusOr<PlacementManager::Entry*> PlacementManager::FindById(const std::s
     if (entry->id == id) return entry.get();
     ids.push_back(entry->id);
   }
-  return absl::NotFoundError(absl::StrCat("component '", id, "' not found; known: ",
+  return absl::NotFoundError(absl::StrCat("component '", Truncated(id), "' not found; known: ",
                                           absl::StrJoin(ids, ", ")));
 }
 
@@ -378,17 +379,17 @@ absl::Status PlacementManager::EnablePipelineGroupOffload(const std::string& pip
     }
     targets.push_back(entry.get());
   }
-  if (names.empty()) return absl::NotFoundError(absl::StrCat("pipeline '", pipeline, "' not found"));
+  if (names.empty()) return absl::NotFoundError(absl::StrCat("pipeline '", Truncated(pipeline), "' not found"));
   for (const std::string& excluded : options.exclude) {
     if (names.count(excluded) == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("exclude: pipeline '", pipeline,
-                                                     "' has no component '", excluded, "'"));
+      return absl::InvalidArgumentError(absl::StrCat("exclude: pipeline '", Truncated(pipeline),
+                                                     "' has no component '", Truncated(excluded), "'"));
     }
   }
   for (const auto& [name, unused] : options.overrides) {
     if (names.count(name) == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("overrides: pipeline '", pipeline,
-                                                     "' has no component '", name, "'"));
+      return absl::InvalidArgumentError(absl::StrCat("overrides: pipeline '", Truncated(pipeline),
+                                                     "' has no component '", Truncated(name), "'"));
     }
   }
   for (size_t i = 0; i < targets.size(); ++i) {

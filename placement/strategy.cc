@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "base/text.h"
 
 namespace stowage {
 namespace {
@@ -175,7 +176,7 @@ absl::StatusOr<std::unique_ptr<OffloadStrategy>> MakeWorkflowStrategy(
   }
   auto check = [&](size_t i, const std::string& name) -> absl::Status {
     if (names.count(name) == 0) {
-      return absl::InvalidArgumentError(absl::StrCat("rules[", i, "]: unknown component '", name,
+      return absl::InvalidArgumentError(absl::StrCat("rules[", i, "]: unknown component '", Truncated(name),
                                                      "'; known: ", absl::StrJoin(names, ", ")));
     }
     return absl::OkStatus();
@@ -214,7 +215,7 @@ absl::StatusOr<std::unique_ptr<OffloadStrategy>> MakeCustomStrategy(const std::s
   if (it == r.factories.end()) {
     std::vector<std::string> names;
     for (const auto& [n, f] : r.factories) names.push_back(n);
-    return absl::NotFoundError(absl::StrCat("no custom strategy '", name, "'; registered: ",
+    return absl::NotFoundError(absl::StrCat("no custom strategy '", Truncated(name), "'; registered: ",
                                             absl::StrJoin(names, ", ")));
   }
   return it->second();

@@ -4,7 +4,9 @@ Sources live under proto/ and are imported as "stowage/v1/<file>.proto"; generat
 included the same way ("stowage/v1/<file>.pb.h").
 """
 
-def cc_grpc_proto_library(name, srcs, deps = [], visibility = None):
+def cc_grpc_proto_library(name, srcs, deps = [], extra_hdrs = [], grpc_include = None, cc_deps = [], visibility = None):
+    """`grpc_include`: a header every generated *.grpc.pb.h includes (in `extra_hdrs`, its code in
+    `cc_deps`)."""
     outs = []
     for src in srcs:
         base = src[:-len(".proto")]
@@ -14,17 +16,20 @@ def cc_grpc_proto_library(name, srcs, deps = [], visibility = None):
         srcs = srcs + [d + "_srcs" for d in deps],
         outs = outs,
         cmd = ("/usr/bin/protoc --proto_path=$$(dirname $$(dirname $$(dirname $(location {first})))) " +
-               "--cpp_out=$(GENDIR)/proto --grpc_out=$(GENDIR)/proto " +
+               "--cpp_out=$(GENDIR)/proto --grpc_out={grpc_params}$(GENDIR)/proto " +
                "--plugin=protoc-gen-grpc=/usr/bin/grpc_cpp_plugin " +
-               " ".join(["$(location %s)" % s for s in srcs])).format(first = srcs[0]),
+               " ".join(["$(location %s)" % s for s in srcs])).format(
+            first = srcs[0],
+            grpc_params = ("additional_header_includes=%s:" % grpc_include) if grpc_include else "",
+        ),
     )
     native.filegroup(name = name + "_srcs", srcs = srcs, visibility = visibility)
     native.cc_library(
         name = name,
         srcs = [o for o in outs if o.endswith(".cc")],
-        hdrs = [o for o in outs if o.endswith(".h")],
+        hdrs = [o for o in outs if o.endswith(".h")] + extra_hdrs,
         includes = ["."],
-        deps = deps + ["@system//:grpc", "@system//:protobuf"],
+        deps = deps + cc_deps + ["@system//:grpc", "@system//:protobuf"],
         visibility = visibility,
     )
 

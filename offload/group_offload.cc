@@ -11,17 +11,14 @@
 
 #include <malloc.h>
 
-#include <condition_variable>
-#include <mutex>
-#include <thread>
-
 #include <ATen/Functions.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "base/out_of_memory.h"
-#include "offload/safetensors.h"
 #include "base/status_macros.h"
+#include "offload/memcpy_pool.h"
+#include "offload/safetensors.h"
 
 namespace stowage {
 namespace {
@@ -46,80 +43,6 @@ uint64_t HashBytes(const uint8_t* data, int64_t n, uint64_t h) {
   for (; i < n; ++i) h = (h ^ data[i]) * 0x100000001B3ULL;
   return h;
 }
-
-// Copies large buffers with a few dedicated threads: one core's memcpy (~5-10 GB/s) is far below
-// the host-to-device link, so staging pageable memory needs several in parallel.
-class MemcpyPool {
- public:
-  explicit MemcpyPool(int threads) {
-    for (int i = 0; i < threads; ++i) workers_.emplace_back([this, i] { Loop(i); });
-  }
-  ~MemcpyPool() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-      ++generation_;
-    }
-    cv_.notify_all();
-    for (std::thread& t : workers_) t.join();
-  }
-  void Copy(uint8_t* dst, const uint8_t* src, int64_t n) {
-    constexpr int64_t kMinSlice = int64_t{1} << 20;
-    const int parts = static_cast<int>(std::min<int64_t>(workers_.size() + 1, std::max<int64_t>(1, n / kMinSlice)));
-    if (parts <= 1) {
-      std::memcpy(dst, src, static_cast<size_t>(n));
-      return;
-    }
-    const int64_t slice = (n + parts - 1) / parts;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      dst_ = dst;
-      src_ = src;
-      n_ = n;
-      slice_ = slice;
-      active_ = parts - 1;  // Workers 0..parts-2 take slices 1..parts-1; the caller takes slice 0.
-      pending_ = parts - 1;
-      ++generation_;
-    }
-    cv_.notify_all();
-    std::memcpy(dst, src, static_cast<size_t>(std::min(slice, n)));
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [&] { return pending_ == 0; });
-  }
-
- private:
-  void Loop(int index) {
-    uint64_t seen = 0;
-    for (;;) {
-      uint8_t* dst;
-      const uint8_t* src;
-      int64_t begin, end;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
-        if (stop_) return;
-        if (index >= active_) continue;
-        begin = (index + 1) * slice_;
-        end = std::min(n_, begin + slice_);
-        dst = dst_;
-        src = src_;
-      }
-      if (begin < end) std::memcpy(dst + begin, src + begin, static_cast<size_t>(end - begin));
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_cv_.notify_all();
-    }
-  }
-  std::vector<std::thread> workers_;
-  std::mutex mu_;
-  std::condition_variable cv_, done_cv_;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
-  uint8_t* dst_ = nullptr;
-  const uint8_t* src_ = nullptr;
-  int64_t n_ = 0, slice_ = 0;
-  int active_ = 0, pending_ = 0;
-};
 
 }  // namespace
 

@@ -17,14 +17,12 @@
 #include "absl/strings/str_split.h"
 #include "base/out_of_memory.h"
 #include "base/status_macros.h"
+#include "offload/group_plan.h"
 #include "offload/memcpy_pool.h"
 #include "offload/safetensors.h"
 
 namespace stowage {
 namespace {
-
-constexpr int64_t kAlign = 256;
-int64_t AlignUp(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 // Raw bytes of a contiguous CPU tensor, without ownership (the caller keeps `t` alive).
 at::Tensor BytesOf(const at::Tensor& t) {
@@ -62,7 +60,7 @@ struct GroupOffloader::Impl {
     std::string name;
     std::vector<TensorRef> tensors;
     std::vector<Module*> members;  // Modules whose forwards use the group.
-    int64_t bytes = 0;             // Packed, each tensor aligned to kAlign.
+    int64_t bytes = 0;             // Packed, each tensor aligned to kGroupAlign.
     bool ring = true;              // False: always-on for its owner's forward.
     bool resident = false;         // Kept on the device (budget).
     at::Tensor host_packed;        // kPinnedHost: contiguous pinned copy.
@@ -124,177 +122,40 @@ struct GroupOffloader::Impl {
 
   // --- Building ---------------------------------------------------------------------------------
 
-  absl::Status BuildGroups() {
-    std::map<TensorSlot*, HostWeights::Entry*> entry_of;
-    for (HostWeights::Entry& e : weights->entries()) entry_of[e.slot] = &e;
-    auto add_tensors = [&](Group& g, Module& m, bool subtree) {
-      auto take = [&](Module& owner) {
-        for (TensorSlot& slot : owner.slots()) {
-          auto it = entry_of.find(&slot);
-          if (it == entry_of.end()) continue;
-          g.tensors.push_back(TensorRef{it->second, g.bytes});
-          g.bytes += AlignUp(static_cast<int64_t>(it->second->host.nbytes()));
-          entry_of.erase(it);
-        }
-      };
-      if (subtree) {
-        m.ForEachModule(take);
-      } else {
-        take(m);
-      }
-    };
-
-    if (options.type == OffloadType::kBlockLevel) {
-      std::vector<Module*> lists;
-      if (options.block_modules.empty()) {
-        for (auto& [name, child] : root->children()) {
-          if (child->kind() == "ModuleList") lists.push_back(child);
-        }
-      } else {
-        for (const std::string& path : options.block_modules) {
-          Module* found = nullptr;
-          root->ForEachModule([&](Module& m) {
-            if (m.path() == path) found = &m;
-          });
-          if (found == nullptr || found == root) {
-            return absl::InvalidArgumentError(absl::StrCat(
-                "component '", component, "': block_modules entry '", path, "' is not a submodule"));
-          }
-          lists.push_back(found);
-        }
-      }
-      if (lists.empty()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "component '", component, "': block_level found no block list (no ModuleList child of the "
-            "root); name one with block_modules, or use leaf_level"));
-      }
-      for (Module* list : lists) {
-        const auto& blocks = list->children();
-        for (size_t i = 0; i < blocks.size(); i += static_cast<size_t>(options.num_blocks_per_group)) {
-          auto g = std::make_unique<Group>();
-          const size_t end = std::min(blocks.size(), i + static_cast<size_t>(options.num_blocks_per_group));
-          g->name = absl::StrCat(list->path(), ".", i, "-", end - 1);
-          for (size_t b = i; b < end; ++b) {
-            add_tensors(*g, *blocks[b].second, /*subtree=*/true);
-            g->members.push_back(blocks[b].second);
-          }
-          if (g->bytes > 0) groups.push_back(std::move(g));
-        }
-      }
-      // Everything outside the blocks: on the device for the whole forward of the root.
-      auto rest = std::make_unique<Group>();
-      rest->name = "(outside blocks)";
-      rest->ring = false;
-      rest->members.push_back(root);
-      for (HostWeights::Entry& e : weights->entries()) {
-        if (entry_of.count(e.slot) == 0) continue;
-        rest->tensors.push_back(TensorRef{&e, rest->bytes});
-        rest->bytes += AlignUp(static_cast<int64_t>(e.host.nbytes()));
-      }
-      if (rest->bytes > 0) groups.push_back(std::move(rest));
-    } else {
-      root->ForEachModule([&](Module& m) {
-        auto g = std::make_unique<Group>();
-        g->name = m.path().empty() ? "(root)" : m.path();
-        g->ring = m.is_leaf();
-        g->members.push_back(&m);
-        add_tensors(*g, m, /*subtree=*/false);
-        if (g->bytes > 0) groups.push_back(std::move(g));
-      });
+  // Forms the groups and chooses the resident ones (offload/group_plan.h).
+  absl::Status PlanGroups() {
+    std::vector<PlanTensor> tensors;
+    for (HostWeights::Entry& e : weights->entries()) {
+      tensors.push_back(PlanTensor{e.slot, static_cast<int64_t>(e.host.nbytes())});
     }
-    return absl::OkStatus();
-  }
-
-  // Chooses resident groups for the budget; sets slot count and size.
-  absl::Status Plan() {
-    const int64_t n = options.use_stream ? options.prefetch_depth + 1 : 1;
-    int64_t always_on = 0;
-    std::vector<Group*> ring;
-    for (auto& g : groups) {
-      if (g->ring) {
-        ring.push_back(g.get());
-      } else {
-        always_on += g->bytes;
+    GroupPlanOptions plan_options;
+    plan_options.type = options.type;
+    plan_options.num_blocks_per_group = options.num_blocks_per_group;
+    plan_options.block_modules = options.block_modules;
+    plan_options.budget_bytes = options.budget_bytes;
+    plan_options.slots = options.use_stream ? options.prefetch_depth + 1 : 1;
+    ASSIGN_OR_RETURN(GroupPlan plan, stowage::PlanGroups(component, *root, tensors, plan_options));
+    for (PlannedGroup& planned : plan.groups) {
+      auto g = std::make_unique<Group>();
+      g->name = planned.name;
+      g->members = planned.members;
+      g->bytes = planned.bytes;
+      g->ring = !planned.always_on;
+      g->resident = planned.resident;
+      for (const PlannedTensor& t : planned.tensors) {
+        g->tensors.push_back(TensorRef{&weights->entries()[static_cast<size_t>(t.index)], t.offset});
       }
+      groups.push_back(std::move(g));
     }
-    // Largest first. Among equal sizes, a low-discrepancy order of the construction index, so that
-    // the groups the budget keeps resident are spread along the forward: streaming the others then
-    // overlaps the resident groups' compute instead of queueing behind one long resident stretch.
-    std::vector<double> spread(groups.size());
-    for (size_t i = 0; i < groups.size(); ++i) {
-      const double x = static_cast<double>(i) * 0.6180339887498949;
-      spread[i] = x - static_cast<int64_t>(x);
-    }
-    std::map<Group*, double> key;
-    for (size_t i = 0; i < groups.size(); ++i) key[groups[i].get()] = spread[i];
-    std::sort(ring.begin(), ring.end(), [&](Group* a, Group* b) {
-      if (a->bytes != b->bytes) return a->bytes > b->bytes;
-      return key[a] < key[b];
-    });
-    if (options.budget_bytes > 0) {
-      // Candidate slot sizes: 0 (everything resident) or any group's size. Groups larger than the
-      // slot must be resident; the rest fill the remaining budget greedily, largest first.
-      std::set<int64_t> sizes = {0};
-      for (Group* g : ring) sizes.insert(g->bytes);
-      int64_t best_resident = -1;
-      int64_t best_slot = 0;
-      std::vector<Group*> best;
-      for (int64_t s : sizes) {
-        int64_t free = options.budget_bytes - always_on - (s > 0 ? n * s : 0);
-        std::vector<Group*> chosen;
-        int64_t resident = 0;
-        for (Group* g : ring) {
-          if (g->bytes > s) {
-            free -= g->bytes;
-            resident += g->bytes;
-            chosen.push_back(g);
-          }
-        }
-        if (free < 0) continue;
-        for (Group* g : ring) {
-          if (g->bytes <= s && g->bytes <= free) {
-            free -= g->bytes;
-            resident += g->bytes;
-            chosen.push_back(g);
-          }
-        }
-        // Slot size is the largest group left streaming (may be below s).
-        int64_t slot = 0;
-        for (Group* g : ring) {
-          if (std::find(chosen.begin(), chosen.end(), g) == chosen.end()) slot = std::max(slot, g->bytes);
-        }
-        if (resident > best_resident) {
-          best_resident = resident;
-          best_slot = slot;
-          best = chosen;
-        }
-      }
-      if (best_resident < 0) {
-        const int64_t smallest = ring.empty() ? 0 : ring.back()->bytes;
-        return absl::InvalidArgumentError(absl::StrCat(
-            "component '", component, "': budget_bytes ", options.budget_bytes,
-            " is smaller than its smallest working set: ", always_on, " always-on bytes + ", n,
-            " slot(s) of at least ", smallest, " bytes (one group)"));
-      }
-      for (Group* g : best) g->resident = true;
-      stats.slot_bytes = best_slot;
-    } else {
-      stats.slot_bytes = ring.empty() ? 0 : ring.front()->bytes;
-    }
-    stats.groups = static_cast<int>(groups.size());
-    for (Group* g : ring) {
-      if (g->resident) {
-        ++stats.resident_groups;
-        stats.resident_bytes += g->bytes;
-      } else {
-        ++stats.streamed_groups;
-        stats.streamed_bytes += g->bytes;
-      }
-    }
-    stats.slots = stats.streamed_groups > 0 ? n : 0;
-    if (stats.streamed_groups == 0) stats.slot_bytes = 0;
-    stats.always_on_bytes = always_on;
-    stats.working_set_bytes = stats.slots * stats.slot_bytes + always_on + stats.resident_bytes;
+    stats.groups = static_cast<int>(plan.groups.size());
+    stats.streamed_groups = plan.streamed_groups;
+    stats.resident_groups = plan.resident_groups;
+    stats.slots = plan.slots;
+    stats.slot_bytes = plan.slot_bytes;
+    stats.always_on_bytes = plan.always_on_bytes;
+    stats.resident_bytes = plan.resident_bytes;
+    stats.streamed_bytes = plan.streamed_bytes;
+    stats.working_set_bytes = plan.working_set_bytes;
     return absl::OkStatus();
   }
 
@@ -766,8 +627,7 @@ absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
   impl->weights = &weights;
   impl->backend = &backend;
   impl->options = options;
-  RETURN_IF_ERROR(impl->BuildGroups());
-  RETURN_IF_ERROR(impl->Plan());
+  RETURN_IF_ERROR(impl->PlanGroups());
   // The component leaves the device before its groups take their place.
   weights.OffloadAll();
   RETURN_IF_ERROR(impl->PrepareHost());

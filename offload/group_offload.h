@@ -38,12 +38,12 @@
 
 #include "absl/status/statusor.h"
 #include "offload/device_backend.h"
+#include "offload/group_plan.h"
 #include "offload/host_weights.h"
 #include "offload/module.h"
 
 namespace stowage {
 
-enum class OffloadType { kBlockLevel, kLeafLevel };
 enum class OffloadTarget { kPinnedHost, kPageableHost, kDisk };
 
 struct GroupOffloadOptions {

@@ -19,6 +19,7 @@
 #include "base/status_macros.h"
 #include "offload/group_plan.h"
 #include "offload/memcpy_pool.h"
+#include "offload/slot_ring.h"
 #include "offload/safetensors.h"
 
 namespace stowage {
@@ -57,6 +58,7 @@ struct GroupOffloader::Impl {
     int64_t offset;  // Within the group's packed layout.
   };
   struct Group {
+    int index = 0;  // In `groups`; the slot ring's owner id.
     std::string name;
     std::vector<TensorRef> tensors;
     std::vector<Module*> members;  // Modules whose forwards use the group.
@@ -69,12 +71,6 @@ struct GroupOffloader::Impl {
     int slot = -1;                 // Ring slot holding this group's bytes, -1 if none.
     bool active = false;
     std::set<Module*> done;        // Members finished since onload.
-  };
-  struct Slot {
-    at::Tensor buffer;
-    Group* owner = nullptr;
-    std::unique_ptr<DeviceEvent> copied;    // Copy of owner's bytes complete.
-    std::unique_ptr<DeviceEvent> released;  // Compute finished reading the slot.
   };
 
   class Hook : public ModuleHook {
@@ -107,11 +103,10 @@ struct GroupOffloader::Impl {
   DeviceBackend* backend = nullptr;
   GroupOffloadOptions options;
   std::vector<std::unique_ptr<Group>> groups;
-  std::vector<Slot> slots;
+  std::unique_ptr<SlotRing> ring;  // Created by PrepareDevice.
   std::vector<Module*> hooked;
   std::vector<at::Tensor> staging;
   std::vector<void*> registered;  // Host ranges pinned in place (kPageableHost).
-  bool slots_allocated = false;
   std::vector<std::unique_ptr<DeviceEvent>> staging_done;
   std::unique_ptr<MemcpyPool> memcpy_pool;
   size_t next_staging = 0;
@@ -137,6 +132,7 @@ struct GroupOffloader::Impl {
     ASSIGN_OR_RETURN(GroupPlan plan, stowage::PlanGroups(component, *root, tensors, plan_options));
     for (PlannedGroup& planned : plan.groups) {
       auto g = std::make_unique<Group>();
+      g->index = static_cast<int>(groups.size());
       g->name = planned.name;
       g->members = planned.members;
       g->bytes = planned.bytes;
@@ -329,42 +325,22 @@ struct GroupOffloader::Impl {
     return absl::OkStatus();
   }
 
-  // Allocates the ring's slots (once, or again after ReleaseSlots). On failure none are kept.
-  absl::Status AllocateSlots() {
-    if (slots_allocated) return absl::OkStatus();
-    for (Slot& slot : slots) {
-      absl::StatusOr<at::Tensor> buffer = backend->AllocateBytes(stats.slot_bytes);
-      if (!buffer.ok()) {
-        for (Slot& s : slots) s.buffer = at::Tensor();
-        return buffer.status();
-      }
-      slot.buffer = *std::move(buffer);
-    }
-    slots_allocated = true;
-    return absl::OkStatus();
-  }
-
   int64_t ReleaseSlots() {
-    if (!slots_allocated || slots.empty()) return 0;
+    if (!ring->allocated() || ring->size() == 0) return 0;
     for (auto& g : groups) {
       if (g->active) return 0;  // Inside a forward.
     }
-    backend->Synchronize();  // No copy or compute may still touch the buffers.
-    for (Slot& slot : slots) {
-      if (slot.owner != nullptr) slot.owner->slot = -1;
-      slot.owner = nullptr;
-      slot.copied.reset();
-      slot.released.reset();
-      slot.buffer = at::Tensor();
+    for (int64_t s = 0; s < ring->size(); ++s) {
+      if (ring->owner(s) != SlotRing::kNoOwner) groups[static_cast<size_t>(ring->owner(s))]->slot = -1;
     }
-    slots_allocated = false;
+    ring->Release();  // Synchronizes: no copy or compute may still touch the buffers.
     ++stats.slot_releases;
-    return stats.slots * stats.slot_bytes;
+    return ring->bytes();
   }
 
   absl::Status PrepareDevice() {
-    slots.resize(static_cast<size_t>(stats.slots));
-    RETURN_IF_ERROR(AllocateSlots());
+    ring = std::make_unique<SlotRing>(*backend, stats.slots, stats.slot_bytes);
+    RETURN_IF_ERROR(ring->Allocate());
     std::unique_ptr<DeviceEvent> ready = backend->RecordOnComputeStream();  // As in Onload.
     backend->CopyStreamWait(*ready);
     for (auto& g : groups) {
@@ -437,14 +413,16 @@ struct GroupOffloader::Impl {
     for (TensorRef& t : g.tensors) t.entry->slot->value = at::Tensor();
   }
 
+  // Copies `g` into ring slot `s` once the compute that last read the slot is done. Invariant:
+  // g.slot >= 0 exactly when the ring's slot g.slot is owned by g.
   void LoadIntoSlot(Group& g, int64_t s) {
-    Slot& slot = slots[static_cast<size_t>(s)];
-    if (slot.owner != nullptr && slot.owner != &g) slot.owner->slot = -1;
-    if (g.slot >= 0 && g.slot != s) slots[static_cast<size_t>(g.slot)].owner = nullptr;
-    if (slot.released) backend->CopyStreamWait(*slot.released);
-    CopyGroup(g, slot.buffer);
-    slot.copied = backend->RecordOnCopyStream();
-    slot.owner = &g;
+    const int holder = ring->owner(s);
+    if (holder != SlotRing::kNoOwner && holder != g.index) groups[static_cast<size_t>(holder)]->slot = -1;
+    if (g.slot >= 0 && g.slot != s) ring->set_owner(g.slot, SlotRing::kNoOwner);
+    ring->CopyStreamWaitReleased(s);
+    CopyGroup(g, ring->buffer(s));
+    ring->RecordCopied(s);
+    ring->set_owner(s, g.index);
     g.slot = static_cast<int>(s);
   }
 
@@ -470,10 +448,10 @@ struct GroupOffloader::Impl {
       return;
     }
     ++stats.onloads;
-    if (!slots_allocated) {
-      absl::Status allocated = AllocateSlots();
+    if (!ring->allocated()) {
+      absl::Status allocated = ring->Allocate();
       if (!allocated.ok()) {
-        throw DeviceOutOfMemory(backend->name(), stats.slots * stats.slot_bytes,
+        throw DeviceOutOfMemory(backend->name(), ring->bytes(),
                                 backend->GetMemoryStats().allocated_bytes,
                                 backend->GetMemoryStats().budget_bytes);
       }
@@ -482,7 +460,7 @@ struct GroupOffloader::Impl {
       std::unique_ptr<DeviceEvent> ready = backend->RecordOnComputeStream();
       backend->CopyStreamWait(*ready);
     }
-    const int64_t n = static_cast<int64_t>(slots.size());
+    const int64_t n = ring->size();
     const int64_t length = static_cast<int64_t>(order.size());
     int64_t pos = -1;
     if (recording) {
@@ -497,15 +475,12 @@ struct GroupOffloader::Impl {
       }
     }
     const int64_t slot_index = (pos >= 0 ? pos : cursor) % n;
-    if (g.slot >= 0 && slots[static_cast<size_t>(g.slot)].owner == &g) {
-      // Prefetched (or still there from its last run).
-      backend->ComputeStreamWait(*slots[static_cast<size_t>(g.slot)].copied);
-    } else {
+    if (g.slot < 0) {  // Not prefetched, nor still there from its last run.
       ++stats.sync_onloads;
       LoadIntoSlot(g, slot_index);
-      backend->ComputeStreamWait(*slots[static_cast<size_t>(g.slot)].copied);
     }
-    PointAt(g, slots[static_cast<size_t>(g.slot)].buffer);
+    ring->ComputeStreamWaitCopied(g.slot);
+    PointAt(g, ring->buffer(g.slot));
     g.active = true;
     g.done.clear();
     if (pos >= 0) cursor = pos + 1;
@@ -516,12 +491,12 @@ struct GroupOffloader::Impl {
       Group& next = *order[static_cast<size_t>((pos + k) % length)];
       const int64_t s = (pos + k) % n;
       if (&next == &g || next.resident) continue;
-      if (next.slot == s && slots[static_cast<size_t>(s)].owner == &next) continue;
+      if (next.slot == s) continue;
       if (next.active) continue;
       // Never overwrite a slot that a running group reads (possible after an out-of-order onload
       // served from a slot other than its position's).
-      Group* holder = slots[static_cast<size_t>(s)].owner;
-      if (holder != nullptr && holder->active) continue;
+      const int holder = ring->owner(s);
+      if (holder != SlotRing::kNoOwner && groups[static_cast<size_t>(holder)]->active) continue;
       LoadIntoSlot(next, s);
       ++stats.prefetches;
     }
@@ -535,7 +510,7 @@ struct GroupOffloader::Impl {
       g.device_buffer = at::Tensor();
       return;
     }
-    if (g.slot >= 0) slots[static_cast<size_t>(g.slot)].released = backend->RecordOnComputeStream();
+    if (g.slot >= 0) ring->RecordReleased(g.slot);
   }
 
   void BeginForward() {
@@ -561,8 +536,7 @@ struct GroupOffloader::Impl {
       PointAway(*g);
       g->device_buffer = at::Tensor();
     }
-    slots.clear();
-    slots_allocated = false;
+    if (ring) ring->Release();
     staging.clear();
     staging_done.clear();
     UnpinInPlace();
@@ -579,17 +553,15 @@ GroupOffloader::~GroupOffloader() {
 GroupOffloadStats GroupOffloader::stats() const { return impl_->stats; }
 
 int64_t GroupOffloader::device_bytes() const {
-  return (impl_->slots_allocated ? impl_->stats.slots * impl_->stats.slot_bytes : 0) +
-         impl_->stats.resident_bytes;
+  return (impl_->ring->allocated() ? impl_->ring->bytes() : 0) + impl_->stats.resident_bytes;
 }
 
-bool GroupOffloader::holds_slots() const { return impl_->slots_allocated && !impl_->slots.empty(); }
+bool GroupOffloader::holds_slots() const { return impl_->ring->allocated() && impl_->ring->size() > 0; }
 
 int64_t GroupOffloader::ReleaseSlots() { return impl_->ReleaseSlots(); }
 
 int64_t GroupOffloader::bytes_needed_to_run() const {
-  return (impl_->slots_allocated ? 0 : impl_->stats.slots * impl_->stats.slot_bytes) +
-         impl_->stats.always_on_bytes;
+  return (impl_->ring->allocated() ? 0 : impl_->ring->bytes()) + impl_->stats.always_on_bytes;
 }
 
 absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(

@@ -1,72 +1,34 @@
 #include "offload/group_offload.h"
 
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <algorithm>
-#include <cerrno>
-#include <cstring>
 #include <map>
 #include <set>
-
-#include <malloc.h>
-
-#include <ATen/Functions.h>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "base/out_of_memory.h"
 #include "base/status_macros.h"
-#include "offload/group_plan.h"
-#include "offload/memcpy_pool.h"
+#include "offload/host_store_factory.h"
 #include "offload/slot_ring.h"
-#include "offload/safetensors.h"
 
 namespace stowage {
-namespace {
-
-// Raw bytes of a contiguous CPU tensor, without ownership (the caller keeps `t` alive).
-at::Tensor BytesOf(const at::Tensor& t) {
-  return at::from_blob(t.data_ptr(), {static_cast<int64_t>(t.nbytes())}, at::TensorOptions().dtype(at::kByte));
-}
-
-// A fast 64-bit content hash (for disk-file staleness), 8 bytes at a time.
-uint64_t HashBytes(const uint8_t* data, int64_t n, uint64_t h) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, data + i, 8);
-    h = (h ^ w) * 0x9E3779B97F4A7C15ULL;
-    h ^= h >> 29;
-  }
-  for (; i < n; ++i) h = (h ^ data[i]) * 0x100000001B3ULL;
-  return h;
-}
-
-}  // namespace
 
 struct GroupOffloader::Impl {
-  // An Apply that threw half-way leaves nothing registered (Remove() has unpinned otherwise).
-  ~Impl() {
-    if (registered.empty()) return;
-    backend->Synchronize();  // No copy may still read the memory.
-    UnpinInPlace();
-  }
-
-  struct TensorRef {
-    HostWeights::Entry* entry;
-    int64_t offset;  // Within the group's packed layout.
+  // Where one tensor of a group lies in a device buffer holding the group (a ring slot or the
+  // group's own buffer), recorded at Apply: the engine never asks the store or the host copy.
+  struct SlotTensor {
+    TensorSlot* slot;
+    int64_t offset;
+    int64_t bytes;
+    at::ScalarType dtype;
+    std::vector<int64_t> sizes;
   };
   struct Group {
-    int index = 0;  // In `groups`; the slot ring's owner id.
-    std::string name;
-    std::vector<TensorRef> tensors;
+    int index = 0;  // In `groups`, plan.groups and the store; the slot ring's owner id.
+    std::vector<SlotTensor> tensors;
     std::vector<Module*> members;  // Modules whose forwards use the group.
-    int64_t bytes = 0;             // Packed, each tensor aligned to kGroupAlign.
-    bool ring = true;              // False: always-on for its owner's forward.
+    int64_t bytes = 0;             // Planned layout size.
+    bool always_on = false;        // On the device for its owners' forward, not in the ring.
     bool resident = false;         // Kept on the device (budget).
-    at::Tensor host_packed;        // kPinnedHost: contiguous pinned copy.
-    std::shared_ptr<SafetensorsFile> file;  // kDisk.
     at::Tensor device_buffer;      // Resident and always-on groups while onloaded.
     int slot = -1;                 // Ring slot holding this group's bytes, -1 if none.
     bool active = false;
@@ -102,14 +64,11 @@ struct GroupOffloader::Impl {
   HostWeights* weights = nullptr;
   DeviceBackend* backend = nullptr;
   GroupOffloadOptions options;
+  GroupPlan plan;
   std::vector<std::unique_ptr<Group>> groups;
-  std::unique_ptr<SlotRing> ring;  // Created by PrepareDevice.
+  std::unique_ptr<HostStore> store;  // Created by Apply after planning; never named by type here.
+  std::unique_ptr<SlotRing> ring;    // Created by PrepareDevice.
   std::vector<Module*> hooked;
-  std::vector<at::Tensor> staging;
-  std::vector<void*> registered;  // Host ranges pinned in place (kPageableHost).
-  std::vector<std::unique_ptr<DeviceEvent>> staging_done;
-  std::unique_ptr<MemcpyPool> memcpy_pool;
-  size_t next_staging = 0;
   std::vector<Group*> order;  // Streamed ring groups in execution order (first forward).
   bool recording = true;
   int64_t cursor = 0;         // Absolute position of the next expected ring onload.
@@ -129,17 +88,17 @@ struct GroupOffloader::Impl {
     plan_options.block_modules = options.block_modules;
     plan_options.budget_bytes = options.budget_bytes;
     plan_options.slots = options.use_stream ? options.prefetch_depth + 1 : 1;
-    ASSIGN_OR_RETURN(GroupPlan plan, stowage::PlanGroups(component, *root, tensors, plan_options));
-    for (PlannedGroup& planned : plan.groups) {
+    ASSIGN_OR_RETURN(plan, stowage::PlanGroups(component, *root, tensors, plan_options));
+    for (const PlannedGroup& planned : plan.groups) {
       auto g = std::make_unique<Group>();
       g->index = static_cast<int>(groups.size());
-      g->name = planned.name;
       g->members = planned.members;
       g->bytes = planned.bytes;
-      g->ring = !planned.always_on;
+      g->always_on = planned.always_on;
       g->resident = planned.resident;
       for (const PlannedTensor& t : planned.tensors) {
-        g->tensors.push_back(TensorRef{&weights->entries()[static_cast<size_t>(t.index)], t.offset});
+        HostWeights::Entry& e = weights->entries()[static_cast<size_t>(t.index)];
+        g->tensors.push_back(SlotTensor{e.slot, t.offset, t.bytes, e.host.scalar_type(), e.host.sizes().vec()});
       }
       groups.push_back(std::move(g));
     }
@@ -152,176 +111,6 @@ struct GroupOffloader::Impl {
     stats.resident_bytes = plan.resident_bytes;
     stats.streamed_bytes = plan.streamed_bytes;
     stats.working_set_bytes = plan.working_set_bytes;
-    return absl::OkStatus();
-  }
-
-  // Prepares the host side of the non-resident groups.
-  absl::Status PrepareHost() {
-    if (options.target == OffloadTarget::kPinnedHost) {
-      // Pinned chunks, each group packed contiguously; the pageable originals are released group by
-      // group, so RAM holds the weights once. Chunks of about 256 MiB, each sized exactly to the consecutive groups it holds: cudaHostAlloc
-      // pins every page it returns, so any slack would be resident RAM that holds nothing.
-      const int64_t chunk_target = int64_t{256} << 20;
-      std::vector<std::pair<at::Tensor, int64_t>> chunks;  // (chunk, bytes used)
-      std::vector<Group*> pending;
-      for (auto& g : groups) {
-        if (!g->resident) pending.push_back(g.get());
-      }
-      size_t next_chunk_start = 0;  // First group of `pending` not yet given a chunk.
-      for (size_t i = 0; i < pending.size(); ++i) {
-        Group* g = pending[i];
-        if (i == next_chunk_start) {
-          int64_t bytes = 0;
-          size_t j = i;
-          do {
-            bytes += pending[j]->bytes;
-            ++j;
-          } while (j < pending.size() && bytes < chunk_target);
-          next_chunk_start = j;
-          ASSIGN_OR_RETURN(at::Tensor chunk, backend->AllocatePinnedHost(bytes));
-          chunks.emplace_back(std::move(chunk), 0);
-          stats.pinned_host_bytes += bytes;
-        }
-        std::pair<at::Tensor, int64_t>* fit = &chunks.back();
-        g->host_packed = fit->first.narrow(0, fit->second, g->bytes);
-        fit->second += g->bytes;
-        uint8_t* base = g->host_packed.data_ptr<uint8_t>();
-        for (TensorRef& t : g->tensors) {
-          const at::Tensor& host = t.entry->host;
-          std::memcpy(base + t.offset, host.data_ptr(), host.nbytes());
-          // Copied from a safetensors mapping: drop its pages from RSS now, not when the whole
-          // file is unmapped (that would hold the weights twice in RSS until the last group).
-          stats.mapped_bytes_released += ReleaseMappedPages(host.data_ptr(), static_cast<int64_t>(host.nbytes()));
-          at::Tensor view = g->host_packed.narrow(0, t.offset, static_cast<int64_t>(host.nbytes()))
-                                .view(host.scalar_type())
-                                .view(host.sizes());
-          weights->ReplaceHost(*t.entry, view);
-        }
-      }
-      // The pageable originals are gone; hand their pages back to the kernel (glibc keeps freed
-      // blocks below its mmap threshold in the heap otherwise, and RSS would count them twice).
-      ::malloc_trim(0);
-    } else {
-      if (options.target == OffloadTarget::kDisk) {
-        RETURN_IF_ERROR(PrepareDisk());
-        ::malloc_trim(0);
-      }
-      if (options.target == OffloadTarget::kPageableHost && options.pin_in_place && PinInPlace()) {
-        return absl::OkStatus();
-      }
-      memcpy_pool = std::make_unique<MemcpyPool>(options.staging_threads - 1);
-      for (int i = 0; i < options.staging_buffers; ++i) {
-        ASSIGN_OR_RETURN(at::Tensor buffer, backend->AllocatePinnedHost(options.staging_buffer_bytes));
-        staging.push_back(buffer);
-        staging_done.emplace_back();
-      }
-    }
-    return absl::OkStatus();
-  }
-
-  // Registers the page-rounded host ranges of every group with the backend (read-only
-  // first, which a read-only file mapping needs; then plain). True when all of them are registered;
-  // otherwise nothing stays registered and the reason is kept in the stats.
-  bool PinInPlace() {
-    const int64_t page = ::sysconf(_SC_PAGESIZE);
-    std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
-    // Every group, resident ones too: they are copied from the same pages once, and tensors packed
-    // back to back in a safetensors file share pages, so a copy must never start inside a
-    // registered range and run past its end.
-    for (auto& g : groups) {
-      for (TensorRef& t : g->tensors) {
-        const at::Tensor& host = t.entry->host;
-        if (host.nbytes() == 0) continue;
-        const auto begin = reinterpret_cast<uintptr_t>(host.data_ptr());
-        const uintptr_t end = begin + host.nbytes();
-        ranges.emplace_back(begin / page * page, (end + page - 1) / page * page);
-      }
-    }
-    std::sort(ranges.begin(), ranges.end());
-    std::vector<std::pair<uintptr_t, uintptr_t>> merged;  // Overlapping pages registered once.
-    for (const auto& r : ranges) {
-      if (!merged.empty() && r.first < merged.back().second) {
-        merged.back().second = std::max(merged.back().second, r.second);
-      } else {
-        merged.push_back(r);
-      }
-    }
-    int64_t bytes = 0;
-    for (const auto& [begin, end] : merged) {
-      void* ptr = reinterpret_cast<void*>(begin);
-      const auto size = static_cast<int64_t>(end - begin);
-      absl::Status status = backend->RegisterHostMemory(ptr, size, /*read_only=*/true);
-      if (!status.ok()) status = backend->RegisterHostMemory(ptr, size, /*read_only=*/false);
-      if (!status.ok()) {
-        UnpinInPlace();
-        stats.pin_in_place_error = std::string(status.message());
-        return false;
-      }
-      registered.push_back(ptr);
-      bytes += size;
-    }
-    stats.pinned_in_place_bytes = bytes;
-    return true;
-  }
-
-  void UnpinInPlace() {
-    for (void* ptr : registered) (void)backend->UnregisterHostMemory(ptr);
-    registered.clear();
-  }
-
-  absl::Status PrepareDisk() {
-    if (options.disk_dir.empty()) {
-      return absl::InvalidArgumentError(absl::StrCat("component '", component,
-                                                     "': offload target disk needs disk_dir"));
-    }
-    const std::string dir = absl::StrCat(options.disk_dir, "/", component);
-    for (const std::string& d : {options.disk_dir, dir}) {
-      if (::mkdir(d.c_str(), 0755) != 0 && errno != EEXIST) {
-        return absl::PermissionDeniedError(absl::StrCat("component '", component, "': disk_dir '",
-                                                        d, "' cannot be created: ", std::strerror(errno)));
-      }
-    }
-    if (::access(dir.c_str(), W_OK) != 0) {
-      return absl::PermissionDeniedError(
-          absl::StrCat("component '", component, "': disk_dir '", dir, "' is not writable"));
-    }
-    for (auto& g : groups) {
-      if (g->resident) continue;
-      std::string file_name = g->name;
-      std::replace(file_name.begin(), file_name.end(), '/', '_');
-      const std::string path = absl::StrCat(dir, "/", file_name, ".safetensors");
-      // Fingerprint: names, dtypes, shapes and contents of the group's tensors.
-      uint64_t h = 1469598103934665603ULL;
-      std::vector<std::pair<std::string, at::Tensor>> named;
-      for (TensorRef& t : g->tensors) {
-        const std::string name = t.entry->module->SlotPath(*t.entry->slot);
-        h = HashBytes(reinterpret_cast<const uint8_t*>(name.data()), static_cast<int64_t>(name.size()), h);
-        std::string meta = SafetensorsDtypeName(t.entry->host.scalar_type());
-        for (int64_t d : t.entry->host.sizes()) absl::StrAppend(&meta, ",", d);
-        h = HashBytes(reinterpret_cast<const uint8_t*>(meta.data()), static_cast<int64_t>(meta.size()), h);
-        h = HashBytes(static_cast<const uint8_t*>(t.entry->host.data_ptr()),
-                      static_cast<int64_t>(t.entry->host.nbytes()), h);
-        named.emplace_back(name, t.entry->host);
-      }
-      const std::string fingerprint = absl::StrCat(h);
-      auto existing = SafetensorsFile::Open(path);
-      bool reuse = existing.ok() && (*existing)->metadata().count("stowage_fingerprint") > 0 &&
-                   (*existing)->metadata().at("stowage_fingerprint") == fingerprint;
-      if (reuse) {
-        ++stats.disk_files_reused;
-        g->file = *existing;
-      } else {
-        RETURN_IF_ERROR(WriteSafetensors(path, named, {{"stowage_fingerprint", fingerprint}}));
-        ++stats.disk_files_written;
-        ASSIGN_OR_RETURN(g->file, SafetensorsFile::Open(path));
-      }
-      // The mapping becomes the host copy: the RAM copy is released.
-      named.clear();
-      for (TensorRef& t : g->tensors) {
-        ASSIGN_OR_RETURN(at::Tensor mapped, g->file->Get(t.entry->module->SlotPath(*t.entry->slot)));
-        weights->ReplaceHost(*t.entry, mapped);
-      }
-    }
     return absl::OkStatus();
   }
 
@@ -346,7 +135,7 @@ struct GroupOffloader::Impl {
     for (auto& g : groups) {
       if (!g->resident) continue;
       ASSIGN_OR_RETURN(g->device_buffer, backend->AllocateBytes(g->bytes));
-      CopyGroup(*g, g->device_buffer);
+      store->CopyGroupToSlot(g->index, g->device_buffer);
       PointAt(*g, g->device_buffer);
     }
     backend->Synchronize();
@@ -371,46 +160,16 @@ struct GroupOffloader::Impl {
     }
   }
 
-  // --- Moving bytes -----------------------------------------------------------------------------
-
-  // Copies the group's bytes into `dst` (device, >= g.bytes) on the copy stream.
-  void CopyGroup(Group& g, const at::Tensor& dst) {
-    if (g.host_packed.defined()) {
-      backend->CopyToDeviceAsync(dst.narrow(0, 0, g.bytes), g.host_packed);
-      return;
-    }
-    for (TensorRef& t : g.tensors) {
-      const at::Tensor& host = t.entry->host;
-      const int64_t n = static_cast<int64_t>(host.nbytes());
-      if (staging.empty()) {  // Pinned in place, or resident groups of the pinned target.
-        backend->CopyToDeviceAsync(dst.narrow(0, t.offset, n), BytesOf(host.contiguous()));
-        continue;
-      }
-      const auto* src = static_cast<const uint8_t*>(host.data_ptr());
-      for (int64_t done = 0; done < n;) {
-        const size_t k = next_staging;
-        next_staging = (next_staging + 1) % staging.size();
-        if (staging_done[k]) staging_done[k]->Wait();  // Its previous DMA has read it.
-        const int64_t len = std::min<int64_t>(n - done, staging[k].numel());
-        memcpy_pool->Copy(staging[k].data_ptr<uint8_t>(), src + done, len);
-        backend->CopyToDeviceAsync(dst.narrow(0, t.offset + done, len), staging[k].narrow(0, 0, len));
-        staging_done[k] = backend->RecordOnCopyStream();
-        done += len;
-      }
-    }
-  }
+  // --- Moving bytes (the store fills a buffer; the engine points the tensors at it) --------------
 
   void PointAt(Group& g, const at::Tensor& buffer) {
-    for (TensorRef& t : g.tensors) {
-      const at::Tensor& host = t.entry->host;
-      t.entry->slot->value = buffer.narrow(0, t.offset, static_cast<int64_t>(host.nbytes()))
-                                 .view(host.scalar_type())
-                                 .view(host.sizes());
+    for (SlotTensor& t : g.tensors) {
+      t.slot->value = buffer.narrow(0, t.offset, t.bytes).view(t.dtype).view(t.sizes);
     }
   }
 
   void PointAway(Group& g) {
-    for (TensorRef& t : g.tensors) t.entry->slot->value = at::Tensor();
+    for (SlotTensor& t : g.tensors) t.slot->value = at::Tensor();
   }
 
   // Copies `g` into ring slot `s` once the compute that last read the slot is done. Invariant:
@@ -420,7 +179,7 @@ struct GroupOffloader::Impl {
     if (holder != SlotRing::kNoOwner && holder != g.index) groups[static_cast<size_t>(holder)]->slot = -1;
     if (g.slot >= 0 && g.slot != s) ring->set_owner(g.slot, SlotRing::kNoOwner);
     ring->CopyStreamWaitReleased(s);
-    CopyGroup(g, ring->buffer(s));
+    store->CopyGroupToSlot(g.index, ring->buffer(s));
     ring->RecordCopied(s);
     ring->set_owner(s, g.index);
     g.slot = static_cast<int>(s);
@@ -428,7 +187,7 @@ struct GroupOffloader::Impl {
 
   void Onload(Group& g) {
     if (g.resident) return;  // Resident groups are never in `order`: prefetch looks past them.
-    if (!g.ring) {
+    if (g.always_on) {
       absl::StatusOr<at::Tensor> buffer = backend->AllocateBytes(g.bytes);
       if (!buffer.ok()) {
         throw DeviceOutOfMemory(backend->name(), g.bytes, backend->GetMemoryStats().allocated_bytes,
@@ -439,7 +198,7 @@ struct GroupOffloader::Impl {
       // before it, then compute waits for the copy.
       std::unique_ptr<DeviceEvent> ready = backend->RecordOnComputeStream();
       backend->CopyStreamWait(*ready);
-      CopyGroup(g, g.device_buffer);
+      store->CopyGroupToSlot(g.index, g.device_buffer);
       std::unique_ptr<DeviceEvent> copied = backend->RecordOnCopyStream();
       backend->ComputeStreamWait(*copied);
       PointAt(g, g.device_buffer);
@@ -506,7 +265,7 @@ struct GroupOffloader::Impl {
     if (g.resident) return;
     PointAway(g);
     g.active = false;
-    if (!g.ring) {
+    if (g.always_on) {
       g.device_buffer = at::Tensor();
       return;
     }
@@ -537,9 +296,7 @@ struct GroupOffloader::Impl {
       g->device_buffer = at::Tensor();
     }
     if (ring) ring->Release();
-    staging.clear();
-    staging_done.clear();
-    UnpinInPlace();
+    store.reset();  // Unregisters memory pinned in place, frees the staging ring.
   }
 };
 
@@ -550,7 +307,19 @@ GroupOffloader::~GroupOffloader() {
   if (impl_) impl_->Remove();
 }
 
-GroupOffloadStats GroupOffloader::stats() const { return impl_->stats; }
+GroupOffloadStats GroupOffloader::stats() const {
+  GroupOffloadStats stats = impl_->stats;
+  if (impl_->store != nullptr) {
+    HostStoreStats host = impl_->store->stats();
+    stats.pinned_host_bytes = host.pinned_host_bytes;
+    stats.mapped_bytes_released = host.mapped_bytes_released;
+    stats.pinned_in_place_bytes = host.pinned_in_place_bytes;
+    stats.pin_in_place_error = std::move(host.pin_in_place_error);
+    stats.disk_files_written = host.disk_files_written;
+    stats.disk_files_reused = host.disk_files_reused;
+  }
+  return stats;
+}
 
 int64_t GroupOffloader::device_bytes() const {
   return (impl_->ring->allocated() ? impl_->ring->bytes() : 0) + impl_->stats.resident_bytes;
@@ -589,9 +358,16 @@ absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
                                 " has none"));
   }
   if (options.budget_bytes < 0) return invalid("budget_bytes must be >= 0");
-  if (options.target != OffloadTarget::kPinnedHost &&
-      (options.staging_buffers < 1 || options.staging_buffer_bytes < (int64_t{1} << 16))) {
-    return invalid("staging needs at least one buffer of at least 64 KiB");
+  HostStoreOptions store_options;
+  store_options.component = component;
+  store_options.target = options.target;
+  store_options.pin_in_place = options.pin_in_place;
+  store_options.disk_dir = options.disk_dir;
+  store_options.staging_buffer_bytes = options.staging_buffer_bytes;
+  store_options.staging_buffers = options.staging_buffers;
+  store_options.staging_threads = options.staging_threads;
+  if (absl::Status valid = ValidateHostStoreOptions(store_options); !valid.ok()) {
+    return invalid(std::string(valid.message()));
   }
   auto impl = std::make_unique<Impl>();
   impl->component = component;
@@ -602,7 +378,7 @@ absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
   RETURN_IF_ERROR(impl->PlanGroups());
   // The component leaves the device before its groups take their place.
   weights.OffloadAll();
-  RETURN_IF_ERROR(impl->PrepareHost());
+  ASSIGN_OR_RETURN(impl->store, CreateHostStore(store_options, impl->plan.groups, weights, backend));
   absl::Status device = impl->PrepareDevice();
   if (!device.ok()) {
     impl->Remove();

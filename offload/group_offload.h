@@ -2,6 +2,16 @@
 // device just before they run and dropped right after, the next groups prefetched on the copy
 // stream while the current one computes.
 //
+// GroupOffloader is the engine; it is composed of parts that each have their own file and contract:
+//   offload/group_plan.h    which tensors form which group, each group's device layout, and which
+//                           groups a budget keeps resident (pure functions, no device);
+//   offload/host_store.h    where the weights live on the host and how one group reaches a device
+//                           buffer: one class per `target`, created by CreateHostStore
+//                           (offload/host_store_factory.h), the engine never names one;
+//   offload/slot_ring.h     the ring of preallocated device slots and the events guarding reuse;
+//   offload/memcpy_pool.h   the threads that stage pageable memory (used by the staged stores).
+// The engine itself owns the hooks, the recorded execution order, prefetch scheduling and stats.
+//
 // Groups
 //   block_level: every `num_blocks_per_group` consecutive children of each block list (the
 //     ModuleList children of the root, or the modules named in `block_modules`, e.g. a VAE's
@@ -16,9 +26,10 @@
 //
 // Host side (`target`): kPinnedHost packs each group contiguously into pinned memory (the pageable
 // originals are released, so the weights live once, in pinned RAM; one DMA per group);
-// kPageableHost keeps them pageable and stages each copy through a fixed ring of pinned buffers
-// (low CPU RAM; no pinning per onload); kDisk writes one safetensors file per group (reused while
-// the weights are unchanged, rewritten when stale), maps it, and stages from the mapping.
+// kPageableHost keeps them pageable, pinned in place when the host allows it (one DMA per tensor)
+// and otherwise staged through a fixed ring of pinned buffers (low CPU RAM; no pinning per
+// onload); kDisk writes one safetensors file per group (reused while the weights are unchanged,
+// rewritten when stale), maps it, and stages from the mapping.
 //
 // Order: the first forward records the order in which groups run; afterwards, when group i
 // onloads, groups i+1..i+depth are copied ahead. A group reached out of order (a conditional
@@ -27,7 +38,20 @@
 // Budget: with budget_bytes > 0 the planner keeps resident the groups that minimise the bytes
 // streamed per forward, subject to resident + always-on + slots <= budget, and streams the rest.
 //
-// Thread-safety: forwards of the module run on one thread at a time; Remove() between forwards.
+// Ownership (thread-safety): a GroupOffloader is device state. Only the device's worker thread
+// (server/device_worker.h) may Apply, destroy (Remove), ReleaseSlots, or run forwards of the
+// module through it, one at a time, and only it calls the accessors (stats(), device_bytes(),
+// holds_slots(), bytes_needed_to_run()). Readers on other threads (admin handlers, the metrics
+// scrape) never touch it: they read a snapshot of its stats that the worker publishes after each
+// change. Nothing in here takes a lock.
+// Lifetime: the module tree, its HostWeights and the backend outlive the offloader; destroying it
+// removes the hooks and frees its device and pinned memory (see ~GroupOffloader).
+//
+//   GroupOffloadOptions options;
+//   options.use_stream = true;
+//   ASSIGN_OR_RETURN(std::unique_ptr<GroupOffloader> offloader,
+//                    GroupOffloader::Apply("transformer", model, weights, backend, options));
+//   model.Forward(x);  // Groups stream in and out around each block's forward.
 #ifndef STOWAGE_OFFLOAD_GROUP_OFFLOAD_H_
 #define STOWAGE_OFFLOAD_GROUP_OFFLOAD_H_
 
@@ -38,13 +62,13 @@
 
 #include "absl/status/statusor.h"
 #include "offload/device_backend.h"
+#include "offload/group_plan.h"
+#include "offload/host_store.h"
 #include "offload/host_weights.h"
 #include "offload/module.h"
 
 namespace stowage {
 
-enum class OffloadType { kBlockLevel, kLeafLevel };
-enum class OffloadTarget { kPinnedHost, kPageableHost, kDisk };
 
 struct GroupOffloadOptions {
   OffloadType type = OffloadType::kBlockLevel;

@@ -1,0 +1,204 @@
+#include "offload/group_plan.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+
+namespace stowage {
+namespace {
+
+int64_t AlignUp(int64_t n) { return (n + kGroupAlign - 1) / kGroupAlign * kGroupAlign; }
+
+void Append(PlannedGroup& g, int index, int64_t bytes) {
+  g.tensors.push_back(PlannedTensor{index, g.bytes, bytes});
+  g.bytes += AlignUp(bytes);
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<PlannedGroup>> FormGroups(const std::string& component, Module& root,
+                                                     const std::vector<PlanTensor>& tensors,
+                                                     const GroupPlanOptions& options) {
+  std::map<const TensorSlot*, int> unplaced;  // Tensors not in a group yet, by slot.
+  for (size_t i = 0; i < tensors.size(); ++i) unplaced[tensors[i].slot] = static_cast<int>(i);
+  auto add_tensors = [&](PlannedGroup& g, Module& m, bool subtree) {
+    auto take = [&](Module& owner) {
+      for (const TensorSlot& slot : owner.slots()) {
+        auto it = unplaced.find(&slot);
+        if (it == unplaced.end()) continue;
+        Append(g, it->second, tensors[static_cast<size_t>(it->second)].bytes);
+        unplaced.erase(it);
+      }
+    };
+    if (subtree) {
+      m.ForEachModule(take);
+    } else {
+      take(m);
+    }
+  };
+
+  std::vector<PlannedGroup> groups;
+  if (options.type == OffloadType::kBlockLevel) {
+    std::vector<Module*> lists;
+    if (options.block_modules.empty()) {
+      for (auto& [name, child] : root.children()) {
+        if (child->kind() == "ModuleList") lists.push_back(child);
+      }
+    } else {
+      for (const std::string& path : options.block_modules) {
+        Module* found = nullptr;
+        root.ForEachModule([&](Module& m) {
+          if (m.path() == path) found = &m;
+        });
+        if (found == nullptr || found == &root) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "component '", component, "': block_modules entry '", path, "' is not a submodule"));
+        }
+        lists.push_back(found);
+      }
+    }
+    if (lists.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "component '", component, "': block_level found no block list (no ModuleList child of the "
+          "root); name one with block_modules, or use leaf_level"));
+    }
+    const auto per_group = static_cast<size_t>(std::max(1, options.num_blocks_per_group));
+    for (Module* list : lists) {
+      const auto& blocks = list->children();
+      for (size_t i = 0; i < blocks.size(); i += per_group) {
+        PlannedGroup g;
+        const size_t end = std::min(blocks.size(), i + per_group);
+        g.name = absl::StrCat(list->path(), ".", i, "-", end - 1);
+        for (size_t b = i; b < end; ++b) {
+          add_tensors(g, *blocks[b].second, /*subtree=*/true);
+          g.members.push_back(blocks[b].second);
+        }
+        if (g.bytes > 0) groups.push_back(std::move(g));
+      }
+    }
+    // Everything outside the blocks, in input order: on the device for the whole forward of the root.
+    PlannedGroup rest;
+    rest.name = "(outside blocks)";
+    rest.always_on = true;
+    rest.members.push_back(&root);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (unplaced.count(tensors[i].slot) == 0) continue;
+      Append(rest, static_cast<int>(i), tensors[i].bytes);
+    }
+    if (rest.bytes > 0) groups.push_back(std::move(rest));
+  } else {
+    root.ForEachModule([&](Module& m) {
+      PlannedGroup g;
+      g.name = m.path().empty() ? "(root)" : m.path();
+      g.always_on = !m.is_leaf();
+      g.members.push_back(&m);
+      add_tensors(g, m, /*subtree=*/false);
+      if (g.bytes > 0) groups.push_back(std::move(g));
+    });
+  }
+  return groups;
+}
+
+absl::StatusOr<GroupPlan> ChooseResidency(const std::string& component, std::vector<PlannedGroup> groups,
+                                          const GroupPlanOptions& options) {
+  GroupPlan plan;
+  plan.groups = std::move(groups);
+  const int64_t n = options.slots;
+  int64_t always_on = 0;
+  std::vector<PlannedGroup*> ring;
+  // Largest first. Among equal sizes, a low-discrepancy order of the group index, so that the
+  // groups the budget keeps resident are spread along the forward: streaming the others then
+  // overlaps the resident groups' compute instead of queueing behind one long resident stretch.
+  std::map<const PlannedGroup*, double> spread;
+  for (size_t i = 0; i < plan.groups.size(); ++i) {
+    PlannedGroup& g = plan.groups[i];
+    g.resident = false;
+    if (g.always_on) {
+      always_on += g.bytes;
+    } else {
+      ring.push_back(&g);
+    }
+    const double x = static_cast<double>(i) * 0.6180339887498949;
+    spread[&g] = x - static_cast<int64_t>(x);
+  }
+  std::sort(ring.begin(), ring.end(), [&](const PlannedGroup* a, const PlannedGroup* b) {
+    if (a->bytes != b->bytes) return a->bytes > b->bytes;
+    return spread[a] < spread[b];
+  });
+  if (options.budget_bytes > 0) {
+    // Candidate slot sizes: 0 (everything resident) or any group's size. Groups larger than the
+    // slot must be resident; the rest fill the remaining budget greedily, largest first.
+    std::set<int64_t> sizes = {0};
+    for (const PlannedGroup* g : ring) sizes.insert(g->bytes);
+    int64_t best_resident = -1;
+    int64_t best_slot = 0;
+    std::vector<PlannedGroup*> best;
+    for (int64_t s : sizes) {
+      int64_t free = options.budget_bytes - always_on - (s > 0 ? n * s : 0);
+      std::vector<PlannedGroup*> chosen;
+      int64_t resident = 0;
+      for (PlannedGroup* g : ring) {
+        if (g->bytes > s) {
+          free -= g->bytes;
+          resident += g->bytes;
+          chosen.push_back(g);
+        }
+      }
+      if (free < 0) continue;
+      for (PlannedGroup* g : ring) {
+        if (g->bytes <= s && g->bytes <= free) {
+          free -= g->bytes;
+          resident += g->bytes;
+          chosen.push_back(g);
+        }
+      }
+      // Slot size is the largest group left streaming (may be below s).
+      int64_t slot = 0;
+      for (const PlannedGroup* g : ring) {
+        if (std::find(chosen.begin(), chosen.end(), g) == chosen.end()) slot = std::max(slot, g->bytes);
+      }
+      if (resident > best_resident) {
+        best_resident = resident;
+        best_slot = slot;
+        best = chosen;
+      }
+    }
+    if (best_resident < 0) {
+      const int64_t smallest = ring.empty() ? 0 : ring.back()->bytes;
+      return absl::InvalidArgumentError(absl::StrCat(
+          "component '", component, "': budget_bytes ", options.budget_bytes,
+          " is smaller than its smallest working set: ", always_on, " always-on bytes + ", n,
+          " slot(s) of at least ", smallest, " bytes (one group)"));
+    }
+    for (PlannedGroup* g : best) g->resident = true;
+    plan.slot_bytes = best_slot;
+  } else {
+    plan.slot_bytes = ring.empty() ? 0 : ring.front()->bytes;
+  }
+  for (const PlannedGroup* g : ring) {
+    if (g->resident) {
+      ++plan.resident_groups;
+      plan.resident_bytes += g->bytes;
+    } else {
+      ++plan.streamed_groups;
+      plan.streamed_bytes += g->bytes;
+    }
+  }
+  plan.slots = plan.streamed_groups > 0 ? n : 0;
+  if (plan.streamed_groups == 0) plan.slot_bytes = 0;
+  plan.always_on_bytes = always_on;
+  plan.working_set_bytes = plan.slots * plan.slot_bytes + always_on + plan.resident_bytes;
+  return plan;
+}
+
+absl::StatusOr<GroupPlan> PlanGroups(const std::string& component, Module& root,
+                                     const std::vector<PlanTensor>& tensors, const GroupPlanOptions& options) {
+  ASSIGN_OR_RETURN(std::vector<PlannedGroup> groups, FormGroups(component, root, tensors, options));
+  return ChooseResidency(component, std::move(groups), options);
+}
+
+}  // namespace stowage

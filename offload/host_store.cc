@@ -1,0 +1,36 @@
+#include "offload/host_store.h"
+
+#include <ATen/Functions.h>
+
+namespace stowage {
+
+std::vector<StoreGroup> ResolveGroups(const std::vector<PlannedGroup>& planned, HostWeights& weights) {
+  std::vector<StoreGroup> groups;
+  groups.reserve(planned.size());
+  for (const PlannedGroup& p : planned) {
+    StoreGroup g;
+    g.name = p.name;
+    g.bytes = p.bytes;
+    g.resident = p.resident;
+    g.tensors.reserve(p.tensors.size());
+    for (const PlannedTensor& t : p.tensors) {
+      g.tensors.push_back(StoreTensor{&weights.entries()[static_cast<size_t>(t.index)], t.offset});
+    }
+    groups.push_back(std::move(g));
+  }
+  return groups;
+}
+
+at::Tensor BytesOf(const at::Tensor& t) {
+  return at::from_blob(t.data_ptr(), {static_cast<int64_t>(t.nbytes())}, at::TensorOptions().dtype(at::kByte));
+}
+
+void CopyTensorsDirect(DeviceBackend& backend, const StoreGroup& group, const at::Tensor& slot) {
+  for (const StoreTensor& t : group.tensors) {
+    const at::Tensor& host = t.entry->host;
+    const auto n = static_cast<int64_t>(host.nbytes());
+    backend.CopyToDeviceAsync(slot.narrow(0, t.offset, n), BytesOf(host.contiguous()));
+  }
+}
+
+}  // namespace stowage

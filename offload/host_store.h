@@ -1,0 +1,118 @@
+// HostStore: where an offloaded component's weights live on the host, and how one group of them
+// reaches a device buffer.
+//
+// One class per host-side target, all behind this interface, created once per GroupOffloader::Apply
+// for the planned groups (offload/group_plan.h) by CreateHostStore (offload/host_store_factory.h),
+// the only place that knows the targets:
+//   PinnedHostStore         (pinned_host_store.h)          a packed pinned copy, one DMA per group.
+//   PinnedInPlaceHostStore  (pinned_in_place_host_store.h) the pageable copy or the safetensors
+//                                                          mapping registered with the device.
+//   StagedHostStore         (staged_host_store.h)          pageable, through a ring of pinned
+//                                                          staging buffers and the memcpy pool.
+//   DiskHostStore           (disk_host_store.h)            one safetensors file per group, staged.
+// The engine (group planning, the slot ring, prefetch scheduling) never learns which one it has.
+//
+// Contract of CopyGroupToSlot(group, slot):
+//   - `slot` is a device buffer of at least the group's planned bytes (a ring slot, or a resident
+//     or always-on group's own buffer). Once the copy stream has passed the work the call enqueues,
+//     the slot holds every tensor of the group in its compute dtype at its planned offset
+//     (PlannedTensor::offset); the bytes between tensors are unspecified.
+//   - How the bytes get there is the store's business: how many DMAs, from which host memory,
+//     through which intermediate buffers, and how many bytes cross the link. A compressed store can
+//     move fewer bytes than the slot holds (8-bit weights and per-channel scales into a device
+//     scratch area of its own, widened into the slot by work it enqueues on the copy stream).
+//   - All device work goes on the backend's copy stream. The engine has already made the copy
+//     stream wait until the slot may be overwritten, and records the event that compute waits for
+//     right after the call. The call may block the host only on the store's own resources (a
+//     staging buffer whose previous DMA has not finished).
+//   - One call per group copy: implementations loop over the group's tensors themselves; no
+//     virtual call or heap allocation per tensor beyond what the copy itself needs.
+//
+// Host memory: creating a store may move the host copies (HostWeights::ReplaceHost) into memory it
+// owns (pinned chunks, file mappings); the tensors' shapes and dtypes never change. stats() reports
+// what the store holds or did; the engine adds it to GroupOffloadStats.
+//
+// Thread-safety: not thread-safe. A store belongs to one GroupOffloader and is used by its device's
+// worker thread only (the memcpy pool's threads are internal to one call).
+// Lifetime: the backend and the HostWeights outlive the store. Destroying the store releases what it
+// holds on the host (unregisters memory pinned in place, after synchronizing the device; frees
+// staging buffers); host copies it moved stay valid, owned by HostWeights.
+#ifndef STOWAGE_OFFLOAD_HOST_STORE_H_
+#define STOWAGE_OFFLOAD_HOST_STORE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "offload/device_backend.h"
+#include "offload/group_plan.h"
+#include "offload/host_weights.h"
+
+namespace stowage {
+
+enum class OffloadTarget { kPinnedHost, kPageableHost, kDisk };
+
+struct HostStoreOptions {
+  // Names the model in errors, and its folder under disk_dir.
+  std::string component;
+  OffloadTarget target = OffloadTarget::kPinnedHost;
+  // kPageableHost: register the host copy in place; when refused, stage instead.
+  bool pin_in_place = true;
+  // kDisk: directory for the per-group safetensors files (created if missing).
+  std::string disk_dir;
+  // kPageableHost (staged) / kDisk: the staging ring and the memcpy pool's threads (>= 1, the
+  // caller included).
+  int64_t staging_buffer_bytes = int64_t{64} << 20;
+  int staging_buffers = 2;
+  int staging_threads = 8;
+};
+
+// What a store contributes to GroupOffloadStats (same meanings and names there).
+struct HostStoreStats {
+  int64_t pinned_host_bytes = 0;       // Pinned host memory allocated for the groups.
+  int64_t mapped_bytes_released = 0;   // Safetensors pages dropped from RSS after copying them.
+  int64_t pinned_in_place_bytes = 0;   // Host memory registered in place (page-rounded).
+  std::string pin_in_place_error;      // Why registering in place was refused, if it was.
+  int64_t disk_files_written = 0;
+  int64_t disk_files_reused = 0;
+};
+
+class HostStore {
+ public:
+  virtual ~HostStore() = default;
+
+  // Enqueues on the copy stream what makes `slot` hold group `group` (an index into the planned
+  // groups the store was created for). See the contract above.
+  virtual void CopyGroupToSlot(int group, const at::Tensor& slot) = 0;
+
+  virtual HostStoreStats stats() const = 0;
+};
+
+// --- Building blocks for implementations ---------------------------------------------------------
+
+// A planned group as a store sees it: the host entries of its tensors and their layout.
+struct StoreTensor {
+  HostWeights::Entry* entry;  // Host copy (entry->host), module and slot (for names).
+  int64_t offset;             // Within the group's layout.
+};
+struct StoreGroup {
+  std::string name;
+  std::vector<StoreTensor> tensors;
+  int64_t bytes = 0;      // Planned (packed) bytes.
+  bool resident = false;  // Copied once at Apply and kept on the device.
+};
+// `planned` resolved against `weights` (PlannedTensor::index indexes weights.entries()).
+std::vector<StoreGroup> ResolveGroups(const std::vector<PlannedGroup>& planned, HostWeights& weights);
+
+// Raw bytes of a contiguous CPU tensor, without ownership (the caller keeps `t` alive).
+at::Tensor BytesOf(const at::Tensor& t);
+
+// One DMA per tensor, straight from its host copy (pinned, registered, or pageable: then the
+// backend copies synchronously) to its offset in `slot`.
+void CopyTensorsDirect(DeviceBackend& backend, const StoreGroup& group, const at::Tensor& slot);
+
+}  // namespace stowage
+
+#endif  // STOWAGE_OFFLOAD_HOST_STORE_H_

@@ -1,0 +1,42 @@
+#include "offload/host_store_factory.h"
+
+#include <string>
+
+#include "offload/disk_host_store.h"
+#include "offload/pinned_host_store.h"
+#include "offload/pinned_in_place_host_store.h"
+#include "offload/staged_host_store.h"
+
+namespace stowage {
+
+absl::Status ValidateHostStoreOptions(const HostStoreOptions& options) {
+  if (options.target != OffloadTarget::kPinnedHost &&
+      (options.staging_buffers < 1 || options.staging_buffer_bytes < (int64_t{1} << 16))) {
+    return absl::InvalidArgumentError("staging needs at least one buffer of at least 64 KiB");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<HostStore>> CreateHostStore(const HostStoreOptions& options,
+                                                           const std::vector<PlannedGroup>& groups,
+                                                           HostWeights& weights, DeviceBackend& backend) {
+  switch (options.target) {
+    case OffloadTarget::kPinnedHost:
+      return PinnedHostStore::Create(groups, weights, backend);
+    case OffloadTarget::kDisk:
+      return DiskHostStore::Create(options, groups, weights, backend);
+    case OffloadTarget::kPageableHost: {
+      std::string refused;
+      if (options.pin_in_place) {
+        absl::StatusOr<std::unique_ptr<HostStore>> in_place =
+            PinnedInPlaceHostStore::Create(groups, weights, backend);
+        if (in_place.ok()) return in_place;
+        refused = std::string(in_place.status().message());
+      }
+      return StagedHostStore::Create(options, groups, weights, backend, std::move(refused));
+    }
+  }
+  return absl::InvalidArgumentError("unknown offload target");
+}
+
+}  // namespace stowage

@@ -1,0 +1,72 @@
+#include "offload/pinned_host_store.h"
+
+#include <malloc.h>
+
+#include <cstring>
+#include <utility>
+
+#include "base/status_macros.h"
+#include "offload/safetensors.h"
+
+namespace stowage {
+
+absl::StatusOr<std::unique_ptr<HostStore>> PinnedHostStore::Create(const std::vector<PlannedGroup>& groups,
+                                                                   HostWeights& weights,
+                                                                   DeviceBackend& backend) {
+  std::unique_ptr<PinnedHostStore> store(new PinnedHostStore(backend, ResolveGroups(groups, weights)));
+  constexpr int64_t kChunkTarget = int64_t{256} << 20;
+  std::vector<size_t> pending;  // Groups to pack, in order.
+  for (size_t i = 0; i < store->groups_.size(); ++i) {
+    if (!store->groups_[i].resident) pending.push_back(i);
+  }
+  at::Tensor chunk;
+  int64_t used = 0;             // Bytes of `chunk` given to groups.
+  size_t next_chunk_start = 0;  // First group of `pending` not yet given a chunk.
+  for (size_t i = 0; i < pending.size(); ++i) {
+    StoreGroup& g = store->groups_[pending[i]];
+    if (i == next_chunk_start) {
+      int64_t bytes = 0;
+      size_t j = i;
+      do {
+        bytes += store->groups_[pending[j]].bytes;
+        ++j;
+      } while (j < pending.size() && bytes < kChunkTarget);
+      next_chunk_start = j;
+      ASSIGN_OR_RETURN(chunk, backend.AllocatePinnedHost(bytes));
+      used = 0;
+      store->stats_.pinned_host_bytes += bytes;
+    }
+    at::Tensor& packed = store->packed_[pending[i]];
+    packed = chunk.narrow(0, used, g.bytes);
+    used += g.bytes;
+    uint8_t* base = packed.data_ptr<uint8_t>();
+    for (StoreTensor& t : g.tensors) {
+      const at::Tensor& host = t.entry->host;
+      std::memcpy(base + t.offset, host.data_ptr(), host.nbytes());
+      // Copied from a safetensors mapping: drop its pages from RSS now, not when the whole file is
+      // unmapped (that would hold the weights twice in RSS until the last group).
+      store->stats_.mapped_bytes_released +=
+          ReleaseMappedPages(host.data_ptr(), static_cast<int64_t>(host.nbytes()));
+      at::Tensor view = packed.narrow(0, t.offset, static_cast<int64_t>(host.nbytes()))
+                            .view(host.scalar_type())
+                            .view(host.sizes());
+      weights.ReplaceHost(*t.entry, view);
+    }
+  }
+  // The pageable originals are gone; hand their pages back to the kernel (glibc keeps freed blocks
+  // below its mmap threshold in the heap otherwise, and RSS would count them twice).
+  ::malloc_trim(0);
+  return std::unique_ptr<HostStore>(std::move(store));
+}
+
+void PinnedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot) {
+  const auto index = static_cast<size_t>(group);
+  const at::Tensor& packed = packed_[index];
+  if (packed.defined()) {
+    backend_->CopyToDeviceAsync(slot.narrow(0, 0, groups_[index].bytes), packed);
+    return;
+  }
+  CopyTensorsDirect(*backend_, groups_[index], slot);  // A resident group, copied once.
+}
+
+}  // namespace stowage

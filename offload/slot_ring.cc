@@ -1,0 +1,51 @@
+#include "offload/slot_ring.h"
+
+#include <utility>
+
+namespace stowage {
+
+SlotRing::SlotRing(DeviceBackend& backend, int64_t slots, int64_t slot_bytes)
+    : backend_(&backend), slot_bytes_(slot_bytes), slots_(static_cast<size_t>(slots)) {}
+
+absl::Status SlotRing::Allocate() {
+  if (allocated_) return absl::OkStatus();
+  for (Slot& slot : slots_) {
+    absl::StatusOr<at::Tensor> buffer = backend_->AllocateBytes(slot_bytes_);
+    if (!buffer.ok()) {
+      for (Slot& s : slots_) s.buffer = at::Tensor();
+      return buffer.status();
+    }
+    slot.buffer = *std::move(buffer);
+  }
+  allocated_ = true;
+  return absl::OkStatus();
+}
+
+void SlotRing::Release() {
+  if (!allocated_) return;
+  backend_->Synchronize();  // No copy or compute may still touch the buffers.
+  for (Slot& slot : slots_) {
+    slot.owner = kNoOwner;
+    slot.copied.reset();
+    slot.released.reset();
+    slot.buffer = at::Tensor();
+  }
+  allocated_ = false;
+}
+
+void SlotRing::CopyStreamWaitReleased(int64_t s) {
+  Slot& slot = slots_[static_cast<size_t>(s)];
+  if (slot.released) backend_->CopyStreamWait(*slot.released);
+}
+
+void SlotRing::RecordCopied(int64_t s) { slots_[static_cast<size_t>(s)].copied = backend_->RecordOnCopyStream(); }
+
+void SlotRing::ComputeStreamWaitCopied(int64_t s) {
+  backend_->ComputeStreamWait(*slots_[static_cast<size_t>(s)].copied);
+}
+
+void SlotRing::RecordReleased(int64_t s) {
+  slots_[static_cast<size_t>(s)].released = backend_->RecordOnComputeStream();
+}
+
+}  // namespace stowage

@@ -1,0 +1,89 @@
+// SlotRing: the ring of preallocated device buffers that streamed offload groups are copied into.
+//
+// (prefetch_depth + 1) slots (1 without a copy stream), each sized for the largest streamed group:
+// device memory for streaming is fixed and predictable, and no buffer is allocated or freed per
+// onload, so there are no cross-stream allocator hazards. Two events per slot guard its reuse:
+// `copied` (recorded on the copy stream after a group's bytes were enqueued into it; the compute
+// stream waits for it before the group's forward reads the slot) and `released` (recorded on the
+// compute stream after the forward that read the slot; the copy stream waits for it before the next
+// copy overwrites the slot). Which group a slot holds (its owner, an index chosen by the caller) is
+// bookkeeping for the engine's prefetch; the ring never looks at group contents.
+//
+// The slots can be freed while the component is idle (Release) and allocated again before its
+// next forward (Allocate), so that other components can use that memory in between.
+//
+// Thread-safety: not thread-safe; owned by a GroupOffloader and used by its device's worker only.
+// Lifetime: the backend outlives the ring. Destroying the ring frees the buffers without waiting:
+// call Release() (which synchronizes the device) first if queued work may still touch them.
+//
+//   SlotRing ring(backend, /*slots=*/2, /*slot_bytes=*/group_bytes);
+//   RETURN_IF_ERROR(ring.Allocate());
+//   ring.CopyStreamWaitReleased(s);  store.CopyGroupToSlot(g, ring.buffer(s));  ring.RecordCopied(s);
+//   ring.ComputeStreamWaitCopied(s); ... forward reads ring.buffer(s) ...;       ring.RecordReleased(s);
+#ifndef STOWAGE_OFFLOAD_SLOT_RING_H_
+#define STOWAGE_OFFLOAD_SLOT_RING_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/status.h"
+#include "offload/device_backend.h"
+
+namespace stowage {
+
+class SlotRing {
+ public:
+  static constexpr int kNoOwner = -1;
+
+  // `slots` (>= 0) buffers of `slot_bytes` each; nothing is allocated until Allocate().
+  SlotRing(DeviceBackend& backend, int64_t slots, int64_t slot_bytes);
+  SlotRing(const SlotRing&) = delete;
+  SlotRing& operator=(const SlotRing&) = delete;
+
+  int64_t size() const { return static_cast<int64_t>(slots_.size()); }
+  int64_t slot_bytes() const { return slot_bytes_; }
+  // Device bytes of all slots (held while allocated()).
+  int64_t bytes() const { return size() * slot_bytes_; }
+  bool allocated() const { return allocated_; }
+
+  // Allocates every slot's buffer (from the compute stream's pool: the caller makes the copy stream
+  // wait for compute work queued before, which may have freed that memory). All or none: on
+  // failure (for example a device out-of-memory status) no slot keeps a buffer. No-op if allocated.
+  absl::Status Allocate();
+  // Synchronizes the device, then frees the buffers and forgets every owner and event. No-op when
+  // not allocated.
+  void Release();
+
+  // Slot `s` (0 <= s < size()) while allocated.
+  const at::Tensor& buffer(int64_t s) const { return slots_[static_cast<size_t>(s)].buffer; }
+  int owner(int64_t s) const { return slots_[static_cast<size_t>(s)].owner; }
+  void set_owner(int64_t s, int owner) { slots_[static_cast<size_t>(s)].owner = owner; }
+
+  // Copy-stream work issued next waits until the compute that last read slot `s` is done.
+  void CopyStreamWaitReleased(int64_t s);
+  // After enqueuing a copy into slot `s`: marks it on the copy stream.
+  void RecordCopied(int64_t s);
+  // Compute-stream work issued next waits for the last copy into slot `s` (which must have one).
+  void ComputeStreamWaitCopied(int64_t s);
+  // After enqueuing the compute that reads slot `s`: marks it on the compute stream.
+  void RecordReleased(int64_t s);
+
+ private:
+  struct Slot {
+    at::Tensor buffer;
+    int owner = kNoOwner;
+    std::unique_ptr<DeviceEvent> copied;
+    std::unique_ptr<DeviceEvent> released;
+  };
+  DeviceBackend* backend_;
+  int64_t slot_bytes_;
+  std::vector<Slot> slots_;
+  bool allocated_ = false;
+};
+
+}  // namespace stowage
+
+#endif  // STOWAGE_OFFLOAD_SLOT_RING_H_

@@ -1,0 +1,184 @@
+// Group planning on small module trees: which groups form, their layout, and the budget's choice.
+// No device and no weights: the planner sees the tree and the tensors' sizes only.
+#include "offload/group_plan.h"
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "offload/module.h"
+
+namespace stowage {
+namespace {
+
+// root "Net": pos (256 B, root-owned), embed.weight (1000 B), blocks: ModuleList of Block{fc.weight,
+// fc.bias}, head.weight (512 B). Tensors are undefined: only their sizes (given to the planner) count.
+struct Tree {
+  explicit Tree(const std::vector<int64_t>& block_bytes) {
+    root.AddParameter("pos", at::Tensor());
+    Module* embed = root.AddChild("embed", std::make_unique<Module>("Linear"));
+    embed->AddParameter("weight", at::Tensor());
+    Module* blocks = root.AddChild("blocks", std::make_unique<Module>("ModuleList"));
+    for (size_t i = 0; i < block_bytes.size(); ++i) {
+      Module* block = blocks->AddChild(std::to_string(i), std::make_unique<Module>("Block"));
+      Module* fc = block->AddChild("fc", std::make_unique<Module>("Linear"));
+      fc->AddParameter("weight", at::Tensor());
+      fc->AddParameter("bias", at::Tensor());
+    }
+    Module* head = root.AddChild("head", std::make_unique<Module>("Linear"));
+    head->AddParameter("weight", at::Tensor());
+    std::map<std::string, int64_t> bytes = {{"pos", 256}, {"embed.weight", 1000}, {"head.weight", 512}};
+    for (size_t i = 0; i < block_bytes.size(); ++i) {
+      bytes["blocks." + std::to_string(i) + ".fc.weight"] = block_bytes[i] - 256;
+      bytes["blocks." + std::to_string(i) + ".fc.bias"] = 100;  // Aligned up to 256.
+    }
+    root.ForEachSlot([&](Module& m, TensorSlot& slot) {
+      tensors.push_back(PlanTensor{&slot, bytes.at(m.SlotPath(slot))});
+      names.push_back(m.SlotPath(slot));
+    });
+  }
+  static constexpr int64_t kOutside = 256 + 1024 + 512;  // Aligned sizes outside the blocks.
+
+  Module root{"Net"};
+  std::vector<PlanTensor> tensors;
+  std::vector<std::string> names;  // Of tensors[i].
+};
+
+GroupPlanOptions Options(OffloadType type, int per_group = 1, int64_t budget = 0, int64_t slots = 2) {
+  GroupPlanOptions o;
+  o.type = type;
+  o.num_blocks_per_group = per_group;
+  o.budget_bytes = budget;
+  o.slots = slots;
+  return o;
+}
+
+std::vector<std::string> Names(const GroupPlan& plan) {
+  std::vector<std::string> names;
+  for (const PlannedGroup& g : plan.groups) names.push_back(g.name);
+  return names;
+}
+
+TEST(GroupPlanTest, BlockLevelGroupsConsecutiveBlocksAndPutsTheRestInOneAlwaysOnGroup) {
+  Tree t({1024, 2048, 1024});
+  auto plan = PlanGroups("net", t.root, t.tensors, Options(OffloadType::kBlockLevel, 2));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(Names(*plan), (std::vector<std::string>{"blocks.0-1", "blocks.2-2", "(outside blocks)"}));
+  const PlannedGroup& first = plan->groups[0];
+  EXPECT_EQ(first.bytes, 1024 + 2048);
+  ASSERT_EQ(first.members.size(), 2u);
+  EXPECT_EQ(first.members[0]->path(), "blocks.0");
+  EXPECT_FALSE(first.always_on);
+  // Packed in tree order, each tensor aligned: weight 768 B, bias at 768, next block's weight at 1024.
+  ASSERT_EQ(first.tensors.size(), 4u);
+  EXPECT_EQ(t.names[static_cast<size_t>(first.tensors[1].index)], "blocks.0.fc.bias");
+  EXPECT_EQ(first.tensors[1].offset, 768);
+  EXPECT_EQ(first.tensors[1].bytes, 100);
+  EXPECT_EQ(first.tensors[2].offset, 1024);
+  const PlannedGroup& rest = plan->groups[2];
+  EXPECT_TRUE(rest.always_on);
+  EXPECT_EQ(rest.bytes, Tree::kOutside);
+  ASSERT_EQ(rest.members.size(), 1u);
+  EXPECT_EQ(rest.members[0], &t.root);
+  // Every tensor in exactly one group.
+  std::vector<int> seen(t.tensors.size(), 0);
+  for (const PlannedGroup& g : plan->groups) {
+    for (const PlannedTensor& pt : g.tensors) {
+      ++seen[static_cast<size_t>(pt.index)];
+      EXPECT_EQ(pt.offset % kGroupAlign, 0);
+    }
+  }
+  EXPECT_EQ(seen, std::vector<int>(t.tensors.size(), 1));
+  // No budget: everything in the ring streams; one slot size for the largest group.
+  EXPECT_EQ(plan->streamed_groups, 2);
+  EXPECT_EQ(plan->resident_groups, 0);
+  EXPECT_EQ(plan->slots, 2);
+  EXPECT_EQ(plan->slot_bytes, 3072);
+  EXPECT_EQ(plan->always_on_bytes, Tree::kOutside);
+  EXPECT_EQ(plan->working_set_bytes, 2 * 3072 + Tree::kOutside);
+}
+
+TEST(GroupPlanTest, LeafLevelStreamsLeavesAndKeepsParametersOfNonLeavesAlwaysOn) {
+  Tree t({1024, 1024});
+  auto plan = PlanGroups("net", t.root, t.tensors, Options(OffloadType::kLeafLevel));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  // Modules without tensors of their own (blocks, Block) form no group.
+  EXPECT_EQ(Names(*plan),
+            (std::vector<std::string>{"(root)", "embed", "blocks.0.fc", "blocks.1.fc", "head"}));
+  EXPECT_TRUE(plan->groups[0].always_on);
+  EXPECT_EQ(plan->groups[0].bytes, 256);
+  for (size_t i = 1; i < plan->groups.size(); ++i) EXPECT_FALSE(plan->groups[i].always_on);
+  EXPECT_EQ(plan->slot_bytes, 1024);
+  EXPECT_EQ(plan->streamed_bytes, 1024 + 2 * 1024 + 512);
+}
+
+TEST(GroupPlanTest, ExplicitBlockModulesAndTheirErrors) {
+  Tree t({1024, 1024});
+  GroupPlanOptions options = Options(OffloadType::kBlockLevel);
+  options.block_modules = {"blocks.0"};  // Its children (fc) are the blocks.
+  auto plan = PlanGroups("net", t.root, t.tensors, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(Names(*plan), (std::vector<std::string>{"blocks.0.0-0", "(outside blocks)"}));
+  EXPECT_EQ(plan->groups[1].bytes, Tree::kOutside + 1024);
+
+  options.block_modules = {"nope"};
+  auto missing = PlanGroups("net", t.root, t.tensors, options);
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(missing.status().message()).find("'nope'"), std::string::npos);
+
+  Module flat("Flat");
+  flat.AddParameter("w", at::Tensor());
+  auto no_lists = PlanGroups("flat", flat, {PlanTensor{&flat.slots()[0], 256}}, Options(OffloadType::kBlockLevel));
+  EXPECT_EQ(no_lists.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(no_lists.status().message()).find("component 'flat'"), std::string::npos);
+}
+
+TEST(GroupPlanTest, BudgetKeepsLargerGroupsResidentAndSizesTheSlotForTheRest) {
+  // Blocks of 4, 8, 4 and 2 KiB; 2 slots. With outside + 2 x 4 KiB + 8 KiB, the best choice is a
+  // 4 KiB slot with the 8 KiB block resident (a 2 KiB slot would need 16 KiB resident; no slot, all).
+  Tree t({4096, 8192, 4096, 2048});
+  const int64_t budget = Tree::kOutside + 2 * 4096 + 8192;
+  auto plan = PlanGroups("net", t.root, t.tensors, Options(OffloadType::kBlockLevel, 1, budget));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->groups[1].resident);
+  EXPECT_FALSE(plan->groups[1].streamed());
+  for (size_t i : {0, 2, 3}) EXPECT_TRUE(plan->groups[i].streamed()) << i;
+  EXPECT_EQ(plan->resident_groups, 1);
+  EXPECT_EQ(plan->resident_bytes, 8192);
+  EXPECT_EQ(plan->streamed_groups, 3);
+  EXPECT_EQ(plan->streamed_bytes, 4096 + 4096 + 2048);
+  EXPECT_EQ(plan->slot_bytes, 4096);
+  EXPECT_EQ(plan->working_set_bytes, budget);
+
+  // Everything fits: no slots at all.
+  auto all = PlanGroups("net", t.root, t.tensors,
+                        Options(OffloadType::kBlockLevel, 1, Tree::kOutside + 4096 + 8192 + 4096 + 2048));
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(all->streamed_groups, 0);
+  EXPECT_EQ(all->slots, 0);
+  EXPECT_EQ(all->slot_bytes, 0);
+
+  // Below the smallest working set (outside + 2 slots of the smallest group).
+  auto tight = PlanGroups("net", t.root, t.tensors, Options(OffloadType::kBlockLevel, 1, Tree::kOutside + 4095));
+  EXPECT_EQ(tight.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(tight.status().message()).find("budget_bytes"), std::string::npos);
+}
+
+TEST(GroupPlanTest, EqualGroupsKeptResidentAreSpreadAlongTheForward) {
+  Tree t({1024, 1024, 1024, 1024, 1024, 1024});
+  const int64_t budget = Tree::kOutside + 2 * 1024 + 2 * 1024;  // 2 slots and 2 resident blocks.
+  auto plan = PlanGroups("net", t.root, t.tensors, Options(OffloadType::kBlockLevel, 1, budget));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<std::string> resident;
+  for (const PlannedGroup& g : plan->groups) {
+    if (g.resident) resident.push_back(g.name);
+  }
+  // Not the first two: the first and the last (golden-ratio order of the group index).
+  EXPECT_EQ(resident, (std::vector<std::string>{"blocks.0-0", "blocks.5-5"}));
+}
+
+}  // namespace
+}  // namespace stowage

@@ -382,6 +382,8 @@ struct GroupOffloader::Impl {
       // group, so RAM holds the weights once. Chunks of about 256 MiB, each sized exactly to the consecutive groups it holds: cudaHostAlloc
       // pins every page it returns, so any slack would be resident RAM that holds nothing.
       const int64_t chunk_target = int64_t{256} << 20;
+      // Copying from a mapping of a file that changed on disk would pack zeros or new bytes.
+      RETURN_IF_ERROR(weights->CheckSourceFiles());
       std::vector<std::pair<at::Tensor, int64_t>> chunks;  // (chunk, bytes used)
       std::vector<Group*> pending;
       for (auto& g : groups) {

@@ -328,7 +328,10 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::RunOnWorker(Hosted& hosted,
     *progress.mutable_queue_wait() = queue_wait_proto;
     control.on_progress(progress);
   });
-  ASSIGN_OR_RETURN(Image image, hosted.pipeline->Run(params, *placement_, context));
+  RETURN_IF_ERROR(hosted.pipeline->CheckSourceFiles());
+  absl::StatusOr<Image> run = hosted.pipeline->Run(params, *placement_, context);
+  RETURN_IF_ERROR(hosted.pipeline->CheckSourceFiles());  // Changed during the run: discard it.
+  ASSIGN_OR_RETURN(Image image, std::move(run));
   context.BeginStage("encode_image");
   ASSIGN_OR_RETURN(std::string png, EncodePng(image));
   context.EndStage();

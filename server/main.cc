@@ -18,10 +18,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
 #include <iostream>
+#include <string>
 #include <thread>
 
 #include "absl/flags/flag.h"

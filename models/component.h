@@ -34,6 +34,9 @@ class Component {
   HostWeights& host_weights() { return *host_weights_; }
   int64_t weight_bytes() const { return host_weights_->bytes(); }
   int64_t parameter_count() const { return host_weights_->parameter_count(); }
+  // HostWeights::CheckSourceFiles: FAILED_PRECONDITION naming a model file that changed on disk
+  // under weights still mapped from it. Call on the device worker (which owns the host weights).
+  absl::Status CheckSourceFiles() const { return host_weights_->CheckSourceFiles(); }
 
  private:
   Component(std::string name, std::unique_ptr<Module> root, at::ScalarType dtype,

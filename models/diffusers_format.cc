@@ -135,6 +135,7 @@ absl::StatusOr<ComponentWeights> ReadComponentWeights(const std::string& compone
   ComponentWeights weights;
   for (const std::string& path : files) {
     ASSIGN_OR_RETURN(std::shared_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
+    weights.files.push_back(file);
     for (const auto& [name, info] : file->tensors()) {
       if (weights.tensors.count(name) > 0) {
         return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' appears in both '",
@@ -202,7 +203,10 @@ absl::Status LoadComponentWeights(Module& root, const std::string& component_dir
     named.tensors[name] = tensor;
     named.file_of[name] = weights.file_of[key];
   }
-  return BindWeights(root, named, dtype, component_dir, ignored_prefixes);
+  RETURN_IF_ERROR(BindWeights(root, named, dtype, component_dir, ignored_prefixes));
+  // A file truncated while BindWeights converted its tensors (a dtype copy) made them read zeros.
+  for (const auto& file : weights.files) RETURN_IF_ERROR(file->CheckUnchanged());
+  return absl::OkStatus();
 }
 
 absl::Status SaveComponent(Module& root, const std::string& dir, const google::protobuf::Struct& config,

@@ -45,6 +45,7 @@ absl::StatusOr<std::map<std::string, std::string>> ReadModelIndex(const std::str
 struct ComponentWeights {
   std::map<std::string, at::Tensor> tensors;
   std::map<std::string, std::string> file_of;  // Tensor name → file it came from.
+  std::vector<std::shared_ptr<SafetensorsFile>> files;  // The mapped files, for CheckUnchanged.
 };
 absl::StatusOr<ComponentWeights> ReadComponentWeights(const std::string& component_dir);
 

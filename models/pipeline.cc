@@ -19,6 +19,14 @@ void RunContext::EndStage() {
   current_stage_.clear();
 }
 
+absl::Status Pipeline::CheckSourceFiles() {
+  for (Component* component : components()) {
+    absl::Status status = component->CheckSourceFiles();
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
 void RunContext::ReportStep(int step, int total_steps) {
   if (progress_) progress_(current_stage_, step, total_steps);
 }

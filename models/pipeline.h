@@ -79,6 +79,16 @@ class Pipeline {
   // status if interrupted between steps.
   virtual absl::StatusOr<Image> Run(const GenerationParams& params, ComponentRunner& runner,
                                     RunContext& context) = 0;
+
+  // OK unless one of the files the components' weights are still mapped from changed on disk after
+  // the load (see offload/safetensors.h): then FAILED_PRECONDITION naming the file and saying to
+  // reload the pipeline. Weights copied to RAM or the device at load are not affected. The server
+  // checks before a Run and after it: a file that shrank during the Run made it read zeros, so its
+  // result is discarded. Call on the device worker.
+  //   RETURN_IF_ERROR(pipeline.CheckSourceFiles());
+  //   absl::StatusOr<Image> image = pipeline.Run(params, runner, context);
+  //   RETURN_IF_ERROR(pipeline.CheckSourceFiles());
+  absl::Status CheckSourceFiles();
 };
 
 }  // namespace stowage

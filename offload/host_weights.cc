@@ -46,6 +46,17 @@ void HostWeights::PointAtHost() {
   for (Entry& entry : entries_) entry.slot->value = entry.host;
 }
 
+absl::Status HostWeights::CheckSourceFiles() const {
+  std::vector<const void*> addresses;
+  addresses.reserve(entries_.size());
+  for (const Entry& entry : entries_) addresses.push_back(entry.host.data_ptr());
+  for (const auto& file : MappedFilesContaining(addresses)) {
+    absl::Status status = file->CheckUnchanged();
+    if (!status.ok()) return status;
+  }
+  return absl::OkStatus();
+}
+
 void HostWeights::ReplaceHost(Entry& entry, at::Tensor host) {
   const bool pointed_at_host = entry.slot->value.defined() && entry.slot->value.is_same(entry.host);
   entry.host = std::move(host);

@@ -47,6 +47,12 @@ class HostWeights {
   // Slots that pointed at the old host tensor are repointed.
   void ReplaceHost(Entry& entry, at::Tensor host);
 
+  // OK unless a host copy is still a view of a safetensors file that changed on disk since it was
+  // mapped (SafetensorsFile::CheckUnchanged: truncated, rewritten in place, or damaged by a read
+  // that faulted); then FAILED_PRECONDITION naming the file. Host copies in RAM (heap, pinned, a
+  // converted dtype) are never affected. One stat() per distinct mapped file.
+  absl::Status CheckSourceFiles() const;
+
  private:
   HostWeights() = default;
   std::vector<Entry> entries_;

@@ -13,6 +13,8 @@ namespace stowage {
 absl::StatusOr<std::unique_ptr<HostStore>> PinnedHostStore::Create(const std::vector<PlannedGroup>& groups,
                                                                    HostWeights& weights,
                                                                    DeviceBackend& backend) {
+  // Copying from a mapping of a file that changed on disk would pack zeros or new bytes.
+  RETURN_IF_ERROR(weights.CheckSourceFiles());
   std::unique_ptr<PinnedHostStore> store(new PinnedHostStore(backend, ResolveGroups(groups, weights)));
   constexpr int64_t kChunkTarget = int64_t{256} << 20;
   std::vector<size_t> pending;  // Groups to pack, in order.

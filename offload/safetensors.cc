@@ -5,9 +5,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <atomic>
 #include <map>
 
 #include <ATen/Functions.h>
@@ -105,11 +107,135 @@ absl::Status WriteSafetensors(const std::string& path,
 
 namespace {
 
-// Live mappings: begin address → end address.
+// Live mappings: begin address → end address and the file (whose destructor erases it under the
+// lock, before the munmap).
+struct LiveMapping {
+  uintptr_t end;
+  SafetensorsFile* file;
+};
 ABSL_CONST_INIT absl::Mutex mappings_mu(absl::kConstInit);
-std::map<uintptr_t, uintptr_t>& Mappings() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mappings_mu) {
-  static auto* mappings = new std::map<uintptr_t, uintptr_t>();
+std::map<uintptr_t, LiveMapping>& Mappings() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mappings_mu) {
+  static auto* mappings = new std::map<uintptr_t, LiveMapping>();
   return *mappings;
+}
+
+// The SIGBUS handler's view of the live mappings: a fixed table of atomics, because a signal
+// handler may take no lock. Writers (Open, the destructor) hold mappings_mu, so they never race each
+// other; the handler only reads a slot's range and sets its damaged flag. A slot is published by
+// storing `end` last (release) and retired by clearing `end` first.
+struct GuardedRange {
+  std::atomic<uintptr_t> begin{0};
+  std::atomic<uintptr_t> end{0};  // 0: free.
+  std::atomic<uint32_t> damaged{0};
+};
+static_assert(std::atomic<uintptr_t>::is_always_lock_free, "the SIGBUS handler needs lock-free atomics");
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "the SIGBUS handler needs lock-free atomics");
+GuardedRange g_guarded[kMaxGuardedMappings];
+// One past the highest slot ever used: the handler scans [0, g_guarded_high).
+std::atomic<int> g_guarded_high{0};
+uintptr_t g_page_size = 4096;
+struct sigaction g_previous_sigbus;
+
+// Passes a SIGBUS that is not ours on to the disposition that was there before.
+void ChainSigbus(int sig, siginfo_t* info, void* context) {
+  const struct sigaction& previous = g_previous_sigbus;
+  if ((previous.sa_flags & SA_SIGINFO) != 0 && previous.sa_sigaction != nullptr) {
+    previous.sa_sigaction(sig, info, context);
+    return;
+  }
+  if (previous.sa_handler == SIG_IGN && (info == nullptr || info->si_code <= 0)) return;
+  if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN) {
+    previous.sa_handler(sig);
+    return;
+  }
+  // Default action: reset it and let the signal happen again — a fault re-executes the faulting
+  // instruction on return; a signal sent by kill() is raised again (pending until we return).
+  struct sigaction dfl;
+  std::memset(&dfl, 0, sizeof(dfl));
+  dfl.sa_handler = SIG_DFL;
+  sigemptyset(&dfl.sa_mask);
+  ::sigaction(SIGBUS, &dfl, nullptr);
+  if (info == nullptr || info->si_code <= 0) ::raise(SIGBUS);
+}
+
+// Async-signal-safe: atomics, mmap, sigaction, raise only.
+void OnSigbus(int sig, siginfo_t* info, void* context) {
+  if (info != nullptr && info->si_code > 0) {  // A fault (BUS_ADRERR), not kill().
+    const auto address = reinterpret_cast<uintptr_t>(info->si_addr);
+    const int high = g_guarded_high.load(std::memory_order_acquire);
+    for (int i = 0; i < high; ++i) {
+      GuardedRange& range = g_guarded[i];
+      const uintptr_t end = range.end.load(std::memory_order_acquire);
+      if (end == 0 || address >= end) continue;
+      const uintptr_t begin = range.begin.load(std::memory_order_relaxed);
+      if (address < begin) continue;
+      // The file shrank under the mapping. Zero pages from the faulting page to the end of the
+      // mapping: one fault per file, not one per page, and the pages past the new end are all gone.
+      const uintptr_t first = address & ~(g_page_size - 1);
+      const uintptr_t last = (end + g_page_size - 1) & ~(g_page_size - 1);
+      range.damaged.store(1, std::memory_order_release);
+      void* patched = ::mmap(reinterpret_cast<void*>(first), last - first, PROT_READ,
+                             MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (patched != MAP_FAILED) return;  // The faulting instruction runs again, reading zeros.
+      break;
+    }
+  }
+  ChainSigbus(sig, info, context);
+}
+
+void InstallSigbusHandlerOnce() {
+  static const bool installed = [] {
+    g_page_size = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+    struct sigaction action;
+    std::memset(&action, 0, sizeof(action));
+    action.sa_sigaction = OnSigbus;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
+    sigemptyset(&action.sa_mask);
+    if (::sigaction(SIGBUS, &action, &g_previous_sigbus) != 0) {
+      std::fprintf(stderr, "stowage: cannot install the SIGBUS handler: a model file truncated "
+                           "under the server will crash it\n");
+      return false;
+    }
+    return true;
+  }();
+  (void)installed;
+}
+
+// Returns the slot, or -1 when the table is full.
+int GuardRange(uintptr_t begin, uintptr_t end) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mappings_mu) {
+  const int high = g_guarded_high.load(std::memory_order_relaxed);
+  int slot = -1;
+  for (int i = 0; i < high && slot < 0; ++i) {
+    if (g_guarded[i].end.load(std::memory_order_relaxed) == 0) slot = i;
+  }
+  if (slot < 0) {
+    if (high == kMaxGuardedMappings) {
+      static bool warned = false;
+      if (!warned) {
+        warned = true;
+        std::fprintf(stderr, "stowage: more than %d safetensors mappings; the rest are not guarded "
+                             "against files truncated under them\n", kMaxGuardedMappings);
+      }
+      return -1;
+    }
+    slot = high;
+  }
+  GuardedRange& range = g_guarded[slot];
+  range.damaged.store(0, std::memory_order_relaxed);
+  range.begin.store(begin, std::memory_order_relaxed);
+  range.end.store(end, std::memory_order_release);
+  if (slot == high) g_guarded_high.store(high + 1, std::memory_order_release);
+  return slot;
+}
+
+void UnguardRange(int slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mappings_mu) {
+  if (slot < 0) return;
+  g_guarded[slot].end.store(0, std::memory_order_release);
+  g_guarded[slot].begin.store(0, std::memory_order_relaxed);
+}
+
+int64_t MtimeNs(const struct stat& st) {
+  return static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
 }
 
 }  // namespace
@@ -130,17 +256,24 @@ absl::StatusOr<std::shared_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     ::close(fd);
     return bad("shorter than its 8-byte header length (truncated?)");
   }
+  InstallSigbusHandlerOnce();
   void* mapping = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0);
   ::close(fd);
   if (mapping == MAP_FAILED) return absl::InternalError(absl::StrCat("cannot mmap '", path, "'"));
   std::shared_ptr<SafetensorsFile> file(new SafetensorsFile());
   file->self_ = file;
   file->path_ = path;
+  file->dev_ = static_cast<uint64_t>(st.st_dev);
+  file->ino_ = static_cast<uint64_t>(st.st_ino);
+  file->mtime_ns_ = MtimeNs(st);
   file->mapping_ = mapping;
   file->mapping_bytes_ = size;
   {
+    // Guarded before the first read: even the header may lie past a concurrent truncation.
     absl::MutexLock lock(&mappings_mu);
-    Mappings()[reinterpret_cast<uintptr_t>(mapping)] = reinterpret_cast<uintptr_t>(mapping) + size;
+    const auto begin = reinterpret_cast<uintptr_t>(mapping);
+    Mappings()[begin] = LiveMapping{begin + static_cast<uintptr_t>(size), file.get()};
+    file->guard_slot_ = GuardRange(begin, begin + static_cast<uintptr_t>(size));
   }
   const auto* bytes = static_cast<const uint8_t*>(mapping);
   uint64_t header_len = 0;
@@ -206,7 +339,7 @@ int64_t ReleaseMappedPages(const void* ptr, int64_t bytes) {
   auto it = Mappings().upper_bound(begin);
   if (it == Mappings().begin()) return 0;
   --it;
-  if (end > it->second) return 0;  // Not inside one mapping.
+  if (end > it->second.end) return 0;  // Not inside one mapping.
   const uintptr_t first = (begin + page - 1) / page * page;  // Whole pages only.
   const uintptr_t last = end / page * page;
   if (last <= first) return 0;
@@ -219,9 +352,56 @@ SafetensorsFile::~SafetensorsFile() {
     {
       absl::MutexLock lock(&mappings_mu);
       Mappings().erase(reinterpret_cast<uintptr_t>(mapping_));
+      UnguardRange(guard_slot_);
     }
     ::munmap(mapping_, static_cast<size_t>(mapping_bytes_));
   }
+}
+
+bool SafetensorsFile::damaged() const {
+  return guard_slot_ >= 0 && g_guarded[guard_slot_].damaged.load(std::memory_order_acquire) != 0;
+}
+
+absl::Status SafetensorsFile::CheckUnchanged() const {
+  const bool was_damaged = damaged();
+  struct stat st;
+  const bool same_inode = ::stat(path_.c_str(), &st) == 0 && static_cast<uint64_t>(st.st_dev) == dev_ &&
+                          static_cast<uint64_t>(st.st_ino) == ino_;
+  // Another file at the path (renamed over) or none (removed): the mapping still holds the old
+  // inode, unchanged.
+  if (!was_damaged && !same_inode) return absl::OkStatus();
+  if (!was_damaged && st.st_size == mapping_bytes_ && MtimeNs(st) == mtime_ns_) return absl::OkStatus();
+  std::string now = "truncated";
+  if (same_inode) {
+    now = absl::StrCat(static_cast<int64_t>(st.st_size));
+    if (st.st_size == mapping_bytes_) absl::StrAppend(&now, ", rewritten");
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "model file '", path_, "' changed on disk after it was loaded (size ", mapping_bytes_, " → ", now,
+      "); unload and load the pipeline again"));
+}
+
+std::vector<std::shared_ptr<const SafetensorsFile>> MappedFilesContaining(
+    const std::vector<const void*>& addresses) {
+  std::vector<std::shared_ptr<const SafetensorsFile>> files;
+  absl::MutexLock lock(&mappings_mu);
+  const SafetensorsFile* last = nullptr;  // Consecutive tensors mostly share a file.
+  for (const void* address : addresses) {
+    const auto a = reinterpret_cast<uintptr_t>(address);
+    auto it = Mappings().upper_bound(a);
+    if (it == Mappings().begin()) continue;
+    --it;
+    if (a >= it->second.end || it->second.file == last) continue;
+    last = it->second.file;
+    bool seen = false;
+    for (const auto& file : files) seen = seen || file.get() == last;
+    if (seen) continue;
+    // Null while the file is being destroyed (its destructor is waiting for the lock): skipped.
+    // Never the last reference here: the destructor cannot run under the lock.
+    std::shared_ptr<const SafetensorsFile> file = last->self_.lock();
+    if (file != nullptr) files.push_back(std::move(file));
+  }
+  return files;
 }
 
 absl::StatusOr<at::Tensor> SafetensorsFile::Get(const std::string& name) {

@@ -6,6 +6,20 @@
 //
 // A tensor returned by SafetensorsFile::Get points into the mapping (no copy) and keeps it alive;
 // the memory is read-only: writing through such a tensor faults.
+//
+// Files that change under a live mapping. The mapping is MAP_SHARED, so it sees the file as it is
+// now, not as it was at Open:
+//   - replaced by rename (mv new old, WriteSafetensors) or removed: safe. The mapping keeps the old
+//     inode alive and reads the old data; CheckUnchanged() stays OK.
+//   - rewritten in place (cp new old: O_TRUNC, then write): reads past the new end of the file
+//     would raise SIGBUS and kill the process. A process-wide SIGBUS handler, installed by the first
+//     Open, maps zero pages over the rest of the mapping instead, so the faulting thread (a memcpy,
+//     a LibTorch kernel) carries on reading zeros, and marks the file damaged. CheckUnchanged()
+//     reports FAILED_PRECONDITION for a damaged file and for one whose size or mtime changed since
+//     Open; callers check before and after using the data and discard what they computed from it.
+// The handler chains to the previous SIGBUS disposition for every other address. At most
+// kMaxGuardedMappings mappings are guarded at a time (beyond that, Open warns once and a fault
+// there is fatal as before).
 #ifndef STOWAGE_OFFLOAD_SAFETENSORS_H_
 #define STOWAGE_OFFLOAD_SAFETENSORS_H_
 
@@ -52,9 +66,27 @@ class SafetensorsFile {
   void* mapping() const { return mapping_; }
   int64_t mapping_bytes() const { return mapping_bytes_; }
 
+  // OK while the data seen through the mapping is still the data of Open: the file at path() is
+  // the same inode with the same size and mtime, or is another file or none (renamed over or
+  // removed: the mapping keeps the old inode). FAILED_PRECONDITION naming the file when it was
+  // changed in place or a read of the mapping faulted (damaged()):
+  //   "model file '/m/transformer/x.safetensors' changed on disk after it was loaded (size 1234 → 0);
+  //    unload and load the pipeline again"
+  // Thread-safe; one stat() call.
+  absl::Status CheckUnchanged() const;
+  // True once a read of the mapping faulted (the file shrank under it) and the SIGBUS handler
+  // replaced the rest of the mapping with zero pages. Never goes back to false. Thread-safe.
+  bool damaged() const;
+
  private:
   SafetensorsFile() = default;
   std::string path_;
+  // Identity at Open, for CheckUnchanged.
+  uint64_t dev_ = 0;
+  uint64_t ino_ = 0;
+  int64_t mtime_ns_ = 0;
+  // Slot in the SIGBUS handler's table; -1 when the table was full (unguarded).
+  int guard_slot_ = -1;
   void* mapping_ = nullptr;
   int64_t mapping_bytes_ = 0;
   const uint8_t* data_ = nullptr;
@@ -62,6 +94,9 @@ class SafetensorsFile {
   std::map<std::string, TensorInfo> tensors_;
   std::map<std::string, std::string> metadata_;
   std::weak_ptr<SafetensorsFile> self_;
+
+  friend std::vector<std::shared_ptr<const SafetensorsFile>> MappedFilesContaining(
+      const std::vector<const void*>& addresses);
 };
 
 // Drops this process's page-table entries for the whole pages of [ptr, ptr + bytes) that lie in a
@@ -70,6 +105,15 @@ class SafetensorsFile {
 // bytes elsewhere (e.g. into pinned memory) and will not read the mapping soon. Returns the bytes
 // dropped: 0 for memory that is not such a mapping (never touched).
 int64_t ReleaseMappedPages(const void* ptr, int64_t bytes);
+
+// The live SafetensorsFile mappings holding any of `addresses`, each once, in order of first
+// appearance. Addresses outside every mapping (heap, pinned memory) are skipped. For checking the
+// files that host tensors are still views of (HostWeights::CheckSourceFiles). Thread-safe.
+std::vector<std::shared_ptr<const SafetensorsFile>> MappedFilesContaining(
+    const std::vector<const void*>& addresses);
+
+// How many mappings the SIGBUS handler can guard at once.
+inline constexpr int kMaxGuardedMappings = 32768;
 
 // "F32" ↔ at::kFloat etc.; INVALID_ARGUMENT for a dtype this project does not handle.
 absl::StatusOr<at::ScalarType> SafetensorsDtype(const std::string& name);

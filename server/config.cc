@@ -1,5 +1,11 @@
 #include "server/config.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -11,6 +17,8 @@
 #include "google/protobuf/text_format.h"
 #include "google/protobuf/util/json_util.h"
 #include "base/status_macros.h"
+#include "models/pipeline_registry.h"
+#include "base/text.h"
 
 namespace stowage {
 namespace {
@@ -32,11 +40,66 @@ bool ValidName(const std::string& name) {
   return true;
 }
 
+// Paths from the config are echoed up to this many bytes.
+constexpr size_t kEchoedPathBytes = 256;
+
+std::string Quoted(const std::string& text, size_t max_bytes = 64) {
+  return absl::StrCat("'", Truncated(text, max_bytes), "'");
+}
+
+// `field`: `value` unless it lies in [lo, hi]; `allowed` describes the range for the message.
+absl::Status CheckRange(const std::string& field, int64_t value, int64_t lo, int64_t hi,
+                        const std::string& allowed) {
+  if (value >= lo && value <= hi) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", value, " is out of range; allowed: ", allowed));
+}
+
+absl::Status CheckNonNegative(const std::string& field, int64_t value, const std::string& zero) {
+  return CheckRange(field, value, 0, INT64_MAX, absl::StrCat(">= 0 (0: ", zero, ")"));
+}
+
+// OK when `path` is a regular file this process can read; else why not, after `prefix`
+// ("tls.cert_file: "): "cannot read '<path>': it is a directory".
+absl::Status CheckReadableFile(const std::string& path, const std::string& prefix) {
+  const std::string head = absl::StrCat(prefix, "cannot read ", Quoted(path, kEchoedPathBytes), ": ");
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    const int error = errno;
+    if (error == ENOENT || error == ENOTDIR) return absl::NotFoundError(absl::StrCat(head, "no such file"));
+    return absl::PermissionDeniedError(absl::StrCat(head, std::strerror(error)));
+  }
+  if (S_ISDIR(st.st_mode)) return absl::InvalidArgumentError(absl::StrCat(head, "it is a directory"));
+  if (!S_ISREG(st.st_mode)) return absl::InvalidArgumentError(absl::StrCat(head, "not a regular file"));
+  if (::access(path.c_str(), R_OK) != 0) return absl::PermissionDeniedError(absl::StrCat(head, "permission denied"));
+  return absl::OkStatus();
+}
+
+absl::Status CheckModelDir(const std::string& dir, const std::string& field) {
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0) {
+    const int error = errno;
+    if (error == ENOENT || error == ENOTDIR) {
+      return absl::NotFoundError(absl::StrCat(field, ": ", Quoted(dir, kEchoedPathBytes), " does not exist"));
+    }
+    return absl::PermissionDeniedError(
+        absl::StrCat(field, ": cannot read ", Quoted(dir, kEchoedPathBytes), ": ", std::strerror(error)));
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", Quoted(dir, kEchoedPathBytes), " is not a directory"));
+  }
+  if (::access(dir.c_str(), R_OK | X_OK) != 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(field, ": cannot read ", Quoted(dir, kEchoedPathBytes), ": permission denied"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path) {
+  RETURN_IF_ERROR(CheckReadableFile(path, ""));
   std::ifstream file(path);
-  if (!file) return absl::NotFoundError(absl::StrCat("cannot read config file '", path, "'"));
+  if (!file) return absl::NotFoundError(absl::StrCat("cannot read ", Quoted(path, kEchoedPathBytes)));
   std::stringstream text;
   text << file.rdbuf();
   v1::ServerConfig config;
@@ -63,24 +126,27 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path) {
 absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& field) {
   if (!ValidName(p.name())) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, ".name: '", p.name(), "' must match [a-z0-9_-]{1,64}"));
+        absl::StrCat(field, ".name: ", Quoted(p.name()), " must match [a-z0-9_-]{1,64}"));
   }
   if (p.source_case() == v1::PipelineConfig::SOURCE_NOT_SET) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, ": no source; set builtin: \"tiny\" or model_dir"));
+        absl::StrCat(field, ": no source; set builtin (one of: ",
+                     absl::StrJoin(DefaultPipelineRegistry().BuiltinNames(), ", "), ") or model_dir"));
   }
   if (p.source_case() == v1::PipelineConfig::kModelDir) {
     if (p.model_dir().empty()) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".model_dir: empty path"));
     }
-  } else if (p.builtin() != "tiny" && p.builtin() != "zimage-tiny") {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".builtin: unknown built-in '", p.builtin(),
-                                                   "'; available: tiny, zimage-tiny"));
+    RETURN_IF_ERROR(CheckModelDir(p.model_dir(), absl::StrCat(field, ".model_dir")));
+  } else if (!DefaultPipelineRegistry().HasBuiltin(p.builtin())) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ".builtin: unknown built-in ", Quoted(p.builtin()),
+                                                   "; available: ",
+                                                   absl::StrJoin(DefaultPipelineRegistry().BuiltinNames(), ", ")));
   }
   if (p.dtype().empty()) p.set_dtype("float32");
   if (p.dtype() != "float32" && p.dtype() != "bfloat16") {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: '", p.dtype(),
-                                                   "' is not supported; use float32 or bfloat16"));
+    return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", Quoted(p.dtype()),
+                                                   " is not supported; use float32 or bfloat16"));
   }
   if (p.group_offload().enabled()) {
     auto options = ToPipelineGroupOffloadOptions(p.group_offload(), absl::StrCat(field, ".group_offload"));
@@ -92,21 +158,35 @@ absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& fi
 absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
   if (config.grpc_address().empty()) config.set_grpc_address(kDefaultGrpcAddress);
   if (config.metrics_address().empty()) config.set_metrics_address(kDefaultMetricsAddress);
+  RETURN_IF_ERROR(CheckRange("queue_depth", config.queue_depth(), 0, kMaxQueueDepth,
+                             absl::StrCat("0 (default ", kDefaultQueueDepth, ") or 1..", kMaxQueueDepth)));
   if (config.queue_depth() == 0) config.set_queue_depth(kDefaultQueueDepth);
-  if (config.queue_depth() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("queue_depth: ", config.queue_depth(), " is negative; must be >= 1"));
-  }
-  if (config.cpu_threads() < 0) {
-    return absl::InvalidArgumentError("cpu_threads: must be >= 0 (0 keeps LibTorch's default)");
-  }
+  RETURN_IF_ERROR(CheckRange("cpu_threads", config.cpu_threads(), 0, kMaxCpuThreads,
+                             absl::StrCat("0 (LibTorch's default) or 1..", kMaxCpuThreads)));
   const v1::DeviceConfig& device = config.device();
-  if (device.index() < 0) return absl::InvalidArgumentError("device.index: must be >= 0");
-  if (device.memory_budget_bytes() < 0) {
-    return absl::InvalidArgumentError("device.memory_budget_bytes: must be >= 0 (0 = whole device)");
+  RETURN_IF_ERROR(CheckRange("device.index", device.index(), 0, kMaxDeviceIndex,
+                             absl::StrCat("0..", kMaxDeviceIndex)));
+  RETURN_IF_ERROR(CheckNonNegative("device.memory_budget_bytes", device.memory_budget_bytes(),
+                                   "the whole device, or no limit when simulated"));
+  RETURN_IF_ERROR(CheckNonNegative("device.simulated_bandwidth_bytes_per_second",
+                                   device.simulated_bandwidth_bytes_per_second(), "unlimited"));
+  if (config.strategy().has_footprint()) {
+    RETURN_IF_ERROR(CheckNonNegative("strategy.footprint.reserve_bytes",
+                                     config.strategy().footprint().reserve_bytes(), "no reserve"));
   }
-  if (device.simulated_bandwidth_bytes_per_second() < 0) {
-    return absl::InvalidArgumentError("device.simulated_bandwidth_bytes_per_second: must be >= 0");
+  const v1::TlsConfig& tls = config.tls();
+  if (tls.cert_file().empty() != tls.key_file().empty()) {
+    return absl::InvalidArgumentError("tls: set both cert_file and key_file, or neither");
+  }
+  if (!tls.cert_file().empty()) {
+    RETURN_IF_ERROR(CheckReadableFile(tls.cert_file(), "tls.cert_file: "));
+    RETURN_IF_ERROR(CheckReadableFile(tls.key_file(), "tls.key_file: "));
+  }
+  if (!config.auth().admin_token().empty() && !config.auth().admin_token_file().empty()) {
+    return absl::InvalidArgumentError("auth: set admin_token or admin_token_file, not both");
+  }
+  if (!config.auth().admin_token_file().empty()) {
+    RETURN_IF_ERROR(CheckReadableFile(config.auth().admin_token_file(), "auth.admin_token_file: "));
   }
   if (config.pipelines().empty()) {
     // The built-in default: Z-Image's architecture at a tiny size, random weights.
@@ -122,7 +202,7 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
     RETURN_IF_ERROR(FinalizePipelineConfig(*p, field));
     if (!names.insert(p->name()).second) {
       return absl::InvalidArgumentError(
-          absl::StrCat(field, ".name: '", p->name(), "' is used by another pipeline"));
+          absl::StrCat(field, ".name: ", Quoted(p->name()), " is used by another pipeline"));
     }
     if (p->default_()) ++defaults;
   }
@@ -138,9 +218,8 @@ absl::StatusOr<GroupOffloadOptions> ToGroupOffloadOptions(const v1::GroupOffload
   GroupOffloadOptions o;
   o.type = c.offload_type() == v1::GroupOffloadConfig::LEAF_LEVEL ? OffloadType::kLeafLevel
                                                                    : OffloadType::kBlockLevel;
-  if (c.num_blocks_per_group() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".num_blocks_per_group: must be >= 1"));
-  }
+  RETURN_IF_ERROR(CheckRange(absl::StrCat(field, ".num_blocks_per_group"), c.num_blocks_per_group(), 0,
+                             kMaxNumBlocksPerGroup, absl::StrCat("0 (= 1) or 1..", kMaxNumBlocksPerGroup)));
   if (c.num_blocks_per_group() > 0) o.num_blocks_per_group = c.num_blocks_per_group();
   o.block_modules.assign(c.block_modules().begin(), c.block_modules().end());
   switch (c.target()) {
@@ -157,19 +236,20 @@ absl::StatusOr<GroupOffloadOptions> ToGroupOffloadOptions(const v1::GroupOffload
       o.target = OffloadTarget::kPinnedHost;
   }
   o.use_stream = c.use_stream();
-  if (c.prefetch_depth() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, ".prefetch_depth: must be >= 1, or 0 for the engine's choice"));
-  }
+  RETURN_IF_ERROR(CheckRange(absl::StrCat(field, ".prefetch_depth"), c.prefetch_depth(), 0, kMaxPrefetchDepth,
+                             absl::StrCat("0 (the engine's choice) or 1..", kMaxPrefetchDepth)));
   o.prefetch_depth = c.prefetch_depth();  // 0: the engine's per-level default.
   o.disk_dir = c.disk_dir();
-  if (c.budget_bytes() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".budget_bytes: must be >= 0"));
-  }
+  RETURN_IF_ERROR(CheckNonNegative(absl::StrCat(field, ".budget_bytes"), c.budget_bytes(), "stream every group"));
   o.budget_bytes = c.budget_bytes();
-  if (c.staging_buffer_bytes() < 0 || c.staging_buffers() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(field, ".staging_*: must be >= 0"));
+  if (c.staging_buffer_bytes() != 0) {
+    RETURN_IF_ERROR(CheckRange(absl::StrCat(field, ".staging_buffer_bytes"), c.staging_buffer_bytes(),
+                               kMinStagingBufferBytes, kMaxStagingBufferBytes,
+                               absl::StrCat("0 (64 MiB) or ", kMinStagingBufferBytes, "..", kMaxStagingBufferBytes,
+                                            " (1 MiB..4 GiB)")));
   }
+  RETURN_IF_ERROR(CheckRange(absl::StrCat(field, ".staging_buffers"), c.staging_buffers(), 0, kMaxStagingBuffers,
+                             absl::StrCat("0 (= 2) or 1..", kMaxStagingBuffers)));
   if (c.staging_buffer_bytes() > 0) o.staging_buffer_bytes = c.staging_buffer_bytes();
   if (c.staging_buffers() > 0) o.staging_buffers = c.staging_buffers();
   o.pin_in_place = !c.never_pin_in_place();
@@ -184,7 +264,8 @@ absl::StatusOr<PipelineGroupOffloadOptions> ToPipelineGroupOffloadOptions(
   o.defaults = *defaults;
   o.exclude.assign(c.exclude().begin(), c.exclude().end());
   for (const auto& [name, override_config] : c.overrides()) {
-    auto converted = ToGroupOffloadOptions(override_config, absl::StrCat(field, ".overrides[", name, "]"));
+    auto converted =
+        ToGroupOffloadOptions(override_config, absl::StrCat(field, ".overrides[", Quoted(name), "]"));
     if (!converted.ok()) return converted.status();
     o.overrides[name] = *converted;
   }
@@ -195,9 +276,8 @@ absl::StatusOr<std::unique_ptr<OffloadStrategy>> ToOffloadStrategy(
     const v1::OffloadStrategy& strategy, const std::vector<std::string>& components) {
   switch (strategy.strategy_case()) {
     case v1::OffloadStrategy::kFootprint:
-      if (strategy.footprint().reserve_bytes() < 0) {
-        return absl::InvalidArgumentError("strategy.footprint.reserve_bytes: must be >= 0");
-      }
+      RETURN_IF_ERROR(CheckNonNegative("strategy.footprint.reserve_bytes", strategy.footprint().reserve_bytes(),
+                                       "no reserve"));
       return MakeFootprintStrategy(strategy.footprint().reserve_bytes());
     case v1::OffloadStrategy::kCustom:
       return MakeCustomStrategy(strategy.custom());

@@ -3,6 +3,7 @@
 #ifndef STOWAGE_SERVER_CONFIG_H_
 #define STOWAGE_SERVER_CONFIG_H_
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -17,13 +18,41 @@ inline constexpr int kDefaultQueueDepth = 16;
 // The pipeline served when the config names none: the built-in tiny Z-Image (random weights).
 inline constexpr char kDefaultPipelineName[] = "zimage-tiny";
 
+// Ranges of the numeric options, enforced by FinalizeServerConfig / ToGroupOffloadOptions (and so
+// by the admin API, which converts through the same functions); out of range is INVALID_ARGUMENT
+// naming the field path and the range. README.md "Configuration reference" lists them. The upper
+// bounds keep a typo from allocating gigabytes or spawning thousands of threads at start.
+// queue_depth: 0 (the default, kDefaultQueueDepth) or 1..4096.
+inline constexpr int kMaxQueueDepth = 4096;
+// cpu_threads: 0 (LibTorch's default) ..1024.
+inline constexpr int kMaxCpuThreads = 1024;
+// device.index: 0..127 (c10::DeviceIndex is an int8_t in LibTorch 1.13).
+inline constexpr int kMaxDeviceIndex = 127;
+// group offload prefetch_depth: 0 (the engine's choice) ..64; each step adds a device slot.
+inline constexpr int kMaxPrefetchDepth = 64;
+// group offload num_blocks_per_group: 0 (= 1) ..4096.
+inline constexpr int kMaxNumBlocksPerGroup = 4096;
+// group offload staging_buffer_bytes: 0 (64 MiB) or 1 MiB..4 GiB, pinned host memory each.
+inline constexpr int64_t kMinStagingBufferBytes = int64_t{1} << 20;
+inline constexpr int64_t kMaxStagingBufferBytes = int64_t{4} << 30;
+// group offload staging_buffers: 0 (= 2) ..64.
+inline constexpr int kMaxStagingBuffers = 64;
+// Byte budgets, bandwidths and reserves (device.memory_budget_bytes,
+// device.simulated_bandwidth_bytes_per_second, group offload budget_bytes,
+// strategy.footprint.reserve_bytes): 0..2^63-1, 0 meaning unlimited / whole device / none.
+
 // Reads `path`: JSON if it ends in ".json", protobuf text format otherwise. Errors name the file and
-// the line/column or field.
+// the line/column or field; a path that is not a readable regular file (missing, a directory,
+// unreadable) is NOT_FOUND, INVALID_ARGUMENT or PERMISSION_DENIED naming it.
 absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
 
 // Fills unset fields with their documented defaults (including the built-in pipeline when none is
-// configured), then validates. Errors are INVALID_ARGUMENT with the field path, e.g.
-// "pipelines[1].name: 'Tiny!' must match [a-z0-9_-]{1,64}".
+// configured), then validates: ranges, names, that model_dir is a directory and that the TLS and
+// token files are readable regular files. Errors are INVALID_ARGUMENT with the field path (NOT_FOUND
+// for a model_dir or file that does not exist), e.g.
+// "pipelines[1].name: 'Tiny!' must match [a-z0-9_-]{1,64}",
+// "queue_depth: 5000 is out of range; allowed: 0 (default 16) or 1..4096".
+// Text from the config is echoed cut to a short printable prefix (base/text.h Truncated).
 absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config);
 
 // Fills one pipeline's defaults and validates it; errors name `field` ("pipelines[2]").

@@ -368,7 +368,10 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::RunOnWorker(Pipeline& pipel
     *progress.mutable_queue_wait() = queue_wait_proto;
     control.on_progress(progress);
   });
-  ASSIGN_OR_RETURN(Image image, pipeline.Run(params, *placement_, context));
+  RETURN_IF_ERROR(pipeline.CheckSourceFiles());
+  absl::StatusOr<Image> run = pipeline.Run(params, *placement_, context);
+  RETURN_IF_ERROR(pipeline.CheckSourceFiles());  // Changed during the run: discard it.
+  ASSIGN_OR_RETURN(Image image, std::move(run));
   context.BeginStage("encode_image");
   ASSIGN_OR_RETURN(std::string png, EncodePng(image));
   context.EndStage();

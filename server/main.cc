@@ -1,20 +1,44 @@
 // stowage_server: serves the configured pipelines (or the built-in "zimage-tiny" one) over gRPC, with
 // Prometheus metrics over HTTP.
-#include <csignal>
+//
+// Exit status: 0 stopped by SIGINT/SIGTERM after a clean shutdown; 1 could not start (a port in use,
+// a model that fails to load); 2 bad flags or config; 3 did not finish stopping within
+// kStopBound of the signal (the watchdog ended it); 128+N signal N during start-up, or a second
+// signal while stopping.
+//
+// Signals: SIGINT and SIGTERM are blocked in every thread from the first line of main() and taken by
+// one thread with sigwait(), so no thread is ever interrupted inside a LibTorch kernel or a
+// gRPC call, and no async-signal-safety rules apply to what happens next. During start-up (a load
+// can take minutes, or hang on a stuck file system) a signal ends the process at once: nothing has
+// been served, nothing needs draining. Once serving, it wakes the main thread, which shuts the gRPC
+// server down (in-flight calls get up to 5 s) and destroys it; a watchdog ends the process with
+// status 3 if that has not finished within kStopBound, and a second signal ends it at once.
+#include <signal.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <iostream>
+#include <string>
 #include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "server/config.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, config, "",
           "Server config file: protobuf text format, or JSON if it ends in .json "
-          "(proto/stowage/v1/config.proto). Without it the built-in 'tiny' pipeline is served.");
+          "(proto/stowage/v1/config.proto). Without it the built-in 'zimage-tiny' pipeline is served.");
 ABSL_FLAG(std::string, grpc_address, "",
           "gRPC listening address, overriding the config (default 127.0.0.1:50051; port 0 picks one).");
 ABSL_FLAG(std::string, metrics_address, "",
@@ -26,12 +50,67 @@ ABSL_FLAG(std::string, port_file, "",
 
 namespace {
 
-volatile std::sig_atomic_t g_stop = 0;
-void OnSignal(int) { g_stop = 1; }
+// From the signal to the end of the process, at most.
+constexpr absl::Duration kStopBound = absl::Seconds(10);
+constexpr int kExitStopTimeout = 3;
+
+// Written to stderr with one write(2): whole lines even when threads log at the same time, and
+// nothing left in a buffer by _exit.
+void Log(const std::string& line) {
+  const std::string text = absl::StrCat("stowage_server: ", line, "\n");
+  (void)!::write(STDERR_FILENO, text.data(), text.size());
+}
+
+sigset_t StopSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  return set;
+}
+
+std::atomic<bool> g_serving{false};
+absl::Notification g_stop_requested;
+
+std::string SignalName(int sig) { return sig == SIGINT ? "SIGINT" : sig == SIGTERM ? "SIGTERM" : absl::StrCat("signal ", sig); }
+
+// The only thread that receives SIGINT/SIGTERM (they are blocked everywhere else).
+void WatchSignals() {
+  const sigset_t set = StopSignals();
+  int sig = 0;
+  while (sigwait(&set, &sig) != 0) {
+  }
+  if (!g_serving.load()) {
+    Log(absl::StrCat(SignalName(sig), " during start-up; exiting without serving"));
+    ::_exit(128 + sig);
+  }
+  Log(absl::StrCat(SignalName(sig), ": shutting down (at most ", absl::FormatDuration(kStopBound), ")"));
+  g_stop_requested.Notify();
+  // Watchdog: a second signal, or the bound passing, ends the process whatever the rest is doing.
+  const absl::Time deadline = absl::Now() + kStopBound;
+  while (true) {
+    const absl::Duration left = deadline - absl::Now();
+    if (left <= absl::ZeroDuration()) break;
+    const timespec timeout = absl::ToTimespec(left);
+    const int again = sigtimedwait(&set, nullptr, &timeout);
+    if (again > 0) {
+      Log(absl::StrCat("second signal (", SignalName(again), ") while stopping; exiting now"));
+      ::_exit(128 + again);
+    }
+    if (errno == EAGAIN) break;  // Timed out; EINTR: wait again.
+  }
+  Log(absl::StrCat("did not finish stopping within ", absl::FormatDuration(kStopBound), "; exiting"));
+  ::_exit(kExitStopTimeout);
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  // First, before any thread exists: every thread inherits the mask.
+  const sigset_t stop_signals = StopSignals();
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+  std::thread(WatchSignals).detach();
+
   absl::SetProgramUsageMessage("Stowage text-to-image inference server. Flags: --config, "
                                "--grpc_address, --metrics_address, --port_file.");
   absl::ParseCommandLine(argc, argv);
@@ -40,7 +119,7 @@ int main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_config).empty()) {
     auto loaded = stowage::LoadServerConfig(absl::GetFlag(FLAGS_config));
     if (!loaded.ok()) {
-      std::cerr << "stowage_server: " << loaded.status().message() << "\n";
+      Log(absl::StrCat("--config: ", loaded.status().message()));
       return 2;
     }
     config = *std::move(loaded);
@@ -52,9 +131,10 @@ int main(int argc, char** argv) {
 
   auto server = stowage::StowageServer::Start(config);
   if (!server.ok()) {
-    std::cerr << "stowage_server: cannot start: " << server.status().message() << "\n";
+    Log(absl::StrCat("cannot start: ", server.status().message()));
     return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
+  g_serving.store(true);
   std::cout << "stowage_server: serving gRPC on " << (*server)->grpc_address() << ", metrics on "
             << ((*server)->metrics_address().empty() ? std::string("(disabled)")
                                                       : absl::StrCat("http://", (*server)->metrics_address(), "/metrics"))
@@ -69,12 +149,11 @@ int main(int argc, char** argv) {
     std::rename((path + ".tmp").c_str(), path.c_str());
   }
 
-  std::signal(SIGINT, OnSignal);
-  std::signal(SIGTERM, OnSignal);
   std::thread waiter([&] { (*server)->Wait(); });
-  while (!g_stop) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  std::cout << "stowage_server: shutting down" << std::endl;
+  g_stop_requested.WaitForNotification();
   (*server)->Shutdown();
   waiter.join();
+  server->reset();
+  Log("stopped");
   return 0;
 }

@@ -80,7 +80,8 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
   server->metrics_ = std::make_unique<ServerMetrics>();
 
   if (config.metrics_address() != "none") {
-    RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("metrics exporter on ", config.metrics_address()), [&] {
+    // civetweb refuses a port in use (it sets SO_REUSEADDR, not SO_REUSEPORT): the constructor throws.
+    RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("metrics_address: cannot listen on ", config.metrics_address()), [&] {
       server->exposer_ = std::make_unique<prometheus::Exposer>(config.metrics_address());
     }));
     server->exposer_->RegisterCollectable(server->metrics_->registry());
@@ -88,7 +89,7 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
     server->exposer_->RegisterCollectable(server->process_memory_);
     const std::vector<int> ports = server->exposer_->GetListeningPorts();
     if (ports.empty()) {
-      return absl::UnavailableError(absl::StrCat("metrics exporter could not bind ", config.metrics_address()));
+      return absl::UnavailableError(absl::StrCat("metrics_address: cannot listen on ", config.metrics_address()));
     }
     server->metrics_address_ = absl::StrCat(HostOf(config.metrics_address()), ":", ports.front());
   }
@@ -111,13 +112,16 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
   grpc::ServerBuilder builder;
   int bound_port = 0;
   builder.AddListeningPort(config.grpc_address(), credentials, &bound_port);
+  // gRPC sets SO_REUSEPORT by default: a second server on the same port would start and share it.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(server->generation_service_.get());
   builder.RegisterService(server->admin_service_.get());
   builder.SetMaxReceiveMessageSize(4 * 1024 * 1024);
   builder.SetMaxSendMessageSize(-1);
   server->grpc_server_ = builder.BuildAndStart();
   if (server->grpc_server_ == nullptr || bound_port == 0) {
-    return absl::UnavailableError(absl::StrCat("could not listen on ", config.grpc_address()));
+    return absl::UnavailableError(absl::StrCat("grpc_address: cannot listen on ", config.grpc_address(),
+                                               " (in use by another process, or not an address of this host)"));
   }
   server->grpc_address_ = absl::StrCat(HostOf(config.grpc_address()), ":", bound_port);
   server->grpc_server_->GetHealthCheckService()->SetServingStatus(true);

@@ -1,5 +1,6 @@
 // Loading diffusers-format directories written to disk as real safetensors files.
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
@@ -129,6 +130,68 @@ TEST(DiffusersFormatTest, BrokenDirectoriesNameTheFileAndTheTensor) {
   std::ofstream(dir + "/model_index.json") << "{\"_class_name\": \"X\"}";
   EXPECT_EQ(LoadTinyPipeline(dir, {}, false).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(LoadTinyPipeline(dir + "/nowhere", {}, false).status().code(), absl::StatusCode::kNotFound);
+}
+
+// Model files changed under a loaded pipeline (offload/safetensors.h): the pipeline reports it
+// instead of the process dying of SIGBUS.
+TEST(DiffusersFormatChangedOnDiskTest, TruncatedTransformerFileFailsTheRunCleanly) {
+  const std::string dir = Fresh("tiny_truncated");
+  TinyPipelineOptions options;
+  options.weight_seed = 4;
+  ASSERT_TRUE(SaveTinyPipeline(options, dir).ok());
+  auto pipeline = LoadTinyPipeline(dir, options, /*random_weights=*/false);
+  ASSERT_TRUE(pipeline.ok()) << pipeline.status();
+  EXPECT_TRUE((*pipeline)->CheckSourceFiles().ok());
+  ASSERT_TRUE(Draw(**pipeline).ok());
+
+  const std::string file = dir + "/transformer/diffusion_pytorch_model.safetensors";
+  ASSERT_EQ(::truncate(file.c_str(), 0), 0);  // What `cp new old` does first.
+  // Caught before the run ...
+  absl::Status status = (*pipeline)->CheckSourceFiles();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_NE(status.message().find("model file '" + file + "' changed on disk after it was loaded (size "),
+            std::string::npos)
+      << status;
+  EXPECT_NE(status.message().find(" → 0); unload and load the pipeline again"), std::string::npos) << status;
+  // ... and a run that reads the weights anyway (as one already running would) does not crash: it
+  // reads zeros, and the check after it reports the damage.
+  (void)Draw(**pipeline);
+  status = (*pipeline)->CheckSourceFiles();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_NE(status.message().find(file), std::string::npos) << status;
+}
+
+TEST(DiffusersFormatChangedOnDiskTest, FilesRenamedOverKeepServingTheLoadedWeights) {
+  const std::string dir = Fresh("tiny_renamed");
+  TinyPipelineOptions options;
+  options.weight_seed = 4;
+  ASSERT_TRUE(SaveTinyPipeline(options, dir).ok());
+  auto pipeline = LoadTinyPipeline(dir, options, /*random_weights=*/false);
+  ASSERT_TRUE(pipeline.ok()) << pipeline.status();
+  auto before = Draw(**pipeline);
+  ASSERT_TRUE(before.ok()) << before.status();
+  // A new version written beside the old one and renamed over it (SaveTinyPipeline writes each
+  // file to a temporary name and renames it): the mapping keeps the old inode.
+  TinyPipelineOptions other = options;
+  other.weight_seed = 5;
+  ASSERT_TRUE(SaveTinyPipeline(other, dir).ok());
+  EXPECT_TRUE((*pipeline)->CheckSourceFiles().ok()) << (*pipeline)->CheckSourceFiles();
+  auto after = Draw(**pipeline);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(before->rgb, after->rgb);
+}
+
+TEST(DiffusersFormatChangedOnDiskTest, WeightsCopiedAtLoadIgnoreTheFiles) {
+  const std::string dir = Fresh("tiny_converted");
+  TinyPipelineOptions options;  // float32 on disk.
+  ASSERT_TRUE(SaveTinyPipeline(options, dir).ok());
+  TinyPipelineOptions bf16 = options;
+  bf16.dtype = at::kBFloat16;  // Converted at load: a copy in RAM, no live mapping.
+  auto pipeline = LoadTinyPipeline(dir, bf16, /*random_weights=*/false);
+  ASSERT_TRUE(pipeline.ok()) << pipeline.status();
+  ASSERT_EQ(::truncate((dir + "/transformer/diffusion_pytorch_model.safetensors").c_str(), 0), 0);
+  EXPECT_TRUE((*pipeline)->CheckSourceFiles().ok()) << (*pipeline)->CheckSourceFiles();
+  EXPECT_TRUE(Draw(**pipeline).ok());
 }
 
 }  // namespace

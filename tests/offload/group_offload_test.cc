@@ -405,6 +405,40 @@ TEST(GroupOffloadTest, PinnedCopiesFromASafetensorsMappingDropItsPages) {
   EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
 }
 
+TEST(GroupOffloadTest, DiskGroupFilesTruncatedUnderTheOffloaderAreReportedNotFatal) {
+  const std::string dir = TempDir("disk_truncated");
+  std::system(("rm -rf '" + dir + "'/stack").c_str());
+  GroupOffloadOptions options = Opts(OffloadType::kBlockLevel, 1, false, OffloadTarget::kDisk);
+  options.disk_dir = dir;
+  Fixture f;
+  auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, options);
+  ASSERT_TRUE(offloader.ok()) << offloader.status();
+  EXPECT_TRUE(f.weights->CheckSourceFiles().ok()) << f.weights->CheckSourceFiles();
+  // Someone truncates every group file (a `cp` into the offload directory, a cleanup script).
+  ASSERT_EQ(std::system(("for f in '" + dir + "'/stack/*.safetensors; do : > \"$f\"; done").c_str()), 0);
+  at::Tensor out;
+  f.PeakOfForward(StackOrder::kForward, &out);  // Staged from the mappings: zeros, no SIGBUS.
+  const absl::Status status = f.weights->CheckSourceFiles();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_NE(status.message().find("model file '" + dir + "/stack/"), std::string::npos) << status;
+}
+
+TEST(GroupOffloadTest, PinnedCopyRefusesASourceFileThatChangedOnDisk) {
+  Fixture f;
+  std::vector<std::pair<std::string, at::Tensor>> named;
+  for (auto& entry : f.weights->entries()) named.emplace_back(entry.module->SlotPath(*entry.slot), entry.host);
+  const std::string path = TempDir("mapped_changed") + "/stack.safetensors";
+  ASSERT_TRUE(WriteSafetensors(path, named).ok());
+  auto file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  for (auto& entry : f.weights->entries()) f.weights->ReplaceHost(entry, *(*file)->Get(entry.module->SlotPath(*entry.slot)));
+  ASSERT_EQ(::truncate(path.c_str(), 8), 0);
+  auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend,
+                                         Opts(OffloadType::kBlockLevel, 1, true, OffloadTarget::kPinnedHost));
+  EXPECT_EQ(offloader.status().code(), absl::StatusCode::kFailedPrecondition) << offloader.status();
+  EXPECT_NE(offloader.status().message().find(path), std::string::npos) << offloader.status();
+}
+
 TEST(GroupOffloadTest, RefusedRegistrationFallsBackToStagingAndSaysWhy) {
   Fixture f;
   SimulatedBackendOptions refusing;

@@ -1,10 +1,18 @@
 #include "server/config.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
 
 namespace stowage {
 namespace {
@@ -120,6 +128,178 @@ TEST(ConfigTest, GroupOffloadOptionsPassDepthAndPinInPlace) {
   EXPECT_EQ(l.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(l.status().message()).find("pipelines[0].group_offload.defaults.prefetch_depth"),
             std::string::npos) << l.status();
+}
+
+}  // namespace
+}  // namespace stowage
+
+namespace stowage {
+namespace {
+
+// Every numeric option: below, at and above each bound of its documented range (server/config.h).
+struct RangeCase {
+  std::string field;
+  std::function<void(v1::ServerConfig&, int64_t)> set;
+  std::vector<int64_t> accepted;
+  std::vector<int64_t> refused;
+};
+
+v1::GroupOffloadConfig* Defaults(v1::ServerConfig& config) {
+  v1::PipelineConfig* p = config.mutable_pipelines(0);
+  p->mutable_group_offload()->set_enabled(true);
+  return p->mutable_group_offload()->mutable_defaults();
+}
+
+TEST(ConfigRangeTest, EveryNumericOptionIsCheckedAtItsBounds) {
+  const int64_t kMax = INT64_MAX;
+  const int64_t MiB = int64_t{1} << 20, GiB = int64_t{1} << 30;
+  const std::string go = "pipelines[0].group_offload.defaults";
+  const std::vector<RangeCase> cases = {
+      {"queue_depth", [](auto& c, int64_t v) { c.set_queue_depth(static_cast<int32_t>(v)); },
+       {0, 1, 4096}, {-1, 4097, 1000000}},
+      {"cpu_threads", [](auto& c, int64_t v) { c.set_cpu_threads(static_cast<int32_t>(v)); },
+       {0, 1, 1024}, {-1, 1025}},
+      {"device.index", [](auto& c, int64_t v) { c.mutable_device()->set_index(static_cast<int32_t>(v)); },
+       {0, 127}, {-1, 128}},
+      {"device.memory_budget_bytes", [](auto& c, int64_t v) { c.mutable_device()->set_memory_budget_bytes(v); },
+       {0, 1, kMax}, {-1}},
+      {"device.simulated_bandwidth_bytes_per_second",
+       [](auto& c, int64_t v) { c.mutable_device()->set_simulated_bandwidth_bytes_per_second(v); },
+       {0, 1, kMax}, {-1}},
+      {"strategy.footprint.reserve_bytes",
+       [](auto& c, int64_t v) { c.mutable_strategy()->mutable_footprint()->set_reserve_bytes(v); },
+       {0, kMax}, {-1}},
+      {go + ".prefetch_depth", [](auto& c, int64_t v) { Defaults(c)->set_prefetch_depth(static_cast<int32_t>(v)); },
+       {0, 1, 64}, {-1, 65, 1000000}},
+      {go + ".num_blocks_per_group",
+       [](auto& c, int64_t v) { Defaults(c)->set_num_blocks_per_group(static_cast<int32_t>(v)); },
+       {0, 1, 4096}, {-1, 4097}},
+      {go + ".staging_buffer_bytes", [](auto& c, int64_t v) { Defaults(c)->set_staging_buffer_bytes(v); },
+       {0, MiB, 4 * GiB}, {-1, 1, MiB - 1, 4 * GiB + 1}},
+      {go + ".staging_buffers", [](auto& c, int64_t v) { Defaults(c)->set_staging_buffers(static_cast<int32_t>(v)); },
+       {0, 1, 64}, {-1, 65}},
+      {go + ".budget_bytes", [](auto& c, int64_t v) { Defaults(c)->set_budget_bytes(v); }, {0, 1, kMax}, {-1}},
+      {"pipelines[0].group_offload.overrides['vae'].prefetch_depth",
+       [](auto& c, int64_t v) {
+         Defaults(c);
+         (*c.mutable_pipelines(0)->mutable_group_offload()->mutable_overrides())["vae"].set_prefetch_depth(
+             static_cast<int32_t>(v));
+       },
+       {0, 64}, {65}},
+  };
+  for (const RangeCase& c : cases) {
+    auto make = [&](int64_t value) {
+      v1::ServerConfig config;
+      v1::PipelineConfig* p = config.add_pipelines();
+      p->set_name("p");
+      p->set_builtin("tiny");
+      c.set(config, value);
+      return FinalizeServerConfig(config);
+    };
+    for (int64_t value : c.accepted) {
+      auto finalized = make(value);
+      EXPECT_TRUE(finalized.ok()) << c.field << " = " << value << ": " << finalized.status();
+    }
+    for (int64_t value : c.refused) {
+      auto finalized = make(value);
+      ASSERT_FALSE(finalized.ok()) << c.field << " = " << value << " was accepted";
+      EXPECT_EQ(finalized.status().code(), absl::StatusCode::kInvalidArgument) << finalized.status();
+      EXPECT_NE(finalized.status().message().find(absl::StrCat(c.field, ": ", value, " is out of range; allowed: ")),
+                std::string::npos)
+          << finalized.status();
+    }
+  }
+  // The unset queue depth becomes the default.
+  v1::ServerConfig unset;
+  EXPECT_EQ(FinalizeServerConfig(unset)->queue_depth(), kDefaultQueueDepth);
+}
+
+TEST(ConfigRangeTest, AHugePrefetchDepthIsRefusedWithItsFieldPathAndRange) {
+  auto loaded = LoadServerConfig(WriteTemp("huge.textproto", R"pb(
+    pipelines { name: "p" builtin: "tiny"
+                group_offload { enabled: true defaults { use_stream: true prefetch_depth: 1000000 } } }
+  )pb"));
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  auto finalized = FinalizeServerConfig(*loaded);
+  EXPECT_EQ(finalized.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(finalized.status().message(),
+            "pipelines[0].group_offload.defaults.prefetch_depth: 1000000 is out of range; allowed: 0 (the "
+            "engine's choice) or 1..64");
+}
+
+TEST(ConfigFilesTest, ConfigPathThatIsNotAReadableFileIsRefusedNamingIt) {
+  const std::string dir = std::string(::testing::TempDir()) + "/config_dir";
+  ::mkdir(dir.c_str(), 0755);
+  auto as_dir = LoadServerConfig(dir);
+  EXPECT_EQ(as_dir.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(as_dir.status().message(), "cannot read '" + dir + "': it is a directory");
+  auto missing = LoadServerConfig(dir + "/missing.textproto");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(missing.status().message().find("missing.textproto': no such file"), std::string::npos)
+      << missing.status();
+  EXPECT_EQ(LoadServerConfig("/dev/null").status().code(), absl::StatusCode::kInvalidArgument);  // Not regular.
+  if (::geteuid() != 0) {  // Root reads anything.
+    const std::string locked = WriteTemp("locked.textproto", "queue_depth: 1");
+    ::chmod(locked.c_str(), 0);
+    EXPECT_EQ(LoadServerConfig(locked).status().code(), absl::StatusCode::kPermissionDenied);
+  }
+}
+
+TEST(ConfigFilesTest, ModelDirAndTlsFilesAreCheckedNamingTheirFields) {
+  const std::string tmp = ::testing::TempDir();
+  const std::string file = WriteTemp("not_a_dir", "x");
+  struct Case {
+    std::string text;
+    absl::StatusCode code;
+    std::string expected;
+  };
+  const Case cases[] = {
+      {"pipelines { name: \"a\" model_dir: \"/nonexistent/model\" }", absl::StatusCode::kNotFound,
+       "pipelines[0].model_dir: '/nonexistent/model' does not exist"},
+      {"pipelines { name: \"a\" model_dir: \"" + file + "\" }", absl::StatusCode::kInvalidArgument,
+       "pipelines[0].model_dir: '" + file + "' is not a directory"},
+      {"tls { cert_file: \"/nonexistent/y\" key_file: \"" + file + "\" }", absl::StatusCode::kNotFound,
+       "tls.cert_file: cannot read '/nonexistent/y': no such file"},
+      {"tls { cert_file: \"" + file + "\" key_file: \"" + tmp + "\" }", absl::StatusCode::kInvalidArgument,
+       "tls.key_file: cannot read '" + tmp + "': it is a directory"},
+      {"tls { cert_file: \"" + file + "\" }", absl::StatusCode::kInvalidArgument,
+       "tls: set both cert_file and key_file, or neither"},
+      {"auth { admin_token_file: \"/nonexistent/token\" }", absl::StatusCode::kNotFound,
+       "auth.admin_token_file: cannot read '/nonexistent/token': no such file"},
+  };
+  for (const Case& c : cases) {
+    auto loaded = LoadServerConfig(WriteTemp("files.textproto", c.text));
+    ASSERT_TRUE(loaded.ok()) << c.text << ": " << loaded.status();
+    auto finalized = FinalizeServerConfig(*loaded);
+    EXPECT_EQ(finalized.status().code(), c.code) << c.text << " -> " << finalized.status();
+    EXPECT_EQ(finalized.status().message(), c.expected) << c.text;
+  }
+  v1::ServerConfig good;
+  v1::PipelineConfig* p = good.add_pipelines();
+  p->set_name("a");
+  p->set_model_dir(tmp);  // A directory: checked for existence only; loading reads it later.
+  good.mutable_tls()->set_cert_file(file);
+  good.mutable_tls()->set_key_file(file);
+  EXPECT_TRUE(FinalizeServerConfig(good).ok()) << FinalizeServerConfig(good).status();
+}
+
+TEST(ConfigTextTest, LongOrOddNamesAreNeverEchoedWhole) {
+  v1::ServerConfig config;
+  v1::PipelineConfig* p = config.add_pipelines();
+  p->set_name(std::string(100000, 'A') + "\n\x1b[31m");
+  p->set_builtin("tiny");
+  auto finalized = FinalizeServerConfig(config);
+  ASSERT_FALSE(finalized.ok());
+  const std::string message(finalized.status().message());
+  EXPECT_LT(message.size(), 200u) << message;
+  EXPECT_NE(message.find("...(100006 bytes)"), std::string::npos) << message;
+  p->set_name("bad\x01name\xff");
+  finalized = FinalizeServerConfig(config);
+  EXPECT_EQ(finalized.status().message(), "pipelines[0].name: 'bad?name?' must match [a-z0-9_-]{1,64}");
+  p->set_name("ok");
+  p->set_builtin(std::string(5000, 'b'));
+  finalized = FinalizeServerConfig(config);
+  EXPECT_LT(finalized.status().message().size(), 200u) << finalized.status();
 }
 
 }  // namespace

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The stowage_server process: ports already in use, --config that is not a file, an out-of-range
+# option, and SIGTERM ending the process within its bound during a start-up load that never
+# finishes and during a long request.
+set -uo pipefail
+here=$(pwd)
+server="$here/server/stowage_server"
+stowctl="$here/clients/stowctl/stowctl"
+tmp="$TEST_TMPDIR"
+fail() { echo "FAIL: $*"; for f in "$tmp"/*.log; do echo "== $f"; cat "$f"; done; exit 1; }
+now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
+wait_ports() {  # $1: port file, $2: pid
+  for _ in $(seq 600); do
+    [ -s "$1" ] && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 0.1
+  done
+  return 1
+}
+field() { /usr/bin/python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
+
+# A first server, on ports chosen by the kernel.
+"$server" --grpc_address=127.0.0.1:0 --metrics_address=127.0.0.1:0 --port_file="$tmp/first.json" \
+  >"$tmp/first.log" 2>&1 &
+first=$!
+trap 'kill -9 $first 2>/dev/null || true' EXIT
+wait_ports "$tmp/first.json" $first || fail "first server did not start"
+grpc=$(field "$tmp/first.json" grpc_address)
+metrics=$(field "$tmp/first.json" metrics_address)
+
+# 1. A second server on the same gRPC port must not start (gRPC's SO_REUSEPORT would let it share).
+timeout 120 "$server" --grpc_address="$grpc" --metrics_address=none >"$tmp/second_grpc.log" 2>&1
+rc=$?
+[ $rc -ne 0 ] && [ $rc -ne 124 ] || fail "second server on $grpc: rc=$rc"
+grep -q "grpc_address: cannot listen on $grpc" "$tmp/second_grpc.log" || fail "no message naming $grpc"
+
+# 2. ... nor on the same metrics port.
+timeout 120 "$server" --grpc_address=127.0.0.1:0 --metrics_address="$metrics" >"$tmp/second_metrics.log" 2>&1
+rc=$?
+[ $rc -ne 0 ] && [ $rc -ne 124 ] || fail "second server on metrics $metrics: rc=$rc"
+grep -q "metrics_address: cannot listen on $metrics" "$tmp/second_metrics.log" || fail "no message naming $metrics"
+
+# 3. --config that is a directory, or missing: refused naming the flag and the path.
+"$server" --config="$tmp" >"$tmp/config_dir.log" 2>&1
+rc=$?
+[ $rc -eq 2 ] || fail "--config=<directory>: rc=$rc"
+grep -q -- "--config: cannot read '$tmp': it is a directory" "$tmp/config_dir.log" || fail "--config=<directory> message"
+"$server" --config="$tmp/missing.textproto" >"$tmp/config_missing.log" 2>&1
+[ $? -eq 2 ] || fail "--config=<missing>: rc"
+grep -q -- "--config: cannot read '$tmp/missing.textproto': no such file" "$tmp/config_missing.log" || fail "missing message"
+
+# 4. A prefetch depth of a million is refused at the door, naming the field path and the range.
+cat >"$tmp/huge.textproto" <<'CFG'
+grpc_address: "127.0.0.1:0"
+metrics_address: "none"
+pipelines { name: "p" builtin: "tiny" group_offload { enabled: true defaults { use_stream: true prefetch_depth: 1000000 } } }
+CFG
+"$server" --config="$tmp/huge.textproto" >"$tmp/huge.log" 2>&1
+rc=$?
+[ $rc -eq 2 ] || fail "prefetch_depth 1000000: rc=$rc"
+grep -q "pipelines\[0\].group_offload.defaults.prefetch_depth: 1000000 is out of range; allowed: 0 (the engine's choice) or 1..64" \
+  "$tmp/huge.log" || fail "prefetch_depth message"
+
+# 5. SIGTERM during a start-up load that never finishes: model_index.json is a FIFO no one writes,
+#    as a read stuck on a hung network file system would be. The process ends at once.
+mkdir -p "$tmp/stuck_model"
+rm -f "$tmp/stuck_model/model_index.json"
+mkfifo "$tmp/stuck_model/model_index.json"
+cat >"$tmp/stuck.textproto" <<CFG
+grpc_address: "127.0.0.1:0"
+metrics_address: "none"
+pipelines { name: "stuck" model_dir: "$tmp/stuck_model" }
+CFG
+"$server" --config="$tmp/stuck.textproto" >"$tmp/stuck.log" 2>&1 &
+stuck=$!
+sleep 2
+kill -0 $stuck 2>/dev/null || fail "the stuck load ended by itself"
+start=$(now_ms)
+kill -TERM $stuck
+wait $stuck
+rc=$?
+elapsed=$(( $(now_ms) - start ))
+[ $rc -eq 143 ] || fail "SIGTERM during start-up: rc=$rc"
+[ $elapsed -lt 3000 ] || fail "SIGTERM during start-up took ${elapsed} ms"
+grep -q "SIGTERM during start-up; exiting without serving" "$tmp/stuck.log" || fail "start-up signal message"
+
+# 6. SIGTERM while requests run (long ones on the CPU; a fast device may have finished them):
+#    stopped within the 10 s bound, cleanly or by the watchdog.
+clients=()
+for i in 1 2 3 4; do
+  "$stowctl" --target="$grpc" generate --prompt="slow $i" --width=1024 --height=1024 --steps=100 \
+    --out="$tmp/never_$i.png" >"$tmp/client_$i.log" 2>&1 &
+  clients+=($!)
+done
+sleep 3
+running=()
+for c in "${clients[@]}"; do kill -0 "$c" 2>/dev/null && running+=("$c"); done
+start=$(now_ms)
+kill -TERM $first
+wait $first
+rc=$?
+elapsed=$(( $(now_ms) - start ))
+[ $rc -eq 0 ] || [ $rc -eq 3 ] || fail "SIGTERM while serving: rc=$rc"
+[ $elapsed -lt 12000 ] || fail "SIGTERM while serving took ${elapsed} ms"
+grep -q "SIGTERM: shutting down" "$tmp/first.log" || fail "shutdown message"
+[ $rc -eq 0 ] || grep -q "did not finish stopping within 10s; exiting" "$tmp/first.log" || fail "watchdog message"
+for c in "${running[@]}"; do
+  wait "$c" && fail "a request running at the signal succeeded"
+done
+for c in "${clients[@]}"; do wait "$c" 2>/dev/null; done
+trap - EXIT
+echo "PASS (stopped in ${elapsed} ms with ${#running[@]} requests running, rc=$rc)"

@@ -70,7 +70,11 @@ class TinyPipeline : public Pipeline {
     std::vector<std::string> texts = {params.prompt};
     if (guided) texts.insert(texts.begin(), params.negative_prompt);  // [negative, positive]
     ASSIGN_OR_RETURN(TokenBatch tokens, tokenizer_.Encode(texts));
-    const auto [ids, mask] = ToTensors(tokens, device);
+    // Named tensors, not a structured binding: lambdas below capture them, which C++17 (and clang)
+    // allow only for variables.
+    const auto tensors = ToTensors(tokens, device);
+    const at::Tensor& ids = tensors.first;
+    const at::Tensor& mask = tensors.second;
 
     context.BeginStage("encode_prompt");
     at::Tensor text;

@@ -24,7 +24,7 @@ class AdversarialTest : public ::testing::Test {
   void SetUp() override {
     v1::ServerConfig config;
     config.set_queue_depth(4);
-    ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(R"pb(
+    ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(R"pb(
       pipelines { name: "zimage-tiny" builtin: "zimage-tiny" default: true }
       pipelines { name: "tiny" builtin: "tiny" })pb", &config));
     server_ = std::make_unique<E2eServer>(config);

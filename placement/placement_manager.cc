@@ -1,6 +1,8 @@
 #include "placement/placement_manager.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <iostream>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +25,61 @@ const char* ComponentStateName(ComponentState state) {
       return "partially_resident";
   }
   return "unknown";
+}
+
+const char* ComponentLifecycleName(ComponentLifecycle lifecycle) {
+  switch (lifecycle) {
+    case ComponentLifecycle::kLoading:
+      return "loading";
+    case ComponentLifecycle::kReady:
+      return "ready";
+    case ComponentLifecycle::kUnloading:
+      return "unloading";
+  }
+  return "unknown";
+}
+
+void PlacementManager::Transition(Entry& entry, ComponentLifecycle to) {
+  const ComponentLifecycle from = entry.lifecycle;
+  const bool allowed = (from == ComponentLifecycle::kLoading && to == ComponentLifecycle::kReady) ||
+                       (from == ComponentLifecycle::kReady && to == ComponentLifecycle::kUnloading) ||
+                       (from == ComponentLifecycle::kUnloading && to == ComponentLifecycle::kReady);
+  if (!allowed) {
+    std::cerr << "stowage: invalid component lifecycle transition of '" << entry.id << "' from "
+              << ComponentLifecycleName(from) << " to " << ComponentLifecycleName(to) << std::endl;
+    std::abort();
+  }
+  entry.lifecycle = to;
+}
+
+namespace {
+bool Uses(const std::vector<std::string>& pipelines, const std::string& pipeline) {
+  return std::find(pipelines.begin(), pipelines.end(), pipeline) != pipelines.end();
+}
+}  // namespace
+
+void PlacementManager::MarkReady(const std::string& pipeline) {
+  for (auto& e : entries_) {
+    if (Uses(e->pipelines, pipeline) && e->lifecycle == ComponentLifecycle::kLoading) {
+      Transition(*e, ComponentLifecycle::kReady);
+    }
+  }
+}
+
+void PlacementManager::MarkUnloading(const std::string& pipeline) {
+  for (auto& e : entries_) {
+    if (e->pipelines.size() == 1 && e->pipelines[0] == pipeline && e->lifecycle == ComponentLifecycle::kReady) {
+      Transition(*e, ComponentLifecycle::kUnloading);
+    }
+  }
+}
+
+void PlacementManager::AbandonUnloading(const std::string& pipeline) {
+  for (auto& e : entries_) {
+    if (Uses(e->pipelines, pipeline) && e->lifecycle == ComponentLifecycle::kUnloading) {
+      Transition(*e, ComponentLifecycle::kReady);
+    }
+  }
 }
 
 PlacementManager::PlacementManager(DeviceBackend* backend)
@@ -202,6 +259,8 @@ int64_t PlacementManager::oom_recoveries() const {
 absl::Status PlacementManager::Register(const std::string& pipeline, Component* component) {
   if (Entry* existing = Find(*component)) {
     existing->pipelines.push_back(pipeline);
+    // Another pipeline uses it now: it is no longer on its way out.
+    if (existing->lifecycle == ComponentLifecycle::kUnloading) Transition(*existing, ComponentLifecycle::kReady);
     return absl::OkStatus();
   }
   auto entry = std::make_unique<Entry>();
@@ -316,6 +375,7 @@ std::vector<ComponentView> PlacementManager::Snapshot() const {
       view.group_offload = entry->group_offload->stats();
     }
     view.last_use = entry->last_use;
+    view.lifecycle = entry->lifecycle;
     views.push_back(std::move(view));
   }
   return views;

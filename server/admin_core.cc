@@ -41,6 +41,17 @@ void FillComponents(const PlacementSnapshot& snapshot,
     c->set_weight_bytes(v.weight_bytes);
     c->set_device_bytes(v.device_bytes);
     c->set_state(ToProto(v.state));
+    switch (v.lifecycle) {
+      case ComponentLifecycle::kLoading:
+        c->set_lifecycle(v1::ComponentPlacement::LOADING);
+        break;
+      case ComponentLifecycle::kReady:
+        c->set_lifecycle(v1::ComponentPlacement::READY);
+        break;
+      case ComponentLifecycle::kUnloading:
+        c->set_lifecycle(v1::ComponentPlacement::UNLOADING);
+        break;
+    }
     if (v.last_use != absl::InfinitePast()) {
       *c->mutable_last_use() = TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(v.last_use));
     }

@@ -91,8 +91,11 @@ class PlacementCollectable : public prometheus::Collectable {
                          "Device bytes a component holds (weights if resident, working set if group-offloaded).",
                          MetricType::Gauge);
     auto weights = Family("stowage_component_weight_bytes", "Bytes of a component's weights.", MetricType::Gauge);
+    auto lifecycle = Family("stowage_component_lifecycle", "1 for the lifecycle state each component is in.",
+                            MetricType::Gauge);
     for (const ComponentView& v : snapshot->components) {
       Add(state, 1, {{"component", v.id}, {"state", ComponentStateName(v.state)}});
+      Add(lifecycle, 1, {{"component", v.id}, {"lifecycle", ComponentLifecycleName(v.lifecycle)}});
       Add(device, static_cast<double>(v.device_bytes), {{"component", v.id}});
       Add(weights, static_cast<double>(v.weight_bytes), {{"component", v.id}});
     }
@@ -125,7 +128,7 @@ class PlacementCollectable : public prometheus::Collectable {
                           "1 while a footprint strategy manages group-offloaded components.",
                           MetricType::Gauge);
     Add(warning, snapshot->warnings.empty() ? 0 : 1);
-    return {pipeline_state, state, device, weights, onloads, onload_bytes, offloads, offload_bytes, evictions, oom,
+    return {pipeline_state, state, lifecycle, device, weights, onloads, onload_bytes, offloads, offload_bytes, evictions, oom,
             decision_seconds, decisions, warning};
   }
 

@@ -72,7 +72,10 @@ class TinyPipeline : public Pipeline {
     std::vector<std::string> texts = {params.prompt};
     if (guided) texts.insert(texts.begin(), params.negative_prompt);  // [negative, positive]
     ASSIGN_OR_RETURN(TokenBatch tokens, tokenizer_.Encode(texts));
-    const auto [ids, mask] = ToTensors(tokens, device);
+    // Not a structured binding: lambdas below capture these, which C++17 (clang) does not allow.
+    const std::pair<at::Tensor, at::Tensor> id_mask = ToTensors(tokens, device);
+    const at::Tensor& ids = id_mask.first;
+    const at::Tensor& mask = id_mask.second;
 
     context.BeginStage("encode_prompt");
     at::Tensor text;

@@ -66,10 +66,10 @@ absl::StatusOr<ZImageTransformerConfig> ZImageTransformerConfigFromJson(const go
     return absl::UnimplementedError(absl::StrCat(file, ": ZImageTransformer2DModel with siglip_feat_dim (omni mode) "
                                                  "is not supported"));
   }
+  RETURN_IF_ERROR(Validate(c, file));
   ConfigCheck check(file);
   check.Equals("n_kv_heads", n_kv_heads, "n_heads", c.n_heads);
   RETURN_IF_ERROR(check.status());
-  RETURN_IF_ERROR(Validate(c, file));
   return c;
 }
 

@@ -101,7 +101,7 @@ TEST(ConfigValidationTest, TheValidBaseConfigsParse) {
 struct BadCase {
   const char* architecture;
   const char* overrides;  // JSON object merged into the valid config.
-  const char* field;      // Must appear in the message.
+  const char* field;      // The message must start with "<file>: <field>".
 };
 
 void PrintTo(const BadCase& c, std::ostream* os) { *os << c.architecture << " " << c.overrides; }
@@ -116,8 +116,8 @@ TEST_P(BadConfigTest, IsInvalidArgumentNamingFileAndField) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(1));
   ASSERT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
   const std::string message(status.message());
-  EXPECT_EQ(message.rfind(a.file, 0), 0u) << message;  // Starts with the file.
-  EXPECT_NE(message.find(c.field), std::string::npos) << message;
+  // "<file>: <field> ...": the check that fired is the one the case is about.
+  EXPECT_EQ(message.rfind(std::string(a.file) + ": " + c.field, 0), 0u) << message;
   EXPECT_LT(message.size(), 300u) << message;
 }
 
@@ -138,7 +138,7 @@ INSTANTIATE_TEST_SUITE_P(
         SIZE_CASES("zimage_transformer", "cap_feat_dim"),
         BadCase{"zimage_transformer", R"({"n_refiner_layers": -1})", "n_refiner_layers"},
         BadCase{"zimage_transformer", R"({"n_refiner_layers": 1099511627776})", "n_refiner_layers"},
-        BadCase{"zimage_transformer", R"({"n_heads": 3})", "n_heads"},           // 64 % 3.
+        BadCase{"zimage_transformer", R"({"n_heads": 3})", "n_heads is 3; must be >= 1 and divide dim (64)"},           // 64 % 3.
         BadCase{"zimage_transformer", R"({"n_kv_heads": 1})", "n_kv_heads"},
         BadCase{"zimage_transformer", R"({"n_kv_heads": 0})", "n_kv_heads"},
         BadCase{"zimage_transformer", R"({"all_patch_size": [0]})", "all_patch_size"},
@@ -150,8 +150,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"zimage_transformer", R"({"all_f_patch_size": [2]})", "all_f_patch_size"},
         BadCase{"zimage_transformer", R"({"axes_dims": [0, 16, 16]})", "axes_dims[0]"},
         BadCase{"zimage_transformer", R"({"axes_dims": [-8, 20, 20]})", "axes_dims[0]"},
-        BadCase{"zimage_transformer", R"({"axes_dims": [9, 11, 12]})", "axes_dims[0]"},  // Odd.
-        BadCase{"zimage_transformer", R"({"axes_dims": [8, 12, 14]})", "axes_dims"},     // Sum 34 != 32.
+        BadCase{"zimage_transformer", R"({"axes_dims": [9, 11, 12]})", "axes_dims[0] is 9; must be even"},  // Odd.
+        BadCase{"zimage_transformer", R"({"axes_dims": [8, 12, 14]})", "sum of axes_dims is 34"},     // Sum 34 != 32.
         BadCase{"zimage_transformer", R"({"axes_dims": [16, 16]})", "axes_dims"},
         BadCase{"zimage_transformer", R"({"axes_dims": [1099511627776, 12, 12]})", "axes_dims[0]"},
         BadCase{"zimage_transformer", R"({"axes_lens": [0, 64, 64]})", "axes_lens[0]"},
@@ -165,9 +165,9 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"zimage_transformer", R"({"t_scale": 0})", "t_scale"},
         BadCase{"zimage_transformer", R"({"qk_norm": "yes"})", "qk_norm"},
         // Every field valid on its own, the whole far beyond any real model: the parameter bound.
-        BadCase{"zimage_transformer", R"({"dim": 524288, "n_heads": 16384, "n_kv_heads": 16384, "n_layers": 1024})", "parameters"},
+        BadCase{"zimage_transformer", R"({"dim": 524288, "n_heads": 16384, "n_kv_heads": 16384, "n_layers": 1024})", "the config describes"},
         BadCase{"zimage_transformer", R"({"axes_lens": [1048576, 1048576, 1048576], "dim": 393216,
-                                          "n_heads": 4, "n_kv_heads": 4, "axes_dims": [32768, 32768, 32768]})", "parameters"}));
+                                          "n_heads": 4, "n_kv_heads": 4, "axes_dims": [32768, 32768, 32768]})", "the config describes"}));
 
 INSTANTIATE_TEST_SUITE_P(
     AutoencoderKL, BadConfigTest,
@@ -176,11 +176,11 @@ INSTANTIATE_TEST_SUITE_P(
         SIZE_CASES("autoencoder_kl", "norm_num_groups"),
         BadCase{"autoencoder_kl", R"({"layers_per_block": -1})", "layers_per_block"},
         BadCase{"autoencoder_kl", R"({"layers_per_block": 1099511627776})", "layers_per_block"},
-        BadCase{"autoencoder_kl", R"({"norm_num_groups": 3})", "norm_num_groups"},  // 8 % 3.
+        BadCase{"autoencoder_kl", R"({"norm_num_groups": 3})", "block_out_channels[0] is 8; must be a multiple of norm_num_groups (3)"},  // 8 % 3.
         BadCase{"autoencoder_kl", R"({"block_out_channels": []})", "block_out_channels"},
         BadCase{"autoencoder_kl", R"({"block_out_channels": [8, 16, 0, 16]})", "block_out_channels[2]"},
         BadCase{"autoencoder_kl", R"({"block_out_channels": [8, 16, -16, 16]})", "block_out_channels[2]"},
-        BadCase{"autoencoder_kl", R"({"block_out_channels": [8, 16, 16, 18]})", "block_out_channels[3]"},
+        BadCase{"autoencoder_kl", R"({"block_out_channels": [8, 16, 16, 18]})", "block_out_channels[3] is 18; must be a multiple"},
         BadCase{"autoencoder_kl", R"({"block_out_channels": [8, 1099511627776]})", "block_out_channels[1]"},
         BadCase{"autoencoder_kl", R"({"block_out_channels": [8, 8, 8, 8, 8, 8, 8, 8, 8]})", "block_out_channels"},
         BadCase{"autoencoder_kl", R"({"block_out_channels": [8, 16.5]})", "block_out_channels"},
@@ -188,7 +188,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"autoencoder_kl", R"({"scaling_factor": -0.3})", "scaling_factor"},
         BadCase{"autoencoder_kl", R"({"shift_factor": 1e300})", "shift_factor"},
         BadCase{"autoencoder_kl", R"({"block_out_channels": [1048576, 1048576], "norm_num_groups": 1})",
-                "parameters"}));
+                "the config describes"}));
 
 INSTANTIATE_TEST_SUITE_P(
     Qwen3, BadConfigTest,
@@ -198,11 +198,11 @@ INSTANTIATE_TEST_SUITE_P(
         SIZE_CASES("qwen3", "num_key_value_heads"), SIZE_CASES("qwen3", "head_dim"),
         SIZE_CASES("qwen3", "intermediate_size"),
         BadCase{"qwen3", R"({"num_hidden_layers": 1})", "num_hidden_layers"},
-        BadCase{"qwen3", R"({"num_key_value_heads": 3})", "num_key_value_heads"},  // 4 % 3.
-        BadCase{"qwen3", R"({"head_dim": 13})", "head_dim"},                       // Odd.
+        BadCase{"qwen3", R"({"num_key_value_heads": 3})", "num_key_value_heads is 3; must be >= 1 and divide"},  // 4 % 3.
+        BadCase{"qwen3", R"({"head_dim": 13})", "head_dim is 13; must be even"},                       // Odd.
         BadCase{"qwen3", R"({"rms_norm_eps": 0})", "rms_norm_eps"},
         BadCase{"qwen3", R"({"rope_theta": -1})", "rope_theta"},
-        BadCase{"qwen3", R"({"vocab_size": 1048576, "hidden_size": 1048576})", "parameters"}));
+        BadCase{"qwen3", R"({"vocab_size": 1048576, "hidden_size": 1048576})", "the config describes"}));
 
 INSTANTIATE_TEST_SUITE_P(
     TinyModels, BadConfigTest,
@@ -211,18 +211,18 @@ INSTANTIATE_TEST_SUITE_P(
         SIZE_CASES("tiny_text_encoder", "dim"), SIZE_CASES("tiny_text_encoder", "heads"),
         BadCase{"tiny_text_encoder", R"({"vocab_size": 258})", "vocab_size"},
         BadCase{"tiny_text_encoder", R"({"max_tokens": 2})", "max_tokens"},
-        BadCase{"tiny_text_encoder", R"({"heads": 3})", "heads"},
+        BadCase{"tiny_text_encoder", R"({"heads": 3})", "heads is 3; must be >= 1 and divide dim (64)"},
         BadCase{"tiny_text_encoder", R"({"layers": -1})", "layers"},
         BadCase{"tiny_text_encoder", R"({"layers": 1099511627776})", "layers"},
         SIZE_CASES("tiny_dit", "in_channels"), SIZE_CASES("tiny_dit", "patch_size"), SIZE_CASES("tiny_dit", "dim"),
         SIZE_CASES("tiny_dit", "heads"), SIZE_CASES("tiny_dit", "text_dim"), SIZE_CASES("tiny_dit", "mlp_ratio"),
         SIZE_CASES("tiny_dit", "timestep_dim"),
-        BadCase{"tiny_dit", R"({"heads": 5})", "heads"},  // 96 % 5.
-        BadCase{"tiny_dit", R"({"timestep_dim": 255})", "timestep_dim"},
+        BadCase{"tiny_dit", R"({"heads": 5})", "heads is 5; must be >= 1 and divide dim (96)"},  // 96 % 5.
+        BadCase{"tiny_dit", R"({"timestep_dim": 255})", "timestep_dim is 255; must be even"},
         BadCase{"tiny_dit", R"({"layers": -1})", "layers"},
-        BadCase{"tiny_dit", R"({"dim": 1048576, "heads": 1, "layers": 1024})", "parameters"},
+        BadCase{"tiny_dit", R"({"dim": 1048576, "heads": 1, "layers": 1024})", "the config describes"},
         SIZE_CASES("tiny_vae", "latent_channels"), SIZE_CASES("tiny_vae", "groups"),
-        BadCase{"tiny_vae", R"({"groups": 5})", "groups"},
+        BadCase{"tiny_vae", R"({"groups": 5})", "block_out_channels[0] is 64; must be a multiple of groups (5)"},
         BadCase{"tiny_vae", R"({"block_out_channels": [64]})", "block_out_channels"},
         BadCase{"tiny_vae", R"({"block_out_channels": [64, 0]})", "block_out_channels[1]"},
         BadCase{"tiny_vae", R"({"block_out_channels": [64, 1099511627776]})", "block_out_channels[1]"},
@@ -289,6 +289,17 @@ TEST(ConfigValidationTest, OversizeJsonIsRefusedBeforeReading) {
   const absl::Status s = ReadJsonFile(path, JsonLimits{32, 1000}).status();
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   EXPECT_NE(std::string(s.message()).find("exceeds the limit of 1000 bytes"), std::string::npos) << s;
+}
+
+TEST(ConfigValidationTest, ShardIndexNamesOnlyFilesOfTheFolder) {
+  const std::string dir = std::string(::testing::TempDir()) + "/shards";
+  for (const char* shard : {"../../etc/passwd.safetensors", "/abs.safetensors", "x.bin", "", "sub/x.safetensors"}) {
+    WriteFile(dir, "diffusion_pytorch_model.safetensors.index.json",
+              std::string(R"({"weight_map": {"w": ")") + shard + R"("}})");
+    const absl::Status s = ReadComponentWeights(dir).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << shard << ": " << s;
+    EXPECT_NE(std::string(s.message()).find("weight_map entry of tensor 'w'"), std::string::npos) << s;
+  }
 }
 
 // --- Loaders and built-in constructors validate before building ----------------------------------

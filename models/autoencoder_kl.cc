@@ -39,11 +39,8 @@ absl::Status Validate(const AutoencoderKLConfig& c, const std::string& file) {
       .Between("shift_factor", c.shift_factor, -1e6, 1e6);
   for (size_t i = 0; i < c.block_out_channels.size() && check.ok(); ++i) {
     const std::string field = absl::StrCat("block_out_channels[", i, "]");
-    check.Size(field, c.block_out_channels[i]);
-    if (check.ok() && c.block_out_channels[i] % c.norm_num_groups != 0) {
-      check.Require(false, field, absl::StrCat("is ", c.block_out_channels[i], "; must be a multiple of norm_num_groups (",
-                                               c.norm_num_groups, ")"));
-    }
+    check.Size(field, c.block_out_channels[i])
+        .MultipleOf(field, c.block_out_channels[i], "norm_num_groups", c.norm_num_groups);
   }
   RETURN_IF_ERROR(check.status());
   // Conv 3×3 weights dominate; norms and biases are counted generously.

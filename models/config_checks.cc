@@ -40,6 +40,14 @@ ConfigCheck& ConfigCheck::Divides(absl::string_view field, int64_t value, absl::
   return *this;
 }
 
+ConfigCheck& ConfigCheck::MultipleOf(absl::string_view field, int64_t value, absl::string_view of_field,
+                                     int64_t of) {
+  if (ok() && (of < 1 || value % of != 0)) {
+    Fail(field, absl::StrCat("is ", value, "; must be a multiple of ", of_field, " (", of, ")"));
+  }
+  return *this;
+}
+
 ConfigCheck& ConfigCheck::Even(absl::string_view field, int64_t value) {
   if (ok() && value % 2 != 0) Fail(field, absl::StrCat("is ", value, "; must be even"));
   return *this;

@@ -48,6 +48,8 @@ class ConfigCheck {
   }
   // value >= 1 and divides `of` (named `of_field`).
   ConfigCheck& Divides(absl::string_view field, int64_t value, absl::string_view of_field, int64_t of);
+  // value is a multiple of `of` (named `of_field`; of >= 1, else this fails too).
+  ConfigCheck& MultipleOf(absl::string_view field, int64_t value, absl::string_view of_field, int64_t of);
   // value is even.
   ConfigCheck& Even(absl::string_view field, int64_t value);
   // value == expected (e.g. two configs that must agree), `expected_field` naming the other.

@@ -109,10 +109,7 @@ absl::Status Validate(const TinyVaeDecoderConfig& c, const std::string& file) {
       .Between("shift_factor", c.shift_factor, -1e6, 1e6);
   for (size_t i = 0; i < c.channels.size() && check.ok(); ++i) {
     const std::string field = absl::StrCat("block_out_channels[", i, "]");
-    check.Size(field, c.channels[i]);
-    if (check.ok() && c.channels[i] % c.groups != 0) {
-      check.Require(false, field, absl::StrCat("is ", c.channels[i], "; must be a multiple of groups (", c.groups, ")"));
-    }
+    check.Size(field, c.channels[i]).MultipleOf(field, c.channels[i], "groups", c.groups);
   }
   RETURN_IF_ERROR(check.status());
   ParameterCount total;

@@ -85,5 +85,43 @@ TEST(BpeTokenizerTest, RejectsWhatItCannotReproduce) {
   EXPECT_EQ(BpeTokenizer::Load("/nonexistent/tokenizer.json").status().code(), absl::StatusCode::kNotFound);
 }
 
+// Hostile tokenizer.json: INVALID_ARGUMENT (never a crash), without quoting the file.
+TEST(BpeTokenizerTest, RejectsHostileTokenizersWithoutQuotingThem) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"{\"model\": " + std::string(100000, '['), "nests deeper than 32"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 1.5}}})", "model.vocab entry 'a'"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": -1}}})", "model.vocab entry 'a'"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 1e300}}})", "model.vocab entry 'a'"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": "sk-SECRET"}}})", "model.vocab entry 'a'"},
+      {R"({"model": {"type": "BPE", "vocab": {}, "merges": ["sk-SECRET-no-space"]}})", "malformed merge at index 0"},
+      {R"({"model": {"type": "BPE", "vocab": {}, "merges": [["a", 5]]}})", "malformed merge at index 0"},
+      {R"({"model": {"type": "BPE", "vocab": {}, "merges": 5}})", "model.merges is not a list"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "added_tokens": [{"content": "x"}]})", "added_tokens[0]"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "added_tokens": [5]})", "added_tokens[0]"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "added_tokens": [{"content": "", "id": 3}]})", "added_tokens[0]"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "pre_tokenizer": {"type": "Sequence"}})", "without pretokenizers"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{}]}})",
+       "unsupported pre-tokenizer ''"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "pre_tokenizer": {"type": "Split", "pattern": 5}})",
+       "without a Regex"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "pre_tokenizer": 5})", "pre_tokenizer is not an object"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "normalizer": {"type": "Lowercase"}})", "unsupported normalizer 'Lowercase'"},
+      {R"({"model": {"type": "BPE", "vocab": {}, "secret": "sk-SECRET",, }})", "not a valid JSON object"},
+  };
+  for (const auto& [json, needle] : cases) {
+    auto t = BpeTokenizer::FromJsonText(json, "tok/tokenizer.json");
+    ASSERT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << json.substr(0, 80) << ": " << t.status();
+    const std::string message(t.status().message());
+    EXPECT_NE(message.find("tok/tokenizer.json"), std::string::npos) << message;
+    EXPECT_NE(message.find(needle), std::string::npos) << message;
+    EXPECT_EQ(message.find("SECRET"), std::string::npos) << message;
+    EXPECT_LT(message.size(), 300u) << message;
+  }
+  auto ok = BpeTokenizer::FromJsonText(R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 7}},
+      "added_tokens": [{"content": "<x>", "id": 9}]})", "tok");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ((*ok)->max_id(), 9);
+}
+
 }  // namespace
 }  // namespace stowage

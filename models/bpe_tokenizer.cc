@@ -176,6 +176,20 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJson(const googl
     }
     std::stable_sort(t->added_.begin(), t->added_.end(),
                      [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+    t->added_terminal_.assign(1, -1);
+    for (const auto& [content, id] : t->added_) {
+      int32_t node = 0;
+      for (unsigned char byte : content) {
+        const uint64_t edge = (static_cast<uint64_t>(node) << 8) | byte;
+        auto it = t->added_edges_.find(edge);
+        if (it == t->added_edges_.end()) {
+          it = t->added_edges_.emplace(edge, static_cast<int32_t>(t->added_terminal_.size())).first;
+          t->added_terminal_.push_back(-1);
+        }
+        node = it->second;
+      }
+      if (t->added_terminal_[node] < 0) t->added_terminal_[node] = id;  // The first of equal contents wins.
+    }
   }
   if (const google::protobuf::Value* normalizer = Field(json, "normalizer")) {
     if (normalizer->has_struct_value()) {
@@ -318,18 +332,27 @@ absl::StatusOr<std::vector<int64_t>> BpeTokenizer::Encode(const std::string& raw
   size_t pos = 0;
   std::string pending;
   while (pos < raw.size() && status.ok()) {
-    bool matched = false;
-    for (const auto& [content, id] : added_) {
-      if (!content.empty() && raw.compare(pos, content.size(), content) == 0) {
-        encode_segment(pending);
-        pending.clear();
-        ids.push_back(id);
-        pos += content.size();
-        matched = true;
-        break;
+    // The longest added token starting at `pos`: one walk down the trie.
+    int64_t match_id = -1;
+    size_t match_len = 0;
+    int32_t node = 0;
+    for (size_t i = pos; i < raw.size() && !added_edges_.empty(); ++i) {
+      auto it = added_edges_.find((static_cast<uint64_t>(node) << 8) | static_cast<unsigned char>(raw[i]));
+      if (it == added_edges_.end()) break;
+      node = it->second;
+      if (added_terminal_[node] >= 0) {
+        match_id = added_terminal_[node];
+        match_len = i + 1 - pos;
       }
     }
-    if (!matched) pending += raw[pos++];
+    if (match_len > 0) {
+      encode_segment(pending);
+      pending.clear();
+      ids.push_back(match_id);
+      pos += match_len;
+    } else {
+      pending += raw[pos++];
+    }
   }
   if (status.ok()) encode_segment(pending);
   pcre2_match_data_free(match);

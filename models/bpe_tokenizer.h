@@ -59,6 +59,11 @@ class BpeTokenizer {
   std::unordered_map<std::string, int64_t> vocab_;
   std::map<std::pair<std::string, std::string>, int64_t> merge_rank_;
   std::vector<std::pair<std::string, int64_t>> added_;  // Longest first.
+  // The added tokens as a byte trie, so matching them at a position costs at most the longest
+  // token's length whatever their number: edge (node << 8 | byte) → child; added_terminal_[node] is
+  // the id of the token ending there, or -1. Node 0 is the root.
+  std::unordered_map<uint64_t, int32_t> added_edges_;
+  std::vector<int64_t> added_terminal_;
   std::string byte_to_unicode_[256];
   bool nfc_ = false;
   int64_t max_id_ = -1;

@@ -41,14 +41,14 @@ std::string Escape(const std::string& s) {
 
 // A byte-level BPE with Qwen2's pre-tokenizer and NFC: byte b has id b; "he"=256, "the"=257,
 // "Ġthe"=258; special tokens 300 and 301.
-std::string WriteTokenizer() {
+std::string WriteTokenizer(const std::string& extra_added = "") {
   std::string vocab;
   for (int b = 0; b < 256; ++b) vocab += "\"" + Escape(ByteSymbol(b)) + "\": " + std::to_string(b) + ", ";
   vocab += "\"he\": 256, \"the\": 257, \"" + ByteSymbol(' ') + "the\": 258";
   const std::string pattern =
       R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+)";
   const std::string json = "{\"added_tokens\": [{\"id\": 300, \"content\": \"<|im_start|>\"}, "
-                           "{\"id\": 301, \"content\": \"<|im_end|>\"}], "
+                           "{\"id\": 301, \"content\": \"<|im_end|>\"}" + extra_added + "], "
                            "\"normalizer\": {\"type\": \"NFC\"}, "
                            "\"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": ["
                            "{\"type\": \"Split\", \"pattern\": {\"Regex\": \"" + pattern + "\"}, \"behavior\": \"Isolated\"}, "
@@ -74,6 +74,19 @@ TEST(BpeTokenizerTest, EncodesLikeByteLevelBpe) {
   EXPECT_EQ(encode(""), (std::vector<int64_t>{}));
   EXPECT_EQ(*(*tokenizer)->TokenId("<|im_end|>"), 301);
   EXPECT_EQ((*tokenizer)->TokenId("<|nope|>").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(BpeTokenizerTest, AddedTokensMatchLongestFirstWhateverTheirOrder) {
+  // Overlapping added tokens, the shorter listed first; a duplicate content keeps its first id.
+  auto tokenizer = BpeTokenizer::Load(WriteTokenizer(
+      ", {\"id\": 310, \"content\": \"<a>\"}, {\"id\": 311, \"content\": \"<a><b>\"}, "
+      "{\"id\": 312, \"content\": \"<a><b>\"}, {\"id\": 313, \"content\": \"<a><b><c>\"}"));
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  auto encode = [&](const std::string& s) { return *(*tokenizer)->Encode(s); };
+  EXPECT_EQ(encode("<a><b><c>"), (std::vector<int64_t>{313}));
+  EXPECT_EQ(encode("<a><b><"), (std::vector<int64_t>{311, '<'}));
+  EXPECT_EQ(encode("x<a><a><b>"), (std::vector<int64_t>{'x', 310, 311}));
+  EXPECT_EQ(encode("<a<b>"), (std::vector<int64_t>{'<', 'a', '<', 'b', '>'}));
 }
 
 TEST(BpeTokenizerTest, RejectsWhatItCannotReproduce) {

@@ -89,11 +89,7 @@ PlacementManager::~PlacementManager() {
   for (auto& entry : entries_) entry->group_offload.reset();
 }
 
-int64_t PlacementManager::FreeBytes() const {
-  const DeviceMemoryStats stats = backend_->GetMemoryStats();
-  if (stats.budget_bytes <= 0) return INT64_MAX;
-  return stats.budget_bytes - stats.allocated_bytes;
-}
+int64_t PlacementManager::FreeBytes() const { return backend_->GetMemoryStats().free_bytes(); }
 
 void PlacementManager::Record(const std::string& component, const std::string& action,
                               int64_t bytes, int64_t free_before, const std::string& reason) {
@@ -129,6 +125,7 @@ void PlacementManager::Offload(Entry& entry, const std::string& reason, const st
   const int64_t before = FreeBytes();
   entry.component->host_weights().OffloadAll();
   backend_->Synchronize();
+  backend_->ReleaseCachedMemory();  // What the GPU sees drops with it, not just the allocator's count.
   entry.state = ComponentState::kOffloaded;
   ++counters_.offloads;
   counters_.offload_bytes += entry.component->weight_bytes();
@@ -284,6 +281,7 @@ void PlacementManager::Unregister(const std::string& pipeline) {
     e.group_offload.reset();
     e.component->host_weights().OffloadAll();
     backend_->Synchronize();
+    backend_->ReleaseCachedMemory();
     Record(e.id, "unregister", e.component->weight_bytes(), before, absl::StrCat("pipeline '", pipeline, "' unloaded"));
     it = entries_.erase(it);
   }

@@ -94,6 +94,8 @@ absl::StatusOr<v1::GetPlacementResponse> AdminCore::GetPlacement(const v1::GetPl
   response.set_device(snapshot->device);
   response.set_budget_bytes(snapshot->memory.budget_bytes);
   response.set_allocated_bytes(snapshot->memory.allocated_bytes);
+  response.set_reserved_bytes(snapshot->memory.reserved_bytes);
+  response.set_context_bytes(snapshot->memory.context_bytes);
   response.set_strategy(snapshot->strategy);
   FillComponents(*snapshot, response.mutable_components(), [](const ComponentView&) { return true; });
   for (const std::string& w : snapshot->warnings) response.add_warnings(w);

@@ -39,6 +39,7 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateBackend(const v1::DeviceCon
     SimulatedBackendOptions options;
     options.index = device.index();
     options.bandwidth_bytes_per_second = device.simulated_bandwidth_bytes_per_second();
+    options.context_bytes = device.simulated_context_bytes();
     backend = CreateSimulatedBackend(options);
   }
   if (device.memory_budget_bytes() > 0) {
@@ -414,6 +415,7 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::RunOnWorker(Pipeline& pipel
     *timing->mutable_duration() = ToProto(stage.duration);
   }
   stats->set_peak_device_memory_bytes(after.peak_allocated_bytes);
+  stats->set_peak_device_reserved_bytes(after.peak_process_bytes());
   absl::StatusOr<ProcessMemory> memory = ReadProcessMemory();
   if (memory.ok()) stats->set_peak_cpu_rss_bytes(memory->peak_rss_bytes);
   stats->set_host_to_device_bytes(after.host_to_device_bytes - before.host_to_device_bytes);

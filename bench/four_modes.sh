@@ -10,6 +10,10 @@
 # Each mode: a fresh server, a first Generate (cold: the components arrive as the request needs them,
 # as in the upstream demo) and a second one (warm: what the strategy leaves on the device between
 # requests); both replies' peak device memory and peak CPU RSS go into one JSON line in OUT.
+# Where nvidia-smi exists, the server's device memory as the driver reports it is sampled every
+# ~50 ms for the server's whole life, and a second line per mode compares it with the replies'
+# reported peak as the GPU sees it:
+#   {"bench":"device_memory","mode":..,"reported_peak_bytes":..,"nvidia_smi_peak_bytes":..,"machine":..}
 #
 #   bench/four_modes.sh SERVER STOWCTL MODEL_DIR OUT.jsonl [SIZE] [STEPS] [MACHINE] [DTYPE]
 # MODEL_DIR: a Z-Image directory; random weights are drawn from its configs (see
@@ -26,6 +30,17 @@ strategy_te='strategy { custom: "text-encoders-only" }'
 group='group_offload { enabled: true exclude: "text_encoder" exclude: "vae" defaults { offload_type: BLOCK_LEVEL num_blocks_per_group: 1 use_stream: true } }'
 group_all='group_offload { enabled: true exclude: "vae" defaults { offload_type: BLOCK_LEVEL num_blocks_per_group: 1 use_stream: true } }'
 
+# Appends the server's used device memory (MiB, per nvidia-smi) to FILE until PID exits.
+sample_gpu() {
+  local pid=$1 file=$2
+  : >"$file"
+  while kill -0 "$pid" 2>/dev/null; do
+    nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits 2>/dev/null |
+      awk -F', *' -v p="$pid" '$1 == p { print $2 }' >>"$file"
+    sleep 0.05
+  done
+}
+
 run_mode() {
   local mode=$1 strategy=$2 offload=$3
   cat >"$tmp/$mode.textproto" <<CFG
@@ -37,6 +52,11 @@ CFG
   rm -f "$tmp/ports.json"
   "$server" --config="$tmp/$mode.textproto" --port_file="$tmp/ports.json" >"$tmp/$mode.log" 2>&1 &
   local pid=$!
+  local sampler=""
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    sample_gpu $pid "$tmp/$mode.smi" &
+    sampler=$!
+  fi
   for _ in $(seq 3000); do [ -s "$tmp/ports.json" ] && break; kill -0 $pid 2>/dev/null || break; sleep 0.1; done
   if [ ! -s "$tmp/ports.json" ]; then echo "mode $mode: server did not start"; cat "$tmp/$mode.log"; kill $pid 2>/dev/null; return 1; fi
   local target
@@ -46,18 +66,26 @@ CFG
       --steps="$steps" --guidance=0 --seed=1 --json >"$tmp/$mode.$pass.json"
   done
   kill $pid; wait $pid 2>/dev/null || true
+  [ -z "$sampler" ] || wait $sampler 2>/dev/null || true
   /usr/bin/env python3 - "$mode" "$tmp/$mode.cold.json" "$tmp/$mode.warm.json" "$size" "$steps" "$machine" \
-    "$dtype" >>"$out" <<'PY'
-import json, sys
-mode, cold_path, warm_path, size, steps, machine, dtype = sys.argv[1:]
+    "$dtype" "$tmp/$mode.smi" >>"$out" <<'PY'
+import json, os, sys
+mode, cold_path, warm_path, size, steps, machine, dtype, smi_path = sys.argv[1:]
 cold, warm = json.load(open(cold_path)), json.load(open(warm_path))
 print(json.dumps({"mode": mode, "peak_device_memory_bytes": int(cold["peakDeviceMemoryBytes"]),
                   "warm_peak_device_memory_bytes": int(warm["peakDeviceMemoryBytes"]),
                   "peak_cpu_rss_bytes": int(cold["peakCpuRssBytes"]), "run_time": cold["runTime"],
                   "warm_run_time": warm["runTime"], "device": cold["device"], "size": int(size),
                   "steps": int(steps), "dtype": dtype, "machine": machine}))
+if os.path.exists(smi_path):
+    samples = [int(line) for line in open(smi_path) if line.strip().isdigit()]
+    reported = max(int(cold.get("peakDeviceReservedBytes", 0)), int(warm.get("peakDeviceReservedBytes", 0)))
+    print(json.dumps({"bench": "device_memory", "mode": mode, "reported_peak_bytes": reported,
+                      "nvidia_smi_peak_bytes": max(samples) * 2**20 if samples else None,
+                      "nvidia_smi_samples": len(samples), "size": int(size), "steps": int(steps),
+                      "machine": machine}))
 PY
-  tail -1 "$out"
+  tail -n "$([ -n "$sampler" ] && echo 2 || echo 1)" "$out"
 }
 
 run_mode all_resident "$strategy_all" ""

@@ -2,36 +2,68 @@
 
 #include <ATen/ATen.h>
 
+#include "absl/strings/str_cat.h"
+#include "models/config_checks.h"
 #include "models/diffusers_format.h"
 #include "base/status_macros.h"
 
 namespace stowage {
-absl::StatusOr<AutoencoderKLConfig> AutoencoderKLConfigFromJson(const google::protobuf::Struct& json) {
+absl::StatusOr<AutoencoderKLConfig> AutoencoderKLConfigFromJson(const google::protobuf::Struct& json,
+                                                               const std::string& file) {
   AutoencoderKLConfig c;
-  ASSIGN_OR_RETURN(c.latent_channels, ConfigInt(json, "latent_channels", c.latent_channels));
-  ASSIGN_OR_RETURN(c.out_channels, ConfigInt(json, "out_channels", c.out_channels));
-  ASSIGN_OR_RETURN(c.block_out_channels, ConfigIntList(json, "block_out_channels", c.block_out_channels));
-  ASSIGN_OR_RETURN(c.layers_per_block, ConfigInt(json, "layers_per_block", c.layers_per_block));
-  ASSIGN_OR_RETURN(c.norm_num_groups, ConfigInt(json, "norm_num_groups", c.norm_num_groups));
-  ASSIGN_OR_RETURN(c.scaling_factor, ConfigDouble(json, "scaling_factor", c.scaling_factor));
-  ASSIGN_OR_RETURN(c.shift_factor, ConfigDouble(json, "shift_factor", c.shift_factor));
-  auto attention = json.fields().find("mid_block_add_attention");
-  if (attention != json.fields().end() && attention->second.has_bool_value()) {
-    c.mid_block_add_attention = attention->second.bool_value();
+  ASSIGN_OR_RETURN(c.latent_channels, ConfigInt(json, "latent_channels", c.latent_channels, file));
+  ASSIGN_OR_RETURN(c.out_channels, ConfigInt(json, "out_channels", c.out_channels, file));
+  ASSIGN_OR_RETURN(c.block_out_channels, ConfigIntList(json, "block_out_channels", c.block_out_channels, file));
+  ASSIGN_OR_RETURN(c.layers_per_block, ConfigInt(json, "layers_per_block", c.layers_per_block, file));
+  ASSIGN_OR_RETURN(c.norm_num_groups, ConfigInt(json, "norm_num_groups", c.norm_num_groups, file));
+  ASSIGN_OR_RETURN(c.scaling_factor, ConfigDouble(json, "scaling_factor", c.scaling_factor, file));
+  ASSIGN_OR_RETURN(c.shift_factor, ConfigDouble(json, "shift_factor", c.shift_factor, file));
+  ASSIGN_OR_RETURN(c.mid_block_add_attention,
+                   ConfigBool(json, "mid_block_add_attention", c.mid_block_add_attention, file));
+  ASSIGN_OR_RETURN(const bool post_quant_conv, ConfigBool(json, "use_post_quant_conv", false, file));
+  if (post_quant_conv) {
+    return absl::UnimplementedError(absl::StrCat(file, ": AutoencoderKL with use_post_quant_conv is not supported yet"));
   }
-  for (const char* unsupported : {"use_post_quant_conv"}) {
-    auto it = json.fields().find(unsupported);
-    if (it != json.fields().end() && it->second.has_bool_value() && it->second.bool_value()) {
-      return absl::UnimplementedError("AutoencoderKL with use_post_quant_conv is not supported yet");
-    }
-  }
-  if (c.block_out_channels.empty()) return absl::InvalidArgumentError("config: block_out_channels is empty");
-  for (int64_t ch : c.block_out_channels) {
-    if (ch % c.norm_num_groups != 0) {
-      return absl::InvalidArgumentError("config: block_out_channels must be multiples of norm_num_groups");
-    }
-  }
+  RETURN_IF_ERROR(Validate(c, file));
   return c;
+}
+
+absl::Status Validate(const AutoencoderKLConfig& c, const std::string& file) {
+  ConfigCheck check(file);
+  check.Size("latent_channels", c.latent_channels)
+      .Size("out_channels", c.out_channels)
+      .Size("norm_num_groups", c.norm_num_groups)
+      .Range("layers_per_block", c.layers_per_block, 0, kMaxConfigLayers)
+      .Range("block_out_channels (count)", static_cast<int64_t>(c.block_out_channels.size()), 1, 8)
+      .Above("scaling_factor", c.scaling_factor, 0.0, 1e6)
+      .Between("shift_factor", c.shift_factor, -1e6, 1e6);
+  for (size_t i = 0; i < c.block_out_channels.size() && check.ok(); ++i) {
+    const std::string field = absl::StrCat("block_out_channels[", i, "]");
+    check.Size(field, c.block_out_channels[i])
+        .MultipleOf(field, c.block_out_channels[i], "norm_num_groups", c.norm_num_groups);
+  }
+  RETURN_IF_ERROR(check.status());
+  // Conv 3×3 weights dominate; norms and biases are counted generously.
+  const std::vector<int64_t>& boc = c.block_out_channels;
+  const int64_t top = boc.back();
+  auto resnet = [](ParameterCount& p, int64_t in, int64_t out) {
+    p.Add({9, in + out, out});
+    p.Add({in + 1, out});  // Shortcut and biases.
+    p.Add({4, in + out});  // Norms.
+  };
+  ParameterCount total;
+  total.Add({9 * c.latent_channels + 1, top});
+  resnet(total, top, top);
+  resnet(total, top, top);
+  if (c.mid_block_add_attention) total.Add({4, top + 1, top + 2});
+  for (size_t i = 0; i < boc.size(); ++i) {
+    const int64_t out = boc[boc.size() - 1 - i];
+    const int64_t in = i == 0 ? top : boc[boc.size() - i];
+    for (int64_t layer = 0; layer <= c.layers_per_block; ++layer) resnet(total, layer == 0 ? in : out, out);
+    total.Add({9 * out + 1, out});  // Upsampler (the last block has none; over-counted).
+  }
+  total.Add({9 * boc.front() + 1, c.out_channels + 2});
+  return total.Check(file);
 }
 
 VaeAttention::VaeAttention(int64_t channels, int64_t groups, const LayerOptions& o) : Module("Attention") {

@@ -5,6 +5,7 @@
 #define STOWAGE_MODELS_AUTOENCODER_KL_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -26,7 +27,16 @@ struct AutoencoderKLConfig {
   bool mid_block_add_attention = true;
 };
 
-absl::StatusOr<AutoencoderKLConfig> AutoencoderKLConfigFromJson(const google::protobuf::Struct& json);
+// Reads a diffusers AutoencoderKL config.json and validates it; `file` names it in errors.
+absl::StatusOr<AutoencoderKLConfig> AutoencoderKLConfigFromJson(const google::protobuf::Struct& json,
+                                                               const std::string& file = "vae/config.json");
+
+// Checks what the decoder's code assumes (limits: config_checks.h): latent_channels, out_channels
+// and norm_num_groups in [1, 2^20]; 1 to 8 block_out_channels (the upscale is 2^(n-1)), each in
+// [1, 2^20] and a multiple of norm_num_groups (every group norm runs on one of them);
+// layers_per_block in [0, 1024]; scaling_factor in (0, 1e6] (latents are divided by it),
+// shift_factor finite in [-1e6, 1e6]; at most 2^36 parameters.
+absl::Status Validate(const AutoencoderKLConfig& config, const std::string& file);
 
 // Single-head self-attention over the pixels of a feature map, with a group norm in front.
 class VaeAttention : public Module {

@@ -11,7 +11,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "models/diffusers_format.h"
+#include "base/json_limits.h"
 #include "base/status_macros.h"
+#include "base/text.h"
 
 namespace stowage {
 namespace {
@@ -65,8 +67,14 @@ BpeTokenizer::~BpeTokenizer() {
 }
 
 absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(const std::string& path) {
-  ASSIGN_OR_RETURN(google::protobuf::Struct json, ReadJsonFile(path));
+  ASSIGN_OR_RETURN(google::protobuf::Struct json, ReadJsonFile(path, kTokenizerJsonLimits));
   return FromJson(json, path);
+}
+
+absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJsonText(const std::string& text,
+                                                                        const std::string& source) {
+  ASSIGN_OR_RETURN(google::protobuf::Struct json, ParseJsonObject(text, kTokenizerJsonLimits, source));
+  return FromJson(json, source);
 }
 
 std::unique_ptr<BpeTokenizer> BpeTokenizer::ByteLevel(const std::vector<std::string>& special_tokens) {
@@ -103,43 +111,92 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJson(const googl
   if (model == nullptr || !model->has_struct_value()) return bad("no model");
   const google::protobuf::Value* type = Field(model->struct_value(), "type");
   if (type == nullptr || type->string_value() != "BPE") return bad("model.type must be BPE");
+  // An id: a whole JSON number in [0, 2^31).
+  auto as_id = [&](const google::protobuf::Value& v, int64_t* id) {
+    if (!v.has_number_value()) return false;
+    const double d = v.number_value();
+    if (!(d >= 0.0 && d < 2147483648.0) || d != static_cast<double>(static_cast<int64_t>(d))) return false;
+    *id = static_cast<int64_t>(d);
+    t->max_id_ = std::max(t->max_id_, *id);
+    return true;
+  };
   const google::protobuf::Value* vocab = Field(model->struct_value(), "vocab");
   if (vocab == nullptr || !vocab->has_struct_value()) return bad("no model.vocab");
+  if (vocab->struct_value().fields_size() > kMaxVocab) {
+    return bad(absl::StrCat("model.vocab has ", vocab->struct_value().fields_size(), " entries; at most ", kMaxVocab));
+  }
+  t->vocab_.reserve(static_cast<size_t>(vocab->struct_value().fields_size()));
   for (const auto& [token, id] : vocab->struct_value().fields()) {
-    t->vocab_[token] = static_cast<int64_t>(id.number_value());
+    int64_t value = 0;
+    if (!as_id(id, &value)) {
+      return bad(absl::StrCat("model.vocab entry '", Truncated(token), "' is not an id in [0, 2^31)"));
+    }
+    t->vocab_[token] = value;
   }
   const google::protobuf::Value* merges = Field(model->struct_value(), "merges");
-  if (merges != nullptr) {
+  if (merges != nullptr && !merges->has_null_value()) {
+    if (!merges->has_list_value()) return bad("model.merges is not a list");
+    if (merges->list_value().values_size() > kMaxVocab) {
+      return bad(absl::StrCat("model.merges has ", merges->list_value().values_size(), " entries; at most ", kMaxVocab));
+    }
     int64_t rank = 0;
     for (const auto& m : merges->list_value().values()) {
       std::pair<std::string, std::string> pair;
       if (m.has_string_value()) {
         std::vector<std::string> parts = absl::StrSplit(m.string_value(), absl::MaxSplits(' ', 1));
-        if (parts.size() != 2) return bad(absl::StrCat("malformed merge '", m.string_value(), "'"));
+        if (parts.size() != 2) return bad(absl::StrCat("malformed merge at index ", rank));
         pair = {parts[0], parts[1]};
-      } else if (m.has_list_value() && m.list_value().values_size() == 2) {
+      } else if (m.has_list_value() && m.list_value().values_size() == 2 &&
+                 m.list_value().values(0).has_string_value() && m.list_value().values(1).has_string_value()) {
         pair = {m.list_value().values(0).string_value(), m.list_value().values(1).string_value()};
       } else {
-        return bad("malformed merge entry");
+        return bad(absl::StrCat("malformed merge at index ", rank));
       }
-      t->merge_rank_.emplace(std::move(pair), rank++);
+      t->merge_rank_.emplace(std::move(pair), rank++);  // A repeated pair keeps its first (best) rank.
     }
   }
-  if (const google::protobuf::Value* added = Field(json, "added_tokens")) {
-    for (const auto& a : added->list_value().values()) {
-      const auto* content = Field(a.struct_value(), "content");
-      const auto* id = Field(a.struct_value(), "id");
-      if (content == nullptr || id == nullptr) return bad("added token without content or id");
-      t->added_.emplace_back(content->string_value(), static_cast<int64_t>(id->number_value()));
+  if (const google::protobuf::Value* added = Field(json, "added_tokens"); added != nullptr && !added->has_null_value()) {
+    if (!added->has_list_value()) return bad("added_tokens is not a list");
+    if (added->list_value().values_size() > kMaxAddedTokens) {
+      return bad(absl::StrCat("added_tokens has ", added->list_value().values_size(), " entries; at most ",
+                              kMaxAddedTokens));
     }
-    std::sort(t->added_.begin(), t->added_.end(),
-              [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+    int index = 0;
+    for (const auto& a : added->list_value().values()) {
+      const auto* content = a.has_struct_value() ? Field(a.struct_value(), "content") : nullptr;
+      const auto* id = a.has_struct_value() ? Field(a.struct_value(), "id") : nullptr;
+      int64_t value = 0;
+      if (content == nullptr || id == nullptr || !content->has_string_value() || content->string_value().empty() ||
+          static_cast<int64_t>(content->string_value().size()) > kMaxAddedTokenBytes || !as_id(*id, &value)) {
+        return bad(absl::StrCat("added_tokens[", index, "] needs a content of 1 to ", kMaxAddedTokenBytes,
+                                " bytes and an id in [0, 2^31)"));
+      }
+      t->added_.emplace_back(content->string_value(), value);
+      ++index;
+    }
+    std::stable_sort(t->added_.begin(), t->added_.end(),
+                     [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+    t->added_terminal_.assign(1, -1);
+    for (const auto& [content, id] : t->added_) {
+      int32_t node = 0;
+      for (unsigned char byte : content) {
+        const uint64_t edge = (static_cast<uint64_t>(node) << 8) | byte;
+        auto it = t->added_edges_.find(edge);
+        if (it == t->added_edges_.end()) {
+          it = t->added_edges_.emplace(edge, static_cast<int32_t>(t->added_terminal_.size())).first;
+          t->added_terminal_.push_back(-1);
+        }
+        node = it->second;
+      }
+      if (t->added_terminal_[node] < 0) t->added_terminal_[node] = id;  // The first of equal contents wins.
+    }
   }
   if (const google::protobuf::Value* normalizer = Field(json, "normalizer")) {
     if (normalizer->has_struct_value()) {
       const auto* ntype = Field(normalizer->struct_value(), "type");
       if (ntype == nullptr || ntype->string_value() != "NFC") {
-        return bad(absl::StrCat("unsupported normalizer '", ntype ? ntype->string_value() : "", "' (NFC only)"));
+        return bad(absl::StrCat("unsupported normalizer '", ntype ? Truncated(ntype->string_value()) : "",
+                                "' (NFC only)"));
       }
       t->nfc_ = true;
     }
@@ -148,25 +205,30 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJson(const googl
   // bare ByteLevel (GPT-2's pattern).
   std::string pattern =
       "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
-  if (const google::protobuf::Value* pre = Field(json, "pre_tokenizer")) {
+  if (const google::protobuf::Value* pre = Field(json, "pre_tokenizer"); pre != nullptr && !pre->has_null_value()) {
+    if (!pre->has_struct_value()) return bad("pre_tokenizer is not an object");
     std::vector<const google::protobuf::Struct*> steps;
     const auto* ptype = Field(pre->struct_value(), "type");
     if (ptype != nullptr && ptype->string_value() == "Sequence") {
-      for (const auto& p : Field(pre->struct_value(), "pretokenizers")->list_value().values()) {
+      const auto* list = Field(pre->struct_value(), "pretokenizers");
+      if (list == nullptr || !list->has_list_value()) return bad("Sequence pre-tokenizer without pretokenizers");
+      for (const auto& p : list->list_value().values()) {
+        if (!p.has_struct_value()) return bad("a pre-tokenizer of the Sequence is not an object");
         steps.push_back(&p.struct_value());
       }
     } else {
       steps.push_back(&pre->struct_value());
     }
     for (const google::protobuf::Struct* step : steps) {
-      const std::string stype = Field(*step, "type")->string_value();
+      const auto* stype_value = Field(*step, "type");
+      const std::string stype = stype_value == nullptr ? "" : stype_value->string_value();
       if (stype == "Split") {
         const auto* p = Field(*step, "pattern");
-        const auto* regex = p ? Field(p->struct_value(), "Regex") : nullptr;
-        if (regex == nullptr) return bad("Split pre-tokenizer without a Regex pattern");
+        const auto* regex = p != nullptr && p->has_struct_value() ? Field(p->struct_value(), "Regex") : nullptr;
+        if (regex == nullptr || !regex->has_string_value()) return bad("Split pre-tokenizer without a Regex pattern");
         pattern = regex->string_value();
       } else if (stype != "ByteLevel") {
-        return bad(absl::StrCat("unsupported pre-tokenizer '", stype, "'"));
+        return bad(absl::StrCat("unsupported pre-tokenizer '", Truncated(stype), "'"));
       }
     }
   }
@@ -184,7 +246,7 @@ absl::StatusOr<int64_t> BpeTokenizer::TokenId(const std::string& token) const {
     if (content == token) return id;
   }
   auto it = vocab_.find(token);
-  if (it == vocab_.end()) return absl::NotFoundError(absl::StrCat("no token '", token, "'"));
+  if (it == vocab_.end()) return absl::NotFoundError(absl::StrCat("no token '", Truncated(token), "'"));
   return it->second;
 }
 
@@ -218,7 +280,9 @@ absl::Status BpeTokenizer::EncodeWord(const std::string& word, std::vector<int64
   }
   for (const std::string& s : symbols) {
     auto it = vocab_.find(s);
-    if (it == vocab_.end()) return absl::InvalidArgumentError(absl::StrCat("symbol '", s, "' is not in the vocabulary"));
+    if (it == vocab_.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("symbol '", Truncated(s), "' is not in the vocabulary"));
+    }
     out.push_back(it->second);
   }
   return absl::OkStatus();
@@ -228,6 +292,10 @@ absl::StatusOr<std::vector<int64_t>> BpeTokenizer::Encode(const std::string& raw
   std::vector<int64_t> ids;
   auto* code = static_cast<pcre2_code*>(regex_);
   pcre2_match_data* match = pcre2_match_data_create_from_pattern(code, nullptr);
+  // A regex from the file may backtrack catastrophically: bound the work per match.
+  pcre2_match_context* limits = pcre2_match_context_create(nullptr);
+  pcre2_set_match_limit(limits, 1'000'000);
+  pcre2_set_depth_limit(limits, 10'000);
   absl::Status status;
   auto encode_segment = [&](const std::string& segment) {
     std::string text = segment;
@@ -242,8 +310,12 @@ absl::StatusOr<std::vector<int64_t>> BpeTokenizer::Encode(const std::string& raw
     }
     PCRE2_SIZE start = 0;
     while (start < text.size() && status.ok()) {
-      const int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), start, 0, match, nullptr);
-      if (rc < 0) break;
+      const int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), start, 0, match, limits);
+      if (rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT || rc == PCRE2_ERROR_HEAPLIMIT) {
+        status = absl::InvalidArgumentError("the pre-tokenizer regex exceeded its match limit on this text");
+        break;
+      }
+      if (rc < 0) break;  // No match (or text PCRE2 rejects): the rest is encoded as one word below.
       const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(match);
       if (ov[1] == ov[0]) {  // Empty match: advance one code point.
         ++start;
@@ -260,21 +332,31 @@ absl::StatusOr<std::vector<int64_t>> BpeTokenizer::Encode(const std::string& raw
   size_t pos = 0;
   std::string pending;
   while (pos < raw.size() && status.ok()) {
-    bool matched = false;
-    for (const auto& [content, id] : added_) {
-      if (!content.empty() && raw.compare(pos, content.size(), content) == 0) {
-        encode_segment(pending);
-        pending.clear();
-        ids.push_back(id);
-        pos += content.size();
-        matched = true;
-        break;
+    // The longest added token starting at `pos`: one walk down the trie.
+    int64_t match_id = -1;
+    size_t match_len = 0;
+    int32_t node = 0;
+    for (size_t i = pos; i < raw.size() && !added_edges_.empty(); ++i) {
+      auto it = added_edges_.find((static_cast<uint64_t>(node) << 8) | static_cast<unsigned char>(raw[i]));
+      if (it == added_edges_.end()) break;
+      node = it->second;
+      if (added_terminal_[node] >= 0) {
+        match_id = added_terminal_[node];
+        match_len = i + 1 - pos;
       }
     }
-    if (!matched) pending += raw[pos++];
+    if (match_len > 0) {
+      encode_segment(pending);
+      pending.clear();
+      ids.push_back(match_id);
+      pos += match_len;
+    } else {
+      pending += raw[pos++];
+    }
   }
   if (status.ok()) encode_segment(pending);
   pcre2_match_data_free(match);
+  pcre2_match_context_free(limits);
   if (!status.ok()) return status;
   return ids;
 }

@@ -4,6 +4,13 @@
 // GPT-2 byte-to-unicode mapping, then merges by rank. JSON is parsed by protobuf.
 //
 // Thread-safety: Encode is const and thread-safe after Load.
+//
+// Untrusted input: tokenizer.json is read under kTokenizerJsonLimits (base/json_limits.h: 128 MiB,
+// nesting depth 32) and loaded in time linear in its size (hash-map vocabulary, merges inserted once
+// each into an ordered map: n log n). Bounds: at most kMaxVocab vocabulary entries and merges, at
+// most kMaxAddedTokens added tokens of at most 256 bytes each (Encode scans them at every position);
+// ids are integers in [0, 2^31). Messages name the file and the entry's index or a Truncated()
+// name, never more of the file. Encode's regex matching is bounded by PCRE2 match and depth limits.
 #ifndef STOWAGE_MODELS_BPE_TOKENIZER_H_
 #define STOWAGE_MODELS_BPE_TOKENIZER_H_
 
@@ -22,7 +29,13 @@ namespace stowage {
 class BpeTokenizer {
  public:
   // Errors name the file and what is missing or unsupported.
+  static constexpr int64_t kMaxVocab = int64_t{1} << 22;
+  static constexpr int64_t kMaxAddedTokens = 4096;
+  static constexpr int64_t kMaxAddedTokenBytes = 256;
+
   static absl::StatusOr<std::unique_ptr<BpeTokenizer>> Load(const std::string& tokenizer_json);
+  // Parses tokenizer.json text (the fuzz target's entry point); `source` names it in errors.
+  static absl::StatusOr<std::unique_ptr<BpeTokenizer>> FromJsonText(const std::string& text, const std::string& source);
   // The same from a parsed tokenizer.json; `source` names it in errors.
   static absl::StatusOr<std::unique_ptr<BpeTokenizer>> FromJson(const google::protobuf::Struct& json,
                                                                 const std::string& source);
@@ -36,6 +49,8 @@ class BpeTokenizer {
   // Id of an added or vocabulary token, e.g. "<|im_end|>".
   absl::StatusOr<int64_t> TokenId(const std::string& token) const;
   size_t vocab_size() const { return vocab_.size(); }
+  // The largest id any token (vocabulary or added) maps to; -1 when there are none.
+  int64_t max_id() const { return max_id_; }
 
  private:
   BpeTokenizer() = default;
@@ -44,8 +59,14 @@ class BpeTokenizer {
   std::unordered_map<std::string, int64_t> vocab_;
   std::map<std::pair<std::string, std::string>, int64_t> merge_rank_;
   std::vector<std::pair<std::string, int64_t>> added_;  // Longest first.
+  // The added tokens as a byte trie, so matching them at a position costs at most the longest
+  // token's length whatever their number: edge (node << 8 | byte) → child; added_terminal_[node] is
+  // the id of the token ending there, or -1. Node 0 is the root.
+  std::unordered_map<uint64_t, int32_t> added_edges_;
+  std::vector<int64_t> added_terminal_;
   std::string byte_to_unicode_[256];
   bool nfc_ = false;
+  int64_t max_id_ = -1;
   void* regex_ = nullptr;  // pcre2_code*
 };
 

@@ -2,6 +2,7 @@
 
 #include <sys/stat.h>
 
+#include <cmath>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -10,8 +11,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/match.h"
 #include "google/protobuf/util/json_util.h"
 #include "base/status_macros.h"
+#include "base/text.h"
 
 namespace stowage {
 namespace {
@@ -22,7 +25,8 @@ bool Exists(const std::string& path) {
 }
 
 std::string List(const std::vector<std::string>& names) {
-  std::vector<std::string> first(names.begin(), names.begin() + std::min<size_t>(10, names.size()));
+  std::vector<std::string> first;
+  for (size_t i = 0; i < std::min<size_t>(10, names.size()); ++i) first.push_back(Truncated(names[i]));
   std::string text = absl::StrJoin(first, ", ");
   if (names.size() > 10) absl::StrAppend(&text, ", … (", names.size(), " in all)");
   return text;
@@ -30,18 +34,31 @@ std::string List(const std::vector<std::string>& names) {
 
 }  // namespace
 
-absl::StatusOr<google::protobuf::Struct> ReadJsonFile(const std::string& path) {
-  std::ifstream in(path);
+absl::StatusOr<google::protobuf::Struct> ParseJsonObject(absl::string_view text, const JsonLimits& limits,
+                                                         absl::string_view what) {
+  RETURN_IF_ERROR(CheckJsonLimits(text, limits, what));
+  google::protobuf::Struct value;
+  const auto status = google::protobuf::util::JsonStringToMessage(std::string(text), &value);
+  if (!status.ok()) {
+    // protobuf's message quotes the input around the error: name the file only.
+    return absl::InvalidArgumentError(absl::StrCat(what, ": not a valid JSON object"));
+  }
+  return value;
+}
+
+absl::StatusOr<google::protobuf::Struct> ReadJsonFile(const std::string& path, const JsonLimits& limits) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
+  if (!S_ISREG(st.st_mode)) return absl::InvalidArgumentError(absl::StrCat("'", path, "' is not a regular file"));
+  if (st.st_size > limits.max_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": JSON of ", st.st_size, " bytes exceeds the limit of ",
+                                                   limits.max_bytes, " bytes"));
+  }
+  std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read '", path, "'"));
   std::stringstream text;
   text << in.rdbuf();
-  google::protobuf::Struct value;
-  google::protobuf::util::JsonParseOptions options;
-  const auto status = google::protobuf::util::JsonStringToMessage(text.str(), &value, options);
-  if (!status.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("'", path, "' is not a JSON object: ", status.ToString()));
-  }
-  return value;
+  return ParseJsonObject(text.str(), limits, path);
 }
 
 absl::Status WriteJsonFile(const std::string& path, const google::protobuf::Struct& value) {
@@ -57,42 +74,68 @@ absl::Status WriteJsonFile(const std::string& path, const google::protobuf::Stru
   return absl::OkStatus();
 }
 
+namespace {
+
+constexpr double kMaxExactInteger = 9007199254740992.0;  // 2^53
+
+bool AsInteger(const google::protobuf::Value& value, int64_t* out) {
+  if (!value.has_number_value()) return false;
+  const double d = value.number_value();
+  if (!(std::fabs(d) <= kMaxExactInteger) || d != std::floor(d)) return false;  // Also NaN, inf.
+  *out = static_cast<int64_t>(d);
+  return true;
+}
+
+absl::Status FieldError(absl::string_view file, const std::string& field, absl::string_view why) {
+  return absl::InvalidArgumentError(absl::StrCat(file, ": ", field, " ", why));
+}
+
+}  // namespace
+
 absl::StatusOr<int64_t> ConfigInt(const google::protobuf::Struct& config, const std::string& field,
-                                  int64_t default_value) {
+                                  int64_t default_value, absl::string_view file) {
   auto it = config.fields().find(field);
   if (it == config.fields().end() || it->second.has_null_value()) return default_value;
-  if (!it->second.has_number_value()) {
-    return absl::InvalidArgumentError(absl::StrCat("config field '", field, "' must be a number"));
-  }
-  return static_cast<int64_t>(it->second.number_value());
+  int64_t value = 0;
+  if (!AsInteger(it->second, &value)) return FieldError(file, field, "must be an integer (a whole JSON number)");
+  return value;
 }
 
 absl::StatusOr<double> ConfigDouble(const google::protobuf::Struct& config, const std::string& field,
-                                    double default_value) {
+                                    double default_value, absl::string_view file) {
   auto it = config.fields().find(field);
   if (it == config.fields().end() || it->second.has_null_value()) return default_value;
-  if (!it->second.has_number_value()) {
-    return absl::InvalidArgumentError(absl::StrCat("config field '", field, "' must be a number"));
+  if (!it->second.has_number_value() || !std::isfinite(it->second.number_value())) {
+    return FieldError(file, field, "must be a finite number");
   }
   return it->second.number_value();
 }
 
 absl::StatusOr<std::vector<int64_t>> ConfigIntList(const google::protobuf::Struct& config,
                                                    const std::string& field,
-                                                   std::vector<int64_t> default_value) {
+                                                   std::vector<int64_t> default_value, absl::string_view file) {
   auto it = config.fields().find(field);
   if (it == config.fields().end() || it->second.has_null_value()) return default_value;
-  if (!it->second.has_list_value()) {
-    return absl::InvalidArgumentError(absl::StrCat("config field '", field, "' must be a list of numbers"));
+  if (!it->second.has_list_value()) return FieldError(file, field, "must be a list of integers");
+  if (it->second.list_value().values_size() > kMaxConfigListSize) {
+    return FieldError(file, field, absl::StrCat("has ", it->second.list_value().values_size(),
+                                                " entries; at most ", kMaxConfigListSize));
   }
   std::vector<int64_t> out;
   for (const auto& v : it->second.list_value().values()) {
-    if (!v.has_number_value()) {
-      return absl::InvalidArgumentError(absl::StrCat("config field '", field, "' must be a list of numbers"));
-    }
-    out.push_back(static_cast<int64_t>(v.number_value()));
+    int64_t value = 0;
+    if (!AsInteger(v, &value)) return FieldError(file, field, "must be a list of integers");
+    out.push_back(value);
   }
   return out;
+}
+
+absl::StatusOr<bool> ConfigBool(const google::protobuf::Struct& config, const std::string& field,
+                                bool default_value, absl::string_view file) {
+  auto it = config.fields().find(field);
+  if (it == config.fields().end() || it->second.has_null_value()) return default_value;
+  if (!it->second.has_bool_value()) return FieldError(file, field, "must be true or false");
+  return it->second.bool_value();
 }
 
 absl::StatusOr<std::map<std::string, std::string>> ReadModelIndex(const std::string& dir) {
@@ -118,7 +161,20 @@ absl::StatusOr<ComponentWeights> ReadComponentWeights(const std::string& compone
         return absl::InvalidArgumentError(absl::StrCat("'", index, "' has no weight_map"));
       }
       std::set<std::string> shards;
-      for (const auto& [tensor, file] : it->second.struct_value().fields()) shards.insert(file.string_value());
+      for (const auto& [tensor, file] : it->second.struct_value().fields()) {
+        // A shard must be a file of this folder: no paths ("../..."), nothing but safetensors.
+        const std::string& shard = file.string_value();
+        if (!file.has_string_value() || shard.empty() || shard.size() > 255 ||
+            shard.find('/') != std::string::npos || shard.find('\0') != std::string::npos ||
+            !absl::EndsWith(shard, ".safetensors")) {
+          return absl::InvalidArgumentError(absl::StrCat(index, ": weight_map entry of tensor '", Truncated(tensor),
+                                                         "' is not a *.safetensors file name in the folder"));
+        }
+        shards.insert(shard);
+        if (shards.size() > static_cast<size_t>(kMaxShards)) {
+          return absl::InvalidArgumentError(absl::StrCat(index, ": more than ", kMaxShards, " shards"));
+        }
+      }
       for (const std::string& shard : shards) files.push_back(absl::StrCat(component_dir, "/", shard));
       break;
     }
@@ -138,7 +194,7 @@ absl::StatusOr<ComponentWeights> ReadComponentWeights(const std::string& compone
     weights.files.push_back(file);
     for (const auto& [name, info] : file->tensors()) {
       if (weights.tensors.count(name) > 0) {
-        return absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' appears in both '",
+        return absl::InvalidArgumentError(absl::StrCat("tensor '", Truncated(name), "' appears in both '",
                                                        weights.file_of[name], "' and '", path, "'"));
       }
       ASSIGN_OR_RETURN(at::Tensor tensor, file->Get(name));
@@ -169,7 +225,7 @@ absl::Status BindWeights(Module& root, const ComponentWeights& weights, at::Scal
       std::ostringstream expected, got;
       expected << slot.value.sizes();
       got << source.sizes();
-      status = absl::InvalidArgumentError(absl::StrCat("tensor '", name, "' in '", weights.file_of.at(name),
+      status = absl::InvalidArgumentError(absl::StrCat("tensor '", Truncated(name), "' in '", weights.file_of.at(name),
                                                        "' has shape ", got.str(), "; the model needs ",
                                                        expected.str()));
       return;

@@ -17,31 +17,48 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "base/json_limits.h"
 #include "google/protobuf/struct.pb.h"
 #include "offload/module.h"
 #include "offload/safetensors.h"
 
 namespace stowage {
 
-// Parses a JSON file; errors name the file.
-absl::StatusOr<google::protobuf::Struct> ReadJsonFile(const std::string& path);
+// Parses JSON text that must be an object, after CheckJsonLimits (so in time linear in its size);
+// errors name `what` and never quote the text (protobuf's parse errors do, so they are dropped).
+absl::StatusOr<google::protobuf::Struct> ParseJsonObject(absl::string_view text, const JsonLimits& limits,
+                                                         absl::string_view what);
+// Reads and parses a JSON file (ParseJsonObject; a file larger than limits.max_bytes is refused
+// before it is read); errors name the file.
+absl::StatusOr<google::protobuf::Struct> ReadJsonFile(const std::string& path,
+                                                      const JsonLimits& limits = kConfigJsonLimits);
 absl::Status WriteJsonFile(const std::string& path, const google::protobuf::Struct& value);
 
-// Typed reads of config fields, with defaults; a present field of the wrong type is an error naming
-// the file's role and the field.
+// Typed reads of config fields, with defaults (absent or null: the default); a present field of the
+// wrong type is INVALID_ARGUMENT "<file>: <field> must be ...". Integers must be JSON numbers that
+// are whole and within ±2^53 (so the conversion is exact and defined); ranges are the validators'.
 absl::StatusOr<int64_t> ConfigInt(const google::protobuf::Struct& config, const std::string& field,
-                                  int64_t default_value);
+                                  int64_t default_value, absl::string_view file = "config");
 absl::StatusOr<double> ConfigDouble(const google::protobuf::Struct& config, const std::string& field,
-                                    double default_value);
+                                    double default_value, absl::string_view file = "config");
+// At most kMaxConfigListSize entries.
 absl::StatusOr<std::vector<int64_t>> ConfigIntList(const google::protobuf::Struct& config,
                                                    const std::string& field,
-                                                   std::vector<int64_t> default_value);
+                                                   std::vector<int64_t> default_value,
+                                                   absl::string_view file = "config");
+// A boolean field (absent or null: the default).
+absl::StatusOr<bool> ConfigBool(const google::protobuf::Struct& config, const std::string& field,
+                                bool default_value, absl::string_view file = "config");
+inline constexpr int kMaxConfigListSize = 64;
 
 // The component names of model_index.json (keys that map to [library, class] pairs) and classes.
 absl::StatusOr<std::map<std::string, std::string>> ReadModelIndex(const std::string& dir);
 
 // All tensors of a component folder, zero-copy views into the mapped files (kept alive by the
-// tensors). Errors name the file and the tensor.
+// tensors). Errors name the file and the tensor. Shard names of an index must be plain file names
+// in the folder ("*.safetensors", no '/'), at most kMaxShards of them.
+inline constexpr int kMaxShards = 4096;
 struct ComponentWeights {
   std::map<std::string, at::Tensor> tensors;
   std::map<std::string, std::string> file_of;  // Tensor name → file it came from.

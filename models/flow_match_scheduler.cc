@@ -2,7 +2,31 @@
 
 #include <ATen/ATen.h>
 
+#include "base/status_macros.h"
+#include "models/config_checks.h"
+#include "models/diffusers_format.h"
+
 namespace stowage {
+
+absl::StatusOr<FlowMatchSchedulerConfig> FlowMatchSchedulerConfigFromJson(const google::protobuf::Struct& json,
+                                                                          const FlowMatchSchedulerConfig& defaults,
+                                                                          const std::string& file) {
+  FlowMatchSchedulerConfig c = defaults;
+  ASSIGN_OR_RETURN(const int64_t steps, ConfigInt(json, "num_train_timesteps", c.num_train_timesteps, file));
+  ConfigCheck check(file);
+  check.Range("num_train_timesteps", steps, 1, kMaxConfigDim);  // Before narrowing to int.
+  RETURN_IF_ERROR(check.status());
+  c.num_train_timesteps = static_cast<int>(steps);
+  ASSIGN_OR_RETURN(c.shift, ConfigDouble(json, "shift", c.shift, file));
+  RETURN_IF_ERROR(Validate(c, file));
+  return c;
+}
+
+absl::Status Validate(const FlowMatchSchedulerConfig& c, const std::string& file) {
+  ConfigCheck check(file);
+  check.Range("num_train_timesteps", c.num_train_timesteps, 1, kMaxConfigDim).Above("shift", c.shift, 0.0, 1e4);
+  return check.status();
+}
 
 double FlowMatchEulerScheduler::Shift(double sigma) const {
   return config_.shift * sigma / (1.0 + (config_.shift - 1.0) * sigma);

@@ -4,9 +4,13 @@
 #ifndef STOWAGE_MODELS_FLOW_MATCH_SCHEDULER_H_
 #define STOWAGE_MODELS_FLOW_MATCH_SCHEDULER_H_
 
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "google/protobuf/struct.pb.h"
 
 namespace stowage {
 
@@ -14,6 +18,16 @@ struct FlowMatchSchedulerConfig {
   int num_train_timesteps = 1000;
   double shift = 3.0;
 };
+
+// Reads num_train_timesteps and shift from a scheduler_config.json (absent fields keep
+// `defaults`') and validates them; `file` names it in errors.
+absl::StatusOr<FlowMatchSchedulerConfig> FlowMatchSchedulerConfigFromJson(
+    const google::protobuf::Struct& json, const FlowMatchSchedulerConfig& defaults,
+    const std::string& file = "scheduler/scheduler_config.json");
+
+// num_train_timesteps in [1, 2^20] (sigmas divide by it); shift finite in (0, 1e4] (the shift
+// formula divides by 1 + (shift - 1) * sigma, zero at shift 0 and sigma 1).
+absl::Status Validate(const FlowMatchSchedulerConfig& config, const std::string& file);
 
 class FlowMatchEulerScheduler {
  public:

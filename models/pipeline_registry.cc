@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
+#include "base/text.h"
 #include "models/diffusers_format.h"
 #include "models/tiny_pipeline.h"
 #include "models/zimage_pipeline.h"
@@ -91,11 +92,7 @@ absl::StatusOr<std::unique_ptr<Pipeline>> PipelineRegistry::LoadDirectory(
   }
   auto it = by_class_.find(field->second.string_value());
   if (it == by_class_.end()) {
-    std::string shown = field->second.string_value().substr(0, 64);
-    for (char& c : shown) {
-      if (c < 0x20 || c > 0x7e) c = '?';
-    }
-    return absl::InvalidArgumentError(absl::StrCat(index_path, ": _class_name '", shown,
+    return absl::InvalidArgumentError(absl::StrCat(index_path, ": _class_name '", Truncated(field->second.string_value()),
                                                    "' is not a pipeline this server knows; known: ",
                                                    absl::StrJoin(ClassNames(), ", ")));
   }

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
+#include "models/config_checks.h"
 #include "models/diffusers_format.h"
 #include "base/status_macros.h"
 
@@ -17,22 +18,44 @@ at::Tensor RotateHalf(const at::Tensor& x) {
 
 }  // namespace
 
-absl::StatusOr<Qwen3Config> Qwen3ConfigFromJson(const google::protobuf::Struct& json) {
+absl::StatusOr<Qwen3Config> Qwen3ConfigFromJson(const google::protobuf::Struct& json, const std::string& file) {
   Qwen3Config c;
-  ASSIGN_OR_RETURN(c.vocab_size, ConfigInt(json, "vocab_size", c.vocab_size));
-  ASSIGN_OR_RETURN(c.hidden_size, ConfigInt(json, "hidden_size", c.hidden_size));
-  ASSIGN_OR_RETURN(c.num_hidden_layers, ConfigInt(json, "num_hidden_layers", c.num_hidden_layers));
-  ASSIGN_OR_RETURN(c.num_attention_heads, ConfigInt(json, "num_attention_heads", c.num_attention_heads));
-  ASSIGN_OR_RETURN(c.num_key_value_heads, ConfigInt(json, "num_key_value_heads", c.num_key_value_heads));
-  ASSIGN_OR_RETURN(c.head_dim, ConfigInt(json, "head_dim", c.head_dim));
-  ASSIGN_OR_RETURN(c.intermediate_size, ConfigInt(json, "intermediate_size", c.intermediate_size));
-  ASSIGN_OR_RETURN(c.rms_norm_eps, ConfigDouble(json, "rms_norm_eps", c.rms_norm_eps));
-  ASSIGN_OR_RETURN(c.rope_theta, ConfigDouble(json, "rope_theta", c.rope_theta));
-  if (c.num_hidden_layers < 2) return absl::InvalidArgumentError("config: num_hidden_layers must be >= 2");
-  if (c.num_key_value_heads <= 0 || c.num_attention_heads % c.num_key_value_heads != 0) {
-    return absl::InvalidArgumentError("config: num_attention_heads must be a multiple of num_key_value_heads");
-  }
+  ASSIGN_OR_RETURN(c.vocab_size, ConfigInt(json, "vocab_size", c.vocab_size, file));
+  ASSIGN_OR_RETURN(c.hidden_size, ConfigInt(json, "hidden_size", c.hidden_size, file));
+  ASSIGN_OR_RETURN(c.num_hidden_layers, ConfigInt(json, "num_hidden_layers", c.num_hidden_layers, file));
+  ASSIGN_OR_RETURN(c.num_attention_heads, ConfigInt(json, "num_attention_heads", c.num_attention_heads, file));
+  ASSIGN_OR_RETURN(c.num_key_value_heads, ConfigInt(json, "num_key_value_heads", c.num_key_value_heads, file));
+  ASSIGN_OR_RETURN(c.head_dim, ConfigInt(json, "head_dim", c.head_dim, file));
+  ASSIGN_OR_RETURN(c.intermediate_size, ConfigInt(json, "intermediate_size", c.intermediate_size, file));
+  ASSIGN_OR_RETURN(c.rms_norm_eps, ConfigDouble(json, "rms_norm_eps", c.rms_norm_eps, file));
+  ASSIGN_OR_RETURN(c.rope_theta, ConfigDouble(json, "rope_theta", c.rope_theta, file));
+  RETURN_IF_ERROR(Validate(c, file));
   return c;
+}
+
+absl::Status Validate(const Qwen3Config& c, const std::string& file) {
+  ConfigCheck check(file);
+  check.Size("vocab_size", c.vocab_size)
+      .Size("hidden_size", c.hidden_size)
+      .Range("num_hidden_layers", c.num_hidden_layers, 2, kMaxConfigLayers)
+      .Size("num_attention_heads", c.num_attention_heads)
+      .Size("num_key_value_heads", c.num_key_value_heads)
+      .Divides("num_key_value_heads", c.num_key_value_heads, "num_attention_heads", c.num_attention_heads)
+      .Range("head_dim", c.head_dim, 2, kMaxConfigDim)
+      .Even("head_dim", c.head_dim)
+      .Size("intermediate_size", c.intermediate_size)
+      .Above("rms_norm_eps", c.rms_norm_eps, 0.0, 1.0)
+      .Above("rope_theta", c.rope_theta, 0.0, 1e12);
+  RETURN_IF_ERROR(check.status());
+  const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+  ParameterCount layer;
+  layer.Add({h, 2 * q + 2 * kv});  // q, o, k, v projections.
+  layer.Add({3, h, c.intermediate_size});
+  layer.Add({2, h + c.head_dim});  // Norms.
+  ParameterCount total;
+  total.Add({c.vocab_size, h});
+  total.AddTimes(c.num_hidden_layers - 1, layer);  // The last layer is not built.
+  return total.Check(file);
 }
 
 Qwen3DecoderLayer::Qwen3DecoderLayer(const Qwen3Config& c, const LayerOptions& o)

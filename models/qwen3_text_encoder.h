@@ -32,7 +32,16 @@ struct Qwen3Config {
   double rope_theta = 1e6;
 };
 
-absl::StatusOr<Qwen3Config> Qwen3ConfigFromJson(const google::protobuf::Struct& json);
+// Reads a transformers Qwen3 config.json and validates it; `file` names it in errors.
+absl::StatusOr<Qwen3Config> Qwen3ConfigFromJson(const google::protobuf::Struct& json,
+                                                const std::string& file = "text_encoder/config.json");
+
+// Checks what the encoder's code assumes (limits: config_checks.h): vocab_size, hidden_size,
+// intermediate_size, num_attention_heads and num_key_value_heads in [1, 2^20]; num_hidden_layers in
+// [2, 1024] (hidden_states[-2] needs two); num_key_value_heads dividing num_attention_heads;
+// head_dim even (rotate_half) in [2, 2^20]; rms_norm_eps in (0, 1]; rope_theta in (0, 1e12]; at most
+// 2^36 parameters.
+absl::Status Validate(const Qwen3Config& config, const std::string& file);
 
 // Weight-name prefixes of a full Qwen3Model checkpoint that the encoder does not use (the last layer,
 // the final norm, an LM head).

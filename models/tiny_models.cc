@@ -4,7 +4,124 @@
 
 #include <ATen/ATen.h>
 
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "models/byte_tokenizer.h"
+#include "models/config_checks.h"
+#include "models/diffusers_format.h"
+
 namespace stowage {
+
+// --- Configs ------------------------------------------------------------------------------------
+
+absl::StatusOr<TinyTextEncoderConfig> TinyTextEncoderConfigFromJson(const google::protobuf::Struct& json,
+                                                                    const TinyTextEncoderConfig& defaults,
+                                                                    const std::string& file) {
+  TinyTextEncoderConfig c = defaults;
+  ASSIGN_OR_RETURN(c.vocab_size, ConfigInt(json, "vocab_size", c.vocab_size, file));
+  ASSIGN_OR_RETURN(c.max_tokens, ConfigInt(json, "max_tokens", c.max_tokens, file));
+  ASSIGN_OR_RETURN(c.dim, ConfigInt(json, "dim", c.dim, file));
+  ASSIGN_OR_RETURN(c.heads, ConfigInt(json, "heads", c.heads, file));
+  ASSIGN_OR_RETURN(c.layers, ConfigInt(json, "layers", c.layers, file));
+  RETURN_IF_ERROR(Validate(c, file));
+  return c;
+}
+
+absl::Status Validate(const TinyTextEncoderConfig& c, const std::string& file) {
+  ConfigCheck check(file);
+  check.Range("vocab_size", c.vocab_size, ByteTokenizer::kVocabSize, kMaxConfigDim)
+      .Range("max_tokens", c.max_tokens, 3, 65536)
+      .Size("dim", c.dim)
+      .Size("heads", c.heads)
+      .Divides("heads", c.heads, "dim", c.dim)
+      .Range("layers", c.layers, 0, kMaxConfigLayers);
+  RETURN_IF_ERROR(check.status());
+  ParameterCount layer;
+  layer.Add({4 + 8, c.dim + 1, c.dim});  // Attention (4 d×d) and feed-forward (2 d×4d), biases.
+  layer.Add({4, c.dim});
+  ParameterCount total;
+  total.Add({c.vocab_size + c.max_tokens + 1, c.dim});
+  total.AddTimes(c.layers, layer);
+  return total.Check(file);
+}
+
+absl::StatusOr<TinyDiTConfig> TinyDiTConfigFromJson(const google::protobuf::Struct& json,
+                                                    const TinyDiTConfig& defaults, const std::string& file) {
+  TinyDiTConfig c = defaults;
+  ASSIGN_OR_RETURN(c.in_channels, ConfigInt(json, "in_channels", c.in_channels, file));
+  ASSIGN_OR_RETURN(c.patch_size, ConfigInt(json, "patch_size", c.patch_size, file));
+  ASSIGN_OR_RETURN(c.dim, ConfigInt(json, "dim", c.dim, file));
+  ASSIGN_OR_RETURN(c.heads, ConfigInt(json, "heads", c.heads, file));
+  ASSIGN_OR_RETURN(c.layers, ConfigInt(json, "layers", c.layers, file));
+  ASSIGN_OR_RETURN(c.text_dim, ConfigInt(json, "text_dim", c.text_dim, file));
+  ASSIGN_OR_RETURN(c.mlp_ratio, ConfigInt(json, "mlp_ratio", c.mlp_ratio, file));
+  ASSIGN_OR_RETURN(c.timestep_dim, ConfigInt(json, "timestep_dim", c.timestep_dim, file));
+  RETURN_IF_ERROR(Validate(c, file));
+  return c;
+}
+
+absl::Status Validate(const TinyDiTConfig& c, const std::string& file) {
+  ConfigCheck check(file);
+  check.Size("in_channels", c.in_channels)
+      .Range("patch_size", c.patch_size, 1, kMaxConfigPatch)
+      .Range("dim", c.dim, 4, kMaxConfigDim)
+      .Size("heads", c.heads)
+      .Divides("heads", c.heads, "dim", c.dim)
+      .Range("layers", c.layers, 0, kMaxConfigLayers)
+      .Size("text_dim", c.text_dim)
+      .Range("mlp_ratio", c.mlp_ratio, 1, 64)
+      .Range("timestep_dim", c.timestep_dim, 2, kMaxConfigDim)
+      .Even("timestep_dim", c.timestep_dim);
+  RETURN_IF_ERROR(check.status());
+  const int64_t d = c.dim, patch_dim = c.in_channels * c.patch_size * c.patch_size;
+  ParameterCount block;
+  block.Add({4, d + 1, d});                 // Attention.
+  block.Add({2, d + 1, c.mlp_ratio * d});   // Feed-forward.
+  block.Add({6, d + 1, d});                 // Modulation.
+  block.Add({4, d});                        // qk norms and slack.
+  ParameterCount total;
+  total.Add({2, patch_dim + 1, d});
+  total.Add({c.text_dim + c.timestep_dim + d + 3, d});
+  total.Add({3, d + 1, d});
+  total.AddTimes(c.layers, block);
+  return total.Check(file);
+}
+
+absl::StatusOr<TinyVaeDecoderConfig> TinyVaeDecoderConfigFromJson(const google::protobuf::Struct& json,
+                                                                  const TinyVaeDecoderConfig& defaults,
+                                                                  const std::string& file) {
+  TinyVaeDecoderConfig c = defaults;
+  ASSIGN_OR_RETURN(c.latent_channels, ConfigInt(json, "latent_channels", c.latent_channels, file));
+  ASSIGN_OR_RETURN(c.groups, ConfigInt(json, "groups", c.groups, file));
+  ASSIGN_OR_RETURN(c.scaling_factor, ConfigDouble(json, "scaling_factor", c.scaling_factor, file));
+  ASSIGN_OR_RETURN(c.shift_factor, ConfigDouble(json, "shift_factor", c.shift_factor, file));
+  ASSIGN_OR_RETURN(c.channels, ConfigIntList(json, "block_out_channels", c.channels, file));
+  RETURN_IF_ERROR(Validate(c, file));
+  return c;
+}
+
+absl::Status Validate(const TinyVaeDecoderConfig& c, const std::string& file) {
+  ConfigCheck check(file);
+  check.Size("latent_channels", c.latent_channels)
+      .Size("groups", c.groups)
+      .Range("block_out_channels (count)", static_cast<int64_t>(c.channels.size()), 2, 8)
+      .Above("scaling_factor", c.scaling_factor, 0.0, 1e6)
+      .Between("shift_factor", c.shift_factor, -1e6, 1e6);
+  for (size_t i = 0; i < c.channels.size() && check.ok(); ++i) {
+    const std::string field = absl::StrCat("block_out_channels[", i, "]");
+    check.Size(field, c.channels[i]).MultipleOf(field, c.channels[i], "groups", c.groups);
+  }
+  RETURN_IF_ERROR(check.status());
+  ParameterCount total;
+  total.Add({9 * c.latent_channels + 1, c.channels[0]});
+  total.Add({9 * 2 * c.channels[0] + 8, c.channels[0]});
+  for (size_t i = 1; i < c.channels.size(); ++i) {
+    total.Add({9 * (c.channels[i - 1] + 2 * c.channels[i]) + c.channels[i - 1] + 8, c.channels[i]});
+  }
+  total.Add({9 * c.channels.back() + 3, 3});
+  return total.Check(file);
+}
+
 namespace {
 
 // Sinusoidal embedding of a [B] timestep tensor into [B, dim] (cos half, then sin half).

@@ -7,9 +7,13 @@
 #define STOWAGE_MODELS_TINY_MODELS_H_
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
+#include "absl/status/statusor.h"
+#include "google/protobuf/struct.pb.h"
 #include "models/layers.h"
 
 namespace stowage {
@@ -21,6 +25,16 @@ struct TinyTextEncoderConfig {
   int64_t heads = 4;
   int64_t layers = 2;
 };
+
+// Config readers (a config.json written by SaveTinyPipeline; absent fields keep `defaults`') and
+// validators. Each reader validates; `file` names the file in errors. Limits: config_checks.h.
+// Text encoder: vocab_size in [259, 2^20] (the byte tokenizer's ids go to 258); max_tokens in
+// [3, 65536] (BOS, EOS and a byte); dim and heads in [1, 2^20], heads dividing dim; layers in
+// [0, 1024]; at most 2^36 parameters.
+absl::StatusOr<TinyTextEncoderConfig> TinyTextEncoderConfigFromJson(const google::protobuf::Struct& json,
+                                                                    const TinyTextEncoderConfig& defaults,
+                                                                    const std::string& file);
+absl::Status Validate(const TinyTextEncoderConfig& config, const std::string& file);
 
 class TinyTextEncoderLayer : public Module {
  public:
@@ -59,6 +73,13 @@ struct TinyDiTConfig {
   int64_t mlp_ratio = 4;
   int64_t timestep_dim = 256;
 };
+
+// in_channels, text_dim in [1, 2^20]; patch_size in [1, 64]; dim in [4, 2^20] (the 2-D position
+// embedding splits it in quarters); heads dividing dim; layers in [0, 1024]; mlp_ratio in [1, 64];
+// timestep_dim even in [2, 2^20] (cos and sin halves); at most 2^36 parameters.
+absl::StatusOr<TinyDiTConfig> TinyDiTConfigFromJson(const google::protobuf::Struct& json,
+                                                    const TinyDiTConfig& defaults, const std::string& file);
+absl::Status Validate(const TinyDiTConfig& config, const std::string& file);
 
 class DiTBlock : public Module {
  public:
@@ -103,6 +124,13 @@ struct TinyVaeDecoderConfig {
   double scaling_factor = 1.0;
   double shift_factor = 0.0;
 };
+
+// latent_channels, groups in [1, 2^20]; 2 to 8 block_out_channels, each in [1, 2^20] and a multiple
+// of groups; scaling_factor in (0, 1e6]; shift_factor in [-1e6, 1e6]; at most 2^36 parameters.
+absl::StatusOr<TinyVaeDecoderConfig> TinyVaeDecoderConfigFromJson(const google::protobuf::Struct& json,
+                                                                  const TinyVaeDecoderConfig& defaults,
+                                                                  const std::string& file);
+absl::Status Validate(const TinyVaeDecoderConfig& config, const std::string& file);
 
 class VaeUpBlock : public Module {
  public:

@@ -14,6 +14,8 @@
 #include "models/flow_match_scheduler.h"
 #include "models/weight_init.h"
 #include "base/status_macros.h"
+#include "base/text.h"
+#include "models/config_checks.h"
 
 namespace stowage {
 namespace {
@@ -70,11 +72,10 @@ class TinyPipeline : public Pipeline {
     std::vector<std::string> texts = {params.prompt};
     if (guided) texts.insert(texts.begin(), params.negative_prompt);  // [negative, positive]
     ASSIGN_OR_RETURN(TokenBatch tokens, tokenizer_.Encode(texts));
-    // Named tensors, not a structured binding: lambdas below capture them, which C++17 (and clang)
-    // allow only for variables.
-    const auto tensors = ToTensors(tokens, device);
-    const at::Tensor& ids = tensors.first;
-    const at::Tensor& mask = tensors.second;
+    // Not a structured binding: lambdas below capture these, which C++17 (clang) does not allow.
+    const std::pair<at::Tensor, at::Tensor> id_mask = ToTensors(tokens, device);
+    const at::Tensor& ids = id_mask.first;
+    const at::Tensor& mask = id_mask.second;
 
     context.BeginStage("encode_prompt");
     at::Tensor text;
@@ -135,6 +136,7 @@ template <typename T, typename Config>
 absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name,
                                                          const Config& config,
                                                          const TinyPipelineOptions& options) {
+  RETURN_IF_ERROR(Validate(config, absl::StrCat("built-in ", name, " config")));
   std::unique_ptr<Module> module;
   RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("building ", name), [&] {
     module = std::make_unique<T>(config, LayerOptions{options.dtype});
@@ -161,7 +163,7 @@ absl::Status ExpectClass(const google::protobuf::Struct& config, const std::stri
   auto it = config.fields().find("_class_name");
   const std::string got = it == config.fields().end() ? "" : it->second.string_value();
   if (got != expected) {
-    return absl::InvalidArgumentError(absl::StrCat("'", path, "': _class_name is '", got,
+    return absl::InvalidArgumentError(absl::StrCat("'", path, "': _class_name is '", Truncated(got),
                                                    "'; this loader builds '", expected, "'"));
   }
   return absl::OkStatus();
@@ -172,6 +174,7 @@ absl::StatusOr<std::unique_ptr<Component>> LoadComponent(const std::string& dir,
                                                          const Config& config,
                                                          const TinyPipelineOptions& options,
                                                          bool random_weights) {
+  RETURN_IF_ERROR(Validate(config, absl::StrCat(dir, "/", name, "/config.json")));
   std::unique_ptr<Module> module;
   RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("building ", name), [&] {
     module = std::make_unique<T>(config, LayerOptions{options.dtype});
@@ -185,10 +188,24 @@ absl::StatusOr<std::unique_ptr<Component>> LoadComponent(const std::string& dir,
   return Component::Create(name, std::move(module), options.dtype);
 }
 
+// Every component's config, then what the components assume of each other. `where` names the
+// transformer's config in cross-component errors.
+absl::Status ValidateTinyPipeline(const TinyPipelineOptions& options, const std::string& where) {
+  RETURN_IF_ERROR(Validate(options.text_encoder, "text_encoder config"));
+  RETURN_IF_ERROR(Validate(options.transformer, "transformer config"));
+  RETURN_IF_ERROR(Validate(options.vae, "vae config"));
+  RETURN_IF_ERROR(Validate(options.scheduler, "scheduler config"));
+  ConfigCheck check(where);
+  check.Equals("in_channels", options.transformer.in_channels, "the vae's latent_channels", options.vae.latent_channels)
+      .Equals("text_dim", options.transformer.text_dim, "the text encoder's dim", options.text_encoder.dim);
+  return check.status();
+}
+
 }  // namespace
 
 absl::Status SaveTinyPipeline(const TinyPipelineOptions& options, const std::string& dir,
                               int64_t max_shard_bytes) {
+  RETURN_IF_ERROR(ValidateTinyPipeline(options, "tiny pipeline transformer config"));
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
     return absl::PermissionDeniedError(absl::StrCat("cannot create '", dir, "'"));
   }
@@ -253,43 +270,23 @@ absl::StatusOr<std::unique_ptr<Pipeline>> LoadTinyPipeline(const std::string& di
   const std::string te_path = absl::StrCat(dir, "/text_encoder/config.json");
   ASSIGN_OR_RETURN(google::protobuf::Struct te, ReadJsonFile(te_path));
   RETURN_IF_ERROR(ExpectClass(te, "TinyTextEncoder", te_path));
-  ASSIGN_OR_RETURN(options.text_encoder.vocab_size, ConfigInt(te, "vocab_size", options.text_encoder.vocab_size));
-  ASSIGN_OR_RETURN(options.text_encoder.max_tokens, ConfigInt(te, "max_tokens", options.text_encoder.max_tokens));
-  ASSIGN_OR_RETURN(options.text_encoder.dim, ConfigInt(te, "dim", options.text_encoder.dim));
-  ASSIGN_OR_RETURN(options.text_encoder.heads, ConfigInt(te, "heads", options.text_encoder.heads));
-  ASSIGN_OR_RETURN(options.text_encoder.layers, ConfigInt(te, "layers", options.text_encoder.layers));
+  ASSIGN_OR_RETURN(options.text_encoder, TinyTextEncoderConfigFromJson(te, options.text_encoder, te_path));
   const std::string tr_path = absl::StrCat(dir, "/transformer/config.json");
   ASSIGN_OR_RETURN(google::protobuf::Struct tr, ReadJsonFile(tr_path));
   RETURN_IF_ERROR(ExpectClass(tr, "TinyDiT", tr_path));
-  TinyDiTConfig& t = options.transformer;
-  ASSIGN_OR_RETURN(t.in_channels, ConfigInt(tr, "in_channels", t.in_channels));
-  ASSIGN_OR_RETURN(t.patch_size, ConfigInt(tr, "patch_size", t.patch_size));
-  ASSIGN_OR_RETURN(t.dim, ConfigInt(tr, "dim", t.dim));
-  ASSIGN_OR_RETURN(t.heads, ConfigInt(tr, "heads", t.heads));
-  ASSIGN_OR_RETURN(t.layers, ConfigInt(tr, "layers", t.layers));
-  ASSIGN_OR_RETURN(t.text_dim, ConfigInt(tr, "text_dim", t.text_dim));
-  ASSIGN_OR_RETURN(t.mlp_ratio, ConfigInt(tr, "mlp_ratio", t.mlp_ratio));
-  ASSIGN_OR_RETURN(t.timestep_dim, ConfigInt(tr, "timestep_dim", t.timestep_dim));
+  ASSIGN_OR_RETURN(options.transformer, TinyDiTConfigFromJson(tr, options.transformer, tr_path));
   const std::string vae_path = absl::StrCat(dir, "/vae/config.json");
   ASSIGN_OR_RETURN(google::protobuf::Struct vae, ReadJsonFile(vae_path));
   RETURN_IF_ERROR(ExpectClass(vae, "TinyVaeDecoder", vae_path));
-  ASSIGN_OR_RETURN(options.vae.latent_channels, ConfigInt(vae, "latent_channels", options.vae.latent_channels));
-  ASSIGN_OR_RETURN(options.vae.groups, ConfigInt(vae, "groups", options.vae.groups));
-  ASSIGN_OR_RETURN(options.vae.scaling_factor, ConfigDouble(vae, "scaling_factor", options.vae.scaling_factor));
-  ASSIGN_OR_RETURN(options.vae.shift_factor, ConfigDouble(vae, "shift_factor", options.vae.shift_factor));
-  ASSIGN_OR_RETURN(options.vae.channels, ConfigIntList(vae, "block_out_channels", options.vae.channels));
-  if (options.vae.channels.size() < 2 || options.transformer.in_channels != options.vae.latent_channels ||
-      options.transformer.text_dim != options.text_encoder.dim) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "'", dir, "': inconsistent configs (transformer in_channels must equal vae latent_channels, "
-        "text_dim the text encoder's dim; the vae needs at least two block_out_channels)"));
-  }
-  auto scheduler = ReadJsonFile(absl::StrCat(dir, "/scheduler/scheduler_config.json"));
+  ASSIGN_OR_RETURN(options.vae, TinyVaeDecoderConfigFromJson(vae, options.vae, vae_path));
+  const std::string scheduler_path = absl::StrCat(dir, "/scheduler/scheduler_config.json");
+  auto scheduler = ReadJsonFile(scheduler_path);
   if (scheduler.ok()) {
-    ASSIGN_OR_RETURN(options.scheduler.num_train_timesteps,
-                     ConfigInt(*scheduler, "num_train_timesteps", options.scheduler.num_train_timesteps));
-    ASSIGN_OR_RETURN(options.scheduler.shift, ConfigDouble(*scheduler, "shift", options.scheduler.shift));
+    ASSIGN_OR_RETURN(options.scheduler, FlowMatchSchedulerConfigFromJson(*scheduler, options.scheduler, scheduler_path));
+  } else if (!absl::IsNotFound(scheduler.status())) {
+    return scheduler.status();  // Present but malformed: not silently the defaults.
   }
+  RETURN_IF_ERROR(ValidateTinyPipeline(options, tr_path));
   auto shared = [&](const std::string& name, const ComponentCache::Loader& load) {
     return LoadMaybeShared(
         cache, ComponentCacheKey(absl::StrCat(dir, "/", name), options.dtype, random_weights, options.weight_seed),
@@ -312,6 +309,7 @@ absl::StatusOr<std::unique_ptr<Pipeline>> CreateTinyPipeline(const TinyPipelineO
   if (options.dtype != at::kFloat && options.dtype != at::kBFloat16) {
     return absl::InvalidArgumentError("tiny pipeline dtype must be float32 or bfloat16");
   }
+  RETURN_IF_ERROR(ValidateTinyPipeline(options, "built-in tiny pipeline transformer config"));
   ASSIGN_OR_RETURN(auto text_encoder,
                    MakeComponent<TinyTextEncoder>("text_encoder", options.text_encoder, options));
   ASSIGN_OR_RETURN(auto transformer, MakeComponent<TinyDiT>("transformer", options.transformer, options));

@@ -6,6 +6,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "models/bpe_tokenizer.h"
+#include "models/config_checks.h"
+#include "models/flow_match_scheduler.h"
 #include "models/diffusers_format.h"
 #include "models/weight_init.h"
 #include "base/status_macros.h"
@@ -27,7 +29,10 @@ class ZImagePipeline : public Pipeline {
     limits_.default_height = static_cast<int>(options.default_size);
     limits_.min_size = 64;
     limits_.max_size = 2048;
-    limits_.size_multiple = static_cast<int>(static_cast<AutoencoderKLDecoder&>(vae_->module()).upscale() * 2);
+    // Latents are upscale() times smaller than the image and cut into patch_size patches.
+    limits_.size_multiple =
+        static_cast<int>(static_cast<AutoencoderKLDecoder&>(vae_->module()).upscale() *
+                         static_cast<ZImageTransformer&>(transformer_->module()).config().patch_size);
     limits_.default_steps = 8;
     limits_.max_steps = 100;
     limits_.default_guidance_scale = 0.0f;  // Turbo: no guidance.
@@ -126,12 +131,32 @@ class ZImagePipeline : public Pipeline {
   std::shared_ptr<Component> vae_;
 };
 
+// What the components assume of each other: the transformer reads the text encoder's features and
+// denoises the VAE's latents. `where` (the transformer's config) is named in errors.
+absl::Status ValidateComponents(const ZImageTransformerConfig& tc, const AutoencoderKLConfig& vc, const Qwen3Config& qc,
+                                const std::string& where) {
+  ConfigCheck check(where);
+  check.Equals("cap_feat_dim", tc.cap_feat_dim, "the text encoder's hidden_size", qc.hidden_size)
+      .Equals("in_channels", tc.in_channels, "the vae's latent_channels", vc.latent_channels);
+  return check.status();
+}
+
+absl::Status ValidateOptions(const ZImagePipelineOptions& options) {
+  ConfigCheck check("Z-Image pipeline options");
+  check.Above("scheduler shift", options.scheduler_shift, 0.0, 1e4)
+      .Range("max_sequence_length", options.max_sequence_length, 1, 1 << 16)
+      .Range("default_size", options.default_size, 64, 2048);
+  return check.status();
+}
+
 // Builds a module, then fills it from `dir` (or randomly), then wraps it as a component.
 template <typename T, typename Config>
 absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name, const Config& config,
                                                          at::ScalarType dtype, const std::string& dir,
                                                          bool random_weights, uint64_t seed,
                                                          const std::vector<std::string>& ignored) {
+  RETURN_IF_ERROR(Validate(config, dir.empty() ? absl::StrCat("built-in ", name, " config")
+                                               : absl::StrCat(dir, "/config.json")));
   std::unique_ptr<T> module;
   RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("building ", name), [&] {
     module = std::make_unique<T>(config, LayerOptions{dtype});
@@ -154,25 +179,38 @@ absl::StatusOr<std::unique_ptr<Pipeline>> LoadZImagePipeline(const std::string& 
   if (index.count("transformer") == 0 || index.at("transformer") != "ZImageTransformer2DModel") {
     return absl::InvalidArgumentError(absl::StrCat("'", dir, "/model_index.json': transformer is not a ZImageTransformer2DModel"));
   }
-  ASSIGN_OR_RETURN(google::protobuf::Struct tj, ReadJsonFile(absl::StrCat(dir, "/transformer/config.json")));
-  ASSIGN_OR_RETURN(ZImageTransformerConfig tc, ZImageTransformerConfigFromJson(tj));
-  ASSIGN_OR_RETURN(google::protobuf::Struct vj, ReadJsonFile(absl::StrCat(dir, "/vae/config.json")));
-  ASSIGN_OR_RETURN(AutoencoderKLConfig vc, AutoencoderKLConfigFromJson(vj));
-  ASSIGN_OR_RETURN(google::protobuf::Struct qj, ReadJsonFile(absl::StrCat(dir, "/text_encoder/config.json")));
-  ASSIGN_OR_RETURN(Qwen3Config qc, Qwen3ConfigFromJson(qj));
-  if (qc.hidden_size != tc.cap_feat_dim || vc.latent_channels != tc.in_channels) {
-    return absl::InvalidArgumentError(absl::StrCat("'", dir, "': text encoder hidden_size must equal the transformer's "
-                                                   "cap_feat_dim, and vae latent_channels its in_channels"));
-  }
-  auto scheduler = ReadJsonFile(absl::StrCat(dir, "/scheduler/scheduler_config.json"));
+  const std::string tpath = absl::StrCat(dir, "/transformer/config.json");
+  ASSIGN_OR_RETURN(google::protobuf::Struct tj, ReadJsonFile(tpath));
+  ASSIGN_OR_RETURN(ZImageTransformerConfig tc, ZImageTransformerConfigFromJson(tj, tpath));
+  const std::string vpath = absl::StrCat(dir, "/vae/config.json");
+  ASSIGN_OR_RETURN(google::protobuf::Struct vj, ReadJsonFile(vpath));
+  ASSIGN_OR_RETURN(AutoencoderKLConfig vc, AutoencoderKLConfigFromJson(vj, vpath));
+  const std::string qpath = absl::StrCat(dir, "/text_encoder/config.json");
+  ASSIGN_OR_RETURN(google::protobuf::Struct qj, ReadJsonFile(qpath));
+  ASSIGN_OR_RETURN(Qwen3Config qc, Qwen3ConfigFromJson(qj, qpath));
+  RETURN_IF_ERROR(ValidateComponents(tc, vc, qc, tpath));
+  const std::string spath = absl::StrCat(dir, "/scheduler/scheduler_config.json");
+  auto scheduler = ReadJsonFile(spath);
   if (scheduler.ok()) {
-    ASSIGN_OR_RETURN(options.scheduler_shift, ConfigDouble(*scheduler, "shift", options.scheduler_shift));
-    auto dynamic = scheduler->fields().find("use_dynamic_shifting");
-    if (dynamic != scheduler->fields().end() && dynamic->second.bool_value()) {
-      return absl::UnimplementedError("scheduler with use_dynamic_shifting is not supported");
+    FlowMatchSchedulerConfig defaults;
+    defaults.shift = options.scheduler_shift;
+    ASSIGN_OR_RETURN(FlowMatchSchedulerConfig sc, FlowMatchSchedulerConfigFromJson(*scheduler, defaults, spath));
+    options.scheduler_shift = sc.shift;
+    ASSIGN_OR_RETURN(const bool dynamic, ConfigBool(*scheduler, "use_dynamic_shifting", false, spath));
+    if (dynamic) {
+      return absl::UnimplementedError(absl::StrCat(spath, ": use_dynamic_shifting is not supported"));
     }
+  } else if (!absl::IsNotFound(scheduler.status())) {
+    return scheduler.status();  // Present but malformed: not silently the defaults.
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<BpeTokenizer> tokenizer, BpeTokenizer::Load(absl::StrCat(dir, "/tokenizer/tokenizer.json")));
+  RETURN_IF_ERROR(ValidateOptions(options));
+  const std::string tokenizer_path = absl::StrCat(dir, "/tokenizer/tokenizer.json");
+  ASSIGN_OR_RETURN(std::unique_ptr<BpeTokenizer> tokenizer, BpeTokenizer::Load(tokenizer_path));
+  if (tokenizer->max_id() >= qc.vocab_size) {
+    return absl::InvalidArgumentError(absl::StrCat(tokenizer_path, ": token id ", tokenizer->max_id(),
+                                                   " is outside the text encoder's vocab_size (", qc.vocab_size, ") in ",
+                                                   qpath));
+  }
   auto shared = [&](const std::string& name, const ComponentCache::Loader& load) {
     return LoadMaybeShared(
         cache, ComponentCacheKey(absl::StrCat(dir, "/", name), options.dtype, random_weights, options.weight_seed),
@@ -219,6 +257,8 @@ absl::StatusOr<std::unique_ptr<Pipeline>> CreateTinyZImagePipeline(const ZImageP
   vc.block_out_channels = {16, 32, 32, 32};
   vc.layers_per_block = 1;
   vc.norm_num_groups = 8;
+  RETURN_IF_ERROR(ValidateComponents(tc, vc, qc, "built-in zimage-tiny transformer config"));
+  RETURN_IF_ERROR(ValidateOptions(options));
   auto tokenizer = BpeTokenizer::ByteLevel({"<|endoftext|>", "<|im_start|>", "<|im_end|>"});
   if (tokenizer == nullptr) return absl::InternalError("built-in tokenizer failed to build");
   ASSIGN_OR_RETURN(auto text_encoder, MakeComponent<Qwen3TextEncoder>("text_encoder", qc, options.dtype, "", true,

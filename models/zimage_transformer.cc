@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include "absl/strings/str_cat.h"
+#include "models/config_checks.h"
 #include "models/diffusers_format.h"
 #include "base/status_macros.h"
 
@@ -37,40 +38,93 @@ at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& freqs) {
 
 }  // namespace
 
-absl::StatusOr<ZImageTransformerConfig> ZImageTransformerConfigFromJson(const google::protobuf::Struct& json) {
+absl::StatusOr<ZImageTransformerConfig> ZImageTransformerConfigFromJson(const google::protobuf::Struct& json,
+                                                                       const std::string& file) {
   ZImageTransformerConfig c;
-  ASSIGN_OR_RETURN(std::vector<int64_t> patch, ConfigIntList(json, "all_patch_size", {c.patch_size}));
-  ASSIGN_OR_RETURN(std::vector<int64_t> f_patch, ConfigIntList(json, "all_f_patch_size", {c.f_patch_size}));
-  if (patch.empty() || f_patch.empty()) return absl::InvalidArgumentError("all_patch_size is empty");
+  ASSIGN_OR_RETURN(std::vector<int64_t> patch, ConfigIntList(json, "all_patch_size", {c.patch_size}, file));
+  ASSIGN_OR_RETURN(std::vector<int64_t> f_patch, ConfigIntList(json, "all_f_patch_size", {c.f_patch_size}, file));
+  if (patch.empty()) return absl::InvalidArgumentError(absl::StrCat(file, ": all_patch_size is empty"));
+  if (f_patch.empty()) return absl::InvalidArgumentError(absl::StrCat(file, ": all_f_patch_size is empty"));
   c.patch_size = patch[0];
   c.f_patch_size = f_patch[0];
-  ASSIGN_OR_RETURN(c.in_channels, ConfigInt(json, "in_channels", c.in_channels));
-  ASSIGN_OR_RETURN(c.dim, ConfigInt(json, "dim", c.dim));
-  ASSIGN_OR_RETURN(c.n_layers, ConfigInt(json, "n_layers", c.n_layers));
-  ASSIGN_OR_RETURN(c.n_refiner_layers, ConfigInt(json, "n_refiner_layers", c.n_refiner_layers));
-  ASSIGN_OR_RETURN(c.n_heads, ConfigInt(json, "n_heads", c.n_heads));
-  ASSIGN_OR_RETURN(c.norm_eps, ConfigDouble(json, "norm_eps", c.norm_eps));
-  ASSIGN_OR_RETURN(c.cap_feat_dim, ConfigInt(json, "cap_feat_dim", c.cap_feat_dim));
-  ASSIGN_OR_RETURN(c.rope_theta, ConfigDouble(json, "rope_theta", c.rope_theta));
-  ASSIGN_OR_RETURN(c.t_scale, ConfigDouble(json, "t_scale", c.t_scale));
-  ASSIGN_OR_RETURN(c.axes_dims, ConfigIntList(json, "axes_dims", c.axes_dims));
-  ASSIGN_OR_RETURN(c.axes_lens, ConfigIntList(json, "axes_lens", c.axes_lens));
-  auto qk = json.fields().find("qk_norm");
-  if (qk != json.fields().end() && qk->second.has_bool_value()) c.qk_norm = qk->second.bool_value();
+  ASSIGN_OR_RETURN(c.in_channels, ConfigInt(json, "in_channels", c.in_channels, file));
+  ASSIGN_OR_RETURN(c.dim, ConfigInt(json, "dim", c.dim, file));
+  ASSIGN_OR_RETURN(c.n_layers, ConfigInt(json, "n_layers", c.n_layers, file));
+  ASSIGN_OR_RETURN(c.n_refiner_layers, ConfigInt(json, "n_refiner_layers", c.n_refiner_layers, file));
+  ASSIGN_OR_RETURN(c.n_heads, ConfigInt(json, "n_heads", c.n_heads, file));
+  // The attention here has as many key/value heads as query heads (as diffusers' does).
+  ASSIGN_OR_RETURN(const int64_t n_kv_heads, ConfigInt(json, "n_kv_heads", c.n_heads, file));
+  ASSIGN_OR_RETURN(c.norm_eps, ConfigDouble(json, "norm_eps", c.norm_eps, file));
+  ASSIGN_OR_RETURN(c.cap_feat_dim, ConfigInt(json, "cap_feat_dim", c.cap_feat_dim, file));
+  ASSIGN_OR_RETURN(c.rope_theta, ConfigDouble(json, "rope_theta", c.rope_theta, file));
+  ASSIGN_OR_RETURN(c.t_scale, ConfigDouble(json, "t_scale", c.t_scale, file));
+  ASSIGN_OR_RETURN(c.axes_dims, ConfigIntList(json, "axes_dims", c.axes_dims, file));
+  ASSIGN_OR_RETURN(c.axes_lens, ConfigIntList(json, "axes_lens", c.axes_lens, file));
+  ASSIGN_OR_RETURN(c.qk_norm, ConfigBool(json, "qk_norm", c.qk_norm, file));
   auto siglip = json.fields().find("siglip_feat_dim");
   if (siglip != json.fields().end() && !siglip->second.has_null_value()) {
-    return absl::UnimplementedError("ZImageTransformer2DModel with siglip_feat_dim (omni mode) is not supported");
+    return absl::UnimplementedError(absl::StrCat(file, ": ZImageTransformer2DModel with siglip_feat_dim (omni mode) "
+                                                 "is not supported"));
   }
-  if (c.n_heads <= 0 || c.dim % c.n_heads != 0) {
-    return absl::InvalidArgumentError("config: dim must be a positive multiple of n_heads");
-  }
-  int64_t axes = 0;
-  for (int64_t d : c.axes_dims) axes += d;
-  if (c.axes_dims.size() != 3 || c.axes_lens.size() != 3 || axes != c.head_dim()) {
-    return absl::InvalidArgumentError(absl::StrCat("config: axes_dims must be three values summing to the head dim (",
-                                                   c.head_dim(), ") and axes_lens three values"));
-  }
+  RETURN_IF_ERROR(Validate(c, file));
+  ConfigCheck check(file);
+  check.Equals("n_kv_heads", n_kv_heads, "n_heads", c.n_heads);
+  RETURN_IF_ERROR(check.status());
   return c;
+}
+
+absl::Status Validate(const ZImageTransformerConfig& c, const std::string& file) {
+  ConfigCheck check(file);
+  check.Range("all_patch_size[0]", c.patch_size, 1, kMaxConfigPatch)
+      .Range("all_f_patch_size[0]", c.f_patch_size, 1, 1)
+      .Size("in_channels", c.in_channels)
+      .Size("dim", c.dim)
+      .Size("n_heads", c.n_heads)
+      .Divides("n_heads", c.n_heads, "dim", c.dim)
+      .Range("n_layers", c.n_layers, 1, kMaxConfigLayers)
+      .Range("n_refiner_layers", c.n_refiner_layers, 0, kMaxConfigLayers)
+      .Size("cap_feat_dim", c.cap_feat_dim)
+      .Above("norm_eps", c.norm_eps, 0.0, 1.0)
+      .Above("rope_theta", c.rope_theta, 0.0, 1e12)
+      .Above("t_scale", c.t_scale, 0.0, 1e6)
+      .Require(c.axes_dims.size() == 3, "axes_dims", absl::StrCat("has ", c.axes_dims.size(), " entries; must have 3"))
+      .Require(c.axes_lens.size() == 3, "axes_lens", absl::StrCat("has ", c.axes_lens.size(), " entries; must have 3"));
+  RETURN_IF_ERROR(check.status());
+  int64_t axes_sum = 0;
+  ParameterCount rope;
+  for (size_t i = 0; i < 3; ++i) {
+    // RoPE rotates pairs of channels: each axis needs an even, non-zero share of the head dim.
+    const std::string dim_field = absl::StrCat("axes_dims[", i, "]");
+    check.Range(dim_field, c.axes_dims[i], 2, kMaxConfigDim).Even(dim_field, c.axes_dims[i]);
+    check.Size(absl::StrCat("axes_lens[", i, "]"), c.axes_lens[i]);
+    if (!check.ok()) break;
+    axes_sum += c.axes_dims[i];
+    rope.Add({c.axes_lens[i], c.axes_dims[i]});  // Complex [len, d / 2]: d floats per row.
+  }
+  check.Equals("sum of axes_dims", axes_sum, "the head dim dim / n_heads", c.dim / c.n_heads);
+  RETURN_IF_ERROR(check.status());
+
+  const int64_t d = c.dim, hd = c.head_dim(), ada = c.adaln_dim(), ffn = c.ffn_hidden();
+  const int64_t patch_dim = c.f_patch_size * c.patch_size * c.patch_size * c.in_channels;
+  ParameterCount block;
+  block.Add({4, d, d});                // to_q, to_k, to_v, to_out.
+  if (c.qk_norm) block.Add({2, hd});
+  block.Add({3, d, ffn});              // w1, w2, w3.
+  block.Add({4, d});                   // Four norms.
+  ParameterCount modulation;
+  modulation.Add({ada + 1, 4, d});     // adaLN_modulation (weight and bias).
+  ParameterCount total;
+  total.Add({patch_dim + 1, d});       // x_embedder.
+  total.Add({d + 1, patch_dim});       // final linear.
+  total.Add({ada + 1, d});             // final modulation.
+  total.Add({257, 1024});              // t_embedder.
+  total.Add({1025, ada});
+  total.Add({c.cap_feat_dim + 1, d + 1});  // cap_embedder norm and linear (over-counted by one).
+  total.Add({2, d});                   // Pad tokens.
+  total.AddTimes(c.n_layers + 2 * c.n_refiner_layers, block);
+  total.AddTimes(c.n_layers + c.n_refiner_layers, modulation);
+  total.AddTimes(1, rope);
+  return total.Check(file);
 }
 
 ZImageAttention::ZImageAttention(const ZImageTransformerConfig& c, const LayerOptions& o)

@@ -11,6 +11,7 @@
 #define STOWAGE_MODELS_ZIMAGE_TRANSFORMER_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -42,8 +43,18 @@ struct ZImageTransformerConfig {
   int64_t ffn_hidden() const { return static_cast<int64_t>(static_cast<double>(dim) / 3.0 * 8.0); }
 };
 
-// Reads a diffusers transformer config.json (all_patch_size/all_f_patch_size take the first entry).
-absl::StatusOr<ZImageTransformerConfig> ZImageTransformerConfigFromJson(const google::protobuf::Struct& json);
+// Reads a diffusers transformer config.json (all_patch_size/all_f_patch_size take the first entry)
+// and validates it (Validate below); `file` names it in errors.
+absl::StatusOr<ZImageTransformerConfig> ZImageTransformerConfigFromJson(const google::protobuf::Struct& json,
+                                                                       const std::string& file = "transformer/config.json");
+
+// Checks everything the model's code assumes, before any tensor is built (limits: config_checks.h):
+// sizes in [1, 2^20] (in_channels, dim, n_heads, cap_feat_dim, axes_lens), n_layers in [1, 1024],
+// n_refiner_layers in [0, 1024], patch_size in [1, 64], f_patch_size 1 (images are one frame),
+// n_heads dividing dim, three axes_dims (each even, >= 2) summing to the head dim, three axes_lens,
+// norm_eps in (0, 1], rope_theta in (0, 1e12], t_scale in (0, 1e6], and at most 2^36 parameters
+// (RoPE tables included). INVALID_ARGUMENT "<file>: <field> is <value>; must be ...".
+absl::Status Validate(const ZImageTransformerConfig& config, const std::string& file);
 
 class ZImageAttention : public Module {
  public:

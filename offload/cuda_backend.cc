@@ -8,6 +8,7 @@
 #include "base/status_macros.h"
 
 #ifdef STOWAGE_WITH_CUDA
+#include <algorithm>
 #include <atomic>
 
 #include <ATen/Functions.h>
@@ -54,6 +55,12 @@ class CudaBackend : public DeviceBackend {
     (void)at::empty({1}, at::TensorOptions().dtype(at::kByte).device(device_));
     if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
       total_bytes_ = static_cast<int64_t>(total_bytes);
+      // What this process holds outside the caching allocator: the context, module images and
+      // libraries' own allocations (taken as the device's used memory less the allocator's
+      // segments, so other processes on the card count too: start the server before others).
+      const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
+      context_bytes_ = std::max<int64_t>(
+          0, static_cast<int64_t>(total_bytes - free_bytes) - stats.reserved_bytes[0].current);
     }
   }
 
@@ -136,6 +143,8 @@ class CudaBackend : public DeviceBackend {
     out.allocated_bytes = stats.allocated_bytes[0].current;
     out.peak_allocated_bytes = stats.allocated_bytes[0].peak;
     out.reserved_bytes = stats.reserved_bytes[0].current;
+    out.peak_reserved_bytes = stats.reserved_bytes[0].peak;
+    out.context_bytes = context_bytes_;
     out.budget_bytes = budget_bytes_ > 0 ? budget_bytes_ : total_bytes_;
     out.host_to_device_bytes = h2d_.load();
     out.device_to_host_bytes = d2h_.load();
@@ -150,8 +159,13 @@ class CudaBackend : public DeviceBackend {
       return absl::InvalidArgumentError(absl::StrCat("memory budget ", bytes, " exceeds ", name(),
                                                      "'s ", total_bytes_, " bytes"));
     }
+    if (bytes > 0 && bytes <= context_bytes_) {
+      return absl::InvalidArgumentError(absl::StrCat("memory budget ", bytes, " does not hold ", name(),
+                                                     "'s context of ", context_bytes_, " bytes"));
+    }
+    // The allocator's segments may take what the context leaves of the budget.
     const double fraction =
-        bytes == 0 ? 1.0 : static_cast<double>(bytes) / static_cast<double>(total_bytes_);
+        bytes == 0 ? 1.0 : static_cast<double>(bytes - context_bytes_) / static_cast<double>(total_bytes_);
     c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device_.index());
     budget_bytes_ = bytes;
     return absl::OkStatus();
@@ -164,6 +178,7 @@ class CudaBackend : public DeviceBackend {
   c10::cuda::CUDAStream copy_stream_;
   int64_t total_bytes_ = 0;
   int64_t budget_bytes_ = 0;
+  int64_t context_bytes_ = 0;
   std::atomic<int64_t> h2d_{0};
   std::atomic<int64_t> d2h_{0};
 };

@@ -26,13 +26,28 @@
 
 namespace stowage {
 
+// Device memory as the allocator and as the GPU see it. The process holds reserved_bytes (the
+// allocator's segments: live allocations and cached free blocks) plus context_bytes (the CUDA
+// context, kernels and library workspaces outside the allocator) — what nvidia-smi shows. The
+// budget covers both: what new allocations may still take is budget − context − allocated
+// (cached blocks are reused before new segments are reserved).
 struct DeviceMemoryStats {
   int64_t allocated_bytes = 0;       // Bytes of live device allocations.
   int64_t peak_allocated_bytes = 0;  // Peak of allocated_bytes since the last ResetPeakStats().
   int64_t reserved_bytes = 0;        // Held by the allocator (CUDA: cached segments).
+  int64_t peak_reserved_bytes = 0;   // Peak of reserved_bytes since the last ResetPeakStats().
+  int64_t context_bytes = 0;         // Held outside the allocator (measured when the backend starts).
   int64_t budget_bytes = 0;          // Usable device memory: the budget, or the card's size.
   int64_t host_to_device_bytes = 0;  // Cumulative bytes copied host to device.
   int64_t device_to_host_bytes = 0;  // Cumulative bytes copied device to host.
+
+  // What the process holds on the device now and at its peak, as the GPU sees it.
+  int64_t process_bytes() const { return reserved_bytes + context_bytes; }
+  int64_t peak_process_bytes() const { return peak_reserved_bytes + context_bytes; }
+  // Room for new allocations within the budget; INT64_MAX without one.
+  int64_t free_bytes() const {
+    return budget_bytes <= 0 ? INT64_MAX : budget_bytes - context_bytes - allocated_bytes;
+  }
 };
 
 // A point in one stream's work. Opaque; created by the backend that records it.
@@ -82,8 +97,10 @@ class DeviceBackend {
 
   virtual DeviceMemoryStats GetMemoryStats() = 0;
   virtual void ResetPeakStats() = 0;
-  // Usable device memory for this server: 0 restores the whole device. On CUDA this sets the
-  // caching allocator's memory fraction, so allocations beyond it fail as out-of-memory.
+  // Usable device memory for this server, context included: 0 restores the whole device. On CUDA
+  // this sets the caching allocator's memory fraction to (budget − context) / device size, so the
+  // allocator's segments plus the context stay within it and allocations beyond fail as
+  // out-of-memory. INVALID_ARGUMENT when the budget does not even hold the context.
   virtual absl::Status SetMemoryBudget(int64_t bytes) = 0;
   // Returns cached but unused device memory to the driver (CUDA); no-op elsewhere.
   virtual void ReleaseCachedMemory() = 0;
@@ -101,6 +118,8 @@ struct SimulatedBackendOptions {
   // True emulates a host that refuses to page-lock memory (RegisterHostMemory fails, as cudaHostRegister
   // does under a low RLIMIT_MEMLOCK).
   bool refuse_host_registration = false;
+  // Device memory held outside the pool, as a CUDA context is: counted against the budget.
+  int64_t context_bytes = 0;
 };
 
 std::unique_ptr<DeviceBackend> CreateSimulatedBackend(const SimulatedBackendOptions& options);

@@ -5,17 +5,23 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <atomic>
 #include <map>
+#include <tuple>
 
 #include <ATen/Functions.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "base/json_limits.h"
+#include "base/status_macros.h"
+#include "base/text.h"
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 
@@ -31,7 +37,7 @@ absl::StatusOr<at::ScalarType> SafetensorsDtype(const std::string& name) {
   if (name == "U8") return at::kByte;
   if (name == "I8") return at::kChar;
   if (name == "BOOL") return at::kBool;
-  return absl::InvalidArgumentError(absl::StrCat("unsupported safetensors dtype '", name, "'"));
+  return absl::InvalidArgumentError(absl::StrCat("unsupported safetensors dtype '", Truncated(name, 16), "'"));
 }
 
 std::string SafetensorsDtypeName(at::ScalarType dtype) {
@@ -240,6 +246,128 @@ int64_t MtimeNs(const struct stat& st) {
 
 }  // namespace
 
+namespace {
+
+// Largest integer a JSON number (an IEEE double) holds exactly.
+constexpr double kMaxExactInteger = 9007199254740992.0;  // 2^53
+
+// A JSON number that is an integer in [0, 2^53] (rejects strings, fractions, negatives, NaN, inf).
+bool AsIndex(const google::protobuf::Value& value, int64_t* out) {
+  if (!value.has_number_value()) return false;
+  const double d = value.number_value();
+  if (!(d >= 0.0 && d <= kMaxExactInteger) || d != std::floor(d)) return false;
+  *out = static_cast<int64_t>(d);
+  return true;
+}
+
+}  // namespace
+
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json, int64_t data_bytes,
+                                                         absl::string_view what) {
+  auto bad = [&](absl::string_view why) { return absl::InvalidArgumentError(absl::StrCat(what, ": ", why)); };
+  // Linear pre-scan first: protobuf's parser is quadratic in the nesting depth.
+  RETURN_IF_ERROR(CheckJsonLimits(json, kSafetensorsHeaderLimits, absl::StrCat(what, ": header")));
+  google::protobuf::Struct header;
+  // Protobuf's error text quotes the input: say only that it failed.
+  if (!google::protobuf::util::JsonStringToMessage(std::string(json), &header).ok()) {
+    return bad("header is not a valid JSON object");
+  }
+  if (static_cast<int64_t>(header.fields_size()) > kMaxSafetensorsTensors + 1) {
+    return bad(absl::StrCat("header lists ", header.fields_size(), " entries; at most ", kMaxSafetensorsTensors,
+                            " tensors are accepted"));
+  }
+  SafetensorsHeader out;
+  std::vector<std::tuple<int64_t, int64_t, const std::string*>> spans;
+  for (const auto& [name, value] : header.fields()) {
+    const std::string shown = absl::StrCat("tensor '", Truncated(name), "'");
+    if (name == "__metadata__") {
+      if (!value.has_struct_value()) return bad("__metadata__ is not an object");
+      for (const auto& [k, v] : value.struct_value().fields()) {
+        if (!v.has_string_value()) {
+          return bad(absl::StrCat("__metadata__ entry '", Truncated(k), "' is not a string"));
+        }
+        out.metadata[k] = v.string_value();
+      }
+      continue;
+    }
+    if (!value.has_struct_value()) return bad(absl::StrCat(shown, " is not an object"));
+    const auto& fields = value.struct_value().fields();
+    auto dtype_it = fields.find("dtype");
+    auto shape_it = fields.find("shape");
+    auto offsets_it = fields.find("data_offsets");
+    if (dtype_it == fields.end() || shape_it == fields.end() || offsets_it == fields.end()) {
+      return bad(absl::StrCat(shown, " lacks dtype, shape or data_offsets"));
+    }
+    SafetensorsTensorInfo info;
+    if (!dtype_it->second.has_string_value()) return bad(absl::StrCat(shown, ": dtype is not a string"));
+    auto dtype = SafetensorsDtype(dtype_it->second.string_value());
+    if (!dtype.ok()) return bad(absl::StrCat(shown, ": ", dtype.status().message()));
+    info.dtype = *dtype;
+    if (!shape_it->second.has_list_value()) return bad(absl::StrCat(shown, ": shape is not a list"));
+    const auto& dims = shape_it->second.list_value().values();
+    if (dims.size() > kMaxSafetensorsRank) {
+      return bad(absl::StrCat(shown, " has rank ", dims.size(), "; at most ", kMaxSafetensorsRank, " is accepted"));
+    }
+    int64_t bytes = static_cast<int64_t>(c10::elementSize(info.dtype));
+    bool overflow = false;
+    for (int i = 0; i < dims.size(); ++i) {  // dims.size() <= kMaxSafetensorsRank.
+      int64_t d = 0;
+      if (!AsIndex(dims[i], &d)) {
+        return bad(absl::StrCat(shown, ": shape[", i, "] is not an integer in [0, 2^53]"));
+      }
+      info.shape.push_back(d);
+      overflow = overflow || __builtin_mul_overflow(bytes, d, &bytes);
+    }
+    // A zero dimension makes any other dimension harmless; only then may the product overflow.
+    if (overflow && std::find(info.shape.begin(), info.shape.end(), 0) == info.shape.end()) {
+      return bad(absl::StrCat(shown, ": its shape's byte size overflows 64 bits"));
+    }
+    if (overflow) bytes = 0;
+    if (!offsets_it->second.has_list_value() || offsets_it->second.list_value().values_size() != 2) {
+      return bad(absl::StrCat(shown, " needs two data_offsets"));
+    }
+    const auto& offsets = offsets_it->second.list_value().values();
+    if (!AsIndex(offsets[0], &info.begin) || !AsIndex(offsets[1], &info.end)) {
+      return bad(absl::StrCat(shown, ": data_offsets are not integers in [0, 2^53]"));
+    }
+    if (info.end < info.begin || info.end > data_bytes) {
+      return bad(absl::StrCat(shown, " bytes [", info.begin, ", ", info.end, ") lie outside the data section of ",
+                              data_bytes, " bytes (truncated?)"));
+    }
+    if (info.end - info.begin != bytes) {
+      return bad(absl::StrCat(shown, " holds ", info.end - info.begin, " bytes but its dtype ",
+                              SafetensorsDtypeName(info.dtype), " and shape need ", bytes));
+    }
+    if (info.end > info.begin) spans.emplace_back(info.begin, info.end, &name);
+    out.tensors.emplace(name, std::move(info));
+  }
+  // Overlapping byte spans would alias two tensors: refused (empty tensors overlap nothing).
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (std::get<0>(spans[i]) < std::get<1>(spans[i - 1])) {
+      return bad(absl::StrCat("tensor '", Truncated(*std::get<2>(spans[i])), "' bytes [", std::get<0>(spans[i]), ", ",
+                              std::get<1>(spans[i]), ") overlap tensor '", Truncated(*std::get<2>(spans[i - 1])), "'"));
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsBytes(absl::string_view bytes, absl::string_view what) {
+  auto bad = [&](absl::string_view why) { return absl::InvalidArgumentError(absl::StrCat(what, ": ", why)); };
+  if (bytes.size() < 8) return bad("shorter than its 8-byte header length (truncated?)");
+  uint64_t header_len = 0;
+  for (int i = 0; i < 8; ++i) header_len |= static_cast<uint64_t>(static_cast<uint8_t>(bytes[i])) << (8 * i);
+  if (header_len > static_cast<uint64_t>(kSafetensorsHeaderLimits.max_bytes)) {
+    return bad(absl::StrCat("header of ", header_len, " bytes exceeds the limit of ",
+                            kSafetensorsHeaderLimits.max_bytes, " bytes"));
+  }
+  if (header_len > bytes.size() - 8) {
+    return bad(absl::StrCat("header of ", header_len, " bytes exceeds the file (truncated?)"));
+  }
+  return ParseSafetensorsHeader(bytes.substr(8, header_len), static_cast<int64_t>(bytes.size() - 8 - header_len),
+                                what);
+}
+
 absl::StatusOr<std::shared_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
@@ -249,12 +377,10 @@ absl::StatusOr<std::shared_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     return absl::InternalError(absl::StrCat("cannot stat '", path, "'"));
   }
   const int64_t size = st.st_size;
-  auto bad = [&](const std::string& why) {
-    return absl::InvalidArgumentError(absl::StrCat("safetensors file '", path, "': ", why));
-  };
+  const std::string what = absl::StrCat("safetensors file '", path, "'");
   if (size < 8) {
     ::close(fd);
-    return bad("shorter than its 8-byte header length (truncated?)");
+    return absl::InvalidArgumentError(absl::StrCat(what, ": shorter than its 8-byte header length (truncated?)"));
   }
   InstallSigbusHandlerOnce();
   void* mapping = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0);
@@ -276,56 +402,14 @@ absl::StatusOr<std::shared_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     file->guard_slot_ = GuardRange(begin, begin + static_cast<uintptr_t>(size));
   }
   const auto* bytes = static_cast<const uint8_t*>(mapping);
+  ASSIGN_OR_RETURN(SafetensorsHeader header,
+                   ParseSafetensorsBytes(absl::string_view(reinterpret_cast<const char*>(bytes), size), what));
   uint64_t header_len = 0;
   for (int i = 0; i < 8; ++i) header_len |= static_cast<uint64_t>(bytes[i]) << (8 * i);
-  if (header_len > static_cast<uint64_t>(size - 8)) {
-    return bad(absl::StrCat("header of ", header_len, " bytes exceeds the file (truncated?)"));
-  }
   file->data_ = bytes + 8 + header_len;
   file->data_bytes_ = size - 8 - static_cast<int64_t>(header_len);
-  google::protobuf::Struct header;
-  const std::string json(reinterpret_cast<const char*>(bytes + 8), header_len);
-  if (!google::protobuf::util::JsonStringToMessage(json, &header).ok()) {
-    return bad("header is not valid JSON");
-  }
-  for (const auto& [name, value] : header.fields()) {
-    if (name == "__metadata__") {
-      for (const auto& [k, v] : value.struct_value().fields()) file->metadata_[k] = v.string_value();
-      continue;
-    }
-    const auto& fields = value.struct_value().fields();
-    auto dtype_it = fields.find("dtype");
-    auto shape_it = fields.find("shape");
-    auto offsets_it = fields.find("data_offsets");
-    if (dtype_it == fields.end() || shape_it == fields.end() || offsets_it == fields.end()) {
-      return bad(absl::StrCat("tensor '", name, "' lacks dtype, shape or data_offsets"));
-    }
-    TensorInfo info;
-    auto dtype = SafetensorsDtype(dtype_it->second.string_value());
-    if (!dtype.ok()) return bad(absl::StrCat("tensor '", name, "': ", dtype.status().message()));
-    info.dtype = *dtype;
-    int64_t numel = 1;
-    for (const auto& d : shape_it->second.list_value().values()) {
-      if (d.number_value() < 0) return bad(absl::StrCat("tensor '", name, "' has a negative dimension"));
-      info.shape.push_back(static_cast<int64_t>(d.number_value()));
-      numel *= info.shape.back();
-    }
-    const auto& offsets = offsets_it->second.list_value().values();
-    if (offsets.size() != 2) return bad(absl::StrCat("tensor '", name, "' needs two data_offsets"));
-    info.begin = static_cast<int64_t>(offsets[0].number_value());
-    info.end = static_cast<int64_t>(offsets[1].number_value());
-    if (info.begin < 0 || info.end < info.begin || info.end > file->data_bytes_) {
-      return bad(absl::StrCat("tensor '", name, "' bytes [", info.begin, ", ", info.end,
-                              ") lie outside the data section of ", file->data_bytes_,
-                              " bytes (truncated?)"));
-    }
-    const int64_t expected = numel * static_cast<int64_t>(c10::elementSize(info.dtype));
-    if (info.end - info.begin != expected) {
-      return bad(absl::StrCat("tensor '", name, "' holds ", info.end - info.begin,
-                              " bytes but its dtype and shape need ", expected));
-    }
-    file->tensors_.emplace(name, std::move(info));
-  }
+  file->tensors_ = std::move(header.tensors);
+  file->metadata_ = std::move(header.metadata);
   return file;
 }
 
@@ -407,7 +491,7 @@ std::vector<std::shared_ptr<const SafetensorsFile>> MappedFilesContaining(
 absl::StatusOr<at::Tensor> SafetensorsFile::Get(const std::string& name) {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) {
-    return absl::NotFoundError(absl::StrCat("tensor '", name, "' not in '", path_, "'"));
+    return absl::NotFoundError(absl::StrCat("tensor '", Truncated(name), "' not in '", path_, "'"));
   }
   std::shared_ptr<SafetensorsFile> keep = self_.lock();
   const TensorInfo& info = it->second;

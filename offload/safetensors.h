@@ -20,6 +20,15 @@
 // The handler chains to the previous SIGBUS disposition for every other address. At most
 // kMaxGuardedMappings mappings are guarded at a time (beyond that, Open warns once and a fault
 // there is fatal as before).
+//
+// Untrusted input: the header is checked completely before anything is trusted, in time linear in
+// its size. Limits (kSafetensorsHeaderLimits in base/json_limits.h and below): header at most
+// 100,000,000 bytes (the reference implementation's cap), JSON nesting at most 8 deep (real headers
+// nest 3), at most kMaxSafetensorsTensors tensors of rank at most kMaxSafetensorsRank. Every shape
+// dimension and offset must be a JSON number that is an integer in [0, 2^53]; dtype size × shape
+// must equal the tensor's byte span (computed with overflow checks); spans lie inside the data
+// section and do not overlap. Every violation is INVALID_ARGUMENT naming the file and the tensor
+// (cut to a short prefix by Truncated(), base/text.h), never quoting the header's JSON.
 #ifndef STOWAGE_OFFLOAD_SAFETENSORS_H_
 #define STOWAGE_OFFLOAD_SAFETENSORS_H_
 
@@ -33,8 +42,33 @@
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace stowage {
+
+inline constexpr int64_t kMaxSafetensorsTensors = int64_t{1} << 20;
+inline constexpr int64_t kMaxSafetensorsRank = 16;
+
+struct SafetensorsTensorInfo {
+  at::ScalarType dtype;
+  std::vector<int64_t> shape;
+  int64_t begin = 0;  // Byte offsets within the data section.
+  int64_t end = 0;
+};
+
+// A parsed and validated header.
+struct SafetensorsHeader {
+  std::map<std::string, SafetensorsTensorInfo> tensors;
+  std::map<std::string, std::string> metadata;
+};
+
+// Parses and validates the header JSON `json` of a file whose data section holds `data_bytes` bytes.
+// `what` names the source in errors (e.g. "safetensors file '<path>'").
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json, int64_t data_bytes,
+                                                         absl::string_view what);
+// The same for a whole file image in memory (8-byte length, header, data): the entry point of the
+// fuzz target, and what Open runs on its mapping.
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsBytes(absl::string_view bytes, absl::string_view what);
 
 // Writes `tensors` (CPU, any layout; written contiguous) to `path` atomically (temp file + rename).
 absl::Status WriteSafetensors(const std::string& path,
@@ -43,15 +77,10 @@ absl::Status WriteSafetensors(const std::string& path,
 
 class SafetensorsFile {
  public:
-  struct TensorInfo {
-    at::ScalarType dtype;
-    std::vector<int64_t> shape;
-    int64_t begin = 0;  // Byte offsets within the data section.
-    int64_t end = 0;
-  };
+  using TensorInfo = SafetensorsTensorInfo;
 
-  // Maps and validates the file: header size, JSON, dtypes, shapes against byte ranges, ranges
-  // inside the file. Errors name the file and the tensor.
+  // Maps and validates the file (ParseSafetensorsBytes): header size, JSON, dtypes, shapes against
+  // byte ranges, ranges inside the file. Errors name the file and the tensor.
   static absl::StatusOr<std::shared_ptr<SafetensorsFile>> Open(const std::string& path);
   ~SafetensorsFile();
 

@@ -87,8 +87,8 @@ class SimulatedBackend : public DeviceBackend {
     if (bytes < 0) return absl::InvalidArgumentError("negative allocation");
     {
       absl::MutexLock lock(&pool_->mu);
-      if (pool_->budget > 0 && pool_->allocated + bytes > pool_->budget) {
-        return DeviceOutOfMemory(name(), bytes, pool_->allocated, pool_->budget).ToStatus();
+      if (pool_->budget > 0 && options_.context_bytes + pool_->allocated + bytes > pool_->budget) {
+        return DeviceOutOfMemory(name(), bytes, options_.context_bytes + pool_->allocated, pool_->budget).ToStatus();
       }
       pool_->allocated += bytes;
       pool_->peak = std::max(pool_->peak, pool_->allocated);
@@ -178,7 +178,9 @@ class SimulatedBackend : public DeviceBackend {
     DeviceMemoryStats stats;
     stats.allocated_bytes = pool_->allocated;
     stats.peak_allocated_bytes = pool_->peak;
-    stats.reserved_bytes = pool_->allocated;
+    stats.reserved_bytes = pool_->allocated;  // No caching: reserved is what is allocated.
+    stats.peak_reserved_bytes = pool_->peak;
+    stats.context_bytes = options_.context_bytes;
     stats.budget_bytes = pool_->budget;
     stats.host_to_device_bytes = pool_->h2d;
     stats.device_to_host_bytes = pool_->d2h;
@@ -190,6 +192,10 @@ class SimulatedBackend : public DeviceBackend {
   }
   absl::Status SetMemoryBudget(int64_t bytes) override {
     if (bytes < 0) return absl::InvalidArgumentError("memory budget must be >= 0");
+    if (bytes > 0 && bytes <= options_.context_bytes) {
+      return absl::InvalidArgumentError(absl::StrCat("memory budget ", bytes, " does not hold ", name(),
+                                                     "'s context of ", options_.context_bytes, " bytes"));
+    }
     absl::MutexLock lock(&pool_->mu);
     pool_->budget = bytes;
     return absl::OkStatus();

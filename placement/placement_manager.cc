@@ -1,6 +1,8 @@
 #include "placement/placement_manager.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <iostream>
 #include <set>
 
 #include "absl/strings/str_cat.h"
@@ -25,6 +27,61 @@ const char* ComponentStateName(ComponentState state) {
   return "unknown";
 }
 
+const char* ComponentLifecycleName(ComponentLifecycle lifecycle) {
+  switch (lifecycle) {
+    case ComponentLifecycle::kLoading:
+      return "loading";
+    case ComponentLifecycle::kReady:
+      return "ready";
+    case ComponentLifecycle::kUnloading:
+      return "unloading";
+  }
+  return "unknown";
+}
+
+void PlacementManager::Transition(Entry& entry, ComponentLifecycle to) {
+  const ComponentLifecycle from = entry.lifecycle;
+  const bool allowed = (from == ComponentLifecycle::kLoading && to == ComponentLifecycle::kReady) ||
+                       (from == ComponentLifecycle::kReady && to == ComponentLifecycle::kUnloading) ||
+                       (from == ComponentLifecycle::kUnloading && to == ComponentLifecycle::kReady);
+  if (!allowed) {
+    std::cerr << "stowage: invalid component lifecycle transition of '" << entry.id << "' from "
+              << ComponentLifecycleName(from) << " to " << ComponentLifecycleName(to) << std::endl;
+    std::abort();
+  }
+  entry.lifecycle = to;
+}
+
+namespace {
+bool Uses(const std::vector<std::string>& pipelines, const std::string& pipeline) {
+  return std::find(pipelines.begin(), pipelines.end(), pipeline) != pipelines.end();
+}
+}  // namespace
+
+void PlacementManager::MarkReady(const std::string& pipeline) {
+  for (auto& e : entries_) {
+    if (Uses(e->pipelines, pipeline) && e->lifecycle == ComponentLifecycle::kLoading) {
+      Transition(*e, ComponentLifecycle::kReady);
+    }
+  }
+}
+
+void PlacementManager::MarkUnloading(const std::string& pipeline) {
+  for (auto& e : entries_) {
+    if (e->pipelines.size() == 1 && e->pipelines[0] == pipeline && e->lifecycle == ComponentLifecycle::kReady) {
+      Transition(*e, ComponentLifecycle::kUnloading);
+    }
+  }
+}
+
+void PlacementManager::AbandonUnloading(const std::string& pipeline) {
+  for (auto& e : entries_) {
+    if (Uses(e->pipelines, pipeline) && e->lifecycle == ComponentLifecycle::kUnloading) {
+      Transition(*e, ComponentLifecycle::kReady);
+    }
+  }
+}
+
 PlacementManager::PlacementManager(DeviceBackend* backend)
     : backend_(backend), strategy_(MakeFootprintStrategy(0)) {}
 
@@ -32,11 +89,7 @@ PlacementManager::~PlacementManager() {
   for (auto& entry : entries_) entry->group_offload.reset();
 }
 
-int64_t PlacementManager::FreeBytes() const {
-  const DeviceMemoryStats stats = backend_->GetMemoryStats();
-  if (stats.budget_bytes <= 0) return INT64_MAX;
-  return stats.budget_bytes - stats.allocated_bytes;
-}
+int64_t PlacementManager::FreeBytes() const { return backend_->GetMemoryStats().free_bytes(); }
 
 void PlacementManager::Record(const std::string& component, const std::string& action,
                               int64_t bytes, int64_t free_before, const std::string& reason) {
@@ -72,6 +125,7 @@ void PlacementManager::Offload(Entry& entry, const std::string& reason, const st
   const int64_t before = FreeBytes();
   entry.component->host_weights().OffloadAll();
   backend_->Synchronize();
+  backend_->ReleaseCachedMemory();  // What the GPU sees drops with it, not just the allocator's count.
   entry.state = ComponentState::kOffloaded;
   ++counters_.offloads;
   counters_.offload_bytes += entry.component->weight_bytes();
@@ -202,6 +256,8 @@ int64_t PlacementManager::oom_recoveries() const {
 absl::Status PlacementManager::Register(const std::string& pipeline, Component* component) {
   if (Entry* existing = Find(*component)) {
     existing->pipelines.push_back(pipeline);
+    // Another pipeline uses it now: it is no longer on its way out.
+    if (existing->lifecycle == ComponentLifecycle::kUnloading) Transition(*existing, ComponentLifecycle::kReady);
     return absl::OkStatus();
   }
   auto entry = std::make_unique<Entry>();
@@ -225,6 +281,7 @@ void PlacementManager::Unregister(const std::string& pipeline) {
     e.group_offload.reset();
     e.component->host_weights().OffloadAll();
     backend_->Synchronize();
+    backend_->ReleaseCachedMemory();
     Record(e.id, "unregister", e.component->weight_bytes(), before, absl::StrCat("pipeline '", pipeline, "' unloaded"));
     it = entries_.erase(it);
   }
@@ -316,6 +373,7 @@ std::vector<ComponentView> PlacementManager::Snapshot() const {
       view.group_offload = entry->group_offload->stats();
     }
     view.last_use = entry->last_use;
+    view.lifecycle = entry->lifecycle;
     views.push_back(std::move(view));
   }
   return views;

@@ -47,6 +47,14 @@ struct PipelineGroupOffloadOptions {
 
 const char* ComponentStateName(ComponentState state);
 
+// A component's lifecycle in the registry, beside where its weights are (ComponentState):
+//   Register → LOADING → MarkReady → READY → MarkUnloading → UNLOADING → Unregister → gone
+//                                      ▲──────── AbandonUnloading ◀──────┘
+// A component shared by several pipelines is READY while any of them is; it is UNLOADING only when
+// every pipeline using it is being unloaded. Every change goes through one transition function.
+enum class ComponentLifecycle { kLoading, kReady, kUnloading };
+const char* ComponentLifecycleName(ComponentLifecycle lifecycle);
+
 struct ComponentView {
   std::string id;  // "<pipeline>/<component>".
   std::string name;
@@ -59,6 +67,7 @@ struct ComponentView {
   absl::Time last_use;
   // Set for group-offloaded (and partially resident) components.
   std::optional<GroupOffloadStats> group_offload;
+  ComponentLifecycle lifecycle = ComponentLifecycle::kLoading;
 };
 
 // One placement decision, as recorded in the bounded log.
@@ -120,8 +129,15 @@ class PlacementManager : public ComponentRunner {
 
   DeviceBackend& backend() { return *backend_; }
 
-  // Adds a component used by `pipeline`. Starts offloaded; it is onloaded when first run.
+  // Adds a component used by `pipeline`. Starts offloaded; it is onloaded when first run. A new
+  // component starts LOADING; one already registered (shared) keeps its lifecycle.
   absl::Status Register(const std::string& pipeline, Component* component);
+  // `pipeline`'s LOADING components become READY (its load finished).
+  void MarkReady(const std::string& pipeline);
+  // Components that only `pipeline` uses become UNLOADING (its unload began; they still run the
+  // requests already accepted); AbandonUnloading takes them back to READY.
+  void MarkUnloading(const std::string& pipeline);
+  void AbandonUnloading(const std::string& pipeline);
 
   // Removes `pipeline` from its components; components no other pipeline uses leave the device and
   // the registry (group offloading removed first). Call when no request of the pipeline runs.
@@ -155,7 +171,11 @@ class PlacementManager : public ComponentRunner {
     ComponentState state = ComponentState::kOffloaded;
     absl::Time last_use = absl::InfinitePast();
     std::unique_ptr<GroupOffloader> group_offload;
+    ComponentLifecycle lifecycle = ComponentLifecycle::kLoading;
   };
+  // The one lifecycle transition function: checks the edge (a wrong one is a programming error and
+  // aborts) and applies it.
+  static void Transition(Entry& entry, ComponentLifecycle to);
   Entry* Find(const Component& component);
   absl::StatusOr<Entry*> FindById(const std::string& id) const;
   absl::Status EnableLocked(Entry& entry, const GroupOffloadOptions& options)

@@ -41,6 +41,17 @@ void FillComponents(const PlacementSnapshot& snapshot,
     c->set_weight_bytes(v.weight_bytes);
     c->set_device_bytes(v.device_bytes);
     c->set_state(ToProto(v.state));
+    switch (v.lifecycle) {
+      case ComponentLifecycle::kLoading:
+        c->set_lifecycle(v1::ComponentPlacement::LOADING);
+        break;
+      case ComponentLifecycle::kReady:
+        c->set_lifecycle(v1::ComponentPlacement::READY);
+        break;
+      case ComponentLifecycle::kUnloading:
+        c->set_lifecycle(v1::ComponentPlacement::UNLOADING);
+        break;
+    }
     if (v.last_use != absl::InfinitePast()) {
       *c->mutable_last_use() = TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(v.last_use));
     }
@@ -83,6 +94,8 @@ absl::StatusOr<v1::GetPlacementResponse> AdminCore::GetPlacement(const v1::GetPl
   response.set_device(snapshot->device);
   response.set_budget_bytes(snapshot->memory.budget_bytes);
   response.set_allocated_bytes(snapshot->memory.allocated_bytes);
+  response.set_reserved_bytes(snapshot->memory.reserved_bytes);
+  response.set_context_bytes(snapshot->memory.context_bytes);
   response.set_strategy(snapshot->strategy);
   FillComponents(*snapshot, response.mutable_components(), [](const ComponentView&) { return true; });
   for (const std::string& w : snapshot->warnings) response.add_warnings(w);

@@ -170,6 +170,12 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
                                    "the whole device, or no limit when simulated"));
   RETURN_IF_ERROR(CheckNonNegative("device.simulated_bandwidth_bytes_per_second",
                                    device.simulated_bandwidth_bytes_per_second(), "unlimited"));
+  RETURN_IF_ERROR(CheckNonNegative("device.simulated_context_bytes", device.simulated_context_bytes(), "none"));
+  if (device.memory_budget_bytes() > 0 && device.simulated_context_bytes() >= device.memory_budget_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("device.simulated_context_bytes: ", device.simulated_context_bytes(),
+                                                   " leaves nothing of memory_budget_bytes (",
+                                                   device.memory_budget_bytes(), ")"));
+  }
   if (config.strategy().has_footprint()) {
     RETURN_IF_ERROR(CheckNonNegative("strategy.footprint.reserve_bytes",
                                      config.strategy().footprint().reserve_bytes(), "no reserve"));

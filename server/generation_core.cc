@@ -39,6 +39,7 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateBackend(const v1::DeviceCon
     SimulatedBackendOptions options;
     options.index = device.index();
     options.bandwidth_bytes_per_second = device.simulated_bandwidth_bytes_per_second();
+    options.context_bytes = device.simulated_context_bytes();
     backend = CreateSimulatedBackend(options);
   }
   if (device.memory_budget_bytes() > 0) {
@@ -204,6 +205,7 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
           placement.Unregister(name);  // All or nothing.
           return registered;
         }
+        placement.MarkReady(name);
         pipelines_.FinishLoad(name, pipeline, make_default);
         return absl::OkStatus();
       },
@@ -225,16 +227,34 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
 absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Interrupt& interrupt) {
   ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.BeginUnload(name));
   if (pipeline == nullptr) return absl::OkStatus();  // A failed load: nothing on the device.
-  bool ran = false;
-  const absl::Status status = worker_->RunTask(
-      [&] {
-        ran = true;
-        placement_->Unregister(name);
-        pipelines_.FinishUnload(name);
+  // Its components show UNLOADING at once; the removal waits behind the requests already queued.
+  absl::Status status = ChangeDevice(
+      [&](PlacementManager& placement) {
+        placement.MarkUnloading(name);
         return absl::OkStatus();
       },
-      interrupt, DeviceWorker::TaskOrder::kAfterQueuedJobs);
-  if (!status.ok() && !ran) pipelines_.AbandonUnload(name);
+      interrupt);
+  bool removed = false;
+  if (status.ok()) {
+    status = worker_->RunTask(
+        [&] {
+          removed = true;
+          placement_->Unregister(name);
+          pipelines_.FinishUnload(name);
+          return absl::OkStatus();
+        },
+        interrupt, DeviceWorker::TaskOrder::kAfterQueuedJobs);
+  }
+  if (!status.ok() && !removed) {
+    // Withdrawn before the removal ran: everything is as it was.
+    (void)ChangeDevice(
+        [&](PlacementManager& placement) {
+          placement.AbandonUnloading(name);
+          return absl::OkStatus();
+        },
+        nullptr);
+    pipelines_.AbandonUnload(name);
+  }
   return status;
 }
 
@@ -395,6 +415,7 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::RunOnWorker(Pipeline& pipel
     *timing->mutable_duration() = ToProto(stage.duration);
   }
   stats->set_peak_device_memory_bytes(after.peak_allocated_bytes);
+  stats->set_peak_device_reserved_bytes(after.peak_process_bytes());
   absl::StatusOr<ProcessMemory> memory = ReadProcessMemory();
   if (memory.ok()) stats->set_peak_cpu_rss_bytes(memory->peak_rss_bytes);
   stats->set_host_to_device_bytes(after.host_to_device_bytes - before.host_to_device_bytes);

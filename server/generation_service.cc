@@ -36,7 +36,7 @@ void GenerationServiceImpl::Record(const v1::GenerateRequest& request, const abs
   metrics_->RecordRequest(pipeline, status.code(), absl::Now() - start);
   if (response != nullptr) {
     const v1::RequestStats& stats = response->stats();
-    metrics_->RecordRequestResources(pipeline, stats.peak_device_memory_bytes(),
+    metrics_->RecordRequestResources(pipeline, stats.peak_device_memory_bytes(), stats.peak_device_reserved_bytes(),
                                      stats.peak_cpu_rss_bytes());
     metrics_->RecordBytesMoved(stats.device(), stats.host_to_device_bytes(),
                                stats.device_to_host_bytes());

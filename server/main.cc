@@ -17,6 +17,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -129,6 +130,8 @@ int main(int argc, char** argv) {
     config.set_metrics_address(absl::GetFlag(FLAGS_metrics_address));
   }
 
+  Log(absl::StrCat("starting: loading ", std::max(config.pipelines_size(), 1),
+                   " pipeline(s); SIGTERM or SIGINT stops the start-up"));
   auto server = stowage::StowageServer::Start(config);
   if (!server.ok()) {
     Log(absl::StrCat("cannot start: ", server.status().message()));

@@ -91,8 +91,22 @@ class PlacementCollectable : public prometheus::Collectable {
                          "Device bytes a component holds (weights if resident, working set if group-offloaded).",
                          MetricType::Gauge);
     auto weights = Family("stowage_component_weight_bytes", "Bytes of a component's weights.", MetricType::Gauge);
+    auto device_memory = Family("stowage_device_memory_bytes",
+                                "Device memory by kind: allocated, reserved (allocator segments), context "
+                                "(outside the allocator), budget (0 = none).",
+                                MetricType::Gauge);
+    for (const auto& [kind, bytes] : std::vector<std::pair<std::string, int64_t>>{
+             {"allocated", snapshot->memory.allocated_bytes},
+             {"reserved", snapshot->memory.reserved_bytes},
+             {"context", snapshot->memory.context_bytes},
+             {"budget", snapshot->memory.budget_bytes}}) {
+      Add(device_memory, static_cast<double>(bytes), {{"device", snapshot->device}, {"kind", kind}});
+    }
+    auto lifecycle = Family("stowage_component_lifecycle", "1 for the lifecycle state each component is in.",
+                            MetricType::Gauge);
     for (const ComponentView& v : snapshot->components) {
       Add(state, 1, {{"component", v.id}, {"state", ComponentStateName(v.state)}});
+      Add(lifecycle, 1, {{"component", v.id}, {"lifecycle", ComponentLifecycleName(v.lifecycle)}});
       Add(device, static_cast<double>(v.device_bytes), {{"component", v.id}});
       Add(weights, static_cast<double>(v.weight_bytes), {{"component", v.id}});
     }
@@ -125,7 +139,7 @@ class PlacementCollectable : public prometheus::Collectable {
                           "1 while a footprint strategy manages group-offloaded components.",
                           MetricType::Gauge);
     Add(warning, snapshot->warnings.empty() ? 0 : 1);
-    return {pipeline_state, state, device, weights, onloads, onload_bytes, offloads, offload_bytes, evictions, oom,
+    return {pipeline_state, device_memory, state, lifecycle, device, weights, onloads, onload_bytes, offloads, offload_bytes, evictions, oom,
             decision_seconds, decisions, warning};
   }
 
@@ -161,6 +175,11 @@ ServerMetrics::ServerMetrics()
                        .Name("stowage_request_peak_device_memory_bytes")
                        .Help("Peak device memory allocated while a request ran.")
                        .Register(*registry_)),
+      peak_device_reserved_(prometheus::BuildHistogram()
+                                .Name("stowage_request_peak_device_reserved_bytes")
+                                .Help("Peak device memory the process held while a request ran, as the GPU "
+                                      "sees it: the allocator's reserved bytes plus the CUDA context.")
+                                .Register(*registry_)),
       peak_rss_(prometheus::BuildHistogram()
                     .Name("stowage_request_peak_cpu_rss_bytes")
                     .Help("Peak resident set size of the server while a request ran.")
@@ -185,8 +204,10 @@ void ServerMetrics::RecordRequest(const std::string& pipeline, absl::StatusCode 
 }
 
 void ServerMetrics::RecordRequestResources(const std::string& pipeline, int64_t peak_device_bytes,
-                                           int64_t peak_rss_bytes) {
+                                           int64_t peak_device_reserved_bytes, int64_t peak_rss_bytes) {
   peak_device_.Add({{"pipeline", pipeline}}, ByteBuckets()).Observe(static_cast<double>(peak_device_bytes));
+  peak_device_reserved_.Add({{"pipeline", pipeline}}, ByteBuckets())
+      .Observe(static_cast<double>(peak_device_reserved_bytes));
   peak_rss_.Add({{"pipeline", pipeline}}, ByteBuckets()).Observe(static_cast<double>(peak_rss_bytes));
 }
 

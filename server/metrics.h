@@ -29,8 +29,10 @@ class ServerMetrics {
 
   // One finished request (any outcome). Resource figures are recorded for successful requests.
   void RecordRequest(const std::string& pipeline, absl::StatusCode code, absl::Duration duration);
+  // Peak device bytes as the allocator counts them (allocated) and as the GPU sees them (reserved
+  // plus context), and peak CPU RSS.
   void RecordRequestResources(const std::string& pipeline, int64_t peak_device_bytes,
-                              int64_t peak_rss_bytes);
+                              int64_t peak_device_reserved_bytes, int64_t peak_rss_bytes);
   void RecordBytesMoved(const std::string& device, int64_t host_to_device, int64_t device_to_host);
   void SetQueueDepth(const std::string& device, int64_t depth);
 
@@ -39,6 +41,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Histogram>& duration_;
   prometheus::Family<prometheus::Histogram>& peak_device_;
+  prometheus::Family<prometheus::Histogram>& peak_device_reserved_;
   prometheus::Family<prometheus::Histogram>& peak_rss_;
   prometheus::Family<prometheus::Gauge>& queue_depth_;
   prometheus::Family<prometheus::Counter>& h2d_;

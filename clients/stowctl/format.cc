@@ -47,6 +47,7 @@ std::string FormatGenerateResponse(const v1::GenerateResponse& response, const s
     Row(out, absl::StrCat("  ", stage.stage()), absl::StrFormat("%.3f s", Seconds(stage.duration())));
   }
   Row(out, "peak device memory", HumanBytes(stats.peak_device_memory_bytes()));
+  Row(out, "peak reserved", HumanBytes(stats.peak_device_reserved_bytes()));
   Row(out, "peak CPU RSS", HumanBytes(stats.peak_cpu_rss_bytes()));
   Row(out, "host to device", HumanBytes(stats.host_to_device_bytes()));
   Row(out, "device to host", HumanBytes(stats.device_to_host_bytes()));

@@ -24,7 +24,7 @@ class AdversarialTest : public ::testing::Test {
   void SetUp() override {
     v1::ServerConfig config;
     config.set_queue_depth(4);
-    ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(R"pb(
+    ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(R"pb(
       pipelines { name: "zimage-tiny" builtin: "zimage-tiny" default: true }
       pipelines { name: "tiny" builtin: "tiny" })pb", &config));
     server_ = std::make_unique<E2eServer>(config);
@@ -458,6 +458,22 @@ TEST_F(AdversarialTest, RequestsQueuedBeforeAnUnloadFinishAndLaterOnesAreRefused
     EXPECT_TRUE(server_->admin().UnloadPipeline(E2eServer::Authed().get(), unload, &unloaded).ok());
   });
   absl::SleepFor(absl::Milliseconds(50));
+  // While it waits for the accepted requests, its components say so (from the next step boundary
+  // between requests on, where the worker marks them).
+  int unloading = 0;
+  for (int tries = 0; tries < 200 && unloading != 3; ++tries) {
+    absl::SleepFor(absl::Milliseconds(20));
+    v1::GetPlacementResponse placement;
+    ASSERT_TRUE(server_->admin().GetPlacement(E2eServer::Authed().get(), {}, &placement).ok());
+    unloading = 0;
+    for (const auto& c : placement.components()) {
+      if (c.lifecycle() == v1::ComponentPlacement::UNLOADING) {
+        EXPECT_EQ(c.id().rfind("tiny/", 0), 0u) << c.id();
+        ++unloading;
+      }
+    }
+  }
+  EXPECT_EQ(unloading, 3);
   const grpc::Status late = server_->Generate(E2eServer::SmallRequest("tiny"));
   EXPECT_TRUE(late.error_code() == grpc::FAILED_PRECONDITION || late.error_code() == grpc::NOT_FOUND)
       << late.error_message();

@@ -1,5 +1,6 @@
 // End to end over real gRPC on loopback: the assembled server on port 0, called through generated
 // stubs, its /metrics scraped over HTTP.
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <regex>
@@ -13,6 +14,7 @@
 #include "models/image.h"
 #include "server/config.h"
 #include "server/server.h"
+#include "stowage/v1/admin.grpc.pb.h"
 #include "stowage/v1/generation.grpc.pb.h"
 #include "tests/e2e/http_get.h"
 
@@ -308,6 +310,56 @@ TEST(ServerGroupOffloadE2ETest, ConfiguredGroupOffloadKeepsTheImageAndLowersPeak
   EXPECT_EQ(a.image(), b.image());
   EXPECT_LT(b.stats().peak_device_memory_bytes(), a.stats().peak_device_memory_bytes());
   EXPECT_GT(b.stats().host_to_device_bytes(), 0);  // Groups stream in on every request.
+}
+
+// The budget covers what the GPU would see: the device's context counts against it, the reply's
+// reserved peak includes it, and placement makes room accordingly (exact bytes on the simulator).
+TEST(ServerDeviceMemoryE2ETest, TheContextCountsInTheBudgetAndInTheReportedPeak) {
+  auto run = [](int64_t context_bytes, int64_t budget_bytes, GenerateResponse* response,
+                v1::GetPlacementResponse* placement) {
+    v1::ServerConfig config;
+    config.set_grpc_address("127.0.0.1:0");
+    config.set_metrics_address("none");
+    config.mutable_auth()->set_admin_token("t");
+    config.mutable_device()->set_kind(v1::DeviceConfig::KIND_SIMULATED);
+    config.mutable_device()->set_simulated_context_bytes(context_bytes);
+    config.mutable_device()->set_memory_budget_bytes(budget_bytes);
+    auto server = StowageServer::Start(config);
+    ASSERT_TRUE(server.ok()) << server.status();
+    auto channel = grpc::CreateChannel((*server)->grpc_address(), grpc::InsecureChannelCredentials());
+    GenerateRequest request;
+    request.set_prompt("a lantern");
+    request.set_width(64);
+    request.set_height(64);
+    request.set_num_inference_steps(2);
+    request.set_seed(4);
+    grpc::ClientContext context;
+    ASSERT_TRUE(v1::GenerationService::NewStub(channel)->Generate(&context, request, response).ok());
+    grpc::ClientContext admin;
+    admin.AddMetadata("authorization", "Bearer t");
+    ASSERT_TRUE(v1::AdminService::NewStub(channel)->GetPlacement(&admin, {}, placement).ok());
+  };
+  // Unbudgeted: every component stays resident; the reserved peak is the placed peak plus context.
+  GenerateResponse free_run;
+  v1::GetPlacementResponse free_placement;
+  constexpr int64_t kContext = 3 << 20;
+  run(kContext, 0, &free_run, &free_placement);
+  EXPECT_EQ(free_placement.context_bytes(), kContext);
+  EXPECT_EQ(free_run.stats().peak_device_reserved_bytes(), free_run.stats().peak_device_memory_bytes() + kContext);
+  int64_t weights = 0;
+  for (const auto& c : free_placement.components()) {
+    EXPECT_EQ(c.state(), v1::ComponentPlacement::RESIDENT) << c.id();
+    weights += c.weight_bytes();
+  }
+  // A budget that holds all the weights but not the weights and the context: something must move.
+  GenerateResponse tight_run;
+  v1::GetPlacementResponse tight_placement;
+  run(kContext, weights + kContext - 1, &tight_run, &tight_placement);
+  EXPECT_EQ(tight_run.image(), free_run.image());
+  EXPECT_LE(tight_run.stats().peak_device_reserved_bytes(), weights + kContext - 1);
+  int resident = 0;
+  for (const auto& c : tight_placement.components()) resident += c.state() == v1::ComponentPlacement::RESIDENT ? 1 : 0;
+  EXPECT_LT(resident, free_placement.components_size());
 }
 
 }  // namespace

@@ -61,28 +61,43 @@ rc=$?
 grep -q "pipelines\[0\].group_offload.defaults.prefetch_depth: 1000000 is out of range; allowed: 0 (the engine's choice) or 1..64" \
   "$tmp/huge.log" || fail "prefetch_depth message"
 
-# 5. SIGTERM during a start-up load that never finishes: model_index.json is a FIFO no one writes,
-#    as a read stuck on a hung network file system would be. The process ends at once.
-mkdir -p "$tmp/stuck_model"
-rm -f "$tmp/stuck_model/model_index.json"
-mkfifo "$tmp/stuck_model/model_index.json"
-cat >"$tmp/stuck.textproto" <<CFG
+# 5. SIGTERM during a start-up load: a legitimately slow one (random weights for a ~600 M-parameter
+#    transformer: seconds of work on the CPU). The signal comes once the server says it is loading,
+#    before the load could finish (the port file would say it had); the process ends at once.
+mkdir -p "$tmp/slow_model/text_encoder" "$tmp/slow_model/transformer" "$tmp/slow_model/vae"
+cat >"$tmp/slow_model/model_index.json" <<'JSON'
+{"_class_name": "StowageTinyPipeline", "text_encoder": ["stowage", "TinyTextEncoder"],
+ "transformer": ["stowage", "TinyDiT"], "vae": ["stowage", "TinyVaeDecoder"]}
+JSON
+cat >"$tmp/slow_model/text_encoder/config.json" <<'JSON'
+{"_class_name": "TinyTextEncoder", "vocab_size": 259, "max_tokens": 64, "dim": 64, "heads": 4, "layers": 1}
+JSON
+cat >"$tmp/slow_model/transformer/config.json" <<'JSON'
+{"_class_name": "TinyDiT", "in_channels": 4, "patch_size": 2, "dim": 2048, "heads": 16, "layers": 8,
+ "text_dim": 64, "mlp_ratio": 4, "timestep_dim": 64}
+JSON
+cat >"$tmp/slow_model/vae/config.json" <<'JSON'
+{"_class_name": "TinyVaeDecoder", "latent_channels": 4, "groups": 8, "block_out_channels": [32, 32],
+ "scaling_factor": 1.0, "shift_factor": 0.0}
+JSON
+cat >"$tmp/slow.textproto" <<CFG
 grpc_address: "127.0.0.1:0"
 metrics_address: "none"
-pipelines { name: "stuck" model_dir: "$tmp/stuck_model" }
+pipelines { name: "slow" model_dir: "$tmp/slow_model" random_weights: true }
 CFG
-"$server" --config="$tmp/stuck.textproto" >"$tmp/stuck.log" 2>&1 &
-stuck=$!
-sleep 2
-kill -0 $stuck 2>/dev/null || fail "the stuck load ended by itself"
+"$server" --config="$tmp/slow.textproto" --port_file="$tmp/slow.ports" >"$tmp/slow.log" 2>&1 &
+slow=$!
+for _ in $(seq 100); do grep -q "starting: loading" "$tmp/slow.log" && break; sleep 0.1; done
+kill -0 $slow 2>/dev/null || fail "the slow load ended by itself: $(cat "$tmp/slow.log")"
+[ ! -e "$tmp/slow.ports" ] || fail "the slow load finished before the signal; make it slower"
 start=$(now_ms)
-kill -TERM $stuck
-wait $stuck
+kill -TERM $slow
+wait $slow
 rc=$?
 elapsed=$(( $(now_ms) - start ))
-[ $rc -eq 143 ] || fail "SIGTERM during start-up: rc=$rc"
+[ $rc -eq 143 ] || fail "SIGTERM during start-up: rc=$rc ($(cat "$tmp/slow.log"))"
 [ $elapsed -lt 3000 ] || fail "SIGTERM during start-up took ${elapsed} ms"
-grep -q "SIGTERM during start-up; exiting without serving" "$tmp/stuck.log" || fail "start-up signal message"
+grep -q "SIGTERM during start-up; exiting without serving" "$tmp/slow.log" || fail "start-up signal message"
 
 # 6. SIGTERM while requests run (long ones on the CPU; a fast device may have finished them):
 #    stopped within the 10 s bound, cleanly or by the watchdog.

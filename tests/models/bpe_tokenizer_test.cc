@@ -41,14 +41,14 @@ std::string Escape(const std::string& s) {
 
 // A byte-level BPE with Qwen2's pre-tokenizer and NFC: byte b has id b; "he"=256, "the"=257,
 // "Ġthe"=258; special tokens 300 and 301.
-std::string WriteTokenizer() {
+std::string WriteTokenizer(const std::string& extra_added = "") {
   std::string vocab;
   for (int b = 0; b < 256; ++b) vocab += "\"" + Escape(ByteSymbol(b)) + "\": " + std::to_string(b) + ", ";
   vocab += "\"he\": 256, \"the\": 257, \"" + ByteSymbol(' ') + "the\": 258";
   const std::string pattern =
       R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+)";
   const std::string json = "{\"added_tokens\": [{\"id\": 300, \"content\": \"<|im_start|>\"}, "
-                           "{\"id\": 301, \"content\": \"<|im_end|>\"}], "
+                           "{\"id\": 301, \"content\": \"<|im_end|>\"}" + extra_added + "], "
                            "\"normalizer\": {\"type\": \"NFC\"}, "
                            "\"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": ["
                            "{\"type\": \"Split\", \"pattern\": {\"Regex\": \"" + pattern + "\"}, \"behavior\": \"Isolated\"}, "
@@ -76,6 +76,19 @@ TEST(BpeTokenizerTest, EncodesLikeByteLevelBpe) {
   EXPECT_EQ((*tokenizer)->TokenId("<|nope|>").status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST(BpeTokenizerTest, AddedTokensMatchLongestFirstWhateverTheirOrder) {
+  // Overlapping added tokens, the shorter listed first; a duplicate content keeps its first id.
+  auto tokenizer = BpeTokenizer::Load(WriteTokenizer(
+      ", {\"id\": 310, \"content\": \"<a>\"}, {\"id\": 311, \"content\": \"<a><b>\"}, "
+      "{\"id\": 312, \"content\": \"<a><b>\"}, {\"id\": 313, \"content\": \"<a><b><c>\"}"));
+  ASSERT_TRUE(tokenizer.ok()) << tokenizer.status();
+  auto encode = [&](const std::string& s) { return *(*tokenizer)->Encode(s); };
+  EXPECT_EQ(encode("<a><b><c>"), (std::vector<int64_t>{313}));
+  EXPECT_EQ(encode("<a><b><"), (std::vector<int64_t>{311, '<'}));
+  EXPECT_EQ(encode("x<a><a><b>"), (std::vector<int64_t>{'x', 310, 311}));
+  EXPECT_EQ(encode("<a<b>"), (std::vector<int64_t>{'<', 'a', '<', 'b', '>'}));
+}
+
 TEST(BpeTokenizerTest, RejectsWhatItCannotReproduce) {
   const std::string path = std::string(::testing::TempDir()) + "/wordpiece.json";
   std::ofstream(path) << R"({"model": {"type": "WordPiece", "vocab": {}}})";
@@ -83,6 +96,44 @@ TEST(BpeTokenizerTest, RejectsWhatItCannotReproduce) {
   EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(loaded.status().message()).find("model.type must be BPE"), std::string::npos);
   EXPECT_EQ(BpeTokenizer::Load("/nonexistent/tokenizer.json").status().code(), absl::StatusCode::kNotFound);
+}
+
+// Hostile tokenizer.json: INVALID_ARGUMENT (never a crash), without quoting the file.
+TEST(BpeTokenizerTest, RejectsHostileTokenizersWithoutQuotingThem) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"{\"model\": " + std::string(100000, '['), "nests deeper than 32"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 1.5}}})", "model.vocab entry 'a'"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": -1}}})", "model.vocab entry 'a'"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": 1e300}}})", "model.vocab entry 'a'"},
+      {R"({"model": {"type": "BPE", "vocab": {"a": "sk-SECRET"}}})", "model.vocab entry 'a'"},
+      {R"({"model": {"type": "BPE", "vocab": {}, "merges": ["sk-SECRET-no-space"]}})", "malformed merge at index 0"},
+      {R"({"model": {"type": "BPE", "vocab": {}, "merges": [["a", 5]]}})", "malformed merge at index 0"},
+      {R"({"model": {"type": "BPE", "vocab": {}, "merges": 5}})", "model.merges is not a list"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "added_tokens": [{"content": "x"}]})", "added_tokens[0]"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "added_tokens": [5]})", "added_tokens[0]"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "added_tokens": [{"content": "", "id": 3}]})", "added_tokens[0]"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "pre_tokenizer": {"type": "Sequence"}})", "without pretokenizers"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{}]}})",
+       "unsupported pre-tokenizer ''"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "pre_tokenizer": {"type": "Split", "pattern": 5}})",
+       "without a Regex"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "pre_tokenizer": 5})", "pre_tokenizer is not an object"},
+      {R"({"model": {"type": "BPE", "vocab": {}}, "normalizer": {"type": "Lowercase"}})", "unsupported normalizer 'Lowercase'"},
+      {R"({"model": {"type": "BPE", "vocab": {}, "secret": "sk-SECRET",, }})", "not a valid JSON object"},
+  };
+  for (const auto& [json, needle] : cases) {
+    auto t = BpeTokenizer::FromJsonText(json, "tok/tokenizer.json");
+    ASSERT_EQ(t.status().code(), absl::StatusCode::kInvalidArgument) << json.substr(0, 80) << ": " << t.status();
+    const std::string message(t.status().message());
+    EXPECT_NE(message.find("tok/tokenizer.json"), std::string::npos) << message;
+    EXPECT_NE(message.find(needle), std::string::npos) << message;
+    EXPECT_EQ(message.find("SECRET"), std::string::npos) << message;
+    EXPECT_LT(message.size(), 300u) << message;
+  }
+  auto ok = BpeTokenizer::FromJsonText(R"({"model": {"type": "BPE", "vocab": {"a": 0, "b": 7}},
+      "added_tokens": [{"content": "<x>", "id": 9}]})", "tok");
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ((*ok)->max_id(), 9);
 }
 
 }  // namespace

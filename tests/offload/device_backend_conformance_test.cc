@@ -43,6 +43,10 @@ TEST_P(DeviceBackendConformanceTest, AllocationsAreAccountedAndPeakResets) {
   const DeviceMemoryStats after = backend_->GetMemoryStats();
   EXPECT_EQ(after.allocated_bytes, base);
   EXPECT_EQ(after.peak_allocated_bytes, base + (1 << 20));
+  // The allocator holds at least what was allocated; what the GPU sees adds the context.
+  EXPECT_GE(after.peak_reserved_bytes, after.peak_allocated_bytes);
+  EXPECT_GE(after.reserved_bytes, after.allocated_bytes);
+  EXPECT_EQ(after.peak_process_bytes(), after.peak_reserved_bytes + after.context_bytes);
   backend_->ResetPeakStats();
   EXPECT_EQ(backend_->GetMemoryStats().peak_allocated_bytes, base);
 }
@@ -72,8 +76,10 @@ TEST_P(DeviceBackendConformanceTest, AsyncCopyIsVisibleAfterWaitingOnItsEvent) {
 
 TEST_P(DeviceBackendConformanceTest, BudgetTurnsOversizedAllocationIntoDeviceOom) {
   backend_->Synchronize();
-  const int64_t in_use = backend_->GetMemoryStats().allocated_bytes;
-  ASSERT_TRUE(backend_->SetMemoryBudget(in_use + (64 << 20)).ok());
+  const DeviceMemoryStats stats = backend_->GetMemoryStats();
+  const int64_t in_use = stats.allocated_bytes;
+  // The budget covers the context too.
+  ASSERT_TRUE(backend_->SetMemoryBudget(stats.context_bytes + in_use + (64 << 20)).ok());
   auto too_big = backend_->AllocateBytes(int64_t{1} << 30);
   ASSERT_FALSE(too_big.ok());
   EXPECT_TRUE(IsDeviceOom(too_big.status())) << too_big.status();
@@ -90,6 +96,27 @@ TEST_P(DeviceBackendConformanceTest, HostMemoryCanBeRegisteredOnceInPlace) {
 
 // The simulator refuses what cudaHostRegister refuses for an overlapping range, so that the
 // offload engine's range merging is checked on CPU hosts too.
+TEST(SimulatedBackendTest, TheContextCountsAgainstTheBudget) {
+  SimulatedBackendOptions options;
+  options.context_bytes = 300;
+  auto backend = CreateSimulatedBackend(options);
+  EXPECT_EQ(backend->SetMemoryBudget(300).code(), absl::StatusCode::kInvalidArgument);  // Holds no more.
+  ASSERT_TRUE(backend->SetMemoryBudget(1000).ok());
+  EXPECT_EQ(backend->GetMemoryStats().free_bytes(), 700);
+  auto too_big = backend->AllocateBytes(701);
+  ASSERT_FALSE(too_big.ok());
+  EXPECT_TRUE(IsDeviceOom(too_big.status()));
+  auto fits = backend->AllocateBytes(700);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  const DeviceMemoryStats stats = backend->GetMemoryStats();
+  EXPECT_EQ(stats.free_bytes(), 0);
+  EXPECT_EQ(stats.context_bytes, 300);
+  EXPECT_EQ(stats.process_bytes(), 1000);
+  EXPECT_EQ(stats.peak_process_bytes(), 1000);
+  ASSERT_TRUE(backend->SetMemoryBudget(0).ok());
+  EXPECT_EQ(backend->GetMemoryStats().free_bytes(), INT64_MAX);
+}
+
 TEST(SimulatedBackendTest, OverlappingHostRegistrationIsRefused) {
   auto backend = CreateSimulatedBackend({});
   at::Tensor host = at::empty({1 << 16}, at::kByte);

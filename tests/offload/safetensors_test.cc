@@ -226,5 +226,141 @@ TEST(SafetensorsChangedOnDiskDeathTest, SigbusElsewhereStillKills) {
   EXPECT_EXIT(::raise(SIGBUS), ::testing::KilledBySignal(SIGBUS), "");  // Sent, not a fault.
 }
 
+// --- Hostile headers ---------------------------------------------------------------------------
+
+// A file image: 8-byte little-endian length, `header`, then `data_bytes` zero bytes.
+std::string Image(const std::string& header, size_t data_bytes = 0) {
+  std::string out(8, '\0');
+  const uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return out + header + std::string(data_bytes, '\0');
+}
+
+absl::Status Parse(const std::string& header, size_t data_bytes = 0) {
+  return ParseSafetensorsBytes(Image(header, data_bytes), "safetensors file 'x.safetensors'").status();
+}
+
+// INVALID_ARGUMENT whose message names the file and contains `needle`.
+void ExpectRefused(const absl::Status& status, const std::string& needle) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  const std::string message(status.message());
+  EXPECT_NE(message.find("x.safetensors"), std::string::npos) << message;
+  EXPECT_NE(message.find(needle), std::string::npos) << message;
+  EXPECT_LT(message.size(), 400u) << message;
+}
+
+TEST(SafetensorsHostileTest, ValidHeaderParses) {
+  auto header = ParseSafetensorsBytes(
+      Image(R"({"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+                "b": {"dtype": "BF16", "shape": [], "data_offsets": [24, 26]},
+                "e": {"dtype": "F32", "shape": [0, 1099511627776], "data_offsets": [26, 26]},
+                "__metadata__": {"format": "pt"}})", 26),
+      "t");
+  ASSERT_TRUE(header.ok()) << header.status();
+  EXPECT_EQ(header->tensors.size(), 3u);
+  EXPECT_EQ(header->tensors.at("a").shape, (std::vector<int64_t>{2, 3}));
+  EXPECT_EQ(header->metadata.at("format"), "pt");
+}
+
+TEST(SafetensorsHostileTest, DeepNestingIsRefusedFast) {
+  for (const std::string& header : {std::string(100000, '['), "{\"a\": " + std::string(100000, '{'),
+                                    "{\"a\": {\"dtype\": \"F32\", \"shape\": " + std::string(9, '[')}) {
+    const auto start = std::chrono::steady_clock::now();
+    ExpectRefused(Parse(header), "nests deeper than 8");
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(200));
+  }
+  // Brackets inside strings are not nesting.
+  EXPECT_TRUE(Parse(R"({"__metadata__": {"k": ")" + std::string(1000, '[') + R"("}})").ok());
+}
+
+TEST(SafetensorsHostileTest, DtypeAndByteSpanMustAgree) {
+  ExpectRefused(Parse(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}})", 4),
+                "tensor 'a' holds 4 bytes but its dtype F32 and shape need 8");
+  ExpectRefused(Parse(R"({"a": {"dtype": "F16", "shape": [2], "data_offsets": [0, 8]}})", 8), "need 4");
+  ExpectRefused(Parse(R"({"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}})", 8),
+                "unsupported safetensors dtype 'Q4'");
+  ExpectRefused(Parse(R"({"a": {"dtype": 7, "shape": [2], "data_offsets": [0, 8]}})", 8), "dtype is not a string");
+}
+
+TEST(SafetensorsHostileTest, AbsurdShapesAreInvalidArgument) {
+  // Products that overflow 64 bits, in elements or in bytes.
+  ExpectRefused(Parse(R"({"a": {"dtype": "F32", "shape": [4294967296, 4294967296, 4294967296], "data_offsets": [0, 8]}})", 8),
+                "overflows 64 bits");
+  ExpectRefused(Parse(R"({"a": {"dtype": "F64", "shape": [4611686018427387904], "data_offsets": [0, 8]}})", 8),
+                "shape[0]");  // 2^62 is beyond 2^53.
+  ExpectRefused(Parse(R"({"a": {"dtype": "F64", "shape": [4503599627370496, 4096], "data_offsets": [0, 8]}})", 8),
+                "overflows 64 bits");
+  for (const char* dim : {"1.5", "-1", "-0.5", "1e300", "9007199254740994", "\"NaN\"", "\"8\"", "null", "[2]"}) {
+    ExpectRefused(Parse(std::string(R"({"a": {"dtype": "U8", "shape": [1, )") + dim + R"(], "data_offsets": [0, 1]}})", 1),
+                  "shape[1] is not an integer");
+  }
+  ExpectRefused(Parse(R"({"a": {"dtype": "U8", "shape": 3, "data_offsets": [0, 3]}})", 3), "shape is not a list");
+  ExpectRefused(Parse(R"({"a": {"dtype": "U8", "shape": [1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1], "data_offsets": [0, 1]}})", 1),
+                "rank 17");
+}
+
+TEST(SafetensorsHostileTest, OffsetsMustBeIntegralAndInsideTheData) {
+  for (const char* offsets : {"[0.5, 1.5]", "[-1, 0]", "[0, 1e300]", "[\"0\", 1]", "[0]", "[0, 1, 2]", "5"}) {
+    const absl::Status s =
+        Parse(std::string(R"({"a": {"dtype": "U8", "shape": [1], "data_offsets": )") + offsets + "}}", 4);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << offsets << ": " << s;
+    EXPECT_NE(std::string(s.message()).find("data_offsets"), std::string::npos) << s;
+  }
+  ExpectRefused(Parse(R"({"a": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}})", 4),
+                "bytes [2, 6) lie outside the data section of 4 bytes");
+  ExpectRefused(Parse(R"({"a": {"dtype": "U8", "shape": [0], "data_offsets": [3, 2]}})", 4), "lie outside");
+}
+
+TEST(SafetensorsHostileTest, OverlappingTensorsAreRefused) {
+  ExpectRefused(Parse(R"({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                          "b": {"dtype": "U8", "shape": [4], "data_offsets": [2, 6]}})", 8),
+                "overlap");
+  // Touching spans and empty tensors are fine.
+  EXPECT_TRUE(Parse(R"({"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]},
+                        "b": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]},
+                        "c": {"dtype": "U8", "shape": [0], "data_offsets": [2, 2]}})", 8).ok());
+}
+
+TEST(SafetensorsHostileTest, HeaderLengthIsBounded) {
+  std::string image(8, '\0');
+  image[4] = 1;  // 2^32 bytes: over the 100 MB cap, and over the file.
+  absl::Status s = ParseSafetensorsBytes(image, "safetensors file 'x.safetensors'").status();
+  ExpectRefused(s, "exceeds the limit of 100000000 bytes");
+  image = std::string(8, '\0');
+  image[0] = 16;
+  ExpectRefused(ParseSafetensorsBytes(image + "{}", "safetensors file 'x.safetensors'").status(),
+                "exceeds the file");
+  ExpectRefused(ParseSafetensorsBytes("abc", "safetensors file 'x.safetensors'").status(), "shorter");
+}
+
+TEST(SafetensorsHostileTest, MessagesDoNotQuoteTheHeaderAndCutLongNames) {
+  // Invalid JSON around a secret: protobuf's error text would quote it.
+  absl::Status s = Parse(R"({"a": {"dtype": "F32", "secret": "sk-SECRET-42",, }})");
+  ExpectRefused(s, "not a valid JSON object");
+  EXPECT_EQ(std::string(s.message()).find("SECRET"), std::string::npos) << s;
+  // A huge tensor name and dtype label are echoed only as a short, printable prefix.
+  const std::string name = "\\u0001" + std::string(100000, 'n');  // A control character, escaped in JSON.
+  s = Parse("{\"" + name + R"(": {"dtype": ")" + std::string(5000, 'D') + R"(", "shape": [], "data_offsets": [0, 0]}})");
+  ExpectRefused(s, "tensor '?nnn");  // Printable in the message.
+  EXPECT_NE(std::string(s.message()).find("(100001 bytes)"), std::string::npos) << s;
+  EXPECT_NE(std::string(s.message()).find("(5000 bytes)"), std::string::npos) << s;
+  s = Parse(R"({"__metadata__": {"k": 5}})");
+  ExpectRefused(s, "__metadata__ entry 'k' is not a string");
+  s = Parse(R"({"a": 5})");
+  ExpectRefused(s, "tensor 'a' is not an object");
+}
+
+TEST(SafetensorsHostileTest, OpenRefusesABadFileNamingIt) {
+  const std::string path = std::string(::testing::TempDir()) + "/hostile.safetensors";
+  {
+    std::ofstream out(path, std::ios::binary);
+    const std::string image = Image(R"({"a": {"dtype": "F32", "shape": [1e300], "data_offsets": [0, 4]}})", 4);
+    out.write(image.data(), static_cast<std::streamsize>(image.size()));
+  }
+  auto file = SafetensorsFile::Open(path);
+  EXPECT_EQ(file.status().code(), absl::StatusCode::kInvalidArgument) << file.status();
+  EXPECT_NE(std::string(file.status().message()).find(path), std::string::npos) << file.status();
+}
+
 }  // namespace
 }  // namespace stowage

@@ -54,6 +54,35 @@ TEST(PlacementManagerTest, ComponentsStartOffloadedAndBecomeResidentWhenRun) {
   EXPECT_EQ(s.backend->GetMemoryStats().allocated_bytes, total);
 }
 
+TEST(PlacementManagerTest, ComponentLifecycleFollowsItsPipelines) {
+  Harness s;
+  for (const ComponentView& v : s.placement.Snapshot()) EXPECT_EQ(v.lifecycle, ComponentLifecycle::kLoading) << v.id;
+  s.placement.MarkReady("tiny");
+  for (const ComponentView& v : s.placement.Snapshot()) EXPECT_EQ(v.lifecycle, ComponentLifecycle::kReady) << v.id;
+  // The text encoder is shared with a second pipeline: unloading "tiny" leaves it READY.
+  Component* text_encoder = s.pipeline->components()[0];
+  ASSERT_TRUE(s.placement.Register("other", text_encoder).ok());
+  s.placement.MarkReady("other");
+  s.placement.MarkUnloading("tiny");
+  for (const ComponentView& v : s.placement.Snapshot()) {
+    EXPECT_EQ(v.lifecycle, v.name == text_encoder->name() ? ComponentLifecycle::kReady : ComponentLifecycle::kUnloading)
+        << v.id;
+  }
+  // Requests accepted before the unload still run through UNLOADING components.
+  EXPECT_TRUE(s.Generate().ok());
+  s.placement.AbandonUnloading("tiny");
+  for (const ComponentView& v : s.placement.Snapshot()) EXPECT_EQ(v.lifecycle, ComponentLifecycle::kReady) << v.id;
+  // Registered again by another pipeline while on its way out: READY again.
+  s.placement.MarkUnloading("tiny");
+  Component* vae = s.pipeline->components().back();
+  ASSERT_TRUE(s.placement.Register("third", vae).ok());
+  EXPECT_EQ(s.View(vae->name()).lifecycle, ComponentLifecycle::kReady);
+  s.placement.Unregister("tiny");
+  s.placement.Unregister("other");
+  s.placement.Unregister("third");
+  EXPECT_TRUE(s.placement.Snapshot().empty());
+}
+
 TEST(PlacementManagerTest, GroupOffloadedComponentPlacesItselfAndKeepsTheImageExact) {
   Harness plain;
   auto expected = plain.Generate();

@@ -109,6 +109,7 @@ def format_result(result: GenerationResult, out: str | None) -> list[str]:
     rows += [[f"  {name}", _format_seconds(s)] for name, s in stats.stages.items()]
     rows += [
         ["peak device memory", format_bytes(stats.peak_device_memory_bytes)],
+        ["peak reserved", format_bytes(stats.peak_device_reserved_bytes)],
         ["peak CPU RSS", format_bytes(stats.peak_cpu_rss_bytes)],
         ["host to device", format_bytes(stats.host_to_device_bytes)],
         ["device to host", format_bytes(stats.device_to_host_bytes)],

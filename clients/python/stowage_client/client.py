@@ -91,6 +91,7 @@ class RequestStats:
     run_time_s: float
     stages: dict[str, float]
     peak_device_memory_bytes: int
+    peak_device_reserved_bytes: int
     peak_cpu_rss_bytes: int
     host_to_device_bytes: int
     device_to_host_bytes: int
@@ -175,6 +176,7 @@ def _stats_from_proto(msg: generation_pb2.RequestStats) -> RequestStats:
         run_time_s=_seconds(msg.run_time),
         stages=stages,
         peak_device_memory_bytes=msg.peak_device_memory_bytes,
+        peak_device_reserved_bytes=msg.peak_device_reserved_bytes,
         peak_cpu_rss_bytes=msg.peak_cpu_rss_bytes,
         host_to_device_bytes=msg.host_to_device_bytes,
         device_to_host_bytes=msg.device_to_host_bytes,

@@ -66,6 +66,7 @@ def canned_response() -> generation_pb2.GenerateResponse:
                 generation_pb2.StageTiming(stage="decode", duration=_duration(0, 300_000_000)),
             ],
             peak_device_memory_bytes=3 * 2**30 + 5,
+            peak_device_reserved_bytes=4 * 2**30 + 9,
             peak_cpu_rss_bytes=2**40 + 7,
             host_to_device_bytes=5 * 2**20,
             device_to_host_bytes=1536,
@@ -276,6 +277,7 @@ class ResultConversionTest(ServerTestCase):
         self.assertAlmostEqual(stats.stages["denoise"], 2.123456789, places=12)
         self.assertAlmostEqual(stats.stages["decode"], 0.3, places=12)
         self.assertEqual(stats.peak_device_memory_bytes, 3 * 2**30 + 5)
+        self.assertEqual(stats.peak_device_reserved_bytes, 4 * 2**30 + 9)
         self.assertEqual(stats.peak_cpu_rss_bytes, 2**40 + 7)
         self.assertEqual(stats.host_to_device_bytes, 5 * 2**20)
         self.assertEqual(stats.device_to_host_bytes, 1536)
@@ -527,6 +529,7 @@ class CliTest(ServerTestCase):
         self.assertIn("run time            2.500 s", lines)
         self.assertIn("  denoise           2.123 s", lines)
         self.assertIn("peak device memory  3.0 GiB", lines)
+        self.assertIn("peak reserved       4.0 GiB", lines)
         self.assertIn("peak CPU RSS        1.0 TiB", lines)
         self.assertIn("host to device      5.0 MiB", lines)
         self.assertIn("device to host      1.5 KiB", lines)

@@ -343,6 +343,22 @@ int CountDefaults(E2eServer& server) {
   return defaults;
 }
 
+// Waits (at most 10 s) until `name` is listed in `state`; returns whether it got there.
+bool WaitForState(E2eServer& server, const std::string& name, v1::PipelineState state) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(10);
+  for (;;) {
+    grpc::ClientContext context;
+    v1::ListPipelinesResponse list;
+    if (server.generation().ListPipelines(&context, {}, &list).ok()) {
+      for (const auto& p : list.pipelines()) {
+        if (p.name() == name && p.state() == state) return true;
+      }
+    }
+    if (absl::Now() > give_up) return false;
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+}
+
 TEST_F(AdversarialTest, ConcurrentLoadsOfOneNameLetExactlyOneThrough) {
   constexpr int kLoaders = 6;
   std::atomic<int> ok{0}, exists{0}, other{0};
@@ -396,6 +412,10 @@ TEST_F(AdversarialTest, UnloadsAndLoadsRacingKeepExactlyOneDefault) {
   }
   EXPECT_EQ(timed_out.error_code(), grpc::DEADLINE_EXCEEDED);
   EXPECT_EQ(CountDefaults(*server_), 1);
+  // The client sees DEADLINE_EXCEEDED at its deadline; the server's handler is still waiting for
+  // the busy worker to take the components back, and puts the pipeline back to READY after that.
+  // Generating at once could find it still UNLOADING (FAILED_PRECONDITION): wait for READY.
+  EXPECT_TRUE(WaitForState(*server_, "zimage-tiny", v1::PIPELINE_READY));
   EXPECT_TRUE(server_->Generate(E2eServer::SmallRequest("zimage-tiny")).ok());
 
   // Load and unload of the same name from many threads: every answer is one of the documented

@@ -139,6 +139,12 @@ class CudaBackend : public DeviceBackend {
     h2d_ += static_cast<int64_t>(src.nbytes());
   }
 
+  void EnqueueOnCopyStream(std::function<void()> work) override {
+    c10::cuda::CUDAGuard guard(device_);
+    c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
+    work();
+  }
+
   std::unique_ptr<DeviceEvent> RecordOnCopyStream() override {
     auto event = std::make_unique<CudaEvent>();
     event->event.record(copy_stream_);

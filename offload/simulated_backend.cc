@@ -129,7 +129,15 @@ class SimulatedBackend : public DeviceBackend {
     TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "CopyToDeviceAsync needs contiguous tensors");
     {
       std::lock_guard<std::mutex> lock(copy_->mu);
-      queue_.push_back(Copy{dst, src, ++copy_->issued});
+      queue_.push_back(Copy{dst, src, nullptr, ++copy_->issued});
+    }
+    copy_->cv.notify_all();
+  }
+
+  void EnqueueOnCopyStream(std::function<void()> work) override {
+    {
+      std::lock_guard<std::mutex> lock(copy_->mu);
+      queue_.push_back(Copy{at::Tensor(), at::Tensor(), std::move(work), ++copy_->issued});
     }
     copy_->cv.notify_all();
   }
@@ -207,9 +215,11 @@ class SimulatedBackend : public DeviceBackend {
   void ReleaseCachedMemory() override {}
 
  private:
+  // A copy, or work (EnqueueOnCopyStream) when `work` is set.
   struct Copy {
     at::Tensor dst;
     at::Tensor src;
+    std::function<void()> work;
     uint64_t seq;
   };
 
@@ -228,6 +238,11 @@ class SimulatedBackend : public DeviceBackend {
         copy = std::move(queue_.front());
         queue_.pop_front();
       }
+      if (copy.work) {
+        copy.work();
+        Complete(std::move(copy));
+        continue;
+      }
       const auto start = std::chrono::steady_clock::now();
       const size_t bytes = copy.src.nbytes();
       if (bytes > 0) std::memcpy(copy.dst.data_ptr(), copy.src.data_ptr(), bytes);
@@ -241,14 +256,18 @@ class SimulatedBackend : public DeviceBackend {
         absl::MutexLock lock(&pool_->mu);
         pool_->h2d += static_cast<int64_t>(bytes);
       }
-      const uint64_t seq = copy.seq;
-      copy = Copy{};  // Drop the tensor references before signalling completion.
-      {
-        std::lock_guard<std::mutex> lock(copy_->mu);
-        copy_->completed = seq;  // Copies finish in issue order.
-      }
-      copy_->cv.notify_all();
+      Complete(std::move(copy));
     }
+  }
+
+  void Complete(Copy copy) {
+    const uint64_t seq = copy.seq;
+    copy = Copy{};  // Drop the tensor references before signalling completion.
+    {
+      std::lock_guard<std::mutex> lock(copy_->mu);
+      copy_->completed = seq;  // Copies finish in issue order.
+    }
+    copy_->cv.notify_all();
   }
 
   const SimulatedBackendOptions options_;

@@ -415,7 +415,8 @@ TEST_F(LifecycleTest, UnloadsAndLoadsRacingKeepExactlyOneDefault) {
   busy.join();
   EXPECT_EQ(timed_out.error_code(), grpc::DEADLINE_EXCEEDED) << timed_out.error_message();
   EXPECT_EQ(CountDefaults(*server_), 1);
-  EXPECT_TRUE(server_->Generate(E2eServer::SmallRequest("zimage-tiny")).ok());
+  const grpc::Status after_withdrawal = server_->Generate(E2eServer::SmallRequest("zimage-tiny"));
+  EXPECT_TRUE(after_withdrawal.ok()) << after_withdrawal.error_code() << " " << after_withdrawal.error_message();
 
   // Load and unload of the same name from many threads: every answer is one of the documented
   // ones, and the default invariant holds throughout.

@@ -40,6 +40,7 @@
 #include "offload/device_backend.h"
 #include "offload/group_offload.h"
 #include "offload/host_weights.h"
+#include "offload/safetensors.h"
 #include "base/status_macros.h"
 #include "base/process_memory.h"
 
@@ -63,6 +64,12 @@ ABSL_FLAG(std::string, model_dir, "",
           "Diffusers-format Z-Image directory: benchmark its real transformer (transformer/ folder) "
           "instead of the synthetic stack");
 ABSL_FLAG(int64_t, caption_tokens, 512, "--model_dir: caption tokens of the forward");
+ABSL_FLAG(std::string, save_output, "",
+          "Write the last timed forward's output (float32) to this safetensors file (e.g. from the "
+          "resident row, as the reference of compressed rows run in other processes)");
+ABSL_FLAG(std::string, reference, "",
+          "Compressed rows: compare with the output saved by --save_output instead of a resident forward "
+          "in this process (which would put every bf16 weight in this process's RSS)");
 ABSL_FLAG(int64_t, image_size, 1024, "--model_dir: image side in pixels (latent side = size / 8)");
 
 namespace stowage {
@@ -173,6 +180,7 @@ absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend,
   auto model = std::make_unique<ZImageTransformer>(config, LayerOptions{dtype});
   RETURN_IF_ERROR(LoadComponentWeights(*model, dir, dtype));  // Views of the mapped files.
   const int64_t side = absl::GetFlag(FLAGS_image_size) / 8;
+  at::manual_seed(0);  // The same inputs in every process (rows compare outputs across processes).
   const at::Tensor latents = at::randn({config.in_channels, 1, side, side}, options);
   const at::Tensor caption = at::randn({absl::GetFlag(FLAGS_caption_tokens), config.cap_feat_dim}, options);
   ZImageTransformer* raw = model.get();
@@ -196,7 +204,11 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
                                   : row.rfind("block_fp8", 0) == 0 ? CompressFormat::kFp8E4M3
                                                                     : CompressFormat::kNone;
   at::Tensor reference;  // Compressed rows: the output of a resident forward, on the host.
-  if (compress != CompressFormat::kNone) {
+  if (compress != CompressFormat::kNone && !absl::GetFlag(FLAGS_reference).empty()) {
+    ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(absl::GetFlag(FLAGS_reference)));
+    ASSIGN_OR_RETURN(at::Tensor saved, file->Get("output"));
+    reference = saved.clone();
+  } else if (compress != CompressFormat::kNone) {
     RETURN_IF_ERROR((*weights)->OnloadAll(backend));
     {
       c10::InferenceMode guard;
@@ -262,6 +274,10 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     const at::Tensor got = out.to(at::kCPU).to(at::kDouble);
     const at::Tensor want = reference.to(at::kDouble);
     result.rel_l2 = (got - want).norm().item<double>() / std::max(want.norm().item<double>(), 1e-30);
+  }
+  if (!absl::GetFlag(FLAGS_save_output).empty() && out.defined()) {
+    RETURN_IF_ERROR(WriteSafetensors(absl::GetFlag(FLAGS_save_output),
+                                     {{"output", out.to(at::kCPU).to(at::kFloat).contiguous()}}));
   }
   result.step_s = Median(steps);
   result.peak_device = backend.GetMemoryStats().peak_allocated_bytes;

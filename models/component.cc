@@ -27,7 +27,7 @@ Component::Component(std::string name, std::unique_ptr<Module> root, at::ScalarT
 absl::StatusOr<std::shared_ptr<Component>> ComponentCache::GetOrLoad(const std::string& key,
                                                                     const Loader& load) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto it = components_.find(key);
     if (it != components_.end()) {
       if (std::shared_ptr<Component> existing = it->second.lock()) return existing;
@@ -35,7 +35,7 @@ absl::StatusOr<std::shared_ptr<Component>> ComponentCache::GetOrLoad(const std::
   }
   ASSIGN_OR_RETURN(std::unique_ptr<Component> loaded, load());
   std::shared_ptr<Component> shared = std::move(loaded);
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   // Another thread may have loaded it meanwhile: keep the first, drop this copy.
   auto& slot = components_[key];
   if (std::shared_ptr<Component> existing = slot.lock()) return existing;

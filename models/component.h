@@ -7,14 +7,15 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <memory>
 #include <string>
 
 #include <c10/core/ScalarType.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "offload/host_weights.h"
 #include "offload/module.h"
 
@@ -70,8 +71,8 @@ class ComponentCache {
   absl::StatusOr<std::shared_ptr<Component>> GetOrLoad(const std::string& key, const Loader& load);
 
  private:
-  std::mutex mu_;
-  std::map<std::string, std::weak_ptr<Component>> components_;
+  absl::Mutex mu_;
+  std::map<std::string, std::weak_ptr<Component>> components_ ABSL_GUARDED_BY(mu_);
 };
 
 // Loads through `cache` when there is one (sharing by `key`), else loads a private copy.

@@ -2,13 +2,12 @@
 // byte budget, asynchronous copies run on a worker thread (optionally at a fixed bandwidth), and the
 // "compute stream" is the calling thread, so waiting on a copy event blocks the caller.
 #include <chrono>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <iterator>
 #include <map>
-#include <mutex>
 #include <set>
 #include <thread>
 
@@ -37,10 +36,9 @@ struct Pool {
 };
 
 struct CopyState {
-  std::mutex mu;
-  std::condition_variable cv;
-  uint64_t issued = 0;     // Sequence number of the last issued copy.
-  uint64_t completed = 0;  // Sequence number of the last finished copy.
+  absl::Mutex mu;
+  uint64_t issued ABSL_GUARDED_BY(mu) = 0;     // Sequence number of the last issued copy.
+  uint64_t completed ABSL_GUARDED_BY(mu) = 0;  // Sequence number of the last finished copy.
 };
 
 class SimEvent : public DeviceEvent {
@@ -48,13 +46,16 @@ class SimEvent : public DeviceEvent {
   SimEvent(std::shared_ptr<CopyState> state, uint64_t seq) : state_(std::move(state)), seq_(seq) {}
   bool Query() override {
     if (state_ == nullptr) return true;
-    std::lock_guard<std::mutex> lock(state_->mu);
+    absl::MutexLock lock(&state_->mu);
     return state_->completed >= seq_;
   }
   void Wait() override {
     if (state_ == nullptr) return;
-    std::unique_lock<std::mutex> lock(state_->mu);
-    state_->cv.wait(lock, [&] { return state_->completed >= seq_; });
+    absl::MutexLock lock(&state_->mu);
+    // Await evaluates the condition with the lock held.
+    state_->mu.Await(absl::Condition(
+        +[](SimEvent* self) ABSL_NO_THREAD_SAFETY_ANALYSIS { return self->state_->completed >= self->seq_; },
+        this));
   }
 
  private:
@@ -73,10 +74,9 @@ class SimulatedBackend : public DeviceBackend {
 
   ~SimulatedBackend() override {
     {
-      std::lock_guard<std::mutex> lock(copy_->mu);
+      absl::MutexLock lock(&copy_->mu);
       stopping_ = true;
     }
-    copy_->cv.notify_all();
     worker_.join();
   }
 
@@ -127,23 +127,17 @@ class SimulatedBackend : public DeviceBackend {
     TORCH_CHECK(dst.nbytes() == src.nbytes(), "CopyToDeviceAsync: size mismatch (", dst.nbytes(),
                 " vs ", src.nbytes(), " bytes)");
     TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "CopyToDeviceAsync needs contiguous tensors");
-    {
-      std::lock_guard<std::mutex> lock(copy_->mu);
-      queue_.push_back(Copy{dst, src, nullptr, ++copy_->issued});
-    }
-    copy_->cv.notify_all();
+    absl::MutexLock lock(&copy_->mu);
+    queue_.push_back(Copy{dst, src, nullptr, ++copy_->issued});
   }
 
   void EnqueueOnCopyStream(std::function<void()> work) override {
-    {
-      std::lock_guard<std::mutex> lock(copy_->mu);
-      queue_.push_back(Copy{at::Tensor(), at::Tensor(), std::move(work), ++copy_->issued});
-    }
-    copy_->cv.notify_all();
+    absl::MutexLock lock(&copy_->mu);
+    queue_.push_back(Copy{at::Tensor(), at::Tensor(), std::move(work), ++copy_->issued});
   }
 
   std::unique_ptr<DeviceEvent> RecordOnCopyStream() override {
-    std::lock_guard<std::mutex> lock(copy_->mu);
+    absl::MutexLock lock(&copy_->mu);
     return std::make_unique<SimEvent>(copy_, copy_->issued);
   }
   std::unique_ptr<DeviceEvent> RecordOnComputeStream() override {
@@ -224,7 +218,7 @@ class SimulatedBackend : public DeviceBackend {
   };
 
   uint64_t IssuedSeq() {
-    std::lock_guard<std::mutex> lock(copy_->mu);
+    absl::MutexLock lock(&copy_->mu);
     return copy_->issued;
   }
 
@@ -232,8 +226,13 @@ class SimulatedBackend : public DeviceBackend {
     for (;;) {
       Copy copy;
       {
-        std::unique_lock<std::mutex> lock(copy_->mu);
-        copy_->cv.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        absl::MutexLock lock(&copy_->mu);
+        // Await evaluates the condition with the lock held.
+        copy_->mu.Await(absl::Condition(
+            +[](SimulatedBackend* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+              return self->stopping_ || !self->queue_.empty();
+            },
+            this));
         if (queue_.empty()) return;
         copy = std::move(queue_.front());
         queue_.pop_front();
@@ -263,18 +262,15 @@ class SimulatedBackend : public DeviceBackend {
   void Complete(Copy copy) {
     const uint64_t seq = copy.seq;
     copy = Copy{};  // Drop the tensor references before signalling completion.
-    {
-      std::lock_guard<std::mutex> lock(copy_->mu);
-      copy_->completed = seq;  // Copies finish in issue order.
-    }
-    copy_->cv.notify_all();
+    absl::MutexLock lock(&copy_->mu);
+    copy_->completed = seq;  // Copies finish in issue order.
   }
 
   const SimulatedBackendOptions options_;
   std::shared_ptr<Pool> pool_;
   std::shared_ptr<CopyState> copy_;
-  std::deque<Copy> queue_;  // Guarded by copy_->mu.
-  bool stopping_ = false;   // Guarded by copy_->mu.
+  std::deque<Copy> queue_ ABSL_GUARDED_BY(copy_->mu);
+  bool stopping_ ABSL_GUARDED_BY(copy_->mu) = false;
   std::thread worker_;
   absl::Mutex registered_mu_;
   std::map<uintptr_t, uintptr_t> registered_ ABSL_GUARDED_BY(registered_mu_);  // begin → end.

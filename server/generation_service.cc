@@ -4,6 +4,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 
 namespace stowage {
@@ -58,21 +59,28 @@ grpc::Status GenerationServiceImpl::GenerateStream(
   const absl::Time start = absl::Now();
   // Progress is produced on the device worker and written here, on the handler's thread: the
   // worker never blocks on a slow client, and only this thread touches the writer.
-  absl::Mutex mu;
-  std::deque<v1::Progress> pending;
-  bool finished = false;
-  absl::StatusOr<v1::GenerateResponse> result = absl::InternalError("not run");
+  struct Shared {
+    absl::Mutex mu;
+    std::deque<v1::Progress> pending ABSL_GUARDED_BY(mu);
+    bool finished ABSL_GUARDED_BY(mu) = false;
+    absl::StatusOr<v1::GenerateResponse> result ABSL_GUARDED_BY(mu) = absl::InternalError("not run");
+    // Await evaluates the condition with the lock held.
+    static bool Ready(Shared* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      return self->finished || !self->pending.empty();
+    }
+  };
+  Shared shared;
 
   CallControl control = ControlFor(context);
-  control.on_progress = [&](const v1::Progress& progress) {
-    absl::MutexLock lock(&mu);
-    pending.push_back(progress);
+  control.on_progress = [&shared](const v1::Progress& progress) {
+    absl::MutexLock lock(&shared.mu);
+    shared.pending.push_back(progress);
   };
   std::thread runner([&] {
     absl::StatusOr<v1::GenerateResponse> r = core_->Generate(*request, control);
-    absl::MutexLock lock(&mu);
-    result = std::move(r);
-    finished = true;
+    absl::MutexLock lock(&shared.mu);
+    shared.result = std::move(r);
+    shared.finished = true;
   });
 
   bool writable = true;
@@ -80,12 +88,10 @@ grpc::Status GenerationServiceImpl::GenerateStream(
     std::deque<v1::Progress> batch;
     bool done = false;
     {
-      absl::MutexLock lock(&mu);
-      auto ready = [&]() { return finished || !pending.empty(); };
-      mu.AwaitWithTimeout(absl::Condition(&ready, &decltype(ready)::operator()),
-                         absl::Milliseconds(200));
-      batch.swap(pending);
-      done = finished;
+      absl::MutexLock lock(&shared.mu);
+      shared.mu.AwaitWithTimeout(absl::Condition(&Shared::Ready, &shared), absl::Milliseconds(200));
+      batch.swap(shared.pending);
+      done = shared.finished;
     }
     for (const v1::Progress& progress : batch) {
       v1::GenerateStreamResponse message;
@@ -95,6 +101,11 @@ grpc::Status GenerationServiceImpl::GenerateStream(
     if (done) break;
   }
   runner.join();
+  absl::StatusOr<v1::GenerateResponse> result = absl::InternalError("not run");
+  {
+    absl::MutexLock lock(&shared.mu);
+    result = std::move(shared.result);
+  }
   if (result.ok()) {
     v1::GenerateStreamResponse message;
     *message.mutable_result() = *result;

@@ -4,7 +4,7 @@
 # read only; new inputs go to a scratch copy). Exits non-zero when a build fails or a target crashes,
 # aborts, leaks, reports undefined behaviour or spends more than 10 s on one input; the offending
 # input is kept under the work directory (printed) for replay:
-#   bazel-bin/tests/fuzz/<target> <input>
+#   bazel-fuzz-bin/tests/fuzz/<target> <input>
 #
 # Usage: tests/fuzz/run_fuzzers.sh [SECONDS_PER_TARGET (default 30)] [TARGET ...]
 #   TARGET: safetensors_fuzzer, model_config_fuzzer, tokenizer_fuzzer (default: all three)
@@ -40,7 +40,7 @@ for t in "${targets[@]}"; do
   mkdir -p "$work/$t/corpus" "$work/$t/artifacts"
   echo "running $t for ${seconds} s over $corpus"
   if ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1" \
-      "bazel-bin/tests/fuzz/$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=4096 \
+      "bazel-fuzz-bin/tests/fuzz/$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=4096 \
       -artifact_prefix="$work/$t/artifacts/" -print_final_stats=1 \
       "$work/$t/corpus" "$corpus" >"$work/$t/log" 2>&1; then
     echo "  ok: $(grep -E '^stat::number_of_executed_units' "$work/$t/log" | awk '{print $2}') inputs"

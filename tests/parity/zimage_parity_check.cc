@@ -174,10 +174,14 @@ int main(int argc, char** argv) {
   c10::InferenceMode guard;
   const std::string root = args[1];
   using Check = absl::Status (*)(const std::string&);
-  for (const auto& [name, check] : std::vector<std::pair<std::string, Check>>{
+  // Not a structured binding: the lambda below captures these, which C++17 (and clang) allow only
+  // for variables.
+  for (const auto& entry : std::vector<std::pair<std::string, Check>>{
            {"transformer", stowage::CheckTransformer}, {"vae", stowage::CheckVae},
            {"text encoder", stowage::CheckTextEncoder}, {"tokenizer", stowage::CheckTokenizer},
            {"pipeline", stowage::CheckPipeline}}) {
+    const std::string& name = entry.first;
+    const Check check = entry.second;
     absl::Status status = stowage::CatchAsStatus(name, [&] {
       absl::Status inner = check(root);
       if (!inner.ok()) stowage::Fail(name, inner);

@@ -15,6 +15,13 @@ Rows (diffusers' `apply_group_offloading`, use_stream=True, CPU offload device):
     leaf_level          offload_type="leaf_level"
     block_level_lowmem  block_level + low_cpu_mem_usage=True
     leaf_level_lowmem   leaf_level + low_cpu_mem_usage=True
+    layerwise_fp8       enable_layerwise_casting(storage float8_e4m3fn, compute bf16), on the GPU
+    layerwise_fp8_block_level   the same, then block_level group offloading (streams fp8 weights)
+The layerwise rows also report rel_l2: the relative L2 distance of their output from the same
+process's bf16 resident output on the same inputs.
+
+    # The 8-bit table and JSON lines ({"bench": "compressed", ...}) from both sides' rows:
+    python3 bench/diffusers_offload_bench.py compressed DIFFUSERS.jsonl STOWAGE.jsonl --out F
 
 Every row times one forward of the transformer at 1024x1024 (a 16x1x128x128 latent: 4096 image
 tokens) with 512 caption tokens, t = 0.5, batch 1, under torch.no_grad(): `--warmup` untimed forwards,
@@ -32,6 +39,7 @@ import sys
 import time
 
 ROWS = ("resident", "block_level", "leaf_level", "block_level_lowmem", "leaf_level_lowmem")
+LAYERWISE_ROWS = ("layerwise_fp8", "layerwise_fp8_block_level")
 # The Stowage row that does what each diffusers row does (bench/offload_bench.cc's row names).
 COUNTERPART = {
     "resident": "resident",
@@ -72,25 +80,38 @@ def run_row(row, directory, out, machine, warmup, iters):
     from diffusers import ZImageTransformer2DModel
     from diffusers.hooks import apply_group_offloading
 
-    if row not in ROWS:
-        raise SystemExit(f"unknown row {row!r}; rows: {', '.join(ROWS)}")
+    if row not in ROWS + LAYERWISE_ROWS:
+        raise SystemExit(f"unknown row {row!r}; rows: {', '.join(ROWS + LAYERWISE_ROWS)}")
     device = torch.device("cuda")
     torch.cuda.init()
     model = ZImageTransformer2DModel.from_pretrained(os.path.join(directory, "transformer"),
                                                      torch_dtype=torch.bfloat16).eval()
     weight_bytes = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    if row == "resident":
+    config = model.config
+    side = 1024 // 8
+    torch.manual_seed(0)
+    latents = torch.randn(config.in_channels, 1, side, side, dtype=torch.bfloat16, device=device)
+    caption = torch.randn(512, config.cap_feat_dim, dtype=torch.bfloat16, device=device)
+    t = torch.tensor([0.5], device=device)
+    reference = None
+    if row in LAYERWISE_ROWS:
+        # The bf16 output on the same inputs, then fp8 storage as diffusers does it.
+        model.to(device)
+        with torch.no_grad():
+            reference = model([latents], t, [caption], return_dict=False)[0][0].float()
+        if row == "layerwise_fp8_block_level":
+            model.to("cpu")
+        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+        if row == "layerwise_fp8_block_level":
+            apply_group_offloading(model, onload_device=device, offload_device=torch.device("cpu"),
+                                   offload_type="block_level", num_blocks_per_group=1, use_stream=True)
+    elif row == "resident":
         model.to(device)
     else:
         kind = "block_level" if row.startswith("block") else "leaf_level"
         apply_group_offloading(model, onload_device=device, offload_device=torch.device("cpu"),
                                offload_type=kind, num_blocks_per_group=1 if kind == "block_level" else None,
                                use_stream=True, low_cpu_mem_usage=row.endswith("_lowmem"))
-    config = model.config
-    side = 1024 // 8
-    latents = torch.randn(config.in_channels, 1, side, side, dtype=torch.bfloat16, device=device)
-    caption = torch.randn(512, config.cap_feat_dim, dtype=torch.bfloat16, device=device)
-    t = torch.tensor([0.5], device=device)
     steps = []
     with torch.no_grad():
         for _ in range(warmup):
@@ -105,13 +126,15 @@ def run_row(row, directory, out, machine, warmup, iters):
     if not torch.isfinite(output).all():
         raise SystemExit(f"{row}: non-finite output")
     result = {
-        "side": "diffusers", "row": row, "stowage_row": COUNTERPART[row],
+        "side": "diffusers", "row": row, "stowage_row": COUNTERPART.get(row, ""),
         "step_s": statistics.median(steps), "steps_s": steps,
         "peak_device_bytes": torch.cuda.max_memory_allocated(),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "weight_bytes": weight_bytes, "warmup": warmup, "iters": iters,
         "model": "ZImageTransformer2DModel", "torch": torch.__version__, "machine": machine,
     }
+    if reference is not None:
+        result["rel_l2"] = ((output.float() - reference).norm() / reference.norm()).item()
     line = json.dumps(result)
     print(line, flush=True)
     with open(out, "a", encoding="utf-8") as f:
@@ -145,13 +168,42 @@ def table(diffusers_path, stowage_path):
         print("| " + " | ".join([label] + [x for pair in zip(dc, sc) for x in pair]) + " |")
 
 
+def compressed(diffusers_path, stowage_path, out, machine):
+    """The 8-bit rows of both sides as {"bench": "compressed", ...} lines (appended to `out`) and a table."""
+    diffusers = {r["row"]: r for r in map(json.loads, open(diffusers_path, encoding="utf-8"))}
+    stowage = {r["row"]: r for r in map(json.loads, open(stowage_path, encoding="utf-8"))}
+    lines = []
+    for system, rows, resident, names in (
+            ("stowage", stowage, stowage.get("resident"), ("resident", "block_pinned", "block_int8", "block_fp8")),
+            ("diffusers", diffusers, diffusers.get("resident"),
+             ("resident", "block_level", "layerwise_fp8", "layerwise_fp8_block_level"))):
+        for name in names:
+            r = rows.get(name)
+            if r is None:
+                continue
+            lines.append({"bench": "compressed", "system": system, "row": name, "step_s": r["step_s"],
+                          "resident_bf16_step_s": resident["step_s"] if resident else None,
+                          "rel_l2": r.get("rel_l2", 0.0) if name not in ("resident", "block_pinned", "block_level") else 0.0,
+                          "peak_rss_bytes": r["peak_rss_bytes"], "bf16_weight_bytes": r["weight_bytes"],
+                          "peak_device_bytes": r["peak_device_bytes"], "machine": machine})
+    with open(out, "a", encoding="utf-8") as f:
+        for line in lines:
+            f.write(json.dumps(line) + "\n")
+    print("| system | row | step s | x resident bf16 step | rel L2 vs bf16 | peak RSS / bf16 weights | peak VRAM GB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in lines:
+        ratio = f"{r['step_s'] / r['resident_bf16_step_s']:.2f}" if r["resident_bf16_step_s"] else "–"
+        print(f"| {r['system']} | {r['row']} | {r['step_s']:.3f} | {ratio} | {r['rel_l2']:.4f} | "
+              f"{r['peak_rss_bytes'] / r['bf16_weight_bytes']:.2f} | {r['peak_device_bytes'] / 1e9:.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     e = sub.add_parser("export")
     e.add_argument("dir")
     r = sub.add_parser("row")
-    r.add_argument("row", choices=ROWS)
+    r.add_argument("row", choices=ROWS + LAYERWISE_ROWS)
     r.add_argument("dir")
     r.add_argument("--out", required=True)
     r.add_argument("--machine", default="unknown")
@@ -160,11 +212,18 @@ def main():
     t = sub.add_parser("table")
     t.add_argument("diffusers")
     t.add_argument("stowage")
+    c = sub.add_parser("compressed")
+    c.add_argument("diffusers")
+    c.add_argument("stowage")
+    c.add_argument("--out", required=True)
+    c.add_argument("--machine", default="unknown")
     args = parser.parse_args()
     if args.command == "export":
         export(args.dir)
     elif args.command == "row":
         run_row(args.row, args.dir, args.out, args.machine, args.warmup, args.iters)
+    elif args.command == "compressed":
+        compressed(args.diffusers, args.stowage, args.out, args.machine)
     else:
         table(args.diffusers, args.stowage)
 

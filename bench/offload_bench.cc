@@ -10,6 +10,10 @@
 //   offload_bench --out=bench/results/offload_bench.jsonl --machine="NVIDIA H200"
 //   offload_bench --model_dir=/tmp/zimage-weights --rows=resident,block_pinned,...
 //   offload_bench --config=small --backend=sim     (a seconds-long run for CI)
+// Rows block_int8 / block_fp8 stream the block-level groups as 8-bit (compress int8 / fp8_e4m3):
+// streamed_bytes is then the 8-bit bytes per forward, floor_8bit_s their PCIe floor, and rel_l2 the
+// relative L2 error of the output against a resident forward of the same weights and inputs
+// (computed once before the row's timed forwards; 0 for uncompressed rows).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -32,9 +36,11 @@
 #include "bench/transformer_stack.h"
 #include "models/diffusers_format.h"
 #include "models/zimage_transformer.h"
+#include "offload/compression.h"
 #include "offload/device_backend.h"
 #include "offload/group_offload.h"
 #include "offload/host_weights.h"
+#include "offload/safetensors.h"
 #include "base/status_macros.h"
 #include "base/process_memory.h"
 
@@ -42,7 +48,7 @@ ABSL_FLAG(std::string, config, "full", "full (Z-Image main-block shapes) or smal
 ABSL_FLAG(std::string, backend, "auto", "cuda, sim, or auto (CUDA when present)");
 ABSL_FLAG(std::string, rows,
           "resident,block_pinned,leaf_pinned,block_lowram,leaf_lowram,block_disk,budget25,budget50,budget75",
-          "Comma-separated rows to run");
+          "Comma-separated rows to run (also: block_int8, block_fp8, memcpy_probe)");
 ABSL_FLAG(int, warmup, 2, "Untimed forwards per row (the first records the order)");
 ABSL_FLAG(int, iters, 5, "Timed forwards per row (median reported)");
 ABSL_FLAG(std::string, out, "", "JSON-lines file to append rows to");
@@ -58,6 +64,12 @@ ABSL_FLAG(std::string, model_dir, "",
           "Diffusers-format Z-Image directory: benchmark its real transformer (transformer/ folder) "
           "instead of the synthetic stack");
 ABSL_FLAG(int64_t, caption_tokens, 512, "--model_dir: caption tokens of the forward");
+ABSL_FLAG(std::string, save_output, "",
+          "Write the last timed forward's output (float32) to this safetensors file (e.g. from the "
+          "resident row, as the reference of compressed rows run in other processes)");
+ABSL_FLAG(std::string, reference, "",
+          "Compressed rows: compare with the output saved by --save_output instead of a resident forward "
+          "in this process (which would put every bf16 weight in this process's RSS)");
 ABSL_FLAG(int64_t, image_size, 1024, "--model_dir: image side in pixels (latent side = size / 8)");
 
 namespace stowage {
@@ -84,6 +96,8 @@ struct RowResult {
   int prefetch_depth = 0;
   int64_t pinned_in_place = 0;
   std::string pin_in_place_error;
+  std::string compress = "none";
+  double rel_l2 = 0;
 };
 
 double Median(std::vector<double> v) {
@@ -166,6 +180,7 @@ absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend,
   auto model = std::make_unique<ZImageTransformer>(config, LayerOptions{dtype});
   RETURN_IF_ERROR(LoadComponentWeights(*model, dir, dtype));  // Views of the mapped files.
   const int64_t side = absl::GetFlag(FLAGS_image_size) / 8;
+  at::manual_seed(0);  // The same inputs in every process (rows compare outputs across processes).
   const at::Tensor latents = at::randn({config.in_channels, 1, side, side}, options);
   const at::Tensor caption = at::randn({absl::GetFlag(FLAGS_caption_tokens), config.cap_feat_dim}, options);
   ZImageTransformer* raw = model.get();
@@ -184,6 +199,25 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
   auto weights = HostWeights::Capture(model);
   if (!weights.ok()) return weights.status();
   result.weight_bytes = (*weights)->bytes();
+
+  const CompressFormat compress = row.rfind("block_int8", 0) == 0  ? CompressFormat::kInt8
+                                  : row.rfind("block_fp8", 0) == 0 ? CompressFormat::kFp8E4M3
+                                                                    : CompressFormat::kNone;
+  at::Tensor reference;  // Compressed rows: the output of a resident forward, on the host.
+  if (compress != CompressFormat::kNone && !absl::GetFlag(FLAGS_reference).empty()) {
+    ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(absl::GetFlag(FLAGS_reference)));
+    ASSIGN_OR_RETURN(at::Tensor saved, file->Get("output"));
+    reference = saved.clone();
+  } else if (compress != CompressFormat::kNone) {
+    RETURN_IF_ERROR((*weights)->OnloadAll(backend));
+    {
+      c10::InferenceMode guard;
+      reference = bench.forward().to(at::kCPU).to(at::kFloat);
+    }
+    (*weights)->OffloadAll();
+    backend.Synchronize();
+    backend.ReleaseCachedMemory();
+  }
 
   std::unique_ptr<GroupOffloader> offloader;
   if (row == "resident") {
@@ -212,11 +246,15 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     if (row.rfind("budget", 0) == 0) {
       options.budget_bytes = result.weight_bytes * std::stoi(row.substr(6, 2)) / 100;
     }
+    options.compress = compress;
+    result.compress = CompressFormatName(compress);
     result.prefetch_depth = options.use_stream ? options.prefetch_depth : 0;
     auto applied = GroupOffloader::Apply("stack", model, **weights, backend, options);
     if (!applied.ok()) return applied.status();
     offloader = *std::move(applied);
-    result.streamed_bytes = offloader->stats().streamed_bytes + offloader->stats().always_on_bytes;
+    result.streamed_bytes = compress != CompressFormat::kNone
+                                ? offloader->stats().bytes_per_forward
+                                : offloader->stats().streamed_bytes + offloader->stats().always_on_bytes;
     result.working_set = offloader->stats().working_set_bytes;
   }
 
@@ -225,11 +263,21 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
   backend.Synchronize();
   backend.ResetPeakStats();
   std::vector<double> steps;
+  at::Tensor out;
   for (int i = 0; i < absl::GetFlag(FLAGS_iters); ++i) {
     const auto start = std::chrono::steady_clock::now();
-    at::Tensor out = bench.forward();
+    out = bench.forward();
     backend.Synchronize();
     steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  if (reference.defined() && out.defined()) {
+    const at::Tensor got = out.to(at::kCPU).to(at::kDouble);
+    const at::Tensor want = reference.to(at::kDouble);
+    result.rel_l2 = (got - want).norm().item<double>() / std::max(want.norm().item<double>(), 1e-30);
+  }
+  if (!absl::GetFlag(FLAGS_save_output).empty() && out.defined()) {
+    RETURN_IF_ERROR(WriteSafetensors(absl::GetFlag(FLAGS_save_output),
+                                     {{"output", out.to(at::kCPU).to(at::kFloat).contiguous()}}));
   }
   result.step_s = Median(steps);
   result.peak_device = backend.GetMemoryStats().peak_allocated_bytes;
@@ -292,10 +340,16 @@ int Main() {
     if (row == "resident") resident_step = result->step_s;
     const double floor_s = static_cast<double>(result->weight_bytes) / bandwidth;
     const double achieved = result->streamed_bytes > 0 ? result->streamed_bytes / result->step_s : 0;
-    std::printf("%-14s %9.4f %9.4f %7.2f %7.2f %12.2f %12.2f %11.2f %9.1f\n", row.c_str(),
+    const double floor_8bit_s = result->compress != "none" ? result->streamed_bytes / bandwidth : 0.0;
+    std::printf("%-14s %9.4f %9.4f %7.2f %7.2f %12.2f %12.2f %11.2f %9.1f", row.c_str(),
                 result->step_s, floor_s, result->step_s / floor_s,
                 resident_step > 0 ? result->step_s / resident_step : 0.0, result->peak_device / 1e9,
                 result->peak_rss / 1e9, result->weight_bytes / 1e9, achieved / 1e9);
+    if (result->compress != "none") {
+      std::printf("  (%s: 8-bit floor %.4f s, x8bit %.2f, rel_l2 %.4f)", result->compress.c_str(), floor_8bit_s,
+                  result->step_s / floor_8bit_s, result->rel_l2);
+    }
+    std::printf("\n");
     std::fflush(stdout);
     if (out.is_open()) {
       out << absl::StrFormat(
@@ -304,7 +358,8 @@ int Main() {
           "\"streamed_bytes\": %d, \"working_set_bytes\": %d, \"h2d_bandwidth_bytes_per_s\": %.0f, "
           "\"achieved_h2d_bytes_per_s\": %.0f, \"config\": \"%s\", \"device\": \"%s\", "
           "\"prefetch_depth\": %d, \"staging\": \"%dx%dMiB, %d threads\", \"pinned_in_place_bytes\": %d, "
-          "\"pin_in_place_error\": \"%s\", \"model\": \"%s\", \"machine\": \"%s\"}\n",
+          "\"pin_in_place_error\": \"%s\", \"model\": \"%s\", \"machine\": \"%s\", \"compress\": \"%s\", "
+          "\"floor_8bit_s\": %.6f, \"rel_l2\": %.6f}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -312,7 +367,7 @@ int Main() {
           absl::GetFlag(FLAGS_staging_mib), absl::GetFlag(FLAGS_staging_threads), result->pinned_in_place,
           absl::CHexEscape(result->pin_in_place_error),
           absl::GetFlag(FLAGS_model_dir).empty() ? "transformer_stack" : "ZImageTransformer2DModel",
-          absl::GetFlag(FLAGS_machine));
+          absl::GetFlag(FLAGS_machine), result->compress, floor_8bit_s, result->rel_l2);
       out.flush();
     }
   }

@@ -8,8 +8,12 @@
 #include "base/status_macros.h"
 
 #ifdef STOWAGE_WITH_CUDA
+#include <dlfcn.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <vector>
 
 #include <ATen/Functions.h>
 #include <ATen/cuda/CUDAEvent.h>
@@ -24,6 +28,44 @@ namespace stowage {
 
 #ifdef STOWAGE_WITH_CUDA
 namespace {
+
+// The device memory this process holds as the driver reports it (what nvidia-smi lists per
+// process), through NVML loaded at run time: libnvidia-ml ships with the driver, not the toolkit, so
+// nothing links it. -1 when NVML or this process's entry is not there (then the caller falls back to
+// the device-wide figure). NVML's declarations are repeated here (its stable C ABI) so that no NVML
+// header is needed to build.
+int64_t ProcessDeviceBytesFromNvml(int cuda_index) {
+  using NvmlDevice = void*;
+  struct NvmlProcess {  // nvmlProcessInfo_t (v2 layout, used by the _v3 call).
+    unsigned int pid;
+    unsigned long long used_gpu_memory;
+    unsigned int gpu_instance_id;
+    unsigned int compute_instance_id;
+  };
+  static void* lib = ::dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) return -1;
+  using Init = int (*)();
+  using ByPci = int (*)(const char*, NvmlDevice*);
+  using Procs = int (*)(NvmlDevice, unsigned int*, NvmlProcess*);
+  static const auto init = reinterpret_cast<Init>(::dlsym(lib, "nvmlInit_v2"));
+  static const auto by_pci = reinterpret_cast<ByPci>(::dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2"));
+  static const auto procs = reinterpret_cast<Procs>(::dlsym(lib, "nvmlDeviceGetComputeRunningProcesses_v3"));
+  if (init == nullptr || by_pci == nullptr || procs == nullptr) return -1;
+  static const int initialised = init();
+  if (initialised != 0) return -1;
+  char bus_id[32] = {0};
+  if (cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), cuda_index) != cudaSuccess) return -1;
+  NvmlDevice device = nullptr;
+  if (by_pci(bus_id, &device) != 0) return -1;
+  std::vector<NvmlProcess> list(64);
+  unsigned int count = static_cast<unsigned int>(list.size());
+  if (procs(device, &count, list.data()) != 0) return -1;
+  const auto self = static_cast<unsigned int>(::getpid());
+  for (unsigned int i = 0; i < count && i < list.size(); ++i) {
+    if (list[i].pid == self) return static_cast<int64_t>(list[i].used_gpu_memory);
+  }
+  return -1;
+}
 
 absl::Status CudaStatus(cudaError_t err, absl::string_view what) {
   if (err == cudaSuccess) return absl::OkStatus();
@@ -56,11 +98,13 @@ class CudaBackend : public DeviceBackend {
     if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
       total_bytes_ = static_cast<int64_t>(total_bytes);
       // What this process holds outside the caching allocator: the context, module images and
-      // libraries' own allocations (taken as the device's used memory less the allocator's
-      // segments, so other processes on the card count too: start the server before others).
+      // libraries' own allocations — this process's memory as the driver reports it (NVML) less
+      // the allocator's segments. Without NVML, the device's used memory less the segments (other
+      // processes on the card then count too).
       const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
-      context_bytes_ = std::max<int64_t>(
-          0, static_cast<int64_t>(total_bytes - free_bytes) - stats.reserved_bytes[0].current);
+      int64_t process = ProcessDeviceBytesFromNvml(index);
+      if (process < 0) process = static_cast<int64_t>(total_bytes - free_bytes);
+      context_bytes_ = std::max<int64_t>(0, process - stats.reserved_bytes[0].current);
     }
   }
 
@@ -93,6 +137,12 @@ class CudaBackend : public DeviceBackend {
                                             cudaMemcpyHostToDevice, copy_stream_.stream());
     TORCH_CHECK(err == cudaSuccess, "cudaMemcpyAsync: ", cudaGetErrorString(err));
     h2d_ += static_cast<int64_t>(src.nbytes());
+  }
+
+  void EnqueueOnCopyStream(std::function<void()> work) override {
+    c10::cuda::CUDAGuard guard(device_);
+    c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
+    work();
   }
 
   std::unique_ptr<DeviceEvent> RecordOnCopyStream() override {

@@ -16,6 +16,7 @@
 #define STOWAGE_OFFLOAD_DEVICE_BACKEND_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -80,6 +81,16 @@ class DeviceBackend {
   // Copies `src` (host, same number of bytes) into `dst` (device) on the copy stream, without
   // blocking the host when `src` is pinned or registered. Counts host_to_device_bytes.
   virtual void CopyToDeviceAsync(const at::Tensor& dst, const at::Tensor& src) = 0;
+  // Runs `work` in copy-stream order: after every copy and work enqueued on the copy stream before
+  // it, and before anything enqueued after it (an event recorded on the copy stream afterwards
+  // completes only once `work`'s device effects are done). For device-side transforms of copied
+  // bytes, e.g. widening 8-bit weights into a slot (offload/compressed_host_store.h). `work` issues
+  // LibTorch ops on this device's tensors only; it must not throw nor wait on the compute stream.
+  //   Simulator: `work` runs on the copy worker thread, between the copies around it.
+  //   CUDA: `work` runs on the calling thread, at once, under a stream guard of the copy stream, so
+  //   the kernels it launches are queued on the copy stream (the host does not wait for them).
+  // Counts no host_to_device_bytes (what `work` reads is already on the device).
+  virtual void EnqueueOnCopyStream(std::function<void()> work) = 0;
   virtual std::unique_ptr<DeviceEvent> RecordOnCopyStream() = 0;
   virtual std::unique_ptr<DeviceEvent> RecordOnComputeStream() = 0;
   // Makes future compute-stream work wait for `event` (host does not block).

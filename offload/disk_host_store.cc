@@ -94,6 +94,7 @@ absl::StatusOr<std::unique_ptr<HostStore>> DiskHostStore::Create(const HostStore
     files.push_back(std::move(file));
   }
   ::malloc_trim(0);
+  stats.bytes_per_forward = NonResidentTensorBytes(groups);
   std::unique_ptr<DiskHostStore> store(
       new DiskHostStore(backend, std::move(groups), std::move(stats), std::move(files)));
   RETURN_IF_ERROR(store->StartStaging(options));

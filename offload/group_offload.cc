@@ -77,10 +77,12 @@ struct GroupOffloader::Impl {
   // --- Building ---------------------------------------------------------------------------------
 
   // Forms the groups and chooses the resident ones (offload/group_plan.h).
-  absl::Status PlanGroups() {
+  absl::Status PlanGroups(const HostStoreOptions& store_options) {
+    const StoreScratch scratch = PlanStoreScratch(store_options, *weights);
     std::vector<PlanTensor> tensors;
-    for (HostWeights::Entry& e : weights->entries()) {
-      tensors.push_back(PlanTensor{e.slot, static_cast<int64_t>(e.host.nbytes())});
+    for (size_t i = 0; i < weights->entries().size(); ++i) {
+      HostWeights::Entry& e = weights->entries()[i];
+      tensors.push_back(PlanTensor{e.slot, static_cast<int64_t>(e.host.nbytes()), scratch.tensor_bytes[i]});
     }
     GroupPlanOptions plan_options;
     plan_options.type = options.type;
@@ -88,6 +90,7 @@ struct GroupOffloader::Impl {
     plan_options.block_modules = options.block_modules;
     plan_options.budget_bytes = options.budget_bytes;
     plan_options.slots = options.use_stream ? options.prefetch_depth + 1 : 1;
+    plan_options.fixed_scratch_bytes = scratch.fixed_bytes;
     ASSIGN_OR_RETURN(plan, stowage::PlanGroups(component, *root, tensors, plan_options));
     for (const PlannedGroup& planned : plan.groups) {
       auto g = std::make_unique<Group>();
@@ -110,12 +113,14 @@ struct GroupOffloader::Impl {
     stats.always_on_bytes = plan.always_on_bytes;
     stats.resident_bytes = plan.resident_bytes;
     stats.streamed_bytes = plan.streamed_bytes;
+    stats.scratch_bytes = plan.scratch_bytes;
     stats.working_set_bytes = plan.working_set_bytes;
+    stats.compress = CompressFormatName(options.compress);
     return absl::OkStatus();
   }
 
   int64_t ReleaseSlots() {
-    if (!ring->allocated() || ring->size() == 0) return 0;
+    if (!ring->allocated() || ring->bytes() == 0) return 0;
     for (auto& g : groups) {
       if (g->active) return 0;  // Inside a forward.
     }
@@ -127,15 +132,38 @@ struct GroupOffloader::Impl {
     return ring->bytes();
   }
 
-  absl::Status PrepareDevice() {
-    ring = std::make_unique<SlotRing>(*backend, stats.slots, stats.slot_bytes);
+  // Allocates the ring (slots and store scratch) if it is not: the buffers come from the compute
+  // stream's pool and may have been freed by work still queued there, so copies into them wait for
+  // it; a fresh scratch is initialised by the store.
+  absl::Status EnsureRing() {
+    if (ring->allocated()) return absl::OkStatus();
     RETURN_IF_ERROR(ring->Allocate());
-    std::unique_ptr<DeviceEvent> ready = backend->RecordOnComputeStream();  // As in Onload.
+    std::unique_ptr<DeviceEvent> ready = backend->RecordOnComputeStream();
     backend->CopyStreamWait(*ready);
+    if (ring->scratch_bytes() > 0) store->InitScratch(ring->scratch());
+    return absl::OkStatus();
+  }
+
+  void EnsureRingOrThrow() {
+    absl::Status allocated = EnsureRing();
+    if (!allocated.ok()) {
+      throw DeviceOutOfMemory(backend->name(), ring->bytes(), backend->GetMemoryStats().allocated_bytes,
+                              backend->GetMemoryStats().budget_bytes);
+    }
+  }
+
+  absl::Status PrepareDevice() {
+    if (store->device_scratch_bytes() != stats.scratch_bytes) {
+      return absl::InternalError(absl::StrCat("component '", component, "': the host store needs ",
+                                              store->device_scratch_bytes(), " bytes of device scratch, ",
+                                              stats.scratch_bytes, " were planned"));
+    }
+    ring = std::make_unique<SlotRing>(*backend, stats.slots, stats.slot_bytes, stats.scratch_bytes);
+    RETURN_IF_ERROR(EnsureRing());
     for (auto& g : groups) {
       if (!g->resident) continue;
       ASSIGN_OR_RETURN(g->device_buffer, backend->AllocateBytes(g->bytes));
-      store->CopyGroupToSlot(g->index, g->device_buffer);
+      store->CopyGroupToSlot(g->index, g->device_buffer, at::Tensor());  // Resident: exact, no scratch.
       PointAt(*g, g->device_buffer);
     }
     backend->Synchronize();
@@ -179,7 +207,7 @@ struct GroupOffloader::Impl {
     if (holder != SlotRing::kNoOwner && holder != g.index) groups[static_cast<size_t>(holder)]->slot = -1;
     if (g.slot >= 0 && g.slot != s) ring->set_owner(g.slot, SlotRing::kNoOwner);
     ring->CopyStreamWaitReleased(s);
-    store->CopyGroupToSlot(g.index, ring->buffer(s));
+    store->CopyGroupToSlot(g.index, ring->buffer(s), ring->scratch());
     ring->RecordCopied(s);
     ring->set_owner(s, g.index);
     g.slot = static_cast<int>(s);
@@ -188,6 +216,7 @@ struct GroupOffloader::Impl {
   void Onload(Group& g) {
     if (g.resident) return;  // Resident groups are never in `order`: prefetch looks past them.
     if (g.always_on) {
+      if (ring->scratch_bytes() > 0) EnsureRingOrThrow();  // The store copies through the scratch.
       absl::StatusOr<at::Tensor> buffer = backend->AllocateBytes(g.bytes);
       if (!buffer.ok()) {
         throw DeviceOutOfMemory(backend->name(), g.bytes, backend->GetMemoryStats().allocated_bytes,
@@ -198,7 +227,7 @@ struct GroupOffloader::Impl {
       // before it, then compute waits for the copy.
       std::unique_ptr<DeviceEvent> ready = backend->RecordOnComputeStream();
       backend->CopyStreamWait(*ready);
-      store->CopyGroupToSlot(g.index, g.device_buffer);
+      store->CopyGroupToSlot(g.index, g.device_buffer, ring->scratch());
       std::unique_ptr<DeviceEvent> copied = backend->RecordOnCopyStream();
       backend->ComputeStreamWait(*copied);
       PointAt(g, g.device_buffer);
@@ -207,18 +236,7 @@ struct GroupOffloader::Impl {
       return;
     }
     ++stats.onloads;
-    if (!ring->allocated()) {
-      absl::Status allocated = ring->Allocate();
-      if (!allocated.ok()) {
-        throw DeviceOutOfMemory(backend->name(), ring->bytes(),
-                                backend->GetMemoryStats().allocated_bytes,
-                                backend->GetMemoryStats().budget_bytes);
-      }
-      // The buffers came from the compute stream's pool and may have been freed by work still
-      // queued there: copies into them wait for it.
-      std::unique_ptr<DeviceEvent> ready = backend->RecordOnComputeStream();
-      backend->CopyStreamWait(*ready);
-    }
+    EnsureRingOrThrow();
     const int64_t n = ring->size();
     const int64_t length = static_cast<int64_t>(order.size());
     int64_t pos = -1;
@@ -317,6 +335,8 @@ GroupOffloadStats GroupOffloader::stats() const {
     stats.pin_in_place_error = std::move(host.pin_in_place_error);
     stats.disk_files_written = host.disk_files_written;
     stats.disk_files_reused = host.disk_files_reused;
+    stats.compressed_host_bytes = host.compressed_host_bytes;
+    stats.bytes_per_forward = host.bytes_per_forward;
   }
   return stats;
 }
@@ -325,7 +345,7 @@ int64_t GroupOffloader::device_bytes() const {
   return (impl_->ring->allocated() ? impl_->ring->bytes() : 0) + impl_->stats.resident_bytes;
 }
 
-bool GroupOffloader::holds_slots() const { return impl_->ring->allocated() && impl_->ring->size() > 0; }
+bool GroupOffloader::holds_slots() const { return impl_->ring->allocated() && impl_->ring->bytes() > 0; }
 
 int64_t GroupOffloader::ReleaseSlots() { return impl_->ReleaseSlots(); }
 
@@ -366,6 +386,8 @@ absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
   store_options.staging_buffer_bytes = options.staging_buffer_bytes;
   store_options.staging_buffers = options.staging_buffers;
   store_options.staging_threads = options.staging_threads;
+  store_options.compress = options.compress;
+  store_options.prequantized = options.prequantized;
   if (absl::Status valid = ValidateHostStoreOptions(store_options); !valid.ok()) {
     return invalid(std::string(valid.message()));
   }
@@ -375,7 +397,7 @@ absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
   impl->weights = &weights;
   impl->backend = &backend;
   impl->options = options;
-  RETURN_IF_ERROR(impl->PlanGroups());
+  RETURN_IF_ERROR(impl->PlanGroups(store_options));
   // The component leaves the device before its groups take their place.
   weights.OffloadAll();
   ASSIGN_OR_RETURN(impl->store, CreateHostStore(store_options, impl->plan.groups, weights, backend));

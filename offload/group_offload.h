@@ -35,6 +35,13 @@
 // onloads, groups i+1..i+depth are copied ahead. A group reached out of order (a conditional
 // module, a second call) onloads synchronously and stays correct.
 //
+// Compression (`compress`, target kPinnedHost only): the streamed and always-on groups are kept on
+// the host as 8-bit weights with per-output-channel scales (int8, or fp8 e4m3 bits), copied as 8-bit
+// into a device scratch area and widened into the slot in the compute dtype on the copy stream
+// (offload/compressed_host_store.h): about half the bytes of bf16 per forward, a quarter of fp32,
+// at a small, bounded error. Resident groups are copied once and stay exact. The scratch is part of
+// the ring (allocated and released with it) and of the working set.
+//
 // Budget: with budget_bytes > 0 the planner keeps resident the groups that minimise the bytes
 // streamed per forward, subject to resident + always-on + slots <= budget, and streams the rest.
 //
@@ -99,6 +106,11 @@ struct GroupOffloadOptions {
   // no second copy in RAM. When the host refuses (for example a low RLIMIT_MEMLOCK) the groups are
   // staged through the ring instead (stats say which). False: always stage.
   bool pin_in_place = true;
+  // 8-bit transfer of the groups that are not resident (see "Compression" above); kNone: off.
+  CompressFormat compress = CompressFormat::kNone;
+  // With compress: weights already quantized (an 8-bit checkpoint, compressed_safetensors.h), by
+  // full slot path; the others are quantized at Apply.
+  std::shared_ptr<const PrequantizedWeights> prequantized;
 };
 
 struct GroupOffloadStats {
@@ -110,7 +122,9 @@ struct GroupOffloadStats {
   int64_t always_on_bytes = 0;  // Groups on the device for their owner's whole forward.
   int64_t resident_bytes = 0;
   int64_t streamed_bytes = 0;   // Bytes of the streamed groups (copied once per forward).
-  int64_t working_set_bytes = 0;  // slots * slot_bytes + always_on_bytes + resident_bytes.
+  int64_t scratch_bytes = 0;      // The host store's device scratch (compressed: 8-bit landing area).
+  // slots * slot_bytes + always_on_bytes + resident_bytes + scratch_bytes.
+  int64_t working_set_bytes = 0;
   // Counters since Apply.
   int64_t forwards = 0;
   int64_t onloads = 0;         // Ring onloads.
@@ -127,6 +141,12 @@ struct GroupOffloadStats {
   // backend refused, if it did.
   int64_t pinned_in_place_bytes = 0;
   std::string pin_in_place_error;
+  // Compression: "none", "int8" or "fp8_e4m3"; pinned host bytes of the 8-bit groups; and the
+  // host→device bytes of one forward that copies each streamed and always-on group once (every
+  // store reports the latter; uncompressed it is about streamed_bytes + always_on_bytes).
+  std::string compress = "none";
+  int64_t compressed_host_bytes = 0;
+  int64_t bytes_per_forward = 0;
 };
 
 class GroupOffloader {
@@ -146,7 +166,8 @@ class GroupOffloader {
   const GroupOffloadOptions& options() const { return options_; }
   GroupOffloadStats stats() const;
 
-  // Device bytes held now: the ring's slots while allocated, and the resident groups.
+  // Device bytes held now: the ring's slots and the store's scratch while allocated, and the
+  // resident groups.
   int64_t device_bytes() const;
   // True while the ring's slots are allocated (what ReleaseSlots would free).
   bool holds_slots() const;
@@ -154,8 +175,8 @@ class GroupOffloader {
   // memory; its next forward allocates them again (a device out-of-memory error there is thrown as
   // DeviceOutOfMemory, like any onload). Does nothing during a forward. Returns the bytes freed.
   int64_t ReleaseSlots();
-  // Bytes the next forward must allocate before it can run: the slots if released, the always-on
-  // groups.
+  // Bytes the next forward must allocate before it can run: the slots and scratch if released, the
+  // always-on groups.
   int64_t bytes_needed_to_run() const;
 
   // The hook name on every hooked module.

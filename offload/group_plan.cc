@@ -13,9 +13,21 @@ namespace {
 
 int64_t AlignUp(int64_t n) { return (n + kGroupAlign - 1) / kGroupAlign * kGroupAlign; }
 
-void Append(PlannedGroup& g, int index, int64_t bytes) {
-  g.tensors.push_back(PlannedTensor{index, g.bytes, bytes});
-  g.bytes += AlignUp(bytes);
+void Append(PlannedGroup& g, int index, const PlanTensor& t) {
+  g.tensors.push_back(PlannedTensor{index, g.bytes, t.bytes});
+  g.bytes += AlignUp(t.bytes);
+  g.scratch_bytes += AlignUp(t.scratch_bytes);
+}
+
+// The store's scratch when the groups with `streams(g)` true are not resident: the largest of
+// theirs, plus the fixed part when any needs scratch.
+template <typename Pred>
+int64_t ScratchFor(const std::vector<PlannedGroup*>& candidates, int64_t fixed, Pred streams) {
+  int64_t largest = 0;
+  for (const PlannedGroup* g : candidates) {
+    if (streams(*g)) largest = std::max(largest, g->scratch_bytes);
+  }
+  return largest > 0 ? largest + fixed : 0;
 }
 
 }  // namespace
@@ -30,7 +42,7 @@ absl::StatusOr<std::vector<PlannedGroup>> FormGroups(const std::string& componen
       for (const TensorSlot& slot : owner.slots()) {
         auto it = unplaced.find(&slot);
         if (it == unplaced.end()) continue;
-        Append(g, it->second, tensors[static_cast<size_t>(it->second)].bytes);
+        Append(g, it->second, tensors[static_cast<size_t>(it->second)]);
         unplaced.erase(it);
       }
     };
@@ -87,7 +99,7 @@ absl::StatusOr<std::vector<PlannedGroup>> FormGroups(const std::string& componen
     rest.members.push_back(&root);
     for (size_t i = 0; i < tensors.size(); ++i) {
       if (unplaced.count(tensors[i].slot) == 0) continue;
-      Append(rest, static_cast<int>(i), tensors[i].bytes);
+      Append(rest, static_cast<int>(i), tensors[i]);
     }
     if (rest.bytes > 0) groups.push_back(std::move(rest));
   } else {
@@ -110,6 +122,7 @@ absl::StatusOr<GroupPlan> ChooseResidency(const std::string& component, std::vec
   const int64_t n = options.slots;
   int64_t always_on = 0;
   std::vector<PlannedGroup*> ring;
+  std::vector<PlannedGroup*> all;
   // Largest first. Among equal sizes, a low-discrepancy order of the group index, so that the
   // groups the budget keeps resident are spread along the forward: streaming the others then
   // overlaps the resident groups' compute instead of queueing behind one long resident stretch.
@@ -122,6 +135,7 @@ absl::StatusOr<GroupPlan> ChooseResidency(const std::string& component, std::vec
     } else {
       ring.push_back(&g);
     }
+    all.push_back(&g);
     const double x = static_cast<double>(i) * 0.6180339887498949;
     spread[&g] = x - static_cast<int64_t>(x);
   }
@@ -131,14 +145,18 @@ absl::StatusOr<GroupPlan> ChooseResidency(const std::string& component, std::vec
   });
   if (options.budget_bytes > 0) {
     // Candidate slot sizes: 0 (everything resident) or any group's size. Groups larger than the
-    // slot must be resident; the rest fill the remaining budget greedily, largest first.
+    // slot must be resident; the rest fill the remaining budget greedily, largest first. The
+    // store's scratch is reserved for every group that may still stream (an upper bound: greedy
+    // filling can only make it smaller).
     std::set<int64_t> sizes = {0};
     for (const PlannedGroup* g : ring) sizes.insert(g->bytes);
     int64_t best_resident = -1;
     int64_t best_slot = 0;
     std::vector<PlannedGroup*> best;
     for (int64_t s : sizes) {
-      int64_t free = options.budget_bytes - always_on - (s > 0 ? n * s : 0);
+      const int64_t scratch = ScratchFor(all, options.fixed_scratch_bytes,
+                                         [&](const PlannedGroup& g) { return g.always_on || g.bytes <= s; });
+      int64_t free = options.budget_bytes - always_on - (s > 0 ? n * s : 0) - scratch;
       std::vector<PlannedGroup*> chosen;
       int64_t resident = 0;
       for (PlannedGroup* g : ring) {
@@ -172,7 +190,8 @@ absl::StatusOr<GroupPlan> ChooseResidency(const std::string& component, std::vec
       return absl::InvalidArgumentError(absl::StrCat(
           "component '", component, "': budget_bytes ", options.budget_bytes,
           " is smaller than its smallest working set: ", always_on, " always-on bytes + ", n,
-          " slot(s) of at least ", smallest, " bytes (one group)"));
+          " slot(s) of at least ", smallest, " bytes (one group)",
+          ScratchFor(all, 0, [](const PlannedGroup&) { return true; }) > 0 ? " + the host store's device scratch" : ""));
     }
     for (PlannedGroup* g : best) g->resident = true;
     plan.slot_bytes = best_slot;
@@ -191,7 +210,8 @@ absl::StatusOr<GroupPlan> ChooseResidency(const std::string& component, std::vec
   plan.slots = plan.streamed_groups > 0 ? n : 0;
   if (plan.streamed_groups == 0) plan.slot_bytes = 0;
   plan.always_on_bytes = always_on;
-  plan.working_set_bytes = plan.slots * plan.slot_bytes + always_on + plan.resident_bytes;
+  plan.scratch_bytes = ScratchFor(all, options.fixed_scratch_bytes, [](const PlannedGroup& g) { return !g.resident; });
+  plan.working_set_bytes = plan.slots * plan.slot_bytes + always_on + plan.resident_bytes + plan.scratch_bytes;
   return plan;
 }
 

@@ -27,6 +27,12 @@
 // greedily, largest first; among equal sizes, spread along the forward (a low-discrepancy order
 // of the group index), so that streaming the others overlaps resident compute.
 //
+// Store scratch: a host store may need a device scratch area besides the slot to copy a group (the
+// compressed store lands 8-bit weights there before widening them into the slot). Each tensor says
+// how much it needs (PlanTensor::scratch_bytes); a group needs the sum, and the store one area as
+// large as the largest group that is not resident, plus a fixed part (options.fixed_scratch_bytes)
+// when any needs some. It is part of the working set and of the budget arithmetic.
+//
 // Thread-safety: the functions are reentrant; a plan is a value.
 //
 //   std::vector<PlanTensor> tensors;  // One per tensor slot that may be offloaded, with its bytes.
@@ -53,6 +59,7 @@ inline constexpr int64_t kGroupAlign = 256;
 struct PlanTensor {
   const TensorSlot* slot = nullptr;
   int64_t bytes = 0;
+  int64_t scratch_bytes = 0;  // In the store's device scratch when the group is copied.
 };
 
 struct PlannedTensor {
@@ -66,6 +73,7 @@ struct PlannedGroup {
   std::vector<PlannedTensor> tensors;  // In layout order.
   std::vector<Module*> members;        // Modules whose forwards use the group.
   int64_t bytes = 0;                   // Packed size, each tensor aligned to kGroupAlign.
+  int64_t scratch_bytes = 0;           // Store scratch to copy it (sum of its tensors', aligned).
   bool always_on = false;              // On the device for its owners' whole forward; never in the ring.
   bool resident = false;               // Kept on the device by the budget.
   bool streamed() const { return !always_on && !resident; }
@@ -77,6 +85,7 @@ struct GroupPlanOptions {
   std::vector<std::string> block_modules;   // block_level; empty: the root's ModuleList children.
   int64_t budget_bytes = 0;                 // 0: stream every ring group.
   int64_t slots = 1;                        // Ring slots when any group streams (>= 1).
+  int64_t fixed_scratch_bytes = 0;          // Store scratch needed once when any group needs some.
 };
 
 struct GroupPlan {
@@ -88,7 +97,8 @@ struct GroupPlan {
   int64_t always_on_bytes = 0;
   int64_t resident_bytes = 0;
   int64_t streamed_bytes = 0;
-  int64_t working_set_bytes = 0;  // slots * slot_bytes + always_on_bytes + resident_bytes.
+  int64_t scratch_bytes = 0;      // The store's device scratch (0 when no copied group needs any).
+  int64_t working_set_bytes = 0;  // slots * slot_bytes + always_on_bytes + resident_bytes + scratch_bytes.
 };
 
 // Forms the groups of `root` (see the header comment); tensors whose slot is not in `tensors` are

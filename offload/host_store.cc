@@ -21,6 +21,15 @@ std::vector<StoreGroup> ResolveGroups(const std::vector<PlannedGroup>& planned, 
   return groups;
 }
 
+int64_t NonResidentTensorBytes(const std::vector<StoreGroup>& groups) {
+  int64_t bytes = 0;
+  for (const StoreGroup& g : groups) {
+    if (g.resident) continue;
+    for (const StoreTensor& t : g.tensors) bytes += static_cast<int64_t>(t.entry->host.nbytes());
+  }
+  return bytes;
+}
+
 at::Tensor BytesOf(const at::Tensor& t) {
   return at::from_blob(t.data_ptr(), {static_cast<int64_t>(t.nbytes())}, at::TensorOptions().dtype(at::kByte));
 }

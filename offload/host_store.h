@@ -10,9 +10,15 @@
 //   StagedHostStore         (staged_host_store.h)          pageable, through a ring of pinned
 //                                                          staging buffers and the memcpy pool.
 //   DiskHostStore           (disk_host_store.h)            one safetensors file per group, staged.
+//   CompressedHostStore     (compressed_host_store.h)      8-bit weights + per-channel scales in
+//                                                          pinned memory, widened on the device.
 // The engine (group planning, the slot ring, prefetch scheduling) never learns which one it has.
 //
-// Contract of CopyGroupToSlot(group, slot):
+// Contract of CopyGroupToSlot(group, slot, scratch):
+//   - `scratch` is a device byte buffer of device_scratch_bytes() that the engine allocates with
+//     the slot ring and counts in the component's working set (undefined when the store needs
+//     none); the store owns its contents between calls. After every (re)allocation the engine calls
+//     InitScratch(scratch) once, before the first copy that uses it.
 //   - `slot` is a device buffer of at least the group's planned bytes (a ring slot, or a resident
 //     or always-on group's own buffer). Once the copy stream has passed the work the call enqueues,
 //     the slot holds every tensor of the group in its compute dtype at its planned offset
@@ -20,7 +26,9 @@
 //   - How the bytes get there is the store's business: how many DMAs, from which host memory,
 //     through which intermediate buffers, and how many bytes cross the link. A compressed store can
 //     move fewer bytes than the slot holds (8-bit weights and per-channel scales into a device
-//     scratch area of its own, widened into the slot by work it enqueues on the copy stream).
+//     scratch area, widened into the slot by work it enqueues on the copy stream with
+//     DeviceBackend::EnqueueOnCopyStream). Work on the copy stream runs in order, so one scratch
+//     serves every group: the next group's bytes land there only after the last widening.
 //   - All device work goes on the backend's copy stream. The engine has already made the copy
 //     stream wait until the slot may be overwritten, and records the event that compute waits for
 //     right after the call. The call may block the host only on the store's own resources (a
@@ -46,6 +54,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "offload/compression.h"
 #include "offload/device_backend.h"
 #include "offload/group_plan.h"
 #include "offload/host_weights.h"
@@ -67,6 +76,12 @@ struct HostStoreOptions {
   int64_t staging_buffer_bytes = int64_t{64} << 20;
   int staging_buffers = 2;
   int staging_threads = 8;
+  // kPinnedHost only: keep the streamed and always-on groups as 8-bit weights with per-channel
+  // scales (CompressedHostStore); resident groups stay exact. kNone: uncompressed.
+  CompressFormat compress = CompressFormat::kNone;
+  // With compress: 8-bit weights already quantized (an 8-bit checkpoint), by full slot path, used
+  // instead of quantizing those host copies. Their format must be `compress`.
+  std::shared_ptr<const PrequantizedWeights> prequantized;
 };
 
 // What a store contributes to GroupOffloadStats (same meanings and names there).
@@ -77,6 +92,12 @@ struct HostStoreStats {
   std::string pin_in_place_error;      // Why registering in place was refused, if it was.
   int64_t disk_files_written = 0;
   int64_t disk_files_reused = 0;
+  // Host→device bytes of one copy of every group that is not resident (what a forward moves when
+  // each streamed and always-on group onloads once): packed bytes for the pinned store, tensor
+  // bytes for the others, 8-bit data + scales + uncompressed tensors for the compressed store.
+  int64_t bytes_per_forward = 0;
+  // CompressedHostStore: pinned host bytes of the 8-bit groups (data, scales, 1-D tensors).
+  int64_t compressed_host_bytes = 0;
 };
 
 class HostStore {
@@ -85,9 +106,16 @@ class HostStore {
 
   // Enqueues on the copy stream what makes `slot` hold group `group` (an index into the planned
   // groups the store was created for). See the contract above.
-  virtual void CopyGroupToSlot(int group, const at::Tensor& slot) = 0;
+  virtual void CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) = 0;
 
   virtual HostStoreStats stats() const = 0;
+
+  // Device bytes of scratch the copies need (0 for every store but the compressed one). Equals the
+  // planned scratch (GroupPlan::scratch_bytes) for the groups the store was created for.
+  virtual int64_t device_scratch_bytes() const { return 0; }
+  // Enqueues on the copy stream what a freshly allocated `scratch` needs before the first copy
+  // (e.g. decode tables). Called by the engine after each allocation of the scratch.
+  virtual void InitScratch(const at::Tensor& scratch) { (void)scratch; }
 };
 
 // --- Building blocks for implementations ---------------------------------------------------------
@@ -103,8 +131,18 @@ struct StoreGroup {
   int64_t bytes = 0;      // Planned (packed) bytes.
   bool resident = false;  // Copied once at Apply and kept on the device.
 };
+// Device scratch a store needs per host tensor (weights.entries() order) and once (see
+// group_plan.h "Store scratch").
+struct StoreScratch {
+  std::vector<int64_t> tensor_bytes;
+  int64_t fixed_bytes = 0;
+};
+
 // `planned` resolved against `weights` (PlannedTensor::index indexes weights.entries()).
 std::vector<StoreGroup> ResolveGroups(const std::vector<PlannedGroup>& planned, HostWeights& weights);
+
+// Bytes of the host copies of the groups that are not resident.
+int64_t NonResidentTensorBytes(const std::vector<StoreGroup>& groups);
 
 // Raw bytes of a contiguous CPU tensor, without ownership (the caller keeps `t` alive).
 at::Tensor BytesOf(const at::Tensor& t);

@@ -2,6 +2,9 @@
 
 #include <string>
 
+#include "base/status_macros.h"
+
+#include "offload/compressed_host_store.h"
 #include "offload/disk_host_store.h"
 #include "offload/pinned_host_store.h"
 #include "offload/pinned_in_place_host_store.h"
@@ -14,12 +17,30 @@ absl::Status ValidateHostStoreOptions(const HostStoreOptions& options) {
       (options.staging_buffers < 1 || options.staging_buffer_bytes < (int64_t{1} << 16))) {
     return absl::InvalidArgumentError("staging needs at least one buffer of at least 64 KiB");
   }
+  if (options.compress != CompressFormat::kNone && options.target != OffloadTarget::kPinnedHost) {
+    return absl::InvalidArgumentError(
+        "compress needs target pinned_host (the 8-bit groups are packed into pinned memory)");
+  }
+  if (options.prequantized != nullptr && options.compress == CompressFormat::kNone) {
+    return absl::InvalidArgumentError("8-bit weights were given but compress is none");
+  }
   return absl::OkStatus();
+}
+
+StoreScratch PlanStoreScratch(const HostStoreOptions& options, HostWeights& weights) {
+  if (options.compress == CompressFormat::kNone) {
+    return StoreScratch{std::vector<int64_t>(weights.entries().size(), 0), 0};
+  }
+  return CompressedHostStore::PlanScratch(options.compress, weights);
 }
 
 absl::StatusOr<std::unique_ptr<HostStore>> CreateHostStore(const HostStoreOptions& options,
                                                            const std::vector<PlannedGroup>& groups,
                                                            HostWeights& weights, DeviceBackend& backend) {
+  if (options.compress != CompressFormat::kNone) {
+    RETURN_IF_ERROR(ValidateHostStoreOptions(options));
+    return CompressedHostStore::Create(options, groups, weights, backend);
+  }
   switch (options.target) {
     case OffloadTarget::kPinnedHost:
       return PinnedHostStore::Create(groups, weights, backend);

@@ -21,7 +21,13 @@ namespace stowage {
 // the option, not the component: the caller adds it).
 absl::Status ValidateHostStoreOptions(const HostStoreOptions& options);
 
+// The device scratch each host tensor of `weights` needs under `options` (in entries() order) and
+// the fixed part: what the planner reserves (PlanTensor::scratch_bytes,
+// GroupPlanOptions::fixed_scratch_bytes) and the created store's device_scratch_bytes() matches.
+StoreScratch PlanStoreScratch(const HostStoreOptions& options, HostWeights& weights);
+
 // Creates the store of options.target for the planned groups of `weights`:
+//   compress != kNone -> CompressedHostStore (target kPinnedHost only)
 //   kPinnedHost   -> PinnedHostStore
 //   kPageableHost -> PinnedInPlaceHostStore when pin_in_place and the host accepts; otherwise
 //                    StagedHostStore (with the refusal in stats().pin_in_place_error)

@@ -41,6 +41,7 @@ absl::StatusOr<std::unique_ptr<HostStore>> PinnedHostStore::Create(const std::ve
     at::Tensor& packed = store->packed_[pending[i]];
     packed = chunk.narrow(0, used, g.bytes);
     used += g.bytes;
+    store->stats_.bytes_per_forward += g.bytes;
     uint8_t* base = packed.data_ptr<uint8_t>();
     for (StoreTensor& t : g.tensors) {
       const at::Tensor& host = t.entry->host;
@@ -61,7 +62,7 @@ absl::StatusOr<std::unique_ptr<HostStore>> PinnedHostStore::Create(const std::ve
   return std::unique_ptr<HostStore>(std::move(store));
 }
 
-void PinnedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot) {
+void PinnedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& /*scratch*/) {
   const auto index = static_cast<size_t>(group);
   const at::Tensor& packed = packed_[index];
   if (packed.defined()) {

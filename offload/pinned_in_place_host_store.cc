@@ -23,6 +23,7 @@ absl::StatusOr<std::unique_ptr<HostStore>> PinnedInPlaceHostStore::Create(
       ranges.emplace_back(begin / page * page, (end + page - 1) / page * page);
     }
   }
+  store->stats_.bytes_per_forward = NonResidentTensorBytes(store->groups_);
   std::sort(ranges.begin(), ranges.end());
   std::vector<std::pair<uintptr_t, uintptr_t>> merged;  // Overlapping pages registered once.
   for (const auto& r : ranges) {
@@ -58,7 +59,8 @@ void PinnedInPlaceHostStore::Unregister() {
   registered_.clear();
 }
 
-void PinnedInPlaceHostStore::CopyGroupToSlot(int group, const at::Tensor& slot) {
+void PinnedInPlaceHostStore::CopyGroupToSlot(int group, const at::Tensor& slot,
+                                              const at::Tensor& /*scratch*/) {
   CopyTensorsDirect(*backend_, groups_[static_cast<size_t>(group)], slot);
 }
 

@@ -28,7 +28,7 @@ class PinnedInPlaceHostStore final : public HostStore {
                                                            HostWeights& weights, DeviceBackend& backend);
   ~PinnedInPlaceHostStore() override;
 
-  void CopyGroupToSlot(int group, const at::Tensor& slot) override;
+  void CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) override;
   HostStoreStats stats() const override { return stats_; }
 
  private:

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <set>
@@ -127,7 +128,12 @@ class SimulatedBackend : public DeviceBackend {
                 " vs ", src.nbytes(), " bytes)");
     TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "CopyToDeviceAsync needs contiguous tensors");
     absl::MutexLock lock(&copy_->mu);
-    queue_.push_back(Copy{dst, src, ++copy_->issued});
+    queue_.push_back(Copy{dst, src, nullptr, ++copy_->issued});
+  }
+
+  void EnqueueOnCopyStream(std::function<void()> work) override {
+    absl::MutexLock lock(&copy_->mu);
+    queue_.push_back(Copy{at::Tensor(), at::Tensor(), std::move(work), ++copy_->issued});
   }
 
   std::unique_ptr<DeviceEvent> RecordOnCopyStream() override {
@@ -203,9 +209,11 @@ class SimulatedBackend : public DeviceBackend {
   void ReleaseCachedMemory() override {}
 
  private:
+  // A copy, or work (EnqueueOnCopyStream) when `work` is set.
   struct Copy {
     at::Tensor dst;
     at::Tensor src;
+    std::function<void()> work;
     uint64_t seq;
   };
 
@@ -229,6 +237,11 @@ class SimulatedBackend : public DeviceBackend {
         copy = std::move(queue_.front());
         queue_.pop_front();
       }
+      if (copy.work) {
+        copy.work();
+        Complete(std::move(copy));
+        continue;
+      }
       const auto start = std::chrono::steady_clock::now();
       const size_t bytes = copy.src.nbytes();
       if (bytes > 0) std::memcpy(copy.dst.data_ptr(), copy.src.data_ptr(), bytes);
@@ -242,11 +255,15 @@ class SimulatedBackend : public DeviceBackend {
         absl::MutexLock lock(&pool_->mu);
         pool_->h2d += static_cast<int64_t>(bytes);
       }
-      const uint64_t seq = copy.seq;
-      copy = Copy{};  // Drop the tensor references before signalling completion.
-      absl::MutexLock lock(&copy_->mu);
-      copy_->completed = seq;  // Copies finish in issue order.
+      Complete(std::move(copy));
     }
+  }
+
+  void Complete(Copy copy) {
+    const uint64_t seq = copy.seq;
+    copy = Copy{};  // Drop the tensor references before signalling completion.
+    absl::MutexLock lock(&copy_->mu);
+    copy_->completed = seq;  // Copies finish in issue order.
   }
 
   const SimulatedBackendOptions options_;

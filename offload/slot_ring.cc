@@ -4,8 +4,8 @@
 
 namespace stowage {
 
-SlotRing::SlotRing(DeviceBackend& backend, int64_t slots, int64_t slot_bytes)
-    : backend_(&backend), slot_bytes_(slot_bytes), slots_(static_cast<size_t>(slots)) {}
+SlotRing::SlotRing(DeviceBackend& backend, int64_t slots, int64_t slot_bytes, int64_t scratch_bytes)
+    : backend_(&backend), slot_bytes_(slot_bytes), scratch_bytes_(scratch_bytes), slots_(static_cast<size_t>(slots)) {}
 
 absl::Status SlotRing::Allocate() {
   if (allocated_) return absl::OkStatus();
@@ -16,6 +16,14 @@ absl::Status SlotRing::Allocate() {
       return buffer.status();
     }
     slot.buffer = *std::move(buffer);
+  }
+  if (scratch_bytes_ > 0) {
+    absl::StatusOr<at::Tensor> scratch = backend_->AllocateBytes(scratch_bytes_);
+    if (!scratch.ok()) {
+      for (Slot& s : slots_) s.buffer = at::Tensor();
+      return scratch.status();
+    }
+    scratch_ = *std::move(scratch);
   }
   allocated_ = true;
   return absl::OkStatus();
@@ -30,6 +38,7 @@ void SlotRing::Release() {
     slot.released.reset();
     slot.buffer = at::Tensor();
   }
+  scratch_ = at::Tensor();
   allocated_ = false;
 }
 

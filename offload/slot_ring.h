@@ -9,6 +9,10 @@
 // copy overwrites the slot). Which group a slot holds (its owner, an index chosen by the caller) is
 // bookkeeping for the engine's prefetch; the ring never looks at group contents.
 //
+// The ring also holds the host store's device scratch (HostStore::device_scratch_bytes), allocated
+// and freed with the slots, so that everything the component needs to stream is one allocation
+// decision and one number (bytes()).
+//
 // The slots can be freed while the component is idle (Release) and allocated again before its
 // next forward (Allocate), so that other components can use that memory in between.
 //
@@ -38,15 +42,17 @@ class SlotRing {
  public:
   static constexpr int kNoOwner = -1;
 
-  // `slots` (>= 0) buffers of `slot_bytes` each; nothing is allocated until Allocate().
-  SlotRing(DeviceBackend& backend, int64_t slots, int64_t slot_bytes);
+  // `slots` (>= 0) buffers of `slot_bytes` each and a scratch buffer of `scratch_bytes` (>= 0);
+  // nothing is allocated until Allocate().
+  SlotRing(DeviceBackend& backend, int64_t slots, int64_t slot_bytes, int64_t scratch_bytes = 0);
   SlotRing(const SlotRing&) = delete;
   SlotRing& operator=(const SlotRing&) = delete;
 
   int64_t size() const { return static_cast<int64_t>(slots_.size()); }
   int64_t slot_bytes() const { return slot_bytes_; }
-  // Device bytes of all slots (held while allocated()).
-  int64_t bytes() const { return size() * slot_bytes_; }
+  int64_t scratch_bytes() const { return scratch_bytes_; }
+  // Device bytes of all slots and the scratch (held while allocated()).
+  int64_t bytes() const { return size() * slot_bytes_ + scratch_bytes_; }
   bool allocated() const { return allocated_; }
 
   // Allocates every slot's buffer (from the compute stream's pool: the caller makes the copy stream
@@ -59,6 +65,8 @@ class SlotRing {
 
   // Slot `s` (0 <= s < size()) while allocated.
   const at::Tensor& buffer(int64_t s) const { return slots_[static_cast<size_t>(s)].buffer; }
+  // The store's scratch while allocated (undefined when scratch_bytes() is 0).
+  const at::Tensor& scratch() const { return scratch_; }
   int owner(int64_t s) const { return slots_[static_cast<size_t>(s)].owner; }
   void set_owner(int64_t s, int owner) { slots_[static_cast<size_t>(s)].owner = owner; }
 
@@ -80,7 +88,9 @@ class SlotRing {
   };
   DeviceBackend* backend_;
   int64_t slot_bytes_;
+  int64_t scratch_bytes_;
   std::vector<Slot> slots_;
+  at::Tensor scratch_;
   bool allocated_ = false;
 };
 

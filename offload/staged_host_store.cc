@@ -16,6 +16,7 @@ absl::StatusOr<std::unique_ptr<HostStore>> StagedHostStore::Create(const HostSto
   stats.pin_in_place_error = std::move(why_staged);
   std::unique_ptr<StagedHostStore> store(
       new StagedHostStore(backend, ResolveGroups(groups, weights), std::move(stats)));
+  store->stats_.bytes_per_forward = NonResidentTensorBytes(store->groups_);
   RETURN_IF_ERROR(store->StartStaging(options));
   return std::unique_ptr<HostStore>(std::move(store));
 }
@@ -30,7 +31,7 @@ absl::Status StagedHostStore::StartStaging(const HostStoreOptions& options) {
   return absl::OkStatus();
 }
 
-void StagedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot) {
+void StagedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& /*scratch*/) {
   for (const StoreTensor& t : groups_[static_cast<size_t>(group)].tensors) {
     const at::Tensor& host = t.entry->host;
     const auto n = static_cast<int64_t>(host.nbytes());

@@ -69,6 +69,10 @@ void FillComponents(const PlacementSnapshot& snapshot,
       g->set_sync_onloads(s.sync_onloads);
       g->set_pinned_in_place_bytes(s.pinned_in_place_bytes);
       g->set_pin_in_place_error(s.pin_in_place_error);
+      g->set_compress(s.compress);
+      g->set_compressed_host_bytes(s.compressed_host_bytes);
+      g->set_scratch_bytes(s.scratch_bytes);
+      g->set_bytes_per_forward(s.bytes_per_forward);
     }
   }
 }

@@ -259,6 +259,25 @@ absl::StatusOr<GroupOffloadOptions> ToGroupOffloadOptions(const v1::GroupOffload
   if (c.staging_buffer_bytes() > 0) o.staging_buffer_bytes = c.staging_buffer_bytes();
   if (c.staging_buffers() > 0) o.staging_buffers = c.staging_buffers();
   o.pin_in_place = !c.never_pin_in_place();
+  switch (c.compress()) {
+    case v1::GroupOffloadConfig::COMPRESS_NONE:
+      o.compress = CompressFormat::kNone;
+      break;
+    case v1::GroupOffloadConfig::COMPRESS_INT8:
+      o.compress = CompressFormat::kInt8;
+      break;
+    case v1::GroupOffloadConfig::COMPRESS_FP8:
+      o.compress = CompressFormat::kFp8E4M3;
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(field, ".compress: ", static_cast<int>(c.compress()),
+                                                     " is out of range; allowed: COMPRESS_NONE (0), "
+                                                     "COMPRESS_INT8 (1), COMPRESS_FP8 (2)"));
+  }
+  if (o.compress != CompressFormat::kNone && o.target != OffloadTarget::kPinnedHost) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ".compress: needs target PINNED_HOST (the 8-bit groups live in pinned memory)"));
+  }
   return o;
 }
 

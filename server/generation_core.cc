@@ -246,14 +246,15 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
         interrupt, DeviceWorker::TaskOrder::kAfterQueuedJobs);
   }
   if (!status.ok() && !removed) {
-    // Withdrawn before the removal ran: everything is as it was.
+    // Withdrawn before the removal ran: everything is as it was. The pipeline serves again at
+    // once; its components' UNLOADING marks go at the worker's next boundary.
+    pipelines_.AbandonUnload(name);
     (void)ChangeDevice(
         [&](PlacementManager& placement) {
           placement.AbandonUnloading(name);
           return absl::OkStatus();
         },
         nullptr);
-    pipelines_.AbandonUnload(name);
   }
   return status;
 }

@@ -364,6 +364,44 @@ TEST_F(AdminE2ETest, ServesTheZImageArchitectureAtATinySize) {
   EXPECT_EQ(c.image(), a.image());
 }
 
+// 8-bit streaming through the admin API (the same GroupOffloadConfig message as the config file):
+// the status reports the format, the 8-bit host bytes, the scratch and the bytes per forward, and
+// the pipeline still draws.
+TEST_F(AdminE2ETest, CompressedGroupOffloadIsReported) {
+  v1::LoadPipelineRequest load;
+  load.mutable_pipeline()->set_name("zimage");
+  load.mutable_pipeline()->set_builtin("zimage-tiny");
+  v1::LoadPipelineResponse loaded;
+  ASSERT_TRUE(admin_->LoadPipeline(Authed().get(), load, &loaded).ok());
+  v1::EnableGroupOffloadRequest enable;
+  enable.set_component_id("zimage/transformer");
+  enable.mutable_options()->set_use_stream(true);
+  enable.mutable_options()->set_compress(v1::GroupOffloadConfig::COMPRESS_INT8);
+  v1::EnableGroupOffloadResponse enabled;
+  grpc::Status status = admin_->EnableGroupOffload(Authed().get(), enable, &enabled);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(enabled.components_size(), 1);
+  const v1::GroupOffloadStatus& g = enabled.components(0).group_offload();
+  EXPECT_EQ(g.compress(), "int8");
+  EXPECT_GT(g.compressed_host_bytes(), 0);
+  EXPECT_GT(g.scratch_bytes(), 0);
+  EXPECT_GT(g.bytes_per_forward(), 0);
+  EXPECT_GE(g.working_set_bytes(), g.scratch_bytes());
+  v1::GenerateResponse image;
+  ASSERT_TRUE(Generate("zimage", &image).ok());
+  v1::GetPlacementResponse placement;
+  ASSERT_TRUE(admin_->GetPlacement(Authed().get(), {}, &placement).ok());
+  bool found = false;
+  for (const auto& c : placement.components()) {
+    if (c.id() != "zimage/transformer") continue;
+    found = true;
+    EXPECT_EQ(c.group_offload().compress(), "int8");
+    EXPECT_EQ(c.group_offload().bytes_per_forward(), g.bytes_per_forward());
+    EXPECT_GE(c.group_offload().forwards(), 1);
+  }
+  EXPECT_TRUE(found);
+}
+
 TEST(TlsE2ETest, TlsPortServesTlsClientsOnly) {
   const std::string dir = ::testing::TempDir();
   const std::string cert = dir + "/tls.crt";

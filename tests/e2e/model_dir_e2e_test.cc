@@ -4,11 +4,12 @@
 // Every load is refused with INVALID_ARGUMENT naming the file or the component's folder (and, for
 // the sizes the architecture uses, the field) — or, for a field the architecture does not read, succeeds and
 // serves. After every case the server still answers a health check.
+#include <dirent.h>
+#include <ftw.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmath>
-#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -24,7 +25,37 @@
 namespace stowage {
 namespace {
 
-namespace fs = std::filesystem;
+// POSIX rather than std::filesystem: torch's pip LibTorch (the GPU host's) exports its own
+// std::filesystem symbols, built for another libstdc++, which calls from here would bind to.
+bool Exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+void RemoveTree(const std::string& path) {
+  ::nftw(path.c_str(), [](const char* p, const struct stat*, int, FTW*) { return ::remove(p); }, 16,
+         FTW_DEPTH | FTW_PHYS);
+}
+
+void CopyTree(const std::string& from, const std::string& to) {
+  ::mkdir(to.c_str(), 0755);
+  DIR* dir = ::opendir(from.c_str());
+  ASSERT_NE(dir, nullptr) << from;
+  while (dirent* entry = ::readdir(dir)) {
+    const std::string name = entry->d_name;
+    if (name == "." || name == "..") continue;
+    struct stat st;
+    ASSERT_EQ(::stat((from + "/" + name).c_str(), &st), 0);
+    if (S_ISDIR(st.st_mode)) {
+      CopyTree(from + "/" + name, to + "/" + name);
+    } else {
+      std::ifstream in(from + "/" + name, std::ios::binary);
+      std::ofstream out(to + "/" + name, std::ios::binary | std::ios::trunc);
+      out << in.rdbuf();
+    }
+  }
+  ::closedir(dir);
+}
 
 std::string ReadAll(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -57,9 +88,10 @@ class ModelDirTest : public ::testing::Test {
     server_ = std::make_unique<E2eServer>();
     ASSERT_TRUE(server_->ok());
     source_ = "tests/fixtures/zimage_tiny/pipeline";
-    ASSERT_TRUE(fs::exists(source_ + "/model_index.json")) << "fixture missing";
+    ASSERT_TRUE(Exists(source_ + "/model_index.json")) << "fixture missing";
     work_ = std::string(::testing::TempDir()) + "/model_dir_e2e";
-    fs::remove_all(work_);
+    RemoveTree(work_);
+    ::mkdir(work_.c_str(), 0755);
   }
   void TearDown() override {
     if (server_ != nullptr && server_->ok()) EXPECT_TRUE(HealthServing(server_->channel()));
@@ -68,8 +100,7 @@ class ModelDirTest : public ::testing::Test {
   // A fresh copy of the fixture pipeline.
   std::string FreshCopy() {
     const std::string dir = work_ + "/m" + std::to_string(++copies_);
-    fs::create_directories(dir);
-    fs::copy(source_, dir, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+    CopyTree(source_, dir);
     return dir;
   }
 
@@ -139,7 +170,7 @@ TEST_F(ModelDirTest, EveryNumericConfigFieldThroughZeroNegativeHugeAndFractional
         }
         Unload(name);
         ASSERT_TRUE(HealthServing(server_->channel()));
-        fs::remove_all(dir);
+        RemoveTree(dir);
       }
     }
   }
@@ -173,7 +204,7 @@ TEST_F(ModelDirTest, BrokenWeightFilesAreRefusedNamingTheFile) {
          WriteAll(dir + weights, bytes);
        },
        "diffusion_pytorch_model"},
-      {"missing", [&](const std::string& dir) { fs::remove(dir + weights); }, "transformer"},
+      {"missing", [&](const std::string& dir) { ::unlink((dir + weights).c_str()); }, "transformer"},
       {"unknown class",
        [&](const std::string& dir) {
          std::string index = ReadAll(dir + "/model_index.json");
@@ -183,8 +214,8 @@ TEST_F(ModelDirTest, BrokenWeightFilesAreRefusedNamingTheFile) {
        "(10000 bytes)"},
       {"model_index is a directory",
        [&](const std::string& dir) {
-         fs::remove(dir + "/model_index.json");
-         fs::create_directory(dir + "/model_index.json");
+         ::unlink((dir + "/model_index.json").c_str());
+         ::mkdir((dir + "/model_index.json").c_str(), 0755);
        },
        "model_index.json"},
   };

@@ -74,6 +74,30 @@ TEST_P(DeviceBackendConformanceTest, AsyncCopyIsVisibleAfterWaitingOnItsEvent) {
   EXPECT_TRUE(at::equal(dst->to(at::kCPU), *pinned));
 }
 
+// Work enqueued on the copy stream sees the copy before it and is complete when an event recorded
+// after it is: the contract the compressed store's widening relies on.
+TEST_P(DeviceBackendConformanceTest, WorkOnTheCopyStreamRunsInStreamOrder) {
+  auto pinned = backend_->AllocatePinnedHost(4096);
+  ASSERT_TRUE(pinned.ok()) << pinned.status();
+  pinned->copy_(at::arange(4096, at::kInt).remainder(100).to(at::kByte));
+  auto bytes = backend_->AllocateBytes(4096);
+  auto widened = backend_->AllocateBytes(4096 * 4);
+  ASSERT_TRUE(bytes.ok() && widened.ok());
+  const at::Tensor dst = *bytes;
+  const at::Tensor out = widened->view(at::kFloat);
+  const int64_t h2d = backend_->GetMemoryStats().host_to_device_bytes;
+  backend_->CopyToDeviceAsync(dst, *pinned);
+  backend_->EnqueueOnCopyStream([dst, out] {
+    out.copy_(dst);
+    out.mul_(0.5);
+  });
+  std::unique_ptr<DeviceEvent> event = backend_->RecordOnCopyStream();
+  backend_->ComputeStreamWait(*event);
+  backend_->Synchronize();
+  EXPECT_TRUE(at::equal(out.to(at::kCPU), pinned->to(at::kFloat).mul(0.5)));
+  EXPECT_EQ(backend_->GetMemoryStats().host_to_device_bytes - h2d, 4096);  // The work moves nothing.
+}
+
 TEST_P(DeviceBackendConformanceTest, BudgetTurnsOversizedAllocationIntoDeviceOom) {
   backend_->Synchronize();
   const DeviceMemoryStats stats = backend_->GetMemoryStats();

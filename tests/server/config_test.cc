@@ -123,6 +123,19 @@ TEST(ConfigTest, GroupOffloadOptionsPassDepthAndPinInPlace) {
   EXPECT_EQ(l->target, OffloadTarget::kPageableHost);
   EXPECT_EQ(l->prefetch_depth, 2);
   EXPECT_FALSE(l->pin_in_place);
+  EXPECT_EQ(b->compress, CompressFormat::kNone);  // Off by default.
+  block.set_compress(v1::GroupOffloadConfig::COMPRESS_INT8);
+  EXPECT_EQ(ToGroupOffloadOptions(block, "defaults")->compress, CompressFormat::kInt8);
+  block.set_compress(v1::GroupOffloadConfig::COMPRESS_FP8);
+  EXPECT_EQ(ToGroupOffloadOptions(block, "defaults")->compress, CompressFormat::kFp8E4M3);
+  block.set_compress(static_cast<v1::GroupOffloadConfig::Compress>(7));  // Open enum: refused.
+  auto bad = ToGroupOffloadOptions(block, "defaults");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(bad.status().message()).find("defaults.compress"), std::string::npos) << bad.status();
+  leaf.set_compress(v1::GroupOffloadConfig::COMPRESS_INT8);  // PAGEABLE_HOST: refused.
+  bad = ToGroupOffloadOptions(leaf, "defaults");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  leaf.set_compress(v1::GroupOffloadConfig::COMPRESS_NONE);
   leaf.set_prefetch_depth(-1);
   l = ToGroupOffloadOptions(leaf, "pipelines[0].group_offload.defaults");
   EXPECT_EQ(l.status().code(), absl::StatusCode::kInvalidArgument);

@@ -1,0 +1,213 @@
+#include "offload/compressed_host_store.h"
+
+#include <malloc.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include <ATen/Functions.h>
+
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "offload/safetensors.h"
+
+namespace stowage {
+namespace {
+
+int DtypeSlot(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 1 : dtype == at::kHalf ? 2 : 0; }
+
+struct FixedLayout {
+  bool has[3] = {false, false, false};
+  int64_t max_numel = 0;
+};
+
+FixedLayout ScanCompressible(CompressFormat format, HostWeights& weights) {
+  FixedLayout layout;
+  for (const HostWeights::Entry& e : weights.entries()) {
+    if (!IsCompressible(format, e.host.scalar_type(), e.host.sizes())) continue;
+    layout.has[DtypeSlot(e.host.scalar_type())] = true;
+    layout.max_numel = std::max(layout.max_numel, e.host.numel());
+  }
+  return layout;
+}
+
+absl::StatusOr<QuantizedTensor> CheckPrequantized(const std::string& name, const QuantizedTensor& given,
+                                                  const at::Tensor& host, CompressFormat format) {
+  const at::ScalarType want = format == CompressFormat::kInt8 ? at::kChar : at::kByte;
+  if (!given.q.defined() || given.q.scalar_type() != want || given.q.sizes() != host.sizes() ||
+      !given.scale.defined() || given.scale.numel() != host.size(0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "8-bit weight '", name, "' does not match its tensor: want ", CompressFormatName(format),
+        " of the tensor's shape and ", host.size(0), " scales"));
+  }
+  return QuantizedTensor{given.q.contiguous(), given.scale.to(at::kFloat).reshape({-1}).contiguous()};
+}
+
+}  // namespace
+
+StoreScratch CompressedHostStore::PlanScratch(CompressFormat format, HostWeights& weights) {
+  StoreScratch scratch;
+  for (const HostWeights::Entry& e : weights.entries()) {
+    scratch.tensor_bytes.push_back(TensorScratchBytes(format, e.host.scalar_type(), e.host.sizes()));
+  }
+  const FixedLayout layout = ScanCompressible(format, weights);
+  scratch.fixed_bytes = FixedScratchBytes(format, layout.has[0], layout.has[1], layout.has[2], layout.max_numel);
+  return scratch;
+}
+
+absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const HostStoreOptions& options,
+                                                                       const std::vector<PlannedGroup>& groups,
+                                                                       HostWeights& weights,
+                                                                       DeviceBackend& backend) {
+  const CompressFormat format = options.compress;
+  if (format == CompressFormat::kNone) return absl::InvalidArgumentError("compressed store without a format");
+  RETURN_IF_ERROR(weights.CheckSourceFiles());
+  std::unique_ptr<CompressedHostStore> store(
+      new CompressedHostStore(backend, format, ResolveGroups(groups, weights)));
+
+  // The fixed part of the scratch: fp8 tables per compute dtype present, then the index chunk.
+  const FixedLayout fixed = ScanCompressible(format, weights);
+  store->fixed_bytes_ = FixedScratchBytes(format, fixed.has[0], fixed.has[1], fixed.has[2], fixed.max_numel);
+  if (store->fixed_bytes_ > 0) {
+    int64_t offset = 0;
+    const at::ScalarType dtypes[3] = {at::kFloat, at::kBFloat16, at::kHalf};
+    std::vector<at::Tensor> tables;
+    for (int d = 0; d < 3; ++d) {
+      if (!fixed.has[d]) continue;
+      store->table_offset_[d] = offset;
+      at::Tensor table = Fp8E4M3Table(dtypes[d]);
+      const auto bytes = static_cast<int64_t>(table.nbytes());
+      tables.push_back(at::cat({BytesOf(table), at::zeros({AlignScratch(bytes) - bytes}, at::kByte)}));
+      offset += AlignScratch(bytes);
+    }
+    store->index_offset_ = offset;
+    store->index_elements_ = std::min(fixed.max_numel, kFp8DecodeChunkElements);
+    ASSIGN_OR_RETURN(store->tables_, backend.AllocatePinnedHost(offset));
+    store->tables_.copy_(at::cat(tables));
+  }
+
+  int64_t largest = 0;
+  for (size_t gi = 0; gi < store->groups_.size(); ++gi) {
+    StoreGroup& g = store->groups_[gi];
+    if (g.resident) continue;
+    Group8& g8 = store->groups8_[gi];
+    // Layout: the compressed part first (the scratch's image), then the other tensors.
+    int64_t compressed = 0;
+    for (const StoreTensor& t : g.tensors) {
+      const at::Tensor& host = t.entry->host;
+      Tensor8 t8;
+      t8.slot_offset = t.offset;
+      t8.bytes = static_cast<int64_t>(host.nbytes());
+      t8.dtype = host.scalar_type();
+      t8.sizes = host.sizes().vec();
+      t8.compressed = IsCompressible(format, host.scalar_type(), host.sizes());
+      if (t8.compressed) {
+        t8.q_offset = compressed;
+        compressed += AlignScratch(host.numel());
+        t8.scale_offset = compressed;
+        compressed += AlignScratch(host.size(0) * 4);
+      }
+      g8.tensors.push_back(std::move(t8));
+    }
+    g8.compressed_bytes = compressed;
+    largest = std::max(largest, compressed);
+    int64_t packed_bytes = compressed;
+    for (Tensor8& t8 : g8.tensors) {
+      if (t8.compressed) continue;
+      t8.host_offset = packed_bytes;
+      packed_bytes += AlignScratch(t8.bytes);
+      store->stats_.bytes_per_forward += t8.bytes;
+    }
+    store->stats_.bytes_per_forward += compressed;
+    ASSIGN_OR_RETURN(g8.packed, backend.AllocatePinnedHost(packed_bytes));
+    store->stats_.compressed_host_bytes += packed_bytes;
+    store->stats_.pinned_host_bytes += packed_bytes;
+    g8.packed.zero_();  // Padding: deterministic bytes on the device.
+    uint8_t* base = g8.packed.data_ptr<uint8_t>();
+    for (size_t i = 0; i < g.tensors.size(); ++i) {
+      const at::Tensor& host = g.tensors[i].entry->host;
+      const Tensor8& t8 = g8.tensors[i];
+      if (t8.compressed) {
+        const std::string name = g.tensors[i].entry->module->SlotPath(*g.tensors[i].entry->slot);
+        QuantizedTensor q;
+        const auto given = options.prequantized != nullptr ? options.prequantized->find(name)
+                                                           : PrequantizedWeights::const_iterator();
+        if (options.prequantized != nullptr && given != options.prequantized->end()) {
+          ASSIGN_OR_RETURN(q, CheckPrequantized(name, given->second, host, format));
+        } else {
+          q = Quantize(host, format);
+        }
+        std::memcpy(base + t8.q_offset, q.q.data_ptr(), q.q.nbytes());
+        std::memcpy(base + t8.scale_offset, q.scale.data_ptr(), q.scale.nbytes());
+      } else {
+        std::memcpy(base + t8.host_offset, host.data_ptr(), host.nbytes());
+      }
+      store->stats_.mapped_bytes_released +=
+          ReleaseMappedPages(host.data_ptr(), static_cast<int64_t>(host.nbytes()));
+    }
+  }
+  store->scratch_bytes_ = largest > 0 ? store->fixed_bytes_ + largest : 0;
+  ::malloc_trim(0);  // Quantization temporaries.
+  return std::unique_ptr<HostStore>(std::move(store));
+}
+
+CompressedHostStore::~CompressedHostStore() { backend_->Synchronize(); }
+
+void CompressedHostStore::InitScratch(const at::Tensor& scratch) {
+  if (!tables_.defined() || scratch_bytes_ == 0) return;
+  backend_->CopyToDeviceAsync(scratch.narrow(0, 0, tables_.numel()), tables_);
+}
+
+WidenScratch CompressedHostStore::WidenViews(const at::Tensor& scratch) const {
+  WidenScratch views;
+  if (fixed_bytes_ == 0) return views;
+  at::Tensor* tables[3] = {&views.table_f32, &views.table_bf16, &views.table_f16};
+  const at::ScalarType dtypes[3] = {at::kFloat, at::kBFloat16, at::kHalf};
+  const int64_t sizes[3] = {4, 2, 2};
+  for (int d = 0; d < 3; ++d) {
+    if (table_offset_[d] < 0) continue;
+    *tables[d] = scratch.narrow(0, table_offset_[d], 256 * sizes[d]).view(dtypes[d]);
+  }
+  views.index = scratch.narrow(0, index_offset_, index_elements_ * 4).view(at::kInt);
+  return views;
+}
+
+void CompressedHostStore::Widen(int group, const at::Tensor& slot, const at::Tensor& scratch) const {
+  const Group8& g8 = groups8_[static_cast<size_t>(group)];
+  const at::Tensor region = scratch.narrow(0, fixed_bytes_, g8.compressed_bytes);
+  const WidenScratch views = WidenViews(scratch);
+  const at::ScalarType qtype = format_ == CompressFormat::kInt8 ? at::kChar : at::kByte;
+  for (const Tensor8& t : g8.tensors) {
+    if (!t.compressed) continue;
+    const int64_t numel = t.bytes / static_cast<int64_t>(c10::elementSize(t.dtype));
+    const at::Tensor out = slot.narrow(0, t.slot_offset, t.bytes).view(t.dtype).view(t.sizes);
+    const at::Tensor q = region.narrow(0, t.q_offset, numel).view(qtype).view(t.sizes);
+    const at::Tensor scale = region.narrow(0, t.scale_offset, t.sizes[0] * 4).view(at::kFloat);
+    WidenInto(out, q, scale, format_, views);
+  }
+}
+
+void CompressedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) {
+  const auto index = static_cast<size_t>(group);
+  const Group8& g8 = groups8_[index];
+  if (!g8.packed.defined()) {  // A resident group, copied once, exact.
+    CopyTensorsDirect(*backend_, groups_[index], slot);
+    return;
+  }
+  if (g8.compressed_bytes > 0) {
+    backend_->CopyToDeviceAsync(scratch.narrow(0, fixed_bytes_, g8.compressed_bytes),
+                                g8.packed.narrow(0, 0, g8.compressed_bytes));
+  }
+  for (const Tensor8& t : g8.tensors) {
+    if (t.compressed) continue;
+    backend_->CopyToDeviceAsync(slot.narrow(0, t.slot_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
+  }
+  if (g8.compressed_bytes > 0) {
+    // The views are made on the copy stream's side: the scratch and slot tensors stay referenced
+    // (and their memory alive) until the work has run.
+    backend_->EnqueueOnCopyStream([this, group, slot, scratch] { Widen(group, slot, scratch); });
+  }
+}
+
+}  // namespace stowage

@@ -1,0 +1,97 @@
+// CompressedHostStore (target kPinnedHost with compress int8 or fp8_e4m3): the groups that are not
+// resident are kept in pinned host memory as 8-bit weights with per-output-channel fp32 scales
+// (offload/compression.h), copied as 8-bit into the device scratch and widened there into the
+// slot, in the compute dtype, by LibTorch ops enqueued on the copy stream
+// (DeviceBackend::EnqueueOnCopyStream): the engine's prefetch hides the widening like the copy.
+//
+// Per group, one pinned buffer in the order the device needs it:
+//   [ q_0 | scale_0 | q_1 | scale_1 | ... ]  the compressed tensors (rank >= 2, floating), each part
+//                                            aligned to 256: one DMA into the scratch;
+//   [ t_a | t_b | ... ]                      the other tensors (biases, norms) in their compute
+//                                            dtype: one DMA each, straight to their slot offset.
+// The scratch is [fp8 tables and int32 index chunk | the largest group's compressed part]; the
+// tables are uploaded by InitScratch whenever the engine (re)allocates the scratch.
+//
+// Exactness: after the copy the slot holds, for every compressed tensor, Dequantize(q, scale) in
+// the compute dtype bit for bit, and every other tensor exactly. Resident groups are copied once
+// from the original host copies, uncompressed (exact). The original host copies stay the source
+// of truth (HostWeights: for resident groups and for disabling group offload later); pages of a
+// safetensors mapping are dropped from RSS after quantizing, so host RAM holds the 8-bit copy plus
+// whatever originals live on the heap.
+//
+// Weights already quantized (an 8-bit checkpoint, compressed_safetensors.h) are taken from
+// options.prequantized by slot path instead of quantizing the host copy.
+//
+// Thread-safety and lifetime: as HostStore. Work the store enqueued refers to the store: the
+// destructor synchronizes the device first.
+#ifndef STOWAGE_OFFLOAD_COMPRESSED_HOST_STORE_H_
+#define STOWAGE_OFFLOAD_COMPRESSED_HOST_STORE_H_
+
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "offload/compression.h"
+#include "offload/host_store.h"
+
+namespace stowage {
+
+class CompressedHostStore final : public HostStore {
+ public:
+  // The scratch `format` needs per tensor of `weights` and once (for the planner).
+  static StoreScratch PlanScratch(CompressFormat format, HostWeights& weights);
+
+  // Quantizes (or takes from options.prequantized) the tensors of every group that is not
+  // resident and packs them into pinned memory. INVALID_ARGUMENT for a prequantized tensor that
+  // does not match its host copy (shape, format, scale length); errors of pinned allocation.
+  static absl::StatusOr<std::unique_ptr<HostStore>> Create(const HostStoreOptions& options,
+                                                           const std::vector<PlannedGroup>& groups,
+                                                           HostWeights& weights, DeviceBackend& backend);
+  ~CompressedHostStore() override;
+
+  void CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) override;
+  HostStoreStats stats() const override { return stats_; }
+  int64_t device_scratch_bytes() const override { return scratch_bytes_; }
+  void InitScratch(const at::Tensor& scratch) override;
+
+ private:
+  struct Tensor8 {
+    bool compressed = false;
+    int64_t slot_offset = 0;  // In the group's planned layout.
+    int64_t bytes = 0;        // In the compute dtype (in the slot).
+    at::ScalarType dtype = at::kFloat;
+    std::vector<int64_t> sizes;
+    int64_t q_offset = 0;      // Compressed: in the group's compressed part (= scratch region).
+    int64_t scale_offset = 0;
+    int64_t host_offset = 0;   // Uncompressed: in the packed buffer.
+  };
+  struct Group8 {
+    at::Tensor packed;               // Pinned; undefined for resident groups.
+    int64_t compressed_bytes = 0;    // The compressed part (DMA'd into the scratch).
+    std::vector<Tensor8> tensors;
+  };
+
+  CompressedHostStore(DeviceBackend& backend, CompressFormat format, std::vector<StoreGroup> groups)
+      : backend_(&backend), format_(format), groups_(std::move(groups)), groups8_(groups_.size()) {}
+  // Runs on the copy stream: widens group `group`'s compressed tensors from the scratch into `slot`.
+  void Widen(int group, const at::Tensor& slot, const at::Tensor& scratch) const;
+  WidenScratch WidenViews(const at::Tensor& scratch) const;
+
+  DeviceBackend* backend_;
+  CompressFormat format_;
+  std::vector<StoreGroup> groups_;
+  std::vector<Group8> groups8_;
+  int64_t fixed_bytes_ = 0;     // Start of the group region in the scratch.
+  int64_t scratch_bytes_ = 0;   // 0 when no copied group has a compressed tensor.
+  // fp8: offsets of the tables in the scratch (-1: dtype absent), the index chunk, and the tables
+  // packed in pinned memory as InitScratch uploads them.
+  int64_t table_offset_[3] = {-1, -1, -1};  // fp32, bf16, fp16.
+  int64_t index_offset_ = 0;
+  int64_t index_elements_ = 0;
+  at::Tensor tables_;
+  HostStoreStats stats_;
+};
+
+}  // namespace stowage
+
+#endif  // STOWAGE_OFFLOAD_COMPRESSED_HOST_STORE_H_

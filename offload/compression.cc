@@ -1,0 +1,191 @@
+#include "offload/compression.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <ATen/TensorOperators.h>
+
+#include "absl/strings/str_cat.h"
+
+// torch >= 2.1 with CUDA has a float8 dtype whose conversion kernels widen e4m3fn without the
+// table; the table path stays correct everywhere (and is what CPU CI tests).
+#if defined(STOWAGE_WITH_CUDA) && __has_include(<torch/version.h>)
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#define STOWAGE_NATIVE_FLOAT8 1
+#endif
+#endif
+
+namespace stowage {
+namespace {
+
+// Round half to even of a non-negative float (exact: callers scale by powers of two first).
+float RoundEven(float x) { return std::nearbyint(x); }  // Default rounding mode: to nearest even.
+
+uint8_t EncodeOne(float f) {
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
+  if (std::isnan(f)) return sign | 0x7F;
+  const float a = std::fabs(f);
+  if (a >= kFp8E4M3Max) return sign | 0x7E;
+  int e = 0;
+  (void)std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1): a = 1.f * 2^(e - 1).
+  const int exponent = e - 1;
+  if (a == 0.0f || exponent < -6) {
+    // Subnormal: k * 2^-9, k in 0..8 (k = 8 is the pattern of the smallest normal, 2^-6).
+    const auto k = static_cast<int>(RoundEven(std::ldexp(a, 9)));
+    return sign | static_cast<uint8_t>(k);
+  }
+  auto mantissa = static_cast<int>(RoundEven(std::ldexp(a, 3 - exponent)));  // In [8, 16].
+  int biased = exponent + 7;
+  if (mantissa == 16) {
+    mantissa = 8;
+    ++biased;
+  }
+  return sign | static_cast<uint8_t>((biased << 3) | (mantissa - 8));  // a < 448: never 0x7F.
+}
+
+float DecodeOne(uint8_t bits) {
+  const int exponent = (bits >> 3) & 0xF;
+  const int mantissa = bits & 0x7;
+  float value;
+  if (exponent == 0xF && mantissa == 0x7) {
+    value = std::numeric_limits<float>::quiet_NaN();
+  } else if (exponent == 0) {
+    value = std::ldexp(static_cast<float>(mantissa), -9);
+  } else {
+    value = std::ldexp(static_cast<float>(8 + mantissa), exponent - 10);
+  }
+  return (bits & 0x80) ? -value : value;
+}
+
+// Per-output-channel max magnitude of `w` as fp32 [C, K], and the scale that maps it to `top`
+// (1 for an all-zero channel).
+at::Tensor ChannelScale(const at::Tensor& w2d, float top) {
+  const at::Tensor amax = w2d.abs().amax(1);
+  return at::where(amax > 0, amax / top, at::ones_like(amax)).contiguous();
+}
+
+const at::Tensor& TableFor(const WidenScratch& scratch, at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16: return scratch.table_bf16;
+    case at::kHalf: return scratch.table_f16;
+    default: return scratch.table_f32;
+  }
+}
+
+}  // namespace
+
+const char* CompressFormatName(CompressFormat format) {
+  switch (format) {
+    case CompressFormat::kInt8: return "int8";
+    case CompressFormat::kFp8E4M3: return "fp8_e4m3";
+    case CompressFormat::kNone: break;
+  }
+  return "none";
+}
+
+absl::StatusOr<CompressFormat> ParseCompressFormat(absl::string_view name) {
+  if (name == "none") return CompressFormat::kNone;
+  if (name == "int8") return CompressFormat::kInt8;
+  if (name == "fp8_e4m3") return CompressFormat::kFp8E4M3;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown compression format '", name.substr(0, 32), "' (none, int8, fp8_e4m3)"));
+}
+
+bool IsCompressible(CompressFormat format, at::ScalarType dtype, at::IntArrayRef sizes) {
+  if (format == CompressFormat::kNone || sizes.size() < 2) return false;
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) return false;
+  for (int64_t d : sizes) {
+    if (d == 0) return false;
+  }
+  return true;
+}
+
+at::Tensor EncodeFp8E4M3(const at::Tensor& x) {
+  const at::Tensor in = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty(in.sizes(), at::TensorOptions().dtype(at::kByte));
+  const float* src = in.data_ptr<float>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, in.numel(), int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) dst[i] = EncodeOne(src[i]);
+  });
+  return out;
+}
+
+at::Tensor Fp8E4M3Table(at::ScalarType dtype) {
+  at::Tensor table = at::empty({256}, at::TensorOptions().dtype(at::kFloat));
+  float* values = table.data_ptr<float>();
+  for (int i = 0; i < 256; ++i) values[i] = DecodeOne(static_cast<uint8_t>(i));
+  return table.to(dtype);  // Every finite e4m3 value is exact in bf16 and fp16.
+}
+
+QuantizedTensor Quantize(const at::Tensor& w, CompressFormat format) {
+  const at::Tensor w2d = w.to(at::kFloat).reshape({w.size(0), -1});
+  QuantizedTensor out;
+  if (format == CompressFormat::kInt8) {
+    out.scale = ChannelScale(w2d, 127.0f);
+    out.q = at::round(w2d / out.scale.unsqueeze(1)).clamp_(-127, 127).to(at::kChar).reshape(w.sizes());
+  } else {
+    out.scale = ChannelScale(w2d, kFp8E4M3Max);
+    out.q = EncodeFp8E4M3(w2d / out.scale.unsqueeze(1)).reshape(w.sizes());
+  }
+  out.q = out.q.contiguous();
+  return out;
+}
+
+at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::ScalarType dtype) {
+  const at::Tensor q2d = t.q.reshape({t.q.size(0), -1});
+  at::Tensor values = format == CompressFormat::kInt8
+                          ? q2d.to(at::kFloat)
+                          : Fp8E4M3Table(at::kFloat)
+                                .index_select(0, q2d.reshape({-1}).to(at::kLong))
+                                .view(q2d.sizes());
+  return (values * t.scale.to(at::kFloat).unsqueeze(1)).to(dtype).reshape(t.q.sizes()).contiguous();
+}
+
+void WidenInto(const at::Tensor& out, const at::Tensor& q, const at::Tensor& scale, CompressFormat format,
+               const WidenScratch& scratch) {
+  const int64_t channels = q.size(0);
+  if (format == CompressFormat::kInt8) {
+    out.copy_(q);
+  } else {
+#ifdef STOWAGE_NATIVE_FLOAT8
+    if (out.is_cuda()) {
+      out.copy_(q.view(at::kFloat8_e4m3fn));
+      out.view({channels, -1}).mul_(scale.unsqueeze(1));
+      return;
+    }
+#endif
+    const at::Tensor& table = TableFor(scratch, out.scalar_type());
+    const at::Tensor out_flat = out.view({-1});
+    const at::Tensor q_flat = q.view({-1});
+    const int64_t n = q_flat.numel();
+    const int64_t chunk = scratch.index.numel();
+    for (int64_t start = 0; start < n; start += chunk) {
+      const int64_t len = std::min(chunk, n - start);
+      const at::Tensor index = scratch.index.narrow(0, 0, len);
+      index.copy_(q_flat.narrow(0, start, len));
+      at::Tensor slice = out_flat.narrow(0, start, len);
+      at::index_select_out(slice, table, 0, index);
+    }
+  }
+  out.view({channels, -1}).mul_(scale.unsqueeze(1));
+}
+
+int64_t TensorScratchBytes(CompressFormat format, at::ScalarType dtype, at::IntArrayRef sizes) {
+  if (!IsCompressible(format, dtype, sizes)) return 0;
+  int64_t numel = 1;
+  for (int64_t d : sizes) numel *= d;
+  return AlignScratch(numel) + AlignScratch(sizes[0] * 4);
+}
+
+int64_t FixedScratchBytes(CompressFormat format, bool has_f32, bool has_bf16, bool has_f16, int64_t max_numel) {
+  if (format != CompressFormat::kFp8E4M3 || max_numel <= 0) return 0;
+  return (has_f32 ? AlignScratch(256 * 4) : 0) + (has_bf16 ? AlignScratch(256 * 2) : 0) +
+         (has_f16 ? AlignScratch(256 * 2) : 0) + AlignScratch(4 * std::min(max_numel, kFp8DecodeChunkElements));
+}
+
+}  // namespace stowage

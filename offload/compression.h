@@ -1,0 +1,96 @@
+// 8-bit weight compression for streamed groups: the formats, the host-side quantizers, the
+// device-side widening, and the scratch sizes the engine plans for.
+//
+// Formats (per output channel: dim 0 of a weight of rank >= 2, every other dim flattened):
+//   kInt8     symmetric: scale[c] = max|w[c,:]| / 127, q = round_half_even(w / scale) in [-127, 127]
+//             (int8 storage); w' = q * scale.
+//   kFp8E4M3  e4m3fn bits (uint8 storage): scale[c] = max|w[c,:]| / 448, q = e4m3(w / scale)
+//             (round to nearest even, saturating at 448); w' = e4m3_value(q) * scale.
+// Scales are fp32. A channel of zeros gets scale 1 (q = 0). Only floating tensors (fp32, bf16,
+// fp16) of rank >= 2 with elements are compressed; the rest (biases, norms, scalars) stay in their
+// compute dtype: they are tiny.
+//
+// Widening is dequantization into the compute dtype, done with LibTorch ops that allocate nothing
+// (a copy_ into the output, an index_select_out through a 256-entry table for fp8, an in-place mul_
+// by the scales), so it runs on any device and its device memory is exactly the planned scratch:
+//   int8: out.copy_(q); out.mul_(scale[:, None])
+//   fp8:  out[chunk] = table[q[chunk]] (int32 index chunk), then out.mul_(scale[:, None])
+// The result equals Dequantize() bit for bit on the same device type (the product in fp32, rounded
+// once to the compute dtype: int8 values and e4m3 values are exact in bf16 and fp16).
+// Debian's LibTorch 1.13 has no float8 dtype: the fp8 codec is this file's own code on uint8.
+//
+// Thread-safety: functions are reentrant.
+#ifndef STOWAGE_OFFLOAD_COMPRESSION_H_
+#define STOWAGE_OFFLOAD_COMPRESSION_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace stowage {
+
+enum class CompressFormat { kNone, kInt8, kFp8E4M3 };
+
+// "none", "int8", "fp8_e4m3" (also the checkpoint metadata value, see compressed_safetensors.h).
+const char* CompressFormatName(CompressFormat format);
+// The inverse of CompressFormatName; INVALID_ARGUMENT otherwise.
+absl::StatusOr<CompressFormat> ParseCompressFormat(absl::string_view name);
+
+// Largest finite e4m3fn magnitude.
+inline constexpr float kFp8E4M3Max = 448.0f;
+// Elements widened per index_select of the fp8 table path (the int32 index chunk in scratch).
+inline constexpr int64_t kFp8DecodeChunkElements = int64_t{1} << 20;
+
+// A weight in 8-bit form. `q`: int8 (kInt8) or uint8 e4m3fn bits (kFp8E4M3), the weight's shape,
+// contiguous. `scale`: fp32 [out_channels], contiguous.
+struct QuantizedTensor {
+  at::Tensor q;
+  at::Tensor scale;
+};
+
+// Already-quantized weights by full slot path ("blocks.0.fc1.weight"), e.g. read from an 8-bit
+// checkpoint: the store uses them instead of quantizing the host copy.
+using PrequantizedWeights = std::map<std::string, QuantizedTensor>;
+
+// True when `format` compresses a tensor of this dtype and shape (see the header comment).
+bool IsCompressible(CompressFormat format, at::ScalarType dtype, at::IntArrayRef sizes);
+
+// Quantizes a CPU tensor (IsCompressible) to `format`.
+QuantizedTensor Quantize(const at::Tensor& w, CompressFormat format);
+// The host reference of widening: the weight as the device sees it, in `dtype`, shape of q.
+at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::ScalarType dtype);
+
+// e4m3fn codec on uint8: EncodeFp8E4M3 rounds to nearest even and saturates to ±448 (NaN stays NaN);
+// Fp8E4M3Table(dtype) is the decoded value of every bit pattern (0x7F and 0xFF are NaN), on CPU.
+at::Tensor EncodeFp8E4M3(const at::Tensor& x);  // fp32 CPU in, uint8 out, same shape.
+at::Tensor Fp8E4M3Table(at::ScalarType dtype);
+
+// Device buffers the fp8 widening needs besides q and scale (views of the store's scratch).
+struct WidenScratch {
+  at::Tensor table_f32, table_bf16, table_f16;  // 256 entries each (those of the dtypes used).
+  at::Tensor index;                             // int32, >= min(numel, kFp8DecodeChunkElements).
+};
+// Enqueue-free: issues the widening of (q, scale) into `out` (compute dtype, q's shape,
+// contiguous) on the current stream of out's device.
+void WidenInto(const at::Tensor& out, const at::Tensor& q, const at::Tensor& scale, CompressFormat format,
+               const WidenScratch& scratch);
+
+// Scratch layout, shared by the planner (through the engine) and the store.
+inline constexpr int64_t kScratchAlign = 256;
+inline int64_t AlignScratch(int64_t bytes) { return (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }
+// Bytes one compressed tensor takes in a group's scratch: q then scale, each aligned; 0 when the
+// tensor is not compressed (it goes straight to the slot).
+int64_t TensorScratchBytes(CompressFormat format, at::ScalarType dtype, at::IntArrayRef sizes);
+// Bytes the widening needs once, whatever the group: for fp8, one table per compute dtype present
+// and the index chunk for the largest compressed tensor (`max_numel`); 0 for int8 and none.
+int64_t FixedScratchBytes(CompressFormat format, bool has_f32, bool has_bf16, bool has_f16, int64_t max_numel);
+
+}  // namespace stowage
+
+#endif  // STOWAGE_OFFLOAD_COMPRESSION_H_

@@ -420,6 +420,10 @@ def _add_admin_commands(commands: argparse._SubParsersAction) -> None:
         help="pageable/disk targets: staging buffers (default: the server's, 2)",
     )
     enable.add_argument(
+        "--compress", choices=("none", "int8", "fp8"), default="none",
+        help="pinned target: stream 8-bit weights with per-channel scales, widened on the device",
+    )
+    enable.add_argument(
         "--no-pin-in-place", action="store_true",
         help="pageable target: always stage through the ring instead of pinning the host copy "
         "where it lies",
@@ -605,6 +609,7 @@ def _run_admin(client: AdminClient, args: argparse.Namespace) -> None:
             staging_buffer_bytes=args.staging_buffer_bytes,
             staging_buffers=args.staging_buffers,
             pin_in_place=not args.no_pin_in_place,
+            compress=args.compress,
             exclude=args.exclude,
         )
         _print_components(components, args.json)

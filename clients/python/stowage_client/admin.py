@@ -56,6 +56,11 @@ _TARGETS = {
     "pageable": config_pb2.GroupOffloadConfig.PAGEABLE_HOST,
     "disk": config_pb2.GroupOffloadConfig.DISK,
 }
+_COMPRESS = {
+    "none": config_pb2.GroupOffloadConfig.COMPRESS_NONE,
+    "int8": config_pb2.GroupOffloadConfig.COMPRESS_INT8,
+    "fp8": config_pb2.GroupOffloadConfig.COMPRESS_FP8,
+}
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,10 @@ class GroupOffloadInfo:
     sync_onloads: int
     pinned_in_place_bytes: int = 0
     pin_in_place_error: str = ""
+    compress: str = ""  # "", "int8" or "fp8_e4m3" (8-bit transfer).
+    compressed_host_bytes: int = 0
+    scratch_bytes: int = 0
+    bytes_per_forward: int = 0
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,7 @@ class ComponentPlacementInfo:
     state: str
     last_use: datetime | None = None
     group_offload: GroupOffloadInfo | None = None
+    lifecycle: str = ""  # "LOADING", "READY" or "UNLOADING".
 
 
 @dataclass(frozen=True)
@@ -153,6 +163,15 @@ def _state_name(value: int) -> str:
         return f"STATE_{value}"
 
 
+def _lifecycle_name(value: int) -> str:
+    if value == admin_pb2.ComponentPlacement.LIFECYCLE_UNSPECIFIED:
+        return ""  # A server older than lifecycles.
+    try:
+        return admin_pb2.ComponentPlacement.Lifecycle.Name(value)
+    except ValueError:  # A value added after this client was generated.
+        return f"LIFECYCLE_{value}"
+
+
 def _free(value: int) -> int | None:
     return None if value < 0 else value
 
@@ -173,6 +192,10 @@ def _component_from_proto(msg: admin_pb2.ComponentPlacement) -> ComponentPlaceme
             sync_onloads=g.sync_onloads,
             pinned_in_place_bytes=g.pinned_in_place_bytes,
             pin_in_place_error=g.pin_in_place_error,
+            compress="" if g.compress == "none" else g.compress,
+            compressed_host_bytes=g.compressed_host_bytes,
+            scratch_bytes=g.scratch_bytes,
+            bytes_per_forward=g.bytes_per_forward,
         )
     return ComponentPlacementInfo(
         id=msg.id,
@@ -184,6 +207,7 @@ def _component_from_proto(msg: admin_pb2.ComponentPlacement) -> ComponentPlaceme
         state=_state_name(msg.state),
         last_use=_datetime(msg.last_use) if msg.HasField("last_use") else None,
         group_offload=group,
+        lifecycle=_lifecycle_name(msg.lifecycle),
     )
 
 
@@ -263,6 +287,7 @@ def _group_offload_config(
     staging_buffer_bytes: int = 0,
     staging_buffers: int = 0,
     pin_in_place: bool = True,
+    compress: str = "none",
 ) -> config_pb2.GroupOffloadConfig:
     if offload_type not in _OFFLOAD_TYPES:
         raise ValueError(
@@ -270,6 +295,8 @@ def _group_offload_config(
         )
     if target not in _TARGETS:
         raise ValueError(f"target must be one of {sorted(_TARGETS)}, got {target!r}")
+    if compress not in _COMPRESS:
+        raise ValueError(f"compress must be one of {sorted(_COMPRESS)}, got {compress!r}")
     if isinstance(block_modules, str):
         raise ValueError("block_modules is a list of module paths, not a string")
     return config_pb2.GroupOffloadConfig(
@@ -285,6 +312,7 @@ def _group_offload_config(
         staging_buffer_bytes=staging_buffer_bytes,
         staging_buffers=staging_buffers,
         never_pin_in_place=not pin_in_place,
+        compress=_COMPRESS[compress],
     )
 
 
@@ -410,6 +438,7 @@ class AdminClient(_ChannelClient):
         staging_buffer_bytes: int = 0,
         staging_buffers: int = 0,
         pin_in_place: bool = True,
+        compress: str = "none",
         exclude: Sequence[str] = (),
         overrides: Mapping[str, Mapping[str, Any] | config_pb2.GroupOffloadConfig] | None = None,
     ) -> list[ComponentPlacementInfo]:
@@ -421,7 +450,9 @@ class AdminClient(_ChannelClient):
         a budget, else 1). ``block_modules`` names the modules whose children are the blocks
         (default: every block list of the component). ``staging_buffer_bytes`` / ``staging_buffers``
         size the staging ring (0: the server's 64 MiB x 2). ``pin_in_place`` (pageable target): pin
-        the host copy where it lies; False always stages through the ring. Pipeline target only: ``exclude`` names components to leave alone and
+        the host copy where it lies; False always stages through the ring. ``compress`` ("none",
+        "int8", "fp8"; pinned target): stream 8-bit weights with per-channel scales, widened on the
+        device (see the README's 8-bit transfer for the error it costs). Pipeline target only: ``exclude`` names components to leave alone and
         ``overrides`` maps a component name to a dict of these same options, whose missing keys take
         this call's values (the server replaces options whole, so the client fills them in), or to
         a GroupOffloadConfig message sent as is.
@@ -452,6 +483,7 @@ class AdminClient(_ChannelClient):
             staging_buffer_bytes=staging_buffer_bytes,
             staging_buffers=staging_buffers,
             pin_in_place=pin_in_place,
+            compress=compress,
         )
         request = admin_pb2.EnableGroupOffloadRequest(
             options=_group_offload_config(**options), exclude=list(exclude)

@@ -58,6 +58,7 @@ def canned_group_status() -> admin_pb2.GroupOffloadStatus:
     return admin_pb2.GroupOffloadStatus(
         groups=4, streamed_groups=3, resident_groups=1, slots=2, slot_bytes=16 * 2**20,
         working_set_bytes=48 * 2**20, forwards=10, prefetches=30, sync_onloads=1,
+        compress="int8", compressed_host_bytes=7 * 2**20, scratch_bytes=2**20, bytes_per_forward=9 * 2**20,
     )
 
 
@@ -364,6 +365,9 @@ class RequestMappingTest(AdminServerTestCase):
 
     def test_target_and_type_names_map_to_enums(self) -> None:
         cases = [
+            (dict(compress="int8"), "compress", GOC.COMPRESS_INT8),
+            (dict(compress="fp8"), "compress", GOC.COMPRESS_FP8),
+            (dict(compress="none"), "compress", GOC.COMPRESS_NONE),
             (dict(target="pinned"), "target", GOC.PINNED_HOST),
             (dict(target="pageable"), "target", GOC.PAGEABLE_HOST),
             (dict(target="disk", disk_dir="/d"), "target", GOC.DISK),
@@ -394,6 +398,7 @@ class RequestMappingTest(AdminServerTestCase):
         cases = {
             "unknown offload_type": (dict(component_id="t/x", offload_type="block_level"), ""),
             "unknown target": (dict(component_id="t/x", target="pinned_host"), ""),
+            "unknown compress": (dict(component_id="t/x", compress="int4"), ""),
             "exclude with component": (dict(component_id="t/x", exclude=["vae"]), ""),
             "overrides with component": (dict(component_id="t/x", overrides={"vae": {}}), ""),
             "exclude as a string": (dict(pipeline="tiny", exclude="vae"), ""),
@@ -467,6 +472,8 @@ class ConversionTest(AdminServerTestCase):
         group_offload=GroupOffloadInfo(
             groups=4, streamed_groups=3, resident_groups=1, slots=2, slot_bytes=16 * 2**20,
             working_set_bytes=48 * 2**20, forwards=10, prefetches=30, sync_onloads=1,
+            compress="int8", compressed_host_bytes=7 * 2**20, scratch_bytes=2**20,
+            bytes_per_forward=9 * 2**20,
         ),
     )
 
@@ -790,6 +797,7 @@ class CliTest(AdminServerTestCase):
             "--exclude", "vae", "text_encoder", "--exclude", "extra",
             "--block-module", "layers", "--block-module", "noise_refiner",
             "--staging-buffer-bytes", "65536", "--staging-buffers", "4", "--no-pin-in-place",
+            "--compress", "int8",
         )
         self.assertEqual((status, err), (0, ""))
         self.assertEqual(
@@ -801,6 +809,7 @@ class CliTest(AdminServerTestCase):
                     prefetch_depth=3, target=GOC.DISK, disk_dir="/tmp/groups",
                     budget_bytes=2**20, block_modules=["layers", "noise_refiner"],
                     staging_buffer_bytes=65536, staging_buffers=4, never_pin_in_place=True,
+                    compress=GOC.COMPRESS_INT8,
                 ),
                 exclude=["vae", "text_encoder", "extra"],
             ),

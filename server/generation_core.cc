@@ -190,6 +190,7 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
   }
   std::shared_ptr<Pipeline> pipeline = *std::move(built);
   bool ran = false;  // Written on the worker; read after RunTask returned (synchronised by it).
+  v1::Pipeline described;
   const absl::Status status = ChangeDevice(
       [&](PlacementManager& placement) -> absl::Status {
         ran = true;
@@ -207,6 +208,10 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
         }
         placement.MarkReady(name);
         pipelines_.FinishLoad(name, pipeline, make_default);
+        // Described now: an unload may begin the moment the load has finished.
+        for (const HostedPipelines::View& view : pipelines_.List()) {
+          if (view.name == name) described = Describe(view);
+        }
         return absl::OkStatus();
       },
       interrupt);
@@ -218,10 +223,7 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
     }
     return status;
   }
-  for (const HostedPipelines::View& view : pipelines_.List()) {
-    if (view.name == name) return Describe(view);
-  }
-  return absl::NotFoundError(absl::StrCat("pipeline '", name, "' was unloaded while it loaded"));
+  return described;
 }
 
 absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Interrupt& interrupt) {

@@ -1,5 +1,10 @@
 #include "server/server.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
 #include <fstream>
 #include <sstream>
@@ -58,6 +63,41 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const v1::T
   return grpc::SslServerCredentials(options);
 }
 
+// Fails fast, before any pipeline loads, when `address` ("host:port", "[v6]:port") names a TCP port
+// that something else already holds: gRPC binds only once the services exist, after the loads,
+// which can take minutes. A probe socket with gRPC's own options (SO_REUSEADDR, no SO_REUSEPORT) is
+// bound and closed at once. Port 0 and addresses that are not host:port (unix:...) are left to gRPC.
+absl::Status CheckPortFree(const std::string& address, const std::string& field) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || absl::StartsWith(address, "unix:")) return absl::OkStatus();
+  std::string host = address.substr(0, colon);
+  const std::string port = address.substr(colon + 1);
+  if (port.empty() || port == "0") return absl::OkStatus();
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found) != 0) {
+    return absl::OkStatus();  // Not resolvable here: gRPC reports it.
+  }
+  absl::Status status;
+  for (addrinfo* a = found; a != nullptr && status.ok(); a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 && errno == EADDRINUSE) {
+      status = absl::UnavailableError(absl::StrCat(field, ": cannot listen on ", address,
+                                                   " (in use by another process)"));
+    }
+    ::close(fd);
+  }
+  ::freeaddrinfo(found);
+  return status;
+}
+
 // "host:port" → host, for reporting the bound address.
 std::string HostOf(const std::string& address) {
   const size_t colon = address.rfind(':');
@@ -94,6 +134,7 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
     server->metrics_address_ = absl::StrCat(HostOf(config.metrics_address()), ":", ports.front());
   }
 
+  RETURN_IF_ERROR(CheckPortFree(config.grpc_address(), "grpc_address"));
   ASSIGN_OR_RETURN(server->core_, GenerationCore::Create(config, server->metrics_.get()));
   if (server->exposer_ != nullptr) {
     GenerationCore* core = server->core_.get();

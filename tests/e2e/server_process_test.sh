@@ -34,6 +34,37 @@ rc=$?
 [ $rc -ne 0 ] && [ $rc -ne 124 ] || fail "second server on $grpc: rc=$rc"
 grep -q "grpc_address: cannot listen on $grpc" "$tmp/second_grpc.log" || fail "no message naming $grpc"
 
+# 1b. ... and says so before loading anything: a pipeline whose load takes seconds (the slow model of
+#     step 5, written here) must not delay the refusal.
+mkdir -p "$tmp/slow_model/text_encoder" "$tmp/slow_model/transformer" "$tmp/slow_model/vae"
+cat >"$tmp/slow_model/model_index.json" <<'JSON'
+{"_class_name": "StowageTinyPipeline", "text_encoder": ["stowage", "TinyTextEncoder"],
+ "transformer": ["stowage", "TinyDiT"], "vae": ["stowage", "TinyVaeDecoder"]}
+JSON
+cat >"$tmp/slow_model/text_encoder/config.json" <<'JSON'
+{"_class_name": "TinyTextEncoder", "vocab_size": 259, "max_tokens": 64, "dim": 64, "heads": 4, "layers": 1}
+JSON
+cat >"$tmp/slow_model/transformer/config.json" <<'JSON'
+{"_class_name": "TinyDiT", "in_channels": 4, "patch_size": 2, "dim": 2048, "heads": 16, "layers": 8,
+ "text_dim": 64, "mlp_ratio": 4, "timestep_dim": 64}
+JSON
+cat >"$tmp/slow_model/vae/config.json" <<'JSON'
+{"_class_name": "TinyVaeDecoder", "latent_channels": 4, "groups": 8, "block_out_channels": [32, 32],
+ "scaling_factor": 1.0, "shift_factor": 0.0}
+JSON
+cat >"$tmp/slow_taken.textproto" <<CFG
+grpc_address: "$grpc"
+metrics_address: "none"
+pipelines { name: "slow" model_dir: "$tmp/slow_model" random_weights: true }
+CFG
+timeout 120 "$server" --config="$tmp/slow_taken.textproto" >"$tmp/slow_taken.log" 2>&1
+rc=$?
+[ $rc -ne 0 ] && [ $rc -ne 124 ] || fail "second server on $grpc with a slow pipeline: rc=$rc"
+grep -q "grpc_address: cannot listen on $grpc" "$tmp/slow_taken.log" || fail "no early message naming $grpc"
+# The refusal came from the probe before the load, not from gRPC after it: gRPC's own bind error
+# ("No address added") is not in the log.
+! grep -q "No address added" "$tmp/slow_taken.log" || fail "the port was found taken only after the load"
+
 # 2. ... nor on the same metrics port.
 timeout 120 "$server" --grpc_address=127.0.0.1:0 --metrics_address="$metrics" >"$tmp/second_metrics.log" 2>&1
 rc=$?

@@ -34,8 +34,8 @@ rc=$?
 [ $rc -ne 0 ] && [ $rc -ne 124 ] || fail "second server on $grpc: rc=$rc"
 grep -q "grpc_address: cannot listen on $grpc" "$tmp/second_grpc.log" || fail "no message naming $grpc"
 
-# 1b. ... and says so before loading anything: a pipeline whose load takes seconds (the slow model of
-#     step 5, written here) must not delay the refusal.
+# 1b. ... and says so before loading anything: a pipeline whose load takes seconds (random weights for
+#     a ~600 M-parameter transformer; step 5 uses it too) must not delay the refusal.
 mkdir -p "$tmp/slow_model/text_encoder" "$tmp/slow_model/transformer" "$tmp/slow_model/vae"
 cat >"$tmp/slow_model/model_index.json" <<'JSON'
 {"_class_name": "StowageTinyPipeline", "text_encoder": ["stowage", "TinyTextEncoder"],
@@ -94,23 +94,8 @@ grep -q "pipelines\[0\].group_offload.defaults.prefetch_depth: 1000000 is out of
 
 # 5. SIGTERM during a start-up load: a legitimately slow one (random weights for a ~600 M-parameter
 #    transformer: seconds of work on the CPU). The signal comes once the server says it is loading,
-#    before the load could finish (the port file would say it had); the process ends at once.
-mkdir -p "$tmp/slow_model/text_encoder" "$tmp/slow_model/transformer" "$tmp/slow_model/vae"
-cat >"$tmp/slow_model/model_index.json" <<'JSON'
-{"_class_name": "StowageTinyPipeline", "text_encoder": ["stowage", "TinyTextEncoder"],
- "transformer": ["stowage", "TinyDiT"], "vae": ["stowage", "TinyVaeDecoder"]}
-JSON
-cat >"$tmp/slow_model/text_encoder/config.json" <<'JSON'
-{"_class_name": "TinyTextEncoder", "vocab_size": 259, "max_tokens": 64, "dim": 64, "heads": 4, "layers": 1}
-JSON
-cat >"$tmp/slow_model/transformer/config.json" <<'JSON'
-{"_class_name": "TinyDiT", "in_channels": 4, "patch_size": 2, "dim": 2048, "heads": 16, "layers": 8,
- "text_dim": 64, "mlp_ratio": 4, "timestep_dim": 64}
-JSON
-cat >"$tmp/slow_model/vae/config.json" <<'JSON'
-{"_class_name": "TinyVaeDecoder", "latent_channels": 4, "groups": 8, "block_out_channels": [32, 32],
- "scaling_factor": 1.0, "shift_factor": 0.0}
-JSON
+#    before the load could finish (the port file would say it had); the process ends at once. The
+#    model directory is step 1b's.
 cat >"$tmp/slow.textproto" <<CFG
 grpc_address: "127.0.0.1:0"
 metrics_address: "none"

@@ -11,23 +11,26 @@
 namespace stowage {
 namespace {
 
+// The options every architecture's loader shares, from the registry's common ones.
+template <typename Options>
+Options CommonOptions(const PipelineLoadOptions& o) {
+  Options options;
+  options.name = o.name;
+  options.dtype = o.dtype;
+  options.weight_seed = o.weight_seed;
+  options.device = o.device;
+  return options;
+}
+
 PipelineArchitecture ZImageArchitecture() {
   PipelineArchitecture a;
   a.class_names = {"ZImagePipeline"};
   a.builtins = {"zimage-tiny"};
-  auto options_for = [](const PipelineLoadOptions& o) {
-    ZImagePipelineOptions z;
-    z.name = o.name;
-    z.dtype = o.dtype;
-    z.weight_seed = o.weight_seed;
-    z.device = o.device;
-    return z;
+  a.load_dir = [](const std::string& dir, const PipelineLoadOptions& o) {
+    return LoadZImagePipeline(dir, CommonOptions<ZImagePipelineOptions>(o), o.random_weights, o.cache);
   };
-  a.load_dir = [options_for](const std::string& dir, const PipelineLoadOptions& o) {
-    return LoadZImagePipeline(dir, options_for(o), o.random_weights, o.cache);
-  };
-  a.create_builtin = [options_for](const std::string&, const PipelineLoadOptions& o) {
-    return CreateTinyZImagePipeline(options_for(o));
+  a.create_builtin = [](const std::string&, const PipelineLoadOptions& o) {
+    return CreateTinyZImagePipeline(CommonOptions<ZImagePipelineOptions>(o));
   };
   return a;
 }
@@ -36,19 +39,11 @@ PipelineArchitecture TinyArchitecture() {
   PipelineArchitecture a;
   a.class_names = {"StowageTinyPipeline"};
   a.builtins = {"tiny"};
-  auto options_for = [](const PipelineLoadOptions& o) {
-    TinyPipelineOptions t;
-    t.name = o.name;
-    t.dtype = o.dtype;
-    t.weight_seed = o.weight_seed;
-    t.device = o.device;
-    return t;
+  a.load_dir = [](const std::string& dir, const PipelineLoadOptions& o) {
+    return LoadTinyPipeline(dir, CommonOptions<TinyPipelineOptions>(o), o.random_weights, o.cache);
   };
-  a.load_dir = [options_for](const std::string& dir, const PipelineLoadOptions& o) {
-    return LoadTinyPipeline(dir, options_for(o), o.random_weights, o.cache);
-  };
-  a.create_builtin = [options_for](const std::string&, const PipelineLoadOptions& o) {
-    return CreateTinyPipeline(options_for(o));
+  a.create_builtin = [](const std::string&, const PipelineLoadOptions& o) {
+    return CreateTinyPipeline(CommonOptions<TinyPipelineOptions>(o));
   };
   return a;
 }

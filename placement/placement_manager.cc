@@ -159,10 +159,6 @@ void PlacementManager::EvictAfter(const Entry& target) {
   Evict(ids, absl::StrCat("after ", target.id, " ran"), "after_run");
 }
 
-PlacementCounters PlacementManager::counters() const {
-  return counters_;
-}
-
 int64_t PlacementManager::EvictAllBut(const Entry& keep, const std::string& reason) {
   int64_t freed = 0;
   for (auto& e : entries_) {
@@ -223,10 +219,6 @@ std::string PlacementManager::SetStrategy(std::unique_ptr<OffloadStrategy> strat
   return "";
 }
 
-std::string PlacementManager::strategy_name() const {
-  return strategy_->name();
-}
-
 std::vector<std::string> PlacementManager::Warnings() const {
   std::vector<std::string> warnings;
   if (!strategy_->footprint_based()) return warnings;
@@ -247,10 +239,6 @@ std::vector<PlacementDecision> PlacementManager::DecisionLog(size_t limit) const
   absl::MutexLock lock(&log_mu_);
   const size_t n = std::min(limit, log_.size());
   return std::vector<PlacementDecision>(log_.end() - static_cast<std::ptrdiff_t>(n), log_.end());
-}
-
-int64_t PlacementManager::oom_recoveries() const {
-  return counters_.oom_recoveries;
 }
 
 absl::Status PlacementManager::Register(const std::string& pipeline, Component* component) {

@@ -117,15 +117,12 @@ class PlacementManager : public ComponentRunner {
   // Replaces the strategy (default: footprint with a 0-byte reserve). Returns the warning text when
   // a footprint strategy now manages a group-offloaded component, else "".
   std::string SetStrategy(std::unique_ptr<OffloadStrategy> strategy);
-  std::string strategy_name() const;
   // Current warnings (e.g. footprint strategy over group-offloaded components).
   std::vector<std::string> Warnings() const;
   // The request id recorded with decisions from now on (set by the server per request).
   void SetRequestId(std::string request_id);
   // The newest `limit` decisions, oldest first.
   std::vector<PlacementDecision> DecisionLog(size_t limit) const;
-  int64_t oom_recoveries() const;
-  PlacementCounters counters() const;
 
   DeviceBackend& backend() { return *backend_; }
 

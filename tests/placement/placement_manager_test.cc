@@ -277,7 +277,7 @@ TEST(PlacementScenarioTest, OutOfMemoryIsRecoveredByGroupOffloadingAndTheImageIs
   auto image = h.Generate();
   ASSERT_TRUE(image.ok()) << image.status();
   EXPECT_EQ(image->rgb, expected->rgb);
-  EXPECT_GE(h.placement.oom_recoveries(), 1);
+  EXPECT_GE(h.placement.TakeSnapshot().counters.oom_recoveries, 1);
   EXPECT_EQ(h.View("transformer").state, ComponentState::kGroupOffloaded);
   bool saw_oom = false, saw_group_offload = false;
   for (const PlacementDecision& d : h.placement.DecisionLog(100)) {

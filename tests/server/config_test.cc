@@ -179,6 +179,9 @@ TEST(ConfigRangeTest, EveryNumericOptionIsCheckedAtItsBounds) {
       {"device.simulated_bandwidth_bytes_per_second",
        [](auto& c, int64_t v) { c.mutable_device()->set_simulated_bandwidth_bytes_per_second(v); },
        {0, 1, kMax}, {-1}},
+      {"device.simulated_context_bytes",
+       [](auto& c, int64_t v) { c.mutable_device()->set_simulated_context_bytes(v); },
+       {0, 1, kMax}, {-1}},
       {"strategy.footprint.reserve_bytes",
        [](auto& c, int64_t v) { c.mutable_strategy()->mutable_footprint()->set_reserve_bytes(v); },
        {0, kMax}, {-1}},
@@ -221,6 +224,22 @@ TEST(ConfigRangeTest, EveryNumericOptionIsCheckedAtItsBounds) {
                 std::string::npos)
           << finalized.status();
     }
+  }
+  // A simulated context must leave part of the budget.
+  for (const int64_t context : {int64_t{1000}, int64_t{5000}}) {
+    v1::ServerConfig config;
+    config.mutable_device()->set_memory_budget_bytes(1000);
+    config.mutable_device()->set_simulated_context_bytes(context);
+    auto finalized = FinalizeServerConfig(config);
+    ASSERT_FALSE(finalized.ok()) << context;
+    EXPECT_NE(finalized.status().message().find("device.simulated_context_bytes: "), std::string::npos)
+        << finalized.status();
+  }
+  {
+    v1::ServerConfig config;
+    config.mutable_device()->set_memory_budget_bytes(1000);
+    config.mutable_device()->set_simulated_context_bytes(999);
+    EXPECT_TRUE(FinalizeServerConfig(config).ok());
   }
   // The unset queue depth becomes the default.
   v1::ServerConfig unset;

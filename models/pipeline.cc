@@ -9,14 +9,34 @@ RunContext::RunContext(std::function<absl::Status()> interrupt,
 void RunContext::BeginStage(const std::string& stage, int total_steps) {
   EndStage();
   current_stage_ = stage;
+  current_shared_ = shared_;
   stage_start_ = absl::Now();
   if (progress_) progress_(stage, 0, total_steps);
 }
 
 void RunContext::EndStage() {
   if (current_stage_.empty()) return;
-  stage_times_.push_back(StageTime{current_stage_, absl::Now() - stage_start_});
+  stage_times_.push_back(StageTime{current_stage_, absl::Now() - stage_start_, current_shared_});
   current_stage_.clear();
+}
+
+bool BatchCompatible(const GenerationParams& a, const GenerationParams& b) {
+  return a.width == b.width && a.height == b.height && a.steps == b.steps;
+}
+
+std::vector<absl::StatusOr<Image>> Pipeline::RunBatch(const std::vector<BatchMember>& members,
+                                                      ComponentRunner& runner) {
+  std::vector<absl::StatusOr<Image>> results;
+  results.reserve(members.size());
+  for (const BatchMember& member : members) {
+    absl::Status interrupted = member.context->CheckInterrupt();
+    if (!interrupted.ok()) {
+      results.push_back(interrupted);
+      continue;
+    }
+    results.push_back(Run(*member.params, runner, *member.context));
+  }
+  return results;
 }
 
 absl::Status Pipeline::CheckSourceFiles() {

@@ -47,6 +47,7 @@ class RunContext {
   struct StageTime {
     std::string stage;
     absl::Duration duration;
+    bool shared = false;  // Ran once for every member of a batch (see set_shared).
   };
   // `interrupt` returns non-OK (CANCELLED, DEADLINE_EXCEEDED) when the run must stop; `progress` is
   // called with (stage, step, total_steps) at each stage start and after each denoising step.
@@ -58,14 +59,28 @@ class RunContext {
   void EndStage();
   void ReportStep(int step, int total_steps);
   const std::vector<StageTime>& stage_times() const { return stage_times_; }
+  // Stages begun from now on ran for a whole batch at once (their time is the batch's).
+  void set_shared(bool shared) { shared_ = shared; }
 
  private:
   std::function<absl::Status()> interrupt_;
   std::function<void(const std::string&, int, int)> progress_;
   std::string current_stage_;
   absl::Time stage_start_;
+  bool shared_ = false;
+  bool current_shared_ = false;
   std::vector<StageTime> stage_times_;
 };
+
+// One request of a batch: its validated parameters and its own progress and cancellation.
+struct BatchMember {
+  const GenerationParams* params = nullptr;
+  RunContext* context = nullptr;
+};
+
+// Requests that may run as one batch: the same image size and step count (prompts, negative
+// prompts, seeds and guidance may differ).
+bool BatchCompatible(const GenerationParams& a, const GenerationParams& b);
 
 class Pipeline {
  public:
@@ -79,6 +94,17 @@ class Pipeline {
   // status if interrupted between steps.
   virtual absl::StatusOr<Image> Run(const GenerationParams& params, ComponentRunner& runner,
                                     RunContext& context) = 0;
+
+  // Runs BatchCompatible requests together and returns one result per member, in order. A member
+  // whose context interrupts leaves at the next step boundary with the interrupt's status; the
+  // others go on undisturbed. Each member's image equals what Run gives it alone (up to float
+  // rounding of the batched arithmetic). Pipelines with a batched forward (batched() true) run
+  // one forward per denoising step over all members, so offloaded weights move once per step for
+  // the whole batch; the default runs the members one after another.
+  virtual std::vector<absl::StatusOr<Image>> RunBatch(const std::vector<BatchMember>& members,
+                                                      ComponentRunner& runner);
+  // True when RunBatch shares forwards between members (the server only forms batches then).
+  virtual bool batched() const { return false; }
 
   // OK unless one of the files the components' weights are still mapped from changed on disk after
   // the load (see offload/safetensors.h): then FAILED_PRECONDITION naming the file and saying to

@@ -4,6 +4,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/InferenceMode.h>
 
+#include <functional>
+
 #include "absl/strings/str_cat.h"
 #include "models/bpe_tokenizer.h"
 #include "models/config_checks.h"
@@ -39,6 +41,8 @@ class ZImagePipeline : public Pipeline {
     limits_.max_prompt_bytes = 4096;        // Tokens beyond max_sequence_length are cut, as diffusers does.
   }
 
+  static bool Guided(const GenerationParams& params) { return params.guidance_scale > 0.0f; }
+
   const std::string& name() const override { return options_.name; }
   std::string description() const override {
     return "Z-Image (S3-DiT transformer, Qwen3 text encoder, Flux VAE), diffusers-compatible weights";
@@ -48,78 +52,149 @@ class ZImagePipeline : public Pipeline {
     return {text_encoder_.get(), transformer_.get(), vae_.get()};
   }
 
+  bool batched() const override { return true; }
+
   absl::StatusOr<Image> Run(const GenerationParams& params, ComponentRunner& runner,
                             RunContext& context) override {
+    // Alone is a batch of one: the same code path as a batched request, so the two agree.
+    return std::move(RunBatch({BatchMember{&params, &context}}, runner).front());
+  }
+
+  std::vector<absl::StatusOr<Image>> RunBatch(const std::vector<BatchMember>& members,
+                                              ComponentRunner& runner) override {
     c10::InferenceMode inference_mode;
     const c10::Device device = options_.device;
-    const bool guided = params.guidance_scale > 0.0f;
+    std::vector<absl::StatusOr<Image>> results(members.size(), absl::InternalError("batch member did not run"));
+    if (members.empty()) return results;
+    for (const BatchMember& m : members) {
+      if (!BatchCompatible(*m.params, *members.front().params)) {
+        for (auto& r : results) r = absl::InvalidArgumentError("batch members differ in image size or step count");
+        return results;
+      }
+    }
+    // Members still running; one that fails or is interrupted gets its result and leaves.
+    std::vector<size_t> active;
+    for (size_t i = 0; i < members.size(); ++i) active.push_back(i);
+    auto leave_if = [&](size_t i, const absl::Status& status) {
+      if (status.ok()) return false;
+      results[i] = status;
+      return true;
+    };
+    auto filter = [&](const std::function<absl::Status(size_t)>& check) {
+      std::vector<size_t> still;
+      for (size_t i : active) {
+        if (!leave_if(i, check(i))) still.push_back(i);
+      }
+      active = std::move(still);
+    };
+    auto begin_stage = [&](const std::string& stage, int total) {
+      for (size_t i : active) members[i].context->BeginStage(stage, total);
+    };
 
-    context.BeginStage("tokenize");
+    // Tokenize: positive (and, when guided, negative) ids per member.
+    begin_stage("tokenize", 0);
+    std::vector<at::Tensor> positive_ids(members.size()), negative_ids(members.size());
     auto template_ids = [&](const std::string& text) -> absl::StatusOr<at::Tensor> {
       ASSIGN_OR_RETURN(std::vector<int64_t> ids,
                        tokenizer_->Encode(absl::StrCat("<|im_start|>user\n", text, "<|im_end|>\n<|im_start|>assistant\n")));
       if (static_cast<int64_t>(ids.size()) > options_.max_sequence_length) ids.resize(options_.max_sequence_length);
       return at::tensor(ids).to(device);
     };
-    ASSIGN_OR_RETURN(at::Tensor positive_ids, template_ids(params.prompt));
-    at::Tensor negative_ids;
-    if (guided) {
-      ASSIGN_OR_RETURN(negative_ids, template_ids(params.negative_prompt));
-    }
+    filter([&](size_t i) -> absl::Status {
+      const GenerationParams& params = *members[i].params;
+      ASSIGN_OR_RETURN(positive_ids[i], template_ids(params.prompt));
+      if (Guided(params)) {
+        ASSIGN_OR_RETURN(negative_ids[i], template_ids(params.negative_prompt));
+      }
+      return absl::OkStatus();
+    });
 
-    context.BeginStage("encode_prompt");
-    at::Tensor positive, negative;
+    // Encode every member's prompts while the text encoder is placed once.
+    begin_stage("encode_prompt", 0);
+    std::vector<at::Tensor> positive(members.size()), negative(members.size());
     auto& encoder = static_cast<Qwen3TextEncoder&>(text_encoder_->module());
-    RETURN_IF_ERROR(runner.Run(*text_encoder_, [&] {
-      positive = encoder.Forward(positive_ids);
-      if (guided) negative = encoder.Forward(negative_ids);
-    }));
-    RETURN_IF_ERROR(context.CheckInterrupt());
+    if (!active.empty()) {
+      const absl::Status encoded = runner.Run(*text_encoder_, [&] {
+        for (size_t i : active) {
+          positive[i] = encoder.Forward(positive_ids[i]);
+          if (Guided(*members[i].params)) negative[i] = encoder.Forward(negative_ids[i]);
+        }
+      });
+      filter([&](size_t) { return encoded; });
+    }
+    filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
 
     auto& vae = static_cast<AutoencoderKLDecoder&>(vae_->module());
     auto& dit = static_cast<ZImageTransformer&>(transformer_->module());
+    const GenerationParams& shape = *members.front().params;
     const int64_t factor = vae.upscale();
-    at::Generator gen = at::detail::createCPUGenerator(params.seed);
-    at::Tensor latents = at::randn({dit.config().in_channels, 1, params.height / factor, params.width / factor}, gen,
-                                   at::TensorOptions().dtype(at::kFloat))
-                             .to(device);
+    std::vector<at::Tensor> latents(members.size());
+    for (size_t i : active) {
+      at::Generator gen = at::detail::createCPUGenerator(members[i].params->seed);
+      latents[i] = at::randn({dit.config().in_channels, 1, shape.height / factor, shape.width / factor}, gen,
+                             at::TensorOptions().dtype(at::kFloat))
+                       .to(device);
+    }
 
     // sigmas = shift(linspace(1, 1/N, N)) in float32, then 0.
-    const int n = params.steps;
+    const int n = shape.steps;
     const at::Tensor base = at::linspace(1.0, 1.0 / n, n, at::TensorOptions().dtype(at::kFloat));
     const float shift = static_cast<float>(options_.scheduler_shift);
     const at::Tensor shifted = (base * shift) / (1.0f + (shift - 1.0f) * base);
     std::vector<float> sigmas(shifted.data_ptr<float>(), shifted.data_ptr<float>() + n);
     sigmas.push_back(0.0f);
 
-    context.BeginStage("denoise", n);
-    for (int i = 0; i < n; ++i) {
-      const float t_train = sigmas[i] * 1000.0f;
+    // Denoise: one transformer forward per step over every running member's positive (and
+    // negative) sequence.
+    begin_stage("denoise", n);
+    for (int step = 0; step < n && !active.empty(); ++step) {
+      const float t_train = sigmas[step] * 1000.0f;
       const double t_model = (1000.0f - t_train) / 1000.0f;
-      const at::Tensor x = latents.to(options_.dtype);
-      at::Tensor velocity;
-      RETURN_IF_ERROR(runner.Run(*transformer_, [&] {
-        const at::Tensor pos = dit.Forward(x, t_model, positive).to(at::kFloat);
-        if (guided) {
-          const at::Tensor neg = dit.Forward(x, t_model, negative).to(at::kFloat);
-          velocity = pos + params.guidance_scale * (pos - neg);
-        } else {
-          velocity = pos;
+      std::vector<at::Tensor> xs, captions;
+      for (size_t i : active) {
+        const at::Tensor x = latents[i].to(options_.dtype);
+        xs.push_back(x);
+        captions.push_back(positive[i]);
+        if (Guided(*members[i].params)) {
+          xs.push_back(x);
+          captions.push_back(negative[i]);
         }
-      }));
-      // The model predicts the negated velocity: step with -out.
-      latents = latents + (sigmas[i + 1] - sigmas[i]) * (-velocity);
-      context.ReportStep(i + 1, n);
-      RETURN_IF_ERROR(context.CheckInterrupt());
+      }
+      std::vector<at::Tensor> out;
+      const absl::Status ran = runner.Run(*transformer_, [&] { out = dit.ForwardBatch(xs, t_model, captions); });
+      if (!ran.ok()) {
+        filter([&](size_t) { return ran; });
+        break;
+      }
+      size_t k = 0;
+      for (size_t i : active) {
+        const GenerationParams& params = *members[i].params;
+        const at::Tensor pos = out[k++].to(at::kFloat);
+        at::Tensor velocity = pos;
+        if (Guided(params)) {
+          const at::Tensor neg = out[k++].to(at::kFloat);
+          velocity = pos + params.guidance_scale * (pos - neg);
+        }
+        // The model predicts the negated velocity: step with -out.
+        latents[i] = latents[i] + (sigmas[step + 1] - sigmas[step]) * (-velocity);
+        members[i].context->ReportStep(step + 1, n);
+      }
+      filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
     }
 
-    context.BeginStage("decode");
-    at::Tensor pixels;
-    RETURN_IF_ERROR(runner.Run(*vae_, [&] {
-      pixels = vae.Decode(latents.squeeze(1).unsqueeze(0).to(vae_->dtype()));
-    }));
-    context.EndStage();
-    return ImageFromTensor(pixels);
+    begin_stage("decode", 0);
+    std::vector<at::Tensor> pixels(members.size());
+    if (!active.empty()) {
+      const absl::Status decoded = runner.Run(*vae_, [&] {
+        for (size_t i : active) pixels[i] = vae.Decode(latents[i].squeeze(1).unsqueeze(0).to(vae_->dtype()));
+      });
+      filter([&](size_t) { return decoded; });
+    }
+    for (size_t i : active) {
+      members[i].context->EndStage();
+      results[i] = ImageFromTensor(pixels[i]);
+    }
+    return results;
   }
 
  private:

@@ -1,5 +1,6 @@
 #include "models/zimage_transformer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 
@@ -29,10 +30,11 @@ at::Tensor FillPadRows(const at::Tensor& rows, int64_t valid, const at::Tensor& 
   return at::cat({rows.slice(0, 0, valid), token.to(rows.scalar_type()).expand({rows.size(0) - valid, rows.size(1)})}, 0);
 }
 
-// Interleaved-pair rotary embedding: x [1, S, H, hd], freqs complex [S, hd / 2].
+// Interleaved-pair rotary embedding: x [B, S, H, hd], freqs complex [S, hd / 2] or [B, S, hd / 2].
 at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& freqs) {
   const at::Tensor pairs = x.to(at::kFloat).reshape({x.size(0), x.size(1), x.size(2), -1, 2}).contiguous();
-  const at::Tensor rotated = at::view_as_complex(pairs) * freqs.unsqueeze(0).unsqueeze(2);
+  const at::Tensor f = freqs.dim() == 2 ? freqs.unsqueeze(0) : freqs;
+  const at::Tensor rotated = at::view_as_complex(pairs) * f.unsqueeze(2);
   return at::view_as_real(rotated).flatten(3).to(x.scalar_type());
 }
 
@@ -140,7 +142,7 @@ ZImageAttention::ZImageAttention(const ZImageTransformerConfig& c, const LayerOp
   }
 }
 
-at::Tensor ZImageAttention::Forward(const at::Tensor& x, const at::Tensor& freqs) {
+at::Tensor ZImageAttention::Forward(const at::Tensor& x, const at::Tensor& freqs, const at::Tensor& key_mask) {
   ForwardScope scope(*this);
   const int64_t s = x.size(1);
   auto heads = [&](const at::Tensor& t) { return t.view({x.size(0), s, heads_, -1}); };
@@ -153,7 +155,7 @@ at::Tensor ZImageAttention::Forward(const at::Tensor& x, const at::Tensor& freqs
   }
   q = ApplyRope(q, freqs);
   k = ApplyRope(k, freqs);
-  const at::Tensor o = ScaledDotProductAttention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), at::Tensor());
+  const at::Tensor o = ScaledDotProductAttention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), key_mask);
   return to_out_->Forward(o.transpose(1, 2).flatten(2, 3).to(x.scalar_type()));
 }
 
@@ -174,11 +176,12 @@ ZImageBlock::ZImageBlock(const ZImageTransformerConfig& c, bool modulation, cons
   }
 }
 
-at::Tensor ZImageBlock::Forward(const at::Tensor& x, const at::Tensor& freqs, const at::Tensor& c) {
+at::Tensor ZImageBlock::Forward(const at::Tensor& x, const at::Tensor& freqs, const at::Tensor& c,
+                                const at::Tensor& key_mask) {
   ForwardScope scope(*this);
   auto ffn = [&](const at::Tensor& h) { return w2_->Forward(at::silu(w1_->Forward(h)) * w3_->Forward(h)); };
   if (modulation_ == nullptr) {
-    at::Tensor h = x + attention_norm2_->Forward(attention_->Forward(attention_norm1_->Forward(x), freqs));
+    at::Tensor h = x + attention_norm2_->Forward(attention_->Forward(attention_norm1_->Forward(x), freqs, key_mask));
     return h + ffn_norm2_->Forward(ffn(ffn_norm1_->Forward(h)));
   }
   // Order: scale_msa, gate_msa, scale_mlp, gate_mlp; no shift; tanh gates.
@@ -187,7 +190,7 @@ at::Tensor ZImageBlock::Forward(const at::Tensor& x, const at::Tensor& freqs, co
   const at::Tensor gate_msa = at::tanh(mod[1]);
   const at::Tensor scale_mlp = 1.0 + mod[2];
   const at::Tensor gate_mlp = at::tanh(mod[3]);
-  const at::Tensor attn = attention_->Forward(attention_norm1_->Forward(x) * scale_msa, freqs);
+  const at::Tensor attn = attention_->Forward(attention_norm1_->Forward(x) * scale_msa, freqs, key_mask);
   at::Tensor h = x + gate_msa * attention_norm2_->Forward(attn);
   return h + gate_mlp * ffn_norm2_->Forward(ffn(ffn_norm1_->Forward(h) * scale_mlp));
 }
@@ -246,68 +249,125 @@ at::Tensor ZImageTransformer::RopeFactors(const at::Tensor& positions) const {
   return at::cat(parts, -1).to(positions.device());
 }
 
+const ZImageTransformer::RopeFreqs& ZImageTransformer::Freqs(const RopeLayout& layout, int64_t n, int64_t nx) {
+  for (const RopeFreqs& cached : rope_cache_) {
+    if (cached.layout == layout) return cached;
+  }
+  // Another grid or device: the layouts cached so far are of no more use.
+  if (!rope_cache_.empty() && (rope_cache_.front().layout.ft != layout.ft || rope_cache_.front().layout.ht != layout.ht ||
+                               rope_cache_.front().layout.wt != layout.wt || rope_cache_.front().layout.device != layout.device ||
+                               rope_cache_.size() >= 16)) {
+    rope_cache_.clear();
+  }
+  const at::TensorOptions i64 = at::TensorOptions().dtype(at::kLong);
+  const int64_t lc = layout.lc, ft = layout.ft, ht = layout.ht, wt = layout.wt;
+  const at::Tensor cap_pos = at::stack({at::arange(1, lc + 1, i64), at::zeros({lc}, i64), at::zeros({lc}, i64)}, 1);
+  const at::Tensor grid_f = at::arange(ft, i64).view({ft, 1, 1}).expand({ft, ht, wt}).reshape({-1}) + (lc + 1);
+  const at::Tensor grid_h = at::arange(ht, i64).view({1, ht, 1}).expand({ft, ht, wt}).reshape({-1});
+  const at::Tensor grid_w = at::arange(wt, i64).view({1, 1, wt}).expand({ft, ht, wt}).reshape({-1});
+  at::Tensor x_pos = at::stack({grid_f, grid_h, grid_w}, 1);
+  if (nx > n) x_pos = at::cat({x_pos, at::zeros({nx - n, 3}, i64)}, 0);
+  rope_cache_.push_back(RopeFreqs{layout, RopeFactors(x_pos).to(layout.device), RopeFactors(cap_pos).to(layout.device)});
+  return rope_cache_.back();
+}
+
 at::Tensor ZImageTransformer::Forward(const at::Tensor& latents, double t, const at::Tensor& caption) {
+  return ForwardBatch({latents}, t, {caption}).front();
+}
+
+std::vector<at::Tensor> ZImageTransformer::ForwardBatch(const std::vector<at::Tensor>& latents, double t,
+                                                        const std::vector<at::Tensor>& captions) {
   ForwardScope scope(*this);
   const ZImageTransformerConfig& c = config_;
-  const at::ScalarType dtype = latents.scalar_type();
-  const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat).device(latents.device());
-  const at::TensorOptions i64 = at::TensorOptions().dtype(at::kLong);
+  TORCH_CHECK(!latents.empty() && latents.size() == captions.size(),
+              "ZImageTransformer: a batch needs as many captions as latents, and at least one");
+  const int64_t batch = static_cast<int64_t>(latents.size());
+  const at::Tensor& first = latents.front();
+  for (const at::Tensor& l : latents) {
+    TORCH_CHECK(l.sizes() == first.sizes() && l.scalar_type() == first.scalar_type(),
+                "ZImageTransformer: the latents of a batch must have one shape and dtype");
+  }
+  const at::ScalarType dtype = first.scalar_type();
+  const c10::Device device = first.device();
+  const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat).device(device);
 
-  // Timestep: t * t_scale, sinusoidal [cos, sin] in float32, MLP in the model dtype.
+  // Timestep: t * t_scale, sinusoidal [cos, sin] in float32, MLP in the model dtype. One timestep
+  // for the whole batch: [1, adaln_dim], broadcast over it.
   const at::Tensor freqs = at::exp(at::arange(0, 128, f32) * (-std::log(10000.0) / 128.0));
   const at::Tensor args = at::full({1, 1}, static_cast<float>(t * c.t_scale), f32) * freqs.unsqueeze(0);
   const at::Tensor t_freq = at::cat({at::cos(args), at::sin(args)}, -1);
   const at::Tensor adaln = t_fc2_->Forward(at::silu(t_fc1_->Forward(t_freq.to(dtype)))).to(dtype);
 
-  // Caption: padded with its last row to a multiple of 32; pads become cap_pad_token.
-  const int64_t l = caption.size(0);
-  const int64_t lc = l + PadTo(l);
-  at::Tensor cap = cap_linear_->Forward(cap_norm_->Forward(PadWithLastRow(caption.to(dtype), lc - l)));
-  cap = FillPadRows(cap, l, tensor(cap_pad_token_));
+  // Captions: each padded with its last row to a multiple of 32 (lc_i); pads become cap_pad_token.
+  // Across the batch, shorter ones are then padded with zeros to the longest (lmax) and masked.
+  std::vector<at::Tensor> caps;
+  std::vector<int64_t> lcs;
+  int64_t lmax = 0;
+  for (const at::Tensor& caption : captions) {
+    const int64_t l = caption.size(0);
+    const int64_t lc = l + PadTo(l);
+    at::Tensor cap = cap_linear_->Forward(cap_norm_->Forward(PadWithLastRow(caption.to(dtype), lc - l)));
+    caps.push_back(FillPadRows(cap, l, tensor(cap_pad_token_)));
+    lcs.push_back(lc);
+    lmax = std::max(lmax, lc);
+  }
+  const bool ragged = std::any_of(lcs.begin(), lcs.end(), [&](int64_t lc) { return lc != lmax; });
 
   // Image: [C, F, H, W] → patches (f, h, w order; channel fastest inside a patch).
-  const int64_t ch = latents.size(0), f = latents.size(1), h = latents.size(2), w = latents.size(3);
+  const int64_t ch = first.size(0), f = first.size(1), h = first.size(2), w = first.size(3);
   const int64_t p = c.patch_size, pf = c.f_patch_size;
   const int64_t ft = f / pf, ht = h / p, wt = w / p;
-  const at::Tensor patches = latents.view({ch, ft, pf, ht, p, wt, p})
-                                 .permute({1, 3, 5, 2, 4, 6, 0})
-                                 .reshape({ft * ht * wt, pf * p * p * ch});
-  const int64_t n = patches.size(0);
+  const int64_t n = ft * ht * wt;
   const int64_t nx = n + PadTo(n);
-  at::Tensor x = x_embedder_->Forward(PadWithLastRow(patches, nx - n));
-  x = FillPadRows(x, n, tensor(x_pad_token_));
-  const RopeLayout layout{lc, ft, ht, wt, latents.device()};
-  if (!(layout == rope_layout_)) {
-    const at::Tensor cap_pos = at::stack({at::arange(1, lc + 1, i64), at::zeros({lc}, i64), at::zeros({lc}, i64)}, 1);
-    const at::Tensor grid_f = at::arange(ft, i64).view({ft, 1, 1}).expand({ft, ht, wt}).reshape({-1}) + (lc + 1);
-    const at::Tensor grid_h = at::arange(ht, i64).view({1, ht, 1}).expand({ft, ht, wt}).reshape({-1});
-    const at::Tensor grid_w = at::arange(wt, i64).view({1, 1, wt}).expand({ft, ht, wt}).reshape({-1});
-    at::Tensor x_pos = at::stack({grid_f, grid_h, grid_w}, 1);
-    if (nx > n) x_pos = at::cat({x_pos, at::zeros({nx - n, 3}, i64)}, 0);
-    x_freqs_ = RopeFactors(x_pos).to(latents.device());
-    cap_freqs_ = RopeFactors(cap_pos).to(latents.device());
-    rope_layout_ = layout;
+  std::vector<at::Tensor> xs;
+  for (const at::Tensor& l : latents) {
+    const at::Tensor patches =
+        l.view({ch, ft, pf, ht, p, wt, p}).permute({1, 3, 5, 2, 4, 6, 0}).reshape({n, pf * p * p * ch});
+    xs.push_back(FillPadRows(x_embedder_->Forward(PadWithLastRow(patches, nx - n)), n, tensor(x_pad_token_)));
   }
-  const at::Tensor& x_freqs = x_freqs_;
-  const at::Tensor& cap_freqs = cap_freqs_;
-  x = x.unsqueeze(0);
-  for (ZImageBlock* block : *noise_refiner_) x = block->Forward(x, x_freqs, adaln);
-  cap = cap.unsqueeze(0);
-  for (ZImageBlock* block : *context_refiner_) cap = block->Forward(cap, cap_freqs, at::Tensor());
 
-  // Image first, then caption.
+  // RoPE: image positions follow each sample's own caption length; caption positions 1..lmax are
+  // the same rows for every sample (a shorter caption's extra rows are masked).
+  std::vector<at::Tensor> x_freqs_each;
+  for (const int64_t lc : lcs) x_freqs_each.push_back(Freqs(RopeLayout{lc, ft, ht, wt, device}, n, nx).x);
+  const at::Tensor cap_freqs = Freqs(RopeLayout{lmax, ft, ht, wt, device}, n, nx).cap;
+  const at::Tensor x_freqs = ragged ? at::stack(x_freqs_each, 0) : x_freqs_each.front();
+
+  at::Tensor cap_mask;  // [B, lmax], true where a caption token is.
+  if (ragged) {
+    for (size_t i = 0; i < caps.size(); ++i) {
+      if (lcs[i] < lmax) caps[i] = at::cat({caps[i], at::zeros({lmax - lcs[i], c.dim}, caps[i].options())}, 0);
+    }
+    const at::Tensor positions = at::arange(lmax, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
+    cap_mask = positions.lt(at::tensor(lcs).unsqueeze(1)).to(device);
+  }
+
+  at::Tensor x = at::stack(xs, 0);  // [B, nx, D]
+  for (ZImageBlock* block : *noise_refiner_) x = block->Forward(x, x_freqs, adaln);
+  at::Tensor cap = at::stack(caps, 0);  // [B, lmax, D]
+  for (ZImageBlock* block : *context_refiner_) cap = block->Forward(cap, cap_freqs, at::Tensor(), cap_mask);
+
+  // Image first, then caption (then, for a shorter caption, masked padding).
   at::Tensor u = at::cat({x, cap}, 1);
-  const at::Tensor u_freqs = at::cat({x_freqs, cap_freqs}, 0);
-  for (ZImageBlock* block : *layers_) u = block->Forward(u, u_freqs, adaln);
+  const at::Tensor u_freqs =
+      ragged ? at::cat({x_freqs, cap_freqs.unsqueeze(0).expand({batch, lmax, cap_freqs.size(1)})}, 1)
+             : at::cat({x_freqs, cap_freqs}, 0);
+  at::Tensor u_mask;
+  if (ragged) u_mask = at::cat({at::ones({batch, nx}, cap_mask.options()), cap_mask}, 1);
+  for (ZImageBlock* block : *layers_) u = block->Forward(u, u_freqs, adaln, u_mask);
 
   const at::Tensor scale = 1.0 + final_modulation_->Forward(at::silu(adaln));
   u = at::layer_norm(u, {c.dim}, {}, {}, 1e-6) * scale.unsqueeze(1);
   u = final_linear_->Forward(u);
-  return u.select(0, 0)
-      .slice(0, 0, n)
-      .view({ft, ht, wt, pf, p, p, ch})
-      .permute({6, 0, 3, 1, 4, 2, 5})
-      .reshape({ch, f, h, w});
+  std::vector<at::Tensor> out;
+  for (int64_t i = 0; i < batch; ++i) {
+    out.push_back(u.select(0, i)
+                      .slice(0, 0, n)
+                      .view({ft, ht, wt, pf, p, p, ch})
+                      .permute({6, 0, 3, 1, 4, 2, 5})
+                      .reshape({ch, f, h, w}));
+  }
+  return out;
 }
 
 }  // namespace stowage

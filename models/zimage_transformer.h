@@ -6,7 +6,9 @@
 // `n_refiner_layers` modulated blocks; caption features (RMSNorm + Linear, padded likewise) refined by
 // unmodulated blocks; then [image; caption] through `n_layers` modulated blocks with three-axis RoPE
 // (caption token k at (1+k, 0, 0); image token (h, w) at (Lc+1, h, w)), and a final adaptive layer.
-// One sample per call (diffusers' batch items are independent); the pipeline loops over a batch.
+// Batches: ForwardBatch runs several samples of one image size through one forward (the weights are
+// read once for all of them); captions of different lengths are padded to the longest and masked
+// out of attention, as diffusers does, so each sample's output matches its own Forward.
 #ifndef STOWAGE_MODELS_ZIMAGE_TRANSFORMER_H_
 #define STOWAGE_MODELS_ZIMAGE_TRANSFORMER_H_
 
@@ -59,8 +61,9 @@ absl::Status Validate(const ZImageTransformerConfig& config, const std::string& 
 class ZImageAttention : public Module {
  public:
   ZImageAttention(const ZImageTransformerConfig& config, const LayerOptions& options);
-  // x: [1, S, D]; freqs: complex [S, head_dim / 2].
-  at::Tensor Forward(const at::Tensor& x, const at::Tensor& freqs);
+  // x: [B, S, D]; freqs: complex [S, head_dim / 2] (shared) or [B, S, head_dim / 2];
+  // key_mask: bool [B, S] (true = attend) or undefined (attend to all).
+  at::Tensor Forward(const at::Tensor& x, const at::Tensor& freqs, const at::Tensor& key_mask = at::Tensor());
 
  private:
   int64_t heads_;
@@ -75,8 +78,9 @@ class ZImageAttention : public Module {
 class ZImageBlock : public Module {
  public:
   ZImageBlock(const ZImageTransformerConfig& config, bool modulation, const LayerOptions& options);
-  // c: [1, adaln_dim] or undefined for unmodulated blocks.
-  at::Tensor Forward(const at::Tensor& x, const at::Tensor& freqs, const at::Tensor& c);
+  // c: [1, adaln_dim] or undefined for unmodulated blocks; key_mask as ZImageAttention's.
+  at::Tensor Forward(const at::Tensor& x, const at::Tensor& freqs, const at::Tensor& c,
+                     const at::Tensor& key_mask = at::Tensor());
 
  private:
   ZImageAttention* attention_;
@@ -96,6 +100,11 @@ class ZImageTransformer : public Module {
   // latents: [C, 1, H, W] (H, W multiples of patch_size) in the model dtype; t: model time in [0, 1]
   // (1 - sigma), float; caption: [L, cap_feat_dim] (no padding). Returns [C, 1, H, W].
   at::Tensor Forward(const at::Tensor& latents, double t, const at::Tensor& caption);
+  // Several samples at one timestep in one forward: latents[i] as above, all of one shape;
+  // captions[i]: [L_i, cap_feat_dim], lengths may differ. Returns one [C, 1, H, W] per sample. A
+  // batch of one is exactly Forward.
+  std::vector<at::Tensor> ForwardBatch(const std::vector<at::Tensor>& latents, double t,
+                                       const std::vector<at::Tensor>& captions);
   const ZImageTransformerConfig& config() const { return config_; }
 
   // Exposed for tests: complex RoPE factors for int64 position ids [S, 3] → [S, head_dim / 2].
@@ -104,8 +113,9 @@ class ZImageTransformer : public Module {
  private:
   ZImageTransformerConfig config_;
   std::vector<at::Tensor> rope_tables_;  // Per axis: complex [axes_lens[i], axes_dims[i] / 2].
-  // RoPE factors of the last sequence layout (padded caption length, patch grid, device): every
-  // denoising step, and both guidance passes of a step, reuse them.
+  // RoPE factors per sequence layout (padded caption length, patch grid, device): every denoising
+  // step, both guidance passes of a step and the members of a batch reuse them. The cache holds
+  // the layouts of the last grid and device (a few caption lengths).
   struct RopeLayout {
     int64_t lc = -1, ft = -1, ht = -1, wt = -1;
     c10::Device device = c10::Device(c10::kCPU);
@@ -113,9 +123,13 @@ class ZImageTransformer : public Module {
       return lc == o.lc && ft == o.ft && ht == o.ht && wt == o.wt && device == o.device;
     }
   };
-  RopeLayout rope_layout_;
-  at::Tensor x_freqs_;
-  at::Tensor cap_freqs_;
+  struct RopeFreqs {
+    RopeLayout layout;
+    at::Tensor x;    // [nx, head_dim / 2]
+    at::Tensor cap;  // [lc, head_dim / 2]
+  };
+  const RopeFreqs& Freqs(const RopeLayout& layout, int64_t n, int64_t nx);
+  std::vector<RopeFreqs> rope_cache_;
   Linear* x_embedder_;
   Linear* final_linear_;
   Linear* final_modulation_;

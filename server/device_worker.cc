@@ -112,9 +112,60 @@ absl::Status DeviceWorker::RunTask(std::function<absl::Status()> task,
   }
 }
 
+void DeviceWorker::CollectBatch(std::vector<Item>& members, std::vector<Item>& dropped) {
+  // Copies: `members` grows below.
+  const std::string key = members.front().job.batch_key;
+  const size_t limit = static_cast<size_t>(std::max(1, members.front().job.max_batch_size));
+  const absl::Time deadline = members.front().enqueued + members.front().job.max_batch_delay;
+  auto take = [&] {
+    for (auto it = queue_.begin(); it != queue_.end() && members.size() < limit;) {
+      if (it->task != nullptr || it->job.batch_key != key) {
+        ++it;
+      } else if (it->job.cancelled && it->job.cancelled()) {
+        dropped.push_back(std::move(*it));
+        it = queue_.erase(it);
+      } else {
+        members.push_back(std::move(*it));
+        it = queue_.erase(it);
+      }
+    }
+  };
+  struct Wait {
+    DeviceWorker* worker;
+    const std::string* key;
+  } wait{this, &key};
+  for (;;) {
+    take();
+    if (members.size() >= limit || stopping_ || absl::Now() >= deadline) break;
+    // Sleep until a job of this key arrives, the worker stops, or the delay is over; wake every
+    // 20 ms to see whether the first member's caller has gone.
+    mu_.AwaitWithDeadline(absl::Condition(
+                              +[](Wait* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+                                if (w->worker->stopping_) return true;
+                                return std::any_of(w->worker->queue_.begin(), w->worker->queue_.end(),
+                                                   [&](const Item& i) {
+                                                     return i.task == nullptr && i.job.batch_key == *w->key;
+                                                   });
+                              },
+                              &wait),
+                          std::min(deadline, absl::Now() + absl::Milliseconds(20)));
+    // The first member's caller may have gone while the batch waited: it gives up its place.
+    if (members.front().job.cancelled && members.front().job.cancelled()) {
+      dropped.push_back(std::move(members.front()));
+      members.erase(members.begin());
+      break;  // The rest run now, without waiting longer for a batch their head left.
+    }
+  }
+  ReportDepth();
+}
+
 void DeviceWorker::Loop() {
   for (;;) {
     Item next;
+    bool batching = false;
+    std::vector<Item> batch;
+    std::vector<Item> dropped;
+    absl::Duration batch_wait;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
@@ -128,9 +179,29 @@ void DeviceWorker::Loop() {
         next.task->phase = TaskState::Phase::kRunning;
       } else {
         ReportDepth();
+        batching = !next.job.batch_key.empty() && !(next.job.cancelled && next.job.cancelled());
+        if (batching) {
+          const absl::Time taken = absl::Now();
+          batch.push_back(std::move(next));
+          CollectBatch(batch, dropped);
+          batch_wait = absl::Now() - taken;
+        }
       }
     }
-    if (next.task != nullptr) {
+    for (Item& item : dropped) {
+      if (item.job.drop) item.job.drop();
+    }
+    if (batching) {
+      if (batch.empty()) continue;  // Its only member left while it waited.
+      const absl::Time start = absl::Now();
+      std::vector<BatchMember> members;
+      for (Item& item : batch) members.push_back(BatchMember{&item.job, start - item.enqueued, batch_wait});
+      members.front().job->run_batch(members);
+      if (options_.after_each) options_.after_each();
+      for (Item& item : batch) {
+        if (item.job.finish) item.job.finish();
+      }
+    } else if (next.task != nullptr) {
       const absl::Status status = next.task->fn();
       if (options_.after_each) options_.after_each();
       absl::MutexLock task_lock(&next.task->mu);

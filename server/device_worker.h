@@ -10,6 +10,8 @@
 //   * Jobs (generation requests): bounded by `queue_depth`; Submit fails with RESOURCE_EXHAUSTED
 //     when that many jobs wait. A job whose caller has gone is dropped when it reaches the front,
 //     or when a new job finds the queue full.
+//     Jobs may batch: jobs with the same non-empty `batch_key` that are queued together run as one
+//     batch (see Job::batch_key).
 //   * Tasks (admin changes): RunTask waits until the task ran and returns its status. A task runs
 //     between jobs, never during one: kNext puts it before every queued job (after tasks already
 //     waiting), kAfterQueuedJobs behind the jobs queued now (an unload lets accepted requests
@@ -22,6 +24,7 @@
 #ifndef STOWAGE_SERVER_DEVICE_WORKER_H_
 #define STOWAGE_SERVER_DEVICE_WORKER_H_
 
+#include <any>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -38,6 +41,15 @@ namespace stowage {
 
 class DeviceWorker {
  public:
+  struct Job;
+  // A job as one member of a batch: the job, how long it waited in the queue, and how long of that
+  // the worker held the batch open waiting for more members.
+  struct BatchMember {
+    Job* job;
+    absl::Duration queue_wait;
+    absl::Duration batch_wait;
+  };
+
   struct Job {
     // Called on the worker thread with the time the job waited in the queue.
     std::function<void(absl::Duration queue_wait)> run;
@@ -50,6 +62,20 @@ class DeviceWorker {
     // Optional: called on the worker after `run` and after `after_each` published the state the
     // job left, so a caller woken here reads a snapshot that already includes its request.
     std::function<void()> finish;
+
+    // Optional batching. When a job with a non-empty batch_key reaches the front, the worker
+    // takes with it the queued jobs of the same key, in queue order, up to max_batch_size in all
+    // (tasks and other jobs keep their places). If fewer are there, it waits for more until
+    // max_batch_delay after the first job was queued, or until the batch is full; tasks posted
+    // meanwhile run after the batch. Then it calls the first job's run_batch once with every
+    // member (the first job first) instead of each job's run; then after_each; then each member's
+    // finish. Members whose caller went away meanwhile are dropped as usual. A job with a
+    // batch_key must set run_batch; `payload` carries what run_batch needs of each member.
+    std::string batch_key;
+    int max_batch_size = 1;
+    absl::Duration max_batch_delay = absl::ZeroDuration();
+    std::function<void(const std::vector<BatchMember>& members)> run_batch;
+    std::any payload;
   };
 
   enum class TaskOrder { kNext, kAfterQueuedJobs };
@@ -89,6 +115,10 @@ class DeviceWorker {
     absl::Time enqueued;
   };
   void Loop();
+  // Adds to `members` (holding the batch's first job) the queued jobs that may join it, waiting for
+  // them as Job::batch_key says; cancelled ones go to `dropped`.
+  void CollectBatch(std::vector<Item>& members, std::vector<Item>& dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves cancelled jobs out of the queue into `dropped`.
   void TakeCancelled(std::vector<Item>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int QueuedJobs() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

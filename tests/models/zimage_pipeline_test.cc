@@ -55,6 +55,99 @@ TEST(ZImagePipelineTest, TinyBuiltInRunsDeterministicallyWithDiffusersGuidanceSe
   EXPECT_NE(a->rgb, guided->rgb);  // Any g > 0 guides (pos + g·(pos − neg)).
 }
 
+GenerationParams Params(const std::string& prompt, float guidance, uint64_t seed) {
+  GenerationParams p;
+  p.prompt = prompt;
+  p.negative_prompt = "blur";
+  p.width = 64;
+  p.height = 48;
+  p.steps = 3;
+  p.guidance_scale = guidance;
+  p.seed = seed;
+  return p;
+}
+
+// A batch shares each forward between its members; every member's image is the one it gets alone
+// (fp32: identical 8-bit pixels), whatever its prompt length, seed or guidance.
+TEST(ZImagePipelineTest, BatchMembersGetTheImageTheyGetAlone) {
+  ZImagePipelineOptions options;
+  options.dtype = at::kFloat;
+  auto pipeline = CreateTinyZImagePipeline(options);
+  ASSERT_TRUE(pipeline.ok()) << pipeline.status();
+  ASSERT_TRUE((*pipeline)->batched());
+  const std::vector<GenerationParams> params = {
+      Params("a red lantern", 0.0f, 1),
+      Params("a much longer prompt about a small blue boat drifting on a calm lake at dawn, with mist", 0.0f, 2),
+      Params("a red lantern", 2.5f, 3),
+      Params("a red lantern", 0.0f, 1)};
+  std::vector<RunContext> contexts;
+  for (size_t i = 0; i < params.size(); ++i) contexts.emplace_back(nullptr, nullptr);
+  std::vector<BatchMember> members;
+  for (size_t i = 0; i < params.size(); ++i) members.push_back(BatchMember{&params[i], &contexts[i]});
+  HostRunner runner;
+  std::vector<absl::StatusOr<Image>> batch = (*pipeline)->RunBatch(members, runner);
+  ASSERT_EQ(batch.size(), params.size());
+  // One text-encoder placement, one transformer forward per step, one decode: for all members.
+  EXPECT_EQ(runner.calls,
+            (std::vector<std::string>{"text_encoder", "transformer", "transformer", "transformer", "vae"}));
+  for (size_t i = 0; i < params.size(); ++i) {
+    ASSERT_TRUE(batch[i].ok()) << i << ": " << batch[i].status();
+    HostRunner alone_runner;
+    RunContext alone_context(nullptr, nullptr);
+    absl::StatusOr<Image> alone = (*pipeline)->Run(params[i], alone_runner, alone_context);
+    ASSERT_TRUE(alone.ok());
+    EXPECT_EQ(batch[i]->rgb, alone->rgb) << "member " << i;
+  }
+  EXPECT_EQ(batch[0]->rgb, batch[3]->rgb);
+  EXPECT_NE(batch[0]->rgb, batch[1]->rgb);
+  // Every member saw its own stage progress.
+  for (const RunContext& context : contexts) {
+    std::vector<std::string> stages;
+    for (const auto& stage : context.stage_times()) stages.push_back(stage.stage);
+    EXPECT_EQ(stages, (std::vector<std::string>{"tokenize", "encode_prompt", "denoise", "decode"}));
+  }
+}
+
+// A member whose caller goes away leaves at the next step boundary with its status; the others
+// finish with the images they get alone.
+TEST(ZImagePipelineTest, InterruptedMemberLeavesTheBatchWithoutDisturbingOthers) {
+  ZImagePipelineOptions options;
+  options.dtype = at::kFloat;
+  auto pipeline = CreateTinyZImagePipeline(options);
+  ASSERT_TRUE(pipeline.ok());
+  const std::vector<GenerationParams> params = {Params("one", 0.0f, 7), Params("two two", 1.5f, 8),
+                                                Params("three", 0.0f, 9)};
+  int steps_seen = 0;
+  std::vector<RunContext> contexts;
+  contexts.emplace_back(nullptr, nullptr);
+  contexts.emplace_back(
+      [&]() { return steps_seen >= 1 ? absl::CancelledError("client went away") : absl::OkStatus(); },
+      [&](const std::string& stage, int step, int) {
+        if (stage == "denoise" && step > 0) steps_seen = step;
+      });
+  contexts.emplace_back(nullptr, nullptr);
+  std::vector<BatchMember> members;
+  for (size_t i = 0; i < params.size(); ++i) members.push_back(BatchMember{&params[i], &contexts[i]});
+  HostRunner runner;
+  std::vector<absl::StatusOr<Image>> batch = (*pipeline)->RunBatch(members, runner);
+  ASSERT_EQ(batch.size(), 3u);
+  EXPECT_EQ(batch[1].status().code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(steps_seen, 1);  // Left after the first step.
+  for (size_t i : {0u, 2u}) {
+    ASSERT_TRUE(batch[i].ok()) << batch[i].status();
+    HostRunner alone_runner;
+    RunContext alone_context(nullptr, nullptr);
+    EXPECT_EQ(batch[i]->rgb, (*pipeline)->Run(params[i], alone_runner, alone_context)->rgb) << i;
+  }
+  // Members of different sizes are refused as a whole.
+  GenerationParams other = params[0];
+  other.width = 80;
+  RunContext c1(nullptr, nullptr), c2(nullptr, nullptr);
+  for (const auto& r : (*pipeline)->RunBatch({BatchMember{&params[0], &c1}, BatchMember{&other, &c2}}, runner)) {
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
 TEST(ZImagePipelineTest, Bfloat16RunsAndStaysCloseToFloat32) {
   ZImagePipelineOptions f32;
   f32.dtype = at::kFloat;

@@ -117,6 +117,43 @@ TEST(ZImageTransformerTest, ForwardShapesDeterminismAndGroupOffloadExactness) {
   for (int i = 0; i < 2; ++i) EXPECT_TRUE(at::equal(model.Forward(latents, 0.25, caption), a));
 }
 
+double RelativeError(const at::Tensor& a, const at::Tensor& b) {
+  return (a - b).norm().item<double>() / b.norm().item<double>();
+}
+
+// A batch gives each sample what it gets alone: captions of different padded lengths (32, 64, 96
+// tokens) are masked, image positions follow each sample's own caption, one timestep for all.
+TEST(ZImageTransformerTest, BatchedForwardMatchesEachSampleAlone) {
+  ZImageTransformer model(Tiny(), LayerOptions{});
+  InitializeRandomWeights(model, 5);
+  c10::InferenceMode guard;
+  std::vector<at::Tensor> latents, captions;
+  for (int64_t len : {7, 40, 70, 40}) {
+    latents.push_back(at::randn({4, 1, 6, 10}));
+    captions.push_back(at::randn({len, 48}));
+  }
+  const std::vector<at::Tensor> batch = model.ForwardBatch(latents, 0.4, captions);
+  ASSERT_EQ(batch.size(), 4u);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const at::Tensor alone = model.Forward(latents[i], 0.4, captions[i]);
+    EXPECT_EQ(batch[i].sizes(), alone.sizes());
+    EXPECT_LT(RelativeError(batch[i], alone), 1e-5) << "sample " << i;
+  }
+  // Samples with equal caption lengths need no mask; a batch of one is Forward itself.
+  const std::vector<at::Tensor> even = model.ForwardBatch({latents[1], latents[3]}, 0.4, {captions[1], captions[3]});
+  EXPECT_LT(RelativeError(even[1], model.Forward(latents[3], 0.4, captions[3])), 1e-5);
+  EXPECT_TRUE(at::equal(model.ForwardBatch({latents[2]}, 0.4, {captions[2]})[0], model.Forward(latents[2], 0.4, captions[2])));
+  // Samples influence nothing but themselves: changing one leaves the others.
+  std::vector<at::Tensor> changed = latents;
+  changed[0] = at::randn({4, 1, 6, 10});
+  const std::vector<at::Tensor> again = model.ForwardBatch(changed, 0.4, captions);
+  EXPECT_GT(RelativeError(again[0], batch[0]), 1e-2);
+  for (size_t i = 1; i < 4; ++i) EXPECT_LT(RelativeError(again[i], batch[i]), 1e-5) << i;
+  // Mismatched shapes are refused, not broadcast.
+  EXPECT_THROW(model.ForwardBatch({latents[0], at::randn({4, 1, 8, 10})}, 0.4, {captions[0], captions[1]}), c10::Error);
+  EXPECT_THROW(model.ForwardBatch({latents[0]}, 0.4, {captions[0], captions[1]}), c10::Error);
+}
+
 TEST(ZImageTransformerTest, ConfigFromJsonValidates) {
   google::protobuf::Struct json;
   (*json.mutable_fields())["dim"].set_number_value(64);

@@ -1,5 +1,6 @@
 #include "server/device_worker.h"
 
+#include <any>
 #include <atomic>
 #include <string>
 #include <thread>
@@ -224,6 +225,114 @@ TEST(DeviceWorkerTest, ATaskCannotWaitForAnotherOnTheSameWorker) {
                       nullptr)
                   .ok());
   EXPECT_EQ(inner.code(), absl::StatusCode::kInternal);
+}
+
+// Records the batches run_batch saw, as lists of job ids.
+struct BatchLog {
+  absl::Mutex mu;
+  std::vector<std::vector<int>> batches ABSL_GUARDED_BY(mu);
+  std::vector<absl::Duration> batch_waits ABSL_GUARDED_BY(mu);
+  std::vector<std::vector<int>> Get() {
+    absl::MutexLock lock(&mu);
+    return batches;
+  }
+};
+
+DeviceWorker::Job BatchJob(BatchLog& log, const std::string& key, int id, int max_size, absl::Duration delay,
+                           absl::Notification* done = nullptr) {
+  DeviceWorker::Job j;
+  j.batch_key = key;
+  j.max_batch_size = max_size;
+  j.max_batch_delay = delay;
+  j.payload = id;
+  j.run = [](absl::Duration) { ADD_FAILURE() << "a batching job runs through run_batch"; };
+  j.run_batch = [&log](const std::vector<DeviceWorker::BatchMember>& members) {
+    std::vector<int> ids;
+    for (const auto& m : members) ids.push_back(std::any_cast<int>(m.job->payload));
+    absl::MutexLock lock(&log.mu);
+    log.batches.push_back(ids);
+    log.batch_waits.push_back(members.front().batch_wait);
+  };
+  if (done != nullptr) j.finish = [done] { done->Notify(); };
+  return j;
+}
+
+// Jobs of one key queued together run as one batch, in queue order, at most max_batch_size at a
+// time; other keys and tasks keep their places.
+TEST(DeviceWorkerTest, QueuedJobsOfOneKeyRunAsBatchesUpToTheirSize) {
+  DeviceWorker worker(Options("sim:0", 16));
+  absl::Notification started, release;
+  DeviceWorker::Job blocker;
+  blocker.run = [&](absl::Duration) {
+    started.Notify();
+    release.WaitForNotification();
+  };
+  ASSERT_TRUE(worker.Submit(blocker).ok());
+  started.WaitForNotification();
+  BatchLog log;
+  absl::Notification last;
+  for (int id : {1, 2}) ASSERT_TRUE(worker.Submit(BatchJob(log, "a", id, 3, absl::ZeroDuration())).ok());
+  ASSERT_TRUE(worker.Submit(BatchJob(log, "b", 3, 3, absl::ZeroDuration())).ok());
+  for (int id : {4, 5, 6}) ASSERT_TRUE(worker.Submit(BatchJob(log, "a", id, 3, absl::ZeroDuration())).ok());
+  ASSERT_TRUE(worker.Submit(BatchJob(log, "b", 7, 3, absl::ZeroDuration(), &last)).ok());
+  release.Notify();
+  last.WaitForNotification();
+  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{1, 2, 4}, {3, 7}, {5, 6}}));
+}
+
+// With fewer jobs queued than the batch holds, the worker waits until max_batch_delay after the
+// first was queued, taking those that arrive meanwhile; it never waits past the delay.
+TEST(DeviceWorkerTest, ABatchWaitsUpToItsDelayForMoreMembers) {
+  DeviceWorker worker(Options("sim:0", 16));
+  BatchLog log;
+  absl::Notification first_done, second_done;
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 1, 4, absl::Milliseconds(400), &first_done)).ok());
+  absl::SleepFor(absl::Milliseconds(50));
+  ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 2, 4, absl::Milliseconds(400))).ok());
+  first_done.WaitForNotification();
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_GE(took, absl::Milliseconds(390));  // Held open for the delay: the batch was not full.
+  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{1, 2}}));
+  {
+    absl::MutexLock lock(&log.mu);
+    EXPECT_GE(log.batch_waits[0], absl::Milliseconds(300));
+  }
+  // A full batch does not wait.
+  const absl::Time full_start = absl::Now();
+  absl::Notification full_done;
+  DeviceWorker::Job a = BatchJob(log, "c", 3, 1, absl::Seconds(30), &full_done);
+  ASSERT_TRUE(worker.Submit(a).ok());
+  full_done.WaitForNotification();
+  EXPECT_LT(absl::Now() - full_start, absl::Seconds(10));
+  EXPECT_EQ(log.Get().back(), (std::vector<int>{3}));
+}
+
+// A member whose caller has gone is dropped, not run; a head that leaves while the batch waits
+// ends the wait.
+TEST(DeviceWorkerTest, CancelledJobsLeaveTheirBatch) {
+  DeviceWorker worker(Options("sim:0", 16));
+  BatchLog log;
+  std::atomic<bool> gone{false};
+  absl::Notification dropped, head_dropped, last;
+  DeviceWorker::Job head = BatchJob(log, "a", 1, 4, absl::Seconds(30));
+  head.cancelled = [&] { return gone.load(); };
+  head.drop = [&] { head_dropped.Notify(); };
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(worker.Submit(head).ok());
+  DeviceWorker::Job member = BatchJob(log, "a", 2, 4, absl::Seconds(30), &last);
+  ASSERT_TRUE(worker.Submit(member).ok());
+  DeviceWorker::Job leaving = BatchJob(log, "a", 3, 4, absl::Seconds(30));
+  leaving.cancelled = [] { return true; };
+  leaving.drop = [&] { dropped.Notify(); };
+  ASSERT_TRUE(worker.Submit(leaving).ok());
+  absl::SleepFor(absl::Milliseconds(100));
+  gone = true;  // The head's caller leaves while the batch waits for a fourth member.
+  dropped.WaitForNotification();
+  head_dropped.WaitForNotification();
+  last.WaitForNotification();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(20));
+  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{2}}));
 }
 
 }  // namespace

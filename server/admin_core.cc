@@ -209,6 +209,12 @@ absl::StatusOr<v1::UnloadPipelineResponse> AdminCore::UnloadPipeline(const v1::U
   return v1::UnloadPipelineResponse();
 }
 
+absl::StatusOr<v1::SetBatchingResponse> AdminCore::SetBatching(const v1::SetBatchingRequest& request) {
+  v1::SetBatchingResponse response;
+  ASSIGN_OR_RETURN(*response.mutable_pipeline(), core_->SetBatching(request.pipeline(), request.batching()));
+  return response;
+}
+
 absl::StatusOr<v1::GetPlacementLogResponse> AdminCore::GetPlacementLog(
     const v1::GetPlacementLogRequest& request) const {
   if (request.limit() < 0 || request.limit() > kMaxLogLimit) {

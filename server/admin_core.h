@@ -34,6 +34,7 @@ class AdminCore {
   absl::StatusOr<v1::UnloadPipelineResponse> UnloadPipeline(const v1::UnloadPipelineRequest& request,
                                                             const Interrupt& interrupt);
   absl::StatusOr<v1::GetPlacementLogResponse> GetPlacementLog(const v1::GetPlacementLogRequest& request) const;
+  absl::StatusOr<v1::SetBatchingResponse> SetBatching(const v1::SetBatchingRequest& request);
 
   // Bounds of GetPlacementLogRequest.limit (0 = kDefaultLogLimit).
   static constexpr int kMaxLogLimit = 4096;

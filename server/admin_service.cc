@@ -107,6 +107,12 @@ grpc::Status AdminServiceImpl::UnloadPipeline(grpc::ServerContext* context, cons
   return Reply(core_.UnloadPipeline(*request, InterruptFor(context)), response);
 }
 
+grpc::Status AdminServiceImpl::SetBatching(grpc::ServerContext* context, const v1::SetBatchingRequest* request,
+                                           v1::SetBatchingResponse* response) {
+  STOWAGE_AUTHORIZE(context);
+  return Reply(core_.SetBatching(*request), response);
+}
+
 grpc::Status AdminServiceImpl::GetPlacementLog(grpc::ServerContext* context,
                                                const v1::GetPlacementLogRequest* request,
                                                v1::GetPlacementLogResponse* response) {

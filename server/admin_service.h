@@ -39,6 +39,8 @@ class AdminServiceImpl final : public v1::AdminService::Service {
                             v1::LoadPipelineResponse* response) override;
   grpc::Status UnloadPipeline(grpc::ServerContext* context, const v1::UnloadPipelineRequest* request,
                               v1::UnloadPipelineResponse* response) override;
+  grpc::Status SetBatching(grpc::ServerContext* context, const v1::SetBatchingRequest* request,
+                           v1::SetBatchingResponse* response) override;
   grpc::Status GetPlacementLog(grpc::ServerContext* context,
                                const v1::GetPlacementLogRequest* request,
                                v1::GetPlacementLogResponse* response) override;

@@ -152,6 +152,15 @@ absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& fi
     auto options = ToPipelineGroupOffloadOptions(p.group_offload(), absl::StrCat(field, ".group_offload"));
     if (!options.ok()) return options.status();
   }
+  return FinalizeBatchingConfig(*p.mutable_batching(), absl::StrCat(field, ".batching"));
+}
+
+absl::Status FinalizeBatchingConfig(v1::BatchingConfig& b, const std::string& field) {
+  RETURN_IF_ERROR(CheckRange(absl::StrCat(field, ".max_batch_size"), b.max_batch_size(), 0, kMaxBatchSize,
+                             absl::StrCat("0 or 1 (off) or 2..", kMaxBatchSize)));
+  RETURN_IF_ERROR(CheckRange(absl::StrCat(field, ".max_queue_delay_ms"), b.max_queue_delay_ms(), 0,
+                             kMaxBatchQueueDelayMs, absl::StrCat("0..", kMaxBatchQueueDelayMs)));
+  if (b.max_batch_size() == 0) b.set_max_batch_size(1);
   return absl::OkStatus();
 }
 

@@ -28,6 +28,9 @@ inline constexpr int kMaxQueueDepth = 4096;
 inline constexpr int kMaxCpuThreads = 1024;
 // device.index: 0..127 (c10::DeviceIndex is an int8_t in LibTorch 1.13).
 inline constexpr int kMaxDeviceIndex = 127;
+// batching.max_batch_size: 0 or 1 (off) ..64; batching.max_queue_delay_ms: 0..60000.
+inline constexpr int kMaxBatchSize = 64;
+inline constexpr int kMaxBatchQueueDelayMs = 60000;
 // group offload prefetch_depth: 0 (the engine's choice) ..64; each step adds a device slot.
 inline constexpr int kMaxPrefetchDepth = 64;
 // group offload num_blocks_per_group: 0 (= 1) ..4096.
@@ -57,6 +60,10 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config);
 
 // Fills one pipeline's defaults and validates it; errors name `field` ("pipelines[2]").
 absl::Status FinalizePipelineConfig(v1::PipelineConfig& pipeline, const std::string& field);
+
+// Validates batching settings (ranges above) and fills the default (max_batch_size 0 → 1, off);
+// errors name `field` ("pipelines[0].batching"). The admin SetBatching RPC uses it too.
+absl::Status FinalizeBatchingConfig(v1::BatchingConfig& batching, const std::string& field);
 
 // Converts validated config messages to the engine's options. `field` names the message in errors
 // ("pipelines[0].group_offload.defaults").

@@ -1,6 +1,7 @@
 #include "server/generation_core.h"
 
 #include <algorithm>
+#include <any>
 #include <cmath>
 #include <iostream>
 #include <optional>
@@ -207,6 +208,10 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
           return registered;
         }
         placement.MarkReady(name);
+        {
+          absl::MutexLock lock(&batching_mu_);
+          batching_[name] = p.batching();
+        }
         pipelines_.FinishLoad(name, pipeline, make_default);
         // Described now: an unload may begin the moment the load has finished.
         for (const HostedPipelines::View& view : pipelines_.List()) {
@@ -242,6 +247,10 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
         [&] {
           removed = true;
           placement_->Unregister(name);
+          {
+            absl::MutexLock lock(&batching_mu_);
+            batching_.erase(name);
+          }
           pipelines_.FinishUnload(name);
           return absl::OkStatus();
         },
@@ -333,6 +342,29 @@ absl::StatusOr<GenerationParams> GenerationCore::Validate(const v1::GenerateRequ
   return params;
 }
 
+v1::BatchingConfig GenerationCore::BatchingOf(const std::string& pipeline) const {
+  absl::MutexLock lock(&batching_mu_);
+  auto it = batching_.find(pipeline);
+  if (it != batching_.end()) return it->second;
+  v1::BatchingConfig off;
+  off.set_max_batch_size(1);
+  return off;
+}
+
+absl::StatusOr<v1::Pipeline> GenerationCore::SetBatching(const std::string& name, const v1::BatchingConfig& batching) {
+  v1::BatchingConfig b = batching;
+  RETURN_IF_ERROR(FinalizeBatchingConfig(b, "batching"));
+  for (const HostedPipelines::View& view : pipelines_.List()) {
+    if (view.name != name || view.state != PipelineState::kReady) continue;
+    {
+      absl::MutexLock lock(&batching_mu_);
+      batching_[name] = b;
+    }
+    return Describe(view);
+  }
+  return absl::NotFoundError(absl::StrCat("no READY pipeline named '", Truncated(name), "'; ListPipelines shows them"));
+}
+
 absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::GenerateRequest& request,
                                                               const CallControl& control) {
   ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.Resolve(request.pipeline()));
@@ -340,91 +372,166 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
   RETURN_IF_ERROR(control.interrupt ? control.interrupt() : absl::OkStatus());
 
   absl::Notification done;
-  absl::StatusOr<v1::GenerateResponse> result = absl::InternalError("request did not run");
+  PendingRequest pending;
+  pending.pipeline = pipeline;
+  pending.params = params;
+  pending.request = &request;
+  pending.control = &control;
   DeviceWorker::Job job;
   job.run = [&](absl::Duration queue_wait) {
-    if (!pipelines_.StillHosted(pipeline->name(), pipeline.get())) {
-      result = absl::NotFoundError(
-          absl::StrCat("pipeline '", pipeline->name(), "' was unloaded while the request waited"));
-    } else {
-      result = RunOnWorker(*pipeline, params, request, control, queue_wait);
-    }
+    pending.queue_wait = queue_wait;
+    RunOnWorker({&pending}, /*batching=*/false);
   };
+  const v1::BatchingConfig batching = BatchingOf(pipeline->name());
+  if (pipeline->batched() && batching.max_batch_size() > 1) {
+    // Requests that may share a forward: one pipeline, one image size, one step count.
+    job.batch_key = absl::StrCat(pipeline->name(), "/", params.width, "x", params.height, "/", params.steps);
+    job.max_batch_size = batching.max_batch_size();
+    job.max_batch_delay = absl::Milliseconds(batching.max_queue_delay_ms());
+    job.payload = &pending;
+    job.run_batch = [this](const std::vector<DeviceWorker::BatchMember>& members) {
+      std::vector<PendingRequest*> requests;
+      for (const DeviceWorker::BatchMember& member : members) {
+        auto* r = std::any_cast<PendingRequest*>(member.job->payload);
+        r->queue_wait = member.queue_wait;
+        r->batch_wait = member.batch_wait;
+        requests.push_back(r);
+      }
+      RunOnWorker(requests, /*batching=*/true);
+    };
+  }
   job.finish = [&] { done.Notify(); };
   if (control.interrupt) {
     job.cancelled = [&] { return !control.interrupt().ok(); };
     job.drop = [&] {
       const absl::Status why = control.interrupt();
-      result = why.ok() ? absl::CancelledError("dropped from the queue") : why;
+      pending.result = why.ok() ? absl::CancelledError("dropped from the queue") : why;
       done.Notify();
     };
   }
   RETURN_IF_ERROR(worker_->Submit(std::move(job)));
   done.WaitForNotification();
-  return result;
+  return std::move(pending.result);
 }
 
-absl::StatusOr<v1::GenerateResponse> GenerationCore::RunOnWorker(Pipeline& pipeline,
-                                                                 const GenerationParams& params,
-                                                                 const v1::GenerateRequest& request,
-                                                                 const CallControl& control,
-                                                                 absl::Duration queue_wait) {
-  RETURN_IF_ERROR(control.interrupt ? control.interrupt() : absl::OkStatus());
+void GenerationCore::RunOnWorker(const std::vector<PendingRequest*>& requests, bool batching) {
+  // Requests whose pipeline went, or whose caller went, while they waited get their status now.
+  std::vector<PendingRequest*> running;
+  for (PendingRequest* r : requests) {
+    if (!pipelines_.StillHosted(r->pipeline->name(), r->pipeline.get())) {
+      r->result = absl::NotFoundError(
+          absl::StrCat("pipeline '", r->pipeline->name(), "' was unloaded while the request waited"));
+      continue;
+    }
+    const absl::Status interrupted = r->control->interrupt ? r->control->interrupt() : absl::OkStatus();
+    if (!interrupted.ok()) {
+      r->result = interrupted;
+      continue;
+    }
+    running.push_back(r);
+  }
+  if (running.empty()) return;
+  // Every member is hosted now, so all name the one hosted pipeline object.
+  Pipeline& pipeline = *running.front()->pipeline;
+  const int batch_size = static_cast<int>(running.size());
   const absl::Time start = absl::Now();
-  const std::string request_id =
-      request.request_id().empty() ? absl::StrCat("req-", ++request_counter_) : request.request_id();
-  placement_->SetRequestId(request_id);
+
+  std::vector<std::string> ids;
+  for (PendingRequest* r : running) {
+    ids.push_back(r->request->request_id().empty() ? absl::StrCat("req-", ++request_counter_)
+                                                   : r->request->request_id());
+  }
+  // The placement log names the request (or the batch) its decisions were made for.
+  placement_->SetRequestId(batch_size == 1 ? ids.front()
+                                           : absl::StrCat("batch(", absl::StrJoin(ids, ","), ")"));
   backend_->ResetPeakStats();
   // Peak RSS falls back to the lifetime peak where clear_refs is not writable (still an upper
   // bound, never an under-report).
   (void)ResetPeakRss();
   const DeviceMemoryStats before = backend_->GetMemoryStats();
 
-  const google::protobuf::Duration queue_wait_proto = ToProto(queue_wait);
-  RunContext context(control.interrupt, [&](const std::string& stage, int step, int total) {
-    if (!control.on_progress) return;
-    v1::Progress progress;
-    progress.set_stage(stage);
-    progress.set_step(step);
-    progress.set_total_steps(total);
-    *progress.mutable_elapsed() = ToProto(absl::Now() - start);
-    *progress.mutable_queue_wait() = queue_wait_proto;
-    control.on_progress(progress);
-  });
-  RETURN_IF_ERROR(pipeline.CheckSourceFiles());
-  absl::StatusOr<Image> run = pipeline.Run(params, *placement_, context);
-  RETURN_IF_ERROR(pipeline.CheckSourceFiles());  // Changed during the run: discard it.
-  ASSIGN_OR_RETURN(Image image, std::move(run));
-  context.BeginStage("encode_image");
-  ASSIGN_OR_RETURN(std::string png, EncodePng(image));
-  context.EndStage();
+  std::vector<std::unique_ptr<RunContext>> contexts;
+  std::vector<BatchMember> members;
+  for (PendingRequest* r : running) {
+    const CallControl* control = r->control;
+    const google::protobuf::Duration queue_wait = ToProto(r->queue_wait);
+    contexts.push_back(std::make_unique<RunContext>(
+        control->interrupt, [control, queue_wait, start](const std::string& stage, int step, int total) {
+          if (!control->on_progress) return;
+          v1::Progress progress;
+          progress.set_stage(stage);
+          progress.set_step(step);
+          progress.set_total_steps(total);
+          *progress.mutable_elapsed() = ToProto(absl::Now() - start);
+          *progress.mutable_queue_wait() = queue_wait;
+          control->on_progress(progress);
+        }));
+    contexts.back()->set_shared(batch_size > 1);
+    members.push_back(BatchMember{&r->params, contexts.back().get()});
+  }
+
+  std::vector<absl::StatusOr<Image>> images;
+  absl::Status files = pipeline.CheckSourceFiles();
+  if (files.ok()) {
+    images = pipeline.RunBatch(members, *placement_);
+    files = pipeline.CheckSourceFiles();  // Changed during the run: discard it.
+  }
+  if (!files.ok()) images.assign(running.size(), files);
+  std::vector<std::string> pngs(running.size());
+  for (size_t i = 0; i < running.size(); ++i) {
+    if (!images[i].ok()) continue;
+    contexts[i]->set_shared(false);
+    contexts[i]->BeginStage("encode_image");
+    absl::StatusOr<std::string> png = EncodePng(*images[i]);
+    contexts[i]->EndStage();
+    if (png.ok()) {
+      pngs[i] = *std::move(png);
+    } else {
+      images[i] = png.status();
+    }
+  }
   backend_->Synchronize();
+  if (metrics_ != nullptr && batching) {
+    metrics_->RecordBatch(pipeline.name(), batch_size, running.front()->batch_wait);
+  }
 
   const DeviceMemoryStats after = backend_->GetMemoryStats();
-  v1::GenerateResponse response;
-  response.set_image(std::move(png));
-  response.set_format(v1::IMAGE_FORMAT_PNG);
-  response.set_width(image.width);
-  response.set_height(image.height);
-  response.set_seed(params.seed);
-  response.set_pipeline(pipeline.name());
-  response.set_request_id(request_id);
-  v1::RequestStats* stats = response.mutable_stats();
-  *stats->mutable_queue_wait() = queue_wait_proto;
-  *stats->mutable_run_time() = ToProto(absl::Now() - start);
-  for (const RunContext::StageTime& stage : context.stage_times()) {
-    v1::StageTiming* timing = stats->add_stages();
-    timing->set_stage(stage.stage);
-    *timing->mutable_duration() = ToProto(stage.duration);
-  }
-  stats->set_peak_device_memory_bytes(after.peak_allocated_bytes);
-  stats->set_peak_device_reserved_bytes(after.peak_process_bytes());
   absl::StatusOr<ProcessMemory> memory = ReadProcessMemory();
-  if (memory.ok()) stats->set_peak_cpu_rss_bytes(memory->peak_rss_bytes);
-  stats->set_host_to_device_bytes(after.host_to_device_bytes - before.host_to_device_bytes);
-  stats->set_device_to_host_bytes(after.device_to_host_bytes - before.device_to_host_bytes);
-  stats->set_device(backend_->name());
-  return response;
+  const absl::Duration run_time = absl::Now() - start;
+  for (size_t i = 0; i < running.size(); ++i) {
+    PendingRequest& r = *running[i];
+    if (!images[i].ok()) {
+      r.result = images[i].status();
+      continue;
+    }
+    const Image& image = *images[i];
+    v1::GenerateResponse response;
+    response.set_image(std::move(pngs[i]));
+    response.set_format(v1::IMAGE_FORMAT_PNG);
+    response.set_width(image.width);
+    response.set_height(image.height);
+    response.set_seed(r.params.seed);
+    response.set_pipeline(pipeline.name());
+    response.set_request_id(ids[i]);
+    v1::RequestStats* stats = response.mutable_stats();
+    *stats->mutable_queue_wait() = ToProto(r.queue_wait);
+    *stats->mutable_run_time() = ToProto(run_time);
+    for (const RunContext::StageTime& stage : contexts[i]->stage_times()) {
+      v1::StageTiming* timing = stats->add_stages();
+      timing->set_stage(stage.stage);
+      *timing->mutable_duration() = ToProto(stage.duration);
+      timing->set_shared(stage.shared);
+    }
+    stats->set_peak_device_memory_bytes(after.peak_allocated_bytes);
+    stats->set_peak_device_reserved_bytes(after.peak_process_bytes());
+    if (memory.ok()) stats->set_peak_cpu_rss_bytes(memory->peak_rss_bytes);
+    stats->set_host_to_device_bytes(after.host_to_device_bytes - before.host_to_device_bytes);
+    stats->set_device_to_host_bytes(after.device_to_host_bytes - before.device_to_host_bytes);
+    stats->set_device(backend_->name());
+    stats->set_batch_size(batch_size);
+    *stats->mutable_batch_wait() = ToProto(r.batch_wait);
+    r.result = std::move(response);
+  }
 }
 
 v1::Pipeline GenerationCore::Describe(const HostedPipelines::View& view) const {
@@ -460,6 +567,9 @@ v1::Pipeline GenerationCore::Describe(const HostedPipelines::View& view) const {
   out.set_max_inference_steps(limits.max_steps);
   out.set_default_guidance_scale(limits.default_guidance_scale);
   out.set_max_prompt_bytes(limits.max_prompt_bytes);
+  const v1::BatchingConfig batching = BatchingOf(view.name);
+  out.set_max_batch_size(batching.max_batch_size());
+  out.set_max_queue_delay_ms(batching.max_queue_delay_ms());
   // Names, sizes and dtypes are fixed when a component is built: reading them is no device access.
   for (Component* component : view.pipeline->components()) {
     v1::PipelineComponent* c = out.add_components();

@@ -16,6 +16,7 @@
 #define STOWAGE_SERVER_GENERATION_CORE_H_
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -72,6 +73,10 @@ class GenerationCore {
   // removes its components. If `interrupt` fires before that, the pipeline is READY again.
   absl::Status UnloadPipeline(const std::string& name, const Interrupt& interrupt);
 
+  // Sets a READY pipeline's dynamic batching (validated like the config's); requests submitted
+  // afterwards batch under it. NOT_FOUND for a pipeline that is not READY.
+  absl::StatusOr<v1::Pipeline> SetBatching(const std::string& pipeline, const v1::BatchingConfig& batching);
+
   // Runs `change` on the device's worker between requests and returns its status (exceptions
   // become INTERNAL). If `interrupt` fires before it started, it never runs.
   absl::Status ChangeDevice(const std::function<absl::Status(PlacementManager&)>& change,
@@ -86,6 +91,17 @@ class GenerationCore {
   const std::string& device_name() const { return device_name_; }
 
  private:
+  // One accepted request, from Generate to the worker and back.
+  struct PendingRequest {
+    std::shared_ptr<Pipeline> pipeline;
+    GenerationParams params;
+    const v1::GenerateRequest* request = nullptr;
+    const CallControl* control = nullptr;
+    absl::Duration queue_wait;
+    absl::Duration batch_wait;
+    absl::StatusOr<v1::GenerateResponse> result = absl::InternalError("request did not run");
+  };
+
   GenerationCore() = default;
   absl::StatusOr<std::unique_ptr<Pipeline>> Build(const v1::PipelineConfig& config);
   absl::StatusOr<v1::Pipeline> Load(const v1::PipelineConfig& config, bool make_default,
@@ -93,11 +109,11 @@ class GenerationCore {
   v1::Pipeline Describe(const HostedPipelines::View& view) const;
   absl::StatusOr<GenerationParams> Validate(const v1::GenerateRequest& request,
                                             const Pipeline& pipeline) const;
-  // Worker only.
-  absl::StatusOr<v1::GenerateResponse> RunOnWorker(Pipeline& pipeline, const GenerationParams& params,
-                                                   const v1::GenerateRequest& request,
-                                                   const CallControl& control,
-                                                   absl::Duration queue_wait);
+  v1::BatchingConfig BatchingOf(const std::string& pipeline) const;
+  // Worker only. Runs requests for one pipeline as one batch (or one request alone) and sets each
+  // one's result.
+  // `batching`: the pipeline batches (its batches go to the batch metrics).
+  void RunOnWorker(const std::vector<PendingRequest*>& requests, bool batching);
   void Publish();  // Worker only.
 
   ServerMetrics* metrics_ = nullptr;
@@ -111,6 +127,9 @@ class GenerationCore {
   // hooks their modules.
   std::unique_ptr<PlacementManager> placement_;
   int64_t request_counter_ = 0;
+  // Each READY pipeline's batching settings (absent: off).
+  mutable absl::Mutex batching_mu_;
+  std::map<std::string, v1::BatchingConfig> batching_ ABSL_GUARDED_BY(batching_mu_);
   mutable absl::Mutex snapshot_mu_;
   std::shared_ptr<const PlacementSnapshot> snapshot_ ABSL_GUARDED_BY(snapshot_mu_);
   // Declared last: destroyed first, so queued work finishes while everything it uses exists.

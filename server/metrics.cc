@@ -195,7 +195,16 @@ ServerMetrics::ServerMetrics()
       d2h_(prometheus::BuildCounter()
                .Name("stowage_device_to_host_bytes_total")
                .Help("Bytes copied device to host by requests.")
-               .Register(*registry_)) {}
+               .Register(*registry_)),
+      batch_size_(prometheus::BuildHistogram()
+                      .Name("stowage_batch_size")
+                      .Help("Requests per batch run by pipelines with dynamic batching on (1 = alone).")
+                      .Register(*registry_)),
+      batch_delay_(prometheus::BuildHistogram()
+                       .Name("stowage_batch_queue_delay_seconds")
+                       .Help("How long a batch was held open waiting for more requests "
+                             "(bounded by batching.max_queue_delay_ms).")
+                       .Register(*registry_)) {}
 
 void ServerMetrics::RecordRequest(const std::string& pipeline, absl::StatusCode code,
                                   absl::Duration duration) {
@@ -215,6 +224,13 @@ void ServerMetrics::RecordBytesMoved(const std::string& device, int64_t host_to_
                                      int64_t device_to_host) {
   h2d_.Add({{"device", device}}).Increment(static_cast<double>(host_to_device));
   d2h_.Add({{"device", device}}).Increment(static_cast<double>(device_to_host));
+}
+
+void ServerMetrics::RecordBatch(const std::string& pipeline, int size, absl::Duration held_open) {
+  static const auto* sizes = new prometheus::Histogram::BucketBoundaries{1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64};
+  static const auto* delays = new prometheus::Histogram::BucketBoundaries(ExponentialBuckets(0.0005, 2.0, 18));
+  batch_size_.Add({{"pipeline", pipeline}}, *sizes).Observe(static_cast<double>(size));
+  batch_delay_.Add({{"pipeline", pipeline}}, *delays).Observe(absl::ToDoubleSeconds(held_open));
 }
 
 void ServerMetrics::SetQueueDepth(const std::string& device, int64_t depth) {

@@ -35,6 +35,9 @@ class ServerMetrics {
                               int64_t peak_device_reserved_bytes, int64_t peak_rss_bytes);
   void RecordBytesMoved(const std::string& device, int64_t host_to_device, int64_t device_to_host);
   void SetQueueDepth(const std::string& device, int64_t depth);
+  // One batch run by a pipeline with batching on: how many requests it held (1 = alone) and how
+  // long the server held it open waiting for more.
+  void RecordBatch(const std::string& pipeline, int size, absl::Duration held_open);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -46,6 +49,8 @@ class ServerMetrics {
   prometheus::Family<prometheus::Gauge>& queue_depth_;
   prometheus::Family<prometheus::Counter>& h2d_;
   prometheus::Family<prometheus::Counter>& d2h_;
+  prometheus::Family<prometheus::Histogram>& batch_size_;
+  prometheus::Family<prometheus::Histogram>& batch_delay_;
 };
 
 // A collectable that reads the process's resident memory at scrape time:

@@ -1,0 +1,230 @@
+// Dynamic batching through a real server over loopback: requests queued together run as one batch,
+// each gets the image it gets alone, a member that leaves does not disturb the others, the admin
+// API switches batching at run time and refuses what is out of range, and Prometheus shows the
+// batch histograms.
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <grpcpp/grpcpp.h>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "google/protobuf/text_format.h"
+#include "tests/e2e/e2e_harness.h"
+#include "tests/e2e/http_get.h"
+
+namespace stowage {
+namespace {
+
+using std::chrono::milliseconds;
+
+// Requests that differ in everything a batch allows to differ: prompt (and so caption length),
+// seed, guidance and negative prompt. Same size and step count.
+std::vector<v1::GenerateRequest> MixedRequests() {
+  std::vector<v1::GenerateRequest> requests;
+  const std::vector<std::string> prompts = {"a red circle", "a much longer prompt about a blue boat on a calm lake",
+                                            "a red circle", "green"};
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    v1::GenerateRequest r = E2eServer::SmallRequest("zimage-tiny", 10 + i);
+    r.set_prompt(prompts[i]);
+    r.set_num_inference_steps(3);
+    if (i == 2) {
+      r.set_guidance_scale(2.0f);
+      r.set_negative_prompt("blurry");
+    }
+    requests.push_back(r);
+  }
+  return requests;
+}
+
+class BatchingTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    v1::ServerConfig config;
+    ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(R"pb(
+      metrics_address: "127.0.0.1:0"
+      pipelines {
+        name: "zimage-tiny" builtin: "zimage-tiny" default: true
+        batching { max_batch_size: 4 max_queue_delay_ms: 5000 }
+      })pb", &config));
+    server_ = std::make_unique<E2eServer>(config);
+    ASSERT_TRUE(server_->ok());
+  }
+
+  // Sends `requests` concurrently; returns the statuses and responses in order.
+  void SendConcurrently(const std::vector<v1::GenerateRequest>& requests, std::vector<grpc::Status>& statuses,
+                        std::vector<v1::GenerateResponse>& responses) {
+    statuses.assign(requests.size(), grpc::Status());
+    responses.assign(requests.size(), v1::GenerateResponse());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      threads.emplace_back([&, i] { statuses[i] = server_->Generate(requests[i], &responses[i], milliseconds(120000)); });
+    }
+    for (std::thread& t : threads) t.join();
+  }
+
+  grpc::Status SetBatching(int size, int delay_ms, const std::string& pipeline = "zimage-tiny",
+                           v1::SetBatchingResponse* out = nullptr) {
+    v1::SetBatchingRequest request;
+    request.set_pipeline(pipeline);
+    request.mutable_batching()->set_max_batch_size(size);
+    request.mutable_batching()->set_max_queue_delay_ms(delay_ms);
+    v1::SetBatchingResponse ignored;
+    return server_->admin().SetBatching(E2eServer::Authed().get(), request, out != nullptr ? out : &ignored);
+  }
+
+  std::unique_ptr<E2eServer> server_;
+};
+
+TEST_F(BatchingTest, QueuedRequestsRunAsOneBatchAndEachGetsItsImageAlone) {
+  const std::vector<v1::GenerateRequest> requests = MixedRequests();
+  std::vector<grpc::Status> statuses;
+  std::vector<v1::GenerateResponse> batched;
+  // Four requests, a batch of four, and a long delay: the batch closes when the fourth arrives.
+  SendConcurrently(requests, statuses, batched);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(statuses[i].ok()) << i << ": " << statuses[i].error_message();
+    const v1::RequestStats& stats = batched[i].stats();
+    EXPECT_EQ(stats.batch_size(), 4) << i;
+    EXPECT_EQ(batched[i].seed(), 10 + i);
+    // The denoising stage ran once for all; PNG encoding is each request's own.
+    bool denoise_shared = false, encode_own = false;
+    for (const v1::StageTiming& stage : stats.stages()) {
+      if (stage.stage() == "denoise") denoise_shared = stage.shared();
+      if (stage.stage() == "encode_image") encode_own = !stage.shared();
+    }
+    EXPECT_TRUE(denoise_shared && encode_own) << stats.DebugString();
+  }
+  // Batching off: each alone gives the same PNG, byte for byte.
+  ASSERT_TRUE(SetBatching(1, 0).ok());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    v1::GenerateResponse alone;
+    ASSERT_TRUE(server_->Generate(requests[i], &alone, milliseconds(60000)).ok());
+    EXPECT_EQ(alone.stats().batch_size(), 1);
+    EXPECT_EQ(alone.image(), batched[i].image()) << "request " << i << " differs from its batched image";
+  }
+  EXPECT_EQ(batched[0].image() != batched[2].image(), true);  // Guidance changes the picture.
+
+  const std::string metrics = HttpGet(server_->server().metrics_address(), "/metrics");
+  // One batch of four while batching was on; runs with batching off are no batches.
+  EXPECT_NE(metrics.find("stowage_batch_size_count{pipeline=\"zimage-tiny\"} 1\n"), std::string::npos)
+      << metrics.substr(metrics.find("stowage_batch"), 1500);
+  EXPECT_NE(metrics.find("stowage_batch_size_sum{pipeline=\"zimage-tiny\"} 4\n"), std::string::npos)
+      << metrics.substr(metrics.find("stowage_batch"), 1500);
+  EXPECT_NE(metrics.find("stowage_batch_queue_delay_seconds_count{pipeline=\"zimage-tiny\"}"), std::string::npos);
+  EXPECT_TRUE(HealthServing(server_->channel()));
+}
+
+TEST_F(BatchingTest, OnlyRequestsOfOneSizeAndStepCountShareABatch) {
+  ASSERT_TRUE(SetBatching(4, 1500).ok());
+  std::vector<v1::GenerateRequest> requests = MixedRequests();
+  requests[1].set_width(80);
+  requests[3].set_num_inference_steps(2);
+  std::vector<grpc::Status> statuses;
+  std::vector<v1::GenerateResponse> responses;
+  SendConcurrently(requests, statuses, responses);
+  for (size_t i = 0; i < requests.size(); ++i) ASSERT_TRUE(statuses[i].ok()) << statuses[i].error_message();
+  EXPECT_EQ(responses[0].stats().batch_size(), 2);
+  EXPECT_EQ(responses[2].stats().batch_size(), 2);
+  EXPECT_EQ(responses[1].stats().batch_size(), 1);
+  EXPECT_EQ(responses[3].stats().batch_size(), 1);
+  EXPECT_EQ(responses[1].width(), 80);
+}
+
+// A member whose client cancels leaves at the next step boundary; the rest finish with their own
+// images.
+TEST_F(BatchingTest, ACancelledMemberLeavesWithoutDisturbingTheOthers) {
+  ASSERT_TRUE(SetBatching(3, 5000).ok());
+  std::vector<v1::GenerateRequest> requests = MixedRequests();
+  requests.resize(3);
+  for (auto& r : requests) r.set_num_inference_steps(40);
+  // The member that leaves streams progress and cancels after its first denoising step.
+  grpc::ClientContext leaving_context;
+  leaving_context.set_deadline(In(milliseconds(120000)));
+  grpc::Status leaving_status;
+  std::thread leaving([&] {
+    auto reader = server_->generation().GenerateStream(&leaving_context, requests[1]);
+    v1::GenerateStreamResponse message;
+    while (reader->Read(&message)) {
+      if (message.has_progress() && message.progress().stage() == "denoise" && message.progress().step() >= 1) {
+        leaving_context.TryCancel();
+      }
+    }
+    leaving_status = reader->Finish();
+  });
+  std::vector<v1::GenerateResponse> stayed(2);
+  std::vector<grpc::Status> stayed_status(2);
+  std::thread a([&] { stayed_status[0] = server_->Generate(requests[0], &stayed[0], milliseconds(120000)); });
+  std::thread b([&] { stayed_status[1] = server_->Generate(requests[2], &stayed[1], milliseconds(120000)); });
+  leaving.join();
+  a.join();
+  b.join();
+  EXPECT_EQ(leaving_status.error_code(), grpc::CANCELLED) << leaving_status.error_message();
+  ASSERT_TRUE(stayed_status[0].ok() && stayed_status[1].ok());
+  EXPECT_EQ(stayed[0].stats().batch_size(), 3);
+  ASSERT_TRUE(SetBatching(1, 0).ok());
+  v1::GenerateResponse alone0, alone2;
+  ASSERT_TRUE(server_->Generate(requests[0], &alone0, milliseconds(60000)).ok());
+  ASSERT_TRUE(server_->Generate(requests[2], &alone2, milliseconds(60000)).ok());
+  EXPECT_EQ(alone0.image(), stayed[0].image());
+  EXPECT_EQ(alone2.image(), stayed[1].image());
+  EXPECT_TRUE(HealthServing(server_->channel()));
+}
+
+TEST_F(BatchingTest, AdminSetBatchingReportsAndRefusesWhatIsOutOfRange) {
+  v1::SetBatchingResponse response;
+  ASSERT_TRUE(SetBatching(8, 20, "zimage-tiny", &response).ok());
+  EXPECT_EQ(response.pipeline().max_batch_size(), 8);
+  EXPECT_EQ(response.pipeline().max_queue_delay_ms(), 20);
+  v1::ListPipelinesResponse list;
+  grpc::ClientContext context;
+  ASSERT_TRUE(server_->generation().ListPipelines(&context, v1::ListPipelinesRequest(), &list).ok());
+  EXPECT_EQ(list.pipelines(0).max_batch_size(), 8);
+
+  struct Case {
+    int size, delay;
+    std::string pipeline;
+    grpc::StatusCode code;
+    std::string needle;
+  };
+  for (const Case& c : std::vector<Case>{{65, 0, "zimage-tiny", grpc::INVALID_ARGUMENT, "batching.max_batch_size: 65"},
+                                         {-1, 0, "zimage-tiny", grpc::INVALID_ARGUMENT, "max_batch_size: -1"},
+                                         {4, -5, "zimage-tiny", grpc::INVALID_ARGUMENT, "max_queue_delay_ms: -5"},
+                                         {4, 60001, "zimage-tiny", grpc::INVALID_ARGUMENT, "allowed: 0..60000"},
+                                         {4, 0, "nope", grpc::NOT_FOUND, "no READY pipeline named 'nope'"},
+                                         {4, 0, std::string(5000, 'x'), grpc::NOT_FOUND, "(5000 bytes)"}}) {
+    const grpc::Status status = SetBatching(c.size, c.delay, c.pipeline);
+    EXPECT_EQ(status.error_code(), c.code) << c.needle << ": " << status.error_message();
+    EXPECT_NE(status.error_message().find(c.needle), std::string::npos) << status.error_message();
+  }
+  // Refused changes changed nothing.
+  grpc::ClientContext again;
+  ASSERT_TRUE(server_->generation().ListPipelines(&again, v1::ListPipelinesRequest(), &list).ok());
+  EXPECT_EQ(list.pipelines(0).max_batch_size(), 8);
+  // Without the token: refused.
+  grpc::ClientContext anonymous;
+  v1::SetBatchingRequest request;
+  request.set_pipeline("zimage-tiny");
+  v1::SetBatchingResponse ignored;
+  EXPECT_EQ(server_->admin().SetBatching(&anonymous, request, &ignored).error_code(), grpc::UNAUTHENTICATED);
+  EXPECT_TRUE(HealthServing(server_->channel()));
+}
+
+// A config whose batching is out of range fails start-up naming the field path.
+TEST(BatchingConfigTest, OutOfRangeBatchingFailsStartUpNamingTheField) {
+  v1::ServerConfig config;
+  ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(R"pb(
+    grpc_address: "127.0.0.1:0" metrics_address: "none"
+    pipelines { name: "a" builtin: "zimage-tiny" batching { max_batch_size: 1000 } })pb", &config));
+  auto server = StowageServer::Start(config);
+  ASSERT_FALSE(server.ok());
+  EXPECT_NE(server.status().message().find("pipelines[0].batching.max_batch_size: 1000 is out of range"),
+            std::string::npos)
+      << server.status();
+}
+
+}  // namespace
+}  // namespace stowage

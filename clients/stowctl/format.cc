@@ -42,9 +42,14 @@ std::string FormatGenerateResponse(const v1::GenerateResponse& response, const s
                                  out_path.empty() ? "" : absl::StrCat(" -> ", out_path)));
   Row(out, "device", stats.device());
   Row(out, "queue wait", absl::StrFormat("%.3f s", Seconds(stats.queue_wait())));
+  if (stats.batch_size() > 1) {
+    Row(out, "batch", absl::StrFormat("%d requests (held open %.3f s); shared figures are the batch's",
+                                      stats.batch_size(), Seconds(stats.batch_wait())));
+  }
   Row(out, "run time", absl::StrFormat("%.3f s", Seconds(stats.run_time())));
   for (const v1::StageTiming& stage : stats.stages()) {
-    Row(out, absl::StrCat("  ", stage.stage()), absl::StrFormat("%.3f s", Seconds(stage.duration())));
+    Row(out, absl::StrCat("  ", stage.stage()),
+        absl::StrFormat("%.3f s%s", Seconds(stage.duration()), stage.shared() ? " (shared)" : ""));
   }
   Row(out, "peak device memory", HumanBytes(stats.peak_device_memory_bytes()));
   Row(out, "peak reserved", HumanBytes(stats.peak_device_reserved_bytes()));
@@ -71,6 +76,10 @@ std::string FormatPipelines(const v1::ListPipelinesResponse& response) {
                           p.default_width(), p.default_height(), p.default_inference_steps(),
                           p.default_guidance_scale(), p.min_size(), p.max_size(), p.size_multiple(),
                           p.max_inference_steps(), p.max_prompt_bytes());
+    if (p.max_batch_size() > 1) {
+      absl::StrAppendFormat(&out, "  batching: up to %d requests, waiting up to %d ms\n", p.max_batch_size(),
+                            p.max_queue_delay_ms());
+    }
     int64_t total = 0;
     for (const v1::PipelineComponent& c : p.components()) {
       absl::StrAppendFormat(&out, "  %-14s %-18s %-9s %12s %14d params\n", c.name(), c.kind(),

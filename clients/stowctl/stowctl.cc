@@ -54,6 +54,9 @@ ABSL_FLAG(std::string, model_dir, "", "load-pipeline: a diffusers-format directo
 ABSL_FLAG(std::string, builtin, "zimage-tiny",
           "load-pipeline without --model_dir: the built-in architecture (zimage-tiny or tiny).");
 ABSL_FLAG(int32_t, limit, 100, "placement-log: number of decisions.");
+ABSL_FLAG(int32_t, max_batch_size, 1, "set-batching: most requests per batch, 1 (off) ..64.");
+ABSL_FLAG(int32_t, max_queue_delay_ms, 0,
+          "set-batching: how long a batch waits for more requests, 0..60000 ms.");
 
 namespace {
 
@@ -66,7 +69,7 @@ int Usage(const std::string& message) {
   std::cerr << "stowctl: " << message << "\n"
             << "usage: stowctl [--target=HOST:PORT] [--timeout=S] generate|stream|pipelines [flags]\n"
             << "       stowctl --token=T placement|set-strategy|enable-group-offload|"
-               "disable-group-offload|load-pipeline|unload-pipeline|placement-log [flags]\n"
+               "disable-group-offload|load-pipeline|unload-pipeline|placement-log|set-batching [flags]\n"
             << "run 'stowctl --help' for the flags\n";
   return kUsageError;
 }
@@ -292,6 +295,14 @@ int Admin(const std::string& command, AdminService::Stub& stub) {
     return AdminCall<UnloadPipelineRequest, UnloadPipelineResponse>(
         request, [&](auto* c, const auto& q, auto* r) { return stub.UnloadPipeline(c, q, r); });
   }
+  if (command == "set-batching") {
+    SetBatchingRequest request;
+    request.set_pipeline(absl::GetFlag(FLAGS_pipeline));
+    request.mutable_batching()->set_max_batch_size(absl::GetFlag(FLAGS_max_batch_size));
+    request.mutable_batching()->set_max_queue_delay_ms(absl::GetFlag(FLAGS_max_queue_delay_ms));
+    return AdminCall<SetBatchingRequest, SetBatchingResponse>(
+        request, [&](auto* c, const auto& q, auto* r) { return stub.SetBatching(c, q, r); });
+  }
   if (command == "placement-log") {
     GetPlacementLogRequest request;
     request.set_limit(absl::GetFlag(FLAGS_limit));
@@ -319,7 +330,8 @@ int main(int argc, char** argv) {
       "[--out=FILE.png]\n  stowctl stream --prompt=TEXT\n  stowctl pipelines\n  stowctl --token=T "
       "placement | set-strategy --strategy=TEXT | enable-group-offload --component=ID|--pipeline=P "
       "[--options=TEXT] | disable-group-offload ... | load-pipeline --name=N | unload-pipeline "
-      "--name=N | placement-log [--limit=N]");
+      "--name=N | placement-log [--limit=N] | set-batching --pipeline=P --max_batch_size=N "
+      "[--max_queue_delay_ms=MS]");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) return Usage("expected exactly one command");
   const std::string command = args[1];

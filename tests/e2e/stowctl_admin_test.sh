@@ -59,6 +59,14 @@ set -e
 [ $rc -eq 1 ] && grep -q "not found" <<<"$out" || fail "unloaded pipeline still served: $out"
 out=$(ctl placement-log --limit=50)
 grep -q "onload" <<<"$out" && grep -q "unregister" <<<"$out" || fail "log: $out"
+out=$(ctl set-batching --pipeline=zimage-tiny --max_batch_size=4 --max_queue_delay_ms=25)
+grep -q "max_batch_size: 4" <<<"$out" && grep -q "max_queue_delay_ms: 25" <<<"$out" || fail "set-batching: $out"
+"$here/clients/stowctl/stowctl" --target="$target" pipelines | grep -q "batching: up to 4 requests, waiting up to 25 ms" ||
+  fail "pipelines does not show batching"
+set +e
+out=$(ctl set-batching --pipeline=zimage-tiny --max_batch_size=99 2>&1); rc=$?
+set -e
+[ $rc -eq 1 ] && grep -q "batching.max_batch_size: 99 is out of range" <<<"$out" || fail "set-batching range: $out"
 set +e
 ctl enable-group-offload --options='use_stream: true' >/dev/null 2>&1; rc=$?
 set -e

@@ -1,0 +1,197 @@
+// load_bench: closed-loop clients against a running server, for the batching benchmark.
+//
+// For each batching setting (--batch_sizes; 1 = off, set through the admin SetBatching RPC) and
+// each client count N (--concurrency), N clients each send --requests_per_client Generate requests
+// one after another (a client sends its next request when its previous reply arrives). One JSON line
+// per (setting, N) goes to --out and a table row to stdout:
+//   {"bench":"batching","mode":..,"batching":true|false,"max_batch_size":..,"concurrency":N,
+//    "images_per_s":..,"p50_s":..,"p99_s":..,"mean_batch_size":..,"requests":..,"failed":..,
+//    "size":..,"steps":..,"machine":..}
+// images_per_s = successful requests / wall time of the row; p50/p99 of the client-side latency.
+// Before each setting's rows, --warmup requests run alone (not measured).
+//
+//   load_bench --target=127.0.0.1:50051 --token=T --mode=streamed --machine=h200 --out=rows.jsonl
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "stowage/v1/admin.grpc.pb.h"
+#include "stowage/v1/generation.grpc.pb.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address.");
+ABSL_FLAG(std::string, token, "", "Admin token (SetBatching).");
+ABSL_FLAG(std::string, pipeline, "", "Pipeline; empty = default.");
+ABSL_FLAG(int32_t, size, 1024, "Image width and height.");
+ABSL_FLAG(int32_t, steps, 8, "Denoising steps.");
+ABSL_FLAG(std::string, concurrency, "1,2,4,8", "Client counts, comma separated.");
+ABSL_FLAG(std::string, batch_sizes, "1,8", "max_batch_size settings, comma separated (1 = off).");
+ABSL_FLAG(int32_t, max_queue_delay_ms, 50, "max_queue_delay_ms when batching is on.");
+ABSL_FLAG(int32_t, requests_per_client, 4, "Requests each client sends per row.");
+ABSL_FLAG(int32_t, min_requests, 8, "Each row sends at least this many requests in all.");
+ABSL_FLAG(int32_t, warmup, 1, "Unmeasured requests before each batching setting.");
+ABSL_FLAG(std::string, mode, "unknown", "Label for the placement mode (resident, streamed).");
+ABSL_FLAG(std::string, machine, "unknown", "Label for the machine.");
+ABSL_FLAG(std::string, out, "", "JSON lines file to append to.");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<int> IntList(const std::string& text) {
+  std::vector<int> out;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int v = 0;
+    if (!absl::SimpleAtoi(part, &v) || v < 1) {
+      std::cerr << "load_bench: bad list entry '" << part << "' in '" << text << "'\n";
+      std::exit(2);
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+double Quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
+  return v[std::min(i, v.size() - 1)];
+}
+
+struct Outcome {
+  double latency_s = 0;
+  bool ok = false;
+  int batch_size = 0;
+};
+
+Outcome GenerateOnce(stowage::v1::GenerationService::Stub& stub, int client, int index) {
+  stowage::v1::GenerateRequest request;
+  request.set_pipeline(absl::GetFlag(FLAGS_pipeline));
+  request.set_prompt(absl::StrCat("a lighthouse on a cliff at dusk, study ", client, "-", index));
+  request.set_width(absl::GetFlag(FLAGS_size));
+  request.set_height(absl::GetFlag(FLAGS_size));
+  request.set_num_inference_steps(absl::GetFlag(FLAGS_steps));
+  request.set_guidance_scale(0.0f);
+  request.set_seed(static_cast<uint64_t>(client * 1000 + index));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(10));
+  stowage::v1::GenerateResponse response;
+  const auto start = Clock::now();
+  const grpc::Status status = stub.Generate(&context, request, &response);
+  Outcome o;
+  o.latency_s = std::chrono::duration<double>(Clock::now() - start).count();
+  o.ok = status.ok();
+  o.batch_size = response.stats().batch_size();
+  if (!status.ok()) std::cerr << "load_bench: request failed: " << status.error_message() << "\n";
+  return o;
+}
+
+bool SetBatching(stowage::v1::AdminService::Stub& admin, const std::string& pipeline, int size, int delay) {
+  stowage::v1::SetBatchingRequest request;
+  request.set_pipeline(pipeline);
+  request.mutable_batching()->set_max_batch_size(size);
+  request.mutable_batching()->set_max_queue_delay_ms(size > 1 ? delay : 0);
+  grpc::ClientContext context;
+  context.AddMetadata("authorization", "Bearer " + absl::GetFlag(FLAGS_token));
+  stowage::v1::SetBatchingResponse response;
+  const grpc::Status status = admin.SetBatching(&context, request, &response);
+  if (!status.ok()) std::cerr << "load_bench: SetBatching: " << status.error_message() << "\n";
+  return status.ok();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials(), args);
+  auto stub = stowage::v1::GenerationService::NewStub(channel);
+  auto admin = stowage::v1::AdminService::NewStub(channel);
+  std::string pipeline = absl::GetFlag(FLAGS_pipeline);
+  if (pipeline.empty()) {
+    stowage::v1::ListPipelinesResponse list;
+    grpc::ClientContext context;
+    const grpc::Status status = stub->ListPipelines(&context, {}, &list);
+    if (!status.ok() || list.pipelines().empty()) {
+      std::cerr << "load_bench: ListPipelines: " << status.error_message() << "\n";
+      return 1;
+    }
+    for (const auto& p : list.pipelines()) {
+      if (p.is_default()) pipeline = p.name();
+    }
+  }
+  std::ofstream out;
+  if (!absl::GetFlag(FLAGS_out).empty()) out.open(absl::GetFlag(FLAGS_out), std::ios::app);
+  std::printf("%-9s %-6s %4s %8s %8s %8s %10s %6s\n", "mode", "batch", "N", "img/s", "p50 s", "p99 s", "mean batch",
+              "failed");
+  int exit_code = 0;
+  for (const int batch : IntList(absl::GetFlag(FLAGS_batch_sizes))) {
+    if (!SetBatching(*admin, pipeline, batch, absl::GetFlag(FLAGS_max_queue_delay_ms))) return 1;
+    for (int i = 0; i < absl::GetFlag(FLAGS_warmup); ++i) (void)GenerateOnce(*stub, 999, i);
+    for (const int n : IntList(absl::GetFlag(FLAGS_concurrency))) {
+      const int per_client = std::max(absl::GetFlag(FLAGS_requests_per_client),
+                                      (absl::GetFlag(FLAGS_min_requests) + n - 1) / n);
+      absl::Mutex mu;
+      std::vector<Outcome> outcomes;
+      const auto start = Clock::now();
+      std::vector<std::thread> clients;
+      for (int c = 0; c < n; ++c) {
+        clients.emplace_back([&, c] {
+          for (int i = 0; i < per_client; ++i) {
+            const Outcome o = GenerateOnce(*stub, c, i);
+            absl::MutexLock lock(&mu);
+            outcomes.push_back(o);
+          }
+        });
+      }
+      for (std::thread& t : clients) t.join();
+      const double wall = std::chrono::duration<double>(Clock::now() - start).count();
+      std::vector<double> latencies;
+      double batch_sum = 0;
+      int failed = 0;
+      for (const Outcome& o : outcomes) {
+        if (!o.ok) {
+          ++failed;
+          continue;
+        }
+        latencies.push_back(o.latency_s);
+        batch_sum += o.batch_size;
+      }
+      if (failed > 0) exit_code = 1;
+      const double images_per_s = static_cast<double>(latencies.size()) / wall;
+      const double mean_batch = latencies.empty() ? 0 : batch_sum / static_cast<double>(latencies.size());
+      const double p50 = Quantile(latencies, 0.5), p99 = Quantile(latencies, 0.99);
+      std::printf("%-9s %-6d %4d %8.3f %8.3f %8.3f %10.2f %6d\n", absl::GetFlag(FLAGS_mode).c_str(), batch, n,
+                  images_per_s, p50, p99, mean_batch, failed);
+      std::fflush(stdout);
+      if (out.is_open()) {
+        out << absl::StrFormat(
+                   "{\"bench\":\"batching\",\"mode\":\"%s\",\"batching\":%s,\"max_batch_size\":%d,"
+                   "\"max_queue_delay_ms\":%d,\"concurrency\":%d,\"images_per_s\":%.4f,\"p50_s\":%.4f,"
+                   "\"p99_s\":%.4f,\"mean_batch_size\":%.3f,\"requests\":%d,\"failed\":%d,\"size\":%d,"
+                   "\"steps\":%d,\"machine\":\"%s\"}",
+                   absl::GetFlag(FLAGS_mode), batch > 1 ? "true" : "false", batch,
+                   batch > 1 ? absl::GetFlag(FLAGS_max_queue_delay_ms) : 0, n, images_per_s, p50, p99, mean_batch,
+                   static_cast<int>(outcomes.size()), failed, absl::GetFlag(FLAGS_size), absl::GetFlag(FLAGS_steps),
+                   absl::GetFlag(FLAGS_machine))
+            << "\n";
+        out.flush();
+      }
+    }
+  }
+  return exit_code;
+}

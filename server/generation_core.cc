@@ -207,6 +207,8 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
           placement.Unregister(name);  // All or nothing.
           return registered;
         }
+        const bool warmup = p.has_warmup() ? p.warmup() : backend_->torch_device().is_cuda();
+        if (warmup) WarmUp(*pipeline, interrupt);
         placement.MarkReady(name);
         {
           absl::MutexLock lock(&batching_mu_);
@@ -229,6 +231,33 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
     return status;
   }
   return described;
+}
+
+void GenerationCore::WarmUp(Pipeline& pipeline, const Interrupt& interrupt) {
+  GenerationParams params;
+  params.prompt = "warm-up";
+  params.negative_prompt = "";
+  params.width = pipeline.limits().default_width;
+  params.height = pipeline.limits().default_height;
+  params.steps = std::min(2, pipeline.limits().max_steps);
+  params.guidance_scale = pipeline.limits().default_guidance_scale;
+  params.seed = 0;
+  placement_->SetRequestId(absl::StrCat("warmup-", pipeline.name()));
+  RunContext context(interrupt, nullptr);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<Image> image = absl::InternalError("warm-up did not run");
+  const absl::Status thrown =
+      CatchAsStatus("warm-up", [&] { image = pipeline.Run(params, *placement_, context); });
+  backend_->Synchronize();
+  const absl::Status status = thrown.ok() ? image.status() : thrown;
+  if (status.ok()) {
+    std::cerr << "stowage_server: pipeline '" << pipeline.name() << "' warmed up (" << params.width << "x"
+              << params.height << ", " << params.steps << " steps) in " << absl::FormatDuration(absl::Now() - start)
+              << std::endl;
+  } else {
+    std::cerr << "stowage_server: warning: warm-up of pipeline '" << pipeline.name() << "' failed: " << status
+              << std::endl;
+  }
 }
 
 absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Interrupt& interrupt) {

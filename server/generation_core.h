@@ -110,6 +110,9 @@ class GenerationCore {
   absl::StatusOr<GenerationParams> Validate(const v1::GenerateRequest& request,
                                             const Pipeline& pipeline) const;
   v1::BatchingConfig BatchingOf(const std::string& pipeline) const;
+  // Worker only: one small generation so that the first request finds kernels loaded, library
+  // handles made and components placed (PipelineConfig.warmup). Failures are logged, not returned.
+  void WarmUp(Pipeline& pipeline, const Interrupt& interrupt);
   // Worker only. Runs requests for one pipeline as one batch (or one request alone) and sets each
   // one's result.
   // `batching`: the pipeline batches (its batches go to the batch metrics).

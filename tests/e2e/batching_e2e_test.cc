@@ -213,6 +213,34 @@ TEST_F(BatchingTest, AdminSetBatchingReportsAndRefusesWhatIsOutOfRange) {
   EXPECT_TRUE(HealthServing(server_->channel()));
 }
 
+// Warm-up at load (PipelineConfig.warmup; off by default on the simulated device): the pipeline's
+// components are placed before it turns READY, so the first request moves nothing; the placement
+// log names the warm-up.
+TEST(WarmupE2eTest, WarmUpAtLoadPlacesComponentsBeforeTheFirstRequest) {
+  int64_t first_request_h2d[2] = {-1, -1};
+  for (const bool warmup : {false, true}) {
+    SCOPED_TRACE(warmup);
+    v1::ServerConfig config;
+    v1::PipelineConfig* p = config.add_pipelines();
+    p->set_name("zimage-tiny");
+    p->set_builtin("zimage-tiny");
+    if (warmup) p->set_warmup(true);
+    E2eServer server(config);
+    ASSERT_TRUE(server.ok());
+    v1::GenerateResponse response;
+    ASSERT_TRUE(server.Generate(E2eServer::SmallRequest(), &response).ok());
+    first_request_h2d[warmup ? 1 : 0] = response.stats().host_to_device_bytes();
+    v1::GetPlacementLogRequest request;
+    v1::GetPlacementLogResponse log;
+    ASSERT_TRUE(server.admin().GetPlacementLog(E2eServer::Authed().get(), request, &log).ok());
+    bool warmup_decisions = false;
+    for (const auto& d : log.decisions()) warmup_decisions |= d.request_id() == "warmup-zimage-tiny";
+    EXPECT_EQ(warmup_decisions, warmup);
+  }
+  EXPECT_GT(first_request_h2d[0], 0);   // Cold: the components arrive with the first request.
+  EXPECT_EQ(first_request_h2d[1], 0);   // Warmed: they are already there.
+}
+
 // A config whose batching is out of range fails start-up naming the field path.
 TEST(BatchingConfigTest, OutOfRangeBatchingFailsStartUpNamingTheField) {
   v1::ServerConfig config;

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The whole Z-Image pipeline resident, end to end: the Stowage server (text encoder, 8 transformer
+# steps, VAE decode, PNG encoding, reply over loopback gRPC) beside diffusers' ZImagePipeline on the
+# same weights (bench/diffusers_pipeline_bench.py), in one run. Rows:
+#   {"bench":"e2e","system":"stowage"|"diffusers","steps":8,"size":1024,"warm_s":..,"first_s":..,"machine":..}
+# Stowage: first_s is the first request after the server reported ready (its load warms up, see
+# PipelineConfig.warmup), warm_s the median of three more, both measured by the client around
+# stowctl; server_* fields split the server's own time. diffusers: output_type "pil" (no PNG).
+#
+#   bench/e2e_bench.sh SERVER STOWCTL MODEL_DIR OUT.jsonl MACHINE [SIZE] [STEPS] [SYSTEMS]
+# MODEL_DIR: written by `diffusers_pipeline_bench.py export` (real safetensors, random values).
+# SYSTEMS: "stowage diffusers" (default) or either one.
+set -euo pipefail
+server=$1 stowctl=$2 model_dir=$3 out=$4 machine=$5
+size=${6:-1024} steps=${7:-8} systems=${8:-stowage diffusers}
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+prompt="a lighthouse on a cliff at dusk, oil painting"
+
+stowage() {
+  cat >"$tmp/e2e.textproto" <<CFG
+grpc_address: "127.0.0.1:0"
+metrics_address: "none"
+pipelines { name: "zimage" model_dir: "$model_dir" dtype: "bfloat16" }
+strategy { workflow { rules { keep_resident: "text_encoder" } rules { keep_resident: "transformer" } rules { keep_resident: "vae" } } }
+CFG
+  local t0; t0=$(date +%s.%N)
+  "$server" --config="$tmp/e2e.textproto" --port_file="$tmp/ports.json" >"$tmp/server.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 6000); do [ -s "$tmp/ports.json" ] && break; kill -0 $pid 2>/dev/null || break; sleep 0.05; done
+  [ -s "$tmp/ports.json" ] || { echo "server did not start"; cat "$tmp/server.log"; return 1; }
+  local ready; ready=$(date +%s.%N)
+  local load_s; load_s=$(python3 -c "import sys; print(float(sys.argv[2]) - float(sys.argv[1]))" "$t0" "$ready")
+  local target; target=$(sed -E 's/.*"grpc_address": "([^"]+)".*/\1/' "$tmp/ports.json")
+  for i in 0 1 2 3; do
+    local s; s=$(date +%s.%N)
+    "$stowctl" --target="$target" generate --prompt="$prompt" --width="$size" --height="$size" --steps="$steps" \
+      --guidance=0 --seed="$i" --json --out="$tmp/e2e_$i.png" >"$tmp/reply_$i.json"
+    local e; e=$(date +%s.%N)
+    python3 -c "import sys; print(float(sys.argv[2]) - float(sys.argv[1]))" "$s" "$e" >"$tmp/wall_$i"
+  done
+  kill $pid; wait $pid 2>/dev/null || true
+  grep -i "warm" "$tmp/server.log" || true
+  python3 - "$tmp" "$size" "$steps" "$machine" "$load_s" >>"$out" <<'PY'
+import json, statistics, sys
+tmp, size, steps, machine, load_s = sys.argv[1:]
+def seconds(d): return float(d.rstrip("s"))
+wall = [float(open(f"{tmp}/wall_{i}").read()) for i in range(4)]
+replies = [json.load(open(f"{tmp}/reply_{i}.json")) for i in range(4)]
+def stage(reply, name):
+    return sum(seconds(s["duration"]) for s in reply.get("stages", []) if s["stage"] == name)
+warm = replies[1:]
+row = {"bench": "e2e", "system": "stowage", "steps": int(steps), "size": int(size),
+       "warm_s": statistics.median(wall[1:]), "first_s": wall[0], "warm_runs_s": wall[1:], "load_s": float(load_s),
+       "server_run_s": statistics.median(seconds(r["runTime"]) for r in warm),
+       "server_encode_image_s": statistics.median(stage(r, "encode_image") for r in warm),
+       "server_denoise_s": statistics.median(stage(r, "denoise") for r in warm),
+       "server_decode_s": statistics.median(stage(r, "decode") for r in warm),
+       "server_encode_prompt_s": statistics.median(stage(r, "encode_prompt") for r in warm),
+       "peak_device_bytes": int(replies[-1].get("peakDeviceReservedBytes", 0)), "machine": machine}
+print(json.dumps(row))
+PY
+  tail -1 "$out"
+}
+
+for system in $systems; do
+  case $system in
+    stowage) stowage ;;
+    diffusers) python3 "$here/diffusers_pipeline_bench.py" run "$model_dir" --out "$out" --machine "$machine" \
+                 --size "$size" --steps "$steps" ;;
+  esac
+done

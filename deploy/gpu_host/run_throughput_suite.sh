@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Device calls for the throughput benchmarks (bench/results/throughput_h200/). Builds with CMake
+# when the build is missing or stale (deploy/gpu_host/build_and_serve.sh, tests skipped), then runs
+# the parts named in PARTS (default "e2e batching"):
+#   e2e       bench/e2e_bench.sh: diffusers exports a full-shape random-weights Z-Image pipeline to
+#             /tmp/zimage-e2e (once per machine), then Stowage's server and diffusers' ZImagePipeline
+#             run it resident, 1024x1024, 8 steps -> $OUT/e2e.jsonl
+#   batching  bench/batching.sh on /tmp/zimage-full (random weights from configs), resident and
+#             streamed, batching off and on, N = 1, 2, 4, 8 -> $OUT/batching.jsonl
+# Carry .deb (deploy/gpu_host/fetch_debs.sh) and .ref/diffusers/src (git-ignored):
+#   OUT=... PARTS="e2e" deploy/gpu_host/run_throughput_suite.sh
+set -uo pipefail
+repo_root="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.." && pwd)"
+cd "$repo_root"
+OUT="${OUT:-$repo_root/gpu_out}"
+mkdir -p "$OUT"
+start=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$OUT/summary.txt"; }
+build="$repo_root/build/gpu"
+
+stamp "build"
+logs="$(mktemp -d /tmp/stowage-tp-logs.XXXXXX)"
+STOWAGE_SKIP_TESTS=1 STOWAGE_THREAD_STACK_SHIM=never OUT="$logs" \
+  timeout "${BUILD_TIMEOUT:-300}" deploy/gpu_host/build_and_serve.sh >"$logs/build.txt" 2>&1
+stamp "build exit $?"
+tail -5 "$logs/summary.txt" >>"$OUT/summary.txt" 2>/dev/null
+export LD_LIBRARY_PATH="/tmp/stowage-deps/usr/lib/x86_64-linux-gnu:$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))'):${LD_LIBRARY_PATH:-}"
+export PYTHONPATH="$repo_root/.ref/diffusers/src" PYTHONUNBUFFERED=1
+machine="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(nproc) cores, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+
+for part in ${PARTS:-e2e batching}; do
+  case $part in
+    e2e)
+      if [ ! -f /tmp/zimage-e2e/model_index.json ]; then
+        stamp "export"
+        timeout 300 python3 bench/diffusers_pipeline_bench.py export /tmp/zimage-e2e >"$OUT/export.txt" 2>&1
+        stamp "export exit $?"
+      fi
+      stamp "e2e"
+      timeout "${E2E_TIMEOUT:-300}" bash bench/e2e_bench.sh "$build/server/stowage_server" \
+        "$build/clients/stowctl/stowctl" /tmp/zimage-e2e "$OUT/e2e.jsonl" "$machine" 1024 8 \
+        "${E2E_SYSTEMS:-stowage diffusers}" >"$OUT/e2e.txt" 2>&1
+      stamp "e2e exit $?"
+      tail -4 "$OUT/e2e.txt" >>"$OUT/summary.txt"
+      ;;
+    batching)
+      python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
+      stamp "batching"
+      timeout "${BATCHING_TIMEOUT:-480}" bash bench/batching.sh "$build/server/stowage_server" \
+        "$build/bench/load_bench" /tmp/zimage-full "$OUT/batching.jsonl" "$machine" 1024 8 bfloat16 \
+        "${CONCURRENCY:-1,2,4,8}" "${BATCH_SIZES:-1,8}" "${PER_CLIENT:-2}" "${MIN_REQUESTS:-4}" \
+        >"$OUT/batching.txt" 2>&1
+      stamp "batching exit $?"
+      cat "$OUT/batching.txt" >>"$OUT/summary.txt"
+      ;;
+  esac
+done
+cat "$OUT/summary.txt"

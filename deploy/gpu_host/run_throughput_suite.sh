@@ -47,7 +47,7 @@ for part in ${PARTS:-e2e batching}; do
       python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
       stamp "batching"
       timeout "${BATCHING_TIMEOUT:-480}" bash bench/batching.sh "$build/server/stowage_server" \
-        "$build/bench/load_bench" /tmp/zimage-full "$OUT/batching.jsonl" "$machine" 1024 8 bfloat16 \
+        "$build/bench/load_bench" /tmp/zimage-full "$OUT/batching.jsonl" 1024 8 "$machine" bfloat16 \
         "${CONCURRENCY:-1,2,4,8}" "${BATCH_SIZES:-1,8}" "${PER_CLIENT:-2}" "${MIN_REQUESTS:-4}" \
         >"$OUT/batching.txt" 2>&1
       stamp "batching exit $?"

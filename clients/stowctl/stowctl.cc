@@ -3,23 +3,32 @@
 //   stowctl [--target=HOST:PORT] generate --prompt="a red fox" [--out=fox.png] [--steps=8] ...
 //   stowctl stream --prompt=...        (prints progress as it arrives, then the result)
 //   stowctl pipelines
+//   stowctl health                     (grpc.health.v1: exit 0 only when the server is SERVING)
+//   stowctl ready [--pipelines=a,b]    (health, and the pipelines READY: a readiness probe)
+//   stowctl --tls [--ca_cert=ca.pem] [--server_name=NAME] ...   (any command over TLS)
 //
-// Exit status: 0 success, 1 the server returned an error, 2 bad usage.
+// Exit status: 0 success, 1 the server returned an error (or, for health/ready, is not serving or
+// not ready), 2 bad usage.
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/notification.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
 #include "clients/stowctl/format.h"
@@ -28,6 +37,14 @@
 #include "stowage/v1/generation.grpc.pb.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address HOST:PORT.");
+ABSL_FLAG(bool, tls, false, "Connect with TLS (the server's config has tls { cert_file key_file }).");
+ABSL_FLAG(std::string, ca_cert, "",
+          "With --tls: PEM file of the CA certificates that verify the server; empty: the system's roots.");
+ABSL_FLAG(std::string, server_name, "",
+          "With --tls: the name the server's certificate must carry, when it is not the --target host "
+          "(for example a certificate for 'stowage.default.svc' reached at 127.0.0.1).");
+ABSL_FLAG(std::string, pipelines, "",
+          "ready: comma-separated pipelines that must be READY; empty: at least one READY pipeline.");
 ABSL_FLAG(double, timeout, 0, "Deadline in seconds for the call; 0 means none.");
 ABSL_FLAG(std::string, pipeline, "", "Pipeline name; empty selects the server's default.");
 ABSL_FLAG(std::string, prompt, "", "Text to depict (generate, stream).");
@@ -67,7 +84,8 @@ constexpr int kRpcError = 1;
 
 int Usage(const std::string& message) {
   std::cerr << "stowctl: " << message << "\n"
-            << "usage: stowctl [--target=HOST:PORT] [--timeout=S] generate|stream|pipelines [flags]\n"
+            << "usage: stowctl [--target=HOST:PORT] [--timeout=S] [--tls [--ca_cert=F] [--server_name=N]] "
+               "generate|stream|pipelines|health|ready [flags]\n"
             << "       stowctl --token=T placement|set-strategy|enable-group-offload|"
                "disable-group-offload|load-pipeline|unload-pipeline|placement-log|set-batching [flags]\n"
             << "run 'stowctl --help' for the flags\n";
@@ -187,6 +205,109 @@ int Pipelines(GenerationService::Stub& stub) {
   if (!status.ok()) return RpcFailure(status);
   std::cout << stowage::FormatPipelines(response);
   return 0;
+}
+
+// grpc.health.v1.Health/Check for the overall service (""), through the generic stub: the health
+// messages are two fields, and Debian ships no generated C++ stubs for them. Sets `serving` from the
+// reply's status field (1 = SERVING; 2 = NOT_SERVING; absent = UNKNOWN).
+grpc::Status HealthCheck(const std::shared_ptr<grpc::Channel>& channel, bool* serving) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext context;
+  SetDeadline(context);
+  grpc::Slice empty("");
+  grpc::ByteBuffer request(&empty, 1), response;  // HealthCheckRequest{service: ""}: zero bytes.
+  absl::Notification done;
+  grpc::Status status;
+  stub.UnaryCall(&context, "/grpc.health.v1.Health/Check", grpc::StubOptions(), &request, &response,
+                 [&](grpc::Status s) {
+                   status = std::move(s);
+                   done.Notify();
+                 });
+  done.WaitForNotification();
+  std::string bytes;
+  std::vector<grpc::Slice> slices;
+  if (status.ok() && response.Dump(&slices).ok()) {
+    for (const auto& slice : slices) bytes.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  *serving = bytes == std::string("\x08\x01", 2);  // Field 1 (status), varint 1 (SERVING).
+  return status;
+}
+
+int Health(const std::shared_ptr<grpc::Channel>& channel) {
+  bool serving = false;
+  const grpc::Status status = HealthCheck(channel, &serving);
+  if (!status.ok()) return RpcFailure(status);
+  std::cout << (serving ? "SERVING" : "NOT_SERVING") << "\n";
+  return serving ? 0 : kRpcError;
+}
+
+// A readiness probe: the server is SERVING and the pipelines are READY (--pipelines names them;
+// without it, at least one must be). A pipeline still LOADING, being unloaded or FAILED is not
+// ready, nor is a name the server does not host.
+int Ready(const std::shared_ptr<grpc::Channel>& channel, GenerationService::Stub& stub) {
+  bool serving = false;
+  grpc::Status status = HealthCheck(channel, &serving);
+  if (!status.ok()) return RpcFailure(status);
+  if (!serving) {
+    std::cout << "not ready: the server is not SERVING\n";
+    return kRpcError;
+  }
+  grpc::ClientContext context;
+  SetDeadline(context);
+  stowage::v1::ListPipelinesResponse response;
+  status = stub.ListPipelines(&context, {}, &response);
+  if (!status.ok()) return RpcFailure(status);
+  std::vector<std::string> wanted = absl::StrSplit(absl::GetFlag(FLAGS_pipelines), ',', absl::SkipWhitespace());
+  std::vector<std::string> not_ready;
+  int ready = 0;
+  for (const auto& p : response.pipelines()) {
+    if (p.state() == stowage::v1::PIPELINE_READY) ++ready;
+  }
+  for (const std::string& name : wanted) {
+    const stowage::v1::Pipeline* found = nullptr;
+    for (const auto& p : response.pipelines()) {
+      if (p.name() == name) found = &p;
+    }
+    if (found == nullptr) {
+      not_ready.push_back(name + " (not hosted)");
+    } else if (found->state() != stowage::v1::PIPELINE_READY) {
+      not_ready.push_back(name + " (" + stowage::v1::PipelineState_Name(found->state()) + ")");
+    }
+  }
+  if (wanted.empty() && ready == 0) not_ready.push_back("no pipeline is READY");
+  if (!not_ready.empty()) {
+    std::cout << "not ready: " << absl::StrJoin(not_ready, ", ") << "\n";
+    return kRpcError;
+  }
+  std::cout << "ready: " << ready << " pipeline(s) READY\n";
+  return 0;
+}
+
+// Plaintext, or TLS with --tls (the CA bundle of --ca_cert, the name of --server_name). Returns
+// null after printing why when the flags are inconsistent or the CA file cannot be read.
+std::shared_ptr<grpc::ChannelCredentials> Credentials(grpc::ChannelArguments& channel_args) {
+  const std::string ca_cert = absl::GetFlag(FLAGS_ca_cert);
+  const std::string server_name = absl::GetFlag(FLAGS_server_name);
+  if (!absl::GetFlag(FLAGS_tls)) {
+    if (!ca_cert.empty() || !server_name.empty()) {
+      Usage("--ca_cert and --server_name need --tls");
+      return nullptr;
+    }
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions options;
+  if (!ca_cert.empty()) {
+    std::ifstream in(ca_cert, std::ios::binary);
+    std::stringstream pem;
+    pem << in.rdbuf();
+    if (!in || pem.str().empty()) {
+      Usage(absl::StrCat("cannot read --ca_cert '", ca_cert, "'"));
+      return nullptr;
+    }
+    options.pem_root_certs = pem.str();
+  }
+  if (!server_name.empty()) channel_args.SetSslTargetNameOverride(server_name);
+  return grpc::SslCredentials(options);
 }
 
 using stowage::v1::AdminService;
@@ -326,8 +447,9 @@ int Admin(const std::string& command, AdminService::Stub& stub) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "Stowage command-line client.\n  stowctl [--target=HOST:PORT] generate --prompt=TEXT "
-      "[--out=FILE.png]\n  stowctl stream --prompt=TEXT\n  stowctl pipelines\n  stowctl --token=T "
+      "Stowage command-line client.\n  stowctl [--target=HOST:PORT] [--tls [--ca_cert=FILE] "
+      "[--server_name=NAME]] generate --prompt=TEXT [--out=FILE.png]\n  stowctl stream --prompt=TEXT\n"
+      "  stowctl pipelines\n  stowctl health\n  stowctl ready [--pipelines=A,B]\n  stowctl --token=T "
       "placement | set-strategy --strategy=TEXT | enable-group-offload --component=ID|--pipeline=P "
       "[--options=TEXT] | disable-group-offload ... | load-pipeline --name=N | unload-pipeline "
       "--name=N | placement-log [--limit=N] | set-batching --pipeline=P --max_batch_size=N "
@@ -337,12 +459,15 @@ int main(int argc, char** argv) {
   const std::string command = args[1];
   grpc::ChannelArguments channel_args;
   channel_args.SetMaxReceiveMessageSize(-1);
-  auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_target),
-                                           grpc::InsecureChannelCredentials(), channel_args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials = Credentials(channel_args);
+  if (credentials == nullptr) return kUsageError;
+  auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_target), credentials, channel_args);
   auto stub = GenerationService::NewStub(channel);
   if (command == "generate") return Generate(*stub);
   if (command == "stream") return Stream(*stub);
   if (command == "pipelines") return Pipelines(*stub);
+  if (command == "health") return Health(channel);
+  if (command == "ready") return Ready(channel, *stub);
   auto admin = AdminService::NewStub(channel);
   const int rc = Admin(command, *admin);
   if (rc >= 0) return rc;

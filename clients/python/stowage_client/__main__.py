@@ -14,6 +14,9 @@ Admin commands (need --token or $STOWAGE_TOKEN):
   unload-pipeline        stop serving a pipeline (waits for its in-flight requests)
   placement-log          the newest placement decisions, oldest first
 
+Connection options (before the command): --target HOST:PORT, --timeout, --token, and --tls with
+optional --ca-cert FILE.pem and --server-name NAME for a server with TLS on.
+
 Exit status: 0 on success, 1 when the RPC (or writing --out) fails, 2 for bad usage.
 """
 
@@ -318,6 +321,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         metavar="SECONDS",
         help="deadline of each call (default: none)",
+    )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="connect with TLS (the server's config has tls { cert_file key_file })",
+    )
+    parser.add_argument(
+        "--ca-cert",
+        "--ca_cert",
+        dest="ca_cert",
+        metavar="FILE.pem",
+        help="with --tls: the CA certificates that verify the server (default: the system's roots)",
+    )
+    parser.add_argument(
+        "--server-name",
+        "--server_name",
+        dest="server_name",
+        metavar="NAME",
+        help="with --tls: the name the server's certificate carries, when not the --target host",
     )
     parser.add_argument(
         "--token",
@@ -637,6 +659,24 @@ def _run_admin(client: AdminClient, args: argparse.Namespace) -> None:
         raise AssertionError(args.command)
 
 
+def _tls_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """The clients' TLS keyword arguments from --tls/--ca-cert/--server-name (usage errors exit 2)."""
+    if not args.tls:
+        if args.ca_cert or args.server_name:
+            parser.error("--ca-cert and --server-name need --tls")
+        return {}
+    root_certificates = None
+    if args.ca_cert:
+        try:
+            with open(args.ca_cert, "rb") as f:
+                root_certificates = f.read()
+        except OSError as e:
+            parser.error(f"cannot read --ca-cert {args.ca_cert!r}: {e.strerror}")
+        if not root_certificates:
+            parser.error(f"--ca-cert {args.ca_cert!r} is empty")
+    return {"tls": True, "root_certificates": root_certificates, "server_name": args.server_name}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status.
 
@@ -647,13 +687,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     admin = args.command in ADMIN_COMMANDS
     if admin:
         _check_admin_args(parser, args)
+    tls = _tls_args(parser, args)
     metadata = [("authorization", f"Bearer {args.token}")] if args.token else None
     try:
         if admin:
-            with AdminClient(args.target, args.token, timeout=args.timeout) as admin_client:
+            with AdminClient(args.target, args.token, timeout=args.timeout, **tls) as admin_client:
                 _run_admin(admin_client, args)
         else:
-            with StowageClient(args.target, timeout=args.timeout, metadata=metadata) as client:
+            with StowageClient(args.target, timeout=args.timeout, metadata=metadata, **tls) as client:
                 _run(client, args)
     except (StowageError, _OutputError) as e:
         print(f"error: {e}", file=sys.stderr)

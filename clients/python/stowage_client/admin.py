@@ -28,7 +28,13 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from google.protobuf import timestamp_pb2
 
-from stowage_client.client import PipelineInfo, StowageError, _ChannelClient, _pipeline_from_proto
+from stowage_client.client import (
+    PipelineInfo,
+    StowageError,
+    _ChannelClient,
+    _pipeline_from_proto,
+    make_channel,
+)
 
 __all__ = [
     "AdminClient",
@@ -346,17 +352,30 @@ class AdminClient(_ChannelClient):
             refuses every call without one (UNAUTHENTICATED), so failing here says why sooner.
 
     Wrong tokens fail per call with StowageError PERMISSION_DENIED; a server without a configured
-    token answers FAILED_PRECONDITION. The channel is plaintext like StowageClient's. Use the
-    client as a context manager, or call close(), to release the channel.
+    token answers FAILED_PRECONDITION. ``tls``, ``root_certificates`` and ``server_name`` are
+    StowageClient's: plaintext by default, where the token travels in the clear (fine on
+    loopback; use TLS elsewhere). Use the client as a context manager, or call close(), to release
+    the channel.
     """
 
-    def __init__(self, target: str, token: str | None = None, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        token: str | None = None,
+        timeout: float | None = None,
+        *,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        server_name: str | None = None,
+    ) -> None:
         token = token or os.environ.get(TOKEN_ENV, "")
         if not token:
             raise ValueError(f"the admin API needs a token: pass token= or set ${TOKEN_ENV}")
         self._timeout = timeout
         self._metadata = (("authorization", f"Bearer {token}"),)
-        self._channel = grpc.insecure_channel(target)
+        self._channel = make_channel(
+            target, tls=tls, root_certificates=root_certificates, server_name=server_name
+        )
         self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
 
     def _call(self, method: str, request: Any) -> Any:

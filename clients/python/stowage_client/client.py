@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import grpc
 
@@ -36,6 +36,7 @@ __all__ = [
     "RequestStats",
     "StowageClient",
     "StowageError",
+    "make_channel",
 ]
 
 Metadata = Sequence[tuple[str, str]]
@@ -264,6 +265,39 @@ def _build_request(
     return request
 
 
+def make_channel(
+    target: str,
+    *,
+    tls: bool = False,
+    root_certificates: bytes | None = None,
+    server_name: str | None = None,
+    options: Sequence[tuple[str, Any]] = (),
+) -> grpc.Channel:
+    """Opens a channel to ``target``: plaintext, or TLS when ``tls`` is true.
+
+    Args:
+        tls: verify the server's certificate and encrypt the connection (the server's config has
+            ``tls { cert_file key_file }``).
+        root_certificates: PEM bytes of the CA certificates that verify the server; None uses
+            gRPC's default roots (the system's).
+        server_name: the name the server's certificate must carry when it differs from the host in
+            ``target`` (for example a certificate for ``stowage.default.svc`` reached at 127.0.0.1).
+
+    Raises:
+        ValueError: ``root_certificates`` or ``server_name`` without ``tls`` (that would silently
+            connect in plaintext).
+    """
+    options = list(options)
+    if not tls:
+        if root_certificates is not None or server_name:
+            raise ValueError("root_certificates and server_name need tls=True")
+        return grpc.insecure_channel(target, options=options)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    return grpc.secure_channel(target, credentials, options=options)
+
+
 class _ChannelClient:
     """Owns a gRPC channel: close() and context-manager support shared by the clients."""
 
@@ -294,9 +328,10 @@ class StowageClient(_ChannelClient):
             None waits indefinitely.
         metadata: (key, value) pairs sent with every call, for example
             [("authorization", "Bearer TOKEN")].
+        tls, root_certificates, server_name: TLS, as in ``make_channel``.
 
-    The channel is plaintext, which matches the server's default loopback address. Use the client
-    as a context manager, or call close(), to release the channel.
+    The channel is plaintext unless ``tls`` is true; plaintext matches the server's default
+    loopback address. Use the client as a context manager, or call close(), to release the channel.
     """
 
     def __init__(
@@ -304,11 +339,18 @@ class StowageClient(_ChannelClient):
         target: str,
         timeout: float | None = None,
         metadata: Metadata | None = None,
+        *,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        server_name: str | None = None,
     ) -> None:
         self._timeout = timeout
         self._metadata = tuple(metadata) if metadata else None
-        self._channel = grpc.insecure_channel(
+        self._channel = make_channel(
             target,
+            tls=tls,
+            root_certificates=root_certificates,
+            server_name=server_name,
             options=[("grpc.max_receive_message_length", _MAX_RECEIVE_MESSAGE_BYTES)],
         )
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)

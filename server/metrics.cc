@@ -110,6 +110,44 @@ class PlacementCollectable : public prometheus::Collectable {
       Add(device, static_cast<double>(v.device_bytes), {{"component", v.id}});
       Add(weights, static_cast<double>(v.weight_bytes), {{"component", v.id}});
     }
+    // Group offloading, per group-offloaded component: its device and host bytes by kind, and the
+    // engine's counters since the component's group offloading was applied (a disable and enable
+    // starts them again at 0, which Prometheus reads as a counter reset).
+    auto go_bytes = Family("stowage_group_offload_bytes",
+                           "Bytes of a group-offloaded component by kind: working_set (device: slots + "
+                           "always_on + resident + scratch), slots, always_on, resident, scratch, streamed "
+                           "(copied every forward), per_forward (host-to-device bytes of one forward), "
+                           "pinned_host.",
+                           MetricType::Gauge);
+    auto go_forwards = Family("stowage_group_offload_forwards_total",
+                              "Forwards of a group-offloaded component.", MetricType::Counter);
+    auto go_onloads = Family("stowage_group_offload_onloads_total",
+                             "Groups reached by a forward, by how their weights got into the slot ring: ready "
+                             "(prefetched, or still there from the last run) or sync (copied while the "
+                             "forward waited).",
+                             MetricType::Counter);
+    auto go_releases = Family("stowage_group_offload_slot_releases_total",
+                              "Times an idle group-offloaded component gave its slot ring back to the device.",
+                              MetricType::Counter);
+    for (const ComponentView& v : snapshot->components) {
+      if (!v.group_offload.has_value()) continue;
+      const GroupOffloadStats& g = *v.group_offload;
+      for (const auto& [kind, bytes] : std::vector<std::pair<std::string, int64_t>>{
+               {"working_set", g.working_set_bytes},
+               {"slots", g.slots * g.slot_bytes},
+               {"always_on", g.always_on_bytes},
+               {"resident", g.resident_bytes},
+               {"scratch", g.scratch_bytes},
+               {"streamed", g.streamed_bytes},
+               {"per_forward", g.bytes_per_forward},
+               {"pinned_host", g.pinned_host_bytes}}) {
+        Add(go_bytes, static_cast<double>(bytes), {{"component", v.id}, {"kind", kind}});
+      }
+      Add(go_forwards, static_cast<double>(g.forwards), {{"component", v.id}});
+      Add(go_onloads, static_cast<double>(g.onloads - g.sync_onloads), {{"component", v.id}, {"how", "ready"}});
+      Add(go_onloads, static_cast<double>(g.sync_onloads), {{"component", v.id}, {"how", "sync"}});
+      Add(go_releases, static_cast<double>(g.slot_releases), {{"component", v.id}});
+    }
     const PlacementCounters& c = snapshot->counters;
     auto onloads = Family("stowage_placement_onloads_total", "Whole-component onloads.", MetricType::Counter);
     Add(onloads, static_cast<double>(c.onloads));
@@ -140,7 +178,7 @@ class PlacementCollectable : public prometheus::Collectable {
                           MetricType::Gauge);
     Add(warning, snapshot->warnings.empty() ? 0 : 1);
     return {pipeline_state, device_memory, state, lifecycle, device, weights, onloads, onload_bytes, offloads, offload_bytes, evictions, oom,
-            decision_seconds, decisions, warning};
+            decision_seconds, decisions, warning, go_bytes, go_forwards, go_onloads, go_releases};
   }
 
  private:

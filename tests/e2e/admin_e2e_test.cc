@@ -155,6 +155,29 @@ TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
   v1::GenerateResponse grouped;
   ASSERT_TRUE(Generate("", &grouped).ok());
   EXPECT_EQ(grouped.image(), before.image());
+  // The group-offload families carry the placement view's figures for the transformer.
+  {
+    const std::string grouped_page = HttpGet(server_->metrics_address(), "/metrics");
+    const v1::GetPlacementResponse placement = Placement();
+    v1::ComponentPlacement transformer;
+    for (const auto& c : placement.components()) {
+      if (c.id() == "zimage-tiny/transformer") transformer = c;
+    }
+    const auto& g = transformer.group_offload();
+    ASSERT_GT(g.forwards(), 0);
+    for (const std::string& line :
+         {"stowage_group_offload_forwards_total{component=\"zimage-tiny/transformer\"} " +
+              std::to_string(g.forwards()),
+          "stowage_group_offload_bytes{component=\"zimage-tiny/transformer\",kind=\"working_set\"} " +
+              std::to_string(g.working_set_bytes()),
+          "stowage_group_offload_onloads_total{component=\"zimage-tiny/transformer\",how=\"sync\"} " +
+              std::to_string(g.sync_onloads()),
+          std::string("stowage_group_offload_slot_releases_total{component=\"zimage-tiny/transformer\"} ")}) {
+      EXPECT_NE(grouped_page.find(line), std::string::npos) << line << "\n" << grouped_page;
+    }
+    EXPECT_EQ(grouped_page.find("stowage_group_offload_forwards_total{component=\"zimage-tiny/vae\"}"),
+              std::string::npos);  // Only group-offloaded components have these series.
+  }
   v1::DisableGroupOffloadRequest disable;
   disable.set_component_id("zimage-tiny/transformer");
   v1::DisableGroupOffloadResponse disabled;

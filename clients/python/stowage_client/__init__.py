@@ -34,6 +34,7 @@ from stowage_client.client import (
     RequestStats,
     StowageClient,
     StowageError,
+    make_channel,
 )
 
 __all__ = [
@@ -50,4 +51,5 @@ __all__ = [
     "RequestStats",
     "StowageClient",
     "StowageError",
+    "make_channel",
 ]

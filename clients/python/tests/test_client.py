@@ -663,6 +663,10 @@ class CliTest(ServerTestCase):
             "seed over uint64": ["stream", "--prompt", "p", "--seed", str(2**64)],
             "zero timeout": ["--timeout", "0", "pipelines"],
             "unknown option": ["pipelines", "--verbose"],
+            "CA without --tls": ["--ca-cert", __file__, "pipelines"],
+            "server name without --tls": ["--server-name", "stowage", "pipelines"],
+            "unreadable CA": ["--tls", "--ca-cert", "/nonexistent/ca.crt", "pipelines"],
+            "empty CA": ["--tls", "--ca-cert", os.devnull, "pipelines"],
         }
         for name, argv in cases.items():
             with self.subTest(name):
@@ -670,6 +674,24 @@ class CliTest(ServerTestCase):
                 self.assertEqual(status, 2)
                 self.assertIn("usage:", err)
         self.assertEqual(self.fake.calls, [])
+
+
+class TlsOptionsTest(ServerTestCase):
+    """The TLS options against the plaintext fake: TLS must not quietly fall back to plaintext."""
+
+    def test_a_tls_client_cannot_talk_to_a_plaintext_server(self) -> None:
+        with StowageClient(self.target, timeout=5, tls=True) as client:
+            with self.assertRaises(StowageError) as caught:
+                client.list_pipelines()
+        self.assertEqual(caught.exception.code, grpc.StatusCode.UNAVAILABLE)
+        self.assertEqual(self.fake.calls, [])
+
+    def test_tls_settings_without_tls_are_refused(self) -> None:
+        with self.assertRaises(ValueError):
+            stowage_client.make_channel(self.target, root_certificates=b"pem")
+        with self.assertRaises(ValueError):
+            stowage_client.make_channel(self.target, server_name="stowage")
+        stowage_client.make_channel(self.target).close()  # Plaintext stays the default.
 
 
 class CliSubprocessTest(ServerTestCase):

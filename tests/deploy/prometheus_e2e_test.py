@@ -11,8 +11,8 @@ requests through the Python client, then asks Prometheus' HTTP API for
   * the Prometheus adapter's rule (deploy/kubernetes/prometheus-adapter.yaml) as the adapter would
     run it for the HPA of autoscaling.yaml.
 
-The server's config group-offloads the transformer and runs a workflow strategy, so the placement
-families (evictions, group offload) have series. Run by Bazel as an sh_test (tests/deploy/BUILD).
+The server's config group-offloads the transformer, runs a workflow strategy and turns batching on,
+so the placement families (evictions, group offload) and the batch histograms have series. Run by Bazel as an sh_test (tests/deploy/BUILD).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ pipelines {
     defaults { offload_type: BLOCK_LEVEL use_stream: true prefetch_depth: 1 }
     exclude: "vae" exclude: "text_encoder"
   }
+  batching { max_batch_size: 4 max_queue_delay_ms: 0 }
 }
 strategy { workflow { rules { after { component: "text_encoder" offload: "text_encoder" } }
                       rules { keep_resident: "vae" } } }

@@ -17,11 +17,13 @@ absl::StatusOr<Image> ImageFromTensor(const at::Tensor& input) {
     return absl::InvalidArgumentError(absl::StrCat("expected a [3, H, W] image tensor, got ",
                                                    t.dim(), " dimensions"));
   }
-  const at::Tensor bytes = ((t.to(at::kCPU, at::kFloat).clamp(-1.0, 1.0) + 1.0) * 127.5)
+  // Quantised where the tensor is (on a GPU: a few microseconds), then 1 byte per value copied.
+  const at::Tensor bytes = ((t.to(at::kFloat).clamp(-1.0, 1.0) + 1.0) * 127.5)
                                .round()
                                .to(at::kByte)
                                .permute({1, 2, 0})
-                               .contiguous();
+                               .contiguous()
+                               .to(at::kCPU);
   Image image;
   image.height = static_cast<int>(bytes.size(0));
   image.width = static_cast<int>(bytes.size(1));
@@ -98,6 +100,10 @@ absl::StatusOr<std::string> EncodePng(const Image& image) {
   png_set_write_fn(png, &out, AppendToString, nullptr);
   png_set_IHDR(png, info, image.width, image.height, 8, PNG_COLOR_TYPE_RGB, PNG_INTERLACE_NONE,
                PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
+  // Fast settings: zlib level 1 with the Sub filter encodes a 1024x1024 image several times faster
+  // than the defaults (level 6, adaptive filters), for files some 10-30 % larger.
+  png_set_compression_level(png, 1);
+  png_set_filter(png, PNG_FILTER_TYPE_BASE, PNG_FILTER_SUB);
   png_write_info(png, info);
   for (int y = 0; y < image.height; ++y) {
     rows[y] = const_cast<png_bytep>(image.rgb.data() + static_cast<size_t>(y) * image.width * 3);

@@ -116,7 +116,9 @@ void DeviceWorker::CollectBatch(std::vector<Item>& members, std::vector<Item>& d
   // Copies: `members` grows below.
   const std::string key = members.front().job.batch_key;
   const size_t limit = static_cast<size_t>(std::max(1, members.front().job.max_batch_size));
-  const absl::Time deadline = members.front().enqueued + members.front().job.max_batch_delay;
+  const bool hold = lone_keys_.count(key) == 0;
+  const absl::Time deadline =
+      hold ? members.front().enqueued + members.front().job.max_batch_delay : absl::InfinitePast();
   auto take = [&] {
     for (auto it = queue_.begin(); it != queue_.end() && members.size() < limit;) {
       if (it->task != nullptr || it->job.batch_key != key) {
@@ -197,6 +199,19 @@ void DeviceWorker::Loop() {
       std::vector<BatchMember> members;
       for (Item& item : batch) members.push_back(BatchMember{&item.job, start - item.enqueued, batch_wait});
       members.front().job->run_batch(members);
+      {
+        absl::MutexLock lock(&mu_);
+        const std::string& key = batch.front().job.batch_key;
+        const bool queued = std::any_of(queue_.begin(), queue_.end(), [&](const Item& i) {
+          return i.task == nullptr && i.job.batch_key == key;
+        });
+        if (batch.size() > 1 || queued) {
+          lone_keys_.erase(key);
+        } else {
+          if (lone_keys_.size() >= 1024) lone_keys_.clear();
+          lone_keys_.insert(key);
+        }
+      }
       if (options_.after_each) options_.after_each();
       for (Item& item : batch) {
         if (item.job.finish) item.job.finish();

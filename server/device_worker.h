@@ -28,6 +28,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -65,9 +66,11 @@ class DeviceWorker {
 
     // Optional batching. When a job with a non-empty batch_key reaches the front, the worker
     // takes with it the queued jobs of the same key, in queue order, up to max_batch_size in all
-    // (tasks and other jobs keep their places). If fewer are there, it waits for more until
-    // max_batch_delay after the first job was queued, or until the batch is full; tasks posted
-    // meanwhile run after the batch. Then it calls the first job's run_batch once with every
+    // (tasks and other jobs keep their places). If fewer are there and the key has concurrent
+    // demand, it waits for more until max_batch_delay after the first job was queued, or until
+    // the batch is full; tasks posted meanwhile run after the batch. A key has concurrent demand
+    // unless its last batch ran alone and no job of the key was queued when it ended: a lone
+    // client's requests then never wait for company that does not come. Then it calls the first job's run_batch once with every
     // member (the first job first) instead of each job's run; then after_each; then each member's
     // finish. Members whose caller went away meanwhile are dropped as usual. A job with a
     // batch_key must set run_batch; `payload` carries what run_batch needs of each member.
@@ -127,6 +130,8 @@ class DeviceWorker {
   const Options options_;
   absl::Mutex mu_;
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
+  // Batch keys whose last batch showed no concurrent demand (see Job::batch_key); bounded.
+  std::set<std::string> lone_keys_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };

@@ -28,6 +28,10 @@ google::protobuf::Duration ToProto(absl::Duration d) {
   return TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(d));
 }
 
+absl::Duration FromProto(const google::protobuf::Duration& d) {
+  return absl::Nanoseconds(TimeUtil::DurationToNanoseconds(d));
+}
+
 absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateBackend(const v1::DeviceConfig& device) {
   v1::DeviceConfig::Kind kind = device.kind();
   if (kind == v1::DeviceConfig::KIND_UNSPECIFIED) {
@@ -440,6 +444,27 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
   }
   RETURN_IF_ERROR(worker_->Submit(std::move(job)));
   done.WaitForNotification();
+  if (!pending.result.ok()) return std::move(pending.result);
+
+  // PNG encoding on the caller's thread: requests of a batch encode in parallel, and the device
+  // works on the next request meanwhile.
+  v1::GenerateResponse& response = *pending.result;
+  if (control.on_progress) {
+    v1::Progress progress;
+    progress.set_stage("encode_image");
+    *progress.mutable_elapsed() = response.stats().run_time();
+    *progress.mutable_queue_wait() = response.stats().queue_wait();
+    control.on_progress(progress);
+  }
+  const absl::Time encode_start = absl::Now();
+  ASSIGN_OR_RETURN(std::string png, EncodePng(pending.image));
+  const absl::Duration encode = absl::Now() - encode_start;
+  response.set_image(std::move(png));
+  v1::RequestStats* stats = response.mutable_stats();
+  v1::StageTiming* timing = stats->add_stages();
+  timing->set_stage("encode_image");
+  *timing->mutable_duration() = ToProto(encode);
+  *stats->mutable_run_time() = ToProto(FromProto(stats->run_time()) + encode);
   return std::move(pending.result);
 }
 
@@ -506,19 +531,6 @@ void GenerationCore::RunOnWorker(const std::vector<PendingRequest*>& requests, b
     files = pipeline.CheckSourceFiles();  // Changed during the run: discard it.
   }
   if (!files.ok()) images.assign(running.size(), files);
-  std::vector<std::string> pngs(running.size());
-  for (size_t i = 0; i < running.size(); ++i) {
-    if (!images[i].ok()) continue;
-    contexts[i]->set_shared(false);
-    contexts[i]->BeginStage("encode_image");
-    absl::StatusOr<std::string> png = EncodePng(*images[i]);
-    contexts[i]->EndStage();
-    if (png.ok()) {
-      pngs[i] = *std::move(png);
-    } else {
-      images[i] = png.status();
-    }
-  }
   backend_->Synchronize();
   if (metrics_ != nullptr && batching) {
     metrics_->RecordBatch(pipeline.name(), batch_size, running.front()->batch_wait);
@@ -535,7 +547,6 @@ void GenerationCore::RunOnWorker(const std::vector<PendingRequest*>& requests, b
     }
     const Image& image = *images[i];
     v1::GenerateResponse response;
-    response.set_image(std::move(pngs[i]));
     response.set_format(v1::IMAGE_FORMAT_PNG);
     response.set_width(image.width);
     response.set_height(image.height);
@@ -560,6 +571,7 @@ void GenerationCore::RunOnWorker(const std::vector<PendingRequest*>& requests, b
     stats->set_batch_size(batch_size);
     *stats->mutable_batch_wait() = ToProto(r.batch_wait);
     r.result = std::move(response);
+    r.image = *std::move(images[i]);
   }
 }
 

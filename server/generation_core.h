@@ -43,7 +43,8 @@ using Interrupt = std::function<absl::Status()>;
 struct CallControl {
   // Checked before the run and between denoising steps.
   Interrupt interrupt;
-  // Optional; called on the device worker's thread for each progress event.
+  // Optional; called for each progress event, one at a time: on the device worker's thread while
+  // the request runs there, then on the calling thread for the final "encode_image" stage.
   std::function<void(const v1::Progress&)> on_progress;
 };
 
@@ -99,7 +100,10 @@ class GenerationCore {
     const CallControl* control = nullptr;
     absl::Duration queue_wait;
     absl::Duration batch_wait;
+    // Set by the worker: the response without its image, and the image, which the caller's own
+    // thread encodes (so the worker goes on to the next request meanwhile).
     absl::StatusOr<v1::GenerateResponse> result = absl::InternalError("request did not run");
+    Image image;
   };
 
   GenerationCore() = default;

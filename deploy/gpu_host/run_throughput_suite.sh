@@ -26,7 +26,7 @@ stamp "build exit $?"
 tail -5 "$logs/summary.txt" >>"$OUT/summary.txt" 2>/dev/null
 export LD_LIBRARY_PATH="/tmp/stowage-deps/usr/lib/x86_64-linux-gnu:$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))'):${LD_LIBRARY_PATH:-}"
 export PYTHONPATH="$repo_root/.ref/diffusers/src" PYTHONUNBUFFERED=1
-machine="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(nproc) cores, commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+machine="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(nproc) cores, commit ${STOWAGE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 for part in ${PARTS:-e2e batching}; do
   case $part in

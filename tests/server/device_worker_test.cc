@@ -335,5 +335,40 @@ TEST(DeviceWorkerTest, CancelledJobsLeaveTheirBatch) {
   EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{2}}));
 }
 
+// A key whose last batch ran alone, with nothing of its kind queued when it ended, does not hold
+// the next batch open: a lone client pays no delay. Once requests overlap again, batches wait.
+TEST(DeviceWorkerTest, ALoneClientDoesNotWaitForCompanyThatDoesNotCome) {
+  DeviceWorker worker(Options("sim:0", 16));
+  BatchLog log;
+  const absl::Duration delay = absl::Milliseconds(1500);
+  absl::Notification first_done;
+  ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 1, 4, delay, &first_done)).ok());
+  first_done.WaitForNotification();  // No history: it waited for company, then ran alone.
+  absl::Notification second_done;
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 2, 4, delay, &second_done)).ok());
+  second_done.WaitForNotification();
+  EXPECT_LT(absl::Now() - start, absl::Milliseconds(1000));  // Ran at once.
+
+  // Job 3 runs long; job 4 arrives meanwhile: demand is concurrent again, so job 4's batch waits
+  // and takes job 5.
+  absl::Notification started, release, last;
+  DeviceWorker::Job long_job = BatchJob(log, "a", 3, 4, delay);
+  auto record = long_job.run_batch;
+  long_job.run_batch = [&, record](const std::vector<DeviceWorker::BatchMember>& members) {
+    started.Notify();
+    release.WaitForNotification();
+    record(members);
+  };
+  ASSERT_TRUE(worker.Submit(long_job).ok());
+  started.WaitForNotification();
+  ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 4, 4, delay)).ok());
+  release.Notify();
+  absl::SleepFor(absl::Milliseconds(200));
+  ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 5, 4, delay, &last)).ok());
+  last.WaitForNotification();
+  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{1}, {2}, {3}, {4, 5}}));
+}
+
 }  // namespace
 }  // namespace stowage

@@ -55,6 +55,10 @@ class ComponentRunner {
  public:
   virtual ~ComponentRunner() = default;
   virtual absl::Status Run(Component& component, const std::function<void()>& fn) = 0;
+  // A hint that `component` runs next, after whatever runs now or is about to: the runner may start
+  // moving its weights so that the copy overlaps the current compute (placement: the first groups
+  // of a group-offloaded component). Never required for correctness; the default does nothing.
+  virtual void Prefetch(Component& component) { (void)component; }
 };
 
 std::string DtypeName(at::ScalarType dtype);

@@ -79,6 +79,7 @@ class TinyPipeline : public Pipeline {
 
     context.BeginStage("encode_prompt");
     at::Tensor text;
+    runner.Prefetch(*transformer_);  // Its first groups copy while the prompt encodes.
     RETURN_IF_ERROR(runner.Run(*text_encoder_, [&] {
       text = static_cast<TinyTextEncoder&>(text_encoder_->module()).Forward(ids, mask);
     }));
@@ -101,6 +102,7 @@ class TinyPipeline : public Pipeline {
           at::full({batch}, scheduler.timesteps()[i], at::TensorOptions().dtype(at::kFloat).device(device));
       const at::Tensor model_in = latents.expand({batch, -1, -1, -1});
       at::Tensor velocity;
+      if (i == params.steps - 1) runner.Prefetch(*vae_);  // The decoder's first groups: during the last step.
       RETURN_IF_ERROR(runner.Run(*transformer_, [&] {
         velocity = dit.Forward(model_in, t, text, mask).to(at::kFloat);
       }));

@@ -114,6 +114,7 @@ class ZImagePipeline : public Pipeline {
     std::vector<at::Tensor> positive(members.size()), negative(members.size());
     auto& encoder = static_cast<Qwen3TextEncoder&>(text_encoder_->module());
     if (!active.empty()) {
+      runner.Prefetch(*transformer_);  // Its first groups copy while the prompts encode.
       const absl::Status encoded = runner.Run(*text_encoder_, [&] {
         for (size_t i : active) {
           positive[i] = encoder.Forward(positive_ids[i]);
@@ -161,6 +162,7 @@ class ZImagePipeline : public Pipeline {
         }
       }
       std::vector<at::Tensor> out;
+      if (step == n - 1) runner.Prefetch(*vae_);  // The decoder's first groups copy during the last step.
       const absl::Status ran = runner.Run(*transformer_, [&] { out = dit.ForwardBatch(xs, t_model, captions); });
       if (!ran.ok()) {
         filter([&](size_t) { return ran; });

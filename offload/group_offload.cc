@@ -279,6 +279,30 @@ struct GroupOffloader::Impl {
     }
   }
 
+  // Copies the groups the next forward onloads first into the slots they will use, on the copy
+  // stream, and returns at once (see GroupOffloader::PrefetchNextForward).
+  absl::StatusOr<int64_t> PrefetchNextForward() {
+    const int64_t length = static_cast<int64_t>(order.size());
+    if (recording || !options.use_stream || length == 0) return 0;
+    for (auto& g : groups) {
+      if (g->active) return 0;  // Inside a forward: its own prefetch is at work.
+    }
+    RETURN_IF_ERROR(EnsureRing());
+    const int64_t n = ring->size();
+    const int64_t ahead = std::min<int64_t>(options.prefetch_depth, std::min<int64_t>(length, n - 1));
+    int64_t copied = 0;
+    for (int64_t k = 0; k < std::max<int64_t>(ahead, 1); ++k) {
+      Group& next = *order[static_cast<size_t>((cursor + k) % length)];
+      const int64_t s = (cursor + k) % n;
+      if (next.resident || next.slot == s) continue;
+      LoadIntoSlot(next, s);
+      ++stats.prefetches;
+      ++stats.early_prefetches;
+      copied += next.bytes;
+    }
+    return copied;
+  }
+
   void Offload(Group& g) {
     if (g.resident) return;
     PointAway(g);
@@ -348,6 +372,8 @@ int64_t GroupOffloader::device_bytes() const {
 bool GroupOffloader::holds_slots() const { return impl_->ring->allocated() && impl_->ring->bytes() > 0; }
 
 int64_t GroupOffloader::ReleaseSlots() { return impl_->ReleaseSlots(); }
+
+absl::StatusOr<int64_t> GroupOffloader::PrefetchNextForward() { return impl_->PrefetchNextForward(); }
 
 int64_t GroupOffloader::bytes_needed_to_run() const {
   return (impl_->ring->allocated() ? 0 : impl_->ring->bytes()) + impl_->stats.always_on_bytes;

@@ -133,6 +133,7 @@ struct GroupOffloadStats {
   int64_t disk_files_written = 0;
   int64_t disk_files_reused = 0;
   int64_t slot_releases = 0;   // ReleaseSlots calls that freed the ring.
+  int64_t early_prefetches = 0;  // Copies issued by PrefetchNextForward (before the forward).
   // kPinnedHost: bytes of safetensors mappings dropped from RSS after their copy into pinned memory,
   // and the pinned host bytes allocated for the groups (exactly their packed size: no slack).
   int64_t mapped_bytes_released = 0;
@@ -175,6 +176,13 @@ class GroupOffloader {
   // memory; its next forward allocates them again (a device out-of-memory error there is thrown as
   // DeviceOutOfMemory, like any onload). Does nothing during a forward. Returns the bytes freed.
   int64_t ReleaseSlots();
+  // Starts the next forward early: allocates the ring if it was released and copies the groups that
+  // forward onloads first (prefetch_depth of them, at least one) into their slots on the copy
+  // stream, returning at once, so the copies overlap whatever the device computes meanwhile (another
+  // component's forward). Does nothing (returns 0) before the first forward has recorded the order,
+  // without streams, or inside a forward. Returns the bytes whose copy it issued; a device
+  // out-of-memory error for the ring is returned, not thrown.
+  absl::StatusOr<int64_t> PrefetchNextForward();
   // Bytes the next forward must allocate before it can run: the slots and scratch if released, the
   // always-on groups.
   int64_t bytes_needed_to_run() const;

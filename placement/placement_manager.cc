@@ -282,6 +282,20 @@ PlacementManager::Entry* PlacementManager::Find(const Component& component) {
   return nullptr;
 }
 
+void PlacementManager::Prefetch(Component& component) {
+  if (!prefetch_next_component_) return;
+  Entry* entry = Find(component);
+  if (entry == nullptr || !entry->group_offload) return;
+  const int64_t free_before = FreeBytes();
+  // Only with room for its whole working set: a prefetch never evicts anything.
+  if (entry->group_offload->bytes_needed_to_run() > free_before) return;
+  absl::StatusOr<int64_t> copied = entry->group_offload->PrefetchNextForward();
+  if (!copied.ok() || *copied == 0) return;
+  entry->prefetched = true;
+  Record(entry->id, "prefetch", *copied, free_before,
+         "it runs next: its first groups copy while the current component computes");
+}
+
 absl::Status PlacementManager::Run(Component& component, const std::function<void()>& fn) {
   Entry* entry = nullptr;
   {
@@ -293,6 +307,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     // Group-offloaded components that sit idle give their slot rings back while another runs.
     for (const auto& other : entries_) {
       if (other.get() == entry || !other->group_offload || !other->group_offload->holds_slots()) continue;
+      if (other->prefetched) continue;  // Prefetched to run next: its first groups are in the slots.
       const int64_t before = FreeBytes();
       const int64_t released = other->group_offload->ReleaseSlots();
       if (released > 0) {
@@ -310,6 +325,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
       EvictBefore(*entry, 0, absl::StrCat("before ", entry->id, " runs"));
     }
     entry->last_use = absl::Now();
+    entry->prefetched = false;
   }
   absl::Status status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
   if (IsDeviceOom(status)) {

@@ -143,6 +143,13 @@ class PlacementManager : public ComponentRunner {
   // ComponentRunner: makes `component` resident, then runs `fn`. Exceptions from `fn` become a
   // status; a device out-of-memory error keeps its IsDeviceOom() mark.
   absl::Status Run(Component& component, const std::function<void()>& fn) override;
+  // ComponentRunner: for a group-offloaded component with room for its working set, copies the
+  // groups its next forward needs first (GroupOffloader::PrefetchNextForward) and keeps its slots
+  // while other components run, until it runs itself (memory pressure may still take them).
+  // Recorded as a "prefetch" decision. Other components: nothing (they move when they run).
+  void Prefetch(Component& component) override;
+  // Cross-component prefetch on (the default) or off (Prefetch does nothing; for measuring it).
+  void set_prefetch_next_component(bool on) { prefetch_next_component_ = on; }
 
   std::vector<ComponentView> Snapshot() const;
   // The whole published view (components with their group-offload statistics, counters, memory).
@@ -169,6 +176,8 @@ class PlacementManager : public ComponentRunner {
     absl::Time last_use = absl::InfinitePast();
     std::unique_ptr<GroupOffloader> group_offload;
     ComponentLifecycle lifecycle = ComponentLifecycle::kLoading;
+    // Prefetch() started its next forward: its slots stay while others run, until it runs.
+    bool prefetched = false;
   };
   // The one lifecycle transition function: checks the edge (a wrong one is a programming error and
   // aborts) and applies it.
@@ -199,6 +208,7 @@ class PlacementManager : public ComponentRunner {
   std::unique_ptr<OffloadStrategy> strategy_;
   std::string request_id_;
   PlacementCounters counters_;
+  bool prefetch_next_component_ = true;
   // The decision log is the one part readers on other threads see live.
   mutable absl::Mutex log_mu_;
   std::deque<PlacementDecision> log_ ABSL_GUARDED_BY(log_mu_);

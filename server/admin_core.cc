@@ -73,6 +73,7 @@ void FillComponents(const PlacementSnapshot& snapshot,
       g->set_compressed_host_bytes(s.compressed_host_bytes);
       g->set_scratch_bytes(s.scratch_bytes);
       g->set_bytes_per_forward(s.bytes_per_forward);
+      g->set_early_prefetches(s.early_prefetches);
     }
   }
 }

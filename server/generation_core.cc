@@ -72,6 +72,8 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
   ASSIGN_OR_RETURN(core->backend_, CreateBackend(config.device()));
   core->device_name_ = core->backend_->name();
   core->placement_ = std::make_unique<PlacementManager>(core->backend_.get());
+  core->placement_->set_prefetch_next_component(
+      !config.device().has_prefetch_next_component() || config.device().prefetch_next_component());
   DeviceWorker::Options worker;
   worker.device = core->device_name_;
   worker.queue_depth = config.queue_depth();

@@ -132,6 +132,40 @@ TEST(PlacementManagerTest, GroupOffloadedComponentPlacesItselfAndKeepsTheImageEx
   EXPECT_EQ(s.placement.EnableGroupOffload("tiny/nope", options).code(), absl::StatusCode::kNotFound);
 }
 
+// Overlap across components: the pipeline announces the component that runs next; its first
+// groups are copied while the current one computes and its slots kept, so its forward finds them
+// ready (no synchronous onload), where without the hint its slots were given back while the other
+// component ran and its first group waited for its copy.
+TEST(PlacementManagerTest, PrefetchingTheNextComponentSparesItsFirstSynchronousOnload) {
+  for (const bool prefetch : {true, false}) {
+    SCOPED_TRACE(prefetch);
+    Harness s;
+    s.placement.set_prefetch_next_component(prefetch);
+    PipelineGroupOffloadOptions options;
+    options.defaults.use_stream = true;
+    ASSERT_TRUE(s.placement.EnablePipelineGroupOffload("tiny", options).ok());
+    ASSERT_TRUE(s.Generate().ok());  // The first forwards record each component's order.
+    auto sync = [&](const std::string& name) {
+      return s.placement.GroupOffloadStatsOf("tiny/" + name)->sync_onloads;
+    };
+    const int64_t transformer_before = sync("transformer"), vae_before = sync("vae");
+    ASSERT_TRUE(s.Generate().ok());
+    int prefetches = 0;
+    for (const PlacementDecision& d : s.placement.DecisionLog(1000)) prefetches += d.action == "prefetch";
+    if (prefetch) {
+      EXPECT_EQ(sync("transformer"), transformer_before);
+      EXPECT_EQ(sync("vae"), vae_before);
+      EXPECT_GT(s.placement.GroupOffloadStatsOf("tiny/transformer")->early_prefetches, 0);
+      EXPECT_GT(s.placement.GroupOffloadStatsOf("tiny/vae")->early_prefetches, 0);
+      EXPECT_EQ(prefetches, 2);  // The second request: the transformer and the VAE (the first recorded).
+    } else {
+      EXPECT_GT(sync("transformer"), transformer_before);
+      EXPECT_GT(sync("vae"), vae_before);
+      EXPECT_EQ(prefetches, 0);
+    }
+  }
+}
+
 TEST(PlacementManagerTest, BudgetedGroupOffloadIsPartiallyResidentAndStillNeverMoved) {
   Harness s;
   const int64_t tr = s.View("transformer").weight_bytes;

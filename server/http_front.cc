@@ -170,7 +170,7 @@ HttpFront::Reply HttpFront::Route(mg_connection* conn) {
   const std::string method = info->request_method != nullptr ? info->request_method : "";
   const std::string path = info->local_uri != nullptr ? info->local_uri : "";
   auto wrong_method = [&](const char* allowed) {
-    Reply reply = Reply::Error(OpenAiError{405, absl::StrCat(Truncated(method), " is not allowed on ", path, "; use ", allowed),
+    Reply reply = Reply::Error(OpenAiError{405, absl::StrCat(Truncated(method), " is not allowed on ", Truncated(path), "; use ", allowed),
                                            "invalid_request_error", "", "method_not_allowed"});
     reply.headers.emplace_back("Allow", allowed);
     return reply;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <set>
 
 #include <google/protobuf/struct.pb.h>
@@ -54,8 +55,8 @@ const char* KindName(const Value& value) {
   }
 }
 
-// Each getter: nullopt-free API returning an error for a present value of the wrong type or
-// range; an absent or null field leaves *out untouched.
+// Field getters: an error for a present value of the wrong type or out of range; an absent or null
+// field sets *present to false and leaves *out untouched.
 std::optional<OpenAiError> GetString(const Struct& body, const std::string& name, std::string* out, bool* present) {
   *present = false;
   auto it = body.fields().find(name);

@@ -82,6 +82,7 @@ absl::StatusOr<std::unique_ptr<HttpFront>> HttpFront::Start(const HttpFrontOptio
                                  "request_timeout_ms", timeout_ms.c_str(),
                                  "max_request_size", kMaxRequestHeadBytes,
                                  "enable_keep_alive", "no",
+                                 "linger_timeout_ms", "1000",
                                  nullptr};
   mg_callbacks callbacks{};
   // civetweb's own messages (a malformed request, a client gone) are answered to the client; the
@@ -152,7 +153,8 @@ absl::Status HttpFront::Interrupted() const {
 int HttpFront::HandleThunk(mg_connection* conn, void* self) { return static_cast<HttpFront*>(self)->Handle(conn); }
 
 int HttpFront::Handle(mg_connection* conn) {
-  Reply reply = Route(conn);
+  bool entered = false;
+  Reply reply = Route(conn, &entered);
   std::string head = absl::StrCat("HTTP/1.1 ", reply.status, " ", mg_get_response_code_text(conn, reply.status),
                                   "\r\nContent-Type: application/json\r\nContent-Length: ", reply.body.size(),
                                   "\r\nCache-Control: no-store\r\nConnection: close\r\n");
@@ -162,10 +164,11 @@ int HttpFront::Handle(mg_connection* conn) {
   if (mg_write(conn, head.data(), head.size()) > 0 && !reply.body.empty()) {
     mg_write(conn, reply.body.data(), reply.body.size());
   }
+  if (entered) Leave();
   return reply.status;
 }
 
-HttpFront::Reply HttpFront::Route(mg_connection* conn) {
+HttpFront::Reply HttpFront::Route(mg_connection* conn, bool* entered) {
   const mg_request_info* info = mg_get_request_info(conn);
   const std::string method = info->request_method != nullptr ? info->request_method : "";
   const std::string path = info->local_uri != nullptr ? info->local_uri : "";
@@ -200,7 +203,7 @@ HttpFront::Reply HttpFront::Route(mg_connection* conn) {
   if (draining) return Reply::Error(shutting_down);
   Reply reply;
   if (!Authorized(conn, &reply)) return reply;
-  if (generations) return Generate(conn);
+  if (generations) return Generate(conn, entered);
 
   OnOwnThread([&] {
     const v1::ListPipelinesResponse pipelines = core_->ListPipelines();
@@ -278,13 +281,14 @@ bool HttpFront::ReadBody(mg_connection* conn, std::string* body, Reply* reply) c
   return true;
 }
 
-HttpFront::Reply HttpFront::Generate(mg_connection* conn) {
+HttpFront::Reply HttpFront::Generate(mg_connection* conn, bool* entered) {
   Reply reply;
   std::string body;
   if (!ReadBody(conn, &body, &reply)) return reply;
   if (!Enter()) {
     return Reply::Error(OpenAiError{503, "the server is shutting down", "server_error", "", "shutting_down"});
   }
+  *entered = true;
   OnOwnThread([&] {
     ImagesRequest request;
     if (std::optional<OpenAiError> error = ParseImagesRequest(body, options_.max_body_bytes, &request)) {
@@ -326,7 +330,6 @@ HttpFront::Reply HttpFront::Generate(mg_connection* conn) {
     reply = Reply::Json(ImagesResponseBody(images, absl::ToUnixSeconds(absl::Now())));
     reply.headers = StatsHeaders(images);
   });
-  Leave();
   return reply;
 }
 

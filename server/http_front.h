@@ -79,8 +79,10 @@ class HttpFront {
   HttpFront(const HttpFrontOptions& options, GenerationCore* core, ServerMetrics* metrics);
   static int HandleThunk(mg_connection* conn, void* self);
   int Handle(mg_connection* conn);
-  Reply Route(mg_connection* conn);
-  Reply Generate(mg_connection* conn);
+  // `*entered` is set when the request was counted in (Enter): Handle counts it out (Leave) once
+  // the reply is written, so that Shutdown never stops the server under a reply being sent.
+  Reply Route(mg_connection* conn, bool* entered);
+  Reply Generate(mg_connection* conn, bool* entered);
   bool Authorized(mg_connection* conn, Reply* reply) const;
   // Reads the body into *body; false with *reply set when it is too large, too slow or cut short.
   bool ReadBody(mg_connection* conn, std::string* body, Reply* reply) const;

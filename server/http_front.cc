@@ -296,12 +296,16 @@ HttpFront::Reply HttpFront::Generate(mg_connection* conn, bool* entered) {
       return;
     }
     // The n images are submitted together (each its own job on the device queue, so a batching
-    // core can run them as one batch). When one fails the others are stopped: the request fails.
+    // core can run them as one batch). An image that finds the queue full while other images of
+    // the same request are still pending waits for one of them to finish and tries again: a
+    // request's own images never make it fail; a queue full of other requests does (429). When
+    // one image fails the others are stopped: the request fails.
     const int n = request.n;
     std::vector<absl::StatusOr<v1::GenerateResponse>> results(n, absl::InternalError("not run"));
     std::atomic<int> first_failed{-1};
+    absl::Mutex progress_mu;
+    int finished = 0;  // Images of this request that are done, whatever their outcome.
     auto run = [&](int i) {
-      const absl::Time start = absl::Now();
       const v1::GenerateRequest image = ImageRequest(request, i);
       CallControl control;
       control.interrupt = [&]() -> absl::Status {
@@ -309,12 +313,37 @@ HttpFront::Reply HttpFront::Generate(mg_connection* conn, bool* entered) {
         if (first_failed.load() >= 0) return absl::CancelledError("another image of the same request failed");
         return absl::OkStatus();
       };
-      results[i] = core_->Generate(image, control);
+      absl::Time start;
+      for (;;) {
+        int finished_before = 0;
+        {
+          absl::MutexLock lock(&progress_mu);
+          finished_before = finished;
+        }
+        start = absl::Now();
+        results[i] = core_->Generate(image, control);
+        const absl::Status& status = results[i].status();
+        if (status.code() != absl::StatusCode::kResourceExhausted || !absl::StrContains(status.message(), "queue")) {
+          break;
+        }
+        absl::MutexLock lock(&progress_mu);
+        // Every other image is done: the queue is full of other requests.
+        if (finished_before == n - 1) break;
+        // Wait for one of this request's images to finish (one may have while we were refused).
+        // The timeout re-checks the interrupt, which is no state of this mutex.
+        auto moved = [&] { return finished != finished_before; };
+        while (!moved() && control.interrupt().ok()) {
+          progress_mu.AwaitWithTimeout(absl::Condition(&moved), absl::Milliseconds(50));
+        }
+        if (!control.interrupt().ok()) break;
+      }
       RecordGeneration(*core_, metrics_, image, results[i].status(), results[i].ok() ? &*results[i] : nullptr, start);
       if (!results[i].ok()) {
         int none = -1;
         first_failed.compare_exchange_strong(none, i);
       }
+      absl::MutexLock lock(&progress_mu);
+      ++finished;
     };
     std::vector<std::thread> threads;
     for (int i = 1; i < n; ++i) threads.emplace_back(run, i);

@@ -203,6 +203,13 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
   if (!config.auth().admin_token_file().empty()) {
     RETURN_IF_ERROR(CheckReadableFile(config.auth().admin_token_file(), "auth.admin_token_file: "));
   }
+  if (!config.auth().api_key().empty() && !config.auth().api_key_file().empty()) {
+    return absl::InvalidArgumentError("auth: set api_key or api_key_file, not both");
+  }
+  if (!config.auth().api_key_file().empty()) {
+    RETURN_IF_ERROR(CheckReadableFile(config.auth().api_key_file(), "auth.api_key_file: "));
+  }
+  if (config.http_address() == "none") config.clear_http_address();
   if (config.pipelines().empty()) {
     // The built-in default: Z-Image's architecture at a tiny size, random weights.
     v1::PipelineConfig* builtin = config.add_pipelines();

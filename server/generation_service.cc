@@ -6,6 +6,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "server/generation_metrics.h"
 
 namespace stowage {
 namespace {
@@ -31,16 +32,7 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 
 void GenerationServiceImpl::Record(const v1::GenerateRequest& request, const absl::Status& status,
                                    const v1::GenerateResponse* response, absl::Time start) {
-  if (metrics_ == nullptr) return;
-  const std::string pipeline = core_->PipelineLabel(request);
-  metrics_->RecordRequest(pipeline, status.code(), absl::Now() - start);
-  if (response != nullptr) {
-    const v1::RequestStats& stats = response->stats();
-    metrics_->RecordRequestResources(pipeline, stats.peak_device_memory_bytes(), stats.peak_device_reserved_bytes(),
-                                     stats.peak_cpu_rss_bytes());
-    metrics_->RecordBytesMoved(stats.device(), stats.host_to_device_bytes(),
-                               stats.device_to_host_bytes());
-  }
+  RecordGeneration(*core_, metrics_, request, status, response, start);
 }
 
 grpc::Status GenerationServiceImpl::Generate(grpc::ServerContext* context,

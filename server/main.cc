@@ -1,5 +1,5 @@
-// stowage_server: serves the configured pipelines (or the built-in "zimage-tiny" one) over gRPC, with
-// Prometheus metrics over HTTP.
+// stowage_server: serves the configured pipelines (or the built-in "zimage-tiny" one) over gRPC and,
+// with --http_address, OpenAI's images API over HTTP, with Prometheus metrics over HTTP.
 //
 // Exit status: 0 stopped by SIGINT/SIGTERM after a clean shutdown; 1 could not start (a port in use,
 // a model that fails to load); 2 bad flags or config; 3 did not finish stopping within
@@ -21,6 +21,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <iostream>
@@ -45,9 +46,16 @@ ABSL_FLAG(std::string, grpc_address, "",
 ABSL_FLAG(std::string, metrics_address, "",
           "Prometheus /metrics address, overriding the config (default 127.0.0.1:9464; 'none' "
           "disables; port 0 picks one).");
+ABSL_FLAG(std::string, http_address, "",
+          "Address of the OpenAI-compatible HTTP API (POST /v1/images/generations, GET /v1/models), "
+          "overriding the config; 'none' disables it (the default); port 0 picks one.");
+ABSL_FLAG(std::string, api_key_file, "",
+          "File whose first line is the HTTP API's key (clients send 'Authorization: Bearer <key>'), "
+          "overriding the environment variable STOWAGE_API_KEY and the config's auth.api_key[_file].");
 ABSL_FLAG(std::string, port_file, "",
           "If set, the bound addresses are written there as JSON once the server is serving: "
-          "{\"grpc_address\": ..., \"metrics_address\": ...}.");
+          "{\"grpc_address\": ..., \"metrics_address\": ..., \"http_address\": ...} (\"\" for a "
+          "disabled one).");
 
 namespace {
 
@@ -113,7 +121,7 @@ int main(int argc, char** argv) {
   std::thread(WatchSignals).detach();
 
   absl::SetProgramUsageMessage("Stowage text-to-image inference server. Flags: --config, "
-                               "--grpc_address, --metrics_address, --port_file.");
+                               "--grpc_address, --metrics_address, --http_address, --api_key_file, --port_file.");
   absl::ParseCommandLine(argc, argv);
 
   stowage::v1::ServerConfig config;
@@ -129,6 +137,15 @@ int main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_metrics_address).empty()) {
     config.set_metrics_address(absl::GetFlag(FLAGS_metrics_address));
   }
+  if (!absl::GetFlag(FLAGS_http_address).empty()) config.set_http_address(absl::GetFlag(FLAGS_http_address));
+  // The HTTP API key: --api_key_file, else $STOWAGE_API_KEY, else the config.
+  if (!absl::GetFlag(FLAGS_api_key_file).empty()) {
+    config.mutable_auth()->clear_api_key();
+    config.mutable_auth()->set_api_key_file(absl::GetFlag(FLAGS_api_key_file));
+  } else if (const char* key = std::getenv("STOWAGE_API_KEY"); key != nullptr && key[0] != '\0') {
+    config.mutable_auth()->clear_api_key_file();
+    config.mutable_auth()->set_api_key(key);
+  }
 
   Log(absl::StrCat("starting: loading ", std::max(config.pipelines_size(), 1),
                    " pipeline(s); SIGTERM or SIGINT stops the start-up"));
@@ -141,13 +158,16 @@ int main(int argc, char** argv) {
   std::cout << "stowage_server: serving gRPC on " << (*server)->grpc_address() << ", metrics on "
             << ((*server)->metrics_address().empty() ? std::string("(disabled)")
                                                       : absl::StrCat("http://", (*server)->metrics_address(), "/metrics"))
+            << ", OpenAI images API on "
+            << ((*server)->http_address().empty() ? std::string("(disabled)")
+                                                   : absl::StrCat("http://", (*server)->http_address(), "/v1"))
             << ", device " << (*server)->device_name() << std::endl;
   if (!absl::GetFlag(FLAGS_port_file).empty()) {
     const std::string path = absl::GetFlag(FLAGS_port_file);
     {
       std::ofstream out(path + ".tmp");
       out << "{\"grpc_address\": \"" << (*server)->grpc_address() << "\", \"metrics_address\": \""
-          << (*server)->metrics_address() << "\"}\n";
+          << (*server)->metrics_address() << "\", \"http_address\": \"" << (*server)->http_address() << "\"}\n";
     }
     std::rename((path + ".tmp").c_str(), path.c_str());
   }

@@ -17,12 +17,15 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "base/status_macros.h"
 #include "prometheus/exposer.h"
 #include "server/config.h"
 #include "server/generation_core.h"
 #include "server/admin_service.h"
 #include "server/generation_service.h"
+#include "server/http_front.h"
 #include "server/metrics.h"
 
 namespace stowage {
@@ -48,6 +51,18 @@ absl::StatusOr<std::string> AdminToken(const v1::AuthConfig& auth) {
                                                    "' holds no token on its first line"));
   }
   return token;
+}
+
+// The HTTP API's key: auth.api_key, or the first line of auth.api_key_file; empty for none.
+absl::StatusOr<std::string> ApiKey(const v1::AuthConfig& auth) {
+  if (auth.api_key_file().empty()) return auth.api_key();
+  ASSIGN_OR_RETURN(std::string text, ReadFile(auth.api_key_file(), "auth.api_key_file"));
+  const std::string key = text.substr(0, text.find_first_of("\r\n"));
+  if (key.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("auth.api_key_file: '", auth.api_key_file(),
+                                                   "' holds no key on its first line"));
+  }
+  return key;
 }
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const v1::TlsConfig& tls) {
@@ -135,6 +150,8 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
   }
 
   RETURN_IF_ERROR(CheckPortFree(config.grpc_address(), "grpc_address"));
+  if (!config.http_address().empty()) RETURN_IF_ERROR(CheckPortFree(config.http_address(), "http_address"));
+  ASSIGN_OR_RETURN(std::string api_key, ApiKey(config.auth()));
   ASSIGN_OR_RETURN(server->core_, GenerationCore::Create(config, server->metrics_.get()));
   if (server->exposer_ != nullptr) {
     GenerationCore* core = server->core_.get();
@@ -165,6 +182,13 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
                                                " (in use by another process, or not an address of this host)"));
   }
   server->grpc_address_ = absl::StrCat(HostOf(config.grpc_address()), ":", bound_port);
+  if (!config.http_address().empty()) {
+    HttpFrontOptions http;
+    http.address = config.http_address();
+    http.api_key = std::move(api_key);
+    ASSIGN_OR_RETURN(server->http_front_, HttpFront::Start(http, server->core_.get(), server->metrics_.get()));
+    server->http_address_ = server->http_front_->address();
+  }
   server->grpc_server_->GetHealthCheckService()->SetServingStatus(true);
   return server;
 }
@@ -176,10 +200,14 @@ void StowageServer::Wait() {
 }
 
 void StowageServer::Shutdown() {
+  // Both fronts drain at once, against one deadline.
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  if (http_front_ != nullptr) http_front_->BeginShutdown();
   if (grpc_server_ != nullptr) {
     grpc_server_->GetHealthCheckService()->SetServingStatus(false);
-    grpc_server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    grpc_server_->Shutdown(absl::ToChronoTime(deadline));
   }
+  if (http_front_ != nullptr) http_front_->Shutdown(deadline);
 }
 
 }  // namespace stowage

@@ -1,5 +1,6 @@
 // StowageServer: the assembled server — configuration, GenerationCore, the gRPC server (generation
-// service, health checking, reflection) and the Prometheus exporter.
+// service, health checking, reflection), the OpenAI-compatible HTTP front (when http_address is
+// set) and the Prometheus exporter.
 //
 //   ASSIGN_OR_RETURN(auto server, StowageServer::Start(config));
 //   std::cout << server->grpc_address();
@@ -26,6 +27,7 @@ namespace stowage {
 class AdminServiceImpl;
 class GenerationCore;
 class GenerationServiceImpl;
+class HttpFront;
 class ServerMetrics;
 
 class StowageServer {
@@ -38,12 +40,15 @@ class StowageServer {
   const std::string& grpc_address() const { return grpc_address_; }
   // Empty when the exporter is disabled ("none").
   const std::string& metrics_address() const { return metrics_address_; }
+  // The OpenAI-compatible HTTP API's "host:<bound port>"; empty when it is disabled (no
+  // http_address, or "none").
+  const std::string& http_address() const { return http_address_; }
   GenerationCore& core() { return *core_; }
   // The device the pipelines run on, e.g. "cuda:0" or "sim:0".
   std::string device_name() const;
 
   void Wait();
-  // Stops accepting requests, lets in-flight calls finish (up to 5 s), then returns.
+  // Stops accepting requests (gRPC and HTTP), lets in-flight calls finish (up to 5 s), then returns.
   void Shutdown();
 
  private:
@@ -57,8 +62,11 @@ class StowageServer {
   std::unique_ptr<GenerationServiceImpl> generation_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;
   std::unique_ptr<grpc::Server> grpc_server_;
+  // Declared after the core: destroyed (stopped) before it.
+  std::unique_ptr<HttpFront> http_front_;
   std::string grpc_address_;
   std::string metrics_address_;
+  std::string http_address_;
 };
 
 }  // namespace stowage

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Downloads (does not install) the Debian 12 packages the GPU host needs to build and run Stowage
-# with CMake: gRPC, protobuf (+ protoc and the gRPC plugins), abseil, prometheus-cpp, gtest/gmock,
-# libpng. Run HERE, on the Debian 12 build machine; the GPU host (Ubuntu 24.04, no network) gets the
+# with CMake: gRPC, protobuf (+ protoc and the gRPC plugins), abseil, prometheus-cpp, civetweb,
+# gtest/gmock, libpng. Run HERE, on the Debian 12 build machine; the GPU host (Ubuntu 24.04, no network) gets the
 # folder with the working tree and unpacks it with `dpkg -x` (deploy/gpu_host/build_and_serve.sh).
 #
 # Usage: deploy/gpu_host/fetch_debs.sh [DEST]        (default DEST: <repo>/.deb, git-ignored)
@@ -24,8 +24,9 @@ packages=(
   libprotobuf-dev libprotobuf32 libprotoc32 protobuf-compiler
   # grpc_cpp_plugin and grpc_python_plugin.
   protobuf-compiler-grpc
-  # prometheus-cpp (core + pull exposer) and the embedded HTTP server it links.
-  prometheus-cpp-dev libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libcivetweb1
+  # prometheus-cpp (core + pull exposer) and civetweb, the embedded HTTP server it links; the
+  # OpenAI-compatible HTTP front (server/http_front.cc) uses civetweb directly (header, link name).
+  prometheus-cpp-dev libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libcivetweb1 libcivetweb-dev
   # GoogleTest / GoogleMock: headers and static libgtest.a, libgmock.a, libgmock_main.a.
   libgtest-dev libgmock-dev
   # PNG encoding (models/image.cc) and zlib's header / link name.

@@ -298,6 +298,10 @@ TEST(ConfigFilesTest, ModelDirAndTlsFilesAreCheckedNamingTheirFields) {
        "tls: set both cert_file and key_file, or neither"},
       {"auth { admin_token_file: \"/nonexistent/token\" }", absl::StatusCode::kNotFound,
        "auth.admin_token_file: cannot read '/nonexistent/token': no such file"},
+      {"auth { api_key_file: \"/nonexistent/key\" }", absl::StatusCode::kNotFound,
+       "auth.api_key_file: cannot read '/nonexistent/key': no such file"},
+      {"auth { api_key: \"k\" api_key_file: \"" + file + "\" }", absl::StatusCode::kInvalidArgument,
+       "auth: set api_key or api_key_file, not both"},
   };
   for (const Case& c : cases) {
     auto loaded = LoadServerConfig(WriteTemp("files.textproto", c.text));
@@ -313,6 +317,21 @@ TEST(ConfigFilesTest, ModelDirAndTlsFilesAreCheckedNamingTheirFields) {
   good.mutable_tls()->set_cert_file(file);
   good.mutable_tls()->set_key_file(file);
   EXPECT_TRUE(FinalizeServerConfig(good).ok()) << FinalizeServerConfig(good).status();
+}
+
+TEST(ConfigFilesTest, HttpAddressNoneAndEmptyBothDisableTheHttpFront) {
+  v1::ServerConfig config;
+  auto finalized = FinalizeServerConfig(config);
+  ASSERT_TRUE(finalized.ok()) << finalized.status();
+  EXPECT_EQ(finalized->http_address(), "");
+  config.set_http_address("none");
+  finalized = FinalizeServerConfig(config);
+  ASSERT_TRUE(finalized.ok()) << finalized.status();
+  EXPECT_EQ(finalized->http_address(), "");
+  config.set_http_address("127.0.0.1:0");
+  finalized = FinalizeServerConfig(config);
+  ASSERT_TRUE(finalized.ok()) << finalized.status();
+  EXPECT_EQ(finalized->http_address(), "127.0.0.1:0");
 }
 
 TEST(ConfigTextTest, LongOrOddNamesAreNeverEchoedWhole) {

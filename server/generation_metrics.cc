@@ -1,0 +1,20 @@
+#include "server/generation_metrics.h"
+
+#include <string>
+
+namespace stowage {
+
+void RecordGeneration(const GenerationCore& core, ServerMetrics* metrics, const v1::GenerateRequest& request,
+                      const absl::Status& status, const v1::GenerateResponse* response, absl::Time start) {
+  if (metrics == nullptr) return;
+  const std::string pipeline = core.PipelineLabel(request);
+  metrics->RecordRequest(pipeline, status.code(), absl::Now() - start);
+  if (response != nullptr) {
+    const v1::RequestStats& stats = response->stats();
+    metrics->RecordRequestResources(pipeline, stats.peak_device_memory_bytes(), stats.peak_device_reserved_bytes(),
+                                    stats.peak_cpu_rss_bytes());
+    metrics->RecordBytesMoved(stats.device(), stats.host_to_device_bytes(), stats.device_to_host_bytes());
+  }
+}
+
+}  // namespace stowage

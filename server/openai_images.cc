@@ -1,0 +1,370 @@
+#include "server/openai_images.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <set>
+
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "base/json_limits.h"
+#include "base/text.h"
+
+namespace stowage {
+namespace {
+
+using google::protobuf::Struct;
+using google::protobuf::Value;
+
+// Fields of OpenAI's request that change nothing here: accepted and ignored, so that clients which
+// always send them work.
+const std::set<std::string>& IgnoredOpenAiFields() {
+  static const auto* fields = new std::set<std::string>{"user", "quality", "style", "background", "moderation"};
+  return *fields;
+}
+
+std::string JsonOrNull(const std::string& s) { return s.empty() ? "null" : JsonQuote(s); }
+
+std::string ProtoJson(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  std::string out;
+  if (!google::protobuf::util::MessageToJsonString(message, &out, options).ok()) return "null";
+  return out;
+}
+
+const char* KindName(const Value& value) {
+  switch (value.kind_case()) {
+    case Value::kNullValue: return "null";
+    case Value::kNumberValue: return "a number";
+    case Value::kStringValue: return "a string";
+    case Value::kBoolValue: return "a boolean";
+    case Value::kStructValue: return "an object";
+    case Value::kListValue: return "an array";
+    default: return "nothing";
+  }
+}
+
+// Field getters: an error for a present value of the wrong type or out of range; an absent or null
+// field sets *present to false and leaves *out untouched.
+std::optional<OpenAiError> GetString(const Struct& body, const std::string& name, std::string* out, bool* present) {
+  *present = false;
+  auto it = body.fields().find(name);
+  if (it == body.fields().end() || it->second.kind_case() == Value::kNullValue) return std::nullopt;
+  if (it->second.kind_case() != Value::kStringValue) {
+    return InvalidRequest(absl::StrCat(name, " must be a string, not ", KindName(it->second)), name);
+  }
+  *out = it->second.string_value();
+  *present = true;
+  return std::nullopt;
+}
+
+std::optional<OpenAiError> GetInteger(const Struct& body, const std::string& name, int64_t min, int64_t max,
+                                      const std::string& range, int64_t* out, bool* present) {
+  *present = false;
+  auto it = body.fields().find(name);
+  if (it == body.fields().end() || it->second.kind_case() == Value::kNullValue) return std::nullopt;
+  const Value& value = it->second;
+  if (value.kind_case() != Value::kNumberValue) {
+    return InvalidRequest(absl::StrCat(name, " must be an integer, not ", KindName(value)), name);
+  }
+  const double d = value.number_value();
+  if (!std::isfinite(d) || d != std::floor(d)) {
+    return InvalidRequest(absl::StrCat(name, " must be an integer; allowed: ", range), name);
+  }
+  if (d < static_cast<double>(min) || d > static_cast<double>(max)) {
+    return InvalidRequest(absl::StrFormat("%s is %.17g; allowed: %s", name, d, range), name);
+  }
+  *out = static_cast<int64_t>(d);
+  *present = true;
+  return std::nullopt;
+}
+
+// "WxH" with 1..5 decimal digits each and no sign, space or leading zero; "auto" = the default.
+std::optional<OpenAiError> ParseSize(const std::string& size, v1::GenerateRequest* request) {
+  const std::string allowed =
+      "\"WIDTHxHEIGHT\" in pixels (for example \"512x512\"), or \"auto\" for the model's default";
+  if (size == "auto") return std::nullopt;
+  const std::vector<absl::string_view> parts = absl::StrSplit(size, 'x');
+  auto number = [](absl::string_view s, int* out) {
+    if (s.empty() || s.size() > 5 || s[0] == '0') return false;
+    for (char c : s) {
+      if (!absl::ascii_isdigit(static_cast<unsigned char>(c))) return false;
+    }
+    return absl::SimpleAtoi(s, out);
+  };
+  int width = 0, height = 0;
+  if (parts.size() != 2 || !number(parts[0], &width) || !number(parts[1], &height)) {
+    return InvalidRequest(absl::StrCat("size ", JsonQuote(Truncated(size)), " is not valid; allowed: ", allowed),
+                          "size");
+  }
+  request->set_width(width);
+  request->set_height(height);
+  return std::nullopt;
+}
+
+// The request field that a GenerationCore message starts with, as this API names it.
+std::string ParamOf(absl::string_view message) {
+  struct Prefix {
+    const char* core;
+    const char* param;
+  };
+  static constexpr Prefix kPrefixes[] = {
+      {"negative_prompt", "negative_prompt"}, {"prompt", "prompt"}, {"width", "size"}, {"height", "size"},
+      {"num_inference_steps", "num_inference_steps"}, {"guidance_scale", "guidance_scale"},
+      {"seed", "seed"},
+  };
+  for (const Prefix& p : kPrefixes) {
+    if (absl::StartsWith(message, p.core) && message.size() > strlen(p.core) && message[strlen(p.core)] == ' ') {
+      return p.param;
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string JsonQuote(absl::string_view s) {
+  const bool utf8 = IsValidUtf8(s);
+  std::string out;
+  out.reserve(s.size() + 2);
+  out.push_back('"');
+  for (char c : s) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    if (c == '"') {
+      out += "\\\"";
+    } else if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (u < 0x20 || u == 0x7f) {
+      out += absl::StrFormat("\\u%04x", u);
+    } else if (u >= 0x80 && !utf8) {
+      out.push_back('?');
+    } else {
+      out.push_back(c);
+    }
+  }
+  out.push_back('"');
+  return out;
+}
+
+std::string ErrorBody(const OpenAiError& error) {
+  return absl::StrCat("{\"error\": {\"message\": ", JsonQuote(error.message), ", \"type\": ", JsonOrNull(error.type),
+                      ", \"param\": ", JsonOrNull(error.param), ", \"code\": ", JsonOrNull(error.code), "}}\n");
+}
+
+OpenAiError InvalidRequest(std::string message, std::string param, std::string code) {
+  return OpenAiError{400, std::move(message), "invalid_request_error", std::move(param), std::move(code)};
+}
+
+OpenAiError ErrorFromStatus(const absl::Status& status) {
+  const std::string message(status.message());
+  switch (status.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+      return InvalidRequest(message, ParamOf(message));
+    case absl::StatusCode::kNotFound:
+      return OpenAiError{404, message, "invalid_request_error", "model", "model_not_found"};
+    case absl::StatusCode::kResourceExhausted:
+      return OpenAiError{429, message, "rate_limit_error", "",
+                         absl::StrContains(message, "queue") ? "queue_full" : "resource_exhausted"};
+    case absl::StatusCode::kUnavailable:
+    case absl::StatusCode::kFailedPrecondition:
+      return OpenAiError{503, message, "server_error", "", "unavailable"};
+    case absl::StatusCode::kUnauthenticated:
+      return OpenAiError{401, message, "invalid_request_error", "", "invalid_api_key"};
+    case absl::StatusCode::kPermissionDenied:
+      return OpenAiError{403, message, "invalid_request_error", "", "permission_denied"};
+    case absl::StatusCode::kDeadlineExceeded:
+      return OpenAiError{504, message, "server_error", "", "timeout"};
+    default:
+      return OpenAiError{500, message, "server_error", "", ""};
+  }
+}
+
+std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t max_bytes, ImagesRequest* request) {
+  if (static_cast<int64_t>(body.size()) > max_bytes) {
+    return OpenAiError{413, absl::StrCat("request body is ", body.size(), " bytes; at most ", max_bytes, " allowed"),
+                       "invalid_request_error", "", "request_too_large"};
+  }
+  if (!IsValidUtf8(body)) return InvalidRequest("request body is not valid UTF-8");
+  const absl::Status limits = CheckJsonLimits(body, JsonLimits{kMaxRequestJsonDepth, max_bytes}, "request body");
+  if (!limits.ok()) return InvalidRequest(std::string(limits.message()));
+  const absl::string_view trimmed = absl::StripLeadingAsciiWhitespace(body);
+  if (trimmed.empty() || trimmed[0] != '{') return InvalidRequest("request body must be a JSON object");
+  Struct json;
+  google::protobuf::util::JsonParseOptions options;
+  const auto parsed = google::protobuf::util::JsonStringToMessage(std::string(body), &json, options);
+  if (!parsed.ok()) {
+    return InvalidRequest(absl::StrCat("request body is not valid JSON (", Truncated(parsed.ToString(), 96), ")"));
+  }
+
+  for (const auto& [name, value] : json.fields()) {
+    static const std::set<std::string> kKnown = {"model", "prompt", "n", "size", "response_format", "output_format",
+                                                 "negative_prompt", "num_inference_steps", "guidance_scale", "seed"};
+    if (kKnown.count(name) == 0 && IgnoredOpenAiFields().count(name) == 0) {
+      return InvalidRequest(absl::StrCat("unrecognized request argument ", JsonQuote(Truncated(name)),
+                                         "; allowed: ", absl::StrJoin(kKnown, ", "), " (and, ignored: ",
+                                         absl::StrJoin(IgnoredOpenAiFields(), ", "), ")"),
+                            Truncated(name), "unknown_parameter");
+    }
+  }
+
+  ImagesRequest out;
+  v1::GenerateRequest& r = out.base;
+  bool present = false;
+  std::string text;
+  if (auto e = GetString(json, "model", &text, &present)) return e;
+  if (present) r.set_pipeline(text);
+  if (auto e = GetString(json, "prompt", &text, &present)) return e;
+  if (!present) return InvalidRequest("prompt is required", "prompt");
+  r.set_prompt(text);
+  if (auto e = GetString(json, "negative_prompt", &text, &present)) return e;
+  if (present) r.set_negative_prompt(text);
+  if (auto e = GetString(json, "size", &text, &present)) return e;
+  if (present) {
+    if (auto e = ParseSize(text, &r)) return e;
+  }
+  if (auto e = GetString(json, "response_format", &text, &present)) return e;
+  if (present && text != "b64_json") {
+    if (text == "url") {
+      return InvalidRequest(
+          "response_format \"url\" is not supported: this server keeps no images to link to; use \"b64_json\" "
+          "(the default), which returns the PNG inline",
+          "response_format", "unsupported_response_format");
+    }
+    return InvalidRequest(
+        absl::StrCat("response_format ", JsonQuote(Truncated(text)), " is not valid; allowed: \"b64_json\""),
+        "response_format");
+  }
+  if (auto e = GetString(json, "output_format", &text, &present)) return e;
+  if (present && text != "png") {
+    return InvalidRequest(absl::StrCat("output_format ", JsonQuote(Truncated(text)), " is not supported; allowed: \"png\""),
+                          "output_format");
+  }
+  int64_t number = 0;
+  if (auto e = GetInteger(json, "n", 1, kMaxImagesPerRequest, absl::StrCat("1 to ", kMaxImagesPerRequest), &number,
+                          &present)) {
+    return e;
+  }
+  if (present) out.n = static_cast<int>(number);
+  if (auto e = GetInteger(json, "num_inference_steps", 0, 1 << 30, "0 (the model's default) or 1 to the model's maximum",
+                          &number, &present)) {
+    return e;
+  }
+  if (present) r.set_num_inference_steps(static_cast<int32_t>(number));
+  if (auto e = GetInteger(json, "seed", 0, kMaxJsonSeed, absl::StrCat("0 to ", kMaxJsonSeed), &number, &present)) {
+    return e;
+  }
+  if (present) r.set_seed(static_cast<uint64_t>(number));
+  auto guidance = json.fields().find("guidance_scale");
+  if (guidance != json.fields().end() && guidance->second.kind_case() != Value::kNullValue) {
+    if (guidance->second.kind_case() != Value::kNumberValue) {
+      return InvalidRequest(absl::StrCat("guidance_scale must be a number, not ", KindName(guidance->second)),
+                            "guidance_scale");
+    }
+    const double g = guidance->second.number_value();
+    if (!std::isfinite(g) || g < 0 || g > 100) {
+      return InvalidRequest(absl::StrFormat("guidance_scale is %.17g; must be finite and within [0, 100]", g),
+                            "guidance_scale");
+    }
+    r.set_guidance_scale(static_cast<float>(g));
+  }
+  *request = std::move(out);
+  return std::nullopt;
+}
+
+v1::GenerateRequest ImageRequest(const ImagesRequest& request, int index) {
+  v1::GenerateRequest r = request.base;
+  if (r.has_seed()) r.set_seed(r.seed() + static_cast<uint64_t>(index));
+  return r;
+}
+
+std::string ImagesResponseBody(const std::vector<v1::GenerateResponse>& images, int64_t created) {
+  std::vector<std::string> data;
+  for (const v1::GenerateResponse& image : images) {
+    data.push_back(absl::StrCat("{\"b64_json\": \"", absl::Base64Escape(image.image()), "\", \"seed\": ",
+                                image.seed(), ", \"width\": ", image.width(), ", \"height\": ", image.height(),
+                                ", \"request_id\": ", JsonQuote(image.request_id()),
+                                ", \"stats\": ", ProtoJson(image.stats()), "}"));
+  }
+  std::string size, model;
+  if (!images.empty()) {
+    size = absl::StrCat(images[0].width(), "x", images[0].height());
+    model = images[0].pipeline();
+  }
+  return absl::StrCat("{\"created\": ", created, ", \"data\": [", absl::StrJoin(data, ", "),
+                      "], \"size\": ", JsonQuote(size), ", \"output_format\": \"png\", \"model\": ", JsonQuote(model),
+                      "}\n");
+}
+
+std::vector<std::pair<std::string, std::string>> StatsHeaders(const std::vector<v1::GenerateResponse>& images) {
+  std::vector<std::pair<std::string, std::string>> headers;
+  if (images.empty()) return headers;
+  std::vector<std::string> ids, seeds;
+  double queue_wait = 0, run_time = 0;
+  int64_t peak_device = 0, peak_reserved = 0, peak_rss = 0, h2d = 0, d2h = 0;
+  auto seconds = [](const google::protobuf::Duration& d) { return d.seconds() + d.nanos() * 1e-9; };
+  for (const v1::GenerateResponse& image : images) {
+    const v1::RequestStats& s = image.stats();
+    ids.push_back(image.request_id());
+    seeds.push_back(absl::StrCat(image.seed()));
+    queue_wait = std::max(queue_wait, seconds(s.queue_wait()));
+    run_time = std::max(run_time, seconds(s.run_time()));
+    peak_device = std::max(peak_device, s.peak_device_memory_bytes());
+    peak_reserved = std::max(peak_reserved, s.peak_device_reserved_bytes());
+    peak_rss = std::max(peak_rss, s.peak_cpu_rss_bytes());
+    h2d += s.host_to_device_bytes();
+    d2h += s.device_to_host_bytes();
+  }
+  // Header values must be printable ASCII: request ids are (GenerationCore checks them), pipeline
+  // and device names too; Truncated keeps that true whatever they hold.
+  headers.emplace_back("X-Stowage-Pipeline", Truncated(images[0].pipeline()));
+  headers.emplace_back("X-Stowage-Device", Truncated(images[0].stats().device()));
+  headers.emplace_back("X-Stowage-Request-Id", Truncated(absl::StrJoin(ids, ","), 2048));
+  headers.emplace_back("X-Stowage-Seed", absl::StrJoin(seeds, ","));
+  headers.emplace_back("X-Stowage-Queue-Wait-Seconds", absl::StrFormat("%.6f", queue_wait));
+  headers.emplace_back("X-Stowage-Run-Time-Seconds", absl::StrFormat("%.6f", run_time));
+  headers.emplace_back("X-Stowage-Peak-Device-Memory-Bytes", absl::StrCat(peak_device));
+  headers.emplace_back("X-Stowage-Peak-Device-Reserved-Bytes", absl::StrCat(peak_reserved));
+  headers.emplace_back("X-Stowage-Peak-Cpu-Rss-Bytes", absl::StrCat(peak_rss));
+  headers.emplace_back("X-Stowage-Host-To-Device-Bytes", absl::StrCat(h2d));
+  headers.emplace_back("X-Stowage-Device-To-Host-Bytes", absl::StrCat(d2h));
+  return headers;
+}
+
+namespace {
+
+std::string ModelJson(const v1::Pipeline& pipeline, int64_t created) {
+  return absl::StrCat("{\"id\": ", JsonQuote(pipeline.name()), ", \"object\": \"model\", \"created\": ", created,
+                      ", \"owned_by\": \"stowage\", \"stowage\": ", ProtoJson(pipeline), "}");
+}
+
+}  // namespace
+
+std::string ModelsBody(const v1::ListPipelinesResponse& pipelines, int64_t created) {
+  std::vector<std::string> data;
+  for (const v1::Pipeline& p : pipelines.pipelines()) data.push_back(ModelJson(p, created));
+  return absl::StrCat("{\"object\": \"list\", \"data\": [", absl::StrJoin(data, ", "), "]}\n");
+}
+
+std::optional<std::string> ModelBody(const v1::ListPipelinesResponse& pipelines, absl::string_view id,
+                                     int64_t created) {
+  for (const v1::Pipeline& p : pipelines.pipelines()) {
+    if (p.name() == id) return absl::StrCat(ModelJson(p, created), "\n");
+  }
+  return std::nullopt;
+}
+
+}  // namespace stowage

@@ -1,0 +1,107 @@
+// The OpenAI images API in terms of GenerationCore's messages, with no transport: the JSON body of
+// POST /v1/images/generations → GenerateRequests, GenerateResponses → the JSON reply and its stats
+// headers, ListPipelines → GET /v1/models, and absl::Status → OpenAI's error object with its HTTP
+// status. server/http_front.cc is the transport glue around these functions.
+//
+// The request follows OpenAI's Images API (model, prompt, n, size "WxH", response_format) with
+// Stowage's own fields beside them (negative_prompt, num_inference_steps, guidance_scale, seed).
+// Everything from the client is untrusted: the body is checked for size, nesting, UTF-8 and types
+// before any field is used, and error messages never echo more than a short printable prefix.
+//
+// Thread-safety: every function is a pure function of its arguments.
+#ifndef STOWAGE_SERVER_OPENAI_IMAGES_H_
+#define STOWAGE_SERVER_OPENAI_IMAGES_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "stowage/v1/generation.pb.h"
+
+namespace stowage {
+
+// n: 1..kMaxImagesPerRequest images per request (OpenAI's own bound).
+inline constexpr int kMaxImagesPerRequest = 10;
+// seed: an integer in 0..kMaxJsonSeed (JSON numbers are exact integers only up to 2^53). Image i
+// of a request gets seed + i.
+inline constexpr int64_t kMaxJsonSeed = (int64_t{1} << 53) - kMaxImagesPerRequest;
+// Deepest JSON nesting accepted in a request body (a real one is a flat object: depth 1).
+inline constexpr int kMaxRequestJsonDepth = 8;
+
+// An OpenAI error object and the HTTP status that carries it.
+struct OpenAiError {
+  int http_status = 500;
+  std::string message;
+  // "invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error",
+  // "server_error".
+  std::string type;
+  // The request field at fault, or empty (JSON null).
+  std::string param;
+  // A machine-readable code ("invalid_api_key", "model_not_found", "queue_full", ...), or empty.
+  std::string code;
+};
+
+// {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
+std::string ErrorBody(const OpenAiError& error);
+
+// A 400 invalid_request_error naming `param`.
+OpenAiError InvalidRequest(std::string message, std::string param = "", std::string code = "");
+
+// The error for a status from GenerationCore (or any absl::Status): INVALID_ARGUMENT and
+// OUT_OF_RANGE → 400 (param named when the message starts with a request field: a width or height
+// error names "size"); NOT_FOUND → 404 "model_not_found"; RESOURCE_EXHAUSTED → 429 ("queue_full"
+// when the device queue refused it); UNAVAILABLE and FAILED_PRECONDITION (a pipeline loading,
+// being unloaded or failed; the server stopping) → 503; UNAUTHENTICATED → 401; PERMISSION_DENIED →
+// 403; DEADLINE_EXCEEDED → 504; anything else → 500. The message is the status's own.
+OpenAiError ErrorFromStatus(const absl::Status& status);
+
+// One POST /v1/images/generations request.
+struct ImagesRequest {
+  // pipeline, prompt, negative_prompt, width and height (0: the pipeline's default),
+  // num_inference_steps, guidance_scale and seed when given.
+  v1::GenerateRequest base;
+  int n = 1;
+};
+
+// Parses and type-checks the body of POST /v1/images/generations. `max_bytes` bounds the body.
+// Returns the error to answer with (always a 4xx) when the body is unacceptable: not UTF-8, not a
+// JSON object, too deep, a field of the wrong type or out of the range given here (n, size's form,
+// seed), response_format "url", or a field this API does not know. Ranges that depend on the
+// pipeline (size, steps, prompt length) are GenerationCore's to check.
+std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t max_bytes, ImagesRequest* request);
+
+// The GenerateRequest of image `index` (0-based) of `request`: the base, with seed + index when a
+// seed was given.
+v1::GenerateRequest ImageRequest(const ImagesRequest& request, int index);
+
+// The reply to a request whose images all succeeded, in order:
+// {"created": <unix seconds>, "data": [{"b64_json": <PNG>, "seed", "width", "height", "request_id",
+//  "stats": <RequestStats as proto3 JSON>}...], "size": "WxH", "output_format": "png",
+//  "model": <pipeline>}.
+std::string ImagesResponseBody(const std::vector<v1::GenerateResponse>& images, int64_t created);
+
+// The per-request statistics of `images` as response headers (X-Stowage-*): pipeline, device,
+// request ids and seeds (comma-separated), queue wait and run time (seconds, the largest), peak
+// device / device reserved / CPU RSS bytes (the largest), bytes moved host→device and device→host
+// (summed over the images).
+std::vector<std::pair<std::string, std::string>> StatsHeaders(const std::vector<v1::GenerateResponse>& images);
+
+// GET /v1/models: {"object": "list", "data": [<model>...]}, one model per pipeline:
+// {"id": name, "object": "model", "created": <created>, "owned_by": "stowage",
+//  "stowage": <the Pipeline message as proto3 JSON: state, limits, components...>}.
+std::string ModelsBody(const v1::ListPipelinesResponse& pipelines, int64_t created);
+// GET /v1/models/{id}: the one model, or nullopt when no pipeline has that name.
+std::optional<std::string> ModelBody(const v1::ListPipelinesResponse& pipelines, absl::string_view id,
+                                     int64_t created);
+
+// `s` as a JSON string literal (quotes included, control characters escaped); when `s` is not
+// valid UTF-8 its bytes above 0x7f become '?', so the output is always valid JSON.
+std::string JsonQuote(absl::string_view s);
+
+}  // namespace stowage
+
+#endif  // STOWAGE_SERVER_OPENAI_IMAGES_H_

@@ -1,0 +1,163 @@
+// Driven by openai_sdk_e2e_test.sh: the official OpenAI SDK against a running stowage_server.
+//   node openai_sdk_e2e_test.mjs <folder holding node_modules/openai>
+// Environment: STOWAGE_BASE_URL (http://host:port/v1), STOWAGE_API_KEY.
+// Prints one line per check and "N passed, N failed"; exits 1 when any check failed.
+import { readFileSync } from 'node:fs';
+import { createRequire } from 'node:module';
+import path from 'node:path';
+
+const require = createRequire(path.join(process.argv[2], 'package.json'));
+const sdk = require('openai');
+const OpenAI = sdk.OpenAI ?? sdk.default ?? sdk;
+const errors = {
+  BadRequestError: sdk.BadRequestError ?? OpenAI.BadRequestError,
+  AuthenticationError: sdk.AuthenticationError ?? OpenAI.AuthenticationError,
+  NotFoundError: sdk.NotFoundError ?? OpenAI.NotFoundError,
+  RateLimitError: sdk.RateLimitError ?? OpenAI.RateLimitError,
+};
+const sdkVersion = JSON.parse(
+  readFileSync(path.join(process.argv[2], 'node_modules', 'openai', 'package.json'), 'utf8')).version;
+
+const baseURL = process.env.STOWAGE_BASE_URL;
+const apiKey = process.env.STOWAGE_API_KEY;
+// maxRetries 0: the SDK retries 429 and 5xx by default, which would hide what the server answered.
+const client = new OpenAI({ baseURL, apiKey, maxRetries: 0, timeout: 30000 });
+
+let passed = 0;
+let failed = 0;
+async function check(name, body) {
+  try {
+    await body();
+    passed++;
+    console.log(`ok   ${name}`);
+  } catch (e) {
+    failed++;
+    console.log(`FAIL ${name}: ${e && e.stack ? e.stack : e}`);
+  }
+}
+function assert(condition, message) {
+  if (!condition) throw new Error(message);
+}
+
+// Width and height from a PNG's IHDR chunk, after checking the signature.
+function pngSize(png) {
+  const signature = Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]);
+  assert(png.length > 24 && png.subarray(0, 8).equals(signature), 'not a PNG (signature)');
+  assert(png.subarray(12, 16).toString('latin1') === 'IHDR', 'no IHDR chunk first');
+  return { width: png.readUInt32BE(16), height: png.readUInt32BE(20) };
+}
+
+// Runs `call`, which must fail with the SDK's `errorClass` and HTTP `status`; returns the error.
+async function expectError(call, errorClass, status) {
+  let caught = null;
+  try {
+    await call();
+  } catch (e) {
+    caught = e;
+  }
+  assert(caught !== null, `expected ${errorClass.name}, but the call succeeded`);
+  assert(caught instanceof errorClass, `expected ${errorClass.name}, got ${caught.constructor.name}: ${caught.message}`);
+  assert(caught.status === status, `expected HTTP ${status}, got ${caught.status}`);
+  return caught;
+}
+
+console.log(`openai SDK ${sdkVersion} on Node.js ${process.version} against ${baseURL}`);
+
+await check('images.generate returns n base64 PNGs of the requested size', async () => {
+  const result = await client.images.generate({
+    model: 'zimage-tiny',
+    prompt: 'a red circle at the top left on a blue background',
+    n: 2,
+    size: '64x64',
+    response_format: 'b64_json',
+    // Stowage's own fields travel in the same body.
+    seed: 7,
+    num_inference_steps: 2,
+    negative_prompt: 'blurry',
+  });
+  assert(Array.isArray(result.data) && result.data.length === 2, `expected 2 images, got ${JSON.stringify(result.data?.length)}`);
+  assert(typeof result.created === 'number' && result.created > 1.6e9, `bad created: ${result.created}`);
+  const pngs = result.data.map((image) => Buffer.from(image.b64_json, 'base64'));
+  for (const png of pngs) {
+    const { width, height } = pngSize(png);
+    assert(width === 64 && height === 64, `PNG is ${width}x${height}, not 64x64`);
+  }
+  assert(!pngs[0].equals(pngs[1]), 'two images of different seeds are identical');
+  assert(result.data[0].seed === 7 && result.data[1].seed === 8, `seeds ${result.data.map((d) => d.seed)}`);
+  assert(result.data[0].stats && result.data[0].stats.device, 'no per-request stats in the reply');
+});
+
+await check('the same seed draws the same PNG (withResponse exposes the stats headers)', async () => {
+  const request = { prompt: 'a green square', size: '64x64', seed: 11, num_inference_steps: 2 };
+  const { data: first, response } = await client.images.generate(request).withResponse();
+  const second = await client.images.generate(request);
+  assert(first.data[0].b64_json === second.data[0].b64_json, 'same seed, different image');
+  assert(response.headers.get('x-stowage-seed') === '11', `x-stowage-seed: ${response.headers.get('x-stowage-seed')}`);
+  assert(Number(response.headers.get('x-stowage-peak-device-memory-bytes')) > 0, 'no peak device memory header');
+});
+
+await check('models.list names every pipeline; models.retrieve finds one', async () => {
+  const ids = [];
+  for await (const model of client.models.list()) ids.push(model.id);
+  assert(JSON.stringify(ids) === JSON.stringify(['zimage-tiny', 'tiny']), `models: ${JSON.stringify(ids)}`);
+  const model = await client.models.retrieve('tiny');
+  assert(model.id === 'tiny' && model.object === 'model', JSON.stringify(model));
+});
+
+await check('a size off the grid is BadRequestError naming size', async () => {
+  const e = await expectError(() => client.images.generate({ prompt: 'x', size: '65x64' }), errors.BadRequestError, 400);
+  assert(e.param === 'size', `param ${e.param}`);
+  assert(e.type === 'invalid_request_error', `type ${e.type}`);
+});
+
+await check('response_format url is BadRequestError', async () => {
+  const e = await expectError(() => client.images.generate({ prompt: 'x', response_format: 'url' }),
+                              errors.BadRequestError, 400);
+  assert(e.param === 'response_format' && /b64_json/.test(e.message), e.message);
+});
+
+await check('n out of range and wrong types are BadRequestError', async () => {
+  await expectError(() => client.images.generate({ prompt: 'x', n: 11 }), errors.BadRequestError, 400);
+  await expectError(() => client.images.generate({ prompt: 'x', n: 0 }), errors.BadRequestError, 400);
+  await expectError(() => client.images.generate({ prompt: 42 }), errors.BadRequestError, 400);
+  await expectError(() => client.images.generate({ prompt: 'x', size: 'big' }), errors.BadRequestError, 400);
+});
+
+await check('an unknown model is NotFoundError with code model_not_found', async () => {
+  const e = await expectError(() => client.images.generate({ model: 'dall-e-3', prompt: 'x' }), errors.NotFoundError, 404);
+  assert(e.code === 'model_not_found', `code ${e.code}`);
+  await expectError(() => client.models.retrieve('dall-e-3'), errors.NotFoundError, 404);
+});
+
+await check('a wrong API key is AuthenticationError', async () => {
+  const wrong = new OpenAI({ baseURL, apiKey: `${apiKey}x`, maxRetries: 0 });
+  const e = await expectError(() => wrong.images.generate({ prompt: 'x' }), errors.AuthenticationError, 401);
+  assert(e.code === 'invalid_api_key', `code ${e.code}`);
+  await expectError(() => wrong.models.list(), errors.AuthenticationError, 401);
+});
+
+await check('a full queue is RateLimitError with code queue_full', async () => {
+  // One slow request running (about 3 s), one waiting on the queue of one, and the next refused.
+  const slow = (steps) => ({ model: 'tiny', prompt: 'slow', size: '64x64', num_inference_steps: steps, seed: 1 });
+  const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+  const running = client.images.generate(slow(30));
+  await sleep(400);
+  const waiting = client.images.generate(slow(2));
+  await sleep(400);
+  const e = await expectError(() => client.images.generate(slow(2)), errors.RateLimitError, 429);
+  assert(e.code === 'queue_full', `code ${e.code}`);
+  assert((await running).data.length === 1 && (await waiting).data.length === 1, 'the accepted requests failed');
+});
+
+await check('n images beyond the queue depth wait for each other instead of failing', async () => {
+  const result = await client.images.generate({ model: 'tiny', prompt: 'x', n: 3, size: '64x64', num_inference_steps: 2 });
+  assert(result.data.length === 3, `expected 3 images, got ${result.data.length}`);
+});
+
+await check('after all of that, generation still works', async () => {
+  const result = await client.images.generate({ prompt: 'still alive', size: '64x64', num_inference_steps: 2 });
+  pngSize(Buffer.from(result.data[0].b64_json, 'base64'));
+});
+
+console.log(`${passed} passed, ${failed} failed`);
+process.exit(failed === 0 && passed > 0 ? 0 : 1);

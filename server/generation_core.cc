@@ -241,7 +241,8 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
 
 void GenerationCore::WarmUp(Pipeline& pipeline, const Interrupt& interrupt) {
   GenerationParams params;
-  params.prompt = "warm-up";
+  // About as long as a typical prompt, so the text encoder meets the shapes requests bring.
+  params.prompt = "warm-up: a lighthouse on a rocky cliff above the sea at dusk, warm light, oil painting";
   params.negative_prompt = "";
   params.width = pipeline.limits().default_width;
   params.height = pipeline.limits().default_height;

@@ -5,6 +5,8 @@
 #   e2e       bench/e2e_bench.sh: diffusers exports a full-shape random-weights Z-Image pipeline to
 #             /tmp/zimage-e2e (once per machine), then Stowage's server and diffusers' ZImagePipeline
 #             run it resident, 1024x1024, 8 steps -> $OUT/e2e.jsonl
+#   overlap   bench/overlap.sh on /tmp/zimage-full: every component group-offloaded, cross-component
+#             prefetch off and on -> $OUT/overlap.jsonl
 #   batching  bench/batching.sh on /tmp/zimage-full (random weights from configs), resident and
 #             streamed, batching off and on, N = 1, 2, 4, 8 -> $OUT/batching.jsonl
 # Carry .deb (deploy/gpu_host/fetch_debs.sh) and .ref/diffusers/src (git-ignored):
@@ -52,6 +54,15 @@ for part in ${PARTS:-e2e batching}; do
         >"$OUT/batching.txt" 2>&1
       stamp "batching exit $?"
       cat "$OUT/batching.txt" >>"$OUT/summary.txt"
+      ;;
+    overlap)
+      python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
+      stamp "overlap"
+      timeout "${OVERLAP_TIMEOUT:-200}" bash bench/overlap.sh "$build/server/stowage_server" \
+        "$build/clients/stowctl/stowctl" /tmp/zimage-full "$OUT/overlap.jsonl" "$machine" 1024 8 \
+        >"$OUT/overlap.txt" 2>&1
+      stamp "overlap exit $?"
+      cat "$OUT/overlap.txt" >>"$OUT/summary.txt"
       ;;
   esac
 done

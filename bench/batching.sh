@@ -42,7 +42,7 @@ CFG
   local rc=0
   "$load_bench" --target="$target" --token="$token" --mode="$mode" --machine="$machine" --size="$size" \
     --steps="$steps" --concurrency="$concurrency" --batch_sizes="$batch_sizes" --requests_per_client="$per_client" \
-    --min_requests="$min_requests" --max_queue_delay_ms="${MAX_QUEUE_DELAY_MS:-10}" --out="$out" || rc=$?
+    --min_requests="$min_requests" --max_queue_delay_ms="${MAX_QUEUE_DELAY_MS:-100}" --out="$out" || rc=$?
   kill $pid; wait $pid 2>/dev/null || true
   return $rc
 }

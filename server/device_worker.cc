@@ -117,8 +117,10 @@ void DeviceWorker::CollectBatch(std::vector<Item>& members, std::vector<Item>& d
   const std::string key = members.front().job.batch_key;
   const size_t limit = static_cast<size_t>(std::max(1, members.front().job.max_batch_size));
   const bool hold = lone_keys_.count(key) == 0;
-  const absl::Time deadline =
-      hold ? members.front().enqueued + members.front().job.max_batch_delay : absl::InfinitePast();
+  // Measured from now, when the batch would start: a first request that waited in the queue behind
+  // a running batch still gets the chance to gather the requests that arrive right after it (clients
+  // whose replies just went out), which brings clients that drifted apart back into step.
+  const absl::Time deadline = hold ? absl::Now() + members.front().job.max_batch_delay : absl::InfinitePast();
   auto take = [&] {
     for (auto it = queue_.begin(); it != queue_.end() && members.size() < limit;) {
       if (it->task != nullptr || it->job.batch_key != key) {

@@ -67,7 +67,7 @@ class DeviceWorker {
     // Optional batching. When a job with a non-empty batch_key reaches the front, the worker
     // takes with it the queued jobs of the same key, in queue order, up to max_batch_size in all
     // (tasks and other jobs keep their places). If fewer are there and the key has concurrent
-    // demand, it waits for more until max_batch_delay after the first job was queued, or until
+    // demand, it waits for more until max_batch_delay after the batch would have started, or until
     // the batch is full; tasks posted meanwhile run after the batch. A key has concurrent demand
     // unless its last batch ran alone and no job of the key was queued when it ended: a lone
     // client's requests then never wait for company that does not come. Then it calls the first job's run_batch once with every

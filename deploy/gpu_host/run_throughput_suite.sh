@@ -5,6 +5,8 @@
 #   e2e       bench/e2e_bench.sh: diffusers exports a full-shape random-weights Z-Image pipeline to
 #             /tmp/zimage-e2e (once per machine), then Stowage's server and diffusers' ZImagePipeline
 #             run it resident, 1024x1024, 8 steps -> $OUT/e2e.jsonl
+#   probe     bench/first_request_probe.sh: first uses of new prompt lengths, lazy vs eager CUDA
+#             module loading -> $OUT/first_request_probe.jsonl
 #   overlap   bench/overlap.sh on /tmp/zimage-full: every component group-offloaded, cross-component
 #             prefetch off and on -> $OUT/overlap.jsonl
 #   batching  bench/batching.sh on /tmp/zimage-full (random weights from configs), resident and
@@ -54,6 +56,14 @@ for part in ${PARTS:-e2e batching}; do
         >"$OUT/batching.txt" 2>&1
       stamp "batching exit $?"
       cat "$OUT/batching.txt" >>"$OUT/summary.txt"
+      ;;
+    probe)
+      python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
+      stamp "first-request probe"
+      timeout "${PROBE_TIMEOUT:-200}" bash bench/first_request_probe.sh "$build/server/stowage_server" \
+        "$build/clients/stowctl/stowctl" /tmp/zimage-full "$OUT/first_request_probe.jsonl" "$machine" 1024 8 \
+        >"$OUT/first_request_probe.txt" 2>&1
+      stamp "probe exit $?"
       ;;
     overlap)
       python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null

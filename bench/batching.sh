@@ -9,6 +9,8 @@
 #
 #   bench/batching.sh SERVER LOAD_BENCH MODEL_DIR OUT.jsonl [SIZE] [STEPS] [MACHINE] [DTYPE] [CONCURRENCY]
 #     [BATCH_SIZES] [REQUESTS_PER_CLIENT] [MIN_REQUESTS]
+# MODES (environment): the modes to run (default "resident streamed"); MAX_QUEUE_DELAY_MS: the
+# batching delay (default 100).
 # MODEL_DIR: a Z-Image directory; random weights are drawn from its configs
 # (bench/make_zimage_random_dir.py).
 set -euo pipefail
@@ -47,5 +49,9 @@ CFG
   return $rc
 }
 
-run_mode resident "$resident" ""
-run_mode streamed "$resident" "$group"
+for mode in ${MODES:-resident streamed}; do
+  case $mode in
+    resident) run_mode resident "$resident" "" ;;
+    streamed) run_mode streamed "$resident" "$group" ;;
+  esac
+done

@@ -9,7 +9,8 @@
 #
 #   bench/e2e_bench.sh SERVER STOWCTL MODEL_DIR OUT.jsonl MACHINE [SIZE] [STEPS] [SYSTEMS]
 # MODEL_DIR: written by `diffusers_pipeline_bench.py export` (real safetensors, random values).
-# SYSTEMS: "stowage diffusers" (default) or either one.
+# SYSTEMS: "stowage diffusers" (default) or either one. RANDOM_WEIGHTS=true (environment): Stowage
+# draws the weights from MODEL_DIR's configs instead of reading them (a row "weights":"random").
 set -euo pipefail
 server=$1 stowctl=$2 model_dir=$3 out=$4 machine=$5
 size=${6:-1024} steps=${7:-8} systems=${8:-stowage diffusers}
@@ -22,7 +23,7 @@ stowage() {
   cat >"$tmp/e2e.textproto" <<CFG
 grpc_address: "127.0.0.1:0"
 metrics_address: "none"
-pipelines { name: "zimage" model_dir: "$model_dir" dtype: "bfloat16" }
+pipelines { name: "zimage" model_dir: "$model_dir" dtype: "bfloat16" random_weights: ${RANDOM_WEIGHTS:-false} }
 strategy { workflow { rules { keep_resident: "text_encoder" } rules { keep_resident: "transformer" } rules { keep_resident: "vae" } } }
 CFG
   local t0; t0=$(date +%s.%N)
@@ -43,7 +44,7 @@ CFG
   kill $pid; wait $pid 2>/dev/null || true
   grep -i "warm" "$tmp/server.log" || true
   python3 - "$tmp" "$size" "$steps" "$machine" "$load_s" >>"$out" <<'PY'
-import json, statistics, sys
+import json, os, statistics, sys
 tmp, size, steps, machine, load_s = sys.argv[1:]
 def seconds(d): return float(d.rstrip("s"))
 wall = [float(open(f"{tmp}/wall_{i}").read()) for i in range(4)]
@@ -61,7 +62,8 @@ row = {"bench": "e2e", "system": "stowage", "steps": int(steps), "size": int(siz
        "first_stages_s": {s["stage"]: seconds(s["duration"]) for s in replies[0].get("stages", [])},
        "warm_stages_s": {s["stage"]: seconds(s["duration"]) for s in replies[1].get("stages", [])},
        "first_host_to_device_bytes": int(replies[0].get("hostToDeviceBytes", 0)),
-       "peak_device_bytes": int(replies[-1].get("peakDeviceReservedBytes", 0)), "machine": machine}
+       "peak_device_bytes": int(replies[-1].get("peakDeviceReservedBytes", 0)),
+       "weights": "random" if os.environ.get("RANDOM_WEIGHTS") == "true" else "files", "machine": machine}
 print(json.dumps(row))
 PY
   tail -1 "$out"

@@ -5,6 +5,8 @@
 #   e2e       bench/e2e_bench.sh: diffusers exports a full-shape random-weights Z-Image pipeline to
 #             /tmp/zimage-e2e (once per machine), then Stowage's server and diffusers' ZImagePipeline
 #             run it resident, 1024x1024, 8 steps -> $OUT/e2e.jsonl
+#   e2e_random  bench/e2e_bench.sh, Stowage only, weights drawn from /tmp/zimage-full's configs
+#             -> $OUT/e2e_random.jsonl
 #   probe     bench/first_request_probe.sh: first uses of new prompt lengths, lazy vs eager CUDA
 #             module loading -> $OUT/first_request_probe.jsonl
 #   overlap   bench/overlap.sh on /tmp/zimage-full: every component group-offloaded, cross-component
@@ -56,6 +58,15 @@ for part in ${PARTS:-e2e batching}; do
         >"$OUT/batching.txt" 2>&1
       stamp "batching exit $?"
       cat "$OUT/batching.txt" >>"$OUT/summary.txt"
+      ;;
+    e2e_random)
+      python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
+      stamp "e2e (Stowage, random weights)"
+      RANDOM_WEIGHTS=true timeout "${E2E_TIMEOUT:-300}" bash bench/e2e_bench.sh "$build/server/stowage_server" \
+        "$build/clients/stowctl/stowctl" /tmp/zimage-full "$OUT/e2e_random.jsonl" "$machine" 1024 8 stowage \
+        >"$OUT/e2e_random.txt" 2>&1
+      stamp "e2e_random exit $?"
+      tail -2 "$OUT/e2e_random.txt" >>"$OUT/summary.txt"
       ;;
     probe)
       python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null

@@ -10,7 +10,8 @@
 #   bench/batching.sh SERVER LOAD_BENCH MODEL_DIR OUT.jsonl [SIZE] [STEPS] [MACHINE] [DTYPE] [CONCURRENCY]
 #     [BATCH_SIZES] [REQUESTS_PER_CLIENT] [MIN_REQUESTS]
 # MODES (environment): the modes to run (default "resident streamed"); MAX_QUEUE_DELAY_MS: the
-# batching delay (default 100).
+# batching delay (default 200: above the ~130 ms a 1024x1024 noise PNG takes to encode plus the
+# turnaround, so that clients out of step meet again; 100 was measured too short, batching_run4).
 # MODEL_DIR: a Z-Image directory; random weights are drawn from its configs
 # (bench/make_zimage_random_dir.py).
 set -euo pipefail
@@ -44,7 +45,7 @@ CFG
   local rc=0
   "$load_bench" --target="$target" --token="$token" --mode="$mode" --machine="$machine" --size="$size" \
     --steps="$steps" --concurrency="$concurrency" --batch_sizes="$batch_sizes" --requests_per_client="$per_client" \
-    --min_requests="$min_requests" --max_queue_delay_ms="${MAX_QUEUE_DELAY_MS:-100}" --out="$out" || rc=$?
+    --min_requests="$min_requests" --max_queue_delay_ms="${MAX_QUEUE_DELAY_MS:-200}" --out="$out" || rc=$?
   kill $pid; wait $pid 2>/dev/null || true
   return $rc
 }

@@ -39,7 +39,7 @@ ABSL_FLAG(int32_t, size, 1024, "Image width and height.");
 ABSL_FLAG(int32_t, steps, 8, "Denoising steps.");
 ABSL_FLAG(std::string, concurrency, "1,2,4,8", "Client counts, comma separated.");
 ABSL_FLAG(std::string, batch_sizes, "1,8", "max_batch_size settings, comma separated (1 = off).");
-ABSL_FLAG(int32_t, max_queue_delay_ms, 100,
+ABSL_FLAG(int32_t, max_queue_delay_ms, 200,
           "max_queue_delay_ms when batching is on (about a reply's PNG transfer and the client's turnaround).");
 ABSL_FLAG(int32_t, requests_per_client, 4, "Requests each client sends per row.");
 ABSL_FLAG(int32_t, min_requests, 8, "Each row sends at least this many requests in all.");

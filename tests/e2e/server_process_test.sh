@@ -28,6 +28,11 @@ wait_ports "$tmp/first.json" $first || fail "first server did not start"
 grpc=$(field "$tmp/first.json" grpc_address)
 metrics=$(field "$tmp/first.json" metrics_address)
 
+# 0. Started without CUDA_MODULE_LOADING, the server runs itself again with EAGER (same process id),
+#    so a CUDA device loads every kernel module at start instead of during the first request.
+tr '\0' '\n' </proc/$first/environ | grep -qx "CUDA_MODULE_LOADING=EAGER" ||
+  fail "the server's environment lacks CUDA_MODULE_LOADING=EAGER"
+
 # 1. A second server on the same gRPC port must not start (gRPC's SO_REUSEPORT would let it share).
 timeout 120 "$server" --grpc_address="$grpc" --metrics_address=none >"$tmp/second_grpc.log" 2>&1
 rc=$?

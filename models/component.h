@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "offload/host_weights.h"
+#include "offload/compression.h"
 #include "offload/module.h"
 
 namespace stowage {
@@ -39,6 +40,16 @@ class Component {
   // under weights still mapped from it. Call on the device worker (which owns the host weights).
   absl::Status CheckSourceFiles() const { return host_weights_->CheckSourceFiles(); }
 
+  // Set when the weights were read from an 8-bit checkpoint (offload/compressed_safetensors.h): the
+  // stored 8-bit values and scales, by slot path, and their format. Group offloading with the same
+  // `compress` format streams these bytes as they are instead of quantizing the host copies again.
+  void set_prequantized(std::shared_ptr<const PrequantizedWeights> weights, CompressFormat format) {
+    prequantized_ = std::move(weights);
+    prequantized_format_ = format;
+  }
+  const std::shared_ptr<const PrequantizedWeights>& prequantized() const { return prequantized_; }
+  CompressFormat prequantized_format() const { return prequantized_format_; }
+
  private:
   Component(std::string name, std::unique_ptr<Module> root, at::ScalarType dtype,
             std::unique_ptr<HostWeights> host_weights);
@@ -46,6 +57,8 @@ class Component {
   std::unique_ptr<Module> root_;
   at::ScalarType dtype_;
   std::unique_ptr<HostWeights> host_weights_;
+  std::shared_ptr<const PrequantizedWeights> prequantized_;
+  CompressFormat prequantized_format_ = CompressFormat::kNone;
 };
 
 // How a pipeline calls its components. Implemented by placement: it makes the component runnable

@@ -1,5 +1,6 @@
 #include "models/diffusers_format.h"
 
+
 #include <sys/stat.h>
 
 #include <cmath>
@@ -15,6 +16,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "base/status_macros.h"
 #include "base/text.h"
+#include "offload/compressed_safetensors.h"
 
 namespace stowage {
 namespace {
@@ -192,6 +194,32 @@ absl::StatusOr<ComponentWeights> ReadComponentWeights(const std::string& compone
   for (const std::string& path : files) {
     ASSIGN_OR_RETURN(std::shared_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
     weights.files.push_back(file);
+    if (file->metadata().count(kCompressMetadataKey) > 0) {
+      // An 8-bit checkpoint: read (and checked) as a whole, into RAM.
+      ASSIGN_OR_RETURN(CompressedCheckpoint checkpoint, ReadCompressedSafetensors(path));
+      if (weights.format != CompressFormat::kNone && weights.format != checkpoint.format) {
+        return absl::InvalidArgumentError(absl::StrCat("'", component_dir, "' mixes 8-bit formats across its files"));
+      }
+      weights.format = checkpoint.format;
+      if (weights.quantized == nullptr) weights.quantized = std::make_shared<PrequantizedWeights>();
+      auto add = [&](const std::string& name) -> absl::Status {
+        if (weights.tensors.count(name) > 0 || weights.quantized->count(name) > 0) {
+          return absl::InvalidArgumentError(absl::StrCat("tensor '", Truncated(name), "' appears in both '",
+                                                         weights.file_of[name], "' and '", path, "'"));
+        }
+        weights.file_of[name] = path;
+        return absl::OkStatus();
+      };
+      for (auto& [name, q] : checkpoint.quantized) {
+        RETURN_IF_ERROR(add(name));
+        (*weights.quantized)[name] = q;
+      }
+      for (auto& [name, t] : checkpoint.plain) {
+        RETURN_IF_ERROR(add(name));
+        weights.tensors[name] = t;
+      }
+      continue;
+    }
     for (const auto& [name, info] : file->tensors()) {
       if (weights.tensors.count(name) > 0) {
         return absl::InvalidArgumentError(absl::StrCat("tensor '", Truncated(name), "' appears in both '",
@@ -215,12 +243,17 @@ absl::Status BindWeights(Module& root, const ComponentWeights& weights, at::Scal
     if (!status.ok()) return;
     const std::string name = module.SlotPath(slot);
     auto it = weights.tensors.find(name);
-    if (it == weights.tensors.end()) {
+    const QuantizedTensor* quantized = nullptr;
+    if (it == weights.tensors.end() && weights.quantized != nullptr) {
+      auto q = weights.quantized->find(name);
+      if (q != weights.quantized->end()) quantized = &q->second;
+    }
+    if (it == weights.tensors.end() && quantized == nullptr) {
       missing.push_back(name);
       return;
     }
     used.insert(name);
-    const at::Tensor& source = it->second;
+    const at::Tensor source = quantized != nullptr ? quantized->q : it->second;
     if (slot.value.defined() && source.sizes() != slot.value.sizes()) {
       std::ostringstream expected, got;
       expected << slot.value.sizes();
@@ -230,14 +263,22 @@ absl::Status BindWeights(Module& root, const ComponentWeights& weights, at::Scal
                                                        expected.str()));
       return;
     }
-    slot.value = source.scalar_type() == dtype ? source : source.to(dtype);
+    if (quantized != nullptr) {
+      slot.value = Dequantize(*quantized, weights.format, dtype);  // The compute-dtype host copy.
+    } else {
+      slot.value = source.scalar_type() == dtype ? source : source.to(dtype);
+    }
   });
   RETURN_IF_ERROR(status);
   std::vector<std::string> unexpected;
-  for (const auto& [name, tensor] : weights.tensors) {
+  auto check_used = [&](const std::string& name) {
     bool ignored = false;
     for (const std::string& prefix : ignored_prefixes) ignored = ignored || name.rfind(prefix, 0) == 0;
     if (used.count(name) == 0 && !ignored) unexpected.push_back(name);
+  };
+  for (const auto& [name, tensor] : weights.tensors) check_used(name);
+  if (weights.quantized != nullptr) {
+    for (const auto& [name, q] : *weights.quantized) check_used(name);
   }
   if (!missing.empty()) {
     return absl::InvalidArgumentError(absl::StrCat("'", component_dir, "' lacks ", missing.size(),
@@ -251,15 +292,28 @@ absl::Status BindWeights(Module& root, const ComponentWeights& weights, at::Scal
 }
 
 absl::Status LoadComponentWeights(Module& root, const std::string& component_dir, at::ScalarType dtype,
-                                  const std::vector<std::string>& ignored_prefixes) {
+                                  const std::vector<std::string>& ignored_prefixes,
+                                  CheckpointQuantization* quantization) {
   ASSIGN_OR_RETURN(ComponentWeights weights, ReadComponentWeights(component_dir));
   ComponentWeights named;
+  auto strip = [](const std::string& key) { return key.rfind("model.", 0) == 0 ? key.substr(6) : key; };
   for (auto& [key, tensor] : weights.tensors) {
-    const std::string name = key.rfind("model.", 0) == 0 ? key.substr(6) : key;
-    named.tensors[name] = tensor;
-    named.file_of[name] = weights.file_of[key];
+    named.tensors[strip(key)] = tensor;
+    named.file_of[strip(key)] = weights.file_of[key];
+  }
+  if (weights.quantized != nullptr) {
+    named.quantized = std::make_shared<PrequantizedWeights>();
+    named.format = weights.format;
+    for (auto& [key, q] : *weights.quantized) {
+      (*named.quantized)[strip(key)] = q;
+      named.file_of[strip(key)] = weights.file_of[key];
+    }
   }
   RETURN_IF_ERROR(BindWeights(root, named, dtype, component_dir, ignored_prefixes));
+  if (quantization != nullptr) {
+    quantization->weights = named.quantized;
+    quantization->format = named.format;
+  }
   // A file truncated while BindWeights converted its tensors (a dtype copy) made them read zeros.
   for (const auto& file : weights.files) RETURN_IF_ERROR(file->CheckUnchanged());
   return absl::OkStatus();

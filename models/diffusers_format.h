@@ -21,6 +21,7 @@
 #include "base/json_limits.h"
 #include "google/protobuf/struct.pb.h"
 #include "offload/module.h"
+#include "offload/compression.h"
 #include "offload/safetensors.h"
 
 namespace stowage {
@@ -61,6 +62,10 @@ absl::StatusOr<std::map<std::string, std::string>> ReadModelIndex(const std::str
 inline constexpr int kMaxShards = 4096;
 struct ComponentWeights {
   std::map<std::string, at::Tensor> tensors;
+  // From 8-bit checkpoints (metadata "stowage_compress", offload/compressed_safetensors.h): the
+  // quantized tensors by name, dequantized to the model's dtype when bound; one format per component.
+  std::shared_ptr<PrequantizedWeights> quantized;
+  CompressFormat format = CompressFormat::kNone;
   std::map<std::string, std::string> file_of;  // Tensor name → file it came from.
   std::vector<std::shared_ptr<SafetensorsFile>> files;  // The mapped files, for CheckUnchanged.
 };
@@ -77,8 +82,15 @@ absl::Status BindWeights(Module& root, const ComponentWeights& weights, at::Scal
 
 // ReadComponentWeights + BindWeights for a component folder, accepting transformers checkpoints whose
 // names carry a "model." prefix.
+// An 8-bit checkpoint's quantized tensors are dequantized into the module; with `quantization`, they
+// are also handed back (for Component::set_prequantized), else dropped after binding.
+struct CheckpointQuantization {
+  std::shared_ptr<const PrequantizedWeights> weights;  // Null: the folder holds no 8-bit file.
+  CompressFormat format = CompressFormat::kNone;
+};
 absl::Status LoadComponentWeights(Module& root, const std::string& component_dir, at::ScalarType dtype,
-                                  const std::vector<std::string>& ignored_prefixes = {});
+                                  const std::vector<std::string>& ignored_prefixes = {},
+                                  CheckpointQuantization* quantization = nullptr);
 
 // Writes `root`'s tensors as <dir>/diffusion_pytorch_model.safetensors (sharded into files of at
 // most `max_shard_bytes` with an index when larger; 0: one file) and `config` as config.json.

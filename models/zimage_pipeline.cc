@@ -238,12 +238,16 @@ absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name
   RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("building ", name), [&] {
     module = std::make_unique<T>(config, LayerOptions{dtype});
   }));
+  CheckpointQuantization quantization;
   if (random_weights) {
     InitializeRandomWeights(*module, seed);
   } else {
-    RETURN_IF_ERROR(LoadComponentWeights(*module, dir, dtype, ignored));
+    RETURN_IF_ERROR(LoadComponentWeights(*module, dir, dtype, ignored, &quantization));
   }
-  return Component::Create(name, std::move(module), dtype);
+  ASSIGN_OR_RETURN(std::unique_ptr<Component> component, Component::Create(name, std::move(module), dtype));
+  // An 8-bit checkpoint: 8-bit group offloading in its format streams its bytes as stored.
+  if (quantization.weights != nullptr) component->set_prequantized(quantization.weights, quantization.format);
+  return component;
 }
 
 }  // namespace

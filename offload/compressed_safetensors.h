@@ -11,10 +11,11 @@
 // A name ending in ".scale" whose prefix is an I8/U8 tensor is a scale; every I8/U8 tensor needs
 // its scale.
 //
-// What is wired: the writer, the reader, and the store's use of the quantized weights (the test
-// writes a checkpoint, loads it into a model and streams it). Not wired yet: the diffusers-format
-// loader (models/diffusers_format.cc) does not recognise these files; a caller binds them itself
-// (BindCompressedCheckpoint in the test shows how).
+// Where it is used: the diffusers-format loader (models/diffusers_format.cc) recognises such files
+// in a component folder by their metadata, dequantizes them into the module and hands the 8-bit
+// values to the component (Component::set_prequantized); placement passes those to 8-bit group
+// offloading of the same format, which then streams the checkpoint's bytes as they are
+// (tests/placement/quantized_checkpoint_test.cc).
 //
 // Thread-safety: reentrant.
 #ifndef STOWAGE_OFFLOAD_COMPRESSED_SAFETENSORS_H_

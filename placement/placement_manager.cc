@@ -411,6 +411,10 @@ absl::Status PlacementManager::EnableLocked(Entry& entry, const GroupOffloadOpti
   }
   GroupOffloadOptions effective = options;
   Component& component = *entry.component;
+  if (effective.compress != CompressFormat::kNone && effective.prequantized == nullptr &&
+      component.prequantized() != nullptr && component.prequantized_format() == effective.compress) {
+    effective.prequantized = component.prequantized();  // The checkpoint's own 8-bit bytes.
+  }
   // One directory per component under the configured one.
   std::string name = entry.id;
   std::replace(name.begin(), name.end(), '/', '_');

@@ -1,0 +1,135 @@
+// An 8-bit checkpoint loaded from a diffusers-format folder: the loader dequantizes it into the
+// module (the compute-dtype host copy) and hands the stored 8-bit bytes to the component; placement
+// passes them to 8-bit group offloading, which then streams exactly the checkpoint's values — the
+// streamed forward equals the resident one bit for bit. Quantizing the host copy again instead (the
+// path without the checkpoint's bytes) is measurably not exact, which is what the hand-over is for.
+#include <sys/stat.h>
+
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/InferenceMode.h>
+#include <gtest/gtest.h>
+
+#include "models/component.h"
+#include "models/diffusers_format.h"
+#include "models/zimage_transformer.h"
+#include "offload/compressed_safetensors.h"
+#include "offload/safetensors.h"
+#include "placement/placement_manager.h"
+
+namespace stowage {
+namespace {
+
+constexpr char kFixture[] = "tests/fixtures/zimage_tiny/pipeline/transformer";
+
+// Writes the fixture transformer as an int8 checkpoint whose scales are twice what absmax
+// quantization would choose (|q| <= 64): valid by the convention, and not what quantizing the
+// dequantized weights again would give.
+std::string WriteInt8Checkpoint() {
+  const std::string dir = std::string(::testing::TempDir()) + "/int8_transformer";
+  ::mkdir(dir.c_str(), 0755);
+  {
+    std::ifstream in(std::string(kFixture) + "/config.json", std::ios::binary);
+    std::ofstream out(dir + "/config.json", std::ios::binary | std::ios::trunc);
+    out << in.rdbuf();
+  }
+  absl::StatusOr<ComponentWeights> weights = ReadComponentWeights(kFixture);
+  EXPECT_TRUE(weights.ok()) << weights.status();
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, t] : weights->tensors) {
+    if (t.dim() >= 2 && t.is_floating_point()) {
+      const at::Tensor rows = t.to(at::kFloat).flatten(1);
+      const at::Tensor scale = rows.abs().amax(1).clamp_min(1e-8) / 64.0;
+      const at::Tensor q = (rows / scale.unsqueeze(1)).round().clamp(-127, 127).to(at::kChar).view(t.sizes());
+      tensors.emplace_back(name, q.contiguous());
+      tensors.emplace_back(name + ".scale", scale.contiguous());
+    } else {
+      tensors.emplace_back(name, t.contiguous());
+    }
+  }
+  EXPECT_TRUE(WriteSafetensors(dir + "/diffusion_pytorch_model.safetensors", tensors,
+                               {{kCompressMetadataKey, "int8"}})
+                  .ok());
+  return dir;
+}
+
+TEST(QuantizedCheckpointTest, GroupOffloadStreamsTheCheckpointsOwnBytes) {
+  const std::string dir = WriteInt8Checkpoint();
+  absl::StatusOr<google::protobuf::Struct> json = ReadJsonFile(dir + "/config.json");
+  ASSERT_TRUE(json.ok());
+  absl::StatusOr<ZImageTransformerConfig> config = ZImageTransformerConfigFromJson(*json, dir);
+  ASSERT_TRUE(config.ok()) << config.status();
+  auto module = std::make_unique<ZImageTransformer>(*config, LayerOptions{at::kFloat});
+  CheckpointQuantization quantization;
+  ASSERT_TRUE(LoadComponentWeights(*module, dir, at::kFloat, {}, &quantization).ok());
+  ASSERT_NE(quantization.weights, nullptr);
+  EXPECT_EQ(quantization.format, CompressFormat::kInt8);
+  // The host copy is the dequantized checkpoint: q × scale.
+  const auto& [name, stored] = *quantization.weights->begin();
+  at::Tensor host;
+  module->ForEachSlot([&](Module& m, TensorSlot& slot) {
+    if (m.SlotPath(slot) == name) host = slot.value;
+  });
+  ASSERT_TRUE(host.defined()) << name;
+  EXPECT_TRUE(at::equal(host, Dequantize(stored, CompressFormat::kInt8, at::kFloat))) << name;
+
+  absl::StatusOr<std::unique_ptr<Component>> made = Component::Create("transformer", std::move(module), at::kFloat);
+  ASSERT_TRUE(made.ok());
+  std::unique_ptr<Component> component = *std::move(made);
+  component->set_prequantized(quantization.weights, quantization.format);
+  std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
+  PlacementManager placement(backend.get());
+  ASSERT_TRUE(placement.Register("q", component.get()).ok());
+  placement.MarkReady("q");
+
+  c10::InferenceMode guard;
+  at::Generator gen = at::detail::createCPUGenerator(5);
+  const at::Tensor latents = at::randn({config->in_channels, 1, 8, 8}, gen);
+  const at::Tensor caption = at::randn({9, config->cap_feat_dim}, gen);
+  auto& dit = static_cast<ZImageTransformer&>(component->module());
+  auto forward = [&] {
+    at::Tensor out;
+    EXPECT_TRUE(placement.Run(*component, [&] { out = dit.Forward(latents, 0.3, caption); }).ok());
+    return out;
+  };
+  const at::Tensor resident = forward();
+
+  GroupOffloadOptions options;
+  options.use_stream = true;
+  options.compress = CompressFormat::kInt8;
+  ASSERT_TRUE(placement.EnableGroupOffload("q/transformer", options).ok());
+  EXPECT_TRUE(at::equal(forward(), resident));  // The checkpoint's bytes, widened: exact.
+  ASSERT_TRUE(placement.DisableGroupOffload("q/transformer").ok());
+
+  // Without them the store quantizes the host copy again (absmax scales): not the same weights.
+  component->set_prequantized(nullptr, CompressFormat::kNone);
+  ASSERT_TRUE(placement.EnableGroupOffload("q/transformer", options).ok());
+  const at::Tensor requantized = forward();
+  EXPECT_FALSE(at::equal(requantized, resident));
+  EXPECT_LT((requantized - resident).norm().item<double>() / resident.norm().item<double>(), 0.05);
+  ASSERT_TRUE(placement.DisableGroupOffload("q/transformer").ok());
+  placement.Unregister("q");
+}
+
+// A folder whose 8-bit file lacks a scale, or mixes formats across shards, is refused naming it.
+TEST(QuantizedCheckpointTest, BrokenCheckpointsAreRefusedNamingTheFile) {
+  const std::string dir = std::string(::testing::TempDir()) + "/broken_int8";
+  ::mkdir(dir.c_str(), 0755);
+  const at::Tensor q = at::ones({4, 3}, at::TensorOptions().dtype(at::kChar));
+  ASSERT_TRUE(WriteSafetensors(dir + "/diffusion_pytorch_model.safetensors", {{"w", q}},
+                               {{kCompressMetadataKey, "int8"}})
+                  .ok());
+  absl::StatusOr<ComponentWeights> read = ReadComponentWeights(dir);
+  ASSERT_FALSE(read.ok());
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(read.status().message().find("diffusion_pytorch_model.safetensors"), std::string::npos)
+      << read.status();
+}
+
+}  // namespace
+}  // namespace stowage

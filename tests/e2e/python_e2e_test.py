@@ -253,6 +253,30 @@ class PythonAdminEndToEndTest(unittest.TestCase):
         self.assertEqual([(c.id, c.state) for c in disabled], [("zimage-tiny/transformer", "OFFLOADED")])
         self.assertEqual(self.admin.set_strategy_footprint(), ("footprint", []))
 
+    def test_batching_through_the_python_client(self) -> None:
+        info = self.admin.set_batching("zimage-tiny", max_batch_size=3, max_queue_delay_ms=3000)
+        self.assertEqual((info.max_batch_size, info.max_queue_delay_ms), (3, 3000))
+        with self.assertRaises(StowageError) as refused:
+            self.admin.set_batching("zimage-tiny", max_batch_size=65)
+        self.assertEqual(refused.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("max_batch_size: 65", refused.exception.message)
+        # Three requests at once: one batch of three, each with its own seed and the shared stages
+        # marked.
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            results = list(pool.map(
+                lambda seed: self.client.generate("a paper lantern", width=64, height=64, steps=2, seed=seed),
+                [11, 12, 13]))
+        self.assertEqual([r.seed for r in results], [11, 12, 13])
+        for r in results:
+            self.assertEqual(r.stats.batch_size, 3)
+            self.assertIn("denoise", r.stats.shared_stages)
+            self.assertNotIn("encode_image", r.stats.shared_stages)
+        self.admin.set_batching("zimage-tiny", max_batch_size=1)
+        alone = self.client.generate("a paper lantern", width=64, height=64, steps=2, seed=12)
+        self.assertEqual(alone.stats.batch_size, 1)
+        self.assertEqual(alone.image, results[1].image)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -109,7 +109,11 @@ def format_result(result: GenerationResult, out: str | None) -> list[str]:
         ["queue wait", _format_seconds(stats.queue_wait_s)],
         ["run time", _format_seconds(stats.run_time_s)],
     ]
-    rows += [[f"  {name}", _format_seconds(s)] for name, s in stats.stages.items()]
+    if stats.batch_size > 1:
+        rows.insert(-1, ["batch", f"{stats.batch_size} requests (held open {_format_seconds(stats.batch_wait_s)}); "
+                                  "shared figures are the batch's"])
+    rows += [[f"  {name}", _format_seconds(s) + (" (shared)" if name in stats.shared_stages else "")]
+             for name, s in stats.stages.items()]
     rows += [
         ["peak device memory", format_bytes(stats.peak_device_memory_bytes)],
         ["peak reserved", format_bytes(stats.peak_device_reserved_bytes)],

@@ -572,6 +572,19 @@ class AdminClient(_ChannelClient):
         reply = self._call("LoadPipeline", admin_pb2.LoadPipelineRequest(pipeline=config))
         return _pipeline_from_proto(reply.pipeline)
 
+    def set_batching(self, pipeline: str, max_batch_size: int, max_queue_delay_ms: int = 0) -> PipelineInfo:
+        """Sets a READY pipeline's dynamic batching: at most ``max_batch_size`` requests (1 = off,
+        up to 64) per batch, held open up to ``max_queue_delay_ms`` (0..60000) for more.
+
+        Raises:
+            StowageError: INVALID_ARGUMENT out of range, NOT_FOUND for a pipeline that is not READY.
+        """
+        request = admin_pb2.SetBatchingRequest(
+            pipeline=pipeline,
+            batching=config_pb2.BatchingConfig(max_batch_size=max_batch_size, max_queue_delay_ms=max_queue_delay_ms),
+        )
+        return _pipeline_from_proto(self._call("SetBatching", request).pipeline)
+
     def unload_pipeline(self, name: str) -> None:
         """Stops serving a pipeline. Returns once its in-flight requests have finished and its
         components are gone (mind ``timeout``: on expiry the pipeline keeps serving).

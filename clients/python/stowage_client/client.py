@@ -97,6 +97,11 @@ class RequestStats:
     host_to_device_bytes: int
     device_to_host_bytes: int
     device: str
+    # Requests that ran as one batch with this one (1: alone); above 1, run time, the stages in
+    # ``shared_stages``, the peaks and the byte counts are the batch's.
+    batch_size: int = 1
+    batch_wait_s: float = 0.0
+    shared_stages: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -156,6 +161,8 @@ class PipelineInfo:
     max_inference_steps: int
     default_guidance_scale: float
     max_prompt_bytes: int
+    max_batch_size: int = 1  # Dynamic batching: 1 = off.
+    max_queue_delay_ms: int = 0
 
     @property
     def total_weight_bytes(self) -> int:
@@ -182,6 +189,9 @@ def _stats_from_proto(msg: generation_pb2.RequestStats) -> RequestStats:
         host_to_device_bytes=msg.host_to_device_bytes,
         device_to_host_bytes=msg.device_to_host_bytes,
         device=msg.device,
+        batch_size=max(1, msg.batch_size),
+        batch_wait_s=_seconds(msg.batch_wait),
+        shared_stages=tuple(t.stage for t in msg.stages if t.shared),
     )
 
 
@@ -232,6 +242,8 @@ def _pipeline_from_proto(msg: generation_pb2.Pipeline) -> PipelineInfo:
         max_inference_steps=msg.max_inference_steps,
         default_guidance_scale=msg.default_guidance_scale,
         max_prompt_bytes=msg.max_prompt_bytes,
+        max_batch_size=max(1, msg.max_batch_size),
+        max_queue_delay_ms=msg.max_queue_delay_ms,
     )
 
 

@@ -93,8 +93,9 @@ void LogWarnings(const std::vector<std::string>& warnings) {
 
 }  // namespace
 
-absl::StatusOr<v1::GetPlacementResponse> AdminCore::GetPlacement(const v1::GetPlacementRequest&) const {
-  const std::shared_ptr<const PlacementSnapshot> snapshot = core_->placement_snapshot();
+absl::StatusOr<v1::GetPlacementResponse> AdminCore::GetPlacement(const v1::GetPlacementRequest& request) const {
+  ASSIGN_OR_RETURN(GenerationCore * core, devices_->Device(request.device()));
+  const std::shared_ptr<const PlacementSnapshot> snapshot = core->placement_snapshot();
   v1::GetPlacementResponse response;
   response.set_device(snapshot->device);
   response.set_budget_bytes(snapshot->memory.budget_bytes);
@@ -111,7 +112,8 @@ absl::StatusOr<v1::GetPlacementResponse> AdminCore::GetPlacement(const v1::GetPl
 absl::StatusOr<v1::SetOffloadStrategyResponse> AdminCore::SetOffloadStrategy(
     const v1::SetOffloadStrategyRequest& request, const Interrupt& interrupt) {
   v1::SetOffloadStrategyResponse response;
-  RETURN_IF_ERROR(core_->ChangeDevice(
+  ASSIGN_OR_RETURN(GenerationCore * core, devices_->Device(request.device()));
+  RETURN_IF_ERROR(core->ChangeDevice(
       [&](PlacementManager& placement) -> absl::Status {
         // Workflow rules name components: validated against those registered now, on the worker,
         // so no load or unload can slip in between the check and the change.
@@ -130,6 +132,7 @@ absl::StatusOr<v1::SetOffloadStrategyResponse> AdminCore::SetOffloadStrategy(
 
 absl::StatusOr<v1::EnableGroupOffloadResponse> AdminCore::EnableGroupOffload(
     const v1::EnableGroupOffloadRequest& request, const Interrupt& interrupt) {
+  ASSIGN_OR_RETURN(GenerationCore * core, devices_->Device(request.device()));
   std::function<absl::Status(PlacementManager&)> change;
   std::function<bool(const ComponentView&)> changed;
   if (request.has_component_id()) {
@@ -154,8 +157,8 @@ absl::StatusOr<v1::EnableGroupOffloadResponse> AdminCore::EnableGroupOffload(
   } else {
     return absl::InvalidArgumentError("set component_id or pipeline");
   }
-  RETURN_IF_ERROR(core_->ChangeDevice(change, interrupt));
-  const std::shared_ptr<const PlacementSnapshot> snapshot = core_->placement_snapshot();
+  RETURN_IF_ERROR(core->ChangeDevice(change, interrupt));
+  const std::shared_ptr<const PlacementSnapshot> snapshot = core->placement_snapshot();
   LogWarnings(snapshot->warnings);
   v1::EnableGroupOffloadResponse response;
   FillComponents(*snapshot, response.mutable_components(), changed);
@@ -167,8 +170,9 @@ absl::StatusOr<v1::DisableGroupOffloadResponse> AdminCore::DisableGroupOffload(
   if (!request.has_component_id() && !request.has_pipeline()) {
     return absl::InvalidArgumentError("set component_id or pipeline");
   }
+  ASSIGN_OR_RETURN(GenerationCore * core, devices_->Device(request.device()));
   std::vector<std::string> ids;
-  RETURN_IF_ERROR(core_->ChangeDevice(
+  RETURN_IF_ERROR(core->ChangeDevice(
       [&](PlacementManager& placement) -> absl::Status {
         if (request.has_component_id()) {
           ids.push_back(request.component_id());
@@ -191,7 +195,7 @@ absl::StatusOr<v1::DisableGroupOffloadResponse> AdminCore::DisableGroupOffload(
       },
       interrupt));
   v1::DisableGroupOffloadResponse response;
-  FillComponents(*core_->placement_snapshot(), response.mutable_components(), [&](const ComponentView& v) {
+  FillComponents(*core->placement_snapshot(), response.mutable_components(), [&](const ComponentView& v) {
     return std::find(ids.begin(), ids.end(), v.id) != ids.end();
   });
   return response;
@@ -200,19 +204,19 @@ absl::StatusOr<v1::DisableGroupOffloadResponse> AdminCore::DisableGroupOffload(
 absl::StatusOr<v1::LoadPipelineResponse> AdminCore::LoadPipeline(const v1::LoadPipelineRequest& request,
                                                                  const Interrupt& interrupt) {
   v1::LoadPipelineResponse response;
-  ASSIGN_OR_RETURN(*response.mutable_pipeline(), core_->LoadPipeline(request.pipeline(), interrupt));
+  ASSIGN_OR_RETURN(*response.mutable_pipeline(), devices_->LoadPipeline(request.pipeline(), interrupt));
   return response;
 }
 
 absl::StatusOr<v1::UnloadPipelineResponse> AdminCore::UnloadPipeline(const v1::UnloadPipelineRequest& request,
                                                                      const Interrupt& interrupt) {
-  RETURN_IF_ERROR(core_->UnloadPipeline(request.name(), interrupt));
+  RETURN_IF_ERROR(devices_->UnloadPipeline(request.name(), interrupt));
   return v1::UnloadPipelineResponse();
 }
 
 absl::StatusOr<v1::SetBatchingResponse> AdminCore::SetBatching(const v1::SetBatchingRequest& request) {
   v1::SetBatchingResponse response;
-  ASSIGN_OR_RETURN(*response.mutable_pipeline(), core_->SetBatching(request.pipeline(), request.batching()));
+  ASSIGN_OR_RETURN(*response.mutable_pipeline(), devices_->SetBatching(request.pipeline(), request.batching()));
   return response;
 }
 
@@ -224,8 +228,9 @@ absl::StatusOr<v1::GetPlacementLogResponse> AdminCore::GetPlacementLog(
                      kDefaultLogLimit, ")"));
   }
   const size_t limit = request.limit() == 0 ? kDefaultLogLimit : static_cast<size_t>(request.limit());
+  ASSIGN_OR_RETURN(GenerationCore * core, devices_->Device(request.device()));
   v1::GetPlacementLogResponse response;
-  for (const PlacementDecision& d : core_->DecisionLog(limit)) {
+  for (const PlacementDecision& d : core->DecisionLog(limit)) {
     v1::PlacementDecision* out = response.add_decisions();
     *out->mutable_time() = TimeUtil::NanosecondsToTimestamp(absl::ToUnixNanos(d.time));
     out->set_request_id(d.request_id);
@@ -238,6 +243,10 @@ absl::StatusOr<v1::GetPlacementLogResponse> AdminCore::GetPlacementLog(
     out->set_reason(d.reason);
   }
   return response;
+}
+
+absl::StatusOr<v1::DrainDeviceResponse> AdminCore::DrainDevice(const v1::DrainDeviceRequest& request) {
+  return devices_->Drain(request.device(), request.drain());
 }
 
 }  // namespace stowage

@@ -12,6 +12,7 @@
 #define STOWAGE_SERVER_ADMIN_CORE_H_
 
 #include "absl/status/statusor.h"
+#include "server/device_set.h"
 #include "server/generation_core.h"
 #include "stowage/v1/admin.pb.h"
 
@@ -19,8 +20,8 @@ namespace stowage {
 
 class AdminCore {
  public:
-  // `core` must outlive this object.
-  explicit AdminCore(GenerationCore* core) : core_(core) {}
+  // `devices` must outlive this object. Requests naming a device ("" = the first) act on it.
+  explicit AdminCore(DeviceSet* devices) : devices_(devices) {}
 
   absl::StatusOr<v1::GetPlacementResponse> GetPlacement(const v1::GetPlacementRequest& request) const;
   absl::StatusOr<v1::SetOffloadStrategyResponse> SetOffloadStrategy(const v1::SetOffloadStrategyRequest& request,
@@ -35,13 +36,14 @@ class AdminCore {
                                                             const Interrupt& interrupt);
   absl::StatusOr<v1::GetPlacementLogResponse> GetPlacementLog(const v1::GetPlacementLogRequest& request) const;
   absl::StatusOr<v1::SetBatchingResponse> SetBatching(const v1::SetBatchingRequest& request);
+  absl::StatusOr<v1::DrainDeviceResponse> DrainDevice(const v1::DrainDeviceRequest& request);
 
   // Bounds of GetPlacementLogRequest.limit (0 = kDefaultLogLimit).
   static constexpr int kMaxLogLimit = 4096;
   static constexpr int kDefaultLogLimit = 100;
 
  private:
-  GenerationCore* core_;
+  DeviceSet* devices_;
 };
 
 }  // namespace stowage

@@ -113,6 +113,12 @@ grpc::Status AdminServiceImpl::SetBatching(grpc::ServerContext* context, const v
   return Reply(core_.SetBatching(*request), response);
 }
 
+grpc::Status AdminServiceImpl::DrainDevice(grpc::ServerContext* context, const v1::DrainDeviceRequest* request,
+                                           v1::DrainDeviceResponse* response) {
+  STOWAGE_AUTHORIZE(context);
+  return Reply(core_.DrainDevice(*request), response);
+}
+
 grpc::Status AdminServiceImpl::GetPlacementLog(grpc::ServerContext* context,
                                                const v1::GetPlacementLogRequest* request,
                                                v1::GetPlacementLogResponse* response) {

@@ -22,7 +22,7 @@ bool ConstantTimeEquals(const std::string& a, const std::string& b);
 class AdminServiceImpl final : public v1::AdminService::Service {
  public:
   // `core` must outlive the service. `token` empty disables the API (every call fails).
-  AdminServiceImpl(GenerationCore* core, std::string token) : core_(core), token_(std::move(token)) {}
+  AdminServiceImpl(DeviceSet* devices, std::string token) : core_(devices), token_(std::move(token)) {}
 
   grpc::Status GetPlacement(grpc::ServerContext* context, const v1::GetPlacementRequest* request,
                             v1::GetPlacementResponse* response) override;
@@ -41,6 +41,8 @@ class AdminServiceImpl final : public v1::AdminService::Service {
                               v1::UnloadPipelineResponse* response) override;
   grpc::Status SetBatching(grpc::ServerContext* context, const v1::SetBatchingRequest* request,
                            v1::SetBatchingResponse* response) override;
+  grpc::Status DrainDevice(grpc::ServerContext* context, const v1::DrainDeviceRequest* request,
+                           v1::DrainDeviceResponse* response) override;
   grpc::Status GetPlacementLog(grpc::ServerContext* context,
                                const v1::GetPlacementLogRequest* request,
                                v1::GetPlacementLogResponse* response) override;

@@ -172,18 +172,33 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
   if (config.queue_depth() == 0) config.set_queue_depth(kDefaultQueueDepth);
   RETURN_IF_ERROR(CheckRange("cpu_threads", config.cpu_threads(), 0, kMaxCpuThreads,
                              absl::StrCat("0 (LibTorch's default) or 1..", kMaxCpuThreads)));
-  const v1::DeviceConfig& device = config.device();
-  RETURN_IF_ERROR(CheckRange("device.index", device.index(), 0, kMaxDeviceIndex,
-                             absl::StrCat("0..", kMaxDeviceIndex)));
-  RETURN_IF_ERROR(CheckNonNegative("device.memory_budget_bytes", device.memory_budget_bytes(),
-                                   "the whole device, or no limit when simulated"));
-  RETURN_IF_ERROR(CheckNonNegative("device.simulated_bandwidth_bytes_per_second",
-                                   device.simulated_bandwidth_bytes_per_second(), "unlimited"));
-  RETURN_IF_ERROR(CheckNonNegative("device.simulated_context_bytes", device.simulated_context_bytes(), "none"));
-  if (device.memory_budget_bytes() > 0 && device.simulated_context_bytes() >= device.memory_budget_bytes()) {
-    return absl::InvalidArgumentError(absl::StrCat("device.simulated_context_bytes: ", device.simulated_context_bytes(),
-                                                   " leaves nothing of memory_budget_bytes (",
-                                                   device.memory_budget_bytes(), ")"));
+  if (config.has_device() && config.devices_size() > 0) {
+    return absl::InvalidArgumentError("device and devices: set one or the other (devices for several)");
+  }
+  std::vector<std::pair<std::string, const v1::DeviceConfig*>> device_configs;
+  if (config.devices_size() == 0) {
+    device_configs.emplace_back("device", &config.device());
+  } else {
+    for (int i = 0; i < config.devices_size(); ++i) {
+      device_configs.emplace_back(absl::StrCat("devices[", i, "]"), &config.devices(i));
+    }
+  }
+  for (const auto& [path, device_ptr] : device_configs) {
+    const v1::DeviceConfig& device = *device_ptr;
+    RETURN_IF_ERROR(CheckRange(absl::StrCat(path, ".index"), device.index(), 0, kMaxDeviceIndex,
+                               absl::StrCat("0..", kMaxDeviceIndex)));
+    RETURN_IF_ERROR(CheckNonNegative(absl::StrCat(path, ".memory_budget_bytes"), device.memory_budget_bytes(),
+                                     "the whole device, or no limit when simulated"));
+    RETURN_IF_ERROR(CheckNonNegative(absl::StrCat(path, ".simulated_bandwidth_bytes_per_second"),
+                                     device.simulated_bandwidth_bytes_per_second(), "unlimited"));
+    RETURN_IF_ERROR(CheckNonNegative(absl::StrCat(path, ".simulated_context_bytes"), device.simulated_context_bytes(),
+                                     "none"));
+    if (device.memory_budget_bytes() > 0 && device.simulated_context_bytes() >= device.memory_budget_bytes()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ".simulated_context_bytes: ",
+                                                     device.simulated_context_bytes(),
+                                                     " leaves nothing of memory_budget_bytes (",
+                                                     device.memory_budget_bytes(), ")"));
+    }
   }
   if (config.strategy().has_footprint()) {
     RETURN_IF_ERROR(CheckNonNegative("strategy.footprint.reserve_bytes",

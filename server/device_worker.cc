@@ -112,6 +112,21 @@ absl::Status DeviceWorker::RunTask(std::function<absl::Status()> task,
   }
 }
 
+void DeviceWorker::TakeMatching(const std::string& key, size_t limit, std::vector<Item>& members,
+                                std::vector<Item>& dropped) {
+  for (auto it = queue_.begin(); it != queue_.end() && members.size() < limit;) {
+    if (it->task != nullptr || it->job.batch_key != key) {
+      ++it;
+    } else if (it->job.cancelled && it->job.cancelled()) {
+      dropped.push_back(std::move(*it));
+      it = queue_.erase(it);
+    } else {
+      members.push_back(std::move(*it));
+      it = queue_.erase(it);
+    }
+  }
+}
+
 void DeviceWorker::CollectBatch(std::vector<Item>& members, std::vector<Item>& dropped) {
   // Copies: `members` grows below.
   const std::string key = members.front().job.batch_key;
@@ -121,25 +136,12 @@ void DeviceWorker::CollectBatch(std::vector<Item>& members, std::vector<Item>& d
   // a running batch still gets the chance to gather the requests that arrive right after it (clients
   // whose replies just went out), which brings clients that drifted apart back into step.
   const absl::Time deadline = hold ? absl::Now() + members.front().job.max_batch_delay : absl::InfinitePast();
-  auto take = [&] {
-    for (auto it = queue_.begin(); it != queue_.end() && members.size() < limit;) {
-      if (it->task != nullptr || it->job.batch_key != key) {
-        ++it;
-      } else if (it->job.cancelled && it->job.cancelled()) {
-        dropped.push_back(std::move(*it));
-        it = queue_.erase(it);
-      } else {
-        members.push_back(std::move(*it));
-        it = queue_.erase(it);
-      }
-    }
-  };
   struct Wait {
     DeviceWorker* worker;
     const std::string* key;
   } wait{this, &key};
   for (;;) {
-    take();
+    TakeMatching(key, limit, members, dropped);
     if (members.size() >= limit || stopping_ || absl::Now() >= deadline) break;
     // Sleep until a job of this key arrives, the worker stops, or the delay is over; wake every
     // 20 ms to see whether the first member's caller has gone.

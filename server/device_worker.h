@@ -122,6 +122,10 @@ class DeviceWorker {
   // them as Job::batch_key says; cancelled ones go to `dropped`.
   void CollectBatch(std::vector<Item>& members, std::vector<Item>& dropped)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the queued jobs of `key` into `members` (in queue order, until it holds `limit`), the
+  // cancelled ones into `dropped`.
+  void TakeMatching(const std::string& key, size_t limit, std::vector<Item>& members, std::vector<Item>& dropped)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves cancelled jobs out of the queue into `dropped`.
   void TakeCancelled(std::vector<Item>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int QueuedJobs() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

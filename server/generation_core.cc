@@ -406,6 +406,11 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
   ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.Resolve(request.pipeline()));
   ASSIGN_OR_RETURN(GenerationParams params, Validate(request, *pipeline));
   RETURN_IF_ERROR(control.interrupt ? control.interrupt() : absl::OkStatus());
+  in_flight_.fetch_add(1, std::memory_order_relaxed);
+  struct Done {
+    std::atomic<int>& n;
+    ~Done() { n.fetch_sub(1, std::memory_order_relaxed); }
+  } done_counting{in_flight_};
 
   absl::Notification done;
   PendingRequest pending;

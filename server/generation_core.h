@@ -15,6 +15,7 @@
 #ifndef STOWAGE_SERVER_GENERATION_CORE_H_
 #define STOWAGE_SERVER_GENERATION_CORE_H_
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <memory>
@@ -90,6 +91,8 @@ class GenerationCore {
   // Each hosted pipeline's lifecycle state, for metrics.
   std::vector<PipelineStateView> PipelineStates() const;
   const std::string& device_name() const { return device_name_; }
+  // Requests accepted by Generate and not yet returned (queued or running); for routing.
+  int in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
 
  private:
   // One accepted request, from Generate to the worker and back.
@@ -134,6 +137,7 @@ class GenerationCore {
   // hooks their modules.
   std::unique_ptr<PlacementManager> placement_;
   int64_t request_counter_ = 0;
+  std::atomic<int> in_flight_{0};
   // Each READY pipeline's batching settings (absent: off).
   mutable absl::Mutex batching_mu_;
   std::map<std::string, v1::BatchingConfig> batching_ ABSL_GUARDED_BY(batching_mu_);

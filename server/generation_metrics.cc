@@ -4,7 +4,7 @@
 
 namespace stowage {
 
-void RecordGeneration(const GenerationCore& core, ServerMetrics* metrics, const v1::GenerateRequest& request,
+void RecordGeneration(const DeviceSet& core, ServerMetrics* metrics, const v1::GenerateRequest& request,
                       const absl::Status& status, const v1::GenerateResponse* response, absl::Time start) {
   if (metrics == nullptr) return;
   const std::string pipeline = core.PipelineLabel(request);

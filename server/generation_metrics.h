@@ -7,7 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "server/generation_core.h"
+#include "server/device_set.h"
 #include "server/metrics.h"
 #include "stowage/v1/generation.pb.h"
 
@@ -16,7 +16,7 @@ namespace stowage {
 // `metrics` may be null (nothing is recorded). `response` is the call's result when it succeeded,
 // else null. `start` is when the front received the request. The pipeline label comes from
 // GenerationCore::PipelineLabel, so client input never becomes a label value.
-void RecordGeneration(const GenerationCore& core, ServerMetrics* metrics, const v1::GenerateRequest& request,
+void RecordGeneration(const DeviceSet& core, ServerMetrics* metrics, const v1::GenerateRequest& request,
                       const absl::Status& status, const v1::GenerateResponse* response, absl::Time start);
 
 }  // namespace stowage

@@ -3,7 +3,7 @@
 #ifndef STOWAGE_SERVER_GENERATION_SERVICE_H_
 #define STOWAGE_SERVER_GENERATION_SERVICE_H_
 
-#include "server/generation_core.h"
+#include "server/device_set.h"
 #include "server/metrics.h"
 #include "stowage/v1/generation.grpc.pb.h"
 
@@ -12,7 +12,7 @@ namespace stowage {
 class GenerationServiceImpl final : public v1::GenerationService::Service {
  public:
   // Both must outlive the service. `metrics` may be null.
-  GenerationServiceImpl(GenerationCore* core, ServerMetrics* metrics)
+  GenerationServiceImpl(DeviceSet* core, ServerMetrics* metrics)
       : core_(core), metrics_(metrics) {}
 
   grpc::Status Generate(grpc::ServerContext* context, const v1::GenerateRequest* request,
@@ -26,7 +26,7 @@ class GenerationServiceImpl final : public v1::GenerationService::Service {
   void Record(const v1::GenerateRequest& request, const absl::Status& status,
               const v1::GenerateResponse* response, absl::Time start);
 
-  GenerationCore* core_;
+  DeviceSet* core_;
   ServerMetrics* metrics_;
 };
 

@@ -63,10 +63,10 @@ struct HttpFront::Reply {
   }
 };
 
-HttpFront::HttpFront(const HttpFrontOptions& options, GenerationCore* core, ServerMetrics* metrics)
+HttpFront::HttpFront(const HttpFrontOptions& options, DeviceSet* core, ServerMetrics* metrics)
     : options_(options), core_(core), metrics_(metrics), started_unix_(absl::ToUnixSeconds(absl::Now())) {}
 
-absl::StatusOr<std::unique_ptr<HttpFront>> HttpFront::Start(const HttpFrontOptions& options, GenerationCore* core,
+absl::StatusOr<std::unique_ptr<HttpFront>> HttpFront::Start(const HttpFrontOptions& options, DeviceSet* core,
                                                             ServerMetrics* metrics) {
   if (options.threads < 1 || options.max_body_bytes < 1 || options.read_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("http front: threads, max_body_bytes and read_timeout must be positive");

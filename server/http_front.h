@@ -35,7 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/generation_core.h"
+#include "server/device_set.h"
 #include "server/metrics.h"
 
 struct mg_connection;
@@ -59,7 +59,7 @@ struct HttpFrontOptions {
 class HttpFront {
  public:
   // Binds the address and starts serving. UNAVAILABLE naming the address when it cannot listen.
-  static absl::StatusOr<std::unique_ptr<HttpFront>> Start(const HttpFrontOptions& options, GenerationCore* core,
+  static absl::StatusOr<std::unique_ptr<HttpFront>> Start(const HttpFrontOptions& options, DeviceSet* core,
                                                           ServerMetrics* metrics);
   ~HttpFront();
   HttpFront(const HttpFront&) = delete;
@@ -76,7 +76,7 @@ class HttpFront {
 
  private:
   struct Reply;
-  HttpFront(const HttpFrontOptions& options, GenerationCore* core, ServerMetrics* metrics);
+  HttpFront(const HttpFrontOptions& options, DeviceSet* core, ServerMetrics* metrics);
   static int HandleThunk(mg_connection* conn, void* self);
   int Handle(mg_connection* conn);
   // `*entered` is set when the request was counted in (Enter): Handle counts it out (Leave) once
@@ -92,7 +92,7 @@ class HttpFront {
   absl::Status Interrupted() const;
 
   const HttpFrontOptions options_;
-  GenerationCore* const core_;
+  DeviceSet* const core_;
   ServerMetrics* const metrics_;
   const int64_t started_unix_;
   std::string address_;

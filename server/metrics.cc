@@ -80,11 +80,15 @@ class PlacementCollectable : public prometheus::Collectable {
       : placement_(std::move(placement)), pipelines_(std::move(pipelines)) {}
   std::vector<prometheus::MetricFamily> Collect() const override {
     using prometheus::MetricType;
-    const std::shared_ptr<const PlacementSnapshot> snapshot = placement_();
     auto pipeline_state = Family("stowage_pipeline_state",
-                                 "1 for the lifecycle state each hosted pipeline is in.", MetricType::Gauge);
+                                 "1 for the lifecycle state each hosted pipeline is in, per device it is on.",
+                                 MetricType::Gauge);
     for (const PipelineStateView& p : pipelines_()) {
-      Add(pipeline_state, 1, {{"pipeline", p.pipeline}, {"state", p.state}});
+      if (p.device.empty()) {
+        Add(pipeline_state, 1, {{"pipeline", p.pipeline}, {"state", p.state}});
+      } else {
+        Add(pipeline_state, 1, {{"pipeline", p.pipeline}, {"state", p.state}, {"device", p.device}});
+      }
     }
     auto state = Family("stowage_component_state", "1 for the state each component is in.", MetricType::Gauge);
     auto device = Family("stowage_component_device_bytes",
@@ -95,21 +99,8 @@ class PlacementCollectable : public prometheus::Collectable {
                                 "Device memory by kind: allocated, reserved (allocator segments), context "
                                 "(outside the allocator), budget (0 = none).",
                                 MetricType::Gauge);
-    for (const auto& [kind, bytes] : std::vector<std::pair<std::string, int64_t>>{
-             {"allocated", snapshot->memory.allocated_bytes},
-             {"reserved", snapshot->memory.reserved_bytes},
-             {"context", snapshot->memory.context_bytes},
-             {"budget", snapshot->memory.budget_bytes}}) {
-      Add(device_memory, static_cast<double>(bytes), {{"device", snapshot->device}, {"kind", kind}});
-    }
     auto lifecycle = Family("stowage_component_lifecycle", "1 for the lifecycle state each component is in.",
                             MetricType::Gauge);
-    for (const ComponentView& v : snapshot->components) {
-      Add(state, 1, {{"component", v.id}, {"state", ComponentStateName(v.state)}});
-      Add(lifecycle, 1, {{"component", v.id}, {"lifecycle", ComponentLifecycleName(v.lifecycle)}});
-      Add(device, static_cast<double>(v.device_bytes), {{"component", v.id}});
-      Add(weights, static_cast<double>(v.weight_bytes), {{"component", v.id}});
-    }
     // Group offloading, per group-offloaded component: its device and host bytes by kind, and the
     // engine's counters since the component's group offloading was applied (a disable and enable
     // starts them again at 0, which Prometheus reads as a counter reset).
@@ -129,54 +120,71 @@ class PlacementCollectable : public prometheus::Collectable {
     auto go_releases = Family("stowage_group_offload_slot_releases_total",
                               "Times an idle group-offloaded component gave its slot ring back to the device.",
                               MetricType::Counter);
-    for (const ComponentView& v : snapshot->components) {
-      if (!v.group_offload.has_value()) continue;
-      const GroupOffloadStats& g = *v.group_offload;
-      for (const auto& [kind, bytes] : std::vector<std::pair<std::string, int64_t>>{
-               {"working_set", g.working_set_bytes},
-               {"slots", g.slots * g.slot_bytes},
-               {"always_on", g.always_on_bytes},
-               {"resident", g.resident_bytes},
-               {"scratch", g.scratch_bytes},
-               {"streamed", g.streamed_bytes},
-               {"per_forward", g.bytes_per_forward},
-               {"pinned_host", g.pinned_host_bytes}}) {
-        Add(go_bytes, static_cast<double>(bytes), {{"component", v.id}, {"kind", kind}});
-      }
-      Add(go_forwards, static_cast<double>(g.forwards), {{"component", v.id}});
-      Add(go_onloads, static_cast<double>(g.onloads - g.sync_onloads), {{"component", v.id}, {"how", "ready"}});
-      Add(go_onloads, static_cast<double>(g.sync_onloads), {{"component", v.id}, {"how", "sync"}});
-      Add(go_releases, static_cast<double>(g.slot_releases), {{"component", v.id}});
-    }
-    const PlacementCounters& c = snapshot->counters;
     auto onloads = Family("stowage_placement_onloads_total", "Whole-component onloads.", MetricType::Counter);
-    Add(onloads, static_cast<double>(c.onloads));
     auto onload_bytes = Family("stowage_placement_onload_bytes_total", "Bytes of whole-component onloads.",
                                MetricType::Counter);
-    Add(onload_bytes, static_cast<double>(c.onload_bytes));
     auto offloads = Family("stowage_placement_offloads_total", "Whole-component offloads.", MetricType::Counter);
-    Add(offloads, static_cast<double>(c.offloads));
     auto offload_bytes = Family("stowage_placement_offload_bytes_total",
                                 "Device bytes freed by whole-component offloads.", MetricType::Counter);
-    Add(offload_bytes, static_cast<double>(c.offload_bytes));
     auto evictions = Family("stowage_placement_evictions_total", "Evictions by strategy and cause.",
                             MetricType::Counter);
-    for (const auto& [key, n] : c.evictions) {
-      Add(evictions, static_cast<double>(n), {{"strategy", key.first}, {"cause", key.second}});
-    }
     auto oom = Family("stowage_placement_oom_recoveries_total",
                       "Device out-of-memory errors recovered by eviction or group offloading.",
                       MetricType::Counter);
-    Add(oom, static_cast<double>(c.oom_recoveries));
     auto decision_seconds = Family("stowage_placement_decision_seconds_total",
                                    "Time spent deciding placements (strategy calls).", MetricType::Counter);
-    Add(decision_seconds, c.decision_seconds);
     auto decisions = Family("stowage_placement_decisions_total", "Strategy calls.", MetricType::Counter);
-    Add(decisions, static_cast<double>(c.decisions));
     auto warning = Family("stowage_placement_group_offload_warning",
                           "1 while a footprint strategy manages group-offloaded components.",
                           MetricType::Gauge);
-    Add(warning, snapshot->warnings.empty() ? 0 : 1);
+    // One set of samples per device, each labelled with it (a component id names a replica only
+    // together with its device).
+    for (const std::shared_ptr<const PlacementSnapshot>& snapshot : placement_()) {
+      const std::string& d = snapshot->device;
+      for (const auto& [kind, bytes] : std::vector<std::pair<std::string, int64_t>>{
+               {"allocated", snapshot->memory.allocated_bytes},
+               {"reserved", snapshot->memory.reserved_bytes},
+               {"context", snapshot->memory.context_bytes},
+               {"budget", snapshot->memory.budget_bytes}}) {
+        Add(device_memory, static_cast<double>(bytes), {{"device", d}, {"kind", kind}});
+      }
+      for (const ComponentView& v : snapshot->components) {
+        Add(state, 1, {{"component", v.id}, {"state", ComponentStateName(v.state)}, {"device", d}});
+        Add(lifecycle, 1, {{"component", v.id}, {"lifecycle", ComponentLifecycleName(v.lifecycle)}, {"device", d}});
+        Add(device, static_cast<double>(v.device_bytes), {{"component", v.id}, {"device", d}});
+        Add(weights, static_cast<double>(v.weight_bytes), {{"component", v.id}, {"device", d}});
+        if (!v.group_offload.has_value()) continue;
+        const GroupOffloadStats& g = *v.group_offload;
+        for (const auto& [kind, bytes] : std::vector<std::pair<std::string, int64_t>>{
+                 {"working_set", g.working_set_bytes},
+                 {"slots", g.slots * g.slot_bytes},
+                 {"always_on", g.always_on_bytes},
+                 {"resident", g.resident_bytes},
+                 {"scratch", g.scratch_bytes},
+                 {"streamed", g.streamed_bytes},
+                 {"per_forward", g.bytes_per_forward},
+                 {"pinned_host", g.pinned_host_bytes}}) {
+          Add(go_bytes, static_cast<double>(bytes), {{"component", v.id}, {"kind", kind}, {"device", d}});
+        }
+        Add(go_forwards, static_cast<double>(g.forwards), {{"component", v.id}, {"device", d}});
+        Add(go_onloads, static_cast<double>(g.onloads - g.sync_onloads),
+            {{"component", v.id}, {"how", "ready"}, {"device", d}});
+        Add(go_onloads, static_cast<double>(g.sync_onloads), {{"component", v.id}, {"how", "sync"}, {"device", d}});
+        Add(go_releases, static_cast<double>(g.slot_releases), {{"component", v.id}, {"device", d}});
+      }
+      const PlacementCounters& c = snapshot->counters;
+      Add(onloads, static_cast<double>(c.onloads), {{"device", d}});
+      Add(onload_bytes, static_cast<double>(c.onload_bytes), {{"device", d}});
+      Add(offloads, static_cast<double>(c.offloads), {{"device", d}});
+      Add(offload_bytes, static_cast<double>(c.offload_bytes), {{"device", d}});
+      for (const auto& [key, n] : c.evictions) {
+        Add(evictions, static_cast<double>(n), {{"strategy", key.first}, {"cause", key.second}, {"device", d}});
+      }
+      Add(oom, static_cast<double>(c.oom_recoveries), {{"device", d}});
+      Add(decision_seconds, c.decision_seconds, {{"device", d}});
+      Add(decisions, static_cast<double>(c.decisions), {{"device", d}});
+      Add(warning, snapshot->warnings.empty() ? 0 : 1, {{"device", d}});
+    }
     return {pipeline_state, device_memory, state, lifecycle, device, weights, onloads, onload_bytes, offloads, offload_bytes, evictions, oom,
             decision_seconds, decisions, warning, go_bytes, go_forwards, go_onloads, go_releases};
   }

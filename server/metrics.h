@@ -62,8 +62,10 @@ std::shared_ptr<prometheus::Collectable> MakeProcessMemoryCollectable();
 struct PipelineStateView {
   std::string pipeline;
   std::string state;
+  std::string device;  // Set by DeviceSet (one view per replica).
 };
-using PlacementSnapshotSource = std::function<std::shared_ptr<const PlacementSnapshot>()>;
+// Every device's snapshot (one per device).
+using PlacementSnapshotSource = std::function<std::vector<std::shared_ptr<const PlacementSnapshot>>()>;
 using PipelineStateSource = std::function<std::vector<PipelineStateView>()>;
 
 // A collectable that reads, at scrape time, per-component state and device bytes, onloads/offloads

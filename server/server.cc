@@ -22,6 +22,7 @@
 #include "base/status_macros.h"
 #include "prometheus/exposer.h"
 #include "server/config.h"
+#include "server/device_set.h"
 #include "server/generation_core.h"
 #include "server/admin_service.h"
 #include "server/generation_service.h"
@@ -152,17 +153,17 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
   RETURN_IF_ERROR(CheckPortFree(config.grpc_address(), "grpc_address"));
   if (!config.http_address().empty()) RETURN_IF_ERROR(CheckPortFree(config.http_address(), "http_address"));
   ASSIGN_OR_RETURN(std::string api_key, ApiKey(config.auth()));
-  ASSIGN_OR_RETURN(server->core_, GenerationCore::Create(config, server->metrics_.get()));
+  ASSIGN_OR_RETURN(server->devices_, DeviceSet::Create(config, server->metrics_.get()));
   if (server->exposer_ != nullptr) {
-    GenerationCore* core = server->core_.get();
-    server->placement_metrics_ = MakePlacementCollectable([core] { return core->placement_snapshot(); },
-                                                          [core] { return core->PipelineStates(); });
+    DeviceSet* devices = server->devices_.get();
+    server->placement_metrics_ = MakePlacementCollectable([devices] { return devices->PlacementSnapshots(); },
+                                                          [devices] { return devices->PipelineStates(); });
     server->exposer_->RegisterCollectable(server->placement_metrics_);
   }
   server->generation_service_ =
-      std::make_unique<GenerationServiceImpl>(server->core_.get(), server->metrics_.get());
+      std::make_unique<GenerationServiceImpl>(server->devices_.get(), server->metrics_.get());
   ASSIGN_OR_RETURN(std::string token, AdminToken(config.auth()));
-  server->admin_service_ = std::make_unique<AdminServiceImpl>(server->core_.get(), std::move(token));
+  server->admin_service_ = std::make_unique<AdminServiceImpl>(server->devices_.get(), std::move(token));
   ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials, Credentials(config.tls()));
 
   grpc::EnableDefaultHealthCheckService(true);
@@ -186,14 +187,14 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
     HttpFrontOptions http;
     http.address = config.http_address();
     http.api_key = std::move(api_key);
-    ASSIGN_OR_RETURN(server->http_front_, HttpFront::Start(http, server->core_.get(), server->metrics_.get()));
+    ASSIGN_OR_RETURN(server->http_front_, HttpFront::Start(http, server->devices_.get(), server->metrics_.get()));
     server->http_address_ = server->http_front_->address();
   }
   server->grpc_server_->GetHealthCheckService()->SetServingStatus(true);
   return server;
 }
 
-std::string StowageServer::device_name() const { return core_->device_name(); }
+std::string StowageServer::device_name() const { return devices_->devices().front()->device_name(); }
 
 void StowageServer::Wait() {
   if (grpc_server_ != nullptr) grpc_server_->Wait();

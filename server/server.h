@@ -25,7 +25,7 @@ class Exposer;
 namespace stowage {
 
 class AdminServiceImpl;
-class GenerationCore;
+class DeviceSet;
 class GenerationServiceImpl;
 class HttpFront;
 class ServerMetrics;
@@ -43,8 +43,8 @@ class StowageServer {
   // The OpenAI-compatible HTTP API's "host:<bound port>"; empty when it is disabled (no
   // http_address, or "none").
   const std::string& http_address() const { return http_address_; }
-  GenerationCore& core() { return *core_; }
-  // The device the pipelines run on, e.g. "cuda:0" or "sim:0".
+  DeviceSet& devices() { return *devices_; }
+  // The (first) device the pipelines run on, e.g. "cuda:0" or "sim:0".
   std::string device_name() const;
 
   void Wait();
@@ -58,7 +58,7 @@ class StowageServer {
   std::shared_ptr<prometheus::Collectable> process_memory_;
   std::shared_ptr<prometheus::Collectable> placement_metrics_;
   std::unique_ptr<prometheus::Exposer> exposer_;
-  std::unique_ptr<GenerationCore> core_;
+  std::unique_ptr<DeviceSet> devices_;
   std::unique_ptr<GenerationServiceImpl> generation_service_;
   std::unique_ptr<AdminServiceImpl> admin_service_;
   std::unique_ptr<grpc::Server> grpc_server_;

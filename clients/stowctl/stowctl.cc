@@ -71,6 +71,9 @@ ABSL_FLAG(std::string, model_dir, "", "load-pipeline: a diffusers-format directo
 ABSL_FLAG(std::string, builtin, "zimage-tiny",
           "load-pipeline without --model_dir: the built-in architecture (zimage-tiny or tiny).");
 ABSL_FLAG(int32_t, limit, 100, "placement-log: number of decisions.");
+ABSL_FLAG(std::string, device, "",
+          "Admin commands: the device to act on or describe (\"cuda:1\", \"sim:0\"); empty = the server's "
+          "first. drain-device / resume-device: required.");
 ABSL_FLAG(int32_t, max_batch_size, 1, "set-batching: most requests per batch, 1 (off) ..64.");
 ABSL_FLAG(int32_t, max_queue_delay_ms, 0,
           "set-batching: how long a batch waits for more requests, 0..60000 ms.");
@@ -87,7 +90,7 @@ int Usage(const std::string& message) {
             << "usage: stowctl [--target=HOST:PORT] [--timeout=S] [--tls [--ca_cert=F] [--server_name=N]] "
                "generate|stream|pipelines|health|ready [flags]\n"
             << "       stowctl --token=T placement|set-strategy|enable-group-offload|"
-               "disable-group-offload|load-pipeline|unload-pipeline|placement-log|set-batching [flags]\n"
+               "disable-group-offload|load-pipeline|unload-pipeline|placement-log|set-batching|drain-device|resume-device [flags]\n"
             << "run 'stowctl --help' for the flags\n";
   return kUsageError;
 }
@@ -341,7 +344,9 @@ int Placement(AdminService::Stub& stub) {
   grpc::ClientContext context;
   Authorize(context);
   stowage::v1::GetPlacementResponse r;
-  const grpc::Status status = stub.GetPlacement(&context, {}, &r);
+  stowage::v1::GetPlacementRequest request;
+  request.set_device(absl::GetFlag(FLAGS_device));
+  const grpc::Status status = stub.GetPlacement(&context, request, &r);
   if (!status.ok()) return RpcFailure(status);
   std::cout << "device " << r.device() << ": " << stowage::HumanBytes(r.allocated_bytes()) << " allocated of "
             << (r.budget_bytes() > 0 ? stowage::HumanBytes(r.budget_bytes()) : std::string("unlimited"))
@@ -373,6 +378,7 @@ int Admin(const std::string& command, AdminService::Stub& stub) {
   if (command == "placement") return Placement(stub);
   if (command == "set-strategy") {
     SetOffloadStrategyRequest request;
+    request.set_device(absl::GetFlag(FLAGS_device));
     if (!ParseText("strategy", absl::GetFlag(FLAGS_strategy), request.mutable_strategy())) return kUsageError;
     return AdminCall<SetOffloadStrategyRequest, SetOffloadStrategyResponse>(
         request, [&](auto* c, const auto& q, auto* r) { return stub.SetOffloadStrategy(c, q, r); });
@@ -386,6 +392,7 @@ int Admin(const std::string& command, AdminService::Stub& stub) {
     }
     if (command == "enable-group-offload") {
       EnableGroupOffloadRequest request;
+      request.set_device(absl::GetFlag(FLAGS_device));
       if (!component.empty()) request.set_component_id(component);
       if (!pipeline.empty()) request.set_pipeline(pipeline);
       if (!ParseText("options", absl::GetFlag(FLAGS_options), request.mutable_options())) return kUsageError;
@@ -393,6 +400,7 @@ int Admin(const std::string& command, AdminService::Stub& stub) {
           request, [&](auto* c, const auto& q, auto* r) { return stub.EnableGroupOffload(c, q, r); });
     }
     DisableGroupOffloadRequest request;
+    request.set_device(absl::GetFlag(FLAGS_device));
     if (!component.empty()) request.set_component_id(component);
     if (!pipeline.empty()) request.set_pipeline(pipeline);
     return AdminCall<DisableGroupOffloadRequest, DisableGroupOffloadResponse>(
@@ -416,6 +424,13 @@ int Admin(const std::string& command, AdminService::Stub& stub) {
     return AdminCall<UnloadPipelineRequest, UnloadPipelineResponse>(
         request, [&](auto* c, const auto& q, auto* r) { return stub.UnloadPipeline(c, q, r); });
   }
+  if (command == "drain-device" || command == "resume-device") {
+    DrainDeviceRequest request;
+    request.set_device(absl::GetFlag(FLAGS_device));
+    request.set_drain(command == "drain-device");
+    return AdminCall<DrainDeviceRequest, DrainDeviceResponse>(
+        request, [&](auto* c, const auto& q, auto* r) { return stub.DrainDevice(c, q, r); });
+  }
   if (command == "set-batching") {
     SetBatchingRequest request;
     request.set_pipeline(absl::GetFlag(FLAGS_pipeline));
@@ -426,6 +441,7 @@ int Admin(const std::string& command, AdminService::Stub& stub) {
   }
   if (command == "placement-log") {
     GetPlacementLogRequest request;
+    request.set_device(absl::GetFlag(FLAGS_device));
     request.set_limit(absl::GetFlag(FLAGS_limit));
     grpc::ClientContext context;
     Authorize(context);
@@ -453,7 +469,8 @@ int main(int argc, char** argv) {
       "placement | set-strategy --strategy=TEXT | enable-group-offload --component=ID|--pipeline=P "
       "[--options=TEXT] | disable-group-offload ... | load-pipeline --name=N | unload-pipeline "
       "--name=N | placement-log [--limit=N] | set-batching --pipeline=P --max_batch_size=N "
-      "[--max_queue_delay_ms=MS]");
+      "[--max_queue_delay_ms=MS] | drain-device --device=D | resume-device --device=D; admin commands take "
+      "--device=D on a server with several devices");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) return Usage("expected exactly one command");
   const std::string command = args[1];

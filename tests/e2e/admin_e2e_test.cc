@@ -146,12 +146,12 @@ TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
   EXPECT_EQ(Placement().warnings_size(), 1);
   // The same facts on the Prometheus page.
   const std::string page = HttpGet(server_->metrics_address(), "/metrics");
-  EXPECT_NE(page.find("stowage_component_state{component=\"zimage-tiny/transformer\",state=\"group_offloaded\"} 1"),
+  EXPECT_NE(page.find("stowage_component_state{component=\"zimage-tiny/transformer\",state=\"group_offloaded\",device=\"sim:0\"} 1"),
             std::string::npos) << page;
-  EXPECT_NE(page.find("stowage_placement_evictions_total{strategy=\"workflow\",cause=\"after_run\"} 1"),
+  EXPECT_NE(page.find("stowage_placement_evictions_total{strategy=\"workflow\",cause=\"after_run\",device=\"sim:0\"} 1"),
             std::string::npos) << page;
-  EXPECT_NE(page.find("stowage_placement_group_offload_warning 1"), std::string::npos);
-  EXPECT_NE(page.find("stowage_placement_onloads_total 3"), std::string::npos);
+  EXPECT_NE(page.find("stowage_placement_group_offload_warning{device=\"sim:0\"} 1"), std::string::npos);
+  EXPECT_NE(page.find("stowage_placement_onloads_total{device=\"sim:0\"} 3"), std::string::npos);
   v1::GenerateResponse grouped;
   ASSERT_TRUE(Generate("", &grouped).ok());
   EXPECT_EQ(grouped.image(), before.image());
@@ -166,13 +166,13 @@ TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
     const auto& g = transformer.group_offload();
     ASSERT_GT(g.forwards(), 0);
     for (const std::string& line :
-         {"stowage_group_offload_forwards_total{component=\"zimage-tiny/transformer\"} " +
+         {"stowage_group_offload_forwards_total{component=\"zimage-tiny/transformer\",device=\"sim:0\"} " +
               std::to_string(g.forwards()),
-          "stowage_group_offload_bytes{component=\"zimage-tiny/transformer\",kind=\"working_set\"} " +
+          "stowage_group_offload_bytes{component=\"zimage-tiny/transformer\",kind=\"working_set\",device=\"sim:0\"} " +
               std::to_string(g.working_set_bytes()),
-          "stowage_group_offload_onloads_total{component=\"zimage-tiny/transformer\",how=\"sync\"} " +
+          "stowage_group_offload_onloads_total{component=\"zimage-tiny/transformer\",how=\"sync\",device=\"sim:0\"} " +
               std::to_string(g.sync_onloads()),
-          std::string("stowage_group_offload_slot_releases_total{component=\"zimage-tiny/transformer\"} ")}) {
+          std::string("stowage_group_offload_slot_releases_total{component=\"zimage-tiny/transformer\",device=\"sim:0\"} ")}) {
       EXPECT_NE(grouped_page.find(line), std::string::npos) << line << "\n" << grouped_page;
     }
     EXPECT_EQ(grouped_page.find("stowage_group_offload_forwards_total{component=\"zimage-tiny/vae\"}"),

@@ -67,6 +67,19 @@ set +e
 out=$(ctl set-batching --pipeline=zimage-tiny --max_batch_size=99 2>&1); rc=$?
 set -e
 [ $rc -eq 1 ] && grep -q "batching.max_batch_size: 99 is out of range" <<<"$out" || fail "set-batching range: $out"
+out=$(ctl drain-device --device=sim:0)
+grep -q "draining: true" <<<"$out" || fail "drain-device: $out"
+set +e
+out=$("$here/clients/stowctl/stowctl" --target="$target" generate --prompt=kite --width=64 --height=64 --steps=1 2>&1); rc=$?
+set -e
+[ $rc -eq 1 ] && grep -q "is draining" <<<"$out" || fail "a drained only device still served: $out"
+out=$(ctl resume-device --device=sim:0)
+grep -q "draining: true" <<<"$out" && fail "resume-device: $out"
+ctl placement --device=sim:0 | grep -q "device sim:0" || fail "placement --device"
+set +e
+out=$(ctl placement --device=sim:4 2>&1); rc=$?
+set -e
+[ $rc -eq 1 ] && grep -q "device 'sim:4' is not one of this server's: sim:0" <<<"$out" || fail "placement --device=sim:4: $out"
 set +e
 ctl enable-group-offload --options='use_stream: true' >/dev/null 2>&1; rc=$?
 set -e

@@ -70,7 +70,9 @@ TEST(QuantizedCheckpointTest, GroupOffloadStreamsTheCheckpointsOwnBytes) {
   ASSERT_NE(quantization.weights, nullptr);
   EXPECT_EQ(quantization.format, CompressFormat::kInt8);
   // The host copy is the dequantized checkpoint: q × scale.
-  const auto& [name, stored] = *quantization.weights->begin();
+  // Not a structured binding: the lambda below captures the name (C++17 forbids that for clang).
+  const std::string name = quantization.weights->begin()->first;
+  const QuantizedTensor& stored = quantization.weights->begin()->second;
   at::Tensor host;
   module->ForEachSlot([&](Module& m, TensorSlot& slot) {
     if (m.SlotPath(slot) == name) host = slot.value;

@@ -1,0 +1,301 @@
+#include "server/device_set.h"
+
+#include <algorithm>
+#include <set>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "base/status_macros.h"
+#include "base/text.h"
+#include "google/protobuf/util/time_util.h"
+#include "offload/device_backend.h"
+
+namespace stowage {
+namespace {
+
+// The name a device config's backend will have (offload/*_backend.cc name their devices so).
+std::string NameOf(const v1::DeviceConfig& device) {
+  v1::DeviceConfig::Kind kind = device.kind();
+  if (kind == v1::DeviceConfig::KIND_UNSPECIFIED) {
+    kind = CudaAvailable() ? v1::DeviceConfig::KIND_CUDA : v1::DeviceConfig::KIND_SIMULATED;
+  }
+  return absl::StrCat(kind == v1::DeviceConfig::KIND_CUDA ? "cuda:" : "sim:", device.index());
+}
+
+// The devices a pipeline config names, or the first device.
+std::vector<std::string> Targets(const v1::PipelineConfig& p, const std::string& first) {
+  if (p.devices().empty()) return {first};
+  return {p.devices().begin(), p.devices().end()};
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerConfig& config,
+                                                             ServerMetrics* metrics) {
+  std::vector<v1::DeviceConfig> devices(config.devices().begin(), config.devices().end());
+  if (devices.empty()) devices.push_back(config.device());
+  std::vector<std::string> names;
+  for (size_t i = 0; i < devices.size(); ++i) {
+    const std::string name = NameOf(devices[i]);
+    if (std::find(names.begin(), names.end(), name) != names.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("devices[", i, "]: device ", name,
+                                                     " is configured twice; each device once"));
+    }
+    names.push_back(name);
+  }
+  for (int i = 0; i < config.pipelines_size(); ++i) {
+    for (const std::string& target : config.pipelines(i).devices()) {
+      if (std::find(names.begin(), names.end(), target) == names.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("pipelines[", i, "].devices: '", Truncated(target),
+                                                       "' is not a device of this server; devices: ",
+                                                       absl::StrJoin(names, ", ")));
+      }
+    }
+  }
+  std::unique_ptr<DeviceSet> set(new DeviceSet());
+  for (size_t i = 0; i < devices.size(); ++i) {
+    // Each device gets the server's settings, its own device, and the pipelines placed on it.
+    v1::ServerConfig own = config;
+    own.clear_devices();
+    *own.mutable_device() = devices[i];
+    own.clear_pipelines();
+    for (const v1::PipelineConfig& p : config.pipelines()) {
+      const std::vector<std::string> targets = Targets(p, names.front());
+      if (std::find(targets.begin(), targets.end(), names[i]) != targets.end()) *own.add_pipelines() = p;
+    }
+    ASSIGN_OR_RETURN(std::unique_ptr<GenerationCore> core, GenerationCore::Create(own, metrics));
+    if (core->device_name() != names[i]) {
+      return absl::InternalError(absl::StrCat("device ", names[i], " came up as ", core->device_name()));
+    }
+    set->devices_.push_back(std::move(core));
+    set->routes_.push_back(std::make_unique<Route>());
+  }
+  return set;
+}
+
+bool DeviceSet::Hosts(const GenerationCore& core, const std::string& pipeline) const {
+  for (const PipelineStateView& v : core.PipelineStates()) {
+    if (v.pipeline == pipeline && v.state == "ready") return true;
+  }
+  return false;
+}
+
+std::string DeviceSet::Resolve(const std::string& requested) const {
+  if (!requested.empty()) return requested;
+  for (const auto& core : devices_) {
+    v1::GenerateRequest probe;
+    const std::string name = core->PipelineLabel(probe);  // That device's default, or "unknown".
+    if (name != "unknown" && Hosts(*core, name)) return name;
+  }
+  return requested;
+}
+
+absl::StatusOr<v1::GenerateResponse> DeviceSet::Generate(const v1::GenerateRequest& request,
+                                                         const CallControl& control) {
+  if (devices_.size() == 1) {
+    {
+      absl::MutexLock lock(&routes_.front()->mu);
+      if (routes_.front()->draining) {
+        return absl::UnavailableError(absl::StrCat("device ", devices_.front()->device_name(),
+                                                   " is draining; resume it with DrainDevice"));
+      }
+    }
+    return devices_.front()->Generate(request, control);
+  }
+  const std::string name = Resolve(request.pipeline());
+  int best = -1;
+  double best_wait = 0;
+  std::vector<std::string> draining;
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    if (name.empty() || !Hosts(*devices_[i], name)) continue;
+    Route& route = *routes_[i];
+    absl::MutexLock lock(&route.mu);
+    if (route.draining) {
+      draining.push_back(devices_[i]->device_name());
+      continue;
+    }
+    const double wait = (devices_[i]->in_flight() + 1) * route.recent_run_seconds;
+    if (best < 0 || wait < best_wait) {
+      best = static_cast<int>(i);
+      best_wait = wait;
+    }
+  }
+  if (best < 0 && !draining.empty()) {
+    return absl::UnavailableError(absl::StrCat("pipeline '", Truncated(name), "' is served only by draining devices (",
+                                               absl::StrJoin(draining, ", "),
+                                               "); retry later, or resume one with DrainDevice"));
+  }
+  if (best < 0) {
+    // No READY replica: the first device that has the name in any state explains why (loading,
+    // unloading, failed), else the first device reports it unknown.
+    for (const auto& core : devices_) {
+      for (const PipelineStateView& v : core->PipelineStates()) {
+        if (v.pipeline == name) return core->Generate(request, control);
+      }
+    }
+    return devices_.front()->Generate(request, control);
+  }
+  v1::GenerateRequest routed = request;
+  routed.set_pipeline(name);
+  absl::StatusOr<v1::GenerateResponse> result = devices_[static_cast<size_t>(best)]->Generate(routed, control);
+  if (result.ok()) {
+    const double seconds =
+        static_cast<double>(google::protobuf::util::TimeUtil::DurationToNanoseconds(result->stats().run_time())) / 1e9;
+    Route& route = *routes_[static_cast<size_t>(best)];
+    absl::MutexLock lock(&route.mu);
+    route.recent_run_seconds = 0.7 * route.recent_run_seconds + 0.3 * seconds;
+  }
+  return result;
+}
+
+v1::ListPipelinesResponse DeviceSet::ListPipelines() const {
+  v1::ListPipelinesResponse merged;
+  const std::string default_name = devices_.size() > 1 ? Resolve("") : "";
+  for (const auto& core : devices_) {
+    const v1::ListPipelinesResponse listed = core->ListPipelines();  // Not a temporary: iterated below.
+    for (const v1::Pipeline& p : listed.pipelines()) {
+      v1::Pipeline* existing = nullptr;
+      for (v1::Pipeline& m : *merged.mutable_pipelines()) {
+        if (m.name() == p.name()) existing = &m;
+      }
+      if (existing == nullptr) {
+        existing = merged.add_pipelines();
+        *existing = p;
+        if (devices_.size() > 1) existing->set_is_default(p.name() == default_name);
+      }
+      existing->add_devices(core->device_name());
+    }
+  }
+  return merged;
+}
+
+std::string DeviceSet::PipelineLabel(const v1::GenerateRequest& request) const {
+  for (const auto& core : devices_) {
+    const std::string label = core->PipelineLabel(request);
+    if (label != "unknown") return label;
+  }
+  return "unknown";
+}
+
+absl::StatusOr<v1::Pipeline> DeviceSet::LoadPipeline(const v1::PipelineConfig& config, const Interrupt& interrupt) {
+  std::vector<std::string> targets = Targets(config, devices_.front()->device_name());
+  std::vector<GenerationCore*> cores;
+  for (const std::string& target : targets) {
+    absl::StatusOr<GenerationCore*> core = Device(target);
+    if (!core.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("pipeline.devices: ", core.status().message()));
+    }
+    if (std::find(cores.begin(), cores.end(), *core) != cores.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("pipeline.devices: ", target, " is named twice"));
+    }
+    cores.push_back(*core);
+  }
+  if (devices_.size() > 1) {
+    // A name is loaded with all its replicas at once: a replica elsewhere means it exists.
+    for (const auto& core : devices_) {
+      for (const PipelineStateView& v : core->PipelineStates()) {
+        if (v.pipeline == config.name() && std::find(cores.begin(), cores.end(), core.get()) == cores.end()) {
+          return absl::AlreadyExistsError(absl::StrCat("pipeline '", Truncated(config.name()), "' is already on ",
+                                                       core->device_name(), "; unload it first"));
+        }
+      }
+    }
+  }
+  v1::Pipeline first;
+  for (size_t i = 0; i < cores.size(); ++i) {
+    absl::StatusOr<v1::Pipeline> loaded = cores[i]->LoadPipeline(config, interrupt);
+    if (!loaded.ok()) {
+      for (size_t j = 0; j < i; ++j) (void)cores[j]->UnloadPipeline(config.name(), nullptr);  // All or nothing.
+      return loaded.status();
+    }
+    if (i == 0) first = *loaded;
+  }
+  for (GenerationCore* core : cores) first.add_devices(core->device_name());
+  return first;
+}
+
+absl::Status DeviceSet::UnloadPipeline(const std::string& name, const Interrupt& interrupt) {
+  bool found = false;
+  for (const auto& core : devices_) {
+    bool here = false;
+    for (const PipelineStateView& v : core->PipelineStates()) here = here || v.pipeline == name;
+    if (!here) continue;
+    found = true;
+    RETURN_IF_ERROR(core->UnloadPipeline(name, interrupt));
+  }
+  if (!found) return devices_.front()->UnloadPipeline(name, interrupt);  // Its NOT_FOUND.
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::Pipeline> DeviceSet::SetBatching(const std::string& pipeline, const v1::BatchingConfig& batching) {
+  absl::StatusOr<v1::Pipeline> last = absl::NotFoundError("");
+  std::vector<std::string> on;
+  for (const auto& core : devices_) {
+    if (!Hosts(*core, pipeline)) continue;
+    last = core->SetBatching(pipeline, batching);
+    if (!last.ok()) return last.status();
+    on.push_back(core->device_name());
+  }
+  if (on.empty()) return devices_.front()->SetBatching(pipeline, batching);  // Its NOT_FOUND (or range) error.
+  last->clear_devices();
+  for (const std::string& d : on) last->add_devices(d);
+  return last;
+}
+
+absl::StatusOr<GenerationCore*> DeviceSet::Device(const std::string& name) const {
+  if (name.empty()) return devices_.front().get();
+  std::vector<std::string> names;
+  for (const auto& core : devices_) {
+    if (core->device_name() == name) return core.get();
+    names.push_back(core->device_name());
+  }
+  return absl::NotFoundError(absl::StrCat("device '", Truncated(name), "' is not one of this server's: ",
+                                          absl::StrJoin(names, ", ")));
+}
+
+v1::DrainDeviceResponse DeviceSet::Status() const {
+  v1::DrainDeviceResponse response;
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    v1::DeviceStatus* s = response.add_devices();
+    s->set_device(devices_[i]->device_name());
+    {
+      absl::MutexLock lock(&routes_[i]->mu);
+      s->set_draining(routes_[i]->draining);
+    }
+    s->set_in_flight(devices_[i]->in_flight());
+    for (const PipelineStateView& v : devices_[i]->PipelineStates()) {
+      if (v.state == "ready") s->add_pipelines(v.pipeline);
+    }
+  }
+  return response;
+}
+
+absl::StatusOr<v1::DrainDeviceResponse> DeviceSet::Drain(const std::string& device, bool drain) {
+  if (device.empty()) return absl::InvalidArgumentError("device is required (for example \"cuda:1\")");
+  ASSIGN_OR_RETURN(GenerationCore * core, Device(device));
+  for (size_t i = 0; i < devices_.size(); ++i) {
+    if (devices_[i].get() != core) continue;
+    absl::MutexLock lock(&routes_[i]->mu);
+    routes_[i]->draining = drain;
+  }
+  return Status();
+}
+
+std::vector<std::shared_ptr<const PlacementSnapshot>> DeviceSet::PlacementSnapshots() const {
+  std::vector<std::shared_ptr<const PlacementSnapshot>> out;
+  for (const auto& core : devices_) out.push_back(core->placement_snapshot());
+  return out;
+}
+
+std::vector<PipelineStateView> DeviceSet::PipelineStates() const {
+  std::vector<PipelineStateView> out;
+  for (const auto& core : devices_) {
+    for (PipelineStateView v : core->PipelineStates()) {
+      v.device = core->device_name();
+      out.push_back(std::move(v));
+    }
+  }
+  return out;
+}
+
+}  // namespace stowage

@@ -1,0 +1,84 @@
+// DeviceSet: the devices of one server and the routing of requests between them.
+//
+// Each device is a GenerationCore: its own backend, worker, queue, budget, placement registry and
+// strategy, changed only by its worker (server/device_worker.h). A pipeline is loaded onto one or
+// more devices (PipelineConfig.devices); each copy is a full replica, and a request goes to the
+// READY, non-draining replica with the shortest expected wait: (requests in flight there + 1) ×
+// that device's recent run time (an exponential average, 1 s before the first request). Batching
+// happens per replica (each device batches what it is sent). Draining a device sends new requests
+// elsewhere; the ones it accepted finish there.
+//
+// With one device this is a thin pass-through: behaviour and messages are GenerationCore's.
+//
+// Thread-safety: every method may be called from any thread but a device worker's.
+#ifndef STOWAGE_SERVER_DEVICE_SET_H_
+#define STOWAGE_SERVER_DEVICE_SET_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "server/generation_core.h"
+#include "server/metrics.h"
+#include "stowage/v1/admin.pb.h"
+#include "stowage/v1/config.pb.h"
+#include "stowage/v1/generation.pb.h"
+
+namespace stowage {
+
+class DeviceSet {
+ public:
+  // `config` must have been through FinalizeServerConfig. Creates every device (ServerConfig.devices,
+  // or the one ServerConfig.device) and loads each pipeline onto its devices; any failure fails
+  // Create. INVALID_ARGUMENT when two devices have one name or a pipeline names an unknown device.
+  static absl::StatusOr<std::unique_ptr<DeviceSet>> Create(const v1::ServerConfig& config, ServerMetrics* metrics);
+
+  // Routes to a replica (see above). NOT_FOUND for an unknown pipeline (GenerationCore's message);
+  // UNAVAILABLE when every replica's device is draining.
+  absl::StatusOr<v1::GenerateResponse> Generate(const v1::GenerateRequest& request, const CallControl& control);
+  // One entry per pipeline name: the first replica's description, with `devices` listing all.
+  v1::ListPipelinesResponse ListPipelines() const;
+  std::string PipelineLabel(const v1::GenerateRequest& request) const;
+
+  // Loads onto `config.devices` (default: the first device), one replica after the other; if one
+  // fails, the replicas already loaded are unloaded again and its error returned.
+  absl::StatusOr<v1::Pipeline> LoadPipeline(const v1::PipelineConfig& config, const Interrupt& interrupt);
+  // Unloads every replica. NOT_FOUND when no device has the pipeline.
+  absl::Status UnloadPipeline(const std::string& name, const Interrupt& interrupt);
+  // On every replica.
+  absl::StatusOr<v1::Pipeline> SetBatching(const std::string& pipeline, const v1::BatchingConfig& batching);
+
+  // The device named `name` ("" = the first). NOT_FOUND naming the devices there are.
+  absl::StatusOr<GenerationCore*> Device(const std::string& name) const;
+  const std::vector<std::unique_ptr<GenerationCore>>& devices() const { return devices_; }
+
+  // Marks a device draining (or serving again) and returns every device's status.
+  absl::StatusOr<v1::DrainDeviceResponse> Drain(const std::string& device, bool drain);
+
+  // For the metrics: every device's latest snapshot and every replica's lifecycle state.
+  std::vector<std::shared_ptr<const PlacementSnapshot>> PlacementSnapshots() const;
+  std::vector<PipelineStateView> PipelineStates() const;
+
+ private:
+  DeviceSet() = default;
+  struct Route {
+    absl::Mutex mu;
+    bool draining ABSL_GUARDED_BY(mu) = false;
+    double recent_run_seconds ABSL_GUARDED_BY(mu) = 1.0;
+  };
+  // The name a request asks for, with "" resolved to the default pipeline (the first device's that
+  // has one READY).
+  std::string Resolve(const std::string& requested) const;
+  bool Hosts(const GenerationCore& core, const std::string& pipeline) const;
+  v1::DrainDeviceResponse Status() const;
+
+  std::vector<std::unique_ptr<GenerationCore>> devices_;
+  std::vector<std::unique_ptr<Route>> routes_;  // Parallel to devices_.
+};
+
+}  // namespace stowage
+
+#endif  // STOWAGE_SERVER_DEVICE_SET_H_

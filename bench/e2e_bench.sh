@@ -9,7 +9,8 @@
 #
 #   bench/e2e_bench.sh SERVER STOWCTL MODEL_DIR OUT.jsonl MACHINE [SIZE] [STEPS] [SYSTEMS]
 # MODEL_DIR: written by `diffusers_pipeline_bench.py export` (real safetensors, random values).
-# SYSTEMS: "stowage diffusers" (default) or either one. RANDOM_WEIGHTS=true (environment): Stowage
+# SYSTEMS: "stowage diffusers" (default) or either one. LOAD_BENCH (environment): bench/load_bench,
+# to add "warm_persistent_client_s" (the median of three warm requests from one connected client). RANDOM_WEIGHTS=true (environment): Stowage
 # draws the weights from MODEL_DIR's configs instead of reading them (a row "weights":"random").
 set -euo pipefail
 server=$1 stowctl=$2 model_dir=$3 out=$4 machine=$5
@@ -41,6 +42,12 @@ CFG
     local e; e=$(date +%s.%N)
     python3 -c "import sys; print(float(sys.argv[2]) - float(sys.argv[1]))" "$s" "$e" >"$tmp/wall_$i"
   done
+  # The same warm request from a client that stays connected (no process start, no new channel),
+  # as diffusers' row measures an in-process call.
+  if [ -n "${LOAD_BENCH:-}" ]; then
+    "$LOAD_BENCH" --target="$target" --batch_sizes=keep --concurrency=1 --requests_per_client=3 --min_requests=3 \
+      --warmup=0 --size="$size" --steps="$steps" --mode=e2e --machine="$machine" --out="$tmp/persistent.jsonl" >/dev/null
+  fi
   kill $pid; wait $pid 2>/dev/null || true
   grep -i "warm" "$tmp/server.log" || true
   python3 - "$tmp" "$size" "$steps" "$machine" "$load_s" >>"$out" <<'PY'
@@ -64,6 +71,8 @@ row = {"bench": "e2e", "system": "stowage", "steps": int(steps), "size": int(siz
        "first_host_to_device_bytes": int(replies[0].get("hostToDeviceBytes", 0)),
        "peak_device_bytes": int(replies[-1].get("peakDeviceReservedBytes", 0)),
        "weights": "random" if os.environ.get("RANDOM_WEIGHTS") == "true" else "files", "machine": machine}
+if os.path.exists(f"{tmp}/persistent.jsonl"):
+    row["warm_persistent_client_s"] = json.loads(open(f"{tmp}/persistent.jsonl").readline())["p50_s"]
 print(json.dumps(row))
 PY
   tail -1 "$out"

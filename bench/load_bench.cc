@@ -38,7 +38,8 @@ ABSL_FLAG(std::string, pipeline, "", "Pipeline; empty = default.");
 ABSL_FLAG(int32_t, size, 1024, "Image width and height.");
 ABSL_FLAG(int32_t, steps, 8, "Denoising steps.");
 ABSL_FLAG(std::string, concurrency, "1,2,4,8", "Client counts, comma separated.");
-ABSL_FLAG(std::string, batch_sizes, "1,8", "max_batch_size settings, comma separated (1 = off).");
+ABSL_FLAG(std::string, batch_sizes, "1,8",
+          "max_batch_size settings, comma separated (1 = off); \"keep\": the server's own setting, no admin call.");
 ABSL_FLAG(int32_t, max_queue_delay_ms, 200,
           "max_queue_delay_ms when batching is on (about a reply's PNG transfer and the client's turnaround).");
 ABSL_FLAG(int32_t, requests_per_client, 4, "Requests each client sends per row.");
@@ -140,8 +141,9 @@ int main(int argc, char** argv) {
   std::printf("%-9s %-6s %4s %8s %8s %8s %10s %6s\n", "mode", "batch", "N", "img/s", "p50 s", "p99 s", "mean batch",
               "failed");
   int exit_code = 0;
-  for (const int batch : IntList(absl::GetFlag(FLAGS_batch_sizes))) {
-    if (!SetBatching(*admin, pipeline, batch, absl::GetFlag(FLAGS_max_queue_delay_ms))) return 1;
+  const bool keep = absl::GetFlag(FLAGS_batch_sizes) == "keep";
+  for (const int batch : keep ? std::vector<int>{0} : IntList(absl::GetFlag(FLAGS_batch_sizes))) {
+    if (!keep && !SetBatching(*admin, pipeline, batch, absl::GetFlag(FLAGS_max_queue_delay_ms))) return 1;
     for (int i = 0; i < absl::GetFlag(FLAGS_warmup); ++i) (void)GenerateOnce(*stub, 999, i);
     for (const int n : IntList(absl::GetFlag(FLAGS_concurrency))) {
       const int per_client = std::max(absl::GetFlag(FLAGS_requests_per_client),

@@ -7,7 +7,7 @@ scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 /usr/bin/python3 "$scripts/make_zimage_random_dir.py" "$TEST_TMPDIR/zimage" --size tiny >/dev/null
 bash "$scripts/overlap.sh" "$here/server/stowage_server" "$here/clients/stowctl/stowctl" "$TEST_TMPDIR/zimage" \
   "$TEST_TMPDIR/overlap.jsonl" ci 64 2
-bash "$scripts/e2e_bench.sh" "$here/server/stowage_server" "$here/clients/stowctl/stowctl" \
+LOAD_BENCH="$here/bench/load_bench" bash "$scripts/e2e_bench.sh" "$here/server/stowage_server" "$here/clients/stowctl/stowctl" \
   "$here/tests/fixtures/zimage_tiny/pipeline" "$TEST_TMPDIR/e2e.jsonl" ci 64 2 stowage
 /usr/bin/python3 - "$TEST_TMPDIR/overlap.jsonl" "$TEST_TMPDIR/e2e.jsonl" <<'PY'
 import json, sys
@@ -19,5 +19,6 @@ for r in overlap:
 assert e2e["bench"] == "e2e" and e2e["system"] == "stowage" and e2e["steps"] == 2 and e2e["size"] == 64, e2e
 assert 0 < e2e["warm_s"] and 0 < e2e["first_s"] and e2e["server_denoise_s"] > 0, e2e
 assert set(e2e["first_stages_s"]) >= {"encode_prompt", "denoise", "decode", "encode_image"}, e2e
+assert 0 < e2e["warm_persistent_client_s"] <= e2e["warm_s"] * 3, e2e
 print("ok")
 PY

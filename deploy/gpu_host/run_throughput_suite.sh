@@ -43,7 +43,7 @@ for part in ${PARTS:-e2e batching}; do
         stamp "export exit $?"
       fi
       stamp "e2e"
-      timeout "${E2E_TIMEOUT:-300}" bash bench/e2e_bench.sh "$build/server/stowage_server" \
+      LOAD_BENCH="$build/bench/load_bench" timeout "${E2E_TIMEOUT:-300}" bash bench/e2e_bench.sh "$build/server/stowage_server" \
         "$build/clients/stowctl/stowctl" /tmp/zimage-e2e "$OUT/e2e.jsonl" "$machine" 1024 8 \
         "${E2E_SYSTEMS:-stowage diffusers}" >"$OUT/e2e.txt" 2>&1
       stamp "e2e exit $?"
@@ -62,7 +62,7 @@ for part in ${PARTS:-e2e batching}; do
     e2e_random)
       python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
       stamp "e2e (Stowage, random weights)"
-      RANDOM_WEIGHTS=true timeout "${E2E_TIMEOUT:-300}" bash bench/e2e_bench.sh "$build/server/stowage_server" \
+      LOAD_BENCH="$build/bench/load_bench" RANDOM_WEIGHTS=true timeout "${E2E_TIMEOUT:-300}" bash bench/e2e_bench.sh "$build/server/stowage_server" \
         "$build/clients/stowctl/stowctl" /tmp/zimage-full "$OUT/e2e_random.jsonl" "$machine" 1024 8 stowage \
         >"$OUT/e2e_random.txt" 2>&1
       stamp "e2e_random exit $?"

@@ -1,0 +1,107 @@
+#include "models/t5_encoder.h"
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <gtest/gtest.h>
+
+#include "google/protobuf/util/json_util.h"
+#include "models/weight_init.h"
+
+namespace stowage {
+namespace {
+
+T5Config Tiny() {
+  T5Config c;
+  c.vocab_size = 64;
+  c.d_model = 32;
+  c.d_kv = 8;
+  c.d_ff = 48;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  return c;
+}
+
+// The state-dict names and shapes transformers' T5EncoderModel has for this config.
+TEST(T5EncoderTest, ParameterNamesAndShapesMatchTransformers) {
+  T5Encoder model(Tiny(), LayerOptions{});
+  std::map<std::string, std::vector<int64_t>> shapes;
+  model.ForEachSlot([&](Module& owner, TensorSlot& slot) { shapes[owner.SlotPath(slot)] = slot.value.sizes().vec(); });
+  const std::map<std::string, std::vector<int64_t>> expected = {
+      {"shared.weight", {64, 32}},
+      {"encoder.block.0.layer.0.SelfAttention.q.weight", {32, 32}},
+      {"encoder.block.0.layer.0.SelfAttention.o.weight", {32, 32}},
+      {"encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", {32, 4}},
+      {"encoder.block.0.layer.0.layer_norm.weight", {32}},
+      {"encoder.block.1.layer.1.DenseReluDense.wi_0.weight", {48, 32}},
+      {"encoder.block.1.layer.1.DenseReluDense.wi_1.weight", {48, 32}},
+      {"encoder.block.1.layer.1.DenseReluDense.wo.weight", {32, 48}},
+      {"encoder.block.1.layer.1.layer_norm.weight", {32}},
+      {"encoder.final_layer_norm.weight", {32}},
+  };
+  for (const auto& [name, shape] : expected) {
+    ASSERT_EQ(shapes.count(name), 1u) << name;
+    EXPECT_EQ(shapes.at(name), shape) << name;
+  }
+  EXPECT_EQ(shapes.count("encoder.block.1.layer.0.SelfAttention.relative_attention_bias.weight"), 0u);
+  EXPECT_EQ(shapes.size(), 1u + 2 * 9 + 1 + 1);  // Embedding, 9 per block, the bias table, final norm.
+}
+
+// transformers' _relative_position_bucket (bidirectional, 32 buckets, max distance 128) for
+// chosen relative positions (key − query).
+TEST(T5EncoderTest, RelativePositionBucketsFollowT5) {
+  const at::Tensor b = T5RelativePositionBuckets(1, 300, 32, 128);  // Query 0: relative = key index.
+  // (Powers of two sit on bucket edges where float32 rounding decides; the values here do not.)
+  const std::map<int64_t, int64_t> expected = {{0, 0},   {1, 17},  {7, 23},   {8, 24},   {12, 25},
+                                               {20, 26}, {40, 28}, {100, 31}, {127, 31}, {299, 31}};
+  for (const auto& [relative, bucket] : expected) EXPECT_EQ(b[0][relative].item<int64_t>(), bucket) << relative;
+  const at::Tensor n = T5RelativePositionBuckets(300, 1, 32, 128);  // Key 0: relative = −query index.
+  const std::map<int64_t, int64_t> negative = {{1, 1}, {7, 7}, {8, 8}, {12, 9}, {20, 10}, {40, 12}, {299, 15}};
+  for (const auto& [distance, bucket] : negative) EXPECT_EQ(n[distance][0].item<int64_t>(), bucket) << -distance;
+}
+
+TEST(T5EncoderTest, ForwardMaskAndShapes) {
+  T5Encoder model(Tiny(), LayerOptions{});
+  InitializeRandomWeights(model, 6);
+  c10::InferenceMode guard;
+  const at::Tensor ids = at::tensor(std::vector<int64_t>{3, 9, 27, 1, 0, 0}).view({1, 6});
+  const at::Tensor out = model.Forward(ids);
+  EXPECT_EQ(out.sizes(), (std::vector<int64_t>{1, 6, 32}));
+  EXPECT_TRUE(out.isfinite().all().item<bool>());
+  // Bidirectional: a later token changes earlier positions (unlike CLIP).
+  at::Tensor changed = ids.clone();
+  changed[0][3] = 40;
+  EXPECT_FALSE(at::allclose(model.Forward(changed)[0][0], out[0][0]));
+  // A masked key changes nothing for the others: padding positions are invisible.
+  const at::Tensor mask = at::tensor(std::vector<int64_t>{1, 1, 1, 1, 0, 0}).view({1, 6});
+  const at::Tensor masked = model.Forward(ids, mask);
+  at::Tensor other_pad = ids.clone();
+  other_pad[0][5] = 50;
+  EXPECT_TRUE(at::allclose(model.Forward(other_pad, mask).slice(1, 0, 4), masked.slice(1, 0, 4), 1e-6, 1e-6));
+  EXPECT_FALSE(at::allclose(model.Forward(other_pad).slice(1, 0, 4), out.slice(1, 0, 4)));
+}
+
+TEST(T5EncoderTest, ConfigFromJsonValidates) {
+  google::protobuf::Struct json;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(
+                  R"({"vocab_size": 32128, "d_model": 4096, "d_kv": 64, "d_ff": 10240, "num_layers": 24,
+                      "num_heads": 64, "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
+                      "layer_norm_epsilon": 1e-06, "feed_forward_proj": "gated-gelu"})",
+                  &json)
+                  .ok());
+  ASSERT_TRUE(T5ConfigFromJson(json).ok());
+  (*json.mutable_fields())["feed_forward_proj"].set_string_value("relu");
+  EXPECT_EQ(T5ConfigFromJson(json).status().code(), absl::StatusCode::kUnimplemented);
+  (*json.mutable_fields())["feed_forward_proj"].set_string_value("gated-gelu");
+  (*json.mutable_fields())["relative_attention_num_buckets"].set_number_value(31);
+  EXPECT_NE(T5ConfigFromJson(json).status().message().find("relative_attention_num_buckets"), std::string::npos);
+  (*json.mutable_fields())["relative_attention_num_buckets"].set_number_value(32);
+  (*json.mutable_fields())["num_layers"].set_number_value(0);
+  EXPECT_EQ(T5ConfigFromJson(json).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace stowage

@@ -9,6 +9,8 @@
 #             -> $OUT/e2e_random.jsonl
 #   probe     bench/first_request_probe.sh: first uses of new prompt lengths, lazy vs eager CUDA
 #             module loading -> $OUT/first_request_probe.jsonl
+#   equivalence  bench/batch_equivalence: four requests as one batch vs each alone, bf16 on CUDA
+#             (the issue's "within one 8-bit level") -> $OUT/batch_vs_alone.jsonl
 #   overlap   bench/overlap.sh on /tmp/zimage-full: every component group-offloaded, cross-component
 #             prefetch off and on -> $OUT/overlap.jsonl
 #   batching  bench/batching.sh on /tmp/zimage-full (random weights from configs), resident and
@@ -75,6 +77,28 @@ for part in ${PARTS:-e2e batching}; do
         "$build/clients/stowctl/stowctl" /tmp/zimage-full "$OUT/first_request_probe.jsonl" "$machine" 1024 8 \
         >"$OUT/first_request_probe.txt" 2>&1
       stamp "probe exit $?"
+      ;;
+    equivalence)
+      python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
+      stamp "batch vs alone"
+      cat >/tmp/equivalence.textproto <<CFG
+grpc_address: "127.0.0.1:0"
+metrics_address: "none"
+auth { admin_token: "t" }
+pipelines { name: "zimage" model_dir: "/tmp/zimage-full" random_weights: true dtype: "bfloat16" }
+CFG
+      rm -f /tmp/equivalence.ports
+      "$build/server/stowage_server" --config=/tmp/equivalence.textproto --port_file=/tmp/equivalence.ports \
+        >"$OUT/equivalence_server.log" 2>&1 &
+      eq_pid=$!
+      for _ in $(seq 1200); do [ -s /tmp/equivalence.ports ] && break; sleep 0.1; done
+      eq_target=$(sed -E 's/.*"grpc_address": "([^"]+)".*/\1/' /tmp/equivalence.ports)
+      timeout "${EQUIVALENCE_TIMEOUT:-150}" "$build/bench/batch_equivalence" --target="$eq_target" --token=t \
+        --members=4 --size=1024 --steps=8 --machine="$machine" --out="$OUT/batch_vs_alone.jsonl" \
+        >"$OUT/equivalence.txt" 2>&1
+      stamp "equivalence exit $?"
+      kill $eq_pid; wait $eq_pid 2>/dev/null
+      cat "$OUT/equivalence.txt" >>"$OUT/summary.txt"
       ;;
     overlap)
       python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# bench/batch_equivalence against a server on the simulated device (zimage-tiny, float32): a batch of
+# three requests with different prompt lengths and seeds gives each the PNG it gets alone (the
+# float32 promise), and the row says so.
+set -euo pipefail
+here=$(pwd)
+tmp="$TEST_TMPDIR"
+cat >"$tmp/config.textproto" <<CFG
+grpc_address: "127.0.0.1:0"
+metrics_address: "none"
+auth { admin_token: "t" }
+pipelines { name: "zimage-tiny" builtin: "zimage-tiny" }
+CFG
+"$here/server/stowage_server" --config="$tmp/config.textproto" --port_file="$tmp/ports.json" >"$tmp/server.log" 2>&1 &
+pid=$!
+trap 'kill $pid 2>/dev/null || true; wait $pid 2>/dev/null || true' EXIT
+for _ in $(seq 600); do [ -s "$tmp/ports.json" ] && break; sleep 0.1; done
+target=$(/usr/bin/python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['grpc_address'])" "$tmp/ports.json")
+"$here/bench/batch_equivalence" --target="$target" --token=t --members=3 --size=64 --steps=3 --machine=ci \
+  --out="$tmp/rows.jsonl"
+/usr/bin/python3 - "$tmp/rows.jsonl" <<'PY'
+import json, sys
+(row,) = [json.loads(line) for line in open(sys.argv[1])]
+assert row["bench"] == "batch_vs_alone" and row["batch_sizes"] == [3, 3, 3], row
+assert row["max_abs_diff"] == 0 and row["values_over_1"] == 0 and row["identical_images"] == 3, row
+assert row["values"] == 3 * 64 * 64 * 3, row
+print("ok", row)
+PY

@@ -25,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "bench/bench_client.h"
 #include "models/image.h"
 #include "stowage/v1/admin.grpc.pb.h"
 #include "stowage/v1/generation.grpc.pb.h"
@@ -43,18 +44,8 @@ namespace {
 using stowage::v1::AdminService;
 using stowage::v1::GenerationService;
 
-bool SetBatching(AdminService::Stub& admin, const std::string& pipeline, int size) {
-  stowage::v1::SetBatchingRequest request;
-  request.set_pipeline(pipeline);
-  request.mutable_batching()->set_max_batch_size(size);
-  request.mutable_batching()->set_max_queue_delay_ms(size > 1 ? 10000 : 0);  // Held until full.
-  grpc::ClientContext context;
-  context.AddMetadata("authorization", "Bearer " + absl::GetFlag(FLAGS_token));
-  stowage::v1::SetBatchingResponse response;
-  const grpc::Status status = admin.SetBatching(&context, request, &response);
-  if (!status.ok()) std::cerr << "batch_equivalence: SetBatching: " << status.error_message() << "\n";
-  return status.ok();
-}
+// Batches held open until they are full (the test sends exactly that many requests at once).
+constexpr int kHoldMs = 10000;
 
 stowage::v1::GenerateRequest Request(const std::string& pipeline, int i) {
   // Prompts of different lengths: the batch pads and masks them.
@@ -95,15 +86,10 @@ int main(int argc, char** argv) {
   auto stub = GenerationService::NewStub(channel);
   auto admin = AdminService::NewStub(channel);
   std::string pipeline = absl::GetFlag(FLAGS_pipeline);
-  if (pipeline.empty()) {
-    stowage::v1::ListPipelinesResponse list;
-    grpc::ClientContext context;
-    if (!stub->ListPipelines(&context, {}, &list).ok()) return 1;
-    for (const auto& p : list.pipelines()) {
-      if (p.is_default()) pipeline = p.name();
-    }
-  }
-  if (!SetBatching(*admin, pipeline, members)) return 1;
+  if (pipeline.empty()) pipeline = stowage::bench::DefaultPipeline(*stub);
+  if (pipeline.empty()) return 1;
+  const std::string token = absl::GetFlag(FLAGS_token);
+  if (!stowage::bench::SetBatching(*admin, token, pipeline, members, kHoldMs)) return 1;
   std::vector<stowage::v1::GenerateResponse> batched(static_cast<size_t>(members));
   std::vector<char> ok(static_cast<size_t>(members), 0);
   std::vector<std::thread> threads;
@@ -111,7 +97,7 @@ int main(int argc, char** argv) {
     threads.emplace_back([&, i] { ok[i] = Generate(*stub, Request(pipeline, i), &batched[i]) ? 1 : 0; });
   }
   for (std::thread& t : threads) t.join();
-  if (!SetBatching(*admin, pipeline, 1)) return 1;
+  if (!stowage::bench::SetBatching(*admin, token, pipeline, 1, 0)) return 1;
   int max_diff = 0;
   int64_t over_one = 0, values = 0, identical = 0;
   std::vector<int> batch_sizes;

@@ -29,6 +29,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "bench/bench_client.h"
 #include "stowage/v1/admin.grpc.pb.h"
 #include "stowage/v1/generation.grpc.pb.h"
 
@@ -101,19 +102,6 @@ Outcome GenerateOnce(stowage::v1::GenerationService::Stub& stub, int client, int
   return o;
 }
 
-bool SetBatching(stowage::v1::AdminService::Stub& admin, const std::string& pipeline, int size, int delay) {
-  stowage::v1::SetBatchingRequest request;
-  request.set_pipeline(pipeline);
-  request.mutable_batching()->set_max_batch_size(size);
-  request.mutable_batching()->set_max_queue_delay_ms(size > 1 ? delay : 0);
-  grpc::ClientContext context;
-  context.AddMetadata("authorization", "Bearer " + absl::GetFlag(FLAGS_token));
-  stowage::v1::SetBatchingResponse response;
-  const grpc::Status status = admin.SetBatching(&context, request, &response);
-  if (!status.ok()) std::cerr << "load_bench: SetBatching: " << status.error_message() << "\n";
-  return status.ok();
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -124,18 +112,8 @@ int main(int argc, char** argv) {
   auto stub = stowage::v1::GenerationService::NewStub(channel);
   auto admin = stowage::v1::AdminService::NewStub(channel);
   std::string pipeline = absl::GetFlag(FLAGS_pipeline);
-  if (pipeline.empty()) {
-    stowage::v1::ListPipelinesResponse list;
-    grpc::ClientContext context;
-    const grpc::Status status = stub->ListPipelines(&context, {}, &list);
-    if (!status.ok() || list.pipelines().empty()) {
-      std::cerr << "load_bench: ListPipelines: " << status.error_message() << "\n";
-      return 1;
-    }
-    for (const auto& p : list.pipelines()) {
-      if (p.is_default()) pipeline = p.name();
-    }
-  }
+  if (pipeline.empty()) pipeline = stowage::bench::DefaultPipeline(*stub);
+  if (pipeline.empty()) return 1;
   std::ofstream out;
   if (!absl::GetFlag(FLAGS_out).empty()) out.open(absl::GetFlag(FLAGS_out), std::ios::app);
   std::printf("%-9s %-6s %4s %8s %8s %8s %10s %6s\n", "mode", "batch", "N", "img/s", "p50 s", "p99 s", "mean batch",
@@ -143,7 +121,10 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   const bool keep = absl::GetFlag(FLAGS_batch_sizes) == "keep";
   for (const int batch : keep ? std::vector<int>{0} : IntList(absl::GetFlag(FLAGS_batch_sizes))) {
-    if (!keep && !SetBatching(*admin, pipeline, batch, absl::GetFlag(FLAGS_max_queue_delay_ms))) return 1;
+    if (!keep && !stowage::bench::SetBatching(*admin, absl::GetFlag(FLAGS_token), pipeline, batch,
+                                               absl::GetFlag(FLAGS_max_queue_delay_ms))) {
+      return 1;
+    }
     for (int i = 0; i < absl::GetFlag(FLAGS_warmup); ++i) (void)GenerateOnce(*stub, 999, i);
     for (const int n : IntList(absl::GetFlag(FLAGS_concurrency))) {
       const int per_client = std::max(absl::GetFlag(FLAGS_requests_per_client),

@@ -1,7 +1,6 @@
 #include "server/device_set.h"
 
 #include <algorithm>
-#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -73,19 +72,11 @@ absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerCon
   return set;
 }
 
-bool DeviceSet::Hosts(const GenerationCore& core, const std::string& pipeline) const {
-  for (const PipelineStateView& v : core.PipelineStates()) {
-    if (v.pipeline == pipeline && v.state == "ready") return true;
-  }
-  return false;
-}
-
 std::string DeviceSet::Resolve(const std::string& requested) const {
   if (!requested.empty()) return requested;
   for (const auto& core : devices_) {
-    v1::GenerateRequest probe;
-    const std::string name = core->PipelineLabel(probe);  // That device's default, or "unknown".
-    if (name != "unknown" && Hosts(*core, name)) return name;
+    std::string name = core->ReadyDefault();
+    if (!name.empty()) return name;
   }
   return requested;
 }
@@ -107,7 +98,7 @@ absl::StatusOr<v1::GenerateResponse> DeviceSet::Generate(const v1::GenerateReque
   double best_wait = 0;
   std::vector<std::string> draining;
   for (size_t i = 0; i < devices_.size(); ++i) {
-    if (name.empty() || !Hosts(*devices_[i], name)) continue;
+    if (name.empty() || !devices_[i]->IsReady(name)) continue;
     Route& route = *routes_[i];
     absl::MutexLock lock(&route.mu);
     if (route.draining) {
@@ -231,7 +222,7 @@ absl::StatusOr<v1::Pipeline> DeviceSet::SetBatching(const std::string& pipeline,
   absl::StatusOr<v1::Pipeline> last = absl::NotFoundError("");
   std::vector<std::string> on;
   for (const auto& core : devices_) {
-    if (!Hosts(*core, pipeline)) continue;
+    if (!core->IsReady(pipeline)) continue;
     last = core->SetBatching(pipeline, batching);
     if (!last.ok()) return last.status();
     on.push_back(core->device_name());

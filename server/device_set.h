@@ -72,7 +72,6 @@ class DeviceSet {
   // The name a request asks for, with "" resolved to the default pipeline (the first device's that
   // has one READY).
   std::string Resolve(const std::string& requested) const;
-  bool Hosts(const GenerationCore& core, const std::string& pipeline) const;
   v1::DrainDeviceResponse Status() const;
 
   std::vector<std::unique_ptr<GenerationCore>> devices_;

@@ -145,6 +145,20 @@ std::vector<PipelineStateView> GenerationCore::PipelineStates() const {
   return states;
 }
 
+bool GenerationCore::IsReady(const std::string& name) const {
+  for (const HostedPipelines::View& view : pipelines_.List()) {
+    if (view.name == name) return view.state == PipelineState::kReady;
+  }
+  return false;
+}
+
+std::string GenerationCore::ReadyDefault() const {
+  for (const HostedPipelines::View& view : pipelines_.List()) {
+    if (view.is_default && view.state == PipelineState::kReady) return view.name;
+  }
+  return "";
+}
+
 absl::Status GenerationCore::ChangeDevice(const std::function<absl::Status(PlacementManager&)>& change,
                                           const Interrupt& interrupt) {
   return worker_->RunTask(

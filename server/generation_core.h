@@ -90,6 +90,10 @@ class GenerationCore {
   std::vector<PlacementDecision> DecisionLog(size_t limit) const;
   // Each hosted pipeline's lifecycle state, for metrics.
   std::vector<PipelineStateView> PipelineStates() const;
+  // True when `name` is hosted here and READY (for routing).
+  bool IsReady(const std::string& name) const;
+  // The default pipeline's name when it is READY, else "".
+  std::string ReadyDefault() const;
   const std::string& device_name() const { return device_name_; }
   // Requests accepted by Generate and not yet returned (queued or running); for routing.
   int in_flight() const { return in_flight_.load(std::memory_order_relaxed); }

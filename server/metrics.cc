@@ -84,11 +84,7 @@ class PlacementCollectable : public prometheus::Collectable {
                                  "1 for the lifecycle state each hosted pipeline is in, per device it is on.",
                                  MetricType::Gauge);
     for (const PipelineStateView& p : pipelines_()) {
-      if (p.device.empty()) {
-        Add(pipeline_state, 1, {{"pipeline", p.pipeline}, {"state", p.state}});
-      } else {
-        Add(pipeline_state, 1, {{"pipeline", p.pipeline}, {"state", p.state}, {"device", p.device}});
-      }
+      Add(pipeline_state, 1, {{"pipeline", p.pipeline}, {"state", p.state}, {"device", p.device}});
     }
     auto state = Family("stowage_component_state", "1 for the state each component is in.", MetricType::Gauge);
     auto device = Family("stowage_component_device_bytes",

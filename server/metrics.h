@@ -62,7 +62,7 @@ std::shared_ptr<prometheus::Collectable> MakeProcessMemoryCollectable();
 struct PipelineStateView {
   std::string pipeline;
   std::string state;
-  std::string device;  // Set by DeviceSet (one view per replica).
+  std::string device;  // The device the replica is on (DeviceSet sets it).
 };
 // Every device's snapshot (one per device).
 using PlacementSnapshotSource = std::function<std::vector<std::shared_ptr<const PlacementSnapshot>>()>;

@@ -11,12 +11,10 @@ metrics_address: "none"
 auth { admin_token: "t" }
 pipelines { name: "zimage-tiny" builtin: "zimage-tiny" }
 CFG
-"$here/server/stowage_server" --config="$tmp/config.textproto" --port_file="$tmp/ports.json" >"$tmp/server.log" 2>&1 &
-pid=$!
-trap 'kill $pid 2>/dev/null || true; wait $pid 2>/dev/null || true' EXIT
-for _ in $(seq 600); do [ -s "$tmp/ports.json" ] && break; sleep 0.1; done
-target=$(/usr/bin/python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['grpc_address'])" "$tmp/ports.json")
-"$here/bench/batch_equivalence" --target="$target" --token=t --members=3 --size=64 --steps=3 --machine=ci \
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/serve_lib.sh"
+start_server "$here/server/stowage_server" "$tmp/config.textproto" "$tmp/server.log"
+trap stop_server EXIT
+"$here/bench/batch_equivalence" --target="$TARGET" --token=t --members=3 --size=64 --steps=3 --machine=ci \
   --out="$tmp/rows.jsonl"
 /usr/bin/python3 - "$tmp/rows.jsonl" <<'PY'
 import json, sys

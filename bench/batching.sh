@@ -19,6 +19,7 @@ server=$1 load_bench=$2 model_dir=$3 out=$4
 size=${5:-1024} steps=${6:-8} machine=${7:-unknown} dtype=${8:-bfloat16}
 concurrency=${9:-1,2,4,8} batch_sizes=${10:-1,8} per_client=${11:-3} min_requests=${12:-8}
 tmp=$(mktemp -d)
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/serve_lib.sh"
 trap 'rm -rf "$tmp"' EXIT
 token=bench-token
 
@@ -35,18 +36,12 @@ auth { admin_token: "$token" }
 pipelines { name: "zimage" model_dir: "$model_dir" random_weights: true dtype: "$dtype" $offload }
 $strategy
 CFG
-  rm -f "$tmp/ports.json"
-  "$server" --config="$tmp/$mode.textproto" --port_file="$tmp/ports.json" >"$tmp/$mode.log" 2>&1 &
-  local pid=$!
-  for _ in $(seq 6000); do [ -s "$tmp/ports.json" ] && break; kill -0 $pid 2>/dev/null || break; sleep 0.1; done
-  if [ ! -s "$tmp/ports.json" ]; then echo "mode $mode: server did not start"; cat "$tmp/$mode.log"; kill $pid 2>/dev/null; return 1; fi
-  local target
-  target=$(sed -E 's/.*"grpc_address": "([^"]+)".*/\1/' "$tmp/ports.json")
+  start_server "$server" "$tmp/$mode.textproto" "$tmp/$mode.log" || return 1
   local rc=0
-  "$load_bench" --target="$target" --token="$token" --mode="$mode" --machine="$machine" --size="$size" \
+  "$load_bench" --target="$TARGET" --token="$token" --mode="$mode" --machine="$machine" --size="$size" \
     --steps="$steps" --concurrency="$concurrency" --batch_sizes="$batch_sizes" --requests_per_client="$per_client" \
     --min_requests="$min_requests" --max_queue_delay_ms="${MAX_QUEUE_DELAY_MS:-200}" --out="$out" || rc=$?
-  kill $pid; wait $pid 2>/dev/null || true
+  stop_server
   return $rc
 }
 

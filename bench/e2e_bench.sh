@@ -17,6 +17,7 @@ server=$1 stowctl=$2 model_dir=$3 out=$4 machine=$5
 size=${6:-1024} steps=${7:-8} systems=${8:-stowage diffusers}
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 tmp=$(mktemp -d)
+source "$here/serve_lib.sh"
 trap 'rm -rf "$tmp"' EXIT
 prompt="a lighthouse on a cliff at dusk, oil painting"
 
@@ -28,16 +29,12 @@ pipelines { name: "zimage" model_dir: "$model_dir" dtype: "bfloat16" random_weig
 strategy { workflow { rules { keep_resident: "text_encoder" } rules { keep_resident: "transformer" } rules { keep_resident: "vae" } } }
 CFG
   local t0; t0=$(date +%s.%N)
-  "$server" --config="$tmp/e2e.textproto" --port_file="$tmp/ports.json" >"$tmp/server.log" 2>&1 &
-  local pid=$!
-  for _ in $(seq 6000); do [ -s "$tmp/ports.json" ] && break; kill -0 $pid 2>/dev/null || break; sleep 0.05; done
-  [ -s "$tmp/ports.json" ] || { echo "server did not start"; cat "$tmp/server.log"; return 1; }
+  start_server "$server" "$tmp/e2e.textproto" "$tmp/server.log" || return 1
   local ready; ready=$(date +%s.%N)
   local load_s; load_s=$(python3 -c "import sys; print(float(sys.argv[2]) - float(sys.argv[1]))" "$t0" "$ready")
-  local target; target=$(sed -E 's/.*"grpc_address": "([^"]+)".*/\1/' "$tmp/ports.json")
   for i in 0 1 2 3; do
     local s; s=$(date +%s.%N)
-    "$stowctl" --target="$target" generate --prompt="$prompt" --width="$size" --height="$size" --steps="$steps" \
+    "$stowctl" --target="$TARGET" generate --prompt="$prompt" --width="$size" --height="$size" --steps="$steps" \
       --guidance=0 --seed="$i" --json --out="$tmp/e2e_$i.png" >"$tmp/reply_$i.json"
     local e; e=$(date +%s.%N)
     python3 -c "import sys; print(float(sys.argv[2]) - float(sys.argv[1]))" "$s" "$e" >"$tmp/wall_$i"
@@ -45,10 +42,10 @@ CFG
   # The same warm request from a client that stays connected (no process start, no new channel),
   # as diffusers' row measures an in-process call.
   if [ -n "${LOAD_BENCH:-}" ]; then
-    "$LOAD_BENCH" --target="$target" --batch_sizes=keep --concurrency=1 --requests_per_client=3 --min_requests=3 \
+    "$LOAD_BENCH" --target="$TARGET" --batch_sizes=keep --concurrency=1 --requests_per_client=3 --min_requests=3 \
       --warmup=0 --size="$size" --steps="$steps" --mode=e2e --machine="$machine" --out="$tmp/persistent.jsonl" >/dev/null
   fi
-  kill $pid; wait $pid 2>/dev/null || true
+  stop_server
   grep -i "warm" "$tmp/server.log" || true
   python3 - "$tmp" "$size" "$steps" "$machine" "$load_s" >>"$out" <<'PY'
 import json, os, statistics, sys

@@ -12,6 +12,7 @@ set -euo pipefail
 server=$1 stowctl=$2 model_dir=$3 out=$4 machine=$5
 size=${6:-1024} steps=${7:-8}
 tmp=$(mktemp -d)
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/serve_lib.sh"
 trap 'rm -rf "$tmp"' EXIT
 p1="a lighthouse on a cliff at dusk, oil painting"
 p2="a crowded night market in the rain, neon signs reflected in puddles, steam rising from food stalls, people with umbrellas, cinematic"
@@ -24,17 +25,12 @@ metrics_address: "none"
 pipelines { name: "zimage" model_dir: "$model_dir" random_weights: true dtype: "bfloat16" }
 strategy { workflow { rules { keep_resident: "text_encoder" } rules { keep_resident: "transformer" } rules { keep_resident: "vae" } } }
 CFG
-  rm -f "$tmp/ports.json"
-  CUDA_MODULE_LOADING=$loading "$server" --config="$tmp/c.textproto" --port_file="$tmp/ports.json" >"$tmp/server.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 6000); do [ -s "$tmp/ports.json" ] && break; kill -0 $pid 2>/dev/null || break; sleep 0.05; done
-  [ -s "$tmp/ports.json" ] || { echo "server did not start"; cat "$tmp/server.log"; exit 1; }
+  CUDA_MODULE_LOADING=$loading start_server "$server" "$tmp/c.textproto" "$tmp/server.log" || exit 1
   grep -i "warmed" "$tmp/server.log" || true
-  target=$(sed -E 's/.*"grpc_address": "([^"]+)".*/\1/' "$tmp/ports.json")
   i=0
   for prompt in "$p1" "$p1" "$p2" "$p2" "$p3" "$w"; do
     s=$(date +%s.%N)
-    "$stowctl" --target="$target" generate --prompt="$prompt" --width="$size" --height="$size" --steps="$steps" \
+    "$stowctl" --target="$TARGET" generate --prompt="$prompt" --width="$size" --height="$size" --steps="$steps" \
       --guidance=0 --seed=1 --json >"$tmp/reply.json"
     e=$(date +%s.%N)
     python3 - "$tmp/reply.json" "$s" "$e" "$loading" "$i" "${#prompt}" "$machine" >>"$out" <<'PY'
@@ -49,5 +45,5 @@ PY
     tail -1 "$out"
     i=$((i + 1))
   done
-  kill $pid; wait $pid 2>/dev/null || true
+  stop_server
 done

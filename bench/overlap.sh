@@ -11,6 +11,7 @@ set -euo pipefail
 server=$1 stowctl=$2 model_dir=$3 out=$4 machine=$5
 size=${6:-1024} steps=${7:-8} random=${8:-true}
 tmp=$(mktemp -d)
+source "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/serve_lib.sh"
 trap 'rm -rf "$tmp"' EXIT
 group='group_offload { enabled: true defaults { offload_type: BLOCK_LEVEL num_blocks_per_group: 1 use_stream: true } overrides { key: "vae" value { offload_type: BLOCK_LEVEL block_modules: "decoder.up_blocks" use_stream: true } } }'
 
@@ -21,20 +22,15 @@ metrics_address: "none"
 device { prefetch_next_component: $prefetch }
 pipelines { name: "zimage" model_dir: "$model_dir" random_weights: $random dtype: "bfloat16" warmup: false $group }
 CFG
-  rm -f "$tmp/ports.json"
-  "$server" --config="$tmp/c.textproto" --port_file="$tmp/ports.json" >"$tmp/server.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 6000); do [ -s "$tmp/ports.json" ] && break; kill -0 $pid 2>/dev/null || break; sleep 0.05; done
-  [ -s "$tmp/ports.json" ] || { echo "server did not start"; cat "$tmp/server.log"; exit 1; }
-  target=$(sed -E 's/.*"grpc_address": "([^"]+)".*/\1/' "$tmp/ports.json")
+  start_server "$server" "$tmp/c.textproto" "$tmp/server.log" || exit 1
   for i in 0 1 2 3; do
     s=$(date +%s.%N)
-    "$stowctl" --target="$target" generate --prompt="a lighthouse on a cliff at dusk" --width="$size" \
+    "$stowctl" --target="$TARGET" generate --prompt="a lighthouse on a cliff at dusk" --width="$size" \
       --height="$size" --steps="$steps" --guidance=0 --seed="$i" --json >"$tmp/reply_$i.json"
     e=$(date +%s.%N)
     python3 -c "import sys; print(float(sys.argv[2]) - float(sys.argv[1]))" "$s" "$e" >"$tmp/wall_$i"
   done
-  kill $pid; wait $pid 2>/dev/null || true
+  stop_server
   python3 - "$tmp" "$prefetch" "$size" "$steps" "$machine" >>"$out" <<'PY'
 import json, sys
 tmp, prefetch, size, steps, machine = sys.argv[1:]

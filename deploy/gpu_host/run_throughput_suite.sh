@@ -25,6 +25,7 @@ mkdir -p "$OUT"
 start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$OUT/summary.txt"; }
 build="$repo_root/build/gpu"
+source "$repo_root/bench/serve_lib.sh"
 
 stamp "build"
 logs="$(mktemp -d /tmp/stowage-tp-logs.XXXXXX)"
@@ -35,6 +36,9 @@ tail -5 "$logs/summary.txt" >>"$OUT/summary.txt" 2>/dev/null
 export LD_LIBRARY_PATH="/tmp/stowage-deps/usr/lib/x86_64-linux-gnu:$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))'):${LD_LIBRARY_PATH:-}"
 export PYTHONPATH="$repo_root/.ref/diffusers/src" PYTHONUNBUFFERED=1
 machine="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(nproc) cores, commit ${STOWAGE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+
+# Z-Image at its published shapes, configs only (random weights are drawn from them).
+full_shapes_dir() { python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null; }
 
 for part in ${PARTS:-e2e batching}; do
   case $part in
@@ -52,7 +56,7 @@ for part in ${PARTS:-e2e batching}; do
       tail -4 "$OUT/e2e.txt" >>"$OUT/summary.txt"
       ;;
     batching)
-      python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
+      full_shapes_dir
       stamp "batching"
       timeout "${BATCHING_TIMEOUT:-480}" bash bench/batching.sh "$build/server/stowage_server" \
         "$build/bench/load_bench" /tmp/zimage-full "$OUT/batching.jsonl" 1024 8 "$machine" bfloat16 \
@@ -62,7 +66,7 @@ for part in ${PARTS:-e2e batching}; do
       cat "$OUT/batching.txt" >>"$OUT/summary.txt"
       ;;
     e2e_random)
-      python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
+      full_shapes_dir
       stamp "e2e (Stowage, random weights)"
       LOAD_BENCH="$build/bench/load_bench" RANDOM_WEIGHTS=true timeout "${E2E_TIMEOUT:-300}" bash bench/e2e_bench.sh "$build/server/stowage_server" \
         "$build/clients/stowctl/stowctl" /tmp/zimage-full "$OUT/e2e_random.jsonl" "$machine" 1024 8 stowage \
@@ -71,7 +75,7 @@ for part in ${PARTS:-e2e batching}; do
       tail -2 "$OUT/e2e_random.txt" >>"$OUT/summary.txt"
       ;;
     probe)
-      python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
+      full_shapes_dir
       stamp "first-request probe"
       timeout "${PROBE_TIMEOUT:-200}" bash bench/first_request_probe.sh "$build/server/stowage_server" \
         "$build/clients/stowctl/stowctl" /tmp/zimage-full "$OUT/first_request_probe.jsonl" "$machine" 1024 8 \
@@ -79,7 +83,7 @@ for part in ${PARTS:-e2e batching}; do
       stamp "probe exit $?"
       ;;
     equivalence)
-      python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
+      full_shapes_dir
       stamp "batch vs alone"
       cat >/tmp/equivalence.textproto <<CFG
 grpc_address: "127.0.0.1:0"
@@ -87,21 +91,17 @@ metrics_address: "none"
 auth { admin_token: "t" }
 pipelines { name: "zimage" model_dir: "/tmp/zimage-full" random_weights: true dtype: "bfloat16" }
 CFG
-      rm -f /tmp/equivalence.ports
-      "$build/server/stowage_server" --config=/tmp/equivalence.textproto --port_file=/tmp/equivalence.ports \
-        >"$OUT/equivalence_server.log" 2>&1 &
-      eq_pid=$!
-      for _ in $(seq 1200); do [ -s /tmp/equivalence.ports ] && break; sleep 0.1; done
-      eq_target=$(sed -E 's/.*"grpc_address": "([^"]+)".*/\1/' /tmp/equivalence.ports)
-      timeout "${EQUIVALENCE_TIMEOUT:-150}" "$build/bench/batch_equivalence" --target="$eq_target" --token=t \
-        --members=4 --size=1024 --steps=8 --machine="$machine" --out="$OUT/batch_vs_alone.jsonl" \
-        >"$OUT/equivalence.txt" 2>&1
-      stamp "equivalence exit $?"
-      kill $eq_pid; wait $eq_pid 2>/dev/null
+      if start_server "$build/server/stowage_server" /tmp/equivalence.textproto "$OUT/equivalence_server.log"; then
+        timeout "${EQUIVALENCE_TIMEOUT:-150}" "$build/bench/batch_equivalence" --target="$TARGET" --token=t \
+          --members=4 --size=1024 --steps=8 --machine="$machine" --out="$OUT/batch_vs_alone.jsonl" \
+          >"$OUT/equivalence.txt" 2>&1
+        stamp "equivalence exit $?"
+        stop_server
+      fi
       cat "$OUT/equivalence.txt" >>"$OUT/summary.txt"
       ;;
     overlap)
-      python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
+      full_shapes_dir
       stamp "overlap"
       timeout "${OVERLAP_TIMEOUT:-200}" bash bench/overlap.sh "$build/server/stowage_server" \
         "$build/clients/stowctl/stowctl" /tmp/zimage-full "$OUT/overlap.jsonl" "$machine" 1024 8 \

@@ -2,7 +2,9 @@
 // each gets the image it gets alone, a member that leaves does not disturb the others, the admin
 // API switches batching at run time and refuses what is out of range, and Prometheus shows the
 // batch histograms.
+#include <atomic>
 #include <chrono>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -211,6 +213,62 @@ TEST_F(BatchingTest, AdminSetBatchingReportsAndRefusesWhatIsOutOfRange) {
   v1::SetBatchingResponse ignored;
   EXPECT_EQ(server_->admin().SetBatching(&anonymous, request, &ignored).error_code(), grpc::UNAUTHENTICATED);
   EXPECT_TRUE(HealthServing(server_->channel()));
+}
+
+// Batching settings changed, and a batching pipeline unloaded and loaded again, while batched
+// requests run and queue: every request ends OK or with a clear status, none hangs, and the server
+// still serves afterwards.
+TEST_F(BatchingTest, SettingsAndLifecycleChangesUnderBatchedLoad) {
+  std::atomic<bool> stop{false};
+  absl::Mutex mu;
+  std::map<grpc::StatusCode, int> codes;
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 6; ++c) {
+    clients.emplace_back([&, c] {
+      for (int i = 0; i < 4; ++i) {
+        v1::GenerateRequest r = E2eServer::SmallRequest(c % 2 == 0 ? "zimage-tiny" : "extra", 10 * c + i);
+        r.set_num_inference_steps(2);
+        const grpc::Status status = server_->Generate(r, nullptr, milliseconds(60000));
+        absl::MutexLock lock(&mu);
+        ++codes[status.error_code()];
+      }
+    });
+  }
+  std::thread admin([&] {
+    for (int round = 0; !stop.load() && round < 40; ++round) {
+      (void)SetBatching(1 + round % 4, (round * 7) % 60);
+      (void)SetBatching(1 + (round + 1) % 4, 0, "extra");
+      if (round % 5 == 0) {
+        v1::UnloadPipelineRequest unload;
+        unload.set_name("extra");
+        v1::UnloadPipelineResponse unloaded;
+        (void)server_->admin().UnloadPipeline(E2eServer::Authed().get(), unload, &unloaded);
+      } else if (round % 5 == 2) {
+        v1::LoadPipelineRequest load;
+        load.mutable_pipeline()->set_name("extra");
+        load.mutable_pipeline()->set_builtin("zimage-tiny");
+        load.mutable_pipeline()->mutable_batching()->set_max_batch_size(3);
+        v1::LoadPipelineResponse loaded;
+        (void)server_->admin().LoadPipeline(E2eServer::Authed().get(), load, &loaded);
+      }
+    }
+  });
+  for (std::thread& t : clients) t.join();
+  stop = true;
+  admin.join();
+  int total = 0;
+  for (const auto& [code, n] : codes) {
+    total += n;
+    // OK, or the pipeline was gone or going: never INTERNAL, never a deadline.
+    EXPECT_TRUE(code == grpc::OK || code == grpc::NOT_FOUND || code == grpc::FAILED_PRECONDITION ||
+                code == grpc::UNAVAILABLE)
+        << "status code " << code;
+  }
+  EXPECT_EQ(total, 24);
+  EXPECT_GT(codes[grpc::OK], 0);
+  EXPECT_TRUE(HealthServing(server_->channel()));
+  ASSERT_TRUE(SetBatching(2, 0).ok());
+  EXPECT_TRUE(server_->Generate(E2eServer::SmallRequest("zimage-tiny")).ok());
 }
 
 // Warm-up at load (PipelineConfig.warmup; off by default on the simulated device): the pipeline's

@@ -1,6 +1,7 @@
 // Several devices in one server (two simulated devices): replicas, routing by expected wait, a
 // pipeline on one device only, draining, per-device placement views, budgets and metrics, the
 // admin API's device selection, and the config errors.
+#include <atomic>
 #include <map>
 #include <string>
 #include <thread>
@@ -9,6 +10,8 @@
 #include <gtest/gtest.h>
 #include <grpcpp/grpcpp.h>
 
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "google/protobuf/text_format.h"
 #include "server/server.h"
 #include "tests/e2e/e2e_harness.h"
@@ -152,6 +155,57 @@ TEST_F(MultiDeviceTest, ADrainedDeviceTakesNoNewRequests) {
   request.set_device("sim:0");
   v1::DrainDeviceResponse out;
   EXPECT_EQ(server_->admin().DrainDevice(&anonymous, request, &out).error_code(), grpc::UNAUTHENTICATED);
+}
+
+// Drains toggled on both devices while requests run: each request ends OK or UNAVAILABLE (every
+// replica draining at that moment), none hangs; hostile device names are refused, cut short.
+TEST_F(MultiDeviceTest, DrainsUnderLoadAndHostileDeviceNames) {
+  std::atomic<bool> stop{false};
+  std::thread toggler([&] {
+    for (int round = 0; !stop.load(); ++round) {
+      (void)Drain(round % 2 == 0 ? "sim:0" : "sim:1", round % 3 != 0);
+      absl::SleepFor(absl::Milliseconds(3));
+    }
+  });
+  std::map<grpc::StatusCode, int> codes;
+  absl::Mutex mu;
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 4; ++c) {
+    clients.emplace_back([&, c] {
+      for (int i = 0; i < 5; ++i) {
+        const grpc::Status status =
+            server_->Generate(E2eServer::SmallRequest("a", 10 * c + i), nullptr, milliseconds(60000));
+        absl::MutexLock lock(&mu);
+        ++codes[status.error_code()];
+      }
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  stop = true;
+  toggler.join();
+  for (const auto& [code, n] : codes) EXPECT_TRUE(code == grpc::OK || code == grpc::UNAVAILABLE) << code;
+  ASSERT_TRUE(Drain("sim:0", false).ok());
+  ASSERT_TRUE(Drain("sim:1", false).ok());
+  EXPECT_TRUE(server_->Generate(E2eServer::SmallRequest("a")).ok());
+
+  const std::string huge(100000, 'd');
+  v1::GetPlacementRequest placement;
+  placement.set_device(huge);
+  v1::GetPlacementResponse ignored;
+  const grpc::Status refused = server_->admin().GetPlacement(E2eServer::Authed().get(), placement, &ignored);
+  EXPECT_EQ(refused.error_code(), grpc::NOT_FOUND);
+  EXPECT_LT(refused.error_message().size(), 300u) << "the name must be cut, not echoed";
+  EXPECT_EQ(Drain(huge, true).error_code(), grpc::NOT_FOUND);
+  v1::GetPlacementLogRequest log;
+  log.set_device("sim:0\n\x01");
+  v1::GetPlacementLogResponse log_out;
+  EXPECT_EQ(server_->admin().GetPlacementLog(E2eServer::Authed().get(), log, &log_out).error_code(), grpc::NOT_FOUND);
+  v1::SetOffloadStrategyRequest strategy;
+  strategy.set_device("cuda:0");
+  strategy.mutable_strategy()->set_custom("lru");
+  v1::SetOffloadStrategyResponse strategy_out;
+  EXPECT_EQ(server_->admin().SetOffloadStrategy(E2eServer::Authed().get(), strategy, &strategy_out).error_code(),
+            grpc::NOT_FOUND);
 }
 
 TEST_F(MultiDeviceTest, AdminLoadsOntoNamedDevicesAndActsOnTheNamedDevice) {

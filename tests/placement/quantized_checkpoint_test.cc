@@ -118,7 +118,8 @@ TEST(QuantizedCheckpointTest, GroupOffloadStreamsTheCheckpointsOwnBytes) {
   placement.Unregister("q");
 }
 
-// A folder whose 8-bit file lacks a scale, or mixes formats across shards, is refused naming it.
+// A folder whose 8-bit file lacks a scale is refused naming it; 8-bit tensors of the wrong shape or
+// name are refused by the loader like any other weights.
 TEST(QuantizedCheckpointTest, BrokenCheckpointsAreRefusedNamingTheFile) {
   const std::string dir = std::string(::testing::TempDir()) + "/broken_int8";
   ::mkdir(dir.c_str(), 0755);
@@ -131,6 +132,43 @@ TEST(QuantizedCheckpointTest, BrokenCheckpointsAreRefusedNamingTheFile) {
   EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(read.status().message().find("diffusion_pytorch_model.safetensors"), std::string::npos)
       << read.status();
+
+  // A valid 8-bit file whose tensors do not fit the model: wrong shape, then an unknown name.
+  ZImageTransformerConfig config;
+  config.in_channels = 4;
+  config.dim = 64;
+  config.n_heads = 2;
+  config.n_layers = 1;
+  config.n_refiner_layers = 0;
+  config.cap_feat_dim = 48;
+  config.axes_dims = {8, 12, 12};
+  config.axes_lens = {128, 64, 64};
+  ZImageTransformer model(config, LayerOptions{});
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  model.ForEachSlot([&](Module& owner, TensorSlot& slot) {
+    at::Tensor t = at::zeros(slot.value.sizes());
+    tensors.emplace_back(owner.SlotPath(slot), t);
+  });
+  const std::string shaped = std::string(::testing::TempDir()) + "/bad_shape_int8";
+  ::mkdir(shaped.c_str(), 0755);
+  for (auto& [name, t] : tensors) {
+    if (name == "all_x_embedder.2-1.weight") t = at::zeros({64, 8});  // The model needs [64, 16].
+  }
+  ASSERT_TRUE(WriteCompressedSafetensors(shaped + "/diffusion_pytorch_model.safetensors", tensors, CompressFormat::kInt8).ok());
+  absl::Status bound = LoadComponentWeights(model, shaped, at::kFloat);
+  EXPECT_EQ(bound.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bound.message().find("all_x_embedder.2-1.weight"), std::string::npos) << bound;
+  EXPECT_NE(bound.message().find("has shape"), std::string::npos) << bound;
+  const std::string named = std::string(::testing::TempDir()) + "/bad_name_int8";
+  ::mkdir(named.c_str(), 0755);
+  for (auto& [name, t] : tensors) {
+    if (name == "all_x_embedder.2-1.weight") t = at::zeros({64, 16});
+  }
+  tensors.emplace_back("layers.9.attention.to_q.weight", at::zeros({64, 64}));
+  ASSERT_TRUE(WriteCompressedSafetensors(named + "/diffusion_pytorch_model.safetensors", tensors, CompressFormat::kInt8).ok());
+  bound = LoadComponentWeights(model, named, at::kFloat);
+  EXPECT_EQ(bound.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bound.message().find("does not use: layers.9.attention.to_q.weight"), std::string::npos) << bound;
 }
 
 }  // namespace

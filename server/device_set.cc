@@ -83,16 +83,6 @@ std::string DeviceSet::Resolve(const std::string& requested) const {
 
 absl::StatusOr<v1::GenerateResponse> DeviceSet::Generate(const v1::GenerateRequest& request,
                                                          const CallControl& control) {
-  if (devices_.size() == 1) {
-    {
-      absl::MutexLock lock(&routes_.front()->mu);
-      if (routes_.front()->draining) {
-        return absl::UnavailableError(absl::StrCat("device ", devices_.front()->device_name(),
-                                                   " is draining; resume it with DrainDevice"));
-      }
-    }
-    return devices_.front()->Generate(request, control);
-  }
   const std::string name = Resolve(request.pipeline());
   int best = -1;
   double best_wait = 0;

@@ -8,7 +8,8 @@
 // happens per replica (each device batches what it is sent). Draining a device sends new requests
 // elsewhere; the ones it accepted finish there.
 //
-// With one device this is a thin pass-through: behaviour and messages are GenerationCore's.
+// With one device the same rules apply (draining it refuses new requests); every other behaviour
+// and message is GenerationCore's.
 //
 // Thread-safety: every method may be called from any thread but a device worker's.
 #ifndef STOWAGE_SERVER_DEVICE_SET_H_

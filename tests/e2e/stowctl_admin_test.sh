@@ -72,7 +72,7 @@ grep -q "draining: true" <<<"$out" || fail "drain-device: $out"
 set +e
 out=$("$here/clients/stowctl/stowctl" --target="$target" generate --prompt=kite --width=64 --height=64 --steps=1 2>&1); rc=$?
 set -e
-[ $rc -eq 1 ] && grep -q "is draining" <<<"$out" || fail "a drained only device still served: $out"
+[ $rc -eq 1 ] && grep -q "served only by draining devices (sim:0)" <<<"$out" || fail "a drained only device still served: $out"
 out=$(ctl resume-device --device=sim:0)
 grep -q "draining: true" <<<"$out" && fail "resume-device: $out"
 ctl placement --device=sim:0 | grep -q "device sim:0" || fail "placement --device"

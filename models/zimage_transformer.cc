@@ -253,11 +253,11 @@ const ZImageTransformer::RopeFreqs& ZImageTransformer::Freqs(const RopeLayout& l
   for (const RopeFreqs& cached : rope_cache_) {
     if (cached.layout == layout) return cached;
   }
-  // Another grid or device: the layouts cached so far are of no more use.
-  if (!rope_cache_.empty() && (rope_cache_.front().layout.ft != layout.ft || rope_cache_.front().layout.ht != layout.ht ||
-                               rope_cache_.front().layout.wt != layout.wt || rope_cache_.front().layout.device != layout.device ||
-                               rope_cache_.size() >= 16)) {
-    rope_cache_.clear();
+  // Another grid or device makes the cached layouts useless; a bound keeps odd traffic from growing it.
+  if (!rope_cache_.empty()) {
+    const RopeLayout& kept = rope_cache_.front().layout;
+    const bool same_grid = kept.ft == layout.ft && kept.ht == layout.ht && kept.wt == layout.wt && kept.device == layout.device;
+    if (!same_grid || rope_cache_.size() >= 16) rope_cache_.clear();
   }
   const at::TensorOptions i64 = at::TensorOptions().dtype(at::kLong);
   const int64_t lc = layout.lc, ft = layout.ft, ht = layout.ht, wt = layout.wt;

@@ -549,7 +549,11 @@ void GenerationCore::RunOnWorker(const std::vector<PendingRequest*>& requests, b
   std::vector<absl::StatusOr<Image>> images;
   absl::Status files = pipeline.CheckSourceFiles();
   if (files.ok()) {
-    images = pipeline.RunBatch(members, *placement_);
+    // Work a pipeline does outside its components' runs (noise, the scheduler step, the image's
+    // quantisation on the device) may throw too, e.g. a device out of memory: every member gets it.
+    const absl::Status thrown = CatchAsStatus(absl::StrCat("running pipeline '", pipeline.name(), "'"),
+                                              [&] { images = pipeline.RunBatch(members, *placement_); });
+    if (!thrown.ok()) images.assign(running.size(), thrown);
     files = pipeline.CheckSourceFiles();  // Changed during the run: discard it.
   }
   if (!files.ok()) images.assign(running.size(), files);

@@ -43,4 +43,37 @@ out=$(PATH="$tmp/bin:/usr/bin:/bin" PYTHON="$tmp/bin/fakepy" bash "$launcher" se
 sed -i 's/"" *$/"13.0"/' "$tmp/bin/fakepy"
 out=$(PATH="$tmp/bin:/usr/bin:/bin" PYTHON="$tmp/bin/fakepy" bash "$launcher" serve --cuda --dry-run 2>&1); rc=$?
 [ $rc -eq 0 ] && grep -q -- "-DCMAKE_PREFIX_PATH=$tmp/pip/torch/share/cmake" <<<"$out" || fail "pip route: $out"
+
+# --debs=DIR (a machine without network): no apt; the folder unpacked into build/cuda-deps, CMake
+# pointed at that prefix, the server run with its libraries before LibTorch's. A dry run unpacks
+# nothing. (Fake .deb files: the dry run only counts them.)
+mkdir -p "$tmp/debs" "$tmp/nodebs"
+touch "$tmp/debs/libgrpc++-dev_1.51.1-3+b1_amd64.deb" "$tmp/debs/libabsl-dev_20220623.1-1+deb12u2_amd64.deb"
+touch "$tmp/nodebs/README.txt"
+root=$(cd "$(dirname "$launcher")" && pwd)
+out=$(cd "$tmp" && env -u TORCH_CUDA_ARCH_LIST PATH="$tmp/bin:/usr/bin:/bin" bash "$launcher" serve --cuda --libtorch="$tmp/libtorch" --debs=debs \
+  --dry-run --grpc_address=127.0.0.1:0 2>&1); rc=$?
+[ $rc -eq 0 ] || fail "debs route: rc=$rc $out"
+! grep -q "apt-get" <<<"$out" || fail "debs route mentions apt-get: $out"
+grep -q "install: nothing with apt (--debs): unpack the 2 .deb files of $tmp/debs into $root/build/cuda-deps" <<<"$out" ||
+  fail "debs install line (relative --debs resolved from the caller's folder): $out"
+grep -q -- "configure: cmake .*-DCMAKE_PREFIX_PATH=$tmp/libtorch/share/cmake .*-DSTOWAGE_DEPS_PREFIX=$root/build/cuda-deps" \
+  <<<"$out" || fail "debs configure: $out"
+grep -q "build: cmake --build .*/build/cuda --target stowage_server stowctl (headers, libraries and protoc from $root/build/cuda-deps)" \
+  <<<"$out" || fail "debs build: $out"
+grep -q "serve: env LD_LIBRARY_PATH=$root/build/cuda-deps/usr/lib/[a-z0-9_-]*:$tmp/libtorch/lib[: ].*/build/cuda/server/stowage_server --grpc_address=127.0.0.1:0" \
+  <<<"$out" || fail "debs serve: $out"
+! grep -q -- "--debs\|--dry-run" <<<"$(grep "serve: " <<<"$out")" || fail "launcher flags passed to the server: $out"
+[ ! -e "$root/build/cuda-deps/.stowage-partial" ] || fail "a dry run started unpacking"
+# TORCH_CUDA_ARCH_LIST: passed on when set, never forced.
+! grep -q "TORCH_CUDA_ARCH_LIST" <<<"$out" || fail "TORCH_CUDA_ARCH_LIST forced: $out"
+out=$(TORCH_CUDA_ARCH_LIST=9.0 PATH="$tmp/bin:/usr/bin:/bin" bash "$launcher" serve --cuda --libtorch="$tmp/libtorch" \
+  --debs="$tmp/debs" --dry-run 2>&1)
+grep -q "configure: env TORCH_CUDA_ARCH_LIST=9.0 cmake " <<<"$out" || fail "TORCH_CUDA_ARCH_LIST not passed on: $out"
+
+# A --debs folder without .deb files, or no folder: refused, saying so.
+out=$(PATH="$tmp/bin:/usr/bin:/bin" bash "$launcher" serve --cuda --libtorch="$tmp/libtorch" --debs="$tmp/nodebs" --dry-run 2>&1); rc=$?
+[ $rc -ne 0 ] && grep -q -- "--debs=$tmp/nodebs: no .deb files there" <<<"$out" || fail "empty debs folder: rc=$rc $out"
+out=$(PATH="$tmp/bin:/usr/bin:/bin" bash "$launcher" serve --cuda --libtorch="$tmp/libtorch" --debs="$tmp/absent" --dry-run 2>&1); rc=$?
+[ $rc -ne 0 ] && grep -q -- "--debs=$tmp/absent: not a folder" <<<"$out" || fail "missing debs folder: rc=$rc $out"
 echo ok

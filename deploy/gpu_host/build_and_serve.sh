@@ -11,7 +11,7 @@
 # Environment (all optional):
 #   OUT                      output folder (default ./gpu_out)
 #   STOWAGE_DEB_DIR          the .deb files (default <repo>/.deb)
-#   STOWAGE_DEPS_PREFIX      where they are unpacked (default /tmp/stowage-deps)
+#   STOWAGE_DEPS_PREFIX      where deploy/unpack_debs.sh unpacks them (default /tmp/stowage-deps)
 #   STOWAGE_BUILD_DIR        CMake build folder (default <repo>/build/gpu; kept between runs)
 #   PYTHON                   the Python that has torch (default python3)
 #   STOWAGE_CUDA             AUTO (default), ON (fail unless torch has CUDA) or OFF
@@ -182,60 +182,24 @@ record prerequisites ok "${torch_desc}; $(head -1 "${OUT}/nvidia-smi.txt")"
 # ---------------------------------------------------------------------------------------------
 # 2. Unpack the Debian packages into the deps prefix (skipped when the same set is there already).
 # ---------------------------------------------------------------------------------------------
-shopt -s nullglob
-debs=("${deb_dir}"/*.deb)
-shopt -u nullglob
-if ((${#debs[@]} == 0)); then
-  record unpack FAILED "no .deb files in ${deb_dir}; run deploy/gpu_host/fetch_debs.sh on the Debian machine and carry .deb/ along"
-  exit 2
-fi
+# deploy/unpack_debs.sh does it: one line on stdout (the note), warnings and errors on stderr; exit 2
+# when there are no .deb files (or the prefix is not one it may empty), 1 when unpacking failed.
 multiarch="$(gcc -print-multiarch 2>/dev/null || true)"
 multiarch="${multiarch:-x86_64-linux-gnu}"
 deps_lib="${deps}/usr/lib/${multiarch}"
-stamp="$(for d in "${debs[@]}"; do printf '%s %s\n' "$(basename "${d}")" "$(stat -c %s "${d}")"; done | sha256sum | cut -d' ' -f1)"
-if [[ -f "${deps}/.stowage-stamp" && "$(cat "${deps}/.stowage-stamp")" == "${stamp}" ]]; then
-  record unpack ok "${#debs[@]} packages already unpacked in ${deps}"
-else
-  rm -rf "${deps}"
-  mkdir -p "${deps}"
-  for deb in "${debs[@]}"; do
-    if command -v dpkg >/dev/null 2>&1; then
-      dpkg -x "${deb}" "${deps}" || die unpack "dpkg -x ${deb} failed"
-    else  # No dpkg: a .deb is an ar archive holding data.tar.{xz,zst,gz}.
-      member="$(ar t "${deb}" | grep '^data\.tar' | head -1)"
-      case "${member}" in
-        *.xz) z=(-J) ;; *.zst) z=(--zstd) ;; *.gz) z=(-z) ;; *) z=() ;;
-      esac
-      ar p "${deb}" "${member}" | tar -x "${z[@]}" -C "${deps}" || die unpack "cannot unpack ${deb}"
-    fi
-  done
-  # Debian's -dev link names can be absolute (libz.so -> /lib/x86_64-linux-gnu/libz.so.1.2.13).
-  # Point them into the prefix, or at the host's library of the same name when the prefix lacks it.
-  relinked=()
-  while IFS= read -r -d '' link; do
-    target="$(readlink "${link}")"
-    [[ "${target}" == /* ]] || continue
-    if [[ -e "${deps}${target}" ]]; then
-      ln -sfn "${deps}${target}" "${link}"
-    elif [[ ! -e "${target}" ]]; then
-      name="$(basename "${link}")"
-      host_lib=""
-      for cand in /usr/lib/"${multiarch}"/"${name}".* /lib/"${multiarch}"/"${name}".*; do
-        [[ -e "${cand}" ]] || continue
-        if [[ -z "${host_lib}" || ${#cand} -lt ${#host_lib} ]]; then host_lib="${cand}"; fi
-      done
-      if [[ -n "${host_lib}" ]]; then
-        ln -sfn "${host_lib}" "${link}"
-        relinked+=("${name}->${host_lib}")
-      else
-        log "warning: ${link} -> ${target} is dangling and the host has no ${name}.*"
-      fi
-    fi
-  done < <(find "${deps}" -type l -print0)
-  echo "${stamp}" >"${deps}/.stowage-stamp"
-  record unpack ok "${#debs[@]} packages into ${deps}${relinked:+; re-pointed ${relinked[*]}}"
+unpack_rc=0
+unpack_note="$(bash "${repo_root}/deploy/unpack_debs.sh" "${deb_dir}" "${deps}" 2>"${work}/unpack.err")" || unpack_rc=$?
+while IFS= read -r line; do  # Warnings (and dpkg's messages); the error goes into the record below.
+  [[ "${line}" == "unpack_debs.sh: error: "* ]] || log "${line}"
+done <"${work}/unpack.err"
+unpack_error="$(sed -n 's/^unpack_debs\.sh: error: //p' "${work}/unpack.err" | tail -n 1)"
+if ((unpack_rc == 2)); then
+  record unpack FAILED "${unpack_error:-deploy/unpack_debs.sh exited with status 2}"
+  exit 2
+elif ((unpack_rc != 0)); then
+  die unpack "${unpack_error:-deploy/unpack_debs.sh exited with status ${unpack_rc}}"
 fi
-[[ -d "${deps_lib}" ]] || die unpack "${deps_lib} does not exist after unpacking"
+record unpack ok "${unpack_note}"
 
 # Run-time library path of everything built here (the tests, the server, stowctl): the prefix's
 # libraries, then torch's. Python is run without it (grpcio and protobuf bring their own).

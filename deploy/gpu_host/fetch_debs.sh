@@ -2,13 +2,14 @@
 # Downloads (does not install) the Debian 12 packages the GPU host needs to build and run Stowage
 # with CMake: gRPC, protobuf (+ protoc and the gRPC plugins), abseil, prometheus-cpp, civetweb,
 # gtest/gmock, libpng. Run HERE, on the Debian 12 build machine; the GPU host (Ubuntu 24.04, no network) gets the
-# folder with the working tree and unpacks it with `dpkg -x` (deploy/gpu_host/build_and_serve.sh).
+# folder with the working tree and unpacks it with `dpkg -x` (deploy/unpack_debs.sh, which
+# deploy/gpu_host/build_and_serve.sh and `./stowage serve --cuda --debs=.deb` call).
 #
 # Usage: deploy/gpu_host/fetch_debs.sh [DEST]        (default DEST: <repo>/.deb, git-ignored)
 #
 # Only what Ubuntu 24.04 lacks is fetched: its own glibc, libstdc++, libssl3 (libssl.so.3) and zlib
 # (libz.so.1) serve the Debian libraries at run time. zlib1g-dev is fetched for zlib.h and the
-# libz.so link name (build_and_serve.sh re-points its absolute symlink at the host's libz.so.1).
+# libz.so link name (unpack_debs.sh re-points its absolute symlink at the host's libz.so.1).
 set -euo pipefail
 
 repo_root="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.." && pwd)"

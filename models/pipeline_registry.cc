@@ -27,22 +27,36 @@ PipelineArchitecture ZImageArchitecture() {
   a.class_names = {"ZImagePipeline"};
   a.builtins = {"zimage-tiny"};
   a.load_dir = [](const std::string& dir, const PipelineLoadOptions& o) {
-    return LoadZImagePipeline(dir, CommonOptions<ZImagePipelineOptions>(o), o.random_weights, o.cache);
+    ZImagePipelineOptions options = CommonOptions<ZImagePipelineOptions>(o);
+    options.default_size = o.default_size;
+    return LoadZImagePipeline(dir, options, o.random_weights, o.cache);
   };
   a.create_builtin = [](const std::string&, const PipelineLoadOptions& o) {
-    return CreateTinyZImagePipeline(CommonOptions<ZImagePipelineOptions>(o));
+    ZImagePipelineOptions options = CommonOptions<ZImagePipelineOptions>(o);
+    options.default_size = o.default_size;
+    return CreateTinyZImagePipeline(options);
   };
   return a;
+}
+
+// The tiny architecture's default image size is fixed by its config.
+absl::Status NoDefaultSize(const PipelineLoadOptions& o) {
+  if (o.default_size == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("default_size ", o.default_size,
+                                                 ": the tiny architecture's default size comes from its config; "
+                                                 "leave default_size at 0"));
 }
 
 PipelineArchitecture TinyArchitecture() {
   PipelineArchitecture a;
   a.class_names = {"StowageTinyPipeline"};
   a.builtins = {"tiny"};
-  a.load_dir = [](const std::string& dir, const PipelineLoadOptions& o) {
+  a.load_dir = [](const std::string& dir, const PipelineLoadOptions& o) -> absl::StatusOr<std::unique_ptr<Pipeline>> {
+    RETURN_IF_ERROR(NoDefaultSize(o));
     return LoadTinyPipeline(dir, CommonOptions<TinyPipelineOptions>(o), o.random_weights, o.cache);
   };
-  a.create_builtin = [](const std::string&, const PipelineLoadOptions& o) {
+  a.create_builtin = [](const std::string&, const PipelineLoadOptions& o) -> absl::StatusOr<std::unique_ptr<Pipeline>> {
+    RETURN_IF_ERROR(NoDefaultSize(o));
     return CreateTinyPipeline(CommonOptions<TinyPipelineOptions>(o));
   };
   return a;

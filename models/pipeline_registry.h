@@ -31,6 +31,7 @@ struct PipelineLoadOptions {
   uint64_t weight_seed = 0;                // Random-weights mode.
   c10::Device device = c10::Device(c10::kCPU);  // Where inputs and latents are created.
   bool random_weights = false;             // Directory loads: read configs only, draw weights.
+  int64_t default_size = 0;                // Default image width and height; 0: the architecture's.
   ComponentCache* cache = nullptr;         // Shares components loaded from the same folder.
 };
 

@@ -218,6 +218,18 @@ absl::Status ValidateComponents(const ZImageTransformerConfig& tc, const Autoenc
   return check.status();
 }
 
+// The default image size must be one that requests may ask for: a multiple of the VAE's upscale
+// factor times the transformer's patch size.
+absl::Status CheckDefaultSize(int64_t size, const ZImageTransformerConfig& tc, const AutoencoderKLConfig& vc) {
+  if (vc.block_out_channels.empty() || vc.block_out_channels.size() > 16) return absl::OkStatus();  // Validate() says why.
+  const int64_t multiple = (int64_t{1} << (vc.block_out_channels.size() - 1)) * tc.patch_size;
+  if (multiple > 0 && size % multiple != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("default_size ", size, " is not a multiple of ", multiple,
+                                                   " (the VAE's upscale factor times the transformer's patch size)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ValidateOptions(const ZImagePipelineOptions& options) {
   ConfigCheck check("Z-Image pipeline options");
   check.Above("scheduler shift", options.scheduler_shift, 0.0, 1e4)
@@ -270,6 +282,7 @@ absl::StatusOr<std::unique_ptr<Pipeline>> LoadZImagePipeline(const std::string& 
   ASSIGN_OR_RETURN(google::protobuf::Struct qj, ReadJsonFile(qpath));
   ASSIGN_OR_RETURN(Qwen3Config qc, Qwen3ConfigFromJson(qj, qpath));
   RETURN_IF_ERROR(ValidateComponents(tc, vc, qc, tpath));
+  if (options.default_size == 0) options.default_size = 1024;  // Z-Image's.
   const std::string spath = absl::StrCat(dir, "/scheduler/scheduler_config.json");
   auto scheduler = ReadJsonFile(spath);
   if (scheduler.ok()) {
@@ -285,6 +298,7 @@ absl::StatusOr<std::unique_ptr<Pipeline>> LoadZImagePipeline(const std::string& 
     return scheduler.status();  // Present but malformed: not silently the defaults.
   }
   RETURN_IF_ERROR(ValidateOptions(options));
+  RETURN_IF_ERROR(CheckDefaultSize(options.default_size, tc, vc));
   const std::string tokenizer_path = absl::StrCat(dir, "/tokenizer/tokenizer.json");
   ASSIGN_OR_RETURN(std::unique_ptr<BpeTokenizer> tokenizer, BpeTokenizer::Load(tokenizer_path));
   if (tokenizer->max_id() >= qc.vocab_size) {
@@ -315,7 +329,7 @@ absl::StatusOr<std::unique_ptr<Pipeline>> LoadZImagePipeline(const std::string& 
 
 absl::StatusOr<std::unique_ptr<Pipeline>> CreateTinyZImagePipeline(const ZImagePipelineOptions& base) {
   ZImagePipelineOptions options = base;
-  options.default_size = 256;
+  if (options.default_size == 0) options.default_size = 256;
   Qwen3Config qc;
   qc.vocab_size = 259;  // 256 bytes + 3 special tokens.
   qc.hidden_size = 64;
@@ -340,6 +354,7 @@ absl::StatusOr<std::unique_ptr<Pipeline>> CreateTinyZImagePipeline(const ZImageP
   vc.norm_num_groups = 8;
   RETURN_IF_ERROR(ValidateComponents(tc, vc, qc, "built-in zimage-tiny transformer config"));
   RETURN_IF_ERROR(ValidateOptions(options));
+  RETURN_IF_ERROR(CheckDefaultSize(options.default_size, tc, vc));
   auto tokenizer = BpeTokenizer::ByteLevel({"<|endoftext|>", "<|im_start|>", "<|im_end|>"});
   if (tokenizer == nullptr) return absl::InternalError("built-in tokenizer failed to build");
   ASSIGN_OR_RETURN(auto text_encoder, MakeComponent<Qwen3TextEncoder>("text_encoder", qc, options.dtype, "", true,

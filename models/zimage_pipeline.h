@@ -2,9 +2,6 @@
 // around the prompt, Qwen3 hidden_states[-2] as caption features, flow-matching Euler over
 // sigmas = shift(linspace(1, 1/N, N)), the transformer's output negated as the velocity, guidance
 // pos + g·(pos − neg) whenever g > 0, and the Flux VAE decode.
-//
-// Not yet checked against diffusers on real weights: parity fixtures (tests/parity) are pending a GPU
-// session, so the server does not make this its default pipeline.
 #ifndef STOWAGE_MODELS_ZIMAGE_PIPELINE_H_
 #define STOWAGE_MODELS_ZIMAGE_PIPELINE_H_
 
@@ -29,7 +26,7 @@ struct ZImagePipelineOptions {
   uint64_t weight_seed = 0;     // Random-weights mode only.
   double scheduler_shift = 3.0; // Overridden by scheduler/scheduler_config.json when present.
   int64_t max_sequence_length = 512;
-  int64_t default_size = 1024;  // Default width and height.
+  int64_t default_size = 0;     // Default width and height; 0: 1024 (Z-Image's), 256 for the tiny built-in.
 };
 
 // A diffusers-format Z-Image directory (model_index.json; transformer/, vae/, text_encoder/ with

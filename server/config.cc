@@ -123,6 +123,21 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path) {
   return config;
 }
 
+void AddDefaultPipelines(v1::ServerConfig& config, const std::string& demo_dir) {
+  if (!config.pipelines().empty()) return;
+  if (!demo_dir.empty()) {
+    v1::PipelineConfig* demo = config.add_pipelines();
+    demo->set_name(kDemoPipelineName);
+    demo->set_model_dir(demo_dir);
+    demo->set_default_size(kDemoImageSize);
+    demo->set_default_(true);
+  }
+  // Z-Image's architecture at a tiny size, random weights: what the engine's tests run.
+  v1::PipelineConfig* builtin = config.add_pipelines();
+  builtin->set_name(kDefaultPipelineName);
+  builtin->set_builtin(kDefaultPipelineName);
+}
+
 absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& field) {
   if (!ValidName(p.name())) {
     return absl::InvalidArgumentError(
@@ -147,6 +162,11 @@ absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& fi
   if (p.dtype() != "float32" && p.dtype() != "bfloat16") {
     return absl::InvalidArgumentError(absl::StrCat(field, ".dtype: ", Quoted(p.dtype()),
                                                    " is not supported; use float32 or bfloat16"));
+  }
+  if (p.default_size() != 0) {
+    RETURN_IF_ERROR(CheckRange(absl::StrCat(field, ".default_size"), p.default_size(), kMinDefaultSize,
+                               kMaxDefaultSize, absl::StrCat("0 (the architecture's) or ", kMinDefaultSize,
+                                                             "..", kMaxDefaultSize)));
   }
   if (p.group_offload().enabled()) {
     auto options = ToPipelineGroupOffloadOptions(p.group_offload(), absl::StrCat(field, ".group_offload"));
@@ -225,12 +245,7 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
     RETURN_IF_ERROR(CheckReadableFile(config.auth().api_key_file(), "auth.api_key_file: "));
   }
   if (config.http_address() == "none") config.clear_http_address();
-  if (config.pipelines().empty()) {
-    // The built-in default: Z-Image's architecture at a tiny size, random weights.
-    v1::PipelineConfig* builtin = config.add_pipelines();
-    builtin->set_name(kDefaultPipelineName);
-    builtin->set_builtin(kDefaultPipelineName);
-  }
+  AddDefaultPipelines(config, "");
   std::set<std::string> names;
   int defaults = 0;
   for (int i = 0; i < config.pipelines_size(); ++i) {

@@ -17,6 +17,10 @@ inline constexpr char kDefaultMetricsAddress[] = "127.0.0.1:9464";
 inline constexpr int kDefaultQueueDepth = 16;
 // The pipeline served when the config names none: the built-in tiny Z-Image (random weights).
 inline constexpr char kDefaultPipelineName[] = "zimage-tiny";
+// The trained demo pipeline (models/demo) that stowage_server serves, as its default, beside
+// kDefaultPipelineName when started without --config and the demo's folder is found.
+inline constexpr char kDemoPipelineName[] = "shapes";
+inline constexpr int kDemoImageSize = 128;
 
 // Ranges of the numeric options, enforced by FinalizeServerConfig / ToGroupOffloadOptions (and so
 // by the admin API, which converts through the same functions); out of range is INVALID_ARGUMENT
@@ -31,6 +35,9 @@ inline constexpr int kMaxDeviceIndex = 127;
 // batching.max_batch_size: 0 or 1 (off) ..64; batching.max_queue_delay_ms: 0..60000.
 inline constexpr int kMaxBatchSize = 64;
 inline constexpr int kMaxBatchQueueDelayMs = 60000;
+// pipelines[i].default_size: 0 (the architecture's) or 16..8192.
+inline constexpr int kMinDefaultSize = 16;
+inline constexpr int kMaxDefaultSize = 8192;
 // group offload prefetch_depth: 0 (the engine's choice) ..64; each step adds a device slot.
 inline constexpr int kMaxPrefetchDepth = 64;
 // group offload num_blocks_per_group: 0 (= 1) ..4096.
@@ -57,6 +64,11 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
 // "queue_depth: 5000 is out of range; allowed: 0 (default 16) or 1..4096".
 // Text from the config is echoed cut to a short printable prefix (base/text.h Truncated).
 absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config);
+
+// The pipelines of a server whose config names none: the trained demo from `demo_dir` (name
+// kDemoPipelineName, the default pipeline, kDemoImageSize images) when `demo_dir` is not empty,
+// then the built-in kDefaultPipelineName. Does nothing when `config` names pipelines.
+void AddDefaultPipelines(v1::ServerConfig& config, const std::string& demo_dir);
 
 // Fills one pipeline's defaults and validates it; errors name `field` ("pipelines[2]").
 absl::Status FinalizePipelineConfig(v1::PipelineConfig& pipeline, const std::string& field);

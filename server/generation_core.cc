@@ -177,6 +177,7 @@ absl::StatusOr<std::unique_ptr<Pipeline>> GenerationCore::Build(const v1::Pipeli
   options.weight_seed = p.weight_seed();
   options.device = backend_->torch_device();  // Immutable: read, never changed.
   options.random_weights = p.random_weights();
+  options.default_size = p.default_size();
   options.cache = &component_cache_;
   const PipelineRegistry& registry = DefaultPipelineRegistry();
   absl::StatusOr<std::unique_ptr<Pipeline>> pipeline = absl::InternalError("not built");

@@ -1,5 +1,7 @@
-// stowage_server: serves the configured pipelines (or the built-in "zimage-tiny" one) over gRPC and,
-// with --http_address, OpenAI's images API over HTTP, with Prometheus metrics over HTTP.
+// stowage_server: serves the configured pipelines over gRPC and, with --http_address, OpenAI's
+// images API over HTTP, with Prometheus metrics over HTTP. Without --config it serves the trained
+// demo pipeline "shapes" (models/demo, found next to the binary) as the default and the built-in
+// random-weights "zimage-tiny".
 //
 // Exit status: 0 stopped by SIGINT/SIGTERM after a clean shutdown; 1 could not start (a port in use,
 // a model that fails to load); 2 bad flags or config; 3 did not finish stopping within
@@ -17,6 +19,10 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <limits.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -27,6 +33,7 @@
 #include <iostream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -40,7 +47,12 @@
 
 ABSL_FLAG(std::string, config, "",
           "Server config file: protobuf text format, or JSON if it ends in .json "
-          "(proto/stowage/v1/config.proto). Without it the built-in 'zimage-tiny' pipeline is served.");
+          "(proto/stowage/v1/config.proto). Without it the trained demo pipeline 'shapes' (see --demo_dir) "
+          "is served as the default, beside the built-in random-weights 'zimage-tiny'.");
+ABSL_FLAG(std::string, demo_dir, "",
+          "Without --config: the folder of the trained demo pipeline (models/demo/shapes). Empty: looked "
+          "for beside the binary (Bazel runfiles, <prefix>/share/stowage/demo/shapes, the source tree "
+          "of a CMake build); 'none': serve only 'zimage-tiny'.");
 ABSL_FLAG(std::string, grpc_address, "",
           "gRPC listening address, overriding the config (default 127.0.0.1:50051; port 0 picks one).");
 ABSL_FLAG(std::string, metrics_address, "",
@@ -58,6 +70,36 @@ ABSL_FLAG(std::string, port_file, "",
           "disabled one).");
 
 namespace {
+
+bool IsModelDir(const std::string& dir) {
+  struct stat st;
+  return !dir.empty() && ::stat((dir + "/model_index.json").c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+// Where an installed or built server finds models/demo/shapes; "" when nowhere.
+std::string FindDemoDir(const char* argv0) {
+  std::vector<std::string> candidates;
+  const std::string in_runfiles = "/stowage/models/demo/shapes";
+  for (const char* env : {"RUNFILES_DIR", "TEST_SRCDIR"}) {
+    if (const char* dir = std::getenv(env); dir != nullptr && dir[0] != '\0') candidates.push_back(dir + in_runfiles);
+  }
+  char exe[PATH_MAX];
+  std::vector<std::string> binaries = {argv0 == nullptr ? "" : argv0};
+  if (::realpath("/proc/self/exe", exe) != nullptr) binaries.push_back(exe);
+  for (const std::string& binary : binaries) {
+    if (binary.empty()) continue;
+    candidates.push_back(binary + ".runfiles" + in_runfiles);
+    const size_t slash = binary.rfind('/');
+    if (slash != std::string::npos) candidates.push_back(binary.substr(0, slash) + "/../share/stowage/demo/shapes");
+  }
+#ifdef STOWAGE_SOURCE_DIR
+  candidates.push_back(std::string(STOWAGE_SOURCE_DIR) + "/models/demo/shapes");
+#endif
+  for (const std::string& c : candidates) {
+    if (IsModelDir(c)) return c;
+  }
+  return "";
+}
 
 // From the signal to the end of the process, at most.
 constexpr absl::Duration kStopBound = absl::Seconds(10);
@@ -133,7 +175,7 @@ int main(int argc, char** argv) {
   std::thread(WatchSignals).detach();
 
   absl::SetProgramUsageMessage("Stowage text-to-image inference server. Flags: --config, "
-                               "--grpc_address, --metrics_address, --http_address, --api_key_file, --port_file.");
+                               "--grpc_address, --metrics_address, --http_address, --api_key_file, --port_file, --demo_dir.");
   absl::ParseCommandLine(argc, argv);
 
   stowage::v1::ServerConfig config;
@@ -144,6 +186,20 @@ int main(int argc, char** argv) {
       return 2;
     }
     config = *std::move(loaded);
+  }
+  if (absl::GetFlag(FLAGS_config).empty()) {
+    std::string demo = absl::GetFlag(FLAGS_demo_dir);
+    if (demo.empty()) {
+      demo = FindDemoDir(argv[0]);
+      if (demo.empty()) Log("the demo pipeline's folder (models/demo/shapes) was not found: serving zimage-tiny only");
+    } else if (demo == "none") {
+      demo.clear();
+    } else if (!IsModelDir(demo)) {
+      Log(absl::StrCat("--demo_dir: '", demo, "' has no model_index.json (give the folder models/demo/shapes, or none)"));
+      return 2;
+    }
+    if (!demo.empty()) Log(absl::StrCat("demo pipeline 'shapes' from ", demo));
+    stowage::AddDefaultPipelines(config, demo);
   }
   if (!absl::GetFlag(FLAGS_grpc_address).empty()) config.set_grpc_address(absl::GetFlag(FLAGS_grpc_address));
   if (!absl::GetFlag(FLAGS_metrics_address).empty()) {

@@ -32,9 +32,11 @@ def _start_server(tmp: str, config: str | None = None) -> tuple[subprocess.Popen
     config's."""
     port_file = os.path.join(tmp, "ports.json")
     log = open(os.path.join(tmp, "server.log"), "w")
+    # Without a config the server would also serve the demo pipeline (tests/e2e/demo_e2e_test.py);
+    # these tests are about the clients and run on zimage-tiny alone.
     proc = subprocess.Popen(
         [SERVER, "--grpc_address=127.0.0.1:0", "--metrics_address=127.0.0.1:0",
-         f"--port_file={port_file}"] + ([f"--config={config}"] if config else []),
+         f"--port_file={port_file}"] + ([f"--config={config}"] if config else ["--demo_dir=none"]),
         stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + 60
     while not os.path.exists(port_file):

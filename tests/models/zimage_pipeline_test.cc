@@ -1,3 +1,4 @@
+#include "models/pipeline_registry.h"
 #include "models/zimage_pipeline.h"
 
 #include <cmath>
@@ -163,6 +164,39 @@ TEST(ZImagePipelineTest, Bfloat16RunsAndStaysCloseToFloat32) {
   double diff = 0;
   for (size_t i = 0; i < x->rgb.size(); ++i) diff += std::abs(int(x->rgb[i]) - int(y->rgb[i]));
   EXPECT_LT(diff / x->rgb.size(), 20.0);  // The same picture up to bf16 rounding.
+}
+
+TEST(ZImagePipelineTest, DefaultSizeIsTheArchitecturesUnlessSetAndMustBeARequestableSize) {
+  ZImagePipelineOptions options;
+  options.dtype = at::kFloat;
+  auto tiny = CreateTinyZImagePipeline(options);
+  ASSERT_TRUE(tiny.ok()) << tiny.status();
+  EXPECT_EQ((*tiny)->limits().default_width, 256);
+  EXPECT_EQ((*tiny)->limits().size_multiple, 16);
+  options.default_size = 128;
+  auto set = CreateTinyZImagePipeline(options);
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ((*set)->limits().default_width, 128);
+  EXPECT_EQ((*set)->limits().default_height, 128);
+  options.default_size = 120;  // Not a multiple of 16 (the VAE's 8 times the patch size 2).
+  auto odd = CreateTinyZImagePipeline(options);
+  EXPECT_EQ(odd.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(odd.status().message()).find("default_size 120 is not a multiple of 16"), std::string::npos)
+      << odd.status();
+  options.default_size = 4096;  // Beyond Z-Image's 2048.
+  auto big = CreateTinyZImagePipeline(options);
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(big.status().message()).find("default_size"), std::string::npos) << big.status();
+  // Through the registry: Z-Image takes it; the tiny architecture's size is its config's.
+  PipelineLoadOptions load;
+  load.default_size = 128;
+  auto registered = DefaultPipelineRegistry().CreateBuiltin("zimage-tiny", load);
+  ASSERT_TRUE(registered.ok()) << registered.status();
+  EXPECT_EQ((*registered)->limits().default_width, 128);
+  auto refused = DefaultPipelineRegistry().CreateBuiltin("tiny", load);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(refused.status().message()).find("leave default_size at 0"), std::string::npos)
+      << refused.status();
 }
 
 TEST(ZImagePipelineTest, LoadingRefusesDirectoriesThatAreNotZImage) {

@@ -36,6 +36,25 @@ TEST(ConfigTest, EmptyConfigServesTheBuiltInPipelineWithDefaults) {
   EXPECT_TRUE(config->pipelines(0).default_());
 }
 
+TEST(ConfigTest, WithoutAConfigTheDemoIsTheDefaultBesideTheBuiltIn) {
+  v1::ServerConfig config;
+  AddDefaultPipelines(config, "/models/demo/shapes");
+  ASSERT_EQ(config.pipelines_size(), 2);
+  EXPECT_EQ(config.pipelines(0).name(), kDemoPipelineName);
+  EXPECT_EQ(config.pipelines(0).model_dir(), "/models/demo/shapes");
+  EXPECT_EQ(config.pipelines(0).default_size(), static_cast<uint32_t>(kDemoImageSize));
+  EXPECT_TRUE(config.pipelines(0).default_());
+  EXPECT_EQ(config.pipelines(1).builtin(), kDefaultPipelineName);
+  EXPECT_FALSE(config.pipelines(1).default_());
+  // No demo folder: the built-in alone; a config that names pipelines is left as it is.
+  v1::ServerConfig bare;
+  AddDefaultPipelines(bare, "");
+  ASSERT_EQ(bare.pipelines_size(), 1);
+  EXPECT_EQ(bare.pipelines(0).name(), kDefaultPipelineName);
+  AddDefaultPipelines(bare, "/models/demo/shapes");
+  EXPECT_EQ(bare.pipelines_size(), 1);
+}
+
 TEST(ConfigTest, TextFormatAndJsonParseToTheSameConfig) {
   const std::string text = WriteTemp("a.textproto", R"pb(
     grpc_address: "127.0.0.1:0"
@@ -195,6 +214,9 @@ TEST(ConfigRangeTest, EveryNumericOptionIsCheckedAtItsBounds) {
       {go + ".staging_buffers", [](auto& c, int64_t v) { Defaults(c)->set_staging_buffers(static_cast<int32_t>(v)); },
        {0, 1, 64}, {-1, 65}},
       {go + ".budget_bytes", [](auto& c, int64_t v) { Defaults(c)->set_budget_bytes(v); }, {0, 1, kMax}, {-1}},
+      {"pipelines[0].default_size",
+       [](auto& c, int64_t v) { c.mutable_pipelines(0)->set_default_size(static_cast<uint32_t>(v)); },
+       {0, 16, 8192}, {1, 15, 8193, 1000000}},
       {"pipelines[0].group_offload.overrides['vae'].prefetch_depth",
        [](auto& c, int64_t v) {
          Defaults(c);

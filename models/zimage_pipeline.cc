@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "models/bpe_tokenizer.h"
+#include "models/component_factory.h"
 #include "models/config_checks.h"
 #include "models/flow_match_scheduler.h"
 #include "models/diffusers_format.h"
@@ -236,30 +237,6 @@ absl::Status ValidateOptions(const ZImagePipelineOptions& options) {
       .Range("max_sequence_length", options.max_sequence_length, 1, 1 << 16)
       .Range("default_size", options.default_size, 64, 2048);
   return check.status();
-}
-
-// Builds a module, then fills it from `dir` (or randomly), then wraps it as a component.
-template <typename T, typename Config>
-absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name, const Config& config,
-                                                         at::ScalarType dtype, const std::string& dir,
-                                                         bool random_weights, uint64_t seed,
-                                                         const std::vector<std::string>& ignored) {
-  RETURN_IF_ERROR(Validate(config, dir.empty() ? absl::StrCat("built-in ", name, " config")
-                                               : absl::StrCat(dir, "/config.json")));
-  std::unique_ptr<T> module;
-  RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("building ", name), [&] {
-    module = std::make_unique<T>(config, LayerOptions{dtype});
-  }));
-  CheckpointQuantization quantization;
-  if (random_weights) {
-    InitializeRandomWeights(*module, seed);
-  } else {
-    RETURN_IF_ERROR(LoadComponentWeights(*module, dir, dtype, ignored, &quantization));
-  }
-  ASSIGN_OR_RETURN(std::unique_ptr<Component> component, Component::Create(name, std::move(module), dtype));
-  // An 8-bit checkpoint: 8-bit group offloading in its format streams its bytes as stored.
-  if (quantization.weights != nullptr) component->set_prequantized(quantization.weights, quantization.format);
-  return component;
 }
 
 }  // namespace

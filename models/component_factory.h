@@ -1,0 +1,51 @@
+// MakeComponent: one architecture component built from its validated config and filled from its
+// diffusers-format folder (or with deterministic random weights), wrapped as a placement Component.
+// Shared by the pipelines' loaders (Z-Image, Flux).
+#ifndef STOWAGE_MODELS_COMPONENT_FACTORY_H_
+#define STOWAGE_MODELS_COMPONENT_FACTORY_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <c10/core/ScalarType.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "models/component.h"
+#include "models/diffusers_format.h"
+#include "models/layers.h"
+#include "models/weight_init.h"
+
+namespace stowage {
+
+// T is the module, built as T(config, LayerOptions{dtype}); `Validate(config, file)` runs first (the
+// config's own validator, found by overload). `dir` empty means a built-in config (no files);
+// `ignored` lists state-dict prefixes the module does not use (e.g. a VAE's encoder).
+template <typename T, typename Config>
+absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name, const Config& config,
+                                                         at::ScalarType dtype, const std::string& dir,
+                                                         bool random_weights, uint64_t seed,
+                                                         const std::vector<std::string>& ignored) {
+  RETURN_IF_ERROR(Validate(config, dir.empty() ? absl::StrCat("built-in ", name, " config")
+                                               : absl::StrCat(dir, "/config.json")));
+  std::unique_ptr<T> module;
+  RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("building ", name), [&] {
+    module = std::make_unique<T>(config, LayerOptions{dtype});
+  }));
+  CheckpointQuantization quantization;
+  if (random_weights) {
+    InitializeRandomWeights(*module, seed);
+  } else {
+    RETURN_IF_ERROR(LoadComponentWeights(*module, dir, dtype, ignored, &quantization));
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Component> component, Component::Create(name, std::move(module), dtype));
+  // An 8-bit checkpoint: 8-bit group offloading in its format streams its bytes as stored.
+  if (quantization.weights != nullptr) component->set_prequantized(quantization.weights, quantization.format);
+  return component;
+}
+
+}  // namespace stowage
+
+#endif  // STOWAGE_MODELS_COMPONENT_FACTORY_H_

@@ -19,8 +19,8 @@
 #include "models/qwen3_text_encoder.h"
 #include "models/zimage_pipeline.h"
 #include "models/zimage_transformer.h"
-#include "offload/safetensors.h"
 #include "base/status_macros.h"
+#include "tests/parity/parity_common.h"
 
 // Relative error allowed between our bfloat16 output and the reference's. 1e-2 where both run the
 // same LibTorch kernels (the GPU host: torch 2.11 on both sides gives identical outputs). Debian's
@@ -32,41 +32,10 @@ ABSL_FLAG(double, bf16_tolerance, 1e-2, "Relative error allowed between our and 
 namespace stowage {
 namespace {
 
-int failures = 0;
-
-void Report(const std::string& check, double error, double tolerance) {
-  const bool ok = std::isfinite(error) && error <= tolerance;
-  if (!ok) ++failures;
-  std::printf("%-34s error %.3g (tolerance %.1g) %s\n", check.c_str(), error, tolerance, ok ? "ok" : "FAIL");
-}
-
-void Fail(const std::string& check, const absl::Status& status) {
-  ++failures;
-  std::printf("%-34s FAIL: %s\n", check.c_str(), std::string(status.message()).c_str());
-}
-
-double RelativeError(const at::Tensor& got, const at::Tensor& want) {
-  const at::Tensor g = got.to(at::kDouble), w = want.to(at::kDouble);
-  return (g - w).norm().item<double>() / std::max(w.norm().item<double>(), 1e-30);
-}
-
-absl::StatusOr<std::map<std::string, at::Tensor>> ReadAll(const std::string& path) {
-  ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
-  std::map<std::string, at::Tensor> out;
-  for (const auto& [name, info] : file->tensors()) {
-    ASSIGN_OR_RETURN(at::Tensor t, file->Get(name));
-    out[name] = t.clone();
-  }
-  return out;
-}
-
-template <typename T, typename Config>
-absl::StatusOr<std::unique_ptr<T>> Build(const Config& config, const std::string& dir, at::ScalarType dtype,
-                                         const std::vector<std::string>& ignored = {}) {
-  auto module = std::make_unique<T>(config, LayerOptions{dtype});
-  RETURN_IF_ERROR(LoadComponentWeights(*module, dir, dtype, ignored));
-  return module;
-}
+using parity::Build;
+using parity::ReadAll;
+using parity::RelativeError;
+using parity::Report;
 
 absl::Status CheckTransformer(const std::string& root) {
   ASSIGN_OR_RETURN(auto json, ReadJsonFile(root + "/transformer/config.json"));
@@ -136,13 +105,7 @@ absl::Status CheckPipeline(const std::string& root) {
   options.dtype = at::kFloat;
   ASSIGN_OR_RETURN(auto pipeline, LoadZImagePipeline(root + "/pipeline", options, /*random_weights=*/false));
   ASSIGN_OR_RETURN(auto io, ReadAll(root + "/pipeline_io.safetensors"));
-  class HostRunner : public ComponentRunner {
-   public:
-    absl::Status Run(Component& c, const std::function<void()>& fn) override {
-      c.host_weights().PointAtHost();
-      return CatchAsStatus(c.name(), fn);
-    }
-  } runner;
+  parity::HostRunner runner;
   for (const auto& [name, guidance] : std::vector<std::pair<std::string, float>>{{"g0", 0.0f}, {"g1_5", 1.5f}}) {
     GenerationParams p;
     p.prompt = "a red lantern";
@@ -154,8 +117,7 @@ absl::Status CheckPipeline(const std::string& root) {
     p.seed = 11;
     RunContext context(nullptr, nullptr);
     ASSIGN_OR_RETURN(Image image, pipeline->Run(p, runner, context));
-    const at::Tensor got = at::from_blob(image.rgb.data(), {image.height, image.width, 3}, at::kByte)
-                               .permute({2, 0, 1}).to(at::kFloat) / 255.0;
+    const at::Tensor got = parity::ImageAsTensor(image);
     const at::Tensor want = io.at("image_" + name);
     Report("pipeline image " + name + " (max abs)", (got - want).abs().max().item<double>(), 1.0 / 255 + 1e-4);
   }
@@ -172,22 +134,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   c10::InferenceMode guard;
-  const std::string root = args[1];
-  using Check = absl::Status (*)(const std::string&);
-  // Not a structured binding: the lambda below captures these, which C++17 (and clang) allow only
-  // for variables.
-  for (const auto& entry : std::vector<std::pair<std::string, Check>>{
-           {"transformer", stowage::CheckTransformer}, {"vae", stowage::CheckVae},
-           {"text encoder", stowage::CheckTextEncoder}, {"tokenizer", stowage::CheckTokenizer},
-           {"pipeline", stowage::CheckPipeline}}) {
-    const std::string& name = entry.first;
-    const Check check = entry.second;
-    absl::Status status = stowage::CatchAsStatus(name, [&] {
-      absl::Status inner = check(root);
-      if (!inner.ok()) stowage::Fail(name, inner);
-    });
-    if (!status.ok()) stowage::Fail(name, status);
-  }
-  std::printf("%s\n", stowage::failures == 0 ? "parity: all checks passed" : "parity: FAILED");
-  return stowage::failures == 0 ? 0 : 1;
+  return stowage::parity::RunChecks(args[1], {{"transformer", stowage::CheckTransformer},
+                                              {"vae", stowage::CheckVae},
+                                              {"text encoder", stowage::CheckTextEncoder},
+                                              {"tokenizer", stowage::CheckTokenizer},
+                                              {"pipeline", stowage::CheckPipeline}});
 }

@@ -28,6 +28,8 @@ struct JsonLimits {
 inline constexpr JsonLimits kConfigJsonLimits{32, int64_t{16} << 20};
 // tokenizer.json: depth 32, 128 MiB (Qwen2's is 7 MB; the largest common ones about 35 MB).
 inline constexpr JsonLimits kTokenizerJsonLimits{32, int64_t{128} << 20};
+// vocab.json (a BPE vocabulary: one flat object, token → id): depth 1, 64 MiB (CLIP's is 1.6 MB).
+inline constexpr JsonLimits kVocabJsonLimits{1, int64_t{64} << 20};
 // A safetensors header: depth 8 (real ones nest 3 deep: {name: {"shape": [...]}}), and at most
 // 100,000,000 bytes as the reference implementation (MAX_HEADER_SIZE) allows.
 inline constexpr JsonLimits kSafetensorsHeaderLimits{8, 100'000'000};

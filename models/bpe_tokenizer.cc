@@ -1,7 +1,5 @@
 #include "models/bpe_tokenizer.h"
 
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
 #include <utf8proc.h>
 
 #include <algorithm>
@@ -18,53 +16,14 @@
 namespace stowage {
 namespace {
 
-// GPT-2's reversible byte → printable unicode code point table.
-std::string CodePointToUtf8(uint32_t cp) {
-  std::string out;
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-  return out;
-}
-
-void BuildByteTable(std::string table[256]) {
-  bool direct[256] = {};
-  for (int b = '!'; b <= '~'; ++b) direct[b] = true;
-  for (int b = 0xA1; b <= 0xAC; ++b) direct[b] = true;
-  for (int b = 0xAE; b <= 0xFF; ++b) direct[b] = true;
-  uint32_t next = 256;
-  for (int b = 0; b < 256; ++b) table[b] = CodePointToUtf8(direct[b] ? static_cast<uint32_t>(b) : next++);
-}
-
 const google::protobuf::Value* Field(const google::protobuf::Struct& s, const std::string& name) {
   auto it = s.fields().find(name);
   return it == s.fields().end() ? nullptr : &it->second;
 }
 
-// Splits a UTF-8 string into code-point strings.
-std::vector<std::string> Utf8Chars(const std::string& s) {
-  std::vector<std::string> chars;
-  for (size_t i = 0; i < s.size();) {
-    const unsigned char c = static_cast<unsigned char>(s[i]);
-    const size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : 4;
-    chars.push_back(s.substr(i, n));
-    i += n;
-  }
-  return chars;
-}
-
 }  // namespace
 
-BpeTokenizer::~BpeTokenizer() {
-  if (regex_ != nullptr) pcre2_code_free(static_cast<pcre2_code*>(regex_));
-}
+BpeTokenizer::~BpeTokenizer() = default;
 
 absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(const std::string& path) {
   ASSIGN_OR_RETURN(google::protobuf::Struct json, ReadJsonFile(path, kTokenizerJsonLimits));
@@ -79,8 +38,7 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJsonText(const s
 
 std::unique_ptr<BpeTokenizer> BpeTokenizer::ByteLevel(const std::vector<std::string>& special_tokens) {
   google::protobuf::Struct json;
-  std::string table[256];
-  BuildByteTable(table);
+  const std::array<std::string, 256>& table = ByteToUnicode();
   auto* model = (*json.mutable_fields())["model"].mutable_struct_value();
   (*model->mutable_fields())["type"].set_string_value("BPE");
   auto* vocab = (*model->mutable_fields())["vocab"].mutable_struct_value();
@@ -103,7 +61,6 @@ std::unique_ptr<BpeTokenizer> BpeTokenizer::ByteLevel(const std::vector<std::str
 absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJson(const google::protobuf::Struct& json,
                                                                     const std::string& path) {
   std::unique_ptr<BpeTokenizer> t(new BpeTokenizer());
-  BuildByteTable(t->byte_to_unicode_);
   auto bad = [&](const std::string& why) {
     return absl::InvalidArgumentError(absl::StrCat("tokenizer '", path, "': ", why));
   };
@@ -152,7 +109,8 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJson(const googl
       } else {
         return bad(absl::StrCat("malformed merge at index ", rank));
       }
-      t->merge_rank_.emplace(std::move(pair), rank++);  // A repeated pair keeps its first (best) rank.
+      // A repeated pair keeps its first (best) rank.
+      t->merges_.Add(std::move(pair.first), std::move(pair.second), rank++, BpeMerges::Repeat::kKeepFirst);
     }
   }
   if (const google::protobuf::Value* added = Field(json, "added_tokens"); added != nullptr && !added->has_null_value()) {
@@ -232,12 +190,9 @@ absl::StatusOr<std::unique_ptr<BpeTokenizer>> BpeTokenizer::FromJson(const googl
       }
     }
   }
-  int error = 0;
-  PCRE2_SIZE offset = 0;
-  pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.c_str()), pattern.size(),
-                                   PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
-  if (code == nullptr) return bad(absl::StrCat("pre-tokenizer regex does not compile at offset ", offset));
-  t->regex_ = code;
+  auto regex = BoundedRegex::Compile(pattern);
+  if (!regex.ok()) return bad(absl::StrCat("pre-tokenizer ", regex.status().message()));
+  t->regex_ = *std::move(regex);
   return t;
 }
 
@@ -251,33 +206,11 @@ absl::StatusOr<int64_t> BpeTokenizer::TokenId(const std::string& token) const {
 }
 
 absl::Status BpeTokenizer::EncodeWord(const std::string& word, std::vector<int64_t>& out) const {
+  const std::array<std::string, 256>& table = ByteToUnicode();
   std::string mapped;
-  for (unsigned char b : word) mapped += byte_to_unicode_[b];
-  std::vector<std::string> symbols = Utf8Chars(mapped);
-  while (symbols.size() > 1) {
-    int64_t best = std::numeric_limits<int64_t>::max();
-    size_t at = 0;
-    for (size_t i = 0; i + 1 < symbols.size(); ++i) {
-      auto it = merge_rank_.find({symbols[i], symbols[i + 1]});
-      if (it != merge_rank_.end() && it->second < best) {
-        best = it->second;
-        at = i;
-      }
-    }
-    if (best == std::numeric_limits<int64_t>::max()) break;
-    // Merge every occurrence of the best pair, left to right.
-    const std::string a = symbols[at], b = symbols[at + 1];
-    std::vector<std::string> merged;
-    for (size_t i = 0; i < symbols.size();) {
-      if (i + 1 < symbols.size() && symbols[i] == a && symbols[i + 1] == b) {
-        merged.push_back(a + b);
-        i += 2;
-      } else {
-        merged.push_back(symbols[i++]);
-      }
-    }
-    symbols.swap(merged);
-  }
+  for (unsigned char b : word) mapped += table[b];
+  std::vector<std::string> symbols = SplitUtf8(mapped);
+  merges_.Apply(symbols);
   for (const std::string& s : symbols) {
     auto it = vocab_.find(s);
     if (it == vocab_.end()) {
@@ -290,12 +223,6 @@ absl::Status BpeTokenizer::EncodeWord(const std::string& word, std::vector<int64
 
 absl::StatusOr<std::vector<int64_t>> BpeTokenizer::Encode(const std::string& raw) const {
   std::vector<int64_t> ids;
-  auto* code = static_cast<pcre2_code*>(regex_);
-  pcre2_match_data* match = pcre2_match_data_create_from_pattern(code, nullptr);
-  // A regex from the file may backtrack catastrophically: bound the work per match.
-  pcre2_match_context* limits = pcre2_match_context_create(nullptr);
-  pcre2_set_match_limit(limits, 1'000'000);
-  pcre2_set_depth_limit(limits, 10'000);
   absl::Status status;
   auto encode_segment = [&](const std::string& segment) {
     std::string text = segment;
@@ -308,25 +235,8 @@ absl::StatusOr<std::vector<int64_t>> BpeTokenizer::Encode(const std::string& raw
       text = reinterpret_cast<char*>(normalized);
       std::free(normalized);
     }
-    PCRE2_SIZE start = 0;
-    while (start < text.size() && status.ok()) {
-      const int rc = pcre2_match(code, reinterpret_cast<PCRE2_SPTR>(text.data()), text.size(), start, 0, match, limits);
-      if (rc == PCRE2_ERROR_MATCHLIMIT || rc == PCRE2_ERROR_DEPTHLIMIT || rc == PCRE2_ERROR_HEAPLIMIT) {
-        status = absl::InvalidArgumentError("the pre-tokenizer regex exceeded its match limit on this text");
-        break;
-      }
-      if (rc < 0) break;  // No match (or text PCRE2 rejects): the rest is encoded as one word below.
-      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(match);
-      if (ov[1] == ov[0]) {  // Empty match: advance one code point.
-        ++start;
-        continue;
-      }
-      // Text the regex skipped (none for these patterns, which cover everything) is still encoded.
-      if (ov[0] > start) status = EncodeWord(text.substr(start, ov[0] - start), ids);
-      if (status.ok()) status = EncodeWord(text.substr(ov[0], ov[1] - ov[0]), ids);
-      start = ov[1];
-    }
-    if (status.ok() && start < text.size()) status = EncodeWord(text.substr(start), ids);
+    // Text the regex skips (none for these patterns, which cover everything) is still encoded.
+    status = regex_->Split(text, [&](absl::string_view word, bool) { return EncodeWord(std::string(word), ids); });
   };
   // Added (special) tokens are matched verbatim, longest first, before anything else.
   size_t pos = 0;
@@ -355,8 +265,6 @@ absl::StatusOr<std::vector<int64_t>> BpeTokenizer::Encode(const std::string& raw
     }
   }
   if (status.ok()) encode_segment(pending);
-  pcre2_match_data_free(match);
-  pcre2_match_context_free(limits);
   if (!status.ok()) return status;
   return ids;
 }

@@ -6,8 +6,8 @@
 // Thread-safety: Encode is const and thread-safe after Load.
 //
 // Untrusted input: tokenizer.json is read under kTokenizerJsonLimits (base/json_limits.h: 128 MiB,
-// nesting depth 32) and loaded in time linear in its size (hash-map vocabulary, merges inserted once
-// each into an ordered map: n log n). Bounds: at most kMaxVocab vocabulary entries and merges, at
+// nesting depth 32) and loaded in time linear in its size (hash-map vocabulary and merges; a word of n
+// symbols is merged in O(n log n), models/byte_level_bpe.h). Bounds: at most kMaxVocab vocabulary entries and merges, at
 // most kMaxAddedTokens added tokens of at most 256 bytes each (Encode scans them at every position);
 // ids are integers in [0, 2^31). Messages name the file and the entry's index or a Truncated()
 // name, never more of the file. Encode's regex matching is bounded by PCRE2 match and depth limits.
@@ -23,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "google/protobuf/struct.pb.h"
+#include "models/byte_level_bpe.h"
 
 namespace stowage {
 
@@ -57,17 +58,16 @@ class BpeTokenizer {
   absl::Status EncodeWord(const std::string& word, std::vector<int64_t>& out) const;
 
   std::unordered_map<std::string, int64_t> vocab_;
-  std::map<std::pair<std::string, std::string>, int64_t> merge_rank_;
+  BpeMerges merges_;
   std::vector<std::pair<std::string, int64_t>> added_;  // Longest first.
   // The added tokens as a byte trie, so matching them at a position costs at most the longest
   // token's length whatever their number: edge (node << 8 | byte) → child; added_terminal_[node] is
   // the id of the token ending there, or -1. Node 0 is the root.
   std::unordered_map<uint64_t, int32_t> added_edges_;
   std::vector<int64_t> added_terminal_;
-  std::string byte_to_unicode_[256];
   bool nfc_ = false;
   int64_t max_id_ = -1;
-  void* regex_ = nullptr;  // pcre2_code*
+  std::unique_ptr<BoundedRegex> regex_;
 };
 
 }  // namespace stowage

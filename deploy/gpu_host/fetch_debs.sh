@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Downloads (does not install) the Debian 12 packages the GPU host needs to build and run Stowage
 # with CMake: gRPC, protobuf (+ protoc and the gRPC plugins), abseil, prometheus-cpp, civetweb,
-# gtest/gmock, libpng. Run HERE, on the Debian 12 build machine; the GPU host (Ubuntu 24.04, no network) gets the
+# gtest/gmock, libpng, PCRE2, utf8proc, SentencePiece. Run HERE, on the Debian 12 build machine; the GPU host (Ubuntu 24.04, no network) gets the
 # folder with the working tree and unpacks it with `dpkg -x` (deploy/unpack_debs.sh, which
 # deploy/gpu_host/build_and_serve.sh and `./stowage serve --cuda --debs=.deb` call).
 #
@@ -34,6 +34,9 @@ packages=(
   libpng-dev libpng16-16 zlib1g-dev
   # The BPE tokenizer: PCRE2 (Unicode regex with lookahead) and utf8proc (NFC).
   libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3 libutf8proc-dev libutf8proc2
+  # SentencePiece (header, link names, runtime): the reference tests/models:t5_tokenizer_test
+  # compares the T5 tokenizer with (the server itself does not link it).
+  libsentencepiece-dev libsentencepiece0
 )
 
 if ! command -v apt-get >/dev/null 2>&1; then

@@ -296,7 +296,25 @@ absl::Status LoadComponentWeights(Module& root, const std::string& component_dir
                                   CheckpointQuantization* quantization) {
   ASSIGN_OR_RETURN(ComponentWeights weights, ReadComponentWeights(component_dir));
   ComponentWeights named;
-  auto strip = [](const std::string& key) { return key.rfind("model.", 0) == 0 ? key.substr(6) : key; };
+  // A module whose tensors all sit under one top-level child ("text_model." of CLIPTextModel) reads
+  // checkpoints with or without that prefix: transformers 5 saves such models without it.
+  std::string only_child;
+  if (root.children().size() == 1) only_child = root.children().front().first + ".";
+  bool has_child_prefix = only_child.empty();
+  for (const auto& entry : weights.tensors) {
+    if (has_child_prefix) break;
+    const std::string& key = entry.first;
+    has_child_prefix = key.rfind(only_child, 0) == 0 || key.rfind("model." + only_child, 0) == 0;
+  }
+  if (weights.quantized != nullptr && !has_child_prefix) {
+    for (const auto& entry : *weights.quantized) {
+      has_child_prefix = has_child_prefix || entry.first.rfind(only_child, 0) == 0;
+    }
+  }
+  auto strip = [&](const std::string& key) {
+    const std::string bare = key.rfind("model.", 0) == 0 ? key.substr(6) : key;
+    return has_child_prefix ? bare : only_child + bare;
+  };
   for (auto& [key, tensor] : weights.tensors) {
     named.tensors[strip(key)] = tensor;
     named.file_of[strip(key)] = weights.file_of[key];

@@ -81,7 +81,8 @@ absl::Status BindWeights(Module& root, const ComponentWeights& weights, at::Scal
                          const std::vector<std::string>& ignored_prefixes = {});
 
 // ReadComponentWeights + BindWeights for a component folder, accepting transformers checkpoints whose
-// names carry a "model." prefix.
+// names carry a "model." prefix, and, for a module whose tensors all sit under one top-level child
+// (CLIPTextModel's "text_model."), checkpoints that leave that child's name out (transformers 5).
 // An 8-bit checkpoint's quantized tensors are dequantized into the module; with `quantization`, they
 // are also handed back (for Component::set_prequantized), else dropped after binding.
 struct CheckpointQuantization {

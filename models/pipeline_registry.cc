@@ -5,6 +5,7 @@
 #include "base/status_macros.h"
 #include "base/text.h"
 #include "models/diffusers_format.h"
+#include "models/flux_pipeline.h"
 #include "models/tiny_pipeline.h"
 #include "models/zimage_pipeline.h"
 
@@ -35,6 +36,23 @@ PipelineArchitecture ZImageArchitecture() {
     ZImagePipelineOptions options = CommonOptions<ZImagePipelineOptions>(o);
     options.default_size = o.default_size;
     return CreateTinyZImagePipeline(options);
+  };
+  return a;
+}
+
+PipelineArchitecture FluxArchitecture() {
+  PipelineArchitecture a;
+  a.class_names = {"FluxPipeline"};
+  a.builtins = {"flux-tiny"};
+  a.load_dir = [](const std::string& dir, const PipelineLoadOptions& o) {
+    FluxPipelineOptions options = CommonOptions<FluxPipelineOptions>(o);
+    options.default_size = o.default_size;
+    return LoadFluxPipeline(dir, options, o.random_weights, o.cache);
+  };
+  a.create_builtin = [](const std::string&, const PipelineLoadOptions& o) {
+    FluxPipelineOptions options = CommonOptions<FluxPipelineOptions>(o);
+    options.default_size = o.default_size;
+    return CreateTinyFluxPipeline(options);
   };
   return a;
 }
@@ -124,6 +142,7 @@ const PipelineRegistry& DefaultPipelineRegistry() {
     // One line per architecture.
     (void)r->Register(ZImageArchitecture());
     (void)r->Register(TinyArchitecture());
+    (void)r->Register(FluxArchitecture());
     return r;
   }();
   return *registry;

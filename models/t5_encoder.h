@@ -4,8 +4,8 @@
 // feed-forward (tanh GELU of wi_0 times wi_1, then wo), and a final RMS norm. Parameter names match
 // transformers' state dict ("shared.weight", "encoder.block.N.layer.M...").
 //
-// Status: structure and names follow transformers (tested); numerical parity with transformers is
-// not yet checked (fixtures come from the GPU host), and no pipeline uses it yet.
+// Parity: at a tiny size its hidden states within 4e-7 of transformers' (float32) on the committed reference
+// fixtures (//tests/parity:flux_parity_test). models/flux_pipeline.h runs it.
 #ifndef STOWAGE_MODELS_T5_ENCODER_H_
 #define STOWAGE_MODELS_T5_ENCODER_H_
 

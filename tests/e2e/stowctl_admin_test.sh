@@ -50,7 +50,7 @@ ctl load-pipeline --name=extra --weight_seed=3 | grep -q 'name: "extra"' || fail
 out=$(ctl load-pipeline --name=old --builtin=tiny)
 grep -q 'TinyDiT' <<<"$out" || fail "load --builtin=tiny: $out"
 out=$(ctl load-pipeline --name=bad --builtin=sdxl 2>&1 || true)
-grep -q "available: tiny, zimage-tiny" <<<"$out" || fail "load --builtin=sdxl: $out"
+grep -q "available: flux-tiny, tiny, zimage-tiny" <<<"$out" || fail "load --builtin=sdxl: $out"
 ctl generate --pipeline=extra --prompt=kite --width=64 --height=64 --steps=1 >/dev/null
 ctl unload-pipeline --name=extra >/dev/null
 set +e

@@ -166,12 +166,19 @@ def t5_tokenizer_dir(directory, work):
     prefix = os.path.join(work, "spiece")
     spm.SentencePieceTrainer.train(input=corpus, model_prefix=prefix, vocab_size=48, model_type="unigram", hard_vocab_limit=False,
                                    pad_id=0, eos_id=1, unk_id=2, bos_id=-1, character_coverage=1.0)
-    tok = T5TokenizerFast(vocab_file=prefix + ".model", extra_ids=0)
-    tok.save_pretrained(directory)
-    # The published tokenizer_2/ folders carry the SentencePiece model beside tokenizer.json
-    # (transformers 5 saves only the latter).
+    # transformers 5.17's T5TokenizerFast(vocab_file=...) ignores the file (a 4-piece vocabulary):
+    # load the folder holding spiece.model instead, which converts it, and check the result against
+    # SentencePiece's own ids before anything is written from it.
     import shutil
     shutil.copy(prefix + ".model", os.path.join(directory, "spiece.model"))
+    tok = T5TokenizerFast.from_pretrained(directory, extra_ids=0)
+    sp = spm.SentencePieceProcessor(model_file=prefix + ".model")
+    for prompt in PROMPTS:
+        want = sp.encode(prompt) + [1]
+        if tok(prompt).input_ids != want:
+            raise SystemExit(f"T5 tokenizer from {directory} disagrees with SentencePiece on {prompt!r}: "
+                             f"{tok(prompt).input_ids} vs {want}")
+    tok.save_pretrained(directory)  # tokenizer.json beside spiece.model, as the published folders have.
     return tok
 
 

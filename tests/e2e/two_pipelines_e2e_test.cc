@@ -106,5 +106,19 @@ TEST(TwoPipelinesTest, AlternatingAndConcurrentRequestsShareOneBudgetWithUnchang
   EXPECT_TRUE(HealthServing(server.channel()));
 }
 
+// What Flux refuses comes back as a clear status naming the field, and the server keeps serving both.
+TEST(TwoPipelinesTest, FluxRequestsWithANegativePromptAreRefusedSayingWhy) {
+  E2eServer server(TwoPipelines(0));
+  ASSERT_TRUE(server.ok());
+  v1::GenerateRequest request = Request("f", 1);
+  request.set_negative_prompt("blur");
+  const grpc::Status refused = server.Generate(request);
+  EXPECT_EQ(refused.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("negative_prompt"), std::string::npos) << refused.error_message();
+  EXPECT_TRUE(server.Generate(Request("f", 1)).ok());
+  EXPECT_TRUE(server.Generate(Request("z", 1)).ok());
+  EXPECT_TRUE(HealthServing(server.channel()));
+}
+
 }  // namespace
 }  // namespace stowage

@@ -111,11 +111,20 @@ ClipTokenizer::ClipTokenizer() : state_(std::make_unique<State>()) {}
 ClipTokenizer::~ClipTokenizer() = default;
 
 absl::StatusOr<std::unique_ptr<ClipTokenizer>> ClipTokenizer::Load(const std::string& dir) {
-  const std::string vocab_path = dir + "/vocab.json";
-  const std::string merges_path = dir + "/merges.txt";
+  // Each file is refused by its size before it is read; FromText checks the sizes again.
+  ASSIGN_OR_RETURN(std::string vocab, ReadFileAtMost(dir + "/vocab.json", kVocabJsonLimits.max_bytes));
+  ASSIGN_OR_RETURN(std::string merges, ReadFileAtMost(dir + "/merges.txt", kMaxMergesBytes));
+  return FromText(vocab, merges, dir);
+}
+
+absl::StatusOr<std::unique_ptr<ClipTokenizer>> ClipTokenizer::FromText(const std::string& vocab_json,
+                                                                        const std::string& merges_txt,
+                                                                        const std::string& source) {
+  const std::string vocab_path = source + "/vocab.json";
+  const std::string merges_path = source + "/merges.txt";
   std::unique_ptr<ClipTokenizer> t(new ClipTokenizer());
   State& s = *t->state_;
-  ASSIGN_OR_RETURN(google::protobuf::Struct json, ReadJsonFile(vocab_path, kVocabJsonLimits));
+  ASSIGN_OR_RETURN(google::protobuf::Struct json, ParseJsonObject(vocab_json, kVocabJsonLimits, vocab_path));
   if (json.fields_size() > kMaxVocab) {
     return absl::InvalidArgumentError(
         absl::StrCat(vocab_path, ": ", json.fields_size(), " entries; at most ", kMaxVocab));
@@ -136,7 +145,11 @@ absl::StatusOr<std::unique_ptr<ClipTokenizer>> ClipTokenizer::Load(const std::st
     *id = it->second;
   }
 
-  ASSIGN_OR_RETURN(std::string merges, ReadFileAtMost(merges_path, kMaxMergesBytes));
+  if (static_cast<int64_t>(merges_txt.size()) > kMaxMergesBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(merges_path, ": ", merges_txt.size(),
+                                                   " bytes exceeds the limit of ", kMaxMergesBytes, " bytes"));
+  }
+  const std::string& merges = merges_txt;
   int64_t line_number = 0;
   int64_t rank = 0;
   for (size_t start = 0; start < merges.size();) {

@@ -26,7 +26,8 @@
 // numbers in [0, 2^31), <|startoftext|> and <|endoftext|> present; merges.txt: at most 64 MiB and
 // 2^22 merges, each merge's two symbols and their concatenation in vocab.json (as the tokenizers
 // library requires). Encode: max_length at most 65,536; text must be UTF-8; a word of n bytes is
-// merged in O(n log n), and words past the cut are not encoded.
+// merged in O(n log n), and words past the cut are not encoded. tests/fuzz/clip_tokenizer_fuzzer
+// fuzzes FromText and Encode.
 #ifndef STOWAGE_MODELS_CLIP_TOKENIZER_H_
 #define STOWAGE_MODELS_CLIP_TOKENIZER_H_
 
@@ -43,6 +44,11 @@ class ClipTokenizer {
  public:
   // Reads <dir>/vocab.json and <dir>/merges.txt.
   static absl::StatusOr<std::unique_ptr<ClipTokenizer>> Load(const std::string& dir);
+  // The same from the two files' contents (Load's parse and checks; the fuzz target's entry point):
+  // `source` names the folder in errors ("<source>/vocab.json: ...", "<source>/merges.txt: ...").
+  static absl::StatusOr<std::unique_ptr<ClipTokenizer>> FromText(const std::string& vocab_json,
+                                                                 const std::string& merges_txt,
+                                                                 const std::string& source);
   // No merges: every byte of a word one token ("x" or "x</w>" for a word's last byte), ids 0-511
   // (byte b is b, or 256 + b when it ends a word), <|startoftext|> 512, <|endoftext|> 513, with the
   // same normalisation and split: for built-in pipelines that run with nothing downloaded.

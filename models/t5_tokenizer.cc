@@ -22,6 +22,13 @@ namespace {
 constexpr int64_t kMaxModelBytes = int64_t{64} << 20;
 constexpr int64_t kMaxPieces = int64_t{1} << 22;
 constexpr int64_t kMaxLength = int64_t{1} << 16;  // Encode's max_length (Flux: 256 or 512).
+// The Viterbi walks, from each byte, as deep into the pieces as the text matches: pieces are at
+// most kMaxPieceBytes long (the trainer makes pieces of at most 16 characters by default).
+constexpr int64_t kMaxPieceBytes = 256;
+// The normalised text is at most kMaxExpansion times the text's bytes, plus kMaxExpansion: a
+// replacement of the precompiled rules can be any string of the table (NFKC's largest expansion,
+// U+FDFA to 18 characters, is 11-fold; 13-fold with its spaces escaped).
+constexpr int64_t kMaxExpansion = 64;
 
 constexpr absl::string_view kSpaceSymbol = "\xe2\x96\x81";  // U+2581, SentencePiece's escaped space.
 constexpr absl::string_view kReplacementChar = "\xef\xbf\xbd";  // U+FFFD
@@ -397,6 +404,7 @@ struct T5Tokenizer::State {
     }
     if (input.empty()) return absl::OkStatus();
     normalized->reserve(input.size() * 3);
+    const size_t max_normalized = static_cast<size_t>(kMaxExpansion) * (input.size() + 1);
     const absl::string_view space = escape_whitespaces ? kSpaceSymbol : " ";
     auto add_space = [&] { normalized->append(space.data(), space.size()); };
     if (!treat_whitespace_as_suffix && add_dummy_prefix) add_space();
@@ -414,6 +422,10 @@ struct T5Tokenizer::State {
           }
         }
         is_prev_space = absl::EndsWith(piece, " ");
+        if (normalized->size() > max_normalized) {
+          return absl::InvalidArgumentError(absl::StrCat(source, ": the normalisation rules expand the text more than ",
+                                                         kMaxExpansion, "-fold"));
+        }
       }
       input.remove_prefix(consumed);
       if (!remove_extra_whitespaces) is_prev_space = false;
@@ -503,7 +515,16 @@ T5Tokenizer::~T5Tokenizer() = default;
 absl::StatusOr<std::unique_ptr<T5Tokenizer>> T5Tokenizer::Load(const std::string& dir) {
   const std::string path = dir + "/spiece.model";
   ASSIGN_OR_RETURN(std::string bytes, ReadFileAtMost(path, kMaxModelBytes));
+  return FromBytes(bytes, path);
+}
+
+absl::StatusOr<std::unique_ptr<T5Tokenizer>> T5Tokenizer::FromBytes(const std::string& bytes,
+                                                                   const std::string& source) {
+  const std::string& path = source;
   auto bad = [&](const std::string& why) { return absl::InvalidArgumentError(absl::StrCat(path, ": ", why)); };
+  if (static_cast<int64_t>(bytes.size()) > kMaxModelBytes) {
+    return bad(absl::StrCat(bytes.size(), " bytes exceeds the limit of ", kMaxModelBytes, " bytes"));
+  }
   ModelFields model;
   if (!ParseModel(bytes, &model)) {
     return bad(absl::StrCat("not a SentencePiece model (malformed protobuf, or more than ", kMaxPieces, " pieces)"));
@@ -537,6 +558,9 @@ absl::StatusOr<std::unique_ptr<T5Tokenizer>> T5Tokenizer::Load(const std::string
     s.types.push_back(piece.type);
     if (piece.text.empty() || piece.text.find('\0') != std::string::npos) {
       return bad(absl::StrCat("piece ", id, " is empty or holds a NUL byte"));
+    }
+    if (static_cast<int64_t>(piece.text.size()) > kMaxPieceBytes) {
+      return bad(absl::StrCat("piece ", id, " is longer than ", kMaxPieceBytes, " bytes"));
     }
     const bool lookup = piece.type == kNormal || piece.type == kUserDefined || piece.type == kUnused;
     if (lookup ? !s.pieces.Insert(piece.text, id) : !reserved.emplace(piece.text, id).second) {

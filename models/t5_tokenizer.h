@@ -19,9 +19,12 @@
 //
 // Thread-safety: Encode is const and thread-safe after Load.
 //
-// Untrusted input: spiece.model is read only if at most 64 MiB, with at most 2^22 pieces; every
-// index into it (pieces, character-map trie and strings) is bounds-checked; Encode is linear in the
-// text times the longest piece. Errors name the file. max_length is at most 65,536.
+// Untrusted input: spiece.model is read only if at most 64 MiB, with at most 2^22 pieces of at most
+// 256 bytes each; every index into it (pieces, character-map trie and strings) is bounds-checked;
+// the normalised text is at most 64 times the text (plus 64 bytes; beyond that Encode is
+// INVALID_ARGUMENT naming the file), so Encode is linear in the text (times the longest piece).
+// Errors name the file. max_length is at most 65,536. tests/fuzz/t5_tokenizer_fuzzer fuzzes
+// FromBytes and Encode.
 #ifndef STOWAGE_MODELS_T5_TOKENIZER_H_
 #define STOWAGE_MODELS_T5_TOKENIZER_H_
 
@@ -41,6 +44,10 @@ class T5Tokenizer {
 
   // Reads <dir>/spiece.model.
   static absl::StatusOr<std::unique_ptr<T5Tokenizer>> Load(const std::string& dir);
+  // The same from spiece.model's bytes (Load's parse and checks; the fuzz target's entry point);
+  // `source` names the file in errors.
+  static absl::StatusOr<std::unique_ptr<T5Tokenizer>> FromBytes(const std::string& model_bytes,
+                                                                const std::string& source);
   // No model file: every byte of the text, as given (no normalisation), one token (id = byte + 3;
   // 0 <pad>, 1 </s>, 2 <unk>; max_id() 258), for built-in pipelines that run with nothing downloaded.
   static std::unique_ptr<T5Tokenizer> ByteLevel();

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Writes the committed seed corpora of the fuzz targets (tests/fuzz/corpus/<target>/), from the
-tiny Z-Image fixtures (tests/fixtures/zimage_tiny) plus a few broken inputs each. Deterministic; run
-from anywhere: /usr/bin/python3 tests/fuzz/make_seed_corpus.py"""
+tiny Z-Image and Flux fixtures (tests/fixtures/zimage_tiny, tests/fixtures/flux_tiny) plus small
+hand-made and a few broken inputs each. Deterministic; run from anywhere:
+/usr/bin/python3 tests/fuzz/make_seed_corpus.py"""
 
 import json
 import os
@@ -10,6 +11,7 @@ import struct
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURES = os.path.join(HERE, "..", "fixtures", "zimage_tiny", "pipeline")
+FLUX_FIXTURES = os.path.join(HERE, "..", "fixtures", "flux_tiny", "pipeline")
 
 
 def image(header, data=b""):
@@ -98,6 +100,206 @@ def tokenizer_seeds():
     return seeds
 
 
+def flux_read(*path):
+    with open(os.path.join(FLUX_FIXTURES, *path), "rb") as f:
+        return f.read()
+
+
+def clip_tokenizer_seeds():
+    # clip_tokenizer_fuzzer's input: vocab.json, a NUL byte, merges.txt.
+    def pair(vocab, merges):
+        vocab = vocab if isinstance(vocab, bytes) else json.dumps(vocab, ensure_ascii=False).encode()
+        return vocab + b"\0" + (merges if isinstance(merges, bytes) else merges.encode())
+
+    vocab, merges = flux_read("tokenizer", "vocab.json"), flux_read("tokenizer", "merges.txt")
+    seeds = {"fixture": pair(vocab, merges)}
+    small = {}
+    for c in "acehlost'":
+        small[c] = len(small)
+        small[c + "</w>"] = len(small)
+    for merged in ["he", "ll", "lo</w>", "hell", "hello</w>", "th", "the</w>", "ca", "cat</w>", "'s</w>"]:
+        small[merged] = len(small)
+    small["<|startoftext|>"] = len(small)
+    small["<|endoftext|>"] = len(small)
+    small_merges = "#version: 0.2\nh e\nl o</w>\nl l\nhe ll\nhell o</w>\nt h\nth e</w>\nc a\nca t</w>\n' s</w>\n"
+    seeds["small"] = pair(small, small_merges)
+    seeds["small_crlf_no_version_repeats"] = pair(small, "l l\r\nh e\r\nl l\r\nhe ll\r\n")
+    seeds["vocab_only"] = json.dumps(small).encode()
+    seeds["broken_merge_line"] = pair(small, "#version: 0.2\nh e\nh  e\nl\n")
+    seeds["broken_merge_unknown"] = pair(small, "#version: 0.2\nq x\n")
+    broken = dict(small)
+    broken["h"] = 1.5
+    seeds["broken_fractional_id"] = pair(broken, small_merges)
+    broken = dict(small)
+    del broken["<|startoftext|>"]
+    seeds["broken_no_bos"] = pair(broken, small_merges)
+    seeds["broken_nested"] = pair(b'{"a":{"b":1}}', small_merges)
+    seeds["broken_deep"] = pair(b"[" * 64, b"")
+    return seeds
+
+
+# The protobuf wire format, for spiece.model seeds.
+def varint(n):
+    n &= (1 << 64) - 1
+    out = b""
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out += bytes([byte | 0x80])
+        else:
+            return out + bytes([byte])
+
+
+def field_bytes(number, data):
+    return varint(number << 3 | 2) + varint(len(data)) + data
+
+
+def field_varint(number, value):
+    return varint(number << 3) + varint(value)
+
+
+def field_float(number, value):
+    return varint(number << 3 | 5) + struct.pack("<f", value)
+
+
+def read_fields(data):
+    """(number, wire type, raw field bytes) of each field of a message."""
+    out, i = [], 0
+    while i < len(data):
+        start = i
+
+        def take_varint():
+            nonlocal i
+            value, shift = 0, 0
+            while True:
+                byte = data[i]
+                i += 1
+                value |= (byte & 0x7F) << shift
+                shift += 7
+                if not byte & 0x80:
+                    return value
+
+        key = take_varint()
+        wire = key & 7
+        if wire == 0:
+            take_varint()
+        elif wire == 1:
+            i += 8
+        elif wire == 2:
+            length = take_varint()
+            i += length
+        elif wire == 5:
+            i += 4
+        out.append((key >> 3, wire, data[start:i]))
+    return out
+
+
+# SentencePiece's piece types.
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+
+def spiece(pieces, trainer=b"", normalizer=b""):
+    """A ModelProto: pieces (text, score, type), trainer_spec and normalizer_spec bodies."""
+    out = b""
+    for text, score, kind in pieces:
+        body = field_bytes(1, text.encode() if isinstance(text, str) else text) + field_float(2, score)
+        if kind != NORMAL:
+            body += field_varint(3, kind)
+        out += field_bytes(1, body)
+    out += field_bytes(2, field_varint(3, 1) + trainer)  # model_type UNIGRAM
+    return out + field_bytes(3, normalizer)
+
+
+def charsmap(rules):
+    """A precompiled normalisation table (Darts-clone double array + NUL-terminated replacements)
+    for `rules` {source: replacement}, checked by walking it as T5Tokenizer does."""
+    strings, value_of = b"", {}
+    for src, dst in sorted(rules.items()):
+        value_of[src.encode()] = len(strings)
+        strings += dst.encode() + b"\0"
+    trie = {}  # A byte trie: node = dict of children, key None = value.
+    for key, value in value_of.items():
+        node = trie
+        for b in key:
+            node = node.setdefault(b, {})
+        node[None] = value
+    units, used_bases = {0: 0}, set()
+
+    def place(node, index):
+        labels = sorted(b for b in node if b is not None)
+        base = 1
+        while base in used_bases or any((base ^ c) in units or (base ^ c) == 0 for c in labels) or \
+                (None in node and base in units):
+            base += 1
+        used_bases.add(base)
+        offset = index ^ base
+        assert offset < (1 << 21)
+        units[index] = units.get(index, 0) | offset << 10 | ((1 << 8) if None in node else 0)
+        if None in node:
+            units[base] = 1 << 31 | node[None]
+        for c in labels:
+            units[base ^ c] = c
+        for c in labels:
+            place(node[c], base ^ c)
+
+    place(trie, 0)
+    array = [units.get(i, 0) for i in range(max(units) + 1)]
+
+    def longest(text):
+        node, length, value = array[0] >> 10, 0, None
+        for i, c in enumerate(text):
+            node ^= c
+            if node >= len(array) or (array[node] & (1 << 31 | 0xFF)) != c:
+                break
+            unit = array[node]
+            node ^= unit >> 10
+            if unit >> 8 & 1:
+                length, value = i + 1, array[node] & ((1 << 31) - 1)
+        return length, value
+
+    for key, value in value_of.items():
+        assert longest(key + b"\xff") == (len(key), value), key
+    trie_bytes = struct.pack("<%dI" % len(array), *array)
+    return struct.pack("<I", len(trie_bytes)) + trie_bytes + strings
+
+
+def t5_tokenizer_seeds():
+    fixture = flux_read("tokenizer_2", "spiece.model")
+    seeds = {"fixture": fixture}
+    # The fixture without its 240 kB NFKC table: its pieces and specs, normalizer_spec's name only.
+    no_table = b"".join(raw for number, _, raw in read_fields(fixture) if number != 3)
+    no_table += field_bytes(3, field_bytes(1, b"nmt_nfkc"))
+    seeds["fixture_without_table"] = no_table
+    special = [("<pad>", 0.0, CONTROL), ("</s>", 0.0, CONTROL), ("<unk>", 0.0, UNKNOWN)]
+    normal = [("\u2581", -2.0, NORMAL), ("\u2581a", -3.0, NORMAL), ("a", -3.5, NORMAL), ("t", -4.0, NORMAL),
+              ("\u2581the", -4.5, NORMAL), ("he", -5.0, NORMAL), ("cat", -5.5, NORMAL), ("s", -6.0, NORMAL),
+              ("\u65e5", -7.0, NORMAL), ("fi", -7.5, NORMAL), ("A", -8.0, NORMAL)]
+    table = charsmap({"\uff21": "A", "\ufb01": "fi", "\u3000": " ", "\u00a0": " ", "\u200b": "",
+                      "\u2460": "1", "e\u0301": "\u00e9", "\t": " "})
+    seeds["small_with_table"] = spiece(special + normal, normalizer=field_bytes(2, table))
+    # Byte fallback with all 256 byte pieces, user-defined symbols, no dummy prefix, whitespace kept
+    # and as a suffix, no table.
+    byte_pieces = [("<0x%02X>" % b, 0.0, BYTE) for b in range(256)]
+    user = [("<sep>", 0.0, USER_DEFINED), ("lantern", 0.0, USER_DEFINED), ("\u2603", 0.0, USER_DEFINED),
+            ("unused", -1.0, UNUSED)]
+    seeds["small_byte_fallback"] = spiece(
+        special + byte_pieces + user + normal,
+        trainer=field_varint(24, 1) + field_varint(35, 1),
+        normalizer=field_varint(3, 0) + field_varint(4, 0))
+    seeds["small_no_escape"] = spiece(special + normal, normalizer=field_varint(5, 0))
+    seeds["broken_truncated"] = no_table[:len(no_table) // 2 + 1]
+    seeds["broken_default_ids"] = spiece([("<unk>", 0.0, UNKNOWN), ("<s>", 0.0, CONTROL),
+                                          ("</s>", 0.0, CONTROL)] + normal)
+    seeds["broken_bpe"] = spiece(special + normal, trainer=field_varint(3, 2))
+    seeds["broken_duplicate_piece"] = spiece(special + normal + [("cat", -9.0, NORMAL)])
+    seeds["broken_byte_without_fallback"] = spiece(special + byte_pieces + normal)
+    seeds["broken_table_truncated"] = spiece(special + normal,
+                                             normalizer=field_bytes(2, b"\xff\xff\x00\x00" + b"12345678"))
+    seeds["broken_varint"] = b"\x0a" + b"\xff" * 11
+    return seeds
+
+
 def write(target, seeds):
     out = os.path.join(HERE, "corpus", target)
     shutil.rmtree(out, ignore_errors=True)
@@ -111,3 +313,5 @@ if __name__ == "__main__":
     write("safetensors", safetensors_seeds())
     write("model_config", config_seeds())
     write("tokenizer", tokenizer_seeds())
+    write("clip_tokenizer", clip_tokenizer_seeds())
+    write("t5_tokenizer", t5_tokenizer_seeds())

@@ -7,7 +7,8 @@
 #   bazel-fuzz-bin/tests/fuzz/<target> <input>
 #
 # Usage: tests/fuzz/run_fuzzers.sh [SECONDS_PER_TARGET (default 30)] [TARGET ...]
-#   TARGET: safetensors_fuzzer, model_config_fuzzer, tokenizer_fuzzer (default: all three)
+#   TARGET: safetensors_fuzzer, model_config_fuzzer, tokenizer_fuzzer, clip_tokenizer_fuzzer,
+#   t5_tokenizer_fuzzer (default: all five)
 # Environment: FUZZ_WORK_DIR (default: a new directory under /tmp), BAZEL (default: bazel),
 #   FUZZ_JOBS (bazel --jobs, default 2).
 set -euo pipefail
@@ -17,7 +18,7 @@ seconds="${1:-30}"
 shift || true
 targets=("$@")
 if [[ ${#targets[@]} -eq 0 ]]; then
-  targets=(safetensors_fuzzer model_config_fuzzer tokenizer_fuzzer)
+  targets=(safetensors_fuzzer model_config_fuzzer tokenizer_fuzzer clip_tokenizer_fuzzer t5_tokenizer_fuzzer)
 fi
 bazel="${BAZEL:-bazel}"
 work="${FUZZ_WORK_DIR:-$(mktemp -d /tmp/stowage-fuzz.XXXXXX)}"

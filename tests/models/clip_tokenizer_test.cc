@@ -275,6 +275,22 @@ TEST(ClipTokenizerHostileTest, RefusesBadFilesNamingThem) {
   EXPECT_EQ(*(*loaded)->Encode("hello", 6), (std::vector<int64_t>{kBos, kHe, 'l', kLoEnd, kEos, kEos}));
 }
 
+TEST(ClipTokenizerHostileTest, FromTextIsLoadsParseNamingTheSource) {
+  auto from_text = ClipTokenizer::FromText(VocabJson(), kMerges, "in-memory");
+  auto from_files = ClipTokenizer::Load(WriteTokenizer("from_text", VocabJson(), kMerges));
+  ASSERT_TRUE(from_text.ok()) << from_text.status();
+  ASSERT_TRUE(from_files.ok()) << from_files.status();
+  for (const std::string text : {"hello the cat", "it's aaaa <|endoftext|> \xc3\x89", ""}) {
+    EXPECT_EQ(*(*from_text)->Encode(text, 12), *(*from_files)->Encode(text, 12)) << text;
+  }
+  auto bad = ClipTokenizer::FromText(VocabJson(), "h e\nq x\n", "in-memory");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("in-memory/merges.txt: line 2"));
+  bad = ClipTokenizer::FromText("[]", "", "in-memory");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("in-memory/vocab.json"));
+}
+
 TEST(ClipTokenizerHostileTest, RefusesBadArguments) {
   auto tokenizer = ClipTokenizer::ByteLevel();
   for (int64_t bad : {int64_t{1}, int64_t{0}, int64_t{-1}, int64_t{1} << 40}) {

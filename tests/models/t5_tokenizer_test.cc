@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -70,6 +71,45 @@ std::string Train(const std::string& name, const std::string& flags, int vocab_s
   const std::string error = TrainSentencePiece(args);
   EXPECT_EQ(error, "");
   return dir;
+}
+
+// spiece.model bytes written by hand (protobuf wire format), for models the trainer cannot make:
+// <pad> and </s> (CONTROL), <unk>, then `normal` pieces (NORMAL, scores -1, -2, ...), and a
+// normalizer_spec with `charsmap` as its precompiled table when not empty.
+std::string Varint(uint64_t v) {
+  std::string out;
+  for (; v >= 0x80; v >>= 7) out += static_cast<char>(v | 0x80);
+  return out + static_cast<char>(v);
+}
+std::string BytesField(int number, const std::string& data) {
+  return Varint(static_cast<uint64_t>(number) << 3 | 2) + Varint(data.size()) + data;
+}
+std::string PieceField(const std::string& text, float score, int type) {
+  char bits[4];
+  std::memcpy(bits, &score, sizeof(bits));
+  return BytesField(1, BytesField(1, text) + Varint(2 << 3 | 5) + std::string(bits, 4) + Varint(3 << 3) +
+                           Varint(static_cast<uint64_t>(type)));
+}
+std::string HandWrittenModel(const std::vector<std::string>& normal, const std::string& charsmap = "") {
+  std::string model = PieceField("<pad>", 0.0f, 3) + PieceField("</s>", 0.0f, 3) + PieceField("<unk>", 0.0f, 2);
+  for (size_t i = 0; i < normal.size(); ++i) model += PieceField(normal[i], -1.0f - static_cast<float>(i), 1);
+  if (!charsmap.empty()) model += BytesField(3, BytesField(2, charsmap));
+  return model;
+}
+// A precompiled normalisation table with one rule, "a" → `replacement`: a Darts-clone double array
+// (root 0 with base 1; "a" at 1 ^ 'a' = 96, its leaf at 96 ^ 1 = 97, value 0), then the string.
+std::string OneRuleCharsmap(const std::string& replacement) {
+  std::vector<uint32_t> units(98, 0);
+  units[0] = 1u << 10;                   // base 1
+  units[96] = 'a' | 1u << 8 | 1u << 10;  // label 'a', has a leaf, offset 1
+  units[97] = 1u << 31;                  // leaf: value 0
+  std::string out;
+  auto put = [&](uint32_t v) {
+    for (int k = 0; k < 4; ++k) out += static_cast<char>(v >> (8 * k));
+  };
+  put(static_cast<uint32_t>(units.size() * 4));
+  for (uint32_t u : units) put(u);
+  return out + replacement + '\0';
 }
 
 constexpr char kT5Ids[] = "--model_type=unigram --pad_id=0 --eos_id=1 --unk_id=2 --bos_id=-1 ";
@@ -296,6 +336,60 @@ TEST(T5TokenizerTest, DamagedModelsEndInAStatusNeverACrash) {
     }
   }
   EXPECT_GT(loaded, 0);  // Some damage lands in scores or piece text, and still loads.
+}
+
+TEST(T5TokenizerTest, FromBytesIsLoadsParseNamingTheSource) {
+  const std::string dir = Train("from_bytes", kT5Ids);
+  std::stringstream bytes;
+  bytes << std::ifstream(dir + "/spiece.model", std::ios::binary).rdbuf();
+  auto from_file = T5Tokenizer::Load(dir);
+  auto from_bytes = T5Tokenizer::FromBytes(bytes.str(), "in-memory model");
+  ASSERT_TRUE(from_file.ok()) << from_file.status();
+  ASSERT_TRUE(from_bytes.ok()) << from_bytes.status();
+  for (const std::string& text : FixedTexts()) {
+    EXPECT_EQ(*(*from_bytes)->Encode(text, 64), *(*from_file)->Encode(text, 64));
+  }
+  auto bad = T5Tokenizer::FromBytes("\x0a\xff", "in-memory model");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.status().message()), HasSubstr("in-memory model: not a SentencePiece model"));
+}
+
+// Found while writing tests/fuzz/t5_tokenizer_fuzzer: a normalisation rule's replacement is any
+// string of the table, so a small model could make a 4,096-byte prompt (Flux's limit) normalise
+// to gigabytes (a 1 MB replacement: 4 GB, then a lattice of 16 bytes per byte) and take the
+// process down. The normalised text is now at most 64 times the text (NFKC's largest expansion,
+// U+FDFA, is 11-fold); beyond that Encode refuses the text, naming the model.
+TEST(T5TokenizerTest, NormalisationThatExpandsWithoutBoundIsRefused) {
+  auto expanding = T5Tokenizer::FromBytes(
+      HandWrittenModel({"\xe2\x96\x81", "x", "xxxxxxxx"}, OneRuleCharsmap(std::string(1 << 20, 'x'))), "expanding");
+  ASSERT_TRUE(expanding.ok()) << expanding.status();
+  auto ids = (*expanding)->Encode(std::string(4096, 'a'), 512);
+  EXPECT_EQ(ids.status().code(), absl::StatusCode::kInvalidArgument) << ids.status();
+  EXPECT_THAT(std::string(ids.status().message()), HasSubstr("expanding: the normalisation rules expand"));
+  // Expanding within the bound (8-fold, as real tables do) encodes: "▁" then "xxxxxxxx" per "a".
+  auto modest = T5Tokenizer::FromBytes(
+      HandWrittenModel({"\xe2\x96\x81", "x", "xxxxxxxx"}, OneRuleCharsmap("xxxxxxxx")), "modest");
+  ASSERT_TRUE(modest.ok()) << modest.status();
+  ids = (*modest)->Encode(std::string(4096, 'a'), 8);
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_EQ(*ids, (std::vector<int64_t>{3, 5, 5, 5, 5, 5, 5, T5Tokenizer::kEos}));
+}
+
+// Found with the above: the Viterbi walks, from every byte of the normalised text, as deep into the
+// pieces' trie as the text matches, so one piece as long as the text made Encode quadratic in the
+// normalised text. Even within the 64-fold bound it hung: a 64-fold rule and a piece of 64 * n "x"
+// took 2.7 s for n = 256 "a", 12 s for 512, 62 s for 1,024 (so about 16 minutes for a 4,096-byte
+// prompt). Pieces are now at most 256 bytes (the trainer makes pieces of at most 16 characters by
+// default).
+TEST(T5TokenizerTest, LongPiecesAreRefused) {
+  auto longest = T5Tokenizer::FromBytes(HandWrittenModel({"\xe2\x96\x81", "x", std::string(256, 'x')}), "m");
+  ASSERT_TRUE(longest.ok()) << longest.status();
+  // "▁" then two whole pieces of 256 "x".
+  EXPECT_EQ(*(*longest)->Encode(std::string(512, 'x'), 5),
+            (std::vector<int64_t>{3, 5, 5, T5Tokenizer::kEos, T5Tokenizer::kPad}));
+  auto too_long = T5Tokenizer::FromBytes(HandWrittenModel({"\xe2\x96\x81", "x", std::string(257, 'x')}), "m");
+  EXPECT_EQ(too_long.status().code(), absl::StatusCode::kInvalidArgument) << too_long.status();
+  EXPECT_THAT(std::string(too_long.status().message()), HasSubstr("m: piece 5 is longer than 256 bytes"));
 }
 
 }  // namespace

@@ -125,14 +125,9 @@ TEST_F(AdversarialTest, InvalidUtf8InAStringFieldIsInvalidArgumentNamingTheField
     context.set_deadline(In(milliseconds(10000)));
     grpc::Slice slice(wire);
     grpc::ByteBuffer request(&slice, 1), response;
-    absl::Notification done;
     grpc::Status status;
     if (method.find("Stream") == std::string::npos) {
-      stub.UnaryCall(&context, method, grpc::StubOptions(), &request, &response, [&](grpc::Status s) {
-        status = std::move(s);
-        done.Notify();
-      });
-      done.WaitForNotification();
+      status = GenericUnaryCall(server_->channel(), &context, method, request, &response);
     } else {
       grpc::CompletionQueue cq;
       auto call = stub.PrepareCall(&context, method, &cq);
@@ -154,20 +149,13 @@ TEST_F(AdversarialTest, InvalidUtf8InAStringFieldIsInvalidArgumentNamingTheField
 }
 
 TEST_F(AdversarialTest, MalformedWireBytesAreInvalidArgument) {
-  grpc::GenericStub stub(server_->channel());
   grpc::ClientContext context;
   context.set_deadline(In(milliseconds(10000)));
   const std::string garbage("\x12\xff\xff\xff\xff\x0f", 6);  // A length far past the end.
   grpc::Slice slice(garbage);
   grpc::ByteBuffer request(&slice, 1), response;
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&context, "/stowage.v1.GenerationService/Generate", grpc::StubOptions(), &request, &response,
-                 [&](grpc::Status s) {
-                   status = std::move(s);
-                   done.Notify();
-                 });
-  done.WaitForNotification();
+  const grpc::Status status =
+      GenericUnaryCall(server_->channel(), &context, "/stowage.v1.GenerationService/Generate", request, &response);
   ExpectRefused(status, grpc::INVALID_ARGUMENT, "not a well-formed stowage.v1.GenerateRequest");
 }
 
@@ -193,19 +181,12 @@ TEST_F(AdversarialTest, AnOversizedMessageIsResourceExhausted) {
 }
 
 TEST_F(AdversarialTest, UnknownMethodIsUnimplemented) {
-  grpc::GenericStub stub(server_->channel());
   grpc::ClientContext context;
   context.set_deadline(In(milliseconds(5000)));
   grpc::Slice slice("");
   grpc::ByteBuffer request(&slice, 1), response;
-  absl::Notification done;
-  grpc::Status status;
-  stub.UnaryCall(&context, "/stowage.v1.GenerationService/NoSuchMethod", grpc::StubOptions(), &request,
-                 &response, [&](grpc::Status s) {
-                   status = std::move(s);
-                   done.Notify();
-                 });
-  done.WaitForNotification();
+  const grpc::Status status = GenericUnaryCall(server_->channel(), &context,
+                                               "/stowage.v1.GenerationService/NoSuchMethod", request, &response);
   EXPECT_EQ(status.error_code(), grpc::UNIMPLEMENTED);
 }
 

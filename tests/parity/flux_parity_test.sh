@@ -29,35 +29,7 @@ grep -q "parity: all checks passed" "$TEST_TMPDIR/ok.txt"
 n=$(grep -c ' ok$' "$TEST_TMPDIR/ok.txt")
 [ "$n" -eq 12 ] || { echo "expected 12 passing checks, saw $n"; exit 1; }
 
-# Adds 0.5 to every element of float32 tensor $2 of safetensors file $1 (a weight whose change the
-# output must show: not one a following normalisation cancels, as a constant added to
-# context_embedder's rows would be).
-perturb() {
-  /usr/bin/python3 - "$1" "$2" <<'PY'
-import json, struct, sys
-path, name = sys.argv[1], sys.argv[2]
-data = bytearray(open(path, "rb").read())
-header_len = struct.unpack("<Q", data[:8])[0]
-header = json.loads(data[8:8 + header_len])
-info = header[name]
-assert info["dtype"] == "F32", info
-begin, end = (8 + header_len + o for o in info["data_offsets"])
-values = struct.unpack(f"<{(end - begin) // 4}f", data[begin:end])
-data[begin:end] = struct.pack(f"<{len(values)}f", *(v + 0.5 for v in values))
-open(path, "wb").write(bytes(data))
-print("perturbed", name, "in", path)
-PY
-}
-
-expect_failure() {  # $1: label, $2: fixture copy, $3: regex of the check that must fail
-  set +e
-  "$check" "$2" --bf16_tolerance="$bf16" --skip="$skip" >"$TEST_TMPDIR/$1.txt" 2>&1
-  local rc=$?
-  set -e
-  cat "$TEST_TMPDIR/$1.txt"
-  [ "$rc" -eq 1 ] || { echo "$1: expected exit 1, got $rc"; exit 1; }
-  grep -Eq "^$3 .*FAIL" "$TEST_TMPDIR/$1.txt" || { echo "$1: '$3' did not fail"; exit 1; }
-}
+source "$(dirname "$0")/parity_lib.sh"
 
 echo "== [dev] transformer weight changed"
 cp -rL "$fixtures" "$TEST_TMPDIR/t" && chmod -R u+w "$TEST_TMPDIR/t"

@@ -25,6 +25,9 @@ import sys
 import torch
 from safetensors.torch import save_file
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+from make_zimage_random_dir import byte_symbols  # noqa: E402  GPT-2's byte -> printable character table.
+
 PROMPTS = ["a red lantern", "A Photo of TWO cats,  sitting on a mat!"]
 
 
@@ -112,18 +115,6 @@ def encoder_fixtures(out):
         with torch.no_grad():
             outputs[f"output_{name}"] = t5.to(dtype)(input_ids=ids).last_hidden_state[0].float().contiguous()
     save_file({"ids": ids[0], **outputs}, os.path.join(out, "t5_io.safetensors"))
-
-
-def byte_symbols():
-    direct = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in direct:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def clip_tokenizer_dir(directory):

@@ -33,6 +33,9 @@ import shutil
 import sys
 import types
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench"))
+from make_zimage_random_dir import byte_symbols  # noqa: E402  GPT-2's byte -> printable character table.
+
 CLIP_PATTERN = r"""<\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+"""
 
 # Training text: prompts of the kind Flux gets, a few other scripts, repeated so that merges and
@@ -87,18 +90,6 @@ HELD_OUT = [
 
 CLIP_LENGTHS = (77, 10)
 T5_LENGTHS = (512, 32)
-
-
-def byte_symbols():
-    direct = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in direct:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def fail(message):

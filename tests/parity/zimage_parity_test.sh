@@ -23,33 +23,7 @@ echo "== committed fixtures"
 grep -q "parity: all checks passed" "$TEST_TMPDIR/ok.txt"
 [ "$(grep -c ' ok$' "$TEST_TMPDIR/ok.txt")" -eq 8 ] || { echo "expected 8 passing checks"; exit 1; }
 
-# Adds 0.5 to every element of the first 2-D float32 weight (by name) of safetensors file $1.
-perturb() {
-  /usr/bin/python3 - "$1" <<'PY'
-import json, struct, sys
-path = sys.argv[1]
-data = bytearray(open(path, "rb").read())
-header_len = struct.unpack("<Q", data[:8])[0]
-header = json.loads(data[8:8 + header_len])
-name, info = next((k, v) for k, v in sorted(header.items()) if k != "__metadata__" and v["dtype"] == "F32"
-                  and "weight" in k and len(v["shape"]) == 2)
-begin, end = (8 + header_len + o for o in info["data_offsets"])
-values = struct.unpack(f"<{(end - begin) // 4}f", data[begin:end])
-data[begin:end] = struct.pack(f"<{len(values)}f", *(v + 0.5 for v in values))
-open(path, "wb").write(bytes(data))
-print("perturbed", name, "in", path)
-PY
-}
-
-expect_failure() {  # $1: label, $2: fixture copy, $3: regex of the check that must fail
-  set +e
-  "$check" "$2" --bf16_tolerance="$bf16" >"$TEST_TMPDIR/$1.txt" 2>&1
-  local rc=$?
-  set -e
-  cat "$TEST_TMPDIR/$1.txt"
-  [ "$rc" -eq 1 ] || { echo "$1: expected exit 1, got $rc"; exit 1; }
-  grep -Eq "^$3 .*FAIL" "$TEST_TMPDIR/$1.txt" || { echo "$1: '$3' did not fail"; exit 1; }
-}
+source "$(dirname "$0")/parity_lib.sh"
 
 echo "== transformer weight changed"
 cp -rL "$fixtures" "$TEST_TMPDIR/t" && chmod -R u+w "$TEST_TMPDIR/t"

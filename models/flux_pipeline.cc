@@ -143,37 +143,15 @@ class FluxPipeline : public Pipeline {
                                               ComponentRunner& runner) override {
     c10::InferenceMode inference_mode;
     const c10::Device device = options_.device;
-    std::vector<absl::StatusOr<Image>> results(members.size(), absl::InternalError("batch member did not run"));
-    if (members.empty()) return results;
-    for (const BatchMember& m : members) {
-      if (!BatchCompatible(*m.params, *members.front().params)) {
-        for (auto& r : results) r = absl::InvalidArgumentError("batch members differ in image size or step count");
-        return results;
-      }
-    }
-    std::vector<size_t> active;
-    for (size_t i = 0; i < members.size(); ++i) active.push_back(i);
-    auto filter = [&](const std::function<absl::Status(size_t)>& check) {
-      std::vector<size_t> still;
-      for (size_t i : active) {
-        const absl::Status status = check(i);
-        if (status.ok()) {
-          still.push_back(i);
-        } else {
-          results[i] = status;
-        }
-      }
-      active = std::move(still);
-    };
-    auto begin_stage = [&](const std::string& stage, int total) {
-      for (size_t i : active) members[i].context->BeginStage(stage, total);
-    };
+    BatchRun run(members);
+    if (members.empty() || !run.Compatible()) return run.TakeResults();
+    const std::vector<size_t>& active = run.active();  // Shrinks as members leave (run.Filter).
 
     // Tokenize: CLIP's 77 ids and T5's max_sequence_length ids per member.
-    begin_stage("tokenize", 0);
+    run.BeginStage("tokenize", 0);
     const int64_t clip_length = Clip().config().max_position_embeddings;
     std::vector<std::vector<int64_t>> clip_ids(members.size()), t5_ids(members.size());
-    filter([&](size_t i) -> absl::Status {
+    run.Filter([&](size_t i) -> absl::Status {
       const GenerationParams& params = *members[i].params;
       if (!params.negative_prompt.empty()) {
         return absl::InvalidArgumentError(
@@ -186,7 +164,7 @@ class FluxPipeline : public Pipeline {
     });
 
     // Encode: CLIP's pooled output and T5's hidden states, every member at once per encoder.
-    begin_stage("encode_prompt", 0);
+    run.BeginStage("encode_prompt", 0);
     at::Tensor pooled, text;
     if (!active.empty()) {
       auto stack = [&](const std::vector<std::vector<int64_t>>& ids) {
@@ -195,14 +173,14 @@ class FluxPipeline : public Pipeline {
         return at::stack(rows).to(device);
       };
       const absl::Status clip_ran = runner.Run(*clip_, [&] { pooled = Clip().Forward(stack(clip_ids)).pooled; });
-      filter([&](size_t) { return clip_ran; });
+      run.Filter([&](size_t) { return clip_ran; });
       if (!active.empty()) {
         runner.Prefetch(*transformer_);  // Its first groups copy while T5 encodes.
         const absl::Status t5_ran = runner.Run(*t5_, [&] { text = T5().Forward(stack(t5_ids)); });
-        filter([&](size_t) { return t5_ran; });
+        run.Filter([&](size_t) { return t5_ran; });
       }
     }
-    filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
+    run.Filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
 
     // Latents: [C, H/8, W/8] per member from its seed on a CPU generator (diffusers' randn_tensor
     // with a CPU generator draws the same numbers), packed into 2x2 patches.
@@ -221,7 +199,7 @@ class FluxPipeline : public Pipeline {
     const int n = shape.steps;
     const std::vector<float> sigmas = schedule_.Sigmas(n, (lh / 2) * (lw / 2));
 
-    begin_stage("denoise", n);
+    run.BeginStage("denoise", n);
     // Rows of the encoders' batch that belong to the members still running.
     std::vector<size_t> encoded_rows = active;
     for (int step = 0; step < n && !active.empty(); ++step) {
@@ -249,7 +227,7 @@ class FluxPipeline : public Pipeline {
                                     txt_ids, g);
       });
       if (!ran.ok()) {
-        filter([&](size_t) { return ran; });
+        run.Filter([&](size_t) { return ran; });
         break;
       }
       // diffusers' Euler step: in float32, the result cast back to the model's dtype.
@@ -259,22 +237,22 @@ class FluxPipeline : public Pipeline {
         latents[i] = (latents[i].to(at::kFloat) + dt * out.narrow(0, k++, 1).to(at::kFloat)).to(options_.dtype);
         members[i].context->ReportStep(step + 1, n);
       }
-      filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
+      run.Filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
     }
 
-    begin_stage("decode", 0);
+    run.BeginStage("decode", 0);
     std::vector<at::Tensor> pixels(members.size());
     if (!active.empty()) {
       const absl::Status decoded = runner.Run(*vae_, [&] {
         for (size_t i : active) pixels[i] = Vae().Decode(UnpackLatents(latents[i], lh, lw).to(vae_->dtype()));
       });
-      filter([&](size_t) { return decoded; });
+      run.Filter([&](size_t) { return decoded; });
     }
     for (size_t i : active) {
       members[i].context->EndStage();
-      results[i] = ImageFromTensor(pixels[i]);
+      run.set_result(i, ImageFromTensor(pixels[i]));
     }
-    return results;
+    return run.TakeResults();
   }
 
  private:

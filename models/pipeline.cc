@@ -24,6 +24,39 @@ bool BatchCompatible(const GenerationParams& a, const GenerationParams& b) {
   return a.width == b.width && a.height == b.height && a.steps == b.steps;
 }
 
+BatchRun::BatchRun(const std::vector<BatchMember>& members)
+    : members_(members), results_(members.size(), absl::InternalError("batch member did not run")) {
+  for (size_t i = 0; i < members.size(); ++i) active_.push_back(i);
+}
+
+bool BatchRun::Compatible() {
+  for (const BatchMember& m : members_) {
+    if (!BatchCompatible(*m.params, *members_.front().params)) {
+      for (auto& r : results_) r = absl::InvalidArgumentError("batch members differ in image size or step count");
+      active_.clear();
+      return false;
+    }
+  }
+  return true;
+}
+
+void BatchRun::Filter(const std::function<absl::Status(size_t)>& check) {
+  std::vector<size_t> still;
+  for (size_t i : active_) {
+    absl::Status status = check(i);
+    if (status.ok()) {
+      still.push_back(i);
+    } else {
+      results_[i] = std::move(status);
+    }
+  }
+  active_ = std::move(still);
+}
+
+void BatchRun::BeginStage(const std::string& stage, int total_steps) {
+  for (size_t i : active_) members_[i].context->BeginStage(stage, total_steps);
+}
+
 std::vector<absl::StatusOr<Image>> Pipeline::RunBatch(const std::vector<BatchMember>& members,
                                                       ComponentRunner& runner) {
   std::vector<absl::StatusOr<Image>> results;

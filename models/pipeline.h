@@ -82,6 +82,29 @@ struct BatchMember {
 // prompts, seeds and guidance may differ).
 bool BatchCompatible(const GenerationParams& a, const GenerationParams& b);
 
+// The bookkeeping of one batched run (a pipeline's RunBatch): every member's result, which members
+// are still running, and stage reports to those. A member leaves with the first non-OK status a
+// Filter check gives it; the others go on.
+class BatchRun {
+ public:
+  explicit BatchRun(const std::vector<BatchMember>& members);
+  // False when the members differ in image size or step count; then every result is
+  // INVALID_ARGUMENT and nothing should run.
+  bool Compatible();
+  // Runs `check` for each running member; those it gives a non-OK status leave with it.
+  void Filter(const std::function<absl::Status(size_t)>& check);
+  void BeginStage(const std::string& stage, int total_steps = 0);
+  // Indices (into the members) of those still running, in order.
+  const std::vector<size_t>& active() const { return active_; }
+  void set_result(size_t i, absl::StatusOr<Image> result) { results_[i] = std::move(result); }
+  std::vector<absl::StatusOr<Image>> TakeResults() { return std::move(results_); }
+
+ private:
+  const std::vector<BatchMember>& members_;
+  std::vector<absl::StatusOr<Image>> results_;
+  std::vector<size_t> active_;
+};
+
 class Pipeline {
  public:
   virtual ~Pipeline() = default;

@@ -65,35 +65,12 @@ class ZImagePipeline : public Pipeline {
                                               ComponentRunner& runner) override {
     c10::InferenceMode inference_mode;
     const c10::Device device = options_.device;
-    std::vector<absl::StatusOr<Image>> results(members.size(), absl::InternalError("batch member did not run"));
-    if (members.empty()) return results;
-    for (const BatchMember& m : members) {
-      if (!BatchCompatible(*m.params, *members.front().params)) {
-        for (auto& r : results) r = absl::InvalidArgumentError("batch members differ in image size or step count");
-        return results;
-      }
-    }
-    // Members still running; one that fails or is interrupted gets its result and leaves.
-    std::vector<size_t> active;
-    for (size_t i = 0; i < members.size(); ++i) active.push_back(i);
-    auto leave_if = [&](size_t i, const absl::Status& status) {
-      if (status.ok()) return false;
-      results[i] = status;
-      return true;
-    };
-    auto filter = [&](const std::function<absl::Status(size_t)>& check) {
-      std::vector<size_t> still;
-      for (size_t i : active) {
-        if (!leave_if(i, check(i))) still.push_back(i);
-      }
-      active = std::move(still);
-    };
-    auto begin_stage = [&](const std::string& stage, int total) {
-      for (size_t i : active) members[i].context->BeginStage(stage, total);
-    };
+    BatchRun run(members);
+    if (members.empty() || !run.Compatible()) return run.TakeResults();
+    const std::vector<size_t>& active = run.active();  // Shrinks as members leave (run.Filter).
 
     // Tokenize: positive (and, when guided, negative) ids per member.
-    begin_stage("tokenize", 0);
+    run.BeginStage("tokenize", 0);
     std::vector<at::Tensor> positive_ids(members.size()), negative_ids(members.size());
     auto template_ids = [&](const std::string& text) -> absl::StatusOr<at::Tensor> {
       ASSIGN_OR_RETURN(std::vector<int64_t> ids,
@@ -101,7 +78,7 @@ class ZImagePipeline : public Pipeline {
       if (static_cast<int64_t>(ids.size()) > options_.max_sequence_length) ids.resize(options_.max_sequence_length);
       return at::tensor(ids).to(device);
     };
-    filter([&](size_t i) -> absl::Status {
+    run.Filter([&](size_t i) -> absl::Status {
       const GenerationParams& params = *members[i].params;
       ASSIGN_OR_RETURN(positive_ids[i], template_ids(params.prompt));
       if (Guided(params)) {
@@ -111,7 +88,7 @@ class ZImagePipeline : public Pipeline {
     });
 
     // Encode every member's prompts while the text encoder is placed once.
-    begin_stage("encode_prompt", 0);
+    run.BeginStage("encode_prompt", 0);
     std::vector<at::Tensor> positive(members.size()), negative(members.size());
     auto& encoder = static_cast<Qwen3TextEncoder&>(text_encoder_->module());
     if (!active.empty()) {
@@ -122,9 +99,9 @@ class ZImagePipeline : public Pipeline {
           if (Guided(*members[i].params)) negative[i] = encoder.Forward(negative_ids[i]);
         }
       });
-      filter([&](size_t) { return encoded; });
+      run.Filter([&](size_t) { return encoded; });
     }
-    filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
+    run.Filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
 
     auto& vae = static_cast<AutoencoderKLDecoder&>(vae_->module());
     auto& dit = static_cast<ZImageTransformer&>(transformer_->module());
@@ -148,7 +125,7 @@ class ZImagePipeline : public Pipeline {
 
     // Denoise: one transformer forward per step over every running member's positive (and
     // negative) sequence.
-    begin_stage("denoise", n);
+    run.BeginStage("denoise", n);
     for (int step = 0; step < n && !active.empty(); ++step) {
       const float t_train = sigmas[step] * 1000.0f;
       const double t_model = (1000.0f - t_train) / 1000.0f;
@@ -166,7 +143,7 @@ class ZImagePipeline : public Pipeline {
       if (step == n - 1) runner.Prefetch(*vae_);  // The decoder's first groups copy during the last step.
       const absl::Status ran = runner.Run(*transformer_, [&] { out = dit.ForwardBatch(xs, t_model, captions); });
       if (!ran.ok()) {
-        filter([&](size_t) { return ran; });
+        run.Filter([&](size_t) { return ran; });
         break;
       }
       size_t k = 0;
@@ -182,22 +159,22 @@ class ZImagePipeline : public Pipeline {
         latents[i] = latents[i] + (sigmas[step + 1] - sigmas[step]) * (-velocity);
         members[i].context->ReportStep(step + 1, n);
       }
-      filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
+      run.Filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
     }
 
-    begin_stage("decode", 0);
+    run.BeginStage("decode", 0);
     std::vector<at::Tensor> pixels(members.size());
     if (!active.empty()) {
       const absl::Status decoded = runner.Run(*vae_, [&] {
         for (size_t i : active) pixels[i] = vae.Decode(latents[i].squeeze(1).unsqueeze(0).to(vae_->dtype()));
       });
-      filter([&](size_t) { return decoded; });
+      run.Filter([&](size_t) { return decoded; });
     }
     for (size_t i : active) {
       members[i].context->EndStage();
-      results[i] = ImageFromTensor(pixels[i]);
+      run.set_result(i, ImageFromTensor(pixels[i]));
     }
-    return results;
+    return run.TakeResults();
   }
 
  private:

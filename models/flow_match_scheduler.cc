@@ -28,6 +28,15 @@ absl::Status Validate(const FlowMatchSchedulerConfig& c, const std::string& file
   return check.status();
 }
 
+std::vector<float> ShiftedSigmas(int n, double shift) {
+  const at::Tensor base = at::linspace(1.0, 1.0 / n, n, at::TensorOptions().dtype(at::kFloat));
+  const float s = static_cast<float>(shift);
+  const at::Tensor shifted = (base * s) / (1.0f + (s - 1.0f) * base);
+  std::vector<float> sigmas(shifted.data_ptr<float>(), shifted.data_ptr<float>() + n);
+  sigmas.push_back(0.0f);
+  return sigmas;
+}
+
 double FlowMatchEulerScheduler::Shift(double sigma) const {
   return config_.shift * sigma / (1.0 + (config_.shift - 1.0) * sigma);
 }

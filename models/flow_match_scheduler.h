@@ -29,6 +29,11 @@ absl::StatusOr<FlowMatchSchedulerConfig> FlowMatchSchedulerConfigFromJson(
 // formula divides by 1 + (shift - 1) * sigma, zero at shift 0 and sigma 1).
 absl::Status Validate(const FlowMatchSchedulerConfig& config, const std::string& file);
 
+// The sigmas diffusers' Z-Image and Flux.1 [schnell] pipelines step through with a fixed shift:
+// linspace(1, 1/n, n) shifted as shift·s / (1 + (shift − 1)·s) in float32 arithmetic, then a final 0
+// (n + 1 values). (Flux.1 [dev]'s resolution-dependent shift: FluxSigmas in flux_latents.h.)
+std::vector<float> ShiftedSigmas(int n, double shift);
+
 class FlowMatchEulerScheduler {
  public:
   explicit FlowMatchEulerScheduler(const FlowMatchSchedulerConfig& config) : config_(config) {}

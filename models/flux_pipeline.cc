@@ -19,6 +19,7 @@
 #include "models/config_checks.h"
 #include "models/diffusers_format.h"
 #include "models/flux_latents.h"
+#include "models/flow_match_scheduler.h"
 #include "models/flux_transformer.h"
 #include "models/image.h"
 #include "models/t5_encoder.h"
@@ -41,12 +42,7 @@ struct FluxSchedule {
     if (dynamic) {
       return FluxSigmas(steps, FluxShift(image_tokens, base_image_seq_len, max_image_seq_len, base_shift, max_shift));
     }
-    const at::Tensor base = at::linspace(1.0, 1.0 / steps, steps, at::TensorOptions().dtype(at::kFloat));
-    const float s = static_cast<float>(shift);
-    const at::Tensor shifted = (base * s) / (1.0f + (s - 1.0f) * base);
-    std::vector<float> sigmas(shifted.data_ptr<float>(), shifted.data_ptr<float>() + steps);
-    sigmas.push_back(0.0f);
-    return sigmas;
+    return ShiftedSigmas(steps, shift);
   }
 };
 
@@ -200,18 +196,27 @@ class FluxPipeline : public Pipeline {
     const std::vector<float> sigmas = schedule_.Sigmas(n, (lh / 2) * (lw / 2));
 
     run.BeginStage("denoise", n);
-    // Rows of the encoders' batch that belong to the members still running.
-    std::vector<size_t> encoded_rows = active;
+    // The encoders' rows of the members still running, selected again only when one has left.
+    const std::vector<size_t> encoded_rows = active;
+    std::vector<size_t> selected_for = encoded_rows;
+    at::Tensor step_text = text, step_pooled = pooled;
     for (int step = 0; step < n && !active.empty(); ++step) {
+      if (active != selected_for) {
+        std::vector<int64_t> rows;
+        for (size_t i : active) {
+          rows.push_back(std::find(encoded_rows.begin(), encoded_rows.end(), i) - encoded_rows.begin());
+        }
+        const at::Tensor index = at::tensor(rows).to(device);
+        step_text = text.index_select(0, index);
+        step_pooled = pooled.index_select(0, index);
+        selected_for = active;
+      }
       std::vector<at::Tensor> xs;
-      std::vector<int64_t> rows;
       std::vector<float> guidance;
       for (size_t i : active) {
         xs.push_back(latents[i]);
-        rows.push_back(std::find(encoded_rows.begin(), encoded_rows.end(), i) - encoded_rows.begin());
         guidance.push_back(members[i].params->guidance_scale);
       }
-      const at::Tensor index = at::tensor(rows).to(device);
       const at::Tensor x = at::cat(xs);
       const auto b = static_cast<int64_t>(active.size());
       // diffusers: t = sigma * 1000 in float32, cast to the model's dtype, then t / 1000 in that dtype.
@@ -223,8 +228,7 @@ class FluxPipeline : public Pipeline {
       at::Tensor out;
       if (step == n - 1) runner.Prefetch(*vae_);  // The decoder's first groups copy during the last step.
       const absl::Status ran = runner.Run(*transformer_, [&] {
-        out = Transformer().Forward(x, text.index_select(0, index), pooled.index_select(0, index), timestep, img_ids,
-                                    txt_ids, g);
+        out = Transformer().Forward(x, step_text, step_pooled, timestep, img_ids, txt_ids, g);
       });
       if (!ran.ok()) {
         run.Filter([&](size_t) { return ran; });

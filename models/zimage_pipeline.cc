@@ -115,13 +115,8 @@ class ZImagePipeline : public Pipeline {
                        .to(device);
     }
 
-    // sigmas = shift(linspace(1, 1/N, N)) in float32, then 0.
     const int n = shape.steps;
-    const at::Tensor base = at::linspace(1.0, 1.0 / n, n, at::TensorOptions().dtype(at::kFloat));
-    const float shift = static_cast<float>(options_.scheduler_shift);
-    const at::Tensor shifted = (base * shift) / (1.0f + (shift - 1.0f) * base);
-    std::vector<float> sigmas(shifted.data_ptr<float>(), shifted.data_ptr<float>() + n);
-    sigmas.push_back(0.0f);
+    const std::vector<float> sigmas = ShiftedSigmas(n, options_.scheduler_shift);
 
     // Denoise: one transformer forward per step over every running member's positive (and
     // negative) sequence.

@@ -104,17 +104,21 @@ T5Block::T5Block(const T5Config& c, bool has_relative_bias, const LayerOptions& 
   ff_norm_ = ff->AddChild("layer_norm", std::make_unique<RMSNorm>(c.d_model, c.layer_norm_epsilon, true, o, true));
 }
 
-at::Tensor T5Block::PositionBias(int64_t length, c10::Device device) {
-  TORCH_CHECK(relative_bias_ != nullptr, "T5Block: only the first block has the relative position bias");
-  const at::Tensor buckets = T5RelativePositionBuckets(length, length, config_.relative_attention_num_buckets,
-                                                       config_.relative_attention_max_distance)
-                                 .to(device);
-  return relative_bias_->Forward(buckets).permute({2, 0, 1}).unsqueeze(0);  // [1, heads, q, k]
-}
-
-at::Tensor T5Block::Forward(const at::Tensor& x, const at::Tensor& bias) {
+at::Tensor T5Block::Forward(const at::Tensor& x, at::Tensor& bias, const at::Tensor& mask) {
   ForwardScope scope(*this);
   const int64_t b = x.size(0), s = x.size(1);
+  if (!bias.defined()) {
+    TORCH_CHECK(relative_bias_ != nullptr, "T5Block: only the first block has the relative position bias");
+    const at::Tensor buckets = T5RelativePositionBuckets(s, s, config_.relative_attention_num_buckets,
+                                                         config_.relative_attention_max_distance)
+                                   .to(x.device());
+    bias = relative_bias_->Forward(buckets).permute({2, 0, 1}).unsqueeze(0).to(at::kFloat);  // [1, heads, q, k]
+    if (mask.defined()) {
+      // Masked keys get the float minimum, as transformers' extended attention mask does.
+      const at::Tensor masked = mask.to(x.device()).eq(0).unsqueeze(1).unsqueeze(1);  // [B, 1, 1, S]
+      bias = bias.expand({b, -1, -1, -1}).masked_fill(masked, std::numeric_limits<float>::lowest());
+    }
+  }
   auto heads = [&](const at::Tensor& t) { return t.view({b, s, config_.num_heads, config_.d_kv}).transpose(1, 2); };
   const at::Tensor h = attention_norm_->Forward(x);
   const at::Tensor q = heads(q_->Forward(h)), k = heads(k_->Forward(h)), v = heads(v_->Forward(h));
@@ -138,16 +142,9 @@ T5Encoder::T5Encoder(const T5Config& c, const LayerOptions& o) : Module("T5Encod
 at::Tensor T5Encoder::Forward(const at::Tensor& ids, const at::Tensor& mask) {
   ForwardScope scope(*this);
   TORCH_CHECK(ids.dim() == 2 && ids.size(1) >= 1, "T5Encoder: ids must be [B, S] with S >= 1");
-  const int64_t s = ids.size(1);
   at::Tensor x = shared_->Forward(ids);
-  T5Block* first = *blocks_->begin();
-  at::Tensor bias = first->PositionBias(s, x.device()).to(at::kFloat);
-  if (mask.defined()) {
-    // Masked keys get the float minimum, as transformers' extended attention mask does.
-    const at::Tensor masked = mask.to(x.device()).eq(0).unsqueeze(1).unsqueeze(1);  // [B, 1, 1, S]
-    bias = bias.expand({ids.size(0), -1, -1, -1}).masked_fill(masked, std::numeric_limits<float>::lowest());
-  }
-  for (T5Block* block : *blocks_) x = block->Forward(x, bias);
+  at::Tensor bias;  // The first block computes it.
+  for (T5Block* block : *blocks_) x = block->Forward(x, bias, mask);
   return final_norm_->Forward(x);
 }
 

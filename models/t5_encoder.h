@@ -48,10 +48,12 @@ at::Tensor T5RelativePositionBuckets(int64_t query_length, int64_t key_length, i
 class T5Block : public Module {
  public:
   T5Block(const T5Config& config, bool has_relative_bias, const LayerOptions& options);
-  // x: [B, S, d_model]; bias: [1, heads, S, S] (position bias plus the mask's −inf where masked).
-  at::Tensor Forward(const at::Tensor& x, const at::Tensor& bias);
-  // The first block's: [1, heads, S, S] from its relative_attention_bias, on `device`.
-  at::Tensor PositionBias(int64_t length, c10::Device device);
+  // x: [B, S, d_model]; bias: [1 or B, heads, S, S], float32 (position bias plus the mask's lowest
+  // float where masked). When `bias` is undefined, this block — the first, which holds
+  // relative_attention_bias — computes it from `mask` ([B, S], 1 = attend; optional) inside its own
+  // forward, where group offloading has its weights on the device, and leaves it in `bias` for the
+  // blocks after it (as transformers' T5 passes position_bias on).
+  at::Tensor Forward(const at::Tensor& x, at::Tensor& bias, const at::Tensor& mask);
 
  private:
   T5Config config_;

@@ -10,6 +10,9 @@
 
 #include "google/protobuf/util/json_util.h"
 #include "models/weight_init.h"
+#include "offload/device_backend.h"
+#include "offload/group_offload.h"
+#include "offload/host_weights.h"
 
 namespace stowage {
 namespace {
@@ -82,6 +85,35 @@ TEST(T5EncoderTest, ForwardMaskAndShapes) {
   other_pad[0][5] = 50;
   EXPECT_TRUE(at::allclose(model.Forward(other_pad, mask).slice(1, 0, 4), masked.slice(1, 0, 4), 1e-6, 1e-6));
   EXPECT_FALSE(at::allclose(model.Forward(other_pad).slice(1, 0, 4), out.slice(1, 0, 4)));
+}
+
+// Block-level group offloading of encoder.block (how a server streams T5-XXL) changes nothing: the
+// relative position bias lives in block 0's weights and is computed inside block 0's forward, while
+// its group is on the device (computing it in the stack's forward read offloaded weights).
+TEST(T5EncoderTest, GroupOffloadedBlocksGiveTheSameOutput) {
+  T5Config config = Tiny();
+  config.num_layers = 3;
+  T5Encoder model(config, LayerOptions{});
+  InitializeRandomWeights(model, 8);
+  c10::InferenceMode guard;
+  const at::Tensor ids = at::tensor(std::vector<int64_t>{3, 9, 27, 1, 0, 0, 5, 1, 0, 0, 0, 0}).view({2, 6});
+  const at::Tensor mask = ids.ne(0).to(at::kLong);
+  const at::Tensor expected = model.Forward(ids, mask);
+  const at::Tensor unmasked = model.Forward(ids);
+
+  auto weights = HostWeights::Capture(model);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  auto backend = CreateSimulatedBackend({});
+  GroupOffloadOptions options;
+  options.use_stream = true;
+  options.block_modules = {"encoder.block"};
+  auto offloader = GroupOffloader::Apply("t5", model, **weights, *backend, options);
+  ASSERT_TRUE(offloader.ok()) << offloader.status();
+  EXPECT_EQ((*offloader)->stats().streamed_groups, 3);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_TRUE(at::equal(model.Forward(ids, mask), expected));
+    EXPECT_TRUE(at::equal(model.Forward(ids), unmasked));
+  }
 }
 
 TEST(T5EncoderTest, ConfigFromJsonValidates) {

@@ -186,12 +186,14 @@ absl::StatusOr<GroupPlan> ChooseResidency(const std::string& component, std::vec
       }
     }
     if (best_resident < 0) {
-      const int64_t smallest = ring.empty() ? 0 : ring.back()->bytes;
+      // The smallest working set streams every group: slots as large as the largest group.
+      const int64_t largest = ring.empty() ? 0 : *sizes.rbegin();
+      const int64_t scratch = ScratchFor(all, options.fixed_scratch_bytes, [](const PlannedGroup&) { return true; });
       return absl::InvalidArgumentError(absl::StrCat(
           "component '", component, "': budget_bytes ", options.budget_bytes,
-          " is smaller than its smallest working set: ", always_on, " always-on bytes + ", n,
-          " slot(s) of at least ", smallest, " bytes (one group)",
-          ScratchFor(all, 0, [](const PlannedGroup&) { return true; }) > 0 ? " + the host store's device scratch" : ""));
+          " is smaller than its smallest working set, ", always_on + n * largest + scratch, " bytes: ", always_on,
+          " always-on bytes + ", n, " slot(s) of ", largest, " bytes (its largest group)",
+          scratch > 0 ? absl::StrCat(" + ", scratch, " bytes of the host store's device scratch") : ""));
     }
     for (PlannedGroup* g : best) g->resident = true;
     plan.slot_bytes = best_slot;

@@ -9,6 +9,8 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
+
 #include "offload/module.h"
 
 namespace stowage {
@@ -161,10 +163,18 @@ TEST(GroupPlanTest, BudgetKeepsLargerGroupsResidentAndSizesTheSlotForTheRest) {
   EXPECT_EQ(all->slots, 0);
   EXPECT_EQ(all->slot_bytes, 0);
 
-  // Below the smallest working set (outside + 2 slots of the smallest group).
-  auto tight = PlanGroups("net", t.root, t.tensors, Options(OffloadType::kBlockLevel, 1, Tree::kOutside + 4095));
+  // Below the smallest working set (outside + 2 slots of the largest group: everything streams);
+  // the error names that minimum, and the minimum itself plans.
+  const int64_t minimum = Tree::kOutside + 2 * 8192;
+  auto tight = PlanGroups("net", t.root, t.tensors, Options(OffloadType::kBlockLevel, 1, minimum - 1));
   EXPECT_EQ(tight.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(tight.status().message()).find("budget_bytes"), std::string::npos);
+  EXPECT_NE(std::string(tight.status().message()).find(absl::StrCat("smallest working set, ", minimum, " bytes")),
+            std::string::npos)
+      << tight.status();
+  auto least = PlanGroups("net", t.root, t.tensors, Options(OffloadType::kBlockLevel, 1, minimum));
+  ASSERT_TRUE(least.ok()) << least.status();
+  EXPECT_LE(least->working_set_bytes, minimum);
 }
 
 TEST(GroupPlanTest, EqualGroupsKeptResidentAreSpreadAlongTheForward) {

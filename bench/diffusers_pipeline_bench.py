@@ -24,7 +24,9 @@ import time
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
 
 
-def export(directory):
+def zimage_pipeline():
+    """ZImagePipeline at Z-Image-Turbo's published shapes, random bf16 weights on the GPU, a byte-level
+    tokenizer (also used by bench/diffusers_two_pipelines.py)."""
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, decoders, Regex
@@ -33,7 +35,6 @@ def export(directory):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from make_zimage_random_dir import FULL, QWEN2_PATTERN, byte_symbols
 
-    start = time.time()
     torch.manual_seed(0)
     strip = lambda c: {k: v for k, v in c.items() if not k.startswith("_") and k != "architectures"}
     with torch.device("cuda"):  # Initialising 10 B parameters on the CPU takes minutes.
@@ -64,6 +65,12 @@ def export(directory):
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
     pipe = ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                           transformer=transformer)
+    return pipe
+
+
+def export(directory):
+    start = time.time()
+    pipe = zimage_pipeline()
     pipe.save_pretrained(directory, safe_serialization=True, max_shard_size="5GB")
     print(f"exported the pipeline to {directory} in {time.time() - start:.0f} s", flush=True)
 

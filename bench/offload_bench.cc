@@ -1,10 +1,12 @@
 // offload_bench: step time, device memory and host RAM of every offload mode, on either
 //   - a transformer stack with Z-Image-Turbo's main-block shapes (30 blocks, dim 3840, 30 heads,
 //     FFN 10240, bf16, 4096 image + 512 text tokens), random weights filled in memory, or
-//   - the real ZImageTransformer2DModel of a diffusers-format directory (--model_dir: its
-//     transformer/ folder's config.json and safetensors, mapped without copies), one forward at
-//     1024x1024 (a 16x128x128 latent: 4096 image tokens) with 512 caption tokens — the input the
-//     diffusers side of bench/diffusers_offload_bench.py uses.
+//   - the real transformer of a diffusers-format directory (--model_dir: its transformer/ folder's
+//     config.json and safetensors, mapped without copies): ZImageTransformer2DModel or
+//     FluxTransformer2DModel (by the config's _class_name), one forward at 1024x1024 (4096 image
+//     tokens) with 512 caption tokens — the input the diffusers side of
+//     bench/diffusers_offload_bench.py uses (Z-Image: a 16x128x128 latent; Flux: 4096 packed
+//     64-channel tokens, T5 features, a CLIP pooled vector, t = 0.5 and for [dev] guidance 3.5).
 // Prints a table and appends one JSON line per row to --out.
 //
 //   offload_bench --out=bench/results/offload_bench.jsonl --machine="NVIDIA H200"
@@ -35,6 +37,8 @@
 #include "absl/strings/str_split.h"
 #include "bench/transformer_stack.h"
 #include "models/diffusers_format.h"
+#include "models/flux_latents.h"
+#include "models/flux_transformer.h"
 #include "models/zimage_transformer.h"
 #include "offload/compression.h"
 #include "offload/device_backend.h"
@@ -61,8 +65,8 @@ ABSL_FLAG(double, resident_step_s, 0,
           "Resident step time measured by an earlier process (rows run one process each)");
 ABSL_FLAG(int, staging_threads, 8, "Threads copying into the staging buffers");
 ABSL_FLAG(std::string, model_dir, "",
-          "Diffusers-format Z-Image directory: benchmark its real transformer (transformer/ folder) "
-          "instead of the synthetic stack");
+          "Diffusers-format Z-Image or Flux directory: benchmark its real transformer (transformer/ "
+          "folder) instead of the synthetic stack");
 ABSL_FLAG(int64_t, caption_tokens, 512, "--model_dir: caption tokens of the forward");
 ABSL_FLAG(std::string, save_output, "",
           "Write the last timed forward's output (float32) to this safetensors file (e.g. from the "
@@ -98,6 +102,7 @@ struct RowResult {
   std::string pin_in_place_error;
   std::string compress = "none";
   double rel_l2 = 0;
+  std::string model;
 };
 
 double Median(std::vector<double> v) {
@@ -158,6 +163,7 @@ double MeasureMemcpy(DeviceBackend& backend, int threads, int64_t total) {
 struct BenchModel {
   std::unique_ptr<Module> root;
   std::function<at::Tensor()> forward;  // Valid once the weights are placed.
+  std::string model_name = "transformer_stack";  // Recorded in the JSON lines.
 };
 
 absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend, at::ScalarType dtype) {
@@ -176,6 +182,27 @@ absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend,
   }
   const std::string dir = model_dir + "/transformer";
   ASSIGN_OR_RETURN(auto json, ReadJsonFile(dir + "/config.json"));
+  const auto class_name = json.fields().find("_class_name");
+  if (class_name != json.fields().end() && class_name->second.string_value() == "FluxTransformer2DModel") {
+    ASSIGN_OR_RETURN(FluxTransformerConfig config, FluxTransformerConfigFromJson(json));
+    auto model = std::make_unique<FluxTransformer>(config, LayerOptions{dtype});
+    RETURN_IF_ERROR(LoadComponentWeights(*model, dir, dtype));
+    const int64_t side = absl::GetFlag(FLAGS_image_size) / 8;  // Latent side; packed 2x2 patches.
+    const int64_t text_tokens = absl::GetFlag(FLAGS_caption_tokens);
+    at::manual_seed(0);
+    const at::Tensor hidden = at::randn({1, (side / 2) * (side / 2), config.in_channels}, options);
+    const at::Tensor text = at::randn({1, text_tokens, config.joint_attention_dim}, options);
+    const at::Tensor pooled = at::randn({1, config.pooled_projection_dim}, options);
+    const at::Tensor timestep = at::full({1}, 0.5, options);
+    const at::Tensor img_ids = LatentImageIds(side, side).to(backend.torch_device());
+    const at::Tensor txt_ids = at::zeros({text_tokens, 3}, img_ids.options());
+    const at::Tensor guidance = config.guidance_embeds ? at::full({1}, 3.5, options) : at::Tensor();
+    FluxTransformer* raw = model.get();
+    bench.forward = [=] { return raw->Forward(hidden, text, pooled, timestep, img_ids, txt_ids, guidance); };
+    bench.root = std::move(model);
+    bench.model_name = "FluxTransformer2DModel";
+    return bench;
+  }
   ASSIGN_OR_RETURN(ZImageTransformerConfig config, ZImageTransformerConfigFromJson(json));
   auto model = std::make_unique<ZImageTransformer>(config, LayerOptions{dtype});
   RETURN_IF_ERROR(LoadComponentWeights(*model, dir, dtype));  // Views of the mapped files.
@@ -186,6 +213,7 @@ absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend,
   ZImageTransformer* raw = model.get();
   bench.forward = [raw, latents, caption] { return raw->Forward(latents, 0.5, caption); };
   bench.root = std::move(model);
+  bench.model_name = "ZImageTransformer2DModel";
   return bench;
 }
 
@@ -195,6 +223,7 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
   RowResult result;
   result.row = row;
   ASSIGN_OR_RETURN(BenchModel bench, MakeModel(shape, backend, dtype));
+  result.model = bench.model_name;
   Module& model = *bench.root;
   auto weights = HostWeights::Capture(model);
   if (!weights.ok()) return weights.status();
@@ -366,7 +395,7 @@ int Main() {
           absl::GetFlag(FLAGS_staging_buffers),
           absl::GetFlag(FLAGS_staging_mib), absl::GetFlag(FLAGS_staging_threads), result->pinned_in_place,
           absl::CHexEscape(result->pin_in_place_error),
-          absl::GetFlag(FLAGS_model_dir).empty() ? "transformer_stack" : "ZImageTransformer2DModel",
+          result->model,
           absl::GetFlag(FLAGS_machine), result->compress, floor_8bit_s, result->rel_l2);
       out.flush();
     }

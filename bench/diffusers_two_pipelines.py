@@ -1,0 +1,151 @@
+"""The diffusers baseline of the two-pipeline benchmark (bench/two_pipelines.py): what a diffusers user
+does to serve Z-Image-Turbo and Flux.1 [dev] from one GPU — one process holding both pipelines, each
+with `enable_model_cpu_offload()` (a component goes to the GPU when it runs and leaves when the next
+one does), switching between them per request.
+
+    PYTHONPATH=.ref/diffusers/src python3 bench/diffusers_two_pipelines.py --out ROWS.jsonl \
+        [--flux_tokenizers DIR] [--size 1024] [--steps 8] [--rounds 2] [--budget_gib 24] [--machine M]
+
+Both pipelines at their published shapes with random bf16 weights (bench/make_zimage_random_dir.py's
+and bench/make_flux_random_dir.py's FULL configs; Z-Image's byte-level tokenizer as in
+bench/diffusers_pipeline_bench.py; Flux's tokenizers from --flux_tokenizers, by default the
+committed parity fixture's). One unmeasured call per pipeline, then --rounds alternating calls
+(Z-Image, Flux, ...); one process has one GPU queue, so "concurrent" arrivals would only queue
+behind each other and are not run. Latency: the call (output_type "pil": no PNG encoding, which the
+server's figures include). Peak device bytes: torch's peak reserve over the measured calls plus the
+CUDA context (what the process holds outside the allocator, measured at start), as the server reports.
+
+Rows: {"bench":"two_pipelines","strategy":"diffusers_model_cpu_offload","pipeline":"zimage"|"flux",
+"arrival":"alternating","latency_s":<mean>,"latencies_s":[..],"peak_device_bytes":..,"budget_bytes":..,
+"ok":<every call succeeded and the peak stayed within the budget>,"size":..,"steps":..,"machine":..}
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+GIB = 1 << 30
+PROMPTS = {"zimage": "a lighthouse on a cliff at dusk, oil painting",
+           "flux": "a red fox in fresh snow, morning light, photograph"}
+
+
+def randomize(modules):
+    import torch
+
+    with torch.no_grad():  # Default init leaves some tensors at zero: give every tensor real data.
+        for module in modules:
+            module.to(torch.bfloat16).eval()
+            for name, p in module.named_parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, p.shape[-1] ** -0.5)
+                else:
+                    p.normal_(1.0 if "norm" in name else 0.0, 0.02)
+
+
+def flux_pipeline(tokenizers):
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
+    from make_flux_random_dir import FULL, SCHEDULER
+
+    strip = lambda c: {k: v for k, v in c.items() if not k.startswith("_") and k not in ("architectures", "model_type")}
+    torch.manual_seed(1)
+    with torch.device("cuda"):  # One module at a time, cast to bf16 at once: fp32 Flux is 48 GB.
+        transformer = FluxTransformer2DModel(**strip(FULL["transformer"])).to(torch.bfloat16)
+        t5 = T5EncoderModel(T5Config(**strip(FULL["text_encoder_2"]))).to(torch.bfloat16)
+        clip = CLIPTextModel(CLIPTextConfig(**strip(FULL["text_encoder"]))).to(torch.bfloat16)
+        vae = AutoencoderKL(**strip(FULL["vae"])).to(torch.bfloat16)
+    randomize((transformer, t5, clip, vae))
+    scheduler = FlowMatchEulerDiscreteScheduler(**strip(SCHEDULER))
+    clip_tok = CLIPTokenizer.from_pretrained(os.path.join(tokenizers, "tokenizer"))
+    t5_tok = AutoTokenizer.from_pretrained(os.path.join(tokenizers, "tokenizer_2"))
+    return FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=clip_tok, text_encoder_2=t5,
+                        tokenizer_2=t5_tok, transformer=transformer)
+
+
+def context_bytes(torch):
+    """Device bytes the process holds outside the caching allocator (CUDA context, libraries)."""
+    try:
+        used = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30).stdout
+        for line in used.splitlines():
+            pid, mib = [x.strip() for x in line.split(",")]
+            if int(pid) == os.getpid():
+                return int(mib) * (1 << 20) - torch.cuda.memory_reserved()
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        pass
+    return 0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--flux_tokenizers", default=os.path.join(HERE, "..", "tests", "fixtures", "flux_tiny",
+                                                                  "pipeline"))
+    parser.add_argument("--size", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--budget_gib", type=float, default=24)
+    parser.add_argument("--machine", default="unknown")
+    args = parser.parse_args()
+
+    import torch
+    from diffusers_pipeline_bench import zimage_pipeline
+
+    torch.cuda.init()
+    torch.zeros(1, device="cuda")
+    context = context_bytes(torch)
+    start = time.time()
+    pipes = {}
+    for name, build in (("zimage", zimage_pipeline), ("flux", lambda: flux_pipeline(args.flux_tokenizers))):
+        pipe = build()
+        pipe.enable_model_cpu_offload()  # Moves every component to the host; each comes back when it runs.
+        torch.cuda.empty_cache()
+        pipes[name] = pipe
+    print(f"built both pipelines in {time.time() - start:.0f} s", flush=True)
+
+    def call(name, seed):
+        kwargs = dict(prompt=PROMPTS[name], height=args.size, width=args.size, num_inference_steps=args.steps,
+                      generator=torch.Generator("cpu").manual_seed(seed), output_type="pil")
+        kwargs["guidance_scale"] = 0.0 if name == "zimage" else 3.5
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        try:
+            image = pipes[name](**kwargs).images[0]
+            torch.cuda.synchronize()
+            error = None if image.size == (args.size, args.size) else f"image of {image.size}"
+        except Exception as e:  # Reported in the row (an out-of-memory error is the point of a budget).
+            error = f"{type(e).__name__}: {str(e)[:300]}"
+        return time.perf_counter() - t0, error
+
+    for name in pipes:  # Unmeasured.
+        call(name, 0)
+    torch.cuda.reset_peak_memory_stats()
+    results = {name: [] for name in pipes}
+    for i in range(args.rounds * 2):
+        name = ("zimage", "flux")[i % 2]
+        results[name].append(call(name, i + 1))
+    peak = torch.cuda.max_memory_reserved() + context
+    budget = int(args.budget_gib * GIB)
+    rows = []
+    for name, runs in results.items():
+        errors = [e for _, e in runs if e]
+        rows.append({"bench": "two_pipelines", "strategy": "diffusers_model_cpu_offload", "pipeline": name,
+                     "arrival": "alternating", "latency_s": statistics.mean(t for t, _ in runs),
+                     "latencies_s": [t for t, _ in runs], "peak_device_bytes": peak, "budget_bytes": budget,
+                     "ok": not errors and peak <= budget, "errors": errors, "size": args.size, "steps": args.steps,
+                     "context_bytes": context, "torch": torch.__version__, "machine": args.machine})
+    with open(args.out, "a", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+            print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()

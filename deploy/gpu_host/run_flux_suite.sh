@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Device calls for the Flux.1 work (issue 11). Builds with CMake (deploy/gpu_host/build_and_serve.sh,
+# tests skipped), then runs the parts named in PARTS (default "fixtures offload"):
+#   fixtures  tests/parity/make_flux_fixtures.py and make_flux_tokenizer_fixtures.py with
+#             diffusers/transformers/tokenizers/sentencepiece, then the C++ check on them
+#             (flux_parity_check, strict bf16 tolerance) -> $OUT/fixtures.tgz (flux_tiny and
+#             flux_tokenizers, for tests/fixtures/), $OUT/parity.txt
+#   offload   bench/side_by_side.sh with ARCH=flux: diffusers exports Flux.1 [dev]'s transformer
+#             (11.9 B parameters, random bf16) to /tmp/flux-weights, then diffusers'
+#             apply_group_offloading and bench/offload_bench run the same forward on those files, one
+#             process per row -> $OUT/flux_offload.jsonl (+ both sides' raw rows in $OUT/offload.tgz)
+#   two       bench/two_pipelines.py (Z-Image-Turbo and Flux.1 [dev] at full shapes, random weights,
+#             one server, a 24 GiB device budget) and bench/diffusers_two_pipelines.py (the diffusers
+#             baseline) -> $OUT/two_pipelines.jsonl, placement logs in $OUT/two_logs.tgz
+# Carry .deb (deploy/gpu_host/fetch_debs.sh) and .ref/diffusers/src (git-ignored):
+#   OUT=... PARTS="fixtures offload" STOWAGE_COMMIT=<rev> deploy/gpu_host/run_flux_suite.sh
+set -uo pipefail
+repo_root="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.." && pwd)"
+cd "$repo_root"
+OUT="${OUT:-$repo_root/gpu_out}"
+mkdir -p "$OUT"
+start=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$OUT/summary.txt"; }
+build="$repo_root/build/gpu"
+logs="$(mktemp -d /tmp/stowage-flux-logs.XXXXXX)"
+
+stamp "build"
+STOWAGE_SKIP_TESTS=1 STOWAGE_THREAD_STACK_SHIM=never OUT="$logs" \
+  timeout "${BUILD_TIMEOUT:-300}" deploy/gpu_host/build_and_serve.sh >"$logs/build.txt" 2>&1
+stamp "build exit $?"
+tail -5 "$logs/summary.txt" >>"$OUT/summary.txt" 2>/dev/null
+export LD_LIBRARY_PATH="/tmp/stowage-deps/usr/lib/x86_64-linux-gnu:$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))'):${LD_LIBRARY_PATH:-}"
+export PYTHONPATH="$repo_root/.ref/diffusers/src" PYTHONUNBUFFERED=1
+machine="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(nproc) cores, commit ${STOWAGE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+
+for part in ${PARTS:-fixtures offload}; do
+  case $part in
+    fixtures)
+      stamp "fixtures"
+      rm -rf "$logs/fixtures" && mkdir -p "$logs/fixtures"
+      timeout 300 python3 tests/parity/make_flux_fixtures.py "$logs/fixtures/flux_tiny" >"$logs/make_flux_fixtures.txt" 2>&1
+      stamp "flux fixtures exit $?"
+      tail -3 "$logs/make_flux_fixtures.txt" >>"$OUT/summary.txt"
+      timeout 300 python3 tests/parity/make_flux_tokenizer_fixtures.py "$logs/fixtures/flux_tokenizers" \
+        >"$logs/make_flux_tokenizer_fixtures.txt" 2>&1
+      stamp "tokenizer fixtures exit $?"
+      tail -3 "$logs/make_flux_tokenizer_fixtures.txt" >>"$OUT/summary.txt"
+      rm -rf "$logs/fixtures/flux_tiny/.work"
+      timeout 300 "$build/tests/parity/flux_parity_check" "$logs/fixtures/flux_tiny" --bf16_tolerance=1e-2 \
+        >"$OUT/parity.txt" 2>&1
+      stamp "parity exit $?"
+      tail -3 "$OUT/parity.txt" >>"$OUT/summary.txt"
+      tar czf "$OUT/fixtures.tgz" -C "$logs/fixtures" . 2>/dev/null
+      ;;
+    offload)
+      stamp "flux offload side by side"
+      DIFFUSERS_ROWS="resident block_level leaf_level block_level_lowmem" \
+        STOWAGE_ROWS="resident block_pinned leaf_pinned_d4 block_lowram leaf_lowram_d4" ROW_TIMEOUT=200 \
+        timeout "${OFFLOAD_TIMEOUT:-500}" bash bench/side_by_side.sh "$build/bench/offload_bench" /tmp/flux-weights \
+        "$logs/offload" "$machine" flux >"$logs/offload.txt" 2>&1
+      stamp "offload exit $?"
+      cp "$logs/offload/flux_offload.jsonl" "$OUT/" 2>/dev/null
+      cat "$logs/offload/flux_offload.md" >>"$OUT/summary.txt" 2>/dev/null
+      tar czf "$OUT/offload.tgz" -C "$logs" offload offload.txt 2>/dev/null
+      ;;
+    two)
+      stamp "two pipelines"
+      python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
+      python3 bench/make_flux_random_dir.py /tmp/flux-full --size full >/dev/null
+      mkdir -p "$logs/two"
+      timeout "${TWO_TIMEOUT:-420}" python3 bench/two_pipelines.py stowage --server "$build/server/stowage_server" \
+        --stowctl "$build/clients/stowctl/stowctl" --zimage /tmp/zimage-full --flux /tmp/flux-full \
+        --out "$OUT/two_pipelines.jsonl" --logs "$logs/two" --machine "$machine" ${TWO_ARGS:-} \
+        >"$logs/two/stowage.txt" 2>&1
+      stamp "stowage side exit $?"
+      tail -40 "$logs/two/stowage.txt" >>"$OUT/summary.txt"
+      timeout "${DIFFUSERS_TIMEOUT:-240}" python3 bench/diffusers_two_pipelines.py --out "$OUT/two_pipelines.jsonl" \
+        --machine "$machine" >"$logs/two/diffusers.txt" 2>&1
+      stamp "diffusers side exit $?"
+      tail -5 "$logs/two/diffusers.txt" >>"$OUT/summary.txt"
+      tar czf "$OUT/two_logs.tgz" -C "$logs" two 2>/dev/null
+      ;;
+    *) stamp "unknown part $part" ;;
+  esac
+done
+tar czf "$OUT/logs.tgz" -C "$logs" --exclude=fixtures --exclude=offload --exclude=two . 2>/dev/null
+stamp "done"

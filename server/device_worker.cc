@@ -15,16 +15,153 @@ struct DeviceWorker::TaskState {
   absl::Status status ABSL_GUARDED_BY(mu);
 };
 
-DeviceWorker::DeviceWorker(Options options) : options_(std::move(options)) {
+// Wakes a worker that waits in Call: bumped when a call it made completes or a call arrives in its
+// lane. Shared with the calls it made, so completing one never touches a worker that has moved on.
+struct DeviceWorker::Waker {
+  absl::Mutex mu;
+  uint64_t seq ABSL_GUARDED_BY(mu) = 0;
+  void Bump() {
+    absl::MutexLock lock(&mu);
+    ++seq;
+  }
+  uint64_t Seq() {
+    absl::MutexLock lock(&mu);
+    return seq;
+  }
+};
+
+// One remote call and its completion. Lock order: DeviceWorker::mu_ (the callee's) before
+// CallState::mu; Waker::mu is never held with either.
+struct DeviceWorker::CallState {
+  enum class Phase { kQueued, kRunning, kDone, kWithdrawn };
+  std::function<absl::Status()> fn;
+  std::shared_ptr<Waker> caller;  // Woken on completion; null for callers that are not workers.
+  absl::Mutex mu;
+  Phase phase ABSL_GUARDED_BY(mu) = Phase::kQueued;
+  absl::Status status ABSL_GUARDED_BY(mu);
+};
+
+DeviceWorker::DeviceWorker(Options options) : options_(std::move(options)), waker_(std::make_shared<Waker>()) {
   thread_ = std::thread([this] { Loop(); });
 }
 
-DeviceWorker::~DeviceWorker() {
+DeviceWorker::~DeviceWorker() { Stop(); }
+
+void DeviceWorker::Stop() {
+  std::deque<std::shared_ptr<CallState>> failed;
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
+    failed.swap(calls_);
   }
-  thread_.join();
+  for (const std::shared_ptr<CallState>& call : failed) {
+    Complete(*call, absl::UnavailableError(absl::StrCat("device ", options_.device,
+                                                        " is stopping (server shutting down); its remote call did not run")));
+  }
+  if (thread_.joinable() && !OnWorkerThread()) thread_.join();
+}
+
+void DeviceWorker::Complete(CallState& call, const absl::Status& status) {
+  std::shared_ptr<Waker> caller;
+  {
+    absl::MutexLock lock(&call.mu);
+    call.status = status;
+    call.phase = CallState::Phase::kDone;
+    caller = call.caller;
+  }
+  if (caller != nullptr) caller->Bump();
+}
+
+void DeviceWorker::AwaitWake(uint64_t seen, absl::Duration timeout) {
+  struct Wait {
+    Waker* waker;
+    uint64_t seen;
+  } wait{waker_.get(), seen};
+  absl::MutexLock lock(&waker_->mu);
+  waker_->mu.AwaitWithTimeout(
+      absl::Condition(+[](Wait* w) ABSL_NO_THREAD_SAFETY_ANALYSIS { return w->waker->seq != w->seen; }, &wait),
+      timeout);
+}
+
+absl::Status DeviceWorker::RunCall(CallState& call) {
+  absl::Status status;
+  try {
+    status = call.fn();
+  } catch (const std::exception& e) {
+    status = absl::InternalError(absl::StrCat("remote call threw: ", e.what()));
+  }
+  call.fn = nullptr;  // What it captured goes before the caller is released.
+  return status;
+}
+
+void DeviceWorker::ServeCalls() {
+  if (!OnWorkerThread()) return;
+  for (;;) {
+    std::shared_ptr<CallState> call;
+    {
+      absl::MutexLock lock(&mu_);
+      if (calls_.empty()) break;
+      call = std::move(calls_.front());
+      calls_.pop_front();
+      absl::MutexLock call_lock(&call->mu);
+      call->phase = CallState::Phase::kRunning;
+    }
+    const absl::Status status = RunCall(*call);
+    // Published before the caller wakes, as after a job: it reads a snapshot with the call's effect.
+    if (options_.after_each) options_.after_each();
+    Complete(*call, status);
+  }
+}
+
+absl::Status DeviceWorker::Call(std::function<absl::Status()> fn, const std::function<absl::Status()>& interrupt,
+                                DeviceWorker* caller) {
+  if (OnWorkerThread()) return fn();  // A call to one's own device runs in place.
+  if (caller != nullptr && !caller->OnWorkerThread()) {
+    return absl::InternalError("DeviceWorker::Call: `caller` must be the calling thread's own worker");
+  }
+  auto state = std::make_shared<CallState>();
+  state->fn = std::move(fn);
+  if (caller != nullptr) state->caller = caller->waker_;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_) {
+      return absl::UnavailableError(
+          absl::StrCat("device ", options_.device, " is stopping (server shutting down); its remote call did not run"));
+    }
+    calls_.push_back(state);
+  }
+  waker_->Bump();  // In case this worker itself waits in a call of its own.
+  for (;;) {
+    const uint64_t seen = caller != nullptr ? caller->waker_->Seq() : 0;
+    {
+      absl::MutexLock lock(&state->mu);
+      if (caller == nullptr) {
+        state->mu.AwaitWithTimeout(
+            absl::Condition(
+                +[](CallState* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->phase == CallState::Phase::kDone; },
+                state.get()),
+            absl::Milliseconds(20));
+      }
+      if (state->phase == CallState::Phase::kDone) return state->status;
+    }
+    if (caller != nullptr) {
+      // Serve what others ask of the caller's device while it waits: they may be waiting on it.
+      caller->ServeCalls();
+      caller->AwaitWake(seen, absl::Milliseconds(20));
+    }
+    {
+      absl::MutexLock lock(&state->mu);
+      if (state->phase != CallState::Phase::kQueued) continue;  // Running or done: wait for its result.
+    }
+    const absl::Status interrupted = interrupt ? interrupt() : absl::OkStatus();
+    if (interrupted.ok()) continue;
+    absl::MutexLock lock(&mu_);
+    absl::MutexLock call_lock(&state->mu);
+    if (state->phase != CallState::Phase::kQueued) continue;  // Taken (or failed) meanwhile.
+    state->phase = CallState::Phase::kWithdrawn;
+    calls_.erase(std::find(calls_.begin(), calls_.end(), state));
+    return interrupted;
+  }
 }
 
 int DeviceWorker::QueuedJobs() const {
@@ -147,7 +284,7 @@ void DeviceWorker::CollectBatch(std::vector<Item>& members, std::vector<Item>& d
     // 20 ms to see whether the first member's caller has gone.
     mu_.AwaitWithDeadline(absl::Condition(
                               +[](Wait* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                                if (w->worker->stopping_) return true;
+                                if (w->worker->stopping_ || !w->worker->calls_.empty()) return true;
                                 return std::any_of(w->worker->queue_.begin(), w->worker->queue_.end(),
                                                    [&](const Item& i) {
                                                      return i.task == nullptr && i.job.batch_key == *w->key;
@@ -155,6 +292,12 @@ void DeviceWorker::CollectBatch(std::vector<Item>& members, std::vector<Item>& d
                               },
                               &wait),
                           std::min(deadline, absl::Now() + absl::Milliseconds(20)));
+    if (!calls_.empty()) {
+      // Other devices' calls do not wait for this batch to fill.
+      mu_.Unlock();
+      ServeCalls();
+      mu_.Lock();
+    }
     // The first member's caller may have gone while the batch waited: it gives up its place.
     if (members.front().job.cancelled && members.front().job.cancelled()) {
       dropped.push_back(std::move(members.front()));
@@ -172,12 +315,27 @@ void DeviceWorker::Loop() {
     std::vector<Item> batch;
     std::vector<Item> dropped;
     absl::Duration batch_wait;
+    bool calls_waiting = false;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
-          +[](DeviceWorker* w) ABSL_NO_THREAD_SAFETY_ANALYSIS { return w->stopping_ || !w->queue_.empty(); },
+          +[](DeviceWorker* w) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return w->stopping_ || !w->queue_.empty() || !w->calls_.empty();
+          },
           this));
-      if (queue_.empty()) return;
+      calls_waiting = !calls_.empty();
+    }
+    if (calls_waiting) {
+      // The lane first: its callers hold a job or task of their own device open meanwhile.
+      ServeCalls();
+      continue;
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      if (queue_.empty()) {
+        if (stopping_) return;
+        continue;
+      }
       next = std::move(queue_.front());
       queue_.pop_front();
       if (next.task != nullptr) {

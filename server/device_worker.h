@@ -19,12 +19,23 @@
 //     so a refused or timed-out change changes nothing; once started it runs to completion and the
 //     caller gets its real result.
 //
+// A third kind, remote calls (Call), is the lane through which another device's worker gets work
+// done on this device while its own job or task waits for it: a split pipeline running a component
+// that lives here, a component moving between devices. Calls do not queue behind jobs: the worker
+// serves its lane when idle, before each job or task, while a batch waits for members, and — through
+// ServeCalls, which the runner of a job calls between component runs — during its own jobs. A
+// worker waiting in Call serves its own lane meanwhile. A call's function must not make a call
+// itself; then no cycle of workers can wait forever: every waiting worker keeps serving the calls
+// made to it, and every call runs without waiting on another device.
+//
 // Thread-safety: Submit and RunTask may be called from any thread except the worker's own (a task
-// that posted another task and waited would deadlock; RunTask refuses that with INTERNAL).
+// that posted another task and waited would deadlock; RunTask refuses that with INTERNAL). Call may
+// be called from any thread; on the worker's own thread it runs the function in place.
 #ifndef STOWAGE_SERVER_DEVICE_WORKER_H_
 #define STOWAGE_SERVER_DEVICE_WORKER_H_
 
 #include <any>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -107,11 +118,31 @@ class DeviceWorker {
                        const std::function<absl::Status()>& interrupt,
                        TaskOrder order = TaskOrder::kNext);
 
+  // Runs `fn` on this worker through its remote-call lane and returns its status. `caller` is the
+  // worker whose thread calls (null for other threads): it serves its own lane while it waits, so
+  // two workers calling each other both make progress. `interrupt` (optional) is polled every 20 ms
+  // while the call has not started: when it returns non-OK the call is withdrawn, never runs, and
+  // that status is returned; once started it runs to completion. UNAVAILABLE when this worker is
+  // stopping (Stop fails the calls still waiting in the lane with it, so a caller never hangs).
+  // `fn` must not call Call itself.
+  absl::Status Call(std::function<absl::Status()> fn, const std::function<absl::Status()>& interrupt,
+                    DeviceWorker* caller);
+  // Worker only: runs the calls waiting in the lane now (a no-op elsewhere). Jobs call it between
+  // component runs.
+  void ServeCalls();
+
+  // Stops taking work: new jobs, tasks and calls get UNAVAILABLE, calls waiting in the lane fail
+  // with UNAVAILABLE at once; the jobs and tasks already queued still run; returns when the thread
+  // has ended. Idempotent; the destructor calls it.
+  void Stop();
+
   // True on the worker's own thread (for contracts that say "worker only").
   bool OnWorkerThread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
  private:
   struct TaskState;
+  struct CallState;
+  struct Waker;
   struct Item {
     Job job;                            // Set for jobs.
     std::shared_ptr<TaskState> task;    // Set for tasks.
@@ -129,6 +160,13 @@ class DeviceWorker {
   // Moves cancelled jobs out of the queue into `dropped`.
   void TakeCancelled(std::vector<Item>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int QueuedJobs() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs one call's function and returns its status (worker only, without mu_).
+  static absl::Status RunCall(CallState& call);
+  // Completes `call` with `status` and wakes its waiting caller.
+  static void Complete(CallState& call, const absl::Status& status);
+  // Worker only, waiting in Call: sleeps until a call it made completes, a call arrives in its
+  // lane, or `timeout`; `seen` is waker_'s count read before it last looked.
+  void AwaitWake(uint64_t seen, absl::Duration timeout);
   void ReportDepth() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
@@ -137,6 +175,10 @@ class DeviceWorker {
   // Batch keys whose last batch showed no concurrent demand (see Job::batch_key); bounded.
   std::set<std::string> lone_keys_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  // The remote-call lane, in arrival order.
+  std::deque<std::shared_ptr<CallState>> calls_ ABSL_GUARDED_BY(mu_);
+  // Wakes this worker while it waits in Call (see Waker).
+  const std::shared_ptr<Waker> waker_;
   std::thread thread_;
 };
 

@@ -8,7 +8,9 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 
 namespace stowage {
 namespace {
@@ -370,6 +372,190 @@ TEST(DeviceWorkerTest, ALoneClientDoesNotWaitForCompanyThatDoesNotCome) {
   ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 5, 4, delay, &last)).ok());
   last.WaitForNotification();
   EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{1}, {2}, {3}, {4, 5}}));
+}
+
+// ---- The remote-call lane ----
+
+// Runs on `worker` a task that blocks until `release`; returns once it started.
+std::thread BlockWorker(DeviceWorker& worker, absl::Notification& started, absl::Notification& release) {
+  std::thread t([&] {
+    (void)worker.RunTask(
+        [&] {
+          started.Notify();
+          release.WaitForNotification();
+          return absl::OkStatus();
+        },
+        nullptr);
+  });
+  started.WaitForNotification();
+  return t;
+}
+
+TEST(DeviceWorkerCallTest, ACallRunsOnTheWorkerThreadAndReturnsItsStatus) {
+  DeviceWorker worker(Options("sim:1", 4));
+  std::thread::id ran_on;
+  const absl::Status status = worker.Call(
+      [&] {
+        ran_on = std::this_thread::get_id();
+        return absl::NotFoundError("from the lane");
+      },
+      nullptr, nullptr);
+  EXPECT_EQ(status, absl::NotFoundError("from the lane"));
+  EXPECT_NE(ran_on, std::this_thread::get_id());
+  // Only the worker itself: the ran_on thread is the worker's (it answers OnWorkerThread there).
+  bool on_worker = false;
+  ASSERT_TRUE(worker.Call([&] { on_worker = worker.OnWorkerThread(); return absl::OkStatus(); }, nullptr, nullptr).ok());
+  EXPECT_TRUE(on_worker);
+}
+
+TEST(DeviceWorkerCallTest, StateIsPublishedBeforeACallReturns) {
+  std::atomic<int> published{0};
+  DeviceWorker::Options options = Options("sim:1", 4);
+  options.after_each = [&] { ++published; };
+  DeviceWorker worker(std::move(options));
+  for (int i = 1; i <= 3; ++i) {
+    ASSERT_TRUE(worker.Call([] { return absl::OkStatus(); }, nullptr, nullptr).ok());
+    EXPECT_EQ(published.load(), i);
+  }
+}
+
+TEST(DeviceWorkerCallTest, OnItsOwnThreadACallRunsInPlaceAndACallerMustBeTheCallingWorker) {
+  DeviceWorker a(Options("sim:0", 4));
+  DeviceWorker b(Options("sim:1", 4));
+  absl::Status in_place, wrong_caller;
+  ASSERT_TRUE(a.RunTask(
+                   [&] {
+                     bool ran = false;
+                     in_place = a.Call([&] { ran = true; return absl::OkStatus(); }, nullptr, &a);
+                     EXPECT_TRUE(ran);
+                     return absl::OkStatus();
+                   },
+                   nullptr)
+                  .ok());
+  EXPECT_TRUE(in_place.ok()) << in_place;
+  wrong_caller = b.Call([] { return absl::OkStatus(); }, nullptr, &a);  // This thread is not a's.
+  EXPECT_EQ(wrong_caller.code(), absl::StatusCode::kInternal);
+}
+
+// Two workers whose jobs call each other, many times at once (a split pipeline each way): every
+// call runs on its target's thread and nothing waits forever.
+TEST(DeviceWorkerCallTest, WorkersWhoseJobsCallEachOtherDoNotDeadlock) {
+  DeviceWorker a(Options("sim:0", 64));
+  DeviceWorker b(Options("sim:1", 64));
+  constexpr int kJobs = 20;
+  constexpr int kCallsPerJob = 25;
+  std::atomic<int> wrong_thread{0};
+  std::atomic<int> calls_done{0};
+  std::atomic<int> jobs_done{0};
+  absl::Notification all_done;
+  auto job = [&](DeviceWorker& self, DeviceWorker& peer) {
+    DeviceWorker::Job j;
+    j.run = [&](absl::Duration) {
+      for (int i = 0; i < kCallsPerJob; ++i) {
+        self.ServeCalls();  // Between "component runs".
+        const absl::Status s = peer.Call(
+            [&] {
+              if (!peer.OnWorkerThread()) ++wrong_thread;
+              return absl::OkStatus();
+            },
+            nullptr, &self);
+        if (s.ok()) ++calls_done;
+      }
+      if (++jobs_done == 2 * kJobs) all_done.Notify();
+    };
+    return j;
+  };
+  for (int i = 0; i < kJobs; ++i) {
+    ASSERT_TRUE(a.Submit(job(a, b)).ok());
+    ASSERT_TRUE(b.Submit(job(b, a)).ok());
+  }
+  ASSERT_TRUE(all_done.WaitForNotificationWithTimeout(absl::Seconds(60))) << "deadlock: " << jobs_done.load()
+                                                                          << " jobs finished";
+  EXPECT_EQ(calls_done.load(), 2 * kJobs * kCallsPerJob);
+  EXPECT_EQ(wrong_thread.load(), 0);
+}
+
+// A worker busy in a long job serves its lane at the job's component boundaries (ServeCalls).
+TEST(DeviceWorkerCallTest, ABusyWorkerServesCallsBetweenComponentRuns) {
+  DeviceWorker worker(Options("sim:1", 4));
+  std::atomic<bool> stop{false};
+  absl::Notification started, finished;
+  DeviceWorker::Job j;
+  j.run = [&](absl::Duration) {
+    started.Notify();
+    while (!stop) {
+      worker.ServeCalls();
+      absl::SleepFor(absl::Milliseconds(1));
+    }
+  };
+  j.finish = [&] { finished.Notify(); };
+  ASSERT_TRUE(worker.Submit(std::move(j)).ok());
+  started.WaitForNotification();
+  std::atomic<bool> job_still_running{false};
+  ASSERT_TRUE(worker.Call([&] { job_still_running = !stop; return absl::OkStatus(); }, nullptr, nullptr).ok());
+  EXPECT_TRUE(job_still_running.load());
+  stop = true;
+  finished.WaitForNotification();
+}
+
+// A batch holding itself open for members still serves calls.
+TEST(DeviceWorkerCallTest, ABatchWaitingForMembersServesCalls) {
+  DeviceWorker worker(Options("sim:1", 8));
+  BatchLog log;
+  absl::Notification done;
+  ASSERT_TRUE(worker.Submit(BatchJob(log, "k", 1, 4, absl::Seconds(30), &done)).ok());
+  absl::SleepFor(absl::Milliseconds(50));  // The batch now waits for up to 30 s.
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(worker.Call([] { return absl::OkStatus(); }, nullptr, nullptr).ok());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_TRUE(log.Get().empty()) << "the batch ran before the call";
+  for (int id = 2; id <= 4; ++id) ASSERT_TRUE(worker.Submit(BatchJob(log, "k", id, 4, absl::Seconds(30))).ok());
+  done.WaitForNotification();
+  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{1, 2, 3, 4}}));
+}
+
+TEST(DeviceWorkerCallTest, AQueuedCallIsWithdrawnWhenItsCallerGoesAndNeverRuns) {
+  DeviceWorker worker(Options("sim:1", 4));
+  absl::Notification started, release;
+  std::thread blocker = BlockWorker(worker, started, release);
+  std::atomic<bool> ran{false};
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(100);
+  const absl::Status status = worker.Call([&] { ran = true; return absl::OkStatus(); },
+                                          [&] {
+                                            return absl::Now() < deadline ? absl::OkStatus()
+                                                                          : absl::DeadlineExceededError("caller gone");
+                                          },
+                                          nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
+  release.Notify();
+  blocker.join();
+  ASSERT_TRUE(worker.RunTask([] { return absl::OkStatus(); }, nullptr).ok());  // The lane was served by now.
+  EXPECT_FALSE(ran.load());
+}
+
+TEST(DeviceWorkerCallTest, StoppingFailsWaitingCallsWithUnavailableInsteadOfHanging) {
+  DeviceWorker worker(Options("sim:1", 4));
+  absl::Notification started, release;
+  std::thread blocker = BlockWorker(worker, started, release);
+  std::atomic<bool> ran{false};
+  absl::Status waiting;
+  absl::Notification returned;
+  std::thread caller([&] {
+    waiting = worker.Call([&] { ran = true; return absl::OkStatus(); }, nullptr, nullptr);
+    returned.Notify();
+  });
+  absl::SleepFor(absl::Milliseconds(50));  // The call waits in the lane behind the blocked task.
+  std::thread stopper([&] { worker.Stop(); });  // Joins only once the task ends.
+  EXPECT_TRUE(returned.WaitForNotificationWithTimeout(absl::Seconds(10))) << "the call hung";
+  caller.join();
+  EXPECT_EQ(waiting.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(std::string(waiting.message()).find("sim:1 is stopping"), std::string::npos) << waiting;
+  release.Notify();
+  blocker.join();
+  stopper.join();
+  EXPECT_FALSE(ran.load());
+  const absl::Status after = worker.Call([] { return absl::OkStatus(); }, nullptr, nullptr);
+  EXPECT_EQ(after.code(), absl::StatusCode::kUnavailable);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
 #include "absl/base/thread_annotations.h"
@@ -72,6 +73,13 @@ class ComponentRunner {
   // moving its weights so that the copy overlaps the current compute (placement: the first groups
   // of a group-offloaded component). Never required for correctness; the default does nothing.
   virtual void Prefetch(Component& component) { (void)component; }
+  // The device `component` runs on: its inputs must be there, and its outputs appear there. A
+  // pipeline whose components sit on several devices (a split layout) moves tensors between them
+  // with this. `home` is the pipeline's own device, which the default (one device) returns.
+  virtual c10::Device DeviceOf(const Component& component, const c10::Device& home) const {
+    (void)component;
+    return home;
+  }
 };
 
 std::string DtypeName(at::ScalarType dtype);

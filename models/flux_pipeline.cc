@@ -138,7 +138,8 @@ class FluxPipeline : public Pipeline {
   std::vector<absl::StatusOr<Image>> RunBatch(const std::vector<BatchMember>& members,
                                               ComponentRunner& runner) override {
     c10::InferenceMode inference_mode;
-    const c10::Device device = options_.device;
+    // The denoising loop runs where the transformer is; the encoders and decoder may sit elsewhere.
+    const c10::Device device = runner.DeviceOf(*transformer_, options_.device);
     BatchRun run(members);
     if (members.empty() || !run.Compatible()) return run.TakeResults();
     const std::vector<size_t>& active = run.active();  // Shrinks as members leave (run.Filter).
@@ -163,16 +164,19 @@ class FluxPipeline : public Pipeline {
     run.BeginStage("encode_prompt", 0);
     at::Tensor pooled, text;
     if (!active.empty()) {
-      auto stack = [&](const std::vector<std::vector<int64_t>>& ids) {
+      auto stack = [&](const std::vector<std::vector<int64_t>>& ids, const Component& encoder) {
         std::vector<at::Tensor> rows;
         for (size_t i : active) rows.push_back(at::tensor(ids[i]));
-        return at::stack(rows).to(device);
+        return at::stack(rows).to(runner.DeviceOf(encoder, options_.device));
       };
-      const absl::Status clip_ran = runner.Run(*clip_, [&] { pooled = Clip().Forward(stack(clip_ids)).pooled; });
+      const absl::Status clip_ran =
+          runner.Run(*clip_, [&] { pooled = Clip().Forward(stack(clip_ids, *clip_)).pooled; });
+      if (pooled.defined()) pooled = pooled.to(device);
       run.Filter([&](size_t) { return clip_ran; });
       if (!active.empty()) {
         runner.Prefetch(*transformer_);  // Its first groups copy while T5 encodes.
-        const absl::Status t5_ran = runner.Run(*t5_, [&] { text = T5().Forward(stack(t5_ids)); });
+        const absl::Status t5_ran = runner.Run(*t5_, [&] { text = T5().Forward(stack(t5_ids, *t5_)); });
+        if (text.defined()) text = text.to(device);
         run.Filter([&](size_t) { return t5_ran; });
       }
     }
@@ -247,8 +251,9 @@ class FluxPipeline : public Pipeline {
     run.BeginStage("decode", 0);
     std::vector<at::Tensor> pixels(members.size());
     if (!active.empty()) {
+      const c10::Device vae_device = runner.DeviceOf(*vae_, options_.device);
       const absl::Status decoded = runner.Run(*vae_, [&] {
-        for (size_t i : active) pixels[i] = Vae().Decode(UnpackLatents(latents[i], lh, lw).to(vae_->dtype()));
+        for (size_t i : active) pixels[i] = Vae().Decode(UnpackLatents(latents[i], lh, lw).to(vae_device).to(vae_->dtype()));
       });
       run.Filter([&](size_t) { return decoded; });
     }

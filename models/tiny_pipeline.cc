@@ -65,7 +65,8 @@ class TinyPipeline : public Pipeline {
   absl::StatusOr<Image> Run(const GenerationParams& params, ComponentRunner& runner,
                             RunContext& context) override {
     c10::InferenceMode inference_mode;
-    const c10::Device device = options_.device;
+    // The denoising loop runs where the transformer is; the encoder and decoder may sit elsewhere.
+    const c10::Device device = runner.DeviceOf(*transformer_, options_.device);
     const bool guided = params.guidance_scale > 1.0f;
 
     context.BeginStage("tokenize");
@@ -73,16 +74,18 @@ class TinyPipeline : public Pipeline {
     if (guided) texts.insert(texts.begin(), params.negative_prompt);  // [negative, positive]
     ASSIGN_OR_RETURN(TokenBatch tokens, tokenizer_.Encode(texts));
     // Not a structured binding: lambdas below capture these, which C++17 (clang) does not allow.
-    const std::pair<at::Tensor, at::Tensor> id_mask = ToTensors(tokens, device);
+    const std::pair<at::Tensor, at::Tensor> id_mask =
+        ToTensors(tokens, runner.DeviceOf(*text_encoder_, options_.device));
     const at::Tensor& ids = id_mask.first;
-    const at::Tensor& mask = id_mask.second;
+    const at::Tensor mask = id_mask.second.to(device);
 
     context.BeginStage("encode_prompt");
     at::Tensor text;
     runner.Prefetch(*transformer_);  // Its first groups copy while the prompt encodes.
     RETURN_IF_ERROR(runner.Run(*text_encoder_, [&] {
-      text = static_cast<TinyTextEncoder&>(text_encoder_->module()).Forward(ids, mask);
+      text = static_cast<TinyTextEncoder&>(text_encoder_->module()).Forward(ids, id_mask.second);
     }));
+    text = text.to(device);
     RETURN_IF_ERROR(context.CheckInterrupt());
 
     const int64_t factor = static_cast<TinyVaeDecoder&>(vae_->module()).upscale();
@@ -118,8 +121,9 @@ class TinyPipeline : public Pipeline {
 
     context.BeginStage("decode");
     at::Tensor pixels;
+    const at::Tensor vae_in = latents.to(runner.DeviceOf(*vae_, options_.device));
     RETURN_IF_ERROR(runner.Run(*vae_, [&] {
-      pixels = static_cast<TinyVaeDecoder&>(vae_->module()).Forward(latents.to(options_.dtype));
+      pixels = static_cast<TinyVaeDecoder&>(vae_->module()).Forward(vae_in.to(options_.dtype));
     }));
     context.EndStage();
     return ImageFromTensor(pixels);

@@ -64,7 +64,9 @@ class ZImagePipeline : public Pipeline {
   std::vector<absl::StatusOr<Image>> RunBatch(const std::vector<BatchMember>& members,
                                               ComponentRunner& runner) override {
     c10::InferenceMode inference_mode;
-    const c10::Device device = options_.device;
+    // The denoising loop runs where the transformer is; the encoder and decoder may sit elsewhere.
+    const c10::Device device = runner.DeviceOf(*transformer_, options_.device);
+    const c10::Device encoder_device = runner.DeviceOf(*text_encoder_, options_.device);
     BatchRun run(members);
     if (members.empty() || !run.Compatible()) return run.TakeResults();
     const std::vector<size_t>& active = run.active();  // Shrinks as members leave (run.Filter).
@@ -76,7 +78,7 @@ class ZImagePipeline : public Pipeline {
       ASSIGN_OR_RETURN(std::vector<int64_t> ids,
                        tokenizer_->Encode(absl::StrCat("<|im_start|>user\n", text, "<|im_end|>\n<|im_start|>assistant\n")));
       if (static_cast<int64_t>(ids.size()) > options_.max_sequence_length) ids.resize(options_.max_sequence_length);
-      return at::tensor(ids).to(device);
+      return at::tensor(ids).to(encoder_device);
     };
     run.Filter([&](size_t i) -> absl::Status {
       const GenerationParams& params = *members[i].params;
@@ -100,6 +102,10 @@ class ZImagePipeline : public Pipeline {
         }
       });
       run.Filter([&](size_t) { return encoded; });
+      for (size_t i : active) {
+        positive[i] = positive[i].to(device);
+        if (negative[i].defined()) negative[i] = negative[i].to(device);
+      }
     }
     run.Filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
 
@@ -160,8 +166,11 @@ class ZImagePipeline : public Pipeline {
     run.BeginStage("decode", 0);
     std::vector<at::Tensor> pixels(members.size());
     if (!active.empty()) {
+      const c10::Device vae_device = runner.DeviceOf(*vae_, options_.device);
       const absl::Status decoded = runner.Run(*vae_, [&] {
-        for (size_t i : active) pixels[i] = vae.Decode(latents[i].squeeze(1).unsqueeze(0).to(vae_->dtype()));
+        for (size_t i : active) {
+          pixels[i] = vae.Decode(latents[i].squeeze(1).unsqueeze(0).to(vae_device).to(vae_->dtype()));
+        }
       });
       run.Filter([&](size_t) { return decoded; });
     }

@@ -275,6 +275,48 @@ void PlacementManager::Unregister(const std::string& pipeline) {
   }
 }
 
+absl::Status PlacementManager::UnregisterComponent(const std::string& pipeline, const Component& component,
+                                                   const std::string& reason) {
+  for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+    Entry& e = **it;
+    if (e.component != &component || !Uses(e.pipelines, pipeline)) continue;
+    e.pipelines.erase(std::remove(e.pipelines.begin(), e.pipelines.end(), pipeline), e.pipelines.end());
+    if (!e.pipelines.empty()) return absl::OkStatus();
+    const int64_t before = FreeBytes();
+    e.group_offload.reset();
+    e.component->host_weights().OffloadAll();
+    backend_->Synchronize();
+    backend_->ReleaseCachedMemory();
+    Record(e.id, "unregister", e.component->weight_bytes(), before, reason);
+    entries_.erase(it);
+    return absl::OkStatus();
+  }
+  return absl::NotFoundError(absl::StrCat("component '", component.name(), "' of pipeline '", Truncated(pipeline),
+                                          "' is not registered on ", backend_->name()));
+}
+
+std::vector<std::string> PlacementManager::PipelinesOf(const Component& component) const {
+  const Entry* entry = Find(component);
+  return entry == nullptr ? std::vector<std::string>{} : entry->pipelines;
+}
+
+std::optional<ComponentState> PlacementManager::StateOf(const Component& component) const {
+  const Entry* entry = Find(component);
+  if (entry == nullptr) return std::nullopt;
+  return entry->state;
+}
+
+bool PlacementManager::Hosts(const std::string& pipeline) const {
+  return std::any_of(entries_.begin(), entries_.end(), [&](const auto& e) { return Uses(e->pipelines, pipeline); });
+}
+
+const PlacementManager::Entry* PlacementManager::Find(const Component& component) const {
+  for (const auto& entry : entries_) {
+    if (entry->component == &component) return entry.get();
+  }
+  return nullptr;
+}
+
 PlacementManager::Entry* PlacementManager::Find(const Component& component) {
   for (auto& entry : entries_) {
     if (entry->component == &component) return entry.get();

@@ -139,6 +139,16 @@ class PlacementManager : public ComponentRunner {
   // Removes `pipeline` from its components; components no other pipeline uses leave the device and
   // the registry (group offloading removed first). Call when no request of the pipeline runs.
   void Unregister(const std::string& pipeline);
+  // The same for one component of `pipeline` (it moves to another device): recorded as "unregister"
+  // with `reason`. NOT_FOUND when `pipeline` does not use it here.
+  absl::Status UnregisterComponent(const std::string& pipeline, const Component& component,
+                                   const std::string& reason);
+  // The pipelines using `component` here (empty when it is not registered) and its state.
+  std::vector<std::string> PipelinesOf(const Component& component) const;
+  std::optional<ComponentState> StateOf(const Component& component) const;
+  // True when any registered component is used by `pipeline`.
+  bool Hosts(const std::string& pipeline) const;
+  const std::string& request_id() const { return request_id_; }
 
   // ComponentRunner: makes `component` resident, then runs `fn`. Exceptions from `fn` become a
   // status; a device out-of-memory error keeps its IsDeviceOom() mark.
@@ -183,6 +193,7 @@ class PlacementManager : public ComponentRunner {
   // aborts) and applies it.
   static void Transition(Entry& entry, ComponentLifecycle to);
   Entry* Find(const Component& component);
+  const Entry* Find(const Component& component) const;
   absl::StatusOr<Entry*> FindById(const std::string& id) const;
   absl::Status EnableLocked(Entry& entry, const GroupOffloadOptions& options)
      ;

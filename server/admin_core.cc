@@ -245,6 +245,11 @@ absl::StatusOr<v1::GetPlacementLogResponse> AdminCore::GetPlacementLog(
   return response;
 }
 
+absl::StatusOr<v1::MoveComponentResponse> AdminCore::MoveComponent(const v1::MoveComponentRequest& request,
+                                                                   const Interrupt& interrupt) {
+  return devices_->MoveComponent(request, interrupt);
+}
+
 absl::StatusOr<v1::DrainDeviceResponse> AdminCore::DrainDevice(const v1::DrainDeviceRequest& request) {
   return devices_->Drain(request.device(), request.drain());
 }

@@ -37,6 +37,8 @@ class AdminCore {
   absl::StatusOr<v1::GetPlacementLogResponse> GetPlacementLog(const v1::GetPlacementLogRequest& request) const;
   absl::StatusOr<v1::SetBatchingResponse> SetBatching(const v1::SetBatchingRequest& request);
   absl::StatusOr<v1::DrainDeviceResponse> DrainDevice(const v1::DrainDeviceRequest& request);
+  absl::StatusOr<v1::MoveComponentResponse> MoveComponent(const v1::MoveComponentRequest& request,
+                                                          const Interrupt& interrupt);
 
   // Bounds of GetPlacementLogRequest.limit (0 = kDefaultLogLimit).
   static constexpr int kMaxLogLimit = 4096;

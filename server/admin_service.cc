@@ -119,6 +119,12 @@ grpc::Status AdminServiceImpl::DrainDevice(grpc::ServerContext* context, const v
   return Reply(core_.DrainDevice(*request), response);
 }
 
+grpc::Status AdminServiceImpl::MoveComponent(grpc::ServerContext* context, const v1::MoveComponentRequest* request,
+                                             v1::MoveComponentResponse* response) {
+  STOWAGE_AUTHORIZE(context);
+  return Reply(core_.MoveComponent(*request, InterruptFor(context)), response);
+}
+
 grpc::Status AdminServiceImpl::GetPlacementLog(grpc::ServerContext* context,
                                                const v1::GetPlacementLogRequest* request,
                                                v1::GetPlacementLogResponse* response) {

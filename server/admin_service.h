@@ -43,6 +43,8 @@ class AdminServiceImpl final : public v1::AdminService::Service {
                            v1::SetBatchingResponse* response) override;
   grpc::Status DrainDevice(grpc::ServerContext* context, const v1::DrainDeviceRequest* request,
                            v1::DrainDeviceResponse* response) override;
+  grpc::Status MoveComponent(grpc::ServerContext* context, const v1::MoveComponentRequest* request,
+                             v1::MoveComponentResponse* response) override;
   grpc::Status GetPlacementLog(grpc::ServerContext* context,
                                const v1::GetPlacementLogRequest* request,
                                v1::GetPlacementLogResponse* response) override;

@@ -172,6 +172,28 @@ absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& fi
     auto options = ToPipelineGroupOffloadOptions(p.group_offload(), absl::StrCat(field, ".group_offload"));
     if (!options.ok()) return options.status();
   }
+  // Split layout: the shape of each entry here; which devices and components exist is checked
+  // where they are known (DeviceSet, and the load once the pipeline is built).
+  if (p.component_devices_size() > 0 && p.devices_size() > 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ".component_devices: a split pipeline has one home device, but ", field, ".devices names ",
+        p.devices_size(), " (replicas); name at most one device, or load one split pipeline per home device"));
+  }
+  std::set<std::string> split;
+  for (int j = 0; j < p.component_devices_size(); ++j) {
+    const v1::ComponentDevice& c = p.component_devices(j);
+    const std::string entry = absl::StrCat(field, ".component_devices[", j, "]");
+    if (c.component().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, ".component: required (a component name such as \"text_encoder\")"));
+    }
+    if (c.device().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, ".device: required (a device of this server such as \"sim:1\")"));
+    }
+    if (!split.insert(c.component()).second) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, ".component: ", Quoted(c.component()),
+                                                     " is listed twice; each component at most once"));
+    }
+  }
   return FinalizeBatchingConfig(*p.mutable_batching(), absl::StrCat(field, ".batching"));
 }
 

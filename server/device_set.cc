@@ -8,6 +8,7 @@
 #include "base/text.h"
 #include "google/protobuf/util/time_util.h"
 #include "offload/device_backend.h"
+#include "server/config.h"
 
 namespace stowage {
 namespace {
@@ -51,14 +52,19 @@ absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerCon
       }
     }
   }
+  for (int i = 0; i < config.pipelines_size(); ++i) {
+    RETURN_IF_ERROR(CheckSplit(config.pipelines(i), absl::StrCat("pipelines[", i, "]"), names).status());
+  }
   std::unique_ptr<DeviceSet> set(new DeviceSet());
   for (size_t i = 0; i < devices.size(); ++i) {
-    // Each device gets the server's settings, its own device, and the pipelines placed on it.
+    // Each device gets the server's settings, its own device, and the pipelines placed on it (split
+    // pipelines load below, once every device exists).
     v1::ServerConfig own = config;
     own.clear_devices();
     *own.mutable_device() = devices[i];
     own.clear_pipelines();
     for (const v1::PipelineConfig& p : config.pipelines()) {
+      if (!p.component_devices().empty()) continue;
       const std::vector<std::string> targets = Targets(p, names.front());
       if (std::find(targets.begin(), targets.end(), names[i]) != targets.end()) *own.add_pipelines() = p;
     }
@@ -69,7 +75,57 @@ absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerCon
     set->devices_.push_back(std::move(core));
     set->routes_.push_back(std::make_unique<Route>());
   }
+  for (int i = 0; i < config.pipelines_size(); ++i) {
+    const v1::PipelineConfig& p = config.pipelines(i);
+    if (p.component_devices().empty()) continue;
+    ASSIGN_OR_RETURN(const Split split, set->ResolveSplit(p, absl::StrCat("pipelines[", i, "]")));
+    absl::StatusOr<v1::Pipeline> loaded = split.home->LoadPipeline(p, nullptr, split.remote, p.default_());
+    if (!loaded.ok()) {
+      return absl::Status(loaded.status().code(), absl::StrCat("pipelines[", i, "]: ", loaded.status().message()));
+    }
+  }
   return set;
+}
+
+DeviceSet::~DeviceSet() {
+  // Two phases: a split pipeline's home removes its components from its peers through their
+  // workers, so every worker still runs while any device releases its state; then all stop.
+  for (const auto& core : devices_) core->ReleaseDeviceState();
+  for (const auto& core : devices_) core->StopWorker();
+}
+
+absl::StatusOr<std::vector<std::string>> DeviceSet::CheckSplit(const v1::PipelineConfig& p, const std::string& field,
+                                                               const std::vector<std::string>& names) {
+  const std::string home = p.devices().empty() ? names.front() : p.devices(0);
+  std::vector<std::string> peers;
+  for (int j = 0; j < p.component_devices_size(); ++j) {
+    const std::string& device = p.component_devices(j).device();
+    const std::string entry = absl::StrCat(field, ".component_devices[", j, "].device");
+    if (std::find(names.begin(), names.end(), device) == names.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, ": '", Truncated(device),
+                                                     "' is not a device of this server; devices: ",
+                                                     absl::StrJoin(names, ", ")));
+    }
+    if (device == home) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, ": ", device, " is the pipeline's home device (",
+                                                     p.devices().empty() ? "the server's first device" : "its devices",
+                                                     "); list only components that run on another device"));
+    }
+    peers.push_back(device);
+  }
+  return peers;
+}
+
+absl::StatusOr<DeviceSet::Split> DeviceSet::ResolveSplit(const v1::PipelineConfig& p, const std::string& field) const {
+  std::vector<std::string> names;
+  for (const auto& core : devices_) names.push_back(core->device_name());
+  RETURN_IF_ERROR(CheckSplit(p, field, names).status());
+  Split split;
+  ASSIGN_OR_RETURN(split.home, Device(p.devices().empty() ? "" : p.devices(0)));
+  for (const v1::ComponentDevice& c : p.component_devices()) {
+    ASSIGN_OR_RETURN(split.remote[c.component()], Device(c.device()));
+  }
+  return split;
 }
 
 std::string DeviceSet::Resolve(const std::string& requested) const {
@@ -159,6 +215,11 @@ std::string DeviceSet::PipelineLabel(const v1::GenerateRequest& request) const {
 }
 
 absl::StatusOr<v1::Pipeline> DeviceSet::LoadPipeline(const v1::PipelineConfig& config, const Interrupt& interrupt) {
+  if (!config.component_devices().empty() && config.devices_size() > 1) {
+    // FinalizePipelineConfig's message, before any other check.
+    v1::PipelineConfig p = config;
+    RETURN_IF_ERROR(FinalizePipelineConfig(p, "pipeline"));
+  }
   std::vector<std::string> targets = Targets(config, devices_.front()->device_name());
   std::vector<GenerationCore*> cores;
   for (const std::string& target : targets) {
@@ -181,6 +242,20 @@ absl::StatusOr<v1::Pipeline> DeviceSet::LoadPipeline(const v1::PipelineConfig& c
         }
       }
     }
+  }
+  if (!config.component_devices().empty()) {
+    ASSIGN_OR_RETURN(const Split split, ResolveSplit(config, "pipeline"));
+    for (const auto& core : devices_) {
+      for (const PipelineStateView& v : core->PipelineStates()) {
+        if (v.pipeline == config.name()) {
+          return absl::AlreadyExistsError(absl::StrCat("pipeline '", Truncated(config.name()), "' is already on ",
+                                                       core->device_name(), "; unload it first"));
+        }
+      }
+    }
+    ASSIGN_OR_RETURN(v1::Pipeline loaded, split.home->LoadPipeline(config, interrupt, split.remote, false));
+    loaded.add_devices(split.home->device_name());
+    return loaded;
   }
   v1::Pipeline first;
   for (size_t i = 0; i < cores.size(); ++i) {
@@ -221,6 +296,40 @@ absl::StatusOr<v1::Pipeline> DeviceSet::SetBatching(const std::string& pipeline,
   last->clear_devices();
   for (const std::string& d : on) last->add_devices(d);
   return last;
+}
+
+absl::StatusOr<v1::MoveComponentResponse> DeviceSet::MoveComponent(const v1::MoveComponentRequest& request,
+                                                                   const Interrupt& interrupt) {
+  if (request.pipeline().empty()) return absl::InvalidArgumentError("pipeline is required");
+  if (request.component().empty()) {
+    return absl::InvalidArgumentError("component is required (a component name such as \"text_encoder\")");
+  }
+  if (request.device().empty()) return absl::InvalidArgumentError("device is required (for example \"cuda:1\")");
+  ASSIGN_OR_RETURN(GenerationCore * to, Device(request.device()));
+  std::vector<GenerationCore*> homes;
+  std::vector<std::string> home_names;
+  for (const auto& core : devices_) {
+    for (const PipelineStateView& v : core->PipelineStates()) {
+      if (v.pipeline == request.pipeline()) {
+        homes.push_back(core.get());
+        home_names.push_back(core->device_name());
+      }
+    }
+  }
+  if (homes.empty()) {
+    return absl::NotFoundError(absl::StrCat("no pipeline named '", Truncated(request.pipeline()),
+                                            "'; ListPipelines shows them"));
+  }
+  if (homes.size() > 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "pipeline '", request.pipeline(), "' has replicas on ", absl::StrJoin(home_names, ", "),
+        "; components move only in a pipeline with one device (load it with one device to split it)"));
+  }
+  ASSIGN_OR_RETURN(v1::Pipeline pipeline, homes.front()->MoveComponent(request.pipeline(), request.component(), to, interrupt));
+  pipeline.add_devices(homes.front()->device_name());
+  v1::MoveComponentResponse response;
+  *response.mutable_pipeline() = std::move(pipeline);
+  return response;
 }
 
 absl::StatusOr<GenerationCore*> DeviceSet::Device(const std::string& name) const {

@@ -15,6 +15,7 @@
 #ifndef STOWAGE_SERVER_DEVICE_SET_H_
 #define STOWAGE_SERVER_DEVICE_SET_H_
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -36,6 +37,8 @@ class DeviceSet {
   // or the one ServerConfig.device) and loads each pipeline onto its devices; any failure fails
   // Create. INVALID_ARGUMENT when two devices have one name or a pipeline names an unknown device.
   static absl::StatusOr<std::unique_ptr<DeviceSet>> Create(const v1::ServerConfig& config, ServerMetrics* metrics);
+  // Releases every device's state, then stops every worker (see GenerationCore::ReleaseDeviceState).
+  ~DeviceSet();
 
   // Routes to a replica (see above). NOT_FOUND for an unknown pipeline (GenerationCore's message);
   // UNAVAILABLE when every replica's device is draining.
@@ -47,6 +50,10 @@ class DeviceSet {
   // Loads onto `config.devices` (default: the first device), one replica after the other; if one
   // fails, the replicas already loaded are unloaded again and its error returned.
   absl::StatusOr<v1::Pipeline> LoadPipeline(const v1::PipelineConfig& config, const Interrupt& interrupt);
+  // A split pipeline (config.component_devices) loads onto its home device (config.devices' one
+  // entry, or the first device) with each listed component on its device; INVALID_ARGUMENT naming
+  // the entry for an unknown device, the home device, or an unknown component.
+  //
   // Unloads every replica. NOT_FOUND when no device has the pipeline.
   absl::Status UnloadPipeline(const std::string& name, const Interrupt& interrupt);
   // On every replica.
@@ -55,6 +62,12 @@ class DeviceSet {
   // The device named `name` ("" = the first). NOT_FOUND naming the devices there are.
   absl::StatusOr<GenerationCore*> Device(const std::string& name) const;
   const std::vector<std::unique_ptr<GenerationCore>>& devices() const { return devices_; }
+
+  // Admin MoveComponent: moves one component of a one-device (or split) pipeline to `device`, by
+  // the owning workers, between the pipeline's requests (GenerationCore::MoveComponent). A
+  // pipeline with replicas: FAILED_PRECONDITION.
+  absl::StatusOr<v1::MoveComponentResponse> MoveComponent(const v1::MoveComponentRequest& request,
+                                                          const Interrupt& interrupt);
 
   // Marks a device draining (or serving again) and returns every device's status.
   absl::StatusOr<v1::DrainDeviceResponse> Drain(const std::string& device, bool drain);
@@ -65,6 +78,16 @@ class DeviceSet {
 
  private:
   DeviceSet() = default;
+  // A split pipeline's home and the devices of its other components, by component name.
+  struct Split {
+    GenerationCore* home = nullptr;
+    std::map<std::string, GenerationCore*> remote;
+  };
+  // INVALID_ARGUMENT naming `field`.component_devices[j].device for an unknown device or the home;
+  // returns the component devices.
+  static absl::StatusOr<std::vector<std::string>> CheckSplit(const v1::PipelineConfig& p, const std::string& field,
+                                                             const std::vector<std::string>& names);
+  absl::StatusOr<Split> ResolveSplit(const v1::PipelineConfig& p, const std::string& field) const;
   struct Route {
     absl::Mutex mu;
     bool draining ABSL_GUARDED_BY(mu) = false;

@@ -6,8 +6,10 @@
 #include <iostream>
 #include <optional>
 #include <random>
+#include <set>
 
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -62,6 +64,79 @@ absl::Status CheckSize(const char* field, int value, const PipelineLimits& limit
   return absl::OkStatus();
 }
 
+// The ComponentRunner of one run on this device: components of the pipeline that live here run
+// through this device's placement, those of a split pipeline that live on a peer run on the peer's
+// worker (GenerationCore::RunForPeer). Between component runs the worker serves its remote-call
+// lane, so peers waiting on this device are not held up for a whole request.
+class SplitRunner : public ComponentRunner {
+ public:
+  SplitRunner(PlacementManager& local, DeviceWorker& worker, std::map<const Component*, GenerationCore*> remote,
+              std::string request_id, Interrupt interrupt)
+      : local_(local),
+        worker_(worker),
+        remote_(std::move(remote)),
+        request_id_(std::move(request_id)),
+        interrupt_(std::move(interrupt)) {}
+
+  absl::Status Run(Component& component, const std::function<void()>& fn) override {
+    worker_.ServeCalls();
+    auto it = remote_.find(&component);
+    if (it == remote_.end()) return local_.Run(component, fn);
+    return it->second->RunForPeer(component, fn, /*prefetch_only=*/false, request_id_, &worker_, interrupt_,
+                                  &UsageOf(*it->second));
+  }
+  void Prefetch(Component& component) override {
+    auto it = remote_.find(&component);
+    if (it == remote_.end()) return local_.Prefetch(component);
+    // A hint: a peer that cannot take it (stopping) changes nothing.
+    (void)it->second->RunForPeer(component, nullptr, /*prefetch_only=*/true, request_id_, &worker_, interrupt_,
+                                 &UsageOf(*it->second));
+  }
+  c10::Device DeviceOf(const Component& component, const c10::Device& home) const override {
+    auto it = remote_.find(&component);
+    return it == remote_.end() ? home : it->second->torch_device();
+  }
+  // What the run did on each peer, in the order it first used them.
+  const std::vector<v1::DeviceUsage>& peer_usage() const { return usage_; }
+
+ private:
+  v1::DeviceUsage& UsageOf(const GenerationCore& peer) {
+    for (v1::DeviceUsage& u : usage_) {
+      if (u.device() == peer.device_name()) return u;
+    }
+    usage_.emplace_back();
+    usage_.back().set_device(peer.device_name());
+    return usage_.back();
+  }
+
+  PlacementManager& local_;
+  DeviceWorker& worker_;
+  const std::map<const Component*, GenerationCore*> remote_;
+  const std::string request_id_;
+  const Interrupt interrupt_;
+  std::vector<v1::DeviceUsage> usage_;
+};
+
+// Narrows a pipeline's group-offload options to the components on one device (exclusions and
+// overrides naming components elsewhere were checked against the whole pipeline).
+PipelineGroupOffloadOptions NarrowedTo(const PipelineGroupOffloadOptions& options, const std::set<std::string>& here) {
+  PipelineGroupOffloadOptions out;
+  out.defaults = options.defaults;
+  for (const std::string& e : options.exclude) {
+    if (here.count(e) > 0) out.exclude.push_back(e);
+  }
+  for (const auto& entry : options.overrides) {
+    if (here.count(entry.first) > 0) out.overrides.insert(entry);
+  }
+  return out;
+}
+
+std::string ComponentNames(Pipeline& pipeline) {
+  std::vector<std::string> names;
+  for (Component* c : pipeline.components()) names.push_back(c->name());
+  return absl::StrJoin(names, ", ");
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
@@ -71,6 +146,7 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
   if (config.cpu_threads() > 0) at::set_num_threads(config.cpu_threads());
   ASSIGN_OR_RETURN(core->backend_, CreateBackend(config.device()));
   core->device_name_ = core->backend_->name();
+  core->torch_device_ = core->backend_->torch_device();
   core->placement_ = std::make_unique<PlacementManager>(core->backend_.get());
   core->placement_->set_prefetch_next_component(
       !config.device().has_prefetch_next_component() || config.device().prefetch_next_component());
@@ -111,15 +187,234 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
 GenerationCore::~GenerationCore() {
   if (worker_ != nullptr) {
     // Group offloading hooks the pipelines' modules: placement lets go of them, on the worker,
-    // before anything is destroyed.
-    (void)worker_->RunTask(
-        [this] {
-          for (const HostedPipelines::View& view : pipelines_.List()) placement_->Unregister(view.name);
-          return absl::OkStatus();
-        },
-        nullptr);
+    // before anything is destroyed. (A no-op after DeviceSet's two phases stopped the worker.)
+    ReleaseDeviceState();
     worker_.reset();
   }
+}
+
+void GenerationCore::ReleaseDeviceState() {
+  (void)worker_->RunTask(
+      [this] {
+        for (const HostedPipelines::View& view : pipelines_.List()) {
+          for (const auto& entry : RemoteOf(view.name)) {
+            (void)OnPeer(entry.second, [&](GenerationCore& peer) {
+              peer.RemoveGuest(view.name);
+              return absl::OkStatus();
+            });
+          }
+          placement_->Unregister(view.name);
+        }
+        std::vector<std::string> guests;
+        {
+          absl::MutexLock lock(&split_mu_);
+          for (const auto& entry : guests_) guests.push_back(entry.first);
+        }
+        for (const std::string& guest : guests) RemoveGuest(guest);
+        return absl::OkStatus();
+      },
+      nullptr);
+}
+
+void GenerationCore::StopWorker() { worker_->Stop(); }
+
+std::set<GenerationCore*> GenerationCore::PeersOf(const std::string& pipeline) const {
+  std::set<GenerationCore*> peers;
+  for (const auto& entry : RemoteOf(pipeline)) peers.insert(entry.second);
+  return peers;
+}
+
+absl::StatusOr<v1::Pipeline> GenerationCore::MoveComponent(const std::string& name, const std::string& component_name,
+                                                           GenerationCore* to, const Interrupt& interrupt) {
+  std::shared_ptr<Pipeline> pipeline;
+  for (const HostedPipelines::View& view : pipelines_.List()) {
+    if (view.name != name) continue;
+    if (view.state != PipelineState::kReady) {
+      return absl::FailedPreconditionError(absl::StrCat("pipeline '", name, "' is ", PipelineStateName(view.state),
+                                                        "; a component moves only while its pipeline is READY"));
+    }
+    pipeline = view.pipeline;
+  }
+  if (pipeline == nullptr) {
+    return absl::NotFoundError(absl::StrCat("no pipeline named '", Truncated(name), "' on ", device_name_));
+  }
+  Component* component = nullptr;
+  for (Component* c : pipeline->components()) {
+    if (c->name() == component_name) component = c;
+  }
+  if (component == nullptr) {
+    return absl::NotFoundError(absl::StrCat("pipeline '", name, "' has no component '", Truncated(component_name),
+                                            "'; its components: ", ComponentNames(*pipeline)));
+  }
+  v1::Pipeline described;
+  RETURN_IF_ERROR(worker_->RunTask(
+      [&]() -> absl::Status {
+        // Between the pipeline's requests (they run as jobs on this worker): nothing runs it now.
+        if (!pipelines_.StillHosted(name, pipeline.get()) || !IsReady(name)) {
+          return absl::FailedPreconditionError(
+              absl::StrCat("pipeline '", name, "' began unloading; a component moves only while its pipeline is READY"));
+        }
+        std::map<const Component*, GenerationCore*> remote = RemoteOf(name);
+        GenerationCore* from = remote.count(component) > 0 ? remote[component] : this;
+        if (from == to) {
+          return absl::FailedPreconditionError(absl::StrCat("component '", component_name, "' of pipeline '", name,
+                                                            "' is already on ", to->device_name_, "; nothing to move"));
+        }
+        absl::Status checked;
+        RETURN_IF_ERROR(OnPeer(from, [&](GenerationCore& source) -> absl::Status {
+          const std::vector<std::string> users = source.placement_->PipelinesOf(*component);
+          if (users.size() > 1) {
+            return absl::FailedPreconditionError(absl::StrCat(
+                "component '", component_name, "' of pipeline '", name, "' is shared with pipeline(s) ",
+                absl::StrJoin(users, ", "), " on ", source.device_name_,
+                "; a shared component does not move (it would move for every pipeline using it)"));
+          }
+          const std::optional<ComponentState> state = source.placement_->StateOf(*component);
+          if (state == ComponentState::kGroupOffloaded || state == ComponentState::kPartiallyResident) {
+            return absl::FailedPreconditionError(absl::StrCat("component '", component_name, "' of pipeline '", name,
+                                                              "' is group-offloaded on ", source.device_name_,
+                                                              "; disable its group offload first"));
+          }
+          const std::string reason = absl::StrCat("moved to ", to->device_name_, " (admin MoveComponent)");
+          return &source == this ? source.placement_->UnregisterComponent(name, *component, reason)
+                                 : source.RemoveGuestComponent(name, *component, reason);
+        }));
+        const absl::Status added = OnPeer(to, [&](GenerationCore& target) -> absl::Status {
+          if (&target == this) {
+            RETURN_IF_ERROR(target.placement_->Register(name, component));
+          } else {
+            RETURN_IF_ERROR(target.AddGuest(name, pipeline, component, std::nullopt));
+          }
+          target.placement_->MarkReady(name);
+          return absl::OkStatus();
+        });
+        if (!added.ok()) {
+          // Back where it was, so the pipeline still has every component.
+          (void)OnPeer(from, [&](GenerationCore& source) -> absl::Status {
+            if (&source == this) {
+              RETURN_IF_ERROR(source.placement_->Register(name, component));
+            } else {
+              RETURN_IF_ERROR(source.AddGuest(name, pipeline, component, std::nullopt));
+            }
+            source.placement_->MarkReady(name);
+            return absl::OkStatus();
+          });
+          return added;
+        }
+        {
+          absl::MutexLock lock(&split_mu_);
+          std::map<const Component*, GenerationCore*>& map = remote_[name];
+          if (to == this) {
+            map.erase(component);
+          } else {
+            map[component] = to;
+          }
+          if (map.empty()) remote_.erase(name);
+        }
+        for (const HostedPipelines::View& view : pipelines_.List()) {
+          if (view.name == name) described = Describe(view);
+        }
+        return absl::OkStatus();
+      },
+      interrupt));
+  return described;
+}
+
+std::map<const Component*, GenerationCore*> GenerationCore::RemoteOf(const std::string& pipeline) const {
+  absl::MutexLock lock(&split_mu_);
+  auto it = remote_.find(pipeline);
+  return it == remote_.end() ? std::map<const Component*, GenerationCore*>{} : it->second;
+}
+
+absl::Status GenerationCore::OnPeer(GenerationCore* peer, const std::function<absl::Status(GenerationCore&)>& change) {
+  if (peer == this) return change(*this);
+  return peer->worker_->Call(
+      [&]() -> absl::Status {
+        absl::Status status;
+        const absl::Status thrown =
+            CatchAsStatus(absl::StrCat("changing device state of ", peer->device_name_), [&] { status = change(*peer); });
+        return thrown.ok() ? status : thrown;
+      },
+      nullptr, worker_.get());
+}
+
+absl::Status GenerationCore::AddGuest(const std::string& name, std::shared_ptr<Pipeline> pipeline, Component* component,
+                                      const std::optional<PipelineGroupOffloadOptions>& offload) {
+  RETURN_IF_ERROR(placement_->Register(name, component));
+  if (offload.has_value()) {
+    const std::set<std::string> here = {component->name()};
+    PipelineGroupOffloadOptions narrowed = NarrowedTo(*offload, here);
+    if (narrowed.exclude.empty()) {
+      auto it = narrowed.overrides.find(component->name());
+      const absl::Status enabled = placement_->EnableGroupOffload(
+          absl::StrCat(name, "/", component->name()), it != narrowed.overrides.end() ? it->second : narrowed.defaults);
+      if (!enabled.ok()) {
+        (void)placement_->UnregisterComponent(name, *component, "its group offload was refused");
+        return enabled;
+      }
+    }
+  }
+  absl::MutexLock lock(&split_mu_);
+  guests_[name] = std::move(pipeline);
+  return absl::OkStatus();
+}
+
+absl::Status GenerationCore::RemoveGuestComponent(const std::string& name, const Component& component,
+                                                  const std::string& reason) {
+  RETURN_IF_ERROR(placement_->UnregisterComponent(name, component, reason));
+  if (!placement_->Hosts(name)) {
+    absl::MutexLock lock(&split_mu_);
+    guests_.erase(name);
+  }
+  return absl::OkStatus();
+}
+
+void GenerationCore::RemoveGuest(const std::string& name) {
+  placement_->Unregister(name);
+  std::shared_ptr<Pipeline> last;  // Released outside the lock.
+  absl::MutexLock lock(&split_mu_);
+  auto it = guests_.find(name);
+  if (it != guests_.end()) {
+    last = std::move(it->second);
+    guests_.erase(it);
+  }
+}
+
+absl::Status GenerationCore::RunForPeer(Component& component, const std::function<void()>& fn, bool prefetch_only,
+                                        const std::string& request_id, DeviceWorker* caller,
+                                        const Interrupt& interrupt, v1::DeviceUsage* usage) {
+  const at::ThreadLocalState caller_state;  // Inference mode and the rest of the caller's LibTorch state.
+  return worker_->Call(
+      [&]() -> absl::Status {
+        at::ThreadLocalStateGuard state_guard(caller_state);
+        const DeviceMemoryStats before = backend_->GetMemoryStats();
+        // This device's own request (if one is running) keeps the peak it reached so far.
+        peak_floor_allocated_ = std::max(peak_floor_allocated_, before.peak_allocated_bytes);
+        peak_floor_reserved_ = std::max(peak_floor_reserved_, before.peak_process_bytes());
+        backend_->ResetPeakStats();
+        const std::string own_request = placement_->request_id();
+        placement_->SetRequestId(request_id);
+        absl::Status status;
+        const absl::Status thrown = CatchAsStatus(absl::StrCat("running ", component.name(), " on ", device_name_), [&] {
+          if (prefetch_only) {
+            placement_->Prefetch(component);
+          } else {
+            status = placement_->Run(component, fn);
+            // Its outputs are complete before the home device reads them.
+            backend_->Synchronize();
+          }
+        });
+        placement_->SetRequestId(own_request);
+        const DeviceMemoryStats after = backend_->GetMemoryStats();
+        usage->set_peak_device_memory_bytes(std::max(usage->peak_device_memory_bytes(), after.peak_allocated_bytes));
+        usage->set_peak_device_reserved_bytes(std::max(usage->peak_device_reserved_bytes(), after.peak_process_bytes()));
+        usage->set_host_to_device_bytes(usage->host_to_device_bytes() + after.host_to_device_bytes -
+                                        before.host_to_device_bytes);
+        usage->set_device_to_host_bytes(usage->device_to_host_bytes() + after.device_to_host_bytes -
+                                        before.device_to_host_bytes);
+        return thrown.ok() ? status : thrown;
+      },
+      interrupt, caller);
 }
 
 void GenerationCore::Publish() {
@@ -178,7 +473,8 @@ absl::StatusOr<std::unique_ptr<Pipeline>> GenerationCore::Build(const v1::Pipeli
   options.device = backend_->torch_device();  // Immutable: read, never changed.
   options.random_weights = p.random_weights();
   options.default_size = p.default_size();
-  options.cache = &component_cache_;
+  // A split pipeline's components are its own: a shared one would be registered on two devices.
+  options.cache = p.component_devices().empty() ? &component_cache_ : nullptr;
   const PipelineRegistry& registry = DefaultPipelineRegistry();
   absl::StatusOr<std::unique_ptr<Pipeline>> pipeline = absl::InternalError("not built");
   // Loaders report problems as statuses; anything a hostile file still makes LibTorch throw is
@@ -197,8 +493,24 @@ absl::StatusOr<v1::Pipeline> GenerationCore::LoadPipeline(const v1::PipelineConf
   return Load(p, /*make_default=*/false, interrupt);
 }
 
+absl::StatusOr<v1::Pipeline> GenerationCore::LoadPipeline(const v1::PipelineConfig& config, const Interrupt& interrupt,
+                                                          const std::map<std::string, GenerationCore*>& remote,
+                                                          bool make_default) {
+  v1::PipelineConfig p = config;
+  RETURN_IF_ERROR(FinalizePipelineConfig(p, "pipeline"));
+  for (const auto& entry : remote) {
+    if (entry.second == this || entry.second == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("pipeline.component_devices: '", Truncated(entry.first),
+                                                     "' names the pipeline's home device ", device_name_,
+                                                     "; list only components that run on another device"));
+    }
+  }
+  return Load(p, make_default, interrupt, remote);
+}
+
 absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, bool make_default,
-                                                  const Interrupt& interrupt) {
+                                                  const Interrupt& interrupt,
+                                                  const std::map<std::string, GenerationCore*>& remote_names) {
   std::optional<PipelineGroupOffloadOptions> offload;
   if (p.group_offload().enabled()) {
     ASSIGN_OR_RETURN(offload, ToPipelineGroupOffloadOptions(p.group_offload(), "pipeline.group_offload"));
@@ -211,26 +523,92 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
     return built.status();
   }
   std::shared_ptr<Pipeline> pipeline = *std::move(built);
+  // Split layout: which components run on which peer.
+  std::map<const Component*, GenerationCore*> remote;
+  std::set<std::string> all_names, local_names;
+  for (Component* component : pipeline->components()) all_names.insert(component->name());
+  for (const auto& entry : remote_names) {
+    Component* found = nullptr;
+    for (Component* component : pipeline->components()) {
+      if (component->name() == entry.first) found = component;
+    }
+    if (found == nullptr) {
+      pipelines_.AbandonLoad(name);
+      return absl::InvalidArgumentError(absl::StrCat("pipeline.component_devices: '", Truncated(entry.first),
+                                                     "' is not a component of pipeline '", name,
+                                                     "'; its components: ", ComponentNames(*pipeline)));
+    }
+    remote[found] = entry.second;
+  }
+  for (Component* component : pipeline->components()) {
+    if (remote.count(component) == 0) local_names.insert(component->name());
+  }
+  if (offload.has_value()) {
+    // Checked against the whole pipeline: each device then gets the part about its components.
+    for (const std::string& e : offload->exclude) {
+      if (all_names.count(e) == 0) {
+        pipelines_.AbandonLoad(name);
+        return absl::InvalidArgumentError(absl::StrCat("pipeline.group_offload.exclude: pipeline '", name,
+                                                       "' has no component '", Truncated(e), "'"));
+      }
+    }
+    for (const auto& o : offload->overrides) {
+      if (all_names.count(o.first) == 0) {
+        pipelines_.AbandonLoad(name);
+        return absl::InvalidArgumentError(absl::StrCat("pipeline.group_offload.overrides: pipeline '", name,
+                                                       "' has no component '", Truncated(o.first), "'"));
+      }
+    }
+  }
   bool ran = false;  // Written on the worker; read after RunTask returned (synchronised by it).
   v1::Pipeline described;
   const absl::Status status = ChangeDevice(
       [&](PlacementManager& placement) -> absl::Status {
         ran = true;
         absl::Status registered;
+        std::set<GenerationCore*> peers_used;
         for (Component* component : pipeline->components()) {
-          registered = placement.Register(name, component);
+          auto it = remote.find(component);
+          if (it == remote.end()) {
+            registered = placement.Register(name, component);
+          } else {
+            peers_used.insert(it->second);
+            registered = OnPeer(it->second, [&](GenerationCore& peer) {
+              return peer.AddGuest(name, pipeline, component, offload);
+            });
+          }
           if (!registered.ok()) break;
         }
-        if (registered.ok() && offload.has_value()) {
-          registered = placement.EnablePipelineGroupOffload(name, *offload);
+        if (registered.ok() && offload.has_value() && !local_names.empty()) {
+          registered = placement.EnablePipelineGroupOffload(name, NarrowedTo(*offload, local_names));
         }
         if (!registered.ok()) {
           placement.Unregister(name);  // All or nothing.
+          for (GenerationCore* peer : peers_used) {
+            (void)OnPeer(peer, [&](GenerationCore& other) {
+              other.RemoveGuest(name);
+              return absl::OkStatus();
+            });
+          }
           return registered;
+        }
+        {
+          absl::MutexLock lock(&split_mu_);
+          if (remote.empty()) {
+            remote_.erase(name);
+          } else {
+            remote_[name] = remote;
+          }
         }
         const bool warmup = p.has_warmup() ? p.warmup() : backend_->torch_device().is_cuda();
         if (warmup) WarmUp(*pipeline, interrupt);
         placement.MarkReady(name);
+        for (GenerationCore* peer : peers_used) {
+          (void)OnPeer(peer, [&](GenerationCore& other) {
+            other.placement_->MarkReady(name);
+            return absl::OkStatus();
+          });
+        }
         {
           absl::MutexLock lock(&batching_mu_);
           batching_[name] = p.batching();
@@ -264,12 +642,13 @@ void GenerationCore::WarmUp(Pipeline& pipeline, const Interrupt& interrupt) {
   params.steps = std::min(2, pipeline.limits().max_steps);
   params.guidance_scale = pipeline.limits().default_guidance_scale;
   params.seed = 0;
-  placement_->SetRequestId(absl::StrCat("warmup-", pipeline.name()));
+  const std::string request_id = absl::StrCat("warmup-", pipeline.name());
+  placement_->SetRequestId(request_id);
   RunContext context(interrupt, nullptr);
   const absl::Time start = absl::Now();
   absl::StatusOr<Image> image = absl::InternalError("warm-up did not run");
-  const absl::Status thrown =
-      CatchAsStatus("warm-up", [&] { image = pipeline.Run(params, *placement_, context); });
+  SplitRunner runner(*placement_, *worker_, RemoteOf(pipeline.name()), request_id, interrupt);
+  const absl::Status thrown = CatchAsStatus("warm-up", [&] { image = pipeline.Run(params, runner, context); });
   backend_->Synchronize();
   const absl::Status status = thrown.ok() ? image.status() : thrown;
   if (status.ok()) {
@@ -289,6 +668,12 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
   absl::Status status = ChangeDevice(
       [&](PlacementManager& placement) {
         placement.MarkUnloading(name);
+        for (GenerationCore* peer : PeersOf(name)) {
+          (void)OnPeer(peer, [&](GenerationCore& other) {
+            other.placement_->MarkUnloading(name);
+            return absl::OkStatus();
+          });
+        }
         return absl::OkStatus();
       },
       interrupt);
@@ -297,6 +682,18 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
     status = worker_->RunTask(
         [&] {
           removed = true;
+          // No request of the pipeline runs now (they ran before this task): its components on
+          // peers go too, each by its own worker.
+          for (GenerationCore* peer : PeersOf(name)) {
+            (void)OnPeer(peer, [&](GenerationCore& other) {
+              other.RemoveGuest(name);
+              return absl::OkStatus();
+            });
+          }
+          {
+            absl::MutexLock lock(&split_mu_);
+            remote_.erase(name);
+          }
           placement_->Unregister(name);
           {
             absl::MutexLock lock(&batching_mu_);
@@ -314,6 +711,12 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
     (void)ChangeDevice(
         [&](PlacementManager& placement) {
           placement.AbandonUnloading(name);
+          for (GenerationCore* peer : PeersOf(name)) {
+            (void)OnPeer(peer, [&](GenerationCore& other) {
+              other.placement_->AbandonUnloading(name);
+              return absl::OkStatus();
+            });
+          }
           return absl::OkStatus();
         },
         nullptr);
@@ -522,6 +925,8 @@ void GenerationCore::RunOnWorker(const std::vector<PendingRequest*>& requests, b
   placement_->SetRequestId(batch_size == 1 ? ids.front()
                                            : absl::StrCat("batch(", absl::StrJoin(ids, ","), ")"));
   backend_->ResetPeakStats();
+  peak_floor_allocated_ = 0;
+  peak_floor_reserved_ = 0;
   // Peak RSS falls back to the lifetime peak where clear_refs is not writable (still an upper
   // bound, never an under-report).
   (void)ResetPeakRss();
@@ -547,13 +952,25 @@ void GenerationCore::RunOnWorker(const std::vector<PendingRequest*>& requests, b
     members.push_back(BatchMember{&r->params, contexts.back().get()});
   }
 
+  // A remote call of a split pipeline waits for its caller while any member still waits.
+  Interrupt all_gone = [&running]() -> absl::Status {
+    absl::Status last = absl::OkStatus();
+    for (PendingRequest* r : running) {
+      if (!r->control->interrupt) return absl::OkStatus();
+      last = r->control->interrupt();
+      if (last.ok()) return last;
+    }
+    return last;
+  };
+  SplitRunner runner(*placement_, *worker_, RemoteOf(pipeline.name()),
+                     batch_size == 1 ? ids.front() : absl::StrCat("batch(", absl::StrJoin(ids, ","), ")"), all_gone);
   std::vector<absl::StatusOr<Image>> images;
   absl::Status files = pipeline.CheckSourceFiles();
   if (files.ok()) {
     // Work a pipeline does outside its components' runs (noise, the scheduler step, the image's
     // quantisation on the device) may throw too, e.g. a device out of memory: every member gets it.
     const absl::Status thrown = CatchAsStatus(absl::StrCat("running pipeline '", pipeline.name(), "'"),
-                                              [&] { images = pipeline.RunBatch(members, *placement_); });
+                                              [&] { images = pipeline.RunBatch(members, runner); });
     if (!thrown.ok()) images.assign(running.size(), thrown);
     files = pipeline.CheckSourceFiles();  // Changed during the run: discard it.
   }
@@ -589,14 +1006,21 @@ void GenerationCore::RunOnWorker(const std::vector<PendingRequest*>& requests, b
       *timing->mutable_duration() = ToProto(stage.duration);
       timing->set_shared(stage.shared);
     }
-    stats->set_peak_device_memory_bytes(after.peak_allocated_bytes);
-    stats->set_peak_device_reserved_bytes(after.peak_process_bytes());
+    stats->set_peak_device_memory_bytes(std::max(after.peak_allocated_bytes, peak_floor_allocated_));
+    stats->set_peak_device_reserved_bytes(std::max(after.peak_process_bytes(), peak_floor_reserved_));
     if (memory.ok()) stats->set_peak_cpu_rss_bytes(memory->peak_rss_bytes);
     stats->set_host_to_device_bytes(after.host_to_device_bytes - before.host_to_device_bytes);
     stats->set_device_to_host_bytes(after.device_to_host_bytes - before.device_to_host_bytes);
     stats->set_device(backend_->name());
     stats->set_batch_size(batch_size);
     *stats->mutable_batch_wait() = ToProto(r.batch_wait);
+    v1::DeviceUsage* home = stats->add_devices();
+    home->set_device(backend_->name());
+    home->set_peak_device_memory_bytes(stats->peak_device_memory_bytes());
+    home->set_peak_device_reserved_bytes(stats->peak_device_reserved_bytes());
+    home->set_host_to_device_bytes(stats->host_to_device_bytes());
+    home->set_device_to_host_bytes(stats->device_to_host_bytes());
+    for (const v1::DeviceUsage& peer : runner.peer_usage()) *stats->add_devices() = peer;
     r.result = std::move(response);
     r.image = *std::move(images[i]);
   }
@@ -639,8 +1063,11 @@ v1::Pipeline GenerationCore::Describe(const HostedPipelines::View& view) const {
   out.set_max_batch_size(batching.max_batch_size());
   out.set_max_queue_delay_ms(batching.max_queue_delay_ms());
   // Names, sizes and dtypes are fixed when a component is built: reading them is no device access.
+  const std::map<const Component*, GenerationCore*> remote = RemoteOf(view.name);
   for (Component* component : view.pipeline->components()) {
     v1::PipelineComponent* c = out.add_components();
+    auto it = remote.find(component);
+    c->set_device(it == remote.end() ? device_name_ : it->second->device_name());
     c->set_name(component->name());
     c->set_kind(component->kind());
     c->set_weight_bytes(component->weight_bytes());

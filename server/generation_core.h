@@ -11,6 +11,16 @@
 // its own deadline. Readers on other threads (admin views, the metrics scrape) use
 // placement_snapshot(), published by the worker after every job and task.
 //
+// Split layout (PipelineConfig.component_devices): a pipeline homed here may run some components
+// on other devices of the server (peers, other GenerationCores). Those components are registered
+// with the peer's placement and every run of them executes on the peer's worker through its
+// remote-call lane (DeviceWorker::Call), from this device's worker during the request's job; the
+// pipeline moves tensors between the devices (ComponentRunner::DeviceOf). Registry changes for a
+// split pipeline (load, unload, MoveComponent) are tasks on the home worker that make calls to the
+// peers, so they land between the pipeline's requests. Peers must outlive the split pipelines that
+// name them (DeviceSet owns all devices and releases them in two phases: ReleaseDeviceState on
+// every device, then StopWorker).
+//
 // Thread-safety: every public method may be called from any thread except the worker's.
 #ifndef STOWAGE_SERVER_GENERATION_CORE_H_
 #define STOWAGE_SERVER_GENERATION_CORE_H_
@@ -18,6 +28,8 @@
 #include <atomic>
 #include <functional>
 #include <map>
+#include <optional>
+#include <set>
 #include <memory>
 #include <string>
 #include <vector>
@@ -71,6 +83,38 @@ class GenerationCore {
   // registration, nothing remains; a load that fails after it started leaves the name FAILED (with
   // the error) until it is loaded again or unloaded.
   absl::StatusOr<v1::Pipeline> LoadPipeline(const v1::PipelineConfig& config, const Interrupt& interrupt);
+  // The same for a split pipeline homed here: `remote` maps component names to the peer devices
+  // that run them (DeviceSet resolves config.component_devices; none may be this device).
+  // INVALID_ARGUMENT naming pipeline.component_devices when a name is not one of its components.
+  absl::StatusOr<v1::Pipeline> LoadPipeline(const v1::PipelineConfig& config, const Interrupt& interrupt,
+                                            const std::map<std::string, GenerationCore*>& remote,
+                                            bool make_default);
+
+  // Moves `component` of the READY pipeline `pipeline` (homed here) to `to` (this device or a
+  // peer): a task on this worker, between the pipeline's requests, that unregisters it where it is
+  // and registers it on `to`, each by the owning worker. NOT_FOUND for an unknown component;
+  // FAILED_PRECONDITION when the pipeline is not READY, the component is already on `to`, is
+  // shared with another pipeline, or is group-offloaded. Returns the pipeline's description.
+  absl::StatusOr<v1::Pipeline> MoveComponent(const std::string& pipeline, const std::string& component,
+                                             GenerationCore* to, const Interrupt& interrupt);
+
+  // Runs `fn` — one run (or, with `prefetch_only`, the Prefetch hint) of `component`, a component of
+  // a split pipeline homed on another device — on this device's worker, through its remote-call
+  // lane, with the calling thread's LibTorch thread-local state (inference mode). `caller` is the
+  // home device's worker, which serves its own lane while it waits. Placement decisions are
+  // recorded under `request_id`. Adds this device's peak and copied bytes during the run to
+  // `usage`. UNAVAILABLE when this device is stopping; `interrupt`'s status when the caller went
+  // before the run started.
+  absl::Status RunForPeer(Component& component, const std::function<void()>& fn, bool prefetch_only,
+                          const std::string& request_id, DeviceWorker* caller, const Interrupt& interrupt,
+                          v1::DeviceUsage* usage);
+
+  // Shutdown in two phases (DeviceSet's destructor): removes every pipeline's components, and other
+  // devices' split components hosted here, from placement (a task; split pipelines homed here call
+  // their peers, which must still run); then StopWorker stops the worker (remote calls still
+  // waiting for it fail with UNAVAILABLE).
+  void ReleaseDeviceState();
+  void StopWorker();
   // Stops accepting requests for `name`; requests already accepted run first, then the worker
   // removes its components. If `interrupt` fires before that, the pipeline is READY again.
   absl::Status UnloadPipeline(const std::string& name, const Interrupt& interrupt);
@@ -95,6 +139,7 @@ class GenerationCore {
   // The default pipeline's name when it is READY, else "".
   std::string ReadyDefault() const;
   const std::string& device_name() const { return device_name_; }
+  c10::Device torch_device() const { return torch_device_; }
   // Requests accepted by Generate and not yet returned (queued or running); for routing.
   int in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
 
@@ -116,7 +161,22 @@ class GenerationCore {
   GenerationCore() = default;
   absl::StatusOr<std::unique_ptr<Pipeline>> Build(const v1::PipelineConfig& config);
   absl::StatusOr<v1::Pipeline> Load(const v1::PipelineConfig& config, bool make_default,
-                                    const Interrupt& interrupt);
+                                    const Interrupt& interrupt,
+                                    const std::map<std::string, GenerationCore*>& remote = {});
+  // Components of a hosted pipeline that run on peers, and the peers (worker only, or under split_mu_).
+  std::map<const Component*, GenerationCore*> RemoteOf(const std::string& pipeline) const;
+  // The distinct peers of RemoteOf(pipeline).
+  std::set<GenerationCore*> PeersOf(const std::string& pipeline) const;
+  // Worker only: runs `change` on `peer`'s worker (a remote call from this worker; `change` must
+  // not call again). Changes on this device itself run in place.
+  absl::Status OnPeer(GenerationCore* peer, const std::function<absl::Status(GenerationCore&)>& change);
+  // Peer side (worker only): registers a component of another device's split pipeline here, keeps
+  // the pipeline alive while it is, and group-offloads it when `offload` says so.
+  absl::Status AddGuest(const std::string& name, std::shared_ptr<Pipeline> pipeline, Component* component,
+                        const std::optional<PipelineGroupOffloadOptions>& offload);
+  // Peer side (worker only): removes one guest component, or all of `name`.
+  absl::Status RemoveGuestComponent(const std::string& name, const Component& component, const std::string& reason);
+  void RemoveGuest(const std::string& name);
   v1::Pipeline Describe(const HostedPipelines::View& view) const;
   absl::StatusOr<GenerationParams> Validate(const v1::GenerateRequest& request,
                                             const Pipeline& pipeline) const;
@@ -134,9 +194,21 @@ class GenerationCore {
   std::string device_name_;
   // Device state, worker only. The backend outlives everything that may hold device memory.
   std::unique_ptr<DeviceBackend> backend_;
+  c10::Device torch_device_ = c10::Device(c10::kCPU);  // The backend's; immutable after Create.
   // Components loaded from model directories, shared between pipelines that name the same ones.
   ComponentCache component_cache_;
   HostedPipelines pipelines_;
+  // Split layout. remote_: pipelines homed here → their components on peers (changed on the worker
+  // only; read by other threads for descriptions). guests_: pipelines homed on peers whose
+  // components this device hosts, kept alive while it does. Declared before placement_: destroyed
+  // after it.
+  mutable absl::Mutex split_mu_;
+  std::map<std::string, std::map<const Component*, GenerationCore*>> remote_ ABSL_GUARDED_BY(split_mu_);
+  std::map<std::string, std::shared_ptr<Pipeline>> guests_ ABSL_GUARDED_BY(split_mu_);
+  // Worker only: the device peaks a remote call reset during the current request (RunForPeer resets
+  // the peak to measure its own run), so the request still reports its whole peak.
+  int64_t peak_floor_allocated_ = 0;
+  int64_t peak_floor_reserved_ = 0;
   // Worker only. Declared after the pipelines: destroyed before them, since group offloading
   // hooks their modules.
   std::unique_ptr<PlacementManager> placement_;

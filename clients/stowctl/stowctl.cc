@@ -62,7 +62,9 @@ ABSL_FLAG(std::string, token, "",
 ABSL_FLAG(std::string, strategy, "",
           "set-strategy: an OffloadStrategy in protobuf text format, e.g. 'custom: \"lru\"' or "
           "'workflow { rules { after { component: \"text_encoder\" offload: \"text_encoder\" } } }'.");
-ABSL_FLAG(std::string, component, "", "enable/disable-group-offload: component id '<pipeline>/<name>'.");
+ABSL_FLAG(std::string, component, "",
+          "enable/disable-group-offload: component id '<pipeline>/<name>'. move-component: the component's "
+          "name within --pipeline (e.g. text_encoder).");
 ABSL_FLAG(std::string, options, "",
           "enable-group-offload: GroupOffloadConfig in text format, e.g. 'use_stream: true offload_type: LEAF_LEVEL'.");
 ABSL_FLAG(std::string, name, "", "load-pipeline / unload-pipeline: pipeline name.");
@@ -90,7 +92,8 @@ int Usage(const std::string& message) {
             << "usage: stowctl [--target=HOST:PORT] [--timeout=S] [--tls [--ca_cert=F] [--server_name=N]] "
                "generate|stream|pipelines|health|ready [flags]\n"
             << "       stowctl --token=T placement|set-strategy|enable-group-offload|"
-               "disable-group-offload|load-pipeline|unload-pipeline|placement-log|set-batching|drain-device|resume-device [flags]\n"
+               "disable-group-offload|load-pipeline|unload-pipeline|placement-log|set-batching|drain-device|resume-device|"
+               "move-component [flags]\n"
             << "run 'stowctl --help' for the flags\n";
   return kUsageError;
 }
@@ -431,6 +434,14 @@ int Admin(const std::string& command, AdminService::Stub& stub) {
     return AdminCall<DrainDeviceRequest, DrainDeviceResponse>(
         request, [&](auto* c, const auto& q, auto* r) { return stub.DrainDevice(c, q, r); });
   }
+  if (command == "move-component") {
+    MoveComponentRequest request;
+    request.set_pipeline(absl::GetFlag(FLAGS_pipeline));
+    request.set_component(absl::GetFlag(FLAGS_component));
+    request.set_device(absl::GetFlag(FLAGS_device));
+    return AdminCall<MoveComponentRequest, MoveComponentResponse>(
+        request, [&](auto* c, const auto& q, auto* r) { return stub.MoveComponent(c, q, r); });
+  }
   if (command == "set-batching") {
     SetBatchingRequest request;
     request.set_pipeline(absl::GetFlag(FLAGS_pipeline));
@@ -469,7 +480,8 @@ int main(int argc, char** argv) {
       "placement | set-strategy --strategy=TEXT | enable-group-offload --component=ID|--pipeline=P "
       "[--options=TEXT] | disable-group-offload ... | load-pipeline --name=N | unload-pipeline "
       "--name=N | placement-log [--limit=N] | set-batching --pipeline=P --max_batch_size=N "
-      "[--max_queue_delay_ms=MS] | drain-device --device=D | resume-device --device=D; admin commands take "
+      "[--max_queue_delay_ms=MS] | drain-device --device=D | resume-device --device=D | move-component "
+      "--pipeline=P --component=NAME --device=D; admin commands take "
       "--device=D on a server with several devices");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) return Usage("expected exactly one command");

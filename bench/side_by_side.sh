@@ -14,6 +14,11 @@ bench=$1 dir=$2 out=$3 machine=$4 arch=${5:-zimage}
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 py=${PYTHON:-python3}
 mkdir -p "$out"
+want_class=$([ "$arch" = flux ] && echo FluxTransformer2DModel || echo ZImageTransformer2DModel)
+if [ -f "$dir/transformer/config.json" ] && ! grep -q "\"$want_class\"" "$dir/transformer/config.json"; then
+  echo "$dir/transformer is not a $want_class: exporting again"
+  rm -rf "$dir/transformer"
+fi
 if [ ! -f "$dir/transformer/config.json" ]; then
   "$py" "$here/diffusers_offload_bench.py" export "$dir" --arch "$arch" || exit 1
 fi

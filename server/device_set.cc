@@ -52,14 +52,17 @@ absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerCon
       }
     }
   }
+  bool split_any = false;
   for (int i = 0; i < config.pipelines_size(); ++i) {
     RETURN_IF_ERROR(CheckSplit(config.pipelines(i), absl::StrCat("pipelines[", i, "]"), names).status());
+    split_any = split_any || !config.pipelines(i).component_devices().empty();
   }
   std::unique_ptr<DeviceSet> set(new DeviceSet());
   for (size_t i = 0; i < devices.size(); ++i) {
     // Each device gets the server's settings, its own device, and the pipelines placed on it (split
     // pipelines load below, once every device exists).
     v1::ServerConfig own = config;
+    if (split_any) own.clear_strategy();  // Set below, once split components are registered too.
     own.clear_devices();
     *own.mutable_device() = devices[i];
     own.clear_pipelines();
@@ -83,6 +86,13 @@ absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerCon
     if (!loaded.ok()) {
       return absl::Status(loaded.status().code(), absl::StrCat("pipelines[", i, "]: ", loaded.status().message()));
     }
+  }
+  if (split_any && config.has_strategy()) {
+    std::vector<std::string> known;
+    for (const auto& core : set->devices_) {
+      for (const ComponentView& v : core->placement_snapshot()->components) known.push_back(v.name);
+    }
+    for (const auto& core : set->devices_) RETURN_IF_ERROR(core->ApplyStrategy(config.strategy(), known));
   }
   return set;
 }

@@ -167,21 +167,25 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
     absl::StatusOr<v1::Pipeline> loaded = core->Load(p, p.default_(), nullptr);
     if (!loaded.ok()) return loaded.status();
   }
-  if (config.has_strategy()) {
-    RETURN_IF_ERROR(core->ChangeDevice(
-        [&](PlacementManager& placement) -> absl::Status {
-          std::vector<std::string> names;
-          for (const ComponentView& v : placement.Snapshot()) names.push_back(v.name);
-          ASSIGN_OR_RETURN(std::unique_ptr<OffloadStrategy> strategy, ToOffloadStrategy(config.strategy(), names));
-          placement.SetStrategy(std::move(strategy));
-          return absl::OkStatus();
-        },
-        nullptr));
-  }
-  for (const std::string& warning : core->placement_snapshot()->warnings) {
+  if (config.has_strategy()) RETURN_IF_ERROR(core->ApplyStrategy(config.strategy()));
+  return core;
+}
+
+absl::Status GenerationCore::ApplyStrategy(const v1::OffloadStrategy& config,
+                                           const std::vector<std::string>& also_known) {
+  RETURN_IF_ERROR(ChangeDevice(
+      [&](PlacementManager& placement) -> absl::Status {
+        std::vector<std::string> names = also_known;
+        for (const ComponentView& v : placement.Snapshot()) names.push_back(v.name);
+        ASSIGN_OR_RETURN(std::unique_ptr<OffloadStrategy> strategy, ToOffloadStrategy(config, names));
+        placement.SetStrategy(std::move(strategy));
+        return absl::OkStatus();
+      },
+      nullptr));
+  for (const std::string& warning : placement_snapshot()->warnings) {
     std::cerr << "stowage_server: warning: " << warning << std::endl;
   }
-  return core;
+  return absl::OkStatus();
 }
 
 GenerationCore::~GenerationCore() {

@@ -123,6 +123,13 @@ class GenerationCore {
   // afterwards batch under it. NOT_FOUND for a pipeline that is not READY.
   absl::StatusOr<v1::Pipeline> SetBatching(const std::string& pipeline, const v1::BatchingConfig& batching);
 
+  // Sets the server config's strategy (validated against the component names registered here),
+  // printing its warnings. Create does it, after the pipelines loaded, unless DeviceSet does it
+  // later (once split pipelines have registered their components on every device). `also_known`:
+  // component names on the server's other devices, which rules may name too (one strategy config
+  // serves every device; a split pipeline has some of its components on each).
+  absl::Status ApplyStrategy(const v1::OffloadStrategy& strategy, const std::vector<std::string>& also_known = {});
+
   // Runs `change` on the device's worker between requests and returns its status (exceptions
   // become INTERNAL). If `interrupt` fires before it started, it never runs.
   absl::Status ChangeDevice(const std::function<absl::Status(PlacementManager&)>& change,

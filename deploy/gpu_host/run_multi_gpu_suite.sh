@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Device calls for the multi-GPU benchmark (issue 13) on a host with two GPUs (the two-GPU kind).
+# Builds with CMake when the build is missing or stale (deploy/gpu_host/build_and_serve.sh, tests
+# skipped), writes Z-Image's full-shape configs to /tmp/zimage-full (bench/make_zimage_random_dir.py
+# --size full; weights are drawn at load, random_weights: true), checks that two CUDA devices are
+# visible, then runs bench/multi_gpu.sh at 1024x1024, 8 steps, bf16, closed-loop clients:
+# one device, two replicas, and the split layout (text encoder on cuda:1) -> $OUT/multi_gpu.jsonl
+#   {"bench":"multi_gpu","gpus":1|2,"layout":"replicas"|"split",..,"images_per_s":..,"p50_s":..,
+#    "peak_device_bytes":[..],"machine":..}
+# Targets (issue 13): two replicas >= 1.9x the images/s of one; the split layout's larger device
+# peak below the one-device peak. Carry .deb (deploy/gpu_host/fetch_debs.sh):
+#   OUT=... deploy/gpu_host/run_multi_gpu_suite.sh
+# Environment: CONCURRENCY (default 1,2,4), REQUESTS per row (16), LAYOUTS ("single replicas
+# split"), SPLIT (components on cuda:1, default text_encoder), MULTI_GPU_TIMEOUT (seconds, 900).
+set -uo pipefail
+repo_root="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.." && pwd)"
+cd "$repo_root"
+OUT="${OUT:-$repo_root/gpu_out}"
+mkdir -p "$OUT"
+start=$(date +%s)
+stamp() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$OUT/summary.txt"; }
+build="$repo_root/build/gpu"
+
+gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
+if [ "$gpus" -lt 2 ]; then
+  stamp "this host shows $gpus GPU(s); the multi-GPU benchmark needs two (ask for the two-GPU kind)"
+  exit 2
+fi
+
+stamp "build"
+logs="$(mktemp -d /tmp/stowage-mg-logs.XXXXXX)"
+STOWAGE_SKIP_TESTS=1 STOWAGE_THREAD_STACK_SHIM=never OUT="$logs" \
+  timeout "${BUILD_TIMEOUT:-300}" deploy/gpu_host/build_and_serve.sh >"$logs/build.txt" 2>&1
+stamp "build exit $?"
+tail -5 "$logs/summary.txt" >>"$OUT/summary.txt" 2>/dev/null
+export LD_LIBRARY_PATH="/tmp/stowage-deps/usr/lib/x86_64-linux-gnu:$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))'):${LD_LIBRARY_PATH:-}"
+export PYTHONUNBUFFERED=1
+machine="$gpus x $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(nproc) cores, commit ${STOWAGE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+if [ ! -x "$build/bench/multi_gpu_bench" ]; then
+  stamp "no $build/bench/multi_gpu_bench: the build failed ($logs/build.txt)"
+  tail -30 "$logs/build.txt" >>"$OUT/summary.txt"
+  exit 1
+fi
+
+python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
+stamp "multi_gpu"
+timeout "${MULTI_GPU_TIMEOUT:-900}" bash bench/multi_gpu.sh "$build/server/stowage_server" \
+  "$build/bench/multi_gpu_bench" /tmp/zimage-full "$OUT/multi_gpu.jsonl" 1024 8 "$machine" bfloat16 \
+  "${CONCURRENCY:-1,2,4}" "${REQUESTS:-16}" cuda >"$OUT/multi_gpu.txt" 2>&1
+stamp "multi_gpu exit $?"
+cat "$OUT/multi_gpu.txt" >>"$OUT/summary.txt"
+cat "$OUT/summary.txt"

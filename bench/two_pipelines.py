@@ -206,7 +206,7 @@ def main_stowage():
     finally:
         server.stop()
     resident_mean = {k: statistics.mean(r[0] for r in v) for k, v in resident.items()}
-    rows = [row("resident", k, v, resident_mean, 0) for k, v in resident.items()]
+    rows = emit([row("resident", k, v, resident_mean, 0) for k, v in resident.items()])
     print(f"== budgeted server ({ARGS.budget_gib} GiB)", flush=True)
     server = Server(ARGS.server, config_text(budget, f"strategy {{ {FOOTPRINT} }}"),
                     os.path.join(ARGS.logs, "budgeted.log"))
@@ -217,18 +217,23 @@ def main_stowage():
                 set_phase(server, phase)
             except AdminError as e:
                 print(f"phase {phase} not run: {e}", flush=True)
-                rows += [row(phase, (p, a), [(0.0, 0, str(e))], resident_mean, budget)
-                         for p in PIPELINES for a in ("alternating", "concurrent")]
+                rows += emit([row(phase, (p, a), [(0.0, 0, str(e))], resident_mean, budget)
+                              for p in PIPELINES for a in ("alternating", "concurrent")])
                 continue
             results = run_phase(server, ARGS.size, ARGS.steps)
             save_placement(server, phase)
-            rows += [row(phase, k, v, resident_mean, budget) for k, v in results.items()]
+            rows += emit([row(phase, k, v, resident_mean, budget) for k, v in results.items()])
     finally:
         server.stop()
+    table(rows)
+
+
+def emit(rows):
+    """Appends `rows` to --out at once (a run cut short keeps the phases it finished)."""
     with open(ARGS.out, "a", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")
-    table(rows)
+    return rows
 
 
 def row(strategy, key, results, resident_mean, budget):

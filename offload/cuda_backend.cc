@@ -129,6 +129,16 @@ class CudaBackend : public DeviceBackend {
     return out;
   }
 
+  absl::StatusOr<at::Tensor> CopyFromPeer(const at::Tensor& src) override {
+    at::Tensor out;
+    RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("peer copy to ", name()), [&] {
+      c10::cuda::CUDAGuard guard(device_);
+      out = src.to(device_, /*non_blocking=*/false, /*copy=*/true);
+    }));
+    p2d_ += static_cast<int64_t>(src.nbytes());
+    return out;
+  }
+
   void CopyToDeviceAsync(const at::Tensor& dst, const at::Tensor& src) override {
     TORCH_CHECK(dst.nbytes() == src.nbytes(), "CopyToDeviceAsync: size mismatch");
     TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "CopyToDeviceAsync: not contiguous");
@@ -197,6 +207,7 @@ class CudaBackend : public DeviceBackend {
     out.context_bytes = context_bytes_;
     out.budget_bytes = budget_bytes_ > 0 ? budget_bytes_ : total_bytes_;
     out.host_to_device_bytes = h2d_.load();
+    out.peer_to_device_bytes = p2d_.load();
     out.device_to_host_bytes = d2h_.load();
     return out;
   }
@@ -230,6 +241,7 @@ class CudaBackend : public DeviceBackend {
   int64_t budget_bytes_ = 0;
   int64_t context_bytes_ = 0;
   std::atomic<int64_t> h2d_{0};
+  std::atomic<int64_t> p2d_{0};
   std::atomic<int64_t> d2h_{0};
 };
 

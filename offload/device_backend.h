@@ -41,6 +41,7 @@ struct DeviceMemoryStats {
   int64_t budget_bytes = 0;          // Usable device memory: the budget, or the card's size.
   int64_t host_to_device_bytes = 0;  // Cumulative bytes copied host to device.
   int64_t device_to_host_bytes = 0;  // Cumulative bytes copied device to host.
+  int64_t peer_to_device_bytes = 0;  // Cumulative bytes copied in from other devices (CopyFromPeer).
 
   // What the process holds on the device now and at its peak, as the GPU sees it.
   int64_t process_bytes() const { return reserved_bytes + context_bytes; }
@@ -77,6 +78,10 @@ class DeviceBackend {
   // A device copy of a host tensor (same dtype and shape), on the compute stream; counts
   // host_to_device_bytes.
   virtual absl::StatusOr<at::Tensor> CopyToDevice(const at::Tensor& host) = 0;
+  // Copies a tensor that lives on another device of this process (a peer) onto this device,
+  // device to device (CUDA: a peer copy over NVLink or PCIe, never through the host); counted in
+  // peer_to_device_bytes. The caller keeps both devices' owners still while it runs.
+  virtual absl::StatusOr<at::Tensor> CopyFromPeer(const at::Tensor& src) = 0;
 
   // Copies `src` (host, same number of bytes) into `dst` (device) on the copy stream, without
   // blocking the host when `src` is pinned or registered. Counts host_to_device_bytes.

@@ -38,6 +38,21 @@ absl::Status HostWeights::OnloadAll(DeviceBackend& backend) {
   return absl::OkStatus();
 }
 
+absl::Status HostWeights::OnloadFromPeer(DeviceBackend& backend) {
+  std::vector<at::Tensor> copies;
+  copies.reserve(entries_.size());
+  for (Entry& entry : entries_) {
+    if (!entry.slot->value.defined() || entry.slot->value.is_same(entry.host)) {
+      return absl::FailedPreconditionError("OnloadFromPeer: a weight is not on a device (the component is not resident)");
+    }
+    absl::StatusOr<at::Tensor> copy = backend.CopyFromPeer(entry.slot->value);
+    if (!copy.ok()) return copy.status();  // `copies` frees what was copied so far.
+    copies.push_back(*std::move(copy));
+  }
+  for (size_t i = 0; i < entries_.size(); ++i) entries_[i].slot->value = std::move(copies[i]);
+  return absl::OkStatus();
+}
+
 void HostWeights::OffloadAll() {
   for (Entry& entry : entries_) entry.slot->value = at::Tensor();
 }

@@ -39,6 +39,11 @@ class HostWeights {
   // Copies every tensor to the device and points the slots at the copies. On failure (for example
   // device out of memory) nothing stays on the device and the status is returned.
   absl::Status OnloadAll(DeviceBackend& backend);
+  // Copies every tensor from where the slots point now (another device, where the component is
+  // resident) to `backend`'s device, device to device, and points the slots at the copies: the
+  // component moves between devices without passing through the host. On failure the slots are
+  // unchanged. FAILED_PRECONDITION when a slot is not on a device (the component is not resident).
+  absl::Status OnloadFromPeer(DeviceBackend& backend);
   // Points every slot away from its device copy (undefined), freeing device memory. No copy.
   void OffloadAll();
   // Points every slot at its host copy (for CPU execution without a device).

@@ -32,6 +32,7 @@ struct Pool {
   int64_t peak ABSL_GUARDED_BY(mu) = 0;
   int64_t budget ABSL_GUARDED_BY(mu) = 0;
   int64_t h2d ABSL_GUARDED_BY(mu) = 0;
+  int64_t p2d ABSL_GUARDED_BY(mu) = 0;
   int64_t d2h ABSL_GUARDED_BY(mu) = 0;
 };
 
@@ -123,6 +124,18 @@ class SimulatedBackend : public DeviceBackend {
     return dst;
   }
 
+  // A simulated peer's tensors are CPU tensors of its own pool: the same copy, counted apart.
+  absl::StatusOr<at::Tensor> CopyFromPeer(const at::Tensor& src_tensor) override {
+    const at::Tensor src = src_tensor.contiguous();
+    absl::StatusOr<at::Tensor> buffer = AllocateBytes(static_cast<int64_t>(src.nbytes()));
+    if (!buffer.ok()) return buffer.status();
+    at::Tensor dst = buffer->view(src.scalar_type()).view(src.sizes());
+    if (src.nbytes() > 0) std::memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes());
+    absl::MutexLock lock(&pool_->mu);
+    pool_->p2d += static_cast<int64_t>(src.nbytes());
+    return dst;
+  }
+
   void CopyToDeviceAsync(const at::Tensor& dst, const at::Tensor& src) override {
     TORCH_CHECK(dst.nbytes() == src.nbytes(), "CopyToDeviceAsync: size mismatch (", dst.nbytes(),
                 " vs ", src.nbytes(), " bytes)");
@@ -189,6 +202,7 @@ class SimulatedBackend : public DeviceBackend {
     stats.context_bytes = options_.context_bytes;
     stats.budget_bytes = pool_->budget;
     stats.host_to_device_bytes = pool_->h2d;
+    stats.peer_to_device_bytes = pool_->p2d;
     stats.device_to_host_bytes = pool_->d2h;
     return stats;
   }

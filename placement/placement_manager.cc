@@ -59,6 +59,7 @@ bool Uses(const std::vector<std::string>& pipelines, const std::string& pipeline
 }  // namespace
 
 void PlacementManager::MarkReady(const std::string& pipeline) {
+  SweepMoved();
   for (auto& e : entries_) {
     if (Uses(e->pipelines, pipeline) && e->lifecycle == ComponentLifecycle::kLoading) {
       Transition(*e, ComponentLifecycle::kReady);
@@ -67,6 +68,7 @@ void PlacementManager::MarkReady(const std::string& pipeline) {
 }
 
 void PlacementManager::MarkUnloading(const std::string& pipeline) {
+  SweepMoved();
   for (auto& e : entries_) {
     if (e->pipelines.size() == 1 && e->pipelines[0] == pipeline && e->lifecycle == ComponentLifecycle::kReady) {
       Transition(*e, ComponentLifecycle::kUnloading);
@@ -75,6 +77,7 @@ void PlacementManager::MarkUnloading(const std::string& pipeline) {
 }
 
 void PlacementManager::AbandonUnloading(const std::string& pipeline) {
+  SweepMoved();
   for (auto& e : entries_) {
     if (Uses(e->pipelines, pipeline) && e->lifecycle == ComponentLifecycle::kUnloading) {
       Transition(*e, ComponentLifecycle::kReady);
@@ -103,6 +106,10 @@ void PlacementManager::Record(const std::string& component, const std::string& a
   d.free_after = FreeBytes();
   d.strategy = strategy_->name();
   d.reason = reason;
+  Record(std::move(d));
+}
+
+void PlacementManager::Record(PlacementDecision d) {
   absl::MutexLock lock(&log_mu_);
   log_.push_back(std::move(d));
   while (log_.size() > kLogCapacity) log_.pop_front();
@@ -120,8 +127,99 @@ StrategyInput PlacementManager::InputFor(const Entry& target, int64_t needed) co
   return in;
 }
 
+bool PlacementManager::TryPeerEviction(Entry& entry, const std::string& reason, const std::string& cause) {
+  if (!peer_.move || cause == "out_of_memory" || entry.pipelines.size() != 1 || entry.group_offload ||
+      peer_.peer_bytes_per_second <= 0 || peer_.host_to_device_bytes_per_second <= 0 ||
+      (peer_.eligible && !peer_.eligible(entry.pipelines.front()))) {
+    return false;
+  }
+  const int64_t bytes = entry.component->weight_bytes();
+  std::string best;
+  int64_t best_free = -1;
+  for (const auto& peer : peer_.peers ? peer_.peers() : std::vector<std::pair<std::string, int64_t>>{}) {
+    if (peer.second >= bytes && peer.second > best_free) {
+      best = peer.first;
+      best_free = peer.second;
+    }
+  }
+  if (best.empty()) return false;  // No peer has room: the host, as without peer eviction.
+  const double d2d = static_cast<double>(bytes) / peer_.peer_bytes_per_second;
+  const double h2d = static_cast<double>(bytes) / peer_.host_to_device_bytes_per_second;
+  PlacementDecision d;
+  d.request_id = request_id_;
+  d.component = entry.id;
+  d.bytes = bytes;
+  d.strategy = strategy_->name();
+  d.d2d_seconds = d2d;
+  d.h2d_seconds = h2d;
+  const int64_t before = FreeBytes();
+  absl::Status moved = absl::CancelledError("the host is cheaper");
+  if (d2d < h2d) moved = peer_.move(entry.pipelines.front(), *entry.component, best);
+  if (!moved.ok()) {
+    // Recorded as the host offload's companion: why the peer was not taken.
+    d.time = absl::Now();
+    d.action = "peer_declined";
+    d.free_before = before;
+    d.free_after = before;
+    d.reason = d2d < h2d ? absl::StrCat("moving to ", best, " failed (", moved.message(), "); offloaded to the host")
+                         : absl::StrCat("the host is cheaper than ", best, ": bringing it back ", h2d, " s <= moving it ",
+                                        d2d, " s; ", reason);
+    Record(std::move(d));
+    return false;
+  }
+  // Its slots point at the peer's copies now: this device's copies are gone with them.
+  backend_->Synchronize();
+  backend_->ReleaseCachedMemory();
+  entry.state = ComponentState::kOffloaded;
+  entry.moved = true;
+  ++counters_.offloads;
+  counters_.offload_bytes += bytes;
+  ++counters_.evictions[{strategy_->name(), cause}];
+  d.time = absl::Now();
+  d.action = "offload_to_peer";
+  d.to_device = best;
+  d.free_before = before;
+  d.free_after = FreeBytes();
+  d.reason = absl::StrCat("moved to ", best, ": ", d2d, " s device to device < ", h2d,
+                          " s to bring it back from the host; ", reason);
+  Record(std::move(d));
+  return true;
+}
+
+void PlacementManager::SweepMoved() {
+  entries_.erase(std::remove_if(entries_.begin(), entries_.end(), [](const auto& e) { return e->moved; }),
+                 entries_.end());
+}
+
+absl::Status PlacementManager::AdoptFromPeer(const std::string& pipeline, Component& component,
+                                             const std::string& reason) {
+  if (Find(component) != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("component '", component.name(), "' is already on ", backend_->name()));
+  }
+  const int64_t bytes = component.weight_bytes();
+  const int64_t before = FreeBytes();
+  if (before < bytes) {
+    return absl::FailedPreconditionError(absl::StrCat(backend_->name(), " has ", before, " free bytes; ",
+                                                      component.name(), " needs ", bytes));
+  }
+  RETURN_IF_ERROR(component.host_weights().OnloadFromPeer(*backend_));
+  auto entry = std::make_unique<Entry>();
+  entry->id = absl::StrCat(pipeline, "/", component.name());
+  entry->component = &component;
+  entry->pipelines.push_back(pipeline);
+  entry->state = ComponentState::kResident;
+  entry->lifecycle = ComponentLifecycle::kReady;
+  entry->last_use = absl::Now();
+  entries_.push_back(std::move(entry));
+  ++counters_.onloads;
+  counters_.onload_bytes += bytes;
+  Record(absl::StrCat(pipeline, "/", component.name()), "onload_from_peer", bytes, before, reason);
+  return absl::OkStatus();
+}
+
 void PlacementManager::Offload(Entry& entry, const std::string& reason, const std::string& cause) {
   if (entry.state != ComponentState::kResident) return;
+  if (TryPeerEviction(entry, reason, cause)) return;
   const int64_t before = FreeBytes();
   entry.component->host_weights().OffloadAll();
   backend_->Synchronize();
@@ -242,6 +340,7 @@ std::vector<PlacementDecision> PlacementManager::DecisionLog(size_t limit) const
 }
 
 absl::Status PlacementManager::Register(const std::string& pipeline, Component* component) {
+  SweepMoved();
   if (Entry* existing = Find(*component)) {
     existing->pipelines.push_back(pipeline);
     // Another pipeline uses it now: it is no longer on its way out.
@@ -258,6 +357,7 @@ absl::Status PlacementManager::Register(const std::string& pipeline, Component* 
 }
 
 void PlacementManager::Unregister(const std::string& pipeline) {
+  SweepMoved();
   for (auto it = entries_.begin(); it != entries_.end();) {
     Entry& e = **it;
     e.pipelines.erase(std::remove(e.pipelines.begin(), e.pipelines.end(), pipeline), e.pipelines.end());
@@ -277,6 +377,7 @@ void PlacementManager::Unregister(const std::string& pipeline) {
 
 absl::Status PlacementManager::UnregisterComponent(const std::string& pipeline, const Component& component,
                                                    const std::string& reason) {
+  SweepMoved();
   for (auto it = entries_.begin(); it != entries_.end(); ++it) {
     Entry& e = **it;
     if (e.component != &component || !Uses(e.pipelines, pipeline)) continue;
@@ -307,24 +408,26 @@ std::optional<ComponentState> PlacementManager::StateOf(const Component& compone
 }
 
 bool PlacementManager::Hosts(const std::string& pipeline) const {
-  return std::any_of(entries_.begin(), entries_.end(), [&](const auto& e) { return Uses(e->pipelines, pipeline); });
+  return std::any_of(entries_.begin(), entries_.end(),
+                     [&](const auto& e) { return !e->moved && Uses(e->pipelines, pipeline); });
 }
 
 const PlacementManager::Entry* PlacementManager::Find(const Component& component) const {
   for (const auto& entry : entries_) {
-    if (entry->component == &component) return entry.get();
+    if (entry->component == &component && !entry->moved) return entry.get();
   }
   return nullptr;
 }
 
 PlacementManager::Entry* PlacementManager::Find(const Component& component) {
   for (auto& entry : entries_) {
-    if (entry->component == &component) return entry.get();
+    if (entry->component == &component && !entry->moved) return entry.get();
   }
   return nullptr;
 }
 
 void PlacementManager::Prefetch(Component& component) {
+  SweepMoved();
   if (!prefetch_next_component_) return;
   Entry* entry = Find(component);
   if (entry == nullptr || !entry->group_offload) return;
@@ -339,6 +442,7 @@ void PlacementManager::Prefetch(Component& component) {
 }
 
 absl::Status PlacementManager::Run(Component& component, const std::function<void()>& fn) {
+  SweepMoved();
   Entry* entry = nullptr;
   {
     entry = Find(component);
@@ -400,12 +504,14 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
   }
   if (!status.ok()) return status;
   EvictAfter(*entry);
+  SweepMoved();  // `entry` may have moved to a peer: not used below.
   return absl::OkStatus();
 }
 
 std::vector<ComponentView> PlacementManager::Snapshot() const {
   std::vector<ComponentView> views;
   for (const auto& entry : entries_) {
+    if (entry->moved) continue;
     ComponentView view;
     view.id = entry->id;
     view.name = entry->component->name();
@@ -439,6 +545,7 @@ PlacementSnapshot PlacementManager::TakeSnapshot() const {
 absl::StatusOr<PlacementManager::Entry*> PlacementManager::FindById(const std::string& id) const {
   std::vector<std::string> ids;
   for (const auto& entry : entries_) {
+    if (entry->moved) continue;
     if (entry->id == id) return entry.get();
     ids.push_back(entry->id);
   }

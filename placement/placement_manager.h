@@ -81,6 +81,30 @@ struct PlacementDecision {
   int64_t free_after = 0;
   std::string strategy;
   std::string reason;
+  // Set when peer eviction weighed a peer device against the host for this eviction (see
+  // PeerEviction): the peer ("" when the host won) and both costs, in seconds.
+  std::string to_device;
+  double d2d_seconds = 0;
+  double h2d_seconds = 0;
+};
+
+// Evicting to a peer device instead of the host. When the strategy evicts a resident component
+// (before or after a run, not in out-of-memory recovery) that only one pipeline uses and `eligible`
+// allows, and a peer has room for it, the manager compares moving it there now, device to device
+// (bytes / peer_bytes_per_second), with bringing it back from the host later (bytes /
+// host_to_device_bytes_per_second). When the peer is cheaper it calls `move`, which has the peer's
+// owner copy the weights device to device (HostWeights::OnloadFromPeer) and register the component
+// there; the component then leaves this registry (the pipeline runs it on the peer). Otherwise, or
+// when `move` fails, it goes to the host as usual. Either way the decision records both costs.
+struct PeerEviction {
+  double host_to_device_bytes_per_second = 0;  // > 0.
+  double peer_bytes_per_second = 0;            // > 0.
+  // May `pipeline`'s component move off this device now?
+  std::function<bool(const std::string& pipeline)> eligible;
+  // The peers and their free bytes (published snapshots).
+  std::function<std::vector<std::pair<std::string, int64_t>>()> peers;
+  // Moves `component` of `pipeline` (resident here) to `device`; OK once it is resident there.
+  std::function<absl::Status(const std::string& pipeline, Component& component, const std::string& device)> move;
 };
 
 // Cumulative counters, for metrics.
@@ -158,6 +182,12 @@ class PlacementManager : public ComponentRunner {
   // while other components run, until it runs itself (memory pressure may still take them).
   // Recorded as a "prefetch" decision. Other components: nothing (they move when they run).
   void Prefetch(Component& component) override;
+  // Peer eviction on (see PeerEviction); off by default and with an empty `move`.
+  void SetPeerEviction(PeerEviction peer) { peer_ = std::move(peer); }
+  // The peer's side of a peer eviction: registers `component` of `pipeline` here and makes it
+  // resident by copying its weights from the device where they are now (device to device),
+  // recorded as "onload_from_peer" with `reason`. FAILED_PRECONDITION when there is no room.
+  absl::Status AdoptFromPeer(const std::string& pipeline, Component& component, const std::string& reason);
   // Cross-component prefetch on (the default) or off (Prefetch does nothing; for measuring it).
   void set_prefetch_next_component(bool on) { prefetch_next_component_ = on; }
 
@@ -188,7 +218,13 @@ class PlacementManager : public ComponentRunner {
     ComponentLifecycle lifecycle = ComponentLifecycle::kLoading;
     // Prefetch() started its next forward: its slots stay while others run, until it runs.
     bool prefetched = false;
+    // Moved to a peer by peer eviction: no longer registered here; removed at the next sweep
+    // (entries_ may be being iterated when it moves).
+    bool moved = false;
   };
+  void SweepMoved();
+  // Peer eviction of a resident `entry` (see PeerEviction): true when it moved to a peer.
+  bool TryPeerEviction(Entry& entry, const std::string& reason, const std::string& cause);
   // The one lifecycle transition function: checks the edge (a wrong one is a programming error and
   // aborts) and applies it.
   static void Transition(Entry& entry, ComponentLifecycle to);
@@ -200,6 +236,7 @@ class PlacementManager : public ComponentRunner {
   int64_t FreeBytes() const;
   void Record(const std::string& component, const std::string& action, int64_t bytes,
               int64_t free_before, const std::string& reason);
+  void Record(PlacementDecision d);
   StrategyInput InputFor(const Entry& target, int64_t needed) const;
   void Offload(Entry& entry, const std::string& reason, const std::string& cause)
      ;
@@ -220,6 +257,7 @@ class PlacementManager : public ComponentRunner {
   std::string request_id_;
   PlacementCounters counters_;
   bool prefetch_next_component_ = true;
+  PeerEviction peer_;
   // The decision log is the one part readers on other threads see live.
   mutable absl::Mutex log_mu_;
   std::deque<PlacementDecision> log_ ABSL_GUARDED_BY(log_mu_);

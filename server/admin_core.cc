@@ -241,6 +241,9 @@ absl::StatusOr<v1::GetPlacementLogResponse> AdminCore::GetPlacementLog(
     out->set_free_after(d.free_after == INT64_MAX ? -1 : d.free_after);
     out->set_strategy(d.strategy);
     out->set_reason(d.reason);
+    out->set_to_device(d.to_device);
+    out->set_d2d_seconds(d.d2d_seconds);
+    out->set_h2d_seconds(d.h2d_seconds);
   }
   return response;
 }

@@ -235,6 +235,11 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
                                      device.simulated_bandwidth_bytes_per_second(), "unlimited"));
     RETURN_IF_ERROR(CheckNonNegative(absl::StrCat(path, ".simulated_context_bytes"), device.simulated_context_bytes(),
                                      "none"));
+    RETURN_IF_ERROR(CheckNonNegative(absl::StrCat(path, ".peer_bandwidth_bytes_per_second"),
+                                     device.peer_bandwidth_bytes_per_second(), "peer eviction off"));
+    RETURN_IF_ERROR(CheckNonNegative(absl::StrCat(path, ".host_to_device_bandwidth_bytes_per_second"),
+                                     device.host_to_device_bandwidth_bytes_per_second(),
+                                     "the simulated bandwidth, or 2.5e10 on CUDA"));
     if (device.memory_budget_bytes() > 0 && device.simulated_context_bytes() >= device.memory_budget_bytes()) {
       return absl::InvalidArgumentError(absl::StrCat(path, ".simulated_context_bytes: ",
                                                      device.simulated_context_bytes(),

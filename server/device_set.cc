@@ -78,6 +78,13 @@ absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerCon
     set->devices_.push_back(std::move(core));
     set->routes_.push_back(std::make_unique<Route>());
   }
+  for (const auto& core : set->devices_) {
+    std::vector<GenerationCore*> peers;
+    for (const auto& other : set->devices_) {
+      if (other != core) peers.push_back(other.get());
+    }
+    core->SetPeers(std::move(peers));
+  }
   for (int i = 0; i < config.pipelines_size(); ++i) {
     const v1::PipelineConfig& p = config.pipelines(i);
     if (p.component_devices().empty()) continue;

@@ -70,31 +70,33 @@ absl::Status CheckSize(const char* field, int value, const PipelineLimits& limit
 // lane, so peers waiting on this device are not held up for a whole request.
 class SplitRunner : public ComponentRunner {
  public:
-  SplitRunner(PlacementManager& local, DeviceWorker& worker, std::map<const Component*, GenerationCore*> remote,
+  // `home` is the device running the request; where each component runs is looked up at each call
+  // (peer eviction may move one during the run).
+  SplitRunner(PlacementManager& local, DeviceWorker& worker, const GenerationCore& home, std::string pipeline,
               std::string request_id, Interrupt interrupt)
       : local_(local),
         worker_(worker),
-        remote_(std::move(remote)),
+        home_(home),
+        pipeline_(std::move(pipeline)),
         request_id_(std::move(request_id)),
         interrupt_(std::move(interrupt)) {}
 
   absl::Status Run(Component& component, const std::function<void()>& fn) override {
     worker_.ServeCalls();
-    auto it = remote_.find(&component);
-    if (it == remote_.end()) return local_.Run(component, fn);
-    return it->second->RunForPeer(component, fn, /*prefetch_only=*/false, request_id_, &worker_, interrupt_,
-                                  &UsageOf(*it->second));
+    GenerationCore* peer = home_.PeerFor(pipeline_, component);
+    if (peer == nullptr) return local_.Run(component, fn);
+    return peer->RunForPeer(component, fn, /*prefetch_only=*/false, request_id_, &worker_, interrupt_, &UsageOf(*peer));
   }
   void Prefetch(Component& component) override {
-    auto it = remote_.find(&component);
-    if (it == remote_.end()) return local_.Prefetch(component);
+    GenerationCore* peer = home_.PeerFor(pipeline_, component);
+    if (peer == nullptr) return local_.Prefetch(component);
     // A hint: a peer that cannot take it (stopping) changes nothing.
-    (void)it->second->RunForPeer(component, nullptr, /*prefetch_only=*/true, request_id_, &worker_, interrupt_,
-                                 &UsageOf(*it->second));
+    (void)peer->RunForPeer(component, nullptr, /*prefetch_only=*/true, request_id_, &worker_, interrupt_,
+                           &UsageOf(*peer));
   }
   c10::Device DeviceOf(const Component& component, const c10::Device& home) const override {
-    auto it = remote_.find(&component);
-    return it == remote_.end() ? home : it->second->torch_device();
+    GenerationCore* peer = home_.PeerFor(pipeline_, component);
+    return peer == nullptr ? home : peer->torch_device();
   }
   // What the run did on each peer, in the order it first used them.
   const std::vector<v1::DeviceUsage>& peer_usage() const { return usage_; }
@@ -111,7 +113,8 @@ class SplitRunner : public ComponentRunner {
 
   PlacementManager& local_;
   DeviceWorker& worker_;
-  const std::map<const Component*, GenerationCore*> remote_;
+  const GenerationCore& home_;
+  const std::string pipeline_;
   const std::string request_id_;
   const Interrupt interrupt_;
   std::vector<v1::DeviceUsage> usage_;
@@ -150,6 +153,42 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
   core->placement_ = std::make_unique<PlacementManager>(core->backend_.get());
   core->placement_->set_prefetch_next_component(
       !config.device().has_prefetch_next_component() || config.device().prefetch_next_component());
+  if (config.device().peer_bandwidth_bytes_per_second() > 0) {
+    PeerEviction peer;
+    peer.peer_bytes_per_second = static_cast<double>(config.device().peer_bandwidth_bytes_per_second());
+    double h2d = static_cast<double>(config.device().host_to_device_bandwidth_bytes_per_second());
+    if (h2d <= 0) {
+      h2d = core->torch_device_.is_cuda() ? 2.5e10
+                                          : static_cast<double>(config.device().simulated_bandwidth_bytes_per_second());
+    }
+    peer.host_to_device_bytes_per_second = h2d;
+    GenerationCore* self = core.get();
+    peer.eligible = [self](const std::string& pipeline) {
+      // Worker only (placement calls it). A component of a pipeline homed here, outside a peer's call.
+      if (self->serving_peer_) return false;
+      for (const HostedPipelines::View& view : self->pipelines_.List()) {
+        if (view.name == pipeline) return view.pipeline != nullptr;
+      }
+      return false;
+    };
+    peer.peers = [self] {
+      std::vector<GenerationCore*> peers;
+      {
+        absl::MutexLock lock(&self->split_mu_);
+        peers = self->peers_;
+      }
+      std::vector<std::pair<std::string, int64_t>> out;
+      for (GenerationCore* p : peers) {
+        const std::shared_ptr<const PlacementSnapshot> snapshot = p->placement_snapshot();
+        if (snapshot != nullptr) out.emplace_back(p->device_name(), snapshot->memory.free_bytes());
+      }
+      return out;
+    };
+    peer.move = [self](const std::string& pipeline, Component& component, const std::string& device) {
+      return self->MoveToPeer(pipeline, component, device);
+    };
+    core->placement_->SetPeerEviction(std::move(peer));
+  }
   DeviceWorker::Options worker;
   worker.device = core->device_name_;
   worker.queue_depth = config.queue_depth();
@@ -221,6 +260,52 @@ void GenerationCore::ReleaseDeviceState() {
 }
 
 void GenerationCore::StopWorker() { worker_->Stop(); }
+
+void GenerationCore::SetPeers(std::vector<GenerationCore*> peers) {
+  absl::MutexLock lock(&split_mu_);
+  peers_ = std::move(peers);
+}
+
+GenerationCore* GenerationCore::PeerFor(const std::string& pipeline, const Component& component) const {
+  absl::MutexLock lock(&split_mu_);
+  auto it = remote_.find(pipeline);
+  if (it == remote_.end()) return nullptr;
+  auto found = it->second.find(&component);
+  return found == it->second.end() ? nullptr : found->second;
+}
+
+absl::Status GenerationCore::MoveToPeer(const std::string& pipeline, Component& component, const std::string& device) {
+  GenerationCore* peer = nullptr;
+  {
+    absl::MutexLock lock(&split_mu_);
+    for (GenerationCore* p : peers_) {
+      if (p->device_name() == device) peer = p;
+    }
+  }
+  std::shared_ptr<Pipeline> hosted;
+  for (const HostedPipelines::View& view : pipelines_.List()) {
+    if (view.name == pipeline) hosted = view.pipeline;
+  }
+  if (peer == nullptr || hosted == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("no peer ", device, " or pipeline ", pipeline, " here"));
+  }
+  const absl::Time give_up = absl::Now() + absl::Milliseconds(200);
+  const std::string reason = absl::StrCat("evicted from ", device_name_, ": cheaper here than from the host");
+  RETURN_IF_ERROR(peer->worker_->Call(
+      [&]() -> absl::Status {
+        RETURN_IF_ERROR(peer->placement_->AdoptFromPeer(pipeline, component, reason));
+        absl::MutexLock lock(&peer->split_mu_);
+        peer->guests_[pipeline] = hosted;
+        return absl::OkStatus();
+      },
+      [give_up]() -> absl::Status {
+        return absl::Now() < give_up ? absl::OkStatus() : absl::DeadlineExceededError("the peer did not take it in 200 ms");
+      },
+      /*caller=*/nullptr));
+  absl::MutexLock lock(&split_mu_);
+  remote_[pipeline][&component] = peer;
+  return absl::OkStatus();
+}
 
 std::set<GenerationCore*> GenerationCore::PeersOf(const std::string& pipeline) const {
   std::set<GenerationCore*> peers;
@@ -391,6 +476,7 @@ absl::Status GenerationCore::RunForPeer(Component& component, const std::functio
   return worker_->Call(
       [&]() -> absl::Status {
         at::ThreadLocalStateGuard state_guard(caller_state);
+        serving_peer_ = true;
         const DeviceMemoryStats before = backend_->GetMemoryStats();
         // This device's own request (if one is running) keeps the peak it reached so far.
         peak_floor_allocated_ = std::max(peak_floor_allocated_, before.peak_allocated_bytes);
@@ -409,6 +495,7 @@ absl::Status GenerationCore::RunForPeer(Component& component, const std::functio
           }
         });
         placement_->SetRequestId(own_request);
+        serving_peer_ = false;
         const DeviceMemoryStats after = backend_->GetMemoryStats();
         usage->set_peak_device_memory_bytes(std::max(usage->peak_device_memory_bytes(), after.peak_allocated_bytes));
         usage->set_peak_device_reserved_bytes(std::max(usage->peak_device_reserved_bytes(), after.peak_process_bytes()));
@@ -651,7 +738,7 @@ void GenerationCore::WarmUp(Pipeline& pipeline, const Interrupt& interrupt) {
   RunContext context(interrupt, nullptr);
   const absl::Time start = absl::Now();
   absl::StatusOr<Image> image = absl::InternalError("warm-up did not run");
-  SplitRunner runner(*placement_, *worker_, RemoteOf(pipeline.name()), request_id, interrupt);
+  SplitRunner runner(*placement_, *worker_, *this, pipeline.name(), request_id, interrupt);
   const absl::Status thrown = CatchAsStatus("warm-up", [&] { image = pipeline.Run(params, runner, context); });
   backend_->Synchronize();
   const absl::Status status = thrown.ok() ? image.status() : thrown;
@@ -966,7 +1053,7 @@ void GenerationCore::RunOnWorker(const std::vector<PendingRequest*>& requests, b
     }
     return last;
   };
-  SplitRunner runner(*placement_, *worker_, RemoteOf(pipeline.name()),
+  SplitRunner runner(*placement_, *worker_, *this, pipeline.name(),
                      batch_size == 1 ? ids.front() : absl::StrCat("batch(", absl::StrJoin(ids, ","), ")"), all_gone);
   std::vector<absl::StatusOr<Image>> images;
   absl::Status files = pipeline.CheckSourceFiles();

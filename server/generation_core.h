@@ -109,6 +109,12 @@ class GenerationCore {
                           const std::string& request_id, DeviceWorker* caller, const Interrupt& interrupt,
                           v1::DeviceUsage* usage);
 
+  // The other devices of the server (DeviceSet, once all exist, before split pipelines load):
+  // targets of peer eviction (DeviceConfig.peer_bandwidth_bytes_per_second).
+  void SetPeers(std::vector<GenerationCore*> peers);
+  // The peer that runs `component` of hosted pipeline `pipeline`, or null when it runs here.
+  GenerationCore* PeerFor(const std::string& pipeline, const Component& component) const;
+
   // Shutdown in two phases (DeviceSet's destructor): removes every pipeline's components, and other
   // devices' split components hosted here, from placement (a task; split pipelines homed here call
   // their peers, which must still run); then StopWorker stops the worker (remote calls still
@@ -184,6 +190,12 @@ class GenerationCore {
   // Peer side (worker only): removes one guest component, or all of `name`.
   absl::Status RemoveGuestComponent(const std::string& name, const Component& component, const std::string& reason);
   void RemoveGuest(const std::string& name);
+  // Worker only, from placement's peer eviction: moves `component` of `pipeline` (homed here,
+  // resident here) to `device` by a call to its worker that copies it device to device. Waits
+  // without serving this worker's lane (placement is mid-change): gives up, for the host, when the
+  // peer has not started it within 200 ms (two devices evicting to each other at once both fall
+  // back to the host).
+  absl::Status MoveToPeer(const std::string& pipeline, Component& component, const std::string& device);
   v1::Pipeline Describe(const HostedPipelines::View& view) const;
   absl::StatusOr<GenerationParams> Validate(const v1::GenerateRequest& request,
                                             const Pipeline& pipeline) const;
@@ -216,6 +228,11 @@ class GenerationCore {
   // the peak to measure its own run), so the request still reports its whole peak.
   int64_t peak_floor_allocated_ = 0;
   int64_t peak_floor_reserved_ = 0;
+  // Worker only: true while this worker runs a component for a peer (RunForPeer); peer eviction
+  // (which calls a peer) is off then, since a remote call makes no call itself.
+  bool serving_peer_ = false;
+  // The other devices; set once by DeviceSet before any pipeline names them.
+  std::vector<GenerationCore*> peers_ ABSL_GUARDED_BY(split_mu_);
   // Worker only. Declared after the pipelines: destroyed before them, since group offloading
   // hooks their modules.
   std::unique_ptr<PlacementManager> placement_;

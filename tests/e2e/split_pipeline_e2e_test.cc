@@ -5,6 +5,7 @@
 // flight. The simulated devices count placed bytes exactly, so the peaks below are sums of weights.
 #include <atomic>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -13,6 +14,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/text_format.h"
 #include "server/server.h"
@@ -377,6 +379,105 @@ TEST_F(SplitPipelineTest, UnloadingASplitPipelineEmptiesBothDevicesAndItLoadsAga
   for (const std::string device : {"sim:0", "sim:1"}) {
     for (const auto& entry : DeviceBytes(device)) EXPECT_FALSE(absl::StartsWith(entry.first, "x/")) << entry.first;
   }
+}
+
+// Peer eviction (DeviceConfig.peer_bandwidth_bytes_per_second): a rule evicts the text encoder
+// after it ran; with a fast peer link and a slow host link it moves to sim:1 (device to device) and
+// runs there from then on; with the links the other way round it goes to the host. Both costs are
+// in the decision log either way.
+v1::ServerConfig PeerConfig(int64_t peer_bandwidth, int64_t host_bandwidth) {
+  v1::ServerConfig config;
+  EXPECT_TRUE(google::protobuf::TextFormat::MergeFromString(absl::StrCat(R"pb(
+    devices { kind: KIND_SIMULATED index: 0 peer_bandwidth_bytes_per_second: )pb", peer_bandwidth,
+                             R"pb( host_to_device_bandwidth_bytes_per_second: )pb", host_bandwidth, R"pb( }
+    devices { kind: KIND_SIMULATED index: 1 }
+    pipelines { name: "p" builtin: "zimage-tiny" devices: "sim:0" }
+    pipelines { name: "q" builtin: "zimage-tiny" devices: "sim:1" weight_seed: 9 }
+    strategy { workflow { rules { after { component: "text_encoder" offload: "text_encoder" } } } }
+  )pb"),
+                                                            &config));
+  return config;
+}
+
+std::vector<v1::PlacementDecision> Log(E2eServer& server, const std::string& device) {
+  v1::GetPlacementLogRequest request;
+  request.set_device(device);
+  request.set_limit(4096);
+  v1::GetPlacementLogResponse response;
+  EXPECT_TRUE(server.admin().GetPlacementLog(E2eServer::Authed().get(), request, &response).ok());
+  return {response.decisions().begin(), response.decisions().end()};
+}
+
+TEST_F(SplitPipelineTest, PeerEvictionMovesToThePeerWhenThatIsCheaperWithBothCostsLogged) {
+  server_ = std::make_unique<E2eServer>(PeerConfig(/*peer=*/100000000000, /*host=*/1000000000));
+  ASSERT_TRUE(server_->ok());
+  const std::map<std::string, int64_t> w = Weights("p");
+  v1::GenerateResponse first;
+  ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("p", 4), &first).ok());
+  // Evicted after it ran: moved to sim:1, resident there, gone from sim:0.
+  EXPECT_EQ(DeviceBytes("sim:0").count("p/text_encoder"), 0u);
+  EXPECT_EQ(DeviceBytes("sim:1")["p/text_encoder"], w.at("text_encoder"));
+  EXPECT_EQ(Placement("sim:0").allocated_bytes(), w.at("transformer") + w.at("vae"));
+  std::optional<v1::PlacementDecision> moved;
+  for (const auto& d : Log(*server_, "sim:0")) {
+    if (d.component() == "p/text_encoder" && d.action() == "offload_to_peer") moved = d;
+  }
+  ASSERT_TRUE(moved.has_value());
+  EXPECT_EQ(moved->to_device(), "sim:1");
+  EXPECT_EQ(moved->bytes(), w.at("text_encoder"));
+  EXPECT_DOUBLE_EQ(moved->d2d_seconds(), static_cast<double>(w.at("text_encoder")) / 1e11);
+  EXPECT_DOUBLE_EQ(moved->h2d_seconds(), static_cast<double>(w.at("text_encoder")) / 1e9);
+  EXPECT_EQ(moved->request_id(), first.request_id());
+  bool adopted = false;
+  for (const auto& d : Log(*server_, "sim:1")) adopted = adopted || (d.component() == "p/text_encoder" && d.action() == "onload_from_peer");
+  EXPECT_TRUE(adopted);
+  std::map<std::string, std::string> where;
+  Weights("p", &where);
+  EXPECT_EQ(where["text_encoder"], "sim:1");
+
+  // The next request runs it on sim:1 (no host copy needed: it is resident there) and draws the
+  // same image.
+  v1::GenerateResponse second;
+  ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("p", 4), &second).ok());
+  EXPECT_EQ(second.image(), first.image());
+  auto usage = UsageByDevice(second);
+  ASSERT_EQ(usage.count("sim:1"), 1u);
+  EXPECT_EQ(usage["sim:1"]->host_to_device_bytes(), 0);
+  EXPECT_EQ(usage["sim:1"]->peak_device_memory_bytes(), DeviceBytes("sim:1")["q/transformer"] + w.at("text_encoder") +
+                                                            DeviceBytes("sim:1")["q/vae"]);
+  // It stays the pipeline's: unloading removes it from sim:1 too.
+  v1::UnloadPipelineRequest unload;
+  unload.set_name("p");
+  v1::UnloadPipelineResponse out;
+  ASSERT_TRUE(server_->admin().UnloadPipeline(E2eServer::Authed().get(), unload, &out).ok());
+  EXPECT_EQ(DeviceBytes("sim:1").count("p/text_encoder"), 0u);
+  EXPECT_TRUE(server_->Generate(E2eServer::SmallRequest("q", 4)).ok());
+}
+
+TEST_F(SplitPipelineTest, PeerEvictionChoosesTheHostWhenThatIsCheaperWithBothCostsLogged) {
+  server_ = std::make_unique<E2eServer>(PeerConfig(/*peer=*/1000000000, /*host=*/100000000000));
+  ASSERT_TRUE(server_->ok());
+  const std::map<std::string, int64_t> w = Weights("p");
+  v1::GenerateResponse first, second;
+  ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("p", 4), &first).ok());
+  EXPECT_EQ(DeviceBytes("sim:0")["p/text_encoder"], 0);  // Offloaded to the host, still registered here.
+  EXPECT_EQ(DeviceBytes("sim:1").count("p/text_encoder"), 0u);
+  const std::vector<v1::PlacementDecision> log = Log(*server_, "sim:0");
+  int declined = -1, offloaded = -1;
+  for (int i = 0; i < static_cast<int>(log.size()); ++i) {
+    if (log[i].component() != "p/text_encoder") continue;
+    if (log[i].action() == "peer_declined" && declined < 0) declined = i;
+    if (log[i].action() == "offload" && offloaded < 0) offloaded = i;
+  }
+  ASSERT_GE(declined, 0);
+  ASSERT_GT(offloaded, declined);
+  EXPECT_EQ(log[declined].to_device(), "");
+  EXPECT_DOUBLE_EQ(log[declined].d2d_seconds(), static_cast<double>(w.at("text_encoder")) / 1e9);
+  EXPECT_DOUBLE_EQ(log[declined].h2d_seconds(), static_cast<double>(w.at("text_encoder")) / 1e11);
+  EXPECT_TRUE(absl::StrContains(log[declined].reason(), "the host is cheaper than sim:1")) << log[declined].reason();
+  ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("p", 4), &second).ok());
+  EXPECT_EQ(second.image(), first.image());
+  EXPECT_EQ(second.stats().devices_size(), 1);
 }
 
 TEST(SplitPipelineConfigTest, BadSplitConfigsFailAtStartNamingTheField) {

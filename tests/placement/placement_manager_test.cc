@@ -331,3 +331,92 @@ TEST(PlacementScenarioTest, OutOfMemoryIsRecoveredByGroupOffloadingAndTheImageIs
 
 }  // namespace
 }  // namespace stowage
+
+namespace stowage {
+namespace {
+
+// Peer eviction at the placement level: a peer (a second simulated device with its own registry)
+// adopts what this device's strategy evicts when the device-to-device copy is cheaper than bringing
+// it back from the host, copying it device to device (no host-to-device bytes on the peer).
+SimulatedBackendOptions PeerOptions() {
+  SimulatedBackendOptions options;
+  options.index = 1;
+  return options;
+}
+
+struct PeerHarness {
+  explicit PeerHarness(double peer_bandwidth, double host_bandwidth)
+      : peer_backend(CreateSimulatedBackend(PeerOptions())), peer(peer_backend.get()) {
+    PeerEviction eviction;
+    eviction.peer_bytes_per_second = peer_bandwidth;
+    eviction.host_to_device_bytes_per_second = host_bandwidth;
+    eviction.eligible = [](const std::string& pipeline) { return pipeline == "tiny"; };
+    eviction.peers = [this] {
+      return std::vector<std::pair<std::string, int64_t>>{{"sim:1", peer_backend->GetMemoryStats().free_bytes()}};
+    };
+    eviction.move = [this](const std::string& pipeline, Component& component, const std::string& device) {
+      EXPECT_EQ(device, "sim:1");
+      return peer.AdoptFromPeer(pipeline, component, "test");
+    };
+    h.placement.SetPeerEviction(std::move(eviction));
+  }
+  std::unique_ptr<DeviceBackend> peer_backend;
+  PlacementManager peer;
+  Harness h;
+};
+
+int64_t WeightOf(Harness& h, const std::string& name) { return h.View(name).weight_bytes; }
+
+TEST(PeerEvictionTest, ACheaperPeerAdoptsTheEvictedComponentDeviceToDevice) {
+  PeerHarness p(/*peer_bandwidth=*/1e11, /*host_bandwidth=*/1e9);
+  const int64_t te = WeightOf(p.h, "text_encoder"), tr = WeightOf(p.h, "transformer"), vae = WeightOf(p.h, "vae");
+  ASSERT_TRUE(p.h.backend->SetMemoryBudget(tr + vae).ok());  // Room for two of the three.
+  ASSERT_TRUE(p.h.Generate().ok());
+  std::vector<PlacementDecision> moves;
+  for (const PlacementDecision& d : p.h.placement.DecisionLog(100)) {
+    if (d.action == "offload_to_peer") moves.push_back(d);
+  }
+  ASSERT_EQ(moves.size(), 1u);
+  const PlacementDecision& d = moves.front();
+  EXPECT_EQ(d.to_device, "sim:1");
+  EXPECT_DOUBLE_EQ(d.d2d_seconds, static_cast<double>(d.bytes) / 1e11);
+  EXPECT_DOUBLE_EQ(d.h2d_seconds, static_cast<double>(d.bytes) / 1e9);
+  // Exact bytes: the moved component lives on the peer now, copied from device to device.
+  const DeviceMemoryStats peer = p.peer_backend->GetMemoryStats();
+  EXPECT_EQ(peer.allocated_bytes, d.bytes);
+  EXPECT_EQ(peer.peer_to_device_bytes, d.bytes);
+  EXPECT_EQ(peer.host_to_device_bytes, 0);
+  EXPECT_EQ(p.h.backend->GetMemoryStats().allocated_bytes + peer.allocated_bytes, te + tr + vae);
+  ASSERT_EQ(p.peer.Snapshot().size(), 1u);
+  EXPECT_EQ(p.peer.Snapshot()[0].id, d.component);
+  EXPECT_EQ(p.peer.Snapshot()[0].state, ComponentState::kResident);
+  for (const ComponentView& v : p.h.placement.Snapshot()) EXPECT_NE(v.id, d.component);
+  p.peer.Unregister("tiny");
+  EXPECT_EQ(p.peer_backend->GetMemoryStats().allocated_bytes, 0);
+}
+
+TEST(PeerEvictionTest, TheHostWinsWhenBringingItBackIsCheaper) {
+  PeerHarness p(/*peer_bandwidth=*/1e9, /*host_bandwidth=*/1e11);
+  const int64_t tr = WeightOf(p.h, "transformer"), vae = WeightOf(p.h, "vae");
+  ASSERT_TRUE(p.h.backend->SetMemoryBudget(tr + vae).ok());
+  ASSERT_TRUE(p.h.Generate().ok());
+  int declined = 0, offloads = 0, moved = 0;
+  for (const PlacementDecision& d : p.h.placement.DecisionLog(100)) {
+    if (d.action == "peer_declined") {
+      ++declined;
+      EXPECT_EQ(d.to_device, "");
+      EXPECT_DOUBLE_EQ(d.d2d_seconds, static_cast<double>(d.bytes) / 1e9);
+      EXPECT_DOUBLE_EQ(d.h2d_seconds, static_cast<double>(d.bytes) / 1e11);
+    }
+    offloads += d.action == "offload";
+    moved += d.action == "offload_to_peer";
+  }
+  EXPECT_GE(declined, 1);
+  EXPECT_EQ(offloads, declined);
+  EXPECT_EQ(moved, 0);
+  EXPECT_EQ(p.peer_backend->GetMemoryStats().allocated_bytes, 0);
+  EXPECT_TRUE(p.peer.Snapshot().empty());
+}
+
+}  // namespace
+}  // namespace stowage

@@ -128,7 +128,10 @@ StrategyInput PlacementManager::InputFor(const Entry& target, int64_t needed) co
 }
 
 bool PlacementManager::TryPeerEviction(Entry& entry, const std::string& reason, const std::string& cause) {
-  if (!peer_.move || cause == "out_of_memory" || entry.pipelines.size() != 1 || entry.group_offload ||
+  // Only evictions that make room before another component runs: a component evicted right after
+  // its own run (a workflow "after" rule) may run again in the same request, whose tensors are
+  // already on this device.
+  if (!peer_.move || cause != "before_run" || entry.pipelines.size() != 1 || entry.group_offload ||
       peer_.peer_bytes_per_second <= 0 || peer_.host_to_device_bytes_per_second <= 0 ||
       (peer_.eligible && !peer_.eligible(entry.pipelines.front()))) {
     return false;

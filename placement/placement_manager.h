@@ -88,8 +88,10 @@ struct PlacementDecision {
   double h2d_seconds = 0;
 };
 
-// Evicting to a peer device instead of the host. When the strategy evicts a resident component
-// (before or after a run, not in out-of-memory recovery) that only one pipeline uses and `eligible`
+// Evicting to a peer device instead of the host. When the strategy evicts a resident component to
+// make room before another runs (not after a run, not in out-of-memory recovery: a component
+// evicted after its own run may run again in the same request, whose tensors are on this device)
+// that only one pipeline uses and `eligible`
 // allows, and a peer has room for it, the manager compares moving it there now, device to device
 // (bytes / peer_bytes_per_second), with bringing it back from the host later (bytes /
 // host_to_device_bytes_per_second). When the peer is cheaper it calls `move`, which has the peer's

@@ -19,6 +19,7 @@
 #include "google/protobuf/text_format.h"
 #include "server/server.h"
 #include "tests/e2e/e2e_harness.h"
+#include "tests/e2e/http_get.h"
 
 namespace stowage {
 namespace {
@@ -59,7 +60,9 @@ constexpr char kPipelines[] = R"pb(
 class SplitPipelineTest : public ::testing::Test {
  protected:
   void Start(const std::string& pipelines) {
-    server_ = std::make_unique<E2eServer>(Config(pipelines));
+    v1::ServerConfig config = Config(pipelines);
+    config.set_metrics_address("127.0.0.1:0");
+    server_ = std::make_unique<E2eServer>(config);
     ASSERT_TRUE(server_->ok());
   }
   void TearDown() override {
@@ -166,6 +169,14 @@ TEST_F(SplitPipelineTest, EachComponentRunsOnItsDeviceWithExactPeaksAndTheSameIm
   const std::map<std::string, int64_t> rw = Weights("rsplit");
   EXPECT_EQ(usage["sim:1"]->host_to_device_bytes(), rw.at("transformer"));
   EXPECT_EQ(usage["sim:0"]->host_to_device_bytes(), rw.at("text_encoder") + rw.at("vae"));
+
+  // Metrics show each component on the device that holds it.
+  const std::string page = HttpGet(server_->server().metrics_address(), "/metrics");
+  EXPECT_NE(page.find("stowage_component_state{component=\"split/text_encoder\",state=\"resident\",device=\"sim:1\"} 1"),
+            std::string::npos);
+  EXPECT_NE(page.find("stowage_component_state{component=\"split/transformer\",state=\"resident\",device=\"sim:0\"} 1"),
+            std::string::npos);
+  EXPECT_EQ(page.find("component=\"split/text_encoder\",state=\"resident\",device=\"sim:0\""), std::string::npos);
 
   // The placement log of the peer names the request that placed the component.
   v1::GetPlacementLogRequest log_request;
@@ -381,21 +392,34 @@ TEST_F(SplitPipelineTest, UnloadingASplitPipelineEmptiesBothDevicesAndItLoadsAga
   }
 }
 
-// Peer eviction (DeviceConfig.peer_bandwidth_bytes_per_second): a rule evicts the text encoder
-// after it ran; with a fast peer link and a slow host link it moves to sim:1 (device to device) and
-// runs there from then on; with the links the other way round it goes to the host. Both costs are
-// in the decision log either way.
+// Peer eviction (DeviceConfig.peer_bandwidth_bytes_per_second): sim:0's budget holds the
+// transformer and the VAE, not the text encoder too, so the transformer's first run evicts the text
+// encoder. With a fast peer link and a slow host link it moves to sim:1 (device to device) and runs
+// there from then on; with the links the other way round it goes to the host. Both costs are in the
+// decision log either way.
+std::map<std::string, int64_t> ZImageTinyWeights() {
+  E2eServer probe(Config(R"pb(pipelines { name: "p" builtin: "zimage-tiny" })pb"));
+  v1::ListPipelinesResponse list;
+  grpc::ClientContext context;
+  EXPECT_TRUE(probe.generation().ListPipelines(&context, v1::ListPipelinesRequest(), &list).ok());
+  std::map<std::string, int64_t> out;
+  for (const auto& c : list.pipelines(0).components()) out[c.name()] = c.weight_bytes();
+  return out;
+}
+
 v1::ServerConfig PeerConfig(int64_t peer_bandwidth, int64_t host_bandwidth) {
+  const std::map<std::string, int64_t> w = ZImageTinyWeights();
   v1::ServerConfig config;
-  EXPECT_TRUE(google::protobuf::TextFormat::MergeFromString(absl::StrCat(R"pb(
-    devices { kind: KIND_SIMULATED index: 0 peer_bandwidth_bytes_per_second: )pb", peer_bandwidth,
-                             R"pb( host_to_device_bandwidth_bytes_per_second: )pb", host_bandwidth, R"pb( }
+  EXPECT_TRUE(google::protobuf::TextFormat::MergeFromString(
+      absl::StrCat(R"pb(
+    devices { kind: KIND_SIMULATED index: 0 memory_budget_bytes: )pb", w.at("transformer") + w.at("vae"),
+                   R"pb( peer_bandwidth_bytes_per_second: )pb", peer_bandwidth,
+                   R"pb( host_to_device_bandwidth_bytes_per_second: )pb", host_bandwidth, R"pb( }
     devices { kind: KIND_SIMULATED index: 1 }
     pipelines { name: "p" builtin: "zimage-tiny" devices: "sim:0" }
     pipelines { name: "q" builtin: "zimage-tiny" devices: "sim:1" weight_seed: 9 }
-    strategy { workflow { rules { after { component: "text_encoder" offload: "text_encoder" } } } }
   )pb"),
-                                                            &config));
+      &config));
   return config;
 }
 
@@ -414,7 +438,7 @@ TEST_F(SplitPipelineTest, PeerEvictionMovesToThePeerWhenThatIsCheaperWithBothCos
   const std::map<std::string, int64_t> w = Weights("p");
   v1::GenerateResponse first;
   ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("p", 4), &first).ok());
-  // Evicted after it ran: moved to sim:1, resident there, gone from sim:0.
+  // Evicted for the transformer: moved to sim:1, resident there, gone from sim:0.
   EXPECT_EQ(DeviceBytes("sim:0").count("p/text_encoder"), 0u);
   EXPECT_EQ(DeviceBytes("sim:1")["p/text_encoder"], w.at("text_encoder"));
   EXPECT_EQ(Placement("sim:0").allocated_bytes(), w.at("transformer") + w.at("vae"));
@@ -461,6 +485,7 @@ TEST_F(SplitPipelineTest, PeerEvictionChoosesTheHostWhenThatIsCheaperWithBothCos
   v1::GenerateResponse first, second;
   ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("p", 4), &first).ok());
   EXPECT_EQ(DeviceBytes("sim:0")["p/text_encoder"], 0);  // Offloaded to the host, still registered here.
+  EXPECT_EQ(Placement("sim:0").allocated_bytes(), w.at("transformer") + w.at("vae"));
   EXPECT_EQ(DeviceBytes("sim:1").count("p/text_encoder"), 0u);
   const std::vector<v1::PlacementDecision> log = Log(*server_, "sim:0");
   int declined = -1, offloaded = -1;

@@ -80,6 +80,12 @@ set +e
 out=$(ctl placement --device=sim:4 2>&1); rc=$?
 set -e
 [ $rc -eq 1 ] && grep -q "device 'sim:4' is not one of this server's: sim:0" <<<"$out" || fail "placement --device=sim:4: $out"
+# move-component reaches MoveComponent (one device here: nothing to move to).
+set +e
+out=$(ctl move-component --pipeline=zimage-tiny --component=vae --device=sim:0 2>&1); rc=$?
+set -e
+[ $rc -eq 1 ] && grep -q "component 'vae' of pipeline 'zimage-tiny' is already on sim:0; nothing to move" <<<"$out" ||
+  fail "move-component: $out"
 set +e
 ctl enable-group-offload --options='use_stream: true' >/dev/null 2>&1; rc=$?
 set -e

@@ -240,5 +240,85 @@ TEST_F(ModelDirTest, BrokenWeightFilesAreRefusedNamingTheFile) {
   EXPECT_TRUE(server_->Generate(E2eServer::SmallRequest("good")).ok());
 }
 
+// A diffusers-format Flux.1 folder (the committed reference fixture, written by diffusers'
+// FluxPipeline.save_pretrained: text_encoder_2 / tokenizer_2, CLIP vocab.json + merges.txt, T5
+// spiece.model) loads through the admin API and serves; the same seed gives the same image, another
+// prompt another; a negative prompt is refused; broken Flux folders are refused naming the folder.
+TEST_F(ModelDirTest, FluxDirectoryLoadsServesAndBrokenOnesAreRefused) {
+  source_ = "tests/fixtures/flux_tiny/pipeline";
+  ASSERT_TRUE(Exists(source_ + "/model_index.json")) << "fixture missing";
+  v1::LoadPipelineResponse loaded;
+  const grpc::Status load = Load(FreshCopy(), "flux", &loaded);
+  ASSERT_TRUE(load.ok()) << load.error_message();
+  EXPECT_NE(loaded.pipeline().description().find("Flux.1 [dev]"), std::string::npos)
+      << loaded.pipeline().description();
+  v1::GenerateRequest request = E2eServer::SmallRequest("flux", 11);
+  request.set_width(80);
+  request.set_num_inference_steps(3);
+  v1::GenerateResponse a, b, c;
+  const grpc::Status first = server_->Generate(request, &a);
+  ASSERT_TRUE(first.ok()) << first.error_message();
+  EXPECT_EQ(a.width(), 80);
+  EXPECT_EQ(a.height(), 64);
+  EXPECT_EQ(a.image().substr(1, 3), "PNG");
+  ASSERT_TRUE(server_->Generate(request, &b).ok());
+  EXPECT_EQ(a.image(), b.image());
+  request.set_prompt("a red lantern");
+  ASSERT_TRUE(server_->Generate(request, &c).ok());
+  EXPECT_NE(a.image(), c.image());
+  request.set_negative_prompt("blurry");
+  const grpc::Status negative = server_->Generate(request);
+  EXPECT_EQ(negative.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(negative.error_message().find("negative_prompt"), std::string::npos) << negative.error_message();
+  Unload("flux");
+
+  struct Case {
+    std::string name;
+    std::function<void(const std::string& dir)> corrupt;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {"T5 weights missing", [](const std::string& dir) { ::unlink((dir + "/text_encoder_2/model.safetensors").c_str()); },
+       "text_encoder_2"},
+      {"T5 vocabulary smaller than its tokenizer's ids",
+       [](const std::string& dir) {
+         std::string config = ReadAll(dir + "/text_encoder_2/config.json");
+         const std::string field = "\"vocab_size\": 48";
+         const size_t at = config.find(field);
+         ASSERT_NE(at, std::string::npos) << config;
+         config.replace(at, field.size(), "\"vocab_size\": 4");
+         WriteAll(dir + "/text_encoder_2/config.json", config);
+       },
+       "tokenizer_2"},
+      {"spiece.model garbage", [](const std::string& dir) { WriteAll(dir + "/tokenizer_2/spiece.model", "not a model"); },
+       "tokenizer_2"},
+      {"CLIP merges missing", [](const std::string& dir) { ::unlink((dir + "/tokenizer/merges.txt").c_str()); },
+       "tokenizer"},
+      {"transformer text width disagrees with T5",
+       [](const std::string& dir) {
+         std::string config = ReadAll(dir + "/transformer/config.json");
+         const std::string field = "\"joint_attention_dim\": 32";
+         const size_t at = config.find(field);
+         ASSERT_NE(at, std::string::npos) << config;
+         config.replace(at, field.size(), "\"joint_attention_dim\": 48");
+         WriteAll(dir + "/transformer/config.json", config);
+       },
+       "joint_attention_dim"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string dir = FreshCopy();
+    c.corrupt(dir);
+    const std::string name = "f" + std::to_string(copies_);
+    const grpc::Status s = Load(dir, name, &loaded);
+    EXPECT_TRUE(s.error_code() == grpc::INVALID_ARGUMENT || s.error_code() == grpc::NOT_FOUND)  // NOT_FOUND: a missing file.
+        << s.error_code() << " " << s.error_message();
+    EXPECT_NE(s.error_message().find(c.needle), std::string::npos) << s.error_message();
+    EXPECT_LT(s.error_message().size(), 1000u);
+    Unload(name);
+    ASSERT_TRUE(HealthServing(server_->channel()));
+  }
+}
+
 }  // namespace
 }  // namespace stowage

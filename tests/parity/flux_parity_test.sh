@@ -15,19 +15,11 @@ bf16=${STOWAGE_PARITY_BF16_TOLERANCE:-3e-2}
 [ -x "$check" ] || { echo "missing $check"; exit 1; }
 [ -d "$fixtures" ] || { echo "missing $fixtures"; exit 1; }
 
-# Not yet checked: the committed fixtures' T5 tokenizer is broken (transformers 5.17's
-# T5TokenizerFast(vocab_file=...) ignored the SentencePiece model and built a 4-piece vocabulary, so
-# the reference pipeline's T5 ids and images came from it); make_flux_fixtures.py now builds the T5
-# tokenizer from spiece.model and refuses to write ids that differ from SentencePiece's own. Until the
-# fixtures are regenerated on the GPU host, the T5 ids and the whole-pipeline images are skipped here
-# (the T5 tokenizer's ids are checked against libsentencepiece in //tests/models:t5_tokenizer_test).
-skip="t5 tokenizer,pipeline"
-
 echo "== committed fixtures"
-"$check" "$fixtures" --bf16_tolerance="$bf16" --skip="$skip" | tee "$TEST_TMPDIR/ok.txt"
+"$check" "$fixtures" --bf16_tolerance="$bf16" | tee "$TEST_TMPDIR/ok.txt"
 grep -q "parity: all checks passed" "$TEST_TMPDIR/ok.txt"
 n=$(grep -c ' ok$' "$TEST_TMPDIR/ok.txt")
-[ "$n" -eq 12 ] || { echo "expected 12 passing checks, saw $n"; exit 1; }
+[ "$n" -eq 15 ] || { echo "expected 15 passing checks, saw $n"; exit 1; }
 
 source "$(dirname "$0")/parity_lib.sh"
 
@@ -42,4 +34,9 @@ cp -rL "$fixtures" "$TEST_TMPDIR/p" && chmod -R u+w "$TEST_TMPDIR/p"
 perturb "$TEST_TMPDIR/p/t5/model.safetensors" encoder.block.0.layer.1.DenseReluDense.wo.weight
 expect_failure t5 "$TEST_TMPDIR/p" "t5 last_hidden_state float32"
 grep -Eq "^clip pooled float32 .* ok$" "$TEST_TMPDIR/t5.txt"
+echo "== pipeline transformer weight changed"
+cp -rL "$fixtures" "$TEST_TMPDIR/q" && chmod -R u+w "$TEST_TMPDIR/q"
+perturb "$TEST_TMPDIR/q/pipeline/transformer/diffusion_pytorch_model.safetensors" proj_out.weight
+expect_failure pipeline "$TEST_TMPDIR/q" "pipeline image 0"
+grep -Eq "^t5 tokenizer ids .* ok$" "$TEST_TMPDIR/pipeline.txt"
 echo "parity test: ok"

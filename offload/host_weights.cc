@@ -1,5 +1,9 @@
 #include "offload/host_weights.h"
 
+#include <unistd.h>
+
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "offload/safetensors.h"
 
@@ -21,6 +25,51 @@ absl::StatusOr<std::unique_ptr<HostWeights>> HostWeights::Capture(Module& root) 
   });
   if (!status.ok()) return status;
   return weights;
+}
+
+std::vector<std::pair<uintptr_t, uintptr_t>> MergedPageRanges(const std::vector<const at::Tensor*>& tensors) {
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
+  for (const at::Tensor* t : tensors) {
+    if (t->nbytes() == 0) continue;
+    const auto begin = reinterpret_cast<uintptr_t>(t->data_ptr());
+    const uintptr_t end = begin + t->nbytes();
+    ranges.emplace_back(begin / page * page, (end + page - 1) / page * page);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<uintptr_t, uintptr_t>> merged;
+  for (const auto& r : ranges) {
+    if (!merged.empty() && r.first < merged.back().second) {
+      merged.back().second = std::max(merged.back().second, r.second);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  return merged;
+}
+
+HostWeights::~HostWeights() { Unpin(); }
+
+absl::Status HostWeights::PinInPlace(DeviceBackend& backend) {
+  if (pinned_by_ != nullptr) return absl::OkStatus();
+  std::vector<const at::Tensor*> hosts;
+  hosts.reserve(entries_.size());
+  for (const Entry& e : entries_) hosts.push_back(&e.host);
+  auto lease = HostPins::Global().Pin(backend, MergedPageRanges(hosts));
+  if (!lease.ok()) {
+    return absl::Status(lease.status().code(),
+                        absl::StrCat("pinning ", bytes_, " bytes of host copies in place: ", lease.status().message()));
+  }
+  pinned_ = *std::move(lease);
+  pinned_by_ = &backend;
+  return absl::OkStatus();
+}
+
+void HostWeights::Unpin() {
+  if (pinned_by_ == nullptr) return;
+  pinned_by_->Synchronize();  // No copy may still read the pages.
+  pinned_.Release();
+  pinned_by_ = nullptr;
 }
 
 absl::Status HostWeights::OnloadAll(DeviceBackend& backend) {
@@ -73,6 +122,7 @@ absl::Status HostWeights::CheckSourceFiles() const {
 }
 
 void HostWeights::ReplaceHost(Entry& entry, at::Tensor host) {
+  Unpin();  // The old host tensor may be freed: nothing of it may stay registered.
   const bool pointed_at_host = entry.slot->value.defined() && entry.slot->value.is_same(entry.host);
   entry.host = std::move(host);
   if (pointed_at_host) entry.slot->value = entry.host;

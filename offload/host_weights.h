@@ -10,12 +10,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/statusor.h"
 #include "offload/device_backend.h"
+#include "offload/host_pins.h"
 #include "offload/module.h"
 
 namespace stowage {
@@ -49,8 +51,26 @@ class HostWeights {
   // Points every slot at its host copy (for CPU execution without a device).
   void PointAtHost();
   // Replaces an entry's host tensor (same shape and dtype), e.g. to move it into a pinned arena.
-  // Slots that pointed at the old host tensor are repointed.
+  // Slots that pointed at the old host tensor are repointed. Unpins the weights first if pinned.
   void ReplaceHost(Entry& entry, at::Tensor host);
+
+  // Page-locks the host copies where they are (heap, or a safetensors file's read-only mapping):
+  // their page ranges, merged, are locked through `backend` and the process's HostPins (pages that
+  // another component's copies share are shared, not registered twice), so OnloadAll copies at the link's full speed
+  // with no second copy in RAM. Pinned pages stay in RAM (a mapping's pages stay counted in the
+  // process's RSS). OK and nothing changes when already pinned. On failure (a host that refuses to
+  // lock that much memory: RLIMIT_MEMLOCK) nothing stays registered and the status is returned;
+  // copies then run from pageable memory as before.
+  absl::Status PinInPlace(DeviceBackend& backend);
+  // Synchronizes the backend that pinned them (no copy may still read the pages) and unregisters
+  // every range. Nothing when not pinned. Called by the destructor too.
+  void Unpin();
+  // Bytes of page ranges pinned by PinInPlace (0 when not pinned).
+  int64_t pinned_in_place_bytes() const { return pinned_.bytes(); }
+
+  ~HostWeights();
+  HostWeights(const HostWeights&) = delete;
+  HostWeights& operator=(const HostWeights&) = delete;
 
   // OK unless a host copy is still a view of a safetensors file that changed on disk since it was
   // mapped (SafetensorsFile::CheckUnchanged: truncated, rewritten in place, or damaged by a read
@@ -63,7 +83,14 @@ class HostWeights {
   std::vector<Entry> entries_;
   int64_t bytes_ = 0;
   int64_t parameter_count_ = 0;
+  DeviceBackend* pinned_by_ = nullptr;  // Set while pinned in place.
+  HostPinLease pinned_;
 };
+
+// The page-rounded address ranges [begin, end) of `tensors`' bytes, sorted, overlapping and
+// adjacent-page ranges merged (tensors packed back to back share pages: a range registered with the
+// device must never be registered twice, and a copy must never run past a registered range's end).
+std::vector<std::pair<uintptr_t, uintptr_t>> MergedPageRanges(const std::vector<const at::Tensor*>& tensors);
 
 }  // namespace stowage
 

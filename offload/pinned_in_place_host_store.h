@@ -4,8 +4,9 @@
 //
 // The page-rounded ranges of every group's tensors, resident groups included (tensors packed back
 // to back in a safetensors file share pages, so a copy must never start inside a registered range
-// and run past its end), are merged and registered once each: read-only first, which a read-only
-// file mapping needs, then plain. Create fails with the backend's status when the host refuses (for
+// and run past its end), are merged and locked through the process's HostPins (pages another
+// component already locked are shared): read-only first, which a read-only file mapping needs,
+// then plain. Create fails with the backend's status when the host refuses (for
 // example a low RLIMIT_MEMLOCK); nothing stays registered then, and the factory stages instead.
 //
 // Thread-safety: as HostStore (offload/host_store.h).
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "offload/host_pins.h"
 #include "offload/host_store.h"
 
 namespace stowage {
@@ -34,11 +36,10 @@ class PinnedInPlaceHostStore final : public HostStore {
  private:
   PinnedInPlaceHostStore(DeviceBackend& backend, std::vector<StoreGroup> groups)
       : backend_(&backend), groups_(std::move(groups)) {}
-  void Unregister();
 
   DeviceBackend* backend_;
   std::vector<StoreGroup> groups_;
-  std::vector<void*> registered_;
+  HostPinLease pinned_;
   HostStoreStats stats_;
 };
 

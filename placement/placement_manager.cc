@@ -89,7 +89,12 @@ PlacementManager::PlacementManager(DeviceBackend* backend)
     : backend_(backend), strategy_(MakeFootprintStrategy(0)) {}
 
 PlacementManager::~PlacementManager() {
-  for (auto& entry : entries_) entry->group_offload.reset();
+  for (auto& entry : entries_) {
+    entry->group_offload.reset();
+    // Components may outlive this manager (shared through the component cache): nothing of theirs
+    // may stay registered through a backend that may go with it. Moved entries belong to a peer now.
+    if (!entry->moved) entry->component->host_weights().Unpin();
+  }
 }
 
 int64_t PlacementManager::FreeBytes() const { return backend_->GetMemoryStats().free_bytes(); }
@@ -157,7 +162,12 @@ bool PlacementManager::TryPeerEviction(Entry& entry, const std::string& reason, 
   d.h2d_seconds = h2d;
   const int64_t before = FreeBytes();
   absl::Status moved = absl::CancelledError("the host is cheaper");
-  if (d2d < h2d) moved = peer_.move(entry.pipelines.front(), *entry.component, best);
+  if (d2d < h2d) {
+    // The peer's placement pins the host copies with its own backend when it adopts them.
+    entry.component->host_weights().Unpin();
+    moved = peer_.move(entry.pipelines.front(), *entry.component, best);
+    if (!moved.ok()) PinHost(entry);  // Still ours.
+  }
   if (!moved.ok()) {
     // Recorded as the host offload's companion: why the peer was not taken.
     d.time = absl::Now();
@@ -214,6 +224,7 @@ absl::Status PlacementManager::AdoptFromPeer(const std::string& pipeline, Compon
   entry->lifecycle = ComponentLifecycle::kReady;
   entry->last_use = absl::Now();
   entries_.push_back(std::move(entry));
+  PinHost(*entries_.back());  // Nothing when the peer that had it pinned them already.
   ++counters_.onloads;
   counters_.onload_bytes += bytes;
   Record(absl::StrCat(pipeline, "/", component.name()), "onload_from_peer", bytes, before, reason);
@@ -322,6 +333,10 @@ std::string PlacementManager::SetStrategy(std::unique_ptr<OffloadStrategy> strat
 
 std::vector<std::string> PlacementManager::Warnings() const {
   std::vector<std::string> warnings;
+  for (const auto& [id, why] : pin_failures_) {
+    warnings.push_back(absl::StrCat("host copies of '", id, "' are not pinned (", why,
+                                    "): moving it onto the device runs at pageable-memory speed"));
+  }
   if (!strategy_->footprint_based()) return warnings;
   for (const auto& e : entries_) {
     if (e->group_offload) {
@@ -356,7 +371,25 @@ absl::Status PlacementManager::Register(const std::string& pipeline, Component* 
   entry->pipelines.push_back(pipeline);
   component->host_weights().OffloadAll();
   entries_.push_back(std::move(entry));
+  PinHost(*entries_.back());
   return absl::OkStatus();
+}
+
+void PlacementManager::PinHost(Entry& entry) {
+  if (!pin_host_copies_ || entry.group_offload) return;
+  HostWeights& weights = entry.component->host_weights();
+  if (weights.pinned_in_place_bytes() > 0) return;
+  const int64_t before = FreeBytes();
+  const absl::Status pinned = weights.PinInPlace(*backend_);
+  if (pinned.ok()) {
+    pin_failures_.erase(entry.id);
+    Record(entry.id, "pin_host", weights.pinned_in_place_bytes(), before,
+           "host copies page-locked in place: moves onto the device run at the link's speed");
+    return;
+  }
+  pin_failures_[entry.id] = std::string(pinned.message());
+  Record(entry.id, "pin_failed", 0, before,
+         absl::StrCat("host copies stay pageable (moves run at pageable-memory speed): ", pinned.message()));
 }
 
 void PlacementManager::Unregister(const std::string& pipeline) {
@@ -373,6 +406,8 @@ void PlacementManager::Unregister(const std::string& pipeline) {
     e.component->host_weights().OffloadAll();
     backend_->Synchronize();
     backend_->ReleaseCachedMemory();
+    e.component->host_weights().Unpin();
+    pin_failures_.erase(e.id);
     Record(e.id, "unregister", e.component->weight_bytes(), before, absl::StrCat("pipeline '", pipeline, "' unloaded"));
     it = entries_.erase(it);
   }
@@ -391,6 +426,8 @@ absl::Status PlacementManager::UnregisterComponent(const std::string& pipeline, 
     e.component->host_weights().OffloadAll();
     backend_->Synchronize();
     backend_->ReleaseCachedMemory();
+    e.component->host_weights().Unpin();
+    pin_failures_.erase(e.id);
     Record(e.id, "unregister", e.component->weight_bytes(), before, reason);
     entries_.erase(it);
     return absl::OkStatus();
@@ -570,9 +607,13 @@ absl::Status PlacementManager::EnableLocked(Entry& entry, const GroupOffloadOpti
   // One directory per component under the configured one.
   std::string name = entry.id;
   std::replace(name.begin(), name.end(), '/', '_');
-  ASSIGN_OR_RETURN(entry.group_offload, GroupOffloader::Apply(name, component.module(),
-                                                              component.host_weights(), *backend_,
-                                                              effective));
+  component.host_weights().Unpin();  // The group offloader's host store manages the host memory now.
+  auto applied = GroupOffloader::Apply(name, component.module(), component.host_weights(), *backend_, effective);
+  if (!applied.ok()) {
+    PinHost(entry);
+    return applied.status();
+  }
+  entry.group_offload = *std::move(applied);
   entry.state = entry.group_offload->stats().resident_groups > 0 ? ComponentState::kPartiallyResident
                                                                  : ComponentState::kGroupOffloaded;
   return absl::OkStatus();
@@ -617,6 +658,7 @@ absl::Status PlacementManager::EnablePipelineGroupOffload(const std::string& pip
       for (size_t j = 0; j < i; ++j) {  // All or nothing.
         targets[j]->group_offload.reset();
         targets[j]->state = ComponentState::kOffloaded;
+        PinHost(*targets[j]);
       }
       return status;
     }
@@ -631,6 +673,7 @@ absl::Status PlacementManager::DisableGroupOffload(const std::string& id) {
   }
   entry->group_offload.reset();
   entry->state = ComponentState::kOffloaded;
+  PinHost(*entry);
   return absl::OkStatus();
 }
 

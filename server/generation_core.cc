@@ -153,6 +153,9 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
   core->placement_ = std::make_unique<PlacementManager>(core->backend_.get());
   core->placement_->set_prefetch_next_component(
       !config.device().has_prefetch_next_component() || config.device().prefetch_next_component());
+  core->placement_->set_pin_host_copies(config.device().has_pin_host_copies()
+                                            ? config.device().pin_host_copies()
+                                            : config.device().memory_budget_bytes() > 0);
   if (config.device().peer_bandwidth_bytes_per_second() > 0) {
     PeerEviction peer;
     peer.peer_bytes_per_second = static_cast<double>(config.device().peer_bandwidth_bytes_per_second());

@@ -4,6 +4,7 @@
 // unbudgeted device (placement moves weights, never changes results), the device peak of every
 // request stays within the budget, and the placement log says why each move happened.
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -95,14 +96,20 @@ TEST(TwoPipelinesTest, AlternatingAndConcurrentRequestsShareOneBudgetWithUnchang
   v1::GetPlacementLogResponse log;
   ASSERT_TRUE(server.admin().GetPlacementLog(E2eServer::Authed().get(), request, &log).ok());
   std::map<std::string, int> offloads;
+  std::set<std::string> pinned;
   for (const auto& d : log.decisions()) {
     EXPECT_FALSE(d.reason().empty()) << d.component() << " " << d.action();
     EXPECT_FALSE(d.strategy().empty()) << d.component();
     EXPECT_GE(d.free_after(), 0) << d.component() << " " << d.action();
     if (d.action() == "offload") ++offloads[d.component().substr(0, d.component().find('/'))];
+    if (d.action() == "pin_host") pinned.insert(d.component());
+    EXPECT_NE(d.action(), "pin_failed") << d.reason();
   }
   EXPECT_GT(offloads["z"], 0) << log.DebugString();
   EXPECT_GT(offloads["f"], 0) << log.DebugString();
+  // With a budget the host copies are pinned in place by default (moves at the link's speed): every
+  // component of both pipelines.
+  EXPECT_EQ(pinned.size(), 7u) << log.DebugString();
   EXPECT_TRUE(HealthServing(server.channel()));
 }
 

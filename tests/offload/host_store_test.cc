@@ -7,6 +7,7 @@
 #include "offload/host_store.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <memory>
 #include <string>
@@ -17,6 +18,7 @@
 
 #include "offload/device_backend.h"
 #include "offload/group_plan.h"
+#include "offload/host_pins.h"
 #include "offload/host_store_factory.h"
 #include "offload/host_weights.h"
 #include "tests/offload/stack_model.h"
@@ -200,6 +202,117 @@ std::vector<StoreCase> Cases() {
 
 INSTANTIATE_TEST_SUITE_P(Stores, HostStoreConformanceTest, ::testing::ValuesIn(Cases()),
                          [](const ::testing::TestParamInfo<StoreCase>& info) { return info.param.name; });
+
+// HostWeights::PinInPlace registers the host copies' merged page ranges once each: a second
+// registration of any of them is refused while pinned (so they really are registered) and succeeds
+// after Unpin; onloading from pinned copies gives the same weights; a host that refuses to lock
+// memory leaves nothing registered; ReplaceHost and the destructor unpin.
+TEST(HostWeightsPinningTest, PinInPlaceRegistersEveryRangeOnceAndUnpinReleasesThem) {
+  StackModel model;
+  std::unique_ptr<HostWeights> weights = *HostWeights::Capture(model);
+  std::vector<const at::Tensor*> hosts;
+  for (const HostWeights::Entry& e : weights->entries()) hosts.push_back(&e.host);
+  const auto ranges = MergedPageRanges(hosts);
+  ASSERT_FALSE(ranges.empty());
+  int64_t range_bytes = 0;
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    EXPECT_LT(ranges[i].first, ranges[i].second);
+    if (i > 0) EXPECT_LE(ranges[i - 1].second, ranges[i].first);  // Sorted, disjoint.
+    range_bytes += static_cast<int64_t>(ranges[i].second - ranges[i].first);
+  }
+  EXPECT_GE(range_bytes, weights->bytes());
+
+  auto backend = CreateSimulatedBackend({});
+  void* first = reinterpret_cast<void*>(ranges.front().first);
+  const auto first_size = static_cast<int64_t>(ranges.front().second - ranges.front().first);
+  ASSERT_TRUE(weights->PinInPlace(*backend).ok());
+  EXPECT_EQ(weights->pinned_in_place_bytes(), range_bytes);
+  ASSERT_TRUE(weights->PinInPlace(*backend).ok());  // Already pinned: nothing changes.
+  EXPECT_EQ(weights->pinned_in_place_bytes(), range_bytes);
+  EXPECT_EQ(backend->RegisterHostMemory(first, first_size, false).code(), absl::StatusCode::kAlreadyExists);
+
+  ASSERT_TRUE(weights->OnloadAll(*backend).ok());
+  for (const HostWeights::Entry& e : weights->entries()) {
+    EXPECT_TRUE(at::equal(e.slot->value.cpu(), e.host)) << e.module->SlotPath(*e.slot);
+  }
+  weights->OffloadAll();
+
+  weights->Unpin();
+  EXPECT_EQ(weights->pinned_in_place_bytes(), 0);
+  ASSERT_TRUE(backend->RegisterHostMemory(first, first_size, false).ok());
+  ASSERT_TRUE(backend->UnregisterHostMemory(first).ok());
+
+  // ReplaceHost unpins (the old host tensor may be freed).
+  ASSERT_TRUE(weights->PinInPlace(*backend).ok());
+  HostWeights::Entry& entry = weights->entries().front();
+  weights->ReplaceHost(entry, entry.host.clone());
+  EXPECT_EQ(weights->pinned_in_place_bytes(), 0);
+  ASSERT_TRUE(backend->RegisterHostMemory(first, first_size, false).ok());
+  ASSERT_TRUE(backend->UnregisterHostMemory(first).ok());
+
+  // The destructor unpins: the memory (kept alive here) can be registered again.
+  std::vector<at::Tensor> keep;
+  for (const HostWeights::Entry& e : weights->entries()) keep.push_back(e.host);
+  std::vector<const at::Tensor*> kept;
+  for (const at::Tensor& t : keep) kept.push_back(&t);
+  const auto kept_ranges = MergedPageRanges(kept);
+  ASSERT_TRUE(weights->PinInPlace(*backend).ok());
+  weights.reset();
+  for (const auto& r : kept_ranges) {
+    void* ptr = reinterpret_cast<void*>(r.first);
+    EXPECT_TRUE(backend->RegisterHostMemory(ptr, static_cast<int64_t>(r.second - r.first), false).ok());
+    EXPECT_TRUE(backend->UnregisterHostMemory(ptr).ok());
+  }
+
+  // A host that refuses to lock memory: the status says so and nothing stays registered.
+  SimulatedBackendOptions refusing;
+  refusing.refuse_host_registration = true;
+  auto strict = CreateSimulatedBackend(refusing);
+  StackModel other;
+  std::unique_ptr<HostWeights> refused = *HostWeights::Capture(other);
+  const absl::Status status = refused->PinInPlace(*strict);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(std::string(status.message()).find("pinning"), std::string::npos) << status;
+  EXPECT_EQ(refused->pinned_in_place_bytes(), 0);
+  ASSERT_TRUE(refused->OnloadAll(*strict).ok());  // Copies still work, from pageable memory.
+}
+
+// HostPins shares pages between users: a range overlapping one already locked registers only its
+// new pages, and a segment stays registered until its last user releases it.
+TEST(HostPinsTest, OverlappingUsersShareSegmentsUntilTheLastReleases) {
+  auto backend = CreateSimulatedBackend({});
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  at::Tensor memory = at::empty({static_cast<int64_t>(8 * page)}, at::kByte);
+  const uintptr_t base = (reinterpret_cast<uintptr_t>(memory.data_ptr()) + page - 1) / page * page;
+  HostPins& pins = HostPins::Global();
+  const int64_t before = pins.registered_bytes();
+  auto a = pins.Pin(*backend, {{base, base + 3 * page}});
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto b = pins.Pin(*backend, {{base + 2 * page, base + 5 * page}});  // Shares page 2.
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->bytes(), static_cast<int64_t>(3 * page));
+  EXPECT_EQ(pins.registered_bytes() - before, static_cast<int64_t>(5 * page));  // Each page once.
+  a->Release();
+  // a's segment [0, 3) is still held by b (it shares page 2): nothing unregistered yet.
+  EXPECT_EQ(pins.registered_bytes() - before, static_cast<int64_t>(5 * page));
+  EXPECT_EQ(backend->RegisterHostMemory(reinterpret_cast<void*>(base), static_cast<int64_t>(page), false).code(),
+            absl::StatusCode::kAlreadyExists);
+  b->Release();
+  EXPECT_EQ(pins.registered_bytes(), before);
+  ASSERT_TRUE(backend->RegisterHostMemory(reinterpret_cast<void*>(base), static_cast<int64_t>(5 * page), false).ok());
+  ASSERT_TRUE(backend->UnregisterHostMemory(reinterpret_cast<void*>(base)).ok());
+
+  // A refused registration leaves nothing behind, including the shared references it took.
+  auto c = pins.Pin(*backend, {{base, base + 2 * page}});
+  ASSERT_TRUE(c.ok());
+  SimulatedBackendOptions refusing;
+  refusing.refuse_host_registration = true;
+  auto strict = CreateSimulatedBackend(refusing);
+  auto d = pins.Pin(*strict, {{base + page, base + 4 * page}});  // Shares page 1, then must register.
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kResourceExhausted);
+  c->Release();
+  EXPECT_EQ(pins.registered_bytes(), before);
+}
 
 TEST(HostStoreFactoryTest, CompressionNeedsThePinnedTarget) {
   HostStoreOptions options;

@@ -136,6 +136,88 @@ TEST(PlacementManagerTest, GroupOffloadedComponentPlacesItselfAndKeepsTheImageEx
 // groups are copied while the current one computes and its slots kept, so its forward finds them
 // ready (no synchronous onload), where without the hint its slots were given back while the other
 // component ran and its first group waited for its copy.
+// Pinned host copies: registered components are pinned in place ("pin_host" decisions), group
+// offloading unpins one first (its own pinned-in-place store then registers the same pages without a
+// clash, and the image stays exact), disabling pins it again, unloading unpins; a host that refuses
+// to lock memory leaves the copies pageable with a warning; off by default.
+TEST(PlacementManagerTest, PinnedHostCopiesFollowTheComponentsLifecycle) {
+  Harness plain;
+  auto expected = plain.Generate();
+  ASSERT_TRUE(expected.ok());
+  for (const ComponentView& v : plain.placement.Snapshot()) {
+    EXPECT_EQ(plain.pipeline->components().front()->host_weights().pinned_in_place_bytes(), 0) << v.id;  // Off by default.
+  }
+
+  auto backend = CreateSimulatedBackend({});
+  std::unique_ptr<Pipeline> pipeline = *CreateTinyPipeline({});
+  PlacementManager placement(backend.get());
+  placement.set_pin_host_copies(true);
+  auto component = [&](const std::string& name) -> Component& {
+    for (Component* c : pipeline->components()) {
+      if (c->name() == name) return *c;
+    }
+    ADD_FAILURE() << "no component " << name;
+    return *pipeline->components().front();
+  };
+  for (Component* c : pipeline->components()) ASSERT_TRUE(placement.Register("tiny", c).ok());
+  int pins = 0;
+  for (const PlacementDecision& d : placement.DecisionLog(100)) {
+    if (d.action == "pin_host") {
+      ++pins;
+      EXPECT_GE(d.bytes, 1);
+    }
+  }
+  EXPECT_EQ(pins, static_cast<int>(pipeline->components().size()));
+  for (Component* c : pipeline->components()) {
+    EXPECT_GE(c->host_weights().pinned_in_place_bytes(), c->weight_bytes()) << c->name();
+  }
+  RunContext context(nullptr, nullptr);
+  GenerationParams params;
+  params.prompt = "a harbour";
+  params.width = 64;
+  params.height = 64;
+  params.steps = 2;
+  params.seed = 3;
+  auto image = pipeline->Run(params, placement, context);
+  ASSERT_TRUE(image.ok()) << image.status();
+  EXPECT_EQ(image->rgb, expected->rgb);
+
+  GroupOffloadOptions options;
+  options.use_stream = true;
+  options.target = OffloadTarget::kPageableHost;  // Pins the pages itself: they must be free to pin.
+  ASSERT_TRUE(placement.EnableGroupOffload("tiny/transformer", options).ok());
+  EXPECT_EQ(component("transformer").host_weights().pinned_in_place_bytes(), 0);
+  auto stats = placement.GroupOffloadStatsOf("tiny/transformer");
+  ASSERT_TRUE(stats.ok());
+  EXPECT_GT(stats->pinned_in_place_bytes, 0) << stats->pin_in_place_error;  // Its store pinned them, not staged.
+  image = pipeline->Run(params, placement, context);
+  ASSERT_TRUE(image.ok()) << image.status();
+  EXPECT_EQ(image->rgb, expected->rgb);
+  ASSERT_TRUE(placement.DisableGroupOffload("tiny/transformer").ok());
+  EXPECT_GE(component("transformer").host_weights().pinned_in_place_bytes(), component("transformer").weight_bytes());
+  EXPECT_TRUE(placement.Warnings().empty());
+
+  placement.Unregister("tiny");
+  for (Component* c : pipeline->components()) EXPECT_EQ(c->host_weights().pinned_in_place_bytes(), 0) << c->name();
+
+  // A host that refuses: pageable copies, a warning naming the component, a "pin_failed" decision.
+  SimulatedBackendOptions refusing;
+  refusing.refuse_host_registration = true;
+  auto strict = CreateSimulatedBackend(refusing);
+  std::unique_ptr<Pipeline> other = *CreateTinyPipeline({});
+  PlacementManager refused(strict.get());
+  refused.set_pin_host_copies(true);
+  for (Component* c : other->components()) ASSERT_TRUE(refused.Register("other", c).ok());
+  ASSERT_FALSE(refused.Warnings().empty());
+  EXPECT_NE(refused.Warnings().front().find("host copies of 'other/"), std::string::npos) << refused.Warnings().front();
+  EXPECT_EQ(refused.DecisionLog(1).back().action, "pin_failed");
+  image = other->Run(params, refused, context);
+  ASSERT_TRUE(image.ok()) << image.status();
+  EXPECT_EQ(image->rgb, expected->rgb);
+  refused.Unregister("other");
+  EXPECT_TRUE(refused.Warnings().empty());
+}
+
 TEST(PlacementManagerTest, PrefetchingTheNextComponentSparesItsFirstSynchronousOnload) {
   for (const bool prefetch : {true, false}) {
     SCOPED_TRACE(prefetch);

@@ -296,9 +296,12 @@ absl::Status PlacementManager::MakeResident(Entry& entry) {
     if (status.ok()) ++counters_.oom_recoveries;
   }
   if (IsDeviceOom(status)) {
-    // Recovery 2: nothing else can move: group-offload the component itself (block level, streams).
+    // Recovery 2: nothing else can move: group-offload the component itself (block level, streams),
+    // its host copy pinned where it is (no second copy in RAM, no minutes of packing a large model
+    // into new pinned memory; staged through a small ring where the host refuses to pin).
     GroupOffloadOptions options;
     options.use_stream = backend_->supports_streams();
+    options.target = OffloadTarget::kPageableHost;
     const absl::Status enabled = EnableLocked(entry, options);
     if (!enabled.ok()) {
       return absl::ResourceExhaustedError(absl::StrCat(

@@ -395,6 +395,11 @@ TEST(PlacementScenarioTest, OutOfMemoryIsRecoveredByGroupOffloadingAndTheImageIs
   EXPECT_EQ(image->rgb, expected->rgb);
   EXPECT_GE(h.placement.TakeSnapshot().counters.oom_recoveries, 1);
   EXPECT_EQ(h.View("transformer").state, ComponentState::kGroupOffloaded);
+  // Its host copy pinned where it was: no second, packed pinned copy.
+  auto recovered = h.placement.GroupOffloadStatsOf("tiny/transformer");
+  ASSERT_TRUE(recovered.ok());
+  EXPECT_GT(recovered->pinned_in_place_bytes, 0) << recovered->pin_in_place_error;
+  EXPECT_EQ(recovered->pinned_host_bytes, 0);
   bool saw_oom = false, saw_group_offload = false;
   for (const PlacementDecision& d : h.placement.DecisionLog(100)) {
     saw_oom |= d.action == "oom";

@@ -3,6 +3,7 @@
 // and also arrive concurrently for both; every request succeeds with the image it gets on an
 // unbudgeted device (placement moves weights, never changes results), the device peak of every
 // request stays within the budget, and the placement log says why each move happened.
+#include <algorithm>
 #include <map>
 #include <set>
 #include <string>
@@ -111,6 +112,59 @@ TEST(TwoPipelinesTest, AlternatingAndConcurrentRequestsShareOneBudgetWithUnchang
   // component of both pipelines.
   EXPECT_EQ(pinned.size(), 7u) << log.DebugString();
   EXPECT_TRUE(HealthServing(server.channel()));
+}
+
+// Exact peaks on the simulated device: with a workflow rule set that sends every component off the
+// device right after it ran, each request of either pipeline peaks at exactly its largest
+// component's bytes, however the requests of the two pipelines interleave, and the images are those
+// of the unbudgeted server.
+TEST(TwoPipelinesTest, AWorkflowRuleSetGivesExactPeaksPerPipeline) {
+  std::map<std::string, int64_t> largest;
+  std::map<std::pair<std::string, uint64_t>, std::string> reference;
+  int64_t budget = 0;
+  {
+    E2eServer unbudgeted(TwoPipelines(0));
+    ASSERT_TRUE(unbudgeted.ok());
+    v1::ListPipelinesResponse list;
+    grpc::ClientContext context;
+    ASSERT_TRUE(unbudgeted.generation().ListPipelines(&context, v1::ListPipelinesRequest(), &list).ok());
+    for (const auto& p : list.pipelines()) {
+      for (const auto& c : p.components()) largest[p.name()] = std::max(largest[p.name()], c.weight_bytes());
+    }
+    for (const std::string pipeline : {"z", "f"}) {
+      v1::GenerateResponse response;
+      ASSERT_TRUE(unbudgeted.Generate(Request(pipeline, 1), &response).ok());
+      reference[{pipeline, 1}] = response.image();
+    }
+  }
+  ASSERT_EQ(largest.size(), 2u);
+  budget = std::max(largest["z"], largest["f"]);  // Room for one component at a time, no more.
+  v1::ServerConfig config = TwoPipelines(budget);
+  ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(
+      R"pb(
+        strategy {
+          workflow {
+            rules { after { component: "text_encoder" offload: "text_encoder" } }
+            rules { after { component: "text_encoder_2" offload: "text_encoder_2" } }
+            rules { after { component: "transformer" offload: "transformer" } }
+            rules { after { component: "vae" offload: "vae" } }
+          }
+        }
+      )pb",
+      &config));
+  E2eServer server(config);
+  ASSERT_TRUE(server.ok());
+  for (const std::string pipeline : {"z", "f", "f", "z", "z", "f"}) {
+    v1::GenerateResponse response;
+    const grpc::Status status = server.Generate(Request(pipeline, 1), &response);
+    ASSERT_TRUE(status.ok()) << pipeline << ": " << status.error_message();
+    EXPECT_EQ(response.image(), reference.at(std::make_pair(pipeline, uint64_t{1}))) << pipeline;
+    EXPECT_EQ(response.stats().peak_device_memory_bytes(), largest[pipeline]) << pipeline;
+  }
+  // Nothing stays on the device between requests.
+  v1::GetPlacementResponse placement;
+  ASSERT_TRUE(server.admin().GetPlacement(E2eServer::Authed().get(), v1::GetPlacementRequest(), &placement).ok());
+  EXPECT_EQ(placement.allocated_bytes(), 0) << placement.DebugString();
 }
 
 // What Flux refuses comes back as a clear status naming the field, and the server keeps serving both.

@@ -15,7 +15,8 @@ behind each other and are not run. Latency: the call (output_type "pil": no PNG 
 server's figures include). Peak device bytes: torch's peak reserve over the measured calls plus the
 CUDA context (what the process holds outside the allocator, measured at start), as the server reports.
 
-Rows: {"bench":"two_pipelines","strategy":"diffusers_model_cpu_offload","pipeline":"zimage"|"flux",
+Each measured call is appended at once as {"bench":"two_pipelines_call",...}; at the end, rows
+{"bench":"two_pipelines","strategy":"diffusers_model_cpu_offload","pipeline":"zimage"|"flux",
 "arrival":"alternating","latency_s":<mean>,"latencies_s":[..],"peak_device_bytes":..,"budget_bytes":..,
 "ok":<every call succeeded and the peak stayed within the budget>,"size":..,"steps":..,"machine":..}
 """
@@ -131,6 +132,12 @@ def main():
     for i in range(args.rounds * 2):
         name = ("zimage", "flux")[i % 2]
         results[name].append(call(name, i + 1))
+        latency, error = results[name][-1]
+        with open(args.out, "a", encoding="utf-8") as f:  # Each call at once: a run cut short keeps them.
+            f.write(json.dumps({"bench": "two_pipelines_call", "strategy": "diffusers_model_cpu_offload",
+                                "pipeline": name, "latency_s": latency, "error": error,
+                                "peak_device_bytes_so_far": torch.cuda.max_memory_reserved() + context,
+                                "size": args.size, "steps": args.steps, "machine": args.machine}) + "\n")
     peak = torch.cuda.max_memory_reserved() + context
     budget = int(args.budget_gib * GIB)
     rows = []

@@ -3,7 +3,7 @@ budget holds neither pipeline's weights together with the other's (issue 11, par
 
     python3 bench/two_pipelines.py stowage --server BIN --stowctl BIN --zimage DIR --flux DIR \
         --out ROWS.jsonl --logs LOG_DIR [--budget_gib 24] [--size 1024] [--steps 8] [--machine M] \
-        [--device cuda|sim] [--phases footprint,workflow,...] [--dtype bfloat16]
+        [--device cuda|sim] [--phases footprint,workflow,...] [--dtype bfloat16] [--resident_from ROWS.jsonl]
 
 DIR: model directories drawn with random weights (bench/make_zimage_random_dir.py,
 bench/make_flux_random_dir.py). Two servers run, one after the other:
@@ -198,15 +198,25 @@ def set_phase(server, phase):
 def main_stowage():
     os.makedirs(ARGS.logs, exist_ok=True)
     budget = int(ARGS.budget_gib * GIB)
-    print(f"== resident server (no budget)", flush=True)
-    server = Server(ARGS.server, config_text(0, KEEP_ALL), os.path.join(ARGS.logs, "resident.log"))
-    try:
-        resident = run_phase(server, ARGS.size, ARGS.steps)
-        save_placement(server, "resident")
-    finally:
-        server.stop()
-    resident_mean = {k: statistics.mean(r[0] for r in v) for k, v in resident.items()}
-    rows = emit([row("resident", k, v, resident_mean, 0) for k, v in resident.items()])
+    if ARGS.resident_from:
+        # The resident server's means from an earlier run on the same machine and sizes.
+        resident_mean = {(r["pipeline"], r["arrival"]): r["latency_s"]
+                         for r in map(json.loads, open(ARGS.resident_from, encoding="utf-8"))
+                         if r.get("strategy") == "resident" and r.get("size") == ARGS.size
+                         and r.get("steps") == ARGS.steps}
+        if len(resident_mean) != 2 * len(PIPELINES):
+            raise SystemExit(f"{ARGS.resident_from} lacks resident rows for size {ARGS.size}, {ARGS.steps} steps")
+        rows = []
+    else:
+        print(f"== resident server (no budget)", flush=True)
+        server = Server(ARGS.server, config_text(0, KEEP_ALL), os.path.join(ARGS.logs, "resident.log"))
+        try:
+            resident = run_phase(server, ARGS.size, ARGS.steps)
+            save_placement(server, "resident")
+        finally:
+            server.stop()
+        resident_mean = {k: statistics.mean(r[0] for r in v) for k, v in resident.items()}
+        rows = emit([row("resident", k, v, resident_mean, 0) for k, v in resident.items()])
     print(f"== budgeted server ({ARGS.budget_gib} GiB)", flush=True)
     server = Server(ARGS.server, config_text(budget, f"strategy {{ {FOOTPRINT} }}"),
                     os.path.join(ARGS.logs, "budgeted.log"))
@@ -275,6 +285,8 @@ def main():
     s.add_argument("--device", choices=["cuda", "sim"], default="cuda")
     s.add_argument("--dtype", default="bfloat16")
     s.add_argument("--phases", default="footprint,workflow,stream_te,best")
+    s.add_argument("--resident_from", default="",
+                   help="take the resident latencies from this earlier rows file instead of running the resident server")
     s.add_argument("--zimage_keep_gib", type=float, default=5.0,
                    help="best: device bytes the Z-Image transformer keeps resident")
     s.add_argument("--flux_keep_gib", type=float, default=13.0,

@@ -612,6 +612,15 @@ absl::Status PlacementManager::EnableLocked(Entry& entry, const GroupOffloadOpti
   std::replace(name.begin(), name.end(), '/', '_');
   component.host_weights().Unpin();  // The group offloader's host store manages the host memory now.
   auto applied = GroupOffloader::Apply(name, component.module(), component.host_weights(), *backend_, effective);
+  if (!applied.ok() && IsDeviceOom(applied.status())) {
+    // Its resident groups and slots do not fit beside what is resident now: make room as for an
+    // out-of-memory onload (every other movable component leaves), then try once more.
+    const int64_t before = FreeBytes();
+    Record(entry.id, "oom", 0, before, std::string(applied.status().message()));
+    EvictAllBut(entry, absl::StrCat("make room for group offloading ", entry.id));
+    backend_->ReleaseCachedMemory();
+    applied = GroupOffloader::Apply(name, component.module(), component.host_weights(), *backend_, effective);
+  }
   if (!applied.ok()) {
     PinHost(entry);
     return applied.status();

@@ -218,6 +218,33 @@ TEST(PlacementManagerTest, PinnedHostCopiesFollowTheComponentsLifecycle) {
   EXPECT_TRUE(refused.Warnings().empty());
 }
 
+// Enabling group offloading on a full device (an admin change at run time) makes room for the
+// component's slots by moving the other components off, recorded with the reason, instead of
+// failing with out of memory.
+TEST(PlacementManagerTest, EnablingGroupOffloadOnAFullDeviceMakesRoom) {
+  Harness h;
+  auto expected = h.Generate();  // Everything of "tiny" resident.
+  ASSERT_TRUE(expected.ok());
+  std::unique_ptr<Pipeline> other = *CreateTinyPipeline({});
+  for (Component* c : other->components()) ASSERT_TRUE(h.placement.Register("other", c).ok());
+  const int64_t full = h.backend->GetMemoryStats().allocated_bytes;
+  ASSERT_TRUE(h.backend->SetMemoryBudget(full).ok());  // Not a byte free.
+  GroupOffloadOptions options;
+  options.use_stream = true;
+  const absl::Status enabled = h.placement.EnableGroupOffload("other/transformer", options);
+  EXPECT_TRUE(enabled.ok()) << enabled;
+  bool made_room = false;
+  for (const PlacementDecision& d : h.placement.DecisionLog(100)) {
+    made_room |= d.action == "offload" && d.reason == "make room for group offloading other/transformer";
+  }
+  EXPECT_TRUE(made_room);
+  EXPECT_LE(h.backend->GetMemoryStats().allocated_bytes, full);
+  auto image = h.Generate();
+  EXPECT_TRUE(image.ok()) << image.status();
+  if (image.ok()) EXPECT_EQ(image->rgb, expected->rgb);
+  h.placement.Unregister("other");  // Before its components go.
+}
+
 TEST(PlacementManagerTest, PrefetchingTheNextComponentSparesItsFirstSynchronousOnload) {
   for (const bool prefetch : {true, false}) {
     SCOPED_TRACE(prefetch);

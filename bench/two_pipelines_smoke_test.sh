@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# bench/two_pipelines.py end to end on the simulated device: tiny Z-Image and Flux folders drawn from
+# their configs (bench/make_*_random_dir.py), a budget that holds neither pipeline with the other,
+# every phase switched through the admin API; each row has the fields the benchmark promises, every
+# request succeeds within the budget, and the placement logs are written. Then --resident_from
+# reuses those resident rows instead of starting the resident server again.
+set -euo pipefail
+here=$(pwd)  # Holds server/, clients/, bench/ and tests/ (Bazel's runfiles root).
+scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+/usr/bin/python3 "$scripts/make_zimage_random_dir.py" "$TEST_TMPDIR/zimage" --size tiny >/dev/null
+/usr/bin/python3 "$scripts/make_flux_random_dir.py" "$TEST_TMPDIR/flux" --size tiny \
+  --tokenizers "$here/tests/fixtures/flux_tiny/pipeline" >/dev/null
+run() {
+  /usr/bin/python3 "$scripts/two_pipelines.py" stowage --server "$here/server/stowage_server" \
+    --stowctl "$here/clients/stowctl/stowctl" --zimage "$TEST_TMPDIR/zimage" --flux "$TEST_TMPDIR/flux" \
+    --device sim --dtype float32 --size 64 --steps 2 --rounds 1 --budget_gib 0.003 \
+    --zimage_keep_gib 0.002 --flux_keep_gib 0.0004 --machine ci "$@"
+}
+run --out "$TEST_TMPDIR/rows.jsonl" --logs "$TEST_TMPDIR/logs"
+/usr/bin/python3 - "$TEST_TMPDIR/rows.jsonl" "$TEST_TMPDIR/logs" <<'PY'
+import json, os, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+strategies = ["resident", "footprint", "workflow", "stream_te", "best"]
+assert sorted({r["strategy"] for r in rows}) == sorted(strategies), rows
+for r in rows:
+    assert r["bench"] == "two_pipelines" and r["pipeline"] in ("zimage", "flux"), r
+    assert r["arrival"] in ("alternating", "concurrent"), r
+    for field in ("latency_s", "resident_latency_s", "peak_device_bytes", "budget_bytes", "ok", "machine"):
+        assert field in r, (field, r)
+    assert r["ok"] and not r["errors"], r
+    assert r["latency_s"] > 0 and r["resident_latency_s"] > 0, r
+    if r["strategy"] != "resident":
+        assert r["budget_bytes"] == int(0.003 * 2**30) and 0 < r["peak_device_bytes"] <= r["budget_bytes"], r
+assert len(rows) == 4 * len(strategies), len(rows)
+for phase in strategies:
+    log = open(os.path.join(sys.argv[2], f"{phase}.placement_log.txt")).read()
+    assert "onload" in log or "group_offload" in log or phase == "resident", (phase, log[:500])
+moves = open(os.path.join(sys.argv[2], "footprint.placement_log.txt")).read()
+assert "make room for" in moves, moves[:1000]
+print("ok")
+PY
+run --out "$TEST_TMPDIR/again.jsonl" --logs "$TEST_TMPDIR/again" --phases footprint --resident_from "$TEST_TMPDIR/rows.jsonl"
+/usr/bin/python3 - "$TEST_TMPDIR/again.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+assert [r["strategy"] for r in rows] == ["footprint"] * 4, rows
+assert all(r["ok"] and r["resident_latency_s"] > 0 for r in rows), rows
+print("ok")
+PY

@@ -287,9 +287,9 @@ def main():
     s.add_argument("--phases", default="footprint,workflow,stream_te,best")
     s.add_argument("--resident_from", default="",
                    help="take the resident latencies from this earlier rows file instead of running the resident server")
-    s.add_argument("--zimage_keep_gib", type=float, default=5.0,
+    s.add_argument("--zimage_keep_gib", type=float, default=4.0,
                    help="best: device bytes the Z-Image transformer keeps resident")
-    s.add_argument("--flux_keep_gib", type=float, default=13.0,
+    s.add_argument("--flux_keep_gib", type=float, default=12.0,
                    help="best: device bytes the Flux transformer keeps resident")
     t = sub.add_parser("table")
     t.add_argument("rows")

@@ -13,9 +13,12 @@ Standard library only, so it runs on the build machine and on the GPU host.
 """
 
 import argparse
-import json
 import os
 import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from make_zimage_random_dir import write  # noqa: E402  One JSON writer for both folders.
 
 FULL = {
     "transformer": dict(_class_name="FluxTransformer2DModel", patch_size=1, in_channels=64, num_layers=19,
@@ -63,12 +66,6 @@ SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timest
              "max_image_seq_len": 4096, "time_shift_type": "exponential"}
 DEFAULT_TOKENIZERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures",
                                   "flux_tiny", "pipeline")
-
-
-def write(path, value):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, ensure_ascii=False, indent=1)
 
 
 def main():

@@ -157,9 +157,19 @@ std::string DeviceSet::Resolve(const std::string& requested) const {
 absl::StatusOr<v1::GenerateResponse> DeviceSet::Generate(const v1::GenerateRequest& request,
                                                          const CallControl& control) {
   const std::string name = Resolve(request.pipeline());
-  int best = -1;
-  double best_wait = 0;
+  // The READY, non-draining replicas, each with its queue and its recent run time. A replica that
+  // has not run yet counts as fast as the mean of those that have (1 s when none has): an untried
+  // device must not look slower than a measured one just because its prior is pessimistic.
+  struct Candidate {
+    int index;
+    int in_flight;
+    double seconds;
+    bool measured;
+  };
+  std::vector<Candidate> candidates;
   std::vector<std::string> draining;
+  double measured_sum = 0;
+  int measured_count = 0;
   for (size_t i = 0; i < devices_.size(); ++i) {
     if (name.empty() || !devices_[i]->IsReady(name)) continue;
     Route& route = *routes_[i];
@@ -168,9 +178,19 @@ absl::StatusOr<v1::GenerateResponse> DeviceSet::Generate(const v1::GenerateReque
       draining.push_back(devices_[i]->device_name());
       continue;
     }
-    const double wait = (devices_[i]->in_flight() + 1) * route.recent_run_seconds;
+    candidates.push_back({static_cast<int>(i), devices_[i]->in_flight(), route.recent_run_seconds, route.measured});
+    if (route.measured) {
+      measured_sum += route.recent_run_seconds;
+      ++measured_count;
+    }
+  }
+  const double unmeasured = measured_count > 0 ? measured_sum / measured_count : 1.0;
+  int best = -1;
+  double best_wait = 0;
+  for (const Candidate& c : candidates) {
+    const double wait = static_cast<double>(c.in_flight + 1) * (c.measured ? c.seconds : unmeasured);
     if (best < 0 || wait < best_wait) {
-      best = static_cast<int>(i);
+      best = c.index;
       best_wait = wait;
     }
   }
@@ -197,7 +217,8 @@ absl::StatusOr<v1::GenerateResponse> DeviceSet::Generate(const v1::GenerateReque
         static_cast<double>(google::protobuf::util::TimeUtil::DurationToNanoseconds(result->stats().run_time())) / 1e9;
     Route& route = *routes_[static_cast<size_t>(best)];
     absl::MutexLock lock(&route.mu);
-    route.recent_run_seconds = 0.7 * route.recent_run_seconds + 0.3 * seconds;
+    route.recent_run_seconds = route.measured ? 0.7 * route.recent_run_seconds + 0.3 * seconds : seconds;
+    route.measured = true;
   }
   return result;
 }

@@ -4,7 +4,8 @@
 // strategy, changed only by its worker (server/device_worker.h). A pipeline is loaded onto one or
 // more devices (PipelineConfig.devices); each copy is a full replica, and a request goes to the
 // READY, non-draining replica with the shortest expected wait: (requests in flight there + 1) ×
-// that device's recent run time (an exponential average, 1 s before the first request). Batching
+// that device's recent run time (an exponential average; a device that has not run yet counts as the
+// mean of those that have, 1 s when none has). Batching
 // happens per replica (each device batches what it is sent). Draining a device sends new requests
 // elsewhere; the ones it accepted finish there.
 //
@@ -92,6 +93,7 @@ class DeviceSet {
     absl::Mutex mu;
     bool draining ABSL_GUARDED_BY(mu) = false;
     double recent_run_seconds ABSL_GUARDED_BY(mu) = 1.0;
+    bool measured ABSL_GUARDED_BY(mu) = false;  // recent_run_seconds is from runs here, not the prior.
   };
   // The name a request asks for, with "" resolved to the default pipeline (the first device's that
   // has one READY).

@@ -128,6 +128,22 @@ TEST_F(MultiDeviceTest, ReplicasShareTheLoadAndAOneDevicePipelineStaysOnItsDevic
   EXPECT_EQ(page.find("component=\"b/transformer\",state=\"resident\",device=\"sim:0\""), std::string::npos);
 }
 
+// Routing by expected wait: once one replica has run, a replica that has not run yet counts as
+// being as fast as it (not as slow as the 1 s prior), so a second request arriving while the first
+// is still running goes to the idle replica.
+TEST_F(MultiDeviceTest, AnUntriedReplicaIsNotTakenForSlow) {
+  ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("a", 1)).ok());  // Measures sim:0 (fast).
+  v1::GenerateRequest slow = E2eServer::SmallRequest("a", 2);
+  slow.set_num_inference_steps(60);
+  v1::GenerateResponse slow_reply, second_reply;
+  std::thread first([&] { EXPECT_TRUE(server_->Generate(slow, &slow_reply).ok()); });
+  std::this_thread::sleep_for(milliseconds(100));  // The slow one (about 2 s) is routed and running.
+  ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("a", 3), &second_reply).ok());
+  first.join();
+  EXPECT_EQ(slow_reply.stats().device(), "sim:0");
+  EXPECT_EQ(second_reply.stats().device(), "sim:1");
+}
+
 TEST_F(MultiDeviceTest, ADrainedDeviceTakesNoNewRequests) {
   v1::DrainDeviceResponse status;
   ASSERT_TRUE(Drain("sim:0", true, &status).ok());

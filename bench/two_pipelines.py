@@ -186,9 +186,9 @@ def set_phase(server, phase):
         return
     stowctl(server, "set-strategy", f"--strategy={FOOTPRINT}")
     if phase in ("stream_te", "best"):
-        # CLIP-L (0.25 GB) stays whole; T5's blocks are encoder.block (not a child of its root).
-        for component, extra in (("zimage/text_encoder", ""), ("flux/text_encoder_2", ' block_modules: "encoder.block"')):
-            stowctl(server, "enable-group-offload", f"--component={component}", f"--options={BLOCK}{extra}")
+        # CLIP-L (0.25 GB) stays whole.
+        for component in ("zimage/text_encoder", "flux/text_encoder_2"):
+            stowctl(server, "enable-group-offload", f"--component={component}", f"--options={BLOCK}")
     if phase == "best":
         for component, keep in (("zimage/transformer", ARGS.zimage_keep_gib), ("flux/transformer", ARGS.flux_keep_gib)):
             stowctl(server, "enable-group-offload", f"--component={component}",

@@ -14,7 +14,8 @@
 //
 // Groups
 //   block_level: every `num_blocks_per_group` consecutive children of each block list (the
-//     ModuleList children of the root, or the modules named in `block_modules`, e.g. a VAE's
+//     ModuleLists nearest the root (its ModuleList children, or else those of the first level down
+//     that has any: T5's encoder.block, CLIP's text_model.encoder.layers), or the modules named in `block_modules`, e.g. a VAE's
 //     "decoder.up_blocks") form a group; everything outside the blocks forms one group that is on
 //     the device for the whole forward of the root.
 //   leaf_level: every leaf layer is a group; tensors owned by non-leaf modules form
@@ -81,8 +82,8 @@ struct GroupOffloadOptions {
   OffloadType type = OffloadType::kBlockLevel;
   // block_level: consecutive blocks per group (>= 1).
   int num_blocks_per_group = 1;
-  // block_level: dotted paths of the modules whose children are the blocks. Empty: every
-  // ModuleList child of the root.
+  // block_level: dotted paths of the modules whose children are the blocks. Empty: the ModuleLists
+  // nearest the root (its ModuleList children, or else the first level down that has any).
   std::vector<std::string> block_modules;
   OffloadTarget target = OffloadTarget::kPinnedHost;
   // Prefetch on the backend's copy stream (needs a backend with streams).

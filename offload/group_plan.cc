@@ -11,6 +11,9 @@
 namespace stowage {
 namespace {
 
+// How deep below the root the default block lists are looked for.
+constexpr int kMaxBlockListDepth = 8;
+
 int64_t AlignUp(int64_t n) { return (n + kGroupAlign - 1) / kGroupAlign * kGroupAlign; }
 
 void Append(PlannedGroup& g, int index, const PlanTensor& t) {
@@ -57,8 +60,17 @@ absl::StatusOr<std::vector<PlannedGroup>> FormGroups(const std::string& componen
   if (options.type == OffloadType::kBlockLevel) {
     std::vector<Module*> lists;
     if (options.block_modules.empty()) {
-      for (auto& [name, child] : root.children()) {
-        if (child->kind() == "ModuleList") lists.push_back(child);
+      // The block lists nearest the root: its ModuleList children, or else those of the first
+      // level down that has any (T5's encoder.block, CLIP's text_model.encoder.layers).
+      std::vector<Module*> level = {&root};
+      for (int depth = 0; depth < kMaxBlockListDepth && lists.empty() && !level.empty(); ++depth) {
+        std::vector<Module*> next;
+        for (Module* m : level) {
+          for (auto& [name, child] : m->children()) {
+            (child->kind() == "ModuleList" ? lists : next).push_back(child);
+          }
+        }
+        level = std::move(next);
       }
     } else {
       for (const std::string& path : options.block_modules) {
@@ -75,8 +87,8 @@ absl::StatusOr<std::vector<PlannedGroup>> FormGroups(const std::string& componen
     }
     if (lists.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "component '", component, "': block_level found no block list (no ModuleList child of the "
-          "root); name one with block_modules, or use leaf_level"));
+          "component '", component, "': block_level found no block list (no ModuleList within ",
+          kMaxBlockListDepth, " levels of the root); name one with block_modules, or use leaf_level"));
     }
     const auto per_group = static_cast<size_t>(std::max(1, options.num_blocks_per_group));
     for (Module* list : lists) {

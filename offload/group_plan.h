@@ -8,7 +8,8 @@
 //
 // Groups
 //   block_level: every `num_blocks_per_group` consecutive children of each block list (the
-//     ModuleList children of the root, or the modules named in `block_modules`) form a group,
+//     ModuleLists nearest the root — its ModuleList children, or else those of the first level
+//     down that has any, e.g. T5's encoder.block — or the modules named in `block_modules`) form a group,
 //     used by the forwards of those blocks; every other tensor forms one always-on group
 //     "(outside blocks)", on the device for the whole forward of the root.
 //   leaf_level: every module owning tensors forms a group of its own tensors; a leaf's group is
@@ -82,7 +83,7 @@ struct PlannedGroup {
 struct GroupPlanOptions {
   OffloadType type = OffloadType::kBlockLevel;
   int num_blocks_per_group = 1;             // block_level, >= 1.
-  std::vector<std::string> block_modules;   // block_level; empty: the root's ModuleList children.
+  std::vector<std::string> block_modules;   // block_level; empty: the ModuleLists nearest the root.
   int64_t budget_bytes = 0;                 // 0: stream every ring group.
   int64_t slots = 1;                        // Ring slots when any group streams (>= 1).
   int64_t fixed_scratch_bytes = 0;          // Store scratch needed once when any group needs some.

@@ -167,6 +167,41 @@ TEST(TwoPipelinesTest, AWorkflowRuleSetGivesExactPeaksPerPipeline) {
   EXPECT_EQ(placement.allocated_bytes(), 0) << placement.DebugString();
 }
 
+// Group offloading every component of both pipelines with the default options (block level: the
+// block lists nearest each root — Flux's T5 encoder.block and CLIP text_model.encoder.layers
+// included) loads and gives the unbudgeted images.
+TEST(TwoPipelinesTest, EveryComponentGroupOffloadedWithDefaultsGivesTheSameImages) {
+  std::map<std::string, std::string> reference;
+  {
+    E2eServer plain(TwoPipelines(0));
+    ASSERT_TRUE(plain.ok());
+    for (const std::string pipeline : {"z", "f"}) {
+      v1::GenerateResponse response;
+      ASSERT_TRUE(plain.Generate(Request(pipeline, 1), &response).ok());
+      reference[pipeline] = response.image();
+    }
+  }
+  v1::ServerConfig config = TwoPipelines(0);
+  for (auto& p : *config.mutable_pipelines()) {
+    p.mutable_group_offload()->set_enabled(true);
+    p.mutable_group_offload()->mutable_defaults()->set_use_stream(true);
+  }
+  E2eServer server(config);
+  ASSERT_TRUE(server.ok());
+  for (const std::string pipeline : {"z", "f", "z", "f"}) {
+    v1::GenerateResponse response;
+    const grpc::Status status = server.Generate(Request(pipeline, 1), &response);
+    ASSERT_TRUE(status.ok()) << pipeline << ": " << status.error_message();
+    EXPECT_EQ(response.image(), reference[pipeline]) << pipeline;
+  }
+  v1::GetPlacementResponse placement;
+  ASSERT_TRUE(server.admin().GetPlacement(E2eServer::Authed().get(), v1::GetPlacementRequest(), &placement).ok());
+  for (const auto& c : placement.components()) {
+    EXPECT_NE(c.state(), v1::ComponentPlacement::OFFLOADED) << c.id();
+    EXPECT_NE(c.state(), v1::ComponentPlacement::RESIDENT) << c.id();
+  }
+}
+
 // What Flux refuses comes back as a clear status naming the field, and the server keeps serving both.
 TEST(TwoPipelinesTest, FluxRequestsWithANegativePromptAreRefusedSayingWhy) {
   E2eServer server(TwoPipelines(0));

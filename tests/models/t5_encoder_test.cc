@@ -114,6 +114,13 @@ TEST(T5EncoderTest, GroupOffloadedBlocksGiveTheSameOutput) {
     EXPECT_TRUE(at::equal(model.Forward(ids, mask), expected));
     EXPECT_TRUE(at::equal(model.Forward(ids), unmasked));
   }
+  // Without block_modules the default finds encoder.block too (the ModuleList nearest the root).
+  offloader->reset();
+  options.block_modules.clear();
+  auto by_default = GroupOffloader::Apply("t5", model, **weights, *backend, options);
+  ASSERT_TRUE(by_default.ok()) << by_default.status();
+  EXPECT_EQ((*by_default)->stats().streamed_groups, 3);
+  EXPECT_TRUE(at::equal(model.Forward(ids, mask), expected));
 }
 
 TEST(T5EncoderTest, ConfigFromJsonValidates) {

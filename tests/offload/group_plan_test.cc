@@ -138,6 +138,36 @@ TEST(GroupPlanTest, ExplicitBlockModulesAndTheirErrors) {
   EXPECT_NE(std::string(no_lists.status().message()).find("component 'flat'"), std::string::npos);
 }
 
+// With no block_modules, the block lists are the ModuleLists nearest the root: a model whose
+// blocks sit one level down (T5's encoder.block) gets them, and a ModuleList nested inside a
+// shallower one's level is not taken instead of it.
+TEST(GroupPlanTest, DefaultBlockListsAreTheModuleListsNearestTheRoot) {
+  Module root("T5Like");
+  Module* shared = root.AddChild("shared", std::make_unique<Module>("Embedding"));
+  shared->AddParameter("weight", at::Tensor());
+  Module* encoder = root.AddChild("encoder", std::make_unique<Module>("Stack"));
+  Module* blocks = encoder->AddChild("block", std::make_unique<Module>("ModuleList"));
+  for (int i = 0; i < 2; ++i) {
+    Module* block = blocks->AddChild(std::to_string(i), std::make_unique<Module>("Block"));
+    Module* inner = block->AddChild("layer", std::make_unique<Module>("ModuleList"));  // Deeper: not a block list.
+    Module* fc = inner->AddChild("0", std::make_unique<Module>("Linear"));
+    fc->AddParameter("weight", at::Tensor());
+  }
+  Module* norm = encoder->AddChild("final_layer_norm", std::make_unique<Module>("RMSNorm"));
+  norm->AddParameter("weight", at::Tensor());
+  std::vector<PlanTensor> tensors;
+  root.ForEachSlot([&](Module&, TensorSlot& slot) { tensors.push_back(PlanTensor{&slot, 1024}); });
+  auto plan = PlanGroups("t5", root, tensors, Options(OffloadType::kBlockLevel));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(Names(*plan), (std::vector<std::string>{"encoder.block.0-0", "encoder.block.1-1", "(outside blocks)"}));
+
+  // A ModuleList child of the root wins over deeper ones (as before).
+  Tree t({1024, 1024});
+  auto shallow = PlanGroups("net", t.root, t.tensors, Options(OffloadType::kBlockLevel));
+  ASSERT_TRUE(shallow.ok()) << shallow.status();
+  EXPECT_EQ(Names(*shallow), (std::vector<std::string>{"blocks.0-0", "blocks.1-1", "(outside blocks)"}));
+}
+
 TEST(GroupPlanTest, BudgetKeepsLargerGroupsResidentAndSizesTheSlotForTheRest) {
   // Blocks of 4, 8, 4 and 2 KiB; 2 slots. With outside + 2 x 4 KiB + 8 KiB, the best choice is a
   // 4 KiB slot with the 8 KiB block resident (a 2 KiB slot would need 16 KiB resident; no slot, all).

@@ -404,16 +404,20 @@ void PlacementManager::Unregister(const std::string& pipeline) {
       ++it;
       continue;
     }
-    const int64_t before = FreeBytes();
-    e.group_offload.reset();
-    e.component->host_weights().OffloadAll();
-    backend_->Synchronize();
-    backend_->ReleaseCachedMemory();
-    e.component->host_weights().Unpin();
-    pin_failures_.erase(e.id);
-    Record(e.id, "unregister", e.component->weight_bytes(), before, absl::StrCat("pipeline '", pipeline, "' unloaded"));
+    Release(e, absl::StrCat("pipeline '", pipeline, "' unloaded"));
     it = entries_.erase(it);
   }
+}
+
+void PlacementManager::Release(Entry& e, const std::string& reason) {
+  const int64_t before = FreeBytes();
+  e.group_offload.reset();
+  e.component->host_weights().OffloadAll();
+  backend_->Synchronize();
+  backend_->ReleaseCachedMemory();
+  e.component->host_weights().Unpin();
+  pin_failures_.erase(e.id);
+  Record(e.id, "unregister", e.component->weight_bytes(), before, reason);
 }
 
 absl::Status PlacementManager::UnregisterComponent(const std::string& pipeline, const Component& component,
@@ -424,14 +428,7 @@ absl::Status PlacementManager::UnregisterComponent(const std::string& pipeline, 
     if (e.component != &component || !Uses(e.pipelines, pipeline)) continue;
     e.pipelines.erase(std::remove(e.pipelines.begin(), e.pipelines.end(), pipeline), e.pipelines.end());
     if (!e.pipelines.empty()) return absl::OkStatus();
-    const int64_t before = FreeBytes();
-    e.group_offload.reset();
-    e.component->host_weights().OffloadAll();
-    backend_->Synchronize();
-    backend_->ReleaseCachedMemory();
-    e.component->host_weights().Unpin();
-    pin_failures_.erase(e.id);
-    Record(e.id, "unregister", e.component->weight_bytes(), before, reason);
+    Release(e, reason);
     entries_.erase(it);
     return absl::OkStatus();
   }

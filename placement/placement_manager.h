@@ -235,6 +235,9 @@ class PlacementManager : public ComponentRunner {
   // Pins `entry`'s host copies when pin_host_copies_ and it is not group-offloaded (see
   // set_pin_host_copies).
   void PinHost(Entry& entry);
+  // Takes `e` (no pipeline uses it any more) off the device and the host pins, recorded as
+  // "unregister" with `reason`; the caller removes it from entries_.
+  void Release(Entry& e, const std::string& reason);
   // Peer eviction of a resident `entry` (see PeerEviction): true when it moved to a peer.
   bool TryPeerEviction(Entry& entry, const std::string& reason, const std::string& cause);
   // The one lifecycle transition function: checks the edge (a wrong one is a programming error and

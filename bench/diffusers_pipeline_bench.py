@@ -24,6 +24,20 @@ import time
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
 
 
+def randomize(modules):
+    """bf16, eval mode, and real data in every tensor (default init leaves some at zero)."""
+    import torch
+
+    with torch.no_grad():
+        for module in modules:
+            module.to(torch.bfloat16).eval()
+            for name, p in module.named_parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, p.shape[-1] ** -0.5)
+                else:
+                    p.normal_(1.0 if "norm" in name else 0.0, 0.02)
+
+
 def zimage_pipeline():
     """ZImagePipeline at Z-Image-Turbo's published shapes, random bf16 weights on the GPU, a byte-level
     tokenizer (also used by bench/diffusers_two_pipelines.py)."""
@@ -43,14 +57,7 @@ def zimage_pipeline():
         vae = AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
                             **v)
         text_encoder = Qwen3Model(Qwen3Config(**strip(FULL["text_encoder"]), max_position_embeddings=4096))
-    with torch.no_grad():  # Default init leaves some tensors at zero: give every tensor real data.
-        for module in (transformer, vae, text_encoder):
-            module.to(torch.bfloat16).eval()
-            for name, p in module.named_parameters():
-                if p.dim() >= 2:
-                    p.normal_(0.0, p.shape[-1] ** -0.5)
-                else:
-                    p.normal_(1.0 if "norm" in name else 0.0, 0.02)
+    randomize((transformer, vae, text_encoder))
     symbols = byte_symbols()
     tok = Tokenizer(models.BPE(vocab={symbols[b]: b for b in range(256)}, merges=[]))
     tok.normalizer = normalizers.NFC()

@@ -36,23 +36,11 @@ PROMPTS = {"zimage": "a lighthouse on a cliff at dusk, oil painting",
            "flux": "a red fox in fresh snow, morning light, photograph"}
 
 
-def randomize(modules):
-    import torch
-
-    with torch.no_grad():  # Default init leaves some tensors at zero: give every tensor real data.
-        for module in modules:
-            module.to(torch.bfloat16).eval()
-            for name, p in module.named_parameters():
-                if p.dim() >= 2:
-                    p.normal_(0.0, p.shape[-1] ** -0.5)
-                else:
-                    p.normal_(1.0 if "norm" in name else 0.0, 0.02)
-
-
 def flux_pipeline(tokenizers):
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel
+    from diffusers_pipeline_bench import randomize
     from make_flux_random_dir import FULL, SCHEDULER
 
     strip = lambda c: {k: v for k, v in c.items() if not k.startswith("_") and k not in ("architectures", "model_type")}

@@ -10,20 +10,25 @@
 namespace stowage {
 namespace {
 
+// The request every test here generates.
+GenerationParams HarbourParams() {
+  GenerationParams params;
+  params.prompt = "a harbour";
+  params.width = 64;
+  params.height = 64;
+  params.steps = 2;
+  params.seed = 3;
+  return params;
+}
+
 struct Harness {
   Harness() : backend(CreateSimulatedBackend({})), placement(backend.get()) {
     pipeline = *CreateTinyPipeline({});
     for (Component* c : pipeline->components()) EXPECT_TRUE(placement.Register("tiny", c).ok());
   }
   absl::StatusOr<Image> Generate() {
-    GenerationParams params;
-    params.prompt = "a harbour";
-    params.width = 64;
-    params.height = 64;
-    params.steps = 2;
-    params.seed = 3;
     RunContext context(nullptr, nullptr);
-    return pipeline->Run(params, placement, context);
+    return pipeline->Run(HarbourParams(), placement, context);
   }
   const ComponentView& View(const std::string& name) {
     views = placement.Snapshot();
@@ -172,12 +177,7 @@ TEST(PlacementManagerTest, PinnedHostCopiesFollowTheComponentsLifecycle) {
     EXPECT_GE(c->host_weights().pinned_in_place_bytes(), c->weight_bytes()) << c->name();
   }
   RunContext context(nullptr, nullptr);
-  GenerationParams params;
-  params.prompt = "a harbour";
-  params.width = 64;
-  params.height = 64;
-  params.steps = 2;
-  params.seed = 3;
+  const GenerationParams params = HarbourParams();
   auto image = pipeline->Run(params, placement, context);
   ASSERT_TRUE(image.ok()) << image.status();
   EXPECT_EQ(image->rgb, expected->rgb);

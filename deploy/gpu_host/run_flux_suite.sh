@@ -14,24 +14,9 @@
 #             baseline) -> $OUT/two_pipelines.jsonl, placement logs in $OUT/two_logs.tgz
 # Carry .deb (deploy/gpu_host/fetch_debs.sh) and .ref/diffusers/src (git-ignored):
 #   OUT=... PARTS="fixtures offload" STOWAGE_COMMIT=<rev> deploy/gpu_host/run_flux_suite.sh
-set -uo pipefail
-repo_root="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.." && pwd)"
-cd "$repo_root"
-OUT="${OUT:-$repo_root/gpu_out}"
-mkdir -p "$OUT"
-start=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$OUT/summary.txt"; }
-build="$repo_root/build/gpu"
-logs="$(mktemp -d /tmp/stowage-flux-logs.XXXXXX)"
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/suite_lib.sh"
 
-stamp "build"
-STOWAGE_SKIP_TESTS=1 STOWAGE_THREAD_STACK_SHIM=never OUT="$logs" \
-  timeout "${BUILD_TIMEOUT:-300}" deploy/gpu_host/build_and_serve.sh >"$logs/build.txt" 2>&1
-stamp "build exit $?"
-tail -5 "$logs/summary.txt" >>"$OUT/summary.txt" 2>/dev/null
-export LD_LIBRARY_PATH="/tmp/stowage-deps/usr/lib/x86_64-linux-gnu:$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))'):${LD_LIBRARY_PATH:-}"
-export PYTHONPATH="$repo_root/.ref/diffusers/src" PYTHONUNBUFFERED=1
-machine="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(nproc) cores, commit ${STOWAGE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+suite_build flux
 
 for part in ${PARTS:-fixtures offload}; do
   case $part in

@@ -12,14 +12,7 @@
 #   OUT=... deploy/gpu_host/run_multi_gpu_suite.sh
 # Environment: CONCURRENCY (default 1,2,4), REQUESTS per row (16), LAYOUTS ("single replicas
 # split"), SPLIT (components on cuda:1, default text_encoder), MULTI_GPU_TIMEOUT (seconds, 900).
-set -uo pipefail
-repo_root="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.." && pwd)"
-cd "$repo_root"
-OUT="${OUT:-$repo_root/gpu_out}"
-mkdir -p "$OUT"
-start=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$OUT/summary.txt"; }
-build="$repo_root/build/gpu"
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/suite_lib.sh"
 
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | wc -l)
 if [ "$gpus" -lt 2 ]; then
@@ -27,15 +20,7 @@ if [ "$gpus" -lt 2 ]; then
   exit 2
 fi
 
-stamp "build"
-logs="$(mktemp -d /tmp/stowage-mg-logs.XXXXXX)"
-STOWAGE_SKIP_TESTS=1 STOWAGE_THREAD_STACK_SHIM=never OUT="$logs" \
-  timeout "${BUILD_TIMEOUT:-300}" deploy/gpu_host/build_and_serve.sh >"$logs/build.txt" 2>&1
-stamp "build exit $?"
-tail -5 "$logs/summary.txt" >>"$OUT/summary.txt" 2>/dev/null
-export LD_LIBRARY_PATH="/tmp/stowage-deps/usr/lib/x86_64-linux-gnu:$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))'):${LD_LIBRARY_PATH:-}"
-export PYTHONUNBUFFERED=1
-machine="$gpus x $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(nproc) cores, commit ${STOWAGE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+suite_build mg
 if [ ! -x "$build/bench/multi_gpu_bench" ]; then
   stamp "no $build/bench/multi_gpu_bench: the build failed ($logs/build.txt)"
   tail -30 "$logs/build.txt" >>"$OUT/summary.txt"

@@ -17,25 +17,10 @@
 #             streamed, batching off and on, N = 1, 2, 4, 8 -> $OUT/batching.jsonl
 # Carry .deb (deploy/gpu_host/fetch_debs.sh) and .ref/diffusers/src (git-ignored):
 #   OUT=... PARTS="e2e" deploy/gpu_host/run_throughput_suite.sh
-set -uo pipefail
-repo_root="$(cd "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/../.." && pwd)"
-cd "$repo_root"
-OUT="${OUT:-$repo_root/gpu_out}"
-mkdir -p "$OUT"
-start=$(date +%s)
-stamp() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$OUT/summary.txt"; }
-build="$repo_root/build/gpu"
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/suite_lib.sh"
 source "$repo_root/bench/serve_lib.sh"
 
-stamp "build"
-logs="$(mktemp -d /tmp/stowage-tp-logs.XXXXXX)"
-STOWAGE_SKIP_TESTS=1 STOWAGE_THREAD_STACK_SHIM=never OUT="$logs" \
-  timeout "${BUILD_TIMEOUT:-300}" deploy/gpu_host/build_and_serve.sh >"$logs/build.txt" 2>&1
-stamp "build exit $?"
-tail -5 "$logs/summary.txt" >>"$OUT/summary.txt" 2>/dev/null
-export LD_LIBRARY_PATH="/tmp/stowage-deps/usr/lib/x86_64-linux-gnu:$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))'):${LD_LIBRARY_PATH:-}"
-export PYTHONPATH="$repo_root/.ref/diffusers/src" PYTHONUNBUFFERED=1
-machine="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), $(nproc) cores, commit ${STOWAGE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+suite_build tp
 
 # Z-Image at its published shapes, configs only (random weights are drawn from them).
 full_shapes_dir() { python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null; }

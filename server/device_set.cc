@@ -1,6 +1,9 @@
 #include "server/device_set.h"
 
 #include <algorithm>
+#include <memory>
+#include <set>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -391,8 +394,17 @@ v1::DrainDeviceResponse DeviceSet::Status() const {
       s->set_draining(routes_[i]->draining);
     }
     s->set_in_flight(devices_[i]->in_flight());
+    std::set<std::string> hosted;  // Every pipeline with a replica here, in any state.
     for (const PipelineStateView& v : devices_[i]->PipelineStates()) {
+      hosted.insert(v.pipeline);
       if (v.state == "ready") s->add_pipelines(v.pipeline);
+    }
+    const std::shared_ptr<const PlacementSnapshot> snapshot = devices_[i]->placement_snapshot();
+    if (snapshot == nullptr) continue;
+    for (const ComponentView& c : snapshot->components) {
+      if (std::none_of(c.pipelines.begin(), c.pipelines.end(), [&](const std::string& p) { return hosted.count(p) > 0; })) {
+        s->add_guest_components(c.id);
+      }
     }
   }
   return response;

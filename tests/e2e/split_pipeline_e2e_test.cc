@@ -262,6 +262,33 @@ TEST_F(SplitPipelineTest, AdminMoveComponentMovesItsBytesBetweenDevices) {
   EXPECT_EQ(DeviceBytes("sim:1")["whole/text_encoder"], w.at("text_encoder"));
 }
 
+// Draining reports the components that run on the device for pipelines homed elsewhere: draining
+// stops requests homed there, not those guests (they move with MoveComponent).
+TEST_F(SplitPipelineTest, DrainListsTheGuestComponentsThatKeepRunningThere) {
+  Start(kPipelines);
+  v1::DrainDeviceRequest drain;
+  drain.set_device("sim:1");
+  drain.set_drain(true);
+  v1::DrainDeviceResponse drained;
+  ASSERT_TRUE(server_->admin().DrainDevice(E2eServer::Authed().get(), drain, &drained).ok());
+  std::map<std::string, std::vector<std::string>> guests;
+  for (const auto& d : drained.devices()) guests[d.device()] = {d.guest_components().begin(), d.guest_components().end()};
+  EXPECT_EQ(guests["sim:1"], (std::vector<std::string>{"split/text_encoder"}));
+  EXPECT_EQ(guests["sim:0"], (std::vector<std::string>{"rsplit/text_encoder", "rsplit/vae"}));
+  // The split pipeline homed on sim:0 still runs, its text encoder on the drained sim:1.
+  v1::GenerateResponse response;
+  ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("split", 1), &response).ok());
+  ASSERT_EQ(response.stats().devices_size(), 2);
+  EXPECT_EQ(response.stats().devices(1).device(), "sim:1");
+  // Once moved home, sim:1 has no guests left.
+  ASSERT_TRUE(Move("split", "text_encoder", "sim:0").ok());
+  drain.set_drain(false);
+  ASSERT_TRUE(server_->admin().DrainDevice(E2eServer::Authed().get(), drain, &drained).ok());
+  for (const auto& d : drained.devices()) {
+    if (d.device() == "sim:1") EXPECT_EQ(d.guest_components_size(), 0) << d.DebugString();
+  }
+}
+
 TEST_F(SplitPipelineTest, HostileMovesGetClearStatuses) {
   ASSERT_NO_FATAL_FAILURE(Start(std::string(kPipelines) +
                                 R"pb(pipelines { name: "replicated" builtin: "tiny" devices: "sim:0" devices: "sim:1" })pb"));

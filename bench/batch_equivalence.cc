@@ -80,9 +80,7 @@ int main(int argc, char** argv) {
     std::cerr << "batch_equivalence: --members must be within 2..64\n";
     return 2;
   }
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);
-  auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials(), args);
+  auto channel = stowage::bench::MakeChannel(absl::GetFlag(FLAGS_target));
   auto stub = GenerationService::NewStub(channel);
   auto admin = AdminService::NewStub(channel);
   std::string pipeline = absl::GetFlag(FLAGS_pipeline);

@@ -1,10 +1,18 @@
-// What the gRPC benchmark clients (load_bench, batch_equivalence) share: the server's default
-// pipeline and the admin call that sets a pipeline's batching.
+// What the gRPC benchmark clients (load_bench, batch_equivalence, multi_gpu_bench) share: a channel
+// without a reply size limit, the server's default pipeline, the admin call that sets a pipeline's
+// batching, lists of client counts, and latency quantiles.
 #ifndef STOWAGE_BENCH_BENCH_CLIENT_H_
 #define STOWAGE_BENCH_BENCH_CLIENT_H_
 
+#include <algorithm>
 #include <iostream>
+#include <memory>
+#include <optional>
 #include <string>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
 
 #include <grpcpp/grpcpp.h>
 
@@ -12,6 +20,36 @@
 #include "stowage/v1/generation.grpc.pb.h"
 
 namespace stowage::bench {
+
+// An insecure channel to `target` that accepts replies of any size (images).
+inline std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(-1);
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
+// "1,2,4" → {1, 2, 4}; nullopt (after printing which entry of `flag` is wrong) for an entry that is
+// not an integer >= 1.
+inline std::optional<std::vector<int>> PositiveIntList(const std::string& text, const std::string& flag) {
+  std::vector<int> out;
+  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+    int v = 0;
+    if (!absl::SimpleAtoi(part, &v) || v < 1) {
+      std::cerr << "--" << flag << ": '" << part << "' is not an integer >= 1\n";
+      return std::nullopt;
+    }
+    out.push_back(v);
+  }
+  return out;
+}
+
+// The q-quantile (nearest rank) of `v`; 0 when empty.
+inline double Quantile(std::vector<double> v, double q) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
+  return v[std::min(i, v.size() - 1)];
+}
 
 // The server's default pipeline, or "" (after printing why) when ListPipelines fails.
 inline std::string DefaultPipeline(v1::GenerationService::Stub& stub) {

@@ -54,24 +54,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::vector<int> IntList(const std::string& text) {
-  std::vector<int> out;
-  for (absl::string_view part : absl::StrSplit(text, ',', absl::SkipEmpty())) {
-    int v = 0;
-    if (!absl::SimpleAtoi(part, &v) || v < 1) {
-      std::cerr << "load_bench: bad list entry '" << part << "' in '" << text << "'\n";
-      std::exit(2);
-    }
-    out.push_back(v);
-  }
-  return out;
-}
-
-double Quantile(std::vector<double> v, double q) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t i = static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5);
-  return v[std::min(i, v.size() - 1)];
+// A flag's list of counts; exits with status 2 (after saying which entry) when one is not >= 1.
+std::vector<int> IntList(const std::string& text, const std::string& flag) {
+  auto list = stowage::bench::PositiveIntList(text, flag);
+  if (!list) std::exit(2);
+  return *list;
 }
 
 struct Outcome {
@@ -106,9 +93,7 @@ Outcome GenerateOnce(stowage::v1::GenerationService::Stub& stub, int client, int
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);
-  auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials(), args);
+  auto channel = stowage::bench::MakeChannel(absl::GetFlag(FLAGS_target));
   auto stub = stowage::v1::GenerationService::NewStub(channel);
   auto admin = stowage::v1::AdminService::NewStub(channel);
   std::string pipeline = absl::GetFlag(FLAGS_pipeline);
@@ -120,13 +105,13 @@ int main(int argc, char** argv) {
               "failed");
   int exit_code = 0;
   const bool keep = absl::GetFlag(FLAGS_batch_sizes) == "keep";
-  for (const int batch : keep ? std::vector<int>{0} : IntList(absl::GetFlag(FLAGS_batch_sizes))) {
+  for (const int batch : keep ? std::vector<int>{0} : IntList(absl::GetFlag(FLAGS_batch_sizes), "batch_sizes")) {
     if (!keep && !stowage::bench::SetBatching(*admin, absl::GetFlag(FLAGS_token), pipeline, batch,
                                                absl::GetFlag(FLAGS_max_queue_delay_ms))) {
       return 1;
     }
     for (int i = 0; i < absl::GetFlag(FLAGS_warmup); ++i) (void)GenerateOnce(*stub, 999, i);
-    for (const int n : IntList(absl::GetFlag(FLAGS_concurrency))) {
+    for (const int n : IntList(absl::GetFlag(FLAGS_concurrency), "concurrency")) {
       const int per_client = std::max(absl::GetFlag(FLAGS_requests_per_client),
                                       (absl::GetFlag(FLAGS_min_requests) + n - 1) / n);
       absl::Mutex mu;
@@ -158,7 +143,7 @@ int main(int argc, char** argv) {
       if (failed > 0) exit_code = 1;
       const double images_per_s = static_cast<double>(latencies.size()) / wall;
       const double mean_batch = latencies.empty() ? 0 : batch_sum / static_cast<double>(latencies.size());
-      const double p50 = Quantile(latencies, 0.5), p99 = Quantile(latencies, 0.99);
+      const double p50 = stowage::bench::Quantile(latencies, 0.5), p99 = stowage::bench::Quantile(latencies, 0.99);
       std::printf("%-9s %-6d %4d %8.3f %8.3f %8.3f %10.2f %6d\n", absl::GetFlag(FLAGS_mode).c_str(), batch, n,
                   images_per_s, p50, p99, mean_batch, failed);
       std::fflush(stdout);

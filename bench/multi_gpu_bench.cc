@@ -21,6 +21,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -32,6 +33,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "bench/bench_client.h"
 #include "stowage/v1/generation.grpc.pb.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "Server address.");
@@ -85,32 +87,17 @@ bool Generate(stowage::v1::GenerationService::Stub& stub, uint64_t seed, Row& ro
   return true;
 }
 
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size() - 1) + 0.5));
-  return v[i];
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(-1);
-  auto channel = grpc::CreateCustomChannel(absl::GetFlag(FLAGS_target), grpc::InsecureChannelCredentials(), args);
+  auto channel = stowage::bench::MakeChannel(absl::GetFlag(FLAGS_target));
   auto stub = stowage::v1::GenerationService::NewStub(channel);
   const std::vector<std::string> devices =
       absl::StrSplit(absl::GetFlag(FLAGS_devices), ',', absl::SkipEmpty());
-  std::vector<int> counts;
-  for (absl::string_view part : absl::StrSplit(absl::GetFlag(FLAGS_concurrency), ',', absl::SkipEmpty())) {
-    int n = 0;
-    if (!absl::SimpleAtoi(part, &n) || n < 1) {
-      std::cerr << "--concurrency: '" << part << "' is not a client count >= 1\n";
-      return 2;
-    }
-    counts.push_back(n);
-  }
+  const std::optional<std::vector<int>> counts =
+      stowage::bench::PositiveIntList(absl::GetFlag(FLAGS_concurrency), "concurrency");
+  if (!counts) return 2;
   {
     // Warm-up: every device places its components and loads its kernels once (replicas are chosen
     // by expected wait, so concurrent warm-ups reach every replica).
@@ -129,7 +116,7 @@ int main(int argc, char** argv) {
   std::ofstream out;
   if (!absl::GetFlag(FLAGS_out).empty()) out.open(absl::GetFlag(FLAGS_out), std::ios::app);
   int rc = 0;
-  for (int n : counts) {
+  for (int n : *counts) {
     Row row;
     std::mutex mu;
     std::atomic<int> next{0};
@@ -151,14 +138,14 @@ int main(int argc, char** argv) {
     const double ips = static_cast<double>(row.latencies.size()) / wall;
     const std::string line = absl::StrCat(
         "{\"bench\":\"multi_gpu\",\"gpus\":", absl::GetFlag(FLAGS_gpus), ",\"layout\":\"", absl::GetFlag(FLAGS_layout),
-        "\",\"concurrency\":", n, ",\"images_per_s\":", ips, ",\"p50_s\":", Percentile(row.latencies, 0.5),
-        ",\"p99_s\":", Percentile(row.latencies, 0.99), ",\"peak_device_bytes\":[", absl::StrJoin(peaks, ","),
+        "\",\"concurrency\":", n, ",\"images_per_s\":", ips, ",\"p50_s\":", stowage::bench::Quantile(row.latencies, 0.5),
+        ",\"p99_s\":", stowage::bench::Quantile(row.latencies, 0.99), ",\"peak_device_bytes\":[", absl::StrJoin(peaks, ","),
         "],\"devices\":[", absl::StrJoin(quoted, ","), "],\"requests\":", total, ",\"failed\":", row.failed,
         ",\"size\":", absl::GetFlag(FLAGS_size), ",\"steps\":", absl::GetFlag(FLAGS_steps), ",\"machine\":\"",
         absl::GetFlag(FLAGS_machine), "\"}");
     if (out.is_open()) out << line << "\n";
     std::cout << absl::GetFlag(FLAGS_layout) << " gpus=" << absl::GetFlag(FLAGS_gpus) << " N=" << n
-              << " images/s=" << ips << " p50=" << Percentile(row.latencies, 0.5) << "s failed=" << row.failed
+              << " images/s=" << ips << " p50=" << stowage::bench::Quantile(row.latencies, 0.5) << "s failed=" << row.failed
               << " peaks=[" << absl::StrJoin(peaks, ",") << "]\n";
     if (row.failed > 0) {
       std::cerr << row.failed << " requests failed; first: " << row.first_error << "\n";

@@ -48,6 +48,8 @@ std::vector<std::pair<uintptr_t, uintptr_t>> MergedPageRanges(const std::vector<
   return merged;
 }
 
+// Placement unpins a component on its device's worker before the component can go; this only
+// catches weights pinned outside placement (tests, benchmarks).
 HostWeights::~HostWeights() { Unpin(); }
 
 absl::Status HostWeights::PinInPlace(DeviceBackend& backend) {
@@ -81,8 +83,11 @@ absl::Status HostWeights::OnloadAll(DeviceBackend& backend) {
     }
     entries_[i].slot->value = *std::move(device);
     // A host copy that is a safetensors mapping stays in the page cache for the next onload; this
-    // process's RSS stops counting it (the device copy is what runs).
-    (void)ReleaseMappedPages(entries_[i].host.data_ptr(), static_cast<int64_t>(entries_[i].host.nbytes()));
+    // process's RSS stops counting it (the device copy is what runs). Pinned pages stay put: no
+    // system call per tensor that could not release them.
+    if (pinned_by_ == nullptr) {
+      (void)ReleaseMappedPages(entries_[i].host.data_ptr(), static_cast<int64_t>(entries_[i].host.nbytes()));
+    }
   }
   return absl::OkStatus();
 }

@@ -65,6 +65,7 @@ class HostWeights {
   // Synchronizes the backend that pinned them (no copy may still read the pages) and unregisters
   // every range. Nothing when not pinned. Called by the destructor too.
   void Unpin();
+  bool pinned_in_place() const { return pinned_by_ != nullptr; }
   // Bytes of page ranges pinned by PinInPlace (0 when not pinned).
   int64_t pinned_in_place_bytes() const { return pinned_.bytes(); }
 

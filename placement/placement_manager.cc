@@ -381,7 +381,7 @@ absl::Status PlacementManager::Register(const std::string& pipeline, Component* 
 void PlacementManager::PinHost(Entry& entry) {
   if (!pin_host_copies_ || entry.group_offload) return;
   HostWeights& weights = entry.component->host_weights();
-  if (weights.pinned_in_place_bytes() > 0) return;
+  if (weights.pinned_in_place()) return;
   const int64_t before = FreeBytes();
   const absl::Status pinned = weights.PinInPlace(*backend_);
   if (pinned.ok()) {

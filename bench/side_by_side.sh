@@ -8,7 +8,8 @@
 # Needs torch and diffusers' source on PYTHONPATH (see bench/diffusers_offload_bench.py). Writes
 # OUT_DIR/diffusers.jsonl, OUT_DIR/stowage.jsonl and OUT_DIR/side_by_side.md; with ARCH=flux also
 # OUT_DIR/flux_offload.jsonl (the {"bench":"flux_offload",...} rows). DIFFUSERS_ROWS and
-# STOWAGE_ROWS (space-separated) replace the default rows.
+# STOWAGE_ROWS (space-separated) replace the default rows; set empty, that side runs none (rows
+# already in OUT_DIR/diffusers.jsonl or OUT_DIR/stowage.jsonl, say from an earlier run, are used).
 set -uo pipefail
 bench=$1 dir=$2 out=$3 machine=$4 arch=${5:-zimage}
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -24,13 +25,13 @@ if [ ! -f "$dir/transformer/config.json" ]; then
 fi
 # Both sides read the files from the page cache: read them once first.
 cat "$dir"/transformer/*.safetensors >/dev/null
-for row in ${DIFFUSERS_ROWS:-resident block_level leaf_level block_level_lowmem leaf_level_lowmem}; do
+for row in ${DIFFUSERS_ROWS-resident block_level leaf_level block_level_lowmem leaf_level_lowmem}; do
   echo "== diffusers $row"
   timeout "${ROW_TIMEOUT:-240}" "$py" "$here/diffusers_offload_bench.py" row "$row" "$dir" \
     --out "$out/diffusers.jsonl" --machine "$machine" || echo "diffusers $row failed ($?)"
 done
 resident_step=0
-for row in ${STOWAGE_ROWS:-resident block_pinned leaf_pinned leaf_pinned_d4 block_lowram leaf_lowram leaf_lowram_d4}; do
+for row in ${STOWAGE_ROWS-resident block_pinned leaf_pinned leaf_pinned_d4 block_lowram leaf_lowram leaf_lowram_d4}; do
   echo "== stowage $row"
   timeout "${ROW_TIMEOUT:-240}" "$bench" --model_dir="$dir" --rows="$row" --warmup=2 --iters=3 \
     --out="$out/stowage.jsonl" --machine="$machine" --resident_step_s="$resident_step" \

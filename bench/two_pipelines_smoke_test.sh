@@ -14,13 +14,13 @@ run() {
   /usr/bin/python3 "$scripts/two_pipelines.py" stowage --server "$here/server/stowage_server" \
     --stowctl "$here/clients/stowctl/stowctl" --zimage "$TEST_TMPDIR/zimage" --flux "$TEST_TMPDIR/flux" \
     --device sim --dtype float32 --size 64 --steps 2 --rounds 1 --budget_gib 0.003 \
-    --zimage_keep_gib 0.002 --flux_keep_gib 0.0004 --machine ci "$@"
+    --zimage_keep_gib 0.0021 --flux_keep_gib 0.0004 --machine ci "$@"
 }
 run --out "$TEST_TMPDIR/rows.jsonl" --logs "$TEST_TMPDIR/logs"
 /usr/bin/python3 - "$TEST_TMPDIR/rows.jsonl" "$TEST_TMPDIR/logs" <<'PY'
 import json, os, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-strategies = ["resident", "footprint", "workflow", "stream_te", "best"]
+strategies = ["resident", "footprint", "workflow", "stream_te", "best", "best_int8"]
 assert sorted({r["strategy"] for r in rows}) == sorted(strategies), rows
 for r in rows:
     assert r["bench"] == "two_pipelines" and r["pipeline"] in ("zimage", "flux"), r
@@ -35,6 +35,10 @@ assert len(rows) == 4 * len(strategies), len(rows)
 for phase in strategies:
     log = open(os.path.join(sys.argv[2], f"{phase}.placement_log.txt")).read()
     assert "onload" in log or "group_offload" in log or phase == "resident", (phase, log[:500])
+# best_int8 streams the transformers' and big text encoders' groups as int8; best sends them exact.
+placement = open(os.path.join(sys.argv[2], "best_int8.placement.txt")).read()
+assert placement.count(", int8 (") == 4, placement
+assert ", int8 (" not in open(os.path.join(sys.argv[2], "best.placement.txt")).read()
 moves = open(os.path.join(sys.argv[2], "footprint.placement_log.txt")).read()
 assert "make room for" in moves, moves[:1000]
 print("ok")

@@ -91,4 +91,28 @@ std::string FormatPipelines(const v1::ListPipelinesResponse& response) {
   return out;
 }
 
+std::string FormatPlacement(const v1::GetPlacementResponse& r) {
+  std::string out = absl::StrCat(
+      "device ", r.device(), ": ", HumanBytes(r.allocated_bytes()), " allocated of ",
+      r.budget_bytes() > 0 ? HumanBytes(r.budget_bytes()) : std::string("unlimited"), "; strategy ",
+      r.strategy(), "; OOM recoveries ", r.oom_recoveries(), "\n");
+  for (const v1::ComponentPlacement& c : r.components()) {
+    absl::StrAppendFormat(&out, "  %-24s %-18s %12s on device / %12s weights\n", c.id(),
+                          v1::ComponentPlacement::State_Name(c.state()), HumanBytes(c.device_bytes()),
+                          HumanBytes(c.weight_bytes()));
+    if (!c.has_group_offload()) continue;
+    const v1::GroupOffloadStatus& g = c.group_offload();
+    absl::StrAppendFormat(&out, "    groups %d streamed / %d resident, %s per forward, working set %s", g.streamed_groups(),
+                          g.resident_groups(), HumanBytes(g.bytes_per_forward()), HumanBytes(g.working_set_bytes()));
+    if (!g.compress().empty() && g.compress() != "none") {
+      absl::StrAppend(&out, ", ", g.compress(), " (", HumanBytes(g.compressed_host_bytes()), " on the host)");
+    }
+    if (g.pinned_in_place_bytes() > 0) absl::StrAppend(&out, ", pinned in place ", HumanBytes(g.pinned_in_place_bytes()));
+    if (!g.pin_in_place_error().empty()) absl::StrAppend(&out, ", not pinned: ", g.pin_in_place_error());
+    absl::StrAppend(&out, "; ", g.forwards(), " forwards\n");
+  }
+  for (const std::string& w : r.warnings()) absl::StrAppend(&out, "  warning: ", w, "\n");
+  return out;
+}
+
 }  // namespace stowage

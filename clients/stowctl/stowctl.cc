@@ -351,15 +351,7 @@ int Placement(AdminService::Stub& stub) {
   request.set_device(absl::GetFlag(FLAGS_device));
   const grpc::Status status = stub.GetPlacement(&context, request, &r);
   if (!status.ok()) return RpcFailure(status);
-  std::cout << "device " << r.device() << ": " << stowage::HumanBytes(r.allocated_bytes()) << " allocated of "
-            << (r.budget_bytes() > 0 ? stowage::HumanBytes(r.budget_bytes()) : std::string("unlimited"))
-            << "; strategy " << r.strategy() << "; OOM recoveries " << r.oom_recoveries() << "\n";
-  for (const auto& c : r.components()) {
-    std::cout << absl::StrFormat("  %-24s %-16s %12s on device / %12s weights\n", c.id(),
-                                 stowage::v1::ComponentPlacement::State_Name(c.state()),
-                                 stowage::HumanBytes(c.device_bytes()), stowage::HumanBytes(c.weight_bytes()));
-  }
-  for (const auto& w : r.warnings()) std::cout << "  warning: " << w << "\n";
+  std::cout << stowage::FormatPlacement(r);
   return 0;
 }
 

@@ -9,9 +9,13 @@
 #             (11.9 B parameters, random bf16) to /tmp/flux-weights, then diffusers'
 #             apply_group_offloading and bench/offload_bench run the same forward on those files, one
 #             process per row -> $OUT/flux_offload.jsonl (+ both sides' raw rows in $OUT/offload.tgz)
+#             DIFFUSERS_FROM=ROWS.jsonl: take the diffusers rows from an earlier run instead;
+#             STOWAGE_ROWS replaces Stowage's rows
 #   two       bench/two_pipelines.py (Z-Image-Turbo and Flux.1 [dev] at full shapes, random weights,
-#             one server, a 24 GiB device budget) and bench/diffusers_two_pipelines.py (the diffusers
-#             baseline) -> $OUT/two_pipelines.jsonl, placement logs in $OUT/two_logs.tgz
+#             one server, a 24 GiB device budget; TWO_ARGS adds options, e.g. --phases)
+#             -> $OUT/two_pipelines.jsonl, placement logs in $OUT/two_logs.tgz
+#   two_diffusers  bench/diffusers_two_pipelines.py (the diffusers baseline, both pipelines with
+#             enable_model_cpu_offload in one process) -> $OUT/two_pipelines.jsonl
 # Carry .deb (deploy/gpu_host/fetch_debs.sh) and .ref/diffusers/src (git-ignored):
 #   OUT=... PARTS="fixtures offload" STOWAGE_COMMIT=<rev> deploy/gpu_host/run_flux_suite.sh
 source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/suite_lib.sh"
@@ -39,8 +43,13 @@ for part in ${PARTS:-fixtures offload}; do
       ;;
     offload)
       stamp "flux offload side by side"
-      DIFFUSERS_ROWS="resident block_level leaf_level block_level_lowmem" \
-        STOWAGE_ROWS="resident block_pinned leaf_pinned_d4 block_lowram leaf_lowram_d4" ROW_TIMEOUT=200 \
+      mkdir -p "$logs/offload"
+      diffusers_rows="resident block_level leaf_level block_level_lowmem"
+      if [ -n "${DIFFUSERS_FROM:-}" ]; then  # The diffusers rows of an earlier run on this machine kind.
+        cp "$DIFFUSERS_FROM" "$logs/offload/diffusers.jsonl" && diffusers_rows=""
+      fi
+      DIFFUSERS_ROWS="$diffusers_rows" \
+        STOWAGE_ROWS="${STOWAGE_ROWS:-resident block_pinned leaf_pinned_d4 block_lowram leaf_lowram_d4}" ROW_TIMEOUT=200 \
         timeout "${OFFLOAD_TIMEOUT:-500}" bash bench/side_by_side.sh "$build/bench/offload_bench" /tmp/flux-weights \
         "$logs/offload" "$machine" flux >"$logs/offload.txt" 2>&1
       stamp "offload exit $?"
@@ -59,6 +68,11 @@ for part in ${PARTS:-fixtures offload}; do
         >"$logs/two/stowage.txt" 2>&1
       stamp "stowage side exit $?"
       tail -40 "$logs/two/stowage.txt" >>"$OUT/summary.txt"
+      tar czf "$OUT/two_logs.tgz" -C "$logs" two 2>/dev/null
+      ;;
+    two_diffusers)
+      stamp "two pipelines, diffusers baseline"
+      mkdir -p "$logs/two"
       timeout "${DIFFUSERS_TIMEOUT:-240}" python3 bench/diffusers_two_pipelines.py --out "$OUT/two_pipelines.jsonl" \
         --machine "$machine" >"$logs/two/diffusers.txt" 2>&1
       stamp "diffusers side exit $?"

@@ -44,6 +44,9 @@ grep -q "GROUP_OFFLOADED" <<<"$out" || fail "enable: $out"
 ctl generate --prompt=boat --width=64 --height=64 --steps=1 >/dev/null
 out=$(ctl placement)
 grep -q "zimage-tiny/text_encoder *OFFLOADED" <<<"$out" || fail "text encoder should be offloaded: $out"
+# The group-offloaded transformer's line says what streams and that it ran.
+grep -Eq "^    groups [1-9][0-9]* streamed / 0 resident, [0-9.]+ [KM]iB per forward, working set .*; [1-9][0-9]* forwards$" \
+  <<<"$out" || fail "group offload status: $out"
 out=$(ctl disable-group-offload --component=zimage-tiny/transformer)
 grep -q "OFFLOADED" <<<"$out" || fail "disable: $out"
 ctl load-pipeline --name=extra --weight_seed=3 | grep -q 'name: "extra"' || fail "load"

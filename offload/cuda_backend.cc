@@ -122,9 +122,13 @@ class CudaBackend : public DeviceBackend {
 
   absl::StatusOr<at::Tensor> CopyToDevice(const at::Tensor& host) override {
     at::Tensor out;
-    RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("copy to ", name()), [&] {
+    absl::Status status = CatchAsStatus(absl::StrCat("copy to ", name()), [&] {
       out = host.to(device_, /*non_blocking=*/false, /*copy=*/true);
-    }));
+    });
+    if (!status.ok()) {
+      cudaGetLastError();  // A refused copy must not fail the next kernel launch's check too.
+      return status;
+    }
     h2d_ += static_cast<int64_t>(host.nbytes());
     return out;
   }
@@ -194,6 +198,14 @@ class CudaBackend : public DeviceBackend {
   }
   absl::Status UnregisterHostMemory(void* ptr) override {
     return CudaStatus(cudaHostUnregister(ptr), "cudaHostUnregister");
+  }
+  bool IsPageLockedHostMemory(const void* ptr) override {
+    cudaPointerAttributes attributes{};
+    if (cudaPointerGetAttributes(&attributes, ptr) != cudaSuccess) {
+      cudaGetLastError();  // Clear it: later calls must not be blamed.
+      return false;
+    }
+    return attributes.type == cudaMemoryTypeHost;
   }
 
   DeviceMemoryStats GetMemoryStats() override {

@@ -110,6 +110,10 @@ class DeviceBackend {
   // …or existing memory pinned in place (for example a read-only mmap of a safetensors file).
   virtual absl::Status RegisterHostMemory(void* ptr, int64_t bytes, bool read_only) = 0;
   virtual absl::Status UnregisterHostMemory(void* ptr) = 0;
+  // True when `ptr` lies in host memory the device already reads at full speed: a pinned buffer
+  // (AllocatePinnedHost) or a registered range. Such memory cannot be registered again (CUDA
+  // refuses both); pinning code skips it.
+  virtual bool IsPageLockedHostMemory(const void* ptr) = 0;
 
   virtual DeviceMemoryStats GetMemoryStats() = 0;
   virtual void ResetPeakStats() = 0;

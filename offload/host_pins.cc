@@ -31,43 +31,52 @@ HostPins& HostPins::Global() {
   return *pins;
 }
 
-absl::StatusOr<HostPinLease> HostPins::Pin(DeviceBackend& backend,
-                                           const std::vector<std::pair<uintptr_t, uintptr_t>>& ranges) {
+absl::StatusOr<HostPinLease> HostPins::Pin(DeviceBackend& backend, const std::vector<HostRegion>& regions) {
   HostPinLease lease;
   absl::MutexLock lock(&mu_);
-  for (const auto& [begin, end] : ranges) {
-    uintptr_t cursor = begin;
-    while (cursor < end) {
-      // A segment holding `cursor`: share it.
-      auto next = segments_.upper_bound(cursor);
-      if (next != segments_.begin()) {
-        auto held = std::prev(next);
-        if (held->second.end > cursor) {
-          ++held->second.refs;
-          lease.segments_.push_back(held->first);
-          cursor = held->second.end;
-          continue;
-        }
-      }
-      // Free pages up to the next segment (or the range's end): a new segment.
-      const uintptr_t stop = next != segments_.end() ? std::min(end, next->first) : end;
-      void* ptr = reinterpret_cast<void*>(cursor);
-      const auto size = static_cast<int64_t>(stop - cursor);
-      absl::Status status = backend.RegisterHostMemory(ptr, size, /*read_only=*/true);
-      if (!status.ok()) status = backend.RegisterHostMemory(ptr, size, /*read_only=*/false);
-      if (!status.ok()) {
-        UnrefLocked(lease.segments_);  // Nothing of this call stays; no copy read them yet.
-        lease.segments_.clear();
-        return status;
-      }
-      segments_[cursor] = Segment{stop, 1, &backend};
-      lease.segments_.push_back(cursor);
-      cursor = stop;
-    }
-    lease.bytes_ += static_cast<int64_t>(end - begin);
+  absl::Status status = PinLocked(backend, regions, lease);
+  if (!status.ok()) {
+    UnrefLocked(lease.segments_);  // Nothing of this call stays; no copy read them yet.
+    lease.segments_.clear();
+    return status;
   }
   lease.registry_ = this;
   return lease;
+}
+
+absl::Status HostPins::PinLocked(DeviceBackend& backend, const std::vector<HostRegion>& regions,
+                                 HostPinLease& lease) {
+  for (const HostRegion& region : regions) {
+    if (region.end <= region.begin) continue;
+    // The locked region holding `begin`, if any: share it when it holds the whole region.
+    auto next = segments_.upper_bound(region.begin);
+    if (next != segments_.begin()) {
+      auto held = std::prev(next);
+      if (held->second.end > region.begin) {
+        if (held->second.end < region.end) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "host region of ", region.bytes(), " bytes runs past the end of a locked region"));
+        }
+        ++held->second.refs;
+        lease.segments_.push_back(held->first);
+        lease.bytes_ += region.bytes();
+        continue;
+      }
+    }
+    if (next != segments_.end() && next->first < region.end) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "host region of ", region.bytes(), " bytes overlaps the start of a locked region"));
+    }
+    void* ptr = reinterpret_cast<void*>(region.begin);
+    absl::Status status = backend.RegisterHostMemory(ptr, region.bytes(), region.read_only);
+    // Some hosts lock a read-only mapping only without the flag.
+    if (!status.ok() && region.read_only) status = backend.RegisterHostMemory(ptr, region.bytes(), false);
+    if (!status.ok()) return status;
+    segments_[region.begin] = Segment{region.end, 1, &backend};
+    lease.segments_.push_back(region.begin);
+    lease.bytes_ += region.bytes();
+  }
+  return absl::OkStatus();
 }
 
 int64_t HostPins::registered_bytes() const {

@@ -1,10 +1,21 @@
 #include "offload/host_weights.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include <ATen/Functions.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "offload/safetensors.h"
 
 namespace stowage {
@@ -27,25 +38,131 @@ absl::StatusOr<std::unique_ptr<HostWeights>> HostWeights::Capture(Module& root) 
   return weights;
 }
 
-std::vector<std::pair<uintptr_t, uintptr_t>> MergedPageRanges(const std::vector<const at::Tensor*>& tensors) {
-  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  std::vector<std::pair<uintptr_t, uintptr_t>> ranges;
-  for (const at::Tensor* t : tensors) {
-    if (t->nbytes() == 0) continue;
-    const auto begin = reinterpret_cast<uintptr_t>(t->data_ptr());
-    const uintptr_t end = begin + t->nbytes();
-    ranges.emplace_back(begin / page * page, (end + page - 1) / page * page);
+// Page-aligned anonymous memory holding one component's host copies and nothing else.
+struct HostWeights::Arena {
+  void* base = nullptr;
+  size_t bytes = 0;
+  ~Arena() {
+    if (base != nullptr) ::munmap(base, bytes);
   }
-  std::sort(ranges.begin(), ranges.end());
-  std::vector<std::pair<uintptr_t, uintptr_t>> merged;
-  for (const auto& r : ranges) {
-    if (!merged.empty() && r.first < merged.back().second) {
-      merged.back().second = std::max(merged.back().second, r.second);
-    } else {
-      merged.push_back(r);
+  uintptr_t begin() const { return reinterpret_cast<uintptr_t>(base); }
+  uintptr_t end() const { return begin() + bytes; }
+};
+
+namespace {
+
+constexpr uintptr_t kArenaAlignment = 64;
+
+uintptr_t PageSize() { return static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE)); }
+uintptr_t RoundUp(uintptr_t value, uintptr_t to) { return (value + to - 1) / to * to; }
+
+}  // namespace
+
+absl::Status HostWeights::MoveIntoArena(const std::vector<Entry*>& entries) {
+  // Host copies that share a storage (tied weights, views of one buffer) move together: one span
+  // per storage, from its first used byte to its last, so they keep sharing it.
+  struct Span {
+    uintptr_t begin = UINTPTR_MAX;
+    uintptr_t end = 0;
+    uintptr_t offset = 0;  // In the arena.
+  };
+  std::map<const void*, Span> spans;
+  for (const Entry* e : entries) {
+    Span& span = spans[e->host.storage().data()];
+    const auto begin = reinterpret_cast<uintptr_t>(e->host.data_ptr());
+    span.begin = std::min(span.begin, begin);
+    span.end = std::max(span.end, begin + e->host.nbytes());
+  }
+  uintptr_t total = 0;
+  for (auto& [storage, span] : spans) {
+    span.offset = total;
+    total = RoundUp(total + (span.end - span.begin), kArenaAlignment);
+  }
+  auto arena = std::make_shared<Arena>();
+  arena->bytes = RoundUp(std::max<uintptr_t>(total, 1), PageSize());
+  void* base = ::mmap(nullptr, arena->bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat("mapping an arena of ", arena->bytes,
+                                                     " bytes for host copies failed: ", std::strerror(errno)));
+  }
+  arena->base = base;
+  auto* bytes = static_cast<uint8_t*>(base);
+  for (const auto& [storage, span] : spans) {
+    std::memcpy(bytes + span.offset, reinterpret_cast<const void*>(span.begin), span.end - span.begin);
+  }
+  // One storage over the arena; every moved host copy is a view of it, so the arena lives as long
+  // as any of them (or a slot pointing at one).
+  std::shared_ptr<Arena> owner = arena;
+  at::Tensor whole = at::from_blob(
+      base, {static_cast<int64_t>(arena->bytes)}, [owner](void*) mutable { owner.reset(); },
+      at::TensorOptions().dtype(at::kByte));
+  for (Entry* e : entries) {
+    const Span& span = spans[e->host.storage().data()];
+    const auto begin = reinterpret_cast<uintptr_t>(e->host.data_ptr());
+    const auto offset = static_cast<int64_t>(span.offset + (begin - span.begin));
+    at::Tensor view = whole.narrow(0, offset, static_cast<int64_t>(e->host.nbytes()))
+                          .view(e->host.scalar_type())
+                          .view(e->host.sizes());
+    ReplaceHost(*e, std::move(view));  // The heap copy is freed once nothing else holds it.
+  }
+  arenas_.push_back(arena);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<HostWeights::Lockable> HostWeights::LockableRegions(DeviceBackend& backend) {
+  Lockable out;
+  std::vector<const void*> addresses;
+  addresses.reserve(entries_.size());
+  for (const Entry& e : entries_) addresses.push_back(e.host.data_ptr());
+  const auto files = MappedFilesContaining(addresses);
+  std::set<uintptr_t> regions_seen;
+  auto add = [&](uintptr_t begin, uintptr_t end, bool read_only) {
+    if (regions_seen.insert(begin).second) {
+      out.regions.push_back(HostRegion{begin, RoundUp(end, PageSize()), read_only});
     }
+  };
+  std::vector<Entry*> heap;
+  for (Entry& e : entries_) {
+    if (e.host.nbytes() == 0) continue;
+    const auto at = reinterpret_cast<uintptr_t>(e.host.data_ptr());
+    bool placed = false;
+    for (const auto& file : files) {
+      const auto begin = reinterpret_cast<uintptr_t>(file->mapping());
+      if (at >= begin && at < begin + static_cast<uintptr_t>(file->mapping_bytes())) {
+        add(begin, begin + static_cast<uintptr_t>(file->mapping_bytes()), /*read_only=*/true);
+        placed = true;
+        break;
+      }
+    }
+    for (size_t i = 0; !placed && i < arenas_.size(); ++i) {
+      std::shared_ptr<Arena> arena = arenas_[i].lock();
+      if (arena != nullptr && at >= arena->begin() && at < arena->end()) {
+        add(arena->begin(), arena->end(), /*read_only=*/false);
+        placed = true;
+      }
+    }
+    if (placed) continue;
+    if (backend.IsPageLockedHostMemory(e.host.data_ptr())) {
+      out.already_locked_bytes += static_cast<int64_t>(e.host.nbytes());
+      continue;
+    }
+    heap.push_back(&e);
   }
-  return merged;
+  // Forget arenas no host copy uses any more.
+  arenas_.erase(std::remove_if(arenas_.begin(), arenas_.end(), [](const auto& a) { return a.expired(); }),
+                arenas_.end());
+  if (!heap.empty()) {
+    for (const Entry* e : heap) out.moved_to_arena_bytes += static_cast<int64_t>(e->host.nbytes());
+    RETURN_IF_ERROR(MoveIntoArena(heap));
+    const std::shared_ptr<Arena> arena = arenas_.back().lock();
+    add(arena->begin(), arena->end(), /*read_only=*/false);
+#if defined(__GLIBC__)
+    ::malloc_trim(0);  // Give the freed heap pages back: RAM holds one copy.
+#endif
+  }
+  std::sort(out.regions.begin(), out.regions.end(),
+            [](const HostRegion& a, const HostRegion& b) { return a.begin < b.begin; });
+  return out;
 }
 
 // Placement unpins a component on its device's worker before the component can go; this only
@@ -54,10 +171,11 @@ HostWeights::~HostWeights() { Unpin(); }
 
 absl::Status HostWeights::PinInPlace(DeviceBackend& backend) {
   if (pinned_by_ != nullptr) return absl::OkStatus();
-  std::vector<const at::Tensor*> hosts;
-  hosts.reserve(entries_.size());
-  for (const Entry& e : entries_) hosts.push_back(&e.host);
-  auto lease = HostPins::Global().Pin(backend, MergedPageRanges(hosts));
+  last_pin_moved_bytes_ = 0;
+  absl::StatusOr<Lockable> lockable = LockableRegions(backend);
+  if (lockable.ok()) last_pin_moved_bytes_ = lockable->moved_to_arena_bytes;
+  absl::StatusOr<HostPinLease> lease =
+      lockable.ok() ? HostPins::Global().Pin(backend, lockable->regions) : lockable.status();
   if (!lease.ok()) {
     return absl::Status(lease.status().code(),
                         absl::StrCat("pinning ", bytes_, " bytes of host copies in place: ", lease.status().message()));

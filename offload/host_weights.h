@@ -54,20 +54,39 @@ class HostWeights {
   // Slots that pointed at the old host tensor are repointed. Unpins the weights first if pinned.
   void ReplaceHost(Entry& entry, at::Tensor host);
 
-  // Page-locks the host copies where they are (heap, or a safetensors file's read-only mapping):
-  // their page ranges, merged, are locked through `backend` and the process's HostPins (pages that
-  // another component's copies share are shared, not registered twice), so OnloadAll copies at the link's full speed
-  // with no second copy in RAM. Pinned pages stay in RAM (a mapping's pages stay counted in the
-  // process's RSS). OK and nothing changes when already pinned. On failure (a host that refuses to
-  // lock that much memory: RLIMIT_MEMLOCK) nothing stays registered and the status is returned;
-  // copies then run from pageable memory as before.
+  // The regions to page-lock so that every host copy copies at the link's full speed, each host
+  // copy wholly inside one region and no region holding anything but host copies (CUDA refuses a
+  // copy that runs across the edge of a registered range; see offload/host_pins.h):
+  //   - a host copy in a live safetensors mapping: the whole mapping (read-only);
+  //   - a host copy on the heap, whose pages it shares with whatever else the process allocated
+  //     (a request's tensors, another component's weights): it is first moved, once, into an arena
+  //     of this component's own (page-aligned anonymous memory; each copy's heap memory is freed as
+  //     it moves, so RAM holds one copy), and the arena is the region;
+  //   - a host copy already in page-locked memory (the pinned arena of a group-offload store): no
+  //     region; its bytes are counted in already_locked_bytes.
+  // RESOURCE_EXHAUSTED when the arena cannot be allocated (nothing moved then).
+  struct Lockable {
+    std::vector<HostRegion> regions;
+    int64_t already_locked_bytes = 0;
+    int64_t moved_to_arena_bytes = 0;  // By this call.
+  };
+  absl::StatusOr<Lockable> LockableRegions(DeviceBackend& backend);
+
+  // Page-locks the host copies where LockableRegions puts them, through `backend` and the
+  // process's HostPins, so OnloadAll copies at the link's full speed with no second copy in RAM.
+  // Pinned pages stay in RAM (a mapping's pages stay counted in the process's RSS). OK and nothing
+  // changes when already pinned. On failure (a host that refuses to lock that much memory:
+  // RLIMIT_MEMLOCK) nothing stays registered and the status is returned; copies then run from
+  // pageable memory as before.
   absl::Status PinInPlace(DeviceBackend& backend);
   // Synchronizes the backend that pinned them (no copy may still read the pages) and unregisters
   // every range. Nothing when not pinned. Called by the destructor too.
   void Unpin();
   bool pinned_in_place() const { return pinned_by_ != nullptr; }
-  // Bytes of page ranges pinned by PinInPlace (0 when not pinned).
+  // Bytes of the regions pinned by PinInPlace (0 when not pinned).
   int64_t pinned_in_place_bytes() const { return pinned_.bytes(); }
+  // Bytes of host copies the last PinInPlace moved off the heap into an arena.
+  int64_t last_pin_moved_bytes() const { return last_pin_moved_bytes_; }
 
   ~HostWeights();
   HostWeights(const HostWeights&) = delete;
@@ -84,14 +103,15 @@ class HostWeights {
   std::vector<Entry> entries_;
   int64_t bytes_ = 0;
   int64_t parameter_count_ = 0;
+  struct Arena;
+  // Moves `entries` (heap host copies) into a new arena; RESOURCE_EXHAUSTED if it cannot be mapped.
+  absl::Status MoveIntoArena(const std::vector<Entry*>& entries);
+
   DeviceBackend* pinned_by_ = nullptr;  // Set while pinned in place.
   HostPinLease pinned_;
+  int64_t last_pin_moved_bytes_ = 0;
+  std::vector<std::weak_ptr<Arena>> arenas_;  // Alive while a host copy (or a view of one) uses it.
 };
-
-// The page-rounded address ranges [begin, end) of `tensors`' bytes, sorted, overlapping and
-// adjacent-page ranges merged (tensors packed back to back share pages: a range registered with the
-// device must never be registered twice, and a copy must never run past a registered range's end).
-std::vector<std::pair<uintptr_t, uintptr_t>> MergedPageRanges(const std::vector<const at::Tensor*>& tensors);
 
 }  // namespace stowage
 

@@ -8,14 +8,13 @@ namespace stowage {
 
 absl::StatusOr<std::unique_ptr<HostStore>> PinnedInPlaceHostStore::Create(
     const std::vector<PlannedGroup>& groups, HostWeights& weights, DeviceBackend& backend) {
+  // Before the groups resolve: heap host copies move into the component's arena first.
+  absl::StatusOr<HostWeights::Lockable> lockable = weights.LockableRegions(backend);
+  if (!lockable.ok()) return lockable.status();
   std::unique_ptr<PinnedInPlaceHostStore> store(
       new PinnedInPlaceHostStore(backend, ResolveGroups(groups, weights)));
-  std::vector<const at::Tensor*> hosts;
-  for (const StoreGroup& g : store->groups_) {
-    for (const StoreTensor& t : g.tensors) hosts.push_back(&t.entry->host);
-  }
   store->stats_.bytes_per_forward = NonResidentTensorBytes(store->groups_);
-  auto lease = HostPins::Global().Pin(backend, MergedPageRanges(hosts));
+  auto lease = HostPins::Global().Pin(backend, lockable->regions);
   if (!lease.ok()) return lease.status();  // Nothing stays registered.
   store->pinned_ = *std::move(lease);
   store->stats_.pinned_in_place_bytes = store->pinned_.bytes();

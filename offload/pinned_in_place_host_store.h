@@ -2,12 +2,11 @@
 // (heap, or the read-only mapping of a safetensors file) and is registered with the device
 // (DeviceBackend::RegisterHostMemory), so each tensor is one full-speed DMA with no second copy in RAM.
 //
-// The page-rounded ranges of every group's tensors, resident groups included (tensors packed back
-// to back in a safetensors file share pages, so a copy must never start inside a registered range
-// and run past its end), are merged and locked through the process's HostPins (pages another
-// component already locked are shared): read-only first, which a read-only file mapping needs,
-// then plain. Create fails with the backend's status when the host refuses (for
-// example a low RLIMIT_MEMLOCK); nothing stays registered then, and the factory stages instead.
+// The regions of HostWeights::LockableRegions (the safetensors mappings holding the host copies,
+// or the component's arena that its heap copies move into first; resident groups included) are
+// locked through the process's HostPins (regions another component already locked are shared).
+// Create fails with the backend's status when the host refuses (for example a low
+// RLIMIT_MEMLOCK); nothing stays registered then, and the factory stages instead.
 //
 // Thread-safety: as HostStore (offload/host_store.h).
 // Lifetime: the destructor synchronizes the device (no copy may still read the memory) and

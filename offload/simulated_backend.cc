@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "offload/device_backend.h"
 #include "base/out_of_memory.h"
+#include "base/status_macros.h"
 
 namespace stowage {
 namespace {
@@ -34,6 +35,30 @@ struct Pool {
   int64_t h2d ABSL_GUARDED_BY(mu) = 0;
   int64_t p2d ABSL_GUARDED_BY(mu) = 0;
   int64_t d2h ABSL_GUARDED_BY(mu) = 0;
+};
+
+// Page-locked host memory as CUDA tracks it: registered ranges and pinned allocations (begin → end,
+// disjoint), shared with the pinned allocations' deleters so it outlives the backend if they do.
+struct HostLocks {
+  struct Range {
+    uintptr_t end;
+    bool allocated;  // A pinned allocation (AllocatePinnedHost), not a registration.
+  };
+  absl::Mutex mu;
+  std::map<uintptr_t, Range> ranges ABSL_GUARDED_BY(mu);
+
+  // The range holding `at`, or end().
+  std::map<uintptr_t, Range>::const_iterator Holding(uintptr_t at) const ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    auto next = ranges.upper_bound(at);
+    if (next == ranges.begin()) return ranges.end();
+    auto held = std::prev(next);
+    return held->second.end > at ? held : ranges.end();
+  }
+  bool Overlaps(uintptr_t begin, uintptr_t end) const ABSL_SHARED_LOCKS_REQUIRED(mu) {
+    auto next = ranges.lower_bound(begin);
+    if (next != ranges.end() && next->first < end) return true;
+    return next != ranges.begin() && std::prev(next)->second.end > begin;
+  }
 };
 
 struct CopyState {
@@ -115,6 +140,7 @@ class SimulatedBackend : public DeviceBackend {
 
   absl::StatusOr<at::Tensor> CopyToDevice(const at::Tensor& host) override {
     const at::Tensor src = host.contiguous();
+    RETURN_IF_ERROR(CheckCopySource(src));
     absl::StatusOr<at::Tensor> buffer = AllocateBytes(static_cast<int64_t>(src.nbytes()));
     if (!buffer.ok()) return buffer.status();
     at::Tensor dst = buffer->view(src.scalar_type()).view(src.sizes());
@@ -140,6 +166,8 @@ class SimulatedBackend : public DeviceBackend {
     TORCH_CHECK(dst.nbytes() == src.nbytes(), "CopyToDeviceAsync: size mismatch (", dst.nbytes(),
                 " vs ", src.nbytes(), " bytes)");
     TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "CopyToDeviceAsync needs contiguous tensors");
+    const absl::Status source = CheckCopySource(src);
+    TORCH_CHECK(source.ok(), "CopyToDeviceAsync: ", source.message());
     absl::MutexLock lock(&copy_->mu);
     queue_.push_back(Copy{dst, src, nullptr, ++copy_->issued});
   }
@@ -162,7 +190,26 @@ class SimulatedBackend : public DeviceBackend {
   void Synchronize() override { SimEvent(copy_, IssuedSeq()).Wait(); }
 
   absl::StatusOr<at::Tensor> AllocatePinnedHost(int64_t bytes) override {
-    return at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+    if (bytes < 0) return absl::InvalidArgumentError("negative pinned allocation");
+    const size_t rounded = ((static_cast<size_t>(bytes) + kAlignment - 1) / kAlignment) * kAlignment;
+    void* data = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
+    if (data == nullptr) return absl::ResourceExhaustedError("pinned host allocation failed");
+    const auto begin = reinterpret_cast<uintptr_t>(data);
+    {
+      absl::MutexLock lock(&locks_->mu);
+      locks_->ranges[begin] = HostLocks::Range{begin + rounded, /*allocated=*/true};
+    }
+    std::shared_ptr<HostLocks> locks = locks_;
+    return at::from_blob(
+        data, {bytes},
+        [locks, begin](void* ptr) {
+          {
+            absl::MutexLock lock(&locks->mu);
+            locks->ranges.erase(begin);
+          }
+          std::free(ptr);
+        },
+        at::TensorOptions().dtype(at::kByte));
   }
   absl::Status RegisterHostMemory(void* ptr, int64_t bytes, bool read_only) override {
     (void)read_only;
@@ -170,26 +217,26 @@ class SimulatedBackend : public DeviceBackend {
       return absl::ResourceExhaustedError("host memory registration refused (simulated memlock limit)");
     }
     if (bytes <= 0) return absl::InvalidArgumentError("host memory registration needs bytes > 0");
-    // Like cudaHostRegister: a range overlapping a registered one is refused.
+    // Like cudaHostRegister: a range overlapping a registered one or a pinned allocation is refused.
     const auto begin = reinterpret_cast<uintptr_t>(ptr);
     const uintptr_t end = begin + static_cast<uintptr_t>(bytes);
-    absl::MutexLock lock(&registered_mu_);
-    auto next = registered_.lower_bound(begin);
-    if (next != registered_.end() && next->first < end) {
-      return absl::AlreadyExistsError("host memory is already registered");
-    }
-    if (next != registered_.begin() && std::prev(next)->second > begin) {
-      return absl::AlreadyExistsError("host memory is already registered");
-    }
-    registered_[begin] = end;
+    absl::MutexLock lock(&locks_->mu);
+    if (locks_->Overlaps(begin, end)) return absl::AlreadyExistsError("host memory is already page-locked");
+    locks_->ranges[begin] = HostLocks::Range{end, /*allocated=*/false};
     return absl::OkStatus();
   }
   absl::Status UnregisterHostMemory(void* ptr) override {
-    absl::MutexLock lock(&registered_mu_);
-    if (registered_.erase(reinterpret_cast<uintptr_t>(ptr)) == 0) {
+    absl::MutexLock lock(&locks_->mu);
+    auto it = locks_->ranges.find(reinterpret_cast<uintptr_t>(ptr));
+    if (it == locks_->ranges.end() || it->second.allocated) {
       return absl::NotFoundError("host memory was not registered");
     }
+    locks_->ranges.erase(it);
     return absl::OkStatus();
+  }
+  bool IsPageLockedHostMemory(const void* ptr) override {
+    absl::MutexLock lock(&locks_->mu);
+    return locks_->Holding(reinterpret_cast<uintptr_t>(ptr)) != locks_->ranges.end();
   }
 
   DeviceMemoryStats GetMemoryStats() override {
@@ -273,6 +320,23 @@ class SimulatedBackend : public DeviceBackend {
     }
   }
 
+  // Like cudaMemcpy: a host range that starts in page-locked memory must end inside the same
+  // registration or allocation; one that starts in pageable memory must not run into page-locked
+  // memory (tests/offload/device_backend_conformance_test.cc checks CUDA does the same).
+  absl::Status CheckCopySource(const at::Tensor& src) {
+    if (src.nbytes() == 0) return absl::OkStatus();
+    const auto begin = reinterpret_cast<uintptr_t>(src.data_ptr());
+    const uintptr_t end = begin + src.nbytes();
+    absl::MutexLock lock(&locks_->mu);
+    auto held = locks_->Holding(begin);
+    if (held != locks_->ranges.end() ? held->second.end < end : locks_->Overlaps(begin, end)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a copy of ", src.nbytes(), " host bytes runs across the edge of page-locked host memory "
+          "(CUDA refuses it: invalid argument)"));
+    }
+    return absl::OkStatus();
+  }
+
   void Complete(Copy copy) {
     const uint64_t seq = copy.seq;
     copy = Copy{};  // Drop the tensor references before signalling completion.
@@ -286,8 +350,7 @@ class SimulatedBackend : public DeviceBackend {
   std::deque<Copy> queue_ ABSL_GUARDED_BY(copy_->mu);
   bool stopping_ ABSL_GUARDED_BY(copy_->mu) = false;
   std::thread worker_;
-  absl::Mutex registered_mu_;
-  std::map<uintptr_t, uintptr_t> registered_ ABSL_GUARDED_BY(registered_mu_);  // begin → end.
+  std::shared_ptr<HostLocks> locks_ = std::make_shared<HostLocks>();
 };
 
 }  // namespace

@@ -386,8 +386,14 @@ void PlacementManager::PinHost(Entry& entry) {
   const absl::Status pinned = weights.PinInPlace(*backend_);
   if (pinned.ok()) {
     pin_failures_.erase(entry.id);
+    const std::string where =
+        weights.last_pin_moved_bytes() > 0
+            ? absl::StrCat("host copies moved off the heap into their own arena (",
+                           weights.last_pin_moved_bytes(), " bytes) and page-locked there")
+        : weights.pinned_in_place_bytes() == 0 ? std::string("host copies already page-locked (a pinned arena)")
+                                               : std::string("host copies page-locked in place");
     Record(entry.id, "pin_host", weights.pinned_in_place_bytes(), before,
-           "host copies page-locked in place: moves onto the device run at the link's speed");
+           absl::StrCat(where, ": moves onto the device run at the link's speed"));
     return;
   }
   pin_failures_[entry.id] = std::string(pinned.message());

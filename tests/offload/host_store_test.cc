@@ -21,6 +21,7 @@
 #include "offload/host_pins.h"
 #include "offload/host_store_factory.h"
 #include "offload/host_weights.h"
+#include "offload/safetensors.h"
 #include "tests/offload/stack_model.h"
 
 namespace stowage {
@@ -203,113 +204,212 @@ std::vector<StoreCase> Cases() {
 INSTANTIATE_TEST_SUITE_P(Stores, HostStoreConformanceTest, ::testing::ValuesIn(Cases()),
                          [](const ::testing::TestParamInfo<StoreCase>& info) { return info.param.name; });
 
-// HostWeights::PinInPlace registers the host copies' merged page ranges once each: a second
-// registration of any of them is refused while pinned (so they really are registered) and succeeds
-// after Unpin; onloading from pinned copies gives the same weights; a host that refuses to lock
-// memory leaves nothing registered; ReplaceHost and the destructor unpin.
-TEST(HostWeightsPinningTest, PinInPlaceRegistersEveryRangeOnceAndUnpinReleasesThem) {
+// A module whose parameters are the given tensors (views of one buffer, say).
+class TensorsModule : public Module {
+ public:
+  explicit TensorsModule(const std::vector<at::Tensor>& tensors) : Module("TensorsModule") {
+    for (size_t i = 0; i < tensors.size(); ++i) AddParameter("w" + std::to_string(i), tensors[i]);
+  }
+};
+
+uintptr_t Page() { return static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE)); }
+
+// Every host copy lies wholly inside page-locked memory, and copies to the device (the simulated
+// backend refuses, as CUDA does, a copy that runs across the edge of page-locked memory).
+void ExpectEveryHostCopyLockedAndCopyable(HostWeights& weights, DeviceBackend& backend) {
+  for (const HostWeights::Entry& e : weights.entries()) {
+    const auto* first = static_cast<const uint8_t*>(e.host.data_ptr());
+    EXPECT_TRUE(backend.IsPageLockedHostMemory(first)) << e.module->SlotPath(*e.slot);
+    EXPECT_TRUE(backend.IsPageLockedHostMemory(first + e.host.nbytes() - 1)) << e.module->SlotPath(*e.slot);
+    absl::StatusOr<at::Tensor> copy = backend.CopyToDevice(e.host);
+    ASSERT_TRUE(copy.ok()) << e.module->SlotPath(*e.slot) << ": " << copy.status();
+    EXPECT_TRUE(at::equal(*copy, e.host));
+  }
+}
+
+// Heap host copies share their pages with whatever else the process allocated. PinInPlace moves
+// them, once, into an arena of the component's own and locks that: the values are unchanged, the
+// slots follow, memory beside the old copies stays pageable, a second pin moves nothing, and
+// Unpin leaves the arena pageable again.
+TEST(HostWeightsPinningTest, HeapCopiesMoveIntoAnArenaThatHoldsNothingElse) {
+  auto backend = CreateSimulatedBackend({});  // Outlives the weights it pins.
   StackModel model;
   std::unique_ptr<HostWeights> weights = *HostWeights::Capture(model);
-  std::vector<const at::Tensor*> hosts;
-  for (const HostWeights::Entry& e : weights->entries()) hosts.push_back(&e.host);
-  const auto ranges = MergedPageRanges(hosts);
-  ASSERT_FALSE(ranges.empty());
-  int64_t range_bytes = 0;
-  for (size_t i = 0; i < ranges.size(); ++i) {
-    EXPECT_LT(ranges[i].first, ranges[i].second);
-    if (i > 0) EXPECT_LE(ranges[i - 1].second, ranges[i].first);  // Sorted, disjoint.
-    range_bytes += static_cast<int64_t>(ranges[i].second - ranges[i].first);
-  }
-  EXPECT_GE(range_bytes, weights->bytes());
-
-  auto backend = CreateSimulatedBackend({});
-  void* first = reinterpret_cast<void*>(ranges.front().first);
-  const auto first_size = static_cast<int64_t>(ranges.front().second - ranges.front().first);
-  ASSERT_TRUE(weights->PinInPlace(*backend).ok());
-  EXPECT_EQ(weights->pinned_in_place_bytes(), range_bytes);
-  ASSERT_TRUE(weights->PinInPlace(*backend).ok());  // Already pinned: nothing changes.
-  EXPECT_EQ(weights->pinned_in_place_bytes(), range_bytes);
-  EXPECT_EQ(backend->RegisterHostMemory(first, first_size, false).code(), absl::StatusCode::kAlreadyExists);
-
-  ASSERT_TRUE(weights->OnloadAll(*backend).ok());
+  at::Tensor neighbour = at::ones({16});  // Likely on a page beside a host copy.
+  std::vector<at::Tensor> before;
+  std::vector<const void*> heap;
   for (const HostWeights::Entry& e : weights->entries()) {
-    EXPECT_TRUE(at::equal(e.slot->value.cpu(), e.host)) << e.module->SlotPath(*e.slot);
+    before.push_back(e.host.clone());
+    heap.push_back(e.host.data_ptr());
   }
-  weights->OffloadAll();
+  ASSERT_TRUE(weights->PinInPlace(*backend).ok());
+  EXPECT_EQ(weights->last_pin_moved_bytes(), StackModel::kTotalBytes);
+  EXPECT_GE(weights->pinned_in_place_bytes(), StackModel::kTotalBytes);
+  EXPECT_LT(weights->pinned_in_place_bytes(), StackModel::kTotalBytes + 256 * 64 + static_cast<int64_t>(Page()));
+  EXPECT_FALSE(backend->IsPageLockedHostMemory(neighbour.data_ptr()));
+  for (size_t i = 0; i < weights->entries().size(); ++i) {
+    const HostWeights::Entry& e = weights->entries()[i];
+    EXPECT_NE(e.host.data_ptr(), heap[i]);
+    EXPECT_TRUE(at::equal(e.host, before[i])) << e.module->SlotPath(*e.slot);
+    EXPECT_TRUE(e.slot->value.is_same(e.host)) << "the slot follows its host copy";
+  }
+  ExpectEveryHostCopyLockedAndCopyable(*weights, *backend);
+  at::Tensor out = model.Forward(at::ones({2, 16}));  // The model still runs on its moved copies.
+  EXPECT_EQ(out.size(1), 64);
 
+  const void* arena_first = weights->entries().front().host.data_ptr();
   weights->Unpin();
   EXPECT_EQ(weights->pinned_in_place_bytes(), 0);
-  ASSERT_TRUE(backend->RegisterHostMemory(first, first_size, false).ok());
-  ASSERT_TRUE(backend->UnregisterHostMemory(first).ok());
+  EXPECT_FALSE(backend->IsPageLockedHostMemory(arena_first));
+  ASSERT_TRUE(weights->PinInPlace(*backend).ok());  // The arena again: nothing moves.
+  EXPECT_EQ(weights->last_pin_moved_bytes(), 0);
+  EXPECT_EQ(weights->entries().front().host.data_ptr(), arena_first);
+  ASSERT_TRUE(weights->PinInPlace(*backend).ok());  // Already pinned: nothing changes.
 
   // ReplaceHost unpins (the old host tensor may be freed).
-  ASSERT_TRUE(weights->PinInPlace(*backend).ok());
   HostWeights::Entry& entry = weights->entries().front();
   weights->ReplaceHost(entry, entry.host.clone());
   EXPECT_EQ(weights->pinned_in_place_bytes(), 0);
-  ASSERT_TRUE(backend->RegisterHostMemory(first, first_size, false).ok());
-  ASSERT_TRUE(backend->UnregisterHostMemory(first).ok());
-
-  // The destructor unpins: the memory (kept alive here) can be registered again.
+  EXPECT_FALSE(backend->IsPageLockedHostMemory(arena_first));
+  // The destructor unpins.
+  ASSERT_TRUE(weights->PinInPlace(*backend).ok());
+  const void* locked = weights->entries().back().host.data_ptr();
   std::vector<at::Tensor> keep;
   for (const HostWeights::Entry& e : weights->entries()) keep.push_back(e.host);
-  std::vector<const at::Tensor*> kept;
-  for (const at::Tensor& t : keep) kept.push_back(&t);
-  const auto kept_ranges = MergedPageRanges(kept);
-  ASSERT_TRUE(weights->PinInPlace(*backend).ok());
   weights.reset();
-  for (const auto& r : kept_ranges) {
-    void* ptr = reinterpret_cast<void*>(r.first);
-    EXPECT_TRUE(backend->RegisterHostMemory(ptr, static_cast<int64_t>(r.second - r.first), false).ok());
-    EXPECT_TRUE(backend->UnregisterHostMemory(ptr).ok());
-  }
+  EXPECT_FALSE(backend->IsPageLockedHostMemory(locked));
+}
 
-  // A host that refuses to lock memory: the status says so and nothing stays registered.
+// The bug the H200 found: two components whose host copies share a heap page. Pinning each
+// one's page ranges registered the shared page for the first and only the rest for the second, so
+// a tensor of the second ran across two registrations and CUDA refused to copy it ("invalid
+// argument"), as did any request tensor allocated on a locked page. With arenas both pin, every
+// copy works, and the buffer they came from stays pageable.
+TEST(HostWeightsPinningTest, ComponentsSharingHeapPagesBothPinAndCopy) {
+  auto backend = CreateSimulatedBackend({});  // Outlives the weights it pins.
+  const auto page = static_cast<int64_t>(Page());
+  at::Tensor buffer = at::arange(3 * page / 4, at::kFloat);  // 3 pages of bytes.
+  TensorsModule a({buffer.narrow(0, 0, page / 8), buffer.narrow(0, page / 8, 3 * page / 16)});  // Up to 1.25 pages.
+  TensorsModule b({buffer.narrow(0, 5 * page / 16, 7 * page / 16)});  // 1.25 .. 3 pages.
+  std::unique_ptr<HostWeights> wa = *HostWeights::Capture(a);
+  std::unique_ptr<HostWeights> wb = *HostWeights::Capture(b);
+  ASSERT_TRUE(wa->PinInPlace(*backend).ok());
+  ASSERT_TRUE(wb->PinInPlace(*backend).ok());
+  ExpectEveryHostCopyLockedAndCopyable(*wa, *backend);
+  ExpectEveryHostCopyLockedAndCopyable(*wb, *backend);
+  EXPECT_FALSE(backend->IsPageLockedHostMemory(buffer.data_ptr()));
+  EXPECT_TRUE(backend->CopyToDevice(buffer).ok()) << "the old buffer is plain pageable memory";
+  EXPECT_TRUE(at::equal(wb->entries()[0].host, buffer.narrow(0, 5 * page / 16, 7 * page / 16)));
+  // Views of one storage in one component stay one copy in the arena.
+  TensorsModule tied({buffer.narrow(0, 0, 64), buffer.narrow(0, 0, 64)});
+  std::unique_ptr<HostWeights> wt = *HostWeights::Capture(tied);
+  ASSERT_TRUE(wt->PinInPlace(*backend).ok());
+  EXPECT_EQ(wt->entries()[0].host.data_ptr(), wt->entries()[1].host.data_ptr());
+}
+
+// Host copies in a safetensors file's mapping lock the whole mapping, read-only, and move nothing;
+// two components on one file share the registration. Host copies already in page-locked memory
+// (a pinned arena) need no region at all: CUDA would refuse to register them again.
+TEST(HostWeightsPinningTest, MappedCopiesLockTheirMappingAndPinnedOnesNothing) {
+  auto backend = CreateSimulatedBackend({});  // Outlives the weights it pins.
+  const std::string path = ::testing::TempDir() + "/pin_mapped.safetensors";
+  ASSERT_TRUE(WriteSafetensors(path, {{"a", at::arange(1000, at::kFloat)}, {"b", at::ones({3000})}}).ok());
+  std::shared_ptr<SafetensorsFile> file = *SafetensorsFile::Open(path);
+  TensorsModule first({*file->Get("a"), *file->Get("b")});
+  TensorsModule second({*file->Get("b")});
+  std::unique_ptr<HostWeights> w1 = *HostWeights::Capture(first);
+  std::unique_ptr<HostWeights> w2 = *HostWeights::Capture(second);
+  absl::StatusOr<HostWeights::Lockable> lockable = w1->LockableRegions(*backend);
+  ASSERT_TRUE(lockable.ok()) << lockable.status();
+  ASSERT_EQ(lockable->regions.size(), 1u);
+  EXPECT_EQ(lockable->regions[0].begin, reinterpret_cast<uintptr_t>(file->mapping()));
+  EXPECT_GE(lockable->regions[0].bytes(), file->mapping_bytes());
+  EXPECT_TRUE(lockable->regions[0].read_only);
+  EXPECT_EQ(lockable->moved_to_arena_bytes, 0);
+  const int64_t registered = HostPins::Global().registered_bytes();
+  ASSERT_TRUE(w1->PinInPlace(*backend).ok());
+  ASSERT_TRUE(w2->PinInPlace(*backend).ok());
+  EXPECT_EQ(w1->last_pin_moved_bytes(), 0);
+  EXPECT_EQ(HostPins::Global().registered_bytes() - registered, lockable->regions[0].bytes());  // Once.
+  ExpectEveryHostCopyLockedAndCopyable(*w2, *backend);
+  w1.reset();
+  ExpectEveryHostCopyLockedAndCopyable(*w2, *backend);  // Still held by the second.
+  w2.reset();
+  EXPECT_EQ(HostPins::Global().registered_bytes(), registered);
+
+  StackModel model;
+  std::unique_ptr<HostWeights> packed = *HostWeights::Capture(model);
+  at::Tensor pinned = *backend->AllocatePinnedHost(StackModel::kTotalBytes);
+  int64_t offset = 0;
+  for (HostWeights::Entry& e : packed->entries()) {
+    const auto n = static_cast<int64_t>(e.host.nbytes());
+    at::Tensor view = pinned.narrow(0, offset, n).view(e.host.scalar_type()).view(e.host.sizes());
+    view.copy_(e.host);
+    packed->ReplaceHost(e, view);
+    offset += n;
+  }
+  EXPECT_FALSE(backend->RegisterHostMemory(pinned.data_ptr(), 64, false).ok());
+  lockable = packed->LockableRegions(*backend);
+  ASSERT_TRUE(lockable.ok()) << lockable.status();
+  EXPECT_TRUE(lockable->regions.empty());
+  EXPECT_EQ(lockable->already_locked_bytes, StackModel::kTotalBytes);
+  ASSERT_TRUE(packed->PinInPlace(*backend).ok());
+  EXPECT_EQ(packed->pinned_in_place_bytes(), 0);
+  ExpectEveryHostCopyLockedAndCopyable(*packed, *backend);
+}
+
+// A host that refuses to lock memory: the status says so and nothing stays registered; copies
+// still work from pageable memory.
+TEST(HostWeightsPinningTest, RefusedPinningLeavesNothingRegistered) {
   SimulatedBackendOptions refusing;
   refusing.refuse_host_registration = true;
   auto strict = CreateSimulatedBackend(refusing);
   StackModel other;
   std::unique_ptr<HostWeights> refused = *HostWeights::Capture(other);
+  const int64_t registered = HostPins::Global().registered_bytes();
   const absl::Status status = refused->PinInPlace(*strict);
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(std::string(status.message()).find("pinning"), std::string::npos) << status;
   EXPECT_EQ(refused->pinned_in_place_bytes(), 0);
-  ASSERT_TRUE(refused->OnloadAll(*strict).ok());  // Copies still work, from pageable memory.
+  EXPECT_EQ(HostPins::Global().registered_bytes(), registered);
+  ASSERT_TRUE(refused->OnloadAll(*strict).ok());
 }
 
-// HostPins shares pages between users: a range overlapping one already locked registers only its
-// new pages, and a segment stays registered until its last user releases it.
-TEST(HostPinsTest, OverlappingUsersShareSegmentsUntilTheLastReleases) {
+// HostPins shares a region among its users until the last releases it, and refuses a region that
+// partly overlaps a locked one (a copy could run across the edge); a refused call leaves nothing.
+TEST(HostPinsTest, UsersShareWholeRegionsAndPartialOverlapsAreRefused) {
   auto backend = CreateSimulatedBackend({});
-  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t page = Page();
   at::Tensor memory = at::empty({static_cast<int64_t>(8 * page)}, at::kByte);
   const uintptr_t base = (reinterpret_cast<uintptr_t>(memory.data_ptr()) + page - 1) / page * page;
   HostPins& pins = HostPins::Global();
   const int64_t before = pins.registered_bytes();
-  auto a = pins.Pin(*backend, {{base, base + 3 * page}});
+  auto a = pins.Pin(*backend, {HostRegion{base, base + 3 * page}});
   ASSERT_TRUE(a.ok()) << a.status();
-  auto b = pins.Pin(*backend, {{base + 2 * page, base + 5 * page}});  // Shares page 2.
+  auto b = pins.Pin(*backend, {HostRegion{base, base + 3 * page}});  // The same region: shared.
   ASSERT_TRUE(b.ok()) << b.status();
-  EXPECT_EQ(b->bytes(), static_cast<int64_t>(3 * page));
-  EXPECT_EQ(pins.registered_bytes() - before, static_cast<int64_t>(5 * page));  // Each page once.
+  auto inside = pins.Pin(*backend, {HostRegion{base + page, base + 2 * page}});  // Inside: shared.
+  ASSERT_TRUE(inside.ok()) << inside.status();
+  EXPECT_EQ(pins.registered_bytes() - before, static_cast<int64_t>(3 * page));
+  for (uintptr_t begin : {base + 2 * page, base - page}) {  // Past the end; over the start.
+    auto partial = pins.Pin(*backend, {HostRegion{base + 5 * page, base + 6 * page}, HostRegion{begin, begin + 2 * page}});
+    EXPECT_EQ(partial.status().code(), absl::StatusCode::kFailedPrecondition) << partial.status();
+  }
+  EXPECT_EQ(pins.registered_bytes() - before, static_cast<int64_t>(3 * page));  // The first region of those calls too.
   a->Release();
-  // a's segment [0, 3) is still held by b (it shares page 2): nothing unregistered yet.
-  EXPECT_EQ(pins.registered_bytes() - before, static_cast<int64_t>(5 * page));
-  EXPECT_EQ(backend->RegisterHostMemory(reinterpret_cast<void*>(base), static_cast<int64_t>(page), false).code(),
-            absl::StatusCode::kAlreadyExists);
+  inside->Release();
+  EXPECT_TRUE(backend->IsPageLockedHostMemory(reinterpret_cast<void*>(base)));  // b holds it.
   b->Release();
   EXPECT_EQ(pins.registered_bytes(), before);
-  ASSERT_TRUE(backend->RegisterHostMemory(reinterpret_cast<void*>(base), static_cast<int64_t>(5 * page), false).ok());
-  ASSERT_TRUE(backend->UnregisterHostMemory(reinterpret_cast<void*>(base)).ok());
+  EXPECT_FALSE(backend->IsPageLockedHostMemory(reinterpret_cast<void*>(base)));
 
-  // A refused registration leaves nothing behind, including the shared references it took.
-  auto c = pins.Pin(*backend, {{base, base + 2 * page}});
-  ASSERT_TRUE(c.ok());
   SimulatedBackendOptions refusing;
   refusing.refuse_host_registration = true;
   auto strict = CreateSimulatedBackend(refusing);
-  auto d = pins.Pin(*strict, {{base + page, base + 4 * page}});  // Shares page 1, then must register.
-  EXPECT_EQ(d.status().code(), absl::StatusCode::kResourceExhausted);
+  auto c = pins.Pin(*backend, {HostRegion{base, base + 2 * page}});
+  ASSERT_TRUE(c.ok());
+  auto d = pins.Pin(*strict, {HostRegion{base, base + 2 * page}, HostRegion{base + 4 * page, base + 5 * page}});
+  EXPECT_EQ(d.status().code(), absl::StatusCode::kResourceExhausted);  // Its shared reference dropped too.
   c->Release();
   EXPECT_EQ(pins.registered_bytes(), before);
 }

@@ -20,7 +20,7 @@ run --out "$TEST_TMPDIR/rows.jsonl" --logs "$TEST_TMPDIR/logs"
 /usr/bin/python3 - "$TEST_TMPDIR/rows.jsonl" "$TEST_TMPDIR/logs" <<'PY'
 import json, os, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-strategies = ["resident", "footprint", "workflow", "stream_te", "best", "best_int8"]
+strategies = ["resident", "footprint", "workflow", "stream_te", "best", "best_int8", "best_mixed"]
 assert sorted({r["strategy"] for r in rows}) == sorted(strategies), rows
 for r in rows:
     assert r["bench"] == "two_pipelines" and r["pipeline"] in ("zimage", "flux"), r
@@ -39,6 +39,13 @@ for phase in strategies:
 placement = open(os.path.join(sys.argv[2], "best_int8.placement.txt")).read()
 assert placement.count(", int8 (") == 4, placement
 assert ", int8 (" not in open(os.path.join(sys.argv[2], "best.placement.txt")).read()
+int8, component = [], None
+for line in open(os.path.join(sys.argv[2], "best_mixed.placement.txt")):
+    if line.startswith("  ") and not line.startswith("   "):
+        component = line.split()[0]
+    elif ", int8 (" in line:
+        int8.append(component)
+assert sorted(int8) == ["flux/text_encoder_2", "flux/transformer"], int8
 moves = open(os.path.join(sys.argv[2], "footprint.placement_log.txt")).read()
 assert "make room for" in moves, moves[:1000]
 print("ok")

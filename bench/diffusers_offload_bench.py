@@ -235,10 +235,13 @@ def compressed(diffusers_path, stowage_path, out, machine):
               f"{r['peak_rss_bytes'] / r['bf16_weight_bytes']:.2f} | {r['peak_device_bytes'] / 1e9:.2f} |")
 
 
-def flux_rows(diffusers_path, stowage_path, out, machine):
+def flux_rows(diffusers_path, stowage_path, out, machine, diffusers_bandwidth=None):
     """Both sides' rows on the Flux transformer as the issue's {"bench": "flux_offload", ...} lines
-    (appended to `out`) and a table. floor_s: the weights at the pinned host->device bandwidth the
-    Stowage side measured in the same run."""
+    (appended to `out`) and a table. floor_s: the weights at the pinned host->device bandwidth that
+    the row's own process measured (Stowage rows), the Stowage side's first measurement in the same
+    run (diffusers rows), or, for diffusers rows taken from an earlier run
+    (run_flux_suite.sh's DIFFUSERS_FROM), `diffusers_bandwidth` (bytes/s) measured in that run.
+    Each row keeps the machine line (and commit) it was measured at; `machine` fills rows without."""
     sides = {"diffusers": [json.loads(l) for l in open(diffusers_path, encoding="utf-8")],
              "stowage": [json.loads(l) for l in open(stowage_path, encoding="utf-8")]}
     bandwidth = next((r["h2d_bandwidth_bytes_per_s"] for r in sides["stowage"]
@@ -248,12 +251,14 @@ def flux_rows(diffusers_path, stowage_path, out, machine):
     lines = []
     for system, rows in sides.items():
         for r in rows:
-            floor = r["weight_bytes"] / bandwidth
+            # A Stowage row's own process measured the link just before it ran.
+            own = r.get("h2d_bandwidth_bytes_per_s") or (diffusers_bandwidth if system == "diffusers" else None)
+            floor = r["weight_bytes"] / (own or bandwidth)
             lines.append({"bench": "flux_offload", "system": system, "row": r["row"], "step_s": r["step_s"],
                           "floor_s": floor, "x_floor": r["step_s"] / floor, "peak_rss_bytes": r["peak_rss_bytes"],
                           "rss_x_weights": r["peak_rss_bytes"] / r["weight_bytes"],
                           "peak_device_bytes": r["peak_device_bytes"], "weight_bytes": r["weight_bytes"],
-                          "model": r.get("model", ""), "machine": machine})
+                          "model": r.get("model", ""), "machine": r.get("machine") or machine})
     with open(out, "a", encoding="utf-8") as f:
         for line in lines:
             f.write(json.dumps(line) + "\n")
@@ -290,11 +295,13 @@ def main():
     fl.add_argument("stowage")
     fl.add_argument("--out", required=True)
     fl.add_argument("--machine", default="unknown")
+    fl.add_argument("--diffusers_bandwidth", type=float, default=None,
+                    help="bytes/s for the diffusers rows' floor when they come from another run")
     args = parser.parse_args()
     if args.command == "export":
         export(args.dir, args.arch)
     elif args.command == "flux_rows":
-        flux_rows(args.diffusers, args.stowage, args.out, args.machine)
+        flux_rows(args.diffusers, args.stowage, args.out, args.machine, args.diffusers_bandwidth)
     elif args.command == "row":
         run_row(args.row, args.dir, args.out, args.machine, args.warmup, args.iters)
     elif args.command == "compressed":

@@ -15,6 +15,12 @@ behind each other and are not run. Latency: the call (output_type "pil": no PNG 
 server's figures include). Peak device bytes: torch's peak reserve over the measured calls plus the
 CUDA context (what the process holds outside the allocator, measured at start), as the server reports.
 
+    python3 bench/diffusers_two_pipelines.py summarize CALLS.jsonl [CALLS.jsonl ...] --out ROWS.jsonl \
+        [--resident_from ROWS.jsonl] [--budget_gib 24]
+        The rows below from the per-call lines of runs that a time limit cut short (every
+        two_pipelines_call line of the files, grouped by pipeline; resident_latency_s from the
+        resident server's alternating rows of --resident_from, as bench/two_pipelines.py writes them).
+
 Each measured call is appended at once as {"bench":"two_pipelines_call",...}; at the end, rows
 {"bench":"two_pipelines","strategy":"diffusers_model_cpu_offload","pipeline":"zimage"|"flux",
 "arrival":"alternating","latency_s":<mean>,"latencies_s":[..],"peak_device_bytes":..,"budget_bytes":..,
@@ -72,7 +78,41 @@ def context_bytes(torch):
     return 0
 
 
+def summarize(argv):
+    parser = argparse.ArgumentParser(prog="diffusers_two_pipelines.py summarize")
+    parser.add_argument("calls", nargs="+")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--resident_from", default="")
+    parser.add_argument("--budget_gib", type=float, default=24)
+    args = parser.parse_args(argv)
+    calls = [r for path in args.calls for r in map(json.loads, open(path, encoding="utf-8"))
+             if r.get("bench") == "two_pipelines_call"]
+    if not calls:
+        raise SystemExit(f"no two_pipelines_call lines in {args.calls}")
+    resident = {}
+    if args.resident_from:
+        resident = {r["pipeline"]: r["latency_s"] for r in map(json.loads, open(args.resident_from, encoding="utf-8"))
+                    if r.get("strategy") == "resident" and r.get("arrival") == "alternating"}
+    budget = int(args.budget_gib * GIB)
+    with open(args.out, "a", encoding="utf-8") as f:
+        for name in sorted({c["pipeline"] for c in calls}):
+            runs = [c for c in calls if c["pipeline"] == name]
+            peak = max(c["peak_device_bytes_so_far"] for c in runs)
+            errors = [c["error"] for c in runs if c["error"]]
+            row = {"bench": "two_pipelines", "strategy": runs[0]["strategy"], "pipeline": name,
+                   "arrival": "alternating", "latency_s": statistics.mean(c["latency_s"] for c in runs),
+                   "resident_latency_s": resident.get(name), "latencies_s": [c["latency_s"] for c in runs],
+                   "peak_device_bytes": peak, "budget_bytes": budget, "ok": not errors and peak <= budget,
+                   "errors": errors, "size": runs[0]["size"], "steps": runs[0]["steps"],
+                   "machine": sorted({c["machine"] for c in runs})}
+            f.write(json.dumps(row) + "\n")
+            print(json.dumps(row))
+
+
 def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "summarize":
+        summarize(sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--flux_tokenizers", default=os.path.join(HERE, "..", "tests", "fixtures", "flux_tiny",

@@ -65,13 +65,15 @@ absl::Status HostWeights::MoveIntoArena(const std::vector<Entry*>& entries) {
     uintptr_t begin = UINTPTR_MAX;
     uintptr_t end = 0;
     uintptr_t offset = 0;  // In the arena.
+    std::vector<Entry*> entries;
   };
   std::map<const void*, Span> spans;
-  for (const Entry* e : entries) {
+  for (Entry* e : entries) {
     Span& span = spans[e->host.storage().data()];
     const auto begin = reinterpret_cast<uintptr_t>(e->host.data_ptr());
     span.begin = std::min(span.begin, begin);
     span.end = std::max(span.end, begin + e->host.nbytes());
+    span.entries.push_back(e);
   }
   uintptr_t total = 0;
   for (auto& [storage, span] : spans) {
@@ -86,24 +88,25 @@ absl::Status HostWeights::MoveIntoArena(const std::vector<Entry*>& entries) {
                                                      " bytes for host copies failed: ", std::strerror(errno)));
   }
   arena->base = base;
-  auto* bytes = static_cast<uint8_t*>(base);
-  for (const auto& [storage, span] : spans) {
-    std::memcpy(bytes + span.offset, reinterpret_cast<const void*>(span.begin), span.end - span.begin);
-  }
   // One storage over the arena; every moved host copy is a view of it, so the arena lives as long
   // as any of them (or a slot pointing at one).
   std::shared_ptr<Arena> owner = arena;
   at::Tensor whole = at::from_blob(
       base, {static_cast<int64_t>(arena->bytes)}, [owner](void*) mutable { owner.reset(); },
       at::TensorOptions().dtype(at::kByte));
-  for (Entry* e : entries) {
-    const Span& span = spans[e->host.storage().data()];
-    const auto begin = reinterpret_cast<uintptr_t>(e->host.data_ptr());
-    const auto offset = static_cast<int64_t>(span.offset + (begin - span.begin));
-    at::Tensor view = whole.narrow(0, offset, static_cast<int64_t>(e->host.nbytes()))
-                          .view(e->host.scalar_type())
-                          .view(e->host.sizes());
-    ReplaceHost(*e, std::move(view));  // The heap copy is freed once nothing else holds it.
+  // Storage by storage: copy, then point its host copies at the arena, so its heap memory is freed
+  // before the next one is copied (RAM grows by about one storage, not by the component).
+  for (auto& [storage, span] : spans) {
+    std::memcpy(static_cast<uint8_t*>(base) + span.offset, reinterpret_cast<const void*>(span.begin),
+                span.end - span.begin);
+    for (Entry* e : span.entries) {
+      const auto begin = reinterpret_cast<uintptr_t>(e->host.data_ptr());
+      const auto offset = static_cast<int64_t>(span.offset + (begin - span.begin));
+      at::Tensor view = whole.narrow(0, offset, static_cast<int64_t>(e->host.nbytes()))
+                            .view(e->host.scalar_type())
+                            .view(e->host.sizes());
+      ReplaceHost(*e, std::move(view));  // The heap copy is freed once nothing else holds it.
+    }
   }
   arenas_.push_back(arena);
   return absl::OkStatus();

@@ -16,6 +16,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "base/process_memory.h"
 #include "offload/device_backend.h"
 #include "offload/group_plan.h"
 #include "offload/host_pins.h"
@@ -356,6 +357,32 @@ TEST(HostWeightsPinningTest, MappedCopiesLockTheirMappingAndPinnedOnesNothing) {
   ASSERT_TRUE(packed->PinInPlace(*backend).ok());
   EXPECT_EQ(packed->pinned_in_place_bytes(), 0);
   ExpectEveryHostCopyLockedAndCopyable(*packed, *backend);
+}
+
+// Moving heap copies into the arena holds about one copy in RAM: each storage's heap memory is
+// freed before the next is copied, so the peak grows by about one tensor, not by the component.
+TEST(HostWeightsPinningTest, MovingIntoTheArenaHoldsAboutOneCopyInRam) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "ASan's allocator keeps freed memory in quarantine";
+#endif
+  constexpr int64_t kTensorBytes = 40 << 20;  // Above glibc's largest mmap threshold: freed at once.
+  constexpr int kTensors = 6;
+  auto backend = CreateSimulatedBackend({});  // Outlives the weights it pins.
+  std::vector<at::Tensor> tensors;
+  for (int i = 0; i < kTensors; ++i) tensors.push_back(at::full({kTensorBytes / 4}, static_cast<float>(i)));
+  TensorsModule module(tensors);
+  tensors.clear();  // The module's slots hold them now.
+  std::unique_ptr<HostWeights> weights = *HostWeights::Capture(module);
+  if (!ResetPeakRss().ok()) GTEST_SKIP() << "/proc/self/clear_refs is not writable here";
+  const int64_t before = ReadProcessMemory()->rss_bytes;
+  ASSERT_TRUE(weights->PinInPlace(*backend).ok());
+  const ProcessMemory after = *ReadProcessMemory();
+  EXPECT_EQ(weights->last_pin_moved_bytes(), kTensors * kTensorBytes);
+  EXPECT_LT(after.peak_rss_bytes - before, 2 * kTensorBytes) << "peak grew by more than about one tensor";
+  EXPECT_LT(after.rss_bytes - before, kTensorBytes) << "the heap copies were not freed";
+  for (int i = 0; i < kTensors; ++i) {
+    EXPECT_EQ(weights->entries()[i].host[kTensorBytes / 4 - 1].item<float>(), static_cast<float>(i));
+  }
 }
 
 // A host that refuses to lock memory: the status says so and nothing stays registered; copies

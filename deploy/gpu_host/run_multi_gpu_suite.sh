@@ -8,8 +8,11 @@
 #   {"bench":"multi_gpu","gpus":1|2,"layout":"replicas"|"split",..,"images_per_s":..,"p50_s":..,
 #    "peak_device_bytes":[..],"machine":..}
 # Targets (issue 13): two replicas >= 1.9x the images/s of one; the split layout's larger device
-# peak below the one-device peak. Carry .deb (deploy/gpu_host/fetch_debs.sh):
-#   OUT=... deploy/gpu_host/run_multi_gpu_suite.sh
+# peak below the one-device peak.
+# Device calls: deploy/gpu_host/prepare_carry.sh here (prints the carry list: .ref/head.tgz, .ref/head.rev,
+# .ref/diffusers_slim/src, .deb), then on the device deploy/gpu_host/unpack_and_run.sh runs this suite in
+# the unpacked commit (reusing its build on a warm machine):
+#   OUT=$OUT deploy/gpu_host/unpack_and_run.sh bash deploy/gpu_host/run_multi_gpu_suite.sh
 # Environment: CONCURRENCY (default 1,2,4), REQUESTS per row (16), LAYOUTS ("single replicas
 # split"), SPLIT (components on cuda:1, default text_encoder), MULTI_GPU_TIMEOUT (seconds, 900).
 source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/suite_lib.sh"

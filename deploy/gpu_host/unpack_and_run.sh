@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# On the GPU host, from the carried working tree's root: unpacks .ref/head.tgz (made by
+# deploy/gpu_host/prepare_carry.sh) into a fresh folder — reused while it holds the same commit, so
+# a warm machine keeps its CMake build between calls — adds .deb and diffusers' slim source, and runs
+# the command there with STOWAGE_COMMIT set. Never `git checkout` on the device: the carried tree
+# may not be the commit, and a build folder from another tree keeps stale generated code.
+#   deploy/gpu_host/unpack_and_run.sh COMMAND [ARGS...]
+#   e.g. OUT=$OUT PARTS=two deploy/gpu_host/unpack_and_run.sh bash deploy/gpu_host/run_flux_suite.sh
+set -euo pipefail
+carried=$(pwd)
+rev=$(cat .ref/head.rev)
+dest=${STOWAGE_UNPACK_DIR:-/tmp/stowage-src}
+if [ "$(cat "$dest/.stowage-rev" 2>/dev/null)" != "$rev" ]; then
+  rm -rf "$dest" && mkdir -p "$dest"
+  tar xzf .ref/head.tgz -C "$dest"
+  [ -d .deb ] && cp -r .deb "$dest/"
+  if [ -d .ref/diffusers_slim/src ]; then
+    mkdir -p "$dest/.ref/diffusers" && ln -sfn "$carried/.ref/diffusers_slim/src" "$dest/.ref/diffusers/src"
+  fi
+  echo "$rev" >"$dest/.stowage-rev"
+fi
+cd "$dest"
+STOWAGE_COMMIT=$rev exec "$@"

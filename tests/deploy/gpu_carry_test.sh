@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# deploy/gpu_host/prepare_carry.sh and unpack_and_run.sh on a scratch git repository: the archive
+# holds the commit (not the working tree's edits) without the demo model; the slim diffusers source
+# keeps only the suites' pipelines; on "the device" the command runs in the unpacked commit with
+# STOWAGE_COMMIT set, the folder (and a build in it) is reused while the commit is the same and
+# replaced when it changes.
+set -euo pipefail
+scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../deploy/gpu_host" && pwd)
+repo=$TEST_TMPDIR/repo
+rm -rf "$repo" "$TEST_TMPDIR/device-src"  # A re-run (CMake keeps its test folder) starts clean.
+fail() { echo "FAIL: $*" >&2; exit 1; }
+mkdir -p "$repo/deploy/gpu_host" "$repo/models/demo" "$repo/tests/fixtures/zimage_tiny" "$repo/server"
+cp "$scripts/prepare_carry.sh" "$scripts/unpack_and_run.sh" "$repo/deploy/gpu_host/"
+echo weights >"$repo/models/demo/big.bin"
+echo fixture >"$repo/tests/fixtures/zimage_tiny/x.safetensors"
+echo v1 >"$repo/server/main.cc"
+printf '/.ref/\n/.deb/\n' >"$repo/.gitignore"
+git() { command git -C "$repo" -c user.name=ci -c user.email=ci@localhost "$@"; }
+git init -q && git add -A && git commit -qm one
+mkdir -p "$repo/.ref/diffusers/src/diffusers/pipelines/"{flux,z_image,stable_diffusion,wan,sdxl} "$repo/.deb"
+echo uncommitted >"$repo/server/main.cc"
+
+out=$("$repo/deploy/gpu_host/prepare_carry.sh" 2>&1)
+rev1=$(git rev-parse --short HEAD)
+grep -q "commit $rev1" <<<"$out" || fail "prepare: $out"
+grep -q 'carry: \[".ref/head.tgz", ".ref/head.rev", ".ref/diffusers_slim/src", ".deb"\]' <<<"$out" || fail "carry list: $out"
+listing=$(tar tzf "$repo/.ref/head.tgz")
+grep -q "^server/main.cc$" <<<"$listing" || fail "archive lacks server/main.cc: $listing"
+! grep -q "models/demo\|zimage_tiny" <<<"$listing" || fail "archive holds the demo model or fixture: $listing"
+[ "$(tar xzOf "$repo/.ref/head.tgz" server/main.cc)" = v1 ] || fail "archive is not the commit"
+[ "$(ls "$repo/.ref/diffusers_slim/src/diffusers/pipelines" | tr '\n' ' ')" = "flux stable_diffusion z_image " ] \
+  || fail "slim pipelines: $(ls "$repo/.ref/diffusers_slim/src/diffusers/pipelines")"
+
+dest=$TEST_TMPDIR/device-src
+run() { (cd "$repo" && STOWAGE_UNPACK_DIR=$dest "$repo/deploy/gpu_host/unpack_and_run.sh" "$@"); }
+[ "$(run bash -c 'echo "$STOWAGE_COMMIT $(pwd) $(cat server/main.cc)"')" = "$rev1 $dest v1" ] || fail "run in the commit"
+[ -L "$dest/.ref/diffusers/src" ] && [ -d "$dest/.deb" ] || fail "diffusers link or .deb missing"
+run bash -c 'mkdir -p build/gpu && touch build/gpu/kept'
+run test -f build/gpu/kept || fail "the same commit did not reuse the folder"
+
+git add server/main.cc && git commit -qm two
+"$repo/deploy/gpu_host/prepare_carry.sh" >/dev/null 2>&1
+[ "$(run bash -c 'echo "$STOWAGE_COMMIT $(cat server/main.cc)"')" = "$(git rev-parse --short HEAD) uncommitted" ] \
+  || fail "a new commit did not unpack"
+! run test -e build/gpu/kept || fail "a new commit kept the old build folder"
+echo ok

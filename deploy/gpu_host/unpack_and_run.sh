@@ -17,6 +17,12 @@ if [ "$(cat "$dest/.stowage-rev" 2>/dev/null)" != "$rev" ]; then
   if [ -d .ref/diffusers_slim/src ]; then
     mkdir -p "$dest/.ref/diffusers" && ln -sfn "$carried/.ref/diffusers_slim/src" "$dest/.ref/diffusers/src"
   fi
+  # Left out of the archive for size; the carried tree has them (tracked, rarely changed).
+  for p in models/demo tests/fixtures/zimage_tiny; do
+    if [ ! -e "$dest/$p" ] && [ -e "$carried/$p" ]; then
+      mkdir -p "$(dirname "$dest/$p")" && ln -s "$carried/$p" "$dest/$p"
+    fi
+  done
   echo "$rev" >"$dest/.stowage-rev"
 fi
 cd "$dest"

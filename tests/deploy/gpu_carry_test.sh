@@ -35,6 +35,8 @@ dest=$TEST_TMPDIR/device-src
 run() { (cd "$repo" && STOWAGE_UNPACK_DIR=$dest "$repo/deploy/gpu_host/unpack_and_run.sh" "$@"); }
 [ "$(run bash -c 'echo "$STOWAGE_COMMIT $(pwd) $(cat server/main.cc)"')" = "$rev1 $dest v1" ] || fail "run in the commit"
 [ -L "$dest/.ref/diffusers/src" ] && [ -d "$dest/.deb" ] || fail "diffusers link or .deb missing"
+[ "$(cat "$dest/models/demo/big.bin" "$dest/tests/fixtures/zimage_tiny/x.safetensors")" = "weights
+fixture" ] || fail "the paths left out of the archive are not linked from the carried tree"
 run bash -c 'mkdir -p build/gpu && touch build/gpu/kept'
 run test -f build/gpu/kept || fail "the same commit did not reuse the folder"
 

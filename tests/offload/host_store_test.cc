@@ -6,9 +6,12 @@
 // reference (offload/compression.h), everything else with the original.
 #include "offload/host_store.h"
 
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -383,6 +386,57 @@ TEST(HostWeightsPinningTest, MovingIntoTheArenaHoldsAboutOneCopyInRam) {
   for (int i = 0; i < kTensors; ++i) {
     EXPECT_EQ(weights->entries()[i].host[kTensorBytes / 4 - 1].item<float>(), static_cast<float>(i));
   }
+}
+
+// The body of NoRoomForTheArenaMovesNothing, in the child: 0 when every promise holds, else the
+// number of the first that broke.
+int PinWithoutRoomForTheArena() {
+  auto backend = CreateSimulatedBackend({});
+  std::vector<at::Tensor> tensors;
+  for (int i = 0; i < 4; ++i) tensors.push_back(at::full({16 << 20}, static_cast<float>(i)));  // 64 MiB each.
+  TensorsModule module(tensors);
+  std::unique_ptr<HostWeights> weights = *HostWeights::Capture(module);
+  std::vector<const void*> where;
+  for (const HostWeights::Entry& e : weights->entries()) where.push_back(e.host.data_ptr());
+  const int64_t registered = HostPins::Global().registered_bytes();
+  // Room for some small allocations, not for a 256 MiB arena.
+  int64_t vm_kib = 0;
+  std::FILE* status_file = std::fopen("/proc/self/status", "r");
+  char line[256];
+  while (status_file != nullptr && std::fgets(line, sizeof line, status_file) != nullptr) {
+    if (std::sscanf(line, "VmSize: %ld kB", &vm_kib) == 1) break;
+  }
+  if (status_file != nullptr) std::fclose(status_file);
+  const auto cap = static_cast<rlim_t>((vm_kib << 10) + (64 << 20));
+  rlimit limit{};
+  if (vm_kib == 0 || ::getrlimit(RLIMIT_AS, &limit) != 0) return 3;
+  const rlim_t unlimited = limit.rlim_cur;
+  limit.rlim_cur = cap;  // The soft limit only: it goes back up below.
+  if (::setrlimit(RLIMIT_AS, &limit) != 0) return 3;
+  const absl::Status status = weights->PinInPlace(*backend);
+  if (status.code() != absl::StatusCode::kResourceExhausted) return 4;
+  if (std::string(status.message()).find("arena") == std::string::npos) return 5;
+  if (weights->pinned_in_place_bytes() != 0 || HostPins::Global().registered_bytes() != registered) return 6;
+  for (size_t i = 0; i < weights->entries().size(); ++i) {
+    const at::Tensor& host = weights->entries()[i].host;
+    if (host.data_ptr() != where[i] || host[0].item<float>() != static_cast<float>(i)) return 7;
+  }
+  limit.rlim_cur = unlimited;  // The simulated device's memory is host memory too.
+  if (::setrlimit(RLIMIT_AS, &limit) != 0) return 3;
+  if (!weights->OnloadAll(*backend).ok()) return 8;
+  return 0;
+}
+
+// A host with no address space left for the arena: PinInPlace says so, nothing moved (every host
+// copy is where it was, with its values), nothing is registered, and onloading still works. Run in
+// a child process whose address-space limit leaves no room for the arena.
+TEST(HostWeightsPinningTest, NoRoomForTheArenaMovesNothing) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "sanitizers reserve address space that an RLIMIT_AS would starve";
+#endif
+  // The child runs this test afresh (no thread pool inherited through fork).
+  ::testing::FLAGS_gtest_death_test_style = "threadsafe";
+  EXPECT_EXIT(std::_Exit(PinWithoutRoomForTheArena()), ::testing::ExitedWithCode(0), "");
 }
 
 // A host that refuses to lock memory: the status says so and nothing stays registered; copies

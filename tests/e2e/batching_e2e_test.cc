@@ -182,8 +182,7 @@ TEST_F(BatchingTest, AdminSetBatchingReportsAndRefusesWhatIsOutOfRange) {
   EXPECT_EQ(response.pipeline().max_batch_size(), 8);
   EXPECT_EQ(response.pipeline().max_queue_delay_ms(), 20);
   v1::ListPipelinesResponse list;
-  grpc::ClientContext context;
-  ASSERT_TRUE(server_->generation().ListPipelines(&context, v1::ListPipelinesRequest(), &list).ok());
+  ASSERT_TRUE(server_->Pipelines(&list).ok());
   EXPECT_EQ(list.pipelines(0).max_batch_size(), 8);
 
   struct Case {

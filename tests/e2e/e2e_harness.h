@@ -127,6 +127,11 @@ class E2eServer {
   const std::shared_ptr<grpc::Channel>& channel() { return channel_; }
   v1::AdminService::Stub& admin() { return *admin_; }
   v1::GenerationService::Stub& generation() { return *generation_; }
+  // ListPipelines into `list`.
+  grpc::Status Pipelines(v1::ListPipelinesResponse* list) {
+    grpc::ClientContext context;
+    return generation_->ListPipelines(&context, v1::ListPipelinesRequest(), list);
+  }
 
   static std::unique_ptr<grpc::ClientContext> Authed(
       std::chrono::milliseconds timeout = std::chrono::milliseconds(60000)) {

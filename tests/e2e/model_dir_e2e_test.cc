@@ -69,6 +69,15 @@ void WriteAll(const std::string& path, const std::string& text) {
   out << text;
 }
 
+// Replaces the first `from` (which must be there) with `to` in the file at `path`.
+void ReplaceInFile(const std::string& path, const std::string& from, const std::string& to) {
+  std::string text = ReadAll(path);
+  const size_t at = text.find(from);
+  ASSERT_NE(at, std::string::npos) << path << " lacks " << from;
+  text.replace(at, from.size(), to);
+  WriteAll(path, text);
+}
+
 // Fields each architecture reads as sizes: a zero, negative or huge value must be refused naming
 // the field.
 const std::map<std::string, std::set<std::string>>& RequiredFields() {
@@ -196,20 +205,11 @@ TEST_F(ModelDirTest, BrokenWeightFilesAreRefusedNamingTheFile) {
        },
        "diffusion_pytorch_model"},
       {"dtype label disagrees with the span",
-       [&](const std::string& dir) {
-         std::string bytes = ReadAll(dir + weights);
-         const size_t at = bytes.find("\"F32\"");
-         ASSERT_NE(at, std::string::npos);
-         bytes.replace(at, 5, "\"F64\"");
-         WriteAll(dir + weights, bytes);
-       },
-       "diffusion_pytorch_model"},
+       [&](const std::string& dir) { ReplaceInFile(dir + weights, "\"F32\"", "\"F64\""); }, "diffusion_pytorch_model"},
       {"missing", [&](const std::string& dir) { ::unlink((dir + weights).c_str()); }, "transformer"},
       {"unknown class",
        [&](const std::string& dir) {
-         std::string index = ReadAll(dir + "/model_index.json");
-         index.replace(index.find("ZImagePipeline"), 14, std::string(10000, 'Q'));
-         WriteAll(dir + "/model_index.json", index);
+         ReplaceInFile(dir + "/model_index.json", "ZImagePipeline", std::string(10000, 'Q'));
        },
        "(10000 bytes)"},
       {"model_index is a directory",
@@ -282,12 +282,7 @@ TEST_F(ModelDirTest, FluxDirectoryLoadsServesAndBrokenOnesAreRefused) {
        "text_encoder_2"},
       {"T5 vocabulary smaller than its tokenizer's ids",
        [](const std::string& dir) {
-         std::string config = ReadAll(dir + "/text_encoder_2/config.json");
-         const std::string field = "\"vocab_size\": 48";
-         const size_t at = config.find(field);
-         ASSERT_NE(at, std::string::npos) << config;
-         config.replace(at, field.size(), "\"vocab_size\": 4");
-         WriteAll(dir + "/text_encoder_2/config.json", config);
+         ReplaceInFile(dir + "/text_encoder_2/config.json", "\"vocab_size\": 48", "\"vocab_size\": 4");
        },
        "tokenizer_2"},
       {"spiece.model garbage", [](const std::string& dir) { WriteAll(dir + "/tokenizer_2/spiece.model", "not a model"); },
@@ -296,12 +291,7 @@ TEST_F(ModelDirTest, FluxDirectoryLoadsServesAndBrokenOnesAreRefused) {
        "tokenizer"},
       {"transformer text width disagrees with T5",
        [](const std::string& dir) {
-         std::string config = ReadAll(dir + "/transformer/config.json");
-         const std::string field = "\"joint_attention_dim\": 32";
-         const size_t at = config.find(field);
-         ASSERT_NE(at, std::string::npos) << config;
-         config.replace(at, field.size(), "\"joint_attention_dim\": 48");
-         WriteAll(dir + "/transformer/config.json", config);
+         ReplaceInFile(dir + "/transformer/config.json", "\"joint_attention_dim\": 32", "\"joint_attention_dim\": 48");
        },
        "joint_attention_dim"},
   };

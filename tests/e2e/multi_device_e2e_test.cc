@@ -81,8 +81,7 @@ class MultiDeviceTest : public ::testing::Test {
 
 TEST_F(MultiDeviceTest, ReplicasShareTheLoadAndAOneDevicePipelineStaysOnItsDevice) {
   v1::ListPipelinesResponse list;
-  grpc::ClientContext context;
-  ASSERT_TRUE(server_->generation().ListPipelines(&context, v1::ListPipelinesRequest(), &list).ok());
+  ASSERT_TRUE(server_->Pipelines(&list).ok());
   ASSERT_EQ(list.pipelines_size(), 2);
   std::map<std::string, std::vector<std::string>> devices;
   for (const auto& p : list.pipelines()) devices[p.name()] = {p.devices().begin(), p.devices().end()};
@@ -286,8 +285,7 @@ TEST(MultiDeviceBudgetTest, ADevicesMemoryPressureStaysOnThatDevice) {
     E2eServer probe;
     ASSERT_TRUE(probe.ok());
     v1::ListPipelinesResponse list;
-    grpc::ClientContext context;
-    ASSERT_TRUE(probe.generation().ListPipelines(&context, v1::ListPipelinesRequest(), &list).ok());
+    ASSERT_TRUE(probe.Pipelines(&list).ok());
     for (const auto& c : list.pipelines(0).components()) {
       weights += c.weight_bytes();
       if (c.name() == "transformer") transformer = c.weight_bytes();

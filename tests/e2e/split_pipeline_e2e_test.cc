@@ -85,8 +85,7 @@ class SplitPipelineTest : public ::testing::Test {
   // Component name → weight bytes (and device) of `pipeline`, from ListPipelines.
   std::map<std::string, int64_t> Weights(const std::string& pipeline, std::map<std::string, std::string>* devices = nullptr) {
     v1::ListPipelinesResponse list;
-    grpc::ClientContext context;
-    EXPECT_TRUE(server_->generation().ListPipelines(&context, v1::ListPipelinesRequest(), &list).ok());
+    EXPECT_TRUE(server_->Pipelines(&list).ok());
     std::map<std::string, int64_t> out;
     for (const auto& p : list.pipelines()) {
       if (p.name() != pipeline) continue;
@@ -334,8 +333,7 @@ TEST_F(SplitPipelineTest, HostileMovesGetClearStatuses) {
   bool saw_unloading = false;
   for (int i = 0; i < 200 && !saw_unloading; ++i) {
     v1::ListPipelinesResponse list;
-    grpc::ClientContext context;
-    ASSERT_TRUE(server_->generation().ListPipelines(&context, v1::ListPipelinesRequest(), &list).ok());
+    ASSERT_TRUE(server_->Pipelines(&list).ok());
     for (const auto& p : list.pipelines()) saw_unloading = saw_unloading || (p.name() == "whole" && p.state() == v1::PIPELINE_UNLOADING);
     if (!saw_unloading) absl::SleepFor(absl::Milliseconds(10));
   }
@@ -427,8 +425,7 @@ TEST_F(SplitPipelineTest, UnloadingASplitPipelineEmptiesBothDevicesAndItLoadsAga
 std::map<std::string, int64_t> ZImageTinyWeights() {
   E2eServer probe(Config(R"pb(pipelines { name: "p" builtin: "zimage-tiny" })pb"));
   v1::ListPipelinesResponse list;
-  grpc::ClientContext context;
-  EXPECT_TRUE(probe.generation().ListPipelines(&context, v1::ListPipelinesRequest(), &list).ok());
+  EXPECT_TRUE(probe.Pipelines(&list).ok());
   std::map<std::string, int64_t> out;
   for (const auto& c : list.pipelines(0).components()) out[c.name()] = c.weight_bytes();
   return out;

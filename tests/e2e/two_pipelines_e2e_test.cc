@@ -45,8 +45,7 @@ TEST(TwoPipelinesTest, AlternatingAndConcurrentRequestsShareOneBudgetWithUnchang
     E2eServer unbudgeted(TwoPipelines(0));
     ASSERT_TRUE(unbudgeted.ok());
     v1::ListPipelinesResponse list;
-    grpc::ClientContext context;
-    ASSERT_TRUE(unbudgeted.generation().ListPipelines(&context, v1::ListPipelinesRequest(), &list).ok());
+    ASSERT_TRUE(unbudgeted.Pipelines(&list).ok());
     for (const auto& p : list.pipelines()) {
       for (const auto& c : p.components()) weights[p.name()] += c.weight_bytes();
     }
@@ -114,6 +113,32 @@ TEST(TwoPipelinesTest, AlternatingAndConcurrentRequestsShareOneBudgetWithUnchang
   EXPECT_TRUE(HealthServing(server.channel()));
 }
 
+// device.pin_host_copies: on by default with a budget, off without one; set, it wins either way.
+TEST(TwoPipelinesTest, PinnedHostCopiesFollowTheConfig) {
+  struct Case {
+    int64_t budget;
+    int pin;  // -1: unset.
+    size_t pinned;
+  };
+  for (const Case& c : {Case{0, -1, 0}, Case{1 << 30, -1, 7}, Case{1 << 30, 0, 0}, Case{0, 1, 7}}) {
+    v1::ServerConfig config = TwoPipelines(c.budget);
+    if (c.pin >= 0) config.mutable_device()->set_pin_host_copies(c.pin == 1);
+    E2eServer server(config);
+    ASSERT_TRUE(server.ok());
+    v1::GetPlacementLogRequest request;
+    request.set_limit(1000);
+    v1::GetPlacementLogResponse log;
+    ASSERT_TRUE(server.admin().GetPlacementLog(E2eServer::Authed().get(), request, &log).ok());
+    std::set<std::string> pinned;
+    for (const auto& d : log.decisions()) {
+      if (d.action() == "pin_host") pinned.insert(d.component());
+      EXPECT_NE(d.action(), "pin_failed") << d.reason();
+    }
+    EXPECT_EQ(pinned.size(), c.pinned) << "budget " << c.budget << ", pin_host_copies " << c.pin;
+    EXPECT_TRUE(HealthServing(server.channel()));
+  }
+}
+
 // Exact peaks on the simulated device: with a workflow rule set that sends every component off the
 // device right after it ran, each request of either pipeline peaks at exactly its largest
 // component's bytes, however the requests of the two pipelines interleave, and the images are those
@@ -126,8 +151,7 @@ TEST(TwoPipelinesTest, AWorkflowRuleSetGivesExactPeaksPerPipeline) {
     E2eServer unbudgeted(TwoPipelines(0));
     ASSERT_TRUE(unbudgeted.ok());
     v1::ListPipelinesResponse list;
-    grpc::ClientContext context;
-    ASSERT_TRUE(unbudgeted.generation().ListPipelines(&context, v1::ListPipelinesRequest(), &list).ok());
+    ASSERT_TRUE(unbudgeted.Pipelines(&list).ok());
     for (const auto& p : list.pipelines()) {
       for (const auto& c : p.components()) largest[p.name()] = std::max(largest[p.name()], c.weight_bytes());
     }

@@ -189,6 +189,14 @@ TEST(FluxPipelineTest, DirectoryWeightsRoundTripThroughTheDiffusersLayout) {
 }
 
 // Files that disagree with each other are refused at load, naming the files.
+// Sets a number field of a JSON config file.
+absl::Status SetConfigNumber(const std::string& path, const std::string& field, double value) {
+  absl::StatusOr<google::protobuf::Struct> config = ReadJsonFile(path);
+  if (!config.ok()) return config.status();
+  (*config->mutable_fields())[field].set_number_value(value);
+  return WriteJsonFile(path, *config);
+}
+
 TEST(FluxPipelineTest, InconsistentFoldersAreRefusedNamingTheFiles) {
   // The committed reference folder is consistent.
   FluxPipelineOptions options;
@@ -201,20 +209,13 @@ TEST(FluxPipelineTest, InconsistentFoldersAreRefusedNamingTheFiles) {
             0);
   // A T5 text encoder whose vocabulary is smaller than the ids its tokenizer yields (as a reference
   // tokenizer that ignored its spiece.model once produced): refused, naming tokenizer_2.
-  auto t5 = ReadJsonFile(dir + "/text_encoder_2/config.json");
-  ASSERT_TRUE(t5.ok()) << t5.status();
-  (*t5->mutable_fields())["vocab_size"].set_number_value(4);
-  ASSERT_TRUE(WriteJsonFile(dir + "/text_encoder_2/config.json", *t5).ok());
+  ASSERT_TRUE(SetConfigNumber(dir + "/text_encoder_2/config.json", "vocab_size", 4).ok());
   auto broken = LoadFluxPipeline(dir, options, true);
   EXPECT_EQ(broken.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(broken.status().message()).find("tokenizer_2: token id"), std::string::npos)
       << broken.status();
-  (*t5->mutable_fields())["vocab_size"].set_number_value(48);
-  ASSERT_TRUE(WriteJsonFile(dir + "/text_encoder_2/config.json", *t5).ok());
-  auto t = ReadJsonFile(dir + "/transformer/config.json");
-  ASSERT_TRUE(t.ok());
-  (*t->mutable_fields())["joint_attention_dim"].set_number_value(48);
-  ASSERT_TRUE(WriteJsonFile(dir + "/transformer/config.json", *t).ok());
+  ASSERT_TRUE(SetConfigNumber(dir + "/text_encoder_2/config.json", "vocab_size", 48).ok());
+  ASSERT_TRUE(SetConfigNumber(dir + "/transformer/config.json", "joint_attention_dim", 48).ok());
   auto mismatched = LoadFluxPipeline(dir, options, true);
   EXPECT_EQ(mismatched.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(mismatched.status().message()).find("joint_attention_dim"), std::string::npos)

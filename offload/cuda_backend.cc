@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <utility>
 #include <vector>
 
 #include <ATen/Functions.h>
@@ -76,6 +77,16 @@ absl::Status CudaStatus(cudaError_t err, absl::string_view what) {
   return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(err)));
 }
 
+// CatchAsStatus for LibTorch calls on the device: a refused call (an out-of-memory allocation, a
+// copy CUDA rejects) also clears the thread's last CUDA error, so the next kernel launch's check is
+// not blamed for it.
+template <typename Fn>
+absl::Status CatchCuda(absl::string_view what, Fn&& fn) {
+  absl::Status status = CatchAsStatus(what, std::forward<Fn>(fn));
+  if (!status.ok()) cudaGetLastError();
+  return status;
+}
+
 class CudaEvent : public DeviceEvent {
  public:
   at::cuda::CUDAEvent event{cudaEventDisableTiming};
@@ -114,7 +125,7 @@ class CudaBackend : public DeviceBackend {
 
   absl::StatusOr<at::Tensor> AllocateBytes(int64_t bytes) override {
     at::Tensor out;
-    RETURN_IF_ERROR(CatchAsStatus(absl::StrCat(name(), " allocation of ", bytes, " bytes"), [&] {
+    RETURN_IF_ERROR(CatchCuda(absl::StrCat(name(), " allocation of ", bytes, " bytes"), [&] {
       out = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(device_));
     }));
     return out;
@@ -122,20 +133,16 @@ class CudaBackend : public DeviceBackend {
 
   absl::StatusOr<at::Tensor> CopyToDevice(const at::Tensor& host) override {
     at::Tensor out;
-    absl::Status status = CatchAsStatus(absl::StrCat("copy to ", name()), [&] {
+    RETURN_IF_ERROR(CatchCuda(absl::StrCat("copy to ", name()), [&] {
       out = host.to(device_, /*non_blocking=*/false, /*copy=*/true);
-    });
-    if (!status.ok()) {
-      cudaGetLastError();  // A refused copy must not fail the next kernel launch's check too.
-      return status;
-    }
+    }));
     h2d_ += static_cast<int64_t>(host.nbytes());
     return out;
   }
 
   absl::StatusOr<at::Tensor> CopyFromPeer(const at::Tensor& src) override {
     at::Tensor out;
-    RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("peer copy to ", name()), [&] {
+    RETURN_IF_ERROR(CatchCuda(absl::StrCat("peer copy to ", name()), [&] {
       c10::cuda::CUDAGuard guard(device_);
       out = src.to(device_, /*non_blocking=*/false, /*copy=*/true);
     }));

@@ -1,7 +1,7 @@
 #include "offload/host_pins.h"
 
-#include <algorithm>
 #include <iterator>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 

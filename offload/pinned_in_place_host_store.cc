@@ -1,7 +1,5 @@
 #include "offload/pinned_in_place_host_store.h"
 
-#include <algorithm>
-#include <cstdint>
 #include <utility>
 
 namespace stowage {

@@ -143,8 +143,8 @@ TEST_P(DeviceBackendConformanceTest, PageLockedMemoryIsReportedAndNotRegisteredT
   EXPECT_TRUE(at::equal(copy->cpu(), values));
 }
 
-// What the H200 showed (bench/results/two_pipelines_h200/README.md, run 2; this test there, run
-// 3): a copy whose host bytes start in a registered range and run past its end is refused ("invalid
+// What the H200 showed (bench/results/two_pipelines_h200/README.md: run 2, and this test in
+// conformance_run3.txt and conformance_run4.txt): a copy whose host bytes start in a registered range and run past its end is refused ("invalid
 // argument"), while one that starts in pageable memory may run into a registered range. A refused
 // copy leaves no error behind. The offload engine therefore registers whole regions that hold
 // whole tensors and nothing else (offload/host_pins.h); the simulator refuses the same copies so

@@ -78,6 +78,19 @@ def context_bytes(torch):
     return 0
 
 
+def summary_row(name, calls, budget, resident_latency=None, peak=None, **extra):
+    """The issue's row for pipeline `name` from its two_pipelines_call lines. peak: the process's
+    peak when known (a whole run); else the highest peak seen by the time of any of these calls."""
+    peak = max(c["peak_device_bytes_so_far"] for c in calls) if peak is None else peak
+    errors = [c["error"] for c in calls if c["error"]]
+    machines = sorted({c["machine"] for c in calls})
+    return {"bench": "two_pipelines", "strategy": calls[0]["strategy"], "pipeline": name, "arrival": "alternating",
+            "latency_s": statistics.mean(c["latency_s"] for c in calls), "resident_latency_s": resident_latency,
+            "latencies_s": [c["latency_s"] for c in calls], "peak_device_bytes": peak, "budget_bytes": budget,
+            "ok": not errors and peak <= budget, "errors": errors, "size": calls[0]["size"],
+            "steps": calls[0]["steps"], "machine": machines[0] if len(machines) == 1 else machines, **extra}
+
+
 def summarize(argv):
     parser = argparse.ArgumentParser(prog="diffusers_two_pipelines.py summarize")
     parser.add_argument("calls", nargs="+")
@@ -96,15 +109,7 @@ def summarize(argv):
     budget = int(args.budget_gib * GIB)
     with open(args.out, "a", encoding="utf-8") as f:
         for name in sorted({c["pipeline"] for c in calls}):
-            runs = [c for c in calls if c["pipeline"] == name]
-            peak = max(c["peak_device_bytes_so_far"] for c in runs)
-            errors = [c["error"] for c in runs if c["error"]]
-            row = {"bench": "two_pipelines", "strategy": runs[0]["strategy"], "pipeline": name,
-                   "arrival": "alternating", "latency_s": statistics.mean(c["latency_s"] for c in runs),
-                   "resident_latency_s": resident.get(name), "latencies_s": [c["latency_s"] for c in runs],
-                   "peak_device_bytes": peak, "budget_bytes": budget, "ok": not errors and peak <= budget,
-                   "errors": errors, "size": runs[0]["size"], "steps": runs[0]["steps"],
-                   "machine": sorted({c["machine"] for c in runs})}
+            row = summary_row(name, [c for c in calls if c["pipeline"] == name], budget, resident.get(name))
             f.write(json.dumps(row) + "\n")
             print(json.dumps(row))
 
@@ -156,30 +161,24 @@ def main():
     for name in pipes:  # Unmeasured.
         call(name, 0)
     torch.cuda.reset_peak_memory_stats()
-    results = {name: [] for name in pipes}
+    calls = []
     for i in range(args.rounds * 2):
         name = ("zimage", "flux")[i % 2]
-        results[name].append(call(name, i + 1))
-        latency, error = results[name][-1]
+        latency, error = call(name, i + 1)
+        calls.append({"bench": "two_pipelines_call", "strategy": "diffusers_model_cpu_offload", "pipeline": name,
+                      "latency_s": latency, "error": error,
+                      "peak_device_bytes_so_far": torch.cuda.max_memory_reserved() + context,
+                      "size": args.size, "steps": args.steps, "machine": args.machine})
         with open(args.out, "a", encoding="utf-8") as f:  # Each call at once: a run cut short keeps them.
-            f.write(json.dumps({"bench": "two_pipelines_call", "strategy": "diffusers_model_cpu_offload",
-                                "pipeline": name, "latency_s": latency, "error": error,
-                                "peak_device_bytes_so_far": torch.cuda.max_memory_reserved() + context,
-                                "size": args.size, "steps": args.steps, "machine": args.machine}) + "\n")
+            f.write(json.dumps(calls[-1]) + "\n")
     peak = torch.cuda.max_memory_reserved() + context
     budget = int(args.budget_gib * GIB)
-    rows = []
-    for name, runs in results.items():
-        errors = [e for _, e in runs if e]
-        rows.append({"bench": "two_pipelines", "strategy": "diffusers_model_cpu_offload", "pipeline": name,
-                     "arrival": "alternating", "latency_s": statistics.mean(t for t, _ in runs),
-                     "latencies_s": [t for t, _ in runs], "peak_device_bytes": peak, "budget_bytes": budget,
-                     "ok": not errors and peak <= budget, "errors": errors, "size": args.size, "steps": args.steps,
-                     "context_bytes": context, "torch": torch.__version__, "machine": args.machine})
     with open(args.out, "a", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-            print(json.dumps(r), flush=True)
+        for name in pipes:
+            row = summary_row(name, [c for c in calls if c["pipeline"] == name], budget, peak=peak,
+                              context_bytes=context, torch=torch.__version__)
+            f.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -181,7 +181,7 @@ absl::Status HostWeights::PinInPlace(DeviceBackend& backend) {
       lockable.ok() ? HostPins::Global().Pin(backend, lockable->regions) : lockable.status();
   if (!lease.ok()) {
     return absl::Status(lease.status().code(),
-                        absl::StrCat("pinning ", bytes_, " bytes of host copies in place: ", lease.status().message()));
+                        absl::StrCat("pinning ", bytes_, " bytes of host copies: ", lease.status().message()));
   }
   pinned_ = *std::move(lease);
   pinned_by_ = &backend;

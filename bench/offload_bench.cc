@@ -29,16 +29,26 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
+#include <torch/version.h>
+#if defined(STOWAGE_WITH_CUDA) && TORCH_VERSION_MAJOR >= 2
+#include <set>
+
+#include <torch/csrc/autograd/profiler_kineto.h>
+#define STOWAGE_KINETO_TRACE 1
+#endif
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/transformer_stack.h"
+#include "models/core/fused_ops.h"
 #include "models/diffusers_format.h"
 #include "models/flux_latents.h"
 #include "models/flux_transformer.h"
+#include "models/layers.h"
 #include "models/zimage_transformer.h"
 #include "offload/compression.h"
 #include "offload/device_backend.h"
@@ -75,6 +85,19 @@ ABSL_FLAG(std::string, reference, "",
           "Compressed rows: compare with the output saved by --save_output instead of a resident forward "
           "in this process (which would put every bf16 weight in this process's RSS)");
 ABSL_FLAG(int64_t, image_size, 1024, "--model_dir: image side in pixels (latent side = size / 8)");
+ABSL_FLAG(std::string, inputs, "",
+          "--model_dir: read the forward's inputs from this safetensors file instead of drawing them "
+          "(Z-Image: latents, caption; Flux: hidden, text, pooled), e.g. the ones bench/compute_bench.py "
+          "gave diffusers");
+ABSL_FLAG(std::string, compute, "bf16",
+          "bf16, or fp8: the resident row converts the transformer blocks' linear layers to FP8 on the "
+          "device after onloading them (models/layers.h ConvertBlockLinearsToFp8)");
+ABSL_FLAG(std::string, profile, "",
+          "CUDA builds: after the timed forwards, trace one more forward with LibTorch's Kineto profiler "
+          "and save the Chrome trace here (bench/compute_bench.py summarises its kernels)");
+ABSL_FLAG(bool, fused, true,
+          "Run the fused CUDA kernels where they apply (models/core/fused_ops.h); false: the plain "
+          "LibTorch reference path");
 
 namespace stowage {
 namespace {
@@ -104,6 +127,24 @@ struct RowResult {
   double rel_l2 = 0;
   std::string model;
 };
+
+// One call of `fn` under the Kineto profiler (CPU ops and CUDA kernels), saved as a Chrome trace.
+absl::Status TraceOnce(const std::function<void()>& fn, const std::string& path) {
+#ifdef STOWAGE_KINETO_TRACE
+  namespace impl = torch::profiler::impl;
+  const impl::ProfilerConfig config(impl::ProfilerState::KINETO);
+  const std::set<impl::ActivityType> activities{impl::ActivityType::CPU, impl::ActivityType::CUDA};
+  torch::autograd::profiler::prepareProfiler(config, activities);
+  torch::autograd::profiler::enableProfiler(config, activities);
+  fn();
+  auto result = torch::autograd::profiler::disableProfiler();
+  result->save(path);
+  return absl::OkStatus();
+#else
+  (void)fn;
+  return absl::UnimplementedError("--profile=" + path + ": this build has no CUDA LibTorch with Kineto");
+#endif
+}
 
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -166,6 +207,20 @@ struct BenchModel {
   std::string model_name = "transformer_stack";  // Recorded in the JSON lines.
 };
 
+// `drawn`, unless --inputs names a file: then its tensor `name`, on the device, in the model dtype.
+absl::StatusOr<at::Tensor> Input(const std::string& name, at::Tensor drawn) {
+  const std::string path = absl::GetFlag(FLAGS_inputs);
+  if (path.empty()) return drawn;
+  ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(path));
+  ASSIGN_OR_RETURN(at::Tensor saved, file->Get(name));
+  if (saved.sizes() != drawn.sizes()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": input '", name, "' has shape ",
+                                                   c10::str(saved.sizes()), "; the forward takes ",
+                                                   c10::str(drawn.sizes())));
+  }
+  return saved.to(drawn.options()).clone();
+}
+
 absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend, at::ScalarType dtype) {
   const auto options = at::TensorOptions().dtype(dtype).device(backend.torch_device());
   BenchModel bench;
@@ -190,9 +245,10 @@ absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend,
     const int64_t side = absl::GetFlag(FLAGS_image_size) / 8;  // Latent side; packed 2x2 patches.
     const int64_t text_tokens = absl::GetFlag(FLAGS_caption_tokens);
     at::manual_seed(0);
-    const at::Tensor hidden = at::randn({1, (side / 2) * (side / 2), config.in_channels}, options);
-    const at::Tensor text = at::randn({1, text_tokens, config.joint_attention_dim}, options);
-    const at::Tensor pooled = at::randn({1, config.pooled_projection_dim}, options);
+    ASSIGN_OR_RETURN(const at::Tensor hidden,
+                     Input("hidden", at::randn({1, (side / 2) * (side / 2), config.in_channels}, options)));
+    ASSIGN_OR_RETURN(const at::Tensor text, Input("text", at::randn({1, text_tokens, config.joint_attention_dim}, options)));
+    ASSIGN_OR_RETURN(const at::Tensor pooled, Input("pooled", at::randn({1, config.pooled_projection_dim}, options)));
     const at::Tensor timestep = at::full({1}, 0.5, options);
     const at::Tensor img_ids = LatentImageIds(side, side).to(backend.torch_device());
     const at::Tensor txt_ids = at::zeros({text_tokens, 3}, img_ids.options());
@@ -208,8 +264,9 @@ absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend,
   RETURN_IF_ERROR(LoadComponentWeights(*model, dir, dtype));  // Views of the mapped files.
   const int64_t side = absl::GetFlag(FLAGS_image_size) / 8;
   at::manual_seed(0);  // The same inputs in every process (rows compare outputs across processes).
-  const at::Tensor latents = at::randn({config.in_channels, 1, side, side}, options);
-  const at::Tensor caption = at::randn({absl::GetFlag(FLAGS_caption_tokens), config.cap_feat_dim}, options);
+  ASSIGN_OR_RETURN(const at::Tensor latents, Input("latents", at::randn({config.in_channels, 1, side, side}, options)));
+  ASSIGN_OR_RETURN(const at::Tensor caption,
+                   Input("caption", at::randn({absl::GetFlag(FLAGS_caption_tokens), config.cap_feat_dim}, options)));
   ZImageTransformer* raw = model.get();
   bench.forward = [raw, latents, caption] { return raw->Forward(latents, 0.5, caption); };
   bench.root = std::move(model);
@@ -253,6 +310,18 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     absl::Status status = (*weights)->OnloadAll(backend);
     if (!status.ok()) return status;
     result.streamed_bytes = 0;
+    if (absl::GetFlag(FLAGS_compute) == "fp8") {
+      RETURN_IF_ERROR(fused::Fp8Supported(backend.torch_device()));
+      const auto start = std::chrono::steady_clock::now();
+      c10::InferenceMode guard;
+      ASSIGN_OR_RETURN(const int64_t converted, ConvertBlockLinearsToFp8(model));
+      backend.Synchronize();
+      backend.ReleaseCachedMemory();
+      std::printf("fp8: %lld linear layers converted on the device in %.2f s\n", static_cast<long long>(converted),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    } else if (absl::GetFlag(FLAGS_compute) != "bf16") {
+      return absl::InvalidArgumentError("--compute must be bf16 or fp8");
+    }
   } else {
     GroupOffloadOptions options;
     options.use_stream = backend.supports_streams();
@@ -299,6 +368,14 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     backend.Synchronize();
     steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
+  if (!absl::GetFlag(FLAGS_profile).empty()) {
+    RETURN_IF_ERROR(TraceOnce(
+        [&] {
+          bench.forward();
+          backend.Synchronize();
+        },
+        absl::GetFlag(FLAGS_profile)));
+  }
   if (reference.defined() && out.defined()) {
     const at::Tensor got = out.to(at::kCPU).to(at::kDouble);
     const at::Tensor want = reference.to(at::kDouble);
@@ -324,6 +401,7 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
 }
 
 int Main() {
+  fused::SetEnabled(absl::GetFlag(FLAGS_fused));
   const Shape shape = ShapeFor(absl::GetFlag(FLAGS_config));
   std::unique_ptr<DeviceBackend> backend;
   const std::string kind = absl::GetFlag(FLAGS_backend);

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "models/config_checks.h"
+#include "models/core/fused_ops.h"
 #include "models/diffusers_format.h"
 
 namespace stowage {
@@ -154,20 +155,37 @@ FluxAttention::FluxAttention(int64_t dim, int64_t heads, int64_t head_dim, bool 
 }
 
 std::pair<at::Tensor, at::Tensor> FluxAttention::Forward(const at::Tensor& x, const at::Tensor& context,
-                                                         const at::Tensor& cos, const at::Tensor& sin) {
+                                                         const FluxRope& rope) {
   ForwardScope scope(*this);
   auto heads = [&](const at::Tensor& t) { return t.view({t.size(0), t.size(1), heads_, head_dim_}); };
-  at::Tensor q = norm_q_->Forward(heads(to_q_->Forward(x)));
-  at::Tensor k = norm_k_->Forward(heads(to_k_->Forward(x)));
-  at::Tensor v = heads(to_v_->Forward(x));
   const bool joint = add_q_proj_ != nullptr && context.defined();
-  if (joint) {
-    q = at::cat({norm_added_q_->Forward(heads(add_q_proj_->Forward(context))), q}, 1);
-    k = at::cat({norm_added_k_->Forward(heads(add_k_proj_->Forward(context))), k}, 1);
-    v = at::cat({heads(add_v_proj_->Forward(context)), v}, 1);
+  at::Tensor q, k, v;
+  if (rope.pair_cos.defined()) {
+    // Norm and rotation in one kernel, written straight into the joint [text; image] tensors.
+    const int64_t text = joint ? context.size(1) : 0;
+    const std::vector<int64_t> shape = {x.size(0), text + x.size(1), heads_, head_dim_};
+    q = at::empty(shape, x.options());
+    k = at::empty(shape, x.options());
+    if (joint) {
+      norm_added_q_->ForwardRope(heads(add_q_proj_->Forward(context)), rope.pair_cos, rope.pair_sin, 0, q);
+      norm_added_k_->ForwardRope(heads(add_k_proj_->Forward(context)), rope.pair_cos, rope.pair_sin, 0, k);
+    }
+    norm_q_->ForwardRope(heads(to_q_->Forward(x)), rope.pair_cos, rope.pair_sin, text, q);
+    norm_k_->ForwardRope(heads(to_k_->Forward(x)), rope.pair_cos, rope.pair_sin, text, k);
+    v = heads(to_v_->Forward(x));
+    if (joint) v = at::cat({heads(add_v_proj_->Forward(context)), v}, 1);
+  } else {
+    q = norm_q_->Forward(heads(to_q_->Forward(x)));
+    k = norm_k_->Forward(heads(to_k_->Forward(x)));
+    v = heads(to_v_->Forward(x));
+    if (joint) {
+      q = at::cat({norm_added_q_->Forward(heads(add_q_proj_->Forward(context))), q}, 1);
+      k = at::cat({norm_added_k_->Forward(heads(add_k_proj_->Forward(context))), k}, 1);
+      v = at::cat({heads(add_v_proj_->Forward(context)), v}, 1);
+    }
+    q = ApplyRope(q, rope.cos, rope.sin);
+    k = ApplyRope(k, rope.cos, rope.sin);
   }
-  q = ApplyRope(q, cos, sin);
-  k = ApplyRope(k, cos, sin);
   at::Tensor o = ScaledDotProductAttention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), at::Tensor())
                      .transpose(1, 2)
                      .flatten(2, 3)
@@ -189,16 +207,26 @@ FluxTransformerBlock::FluxTransformerBlock(int64_t dim, int64_t heads, int64_t h
 }
 
 std::pair<at::Tensor, at::Tensor> FluxTransformerBlock::Forward(const at::Tensor& x, const at::Tensor& context,
-                                                                const at::Tensor& temb, const at::Tensor& cos,
-                                                                const at::Tensor& sin) {
+                                                                const at::Tensor& temb, const FluxRope& rope) {
   ForwardScope scope(*this);
   const int64_t dim = x.size(2);
   // AdaLayerNormZero: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
   const std::vector<at::Tensor> m = norm1_->Forward(at::silu(temb)).unsqueeze(1).chunk(6, 2);
   const std::vector<at::Tensor> c = norm1_context_->Forward(at::silu(temb)).unsqueeze(1).chunk(6, 2);
+  if (rope.pair_cos.defined()) {  // Norm + modulation in one kernel; gated residuals as one addcmul.
+    const auto [attn, context_attn] = attn_->Forward(fused::LayerNormModulate(x, 1 + m[1], m[0], kNormEps),
+                                                     fused::LayerNormModulate(context, 1 + c[1], c[0], kNormEps), rope);
+    at::Tensor h = at::addcmul(x, m[2], attn);
+    const at::Tensor hm = fused::LayerNormModulate(h, 1 + m[4], m[3], kNormEps);
+    h = at::addcmul(h, m[5], ff_out_->Forward(at::gelu(ff_in_->Forward(hm), "tanh")));
+    at::Tensor t = at::addcmul(context, c[2], context_attn);
+    const at::Tensor tm = fused::LayerNormModulate(t, 1 + c[4], c[3], kNormEps);
+    t = at::addcmul(t, c[5], ff_context_out_->Forward(at::gelu(ff_context_in_->Forward(tm), "tanh")));
+    return {t, h};
+  }
   const at::Tensor nx = PlainLayerNorm(x, dim) * (1 + m[1]) + m[0];
   const at::Tensor nc = PlainLayerNorm(context, dim) * (1 + c[1]) + c[0];
-  const auto [attn, context_attn] = attn_->Forward(nx, nc, cos, sin);
+  const auto [attn, context_attn] = attn_->Forward(nx, nc, rope);
   at::Tensor h = x + m[2] * attn;
   const at::Tensor hm = PlainLayerNorm(h, dim) * (1 + m[4]) + m[3];
   h = h + m[5] * ff_out_->Forward(at::gelu(ff_in_->Forward(hm), "tanh"));
@@ -217,14 +245,19 @@ FluxSingleTransformerBlock::FluxSingleTransformerBlock(int64_t dim, int64_t head
   attn_ = AddChild("attn", std::make_unique<FluxAttention>(dim, heads, head_dim, /*joint=*/false, /*pre_only=*/true, o));
 }
 
-at::Tensor FluxSingleTransformerBlock::Forward(const at::Tensor& x, const at::Tensor& temb, const at::Tensor& cos,
-                                               const at::Tensor& sin) {
+at::Tensor FluxSingleTransformerBlock::Forward(const at::Tensor& x, const at::Tensor& temb, const FluxRope& rope) {
   ForwardScope scope(*this);
   // AdaLayerNormZeroSingle: shift_msa, scale_msa, gate_msa.
   const std::vector<at::Tensor> m = norm_->Forward(at::silu(temb)).unsqueeze(1).chunk(3, 2);
+  if (rope.pair_cos.defined()) {
+    const at::Tensor n = fused::LayerNormModulate(x, 1 + m[1], m[0], kNormEps);
+    const at::Tensor mlp = at::gelu(proj_mlp_->Forward(n), "tanh");
+    const at::Tensor attn = attn_->Forward(n, at::Tensor(), rope).first;
+    return at::addcmul(x, m[2], proj_out_->ForwardConcat({attn, mlp}));
+  }
   const at::Tensor n = PlainLayerNorm(x, x.size(2)) * (1 + m[1]) + m[0];
   const at::Tensor mlp = at::gelu(proj_mlp_->Forward(n), "tanh");
-  const at::Tensor attn = attn_->Forward(n, at::Tensor(), cos, sin).first;
+  const at::Tensor attn = attn_->Forward(n, at::Tensor(), rope).first;
   return x + m[2] * proj_out_->Forward(at::cat({attn, mlp}, 2));
 }
 
@@ -292,11 +325,15 @@ at::Tensor FluxTransformer::Forward(const at::Tensor& hidden, const at::Tensor& 
   temb = temb + text_linear_2_->Forward(at::silu(text_linear_1_->Forward(pooled.to(dtype))));
   at::Tensor context = context_embedder_->Forward(text.to(dtype));
   const auto [cos, sin] = Rope(at::cat({txt_ids, img_ids}, 0));
-  const at::Tensor cos_d = cos.to(hidden.device()), sin_d = sin.to(hidden.device());
-  for (FluxTransformerBlock* block : *blocks_) std::tie(context, x) = block->Forward(x, context, temb, cos_d, sin_d);
+  FluxRope rope{cos.to(hidden.device()), sin.to(hidden.device()), at::Tensor(), at::Tensor()};
+  if (fused::Active(x)) {  // The pair tables: every other column (the angles are repeated per pair).
+    rope.pair_cos = rope.cos.slice(1, 0, rope.cos.size(1), 2).contiguous();
+    rope.pair_sin = rope.sin.slice(1, 0, rope.sin.size(1), 2).contiguous();
+  }
+  for (FluxTransformerBlock* block : *blocks_) std::tie(context, x) = block->Forward(x, context, temb, rope);
   const int64_t text_len = context.size(1);
   at::Tensor u = at::cat({context, x}, 1);
-  for (FluxSingleTransformerBlock* block : *single_blocks_) u = block->Forward(u, temb, cos_d, sin_d);
+  for (FluxSingleTransformerBlock* block : *single_blocks_) u = block->Forward(u, temb, rope);
   x = u.slice(1, text_len);
   // AdaLayerNormContinuous: scale first, then shift.
   const std::vector<at::Tensor> ss = norm_out_->Forward(at::silu(temb).to(dtype)).unsqueeze(1).chunk(2, 2);

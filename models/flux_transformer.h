@@ -53,14 +53,20 @@ absl::StatusOr<FluxTransformerConfig> FluxTransformerConfigFromJson(const google
 // axes_dims_rope summing to attention_head_dim, at most 2^36 parameters.
 absl::Status Validate(const FluxTransformerConfig& config, const std::string& file);
 
+// The rotary factors of the joint sequence (text positions first) as the blocks take them.
+struct FluxRope {
+  at::Tensor cos, sin;            // float32 [S_txt + S, head_dim], each angle repeated for its pair.
+  at::Tensor pair_cos, pair_sin;  // float32 [S_txt + S, head_dim / 2], one per pair: defined when
+                                  // the fused kernels serve the forward (models/core/fused_ops.h).
+};
+
 class FluxAttention : public Module {
  public:
   // `joint`: also projects a second (text) stream (add_*_proj, to_add_out); `pre_only`: no to_out.
   FluxAttention(int64_t dim, int64_t heads, int64_t head_dim, bool joint, bool pre_only, const LayerOptions& options);
-  // x: [B, S, dim]; context (joint only): [B, S_txt, dim]; cos/sin: [S_txt + S, head_dim] (text
-  // positions first when joint). Returns the image part and, when joint, the text part.
-  std::pair<at::Tensor, at::Tensor> Forward(const at::Tensor& x, const at::Tensor& context, const at::Tensor& cos,
-                                            const at::Tensor& sin);
+  // x: [B, S, dim]; context (joint only): [B, S_txt, dim]. Returns the image part and, when joint,
+  // the text part.
+  std::pair<at::Tensor, at::Tensor> Forward(const at::Tensor& x, const at::Tensor& context, const FluxRope& rope);
 
  private:
   int64_t heads_, head_dim_;
@@ -83,7 +89,7 @@ class FluxTransformerBlock : public Module {
   FluxTransformerBlock(int64_t dim, int64_t heads, int64_t head_dim, const LayerOptions& options);
   // Returns (text, image).
   std::pair<at::Tensor, at::Tensor> Forward(const at::Tensor& x, const at::Tensor& context, const at::Tensor& temb,
-                                            const at::Tensor& cos, const at::Tensor& sin);
+                                            const FluxRope& rope);
 
  private:
   Linear* norm1_;
@@ -99,7 +105,7 @@ class FluxSingleTransformerBlock : public Module {
  public:
   FluxSingleTransformerBlock(int64_t dim, int64_t heads, int64_t head_dim, const LayerOptions& options);
   // x: [text; image] [B, S_txt + S_img, dim].
-  at::Tensor Forward(const at::Tensor& x, const at::Tensor& temb, const at::Tensor& cos, const at::Tensor& sin);
+  at::Tensor Forward(const at::Tensor& x, const at::Tensor& temb, const FluxRope& rope);
 
  private:
   Linear* norm_;

@@ -5,6 +5,8 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
+#include "models/core/fused_ops.h"
+
 namespace stowage {
 namespace {
 
@@ -22,7 +24,66 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool bias, const Layer
 
 at::Tensor Linear::Forward(const at::Tensor& x) {
   ForwardScope scope(*this);
+  if (weight_scale_ >= 0) {
+    return fused::Fp8Linear(x, tensor(weight_), tensor(weight_scale_), bias_ >= 0 ? tensor(bias_) : at::Tensor());
+  }
   return at::linear(x, tensor(weight_), bias_ >= 0 ? tensor(bias_) : at::Tensor());
+}
+
+absl::Status Linear::ConvertToFp8() {
+  if (weight_scale_ >= 0) return absl::OkStatus();
+#ifndef STOWAGE_HAS_FP8
+  return absl::UnimplementedError("FP8 compute needs a LibTorch with float8 types (2.1 or later)");
+#else
+  if (!slots()[static_cast<size_t>(weight_)].value.defined()) {
+    return absl::FailedPreconditionError(path() + ": cannot convert an offloaded weight to FP8");
+  }
+  fused::Fp8Weight q = fused::QuantizeWeightFp8(tensor(weight_));
+  slots()[static_cast<size_t>(weight_)].value = std::move(q.q);
+  weight_scale_ = AddBuffer("weight_scale", std::move(q.scale));
+  return absl::OkStatus();
+#endif
+}
+
+absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root) {
+  int64_t converted = 0;
+  absl::Status status;
+  for (const auto& [name, child] : root.children()) {
+    if (child->kind() != "ModuleList") continue;
+    child->ForEachModule([&](Module& m) {
+      auto* linear = dynamic_cast<Linear*>(&m);
+      if (linear == nullptr || !status.ok() || linear->is_fp8()) return;
+      status = linear->ConvertToFp8();
+      if (status.ok()) ++converted;
+    });
+    if (!status.ok()) return status;
+  }
+  return converted;
+}
+
+at::Tensor Linear::ForwardConcat(const std::vector<at::Tensor>& parts) {
+  ForwardScope scope(*this);
+  const at::Tensor& w = tensor(weight_);
+  const at::Tensor b = bias_ >= 0 ? tensor(bias_) : at::Tensor();
+  if (parts.empty() || !fused::Active(parts.front())) return at::linear(at::cat(parts, -1), w, b);
+  at::Tensor out;
+  int64_t column = 0;
+  for (const at::Tensor& part : parts) {
+    const int64_t k = part.size(-1);
+    const at::Tensor x2d = part.reshape({-1, k});
+    const at::Tensor wt = w.slice(1, column, column + k).t();  // [k, out], a strided view: no copy.
+    if (!out.defined()) {
+      out = b.defined() ? at::addmm(b, x2d, wt) : at::mm(x2d, wt);
+    } else {
+      out.addmm_(x2d, wt);
+    }
+    column += k;
+  }
+  TORCH_CHECK(column == in_features_, "Linear::ForwardConcat: the parts have ", column, " features; the layer takes ",
+              in_features_);
+  std::vector<int64_t> shape = parts.front().sizes().vec();
+  shape.back() = out_features_;
+  return out.view(shape);
 }
 
 RMSNorm::RMSNorm(int64_t dim, double eps, bool affine, const LayerOptions& options,
@@ -39,6 +100,30 @@ at::Tensor RMSNorm::Forward(const at::Tensor& x) {
   const at::Tensor& w = tensor(weight_);
   if (cast_before_weight_) return y.to(w.scalar_type()) * w;
   return (y * w.to(at::kFloat)).to(x.scalar_type());
+}
+
+void RMSNorm::CheckFusable() const {
+  TORCH_CHECK(cast_before_weight_ && weight_ >= 0,
+              "RMSNorm: the fused forms need a weight applied after the cast (diffusers' RMSNorm)");
+}
+
+at::Tensor RMSNorm::ForwardScaled(const at::Tensor& x, const at::Tensor& scale) {
+  ForwardScope scope(*this);
+  CheckFusable();
+  return fused::RmsNorm(x, tensor(weight_), eps_, scale);
+}
+
+at::Tensor RMSNorm::ForwardGatedResidual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& y) {
+  ForwardScope scope(*this);
+  CheckFusable();
+  return fused::GatedRmsNormResidual(residual, gate, y, tensor(weight_), eps_);
+}
+
+at::Tensor RMSNorm::ForwardRope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset,
+                                const at::Tensor& out) {
+  ForwardScope scope(*this);
+  CheckFusable();
+  return fused::RmsNormRope(x, tensor(weight_), eps_, cos, sin, offset, out);
 }
 
 LayerNorm::LayerNorm(int64_t dim, double eps, bool affine, const LayerOptions& options)

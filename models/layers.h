@@ -14,6 +14,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "offload/module.h"
 
 namespace stowage {
@@ -27,15 +29,32 @@ class Linear : public Module {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias, const LayerOptions& options);
   at::Tensor Forward(const at::Tensor& x);
+  // Forward(cat(parts, -1)) without building the concatenation when the fused kernels serve the
+  // parts (one GEMM per part over its slice of the weight's columns, accumulated in place);
+  // elsewhere exactly Forward(at::cat(parts, -1)).
+  at::Tensor ForwardConcat(const std::vector<at::Tensor>& parts);
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }
+
+  // FP8 compute: replaces the weight by its float8 e4m3 quantisation with one float32 scale per
+  // output channel (a new buffer "weight_scale"), where the weight is now; Forward then runs
+  // fused::Fp8Linear. The weight must be present (not offloaded). UNIMPLEMENTED without float8 in
+  // the build; a second call changes nothing.
+  absl::Status ConvertToFp8();
+  bool is_fp8() const { return weight_scale_ >= 0; }
 
  private:
   int64_t in_features_;
   int64_t out_features_;
   int weight_;
   int bias_ = -1;
+  int weight_scale_ = -1;
 };
+
+// Converts every Linear inside the block lists of `root` (its ModuleList children: the transformer
+// blocks, where nearly all the FLOPs are; embedders and the final layer stay in their dtype) to
+// FP8 (Linear::ConvertToFp8). Returns how many were converted.
+absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root);
 
 // Root-mean-square normalisation over the last dimension, computed in float32.
 // `cast_before_weight` follows diffusers' RMSNorm: the normalised value is cast to the weight's
@@ -46,7 +65,19 @@ class RMSNorm : public Module {
           bool cast_before_weight = false);
   at::Tensor Forward(const at::Tensor& x);
 
+  // The fused forms (models/core/fused_ops.h: one CUDA kernel for bfloat16 on CUDA, the plain ops
+  // elsewhere), for norms with a weight and cast_before_weight. Each runs this module's hooks.
+  // RmsNorm(x) · scale (scale [B or 1, 1, D]).
+  at::Tensor ForwardScaled(const at::Tensor& x, const at::Tensor& scale);
+  // residual + gate · RmsNorm(y).
+  at::Tensor ForwardGatedResidual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& y);
+  // The rotary embedding of RmsNorm(x) for x [B, S, H, D] (fused::RmsNormRope).
+  at::Tensor ForwardRope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset = 0,
+                         const at::Tensor& out = at::Tensor());
+
  private:
+  void CheckFusable() const;
+
   double eps_;
   bool cast_before_weight_;
   int weight_ = -1;

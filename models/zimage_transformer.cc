@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "models/config_checks.h"
+#include "models/core/fused_ops.h"
 #include "models/diffusers_format.h"
 #include "base/status_macros.h"
 
@@ -36,6 +37,15 @@ at::Tensor ApplyRope(const at::Tensor& x, const at::Tensor& freqs) {
   const at::Tensor f = freqs.dim() == 2 ? freqs.unsqueeze(0) : freqs;
   const at::Tensor rotated = at::view_as_complex(pairs) * f.unsqueeze(2);
   return at::view_as_real(rotated).flatten(3).to(x.scalar_type());
+}
+
+ZImageRope MakeRope(const at::Tensor& freqs, bool fused) {
+  ZImageRope rope{freqs, at::Tensor(), at::Tensor()};
+  if (fused) {
+    rope.cos = at::real(freqs).contiguous();
+    rope.sin = at::imag(freqs).contiguous();
+  }
+  return rope;
 }
 
 }  // namespace
@@ -142,19 +152,26 @@ ZImageAttention::ZImageAttention(const ZImageTransformerConfig& c, const LayerOp
   }
 }
 
-at::Tensor ZImageAttention::Forward(const at::Tensor& x, const at::Tensor& freqs, const at::Tensor& key_mask) {
+at::Tensor ZImageAttention::Forward(const at::Tensor& x, const ZImageRope& rope, const at::Tensor& key_mask) {
   ForwardScope scope(*this);
   const int64_t s = x.size(1);
   auto heads = [&](const at::Tensor& t) { return t.view({x.size(0), s, heads_, -1}); };
   at::Tensor q = heads(to_q_->Forward(x));
   at::Tensor k = heads(to_k_->Forward(x));
   const at::Tensor v = heads(to_v_->Forward(x));
-  if (norm_q_ != nullptr) {
-    q = norm_q_->Forward(q);
-    k = norm_k_->Forward(k);
+  if (rope.cos.defined()) {  // One kernel per tensor: the head norm and the rotation.
+    q = norm_q_ != nullptr ? norm_q_->ForwardRope(q, rope.cos, rope.sin)
+                           : fused::RmsNormRope(q, at::Tensor(), 0.0, rope.cos, rope.sin);
+    k = norm_k_ != nullptr ? norm_k_->ForwardRope(k, rope.cos, rope.sin)
+                           : fused::RmsNormRope(k, at::Tensor(), 0.0, rope.cos, rope.sin);
+  } else {
+    if (norm_q_ != nullptr) {
+      q = norm_q_->Forward(q);
+      k = norm_k_->Forward(k);
+    }
+    q = ApplyRope(q, rope.freqs);
+    k = ApplyRope(k, rope.freqs);
   }
-  q = ApplyRope(q, freqs);
-  k = ApplyRope(k, freqs);
   const at::Tensor o = ScaledDotProductAttention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), key_mask);
   return to_out_->Forward(o.transpose(1, 2).flatten(2, 3).to(x.scalar_type()));
 }
@@ -176,12 +193,16 @@ ZImageBlock::ZImageBlock(const ZImageTransformerConfig& c, bool modulation, cons
   }
 }
 
-at::Tensor ZImageBlock::Forward(const at::Tensor& x, const at::Tensor& freqs, const at::Tensor& c,
+at::Tensor ZImageBlock::Forward(const at::Tensor& x, const ZImageRope& rope, const at::Tensor& c,
                                 const at::Tensor& key_mask) {
   ForwardScope scope(*this);
-  auto ffn = [&](const at::Tensor& h) { return w2_->Forward(at::silu(w1_->Forward(h)) * w3_->Forward(h)); };
+  const bool fused = rope.cos.defined();
+  auto ffn = [&](const at::Tensor& h) {
+    return w2_->Forward(fused ? fused::SiluMul(w1_->Forward(h), w3_->Forward(h))
+                              : at::silu(w1_->Forward(h)) * w3_->Forward(h));
+  };
   if (modulation_ == nullptr) {
-    at::Tensor h = x + attention_norm2_->Forward(attention_->Forward(attention_norm1_->Forward(x), freqs, key_mask));
+    at::Tensor h = x + attention_norm2_->Forward(attention_->Forward(attention_norm1_->Forward(x), rope, key_mask));
     return h + ffn_norm2_->Forward(ffn(ffn_norm1_->Forward(h)));
   }
   // Order: scale_msa, gate_msa, scale_mlp, gate_mlp; no shift; tanh gates.
@@ -190,7 +211,12 @@ at::Tensor ZImageBlock::Forward(const at::Tensor& x, const at::Tensor& freqs, co
   const at::Tensor gate_msa = at::tanh(mod[1]);
   const at::Tensor scale_mlp = 1.0 + mod[2];
   const at::Tensor gate_mlp = at::tanh(mod[3]);
-  const at::Tensor attn = attention_->Forward(attention_norm1_->Forward(x) * scale_msa, freqs, key_mask);
+  if (fused) {  // Norm, modulation, gate and residual add in one kernel each.
+    const at::Tensor attn = attention_->Forward(attention_norm1_->ForwardScaled(x, scale_msa), rope, key_mask);
+    const at::Tensor h = attention_norm2_->ForwardGatedResidual(x, gate_msa, attn);
+    return ffn_norm2_->ForwardGatedResidual(h, gate_mlp, ffn(ffn_norm1_->ForwardScaled(h, scale_mlp)));
+  }
+  const at::Tensor attn = attention_->Forward(attention_norm1_->Forward(x) * scale_msa, rope, key_mask);
   at::Tensor h = x + gate_msa * attention_norm2_->Forward(attn);
   return h + gate_mlp * ffn_norm2_->Forward(ffn(ffn_norm1_->Forward(h) * scale_mlp));
 }
@@ -343,9 +369,12 @@ std::vector<at::Tensor> ZImageTransformer::ForwardBatch(const std::vector<at::Te
   }
 
   at::Tensor x = at::stack(xs, 0);  // [B, nx, D]
-  for (ZImageBlock* block : *noise_refiner_) x = block->Forward(x, x_freqs, adaln);
+  const bool fused = fused::Active(x);
+  const ZImageRope x_rope = MakeRope(x_freqs, fused);
+  for (ZImageBlock* block : *noise_refiner_) x = block->Forward(x, x_rope, adaln);
   at::Tensor cap = at::stack(caps, 0);  // [B, lmax, D]
-  for (ZImageBlock* block : *context_refiner_) cap = block->Forward(cap, cap_freqs, at::Tensor(), cap_mask);
+  const ZImageRope cap_rope = MakeRope(cap_freqs, fused);
+  for (ZImageBlock* block : *context_refiner_) cap = block->Forward(cap, cap_rope, at::Tensor(), cap_mask);
 
   // Image first, then caption (then, for a shorter caption, masked padding).
   at::Tensor u = at::cat({x, cap}, 1);
@@ -354,7 +383,8 @@ std::vector<at::Tensor> ZImageTransformer::ForwardBatch(const std::vector<at::Te
              : at::cat({x_freqs, cap_freqs}, 0);
   at::Tensor u_mask;
   if (ragged) u_mask = at::cat({at::ones({batch, nx}, cap_mask.options()), cap_mask}, 1);
-  for (ZImageBlock* block : *layers_) u = block->Forward(u, u_freqs, adaln, u_mask);
+  const ZImageRope u_rope = MakeRope(u_freqs, fused);
+  for (ZImageBlock* block : *layers_) u = block->Forward(u, u_rope, adaln, u_mask);
 
   const at::Tensor scale = 1.0 + final_modulation_->Forward(at::silu(adaln));
   u = at::layer_norm(u, {c.dim}, {}, {}, 1e-6) * scale.unsqueeze(1);

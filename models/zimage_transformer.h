@@ -58,12 +58,18 @@ absl::StatusOr<ZImageTransformerConfig> ZImageTransformerConfigFromJson(const go
 // (RoPE tables included). INVALID_ARGUMENT "<file>: <field> is <value>; must be ...".
 absl::Status Validate(const ZImageTransformerConfig& config, const std::string& file);
 
+// The RoPE factors of one sequence as a block takes them.
+struct ZImageRope {
+  at::Tensor freqs;     // complex [S, head_dim / 2] (shared) or [B, S, head_dim / 2]: the plain path.
+  at::Tensor cos, sin;  // Their real and imaginary parts, float32, defined when the fused kernels
+                        // serve the forward (models/core/fused_ops.h).
+};
+
 class ZImageAttention : public Module {
  public:
   ZImageAttention(const ZImageTransformerConfig& config, const LayerOptions& options);
-  // x: [B, S, D]; freqs: complex [S, head_dim / 2] (shared) or [B, S, head_dim / 2];
-  // key_mask: bool [B, S] (true = attend) or undefined (attend to all).
-  at::Tensor Forward(const at::Tensor& x, const at::Tensor& freqs, const at::Tensor& key_mask = at::Tensor());
+  // x: [B, S, D]; key_mask: bool [B, S] (true = attend) or undefined (attend to all).
+  at::Tensor Forward(const at::Tensor& x, const ZImageRope& rope, const at::Tensor& key_mask = at::Tensor());
 
  private:
   int64_t heads_;
@@ -79,7 +85,7 @@ class ZImageBlock : public Module {
  public:
   ZImageBlock(const ZImageTransformerConfig& config, bool modulation, const LayerOptions& options);
   // c: [1, adaln_dim] or undefined for unmodulated blocks; key_mask as ZImageAttention's.
-  at::Tensor Forward(const at::Tensor& x, const at::Tensor& freqs, const at::Tensor& c,
+  at::Tensor Forward(const at::Tensor& x, const ZImageRope& rope, const at::Tensor& c,
                      const at::Tensor& key_mask = at::Tensor());
 
  private:

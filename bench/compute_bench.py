@@ -1,0 +1,252 @@
+"""The compute benchmark: one transformer step, resident, at 1024x1024 with 512 caption tokens, batch 1 —
+diffusers eager, diffusers + torch.compile and Stowage side by side, in one process tree on one GPU.
+
+Runs on the GPU host with diffusers' source on PYTHONPATH (deploy/gpu_host/run_compute_suite.sh):
+
+    python3 bench/compute_bench.py run --arch zimage|flux --dir DIR --offload_bench BIN \\
+        --out bench/results/compute_h200/compute.jsonl --machine "NVIDIA H200" --commit abc1234 \\
+        [--modes bf16,bf16_reference,fp8] [--profile_dir OUT]
+
+What one `run` does, in order:
+  1. DIR/transformer: random bf16 weights written by diffusers itself when missing
+     (bench/diffusers_offload_bench.py export), the real shapes of Z-Image-Turbo or Flux.1 [dev].
+  2. The inputs (seeded) are drawn once and saved to DIR/compute_inputs.safetensors: every system runs
+     the same forward on the same weights and inputs (bench/offload_bench.cc --inputs reads them).
+  3. diffusers eager: FLOPs counted with torch's FlopCounterMode, then `--warmup` untimed and `--iters`
+     timed forwards (median; CUDA synchronised around each), its output kept as the reference.
+  4. diffusers + torch.compile (one line: torch.compile(model)), timed the same way; rel_l2 against eager is
+     the noise floor of a faster bf16 forward.
+  5. Stowage, one offload_bench process per mode (resident row): bf16 (the fused CUDA kernels),
+     bf16_reference (STOWAGE fused kernels off: the plain LibTorch path), fp8 (the blocks' linear layers as
+     FP8 GEMMs); each saves its output, compared with diffusers eager.
+Rows: {"bench": "compute", "model", "system", "mode", "path", "step_s", "tflop_per_step", "limit_s",
+"rel_l2", "machine", "commit", ...}; limit_s = FLOPs / --peak_tflops (790, the H200's measured bf16 rate).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SIDE = 1024 // 8
+CAPTION_TOKENS = 512
+
+
+def draw_inputs(arch, config):
+    import torch
+
+    torch.manual_seed(0)
+    if arch == "flux":
+        return {
+            "hidden": torch.randn(1, (SIDE // 2) ** 2, config.in_channels, dtype=torch.bfloat16),
+            "text": torch.randn(1, CAPTION_TOKENS, config.joint_attention_dim, dtype=torch.bfloat16),
+            "pooled": torch.randn(1, config.pooled_projection_dim, dtype=torch.bfloat16),
+        }
+    return {
+        "latents": torch.randn(config.in_channels, 1, SIDE, SIDE, dtype=torch.bfloat16),
+        "caption": torch.randn(CAPTION_TOKENS, config.cap_feat_dim, dtype=torch.bfloat16),
+    }
+
+
+def diffusers_forward(arch, model, inputs, device):
+    """A function of no arguments: the forward bench/offload_bench.cc runs on the same inputs."""
+    import torch
+
+    x = {k: v.to(device) for k, v in inputs.items()}
+    if arch == "flux":
+        t = torch.full((1,), 0.5, dtype=torch.bfloat16, device=device)
+        guidance = torch.full((1,), 3.5, device=device) if model.config.guidance_embeds else None
+        img_ids = torch.zeros(SIDE // 2, SIDE // 2, 3, device=device)
+        img_ids[..., 1] += torch.arange(SIDE // 2, device=device)[:, None]
+        img_ids[..., 2] += torch.arange(SIDE // 2, device=device)[None, :]
+        img_ids = img_ids.reshape(-1, 3)
+        txt_ids = torch.zeros(CAPTION_TOKENS, 3, device=device)
+        return lambda: model(hidden_states=x["hidden"], encoder_hidden_states=x["text"],
+                             pooled_projections=x["pooled"], timestep=t, img_ids=img_ids, txt_ids=txt_ids,
+                             guidance=guidance, return_dict=False)[0][0]
+    t = torch.tensor([0.5], device=device)
+    return lambda: model([x["latents"]], t, [x["caption"]], return_dict=False)[0][0]
+
+
+def time_forward(forward, warmup, iters):
+    import torch
+
+    with torch.no_grad():
+        for _ in range(warmup):
+            forward()
+        torch.cuda.synchronize()
+        steps = []
+        out = None
+        for _ in range(iters):
+            start = time.perf_counter()
+            out = forward()
+            torch.cuda.synchronize()
+            steps.append(time.perf_counter() - start)
+    return statistics.median(steps), steps, out
+
+
+def rel_l2(got, want):
+    got, want = got.double().flatten(), want.double().flatten()
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def summarize_trace(path, out_path, title):
+    """Kernel time by kernel name and by class (GEMM, attention, the rest) of one Chrome trace."""
+    with open(path, encoding="utf-8") as f:
+        events = json.load(f).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    by_name = {}
+    for e in kernels:
+        by_name.setdefault(e["name"], [0, 0.0])
+        by_name[e["name"]][0] += 1
+        by_name[e["name"]][1] += e["dur"]
+
+    def kind(name):
+        low = name.lower()
+        if any(k in low for k in ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "cublas", "matmul")):
+            return "gemm"
+        if any(k in low for k in ("flash", "fmha", "attention", "cudnn", "attn")):
+            return "attention"
+        return "other"
+
+    classes = {}
+    for name, (count, dur) in by_name.items():
+        c = classes.setdefault(kind(name), [0, 0.0])
+        c[0] += count
+        c[1] += dur
+    total = sum(d for _, d in by_name.values())
+    lines = [f"# {title}: {len(kernels)} kernels, {total / 1e3:.2f} ms of kernel time"]
+    for c, (count, dur) in sorted(classes.items(), key=lambda kv: -kv[1][1]):
+        lines.append(f"{c:10s} {count:6d} launches {dur / 1e3:9.2f} ms ({100 * dur / max(total, 1):.1f} %)")
+    lines.append("top kernels:")
+    for name, (count, dur) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
+        lines.append(f"  {dur / 1e3:8.2f} ms {count:5d}x  {name[:150]}")
+    with open(out_path, "a", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n\n")
+    print("\n".join(lines[:5]), flush=True)
+
+
+def run(args):
+    import torch
+    import diffusers
+    from safetensors.torch import load_file, save_file
+    from torch.utils.flop_counter import FlopCounterMode
+
+    sys.path.insert(0, HERE)
+    from diffusers_offload_bench import export
+
+    if not os.path.exists(os.path.join(args.dir, "transformer", "config.json")):
+        export(args.dir, args.arch)
+    device = torch.device("cuda")
+    class_name = "FluxTransformer2DModel" if args.arch == "flux" else "ZImageTransformer2DModel"
+    model_name = "flux" if args.arch == "flux" else "zimage"
+    model = getattr(diffusers, class_name).from_pretrained(os.path.join(args.dir, "transformer"),
+                                                           torch_dtype=torch.bfloat16).eval().to(device)
+    inputs = draw_inputs(args.arch, model.config)
+    inputs_path = os.path.join(args.dir, "compute_inputs.safetensors")
+    save_file({k: v.contiguous() for k, v in inputs.items()}, inputs_path)
+    forward = diffusers_forward(args.arch, model, inputs, device)
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        forward()
+    flops = counter.get_total_flops()
+    tflop = flops / 1e12
+    limit_s = tflop / args.peak_tflops
+    rows = []
+
+    def row(system, mode, path, step_s, err, **extra):
+        r = {"bench": "compute", "model": model_name, "system": system, "mode": mode, "path": path,
+             "step_s": round(step_s, 6), "tflop_per_step": round(tflop, 3), "limit_s": round(limit_s, 6),
+             "x_limit": round(step_s / limit_s, 3), "rel_l2": err, "machine": args.machine,
+             "commit": args.commit}
+        r.update(extra)
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+        with open(args.out, "a", encoding="utf-8") as f:
+            f.write(json.dumps(r) + "\n")
+
+    eager_s, eager_steps, eager_out = time_forward(forward, args.warmup, args.iters)
+    reference = eager_out.float().cpu()
+    row("diffusers", "bf16", "eager", eager_s, 0.0, steps_s=[round(s, 6) for s in eager_steps],
+        torch=torch.__version__, attention_backend="default")
+
+    if "compile" in args.diffusers:
+        compiled = torch.compile(model)
+        start = time.time()
+        cforward = diffusers_forward(args.arch, compiled, inputs, device)
+        with torch.no_grad():
+            cforward()  # Compiles.
+        compile_s = time.time() - start
+        c_s, c_steps, c_out = time_forward(cforward, args.warmup, args.iters)
+        row("diffusers_compile", "bf16", "torch.compile", c_s, rel_l2(c_out.float().cpu(), reference),
+            steps_s=[round(s, 6) for s in c_steps], compile_s=round(compile_s, 1), torch=torch.__version__)
+        del compiled, cforward
+    del model, forward
+    torch.cuda.empty_cache()
+
+    for mode in [m for m in args.modes.split(",") if m]:
+        out_file = os.path.join(args.dir, f"stowage_{mode}.safetensors")
+        jsonl = os.path.join(args.dir, f"stowage_{mode}.jsonl")
+        for f in (out_file, jsonl):
+            if os.path.exists(f):
+                os.remove(f)
+        cmd = [args.offload_bench, f"--model_dir={args.dir}", "--rows=resident", f"--inputs={inputs_path}",
+               f"--save_output={out_file}", f"--out={jsonl}", f"--warmup={args.warmup}", f"--iters={args.iters}",
+               f"--machine={args.machine}", f"--fused={'false' if mode == 'bf16_reference' else 'true'}",
+               f"--compute={'fp8' if mode == 'fp8' else 'bf16'}"]
+        trace = ""
+        if args.profile_dir and mode != "bf16_reference":
+            trace = os.path.join(args.dir, f"trace_{model_name}_{mode}.json")
+            cmd.append(f"--profile={trace}")
+        start = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        sys.stdout.write(proc.stdout[-3000:])
+        if proc.returncode != 0:
+            sys.stdout.write(proc.stderr[-3000:])
+            print(f"stowage {mode}: exit {proc.returncode}", flush=True)
+            continue
+        with open(jsonl, encoding="utf-8") as f:
+            result = json.loads(f.readline())
+        err = rel_l2(load_file(out_file)["output"].float(), reference)
+        row("stowage", "fp8" if mode == "fp8" else "bf16", "reference" if mode == "bf16_reference" else "fused",
+            result["step_s"], err, peak_device_bytes=result.get("peak_device_bytes"),
+            process_s=round(time.time() - start, 1))
+        if trace and os.path.exists(trace) and args.profile_dir:
+            summarize_trace(trace, os.path.join(args.profile_dir, f"profile_{model_name}.txt"),
+                            f"stowage {model_name} {mode}")
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--arch", choices=["zimage", "flux"], required=True)
+    r.add_argument("--dir", required=True)
+    r.add_argument("--offload_bench", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--machine", default="unknown")
+    r.add_argument("--commit", default="unknown")
+    r.add_argument("--modes", default="bf16,bf16_reference,fp8")
+    r.add_argument("--diffusers", default="eager,compile")
+    r.add_argument("--warmup", type=int, default=3)
+    r.add_argument("--iters", type=int, default=10)
+    r.add_argument("--peak_tflops", type=float, default=790.0)
+    r.add_argument("--profile_dir", default="")
+    s = sub.add_parser("summarize_trace")
+    s.add_argument("trace")
+    s.add_argument("--out", required=True)
+    s.add_argument("--title", default="trace")
+    args = parser.parse_args()
+    if args.command == "run":
+        run(args)
+    else:
+        summarize_trace(args.trace, args.out, args.title)
+
+
+if __name__ == "__main__":
+    main()

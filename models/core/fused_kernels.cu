@@ -1,0 +1,366 @@
+// The fused CUDA kernels behind fused_kernels.h (built for sm_90 in CUDA builds only).
+//
+// All kernels are memory-bound row operations: a row is read once into registers (16-byte loads),
+// reduced in float32, and written once. Rounding to bfloat16 happens where the eager reference
+// rounds (see fused_kernels.h), so a fused op differs from its reference only in summation order.
+#include "models/core/fused_kernels.h"
+
+#include <algorithm>
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+namespace stowage::fused_cuda {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kRowThreads = 128;   // Threads per row of the row kernels.
+constexpr int kMaxChunks = 8;      // 8-value chunks per thread: rows up to 128 * 8 * 8 = 8192 values.
+constexpr int kMaxPairs = 8;       // Pairs per lane in RmsNormRope: head_dim up to 512.
+
+struct alignas(16) Vec8 {
+  bf16 v[8];
+};
+
+__device__ __forceinline__ float Round(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// Sum (or max) over the block's kRowThreads threads; every thread gets the result. `shared` holds
+// 33 floats and may be reused once this returns.
+template <bool kMax>
+__device__ float BlockReduce(float v, float* shared) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  v = kMax ? WarpMax(v) : WarpSum(v);
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float w = lane < kRowThreads / 32 ? shared[lane] : (kMax ? 0.f : 0.f);
+    w = kMax ? WarpMax(w) : WarpSum(w);
+    if (lane == 0) shared[32] = w;
+  }
+  __syncthreads();
+  const float result = shared[32];
+  __syncthreads();
+  return result;
+}
+
+// Loads this thread's chunks of a row into registers (zeros past the row's end).
+__device__ __forceinline__ void LoadRow(const bf16* row, int chunks, float (&vals)[kMaxChunks][8]) {
+  const Vec8* v = reinterpret_cast<const Vec8*>(row);
+#pragma unroll
+  for (int i = 0; i < kMaxChunks; ++i) {
+    const int c = threadIdx.x + i * kRowThreads;
+    if (c < chunks) {
+      const Vec8 chunk = v[c];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) vals[i][j] = __bfloat162float(chunk.v[j]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) vals[i][j] = 0.f;
+    }
+  }
+}
+
+template <bool kScale, bool kGated>
+__global__ void __launch_bounds__(kRowThreads) RmsNormKernel(
+    const bf16* __restrict__ x, const bf16* __restrict__ weight, const bf16* __restrict__ scale,
+    int64_t scale_batch_stride, const bf16* __restrict__ residual, const bf16* __restrict__ gate,
+    int64_t gate_batch_stride, bf16* __restrict__ out, int64_t rows_per_batch, int dim, float eps) {
+  __shared__ float shared[33];
+  const int64_t row = blockIdx.x;
+  const int64_t b = row / rows_per_batch;
+  const int chunks = dim / 8;
+  float vals[kMaxChunks][8];
+  LoadRow(x + row * dim, chunks, vals);
+  float squares = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxChunks; ++i) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) squares += vals[i][j] * vals[i][j];
+  }
+  const float total = BlockReduce<false>(squares, shared);
+  const float r = 1.f / sqrtf(total / static_cast<float>(dim) + eps);
+  const Vec8* w = reinterpret_cast<const Vec8*>(weight);
+  const Vec8* s = kScale ? reinterpret_cast<const Vec8*>(scale + b * scale_batch_stride) : nullptr;
+  const Vec8* res = kGated ? reinterpret_cast<const Vec8*>(residual + row * dim) : nullptr;
+  const Vec8* g = kGated ? reinterpret_cast<const Vec8*>(gate + b * gate_batch_stride) : nullptr;
+  Vec8* o = reinterpret_cast<Vec8*>(out + row * dim);
+#pragma unroll
+  for (int i = 0; i < kMaxChunks; ++i) {
+    const int c = threadIdx.x + i * kRowThreads;
+    if (c >= chunks) continue;
+    const Vec8 wc = w[c];
+    Vec8 sc, rc, gc, result;
+    if constexpr (kScale) sc = s[c];
+    if constexpr (kGated) {
+      rc = res[c];
+      gc = g[c];
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float n = Round(Round(vals[i][j] * r) * __bfloat162float(wc.v[j]));
+      if constexpr (kScale) n = Round(n * __bfloat162float(sc.v[j]));
+      if constexpr (kGated) n = __bfloat162float(rc.v[j]) + Round(__bfloat162float(gc.v[j]) * n);
+      result.v[j] = __float2bfloat16_rn(n);
+    }
+    o[c] = result;
+  }
+}
+
+__global__ void __launch_bounds__(256) RmsNormRopeKernel(
+    const bf16* __restrict__ x, const bf16* __restrict__ weight, const float* __restrict__ cos,
+    const float* __restrict__ sin, int64_t cs_batch, int64_t cs_seq, int64_t table_offset, bf16* __restrict__ out,
+    int64_t rows,
+    int64_t seq, int64_t heads, int head_dim, int64_t out_seq, int64_t out_seq_offset, float eps) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;  // Uniform across the warp: one row per warp.
+  const int lane = threadIdx.x % 32;
+  const int64_t h = row % heads;
+  const int64_t s = (row / heads) % seq;
+  const int64_t b = row / (heads * seq);
+  const int pairs = head_dim / 2;
+  const __nv_bfloat162* xr = reinterpret_cast<const __nv_bfloat162*>(x + row * head_dim);
+  float even[kMaxPairs], odd[kMaxPairs];
+  float squares = 0.f;
+#pragma unroll
+  for (int k = 0; k < kMaxPairs; ++k) {
+    const int p = lane + 32 * k;
+    even[k] = odd[k] = 0.f;
+    if (p < pairs) {
+      const float2 v = __bfloat1622float2(xr[p]);
+      even[k] = v.x;
+      odd[k] = v.y;
+      squares += v.x * v.x + v.y * v.y;
+    }
+  }
+  if (weight != nullptr) {
+    const float r = 1.f / sqrtf(WarpSum(squares) / static_cast<float>(head_dim) + eps);
+    const __nv_bfloat162* w = reinterpret_cast<const __nv_bfloat162*>(weight);
+#pragma unroll
+    for (int k = 0; k < kMaxPairs; ++k) {
+      const int p = lane + 32 * k;
+      if (p < pairs) {
+        const float2 wp = __bfloat1622float2(w[p]);
+        even[k] = Round(Round(even[k] * r) * wp.x);
+        odd[k] = Round(Round(odd[k] * r) * wp.y);
+      }
+    }
+  }
+  const int64_t table_row = ((cs_batch == 1 ? 0 : b) * cs_seq + s + table_offset) * pairs;
+  __nv_bfloat162* o =
+      reinterpret_cast<__nv_bfloat162*>(out + ((b * out_seq + s + out_seq_offset) * heads + h) * head_dim);
+#pragma unroll
+  for (int k = 0; k < kMaxPairs; ++k) {
+    const int p = lane + 32 * k;
+    if (p < pairs) {
+      const float c = cos[table_row + p], sn = sin[table_row + p];
+      o[p] = __floats2bfloat162_rn(even[k] * c - odd[k] * sn, odd[k] * c + even[k] * sn);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kRowThreads) LayerNormModulateKernel(
+    const bf16* __restrict__ x, const bf16* __restrict__ scale, int64_t scale_batch_stride,
+    const bf16* __restrict__ shift, int64_t shift_batch_stride, bf16* __restrict__ out, int64_t rows_per_batch,
+    int dim, float eps) {
+  __shared__ float shared[33];
+  const int64_t row = blockIdx.x;
+  const int64_t b = row / rows_per_batch;
+  const int chunks = dim / 8;
+  float vals[kMaxChunks][8];
+  LoadRow(x + row * dim, chunks, vals);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxChunks; ++i) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sum += vals[i][j];
+  }
+  const float mean = BlockReduce<false>(sum, shared) / static_cast<float>(dim);
+  float centred = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxChunks; ++i) {
+    if (threadIdx.x + i * kRowThreads >= chunks) continue;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float d = vals[i][j] - mean;
+      centred += d * d;
+    }
+  }
+  const float rstd = 1.f / sqrtf(BlockReduce<false>(centred, shared) / static_cast<float>(dim) + eps);
+  const Vec8* sc = reinterpret_cast<const Vec8*>(scale + b * scale_batch_stride);
+  const Vec8* sh = reinterpret_cast<const Vec8*>(shift + b * shift_batch_stride);
+  Vec8* o = reinterpret_cast<Vec8*>(out + row * dim);
+#pragma unroll
+  for (int i = 0; i < kMaxChunks; ++i) {
+    const int c = threadIdx.x + i * kRowThreads;
+    if (c >= chunks) continue;
+    const Vec8 s = sc[c], t = sh[c];
+    Vec8 result;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float l = Round((vals[i][j] - mean) * rstd);
+      result.v[j] = __float2bfloat16_rn(Round(l * __bfloat162float(s.v[j])) + __bfloat162float(t.v[j]));
+    }
+    o[c] = result;
+  }
+}
+
+__global__ void SiluMulKernel(const bf16* __restrict__ a, const bf16* __restrict__ b, bf16* __restrict__ out,
+                              int64_t chunks) {
+  const Vec8* av = reinterpret_cast<const Vec8*>(a);
+  const Vec8* bv = reinterpret_cast<const Vec8*>(b);
+  Vec8* ov = reinterpret_cast<Vec8*>(out);
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const Vec8 x = av[c], y = bv[c];
+    Vec8 result;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float v = __bfloat162float(x.v[j]);
+      result.v[j] = __float2bfloat16_rn(Round(v / (1.f + expf(-v))) * __bfloat162float(y.v[j]));
+    }
+    ov[c] = result;
+  }
+}
+
+// One block of kQuantThreads per row, two passes over the row (the second reads it from L1/L2):
+// rows of any length that is a multiple of 8 (FP8 GEMM inputs reach 15360 values).
+constexpr int kQuantThreads = 256;
+
+__global__ void __launch_bounds__(kQuantThreads) QuantizeRowsFp8Kernel(const bf16* __restrict__ x,
+                                                                       __nv_fp8_storage_t* __restrict__ q,
+                                                                       float* __restrict__ scale, int dim) {
+  __shared__ float shared[33];
+  const int64_t row = blockIdx.x;
+  const int chunks = dim / 8;
+  const Vec8* xr = reinterpret_cast<const Vec8*>(x + row * dim);
+  float amax = 0.f;
+  for (int c = threadIdx.x; c < chunks; c += kQuantThreads) {
+    const Vec8 v = xr[c];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__bfloat162float(v.v[j])));
+  }
+  // BlockReduce assumes kRowThreads threads: reduce over kQuantThreads here.
+  amax = WarpMax(amax);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) shared[warp] = amax;
+  __syncthreads();
+  if (warp == 0) {
+    float w = lane < kQuantThreads / 32 ? shared[lane] : 0.f;
+    w = WarpMax(w);
+    if (lane == 0) shared[32] = w;
+  }
+  __syncthreads();
+  amax = shared[32];
+  const float s = amax > 0.f ? amax / 448.f : 1.f;
+  if (threadIdx.x == 0) scale[row] = s;
+  const float inv = 1.f / s;
+  uint2* o = reinterpret_cast<uint2*>(q + row * dim);
+  for (int c = threadIdx.x; c < chunks; c += kQuantThreads) {
+    const Vec8 v = xr[c];
+    __nv_fp8_storage_t bytes[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      bytes[j] = __nv_cvt_float_to_fp8(__bfloat162float(v.v[j]) * inv, __NV_SATFINITE, __NV_E4M3);
+    }
+    uint2 packed;
+    packed.x = bytes[0] | (bytes[1] << 8) | (bytes[2] << 16) | (static_cast<uint32_t>(bytes[3]) << 24);
+    packed.y = bytes[4] | (bytes[5] << 8) | (bytes[6] << 16) | (static_cast<uint32_t>(bytes[7]) << 24);
+    o[c] = packed;
+  }
+}
+
+int LastError() { return static_cast<int>(cudaGetLastError()); }
+
+bool RowFits(int64_t dim) { return dim % 8 == 0 && dim / 8 <= static_cast<int64_t>(kRowThreads) * kMaxChunks; }
+
+}  // namespace
+
+int RmsNorm(const void* x, const void* weight, const void* scale, int64_t scale_batch_stride,
+            const void* residual, const void* gate, int64_t gate_batch_stride, void* out, int64_t rows,
+            int64_t rows_per_batch, int64_t dim, float eps, void* stream) {
+  if (!RowFits(dim) || rows <= 0 || rows_per_batch <= 0) return static_cast<int>(cudaErrorInvalidValue);
+  const auto s = static_cast<cudaStream_t>(stream);
+  const auto* xb = static_cast<const bf16*>(x);
+  const auto* wb = static_cast<const bf16*>(weight);
+  const auto* sb = static_cast<const bf16*>(scale);
+  const auto* rb = static_cast<const bf16*>(residual);
+  const auto* gb = static_cast<const bf16*>(gate);
+  auto* ob = static_cast<bf16*>(out);
+  const int d = static_cast<int>(dim);
+  const dim3 grid(static_cast<unsigned>(rows));
+  const bool gated = residual != nullptr && gate != nullptr;
+  if (scale != nullptr && gated) {
+    RmsNormKernel<true, true><<<grid, kRowThreads, 0, s>>>(xb, wb, sb, scale_batch_stride, rb, gb, gate_batch_stride,
+                                                           ob, rows_per_batch, d, eps);
+  } else if (scale != nullptr) {
+    RmsNormKernel<true, false><<<grid, kRowThreads, 0, s>>>(xb, wb, sb, scale_batch_stride, nullptr, nullptr, 0, ob,
+                                                            rows_per_batch, d, eps);
+  } else if (gated) {
+    RmsNormKernel<false, true><<<grid, kRowThreads, 0, s>>>(xb, wb, nullptr, 0, rb, gb, gate_batch_stride, ob,
+                                                            rows_per_batch, d, eps);
+  } else {
+    RmsNormKernel<false, false><<<grid, kRowThreads, 0, s>>>(xb, wb, nullptr, 0, nullptr, nullptr, 0, ob,
+                                                             rows_per_batch, d, eps);
+  }
+  return LastError();
+}
+
+int RmsNormRope(const void* x, const void* weight, const float* cos, const float* sin, int64_t cs_batch,
+                int64_t cs_seq, int64_t table_offset, void* out, int64_t batch, int64_t seq, int64_t heads,
+                int64_t head_dim, int64_t out_seq, int64_t out_seq_offset, float eps, void* stream) {
+  if (head_dim % 2 != 0 || head_dim / 2 > 32 * kMaxPairs || batch <= 0 || seq <= 0 || heads <= 0) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  const int64_t rows = batch * seq * heads;
+  constexpr int kThreads = 256;
+  const int64_t rows_per_block = kThreads / 32;
+  const dim3 grid(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
+  RmsNormRopeKernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const bf16*>(x), static_cast<const bf16*>(weight), cos, sin, cs_batch, cs_seq, table_offset,
+      static_cast<bf16*>(out), rows, seq, heads, static_cast<int>(head_dim), out_seq, out_seq_offset, eps);
+  return LastError();
+}
+
+int LayerNormModulate(const void* x, const void* scale, int64_t scale_batch_stride, const void* shift,
+                      int64_t shift_batch_stride, void* out, int64_t rows, int64_t rows_per_batch, int64_t dim,
+                      float eps, void* stream) {
+  if (!RowFits(dim) || rows <= 0 || rows_per_batch <= 0) return static_cast<int>(cudaErrorInvalidValue);
+  LayerNormModulateKernel<<<dim3(static_cast<unsigned>(rows)), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const bf16*>(x), static_cast<const bf16*>(scale), scale_batch_stride,
+      static_cast<const bf16*>(shift), shift_batch_stride, static_cast<bf16*>(out), rows_per_batch,
+      static_cast<int>(dim), eps);
+  return LastError();
+}
+
+int SiluMul(const void* a, const void* b, void* out, int64_t n, void* stream) {
+  if (n % 8 != 0 || n <= 0) return static_cast<int>(cudaErrorInvalidValue);
+  const int64_t chunks = n / 8;
+  constexpr int kThreads = 256;
+  const int64_t blocks = std::min<int64_t>((chunks + kThreads - 1) / kThreads, 132 * 16);
+  SiluMulKernel<<<dim3(static_cast<unsigned>(blocks)), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const bf16*>(a), static_cast<const bf16*>(b), static_cast<bf16*>(out), chunks);
+  return LastError();
+}
+
+int QuantizeRowsFp8(const void* x, void* q, float* scale, int64_t rows, int64_t dim, void* stream) {
+  if (dim % 8 != 0 || dim <= 0 || rows <= 0) return static_cast<int>(cudaErrorInvalidValue);
+  QuantizeRowsFp8Kernel<<<dim3(static_cast<unsigned>(rows)), kQuantThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const bf16*>(x), static_cast<__nv_fp8_storage_t*>(q), scale, static_cast<int>(dim));
+  return LastError();
+}
+
+}  // namespace stowage::fused_cuda

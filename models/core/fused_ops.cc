@@ -1,0 +1,293 @@
+#include "models/core/fused_ops.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+
+#ifdef STOWAGE_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "models/core/fused_kernels.h"
+#endif
+
+namespace stowage::fused {
+namespace {
+
+bool EnabledAtStart() {
+  const char* env = std::getenv("STOWAGE_FUSED");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}
+
+std::atomic<bool>& EnabledFlag() {
+  static std::atomic<bool> enabled{EnabledAtStart()};
+  return enabled;
+}
+
+#ifdef STOWAGE_WITH_CUDA
+bool Aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// A bfloat16 row tensor the row kernels read with 16-byte loads: contiguous, rows of `dim`.
+bool RowsOk(const at::Tensor& t, int64_t dim) {
+  return t.scalar_type() == at::kBFloat16 && t.is_cuda() && t.is_contiguous() && t.size(-1) == dim &&
+         Aligned16(t);
+}
+
+// A per-batch modulation row [Bm, 1, dim] with Bm 1 or `batch`: its batch stride in elements (0 for
+// one row shared by the batch), or -1 when the kernels cannot read it.
+int64_t ModulationStride(const at::Tensor& m, int64_t batch, int64_t dim) {
+  if (!m.defined() || m.scalar_type() != at::kBFloat16 || !m.is_cuda() || m.dim() != 3 || m.size(1) != 1 ||
+      m.size(2) != dim || m.stride(2) != 1 || !Aligned16(m)) {
+    return -1;
+  }
+  if (m.size(0) == 1) return 0;
+  if (m.size(0) != batch || m.stride(0) % 8 != 0) return -1;
+  return m.stride(0);
+}
+
+void* Stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+void Check(int error, const char* op) {
+  TORCH_CHECK(error == 0, "fused ", op, ": CUDA launch failed with error ", error);
+}
+#endif
+
+}  // namespace
+
+bool Compiled() {
+#ifdef STOWAGE_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+void SetEnabled(bool enabled) { EnabledFlag().store(enabled); }
+bool Enabled() { return EnabledFlag().load(); }
+
+bool Active(const at::Tensor& x) {
+  return Compiled() && Enabled() && x.defined() && x.is_cuda() && x.scalar_type() == at::kBFloat16;
+}
+
+absl::Status Fp8Supported(const c10::Device& device) {
+#ifndef STOWAGE_HAS_FP8
+  (void)device;
+  return absl::UnimplementedError(absl::StrCat("FP8 compute needs a LibTorch with float8 types (2.1 or later); this build has ",
+                                               TORCH_VERSION_MAJOR, ".", TORCH_VERSION_MINOR));
+#else
+  if (!device.is_cuda()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("FP8 compute runs on CUDA devices with FP8 tensor cores; '", device.str(), "' is not one"));
+  }
+#ifdef STOWAGE_WITH_CUDA
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device.index() < 0 ? 0 : device.index());
+  if (prop->major * 10 + prop->minor < 89) {
+    return absl::FailedPreconditionError(absl::StrCat("FP8 compute needs compute capability 8.9 or later; ", device.str(),
+                                                      " (", prop->name, ") has ", prop->major, ".", prop->minor));
+  }
+  return absl::OkStatus();
+#else
+  return absl::FailedPreconditionError("FP8 compute: this build has no CUDA");
+#endif
+#endif
+}
+
+Fp8Weight QuantizeWeightFp8(const at::Tensor& w) {
+#ifdef STOWAGE_HAS_FP8
+  const at::Tensor wf = w.to(at::kFloat);
+  at::Tensor scale = wf.abs().amax({1}) / 448.0;
+  scale = at::where(scale > 0, scale, at::ones_like(scale));
+  return {(wf / scale.unsqueeze(1)).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn), scale};
+#else
+  (void)w;
+  TORCH_CHECK(false, "QuantizeWeightFp8: this LibTorch has no float8 types");
+#endif
+}
+
+namespace reference {
+
+at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias) {
+#ifdef STOWAGE_HAS_FP8
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor xs = xf.abs().amax({-1}, /*keepdim=*/true) / 448.0;
+  xs = at::where(xs > 0, xs, at::ones_like(xs));
+  const at::Tensor xq = (xf / xs).clamp(-448.0, 448.0).to(at::kFloat8_e4m3fn).to(at::kFloat) * xs;
+  const at::Tensor w = q.to(at::kFloat) * scale.unsqueeze(1);
+  return at::linear(xq, w, bias.defined() ? bias.to(at::kFloat) : at::Tensor()).to(x.scalar_type());
+#else
+  (void)x, (void)q, (void)scale, (void)bias;
+  TORCH_CHECK(false, "Fp8Linear: this LibTorch has no float8 types");
+#endif
+}
+
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& scale) {
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor y = (xf * at::rsqrt(xf.pow(2).mean({-1}, /*keepdim=*/true) + eps)).to(weight.scalar_type()) * weight;
+  return scale.defined() ? y * scale : y;
+}
+
+at::Tensor GatedRmsNormResidual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& y,
+                                const at::Tensor& weight, double eps) {
+  return residual + gate * RmsNorm(y, weight, eps, at::Tensor());
+}
+
+at::Tensor RmsNormRope(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& cos,
+                       const at::Tensor& sin, int64_t offset) {
+  const at::Tensor h = weight.defined() ? RmsNorm(x, weight, eps, at::Tensor()) : x;
+  const int64_t s = x.size(1);
+  auto table = [&](const at::Tensor& t) {
+    const at::Tensor rows = t.narrow(-2, offset, s);
+    return (rows.dim() == 2 ? rows.unsqueeze(0) : rows).unsqueeze(2);  // [B or 1, S, 1, D / 2]
+  };
+  const at::Tensor c = table(cos), sn = table(sin);
+  const at::Tensor pairs = h.to(at::kFloat).reshape({x.size(0), s, x.size(2), -1, 2});
+  const at::Tensor x0 = pairs.select(-1, 0), x1 = pairs.select(-1, 1);
+  return at::stack({x0 * c - x1 * sn, x1 * c + x0 * sn}, -1).flatten(3).to(x.scalar_type());
+}
+
+at::Tensor LayerNormModulate(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps) {
+  return at::layer_norm(x.to(at::kFloat), {x.size(-1)}, {}, {}, eps).to(x.scalar_type()) * scale + shift;
+}
+
+at::Tensor SiluMul(const at::Tensor& a, const at::Tensor& b) { return at::silu(a) * b; }
+
+}  // namespace reference
+
+at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias) {
+#if defined(STOWAGE_WITH_CUDA) && defined(STOWAGE_HAS_FP8)
+  const int64_t k = x.size(-1), n = q.size(0);
+  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && q.is_cuda() && q.scalar_type() == at::kFloat8_e4m3fn &&
+      q.is_contiguous() && scale.scalar_type() == at::kFloat && k % 16 == 0 && n % 16 == 0 && x.numel() > 0 &&
+      (!bias.defined() || bias.scalar_type() == at::kBFloat16)) {
+    c10::cuda::CUDAGuard guard(x.device());
+    const at::Tensor x2d = x.reshape({-1, k}).contiguous();
+    const int64_t m = x2d.size(0);
+    at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kFloat8_e4m3fn));
+    at::Tensor xs = at::empty({m, 1}, x.options().dtype(at::kFloat));
+    Check(fused_cuda::QuantizeRowsFp8(x2d.data_ptr(), xq.data_ptr(), xs.data_ptr<float>(), m, k, Stream(x)),
+          "QuantizeRowsFp8");
+    const at::Tensor out = at::_scaled_mm(xq, q.t(), xs, scale.view({1, n}).contiguous(),
+                                          bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
+                                          c10::nullopt, at::kBFloat16, /*use_fast_accum=*/true);
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = n;
+    return out.view(shape);
+  }
+#endif
+  return reference::Fp8Linear(x, q, scale, bias);
+}
+
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& scale) {
+#ifdef STOWAGE_WITH_CUDA
+  if (Active(x) && x.dim() == 3) {
+    const int64_t dim = x.size(2), batch = x.size(0);
+    const int64_t scale_stride = scale.defined() ? ModulationStride(scale, batch, dim) : 0;
+    if (RowsOk(x, dim) && RowsOk(weight, dim) && weight.dim() == 1 && scale_stride >= 0 && x.numel() > 0) {
+      c10::cuda::CUDAGuard guard(x.device());
+      at::Tensor out = at::empty_like(x);
+      Check(fused_cuda::RmsNorm(x.data_ptr(), weight.data_ptr(), scale.defined() ? scale.data_ptr() : nullptr,
+                                scale_stride, nullptr, nullptr, 0, out.data_ptr(), x.numel() / dim, x.size(1), dim,
+                                static_cast<float>(eps), Stream(x)),
+            "RmsNorm");
+      return out;
+    }
+  }
+#endif
+  return reference::RmsNorm(x, weight, eps, scale);
+}
+
+at::Tensor GatedRmsNormResidual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& y,
+                                const at::Tensor& weight, double eps) {
+#ifdef STOWAGE_WITH_CUDA
+  if (Active(y) && y.dim() == 3 && residual.sizes() == y.sizes()) {
+    const int64_t dim = y.size(2), batch = y.size(0);
+    const int64_t gate_stride = ModulationStride(gate, batch, dim);
+    if (RowsOk(y, dim) && RowsOk(residual, dim) && RowsOk(weight, dim) && weight.dim() == 1 && gate_stride >= 0 &&
+        y.numel() > 0) {
+      c10::cuda::CUDAGuard guard(y.device());
+      at::Tensor out = at::empty_like(y);
+      Check(fused_cuda::RmsNorm(y.data_ptr(), weight.data_ptr(), nullptr, 0, residual.data_ptr(), gate.data_ptr(),
+                                gate_stride, out.data_ptr(), y.numel() / dim, y.size(1), dim, static_cast<float>(eps),
+                                Stream(y)),
+            "GatedRmsNormResidual");
+      return out;
+    }
+  }
+#endif
+  return reference::GatedRmsNormResidual(residual, gate, y, weight, eps);
+}
+
+at::Tensor RmsNormRope(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& cos,
+                       const at::Tensor& sin, int64_t offset, const at::Tensor& out) {
+#ifdef STOWAGE_WITH_CUDA
+  if (Active(x) && x.dim() == 4 && cos.dim() >= 2 && cos.dim() <= 3) {
+    const int64_t b = x.size(0), s = x.size(1), h = x.size(2), d = x.size(3);
+    const int64_t cs_batch = cos.dim() == 3 ? cos.size(0) : 1;
+    const int64_t cs_seq = cos.size(-2);
+    const bool tables_ok = cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_cuda() &&
+                           sin.is_cuda() && cos.is_contiguous() && sin.is_contiguous() &&
+                           cos.sizes() == sin.sizes() && cos.size(-1) == d / 2 && (cs_batch == 1 || cs_batch == b) &&
+                           offset >= 0 && offset + s <= cs_seq;
+    const bool weight_ok = !weight.defined() || (weight.scalar_type() == at::kBFloat16 && weight.is_cuda() &&
+                                                 weight.dim() == 1 && weight.size(0) == d && weight.is_contiguous());
+    const bool out_ok = !out.defined() || (out.scalar_type() == at::kBFloat16 && out.is_cuda() && out.dim() == 4 &&
+                                           out.size(0) == b && out.size(2) == h && out.size(3) == d &&
+                                           offset + s <= out.size(1) && out.is_contiguous());
+    if (tables_ok && weight_ok && out_ok && x.is_contiguous() && d % 2 == 0 && d <= 512 && x.numel() > 0 &&
+        reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0) {
+      c10::cuda::CUDAGuard guard(x.device());
+      at::Tensor result = out.defined() ? out : at::empty_like(x);
+      Check(fused_cuda::RmsNormRope(x.data_ptr(), weight.defined() ? weight.data_ptr() : nullptr,
+                                    cos.data_ptr<float>(), sin.data_ptr<float>(), cs_batch, cs_seq, offset,
+                                    result.data_ptr(), b, s, h, d, result.size(1), out.defined() ? offset : 0,
+                                    static_cast<float>(eps), Stream(x)),
+            "RmsNormRope");
+      return result;
+    }
+  }
+#endif
+  at::Tensor result = reference::RmsNormRope(x, weight, eps, cos, sin, offset);
+  if (!out.defined()) return result;
+  out.narrow(1, offset, x.size(1)).copy_(result);
+  return out;
+}
+
+at::Tensor LayerNormModulate(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps) {
+#ifdef STOWAGE_WITH_CUDA
+  if (Active(x) && x.dim() == 3) {
+    const int64_t dim = x.size(2), batch = x.size(0);
+    const int64_t scale_stride = ModulationStride(scale, batch, dim);
+    const int64_t shift_stride = ModulationStride(shift, batch, dim);
+    if (RowsOk(x, dim) && scale_stride >= 0 && shift_stride >= 0 && x.numel() > 0) {
+      c10::cuda::CUDAGuard guard(x.device());
+      at::Tensor out = at::empty_like(x);
+      Check(fused_cuda::LayerNormModulate(x.data_ptr(), scale.data_ptr(), scale_stride, shift.data_ptr(), shift_stride,
+                                          out.data_ptr(), x.numel() / dim, x.size(1), dim, static_cast<float>(eps),
+                                          Stream(x)),
+            "LayerNormModulate");
+      return out;
+    }
+  }
+#endif
+  return reference::LayerNormModulate(x, scale, shift, eps);
+}
+
+at::Tensor SiluMul(const at::Tensor& a, const at::Tensor& b) {
+#ifdef STOWAGE_WITH_CUDA
+  if (Active(a) && a.sizes() == b.sizes() && b.scalar_type() == at::kBFloat16 && b.is_cuda() && a.is_contiguous() &&
+      b.is_contiguous() && a.numel() % 8 == 0 && a.numel() > 0 && Aligned16(a) && Aligned16(b)) {
+    c10::cuda::CUDAGuard guard(a.device());
+    at::Tensor out = at::empty_like(a);
+    Check(fused_cuda::SiluMul(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel(), Stream(a)), "SiluMul");
+    return out;
+  }
+#endif
+  return reference::SiluMul(a, b);
+}
+
+}  // namespace stowage::fused

@@ -1,0 +1,288 @@
+// The fused ops against their references (models/core/fused_ops.h).
+//
+// Everywhere: each reference is the eager code the models ran before (so the CPU path is unchanged),
+// and the fused entry points fall back to it off CUDA. On a CUDA host (the GPU suite): every fused
+// kernel against its reference across shapes, batch sizes, modulation strides and offsets, with
+// poisoned outputs; the FP8 GEMM path against its reference; and whole Z-Image and Flux transformers
+// with the fused kernels against the same transformers with them switched off.
+#include "models/core/fused_ops.h"
+
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <gtest/gtest.h>
+
+#include "models/flux_latents.h"
+#include "models/flux_transformer.h"
+#include "models/layers.h"
+#include "models/weight_init.h"
+#include "models/zimage_transformer.h"
+
+namespace stowage {
+namespace {
+
+double RelL2(const at::Tensor& got, const at::Tensor& want) {
+  const at::Tensor g = got.to(at::kCPU).to(at::kDouble), w = want.to(at::kCPU).to(at::kDouble);
+  return (g - w).norm().item<double>() / std::max(w.norm().item<double>(), 1e-30);
+}
+
+bool HasCuda() { return fused::Compiled() && at::hasCUDA(); }
+
+// Restores the process-wide switch after a test that turns it off.
+class FusedSwitch {
+ public:
+  explicit FusedSwitch(bool enabled) : saved_(fused::Enabled()) { fused::SetEnabled(enabled); }
+  ~FusedSwitch() { fused::SetEnabled(saved_); }
+
+ private:
+  bool saved_;
+};
+
+// --- Everywhere ---------------------------------------------------------------------------------
+
+TEST(FusedOpsReferenceTest, RmsNormEqualsTheRmsNormLayer) {
+  c10::InferenceMode mode;
+  RMSNorm norm(48, 1e-5, true, LayerOptions{at::kFloat}, /*cast_before_weight=*/true);
+  norm.ForEachSlot([](Module&, TensorSlot& slot) { slot.value.normal_(1.0, 0.1); });
+  const at::Tensor x = at::randn({2, 5, 48});
+  const at::Tensor weight = norm.slots()[0].value;
+  EXPECT_TRUE(at::equal(fused::reference::RmsNorm(x, weight, 1e-5, at::Tensor()), norm.Forward(x)));
+  const at::Tensor scale = at::randn({2, 1, 48});
+  EXPECT_TRUE(at::equal(norm.ForwardScaled(x, scale), norm.Forward(x) * scale));
+  const at::Tensor gate = at::randn({1, 1, 48}), residual = at::randn({2, 5, 48});
+  EXPECT_TRUE(at::equal(norm.ForwardGatedResidual(residual, gate, x), residual + gate * norm.Forward(x)));
+}
+
+// The real-pair formula of the reference equals Z-Image's complex multiplication.
+TEST(FusedOpsReferenceTest, RopeReferenceEqualsComplexRotation) {
+  c10::InferenceMode mode;
+  const at::Tensor x = at::randn({2, 6, 3, 8});
+  const at::Tensor angles = at::randn({9, 4});
+  const at::Tensor freqs = at::polar(at::ones_like(angles), angles);
+  const int64_t offset = 2;
+  const at::Tensor got =
+      fused::RmsNormRope(x, at::Tensor(), 0.0, at::real(freqs).contiguous(), at::imag(freqs).contiguous(), offset);
+  const at::Tensor pairs = at::view_as_complex(x.reshape({2, 6, 3, 4, 2}).contiguous());
+  const at::Tensor want = at::view_as_real(pairs * freqs.slice(0, offset, offset + 6).unsqueeze(0).unsqueeze(2)).flatten(3);
+  EXPECT_LT(RelL2(got, want), 1e-6);
+  // Into rows [offset, offset + 6) of a larger tensor; the other rows stay as they were.
+  at::Tensor out = at::full({2, 9, 3, 8}, NAN);
+  fused::RmsNormRope(x, at::Tensor(), 0.0, at::real(freqs).contiguous(), at::imag(freqs).contiguous(), offset, out);
+  EXPECT_LT(RelL2(out.slice(1, offset, offset + 6), want), 1e-6);
+  EXPECT_TRUE(out.slice(1, 0, offset).isnan().all().item<bool>());
+}
+
+TEST(FusedOpsReferenceTest, LayerNormModulateAndSiluMulAreTheEagerOps) {
+  c10::InferenceMode mode;
+  const at::Tensor x = at::randn({2, 5, 16}).to(at::kBFloat16);
+  const at::Tensor scale = at::randn({2, 1, 16}).to(at::kBFloat16), shift = at::randn({2, 1, 16}).to(at::kBFloat16);
+  const at::Tensor want = at::layer_norm(x.to(at::kFloat), {16}, {}, {}, 1e-6).to(at::kBFloat16) * scale + shift;
+  EXPECT_TRUE(at::equal(fused::LayerNormModulate(x, scale, shift, 1e-6), want));
+  const at::Tensor a = at::randn({4, 24}), b = at::randn({4, 24});
+  EXPECT_TRUE(at::equal(fused::SiluMul(a, b), at::silu(a) * b));
+}
+
+TEST(FusedOpsReferenceTest, ForwardConcatOffCudaIsLinearOfTheConcatenation) {
+  c10::InferenceMode mode;
+  Linear linear(10, 6, true, LayerOptions{at::kFloat});
+  linear.ForEachSlot([](Module&, TensorSlot& slot) { slot.value.normal_(); });
+  const at::Tensor a = at::randn({2, 3, 4}), b = at::randn({2, 3, 6});
+  EXPECT_TRUE(at::equal(linear.ForwardConcat({a, b}), linear.Forward(at::cat({a, b}, -1))));
+}
+
+TEST(FusedOpsReferenceTest, Fp8NeedsAFloat8BuildAndACapableDevice) {
+#ifdef STOWAGE_HAS_FP8
+  EXPECT_EQ(fused::Fp8Supported(c10::Device(c10::kCPU)).code(), absl::StatusCode::kFailedPrecondition);
+  // The reference: per-channel weight scales, per-token activation scales, within FP8's precision.
+  c10::InferenceMode mode;
+  const at::Tensor w = at::randn({32, 64}), x = at::randn({5, 64}), bias = at::randn({32});
+  const fused::Fp8Weight q = fused::QuantizeWeightFp8(w);
+  EXPECT_EQ(q.q.scalar_type(), at::kFloat8_e4m3fn);
+  EXPECT_LT(RelL2(q.q.to(at::kFloat) * q.scale.unsqueeze(1), w), 0.05);
+  EXPECT_LT(RelL2(fused::Fp8Linear(x, q.q, q.scale, bias), at::linear(x, w, bias)), 0.08);
+#else
+  EXPECT_EQ(fused::Fp8Supported(c10::Device(c10::kCPU)).code(), absl::StatusCode::kUnimplemented);
+  Linear linear(16, 16, false, LayerOptions{at::kFloat});
+  linear.ForEachSlot([](Module&, TensorSlot& slot) { slot.value.normal_(); });
+  const absl::Status status = linear.ConvertToFp8();
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_NE(std::string(status.message()).find("float8"), std::string::npos) << status;
+  EXPECT_FALSE(linear.is_fp8());
+#endif
+}
+
+// --- CUDA: each kernel against its reference ----------------------------------------------------
+
+class FusedKernelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HasCuda()) GTEST_SKIP() << "the fused CUDA kernels need a CUDA build and a GPU";
+    fused::SetEnabled(true);
+  }
+  static at::Tensor Rand(at::IntArrayRef shape, double mean = 0.0, double std = 1.0) {
+    return (at::randn(shape, at::TensorOptions().device(at::kCUDA)) * std + mean).to(at::kBFloat16);
+  }
+};
+
+// Within bfloat16 rounding: the kernels round where the reference rounds; only float32 sums differ.
+void ExpectClose(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  EXPECT_FALSE(got.isnan().any().item<bool>()) << what << ": unwritten (NaN) elements";
+  EXPECT_LT(RelL2(got, want), 4e-3) << what;
+  EXPECT_TRUE(at::allclose(got.to(at::kFloat), want.to(at::kFloat), 2e-2, 2e-2)) << what;
+}
+
+TEST_F(FusedKernelTest, RmsNormScaledAndGatedMatchTheReference) {
+  c10::InferenceMode mode;
+  for (const int64_t dim : {64, 1024, 3072, 3840, 8192}) {
+    for (const int64_t batch : {1, 3}) {
+      for (const int64_t seq : {1, 77, 520}) {
+        const std::string what = "dim " + std::to_string(dim) + " batch " + std::to_string(batch) + " seq " +
+                                 std::to_string(seq);
+        const at::Tensor x = Rand({batch, seq, dim}, 0.0, 3.0), w = Rand({dim}, 1.0, 0.1);
+        ExpectClose(fused::RmsNorm(x, w, 1e-5), fused::reference::RmsNorm(x, w, 1e-5, at::Tensor()), what);
+        // Modulation rows: one for the batch, or per sample as strided chunks of one projection.
+        const at::Tensor shared = Rand({1, 1, dim}, 1.0, 0.2);
+        const at::Tensor chunks = Rand({batch, 1, 4 * dim}, 1.0, 0.2);
+        for (const at::Tensor& scale : {shared, chunks.chunk(4, 2)[1]}) {
+          ExpectClose(fused::RmsNorm(x, w, 1e-5, scale), fused::reference::RmsNorm(x, w, 1e-5, scale),
+                      what + " scaled");
+          const at::Tensor residual = Rand({batch, seq, dim});
+          ExpectClose(fused::GatedRmsNormResidual(residual, scale, x, w, 1e-5),
+                      fused::reference::GatedRmsNormResidual(residual, scale, x, w, 1e-5), what + " gated");
+        }
+      }
+    }
+  }
+}
+
+TEST_F(FusedKernelTest, RmsNormRopeMatchesTheReference) {
+  c10::InferenceMode mode;
+  const at::TensorOptions f32 = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
+  for (const int64_t head_dim : {16, 32, 128, 256}) {
+    for (const int64_t batch : {1, 2}) {
+      const int64_t seq = 300, heads = 5, table_rows = 340, offset = 17;
+      const std::string what = "head_dim " + std::to_string(head_dim) + " batch " + std::to_string(batch);
+      const at::Tensor x = Rand({batch, seq, heads, head_dim}, 0.0, 2.0), w = Rand({head_dim}, 1.0, 0.1);
+      for (const bool per_sample : {false, true}) {
+        const at::Tensor angles = per_sample ? at::randn({batch, table_rows, head_dim / 2}, f32) * 3
+                                             : at::randn({table_rows, head_dim / 2}, f32) * 3;
+        const at::Tensor cos = angles.cos(), sin = angles.sin();
+        for (const at::Tensor& weight : {w, at::Tensor()}) {
+          const std::string label = what + (per_sample ? " per-sample" : "") + (weight.defined() ? " norm" : "");
+          ExpectClose(fused::RmsNormRope(x, weight, 1e-6, cos, sin, offset),
+                      fused::reference::RmsNormRope(x, weight, 1e-6, cos, sin, offset), label);
+          // Written into the middle of a poisoned joint tensor: exactly those rows change.
+          at::Tensor out = at::full({batch, table_rows, heads, head_dim}, NAN, x.options());
+          fused::RmsNormRope(x, weight, 1e-6, cos, sin, offset, out);
+          ExpectClose(out.slice(1, offset, offset + seq),
+                      fused::reference::RmsNormRope(x, weight, 1e-6, cos, sin, offset), label + " into out");
+          EXPECT_TRUE(out.slice(1, 0, offset).isnan().all().item<bool>()) << label;
+          EXPECT_TRUE(out.slice(1, offset + seq).isnan().all().item<bool>()) << label;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(FusedKernelTest, LayerNormModulateAndSiluMulMatchTheReference) {
+  c10::InferenceMode mode;
+  for (const int64_t dim : {64, 3072, 3840}) {
+    for (const int64_t batch : {1, 2}) {
+      const at::Tensor x = Rand({batch, 333, dim}, 0.5, 4.0);
+      const at::Tensor chunks = Rand({batch, 1, 6 * dim}, 0.0, 0.5);
+      const std::vector<at::Tensor> m = chunks.chunk(6, 2);
+      const at::Tensor scale = 1 + m[1];
+      ExpectClose(fused::LayerNormModulate(x, scale, m[0], 1e-6),
+                  fused::reference::LayerNormModulate(x, scale, m[0], 1e-6), "layer norm dim " + std::to_string(dim));
+    }
+  }
+  for (const int64_t n : {8, 4096 * 10240, 1000}) {  // 1000 is not a whole number of chunks: reference.
+    const at::Tensor a = Rand({n}, 0.0, 3.0), b = Rand({n});
+    ExpectClose(fused::SiluMul(a, b), fused::reference::SiluMul(a, b), "silu_mul " + std::to_string(n));
+  }
+}
+
+TEST_F(FusedKernelTest, Fp8LinearMatchesItsReference) {
+#ifdef STOWAGE_HAS_FP8
+  ASSERT_TRUE(fused::Fp8Supported(c10::Device(at::kCUDA, 0)).ok()) << fused::Fp8Supported(c10::Device(at::kCUDA, 0));
+  c10::InferenceMode mode;
+  for (const auto& [m, k, n] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {1, 256, 3072}, {77, 3840, 3840}, {4608, 3840, 10240}, {600, 15360, 3072}}) {
+    const at::Tensor w = Rand({n, k}, 0.0, 1.0 / std::sqrt(static_cast<double>(k)));
+    const at::Tensor x = Rand({1, m, k}), bias = Rand({n}, 0.0, 0.1);
+    const fused::Fp8Weight q = fused::QuantizeWeightFp8(w);
+    const at::Tensor got = fused::Fp8Linear(x, q.q, q.scale, bias);
+    const std::string what = std::to_string(m) + "x" + std::to_string(k) + "x" + std::to_string(n);
+    EXPECT_LT(RelL2(got, fused::reference::Fp8Linear(x, q.q, q.scale, bias)), 1e-2) << what;
+    EXPECT_LT(RelL2(got, at::linear(x, w, bias)), 0.06) << what << " against bf16";
+  }
+#else
+  GTEST_SKIP() << "no float8 in this LibTorch";
+#endif
+}
+
+// --- CUDA: whole transformers, fused against plain ----------------------------------------------
+
+TEST_F(FusedKernelTest, ZImageTransformerFusedMatchesPlain) {
+  ZImageTransformerConfig c;
+  c.in_channels = 16;
+  c.dim = 256;
+  c.n_heads = 2;  // head dim 128 = 32 + 48 + 48
+  c.n_layers = 2;
+  c.n_refiner_layers = 1;
+  c.cap_feat_dim = 64;
+  c.axes_dims = {32, 48, 48};
+  c.axes_lens = {256, 64, 64};
+  ZImageTransformer model(c, LayerOptions{at::kBFloat16});
+  InitializeRandomWeights(model, 3);
+  model.ForEachSlot([](Module&, TensorSlot& slot) { slot.value = slot.value.to(at::kCUDA); });
+  c10::InferenceMode mode;
+  const at::TensorOptions o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const std::vector<at::Tensor> latents = {at::randn({16, 1, 32, 32}, o), at::randn({16, 1, 32, 32}, o)};
+  const std::vector<at::Tensor> captions = {at::randn({40, 64}, o), at::randn({70, 64}, o)};  // Ragged.
+  std::vector<at::Tensor> plain;
+  {
+    FusedSwitch off(false);
+    plain = model.ForwardBatch(latents, 0.3, captions);
+  }
+  const std::vector<at::Tensor> fast = model.ForwardBatch(latents, 0.3, captions);
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_LT(RelL2(fast[i], plain[i]), 1e-2) << "sample " << i;
+}
+
+TEST_F(FusedKernelTest, FluxTransformerFusedMatchesPlain) {
+  FluxTransformerConfig c;
+  c.in_channels = 64;
+  c.num_layers = 2;
+  c.num_single_layers = 2;
+  c.attention_head_dim = 128;
+  c.num_attention_heads = 2;
+  c.joint_attention_dim = 96;
+  c.pooled_projection_dim = 32;
+  c.guidance_embeds = true;
+  c.axes_dims_rope = {16, 56, 56};
+  FluxTransformer model(c, LayerOptions{at::kBFloat16});
+  InitializeRandomWeights(model, 5);
+  model.ForEachSlot([](Module&, TensorSlot& slot) { slot.value = slot.value.to(at::kCUDA); });
+  c10::InferenceMode mode;
+  const at::TensorOptions o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+  const at::Tensor hidden = at::randn({1, 256, 64}, o), text = at::randn({1, 40, 96}, o);
+  const at::Tensor pooled = at::randn({1, 32}, o);
+  const at::Tensor t = at::full({1}, 0.4, o), guidance = at::full({1}, 3.5, o);
+  const at::Tensor img_ids = LatentImageIds(32, 32).to(at::kCUDA);
+  const at::Tensor txt_ids = at::zeros({40, 3}, img_ids.options());
+  at::Tensor plain;
+  {
+    FusedSwitch off(false);
+    plain = model.Forward(hidden, text, pooled, t, img_ids, txt_ids, guidance);
+  }
+  const at::Tensor fast = model.Forward(hidden, text, pooled, t, img_ids, txt_ids, guidance);
+  EXPECT_LT(RelL2(fast, plain), 1e-2);
+}
+
+}  // namespace
+}  // namespace stowage

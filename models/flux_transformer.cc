@@ -166,14 +166,17 @@ std::pair<at::Tensor, at::Tensor> FluxAttention::Forward(const at::Tensor& x, co
     const std::vector<int64_t> shape = {x.size(0), text + x.size(1), heads_, head_dim_};
     q = at::empty(shape, x.options());
     k = at::empty(shape, x.options());
+    at::Tensor context_v;
     if (joint) {
-      norm_added_q_->ForwardRope(heads(add_q_proj_->Forward(context)), rope.pair_cos, rope.pair_sin, 0, q);
-      norm_added_k_->ForwardRope(heads(add_k_proj_->Forward(context)), rope.pair_cos, rope.pair_sin, 0, k);
+      const std::vector<at::Tensor> added = Linear::ForwardShared({add_q_proj_, add_k_proj_, add_v_proj_}, context);
+      norm_added_q_->ForwardRope(heads(added[0]), rope.pair_cos, rope.pair_sin, 0, q);
+      norm_added_k_->ForwardRope(heads(added[1]), rope.pair_cos, rope.pair_sin, 0, k);
+      context_v = heads(added[2]);
     }
-    norm_q_->ForwardRope(heads(to_q_->Forward(x)), rope.pair_cos, rope.pair_sin, text, q);
-    norm_k_->ForwardRope(heads(to_k_->Forward(x)), rope.pair_cos, rope.pair_sin, text, k);
-    v = heads(to_v_->Forward(x));
-    if (joint) v = at::cat({heads(add_v_proj_->Forward(context)), v}, 1);
+    const std::vector<at::Tensor> qkv = Linear::ForwardShared({to_q_, to_k_, to_v_}, x);
+    norm_q_->ForwardRope(heads(qkv[0]), rope.pair_cos, rope.pair_sin, text, q);
+    norm_k_->ForwardRope(heads(qkv[1]), rope.pair_cos, rope.pair_sin, text, k);
+    v = joint ? at::cat({context_v, heads(qkv[2])}, 1) : heads(qkv[2]);
   } else {
     q = norm_q_->Forward(heads(to_q_->Forward(x)));
     k = norm_k_->Forward(heads(to_k_->Forward(x)));

@@ -1,5 +1,6 @@
 #include "models/layers.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <ATen/ATen.h>
@@ -28,6 +29,24 @@ at::Tensor Linear::Forward(const at::Tensor& x) {
     return fused::Fp8Linear(x, tensor(weight_), tensor(weight_scale_), bias_ >= 0 ? tensor(bias_) : at::Tensor());
   }
   return at::linear(x, tensor(weight_), bias_ >= 0 ? tensor(bias_) : at::Tensor());
+}
+
+std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers, const at::Tensor& x) {
+  std::vector<at::Tensor> out;
+  out.reserve(layers.size());
+  const bool all_fp8 =
+      layers.size() > 1 && std::all_of(layers.begin(), layers.end(), [](const Linear* l) { return l->is_fp8(); });
+  if (!all_fp8) {
+    for (Linear* layer : layers) out.push_back(layer->Forward(x));
+    return out;
+  }
+  const fused::Fp8Input input = fused::QuantizeInputFp8(x);
+  for (Linear* layer : layers) {
+    ForwardScope scope(*layer);
+    out.push_back(fused::Fp8Linear(x, layer->tensor(layer->weight_), layer->tensor(layer->weight_scale_),
+                                   layer->bias_ >= 0 ? layer->tensor(layer->bias_) : at::Tensor(), &input));
+  }
+  return out;
 }
 
 absl::Status Linear::ConvertToFp8() {

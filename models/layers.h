@@ -43,6 +43,10 @@ class Linear : public Module {
   absl::Status ConvertToFp8();
   bool is_fp8() const { return weight_scale_ >= 0; }
 
+  // Forward(x) of each layer, for layers that read the same x (Q, K and V; SwiGLU's gate and up
+  // projections): when they all run FP8 GEMMs, x is quantised once for all of them.
+  static std::vector<at::Tensor> ForwardShared(const std::vector<Linear*>& layers, const at::Tensor& x);
+
  private:
   int64_t in_features_;
   int64_t out_features_;

@@ -156,9 +156,10 @@ at::Tensor ZImageAttention::Forward(const at::Tensor& x, const ZImageRope& rope,
   ForwardScope scope(*this);
   const int64_t s = x.size(1);
   auto heads = [&](const at::Tensor& t) { return t.view({x.size(0), s, heads_, -1}); };
-  at::Tensor q = heads(to_q_->Forward(x));
-  at::Tensor k = heads(to_k_->Forward(x));
-  const at::Tensor v = heads(to_v_->Forward(x));
+  const std::vector<at::Tensor> qkv = Linear::ForwardShared({to_q_, to_k_, to_v_}, x);
+  at::Tensor q = heads(qkv[0]);
+  at::Tensor k = heads(qkv[1]);
+  const at::Tensor v = heads(qkv[2]);
   if (rope.cos.defined()) {  // One kernel per tensor: the head norm and the rotation.
     q = norm_q_ != nullptr ? norm_q_->ForwardRope(q, rope.cos, rope.sin)
                            : fused::RmsNormRope(q, at::Tensor(), 0.0, rope.cos, rope.sin);
@@ -198,8 +199,9 @@ at::Tensor ZImageBlock::Forward(const at::Tensor& x, const ZImageRope& rope, con
   ForwardScope scope(*this);
   const bool fused = rope.cos.defined();
   auto ffn = [&](const at::Tensor& h) {
-    return w2_->Forward(fused ? fused::SiluMul(w1_->Forward(h), w3_->Forward(h))
-                              : at::silu(w1_->Forward(h)) * w3_->Forward(h));
+    if (!fused) return w2_->Forward(at::silu(w1_->Forward(h)) * w3_->Forward(h));
+    const std::vector<at::Tensor> gate_up = Linear::ForwardShared({w1_, w3_}, h);
+    return w2_->Forward(fused::SiluMul(gate_up[0], gate_up[1]));
   };
   if (modulation_ == nullptr) {
     at::Tensor h = x + attention_norm2_->Forward(attention_->Forward(attention_norm1_->Forward(x), rope, key_mask));

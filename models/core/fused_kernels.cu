@@ -6,6 +6,8 @@
 #include "models/core/fused_kernels.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
@@ -172,6 +174,56 @@ __global__ void __launch_bounds__(256) RmsNormRopeKernel(
   }
 }
 
+// The same with 16-byte accesses: kLanes = head_dim / 8 lanes per row (a power of two up to 32),
+// each holding 8 values (4 pairs), cos/sin read as float4. Lanes past the last row still take part
+// in the shuffles.
+template <int kLanes>
+__global__ void __launch_bounds__(256) RmsNormRopeVecKernel(
+    const bf16* __restrict__ x, const bf16* __restrict__ weight, const float* __restrict__ cos,
+    const float* __restrict__ sin, int64_t cs_batch, int64_t cs_seq, int64_t table_offset, bf16* __restrict__ out,
+    int64_t rows, int64_t seq, int64_t heads, int64_t out_seq, int64_t out_seq_offset, float eps) {
+  constexpr int kHeadDim = kLanes * 8;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
+  const int sub = threadIdx.x % kLanes;
+  const bool valid = row < rows;
+  float v[8];
+  if (valid) {
+    const Vec8 xv = reinterpret_cast<const Vec8*>(x + row * kHeadDim)[sub];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = __bfloat162float(xv.v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = 0.f;
+  }
+  if (weight != nullptr) {
+    float squares = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) squares += v[j] * v[j];
+#pragma unroll
+    for (int offset = kLanes / 2; offset > 0; offset >>= 1) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+    const float r = 1.f / sqrtf(squares / static_cast<float>(kHeadDim) + eps);
+    const Vec8 wv = reinterpret_cast<const Vec8*>(weight)[sub];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = Round(Round(v[j] * r) * __bfloat162float(wv.v[j]));
+  }
+  if (!valid) return;
+  const int64_t h = row % heads;
+  const int64_t s = (row / heads) % seq;
+  const int64_t b = row / (heads * seq);
+  const int64_t table_row = ((cs_batch == 1 ? 0 : b) * cs_seq + s + table_offset) * (kHeadDim / 2);
+  const float4 c = reinterpret_cast<const float4*>(cos + table_row)[sub];
+  const float4 sn = reinterpret_cast<const float4*>(sin + table_row)[sub];
+  const float cs[4] = {c.x, c.y, c.z, c.w}, ss[4] = {sn.x, sn.y, sn.z, sn.w};
+  Vec8 result;
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const float e = v[2 * p], o = v[2 * p + 1];
+    result.v[2 * p] = __float2bfloat16_rn(e * cs[p] - o * ss[p]);
+    result.v[2 * p + 1] = __float2bfloat16_rn(o * cs[p] + e * ss[p]);
+  }
+  reinterpret_cast<Vec8*>(out + ((b * out_seq + s + out_seq_offset) * heads + h) * kHeadDim)[sub] = result;
+}
+
 __global__ void __launch_bounds__(kRowThreads) LayerNormModulateKernel(
     const bf16* __restrict__ x, const bf16* __restrict__ scale, int64_t scale_batch_stride,
     const bf16* __restrict__ shift, int64_t shift_batch_stride, bf16* __restrict__ out, int64_t rows_per_batch,
@@ -327,11 +379,32 @@ int RmsNormRope(const void* x, const void* weight, const float* cos, const float
   }
   const int64_t rows = batch * seq * heads;
   constexpr int kThreads = 256;
-  const int64_t rows_per_block = kThreads / 32;
-  const dim3 grid(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
-  RmsNormRopeKernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const bf16*>(x), static_cast<const bf16*>(weight), cos, sin, cs_batch, cs_seq, table_offset,
-      static_cast<bf16*>(out), rows, seq, heads, static_cast<int>(head_dim), out_seq, out_seq_offset, eps);
+  const auto st = static_cast<cudaStream_t>(stream);
+  const auto* xb = static_cast<const bf16*>(x);
+  const auto* wb = static_cast<const bf16*>(weight);
+  auto* ob = static_cast<bf16*>(out);
+  // 16-byte rows need 16-byte aligned tensors (the tables' rows are then 16-byte aligned too).
+  const bool aligned = (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out) |
+                        reinterpret_cast<uintptr_t>(weight) | reinterpret_cast<uintptr_t>(cos) |
+                        reinterpret_cast<uintptr_t>(sin)) % 16 == 0;
+  auto vec = [&](auto lanes) {
+    constexpr int kLanes = decltype(lanes)::value;
+    const int64_t blocks = (rows * kLanes + kThreads - 1) / kThreads;
+    RmsNormRopeVecKernel<kLanes><<<dim3(static_cast<unsigned>(blocks)), kThreads, 0, st>>>(
+        xb, wb, cos, sin, cs_batch, cs_seq, table_offset, ob, rows, seq, heads, out_seq, out_seq_offset, eps);
+  };
+  if (aligned && head_dim == 128) {
+    vec(std::integral_constant<int, 16>());
+  } else if (aligned && head_dim == 64) {
+    vec(std::integral_constant<int, 8>());
+  } else if (aligned && head_dim == 256) {
+    vec(std::integral_constant<int, 32>());
+  } else {
+    const int64_t rows_per_block = kThreads / 32;
+    const dim3 grid(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
+    RmsNormRopeKernel<<<grid, kThreads, 0, st>>>(xb, wb, cos, sin, cs_batch, cs_seq, table_offset, ob, rows, seq, heads,
+                                                 static_cast<int>(head_dim), out_seq, out_seq_offset, eps);
+  }
   return LastError();
 }
 

@@ -158,26 +158,43 @@ at::Tensor SiluMul(const at::Tensor& a, const at::Tensor& b) { return at::silu(a
 
 }  // namespace reference
 
-at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias) {
+Fp8Input QuantizeInputFp8(const at::Tensor& x) {
+#if defined(STOWAGE_WITH_CUDA) && defined(STOWAGE_HAS_FP8)
+  const int64_t k = x.size(-1);
+  if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && k % 16 == 0 && x.numel() > 0) {
+    c10::cuda::CUDAGuard guard(x.device());
+    const at::Tensor x2d = x.reshape({-1, k}).contiguous();
+    const int64_t m = x2d.size(0);
+    Fp8Input input{at::empty({m, k}, x.options().dtype(at::kFloat8_e4m3fn)), at::empty({m, 1}, x.options().dtype(at::kFloat))};
+    Check(fused_cuda::QuantizeRowsFp8(x2d.data_ptr(), input.q.data_ptr(), input.scale.data_ptr<float>(), m, k,
+                                      Stream(x)),
+          "QuantizeRowsFp8");
+    return input;
+  }
+#else
+  (void)x;
+#endif
+  return {};
+}
+
+at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias,
+                     const Fp8Input* input) {
 #if defined(STOWAGE_WITH_CUDA) && defined(STOWAGE_HAS_FP8)
   const int64_t k = x.size(-1), n = q.size(0);
   if (x.is_cuda() && x.scalar_type() == at::kBFloat16 && q.is_cuda() && q.scalar_type() == at::kFloat8_e4m3fn &&
       q.is_contiguous() && scale.scalar_type() == at::kFloat && k % 16 == 0 && n % 16 == 0 && x.numel() > 0 &&
       (!bias.defined() || bias.scalar_type() == at::kBFloat16)) {
     c10::cuda::CUDAGuard guard(x.device());
-    const at::Tensor x2d = x.reshape({-1, k}).contiguous();
-    const int64_t m = x2d.size(0);
-    at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kFloat8_e4m3fn));
-    at::Tensor xs = at::empty({m, 1}, x.options().dtype(at::kFloat));
-    Check(fused_cuda::QuantizeRowsFp8(x2d.data_ptr(), xq.data_ptr(), xs.data_ptr<float>(), m, k, Stream(x)),
-          "QuantizeRowsFp8");
-    const at::Tensor out = at::_scaled_mm(xq, q.t(), xs, scale.view({1, n}).contiguous(),
+    const Fp8Input quantized = input != nullptr && input->q.defined() ? *input : QuantizeInputFp8(x);
+    const at::Tensor out = at::_scaled_mm(quantized.q, q.t(), quantized.scale, scale.view({1, n}),
                                           bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
                                           c10::nullopt, at::kBFloat16, /*use_fast_accum=*/true);
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = n;
     return out.view(shape);
   }
+#else
+  (void)input;
 #endif
   return reference::Fp8Linear(x, q, scale, bias);
 }

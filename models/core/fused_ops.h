@@ -76,10 +76,18 @@ struct Fp8Weight {
   at::Tensor scale;
 };
 Fp8Weight QuantizeWeightFp8(const at::Tensor& w);
+// x's per-token FP8 quantisation, made once for several FP8 layers that read the same x (Q, K and V
+// projections; SwiGLU's two). q and scale are undefined where the FP8 GEMM path does not apply.
+struct Fp8Input {
+  at::Tensor q;      // float8 e4m3 [rows, K]
+  at::Tensor scale;  // float32 [rows, 1]
+};
+Fp8Input QuantizeInputFp8(const at::Tensor& x);
 // x [..., K] · (q · scale)ᵀ + bias, in x's dtype. On CUDA with FP8 support: the per-token
-// quantisation kernel and at::_scaled_mm; elsewhere the reference (the same quantisation, then a
-// float32 GEMM of the dequantised values).
-at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias);
+// quantisation kernel (or `input`, x's quantisation made by QuantizeInputFp8) and at::_scaled_mm;
+// elsewhere the reference (the same quantisation, then a float32 GEMM of the dequantised values).
+at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias,
+                     const Fp8Input* input = nullptr);
 
 namespace reference {
 at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias);

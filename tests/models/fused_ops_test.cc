@@ -163,7 +163,7 @@ TEST_F(FusedKernelTest, RmsNormScaledAndGatedMatchTheReference) {
 TEST_F(FusedKernelTest, RmsNormRopeMatchesTheReference) {
   c10::InferenceMode mode;
   const at::TensorOptions f32 = at::TensorOptions().device(at::kCUDA).dtype(at::kFloat);
-  for (const int64_t head_dim : {16, 32, 128, 256}) {
+  for (const int64_t head_dim : {16, 32, 64, 128, 256}) {
     for (const int64_t batch : {1, 2}) {
       const int64_t seq = 300, heads = 5, table_rows = 340, offset = 17;
       const std::string what = "head_dim " + std::to_string(head_dim) + " batch " + std::to_string(batch);
@@ -221,6 +221,16 @@ TEST_F(FusedKernelTest, Fp8LinearMatchesItsReference) {
     EXPECT_LT(RelL2(got, fused::reference::Fp8Linear(x, q.q, q.scale, bias)), 1e-2) << what;
     EXPECT_LT(RelL2(got, at::linear(x, w, bias)), 0.06) << what << " against bf16";
   }
+  // Layers sharing an input quantise it once: the same outputs as one at a time.
+  Linear a(512, 256, true, LayerOptions{at::kBFloat16}), b(512, 128, false, LayerOptions{at::kBFloat16});
+  for (Linear* l : {&a, &b}) {
+    l->ForEachSlot([](Module&, TensorSlot& slot) { slot.value = (at::randn_like(slot.value, at::kFloat) * 0.05).to(at::kBFloat16).to(at::kCUDA); });
+    ASSERT_TRUE(l->ConvertToFp8().ok());
+  }
+  const at::Tensor x = Rand({2, 33, 512});
+  const std::vector<at::Tensor> shared = Linear::ForwardShared({&a, &b}, x);
+  EXPECT_TRUE(at::equal(shared[0], a.Forward(x)));
+  EXPECT_TRUE(at::equal(shared[1], b.Forward(x)));
 #else
   GTEST_SKIP() << "no float8 in this LibTorch";
 #endif

@@ -51,10 +51,11 @@ absl::StatusOr<std::shared_ptr<Component>> LoadMaybeShared(ComponentCache* cache
 }
 
 std::string ComponentCacheKey(const std::string& component_dir, at::ScalarType dtype, bool random_weights,
-                              uint64_t seed) {
+                              uint64_t seed, const std::string& compute) {
   char resolved[PATH_MAX];
   const std::string path = ::realpath(component_dir.c_str(), resolved) != nullptr ? resolved : component_dir;
-  return absl::StrCat(path, "|", DtypeName(dtype), random_weights ? absl::StrCat("|random:", seed) : "");
+  return absl::StrCat(path, "|", DtypeName(dtype), compute.empty() ? "" : absl::StrCat("|", compute),
+                      random_weights ? absl::StrCat("|random:", seed) : "");
 }
 
 std::string DtypeName(at::ScalarType dtype) {

@@ -49,6 +49,11 @@ class Component {
     prequantized_format_ = format;
   }
   const std::shared_ptr<const PrequantizedWeights>& prequantized() const { return prequantized_; }
+
+  // "fp8" when its blocks' linear layers were converted to FP8 at load (PipelineConfig.compute);
+  // empty: it computes in dtype(). Set once, before the component is shared.
+  const std::string& compute() const { return compute_; }
+  void set_compute(std::string compute) { compute_ = std::move(compute); }
   CompressFormat prequantized_format() const { return prequantized_format_; }
 
  private:
@@ -60,6 +65,7 @@ class Component {
   std::unique_ptr<HostWeights> host_weights_;
   std::shared_ptr<const PrequantizedWeights> prequantized_;
   CompressFormat prequantized_format_ = CompressFormat::kNone;
+  std::string compute_;
 };
 
 // How a pipeline calls its components. Implemented by placement: it makes the component runnable
@@ -104,10 +110,10 @@ class ComponentCache {
 absl::StatusOr<std::shared_ptr<Component>> LoadMaybeShared(ComponentCache* cache, const std::string& key,
                                                            const ComponentCache::Loader& load);
 
-// The cache key of a component directory: its canonical path, the dtype, and, for random weights,
-// the seed.
+// The cache key of a component directory: its canonical path, the dtype, the compute mode ("fp8" or
+// empty) and, for random weights, the seed.
 std::string ComponentCacheKey(const std::string& component_dir, at::ScalarType dtype,
-                              bool random_weights, uint64_t seed);
+                              bool random_weights, uint64_t seed, const std::string& compute = "");
 
 }  // namespace stowage
 

@@ -311,25 +311,30 @@ absl::StatusOr<std::unique_ptr<Pipeline>> Assemble(const FluxPipelineOptions& op
       ASSIGN_OR_RETURN(std::unique_ptr<Component> component, load());
       return std::shared_ptr<Component>(std::move(component));
     }
-    return LoadMaybeShared(
-        cache, ComponentCacheKey(absl::StrCat(dir, "/", name), options.dtype, random_weights, options.weight_seed), load);
+    return LoadMaybeShared(cache,
+                           ComponentCacheKey(absl::StrCat(dir, "/", name), options.dtype, random_weights,
+                                             options.weight_seed, options.fp8_components.count(name) ? "fp8" : ""),
+                           load);
   };
+  auto fp8 = [&](const std::string& name) { return options.fp8_components.count(name) > 0; };
   auto where = [&](const std::string& name) { return dir.empty() ? std::string() : absl::StrCat(dir, "/", name); };
   ASSIGN_OR_RETURN(auto clip, shared("text_encoder", [&] {
     return MakeComponent<ClipTextEncoder>("text_encoder", parts.clip, options.dtype, where("text_encoder"),
-                                          random_weights, options.weight_seed, {"text_model.embeddings.position_ids"});
+                                          random_weights, options.weight_seed, {"text_model.embeddings.position_ids"},
+                                          fp8("text_encoder"));
   }));
   ASSIGN_OR_RETURN(auto t5, shared("text_encoder_2", [&] {
     return MakeComponent<T5Encoder>("text_encoder_2", parts.t5, options.dtype, where("text_encoder_2"), random_weights,
-                                    options.weight_seed, {"encoder.embed_tokens."});
+                                    options.weight_seed, {"encoder.embed_tokens."}, fp8("text_encoder_2"));
   }));
   ASSIGN_OR_RETURN(auto transformer, shared("transformer", [&] {
     return MakeComponent<FluxTransformer>("transformer", parts.transformer, options.dtype, where("transformer"),
-                                          random_weights, options.weight_seed, {});
+                                          random_weights, options.weight_seed, {}, fp8("transformer"));
   }));
   ASSIGN_OR_RETURN(auto vae, shared("vae", [&] {
     return MakeComponent<AutoencoderKLDecoder>("vae", parts.vae, options.dtype, where("vae"), random_weights,
-                                               options.weight_seed, {"encoder.", "quant_conv.", "post_quant_conv."});
+                                               options.weight_seed, {"encoder.", "quant_conv.", "post_quant_conv."},
+                                               fp8("vae"));
   }));
   return std::unique_ptr<Pipeline>(new FluxPipeline(options, schedule, std::move(clip_tokenizer),
                                                     std::move(t5_tokenizer), std::move(clip), std::move(t5),

@@ -12,6 +12,7 @@
 #define STOWAGE_MODELS_FLUX_PIPELINE_H_
 
 #include <memory>
+#include <set>
 #include <string>
 
 #include <c10/core/Device.h>
@@ -29,6 +30,7 @@ struct FluxPipelineOptions {
   c10::Device device = c10::Device(c10::kCPU);
   uint64_t weight_seed = 0;          // Random-weights mode only.
   int64_t max_sequence_length = 512; // T5 tokens (diffusers' default).
+  std::set<std::string> fp8_components;  // Components converted to FP8 compute at load.
   int64_t default_size = 0;          // Default width and height; 0: 1024 (Flux's), 128 for the tiny built-in.
 };
 

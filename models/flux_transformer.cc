@@ -143,6 +143,7 @@ FluxAttention::FluxAttention(int64_t dim, int64_t heads, int64_t head_dim, bool 
   if (!pre_only) {
     auto* out = AddChild("to_out", std::make_unique<Sequential>());
     to_out_ = out->Add(std::make_unique<Linear>(inner, dim, true, o));
+    Linear::DeclareAdjacent(*this, {to_q_, to_k_, to_v_});  // A single block groups them with its MLP.
   }
   if (joint) {
     norm_added_q_ = AddChild("norm_added_q", std::make_unique<RMSNorm>(head_dim, kNormEps, true, o, true));
@@ -151,7 +152,20 @@ FluxAttention::FluxAttention(int64_t dim, int64_t heads, int64_t head_dim, bool 
     add_k_proj_ = AddChild("add_k_proj", std::make_unique<Linear>(dim, inner, true, o));
     add_v_proj_ = AddChild("add_v_proj", std::make_unique<Linear>(dim, inner, true, o));
     to_add_out_ = AddChild("to_add_out", std::make_unique<Linear>(inner, dim, true, o));
+    Linear::DeclareAdjacent(*this, {add_q_proj_, add_k_proj_, add_v_proj_});
   }
+}
+
+at::Tensor FluxAttention::ForwardProjected(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const FluxRope& rope) {
+  ForwardScope scope(*this);
+  auto heads = [&](const at::Tensor& t) { return t.view({t.size(0), t.size(1), heads_, head_dim_}); };
+  const at::Tensor qr = norm_q_->ForwardRope(heads(q), rope.pair_cos, rope.pair_sin);
+  const at::Tensor kr = norm_k_->ForwardRope(heads(k), rope.pair_cos, rope.pair_sin);
+  return ScaledDotProductAttention(qr.transpose(1, 2), kr.transpose(1, 2), heads(v).transpose(1, 2), at::Tensor())
+      .transpose(1, 2)
+      .flatten(2, 3)
+      .to(q.scalar_type());
 }
 
 std::pair<at::Tensor, at::Tensor> FluxAttention::Forward(const at::Tensor& x, const at::Tensor& context,
@@ -221,10 +235,10 @@ std::pair<at::Tensor, at::Tensor> FluxTransformerBlock::Forward(const at::Tensor
                                                      fused::LayerNormModulate(context, 1 + c[1], c[0], kNormEps), rope);
     at::Tensor h = at::addcmul(x, m[2], attn);
     const at::Tensor hm = fused::LayerNormModulate(h, 1 + m[4], m[3], kNormEps);
-    h = at::addcmul(h, m[5], ff_out_->Forward(at::gelu(ff_in_->Forward(hm), "tanh")));
+    h = at::addcmul(h, m[5], ff_out_->Forward(ff_in_->ForwardGelu(hm)));
     at::Tensor t = at::addcmul(context, c[2], context_attn);
     const at::Tensor tm = fused::LayerNormModulate(t, 1 + c[4], c[3], kNormEps);
-    t = at::addcmul(t, c[5], ff_context_out_->Forward(at::gelu(ff_context_in_->Forward(tm), "tanh")));
+    t = at::addcmul(t, c[5], ff_context_out_->Forward(ff_context_in_->ForwardGelu(tm)));
     return {t, h};
   }
   const at::Tensor nx = PlainLayerNorm(x, dim) * (1 + m[1]) + m[0];
@@ -246,6 +260,9 @@ FluxSingleTransformerBlock::FluxSingleTransformerBlock(int64_t dim, int64_t head
   proj_mlp_ = AddChild("proj_mlp", std::make_unique<Linear>(dim, 4 * dim, true, o));
   proj_out_ = AddChild("proj_out", std::make_unique<Linear>(5 * dim, dim, true, o));
   attn_ = AddChild("attn", std::make_unique<FluxAttention>(dim, heads, head_dim, /*joint=*/false, /*pre_only=*/true, o));
+  std::vector<Linear*> shared = attn_->projections();
+  shared.push_back(proj_mlp_);
+  Linear::DeclareAdjacent(*this, shared);
 }
 
 at::Tensor FluxSingleTransformerBlock::Forward(const at::Tensor& x, const at::Tensor& temb, const FluxRope& rope) {
@@ -253,9 +270,13 @@ at::Tensor FluxSingleTransformerBlock::Forward(const at::Tensor& x, const at::Te
   // AdaLayerNormZeroSingle: shift_msa, scale_msa, gate_msa.
   const std::vector<at::Tensor> m = norm_->Forward(at::silu(temb)).unsqueeze(1).chunk(3, 2);
   if (rope.pair_cos.defined()) {
+    // Q, K, V and the MLP input in one GEMM when their weights are adjacent.
     const at::Tensor n = fused::LayerNormModulate(x, 1 + m[1], m[0], kNormEps);
-    const at::Tensor mlp = at::gelu(proj_mlp_->Forward(n), "tanh");
-    const at::Tensor attn = attn_->Forward(n, at::Tensor(), rope).first;
+    std::vector<Linear*> layers = attn_->projections();
+    layers.push_back(proj_mlp_);
+    const std::vector<at::Tensor> p = Linear::ForwardShared(layers, n);
+    const at::Tensor mlp = at::gelu(p[3], "tanh");
+    const at::Tensor attn = attn_->ForwardProjected(p[0], p[1], p[2], rope);
     return at::addcmul(x, m[2], proj_out_->ForwardConcat({attn, mlp}));
   }
   const at::Tensor n = PlainLayerNorm(x, x.size(2)) * (1 + m[1]) + m[0];

@@ -67,6 +67,10 @@ class FluxAttention : public Module {
   // x: [B, S, dim]; context (joint only): [B, S_txt, dim]. Returns the image part and, when joint,
   // the text part.
   std::pair<at::Tensor, at::Tensor> Forward(const at::Tensor& x, const at::Tensor& context, const FluxRope& rope);
+  // The fused path of a single block's attention: q, k, v already projected ([B, S, inner], rows
+  // any stride apart: the single block makes them and its MLP input in one GEMM).
+  at::Tensor ForwardProjected(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const FluxRope& rope);
+  std::vector<Linear*> projections() const { return {to_q_, to_k_, to_v_}; }
 
  private:
   int64_t heads_, head_dim_;

@@ -31,9 +31,80 @@ at::Tensor Linear::Forward(const at::Tensor& x) {
   return at::linear(x, tensor(weight_), bias_ >= 0 ? tensor(bias_) : at::Tensor());
 }
 
+namespace {
+
+// The tensors, one after another in one storage (each contiguous, same dtype, trailing sizes and
+// device), viewed as one tensor along dim 0; undefined when they are not laid out that way.
+at::Tensor AdjacentRows(const std::vector<at::Tensor>& tensors) {
+  const at::Tensor& first = tensors.front();
+  if (!first.defined() || !first.is_contiguous()) return at::Tensor();
+  int64_t rows = 0;
+  const char* next = static_cast<const char*>(first.data_ptr());
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined() || !t.is_contiguous() || t.scalar_type() != first.scalar_type() || t.device() != first.device() ||
+        t.dim() != first.dim() || t.sizes().slice(1) != first.sizes().slice(1) ||
+        !t.storage().is_alias_of(first.storage()) || static_cast<const char*>(t.data_ptr()) != next) {
+      return at::Tensor();
+    }
+    rows += t.size(0);
+    next += t.nbytes();
+  }
+  std::vector<int64_t> sizes = first.sizes().vec();
+  sizes[0] = rows;
+  return first.as_strided(sizes, first.strides());
+}
+
+}  // namespace
+
+void Linear::DeclareAdjacent(Module& owner, const std::vector<Linear*>& layers) {
+  std::vector<std::pair<Module*, int>> weights, biases;
+  for (Linear* l : layers) {
+    weights.emplace_back(l, l->weight_);
+    if (l->bias_ >= 0) biases.emplace_back(l, l->bias_);
+  }
+  owner.AddAdjacentGroup(std::move(weights));
+  if (biases.size() == layers.size()) owner.AddAdjacentGroup(std::move(biases));
+}
+
+at::Tensor Linear::ForwardGelu(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  const at::Tensor& w = tensor(weight_);
+  if (weight_scale_ < 0 && bias_ >= 0 && fused::Active(x) && w.scalar_type() == x.scalar_type()) {
+    // cuBLASLt's GELU_BIAS epilogue (the tanh approximation) on the [tokens, in] view of x.
+    const at::Tensor x2d = x.reshape({-1, in_features_});
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = out_features_;
+    return at::_addmm_activation(tensor(bias_), x2d, w.t(), 1, 1, /*use_gelu=*/true).view(shape);
+  }
+  const at::Tensor y = weight_scale_ >= 0 ? fused::Fp8Linear(x, w, tensor(weight_scale_),
+                                                             bias_ >= 0 ? tensor(bias_) : at::Tensor())
+                                          : at::linear(x, w, bias_ >= 0 ? tensor(bias_) : at::Tensor());
+  return at::gelu(y, "tanh");
+}
+
 std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers, const at::Tensor& x) {
   std::vector<at::Tensor> out;
   out.reserve(layers.size());
+  const bool hookless = std::all_of(layers.begin(), layers.end(), [](const Linear* l) { return l->hook_count() == 0; });
+  const bool any_fp8 = std::any_of(layers.begin(), layers.end(), [](const Linear* l) { return l->is_fp8(); });
+  if (layers.size() > 1 && hookless && !any_fp8 && fused::Active(x)) {
+    std::vector<at::Tensor> weights, biases;
+    for (const Linear* l : layers) {
+      weights.push_back(l->slots()[static_cast<size_t>(l->weight_)].value);
+      if (l->bias_ >= 0) biases.push_back(l->slots()[static_cast<size_t>(l->bias_)].value);
+    }
+    const at::Tensor weight = AdjacentRows(weights);
+    const at::Tensor bias = biases.empty() ? at::Tensor() : AdjacentRows(biases);
+    if (weight.defined() && weight.size(1) == x.size(-1) && (biases.empty() || (biases.size() == layers.size() && bias.defined()))) {
+      const at::Tensor y = at::linear(x, weight, bias);
+      int64_t column = 0;
+      for (const Linear* l : layers) {
+        out.push_back(y.narrow(-1, column, l->out_features_));
+        column += l->out_features_;
+      }
+      return out;
+    }
+  }
   const bool all_fp8 =
       layers.size() > 1 && std::all_of(layers.begin(), layers.end(), [](const Linear* l) { return l->is_fp8(); });
   if (!all_fp8) {
@@ -84,6 +155,7 @@ at::Tensor Linear::ForwardConcat(const std::vector<at::Tensor>& parts) {
   ForwardScope scope(*this);
   const at::Tensor& w = tensor(weight_);
   const at::Tensor b = bias_ >= 0 ? tensor(bias_) : at::Tensor();
+  if (weight_scale_ >= 0) return fused::Fp8Linear(at::cat(parts, -1), w, tensor(weight_scale_), b);
   if (parts.empty() || !fused::Active(parts.front())) return at::linear(at::cat(parts, -1), w, b);
   at::Tensor out;
   int64_t column = 0;

@@ -44,8 +44,16 @@ class Linear : public Module {
   bool is_fp8() const { return weight_scale_ >= 0; }
 
   // Forward(x) of each layer, for layers that read the same x (Q, K and V; SwiGLU's gate and up
-  // projections): when they all run FP8 GEMMs, x is quantised once for all of them.
+  // projections). With the fused kernels active and the layers' weights (and biases) side by side in
+  // one allocation (Module::AddAdjacentGroup, placed so by HostWeights::OnloadAll) and no hooks on
+  // the layers: one GEMM over the combined weight, each result a view of its columns. When they all
+  // run FP8 GEMMs: x is quantised once for all of them. Otherwise each layer's Forward.
   static std::vector<at::Tensor> ForwardShared(const std::vector<Linear*>& layers, const at::Tensor& x);
+  // gelu_tanh(Forward(x)); with the fused kernels active, the GELU runs in the GEMM's epilogue.
+  at::Tensor ForwardGelu(const at::Tensor& x);
+  // Declares `layers`' weights (and biases, when they have them) adjacent on `owner`
+  // (Module::AddAdjacentGroup), for ForwardShared's single GEMM.
+  static void DeclareAdjacent(Module& owner, const std::vector<Linear*>& layers);
 
  private:
   int64_t in_features_;

@@ -20,6 +20,7 @@ Options CommonOptions(const PipelineLoadOptions& o) {
   options.dtype = o.dtype;
   options.weight_seed = o.weight_seed;
   options.device = o.device;
+  options.fp8_components = o.fp8_components;
   return options;
 }
 
@@ -57,8 +58,12 @@ PipelineArchitecture FluxArchitecture() {
   return a;
 }
 
-// The tiny architecture's default image size is fixed by its config.
+// The tiny architecture's default image size is fixed by its config, and it computes in its dtype.
 absl::Status NoDefaultSize(const PipelineLoadOptions& o) {
+  if (!o.fp8_components.empty()) {
+    return absl::UnimplementedError(absl::StrCat("compute FP8 ('", *o.fp8_components.begin(),
+                                                 "'): the tiny architecture computes in its dtype only"));
+  }
   if (o.default_size == 0) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat("default_size ", o.default_size,
                                                  ": the tiny architecture's default size comes from its config; "

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,9 @@ struct PipelineLoadOptions {
   bool random_weights = false;             // Directory loads: read configs only, draw weights.
   int64_t default_size = 0;                // Default image width and height; 0: the architecture's.
   ComponentCache* cache = nullptr;         // Shares components loaded from the same folder.
+  // Components whose transformer blocks run FP8 GEMMs (PipelineConfig.compute; the caller checked
+  // the device). Architectures without FP8 support refuse a non-empty set.
+  std::set<std::string> fp8_components;
 };
 
 struct PipelineArchitecture {

@@ -5,6 +5,7 @@
 #define STOWAGE_MODELS_TINY_PIPELINE_H_
 
 #include <memory>
+#include <set>
 #include <string>
 
 #include <c10/core/Device.h>
@@ -23,6 +24,7 @@ struct TinyPipelineOptions {
   uint64_t weight_seed = 0;
   // Where inputs and latents are created; components' weights are placed by the runner.
   c10::Device device = c10::Device(c10::kCPU);
+  std::set<std::string> fp8_components;  // Refused by the registry: the tiny architecture has no FP8.
   TinyTextEncoderConfig text_encoder;
   TinyDiTConfig transformer;
   TinyVaeDecoderConfig vae;

@@ -264,22 +264,26 @@ absl::StatusOr<std::unique_ptr<Pipeline>> LoadZImagePipeline(const std::string& 
                                                    " is outside the text encoder's vocab_size (", qc.vocab_size, ") in ",
                                                    qpath));
   }
+  auto fp8 = [&](const std::string& name) { return options.fp8_components.count(name) > 0; };
   auto shared = [&](const std::string& name, const ComponentCache::Loader& load) {
-    return LoadMaybeShared(
-        cache, ComponentCacheKey(absl::StrCat(dir, "/", name), options.dtype, random_weights, options.weight_seed),
-        load);
+    return LoadMaybeShared(cache,
+                           ComponentCacheKey(absl::StrCat(dir, "/", name), options.dtype, random_weights,
+                                             options.weight_seed, fp8(name) ? "fp8" : ""),
+                           load);
   };
   ASSIGN_OR_RETURN(auto text_encoder, shared("text_encoder", [&] {
     return MakeComponent<Qwen3TextEncoder>("text_encoder", qc, options.dtype, absl::StrCat(dir, "/text_encoder"),
-                                           random_weights, options.weight_seed, Qwen3UnusedWeightPrefixes(qc));
+                                           random_weights, options.weight_seed, Qwen3UnusedWeightPrefixes(qc),
+                                           fp8("text_encoder"));
   }));
   ASSIGN_OR_RETURN(auto transformer, shared("transformer", [&] {
     return MakeComponent<ZImageTransformer>("transformer", tc, options.dtype, absl::StrCat(dir, "/transformer"),
-                                            random_weights, options.weight_seed, {});
+                                            random_weights, options.weight_seed, {}, fp8("transformer"));
   }));
   ASSIGN_OR_RETURN(auto vae, shared("vae", [&] {
     return MakeComponent<AutoencoderKLDecoder>("vae", vc, options.dtype, absl::StrCat(dir, "/vae"), random_weights,
-                                               options.weight_seed, {"encoder.", "quant_conv.", "post_quant_conv."});
+                                               options.weight_seed, {"encoder.", "quant_conv.", "post_quant_conv."},
+                                               fp8("vae"));
   }));
   return std::unique_ptr<Pipeline>(new ZImagePipeline(options, std::move(tokenizer), std::move(text_encoder),
                                                       std::move(transformer), std::move(vae)));
@@ -315,12 +319,13 @@ absl::StatusOr<std::unique_ptr<Pipeline>> CreateTinyZImagePipeline(const ZImageP
   RETURN_IF_ERROR(CheckDefaultSize(options.default_size, tc, vc));
   auto tokenizer = BpeTokenizer::ByteLevel({"<|endoftext|>", "<|im_start|>", "<|im_end|>"});
   if (tokenizer == nullptr) return absl::InternalError("built-in tokenizer failed to build");
+  auto fp8 = [&](const std::string& name) { return options.fp8_components.count(name) > 0; };
   ASSIGN_OR_RETURN(auto text_encoder, MakeComponent<Qwen3TextEncoder>("text_encoder", qc, options.dtype, "", true,
-                                                                      options.weight_seed, {}));
+                                                                      options.weight_seed, {}, fp8("text_encoder")));
   ASSIGN_OR_RETURN(auto transformer, MakeComponent<ZImageTransformer>("transformer", tc, options.dtype, "", true,
-                                                                      options.weight_seed, {}));
+                                                                      options.weight_seed, {}, fp8("transformer")));
   ASSIGN_OR_RETURN(auto vae, MakeComponent<AutoencoderKLDecoder>("vae", vc, options.dtype, "", true,
-                                                                 options.weight_seed, {}));
+                                                                 options.weight_seed, {}, fp8("vae")));
   return std::unique_ptr<Pipeline>(new ZImagePipeline(options, std::move(tokenizer), std::move(text_encoder),
                                                       std::move(transformer), std::move(vae)));
 }

@@ -6,6 +6,7 @@
 #define STOWAGE_MODELS_ZIMAGE_PIPELINE_H_
 
 #include <memory>
+#include <set>
 #include <string>
 
 #include <c10/core/Device.h>
@@ -26,6 +27,7 @@ struct ZImagePipelineOptions {
   uint64_t weight_seed = 0;     // Random-weights mode only.
   double scheduler_shift = 3.0; // Overridden by scheduler/scheduler_config.json when present.
   int64_t max_sequence_length = 512;
+  std::set<std::string> fp8_components;  // Components converted to FP8 compute at load.
   int64_t default_size = 0;     // Default width and height; 0: 1024 (Z-Image's), 256 for the tiny built-in.
 };
 

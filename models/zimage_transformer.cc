@@ -144,6 +144,7 @@ ZImageAttention::ZImageAttention(const ZImageTransformerConfig& c, const LayerOp
   to_q_ = AddChild("to_q", std::make_unique<Linear>(c.dim, c.dim, false, o));
   to_k_ = AddChild("to_k", std::make_unique<Linear>(c.dim, c.dim, false, o));
   to_v_ = AddChild("to_v", std::make_unique<Linear>(c.dim, c.dim, false, o));
+  Linear::DeclareAdjacent(*this, {to_q_, to_k_, to_v_});  // One Q/K/V GEMM when resident.
   auto* out = AddChild("to_out", std::make_unique<Sequential>());
   to_out_ = out->Add(std::make_unique<Linear>(c.dim, c.dim, false, o));
   if (c.qk_norm) {
@@ -184,6 +185,7 @@ ZImageBlock::ZImageBlock(const ZImageTransformerConfig& c, bool modulation, cons
   w1_ = ff->AddChild("w1", std::make_unique<Linear>(c.dim, c.ffn_hidden(), false, o));
   w2_ = ff->AddChild("w2", std::make_unique<Linear>(c.ffn_hidden(), c.dim, false, o));
   w3_ = ff->AddChild("w3", std::make_unique<Linear>(c.dim, c.ffn_hidden(), false, o));
+  Linear::DeclareAdjacent(*this, {w1_, w3_});
   attention_norm1_ = AddChild("attention_norm1", std::make_unique<RMSNorm>(c.dim, c.norm_eps, true, o, true));
   ffn_norm1_ = AddChild("ffn_norm1", std::make_unique<RMSNorm>(c.dim, c.norm_eps, true, o, true));
   attention_norm2_ = AddChild("attention_norm2", std::make_unique<RMSNorm>(c.dim, c.norm_eps, true, o, true));

@@ -35,6 +35,27 @@ absl::StatusOr<std::unique_ptr<HostWeights>> HostWeights::Capture(Module& root) 
     weights->entries_.push_back(Entry{&module, &slot, slot.value});
   });
   if (!status.ok()) return status;
+  std::map<const TensorSlot*, size_t> index;
+  for (size_t i = 0; i < weights->entries_.size(); ++i) index[weights->entries_[i].slot] = i;
+  std::vector<bool> grouped(weights->entries_.size(), false);
+  root.ForEachModule([&](Module& module) {
+    for (const auto& group : module.adjacent_groups()) {
+      std::vector<size_t> members;
+      for (const auto& [owner, slot] : group) {
+        auto it = index.find(&owner->slots()[static_cast<size_t>(slot)]);
+        // Not captured, in an earlier group or named twice: leave the whole group alone.
+        if (it == index.end() || grouped[it->second] ||
+            std::find(members.begin(), members.end(), it->second) != members.end()) {
+          members.clear();
+          break;
+        }
+        members.push_back(it->second);
+      }
+      if (members.size() < 2) continue;
+      for (size_t m : members) grouped[m] = true;
+      weights->adjacent_.push_back(std::move(members));
+    }
+  });
   return weights;
 }
 
@@ -196,10 +217,43 @@ void HostWeights::Unpin() {
 }
 
 absl::Status HostWeights::OnloadAll(DeviceBackend& backend) {
+  // Adjacent groups first: one allocation each, the members' copies side by side in group order.
+  std::vector<bool> done(entries_.size(), false);
+  for (const std::vector<size_t>& group : adjacent_) {
+    int64_t total = 0;
+    for (size_t m : group) total += static_cast<int64_t>(entries_[m].host.nbytes());
+    absl::StatusOr<at::Tensor> packed = backend.AllocateBytes(total);
+    if (!packed.ok()) {
+      for (size_t j = 0; j < entries_.size(); ++j) entries_[j].slot->value = at::Tensor();
+      return packed.status();
+    }
+    int64_t offset = 0;
+    for (size_t m : group) {
+      const at::Tensor& host = entries_[m].host;
+      const int64_t bytes = static_cast<int64_t>(host.nbytes());
+      at::Tensor dst = packed->narrow(0, offset, bytes).view(host.scalar_type()).view(host.sizes());
+      backend.CopyToDeviceAsync(dst, host);
+      entries_[m].slot->value = std::move(dst);
+      done[m] = true;
+      offset += bytes;
+    }
+  }
+  if (!adjacent_.empty()) {
+    // The copies ran on the copy stream: the compute stream (and the host pages released below)
+    // wait for them.
+    std::unique_ptr<DeviceEvent> copied = backend.RecordOnCopyStream();
+    copied->Wait();
+  }
   for (size_t i = 0; i < entries_.size(); ++i) {
+    if (done[i]) {
+      if (pinned_by_ == nullptr) {
+        (void)ReleaseMappedPages(entries_[i].host.data_ptr(), static_cast<int64_t>(entries_[i].host.nbytes()));
+      }
+      continue;
+    }
     absl::StatusOr<at::Tensor> device = backend.CopyToDevice(entries_[i].host);
     if (!device.ok()) {
-      for (size_t j = 0; j < i; ++j) entries_[j].slot->value = at::Tensor();
+      for (size_t j = 0; j < entries_.size(); ++j) entries_[j].slot->value = at::Tensor();
       return device.status();
     }
     entries_[i].slot->value = *std::move(device);

@@ -101,6 +101,10 @@ class HostWeights {
  private:
   HostWeights() = default;
   std::vector<Entry> entries_;
+  // Module::AddAdjacentGroup groups of the captured tree as indices into entries_ (each entry in at
+  // most one group; groups whose tensors differ in device dtype are kept, the copies just land
+  // next to each other).
+  std::vector<std::vector<size_t>> adjacent_;
   int64_t bytes_ = 0;
   int64_t parameter_count_ = 0;
   struct Arena;

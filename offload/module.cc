@@ -72,6 +72,10 @@ int64_t Module::DefinedBytes() {
   return bytes;
 }
 
+void Module::AddAdjacentGroup(std::vector<std::pair<Module*, int>> tensors) {
+  adjacent_groups_.push_back(std::move(tensors));
+}
+
 absl::Status Module::AddHook(std::string name, std::shared_ptr<ModuleHook> hook) {
   if (FindHook(name) != nullptr) {
     return absl::AlreadyExistsError(

@@ -101,6 +101,14 @@ class Module {
   // Bytes of every defined tensor of this subtree.
   int64_t DefinedBytes();
 
+  // --- Adjacent tensors -------------------------------------------------------------------------
+  // A group of tensors of this subtree (owner and slot index, in order) that onloading places next
+  // to each other in one device allocation, e.g. the Q, K and V weights of an attention layer, so
+  // that one GEMM can read them as one matrix (models/layers.h Linear::ForwardShared). A layout
+  // hint only: every forward stays correct wherever the tensors are.
+  void AddAdjacentGroup(std::vector<std::pair<Module*, int>> tensors);
+  const std::vector<std::vector<std::pair<Module*, int>>>& adjacent_groups() const { return adjacent_groups_; }
+
   // --- Hooks ------------------------------------------------------------------------------------
   // Fails with ALREADY_EXISTS if a hook of that name is registered on this module.
   absl::Status AddHook(std::string name, std::shared_ptr<ModuleHook> hook);
@@ -134,6 +142,7 @@ class Module {
   std::vector<std::unique_ptr<Module>> children_;
   std::vector<std::pair<std::string, Module*>> child_views_;
   std::vector<std::pair<std::string, std::shared_ptr<ModuleHook>>> hooks_;
+  std::vector<std::vector<std::pair<Module*, int>>> adjacent_groups_;
 };
 
 }  // namespace stowage

@@ -562,6 +562,7 @@ std::vector<ComponentView> PlacementManager::Snapshot() const {
     view.id = entry->id;
     view.name = entry->component->name();
     view.kind = entry->component->kind();
+    view.compute = entry->component->compute();
     view.pipelines = entry->pipelines;
     view.weight_bytes = entry->component->weight_bytes();
     view.state = entry->state;

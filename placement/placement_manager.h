@@ -59,6 +59,7 @@ struct ComponentView {
   std::string id;  // "<pipeline>/<component>".
   std::string name;
   std::string kind;
+  std::string compute;  // Component::compute().
   std::vector<std::string> pipelines;
   int64_t weight_bytes = 0;
   // Device bytes it holds now: all weights when resident, its working set when group-offloaded.

@@ -37,6 +37,7 @@ void FillComponents(const PlacementSnapshot& snapshot,
     c->set_id(v.id);
     c->set_name(v.name);
     c->set_kind(v.kind);
+    c->set_compute(v.compute);
     for (const std::string& p : v.pipelines) c->add_pipelines(p);
     c->set_weight_bytes(v.weight_bytes);
     c->set_device_bytes(v.device_bytes);

@@ -194,6 +194,21 @@ absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& fi
                                                      " is listed twice; each component at most once"));
     }
   }
+  for (const auto& [component, mode] : p.compute()) {
+    const std::string entry = absl::StrCat(field, ".compute[", Quoted(component), "]");
+    if (!ValidName(component)) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, ": a component name must match [a-z0-9_-]{1,64}"));
+    }
+    if (mode != v1::COMPUTE_DEFAULT && mode != v1::COMPUTE_FP8) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, ": unknown compute mode ", static_cast<int>(mode),
+                                                     "; use COMPUTE_DEFAULT or COMPUTE_FP8"));
+    }
+    if (mode == v1::COMPUTE_FP8 && p.dtype() != "bfloat16") {
+      return absl::InvalidArgumentError(absl::StrCat(entry, ": FP8 compute needs dtype \"bfloat16\" (activations "
+                                                     "and everything that is not an FP8 GEMM); this pipeline's dtype is ",
+                                                     Quoted(p.dtype())));
+    }
+  }
   return FinalizeBatchingConfig(*p.mutable_batching(), absl::StrCat(field, ".batching"));
 }
 

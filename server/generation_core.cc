@@ -16,6 +16,7 @@
 #include "absl/synchronization/notification.h"
 #include "google/protobuf/util/time_util.h"
 #include "base/text.h"
+#include "models/core/fused_ops.h"
 #include "models/pipeline_registry.h"
 #include "base/status_macros.h"
 #include "server/config.h"
@@ -569,6 +570,16 @@ absl::StatusOr<std::unique_ptr<Pipeline>> GenerationCore::Build(const v1::Pipeli
   options.default_size = p.default_size();
   // A split pipeline's components are its own: a shared one would be registered on two devices.
   options.cache = p.component_devices().empty() ? &component_cache_ : nullptr;
+  for (const auto& [component, mode] : p.compute()) {
+    if (mode == v1::COMPUTE_FP8) options.fp8_components.insert(component);
+  }
+  if (!options.fp8_components.empty()) {
+    const absl::Status supported = fused::Fp8Supported(backend_->torch_device());
+    if (!supported.ok()) {
+      return absl::Status(supported.code(), absl::StrCat("pipeline.compute: FP8 on device ", device_name_, ": ",
+                                                         supported.message()));
+    }
+  }
   const PipelineRegistry& registry = DefaultPipelineRegistry();
   absl::StatusOr<std::unique_ptr<Pipeline>> pipeline = absl::InternalError("not built");
   // Loaders report problems as statuses; anything a hostile file still makes LibTorch throw is
@@ -577,6 +588,16 @@ absl::StatusOr<std::unique_ptr<Pipeline>> GenerationCore::Build(const v1::Pipeli
     pipeline = p.source_case() == v1::PipelineConfig::kModelDir ? registry.LoadDirectory(p.model_dir(), options)
                                                                 : registry.CreateBuiltin(p.builtin(), options);
   }));
+  if (pipeline.ok()) {
+    for (const std::string& name : options.fp8_components) {
+      const auto components = (*pipeline)->components();
+      if (std::none_of(components.begin(), components.end(), [&](Component* c) { return c->name() == name; })) {
+        return absl::InvalidArgumentError(absl::StrCat("pipeline.compute: '", Truncated(name),
+                                                       "' is not a component of pipeline '", p.name(),
+                                                       "'; its components: ", ComponentNames(**pipeline)));
+      }
+    }
+  }
   return pipeline;
 }
 
@@ -1167,6 +1188,7 @@ v1::Pipeline GenerationCore::Describe(const HostedPipelines::View& view) const {
     c->set_weight_bytes(component->weight_bytes());
     c->set_parameter_count(component->parameter_count());
     c->set_dtype(DtypeName(component->dtype()));
+    c->set_compute(component->compute());
   }
   return out;
 }

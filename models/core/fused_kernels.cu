@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kRowThreads) RmsNormKernel(
 }
 
 __global__ void __launch_bounds__(256) RmsNormRopeKernel(
-    const bf16* __restrict__ x, const bf16* __restrict__ weight, const float* __restrict__ cos,
+    const bf16* __restrict__ x, int64_t x_token_stride, const bf16* __restrict__ weight, const float* __restrict__ cos,
     const float* __restrict__ sin, int64_t cs_batch, int64_t cs_seq, int64_t table_offset, bf16* __restrict__ out,
     int64_t rows,
     int64_t seq, int64_t heads, int head_dim, int64_t out_seq, int64_t out_seq_offset, float eps) {
@@ -134,7 +134,8 @@ __global__ void __launch_bounds__(256) RmsNormRopeKernel(
   const int64_t s = (row / heads) % seq;
   const int64_t b = row / (heads * seq);
   const int pairs = head_dim / 2;
-  const __nv_bfloat162* xr = reinterpret_cast<const __nv_bfloat162*>(x + row * head_dim);
+  const __nv_bfloat162* xr =
+      reinterpret_cast<const __nv_bfloat162*>(x + (b * seq + s) * x_token_stride + h * head_dim);
   float even[kMaxPairs], odd[kMaxPairs];
   float squares = 0.f;
 #pragma unroll
@@ -179,16 +180,19 @@ __global__ void __launch_bounds__(256) RmsNormRopeKernel(
 // in the shuffles.
 template <int kLanes>
 __global__ void __launch_bounds__(256) RmsNormRopeVecKernel(
-    const bf16* __restrict__ x, const bf16* __restrict__ weight, const float* __restrict__ cos,
+    const bf16* __restrict__ x, int64_t x_token_stride, const bf16* __restrict__ weight, const float* __restrict__ cos,
     const float* __restrict__ sin, int64_t cs_batch, int64_t cs_seq, int64_t table_offset, bf16* __restrict__ out,
     int64_t rows, int64_t seq, int64_t heads, int64_t out_seq, int64_t out_seq_offset, float eps) {
   constexpr int kHeadDim = kLanes * 8;
   const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kLanes;
   const int sub = threadIdx.x % kLanes;
   const bool valid = row < rows;
+  const int64_t h = row % heads;
+  const int64_t s = (row / heads) % seq;
+  const int64_t b = row / (heads * seq);
   float v[8];
   if (valid) {
-    const Vec8 xv = reinterpret_cast<const Vec8*>(x + row * kHeadDim)[sub];
+    const Vec8 xv = reinterpret_cast<const Vec8*>(x + (b * seq + s) * x_token_stride + h * kHeadDim)[sub];
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = __bfloat162float(xv.v[j]);
   } else {
@@ -207,9 +211,6 @@ __global__ void __launch_bounds__(256) RmsNormRopeVecKernel(
     for (int j = 0; j < 8; ++j) v[j] = Round(Round(v[j] * r) * __bfloat162float(wv.v[j]));
   }
   if (!valid) return;
-  const int64_t h = row % heads;
-  const int64_t s = (row / heads) % seq;
-  const int64_t b = row / (heads * seq);
   const int64_t table_row = ((cs_batch == 1 ? 0 : b) * cs_seq + s + table_offset) * (kHeadDim / 2);
   const float4 c = reinterpret_cast<const float4*>(cos + table_row)[sub];
   const float4 sn = reinterpret_cast<const float4*>(sin + table_row)[sub];
@@ -270,14 +271,14 @@ __global__ void __launch_bounds__(kRowThreads) LayerNormModulateKernel(
   }
 }
 
-__global__ void SiluMulKernel(const bf16* __restrict__ a, const bf16* __restrict__ b, bf16* __restrict__ out,
-                              int64_t chunks) {
-  const Vec8* av = reinterpret_cast<const Vec8*>(a);
-  const Vec8* bv = reinterpret_cast<const Vec8*>(b);
+__global__ void SiluMulKernel(const bf16* __restrict__ a, int64_t a_row_stride, const bf16* __restrict__ b,
+                              int64_t b_row_stride, bf16* __restrict__ out, int64_t chunks, int64_t row_chunks) {
   Vec8* ov = reinterpret_cast<Vec8*>(out);
   for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < chunks;
        c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const Vec8 x = av[c], y = bv[c];
+    const int64_t row = c / row_chunks, col = c % row_chunks;
+    const Vec8 x = reinterpret_cast<const Vec8*>(a + row * a_row_stride)[col];
+    const Vec8 y = reinterpret_cast<const Vec8*>(b + row * b_row_stride)[col];
     Vec8 result;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -371,9 +372,9 @@ int RmsNorm(const void* x, const void* weight, const void* scale, int64_t scale_
   return LastError();
 }
 
-int RmsNormRope(const void* x, const void* weight, const float* cos, const float* sin, int64_t cs_batch,
-                int64_t cs_seq, int64_t table_offset, void* out, int64_t batch, int64_t seq, int64_t heads,
-                int64_t head_dim, int64_t out_seq, int64_t out_seq_offset, float eps, void* stream) {
+int RmsNormRope(const void* x, int64_t x_token_stride, const void* weight, const float* cos, const float* sin,
+                int64_t cs_batch, int64_t cs_seq, int64_t table_offset, void* out, int64_t batch, int64_t seq,
+                int64_t heads, int64_t head_dim, int64_t out_seq, int64_t out_seq_offset, float eps, void* stream) {
   if (head_dim % 2 != 0 || head_dim / 2 > 32 * kMaxPairs || batch <= 0 || seq <= 0 || heads <= 0) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
@@ -386,12 +387,14 @@ int RmsNormRope(const void* x, const void* weight, const float* cos, const float
   // 16-byte rows need 16-byte aligned tensors (the tables' rows are then 16-byte aligned too).
   const bool aligned = (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out) |
                         reinterpret_cast<uintptr_t>(weight) | reinterpret_cast<uintptr_t>(cos) |
-                        reinterpret_cast<uintptr_t>(sin)) % 16 == 0;
+                        reinterpret_cast<uintptr_t>(sin)) % 16 == 0 &&
+                       x_token_stride % 8 == 0;
   auto vec = [&](auto lanes) {
     constexpr int kLanes = decltype(lanes)::value;
     const int64_t blocks = (rows * kLanes + kThreads - 1) / kThreads;
     RmsNormRopeVecKernel<kLanes><<<dim3(static_cast<unsigned>(blocks)), kThreads, 0, st>>>(
-        xb, wb, cos, sin, cs_batch, cs_seq, table_offset, ob, rows, seq, heads, out_seq, out_seq_offset, eps);
+        xb, x_token_stride, wb, cos, sin, cs_batch, cs_seq, table_offset, ob, rows, seq, heads, out_seq,
+        out_seq_offset, eps);
   };
   if (aligned && head_dim == 128) {
     vec(std::integral_constant<int, 16>());
@@ -402,8 +405,9 @@ int RmsNormRope(const void* x, const void* weight, const float* cos, const float
   } else {
     const int64_t rows_per_block = kThreads / 32;
     const dim3 grid(static_cast<unsigned>((rows + rows_per_block - 1) / rows_per_block));
-    RmsNormRopeKernel<<<grid, kThreads, 0, st>>>(xb, wb, cos, sin, cs_batch, cs_seq, table_offset, ob, rows, seq, heads,
-                                                 static_cast<int>(head_dim), out_seq, out_seq_offset, eps);
+    RmsNormRopeKernel<<<grid, kThreads, 0, st>>>(xb, x_token_stride, wb, cos, sin, cs_batch, cs_seq, table_offset, ob,
+                                                 rows, seq, heads, static_cast<int>(head_dim), out_seq, out_seq_offset,
+                                                 eps);
   }
   return LastError();
 }
@@ -419,13 +423,17 @@ int LayerNormModulate(const void* x, const void* scale, int64_t scale_batch_stri
   return LastError();
 }
 
-int SiluMul(const void* a, const void* b, void* out, int64_t n, void* stream) {
-  if (n % 8 != 0 || n <= 0) return static_cast<int>(cudaErrorInvalidValue);
-  const int64_t chunks = n / 8;
+int SiluMul(const void* a, int64_t a_row_stride, const void* b, int64_t b_row_stride, void* out, int64_t rows,
+            int64_t cols, void* stream) {
+  if (cols % 8 != 0 || cols <= 0 || rows <= 0 || a_row_stride % 8 != 0 || b_row_stride % 8 != 0) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  const int64_t chunks = rows * cols / 8;
   constexpr int kThreads = 256;
   const int64_t blocks = std::min<int64_t>((chunks + kThreads - 1) / kThreads, 132 * 16);
   SiluMulKernel<<<dim3(static_cast<unsigned>(blocks)), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      static_cast<const bf16*>(a), static_cast<const bf16*>(b), static_cast<bf16*>(out), chunks);
+      static_cast<const bf16*>(a), a_row_stride, static_cast<const bf16*>(b), b_row_stride, static_cast<bf16*>(out),
+      chunks, cols / 8);
   return LastError();
 }
 

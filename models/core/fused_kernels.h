@@ -28,9 +28,11 @@ int RmsNorm(const void* x, const void* weight, const void* scale, int64_t scale_
 // embedding of pairs (x0, x1) → (x0·c − x1·s, x1·c + x0·s) in float32, written to
 // out [batch, out_seq, heads, head_dim] at sequence position s + out_seq_offset. cos and sin are
 // float32 [cs_batch, cs_seq, head_dim / 2] (cs_batch 1 or batch), read at row s + table_offset.
-int RmsNormRope(const void* x, const void* weight, const float* cos, const float* sin, int64_t cs_batch,
-                int64_t cs_seq, int64_t table_offset, void* out, int64_t batch, int64_t seq, int64_t heads,
-                int64_t head_dim, int64_t out_seq, int64_t out_seq_offset, float eps, void* stream);
+// x's tokens are x_token_stride elements apart (heads · head_dim when contiguous; more when x is
+// one part of a wider projection output).
+int RmsNormRope(const void* x, int64_t x_token_stride, const void* weight, const float* cos, const float* sin,
+                int64_t cs_batch, int64_t cs_seq, int64_t table_offset, void* out, int64_t batch, int64_t seq,
+                int64_t heads, int64_t head_dim, int64_t out_seq, int64_t out_seq_offset, float eps, void* stream);
 
 // LayerNorm without affine parameters, then modulation: for row r of batch element b,
 //   out = bf16(bf16(bf16(layer_norm(x)) · scale[b]) + shift[b])
@@ -39,8 +41,11 @@ int LayerNormModulate(const void* x, const void* scale, int64_t scale_batch_stri
                       int64_t shift_batch_stride, void* out, int64_t rows, int64_t rows_per_batch, int64_t dim,
                       float eps, void* stream);
 
-// out = bf16(bf16(silu(a)) · b), elementwise over n values.
-int SiluMul(const void* a, const void* b, void* out, int64_t n, void* stream);
+// out = bf16(bf16(silu(a)) · b) over rows of `cols` values (a multiple of 8); a's and b's rows are
+// a_row_stride and b_row_stride elements apart (cols when contiguous; both halves of one GEMM's
+// output otherwise), out is contiguous.
+int SiluMul(const void* a, int64_t a_row_stride, const void* b, int64_t b_row_stride, void* out, int64_t rows,
+            int64_t cols, void* stream);
 
 // Per-token FP8 quantisation for FP8 GEMMs: for row r of x [rows, dim] (dim a multiple of 8),
 //   scale[r] = max(|x_r|) / 448 (float32; 1 when the row is all zeros), q = e4m3(x_r / scale[r]).

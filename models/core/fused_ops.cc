@@ -50,6 +50,21 @@ int64_t ModulationStride(const at::Tensor& m, int64_t batch, int64_t dim) {
   return m.stride(0);
 }
 
+// The distance in elements between consecutive rows of `t` viewed as [rows, t.size(-1)], when its
+// leading dimensions collapse into rows of one stride (contiguous rows, or rows of one part of a wider
+// tensor); -1 otherwise.
+int64_t RowStride(const at::Tensor& t) {
+  if (t.dim() < 1 || t.stride(-1) != 1) return -1;
+  if (t.dim() == 1) return t.size(0);
+  const int64_t stride = t.stride(-2);
+  int64_t expected = stride * t.size(-2);
+  for (int64_t d = t.dim() - 3; d >= 0; --d) {
+    if (t.size(d) != 1 && t.stride(d) != expected) return -1;
+    expected *= t.size(d);
+  }
+  return stride;
+}
+
 void* Stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
 void Check(int error, const char* op) {
@@ -255,11 +270,15 @@ at::Tensor RmsNormRope(const at::Tensor& x, const at::Tensor& weight, double eps
     const bool out_ok = !out.defined() || (out.scalar_type() == at::kBFloat16 && out.is_cuda() && out.dim() == 4 &&
                                            out.size(0) == b && out.size(2) == h && out.size(3) == d &&
                                            offset + s <= out.size(1) && out.is_contiguous());
-    if (tables_ok && weight_ok && out_ok && x.is_contiguous() && d % 2 == 0 && d <= 512 && x.numel() > 0 &&
+    // Heads contiguous within a token; tokens one stride apart (a part of a wider projection is fine).
+    const int64_t token_stride = x.stride(1);
+    const bool x_ok = x.stride(3) == 1 && x.stride(2) == d && token_stride >= h * d &&
+                      (b == 1 || x.stride(0) == s * token_stride) && x.scalar_type() == at::kBFloat16;
+    if (tables_ok && weight_ok && out_ok && x_ok && d % 2 == 0 && d <= 512 && x.numel() > 0 &&
         reinterpret_cast<uintptr_t>(x.data_ptr()) % 4 == 0) {
       c10::cuda::CUDAGuard guard(x.device());
-      at::Tensor result = out.defined() ? out : at::empty_like(x);
-      Check(fused_cuda::RmsNormRope(x.data_ptr(), weight.defined() ? weight.data_ptr() : nullptr,
+      at::Tensor result = out.defined() ? out : at::empty({b, s, h, d}, x.options());
+      Check(fused_cuda::RmsNormRope(x.data_ptr(), token_stride, weight.defined() ? weight.data_ptr() : nullptr,
                                     cos.data_ptr<float>(), sin.data_ptr<float>(), cs_batch, cs_seq, offset,
                                     result.data_ptr(), b, s, h, d, result.size(1), out.defined() ? offset : 0,
                                     static_cast<float>(eps), Stream(x)),
@@ -296,11 +315,16 @@ at::Tensor LayerNormModulate(const at::Tensor& x, const at::Tensor& scale, const
 
 at::Tensor SiluMul(const at::Tensor& a, const at::Tensor& b) {
 #ifdef STOWAGE_WITH_CUDA
-  if (Active(a) && a.sizes() == b.sizes() && b.scalar_type() == at::kBFloat16 && b.is_cuda() && a.is_contiguous() &&
-      b.is_contiguous() && a.numel() % 8 == 0 && a.numel() > 0 && Aligned16(a) && Aligned16(b)) {
+  const int64_t a_stride = RowStride(a), b_stride = RowStride(b);
+  const int64_t cols = a.dim() > 0 ? a.size(-1) : 0;
+  if (Active(a) && a.sizes() == b.sizes() && b.scalar_type() == at::kBFloat16 && b.is_cuda() && a_stride > 0 &&
+      b_stride > 0 && a_stride % 8 == 0 && b_stride % 8 == 0 && cols % 8 == 0 && a.numel() > 0 && Aligned16(a) &&
+      Aligned16(b)) {
     c10::cuda::CUDAGuard guard(a.device());
-    at::Tensor out = at::empty_like(a);
-    Check(fused_cuda::SiluMul(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel(), Stream(a)), "SiluMul");
+    at::Tensor out = at::empty(a.sizes(), a.options().memory_format(at::MemoryFormat::Contiguous));
+    Check(fused_cuda::SiluMul(a.data_ptr(), a_stride, b.data_ptr(), b_stride, out.data_ptr(), a.numel() / cols, cols,
+                              Stream(a)),
+          "SiluMul");
     return out;
   }
 #endif

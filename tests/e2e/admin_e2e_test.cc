@@ -215,6 +215,18 @@ TEST_F(AdminE2ETest, LoadAndUnloadPipelines) {
   bad.mutable_pipeline()->set_name("Bad Name");
   bad.mutable_pipeline()->set_builtin("tiny");
   EXPECT_EQ(admin_->LoadPipeline(Authed().get(), bad, &loaded).error_code(), grpc::INVALID_ARGUMENT);
+  // FP8 compute on the simulated device (no FP8 tensor cores; CI's LibTorch has no float8 either):
+  // refused before anything loads, naming the field and the device; nothing is left registered.
+  v1::LoadPipelineRequest fp8;
+  fp8.mutable_pipeline()->set_name("fp8");
+  fp8.mutable_pipeline()->set_builtin("zimage-tiny");
+  fp8.mutable_pipeline()->set_dtype("bfloat16");
+  (*fp8.mutable_pipeline()->mutable_compute())["transformer"] = v1::COMPUTE_FP8;
+  const grpc::Status refused = admin_->LoadPipeline(Authed().get(), fp8, &loaded);
+  EXPECT_TRUE(refused.error_code() == grpc::FAILED_PRECONDITION || refused.error_code() == grpc::UNIMPLEMENTED)
+      << refused.error_code() << " " << refused.error_message();
+  EXPECT_NE(refused.error_message().find("pipeline.compute: FP8 on device sim:0"), std::string::npos)
+      << refused.error_message();
   v1::GenerateResponse a, b;
   ASSERT_TRUE(Generate("second", &a).ok());
   ASSERT_TRUE(Generate("zimage-tiny", &b).ok());

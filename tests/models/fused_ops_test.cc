@@ -8,6 +8,7 @@
 #include "models/core/fused_ops.h"
 
 #include <cmath>
+#include <cstdio>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -21,6 +22,8 @@
 #include "models/layers.h"
 #include "models/weight_init.h"
 #include "models/zimage_transformer.h"
+#include "offload/device_backend.h"
+#include "offload/host_weights.h"
 
 namespace stowage {
 namespace {
@@ -238,6 +241,41 @@ TEST_F(FusedKernelTest, Fp8LinearMatchesItsReference) {
 
 // --- CUDA: whole transformers, fused against plain ----------------------------------------------
 
+// Onloads `model` (CPU weights) onto cuda:0 as placement does (HostWeights::OnloadAll, which lays
+// out the declared adjacent groups), so the forwards below take the combined-GEMM path.
+struct OnCuda {
+  explicit OnCuda(Module& model) {
+    auto cuda = CreateCudaBackend(0);
+    EXPECT_TRUE(cuda.ok()) << cuda.status();
+    backend = *std::move(cuda);
+    auto captured = HostWeights::Capture(model);
+    EXPECT_TRUE(captured.ok()) << captured.status();
+    weights = *std::move(captured);
+    const absl::Status status = weights->OnloadAll(*backend);
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  std::unique_ptr<DeviceBackend> backend;
+  std::unique_ptr<HostWeights> weights;
+};
+
+const at::Tensor& SlotAt(Module& root, const std::string& path) {
+  const at::Tensor* found = nullptr;
+  root.ForEachSlot([&](Module& owner, TensorSlot& slot) {
+    if (owner.SlotPath(slot) == path) found = &slot.value;
+  });
+  EXPECT_NE(found, nullptr) << path;
+  return *found;
+}
+
+void ExpectAdjacent(Module& root, const std::vector<std::string>& paths) {
+  for (size_t i = 1; i < paths.size(); ++i) {
+    const at::Tensor& a = SlotAt(root, paths[i - 1]);
+    const at::Tensor& b = SlotAt(root, paths[i]);
+    EXPECT_EQ(static_cast<const char*>(a.data_ptr()) + a.nbytes(), static_cast<const char*>(b.data_ptr()))
+        << paths[i - 1] << " then " << paths[i];
+  }
+}
+
 TEST_F(FusedKernelTest, ZImageTransformerFusedMatchesPlain) {
   ZImageTransformerConfig c;
   c.in_channels = 16;
@@ -250,7 +288,10 @@ TEST_F(FusedKernelTest, ZImageTransformerFusedMatchesPlain) {
   c.axes_lens = {256, 64, 64};
   ZImageTransformer model(c, LayerOptions{at::kBFloat16});
   InitializeRandomWeights(model, 3);
-  model.ForEachSlot([](Module&, TensorSlot& slot) { slot.value = slot.value.to(at::kCUDA); });
+  OnCuda cuda(model);
+  ExpectAdjacent(model, {"layers.1.attention.to_q.weight", "layers.1.attention.to_k.weight",
+                         "layers.1.attention.to_v.weight"});
+  ExpectAdjacent(model, {"layers.0.feed_forward.w1.weight", "layers.0.feed_forward.w3.weight"});
   c10::InferenceMode mode;
   const at::TensorOptions o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
   const std::vector<at::Tensor> latents = {at::randn({16, 1, 32, 32}, o), at::randn({16, 1, 32, 32}, o)};
@@ -277,7 +318,11 @@ TEST_F(FusedKernelTest, FluxTransformerFusedMatchesPlain) {
   c.axes_dims_rope = {16, 56, 56};
   FluxTransformer model(c, LayerOptions{at::kBFloat16});
   InitializeRandomWeights(model, 5);
-  model.ForEachSlot([](Module&, TensorSlot& slot) { slot.value = slot.value.to(at::kCUDA); });
+  OnCuda cuda(model);
+  ExpectAdjacent(model, {"single_transformer_blocks.1.attn.to_q.weight", "single_transformer_blocks.1.attn.to_k.weight",
+                         "single_transformer_blocks.1.attn.to_v.weight", "single_transformer_blocks.1.proj_mlp.weight"});
+  ExpectAdjacent(model, {"transformer_blocks.0.attn.add_q_proj.bias", "transformer_blocks.0.attn.add_k_proj.bias",
+                         "transformer_blocks.0.attn.add_v_proj.bias"});
   c10::InferenceMode mode;
   const at::TensorOptions o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
   const at::Tensor hidden = at::randn({1, 256, 64}, o), text = at::randn({1, 40, 96}, o);
@@ -292,6 +337,14 @@ TEST_F(FusedKernelTest, FluxTransformerFusedMatchesPlain) {
   }
   const at::Tensor fast = model.Forward(hidden, text, pooled, t, img_ids, txt_ids, guidance);
   EXPECT_LT(RelL2(fast, plain), 1e-2);
+#ifdef STOWAGE_HAS_FP8
+  // FP8 blocks: reported against bf16, bounded loosely (random weights amplify the rounding).
+  ASSERT_TRUE(ConvertBlockLinearsToFp8(model).ok());
+  const at::Tensor fp8 = model.Forward(hidden, text, pooled, t, img_ids, txt_ids, guidance);
+  const double err = RelL2(fp8, plain);
+  std::printf("flux tiny fp8 rel_l2 %.4f\n", err);
+  EXPECT_LT(err, 0.25);
+#endif
 }
 
 }  // namespace

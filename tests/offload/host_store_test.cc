@@ -218,6 +218,51 @@ class TensorsModule : public Module {
 
 uintptr_t Page() { return static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE)); }
 
+// Module::AddAdjacentGroup: onloading puts a group's copies side by side in one allocation, in the
+// group's order (so one GEMM reads Q, K and V as one matrix); the other tensors get their own. The
+// bytes on the device are exactly the weights' either way, and offloading frees them all.
+TEST(HostWeightsAdjacencyTest, OnloadPlacesAGroupSideBySideInItsOrder) {
+  auto backend = CreateSimulatedBackend({});
+  TensorsModule model({at::randn({4, 8}), at::randn({3, 8}), at::randn({5}), at::randn({2, 8})});
+  model.AddAdjacentGroup({{&model, 3}, {&model, 0}, {&model, 1}});  // w3, w0, w1: not slot order.
+  auto weights = HostWeights::Capture(model);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  std::vector<at::Tensor> host;
+  for (const TensorSlot& slot : model.slots()) host.push_back(slot.value);
+  ASSERT_TRUE((*weights)->OnloadAll(*backend).ok());
+  const std::vector<TensorSlot>& s = model.slots();
+  for (size_t i = 0; i < s.size(); ++i) {
+    EXPECT_TRUE(at::equal(s[i].value, host[i])) << i;
+    EXPECT_FALSE(s[i].value.is_same(host[i])) << i;
+  }
+  auto address = [&](size_t i) { return static_cast<const char*>(s[i].value.data_ptr()); };
+  EXPECT_TRUE(s[3].value.storage().is_alias_of(s[0].value.storage()));
+  EXPECT_TRUE(s[0].value.storage().is_alias_of(s[1].value.storage()));
+  EXPECT_EQ(address(3) + 2 * 8 * 4, address(0));
+  EXPECT_EQ(address(0) + 4 * 8 * 4, address(1));
+  EXPECT_FALSE(s[2].value.storage().is_alias_of(s[0].value.storage()));
+  EXPECT_EQ(backend->GetMemoryStats().allocated_bytes, (*weights)->bytes());
+  (*weights)->OffloadAll();
+  EXPECT_EQ(backend->GetMemoryStats().allocated_bytes, 0);
+}
+
+// A tensor in two groups, or a group naming a tensor twice: the later group is ignored (the layout
+// stays a hint), and onloading still works.
+TEST(HostWeightsAdjacencyTest, OverlappingGroupsKeepTheFirst) {
+  auto backend = CreateSimulatedBackend({});
+  TensorsModule model({at::randn({4, 8}), at::randn({3, 8}), at::randn({2, 8})});
+  model.AddAdjacentGroup({{&model, 0}, {&model, 1}});
+  model.AddAdjacentGroup({{&model, 1}, {&model, 2}});
+  model.AddAdjacentGroup({{&model, 2}, {&model, 2}});
+  auto weights = HostWeights::Capture(model);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  ASSERT_TRUE((*weights)->OnloadAll(*backend).ok());
+  const std::vector<TensorSlot>& s = model.slots();
+  EXPECT_TRUE(s[0].value.storage().is_alias_of(s[1].value.storage()));
+  EXPECT_FALSE(s[2].value.storage().is_alias_of(s[1].value.storage()));
+  EXPECT_EQ(backend->GetMemoryStats().allocated_bytes, (*weights)->bytes());
+}
+
 // Every host copy lies wholly inside page-locked memory, and copies to the device (the simulated
 // backend refuses, as CUDA does, a copy that runs across the edge of page-locked memory).
 void ExpectEveryHostCopyLockedAndCopyable(HostWeights& weights, DeviceBackend& backend) {

@@ -105,6 +105,11 @@ TEST(ConfigTest, SemanticErrorsNameTheField) {
       {"pipelines { name: \"a\" builtin: \"tiny\" default: true } "
        "pipelines { name: \"b\" builtin: \"tiny\" default: true }",
        "more than one"},
+      // FP8 compute: bf16 pipelines only, component names as pipeline names.
+      {"pipelines { name: \"a\" builtin: \"zimage-tiny\" compute { key: \"transformer\" value: COMPUTE_FP8 } }",
+       "pipelines[0].compute['transformer']: FP8 compute needs dtype \"bfloat16\""},
+      {"pipelines { name: \"a\" builtin: \"zimage-tiny\" dtype: \"bfloat16\" compute { key: \"Trans Former\" value: COMPUTE_FP8 } }",
+       "pipelines[0].compute['Trans Former']: a component name must match"},
   };
   for (const Case& c : cases) {
     auto loaded = LoadServerConfig(WriteTemp("c.textproto", c.text));

@@ -5,10 +5,12 @@
         FULL configs) with random bf16 weights and a byte-level tokenizer, and saves it with
         save_pretrained: the same files then feed diffusers and the Stowage server.
     python3 bench/diffusers_pipeline_bench.py run DIR --out ROWS.jsonl --machine M [--size 1024] [--steps 8]
+            [--iters 5] [--compile]
         Loads DIR with ZImagePipeline.from_pretrained onto the GPU, times the first call after the
-        load (first_s) and the median of three warm calls (warm_s); output_type "pil" (no PNG
-        encoding). One row: {"bench":"e2e","system":"diffusers","steps":..,"size":..,"warm_s":..,
-        "first_s":..,"machine":..}.
+        load (first_s) and the median of --iters warm calls (warm_s); output_type "pil" (no PNG
+        encoding). --compile adds torch.compile(pipe.transformer) (system "diffusers_compile"; its first
+        call compiles). One row: {"bench":"e2e","system":"diffusers"|"diffusers_compile","steps":..,
+        "size":..,"warm_s":..,"first_s":..,"machine":..}.
 
 Needs torch, transformers, tokenizers and diffusers' source on PYTHONPATH (the GPU host has the first
 three; carry diffusers' src).
@@ -82,12 +84,14 @@ def export(directory):
     print(f"exported the pipeline to {directory} in {time.time() - start:.0f} s", flush=True)
 
 
-def run(directory, out, machine, size, steps, iters):
+def run(directory, out, machine, size, steps, iters, compile_transformer=False):
     import torch
     from diffusers import ZImagePipeline
 
     start = time.time()
     pipe = ZImagePipeline.from_pretrained(directory, torch_dtype=torch.bfloat16).to("cuda")
+    if compile_transformer:  # The one line a user adds; the first call pays for the compilation.
+        pipe.transformer = torch.compile(pipe.transformer)
     load_s = time.time() - start
 
     def call(seed):
@@ -101,7 +105,8 @@ def run(directory, out, machine, size, steps, iters):
 
     first = call(0)
     warm = [call(i + 1) for i in range(iters)]
-    row = {"bench": "e2e", "system": "diffusers", "steps": steps, "size": size, "warm_s": statistics.median(warm),
+    row = {"bench": "e2e", "system": "diffusers_compile" if compile_transformer else "diffusers", "model": "zimage",
+           "mode": "bf16", "steps": steps, "size": size, "warm_s": statistics.median(warm),
            "first_s": first, "warm_runs_s": warm, "load_s": load_s,
            "peak_device_bytes": torch.cuda.max_memory_reserved(), "machine": machine}
     with open(out, "a") as f:
@@ -117,12 +122,13 @@ def main():
     parser.add_argument("--machine", default="unknown")
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--compile", action="store_true", help="torch.compile(pipe.transformer) after loading")
     args = parser.parse_args()
     if args.command == "export":
         export(args.dir)
     else:
-        run(args.dir, args.out, args.machine, args.size, args.steps, args.iters)
+        run(args.dir, args.out, args.machine, args.size, args.steps, args.iters, args.compile)
 
 
 if __name__ == "__main__":

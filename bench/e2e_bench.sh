@@ -5,11 +5,13 @@
 #   {"bench":"e2e","system":"stowage"|"diffusers","steps":8,"size":1024,"warm_s":..,"first_s":..,"machine":..}
 # Stowage: first_s is the first request after the server reported ready (its load warms up, see
 # PipelineConfig.warmup), warm_s the median of three more, both measured by the client around
-# stowctl; server_* fields split the server's own time. diffusers: output_type "pil" (no PNG).
+# stowctl (5 warm requests); server_* fields split the server's own time, png_s is the PNG encoding.
+# COMPUTE=fp8 (environment): the transformer computes in FP8 (PipelineConfig.compute; "mode":"fp8").
+# diffusers: output_type "pil" (no PNG); diffusers_compile adds torch.compile(pipe.transformer).
 #
 #   bench/e2e_bench.sh SERVER STOWCTL MODEL_DIR OUT.jsonl MACHINE [SIZE] [STEPS] [SYSTEMS]
 # MODEL_DIR: written by `diffusers_pipeline_bench.py export` (real safetensors, random values).
-# SYSTEMS: "stowage diffusers" (default) or either one. LOAD_BENCH (environment): bench/load_bench,
+# SYSTEMS: "stowage diffusers" (default), any of stowage, diffusers, diffusers_compile. LOAD_BENCH (environment): bench/load_bench,
 # to add "warm_persistent_client_s" (the median of three warm requests from one connected client). RANDOM_WEIGHTS=true (environment): Stowage
 # draws the weights from MODEL_DIR's configs instead of reading them (a row "weights":"random").
 set -euo pipefail
@@ -25,14 +27,15 @@ stowage() {
   cat >"$tmp/e2e.textproto" <<CFG
 grpc_address: "127.0.0.1:0"
 metrics_address: "none"
-pipelines { name: "zimage" model_dir: "$model_dir" dtype: "bfloat16" random_weights: ${RANDOM_WEIGHTS:-false} }
+pipelines { name: "zimage" model_dir: "$model_dir" dtype: "bfloat16" random_weights: ${RANDOM_WEIGHTS:-false}
+  $([ "${COMPUTE:-bf16}" = fp8 ] && echo 'compute { key: "transformer" value: COMPUTE_FP8 }') }
 strategy { workflow { rules { keep_resident: "text_encoder" } rules { keep_resident: "transformer" } rules { keep_resident: "vae" } } }
 CFG
   local t0; t0=$(date +%s.%N)
   start_server "$server" "$tmp/e2e.textproto" "$tmp/server.log" || return 1
   local ready; ready=$(date +%s.%N)
   local load_s; load_s=$(python3 -c "import sys; print(float(sys.argv[2]) - float(sys.argv[1]))" "$t0" "$ready")
-  for i in 0 1 2 3; do
+  for i in 0 1 2 3 4 5; do
     local s; s=$(date +%s.%N)
     "$stowctl" --target="$TARGET" generate --prompt="$prompt" --width="$size" --height="$size" --steps="$steps" \
       --guidance=0 --seed="$i" --json --out="$tmp/e2e_$i.png" >"$tmp/reply_$i.json"
@@ -51,15 +54,17 @@ CFG
 import json, os, statistics, sys
 tmp, size, steps, machine, load_s = sys.argv[1:]
 def seconds(d): return float(d.rstrip("s"))
-wall = [float(open(f"{tmp}/wall_{i}").read()) for i in range(4)]
-replies = [json.load(open(f"{tmp}/reply_{i}.json")) for i in range(4)]
+wall = [float(open(f"{tmp}/wall_{i}").read()) for i in range(6)]
+replies = [json.load(open(f"{tmp}/reply_{i}.json")) for i in range(6)]
 def stage(reply, name):
     return sum(seconds(s["duration"]) for s in reply.get("stages", []) if s["stage"] == name)
 warm = replies[1:]
-row = {"bench": "e2e", "system": "stowage", "steps": int(steps), "size": int(size),
+row = {"bench": "e2e", "system": "stowage", "model": "zimage", "mode": os.environ.get("COMPUTE", "bf16"),
+       "steps": int(steps), "size": int(size),
        "warm_s": statistics.median(wall[1:]), "first_s": wall[0], "warm_runs_s": wall[1:], "load_s": float(load_s),
        "server_run_s": statistics.median(seconds(r["runTime"]) for r in warm),
        "server_encode_image_s": statistics.median(stage(r, "encode_image") for r in warm),
+       "png_s": statistics.median(stage(r, "encode_image") for r in warm),
        "server_denoise_s": statistics.median(stage(r, "denoise") for r in warm),
        "server_decode_s": statistics.median(stage(r, "decode") for r in warm),
        "server_encode_prompt_s": statistics.median(stage(r, "encode_prompt") for r in warm),
@@ -80,5 +85,7 @@ for system in $systems; do
     stowage) stowage ;;
     diffusers) python3 "$here/diffusers_pipeline_bench.py" run "$model_dir" --out "$out" --machine "$machine" \
                  --size "$size" --steps "$steps" ;;
+    diffusers_compile) python3 "$here/diffusers_pipeline_bench.py" run "$model_dir" --out "$out" --machine "$machine" \
+                 --size "$size" --steps "$steps" --compile ;;
   esac
 done

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# One device call for the compute work: build (CMake with the CUDA kernels, no ctest), the fused ops'
-# conformance test (tests/models/fused_ops_test on cuda:0), then the compute benchmark
-# (bench/compute_bench.py: diffusers eager, diffusers + torch.compile and Stowage's modes side by side)
-# for each model in $MODELS. Results in $OUT: summary.txt, conformance.txt, compute.jsonl,
-# compute_<model>.log, profile_<model>.txt (Stowage's kernels by class and name), build_tail.txt
-# when the build fails.
+# One device call for the compute work: build (CMake with the CUDA kernels, no ctest), then the parts
+# in $PARTS (default "compute"):
+#   compute   the fused ops' conformance test (tests/models/fused_ops_test on cuda:0) and the compute
+#             benchmark (bench/compute_bench.py: diffusers eager, diffusers + torch.compile and
+#             Stowage's modes side by side) for each model in $MODELS: conformance.txt, compute.jsonl,
+#             compute_<model>.log, profile_<model>.txt (Stowage's kernels by class and name)
+#   e2e       the whole Z-Image pipeline (bench/e2e_bench.sh): Stowage bf16 and fp8, diffusers eager
+#             and + torch.compile on the same files: e2e.jsonl, e2e.log
+#   fidelity  the demo pipeline `shapes` in float32, bf16 and fp8 (bench/fidelity_bench.py):
+#             fidelity.jsonl
+# Results in $OUT (summary.txt too; build_tail.txt when the build fails).
 #   OUT=$OUT MODELS="zimage flux" deploy/gpu_host/unpack_and_run.sh bash deploy/gpu_host/run_compute_suite.sh
-# MODES: Stowage's modes (bf16, bf16_reference, fp8); DIFFUSERS: eager,compile (or eager).
+#   OUT=$OUT PARTS="e2e fidelity" deploy/gpu_host/unpack_and_run.sh bash deploy/gpu_host/run_compute_suite.sh
+# MODES: Stowage's compute modes (bf16, bf16_reference, fp8); DIFFUSERS: eager,compile (or eager).
 source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/suite_lib.sh"
 suite_build compute
 if [ ! -x "$build/bench/offload_bench" ]; then
@@ -14,6 +20,8 @@ if [ ! -x "$build/bench/offload_bench" ]; then
   stamp "no offload_bench: see build_tail.txt"
   exit 1
 fi
+parts=" ${PARTS:-compute} "
+if [[ $parts == *" compute "* ]]; then
 stamp "conformance"
 timeout 300 "$build/tests/models/fused_ops_test" >"$OUT/conformance.txt" 2>&1
 stamp "conformance exit $?"
@@ -33,3 +41,36 @@ for line in open(sys.argv[1]):
     print(f"{r['model']:7s} {r['system']:18s} {r['mode']:5s} {r['path']:13s} step {r['step_s']:.4f} s "
           f"x_limit {r['x_limit']:.2f} rel_l2 {r['rel_l2']:.4g}")
 PY
+fi
+if [[ $parts == *" fidelity "* ]]; then
+  stamp "fidelity"
+  timeout 300 python3 bench/fidelity_bench.py --server "$build/server/stowage_server" \
+    --stowctl "$build/clients/stowctl/stowctl" --out "$OUT/fidelity.jsonl" --machine "$machine" \
+    --commit "${STOWAGE_COMMIT:-unknown}" >>"$OUT/summary.txt" 2>&1
+  stamp "fidelity exit $?"
+fi
+if [[ $parts == *" e2e "* ]]; then
+  stamp "e2e export"
+  [ -f /tmp/e2e-zimage/model_index.json ] ||
+    timeout 300 python3 bench/diffusers_pipeline_bench.py export /tmp/e2e-zimage >"$OUT/e2e.log" 2>&1
+  stamp "e2e export exit $?"
+  for compute in bf16 fp8; do
+    stamp "e2e stowage $compute"
+    COMPUTE=$compute timeout 300 bash bench/e2e_bench.sh "$build/server/stowage_server" \
+      "$build/clients/stowctl/stowctl" /tmp/e2e-zimage "$OUT/e2e.jsonl" "$machine" 1024 8 stowage >>"$OUT/e2e.log" 2>&1
+    stamp "e2e stowage $compute exit $?"
+  done
+  for system in ${E2E_DIFFUSERS:-diffusers diffusers_compile}; do
+    stamp "e2e $system"
+    timeout 300 bash bench/e2e_bench.sh "$build/server/stowage_server" "$build/clients/stowctl/stowctl" \
+      /tmp/e2e-zimage "$OUT/e2e.jsonl" "$machine" 1024 8 "$system" >>"$OUT/e2e.log" 2>&1
+    stamp "e2e $system exit $?"
+  done
+  python3 - "$OUT/e2e.jsonl" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"e2e {r['system']:18s} {r.get('mode', 'bf16'):5s} warm {r['warm_s']:.3f} s first {r['first_s']:.3f} s "
+          f"png {r.get('png_s', 0):.3f} s load {r.get('load_s', 0):.1f} s")
+PY
+fi

@@ -10,7 +10,21 @@ set -euo pipefail
 carried=$(pwd)
 rev=$(cat .ref/head.rev)
 dest=${STOWAGE_UNPACK_DIR:-/tmp/stowage-src}
-if [ "$(cat "$dest/.stowage-rev" 2>/dev/null)" != "$rev" ]; then
+if [ "$(cat "$dest/.stowage-rev" 2>/dev/null)" != "$rev" ] && [ -d "$dest/build" ] && [ "${STOWAGE_FRESH:-0}" != 1 ]; then
+  # Another commit over a built tree (a warm machine): copy in only the files whose content changed
+  # and delete the ones the commit lacks, so unchanged files keep their times and the CMake build
+  # stays incremental (generated code is regenerated from its changed inputs). STOWAGE_FRESH=1 unpacks
+  # into an empty folder instead.
+  fresh=$(mktemp -d)
+  tar xzf .ref/head.tgz -C "$fresh"
+  (cd "$fresh" && find . -type f -print0) | while IFS= read -r -d '' f; do
+    if ! cmp -s "$fresh/$f" "$dest/$f"; then mkdir -p "$(dirname "$dest/$f")" && cp "$fresh/$f" "$dest/$f"; fi
+  done
+  (cd "$dest" && find . -type f -not -path './build/*' -not -path './.deb/*' -not -path './.ref/*' \
+    -not -name .stowage-rev -print0) | while IFS= read -r -d '' f; do [ -e "$fresh/$f" ] || rm -f "$dest/$f"; done
+  rm -rf "$fresh"
+  echo "$rev" >"$dest/.stowage-rev"
+elif [ "$(cat "$dest/.stowage-rev" 2>/dev/null)" != "$rev" ]; then
   rm -rf "$dest" && mkdir -p "$dest"
   tar xzf .ref/head.tgz -C "$dest"
   [ -d .deb ] && cp -r .deb "$dest/"

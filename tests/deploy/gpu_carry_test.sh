@@ -2,8 +2,8 @@
 # deploy/gpu_host/prepare_carry.sh and unpack_and_run.sh on a scratch git repository: the archive
 # holds the commit (not the working tree's edits) without the demo model; the slim diffusers source
 # keeps only the suites' pipelines; on "the device" the command runs in the unpacked commit with
-# STOWAGE_COMMIT set, the folder (and a build in it) is reused while the commit is the same and
-# replaced when it changes.
+# STOWAGE_COMMIT set, the folder (and a build in it) is reused while the commit is the same; a new
+# commit is synced into it by content (the build stays incremental), STOWAGE_FRESH=1 replaces it.
 set -euo pipefail
 scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../deploy/gpu_host" && pwd)
 repo=$TEST_TMPDIR/repo
@@ -14,6 +14,8 @@ cp "$scripts/prepare_carry.sh" "$scripts/unpack_and_run.sh" "$repo/deploy/gpu_ho
 echo weights >"$repo/models/demo/big.bin"
 echo fixture >"$repo/tests/fixtures/zimage_tiny/x.safetensors"
 echo v1 >"$repo/server/main.cc"
+echo same >"$repo/keep.txt"
+echo old >"$repo/gone.txt"
 printf '/.ref/\n/.deb/\n' >"$repo/.gitignore"
 git() { command git -C "$repo" -c user.name=ci -c user.email=ci@localhost "$@"; }
 git init -q && git add -A && git commit -qm one
@@ -40,9 +42,21 @@ fixture" ] || fail "the paths left out of the archive are not linked from the ca
 run bash -c 'mkdir -p build/gpu && touch build/gpu/kept'
 run test -f build/gpu/kept || fail "the same commit did not reuse the folder"
 
-git add server/main.cc && git commit -qm two
+# A new commit over a built tree: changed files are copied in, files the commit lacks are removed,
+# unchanged files keep their times (the build stays incremental), the build folder stays.
+run bash -c 'touch -d "2001-01-01" keep.txt'
+git add server/main.cc && git rm -q gone.txt && git commit -qm two
 "$repo/deploy/gpu_host/prepare_carry.sh" >/dev/null 2>&1
 [ "$(run bash -c 'echo "$STOWAGE_COMMIT $(cat server/main.cc)"')" = "$(git rev-parse --short HEAD) uncommitted" ] \
   || fail "a new commit did not unpack"
-! run test -e build/gpu/kept || fail "a new commit kept the old build folder"
+run test -f build/gpu/kept || fail "a new commit dropped the build folder"
+[ "$(run stat -c %Y keep.txt)" = "$(date -d 2001-01-01 +%s)" ] || fail "an unchanged file was rewritten"
+! run test -e gone.txt || fail "a file the new commit lacks is still there"
+[ -L "$dest/.ref/diffusers/src" ] && [ -d "$dest/.deb" ] || fail "diffusers link or .deb lost on a new commit"
+# STOWAGE_FRESH=1: a fresh folder.
+echo three >"$repo/server/main.cc" && git add server/main.cc && git commit -qm three
+"$repo/deploy/gpu_host/prepare_carry.sh" >/dev/null 2>&1
+[ "$(cd "$repo" && STOWAGE_FRESH=1 STOWAGE_UNPACK_DIR=$dest "$repo/deploy/gpu_host/unpack_and_run.sh" cat server/main.cc)" = three ] \
+  || fail "STOWAGE_FRESH=1 did not unpack"
+! run test -e build/gpu/kept || fail "STOWAGE_FRESH=1 kept the old build folder"
 echo ok

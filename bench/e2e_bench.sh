@@ -7,6 +7,7 @@
 # PipelineConfig.warmup), warm_s the median of three more, both measured by the client around
 # stowctl (5 warm requests); server_* fields split the server's own time, png_s is the PNG encoding.
 # COMPUTE=fp8 (environment): the transformer computes in FP8 (PipelineConfig.compute; "mode":"fp8").
+# FORMAT=png_fast|rgb (environment): the reply's image format (stowctl --format; "format" in the row).
 # diffusers: output_type "pil" (no PNG); diffusers_compile adds torch.compile(pipe.transformer).
 #
 #   bench/e2e_bench.sh SERVER STOWCTL MODEL_DIR OUT.jsonl MACHINE [SIZE] [STEPS] [SYSTEMS]
@@ -38,7 +39,7 @@ CFG
   for i in 0 1 2 3 4 5; do
     local s; s=$(date +%s.%N)
     "$stowctl" --target="$TARGET" generate --prompt="$prompt" --width="$size" --height="$size" --steps="$steps" \
-      --guidance=0 --seed="$i" --json --out="$tmp/e2e_$i.png" >"$tmp/reply_$i.json"
+      --guidance=0 --seed="$i" --json --format="${FORMAT:-png}" --out="$tmp/e2e_$i.png" >"$tmp/reply_$i.json"
     local e; e=$(date +%s.%N)
     python3 -c "import sys; print(float(sys.argv[2]) - float(sys.argv[1]))" "$s" "$e" >"$tmp/wall_$i"
   done
@@ -60,6 +61,7 @@ def stage(reply, name):
     return sum(seconds(s["duration"]) for s in reply.get("stages", []) if s["stage"] == name)
 warm = replies[1:]
 row = {"bench": "e2e", "system": "stowage", "model": "zimage", "mode": os.environ.get("COMPUTE", "bf16"),
+       "format": os.environ.get("FORMAT", "png"),
        "steps": int(steps), "size": int(size),
        "warm_s": statistics.median(wall[1:]), "first_s": wall[0], "warm_runs_s": wall[1:], "load_s": float(load_s),
        "server_run_s": statistics.median(seconds(r["runTime"]) for r in warm),

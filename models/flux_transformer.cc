@@ -190,7 +190,7 @@ std::pair<at::Tensor, at::Tensor> FluxAttention::Forward(const at::Tensor& x, co
     const std::vector<at::Tensor> qkv = Linear::ForwardShared({to_q_, to_k_, to_v_}, x);
     norm_q_->ForwardRope(heads(qkv[0]), rope.pair_cos, rope.pair_sin, text, q);
     norm_k_->ForwardRope(heads(qkv[1]), rope.pair_cos, rope.pair_sin, text, k);
-    v = joint ? at::cat({context_v, heads(qkv[2])}, 1) : heads(qkv[2]);
+    v = joint ? fused::ConcatTokens({context_v, heads(qkv[2])}) : heads(qkv[2]);
   } else {
     q = norm_q_->Forward(heads(to_q_->Forward(x)));
     k = norm_k_->Forward(heads(to_k_->Forward(x)));
@@ -230,15 +230,15 @@ std::pair<at::Tensor, at::Tensor> FluxTransformerBlock::Forward(const at::Tensor
   // AdaLayerNormZero: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
   const std::vector<at::Tensor> m = norm1_->Forward(at::silu(temb)).unsqueeze(1).chunk(6, 2);
   const std::vector<at::Tensor> c = norm1_context_->Forward(at::silu(temb)).unsqueeze(1).chunk(6, 2);
-  if (rope.pair_cos.defined()) {  // Norm + modulation in one kernel; gated residuals as one addcmul.
+  if (rope.pair_cos.defined()) {  // Norm + modulation in one kernel; gated residuals in one.
     const auto [attn, context_attn] = attn_->Forward(fused::LayerNormModulate(x, 1 + m[1], m[0], kNormEps),
                                                      fused::LayerNormModulate(context, 1 + c[1], c[0], kNormEps), rope);
-    at::Tensor h = at::addcmul(x, m[2], attn);
+    at::Tensor h = fused::GatedAdd(x, m[2], attn);
     const at::Tensor hm = fused::LayerNormModulate(h, 1 + m[4], m[3], kNormEps);
-    h = at::addcmul(h, m[5], ff_out_->Forward(ff_in_->ForwardGelu(hm)));
-    at::Tensor t = at::addcmul(context, c[2], context_attn);
+    h = fused::GatedAdd(h, m[5], ff_out_->Forward(ff_in_->ForwardGelu(hm)));
+    at::Tensor t = fused::GatedAdd(context, c[2], context_attn);
     const at::Tensor tm = fused::LayerNormModulate(t, 1 + c[4], c[3], kNormEps);
-    t = at::addcmul(t, c[5], ff_context_out_->Forward(ff_context_in_->ForwardGelu(tm)));
+    t = fused::GatedAdd(t, c[5], ff_context_out_->Forward(ff_context_in_->ForwardGelu(tm)));
     return {t, h};
   }
   const at::Tensor nx = PlainLayerNorm(x, dim) * (1 + m[1]) + m[0];
@@ -275,9 +275,9 @@ at::Tensor FluxSingleTransformerBlock::Forward(const at::Tensor& x, const at::Te
     std::vector<Linear*> layers = attn_->projections();
     layers.push_back(proj_mlp_);
     const std::vector<at::Tensor> p = Linear::ForwardShared(layers, n);
-    const at::Tensor mlp = at::gelu(p[3], "tanh");
+    const at::Tensor mlp = fused::GeluTanh(p[3]);
     const at::Tensor attn = attn_->ForwardProjected(p[0], p[1], p[2], rope);
-    return at::addcmul(x, m[2], proj_out_->ForwardConcat({attn, mlp}));
+    return fused::GatedAdd(x, m[2], proj_out_->ForwardConcat({attn, mlp}));
   }
   const at::Tensor n = PlainLayerNorm(x, x.size(2)) * (1 + m[1]) + m[0];
   const at::Tensor mlp = at::gelu(proj_mlp_->Forward(n), "tanh");

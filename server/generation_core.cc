@@ -909,10 +909,11 @@ absl::StatusOr<GenerationParams> GenerationCore::Validate(const v1::GenerateRequ
   } else {
     params.guidance_scale = limits.default_guidance_scale;
   }
-  if (request.output_format() != v1::IMAGE_FORMAT_UNSPECIFIED &&
-      request.output_format() != v1::IMAGE_FORMAT_PNG) {
+  if (request.output_format() != v1::IMAGE_FORMAT_UNSPECIFIED && request.output_format() != v1::IMAGE_FORMAT_PNG &&
+      request.output_format() != v1::IMAGE_FORMAT_PNG_FAST && request.output_format() != v1::IMAGE_FORMAT_RGB) {
     return absl::InvalidArgumentError(absl::StrCat("output_format ", static_cast<int>(request.output_format()),
-                                                   " is not supported; allowed: IMAGE_FORMAT_PNG"));
+                                                   " is not supported; allowed: IMAGE_FORMAT_PNG, IMAGE_FORMAT_PNG_FAST, "
+                                                   "IMAGE_FORMAT_RGB"));
   }
   if (request.request_id().size() > 128) {
     return absl::InvalidArgumentError("request_id is longer than 128 characters");
@@ -1018,9 +1019,16 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
     control.on_progress(progress);
   }
   const absl::Time encode_start = absl::Now();
-  ASSIGN_OR_RETURN(std::string png, EncodePng(pending.image));
+  const v1::ImageFormat format = pending.request != nullptr ? pending.request->output_format() : v1::IMAGE_FORMAT_PNG;
+  if (format == v1::IMAGE_FORMAT_RGB) {
+    response.set_image(std::string(pending.image.rgb.begin(), pending.image.rgb.end()));
+    response.set_format(v1::IMAGE_FORMAT_RGB);
+  } else {
+    ASSIGN_OR_RETURN(std::string png, EncodePng(pending.image, /*fast=*/format == v1::IMAGE_FORMAT_PNG_FAST));
+    response.set_image(std::move(png));
+    response.set_format(format == v1::IMAGE_FORMAT_PNG_FAST ? v1::IMAGE_FORMAT_PNG_FAST : v1::IMAGE_FORMAT_PNG);
+  }
   const absl::Duration encode = absl::Now() - encode_start;
-  response.set_image(std::move(png));
   v1::RequestStats* stats = response.mutable_stats();
   v1::StageTiming* timing = stats->add_stages();
   timing->set_stage("encode_image");

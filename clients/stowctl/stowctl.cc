@@ -56,6 +56,9 @@ ABSL_FLAG(std::string, guidance, "", "Guidance scale; empty = pipeline default."
 ABSL_FLAG(std::string, seed, "", "Noise seed (unsigned 64-bit); empty = random.");
 ABSL_FLAG(std::string, request_id, "", "Client request identifier.");
 ABSL_FLAG(std::string, out, "", "Where to write the image (generate, stream).");
+ABSL_FLAG(std::string, format, "png",
+          "generate/stream: image format of the reply: png (compressed), png_fast (uncompressed PNG, encoded "
+          "in milliseconds) or rgb (raw 8-bit RGB rows; written as they come)");
 ABSL_FLAG(bool, json, false, "generate/stream: print the reply's statistics as JSON instead of a table.");
 ABSL_FLAG(std::string, token, "",
           "Admin bearer token (admin commands); defaults to the STOWAGE_TOKEN environment variable.");
@@ -120,7 +123,17 @@ bool BuildRequest(stowage::v1::GenerateRequest& request) {
   request.set_height(absl::GetFlag(FLAGS_height));
   request.set_num_inference_steps(absl::GetFlag(FLAGS_steps));
   request.set_request_id(absl::GetFlag(FLAGS_request_id));
-  request.set_output_format(stowage::v1::IMAGE_FORMAT_PNG);
+  const std::string format = absl::GetFlag(FLAGS_format);
+  if (format == "png") {
+    request.set_output_format(stowage::v1::IMAGE_FORMAT_PNG);
+  } else if (format == "png_fast") {
+    request.set_output_format(stowage::v1::IMAGE_FORMAT_PNG_FAST);
+  } else if (format == "rgb") {
+    request.set_output_format(stowage::v1::IMAGE_FORMAT_RGB);
+  } else {
+    std::cerr << "stowctl: --format '" << format << "' is not one of png, png_fast, rgb\n";
+    return false;
+  }
   const std::string guidance = absl::GetFlag(FLAGS_guidance);
   if (!guidance.empty()) {
     float g = 0;

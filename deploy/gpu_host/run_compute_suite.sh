@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the compute work: build (CMake with the CUDA kernels, no ctest), then the parts
 # in $PARTS (default "compute"):
-#   compute   the fused ops' conformance test (tests/models/fused_ops_test on cuda:0) and the compute
+#   conformance  the fused ops' conformance test (tests/models/fused_ops_test on cuda:0): conformance.txt
+#   compute   the conformance test and the compute
 #             benchmark (bench/compute_bench.py: diffusers eager, diffusers + torch.compile and
 #             Stowage's modes side by side) for each model in $MODELS: conformance.txt, compute.jsonl,
 #             compute_<model>.log, profile_<model>.txt (Stowage's kernels by class and name)
@@ -21,11 +22,13 @@ if [ ! -x "$build/bench/offload_bench" ]; then
   exit 1
 fi
 parts=" ${PARTS:-compute} "
+if [[ $parts == *" compute "* || $parts == *" conformance "* ]]; then
+  stamp "conformance"
+  timeout 300 "$build/tests/models/fused_ops_test" >"$OUT/conformance.txt" 2>&1
+  stamp "conformance exit $?"
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/conformance.txt" >>"$OUT/summary.txt"
+fi
 if [[ $parts == *" compute "* ]]; then
-stamp "conformance"
-timeout 300 "$build/tests/models/fused_ops_test" >"$OUT/conformance.txt" 2>&1
-stamp "conformance exit $?"
-grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/conformance.txt" >>"$OUT/summary.txt"
 for model in ${MODELS:-zimage flux}; do
   stamp "compute $model"
   timeout "${COMPUTE_TIMEOUT:-480}" python3 bench/compute_bench.py run --arch "$model" --dir "/tmp/compute-$model" \
@@ -50,17 +53,27 @@ if [[ $parts == *" fidelity "* ]]; then
   stamp "fidelity exit $?"
 fi
 if [[ $parts == *" e2e "* ]]; then
-  stamp "e2e export"
-  [ -f /tmp/e2e-zimage/model_index.json ] ||
-    timeout 300 python3 bench/diffusers_pipeline_bench.py export /tmp/e2e-zimage >"$OUT/e2e.log" 2>&1
-  stamp "e2e export exit $?"
-  for compute in bf16 fp8; do
-    stamp "e2e stowage $compute"
-    COMPUTE=$compute timeout 300 bash bench/e2e_bench.sh "$build/server/stowage_server" \
-      "$build/clients/stowctl/stowctl" /tmp/e2e-zimage "$OUT/e2e.jsonl" "$machine" 1024 8 stowage >>"$OUT/e2e.log" 2>&1
-    stamp "e2e stowage $compute exit $?"
+  # E2E_RANDOM=1: Stowage draws the weights from the configs (no export; diffusers needs the files
+  # and is skipped).
+  e2e_dir=/tmp/e2e-zimage
+  if [ "${E2E_RANDOM:-0}" = 1 ]; then
+    e2e_dir=/tmp/e2e-zimage-random
+    python3 bench/make_zimage_random_dir.py "$e2e_dir" --size full >/dev/null
+    export RANDOM_WEIGHTS=true
+  else
+    stamp "e2e export"
+    [ -f $e2e_dir/model_index.json ] ||
+      timeout 300 python3 bench/diffusers_pipeline_bench.py export $e2e_dir >"$OUT/e2e.log" 2>&1
+    stamp "e2e export exit $?"
+  fi
+  for run in ${E2E_RUNS:-bf16:png bf16:png_fast fp8:png_fast}; do
+    stamp "e2e stowage $run"
+    COMPUTE=${run%:*} FORMAT=${run#*:} timeout 300 bash bench/e2e_bench.sh "$build/server/stowage_server" \
+      "$build/clients/stowctl/stowctl" $e2e_dir "$OUT/e2e.jsonl" "$machine" 1024 8 stowage >>"$OUT/e2e.log" 2>&1
+    stamp "e2e stowage $run exit $?"
   done
-  for system in ${E2E_DIFFUSERS:-diffusers diffusers_compile}; do
+  [ "${E2E_RANDOM:-0}" = 1 ] && E2E_DIFFUSERS=""
+  for system in ${E2E_DIFFUSERS-diffusers diffusers_compile}; do
     stamp "e2e $system"
     timeout 300 bash bench/e2e_bench.sh "$build/server/stowage_server" "$build/clients/stowctl/stowctl" \
       /tmp/e2e-zimage "$OUT/e2e.jsonl" "$machine" 1024 8 "$system" >>"$OUT/e2e.log" 2>&1
@@ -70,7 +83,7 @@ if [[ $parts == *" e2e "* ]]; then
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    print(f"e2e {r['system']:18s} {r.get('mode', 'bf16'):5s} warm {r['warm_s']:.3f} s first {r['first_s']:.3f} s "
+    print(f"e2e {r['system']:18s} {r.get('mode', 'bf16'):5s} {r.get('format', 'png'):8s} warm {r['warm_s']:.3f} s first {r['first_s']:.3f} s "
           f"png {r.get('png_s', 0):.3f} s load {r.get('load_s', 0):.1f} s")
 PY
 fi

@@ -336,6 +336,54 @@ __global__ void __launch_bounds__(kQuantThreads) QuantizeRowsFp8Kernel(const bf1
   }
 }
 
+enum class RowOp { kGelu, kCopy };
+
+template <RowOp kOp>
+__global__ void RowsKernel(const bf16* __restrict__ x, Rows xr, bf16* __restrict__ out, Rows outr, int64_t seq,
+                           int64_t chunks, int64_t row_chunks) {
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = c / row_chunks, col = c % row_chunks;
+    const int64_t b = row / seq, s = row % seq;
+    const Vec8 v = reinterpret_cast<const Vec8*>(x + b * xr.batch_stride + s * xr.row_stride)[col];
+    Vec8 result;
+    if constexpr (kOp == RowOp::kCopy) {
+      result = v;
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float f = __bfloat162float(v.v[j]);
+        const float inner = 0.7978845608028654f * (f + 0.044715f * f * f * f);
+        result.v[j] = __float2bfloat16_rn(0.5f * f * (1.f + tanhf(inner)));
+      }
+    }
+    reinterpret_cast<Vec8*>(out + b * outr.batch_stride + s * outr.row_stride)[col] = result;
+  }
+}
+
+__global__ void GatedAddKernel(const bf16* __restrict__ x, const bf16* __restrict__ gate, int64_t gate_batch_stride,
+                               const bf16* __restrict__ y, bf16* __restrict__ out, int64_t seq, int64_t chunks,
+                               int64_t row_chunks) {
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < chunks;
+       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = c / row_chunks, col = c % row_chunks;
+    const int64_t b = row / seq;
+    const Vec8 xv = reinterpret_cast<const Vec8*>(x)[c], yv = reinterpret_cast<const Vec8*>(y)[c];
+    const Vec8 g = reinterpret_cast<const Vec8*>(gate + b * gate_batch_stride)[col];
+    Vec8 result;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      result.v[j] = __float2bfloat16_rn(__bfloat162float(xv.v[j]) +
+                                        __bfloat162float(g.v[j]) * __bfloat162float(yv.v[j]));
+    }
+    reinterpret_cast<Vec8*>(out)[c] = result;
+  }
+}
+
+int64_t GridFor(int64_t chunks, int threads) { return std::min<int64_t>((chunks + threads - 1) / threads, 132 * 16); }
+
+bool RowsOk(Rows r, int64_t cols) { return cols % 8 == 0 && r.batch_stride % 8 == 0 && r.row_stride % 8 == 0; }
+
 int LastError() { return static_cast<int>(cudaGetLastError()); }
 
 bool RowFits(int64_t dim) { return dim % 8 == 0 && dim / 8 <= static_cast<int64_t>(kRowThreads) * kMaxChunks; }
@@ -441,6 +489,44 @@ int QuantizeRowsFp8(const void* x, void* q, float* scale, int64_t rows, int64_t 
   if (dim % 8 != 0 || dim <= 0 || rows <= 0) return static_cast<int>(cudaErrorInvalidValue);
   QuantizeRowsFp8Kernel<<<dim3(static_cast<unsigned>(rows)), kQuantThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const bf16*>(x), static_cast<__nv_fp8_storage_t*>(q), scale, static_cast<int>(dim));
+  return LastError();
+}
+
+int GeluTanh(const void* x, Rows x_rows, void* out, Rows out_rows, int64_t batch, int64_t seq, int64_t cols,
+             void* stream) {
+  if (!RowsOk(x_rows, cols) || !RowsOk(out_rows, cols) || batch <= 0 || seq <= 0 || cols <= 0) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  const int64_t chunks = batch * seq * cols / 8;
+  RowsKernel<RowOp::kGelu><<<dim3(static_cast<unsigned>(GridFor(chunks, 256))), 256, 0,
+                             static_cast<cudaStream_t>(stream)>>>(static_cast<const bf16*>(x), x_rows,
+                                                                  static_cast<bf16*>(out), out_rows, seq, chunks,
+                                                                  cols / 8);
+  return LastError();
+}
+
+int CopyRows(const void* x, Rows x_rows, void* out, Rows out_rows, int64_t batch, int64_t seq, int64_t cols,
+             void* stream) {
+  if (!RowsOk(x_rows, cols) || !RowsOk(out_rows, cols) || batch <= 0 || seq <= 0 || cols <= 0) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  const int64_t chunks = batch * seq * cols / 8;
+  RowsKernel<RowOp::kCopy><<<dim3(static_cast<unsigned>(GridFor(chunks, 256))), 256, 0,
+                             static_cast<cudaStream_t>(stream)>>>(static_cast<const bf16*>(x), x_rows,
+                                                                  static_cast<bf16*>(out), out_rows, seq, chunks,
+                                                                  cols / 8);
+  return LastError();
+}
+
+int GatedAdd(const void* x, const void* gate, int64_t gate_batch_stride, const void* y, void* out, int64_t batch,
+             int64_t seq, int64_t cols, void* stream) {
+  if (cols % 8 != 0 || gate_batch_stride % 8 != 0 || batch <= 0 || seq <= 0 || cols <= 0) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  const int64_t chunks = batch * seq * cols / 8;
+  GatedAddKernel<<<dim3(static_cast<unsigned>(GridFor(chunks, 256))), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const bf16*>(x), static_cast<const bf16*>(gate), gate_batch_stride, static_cast<const bf16*>(y),
+      static_cast<bf16*>(out), seq, chunks, cols / 8);
   return LastError();
 }
 

@@ -47,6 +47,24 @@ int LayerNormModulate(const void* x, const void* scale, int64_t scale_batch_stri
 int SiluMul(const void* a, int64_t a_row_stride, const void* b, int64_t b_row_stride, void* out, int64_t rows,
             int64_t cols, void* stream);
 
+// Elementwise ops over [batch, seq, cols] tensors whose rows may be strided: element (b, s, c) of a
+// tensor is at b · batch_stride + s · row_stride + c (cols and both strides multiples of 8, the
+// pointers 16-byte aligned).
+struct Rows {
+  int64_t batch_stride;
+  int64_t row_stride;
+};
+// out = bf16(gelu_tanh(x)).
+int GeluTanh(const void* x, Rows x_rows, void* out, Rows out_rows, int64_t batch, int64_t seq, int64_t cols,
+             void* stream);
+// out = x (a strided copy, e.g. into one part of a joint tensor).
+int CopyRows(const void* x, Rows x_rows, void* out, Rows out_rows, int64_t batch, int64_t seq, int64_t cols,
+             void* stream);
+// out = bf16(x + gate[b] · y) in float32 (at::addcmul's rounding); x, y and out contiguous rows,
+// gate rows of `cols` values a batch stride apart (0: one row for the batch).
+int GatedAdd(const void* x, const void* gate, int64_t gate_batch_stride, const void* y, void* out, int64_t batch,
+             int64_t seq, int64_t cols, void* stream);
+
 // Per-token FP8 quantisation for FP8 GEMMs: for row r of x [rows, dim] (dim a multiple of 8),
 //   scale[r] = max(|x_r|) / 448 (float32; 1 when the row is all zeros), q = e4m3(x_r / scale[r]).
 int QuantizeRowsFp8(const void* x, void* q, float* scale, int64_t rows, int64_t dim, void* stream);

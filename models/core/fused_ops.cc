@@ -65,6 +65,14 @@ int64_t RowStride(const at::Tensor& t) {
   return stride;
 }
 
+// [B, S, C] views with unit stride along C and 8-element-aligned strides: the row kernels' layout.
+bool StridedRowsOk(const at::Tensor& t) {
+  return t.dim() == 3 && t.is_cuda() && t.scalar_type() == at::kBFloat16 && t.stride(2) == 1 && t.size(2) % 8 == 0 &&
+         t.stride(1) % 8 == 0 && t.stride(0) % 8 == 0 && Aligned16(t) && t.numel() > 0;
+}
+
+fused_cuda::Rows RowsOf(const at::Tensor& t) { return fused_cuda::Rows{t.stride(0), t.stride(1)}; }
+
 void* Stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
 void Check(int error, const char* op) {
@@ -170,6 +178,12 @@ at::Tensor LayerNormModulate(const at::Tensor& x, const at::Tensor& scale, const
 }
 
 at::Tensor SiluMul(const at::Tensor& a, const at::Tensor& b) { return at::silu(a) * b; }
+
+at::Tensor GeluTanh(const at::Tensor& x) { return at::gelu(x, "tanh"); }
+
+at::Tensor ConcatTokens(const std::vector<at::Tensor>& parts) { return at::cat(parts, 1); }
+
+at::Tensor GatedAdd(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y) { return at::addcmul(x, gate, y); }
 
 }  // namespace reference
 
@@ -329,6 +343,78 @@ at::Tensor SiluMul(const at::Tensor& a, const at::Tensor& b) {
   }
 #endif
   return reference::SiluMul(a, b);
+}
+
+at::Tensor GeluTanh(const at::Tensor& x) {
+#ifdef STOWAGE_WITH_CUDA
+  if (Active(x) && StridedRowsOk(x)) {
+    c10::cuda::CUDAGuard guard(x.device());
+    at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+    Check(fused_cuda::GeluTanh(x.data_ptr(), RowsOf(x), out.data_ptr(), RowsOf(out), x.size(0), x.size(1), x.size(2),
+                               Stream(x)),
+          "GeluTanh");
+    return out;
+  }
+#endif
+  return reference::GeluTanh(x);
+}
+
+at::Tensor ConcatTokens(const std::vector<at::Tensor>& parts) {
+#ifdef STOWAGE_WITH_CUDA
+  if (!parts.empty() && Active(parts.front()) && parts.front().dim() >= 3) {
+    const at::Tensor& first = parts.front();
+    std::vector<at::Tensor> flat;
+    int64_t tokens = 0;
+    bool ok = true;
+    for (const at::Tensor& p : parts) {
+      if (p.dim() != first.dim() || p.size(0) != first.size(0) || p.sizes().slice(2) != first.sizes().slice(2) ||
+          p.scalar_type() != first.scalar_type() || p.device() != first.device()) {
+        ok = false;
+        break;
+      }
+      // Tokens of [B, S, ...] views whose trailing dims are contiguous flatten to [B, S, C] views.
+      at::Tensor f = p.dim() == 3 ? p : p.flatten(2);
+      ok = ok && StridedRowsOk(f) && f.is_alias_of(p);
+      flat.push_back(std::move(f));
+      tokens += p.size(1);
+    }
+    if (ok) {
+      c10::cuda::CUDAGuard guard(first.device());
+      std::vector<int64_t> shape = first.sizes().vec();
+      shape[1] = tokens;
+      at::Tensor out = at::empty(shape, first.options().memory_format(at::MemoryFormat::Contiguous));
+      const at::Tensor out3 = out.view({first.size(0), tokens, -1});
+      int64_t offset = 0;
+      for (const at::Tensor& f : flat) {
+        const at::Tensor dst = out3.narrow(1, offset, f.size(1));
+        Check(fused_cuda::CopyRows(f.data_ptr(), RowsOf(f), dst.data_ptr(), RowsOf(dst), f.size(0), f.size(1),
+                                   f.size(2), Stream(f)),
+              "ConcatTokens");
+        offset += f.size(1);
+      }
+      return out;
+    }
+  }
+#endif
+  return reference::ConcatTokens(parts);
+}
+
+at::Tensor GatedAdd(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y) {
+#ifdef STOWAGE_WITH_CUDA
+  if (Active(x) && x.dim() == 3 && x.sizes() == y.sizes()) {
+    const int64_t dim = x.size(2);
+    const int64_t gate_stride = ModulationStride(gate, x.size(0), dim);
+    if (RowsOk(x, dim) && RowsOk(y, dim) && gate_stride >= 0 && dim % 8 == 0 && x.numel() > 0) {
+      c10::cuda::CUDAGuard guard(x.device());
+      at::Tensor out = at::empty_like(x);
+      Check(fused_cuda::GatedAdd(x.data_ptr(), gate.data_ptr(), gate_stride, y.data_ptr(), out.data_ptr(), x.size(0),
+                                 x.size(1), dim, Stream(x)),
+            "GatedAdd");
+      return out;
+    }
+  }
+#endif
+  return reference::GatedAdd(x, gate, y);
 }
 
 }  // namespace stowage::fused

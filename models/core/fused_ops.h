@@ -16,6 +16,7 @@
 #define STOWAGE_MODELS_CORE_FUSED_OPS_H_
 
 #include <cstdint>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <torch/version.h>
@@ -64,6 +65,14 @@ at::Tensor LayerNormModulate(const at::Tensor& x, const at::Tensor& scale, const
 // silu(a) · b (SwiGLU's gate).
 at::Tensor SiluMul(const at::Tensor& a, const at::Tensor& b);
 
+// gelu_tanh(x) for x [B, S, C] whose rows may be strided (a part of a wider GEMM output); the result
+// is contiguous.
+at::Tensor GeluTanh(const at::Tensor& x);
+// at::cat(parts, 1) of [B, S_i, ...] tensors whose tokens may be strided (views of wider outputs).
+at::Tensor ConcatTokens(const std::vector<at::Tensor>& parts);
+// x + gate · y (at::addcmul) for contiguous x, y [B, S, C] and gate [B or 1, 1, C].
+at::Tensor GatedAdd(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y);
+
 // FP8 compute: weights in float8 e4m3 with one float32 scale per output channel, activations
 // quantised per token (row) on the device, one FP8 GEMM with both scales, bfloat16 out.
 // OK when this build and `device` can run FP8 GEMMs (a LibTorch with float8, CUDA compute capability
@@ -98,6 +107,9 @@ at::Tensor RmsNormRope(const at::Tensor& x, const at::Tensor& weight, double eps
                        const at::Tensor& sin, int64_t offset);
 at::Tensor LayerNormModulate(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps);
 at::Tensor SiluMul(const at::Tensor& a, const at::Tensor& b);
+at::Tensor GeluTanh(const at::Tensor& x);
+at::Tensor ConcatTokens(const std::vector<at::Tensor>& parts);
+at::Tensor GatedAdd(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y);
 }  // namespace reference
 
 }  // namespace stowage::fused

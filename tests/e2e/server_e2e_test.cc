@@ -125,6 +125,22 @@ TEST_F(ServerE2ETest, GenerateReturnsAPngAndMeasuredStats) {
   GenerateResponse again;
   ASSERT_TRUE(Call(request, &again).ok());
   EXPECT_EQ(again.image(), response.image());
+  EXPECT_EQ(again.format(), v1::IMAGE_FORMAT_PNG);
+
+  // The fast formats carry the same pixels: an uncompressed PNG (larger) and raw RGB rows.
+  request.set_output_format(v1::IMAGE_FORMAT_PNG_FAST);
+  GenerateResponse fast;
+  ASSERT_TRUE(Call(request, &fast).ok());
+  EXPECT_EQ(fast.format(), v1::IMAGE_FORMAT_PNG_FAST);
+  auto fast_image = DecodePng(fast.image());
+  ASSERT_TRUE(fast_image.ok()) << fast_image.status();
+  EXPECT_EQ(fast_image->rgb, image->rgb);
+  EXPECT_GE(fast.image().size(), 96u * 64u * 3u);
+  request.set_output_format(v1::IMAGE_FORMAT_RGB);
+  GenerateResponse raw;
+  ASSERT_TRUE(Call(request, &raw).ok());
+  EXPECT_EQ(raw.format(), v1::IMAGE_FORMAT_RGB);
+  EXPECT_EQ(raw.image(), std::string(image->rgb.begin(), image->rgb.end()));
 }
 
 TEST_F(ServerE2ETest, BadInputIsRejectedWithAClearMessageAndServingContinues) {

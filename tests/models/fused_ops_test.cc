@@ -210,6 +210,27 @@ TEST_F(FusedKernelTest, LayerNormModulateAndSiluMulMatchTheReference) {
   }
 }
 
+// The row ops on parts of wider tensors (the columns of one GEMM's output), as Flux uses them.
+TEST_F(FusedKernelTest, GeluConcatAndGatedAddMatchTheReference) {
+  c10::InferenceMode mode;
+  for (const int64_t batch : {1, 2}) {
+    const at::Tensor wide = Rand({batch, 300, 4 * 256}, 0.0, 2.0);
+    const at::Tensor part = wide.narrow(2, 512, 256);  // Rows 1024 apart.
+    ExpectClose(fused::GeluTanh(part), fused::reference::GeluTanh(part), "gelu of a strided part");
+    EXPECT_TRUE(fused::GeluTanh(part).is_contiguous());
+    // Tokens of two [B, S, H, D] head views of wider outputs, joined along S.
+    const at::Tensor a = Rand({batch, 40, 3 * 128}).narrow(2, 256, 128).view({batch, 40, 2, 64});
+    const at::Tensor b = Rand({batch, 260, 4 * 128}).narrow(2, 128, 128).view({batch, 260, 2, 64});
+    const at::Tensor joined = fused::ConcatTokens({a, b});
+    EXPECT_TRUE(at::equal(joined, at::cat({a, b}, 1)));
+    const at::Tensor x = Rand({batch, 77, 3072}), y = Rand({batch, 77, 3072});
+    const at::Tensor gates = Rand({batch, 1, 6 * 3072});
+    for (const at::Tensor& gate : {gates.chunk(6, 2)[2], Rand({1, 1, 3072})}) {
+      ExpectClose(fused::GatedAdd(x, gate, y), fused::reference::GatedAdd(x, gate, y), "gated add");
+    }
+  }
+}
+
 TEST_F(FusedKernelTest, Fp8LinearMatchesItsReference) {
 #ifdef STOWAGE_HAS_FP8
   ASSERT_TRUE(fused::Fp8Supported(c10::Device(at::kCUDA, 0)).ok()) << fused::Fp8Supported(c10::Device(at::kCUDA, 0));

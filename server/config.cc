@@ -7,8 +7,10 @@
 #include <cstdint>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -72,6 +74,22 @@ absl::Status CheckReadableFile(const std::string& path, const std::string& prefi
   if (!S_ISREG(st.st_mode)) return absl::InvalidArgumentError(absl::StrCat(head, "not a regular file"));
   if (::access(path.c_str(), R_OK) != 0) return absl::PermissionDeniedError(absl::StrCat(head, "permission denied"));
   return absl::OkStatus();
+}
+
+// A TLS file must hold a PEM block of the right kind: gRPC would otherwise fail later, at listen,
+// with a message about the port.
+absl::Status CheckPemFile(const std::string& path, const std::string& field, const std::vector<std::string>& kinds) {
+  RETURN_IF_ERROR(CheckReadableFile(path, absl::StrCat(field, ": ")));
+  std::ifstream file(path);
+  std::string head(64 * 1024, '\0');
+  file.read(head.data(), static_cast<std::streamsize>(head.size()));
+  head.resize(static_cast<size_t>(file.gcount()));
+  for (const std::string& kind : kinds) {
+    if (head.find(absl::StrCat("-----BEGIN ", kind, "-----")) != std::string::npos) return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(field, ": ", Quoted(path, kEchoedPathBytes),
+                                                 " is not a PEM file with a '-----BEGIN ", kinds.front(),
+                                                 "-----' block"));
 }
 
 absl::Status CheckModelDir(const std::string& dir, const std::string& field) {
@@ -172,6 +190,17 @@ absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& fi
     auto options = ToPipelineGroupOffloadOptions(p.group_offload(), absl::StrCat(field, ".group_offload"));
     if (!options.ok()) return options.status();
   }
+  std::set<std::string> named_devices;
+  for (int j = 0; j < p.devices_size(); ++j) {
+    const std::string entry = absl::StrCat(field, ".devices[", j, "]");
+    if (p.devices(j).empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, ": empty device name (a device of this server such as "
+                                                     "\"cuda:0\" or \"sim:0\")"));
+    }
+    if (!named_devices.insert(p.devices(j)).second) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, ": ", Quoted(p.devices(j)), " is listed twice"));
+    }
+  }
   // Split layout: the shape of each entry here; which devices and components exist is checked
   // where they are known (DeviceSet, and the load once the pipeline is built).
   if (p.component_devices_size() > 0 && p.devices_size() > 1) {
@@ -271,8 +300,9 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
     return absl::InvalidArgumentError("tls: set both cert_file and key_file, or neither");
   }
   if (!tls.cert_file().empty()) {
-    RETURN_IF_ERROR(CheckReadableFile(tls.cert_file(), "tls.cert_file: "));
-    RETURN_IF_ERROR(CheckReadableFile(tls.key_file(), "tls.key_file: "));
+    RETURN_IF_ERROR(CheckPemFile(tls.cert_file(), "tls.cert_file", {"CERTIFICATE"}));
+    RETURN_IF_ERROR(CheckPemFile(tls.key_file(), "tls.key_file",
+                                 {"PRIVATE KEY", "RSA PRIVATE KEY", "EC PRIVATE KEY", "ENCRYPTED PRIVATE KEY"}));
   }
   if (!config.auth().admin_token().empty() && !config.auth().admin_token_file().empty()) {
     return absl::InvalidArgumentError("auth: set admin_token or admin_token_file, not both");

@@ -36,12 +36,12 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/command_line.h"
 #include "server/config.h"
 #include "server/server.h"
 
@@ -176,7 +176,7 @@ int main(int argc, char** argv) {
 
   absl::SetProgramUsageMessage("Stowage text-to-image inference server. Flags: --config, "
                                "--grpc_address, --metrics_address, --http_address, --api_key_file, --port_file, --demo_dir.");
-  absl::ParseCommandLine(argc, argv);
+  stowage::ParseCommandLine(argc, argv, "server/main.cc");
 
   stowage::v1::ServerConfig config;
   if (!absl::GetFlag(FLAGS_config).empty()) {
@@ -215,6 +215,11 @@ int main(int argc, char** argv) {
     config.mutable_auth()->set_api_key(key);
   }
 
+  // A bad config is bad usage (status 2) whatever its status code (a missing model_dir is NOT_FOUND).
+  if (auto checked = stowage::FinalizeServerConfig(config); !checked.ok()) {
+    Log(absl::StrCat("cannot start: ", checked.status().message()));
+    return 2;
+  }
   Log(absl::StrCat("starting: loading ", std::max(config.pipelines_size(), 1),
                    " pipeline(s); SIGTERM or SIGINT stops the start-up"));
   auto server = stowage::StowageServer::Start(config);

@@ -21,7 +21,6 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/notification.h"
@@ -31,6 +30,7 @@
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
+#include "base/command_line.h"
 #include "clients/stowctl/format.h"
 #include "google/protobuf/text_format.h"
 #include "stowage/v1/admin.grpc.pb.h"
@@ -488,7 +488,7 @@ int main(int argc, char** argv) {
       "[--max_queue_delay_ms=MS] | drain-device --device=D | resume-device --device=D | move-component "
       "--pipeline=P --component=NAME --device=D; admin commands take "
       "--device=D on a server with several devices");
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  std::vector<char*> args = stowage::ParseCommandLine(argc, argv, "clients/stowctl/stowctl.cc");
   if (args.size() != 2) return Usage("expected exactly one command");
   const std::string command = args[1];
   grpc::ChannelArguments channel_args;

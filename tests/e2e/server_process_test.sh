@@ -19,6 +19,26 @@ wait_ports() {  # $1: port file, $2: pid
 }
 field() { /usr/bin/python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])" "$1" "$2"; }
 
+# 00. Usage: --help lists the server's own flags and exits 0 (absl's filter printed "No flags
+#     matched."); a malformed or unknown flag and a config naming a missing model_dir are bad usage
+#     (status 2, as the README says), and so is a malformed stowctl flag.
+"$server" --help >"$tmp/help.log" 2>&1
+rc=$?
+[ $rc -eq 0 ] || fail "--help: rc=$rc"
+grep -q -- "--config" "$tmp/help.log" && grep -q -- "--grpc_address" "$tmp/help.log" || fail "--help does not list the flags"
+! grep -q "No flags matched" "$tmp/help.log" || fail "--help matched no flags"
+"$server" --grpc_address=127.0.0.1:0 --no_such_flag=1 >"$tmp/bad_flag.log" 2>&1
+rc=$?; [ $rc -eq 2 ] || fail "unknown flag: rc=$rc"
+printf 'pipelines { name: "a" model_dir: "/nonexistent/model" }\n' >"$tmp/missing_dir.textproto"
+"$server" --config="$tmp/missing_dir.textproto" --grpc_address=127.0.0.1:0 --metrics_address=none \
+  >"$tmp/missing_dir.log" 2>&1
+rc=$?; [ $rc -eq 2 ] || fail "missing model_dir: rc=$rc"
+grep -q "pipelines\[0\].model_dir: '/nonexistent/model' does not exist" "$tmp/missing_dir.log" || fail "missing model_dir message"
+"$stowctl" generate --prompt=x --steps=abc >"$tmp/stowctl_bad.log" 2>&1
+rc=$?; [ $rc -eq 2 ] || fail "stowctl --steps=abc: rc=$rc"
+"$stowctl" --help >"$tmp/stowctl_help.log" 2>&1
+rc=$?; [ $rc -eq 0 ] && grep -q -- "--prompt" "$tmp/stowctl_help.log" || fail "stowctl --help: rc=$rc"
+
 # A first server, on ports chosen by the kernel.
 "$server" --grpc_address=127.0.0.1:0 --metrics_address=127.0.0.1:0 --port_file="$tmp/first.json" \
   >"$tmp/first.log" 2>&1 &

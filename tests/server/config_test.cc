@@ -313,6 +313,8 @@ TEST(ConfigFilesTest, ConfigPathThatIsNotAReadableFileIsRefusedNamingIt) {
 TEST(ConfigFilesTest, ModelDirAndTlsFilesAreCheckedNamingTheirFields) {
   const std::string tmp = ::testing::TempDir();
   const std::string file = WriteTemp("not_a_dir", "x");
+  const std::string cert = WriteTemp("tls.crt", "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n");
+  const std::string key = WriteTemp("tls.key", "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n");
   struct Case {
     std::string text;
     absl::StatusCode code;
@@ -325,8 +327,18 @@ TEST(ConfigFilesTest, ModelDirAndTlsFilesAreCheckedNamingTheirFields) {
        "pipelines[0].model_dir: '" + file + "' is not a directory"},
       {"tls { cert_file: \"/nonexistent/y\" key_file: \"" + file + "\" }", absl::StatusCode::kNotFound,
        "tls.cert_file: cannot read '/nonexistent/y': no such file"},
-      {"tls { cert_file: \"" + file + "\" key_file: \"" + tmp + "\" }", absl::StatusCode::kInvalidArgument,
+      {"tls { cert_file: \"" + cert + "\" key_file: \"" + tmp + "\" }", absl::StatusCode::kInvalidArgument,
        "tls.key_file: cannot read '" + tmp + "': it is a directory"},
+      // Files that are not PEM are named at start-up (gRPC said only that it could not listen).
+      {"tls { cert_file: \"" + file + "\" key_file: \"" + key + "\" }", absl::StatusCode::kInvalidArgument,
+       "tls.cert_file: '" + file + "' is not a PEM file with a '-----BEGIN CERTIFICATE-----' block"},
+      {"tls { cert_file: \"" + cert + "\" key_file: \"" + cert + "\" }", absl::StatusCode::kInvalidArgument,
+       "tls.key_file: '" + cert + "' is not a PEM file with a '-----BEGIN PRIVATE KEY-----' block"},
+      // An empty or repeated device of a pipeline.
+      {"pipelines { name: \"a\" builtin: \"tiny\" devices: \"\" }", absl::StatusCode::kInvalidArgument,
+       "pipelines[0].devices[0]: empty device name (a device of this server such as \"cuda:0\" or \"sim:0\")"},
+      {"pipelines { name: \"a\" builtin: \"tiny\" devices: \"sim:0\" devices: \"sim:0\" }",
+       absl::StatusCode::kInvalidArgument, "pipelines[0].devices[1]: 'sim:0' is listed twice"},
       {"tls { cert_file: \"" + file + "\" }", absl::StatusCode::kInvalidArgument,
        "tls: set both cert_file and key_file, or neither"},
       {"auth { admin_token_file: \"/nonexistent/token\" }", absl::StatusCode::kNotFound,
@@ -347,8 +359,8 @@ TEST(ConfigFilesTest, ModelDirAndTlsFilesAreCheckedNamingTheirFields) {
   v1::PipelineConfig* p = good.add_pipelines();
   p->set_name("a");
   p->set_model_dir(tmp);  // A directory: checked for existence only; loading reads it later.
-  good.mutable_tls()->set_cert_file(file);
-  good.mutable_tls()->set_key_file(file);
+  good.mutable_tls()->set_cert_file(cert);
+  good.mutable_tls()->set_key_file(key);
   EXPECT_TRUE(FinalizeServerConfig(good).ok()) << FinalizeServerConfig(good).status();
 }
 

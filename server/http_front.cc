@@ -155,13 +155,16 @@ int HttpFront::HandleThunk(mg_connection* conn, void* self) { return static_cast
 int HttpFront::Handle(mg_connection* conn) {
   bool entered = false;
   Reply reply = Route(conn, &entered);
+  // A HEAD reply has a GET reply's head and no body (RFC 9110 9.3.2).
+  const char* method = mg_get_request_info(conn)->request_method;
+  const bool head_only = method != nullptr && std::string(method) == "HEAD";
   std::string head = absl::StrCat("HTTP/1.1 ", reply.status, " ", mg_get_response_code_text(conn, reply.status),
                                   "\r\nContent-Type: application/json\r\nContent-Length: ", reply.body.size(),
                                   "\r\nCache-Control: no-store\r\nConnection: close\r\n");
   for (const auto& [name, value] : reply.headers) absl::StrAppend(&head, name, ": ", value, "\r\n");
   head += "\r\n";
   // A client that has gone makes these fail; there is nobody left to tell.
-  if (mg_write(conn, head.data(), head.size()) > 0 && !reply.body.empty()) {
+  if (mg_write(conn, head.data(), head.size()) > 0 && !reply.body.empty() && !head_only) {
     mg_write(conn, reply.body.data(), reply.body.size());
   }
   if (entered) Leave();
@@ -184,6 +187,24 @@ HttpFront::Reply HttpFront::Route(mg_connection* conn, bool* entered) {
     draining = draining_;
   }
   const OpenAiError shutting_down{503, "the server is shutting down", "server_error", "", "shutting_down"};
+  // Framing that two parties could read two ways (request smuggling): refused before anything else.
+  const char* length = nullptr;
+  bool chunked = false;
+  for (int i = 0; i < info->num_headers; ++i) {
+    const char* name = info->http_headers[i].name;
+    const char* value = info->http_headers[i].value != nullptr ? info->http_headers[i].value : "";
+    if (name == nullptr) continue;
+    if (absl::EqualsIgnoreCase(name, "Transfer-Encoding")) chunked = true;
+    if (!absl::EqualsIgnoreCase(name, "Content-Length")) continue;
+    if (length != nullptr && std::string(length) != value) {
+      return Reply::Error(InvalidRequest(absl::StrCat("two different Content-Length headers (", JsonQuote(Truncated(length)),
+                                                      " and ", JsonQuote(Truncated(value)), ")")));
+    }
+    length = value;
+  }
+  if (length != nullptr && chunked) {
+    return Reply::Error(InvalidRequest("both Content-Length and Transfer-Encoding: send one framing"));
+  }
 
   if (path == kHealthPath) {
     if (method != "GET" && method != "HEAD") return wrong_method("GET");

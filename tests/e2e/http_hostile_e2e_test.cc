@@ -73,6 +73,11 @@ TEST_F(HttpTest, HostileRequestsGetOpenAiErrorsAndTheServerStaysHealthy) {
       {"wrong method", "DELETE /v1/images/generations HTTP/1.1\r\nHost: x\r\n\r\n", 405, "", "method_not_allowed"},
       {"unknown path", "GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n", 404, "", "unknown_url"},
       {"odd path", "GET /%00%ff%0a HTTP/1.1\r\nHost: x\r\n\r\n", 404, "", ""},
+      // Framing two parties could read two ways.
+      {"two content lengths",
+       "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
+       "Content-Length: 15\r\n\r\n{\"prompt\": \"x\"}",
+       400, "", ""},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -103,6 +108,14 @@ TEST_F(HttpTest, HostileRequestsGetOpenAiErrorsAndTheServerStaysHealthy) {
       {"bad chunking", "POST /v1/images/generations HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n"},
       {"nul bytes", std::string("GET /v1/models HTTP/1.1\r\nHost: \0\0\0\r\n\r\n", 38)},
   };
+  // HEAD: the head of the GET reply, no body.
+  {
+    const HttpResponse get = Exchange(http_, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+    const HttpResponse head = Exchange(http_, "HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n");
+    EXPECT_EQ(head.status, 200);
+    EXPECT_EQ(head.body, "");
+    EXPECT_EQ(head.headers.at("content-length"), std::to_string(get.body.size()));
+  }
   for (const auto& [name, raw] : garbage) {
     SCOPED_TRACE(name);
     const auto start = steady_clock::now();

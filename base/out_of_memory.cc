@@ -11,6 +11,18 @@ absl::Status MakeDeviceOomStatus(absl::string_view message) {
   return status;
 }
 
+absl::Status MakeCannotFitStatus(absl::string_view message) {
+  absl::Status status = absl::OutOfRangeError(
+      absl::StrCat(message, "; this request cannot fit on this device (retrying will not help: ask for a smaller "
+                            "image or batch, or serve it from a device with more memory)"));
+  status.SetPayload(kCannotFitPayload, absl::Cord("1"));
+  return status;
+}
+
+bool IsCannotFit(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kOutOfRange && status.GetPayload(kCannotFitPayload).has_value();
+}
+
 bool IsDeviceOom(const absl::Status& status) {
   return status.code() == absl::StatusCode::kResourceExhausted &&
          status.GetPayload(kDeviceOomPayload).has_value();

@@ -18,6 +18,13 @@ inline constexpr absl::string_view kDeviceOomPayload = "type.stowage.dev/DeviceO
 absl::Status MakeDeviceOomStatus(absl::string_view message);
 bool IsDeviceOom(const absl::Status& status);
 
+// A request that cannot fit on its device whatever else moves off it (every other component
+// evicted, its own weights streamed): OUT_OF_RANGE, which clients do not retry (HTTP 400
+// "insufficient_device_memory"), unlike a full queue (RESOURCE_EXHAUSTED, HTTP 429 with Retry-After).
+inline constexpr absl::string_view kCannotFitPayload = "type.stowage.dev/CannotFit";
+absl::Status MakeCannotFitStatus(absl::string_view message);
+bool IsCannotFit(const absl::Status& status);
+
 // Thrown from inside a forward pass (where errors travel as exceptions, like LibTorch's own) when
 // the device cannot satisfy an allocation. Converted to a status by StatusFromException.
 class DeviceOutOfMemory : public std::runtime_error {

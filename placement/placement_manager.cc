@@ -304,7 +304,7 @@ absl::Status PlacementManager::MakeResident(Entry& entry) {
     options.target = OffloadTarget::kPageableHost;
     const absl::Status enabled = EnableLocked(entry, options);
     if (!enabled.ok()) {
-      return absl::ResourceExhaustedError(absl::StrCat(
+      return MakeCannotFitStatus(absl::StrCat(
           "component '", entry.id, "' does not fit on ", backend_->name(), ": onload failed (",
           status.message(), "); evicting every other component did not help; group offloading it "
           "failed too (", enabled.message(), ")"));
@@ -543,7 +543,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     if (status.ok()) {
       ++counters_.oom_recoveries;
     } else if (IsDeviceOom(status)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
+      return MakeCannotFitStatus(absl::StrCat(
           "running '", entry->id, "' ran out of device memory; tried: evicting every other component, "
           "releasing cached memory, group-offloading it; last error: ", status.message()));
     }

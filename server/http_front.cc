@@ -161,6 +161,8 @@ int HttpFront::Handle(mg_connection* conn) {
   std::string head = absl::StrCat("HTTP/1.1 ", reply.status, " ", mg_get_response_code_text(conn, reply.status),
                                   "\r\nContent-Type: application/json\r\nContent-Length: ", reply.body.size(),
                                   "\r\nCache-Control: no-store\r\nConnection: close\r\n");
+  // Busy (a full queue, a draining server): worth retrying, and the client is told when.
+  if (reply.status == 429 || reply.status == 503) absl::StrAppend(&head, "Retry-After: 1\r\n");
   for (const auto& [name, value] : reply.headers) absl::StrAppend(&head, name, ": ", value, "\r\n");
   head += "\r\n";
   // A client that has gone makes these fail; there is nobody left to tell.

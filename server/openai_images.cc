@@ -16,6 +16,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "base/out_of_memory.h"
 #include "base/json_limits.h"
 #include "base/text.h"
 
@@ -170,6 +171,7 @@ OpenAiError InvalidRequest(std::string message, std::string param, std::string c
 
 OpenAiError ErrorFromStatus(const absl::Status& status) {
   const std::string message(status.message());
+  if (IsCannotFit(status)) return OpenAiError{400, message, "invalid_request_error", "", "insufficient_device_memory"};
   switch (status.code()) {
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kOutOfRange:

@@ -168,6 +168,7 @@ TEST_F(HttpTest, AFullQueueAnswers429ButARequestsOwnImagesNeverOverflowIt) {
   a.join();
   b.join();
   ASSERT_EQ(refused.status, 429) << refused.body.substr(0, 300);
+  EXPECT_EQ(refused.headers.count("retry-after") ? refused.headers.at("retry-after") : "", "1");  // Busy: retry.
   const google::protobuf::Struct error = ErrorOf(refused);
   EXPECT_EQ(Field(error, "type"), "rate_limit_error");
   EXPECT_EQ(Field(error, "code"), "queue_full");

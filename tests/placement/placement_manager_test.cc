@@ -1,3 +1,4 @@
+#include "base/out_of_memory.h"
 #include "placement/placement_manager.h"
 
 #include <memory>
@@ -434,11 +435,14 @@ TEST(PlacementScenarioTest, OutOfMemoryIsRecoveredByGroupOffloadingAndTheImageIs
   }
   EXPECT_TRUE(saw_oom);
   EXPECT_TRUE(saw_group_offload);
-  // Far too small for anything: a clear RESOURCE_EXHAUSTED, and what was tried.
+  // Far too small for anything: a clear, non-retryable OUT_OF_RANGE ("cannot fit", not "busy"),
+  // and what was tried.
   Harness tiny;
   ASSERT_TRUE(tiny.backend->SetMemoryBudget(1024).ok());
   auto failed = tiny.Generate();
-  EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_TRUE(IsCannotFit(failed.status())) << failed.status();
+  EXPECT_NE(std::string(failed.status().message()).find("retrying will not help"), std::string::npos);
   EXPECT_NE(std::string(failed.status().message()).find("group offloading it failed too"), std::string::npos)
       << failed.status();
 }

@@ -1,3 +1,4 @@
+#include "base/out_of_memory.h"
 #include "server/openai_images.h"
 
 #include <google/protobuf/struct.pb.h>
@@ -164,6 +165,8 @@ TEST(ErrorFromStatusTest, CoreStatusesBecomeOpenAiErrorsWithTheirHttpStatus) {
       {absl::NotFoundError("pipeline 'x' not found"), 404, "invalid_request_error", "model", "model_not_found"},
       {absl::ResourceExhaustedError("the device queue is full (1 waiting)"), 429, "rate_limit_error", "", "queue_full"},
       {absl::ResourceExhaustedError("out of device memory"), 429, "rate_limit_error", "", "resource_exhausted"},
+      {MakeCannotFitStatus("running 'x/transformer' ran out of device memory"), 400, "invalid_request_error", "",
+       "insufficient_device_memory"},
       {absl::UnavailableError("server is shutting down"), 503, "server_error", "", "unavailable"},
       {absl::FailedPreconditionError("pipeline 'x' is being unloaded"), 503, "server_error", "", "unavailable"},
       {absl::DeadlineExceededError("late"), 504, "server_error", "", "timeout"},

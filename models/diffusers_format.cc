@@ -263,6 +263,16 @@ absl::Status BindWeights(Module& root, const ComponentWeights& weights, at::Scal
                                                        expected.str()));
       return;
     }
+    // A float weight stored as integers (or the reverse) is not a weight of this model, whatever its
+    // bytes: converting it would silently load garbage.
+    if (quantized == nullptr && slot.value.defined() &&
+        at::isFloatingType(slot.value.scalar_type()) != at::isFloatingType(source.scalar_type())) {
+      status = absl::InvalidArgumentError(absl::StrCat(
+          "tensor '", Truncated(name), "' in '", weights.file_of.count(name) ? weights.file_of.at(name) : component_dir,
+          "' is ", c10::toString(source.scalar_type()), "; the model needs ",
+          at::isFloatingType(slot.value.scalar_type()) ? "a floating-point tensor (F32, F16 or BF16)" : "an integer tensor"));
+      return;
+    }
     if (quantized != nullptr) {
       slot.value = Dequantize(*quantized, weights.format, dtype);  // The compute-dtype host copy.
     } else {

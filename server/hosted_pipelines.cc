@@ -69,6 +69,7 @@ void HostedPipelines::Transition(const std::string& name, Target to, bool make_d
     entries_.push_back(Entry{name, PipelineState::kLoading, "", nullptr});
     return;
   }
+  const bool withdrawn_unload = e->state == PipelineState::kUnloading && to == Target::kReady;
   switch (to) {
     case Target::kLoading:
       e->state = PipelineState::kLoading;
@@ -76,7 +77,9 @@ void HostedPipelines::Transition(const std::string& name, Target to, bool make_d
       break;
     case Target::kReady:
       e->state = PipelineState::kReady;
-      if (default_.empty() || make_default) default_ = name;
+      if (make_default) displaced_default_.clear();
+      if (default_.empty() || make_default || (withdrawn_unload && displaced_default_ == name)) default_ = name;
+      if (withdrawn_unload && displaced_default_ == name) displaced_default_.clear();
       break;
     case Target::kFailed:
       e->state = PipelineState::kFailed;
@@ -84,8 +87,10 @@ void HostedPipelines::Transition(const std::string& name, Target to, bool make_d
       break;
     case Target::kUnloading:
       e->state = PipelineState::kUnloading;
+      if (default_ == name) displaced_default_ = name;
       break;
     case Target::kAbsent:
+      if (displaced_default_ == name) displaced_default_.clear();
       entries_.erase(entries_.begin() + (e - entries_.data()));
       break;
   }

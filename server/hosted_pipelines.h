@@ -92,6 +92,10 @@ class HostedPipelines {
   mutable absl::Mutex mu_;
   std::vector<Entry> entries_ ABSL_GUARDED_BY(mu_);
   std::string default_ ABSL_GUARDED_BY(mu_);  // A READY pipeline's name, or "" when none is READY.
+  // The default an unload moved away from (a stand-in took its place): a withdrawn unload
+  // (UNLOADING → READY) gives it back, so a withdrawn change changes nothing. Cleared when the
+  // pipeline goes, or when another is made the default explicitly.
+  std::string displaced_default_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace stowage

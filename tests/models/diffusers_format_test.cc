@@ -122,6 +122,16 @@ TEST(DiffusersFormatTest, BrokenDirectoriesNameTheFileAndTheTensor) {
   shaped.file_of["conv_out.bias"] = "x.safetensors";
   const absl::Status s = BindWeights(vae, shaped, at::kFloat, dir + "/vae");
   EXPECT_NE(std::string(s.message()).find("tensor 'conv_out.bias' in 'x.safetensors' has shape [5]"), std::string::npos) << s;
+  // A float weight relabelled as I32 (same shape and bytes): refused, not converted.
+  ComponentWeights relabelled = *read;
+  relabelled.tensors["conv_out.bias"] = relabelled.tensors["conv_out.bias"].view(at::kInt);
+  relabelled.file_of["conv_out.bias"] = "x.safetensors";
+  const absl::Status r = BindWeights(vae, relabelled, at::kFloat, dir + "/vae");
+  EXPECT_EQ(r.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(r.message()).find("tensor 'conv_out.bias' in 'x.safetensors' is Int; the model needs a "
+                                          "floating-point tensor"),
+            std::string::npos)
+      << r;
 
   // Wrong class and missing component.
   std::ofstream(dir + "/vae/config.json") << "{\"_class_name\": \"AutoencoderKL\"}";

@@ -77,9 +77,18 @@ TEST(HostedPipelinesTest, ExactlyOneDefaultWhileAnyIsReady) {
   ASSERT_TRUE(table.BeginUnload("c").ok());  // The default moves at once, to a READY one.
   EXPECT_EQ(Defaults(table), 1);
   EXPECT_EQ((*table.Resolve(""))->name(), "a");
-  table.AbandonUnload("c");  // Back to READY, but not the default again.
+  table.AbandonUnload("c");  // A withdrawn unload changes nothing: "c" is the default again.
   EXPECT_EQ(Defaults(table), 1);
-  EXPECT_EQ((*table.Resolve(""))->name(), "a");
+  EXPECT_EQ((*table.Resolve(""))->name(), "c");
+  // Unless another was made the default explicitly while it was unloading.
+  ASSERT_TRUE(table.BeginUnload("c").ok());
+  ASSERT_TRUE(table.BeginLoad("d").ok());
+  table.FinishLoad("d", Make("d"), /*make_default=*/true);
+  table.AbandonUnload("c");
+  EXPECT_EQ((*table.Resolve(""))->name(), "d");
+  ASSERT_TRUE(table.BeginUnload("d").ok());
+  table.FinishUnload("d");
+  EXPECT_EQ((*table.Resolve(""))->name(), "a");  // The first READY one stands in.
   ASSERT_TRUE(table.BeginUnload("a").ok());
   ASSERT_TRUE(table.BeginUnload("b").ok());
   EXPECT_EQ((*table.Resolve(""))->name(), "c");

@@ -8,6 +8,8 @@
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 
+#include <nlohmann/json.hpp>
+
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -205,6 +207,12 @@ std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t ma
   if (!limits.ok()) return InvalidRequest(std::string(limits.message()));
   const absl::string_view trimmed = absl::StripLeadingAsciiWhitespace(body);
   if (trimmed.empty() || trimmed[0] != '{') return InvalidRequest("request body must be a JSON object");
+  // Strict RFC 8259 first (nlohmann-json, Debian's): protobuf's JSON reader also takes unquoted keys,
+  // single quotes and trailing commas ({prompt: 'x',}), which no JSON client sends.
+  if (!nlohmann::json::accept(body.begin(), body.end())) {
+    return InvalidRequest("request body is not valid JSON (RFC 8259: quoted keys and strings, no trailing commas, "
+                          "nothing after the object)");
+  }
   Struct json;
   google::protobuf::util::JsonParseOptions options;
   const auto parsed = google::protobuf::util::JsonStringToMessage(std::string(body), &json, options);

@@ -30,6 +30,8 @@ packages=(
   prometheus-cpp-dev libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libcivetweb1 libcivetweb-dev
   # GoogleTest / GoogleMock: headers and static libgtest.a, libgmock.a, libgmock_main.a.
   libgtest-dev libgmock-dev
+  # nlohmann-json (header-only): the HTTP front's strict JSON check (server/openai_images.cc).
+  nlohmann-json3-dev
   # PNG encoding (models/image.cc) and zlib's header / link name.
   libpng-dev libpng16-16 zlib1g-dev
   # The BPE tokenizer: PCRE2 (Unicode regex with lookahead) and utf8proc (NFC).

@@ -36,6 +36,7 @@ TEST_F(HttpTest, HostileRequestsGetOpenAiErrorsAndTheServerStaysHealthy) {
   const std::vector<Case> cases = {
       {"malformed", post("{\"prompt\": "), 400, "", ""},
       {"not an object", post("[\"prompt\"]"), 400, "", ""},
+      {"lenient JSON", post("{prompt: 'x',}"), 400, "", ""},
       {"deep nesting", post("{\"a\": " + deep + "}"), 400, "", ""},
       {"binary", post(std::string("\x00\x01\x02\xff\xfe", 5)), 400, "", ""},
       {"invalid UTF-8", post("{\"prompt\": \"\xed\xa0\x80\"}"), 400, "", ""},  // A surrogate.

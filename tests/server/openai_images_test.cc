@@ -83,6 +83,9 @@ TEST(ParseImagesRequestTest, HostileBodiesAreRefusedNamingTheField) {
       {"{\"prompt\": null}", 400, "prompt", "prompt is required"},
       {"{\"prompt\": 1}", 400, "prompt", "must be a string, not a number"},
       {"{\"prompt\": [\"x\"]}", 400, "prompt", "not an array"},
+      // Not JSON, though protobuf's lenient reader took them.
+      {"{prompt: 'x',}", 400, "", "not valid JSON"},
+      {"{\"prompt\": \"x\",}", 400, "", "not valid JSON"},
       {"{\"prompt\": {\"a\": 1}}", 400, "prompt", "not an object"},
       {"{\"prompt\": true}", 400, "prompt", "not a boolean"},
       {"{\"prompt\": \"x\", \"model\": 7}", 400, "model", "model must be a string"},

@@ -13,6 +13,7 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
+#include "models/core/fused_ops.h"
 #include "google/protobuf/text_format.h"
 #include "models/tiny_pipeline.h"
 #include "server/admin_service.h"
@@ -215,18 +216,32 @@ TEST_F(AdminE2ETest, LoadAndUnloadPipelines) {
   bad.mutable_pipeline()->set_name("Bad Name");
   bad.mutable_pipeline()->set_builtin("tiny");
   EXPECT_EQ(admin_->LoadPipeline(Authed().get(), bad, &loaded).error_code(), grpc::INVALID_ARGUMENT);
-  // FP8 compute on the simulated device (no FP8 tensor cores; CI's LibTorch has no float8 either):
-  // refused before anything loads, naming the field and the device; nothing is left registered.
+  // FP8 compute: where the device cannot run FP8 GEMMs (the simulated device; CI's LibTorch has no
+  // float8 either) the load is refused before anything loads, with the code Fp8Supported gives,
+  // naming the field and the device; on a CUDA device with FP8 it loads and says so.
   v1::LoadPipelineRequest fp8;
   fp8.mutable_pipeline()->set_name("fp8");
   fp8.mutable_pipeline()->set_builtin("zimage-tiny");
   fp8.mutable_pipeline()->set_dtype("bfloat16");
   (*fp8.mutable_pipeline()->mutable_compute())["transformer"] = v1::COMPUTE_FP8;
-  const grpc::Status refused = admin_->LoadPipeline(Authed().get(), fp8, &loaded);
-  EXPECT_TRUE(refused.error_code() == grpc::FAILED_PRECONDITION || refused.error_code() == grpc::UNIMPLEMENTED)
-      << refused.error_code() << " " << refused.error_message();
-  EXPECT_NE(refused.error_message().find("pipeline.compute: FP8 on device sim:0"), std::string::npos)
-      << refused.error_message();
+  const std::string device = server_->device_name();
+  const absl::Status supported = fused::Fp8Supported(
+      device.rfind("cuda:", 0) == 0 ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU));
+  const grpc::Status result = admin_->LoadPipeline(Authed().get(), fp8, &loaded);
+  if (supported.ok()) {
+    ASSERT_TRUE(result.ok()) << result.error_message();
+    bool converted = false;
+    for (const auto& c : loaded.pipeline().components()) converted |= c.name() == "transformer" && c.compute() == "fp8";
+    EXPECT_TRUE(converted);
+    v1::UnloadPipelineRequest drop;
+    drop.set_name("fp8");
+    v1::UnloadPipelineResponse dropped;
+    ASSERT_TRUE(admin_->UnloadPipeline(Authed().get(), drop, &dropped).ok());
+  } else {
+    EXPECT_EQ(static_cast<int>(result.error_code()), static_cast<int>(supported.code())) << result.error_message();
+    EXPECT_NE(result.error_message().find("pipeline.compute: FP8 on device " + device), std::string::npos)
+        << result.error_message();
+  }
   v1::GenerateResponse a, b;
   ASSERT_TRUE(Generate("second", &a).ok());
   ASSERT_TRUE(Generate("zimage-tiny", &b).ok());

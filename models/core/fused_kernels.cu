@@ -40,16 +40,16 @@ __device__ __forceinline__ float WarpMax(float v) {
   return v;
 }
 
-// Sum (or max) over the block's kRowThreads threads; every thread gets the result. `shared` holds
-// 33 floats and may be reused once this returns.
-template <bool kMax>
+// Sum (or max) over the block's kThreads threads; every thread gets the result. `shared` holds 33
+// floats and may be reused once this returns.
+template <bool kMax, int kThreads = kRowThreads>
 __device__ float BlockReduce(float v, float* shared) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   v = kMax ? WarpMax(v) : WarpSum(v);
   if (lane == 0) shared[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    float w = lane < kRowThreads / 32 ? shared[lane] : (kMax ? 0.f : 0.f);
+    float w = lane < kThreads / 32 ? shared[lane] : 0.f;  // 0 is neutral for both: |x| >= 0.
     w = kMax ? WarpMax(w) : WarpSum(w);
     if (lane == 0) shared[32] = w;
   }
@@ -306,18 +306,7 @@ __global__ void __launch_bounds__(kQuantThreads) QuantizeRowsFp8Kernel(const bf1
 #pragma unroll
     for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__bfloat162float(v.v[j])));
   }
-  // BlockReduce assumes kRowThreads threads: reduce over kQuantThreads here.
-  amax = WarpMax(amax);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) shared[warp] = amax;
-  __syncthreads();
-  if (warp == 0) {
-    float w = lane < kQuantThreads / 32 ? shared[lane] : 0.f;
-    w = WarpMax(w);
-    if (lane == 0) shared[32] = w;
-  }
-  __syncthreads();
-  amax = shared[32];
+  amax = BlockReduce<true, kQuantThreads>(amax, shared);
   const float s = amax > 0.f ? amax / 448.f : 1.f;
   if (threadIdx.x == 0) scale[row] = s;
   const float inv = 1.f / s;
@@ -492,30 +481,30 @@ int QuantizeRowsFp8(const void* x, void* q, float* scale, int64_t rows, int64_t 
   return LastError();
 }
 
-int GeluTanh(const void* x, Rows x_rows, void* out, Rows out_rows, int64_t batch, int64_t seq, int64_t cols,
-             void* stream) {
+namespace {
+
+template <RowOp kOp>
+int LaunchRows(const void* x, Rows x_rows, void* out, Rows out_rows, int64_t batch, int64_t seq, int64_t cols,
+               void* stream) {
   if (!RowsOk(x_rows, cols) || !RowsOk(out_rows, cols) || batch <= 0 || seq <= 0 || cols <= 0) {
     return static_cast<int>(cudaErrorInvalidValue);
   }
   const int64_t chunks = batch * seq * cols / 8;
-  RowsKernel<RowOp::kGelu><<<dim3(static_cast<unsigned>(GridFor(chunks, 256))), 256, 0,
-                             static_cast<cudaStream_t>(stream)>>>(static_cast<const bf16*>(x), x_rows,
-                                                                  static_cast<bf16*>(out), out_rows, seq, chunks,
-                                                                  cols / 8);
+  RowsKernel<kOp><<<dim3(static_cast<unsigned>(GridFor(chunks, 256))), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const bf16*>(x), x_rows, static_cast<bf16*>(out), out_rows, seq, chunks, cols / 8);
   return LastError();
+}
+
+}  // namespace
+
+int GeluTanh(const void* x, Rows x_rows, void* out, Rows out_rows, int64_t batch, int64_t seq, int64_t cols,
+             void* stream) {
+  return LaunchRows<RowOp::kGelu>(x, x_rows, out, out_rows, batch, seq, cols, stream);
 }
 
 int CopyRows(const void* x, Rows x_rows, void* out, Rows out_rows, int64_t batch, int64_t seq, int64_t cols,
              void* stream) {
-  if (!RowsOk(x_rows, cols) || !RowsOk(out_rows, cols) || batch <= 0 || seq <= 0 || cols <= 0) {
-    return static_cast<int>(cudaErrorInvalidValue);
-  }
-  const int64_t chunks = batch * seq * cols / 8;
-  RowsKernel<RowOp::kCopy><<<dim3(static_cast<unsigned>(GridFor(chunks, 256))), 256, 0,
-                             static_cast<cudaStream_t>(stream)>>>(static_cast<const bf16*>(x), x_rows,
-                                                                  static_cast<bf16*>(out), out_rows, seq, chunks,
-                                                                  cols / 8);
-  return LastError();
+  return LaunchRows<RowOp::kCopy>(x, x_rows, out, out_rows, batch, seq, cols, stream);
 }
 
 int GatedAdd(const void* x, const void* gate, int64_t gate_batch_stride, const void* y, void* out, int64_t batch,

@@ -107,10 +107,12 @@ def summarize_trace(path, out_path, title):
 
     def kind(name):
         low = name.lower()
-        if any(k in low for k in ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "cublas", "matmul")):
-            return "gemm"
-        if any(k in low for k in ("flash", "fmha", "attention", "cudnn", "attn")):
+        # Attention first: cuDNN's attention kernels are named sdpa_sm90_..._wgmma_..., which the
+        # GEMM patterns would match too.
+        if any(k in low for k in ("flash", "fmha", "attention", "sdpa", "attn")):
             return "attention"
+        if any(k in low for k in ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul")):
+            return "gemm"
         return "other"
 
     classes = {}

@@ -21,6 +21,20 @@ if [ ! -x "$build/bench/offload_bench" ]; then
   stamp "no offload_bench: see build_tail.txt"
   exit 1
 fi
+# One line per row of a compute or e2e JSON-lines file, into summary.txt too.
+summarize() {
+  python3 - "$1" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r["bench"] == "compute":
+        print(f"{r['model']:7s} {r['system']:18s} {r['mode']:5s} {r['path']:13s} step {r['step_s']:.4f} s "
+              f"x_limit {r['x_limit']:.2f} rel_l2 {r['rel_l2']:.4g}")
+    else:
+        print(f"e2e {r['system']:18s} {r.get('mode', 'bf16'):5s} {r.get('format', 'png'):8s} warm {r['warm_s']:.3f} s "
+              f"first {r['first_s']:.3f} s png {r.get('png_s', 0):.3f} s load {r.get('load_s', 0):.1f} s")
+PY
+}
 parts=" ${PARTS:-compute} "
 if [[ $parts == *" compute "* || $parts == *" conformance "* ]]; then
   stamp "conformance"
@@ -37,13 +51,7 @@ for model in ${MODELS:-zimage flux}; do
     --diffusers "${DIFFUSERS:-eager,compile}" >"$OUT/compute_$model.log" 2>&1
   stamp "compute $model exit $?"
 done
-python3 - "$OUT/compute.jsonl" <<'PY' | tee -a "$OUT/summary.txt"
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(f"{r['model']:7s} {r['system']:18s} {r['mode']:5s} {r['path']:13s} step {r['step_s']:.4f} s "
-          f"x_limit {r['x_limit']:.2f} rel_l2 {r['rel_l2']:.4g}")
-PY
+summarize "$OUT/compute.jsonl"
 fi
 if [[ $parts == *" fidelity "* ]]; then
   stamp "fidelity"
@@ -79,11 +87,5 @@ if [[ $parts == *" e2e "* ]]; then
       /tmp/e2e-zimage "$OUT/e2e.jsonl" "$machine" 1024 8 "$system" >>"$OUT/e2e.log" 2>&1
     stamp "e2e $system exit $?"
   done
-  python3 - "$OUT/e2e.jsonl" <<'PY' | tee -a "$OUT/summary.txt"
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(f"e2e {r['system']:18s} {r.get('mode', 'bf16'):5s} {r.get('format', 'png'):8s} warm {r['warm_s']:.3f} s first {r['first_s']:.3f} s "
-          f"png {r.get('png_s', 0):.3f} s load {r.get('load_s', 0):.1f} s")
-PY
+  summarize "$OUT/e2e.jsonl"
 fi

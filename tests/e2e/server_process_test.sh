@@ -36,6 +36,8 @@ rc=$?; [ $rc -eq 2 ] || fail "missing model_dir: rc=$rc"
 grep -q "pipelines\[0\].model_dir: '/nonexistent/model' does not exist" "$tmp/missing_dir.log" || fail "missing model_dir message"
 "$stowctl" generate --prompt=x --steps=abc >"$tmp/stowctl_bad.log" 2>&1
 rc=$?; [ $rc -eq 2 ] || fail "stowctl --steps=abc: rc=$rc"
+"$stowctl" generate --prompt=x --format=jpeg >"$tmp/stowctl_format.log" 2>&1
+rc=$?; [ $rc -eq 2 ] && grep -q "not one of png, png_fast, rgb" "$tmp/stowctl_format.log" || fail "stowctl --format=jpeg: rc=$rc"
 "$stowctl" --help >"$tmp/stowctl_help.log" 2>&1
 rc=$?; [ $rc -eq 0 ] && grep -q -- "--prompt" "$tmp/stowctl_help.log" || fail "stowctl --help: rc=$rc"
 

@@ -79,16 +79,6 @@ TEST(FusedOpsReferenceTest, RopeReferenceEqualsComplexRotation) {
   EXPECT_TRUE(out.slice(1, 0, offset).isnan().all().item<bool>());
 }
 
-TEST(FusedOpsReferenceTest, LayerNormModulateAndSiluMulAreTheEagerOps) {
-  c10::InferenceMode mode;
-  const at::Tensor x = at::randn({2, 5, 16}).to(at::kBFloat16);
-  const at::Tensor scale = at::randn({2, 1, 16}).to(at::kBFloat16), shift = at::randn({2, 1, 16}).to(at::kBFloat16);
-  const at::Tensor want = at::layer_norm(x.to(at::kFloat), {16}, {}, {}, 1e-6).to(at::kBFloat16) * scale + shift;
-  EXPECT_TRUE(at::equal(fused::LayerNormModulate(x, scale, shift, 1e-6), want));
-  const at::Tensor a = at::randn({4, 24}), b = at::randn({4, 24});
-  EXPECT_TRUE(at::equal(fused::SiluMul(a, b), at::silu(a) * b));
-}
-
 TEST(FusedOpsReferenceTest, ForwardConcatOffCudaIsLinearOfTheConcatenation) {
   c10::InferenceMode mode;
   Linear linear(10, 6, true, LayerOptions{at::kFloat});

@@ -74,6 +74,24 @@ TEST(ConfigTest, TextFormatAndJsonParseToTheSameConfig) {
   EXPECT_EQ(a->device().memory_budget_bytes(), 1048576);
 }
 
+// PipelineConfig.compute from JSON: a mode number the enum does not name is refused naming the
+// entry (or by the JSON reader itself); never taken as some mode.
+TEST(ConfigTest, AnUnknownComputeModeIsRefused) {
+  const std::string json = WriteTemp("compute.json", R"({"pipelines": [{"name": "a", "builtin": "zimage-tiny",
+    "dtype": "bfloat16", "compute": {"transformer": 7}}]})");
+  auto loaded = LoadServerConfig(json);
+  if (!loaded.ok()) {
+    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument) << loaded.status();
+    return;
+  }
+  auto finalized = FinalizeServerConfig(*loaded);
+  ASSERT_FALSE(finalized.ok());
+  EXPECT_EQ(finalized.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(finalized.status().message()).find("pipelines[0].compute['transformer']: unknown compute mode 7"),
+            std::string::npos)
+      << finalized.status();
+}
+
 TEST(ConfigTest, SyntaxErrorsNameFileAndLine) {
   auto bad = LoadServerConfig(WriteTemp("bad.textproto", "queue_depth: 3\nno_such_field: 1\n"));
   ASSERT_FALSE(bad.ok());

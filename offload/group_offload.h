@@ -47,7 +47,7 @@
 // streamed per forward, subject to resident + always-on + slots <= budget, and streams the rest.
 //
 // Ownership (thread-safety): a GroupOffloader is device state. Only the device's worker thread
-// (server/device_worker.h) may Apply, destroy (Remove), ReleaseSlots, or run forwards of the
+// (runtime/device_worker.h) may Apply, destroy (Remove), ReleaseSlots, or run forwards of the
 // module through it, one at a time, and only it calls the accessors (stats(), device_bytes(),
 // holds_slots(), bytes_needed_to_run()). Readers on other threads (admin handlers, the metrics
 // scrape) never touch it: they read a snapshot of its stats that the worker publishes after each

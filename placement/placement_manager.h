@@ -3,7 +3,7 @@
 // to the device); components stay resident until something moves them.
 //
 // Ownership: a PlacementManager is device state. It is thread-compatible and owned by its
-// device's worker (server/device_worker.h): every method but DecisionLog runs on that one thread
+// device's worker (runtime/device_worker.h): every method but DecisionLog runs on that one thread
 // (or, before a worker exists and in single-threaded tests, on whichever single thread owns it).
 // Nothing here locks around a forward because nothing else may touch the registry, the hooks or
 // the group offloaders while one runs. Other threads read the PlacementSnapshot that the owner

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "server/admin_core.h"
+#include "runtime/admin_core.h"
 #include "stowage/v1/admin.grpc.pb.h"
 
 namespace stowage {

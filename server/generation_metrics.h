@@ -7,8 +7,8 @@
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
-#include "server/device_set.h"
-#include "server/metrics.h"
+#include "runtime/device_set.h"
+#include "runtime/metrics.h"
 #include "stowage/v1/generation.pb.h"
 
 namespace stowage {

@@ -3,8 +3,8 @@
 #ifndef STOWAGE_SERVER_GENERATION_SERVICE_H_
 #define STOWAGE_SERVER_GENERATION_SERVICE_H_
 
-#include "server/device_set.h"
-#include "server/metrics.h"
+#include "runtime/device_set.h"
+#include "runtime/metrics.h"
 #include "stowage/v1/generation.grpc.pb.h"
 
 namespace stowage {

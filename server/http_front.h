@@ -35,8 +35,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/device_set.h"
-#include "server/metrics.h"
+#include "runtime/device_set.h"
+#include "runtime/metrics.h"
 
 struct mg_connection;
 struct mg_context;

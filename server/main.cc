@@ -42,7 +42,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/command_line.h"
-#include "server/config.h"
+#include "runtime/config.h"
 #include "server/server.h"
 
 ABSL_FLAG(std::string, config, "",

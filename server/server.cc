@@ -21,13 +21,13 @@
 #include "absl/time/time.h"
 #include "base/status_macros.h"
 #include "prometheus/exposer.h"
-#include "server/config.h"
-#include "server/device_set.h"
-#include "server/generation_core.h"
+#include "runtime/config.h"
+#include "runtime/device_set.h"
+#include "runtime/generation_core.h"
 #include "server/admin_service.h"
 #include "server/generation_service.h"
 #include "server/http_front.h"
-#include "server/metrics.h"
+#include "runtime/metrics.h"
 
 namespace stowage {
 namespace {

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 # Directories whose .cc files must be built by both descriptions; every other top-level folder
 # that holds a BUILD file (bench/, ...) is added to these, third_party/ excepted.
-SOURCE_DIRS = ("offload", "models", "placement", "server", "clients", "tests")
+SOURCE_DIRS = ("offload", "models", "placement", "runtime", "server", "clients", "tests")
 NOT_SOURCE_DIRS = ("third_party",)
 BUILD_FILE_NAMES = ("BUILD", "BUILD.bazel")
 CMAKE_FILE = "CMakeLists.txt"

@@ -10,6 +10,9 @@
 #             and + torch.compile on the same files: e2e.jsonl, e2e.log
 #   fidelity  the demo pipeline `shapes` in float32, bf16 and fp8 (bench/fidelity_bench.py):
 #             fidelity.jsonl
+#   ctest     every test CMake builds (ctest -j 4; tests that use the server's default device run on
+#             cuda:0): ctest.log, ctest_junit.xml; failures re-run with thread_stack_shim.so when civetweb
+#             could not start its threads (build_and_serve.sh says why)
 # Results in $OUT (summary.txt too; build_tail.txt when the build fails).
 #   OUT=$OUT MODELS="zimage flux" deploy/gpu_host/unpack_and_run.sh bash deploy/gpu_host/run_compute_suite.sh
 #   OUT=$OUT PARTS="e2e fidelity" deploy/gpu_host/unpack_and_run.sh bash deploy/gpu_host/run_compute_suite.sh
@@ -36,6 +39,19 @@ for line in open(sys.argv[1]):
 PY
 }
 parts=" ${PARTS:-compute} "
+if [[ $parts == *" ctest "* ]]; then
+  stamp "ctest"
+  (cd "$build" && OMP_NUM_THREADS=4 timeout "${CTEST_TIMEOUT:-420}" ctest --output-on-failure -j 4 \
+    --output-junit "$OUT/ctest_junit.xml") >"$OUT/ctest.log" 2>&1
+  stamp "ctest exit $?: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log" | tail -1)"
+  sed -n '/The following tests FAILED/,$p' "$OUT/ctest.log" >>"$OUT/summary.txt"
+  if grep -q 'null context when constructing CivetServer' "$OUT/ctest.log" &&
+      gcc -shared -fPIC -O2 -o /tmp/thread_stack_shim.so deploy/gpu_host/thread_stack_shim.c -ldl; then
+    (cd "$build" && LD_PRELOAD=/tmp/thread_stack_shim.so OMP_NUM_THREADS=4 timeout 300 ctest --output-on-failure \
+      -j 4 --rerun-failed) >"$OUT/ctest_shim.log" 2>&1
+    stamp "ctest re-run with the shim exit $?: $(grep -E 'tests passed|tests failed' "$OUT/ctest_shim.log" | tail -1)"
+  fi
+fi
 if [[ $parts == *" compute "* || $parts == *" conformance "* ]]; then
   stamp "conformance"
   timeout 300 "$build/tests/models/fused_ops_test" >"$OUT/conformance.txt" 2>&1

@@ -12,7 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "models/image.h"
-#include "server/config.h"
+#include "runtime/config.h"
 #include "server/server.h"
 #include "stowage/v1/admin.grpc.pb.h"
 #include "stowage/v1/generation.grpc.pb.h"

@@ -4,7 +4,7 @@
 // on the worker and measures their statistics. Knows protobuf messages, not gRPC.
 //
 // Ownership model (ARCHITECTURE.md, "Who may change device state"): the backend and the
-// PlacementManager are touched only by the device's worker (server/device_worker.h). Requests are
+// PlacementManager are touched only by the device's worker (runtime/device_worker.h). Requests are
 // jobs on that worker; every change to device state — registering or removing a pipeline's
 // components, group offload, strategies — is a task posted with ChangeDevice (or by
 // LoadPipeline/UnloadPipeline), which runs between requests and which the caller waits for with
@@ -22,8 +22,8 @@
 // every device, then StopWorker).
 //
 // Thread-safety: every public method may be called from any thread except the worker's.
-#ifndef STOWAGE_SERVER_GENERATION_CORE_H_
-#define STOWAGE_SERVER_GENERATION_CORE_H_
+#ifndef STOWAGE_RUNTIME_GENERATION_CORE_H_
+#define STOWAGE_RUNTIME_GENERATION_CORE_H_
 
 #include <atomic>
 #include <functional>
@@ -41,9 +41,9 @@
 #include "models/pipeline.h"
 #include "offload/device_backend.h"
 #include "placement/placement_manager.h"
-#include "server/device_worker.h"
-#include "server/hosted_pipelines.h"
-#include "server/metrics.h"
+#include "runtime/device_worker.h"
+#include "runtime/hosted_pipelines.h"
+#include "runtime/metrics.h"
 #include "stowage/v1/config.pb.h"
 #include "stowage/v1/generation.pb.h"
 
@@ -249,4 +249,4 @@ class GenerationCore {
 
 }  // namespace stowage
 
-#endif  // STOWAGE_SERVER_GENERATION_CORE_H_
+#endif  // STOWAGE_RUNTIME_GENERATION_CORE_H_

@@ -1,4 +1,4 @@
-#include "server/device_set.h"
+#include "runtime/device_set.h"
 
 #include <algorithm>
 #include <memory>
@@ -11,7 +11,7 @@
 #include "base/text.h"
 #include "google/protobuf/util/time_util.h"
 #include "offload/device_backend.h"
-#include "server/config.h"
+#include "runtime/config.h"
 
 namespace stowage {
 namespace {

@@ -1,4 +1,4 @@
-#include "server/config.h"
+#include "runtime/config.h"
 
 #include <sys/stat.h>
 #include <unistd.h>

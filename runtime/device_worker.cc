@@ -1,4 +1,4 @@
-#include "server/device_worker.h"
+#include "runtime/device_worker.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "server/metrics.h"
+#include "runtime/metrics.h"
 
 #include <dlfcn.h>
 #include <pthread.h>

@@ -1,4 +1,4 @@
-#include "server/hosted_pipelines.h"
+#include "runtime/hosted_pipelines.h"
 
 #include <algorithm>
 #include <cstdlib>

@@ -2,8 +2,8 @@
 // helpers. Names follow Prometheus conventions: prefix stowage_, base units, _total for counters.
 //
 // Thread-safety: all methods are thread-safe (prometheus-cpp metrics are).
-#ifndef STOWAGE_SERVER_METRICS_H_
-#define STOWAGE_SERVER_METRICS_H_
+#ifndef STOWAGE_RUNTIME_METRICS_H_
+#define STOWAGE_RUNTIME_METRICS_H_
 
 #include <cstdint>
 #include <functional>
@@ -80,4 +80,4 @@ std::string StatusCodeLabel(absl::StatusCode code);
 
 }  // namespace stowage
 
-#endif  // STOWAGE_SERVER_METRICS_H_
+#endif  // STOWAGE_RUNTIME_METRICS_H_

@@ -1,4 +1,4 @@
-#include "server/config.h"
+#include "runtime/config.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -191,7 +191,7 @@ TEST(ConfigTest, GroupOffloadOptionsPassDepthAndPinInPlace) {
 namespace stowage {
 namespace {
 
-// Every numeric option: below, at and above each bound of its documented range (server/config.h).
+// Every numeric option: below, at and above each bound of its documented range (runtime/config.h).
 struct RangeCase {
   std::string field;
   std::function<void(v1::ServerConfig&, int64_t)> set;

@@ -1,4 +1,4 @@
-#include "server/admin_core.h"
+#include "runtime/admin_core.h"
 
 #include <algorithm>
 #include <iostream>
@@ -7,7 +7,7 @@
 #include "base/status_macros.h"
 #include "base/text.h"
 #include "google/protobuf/util/time_util.h"
-#include "server/config.h"
+#include "runtime/config.h"
 
 namespace stowage {
 namespace {

@@ -1,7 +1,7 @@
 // DeviceSet: the devices of one server and the routing of requests between them.
 //
 // Each device is a GenerationCore: its own backend, worker, queue, budget, placement registry and
-// strategy, changed only by its worker (server/device_worker.h). A pipeline is loaded onto one or
+// strategy, changed only by its worker (runtime/device_worker.h). A pipeline is loaded onto one or
 // more devices (PipelineConfig.devices); each copy is a full replica, and a request goes to the
 // READY, non-draining replica with the shortest expected wait: (requests in flight there + 1) ×
 // that device's recent run time (an exponential average; a device that has not run yet counts as the
@@ -13,8 +13,8 @@
 // and message is GenerationCore's.
 //
 // Thread-safety: every method may be called from any thread but a device worker's.
-#ifndef STOWAGE_SERVER_DEVICE_SET_H_
-#define STOWAGE_SERVER_DEVICE_SET_H_
+#ifndef STOWAGE_RUNTIME_DEVICE_SET_H_
+#define STOWAGE_RUNTIME_DEVICE_SET_H_
 
 #include <map>
 #include <memory>
@@ -24,8 +24,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "server/generation_core.h"
-#include "server/metrics.h"
+#include "runtime/generation_core.h"
+#include "runtime/metrics.h"
 #include "stowage/v1/admin.pb.h"
 #include "stowage/v1/config.pb.h"
 #include "stowage/v1/generation.pb.h"
@@ -106,4 +106,4 @@ class DeviceSet {
 
 }  // namespace stowage
 
-#endif  // STOWAGE_SERVER_DEVICE_SET_H_
+#endif  // STOWAGE_RUNTIME_DEVICE_SET_H_

@@ -16,8 +16,8 @@
 // calls FinishLoad / FinishUnload from inside the task that registers or removes the components.
 //
 // Thread-safety: thread-safe.
-#ifndef STOWAGE_SERVER_HOSTED_PIPELINES_H_
-#define STOWAGE_SERVER_HOSTED_PIPELINES_H_
+#ifndef STOWAGE_RUNTIME_HOSTED_PIPELINES_H_
+#define STOWAGE_RUNTIME_HOSTED_PIPELINES_H_
 
 #include <memory>
 #include <string>
@@ -100,4 +100,4 @@ class HostedPipelines {
 
 }  // namespace stowage
 
-#endif  // STOWAGE_SERVER_HOSTED_PIPELINES_H_
+#endif  // STOWAGE_RUNTIME_HOSTED_PIPELINES_H_

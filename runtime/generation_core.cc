@@ -1,4 +1,4 @@
-#include "server/generation_core.h"
+#include "runtime/generation_core.h"
 
 #include <algorithm>
 #include <array>
@@ -20,7 +20,7 @@
 #include "models/core/fused_ops.h"
 #include "models/pipeline_registry.h"
 #include "base/status_macros.h"
-#include "server/config.h"
+#include "runtime/config.h"
 #include "base/process_memory.h"
 
 namespace stowage {

@@ -1,7 +1,7 @@
 // Server configuration: loading (protobuf text format or JSON, parsed by protobuf itself),
 // defaults, and validation that names the offending field.
-#ifndef STOWAGE_SERVER_CONFIG_H_
-#define STOWAGE_SERVER_CONFIG_H_
+#ifndef STOWAGE_RUNTIME_CONFIG_H_
+#define STOWAGE_RUNTIME_CONFIG_H_
 
 #include <cstdint>
 #include <string>
@@ -91,4 +91,4 @@ absl::StatusOr<std::unique_ptr<OffloadStrategy>> ToOffloadStrategy(
 
 }  // namespace stowage
 
-#endif  // STOWAGE_SERVER_CONFIG_H_
+#endif  // STOWAGE_RUNTIME_CONFIG_H_

@@ -31,8 +31,8 @@
 // Thread-safety: Submit and RunTask may be called from any thread except the worker's own (a task
 // that posted another task and waited would deadlock; RunTask refuses that with INTERNAL). Call may
 // be called from any thread; on the worker's own thread it runs the function in place.
-#ifndef STOWAGE_SERVER_DEVICE_WORKER_H_
-#define STOWAGE_SERVER_DEVICE_WORKER_H_
+#ifndef STOWAGE_RUNTIME_DEVICE_WORKER_H_
+#define STOWAGE_RUNTIME_DEVICE_WORKER_H_
 
 #include <any>
 #include <cstdint>
@@ -184,4 +184,4 @@ class DeviceWorker {
 
 }  // namespace stowage
 
-#endif  // STOWAGE_SERVER_DEVICE_WORKER_H_
+#endif  // STOWAGE_RUNTIME_DEVICE_WORKER_H_

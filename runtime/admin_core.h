@@ -8,12 +8,12 @@
 // changes are all or nothing on the worker. Client text echoed in messages is cut to a short prefix.
 //
 // Thread-safety: thread-safe (every method may be called from any thread but the device worker's).
-#ifndef STOWAGE_SERVER_ADMIN_CORE_H_
-#define STOWAGE_SERVER_ADMIN_CORE_H_
+#ifndef STOWAGE_RUNTIME_ADMIN_CORE_H_
+#define STOWAGE_RUNTIME_ADMIN_CORE_H_
 
 #include "absl/status/statusor.h"
-#include "server/device_set.h"
-#include "server/generation_core.h"
+#include "runtime/device_set.h"
+#include "runtime/generation_core.h"
 #include "stowage/v1/admin.pb.h"
 
 namespace stowage {
@@ -50,4 +50,4 @@ class AdminCore {
 
 }  // namespace stowage
 
-#endif  // STOWAGE_SERVER_ADMIN_CORE_H_
+#endif  // STOWAGE_RUNTIME_ADMIN_CORE_H_

@@ -7,7 +7,7 @@ here=$(pwd)  # Holds server/ and bench/ (Bazel's runfiles root, or the CMake bui
 scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 /usr/bin/python3 "$scripts/make_zimage_random_dir.py" "$TEST_TMPDIR/zimage" --size tiny >/dev/null
 out="$TEST_TMPDIR/batching.jsonl"
-bash "$scripts/batching.sh" "$here/server/stowage_server" "$here/bench/load_bench" "$TEST_TMPDIR/zimage" "$out" \
+MODES="resident streamed" bash "$scripts/batching.sh" "$here/server/stowage_server" "$here/bench/load_bench" "$TEST_TMPDIR/zimage" "$out" \
   64 2 ci float32 1,4 1,4 2 4
 /usr/bin/python3 - "$out" <<'PY'
 import json, sys

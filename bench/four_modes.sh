@@ -46,7 +46,7 @@ run_mode() {
   cat >"$tmp/$mode.textproto" <<CFG
 grpc_address: "127.0.0.1:0"
 metrics_address: "none"
-pipelines { name: "zimage" model_dir: "$model_dir" random_weights: true dtype: "$dtype" $offload }
+pipelines { name: "zimage" model_dir: "$model_dir" random_weights: true dtype: "$dtype" warmup: false $offload }
 $strategy
 CFG
   rm -f "$tmp/ports.json"

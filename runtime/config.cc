@@ -20,9 +20,19 @@
 #include "google/protobuf/util/json_util.h"
 #include "base/status_macros.h"
 #include "models/pipeline_registry.h"
+#include "offload/device_backend.h"
 #include "base/text.h"
 
 namespace stowage {
+
+v1::DeviceConfig::Kind ResolvedKind(const v1::DeviceConfig& device) {
+  if (device.kind() != v1::DeviceConfig::KIND_UNSPECIFIED) return device.kind();
+  return CudaAvailable() ? v1::DeviceConfig::KIND_CUDA : v1::DeviceConfig::KIND_SIMULATED;
+}
+
+std::string DeviceNameOf(const v1::DeviceConfig& device) {
+  return absl::StrCat(ResolvedKind(device) == v1::DeviceConfig::KIND_CUDA ? "cuda:" : "sim:", device.index());
+}
 namespace {
 
 class CollectErrors : public google::protobuf::io::ErrorCollector {

@@ -54,6 +54,13 @@ inline constexpr int kMaxStagingBuffers = 64;
 // Reads `path`: JSON if it ends in ".json", protobuf text format otherwise. Errors name the file and
 // the line/column or field; a path that is not a readable regular file (missing, a directory,
 // unreadable) is NOT_FOUND, INVALID_ARGUMENT or PERMISSION_DENIED naming it.
+// The kind of device `device` configures: its own kind, or when unspecified CUDA where LibTorch sees
+// a GPU and the simulated accelerator elsewhere. The one place that rule lives.
+v1::DeviceConfig::Kind ResolvedKind(const v1::DeviceConfig& device);
+// The name of the device `device` configures ("cuda:0", "sim:1"), as its backend names itself.
+// DeviceNameOf(v1::DeviceConfig()) is the device a server without `devices` runs on.
+std::string DeviceNameOf(const v1::DeviceConfig& device);
+
 absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
 
 // Fills unset fields with their documented defaults (including the built-in pipeline when none is

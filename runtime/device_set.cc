@@ -16,15 +16,6 @@
 namespace stowage {
 namespace {
 
-// The name a device config's backend will have (offload/*_backend.cc name their devices so).
-std::string NameOf(const v1::DeviceConfig& device) {
-  v1::DeviceConfig::Kind kind = device.kind();
-  if (kind == v1::DeviceConfig::KIND_UNSPECIFIED) {
-    kind = CudaAvailable() ? v1::DeviceConfig::KIND_CUDA : v1::DeviceConfig::KIND_SIMULATED;
-  }
-  return absl::StrCat(kind == v1::DeviceConfig::KIND_CUDA ? "cuda:" : "sim:", device.index());
-}
-
 // The devices a pipeline config names, or the first device.
 std::vector<std::string> Targets(const v1::PipelineConfig& p, const std::string& first) {
   if (p.devices().empty()) return {first};
@@ -39,7 +30,7 @@ absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerCon
   if (devices.empty()) devices.push_back(config.device());
   std::vector<std::string> names;
   for (size_t i = 0; i < devices.size(); ++i) {
-    const std::string name = NameOf(devices[i]);
+    const std::string name = DeviceNameOf(devices[i]);
     if (std::find(names.begin(), names.end(), name) != names.end()) {
       return absl::InvalidArgumentError(absl::StrCat("devices[", i, "]: device ", name,
                                                      " is configured twice; each device once"));

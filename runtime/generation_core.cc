@@ -37,12 +37,8 @@ absl::Duration FromProto(const google::protobuf::Duration& d) {
 }
 
 absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateBackend(const v1::DeviceConfig& device) {
-  v1::DeviceConfig::Kind kind = device.kind();
-  if (kind == v1::DeviceConfig::KIND_UNSPECIFIED) {
-    kind = CudaAvailable() ? v1::DeviceConfig::KIND_CUDA : v1::DeviceConfig::KIND_SIMULATED;
-  }
   std::unique_ptr<DeviceBackend> backend;
-  if (kind == v1::DeviceConfig::KIND_CUDA) {
+  if (ResolvedKind(device) == v1::DeviceConfig::KIND_CUDA) {
     ASSIGN_OR_RETURN(backend, CreateCudaBackend(device.index()));
   } else {
     SimulatedBackendOptions options;

@@ -16,6 +16,7 @@
 #include "models/core/fused_ops.h"
 #include "google/protobuf/text_format.h"
 #include "models/tiny_pipeline.h"
+#include "runtime/config.h"
 #include "server/admin_service.h"
 #include "server/server.h"
 #include "tests/e2e/http_get.h"
@@ -145,14 +146,15 @@ TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
   ASSERT_TRUE(admin_->SetOffloadStrategy(Authed().get(), footprint, &set).ok());
   ASSERT_EQ(set.warnings_size(), 1);
   EXPECT_EQ(Placement().warnings_size(), 1);
-  // The same facts on the Prometheus page.
+  // The same facts on the Prometheus page (device: the server's default, cuda:0 where there is a GPU).
+  const std::string dev = DeviceNameOf(v1::DeviceConfig());
   const std::string page = HttpGet(server_->metrics_address(), "/metrics");
-  EXPECT_NE(page.find("stowage_component_state{component=\"zimage-tiny/transformer\",state=\"group_offloaded\",device=\"sim:0\"} 1"),
+  EXPECT_NE(page.find("stowage_component_state{component=\"zimage-tiny/transformer\",state=\"group_offloaded\",device=\"" + dev + "\"} 1"),
             std::string::npos) << page;
-  EXPECT_NE(page.find("stowage_placement_evictions_total{strategy=\"workflow\",cause=\"after_run\",device=\"sim:0\"} 1"),
+  EXPECT_NE(page.find("stowage_placement_evictions_total{strategy=\"workflow\",cause=\"after_run\",device=\"" + dev + "\"} 1"),
             std::string::npos) << page;
-  EXPECT_NE(page.find("stowage_placement_group_offload_warning{device=\"sim:0\"} 1"), std::string::npos);
-  EXPECT_NE(page.find("stowage_placement_onloads_total{device=\"sim:0\"} 3"), std::string::npos);
+  EXPECT_NE(page.find("stowage_placement_group_offload_warning{device=\"" + dev + "\"} 1"), std::string::npos);
+  EXPECT_NE(page.find("stowage_placement_onloads_total{device=\"" + dev + "\"} 3"), std::string::npos);
   v1::GenerateResponse grouped;
   ASSERT_TRUE(Generate("", &grouped).ok());
   EXPECT_EQ(grouped.image(), before.image());
@@ -167,13 +169,13 @@ TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
     const auto& g = transformer.group_offload();
     ASSERT_GT(g.forwards(), 0);
     for (const std::string& line :
-         {"stowage_group_offload_forwards_total{component=\"zimage-tiny/transformer\",device=\"sim:0\"} " +
+         {"stowage_group_offload_forwards_total{component=\"zimage-tiny/transformer\",device=\"" + dev + "\"} " +
               std::to_string(g.forwards()),
-          "stowage_group_offload_bytes{component=\"zimage-tiny/transformer\",kind=\"working_set\",device=\"sim:0\"} " +
+          "stowage_group_offload_bytes{component=\"zimage-tiny/transformer\",kind=\"working_set\",device=\"" + dev + "\"} " +
               std::to_string(g.working_set_bytes()),
-          "stowage_group_offload_onloads_total{component=\"zimage-tiny/transformer\",how=\"sync\",device=\"sim:0\"} " +
+          "stowage_group_offload_onloads_total{component=\"zimage-tiny/transformer\",how=\"sync\",device=\"" + dev + "\"} " +
               std::to_string(g.sync_onloads()),
-          std::string("stowage_group_offload_slot_releases_total{component=\"zimage-tiny/transformer\",device=\"sim:0\"} ")}) {
+          std::string("stowage_group_offload_slot_releases_total{component=\"zimage-tiny/transformer\",device=\"" + dev + "\"} ")}) {
       EXPECT_NE(grouped_page.find(line), std::string::npos) << line << "\n" << grouped_page;
     }
     EXPECT_EQ(grouped_page.find("stowage_group_offload_forwards_total{component=\"zimage-tiny/vae\"}"),

@@ -19,6 +19,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "runtime/config.h"
 #include "tests/e2e/e2e_harness.h"
 #include "tests/e2e/http_client.h"
 #include "tests/e2e/http_get.h"
@@ -38,7 +39,7 @@ TEST_F(HttpTest, GeneratesPngsWithSeedsAndStatsOnTheSameCoreAsGrpc) {
   EXPECT_EQ(r.headers["content-type"], "application/json");
   EXPECT_EQ(r.headers["x-stowage-seed"], "7,8");
   EXPECT_EQ(r.headers["x-stowage-pipeline"], "zimage-tiny");
-  EXPECT_EQ(r.headers["x-stowage-device"], "sim:0");
+  EXPECT_EQ(r.headers["x-stowage-device"], DeviceNameOf(v1::DeviceConfig()));
   int64_t peak = 0;
   EXPECT_TRUE(absl::SimpleAtoi(r.headers["x-stowage-peak-device-memory-bytes"], &peak));
   EXPECT_GT(peak, 0);
@@ -59,7 +60,7 @@ TEST_F(HttpTest, GeneratesPngsWithSeedsAndStatsOnTheSameCoreAsGrpc) {
     EXPECT_EQ(width, 64);
     EXPECT_EQ(height, 64);
     EXPECT_EQ(item.at("seed").number_value(), 7 + i);
-    EXPECT_EQ(item.at("stats").struct_value().fields().at("device").string_value(), "sim:0");
+    EXPECT_EQ(item.at("stats").struct_value().fields().at("device").string_value(), DeviceNameOf(v1::DeviceConfig()));
     pngs.push_back(png);
   }
   EXPECT_NE(pngs[0], pngs[1]) << "seeds 7 and 8 drew the same image";

@@ -129,17 +129,26 @@ TEST_F(MultiDeviceTest, ReplicasShareTheLoadAndAOneDevicePipelineStaysOnItsDevic
 
 // Routing by expected wait: once one replica has run, a replica that has not run yet counts as
 // being as fast as it (not as slow as the 1 s prior), so a second request arriving while the first
-// is still running goes to the idle replica.
+// is still running goes to the idle replica. The first request's first progress message says it is
+// running (no sleep orders the two); its 100 steps keep it running while the second is routed.
 TEST_F(MultiDeviceTest, AnUntriedReplicaIsNotTakenForSlow) {
   ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("a", 1)).ok());  // Measures sim:0 (fast).
   v1::GenerateRequest slow = E2eServer::SmallRequest("a", 2);
-  slow.set_num_inference_steps(60);
-  v1::GenerateResponse slow_reply, second_reply;
-  std::thread first([&] { EXPECT_TRUE(server_->Generate(slow, &slow_reply).ok()); });
-  std::this_thread::sleep_for(milliseconds(100));  // The slow one (about 2 s) is routed and running.
+  slow.set_num_inference_steps(100);
+  grpc::ClientContext context;
+  context.set_deadline(In(milliseconds(120000)));
+  auto reader = server_->generation().GenerateStream(&context, slow);
+  v1::GenerateStreamResponse message;
+  ASSERT_TRUE(reader->Read(&message));
+  ASSERT_TRUE(message.has_progress());
+  v1::GenerateResponse second_reply;
   ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("a", 3), &second_reply).ok());
-  first.join();
-  EXPECT_EQ(slow_reply.stats().device(), "sim:0");
+  std::string slow_device;
+  while (reader->Read(&message)) {
+    if (message.has_result()) slow_device = message.result().stats().device();
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(slow_device, "sim:0");
   EXPECT_EQ(second_reply.stats().device(), "sim:1");
 }
 

@@ -70,24 +70,27 @@ set +e
 out=$(ctl set-batching --pipeline=zimage-tiny --max_batch_size=99 2>&1); rc=$?
 set -e
 [ $rc -eq 1 ] && grep -q "batching.max_batch_size: 99 is out of range" <<<"$out" || fail "set-batching range: $out"
-out=$(ctl drain-device --device=sim:0)
+# The server's one device: sim:0 here, cuda:0 on a GPU host.
+dev=$(ctl placement | sed -n 's/^device \([a-z]*:[0-9]*\): .*/\1/p' | head -1)
+[[ $dev == sim:0 || $dev == cuda:0 ]] || fail "placement names no device: $(ctl placement)"
+out=$(ctl drain-device --device=$dev)
 grep -q "draining: true" <<<"$out" || fail "drain-device: $out"
 set +e
 out=$("$here/clients/stowctl/stowctl" --target="$target" generate --prompt=kite --width=64 --height=64 --steps=1 2>&1); rc=$?
 set -e
-[ $rc -eq 1 ] && grep -q "served only by draining devices (sim:0)" <<<"$out" || fail "a drained only device still served: $out"
-out=$(ctl resume-device --device=sim:0)
+[ $rc -eq 1 ] && grep -q "served only by draining devices ($dev)" <<<"$out" || fail "a drained only device still served: $out"
+out=$(ctl resume-device --device=$dev)
 grep -q "draining: true" <<<"$out" && fail "resume-device: $out"
-ctl placement --device=sim:0 | grep -q "device sim:0" || fail "placement --device"
+ctl placement --device=$dev | grep -q "device $dev" || fail "placement --device"
 set +e
 out=$(ctl placement --device=sim:4 2>&1); rc=$?
 set -e
-[ $rc -eq 1 ] && grep -q "device 'sim:4' is not one of this server's: sim:0" <<<"$out" || fail "placement --device=sim:4: $out"
+[ $rc -eq 1 ] && grep -q "device 'sim:4' is not one of this server's: $dev" <<<"$out" || fail "placement --device=sim:4: $out"
 # move-component reaches MoveComponent (one device here: nothing to move to).
 set +e
-out=$(ctl move-component --pipeline=zimage-tiny --component=vae --device=sim:0 2>&1); rc=$?
+out=$(ctl move-component --pipeline=zimage-tiny --component=vae --device=$dev 2>&1); rc=$?
 set -e
-[ $rc -eq 1 ] && grep -q "component 'vae' of pipeline 'zimage-tiny' is already on sim:0; nothing to move" <<<"$out" ||
+[ $rc -eq 1 ] && grep -q "component 'vae' of pipeline 'zimage-tiny' is already on $dev; nothing to move" <<<"$out" ||
   fail "move-component: $out"
 set +e
 ctl enable-group-offload --options='use_stream: true' >/dev/null 2>&1; rc=$?

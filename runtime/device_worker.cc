@@ -1,6 +1,8 @@
 #include "runtime/device_worker.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <iostream>
 
 #include "absl/strings/str_cat.h"
 
@@ -9,7 +11,7 @@ namespace stowage {
 // One posted task and its completion. Lock order: DeviceWorker::mu_ before TaskState::mu.
 struct DeviceWorker::TaskState {
   enum class Phase { kQueued, kRunning, kDone, kWithdrawn };
-  std::function<absl::Status()> fn;
+  std::function<absl::Status(WorkerScope&)> fn;
   absl::Mutex mu;
   Phase phase ABSL_GUARDED_BY(mu) = Phase::kQueued;
   absl::Status status ABSL_GUARDED_BY(mu);
@@ -34,7 +36,7 @@ struct DeviceWorker::Waker {
 // CallState::mu; Waker::mu is never held with either.
 struct DeviceWorker::CallState {
   enum class Phase { kQueued, kRunning, kDone, kWithdrawn };
-  std::function<absl::Status()> fn;
+  std::function<absl::Status(WorkerScope&)> fn;
   std::shared_ptr<Waker> caller;  // Woken on completion; null for callers that are not workers.
   absl::Mutex mu;
   Phase phase ABSL_GUARDED_BY(mu) = Phase::kQueued;
@@ -83,10 +85,10 @@ void DeviceWorker::AwaitWake(uint64_t seen, absl::Duration timeout) {
       timeout);
 }
 
-absl::Status DeviceWorker::RunCall(CallState& call) {
+absl::Status DeviceWorker::RunCall(CallState& call, WorkerScope& scope) {
   absl::Status status;
   try {
-    status = call.fn();
+    status = call.fn(scope);
   } catch (const std::exception& e) {
     status = absl::InternalError(absl::StrCat("remote call threw: ", e.what()));
   }
@@ -94,8 +96,13 @@ absl::Status DeviceWorker::RunCall(CallState& call) {
   return status;
 }
 
-void DeviceWorker::ServeCalls() {
-  if (!OnWorkerThread()) return;
+void DeviceWorker::ServeCalls(WorkerScope& scope) {
+  if (&scope.worker() != this) {
+    // A scope is made only on its own worker's thread: another worker's scope here is a bug.
+    std::cerr << "DeviceWorker::ServeCalls: the scope of device " << scope.worker().device() << " on device "
+              << options_.device << std::endl;
+    std::abort();
+  }
   for (;;) {
     std::shared_ptr<CallState> call;
     {
@@ -106,19 +113,21 @@ void DeviceWorker::ServeCalls() {
       absl::MutexLock call_lock(&call->mu);
       call->phase = CallState::Phase::kRunning;
     }
-    const absl::Status status = RunCall(*call);
+    const absl::Status status = RunCall(*call, scope);
     // Published before the caller wakes, as after a job: it reads a snapshot with the call's effect.
-    if (options_.after_each) options_.after_each();
+    if (options_.after_each) options_.after_each(scope);
     Complete(*call, status);
   }
 }
 
-absl::Status DeviceWorker::Call(std::function<absl::Status()> fn, const std::function<absl::Status()>& interrupt,
-                                DeviceWorker* caller) {
-  if (OnWorkerThread()) return fn();  // A call to one's own device runs in place.
-  if (caller != nullptr && !caller->OnWorkerThread()) {
-    return absl::InternalError("DeviceWorker::Call: `caller` must be the calling thread's own worker");
+absl::Status DeviceWorker::Call(std::function<absl::Status(WorkerScope&)> fn,
+                                const std::function<absl::Status()>& interrupt, WorkerScope* caller_scope) {
+  if (OnWorkerThread()) {
+    // A call to one's own device runs in place, in the scope the worker holds now.
+    WorkerScope scope(*this);
+    return fn(scope);
   }
+  DeviceWorker* caller = caller_scope != nullptr ? &caller_scope->worker() : nullptr;
   auto state = std::make_shared<CallState>();
   state->fn = std::move(fn);
   if (caller != nullptr) state->caller = caller->waker_;
@@ -146,7 +155,7 @@ absl::Status DeviceWorker::Call(std::function<absl::Status()> fn, const std::fun
     }
     if (caller != nullptr) {
       // Serve what others ask of the caller's device while it waits: they may be waiting on it.
-      caller->ServeCalls();
+      caller->ServeCalls(*caller_scope);
       caller->AwaitWake(seen, absl::Milliseconds(20));
     }
     {
@@ -206,7 +215,7 @@ absl::Status DeviceWorker::Submit(Job job) {
   return status;
 }
 
-absl::Status DeviceWorker::RunTask(std::function<absl::Status()> task,
+absl::Status DeviceWorker::RunTask(std::function<absl::Status(WorkerScope&)> task,
                                    const std::function<absl::Status()>& interrupt, TaskOrder order) {
   if (OnWorkerThread()) {
     return absl::InternalError("a device task may not wait for another task on the same worker");
@@ -264,7 +273,7 @@ void DeviceWorker::TakeMatching(const std::string& key, size_t limit, std::vecto
   }
 }
 
-void DeviceWorker::CollectBatch(std::vector<Item>& members, std::vector<Item>& dropped) {
+void DeviceWorker::CollectBatch(WorkerScope& scope, std::vector<Item>& members, std::vector<Item>& dropped) {
   // Copies: `members` grows below.
   const std::string key = members.front().job.batch_key;
   const size_t limit = static_cast<size_t>(std::max(1, members.front().job.max_batch_size));
@@ -295,7 +304,7 @@ void DeviceWorker::CollectBatch(std::vector<Item>& members, std::vector<Item>& d
     if (!calls_.empty()) {
       // Other devices' calls do not wait for this batch to fill.
       mu_.Unlock();
-      ServeCalls();
+      ServeCalls(scope);
       mu_.Lock();
     }
     // The first member's caller may have gone while the batch waited: it gives up its place.
@@ -309,6 +318,8 @@ void DeviceWorker::CollectBatch(std::vector<Item>& members, std::vector<Item>& d
 }
 
 void DeviceWorker::Loop() {
+  // The one scope of this worker: everything it runs gets it.
+  WorkerScope scope(*this);
   for (;;) {
     Item next;
     bool batching = false;
@@ -327,7 +338,7 @@ void DeviceWorker::Loop() {
     }
     if (calls_waiting) {
       // The lane first: its callers hold a job or task of their own device open meanwhile.
-      ServeCalls();
+      ServeCalls(scope);
       continue;
     }
     {
@@ -347,7 +358,7 @@ void DeviceWorker::Loop() {
         if (batching) {
           const absl::Time taken = absl::Now();
           batch.push_back(std::move(next));
-          CollectBatch(batch, dropped);
+          CollectBatch(scope, batch, dropped);
           batch_wait = absl::Now() - taken;
         }
       }
@@ -360,7 +371,7 @@ void DeviceWorker::Loop() {
       const absl::Time start = absl::Now();
       std::vector<BatchMember> members;
       for (Item& item : batch) members.push_back(BatchMember{&item.job, start - item.enqueued, batch_wait});
-      members.front().job->run_batch(members);
+      members.front().job->run_batch(scope, members);
       {
         absl::MutexLock lock(&mu_);
         const std::string& key = batch.front().job.batch_key;
@@ -374,21 +385,21 @@ void DeviceWorker::Loop() {
           lone_keys_.insert(key);
         }
       }
-      if (options_.after_each) options_.after_each();
+      if (options_.after_each) options_.after_each(scope);
       for (Item& item : batch) {
         if (item.job.finish) item.job.finish();
       }
     } else if (next.task != nullptr) {
-      const absl::Status status = next.task->fn();
-      if (options_.after_each) options_.after_each();
+      const absl::Status status = next.task->fn(scope);
+      if (options_.after_each) options_.after_each(scope);
       absl::MutexLock task_lock(&next.task->mu);
       next.task->status = status;
       next.task->phase = TaskState::Phase::kDone;
     } else if (next.job.cancelled && next.job.cancelled()) {
       if (next.job.drop) next.job.drop();
     } else {
-      next.job.run(absl::Now() - next.enqueued);
-      if (options_.after_each) options_.after_each();
+      next.job.run(scope, absl::Now() - next.enqueued);
+      if (options_.after_each) options_.after_each(scope);
       if (next.job.finish) next.job.finish();
     }
   }

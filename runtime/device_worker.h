@@ -28,6 +28,11 @@
 // itself; then no cycle of workers can wait forever: every waiting worker keeps serving the calls
 // made to it, and every call runs without waiting on another device.
 //
+// The capability: every job, task and call runs with the worker's WorkerScope, which only the
+// worker can make (on its own thread) and which cannot be copied. Code that changes device state
+// takes a WorkerScope& (GenerationCore's device accessors, SplitRunner, ServeCalls), so "worker
+// only" is a type the compiler checks: another thread has no scope to pass.
+//
 // Thread-safety: Submit and RunTask may be called from any thread except the worker's own (a task
 // that posted another task and waited would deadlock; RunTask refuses that with INTERNAL). Call may
 // be called from any thread; on the worker's own thread it runs the function in place.
@@ -51,6 +56,24 @@
 
 namespace stowage {
 
+class DeviceWorker;
+
+// Proof that the code holding it runs on a device's worker thread, inside a job, task or call of
+// that worker. Made only by DeviceWorker, handed by reference, neither copyable nor movable.
+class WorkerScope {
+ public:
+  WorkerScope(const WorkerScope&) = delete;
+  WorkerScope& operator=(const WorkerScope&) = delete;
+
+  // The worker whose thread holds this scope.
+  DeviceWorker& worker() const { return worker_; }
+
+ private:
+  friend class DeviceWorker;
+  explicit WorkerScope(DeviceWorker& worker) : worker_(worker) {}
+  DeviceWorker& worker_;
+};
+
 class DeviceWorker {
  public:
   struct Job;
@@ -63,8 +86,8 @@ class DeviceWorker {
   };
 
   struct Job {
-    // Called on the worker thread with the time the job waited in the queue.
-    std::function<void(absl::Duration queue_wait)> run;
+    // Called on the worker thread with the worker's scope and the time the job waited in the queue.
+    std::function<void(WorkerScope& scope, absl::Duration queue_wait)> run;
     // Optional: true once the job's caller has gone (cancelled, deadline passed). A cancelled job
     // gives up its place: it is dropped when it reaches the front, or when a new job finds the
     // queue full.
@@ -88,7 +111,7 @@ class DeviceWorker {
     std::string batch_key;
     int max_batch_size = 1;
     absl::Duration max_batch_delay = absl::ZeroDuration();
-    std::function<void(const std::vector<BatchMember>& members)> run_batch;
+    std::function<void(WorkerScope& scope, const std::vector<BatchMember>& members)> run_batch;
     std::any payload;
   };
 
@@ -100,8 +123,8 @@ class DeviceWorker {
     // Optional: called under the queue's lock, so reports never go stale, with the number of
     // waiting jobs whenever it changes. Must be quick and must not call Submit.
     std::function<void(int)> on_queue_depth;
-    // Optional: called on the worker thread after every job and task (publishes snapshots).
-    std::function<void()> after_each;
+    // Optional: called on the worker thread after every job, task and call (publishes snapshots).
+    std::function<void(WorkerScope& scope)> after_each;
   };
 
   explicit DeviceWorker(Options options);
@@ -114,22 +137,22 @@ class DeviceWorker {
   // Runs `task` on the worker and returns its status. `interrupt` (optional) is polled while the
   // task waits; when it returns non-OK before the task started, the task is withdrawn and that
   // status returned. UNAVAILABLE when the worker is stopping.
-  absl::Status RunTask(std::function<absl::Status()> task,
+  absl::Status RunTask(std::function<absl::Status(WorkerScope& scope)> task,
                        const std::function<absl::Status()>& interrupt,
                        TaskOrder order = TaskOrder::kNext);
 
   // Runs `fn` on this worker through its remote-call lane and returns its status. `caller` is the
-  // worker whose thread calls (null for other threads): it serves its own lane while it waits, so
-  // two workers calling each other both make progress. `interrupt` (optional) is polled every 20 ms
+  // scope of the worker whose thread calls (null for other threads): it serves its own lane while
+  // it waits, so two workers calling each other both make progress. `interrupt` (optional) is polled every 20 ms
   // while the call has not started: when it returns non-OK the call is withdrawn, never runs, and
   // that status is returned; once started it runs to completion. UNAVAILABLE when this worker is
   // stopping (Stop fails the calls still waiting in the lane with it, so a caller never hangs).
   // `fn` must not call Call itself.
-  absl::Status Call(std::function<absl::Status()> fn, const std::function<absl::Status()>& interrupt,
-                    DeviceWorker* caller);
-  // Worker only: runs the calls waiting in the lane now (a no-op elsewhere). Jobs call it between
-  // component runs.
-  void ServeCalls();
+  absl::Status Call(std::function<absl::Status(WorkerScope& scope)> fn,
+                    const std::function<absl::Status()>& interrupt, WorkerScope* caller);
+  // Runs the calls waiting in this worker's lane now; `scope` must be this worker's own. Jobs call
+  // it between component runs.
+  void ServeCalls(WorkerScope& scope);
 
   // Stops taking work: new jobs, tasks and calls get UNAVAILABLE, calls waiting in the lane fail
   // with UNAVAILABLE at once; the jobs and tasks already queued still run; returns when the thread
@@ -151,7 +174,7 @@ class DeviceWorker {
   void Loop();
   // Adds to `members` (holding the batch's first job) the queued jobs that may join it, waiting for
   // them as Job::batch_key says; cancelled ones go to `dropped`.
-  void CollectBatch(std::vector<Item>& members, std::vector<Item>& dropped)
+  void CollectBatch(WorkerScope& scope, std::vector<Item>& members, std::vector<Item>& dropped)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves the queued jobs of `key` into `members` (in queue order, until it holds `limit`), the
   // cancelled ones into `dropped`.
@@ -160,8 +183,8 @@ class DeviceWorker {
   // Moves cancelled jobs out of the queue into `dropped`.
   void TakeCancelled(std::vector<Item>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int QueuedJobs() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Runs one call's function and returns its status (worker only, without mu_).
-  static absl::Status RunCall(CallState& call);
+  // Runs one call's function and returns its status (without mu_).
+  static absl::Status RunCall(CallState& call, WorkerScope& scope);
   // Completes `call` with `status` and wakes its waiting caller.
   static void Complete(CallState& call, const absl::Status& status);
   // Worker only, waiting in Call: sleeps until a call it made completes, a call arrives in its

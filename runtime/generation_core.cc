@@ -4,6 +4,7 @@
 #include <array>
 #include <any>
 #include <cmath>
+#include <cstdlib>
 #include <iostream>
 #include <optional>
 #include <random>
@@ -70,26 +71,26 @@ class SplitRunner : public ComponentRunner {
  public:
   // `home` is the device running the request; where each component runs is looked up at each call
   // (peer eviction may move one during the run).
-  SplitRunner(PlacementManager& local, DeviceWorker& worker, const GenerationCore& home, std::string pipeline,
+  SplitRunner(PlacementManager& local, WorkerScope& scope, const GenerationCore& home, std::string pipeline,
               std::string request_id, Interrupt interrupt)
       : local_(local),
-        worker_(worker),
+        scope_(scope),
         home_(home),
         pipeline_(std::move(pipeline)),
         request_id_(std::move(request_id)),
         interrupt_(std::move(interrupt)) {}
 
   absl::Status Run(Component& component, const std::function<void()>& fn) override {
-    worker_.ServeCalls();
+    scope_.worker().ServeCalls(scope_);
     GenerationCore* peer = home_.PeerFor(pipeline_, component);
     if (peer == nullptr) return local_.Run(component, fn);
-    return peer->RunForPeer(component, fn, /*prefetch_only=*/false, request_id_, &worker_, interrupt_, &UsageOf(*peer));
+    return peer->RunForPeer(component, fn, /*prefetch_only=*/false, request_id_, &scope_, interrupt_, &UsageOf(*peer));
   }
   void Prefetch(Component& component) override {
     GenerationCore* peer = home_.PeerFor(pipeline_, component);
     if (peer == nullptr) return local_.Prefetch(component);
     // A hint: a peer that cannot take it (stopping) changes nothing.
-    (void)peer->RunForPeer(component, nullptr, /*prefetch_only=*/true, request_id_, &worker_, interrupt_,
+    (void)peer->RunForPeer(component, nullptr, /*prefetch_only=*/true, request_id_, &scope_, interrupt_,
                            &UsageOf(*peer));
   }
   c10::Device DeviceOf(const Component& component, const c10::Device& home) const override {
@@ -110,7 +111,7 @@ class SplitRunner : public ComponentRunner {
   }
 
   PlacementManager& local_;
-  DeviceWorker& worker_;
+  WorkerScope& scope_;
   const GenerationCore& home_;
   const std::string pipeline_;
   const std::string request_id_;
@@ -198,7 +199,7 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
     if (metrics != nullptr) metrics->SetQueueDepth(device, depth);
   };
   GenerationCore* raw = core.get();
-  worker.after_each = [raw] { raw->Publish(); };
+  worker.after_each = [raw](WorkerScope& scope) { raw->Publish(scope); };
   core->worker_ = std::make_unique<DeviceWorker>(std::move(worker));
   if (metrics != nullptr) metrics->SetQueueDepth(device, 0);
   // From here on only the worker touches the backend and placement.
@@ -239,22 +240,22 @@ GenerationCore::~GenerationCore() {
 
 void GenerationCore::ReleaseDeviceState() {
   (void)worker_->RunTask(
-      [this] {
+      [this](WorkerScope& scope) {
         for (const HostedPipelines::View& view : pipelines_.List()) {
           for (const auto& entry : RemoteOf(view.name)) {
-            (void)OnPeer(entry.second, [&](GenerationCore& peer) {
-              peer.RemoveGuest(view.name);
+            (void)OnPeer(scope, entry.second, [&](GenerationCore& peer, WorkerScope& peer_scope) {
+              peer.RemoveGuest(peer_scope, view.name);
               return absl::OkStatus();
             });
           }
-          placement_->Unregister(view.name);
+          Placement(scope).Unregister(view.name);
         }
         std::vector<std::string> guests;
         {
           absl::MutexLock lock(&split_mu_);
           for (const auto& entry : guests_) guests.push_back(entry.first);
         }
-        for (const std::string& guest : guests) RemoveGuest(guest);
+        for (const std::string& guest : guests) RemoveGuest(scope, guest);
         return absl::OkStatus();
       },
       nullptr);
@@ -293,8 +294,8 @@ absl::Status GenerationCore::MoveToPeer(const std::string& pipeline, Component& 
   const absl::Time give_up = absl::Now() + absl::Milliseconds(200);
   const std::string reason = absl::StrCat("evicted from ", device_name_, ": cheaper here than from the host");
   RETURN_IF_ERROR(peer->worker_->Call(
-      [&]() -> absl::Status {
-        RETURN_IF_ERROR(peer->placement_->AdoptFromPeer(pipeline, component, reason));
+      [&](WorkerScope& peer_scope) -> absl::Status {
+        RETURN_IF_ERROR(peer->Placement(peer_scope).AdoptFromPeer(pipeline, component, reason));
         absl::MutexLock lock(&peer->split_mu_);
         peer->guests_[pipeline] = hosted;
         return absl::OkStatus();
@@ -338,7 +339,7 @@ absl::StatusOr<v1::Pipeline> GenerationCore::MoveComponent(const std::string& na
   }
   v1::Pipeline described;
   RETURN_IF_ERROR(worker_->RunTask(
-      [&]() -> absl::Status {
+      [&](WorkerScope& scope) -> absl::Status {
         // Between the pipeline's requests (they run as jobs on this worker): nothing runs it now.
         if (!pipelines_.StillHosted(name, pipeline.get()) || !IsReady(name)) {
           return absl::FailedPreconditionError(
@@ -351,42 +352,43 @@ absl::StatusOr<v1::Pipeline> GenerationCore::MoveComponent(const std::string& na
                                                             "' is already on ", to->device_name_, "; nothing to move"));
         }
         absl::Status checked;
-        RETURN_IF_ERROR(OnPeer(from, [&](GenerationCore& source) -> absl::Status {
-          const std::vector<std::string> users = source.placement_->PipelinesOf(*component);
+        RETURN_IF_ERROR(OnPeer(scope, from, [&](GenerationCore& source, WorkerScope& source_scope) -> absl::Status {
+          PlacementManager& source_placement = source.Placement(source_scope);
+          const std::vector<std::string> users = source_placement.PipelinesOf(*component);
           if (users.size() > 1) {
             return absl::FailedPreconditionError(absl::StrCat(
                 "component '", component_name, "' of pipeline '", name, "' is shared with pipeline(s) ",
                 absl::StrJoin(users, ", "), " on ", source.device_name_,
                 "; a shared component does not move (it would move for every pipeline using it)"));
           }
-          const std::optional<ComponentState> state = source.placement_->StateOf(*component);
+          const std::optional<ComponentState> state = source_placement.StateOf(*component);
           if (state == ComponentState::kGroupOffloaded || state == ComponentState::kPartiallyResident) {
             return absl::FailedPreconditionError(absl::StrCat("component '", component_name, "' of pipeline '", name,
                                                               "' is group-offloaded on ", source.device_name_,
                                                               "; disable its group offload first"));
           }
           const std::string reason = absl::StrCat("moved to ", to->device_name_, " (admin MoveComponent)");
-          return &source == this ? source.placement_->UnregisterComponent(name, *component, reason)
-                                 : source.RemoveGuestComponent(name, *component, reason);
+          return &source == this ? source_placement.UnregisterComponent(name, *component, reason)
+                                 : source.RemoveGuestComponent(source_scope, name, *component, reason);
         }));
-        const absl::Status added = OnPeer(to, [&](GenerationCore& target) -> absl::Status {
+        const absl::Status added = OnPeer(scope, to, [&](GenerationCore& target, WorkerScope& target_scope) -> absl::Status {
           if (&target == this) {
-            RETURN_IF_ERROR(target.placement_->Register(name, component));
+            RETURN_IF_ERROR(target.Placement(target_scope).Register(name, component));
           } else {
-            RETURN_IF_ERROR(target.AddGuest(name, pipeline, component, std::nullopt));
+            RETURN_IF_ERROR(target.AddGuest(target_scope, name, pipeline, component, std::nullopt));
           }
-          target.placement_->MarkReady(name);
+          target.Placement(target_scope).MarkReady(name);
           return absl::OkStatus();
         });
         if (!added.ok()) {
           // Back where it was, so the pipeline still has every component.
-          (void)OnPeer(from, [&](GenerationCore& source) -> absl::Status {
+          (void)OnPeer(scope, from, [&](GenerationCore& source, WorkerScope& source_scope) -> absl::Status {
             if (&source == this) {
-              RETURN_IF_ERROR(source.placement_->Register(name, component));
+              RETURN_IF_ERROR(source.Placement(source_scope).Register(name, component));
             } else {
-              RETURN_IF_ERROR(source.AddGuest(name, pipeline, component, std::nullopt));
+              RETURN_IF_ERROR(source.AddGuest(source_scope, name, pipeline, component, std::nullopt));
             }
-            source.placement_->MarkReady(name);
+            source.Placement(source_scope).MarkReady(name);
             return absl::OkStatus();
           });
           return added;
@@ -416,30 +418,32 @@ std::map<const Component*, GenerationCore*> GenerationCore::RemoteOf(const std::
   return it == remote_.end() ? std::map<const Component*, GenerationCore*>{} : it->second;
 }
 
-absl::Status GenerationCore::OnPeer(GenerationCore* peer, const std::function<absl::Status(GenerationCore&)>& change) {
-  if (peer == this) return change(*this);
+absl::Status GenerationCore::OnPeer(WorkerScope& scope, GenerationCore* peer,
+                                    const std::function<absl::Status(GenerationCore&, WorkerScope&)>& change) {
+  if (peer == this) return change(*this, scope);
   return peer->worker_->Call(
-      [&]() -> absl::Status {
+      [&](WorkerScope& peer_scope) -> absl::Status {
         absl::Status status;
-        const absl::Status thrown =
-            CatchAsStatus(absl::StrCat("changing device state of ", peer->device_name_), [&] { status = change(*peer); });
+        const absl::Status thrown = CatchAsStatus(absl::StrCat("changing device state of ", peer->device_name_),
+                                                  [&] { status = change(*peer, peer_scope); });
         return thrown.ok() ? status : thrown;
       },
-      nullptr, worker_.get());
+      nullptr, &scope);
 }
 
-absl::Status GenerationCore::AddGuest(const std::string& name, std::shared_ptr<Pipeline> pipeline, Component* component,
-                                      const std::optional<PipelineGroupOffloadOptions>& offload) {
-  RETURN_IF_ERROR(placement_->Register(name, component));
+absl::Status GenerationCore::AddGuest(WorkerScope& scope, const std::string& name, std::shared_ptr<Pipeline> pipeline,
+                                      Component* component, const std::optional<PipelineGroupOffloadOptions>& offload) {
+  PlacementManager& placement = Placement(scope);
+  RETURN_IF_ERROR(placement.Register(name, component));
   if (offload.has_value()) {
     const std::set<std::string> here = {component->name()};
     PipelineGroupOffloadOptions narrowed = NarrowedTo(*offload, here);
     if (narrowed.exclude.empty()) {
       auto it = narrowed.overrides.find(component->name());
-      const absl::Status enabled = placement_->EnableGroupOffload(
+      const absl::Status enabled = placement.EnableGroupOffload(
           absl::StrCat(name, "/", component->name()), it != narrowed.overrides.end() ? it->second : narrowed.defaults);
       if (!enabled.ok()) {
-        (void)placement_->UnregisterComponent(name, *component, "its group offload was refused");
+        (void)placement.UnregisterComponent(name, *component, "its group offload was refused");
         return enabled;
       }
     }
@@ -449,18 +453,18 @@ absl::Status GenerationCore::AddGuest(const std::string& name, std::shared_ptr<P
   return absl::OkStatus();
 }
 
-absl::Status GenerationCore::RemoveGuestComponent(const std::string& name, const Component& component,
-                                                  const std::string& reason) {
-  RETURN_IF_ERROR(placement_->UnregisterComponent(name, component, reason));
-  if (!placement_->Hosts(name)) {
+absl::Status GenerationCore::RemoveGuestComponent(WorkerScope& scope, const std::string& name,
+                                                  const Component& component, const std::string& reason) {
+  RETURN_IF_ERROR(Placement(scope).UnregisterComponent(name, component, reason));
+  if (!Placement(scope).Hosts(name)) {
     absl::MutexLock lock(&split_mu_);
     guests_.erase(name);
   }
   return absl::OkStatus();
 }
 
-void GenerationCore::RemoveGuest(const std::string& name) {
-  placement_->Unregister(name);
+void GenerationCore::RemoveGuest(WorkerScope& scope, const std::string& name) {
+  Placement(scope).Unregister(name);
   std::shared_ptr<Pipeline> last;  // Released outside the lock.
   absl::MutexLock lock(&split_mu_);
   auto it = guests_.find(name);
@@ -471,33 +475,35 @@ void GenerationCore::RemoveGuest(const std::string& name) {
 }
 
 absl::Status GenerationCore::RunForPeer(Component& component, const std::function<void()>& fn, bool prefetch_only,
-                                        const std::string& request_id, DeviceWorker* caller,
+                                        const std::string& request_id, WorkerScope* caller,
                                         const Interrupt& interrupt, v1::DeviceUsage* usage) {
   const at::ThreadLocalState caller_state;  // Inference mode and the rest of the caller's LibTorch state.
   return worker_->Call(
-      [&]() -> absl::Status {
+      [&](WorkerScope& scope) -> absl::Status {
         at::ThreadLocalStateGuard state_guard(caller_state);
+        DeviceBackend& backend = Backend(scope);
+        PlacementManager& placement = Placement(scope);
         serving_peer_ = true;
-        const DeviceMemoryStats before = backend_->GetMemoryStats();
+        const DeviceMemoryStats before = backend.GetMemoryStats();
         // This device's own request (if one is running) keeps the peak it reached so far.
         peak_floor_allocated_ = std::max(peak_floor_allocated_, before.peak_allocated_bytes);
         peak_floor_reserved_ = std::max(peak_floor_reserved_, before.peak_process_bytes());
-        backend_->ResetPeakStats();
-        const std::string own_request = placement_->request_id();
-        placement_->SetRequestId(request_id);
+        backend.ResetPeakStats();
+        const std::string own_request = placement.request_id();
+        placement.SetRequestId(request_id);
         absl::Status status;
         const absl::Status thrown = CatchAsStatus(absl::StrCat("running ", component.name(), " on ", device_name_), [&] {
           if (prefetch_only) {
-            placement_->Prefetch(component);
+            placement.Prefetch(component);
           } else {
-            status = placement_->Run(component, fn);
+            status = placement.Run(component, fn);
             // Its outputs are complete before the home device reads them.
-            backend_->Synchronize();
+            backend.Synchronize();
           }
         });
-        placement_->SetRequestId(own_request);
+        placement.SetRequestId(own_request);
         serving_peer_ = false;
-        const DeviceMemoryStats after = backend_->GetMemoryStats();
+        const DeviceMemoryStats after = backend.GetMemoryStats();
         usage->set_peak_device_memory_bytes(std::max(usage->peak_device_memory_bytes(), after.peak_allocated_bytes));
         usage->set_peak_device_reserved_bytes(std::max(usage->peak_device_reserved_bytes(), after.peak_process_bytes()));
         usage->set_host_to_device_bytes(usage->host_to_device_bytes() + after.host_to_device_bytes -
@@ -509,8 +515,8 @@ absl::Status GenerationCore::RunForPeer(Component& component, const std::functio
       interrupt, caller);
 }
 
-void GenerationCore::Publish() {
-  auto snapshot = std::make_shared<const PlacementSnapshot>(placement_->TakeSnapshot());
+void GenerationCore::Publish(WorkerScope& scope) {
+  auto snapshot = std::make_shared<const PlacementSnapshot>(Placement(scope).TakeSnapshot());
   absl::MutexLock lock(&snapshot_mu_);
   snapshot_ = std::move(snapshot);
 }
@@ -548,13 +554,37 @@ std::string GenerationCore::ReadyDefault() const {
 
 absl::Status GenerationCore::ChangeDevice(const std::function<absl::Status(PlacementManager&)>& change,
                                           const Interrupt& interrupt) {
+  return OnWorker([&](WorkerScope& scope) { return change(Placement(scope)); }, interrupt);
+}
+
+absl::Status GenerationCore::OnWorker(const std::function<absl::Status(WorkerScope&)>& change,
+                                      const Interrupt& interrupt, DeviceWorker::TaskOrder order) {
   return worker_->RunTask(
-      [&]() -> absl::Status {
+      [&](WorkerScope& scope) -> absl::Status {
         absl::Status status;
-        const absl::Status thrown = CatchAsStatus("changing device state", [&] { status = change(*placement_); });
+        const absl::Status thrown = CatchAsStatus("changing device state", [&] { status = change(scope); });
         return thrown.ok() ? status : thrown;
       },
-      interrupt);
+      interrupt, order);
+}
+
+void GenerationCore::CheckScope(const WorkerScope& scope) const {
+  if (&scope.worker() != worker_.get()) {
+    // A scope exists only on its own worker's thread: another device's scope here is a bug.
+    std::cerr << "stowage_server: internal error: device " << device_name_ << "'s state reached with the scope of "
+              << scope.worker().device() << std::endl;
+    std::abort();
+  }
+}
+
+PlacementManager& GenerationCore::Placement(WorkerScope& scope) const {
+  CheckScope(scope);
+  return *placement_;
+}
+
+DeviceBackend& GenerationCore::Backend(WorkerScope& scope) const {
+  CheckScope(scope);
+  return *backend_;
 }
 
 absl::StatusOr<std::unique_ptr<Pipeline>> GenerationCore::Build(const v1::PipelineConfig& p) {
@@ -562,7 +592,7 @@ absl::StatusOr<std::unique_ptr<Pipeline>> GenerationCore::Build(const v1::Pipeli
   options.name = p.name();
   options.dtype = p.dtype() == "bfloat16" ? at::kBFloat16 : at::kFloat;
   options.weight_seed = p.weight_seed();
-  options.device = backend_->torch_device();  // Immutable: read, never changed.
+  options.device = torch_device_;
   options.random_weights = p.random_weights();
   options.default_size = p.default_size();
   // A split pipeline's components are its own: a shared one would be registered on two devices.
@@ -571,7 +601,7 @@ absl::StatusOr<std::unique_ptr<Pipeline>> GenerationCore::Build(const v1::Pipeli
     if (mode == v1::COMPUTE_FP8) options.fp8_components.insert(component);
   }
   if (!options.fp8_components.empty()) {
-    const absl::Status supported = fused::Fp8Supported(backend_->torch_device());
+    const absl::Status supported = fused::Fp8Supported(torch_device_);
     if (!supported.ok()) {
       return absl::Status(supported.code(), absl::StrCat("pipeline.compute: FP8 on device ", device_name_, ": ",
                                                          supported.message()));
@@ -674,9 +704,10 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
   }
   bool ran = false;  // Written on the worker; read after RunTask returned (synchronised by it).
   v1::Pipeline described;
-  const absl::Status status = ChangeDevice(
-      [&](PlacementManager& placement) -> absl::Status {
+  const absl::Status status = OnWorker(
+      [&](WorkerScope& scope) -> absl::Status {
         ran = true;
+        PlacementManager& placement = Placement(scope);
         absl::Status registered;
         std::set<GenerationCore*> peers_used;
         for (Component* component : pipeline->components()) {
@@ -685,8 +716,8 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
             registered = placement.Register(name, component);
           } else {
             peers_used.insert(it->second);
-            registered = OnPeer(it->second, [&](GenerationCore& peer) {
-              return peer.AddGuest(name, pipeline, component, offload);
+            registered = OnPeer(scope, it->second, [&](GenerationCore& peer, WorkerScope& peer_scope) {
+              return peer.AddGuest(peer_scope, name, pipeline, component, offload);
             });
           }
           if (!registered.ok()) break;
@@ -697,8 +728,8 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
         if (!registered.ok()) {
           placement.Unregister(name);  // All or nothing.
           for (GenerationCore* peer : peers_used) {
-            (void)OnPeer(peer, [&](GenerationCore& other) {
-              other.RemoveGuest(name);
+            (void)OnPeer(scope, peer, [&](GenerationCore& other, WorkerScope& other_scope) {
+              other.RemoveGuest(other_scope, name);
               return absl::OkStatus();
             });
           }
@@ -712,12 +743,12 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
             remote_[name] = remote;
           }
         }
-        const bool warmup = p.has_warmup() ? p.warmup() : backend_->torch_device().is_cuda();
-        if (warmup) WarmUp(*pipeline, interrupt);
+        const bool warmup = p.has_warmup() ? p.warmup() : torch_device_.is_cuda();
+        if (warmup) WarmUp(scope, *pipeline, interrupt);
         placement.MarkReady(name);
         for (GenerationCore* peer : peers_used) {
-          (void)OnPeer(peer, [&](GenerationCore& other) {
-            other.placement_->MarkReady(name);
+          (void)OnPeer(scope, peer, [&](GenerationCore& other, WorkerScope& other_scope) {
+            other.Placement(other_scope).MarkReady(name);
             return absl::OkStatus();
           });
         }
@@ -749,7 +780,7 @@ constexpr std::array<const char*, 12> kWarmupWords = {"a", "red", "fox", "in", "
                                                       "the", "northern", "lights", "painted"};
 }  // namespace
 
-void GenerationCore::WarmUp(Pipeline& pipeline, const Interrupt& interrupt) {
+void GenerationCore::WarmUp(WorkerScope& scope, Pipeline& pipeline, const Interrupt& interrupt) {
   GenerationParams params;
   // About as long as a typical prompt, so the text encoder meets the shapes requests bring.
   params.prompt = "warm-up: a lighthouse on a rocky cliff above the sea at dusk, warm light, oil painting";
@@ -760,11 +791,11 @@ void GenerationCore::WarmUp(Pipeline& pipeline, const Interrupt& interrupt) {
   params.guidance_scale = pipeline.limits().default_guidance_scale;
   params.seed = 0;
   const std::string request_id = absl::StrCat("warmup-", pipeline.name());
-  placement_->SetRequestId(request_id);
+  Placement(scope).SetRequestId(request_id);
   RunContext context(interrupt, nullptr);
   const absl::Time start = absl::Now();
   absl::StatusOr<Image> image = absl::InternalError("warm-up did not run");
-  SplitRunner runner(*placement_, *worker_, *this, pipeline.name(), request_id, interrupt);
+  SplitRunner runner(Placement(scope), scope, *this, pipeline.name(), request_id, interrupt);
   absl::Status thrown = CatchAsStatus("warm-up", [&] { image = pipeline.Run(params, runner, context); });
   // Then one step for prompts of other lengths: each caption length the text encoder and the
   // transformer meet first builds attention plans and allocator blocks of its own, which the first
@@ -780,7 +811,7 @@ void GenerationCore::WarmUp(Pipeline& pipeline, const Interrupt& interrupt) {
     thrown = CatchAsStatus("warm-up", [&] { image = pipeline.Run(short_run, runner, context); });
     ++extra;
   }
-  backend_->Synchronize();
+  Backend(scope).Synchronize();
   const absl::Status status = thrown.ok() ? image.status() : thrown;
   if (status.ok()) {
     std::cerr << "stowage_server: pipeline '" << pipeline.name() << "' warmed up (" << params.width << "x"
@@ -796,12 +827,12 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
   ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.BeginUnload(name));
   if (pipeline == nullptr) return absl::OkStatus();  // A failed load: nothing on the device.
   // Its components show UNLOADING at once; the removal waits behind the requests already queued.
-  absl::Status status = ChangeDevice(
-      [&](PlacementManager& placement) {
-        placement.MarkUnloading(name);
+  absl::Status status = OnWorker(
+      [&](WorkerScope& scope) {
+        Placement(scope).MarkUnloading(name);
         for (GenerationCore* peer : PeersOf(name)) {
-          (void)OnPeer(peer, [&](GenerationCore& other) {
-            other.placement_->MarkUnloading(name);
+          (void)OnPeer(scope, peer, [&](GenerationCore& other, WorkerScope& other_scope) {
+            other.Placement(other_scope).MarkUnloading(name);
             return absl::OkStatus();
           });
         }
@@ -811,13 +842,13 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
   bool removed = false;
   if (status.ok()) {
     status = worker_->RunTask(
-        [&] {
+        [&](WorkerScope& scope) {
           removed = true;
           // No request of the pipeline runs now (they ran before this task): its components on
           // peers go too, each by its own worker.
           for (GenerationCore* peer : PeersOf(name)) {
-            (void)OnPeer(peer, [&](GenerationCore& other) {
-              other.RemoveGuest(name);
+            (void)OnPeer(scope, peer, [&](GenerationCore& other, WorkerScope& other_scope) {
+              other.RemoveGuest(other_scope, name);
               return absl::OkStatus();
             });
           }
@@ -825,7 +856,7 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
             absl::MutexLock lock(&split_mu_);
             remote_.erase(name);
           }
-          placement_->Unregister(name);
+          Placement(scope).Unregister(name);
           {
             absl::MutexLock lock(&batching_mu_);
             batching_.erase(name);
@@ -839,12 +870,12 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
     // Withdrawn before the removal ran: everything is as it was. The pipeline serves again at
     // once; its components' UNLOADING marks go at the worker's next boundary.
     pipelines_.AbandonUnload(name);
-    (void)ChangeDevice(
-        [&](PlacementManager& placement) {
-          placement.AbandonUnloading(name);
+    (void)OnWorker(
+        [&](WorkerScope& scope) {
+          Placement(scope).AbandonUnloading(name);
           for (GenerationCore* peer : PeersOf(name)) {
-            (void)OnPeer(peer, [&](GenerationCore& other) {
-              other.placement_->AbandonUnloading(name);
+            (void)OnPeer(scope, peer, [&](GenerationCore& other, WorkerScope& other_scope) {
+              other.Placement(other_scope).AbandonUnloading(name);
               return absl::OkStatus();
             });
           }
@@ -969,9 +1000,9 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
   pending.request = &request;
   pending.control = &control;
   DeviceWorker::Job job;
-  job.run = [&](absl::Duration queue_wait) {
+  job.run = [&](WorkerScope& scope, absl::Duration queue_wait) {
     pending.queue_wait = queue_wait;
-    RunOnWorker({&pending}, /*batching=*/false);
+    RunOnWorker(scope, {&pending}, /*batching=*/false);
   };
   const v1::BatchingConfig batching = BatchingOf(pipeline->name());
   if (pipeline->batched() && batching.max_batch_size() > 1) {
@@ -980,7 +1011,7 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
     job.max_batch_size = batching.max_batch_size();
     job.max_batch_delay = absl::Milliseconds(batching.max_queue_delay_ms());
     job.payload = &pending;
-    job.run_batch = [this](const std::vector<DeviceWorker::BatchMember>& members) {
+    job.run_batch = [this](WorkerScope& scope, const std::vector<DeviceWorker::BatchMember>& members) {
       std::vector<PendingRequest*> requests;
       for (const DeviceWorker::BatchMember& member : members) {
         auto* r = std::any_cast<PendingRequest*>(member.job->payload);
@@ -988,7 +1019,7 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
         r->batch_wait = member.batch_wait;
         requests.push_back(r);
       }
-      RunOnWorker(requests, /*batching=*/true);
+      RunOnWorker(scope, requests, /*batching=*/true);
     };
   }
   job.finish = [&] { done.Notify(); };
@@ -1033,7 +1064,7 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
   return std::move(pending.result);
 }
 
-void GenerationCore::RunOnWorker(const std::vector<PendingRequest*>& requests, bool batching) {
+void GenerationCore::RunOnWorker(WorkerScope& scope, const std::vector<PendingRequest*>& requests, bool batching) {
   // Requests whose pipeline went, or whose caller went, while they waited get their status now.
   std::vector<PendingRequest*> running;
   for (PendingRequest* r : requests) {
@@ -1060,16 +1091,18 @@ void GenerationCore::RunOnWorker(const std::vector<PendingRequest*>& requests, b
     ids.push_back(r->request->request_id().empty() ? absl::StrCat("req-", ++request_counter_)
                                                    : r->request->request_id());
   }
+  PlacementManager& placement = Placement(scope);
+  DeviceBackend& backend = Backend(scope);
   // The placement log names the request (or the batch) its decisions were made for.
-  placement_->SetRequestId(batch_size == 1 ? ids.front()
+  placement.SetRequestId(batch_size == 1 ? ids.front()
                                            : absl::StrCat("batch(", absl::StrJoin(ids, ","), ")"));
-  backend_->ResetPeakStats();
+  backend.ResetPeakStats();
   peak_floor_allocated_ = 0;
   peak_floor_reserved_ = 0;
   // Peak RSS falls back to the lifetime peak where clear_refs is not writable (still an upper
   // bound, never an under-report).
   (void)ResetPeakRss();
-  const DeviceMemoryStats before = backend_->GetMemoryStats();
+  const DeviceMemoryStats before = backend.GetMemoryStats();
 
   std::vector<std::unique_ptr<RunContext>> contexts;
   std::vector<BatchMember> members;
@@ -1101,7 +1134,7 @@ void GenerationCore::RunOnWorker(const std::vector<PendingRequest*>& requests, b
     }
     return last;
   };
-  SplitRunner runner(*placement_, *worker_, *this, pipeline.name(),
+  SplitRunner runner(placement, scope, *this, pipeline.name(),
                      batch_size == 1 ? ids.front() : absl::StrCat("batch(", absl::StrJoin(ids, ","), ")"), all_gone);
   std::vector<absl::StatusOr<Image>> images;
   absl::Status files = pipeline.CheckSourceFiles();
@@ -1114,12 +1147,12 @@ void GenerationCore::RunOnWorker(const std::vector<PendingRequest*>& requests, b
     files = pipeline.CheckSourceFiles();  // Changed during the run: discard it.
   }
   if (!files.ok()) images.assign(running.size(), files);
-  backend_->Synchronize();
+  backend.Synchronize();
   if (metrics_ != nullptr && batching) {
     metrics_->RecordBatch(pipeline.name(), batch_size, running.front()->batch_wait);
   }
 
-  const DeviceMemoryStats after = backend_->GetMemoryStats();
+  const DeviceMemoryStats after = backend.GetMemoryStats();
   absl::StatusOr<ProcessMemory> memory = ReadProcessMemory();
   const absl::Duration run_time = absl::Now() - start;
   for (size_t i = 0; i < running.size(); ++i) {
@@ -1150,11 +1183,11 @@ void GenerationCore::RunOnWorker(const std::vector<PendingRequest*>& requests, b
     if (memory.ok()) stats->set_peak_cpu_rss_bytes(memory->peak_rss_bytes);
     stats->set_host_to_device_bytes(after.host_to_device_bytes - before.host_to_device_bytes);
     stats->set_device_to_host_bytes(after.device_to_host_bytes - before.device_to_host_bytes);
-    stats->set_device(backend_->name());
+    stats->set_device(device_name_);
     stats->set_batch_size(batch_size);
     *stats->mutable_batch_wait() = ToProto(r.batch_wait);
     v1::DeviceUsage* home = stats->add_devices();
-    home->set_device(backend_->name());
+    home->set_device(device_name_);
     home->set_peak_device_memory_bytes(stats->peak_device_memory_bytes());
     home->set_peak_device_reserved_bytes(stats->peak_device_reserved_bytes());
     home->set_host_to_device_bytes(stats->host_to_device_bytes());

@@ -4,7 +4,10 @@
 // on the worker and measures their statistics. Knows protobuf messages, not gRPC.
 //
 // Ownership model (ARCHITECTURE.md, "Who may change device state"): the backend and the
-// PlacementManager are touched only by the device's worker (runtime/device_worker.h). Requests are
+// PlacementManager are touched only by the device's worker (runtime/device_worker.h), and the type
+// says so: they are reached through Placement(scope) / Backend(scope), which take the WorkerScope
+// the worker hands its jobs, tasks and calls, as do the private methods that change device state.
+// Requests are
 // jobs on that worker; every change to device state — registering or removing a pipeline's
 // components, group offload, strategies — is a task posted with ChangeDevice (or by
 // LoadPipeline/UnloadPipeline), which runs between requests and which the caller waits for with
@@ -101,12 +104,12 @@ class GenerationCore {
   // Runs `fn` — one run (or, with `prefetch_only`, the Prefetch hint) of `component`, a component of
   // a split pipeline homed on another device — on this device's worker, through its remote-call
   // lane, with the calling thread's LibTorch thread-local state (inference mode). `caller` is the
-  // home device's worker, which serves its own lane while it waits. Placement decisions are
+  // scope of the home device's worker, which serves its own lane while it waits. Placement decisions are
   // recorded under `request_id`. Adds this device's peak and copied bytes during the run to
   // `usage`. UNAVAILABLE when this device is stopping; `interrupt`'s status when the caller went
   // before the run started.
   absl::Status RunForPeer(Component& component, const std::function<void()>& fn, bool prefetch_only,
-                          const std::string& request_id, DeviceWorker* caller, const Interrupt& interrupt,
+                          const std::string& request_id, WorkerScope* caller, const Interrupt& interrupt,
                           v1::DeviceUsage* usage);
 
   // The other devices of the server (DeviceSet, once all exist, before split pipelines load):
@@ -180,16 +183,27 @@ class GenerationCore {
   std::map<const Component*, GenerationCore*> RemoteOf(const std::string& pipeline) const;
   // The distinct peers of RemoteOf(pipeline).
   std::set<GenerationCore*> PeersOf(const std::string& pipeline) const;
-  // Worker only: runs `change` on `peer`'s worker (a remote call from this worker; `change` must
-  // not call again). Changes on this device itself run in place.
-  absl::Status OnPeer(GenerationCore* peer, const std::function<absl::Status(GenerationCore&)>& change);
-  // Peer side (worker only): registers a component of another device's split pipeline here, keeps
-  // the pipeline alive while it is, and group-offloads it when `offload` says so.
-  absl::Status AddGuest(const std::string& name, std::shared_ptr<Pipeline> pipeline, Component* component,
-                        const std::optional<PipelineGroupOffloadOptions>& offload);
-  // Peer side (worker only): removes one guest component, or all of `name`.
-  absl::Status RemoveGuestComponent(const std::string& name, const Component& component, const std::string& reason);
-  void RemoveGuest(const std::string& name);
+  // Runs `change` on `peer`'s worker with the peer's scope (a remote call from this worker, whose
+  // scope is `scope`; `change` must not call again). Changes on this device itself run in place.
+  absl::Status OnPeer(WorkerScope& scope, GenerationCore* peer,
+                      const std::function<absl::Status(GenerationCore&, WorkerScope&)>& change);
+  // Peer side: registers a component of another device's split pipeline here, keeps the pipeline
+  // alive while it is, and group-offloads it when `offload` says so.
+  absl::Status AddGuest(WorkerScope& scope, const std::string& name, std::shared_ptr<Pipeline> pipeline,
+                        Component* component, const std::optional<PipelineGroupOffloadOptions>& offload);
+  // Peer side: removes one guest component, or all of `name`.
+  absl::Status RemoveGuestComponent(WorkerScope& scope, const std::string& name, const Component& component,
+                                    const std::string& reason);
+  void RemoveGuest(WorkerScope& scope, const std::string& name);
+  // Runs `change` on this device's worker between requests (exceptions become INTERNAL); if
+  // `interrupt` fires before it started, it never runs.
+  absl::Status OnWorker(const std::function<absl::Status(WorkerScope&)>& change, const Interrupt& interrupt,
+                        DeviceWorker::TaskOrder order = DeviceWorker::TaskOrder::kNext);
+  // This device's state, for the holder of its worker's scope (another device's scope aborts: a
+  // scope exists only on its own worker's thread, so that is a bug, not an input).
+  PlacementManager& Placement(WorkerScope& scope) const;
+  DeviceBackend& Backend(WorkerScope& scope) const;
+  void CheckScope(const WorkerScope& scope) const;
   // Worker only, from placement's peer eviction: moves `component` of `pipeline` (homed here,
   // resident here) to `device` by a call to its worker that copies it device to device. Waits
   // without serving this worker's lane (placement is mid-change): gives up, for the host, when the
@@ -200,18 +214,19 @@ class GenerationCore {
   absl::StatusOr<GenerationParams> Validate(const v1::GenerateRequest& request,
                                             const Pipeline& pipeline) const;
   v1::BatchingConfig BatchingOf(const std::string& pipeline) const;
-  // Worker only: one small generation so that the first request finds kernels loaded, library
-  // handles made and components placed (PipelineConfig.warmup). Failures are logged, not returned.
-  void WarmUp(Pipeline& pipeline, const Interrupt& interrupt);
-  // Worker only. Runs requests for one pipeline as one batch (or one request alone) and sets each
-  // one's result.
+  // One small generation so that the first request finds kernels loaded, library handles made and
+  // components placed (PipelineConfig.warmup). Failures are logged, not returned.
+  void WarmUp(WorkerScope& scope, Pipeline& pipeline, const Interrupt& interrupt);
+  // Runs requests for one pipeline as one batch (or one request alone) and sets each one's result.
   // `batching`: the pipeline batches (its batches go to the batch metrics).
-  void RunOnWorker(const std::vector<PendingRequest*>& requests, bool batching);
-  void Publish();  // Worker only.
+  void RunOnWorker(WorkerScope& scope, const std::vector<PendingRequest*>& requests, bool batching);
+  // Publishes the snapshot other threads read (after every job, task and call).
+  void Publish(WorkerScope& scope);
 
   ServerMetrics* metrics_ = nullptr;
   std::string device_name_;
-  // Device state, worker only. The backend outlives everything that may hold device memory.
+  // Device state: reached through Backend(scope) once the worker runs. The backend outlives
+  // everything that may hold device memory.
   std::unique_ptr<DeviceBackend> backend_;
   c10::Device torch_device_ = c10::Device(c10::kCPU);  // The backend's; immutable after Create.
   // Components loaded from model directories, shared between pipelines that name the same ones.
@@ -233,8 +248,9 @@ class GenerationCore {
   bool serving_peer_ = false;
   // The other devices; set once by DeviceSet before any pipeline names them.
   std::vector<GenerationCore*> peers_ ABSL_GUARDED_BY(split_mu_);
-  // Worker only. Declared after the pipelines: destroyed before them, since group offloading
-  // hooks their modules.
+  // Reached through Placement(scope) once the worker runs (DecisionLog, safe from any thread,
+  // excepted). Declared after the pipelines: destroyed before them, since group offloading hooks
+  // their modules.
   std::unique_ptr<PlacementManager> placement_;
   int64_t request_counter_ = 0;
   std::atomic<int> in_flight_{0};

@@ -37,7 +37,7 @@ TEST(DeviceWorkerTest, RunsJobsInOrderOneAtATimeAndRejectsWhenFull) {
   std::atomic<int> max_running{0};
   auto job = [&](int id) {
     DeviceWorker::Job j;
-    j.run = [&, id](absl::Duration) {
+    j.run = [&, id](WorkerScope&, absl::Duration) {
       const int now = ++running;
       max_running = std::max(max_running.load(), now);
       if (id == 0) {
@@ -63,7 +63,7 @@ TEST(DeviceWorkerTest, RunsJobsInOrderOneAtATimeAndRejectsWhenFull) {
   absl::Notification last;
   // Job 0 has left the queue, so this fits once 1 and 2 drain.
   DeviceWorker::Job final_job;
-  final_job.run = [&](absl::Duration) { last.Notify(); };
+  final_job.run = [&](WorkerScope&, absl::Duration) { last.Notify(); };
   while (!worker.Submit(final_job).ok()) absl::SleepFor(absl::Milliseconds(1));
   last.WaitForNotification();
   absl::MutexLock lock(&order_mu);
@@ -76,8 +76,8 @@ TEST(DeviceWorkerTest, ReportsQueueWait) {
   absl::Notification release, done;
   absl::Duration waited;
   DeviceWorker::Job blocker, measured;
-  blocker.run = [&](absl::Duration) { release.WaitForNotification(); };
-  measured.run = [&](absl::Duration wait) {
+  blocker.run = [&](WorkerScope&, absl::Duration) { release.WaitForNotification(); };
+  measured.run = [&](WorkerScope&, absl::Duration wait) {
     waited = wait;
     done.Notify();
   };
@@ -96,14 +96,14 @@ TEST(DeviceWorkerTest, CancelledJobsGiveUpTheirPlace) {
   std::atomic<int> dropped{0};
   std::atomic<bool> cancelled_ran{false};
   DeviceWorker::Job blocker, doomed, last;
-  blocker.run = [&](absl::Duration) {
+  blocker.run = [&](WorkerScope&, absl::Duration) {
     started.Notify();
     release.WaitForNotification();
   };
-  doomed.run = [&](absl::Duration) { cancelled_ran = true; };
+  doomed.run = [&](WorkerScope&, absl::Duration) { cancelled_ran = true; };
   doomed.cancelled = [&] { return gone.load(); };
   doomed.drop = [&] { ++dropped; };
-  last.run = [&](absl::Duration) { ran_last.Notify(); };
+  last.run = [&](WorkerScope&, absl::Duration) { ran_last.Notify(); };
   ASSERT_TRUE(worker.Submit(blocker).ok());
   started.WaitForNotification();
   ASSERT_TRUE(worker.Submit(doomed).ok());
@@ -119,7 +119,7 @@ TEST(DeviceWorkerTest, CancelledJobsGiveUpTheirPlace) {
 // A job that blocks until `release`, reporting when it started.
 DeviceWorker::Job Blocker(absl::Notification& started, absl::Notification& release) {
   DeviceWorker::Job job;
-  job.run = [&](absl::Duration) {
+  job.run = [&](WorkerScope&, absl::Duration) {
     started.Notify();
     release.WaitForNotification();
   };
@@ -138,14 +138,14 @@ TEST(DeviceWorkerTest, TasksRunBetweenJobsBeforeQueuedOnesOrAfterThemAsAsked) {
   ASSERT_TRUE(worker.Submit(Blocker(started, release)).ok());
   started.WaitForNotification();
   DeviceWorker::Job queued;
-  queued.run = [&](absl::Duration) { record("queued job"); };
+  queued.run = [&](WorkerScope&, absl::Duration) { record("queued job"); };
   ASSERT_TRUE(worker.Submit(queued).ok());
   std::thread next([&] {
-    EXPECT_TRUE(worker.RunTask([&] { record("next task"); return absl::OkStatus(); }, nullptr).ok());
+    EXPECT_TRUE(worker.RunTask([&](WorkerScope&) { record("next task"); return absl::OkStatus(); }, nullptr).ok());
   });
   std::thread after([&] {
     EXPECT_TRUE(worker
-                    .RunTask([&] { record("after task"); return absl::OkStatus(); }, nullptr,
+                    .RunTask([&](WorkerScope&) { record("after task"); return absl::OkStatus(); }, nullptr,
                              DeviceWorker::TaskOrder::kAfterQueuedJobs)
                     .ok());
   });
@@ -169,7 +169,7 @@ TEST(DeviceWorkerTest, ATaskWithdrawnBeforeItStartsNeverRuns) {
   std::atomic<bool> ran{false};
   const absl::Time deadline = absl::Now() + absl::Milliseconds(80);
   const absl::Status status = worker.RunTask(
-      [&] {
+      [&](WorkerScope&) {
         ran = true;
         return absl::OkStatus();
       },
@@ -177,7 +177,7 @@ TEST(DeviceWorkerTest, ATaskWithdrawnBeforeItStartsNeverRuns) {
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
   release.Notify();
   // A later task runs, so the withdrawn one would have run by now had it stayed queued.
-  EXPECT_TRUE(worker.RunTask([] { return absl::OkStatus(); }, nullptr).ok());
+  EXPECT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr).ok());
   EXPECT_FALSE(ran.load());
 }
 
@@ -185,7 +185,7 @@ TEST(DeviceWorkerTest, AStartedTaskRunsToTheEndAndReportsItsOwnStatus) {
   DeviceWorker worker(Options("sim:0", 4));
   std::atomic<bool> inside{false};
   const absl::Status status = worker.RunTask(
-      [&] {
+      [&](WorkerScope&) {
         inside = true;
         absl::SleepFor(absl::Milliseconds(100));  // The interrupt fires meanwhile.
         return absl::InvalidArgumentError("the task's own verdict");
@@ -198,14 +198,14 @@ TEST(DeviceWorkerTest, AStartedTaskRunsToTheEndAndReportsItsOwnStatus) {
 TEST(DeviceWorkerTest, StateIsPublishedBeforeACallerIsWoken) {
   std::atomic<int> published{0};
   DeviceWorker::Options options = Options("sim:0", 4);
-  options.after_each = [&] { ++published; };
+  options.after_each = [&](WorkerScope&) { ++published; };
   DeviceWorker worker(std::move(options));
-  EXPECT_TRUE(worker.RunTask([] { return absl::OkStatus(); }, nullptr).ok());
+  EXPECT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr).ok());
   EXPECT_EQ(published.load(), 1);
   absl::Notification finished;
   int seen_at_finish = -1;
   DeviceWorker::Job job;
-  job.run = [](absl::Duration) {};
+  job.run = [](WorkerScope&, absl::Duration) {};
   job.finish = [&] {
     seen_at_finish = published.load();
     finished.Notify();
@@ -220,8 +220,8 @@ TEST(DeviceWorkerTest, ATaskCannotWaitForAnotherOnTheSameWorker) {
   absl::Status inner;
   EXPECT_TRUE(worker
                   .RunTask(
-                      [&] {
-                        inner = worker.RunTask([] { return absl::OkStatus(); }, nullptr);
+                      [&](WorkerScope&) {
+                        inner = worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr);
                         return absl::OkStatus();
                       },
                       nullptr)
@@ -247,8 +247,8 @@ DeviceWorker::Job BatchJob(BatchLog& log, const std::string& key, int id, int ma
   j.max_batch_size = max_size;
   j.max_batch_delay = delay;
   j.payload = id;
-  j.run = [](absl::Duration) { ADD_FAILURE() << "a batching job runs through run_batch"; };
-  j.run_batch = [&log](const std::vector<DeviceWorker::BatchMember>& members) {
+  j.run = [](WorkerScope&, absl::Duration) { ADD_FAILURE() << "a batching job runs through run_batch"; };
+  j.run_batch = [&log](WorkerScope&, const std::vector<DeviceWorker::BatchMember>& members) {
     std::vector<int> ids;
     for (const auto& m : members) ids.push_back(std::any_cast<int>(m.job->payload));
     absl::MutexLock lock(&log.mu);
@@ -265,7 +265,7 @@ TEST(DeviceWorkerTest, QueuedJobsOfOneKeyRunAsBatchesUpToTheirSize) {
   DeviceWorker worker(Options("sim:0", 16));
   absl::Notification started, release;
   DeviceWorker::Job blocker;
-  blocker.run = [&](absl::Duration) {
+  blocker.run = [&](WorkerScope&, absl::Duration) {
     started.Notify();
     release.WaitForNotification();
   };
@@ -359,10 +359,10 @@ TEST(DeviceWorkerTest, ALoneClientDoesNotWaitForCompanyThatDoesNotCome) {
   absl::Notification started, release, last;
   DeviceWorker::Job long_job = BatchJob(log, "a", 3, 4, delay);
   auto record = long_job.run_batch;
-  long_job.run_batch = [&, record](const std::vector<DeviceWorker::BatchMember>& members) {
+  long_job.run_batch = [&, record](WorkerScope& scope, const std::vector<DeviceWorker::BatchMember>& members) {
     started.Notify();
     release.WaitForNotification();
-    record(members);
+    record(scope, members);
   };
   ASSERT_TRUE(worker.Submit(long_job).ok());
   started.WaitForNotification();
@@ -380,7 +380,7 @@ TEST(DeviceWorkerTest, ALoneClientDoesNotWaitForCompanyThatDoesNotCome) {
 std::thread BlockWorker(DeviceWorker& worker, absl::Notification& started, absl::Notification& release) {
   std::thread t([&] {
     (void)worker.RunTask(
-        [&] {
+        [&](WorkerScope&) {
           started.Notify();
           release.WaitForNotification();
           return absl::OkStatus();
@@ -395,7 +395,7 @@ TEST(DeviceWorkerCallTest, ACallRunsOnTheWorkerThreadAndReturnsItsStatus) {
   DeviceWorker worker(Options("sim:1", 4));
   std::thread::id ran_on;
   const absl::Status status = worker.Call(
-      [&] {
+      [&](WorkerScope&) {
         ran_on = std::this_thread::get_id();
         return absl::NotFoundError("from the lane");
       },
@@ -404,37 +404,71 @@ TEST(DeviceWorkerCallTest, ACallRunsOnTheWorkerThreadAndReturnsItsStatus) {
   EXPECT_NE(ran_on, std::this_thread::get_id());
   // Only the worker itself: the ran_on thread is the worker's (it answers OnWorkerThread there).
   bool on_worker = false;
-  ASSERT_TRUE(worker.Call([&] { on_worker = worker.OnWorkerThread(); return absl::OkStatus(); }, nullptr, nullptr).ok());
+  ASSERT_TRUE(worker.Call([&](WorkerScope&) { on_worker = worker.OnWorkerThread(); return absl::OkStatus(); }, nullptr, nullptr).ok());
   EXPECT_TRUE(on_worker);
 }
 
 TEST(DeviceWorkerCallTest, StateIsPublishedBeforeACallReturns) {
   std::atomic<int> published{0};
   DeviceWorker::Options options = Options("sim:1", 4);
-  options.after_each = [&] { ++published; };
+  options.after_each = [&](WorkerScope&) { ++published; };
   DeviceWorker worker(std::move(options));
   for (int i = 1; i <= 3; ++i) {
-    ASSERT_TRUE(worker.Call([] { return absl::OkStatus(); }, nullptr, nullptr).ok());
+    ASSERT_TRUE(worker.Call([](WorkerScope&) { return absl::OkStatus(); }, nullptr, nullptr).ok());
     EXPECT_EQ(published.load(), i);
   }
 }
 
-TEST(DeviceWorkerCallTest, OnItsOwnThreadACallRunsInPlaceAndACallerMustBeTheCallingWorker) {
+// A call made on the worker's own thread runs in place, with that worker's scope. (A caller that is
+// not the calling thread's worker cannot be named any more: Call takes the caller's WorkerScope,
+// which only that worker makes.)
+TEST(DeviceWorkerCallTest, OnItsOwnThreadACallRunsInPlaceWithItsOwnScope) {
   DeviceWorker a(Options("sim:0", 4));
-  DeviceWorker b(Options("sim:1", 4));
-  absl::Status in_place, wrong_caller;
+  absl::Status in_place;
   ASSERT_TRUE(a.RunTask(
-                   [&] {
+                   [&](WorkerScope& scope) {
                      bool ran = false;
-                     in_place = a.Call([&] { ran = true; return absl::OkStatus(); }, nullptr, &a);
+                     in_place = a.Call(
+                         [&](WorkerScope& inner) {
+                           ran = &inner.worker() == &a && a.OnWorkerThread();
+                           return absl::OkStatus();
+                         },
+                         nullptr, &scope);
                      EXPECT_TRUE(ran);
                      return absl::OkStatus();
                    },
                    nullptr)
                   .ok());
   EXPECT_TRUE(in_place.ok()) << in_place;
-  wrong_caller = b.Call([] { return absl::OkStatus(); }, nullptr, &a);  // This thread is not a's.
-  EXPECT_EQ(wrong_caller.code(), absl::StatusCode::kInternal);
+}
+
+// Every job, task and call gets the scope of the worker that runs it, on that worker's thread.
+TEST(DeviceWorkerCallTest, JobsTasksAndCallsRunWithTheirWorkersScope) {
+  DeviceWorker a(Options("sim:0", 4));
+  std::atomic<int> right{0};
+  absl::Notification job_done;
+  DeviceWorker::Job job;
+  job.run = [&](WorkerScope& scope, absl::Duration) {
+    if (&scope.worker() == &a && a.OnWorkerThread()) ++right;
+  };
+  job.finish = [&] { job_done.Notify(); };
+  ASSERT_TRUE(a.Submit(std::move(job)).ok());
+  job_done.WaitForNotification();
+  ASSERT_TRUE(a.RunTask(
+                   [&](WorkerScope& scope) {
+                     if (&scope.worker() == &a && a.OnWorkerThread()) ++right;
+                     return absl::OkStatus();
+                   },
+                   nullptr)
+                  .ok());
+  ASSERT_TRUE(a.Call(
+                   [&](WorkerScope& scope) {
+                     if (&scope.worker() == &a && a.OnWorkerThread()) ++right;
+                     return absl::OkStatus();
+                   },
+                   nullptr, nullptr)
+                  .ok());
+  EXPECT_EQ(right.load(), 3);
 }
 
 // Two workers whose jobs call each other, many times at once (a split pipeline each way): every
@@ -450,15 +484,15 @@ TEST(DeviceWorkerCallTest, WorkersWhoseJobsCallEachOtherDoNotDeadlock) {
   absl::Notification all_done;
   auto job = [&](DeviceWorker& self, DeviceWorker& peer) {
     DeviceWorker::Job j;
-    j.run = [&](absl::Duration) {
+    j.run = [&](WorkerScope& scope, absl::Duration) {
       for (int i = 0; i < kCallsPerJob; ++i) {
-        self.ServeCalls();  // Between "component runs".
+        self.ServeCalls(scope);  // Between "component runs".
         const absl::Status s = peer.Call(
-            [&] {
-              if (!peer.OnWorkerThread()) ++wrong_thread;
+            [&](WorkerScope& peer_scope) {
+              if (!peer.OnWorkerThread() || &peer_scope.worker() != &peer) ++wrong_thread;
               return absl::OkStatus();
             },
-            nullptr, &self);
+            nullptr, &scope);
         if (s.ok()) ++calls_done;
       }
       if (++jobs_done == 2 * kJobs) all_done.Notify();
@@ -481,10 +515,10 @@ TEST(DeviceWorkerCallTest, ABusyWorkerServesCallsBetweenComponentRuns) {
   std::atomic<bool> stop{false};
   absl::Notification started, finished;
   DeviceWorker::Job j;
-  j.run = [&](absl::Duration) {
+  j.run = [&](WorkerScope& scope, absl::Duration) {
     started.Notify();
     while (!stop) {
-      worker.ServeCalls();
+      worker.ServeCalls(scope);
       absl::SleepFor(absl::Milliseconds(1));
     }
   };
@@ -492,7 +526,7 @@ TEST(DeviceWorkerCallTest, ABusyWorkerServesCallsBetweenComponentRuns) {
   ASSERT_TRUE(worker.Submit(std::move(j)).ok());
   started.WaitForNotification();
   std::atomic<bool> job_still_running{false};
-  ASSERT_TRUE(worker.Call([&] { job_still_running = !stop; return absl::OkStatus(); }, nullptr, nullptr).ok());
+  ASSERT_TRUE(worker.Call([&](WorkerScope&) { job_still_running = !stop; return absl::OkStatus(); }, nullptr, nullptr).ok());
   EXPECT_TRUE(job_still_running.load());
   stop = true;
   finished.WaitForNotification();
@@ -506,7 +540,7 @@ TEST(DeviceWorkerCallTest, ABatchWaitingForMembersServesCalls) {
   ASSERT_TRUE(worker.Submit(BatchJob(log, "k", 1, 4, absl::Seconds(30), &done)).ok());
   absl::SleepFor(absl::Milliseconds(50));  // The batch now waits for up to 30 s.
   const absl::Time start = absl::Now();
-  ASSERT_TRUE(worker.Call([] { return absl::OkStatus(); }, nullptr, nullptr).ok());
+  ASSERT_TRUE(worker.Call([](WorkerScope&) { return absl::OkStatus(); }, nullptr, nullptr).ok());
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   EXPECT_TRUE(log.Get().empty()) << "the batch ran before the call";
   for (int id = 2; id <= 4; ++id) ASSERT_TRUE(worker.Submit(BatchJob(log, "k", id, 4, absl::Seconds(30))).ok());
@@ -520,7 +554,7 @@ TEST(DeviceWorkerCallTest, AQueuedCallIsWithdrawnWhenItsCallerGoesAndNeverRuns) 
   std::thread blocker = BlockWorker(worker, started, release);
   std::atomic<bool> ran{false};
   const absl::Time deadline = absl::Now() + absl::Milliseconds(100);
-  const absl::Status status = worker.Call([&] { ran = true; return absl::OkStatus(); },
+  const absl::Status status = worker.Call([&](WorkerScope&) { ran = true; return absl::OkStatus(); },
                                           [&] {
                                             return absl::Now() < deadline ? absl::OkStatus()
                                                                           : absl::DeadlineExceededError("caller gone");
@@ -529,7 +563,7 @@ TEST(DeviceWorkerCallTest, AQueuedCallIsWithdrawnWhenItsCallerGoesAndNeverRuns) 
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
   release.Notify();
   blocker.join();
-  ASSERT_TRUE(worker.RunTask([] { return absl::OkStatus(); }, nullptr).ok());  // The lane was served by now.
+  ASSERT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr).ok());  // The lane was served by now.
   EXPECT_FALSE(ran.load());
 }
 
@@ -541,7 +575,7 @@ TEST(DeviceWorkerCallTest, StoppingFailsWaitingCallsWithUnavailableInsteadOfHang
   absl::Status waiting;
   absl::Notification returned;
   std::thread caller([&] {
-    waiting = worker.Call([&] { ran = true; return absl::OkStatus(); }, nullptr, nullptr);
+    waiting = worker.Call([&](WorkerScope&) { ran = true; return absl::OkStatus(); }, nullptr, nullptr);
     returned.Notify();
   });
   absl::SleepFor(absl::Milliseconds(50));  // The call waits in the lane behind the blocked task.
@@ -554,7 +588,7 @@ TEST(DeviceWorkerCallTest, StoppingFailsWaitingCallsWithUnavailableInsteadOfHang
   blocker.join();
   stopper.join();
   EXPECT_FALSE(ran.load());
-  const absl::Status after = worker.Call([] { return absl::OkStatus(); }, nullptr, nullptr);
+  const absl::Status after = worker.Call([](WorkerScope&) { return absl::OkStatus(); }, nullptr, nullptr);
   EXPECT_EQ(after.code(), absl::StatusCode::kUnavailable);
 }
 

@@ -43,7 +43,8 @@ struct DeviceWorker::CallState {
   absl::Status status ABSL_GUARDED_BY(mu);
 };
 
-DeviceWorker::DeviceWorker(Options options) : options_(std::move(options)), waker_(std::make_shared<Waker>()) {
+DeviceWorker::DeviceWorker(Options options)
+    : options_(std::move(options)), scheduler_(options_.scheduler), waker_(std::make_shared<Waker>()) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -200,12 +201,23 @@ absl::Status DeviceWorker::Submit(Job job) {
     absl::MutexLock lock(&mu_);
     if (stopping_) return absl::UnavailableError("server is shutting down");
     if (QueuedJobs() >= options_.queue_depth) TakeCancelled(dropped);
+    int tenant_waiting = 0;
+    if (options_.tenant_queue_limit > 0) {
+      for (const Item& i : queue_) tenant_waiting += i.task == nullptr && i.job.schedule.tenant == job.schedule.tenant;
+    }
     if (QueuedJobs() >= options_.queue_depth) {
       status = absl::ResourceExhaustedError(absl::StrCat(
           "the request queue of ", options_.device, " is full (", options_.queue_depth,
           " waiting); retry later or raise queue_depth in the server config"));
+    } else if (options_.tenant_queue_limit > 0 && tenant_waiting >= options_.tenant_queue_limit) {
+      status = absl::ResourceExhaustedError(absl::StrCat(
+          "tenant '", job.schedule.tenant.empty() ? std::string("(default)") : job.schedule.tenant, "' has ",
+          tenant_waiting, " requests waiting on ", options_.device,
+          ", its limit (scheduler.tenant_queue_limit); retry later"));
     } else {
-      queue_.push_back(Item{std::move(job), nullptr, absl::Now()});
+      const absl::Time now = absl::Now();
+      job.schedule.enqueued = now;
+      queue_.push_back(Item{std::move(job), nullptr, now});
     }
     ReportDepth();
   }
@@ -317,6 +329,28 @@ void DeviceWorker::CollectBatch(WorkerScope& scope, std::vector<Item>& members, 
   ReportDepth();
 }
 
+std::string DeviceWorker::ScheduleFront() {
+  // The jobs before the first waiting task: a task queued behind jobs (kAfterQueuedJobs) keeps
+  // every job queued before it ahead of it, and jobs queued after it behind it.
+  std::vector<const ScheduleEntry*> entries;
+  std::vector<std::deque<Item>::iterator> positions;
+  for (auto it = queue_.begin(); it != queue_.end() && it->task == nullptr; ++it) {
+    entries.push_back(&it->job.schedule);
+    positions.push_back(it);
+  }
+  if (entries.size() <= 1) {
+    if (!entries.empty()) (void)scheduler_.Pick(entries, nullptr, absl::Now());  // Tracks who waits.
+    return "";
+  }
+  const ScheduleChoice choice = scheduler_.Pick(entries, options_.move_bytes, absl::Now());
+  if (choice.index != 0) {
+    Item chosen = std::move(*positions[choice.index]);
+    queue_.erase(positions[choice.index]);
+    queue_.push_front(std::move(chosen));
+  }
+  return choice.reason;
+}
+
 void DeviceWorker::Loop() {
   // The one scope of this worker: everything it runs gets it.
   WorkerScope scope(*this);
@@ -327,6 +361,7 @@ void DeviceWorker::Loop() {
     std::vector<Item> dropped;
     absl::Duration batch_wait;
     bool calls_waiting = false;
+    std::string reorder_reason;
     {
       absl::MutexLock lock(&mu_);
       mu_.Await(absl::Condition(
@@ -347,6 +382,7 @@ void DeviceWorker::Loop() {
         if (stopping_) return;
         continue;
       }
+      if (queue_.front().task == nullptr) reorder_reason = ScheduleFront();
       next = std::move(queue_.front());
       queue_.pop_front();
       if (next.task != nullptr) {
@@ -371,6 +407,11 @@ void DeviceWorker::Loop() {
       const absl::Time start = absl::Now();
       std::vector<BatchMember> members;
       for (Item& item : batch) members.push_back(BatchMember{&item.job, start - item.enqueued, batch_wait});
+      if (!reorder_reason.empty() && options_.on_reorder) options_.on_reorder(scope, batch.front().job, reorder_reason);
+      {
+        absl::MutexLock lock(&mu_);
+        for (const Item& item : batch) scheduler_.Charge(item.job.schedule);
+      }
       members.front().job->run_batch(scope, members);
       {
         absl::MutexLock lock(&mu_);
@@ -398,6 +439,11 @@ void DeviceWorker::Loop() {
     } else if (next.job.cancelled && next.job.cancelled()) {
       if (next.job.drop) next.job.drop();
     } else {
+      if (!reorder_reason.empty() && options_.on_reorder) options_.on_reorder(scope, next.job, reorder_reason);
+      {
+        absl::MutexLock lock(&mu_);
+        scheduler_.Charge(next.job.schedule);
+      }
       next.job.run(scope, absl::Now() - next.enqueued);
       if (options_.after_each) options_.after_each(scope);
       if (next.job.finish) next.job.finish();

@@ -7,8 +7,10 @@
 // it, and read the snapshot the owner publishes after each item (`after_each`).
 //
 // Two kinds of work share one queue:
-//   * Jobs (generation requests): bounded by `queue_depth`; Submit fails with RESOURCE_EXHAUSTED
-//     when that many jobs wait. A job whose caller has gone is dropped when it reaches the front,
+//   * Jobs (generation requests): bounded by `queue_depth` (and per tenant by
+//     `tenant_queue_limit`); Submit fails with RESOURCE_EXHAUSTED when that many jobs wait. Which
+//     waiting job runs next is the scheduler's choice (runtime/scheduler.h: priority, tenant
+//     fairness, residency within max_reorder_delay) among the jobs before the first waiting task. A job whose caller has gone is dropped when it reaches the front,
 //     or when a new job finds the queue full.
 //     Jobs may batch: jobs with the same non-empty `batch_key` that are queued together run as one
 //     batch (see Job::batch_key).
@@ -53,6 +55,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "runtime/scheduler.h"
 
 namespace stowage {
 
@@ -113,6 +116,9 @@ class DeviceWorker {
     absl::Duration max_batch_delay = absl::ZeroDuration();
     std::function<void(WorkerScope& scope, const std::vector<BatchMember>& members)> run_batch;
     std::any payload;
+
+    // What the scheduler weighs (priority, tenant, pipeline, cost); `enqueued` is set by Submit.
+    ScheduleEntry schedule;
   };
 
   enum class TaskOrder { kNext, kAfterQueuedJobs };
@@ -125,6 +131,16 @@ class DeviceWorker {
     std::function<void(int)> on_queue_depth;
     // Optional: called on the worker thread after every job, task and call (publishes snapshots).
     std::function<void(WorkerScope& scope)> after_each;
+    // How the next job is chosen (runtime/scheduler.h).
+    SchedulerOptions scheduler;
+    // Jobs one tenant may have waiting (0: only queue_depth bounds them).
+    int tenant_queue_limit = 0;
+    // Optional (needed for residency reordering): bytes running `pipeline` now would move onto the
+    // device. Called under the queue's lock: must be quick and must not call into this worker.
+    std::function<int64_t(const std::string& pipeline)> move_bytes;
+    // Optional: called on the worker thread, before the job runs, when the scheduler chose a job
+    // other than the oldest of its tenant and priority for residency, with its reason.
+    std::function<void(WorkerScope& scope, const Job& job, const std::string& reason)> on_reorder;
   };
 
   explicit DeviceWorker(Options options);
@@ -183,6 +199,9 @@ class DeviceWorker {
   // Moves cancelled jobs out of the queue into `dropped`.
   void TakeCancelled(std::vector<Item>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int QueuedJobs() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the job the scheduler picks among those before the first waiting task (the front is a
+  // job) to the front of the queue; returns the scheduler's reason ("" for none).
+  std::string ScheduleFront() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Runs one call's function and returns its status (without mu_).
   static absl::Status RunCall(CallState& call, WorkerScope& scope);
   // Completes `call` with `status` and wakes its waiting caller.
@@ -197,6 +216,7 @@ class DeviceWorker {
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
   // Batch keys whose last batch showed no concurrent demand (see Job::batch_key); bounded.
   std::set<std::string> lone_keys_ ABSL_GUARDED_BY(mu_);
+  Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // The remote-call lane, in arrival order.
   std::deque<std::shared_ptr<CallState>> calls_ ABSL_GUARDED_BY(mu_);

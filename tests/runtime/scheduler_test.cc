@@ -1,0 +1,220 @@
+// The scheduler's choices on their own: priorities (strict and weighted), fair shares between
+// tenants (weights, floods, no credit saved while idle) and residency reordering bounded by
+// max_reorder_delay.
+#include "runtime/scheduler.h"
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace stowage {
+namespace {
+
+const absl::Time kT0 = absl::FromUnixSeconds(1700000000);
+
+ScheduleEntry Entry(int priority, const std::string& tenant, const std::string& pipeline = "p", int age_ms = 0) {
+  ScheduleEntry e;
+  e.enqueued = kT0 - absl::Milliseconds(age_ms);
+  e.priority = priority;
+  e.tenant = tenant;
+  e.pipeline = pipeline;
+  return e;
+}
+
+// A queue the test drives: Pick, charge, remove the chosen entry.
+class Queue {
+ public:
+  explicit Queue(SchedulerOptions options) : scheduler_(std::move(options)) {}
+  void Add(ScheduleEntry e) { entries_.push_back(std::move(e)); }
+  size_t size() const { return entries_.size(); }
+  // Keeps `n` requests like `e` (same priority and tenant) waiting: the flow stays backlogged.
+  void KeepWaiting(const ScheduleEntry& e, size_t n) {
+    size_t have = 0;
+    for (const ScheduleEntry& w : entries_) have += w.priority == e.priority && w.tenant == e.tenant;
+    for (; have < n; ++have) Add(e);
+  }
+  ScheduleEntry Next(absl::Time now = kT0, std::string* reason = nullptr,
+                     const std::map<std::string, int64_t>& resident_cost = {}) {
+    std::vector<const ScheduleEntry*> view;
+    for (const ScheduleEntry& e : entries_) view.push_back(&e);
+    auto cost = [&](const std::string& p) -> int64_t {
+      ++cost_calls_[p];
+      auto it = resident_cost.find(p);
+      return it == resident_cost.end() ? 0 : it->second;
+    };
+    const ScheduleChoice choice = scheduler_.Pick(view, cost, now);
+    EXPECT_LT(choice.index, entries_.size());
+    ScheduleEntry chosen = entries_[choice.index];
+    entries_.erase(entries_.begin() + static_cast<long>(choice.index));
+    scheduler_.Charge(chosen);
+    if (reason != nullptr) *reason = choice.reason;
+    return chosen;
+  }
+  std::map<std::string, int> cost_calls_;
+
+ private:
+  Scheduler scheduler_;
+  std::vector<ScheduleEntry> entries_;
+};
+
+TEST(SchedulerTest, StrictPriorityRunsTheHighestFirstWhateverTheArrivalOrder) {
+  Queue q{SchedulerOptions{}};
+  q.Add(Entry(0, "", "low-1"));
+  q.Add(Entry(3, "", "high"));
+  q.Add(Entry(0, "", "low-2"));
+  q.Add(Entry(1, "", "mid"));
+  EXPECT_EQ(q.Next().pipeline, "high");
+  EXPECT_EQ(q.Next().pipeline, "mid");
+  EXPECT_EQ(q.Next().pipeline, "low-1");
+  EXPECT_EQ(q.Next().pipeline, "low-2");
+}
+
+TEST(SchedulerTest, WeightedPrioritiesShareInProportionToPriorityPlusOne) {
+  SchedulerOptions options;
+  options.priority_mode = PriorityMode::kWeighted;
+  Queue q(options);
+  // Both levels always have work waiting: level 2 gets 3 of every 4 picks, level 0 one.
+  std::map<int, int> served;
+  for (int i = 0; i < 400; ++i) {
+    q.KeepWaiting(Entry(0, ""), 2);
+    q.KeepWaiting(Entry(2, ""), 2);
+    ++served[q.Next().priority];
+  }
+  EXPECT_NEAR(served[2], 300, 2);
+  EXPECT_NEAR(served[0], 100, 2);
+}
+
+TEST(SchedulerTest, AFloodingTenantGetsItsShareAndNoMore) {
+  Queue q{SchedulerOptions{}};
+  for (int i = 0; i < 20; ++i) q.Add(Entry(0, "flood"));
+  q.Add(Entry(0, "quiet"));
+  q.Add(Entry(0, "quiet"));
+  // The quiet tenant's requests, queued behind twenty, run second and fourth.
+  std::vector<std::string> order;
+  for (int i = 0; i < 5; ++i) order.push_back(q.Next().tenant);
+  EXPECT_EQ(order, (std::vector<std::string>{"flood", "quiet", "flood", "quiet", "flood"}));
+}
+
+TEST(SchedulerTest, TenantWeightsSetTheShares) {
+  SchedulerOptions options;
+  options.tenant_weights = {{"gold", 3.0}};
+  Queue q(options);
+  std::map<std::string, int> served;
+  for (int i = 0; i < 400; ++i) {
+    q.KeepWaiting(Entry(0, "gold"), 2);
+    q.KeepWaiting(Entry(0, "basic"), 2);
+    ++served[q.Next().tenant];
+  }
+  EXPECT_NEAR(served["gold"], 300, 2);
+  EXPECT_NEAR(served["basic"], 100, 2);
+}
+
+TEST(SchedulerTest, WorkCountsNotRequests) {
+  Queue q{SchedulerOptions{}};
+  // "big" brings requests of 4 units, "small" of 1: per unit of work they alternate.
+  std::map<std::string, double> work;
+  for (int i = 0; i < 200; ++i) {
+    ScheduleEntry big = Entry(0, "big");
+    big.cost = 4;
+    q.KeepWaiting(big, 2);
+    q.KeepWaiting(Entry(0, "small"), 2);
+    const ScheduleEntry e = q.Next();
+    work[e.tenant] += e.cost;
+  }
+  EXPECT_NEAR(work["big"] / work["small"], 1.0, 0.1);
+}
+
+TEST(SchedulerTest, ATenantThatWasIdleSavesNoCredit) {
+  Queue q{SchedulerOptions{}};
+  // "a" alone for 50 requests, then "b" arrives with a backlog: they alternate from there; "b"
+  // does not get 50 in a row for the time it was away.
+  for (int i = 0; i < 50; ++i) {
+    q.Add(Entry(0, "a"));
+    EXPECT_EQ(q.Next().tenant, "a");
+  }
+  for (int i = 0; i < 6; ++i) {
+    q.Add(Entry(0, "a"));
+    q.Add(Entry(0, "b"));
+  }
+  std::map<std::string, int> first_six;
+  for (int i = 0; i < 6; ++i) ++first_six[q.Next().tenant];
+  EXPECT_EQ(first_six["a"], 3);
+  EXPECT_EQ(first_six["b"], 3);
+}
+
+TEST(SchedulerTest, AResidentPipelineGoesFirstWithinTheReorderDelayAndTheDecisionSaysWhy) {
+  SchedulerOptions options;
+  options.max_reorder_delay = absl::Milliseconds(500);
+  Queue q(options);
+  q.Add(Entry(0, "", "cold", /*age_ms=*/100));
+  q.Add(Entry(0, "", "hot", /*age_ms=*/50));
+  q.Add(Entry(0, "", "hot", /*age_ms=*/10));
+  const std::map<std::string, int64_t> cost = {{"cold", int64_t{12} << 30}, {"hot", 0}};
+  std::string reason;
+  EXPECT_EQ(q.Next(kT0, &reason, cost).pipeline, "hot");
+  EXPECT_NE(reason.find("ran before an older request of pipeline 'cold' (12288 MiB to move; waited 100ms of "
+                        "max_reorder_delay 500ms): pipeline 'hot' moves 0 bytes"),
+            std::string::npos)
+      << reason;
+  EXPECT_EQ(q.cost_calls_["cold"], 1);  // Once per distinct pipeline and pick.
+  EXPECT_EQ(q.cost_calls_["hot"], 1);
+  EXPECT_EQ(q.Next(kT0, &reason, cost).pipeline, "hot");
+  // Only the cold one is left.
+  EXPECT_EQ(q.Next(kT0, &reason, cost).pipeline, "cold");
+  EXPECT_EQ(reason, "");
+}
+
+TEST(SchedulerTest, NoRequestIsPassedOverOnceItWaitedTheReorderDelay) {
+  SchedulerOptions options;
+  options.max_reorder_delay = absl::Milliseconds(500);
+  Queue q(options);
+  q.Add(Entry(0, "", "cold", /*age_ms=*/500));
+  q.Add(Entry(0, "", "hot", /*age_ms=*/10));
+  std::string reason = "unset";
+  EXPECT_EQ(q.Next(kT0, &reason, {{"cold", 1000}}).pipeline, "cold");
+  EXPECT_EQ(reason, "");
+}
+
+TEST(SchedulerTest, WithoutAReorderDelayItIsFirstComeFirstServedAndAsksNoCosts) {
+  Queue q{SchedulerOptions{}};
+  q.Add(Entry(0, "", "cold"));
+  q.Add(Entry(0, "", "hot"));
+  EXPECT_EQ(q.Next(kT0, nullptr, {{"cold", 1000}}).pipeline, "cold");
+  EXPECT_TRUE(q.cost_calls_.empty());
+}
+
+TEST(SchedulerTest, ResidencyNeverCrossesPriorityOrTenant) {
+  SchedulerOptions options;
+  options.max_reorder_delay = absl::Seconds(10);
+  Queue q(options);
+  q.Add(Entry(1, "a", "cold"));
+  q.Add(Entry(0, "a", "hot"));  // Resident, but a lower priority.
+  EXPECT_EQ(q.Next(kT0, nullptr, {{"cold", 1000}}).pipeline, "cold");
+}
+
+TEST(SchedulerTest, ManyTenantsEachGetTheirRequestRun) {
+  Queue q{SchedulerOptions{}};
+  for (int i = 0; i < 20000; ++i) {
+    q.Add(Entry(0, "tenant-" + std::to_string(i)));
+    q.Add(Entry(0, "steady"));
+    q.Next();
+    q.Next();
+  }
+  EXPECT_EQ(q.size(), 0u);
+}
+
+TEST(SchedulerTest, ClientChosenTenantNamesDoNotGrowItsMemory) {
+  Scheduler scheduler{SchedulerOptions{}};
+  for (int i = 0; i < 20000; ++i) {
+    ScheduleEntry a = Entry(0, "tenant-" + std::to_string(i));
+    ScheduleEntry b = Entry(0, "steady");
+    scheduler.Pick({&a, &b}, nullptr, kT0);
+    scheduler.Charge(a);
+  }
+  EXPECT_LE(scheduler.remembered_flows(), 4096u + 2);
+}
+
+}  // namespace
+}  // namespace stowage

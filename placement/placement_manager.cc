@@ -114,6 +114,19 @@ void PlacementManager::Record(const std::string& component, const std::string& a
   Record(std::move(d));
 }
 
+void PlacementManager::RecordSchedule(const std::string& request_id, const std::string& pipeline,
+                                      const std::string& reason) {
+  PlacementDecision d;
+  d.time = absl::Now();
+  d.request_id = request_id;
+  d.component = pipeline;
+  d.action = "schedule";
+  d.free_before = d.free_after = FreeBytes();
+  d.strategy = strategy_->name();
+  d.reason = reason;
+  Record(std::move(d));
+}
+
 void PlacementManager::Record(PlacementDecision d) {
   absl::MutexLock lock(&log_mu_);
   log_.push_back(std::move(d));

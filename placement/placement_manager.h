@@ -147,6 +147,9 @@ class PlacementManager : public ComponentRunner {
   // Current warnings (e.g. footprint strategy over group-offloaded components).
   std::vector<std::string> Warnings() const;
   // The request id recorded with decisions from now on (set by the server per request).
+  // Records a scheduling decision of the device's request scheduler (action "schedule"): the
+  // request chosen ahead of an older one, for `pipeline`, and why.
+  void RecordSchedule(const std::string& request_id, const std::string& pipeline, const std::string& reason);
   void SetRequestId(std::string request_id);
   // The newest `limit` decisions, oldest first.
   std::vector<PlacementDecision> DecisionLog(size_t limit) const;

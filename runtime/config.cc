@@ -12,6 +12,7 @@
 #include <sstream>
 #include <vector>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -32,6 +33,23 @@ v1::DeviceConfig::Kind ResolvedKind(const v1::DeviceConfig& device) {
 
 std::string DeviceNameOf(const v1::DeviceConfig& device) {
   return absl::StrCat(ResolvedKind(device) == v1::DeviceConfig::KIND_CUDA ? "cuda:" : "sim:", device.index());
+}
+
+bool IsValidTenant(const std::string& tenant) {
+  if (tenant.size() > kMaxTenantLength) return false;
+  for (char c : tenant) {
+    if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') return false;
+  }
+  return true;
+}
+
+SchedulerOptions ToSchedulerOptions(const v1::SchedulerConfig& config) {
+  SchedulerOptions options;
+  options.max_reorder_delay = absl::Milliseconds(config.max_reorder_delay_ms());
+  options.priority_mode = config.priority_mode() == v1::SchedulerConfig::PRIORITY_WEIGHTED ? PriorityMode::kWeighted
+                                                                                          : PriorityMode::kStrict;
+  for (const auto& [tenant, weight] : config.tenant_weights()) options.tenant_weights[tenant] = weight;
+  return options;
 }
 namespace {
 
@@ -266,6 +284,30 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
   RETURN_IF_ERROR(CheckRange("queue_depth", config.queue_depth(), 0, kMaxQueueDepth,
                              absl::StrCat("0 (default ", kDefaultQueueDepth, ") or 1..", kMaxQueueDepth)));
   if (config.queue_depth() == 0) config.set_queue_depth(kDefaultQueueDepth);
+  const v1::SchedulerConfig& scheduler = config.scheduler();
+  if (!v1::SchedulerConfig::PriorityMode_IsValid(scheduler.priority_mode())) {
+    return absl::InvalidArgumentError(absl::StrCat("scheduler.priority_mode: unknown value ",
+                                                   static_cast<int>(scheduler.priority_mode()),
+                                                   "; use PRIORITY_STRICT or PRIORITY_WEIGHTED"));
+  }
+  RETURN_IF_ERROR(CheckRange("scheduler.max_reorder_delay_ms", scheduler.max_reorder_delay_ms(), 0, kMaxReorderDelayMs,
+                             absl::StrCat("0 (first come, first served) ..", kMaxReorderDelayMs)));
+  RETURN_IF_ERROR(CheckRange("scheduler.tenant_queue_limit", scheduler.tenant_queue_limit(), 0, config.queue_depth(),
+                             absl::StrCat("0 (off) ..queue_depth (", config.queue_depth(), ")")));
+  if (scheduler.tenant_weights_size() > kMaxTenantWeights) {
+    return absl::InvalidArgumentError(absl::StrCat("scheduler.tenant_weights: ", scheduler.tenant_weights_size(),
+                                                   " tenants; at most ", kMaxTenantWeights));
+  }
+  for (const auto& [tenant, weight] : scheduler.tenant_weights()) {
+    if (tenant.empty() || !IsValidTenant(tenant)) {
+      return absl::InvalidArgumentError(absl::StrCat("scheduler.tenant_weights: tenant ", Quoted(tenant),
+                                                     " is not 1..", kMaxTenantLength, " characters of [A-Za-z0-9._-]"));
+    }
+    if (!(weight > 0) || !(weight <= kMaxTenantWeight)) {
+      return absl::InvalidArgumentError(absl::StrCat("scheduler.tenant_weights[", tenant, "]: ", weight,
+                                                     " is out of range; allowed: (0, ", kMaxTenantWeight, "]"));
+    }
+  }
   RETURN_IF_ERROR(CheckRange("cpu_threads", config.cpu_threads(), 0, kMaxCpuThreads,
                              absl::StrCat("0 (LibTorch's default) or 1..", kMaxCpuThreads)));
   if (config.has_device() && config.devices_size() > 0) {

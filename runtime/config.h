@@ -8,6 +8,7 @@
 
 #include "absl/status/statusor.h"
 #include "placement/placement_manager.h"
+#include "runtime/scheduler.h"
 #include "stowage/v1/config.pb.h"
 
 namespace stowage {
@@ -60,6 +61,18 @@ v1::DeviceConfig::Kind ResolvedKind(const v1::DeviceConfig& device);
 // The name of the device `device` configures ("cuda:0", "sim:1"), as its backend names itself.
 // DeviceNameOf(v1::DeviceConfig()) is the device a server without `devices` runs on.
 std::string DeviceNameOf(const v1::DeviceConfig& device);
+
+// Scheduler bounds (ServerConfig.scheduler, GenerateRequest.priority/tenant).
+inline constexpr int kMaxReorderDelayMs = 60000;
+inline constexpr size_t kMaxTenantLength = 64;
+inline constexpr int kMaxTenantWeights = 256;
+inline constexpr double kMaxTenantWeight = 1000;
+
+// True for a tenant name the scheduler accepts: at most kMaxTenantLength of [A-Za-z0-9._-]
+// (empty is the default tenant).
+bool IsValidTenant(const std::string& tenant);
+// The scheduler options of a validated ServerConfig.scheduler.
+SchedulerOptions ToSchedulerOptions(const v1::SchedulerConfig& config);
 
 absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
 

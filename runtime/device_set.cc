@@ -52,6 +52,7 @@ absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerCon
     split_any = split_any || !config.pipelines(i).component_devices().empty();
   }
   std::unique_ptr<DeviceSet> set(new DeviceSet());
+  for (const auto& entry : config.scheduler().tenant_weights()) set->listed_tenants_.insert(entry.first);
   for (size_t i = 0; i < devices.size(); ++i) {
     // Each device gets the server's settings, its own device, and the pipelines placed on it (split
     // pipelines load below, once every device exists).
@@ -236,6 +237,15 @@ v1::ListPipelinesResponse DeviceSet::ListPipelines() const {
     }
   }
   return merged;
+}
+
+std::string DeviceSet::TenantLabel(const v1::GenerateRequest& request) const {
+  if (request.tenant().empty()) return "default";
+  return listed_tenants_.count(request.tenant()) > 0 ? request.tenant() : "other";
+}
+
+int DeviceSet::PriorityLabel(const v1::GenerateRequest& request) {
+  return std::clamp(request.priority(), 0, kMaxPriority);
 }
 
 std::string DeviceSet::PipelineLabel(const v1::GenerateRequest& request) const {

@@ -18,6 +18,7 @@
 
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,11 @@ class DeviceSet {
   // One entry per pipeline name: the first replica's description, with `devices` listing all.
   v1::ListPipelinesResponse ListPipelines() const;
   std::string PipelineLabel(const v1::GenerateRequest& request) const;
+  // The tenant for metric labels: a tenant listed in scheduler.tenant_weights, "default" for
+  // none, "other" for the rest (client input never becomes a label value); and the priority,
+  // clamped to 0..9.
+  std::string TenantLabel(const v1::GenerateRequest& request) const;
+  static int PriorityLabel(const v1::GenerateRequest& request);
 
   // Loads onto `config.devices` (default: the first device), one replica after the other; if one
   // fails, the replicas already loaded are unloaded again and its error returned.
@@ -100,6 +106,8 @@ class DeviceSet {
   std::string Resolve(const std::string& requested) const;
   v1::DrainDeviceResponse Status() const;
 
+  // The tenants of scheduler.tenant_weights (metric labels).
+  std::set<std::string> listed_tenants_;
   std::vector<std::unique_ptr<GenerationCore>> devices_;
   std::vector<std::unique_ptr<Route>> routes_;  // Parallel to devices_.
 };

@@ -200,6 +200,27 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
   };
   GenerationCore* raw = core.get();
   worker.after_each = [raw](WorkerScope& scope) { raw->Publish(scope); };
+  worker.scheduler = ToSchedulerOptions(config.scheduler());
+  worker.tenant_queue_limit = config.scheduler().tenant_queue_limit();
+  // Residency for the scheduler: the bytes of a pipeline's components that are on the host now
+  // (group-offloaded ones stream whatever the order), from the snapshot the worker published last.
+  worker.move_bytes = [raw](const std::string& pipeline) -> int64_t {
+    const std::shared_ptr<const PlacementSnapshot> snapshot = raw->placement_snapshot();
+    if (snapshot == nullptr) return 0;
+    int64_t bytes = 0;
+    for (const ComponentView& c : snapshot->components) {
+      if (c.state != ComponentState::kOffloaded) continue;
+      if (std::find(c.pipelines.begin(), c.pipelines.end(), pipeline) != c.pipelines.end()) bytes += c.weight_bytes;
+    }
+    return bytes;
+  };
+  worker.on_reorder = [raw](WorkerScope& scope, const DeviceWorker::Job& job, const std::string& reason) {
+    std::string request_id;
+    if (const auto* pending = std::any_cast<PendingRequest*>(&job.payload); pending != nullptr && *pending != nullptr) {
+      request_id = (*pending)->request->request_id();
+    }
+    raw->Placement(scope).RecordSchedule(request_id, job.schedule.pipeline, reason);
+  };
   core->worker_ = std::make_unique<DeviceWorker>(std::move(worker));
   if (metrics != nullptr) metrics->SetQueueDepth(device, 0);
   // From here on only the worker touches the backend and placement.
@@ -942,6 +963,14 @@ absl::StatusOr<GenerationParams> GenerationCore::Validate(const v1::GenerateRequ
                                                    " is not supported; allowed: IMAGE_FORMAT_PNG, IMAGE_FORMAT_PNG_FAST, "
                                                    "IMAGE_FORMAT_RGB"));
   }
+  if (request.priority() < 0 || request.priority() > kMaxPriority) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("priority is ", request.priority(), "; allowed: 0 (the default) ..", kMaxPriority));
+  }
+  if (!IsValidTenant(request.tenant())) {
+    return absl::InvalidArgumentError(absl::StrCat("tenant ", Truncated(request.tenant()), " is not at most ",
+                                                   kMaxTenantLength, " characters of [A-Za-z0-9._-]"));
+  }
   if (request.request_id().size() > 128) {
     return absl::InvalidArgumentError("request_id is longer than 128 characters");
   }
@@ -1000,6 +1029,12 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
   pending.request = &request;
   pending.control = &control;
   DeviceWorker::Job job;
+  job.payload = &pending;
+  job.schedule.priority = request.priority();
+  job.schedule.tenant = request.tenant();
+  job.schedule.pipeline = pipeline->name();
+  // Work: steps x megapixels (a request of 8 steps at 1024x1024 costs 8).
+  job.schedule.cost = std::max(1e-3, params.steps * static_cast<double>(params.width) * params.height / (1024.0 * 1024.0));
   job.run = [&](WorkerScope& scope, absl::Duration queue_wait) {
     pending.queue_wait = queue_wait;
     RunOnWorker(scope, {&pending}, /*batching=*/false);
@@ -1010,7 +1045,6 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
     job.batch_key = absl::StrCat(pipeline->name(), "/", params.width, "x", params.height, "/", params.steps);
     job.max_batch_size = batching.max_batch_size();
     job.max_batch_delay = absl::Milliseconds(batching.max_queue_delay_ms());
-    job.payload = &pending;
     job.run_batch = [this](WorkerScope& scope, const std::vector<DeviceWorker::BatchMember>& members) {
       std::vector<PendingRequest*> requests;
       for (const DeviceWorker::BatchMember& member : members) {

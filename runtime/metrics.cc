@@ -246,7 +246,26 @@ ServerMetrics::ServerMetrics()
                        .Name("stowage_batch_queue_delay_seconds")
                        .Help("How long a batch was held open waiting for more requests "
                              "(bounded by batching.max_queue_delay_ms).")
-                       .Register(*registry_)) {}
+                       .Register(*registry_)),
+      tenant_requests_(prometheus::BuildCounter()
+                           .Name("stowage_tenant_requests_total")
+                           .Help("Generation requests finished, by tenant (those listed in "
+                                 "scheduler.tenant_weights; \"default\", \"other\"), priority and status code.")
+                           .Register(*registry_)),
+      tenant_queue_wait_(prometheus::BuildHistogram()
+                             .Name("stowage_tenant_queue_wait_seconds")
+                             .Help("Time successful requests waited in a device queue, by tenant and priority.")
+                             .Register(*registry_)) {}
+
+void ServerMetrics::RecordTenantRequest(const std::string& tenant, int priority, absl::StatusCode code,
+                                        const absl::Duration* queue_wait) {
+  const std::string level = std::to_string(priority);
+  tenant_requests_.Add({{"tenant", tenant}, {"priority", level}, {"code", StatusCodeLabel(code)}}).Increment();
+  if (queue_wait != nullptr) {
+    tenant_queue_wait_.Add({{"tenant", tenant}, {"priority", level}}, SecondBuckets())
+        .Observe(absl::ToDoubleSeconds(*queue_wait));
+  }
+}
 
 void ServerMetrics::RecordRequest(const std::string& pipeline, absl::StatusCode code,
                                   absl::Duration duration) {

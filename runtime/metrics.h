@@ -38,6 +38,10 @@ class ServerMetrics {
   // One batch run by a pipeline with batching on: how many requests it held (1 = alone) and how
   // long the server held it open waiting for more.
   void RecordBatch(const std::string& pipeline, int size, absl::Duration held_open);
+  // One finished request by scheduling class: `tenant` is a bounded label (DeviceSet::TenantLabel),
+  // `priority` 0..9; its queue wait when it ran (successful requests).
+  void RecordTenantRequest(const std::string& tenant, int priority, absl::StatusCode code,
+                           const absl::Duration* queue_wait);
 
  private:
   std::shared_ptr<prometheus::Registry> registry_;
@@ -51,6 +55,8 @@ class ServerMetrics {
   prometheus::Family<prometheus::Counter>& d2h_;
   prometheus::Family<prometheus::Histogram>& batch_size_;
   prometheus::Family<prometheus::Histogram>& batch_delay_;
+  prometheus::Family<prometheus::Counter>& tenant_requests_;
+  prometheus::Family<prometheus::Histogram>& tenant_queue_wait_;
 };
 
 // A collectable that reads the process's resident memory at scrape time:

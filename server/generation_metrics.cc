@@ -9,6 +9,13 @@ void RecordGeneration(const DeviceSet& core, ServerMetrics* metrics, const v1::G
   if (metrics == nullptr) return;
   const std::string pipeline = core.PipelineLabel(request);
   metrics->RecordRequest(pipeline, status.code(), absl::Now() - start);
+  absl::Duration queue_wait;
+  if (response != nullptr) {
+    queue_wait = absl::Seconds(response->stats().queue_wait().seconds()) +
+                 absl::Nanoseconds(response->stats().queue_wait().nanos());
+  }
+  metrics->RecordTenantRequest(core.TenantLabel(request), DeviceSet::PriorityLabel(request), status.code(),
+                               response != nullptr ? &queue_wait : nullptr);
   if (response != nullptr) {
     const v1::RequestStats& stats = response->stats();
     metrics->RecordRequestResources(pipeline, stats.peak_device_memory_bytes(), stats.peak_device_reserved_bytes(),

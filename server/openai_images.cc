@@ -31,7 +31,7 @@ using google::protobuf::Value;
 // Fields of OpenAI's request that change nothing here: accepted and ignored, so that clients which
 // always send them work.
 const std::set<std::string>& IgnoredOpenAiFields() {
-  static const auto* fields = new std::set<std::string>{"user", "quality", "style", "background", "moderation"};
+  static const auto* fields = new std::set<std::string>{"quality", "style", "background", "moderation"};
   return *fields;
 }
 
@@ -222,7 +222,8 @@ std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t ma
 
   for (const auto& [name, value] : json.fields()) {
     static const std::set<std::string> kKnown = {"model", "prompt", "n", "size", "response_format", "output_format",
-                                                 "negative_prompt", "num_inference_steps", "guidance_scale", "seed"};
+                                                 "negative_prompt", "num_inference_steps", "guidance_scale", "seed",
+                                                 "user", "priority"};
     if (kKnown.count(name) == 0 && IgnoredOpenAiFields().count(name) == 0) {
       return InvalidRequest(absl::StrCat("unrecognized request argument ", JsonQuote(Truncated(name)),
                                          "; allowed: ", absl::StrJoin(kKnown, ", "), " (and, ignored: ",
@@ -278,6 +279,11 @@ std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t ma
     return e;
   }
   if (present) r.set_seed(static_cast<uint64_t>(number));
+  // OpenAI's `user` (the end user a request is for) is the scheduler's tenant; `priority` is ours.
+  if (auto e = GetString(json, "user", &text, &present)) return e;
+  if (present) r.set_tenant(text);
+  if (auto e = GetInteger(json, "priority", 0, 9, "0 (the default) to 9", &number, &present)) return e;
+  if (present) r.set_priority(static_cast<int32_t>(number));
   auto guidance = json.fields().find("guidance_scale");
   if (guidance != json.fields().end() && guidance->second.kind_case() != Value::kNullValue) {
     if (guidance->second.kind_case() != Value::kNumberValue) {

@@ -55,6 +55,9 @@ ABSL_FLAG(int32_t, steps, 0, "Denoising steps; 0 = pipeline default.");
 ABSL_FLAG(std::string, guidance, "", "Guidance scale; empty = pipeline default.");
 ABSL_FLAG(std::string, seed, "", "Noise seed (unsigned 64-bit); empty = random.");
 ABSL_FLAG(std::string, request_id, "", "Client request identifier.");
+ABSL_FLAG(int32_t, priority, 0, "Scheduling priority, 0 (default) ..9: higher runs first (generate, stream).");
+ABSL_FLAG(std::string, tenant, "",
+          "Who the request is for, for fair shares (generate, stream): at most 64 characters of [A-Za-z0-9._-].");
 ABSL_FLAG(std::string, out, "", "Where to write the image (generate, stream).");
 ABSL_FLAG(std::string, format, "png",
           "generate/stream: image format of the reply: png (compressed), png_fast (uncompressed PNG, encoded "
@@ -123,6 +126,8 @@ bool BuildRequest(stowage::v1::GenerateRequest& request) {
   request.set_height(absl::GetFlag(FLAGS_height));
   request.set_num_inference_steps(absl::GetFlag(FLAGS_steps));
   request.set_request_id(absl::GetFlag(FLAGS_request_id));
+  request.set_priority(absl::GetFlag(FLAGS_priority));
+  request.set_tenant(absl::GetFlag(FLAGS_tenant));
   const std::string format = absl::GetFlag(FLAGS_format);
   if (format == "png") {
     request.set_output_format(stowage::v1::IMAGE_FORMAT_PNG);

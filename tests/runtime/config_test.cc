@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/text_format.h"
 
 namespace stowage {
 namespace {
@@ -214,6 +215,13 @@ TEST(ConfigRangeTest, EveryNumericOptionIsCheckedAtItsBounds) {
        {0, 1, 4096}, {-1, 4097, 1000000}},
       {"cpu_threads", [](auto& c, int64_t v) { c.set_cpu_threads(static_cast<int32_t>(v)); },
        {0, 1, 1024}, {-1, 1025}},
+      {"scheduler.max_reorder_delay_ms",
+       [](auto& c, int64_t v) { c.mutable_scheduler()->set_max_reorder_delay_ms(static_cast<int32_t>(v)); },
+       {0, 1, 60000}, {-1, 60001}},
+      // Up to queue_depth (16 by default).
+      {"scheduler.tenant_queue_limit",
+       [](auto& c, int64_t v) { c.mutable_scheduler()->set_tenant_queue_limit(static_cast<int32_t>(v)); },
+       {0, 1, 16}, {-1, 17}},
       {"device.index", [](auto& c, int64_t v) { c.mutable_device()->set_index(static_cast<int32_t>(v)); },
        {0, 127}, {-1, 128}},
       {"device.memory_budget_bytes", [](auto& c, int64_t v) { c.mutable_device()->set_memory_budget_bytes(v); },
@@ -295,6 +303,52 @@ TEST(ConfigRangeTest, EveryNumericOptionIsCheckedAtItsBounds) {
   // The unset queue depth becomes the default.
   v1::ServerConfig unset;
   EXPECT_EQ(FinalizeServerConfig(unset)->queue_depth(), kDefaultQueueDepth);
+}
+
+TEST(ConfigTest, SchedulerTenantsAndModesAreChecked) {
+  struct Case {
+    std::string text;
+    std::string needle;  // "" = accepted.
+  };
+  for (const Case& c : std::vector<Case>{
+           {R"pb(scheduler { priority_mode: PRIORITY_WEIGHTED tenant_weights { key: "gold" value: 3 } })pb", ""},
+           {R"pb(scheduler { tenant_weights { key: "gold" value: 1000 } })pb", ""},
+           {R"pb(scheduler { tenant_weights { key: "gold" value: 0 } })pb",
+            "scheduler.tenant_weights[gold]: 0 is out of range; allowed: (0, 1000]"},
+           {R"pb(scheduler { tenant_weights { key: "gold" value: -2 } })pb", "scheduler.tenant_weights[gold]: -2"},
+           {R"pb(scheduler { tenant_weights { key: "gold" value: 1001 } })pb", "scheduler.tenant_weights[gold]: 1001"},
+           {R"pb(scheduler { tenant_weights { key: "gold" value: nan } })pb", "scheduler.tenant_weights[gold]: nan"},
+           {R"pb(scheduler { tenant_weights { key: "two words" value: 1 } })pb",
+            "scheduler.tenant_weights: tenant 'two words' is not 1..64 characters of [A-Za-z0-9._-]"},
+           {R"pb(scheduler { tenant_weights { key: "" value: 1 } })pb", "scheduler.tenant_weights: tenant '' is not"},
+       }) {
+    v1::ServerConfig config;
+    ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(c.text, &config)) << c.text;
+    const auto finalized = FinalizeServerConfig(config);
+    if (c.needle.empty()) {
+      EXPECT_TRUE(finalized.ok()) << c.text << ": " << finalized.status();
+      continue;
+    }
+    ASSERT_FALSE(finalized.ok()) << c.text;
+    EXPECT_EQ(finalized.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(finalized.status().message().find(c.needle), std::string::npos) << finalized.status();
+  }
+  v1::ServerConfig unknown_mode;
+  unknown_mode.mutable_scheduler()->set_priority_mode(static_cast<v1::SchedulerConfig::PriorityMode>(7));
+  EXPECT_NE(FinalizeServerConfig(unknown_mode).status().message().find("scheduler.priority_mode: unknown value 7"),
+            std::string::npos);
+  v1::ServerConfig many;
+  for (int i = 0; i <= kMaxTenantWeights; ++i) (*many.mutable_scheduler()->mutable_tenant_weights())[absl::StrCat("t", i)] = 1;
+  EXPECT_NE(FinalizeServerConfig(many).status().message().find("257 tenants; at most 256"), std::string::npos);
+  // The options the workers get.
+  v1::SchedulerConfig scheduler;
+  scheduler.set_priority_mode(v1::SchedulerConfig::PRIORITY_WEIGHTED);
+  scheduler.set_max_reorder_delay_ms(250);
+  (*scheduler.mutable_tenant_weights())["gold"] = 3;
+  const SchedulerOptions options = ToSchedulerOptions(scheduler);
+  EXPECT_EQ(options.priority_mode, PriorityMode::kWeighted);
+  EXPECT_EQ(options.max_reorder_delay, absl::Milliseconds(250));
+  EXPECT_EQ(options.tenant_weights.at("gold"), 3);
 }
 
 TEST(ConfigRangeTest, AHugePrefetchDepthIsRefusedWithItsFieldPathAndRange) {

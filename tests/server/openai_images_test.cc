@@ -46,6 +46,25 @@ TEST(ParseImagesRequestTest, OpenAiFieldsAndStowageExtrasMapToTheGenerateRequest
   EXPECT_EQ(r.base.seed(), 42u);
   EXPECT_EQ(ImageRequest(r, 0).seed(), 42u);
   EXPECT_EQ(ImageRequest(r, 2).seed(), 44u);
+  // OpenAI's `user` is the scheduler's tenant (checked by the core like the gRPC field).
+  EXPECT_EQ(r.base.tenant(), "u-1");
+  EXPECT_EQ(r.base.priority(), 0);
+}
+
+TEST(ParseImagesRequestTest, PriorityIsAStowageExtraInItsRange) {
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "priority": 9})").base.priority(), 9);
+  EXPECT_EQ(ParseOk(R"({"prompt": "x", "priority": null})").base.priority(), 0);
+  for (const std::string body : {R"({"prompt": "x", "priority": 10})", R"({"prompt": "x", "priority": -1})",
+                                 R"({"prompt": "x", "priority": "high"})", R"({"prompt": "x", "priority": 1.5})"}) {
+    ImagesRequest request;
+    const std::optional<OpenAiError> error = ParseImagesRequest(body, kMax, &request);
+    ASSERT_TRUE(error.has_value()) << body;
+    EXPECT_EQ(error->param, "priority") << body << ": " << error->message;
+  }
+  ImagesRequest request;
+  const std::optional<OpenAiError> error = ParseImagesRequest(R"({"prompt": "x", "user": 7})", kMax, &request);
+  ASSERT_TRUE(error.has_value());
+  EXPECT_EQ(error->param, "user");
 }
 
 TEST(ParseImagesRequestTest, DefaultsLeaveThePipelineToDecide) {

@@ -1,0 +1,237 @@
+// The request scheduler through a real server over loopback (ServerConfig.scheduler,
+// GenerateRequest.priority/tenant): a request for the pipeline whose weights are on the device runs
+// before an older one that would move weights (within max_reorder_delay; the placement log says
+// why), a higher priority runs first, tenants are counted by bounded labels, a tenant over its queue
+// limit is refused by name, and hostile priorities and tenants get clear statuses.
+//
+// Ordering without sleeps: a long request runs first (its first progress message says it is on the
+// device); the requests under test are queued behind it, each once the queue-depth gauge shows the
+// one before it waiting; the order they then run in is the scheduler's.
+#include <algorithm>
+#include <chrono>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <google/protobuf/text_format.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "tests/e2e/e2e_harness.h"
+#include "tests/e2e/http_get.h"
+
+namespace stowage {
+namespace {
+
+using std::chrono::milliseconds;
+
+class SchedulingTest : public ::testing::Test {
+ protected:
+  void Start(const std::string& config_text) {
+    v1::ServerConfig config;
+    ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(config_text, &config));
+    config.set_metrics_address("127.0.0.1:0");
+    server_ = std::make_unique<E2eServer>(config);
+    ASSERT_TRUE(server_->ok());
+  }
+  void TearDown() override {
+    if (server_ != nullptr && server_->ok()) EXPECT_TRUE(HealthServing(server_->channel()));
+  }
+
+  // Starts a long request for `pipeline` and returns once it runs on the device.
+  void StartLong(const std::string& pipeline) {
+    v1::GenerateRequest slow = E2eServer::SmallRequest(pipeline, 99);
+    slow.set_width(128);
+    slow.set_height(128);
+    slow.set_num_inference_steps(100);
+    long_context_.set_deadline(In(milliseconds(120000)));
+    long_reader_ = server_->generation().GenerateStream(&long_context_, slow);
+    v1::GenerateStreamResponse message;
+    ASSERT_TRUE(long_reader_->Read(&message));
+  }
+  void FinishLong() {
+    v1::GenerateStreamResponse message;
+    while (long_reader_->Read(&message)) {
+    }
+    EXPECT_TRUE(long_reader_->Finish().ok());
+  }
+
+  // Waits until `depth` requests wait in sim:0's queue (the gauge on the metrics page).
+  bool WaitForQueueDepth(int depth) {
+    const std::string line = absl::StrCat("stowage_queue_depth{device=\"sim:0\"} ", depth, "\n");
+    const absl::Time give_up = absl::Now() + absl::Seconds(60);
+    while (absl::Now() < give_up) {
+      if (HttpGet(server_->server().metrics_address(), "/metrics").find(line) != std::string::npos) return true;
+      absl::SleepFor(absl::Milliseconds(2));  // Polls a condition; orders nothing.
+    }
+    return false;
+  }
+
+  // Sends `request` on a thread; records the order replies come back in.
+  std::thread Send(const v1::GenerateRequest& request, const std::string& name) {
+    return std::thread([this, request, name] {
+      v1::GenerateResponse response;
+      const grpc::Status status = server_->Generate(request, &response, milliseconds(120000));
+      EXPECT_TRUE(status.ok()) << name << ": " << status.error_message();
+      absl::MutexLock lock(&mu_);
+      finished_.push_back(name);
+    });
+  }
+  std::vector<std::string> Finished() {
+    absl::MutexLock lock(&mu_);
+    return finished_;
+  }
+
+  std::unique_ptr<E2eServer> server_;
+  grpc::ClientContext long_context_;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateStreamResponse>> long_reader_;
+  absl::Mutex mu_;
+  std::vector<std::string> finished_ ABSL_GUARDED_BY(mu_);
+};
+
+TEST_F(SchedulingTest, TheResidentPipelineRunsBeforeAnOlderRequestThatWouldMoveWeights) {
+  // Two pipelines whose weights do not fit together (two_pipelines_e2e_test's budget): "z" on the
+  // device, "f" on the host.
+  Start(R"pb(
+    device { kind: KIND_SIMULATED }
+    pipelines { name: "z" builtin: "zimage-tiny" }
+    pipelines { name: "f" builtin: "flux-tiny" }
+  )pb");
+  // The budget: what two_pipelines_e2e_test uses (the larger pipeline and half the smaller).
+  v1::ListPipelinesResponse list;
+  ASSERT_TRUE(server_->Pipelines(&list).ok());
+  std::map<std::string, int64_t> weights;
+  for (const auto& p : list.pipelines()) {
+    for (const auto& c : p.components()) weights[p.name()] += c.weight_bytes();
+  }
+  server_.reset();
+  Start(absl::StrCat(R"pb(
+    device { kind: KIND_SIMULATED memory_budget_bytes: )pb",
+                     std::max(weights["z"], weights["f"]) + std::min(weights["z"], weights["f"]) / 2, R"pb( }
+    pipelines { name: "z" builtin: "zimage-tiny" }
+    pipelines { name: "f" builtin: "flux-tiny" }
+    scheduler { max_reorder_delay_ms: 60000 }
+  )pb"));
+  StartLong("z");  // "z" is on the device while it runs.
+  std::thread older = Send(E2eServer::SmallRequest("f", 1), "f (older, would move weights)");
+  ASSERT_TRUE(WaitForQueueDepth(1));
+  std::thread younger = Send(E2eServer::SmallRequest("z", 2), "z (younger, resident)");
+  ASSERT_TRUE(WaitForQueueDepth(2));
+  FinishLong();
+  older.join();
+  younger.join();
+  EXPECT_EQ(Finished(), (std::vector<std::string>{"z (younger, resident)", "f (older, would move weights)"}));
+  v1::GetPlacementLogRequest request;
+  request.set_limit(200);
+  v1::GetPlacementLogResponse log;
+  ASSERT_TRUE(server_->admin().GetPlacementLog(E2eServer::Authed().get(), request, &log).ok());
+  int schedules = 0;
+  for (const auto& d : log.decisions()) {
+    if (d.action() != "schedule") continue;
+    ++schedules;
+    EXPECT_EQ(d.component(), "z");
+    EXPECT_NE(d.reason().find("ran before an older request of pipeline 'f'"), std::string::npos) << d.reason();
+  }
+  EXPECT_EQ(schedules, 1);
+}
+
+TEST_F(SchedulingTest, AHigherPriorityRunsFirstAndTenantsAreCountedByBoundedLabels) {
+  Start(R"pb(
+    device { kind: KIND_SIMULATED }
+    pipelines { name: "zimage-tiny" builtin: "zimage-tiny" }
+    scheduler { tenant_weights { key: "gold" value: 2 } }
+  )pb");
+  StartLong("zimage-tiny");
+  v1::GenerateRequest low = E2eServer::SmallRequest("zimage-tiny", 1);
+  low.set_tenant("gold");
+  v1::GenerateRequest high = E2eServer::SmallRequest("zimage-tiny", 2);
+  high.set_priority(5);
+  high.set_tenant("someone-else");
+  std::thread first = Send(low, "low");
+  ASSERT_TRUE(WaitForQueueDepth(1));
+  std::thread second = Send(high, "high");
+  ASSERT_TRUE(WaitForQueueDepth(2));
+  FinishLong();
+  first.join();
+  second.join();
+  EXPECT_EQ(Finished(), (std::vector<std::string>{"high", "low"}));
+  const std::string page = HttpGet(server_->server().metrics_address(), "/metrics");
+  EXPECT_NE(page.find("stowage_tenant_requests_total{code=\"ok\",priority=\"0\",tenant=\"gold\"} 1"),
+            std::string::npos)
+      << page.substr(page.find("stowage_tenant"), 800);
+  // Unlisted tenants share one label: client input never becomes a label value.
+  EXPECT_NE(page.find("stowage_tenant_requests_total{code=\"ok\",priority=\"5\",tenant=\"other\"} 1"),
+            std::string::npos);
+  EXPECT_NE(page.find("stowage_tenant_requests_total{code=\"ok\",priority=\"0\",tenant=\"default\"} 1"),
+            std::string::npos);  // The long request.
+  EXPECT_EQ(page.find("someone-else"), std::string::npos);
+  EXPECT_NE(page.find("stowage_tenant_queue_wait_seconds_count{priority=\"5\",tenant=\"other\"} 1"),
+            std::string::npos);
+}
+
+TEST_F(SchedulingTest, ATenantOverItsQueueLimitIsRefusedByNameAndOthersStillGetIn) {
+  Start(R"pb(
+    device { kind: KIND_SIMULATED }
+    queue_depth: 4
+    pipelines { name: "zimage-tiny" builtin: "zimage-tiny" }
+    scheduler { tenant_queue_limit: 1 }
+  )pb");
+  StartLong("zimage-tiny");
+  v1::GenerateRequest a = E2eServer::SmallRequest("zimage-tiny", 1);
+  a.set_tenant("a");
+  std::thread waiting = Send(a, "a-1");
+  ASSERT_TRUE(WaitForQueueDepth(1));
+  v1::GenerateResponse ignored;
+  const grpc::Status refused = server_->Generate(a, &ignored);
+  EXPECT_EQ(refused.error_code(), grpc::RESOURCE_EXHAUSTED);
+  EXPECT_NE(refused.error_message().find("tenant 'a' has 1 requests waiting on sim:0"), std::string::npos)
+      << refused.error_message();
+  v1::GenerateRequest b = E2eServer::SmallRequest("zimage-tiny", 2);
+  b.set_tenant("b");
+  std::thread other = Send(b, "b-1");
+  ASSERT_TRUE(WaitForQueueDepth(2));
+  FinishLong();
+  waiting.join();
+  other.join();
+  EXPECT_EQ(Finished().size(), 2u);
+}
+
+TEST_F(SchedulingTest, HostilePrioritiesAndTenantsGetClearStatuses) {
+  Start(R"pb(
+    device { kind: KIND_SIMULATED }
+    pipelines { name: "zimage-tiny" builtin: "zimage-tiny" }
+  )pb");
+  struct Case {
+    int priority;
+    std::string tenant;
+    std::string needle;
+  };
+  for (const Case& c : std::vector<Case>{
+           {-1, "", "priority is -1; allowed: 0 (the default) ..9"},
+           {10, "", "priority is 10; allowed: 0 (the default) ..9"},
+           {2147483647, "", "priority is 2147483647"},
+           {0, "two words", "tenant two words is not at most 64 characters of [A-Za-z0-9._-]"},
+           {0, std::string(5000, 't'), "(5000 bytes)"},
+           {0, std::string("nul\0byte", 8), "tenant nul?byte is not"},
+       }) {
+    v1::GenerateRequest request = E2eServer::SmallRequest("zimage-tiny");
+    request.set_priority(c.priority);
+    request.set_tenant(c.tenant);
+    v1::GenerateResponse ignored;
+    const grpc::Status status = server_->Generate(request, &ignored);
+    EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT) << c.needle;
+    EXPECT_NE(status.error_message().find(c.needle), std::string::npos) << status.error_message();
+  }
+  // The longest valid tenant, the highest priority: served.
+  v1::GenerateRequest ok = E2eServer::SmallRequest("zimage-tiny");
+  ok.set_priority(9);
+  ok.set_tenant(std::string(64, 'x'));
+  EXPECT_TRUE(server_->Generate(ok).ok());
+}
+
+}  // namespace
+}  // namespace stowage

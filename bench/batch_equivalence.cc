@@ -26,7 +26,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "bench/bench_client.h"
-#include "models/image.h"
+#include "models/core/image.h"
 #include "stowage/v1/admin.grpc.pb.h"
 #include "stowage/v1/generation.grpc.pb.h"
 

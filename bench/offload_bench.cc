@@ -45,11 +45,11 @@
 #include "absl/strings/str_split.h"
 #include "bench/transformer_stack.h"
 #include "models/core/fused_ops.h"
-#include "models/diffusers_format.h"
-#include "models/flux_latents.h"
-#include "models/flux_transformer.h"
-#include "models/layers.h"
-#include "models/zimage_transformer.h"
+#include "models/core/diffusers_format.h"
+#include "models/nets/flux_latents.h"
+#include "models/nets/flux_transformer.h"
+#include "models/core/layers.h"
+#include "models/nets/zimage_transformer.h"
 #include "offload/compression.h"
 #include "offload/device_backend.h"
 #include "offload/group_offload.h"
@@ -91,7 +91,7 @@ ABSL_FLAG(std::string, inputs, "",
           "gave diffusers");
 ABSL_FLAG(std::string, compute, "bf16",
           "bf16, or fp8: the resident row converts the transformer blocks' linear layers to FP8 on the "
-          "device after onloading them (models/layers.h ConvertBlockLinearsToFp8)");
+          "device after onloading them (models/core/layers.h ConvertBlockLinearsToFp8)");
 ABSL_FLAG(std::string, profile, "",
           "CUDA builds: after the timed forwards, trace one more forward with LibTorch's Kineto profiler "
           "and save the Chrome trace here (bench/compute_bench.py summarises its kernels)");

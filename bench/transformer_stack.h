@@ -9,7 +9,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "models/layers.h"
+#include "models/core/layers.h"
 
 namespace stowage {
 

@@ -4,10 +4,10 @@
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "base/text.h"
-#include "models/diffusers_format.h"
-#include "models/flux_pipeline.h"
-#include "models/tiny_pipeline.h"
-#include "models/zimage_pipeline.h"
+#include "models/core/diffusers_format.h"
+#include "models/pipelines/flux_pipeline.h"
+#include "models/pipelines/tiny_pipeline.h"
+#include "models/pipelines/zimage_pipeline.h"
 
 namespace stowage {
 namespace {

@@ -20,8 +20,8 @@
 #include <c10/core/ScalarType.h>
 
 #include "absl/status/statusor.h"
-#include "models/component.h"
-#include "models/pipeline.h"
+#include "models/pipelines/component.h"
+#include "models/pipelines/pipeline.h"
 
 namespace stowage {
 

@@ -11,7 +11,7 @@
 // A name ending in ".scale" whose prefix is an I8/U8 tensor is a scale; every I8/U8 tensor needs
 // its scale.
 //
-// Where it is used: the diffusers-format loader (models/diffusers_format.cc) recognises such files
+// Where it is used: the diffusers-format loader (models/core/diffusers_format.cc) recognises such files
 // in a component folder by their metadata, dequantizes them into the module and hands the 8-bit
 // values to the component (Component::set_prequantized); placement passes those to 8-bit group
 // offloading of the same format, which then streams the checkpoint's bytes as they are

@@ -1,6 +1,6 @@
 // Module: the node of the layer library's module trees, and the hook points offloading uses.
 //
-// Every layer (models/layers.h) derives from Module, owns its parameters and buffers as tensor
+// Every layer (models/core/layers.h) derives from Module, owns its parameters and buffers as tensor
 // slots, and opens its forward with a ForwardScope, which runs the module's hooks: pre-forward hooks
 // in the order they were added on entry, post-forward hooks in reverse order on a normal exit.
 // Hooks are named and added or removed independently (group offloading is one named hook).
@@ -104,7 +104,7 @@ class Module {
   // --- Adjacent tensors -------------------------------------------------------------------------
   // A group of tensors of this subtree (owner and slot index, in order) that onloading places next
   // to each other in one device allocation, e.g. the Q, K and V weights of an attention layer, so
-  // that one GEMM can read them as one matrix (models/layers.h Linear::ForwardShared). A layout
+  // that one GEMM can read them as one matrix (models/core/layers.h Linear::ForwardShared). A layout
   // hint only: every forward stays correct wherever the tensors are.
   void AddAdjacentGroup(std::vector<std::pair<Module*, int>> tensors);
   const std::vector<std::vector<std::pair<Module*, int>>>& adjacent_groups() const { return adjacent_groups_; }

@@ -24,7 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "models/component.h"
+#include "models/pipelines/component.h"
 #include "offload/device_backend.h"
 #include "offload/group_offload.h"
 #include "placement/strategy.h"

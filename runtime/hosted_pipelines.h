@@ -27,7 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "models/pipeline.h"
+#include "models/pipelines/pipeline.h"
 
 namespace stowage {
 

@@ -32,7 +32,7 @@ packages=(
   libgtest-dev libgmock-dev
   # nlohmann-json (header-only): the HTTP front's strict JSON check (server/openai_images.cc).
   nlohmann-json3-dev
-  # PNG encoding (models/image.cc) and zlib's header / link name.
+  # PNG encoding (models/core/image.cc) and zlib's header / link name.
   libpng-dev libpng16-16 zlib1g-dev
   # The BPE tokenizer: PCRE2 (Unicode regex with lookahead) and utf8proc (NFC).
   libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3 libutf8proc-dev libutf8proc2

@@ -41,7 +41,7 @@ PY
 parts=" ${PARTS:-compute} "
 if [[ $parts == *" ctest "* ]]; then
   stamp "ctest"
-  (cd "$build" && env -u MODES -u MODELS -u DIFFUSERS OMP_NUM_THREADS=4 timeout "${CTEST_TIMEOUT:-420}" ctest --output-on-failure -j 4 \
+  (cd "$build" && env -u MODES -u MODELS -u DIFFUSERS -u STOWAGE_FRESH OMP_NUM_THREADS=4 timeout "${CTEST_TIMEOUT:-420}" ctest --output-on-failure -j 4 \
     --output-junit "$OUT/ctest_junit.xml") >"$OUT/ctest.log" 2>&1
   stamp "ctest exit $?: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log" | tail -1)"
   sed -n '/The following tests FAILED/,$p' "$OUT/ctest.log" >>"$OUT/summary.txt"

@@ -5,6 +5,8 @@
 # STOWAGE_COMMIT set, the folder (and a build in it) is reused while the commit is the same; a new
 # commit is synced into it by content (the build stays incremental), STOWAGE_FRESH=1 replaces it.
 set -euo pipefail
+# The caller's environment must not choose for the script: each case sets what it tests.
+unset STOWAGE_FRESH STOWAGE_UNPACK_DIR
 scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")/../../deploy/gpu_host" && pwd)
 repo=$TEST_TMPDIR/repo
 rm -rf "$repo" "$TEST_TMPDIR/device-src"  # A re-run (CMake keeps its test folder) starts clean.

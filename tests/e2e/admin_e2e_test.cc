@@ -15,7 +15,7 @@
 
 #include "models/core/fused_ops.h"
 #include "google/protobuf/text_format.h"
-#include "models/tiny_pipeline.h"
+#include "models/pipelines/tiny_pipeline.h"
 #include "runtime/config.h"
 #include "server/admin_service.h"
 #include "server/server.h"

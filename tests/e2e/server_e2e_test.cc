@@ -11,7 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/str_cat.h"
-#include "models/image.h"
+#include "models/core/image.h"
 #include "runtime/config.h"
 #include "server/server.h"
 #include "stowage/v1/admin.grpc.pb.h"

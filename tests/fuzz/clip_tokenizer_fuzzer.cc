@@ -12,7 +12,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "models/clip_tokenizer.h"
+#include "models/tokenizers/clip_tokenizer.h"
 
 namespace {
 

@@ -13,7 +13,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "models/t5_tokenizer.h"
+#include "models/tokenizers/t5_tokenizer.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "models/autoencoder_kl.h"
+#include "models/nets/autoencoder_kl.h"
 
 #include <map>
 #include <string>
@@ -8,8 +8,8 @@
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 
-#include "models/diffusers_format.h"
-#include "models/weight_init.h"
+#include "models/core/diffusers_format.h"
+#include "models/core/weight_init.h"
 #include "offload/device_backend.h"
 #include "offload/group_offload.h"
 #include "offload/host_weights.h"

@@ -1,4 +1,4 @@
-#include "models/bpe_tokenizer.h"
+#include "models/tokenizers/bpe_tokenizer.h"
 
 #include <fstream>
 #include <string>

@@ -1,4 +1,4 @@
-#include "models/clip_text_encoder.h"
+#include "models/nets/clip_text_encoder.h"
 
 #include <map>
 #include <string>
@@ -9,7 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "google/protobuf/util/json_util.h"
-#include "models/weight_init.h"
+#include "models/core/weight_init.h"
 
 namespace stowage {
 namespace {

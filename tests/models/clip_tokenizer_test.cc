@@ -2,7 +2,7 @@
 // out by hand from the algorithm (normalise: NFC, whitespace runs to one space, lower case; split
 // with CLIP's pattern; bytes to GPT-2's symbols; "</w>" on a word's last symbol; merges by rank;
 // frame with <|startoftext|> ... <|endoftext|>, cut, pad with <|endoftext|>).
-#include "models/clip_tokenizer.h"
+#include "models/tokenizers/clip_tokenizer.h"
 
 #include <sys/stat.h>
 #include <unistd.h>

@@ -12,14 +12,14 @@
 
 #include <gtest/gtest.h>
 
-#include "models/autoencoder_kl.h"
-#include "models/diffusers_format.h"
-#include "models/flow_match_scheduler.h"
-#include "models/qwen3_text_encoder.h"
-#include "models/tiny_models.h"
-#include "models/tiny_pipeline.h"
-#include "models/zimage_pipeline.h"
-#include "models/zimage_transformer.h"
+#include "models/nets/autoencoder_kl.h"
+#include "models/core/diffusers_format.h"
+#include "models/pipelines/flow_match_scheduler.h"
+#include "models/nets/qwen3_text_encoder.h"
+#include "models/pipelines/tiny_models.h"
+#include "models/pipelines/tiny_pipeline.h"
+#include "models/pipelines/zimage_pipeline.h"
+#include "models/nets/zimage_transformer.h"
 
 namespace stowage {
 namespace {

@@ -13,8 +13,8 @@
 
 #include "tests/models/host_runner.h"
 
-#include "models/diffusers_format.h"
-#include "models/tiny_pipeline.h"
+#include "models/core/diffusers_format.h"
+#include "models/pipelines/tiny_pipeline.h"
 #include "base/status_macros.h"
 
 namespace stowage {

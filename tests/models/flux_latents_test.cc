@@ -1,4 +1,4 @@
-#include "models/flux_latents.h"
+#include "models/nets/flux_latents.h"
 
 #include <cmath>
 #include <vector>

@@ -1,4 +1,4 @@
-#include "models/flux_pipeline.h"
+#include "models/pipelines/flux_pipeline.h"
 
 #include <cstdlib>
 #include <string>
@@ -7,7 +7,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
-#include "models/diffusers_format.h"
+#include "models/core/diffusers_format.h"
 #include "models/pipeline_registry.h"
 #include "tests/models/host_runner.h"
 

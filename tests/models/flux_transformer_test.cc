@@ -1,4 +1,4 @@
-#include "models/flux_transformer.h"
+#include "models/nets/flux_transformer.h"
 
 #include <cmath>
 #include <map>
@@ -10,7 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "google/protobuf/util/json_util.h"
-#include "models/weight_init.h"
+#include "models/core/weight_init.h"
 #include "offload/device_backend.h"
 #include "offload/group_offload.h"
 #include "offload/host_weights.h"

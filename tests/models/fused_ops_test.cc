@@ -17,11 +17,11 @@
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 
-#include "models/flux_latents.h"
-#include "models/flux_transformer.h"
-#include "models/layers.h"
-#include "models/weight_init.h"
-#include "models/zimage_transformer.h"
+#include "models/nets/flux_latents.h"
+#include "models/nets/flux_transformer.h"
+#include "models/core/layers.h"
+#include "models/core/weight_init.h"
+#include "models/nets/zimage_transformer.h"
 #include "offload/device_backend.h"
 #include "offload/host_weights.h"
 
@@ -115,6 +115,7 @@ class FusedKernelTest : public ::testing::Test {
   void SetUp() override {
     if (!HasCuda()) GTEST_SKIP() << "the fused CUDA kernels need a CUDA build and a GPU";
     fused::SetEnabled(true);
+    at::manual_seed(20261202);  // The same inputs every run: a failure reproduces.
   }
   static at::Tensor Rand(at::IntArrayRef shape, double mean = 0.0, double std = 1.0) {
     return (at::randn(shape, at::TensorOptions().device(at::kCUDA)) * std + mean).to(at::kBFloat16);
@@ -122,11 +123,15 @@ class FusedKernelTest : public ::testing::Test {
 };
 
 // Within bfloat16 rounding: the kernels round where the reference rounds; only float32 sums differ.
-void ExpectClose(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+// `atol`: where a result is the sum of terms larger than itself (a gated residual: residual +
+// gate * norm, terms up to ~8 that may cancel), one bfloat16 rounding of the terms (2^-5 at 4..8)
+// is an absolute error the result's own size does not bound; those comparisons pass 6e-2.
+void ExpectClose(const at::Tensor& got, const at::Tensor& want, const std::string& what, double atol = 2e-2) {
   ASSERT_EQ(got.sizes(), want.sizes()) << what;
   EXPECT_FALSE(got.isnan().any().item<bool>()) << what << ": unwritten (NaN) elements";
   EXPECT_LT(RelL2(got, want), 4e-3) << what;
-  EXPECT_TRUE(at::allclose(got.to(at::kFloat), want.to(at::kFloat), 2e-2, 2e-2)) << what;
+  EXPECT_TRUE(at::allclose(got.to(at::kFloat), want.to(at::kFloat), 2e-2, atol))
+      << what << ": max |difference| " << (got.to(at::kFloat) - want.to(at::kFloat)).abs().max().item<float>();
 }
 
 TEST_F(FusedKernelTest, RmsNormScaledAndGatedMatchTheReference) {
@@ -146,7 +151,7 @@ TEST_F(FusedKernelTest, RmsNormScaledAndGatedMatchTheReference) {
                       what + " scaled");
           const at::Tensor residual = Rand({batch, seq, dim});
           ExpectClose(fused::GatedRmsNormResidual(residual, scale, x, w, 1e-5),
-                      fused::reference::GatedRmsNormResidual(residual, scale, x, w, 1e-5), what + " gated");
+                      fused::reference::GatedRmsNormResidual(residual, scale, x, w, 1e-5), what + " gated", 6e-2);
         }
       }
     }

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "models/component.h"
+#include "models/pipelines/component.h"
 #include "base/status_macros.h"
 
 namespace stowage {

@@ -1,4 +1,4 @@
-#include "models/qwen3_text_encoder.h"
+#include "models/nets/qwen3_text_encoder.h"
 
 #include <map>
 #include <string>
@@ -8,7 +8,7 @@
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 
-#include "models/weight_init.h"
+#include "models/core/weight_init.h"
 
 namespace stowage {
 namespace {

@@ -1,4 +1,4 @@
-#include "models/t5_encoder.h"
+#include "models/nets/t5_encoder.h"
 
 #include <map>
 #include <string>
@@ -9,7 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "google/protobuf/util/json_util.h"
-#include "models/weight_init.h"
+#include "models/core/weight_init.h"
 #include "offload/device_backend.h"
 #include "offload/group_offload.h"
 #include "offload/host_weights.h"

@@ -1,8 +1,8 @@
 // T5Tokenizer against libsentencepiece itself: models are trained here with SentencePieceTrainer and
 // every encoding is compared with SentencePieceProcessor's ids (+ </s>, cut and padded as
 // transformers does). This binary links libsentencepiece but not libprotobuf: the two cannot share a
-// process (see models/t5_tokenizer.h), which is why T5Tokenizer reads spiece.model itself.
-#include "models/t5_tokenizer.h"
+// process (see models/tokenizers/t5_tokenizer.h), which is why T5Tokenizer reads spiece.model itself.
+#include "models/tokenizers/t5_tokenizer.h"
 
 #include <sys/stat.h>
 #include <unistd.h>

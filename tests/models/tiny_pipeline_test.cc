@@ -1,4 +1,4 @@
-#include "models/tiny_pipeline.h"
+#include "models/pipelines/tiny_pipeline.h"
 
 #include <cmath>
 #include <functional>
@@ -10,9 +10,9 @@
 
 #include "tests/models/host_runner.h"
 
-#include "models/byte_tokenizer.h"
-#include "models/flow_match_scheduler.h"
-#include "models/image.h"
+#include "models/tokenizers/byte_tokenizer.h"
+#include "models/pipelines/flow_match_scheduler.h"
+#include "models/core/image.h"
 #include "base/status_macros.h"
 
 namespace stowage {

@@ -1,5 +1,5 @@
 #include "models/pipeline_registry.h"
-#include "models/zimage_pipeline.h"
+#include "models/pipelines/zimage_pipeline.h"
 
 #include <cmath>
 #include <cstdlib>

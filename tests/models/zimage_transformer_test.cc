@@ -1,4 +1,4 @@
-#include "models/zimage_transformer.h"
+#include "models/nets/zimage_transformer.h"
 
 #include <cmath>
 #include <map>
@@ -9,7 +9,7 @@
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 
-#include "models/weight_init.h"
+#include "models/core/weight_init.h"
 #include "offload/device_backend.h"
 #include "offload/group_offload.h"
 #include "offload/host_weights.h"

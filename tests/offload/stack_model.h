@@ -11,8 +11,8 @@
 
 #include <ATen/ATen.h>
 
-#include "models/layers.h"
-#include "models/weight_init.h"
+#include "models/core/layers.h"
+#include "models/core/weight_init.h"
 
 namespace stowage {
 

@@ -12,9 +12,9 @@
 
 #include "base/json_limits.h"
 #include "google/protobuf/struct.pb.h"
-#include "models/clip_tokenizer.h"
-#include "models/diffusers_format.h"
-#include "models/t5_tokenizer.h"
+#include "models/tokenizers/clip_tokenizer.h"
+#include "models/core/diffusers_format.h"
+#include "models/tokenizers/t5_tokenizer.h"
 
 namespace stowage {
 namespace {

@@ -1,5 +1,5 @@
-"""Writes parity fixtures for the C++ tokenizers of Flux.1's pipeline (models/clip_tokenizer.h,
-models/t5_tokenizer.h) from transformers' own tokenizer classes.
+"""Writes parity fixtures for the C++ tokenizers of Flux.1's pipeline (models/tokenizers/clip_tokenizer.h,
+models/tokenizers/t5_tokenizer.h) from transformers' own tokenizer classes.
 
 Run on the GPU host (transformers, tokenizers, sentencepiece and protobuf installed; no network
 needed), from the repository root:

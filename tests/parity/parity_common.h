@@ -18,9 +18,9 @@
 
 #include "absl/status/statusor.h"
 #include "base/status_macros.h"
-#include "models/component.h"
-#include "models/diffusers_format.h"
-#include "models/layers.h"
+#include "models/pipelines/component.h"
+#include "models/core/diffusers_format.h"
+#include "models/core/layers.h"
 #include "offload/safetensors.h"
 
 namespace stowage::parity {

@@ -13,12 +13,12 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "models/autoencoder_kl.h"
-#include "models/bpe_tokenizer.h"
-#include "models/diffusers_format.h"
-#include "models/qwen3_text_encoder.h"
-#include "models/zimage_pipeline.h"
-#include "models/zimage_transformer.h"
+#include "models/nets/autoencoder_kl.h"
+#include "models/tokenizers/bpe_tokenizer.h"
+#include "models/core/diffusers_format.h"
+#include "models/nets/qwen3_text_encoder.h"
+#include "models/pipelines/zimage_pipeline.h"
+#include "models/nets/zimage_transformer.h"
 #include "base/status_macros.h"
 #include "tests/parity/parity_common.h"
 

@@ -6,7 +6,7 @@
 
 #include <gtest/gtest.h>
 
-#include "models/tiny_pipeline.h"
+#include "models/pipelines/tiny_pipeline.h"
 
 namespace stowage {
 namespace {

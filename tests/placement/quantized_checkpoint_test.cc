@@ -15,9 +15,9 @@
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 
-#include "models/component.h"
-#include "models/diffusers_format.h"
-#include "models/zimage_transformer.h"
+#include "models/pipelines/component.h"
+#include "models/core/diffusers_format.h"
+#include "models/nets/zimage_transformer.h"
 #include "offload/compressed_safetensors.h"
 #include "offload/safetensors.h"
 #include "placement/placement_manager.h"

@@ -1,0 +1,348 @@
+#include "models/core/layers.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <torch/version.h>
+
+#include "models/core/fused_ops.h"
+
+namespace stowage {
+namespace {
+
+at::Tensor Empty(at::IntArrayRef shape, const LayerOptions& options) {
+  return at::empty(shape, at::TensorOptions().dtype(options.dtype));
+}
+
+}  // namespace
+
+Linear::Linear(int64_t in_features, int64_t out_features, bool bias, const LayerOptions& options)
+    : Module("Linear"), in_features_(in_features), out_features_(out_features) {
+  weight_ = AddParameter("weight", Empty({out_features, in_features}, options));
+  if (bias) bias_ = AddParameter("bias", Empty({out_features}, options));
+}
+
+at::Tensor Linear::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  if (weight_scale_ >= 0) {
+    return fused::Fp8Linear(x, tensor(weight_), tensor(weight_scale_), bias_ >= 0 ? tensor(bias_) : at::Tensor());
+  }
+  return at::linear(x, tensor(weight_), bias_ >= 0 ? tensor(bias_) : at::Tensor());
+}
+
+namespace {
+
+// The tensors, one after another in one storage (each contiguous, same dtype, trailing sizes and
+// device), viewed as one tensor along dim 0; undefined when they are not laid out that way.
+at::Tensor AdjacentRows(const std::vector<at::Tensor>& tensors) {
+  const at::Tensor& first = tensors.front();
+  if (!first.defined() || !first.is_contiguous()) return at::Tensor();
+  int64_t rows = 0;
+  const char* next = static_cast<const char*>(first.data_ptr());
+  for (const at::Tensor& t : tensors) {
+    if (!t.defined() || !t.is_contiguous() || t.scalar_type() != first.scalar_type() || t.device() != first.device() ||
+        t.dim() != first.dim() || t.sizes().slice(1) != first.sizes().slice(1) ||
+        !t.storage().is_alias_of(first.storage()) || static_cast<const char*>(t.data_ptr()) != next) {
+      return at::Tensor();
+    }
+    rows += t.size(0);
+    next += t.nbytes();
+  }
+  std::vector<int64_t> sizes = first.sizes().vec();
+  sizes[0] = rows;
+  return first.as_strided(sizes, first.strides());
+}
+
+}  // namespace
+
+void Linear::DeclareAdjacent(Module& owner, const std::vector<Linear*>& layers) {
+  std::vector<std::pair<Module*, int>> weights, biases;
+  for (Linear* l : layers) {
+    weights.emplace_back(l, l->weight_);
+    if (l->bias_ >= 0) biases.emplace_back(l, l->bias_);
+  }
+  owner.AddAdjacentGroup(std::move(weights));
+  if (biases.size() == layers.size()) owner.AddAdjacentGroup(std::move(biases));
+}
+
+at::Tensor Linear::ForwardGelu(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  const at::Tensor& w = tensor(weight_);
+  if (weight_scale_ < 0 && bias_ >= 0 && fused::Active(x) && w.scalar_type() == x.scalar_type()) {
+    // cuBLASLt's GELU_BIAS epilogue (the tanh approximation) on the [tokens, in] view of x.
+    const at::Tensor x2d = x.reshape({-1, in_features_});
+    std::vector<int64_t> shape = x.sizes().vec();
+    shape.back() = out_features_;
+    return at::_addmm_activation(tensor(bias_), x2d, w.t(), 1, 1, /*use_gelu=*/true).view(shape);
+  }
+  const at::Tensor y = weight_scale_ >= 0 ? fused::Fp8Linear(x, w, tensor(weight_scale_),
+                                                             bias_ >= 0 ? tensor(bias_) : at::Tensor())
+                                          : at::linear(x, w, bias_ >= 0 ? tensor(bias_) : at::Tensor());
+  return at::gelu(y, "tanh");
+}
+
+std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers, const at::Tensor& x) {
+  std::vector<at::Tensor> out;
+  out.reserve(layers.size());
+  const bool hookless = std::all_of(layers.begin(), layers.end(), [](const Linear* l) { return l->hook_count() == 0; });
+  const bool any_fp8 = std::any_of(layers.begin(), layers.end(), [](const Linear* l) { return l->is_fp8(); });
+  if (layers.size() > 1 && hookless && !any_fp8 && fused::Active(x)) {
+    std::vector<at::Tensor> weights, biases;
+    for (const Linear* l : layers) {
+      weights.push_back(l->slots()[static_cast<size_t>(l->weight_)].value);
+      if (l->bias_ >= 0) biases.push_back(l->slots()[static_cast<size_t>(l->bias_)].value);
+    }
+    const at::Tensor weight = AdjacentRows(weights);
+    const at::Tensor bias = biases.empty() ? at::Tensor() : AdjacentRows(biases);
+    if (weight.defined() && weight.size(1) == x.size(-1) && (biases.empty() || (biases.size() == layers.size() && bias.defined()))) {
+      const at::Tensor y = at::linear(x, weight, bias);
+      int64_t column = 0;
+      for (const Linear* l : layers) {
+        out.push_back(y.narrow(-1, column, l->out_features_));
+        column += l->out_features_;
+      }
+      return out;
+    }
+  }
+  const bool all_fp8 =
+      layers.size() > 1 && std::all_of(layers.begin(), layers.end(), [](const Linear* l) { return l->is_fp8(); });
+  if (!all_fp8) {
+    for (Linear* layer : layers) out.push_back(layer->Forward(x));
+    return out;
+  }
+  const fused::Fp8Input input = fused::QuantizeInputFp8(x);
+  for (Linear* layer : layers) {
+    ForwardScope scope(*layer);
+    out.push_back(fused::Fp8Linear(x, layer->tensor(layer->weight_), layer->tensor(layer->weight_scale_),
+                                   layer->bias_ >= 0 ? layer->tensor(layer->bias_) : at::Tensor(), &input));
+  }
+  return out;
+}
+
+absl::Status Linear::ConvertToFp8() {
+  if (weight_scale_ >= 0) return absl::OkStatus();
+#ifndef STOWAGE_HAS_FP8
+  return absl::UnimplementedError("FP8 compute needs a LibTorch with float8 types (2.1 or later)");
+#else
+  if (!slots()[static_cast<size_t>(weight_)].value.defined()) {
+    return absl::FailedPreconditionError(path() + ": cannot convert an offloaded weight to FP8");
+  }
+  fused::Fp8Weight q = fused::QuantizeWeightFp8(tensor(weight_));
+  slots()[static_cast<size_t>(weight_)].value = std::move(q.q);
+  weight_scale_ = AddBuffer("weight_scale", std::move(q.scale));
+  return absl::OkStatus();
+#endif
+}
+
+absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root) {
+  int64_t converted = 0;
+  absl::Status status;
+  for (const auto& [name, child] : root.children()) {
+    if (child->kind() != "ModuleList") continue;
+    child->ForEachModule([&](Module& m) {
+      auto* linear = dynamic_cast<Linear*>(&m);
+      if (linear == nullptr || !status.ok() || linear->is_fp8()) return;
+      status = linear->ConvertToFp8();
+      if (status.ok()) ++converted;
+    });
+    if (!status.ok()) return status;
+  }
+  return converted;
+}
+
+at::Tensor Linear::ForwardConcat(const std::vector<at::Tensor>& parts) {
+  ForwardScope scope(*this);
+  const at::Tensor& w = tensor(weight_);
+  const at::Tensor b = bias_ >= 0 ? tensor(bias_) : at::Tensor();
+  if (weight_scale_ >= 0) return fused::Fp8Linear(at::cat(parts, -1), w, tensor(weight_scale_), b);
+  if (parts.empty() || !fused::Active(parts.front())) return at::linear(at::cat(parts, -1), w, b);
+  at::Tensor out;
+  int64_t column = 0;
+  for (const at::Tensor& part : parts) {
+    const int64_t k = part.size(-1);
+    const at::Tensor x2d = part.reshape({-1, k});
+    const at::Tensor wt = w.slice(1, column, column + k).t();  // [k, out], a strided view: no copy.
+    if (!out.defined()) {
+      out = b.defined() ? at::addmm(b, x2d, wt) : at::mm(x2d, wt);
+    } else {
+      out.addmm_(x2d, wt);
+    }
+    column += k;
+  }
+  TORCH_CHECK(column == in_features_, "Linear::ForwardConcat: the parts have ", column, " features; the layer takes ",
+              in_features_);
+  std::vector<int64_t> shape = parts.front().sizes().vec();
+  shape.back() = out_features_;
+  return out.view(shape);
+}
+
+RMSNorm::RMSNorm(int64_t dim, double eps, bool affine, const LayerOptions& options,
+                 bool cast_before_weight)
+    : Module("RMSNorm"), eps_(eps), cast_before_weight_(cast_before_weight) {
+  if (affine) weight_ = AddParameter("weight", Empty({dim}, options));
+}
+
+at::Tensor RMSNorm::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  const at::Tensor xf = x.to(at::kFloat);
+  at::Tensor y = xf * at::rsqrt(xf.pow(2).mean({-1}, /*keepdim=*/true) + eps_);
+  if (weight_ < 0) return y.to(x.scalar_type());
+  const at::Tensor& w = tensor(weight_);
+  if (cast_before_weight_) return y.to(w.scalar_type()) * w;
+  return (y * w.to(at::kFloat)).to(x.scalar_type());
+}
+
+void RMSNorm::CheckFusable() const {
+  TORCH_CHECK(cast_before_weight_ && weight_ >= 0,
+              "RMSNorm: the fused forms need a weight applied after the cast (diffusers' RMSNorm)");
+}
+
+at::Tensor RMSNorm::ForwardScaled(const at::Tensor& x, const at::Tensor& scale) {
+  ForwardScope scope(*this);
+  CheckFusable();
+  return fused::RmsNorm(x, tensor(weight_), eps_, scale);
+}
+
+at::Tensor RMSNorm::ForwardGatedResidual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& y) {
+  ForwardScope scope(*this);
+  CheckFusable();
+  return fused::GatedRmsNormResidual(residual, gate, y, tensor(weight_), eps_);
+}
+
+at::Tensor RMSNorm::ForwardRope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t offset,
+                                const at::Tensor& out) {
+  ForwardScope scope(*this);
+  CheckFusable();
+  return fused::RmsNormRope(x, tensor(weight_), eps_, cos, sin, offset, out);
+}
+
+LayerNorm::LayerNorm(int64_t dim, double eps, bool affine, const LayerOptions& options)
+    : Module("LayerNorm"), dim_(dim), eps_(eps) {
+  if (affine) {
+    weight_ = AddParameter("weight", Empty({dim}, options));
+    bias_ = AddParameter("bias", Empty({dim}, options));
+  }
+}
+
+at::Tensor LayerNorm::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor w = weight_ >= 0 ? tensor(weight_).to(at::kFloat) : at::Tensor();
+  const at::Tensor b = bias_ >= 0 ? tensor(bias_).to(at::kFloat) : at::Tensor();
+  return at::layer_norm(xf, {dim_}, w, b, eps_).to(x.scalar_type());
+}
+
+GroupNorm::GroupNorm(int64_t groups, int64_t channels, double eps, const LayerOptions& options)
+    : Module("GroupNorm"), groups_(groups), eps_(eps) {
+  weight_ = AddParameter("weight", Empty({channels}, options));
+  bias_ = AddParameter("bias", Empty({channels}, options));
+}
+
+at::Tensor GroupNorm::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  return at::group_norm(x.to(at::kFloat), groups_, tensor(weight_).to(at::kFloat),
+                        tensor(bias_).to(at::kFloat), eps_)
+      .to(x.scalar_type());
+}
+
+Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel, int64_t stride,
+               int64_t padding, const LayerOptions& options)
+    : Module("Conv2d"), stride_(stride), padding_(padding) {
+  weight_ = AddParameter("weight", Empty({out_channels, in_channels, kernel, kernel}, options));
+  bias_ = AddParameter("bias", Empty({out_channels}, options));
+}
+
+at::Tensor Conv2d::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  return at::conv2d(x, tensor(weight_), tensor(bias_), {stride_, stride_}, {padding_, padding_});
+}
+
+Embedding::Embedding(int64_t num_embeddings, int64_t dim, const LayerOptions& options)
+    : Module("Embedding") {
+  weight_ = AddParameter("weight", Empty({num_embeddings, dim}, options));
+}
+
+at::Tensor Embedding::Forward(const at::Tensor& ids) {
+  ForwardScope scope(*this);
+  return at::embedding(tensor(weight_), ids);
+}
+
+ResnetBlock2D::ResnetBlock2D(int64_t in, int64_t out, int64_t groups, const LayerOptions& o)
+    : Module("ResnetBlock2D") {
+  norm1_ = AddChild("norm1", std::make_unique<GroupNorm>(groups, in, 1e-6, o));
+  conv1_ = AddChild("conv1", std::make_unique<Conv2d>(in, out, 3, 1, 1, o));
+  norm2_ = AddChild("norm2", std::make_unique<GroupNorm>(groups, out, 1e-6, o));
+  conv2_ = AddChild("conv2", std::make_unique<Conv2d>(out, out, 3, 1, 1, o));
+  if (in != out) conv_shortcut_ = AddChild("conv_shortcut", std::make_unique<Conv2d>(in, out, 1, 1, 0, o));
+}
+
+at::Tensor ResnetBlock2D::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  at::Tensor h = conv1_->Forward(at::silu(norm1_->Forward(x)));
+  h = conv2_->Forward(at::silu(norm2_->Forward(h)));
+  return (conv_shortcut_ != nullptr ? conv_shortcut_->Forward(x) : x) + h;
+}
+
+at::Tensor ScaledDotProductAttention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& key_mask, bool causal) {
+  at::Tensor mask;
+  if (key_mask.defined()) mask = key_mask.unsqueeze(1).unsqueeze(1);  // [B, 1, 1, keys]
+  if (causal) {
+    const at::Tensor lower = at::ones({q.size(-2), k.size(-2)}, q.options().dtype(at::kBool)).tril();
+    mask = mask.defined() ? mask.logical_and(lower) : lower;
+  }
+#if TORCH_VERSION_MAJOR >= 2
+  // An undefined tensor is not "no mask" to SDPA: pass nullopt.
+  return mask.defined() ? at::scaled_dot_product_attention(q, k, v, mask)
+                        : at::scaled_dot_product_attention(q, k, v, c10::nullopt);
+#else
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  at::Tensor scores = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-2, -1)) * scale;
+  if (mask.defined()) scores = scores.masked_fill(mask.logical_not(), -INFINITY);
+  return at::matmul(at::softmax(scores, -1), v.to(at::kFloat)).to(q.scalar_type());
+#endif
+}
+
+SelfAttention::SelfAttention(int64_t dim, int64_t heads, bool qk_norm, const LayerOptions& options)
+    : Module("SelfAttention"), heads_(heads) {
+  to_q_ = AddChild("to_q", std::make_unique<Linear>(dim, dim, true, options));
+  to_k_ = AddChild("to_k", std::make_unique<Linear>(dim, dim, true, options));
+  to_v_ = AddChild("to_v", std::make_unique<Linear>(dim, dim, true, options));
+  to_out_ = AddChild("to_out", std::make_unique<Linear>(dim, dim, true, options));
+  if (qk_norm) {
+    norm_q_ = AddChild("norm_q", std::make_unique<RMSNorm>(dim / heads, 1e-6, true, options));
+    norm_k_ = AddChild("norm_k", std::make_unique<RMSNorm>(dim / heads, 1e-6, true, options));
+  }
+}
+
+at::Tensor SelfAttention::Forward(const at::Tensor& x, const at::Tensor& key_mask) {
+  ForwardScope scope(*this);
+  const int64_t batch = x.size(0);
+  const int64_t tokens = x.size(1);
+  auto split = [&](const at::Tensor& t) {
+    return t.view({batch, tokens, heads_, -1}).transpose(1, 2);  // [B, H, L, D]
+  };
+  at::Tensor q = split(to_q_->Forward(x));
+  at::Tensor k = split(to_k_->Forward(x));
+  const at::Tensor v = split(to_v_->Forward(x));
+  if (norm_q_ != nullptr) {
+    q = norm_q_->Forward(q);
+    k = norm_k_->Forward(k);
+  }
+  const at::Tensor out = ScaledDotProductAttention(q, k, v, key_mask);
+  return to_out_->Forward(out.transpose(1, 2).reshape({batch, tokens, -1}));
+}
+
+FeedForward::FeedForward(int64_t dim, int64_t hidden, const LayerOptions& options)
+    : Module("FeedForward") {
+  fc1_ = AddChild("fc1", std::make_unique<Linear>(dim, hidden, true, options));
+  fc2_ = AddChild("fc2", std::make_unique<Linear>(hidden, dim, true, options));
+}
+
+at::Tensor FeedForward::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  return fc2_->Forward(at::gelu(fc1_->Forward(x), "tanh"));
+}
+
+}  // namespace stowage

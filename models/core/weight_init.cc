@@ -1,0 +1,56 @@
+#include "models/core/weight_init.h"
+
+#include <cmath>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+namespace stowage {
+namespace {
+
+// FNV-1a: a hash whose value is the same on every platform and standard library.
+uint64_t StableHash(const std::string& text, uint64_t seed) {
+  uint64_t h = 1469598103934665603ULL ^ seed;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+}  // namespace
+
+void InitializeRandomWeights(Module& root, uint64_t seed) {
+  root.ForEachSlot([&](Module& module, TensorSlot& slot) {
+    if (!slot.value.defined()) return;
+    at::Tensor& t = slot.value;
+    at::Generator gen = at::detail::createCPUGenerator(StableHash(module.SlotPath(slot), seed));
+    const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat);
+    // Up to kDrawn values are drawn; larger tensors tile them, so billion-parameter models fill at
+    // memory speed (their random-weights mode exists for benchmarks, not for pictures).
+    constexpr int64_t kDrawn = int64_t{1} << 20;
+    at::Tensor values;
+    if (t.numel() <= kDrawn) {
+      values = at::randn(t.sizes(), gen, f32);
+    } else {
+      const at::Tensor drawn = at::randn({kDrawn}, gen, f32);
+      values = drawn.repeat({(t.numel() + kDrawn - 1) / kDrawn}).slice(0, 0, t.numel()).view(t.sizes());
+    }
+    const std::string& kind = module.kind();
+    const bool is_norm = kind.find("Norm") != std::string::npos;
+    if (slot.name == "bias") {
+      values.mul_(0.02);
+    } else if (is_norm) {
+      values.mul_(0.1).add_(1.0);
+    } else if (kind == "Embedding" || t.dim() < 2) {
+      // Embedding rows and free-standing vectors keep unit scale.
+    } else {
+      const double fan_in = static_cast<double>(t.numel() / t.size(0));
+      values.mul_(1.0 / std::sqrt(fan_in));
+    }
+    t.copy_(values);
+  });
+}
+
+}  // namespace stowage

@@ -1,0 +1,120 @@
+// Component: one model of a pipeline (text encoder, transformer, VAE) — a module tree, its host
+// weights, and what placement needs to know about it. Placement decides where its weights are;
+// the pipeline only runs it through a ComponentRunner.
+#ifndef STOWAGE_MODELS_PIPELINES_COMPONENT_H_
+#define STOWAGE_MODELS_PIPELINES_COMPONENT_H_
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "offload/host_weights.h"
+#include "offload/compression.h"
+#include "offload/module.h"
+
+namespace stowage {
+
+class Component {
+ public:
+  // `root` must hold its weights as contiguous CPU tensors (they become the host copies).
+  static absl::StatusOr<std::unique_ptr<Component>> Create(std::string name,
+                                                           std::unique_ptr<Module> root,
+                                                           at::ScalarType dtype);
+
+  const std::string& name() const { return name_; }
+  const std::string& kind() const { return root_->kind(); }
+  Module& module() { return *root_; }
+  at::ScalarType dtype() const { return dtype_; }
+  HostWeights& host_weights() { return *host_weights_; }
+  int64_t weight_bytes() const { return host_weights_->bytes(); }
+  int64_t parameter_count() const { return host_weights_->parameter_count(); }
+  // HostWeights::CheckSourceFiles: FAILED_PRECONDITION naming a model file that changed on disk
+  // under weights still mapped from it. Call on the device worker (which owns the host weights).
+  absl::Status CheckSourceFiles() const { return host_weights_->CheckSourceFiles(); }
+
+  // Set when the weights were read from an 8-bit checkpoint (offload/compressed_safetensors.h): the
+  // stored 8-bit values and scales, by slot path, and their format. Group offloading with the same
+  // `compress` format streams these bytes as they are instead of quantizing the host copies again.
+  void set_prequantized(std::shared_ptr<const PrequantizedWeights> weights, CompressFormat format) {
+    prequantized_ = std::move(weights);
+    prequantized_format_ = format;
+  }
+  const std::shared_ptr<const PrequantizedWeights>& prequantized() const { return prequantized_; }
+
+  // "fp8" when its blocks' linear layers were converted to FP8 at load (PipelineConfig.compute);
+  // empty: it computes in dtype(). Set once, before the component is shared.
+  const std::string& compute() const { return compute_; }
+  void set_compute(std::string compute) { compute_ = std::move(compute); }
+  CompressFormat prequantized_format() const { return prequantized_format_; }
+
+ private:
+  Component(std::string name, std::unique_ptr<Module> root, at::ScalarType dtype,
+            std::unique_ptr<HostWeights> host_weights);
+  std::string name_;
+  std::unique_ptr<Module> root_;
+  at::ScalarType dtype_;
+  std::unique_ptr<HostWeights> host_weights_;
+  std::shared_ptr<const PrequantizedWeights> prequantized_;
+  CompressFormat prequantized_format_ = CompressFormat::kNone;
+  std::string compute_;
+};
+
+// How a pipeline calls its components. Implemented by placement: it makes the component runnable
+// on the device (moving it or others as its strategy decides), runs `fn`, and records what it did.
+// `fn` may throw (LibTorch errors, DeviceOutOfMemory); the runner turns that into a status.
+class ComponentRunner {
+ public:
+  virtual ~ComponentRunner() = default;
+  virtual absl::Status Run(Component& component, const std::function<void()>& fn) = 0;
+  // A hint that `component` runs next, after whatever runs now or is about to: the runner may start
+  // moving its weights so that the copy overlaps the current compute (placement: the first groups
+  // of a group-offloaded component). Never required for correctness; the default does nothing.
+  virtual void Prefetch(Component& component) { (void)component; }
+  // The device `component` runs on: its inputs must be there, and its outputs appear there. A
+  // pipeline whose components sit on several devices (a split layout) moves tensors between them
+  // with this. `home` is the pipeline's own device, which the default (one device) returns.
+  virtual c10::Device DeviceOf(const Component& component, const c10::Device& home) const {
+    (void)component;
+    return home;
+  }
+};
+
+std::string DtypeName(at::ScalarType dtype);
+
+// Components loaded from model directories, by (directory, dtype, random-weights seed): a second
+// pipeline naming the same component gets the same object, so its weights exist once and placement
+// sees one component used by two pipelines. Holds weak references: a component lives as long as a
+// pipeline uses it.
+//
+// Thread-safety: thread-safe.
+class ComponentCache {
+ public:
+  using Loader = std::function<absl::StatusOr<std::unique_ptr<Component>>()>;
+  absl::StatusOr<std::shared_ptr<Component>> GetOrLoad(const std::string& key, const Loader& load);
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, std::weak_ptr<Component>> components_ ABSL_GUARDED_BY(mu_);
+};
+
+// Loads through `cache` when there is one (sharing by `key`), else loads a private copy.
+absl::StatusOr<std::shared_ptr<Component>> LoadMaybeShared(ComponentCache* cache, const std::string& key,
+                                                           const ComponentCache::Loader& load);
+
+// The cache key of a component directory: its canonical path, the dtype, the compute mode ("fp8" or
+// empty) and, for random weights, the seed.
+std::string ComponentCacheKey(const std::string& component_dir, at::ScalarType dtype,
+                              bool random_weights, uint64_t seed, const std::string& compute = "");
+
+}  // namespace stowage
+
+#endif  // STOWAGE_MODELS_PIPELINES_COMPONENT_H_

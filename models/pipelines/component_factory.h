@@ -1,0 +1,66 @@
+// MakeComponent: one architecture component built from its validated config and filled from its
+// diffusers-format folder (or with deterministic random weights), wrapped as a placement Component.
+// Shared by the pipelines' loaders (Z-Image, Flux).
+#ifndef STOWAGE_MODELS_PIPELINES_COMPONENT_FACTORY_H_
+#define STOWAGE_MODELS_PIPELINES_COMPONENT_FACTORY_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <c10/core/ScalarType.h>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "models/pipelines/component.h"
+#include "models/core/diffusers_format.h"
+#include "models/core/layers.h"
+#include "models/core/weight_init.h"
+
+namespace stowage {
+
+// T is the module, built as T(config, LayerOptions{dtype}); `Validate(config, file)` runs first (the
+// config's own validator, found by overload). `dir` empty means a built-in config (no files);
+// `ignored` lists state-dict prefixes the module does not use (e.g. a VAE's encoder).
+//
+// `fp8`: the linear layers of its transformer blocks are converted to FP8 after loading
+// (ConvertBlockLinearsToFp8, on the host: the converted copies replace the loaded ones), and the
+// component reports compute() "fp8". FAILED_PRECONDITION when the component has no such layers.
+template <typename T, typename Config>
+absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name, const Config& config,
+                                                         at::ScalarType dtype, const std::string& dir,
+                                                         bool random_weights, uint64_t seed,
+                                                         const std::vector<std::string>& ignored, bool fp8 = false) {
+  RETURN_IF_ERROR(Validate(config, dir.empty() ? absl::StrCat("built-in ", name, " config")
+                                               : absl::StrCat(dir, "/config.json")));
+  std::unique_ptr<T> module;
+  RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("building ", name), [&] {
+    module = std::make_unique<T>(config, LayerOptions{dtype});
+  }));
+  CheckpointQuantization quantization;
+  if (random_weights) {
+    InitializeRandomWeights(*module, seed);
+  } else {
+    RETURN_IF_ERROR(LoadComponentWeights(*module, dir, dtype, ignored, &quantization));
+  }
+  if (fp8) {
+    absl::StatusOr<int64_t> converted = absl::InternalError("not converted");
+    RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("converting ", name, " to FP8"),
+                                  [&] { converted = ConvertBlockLinearsToFp8(*module); }));
+    RETURN_IF_ERROR(converted.status());
+    if (*converted == 0) {
+      return absl::FailedPreconditionError(absl::StrCat("compute FP8: component '", name, "' (", module->kind(),
+                                                        ") has no transformer blocks with linear layers"));
+    }
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<Component> component, Component::Create(name, std::move(module), dtype));
+  if (fp8) component->set_compute("fp8");
+  // An 8-bit checkpoint: 8-bit group offloading in its format streams its bytes as stored.
+  if (quantization.weights != nullptr) component->set_prequantized(quantization.weights, quantization.format);
+  return component;
+}
+
+}  // namespace stowage
+
+#endif  // STOWAGE_MODELS_PIPELINES_COMPONENT_FACTORY_H_

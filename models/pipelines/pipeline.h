@@ -1,0 +1,145 @@
+// Pipeline: text → image with a set of components, independent of transport and placement.
+#ifndef STOWAGE_MODELS_PIPELINES_PIPELINE_H_
+#define STOWAGE_MODELS_PIPELINES_PIPELINE_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "models/pipelines/component.h"
+#include "models/core/image.h"
+
+namespace stowage {
+
+// What a request may ask of a pipeline; the server validates against it.
+struct PipelineLimits {
+  int default_width = 256;
+  int default_height = 256;
+  int min_size = 64;
+  int max_size = 1024;
+  int size_multiple = 16;
+  int default_steps = 8;
+  int max_steps = 100;
+  float default_guidance_scale = 1.0f;
+  int max_prompt_bytes = 126;
+};
+
+// A validated request.
+struct GenerationParams {
+  std::string prompt;
+  std::string negative_prompt;
+  int width = 0;
+  int height = 0;
+  int steps = 0;
+  float guidance_scale = 1.0f;
+  uint64_t seed = 0;
+};
+
+// Progress reports and cancellation for one run. Stage names: "tokenize", "encode_prompt",
+// "denoise", "decode".
+class RunContext {
+ public:
+  struct StageTime {
+    std::string stage;
+    absl::Duration duration;
+    bool shared = false;  // Ran once for every member of a batch (see set_shared).
+  };
+  // `interrupt` returns non-OK (CANCELLED, DEADLINE_EXCEEDED) when the run must stop; `progress` is
+  // called with (stage, step, total_steps) at each stage start and after each denoising step.
+  RunContext(std::function<absl::Status()> interrupt,
+             std::function<void(const std::string&, int, int)> progress);
+
+  absl::Status CheckInterrupt() const { return interrupt_ ? interrupt_() : absl::OkStatus(); }
+  void BeginStage(const std::string& stage, int total_steps = 0);
+  void EndStage();
+  void ReportStep(int step, int total_steps);
+  const std::vector<StageTime>& stage_times() const { return stage_times_; }
+  // Stages begun from now on ran for a whole batch at once (their time is the batch's).
+  void set_shared(bool shared) { shared_ = shared; }
+
+ private:
+  std::function<absl::Status()> interrupt_;
+  std::function<void(const std::string&, int, int)> progress_;
+  std::string current_stage_;
+  absl::Time stage_start_;
+  bool shared_ = false;
+  bool current_shared_ = false;
+  std::vector<StageTime> stage_times_;
+};
+
+// One request of a batch: its validated parameters and its own progress and cancellation.
+struct BatchMember {
+  const GenerationParams* params = nullptr;
+  RunContext* context = nullptr;
+};
+
+// Requests that may run as one batch: the same image size and step count (prompts, negative
+// prompts, seeds and guidance may differ).
+bool BatchCompatible(const GenerationParams& a, const GenerationParams& b);
+
+// The bookkeeping of one batched run (a pipeline's RunBatch): every member's result, which members
+// are still running, and stage reports to those. A member leaves with the first non-OK status a
+// Filter check gives it; the others go on.
+class BatchRun {
+ public:
+  explicit BatchRun(const std::vector<BatchMember>& members);
+  // False when the members differ in image size or step count; then every result is
+  // INVALID_ARGUMENT and nothing should run.
+  bool Compatible();
+  // Runs `check` for each running member; those it gives a non-OK status leave with it.
+  void Filter(const std::function<absl::Status(size_t)>& check);
+  void BeginStage(const std::string& stage, int total_steps = 0);
+  // Indices (into the members) of those still running, in order.
+  const std::vector<size_t>& active() const { return active_; }
+  void set_result(size_t i, absl::StatusOr<Image> result) { results_[i] = std::move(result); }
+  std::vector<absl::StatusOr<Image>> TakeResults() { return std::move(results_); }
+
+ private:
+  const std::vector<BatchMember>& members_;
+  std::vector<absl::StatusOr<Image>> results_;
+  std::vector<size_t> active_;
+};
+
+class Pipeline {
+ public:
+  virtual ~Pipeline() = default;
+  virtual const std::string& name() const = 0;
+  virtual std::string description() const = 0;
+  virtual const PipelineLimits& limits() const = 0;
+  // Components in execution order.
+  virtual std::vector<Component*> components() = 0;
+  // Runs text → RGB image. Components are called through `runner` only. Returns the interrupt's
+  // status if interrupted between steps.
+  virtual absl::StatusOr<Image> Run(const GenerationParams& params, ComponentRunner& runner,
+                                    RunContext& context) = 0;
+
+  // Runs BatchCompatible requests together and returns one result per member, in order. A member
+  // whose context interrupts leaves at the next step boundary with the interrupt's status; the
+  // others go on undisturbed. Each member's image equals what Run gives it alone (up to float
+  // rounding of the batched arithmetic). Pipelines with a batched forward (batched() true) run
+  // one forward per denoising step over all members, so offloaded weights move once per step for
+  // the whole batch; the default runs the members one after another.
+  virtual std::vector<absl::StatusOr<Image>> RunBatch(const std::vector<BatchMember>& members,
+                                                      ComponentRunner& runner);
+  // True when RunBatch shares forwards between members (the server only forms batches then).
+  virtual bool batched() const { return false; }
+
+  // OK unless one of the files the components' weights are still mapped from changed on disk after
+  // the load (see offload/safetensors.h): then FAILED_PRECONDITION naming the file and saying to
+  // reload the pipeline. Weights copied to RAM or the device at load are not affected. The server
+  // checks before a Run and after it: a file that shrank during the Run made it read zeros, so its
+  // result is discarded. Call on the device worker.
+  //   RETURN_IF_ERROR(pipeline.CheckSourceFiles());
+  //   absl::StatusOr<Image> image = pipeline.Run(params, runner, context);
+  //   RETURN_IF_ERROR(pipeline.CheckSourceFiles());
+  absl::Status CheckSourceFiles();
+};
+
+}  // namespace stowage
+
+#endif  // STOWAGE_MODELS_PIPELINES_PIPELINE_H_

@@ -289,7 +289,7 @@ void DeviceWorker::CollectBatch(WorkerScope& scope, std::vector<Item>& members, 
   // Copies: `members` grows below.
   const std::string key = members.front().job.batch_key;
   const size_t limit = static_cast<size_t>(std::max(1, members.front().job.max_batch_size));
-  const bool hold = lone_keys_.count(key) == 0;
+  const bool hold = concurrent_keys_.count(key) > 0;
   // Measured from now, when the batch would start: a first request that waited in the queue behind
   // a running batch still gets the chance to gather the requests that arrive right after it (clients
   // whose replies just went out), which brings clients that drifted apart back into step.
@@ -420,10 +420,10 @@ void DeviceWorker::Loop() {
           return i.task == nullptr && i.job.batch_key == key;
         });
         if (batch.size() > 1 || queued) {
-          lone_keys_.erase(key);
+          if (concurrent_keys_.size() >= 1024) concurrent_keys_.clear();
+          concurrent_keys_.insert(key);
         } else {
-          if (lone_keys_.size() >= 1024) lone_keys_.clear();
-          lone_keys_.insert(key);
+          concurrent_keys_.erase(key);
         }
       }
       if (options_.after_each) options_.after_each(scope);

@@ -106,8 +106,10 @@ class DeviceWorker {
     // (tasks and other jobs keep their places). If fewer are there and the key has concurrent
     // demand, it waits for more until max_batch_delay after the batch would have started, or until
     // the batch is full; tasks posted meanwhile run after the batch. A key has concurrent demand
-    // unless its last batch ran alone and no job of the key was queued when it ended: a lone
-    // client's requests then never wait for company that does not come. Then it calls the first job's run_batch once with every
+    // once one of its batches ran with several members or ended with a job of the key queued, and
+    // loses it when a batch runs alone with none queued: a key seen for the first time (a new
+    // image size) and a lone client's requests never wait for company that does not come, while
+    // overlapping clients, whose requests queue together, are held together. Then it calls the first job's run_batch once with every
     // member (the first job first) instead of each job's run; then after_each; then each member's
     // finish. Members whose caller went away meanwhile are dropped as usual. A job with a
     // batch_key must set run_batch; `payload` carries what run_batch needs of each member.
@@ -214,8 +216,8 @@ class DeviceWorker {
   const Options options_;
   absl::Mutex mu_;
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
-  // Batch keys whose last batch showed no concurrent demand (see Job::batch_key); bounded.
-  std::set<std::string> lone_keys_ ABSL_GUARDED_BY(mu_);
+  // Batch keys whose last batch showed concurrent demand (see Job::batch_key); bounded.
+  std::set<std::string> concurrent_keys_ ABSL_GUARDED_BY(mu_);
   Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // The remote-call lane, in arrival order.

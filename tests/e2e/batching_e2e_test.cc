@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <string>
 #include <thread>
@@ -17,6 +18,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "google/protobuf/text_format.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "runtime/config.h"
 #include "tests/e2e/e2e_harness.h"
 #include "tests/e2e/http_get.h"
 
@@ -92,6 +96,35 @@ class BatchingTest : public ::testing::Test {
     for (std::thread& t : threads) t.join();
   }
 
+  // Holds the device with a long request (another image size: its own batch key) until the
+  // queue-depth gauge shows `depth` requests waiting, then lets it finish, so that those requests
+  // reach the worker together whatever the timing of the threads that sent them. `send` sends them
+  // (and returns when they are answered).
+  void WithRequestsQueuedTogether(int depth, const std::function<void()>& send) {
+    v1::GenerateRequest slow = E2eServer::SmallRequest("zimage-tiny", 99);
+    slow.set_width(128);
+    slow.set_height(128);
+    slow.set_num_inference_steps(100);
+    grpc::ClientContext context;
+    context.set_deadline(In(milliseconds(120000)));
+    auto reader = server_->generation().GenerateStream(&context, slow);
+    v1::GenerateStreamResponse message;
+    ASSERT_TRUE(reader->Read(&message));  // Running on the device.
+    std::thread sender(send);
+    const std::string line = absl::StrCat("stowage_queue_depth{device=\"", DeviceNameOf(v1::DeviceConfig()), "\"} ",
+                                          depth, "\n");
+    bool queued = false;
+    for (const absl::Time give_up = absl::Now() + absl::Seconds(60); !queued && absl::Now() < give_up;) {
+      queued = HttpGet(server_->server().metrics_address(), "/metrics").find(line) != std::string::npos;
+      if (!queued) absl::SleepFor(absl::Milliseconds(2));  // Polls a condition; orders nothing.
+    }
+    while (reader->Read(&message)) {
+    }
+    EXPECT_TRUE(reader->Finish().ok());
+    sender.join();
+    EXPECT_TRUE(queued) << depth << " requests never waited together";
+  }
+
   grpc::Status SetBatching(int size, int delay_ms, const std::string& pipeline = "zimage-tiny",
                            v1::SetBatchingResponse* out = nullptr) {
     v1::SetBatchingRequest request;
@@ -109,8 +142,8 @@ TEST_F(BatchingTest, QueuedRequestsRunAsOneBatchAndEachGetsItsImageAlone) {
   const std::vector<v1::GenerateRequest> requests = MixedRequests();
   std::vector<grpc::Status> statuses;
   std::vector<v1::GenerateResponse> batched;
-  // Four requests, a batch of four, and a long delay: the batch closes when the fourth arrives.
-  SendConcurrently(requests, statuses, batched);
+  // Four requests queued together, a batch of four: it starts full.
+  WithRequestsQueuedTogether(4, [&] { SendConcurrently(requests, statuses, batched); });
   for (size_t i = 0; i < requests.size(); ++i) {
     ASSERT_TRUE(statuses[i].ok()) << i << ": " << statuses[i].error_message();
     const v1::RequestStats& stats = batched[i].stats();
@@ -135,13 +168,29 @@ TEST_F(BatchingTest, QueuedRequestsRunAsOneBatchAndEachGetsItsImageAlone) {
   EXPECT_EQ(batched[0].image() != batched[2].image(), true);  // Guidance changes the picture.
 
   const std::string metrics = HttpGet(server_->server().metrics_address(), "/metrics");
-  // One batch of four while batching was on; runs with batching off are no batches.
-  EXPECT_NE(metrics.find("stowage_batch_size_count{pipeline=\"zimage-tiny\"} 1\n"), std::string::npos)
+  // While batching was on: the long request that held the device (a batch of one), then one batch
+  // of four; runs with batching off are no batches.
+  EXPECT_NE(metrics.find("stowage_batch_size_count{pipeline=\"zimage-tiny\"} 2\n"), std::string::npos)
       << metrics.substr(metrics.find("stowage_batch"), 1500);
-  EXPECT_NE(metrics.find("stowage_batch_size_sum{pipeline=\"zimage-tiny\"} 4\n"), std::string::npos)
+  EXPECT_NE(metrics.find("stowage_batch_size_sum{pipeline=\"zimage-tiny\"} 5\n"), std::string::npos)
       << metrics.substr(metrics.find("stowage_batch"), 1500);
   EXPECT_NE(metrics.find("stowage_batch_queue_delay_seconds_count{pipeline=\"zimage-tiny\"}"), std::string::npos);
   EXPECT_TRUE(HealthServing(server_->channel()));
+}
+
+// A lone client pays no batching delay, not even for its first request of each new size (the
+// fixture's batching may hold a batch open 5 s): a key with no history does not hold.
+TEST_F(BatchingTest, ALoneClientsFirstRequestOfEachNewSizeDoesNotWait) {
+  for (const int size : {64, 96, 128, 64}) {
+    v1::GenerateRequest request = E2eServer::SmallRequest("zimage-tiny", 5);
+    request.set_width(size);
+    request.set_height(size);
+    v1::GenerateResponse response;
+    ASSERT_TRUE(server_->Generate(request, &response, milliseconds(60000)).ok());
+    EXPECT_EQ(response.stats().batch_size(), 1) << size;
+    const google::protobuf::Duration& wait = response.stats().batch_wait();
+    EXPECT_LT(wait.seconds() + wait.nanos() * 1e-9, 1.0) << size << "x" << size << " waited for company";
+  }
 }
 
 TEST_F(BatchingTest, OnlyRequestsOfOneSizeAndStepCountShareABatch) {
@@ -151,7 +200,7 @@ TEST_F(BatchingTest, OnlyRequestsOfOneSizeAndStepCountShareABatch) {
   requests[3].set_num_inference_steps(2);
   std::vector<grpc::Status> statuses;
   std::vector<v1::GenerateResponse> responses;
-  SendConcurrently(requests, statuses, responses);
+  WithRequestsQueuedTogether(4, [&] { SendConcurrently(requests, statuses, responses); });
   for (size_t i = 0; i < requests.size(); ++i) ASSERT_TRUE(statuses[i].ok()) << statuses[i].error_message();
   EXPECT_EQ(responses[0].stats().batch_size(), 2);
   EXPECT_EQ(responses[2].stats().batch_size(), 2);
@@ -171,23 +220,26 @@ TEST_F(BatchingTest, ACancelledMemberLeavesWithoutDisturbingTheOthers) {
   grpc::ClientContext leaving_context;
   leaving_context.set_deadline(In(milliseconds(120000)));
   grpc::Status leaving_status;
-  std::thread leaving([&] {
-    auto reader = server_->generation().GenerateStream(&leaving_context, requests[1]);
-    v1::GenerateStreamResponse message;
-    while (reader->Read(&message)) {
-      if (message.has_progress() && message.progress().stage() == "denoise" && message.progress().step() >= 1) {
-        leaving_context.TryCancel();
-      }
-    }
-    leaving_status = reader->Finish();
-  });
   std::vector<v1::GenerateResponse> stayed(2);
   std::vector<grpc::Status> stayed_status(2);
-  std::thread a([&] { stayed_status[0] = server_->Generate(requests[0], &stayed[0], milliseconds(120000)); });
-  std::thread b([&] { stayed_status[1] = server_->Generate(requests[2], &stayed[1], milliseconds(120000)); });
-  leaving.join();
-  a.join();
-  b.join();
+  // The three queue together behind a long request: one batch of three, full at once.
+  WithRequestsQueuedTogether(3, [&] {
+    std::thread leaving([&] {
+      auto reader = server_->generation().GenerateStream(&leaving_context, requests[1]);
+      v1::GenerateStreamResponse message;
+      while (reader->Read(&message)) {
+        if (message.has_progress() && message.progress().stage() == "denoise" && message.progress().step() >= 1) {
+          leaving_context.TryCancel();
+        }
+      }
+      leaving_status = reader->Finish();
+    });
+    std::thread a([&] { stayed_status[0] = server_->Generate(requests[0], &stayed[0], milliseconds(120000)); });
+    std::thread b([&] { stayed_status[1] = server_->Generate(requests[2], &stayed[1], milliseconds(120000)); });
+    leaving.join();
+    a.join();
+    b.join();
+  });
   EXPECT_EQ(leaving_status.error_code(), grpc::CANCELLED) << leaving_status.error_message();
   ASSERT_TRUE(stayed_status[0].ok() && stayed_status[1].ok());
   EXPECT_EQ(stayed[0].stats().batch_size(), 3);

@@ -286,9 +286,25 @@ TEST(DeviceWorkerTest, QueuedJobsOfOneKeyRunAsBatchesUpToTheirSize) {
 
 // With fewer jobs queued than the batch holds, the worker waits until max_batch_delay after the
 // first was queued, taking those that arrive meanwhile; it never waits past the delay.
+std::thread BlockWorker(DeviceWorker& worker, absl::Notification& started, absl::Notification& release);
+
+// Queues jobs 10 and 11 of `key` behind a blocking task, so that they run as one batch: the key
+// then has concurrent demand (its next batches may wait for members).
+void MakeConcurrent(DeviceWorker& worker, BatchLog& log, const std::string& key, absl::Duration delay) {
+  absl::Notification started, release, done;
+  std::thread blocker = BlockWorker(worker, started, release);
+  ASSERT_TRUE(worker.Submit(BatchJob(log, key, 10, 4, delay)).ok());
+  ASSERT_TRUE(worker.Submit(BatchJob(log, key, 11, 4, delay, &done)).ok());
+  release.Notify();
+  blocker.join();
+  done.WaitForNotification();
+  ASSERT_EQ(log.Get().back(), (std::vector<int>{10, 11}));
+}
+
 TEST(DeviceWorkerTest, ABatchWaitsUpToItsDelayForMoreMembers) {
   DeviceWorker worker(Options("sim:0", 16));
   BatchLog log;
+  MakeConcurrent(worker, log, "a", absl::Milliseconds(400));
   absl::Notification first_done, second_done;
   const absl::Time start = absl::Now();
   ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 1, 4, absl::Milliseconds(400), &first_done)).ok());
@@ -297,10 +313,10 @@ TEST(DeviceWorkerTest, ABatchWaitsUpToItsDelayForMoreMembers) {
   first_done.WaitForNotification();
   const absl::Duration took = absl::Now() - start;
   EXPECT_GE(took, absl::Milliseconds(390));  // Held open for the delay: the batch was not full.
-  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{1, 2}}));
+  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{10, 11}, {1, 2}}));
   {
     absl::MutexLock lock(&log.mu);
-    EXPECT_GE(log.batch_waits[0], absl::Milliseconds(300));
+    EXPECT_GE(log.batch_waits[1], absl::Milliseconds(300));
   }
   // A full batch does not wait.
   const absl::Time full_start = absl::Now();
@@ -317,6 +333,7 @@ TEST(DeviceWorkerTest, ABatchWaitsUpToItsDelayForMoreMembers) {
 TEST(DeviceWorkerTest, CancelledJobsLeaveTheirBatch) {
   DeviceWorker worker(Options("sim:0", 16));
   BatchLog log;
+  MakeConcurrent(worker, log, "a", absl::Seconds(30));
   std::atomic<bool> gone{false};
   absl::Notification dropped, head_dropped, last;
   DeviceWorker::Job head = BatchJob(log, "a", 1, 4, absl::Seconds(30));
@@ -336,18 +353,21 @@ TEST(DeviceWorkerTest, CancelledJobsLeaveTheirBatch) {
   head_dropped.WaitForNotification();
   last.WaitForNotification();
   EXPECT_LT(absl::Now() - start, absl::Seconds(20));
-  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{2}}));
+  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{10, 11}, {2}}));
 }
 
-// A key whose last batch ran alone, with nothing of its kind queued when it ended, does not hold
-// the next batch open: a lone client pays no delay. Once requests overlap again, batches wait.
+// A key seen for the first time, and one whose last batch ran alone with nothing of its kind
+// queued when it ended, does not hold the next batch open: a lone client pays no delay, not even
+// for its first request of a new size. Once requests overlap, batches wait.
 TEST(DeviceWorkerTest, ALoneClientDoesNotWaitForCompanyThatDoesNotCome) {
   DeviceWorker worker(Options("sim:0", 16));
   BatchLog log;
   const absl::Duration delay = absl::Milliseconds(1500);
   absl::Notification first_done;
+  const absl::Time first_start = absl::Now();
   ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 1, 4, delay, &first_done)).ok());
-  first_done.WaitForNotification();  // No history: it waited for company, then ran alone.
+  first_done.WaitForNotification();
+  EXPECT_LT(absl::Now() - first_start, absl::Milliseconds(1000));  // No history: ran at once.
   absl::Notification second_done;
   const absl::Time start = absl::Now();
   ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 2, 4, delay, &second_done)).ok());
@@ -536,16 +556,17 @@ TEST(DeviceWorkerCallTest, ABusyWorkerServesCallsBetweenComponentRuns) {
 TEST(DeviceWorkerCallTest, ABatchWaitingForMembersServesCalls) {
   DeviceWorker worker(Options("sim:1", 8));
   BatchLog log;
+  MakeConcurrent(worker, log, "k", absl::Seconds(30));
   absl::Notification done;
   ASSERT_TRUE(worker.Submit(BatchJob(log, "k", 1, 4, absl::Seconds(30), &done)).ok());
   absl::SleepFor(absl::Milliseconds(50));  // The batch now waits for up to 30 s.
   const absl::Time start = absl::Now();
   ASSERT_TRUE(worker.Call([](WorkerScope&) { return absl::OkStatus(); }, nullptr, nullptr).ok());
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
-  EXPECT_TRUE(log.Get().empty()) << "the batch ran before the call";
+  EXPECT_EQ(log.Get().size(), 1u) << "the batch ran before the call";
   for (int id = 2; id <= 4; ++id) ASSERT_TRUE(worker.Submit(BatchJob(log, "k", id, 4, absl::Seconds(30))).ok());
   done.WaitForNotification();
-  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{1, 2, 3, 4}}));
+  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{10, 11}, {1, 2, 3, 4}}));
 }
 
 TEST(DeviceWorkerCallTest, AQueuedCallIsWithdrawnWhenItsCallerGoesAndNeverRuns) {
@@ -675,6 +696,12 @@ TEST(DeviceWorkerSchedulingTest, ATenantOverItsQueueLimitIsRefusedByName) {
   EXPECT_TRUE(worker.Submit(Named("b-1", 0, "b", "p", mu, order)).ok());  // Another tenant still gets in.
   release.Notify();
   blocker.join();
+  // The queued jobs write `order`: they finish before it goes.
+  ASSERT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr,
+                             DeviceWorker::TaskOrder::kAfterQueuedJobs)
+                  .ok());
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(order.size(), 3u);
 }
 
 }  // namespace scheduling

@@ -263,12 +263,16 @@ class PythonAdminEndToEndTest(unittest.TestCase):
         self.assertEqual(refused.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
         self.assertIn("max_batch_size: 65", refused.exception.message)
         # Three requests at once: one batch of three, each with its own seed and the shared stages
-        # marked.
+        # marked. The server holds a batch open for members only once their key has shown
+        # concurrent demand, so a first round may split; the next rounds run as one batch.
         import concurrent.futures
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            results = list(pool.map(
-                lambda seed: self.client.generate("a paper lantern", width=64, height=64, steps=2, seed=seed),
-                [11, 12, 13]))
+        for _ in range(5):
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                results = list(pool.map(
+                    lambda seed: self.client.generate("a paper lantern", width=64, height=64, steps=2, seed=seed),
+                    [11, 12, 13]))
+            if all(r.stats.batch_size == 3 for r in results):
+                break
         self.assertEqual([r.seed for r in results], [11, 12, 13])
         for r in results:
             self.assertEqual(r.stats.batch_size, 3)

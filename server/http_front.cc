@@ -210,7 +210,7 @@ HttpFront::Reply HttpFront::Route(mg_connection* conn, bool* entered) {
 
   if (path == kHealthPath) {
     if (method != "GET" && method != "HEAD") return wrong_method("GET");
-    return draining ? Reply::Error(shutting_down) : Reply::Json("{\"status\": \"serving\"}\n");
+    return draining ? Reply::Error(shutting_down) : Reply::Json(HealthBody("serving"));
   }
   const bool generations = path == kGenerationsPath;
   const bool models = path == kModelsPath || absl::StartsWith(path, kModelsPrefix);

@@ -35,15 +35,24 @@ const std::set<std::string>& IgnoredOpenAiFields() {
   return *fields;
 }
 
-std::string JsonOrNull(const std::string& s) { return s.empty() ? "null" : JsonQuote(s); }
+// Replies are built as JSON values and serialised by nlohmann-json (keys in the order written;
+// bytes that are not UTF-8 become U+FFFD), never by string concatenation.
+using Json = nlohmann::ordered_json;
 
-std::string ProtoJson(const google::protobuf::Message& message) {
+Json StringOrNull(const std::string& s) { return s.empty() ? Json(nullptr) : Json(s); }
+
+std::string Serialize(const Json& value) {
+  return value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+}
+
+// A protobuf message as a JSON value (protobuf's own mapping: proto field names, defaults printed).
+Json ProtoJson(const google::protobuf::Message& message) {
   google::protobuf::util::JsonPrintOptions options;
   options.preserve_proto_field_names = true;
   options.always_print_primitive_fields = true;
   std::string out;
-  if (!google::protobuf::util::MessageToJsonString(message, &out, options).ok()) return "null";
-  return out;
+  if (!google::protobuf::util::MessageToJsonString(message, &out, options).ok()) return nullptr;
+  return Json::parse(out, nullptr, /*allow_exceptions=*/false);
 }
 
 const char* KindName(const Value& value) {
@@ -162,9 +171,19 @@ std::string JsonQuote(absl::string_view s) {
   return out;
 }
 
+std::string HealthBody(const std::string& status) {
+  Json body;
+  body["status"] = status;
+  return Serialize(body);
+}
+
 std::string ErrorBody(const OpenAiError& error) {
-  return absl::StrCat("{\"error\": {\"message\": ", JsonQuote(error.message), ", \"type\": ", JsonOrNull(error.type),
-                      ", \"param\": ", JsonOrNull(error.param), ", \"code\": ", JsonOrNull(error.code), "}}\n");
+  Json body;
+  body["error"]["message"] = error.message;
+  body["error"]["type"] = StringOrNull(error.type);
+  body["error"]["param"] = StringOrNull(error.param);
+  body["error"]["code"] = StringOrNull(error.code);
+  return Serialize(body);
 }
 
 OpenAiError InvalidRequest(std::string message, std::string param, std::string code) {
@@ -308,21 +327,29 @@ v1::GenerateRequest ImageRequest(const ImagesRequest& request, int index) {
 }
 
 std::string ImagesResponseBody(const std::vector<v1::GenerateResponse>& images, int64_t created) {
-  std::vector<std::string> data;
+  Json data = Json::array();
   for (const v1::GenerateResponse& image : images) {
-    data.push_back(absl::StrCat("{\"b64_json\": \"", absl::Base64Escape(image.image()), "\", \"seed\": ",
-                                image.seed(), ", \"width\": ", image.width(), ", \"height\": ", image.height(),
-                                ", \"request_id\": ", JsonQuote(image.request_id()),
-                                ", \"stats\": ", ProtoJson(image.stats()), "}"));
+    Json item;
+    item["b64_json"] = absl::Base64Escape(image.image());
+    item["seed"] = image.seed();
+    item["width"] = image.width();
+    item["height"] = image.height();
+    item["request_id"] = image.request_id();
+    item["stats"] = ProtoJson(image.stats());
+    data.push_back(std::move(item));
   }
   std::string size, model;
   if (!images.empty()) {
     size = absl::StrCat(images[0].width(), "x", images[0].height());
     model = images[0].pipeline();
   }
-  return absl::StrCat("{\"created\": ", created, ", \"data\": [", absl::StrJoin(data, ", "),
-                      "], \"size\": ", JsonQuote(size), ", \"output_format\": \"png\", \"model\": ", JsonQuote(model),
-                      "}\n");
+  Json body;
+  body["created"] = created;
+  body["data"] = std::move(data);
+  body["size"] = size;
+  body["output_format"] = "png";
+  body["model"] = model;
+  return Serialize(body);
 }
 
 std::vector<std::pair<std::string, std::string>> StatsHeaders(const std::vector<v1::GenerateResponse>& images) {
@@ -362,23 +389,31 @@ std::vector<std::pair<std::string, std::string>> StatsHeaders(const std::vector<
 
 namespace {
 
-std::string ModelJson(const v1::Pipeline& pipeline, int64_t created) {
-  return absl::StrCat("{\"id\": ", JsonQuote(pipeline.name()), ", \"object\": \"model\", \"created\": ", created,
-                      ", \"owned_by\": \"stowage\", \"stowage\": ", ProtoJson(pipeline), "}");
+Json ModelJson(const v1::Pipeline& pipeline, int64_t created) {
+  Json model;
+  model["id"] = pipeline.name();
+  model["object"] = "model";
+  model["created"] = created;
+  model["owned_by"] = "stowage";
+  model["stowage"] = ProtoJson(pipeline);
+  return model;
 }
 
 }  // namespace
 
 std::string ModelsBody(const v1::ListPipelinesResponse& pipelines, int64_t created) {
-  std::vector<std::string> data;
+  Json data = Json::array();
   for (const v1::Pipeline& p : pipelines.pipelines()) data.push_back(ModelJson(p, created));
-  return absl::StrCat("{\"object\": \"list\", \"data\": [", absl::StrJoin(data, ", "), "]}\n");
+  Json body;
+  body["object"] = "list";
+  body["data"] = std::move(data);
+  return Serialize(body);
 }
 
 std::optional<std::string> ModelBody(const v1::ListPipelinesResponse& pipelines, absl::string_view id,
                                      int64_t created) {
   for (const v1::Pipeline& p : pipelines.pipelines()) {
-    if (p.name() == id) return absl::StrCat(ModelJson(p, created), "\n");
+    if (p.name() == id) return Serialize(ModelJson(p, created));
   }
   return std::nullopt;
 }

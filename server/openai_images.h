@@ -45,6 +45,9 @@ struct OpenAiError {
   std::string code;
 };
 
+// The health reply: {"status": STATUS}.
+std::string HealthBody(const std::string& status);
+
 // {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}
 std::string ErrorBody(const OpenAiError& error);
 

@@ -2,7 +2,11 @@
 
 #include <string>
 
+#include "google/protobuf/util/time_util.h"
+
 namespace stowage {
+
+using google::protobuf::util::TimeUtil;
 
 void RecordGeneration(const DeviceSet& core, ServerMetrics* metrics, const v1::GenerateRequest& request,
                       const absl::Status& status, const v1::GenerateResponse* response, absl::Time start) {
@@ -11,8 +15,7 @@ void RecordGeneration(const DeviceSet& core, ServerMetrics* metrics, const v1::G
   metrics->RecordRequest(pipeline, status.code(), absl::Now() - start);
   absl::Duration queue_wait;
   if (response != nullptr) {
-    queue_wait = absl::Seconds(response->stats().queue_wait().seconds()) +
-                 absl::Nanoseconds(response->stats().queue_wait().nanos());
+    queue_wait = absl::Nanoseconds(TimeUtil::DurationToNanoseconds(response->stats().queue_wait()));
   }
   metrics->RecordTenantRequest(core.TenantLabel(request), DeviceSet::PriorityLabel(request), status.code(),
                                response != nullptr ? &queue_wait : nullptr);

@@ -18,11 +18,10 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "google/protobuf/text_format.h"
-#include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "runtime/config.h"
 #include "tests/e2e/e2e_harness.h"
 #include "tests/e2e/http_get.h"
+#include "tests/e2e/queued_together.h"
 
 namespace stowage {
 namespace {
@@ -101,26 +100,12 @@ class BatchingTest : public ::testing::Test {
   // reach the worker together whatever the timing of the threads that sent them. `send` sends them
   // (and returns when they are answered).
   void WithRequestsQueuedTogether(int depth, const std::function<void()>& send) {
-    v1::GenerateRequest slow = E2eServer::SmallRequest("zimage-tiny", 99);
-    slow.set_width(128);
-    slow.set_height(128);
-    slow.set_num_inference_steps(100);
-    grpc::ClientContext context;
-    context.set_deadline(In(milliseconds(120000)));
-    auto reader = server_->generation().GenerateStream(&context, slow);
-    v1::GenerateStreamResponse message;
-    ASSERT_TRUE(reader->Read(&message));  // Running on the device.
+    LongRequest holder(server_->generation(), "zimage-tiny");
+    ASSERT_TRUE(holder.running());
     std::thread sender(send);
-    const std::string line = absl::StrCat("stowage_queue_depth{device=\"", DeviceNameOf(v1::DeviceConfig()), "\"} ",
-                                          depth, "\n");
-    bool queued = false;
-    for (const absl::Time give_up = absl::Now() + absl::Seconds(60); !queued && absl::Now() < give_up;) {
-      queued = HttpGet(server_->server().metrics_address(), "/metrics").find(line) != std::string::npos;
-      if (!queued) absl::SleepFor(absl::Milliseconds(2));  // Polls a condition; orders nothing.
-    }
-    while (reader->Read(&message)) {
-    }
-    EXPECT_TRUE(reader->Finish().ok());
+    const bool queued =
+        WaitForQueueDepth(server_->server().metrics_address(), DeviceNameOf(v1::DeviceConfig()), depth);
+    EXPECT_TRUE(holder.Finish());
     sender.join();
     EXPECT_TRUE(queued) << depth << " requests never waited together";
   }

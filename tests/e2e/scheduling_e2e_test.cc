@@ -23,6 +23,7 @@
 #include "absl/time/clock.h"
 #include "tests/e2e/e2e_harness.h"
 #include "tests/e2e/http_get.h"
+#include "tests/e2e/queued_together.h"
 
 namespace stowage {
 namespace {
@@ -44,31 +45,12 @@ class SchedulingTest : public ::testing::Test {
 
   // Starts a long request for `pipeline` and returns once it runs on the device.
   void StartLong(const std::string& pipeline) {
-    v1::GenerateRequest slow = E2eServer::SmallRequest(pipeline, 99);
-    slow.set_width(128);
-    slow.set_height(128);
-    slow.set_num_inference_steps(100);
-    long_context_.set_deadline(In(milliseconds(120000)));
-    long_reader_ = server_->generation().GenerateStream(&long_context_, slow);
-    v1::GenerateStreamResponse message;
-    ASSERT_TRUE(long_reader_->Read(&message));
+    long_ = std::make_unique<LongRequest>(server_->generation(), pipeline);
+    ASSERT_TRUE(long_->running());
   }
-  void FinishLong() {
-    v1::GenerateStreamResponse message;
-    while (long_reader_->Read(&message)) {
-    }
-    EXPECT_TRUE(long_reader_->Finish().ok());
-  }
-
-  // Waits until `depth` requests wait in sim:0's queue (the gauge on the metrics page).
+  void FinishLong() { EXPECT_TRUE(long_->Finish()); }
   bool WaitForQueueDepth(int depth) {
-    const std::string line = absl::StrCat("stowage_queue_depth{device=\"sim:0\"} ", depth, "\n");
-    const absl::Time give_up = absl::Now() + absl::Seconds(60);
-    while (absl::Now() < give_up) {
-      if (HttpGet(server_->server().metrics_address(), "/metrics").find(line) != std::string::npos) return true;
-      absl::SleepFor(absl::Milliseconds(2));  // Polls a condition; orders nothing.
-    }
-    return false;
+    return stowage::WaitForQueueDepth(server_->server().metrics_address(), "sim:0", depth);
   }
 
   // Sends `request` on a thread; records the order replies come back in.
@@ -87,8 +69,7 @@ class SchedulingTest : public ::testing::Test {
   }
 
   std::unique_ptr<E2eServer> server_;
-  grpc::ClientContext long_context_;
-  std::unique_ptr<grpc::ClientReader<v1::GenerateStreamResponse>> long_reader_;
+  std::unique_ptr<LongRequest> long_;
   absl::Mutex mu_;
   std::vector<std::string> finished_ ABSL_GUARDED_BY(mu_);
 };

@@ -57,6 +57,13 @@ TEST_F(HttpTest, HostileRequestsGetOpenAiErrorsAndTheServerStaysHealthy) {
       {"steps huge", post("{\"prompt\": \"x\", \"num_inference_steps\": 100000}"), 400, "num_inference_steps", ""},
       {"NaN-ish guidance", post("{\"prompt\": \"x\", \"guidance_scale\": 1e400}"), 400, "", ""},
       {"unknown field", post("{\"prompt\": \"x\", \"steps\": 2}"), 400, "steps", "unknown_parameter"},
+      // The scheduler's fields: OpenAI's `user` (the tenant) and our `priority`.
+      {"priority negative", post("{\"prompt\": \"x\", \"priority\": -1}"), 400, "priority", ""},
+      {"priority huge", post("{\"prompt\": \"x\", \"priority\": 1e12}"), 400, "priority", ""},
+      {"priority string", post("{\"prompt\": \"x\", \"priority\": \"high\"}"), 400, "priority", ""},
+      {"user not a string", post("{\"prompt\": \"x\", \"user\": 7}"), 400, "user", ""},
+      {"user with spaces", post("{\"prompt\": \"x\", \"user\": \"two words\"}"), 400, "", ""},
+      {"user huge", post("{\"prompt\": \"x\", \"user\": \"" + std::string(100000, 'u') + "\"}"), 400, "", ""},
       {"declared huge body", "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000000\r\n\r\n{",
        413, "", "request_too_large"},
       {"sent huge body", post("{\"prompt\": \"" + std::string(3 << 20, 'a') + "\"}"), 413, "", "request_too_large"},

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
@@ -308,6 +309,23 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
                                                      " is out of range; allowed: (0, ", kMaxTenantWeight, "]"));
     }
   }
+  // The HTTP API's limits: 0 takes the default.
+  v1::HttpConfig* http = config.mutable_http();
+  auto zero_or = [](const std::string& field, int64_t value, int64_t lo, int64_t hi, int64_t fallback) {
+    return value == 0 ? absl::OkStatus()
+                      : CheckRange(field, value, lo, hi, absl::StrCat("0 (default ", fallback, ") or ", lo, "..", hi));
+  };
+  RETURN_IF_ERROR(zero_or("http.read_timeout_ms", http->read_timeout_ms(), 1000, 600000, 10000));
+  if (http->read_timeout_ms() == 0) http->set_read_timeout_ms(10000);
+  RETURN_IF_ERROR(zero_or("http.max_connections", http->max_connections(), 1, 100000, 1024));
+  if (http->max_connections() == 0) http->set_max_connections(1024);
+  RETURN_IF_ERROR(zero_or("http.max_connections_per_client", http->max_connections_per_client(), 1,
+                          http->max_connections(), 32));
+  if (http->max_connections_per_client() == 0) {
+    http->set_max_connections_per_client(std::min(32, http->max_connections()));
+  }
+  RETURN_IF_ERROR(zero_or("http.max_body_bytes", http->max_body_bytes(), 1024, 64 << 20, 1 << 20));
+  if (http->max_body_bytes() == 0) http->set_max_body_bytes(1 << 20);
   RETURN_IF_ERROR(CheckRange("cpu_threads", config.cpu_threads(), 0, kMaxCpuThreads,
                              absl::StrCat("0 (LibTorch's default) or 1..", kMaxCpuThreads)));
   if (config.has_device() && config.devices_size() > 0) {

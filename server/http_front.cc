@@ -1,6 +1,8 @@
 #include "server/http_front.h"
 
-#include <civetweb.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <sys/socket.h>
 
 #include <algorithm>
 #include <atomic>
@@ -12,7 +14,9 @@
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/text.h"
 #include "server/admin_service.h"
 #include "server/generation_metrics.h"
@@ -25,21 +29,37 @@ constexpr char kGenerationsPath[] = "/v1/images/generations";
 constexpr char kModelsPath[] = "/v1/models";
 constexpr char kModelsPrefix[] = "/v1/models/";
 constexpr char kHealthPath[] = "/health";
-// civetweb's buffer for a request line and its headers; a longer head is refused and the
-// connection closed (civetweb answers 413 or 400).
-constexpr char kMaxRequestHeadBytes[] = "16384";
+// How often the sweeper looks for connections past their deadline (the precision of every phase
+// deadline).
+constexpr absl::Duration kSweepPeriod = absl::Milliseconds(100);
+// A reply's deadline grows by a second for each MiB it holds.
+constexpr int64_t kReplyBytesPerSecond = int64_t{1} << 20;
 
 std::string HostOf(const std::string& address) {
   const size_t colon = address.rfind(':');
   return colon == std::string::npos ? address : address.substr(0, colon);
 }
 
-// civetweb's worker threads have small fixed stacks (100 KiB in Debian's build); JSON parsing,
-// protobuf printing and waiting for the core run on a thread of our own with the default stack.
-template <typename F>
-void OnOwnThread(F&& f) {
-  std::thread thread(std::forward<F>(f));
-  thread.join();
+// libmicrohttpd's messages while it starts (a port in use, a certificate GnuTLS refuses) go into
+// the start error; afterwards (a client's malformed request, a client gone) it stays quiet.
+struct StartLog {
+  absl::Mutex mu;
+  bool capturing ABSL_GUARDED_BY(mu) = true;
+  std::vector<std::string> lines ABSL_GUARDED_BY(mu);
+};
+
+void LogThunk(void* cls, const char* format, va_list args) {
+  auto* log = static_cast<StartLog*>(cls);
+  absl::MutexLock lock(&log->mu);
+  if (!log->capturing || log->lines.size() >= 8) return;
+  char line[512];
+  vsnprintf(line, sizeof(line), format, args);
+  log->lines.push_back(std::string(absl::StripAsciiWhitespace(line)));
+}
+
+StartLog* TheStartLog() {
+  static StartLog* log = new StartLog;
+  return log;
 }
 
 }  // namespace
@@ -63,51 +83,146 @@ struct HttpFront::Reply {
   }
 };
 
+// One open TCP (or TLS) connection: its socket and the deadline of the phase it is in.
+struct HttpFront::Connection {
+  int fd = -1;
+  absl::Time deadline = absl::InfiniteFuture();
+  bool cut = false;
+};
+
+// One request on a connection, from its head to its completion.
+struct HttpFront::Request {
+  Connection* connection = nullptr;
+  std::string body;
+  // The body outgrew max_body_bytes: the rest is not kept and the reply is 413.
+  bool too_large = false;
+  // Counted in by Enter(): Completed counts it out once the reply is sent (or the connection is
+  // gone), so that Shutdown never stops the server under a reply being written.
+  bool entered = false;
+  // The generation's own thread, and its reply once it is done.
+  std::thread runner;
+  absl::Mutex mu;
+  std::optional<Reply> reply ABSL_GUARDED_BY(mu);
+};
+
 HttpFront::HttpFront(const HttpFrontOptions& options, DeviceSet* core, ServerMetrics* metrics)
     : options_(options), core_(core), metrics_(metrics), started_unix_(absl::ToUnixSeconds(absl::Now())) {}
 
 absl::StatusOr<std::unique_ptr<HttpFront>> HttpFront::Start(const HttpFrontOptions& options, DeviceSet* core,
                                                             ServerMetrics* metrics) {
-  if (options.threads < 1 || options.max_body_bytes < 1 || options.read_timeout <= absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("http front: threads, max_body_bytes and read_timeout must be positive");
+  if (options.max_body_bytes < 1 || options.read_timeout < absl::Seconds(1) || options.max_connections < 1 ||
+      options.max_connections_per_client < 1 || options.io_threads < 1 || options.io_threads > 64) {
+    return absl::InvalidArgumentError(
+        "http front: max_body_bytes, max_connections and max_connections_per_client must be positive, "
+        "read_timeout at least 1 s, io_threads 1..64");
   }
+  if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
+    return absl::InvalidArgumentError("http front: set both the TLS certificate and its key, or neither");
+  }
+  // "host:port" or "[v6]:port"; an empty host listens on every address.
+  const size_t colon = options.address.rfind(':');
+  uint32_t port = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(options.address.substr(colon + 1), &port) || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("http_address: '", options.address, "' is not host:port (e.g. 127.0.0.1:8080, [::1]:0)"));
+  }
+  std::string host = options.address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string port_text = absl::StrCat(port);
+  if (const int error = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port_text.c_str(), &hints, &found);
+      error != 0 || found == nullptr) {
+    return absl::UnavailableError(
+        absl::StrCat("http_address: cannot listen on ", options.address, ": ", gai_strerror(error)));
+  }
+  sockaddr_storage bind_address{};
+  std::memcpy(&bind_address, found->ai_addr, std::min<size_t>(found->ai_addrlen, sizeof(bind_address)));
+  const bool ipv6 = found->ai_family == AF_INET6;
+  ::freeaddrinfo(found);
+
   std::unique_ptr<HttpFront> front(new HttpFront(options, core, metrics));
-  mg_init_library(0);  // Reference-counted; paired with mg_exit_library in the destructor.
-  const std::string threads = absl::StrCat(options.threads);
-  const std::string timeout_ms = absl::StrCat(absl::ToInt64Milliseconds(options.read_timeout));
-  // Every response closes its connection: an idle keep-alive connection would hold one of the
-  // `threads` workers, and image generation takes far longer than a TCP handshake.
-  const char* civet_options[] = {"listening_ports", options.address.c_str(),
-                                 "num_threads", threads.c_str(),
-                                 "request_timeout_ms", timeout_ms.c_str(),
-                                 "max_request_size", kMaxRequestHeadBytes,
-                                 "enable_keep_alive", "no",
-                                 "linger_timeout_ms", "1000",
-                                 nullptr};
-  mg_callbacks callbacks{};
-  // civetweb's own messages (a malformed request, a client gone) are answered to the client; the
-  // server log stays quiet about them.
-  callbacks.log_message = [](const mg_connection*, const char*) { return 1; };
-  front->context_ = mg_start(&callbacks, front.get(), civet_options);
-  if (front->context_ == nullptr) {
-    mg_exit_library();
-    return absl::UnavailableError(absl::StrCat("http_address: cannot listen on ", options.address,
-                                               " (in use by another process, or not an address of this host)"));
+  unsigned int flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
+  if (ipv6) flags |= MHD_USE_IPv6;
+  const bool tls = !options.tls_cert_pem.empty();
+  if (tls) flags |= MHD_USE_TLS;
+  const unsigned int idle_seconds =
+      static_cast<unsigned int>(std::max<int64_t>(1, absl::ToInt64Seconds(absl::Ceil(options.read_timeout, absl::Seconds(1)))));
+  StartLog* log = TheStartLog();
+  {
+    absl::MutexLock lock(&log->mu);
+    log->capturing = true;
+    log->lines.clear();
   }
-  mg_set_request_handler(front->context_, "/", &HttpFront::HandleThunk, front.get());
-  mg_server_port ports[4] = {};
-  const int found = mg_get_server_ports(front->context_, 4, ports);
-  if (found < 1 || ports[0].port <= 0) {
+  auto access = [](void* self, MHD_Connection* connection, const char* url, const char* method, const char*,
+                   const char* upload, size_t* upload_size, void** request_slot) -> MHD_Result {
+    return static_cast<HttpFront*>(self)->Access(connection, url, method, upload, upload_size, request_slot) != 0
+               ? MHD_YES
+               : MHD_NO;
+  };
+  auto completed = [](void* self, MHD_Connection*, void** request_slot, MHD_RequestTerminationCode) {
+    static_cast<HttpFront*>(self)->Completed(request_slot);
+  };
+  auto notify = [](void* self, MHD_Connection* connection, void** connection_slot,
+                   MHD_ConnectionNotificationCode code) {
+    static_cast<HttpFront*>(self)->Notify(connection, connection_slot, code == MHD_CONNECTION_NOTIFY_STARTED);
+  };
+  using AccessFn = MHD_Result (*)(void*, MHD_Connection*, const char*, const char*, const char*, const char*,
+                                  size_t*, void**);
+  using CompletedFn = void (*)(void*, MHD_Connection*, void**, MHD_RequestTerminationCode);
+  using NotifyFn = void (*)(void*, MHD_Connection*, void**, MHD_ConnectionNotificationCode);
+  using LogFn = void (*)(void*, const char*, va_list);
+  MHD_OptionItem options_list[] = {
+      {MHD_OPTION_SOCK_ADDR, 0, &bind_address},
+      {MHD_OPTION_THREAD_POOL_SIZE, options.io_threads, nullptr},
+      {MHD_OPTION_CONNECTION_LIMIT, options.max_connections, nullptr},
+      {MHD_OPTION_PER_IP_CONNECTION_LIMIT, options.max_connections_per_client, nullptr},
+      {MHD_OPTION_CONNECTION_TIMEOUT, idle_seconds, nullptr},
+      {MHD_OPTION_CONNECTION_MEMORY_LIMIT, 2 * kMaxHeadBytes, nullptr},
+      {MHD_OPTION_STRICT_FOR_CLIENT, 1, nullptr},
+      {MHD_OPTION_NOTIFY_COMPLETED, reinterpret_cast<intptr_t>(static_cast<CompletedFn>(completed)), front.get()},
+      {MHD_OPTION_NOTIFY_CONNECTION, reinterpret_cast<intptr_t>(static_cast<NotifyFn>(notify)), front.get()},
+      {MHD_OPTION_EXTERNAL_LOGGER, reinterpret_cast<intptr_t>(static_cast<LogFn>(&LogThunk)), log},
+      {tls ? MHD_OPTION_HTTPS_MEM_CERT : MHD_OPTION_END, 0, const_cast<char*>(options.tls_cert_pem.c_str())},
+      {MHD_OPTION_HTTPS_MEM_KEY, 0, const_cast<char*>(options.tls_key_pem.c_str())},
+      {MHD_OPTION_END, 0, nullptr},
+  };
+  front->daemon_ = MHD_start_daemon(flags, static_cast<uint16_t>(port), nullptr, nullptr,
+                                    static_cast<AccessFn>(access), front.get(), MHD_OPTION_ARRAY, options_list,
+                                    MHD_OPTION_END);
+  std::string why;
+  {
+    absl::MutexLock lock(&log->mu);
+    log->capturing = false;
+    why = absl::StrJoin(log->lines, "; ");
+  }
+  if (front->daemon_ == nullptr) {
+    if (tls && absl::StrContains(absl::AsciiStrToLower(why), "certificate")) {
+      return absl::InvalidArgumentError(absl::StrCat("tls: the HTTP API cannot use the certificate and key: ", why));
+    }
+    return absl::UnavailableError(absl::StrCat("http_address: cannot listen on ", options.address,
+                                               " (in use by another process, or not an address of this host)",
+                                               why.empty() ? "" : ": ", why));
+  }
+  const MHD_DaemonInfo* info = MHD_get_daemon_info(front->daemon_, MHD_DAEMON_INFO_BIND_PORT);
+  if (info == nullptr || info->port == 0) {
     return absl::UnavailableError(absl::StrCat("http_address: cannot listen on ", options.address));
   }
-  front->address_ = absl::StrCat(HostOf(options.address), ":", ports[0].port);
+  front->address_ = absl::StrCat(HostOf(options.address), ":", info->port);
+  front->sweeper_ = std::thread([f = front.get()] { f->Sweep(); });
   return front;
 }
 
 HttpFront::~HttpFront() {
-  const bool started = context_ != nullptr;
   Shutdown(absl::Now());
-  if (started) mg_exit_library();
+  {
+    absl::MutexLock lock(&connections_mu_);
+    sweeper_stop_ = true;
+  }
+  if (sweeper_.joinable()) sweeper_.join();
 }
 
 void HttpFront::BeginShutdown() {
@@ -122,15 +237,15 @@ void HttpFront::Shutdown(absl::Time deadline) {
     draining_ = true;
     auto idle = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
     mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
-    // Running generations stop at their next step (queued ones leave the queue) and answer 503.
+    // Running generations stop at their next step (queued ones leave the queue) and answer 503;
+    // their replies are written (each bounded by its reply deadline) before the server stops.
     interrupting_.store(true);
     mu_.Await(absl::Condition(&idle));
     stopped_ = true;
   }
-  // Joins civetweb's threads; a connection still sending its request is cut (civetweb polls its
-  // stop flag while it waits for bytes).
-  if (context_ != nullptr) mg_stop(context_);
-  context_ = nullptr;
+  // No connection is suspended now (every generation resumed its own); the rest are closed.
+  if (daemon_ != nullptr) MHD_stop_daemon(daemon_);
+  daemon_ = nullptr;
 }
 
 bool HttpFront::Enter() {
@@ -150,33 +265,148 @@ absl::Status HttpFront::Interrupted() const {
   return absl::OkStatus();
 }
 
-int HttpFront::HandleThunk(mg_connection* conn, void* self) { return static_cast<HttpFront*>(self)->Handle(conn); }
+// --- Connections and their deadlines -------------------------------------------------------------
 
-int HttpFront::Handle(mg_connection* conn) {
-  bool entered = false;
-  Reply reply = Route(conn, &entered);
-  // A HEAD reply has a GET reply's head and no body (RFC 9110 9.3.2).
-  const char* method = mg_get_request_info(conn)->request_method;
-  const bool head_only = method != nullptr && std::string(method) == "HEAD";
-  std::string head = absl::StrCat("HTTP/1.1 ", reply.status, " ", mg_get_response_code_text(conn, reply.status),
-                                  "\r\nContent-Type: application/json\r\nContent-Length: ", reply.body.size(),
-                                  "\r\nCache-Control: no-store\r\nConnection: close\r\n");
-  // Busy (a full queue, a draining server): worth retrying, and the client is told when.
-  if (reply.status == 429 || reply.status == 503) absl::StrAppend(&head, "Retry-After: 1\r\n");
-  for (const auto& [name, value] : reply.headers) absl::StrAppend(&head, name, ": ", value, "\r\n");
-  head += "\r\n";
-  // A client that has gone makes these fail; there is nobody left to tell.
-  if (mg_write(conn, head.data(), head.size()) > 0 && !reply.body.empty() && !head_only) {
-    mg_write(conn, reply.body.data(), reply.body.size());
+void HttpFront::Notify(MHD_Connection* connection, void** connection_slot, bool started) {
+  if (started) {
+    auto* state = new Connection;
+    const MHD_ConnectionInfo* info = MHD_get_connection_info(connection, MHD_CONNECTION_INFO_CONNECTION_FD);
+    state->fd = info != nullptr ? info->connect_fd : -1;
+    // The head must arrive within the read timeout of the accept.
+    state->deadline = absl::Now() + options_.read_timeout;
+    *connection_slot = state;
+    absl::MutexLock lock(&connections_mu_);
+    connections_.insert(state);
+    return;
   }
-  if (entered) Leave();
-  return reply.status;
+  auto* state = static_cast<Connection*>(*connection_slot);
+  if (state == nullptr) return;
+  {
+    absl::MutexLock lock(&connections_mu_);
+    connections_.erase(state);
+  }
+  delete state;
+  *connection_slot = nullptr;
 }
 
-HttpFront::Reply HttpFront::Route(mg_connection* conn, bool* entered) {
-  const mg_request_info* info = mg_get_request_info(conn);
-  const std::string method = info->request_method != nullptr ? info->request_method : "";
-  const std::string path = info->local_uri != nullptr ? info->local_uri : "";
+void HttpFront::SetDeadline(Connection* connection, absl::Time deadline) {
+  if (connection == nullptr) return;
+  absl::MutexLock lock(&connections_mu_);
+  connection->deadline = deadline;
+}
+
+void HttpFront::Sweep() {
+  absl::MutexLock lock(&connections_mu_);
+  while (!sweeper_stop_) {
+    connections_mu_.AwaitWithTimeout(absl::Condition(&sweeper_stop_), kSweepPeriod);
+    const absl::Time now = absl::Now();
+    for (Connection* connection : connections_) {
+      if (connection->cut || connection->fd < 0 || now <= connection->deadline) continue;
+      // libmicrohttpd sees the socket end at its next poll and closes the connection; the
+      // descriptor is still its own (it leaves connections_ before it is closed).
+      ::shutdown(connection->fd, SHUT_RDWR);
+      connection->cut = true;
+    }
+  }
+}
+
+// --- Requests ------------------------------------------------------------------------------------
+
+int HttpFront::Access(MHD_Connection* connection, const char* url, const char* method, const char* upload,
+                      size_t* upload_size, void** request_slot) {
+  auto* request = static_cast<Request*>(*request_slot);
+  if (request == nullptr) {
+    // The head has arrived.
+    request = new Request;
+    *request_slot = request;
+    const MHD_ConnectionInfo* info = MHD_get_connection_info(connection, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    request->connection = info != nullptr ? static_cast<Connection*>(info->socket_context) : nullptr;
+    Reply reply;
+    if (Route(connection, method != nullptr ? method : "", url != nullptr ? url : "", request, &reply)) {
+      return Queue(connection, request, reply);
+    }
+    // A generation: its body is due within the read timeout.
+    SetDeadline(request->connection, absl::Now() + options_.read_timeout);
+    return 1;
+  }
+  if (*upload_size > 0) {
+    if (!request->too_large) {
+      if (static_cast<int64_t>(request->body.size() + *upload_size) > options_.max_body_bytes) {
+        request->too_large = true;
+        std::string().swap(request->body);
+      } else {
+        request->body.append(upload, *upload_size);
+      }
+    }
+    *upload_size = 0;
+    return 1;
+  }
+  std::optional<Reply> done;
+  {
+    absl::MutexLock lock(&request->mu);
+    done.swap(request->reply);
+  }
+  if (done.has_value()) {
+    // Resumed: the generation is done (its thread's last act was the resume).
+    if (request->runner.joinable()) request->runner.join();
+    return Queue(connection, request, *done);
+  }
+  // The whole body is here.
+  if (request->too_large) {
+    return Queue(connection, request,
+                 Reply::Error(OpenAiError{413, absl::StrCat("request body is more than ", options_.max_body_bytes,
+                                                            " bytes; at most ", options_.max_body_bytes,
+                                                            " bytes allowed"),
+                                          "invalid_request_error", "", "request_too_large"}));
+  }
+  if (!Enter()) {
+    return Queue(connection, request,
+                 Reply::Error(OpenAiError{503, "the server is shutting down", "server_error", "", "shutting_down"}));
+  }
+  request->entered = true;
+  // While it runs the connection is not read and has no deadline of its own.
+  SetDeadline(request->connection, absl::InfiniteFuture());
+  MHD_suspend_connection(connection);
+  request->runner = std::thread([this, connection, request] {
+    Reply reply = Generate(request->body);
+    {
+      absl::MutexLock lock(&request->mu);
+      request->reply = std::move(reply);
+    }
+    MHD_resume_connection(connection);
+  });
+  return 1;
+}
+
+void HttpFront::Completed(void** request_slot) {
+  auto* request = static_cast<Request*>(*request_slot);
+  if (request == nullptr) return;
+  if (request->runner.joinable()) request->runner.join();
+  if (request->entered) Leave();
+  delete request;
+  *request_slot = nullptr;
+}
+
+int HttpFront::Queue(MHD_Connection* connection, Request* request, const Reply& reply) {
+  MHD_Response* response =
+      MHD_create_response_from_buffer(reply.body.size(), const_cast<char*>(reply.body.data()), MHD_RESPMEM_MUST_COPY);
+  if (response == nullptr) return 0;
+  MHD_add_response_header(response, "Content-Type", "application/json");
+  MHD_add_response_header(response, "Cache-Control", "no-store");
+  // Every reply closes its connection: a kept-alive one would hold a connection slot for nothing.
+  MHD_add_response_header(response, "Connection", "close");
+  // Busy (a full queue, a draining server): worth retrying, and the client is told when.
+  if (reply.status == 429 || reply.status == 503) MHD_add_response_header(response, "Retry-After", "1");
+  for (const auto& [name, value] : reply.headers) MHD_add_response_header(response, name.c_str(), value.c_str());
+  const MHD_Result queued = MHD_queue_response(connection, static_cast<unsigned int>(reply.status), response);
+  MHD_destroy_response(response);
+  SetDeadline(request->connection, absl::Now() + options_.read_timeout +
+                                       absl::Seconds(static_cast<int64_t>(reply.body.size()) / kReplyBytesPerSecond));
+  return queued == MHD_YES ? 1 : 0;
+}
+
+bool HttpFront::Route(MHD_Connection* connection, const std::string& method, const std::string& path,
+                      Request* request, Reply* out) {
   auto wrong_method = [&](const char* allowed) {
     Reply reply = Reply::Error(OpenAiError{405, absl::StrCat(Truncated(method), " is not allowed on ", Truncated(path), "; use ", allowed),
                                            "invalid_request_error", "", "method_not_allowed"});
@@ -190,62 +420,116 @@ HttpFront::Reply HttpFront::Route(mg_connection* conn, bool* entered) {
   }
   const OpenAiError shutting_down{503, "the server is shutting down", "server_error", "", "shutting_down"};
   // Framing that two parties could read two ways (request smuggling): refused before anything else.
-  const char* length = nullptr;
-  bool chunked = false;
-  for (int i = 0; i < info->num_headers; ++i) {
-    const char* name = info->http_headers[i].name;
-    const char* value = info->http_headers[i].value != nullptr ? info->http_headers[i].value : "";
-    if (name == nullptr) continue;
-    if (absl::EqualsIgnoreCase(name, "Transfer-Encoding")) chunked = true;
-    if (!absl::EqualsIgnoreCase(name, "Content-Length")) continue;
-    if (length != nullptr && std::string(length) != value) {
-      return Reply::Error(InvalidRequest(absl::StrCat("two different Content-Length headers (", JsonQuote(Truncated(length)),
-                                                      " and ", JsonQuote(Truncated(value)), ")")));
-    }
-    length = value;
+  struct Framing {
+    std::optional<std::string> length;
+    std::optional<std::string> other_length;
+    bool chunked = false;
+    std::optional<std::string> control;  // A header holding a NUL or another control byte.
+  } framing;
+  MHD_get_connection_values_n(
+      connection, MHD_HEADER_KIND,
+      [](void* cls, MHD_ValueKind, const char* name, size_t name_size, const char* value,
+         size_t value_size) -> MHD_Result {
+        auto* f = static_cast<Framing*>(cls);
+        if (name == nullptr) return MHD_YES;
+        const std::string v = value != nullptr ? std::string(value, value_size) : "";
+        const std::string n(name, name_size);
+        auto is_control = [](char c) { return (static_cast<unsigned char>(c) < 0x20 && c != '\t') || c == 0x7f; };
+        if (!f->control.has_value() && (std::any_of(n.begin(), n.end(), is_control) ||
+                                        std::any_of(v.begin(), v.end(), is_control))) {
+          f->control = n;
+        }
+        if (absl::EqualsIgnoreCase(name, "Transfer-Encoding")) f->chunked = true;
+        if (!absl::EqualsIgnoreCase(name, "Content-Length")) return MHD_YES;
+        if (!f->length.has_value()) {
+          f->length = v;
+        } else if (*f->length != v && !f->other_length.has_value()) {
+          f->other_length = v;
+        }
+        return MHD_YES;
+      },
+      &framing);
+  if (framing.control.has_value()) {
+    *out = Reply::Error(InvalidRequest(absl::StrCat("header ", JsonQuote(Truncated(*framing.control)),
+                                                    " holds a control character (NUL, CR, LF or another)")));
+    return true;
   }
-  if (length != nullptr && chunked) {
-    return Reply::Error(InvalidRequest("both Content-Length and Transfer-Encoding: send one framing"));
+  if (framing.other_length.has_value()) {
+    *out = Reply::Error(InvalidRequest(absl::StrCat("two different Content-Length headers (",
+                                                    JsonQuote(Truncated(*framing.length)), " and ",
+                                                    JsonQuote(Truncated(*framing.other_length)), ")")));
+    return true;
+  }
+  if (framing.length.has_value() && framing.chunked) {
+    *out = Reply::Error(InvalidRequest("both Content-Length and Transfer-Encoding: send one framing"));
+    return true;
   }
 
   if (path == kHealthPath) {
-    if (method != "GET" && method != "HEAD") return wrong_method("GET");
-    return draining ? Reply::Error(shutting_down) : Reply::Json(HealthBody("serving"));
+    if (method != "GET" && method != "HEAD") {
+      *out = wrong_method("GET");
+    } else {
+      *out = draining ? Reply::Error(shutting_down) : Reply::Json(HealthBody("serving"));
+    }
+    return true;
   }
   const bool generations = path == kGenerationsPath;
   const bool models = path == kModelsPath || absl::StartsWith(path, kModelsPrefix);
   if (!generations && !models) {
-    return Reply::Error(OpenAiError{404,
+    *out = Reply::Error(OpenAiError{404,
                                     absl::StrCat("unknown path ", JsonQuote(Truncated(path)), "; this server answers POST ",
                                                  kGenerationsPath, ", GET ", kModelsPath, ", GET ", kModelsPath,
                                                  "/{model} and GET ", kHealthPath),
                                     "invalid_request_error", "", "unknown_url"});
+    return true;
   }
-  if (generations && method != "POST") return wrong_method("POST");
-  if (models && method != "GET") return wrong_method("GET");
-  if (draining) return Reply::Error(shutting_down);
-  Reply reply;
-  if (!Authorized(conn, &reply)) return reply;
-  if (generations) return Generate(conn, entered);
-
-  OnOwnThread([&] {
-    const v1::ListPipelinesResponse pipelines = core_->ListPipelines();
-    if (path == kModelsPath) {
-      reply = Reply::Json(ModelsBody(pipelines, started_unix_));
-      return;
+  if (generations && method != "POST") {
+    *out = wrong_method("POST");
+    return true;
+  }
+  if (models && method != "GET" && method != "HEAD") {
+    *out = wrong_method("GET");
+    return true;
+  }
+  if (draining) {
+    *out = Reply::Error(shutting_down);
+    return true;
+  }
+  if (!Authorized(connection, out)) return true;
+  if (generations) {
+    // Refused before its body is read: a declared size over the limit, a type that is not JSON.
+    const int64_t max = options_.max_body_bytes;
+    int64_t declared = 0;
+    if (framing.length.has_value() && absl::SimpleAtoi(*framing.length, &declared) && declared > max) {
+      *out = Reply::Error(OpenAiError{413, absl::StrCat("request body is ", declared, " bytes; at most ", max, " bytes allowed"),
+                                      "invalid_request_error", "", "request_too_large"});
+      return true;
     }
-    const std::string id = path.substr(strlen(kModelsPrefix));
-    std::optional<std::string> body = ModelBody(pipelines, id, started_unix_);
-    reply = body ? Reply::Json(*std::move(body))
-                 : Reply::Error(OpenAiError{404, absl::StrCat("model ", JsonQuote(Truncated(id)), " not found"),
-                                            "invalid_request_error", "model", "model_not_found"});
-  });
-  return reply;
+    const char* type = MHD_lookup_connection_value(connection, MHD_HEADER_KIND, "Content-Type");
+    if (type != nullptr && !absl::StartsWithIgnoreCase(absl::StripLeadingAsciiWhitespace(type), "application/json")) {
+      *out = Reply::Error(InvalidRequest(
+          absl::StrCat("Content-Type ", JsonQuote(Truncated(type)), " is not supported; send application/json")));
+      return true;
+    }
+    return false;
+  }
+  (void)request;
+  const v1::ListPipelinesResponse pipelines = core_->ListPipelines();
+  if (path == kModelsPath) {
+    *out = Reply::Json(ModelsBody(pipelines, started_unix_));
+    return true;
+  }
+  const std::string id = path.substr(strlen(kModelsPrefix));
+  std::optional<std::string> body = ModelBody(pipelines, id, started_unix_);
+  *out = body ? Reply::Json(*std::move(body))
+              : Reply::Error(OpenAiError{404, absl::StrCat("model ", JsonQuote(Truncated(id)), " not found"),
+                                         "invalid_request_error", "model", "model_not_found"});
+  return true;
 }
 
-bool HttpFront::Authorized(mg_connection* conn, Reply* reply) const {
+bool HttpFront::Authorized(MHD_Connection* connection, Reply* reply) const {
   if (options_.api_key.empty()) return true;
-  const char* header = mg_get_header(conn, "Authorization");
+  const char* header = MHD_lookup_connection_value(connection, MHD_HEADER_KIND, "Authorization");
   if (header == nullptr) {
     *reply = Reply::Error(OpenAiError{401, "missing API key: send the header 'Authorization: Bearer <key>'",
                                       "invalid_request_error", "", "invalid_api_key"});
@@ -260,128 +544,71 @@ bool HttpFront::Authorized(mg_connection* conn, Reply* reply) const {
   return true;
 }
 
-bool HttpFront::ReadBody(mg_connection* conn, std::string* body, Reply* reply) const {
-  const mg_request_info* info = mg_get_request_info(conn);
-  const int64_t max = options_.max_body_bytes;
-  const long long declared = info->content_length;  // -1: none given (chunked, or no body).
-  auto too_large = [&](const std::string& size) {
-    *reply = Reply::Error(OpenAiError{413, absl::StrCat("request body is ", size, "; at most ", max, " bytes allowed"),
-                                      "invalid_request_error", "", "request_too_large"});
-    return false;
-  };
-  if (declared > max) return too_large(absl::StrCat(declared, " bytes"));
-  const char* type = mg_get_header(conn, "Content-Type");
-  if (type != nullptr && !absl::StartsWithIgnoreCase(absl::StripLeadingAsciiWhitespace(type), "application/json")) {
-    *reply = Reply::Error(InvalidRequest(
-        absl::StrCat("Content-Type ", JsonQuote(Truncated(type)), " is not supported; send application/json")));
-    return false;
+HttpFront::Reply HttpFront::Generate(const std::string& body) {
+  ImagesRequest request;
+  if (std::optional<OpenAiError> error = ParseImagesRequest(body, options_.max_body_bytes, &request)) {
+    return Reply::Error(*error);
   }
-  const absl::Time deadline = absl::Now() + options_.read_timeout;
-  std::string chunk(64 * 1024, '\0');
-  for (;;) {
-    if (declared >= 0 && static_cast<long long>(body->size()) == declared) break;
-    if (absl::Now() > deadline) {
-      *reply = Reply::Error(OpenAiError{408,
-                                        absl::StrCat("request body not received within ",
-                                                     absl::FormatDuration(options_.read_timeout)),
-                                        "invalid_request_error", "", "request_timeout"});
-      return false;
-    }
-    const int n = mg_read(conn, chunk.data(), chunk.size());
-    if (n == 0) break;
-    if (n < 0) {
-      *reply = Reply::Error(InvalidRequest("request body could not be read (connection error or malformed chunking)"));
-      return false;
-    }
-    body->append(chunk.data(), static_cast<size_t>(n));
-    if (static_cast<int64_t>(body->size()) > max) return too_large(absl::StrCat("more than ", max, " bytes"));
-  }
-  if (declared >= 0 && static_cast<long long>(body->size()) < declared) {
-    *reply = Reply::Error(InvalidRequest(absl::StrCat("request body ended after ", body->size(),
-                                                      " of its Content-Length ", declared, " bytes")));
-    return false;
-  }
-  return true;
-}
-
-HttpFront::Reply HttpFront::Generate(mg_connection* conn, bool* entered) {
-  Reply reply;
-  std::string body;
-  if (!ReadBody(conn, &body, &reply)) return reply;
-  if (!Enter()) {
-    return Reply::Error(OpenAiError{503, "the server is shutting down", "server_error", "", "shutting_down"});
-  }
-  *entered = true;
-  OnOwnThread([&] {
-    ImagesRequest request;
-    if (std::optional<OpenAiError> error = ParseImagesRequest(body, options_.max_body_bytes, &request)) {
-      reply = Reply::Error(*error);
-      return;
-    }
-    // The n images are submitted together (each its own job on the device queue, so a batching
-    // core can run them as one batch). An image that finds the queue full while other images of
-    // the same request are still pending waits for one of them to finish and tries again: a
-    // request's own images never make it fail; a queue full of other requests does (429). When
-    // one image fails the others are stopped: the request fails.
-    const int n = request.n;
-    std::vector<absl::StatusOr<v1::GenerateResponse>> results(n, absl::InternalError("not run"));
-    std::atomic<int> first_failed{-1};
-    absl::Mutex progress_mu;
-    int finished = 0;  // Images of this request that are done, whatever their outcome.
-    auto run = [&](int i) {
-      const v1::GenerateRequest image = ImageRequest(request, i);
-      CallControl control;
-      control.interrupt = [&]() -> absl::Status {
-        if (absl::Status stop = Interrupted(); !stop.ok()) return stop;
-        if (first_failed.load() >= 0) return absl::CancelledError("another image of the same request failed");
-        return absl::OkStatus();
-      };
-      absl::Time start;
-      for (;;) {
-        int finished_before = 0;
-        {
-          absl::MutexLock lock(&progress_mu);
-          finished_before = finished;
-        }
-        start = absl::Now();
-        results[i] = core_->Generate(image, control);
-        const absl::Status& status = results[i].status();
-        if (status.code() != absl::StatusCode::kResourceExhausted || !absl::StrContains(status.message(), "queue")) {
-          break;
-        }
+  // The n images are submitted together (each its own job on the device queue, so a batching
+  // core can run them as one batch). An image that finds the queue full while other images of
+  // the same request are still pending waits for one of them to finish and tries again: a
+  // request's own images never make it fail; a queue full of other requests does (429). When
+  // one image fails the others are stopped: the request fails.
+  const int n = request.n;
+  std::vector<absl::StatusOr<v1::GenerateResponse>> results(n, absl::InternalError("not run"));
+  std::atomic<int> first_failed{-1};
+  absl::Mutex progress_mu;
+  int finished = 0;  // Images of this request that are done, whatever their outcome.
+  auto run = [&](int i) {
+    const v1::GenerateRequest image = ImageRequest(request, i);
+    CallControl control;
+    control.interrupt = [&]() -> absl::Status {
+      if (absl::Status stop = Interrupted(); !stop.ok()) return stop;
+      if (first_failed.load() >= 0) return absl::CancelledError("another image of the same request failed");
+      return absl::OkStatus();
+    };
+    absl::Time start;
+    for (;;) {
+      int finished_before = 0;
+      {
         absl::MutexLock lock(&progress_mu);
-        // Every other image is done: the queue is full of other requests.
-        if (finished_before == n - 1) break;
-        // Wait for one of this request's images to finish (one may have while we were refused).
-        // The timeout re-checks the interrupt, which is no state of this mutex.
-        auto moved = [&] { return finished != finished_before; };
-        while (!moved() && control.interrupt().ok()) {
-          progress_mu.AwaitWithTimeout(absl::Condition(&moved), absl::Milliseconds(50));
-        }
-        if (!control.interrupt().ok()) break;
+        finished_before = finished;
       }
-      RecordGeneration(*core_, metrics_, image, results[i].status(), results[i].ok() ? &*results[i] : nullptr, start);
-      if (!results[i].ok()) {
-        int none = -1;
-        first_failed.compare_exchange_strong(none, i);
+      start = absl::Now();
+      results[i] = core_->Generate(image, control);
+      const absl::Status& status = results[i].status();
+      if (status.code() != absl::StatusCode::kResourceExhausted || !absl::StrContains(status.message(), "queue")) {
+        break;
       }
       absl::MutexLock lock(&progress_mu);
-      ++finished;
-    };
-    std::vector<std::thread> threads;
-    for (int i = 1; i < n; ++i) threads.emplace_back(run, i);
-    run(0);
-    for (std::thread& t : threads) t.join();
-    if (first_failed.load() >= 0) {
-      reply = Reply::Error(ErrorFromStatus(results[first_failed.load()].status()));
-      return;
+      // Every other image is done: the queue is full of other requests.
+      if (finished_before == n - 1) break;
+      // Wait for one of this request's images to finish (one may have while we were refused).
+      // The timeout re-checks the interrupt, which is no state of this mutex.
+      auto moved = [&] { return finished != finished_before; };
+      while (!moved() && control.interrupt().ok()) {
+        progress_mu.AwaitWithTimeout(absl::Condition(&moved), absl::Milliseconds(50));
+      }
+      if (!control.interrupt().ok()) break;
     }
-    std::vector<v1::GenerateResponse> images;
-    images.reserve(n);
-    for (auto& result : results) images.push_back(*std::move(result));
-    reply = Reply::Json(ImagesResponseBody(images, absl::ToUnixSeconds(absl::Now())));
-    reply.headers = StatsHeaders(images);
-  });
+    RecordGeneration(*core_, metrics_, image, results[i].status(), results[i].ok() ? &*results[i] : nullptr, start);
+    if (!results[i].ok()) {
+      int none = -1;
+      first_failed.compare_exchange_strong(none, i);
+    }
+    absl::MutexLock lock(&progress_mu);
+    ++finished;
+  };
+  std::vector<std::thread> threads;
+  for (int i = 1; i < n; ++i) threads.emplace_back(run, i);
+  run(0);
+  for (std::thread& t : threads) t.join();
+  if (first_failed.load() >= 0) return Reply::Error(ErrorFromStatus(results[first_failed.load()].status()));
+  std::vector<v1::GenerateResponse> images;
+  images.reserve(n);
+  for (auto& result : results) images.push_back(*std::move(result));
+  Reply reply = Reply::Json(ImagesResponseBody(images, absl::ToUnixSeconds(absl::Now())));
+  reply.headers = StatsHeaders(images);
   return reply;
 }
 

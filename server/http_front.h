@@ -1,7 +1,7 @@
-// HttpFront: the OpenAI-compatible HTTP/JSON API, in the server's process and on its GenerationCore.
+// HttpFront: the OpenAI-compatible HTTP/JSON API, in the server's process and on its DeviceSet.
 // Transport glue only: it reads a bounded request, authenticates it, translates it with
-// server/openai_images.h, calls GenerationCore::Generate (one call per image; n images are
-// submitted together, so the core may batch them) and records the same metrics as the gRPC
+// server/openai_images.h, calls DeviceSet::Generate (one call per image; n images are submitted
+// together, so the core may batch them) and records the same metrics as the gRPC
 // GenerationService (server/generation_metrics.h). No placement policy, no pipeline knowledge.
 //
 // Endpoints:
@@ -9,11 +9,20 @@
 //   GET  /v1/models               the pipelines as OpenAI models; GET /v1/models/{id}: one
 //   GET  /health                  200 while serving, 503 once shutting down (never authenticated)
 // With an API key set, /v1/ requests need "Authorization: Bearer <key>" (compared in constant time).
+// With a certificate and key set, the port speaks HTTPS only (GnuTLS through libmicrohttpd).
 //
-// Hostile clients: the HTTP server is Debian's civetweb. A request head (line and headers) must fit
-// in 16 KiB and arrive within options.read_timeout, or the connection is dropped; a body must fit in
-// options.max_body_bytes and arrive within options.read_timeout of the head. At most
-// options.threads connections are served at once; more wait in civetweb's accept queue.
+// Hostile clients. The HTTP server is Debian's libmicrohttpd on an event loop (epoll, a few I/O
+// threads), so a connection that sends slowly holds no thread. Every phase of a connection has a
+// deadline, enforced by a sweeper that cuts the socket when it passes:
+//   - the head (request line and headers, at most kMaxHeadBytes) within read_timeout of accept;
+//   - the body (at most max_body_bytes) within read_timeout of the head;
+//   - the reply within read_timeout plus one second per MiB of it (a reader that stops or
+//     trickles is cut);
+//   - while its generation runs the connection is suspended: not read, no deadline of its own
+//     (the request's own deadline and the server's shutdown bound it).
+// A reply closes its connection (no keep-alive) and the unread rest of a refused body is not
+// read. At most max_connections are open at once and at most max_connections_per_client per
+// client address; beyond either a new connection is closed at once.
 //
 // Lifetime: `core` and `metrics` must outlive the front. Shutdown() (also run by the destructor)
 // answers new requests 503, gives running ones until its deadline, then interrupts them (they
@@ -30,35 +39,49 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "runtime/device_set.h"
 #include "runtime/metrics.h"
 
-struct mg_connection;
-struct mg_context;
+struct MHD_Connection;
+struct MHD_Daemon;
 
 namespace stowage {
 
 struct HttpFrontOptions {
-  // "host:port" (IPv4 or "[v6]:port"); port 0 picks a free one.
+  // "host:port" (an IPv4 or IPv6 address or a host name; "[v6]:port"); port 0 picks a free one.
   std::string address;
   // Empty: no key required.
   std::string api_key;
   // Largest request body accepted (413 beyond it).
   int64_t max_body_bytes = int64_t{1} << 20;
-  // Time allowed for a request's head, and then separately for its body (408 / dropped beyond it).
+  // Time allowed for a request's head, then separately for its body, then for its reply (plus a
+  // second per MiB); a connection idle that long is closed too.
   absl::Duration read_timeout = absl::Seconds(10);
-  // Connections served at once (civetweb worker threads).
-  int threads = 32;
+  // Connections open at once, over all clients and per client address.
+  int max_connections = 1024;
+  int max_connections_per_client = 32;
+  // Event-loop threads (they only move bytes; generations run on threads of their own).
+  int io_threads = 2;
+  // PEM certificate chain and private key: both set serves HTTPS only; both empty, plain HTTP.
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
 };
+
+// A request head (request line and headers) larger than this is refused (431 or a closed
+// connection): libmicrohttpd's per-connection buffer is twice it.
+inline constexpr int kMaxHeadBytes = 16 * 1024;
 
 class HttpFront {
  public:
-  // Binds the address and starts serving. UNAVAILABLE naming the address when it cannot listen.
+  // Binds the address and starts serving. UNAVAILABLE naming the address when it cannot listen;
+  // INVALID_ARGUMENT for options out of range or TLS material the TLS library refuses.
   static absl::StatusOr<std::unique_ptr<HttpFront>> Start(const HttpFrontOptions& options, DeviceSet* core,
                                                           ServerMetrics* metrics);
   ~HttpFront();
@@ -76,16 +99,29 @@ class HttpFront {
 
  private:
   struct Reply;
+  struct Connection;
+  struct Request;
   HttpFront(const HttpFrontOptions& options, DeviceSet* core, ServerMetrics* metrics);
-  static int HandleThunk(mg_connection* conn, void* self);
-  int Handle(mg_connection* conn);
-  // `*entered` is set when the request was counted in (Enter): Handle counts it out (Leave) once
-  // the reply is written, so that Shutdown never stops the server under a reply being sent.
-  Reply Route(mg_connection* conn, bool* entered);
-  Reply Generate(mg_connection* conn, bool* entered);
-  bool Authorized(mg_connection* conn, Reply* reply) const;
-  // Reads the body into *body; false with *reply set when it is too large, too slow or cut short.
-  bool ReadBody(mg_connection* conn, std::string* body, Reply* reply) const;
+
+  // libmicrohttpd's callbacks (run on its I/O threads).
+  int Access(MHD_Connection* connection, const char* url, const char* method, const char* upload,
+             size_t* upload_size, void** request_slot);
+  void Completed(void** request_slot);
+  void Notify(MHD_Connection* connection, void** connection_slot, bool started);
+
+  // The reply to a request whose head just arrived, or nothing when its body is to be read.
+  bool Route(MHD_Connection* connection, const std::string& method, const std::string& path, Request* request,
+             Reply* reply);
+  bool Authorized(MHD_Connection* connection, Reply* reply) const;
+  // Queues `reply` (it closes the connection) and gives the connection its reply deadline.
+  int Queue(MHD_Connection* connection, Request* request, const Reply& reply);
+  // Runs a generation request's images (on the request's own thread); the JSON reply.
+  Reply Generate(const std::string& body);
+
+  // The sweeper: cuts connections past their phase deadline.
+  void SetDeadline(Connection* connection, absl::Time deadline);
+  void Sweep();
+
   // Counts a generation request in; false when shutting down.
   bool Enter();
   void Leave();
@@ -96,7 +132,7 @@ class HttpFront {
   ServerMetrics* const metrics_;
   const int64_t started_unix_;
   std::string address_;
-  mg_context* context_ = nullptr;
+  MHD_Daemon* daemon_ = nullptr;
 
   absl::Mutex mu_;
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
@@ -104,6 +140,13 @@ class HttpFront {
   int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
   // Set once the shutdown deadline passed: running generations stop at their next step.
   std::atomic<bool> interrupting_{false};
+
+  // Open connections and their deadlines. A connection leaves the set (in Notify) before
+  // libmicrohttpd closes its socket, so the sweeper never cuts a reused descriptor.
+  absl::Mutex connections_mu_;
+  absl::flat_hash_set<Connection*> connections_ ABSL_GUARDED_BY(connections_mu_);
+  bool sweeper_stop_ ABSL_GUARDED_BY(connections_mu_) = false;
+  std::thread sweeper_;
 };
 
 }  // namespace stowage

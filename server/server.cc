@@ -187,6 +187,15 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
     HttpFrontOptions http;
     http.address = config.http_address();
     http.api_key = std::move(api_key);
+    http.read_timeout = absl::Milliseconds(config.http().read_timeout_ms());
+    http.max_connections = config.http().max_connections();
+    http.max_connections_per_client = config.http().max_connections_per_client();
+    http.max_body_bytes = config.http().max_body_bytes();
+    if (!config.tls().cert_file().empty()) {
+      // The HTTP API speaks HTTPS with the gRPC port's certificate (both files checked above).
+      ASSIGN_OR_RETURN(http.tls_cert_pem, ReadFile(config.tls().cert_file(), "tls.cert_file"));
+      ASSIGN_OR_RETURN(http.tls_key_pem, ReadFile(config.tls().key_file(), "tls.key_file"));
+    }
     ASSIGN_OR_RETURN(server->http_front_, HttpFront::Start(http, server->devices_.get(), server->metrics_.get()));
     server->http_address_ = server->http_front_->address();
   }

@@ -132,8 +132,8 @@ target_link_libraries(stowage_sys_prometheus INTERFACE stowage_sys_paths
   -lprometheus-cpp-core
 )
 
-add_library(stowage_sys_civetweb INTERFACE)
-target_link_libraries(stowage_sys_civetweb INTERFACE stowage_sys_paths -lcivetweb)
+add_library(stowage_sys_microhttpd INTERFACE)
+target_link_libraries(stowage_sys_microhttpd INTERFACE stowage_sys_paths -lmicrohttpd)
 
 add_library(stowage_sys_png INTERFACE)
 target_link_libraries(stowage_sys_png INTERFACE stowage_sys_paths -lpng16 -lz)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Downloads (does not install) the Debian 12 packages the GPU host needs to build and run Stowage
-# with CMake: gRPC, protobuf (+ protoc and the gRPC plugins), abseil, prometheus-cpp, civetweb,
+# with CMake: gRPC, protobuf (+ protoc and the gRPC plugins), abseil, prometheus-cpp, civetweb, libmicrohttpd,
 # gtest/gmock, libpng, PCRE2, utf8proc, SentencePiece. Run HERE, on the Debian 12 build machine; the GPU host (Ubuntu 24.04, no network) gets the
 # folder with the working tree and unpacks it with `dpkg -x` (deploy/unpack_debs.sh, which
 # deploy/gpu_host/build_and_serve.sh and `./stowage serve --cuda --debs=.deb` call).
@@ -25,9 +25,11 @@ packages=(
   libprotobuf-dev libprotobuf32 libprotoc32 protobuf-compiler
   # grpc_cpp_plugin and grpc_python_plugin.
   protobuf-compiler-grpc
-  # prometheus-cpp (core + pull exposer) and civetweb, the embedded HTTP server it links; the
-  # OpenAI-compatible HTTP front (server/http_front.cc) uses civetweb directly (header, link name).
+  # prometheus-cpp (core + pull exposer) and civetweb, the embedded HTTP server it links.
   prometheus-cpp-dev libprometheus-cpp-core1.0 libprometheus-cpp-pull1.0 libcivetweb1 libcivetweb-dev
+  # libmicrohttpd: the OpenAI-compatible HTTP front's server (server/http_front.cc); its GnuTLS
+  # (libgnutls.so.30) is the host's own.
+  libmicrohttpd12 libmicrohttpd-dev
   # GoogleTest / GoogleMock: headers and static libgtest.a, libgmock.a, libgmock_main.a.
   libgtest-dev libgmock-dev
   # nlohmann-json (header-only): the HTTP front's strict JSON check (server/openai_images.cc).

@@ -30,7 +30,9 @@ namespace stowage {
 using std::chrono::milliseconds;
 using std::chrono::steady_clock;
 
-inline int ConnectTo(const std::string& address) {
+// A TCP connection to "ipv4:port"; with `source` (e.g. "127.0.0.2", any loopback address) the
+// connection comes from that address: another client as far as per-client limits go.
+inline int ConnectTo(const std::string& address, const std::string& source = "") {
   const size_t colon = address.rfind(':');
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -38,6 +40,15 @@ inline int ConnectTo(const std::string& address) {
   inet_pton(AF_INET, address.substr(0, colon).c_str(), &addr.sin_addr);
   const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return -1;
+  if (!source.empty()) {
+    sockaddr_in from{};
+    from.sin_family = AF_INET;
+    inet_pton(AF_INET, source.c_str(), &from.sin_addr);
+    if (::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof(from)) != 0) {
+      ::close(fd);
+      return -1;
+    }
+  }
   if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     ::close(fd);
     return -1;
@@ -101,7 +112,7 @@ inline HttpResponse Parse(const std::string& raw) {
   HttpResponse r;
   const size_t end = raw.find("\r\n\r\n");
   if (end == std::string::npos || raw.compare(0, 9, "HTTP/1.1 ") != 0) return r;
-  absl::SimpleAtoi(raw.substr(9, 3), &r.status);
+  if (!absl::SimpleAtoi(raw.substr(9, 3), &r.status)) return r;
   size_t line = raw.find("\r\n") + 2;
   while (line < end) {
     const size_t next = raw.find("\r\n", line);
@@ -119,8 +130,9 @@ inline HttpResponse Parse(const std::string& raw) {
 
 // One request: `raw` bytes, then the response, read until it is complete or the server closes the
 // connection.
-inline HttpResponse Exchange(const std::string& address, const std::string& raw, milliseconds timeout = milliseconds(30000)) {
-  const int fd = ConnectTo(address);
+inline HttpResponse Exchange(const std::string& address, const std::string& raw, milliseconds timeout = milliseconds(30000),
+                             const std::string& source = "") {
+  const int fd = ConnectTo(address, source);
   EXPECT_GE(fd, 0) << address;
   if (fd < 0) return {};
   SendAll(fd, raw);

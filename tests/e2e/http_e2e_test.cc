@@ -105,7 +105,7 @@ TEST_F(HttpTest, ModelsListsThePipelinesAndRetrievesOne) {
   const HttpResponse one = Get(http_, "/v1/models/tiny");
   ASSERT_EQ(one.status, 200);
   EXPECT_EQ(Field(Json(one.body).fields().at("stowage").struct_value(), "state"), "PIPELINE_READY");
-  // A name too long for civetweb's 16 KiB request head: refused or the connection closed.
+  // A name too long for the 16 KiB request head: refused or the connection closed.
   const HttpResponse missing = Get(http_, "/v1/models/" + std::string(100000, 'm'));
   EXPECT_TRUE(missing.status == 0 || (missing.status >= 400 && missing.status < 500)) << missing.status;
   EXPECT_EQ(Field(ErrorOf(Get(http_, "/v1/models/" + std::string(10000, 'm'))), "code"), "model_not_found");

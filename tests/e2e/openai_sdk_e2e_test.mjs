@@ -1,6 +1,6 @@
 // Driven by openai_sdk_e2e_test.sh: the official OpenAI SDK against a running stowage_server.
 //   node openai_sdk_e2e_test.mjs <folder holding node_modules/openai>
-// Environment: STOWAGE_BASE_URL (http://host:port/v1), STOWAGE_API_KEY.
+// Environment: STOWAGE_BASE_URL (http://host:port/v1, or https:// with STOWAGE_MODE=tls), STOWAGE_API_KEY.
 // Prints one line per check and "N passed, N failed"; exits 1 when any check failed.
 import { readFileSync } from 'node:fs';
 import { createRequire } from 'node:module';
@@ -62,6 +62,35 @@ async function expectError(call, errorClass, status) {
 }
 
 console.log(`openai SDK ${sdkVersion} on Node.js ${process.version} against ${baseURL}`);
+
+// STOWAGE_MODE=tls: the server speaks HTTPS (its certificate from a CA the shell script made and
+// handed to Node through NODE_EXTRA_CA_CERTS).
+if (process.env.STOWAGE_MODE === 'tls') {
+  await check('over HTTPS: images.generate returns a PNG and models.list the pipelines', async () => {
+    assert(baseURL.startsWith('https://'), `not an https URL: ${baseURL}`);
+    const result = await client.images.generate({ prompt: 'over tls', size: '64x64', num_inference_steps: 2 });
+    assert(pngSize(Buffer.from(result.data[0].b64_json, 'base64')).width === 64, 'wrong width');
+    const models = await client.models.list();
+    assert(models.data.some((m) => m.id === 'zimage-tiny'), 'zimage-tiny not listed');
+  });
+  await check('over HTTPS: a wrong API key is AuthenticationError', async () => {
+    const wrong = new OpenAI({ baseURL, apiKey: `${apiKey}x`, maxRetries: 0 });
+    await expectError(() => wrong.models.list(), errors.AuthenticationError, 401);
+  });
+  await check('plain HTTP to the HTTPS port is a connection error, never an answer', async () => {
+    const plain = new OpenAI({ baseURL: baseURL.replace('https://', 'http://'), apiKey, maxRetries: 0, timeout: 10000 });
+    let caught = null;
+    try {
+      await plain.models.list();
+    } catch (e) {
+      caught = e;
+    }
+    const APIConnectionError = sdk.APIConnectionError ?? OpenAI.APIConnectionError;
+    assert(caught instanceof APIConnectionError, `expected APIConnectionError, got ${caught && caught.constructor.name}`);
+  });
+  console.log(`${passed} passed, ${failed} failed`);
+  process.exit(failed === 0 && passed > 0 ? 0 : 1);
+}
 
 await check('images.generate returns n base64 PNGs of the requested size', async () => {
   const result = await client.images.generate({

@@ -2,7 +2,8 @@
 # The official OpenAI SDK (npm's `openai`, installed into this test's own folder) against a real
 # stowage_server over loopback: client.images.generate returns PNGs, client.models.list the
 # pipelines, and refused requests surface as the SDK's BadRequestError, NotFoundError,
-# AuthenticationError and RateLimitError (tests/e2e/openai_sdk_e2e_test.mjs). Needs Node.js with
+# AuthenticationError and RateLimitError (tests/e2e/openai_sdk_e2e_test.mjs); then the same over
+# HTTPS (tls {} set, a CA made here with openssl; curl checks an untrusted CA is refused). Needs Node.js with
 # npm (./stowage setup installs Debian's) and the npm registry. Run by Bazel from the runfiles root
 # (server/stowage_server, tests/e2e/*.mjs) or from a CMake build directory with the same layout.
 set -euo pipefail
@@ -56,30 +57,74 @@ pipelines {
 }
 CONFIG
 api_key="sk-stowage-e2e-$$"
-STOWAGE_API_KEY="$api_key" "$server_bin" --config="$work/config.textproto" --grpc_address=127.0.0.1:0 \
-  --metrics_address=none --http_address=127.0.0.1:0 --port_file="$work/ports.json" >"$work/server.log" 2>&1 &
-server_pid=$!
-for _ in $(seq 600); do
-  [ -s "$work/ports.json" ] && break
-  kill -0 "$server_pid" 2>/dev/null || { cat "$work/server.log"; echo "FAILED: server exited"; exit 1; }
-  sleep 0.1
-done
-[ -s "$work/ports.json" ] || { cat "$work/server.log"; echo "FAILED: no port file after 60 s"; exit 1; }
-http_address=$(/usr/bin/python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["http_address"])' "$work/ports.json")
+
+# start_server CONFIG LOG: starts stowage_server in the background; sets server_pid, http_address.
+start_server() {
+  rm -f "$work/ports.json"
+  STOWAGE_API_KEY="$api_key" "$server_bin" --config="$1" --grpc_address=127.0.0.1:0 \
+    --metrics_address=none --http_address=127.0.0.1:0 --port_file="$work/ports.json" >"$2" 2>&1 &
+  server_pid=$!
+  for _ in $(seq 600); do
+    [ -s "$work/ports.json" ] && break
+    kill -0 "$server_pid" 2>/dev/null || { cat "$2"; echo "FAILED: server exited"; exit 1; }
+    sleep 0.1
+  done
+  [ -s "$work/ports.json" ] || { cat "$2"; echo "FAILED: no port file after 60 s"; exit 1; }
+  http_address=$(/usr/bin/python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["http_address"])' "$work/ports.json")
+}
+# stop_server LOG: SIGTERM; the server must exit 0.
+stop_server() {
+  kill -TERM "$server_pid"
+  local server_rc=0
+  wait "$server_pid" || server_rc=$?
+  server_pid=""
+  if [ "$server_rc" -ne 0 ]; then
+    cat "$1"
+    echo "FAILED: server exited with status $server_rc after SIGTERM"
+    rc=1
+  fi
+}
 
 rc=0
+start_server "$work/config.textproto" "$work/server.log"
 NODE_PATH="$work/sdk/node_modules" STOWAGE_BASE_URL="http://$http_address/v1" STOWAGE_API_KEY="$api_key" \
   no_proxy=127.0.0.1,localhost NO_PROXY=127.0.0.1,localhost \
   timeout 60 node "$script" "$work/sdk" || rc=$?
-
 # The server survived all of it and stops cleanly.
-kill -TERM "$server_pid"
-server_rc=0
-wait "$server_pid" || server_rc=$?
-server_pid=""
-if [ "$server_rc" -ne 0 ]; then
-  cat "$work/server.log"
-  echo "FAILED: server exited with status $server_rc after SIGTERM"
-  rc=1
+stop_server "$work/server.log"
+
+# HTTPS: the same server with tls {} set serves its HTTP API over TLS with the gRPC port's
+# certificate, here from a CA made for this test (the SDK trusts it through NODE_EXTRA_CA_CERTS).
+mkdir -p "$work/tls"
+(
+  cd "$work/tls"
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ca.key -out ca.crt \
+    -days 2 -subj /CN=stowage-test-ca -addext basicConstraints=critical,CA:TRUE \
+    -addext keyUsage=critical,keyCertSign,cRLSign
+  openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout server.key -out server.csr \
+    -subj /CN=localhost
+  printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n' >server.ext
+  openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out server.crt -days 2 \
+    -extfile server.ext
+) >"$work/openssl.log" 2>&1 || { cat "$work/openssl.log"; echo "FAILED: openssl"; exit 1; }
+{ cat "$work/config.textproto"; printf 'tls { cert_file: "%s" key_file: "%s" }\n' "$work/tls/server.crt" "$work/tls/server.key"; } \
+  >"$work/tls.textproto"
+start_server "$work/tls.textproto" "$work/server_tls.log"
+# Without the CA a client refuses the server; with it, it is served; plain HTTP gets no answer.
+if curl -sS --max-time 10 -o /dev/null "https://$http_address/health" 2>"$work/curl.log"; then
+  echo "FAIL curl trusted a certificate of an unknown CA"; rc=1
+else
+  echo "ok   curl without the CA refuses the server's certificate ($(head -n 1 "$work/curl.log" | cut -c1-100))"
 fi
+health=$(curl -sS --max-time 10 --cacert "$work/tls/ca.crt" "https://$http_address/health" || true)
+case "$health" in
+  *serving*) echo "ok   curl with the CA: GET /health over HTTPS";;
+  *) echo "FAIL GET /health over HTTPS: '$health'"; rc=1;;
+esac
+cat "$work/tls/ca.crt" >"$work/ca-bundle.crt"
+if [ -r /etc/ssl/certs/ca-certificates.crt ]; then cat /etc/ssl/certs/ca-certificates.crt >>"$work/ca-bundle.crt"; fi
+NODE_PATH="$work/sdk/node_modules" STOWAGE_BASE_URL="https://$http_address/v1" STOWAGE_API_KEY="$api_key" \
+  STOWAGE_MODE=tls NODE_EXTRA_CA_CERTS="$work/ca-bundle.crt" no_proxy=127.0.0.1,localhost NO_PROXY=127.0.0.1,localhost \
+  timeout 60 node "$script" "$work/sdk" || rc=$?
+stop_server "$work/server_tls.log"
 exit "$rc"

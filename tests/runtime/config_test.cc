@@ -35,6 +35,11 @@ TEST(ConfigTest, EmptyConfigServesTheBuiltInPipelineWithDefaults) {
   EXPECT_EQ(config->pipelines(0).builtin(), "zimage-tiny");
   EXPECT_EQ(config->pipelines(0).dtype(), "float32");
   EXPECT_TRUE(config->pipelines(0).default_());
+  // The HTTP API's limits.
+  EXPECT_EQ(config->http().read_timeout_ms(), 10000);
+  EXPECT_EQ(config->http().max_connections(), 1024);
+  EXPECT_EQ(config->http().max_connections_per_client(), 32);
+  EXPECT_EQ(config->http().max_body_bytes(), 1 << 20);
 }
 
 TEST(ConfigTest, WithoutAConfigTheDemoIsTheDefaultBesideTheBuiltIn) {
@@ -222,6 +227,16 @@ TEST(ConfigRangeTest, EveryNumericOptionIsCheckedAtItsBounds) {
       {"scheduler.tenant_queue_limit",
        [](auto& c, int64_t v) { c.mutable_scheduler()->set_tenant_queue_limit(static_cast<int32_t>(v)); },
        {0, 1, 16}, {-1, 17}},
+      {"http.read_timeout_ms", [](auto& c, int64_t v) { c.mutable_http()->set_read_timeout_ms(static_cast<int32_t>(v)); },
+       {0, 1000, 600000}, {-1, 1, 999, 600001}},
+      {"http.max_connections", [](auto& c, int64_t v) { c.mutable_http()->set_max_connections(static_cast<int32_t>(v)); },
+       {0, 32, 100000}, {-1, 100001}},
+      // Up to max_connections (1024 by default).
+      {"http.max_connections_per_client",
+       [](auto& c, int64_t v) { c.mutable_http()->set_max_connections_per_client(static_cast<int32_t>(v)); },
+       {0, 1, 1024}, {-1, 1025}},
+      {"http.max_body_bytes", [](auto& c, int64_t v) { c.mutable_http()->set_max_body_bytes(static_cast<int32_t>(v)); },
+       {0, 1024, 64 << 20}, {-1, 1, 1023, (64 << 20) + 1}},
       {"device.index", [](auto& c, int64_t v) { c.mutable_device()->set_index(static_cast<int32_t>(v)); },
        {0, 127}, {-1, 128}},
       {"device.memory_budget_bytes", [](auto& c, int64_t v) { c.mutable_device()->set_memory_budget_bytes(v); },

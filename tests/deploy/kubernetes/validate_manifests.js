@@ -2,7 +2,12 @@
 //
 //  1. against the Kubernetes API schemas (npm's kubernetes-models) and the Prometheus Operator's
 //     (@kubernetes-models/prometheus-operator): each document's apiVersion and kind must be a type
-//     these packages know, and its body must pass that type's validate();
+//     these packages know, and its body must pass that type's validate(). Those schemas allow
+//     fields they do not define, so every field of a built-in kind is also looked up in the
+//     official client's model of that kind (@kubernetes/client-node's attribute maps, generated
+//     from the API's OpenAPI document): a field it does not know (a typo such as readinesProbe) is
+//     a problem, as the API server's strict field validation would reject it. (The Prometheus
+//     Operator's kinds are CRDs the client does not model: schema only.)
 //  2. against each other, for what no schema can see: every Service, the PodDisruptionBudget and the
 //     ServiceMonitor select the Deployment's pods (or, for the ServiceMonitor, exactly one Service);
 //     Service target ports and the ServiceMonitor's port are ports that exist; the HPA scales the
@@ -19,6 +24,7 @@
 const fs = require("fs");
 const path = require("path");
 const YAML = require("yaml");
+const k8s = require("@kubernetes/client-node");
 
 // apiVersion -> the module that holds its kinds.
 function modelModule(apiVersion) {
@@ -50,7 +56,45 @@ function schemaProblems(doc) {
   } catch (e) {
     return [String(e.message || e)];
   }
-  return [];
+  const model = clientModel(apiVersion, kind);
+  if (!model) return [];
+  const unknown = [];
+  const { apiVersion: _a, kind: _k, ...body } = doc;
+  unknownFields(body, model, kind, unknown);
+  return unknown;
+}
+
+// The client's model type of a built-in kind: apps/v1 Deployment -> "V1Deployment",
+// autoscaling/v2 HorizontalPodAutoscaler -> "V2HorizontalPodAutoscaler". Null for other kinds.
+function clientModel(apiVersion, kind) {
+  const version = apiVersion.split("/").pop();
+  const name = version.charAt(0).toUpperCase() + version.slice(1) + kind;
+  const model = k8s[name];
+  return typeof model === "function" && typeof model.getAttributeTypeMap === "function" ? name : null;
+}
+
+// Fields of `value` (of the client's type `type`) that the type does not define, as paths.
+function unknownFields(value, type, at, out) {
+  if (value === null || value === undefined) return;
+  const array = /^Array<(.+)>$/.exec(type);
+  if (array) {
+    if (Array.isArray(value)) value.forEach((v, i) => unknownFields(v, array[1], `${at}[${i}]`, out));
+    return;
+  }
+  const map = /^\{ \[key: string\]: (.+); \}$/.exec(type);
+  if (map) {
+    if (typeof value === "object") for (const [k, v] of Object.entries(value)) unknownFields(v, map[1], `${at}.${k}`, out);
+    return;
+  }
+  const model = k8s[type];
+  // Primitives, IntOrString, free-form objects: nothing to look up (the schema checks types).
+  if (typeof model !== "function" || typeof model.getAttributeTypeMap !== "function") return;
+  if (typeof value !== "object" || Array.isArray(value)) return;
+  const known = new Map(model.getAttributeTypeMap().map((a) => [a.baseName, a.type]));
+  for (const [k, v] of Object.entries(value)) {
+    if (!known.has(k)) out.push(`${at}.${k}: unknown field (not in ${type})`);
+    else unknownFields(v, known.get(k), `${at}.${k}`, out);
+  }
 }
 
 function matches(selector, labels) {
@@ -153,6 +197,18 @@ function selfTest() {
     "a ServiceMonitor without endpoints' type": {
       apiVersion: "monitoring.coreos.com/v1", kind: "ServiceMonitor", metadata: { name: "m" },
       spec: { selector: {}, endpoints: "metrics" },
+    },
+    "a misspelt field (readinesProbe)": {
+      apiVersion: "apps/v1", kind: "Deployment", metadata: { name: "d" },
+      spec: { selector: { matchLabels: { a: "b" } },
+              template: { metadata: { labels: { a: "b" } },
+                          spec: { containers: [{ ...container, readinesProbe: { tcpSocket: { port: 1 } } }] } } },
+    },
+    "an unknown field at the top of a ConfigMap": {
+      apiVersion: "v1", kind: "ConfigMap", metadata: { name: "c" }, datta: { a: "b" },
+    },
+    "an unknown field inside a map's values (Service port)": {
+      apiVersion: "v1", kind: "Service", metadata: { name: "s" }, spec: { ports: [{ port: 1, targetPrt: 2 }] },
     },
     "an HPA metric without a target": {
       apiVersion: "autoscaling/v2", kind: "HorizontalPodAutoscaler", metadata: { name: "h" },

@@ -115,7 +115,7 @@ class CudaBackend : public DeviceBackend {
       const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
       int64_t process = ProcessDeviceBytesFromNvml(index);
       if (process < 0) process = static_cast<int64_t>(total_bytes - free_bytes);
-      context_bytes_ = std::max<int64_t>(0, process - stats.reserved_bytes[0].current);
+      context_bytes_.store(std::max<int64_t>(0, process - stats.reserved_bytes[0].current));
     }
   }
 
@@ -223,7 +223,7 @@ class CudaBackend : public DeviceBackend {
     out.peak_allocated_bytes = stats.allocated_bytes[0].peak;
     out.reserved_bytes = stats.reserved_bytes[0].current;
     out.peak_reserved_bytes = stats.reserved_bytes[0].peak;
-    out.context_bytes = context_bytes_;
+    out.context_bytes = context_bytes_.load();
     out.budget_bytes = budget_bytes_ > 0 ? budget_bytes_ : total_bytes_;
     out.host_to_device_bytes = h2d_.load();
     out.peer_to_device_bytes = p2d_.load();
@@ -239,18 +239,29 @@ class CudaBackend : public DeviceBackend {
       return absl::InvalidArgumentError(absl::StrCat("memory budget ", bytes, " exceeds ", name(),
                                                      "'s ", total_bytes_, " bytes"));
     }
-    if (bytes > 0 && bytes <= context_bytes_) {
+    if (bytes > 0 && bytes <= context_bytes_.load()) {
       return absl::InvalidArgumentError(absl::StrCat("memory budget ", bytes, " does not hold ", name(),
-                                                     "'s context of ", context_bytes_, " bytes"));
+                                                     "'s context of ", context_bytes_.load(), " bytes"));
     }
-    // The allocator's segments may take what the context leaves of the budget.
-    const double fraction =
-        bytes == 0 ? 1.0 : static_cast<double>(bytes - context_bytes_) / static_cast<double>(total_bytes_);
-    c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device_.index());
     budget_bytes_ = bytes;
+    ApplyBudget();
     return absl::OkStatus();
   }
   void ReleaseCachedMemory() override { c10::cuda::CUDACachingAllocator::emptyCache(); }
+
+  ContextChange RefreshContextBytes() override {
+    ContextChange change{context_bytes_.load(), context_bytes_.load()};
+    c10::cuda::CUDAGuard guard(device_);
+    const int64_t process = ProcessDeviceBytesFromNvml(index_);
+    // Without NVML the device-wide figure would count other processes: keep the start-up measure.
+    if (process < 0) return change;
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
+    change.after = std::max<int64_t>(0, process - stats.reserved_bytes[0].current);
+    if (change.after == change.before) return change;
+    context_bytes_.store(change.after);
+    ApplyBudget();
+    return change;
+  }
 
  private:
   int index_;
@@ -258,7 +269,18 @@ class CudaBackend : public DeviceBackend {
   c10::cuda::CUDAStream copy_stream_;
   int64_t total_bytes_ = 0;
   int64_t budget_bytes_ = 0;
-  int64_t context_bytes_ = 0;
+  // Written by the worker (construction, RefreshContextBytes); read by stats callers.
+  std::atomic<int64_t> context_bytes_{0};
+
+  // The allocator's segments may take what the context leaves of the budget (at least nothing).
+  void ApplyBudget() {
+    const int64_t context = context_bytes_.load();
+    const double fraction =
+        budget_bytes_ == 0 ? 1.0
+                           : static_cast<double>(std::max<int64_t>(0, budget_bytes_ - context)) /
+                                 static_cast<double>(total_bytes_);
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device_.index());
+  }
   std::atomic<int64_t> h2d_{0};
   std::atomic<int64_t> p2d_{0};
   std::atomic<int64_t> d2h_{0};

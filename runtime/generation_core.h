@@ -216,6 +216,9 @@ class GenerationCore {
   v1::BatchingConfig BatchingOf(const std::string& pipeline) const;
   // One small generation so that the first request finds kernels loaded, library handles made and
   // components placed (PipelineConfig.warmup). Failures are logged, not returned.
+  // Re-measures the device memory held outside the allocator (DeviceBackend::RefreshContextBytes),
+  // logging a change of 16 MiB or more.
+  void RefreshContext(WorkerScope& scope);
   void WarmUp(WorkerScope& scope, Pipeline& pipeline, const Interrupt& interrupt);
   // Runs requests for one pipeline as one batch (or one request alone) and sets each one's result.
   // `batching`: the pipeline batches (its batches go to the batch metrics).

@@ -10,6 +10,8 @@
 #             and + torch.compile on the same files: e2e.jsonl, e2e.log
 #   fidelity  the demo pipeline `shapes` in float32, bf16 and fp8 (bench/fidelity_bench.py):
 #             fidelity.jsonl
+#   memory    device memory as nvidia-smi sees it against the budget at load and each reply's
+#             peak (bench/memory_truth.sh on real-size random Z-Image): memory.jsonl, memory.log
 #   ctest     every test CMake builds (ctest -j 4; tests that use the server's default device run on
 #             cuda:0): ctest.log, ctest_junit.xml; failures re-run with thread_stack_shim.so when civetweb
 #             could not start its threads (build_and_serve.sh says why)
@@ -75,6 +77,14 @@ if [[ $parts == *" fidelity "* ]]; then
     --stowctl "$build/clients/stowctl/stowctl" --out "$OUT/fidelity.jsonl" --machine "$machine" \
     --commit "${STOWAGE_COMMIT:-unknown}" >>"$OUT/summary.txt" 2>&1
   stamp "fidelity exit $?"
+fi
+if [[ $parts == *" memory "* ]]; then
+  stamp "memory"
+  python3 bench/make_zimage_random_dir.py /tmp/e2e-zimage-random --size full >/dev/null
+  timeout 420 bash bench/memory_truth.sh "$build/server/stowage_server" "$build/clients/stowctl/stowctl" \
+    /tmp/e2e-zimage-random "$OUT/memory.jsonl" "$machine" "${STOWAGE_COMMIT:-unknown}" ${MEMORY_MODES:-} >"$OUT/memory.log" 2>&1
+  stamp "memory exit $?"
+  cat "$OUT/memory.jsonl" >>"$OUT/summary.txt" 2>/dev/null || true
 fi
 if [[ $parts == *" e2e "* ]]; then
   # E2E_RANDOM=1: Stowage draws the weights from the configs (no export; diffusers needs the files

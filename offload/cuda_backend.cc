@@ -223,7 +223,7 @@ class CudaBackend : public DeviceBackend {
     out.peak_allocated_bytes = stats.allocated_bytes[0].peak;
     out.reserved_bytes = stats.reserved_bytes[0].current;
     out.peak_reserved_bytes = stats.reserved_bytes[0].peak;
-    out.context_bytes = context_bytes_.load();
+    out.context_bytes = context_bytes_.load() + context_reserve_.load();
     out.budget_bytes = budget_bytes_ > 0 ? budget_bytes_ : total_bytes_;
     out.host_to_device_bytes = h2d_.load();
     out.peer_to_device_bytes = p2d_.load();
@@ -249,6 +249,11 @@ class CudaBackend : public DeviceBackend {
   }
   void ReleaseCachedMemory() override { c10::cuda::CUDACachingAllocator::emptyCache(); }
 
+  void SetContextReserve(int64_t bytes) override {
+    context_reserve_.store(std::max<int64_t>(0, bytes));
+    ApplyBudget();
+  }
+
   ContextChange RefreshContextBytes() override {
     ContextChange change{context_bytes_.load(), context_bytes_.load()};
     c10::cuda::CUDAGuard guard(device_);
@@ -272,9 +277,13 @@ class CudaBackend : public DeviceBackend {
   // Written by the worker (construction, RefreshContextBytes); read by stats callers.
   std::atomic<int64_t> context_bytes_{0};
 
-  // The allocator's segments may take what the context leaves of the budget (at least nothing).
+  // Set aside for the context to grow into (SetContextReserve).
+  std::atomic<int64_t> context_reserve_{0};
+
+  // The allocator's segments may take what the context (and its reserve) leave of the budget (at
+  // least nothing).
   void ApplyBudget() {
-    const int64_t context = context_bytes_.load();
+    const int64_t context = context_bytes_.load() + context_reserve_.load();
     const double fraction =
         budget_bytes_ == 0 ? 1.0
                            : static_cast<double>(std::max<int64_t>(0, budget_bytes_ - context)) /

@@ -134,6 +134,10 @@ class DeviceBackend {
     int64_t after = 0;
   };
   virtual ContextChange RefreshContextBytes() { return {}; }
+  // Memory set aside for the context to grow into while code runs for the first time (a warm-up):
+  // counted in context_bytes and kept out of the allocator's share of the budget until set back to
+  // 0. No-op where the context does not grow.
+  virtual void SetContextReserve(int64_t bytes) { (void)bytes; }
 };
 
 struct SimulatedBackendOptions {

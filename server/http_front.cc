@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/text.h"
+#include "models/core/image.h"
 #include "server/admin_service.h"
 #include "server/generation_metrics.h"
 #include "server/openai_images.h"
@@ -69,8 +70,11 @@ struct HttpFront::Reply {
   std::string body;
   std::vector<std::pair<std::string, std::string>> headers;
 
+  std::optional<OpenAiError> error;
+
   static Reply Error(const OpenAiError& error) {
     Reply reply;
+    reply.error = error;
     reply.status = error.http_status;
     reply.body = ErrorBody(error);
     if (error.http_status == 401) reply.headers.emplace_back("WWW-Authenticate", "Bearer");
@@ -90,19 +94,67 @@ struct HttpFront::Connection {
   bool cut = false;
 };
 
-// One request on a connection, from its head to its completion.
+// One request on a connection, from its head to its completion. Shared by libmicrohttpd's request
+// slot, the request's thread and a streamed reply's reader: the last to let go counts it out.
 struct HttpFront::Request {
-  Connection* connection = nullptr;
+  ~Request() {
+    if (entered) front->Leave();
+  }
+  HttpFront* front = nullptr;
+  MHD_Connection* mhd = nullptr;
+  Connection* connection = nullptr;  // libmicrohttpd's threads only.
   std::string body;
   // The body outgrew max_body_bytes: the rest is not kept and the reply is 413.
   bool too_large = false;
-  // Counted in by Enter(): Completed counts it out once the reply is sent (or the connection is
-  // gone), so that Shutdown never stops the server under a reply being written.
+  // Counted in by Enter() (counted out by the destructor), and its thread started.
   bool entered = false;
-  // The generation's own thread, and its reply once it is done.
-  std::thread runner;
+  bool running = false;
+
+  // Between the request's thread (and the device worker reporting progress) and the connection.
   absl::Mutex mu;
+  // The connection is suspended: by Access while the request runs, by the stream's reader while no
+  // bytes are pending. Whoever gives it something to send resumes it.
+  bool suspended ABSL_GUARDED_BY(mu) = false;
+  // The whole reply: a JSON body, or an error before a stream began.
   std::optional<Reply> reply ABSL_GUARDED_BY(mu);
+  // Server-sent events began (the reply is the stream), were queued, and have all been pushed.
+  bool streaming ABSL_GUARDED_BY(mu) = false;
+  bool stream_queued ABSL_GUARDED_BY(mu) = false;
+  bool finished ABSL_GUARDED_BY(mu) = false;
+  std::string pending ABSL_GUARDED_BY(mu);
+  int64_t streamed_bytes ABSL_GUARDED_BY(mu) = 0;
+  // The request completed (its reply sent, or its client gone).
+  bool gone ABSL_GUARDED_BY(mu) = false;
+
+  void ResumeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    if (!suspended) return;
+    suspended = false;
+    MHD_resume_connection(mhd);
+  }
+  // Hands the connection its whole reply.
+  void SetReply(Reply r) {
+    absl::MutexLock lock(&mu);
+    reply = std::move(r);
+    ResumeLocked();
+  }
+  // Adds bytes of the stream (the first starts it); false when the client is gone.
+  bool Push(const std::string& bytes) {
+    absl::MutexLock lock(&mu);
+    if (gone || finished) return false;
+    pending += bytes;
+    streaming = true;
+    ResumeLocked();
+    return true;
+  }
+  void FinishStream() {
+    absl::MutexLock lock(&mu);
+    finished = true;
+    ResumeLocked();
+  }
+  bool Gone() {
+    absl::MutexLock lock(&mu);
+    return gone;
+  }
 };
 
 HttpFront::HttpFront(const HttpFrontOptions& options, DeviceSet* core, ServerMetrics* metrics)
@@ -243,6 +295,8 @@ void HttpFront::Shutdown(absl::Time deadline) {
     mu_.Await(absl::Condition(&idle));
     stopped_ = true;
   }
+  // Every request has let go of its connection; their threads end now.
+  ReapRunners(/*all=*/true);
   // No connection is suspended now (every generation resumed its own); the rest are closed.
   if (daemon_ != nullptr) MHD_stop_daemon(daemon_);
   daemon_ = nullptr;
@@ -299,6 +353,9 @@ void HttpFront::Sweep() {
   absl::MutexLock lock(&connections_mu_);
   while (!sweeper_stop_) {
     connections_mu_.AwaitWithTimeout(absl::Condition(&sweeper_stop_), kSweepPeriod);
+    connections_mu_.Unlock();
+    ReapRunners(/*all=*/false);
+    connections_mu_.Lock();
     const absl::Time now = absl::Now();
     for (Connection* connection : connections_) {
       if (connection->cut || connection->fd < 0 || now <= connection->deadline) continue;
@@ -314,21 +371,25 @@ void HttpFront::Sweep() {
 
 int HttpFront::Access(MHD_Connection* connection, const char* url, const char* method, const char* upload,
                       size_t* upload_size, void** request_slot) {
-  auto* request = static_cast<Request*>(*request_slot);
-  if (request == nullptr) {
+  auto* slot = static_cast<std::shared_ptr<Request>*>(*request_slot);
+  if (slot == nullptr) {
     // The head has arrived.
-    request = new Request;
-    *request_slot = request;
+    auto request = std::make_shared<Request>();
+    request->front = this;
+    request->mhd = connection;
+    slot = new std::shared_ptr<Request>(request);
+    *request_slot = slot;
     const MHD_ConnectionInfo* info = MHD_get_connection_info(connection, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
     request->connection = info != nullptr ? static_cast<Connection*>(info->socket_context) : nullptr;
     Reply reply;
-    if (Route(connection, method != nullptr ? method : "", url != nullptr ? url : "", request, &reply)) {
-      return Queue(connection, request, reply);
+    if (Route(connection, method != nullptr ? method : "", url != nullptr ? url : "", request.get(), &reply)) {
+      return Queue(connection, request.get(), reply);
     }
     // A generation: its body is due within the read timeout.
     SetDeadline(request->connection, absl::Now() + options_.read_timeout);
     return 1;
   }
+  const std::shared_ptr<Request>& request = *slot;
   if (*upload_size > 0) {
     if (!request->too_large) {
       if (static_cast<int64_t>(request->body.size() + *upload_size) > options_.max_body_bytes) {
@@ -341,50 +402,144 @@ int HttpFront::Access(MHD_Connection* connection, const char* url, const char* m
     *upload_size = 0;
     return 1;
   }
-  std::optional<Reply> done;
-  {
-    absl::MutexLock lock(&request->mu);
-    done.swap(request->reply);
-  }
-  if (done.has_value()) {
-    // Resumed: the generation is done (its thread's last act was the resume).
-    if (request->runner.joinable()) request->runner.join();
-    return Queue(connection, request, *done);
+  if (request->running) {
+    // Resumed by the request's thread: its whole reply, or the first events of its stream.
+    std::optional<Reply> done;
+    bool stream = false;
+    {
+      absl::MutexLock lock(&request->mu);
+      done.swap(request->reply);
+      if (!done.has_value() && request->streaming && !request->stream_queued) {
+        request->stream_queued = true;
+        stream = true;
+      }
+    }
+    if (done.has_value()) return Queue(connection, request.get(), *done);
+    if (stream) return QueueStream(connection, request);
+    return 1;
   }
   // The whole body is here.
   if (request->too_large) {
-    return Queue(connection, request,
+    return Queue(connection, request.get(),
                  Reply::Error(OpenAiError{413, absl::StrCat("request body is more than ", options_.max_body_bytes,
                                                             " bytes; at most ", options_.max_body_bytes,
                                                             " bytes allowed"),
                                           "invalid_request_error", "", "request_too_large"}));
   }
   if (!Enter()) {
-    return Queue(connection, request,
+    return Queue(connection, request.get(),
                  Reply::Error(OpenAiError{503, "the server is shutting down", "server_error", "", "shutting_down"}));
   }
   request->entered = true;
+  request->running = true;
   // While it runs the connection is not read and has no deadline of its own.
   SetDeadline(request->connection, absl::InfiniteFuture());
-  MHD_suspend_connection(connection);
-  request->runner = std::thread([this, connection, request] {
-    Reply reply = Generate(request->body);
-    {
-      absl::MutexLock lock(&request->mu);
-      request->reply = std::move(reply);
-    }
-    MHD_resume_connection(connection);
-  });
+  {
+    absl::MutexLock lock(&request->mu);
+    request->suspended = true;
+    MHD_suspend_connection(connection);
+  }
+  StartRunner([this, request = request] { RunRequest(request); });
   return 1;
 }
 
 void HttpFront::Completed(void** request_slot) {
-  auto* request = static_cast<Request*>(*request_slot);
-  if (request == nullptr) return;
-  if (request->runner.joinable()) request->runner.join();
-  if (request->entered) Leave();
-  delete request;
+  auto* slot = static_cast<std::shared_ptr<Request>*>(*request_slot);
+  if (slot == nullptr) return;
+  {
+    absl::MutexLock lock(&(*slot)->mu);
+    (*slot)->gone = true;
+  }
+  delete slot;
   *request_slot = nullptr;
+}
+
+void HttpFront::StartRunner(std::function<void()> run) {
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  std::thread thread([run = std::move(run), done]() mutable {
+    run();
+    run = nullptr;  // What it holds (the request) is let go before the thread counts as done.
+    done->store(true);
+  });
+  absl::MutexLock lock(&runners_mu_);
+  runners_.push_back(Runner{std::move(thread), std::move(done)});
+}
+
+void HttpFront::ReapRunners(bool all) {
+  std::vector<std::thread> finished;
+  {
+    absl::MutexLock lock(&runners_mu_);
+    auto keep = std::partition(runners_.begin(), runners_.end(),
+                               [all](const Runner& r) { return !all && !r.done->load(); });
+    for (auto it = keep; it != runners_.end(); ++it) finished.push_back(std::move(it->thread));
+    runners_.erase(keep, runners_.end());
+  }
+  for (std::thread& t : finished) t.join();
+}
+
+void HttpFront::RunRequest(const std::shared_ptr<Request>& request) {
+  ImagesRequest parsed;
+  if (std::optional<OpenAiError> error = ParseImagesRequest(request->body, options_.max_body_bytes, &parsed)) {
+    request->SetReply(Reply::Error(*error));
+    return;
+  }
+  std::string().swap(request->body);
+  if (!parsed.stream) {
+    request->SetReply(Generate(parsed, nullptr));
+    return;
+  }
+  Reply reply = Generate(parsed, request.get());
+  bool started = false;
+  {
+    absl::MutexLock lock(&request->mu);
+    started = request->streaming;
+  }
+  if (!started) {
+    // Failed before its first event (the request was refused): a plain HTTP error.
+    request->SetReply(std::move(reply));
+    return;
+  }
+  if (reply.error.has_value()) request->Push(ErrorEvent(*reply.error));
+  request->FinishStream();
+}
+
+int HttpFront::QueueStream(MHD_Connection* connection, const std::shared_ptr<Request>& request) {
+  MHD_Response* response =
+      MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, 64 * 1024, &HttpFront::ReadStream,
+                                        new std::shared_ptr<Request>(request),
+                                        [](void* cls) { delete static_cast<std::shared_ptr<Request>*>(cls); });
+  if (response == nullptr) return 0;
+  MHD_add_response_header(response, "Content-Type", "text/event-stream");
+  MHD_add_response_header(response, "Cache-Control", "no-store");
+  MHD_add_response_header(response, "Connection", "close");
+  // Proxies that buffer replies would hold every event back until the end.
+  MHD_add_response_header(response, "X-Accel-Buffering", "no");
+  const MHD_Result queued = MHD_queue_response(connection, 200, response);
+  MHD_destroy_response(response);
+  return queued == MHD_YES ? 1 : 0;
+}
+
+ssize_t HttpFront::ReadStream(void* cls, uint64_t, char* buffer, size_t max) {
+  Request& request = **static_cast<std::shared_ptr<Request>*>(cls);
+  absl::MutexLock lock(&request.mu);
+  if (!request.pending.empty()) {
+    const size_t n = std::min(max, request.pending.size());
+    std::memcpy(buffer, request.pending.data(), n);
+    request.pending.erase(0, n);
+    request.streamed_bytes += static_cast<int64_t>(n);
+    return static_cast<ssize_t>(n);
+  }
+  if (request.finished) {
+    // The last chunk is due within the reply deadline of everything streamed.
+    request.front->SetDeadline(request.connection,
+                               absl::Now() + request.front->options_.read_timeout +
+                                   absl::Seconds(request.streamed_bytes / kReplyBytesPerSecond));
+    return MHD_CONTENT_READER_END_OF_STREAM;
+  }
+  // Nothing to send yet: the connection waits, suspended, for the next event.
+  request.suspended = true;
+  MHD_suspend_connection(request.mhd);
+  return 0;
 }
 
 int HttpFront::Queue(MHD_Connection* connection, Request* request, const Reply& reply) {
@@ -544,11 +699,7 @@ bool HttpFront::Authorized(MHD_Connection* connection, Reply* reply) const {
   return true;
 }
 
-HttpFront::Reply HttpFront::Generate(const std::string& body) {
-  ImagesRequest request;
-  if (std::optional<OpenAiError> error = ParseImagesRequest(body, options_.max_body_bytes, &request)) {
-    return Reply::Error(*error);
-  }
+HttpFront::Reply HttpFront::Generate(const ImagesRequest& request, Request* stream) {
   // The n images are submitted together (each its own job on the device queue, so a batching
   // core can run them as one batch). An image that finds the queue full while other images of
   // the same request are still pending waits for one of them to finish and tries again: a
@@ -565,8 +716,21 @@ HttpFront::Reply HttpFront::Generate(const std::string& body) {
     control.interrupt = [&]() -> absl::Status {
       if (absl::Status stop = Interrupted(); !stop.ok()) return stop;
       if (first_failed.load() >= 0) return absl::CancelledError("another image of the same request failed");
+      if (stream != nullptr && stream->Gone()) return absl::CancelledError("the client closed the stream");
       return absl::OkStatus();
     };
+    if (stream != nullptr) {
+      // Events come from the device worker's thread: appending them is all it does (a preview's
+      // PNG is encoded there, at most kMaxPartialImages times per image).
+      control.on_progress = [stream, i](const v1::Progress& progress) { stream->Push(ProgressEvent(i, progress)); };
+      control.preview_count = request.partial_images;
+      control.on_preview = [stream, i](int index, int, const Image& image) {
+        absl::StatusOr<std::string> png = EncodePng(image);
+        if (png.ok()) {
+          stream->Push(PartialImageEvent(i, index, *png, image.width, image.height, absl::ToUnixSeconds(absl::Now())));
+        }
+      };
+    }
     absl::Time start;
     for (;;) {
       int finished_before = 0;
@@ -592,6 +756,9 @@ HttpFront::Reply HttpFront::Generate(const std::string& body) {
       if (!control.interrupt().ok()) break;
     }
     RecordGeneration(*core_, metrics_, image, results[i].status(), results[i].ok() ? &*results[i] : nullptr, start);
+    if (stream != nullptr && results[i].ok()) {
+      stream->Push(CompletedEvent(i, *results[i], absl::ToUnixSeconds(absl::Now())));
+    }
     if (!results[i].ok()) {
       int none = -1;
       first_failed.compare_exchange_strong(none, i);

@@ -5,7 +5,8 @@
 // GenerationService (server/generation_metrics.h). No placement policy, no pipeline knowledge.
 //
 // Endpoints:
-//   POST /v1/images/generations   OpenAI's images API (README "HTTP API" lists the fields)
+//   POST /v1/images/generations   OpenAI's images API (README "HTTP API" lists the fields); with
+//                                 `stream: true`, server-sent events (progress, previews, images)
 //   GET  /v1/models               the pipelines as OpenAI models; GET /v1/models/{id}: one
 //   GET  /health                  200 while serving, 503 once shutting down (never authenticated)
 // With an API key set, /v1/ requests need "Authorization: Bearer <key>" (compared in constant time).
@@ -19,7 +20,8 @@
 //   - the reply within read_timeout plus one second per MiB of it (a reader that stops or
 //     trickles is cut);
 //   - while its generation runs the connection is suspended: not read, no deadline of its own
-//     (the request's own deadline and the server's shutdown bound it).
+//     (the request's own deadline and the server's shutdown bound it); a streamed reply is written
+//     as its events come, and a streamed request whose client has gone is stopped.
 // A reply closes its connection (no keep-alive) and the unread rest of a refused body is not
 // read. At most max_connections are open at once and at most max_connections_per_client per
 // client address; beyond either a new connection is closed at once.
@@ -35,11 +37,15 @@
 #ifndef STOWAGE_SERVER_HTTP_FRONT_H_
 #define STOWAGE_SERVER_HTTP_FRONT_H_
 
+#include <sys/types.h>
+
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
@@ -53,6 +59,8 @@ struct MHD_Connection;
 struct MHD_Daemon;
 
 namespace stowage {
+
+struct ImagesRequest;
 
 struct HttpFrontOptions {
   // "host:port" (an IPv4 or IPv6 address or a host name; "[v6]:port"); port 0 picks a free one.
@@ -115,8 +123,20 @@ class HttpFront {
   bool Authorized(MHD_Connection* connection, Reply* reply) const;
   // Queues `reply` (it closes the connection) and gives the connection its reply deadline.
   int Queue(MHD_Connection* connection, Request* request, const Reply& reply);
-  // Runs a generation request's images (on the request's own thread); the JSON reply.
-  Reply Generate(const std::string& body);
+  // Queues the server-sent events of a streamed request (text/event-stream, chunked).
+  int QueueStream(MHD_Connection* connection, const std::shared_ptr<Request>& request);
+  // libmicrohttpd's content reader of a streamed reply.
+  static ssize_t ReadStream(void* cls, uint64_t position, char* buffer, size_t max);
+  // A generation request's own thread: parses the body, runs its images, and hands the connection
+  // its reply (a JSON body, or server-sent events as they come).
+  void RunRequest(const std::shared_ptr<Request>& request);
+  // Runs the images of `parsed`; with `stream`, pushes progress, previews and each completed image
+  // to it as they come. The JSON reply (or the error) when everything is done.
+  Reply Generate(const ImagesRequest& parsed, Request* stream);
+
+  // Threads of running requests: started by Access, joined by the sweeper once done and by Shutdown.
+  void StartRunner(std::function<void()> run);
+  void ReapRunners(bool all);
 
   // The sweeper: cuts connections past their phase deadline.
   void SetDeadline(Connection* connection, absl::Time deadline);
@@ -147,6 +167,13 @@ class HttpFront {
   absl::flat_hash_set<Connection*> connections_ ABSL_GUARDED_BY(connections_mu_);
   bool sweeper_stop_ ABSL_GUARDED_BY(connections_mu_) = false;
   std::thread sweeper_;
+
+  struct Runner {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  absl::Mutex runners_mu_;
+  std::vector<Runner> runners_ ABSL_GUARDED_BY(runners_mu_);
 };
 
 }  // namespace stowage

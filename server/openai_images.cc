@@ -242,7 +242,7 @@ std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t ma
   for (const auto& [name, value] : json.fields()) {
     static const std::set<std::string> kKnown = {"model", "prompt", "n", "size", "response_format", "output_format",
                                                  "negative_prompt", "num_inference_steps", "guidance_scale", "seed",
-                                                 "user", "priority"};
+                                                 "user", "priority", "stream", "partial_images"};
     if (kKnown.count(name) == 0 && IgnoredOpenAiFields().count(name) == 0) {
       return InvalidRequest(absl::StrCat("unrecognized request argument ", JsonQuote(Truncated(name)),
                                          "; allowed: ", absl::StrJoin(kKnown, ", "), " (and, ignored: ",
@@ -303,6 +303,22 @@ std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t ma
   if (present) r.set_tenant(text);
   if (auto e = GetInteger(json, "priority", 0, 9, "0 (the default) to 9", &number, &present)) return e;
   if (present) r.set_priority(static_cast<int32_t>(number));
+  auto stream = json.fields().find("stream");
+  if (stream != json.fields().end() && stream->second.kind_case() != Value::kNullValue) {
+    if (stream->second.kind_case() != Value::kBoolValue) {
+      return InvalidRequest(absl::StrCat("stream must be true or false, not ", KindName(stream->second)), "stream");
+    }
+    out.stream = stream->second.bool_value();
+  }
+  if (auto e = GetInteger(json, "partial_images", 0, kMaxPartialImages, absl::StrCat("0 to ", kMaxPartialImages),
+                          &number, &present)) {
+    return e;
+  }
+  if (present) out.partial_images = static_cast<int>(number);
+  if (out.partial_images > 0 && !out.stream) {
+    return InvalidRequest("partial_images needs stream: true (previews are sent as server-sent events)",
+                          "partial_images");
+  }
   auto guidance = json.fields().find("guidance_scale");
   if (guidance != json.fields().end() && guidance->second.kind_case() != Value::kNullValue) {
     if (guidance->second.kind_case() != Value::kNumberValue) {
@@ -385,6 +401,65 @@ std::vector<std::pair<std::string, std::string>> StatsHeaders(const std::vector<
   headers.emplace_back("X-Stowage-Host-To-Device-Bytes", absl::StrCat(h2d));
   headers.emplace_back("X-Stowage-Device-To-Host-Bytes", absl::StrCat(d2h));
   return headers;
+}
+
+namespace {
+
+// "event: T\ndata: <one line of JSON>\n\n" (Serialize ends its text with a newline).
+std::string Sse(const Json& event) {
+  return absl::StrCat("event: ", event["type"].get<std::string>(), "\ndata: ", Serialize(event), "\n");
+}
+
+double Seconds(const google::protobuf::Duration& d) { return d.seconds() + d.nanos() * 1e-9; }
+
+}  // namespace
+
+std::string ProgressEvent(int image_index, const v1::Progress& progress) {
+  Json event;
+  event["type"] = "stowage.progress";
+  event["image_index"] = image_index;
+  event["stage"] = progress.stage();
+  event["step"] = progress.step();
+  event["total_steps"] = progress.total_steps();
+  event["elapsed_seconds"] = Seconds(progress.elapsed());
+  event["queue_wait_seconds"] = Seconds(progress.queue_wait());
+  return Sse(event);
+}
+
+std::string PartialImageEvent(int image_index, int partial_index, const std::string& png, int width, int height,
+                              int64_t created) {
+  Json event;
+  event["type"] = "image_generation.partial_image";
+  event["image_index"] = image_index;
+  event["partial_image_index"] = partial_index;
+  event["b64_json"] = absl::Base64Escape(png);
+  event["size"] = absl::StrCat(width, "x", height);
+  event["output_format"] = "png";
+  event["created_at"] = created;
+  event["quality"] = "auto";
+  event["background"] = "opaque";
+  return Sse(event);
+}
+
+std::string CompletedEvent(int image_index, const v1::GenerateResponse& image, int64_t created) {
+  Json event;
+  event["type"] = "image_generation.completed";
+  event["image_index"] = image_index;
+  event["b64_json"] = absl::Base64Escape(image.image());
+  event["size"] = absl::StrCat(image.width(), "x", image.height());
+  event["output_format"] = "png";
+  event["created_at"] = created;
+  event["quality"] = "auto";
+  event["background"] = "opaque";
+  event["model"] = image.pipeline();
+  event["seed"] = image.seed();
+  event["request_id"] = image.request_id();
+  event["stats"] = ProtoJson(image.stats());
+  return Sse(event);
+}
+
+std::string ErrorEvent(const OpenAiError& error) {
+  return absl::StrCat("event: error\ndata: ", ErrorBody(error), "\n");
 }
 
 namespace {

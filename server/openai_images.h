@@ -68,7 +68,14 @@ struct ImagesRequest {
   // num_inference_steps, guidance_scale and seed when given.
   v1::GenerateRequest base;
   int n = 1;
+  // `stream: true`: the reply is server-sent events (StreamEvent below) instead of one JSON body.
+  bool stream = false;
+  // Previews per image while it denoises (0..kMaxPartialImages; streams only).
+  int partial_images = 0;
 };
+
+// OpenAI's bound on partial_images.
+inline constexpr int kMaxPartialImages = 3;
 
 // Parses and type-checks the body of POST /v1/images/generations. `max_bytes` bounds the body.
 // Returns the error to answer with (always a 4xx) when the body is unacceptable: not UTF-8, not a
@@ -92,6 +99,23 @@ std::string ImagesResponseBody(const std::vector<v1::GenerateResponse>& images, 
 // device / device reserved / CPU RSS bytes (the largest), bytes moved host→device and device→host
 // (summed over the images).
 std::vector<std::pair<std::string, std::string>> StatsHeaders(const std::vector<v1::GenerateResponse>& images);
+
+// Server-sent events of a streamed request (`stream: true`), each "event: <type>\ndata: <json>\n\n"
+// with the type repeated as the JSON's "type" (OpenAI's image streaming events, which the SDKs
+// yield as they come), and "image_index" (0..n-1) naming the request's image:
+//   stowage.progress                 {stage, step, total_steps, elapsed_seconds, queue_wait_seconds}
+//                                    at each stage start and after each denoising step
+//   image_generation.partial_image   {b64_json: <PNG>, partial_image_index, size, output_format,
+//                                    created_at, quality, background} — a preview (partial_images)
+//   image_generation.completed       {b64_json: <PNG>, size, output_format, created_at, quality,
+//                                    background, seed, request_id, stats} — one per image
+//   error                            {"error": <OpenAI error object>} — the request failed after the
+//                                    stream began (an error before it is a plain HTTP error reply)
+std::string ProgressEvent(int image_index, const v1::Progress& progress);
+std::string PartialImageEvent(int image_index, int partial_index, const std::string& png, int width, int height,
+                              int64_t created);
+std::string CompletedEvent(int image_index, const v1::GenerateResponse& image, int64_t created);
+std::string ErrorEvent(const OpenAiError& error);
 
 // GET /v1/models: {"object": "list", "data": [<model>...]}, one model per pipeline:
 // {"id": name, "object": "model", "created": <created>, "owned_by": "stowage",

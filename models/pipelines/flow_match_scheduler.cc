@@ -62,7 +62,10 @@ void FlowMatchEulerScheduler::SetTimesteps(int steps) {
 
 at::Tensor FlowMatchEulerScheduler::Step(const at::Tensor& velocity, int index,
                                          const at::Tensor& sample) const {
-  const double dt = sigmas_.at(index + 1) - sigmas_.at(index);
+  return EulerStep(sample, velocity, sigmas_.at(index + 1) - sigmas_.at(index));
+}
+
+at::Tensor EulerStep(const at::Tensor& sample, const at::Tensor& velocity, double dt) {
   return sample.to(at::kFloat) + velocity.to(at::kFloat) * dt;
 }
 

@@ -34,6 +34,11 @@ absl::Status Validate(const FlowMatchSchedulerConfig& config, const std::string&
 // (n + 1 values). (Flux.1 [dev]'s resolution-dependent shift: FluxSigmas in flux_latents.h.)
 std::vector<float> ShiftedSigmas(int n, double shift);
 
+// The Euler step of every flow-matching pipeline: sample + dt · velocity, both widened to float32
+// first, the result in float32 (a caller keeping latents in another dtype casts it back). With dt =
+// 0 − sigma it gives the clean sample the velocity predicts (a preview's latents).
+at::Tensor EulerStep(const at::Tensor& sample, const at::Tensor& velocity, double dt);
+
 class FlowMatchEulerScheduler {
  public:
   explicit FlowMatchEulerScheduler(const FlowMatchSchedulerConfig& config) : config_(config) {}

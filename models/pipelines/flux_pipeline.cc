@@ -198,6 +198,11 @@ class FluxPipeline : public Pipeline {
     const at::Tensor txt_ids = at::zeros({options_.max_sequence_length, 3}, at::TensorOptions().dtype(at::kFloat)).to(device);
     const int n = shape.steps;
     const std::vector<float> sigmas = schedule_.Sigmas(n, (lh / 2) * (lw / 2));
+    // One member's packed latents to pixels (inside a run of the VAE).
+    const c10::Device vae_device = runner.DeviceOf(*vae_, options_.device);
+    auto decode = [&](const at::Tensor& x) {
+      return Vae().Decode(UnpackLatents(x, lh, lw).to(vae_device).to(vae_->dtype()));
+    };
 
     run.BeginStage("denoise", n);
     // The encoders' rows of the members still running, selected again only when one has left.
@@ -241,19 +246,24 @@ class FluxPipeline : public Pipeline {
       // diffusers' Euler step: in float32, the result cast back to the model's dtype.
       const float dt = sigmas[step + 1] - sigmas[step];
       int64_t k = 0;
+      std::vector<std::pair<size_t, at::Tensor>> previews;
       for (size_t i : active) {
-        latents[i] = (latents[i].to(at::kFloat) + dt * out.narrow(0, k++, 1).to(at::kFloat)).to(options_.dtype);
+        const at::Tensor velocity = out.narrow(0, k++, 1);
+        if (members[i].context->WantsPreview(step + 1)) {
+          previews.emplace_back(i, EulerStep(latents[i], velocity, -sigmas[step]).to(options_.dtype));
+        }
+        latents[i] = EulerStep(latents[i], velocity, dt).to(options_.dtype);
         members[i].context->ReportStep(step + 1, n);
       }
+      DeliverPreviews(runner, *vae_, members, step + 1, previews, decode);
       run.Filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
     }
 
     run.BeginStage("decode", 0);
     std::vector<at::Tensor> pixels(members.size());
     if (!active.empty()) {
-      const c10::Device vae_device = runner.DeviceOf(*vae_, options_.device);
       const absl::Status decoded = runner.Run(*vae_, [&] {
-        for (size_t i : active) pixels[i] = Vae().Decode(UnpackLatents(latents[i], lh, lw).to(vae_device).to(vae_->dtype()));
+        for (size_t i : active) pixels[i] = decode(latents[i]);
       });
       run.Filter([&](size_t) { return decoded; });
     }

@@ -1,5 +1,7 @@
 #include "models/pipelines/pipeline.h"
 
+#include <algorithm>
+
 namespace stowage {
 
 RunContext::RunContext(std::function<absl::Status()> interrupt,
@@ -82,6 +84,43 @@ absl::Status Pipeline::CheckSourceFiles() {
 
 void RunContext::ReportStep(int step, int total_steps) {
   if (progress_) progress_(current_stage_, step, total_steps);
+}
+
+void RunContext::set_previews(std::vector<int> steps, PreviewFn on_preview) {
+  preview_steps_ = std::move(steps);
+  on_preview_ = std::move(on_preview);
+}
+
+bool RunContext::WantsPreview(int step) const {
+  return on_preview_ && std::find(preview_steps_.begin(), preview_steps_.end(), step) != preview_steps_.end();
+}
+
+void RunContext::Preview(int step, const Image& image) {
+  if (on_preview_) on_preview_(previews_sent_++, step, image);
+}
+
+std::vector<int> PreviewSteps(int count, int steps) {
+  std::vector<int> out;
+  for (int j = 1; j <= count; ++j) {
+    const int step = static_cast<int>((static_cast<int64_t>(steps) * j) / (count + 1));
+    if (step >= 1 && step < steps && (out.empty() || step > out.back())) out.push_back(step);
+  }
+  return out;
+}
+
+void DeliverPreviews(ComponentRunner& runner, Component& vae, const std::vector<BatchMember>& members, int step,
+                     const std::vector<std::pair<size_t, at::Tensor>>& latents,
+                     const std::function<at::Tensor(const at::Tensor&)>& decode) {
+  if (latents.empty()) return;
+  std::vector<at::Tensor> pixels(latents.size());
+  const absl::Status ran = runner.Run(vae, [&] {
+    for (size_t k = 0; k < latents.size(); ++k) pixels[k] = decode(latents[k].second);
+  });
+  if (!ran.ok()) return;
+  for (size_t k = 0; k < latents.size(); ++k) {
+    absl::StatusOr<Image> image = ImageFromTensor(pixels[k]);
+    if (image.ok()) members[latents[k].first].context->Preview(step, *image);
+  }
 }
 
 }  // namespace stowage

@@ -58,6 +58,15 @@ class RunContext {
   void BeginStage(const std::string& stage, int total_steps = 0);
   void EndStage();
   void ReportStep(int step, int total_steps);
+
+  // Previews (partial images): after each denoising step in `steps` (1-based) the pipeline decodes
+  // its estimate of the final image at that point (the clean latents one Euler step to sigma 0
+  // would give) and hands it to `on_preview` with its index (0, 1, ... in step order). Called on
+  // the thread that runs the pipeline; a preview that fails to decode is skipped.
+  using PreviewFn = std::function<void(int index, int step, const Image& image)>;
+  void set_previews(std::vector<int> steps, PreviewFn on_preview);
+  bool WantsPreview(int step) const;
+  void Preview(int step, const Image& image);
   const std::vector<StageTime>& stage_times() const { return stage_times_; }
   // Stages begun from now on ran for a whole batch at once (their time is the batch's).
   void set_shared(bool shared) { shared_ = shared; }
@@ -65,6 +74,9 @@ class RunContext {
  private:
   std::function<absl::Status()> interrupt_;
   std::function<void(const std::string&, int, int)> progress_;
+  std::vector<int> preview_steps_;
+  PreviewFn on_preview_;
+  int previews_sent_ = 0;
   std::string current_stage_;
   absl::Time stage_start_;
   bool shared_ = false;
@@ -72,11 +84,25 @@ class RunContext {
   std::vector<StageTime> stage_times_;
 };
 
+// The denoising steps (1-based, ascending, distinct) after which `count` previews of a `steps`-step
+// run are taken: evenly spaced before the last step (which is the final image itself); fewer when
+// the run has too few steps.
+std::vector<int> PreviewSteps(int count, int steps);
+
 // One request of a batch: its validated parameters and its own progress and cancellation.
 struct BatchMember {
   const GenerationParams* params = nullptr;
   RunContext* context = nullptr;
 };
+
+// After a denoising step (1-based `step`): decodes the clean latents of the members that asked for
+// a preview at this step — (member index, latents) pairs — with `decode` inside one run of `vae`,
+// and hands each member its image. A preview that fails (the run, the conversion) is skipped: a
+// preview never fails its request.
+void DeliverPreviews(ComponentRunner& runner, Component& vae, const std::vector<BatchMember>& members, int step,
+                     const std::vector<std::pair<size_t, at::Tensor>>& latents,
+                     const std::function<at::Tensor(const at::Tensor&)>& decode);
+
 
 // Requests that may run as one batch: the same image size and step count (prompts, negative
 // prompts, seeds and guidance may differ).

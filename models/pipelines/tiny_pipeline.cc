@@ -97,6 +97,11 @@ class TinyPipeline : public Pipeline {
 
     FlowMatchEulerScheduler scheduler(options_.scheduler);
     scheduler.SetTimesteps(params.steps);
+    // Latents to pixels (inside a run of the VAE).
+    const c10::Device vae_device = runner.DeviceOf(*vae_, options_.device);
+    auto decode = [&](const at::Tensor& x) {
+      return static_cast<TinyVaeDecoder&>(vae_->module()).Forward(x.to(vae_device).to(options_.dtype));
+    };
     context.BeginStage("denoise", params.steps);
     auto& dit = static_cast<TinyDiT&>(transformer_->module());
     for (int i = 0; i < params.steps; ++i) {
@@ -114,6 +119,11 @@ class TinyPipeline : public Pipeline {
         const at::Tensor cond = velocity.slice(0, 1, 2);
         velocity = uncond + (cond - uncond) * params.guidance_scale;
       }
+      if (context.WantsPreview(i + 1)) {
+        const at::Tensor clean = EulerStep(latents, velocity, -scheduler.sigmas()[i]);
+        const BatchMember self{&params, &context};
+        DeliverPreviews(runner, *vae_, {self}, i + 1, {{0, clean}}, decode);
+      }
       latents = scheduler.Step(velocity, i, latents);
       context.ReportStep(i + 1, params.steps);
       RETURN_IF_ERROR(context.CheckInterrupt());
@@ -121,10 +131,7 @@ class TinyPipeline : public Pipeline {
 
     context.BeginStage("decode");
     at::Tensor pixels;
-    const at::Tensor vae_in = latents.to(runner.DeviceOf(*vae_, options_.device));
-    RETURN_IF_ERROR(runner.Run(*vae_, [&] {
-      pixels = static_cast<TinyVaeDecoder&>(vae_->module()).Forward(vae_in.to(options_.dtype));
-    }));
+    RETURN_IF_ERROR(runner.Run(*vae_, [&] { pixels = decode(latents); }));
     context.EndStage();
     return ImageFromTensor(pixels);
   }

@@ -123,6 +123,11 @@ class ZImagePipeline : public Pipeline {
 
     const int n = shape.steps;
     const std::vector<float> sigmas = ShiftedSigmas(n, options_.scheduler_shift);
+    // One member's latents to pixels (inside a run of the VAE).
+    const c10::Device vae_device = runner.DeviceOf(*vae_, options_.device);
+    auto decode = [&](const at::Tensor& x) {
+      return vae.Decode(x.squeeze(1).unsqueeze(0).to(vae_device).to(vae_->dtype()));
+    };
 
     // Denoise: one transformer forward per step over every running member's positive (and
     // negative) sequence.
@@ -148,6 +153,7 @@ class ZImagePipeline : public Pipeline {
         break;
       }
       size_t k = 0;
+      std::vector<std::pair<size_t, at::Tensor>> previews;
       for (size_t i : active) {
         const GenerationParams& params = *members[i].params;
         const at::Tensor pos = out[k++].to(at::kFloat);
@@ -157,20 +163,22 @@ class ZImagePipeline : public Pipeline {
           velocity = pos + params.guidance_scale * (pos - neg);
         }
         // The model predicts the negated velocity: step with -out.
-        latents[i] = latents[i] + (sigmas[step + 1] - sigmas[step]) * (-velocity);
+        velocity = -velocity;
+        if (members[i].context->WantsPreview(step + 1)) {
+          previews.emplace_back(i, EulerStep(latents[i], velocity, -sigmas[step]));
+        }
+        latents[i] = EulerStep(latents[i], velocity, sigmas[step + 1] - sigmas[step]);
         members[i].context->ReportStep(step + 1, n);
       }
+      DeliverPreviews(runner, *vae_, members, step + 1, previews, decode);
       run.Filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
     }
 
     run.BeginStage("decode", 0);
     std::vector<at::Tensor> pixels(members.size());
     if (!active.empty()) {
-      const c10::Device vae_device = runner.DeviceOf(*vae_, options_.device);
       const absl::Status decoded = runner.Run(*vae_, [&] {
-        for (size_t i : active) {
-          pixels[i] = vae.Decode(latents[i].squeeze(1).unsqueeze(0).to(vae_device).to(vae_->dtype()));
-        }
+        for (size_t i : active) pixels[i] = decode(latents[i]);
       });
       run.Filter([&](size_t) { return decoded; });
     }

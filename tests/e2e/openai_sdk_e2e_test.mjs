@@ -183,6 +183,32 @@ await check('n images beyond the queue depth wait for each other instead of fail
   assert(result.data.length === 3, `expected 3 images, got ${result.data.length}`);
 });
 
+await check('stream: true yields progress, partial images and then the image (server-sent events)', async () => {
+  const stream = await client.images.generate({
+    model: 'zimage-tiny', prompt: 'a streamed square', size: '64x64', num_inference_steps: 4, seed: 3,
+    stream: true, partial_images: 2,
+  });
+  const types = [];
+  let completed = null;
+  for await (const event of stream) {
+    types.push(event.type);
+    if (event.type === 'image_generation.partial_image') {
+      assert(pngSize(Buffer.from(event.b64_json, 'base64')).width === 64, 'a preview of the wrong size');
+    }
+    if (event.type === 'image_generation.completed') completed = event;
+  }
+  assert(types.filter((t) => t === 'stowage.progress').length >= 4, `progress events: ${types.join(',')}`);
+  assert(types.filter((t) => t === 'image_generation.partial_image').length === 2, `partial images: ${types.join(',')}`);
+  assert(types[types.length - 1] === 'image_generation.completed', `last event: ${types[types.length - 1]}`);
+  const png = Buffer.from(completed.b64_json, 'base64');
+  assert(pngSize(png).width === 64 && completed.seed === 3, 'wrong completed image');
+  // The streamed image is the one an unstreamed request of the same seed returns.
+  const plain = await client.images.generate({
+    model: 'zimage-tiny', prompt: 'a streamed square', size: '64x64', num_inference_steps: 4, seed: 3,
+  });
+  assert(Buffer.from(plain.data[0].b64_json, 'base64').equals(png), 'streamed and unstreamed images differ');
+});
+
 await check('after all of that, generation still works', async () => {
   const result = await client.images.generate({ prompt: 'still alive', size: '64x64', num_inference_steps: 2 });
   pngSize(Buffer.from(result.data[0].b64_json, 'base64'));

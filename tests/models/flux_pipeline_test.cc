@@ -106,6 +106,31 @@ TEST(FluxPipelineTest, BatchMembersGetTheImageTheyGetAlone) {
   EXPECT_NE(batch[0]->rgb, batch[1]->rgb);
 }
 
+TEST(FluxPipelineTest, OnlyTheMemberThatAsksGetsPreviewsAndNoImageChanges) {
+  auto pipeline = Tiny();
+  ASSERT_NE(pipeline, nullptr);
+  std::vector<GenerationParams> params = {Params("a red lantern", 3.5f, 1), Params("a blue boat", 2.0f, 2)};
+  for (GenerationParams& p : params) p.steps = 4;
+  std::vector<RunContext> contexts;
+  for (size_t i = 0; i < params.size(); ++i) contexts.emplace_back(nullptr, nullptr);
+  std::vector<int> steps;
+  contexts[1].set_previews(PreviewSteps(3, 4), [&](int, int step, const Image& image) {
+    steps.push_back(step);
+    EXPECT_EQ(image.width, params[1].width);
+  });
+  std::vector<BatchMember> members;
+  for (size_t i = 0; i < params.size(); ++i) members.push_back(BatchMember{&params[i], &contexts[i]});
+  HostRunner runner;
+  std::vector<absl::StatusOr<Image>> batch = pipeline->RunBatch(members, runner);
+  EXPECT_EQ(steps, (std::vector<int>{1, 2, 3}));
+  for (size_t i = 0; i < params.size(); ++i) {
+    ASSERT_TRUE(batch[i].ok()) << batch[i].status();
+    auto alone = Alone(*pipeline, params[i]);
+    ASSERT_TRUE(alone.ok());
+    EXPECT_EQ(batch[i]->rgb, alone->rgb) << "member " << i;
+  }
+}
+
 TEST(FluxPipelineTest, InterruptedMemberLeavesAndTheOthersFinishAsAlone) {
   auto pipeline = Tiny();
   ASSERT_NE(pipeline, nullptr);

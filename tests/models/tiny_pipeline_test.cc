@@ -1,5 +1,7 @@
 #include "models/pipelines/tiny_pipeline.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <functional>
 #include <string>
@@ -54,6 +56,51 @@ TEST(TinyPipelineTest, SameSeedSameImageOtherSeedOtherImage) {
                                                     "transformer", "transformer", "transformer",
                                                     "vae", "text_encoder", "transformer",
                                                     "transformer", "transformer", "vae"}));
+}
+
+TEST(PreviewStepsTest, EvenlySpacedBeforeTheLastStepAndFewerWhenStepsAreFew) {
+  EXPECT_EQ(PreviewSteps(0, 8), std::vector<int>{});
+  EXPECT_EQ(PreviewSteps(1, 8), (std::vector<int>{4}));
+  EXPECT_EQ(PreviewSteps(3, 8), (std::vector<int>{2, 4, 6}));
+  EXPECT_EQ(PreviewSteps(3, 4), (std::vector<int>{1, 2, 3}));
+  EXPECT_EQ(PreviewSteps(3, 2), (std::vector<int>{1}));
+  EXPECT_EQ(PreviewSteps(2, 1), std::vector<int>{});
+}
+
+TEST(TinyPipelineTest, PreviewsComeAtTheirStepsAndLeaveTheImageAsItWas) {
+  auto pipeline = CreateTinyPipeline({});
+  ASSERT_TRUE(pipeline.ok()) << pipeline.status();
+  HostRunner runner;
+  GenerationParams params = Params(7);
+  params.steps = 6;
+  RunContext plain_context(nullptr, nullptr);
+  auto plain = (*pipeline)->Run(params, runner, plain_context);
+  ASSERT_TRUE(plain.ok());
+  RunContext context(nullptr, nullptr);
+  std::vector<std::pair<int, int>> seen;  // (index, step)
+  std::vector<Image> previews;
+  context.set_previews(PreviewSteps(2, params.steps), [&](int index, int step, const Image& image) {
+    seen.emplace_back(index, step);
+    previews.push_back(image);
+  });
+  runner.calls.clear();
+  auto image = (*pipeline)->Run(params, runner, context);
+  ASSERT_TRUE(image.ok());
+  EXPECT_EQ(image->rgb, plain->rgb) << "previews changed the image";
+  EXPECT_EQ(seen, (std::vector<std::pair<int, int>>{{0, 2}, {1, 4}}));
+  ASSERT_EQ(previews.size(), 2u);
+  EXPECT_EQ(previews[0].width, 64);
+  EXPECT_EQ(previews[0].height, 48);
+  // A preview is the run's estimate so far: it differs from the final image, the later one less.
+  auto distance = [&](const Image& a) {
+    double sum = 0;
+    for (size_t i = 0; i < a.rgb.size(); ++i) sum += std::abs(int{a.rgb[i]} - int{image->rgb[i]});
+    return sum;
+  };
+  EXPECT_GT(distance(previews[0]), 0);
+  EXPECT_LT(distance(previews[1]), distance(previews[0]));
+  // Each preview decodes once, inside the VAE's run.
+  EXPECT_EQ(std::count(runner.calls.begin(), runner.calls.end(), "vae"), 3);
 }
 
 TEST(TinyPipelineTest, GuidanceChangesTheImageAndWeightSeedChangesWeights) {

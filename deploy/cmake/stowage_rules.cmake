@@ -135,6 +135,9 @@ target_link_libraries(stowage_sys_prometheus INTERFACE stowage_sys_paths
 add_library(stowage_sys_microhttpd INTERFACE)
 target_link_libraries(stowage_sys_microhttpd INTERFACE stowage_sys_paths -lmicrohttpd)
 
+add_library(stowage_sys_xxhash INTERFACE)
+target_link_libraries(stowage_sys_xxhash INTERFACE stowage_sys_paths -lxxhash)
+
 add_library(stowage_sys_png INTERFACE)
 target_link_libraries(stowage_sys_png INTERFACE stowage_sys_paths -lpng16 -lz)
 add_library(stowage_sys_text INTERFACE)

@@ -30,6 +30,8 @@ packages=(
   # libmicrohttpd: the OpenAI-compatible HTTP front's server (server/http_front.cc); its GnuTLS
   # (libgnutls.so.30) is the host's own.
   libmicrohttpd12 libmicrohttpd-dev
+  # xxHash (header, link name, runtime): the disk offload store's fingerprints.
+  libxxhash-dev libxxhash0
   # GoogleTest / GoogleMock: headers and static libgtest.a, libgmock.a, libgmock_main.a.
   libgtest-dev libgmock-dev
   # nlohmann-json (header-only): the HTTP front's strict JSON check (server/openai_images.cc).

@@ -563,3 +563,56 @@ TEST(HostStoreFactoryTest, ValidatesStagingOnlyForTargetsThatStage) {
 
 }  // namespace
 }  // namespace stowage
+
+namespace stowage {
+namespace {
+
+// The disk store writes a group's file once and reuses it while its fingerprint (XXH3 of the
+// tensors' names, dtypes, shapes and bytes) matches; a group whose weights changed is written again.
+TEST(DiskHostStoreTest, ReusesFilesWhoseContentsMatchAndRewritesChangedOnes) {
+  const std::string dir = std::string(::testing::TempDir()) + "/disk_reuse";
+  ::mkdir(dir.c_str(), 0755);
+  // A fresh model each time (its weights come from a fixed seed); `change` bumps one weight of
+  // blocks.0 before the store is built.
+  auto build = [&](bool change, HostStoreStats* stats) {
+    StackModel model;
+    std::unique_ptr<HostWeights> weights = *HostWeights::Capture(model);
+    std::vector<PlanTensor> tensors;
+    bool changed = false;
+    for (HostWeights::Entry& e : weights->entries()) {
+      tensors.push_back(PlanTensor{e.slot, static_cast<int64_t>(e.host.nbytes()), 0});
+      if (change && !changed && e.module->SlotPath(*e.slot).find("blocks.0.") != std::string::npos) {
+        e.host.add_(1.0);
+        changed = true;
+      }
+    }
+    ASSERT_EQ(changed, change);
+    GroupPlanOptions plan_options;
+    plan_options.num_blocks_per_group = 2;
+    plan_options.slots = 1;
+    auto plan = PlanGroups("stack", model, tensors, plan_options);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
+    HostStoreOptions options;
+    options.component = "stack";
+    options.target = OffloadTarget::kDisk;
+    options.disk_dir = dir;
+    weights->OffloadAll();
+    auto store = CreateHostStore(options, plan->groups, *weights, *backend);
+    ASSERT_TRUE(store.ok()) << store.status();
+    *stats = (*store)->stats();
+  };
+  HostStoreStats first, second, third;
+  build(false, &first);
+  ASSERT_GT(first.disk_files_written, 1);
+  EXPECT_EQ(first.disk_files_reused, 0);
+  build(false, &second);
+  EXPECT_EQ(second.disk_files_written, 0);
+  EXPECT_EQ(second.disk_files_reused, first.disk_files_written);
+  build(true, &third);
+  EXPECT_EQ(third.disk_files_written, 1);
+  EXPECT_EQ(third.disk_files_reused, first.disk_files_written - 1);
+}
+
+}  // namespace
+}  // namespace stowage

@@ -65,6 +65,8 @@ std::string DeviceNameOf(const v1::DeviceConfig& device);
 // Scheduler bounds (ServerConfig.scheduler, GenerateRequest.priority/tenant).
 inline constexpr int kMaxReorderDelayMs = 60000;
 inline constexpr size_t kMaxTenantLength = 64;
+// GenerateRequest.partial_images: previews per image (OpenAI's bound on partial_images).
+inline constexpr int kMaxPartialImages = 3;
 inline constexpr int kMaxTenantWeights = 256;
 inline constexpr double kMaxTenantWeight = 1000;
 

@@ -996,6 +996,10 @@ absl::StatusOr<GenerationParams> GenerationCore::Validate(const v1::GenerateRequ
                                                    " is not supported; allowed: IMAGE_FORMAT_PNG, IMAGE_FORMAT_PNG_FAST, "
                                                    "IMAGE_FORMAT_RGB"));
   }
+  if (request.partial_images() < 0 || request.partial_images() > kMaxPartialImages) {
+    return absl::InvalidArgumentError(absl::StrCat("partial_images is ", request.partial_images(),
+                                                   "; allowed: 0 (the default) ..", kMaxPartialImages));
+  }
   if (request.priority() < 0 || request.priority() > kMaxPriority) {
     return absl::InvalidArgumentError(
         absl::StrCat("priority is ", request.priority(), "; allowed: 0 (the default) ..", kMaxPriority));
@@ -1188,8 +1192,8 @@ void GenerationCore::RunOnWorker(WorkerScope& scope, const std::vector<PendingRe
           control->on_progress(progress);
         }));
     contexts.back()->set_shared(batch_size > 1);
-    if (control->preview_count > 0 && control->on_preview) {
-      contexts.back()->set_previews(PreviewSteps(control->preview_count, r->params.steps), control->on_preview);
+    if (r->request->partial_images() > 0 && control->on_preview) {
+      contexts.back()->set_previews(PreviewSteps(r->request->partial_images(), r->params.steps), control->on_preview);
     }
     members.push_back(BatchMember{&r->params, contexts.back().get()});
   }

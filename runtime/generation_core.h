@@ -62,10 +62,9 @@ struct CallControl {
   // Optional; called for each progress event, one at a time: on the device worker's thread while
   // the request runs there, then on the calling thread for the final "encode_image" stage.
   std::function<void(const v1::Progress&)> on_progress;
-  // Optional previews (partial images) while the image denoises: `preview_count` (0..3) evenly
-  // spaced steps (PreviewSteps), each decoded and handed to `on_preview` with its index, the step
-  // and the image, on the device worker's thread (keep it short).
-  int preview_count = 0;
+  // Optional; receives the request's previews (GenerateRequest.partial_images of them, at
+  // PreviewSteps) with their index, step and image, on the device worker's thread (keep it short).
+  // Without it a request's partial_images are not made.
   std::function<void(int index, int step, const Image& image)> on_preview;
 };
 

@@ -6,6 +6,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "models/core/image.h"
 #include "server/generation_metrics.h"
 
 namespace stowage {
@@ -39,6 +40,12 @@ grpc::Status GenerationServiceImpl::Generate(grpc::ServerContext* context,
                                              const v1::GenerateRequest* request,
                                              v1::GenerateResponse* response) {
   const absl::Time start = absl::Now();
+  if (request->partial_images() != 0) {
+    const absl::Status refused = absl::InvalidArgumentError(
+        "partial_images: previews are sent by GenerateStream; Generate returns the image only");
+    Record(*request, refused, nullptr, start);
+    return ToGrpcStatus(refused);
+  }
   absl::StatusOr<v1::GenerateResponse> result = core_->Generate(*request, ControlFor(context));
   if (result.ok()) *response = *std::move(result);
   Record(*request, result.status(), result.ok() ? response : nullptr, start);
@@ -53,7 +60,7 @@ grpc::Status GenerationServiceImpl::GenerateStream(
   // worker never blocks on a slow client, and only this thread touches the writer.
   struct Shared {
     absl::Mutex mu;
-    std::deque<v1::Progress> pending ABSL_GUARDED_BY(mu);
+    std::deque<v1::GenerateStreamResponse> pending ABSL_GUARDED_BY(mu);
     bool finished ABSL_GUARDED_BY(mu) = false;
     absl::StatusOr<v1::GenerateResponse> result ABSL_GUARDED_BY(mu) = absl::InternalError("not run");
     // Await evaluates the condition with the lock held.
@@ -65,8 +72,24 @@ grpc::Status GenerationServiceImpl::GenerateStream(
 
   CallControl control = ControlFor(context);
   control.on_progress = [&shared](const v1::Progress& progress) {
+    v1::GenerateStreamResponse message;
+    *message.mutable_progress() = progress;
     absl::MutexLock lock(&shared.mu);
-    shared.pending.push_back(progress);
+    shared.pending.push_back(std::move(message));
+  };
+  // Previews are encoded on the worker (at most 3 per request); the handler's thread writes them.
+  control.on_preview = [&shared](int index, int step, const Image& image) {
+    absl::StatusOr<std::string> png = EncodePng(image);
+    if (!png.ok()) return;
+    v1::GenerateStreamResponse message;
+    v1::PartialImage* partial = message.mutable_partial_image();
+    partial->set_index(index);
+    partial->set_step(step);
+    partial->set_image(*std::move(png));
+    partial->set_width(image.width);
+    partial->set_height(image.height);
+    absl::MutexLock lock(&shared.mu);
+    shared.pending.push_back(std::move(message));
   };
   std::thread runner([&] {
     absl::StatusOr<v1::GenerateResponse> r = core_->Generate(*request, control);
@@ -77,7 +100,7 @@ grpc::Status GenerationServiceImpl::GenerateStream(
 
   bool writable = true;
   for (;;) {
-    std::deque<v1::Progress> batch;
+    std::deque<v1::GenerateStreamResponse> batch;
     bool done = false;
     {
       absl::MutexLock lock(&shared.mu);
@@ -85,9 +108,7 @@ grpc::Status GenerationServiceImpl::GenerateStream(
       batch.swap(shared.pending);
       done = shared.finished;
     }
-    for (const v1::Progress& progress : batch) {
-      v1::GenerateStreamResponse message;
-      *message.mutable_progress() = progress;
+    for (const v1::GenerateStreamResponse& message : batch) {
       if (writable && !writer->Write(message)) writable = false;  // Client gone: interrupt stops the run.
     }
     if (done) break;

@@ -723,7 +723,6 @@ HttpFront::Reply HttpFront::Generate(const ImagesRequest& request, Request* stre
       // Events come from the device worker's thread: appending them is all it does (a preview's
       // PNG is encoded there, at most kMaxPartialImages times per image).
       control.on_progress = [stream, i](const v1::Progress& progress) { stream->Push(ProgressEvent(i, progress)); };
-      control.preview_count = request.partial_images;
       control.on_preview = [stream, i](int index, int, const Image& image) {
         absl::StatusOr<std::string> png = EncodePng(image);
         if (png.ok()) {

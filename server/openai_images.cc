@@ -21,6 +21,7 @@
 #include "base/out_of_memory.h"
 #include "base/json_limits.h"
 #include "base/text.h"
+#include "runtime/config.h"
 
 namespace stowage {
 namespace {
@@ -314,8 +315,8 @@ std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t ma
                           &number, &present)) {
     return e;
   }
-  if (present) out.partial_images = static_cast<int>(number);
-  if (out.partial_images > 0 && !out.stream) {
+  if (present) r.set_partial_images(static_cast<int32_t>(number));
+  if (r.partial_images() > 0 && !out.stream) {
     return InvalidRequest("partial_images needs stream: true (previews are sent as server-sent events)",
                           "partial_images");
   }

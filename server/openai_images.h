@@ -68,14 +68,11 @@ struct ImagesRequest {
   // num_inference_steps, guidance_scale and seed when given.
   v1::GenerateRequest base;
   int n = 1;
-  // `stream: true`: the reply is server-sent events (StreamEvent below) instead of one JSON body.
+  // `stream: true`: the reply is server-sent events (ProgressEvent and the others below) instead
+  // of one JSON body. Previews (partial_images, streams only) are base.partial_images.
   bool stream = false;
-  // Previews per image while it denoises (0..kMaxPartialImages; streams only).
-  int partial_images = 0;
 };
 
-// OpenAI's bound on partial_images.
-inline constexpr int kMaxPartialImages = 3;
 
 // Parses and type-checks the body of POST /v1/images/generations. `max_bytes` bounds the body.
 // Returns the error to answer with (always a 4xx) when the body is unacceptable: not UTF-8, not a

@@ -223,6 +223,48 @@ TEST_F(ServerE2ETest, StreamReportsProgressThenTheResult) {
   EXPECT_EQ(stages, (std::vector<std::string>{"tokenize", "encode_prompt", "denoise", "decode", "encode_image"}));
 }
 
+TEST_F(ServerE2ETest, StreamSendsPreviewsBeforeTheResultAndGenerateRefusesThem) {
+  GenerateRequest request = Small();
+  request.set_num_inference_steps(6);
+  request.set_partial_images(2);
+  grpc::ClientContext context;
+  auto reader = stub_->GenerateStream(&context, request);
+  v1::GenerateStreamResponse message;
+  std::vector<std::pair<int, int>> previews;  // (index, step)
+  std::string result_png;
+  while (reader->Read(&message)) {
+    if (message.has_partial_image()) {
+      EXPECT_TRUE(result_png.empty()) << "a preview after the result";
+      previews.emplace_back(message.partial_image().index(), message.partial_image().step());
+      auto image = DecodePng(message.partial_image().image());
+      ASSERT_TRUE(image.ok());
+      EXPECT_EQ(image->width, message.partial_image().width());
+    }
+    if (message.has_result()) result_png = message.result().image();
+  }
+  ASSERT_TRUE(reader->Finish().ok());
+  EXPECT_EQ(previews, (std::vector<std::pair<int, int>>{{0, 2}, {1, 4}}));
+  // The image is the one the request gives without previews.
+  GenerateRequest plain = request;
+  plain.set_partial_images(0);
+  GenerateResponse unstreamed;
+  ASSERT_TRUE(Call(plain, &unstreamed).ok());
+  EXPECT_EQ(unstreamed.image(), result_png);
+  // Generate has nowhere to send previews; out-of-range counts are refused by both.
+  GenerateResponse refused;
+  grpc::Status status = Call(request, &refused);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("GenerateStream"), std::string::npos) << status.error_message();
+  request.set_partial_images(4);
+  grpc::ClientContext too_many_context;
+  auto too_many = stub_->GenerateStream(&too_many_context, request);
+  while (too_many->Read(&message)) {
+  }
+  status = too_many->Finish();
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("partial_images"), std::string::npos) << status.error_message();
+}
+
 TEST_F(ServerE2ETest, CancelledStreamStopsAndAFullQueueIsRejected) {
   GenerateRequest slow = Small();
   slow.set_width(256);

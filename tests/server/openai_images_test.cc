@@ -129,7 +129,9 @@ TEST(ParseImagesRequestTest, HostileBodiesAreRefusedNamingTheField) {
       {"{\"prompt\": \"x\", \"response_format\": 1}", 400, "response_format", "must be a string"},
       {"{\"prompt\": \"x\", \"output_format\": \"webp\"}", 400, "output_format", "allowed: \"png\""},
       {"{\"prompt\": \"x\", \"steps\": 3}", 400, "steps", "unrecognized request argument \"steps\""},
-      {"{\"prompt\": \"x\", \"stream\": true}", 400, "stream", "unrecognized request argument"},
+      {"{\"prompt\": \"x\", \"stream\": 1}", 400, "stream", "stream must be true or false, not a number"},
+      {"{\"prompt\": \"x\", \"stream\": true, \"partial_images\": 4}", 400, "partial_images", "allowed: 0 to 3"},
+      {"{\"prompt\": \"x\", \"partial_images\": 2}", 400, "partial_images", "needs stream: true"},
       {"{\"prompt\": \"x\", \"" + std::string(5000, 'k') + "\": 1}", 400, "", "(5000 bytes)"},
       {"{\"prompt\": \"x\", \"size\": 512}", 400, "size", "size must be a string"},
   };

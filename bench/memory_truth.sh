@@ -12,13 +12,14 @@
 # bytes plus what the process holds outside it). The server's log lines about its context go to
 # stdout.
 #
-#   bench/memory_truth.sh SERVER STOWCTL MODEL_DIR OUT.jsonl MACHINE COMMIT [MODES]
+#   bench/memory_truth.sh SERVER STOWCTL MODEL_DIR OUT.jsonl MACHINE COMMIT [MODE...]
 # MODEL_DIR: a Z-Image directory (weights drawn from its configs: bench/make_zimage_random_dir.py).
 # MODES (default "budget24_bf16 budget24_fp8 unbudgeted_bf16"): budget24_* put a 24 GiB budget on
 # the device (footprint placement, warm-up at load on), unbudgeted_* none.
 set -euo pipefail
 server=$1 stowctl=$2 model_dir=$3 out=$4 machine=$5 commit=$6
-modes=${7:-budget24_bf16 budget24_fp8 unbudgeted_bf16}
+modes="${*:7}"
+[ -n "$modes" ] || modes="budget24_bf16 budget24_fp8 unbudgeted_bf16"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$here/serve_lib.sh"
 tmp=$(mktemp -d)
@@ -76,7 +77,7 @@ CFG
   kill $pid; wait $pid 2>/dev/null || true
   wait $sampler 2>/dev/null || true
   echo "== $mode: the server's lines about memory"
-  grep -iE "outside the allocator|warmed up|budget" "$tmp/$mode.log" || true
+  grep -iE "context device=|warmup pipeline=|budget" "$tmp/$mode.log" || true
   python3 - "$tmp" "$mode" "$budget" "$start" "$ready" "$machine" "$commit" >>"$out" <<'PY'
 import json, sys
 tmp, mode, budget, start, ready, machine, commit = sys.argv[1:]

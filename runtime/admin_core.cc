@@ -4,6 +4,7 @@
 #include <iostream>
 
 #include "absl/strings/str_cat.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "base/text.h"
 #include "google/protobuf/util/time_util.h"
@@ -89,7 +90,7 @@ bool IsGroupOffloaded(const ComponentView& v) {
 
 // Placement warnings go to the server's log as well as into replies and metrics.
 void LogWarnings(const std::vector<std::string>& warnings) {
-  for (const std::string& w : warnings) std::cerr << "stowage_server: warning: " << w << std::endl;
+  for (const std::string& w : warnings) LogWarning(w);
 }
 
 }  // namespace

@@ -15,11 +15,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_format.h"
 #include "absl/synchronization/notification.h"
 #include "google/protobuf/util/time_util.h"
 #include "base/text.h"
 #include "models/core/fused_ops.h"
 #include "models/pipeline_registry.h"
+#include "base/log.h"
 #include "base/status_macros.h"
 #include "runtime/config.h"
 #include "base/process_memory.h"
@@ -226,7 +228,7 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
   // From here on only the worker touches the backend and placement.
   RETURN_IF_ERROR(core->ChangeDevice([](PlacementManager&) { return absl::OkStatus(); }, nullptr));
   for (const v1::PipelineConfig& p : config.pipelines()) {
-    absl::StatusOr<v1::Pipeline> loaded = core->Load(p, p.default_(), nullptr);
+    absl::StatusOr<v1::Pipeline> loaded = core->LoggedLoad(p, p.default_(), nullptr, {});
     if (!loaded.ok()) return loaded.status();
   }
   if (config.has_strategy()) RETURN_IF_ERROR(core->ApplyStrategy(config.strategy()));
@@ -245,7 +247,7 @@ absl::Status GenerationCore::ApplyStrategy(const v1::OffloadStrategy& config,
       },
       nullptr));
   for (const std::string& warning : placement_snapshot()->warnings) {
-    std::cerr << "stowage_server: warning: " << warning << std::endl;
+    LogWarning(warning);
   }
   return absl::OkStatus();
 }
@@ -653,7 +655,7 @@ absl::StatusOr<v1::Pipeline> GenerationCore::LoadPipeline(const v1::PipelineConf
                                                           const Interrupt& interrupt) {
   v1::PipelineConfig p = config;
   RETURN_IF_ERROR(FinalizePipelineConfig(p, "pipeline"));
-  return Load(p, /*make_default=*/false, interrupt);
+  return LoggedLoad(p, /*make_default=*/false, interrupt, {});
 }
 
 absl::StatusOr<v1::Pipeline> GenerationCore::LoadPipeline(const v1::PipelineConfig& config, const Interrupt& interrupt,
@@ -668,7 +670,31 @@ absl::StatusOr<v1::Pipeline> GenerationCore::LoadPipeline(const v1::PipelineConf
                                                      "; list only components that run on another device"));
     }
   }
-  return Load(p, make_default, interrupt, remote);
+  return LoggedLoad(p, make_default, interrupt, remote);
+}
+
+absl::StatusOr<v1::Pipeline> GenerationCore::LoggedLoad(const v1::PipelineConfig& p, bool make_default,
+                                                        const Interrupt& interrupt,
+                                                        const std::map<std::string, GenerationCore*>& remote) {
+  const absl::Time start = absl::Now();
+  const std::string source = !p.model_dir().empty() ? absl::StrCat("model_dir=", LogValue(p.model_dir(), 512))
+                                                    : absl::StrCat("builtin=", LogValue(p.builtin()));
+  LogInfo(absl::StrCat("load pipeline=", LogValue(p.name()), " device=", device_name_, " ", source,
+                       " dtype=", LogValue(p.dtype()), " phase=begin"));
+  absl::StatusOr<v1::Pipeline> loaded = Load(p, make_default, interrupt, remote);
+  const std::string seconds = absl::StrFormat("%.3f", absl::ToDoubleSeconds(absl::Now() - start));
+  if (loaded.ok()) {
+    int64_t bytes = 0;
+    for (const v1::PipelineComponent& c : loaded->components()) bytes += c.weight_bytes();
+    LogInfo(absl::StrCat("load pipeline=", LogValue(p.name()), " device=", device_name_, " phase=ready seconds=",
+                         seconds, " components=", loaded->components_size(), " weight_bytes=", bytes));
+  } else {
+    LogWarning(absl::StrCat("load pipeline=", LogValue(p.name()), " device=", device_name_,
+                            " phase=failed seconds=", seconds,
+                            " code=", absl::StatusCodeToString(loaded.status().code()),
+                            " error=", LogValue(loaded.status().message(), 300)));
+  }
+  return loaded;
 }
 
 absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, bool make_default,
@@ -807,10 +833,9 @@ void GenerationCore::RefreshContext(WorkerScope& scope) {
   const DeviceBackend::ContextChange change = Backend(scope).RefreshContextBytes();
   constexpr int64_t kMiB = int64_t{1} << 20;
   if (std::abs(change.after - change.before) >= 16 * kMiB) {
-    std::cerr << "stowage_server: " << device_name_ << " holds " << change.after / kMiB
-              << " MiB outside the allocator (was " << change.before / kMiB
-              << " MiB: kernels and library workspaces loaded at first use); the budget and the peaks count it"
-              << std::endl;
+    LogInfo(absl::StrCat("context device=", device_name_, " outside_allocator_mib=", change.after / kMiB,
+                         " was_mib=", change.before / kMiB,
+                         " (kernels and library workspaces loaded at first use; the budget and the peaks count it)"));
   }
 }
 
@@ -845,10 +870,9 @@ void GenerationCore::WarmUp(WorkerScope& scope, Pipeline& pipeline, const Interr
   RefreshContext(scope);
   const int64_t grew = Backend(scope).GetMemoryStats().context_bytes - context_before;
   if (grew > reserve) {
-    std::cerr << "stowage_server: warning: warm-up of '" << pipeline.name() << "' grew " << device_name_
-              << "'s context by " << grew / (int64_t{1} << 20) << " MiB, more than the "
-              << reserve / (int64_t{1} << 20)
-              << " MiB set aside for it: the budget may have been exceeded by the difference" << std::endl;
+    LogWarning(absl::StrCat("warmup pipeline=", LogValue(pipeline.name()), " device=", device_name_,
+                            " context_grew_mib=", grew / (int64_t{1} << 20), " reserved_mib=", reserve / (int64_t{1} << 20),
+                            " (more than set aside: the budget may have been exceeded by the difference)"));
   }
   // Then one step for prompts of other lengths: each caption length the text encoder and the
   // transformer meet first builds attention plans and allocator blocks of its own, which the first
@@ -868,12 +892,12 @@ void GenerationCore::WarmUp(WorkerScope& scope, Pipeline& pipeline, const Interr
   RefreshContext(scope);
   const absl::Status status = thrown.ok() ? image.status() : thrown;
   if (status.ok()) {
-    std::cerr << "stowage_server: pipeline '" << pipeline.name() << "' warmed up (" << params.width << "x"
-              << params.height << ", " << params.steps << " steps, then 1 step for " << extra
-              << " other prompt lengths) in " << absl::FormatDuration(absl::Now() - start) << std::endl;
+    LogInfo(absl::StrCat("warmup pipeline=", LogValue(pipeline.name()), " device=", device_name_, " phase=warmed_up size=",
+                         params.width, "x", params.height, " steps=", params.steps, " prompt_lengths=", extra + 1,
+                         absl::StrFormat(" seconds=%.3f", absl::ToDoubleSeconds(absl::Now() - start))));
   } else {
-    std::cerr << "stowage_server: warning: warm-up of pipeline '" << pipeline.name() << "' failed: " << status
-              << std::endl;
+    LogWarning(absl::StrCat("warmup pipeline=", LogValue(pipeline.name()), " device=", device_name_,
+                            " phase=failed error=", LogValue(status.ToString(), 300)));
   }
 }
 

@@ -180,6 +180,10 @@ class GenerationCore {
 
   GenerationCore() = default;
   absl::StatusOr<std::unique_ptr<Pipeline>> Build(const v1::PipelineConfig& config);
+  // Load with a log line as it begins and one with its outcome.
+  absl::StatusOr<v1::Pipeline> LoggedLoad(const v1::PipelineConfig& config, bool make_default,
+                                          const Interrupt& interrupt,
+                                          const std::map<std::string, GenerationCore*>& remote);
   absl::StatusOr<v1::Pipeline> Load(const v1::PipelineConfig& config, bool make_default,
                                     const Interrupt& interrupt,
                                     const std::map<std::string, GenerationCore*>& remote = {});

@@ -2,14 +2,47 @@
 
 #include <string>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "base/log.h"
 #include "google/protobuf/util/time_util.h"
 
 namespace stowage {
 
 using google::protobuf::util::TimeUtil;
 
+namespace {
+
+double Seconds(const google::protobuf::Duration& d) { return absl::ToDoubleSeconds(absl::Nanoseconds(TimeUtil::DurationToNanoseconds(d))); }
+
+// One line per request: what ran, for whom, how long it waited and ran, what it held, its outcome.
+void LogRequest(const DeviceSet& core, const v1::GenerateRequest& request, const absl::Status& status,
+                const v1::GenerateResponse* response, absl::Time start) {
+  std::string line = absl::StrCat(
+      "request id=", LogValue(response != nullptr ? response->request_id() : request.request_id(), 64),
+      " pipeline=", LogValue(core.PipelineLabel(request)), " tenant=", LogValue(core.TenantLabel(request)),
+      " priority=", DeviceSet::PriorityLabel(request), " status=", absl::StatusCodeToString(status.code()),
+      " seconds=", absl::StrFormat("%.3f", absl::ToDoubleSeconds(absl::Now() - start)));
+  if (response != nullptr) {
+    const v1::RequestStats& stats = response->stats();
+    absl::StrAppend(&line, " device=", LogValue(stats.device()), " size=", response->width(), "x", response->height(),
+                    " steps=", request.num_inference_steps() > 0 ? absl::StrCat(request.num_inference_steps()) : "default", " seed=", response->seed(),
+                    absl::StrFormat(" queue_wait_s=%.3f run_s=%.3f", Seconds(stats.queue_wait()), Seconds(stats.run_time())),
+                    " peak_device_bytes=", stats.peak_device_memory_bytes(),
+                    " peak_device_reserved_bytes=", stats.peak_device_reserved_bytes(),
+                    " peak_cpu_rss_bytes=", stats.peak_cpu_rss_bytes(), " h2d_bytes=", stats.host_to_device_bytes());
+    LogInfo(line);
+  } else {
+    absl::StrAppend(&line, " error=", LogValue(status.message(), 200));
+    LogWarning(line);
+  }
+}
+
+}  // namespace
+
 void RecordGeneration(const DeviceSet& core, ServerMetrics* metrics, const v1::GenerateRequest& request,
                       const absl::Status& status, const v1::GenerateResponse* response, absl::Time start) {
+  LogRequest(core, request, status, response, start);
   if (metrics == nullptr) return;
   const std::string pipeline = core.PipelineLabel(request);
   metrics->RecordRequest(pipeline, status.code(), absl::Now() - start);

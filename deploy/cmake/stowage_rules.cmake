@@ -135,6 +135,10 @@ target_link_libraries(stowage_sys_prometheus INTERFACE stowage_sys_paths
 add_library(stowage_sys_microhttpd INTERFACE)
 target_link_libraries(stowage_sys_microhttpd INTERFACE stowage_sys_paths -lmicrohttpd)
 
+add_library(stowage_sys_spdlog INTERFACE)
+target_compile_definitions(stowage_sys_spdlog INTERFACE SPDLOG_SHARED_LIB SPDLOG_COMPILED_LIB SPDLOG_FMT_EXTERNAL)
+target_link_libraries(stowage_sys_spdlog INTERFACE stowage_sys_paths -lspdlog -lfmt)
+
 add_library(stowage_sys_xxhash INTERFACE)
 target_link_libraries(stowage_sys_xxhash INTERFACE stowage_sys_paths -lxxhash)
 

@@ -32,6 +32,8 @@ packages=(
   libmicrohttpd12 libmicrohttpd-dev
   # xxHash (header, link name, runtime): the disk offload store's fingerprints.
   libxxhash-dev libxxhash0
+  # spdlog and fmt (headers, link names, runtime): the server's log lines.
+  libspdlog-dev libspdlog1.10 libfmt-dev libfmt9
   # GoogleTest / GoogleMock: headers and static libgtest.a, libgmock.a, libgmock_main.a.
   libgtest-dev libgmock-dev
   # nlohmann-json (header-only): the HTTP front's strict JSON check (server/openai_images.cc).

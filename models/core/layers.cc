@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
+#include "absl/strings/str_cat.h"
 #include "models/core/fused_ops.h"
 
 namespace stowage {
@@ -26,10 +27,41 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool bias, const Layer
 at::Tensor Linear::Forward(const at::Tensor& x) {
   ForwardScope scope(*this);
   if (weight_scale_ >= 0) {
-    return fused::Fp8Linear(x, tensor(weight_), tensor(weight_scale_), bias_ >= 0 ? tensor(bias_) : at::Tensor());
+    return WithLoras(x, fused::Fp8Linear(x, tensor(weight_), tensor(weight_scale_), bias_ >= 0 ? tensor(bias_) : at::Tensor()));
   }
-  return at::linear(x, tensor(weight_), bias_ >= 0 ? tensor(bias_) : at::Tensor());
+  return WithLoras(x, at::linear(x, tensor(weight_), bias_ >= 0 ? tensor(bias_) : at::Tensor()));
 }
+
+bool Linear::LoraActive() const {
+  if (loras_.empty()) return false;
+  const LoraScales* active = ActiveLoras();
+  if (active == nullptr) return false;
+  for (const auto& [name, scale] : *active) {
+    if (scale != 0.0f && loras_.count(name) > 0) return true;
+  }
+  return false;
+}
+
+at::Tensor Linear::WithLoras(const at::Tensor& x, at::Tensor y) const {
+  if (loras_.empty()) return y;
+  const at::Tensor delta = LoraDelta(loras_, x);
+  return delta.defined() ? y + delta : y;
+}
+
+absl::Status Linear::AttachLora(const std::string& name, LoraWeights weights) {
+  if (!weights.down.defined() || !weights.up.defined() || weights.down.dim() != 2 || weights.up.dim() != 2 ||
+      weights.down.size(1) != in_features_ || weights.up.size(0) != out_features_ ||
+      weights.up.size(1) != weights.down.size(0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path(), ": a LoRA for this layer has A [rank, ", in_features_, "] and B [", out_features_,
+        ", rank]; got A ", weights.down.defined() ? c10::str(weights.down.sizes()) : "none", " and B ",
+        weights.up.defined() ? c10::str(weights.up.sizes()) : "none"));
+  }
+  loras_[name] = std::move(weights);
+  return absl::OkStatus();
+}
+
+bool Linear::DetachLora(const std::string& name) { return loras_.erase(name) > 0; }
 
 namespace {
 
@@ -69,7 +101,7 @@ void Linear::DeclareAdjacent(Module& owner, const std::vector<Linear*>& layers) 
 at::Tensor Linear::ForwardGelu(const at::Tensor& x) {
   ForwardScope scope(*this);
   const at::Tensor& w = tensor(weight_);
-  if (weight_scale_ < 0 && bias_ >= 0 && fused::Active(x) && w.scalar_type() == x.scalar_type()) {
+  if (weight_scale_ < 0 && bias_ >= 0 && fused::Active(x) && w.scalar_type() == x.scalar_type() && !LoraActive()) {
     // cuBLASLt's GELU_BIAS epilogue (the tanh approximation) on the [tokens, in] view of x.
     const at::Tensor x2d = x.reshape({-1, in_features_});
     std::vector<int64_t> shape = x.sizes().vec();
@@ -79,13 +111,15 @@ at::Tensor Linear::ForwardGelu(const at::Tensor& x) {
   const at::Tensor y = weight_scale_ >= 0 ? fused::Fp8Linear(x, w, tensor(weight_scale_),
                                                              bias_ >= 0 ? tensor(bias_) : at::Tensor())
                                           : at::linear(x, w, bias_ >= 0 ? tensor(bias_) : at::Tensor());
-  return at::gelu(y, "tanh");
+  return at::gelu(WithLoras(x, y), "tanh");
 }
 
 std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers, const at::Tensor& x) {
   std::vector<at::Tensor> out;
   out.reserve(layers.size());
-  const bool hookless = std::all_of(layers.begin(), layers.end(), [](const Linear* l) { return l->hook_count() == 0; });
+  // A layer with an active LoRA runs its own Forward (which adds its delta).
+  const bool hookless = std::all_of(layers.begin(), layers.end(),
+                                    [](const Linear* l) { return l->hook_count() == 0 && !l->LoraActive(); });
   const bool any_fp8 = std::any_of(layers.begin(), layers.end(), [](const Linear* l) { return l->is_fp8(); });
   if (layers.size() > 1 && hookless && !any_fp8 && fused::Active(x)) {
     std::vector<at::Tensor> weights, biases;
@@ -105,8 +139,9 @@ std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers
       return out;
     }
   }
-  const bool all_fp8 =
-      layers.size() > 1 && std::all_of(layers.begin(), layers.end(), [](const Linear* l) { return l->is_fp8(); });
+  const bool all_fp8 = layers.size() > 1 && std::all_of(layers.begin(), layers.end(), [](const Linear* l) {
+                         return l->is_fp8() && !l->LoraActive();
+                       });
   if (!all_fp8) {
     for (Linear* layer : layers) out.push_back(layer->Forward(x));
     return out;
@@ -155,7 +190,10 @@ at::Tensor Linear::ForwardConcat(const std::vector<at::Tensor>& parts) {
   ForwardScope scope(*this);
   const at::Tensor& w = tensor(weight_);
   const at::Tensor b = bias_ >= 0 ? tensor(bias_) : at::Tensor();
-  if (weight_scale_ >= 0) return fused::Fp8Linear(at::cat(parts, -1), w, tensor(weight_scale_), b);
+  if (weight_scale_ >= 0 || LoraActive()) {
+    const at::Tensor x = at::cat(parts, -1);
+    return WithLoras(x, weight_scale_ >= 0 ? fused::Fp8Linear(x, w, tensor(weight_scale_), b) : at::linear(x, w, b));
+  }
   if (parts.empty() || !fused::Active(parts.front())) return at::linear(at::cat(parts, -1), w, b);
   at::Tensor out;
   int64_t column = 0;

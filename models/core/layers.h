@@ -10,12 +10,15 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <map>
+#include <string>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "models/core/lora.h"
 #include "offload/module.h"
 
 namespace stowage {
@@ -55,12 +58,25 @@ class Linear : public Module {
   // (Module::AddAdjacentGroup), for ForwardShared's single GEMM.
   static void DeclareAdjacent(Module& owner, const std::vector<Linear*>& layers);
 
+  // LoRA adapters (models/core/lora.h), by name: every forward adds the deltas of those active on
+  // the running thread (ScopedLoras). Attached and detached between runs only (the device's
+  // worker). INVALID_ARGUMENT when A's columns or B's rows do not match this layer.
+  absl::Status AttachLora(const std::string& name, LoraWeights weights);
+  bool DetachLora(const std::string& name);
+  const std::map<std::string, LoraWeights>& loras() const { return loras_; }
+
  private:
+  // A LoRA delta applies to this forward (an attached adapter is active).
+  bool LoraActive() const;
+  // y plus the active adapters' deltas for input x.
+  at::Tensor WithLoras(const at::Tensor& x, at::Tensor y) const;
+
   int64_t in_features_;
   int64_t out_features_;
   int weight_;
   int bias_ = -1;
   int weight_scale_ = -1;
+  std::map<std::string, LoraWeights> loras_;
 };
 
 // Converts every Linear inside the block lists of `root` (its ModuleList children: the transformer

@@ -1,0 +1,131 @@
+#include "models/core/lora.h"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "base/status_macros.h"
+#include "base/text.h"
+#include "offload/safetensors.h"
+
+namespace stowage {
+namespace {
+
+thread_local const LoraScales* active_loras = nullptr;
+
+constexpr int64_t kMaxLoraRank = 1024;
+
+}  // namespace
+
+ScopedLoras::ScopedLoras(const LoraScales* scales) : previous_(active_loras) {
+  active_loras = scales != nullptr && !scales->empty() ? scales : nullptr;
+}
+
+ScopedLoras::~ScopedLoras() { active_loras = previous_; }
+
+const LoraScales* ActiveLoras() { return active_loras; }
+
+at::Tensor LoraDelta(const std::map<std::string, LoraWeights>& attached, const at::Tensor& x) {
+  const LoraScales* active = active_loras;
+  if (active == nullptr || attached.empty()) return at::Tensor();
+  at::Tensor delta;
+  for (const auto& [name, scale] : *active) {
+    if (scale == 0.0f) continue;
+    auto it = attached.find(name);
+    if (it == attached.end()) continue;
+    const LoraWeights& w = it->second;
+    const at::Tensor down = w.down.to(x.device(), x.scalar_type());
+    const at::Tensor up = w.up.to(x.device(), x.scalar_type());
+    const at::Tensor d = at::linear(at::linear(x, down), up) * static_cast<double>(scale * w.factor);
+    delta = delta.defined() ? delta + d : d;
+  }
+  return delta;
+}
+
+absl::StatusOr<LoraFile> ReadLoraFile(const std::string& path, const std::string& default_component, float alpha) {
+  ASSIGN_OR_RETURN(std::shared_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
+  const std::string where = absl::StrCat("LoRA file '", Truncated(path, 200), "'");
+  // (component, layer path) → the layer's A, B and alpha.
+  struct Parts {
+    at::Tensor a, b;
+    float alpha = 0.0f;
+  };
+  std::map<std::pair<std::string, std::string>, Parts> parts;
+  for (const auto& [key, info] : file->tensors()) {
+    absl::string_view rest = key;
+    absl::ConsumePrefix(&rest, "base_model.model.");
+    std::string component = default_component;
+    for (const char* prefix : {"transformer.", "text_encoder.", "text_encoder_2.", "unet."}) {
+      if (absl::ConsumePrefix(&rest, prefix)) {
+        component = std::string(prefix, std::strlen(prefix) - 1);
+        if (component == "unet") component = "transformer";
+        break;
+      }
+    }
+    enum { kA, kB, kAlpha } kind;
+    if (absl::ConsumeSuffix(&rest, ".lora_A.weight") || absl::ConsumeSuffix(&rest, ".lora_A.default.weight")) {
+      kind = kA;
+    } else if (absl::ConsumeSuffix(&rest, ".lora_B.weight") || absl::ConsumeSuffix(&rest, ".lora_B.default.weight")) {
+      kind = kB;
+    } else if (absl::ConsumeSuffix(&rest, ".alpha")) {
+      kind = kAlpha;
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": tensor '", Truncated(key),
+                                                     "' is not a LoRA tensor (<layer>.lora_A.weight, "
+                                                     "<layer>.lora_B.weight or <layer>.alpha)"));
+    }
+    if (rest.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": tensor '", Truncated(key), "' names no layer"));
+    ASSIGN_OR_RETURN(at::Tensor t, file->Get(key));
+    if (!at::isFloatingType(t.scalar_type())) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": tensor '", Truncated(key), "' is ",
+                                                     c10::toString(t.scalar_type()), "; LoRA tensors are floating point"));
+    }
+    t = t.to(at::kFloat).clone();
+    if (!at::isfinite(t).all().item<bool>()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": tensor '", Truncated(key), "' holds NaN or infinity"));
+    }
+    Parts& p = parts[{component, std::string(rest)}];
+    if (kind == kAlpha) {
+      if (t.numel() != 1) return absl::InvalidArgumentError(absl::StrCat(where, ": '", Truncated(key), "' is not a scalar"));
+      p.alpha = t.item<float>();
+    } else {
+      if (t.dim() != 2) {
+        return absl::InvalidArgumentError(absl::StrCat(where, ": tensor '", Truncated(key), "' has ", t.dim(),
+                                                       " dimensions; LoRA matrices have 2"));
+      }
+      (kind == kA ? p.a : p.b) = t;
+    }
+  }
+  LoraFile out;
+  for (auto& [id, p] : parts) {
+    const std::string layer = absl::StrCat(id.first, ".", id.second);
+    if (!p.a.defined() || !p.b.defined()) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": layer '", Truncated(layer, 120), "' has lora_",
+                                                     p.a.defined() ? "A but no lora_B" : "B but no lora_A"));
+    }
+    const int64_t rank = p.a.size(0);
+    if (p.b.size(1) != rank) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": layer '", Truncated(layer, 120), "': lora_A has rank ",
+                                                     rank, ", lora_B ", p.b.size(1)));
+    }
+    if (rank < 1 || rank > kMaxLoraRank) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": layer '", Truncated(layer, 120), "': rank ", rank,
+                                                     " is out of range; allowed: 1..", kMaxLoraRank));
+    }
+    LoraWeights w;
+    w.down = std::move(p.a);
+    w.up = std::move(p.b);
+    const float a = p.alpha > 0 ? p.alpha : alpha;
+    w.factor = a > 0 ? a / static_cast<float>(rank) : 1.0f;
+    out.rank = std::max(out.rank, rank);
+    out.bytes += w.bytes();
+    out.layers[id.first][id.second] = std::move(w);
+  }
+  if (out.layers.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": holds no LoRA layers"));
+  return out;
+}
+
+}  // namespace stowage

@@ -1,0 +1,76 @@
+// LoRA adapters on Linear layers, applied unmerged: a layer with weight W computes
+//   y = x·Wᵀ + b + Σ_active scale · factor · (x·Aᵀ)·Bᵀ
+// (A: "down", [rank, in]; B: "up", [out, rank]; factor = alpha / rank), so the base weights stay
+// untouched (resident, streamed or compressed alike) and adapters come and go without a reload.
+//
+// Which adapters a forward applies, and how strongly, is the running thread's LoraScales, installed
+// for a run by ScopedLoras (the device worker around a pipeline run); a layer adds the deltas of
+// the adapters it carries that are active. Files: ReadLoraFile parses the PEFT / diffusers layout.
+#ifndef STOWAGE_MODELS_CORE_LORA_H_
+#define STOWAGE_MODELS_CORE_LORA_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "absl/status/statusor.h"
+
+namespace stowage {
+
+struct LoraWeights {
+  at::Tensor down;  // A: [rank, in_features]
+  at::Tensor up;    // B: [out_features, rank]
+  float factor = 1.0f;  // alpha / rank
+  int64_t rank() const { return down.defined() ? down.size(0) : 0; }
+  int64_t bytes() const { return (down.defined() ? down.nbytes() : 0) + (up.defined() ? up.nbytes() : 0); }
+};
+
+// Adapter name → scale, for one run.
+using LoraScales = std::vector<std::pair<std::string, float>>;
+
+// Installs `scales` as the running thread's active adapters until destroyed (restoring what was
+// active before). `scales` must outlive the scope; null or empty: none.
+class ScopedLoras {
+ public:
+  explicit ScopedLoras(const LoraScales* scales);
+  ~ScopedLoras();
+  ScopedLoras(const ScopedLoras&) = delete;
+  ScopedLoras& operator=(const ScopedLoras&) = delete;
+
+ private:
+  const LoraScales* previous_;
+};
+
+// The running thread's active adapters (null when none).
+const LoraScales* ActiveLoras();
+
+// Σ scale · factor · (x·Aᵀ)·Bᵀ over the adapters of `attached` that are active with a non-zero
+// scale, in x's dtype; undefined when none is.
+at::Tensor LoraDelta(const std::map<std::string, LoraWeights>& attached, const at::Tensor& x);
+
+// A LoRA file's layers, by the dotted path of the Linear they adapt within a pipeline component
+// ("transformer", "text_encoder", ...).
+struct LoraFile {
+  std::map<std::string, std::map<std::string, LoraWeights>> layers;  // component → path → weights
+  int64_t rank = 0;   // The largest rank.
+  int64_t bytes = 0;  // A and B of every layer as stored.
+};
+
+// Reads a LoRA in the PEFT / diffusers layout from a safetensors file: per adapted layer
+// "<component>.<path>.lora_A.weight" ([rank, in]) and "<component>.<path>.lora_B.weight" ([out,
+// rank]) — "<component>." is "transformer.", "text_encoder." (or "unet.") and may be absent (then
+// `default_component`); PEFT's "base_model.model." prefix is accepted — and optionally
+// "<...>.alpha" (a scalar: factor alpha / rank; else `alpha` when given (> 0), else factor 1).
+// Tensors are read to the CPU in float32. Errors name the file and the key: a lora_A without its
+// lora_B, ranks that differ between A and B, rank 0 or above 1024, non-float dtypes, keys that are
+// not LoRA tensors, non-finite values.
+absl::StatusOr<LoraFile> ReadLoraFile(const std::string& path, const std::string& default_component = "transformer",
+                                      float alpha = 0.0f);
+
+}  // namespace stowage
+
+#endif  // STOWAGE_MODELS_CORE_LORA_H_

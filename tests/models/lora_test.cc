@@ -1,0 +1,148 @@
+// LoRA adapters on Linear layers (models/core/lora.h): unmerged deltas equal the merged weight's
+// output, only active adapters with non-zero scales count, every forward path of Linear applies
+// them, and the PEFT / diffusers file layout is read with its errors named.
+#include "models/core/lora.h"
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "models/core/layers.h"
+#include "offload/safetensors.h"
+
+namespace stowage {
+namespace {
+
+LoraWeights Random(int64_t in, int64_t out, int64_t rank, float alpha, uint64_t seed) {
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  LoraWeights w;
+  w.down = at::randn({rank, in}, gen);
+  w.up = at::randn({out, rank}, gen);
+  w.factor = alpha / static_cast<float>(rank);
+  return w;
+}
+
+std::unique_ptr<Linear> Layer(int64_t in, int64_t out) {
+  auto layer = std::make_unique<Linear>(in, out, true, LayerOptions{});
+  at::Generator gen = at::detail::createCPUGenerator(3);
+  for (TensorSlot& slot : layer->slots()) slot.value = at::randn(slot.value.sizes(), gen);
+  return layer;
+}
+
+TEST(LoraTest, AnActiveAdapterEqualsTheMergedWeightAndAnInactiveOneChangesNothing) {
+  auto layer = Layer(16, 12);
+  const LoraWeights a = Random(16, 12, 4, 8.0f, 1);
+  const LoraWeights b = Random(16, 12, 2, 0.0f, 2);
+  ASSERT_TRUE(layer->AttachLora("a", a).ok());
+  ASSERT_TRUE(layer->AttachLora("b", b).ok());
+  const at::Tensor x = at::randn({3, 5, 16}, at::detail::createCPUGenerator(9));
+  const at::Tensor base = layer->Forward(x);  // Nothing active on this thread.
+  const at::Tensor& w = layer->slots()[0].value;
+  const at::Tensor& bias = layer->slots()[1].value;
+  {
+    const LoraScales scales = {{"a", 0.5f}, {"b", 0.0f}};
+    ScopedLoras scoped(&scales);
+    const at::Tensor merged = w + 0.5 * a.factor * at::mm(a.up, a.down);
+    EXPECT_TRUE(at::allclose(layer->Forward(x), at::linear(x, merged, bias), 1e-4, 1e-4));
+    EXPECT_TRUE(at::allclose(layer->ForwardGelu(x), at::gelu(at::linear(x, merged, bias), "tanh"), 1e-4, 1e-4));
+    EXPECT_TRUE(at::allclose(layer->ForwardConcat({x.narrow(-1, 0, 10), x.narrow(-1, 10, 6)}),
+                             at::linear(x, merged, bias), 1e-4, 1e-4));
+    {
+      const LoraScales both = {{"a", 0.5f}, {"b", -2.0f}, {"not attached", 3.0f}};
+      ScopedLoras inner(&both);
+      const at::Tensor merged2 = merged - 2.0 * b.factor * at::mm(b.up, b.down);
+      EXPECT_TRUE(at::allclose(layer->Forward(x), at::linear(x, merged2, bias), 1e-4, 1e-4));
+    }
+    EXPECT_TRUE(at::allclose(layer->Forward(x), at::linear(x, merged, bias), 1e-4, 1e-4)) << "scope not restored";
+  }
+  EXPECT_TRUE(at::equal(layer->Forward(x), base));
+  ASSERT_TRUE(layer->DetachLora("a"));
+  EXPECT_FALSE(layer->DetachLora("a"));
+  const LoraScales scales = {{"a", 1.0f}};
+  ScopedLoras scoped(&scales);
+  EXPECT_TRUE(at::equal(layer->Forward(x), base)) << "a detached adapter still applies";
+}
+
+TEST(LoraTest, SharedForwardAppliesEachLayersOwnAdapter) {
+  auto q = Layer(8, 8), k = Layer(8, 8);
+  const LoraWeights a = Random(8, 8, 2, 2.0f, 4);
+  ASSERT_TRUE(k->AttachLora("a", a).ok());
+  const at::Tensor x = at::randn({2, 8}, at::detail::createCPUGenerator(5));
+  const LoraScales scales = {{"a", 1.0f}};
+  ScopedLoras scoped(&scales);
+  const std::vector<at::Tensor> out = Linear::ForwardShared({q.get(), k.get()}, x);
+  EXPECT_TRUE(at::allclose(out[0], at::linear(x, q->slots()[0].value, q->slots()[1].value)));
+  const at::Tensor merged = k->slots()[0].value + a.factor * at::mm(a.up, a.down);
+  EXPECT_TRUE(at::allclose(out[1], at::linear(x, merged, k->slots()[1].value), 1e-4, 1e-4));
+}
+
+TEST(LoraTest, AttachRefusesMatricesOfTheWrongShape) {
+  auto layer = Layer(16, 12);
+  const absl::Status status = layer->AttachLora("a", Random(15, 12, 4, 0, 1));
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("A [rank, 16]"), std::string::npos) << status.message();
+}
+
+std::string Write(const std::string& name, const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  const std::string path = std::string(::testing::TempDir()) + "/" + name + ".safetensors";
+  EXPECT_TRUE(WriteSafetensors(path, tensors).ok());
+  return path;
+}
+
+TEST(LoraFileTest, ReadsThePeftAndDiffusersLayout) {
+  const std::string path = Write("peft", {
+      {"transformer.layers.0.attention.to_q.lora_A.weight", at::ones({4, 16})},
+      {"transformer.layers.0.attention.to_q.lora_B.weight", at::ones({12, 4})},
+      {"transformer.layers.0.attention.to_q.alpha", at::full({}, 8.0)},
+      {"base_model.model.layers.1.ff.lora_A.weight", at::ones({2, 16}).to(at::kBFloat16)},
+      {"base_model.model.layers.1.ff.lora_B.weight", at::ones({16, 2}).to(at::kBFloat16)},
+      {"text_encoder.layers.0.q_proj.lora_A.weight", at::ones({2, 8})},
+      {"text_encoder.layers.0.q_proj.lora_B.weight", at::ones({8, 2})},
+  });
+  auto file = ReadLoraFile(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  ASSERT_EQ(file->layers.size(), 2u);
+  const auto& transformer = file->layers.at("transformer");
+  ASSERT_EQ(transformer.size(), 2u);
+  EXPECT_EQ(transformer.at("layers.0.attention.to_q").rank(), 4);
+  EXPECT_FLOAT_EQ(transformer.at("layers.0.attention.to_q").factor, 2.0f);  // alpha 8 / rank 4.
+  EXPECT_FLOAT_EQ(transformer.at("layers.1.ff").factor, 1.0f);
+  EXPECT_EQ(transformer.at("layers.1.ff").down.scalar_type(), at::kFloat);
+  EXPECT_EQ(file->layers.at("text_encoder").count("layers.0.q_proj"), 1u);
+  EXPECT_EQ(file->rank, 4);
+  // An alpha for every layer without its own (PEFT's adapter_config.json lora_alpha).
+  auto with_alpha = ReadLoraFile(path, "transformer", 4.0f);
+  ASSERT_TRUE(with_alpha.ok());
+  EXPECT_FLOAT_EQ(with_alpha->layers.at("transformer").at("layers.1.ff").factor, 2.0f);
+}
+
+TEST(LoraFileTest, BrokenFilesAreRefusedNamingTheKey) {
+  struct Case {
+    std::string name;
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {"a_only", {{"x.lora_A.weight", at::ones({2, 4})}}, "has lora_A but no lora_B"},
+      {"ranks", {{"x.lora_A.weight", at::ones({2, 4})}, {"x.lora_B.weight", at::ones({4, 3})}}, "rank 2, lora_B 3"},
+      {"not_lora", {{"x.weight", at::ones({2, 4})}}, "'x.weight' is not a LoRA tensor"},
+      {"ints", {{"x.lora_A.weight", at::ones({2, 4}, at::kInt)}, {"x.lora_B.weight", at::ones({4, 2})}}, "floating point"},
+      {"nan", {{"x.lora_A.weight", at::full({2, 4}, NAN)}, {"x.lora_B.weight", at::ones({4, 2})}}, "NaN"},
+      {"rank0", {{"x.lora_A.weight", at::ones({0, 4})}, {"x.lora_B.weight", at::ones({4, 0})}}, "rank 0"},
+      {"3d", {{"x.lora_A.weight", at::ones({2, 4, 1})}, {"x.lora_B.weight", at::ones({4, 2})}}, "3 dimensions"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto file = ReadLoraFile(Write(c.name, c.tensors));
+    ASSERT_FALSE(file.ok());
+    EXPECT_EQ(file.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(file.status().message().find(c.needle), std::string::npos) << file.status().message();
+  }
+  EXPECT_FALSE(ReadLoraFile("/nonexistent/lora.safetensors").ok());
+}
+
+}  // namespace
+}  // namespace stowage

@@ -216,6 +216,19 @@ absl::StatusOr<v1::UnloadPipelineResponse> AdminCore::UnloadPipeline(const v1::U
   return v1::UnloadPipelineResponse();
 }
 
+absl::StatusOr<v1::LoadAdapterResponse> AdminCore::LoadAdapter(const v1::LoadAdapterRequest& request,
+                                                               const Interrupt& interrupt) {
+  v1::LoadAdapterResponse response;
+  ASSIGN_OR_RETURN(*response.mutable_adapter(), devices_->LoadAdapter(request, interrupt));
+  return response;
+}
+
+absl::StatusOr<v1::UnloadAdapterResponse> AdminCore::UnloadAdapter(const v1::UnloadAdapterRequest& request,
+                                                                   const Interrupt& interrupt) {
+  RETURN_IF_ERROR(devices_->UnloadAdapter(request, interrupt));
+  return v1::UnloadAdapterResponse();
+}
+
 absl::StatusOr<v1::SetBatchingResponse> AdminCore::SetBatching(const v1::SetBatchingRequest& request) {
   v1::SetBatchingResponse response;
   ASSIGN_OR_RETURN(*response.mutable_pipeline(), devices_->SetBatching(request.pipeline(), request.batching()));

@@ -34,6 +34,10 @@ class AdminCore {
                                                         const Interrupt& interrupt);
   absl::StatusOr<v1::UnloadPipelineResponse> UnloadPipeline(const v1::UnloadPipelineRequest& request,
                                                             const Interrupt& interrupt);
+  absl::StatusOr<v1::LoadAdapterResponse> LoadAdapter(const v1::LoadAdapterRequest& request,
+                                                      const Interrupt& interrupt);
+  absl::StatusOr<v1::UnloadAdapterResponse> UnloadAdapter(const v1::UnloadAdapterRequest& request,
+                                                          const Interrupt& interrupt);
   absl::StatusOr<v1::GetPlacementLogResponse> GetPlacementLog(const v1::GetPlacementLogRequest& request) const;
   absl::StatusOr<v1::SetBatchingResponse> SetBatching(const v1::SetBatchingRequest& request);
   absl::StatusOr<v1::DrainDeviceResponse> DrainDevice(const v1::DrainDeviceRequest& request);

@@ -67,6 +67,9 @@ inline constexpr int kMaxReorderDelayMs = 60000;
 inline constexpr size_t kMaxTenantLength = 64;
 // GenerateRequest.partial_images: previews per image (OpenAI's bound on partial_images).
 inline constexpr int kMaxPartialImages = 3;
+// GenerateRequest.loras: adapters per request and the range of their scales.
+inline constexpr int kMaxLorasPerRequest = 8;
+inline constexpr float kMaxLoraScale = 10.0f;
 inline constexpr int kMaxTenantWeights = 256;
 inline constexpr double kMaxTenantWeight = 1000;
 

@@ -1,5 +1,9 @@
 #include "runtime/device_set.h"
 
+#include <cmath>
+
+#include "models/core/lora.h"
+
 #include <algorithm>
 #include <memory>
 #include <set>
@@ -338,6 +342,50 @@ absl::StatusOr<v1::Pipeline> DeviceSet::SetBatching(const std::string& pipeline,
   last->clear_devices();
   for (const std::string& d : on) last->add_devices(d);
   return last;
+}
+
+absl::StatusOr<v1::Adapter> DeviceSet::LoadAdapter(const v1::LoadAdapterRequest& request, const Interrupt& interrupt) {
+  if (request.pipeline().empty()) return absl::InvalidArgumentError("pipeline: name the pipeline the adapter is for");
+  if (request.path().empty()) return absl::InvalidArgumentError("path: the adapter's safetensors file is required");
+  if (!std::isfinite(request.alpha()) || request.alpha() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("alpha is ", request.alpha(), "; allowed: 0 (none) or a positive number"));
+  }
+  std::vector<GenerationCore*> cores;
+  for (const auto& core : devices_) {
+    if (core->IsReady(request.pipeline())) cores.push_back(core.get());
+  }
+  if (cores.empty()) {
+    return absl::NotFoundError(absl::StrCat("no device has pipeline '", Truncated(request.pipeline()), "' READY"));
+  }
+  // Read and checked once, off the workers.
+  ASSIGN_OR_RETURN(LoraFile file, ReadLoraFile(request.path(), "transformer", request.alpha()));
+  v1::Adapter first;
+  for (size_t i = 0; i < cores.size(); ++i) {
+    absl::StatusOr<v1::Adapter> loaded =
+        cores[i]->LoadAdapter(request.pipeline(), request.name(), request.path(), file, interrupt);
+    if (!loaded.ok()) {
+      for (size_t j = 0; j < i; ++j) (void)cores[j]->UnloadAdapter(request.pipeline(), request.name(), nullptr);
+      return loaded.status();
+    }
+    if (i == 0) first = *loaded;
+  }
+  return first;
+}
+
+absl::Status DeviceSet::UnloadAdapter(const v1::UnloadAdapterRequest& request, const Interrupt& interrupt) {
+  absl::Status last = absl::NotFoundError(
+      absl::StrCat("no device has pipeline '", Truncated(request.pipeline()), "' READY"));
+  bool unloaded = false;
+  for (const auto& core : devices_) {
+    if (!core->IsReady(request.pipeline())) continue;
+    last = core->UnloadAdapter(request.pipeline(), request.name(), interrupt);
+    if (last.ok()) {
+      unloaded = true;
+    } else if (last.code() != absl::StatusCode::kNotFound) {
+      return last;
+    }
+  }
+  return unloaded ? absl::OkStatus() : last;
 }
 
 absl::StatusOr<v1::MoveComponentResponse> DeviceSet::MoveComponent(const v1::MoveComponentRequest& request,

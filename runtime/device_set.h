@@ -65,6 +65,11 @@ class DeviceSet {
   absl::Status UnloadPipeline(const std::string& name, const Interrupt& interrupt);
   // On every replica.
   absl::StatusOr<v1::Pipeline> SetBatching(const std::string& pipeline, const v1::BatchingConfig& batching);
+  // Reads the adapter file once and attaches it on every device hosting the pipeline READY (all or
+  // nothing). NOT_FOUND when none does.
+  absl::StatusOr<v1::Adapter> LoadAdapter(const v1::LoadAdapterRequest& request, const Interrupt& interrupt);
+  // On every replica that has it; NOT_FOUND when none has.
+  absl::Status UnloadAdapter(const v1::UnloadAdapterRequest& request, const Interrupt& interrupt);
 
   // The device named `name` ("" = the first). NOT_FOUND naming the devices there are.
   absl::StatusOr<GenerationCore*> Device(const std::string& name) const;

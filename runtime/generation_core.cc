@@ -1040,6 +1040,41 @@ absl::StatusOr<GenerationParams> GenerationCore::Validate(const v1::GenerateRequ
       return absl::InvalidArgumentError("request_id must be printable ASCII");
     }
   }
+  if (request.loras_size() > kMaxLorasPerRequest) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("loras: ", request.loras_size(), " adapters; at most ", kMaxLorasPerRequest, " per request"));
+  }
+  if (request.loras_size() > 0 && !RemoteOf(pipeline.name()).empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("loras: pipeline '", pipeline.name(),
+                                                      "' runs on several devices; LoRA adapters need a pipeline on one"));
+  }
+  for (int i = 0; i < request.loras_size(); ++i) {
+    const v1::LoraRef& ref = request.loras(i);
+    const std::string field = absl::StrCat("loras[", i, "]");
+    if (!std::isfinite(ref.scale()) || ref.scale() < -kMaxLoraScale || ref.scale() > kMaxLoraScale) {
+      return absl::InvalidArgumentError(absl::StrFormat("%s.scale is %g; allowed: finite, -%g..%g", field,
+                                                        ref.scale(), kMaxLoraScale, kMaxLoraScale));
+    }
+    {
+      absl::MutexLock lock(&adapters_mu_);
+      auto on_pipeline = adapters_.find(pipeline.name());
+      if (on_pipeline == adapters_.end() || on_pipeline->second.count(ref.name()) == 0) {
+        std::vector<std::string> loaded;
+        if (on_pipeline != adapters_.end()) {
+          for (const auto& [name, adapter] : on_pipeline->second) loaded.push_back(name);
+        }
+        return absl::InvalidArgumentError(absl::StrCat(field, ".name: pipeline '", pipeline.name(),
+                                                       "' has no adapter ", Truncated(ref.name()), " (loaded: ",
+                                                       loaded.empty() ? "none" : absl::StrJoin(loaded, ", "), ")"));
+      }
+    }
+    for (const auto& [name, scale] : params.loras) {
+      if (name == ref.name()) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".name: adapter '", name, "' named twice"));
+      }
+    }
+    if (ref.scale() != 0.0f) params.loras.emplace_back(ref.name(), ref.scale());
+  }
   if (request.has_seed()) {
     params.seed = request.seed();
   } else {
@@ -1103,7 +1138,7 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
   const v1::BatchingConfig batching = BatchingOf(pipeline->name());
   if (pipeline->batched() && batching.max_batch_size() > 1) {
     // Requests that may share a forward: one pipeline, one image size, one step count.
-    job.batch_key = absl::StrCat(pipeline->name(), "/", params.width, "x", params.height, "/", params.steps);
+    job.batch_key = absl::StrCat(pipeline->name(), "/", BatchKey(params));
     job.max_batch_size = batching.max_batch_size();
     job.max_batch_delay = absl::Milliseconds(batching.max_queue_delay_ms());
     job.run_batch = [this](WorkerScope& scope, const std::vector<DeviceWorker::BatchMember>& members) {
@@ -1239,8 +1274,24 @@ void GenerationCore::RunOnWorker(WorkerScope& scope, const std::vector<PendingRe
   if (files.ok()) {
     // Work a pipeline does outside its components' runs (noise, the scheduler step, the image's
     // quantisation on the device) may throw too, e.g. a device out of memory: every member gets it.
-    const absl::Status thrown = CatchAsStatus(absl::StrCat("running pipeline '", pipeline.name(), "'"),
-                                              [&] { images = pipeline.RunBatch(members, runner); });
+    // The batch's adapters (members share them: BatchKey) still attached? An unload may have run
+    // since the requests were accepted.
+    absl::Status adapters = absl::OkStatus();
+    {
+      absl::MutexLock lock(&adapters_mu_);
+      auto on_pipeline = adapters_.find(pipeline.name());
+      for (const auto& [name, scale] : running.front()->params.loras) {
+        if (on_pipeline == adapters_.end() || on_pipeline->second.count(name) == 0) {
+          adapters = absl::FailedPreconditionError(
+              absl::StrCat("adapter '", name, "' was unloaded from pipeline '", pipeline.name(), "' before the request ran"));
+        }
+      }
+    }
+    const ScopedLoras loras(&running.front()->params.loras);
+    const absl::Status thrown =
+        adapters.ok() ? CatchAsStatus(absl::StrCat("running pipeline '", pipeline.name(), "'"),
+                                      [&] { images = pipeline.RunBatch(members, runner); })
+                      : adapters;
     if (!thrown.ok()) images.assign(running.size(), thrown);
     files = pipeline.CheckSourceFiles();  // Changed during the run: discard it.
   }
@@ -1299,6 +1350,126 @@ void GenerationCore::RunOnWorker(WorkerScope& scope, const std::vector<PendingRe
   }
 }
 
+absl::StatusOr<std::vector<GenerationCore::LoraTarget>> GenerationCore::LoraTargets(Pipeline& pipeline,
+                                                                                   const LoraFile& file) {
+  std::vector<LoraTarget> targets;
+  for (const auto& [component_name, layers] : file.layers) {
+    Component* component = nullptr;
+    std::vector<std::string> names;
+    for (Component* c : pipeline.components()) {
+      names.push_back(c->name());
+      if (c->name() == component_name) component = c;
+    }
+    if (component == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("the adapter adapts component '", Truncated(component_name),
+                                                     "', which pipeline '", pipeline.name(), "' lacks (it has ",
+                                                     absl::StrJoin(names, ", "), ")"));
+    }
+    std::map<std::string, Linear*> linears;
+    component->module().ForEachModule([&](Module& m) {
+      if (auto* linear = dynamic_cast<Linear*>(&m)) linears[m.path()] = linear;
+    });
+    for (const auto& [path, weights] : layers) {
+      auto it = linears.find(path);
+      if (it == linears.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("the adapter's layer '", component_name, ".", Truncated(path, 160),
+                                                       "' is no Linear layer of pipeline '", pipeline.name(), "'"));
+      }
+      if (weights.down.size(1) != it->second->in_features() || weights.up.size(0) != it->second->out_features()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "the adapter's layer '", component_name, ".", Truncated(path, 160), "' is [", weights.up.size(0), " x ",
+            weights.down.size(1), "]; the pipeline's is [", it->second->out_features(), " x ",
+            it->second->in_features(), "]"));
+      }
+      targets.push_back(LoraTarget{it->second, &weights, component->dtype()});
+    }
+  }
+  return targets;
+}
+
+absl::StatusOr<v1::Adapter> GenerationCore::LoadAdapter(const std::string& pipeline_name, const std::string& name,
+                                                        const std::string& path, const LoraFile& file,
+                                                        const Interrupt& interrupt) {
+  if (name.empty() || !IsValidTenant(name)) {
+    return absl::InvalidArgumentError(absl::StrCat("name: adapter name ", Truncated(name), " is not 1..",
+                                                   kMaxTenantLength, " characters of [A-Za-z0-9._-]"));
+  }
+  ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.Resolve(pipeline_name));
+  if (pipeline_name.empty()) {
+    return absl::InvalidArgumentError("pipeline: name the pipeline the adapter is for");
+  }
+  if (!RemoteOf(pipeline_name).empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("pipeline '", pipeline_name,
+                                                      "' runs on several devices; LoRA adapters need a pipeline on one"));
+  }
+  ASSIGN_OR_RETURN(auto targets, LoraTargets(*pipeline, file));
+  v1::Adapter adapter;
+  adapter.set_name(name);
+  adapter.set_path(path);
+  adapter.set_rank(static_cast<int32_t>(file.rank));
+  adapter.set_layers(static_cast<int32_t>(targets.size()));
+  for (const auto& [component, layers] : file.layers) adapter.add_components(component);
+  RETURN_IF_ERROR(OnWorker(
+      [&](WorkerScope&) -> absl::Status {
+        {
+          absl::MutexLock lock(&adapters_mu_);
+          if (adapters_[pipeline_name].count(name) > 0) {
+            return absl::AlreadyExistsError(
+                absl::StrCat("pipeline '", pipeline_name, "' already has an adapter named '", name, "'"));
+          }
+        }
+        // Each matrix on this device in its component's dtype; the deltas run where the layer runs.
+        int64_t bytes = 0;
+        std::vector<Linear*> attached;
+        absl::Status status;
+        const absl::Status thrown = CatchAsStatus(absl::StrCat("loading adapter '", name, "'"), [&] {
+          for (const LoraTarget& target : targets) {
+            LoraWeights placed;
+            placed.down = target.weights->down.to(torch_device_, target.dtype);
+            placed.up = target.weights->up.to(torch_device_, target.dtype);
+            placed.factor = target.weights->factor;
+            bytes += placed.bytes();
+            status = target.layer->AttachLora(name, std::move(placed));
+            if (!status.ok()) return;
+            attached.push_back(target.layer);
+          }
+        });
+        if (!thrown.ok() || !status.ok()) {
+          for (Linear* linear : attached) linear->DetachLora(name);
+          return thrown.ok() ? status : thrown;
+        }
+        adapter.set_bytes(bytes);
+        absl::MutexLock lock(&adapters_mu_);
+        adapters_[pipeline_name][name] = adapter;
+        return absl::OkStatus();
+      },
+      interrupt));
+  return adapter;
+}
+
+absl::Status GenerationCore::UnloadAdapter(const std::string& pipeline_name, const std::string& name,
+                                           const Interrupt& interrupt) {
+  ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.Resolve(pipeline_name));
+  return OnWorker(
+      [&](WorkerScope&) -> absl::Status {
+        {
+          absl::MutexLock lock(&adapters_mu_);
+          auto on_pipeline = adapters_.find(pipeline_name);
+          if (on_pipeline == adapters_.end() || on_pipeline->second.erase(name) == 0) {
+            return absl::NotFoundError(absl::StrCat("pipeline '", pipeline_name, "' has no adapter named '",
+                                                    Truncated(name), "'"));
+          }
+        }
+        for (Component* component : pipeline->components()) {
+          component->module().ForEachModule([&](Module& m) {
+            if (auto* linear = dynamic_cast<Linear*>(&m)) linear->DetachLora(name);
+          });
+        }
+        return absl::OkStatus();
+      },
+      interrupt);
+}
+
 v1::Pipeline GenerationCore::Describe(const HostedPipelines::View& view) const {
   v1::Pipeline out;
   out.set_name(view.name);
@@ -1333,6 +1504,13 @@ v1::Pipeline GenerationCore::Describe(const HostedPipelines::View& view) const {
   out.set_default_guidance_scale(limits.default_guidance_scale);
   out.set_max_prompt_bytes(limits.max_prompt_bytes);
   const v1::BatchingConfig batching = BatchingOf(view.name);
+  {
+    absl::MutexLock lock(&adapters_mu_);
+    auto on_pipeline = adapters_.find(view.name);
+    if (on_pipeline != adapters_.end()) {
+      for (const auto& [name, adapter] : on_pipeline->second) *out.add_adapters() = adapter;
+    }
+  }
   out.set_max_batch_size(batching.max_batch_size());
   out.set_max_queue_delay_ms(batching.max_queue_delay_ms());
   // Names, sizes and dtypes are fixed when a component is built: reading them is no device access.

@@ -41,6 +41,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "models/pipelines/component.h"
+#include "models/core/layers.h"
+#include "models/core/lora.h"
 #include "models/pipelines/pipeline.h"
 #include "offload/device_backend.h"
 #include "placement/placement_manager.h"
@@ -131,6 +133,16 @@ class GenerationCore {
   // Stops accepting requests for `name`; requests already accepted run first, then the worker
   // removes its components. If `interrupt` fires before that, the pipeline is READY again.
   absl::Status UnloadPipeline(const std::string& name, const Interrupt& interrupt);
+
+  // LoRA adapters (AdminService.LoadAdapter / UnloadAdapter): `file` (models/core/lora.h) is
+  // attached, unmerged, to the Linear layers it names in the READY pipeline `pipeline`'s components,
+  // its matrices on this device in each component's dtype, on the worker between requests.
+  // INVALID_ARGUMENT naming the layer for one the pipeline lacks or of another shape (nothing is
+  // attached then); ALREADY_EXISTS for a name in use; FAILED_PRECONDITION for a split pipeline.
+  absl::StatusOr<v1::Adapter> LoadAdapter(const std::string& pipeline, const std::string& name,
+                                          const std::string& path, const LoraFile& file, const Interrupt& interrupt);
+  // NOT_FOUND when the pipeline has no such adapter.
+  absl::Status UnloadAdapter(const std::string& pipeline, const std::string& name, const Interrupt& interrupt);
 
   // Sets a READY pipeline's dynamic batching (validated like the config's); requests submitted
   // afterwards batch under it. NOT_FOUND for a pipeline that is not READY.
@@ -247,6 +259,18 @@ class GenerationCore {
   // only; read by other threads for descriptions). guests_: pipelines homed on peers whose
   // components this device hosts, kept alive while it does. Declared before placement_: destroyed
   // after it.
+  // Adapters loaded per pipeline (changed on the worker; read by Validate, Describe and the worker).
+  mutable absl::Mutex adapters_mu_;
+  std::map<std::string, std::map<std::string, v1::Adapter>> adapters_ ABSL_GUARDED_BY(adapters_mu_);
+  // The Linear layers of a pipeline's components that `file` names; INVALID_ARGUMENT naming the
+  // first path that is not a Linear of that component.
+  struct LoraTarget {
+    Linear* layer;
+    const LoraWeights* weights;
+    at::ScalarType dtype;  // Its component's.
+  };
+  static absl::StatusOr<std::vector<LoraTarget>> LoraTargets(Pipeline& pipeline, const LoraFile& file);
+
   mutable absl::Mutex split_mu_;
   std::map<std::string, std::map<const Component*, GenerationCore*>> remote_ ABSL_GUARDED_BY(split_mu_);
   std::map<std::string, std::shared_ptr<Pipeline>> guests_ ABSL_GUARDED_BY(split_mu_);

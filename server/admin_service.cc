@@ -107,6 +107,18 @@ grpc::Status AdminServiceImpl::UnloadPipeline(grpc::ServerContext* context, cons
   return Reply(core_.UnloadPipeline(*request, InterruptFor(context)), response);
 }
 
+grpc::Status AdminServiceImpl::LoadAdapter(grpc::ServerContext* context, const v1::LoadAdapterRequest* request,
+                                           v1::LoadAdapterResponse* response) {
+  STOWAGE_AUTHORIZE(context);
+  return Reply(core_.LoadAdapter(*request, InterruptFor(context)), response);
+}
+
+grpc::Status AdminServiceImpl::UnloadAdapter(grpc::ServerContext* context, const v1::UnloadAdapterRequest* request,
+                                             v1::UnloadAdapterResponse* response) {
+  STOWAGE_AUTHORIZE(context);
+  return Reply(core_.UnloadAdapter(*request, InterruptFor(context)), response);
+}
+
 grpc::Status AdminServiceImpl::SetBatching(grpc::ServerContext* context, const v1::SetBatchingRequest* request,
                                            v1::SetBatchingResponse* response) {
   STOWAGE_AUTHORIZE(context);

@@ -39,6 +39,10 @@ class AdminServiceImpl final : public v1::AdminService::Service {
                             v1::LoadPipelineResponse* response) override;
   grpc::Status UnloadPipeline(grpc::ServerContext* context, const v1::UnloadPipelineRequest* request,
                               v1::UnloadPipelineResponse* response) override;
+  grpc::Status LoadAdapter(grpc::ServerContext* context, const v1::LoadAdapterRequest* request,
+                           v1::LoadAdapterResponse* response) override;
+  grpc::Status UnloadAdapter(grpc::ServerContext* context, const v1::UnloadAdapterRequest* request,
+                             v1::UnloadAdapterResponse* response) override;
   grpc::Status SetBatching(grpc::ServerContext* context, const v1::SetBatchingRequest* request,
                            v1::SetBatchingResponse* response) override;
   grpc::Status DrainDevice(grpc::ServerContext* context, const v1::DrainDeviceRequest* request,

@@ -243,7 +243,7 @@ std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t ma
   for (const auto& [name, value] : json.fields()) {
     static const std::set<std::string> kKnown = {"model", "prompt", "n", "size", "response_format", "output_format",
                                                  "negative_prompt", "num_inference_steps", "guidance_scale", "seed",
-                                                 "user", "priority", "stream", "partial_images"};
+                                                 "user", "priority", "stream", "partial_images", "loras"};
     if (kKnown.count(name) == 0 && IgnoredOpenAiFields().count(name) == 0) {
       return InvalidRequest(absl::StrCat("unrecognized request argument ", JsonQuote(Truncated(name)),
                                          "; allowed: ", absl::StrJoin(kKnown, ", "), " (and, ignored: ",
@@ -319,6 +319,51 @@ std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t ma
   if (r.partial_images() > 0 && !out.stream) {
     return InvalidRequest("partial_images needs stream: true (previews are sent as server-sent events)",
                           "partial_images");
+  }
+  // LoRA adapters: [{"name": ..., "scale": ...}] (scale defaults to 1); the core checks the names
+  // against the pipeline and the ranges.
+  auto loras = json.fields().find("loras");
+  if (loras != json.fields().end() && loras->second.kind_case() != Value::kNullValue) {
+    if (loras->second.kind_case() != Value::kListValue) {
+      return InvalidRequest(absl::StrCat("loras must be an array of {\"name\", \"scale\"}, not ", KindName(loras->second)),
+                            "loras");
+    }
+    const auto& items = loras->second.list_value().values();
+    if (items.size() > static_cast<size_t>(kMaxLorasPerRequest)) {
+      return InvalidRequest(absl::StrCat("loras has ", items.size(), " adapters; at most ", kMaxLorasPerRequest), "loras");
+    }
+    for (int i = 0; i < items.size(); ++i) {
+      const Value& item = items[i];
+      if (item.kind_case() != Value::kStructValue) {
+        return InvalidRequest(absl::StrCat("loras[", i, "] must be an object {\"name\", \"scale\"}, not ", KindName(item)),
+                              "loras");
+      }
+      const auto& fields = item.struct_value().fields();
+      for (const auto& [key, value] : fields) {
+        if (key != "name" && key != "scale") {
+          return InvalidRequest(absl::StrCat("loras[", i, "] has an unknown field ", JsonQuote(Truncated(key)),
+                                             "; allowed: name, scale"),
+                                "loras");
+        }
+      }
+      auto name = fields.find("name");
+      if (name == fields.end() || name->second.kind_case() != Value::kStringValue) {
+        return InvalidRequest(absl::StrCat("loras[", i, "].name must be a string"), "loras");
+      }
+      v1::LoraRef* ref = r.add_loras();
+      ref->set_name(name->second.string_value());
+      ref->set_scale(1.0f);
+      auto scale = fields.find("scale");
+      if (scale != fields.end()) {
+        if (scale->second.kind_case() != Value::kNumberValue || !std::isfinite(scale->second.number_value()) ||
+            std::abs(scale->second.number_value()) > kMaxLoraScale) {
+          return InvalidRequest(absl::StrCat("loras[", i, "].scale must be a number within [-", kMaxLoraScale, ", ",
+                                             kMaxLoraScale, "]"),
+                                "loras");
+        }
+        ref->set_scale(static_cast<float>(scale->second.number_value()));
+      }
+    }
   }
   auto guidance = json.fields().find("guidance_scale");
   if (guidance != json.fields().end() && guidance->second.kind_case() != Value::kNullValue) {

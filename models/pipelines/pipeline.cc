@@ -2,6 +2,9 @@
 
 #include <algorithm>
 
+#include "absl/base/casts.h"
+#include "absl/strings/str_cat.h"
+
 namespace stowage {
 
 RunContext::RunContext(std::function<absl::Status()> interrupt,
@@ -22,8 +25,13 @@ void RunContext::EndStage() {
   current_stage_.clear();
 }
 
-bool BatchCompatible(const GenerationParams& a, const GenerationParams& b) {
-  return a.width == b.width && a.height == b.height && a.steps == b.steps;
+bool BatchCompatible(const GenerationParams& a, const GenerationParams& b) { return BatchKey(a) == BatchKey(b); }
+
+std::string BatchKey(const GenerationParams& params) {
+  std::string key = absl::StrCat(params.width, "x", params.height, "/", params.steps);
+  // Adapter names are [A-Za-z0-9._-] (checked where requests are validated); the scale's exact bits.
+  for (const auto& [name, scale] : params.loras) absl::StrAppend(&key, "/", name, "=", absl::bit_cast<uint32_t>(scale));
+  return key;
 }
 
 BatchRun::BatchRun(const std::vector<BatchMember>& members)

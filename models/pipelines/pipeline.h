@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "models/pipelines/component.h"
 #include "models/core/image.h"
+#include "models/core/lora.h"
 
 namespace stowage {
 
@@ -38,6 +39,8 @@ struct GenerationParams {
   int steps = 0;
   float guidance_scale = 1.0f;
   uint64_t seed = 0;
+  // LoRA adapters and their scales (models/core/lora.h), installed around the run by its caller.
+  LoraScales loras;
 };
 
 // Progress reports and cancellation for one run. Stage names: "tokenize", "encode_prompt",
@@ -104,9 +107,12 @@ void DeliverPreviews(ComponentRunner& runner, Component& vae, const std::vector<
                      const std::function<at::Tensor(const at::Tensor&)>& decode);
 
 
-// Requests that may run as one batch: the same image size and step count (prompts, negative
-// prompts, seeds and guidance may differ).
+// Requests that may run as one batch: the same image size, step count and LoRA adapters with the
+// same scales (prompts, negative prompts, seeds and guidance may differ).
 bool BatchCompatible(const GenerationParams& a, const GenerationParams& b);
+// The same rule as a string: BatchCompatible(a, b) exactly when BatchKey(a) == BatchKey(b) (the
+// device worker groups queued requests by it).
+std::string BatchKey(const GenerationParams& params);
 
 // The bookkeeping of one batched run (a pipeline's RunBatch): every member's result, which members
 // are still running, and stage reports to those. A member leaves with the first non-OK status a

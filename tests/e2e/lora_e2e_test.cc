@@ -1,0 +1,181 @@
+// LoRA adapters end to end on a real in-process server over loopback: AdminService.LoadAdapter
+// reads a PEFT-layout safetensors file for zimage-tiny's transformer, ListPipelines lists it, a
+// request naming it (gRPC loras, HTTP "loras") changes the image, scale 0 and no adapter give the
+// base image, the same request gives the same image, UnloadAdapter removes it; files and requests
+// that do not fit are refused naming what was wrong, and the server stays healthy.
+#include <map>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "absl/strings/escaping.h"
+#include "models/core/layers.h"
+#include "models/pipelines/zimage_pipeline.h"
+#include "offload/safetensors.h"
+#include "tests/e2e/http_client.h"
+
+namespace stowage {
+namespace {
+
+// The Linear layers of zimage-tiny's transformer: path → (in, out).
+std::map<std::string, std::pair<int64_t, int64_t>> TransformerLinears() {
+  std::map<std::string, std::pair<int64_t, int64_t>> out;
+  auto pipeline = CreateTinyZImagePipeline(ZImagePipelineOptions{});
+  EXPECT_TRUE(pipeline.ok()) << pipeline.status();
+  for (Component* c : (*pipeline)->components()) {
+    if (c->name() != "transformer") continue;
+    c->module().ForEachModule([&](Module& m) {
+      if (auto* l = dynamic_cast<Linear*>(&m)) out[m.path()] = {l->in_features(), l->out_features()};
+    });
+  }
+  return out;
+}
+
+// A rank-4 LoRA on every attention projection ("attention." in the path), random but fixed.
+std::string WriteAdapter(const std::string& name, double magnitude, bool wrong_shape = false,
+                         const std::string& bogus_layer = "") {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  at::Generator gen = at::detail::createCPUGenerator(17);
+  for (const auto& [path, dims] : TransformerLinears()) {
+    if (path.find("attention.") == std::string::npos) continue;
+    tensors.emplace_back("transformer." + path + ".lora_A.weight",
+                         at::randn({4, dims.first + (wrong_shape ? 1 : 0)}, gen) * magnitude);
+    tensors.emplace_back("transformer." + path + ".lora_B.weight", at::randn({dims.second, 4}, gen) * magnitude);
+    tensors.emplace_back("transformer." + path + ".alpha", at::full({}, 4.0));
+  }
+  if (!bogus_layer.empty()) {
+    tensors.emplace_back("transformer." + bogus_layer + ".lora_A.weight", at::ones({4, 8}));
+    tensors.emplace_back("transformer." + bogus_layer + ".lora_B.weight", at::ones({8, 4}));
+  }
+  EXPECT_FALSE(tensors.empty());
+  const std::string path = std::string(::testing::TempDir()) + "/" + name + ".safetensors";
+  EXPECT_TRUE(WriteSafetensors(path, tensors).ok());
+  return path;
+}
+
+class LoraE2eTest : public HttpTest {
+ protected:
+  grpc::Status Load(const std::string& name, const std::string& path, v1::LoadAdapterResponse* response = nullptr) {
+    v1::LoadAdapterRequest request;
+    request.set_pipeline("zimage-tiny");
+    request.set_name(name);
+    request.set_path(path);
+    v1::LoadAdapterResponse ignored;
+    return server_->admin().LoadAdapter(E2eServer::Authed().get(), request, response != nullptr ? response : &ignored);
+  }
+  grpc::Status Unload(const std::string& name) {
+    v1::UnloadAdapterRequest request;
+    request.set_pipeline("zimage-tiny");
+    request.set_name(name);
+    v1::UnloadAdapterResponse ignored;
+    return server_->admin().UnloadAdapter(E2eServer::Authed().get(), request, &ignored);
+  }
+  std::string Image(const std::vector<std::pair<std::string, float>>& loras, grpc::Status* status = nullptr) {
+    v1::GenerateRequest request = E2eServer::SmallRequest("zimage-tiny", 7);
+    for (const auto& [name, scale] : loras) {
+      v1::LoraRef* ref = request.add_loras();
+      ref->set_name(name);
+      ref->set_scale(scale);
+    }
+    v1::GenerateResponse response;
+    const grpc::Status s = server_->Generate(request, &response);
+    if (status != nullptr) *status = s;
+    EXPECT_TRUE(status != nullptr || s.ok()) << s.error_message();
+    return response.image();
+  }
+};
+
+TEST_F(LoraE2eTest, AnAdapterChangesTheImageOnlyWhereARequestNamesIt) {
+  Start();
+  const std::string base = Image({});
+  v1::LoadAdapterResponse loaded;
+  ASSERT_TRUE(Load("style", WriteAdapter("style", 0.5), &loaded).ok());
+  EXPECT_EQ(loaded.adapter().rank(), 4);
+  EXPECT_GT(loaded.adapter().layers(), 0);
+  EXPECT_GT(loaded.adapter().bytes(), 0);
+  EXPECT_EQ(loaded.adapter().components(0), "transformer");
+  v1::ListPipelinesResponse list;
+  ASSERT_TRUE(server_->Pipelines(&list).ok());
+  bool listed = false;
+  for (const v1::Pipeline& p : list.pipelines()) {
+    for (const v1::Adapter& a : p.adapters()) listed = listed || (p.name() == "zimage-tiny" && a.name() == "style");
+  }
+  EXPECT_TRUE(listed);
+
+  const std::string styled = Image({{"style", 1.0f}});
+  EXPECT_NE(styled, base) << "the adapter changed nothing";
+  EXPECT_EQ(Image({{"style", 1.0f}}), styled) << "the same request gave another image";
+  EXPECT_EQ(Image({{"style", 0.0f}}), base) << "scale 0 is no adapter";
+  EXPECT_NE(Image({{"style", 0.5f}}), styled);
+  EXPECT_EQ(Image({}), base) << "a request without adapters saw one";
+
+  // The same through the HTTP API's "loras".
+  const HttpResponse http = Post(http_, R"({"model": "zimage-tiny", "prompt": "a small red square", "size": "64x64",
+      "num_inference_steps": 2, "seed": 7, "loras": [{"name": "style", "scale": 1.0}]})");
+  ASSERT_EQ(http.status, 200) << http.body.substr(0, 300);
+  std::string png;
+  ASSERT_TRUE(absl::Base64Unescape(
+      Field(Json(http.body).fields().at("data").list_value().values(0).struct_value(), "b64_json"), &png));
+  EXPECT_EQ(png, styled);
+
+  ASSERT_TRUE(Unload("style").ok());
+  grpc::Status status;
+  Image({{"style", 1.0f}}, &status);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("has no adapter"), std::string::npos) << status.error_message();
+  EXPECT_EQ(Image({}), base);
+}
+
+TEST_F(LoraE2eTest, FilesAndRequestsThatDoNotFitAreRefusedNamingWhatWasWrong) {
+  Start();
+  ASSERT_TRUE(Load("ok", WriteAdapter("ok", 0.1)).ok());
+  struct Case {
+    std::string name, path;
+    grpc::StatusCode code;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {"shape", WriteAdapter("shape", 0.1, /*wrong_shape=*/true), grpc::INVALID_ARGUMENT, "the pipeline's is"},
+      {"bogus", WriteAdapter("bogus", 0.1, false, "layers.99.nothing"), grpc::INVALID_ARGUMENT,
+       "'transformer.layers.99.nothing' is no Linear layer"},
+      {"missing", "/nonexistent/adapter.safetensors", grpc::NOT_FOUND, "adapter.safetensors"},
+      {"ok", WriteAdapter("again", 0.1), grpc::ALREADY_EXISTS, "already has an adapter named 'ok'"},
+      {"bad name!", WriteAdapter("named", 0.1), grpc::INVALID_ARGUMENT, "is not 1..64 characters"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const grpc::Status status = Load(c.name, c.path);
+    EXPECT_EQ(status.error_code(), c.code) << status.error_message();
+    EXPECT_NE(status.error_message().find(c.needle), std::string::npos) << status.error_message();
+  }
+  // Nothing of a refused file stays attached: the base image is unchanged by "ok" at scale 0 and
+  // the refused names are unknown.
+  grpc::Status status;
+  Image({{"shape", 1.0f}}, &status);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  for (const auto& [loras, needle] : std::vector<std::pair<std::vector<std::pair<std::string, float>>, std::string>>{
+           {{{"ok", 11.0f}}, "loras[0].scale is 11"},
+           {{{"ok", 1.0f}, {"ok", 1.0f}}, "named twice"},
+           {{{"ok", NAN}}, "scale is nan"},
+       }) {
+    Image(loras, &status);
+    EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT) << needle;
+    EXPECT_NE(status.error_message().find(needle), std::string::npos) << status.error_message();
+  }
+  EXPECT_EQ(Unload("nope").error_code(), grpc::NOT_FOUND);
+  for (const std::string& body : {std::string(R"({"prompt": "x", "loras": "ok"})"),
+                                  std::string(R"({"prompt": "x", "loras": [{"name": "ok", "scale": "1"}]})"),
+                                  std::string(R"({"prompt": "x", "loras": [{"name": "ok", "weight": 1}]})"),
+                                  std::string(R"({"prompt": "x", "loras": [{"scale": 1}]})")}) {
+    SCOPED_TRACE(body);
+    const HttpResponse r = Post(http_, body);
+    EXPECT_EQ(r.status, 400);
+    EXPECT_EQ(Field(ErrorOf(r), "param"), "loras");
+  }
+  ExpectHealthy();
+}
+
+}  // namespace
+}  // namespace stowage

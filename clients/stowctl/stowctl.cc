@@ -73,12 +73,18 @@ ABSL_FLAG(std::string, component, "",
           "name within --pipeline (e.g. text_encoder).");
 ABSL_FLAG(std::string, options, "",
           "enable-group-offload: GroupOffloadConfig in text format, e.g. 'use_stream: true offload_type: LEAF_LEVEL'.");
-ABSL_FLAG(std::string, name, "", "load-pipeline / unload-pipeline: pipeline name.");
+ABSL_FLAG(std::string, name, "", "load-pipeline / unload-pipeline: pipeline name; load-adapter / unload-adapter: adapter name.");
 ABSL_FLAG(uint64_t, weight_seed, 0, "load-pipeline: seed of the built-in pipeline's random weights.");
 ABSL_FLAG(std::string, model_dir, "", "load-pipeline: a diffusers-format directory instead of the built-in.");
 ABSL_FLAG(std::string, builtin, "zimage-tiny",
           "load-pipeline without --model_dir: the built-in architecture (zimage-tiny or tiny).");
 ABSL_FLAG(int32_t, limit, 100, "placement-log: number of decisions.");
+ABSL_FLAG(std::vector<std::string>, lora, {},
+          "generate/stream: LoRA adapters loaded on the pipeline, NAME or NAME:SCALE (scale 1 by default, "
+          "-10..10), comma-separated.");
+ABSL_FLAG(std::string, path, "", "load-adapter: the adapter's safetensors file (PEFT / diffusers layout), on the server.");
+ABSL_FLAG(double, alpha, 0, "load-adapter: LoRA alpha for layers whose file gives none (0: factor 1).");
+ABSL_FLAG(int32_t, partial_images, 0, "stream: previews of the image while it denoises, 0..3.");
 ABSL_FLAG(std::string, device, "",
           "Admin commands: the device to act on or describe (\"cuda:1\", \"sim:0\"); empty = the server's "
           "first. drain-device / resume-device: required.");
@@ -98,7 +104,8 @@ int Usage(const std::string& message) {
             << "usage: stowctl [--target=HOST:PORT] [--timeout=S] [--tls [--ca_cert=F] [--server_name=N]] "
                "generate|stream|pipelines|health|ready [flags]\n"
             << "       stowctl --token=T placement|set-strategy|enable-group-offload|"
-               "disable-group-offload|load-pipeline|unload-pipeline|placement-log|set-batching|drain-device|resume-device|"
+               "disable-group-offload|load-pipeline|unload-pipeline|load-adapter|unload-adapter|placement-log|"
+               "set-batching|drain-device|resume-device|"
                "move-component [flags]\n"
             << "run 'stowctl --help' for the flags\n";
   return kUsageError;
@@ -128,6 +135,20 @@ bool BuildRequest(stowage::v1::GenerateRequest& request) {
   request.set_request_id(absl::GetFlag(FLAGS_request_id));
   request.set_priority(absl::GetFlag(FLAGS_priority));
   request.set_tenant(absl::GetFlag(FLAGS_tenant));
+  for (const std::string& lora : absl::GetFlag(FLAGS_lora)) {
+    stowage::v1::LoraRef* ref = request.add_loras();
+    const size_t colon = lora.rfind(':');
+    ref->set_name(lora.substr(0, colon));
+    ref->set_scale(1.0f);
+    if (colon != std::string::npos) {
+      float scale = 0;
+      if (!absl::SimpleAtof(lora.substr(colon + 1), &scale)) {
+        std::cerr << "stowctl: --lora '" << lora << "' is not NAME or NAME:SCALE\n";
+        return false;
+      }
+      ref->set_scale(scale);
+    }
+  }
   const std::string format = absl::GetFlag(FLAGS_format);
   if (format == "png") {
     request.set_output_format(stowage::v1::IMAGE_FORMAT_PNG);
@@ -200,6 +221,7 @@ int Generate(GenerationService::Stub& stub) {
 int Stream(GenerationService::Stub& stub) {
   stowage::v1::GenerateRequest request;
   if (!BuildRequest(request)) return kUsageError;
+  request.set_partial_images(absl::GetFlag(FLAGS_partial_images));
   grpc::ClientContext context;
   SetDeadline(context);
   std::unique_ptr<grpc::ClientReader<stowage::v1::GenerateStreamResponse>> reader =
@@ -210,6 +232,18 @@ int Stream(GenerationService::Stub& stub) {
   while (reader->Read(&message)) {
     if (message.has_progress()) {
       std::cout << stowage::FormatProgress(message.progress()) << std::endl;
+    } else if (message.has_partial_image()) {
+      // Previews go beside --out: OUT.partial<i>.png (not written without --out).
+      const stowage::v1::PartialImage& partial = message.partial_image();
+      const std::string out = absl::GetFlag(FLAGS_out);
+      std::cout << "preview " << partial.index() << " after step " << partial.step() << " (" << partial.width()
+                << "x" << partial.height() << ")";
+      if (!out.empty()) {
+        const std::string path = absl::StrCat(out, ".partial", partial.index(), ".png");
+        std::ofstream(path, std::ios::binary) << partial.image();
+        std::cout << ": " << path;
+      }
+      std::cout << std::endl;
     } else if (message.has_result()) {
       result = message.result();
       have_result = true;
@@ -437,6 +471,22 @@ int Admin(const std::string& command, AdminService::Stub& stub) {
     return AdminCall<UnloadPipelineRequest, UnloadPipelineResponse>(
         request, [&](auto* c, const auto& q, auto* r) { return stub.UnloadPipeline(c, q, r); });
   }
+  if (command == "load-adapter") {
+    LoadAdapterRequest request;
+    request.set_pipeline(absl::GetFlag(FLAGS_pipeline));
+    request.set_name(absl::GetFlag(FLAGS_name));
+    request.set_path(absl::GetFlag(FLAGS_path));
+    request.set_alpha(static_cast<float>(absl::GetFlag(FLAGS_alpha)));
+    return AdminCall<LoadAdapterRequest, LoadAdapterResponse>(
+        request, [&](auto* c, const auto& q, auto* r) { return stub.LoadAdapter(c, q, r); });
+  }
+  if (command == "unload-adapter") {
+    UnloadAdapterRequest request;
+    request.set_pipeline(absl::GetFlag(FLAGS_pipeline));
+    request.set_name(absl::GetFlag(FLAGS_name));
+    return AdminCall<UnloadAdapterRequest, UnloadAdapterResponse>(
+        request, [&](auto* c, const auto& q, auto* r) { return stub.UnloadAdapter(c, q, r); });
+  }
   if (command == "drain-device" || command == "resume-device") {
     DrainDeviceRequest request;
     request.set_device(absl::GetFlag(FLAGS_device));
@@ -489,6 +539,7 @@ int main(int argc, char** argv) {
       "  stowctl pipelines\n  stowctl health\n  stowctl ready [--pipelines=A,B]\n  stowctl --token=T "
       "placement | set-strategy --strategy=TEXT | enable-group-offload --component=ID|--pipeline=P "
       "[--options=TEXT] | disable-group-offload ... | load-pipeline --name=N | unload-pipeline "
+      "--name=N | load-adapter --pipeline=P --name=N --path=FILE [--alpha=A] | unload-adapter --pipeline=P "
       "--name=N | placement-log [--limit=N] | set-batching --pipeline=P --max_batch_size=N "
       "[--max_queue_delay_ms=MS] | drain-device --device=D | resume-device --device=D | move-component "
       "--pipeline=P --component=NAME --device=D; admin commands take "

@@ -55,6 +55,17 @@ grep -q 'TinyDiT' <<<"$out" || fail "load --builtin=tiny: $out"
 out=$(ctl load-pipeline --name=bad --builtin=sdxl 2>&1 || true)
 grep -q "available: flux-tiny, tiny, zimage-tiny" <<<"$out" || fail "load --builtin=sdxl: $out"
 ctl generate --pipeline=extra --prompt=kite --width=64 --height=64 --steps=1 >/dev/null
+# LoRA adapters: a file that does not exist, an adapter the pipeline lacks, a malformed --lora.
+set +e
+out=$(ctl load-adapter --pipeline=extra --name=style --path="$tmp/none.safetensors" 2>&1); rc=$?
+[ $rc -eq 1 ] && grep -q "none.safetensors" <<<"$out" || { set -e; fail "load-adapter of a missing file: rc=$rc $out"; }
+out=$(ctl generate --pipeline=extra --prompt=kite --width=64 --height=64 --steps=1 --lora=style:0.5 2>&1); rc=$?
+[ $rc -eq 1 ] && grep -q "has no adapter" <<<"$out" || { set -e; fail "generate --lora with no adapter: rc=$rc $out"; }
+out=$(ctl generate --pipeline=extra --prompt=kite --lora=style:much 2>&1); rc=$?
+[ $rc -eq 2 ] && grep -q "is not NAME or NAME:SCALE" <<<"$out" || { set -e; fail "--lora=style:much: rc=$rc $out"; }
+out=$(ctl unload-adapter --pipeline=extra --name=style 2>&1); rc=$?
+[ $rc -eq 1 ] && grep -q "NOT_FOUND\|has no adapter named" <<<"$out" || { set -e; fail "unload-adapter of none: rc=$rc $out"; }
+set -e
 ctl unload-pipeline --name=extra >/dev/null
 set +e
 out=$(ctl generate --pipeline=extra --prompt=kite 2>&1); rc=$?

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "models/core/layers.h"
+#include "models/core/lora.h"
 #include "models/nets/autoencoder_kl.h"
 #include "models/tokenizers/bpe_tokenizer.h"
 #include "models/core/diffusers_format.h"
@@ -57,6 +60,40 @@ absl::Status CheckTransformer(const std::string& root) {
       Report("transformer " + name + " vs float32", RelativeError(out, io.at("output_float32")),
              1.25 * reference_noise);
     }
+  }
+  return absl::OkStatus();
+}
+
+// The LoRA fixture (make_lora_fixtures.py): a PEFT adapter on the transformer fixture in the
+// diffusers layout, applied unmerged by Linear (models/core/lora.h) at scales 1 and 0.5, and off.
+absl::Status CheckLora(const std::string& root) {
+  ASSIGN_OR_RETURN(auto json, ReadJsonFile(root + "/transformer/config.json"));
+  ASSIGN_OR_RETURN(ZImageTransformerConfig config, ZImageTransformerConfigFromJson(json));
+  ASSIGN_OR_RETURN(auto io, ReadAll(root + "/transformer_io.safetensors"));
+  ASSIGN_OR_RETURN(auto expected, ReadAll(root + "/lora_io.safetensors"));
+  ASSIGN_OR_RETURN(auto adapter_config, ReadJsonFile(root + "/lora/adapter_config.json"));
+  const float alpha = static_cast<float>(adapter_config.fields().at("lora_alpha").number_value());
+  ASSIGN_OR_RETURN(LoraFile file, ReadLoraFile(root + "/lora/adapter.safetensors", "transformer", alpha));
+  ASSIGN_OR_RETURN(auto model, Build<ZImageTransformer>(config, root + "/transformer", at::kFloat));
+  std::map<std::string, Linear*> linears;
+  model->ForEachModule([&](Module& m) {
+    if (auto* l = dynamic_cast<Linear*>(&m)) linears[m.path()] = l;
+  });
+  int attached = 0;
+  for (const auto& [path, weights] : file.layers.at("transformer")) {
+    auto it = linears.find(path);
+    if (it == linears.end()) return absl::NotFoundError("the adapter's layer " + path + " is no Linear of the transformer");
+    RETURN_IF_ERROR(it->second->AttachLora("default", weights));
+    ++attached;
+  }
+  std::printf("  (%d layers adapted, rank %lld, alpha %g)\n", attached, static_cast<long long>(file.rank), alpha);
+  const double t = io.at("t").item<double>();
+  for (const auto& [name, scale] : std::vector<std::pair<std::string, float>>{{"scale1", 1.0f}, {"scale05", 0.5f},
+                                                                            {"off", 0.0f}}) {
+    const LoraScales scales = {{"default", scale}};
+    const ScopedLoras active(&scales);
+    const at::Tensor out = model->Forward(io.at("latents"), t, io.at("caption"));
+    Report("lora " + name + " float32", RelativeError(out, expected.at("output_" + name)), 1e-5);
   }
   return absl::OkStatus();
 }
@@ -138,5 +175,6 @@ int main(int argc, char** argv) {
                                               {"vae", stowage::CheckVae},
                                               {"text encoder", stowage::CheckTextEncoder},
                                               {"tokenizer", stowage::CheckTokenizer},
-                                              {"pipeline", stowage::CheckPipeline}});
+                                              {"pipeline", stowage::CheckPipeline},
+                                              {"lora", stowage::CheckLora}});
 }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # CI side of the Z-Image parity check: the C++ components against the committed reference fixtures
-# (tests/fixtures/zimage_tiny, written by diffusers/transformers/tokenizers on the GPU host), then the
+# (tests/fixtures/zimage_tiny, written by diffusers/transformers/tokenizers on the GPU host; the LoRA
+# adapter and its outputs by diffusers + PEFT, tests/parity/make_lora_fixtures.py), then the
 # same check on copies with one weight changed, which must fail on exactly the affected check — proof
 # that the comparison sees the weights it is given.
 #
@@ -21,7 +22,7 @@ bf16=${STOWAGE_PARITY_BF16_TOLERANCE:-3e-2}
 echo "== committed fixtures"
 "$check" "$fixtures" --bf16_tolerance="$bf16" | tee "$TEST_TMPDIR/ok.txt"
 grep -q "parity: all checks passed" "$TEST_TMPDIR/ok.txt"
-[ "$(grep -c ' ok$' "$TEST_TMPDIR/ok.txt")" -eq 8 ] || { echo "expected 8 passing checks"; exit 1; }
+[ "$(grep -c ' ok$' "$TEST_TMPDIR/ok.txt")" -eq 11 ] || { echo "expected 11 passing checks"; exit 1; }
 
 source "$(dirname "$0")/parity_lib.sh"
 
@@ -36,4 +37,10 @@ cp -rL "$fixtures" "$TEST_TMPDIR/p" && chmod -R u+w "$TEST_TMPDIR/p"
 perturb "$TEST_TMPDIR/p/pipeline/vae/diffusion_pytorch_model.safetensors"
 expect_failure pipeline "$TEST_TMPDIR/p" "pipeline image g0"
 grep -Eq "^transformer float32 .* ok$" "$TEST_TMPDIR/pipeline.txt"
+echo "== a LoRA matrix of the adapter changed"
+cp -rL "$fixtures" "$TEST_TMPDIR/l" && chmod -R u+w "$TEST_TMPDIR/l"
+perturb "$TEST_TMPDIR/l/lora/adapter.safetensors"
+expect_failure lora "$TEST_TMPDIR/l" "lora scale1 float32"
+grep -Eq "^lora off float32 .* ok$" "$TEST_TMPDIR/lora.txt"
+grep -Eq "^transformer float32 .* ok$" "$TEST_TMPDIR/lora.txt"
 echo "parity test: ok"

@@ -150,6 +150,7 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
   if (config.cpu_threads() > 0) at::set_num_threads(config.cpu_threads());
   ASSIGN_OR_RETURN(core->backend_, CreateBackend(config.device()));
   core->device_name_ = core->backend_->name();
+  if (metrics != nullptr) metrics->InitializeDevice(core->device_name_);
   core->torch_device_ = core->backend_->torch_device();
   core->placement_ = std::make_unique<PlacementManager>(core->backend_.get());
   core->placement_->set_prefetch_next_component(
@@ -684,6 +685,7 @@ absl::StatusOr<v1::Pipeline> GenerationCore::LoggedLoad(const v1::PipelineConfig
   absl::StatusOr<v1::Pipeline> loaded = Load(p, make_default, interrupt, remote);
   const std::string seconds = absl::StrFormat("%.3f", absl::ToDoubleSeconds(absl::Now() - start));
   if (loaded.ok()) {
+    if (metrics_ != nullptr) metrics_->InitializePipeline(p.name());
     int64_t bytes = 0;
     for (const v1::PipelineComponent& c : loaded->components()) bytes += c.weight_bytes();
     LogInfo(absl::StrCat("load pipeline=", LogValue(p.name()), " device=", device_name_, " phase=ready seconds=",

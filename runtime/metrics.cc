@@ -294,6 +294,26 @@ void ServerMetrics::RecordBatch(const std::string& pipeline, int size, absl::Dur
   batch_delay_.Add({{"pipeline", pipeline}}, *delays).Observe(absl::ToDoubleSeconds(held_open));
 }
 
+void ServerMetrics::InitializeDevice(const std::string& device) {
+  h2d_.Add({{"device", device}});
+  d2h_.Add({{"device", device}});
+  queue_depth_.Add({{"device", device}});
+}
+
+void ServerMetrics::InitializePipeline(const std::string& pipeline) {
+  for (absl::StatusCode code :
+       {absl::StatusCode::kOk, absl::StatusCode::kInvalidArgument, absl::StatusCode::kResourceExhausted,
+        absl::StatusCode::kUnavailable, absl::StatusCode::kDeadlineExceeded, absl::StatusCode::kCancelled,
+        absl::StatusCode::kFailedPrecondition, absl::StatusCode::kInternal}) {
+    requests_.Add({{"pipeline", pipeline}, {"code", StatusCodeLabel(code)}});
+  }
+  duration_.Add({{"pipeline", pipeline}}, SecondBuckets());
+  peak_device_.Add({{"pipeline", pipeline}}, ByteBuckets());
+  peak_device_reserved_.Add({{"pipeline", pipeline}}, ByteBuckets());
+  peak_rss_.Add({{"pipeline", pipeline}}, ByteBuckets());
+  tenant_requests_.Add({{"tenant", "default"}, {"priority", "0"}, {"code", StatusCodeLabel(absl::StatusCode::kOk)}});
+}
+
 void ServerMetrics::SetQueueDepth(const std::string& device, int64_t depth) {
   queue_depth_.Add({{"device", device}}).Set(static_cast<double>(depth));
 }

@@ -27,6 +27,14 @@ class ServerMetrics {
 
   std::shared_ptr<prometheus::Registry> registry() { return registry_; }
 
+  // Every series of a device and of a pipeline, at 0, so that rates and alerts see them from the
+  // start (not only after the first request): the device's bytes moved and queue depth; the
+  // pipeline's requests by the status codes a request ends with (ok, invalid_argument,
+  // resource_exhausted, unavailable, deadline_exceeded, cancelled, failed_precondition, internal),
+  // its duration and peaks; the default tenant's requests at priority 0. Idempotent.
+  void InitializeDevice(const std::string& device);
+  void InitializePipeline(const std::string& pipeline);
+
   // One finished request (any outcome). Resource figures are recorded for successful requests.
   void RecordRequest(const std::string& pipeline, absl::StatusCode code, absl::Duration duration);
   // Peak device bytes as the allocator counts them (allocated) and as the GPU sees them (reserved

@@ -306,6 +306,28 @@ TEST_F(ServerE2ETest, CancelledStreamStopsAndAFullQueueIsRejected) {
   EXPECT_TRUE(Call(Small(), &ok).ok());
 }
 
+// Before any request, every counter an alert or a rate reads is already there, at 0.
+TEST(MetricsFromStartTest, EveryCounterIsExportedAtZeroBeforeTheFirstRequest) {
+  v1::ServerConfig config;
+  config.set_grpc_address("127.0.0.1:0");
+  config.set_metrics_address("127.0.0.1:0");
+  auto server = StowageServer::Start(config);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const std::string page = HttpGet((*server)->metrics_address(), "/metrics");
+  const std::string device = (*server)->device_name();
+  for (const std::string& series :
+       {std::string(R"(stowage_requests_total{code="ok",pipeline="zimage-tiny"} 0)"),
+        std::string(R"(stowage_requests_total{code="resource_exhausted",pipeline="zimage-tiny"} 0)"),
+        std::string(R"(stowage_requests_total{code="internal",pipeline="zimage-tiny"} 0)"),
+        std::string(R"(stowage_request_duration_seconds_count{pipeline="zimage-tiny"} 0)"),
+        std::string(R"(stowage_tenant_requests_total{code="ok",priority="0",tenant="default"} 0)"),
+        "stowage_host_to_device_bytes_total{device=\"" + device + "\"} 0",
+        "stowage_queue_depth{device=\"" + device + "\"} 0",
+        "stowage_placement_oom_recoveries_total{device=\"" + device + "\"} 0"}) {
+    EXPECT_NE(page.find("\n" + series + "\n"), std::string::npos) << series;
+  }
+}
+
 TEST_F(ServerE2ETest, MetricsPageHoldsTheRequestsValues) {
   GenerateResponse response;
   ASSERT_TRUE(Call(Small(), &response).ok());

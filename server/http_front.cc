@@ -19,9 +19,11 @@
 #include "absl/strings/str_join.h"
 #include "base/text.h"
 #include "models/core/image.h"
+#include "runtime/admin_core.h"
 #include "server/admin_service.h"
 #include "server/generation_metrics.h"
 #include "server/openai_images.h"
+#include "server/placement_page.h"
 
 namespace stowage {
 namespace {
@@ -30,6 +32,8 @@ constexpr char kGenerationsPath[] = "/v1/images/generations";
 constexpr char kModelsPath[] = "/v1/models";
 constexpr char kModelsPrefix[] = "/v1/models/";
 constexpr char kHealthPath[] = "/health";
+constexpr char kPlacementPagePath[] = "/placement";
+constexpr char kPlacementPath[] = "/v1/placement";
 // How often the sweeper looks for connections past their deadline (the precision of every phase
 // deadline).
 constexpr absl::Duration kSweepPeriod = absl::Milliseconds(100);
@@ -68,6 +72,7 @@ StartLog* TheStartLog() {
 struct HttpFront::Reply {
   int status = 200;
   std::string body;
+  std::string content_type = "application/json";
   std::vector<std::pair<std::string, std::string>> headers;
 
   std::optional<OpenAiError> error;
@@ -546,7 +551,7 @@ int HttpFront::Queue(MHD_Connection* connection, Request* request, const Reply& 
   MHD_Response* response =
       MHD_create_response_from_buffer(reply.body.size(), const_cast<char*>(reply.body.data()), MHD_RESPMEM_MUST_COPY);
   if (response == nullptr) return 0;
-  MHD_add_response_header(response, "Content-Type", "application/json");
+  MHD_add_response_header(response, "Content-Type", reply.content_type.c_str());
   MHD_add_response_header(response, "Cache-Control", "no-store");
   // Every reply closes its connection: a kept-alive one would hold a connection slot for nothing.
   MHD_add_response_header(response, "Connection", "close");
@@ -628,13 +633,29 @@ bool HttpFront::Route(MHD_Connection* connection, const std::string& method, con
     }
     return true;
   }
+  if (path == kPlacementPagePath) {
+    // The page itself holds no data (it reads /v1/placement, which the API key guards).
+    if (method != "GET" && method != "HEAD") {
+      *out = wrong_method("GET");
+    } else {
+      out->body = kPlacementPage;
+      out->content_type = "text/html; charset=utf-8";
+      // Its script is its own; nothing else may run in it or frame it.
+      out->headers.emplace_back("Content-Security-Policy",
+                                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                "connect-src 'self'; frame-ancestors 'none'");
+    }
+    return true;
+  }
   const bool generations = path == kGenerationsPath;
+  const bool placement = path == kPlacementPath;
   const bool models = path == kModelsPath || absl::StartsWith(path, kModelsPrefix);
-  if (!generations && !models) {
+  if (!generations && !models && !placement) {
     *out = Reply::Error(OpenAiError{404,
                                     absl::StrCat("unknown path ", JsonQuote(Truncated(path)), "; this server answers POST ",
                                                  kGenerationsPath, ", GET ", kModelsPath, ", GET ", kModelsPath,
-                                                 "/{model} and GET ", kHealthPath),
+                                                 "/{model}, GET ", kPlacementPath, ", GET ", kPlacementPagePath,
+                                                 " and GET ", kHealthPath),
                                     "invalid_request_error", "", "unknown_url"});
     return true;
   }
@@ -642,7 +663,7 @@ bool HttpFront::Route(MHD_Connection* connection, const std::string& method, con
     *out = wrong_method("POST");
     return true;
   }
-  if (models && method != "GET" && method != "HEAD") {
+  if ((models || placement) && method != "GET" && method != "HEAD") {
     *out = wrong_method("GET");
     return true;
   }
@@ -669,6 +690,22 @@ bool HttpFront::Route(MHD_Connection* connection, const std::string& method, con
     return false;
   }
   (void)request;
+  if (placement) {
+    const AdminCore admin(core_);
+    std::vector<v1::GetPlacementResponse> devices;
+    for (const auto& device : core_->devices()) {
+      v1::GetPlacementRequest one;
+      one.set_device(device->device_name());
+      absl::StatusOr<v1::GetPlacementResponse> got = admin.GetPlacement(one);
+      if (!got.ok()) {
+        *out = Reply::Error(ErrorFromStatus(got.status()));
+        return true;
+      }
+      devices.push_back(*std::move(got));
+    }
+    *out = Reply::Json(PlacementBody(devices));
+    return true;
+  }
   const v1::ListPipelinesResponse pipelines = core_->ListPipelines();
   if (path == kModelsPath) {
     *out = Reply::Json(ModelsBody(pipelines, started_unix_));

@@ -522,6 +522,14 @@ Json ModelJson(const v1::Pipeline& pipeline, int64_t created) {
 
 }  // namespace
 
+std::string PlacementBody(const std::vector<v1::GetPlacementResponse>& devices) {
+  Json list = Json::array();
+  for (const v1::GetPlacementResponse& d : devices) list.push_back(ProtoJson(d));
+  Json body;
+  body["devices"] = std::move(list);
+  return Serialize(body);
+}
+
 std::string ModelsBody(const v1::ListPipelinesResponse& pipelines, int64_t created) {
   Json data = Json::array();
   for (const v1::Pipeline& p : pipelines.pipelines()) data.push_back(ModelJson(p, created));

@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "stowage/v1/admin.pb.h"
 #include "stowage/v1/generation.pb.h"
 
 namespace stowage {
@@ -113,6 +114,9 @@ std::string PartialImageEvent(int image_index, int partial_index, const std::str
                               int64_t created);
 std::string CompletedEvent(int image_index, const v1::GenerateResponse& image, int64_t created);
 std::string ErrorEvent(const OpenAiError& error);
+
+// GET /v1/placement: {"devices": [<GetPlacementResponse as proto3 JSON>...]}, one per device.
+std::string PlacementBody(const std::vector<v1::GetPlacementResponse>& devices);
 
 // GET /v1/models: {"object": "list", "data": [<model>...]}, one model per pipeline:
 // {"id": name, "object": "model", "created": <created>, "owned_by": "stowage",

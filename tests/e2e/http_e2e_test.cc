@@ -140,12 +140,54 @@ TEST_F(HttpTest, AnApiKeyGuardsTheApiButNotHealth) {
     EXPECT_EQ(generated.status, c.status) << generated.body.substr(0, 300);
     const HttpResponse models = Get(http_, "/v1/models", c.header);
     EXPECT_EQ(models.status, c.status);
+    EXPECT_EQ(Get(http_, "/v1/placement", c.header).status, c.status);
     if (c.status == 401) {
       EXPECT_EQ(Field(ErrorOf(generated), "code"), "invalid_api_key");
       EXPECT_EQ(generated.headers["www-authenticate"], "Bearer");
     }
   }
   EXPECT_EQ(Get(http_, "/health").status, 200);
+  // The placement page holds no data: it is served without the key (its data endpoint needs it).
+  EXPECT_EQ(Get(http_, "/placement").status, 200);
+}
+
+// --- Placement ------------------------------------------------------------------------------------
+
+// GET /v1/placement is every device's GetPlacement (what the admin API answers), as JSON; GET
+// /placement is the page that draws it.
+TEST_F(HttpTest, PlacementIsEveryDevicesGetPlacement) {
+  Start(SlowConfig(4));
+  ASSERT_EQ(Post(http_, kSmall).status, 200);  // Something placed on the device.
+  const HttpResponse r = Get(http_, "/v1/placement");
+  ASSERT_EQ(r.status, 200) << r.body.substr(0, 300);
+  const google::protobuf::Struct body = Json(r.body);
+  const auto& devices = body.fields().at("devices").list_value().values();
+  ASSERT_EQ(devices.size(), 1u);
+  const auto& device = devices[0].struct_value();
+  v1::GetPlacementResponse placement;
+  ASSERT_TRUE(server_->admin().GetPlacement(E2eServer::Authed().get(), v1::GetPlacementRequest(), &placement).ok());
+  EXPECT_EQ(Field(device, "device"), placement.device());
+  EXPECT_EQ(Field(device, "budget_bytes"), std::to_string(placement.budget_bytes()));
+  EXPECT_EQ(Field(device, "strategy"), placement.strategy());
+  const auto& components = device.fields().at("components").list_value().values();
+  ASSERT_EQ(components.size(), static_cast<size_t>(placement.components_size()));
+  int64_t on_device = 0;
+  for (int i = 0; i < placement.components_size(); ++i) {
+    const auto& c = components[i].struct_value();
+    EXPECT_EQ(Field(c, "id"), placement.components(i).id());
+    EXPECT_EQ(Field(c, "weight_bytes"), std::to_string(placement.components(i).weight_bytes()));
+    EXPECT_EQ(Field(c, "state"), v1::ComponentPlacement::State_Name(placement.components(i).state()));
+    on_device += placement.components(i).device_bytes();
+  }
+  EXPECT_GT(on_device, 0);
+
+  const HttpResponse page = Get(http_, "/placement");
+  ASSERT_EQ(page.status, 200);
+  EXPECT_EQ(page.headers.at("content-type"), "text/html; charset=utf-8");
+  EXPECT_NE(page.headers.at("content-security-policy").find("default-src 'none'"), std::string::npos);
+  EXPECT_NE(page.body.find("fetch(\"/v1/placement\""), std::string::npos);
+  EXPECT_EQ(Post(http_, kSmall, "", milliseconds(30000)).status, 200);
+  EXPECT_EQ(Exchange(http_, "POST /v1/placement HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n").status, 405);
 }
 
 // --- Queue, shutdown -----------------------------------------------------------------------------

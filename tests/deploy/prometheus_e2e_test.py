@@ -1,11 +1,13 @@
-"""A real Prometheus in the loop: Debian's `prometheus` scrapes a stowage_server on loopback (a static
-scrape config, one-second interval, deploy/prometheus/alerts.yml loaded), the test sends Generate
-requests through the Python client, then asks Prometheus' HTTP API for
+"""A real Prometheus in the loop: Debian's `prometheus` scrapes two stowage_servers on loopback, each
+with two (simulated) devices and the pipeline replicated on both (a static scrape config, one-second
+interval, deploy/prometheus/alerts.yml loaded), the test sends Generate requests to both through the
+Python client, then asks Prometheus' HTTP API for
 
   * every PromQL expression of deploy/grafana/stowage-dashboard.json (panel targets and template
     variable queries, Grafana's variables replaced by what Grafana sends for "All"): each must return
     at least one series with a finite value, so a panel naming a metric or label the server does not
-    export fails here;
+    export fails here, and so does one whose aggregation or join breaks with several servers and
+    devices (a many-to-many match is an error);
   * every stowage_* metric that an alert in alerts.yml names, and every rule's health after
     Prometheus evaluated it on the live data;
   * the Prometheus adapter's rule (deploy/kubernetes/prometheus-adapter.yaml) as the adapter would
@@ -44,13 +46,15 @@ PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 
 # What the kubernetes_sd relabelling (prometheus.yml) or the ServiceMonitor puts on every series in
 # a cluster; the static target here gets the same labels so the adapter's rule can select on them.
-NAMESPACE, POD = "stowage-test", "stowage-0"
+NAMESPACE, PODS = "stowage-test", ("stowage-0", "stowage-1")
+POD = PODS[0]
 RATE_WINDOW = "30s"  # For $__rate_interval: many one-second scrapes, all after the server started.
 
 SERVER_CONFIG = """
-device { memory_budget_bytes: 4294967296 }
+devices { kind: KIND_SIMULATED index: 0 memory_budget_bytes: 4294967296 }
+devices { kind: KIND_SIMULATED index: 1 memory_budget_bytes: 4294967296 }
 pipelines {
-  name: "zimage-tiny" builtin: "zimage-tiny"
+  name: "zimage-tiny" builtin: "zimage-tiny" devices: "sim:0" devices: "sim:1"
   group_offload {
     enabled: true
     defaults { offload_type: BLOCK_LEVEL use_stream: true prefetch_depth: 1 }
@@ -136,25 +140,29 @@ class PrometheusEndToEndTest(unittest.TestCase):
         config = os.path.join(cls.tmp, "server.txtpb")
         with open(config, "w") as f:
             f.write(SERVER_CONFIG)
-        port_file = os.path.join(cls.tmp, "ports.json")
-        server = cls._spawn("server", [SERVER, f"--config={config}", "--grpc_address=127.0.0.1:0",
-                                       "--metrics_address=127.0.0.1:0", f"--port_file={port_file}"])
-        deadline = time.time() + 60
-        while not os.path.exists(port_file) or os.path.getsize(port_file) == 0:
-            if server.poll() is not None or time.time() > deadline:
-                raise RuntimeError("server did not start: " + cls._log("server"))
-            time.sleep(0.05)
-        with open(port_file) as f:
-            ports = json.load(f)
-        cls.grpc_target, metrics_target = ports["grpc_address"], ports["metrics_address"]
+        cls.grpc_targets, metrics_targets = [], []
+        for i, pod in enumerate(PODS):
+            port_file = os.path.join(cls.tmp, f"ports{i}.json")
+            server = cls._spawn(f"server{i}", [SERVER, f"--config={config}", "--grpc_address=127.0.0.1:0",
+                                               "--metrics_address=127.0.0.1:0", f"--port_file={port_file}"])
+            deadline = time.time() + 60
+            while not os.path.exists(port_file) or os.path.getsize(port_file) == 0:
+                if server.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("server did not start: " + cls._log(f"server{i}"))
+                time.sleep(0.05)
+            with open(port_file) as f:
+                ports = json.load(f)
+            cls.grpc_targets.append(ports["grpc_address"])
+            metrics_targets.append((ports["metrics_address"], pod))
+        cls.grpc_target = cls.grpc_targets[0]
 
         prometheus_config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [os.path.abspath(ALERTS)],
             "scrape_configs": [{
                 "job_name": "stowage",  # The alerts select job="stowage".
-                "static_configs": [{"targets": [metrics_target],
-                                    "labels": {"namespace": NAMESPACE, "pod": POD}}],
+                "static_configs": [{"targets": [target], "labels": {"namespace": NAMESPACE, "pod": pod}}
+                                   for target, pod in metrics_targets],
             }],
         }
         prometheus_yml = os.path.join(cls.tmp, "prometheus.yml")
@@ -185,16 +193,19 @@ class PrometheusEndToEndTest(unittest.TestCase):
         # The first scrape, then traffic: successful requests, and one the server refuses. Each
         # request waits until Prometheus has scraped the one before: a series' first sample counts
         # as its start, not as an increase, so rate() needs the counters to grow between scrapes.
-        cls.wait_for("up == 1", lambda r: any(float(s["value"][1]) == 1 for s in r))
-        with StowageClient(cls.grpc_target, timeout=60) as client:
-            for seed in range(3):
-                client.generate("a lighthouse", width=64, height=64, steps=2, seed=seed)
-                cls.wait_for('sum(stowage_requests_total{code="ok"})',
-                             lambda r, n=seed + 1: bool(r) and float(r[0]["value"][1]) >= n)
-            try:
-                client.generate("", steps=1)
-            except StowageError:
-                pass
+        cls.wait_for("sum(up) == 2", lambda r: bool(r) and float(r[0]["value"][1]) == 2)
+        done = 0
+        for target in cls.grpc_targets:
+            with StowageClient(target, timeout=60) as client:
+                for seed in range(3):
+                    client.generate("a lighthouse", width=64, height=64, steps=2, seed=seed)
+                    done += 1
+                    cls.wait_for('sum(stowage_requests_total{code="ok"})',
+                                 lambda r, n=done: bool(r) and float(r[0]["value"][1]) >= n)
+                try:
+                    client.generate("", steps=1)
+                except StowageError:
+                    pass
         time.sleep(2)  # A few more scrapes.
 
     @classmethod
@@ -285,12 +296,29 @@ class PrometheusEndToEndTest(unittest.TestCase):
         reply = self.query('stowage_component_state{component="zimage-tiny/transformer"}')
         states = {s["metric"]["state"] for s in reply["data"]["result"]}
         self.assertEqual(states, {"group_offloaded"})
-        reply = self.query('stowage_placement_evictions_total{strategy="workflow",cause="after_run"}')
-        self.assertGreaterEqual(float(reply["data"]["result"][0]["value"][1]), 3)
-        reply = self.query('stowage_group_offload_forwards_total{component="zimage-tiny/transformer"}')
+        reply = self.query('sum(stowage_placement_evictions_total{strategy="workflow",cause="after_run"})')
+        self.assertGreaterEqual(float(reply["data"]["result"][0]["value"][1]), 6)
+        reply = self.query('sum(stowage_group_offload_forwards_total{component="zimage-tiny/transformer"})')
         self.assertGreater(float(reply["data"]["result"][0]["value"][1]), 0)
+        # Two servers, two devices each: four budgets, each the config's.
         reply = self.query('stowage_device_memory_bytes{kind="budget"}')
-        self.assertEqual(float(reply["data"]["result"][0]["value"][1]), 4294967296)
+        budgets = {(s["metric"]["pod"], s["metric"]["device"]): float(s["value"][1]) for s in reply["data"]["result"]}
+        self.assertEqual(budgets, {(pod, device): 4294967296 for pod in PODS for device in ("sim:0", "sim:1")})
+
+    def test_dashboard_keeps_servers_and_devices_apart(self) -> None:
+        # A panel that adds up one device's bytes with another server's, or joins many to many,
+        # is wrong with several servers and devices: each per-device series of the placement and
+        # streaming panels must carry both the instance and the device.
+        targets, _ = dashboard_queries(DASHBOARD)
+        for where, expr in targets:
+            if not re.search(r"stowage_(device_memory|component_device|group_offload|host_to_device|device_to_host)", expr):
+                continue
+            with self.subTest(where):
+                reply = self.query(expr)
+                self.assertEqual(reply.get("status"), "success", reply)
+                keys = [(s["metric"].get("instance"), s["metric"].get("device")) for s in reply["data"]["result"]]
+                self.assertTrue(keys and all(i and d for i, d in keys), f"{expr}: {keys[:4]}")
+                self.assertEqual(len({i for i, _ in keys}), 2, f"{expr}: one series per server expected")
 
     def test_alert_metrics_exist_and_rules_evaluate(self) -> None:
         with open(ALERTS) as f:

@@ -52,6 +52,7 @@ NOT_IN_CMAKE: Dict[str, str] = {
     "//tests/deploy:alerts_test": "needs Debian's promtool",
     "//tests/deploy:kubernetes_manifests_test": "needs the network",
     "//tests/e2e:placement_page_test": "needs Debian's chromium",
+    "//tests/e2e:python_package_test": "needs Debian's python3-venv, grpcio, protobuf and setuptools",
 }
 # Packages in the order of the layers (ARCHITECTURE.md), then everything else sorted.
 PACKAGE_ORDER = ["proto", "base", "offload", "models/core", "models", "placement", "runtime", "server",

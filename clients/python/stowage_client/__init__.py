@@ -22,14 +22,17 @@ from stowage_client.admin import (
     AdminClient,
     ComponentPlacementInfo,
     Decision,
+    DeviceStatusInfo,
     GroupOffloadInfo,
     PlacementInfo,
 )
 from stowage_client.client import (
+    AdapterInfo,
     ComponentInfo,
     GenerationResult,
     Metadata,
     PipelineInfo,
+    PartialImage,
     ProgressEvent,
     RequestStats,
     StowageClient,
@@ -38,13 +41,16 @@ from stowage_client.client import (
 )
 
 __all__ = [
+    "AdapterInfo",
     "AdminClient",
     "ComponentInfo",
     "ComponentPlacementInfo",
     "Decision",
+    "DeviceStatusInfo",
     "GenerationResult",
     "GroupOffloadInfo",
     "Metadata",
+    "PartialImage",
     "PipelineInfo",
     "PlacementInfo",
     "ProgressEvent",

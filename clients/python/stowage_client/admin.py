@@ -29,9 +29,11 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from google.protobuf import timestamp_pb2
 
 from stowage_client.client import (
+    AdapterInfo,
     PipelineInfo,
     StowageError,
     _ChannelClient,
+    _adapter_from_proto,
     _pipeline_from_proto,
     make_channel,
 )
@@ -40,6 +42,7 @@ __all__ = [
     "AdminClient",
     "ComponentPlacementInfo",
     "Decision",
+    "DeviceStatusInfo",
     "GroupOffloadInfo",
     "PlacementInfo",
     "WorkflowRuleSpec",
@@ -131,6 +134,18 @@ class PlacementInfo:
     def free_bytes(self) -> int | None:
         """Budget minus allocated bytes; None when the device has no budget."""
         return self.budget_bytes - self.allocated_bytes if self.budget_bytes else None
+
+
+@dataclass(frozen=True)
+class DeviceStatusInfo:
+    """A device of the server: whether it drains, its requests in flight, the pipelines with a
+    READY replica on it and the components it runs for pipelines homed elsewhere."""
+
+    device: str
+    draining: bool
+    in_flight: int
+    pipelines: list[str]
+    guest_components: list[str]
 
 
 @dataclass(frozen=True)
@@ -355,7 +370,8 @@ class AdminClient(_ChannelClient):
     token answers FAILED_PRECONDITION. ``tls``, ``root_certificates`` and ``server_name`` are
     StowageClient's: plaintext by default, where the token travels in the clear (fine on
     loopback; use TLS elsewhere). Use the client as a context manager, or call close(), to release
-    the channel.
+    the channel. ``device`` ("cuda:1") is the device that placement, strategy, group-offload and
+    placement-log calls act on on a server with several; "" is the server's first.
     """
 
     def __init__(
@@ -367,8 +383,11 @@ class AdminClient(_ChannelClient):
         tls: bool = False,
         root_certificates: bytes | None = None,
         server_name: str | None = None,
+        device: str = "",
     ) -> None:
         token = token or os.environ.get(TOKEN_ENV, "")
+        # The device the device-scoped calls act on ("cuda:1"); "" = the server's first.
+        self._device = device
         if not token:
             raise ValueError(f"the admin API needs a token: pass token= or set ${TOKEN_ENV}")
         self._timeout = timeout
@@ -379,6 +398,10 @@ class AdminClient(_ChannelClient):
         self._stub = admin_pb2_grpc.AdminServiceStub(self._channel)
 
     def _call(self, method: str, request: Any) -> Any:
+        # Device-scoped requests (placement, strategy, group offload, the log) name this client's
+        # device unless the call named one.
+        if self._device and "device" in type(request).DESCRIPTOR.fields_by_name and not request.device:
+            request.device = self._device
         try:
             return getattr(self._stub, method)(
                 request, timeout=self._timeout, metadata=self._metadata
@@ -593,6 +616,54 @@ class AdminClient(_ChannelClient):
             StowageError: NOT_FOUND for a pipeline that is not loaded.
         """
         self._call("UnloadPipeline", admin_pb2.UnloadPipelineRequest(name=name))
+
+    def move_component(self, pipeline: str, component: str, device: str) -> PipelineInfo:
+        """Moves one component of a one-device (or split) pipeline to ``device``, between the
+        pipeline's requests; returns the pipeline afterwards (each component's device).
+
+        Raises:
+            StowageError: INVALID_ARGUMENT naming an unknown pipeline, component or device;
+                FAILED_PRECONDITION for a pipeline with replicas.
+        """
+        request = admin_pb2.MoveComponentRequest(pipeline=pipeline, component=component, device=device)
+        return _pipeline_from_proto(self._call("MoveComponent", request).pipeline)
+
+    def drain_device(self, device: str, drain: bool = True) -> list[DeviceStatusInfo]:
+        """Marks ``device`` draining (new requests go to other replicas; running ones finish), or
+        serving again with ``drain=False``; returns every device's status.
+
+        Raises:
+            StowageError: NOT_FOUND for an unknown device.
+        """
+        reply = self._call("DrainDevice", admin_pb2.DrainDeviceRequest(device=device, drain=drain))
+        return [DeviceStatusInfo(device=d.device, draining=d.draining, in_flight=d.in_flight,
+                                 pipelines=list(d.pipelines), guest_components=list(d.guest_components))
+                for d in reply.devices]
+
+    def resume_device(self, device: str) -> list[DeviceStatusInfo]:
+        """drain_device(device, drain=False)."""
+        return self.drain_device(device, drain=False)
+
+    def load_adapter(self, pipeline: str, name: str, path: str, alpha: float = 0.0) -> AdapterInfo:
+        """Reads a LoRA adapter (a safetensors file on the server, PEFT / diffusers layout) and
+        attaches it to a READY pipeline on every device hosting it; requests then name it
+        (StowageClient.generate(loras={name: scale})). ``alpha`` is the LoRA alpha for layers whose
+        file gives none (PEFT keeps it in adapter_config.json; 0: factor 1).
+
+        Raises:
+            StowageError: INVALID_ARGUMENT naming the file, key or layer that does not fit;
+                ALREADY_EXISTS for a name in use; NOT_FOUND for a missing file or pipeline.
+        """
+        request = admin_pb2.LoadAdapterRequest(pipeline=pipeline, name=name, path=path, alpha=alpha)
+        return _adapter_from_proto(self._call("LoadAdapter", request).adapter)
+
+    def unload_adapter(self, pipeline: str, name: str) -> None:
+        """Detaches an adapter; requests still queued that name it fail.
+
+        Raises:
+            StowageError: NOT_FOUND when the pipeline has no such adapter.
+        """
+        self._call("UnloadAdapter", admin_pb2.UnloadAdapterRequest(pipeline=pipeline, name=name))
 
     def placement_log(self, limit: int = 100) -> list[Decision]:
         """The newest ``limit`` placement decisions (at most 4096), oldest first.

@@ -8,7 +8,7 @@ through methods that not every ``RpcError`` has.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Self
@@ -133,6 +133,30 @@ class ProgressEvent:
 
 
 @dataclass(frozen=True)
+class PartialImage:
+    """A preview of a streamed request (``partial_images``): PNG bytes of what the image would be
+    from denoising step ``step`` on; ``index`` counts previews from 0."""
+
+    index: int
+    step: int
+    image: bytes
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A LoRA adapter loaded on a pipeline."""
+
+    name: str
+    path: str
+    rank: int
+    layers: int
+    components: list[str]
+    bytes: int
+
+
+@dataclass(frozen=True)
 class ComponentInfo:
     """One component (model) of a pipeline."""
 
@@ -141,6 +165,7 @@ class ComponentInfo:
     weight_bytes: int
     parameter_count: int
     dtype: str
+    device: str = ""  # Where it runs ("cuda:1"); a split pipeline's components may differ.
 
 
 @dataclass(frozen=True)
@@ -163,6 +188,7 @@ class PipelineInfo:
     max_prompt_bytes: int
     max_batch_size: int = 1  # Dynamic batching: 1 = off.
     max_queue_delay_ms: int = 0
+    adapters: list[AdapterInfo] = field(default_factory=list)  # LoRA adapters loaded on it.
 
     @property
     def total_weight_bytes(self) -> int:
@@ -229,6 +255,7 @@ def _pipeline_from_proto(msg: generation_pb2.Pipeline) -> PipelineInfo:
                 weight_bytes=c.weight_bytes,
                 parameter_count=c.parameter_count,
                 dtype=c.dtype,
+                device=c.device,
             )
             for c in msg.components
         ],
@@ -244,7 +271,13 @@ def _pipeline_from_proto(msg: generation_pb2.Pipeline) -> PipelineInfo:
         max_prompt_bytes=msg.max_prompt_bytes,
         max_batch_size=max(1, msg.max_batch_size),
         max_queue_delay_ms=msg.max_queue_delay_ms,
+        adapters=[_adapter_from_proto(a) for a in msg.adapters],
     )
+
+
+def _adapter_from_proto(msg: generation_pb2.Adapter) -> AdapterInfo:
+    return AdapterInfo(name=msg.name, path=msg.path, rank=msg.rank, layers=msg.layers,
+                       components=list(msg.components), bytes=msg.bytes)
 
 
 def _build_request(
@@ -258,6 +291,10 @@ def _build_request(
     seed: int | None,
     pipeline: str,
     request_id: str,
+    priority: int = 0,
+    tenant: str = "",
+    loras: Mapping[str, float] | Sequence[tuple[str, float]] = (),
+    partial_images: int = 0,
 ) -> generation_pb2.GenerateRequest:
     request = generation_pb2.GenerateRequest(
         pipeline=pipeline,
@@ -267,7 +304,13 @@ def _build_request(
         height=height,
         num_inference_steps=steps,
         request_id=request_id,
+        priority=priority,
+        tenant=tenant,
+        partial_images=partial_images,
     )
+    pairs = loras.items() if isinstance(loras, Mapping) else loras
+    for name, scale in pairs:
+        request.loras.add(name=name, scale=float(scale))
     # guidance_scale and seed have explicit presence: unset means "server default" / "random
     # seed", which differ from 0, so only assign them when the caller gave a value (0 included).
     if guidance_scale is not None:
@@ -379,11 +422,16 @@ class StowageClient(_ChannelClient):
         seed: int | None = None,
         pipeline: str = "",
         request_id: str = "",
+        priority: int = 0,
+        tenant: str = "",
+        loras: Mapping[str, float] | Sequence[tuple[str, float]] = (),
     ) -> GenerationResult:
         """Runs one text-to-image request and waits for the image.
 
         Zero/empty arguments and None select the pipeline's defaults (a random seed for
-        ``seed=None``; the result reports the seed used).
+        ``seed=None``; the result reports the seed used). ``priority`` (0..9) and ``tenant``
+        feed the server's scheduler; ``loras`` names LoRA adapters loaded on the pipeline
+        (AdminClient.load_adapter) with their scales, e.g. ``{"style": 0.8}``.
 
         Raises:
             StowageError: the server rejected or failed the request, or the call timed out.
@@ -398,6 +446,9 @@ class StowageClient(_ChannelClient):
             seed=seed,
             pipeline=pipeline,
             request_id=request_id,
+            priority=priority,
+            tenant=tenant,
+            loras=loras,
         )
         try:
             reply = self._stub.Generate(request, timeout=self._timeout, metadata=self._metadata)
@@ -417,9 +468,14 @@ class StowageClient(_ChannelClient):
         seed: int | None = None,
         pipeline: str = "",
         request_id: str = "",
-    ) -> Iterator[ProgressEvent | GenerationResult]:
-        """Runs a request like generate(), yielding ProgressEvents as they arrive and then the
-        GenerationResult as the last item.
+        priority: int = 0,
+        tenant: str = "",
+        loras: Mapping[str, float] | Sequence[tuple[str, float]] = (),
+        partial_images: int = 0,
+    ) -> Iterator[ProgressEvent | PartialImage | GenerationResult]:
+        """Runs a request like generate(), yielding ProgressEvents as they arrive (and
+        ``partial_images`` PartialImage previews, 0..3), and then the GenerationResult as the last
+        item.
 
         The RPC starts when iteration starts. Abandoning the iterator (break, close(), or
         garbage collection) cancels the request, which makes the server stop it between
@@ -439,12 +495,16 @@ class StowageClient(_ChannelClient):
             seed=seed,
             pipeline=pipeline,
             request_id=request_id,
+            priority=priority,
+            tenant=tenant,
+            loras=loras,
+            partial_images=partial_images,
         )
         return self._stream(request)
 
     def _stream(
         self, request: generation_pb2.GenerateRequest
-    ) -> Iterator[ProgressEvent | GenerationResult]:
+    ) -> Iterator[ProgressEvent | PartialImage | GenerationResult]:
         # A separate generator so that stream() builds (and validates) the request eagerly.
         call = self._stub.GenerateStream(request, timeout=self._timeout, metadata=self._metadata)
         try:
@@ -452,6 +512,9 @@ class StowageClient(_ChannelClient):
                 event = message.WhichOneof("event")
                 if event == "progress":
                     yield _progress_from_proto(message.progress)
+                elif event == "partial_image":
+                    p = message.partial_image
+                    yield PartialImage(index=p.index, step=p.step, image=p.image, width=p.width, height=p.height)
                 elif event == "result":
                     yield _result_from_proto(message.result)
                     # The result is the last message by contract. Read on to the end anyway so

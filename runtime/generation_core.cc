@@ -5,6 +5,7 @@
 #include <any>
 #include <cmath>
 #include <cstdlib>
+#include <thread>
 #include <iostream>
 #include <optional>
 #include <random>
@@ -21,6 +22,7 @@
 #include "base/text.h"
 #include "models/core/fused_ops.h"
 #include "models/pipeline_registry.h"
+#include "base/load_progress.h"
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "runtime/config.h"
@@ -682,7 +684,35 @@ absl::StatusOr<v1::Pipeline> GenerationCore::LoggedLoad(const v1::PipelineConfig
                                                     : absl::StrCat("builtin=", LogValue(p.builtin()));
   LogInfo(absl::StrCat("load pipeline=", LogValue(p.name()), " device=", device_name_, " ", source,
                        " dtype=", LogValue(p.dtype()), " phase=begin"));
-  absl::StatusOr<v1::Pipeline> loaded = Load(p, make_default, interrupt, remote);
+  // Its progress, for ListPipelines while it runs and a log line every 5 s.
+  auto progress = std::make_shared<LoadProgress>();
+  {
+    absl::MutexLock lock(&loading_mu_);
+    // A second load of a name already loading is refused; the first keeps its entry.
+    loading_.emplace(p.name(), progress);
+  }
+  absl::Notification finished;
+  std::thread ticker([&] {
+    while (!finished.WaitForNotificationWithTimeout(absl::Seconds(5))) {
+      LogInfo(absl::StrCat("load pipeline=", LogValue(p.name()), " device=", device_name_,
+                           " phase=loading bytes_read=", progress->bytes_read.load(),
+                           " bytes_total=", progress->bytes_total.load(),
+                           absl::StrFormat(" seconds=%.1f", absl::ToDoubleSeconds(absl::Now() - start))));
+    }
+  });
+  absl::StatusOr<v1::Pipeline> loaded = absl::InternalError("not loaded");
+  {
+    const ScopedLoadProgress scoped(progress.get());
+    loaded = Load(p, make_default, interrupt, remote);
+  }
+  finished.Notify();
+  ticker.join();
+  {
+    absl::MutexLock lock(&loading_mu_);
+    // Another load of the name (refused, or after this one) may have replaced the entry.
+    auto it = loading_.find(p.name());
+    if (it != loading_.end() && it->second == progress) loading_.erase(it);
+  }
   const std::string seconds = absl::StrFormat("%.3f", absl::ToDoubleSeconds(absl::Now() - start));
   if (loaded.ok()) {
     if (metrics_ != nullptr) metrics_->InitializePipeline(p.name());
@@ -1478,9 +1508,16 @@ v1::Pipeline GenerationCore::Describe(const HostedPipelines::View& view) const {
   out.set_is_default(view.is_default);
   out.set_device(device_name_);
   switch (view.state) {
-    case PipelineState::kLoading:
+    case PipelineState::kLoading: {
       out.set_state(v1::PIPELINE_LOADING);
+      absl::MutexLock lock(&loading_mu_);
+      auto it = loading_.find(view.name);
+      if (it != loading_.end() && it->second != nullptr) {
+        out.mutable_load_progress()->set_bytes_total(it->second->bytes_total.load());
+        out.mutable_load_progress()->set_bytes_read(it->second->bytes_read.load());
+      }
       break;
+    }
     case PipelineState::kReady:
       out.set_state(v1::PIPELINE_READY);
       break;

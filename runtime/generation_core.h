@@ -41,6 +41,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "models/pipelines/component.h"
+#include "base/load_progress.h"
 #include "models/core/layers.h"
 #include "models/core/lora.h"
 #include "models/pipelines/pipeline.h"
@@ -259,6 +260,10 @@ class GenerationCore {
   // only; read by other threads for descriptions). guests_: pipelines homed on peers whose
   // components this device hosts, kept alive while it does. Declared before placement_: destroyed
   // after it.
+  // Loads in progress, by pipeline name (Describe reads them for LOADING entries).
+  mutable absl::Mutex loading_mu_;
+  std::map<std::string, std::shared_ptr<LoadProgress>> loading_ ABSL_GUARDED_BY(loading_mu_);
+
   // Adapters loaded per pipeline (changed on the worker; read by Validate, Describe and the worker).
   mutable absl::Mutex adapters_mu_;
   std::map<std::string, std::map<std::string, v1::Adapter>> adapters_ ABSL_GUARDED_BY(adapters_mu_);

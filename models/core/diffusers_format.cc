@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/match.h"
 #include "google/protobuf/util/json_util.h"
+#include "base/load_progress.h"
 #include "base/status_macros.h"
 #include "base/text.h"
 #include "offload/compressed_safetensors.h"
@@ -194,6 +195,7 @@ absl::StatusOr<ComponentWeights> ReadComponentWeights(const std::string& compone
   for (const std::string& path : files) {
     ASSIGN_OR_RETURN(std::shared_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
     weights.files.push_back(file);
+    AddLoadBytesTotal(file->data_bytes());
     if (file->metadata().count(kCompressMetadataKey) > 0) {
       // An 8-bit checkpoint: read (and checked) as a whole, into RAM.
       ASSIGN_OR_RETURN(CompressedCheckpoint checkpoint, ReadCompressedSafetensors(path));
@@ -278,6 +280,7 @@ absl::Status BindWeights(Module& root, const ComponentWeights& weights, at::Scal
     } else {
       slot.value = source.scalar_type() == dtype ? source : source.to(dtype);
     }
+    AddLoadBytesRead(source.nbytes());
   });
   RETURN_IF_ERROR(status);
   std::vector<std::string> unexpected;

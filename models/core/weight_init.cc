@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include "base/load_progress.h"
+
 namespace stowage {
 namespace {
 
@@ -22,8 +24,11 @@ uint64_t StableHash(const std::string& text, uint64_t seed) {
 }  // namespace
 
 void InitializeRandomWeights(Module& root, uint64_t seed) {
+  // A load's progress (base/load_progress.h) counts drawn weights as read.
+  AddLoadBytesTotal(root.DefinedBytes());
   root.ForEachSlot([&](Module& module, TensorSlot& slot) {
     if (!slot.value.defined()) return;
+    AddLoadBytesRead(static_cast<int64_t>(slot.value.nbytes()));
     at::Tensor& t = slot.value;
     at::Generator gen = at::detail::createCPUGenerator(StableHash(module.SlotPath(slot), seed));
     const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat);

@@ -1,7 +1,10 @@
 // The admin API end to end over loopback gRPC: authentication, placement inspection, strategies,
 // group offloading, pipeline load/unload and the decision log.
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -279,6 +282,63 @@ std::string ReadAll(const std::string& path) {
   std::stringstream text;
   text << in.rdbuf();
   return text.str();
+}
+
+// While a load runs, ListPipelines lists the pipeline LOADING with the bytes of weights it has
+// brought in so far of those it has met; once READY, no progress. (The transformer's random weights,
+// ~110 M parameters, take long enough to be seen at work.)
+TEST_F(AdminE2ETest, ALoadingPipelineShowsItsProgress) {
+  const std::string dir = std::string(::testing::TempDir()) + "/slow_load_model";
+  for (const char* sub : {"", "/text_encoder", "/transformer", "/vae"}) ::mkdir((dir + sub).c_str(), 0755);
+  auto write = [&](const std::string& name, const std::string& text) { std::ofstream(dir + "/" + name) << text; };
+  write("model_index.json", R"({"_class_name": "StowageTinyPipeline", "text_encoder": ["stowage", "TinyTextEncoder"],
+      "transformer": ["stowage", "TinyDiT"], "vae": ["stowage", "TinyVaeDecoder"]})");
+  write("text_encoder/config.json",
+        R"({"_class_name": "TinyTextEncoder", "vocab_size": 259, "max_tokens": 64, "dim": 64, "heads": 4, "layers": 1})");
+  write("transformer/config.json", R"({"_class_name": "TinyDiT", "in_channels": 4, "patch_size": 2, "dim": 1536,
+      "heads": 16, "layers": 4, "text_dim": 64, "mlp_ratio": 4, "timestep_dim": 64})");
+  write("vae/config.json", R"({"_class_name": "TinyVaeDecoder", "latent_channels": 4, "groups": 8,
+      "block_out_channels": [32, 32], "scaling_factor": 1.0, "shift_factor": 0.0})");
+  v1::LoadPipelineRequest load;
+  load.mutable_pipeline()->set_name("slow");
+  load.mutable_pipeline()->set_model_dir(dir);
+  load.mutable_pipeline()->set_random_weights(true);
+  std::atomic<bool> done{false};
+  grpc::Status status;
+  std::thread loader([&] {
+    v1::LoadPipelineResponse loaded;
+    status = admin_->LoadPipeline(Authed().get(), load, &loaded);
+    done = true;
+  });
+  bool seen_partial = false;
+  int64_t seen_total = 0;
+  while (!done.load()) {
+    grpc::ClientContext context;
+    v1::ListPipelinesResponse list;
+    if (generation_->ListPipelines(&context, v1::ListPipelinesRequest(), &list).ok()) {
+      for (const v1::Pipeline& p : list.pipelines()) {
+        if (p.name() != "slow" || p.state() != v1::PIPELINE_LOADING || !p.has_load_progress()) continue;
+        const v1::LoadProgress& progress = p.load_progress();
+        EXPECT_LE(progress.bytes_read(), progress.bytes_total());
+        seen_total = std::max(seen_total, progress.bytes_total());
+        seen_partial = seen_partial || (progress.bytes_total() > 0 && progress.bytes_read() < progress.bytes_total());
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  loader.join();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_TRUE(seen_partial) << "never saw the load part-way";
+  EXPECT_GT(seen_total, int64_t{100} << 20);  // The transformer's float32 weights: over 400 MB.
+  grpc::ClientContext context;
+  v1::ListPipelinesResponse list;
+  ASSERT_TRUE(generation_->ListPipelines(&context, v1::ListPipelinesRequest(), &list).ok());
+  for (const v1::Pipeline& p : list.pipelines()) {
+    if (p.name() == "slow") {
+      EXPECT_EQ(p.state(), v1::PIPELINE_READY);
+      EXPECT_FALSE(p.has_load_progress());
+    }
+  }
 }
 
 TEST_F(AdminE2ETest, LoadsAPipelineFromAModelDirectory) {

@@ -855,6 +855,12 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
 }
 
 namespace {
+// The name an adapter is attached to Linear layers under: components are shared between pipelines
+// loaded from one folder, and each pipeline's adapter names are its own.
+std::string AdapterKey(const std::string& pipeline, const std::string& adapter) {
+  return absl::StrCat(pipeline, "/", adapter);
+}
+
 // Set aside for the context's growth during a warm-up's first run (GenerationCore::WarmUp).
 constexpr int64_t kWarmupContextReserve = int64_t{1} << 30;
 constexpr std::array<const char*, 12> kWarmupWords = {"a", "red", "fox", "in", "a", "snowy", "forest", "under",
@@ -971,6 +977,18 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
             absl::MutexLock lock(&batching_mu_);
             batching_.erase(name);
           }
+          // Its adapters go with it (its components may live on in another pipeline that shares
+          // them: nothing of this pipeline's adapters stays attached to them).
+          std::map<std::string, v1::Adapter> adapters;
+          {
+            absl::MutexLock lock(&adapters_mu_);
+            auto it = adapters_.find(name);
+            if (it != adapters_.end()) {
+              adapters = std::move(it->second);
+              adapters_.erase(it);
+            }
+          }
+          for (const auto& [adapter, info] : adapters) DetachAdapter(scope, *pipeline, AdapterKey(name, adapter));
           pipelines_.FinishUnload(name);
           return absl::OkStatus();
         },
@@ -1100,12 +1118,12 @@ absl::StatusOr<GenerationParams> GenerationCore::Validate(const v1::GenerateRequ
                                                        loaded.empty() ? "none" : absl::StrJoin(loaded, ", "), ")"));
       }
     }
-    for (const auto& [name, scale] : params.loras) {
-      if (name == ref.name()) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ".name: adapter '", name, "' named twice"));
+    for (int j = 0; j < i; ++j) {
+      if (request.loras(j).name() == ref.name()) {
+        return absl::InvalidArgumentError(absl::StrCat(field, ".name: adapter '", ref.name(), "' named twice"));
       }
     }
-    if (ref.scale() != 0.0f) params.loras.emplace_back(ref.name(), ref.scale());
+    if (ref.scale() != 0.0f) params.loras.emplace_back(AdapterKey(pipeline.name(), ref.name()), ref.scale());
   }
   if (request.has_seed()) {
     params.seed = request.seed();
@@ -1312,7 +1330,9 @@ void GenerationCore::RunOnWorker(WorkerScope& scope, const std::vector<PendingRe
     {
       absl::MutexLock lock(&adapters_mu_);
       auto on_pipeline = adapters_.find(pipeline.name());
-      for (const auto& [name, scale] : running.front()->params.loras) {
+      for (const v1::LoraRef& ref : running.front()->request->loras()) {
+        const std::string& name = ref.name();
+        if (ref.scale() == 0.0f) continue;
         if (on_pipeline == adapters_.end() || on_pipeline->second.count(name) == 0) {
           adapters = absl::FailedPreconditionError(
               absl::StrCat("adapter '", name, "' was unloaded from pipeline '", pipeline.name(), "' before the request ran"));
@@ -1426,10 +1446,10 @@ absl::StatusOr<v1::Adapter> GenerationCore::LoadAdapter(const std::string& pipel
     return absl::InvalidArgumentError(absl::StrCat("name: adapter name ", Truncated(name), " is not 1..",
                                                    kMaxTenantLength, " characters of [A-Za-z0-9._-]"));
   }
-  ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.Resolve(pipeline_name));
   if (pipeline_name.empty()) {
     return absl::InvalidArgumentError("pipeline: name the pipeline the adapter is for");
   }
+  ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.Resolve(pipeline_name));
   if (!RemoteOf(pipeline_name).empty()) {
     return absl::FailedPreconditionError(absl::StrCat("pipeline '", pipeline_name,
                                                       "' runs on several devices; LoRA adapters need a pipeline on one"));
@@ -1461,13 +1481,13 @@ absl::StatusOr<v1::Adapter> GenerationCore::LoadAdapter(const std::string& pipel
             placed.up = target.weights->up.to(torch_device_, target.dtype);
             placed.factor = target.weights->factor;
             bytes += placed.bytes();
-            status = target.layer->AttachLora(name, std::move(placed));
+            status = target.layer->AttachLora(AdapterKey(pipeline_name, name), std::move(placed));
             if (!status.ok()) return;
             attached.push_back(target.layer);
           }
         });
         if (!thrown.ok() || !status.ok()) {
-          for (Linear* linear : attached) linear->DetachLora(name);
+          for (Linear* linear : attached) linear->DetachLora(AdapterKey(pipeline_name, name));
           return thrown.ok() ? status : thrown;
         }
         adapter.set_bytes(bytes);
@@ -1479,11 +1499,19 @@ absl::StatusOr<v1::Adapter> GenerationCore::LoadAdapter(const std::string& pipel
   return adapter;
 }
 
+void GenerationCore::DetachAdapter(WorkerScope&, Pipeline& pipeline, const std::string& key) {
+  for (Component* component : pipeline.components()) {
+    component->module().ForEachModule([&](Module& m) {
+      if (auto* linear = dynamic_cast<Linear*>(&m)) linear->DetachLora(key);
+    });
+  }
+}
+
 absl::Status GenerationCore::UnloadAdapter(const std::string& pipeline_name, const std::string& name,
                                            const Interrupt& interrupt) {
   ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.Resolve(pipeline_name));
   return OnWorker(
-      [&](WorkerScope&) -> absl::Status {
+      [&](WorkerScope& scope) -> absl::Status {
         {
           absl::MutexLock lock(&adapters_mu_);
           auto on_pipeline = adapters_.find(pipeline_name);
@@ -1492,11 +1520,7 @@ absl::Status GenerationCore::UnloadAdapter(const std::string& pipeline_name, con
                                                     Truncated(name), "'"));
           }
         }
-        for (Component* component : pipeline->components()) {
-          component->module().ForEachModule([&](Module& m) {
-            if (auto* linear = dynamic_cast<Linear*>(&m)) linear->DetachLora(name);
-          });
-        }
+        DetachAdapter(scope, *pipeline, AdapterKey(pipeline_name, name));
         return absl::OkStatus();
       },
       interrupt);

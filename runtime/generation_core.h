@@ -275,6 +275,8 @@ class GenerationCore {
     at::ScalarType dtype;  // Its component's.
   };
   static absl::StatusOr<std::vector<LoraTarget>> LoraTargets(Pipeline& pipeline, const LoraFile& file);
+  // Detaches the adapter attached as `key` (AdapterKey) from every Linear of `pipeline`.
+  static void DetachAdapter(WorkerScope& scope, Pipeline& pipeline, const std::string& key);
 
   mutable absl::Mutex split_mu_;
   std::map<std::string, std::map<const Component*, GenerationCore*>> remote_ ABSL_GUARDED_BY(split_mu_);

@@ -387,7 +387,7 @@ int HttpFront::Access(MHD_Connection* connection, const char* url, const char* m
     const MHD_ConnectionInfo* info = MHD_get_connection_info(connection, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
     request->connection = info != nullptr ? static_cast<Connection*>(info->socket_context) : nullptr;
     Reply reply;
-    if (Route(connection, method != nullptr ? method : "", url != nullptr ? url : "", request.get(), &reply)) {
+    if (Route(connection, method != nullptr ? method : "", url != nullptr ? url : "", &reply)) {
       return Queue(connection, request.get(), reply);
     }
     // A generation: its body is due within the read timeout.
@@ -566,7 +566,7 @@ int HttpFront::Queue(MHD_Connection* connection, Request* request, const Reply& 
 }
 
 bool HttpFront::Route(MHD_Connection* connection, const std::string& method, const std::string& path,
-                      Request* request, Reply* out) {
+                      Reply* out) {
   auto wrong_method = [&](const char* allowed) {
     Reply reply = Reply::Error(OpenAiError{405, absl::StrCat(Truncated(method), " is not allowed on ", Truncated(path), "; use ", allowed),
                                            "invalid_request_error", "", "method_not_allowed"});
@@ -689,7 +689,6 @@ bool HttpFront::Route(MHD_Connection* connection, const std::string& method, con
     }
     return false;
   }
-  (void)request;
   if (placement) {
     const AdminCore admin(core_);
     std::vector<v1::GetPlacementResponse> devices;

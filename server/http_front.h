@@ -118,8 +118,7 @@ class HttpFront {
   void Notify(MHD_Connection* connection, void** connection_slot, bool started);
 
   // The reply to a request whose head just arrived, or nothing when its body is to be read.
-  bool Route(MHD_Connection* connection, const std::string& method, const std::string& path, Request* request,
-             Reply* reply);
+  bool Route(MHD_Connection* connection, const std::string& method, const std::string& path, Reply* reply);
   bool Authorized(MHD_Connection* connection, Reply* reply) const;
   // Queues `reply` (it closes the connection) and gives the connection its reply deadline.
   int Queue(MHD_Connection* connection, Request* request, const Reply& reply);

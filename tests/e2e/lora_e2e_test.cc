@@ -3,7 +3,9 @@
 // request naming it (gRPC loras, HTTP "loras") changes the image, scale 0 and no adapter give the
 // base image, the same request gives the same image, UnloadAdapter removes it; files and requests
 // that do not fit are refused naming what was wrong, and the server stays healthy.
+#include <cmath>
 #include <map>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -14,7 +16,9 @@
 #include "models/core/layers.h"
 #include "models/pipelines/zimage_pipeline.h"
 #include "offload/safetensors.h"
+#include "runtime/config.h"
 #include "tests/e2e/http_client.h"
+#include "tests/e2e/queued_together.h"
 
 namespace stowage {
 namespace {
@@ -158,6 +162,7 @@ TEST_F(LoraE2eTest, FilesAndRequestsThatDoNotFitAreRefusedNamingWhatWasWrong) {
   for (const auto& [loras, needle] : std::vector<std::pair<std::vector<std::pair<std::string, float>>, std::string>>{
            {{{"ok", 11.0f}}, "loras[0].scale is 11"},
            {{{"ok", 1.0f}, {"ok", 1.0f}}, "named twice"},
+           {{{"ok", 0.0f}, {"ok", 1.0f}}, "named twice"},
            {{{"ok", NAN}}, "scale is nan"},
        }) {
     Image(loras, &status);
@@ -174,6 +179,99 @@ TEST_F(LoraE2eTest, FilesAndRequestsThatDoNotFitAreRefusedNamingWhatWasWrong) {
     EXPECT_EQ(r.status, 400);
     EXPECT_EQ(Field(ErrorOf(r), "param"), "loras");
   }
+  ExpectHealthy();
+}
+
+// Unloading a pipeline takes its adapters with it: loaded again, it has none, and a request naming
+// one is refused.
+TEST_F(LoraE2eTest, AnUnloadedPipelinesAdaptersGoWithIt) {
+  Start();
+  ASSERT_TRUE(Load("style", WriteAdapter("style_unload", 0.5)).ok());
+  {
+    v1::UnloadPipelineRequest unload;
+    unload.set_name("zimage-tiny");
+    v1::UnloadPipelineResponse ignored;
+    ASSERT_TRUE(server_->admin().UnloadPipeline(E2eServer::Authed().get(), unload, &ignored).ok());
+  }
+  {
+    v1::LoadPipelineRequest load;
+    load.mutable_pipeline()->set_name("zimage-tiny");
+    load.mutable_pipeline()->set_builtin("zimage-tiny");
+    v1::LoadPipelineResponse loaded;
+    ASSERT_TRUE(server_->admin().LoadPipeline(E2eServer::Authed().get(), load, &loaded).ok());
+    EXPECT_EQ(loaded.pipeline().adapters_size(), 0);
+  }
+  grpc::Status status;
+  Image({{"style", 1.0f}}, &status);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_NE(status.error_message().find("has no adapter"), std::string::npos) << status.error_message();
+  // The same name loads again, fresh.
+  EXPECT_TRUE(Load("style", WriteAdapter("style_unload", 0.5)).ok());
+  ExpectHealthy();
+}
+
+// An adapter unloaded while requests naming it wait in the queue: they fail saying so (the unload
+// runs at the worker's next boundary, before them), nothing else does, and the server stays healthy.
+TEST_F(LoraE2eTest, UnloadingAnAdapterWhileRequestsNamingItQueueFailsThemCleanly) {
+  v1::ServerConfig config;
+  config.set_metrics_address("127.0.0.1:0");
+  Start(config);
+  ASSERT_TRUE(Load("style", WriteAdapter("style_queued", 0.5)).ok());
+  LongRequest long_request(server_->generation(), "zimage-tiny");
+  ASSERT_TRUE(long_request.running());
+  std::vector<grpc::Status> statuses(2);
+  std::vector<std::thread> queued;
+  for (int i = 0; i < 2; ++i) queued.emplace_back([&, i] { Image({{"style", 1.0f}}, &statuses[i]); });
+  ASSERT_TRUE(WaitForQueueDepth(server_->server().metrics_address(), DeviceNameOf(v1::DeviceConfig()), 2));
+  // Returns once the worker ran it: after the long request, before the two queued ones.
+  ASSERT_TRUE(Unload("style").ok());
+  EXPECT_TRUE(long_request.Finish());
+  for (std::thread& t : queued) t.join();
+  for (const grpc::Status& status : statuses) {
+    EXPECT_EQ(status.error_code(), grpc::FAILED_PRECONDITION) << status.error_message();
+    EXPECT_NE(status.error_message().find("adapter 'style' was unloaded"), std::string::npos) << status.error_message();
+  }
+  ExpectHealthy();
+}
+
+TEST_F(LoraE2eTest, HostileAdapterCallsAndRequestsAreRefusedNamingTheField) {
+  Start();
+  ASSERT_TRUE(Load("ok", WriteAdapter("hostile_ok", 0.1)).ok());
+  grpc::Status status;
+  std::vector<std::pair<std::string, float>> nine;
+  for (int i = 0; i < 9; ++i) nine.emplace_back("ok", 1.0f);
+  Image(nine, &status);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(status.error_message().find("at most 8"), std::string::npos) << status.error_message();
+  Image({{std::string(100000, 'n'), 1.0f}}, &status);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_LT(status.error_message().size(), 600u) << "a huge name is echoed whole";
+  for (const float alpha : {-1.0f, NAN, INFINITY}) {
+    v1::LoadAdapterRequest request;
+    request.set_pipeline("zimage-tiny");
+    request.set_name("a");
+    request.set_path(WriteAdapter("hostile_alpha", 0.1));
+    request.set_alpha(alpha);
+    v1::LoadAdapterResponse ignored;
+    status = server_->admin().LoadAdapter(E2eServer::Authed().get(), request, &ignored);
+    EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT) << alpha;
+    EXPECT_NE(status.error_message().find("alpha"), std::string::npos) << status.error_message();
+  }
+  {
+    v1::LoadAdapterRequest request;  // No pipeline, no path.
+    request.set_name("a");
+    v1::LoadAdapterResponse ignored;
+    status = server_->admin().LoadAdapter(E2eServer::Authed().get(), request, &ignored);
+    EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find("pipeline"), std::string::npos) << status.error_message();
+  }
+  const HttpResponse many = Post(http_, R"({"prompt": "x", "loras": [)" + [] {
+    std::string items;
+    for (int i = 0; i < 9; ++i) items += std::string(i ? "," : "") + R"({"name": "ok"})";
+    return items;
+  }() + "]}");
+  EXPECT_EQ(many.status, 400);
+  EXPECT_EQ(Field(ErrorOf(many), "param"), "loras");
   ExpectHealthy();
 }
 

@@ -22,6 +22,7 @@
 #include "runtime/admin_core.h"
 #include "server/admin_service.h"
 #include "server/generation_metrics.h"
+#include "server/listen_address.h"
 #include "server/openai_images.h"
 #include "server/placement_page.h"
 
@@ -39,11 +40,6 @@ constexpr char kPlacementPath[] = "/v1/placement";
 constexpr absl::Duration kSweepPeriod = absl::Milliseconds(100);
 // A reply's deadline grows by a second for each MiB it holds.
 constexpr int64_t kReplyBytesPerSecond = int64_t{1} << 20;
-
-std::string HostOf(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  return colon == std::string::npos ? address : address.substr(0, colon);
-}
 
 // libmicrohttpd's messages while it starts (a port in use, a certificate GnuTLS refuses) go into
 // the start error; afterwards (a client's malformed request, a client gone) it stays quiet.
@@ -177,21 +173,14 @@ absl::StatusOr<std::unique_ptr<HttpFront>> HttpFront::Start(const HttpFrontOptio
     return absl::InvalidArgumentError("http front: set both the TLS certificate and its key, or neither");
   }
   // "host:port" or "[v6]:port"; an empty host listens on every address.
-  const size_t colon = options.address.rfind(':');
+  const std::optional<HostPort> split = SplitHostPort(options.address);
   uint32_t port = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(options.address.substr(colon + 1), &port) || port > 65535) {
+  if (!split.has_value() || !absl::SimpleAtoi(split->port, &port) || port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("http_address: '", options.address, "' is not host:port (e.g. 127.0.0.1:8080, [::1]:0)"));
   }
-  std::string host = options.address.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* found = nullptr;
-  const std::string port_text = absl::StrCat(port);
-  if (const int error = ::getaddrinfo(host.empty() ? nullptr : host.c_str(), port_text.c_str(), &hints, &found);
+  if (const int error = ResolveForListening(HostPort{split->host, absl::StrCat(port)}, &found);
       error != 0 || found == nullptr) {
     return absl::UnavailableError(
         absl::StrCat("http_address: cannot listen on ", options.address, ": ", gai_strerror(error)));

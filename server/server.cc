@@ -28,6 +28,7 @@
 #include "server/generation_service.h"
 #include "server/http_front.h"
 #include "runtime/metrics.h"
+#include "server/listen_address.h"
 
 namespace stowage {
 namespace {
@@ -84,18 +85,11 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> Credentials(const v1::T
 // which can take minutes. A probe socket with gRPC's own options (SO_REUSEADDR, no SO_REUSEPORT) is
 // bound and closed at once. Port 0 and addresses that are not host:port (unix:...) are left to gRPC.
 absl::Status CheckPortFree(const std::string& address, const std::string& field) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || absl::StartsWith(address, "unix:")) return absl::OkStatus();
-  std::string host = address.substr(0, colon);
-  const std::string port = address.substr(colon + 1);
-  if (port.empty() || port == "0") return absl::OkStatus();
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  const std::optional<HostPort> split = SplitHostPort(address);
+  if (!split.has_value() || absl::StartsWith(address, "unix:")) return absl::OkStatus();
+  if (split->port.empty() || split->port == "0") return absl::OkStatus();
   addrinfo* found = nullptr;
-  if (::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &found) != 0) {
+  if (ResolveForListening(*split, &found) != 0) {
     return absl::OkStatus();  // Not resolvable here: gRPC reports it.
   }
   absl::Status status;
@@ -114,11 +108,6 @@ absl::Status CheckPortFree(const std::string& address, const std::string& field)
   return status;
 }
 
-// "host:port" → host, for reporting the bound address.
-std::string HostOf(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  return colon == std::string::npos ? address : address.substr(0, colon);
-}
 
 }  // namespace
 

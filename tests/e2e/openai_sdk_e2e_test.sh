@@ -7,6 +7,7 @@
 # npm (./stowage setup installs Debian's) and the npm registry. Run by Bazel from the runfiles root
 # (server/stowage_server, tests/e2e/*.mjs) or from a CMake build directory with the same layout.
 set -euo pipefail
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/e2e_lib.sh"
 here=$(pwd)
 server_bin="$here/server/stowage_server"
 script="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/openai_sdk_e2e_test.mjs"
@@ -64,13 +65,8 @@ start_server() {
   STOWAGE_API_KEY="$api_key" "$server_bin" --config="$1" --grpc_address=127.0.0.1:0 \
     --metrics_address=none --http_address=127.0.0.1:0 --port_file="$work/ports.json" >"$2" 2>&1 &
   server_pid=$!
-  for _ in $(seq 600); do
-    [ -s "$work/ports.json" ] && break
-    kill -0 "$server_pid" 2>/dev/null || { cat "$2"; echo "FAILED: server exited"; exit 1; }
-    sleep 0.1
-  done
-  [ -s "$work/ports.json" ] || { cat "$2"; echo "FAILED: no port file after 60 s"; exit 1; }
-  http_address=$(/usr/bin/python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["http_address"])' "$work/ports.json")
+  wait_for_port_file "$server_pid" "$work/ports.json" "$2"
+  http_address=$(json_field "$work/ports.json" http_address)
 }
 # stop_server LOG: SIGTERM; the server must exit 0.
 stop_server() {
@@ -95,18 +91,7 @@ stop_server "$work/server.log"
 
 # HTTPS: the same server with tls {} set serves its HTTP API over TLS with the gRPC port's
 # certificate, here from a CA made for this test (the SDK trusts it through NODE_EXTRA_CA_CERTS).
-mkdir -p "$work/tls"
-(
-  cd "$work/tls"
-  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ca.key -out ca.crt \
-    -days 2 -subj /CN=stowage-test-ca -addext basicConstraints=critical,CA:TRUE \
-    -addext keyUsage=critical,keyCertSign,cRLSign
-  openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout server.key -out server.csr \
-    -subj /CN=localhost
-  printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n' >server.ext
-  openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out server.crt -days 2 \
-    -extfile server.ext
-) >"$work/openssl.log" 2>&1 || { cat "$work/openssl.log"; echo "FAILED: openssl"; exit 1; }
+make_test_certificates "$work/tls" "DNS:localhost,IP:127.0.0.1"
 { cat "$work/config.textproto"; printf 'tls { cert_file: "%s" key_file: "%s" }\n' "$work/tls/server.crt" "$work/tls/server.key"; } \
   >"$work/tls.textproto"
 start_server "$work/tls.textproto" "$work/server_tls.log"

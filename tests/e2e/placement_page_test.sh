@@ -9,6 +9,7 @@
 # group-offloaded component holds device bytes. Run by Bazel from
 # the runfiles root (server/stowage_server, clients/stowctl/stowctl).
 set -euo pipefail
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/e2e_lib.sh"
 here=$(pwd)
 server_bin="$here/server/stowage_server"
 stowctl="$here/clients/stowctl/stowctl"
@@ -32,14 +33,9 @@ CONFIG
 "$server_bin" --config="$work/config.textproto" --grpc_address=127.0.0.1:0 --metrics_address=none \
   --http_address=127.0.0.1:0 --port_file="$work/ports.json" >"$work/server.log" 2>&1 &
 server_pid=$!
-for _ in $(seq 600); do
-  [ -s "$work/ports.json" ] && break
-  kill -0 "$server_pid" 2>/dev/null || { cat "$work/server.log"; echo "FAILED: server exited"; exit 1; }
-  sleep 0.1
-done
-field() { /usr/bin/python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))[sys.argv[2]])' "$work/ports.json" "$1"; }
-http=$(field http_address)
-grpc=$(field grpc_address)
+wait_for_port_file "$server_pid" "$work/ports.json" "$work/server.log"
+http=$(json_field "$work/ports.json" http_address)
+grpc=$(json_field "$work/ports.json" grpc_address)
 "$stowctl" --target="$grpc" generate --prompt="a red square" --width=64 --height=64 --steps=2 \
   --out="$work/one.png" >/dev/null || { cat "$work/server.log"; echo "FAILED: generate"; exit 1; }
 

@@ -8,6 +8,7 @@
 # component, batching, loading and unloading pipelines and adapters, the placement log), and a
 # TLS server reached with a CA of the test's own. Run by Bazel from the runfiles root.
 set -euo pipefail
+source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/e2e_lib.sh"
 here=$(pwd)
 server_bin="$here/server/stowage_server"
 work=$(mktemp -d "${TEST_TMPDIR:-/tmp}/python_package.XXXXXX")
@@ -37,12 +38,7 @@ start() {
   "$server_bin" --config="$2" --grpc_address=127.0.0.1:0 --metrics_address=none \
     --port_file="$work/$1.json" >"$work/$1.log" 2>&1 &
   pids+=($!)
-  for _ in $(seq 600); do
-    [ -s "$work/$1.json" ] && return 0
-    kill -0 "${pids[-1]}" 2>/dev/null || { cat "$work/$1.log"; echo "FAILED: server $1 exited"; exit 1; }
-    sleep 0.1
-  done
-  cat "$work/$1.log"; echo "FAILED: server $1 did not start"; exit 1
+  wait_for_port_file "${pids[-1]}" "$work/$1.json" "$work/$1.log"
 }
 cat >"$work/plain.textproto" <<'CONFIG'
 auth { admin_token: "package-test-token" }
@@ -52,16 +48,7 @@ pipelines { name: "a" builtin: "zimage-tiny" devices: "sim:0" devices: "sim:1" d
 pipelines { name: "b" builtin: "tiny" devices: "sim:1" }
 CONFIG
 start plain "$work/plain.textproto"
-(
-  cd "$work"
-  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ca.key -out ca.crt \
-    -days 2 -subj /CN=package-test-ca -addext basicConstraints=critical,CA:TRUE \
-    -addext keyUsage=critical,keyCertSign,cRLSign
-  openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout server.key -out server.csr \
-    -subj /CN=stowage
-  printf 'subjectAltName=DNS:stowage\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n' >server.ext
-  openssl x509 -req -in server.csr -CA ca.crt -CAkey ca.key -CAcreateserial -out server.crt -days 2 -extfile server.ext
-) >"$work/openssl.log" 2>&1 || { cat "$work/openssl.log"; echo "FAILED: openssl"; exit 1; }
+make_test_certificates "$work" "DNS:stowage"
 printf 'tls { cert_file: "%s" key_file: "%s" }\n' "$work/server.crt" "$work/server.key" >"$work/tls.textproto"
 start tls "$work/tls.textproto"
 

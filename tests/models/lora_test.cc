@@ -10,6 +10,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "models/core/fused_ops.h"
 #include "models/core/layers.h"
 #include "offload/safetensors.h"
 
@@ -77,6 +78,56 @@ TEST(LoraTest, SharedForwardAppliesEachLayersOwnAdapter) {
   EXPECT_TRUE(at::allclose(out[0], at::linear(x, q->slots()[0].value, q->slots()[1].value)));
   const at::Tensor merged = k->slots()[0].value + a.factor * at::mm(a.up, a.down);
   EXPECT_TRUE(at::allclose(out[1], at::linear(x, merged, k->slots()[1].value), 1e-4, 1e-4));
+}
+
+// On a CUDA device the layer's fused paths (one GEMM for shared Q/K/V, the GELU epilogue, the
+// concatenated-parts GEMMs) and FP8 GEMMs are in play: an active adapter must still add exactly its
+// delta there. Compared with the plain reference (the delta computed by at::linear) in float32;
+// for FP8 layers, the difference the adapter makes. Skipped without CUDA (CI's LibTorch).
+TEST(LoraTest, OnCudaEveryFusedAndFp8PathAddsTheDelta) {
+  if (!fused::Compiled() || !at::hasCUDA()) GTEST_SKIP() << "needs the CUDA build and a GPU";
+  const at::Device cuda(at::kCUDA, 0);
+  auto on_cuda = [&](std::unique_ptr<Linear> layer) {
+    for (TensorSlot& slot : layer->slots()) slot.value = slot.value.to(cuda);
+    return layer;
+  };
+  auto q = on_cuda(Layer(64, 64)), k = on_cuda(Layer(64, 64)), g = on_cuda(Layer(64, 96));
+  LoraWeights a = Random(64, 64, 4, 8.0f, 11);
+  LoraWeights b = Random(64, 96, 4, 8.0f, 12);
+  auto delta = [](const LoraWeights& w, const at::Tensor& x) {
+    return at::linear(at::linear(x, w.down.to(x.device())), w.up.to(x.device())) * static_cast<double>(w.factor);
+  };
+  ASSERT_TRUE(k->AttachLora("a", LoraWeights{a.down.to(cuda), a.up.to(cuda), a.factor}).ok());
+  ASSERT_TRUE(g->AttachLora("b", LoraWeights{b.down.to(cuda), b.up.to(cuda), b.factor}).ok());
+  const at::Tensor x = at::randn({2, 7, 64}, at::detail::createCPUGenerator(13)).to(cuda);
+  const LoraScales scales = {{"a", 1.0f}, {"b", 1.0f}};
+  auto close = [](const at::Tensor& got, const at::Tensor& want) {
+    return at::allclose(got.cpu(), want.cpu(), 2e-3, 2e-3);
+  };
+  at::Tensor base_k, base_g;
+  {
+    base_k = k->Forward(x);
+    base_g = g->Forward(x);
+    const ScopedLoras active(&scales);
+    const std::vector<at::Tensor> shared = Linear::ForwardShared({q.get(), k.get()}, x);
+    EXPECT_TRUE(close(shared[0], q->Forward(x)));
+    EXPECT_TRUE(close(shared[1], base_k + delta(a, x))) << "shared Q/K";
+    EXPECT_TRUE(close(g->ForwardGelu(x), at::gelu(base_g + delta(b, x), "tanh"))) << "GELU epilogue";
+    EXPECT_TRUE(close(g->ForwardConcat({x.narrow(-1, 0, 40), x.narrow(-1, 40, 24)}), base_g + delta(b, x)))
+        << "concatenated parts";
+  }
+  if (!fused::Fp8Supported(cuda).ok()) GTEST_SKIP() << "no FP8 GEMMs on this device";
+  // FP8 layers run in bfloat16, as the pipelines run them: the delta within bfloat16's precision.
+  auto f = Layer(64, 96);
+  for (TensorSlot& slot : f->slots()) slot.value = slot.value.to(cuda, at::kBFloat16);
+  ASSERT_TRUE(f->AttachLora("b", LoraWeights{b.down.to(cuda, at::kBFloat16), b.up.to(cuda, at::kBFloat16), b.factor}).ok());
+  ASSERT_TRUE(f->ConvertToFp8().ok());
+  const at::Tensor xb = x.to(at::kBFloat16);
+  const at::Tensor fp8_base = f->Forward(xb).to(at::kFloat);
+  const ScopedLoras active(&scales);
+  const at::Tensor got = (f->Forward(xb).to(at::kFloat) - fp8_base).cpu();
+  const at::Tensor want = delta(b, xb.to(at::kFloat)).cpu();
+  EXPECT_LT(((got - want).norm() / want.norm()).item<double>(), 2e-2) << "FP8 GEMM";
 }
 
 TEST(LoraTest, AttachRefusesMatricesOfTheWrongShape) {

@@ -26,6 +26,7 @@
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "runtime/config.h"
+#include "runtime/image_request.h"
 #include "base/process_memory.h"
 
 namespace stowage {
@@ -1054,6 +1055,8 @@ absl::StatusOr<GenerationParams> GenerationCore::Validate(const v1::GenerateRequ
                                                    ", or 0 for the default (", limits.default_steps, ")"));
   }
   params.steps = request.num_inference_steps() == 0 ? limits.default_steps : request.num_inference_steps();
+  // An input image (image to image, inpainting): decoded, sized (it may set width and height).
+  RETURN_IF_ERROR(ApplyImageInput(request, limits, pipeline.name(), &params));
   if (request.has_guidance_scale()) {
     const float g = request.guidance_scale();
     if (!std::isfinite(g) || g < 0.0f || g > 100.0f) {
@@ -1302,7 +1305,7 @@ void GenerationCore::RunOnWorker(WorkerScope& scope, const std::vector<PendingRe
         }));
     contexts.back()->set_shared(batch_size > 1);
     if (r->request->partial_images() > 0 && control->on_preview) {
-      contexts.back()->set_previews(PreviewSteps(r->request->partial_images(), r->params.steps), control->on_preview);
+      contexts.back()->set_previews(PreviewSteps(r->request->partial_images(), r->params.steps - StartStep(r->params)), control->on_preview);
     }
     members.push_back(BatchMember{&r->params, contexts.back().get()});
   }
@@ -1566,6 +1569,7 @@ v1::Pipeline GenerationCore::Describe(const HostedPipelines::View& view) const {
   out.set_max_inference_steps(limits.max_steps);
   out.set_default_guidance_scale(limits.default_guidance_scale);
   out.set_max_prompt_bytes(limits.max_prompt_bytes);
+  out.set_accepts_images(limits.accepts_images);
   const v1::BatchingConfig batching = BatchingOf(view.name);
   {
     absl::MutexLock lock(&adapters_mu_);

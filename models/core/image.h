@@ -25,8 +25,33 @@ absl::StatusOr<Image> ImageFromTensor(const at::Tensor& chw);
 // file of about width x height x 3 bytes. Otherwise zlib level 1 with the Sub filter.
 absl::StatusOr<std::string> EncodePng(const Image& image, bool fast = false);
 
-// Decodes a PNG written by EncodePng (8-bit RGB); used by tests and clients to check replies.
-absl::StatusOr<Image> DecodePng(const std::string& png);
+// The largest side DecodePng accepts (its pixel buffer is allocated after this check, so a small
+// hostile file cannot claim gigabytes).
+inline constexpr int kMaxDecodedSide = 4096;
+
+// Decodes any PNG (1 to 16 bits; gray, RGB or palette; with or without alpha or tRNS; interlaced
+// or not) to 8-bit RGB. `alpha`, when given, receives width × height alpha bytes, or is cleared
+// when the file has no transparency. INVALID_ARGUMENT naming what is wrong: not a PNG, a side over
+// `max_side`, a corrupt or truncated file. Never crashes on hostile input.
+absl::StatusOr<Image> DecodePng(const std::string& png, std::vector<uint8_t>* alpha = nullptr,
+                                int max_side = kMaxDecodedSide);
+
+// `image` scaled to width × height (bilinear, antialiased when shrinking); the image itself when
+// the size is already that.
+absl::StatusOr<Image> ResizeImage(const Image& image, int width, int height);
+
+// An inpainting mask from a decoded mask file: with `alpha` (non-empty), 255 where alpha < 128
+// (transparent: repaint, OpenAI's rule), else 0; without, 255 where the luma (ITU-R 601, as PIL's
+// "L" conversion) is >= 128 (white: repaint, diffusers' rule), else 0. width × height bytes.
+std::vector<uint8_t> MaskFromImage(const Image& image, const std::vector<uint8_t>& alpha);
+
+// `mask` (width × height bytes) scaled to new_width × new_height by nearest neighbour.
+std::vector<uint8_t> ResizeMask(const std::vector<uint8_t>& mask, int width, int height, int new_width,
+                                int new_height);
+
+// [1, 3, H, W] float32 in [-1, 1] (2 · byte / 255 − 1), as diffusers' VaeImageProcessor prepares an
+// image for the VAE encoder; on the CPU.
+at::Tensor ImageToTensor(const Image& image);
 
 }  // namespace stowage
 

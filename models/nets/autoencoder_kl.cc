@@ -11,6 +11,8 @@ namespace stowage {
 absl::StatusOr<AutoencoderKLConfig> AutoencoderKLConfigFromJson(const google::protobuf::Struct& json,
                                                                const std::string& file) {
   AutoencoderKLConfig c;
+  ASSIGN_OR_RETURN(c.in_channels, ConfigInt(json, "in_channels", c.in_channels, file));
+  ASSIGN_OR_RETURN(c.use_quant_conv, ConfigBool(json, "use_quant_conv", c.use_quant_conv, file));
   ASSIGN_OR_RETURN(c.latent_channels, ConfigInt(json, "latent_channels", c.latent_channels, file));
   ASSIGN_OR_RETURN(c.out_channels, ConfigInt(json, "out_channels", c.out_channels, file));
   ASSIGN_OR_RETURN(c.block_out_channels, ConfigIntList(json, "block_out_channels", c.block_out_channels, file));
@@ -30,7 +32,8 @@ absl::StatusOr<AutoencoderKLConfig> AutoencoderKLConfigFromJson(const google::pr
 
 absl::Status Validate(const AutoencoderKLConfig& c, const std::string& file) {
   ConfigCheck check(file);
-  check.Size("latent_channels", c.latent_channels)
+  check.Size("in_channels", c.in_channels)
+      .Size("latent_channels", c.latent_channels)
       .Size("out_channels", c.out_channels)
       .Size("norm_num_groups", c.norm_num_groups)
       .Range("layers_per_block", c.layers_per_block, 0, kMaxConfigLayers)
@@ -63,7 +66,13 @@ absl::Status Validate(const AutoencoderKLConfig& c, const std::string& file) {
     total.Add({9 * out + 1, out});  // Upsampler (the last block has none; over-counted).
   }
   total.Add({9 * boc.front() + 1, c.out_channels + 2});
-  return total.Check(file);
+  // The encoder mirrors the decoder with one resnet fewer per block; counted as much again.
+  total.Add({9 * c.in_channels + 1, boc.front()});
+  total.Add({9 * top + 1, 2 * c.latent_channels});
+  total.Add({2 * c.latent_channels + 1, 2 * c.latent_channels});
+  ParameterCount twice;
+  twice.AddTimes(2, total);
+  return twice.Check(file);
 }
 
 VaeAttention::VaeAttention(int64_t channels, int64_t groups, const LayerOptions& o) : Module("Attention") {
@@ -142,6 +151,80 @@ at::Tensor AutoencoderKLDecoder::Decode(const at::Tensor& latents) {
   h = mid_resnet1_->Forward(h);
   for (VaeUpDecoderBlock* up : *up_blocks_) h = up->Forward(h);
   return conv_out_->Forward(at::silu(conv_norm_out_->Forward(h)));
+}
+
+VaeDownEncoderBlock::VaeDownEncoderBlock(int64_t in, int64_t out, int64_t layers, bool downsample, int64_t groups,
+                                         const LayerOptions& o)
+    : Module("DownEncoderBlock2D") {
+  resnets_ = AddChild("resnets", std::make_unique<ModuleList<ResnetBlock2D>>());
+  for (int64_t i = 0; i < layers; ++i) resnets_->Append(std::make_unique<ResnetBlock2D>(i == 0 ? in : out, out, groups, o));
+  if (downsample) {
+    auto* downs = AddChild("downsamplers", std::make_unique<ModuleList<Container>>());
+    downsample_conv_ = downs->Append(std::make_unique<Container>("Downsample2D"))
+                           ->AddChild("conv", std::make_unique<Conv2d>(out, out, 3, 2, 0, o));
+  }
+}
+
+at::Tensor VaeDownEncoderBlock::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  at::Tensor h = x;
+  for (ResnetBlock2D* r : *resnets_) h = r->Forward(h);
+  if (downsample_conv_ != nullptr) h = downsample_conv_->Forward(at::constant_pad_nd(h, {0, 1, 0, 1}, 0));
+  return h;
+}
+
+AutoencoderKLEncoder::AutoencoderKLEncoder(const AutoencoderKLConfig& c, const LayerOptions& o)
+    : Module("AutoencoderKL"), config_(c) {
+  auto* encoder = AddChild("encoder", std::make_unique<Container>("Encoder"));
+  const std::vector<int64_t>& boc = c.block_out_channels;
+  const int64_t top = boc.back();
+  const int64_t g = c.norm_num_groups;
+  conv_in_ = encoder->AddChild("conv_in", std::make_unique<Conv2d>(c.in_channels, boc.front(), 3, 1, 1, o));
+  down_blocks_ = encoder->AddChild("down_blocks", std::make_unique<ModuleList<VaeDownEncoderBlock>>());
+  for (size_t i = 0; i < boc.size(); ++i) {
+    const int64_t in = i == 0 ? boc.front() : boc[i - 1];
+    down_blocks_->Append(std::make_unique<VaeDownEncoderBlock>(in, boc[i], c.layers_per_block, i + 1 < boc.size(), g, o));
+  }
+  auto* mid = encoder->AddChild("mid_block", std::make_unique<Container>("UNetMidBlock2D"));
+  auto* resnets = mid->AddChild("resnets", std::make_unique<ModuleList<ResnetBlock2D>>());
+  mid_resnet0_ = resnets->Append(std::make_unique<ResnetBlock2D>(top, top, g, o));
+  mid_resnet1_ = resnets->Append(std::make_unique<ResnetBlock2D>(top, top, g, o));
+  if (c.mid_block_add_attention) {
+    mid_attention_ = mid->AddChild("attentions", std::make_unique<ModuleList<VaeAttention>>())
+                         ->Append(std::make_unique<VaeAttention>(top, g, o));
+  }
+  conv_norm_out_ = encoder->AddChild("conv_norm_out", std::make_unique<GroupNorm>(g, top, 1e-6, o));
+  conv_out_ = encoder->AddChild("conv_out", std::make_unique<Conv2d>(top, 2 * c.latent_channels, 3, 1, 1, o));
+  if (c.use_quant_conv) {
+    quant_conv_ = AddChild("quant_conv", std::make_unique<Conv2d>(2 * c.latent_channels, 2 * c.latent_channels, 1, 1, 0, o));
+  }
+}
+
+at::Tensor AutoencoderKLEncoder::Moments(const at::Tensor& pixels) {
+  ForwardScope scope(*this);
+  at::Tensor h = conv_in_->Forward(pixels);
+  for (VaeDownEncoderBlock* down : *down_blocks_) h = down->Forward(h);
+  h = mid_resnet0_->Forward(h);
+  if (mid_attention_ != nullptr) h = mid_attention_->Forward(h);
+  h = mid_resnet1_->Forward(h);
+  h = conv_out_->Forward(at::silu(conv_norm_out_->Forward(h)));
+  if (quant_conv_ != nullptr) h = quant_conv_->Forward(h);
+  return h;
+}
+
+at::Tensor AutoencoderKLEncoder::SampleLatents(const at::Tensor& pixels, at::Generator& generator) {
+  const std::vector<at::Tensor> parts = Moments(pixels).to(at::kFloat).chunk(2, 1);
+  const at::Tensor mean = parts[0];
+  const at::Tensor std = at::exp(0.5 * at::clamp(parts[1], -30.0, 20.0));
+  const at::Tensor eps = at::randn(mean.sizes(), generator, at::TensorOptions().dtype(at::kFloat)).to(mean.device());
+  return (mean + std * eps - config_.shift_factor) * config_.scaling_factor;
+}
+
+std::vector<std::string> VaeDecoderIgnoredPrefixes() { return {"encoder.", "quant_conv.", "post_quant_conv."}; }
+std::vector<std::string> VaeEncoderIgnoredPrefixes(const AutoencoderKLConfig& config) {
+  std::vector<std::string> ignored = {"decoder.", "post_quant_conv."};
+  if (!config.use_quant_conv) ignored.push_back("quant_conv.");
+  return ignored;
 }
 
 }  // namespace stowage

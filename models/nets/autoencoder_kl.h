@@ -1,6 +1,6 @@
-// AutoencoderKL's decoder (the Flux VAE that Z-Image uses), written from diffusers'
-// autoencoder_kl.py / vae.py Decoder, with diffusers' state-dict names under "decoder.". Only the
-// decode path exists: encoder weights in a checkpoint are ignored by the loader.
+// AutoencoderKL (the Flux VAE that Z-Image uses), written from diffusers' autoencoder_kl.py / vae.py:
+// the decoder (state-dict names under "decoder.") and the encoder ("encoder.", "quant_conv.") as two
+// modules, so a pipeline places them as two components (the encoder runs only for images in).
 #ifndef STOWAGE_MODELS_NETS_AUTOENCODER_KL_H_
 #define STOWAGE_MODELS_NETS_AUTOENCODER_KL_H_
 
@@ -17,6 +17,7 @@
 namespace stowage {
 
 struct AutoencoderKLConfig {
+  int64_t in_channels = 3;
   int64_t latent_channels = 16;
   int64_t out_channels = 3;
   std::vector<int64_t> block_out_channels = {128, 256, 512, 512};
@@ -25,6 +26,7 @@ struct AutoencoderKLConfig {
   double scaling_factor = 0.3611;
   double shift_factor = 0.1159;
   bool mid_block_add_attention = true;
+  bool use_quant_conv = false;  // The encoder's 1x1 conv after conv_out.
 };
 
 // Reads a diffusers AutoencoderKL config.json and validates it; `file` names it in errors.
@@ -82,6 +84,46 @@ class AutoencoderKLDecoder : public Module {
   GroupNorm* conv_norm_out_;
   Conv2d* conv_out_;
 };
+
+class VaeDownEncoderBlock : public Module {
+ public:
+  VaeDownEncoderBlock(int64_t in, int64_t out, int64_t layers, bool downsample, int64_t groups,
+                      const LayerOptions& options);
+  at::Tensor Forward(const at::Tensor& x);
+
+ private:
+  ModuleList<ResnetBlock2D>* resnets_;
+  Conv2d* downsample_conv_ = nullptr;  // Stride 2 after a (0, 1, 0, 1) zero pad.
+};
+
+// The encoder half: pixels [B, in_channels, H, W] in [-1, 1] → the latent distribution's moments.
+class AutoencoderKLEncoder : public Module {
+ public:
+  AutoencoderKLEncoder(const AutoencoderKLConfig& config, const LayerOptions& options);
+  // [B, 2 * latent_channels, H / f, W / f]: the mean, then the log-variance (not yet clamped).
+  at::Tensor Moments(const at::Tensor& pixels);
+  // A sample of the latent distribution in model space, as diffusers' img2img pipelines take it:
+  // mean + exp(logvar / 2) · ε with ε ~ N(0, 1) drawn (float32, on the CPU) from `generator`, then
+  // (z − shift_factor) · scaling_factor. logvar is clamped to [−30, 20]. Float32 result.
+  at::Tensor SampleLatents(const at::Tensor& pixels, at::Generator& generator);
+  const AutoencoderKLConfig& config() const { return config_; }
+  int64_t downscale() const { return int64_t{1} << (config_.block_out_channels.size() - 1); }
+
+ private:
+  AutoencoderKLConfig config_;
+  Conv2d* conv_in_;
+  ModuleList<VaeDownEncoderBlock>* down_blocks_;
+  ResnetBlock2D* mid_resnet0_;
+  VaeAttention* mid_attention_ = nullptr;
+  ResnetBlock2D* mid_resnet1_;
+  GroupNorm* conv_norm_out_;
+  Conv2d* conv_out_;
+  Conv2d* quant_conv_ = nullptr;
+};
+
+// The state-dict prefixes each half leaves to the other (LoadComponentWeights' `ignored`).
+std::vector<std::string> VaeDecoderIgnoredPrefixes();
+std::vector<std::string> VaeEncoderIgnoredPrefixes(const AutoencoderKLConfig& config);
 
 }  // namespace stowage
 

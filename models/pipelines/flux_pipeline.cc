@@ -20,6 +20,7 @@
 #include "models/core/diffusers_format.h"
 #include "models/nets/flux_latents.h"
 #include "models/pipelines/flow_match_scheduler.h"
+#include "models/pipelines/image_input.h"
 #include "models/nets/flux_transformer.h"
 #include "models/core/image.h"
 #include "models/nets/t5_encoder.h"
@@ -100,14 +101,15 @@ class FluxPipeline : public Pipeline {
  public:
   FluxPipeline(const FluxPipelineOptions& options, const FluxSchedule& schedule,
                std::unique_ptr<ClipTokenizer> clip_tokenizer, std::unique_ptr<T5Tokenizer> t5_tokenizer,
-               std::shared_ptr<Component> clip, std::shared_ptr<Component> t5, std::shared_ptr<Component> transformer,
-               std::shared_ptr<Component> vae)
+               std::shared_ptr<Component> clip, std::shared_ptr<Component> t5, std::shared_ptr<Component> vae_encoder,
+               std::shared_ptr<Component> transformer, std::shared_ptr<Component> vae)
       : options_(options),
         schedule_(schedule),
         clip_tokenizer_(std::move(clip_tokenizer)),
         t5_tokenizer_(std::move(t5_tokenizer)),
         clip_(std::move(clip)),
         t5_(std::move(t5)),
+        vae_encoder_(std::move(vae_encoder)),
         transformer_(std::move(transformer)),
         vae_(std::move(vae)) {
     const bool dev = Transformer().config().guidance_embeds;
@@ -120,6 +122,7 @@ class FluxPipeline : public Pipeline {
     limits_.max_steps = 100;
     limits_.default_guidance_scale = dev ? 3.5f : 0.0f;
     limits_.max_prompt_bytes = 4096;  // Tokens beyond the encoders' lengths are cut, as diffusers does.
+    limits_.accepts_images = true;
   }
 
   const std::string& name() const override { return options_.name; }
@@ -128,7 +131,9 @@ class FluxPipeline : public Pipeline {
                         " (MMDiT transformer, CLIP-L and T5-XXL text encoders, Flux VAE), diffusers-compatible weights");
   }
   const PipelineLimits& limits() const override { return limits_; }
-  std::vector<Component*> components() override { return {clip_.get(), t5_.get(), transformer_.get(), vae_.get()}; }
+  std::vector<Component*> components() override {
+    return {clip_.get(), t5_.get(), vae_encoder_.get(), transformer_.get(), vae_.get()};
+  }
   bool batched() const override { return true; }
 
   absl::StatusOr<Image> Run(const GenerationParams& params, ComponentRunner& runner, RunContext& context) override {
@@ -180,6 +185,8 @@ class FluxPipeline : public Pipeline {
         run.Filter([&](size_t) { return t5_ran; });
       }
     }
+    // The members the encoders' rows belong to (members leaving from here on are selected out).
+    const std::vector<size_t> encoded_rows = active;
     run.Filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
 
     // Latents: [C, H/8, W/8] per member from its seed on a CPU generator (diffusers' randn_tensor
@@ -187,29 +194,42 @@ class FluxPipeline : public Pipeline {
     const GenerationParams& shape = *members.front().params;
     const int64_t lh = shape.height / Vae().upscale(), lw = shape.width / Vae().upscale();
     const int64_t channels = Transformer().config().in_channels / 4;
+    const int n = shape.steps;
+    const int start = StartStep(shape);  // The same for every member (BatchKey).
+    const std::vector<float> sigmas = schedule_.Sigmas(n, (lh / 2) * (lw / 2));
+    // Each member's generator: the input image's sample first (image to image), then the noise.
+    std::vector<at::Generator> generators;
+    for (const BatchMember& m : members) generators.push_back(at::detail::createCPUGenerator(m.params->seed));
+    std::vector<InputLatents> inputs(members.size());
+    EncodeMemberInputs(members, runner, *vae_encoder_, options_.device, run, generators, device, &inputs);
     std::vector<at::Tensor> latents(members.size());
     for (size_t i : active) {
-      at::Generator gen = at::detail::createCPUGenerator(members[i].params->seed);
-      latents[i] = PackLatents(at::randn({1, channels, lh, lw}, gen, at::TensorOptions().dtype(at::kFloat)))
-                       .to(device)
-                       .to(options_.dtype);
+      const at::Tensor noise =
+          PackLatents(at::randn({1, channels, lh, lw}, generators[i], at::TensorOptions().dtype(at::kFloat)))
+              .to(device);
+      if (!inputs[i].image.defined()) {
+        latents[i] = noise.to(options_.dtype);
+        continue;
+      }
+      inputs[i].image = PackLatents(inputs[i].image);
+      inputs[i].noise = noise;
+      const at::Tensor repaint = LatentRepaintMask(*members[i].params->input, lh, lw, device);
+      if (repaint.defined()) inputs[i].repaint = PackLatents(repaint.expand({1, channels, lh, lw}).contiguous());
+      latents[i] = ScaleNoise(inputs[i].image, noise, sigmas[start]).to(options_.dtype);
     }
     const at::Tensor img_ids = LatentImageIds(lh, lw).to(device);
     const at::Tensor txt_ids = at::zeros({options_.max_sequence_length, 3}, at::TensorOptions().dtype(at::kFloat)).to(device);
-    const int n = shape.steps;
-    const std::vector<float> sigmas = schedule_.Sigmas(n, (lh / 2) * (lw / 2));
     // One member's packed latents to pixels (inside a run of the VAE).
     const c10::Device vae_device = runner.DeviceOf(*vae_, options_.device);
     auto decode = [&](const at::Tensor& x) {
       return Vae().Decode(UnpackLatents(x, lh, lw).to(vae_device).to(vae_->dtype()));
     };
 
-    run.BeginStage("denoise", n);
+    run.BeginStage("denoise", n - start);
     // The encoders' rows of the members still running, selected again only when one has left.
-    const std::vector<size_t> encoded_rows = active;
     std::vector<size_t> selected_for = encoded_rows;
     at::Tensor step_text = text, step_pooled = pooled;
-    for (int step = 0; step < n && !active.empty(); ++step) {
+    for (int step = start; step < n && !active.empty(); ++step) {
       if (active != selected_for) {
         std::vector<int64_t> rows;
         for (size_t i : active) {
@@ -249,13 +269,17 @@ class FluxPipeline : public Pipeline {
       std::vector<std::pair<size_t, at::Tensor>> previews;
       for (size_t i : active) {
         const at::Tensor velocity = out.narrow(0, k++, 1);
-        if (members[i].context->WantsPreview(step + 1)) {
+        // Steps are counted from the run's start (image to image runs n - start of them).
+        if (members[i].context->WantsPreview(step - start + 1)) {
           previews.emplace_back(i, EulerStep(latents[i], velocity, -sigmas[step]).to(options_.dtype));
         }
         latents[i] = EulerStep(latents[i], velocity, dt).to(options_.dtype);
-        members[i].context->ReportStep(step + 1, n);
+        if (inputs[i].repaint.defined()) {
+          latents[i] = KeepUnmasked(latents[i], inputs[i], sigmas[step + 1], step == n - 1).to(options_.dtype);
+        }
+        members[i].context->ReportStep(step - start + 1, n - start);
       }
-      DeliverPreviews(runner, *vae_, members, step + 1, previews, decode);
+      DeliverPreviews(runner, *vae_, members, step - start + 1, previews, decode);
       run.Filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
     }
 
@@ -287,6 +311,7 @@ class FluxPipeline : public Pipeline {
   std::unique_ptr<T5Tokenizer> t5_tokenizer_;
   std::shared_ptr<Component> clip_;
   std::shared_ptr<Component> t5_;
+  std::shared_ptr<Component> vae_encoder_;
   std::shared_ptr<Component> transformer_;
   std::shared_ptr<Component> vae_;
 };
@@ -343,12 +368,18 @@ absl::StatusOr<std::unique_ptr<Pipeline>> Assemble(const FluxPipelineOptions& op
   }));
   ASSIGN_OR_RETURN(auto vae, shared("vae", [&] {
     return MakeComponent<AutoencoderKLDecoder>("vae", parts.vae, options.dtype, where("vae"), random_weights,
-                                               options.weight_seed, {"encoder.", "quant_conv.", "post_quant_conv."},
-                                               fp8("vae"));
+                                               options.weight_seed, VaeDecoderIgnoredPrefixes(), fp8("vae"));
+  }));
+  // The encoder half of the same VAE folder, its own component (placed apart: it runs only for
+  // images in).
+  ASSIGN_OR_RETURN(auto vae_encoder, shared("vae_encoder", [&] {
+    return MakeComponent<AutoencoderKLEncoder>("vae_encoder", parts.vae, options.dtype, where("vae"), random_weights,
+                                               options.weight_seed, VaeEncoderIgnoredPrefixes(parts.vae),
+                                               fp8("vae_encoder"));
   }));
   return std::unique_ptr<Pipeline>(new FluxPipeline(options, schedule, std::move(clip_tokenizer),
                                                     std::move(t5_tokenizer), std::move(clip), std::move(t5),
-                                                    std::move(transformer), std::move(vae)));
+                                                    std::move(vae_encoder), std::move(transformer), std::move(vae)));
 }
 
 }  // namespace

@@ -27,8 +27,15 @@ void RunContext::EndStage() {
 
 bool BatchCompatible(const GenerationParams& a, const GenerationParams& b) { return BatchKey(a) == BatchKey(b); }
 
+int StartStep(const GenerationParams& params) {
+  if (params.input == nullptr) return 0;
+  const double steps = params.steps;
+  return static_cast<int>(std::max(steps - std::min(steps * params.strength, steps), 0.0));
+}
+
 std::string BatchKey(const GenerationParams& params) {
   std::string key = absl::StrCat(params.width, "x", params.height, "/", params.steps);
+  if (const int start = StartStep(params); start > 0) absl::StrAppend(&key, "/from", start);
   // Adapter names are [A-Za-z0-9._-] (checked where requests are validated); the scale's exact bits.
   for (const auto& [name, scale] : params.loras) absl::StrAppend(&key, "/", name, "=", absl::bit_cast<uint32_t>(scale));
   return key;

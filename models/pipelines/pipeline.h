@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,17 @@ struct PipelineLimits {
   int max_steps = 100;
   float default_guidance_scale = 1.0f;
   int max_prompt_bytes = 126;
+  // Takes an input image (image-to-image, inpainting): GenerationParams::input.
+  bool accepts_images = false;
+};
+
+// The input of image-to-image and inpainting, decoded and brought to the request's size by the
+// server (models/core/image.h: DecodePng, ResizeImage, MaskFromImage).
+struct ImageInput {
+  Image image;
+  // Empty: image-to-image (the whole image is redrawn). Otherwise image.height × image.width bytes,
+  // row-major: non-zero where the image is repainted, 0 where it is kept (inpainting).
+  std::vector<uint8_t> mask;
 };
 
 // A validated request.
@@ -41,7 +53,16 @@ struct GenerationParams {
   uint64_t seed = 0;
   // LoRA adapters and their scales (models/core/lora.h), installed around the run by its caller.
   LoraScales loras;
+  // Image-to-image / inpainting (only where PipelineLimits::accepts_images): the input, and how
+  // much of the schedule runs from it — strength s in (0, 1] starts at step
+  // StartStep(steps, s), with the input noised to that step's sigma (diffusers' img2img rule).
+  std::shared_ptr<const ImageInput> input;
+  double strength = 1.0;
 };
+
+// The first of `steps` denoising steps an image-to-image run takes at `strength`: diffusers'
+// int(max(steps − min(steps · strength, steps), 0)); 0 without an input image.
+int StartStep(const GenerationParams& params);
 
 // Progress reports and cancellation for one run. Stage names: "tokenize", "encode_prompt",
 // "denoise", "decode".
@@ -107,8 +128,9 @@ void DeliverPreviews(ComponentRunner& runner, Component& vae, const std::vector<
                      const std::function<at::Tensor(const at::Tensor&)>& decode);
 
 
-// Requests that may run as one batch: the same image size, step count and LoRA adapters with the
-// same scales (prompts, negative prompts, seeds and guidance may differ).
+// Requests that may run as one batch: the same image size, step count, start step (StartStep) and
+// LoRA adapters with the same scales (prompts, negative prompts, seeds, guidance and input images
+// may differ).
 bool BatchCompatible(const GenerationParams& a, const GenerationParams& b);
 // The same rule as a string: BatchCompatible(a, b) exactly when BatchKey(a) == BatchKey(b) (the
 // device worker groups queued requests by it).

@@ -11,6 +11,7 @@
 #include "models/pipelines/component_factory.h"
 #include "models/core/config_checks.h"
 #include "models/pipelines/flow_match_scheduler.h"
+#include "models/pipelines/image_input.h"
 #include "models/core/diffusers_format.h"
 #include "models/core/weight_init.h"
 #include "base/status_macros.h"
@@ -21,11 +22,12 @@ namespace {
 class ZImagePipeline : public Pipeline {
  public:
   ZImagePipeline(const ZImagePipelineOptions& options, std::unique_ptr<BpeTokenizer> tokenizer,
-                 std::shared_ptr<Component> text_encoder, std::shared_ptr<Component> transformer,
-                 std::shared_ptr<Component> vae)
+                 std::shared_ptr<Component> text_encoder, std::shared_ptr<Component> vae_encoder,
+                 std::shared_ptr<Component> transformer, std::shared_ptr<Component> vae)
       : options_(options),
         tokenizer_(std::move(tokenizer)),
         text_encoder_(std::move(text_encoder)),
+        vae_encoder_(std::move(vae_encoder)),
         transformer_(std::move(transformer)),
         vae_(std::move(vae)) {
     limits_.default_width = static_cast<int>(options.default_size);
@@ -40,6 +42,7 @@ class ZImagePipeline : public Pipeline {
     limits_.max_steps = 100;
     limits_.default_guidance_scale = 0.0f;  // Turbo: no guidance.
     limits_.max_prompt_bytes = 4096;        // Tokens beyond max_sequence_length are cut, as diffusers does.
+    limits_.accepts_images = true;
   }
 
   static bool Guided(const GenerationParams& params) { return params.guidance_scale > 0.0f; }
@@ -50,7 +53,7 @@ class ZImagePipeline : public Pipeline {
   }
   const PipelineLimits& limits() const override { return limits_; }
   std::vector<Component*> components() override {
-    return {text_encoder_.get(), transformer_.get(), vae_.get()};
+    return {text_encoder_.get(), vae_encoder_.get(), transformer_.get(), vae_.get()};
   }
 
   bool batched() const override { return true; }
@@ -113,16 +116,30 @@ class ZImagePipeline : public Pipeline {
     auto& dit = static_cast<ZImageTransformer&>(transformer_->module());
     const GenerationParams& shape = *members.front().params;
     const int64_t factor = vae.upscale();
+    const int64_t lh = shape.height / factor, lw = shape.width / factor;
+    const int n = shape.steps;
+    const int start = StartStep(shape);  // The same for every member (BatchKey).
+    const std::vector<float> sigmas = ShiftedSigmas(n, options_.scheduler_shift);
+    // Each member's generator: the input image's sample first (image to image), then the noise.
+    std::vector<at::Generator> generators;
+    for (const BatchMember& m : members) generators.push_back(at::detail::createCPUGenerator(m.params->seed));
+    std::vector<InputLatents> inputs(members.size());
+    EncodeMemberInputs(members, runner, *vae_encoder_, options_.device, run, generators, device, &inputs);
     std::vector<at::Tensor> latents(members.size());
     for (size_t i : active) {
-      at::Generator gen = at::detail::createCPUGenerator(members[i].params->seed);
-      latents[i] = at::randn({dit.config().in_channels, 1, shape.height / factor, shape.width / factor}, gen,
-                             at::TensorOptions().dtype(at::kFloat))
-                       .to(device);
+      const at::Tensor noise =
+          at::randn({dit.config().in_channels, 1, lh, lw}, generators[i], at::TensorOptions().dtype(at::kFloat))
+              .to(device);
+      if (!inputs[i].image.defined()) {
+        latents[i] = noise;
+        continue;
+      }
+      // [1, C, h, w] → the transformer's [C, 1, h, w].
+      inputs[i].image = inputs[i].image.transpose(0, 1);
+      inputs[i].noise = noise;
+      inputs[i].repaint = LatentRepaintMask(*members[i].params->input, lh, lw, device);
+      latents[i] = ScaleNoise(inputs[i].image, noise, sigmas[start]);
     }
-
-    const int n = shape.steps;
-    const std::vector<float> sigmas = ShiftedSigmas(n, options_.scheduler_shift);
     // One member's latents to pixels (inside a run of the VAE).
     const c10::Device vae_device = runner.DeviceOf(*vae_, options_.device);
     auto decode = [&](const at::Tensor& x) {
@@ -131,8 +148,8 @@ class ZImagePipeline : public Pipeline {
 
     // Denoise: one transformer forward per step over every running member's positive (and
     // negative) sequence.
-    run.BeginStage("denoise", n);
-    for (int step = 0; step < n && !active.empty(); ++step) {
+    run.BeginStage("denoise", n - start);
+    for (int step = start; step < n && !active.empty(); ++step) {
       const float t_train = sigmas[step] * 1000.0f;
       const double t_model = (1000.0f - t_train) / 1000.0f;
       std::vector<at::Tensor> xs, captions;
@@ -164,13 +181,15 @@ class ZImagePipeline : public Pipeline {
         }
         // The model predicts the negated velocity: step with -out.
         velocity = -velocity;
-        if (members[i].context->WantsPreview(step + 1)) {
+        // Steps are counted from the run's start (image to image runs n - start of them).
+        if (members[i].context->WantsPreview(step - start + 1)) {
           previews.emplace_back(i, EulerStep(latents[i], velocity, -sigmas[step]));
         }
         latents[i] = EulerStep(latents[i], velocity, sigmas[step + 1] - sigmas[step]);
-        members[i].context->ReportStep(step + 1, n);
+        latents[i] = KeepUnmasked(latents[i], inputs[i], sigmas[step + 1], step == n - 1);
+        members[i].context->ReportStep(step - start + 1, n - start);
       }
-      DeliverPreviews(runner, *vae_, members, step + 1, previews, decode);
+      DeliverPreviews(runner, *vae_, members, step - start + 1, previews, decode);
       run.Filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
     }
 
@@ -194,6 +213,7 @@ class ZImagePipeline : public Pipeline {
   PipelineLimits limits_;
   std::unique_ptr<BpeTokenizer> tokenizer_;
   std::shared_ptr<Component> text_encoder_;
+  std::shared_ptr<Component> vae_encoder_;
   std::shared_ptr<Component> transformer_;
   std::shared_ptr<Component> vae_;
 };
@@ -290,11 +310,18 @@ absl::StatusOr<std::unique_ptr<Pipeline>> LoadZImagePipeline(const std::string& 
   }));
   ASSIGN_OR_RETURN(auto vae, shared("vae", [&] {
     return MakeComponent<AutoencoderKLDecoder>("vae", vc, options.dtype, absl::StrCat(dir, "/vae"), random_weights,
-                                               options.weight_seed, {"encoder.", "quant_conv.", "post_quant_conv."},
-                                               fp8("vae"));
+                                               options.weight_seed, VaeDecoderIgnoredPrefixes(), fp8("vae"));
+  }));
+  // The encoder half of the same VAE folder, its own component (placed apart: it runs only for
+  // images in).
+  ASSIGN_OR_RETURN(auto vae_encoder, shared("vae_encoder", [&] {
+    return MakeComponent<AutoencoderKLEncoder>("vae_encoder", vc, options.dtype, absl::StrCat(dir, "/vae"),
+                                               random_weights, options.weight_seed,
+                                               VaeEncoderIgnoredPrefixes(vc), fp8("vae_encoder"));
   }));
   return std::unique_ptr<Pipeline>(new ZImagePipeline(options, std::move(tokenizer), std::move(text_encoder),
-                                                      std::move(transformer), std::move(vae)));
+                                                      std::move(vae_encoder), std::move(transformer),
+                                                      std::move(vae)));
 }
 
 absl::StatusOr<std::unique_ptr<Pipeline>> CreateTinyZImagePipeline(const ZImagePipelineOptions& base) {
@@ -334,8 +361,12 @@ absl::StatusOr<std::unique_ptr<Pipeline>> CreateTinyZImagePipeline(const ZImageP
                                                                       options.weight_seed, {}, fp8("transformer")));
   ASSIGN_OR_RETURN(auto vae, MakeComponent<AutoencoderKLDecoder>("vae", vc, options.dtype, "", true,
                                                                  options.weight_seed, {}, fp8("vae")));
+  ASSIGN_OR_RETURN(auto vae_encoder, MakeComponent<AutoencoderKLEncoder>("vae_encoder", vc, options.dtype, "", true,
+                                                                         options.weight_seed, {},
+                                                                         fp8("vae_encoder")));
   return std::unique_ptr<Pipeline>(new ZImagePipeline(options, std::move(tokenizer), std::move(text_encoder),
-                                                      std::move(transformer), std::move(vae)));
+                                                      std::move(vae_encoder), std::move(transformer),
+                                                      std::move(vae)));
 }
 
 }  // namespace stowage

@@ -23,6 +23,7 @@
 #include "models/nets/flux_transformer.h"
 #include "models/nets/t5_encoder.h"
 #include "models/tokenizers/t5_tokenizer.h"
+#include "tests/parity/edit_parity.h"
 #include "tests/parity/parity_common.h"
 
 // As in zimage_parity_check: 1e-2 where both sides run the same LibTorch (the GPU host); Debian's
@@ -163,6 +164,16 @@ absl::Status CheckPipeline(const std::string& root) {
   return absl::OkStatus();
 }
 
+// Image to image and inpainting (make_edit_fixtures.py) through the whole tiny pipeline.
+absl::Status CheckEdit(const std::string& root) {
+  FluxPipelineOptions options;
+  options.dtype = at::kFloat;
+  options.max_sequence_length = 32;  // As the fixture's pipeline calls.
+  ASSIGN_OR_RETURN(auto pipeline, LoadFluxPipeline(root + "/pipeline", options, /*random_weights=*/false));
+  RETURN_IF_ERROR(parity::CheckEncoder(root));
+  return parity::CheckEdits(root, *pipeline);
+}
+
 }  // namespace
 }  // namespace stowage
 
@@ -177,7 +188,7 @@ int main(int argc, char** argv) {
       {"transformer [dev]", stowage::CheckDev},   {"transformer [schnell]", stowage::CheckSchnell},
       {"clip", stowage::CheckClip},               {"t5", stowage::CheckT5},
       {"clip tokenizer", stowage::CheckClipTokenizer}, {"t5 tokenizer", stowage::CheckT5Tokenizer},
-      {"pipeline", stowage::CheckPipeline}};
+      {"pipeline", stowage::CheckPipeline},       {"edit", stowage::CheckEdit}};
   for (const std::string& name : absl::GetFlag(FLAGS_skip)) {
     const auto it = std::find_if(checks.begin(), checks.end(), [&](const auto& c) { return c.first == name; });
     if (it == checks.end()) {

@@ -19,7 +19,7 @@ echo "== committed fixtures"
 "$check" "$fixtures" --bf16_tolerance="$bf16" | tee "$TEST_TMPDIR/ok.txt"
 grep -q "parity: all checks passed" "$TEST_TMPDIR/ok.txt"
 n=$(grep -c ' ok$' "$TEST_TMPDIR/ok.txt")
-[ "$n" -eq 15 ] || { echo "expected 15 passing checks, saw $n"; exit 1; }
+[ "$n" -eq 20 ] || { echo "expected 20 passing checks, saw $n"; exit 1; }
 
 source "$(dirname "$0")/parity_lib.sh"
 

@@ -23,6 +23,7 @@
 #include "models/pipelines/zimage_pipeline.h"
 #include "models/nets/zimage_transformer.h"
 #include "base/status_macros.h"
+#include "tests/parity/edit_parity.h"
 #include "tests/parity/parity_common.h"
 
 // Relative error allowed between our bfloat16 output and the reference's. 1e-2 where both run the
@@ -161,6 +162,15 @@ absl::Status CheckPipeline(const std::string& root) {
   return absl::OkStatus();
 }
 
+// Image to image and inpainting (make_edit_fixtures.py) through the whole tiny pipeline.
+absl::Status CheckEdit(const std::string& root) {
+  ZImagePipelineOptions options;
+  options.dtype = at::kFloat;
+  ASSIGN_OR_RETURN(auto pipeline, LoadZImagePipeline(root + "/pipeline", options, /*random_weights=*/false));
+  RETURN_IF_ERROR(parity::CheckEncoder(root));
+  return parity::CheckEdits(root, *pipeline);
+}
+
 }  // namespace
 }  // namespace stowage
 
@@ -176,5 +186,6 @@ int main(int argc, char** argv) {
                                               {"text encoder", stowage::CheckTextEncoder},
                                               {"tokenizer", stowage::CheckTokenizer},
                                               {"pipeline", stowage::CheckPipeline},
-                                              {"lora", stowage::CheckLora}});
+                                              {"lora", stowage::CheckLora},
+                                              {"edit", stowage::CheckEdit}});
 }

@@ -22,7 +22,7 @@ bf16=${STOWAGE_PARITY_BF16_TOLERANCE:-3e-2}
 echo "== committed fixtures"
 "$check" "$fixtures" --bf16_tolerance="$bf16" | tee "$TEST_TMPDIR/ok.txt"
 grep -q "parity: all checks passed" "$TEST_TMPDIR/ok.txt"
-[ "$(grep -c ' ok$' "$TEST_TMPDIR/ok.txt")" -eq 11 ] || { echo "expected 11 passing checks"; exit 1; }
+[ "$(grep -c ' ok$' "$TEST_TMPDIR/ok.txt")" -eq 17 ] || { echo "expected 17 passing checks"; exit 1; }
 
 source "$(dirname "$0")/parity_lib.sh"
 
@@ -43,4 +43,14 @@ perturb "$TEST_TMPDIR/l/lora/adapter.safetensors"
 expect_failure lora "$TEST_TMPDIR/l" "lora scale1 float32"
 grep -Eq "^lora off float32 .* ok$" "$TEST_TMPDIR/lora.txt"
 grep -Eq "^transformer float32 .* ok$" "$TEST_TMPDIR/lora.txt"
+echo "== a VAE encoder weight of the pipeline changed (image to image, inpainting)"
+cp -rL "$fixtures" "$TEST_TMPDIR/e" && chmod -R u+w "$TEST_TMPDIR/e"
+perturb "$TEST_TMPDIR/e/pipeline/vae/diffusion_pytorch_model.safetensors" encoder.conv_out.weight
+expect_failure encoder "$TEST_TMPDIR/e" "vae encoder mean float32"
+grep -Eq "^edit img2img_s06 .*FAIL$" "$TEST_TMPDIR/encoder.txt"
+grep -Eq "^pipeline image g0 .* ok$" "$TEST_TMPDIR/encoder.txt"
+echo "== the edit's input image changed"
+cp -rL "$fixtures" "$TEST_TMPDIR/i" && chmod -R u+w "$TEST_TMPDIR/i"
+cp "$fixtures/edit_mask.png" "$TEST_TMPDIR/i/edit_image.png"
+expect_failure input "$TEST_TMPDIR/i" "edit img2img_s06"
 echo "parity test: ok"

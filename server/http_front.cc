@@ -30,6 +30,9 @@ namespace stowage {
 namespace {
 
 constexpr char kGenerationsPath[] = "/v1/images/generations";
+constexpr char kEditsPath[] = "/v1/images/edits";
+// Parts of an edit's form beyond which the body is refused (a real one has a handful).
+constexpr size_t kMaxFormParts = 64;
 constexpr char kModelsPath[] = "/v1/models";
 constexpr char kModelsPrefix[] = "/v1/models/";
 constexpr char kHealthPath[] = "/health";
@@ -105,6 +108,9 @@ struct HttpFront::Request {
   MHD_Connection* mhd = nullptr;
   Connection* connection = nullptr;  // libmicrohttpd's threads only.
   std::string body;
+  // POST /v1/images/edits: the body is a form, read into `form` once it is all here.
+  bool edit = false;
+  std::vector<FormPart> form;
   // The body outgrew max_body_bytes: the rest is not kept and the reply is 413.
   bool too_large = false;
   // Counted in by Enter() (counted out by the destructor), and its thread started.
@@ -380,6 +386,7 @@ int HttpFront::Access(MHD_Connection* connection, const char* url, const char* m
       return Queue(connection, request.get(), reply);
     }
     // A generation: its body is due within the read timeout.
+    request->edit = url != nullptr && std::string(url) == kEditsPath;
     SetDeadline(request->connection, absl::Now() + options_.read_timeout);
     return 1;
   }
@@ -419,6 +426,11 @@ int HttpFront::Access(MHD_Connection* connection, const char* url, const char* m
                                                             " bytes; at most ", options_.max_body_bytes,
                                                             " bytes allowed"),
                                           "invalid_request_error", "", "request_too_large"}));
+  }
+  if (request->edit) {
+    if (std::optional<OpenAiError> error = ReadForm(connection, request.get())) {
+      return Queue(connection, request.get(), Reply::Error(*error));
+    }
   }
   if (!Enter()) {
     return Queue(connection, request.get(),
@@ -471,13 +483,51 @@ void HttpFront::ReapRunners(bool all) {
   for (std::thread& t : finished) t.join();
 }
 
+std::optional<OpenAiError> HttpFront::ReadForm(MHD_Connection* connection, Request* request) {
+  // libmicrohttpd's own form parser (multipart/form-data and url-encoded) over the whole body; each
+  // part arrives in pieces at increasing offsets.
+  auto on_part = [](void* cls, MHD_ValueKind, const char* key, const char* filename, const char* content_type,
+                    const char*, const char* data, uint64_t offset, size_t size) -> MHD_Result {
+    auto* parts = static_cast<std::vector<FormPart>*>(cls);
+    if (offset == 0 || parts->empty()) {
+      if (parts->size() >= kMaxFormParts) return MHD_NO;
+      FormPart part;
+      part.name = key != nullptr ? key : "";
+      part.filename = filename != nullptr ? filename : "";
+      part.content_type = content_type != nullptr ? content_type : "";
+      parts->push_back(std::move(part));
+    }
+    if (size > 0) parts->back().data.append(data, size);
+    return MHD_YES;
+  };
+  using PartFn = MHD_Result (*)(void*, MHD_ValueKind, const char*, const char*, const char*, const char*, const char*,
+                                uint64_t, size_t);
+  MHD_PostProcessor* form = MHD_create_post_processor(connection, 64 * 1024, static_cast<PartFn>(on_part), &request->form);
+  if (form == nullptr) {
+    return InvalidRequest(absl::StrCat(kEditsPath, " needs a multipart/form-data body with its boundary"));
+  }
+  const MHD_Result fed = MHD_post_process(form, request->body.data(), request->body.size());
+  const MHD_Result ended = MHD_destroy_post_processor(form);
+  std::string().swap(request->body);
+  if (fed != MHD_YES || ended != MHD_YES) {
+    return InvalidRequest(request->form.size() >= kMaxFormParts
+                              ? absl::StrCat("the form has more than ", kMaxFormParts, " parts")
+                              : "the request body is not a complete multipart/form-data form");
+  }
+  return std::nullopt;
+}
+
 void HttpFront::RunRequest(const std::shared_ptr<Request>& request) {
   ImagesRequest parsed;
-  if (std::optional<OpenAiError> error = ParseImagesRequest(request->body, options_.max_body_bytes, &parsed)) {
+  const std::optional<OpenAiError> error = request->edit
+                                               ? ParseEditsRequest(request->form, &parsed)
+                                               : ParseImagesRequest(request->body, options_.max_body_bytes, &parsed);
+  if (error.has_value()) {
     request->SetReply(Reply::Error(*error));
     return;
   }
   std::string().swap(request->body);
+  std::vector<FormPart>().swap(request->form);
   if (!parsed.stream) {
     request->SetReply(Generate(parsed, nullptr));
     return;
@@ -636,13 +686,14 @@ bool HttpFront::Route(MHD_Connection* connection, const std::string& method, con
     }
     return true;
   }
-  const bool generations = path == kGenerationsPath;
+  const bool edits = path == kEditsPath;
+  const bool generations = path == kGenerationsPath || edits;
   const bool placement = path == kPlacementPath;
   const bool models = path == kModelsPath || absl::StartsWith(path, kModelsPrefix);
   if (!generations && !models && !placement) {
     *out = Reply::Error(OpenAiError{404,
                                     absl::StrCat("unknown path ", JsonQuote(Truncated(path)), "; this server answers POST ",
-                                                 kGenerationsPath, ", GET ", kModelsPath, ", GET ", kModelsPath,
+                                                 kGenerationsPath, ", POST ", kEditsPath, ", GET ", kModelsPath, ", GET ", kModelsPath,
                                                  "/{model}, GET ", kPlacementPath, ", GET ", kPlacementPagePath,
                                                  " and GET ", kHealthPath),
                                     "invalid_request_error", "", "unknown_url"});
@@ -671,6 +722,18 @@ bool HttpFront::Route(MHD_Connection* connection, const std::string& method, con
       return true;
     }
     const char* type = MHD_lookup_connection_value(connection, MHD_HEADER_KIND, "Content-Type");
+    if (edits) {
+      // OpenAI's images.edit: the image and mask as files of a form.
+      const absl::string_view t = type != nullptr ? absl::StripLeadingAsciiWhitespace(type) : "";
+      if (!absl::StartsWithIgnoreCase(t, "multipart/form-data") &&
+          !absl::StartsWithIgnoreCase(t, "application/x-www-form-urlencoded")) {
+        *out = Reply::Error(InvalidRequest(absl::StrCat("Content-Type ", JsonQuote(Truncated(type != nullptr ? type : "(none)")),
+                                                        " is not supported on ", kEditsPath,
+                                                        "; send multipart/form-data with the image as a file field")));
+        return true;
+      }
+      return false;
+    }
     if (type != nullptr && !absl::StartsWithIgnoreCase(absl::StripLeadingAsciiWhitespace(type), "application/json")) {
       *out = Reply::Error(InvalidRequest(
           absl::StrCat("Content-Type ", JsonQuote(Truncated(type)), " is not supported; send application/json")));
@@ -748,10 +811,11 @@ HttpFront::Reply HttpFront::Generate(const ImagesRequest& request, Request* stre
       // Events come from the device worker's thread: appending them is all it does (a preview's
       // PNG is encoded there, at most kMaxPartialImages times per image).
       control.on_progress = [stream, i](const v1::Progress& progress) { stream->Push(ProgressEvent(i, progress)); };
-      control.on_preview = [stream, i](int index, int, const Image& image) {
+      control.on_preview = [stream, i, edit = request.edit](int index, int, const Image& image) {
         absl::StatusOr<std::string> png = EncodePng(image);
         if (png.ok()) {
-          stream->Push(PartialImageEvent(i, index, *png, image.width, image.height, absl::ToUnixSeconds(absl::Now())));
+          stream->Push(
+              PartialImageEvent(i, index, *png, image.width, image.height, absl::ToUnixSeconds(absl::Now()), edit));
         }
       };
     }
@@ -781,7 +845,7 @@ HttpFront::Reply HttpFront::Generate(const ImagesRequest& request, Request* stre
     }
     RecordGeneration(*core_, metrics_, image, results[i].status(), results[i].ok() ? &*results[i] : nullptr, start);
     if (stream != nullptr && results[i].ok()) {
-      stream->Push(CompletedEvent(i, *results[i], absl::ToUnixSeconds(absl::Now())));
+      stream->Push(CompletedEvent(i, *results[i], absl::ToUnixSeconds(absl::Now()), request.edit));
     }
     if (!results[i].ok()) {
       int none = -1;

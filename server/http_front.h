@@ -7,6 +7,9 @@
 // Endpoints:
 //   POST /v1/images/generations   OpenAI's images API (README "HTTP API" lists the fields); with
 //                                 `stream: true`, server-sent events (progress, previews, images)
+//   POST /v1/images/edits         OpenAI's images.edit (multipart/form-data: the image and mask as
+//                                 PNG files, the generations fields as text, plus `strength`):
+//                                 image-to-image, and inpainting with a mask; streams too
 //   GET  /v1/models               the pipelines as OpenAI models; GET /v1/models/{id}: one
 //   GET  /health                  200 while serving, 503 once shutting down (never authenticated)
 // With an API key set, /v1/ requests need "Authorization: Bearer <key>" (compared in constant time).
@@ -43,6 +46,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -61,6 +65,7 @@ struct MHD_Daemon;
 namespace stowage {
 
 struct ImagesRequest;
+struct OpenAiError;
 
 struct HttpFrontOptions {
   // "host:port" (an IPv4 or IPv6 address or a host name; "[v6]:port"); port 0 picks a free one.
@@ -129,6 +134,9 @@ class HttpFront {
   // A generation request's own thread: parses the body, runs its images, and hands the connection
   // its reply (a JSON body, or server-sent events as they come).
   void RunRequest(const std::shared_ptr<Request>& request);
+  // An edit's whole body (request->body) read as a form into request->form by libmicrohttpd's form
+  // parser, on its thread (the body is let go); the error to answer with when it is no form.
+  std::optional<OpenAiError> ReadForm(MHD_Connection* connection, Request* request);
   // Runs the images of `parsed`; with `stream`, pushes progress, previews and each completed image
   // to it as they come. The JSON reply (or the error) when everything is done.
   Reply Generate(const ImagesRequest& parsed, Request* stream);

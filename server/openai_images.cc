@@ -239,20 +239,107 @@ std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t ma
   if (!parsed.ok()) {
     return InvalidRequest(absl::StrCat("request body is not valid JSON (", Truncated(parsed.ToString(), 96), ")"));
   }
+  return ParseImagesFields(json, /*edit=*/false, request);
+}
 
+namespace {
+
+// The text fields of an edit's form as the JSON values the generations body has: numbers and
+// booleans from their decimal / "true" / "false" text, `loras` from its JSON text.
+std::optional<OpenAiError> FormFieldValue(const std::string& name, const std::string& text, Value* value) {
+  static const std::set<std::string> kIntegers = {"n", "num_inference_steps", "seed", "priority", "partial_images"};
+  static const std::set<std::string> kNumbers = {"guidance_scale", "strength"};
+  const std::string trimmed(absl::StripAsciiWhitespace(text));
+  if (kIntegers.count(name) > 0) {
+    int64_t number = 0;
+    if (!absl::SimpleAtoi(trimmed, &number)) {
+      return InvalidRequest(absl::StrCat(name, " must be an integer, not ", JsonQuote(Truncated(text))), name);
+    }
+    value->set_number_value(static_cast<double>(number));
+  } else if (kNumbers.count(name) > 0) {
+    double number = 0;
+    if (!absl::SimpleAtod(trimmed, &number) || !std::isfinite(number)) {
+      return InvalidRequest(absl::StrCat(name, " must be a finite number, not ", JsonQuote(Truncated(text))), name);
+    }
+    value->set_number_value(number);
+  } else if (name == "stream") {
+    if (trimmed != "true" && trimmed != "false") {
+      return InvalidRequest(absl::StrCat("stream must be true or false, not ", JsonQuote(Truncated(text))), name);
+    }
+    value->set_bool_value(trimmed == "true");
+  } else if (name == "loras") {
+    if (!nlohmann::json::accept(trimmed.begin(), trimmed.end()) ||
+        !google::protobuf::util::JsonStringToMessage(trimmed, value).ok()) {
+      return InvalidRequest("loras must be a JSON array of {\"name\", \"scale\"}", name);
+    }
+  } else {
+    value->set_string_value(text);
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<OpenAiError> ParseEditsRequest(const std::vector<FormPart>& parts, ImagesRequest* request) {
+  Struct json;
+  const FormPart* image = nullptr;
+  const FormPart* mask = nullptr;
+  for (const FormPart& part : parts) {
+    if (!IsValidUtf8(part.name)) return InvalidRequest("a form field's name is not valid UTF-8");
+    if (part.name == "image" || part.name == "image[]") {
+      if (image != nullptr) {
+        return InvalidRequest("one input image per request (image was given more than once)", "image");
+      }
+      image = &part;
+      continue;
+    }
+    if (part.name == "mask") {
+      if (mask != nullptr) return InvalidRequest("mask was given more than once", "mask");
+      mask = &part;
+      continue;
+    }
+    if (json.fields().count(part.name) > 0) {
+      return InvalidRequest(absl::StrCat("form field ", JsonQuote(Truncated(part.name)), " was given more than once"),
+                            Truncated(part.name));
+    }
+    if (!IsValidUtf8(part.data)) {
+      return InvalidRequest(absl::StrCat("form field ", JsonQuote(Truncated(part.name)), " is not valid UTF-8"),
+                            Truncated(part.name));
+    }
+    Value value;
+    if (auto e = FormFieldValue(part.name, part.data, &value)) return e;
+    (*json.mutable_fields())[part.name] = std::move(value);
+  }
+  if (image == nullptr || image->data.empty()) {
+    return InvalidRequest("image is required: the PNG to edit, as a file field of the multipart/form-data body",
+                          "image");
+  }
+  ImagesRequest out;
+  if (auto e = ParseImagesFields(json, /*edit=*/true, &out)) return e;
+  out.base.set_image(image->data);
+  if (mask != nullptr) {
+    if (mask->data.empty()) return InvalidRequest("mask is an empty file", "mask");
+    out.base.set_mask(mask->data);
+  }
+  *request = std::move(out);
+  return std::nullopt;
+}
+
+std::optional<OpenAiError> ParseImagesFields(const google::protobuf::Struct& json, bool edit, ImagesRequest* request) {
   for (const auto& [name, value] : json.fields()) {
     static const std::set<std::string> kKnown = {"model", "prompt", "n", "size", "response_format", "output_format",
                                                  "negative_prompt", "num_inference_steps", "guidance_scale", "seed",
                                                  "user", "priority", "stream", "partial_images", "loras"};
-    if (kKnown.count(name) == 0 && IgnoredOpenAiFields().count(name) == 0) {
+    if ((kKnown.count(name) == 0 && IgnoredOpenAiFields().count(name) == 0) && !(edit && name == "strength")) {
       return InvalidRequest(absl::StrCat("unrecognized request argument ", JsonQuote(Truncated(name)),
-                                         "; allowed: ", absl::StrJoin(kKnown, ", "), " (and, ignored: ",
-                                         absl::StrJoin(IgnoredOpenAiFields(), ", "), ")"),
+                                         "; allowed: ", absl::StrJoin(kKnown, ", "), edit ? ", strength" : "",
+                                         " (and, ignored: ", absl::StrJoin(IgnoredOpenAiFields(), ", "), ")"),
                             Truncated(name), "unknown_parameter");
     }
   }
 
   ImagesRequest out;
+  out.edit = edit;
   v1::GenerateRequest& r = out.base;
   bool present = false;
   std::string text;
@@ -378,6 +465,14 @@ std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t ma
     }
     r.set_guidance_scale(static_cast<float>(g));
   }
+  auto strength = json.fields().find("strength");
+  if (strength != json.fields().end() && strength->second.kind_case() != Value::kNullValue) {
+    const double v = strength->second.kind_case() == Value::kNumberValue ? strength->second.number_value() : -1;
+    if (strength->second.kind_case() != Value::kNumberValue || !std::isfinite(v) || v <= 0 || v > 1) {
+      return InvalidRequest("strength must be a number above 0 and at most 1", "strength");
+    }
+    r.set_strength(v);
+  }
   *request = std::move(out);
   return std::nullopt;
 }
@@ -473,9 +568,9 @@ std::string ProgressEvent(int image_index, const v1::Progress& progress) {
 }
 
 std::string PartialImageEvent(int image_index, int partial_index, const std::string& png, int width, int height,
-                              int64_t created) {
+                              int64_t created, bool edit) {
   Json event;
-  event["type"] = "image_generation.partial_image";
+  event["type"] = edit ? "image_edit.partial_image" : "image_generation.partial_image";
   event["image_index"] = image_index;
   event["partial_image_index"] = partial_index;
   event["b64_json"] = absl::Base64Escape(png);
@@ -487,9 +582,9 @@ std::string PartialImageEvent(int image_index, int partial_index, const std::str
   return Sse(event);
 }
 
-std::string CompletedEvent(int image_index, const v1::GenerateResponse& image, int64_t created) {
+std::string CompletedEvent(int image_index, const v1::GenerateResponse& image, int64_t created, bool edit) {
   Json event;
-  event["type"] = "image_generation.completed";
+  event["type"] = edit ? "image_edit.completed" : "image_generation.completed";
   event["image_index"] = image_index;
   event["b64_json"] = absl::Base64Escape(image.image());
   event["size"] = absl::StrCat(image.width(), "x", image.height());

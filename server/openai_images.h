@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "google/protobuf/struct.pb.h"
 #include "stowage/v1/admin.pb.h"
 #include "stowage/v1/generation.pb.h"
 
@@ -72,6 +73,17 @@ struct ImagesRequest {
   // `stream: true`: the reply is server-sent events (ProgressEvent and the others below) instead
   // of one JSON body. Previews (partial_images, streams only) are base.partial_images.
   bool stream = false;
+  // POST /v1/images/edits (base.image, base.mask, base.strength set): streamed events are named
+  // image_edit.* instead of image_generation.*.
+  bool edit = false;
+};
+
+// One part of a multipart/form-data (or url-encoded) body: a text field, or a file with its name.
+struct FormPart {
+  std::string name;
+  std::string filename;
+  std::string content_type;
+  std::string data;
 };
 
 
@@ -81,6 +93,18 @@ struct ImagesRequest {
 // seed), response_format "url", or a field this API does not know. Ranges that depend on the
 // pipeline (size, steps, prompt length) are GenerationCore's to check.
 std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t max_bytes, ImagesRequest* request);
+
+// The fields of a request once read from its body (a JSON object, or an edit's form as one):
+// what ParseImagesRequest checks after the JSON itself. `edit` also allows "strength" (above 0, at
+// most 1).
+std::optional<OpenAiError> ParseImagesFields(const google::protobuf::Struct& json, bool edit, ImagesRequest* request);
+
+// POST /v1/images/edits, as OpenAI's images.edit sends it (multipart/form-data): the file fields
+// `image` (or `image[]`: one image) and `mask` (optional) — PNGs; GenerationCore decodes and checks
+// them — and the text fields of the generations body (numbers, booleans and `loras`' JSON as text),
+// plus `strength`. 400 for a missing image, a field given twice, a field that is not UTF-8 or not
+// of its type, and anything ParseImagesFields refuses.
+std::optional<OpenAiError> ParseEditsRequest(const std::vector<FormPart>& parts, ImagesRequest* request);
 
 // The GenerateRequest of image `index` (0-based) of `request`: the base, with seed + index when a
 // seed was given.
@@ -110,9 +134,10 @@ std::vector<std::pair<std::string, std::string>> StatsHeaders(const std::vector<
 //   error                            {"error": <OpenAI error object>} — the request failed after the
 //                                    stream began (an error before it is a plain HTTP error reply)
 std::string ProgressEvent(int image_index, const v1::Progress& progress);
+// `edit`: the events of POST /v1/images/edits, image_edit.partial_image and image_edit.completed.
 std::string PartialImageEvent(int image_index, int partial_index, const std::string& png, int width, int height,
-                              int64_t created);
-std::string CompletedEvent(int image_index, const v1::GenerateResponse& image, int64_t created);
+                              int64_t created, bool edit = false);
+std::string CompletedEvent(int image_index, const v1::GenerateResponse& image, int64_t created, bool edit = false);
 std::string ErrorEvent(const OpenAiError& error);
 
 // GET /v1/placement: {"devices": [<GetPlacementResponse as proto3 JSON>...]}, one per device.

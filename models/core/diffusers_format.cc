@@ -352,21 +352,28 @@ absl::Status LoadComponentWeights(Module& root, const std::string& component_dir
 
 absl::Status SaveComponent(Module& root, const std::string& dir, const google::protobuf::Struct& config,
                            int64_t max_shard_bytes) {
+  return SaveComponent(std::vector<Module*>{&root}, dir, config, max_shard_bytes);
+}
+
+absl::Status SaveComponent(const std::vector<Module*>& roots, const std::string& dir,
+                           const google::protobuf::Struct& config, int64_t max_shard_bytes) {
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) {
     return absl::PermissionDeniedError(absl::StrCat("cannot create '", dir, "'"));
   }
   std::vector<std::vector<std::pair<std::string, at::Tensor>>> shards(1);
   int64_t shard_bytes = 0;
-  root.ForEachSlot([&](Module& module, TensorSlot& slot) {
-    if (!slot.value.defined()) return;
-    const int64_t n = static_cast<int64_t>(slot.value.nbytes());
-    if (max_shard_bytes > 0 && shard_bytes > 0 && shard_bytes + n > max_shard_bytes) {
-      shards.emplace_back();
-      shard_bytes = 0;
-    }
-    shards.back().emplace_back(module.SlotPath(slot), slot.value.to(at::kCPU));
-    shard_bytes += n;
-  });
+  for (Module* root : roots) {
+    root->ForEachSlot([&](Module& module, TensorSlot& slot) {
+      if (!slot.value.defined()) return;
+      const int64_t n = static_cast<int64_t>(slot.value.nbytes());
+      if (max_shard_bytes > 0 && shard_bytes > 0 && shard_bytes + n > max_shard_bytes) {
+        shards.emplace_back();
+        shard_bytes = 0;
+      }
+      shards.back().emplace_back(module.SlotPath(slot), slot.value.to(at::kCPU));
+      shard_bytes += n;
+    });
+  }
   RETURN_IF_ERROR(WriteJsonFile(absl::StrCat(dir, "/config.json"), config));
   if (shards.size() == 1) {
     return WriteSafetensors(absl::StrCat(dir, "/diffusion_pytorch_model.safetensors"), shards[0]);

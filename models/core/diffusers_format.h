@@ -97,6 +97,10 @@ absl::Status LoadComponentWeights(Module& root, const std::string& component_dir
 // most `max_shard_bytes` with an index when larger; 0: one file) and `config` as config.json.
 absl::Status SaveComponent(Module& root, const std::string& dir, const google::protobuf::Struct& config,
                            int64_t max_shard_bytes = 0);
+// The same for modules that share one folder (a VAE's decoder and encoder components): their
+// tensors together, in order.
+absl::Status SaveComponent(const std::vector<Module*>& roots, const std::string& dir,
+                           const google::protobuf::Struct& config, int64_t max_shard_bytes = 0);
 
 }  // namespace stowage
 

@@ -118,8 +118,9 @@ TEST_F(SplitPipelineTest, EachComponentRunsOnItsDeviceWithExactPeaksAndTheSameIm
   ASSERT_NO_FATAL_FAILURE(Start(kPipelines));
   std::map<std::string, std::string> where;
   const std::map<std::string, int64_t> w = Weights("split", &where);
-  ASSERT_EQ(w.size(), 3u);
+  ASSERT_EQ(w.size(), 4u);
   EXPECT_EQ(where["text_encoder"], "sim:1");
+  EXPECT_EQ(where["vae_encoder"], "sim:0");  // With the pipeline (component_devices does not name it).
   EXPECT_EQ(where["transformer"], "sim:0");
   EXPECT_EQ(where["vae"], "sim:0");
   // Each device's registry holds the split pipeline's components that live there.
@@ -300,7 +301,7 @@ TEST_F(SplitPipelineTest, HostileMovesGetClearStatuses) {
   expect(Move("split", "vae", ""), grpc::INVALID_ARGUMENT, "device is required");
   expect(Move("nope", "vae", "sim:1"), grpc::NOT_FOUND, "no pipeline named 'nope'");
   expect(Move("split", "unet", "sim:1"), grpc::NOT_FOUND,
-         "pipeline 'split' has no component 'unet'; its components: text_encoder, transformer, vae");
+         "pipeline 'split' has no component 'unet'; its components: text_encoder, vae_encoder, transformer, vae");
   expect(Move("split", "vae", "sim:7"), grpc::NOT_FOUND, "device 'sim:7' is not one of this server's: sim:0, sim:1");
   expect(Move("split", "vae", "sim:0"), grpc::FAILED_PRECONDITION, "is already on sim:0");
   expect(Move("split", "text_encoder", "sim:1"), grpc::FAILED_PRECONDITION, "is already on sim:1");
@@ -394,7 +395,7 @@ TEST_F(SplitPipelineTest, UnloadingASplitPipelineEmptiesBothDevicesAndItLoadsAga
   refused(R"pb(pipeline { name: "x" builtin: "zimage-tiny" component_devices { component: "unet" device: "sim:1" } })pb",
           grpc::INVALID_ARGUMENT,
           "pipeline.component_devices: 'unet' is not a component of pipeline 'x'; its components: text_encoder, "
-          "transformer, vae");
+          "vae_encoder, transformer, vae");
   refused(R"pb(pipeline {
                  name: "x"
                  builtin: "zimage-tiny"

@@ -133,7 +133,7 @@ class TlsEndToEndTest(unittest.TestCase):
                          server_name=SERVER_NAME) as admin:
             ids = sorted(c.id for c in admin.get_placement().components)
         self.assertEqual(ids, ["zimage-tiny/text_encoder", "zimage-tiny/transformer",
-                               "zimage-tiny/vae"])
+                               "zimage-tiny/vae", "zimage-tiny/vae_encoder"])
 
     def test_python_client_refuses_what_tls_must_refuse(self) -> None:
         with open(os.path.join(self.tmp, "other-ca.crt"), "rb") as f:

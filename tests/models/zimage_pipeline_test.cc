@@ -211,3 +211,122 @@ TEST(ZImagePipelineTest, LoadingRefusesDirectoriesThatAreNotZImage) {
 
 }  // namespace
 }  // namespace stowage
+
+namespace stowage {
+namespace {
+
+// A smooth pattern with some noise, `width` x `height`, different per `seed`.
+std::shared_ptr<ImageInput> InputImage(int width, int height, int seed, uint8_t mask_value, bool with_mask) {
+  auto input = std::make_shared<ImageInput>();
+  input->image.width = width;
+  input->image.height = height;
+  input->image.rgb.resize(static_cast<size_t>(width) * height * 3);
+  for (int y = 0; y < height; ++y) {
+    for (int x = 0; x < width; ++x) {
+      for (int c = 0; c < 3; ++c) {
+        input->image.rgb[(static_cast<size_t>(y) * width + x) * 3 + c] =
+            static_cast<uint8_t>((x * 3 + y * 2 + c * 40 + seed * 57 + ((x * y + seed) % 7) * 5) % 256);
+      }
+    }
+  }
+  if (with_mask) input->mask.assign(static_cast<size_t>(width) * height, mask_value);
+  return input;
+}
+
+GenerationParams EditParams(const std::string& prompt, uint64_t seed, std::shared_ptr<ImageInput> input,
+                            double strength) {
+  GenerationParams p = Params(prompt, 0.0f, seed);
+  p.steps = 4;
+  p.input = std::move(input);
+  p.strength = strength;
+  return p;
+}
+
+// Image to image runs the last steps of the schedule from the input's latents: StartStep is
+// diffusers' rule, the VAE's encoder runs once for the batch, members with the same start share
+// each forward and get the image they get alone, and progress counts the steps that run.
+TEST(ZImageEditTest, ImageToImageStartsPartWayAndBatchesLikeTextToImage) {
+  ZImagePipelineOptions options;
+  options.dtype = at::kFloat;
+  auto pipeline = CreateTinyZImagePipeline(options);
+  ASSERT_TRUE(pipeline.ok()) << pipeline.status();
+  EXPECT_TRUE((*pipeline)->limits().accepts_images);
+  const std::vector<GenerationParams> params = {EditParams("a red lantern", 1, InputImage(64, 48, 1, 0, false), 0.5),
+                                                EditParams("a blue boat", 2, InputImage(64, 48, 2, 0, false), 0.5)};
+  EXPECT_EQ(StartStep(params[0]), 2);
+  EXPECT_EQ(BatchKey(params[0]), BatchKey(params[1]));
+  EXPECT_NE(BatchKey(params[0]), BatchKey(Params("a red lantern", 0.0f, 1)));  // Other start step.
+  std::vector<RunContext> contexts;
+  std::vector<std::pair<int, int>> reported;
+  contexts.emplace_back(nullptr, [&](const std::string& stage, int step, int total) {
+    if (stage == "denoise" && step > 0) reported.emplace_back(step, total);
+  });
+  contexts.emplace_back(nullptr, nullptr);
+  std::vector<BatchMember> members;
+  for (size_t i = 0; i < params.size(); ++i) members.push_back(BatchMember{&params[i], &contexts[i]});
+  HostRunner runner;
+  std::vector<absl::StatusOr<Image>> batch = (*pipeline)->RunBatch(members, runner);
+  EXPECT_EQ(runner.calls,
+            (std::vector<std::string>{"text_encoder", "vae_encoder", "transformer", "transformer", "vae"}));
+  EXPECT_EQ(reported, (std::vector<std::pair<int, int>>{{1, 2}, {2, 2}}));
+  std::vector<std::string> stages;
+  for (const auto& stage : contexts[0].stage_times()) stages.push_back(stage.stage);
+  EXPECT_EQ(stages, (std::vector<std::string>{"tokenize", "encode_prompt", "encode_image", "denoise", "decode"}));
+  for (size_t i = 0; i < params.size(); ++i) {
+    ASSERT_TRUE(batch[i].ok()) << batch[i].status();
+    HostRunner alone_runner;
+    RunContext alone_context(nullptr, nullptr);
+    absl::StatusOr<Image> alone = (*pipeline)->Run(params[i], alone_runner, alone_context);
+    ASSERT_TRUE(alone.ok());
+    EXPECT_EQ(batch[i]->rgb, alone->rgb) << i;
+  }
+  // The input matters, and so does the strength.
+  HostRunner r;
+  RunContext c(nullptr, nullptr);
+  GenerationParams other_image = params[0];
+  other_image.input = InputImage(64, 48, 3, 0, false);
+  EXPECT_NE((*pipeline)->Run(other_image, r, c)->rgb, batch[0]->rgb);
+  GenerationParams stronger = params[0];
+  stronger.strength = 0.9;
+  EXPECT_EQ(StartStep(stronger), 0);  // int(4 - 3.6)
+  EXPECT_NE((*pipeline)->Run(stronger, r, c)->rgb, batch[0]->rgb);
+}
+
+// Inpainting keeps what the mask keeps: with nothing to repaint the image is the input's VAE round
+// trip whatever the prompt; with everything to repaint the prompt decides. A strength of 1 starts
+// at step 0, so an inpainting request batches with text-to-image ones.
+TEST(ZImageEditTest, InpaintingKeepsWhatTheMaskKeeps) {
+  ZImagePipelineOptions options;
+  options.dtype = at::kFloat;
+  auto pipeline = CreateTinyZImagePipeline(options);
+  ASSERT_TRUE(pipeline.ok());
+  auto run = [&](const GenerationParams& p) {
+    HostRunner runner;
+    RunContext context(nullptr, nullptr);
+    absl::StatusOr<Image> image = (*pipeline)->Run(p, runner, context);
+    EXPECT_TRUE(image.ok()) << image.status();
+    return image.ok() ? image->rgb : std::vector<uint8_t>();
+  };
+  const auto keep_all = InputImage(64, 48, 4, 0, true);
+  EXPECT_EQ(run(EditParams("a red lantern", 5, keep_all, 1.0)), run(EditParams("a blue boat", 5, keep_all, 1.0)));
+  const auto repaint_all = InputImage(64, 48, 4, 255, true);
+  EXPECT_NE(run(EditParams("a red lantern", 5, repaint_all, 1.0)), run(EditParams("a blue boat", 5, repaint_all, 1.0)));
+  const GenerationParams inpaint = EditParams("a red lantern", 5, repaint_all, 1.0);
+  GenerationParams text = Params("a red lantern", 0.0f, 5);
+  text.steps = 4;
+  EXPECT_EQ(StartStep(inpaint), 0);
+  EXPECT_EQ(BatchKey(inpaint), BatchKey(text));
+  // Mixed in one batch, each gets its image alone.
+  const std::vector<GenerationParams> params = {inpaint, text};
+  std::vector<RunContext> contexts;
+  contexts.emplace_back(nullptr, nullptr);
+  contexts.emplace_back(nullptr, nullptr);
+  HostRunner runner;
+  auto batch = (*pipeline)->RunBatch({BatchMember{&params[0], &contexts[0]}, BatchMember{&params[1], &contexts[1]}}, runner);
+  ASSERT_TRUE(batch[0].ok() && batch[1].ok());
+  EXPECT_EQ(batch[0]->rgb, run(params[0]));
+  EXPECT_EQ(batch[1]->rgb, run(params[1]));
+}
+
+}  // namespace
+}  // namespace stowage

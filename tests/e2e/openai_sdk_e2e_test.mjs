@@ -3,6 +3,7 @@
 // Environment: STOWAGE_BASE_URL (http://host:port/v1, or https:// with STOWAGE_MODE=tls), STOWAGE_API_KEY.
 // Prints one line per check and "N passed, N failed"; exits 1 when any check failed.
 import { readFileSync } from 'node:fs';
+import zlib from 'node:zlib';
 import { createRequire } from 'node:module';
 import path from 'node:path';
 
@@ -45,6 +46,36 @@ function pngSize(png) {
   assert(png.length > 24 && png.subarray(0, 8).equals(signature), 'not a PNG (signature)');
   assert(png.subarray(12, 16).toString('latin1') === 'IHDR', 'no IHDR chunk first');
   return { width: png.readUInt32BE(16), height: png.readUInt32BE(20) };
+}
+
+// A flat gray PNG (8-bit gray, one value) of width x height: a mask for images.edit.
+function grayPng(width, height, value) {
+  const crcTable = Array.from({ length: 256 }, (_, n) => {
+    let c = n;
+    for (let k = 0; k < 8; k++) c = c & 1 ? 0xedb88320 ^ (c >>> 1) : c >>> 1;
+    return c >>> 0;
+  });
+  const crc32 = (bytes) => {
+    let c = 0xffffffff;
+    for (const b of bytes) c = crcTable[(c ^ b) & 0xff] ^ (c >>> 8);
+    return (c ^ 0xffffffff) >>> 0;
+  };
+  const chunk = (type, data) => {
+    const length = Buffer.alloc(4);
+    length.writeUInt32BE(data.length);
+    const body = Buffer.concat([Buffer.from(type, 'latin1'), data]);
+    const crc = Buffer.alloc(4);
+    crc.writeUInt32BE(crc32(body));
+    return Buffer.concat([length, body, crc]);
+  };
+  const header = Buffer.alloc(13);
+  header.writeUInt32BE(width, 0);
+  header.writeUInt32BE(height, 4);
+  header[8] = 8;  // Bit depth; color type 0 (gray), compression, filter, interlace 0.
+  const rows = Buffer.alloc((width + 1) * height, value);
+  for (let y = 0; y < height; y++) rows[y * (width + 1)] = 0;  // Filter byte: none.
+  return Buffer.concat([Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]), chunk('IHDR', header),
+                        chunk('IDAT', zlib.deflateSync(rows)), chunk('IEND', Buffer.alloc(0))]);
 }
 
 // Runs `call`, which must fail with the SDK's `errorClass` and HTTP `status`; returns the error.
@@ -207,6 +238,65 @@ await check('stream: true yields progress, partial images and then the image (se
     model: 'zimage-tiny', prompt: 'a streamed square', size: '64x64', num_inference_steps: 4, seed: 3,
   });
   assert(Buffer.from(plain.data[0].b64_json, 'base64').equals(png), 'streamed and unstreamed images differ');
+});
+
+await check('images.edit: image to image from a PNG file, with Stowage\'s strength and seed', async () => {
+  const toFile = sdk.toFile ?? OpenAI.toFile;
+  // The input: an image the server drew (64x64 PNG).
+  const drawn = await client.images.generate({ prompt: 'a red circle', size: '64x64', seed: 1, num_inference_steps: 2 });
+  const input = Buffer.from(drawn.data[0].b64_json, 'base64');
+  const edit = async (fields) => client.images.edit({
+    model: 'zimage-tiny', image: await toFile(input, 'input.png', { type: 'image/png' }), prompt: 'a blue square',
+    num_inference_steps: 4, seed: 5, ...fields,
+  });
+  const a = await edit({ strength: 0.5 });
+  const b = await edit({ strength: 0.5 });
+  const c = await edit({ strength: 1.0 });
+  const png = Buffer.from(a.data[0].b64_json, 'base64');
+  const { width, height } = pngSize(png);
+  assert(width === 64 && height === 64, `edited PNG is ${width}x${height}`);
+  assert(png.equals(Buffer.from(b.data[0].b64_json, 'base64')), 'same seed and strength, different image');
+  assert(!png.equals(Buffer.from(c.data[0].b64_json, 'base64')), 'the strength changed nothing');
+});
+
+await check('images.edit with a mask: a black mask keeps the whole image whatever the prompt', async () => {
+  const toFile = sdk.toFile ?? OpenAI.toFile;
+  const drawn = await client.images.generate({ prompt: 'a green circle', size: '64x64', seed: 2, num_inference_steps: 2 });
+  const input = Buffer.from(drawn.data[0].b64_json, 'base64');
+  const keep = async (prompt) => client.images.edit({
+    model: 'zimage-tiny', prompt, seed: 5, num_inference_steps: 3,
+    image: await toFile(input, 'input.png', { type: 'image/png' }),
+    mask: await toFile(grayPng(64, 64, 0), 'mask.png', { type: 'image/png' }),
+  });
+  const [x, y] = [await keep('a cat'), await keep('a lighthouse')];
+  assert(x.data[0].b64_json === y.data[0].b64_json, 'a keep-everything mask let the prompt change the image');
+  const e = await expectError(async () => client.images.edit({
+    model: 'zimage-tiny', prompt: 'x', image: await toFile(input, 'input.png', { type: 'image/png' }),
+    mask: await toFile(grayPng(32, 32, 255), 'mask.png', { type: 'image/png' }),
+  }), errors.BadRequestError, 400);
+  assert(/mask is 32x32; the image is 64x64/.test(e.message), e.message);
+});
+
+await check('images.edit stream: true yields image_edit events', async () => {
+  const toFile = sdk.toFile ?? OpenAI.toFile;
+  const drawn = await client.images.generate({ prompt: 'a yellow circle', size: '64x64', seed: 3, num_inference_steps: 2 });
+  const stream = await client.images.edit({
+    model: 'zimage-tiny', prompt: 'a streamed edit', seed: 4, num_inference_steps: 4, strength: 1.0,
+    image: await toFile(Buffer.from(drawn.data[0].b64_json, 'base64'), 'input.png', { type: 'image/png' }),
+    stream: true, partial_images: 1,
+  });
+  const types = [];
+  for await (const event of stream) types.push(event.type);
+  assert(types.includes('image_edit.partial_image'), `events: ${types.join(',')}`);
+  assert(types[types.length - 1] === 'image_edit.completed', `last event: ${types[types.length - 1]}`);
+});
+
+await check('images.edit on a pipeline that takes no images is BadRequestError', async () => {
+  const toFile = sdk.toFile ?? OpenAI.toFile;
+  const e = await expectError(async () => client.images.edit({
+    model: 'tiny', prompt: 'x', image: await toFile(grayPng(64, 64, 9), 'input.png', { type: 'image/png' }),
+  }), errors.BadRequestError, 400);
+  assert(/takes no input image/.test(e.message), e.message);
 });
 
 await check('after all of that, generation still works', async () => {

@@ -324,8 +324,8 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
   if (http->max_connections_per_client() == 0) {
     http->set_max_connections_per_client(std::min(32, http->max_connections()));
   }
-  RETURN_IF_ERROR(zero_or("http.max_body_bytes", http->max_body_bytes(), 1024, 64 << 20, 1 << 20));
-  if (http->max_body_bytes() == 0) http->set_max_body_bytes(1 << 20);
+  RETURN_IF_ERROR(zero_or("http.max_body_bytes", http->max_body_bytes(), 1024, 64 << 20, 16 << 20));
+  if (http->max_body_bytes() == 0) http->set_max_body_bytes(16 << 20);
   RETURN_IF_ERROR(CheckRange("cpu_threads", config.cpu_threads(), 0, kMaxCpuThreads,
                              absl::StrCat("0 (LibTorch's default) or 1..", kMaxCpuThreads)));
   if (config.has_device() && config.devices_size() > 0) {

@@ -73,7 +73,7 @@ struct HttpFrontOptions {
   // Empty: no key required.
   std::string api_key;
   // Largest request body accepted (413 beyond it).
-  int64_t max_body_bytes = int64_t{1} << 20;
+  int64_t max_body_bytes = int64_t{16} << 20;
   // Time allowed for a request's head, then separately for its body, then for its reply (plus a
   // second per MiB); a connection idle that long is closed too.
   absl::Duration read_timeout = absl::Seconds(10);

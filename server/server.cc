@@ -33,6 +33,9 @@
 namespace stowage {
 namespace {
 
+// The largest gRPC request accepted (RESOURCE_EXHAUSTED beyond): room for an input image and a mask.
+constexpr int kMaxRequestBytes = 32 << 20;
+
 absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string& field) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::InvalidArgumentError(absl::StrCat(field, ": cannot read '", path, "'"));
@@ -164,7 +167,8 @@ absl::StatusOr<std::unique_ptr<StowageServer>> StowageServer::Start(v1::ServerCo
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(server->generation_service_.get());
   builder.RegisterService(server->admin_service_.get());
-  builder.SetMaxReceiveMessageSize(4 * 1024 * 1024);
+  // A request may carry an input image and its mask (PNGs: a few MiB each at 1024², up to ~16 at 2048²).
+  builder.SetMaxReceiveMessageSize(kMaxRequestBytes);
   builder.SetMaxSendMessageSize(-1);
   server->grpc_server_ = builder.BuildAndStart();
   if (server->grpc_server_ == nullptr || bound_port == 0) {

@@ -85,6 +85,15 @@ ABSL_FLAG(std::vector<std::string>, lora, {},
 ABSL_FLAG(std::string, path, "", "load-adapter: the adapter's safetensors file (PEFT / diffusers layout), on the server.");
 ABSL_FLAG(double, alpha, 0, "load-adapter: LoRA alpha for layers whose file gives none (0: factor 1).");
 ABSL_FLAG(int32_t, partial_images, 0, "stream: previews of the image while it denoises, 0..3.");
+ABSL_FLAG(std::string, image, "",
+          "generate/stream: a PNG file to start from (image to image; Z-Image and Flux pipelines). Width and height "
+          "0 take its size.");
+ABSL_FLAG(std::string, mask, "",
+          "generate/stream with --image: a PNG the image's size; white (or transparent) pixels are repainted, the "
+          "rest kept (inpainting).");
+ABSL_FLAG(std::string, strength, "",
+          "generate/stream with --image: how much of the schedule runs from it, above 0 and at most 1; empty = 0.6, "
+          "or 1.0 with --mask.");
 ABSL_FLAG(std::string, device, "",
           "Admin commands: the device to act on or describe (\"cuda:1\", \"sim:0\"); empty = the server's "
           "first. drain-device / resume-device: required.");
@@ -168,6 +177,34 @@ bool BuildRequest(stowage::v1::GenerateRequest& request) {
       return false;
     }
     request.set_guidance_scale(g);
+  }
+  // Images in: the files are read here; the server checks their contents.
+  auto read_file = [](const std::string& flag, const std::string& path, std::string* out) {
+    std::ifstream in(path, std::ios::binary);
+    std::stringstream bytes;
+    bytes << in.rdbuf();
+    if (!in || bytes.str().empty()) {
+      std::cerr << "stowctl: cannot read " << flag << " '" << path << "'\n";
+      return false;
+    }
+    *out = bytes.str();
+    return true;
+  };
+  const std::string image = absl::GetFlag(FLAGS_image), mask = absl::GetFlag(FLAGS_mask);
+  const std::string strength = absl::GetFlag(FLAGS_strength);
+  if ((!mask.empty() || !strength.empty()) && image.empty()) {
+    std::cerr << "stowctl: --mask and --strength need --image\n";
+    return false;
+  }
+  if (!image.empty() && !read_file("--image", image, request.mutable_image())) return false;
+  if (!mask.empty() && !read_file("--mask", mask, request.mutable_mask())) return false;
+  if (!strength.empty()) {
+    double s = 0;
+    if (!absl::SimpleAtod(strength, &s)) {
+      std::cerr << "stowctl: --strength '" << strength << "' is not a number\n";
+      return false;
+    }
+    request.set_strength(s);
   }
   const std::string seed = absl::GetFlag(FLAGS_seed);
   if (!seed.empty()) {

@@ -176,7 +176,7 @@ TEST_F(AdversarialTest, ProtocolGarbageDoesNotHurtTheServer) {
 
 TEST_F(AdversarialTest, AnOversizedMessageIsResourceExhausted) {
   v1::GenerateRequest request = E2eServer::SmallRequest();
-  request.set_prompt(std::string(5 << 20, 'a'));  // Over the 4 MiB receive limit.
+  request.set_prompt(std::string(33 << 20, 'a'));  // Over the 32 MiB receive limit.
   EXPECT_EQ(server_->Generate(request).error_code(), grpc::RESOURCE_EXHAUSTED);
 }
 

@@ -78,6 +78,24 @@ class PythonEndToEndTest(unittest.TestCase):
         self.assertEqual(events[-1].image, result.image)  # Same seed: same image.
         steps = [e.step for e in events[:-1] if e.stage == "denoise"]
         self.assertEqual(steps, [0, 1, 2])
+        # Images in: the crane as the input; its size is taken, the strength matters, a mask the
+        # image's size inpaints, and a mask alone is refused naming the field.
+        edit = self.client.generate("a paper boat", image=result.image, strength=0.5, steps=4, seed=6)
+        self.assertEqual((edit.width, edit.height), (64, 80))
+        self.assertNotEqual(edit.image, result.image)
+        again = self.client.generate("a paper boat", image=result.image, strength=0.5, steps=4, seed=6)
+        self.assertEqual(again.image, edit.image)
+        stronger = self.client.generate("a paper boat", image=result.image, strength=1.0, steps=4, seed=6)
+        self.assertNotEqual(stronger.image, edit.image)
+        inpainted = self.client.generate("a paper boat", image=result.image, mask=result.image, steps=2, seed=6)
+        self.assertTrue(inpainted.image.startswith(b"\x89PNG"))
+        streamed = list(self.client.stream("a paper boat", image=result.image, strength=0.5, steps=4, seed=6))
+        self.assertEqual(streamed[-1].image, edit.image)
+        self.assertEqual([e.step for e in streamed[:-1] if e.stage == "denoise"], [0, 1, 2])  # 2 of 4 steps.
+        with self.assertRaises(StowageError) as caught:
+            self.client.generate("x", mask=result.image)
+        self.assertEqual(caught.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("mask: a mask needs an image", str(caught.exception))
 
     def test_bad_input_then_a_valid_request(self) -> None:
         cases = [

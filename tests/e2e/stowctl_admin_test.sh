@@ -30,7 +30,26 @@ set -e
 [ $rc -eq 1 ] && grep -q "wrong admin token" <<<"$out" || fail "wrong token: $out"
 export STOWAGE_TOKEN=$(cat "$tmp/token")
 
-ctl generate --prompt=boat --width=64 --height=64 --steps=1 >/dev/null
+ctl generate --prompt=boat --width=64 --height=64 --steps=1 --seed=3 --out="$tmp/boat.png" >/dev/null
+# Images in: the drawn boat as the input (image to image, then inpainting with the same image as its
+# mask), and the usage errors stowctl catches itself (exit 2) or the server refuses (exit 1).
+ctl generate --prompt=lantern --image="$tmp/boat.png" --strength=0.5 --steps=2 --out="$tmp/edit.png" >/dev/null ||
+  fail "generate --image"
+cmp -s "$tmp/boat.png" "$tmp/edit.png" && fail "the edit returned its input unchanged"
+ctl generate --prompt=lantern --image="$tmp/boat.png" --mask="$tmp/boat.png" --steps=2 >/dev/null ||
+  fail "generate --image --mask"
+set +e
+out=$(ctl generate --prompt=lantern --mask="$tmp/boat.png" 2>&1); rc=$?
+[ $rc -eq 2 ] && grep -q "need --image" <<<"$out" || { set -e; fail "--mask without --image: rc=$rc $out"; }
+out=$(ctl generate --prompt=lantern --image="$tmp/none.png" 2>&1); rc=$?
+[ $rc -eq 2 ] && grep -q "cannot read --image" <<<"$out" || { set -e; fail "--image of a missing file: rc=$rc $out"; }
+out=$(ctl generate --prompt=lantern --image="$tmp/boat.png" --strength=lots 2>&1); rc=$?
+[ $rc -eq 2 ] && grep -q "is not a number" <<<"$out" || { set -e; fail "--strength=lots: rc=$rc $out"; }
+out=$(ctl generate --prompt=lantern --image="$tmp/boat.png" --strength=2 2>&1); rc=$?
+[ $rc -eq 1 ] && grep -q "strength is 2" <<<"$out" || { set -e; fail "--strength=2: rc=$rc $out"; }
+out=$(ctl generate --prompt=lantern --image="$tmp/token" 2>&1); rc=$?
+[ $rc -eq 1 ] && grep -q "image: not a PNG file" <<<"$out" || { set -e; fail "--image of a text file: rc=$rc $out"; }
+set -e
 out=$(ctl placement)
 grep -q "zimage-tiny/transformer *RESIDENT" <<<"$out" || fail "placement: $out"
 out=$(ctl set-strategy --strategy='custom: "text-encoders-only"')
@@ -41,7 +60,26 @@ set -e
 [ $rc -eq 1 ] && grep -q "unknown component 'unet'" <<<"$out" || fail "bad rules: $out"
 out=$(ctl enable-group-offload --component=zimage-tiny/transformer --options='use_stream: true')
 grep -q "GROUP_OFFLOADED" <<<"$out" || fail "enable: $out"
-ctl generate --prompt=boat --width=64 --height=64 --steps=1 >/dev/null
+ctl generate --prompt=boat --width=64 --height=64 --steps=1 --seed=3 --out="$tmp/boat.png" >/dev/null
+# Images in: the drawn boat as the input (image to image, then inpainting with the same image as its
+# mask), and the usage errors stowctl catches itself (exit 2) or the server refuses (exit 1).
+ctl generate --prompt=lantern --image="$tmp/boat.png" --strength=0.5 --steps=2 --out="$tmp/edit.png" >/dev/null ||
+  fail "generate --image"
+cmp -s "$tmp/boat.png" "$tmp/edit.png" && fail "the edit returned its input unchanged"
+ctl generate --prompt=lantern --image="$tmp/boat.png" --mask="$tmp/boat.png" --steps=2 >/dev/null ||
+  fail "generate --image --mask"
+set +e
+out=$(ctl generate --prompt=lantern --mask="$tmp/boat.png" 2>&1); rc=$?
+[ $rc -eq 2 ] && grep -q "need --image" <<<"$out" || { set -e; fail "--mask without --image: rc=$rc $out"; }
+out=$(ctl generate --prompt=lantern --image="$tmp/none.png" 2>&1); rc=$?
+[ $rc -eq 2 ] && grep -q "cannot read --image" <<<"$out" || { set -e; fail "--image of a missing file: rc=$rc $out"; }
+out=$(ctl generate --prompt=lantern --image="$tmp/boat.png" --strength=lots 2>&1); rc=$?
+[ $rc -eq 2 ] && grep -q "is not a number" <<<"$out" || { set -e; fail "--strength=lots: rc=$rc $out"; }
+out=$(ctl generate --prompt=lantern --image="$tmp/boat.png" --strength=2 2>&1); rc=$?
+[ $rc -eq 1 ] && grep -q "strength is 2" <<<"$out" || { set -e; fail "--strength=2: rc=$rc $out"; }
+out=$(ctl generate --prompt=lantern --image="$tmp/token" 2>&1); rc=$?
+[ $rc -eq 1 ] && grep -q "image: not a PNG file" <<<"$out" || { set -e; fail "--image of a text file: rc=$rc $out"; }
+set -e
 out=$(ctl placement)
 grep -q "zimage-tiny/text_encoder *OFFLOADED" <<<"$out" || fail "text encoder should be offloaded: $out"
 # The group-offloaded transformer's line says what streams and that it ran.

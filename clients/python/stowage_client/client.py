@@ -295,6 +295,9 @@ def _build_request(
     tenant: str = "",
     loras: Mapping[str, float] | Sequence[tuple[str, float]] = (),
     partial_images: int = 0,
+    image: bytes = b"",
+    mask: bytes = b"",
+    strength: float | None = None,
 ) -> generation_pb2.GenerateRequest:
     request = generation_pb2.GenerateRequest(
         pipeline=pipeline,
@@ -307,7 +310,11 @@ def _build_request(
         priority=priority,
         tenant=tenant,
         partial_images=partial_images,
+        image=image,
+        mask=mask,
     )
+    if strength is not None:
+        request.strength = strength
     pairs = loras.items() if isinstance(loras, Mapping) else loras
     for name, scale in pairs:
         request.loras.add(name=name, scale=float(scale))
@@ -425,6 +432,9 @@ class StowageClient(_ChannelClient):
         priority: int = 0,
         tenant: str = "",
         loras: Mapping[str, float] | Sequence[tuple[str, float]] = (),
+        image: bytes = b"",
+        mask: bytes = b"",
+        strength: float | None = None,
     ) -> GenerationResult:
         """Runs one text-to-image request and waits for the image.
 
@@ -432,6 +442,11 @@ class StowageClient(_ChannelClient):
         ``seed=None``; the result reports the seed used). ``priority`` (0..9) and ``tenant``
         feed the server's scheduler; ``loras`` names LoRA adapters loaded on the pipeline
         (AdminClient.load_adapter) with their scales, e.g. ``{"style": 0.8}``.
+
+        Images in (Z-Image and Flux pipelines): ``image`` is a PNG file's bytes to start from
+        (width and height 0 take its size); ``mask``, a PNG of the same size whose white (or
+        transparent) pixels are repainted (inpainting); ``strength`` in (0, 1] how much of the
+        schedule runs from the image (None: 0.6, or 1.0 with a mask).
 
         Raises:
             StowageError: the server rejected or failed the request, or the call timed out.
@@ -449,6 +464,9 @@ class StowageClient(_ChannelClient):
             priority=priority,
             tenant=tenant,
             loras=loras,
+            image=image,
+            mask=mask,
+            strength=strength,
         )
         try:
             reply = self._stub.Generate(request, timeout=self._timeout, metadata=self._metadata)
@@ -472,6 +490,9 @@ class StowageClient(_ChannelClient):
         tenant: str = "",
         loras: Mapping[str, float] | Sequence[tuple[str, float]] = (),
         partial_images: int = 0,
+        image: bytes = b"",
+        mask: bytes = b"",
+        strength: float | None = None,
     ) -> Iterator[ProgressEvent | PartialImage | GenerationResult]:
         """Runs a request like generate(), yielding ProgressEvents as they arrive (and
         ``partial_images`` PartialImage previews, 0..3), and then the GenerationResult as the last
@@ -499,6 +520,9 @@ class StowageClient(_ChannelClient):
             tenant=tenant,
             loras=loras,
             partial_images=partial_images,
+            image=image,
+            mask=mask,
+            strength=strength,
         )
         return self._stream(request)
 

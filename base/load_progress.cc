@@ -18,4 +18,8 @@ void AddLoadBytesRead(int64_t bytes) {
   if (current != nullptr) current->bytes_read.fetch_add(bytes);
 }
 
+void AddLoadBytesPinned(int64_t bytes) {
+  if (current != nullptr) current->bytes_pinned.fetch_add(bytes);
+}
+
 }  // namespace stowage

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/load_progress.h"
 #include "base/out_of_memory.h"
 #include "base/text.h"
 #include "base/status_macros.h"
@@ -405,6 +406,7 @@ void PlacementManager::PinHost(Entry& entry) {
                            weights.last_pin_moved_bytes(), " bytes) and page-locked there")
         : weights.pinned_in_place_bytes() == 0 ? std::string("host copies already page-locked (a pinned arena)")
                                                : std::string("host copies page-locked in place");
+    AddLoadBytesPinned(weights.pinned_in_place_bytes());  // A load in progress shows it (ListPipelines).
     Record(entry.id, "pin_host", weights.pinned_in_place_bytes(), before,
            absl::StrCat(where, ": moves onto the device run at the link's speed"));
     return;

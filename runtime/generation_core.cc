@@ -698,6 +698,7 @@ absl::StatusOr<v1::Pipeline> GenerationCore::LoggedLoad(const v1::PipelineConfig
       LogInfo(absl::StrCat("load pipeline=", LogValue(p.name()), " device=", device_name_,
                            " phase=loading bytes_read=", progress->bytes_read.load(),
                            " bytes_total=", progress->bytes_total.load(),
+                           " bytes_pinned=", progress->bytes_pinned.load(),
                            absl::StrFormat(" seconds=%.1f", absl::ToDoubleSeconds(absl::Now() - start))));
     }
   });
@@ -720,7 +721,8 @@ absl::StatusOr<v1::Pipeline> GenerationCore::LoggedLoad(const v1::PipelineConfig
     int64_t bytes = 0;
     for (const v1::PipelineComponent& c : loaded->components()) bytes += c.weight_bytes();
     LogInfo(absl::StrCat("load pipeline=", LogValue(p.name()), " device=", device_name_, " phase=ready seconds=",
-                         seconds, " components=", loaded->components_size(), " weight_bytes=", bytes));
+                         seconds, " components=", loaded->components_size(), " weight_bytes=", bytes,
+                         " pinned_bytes=", progress->bytes_pinned.load()));
   } else {
     LogWarning(absl::StrCat("load pipeline=", LogValue(p.name()), " device=", device_name_,
                             " phase=failed seconds=", seconds,
@@ -784,9 +786,11 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
   }
   bool ran = false;  // Written on the worker; read after RunTask returned (synchronised by it).
   v1::Pipeline described;
+  LoadProgress* const progress = CurrentLoadProgress();  // The loading thread's, for the pinning.
   const absl::Status status = OnWorker(
       [&](WorkerScope& scope) -> absl::Status {
         ran = true;
+        const ScopedLoadProgress pinning(progress);
         PlacementManager& placement = Placement(scope);
         absl::Status registered;
         std::set<GenerationCore*> peers_used;
@@ -1542,6 +1546,7 @@ v1::Pipeline GenerationCore::Describe(const HostedPipelines::View& view) const {
       if (it != loading_.end() && it->second != nullptr) {
         out.mutable_load_progress()->set_bytes_total(it->second->bytes_total.load());
         out.mutable_load_progress()->set_bytes_read(it->second->bytes_read.load());
+        out.mutable_load_progress()->set_bytes_pinned(it->second->bytes_pinned.load());
       }
       break;
     }

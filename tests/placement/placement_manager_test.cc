@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include "base/load_progress.h"
+
 #include "models/pipelines/tiny_pipeline.h"
 
 namespace stowage {
@@ -165,7 +167,16 @@ TEST(PlacementManagerTest, PinnedHostCopiesFollowTheComponentsLifecycle) {
     ADD_FAILURE() << "no component " << name;
     return *pipeline->components().front();
   };
-  for (Component* c : pipeline->components()) ASSERT_TRUE(placement.Register("tiny", c).ok());
+  // Registered during a load (its LoadProgress the running thread's), the pinning shows in it.
+  LoadProgress progress;
+  {
+    const ScopedLoadProgress loading(&progress);
+    for (Component* c : pipeline->components()) ASSERT_TRUE(placement.Register("tiny", c).ok());
+  }
+  int64_t pinned = 0;
+  for (Component* c : pipeline->components()) pinned += c->host_weights().pinned_in_place_bytes();
+  EXPECT_GT(pinned, 0);
+  EXPECT_EQ(progress.bytes_pinned.load(), pinned);
   int pins = 0;
   for (const PlacementDecision& d : placement.DecisionLog(100)) {
     if (d.action == "pin_host") {

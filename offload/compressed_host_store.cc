@@ -7,6 +7,7 @@
 #include <utility>
 
 #include <ATen/Functions.h>
+#include <c10/core/InferenceMode.h>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -34,14 +35,14 @@ FixedLayout ScanCompressible(CompressFormat format, HostWeights& weights) {
 
 absl::StatusOr<QuantizedTensor> CheckPrequantized(const std::string& name, const QuantizedTensor& given,
                                                   const at::Tensor& host, CompressFormat format) {
-  const at::ScalarType want = format == CompressFormat::kInt8 ? at::kChar : at::kByte;
-  if (!given.q.defined() || given.q.scalar_type() != want || given.q.sizes() != host.sizes() ||
-      !given.scale.defined() || given.scale.numel() != host.size(0)) {
+  const QuantLayout layout = LayoutOf(format, host.sizes());
+  if (!given.q.defined() || given.q.scalar_type() != layout.q_dtype ||
+      given.q.numel() != layout.q_bytes || !given.scale.defined() || given.scale.numel() != layout.scale_count) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "8-bit weight '", name, "' does not match its tensor: want ", CompressFormatName(format),
-        " of the tensor's shape and ", host.size(0), " scales"));
+        "compressed weight '", name, "' does not match its tensor: want ", CompressFormatName(format), " of ",
+        layout.q_bytes, " values and ", layout.scale_count, " scales"));
   }
-  return QuantizedTensor{given.q.contiguous(), given.scale.to(at::kFloat).reshape({-1}).contiguous()};
+  return QuantizedTensor{given.q.contiguous(), given.scale.to(at::kFloat).contiguous()};
 }
 
 }  // namespace
@@ -66,10 +67,12 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
   std::unique_ptr<CompressedHostStore> store(
       new CompressedHostStore(backend, format, ResolveGroups(groups, weights)));
 
-  // The fixed part of the scratch: fp8 tables per compute dtype present, then the index chunk.
+  // The fixed part of the scratch: fp8 tables per compute dtype present, then the index chunk; or
+  // int4's nibble buffer.
   const FixedLayout fixed = ScanCompressible(format, weights);
   store->fixed_bytes_ = FixedScratchBytes(format, fixed.has[0], fixed.has[1], fixed.has[2], fixed.max_numel);
-  if (store->fixed_bytes_ > 0) {
+  if (format == CompressFormat::kInt4) store->nibble_bytes_ = fixed.max_numel / 2;
+  if (store->fixed_bytes_ > 0 && format == CompressFormat::kFp8E4M3) {
     int64_t offset = 0;
     const at::ScalarType dtypes[3] = {at::kFloat, at::kBFloat16, at::kHalf};
     std::vector<at::Tensor> tables;
@@ -103,10 +106,12 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
       t8.sizes = host.sizes().vec();
       t8.compressed = IsCompressible(format, host.scalar_type(), host.sizes());
       if (t8.compressed) {
+        const QuantLayout layout = LayoutOf(format, host.sizes());
         t8.q_offset = compressed;
-        compressed += AlignScratch(host.numel());
+        compressed += AlignScratch(layout.q_bytes);
         t8.scale_offset = compressed;
-        compressed += AlignScratch(host.size(0) * 4);
+        t8.scale_count = layout.scale_count;
+        compressed += AlignScratch(layout.scale_count * 4);
       }
       g8.tensors.push_back(std::move(t8));
     }
@@ -161,7 +166,8 @@ void CompressedHostStore::InitScratch(const at::Tensor& scratch) {
 
 WidenScratch CompressedHostStore::WidenViews(const at::Tensor& scratch) const {
   WidenScratch views;
-  if (fixed_bytes_ == 0) return views;
+  if (nibble_bytes_ > 0) views.nibbles = scratch.narrow(0, 0, nibble_bytes_);
+  if (fixed_bytes_ == 0 || format_ != CompressFormat::kFp8E4M3) return views;
   at::Tensor* tables[3] = {&views.table_f32, &views.table_bf16, &views.table_f16};
   const at::ScalarType dtypes[3] = {at::kFloat, at::kBFloat16, at::kHalf};
   const int64_t sizes[3] = {4, 2, 2};
@@ -174,16 +180,17 @@ WidenScratch CompressedHostStore::WidenViews(const at::Tensor& scratch) const {
 }
 
 void CompressedHostStore::Widen(int group, const at::Tensor& slot, const at::Tensor& scratch) const {
+  // On the copy stream's thread: no autograd, and the scratch may be an inference tensor.
+  c10::InferenceMode inference;
   const Group8& g8 = groups8_[static_cast<size_t>(group)];
   const at::Tensor region = scratch.narrow(0, fixed_bytes_, g8.compressed_bytes);
   const WidenScratch views = WidenViews(scratch);
-  const at::ScalarType qtype = format_ == CompressFormat::kInt8 ? at::kChar : at::kByte;
   for (const Tensor8& t : g8.tensors) {
     if (!t.compressed) continue;
-    const int64_t numel = t.bytes / static_cast<int64_t>(c10::elementSize(t.dtype));
+    const QuantLayout layout = LayoutOf(format_, t.sizes);
     const at::Tensor out = slot.narrow(0, t.slot_offset, t.bytes).view(t.dtype).view(t.sizes);
-    const at::Tensor q = region.narrow(0, t.q_offset, numel).view(qtype).view(t.sizes);
-    const at::Tensor scale = region.narrow(0, t.scale_offset, t.sizes[0] * 4).view(at::kFloat);
+    const at::Tensor q = region.narrow(0, t.q_offset, layout.q_bytes).view(layout.q_dtype).view(layout.q_shape);
+    const at::Tensor scale = region.narrow(0, t.scale_offset, t.scale_count * 4).view(at::kFloat);
     WidenInto(out, q, scale, format_, views);
   }
 }

@@ -63,6 +63,7 @@ class CompressedHostStore final : public HostStore {
     std::vector<int64_t> sizes;
     int64_t q_offset = 0;      // Compressed: in the group's compressed part (= scratch region).
     int64_t scale_offset = 0;
+    int64_t scale_count = 0;
     int64_t host_offset = 0;   // Uncompressed: in the packed buffer.
   };
   struct Group8 {
@@ -88,6 +89,8 @@ class CompressedHostStore final : public HostStore {
   int64_t table_offset_[3] = {-1, -1, -1};  // fp32, bf16, fp16.
   int64_t index_offset_ = 0;
   int64_t index_elements_ = 0;
+  // int4: the nibble buffer at the start of the scratch (the fixed part), bytes.
+  int64_t nibble_bytes_ = 0;
   at::Tensor tables_;
   HostStoreStats stats_;
 };

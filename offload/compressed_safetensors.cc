@@ -12,8 +12,10 @@ namespace stowage {
 absl::Status WriteCompressedSafetensors(const std::string& path,
                                         const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                         CompressFormat format) {
-  if (format == CompressFormat::kNone) {
-    return absl::InvalidArgumentError("WriteCompressedSafetensors needs int8 or fp8_e4m3");
+  if (format != CompressFormat::kInt8 && format != CompressFormat::kFp8E4M3) {
+    return absl::InvalidArgumentError(absl::StrCat("WriteCompressedSafetensors needs int8 or fp8_e4m3, not ",
+                                                   CompressFormatName(format),
+                                                   " (grouped and 4-bit copies are made at load)"));
   }
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& [name, t] : tensors) {
@@ -37,7 +39,9 @@ absl::StatusOr<CompressedCheckpoint> ReadCompressedSafetensors(const std::string
   if (meta == file->metadata().end()) return invalid(absl::StrCat("no \"", kCompressMetadataKey, "\" metadata"));
   CompressedCheckpoint checkpoint;
   absl::StatusOr<CompressFormat> format = ParseCompressFormat(meta->second);
-  if (!format.ok() || *format == CompressFormat::kNone) return invalid("unknown compression format");
+  if (!format.ok() || (*format != CompressFormat::kInt8 && *format != CompressFormat::kFp8E4M3)) {
+    return invalid("unknown compression format (checkpoints hold int8 or fp8_e4m3)");
+  }
   checkpoint.format = *format;
   const at::ScalarType qtype = checkpoint.format == CompressFormat::kInt8 ? at::kChar : at::kByte;
   for (const auto& [name, info] : file->tensors()) {

@@ -82,6 +82,8 @@ const char* CompressFormatName(CompressFormat format) {
   switch (format) {
     case CompressFormat::kInt8: return "int8";
     case CompressFormat::kFp8E4M3: return "fp8_e4m3";
+    case CompressFormat::kInt8Grouped: return "int8_grouped";
+    case CompressFormat::kInt4: return "int4";
     case CompressFormat::kNone: break;
   }
   return "none";
@@ -91,9 +93,29 @@ absl::StatusOr<CompressFormat> ParseCompressFormat(absl::string_view name) {
   if (name == "none") return CompressFormat::kNone;
   if (name == "int8") return CompressFormat::kInt8;
   if (name == "fp8_e4m3") return CompressFormat::kFp8E4M3;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown compression format '", name.substr(0, 32), "' (none, int8, fp8_e4m3)"));
+  if (name == "int8_grouped") return CompressFormat::kInt8Grouped;
+  if (name == "int4") return CompressFormat::kInt4;
+  return absl::InvalidArgumentError(absl::StrCat("unknown compression format '", name.substr(0, 32),
+                                                 "' (none, int8, fp8_e4m3, int8_grouped, int4)"));
 }
+
+int64_t GroupSize(CompressFormat format, int64_t k) {
+  int64_t preferred = 0;
+  if (format == CompressFormat::kInt8Grouped) preferred = 128;
+  if (format == CompressFormat::kInt4) preferred = 64;
+  for (int64_t g = preferred; g >= 16; g /= 2) {
+    if (k % g == 0) return g;
+  }
+  return k;
+}
+
+namespace {
+int64_t InnerSize(at::IntArrayRef sizes) {
+  int64_t k = 1;
+  for (size_t i = 1; i < sizes.size(); ++i) k *= sizes[i];
+  return k;
+}
+}  // namespace
 
 bool IsCompressible(CompressFormat format, at::ScalarType dtype, at::IntArrayRef sizes) {
   if (format == CompressFormat::kNone || sizes.size() < 2) return false;
@@ -101,7 +123,34 @@ bool IsCompressible(CompressFormat format, at::ScalarType dtype, at::IntArrayRef
   for (int64_t d : sizes) {
     if (d == 0) return false;
   }
+  if (format == CompressFormat::kInt4 && InnerSize(sizes) % 2 != 0) return false;
   return true;
+}
+
+QuantLayout LayoutOf(CompressFormat format, at::IntArrayRef sizes) {
+  QuantLayout layout;
+  const int64_t c = sizes[0], k = InnerSize(sizes);
+  switch (format) {
+    case CompressFormat::kInt4:
+      layout.q_bytes = c * (k / 2);
+      layout.q_dtype = at::kByte;
+      layout.q_shape = {c, k / 2};
+      layout.scale_count = c * (k / GroupSize(format, k));
+      break;
+    case CompressFormat::kInt8Grouped:
+      layout.q_bytes = c * k;
+      layout.q_dtype = at::kChar;
+      layout.q_shape = sizes.vec();
+      layout.scale_count = c * (k / GroupSize(format, k));
+      break;
+    default:
+      layout.q_bytes = c * k;
+      layout.q_dtype = format == CompressFormat::kInt8 ? at::kChar : at::kByte;
+      layout.q_shape = sizes.vec();
+      layout.scale_count = c;
+      break;
+  }
+  return layout;
 }
 
 at::Tensor EncodeFp8E4M3(const at::Tensor& x) {
@@ -125,6 +174,20 @@ at::Tensor Fp8E4M3Table(at::ScalarType dtype) {
 QuantizedTensor Quantize(const at::Tensor& w, CompressFormat format) {
   const at::Tensor w2d = w.to(at::kFloat).reshape({w.size(0), -1});
   QuantizedTensor out;
+  if (format == CompressFormat::kInt8Grouped || format == CompressFormat::kInt4) {
+    const int64_t c = w2d.size(0), k = w2d.size(1), g = GroupSize(format, k);
+    const float top = format == CompressFormat::kInt4 ? 7.0f : 127.0f;
+    const at::Tensor grouped = w2d.view({c * (k / g), g});
+    out.scale = ChannelScale(grouped, top).view({c, k / g}).contiguous();
+    const at::Tensor q = at::round(grouped / out.scale.view({-1, 1})).clamp_(-top, top).view({c, k});
+    if (format == CompressFormat::kInt8Grouped) {
+      out.q = q.to(at::kChar).reshape(w.sizes()).contiguous();
+    } else {
+      const at::Tensor nibbles = (q + 8.0f).to(at::kByte).view({c, k / 2, 2});
+      out.q = at::bitwise_or(nibbles.select(2, 0), at::bitwise_left_shift(nibbles.select(2, 1), 4)).contiguous();
+    }
+    return out;
+  }
   if (format == CompressFormat::kInt8) {
     out.scale = ChannelScale(w2d, 127.0f);
     out.q = at::round(w2d / out.scale.unsqueeze(1)).clamp_(-127, 127).to(at::kChar).reshape(w.sizes());
@@ -136,7 +199,22 @@ QuantizedTensor Quantize(const at::Tensor& w, CompressFormat format) {
   return out;
 }
 
-at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::ScalarType dtype) {
+at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::ScalarType dtype, at::IntArrayRef sizes) {
+  if (!sizes.empty()) return Dequantize(t, format, dtype).reshape(sizes).contiguous();
+  if (format == CompressFormat::kInt8Grouped || format == CompressFormat::kInt4) {
+    const int64_t c = t.q.size(0);
+    at::Tensor values;  // [C, K] fp32.
+    if (format == CompressFormat::kInt4) {
+      const at::Tensor packed = t.q.view({c, -1});
+      values = at::stack({at::bitwise_and(packed, 15), at::bitwise_right_shift(packed, 4)}, 2).view({c, -1}).to(at::kFloat) - 8.0f;
+    } else {
+      values = t.q.reshape({c, -1}).to(at::kFloat);
+    }
+    const int64_t groups = t.scale.size(1);
+    const at::Tensor scaled = values.view({c, groups, -1}) * t.scale.to(at::kFloat).unsqueeze(2);
+    const at::Tensor widened = scaled.to(dtype).view({c, -1});
+    return (format == CompressFormat::kInt4 ? widened : widened.reshape(t.q.sizes())).contiguous();
+  }
   const at::Tensor q2d = t.q.reshape({t.q.size(0), -1});
   at::Tensor values = format == CompressFormat::kInt8
                           ? q2d.to(at::kFloat)
@@ -149,6 +227,23 @@ at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::Scala
 void WidenInto(const at::Tensor& out, const at::Tensor& q, const at::Tensor& scale, CompressFormat format,
                const WidenScratch& scratch) {
   const int64_t channels = q.size(0);
+  if (format == CompressFormat::kInt8Grouped || format == CompressFormat::kInt4) {
+    const int64_t groups = scale.numel() / channels;
+    if (format == CompressFormat::kInt8Grouped) {
+      out.copy_(q);
+    } else {
+      const at::Tensor packed = q.view({channels, -1});
+      const at::Tensor pairs = out.view({channels, -1, 2});
+      at::Tensor nibbles = scratch.nibbles.narrow(0, 0, packed.numel()).view(packed.sizes());
+      at::bitwise_and_out(nibbles, packed, 15);
+      pairs.select(2, 0).copy_(nibbles);
+      at::bitwise_right_shift_out(nibbles, packed, 4);
+      pairs.select(2, 1).copy_(nibbles);
+      out.sub_(8);
+    }
+    out.view({channels, groups, -1}).mul_(scale.view({channels, groups, 1}));
+    return;
+  }
   if (format == CompressFormat::kInt8) {
     out.copy_(q);
   } else {
@@ -177,12 +272,12 @@ void WidenInto(const at::Tensor& out, const at::Tensor& q, const at::Tensor& sca
 
 int64_t TensorScratchBytes(CompressFormat format, at::ScalarType dtype, at::IntArrayRef sizes) {
   if (!IsCompressible(format, dtype, sizes)) return 0;
-  int64_t numel = 1;
-  for (int64_t d : sizes) numel *= d;
-  return AlignScratch(numel) + AlignScratch(sizes[0] * 4);
+  const QuantLayout layout = LayoutOf(format, sizes);
+  return AlignScratch(layout.q_bytes) + AlignScratch(layout.scale_count * 4);
 }
 
 int64_t FixedScratchBytes(CompressFormat format, bool has_f32, bool has_bf16, bool has_f16, int64_t max_numel) {
+  if (format == CompressFormat::kInt4 && max_numel > 0) return AlignScratch(max_numel / 2);
   if (format != CompressFormat::kFp8E4M3 || max_numel <= 0) return 0;
   return (has_f32 ? AlignScratch(256 * 4) : 0) + (has_bf16 ? AlignScratch(256 * 2) : 0) +
          (has_f16 ? AlignScratch(256 * 2) : 0) + AlignScratch(4 * std::min(max_numel, kFp8DecodeChunkElements));

@@ -1,20 +1,30 @@
-// 8-bit weight compression for streamed groups: the formats, the host-side quantizers, the
-// device-side widening, and the scratch sizes the engine plans for.
+// 8-bit and 4-bit weight compression for streamed groups: the formats, the host-side quantizers,
+// the device-side widening, and the scratch sizes the engine plans for.
 //
-// Formats (per output channel: dim 0 of a weight of rank >= 2, every other dim flattened):
-//   kInt8     symmetric: scale[c] = max|w[c,:]| / 127, q = round_half_even(w / scale) in [-127, 127]
-//             (int8 storage); w' = q * scale.
-//   kFp8E4M3  e4m3fn bits (uint8 storage): scale[c] = max|w[c,:]| / 448, q = e4m3(w / scale)
-//             (round to nearest even, saturating at 448); w' = e4m3_value(q) * scale.
-// Scales are fp32. A channel of zeros gets scale 1 (q = 0). Only floating tensors (fp32, bf16,
-// fp16) of rank >= 2 with elements are compressed; the rest (biases, norms, scalars) stay in their
-// compute dtype: they are tiny.
+// Formats (a weight of rank >= 2 seen as [C, K]: dim 0 the output channels, every other dim
+// flattened into K):
+//   kInt8         symmetric per output channel: scale[c] = max|w[c,:]| / 127,
+//                 q = round_half_even(w / scale) in [-127, 127] (int8 storage); w' = q * scale.
+//   kFp8E4M3      e4m3fn bits (uint8 storage): scale[c] = max|w[c,:]| / 448, q = e4m3(w / scale)
+//                 (round to nearest even, saturating at 448); w' = e4m3_value(q) * scale.
+//   kInt8Grouped  int8 as kInt8 but one scale per group of G consecutive values along K
+//                 (scale[c, g] = max|w[c, gG:(g+1)G]| / 127): G = 128 where K allows, else the
+//                 largest of 64, 32, 16 dividing K, else K (GroupSize). 8.25 bits a value at G = 128.
+//   kInt4         symmetric 4-bit per group (G = 64 where K allows, same fallbacks): scale[c, g] =
+//                 max|w| / 7, q = round_half_even(w / scale) in [-7, 7] stored as q + 8, two values a
+//                 byte (the even index in the low nibble); uint8 storage [C, K / 2]; K must be even.
+//                 w' = (nibble − 8) * scale. 4.5 bits a value.
+// Scales are fp32 ([C] or [C, K / G]). A channel (group) of zeros gets scale 1 (q = 0). Only
+// floating tensors (fp32, bf16, fp16) of rank >= 2 with elements are compressed (and for kInt4
+// an even K); the rest (biases, norms, scalars) stay in their compute dtype: they are tiny.
 //
 // Widening is dequantization into the compute dtype, done with LibTorch ops that allocate nothing
 // (a copy_ into the output, an index_select_out through a 256-entry table for fp8, an in-place mul_
 // by the scales), so it runs on any device and its device memory is exactly the planned scratch:
-//   int8: out.copy_(q); out.mul_(scale[:, None])
+//   int8: out.copy_(q); out.mul_(scale[:, None])   (grouped: out[c, g, :].mul_(scale[c, g]))
 //   fp8:  out[chunk] = table[q[chunk]] (int32 index chunk), then out.mul_(scale[:, None])
+//   int4: nibbles = q & 15 into the uint8 scratch, copied to out's even columns; q >> 4 to the odd
+//         ones; out.sub_(8); out[c, g, :].mul_(scale[c, g])
 // The result equals Dequantize() bit for bit on the same device type (the product in fp32, rounded
 // once to the compute dtype: int8 values and e4m3 values are exact in bf16 and fp16).
 // Debian's LibTorch 1.13 has no float8 dtype: the fp8 codec is this file's own code on uint8.
@@ -27,6 +37,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -35,9 +46,10 @@
 
 namespace stowage {
 
-enum class CompressFormat { kNone, kInt8, kFp8E4M3 };
+enum class CompressFormat { kNone, kInt8, kFp8E4M3, kInt8Grouped, kInt4 };
 
-// "none", "int8", "fp8_e4m3" (also the checkpoint metadata value, see compressed_safetensors.h).
+// "none", "int8", "fp8_e4m3", "int8_grouped", "int4" (the first three also checkpoint metadata
+// values, see compressed_safetensors.h).
 const char* CompressFormatName(CompressFormat format);
 // The inverse of CompressFormatName; INVALID_ARGUMENT otherwise.
 absl::StatusOr<CompressFormat> ParseCompressFormat(absl::string_view name);
@@ -47,12 +59,26 @@ inline constexpr float kFp8E4M3Max = 448.0f;
 // Elements widened per index_select of the fp8 table path (the int32 index chunk in scratch).
 inline constexpr int64_t kFp8DecodeChunkElements = int64_t{1} << 20;
 
-// A weight in 8-bit form. `q`: int8 (kInt8) or uint8 e4m3fn bits (kFp8E4M3), the weight's shape,
-// contiguous. `scale`: fp32 [out_channels], contiguous.
+// A weight in compressed form. `q`: int8 (kInt8, kInt8Grouped) or uint8 e4m3fn bits (kFp8E4M3), the
+// weight's shape; kInt4: uint8 [C, K / 2]; contiguous. `scale`: fp32 [C] (kInt8, kFp8E4M3) or
+// [C, K / GroupSize] (kInt8Grouped, kInt4), contiguous.
 struct QuantizedTensor {
   at::Tensor q;
   at::Tensor scale;
 };
+
+// Values per scale along K for the grouped formats (see the header comment); K for the others.
+int64_t GroupSize(CompressFormat format, int64_t k);
+
+// How one compressible tensor is stored: the bytes, dtype and shape of q, and the number of fp32
+// scales.
+struct QuantLayout {
+  int64_t q_bytes = 0;
+  at::ScalarType q_dtype = at::kByte;
+  std::vector<int64_t> q_shape;
+  int64_t scale_count = 0;
+};
+QuantLayout LayoutOf(CompressFormat format, at::IntArrayRef sizes);
 
 // Already-quantized weights by full slot path ("blocks.0.fc1.weight"), e.g. read from an 8-bit
 // checkpoint: the store uses them instead of quantizing the host copy.
@@ -63,18 +89,22 @@ bool IsCompressible(CompressFormat format, at::ScalarType dtype, at::IntArrayRef
 
 // Quantizes a CPU tensor (IsCompressible) to `format`.
 QuantizedTensor Quantize(const at::Tensor& w, CompressFormat format);
-// The host reference of widening: the weight as the device sees it, in `dtype`, shape of q.
-at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::ScalarType dtype);
+// The host reference of widening: the weight as the device sees it, in `dtype`, of shape `sizes`
+// (the weight's; empty: q's shape, or [C, K] for kInt4).
+at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::ScalarType dtype,
+                      at::IntArrayRef sizes = {});
 
 // e4m3fn codec on uint8: EncodeFp8E4M3 rounds to nearest even and saturates to ±448 (NaN stays NaN);
 // Fp8E4M3Table(dtype) is the decoded value of every bit pattern (0x7F and 0xFF are NaN), on CPU.
 at::Tensor EncodeFp8E4M3(const at::Tensor& x);  // fp32 CPU in, uint8 out, same shape.
 at::Tensor Fp8E4M3Table(at::ScalarType dtype);
 
-// Device buffers the fp8 widening needs besides q and scale (views of the store's scratch).
+// Device buffers the widening needs besides q and scale (views of the store's scratch): fp8's
+// tables and index chunk; int4's nibble buffer.
 struct WidenScratch {
   at::Tensor table_f32, table_bf16, table_f16;  // 256 entries each (those of the dtypes used).
   at::Tensor index;                             // int32, >= min(numel, kFp8DecodeChunkElements).
+  at::Tensor nibbles;                           // uint8, >= numel / 2 of the largest tensor (kInt4).
 };
 // Enqueue-free: issues the widening of (q, scale) into `out` (compute dtype, q's shape,
 // contiguous) on the current stream of out's device.
@@ -88,7 +118,8 @@ inline int64_t AlignScratch(int64_t bytes) { return (bytes + kScratchAlign - 1) 
 // tensor is not compressed (it goes straight to the slot).
 int64_t TensorScratchBytes(CompressFormat format, at::ScalarType dtype, at::IntArrayRef sizes);
 // Bytes the widening needs once, whatever the group: for fp8, one table per compute dtype present
-// and the index chunk for the largest compressed tensor (`max_numel`); 0 for int8 and none.
+// and the index chunk for the largest compressed tensor (`max_numel`); for int4 the nibble buffer
+// (max_numel / 2); 0 for int8 and none.
 int64_t FixedScratchBytes(CompressFormat format, bool has_f32, bool has_bf16, bool has_f16, int64_t max_numel);
 
 }  // namespace stowage

@@ -457,14 +457,21 @@ absl::StatusOr<GroupOffloadOptions> ToGroupOffloadOptions(const v1::GroupOffload
     case v1::GroupOffloadConfig::COMPRESS_FP8:
       o.compress = CompressFormat::kFp8E4M3;
       break;
+    case v1::GroupOffloadConfig::COMPRESS_INT8_GROUPED:
+      o.compress = CompressFormat::kInt8Grouped;
+      break;
+    case v1::GroupOffloadConfig::COMPRESS_INT4:
+      o.compress = CompressFormat::kInt4;
+      break;
     default:
       return absl::InvalidArgumentError(absl::StrCat(field, ".compress: ", static_cast<int>(c.compress()),
                                                      " is out of range; allowed: COMPRESS_NONE (0), "
-                                                     "COMPRESS_INT8 (1), COMPRESS_FP8 (2)"));
+                                                     "COMPRESS_INT8 (1), COMPRESS_FP8 (2), COMPRESS_INT8_GROUPED (3), "
+                                                     "COMPRESS_INT4 (4)"));
   }
   if (o.compress != CompressFormat::kNone && o.target != OffloadTarget::kPinnedHost) {
     return absl::InvalidArgumentError(
-        absl::StrCat(field, ".compress: needs target PINNED_HOST (the 8-bit groups live in pinned memory)"));
+        absl::StrCat(field, ".compress: needs target PINNED_HOST (the compressed groups live in pinned memory)"));
   }
   return o;
 }

@@ -67,12 +67,12 @@ TEST_F(HttpTest, HostileRequestsGetOpenAiErrorsAndTheServerStaysHealthy) {
       {"user huge", post("{\"prompt\": \"x\", \"user\": \"" + std::string(100000, 'u') + "\"}"), 400, "", ""},
       {"declared huge body", "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000000\r\n\r\n{",
        413, "", "request_too_large"},
-      {"sent huge body", post("{\"prompt\": \"" + std::string(3 << 20, 'a') + "\"}"), 413, "", "request_too_large"},
+      {"sent huge body", post("{\"prompt\": \"" + std::string(17 << 20, 'a') + "\"}"), 413, "", "request_too_large"},
       {"chunked huge body",
        "POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" +
            [] {
              std::string chunks;
-             for (int i = 0; i < 40; ++i) chunks += "10000\r\n" + std::string(0x10000, 'a') + "\r\n";
+             for (int i = 0; i < 300; ++i) chunks += "10000\r\n" + std::string(0x10000, 'a') + "\r\n";
              return chunks + "0\r\n\r\n";
            }(),
        413, "", "request_too_large"},

@@ -71,18 +71,76 @@ TEST(QuantizeTest, Int8IsSymmetricPerOutputChannel) {
   EXPECT_TRUE(at::equal(q.q[2], at::tensor({-127, 64, 0}, at::kChar)));  // 63.5 → 64 (even).
 }
 
+TEST(QuantizeTest, GroupedFormatsScaleEachGroupAndPackNibbles) {
+  // K = 256: int4 groups of 64, grouped int8 groups of 128; K = 36: one group (no size divides it).
+  EXPECT_EQ(GroupSize(CompressFormat::kInt4, 256), 64);
+  EXPECT_EQ(GroupSize(CompressFormat::kInt8Grouped, 256), 128);
+  EXPECT_EQ(GroupSize(CompressFormat::kInt4, 48), 16);
+  EXPECT_EQ(GroupSize(CompressFormat::kInt8Grouped, 36), 36);
+  EXPECT_FALSE(IsCompressible(CompressFormat::kInt4, at::kFloat, {4, 7}));  // An odd K cannot pack.
+  EXPECT_TRUE(IsCompressible(CompressFormat::kInt8Grouped, at::kFloat, {4, 7}));
+  // Two values a byte, the even index in the low nibble, q + 8; a group of zeros gets scale 1.
+  at::Tensor w = at::zeros({2, 64});
+  w[0][0] = 7.0f;   // Scale 1: q = 7 → nibble 15.
+  w[0][1] = -7.0f;  // q = -7 → nibble 1.
+  w[0][2] = 2.4f;   // q = 2 → 10.
+  const QuantizedTensor q = Quantize(w, CompressFormat::kInt4);
+  EXPECT_EQ(q.q.sizes(), (at::IntArrayRef{2, 32}));
+  EXPECT_EQ(q.q[0][0].item<uint8_t>(), 15 | (1 << 4));
+  EXPECT_EQ(q.q[0][1].item<uint8_t>(), 10 | (8 << 4));
+  EXPECT_EQ(q.q[1][0].item<uint8_t>(), 8 | (8 << 4));
+  EXPECT_TRUE(at::allclose(q.scale, at::tensor({1.0f, 1.0f}).view({2, 1})));
+  const QuantLayout layout = LayoutOf(CompressFormat::kInt4, {2, 64});
+  EXPECT_EQ(layout.q_bytes, 64);
+  EXPECT_EQ(layout.scale_count, 2);
+  // An outlier column (as activations' outlier features make in trained weights): one scale per
+  // channel is set by it for the whole row; one per group only for its group.
+  at::manual_seed(5);
+  at::Tensor outliers = at::randn({64, 512}) * 0.02;
+  outliers.select(1, 7).fill_(1.0);
+  // The error of the columns outside the outlier's group.
+  auto error = [&](CompressFormat f) {
+    const at::Tensor back = Dequantize(Quantize(outliers, f), f, at::kFloat);
+    return RelL2(back.narrow(1, 128, 384), outliers.narrow(1, 128, 384));
+  };
+  EXPECT_LT(error(CompressFormat::kInt8Grouped), 0.2 * error(CompressFormat::kInt8));
+}
+
+// Relative L2 bound of one dequantized Gaussian weight, per format (measured: int8 0.008,
+// grouped int8 0.006, fp8 0.025, int4 0.10).
+double WeightTolerance(CompressFormat format) {
+  switch (format) {
+    case CompressFormat::kInt8: return 1e-2;
+    case CompressFormat::kInt8Grouped: return 8e-3;
+    case CompressFormat::kInt4: return 0.12;
+    default: return 5e-2;
+  }
+}
+
+std::string FormatLabel(const ::testing::TestParamInfo<CompressFormat>& info) {
+  switch (info.param) {
+    case CompressFormat::kInt8: return "Int8";
+    case CompressFormat::kFp8E4M3: return "Fp8";
+    case CompressFormat::kInt8Grouped: return "Int8Grouped";
+    case CompressFormat::kInt4: return "Int4";
+    default: return "None";
+  }
+}
+
 class FormatTest : public ::testing::TestWithParam<CompressFormat> {};
 
 TEST_P(FormatTest, DequantizedGaussianWeightsAreClose) {
   const CompressFormat format = GetParam();
   at::manual_seed(7);
   const at::Tensor w = at::randn({256, 384}) * 0.02;
-  const double error = RelL2(Dequantize(Quantize(w, format), format, at::kFloat), w);
-  EXPECT_LT(error, format == CompressFormat::kInt8 ? 1e-2 : 5e-2);
+  const double error = RelL2(Dequantize(Quantize(w, format), format, at::kFloat, w.sizes()), w);
+  std::printf("%s Gaussian weight relative L2: %.4f\n", CompressFormatName(format), error);
+  EXPECT_LT(error, WeightTolerance(format));
   EXPECT_GT(error, 0.0);
-  // A 4-D convolution weight: per output channel over everything else.
+  // A 4-D convolution weight: per output channel (or group) over everything else.
   const at::Tensor conv = at::randn({8, 4, 3, 3});
-  EXPECT_LT(RelL2(Dequantize(Quantize(conv, format), format, at::kFloat), conv), 5e-2);
+  EXPECT_LT(RelL2(Dequantize(Quantize(conv, format), format, at::kFloat, conv.sizes()), conv),
+            WeightTolerance(format) + 0.03);
 }
 
 // The widening ops give the host reference bit for bit, in fp32 and bf16, with the fp8 table path
@@ -98,19 +156,28 @@ TEST_P(FormatTest, WideningMatchesTheReferenceExactly) {
     scratch.table_bf16 = Fp8E4M3Table(at::kBFloat16);
     scratch.table_f16 = Fp8E4M3Table(at::kHalf);
     scratch.index = at::empty({1000}, at::kInt);  // 33 * 70 = 2310 elements: three chunks.
+    scratch.nibbles = at::empty({33 * 70 / 2}, at::kByte);
     at::Tensor out = at::full({33, 70}, 7.0, at::TensorOptions().dtype(dtype));
     WidenInto(out, q.q, q.scale, format, scratch);
-    EXPECT_TRUE(at::equal(out, Dequantize(q, format, dtype))) << c10::toString(dtype);
+    EXPECT_TRUE(at::equal(out, Dequantize(q, format, dtype, out.sizes()))) << c10::toString(dtype);
+    // Several groups a row (K = 256: int4 4 of 64, grouped int8 2 of 128).
+    const at::Tensor wide = (at::randn({9, 256}) * 0.1).to(dtype);
+    const QuantizedTensor qw = Quantize(wide, format);
+    at::Tensor out_wide = at::full({9, 256}, 7.0, at::TensorOptions().dtype(dtype));
+    scratch.nibbles = at::empty({9 * 128}, at::kByte);
+    WidenInto(out_wide, qw.q, qw.scale, format, scratch);
+    EXPECT_TRUE(at::equal(out_wide, Dequantize(qw, format, dtype, out_wide.sizes()))) << c10::toString(dtype);
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Formats, FormatTest, ::testing::Values(CompressFormat::kInt8, CompressFormat::kFp8E4M3),
-                         [](const ::testing::TestParamInfo<CompressFormat>& info) {
-                           return std::string(info.param == CompressFormat::kInt8 ? "Int8" : "Fp8");
-                         });
+INSTANTIATE_TEST_SUITE_P(Formats, FormatTest,
+                         ::testing::Values(CompressFormat::kInt8, CompressFormat::kFp8E4M3,
+                                           CompressFormat::kInt8Grouped, CompressFormat::kInt4),
+                         FormatLabel);
 
 TEST(CompressFormatTest, NamesRoundTrip) {
-  for (CompressFormat f : {CompressFormat::kNone, CompressFormat::kInt8, CompressFormat::kFp8E4M3}) {
+  for (CompressFormat f : {CompressFormat::kNone, CompressFormat::kInt8, CompressFormat::kFp8E4M3,
+                           CompressFormat::kInt8Grouped, CompressFormat::kInt4}) {
     EXPECT_EQ(*ParseCompressFormat(CompressFormatName(f)), f);
   }
   EXPECT_FALSE(ParseCompressFormat("fp4").ok());
@@ -173,16 +240,26 @@ GroupOffloadOptions Streaming(CompressFormat format, int64_t budget = 0) {
   return o;
 }
 
-// Bytes one copy of a tensor moves compressed: 8-bit data and fp32 scales (aligned), or itself.
-int64_t CompressedBytes(const at::Tensor& t) {
-  if (t.dim() < 2) return static_cast<int64_t>(t.nbytes());
-  return AlignScratch(t.numel()) + AlignScratch(t.size(0) * 4);
+// Bytes one copy of a tensor moves compressed: its q data and fp32 scales (aligned), or itself.
+int64_t CompressedBytes(const at::Tensor& t, CompressFormat format) {
+  if (!IsCompressible(format, t.scalar_type(), t.sizes())) return static_cast<int64_t>(t.nbytes());
+  const QuantLayout layout = LayoutOf(format, t.sizes());
+  return AlignScratch(layout.q_bytes) + AlignScratch(layout.scale_count * 4);
 }
 
 // Relative L2 error of a whole forward vs the uncompressed one. int8 meets the 3e-2 asked of it;
 // fp8 e4m3 (3 mantissa bits: ~2.5 % relative error per weight, 14 layers in a chain) measures 0.043
-// on this model, so it is held to its per-weight bound instead (reported, not hidden).
-double ForwardTolerance(CompressFormat format) { return format == CompressFormat::kInt8 ? 3e-2 : 5e-2; }
+// on this model, so it is held to its per-weight bound instead (reported, not hidden); int4 (~11 %
+// per weight, 0.19-0.20 through the chain) to 0.25 — its fidelity is judged on the trained demo
+// pipeline (bench/fidelity_bench.py).
+double ForwardTolerance(CompressFormat format) {
+  switch (format) {
+    case CompressFormat::kInt8:
+    case CompressFormat::kInt8Grouped: return 3e-2;
+    case CompressFormat::kInt4: return 0.25;
+    default: return 5e-2;
+  }
+}
 
 class CompressedStreamingTest : public ::testing::TestWithParam<CompressFormat> {};
 
@@ -199,13 +276,14 @@ TEST_P(CompressedStreamingTest, Fp32ForwardIsCloseMovesAQuarterAndPeaksAtTheWork
   // Bytes: every group (6 blocks streamed + the always-on rest) copied once per forward.
   StackModel model;
   int64_t want = 0;
-  model.ForEachSlot([&](Module&, TensorSlot& slot) { want += CompressedBytes(slot.value); });
+  model.ForEachSlot([&](Module&, TensorSlot& slot) { want += CompressedBytes(slot.value, format); });
   EXPECT_EQ(small.h2d_per_forward, want);
   EXPECT_EQ(small.stats.bytes_per_forward, want);
   EXPECT_EQ(exact.h2d_per_forward, StackModel::kTotalBytes);
   EXPECT_EQ(exact.stats.bytes_per_forward, StackModel::kTotalBytes);
-  EXPECT_LT(small.h2d_per_forward, StackModel::kTotalBytes * 0.28);  // fp32 → 8 bits + scales.
-  EXPECT_GT(small.h2d_per_forward, StackModel::kTotalBytes / 4);
+  const double bits = format == CompressFormat::kInt4 ? 4.0 : 8.0;  // fp32 → bits + scales.
+  EXPECT_LT(small.h2d_per_forward, StackModel::kTotalBytes * (bits / 32 + 0.05));
+  EXPECT_GT(small.h2d_per_forward, StackModel::kTotalBytes * (bits / 32));
 
   // Device memory: the scratch is in the working set, and the working set is the peak.
   EXPECT_EQ(small.stats.compress, CompressFormatName(format));
@@ -231,13 +309,14 @@ TEST_P(CompressedStreamingTest, Bf16MovesAboutHalf) {
   EXPECT_LT(error, ForwardTolerance(format));
   int64_t want = 0;
   StackModel model;
-  model.ForEachSlot([&](Module&, TensorSlot& slot) { want += CompressedBytes(slot.value.to(at::kBFloat16)); });
+  model.ForEachSlot([&](Module&, TensorSlot& slot) { want += CompressedBytes(slot.value.to(at::kBFloat16), format); });
   EXPECT_EQ(small.h2d_per_forward, want);
   EXPECT_EQ(small.stats.bytes_per_forward, want);
   EXPECT_EQ(exact.h2d_per_forward, exact.stats.bytes_per_forward);
   const double ratio = static_cast<double>(small.h2d_per_forward) / static_cast<double>(exact.h2d_per_forward);
-  EXPECT_GT(ratio, 0.5);
-  EXPECT_LT(ratio, 0.56);
+  const double bits = format == CompressFormat::kInt4 ? 4.0 : 8.0;
+  EXPECT_GT(ratio, bits / 16);
+  EXPECT_LT(ratio, bits / 16 + 0.07);
   EXPECT_EQ(small.peak, small.stats.working_set_bytes);
 }
 
@@ -277,7 +356,8 @@ TEST_P(CompressedStreamingTest, SlotsHoldTheDequantizedWeightsExactly) {
   std::vector<std::pair<TensorSlot*, at::Tensor>> expected;
   model.ForEachSlot([&](Module&, TensorSlot& slot) {
     const at::Tensor& w = slot.value;
-    expected.emplace_back(&slot, w.dim() >= 2 ? Dequantize(Quantize(w, format), format, w.scalar_type()) : w.clone());
+    expected.emplace_back(&slot, w.dim() >= 2 ? Dequantize(Quantize(w, format), format, w.scalar_type(), w.sizes())
+                                              : w.clone());
   });
   std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
   GroupOffloadOptions options = Streaming(format);
@@ -309,10 +389,9 @@ TEST_P(CompressedStreamingTest, SlotsHoldTheDequantizedWeightsExactly) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, CompressedStreamingTest,
-                         ::testing::Values(CompressFormat::kInt8, CompressFormat::kFp8E4M3),
-                         [](const ::testing::TestParamInfo<CompressFormat>& info) {
-                           return std::string(info.param == CompressFormat::kInt8 ? "Int8" : "Fp8");
-                         });
+                         ::testing::Values(CompressFormat::kInt8, CompressFormat::kFp8E4M3,
+                                           CompressFormat::kInt8Grouped, CompressFormat::kInt4),
+                         FormatLabel);
 
 TEST(CompressedOptionsTest, NeedThePinnedTarget) {
   StackModel model;
@@ -330,6 +409,12 @@ TEST(CompressedOptionsTest, NeedThePinnedTarget) {
 
 TEST_P(CompressedStreamingTest, CheckpointWrittenLoadedAndStreamedAsIs) {
   const CompressFormat format = GetParam();
+  if (format == CompressFormat::kInt8Grouped || format == CompressFormat::kInt4) {
+    // Checkpoints hold the 8-bit per-channel formats; the others are made at load.
+    EXPECT_EQ(WriteCompressedSafetensors(::testing::TempDir() + "/x.safetensors", {}, format).code(),
+              absl::StatusCode::kInvalidArgument);
+    return;
+  }
   const std::string path = std::string(::testing::TempDir()) + "/stack_" + CompressFormatName(format) + ".safetensors";
   {
     StackModel model;

@@ -39,7 +39,7 @@ TEST(ConfigTest, EmptyConfigServesTheBuiltInPipelineWithDefaults) {
   EXPECT_EQ(config->http().read_timeout_ms(), 10000);
   EXPECT_EQ(config->http().max_connections(), 1024);
   EXPECT_EQ(config->http().max_connections_per_client(), 32);
-  EXPECT_EQ(config->http().max_body_bytes(), 1 << 20);
+  EXPECT_EQ(config->http().max_body_bytes(), 16 << 20);  // Room for an edit's image and mask.
 }
 
 TEST(ConfigTest, WithoutAConfigTheDemoIsTheDefaultBesideTheBuiltIn) {

@@ -69,6 +69,8 @@ _COMPRESS = {
     "none": config_pb2.GroupOffloadConfig.COMPRESS_NONE,
     "int8": config_pb2.GroupOffloadConfig.COMPRESS_INT8,
     "fp8": config_pb2.GroupOffloadConfig.COMPRESS_FP8,
+    "int8_grouped": config_pb2.GroupOffloadConfig.COMPRESS_INT8_GROUPED,
+    "int4": config_pb2.GroupOffloadConfig.COMPRESS_INT4,
 }
 
 

@@ -42,7 +42,7 @@ absl::StatusOr<QuantizedTensor> CheckPrequantized(const std::string& name, const
         "compressed weight '", name, "' does not match its tensor: want ", CompressFormatName(format), " of ",
         layout.q_bytes, " values and ", layout.scale_count, " scales"));
   }
-  return QuantizedTensor{given.q.contiguous(), given.scale.to(at::kFloat).contiguous()};
+  return QuantizedTensor{given.q.contiguous(), given.scale.to(layout.scale_dtype).contiguous()};
 }
 
 }  // namespace
@@ -111,7 +111,7 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
         compressed += AlignScratch(layout.q_bytes);
         t8.scale_offset = compressed;
         t8.scale_count = layout.scale_count;
-        compressed += AlignScratch(layout.scale_count * 4);
+        compressed += AlignScratch(layout.scale_bytes());
       }
       g8.tensors.push_back(std::move(t8));
     }
@@ -190,7 +190,8 @@ void CompressedHostStore::Widen(int group, const at::Tensor& slot, const at::Ten
     const QuantLayout layout = LayoutOf(format_, t.sizes);
     const at::Tensor out = slot.narrow(0, t.slot_offset, t.bytes).view(t.dtype).view(t.sizes);
     const at::Tensor q = region.narrow(0, t.q_offset, layout.q_bytes).view(layout.q_dtype).view(layout.q_shape);
-    const at::Tensor scale = region.narrow(0, t.scale_offset, t.scale_count * 4).view(at::kFloat);
+    const at::Tensor scale =
+        region.narrow(0, t.scale_offset, layout.scale_bytes()).view(layout.scale_dtype).view({layout.scale_count});
     WidenInto(out, q, scale, format_, views);
   }
 }

@@ -102,7 +102,7 @@ absl::StatusOr<CompressFormat> ParseCompressFormat(absl::string_view name) {
 int64_t GroupSize(CompressFormat format, int64_t k) {
   int64_t preferred = 0;
   if (format == CompressFormat::kInt8Grouped) preferred = 128;
-  if (format == CompressFormat::kInt4) preferred = 64;
+  if (format == CompressFormat::kInt4) preferred = 16;
   for (int64_t g = preferred; g >= 16; g /= 2) {
     if (k % g == 0) return g;
   }
@@ -136,6 +136,7 @@ QuantLayout LayoutOf(CompressFormat format, at::IntArrayRef sizes) {
       layout.q_dtype = at::kByte;
       layout.q_shape = {c, k / 2};
       layout.scale_count = c * (k / GroupSize(format, k));
+      layout.scale_dtype = at::kBFloat16;
       break;
     case CompressFormat::kInt8Grouped:
       layout.q_bytes = c * k;
@@ -178,14 +179,34 @@ QuantizedTensor Quantize(const at::Tensor& w, CompressFormat format) {
     const int64_t c = w2d.size(0), k = w2d.size(1), g = GroupSize(format, k);
     const float top = format == CompressFormat::kInt4 ? 7.0f : 127.0f;
     const at::Tensor grouped = w2d.view({c * (k / g), g});
-    out.scale = ChannelScale(grouped, top).view({c, k / g}).contiguous();
-    const at::Tensor q = at::round(grouped / out.scale.view({-1, 1})).clamp_(-top, top).view({c, k});
-    if (format == CompressFormat::kInt8Grouped) {
-      out.q = q.to(at::kChar).reshape(w.sizes()).contiguous();
-    } else {
+    at::Tensor scale = ChannelScale(grouped, top);  // [groups]
+    if (format == CompressFormat::kInt4) {
+      // Clipping search: with 15 levels the group's largest value sets a coarse step for all the
+      // others; a scale a little below max/7 (clipping the few largest) often loses less. Each group
+      // keeps the candidate of least squared error.
+      at::Tensor best_error = at::full_like(scale, std::numeric_limits<float>::infinity());
+      at::Tensor best = scale.clone();
+      for (const float ratio : {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.75f}) {
+        // As stored (bf16), and never 0 (a tiny group's scale would round to a denormal at worst).
+        const at::Tensor candidate = (scale * ratio).to(at::kBFloat16).to(at::kFloat).clamp_min(1e-30);
+        const at::Tensor back = at::round(grouped / candidate.unsqueeze(1)).clamp_(-top, top) * candidate.unsqueeze(1);
+        const at::Tensor error = (back - grouped).pow(2).sum(1);
+        const at::Tensor better = error < best_error;
+        best = at::where(better, candidate, best);
+        best_error = at::where(better, error, best_error);
+      }
+      scale = best;
+    }
+    out.scale = scale.view({c, k / g}).contiguous();
+    if (format == CompressFormat::kInt4) {
+      const at::Tensor q = at::round(grouped / scale.unsqueeze(1)).clamp_(-top, top).view({c, k});
       const at::Tensor nibbles = (q + 8.0f).to(at::kByte).view({c, k / 2, 2});
       out.q = at::bitwise_or(nibbles.select(2, 0), at::bitwise_left_shift(nibbles.select(2, 1), 4)).contiguous();
+      out.scale = out.scale.to(at::kBFloat16);  // Exact: the candidates were bf16 values.
+      return out;
     }
+    const at::Tensor q = at::round(grouped / out.scale.view({-1, 1})).clamp_(-top, top);
+    out.q = q.to(at::kChar).reshape(w.sizes()).contiguous();
     return out;
   }
   if (format == CompressFormat::kInt8) {
@@ -273,7 +294,7 @@ void WidenInto(const at::Tensor& out, const at::Tensor& q, const at::Tensor& sca
 int64_t TensorScratchBytes(CompressFormat format, at::ScalarType dtype, at::IntArrayRef sizes) {
   if (!IsCompressible(format, dtype, sizes)) return 0;
   const QuantLayout layout = LayoutOf(format, sizes);
-  return AlignScratch(layout.q_bytes) + AlignScratch(layout.scale_count * 4);
+  return AlignScratch(layout.q_bytes) + AlignScratch(layout.scale_bytes());
 }
 
 int64_t FixedScratchBytes(CompressFormat format, bool has_f32, bool has_bf16, bool has_f16, int64_t max_numel) {

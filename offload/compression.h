@@ -10,11 +10,14 @@
 //   kInt8Grouped  int8 as kInt8 but one scale per group of G consecutive values along K
 //                 (scale[c, g] = max|w[c, gG:(g+1)G]| / 127): G = 128 where K allows, else the
 //                 largest of 64, 32, 16 dividing K, else K (GroupSize). 8.25 bits a value at G = 128.
-//   kInt4         symmetric 4-bit per group (G = 64 where K allows, same fallbacks): scale[c, g] =
-//                 max|w| / 7, q = round_half_even(w / scale) in [-7, 7] stored as q + 8, two values a
-//                 byte (the even index in the low nibble); uint8 storage [C, K / 2]; K must be even.
-//                 w' = (nibble − 8) * scale. 4.5 bits a value.
-// Scales are fp32 ([C] or [C, K / G]). A channel (group) of zeros gets scale 1 (q = 0). Only
+//   kInt4         symmetric 4-bit per group (G = 16 where K divides by it, else K), bf16 scales:
+//                 scale[c, g] = r · max|w| / 7 with the clipping ratio r in {1, 0.95, ..., 0.75} of
+//                 least squared error for the group, q = round_half_even(w / scale) in [-7, 7] stored
+//                 as q + 8, two values a byte (the even index in the low nibble); uint8 storage
+//                 [C, K / 2]; K must be even. w' = (nibble − 8) * scale. 5 bits a value. (Measured
+//                 on the trained demo: groups of 32 — 4.5 bits — lose 2 of 48 caption checks, of 16
+//                 none: bench/results/fidelity_cpu_*.jsonl.)
+// Scales are fp32 ([C] or [C, K / G]), bf16 for kInt4. A channel (group) of zeros gets scale 1 (q = 0). Only
 // floating tensors (fp32, bf16, fp16) of rank >= 2 with elements are compressed (and for kInt4
 // an even K); the rest (biases, norms, scalars) stay in their compute dtype: they are tiny.
 //
@@ -70,13 +73,15 @@ struct QuantizedTensor {
 // Values per scale along K for the grouped formats (see the header comment); K for the others.
 int64_t GroupSize(CompressFormat format, int64_t k);
 
-// How one compressible tensor is stored: the bytes, dtype and shape of q, and the number of fp32
-// scales.
+// How one compressible tensor is stored: the bytes, dtype and shape of q, and the number and dtype
+// of its scales.
 struct QuantLayout {
   int64_t q_bytes = 0;
   at::ScalarType q_dtype = at::kByte;
   std::vector<int64_t> q_shape;
   int64_t scale_count = 0;
+  at::ScalarType scale_dtype = at::kFloat;
+  int64_t scale_bytes() const { return scale_count * static_cast<int64_t>(c10::elementSize(scale_dtype)); }
 };
 QuantLayout LayoutOf(CompressFormat format, at::IntArrayRef sizes);
 

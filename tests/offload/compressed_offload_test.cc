@@ -72,14 +72,15 @@ TEST(QuantizeTest, Int8IsSymmetricPerOutputChannel) {
 }
 
 TEST(QuantizeTest, GroupedFormatsScaleEachGroupAndPackNibbles) {
-  // K = 256: int4 groups of 64, grouped int8 groups of 128; K = 36: one group (no size divides it).
-  EXPECT_EQ(GroupSize(CompressFormat::kInt4, 256), 64);
+  // K = 256: int4 groups of 16, grouped int8 groups of 128; K = 36: one group (no size divides it).
+  EXPECT_EQ(GroupSize(CompressFormat::kInt4, 256), 16);
   EXPECT_EQ(GroupSize(CompressFormat::kInt8Grouped, 256), 128);
   EXPECT_EQ(GroupSize(CompressFormat::kInt4, 48), 16);
   EXPECT_EQ(GroupSize(CompressFormat::kInt8Grouped, 36), 36);
   EXPECT_FALSE(IsCompressible(CompressFormat::kInt4, at::kFloat, {4, 7}));  // An odd K cannot pack.
   EXPECT_TRUE(IsCompressible(CompressFormat::kInt8Grouped, at::kFloat, {4, 7}));
-  // Two values a byte, the even index in the low nibble, q + 8; a group of zeros gets scale 1.
+  // Two values a byte, the even index in the low nibble, q + 8; a group of zeros gets scale 1; the
+  // clipping search keeps max/7 here (a smaller scale would cost the two ±7 more than it saves).
   at::Tensor w = at::zeros({2, 64});
   w[0][0] = 7.0f;   // Scale 1: q = 7 → nibble 15.
   w[0][1] = -7.0f;  // q = -7 → nibble 1.
@@ -89,10 +90,18 @@ TEST(QuantizeTest, GroupedFormatsScaleEachGroupAndPackNibbles) {
   EXPECT_EQ(q.q[0][0].item<uint8_t>(), 15 | (1 << 4));
   EXPECT_EQ(q.q[0][1].item<uint8_t>(), 10 | (8 << 4));
   EXPECT_EQ(q.q[1][0].item<uint8_t>(), 8 | (8 << 4));
-  EXPECT_TRUE(at::allclose(q.scale, at::tensor({1.0f, 1.0f}).view({2, 1})));
+  EXPECT_EQ(q.scale.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(q.scale.to(at::kFloat), at::ones({2, 4})));
   const QuantLayout layout = LayoutOf(CompressFormat::kInt4, {2, 64});
   EXPECT_EQ(layout.q_bytes, 64);
-  EXPECT_EQ(layout.scale_count, 2);
+  EXPECT_EQ(layout.scale_count, 8);
+  EXPECT_EQ(layout.scale_bytes(), 16);
+  // The clipping search: a group with one large value among small ones clips it.
+  at::manual_seed(3);
+  at::Tensor spiky = at::randn({16, 16}) * 0.1;
+  spiky.select(1, 0).fill_(1.0);
+  const QuantizedTensor s = Quantize(spiky, CompressFormat::kInt4);
+  EXPECT_TRUE((s.scale.to(at::kFloat).squeeze(1) < 0.99 / 7).any().item<bool>());
   // An outlier column (as activations' outlier features make in trained weights): one scale per
   // channel is set by it for the whole row; one per group only for its group.
   at::manual_seed(5);
@@ -106,8 +115,8 @@ TEST(QuantizeTest, GroupedFormatsScaleEachGroupAndPackNibbles) {
   EXPECT_LT(error(CompressFormat::kInt8Grouped), 0.2 * error(CompressFormat::kInt8));
 }
 
-// Relative L2 bound of one dequantized Gaussian weight, per format (measured: int8 0.008,
-// grouped int8 0.006, fp8 0.025, int4 0.10).
+// Relative L2 bound of one dequantized Gaussian weight, per format (measured: int8 0.007,
+// grouped int8 0.0065, fp8 0.026, int4 0.092).
 double WeightTolerance(CompressFormat format) {
   switch (format) {
     case CompressFormat::kInt8: return 1e-2;
@@ -244,7 +253,7 @@ GroupOffloadOptions Streaming(CompressFormat format, int64_t budget = 0) {
 int64_t CompressedBytes(const at::Tensor& t, CompressFormat format) {
   if (!IsCompressible(format, t.scalar_type(), t.sizes())) return static_cast<int64_t>(t.nbytes());
   const QuantLayout layout = LayoutOf(format, t.sizes());
-  return AlignScratch(layout.q_bytes) + AlignScratch(layout.scale_count * 4);
+  return AlignScratch(layout.q_bytes) + AlignScratch(layout.scale_bytes());
 }
 
 // Relative L2 error of a whole forward vs the uncompressed one. int8 meets the 3e-2 asked of it;
@@ -282,7 +291,7 @@ TEST_P(CompressedStreamingTest, Fp32ForwardIsCloseMovesAQuarterAndPeaksAtTheWork
   EXPECT_EQ(exact.h2d_per_forward, StackModel::kTotalBytes);
   EXPECT_EQ(exact.stats.bytes_per_forward, StackModel::kTotalBytes);
   const double bits = format == CompressFormat::kInt4 ? 4.0 : 8.0;  // fp32 → bits + scales.
-  EXPECT_LT(small.h2d_per_forward, StackModel::kTotalBytes * (bits / 32 + 0.05));
+  EXPECT_LT(small.h2d_per_forward, StackModel::kTotalBytes * (bits / 32 + 0.06));
   EXPECT_GT(small.h2d_per_forward, StackModel::kTotalBytes * (bits / 32));
 
   // Device memory: the scratch is in the working set, and the working set is the peak.
@@ -316,7 +325,7 @@ TEST_P(CompressedStreamingTest, Bf16MovesAboutHalf) {
   const double ratio = static_cast<double>(small.h2d_per_forward) / static_cast<double>(exact.h2d_per_forward);
   const double bits = format == CompressFormat::kInt4 ? 4.0 : 8.0;
   EXPECT_GT(ratio, bits / 16);
-  EXPECT_LT(ratio, bits / 16 + 0.07);
+  EXPECT_LT(ratio, bits / 16 + 0.08);  // Scales (int4: a bf16 per 16 values) and alignment.
   EXPECT_EQ(small.peak, small.stats.working_set_bytes);
 }
 

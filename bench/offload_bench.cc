@@ -62,7 +62,8 @@ ABSL_FLAG(std::string, config, "full", "full (Z-Image main-block shapes) or smal
 ABSL_FLAG(std::string, backend, "auto", "cuda, sim, or auto (CUDA when present)");
 ABSL_FLAG(std::string, rows,
           "resident,block_pinned,leaf_pinned,block_lowram,leaf_lowram,block_disk,budget25,budget50,budget75",
-          "Comma-separated rows to run (also: block_int8, block_fp8, memcpy_probe)");
+          "Comma-separated rows to run (also: block_int8, block_fp8, block_int8grouped, block_int4, "
+          "memcpy_probe)");
 ABSL_FLAG(int, warmup, 2, "Untimed forwards per row (the first records the order)");
 ABSL_FLAG(int, iters, 5, "Timed forwards per row (median reported)");
 ABSL_FLAG(std::string, out, "", "JSON-lines file to append rows to");
@@ -286,9 +287,11 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
   if (!weights.ok()) return weights.status();
   result.weight_bytes = (*weights)->bytes();
 
-  const CompressFormat compress = row.rfind("block_int8", 0) == 0  ? CompressFormat::kInt8
-                                  : row.rfind("block_fp8", 0) == 0 ? CompressFormat::kFp8E4M3
-                                                                    : CompressFormat::kNone;
+  const CompressFormat compress = row.rfind("block_int8grouped", 0) == 0 ? CompressFormat::kInt8Grouped
+                                  : row.rfind("block_int4", 0) == 0      ? CompressFormat::kInt4
+                                  : row.rfind("block_int8", 0) == 0      ? CompressFormat::kInt8
+                                  : row.rfind("block_fp8", 0) == 0       ? CompressFormat::kFp8E4M3
+                                                                         : CompressFormat::kNone;
   at::Tensor reference;  // Compressed rows: the output of a resident forward, on the host.
   if (compress != CompressFormat::kNone && !absl::GetFlag(FLAGS_reference).empty()) {
     ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(absl::GetFlag(FLAGS_reference)));

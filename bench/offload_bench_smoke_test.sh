@@ -25,23 +25,28 @@ for r in rows[1:]:
 print("ok:", len(rows), "rows")
 PY
 
-# The 8-bit rows: about half the bf16 bytes per forward, a small error against the resident output.
+# The compressed rows: about half (8-bit) or 0.31 (int4) of the bf16 bytes per forward, a small
+# error against the resident output.
 out8="$TEST_TMPDIR/rows8.jsonl"
 bench/offload_bench --config=small --backend=sim --warmup=1 --iters=2 --out="$out8" \
-  --machine=ci --rows=block_pinned,block_int8,block_fp8
+  --machine=ci --rows=block_pinned,block_int8,block_fp8,block_int8grouped,block_int4
 /usr/bin/python3 - "$out8" <<'PY'
 import json, sys
 rows = {r["row"]: r for r in (json.loads(line) for line in open(sys.argv[1]))}
-assert list(rows) == ["block_pinned", "block_int8", "block_fp8"], list(rows)
+assert list(rows) == ["block_pinned", "block_int8", "block_fp8", "block_int8grouped", "block_int4"], list(rows)
 assert rows["block_pinned"]["rel_l2"] == 0 and rows["block_pinned"]["compress"] == "none"
-for name, bound in [("block_int8", 0.06), ("block_fp8", 0.15)]:  # 16 bf16 blocks deep.
+# 16 bf16 blocks deep.
+for name, bound, fmt, lo, hi in [("block_int8", 0.06, "int8", 0.5, 0.6), ("block_fp8", 0.15, "fp8_e4m3", 0.5, 0.6),
+                                 ("block_int8grouped", 0.06, "int8_grouped", 0.5, 0.6),
+                                 ("block_int4", 0.4, "int4", 0.31, 0.4)]:  # Random weights amplify int4 (fidelity: shapes).
     r = rows[name]
     assert 0 < r["rel_l2"] < bound, r
-    assert r["compress"] == name[len("block_"):].replace("fp8", "fp8_e4m3"), r
+    assert r["compress"] == fmt, r
     ratio = r["streamed_bytes"] / rows["block_pinned"]["streamed_bytes"]
-    assert 0.5 < ratio < 0.6, (name, ratio)
+    assert lo < ratio < hi, (name, ratio)
     assert r["floor_8bit_s"] > 0, r
-print("ok: 8-bit rows")
+    print(name, "rel_l2", r["rel_l2"], "bytes ratio", round(ratio, 3))
+print("ok: compressed rows")
 PY
 
 # The real Z-Image transformer from a diffusers-format folder (the tiny parity fixture, written by

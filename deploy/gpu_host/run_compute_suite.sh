@@ -12,6 +12,10 @@
 #             fidelity.jsonl
 #   memory    device memory as nvidia-smi sees it against the budget at load and each reply's
 #             peak (bench/memory_truth.sh on real-size random Z-Image): memory.jsonl, memory.log
+#   compressed  streamed compression on the full-size synthetic Z-Image block stack (bench/offload_bench
+#             --config=full, one process per row): resident (its output the reference), block_pinned
+#             (bf16 streamed) and each compressed row ($COMPRESSED_ROWS): compressed.jsonl (commit
+#             added to every row), compressed.log
 #   ctest     every test CMake builds (ctest -j 4; tests that use the server's default device run on
 #             cuda:0): ctest.log, ctest_junit.xml; failures re-run with thread_stack_shim.so when civetweb
 #             could not start its threads (build_and_serve.sh says why)
@@ -53,6 +57,35 @@ if [[ $parts == *" ctest "* ]]; then
       -j 4 --rerun-failed) >"$OUT/ctest_shim.log" 2>&1
     stamp "ctest re-run with the shim exit $?: $(grep -E 'tests passed|tests failed' "$OUT/ctest_shim.log" | tail -1)"
   fi
+fi
+if [[ $parts == *" compressed "* ]]; then
+  stamp "compressed"
+  ref=/tmp/compressed_reference.safetensors
+  raw=/tmp/compressed_rows.jsonl
+  rm -f "$raw"
+  timeout 240 "$build/bench/offload_bench" --config=full --rows=resident --warmup=2 --iters=5 --save_output="$ref" \
+    --out="$raw" --machine="$machine" >"$OUT/compressed.log" 2>&1
+  resident=$(python3 -c "import json,sys; print([json.loads(l) for l in open('$raw')][-1]['step_s'])" 2>/dev/null || echo 0)
+  for row in ${COMPRESSED_ROWS:-block_pinned block_int8 block_fp8 block_int8grouped block_int4}; do
+    timeout 240 "$build/bench/offload_bench" --config=full --rows="$row" --warmup=2 --iters=5 --reference="$ref" \
+      --resident_step_s="$resident" --out="$raw" --machine="$machine" >>"$OUT/compressed.log" 2>&1
+    stamp "compressed $row exit $?"
+  done
+  python3 - "$raw" "${STOWAGE_COMMIT:-unknown}" <<'PY' >"$OUT/compressed.jsonl"
+import json, sys
+for line in open(sys.argv[1]):
+    row = json.loads(line)
+    row["commit"] = sys.argv[2]
+    print(json.dumps(row))
+PY
+  python3 - "$OUT/compressed.jsonl" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"{r['row']:18s} step {r['step_s']:.4f} s  resident {r.get('resident_step_s', 0):.4f} s  floor {r['floor_s']:.4f} s"
+          f"  floor_compressed {r.get('floor_8bit_s', 0):.4f} s  rel_l2 {r.get('rel_l2', 0):.4f}  rss {r['peak_rss_bytes'] / 2**30:.2f} GiB"
+          f"  weights {r['weight_bytes'] / 2**30:.2f} GiB")
+PY
 fi
 if [[ $parts == *" compute "* || $parts == *" conformance "* ]]; then
   stamp "conformance"

@@ -20,7 +20,7 @@
 #include "models/core/diffusers_format.h"
 #include "models/nets/flux_latents.h"
 #include "models/pipelines/flow_match_scheduler.h"
-#include "models/pipelines/image_input.h"
+#include "models/pipelines/denoise.h"
 #include "models/nets/flux_transformer.h"
 #include "models/core/image.h"
 #include "models/nets/t5_encoder.h"
@@ -190,111 +190,72 @@ class FluxPipeline : public Pipeline {
     run.Filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
 
     // Latents: [C, H/8, W/8] per member from its seed on a CPU generator (diffusers' randn_tensor
-    // with a CPU generator draws the same numbers), packed into 2x2 patches.
+    // with a CPU generator draws the same numbers), packed into 2x2 patches, kept in the model's
+    // dtype between steps (as diffusers' Flux pipelines keep them).
     const GenerationParams& shape = *members.front().params;
+    DenoiseFamily family;
+    family.transformer = transformer_.get();
+    family.vae = vae_.get();
+    family.vae_encoder = vae_encoder_.get();
+    family.default_device = options_.device;
+    family.device = device;
+    family.latent_dtype = options_.dtype;
     const int64_t lh = shape.height / Vae().upscale(), lw = shape.width / Vae().upscale();
+    family.latent_height = lh;
+    family.latent_width = lw;
     const int64_t channels = Transformer().config().in_channels / 4;
-    const int n = shape.steps;
-    const int start = StartStep(shape);  // The same for every member (BatchKey).
-    const std::vector<float> sigmas = schedule_.Sigmas(n, (lh / 2) * (lw / 2));
-    // Each member's generator: the input image's sample first (image to image), then the noise.
-    std::vector<at::Generator> generators;
-    for (const BatchMember& m : members) generators.push_back(at::detail::createCPUGenerator(m.params->seed));
-    std::vector<InputLatents> inputs(members.size());
-    EncodeMemberInputs(members, runner, *vae_encoder_, options_.device, run, generators, device, &inputs);
-    std::vector<at::Tensor> latents(members.size());
-    for (size_t i : active) {
-      const at::Tensor noise =
-          PackLatents(at::randn({1, channels, lh, lw}, generators[i], at::TensorOptions().dtype(at::kFloat)))
-              .to(device);
-      if (!inputs[i].image.defined()) {
-        latents[i] = noise.to(options_.dtype);
-        continue;
-      }
-      inputs[i].image = PackLatents(inputs[i].image);
-      inputs[i].noise = noise;
-      const at::Tensor repaint = LatentRepaintMask(*members[i].params->input, lh, lw, device);
-      if (repaint.defined()) inputs[i].repaint = PackLatents(repaint.expand({1, channels, lh, lw}).contiguous());
-      latents[i] = ScaleNoise(inputs[i].image, noise, sigmas[start]).to(options_.dtype);
-    }
+    family.sigmas = schedule_.Sigmas(shape.steps, (lh / 2) * (lw / 2));
+    family.draw_noise = [&](at::Generator& generator) {
+      return PackLatents(at::randn({1, channels, lh, lw}, generator, at::TensorOptions().dtype(at::kFloat))).to(device);
+    };
+    family.image_to_layout = [](const at::Tensor& x) { return PackLatents(x); };
+    family.mask_to_layout = [&](const at::Tensor& mask) {
+      return PackLatents(mask.expand({1, channels, lh, lw}).contiguous());
+    };
     const at::Tensor img_ids = LatentImageIds(lh, lw).to(device);
     const at::Tensor txt_ids = at::zeros({options_.max_sequence_length, 3}, at::TensorOptions().dtype(at::kFloat)).to(device);
-    // One member's packed latents to pixels (inside a run of the VAE).
-    const c10::Device vae_device = runner.DeviceOf(*vae_, options_.device);
-    auto decode = [&](const at::Tensor& x) {
-      return Vae().Decode(UnpackLatents(x, lh, lw).to(vae_device).to(vae_->dtype()));
-    };
-
-    run.BeginStage("denoise", n - start);
     // The encoders' rows of the members still running, selected again only when one has left.
     std::vector<size_t> selected_for = encoded_rows;
     at::Tensor step_text = text, step_pooled = pooled;
-    for (int step = start; step < n && !active.empty(); ++step) {
-      if (active != selected_for) {
+    // One transformer forward over every running member's packed latents.
+    family.forward = [&](int step, const std::vector<size_t>& running, const std::vector<at::Tensor>& latents,
+                         std::vector<at::Tensor>* velocities) -> absl::Status {
+      if (running != selected_for) {
         std::vector<int64_t> rows;
-        for (size_t i : active) {
+        for (size_t i : running) {
           rows.push_back(std::find(encoded_rows.begin(), encoded_rows.end(), i) - encoded_rows.begin());
         }
         const at::Tensor index = at::tensor(rows).to(device);
         step_text = text.index_select(0, index);
         step_pooled = pooled.index_select(0, index);
-        selected_for = active;
+        selected_for = running;
       }
       std::vector<at::Tensor> xs;
       std::vector<float> guidance;
-      for (size_t i : active) {
+      for (size_t i : running) {
         xs.push_back(latents[i]);
         guidance.push_back(members[i].params->guidance_scale);
       }
       const at::Tensor x = at::cat(xs);
-      const auto b = static_cast<int64_t>(active.size());
+      const auto b = static_cast<int64_t>(running.size());
       // diffusers: t = sigma * 1000 in float32, cast to the model's dtype, then t / 1000 in that dtype.
       const at::Tensor timestep =
-          at::full({b}, sigmas[step] * 1000.0f, at::TensorOptions().dtype(at::kFloat)).to(device).to(options_.dtype) /
+          at::full({b}, family.sigmas[step] * 1000.0f, at::TensorOptions().dtype(at::kFloat)).to(device).to(options_.dtype) /
           1000;
       at::Tensor g;
       if (Transformer().config().guidance_embeds) g = at::tensor(guidance).to(device);
       at::Tensor out;
-      if (step == n - 1) runner.Prefetch(*vae_);  // The decoder's first groups copy during the last step.
-      const absl::Status ran = runner.Run(*transformer_, [&] {
+      RETURN_IF_ERROR(runner.Run(*transformer_, [&] {
         out = Transformer().Forward(x, step_text, step_pooled, timestep, img_ids, txt_ids, g);
-      });
-      if (!ran.ok()) {
-        run.Filter([&](size_t) { return ran; });
-        break;
-      }
-      // diffusers' Euler step: in float32, the result cast back to the model's dtype.
-      const float dt = sigmas[step + 1] - sigmas[step];
-      int64_t k = 0;
-      std::vector<std::pair<size_t, at::Tensor>> previews;
-      for (size_t i : active) {
-        const at::Tensor velocity = out.narrow(0, k++, 1);
-        // Steps are counted from the run's start (image to image runs n - start of them).
-        if (members[i].context->WantsPreview(step - start + 1)) {
-          previews.emplace_back(i, EulerStep(latents[i], velocity, -sigmas[step]).to(options_.dtype));
-        }
-        latents[i] = EulerStep(latents[i], velocity, dt).to(options_.dtype);
-        if (inputs[i].repaint.defined()) {
-          latents[i] = KeepUnmasked(latents[i], inputs[i], sigmas[step + 1], step == n - 1).to(options_.dtype);
-        }
-        members[i].context->ReportStep(step - start + 1, n - start);
-      }
-      DeliverPreviews(runner, *vae_, members, step - start + 1, previews, decode);
-      run.Filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
-    }
-
-    run.BeginStage("decode", 0);
-    std::vector<at::Tensor> pixels(members.size());
-    if (!active.empty()) {
-      const absl::Status decoded = runner.Run(*vae_, [&] {
-        for (size_t i : active) pixels[i] = decode(latents[i]);
-      });
-      run.Filter([&](size_t) { return decoded; });
-    }
-    for (size_t i : active) {
-      members[i].context->EndStage();
-      run.set_result(i, ImageFromTensor(pixels[i]));
-    }
+      }));
+      for (int64_t k = 0; k < b; ++k) (*velocities)[static_cast<size_t>(k)] = out.narrow(0, k, 1);
+      return absl::OkStatus();
+    };
+    const c10::Device vae_device = runner.DeviceOf(*vae_, options_.device);
+    family.decode = [&](const at::Tensor& x) {
+      return Vae().Decode(UnpackLatents(x, lh, lw).to(vae_device).to(vae_->dtype()));
+    };
+    Denoise(members, runner, run, family);
     return run.TakeResults();
   }
 

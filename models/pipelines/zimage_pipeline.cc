@@ -11,7 +11,7 @@
 #include "models/pipelines/component_factory.h"
 #include "models/core/config_checks.h"
 #include "models/pipelines/flow_match_scheduler.h"
-#include "models/pipelines/image_input.h"
+#include "models/pipelines/denoise.h"
 #include "models/core/diffusers_format.h"
 #include "models/core/weight_init.h"
 #include "base/status_macros.h"
@@ -115,45 +115,31 @@ class ZImagePipeline : public Pipeline {
     auto& vae = static_cast<AutoencoderKLDecoder&>(vae_->module());
     auto& dit = static_cast<ZImageTransformer&>(transformer_->module());
     const GenerationParams& shape = *members.front().params;
-    const int64_t factor = vae.upscale();
-    const int64_t lh = shape.height / factor, lw = shape.width / factor;
-    const int n = shape.steps;
-    const int start = StartStep(shape);  // The same for every member (BatchKey).
-    const std::vector<float> sigmas = ShiftedSigmas(n, options_.scheduler_shift);
-    // Each member's generator: the input image's sample first (image to image), then the noise.
-    std::vector<at::Generator> generators;
-    for (const BatchMember& m : members) generators.push_back(at::detail::createCPUGenerator(m.params->seed));
-    std::vector<InputLatents> inputs(members.size());
-    EncodeMemberInputs(members, runner, *vae_encoder_, options_.device, run, generators, device, &inputs);
-    std::vector<at::Tensor> latents(members.size());
-    for (size_t i : active) {
-      const at::Tensor noise =
-          at::randn({dit.config().in_channels, 1, lh, lw}, generators[i], at::TensorOptions().dtype(at::kFloat))
-              .to(device);
-      if (!inputs[i].image.defined()) {
-        latents[i] = noise;
-        continue;
-      }
-      // [1, C, h, w] → the transformer's [C, 1, h, w].
-      inputs[i].image = inputs[i].image.transpose(0, 1);
-      inputs[i].noise = noise;
-      inputs[i].repaint = LatentRepaintMask(*members[i].params->input, lh, lw, device);
-      latents[i] = ScaleNoise(inputs[i].image, noise, sigmas[start]);
-    }
-    // One member's latents to pixels (inside a run of the VAE).
-    const c10::Device vae_device = runner.DeviceOf(*vae_, options_.device);
-    auto decode = [&](const at::Tensor& x) {
-      return vae.Decode(x.squeeze(1).unsqueeze(0).to(vae_device).to(vae_->dtype()));
+    DenoiseFamily family;
+    family.transformer = transformer_.get();
+    family.vae = vae_.get();
+    family.vae_encoder = vae_encoder_.get();
+    family.default_device = options_.device;
+    family.device = device;
+    family.latent_dtype = at::kFloat;  // Latents stay float32 between steps, as diffusers' Z-Image keeps them.
+    family.latent_height = shape.height / vae.upscale();
+    family.latent_width = shape.width / vae.upscale();
+    family.sigmas = ShiftedSigmas(shape.steps, options_.scheduler_shift);
+    // Latents are [C, 1, h, w] (one frame).
+    family.draw_noise = [&](at::Generator& generator) {
+      return at::randn({dit.config().in_channels, 1, family.latent_height, family.latent_width}, generator,
+                       at::TensorOptions().dtype(at::kFloat))
+          .to(device);
     };
-
-    // Denoise: one transformer forward per step over every running member's positive (and
-    // negative) sequence.
-    run.BeginStage("denoise", n - start);
-    for (int step = start; step < n && !active.empty(); ++step) {
-      const float t_train = sigmas[step] * 1000.0f;
+    family.image_to_layout = [](const at::Tensor& x) { return x.transpose(0, 1); };
+    family.mask_to_layout = [](const at::Tensor& mask) { return mask; };  // [1, 1, h, w] broadcasts.
+    // One transformer forward over every running member's positive (and, guided, negative) sequence.
+    family.forward = [&](int step, const std::vector<size_t>& running, const std::vector<at::Tensor>& latents,
+                         std::vector<at::Tensor>* velocities) -> absl::Status {
+      const float t_train = family.sigmas[step] * 1000.0f;
       const double t_model = (1000.0f - t_train) / 1000.0f;
       std::vector<at::Tensor> xs, captions;
-      for (size_t i : active) {
+      for (size_t i : running) {
         const at::Tensor x = latents[i].to(options_.dtype);
         xs.push_back(x);
         captions.push_back(positive[i]);
@@ -163,48 +149,25 @@ class ZImagePipeline : public Pipeline {
         }
       }
       std::vector<at::Tensor> out;
-      if (step == n - 1) runner.Prefetch(*vae_);  // The decoder's first groups copy during the last step.
-      const absl::Status ran = runner.Run(*transformer_, [&] { out = dit.ForwardBatch(xs, t_model, captions); });
-      if (!ran.ok()) {
-        run.Filter([&](size_t) { return ran; });
-        break;
-      }
+      RETURN_IF_ERROR(runner.Run(*transformer_, [&] { out = dit.ForwardBatch(xs, t_model, captions); }));
       size_t k = 0;
-      std::vector<std::pair<size_t, at::Tensor>> previews;
-      for (size_t i : active) {
-        const GenerationParams& params = *members[i].params;
+      for (size_t r = 0; r < running.size(); ++r) {
+        const GenerationParams& params = *members[running[r]].params;
         const at::Tensor pos = out[k++].to(at::kFloat);
         at::Tensor velocity = pos;
         if (Guided(params)) {
           const at::Tensor neg = out[k++].to(at::kFloat);
           velocity = pos + params.guidance_scale * (pos - neg);
         }
-        // The model predicts the negated velocity: step with -out.
-        velocity = -velocity;
-        // Steps are counted from the run's start (image to image runs n - start of them).
-        if (members[i].context->WantsPreview(step - start + 1)) {
-          previews.emplace_back(i, EulerStep(latents[i], velocity, -sigmas[step]));
-        }
-        latents[i] = EulerStep(latents[i], velocity, sigmas[step + 1] - sigmas[step]);
-        latents[i] = KeepUnmasked(latents[i], inputs[i], sigmas[step + 1], step == n - 1);
-        members[i].context->ReportStep(step - start + 1, n - start);
+        (*velocities)[r] = -velocity;  // The model predicts the negated velocity.
       }
-      DeliverPreviews(runner, *vae_, members, step - start + 1, previews, decode);
-      run.Filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
-    }
-
-    run.BeginStage("decode", 0);
-    std::vector<at::Tensor> pixels(members.size());
-    if (!active.empty()) {
-      const absl::Status decoded = runner.Run(*vae_, [&] {
-        for (size_t i : active) pixels[i] = decode(latents[i]);
-      });
-      run.Filter([&](size_t) { return decoded; });
-    }
-    for (size_t i : active) {
-      members[i].context->EndStage();
-      run.set_result(i, ImageFromTensor(pixels[i]));
-    }
+      return absl::OkStatus();
+    };
+    const c10::Device vae_device = runner.DeviceOf(*vae_, options_.device);
+    family.decode = [&](const at::Tensor& x) {
+      return vae.Decode(x.squeeze(1).unsqueeze(0).to(vae_device).to(vae_->dtype()));
+    };
+    Denoise(members, runner, run, family);
     return run.TakeResults();
   }
 

@@ -1461,7 +1461,18 @@ absl::StatusOr<v1::Adapter> GenerationCore::LoadAdapter(const std::string& pipel
     return absl::FailedPreconditionError(absl::StrCat("pipeline '", pipeline_name,
                                                       "' runs on several devices; LoRA adapters need a pipeline on one"));
   }
-  ASSIGN_OR_RETURN(auto targets, LoraTargets(*pipeline, file));
+  // A kohya file names its layers with '_' for '.': matched against this pipeline's Linear layers.
+  LoraFile resolved = file;
+  {
+    std::map<std::string, std::vector<std::string>> linear_paths;
+    for (Component* c : pipeline->components()) {
+      c->module().ForEachModule([&](Module& m) {
+        if (dynamic_cast<Linear*>(&m) != nullptr) linear_paths[c->name()].push_back(m.path());
+      });
+    }
+    RETURN_IF_ERROR(ResolveLayerPaths(resolved, linear_paths));
+  }
+  ASSIGN_OR_RETURN(auto targets, LoraTargets(*pipeline, resolved));
   v1::Adapter adapter;
   adapter.set_name(name);
   adapter.set_path(path);

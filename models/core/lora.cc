@@ -1,6 +1,8 @@
 #include "models/core/lora.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include <ATen/ATen.h>
 
@@ -54,28 +56,50 @@ absl::StatusOr<LoraFile> ReadLoraFile(const std::string& path, const std::string
     float alpha = 0.0f;
   };
   std::map<std::pair<std::string, std::string>, Parts> parts;
+  int kohya_keys = 0, dotted_keys = 0;
   for (const auto& [key, info] : file->tensors()) {
     absl::string_view rest = key;
-    absl::ConsumePrefix(&rest, "base_model.model.");
     std::string component = default_component;
-    for (const char* prefix : {"transformer.", "text_encoder.", "text_encoder_2.", "unet."}) {
+    bool kohya = false;
+    // Kohya's prefixes name the component; the path after them is underscored.
+    for (const auto& [prefix, name] : std::vector<std::pair<const char*, const char*>>{
+             {"lora_unet_", "transformer"}, {"lora_te1_", "text_encoder"}, {"lora_te2_", "text_encoder_2"},
+             {"lora_te_", "text_encoder"}}) {
       if (absl::ConsumePrefix(&rest, prefix)) {
-        component = std::string(prefix, std::strlen(prefix) - 1);
-        if (component == "unet") component = "transformer";
+        component = name;
+        kohya = true;
         break;
       }
     }
+    if (!kohya) {
+      absl::ConsumePrefix(&rest, "base_model.model.");
+      for (const char* prefix : {"transformer.", "text_encoder.", "text_encoder_2.", "unet.", "diffusion_model."}) {
+        if (absl::ConsumePrefix(&rest, prefix)) {
+          component = std::string(prefix, std::strlen(prefix) - 1);
+          if (component == "unet" || component == "diffusion_model") component = "transformer";
+          break;
+        }
+      }
+    }
     enum { kA, kB, kAlpha } kind;
-    if (absl::ConsumeSuffix(&rest, ".lora_A.weight") || absl::ConsumeSuffix(&rest, ".lora_A.default.weight")) {
+    if (absl::ConsumeSuffix(&rest, ".lora_A.weight") || absl::ConsumeSuffix(&rest, ".lora_A.default.weight") ||
+        absl::ConsumeSuffix(&rest, ".lora_down.weight")) {
       kind = kA;
-    } else if (absl::ConsumeSuffix(&rest, ".lora_B.weight") || absl::ConsumeSuffix(&rest, ".lora_B.default.weight")) {
+    } else if (absl::ConsumeSuffix(&rest, ".lora_B.weight") || absl::ConsumeSuffix(&rest, ".lora_B.default.weight") ||
+               absl::ConsumeSuffix(&rest, ".lora_up.weight")) {
       kind = kB;
     } else if (absl::ConsumeSuffix(&rest, ".alpha")) {
       kind = kAlpha;
     } else {
       return absl::InvalidArgumentError(absl::StrCat(where, ": tensor '", Truncated(key),
                                                      "' is not a LoRA tensor (<layer>.lora_A.weight, "
-                                                     "<layer>.lora_B.weight or <layer>.alpha)"));
+                                                     "<layer>.lora_B.weight, kohya's <layer>.lora_down.weight / "
+                                                     ".lora_up.weight, or <layer>.alpha)"));
+    }
+    (kohya ? kohya_keys : dotted_keys) += 1;
+    if (kohya_keys > 0 && dotted_keys > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(where, ": mixes kohya keys (lora_unet_..., lora_te_...) with "
+                                                     "PEFT / diffusers keys (at '", Truncated(key), "')"));
     }
     if (rest.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": tensor '", Truncated(key), "' names no layer"));
     ASSIGN_OR_RETURN(at::Tensor t, file->Get(key));
@@ -100,6 +124,7 @@ absl::StatusOr<LoraFile> ReadLoraFile(const std::string& path, const std::string
     }
   }
   LoraFile out;
+  out.underscored_paths = kohya_keys > 0;
   for (auto& [id, p] : parts) {
     const std::string layer = absl::StrCat(id.first, ".", id.second);
     if (!p.a.defined() || !p.b.defined()) {
@@ -126,6 +151,39 @@ absl::StatusOr<LoraFile> ReadLoraFile(const std::string& path, const std::string
   }
   if (out.layers.empty()) return absl::InvalidArgumentError(absl::StrCat(where, ": holds no LoRA layers"));
   return out;
+}
+
+absl::Status ResolveLayerPaths(LoraFile& file, const std::map<std::string, std::vector<std::string>>& linear_paths) {
+  if (!file.underscored_paths) return absl::OkStatus();
+  std::map<std::string, std::map<std::string, LoraWeights>> resolved;
+  for (auto& [component, layers] : file.layers) {
+    std::map<std::string, std::string> by_underscored;  // "layers_0_attention_to_q" → "layers.0.attention.to_q"
+    std::map<std::string, std::string> clashes;
+    auto it = linear_paths.find(component);
+    if (it != linear_paths.end()) {
+      for (const std::string& path : it->second) {
+        std::string flat = path;
+        std::replace(flat.begin(), flat.end(), '.', '_');
+        auto [existing, inserted] = by_underscored.emplace(flat, path);
+        if (!inserted) clashes[flat] = existing->second + "' and '" + path;
+      }
+    }
+    for (auto& [name, weights] : layers) {
+      if (auto clash = clashes.find(name); clash != clashes.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("the adapter's kohya layer '", component, ".", Truncated(name, 160),
+                                                       "' could be '", clash->second, "'"));
+      }
+      auto found = by_underscored.find(name);
+      if (found == by_underscored.end()) {
+        return absl::InvalidArgumentError(absl::StrCat("the adapter's kohya layer '", component, ".", Truncated(name, 160),
+                                                       "' matches no Linear layer of the pipeline's ", component));
+      }
+      resolved[component][found->second] = std::move(weights);
+    }
+  }
+  file.layers = std::move(resolved);
+  file.underscored_paths = false;
+  return absl::OkStatus();
 }
 
 }  // namespace stowage

@@ -58,13 +58,30 @@ struct LoraFile {
   std::map<std::string, std::map<std::string, LoraWeights>> layers;  // component → path → weights
   int64_t rank = 0;   // The largest rank.
   int64_t bytes = 0;  // A and B of every layer as stored.
+  // Kohya's layout names a layer by its path with every '.' written '_' ("layers_0_attention_to_q"),
+  // which cannot be split back without the model: the paths in `layers` are then those names until
+  // ResolveLayerPaths maps them onto the component's Linear layers.
+  bool underscored_paths = false;
 };
 
-// Reads a LoRA in the PEFT / diffusers layout from a safetensors file: per adapted layer
-// "<component>.<path>.lora_A.weight" ([rank, in]) and "<component>.<path>.lora_B.weight" ([out,
-// rank]) — "<component>." is "transformer.", "text_encoder." (or "unet.") and may be absent (then
-// `default_component`); PEFT's "base_model.model." prefix is accepted — and optionally
-// "<...>.alpha" (a scalar: factor alpha / rank; else `alpha` when given (> 0), else factor 1).
+// For a file with underscored paths: each layer's name matched against the component's Linear paths
+// (`linear_paths`: component → its Linear layers' dotted paths) written the same way, and replaced
+// by the dotted path. INVALID_ARGUMENT naming the layer when no Linear matches it, or when two
+// Linear paths of the component read the same underscored (then the name is ambiguous). A file with
+// dotted paths is left as it is.
+absl::Status ResolveLayerPaths(LoraFile& file, const std::map<std::string, std::vector<std::string>>& linear_paths);
+
+// Reads a LoRA from a safetensors file, in either of the layouts trainers write:
+//  - PEFT / diffusers: per adapted layer "<component>.<path>.lora_A.weight" ([rank, in]) and
+//    "<component>.<path>.lora_B.weight" ([out, rank]) — "<component>." is "transformer.",
+//    "text_encoder." (or "unet.") and may be absent (then `default_component`); PEFT's
+//    "base_model.model." prefix and the original checkpoints' "diffusion_model." (the transformer)
+//    are accepted;
+//  - kohya (sd-scripts, ComfyUI): "lora_unet_<path with '_' for '.'>.lora_down.weight" (A) and
+//    ".lora_up.weight" (B) for the transformer, "lora_te_" / "lora_te1_" for text_encoder,
+//    "lora_te2_" for text_encoder_2 (underscored_paths; ResolveLayerPaths finds the layers);
+// and optionally "<...>.alpha" per layer (a scalar: factor alpha / rank; else `alpha` when given
+// (> 0), else factor 1). A file mixing the layouts is refused.
 // Tensors are read to the CPU in float32. Errors name the file and the key: a lora_A without its
 // lora_B, ranks that differ between A and B, rank 0 or above 1024, non-float dtypes, keys that are
 // not LoRA tensors, non-finite values.

@@ -170,6 +170,64 @@ TEST(LoraFileTest, ReadsThePeftAndDiffusersLayout) {
   EXPECT_FLOAT_EQ(with_alpha->layers.at("transformer").at("layers.1.ff").factor, 2.0f);
 }
 
+// Kohya's layout: lora_unet_ / lora_te_ prefixes, underscored paths, lora_down / lora_up, alpha per
+// layer; the names are matched onto the model's Linear paths, never split by guessing.
+TEST(LoraFileTest, ReadsKohyasLayoutAndMatchesItsNamesOntoTheLayers) {
+  const std::string path = Write("kohya", {
+      {"lora_unet_layers_0_attention_to_q.lora_down.weight", at::ones({4, 16})},
+      {"lora_unet_layers_0_attention_to_q.lora_up.weight", at::ones({12, 4})},
+      {"lora_unet_layers_0_attention_to_q.alpha", at::full({}, 8.0)},
+      {"lora_unet_noise_refiner_1_feed_forward_w1.lora_down.weight", at::ones({2, 16})},
+      {"lora_unet_noise_refiner_1_feed_forward_w1.lora_up.weight", at::ones({32, 2})},
+      {"lora_te_layers_0_self_attn_q_proj.lora_down.weight", at::ones({2, 8})},
+      {"lora_te_layers_0_self_attn_q_proj.lora_up.weight", at::ones({8, 2})},
+  });
+  auto file = ReadLoraFile(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_TRUE(file->underscored_paths);
+  const std::map<std::string, std::vector<std::string>> linears = {
+      {"transformer", {"layers.0.attention.to_q", "layers.0.attention.to_k", "noise_refiner.1.feed_forward.w1"}},
+      {"text_encoder", {"layers.0.self_attn.q_proj"}}};
+  LoraFile resolved = *file;
+  ASSERT_TRUE(ResolveLayerPaths(resolved, linears).ok());
+  EXPECT_FALSE(resolved.underscored_paths);
+  const auto& transformer = resolved.layers.at("transformer");
+  EXPECT_EQ(transformer.count("layers.0.attention.to_q"), 1u);
+  EXPECT_FLOAT_EQ(transformer.at("layers.0.attention.to_q").factor, 2.0f);  // alpha 8 / rank 4.
+  EXPECT_EQ(transformer.count("noise_refiner.1.feed_forward.w1"), 1u);  // Underscores inside names kept.
+  EXPECT_EQ(resolved.layers.at("text_encoder").count("layers.0.self_attn.q_proj"), 1u);
+  // A name that matches no layer, and one two layers would read the same, are refused naming them.
+  LoraFile unmatched = *file;
+  const absl::Status missing = ResolveLayerPaths(
+      unmatched, {{"transformer", {"layers.0.attention.to_k", "noise_refiner.1.feed_forward.w1"}},
+                  {"text_encoder", {"layers.0.self_attn.q_proj"}}});
+  EXPECT_EQ(missing.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(missing.message().find("layers_0_attention_to_q' matches no Linear"), std::string::npos) << missing;
+  LoraFile ambiguous = *file;
+  const absl::Status clash = ResolveLayerPaths(
+      ambiguous, {{"transformer", {"layers.0.attention.to_q", "layers_0.attention.to_q", "noise_refiner.1.feed_forward.w1"}},
+                  {"text_encoder", {"layers.0.self_attn.q_proj"}}});
+  EXPECT_EQ(clash.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(clash.message().find("could be"), std::string::npos) << clash;
+  // Kohya and PEFT keys in one file: refused.
+  auto mixed = ReadLoraFile(Write("mixed", {
+      {"lora_unet_layers_0_attention_to_q.lora_down.weight", at::ones({4, 16})},
+      {"lora_unet_layers_0_attention_to_q.lora_up.weight", at::ones({12, 4})},
+      {"transformer.layers.1.ff.lora_A.weight", at::ones({2, 16})},
+      {"transformer.layers.1.ff.lora_B.weight", at::ones({16, 2})},
+  }));
+  EXPECT_EQ(mixed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(mixed.status().message().find("mixes kohya keys"), std::string::npos) << mixed.status();
+  // The original checkpoints' "diffusion_model." prefix is the transformer, with dotted paths.
+  auto original = ReadLoraFile(Write("original", {
+      {"diffusion_model.layers.0.attention.to_q.lora_A.weight", at::ones({4, 16})},
+      {"diffusion_model.layers.0.attention.to_q.lora_B.weight", at::ones({12, 4})},
+  }));
+  ASSERT_TRUE(original.ok()) << original.status();
+  EXPECT_FALSE(original->underscored_paths);
+  EXPECT_EQ(original->layers.at("transformer").count("layers.0.attention.to_q"), 1u);
+}
+
 TEST(LoraFileTest, BrokenFilesAreRefusedNamingTheKey) {
   struct Case {
     std::string name;

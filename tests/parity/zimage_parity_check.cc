@@ -2,7 +2,9 @@
 // tests/parity/make_zimage_fixtures.py wrote from diffusers, transformers and tokenizers. Prints one
 // line per check and exits non-zero when any exceeds its tolerance (relative L2 error <= 1e-5 in
 // float32, <= 1e-2 in bfloat16 (--bf16_tolerance); identical token ids; images within one 8-bit level).
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -96,6 +98,31 @@ absl::Status CheckLora(const std::string& root) {
     const at::Tensor out = model->Forward(io.at("latents"), t, io.at("caption"));
     Report("lora " + name + " float32", RelativeError(out, expected.at("output_" + name)), 1e-5);
   }
+  // The same adapter in kohya's layout ("lora_unet_<path with _>.lora_down/.lora_up.weight", alpha
+  // as a tensor per layer), written here from the PEFT file: read, its names matched onto the
+  // transformer's Linear layers, it draws what diffusers + PEFT drew.
+  std::vector<std::pair<std::string, at::Tensor>> kohya;
+  for (const auto& [path, weights] : file.layers.at("transformer")) {
+    std::string flat = path;
+    std::replace(flat.begin(), flat.end(), '.', '_');
+    kohya.emplace_back("lora_unet_" + flat + ".lora_down.weight", weights.down);
+    kohya.emplace_back("lora_unet_" + flat + ".lora_up.weight", weights.up);
+    kohya.emplace_back("lora_unet_" + flat + ".alpha", at::tensor({alpha}));
+  }
+  const std::string kohya_path = std::string(std::getenv("TEST_TMPDIR") != nullptr ? std::getenv("TEST_TMPDIR") : "/tmp") +
+                                 "/kohya_lora.safetensors";
+  RETURN_IF_ERROR(WriteSafetensors(kohya_path, kohya));
+  ASSIGN_OR_RETURN(LoraFile kohya_file, ReadLoraFile(kohya_path, "transformer", 0.0f));
+  std::map<std::string, std::vector<std::string>> paths;
+  for (const auto& [path, linear] : linears) paths["transformer"].push_back(path);
+  RETURN_IF_ERROR(ResolveLayerPaths(kohya_file, paths));
+  for (const auto& [path, weights] : kohya_file.layers.at("transformer")) {
+    RETURN_IF_ERROR(linears.at(path)->AttachLora("kohya", weights));
+  }
+  const LoraScales kohya_scales = {{"kohya", 1.0f}};
+  const ScopedLoras kohya_active(&kohya_scales);
+  Report("lora kohya layout float32",
+         RelativeError(model->Forward(io.at("latents"), t, io.at("caption")), expected.at("output_scale1")), 1e-5);
   return absl::OkStatus();
 }
 

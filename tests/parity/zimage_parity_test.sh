@@ -22,7 +22,7 @@ bf16=${STOWAGE_PARITY_BF16_TOLERANCE:-3e-2}
 echo "== committed fixtures"
 "$check" "$fixtures" --bf16_tolerance="$bf16" | tee "$TEST_TMPDIR/ok.txt"
 grep -q "parity: all checks passed" "$TEST_TMPDIR/ok.txt"
-[ "$(grep -c ' ok$' "$TEST_TMPDIR/ok.txt")" -eq 17 ] || { echo "expected 17 passing checks"; exit 1; }
+[ "$(grep -c ' ok$' "$TEST_TMPDIR/ok.txt")" -eq 18 ] || { echo "expected 18 passing checks"; exit 1; }
 
 source "$(dirname "$0")/parity_lib.sh"
 

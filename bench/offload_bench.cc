@@ -229,6 +229,7 @@ absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend,
   if (model_dir.empty()) {
     auto stack = std::make_unique<TransformerStack>(shape.model, LayerOptions{dtype});
     FillBenchmarkWeights(*stack, 7);
+    at::manual_seed(0);  // The same inputs in every process (rows compare outputs across processes).
     const at::Tensor x = at::randn({1, shape.tokens, shape.model.dim}, options);
     const at::Tensor c = at::randn({1, shape.model.modulation_dim}, options);
     TransformerStack* raw = stack.get();

@@ -446,8 +446,9 @@ def _add_admin_commands(commands: argparse._SubParsersAction) -> None:
         help="pageable/disk targets: staging buffers (default: the server's, 2)",
     )
     enable.add_argument(
-        "--compress", choices=("none", "int8", "fp8"), default="none",
-        help="pinned target: stream 8-bit weights with per-channel scales, widened on the device",
+        "--compress", choices=("none", "int8", "fp8", "int8_grouped", "int4"), default="none",
+        help="pinned target: stream compressed weights (int8 / fp8 per channel, int8 per 128 values, int4 per "
+        "16), widened on the device",
     )
     enable.add_argument(
         "--no-pin-in-place", action="store_true",

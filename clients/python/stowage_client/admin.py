@@ -89,7 +89,7 @@ class GroupOffloadInfo:
     sync_onloads: int
     pinned_in_place_bytes: int = 0
     pin_in_place_error: str = ""
-    compress: str = ""  # "", "int8" or "fp8_e4m3" (8-bit transfer).
+    compress: str = ""  # "", "int8", "fp8_e4m3", "int8_grouped" or "int4" (compressed transfer).
     compressed_host_bytes: int = 0
     scratch_bytes: int = 0
     bytes_per_forward: int = 0

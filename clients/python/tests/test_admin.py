@@ -367,6 +367,8 @@ class RequestMappingTest(AdminServerTestCase):
         cases = [
             (dict(compress="int8"), "compress", GOC.COMPRESS_INT8),
             (dict(compress="fp8"), "compress", GOC.COMPRESS_FP8),
+            (dict(compress="int8_grouped"), "compress", GOC.COMPRESS_INT8_GROUPED),
+            (dict(compress="int4"), "compress", GOC.COMPRESS_INT4),
             (dict(compress="none"), "compress", GOC.COMPRESS_NONE),
             (dict(target="pinned"), "target", GOC.PINNED_HOST),
             (dict(target="pageable"), "target", GOC.PAGEABLE_HOST),
@@ -398,7 +400,7 @@ class RequestMappingTest(AdminServerTestCase):
         cases = {
             "unknown offload_type": (dict(component_id="t/x", offload_type="block_level"), ""),
             "unknown target": (dict(component_id="t/x", target="pinned_host"), ""),
-            "unknown compress": (dict(component_id="t/x", compress="int4"), ""),
+            "unknown compress": (dict(component_id="t/x", compress="nf4"), ""),
             "exclude with component": (dict(component_id="t/x", exclude=["vae"]), ""),
             "overrides with component": (dict(component_id="t/x", overrides={"vae": {}}), ""),
             "exclude as a string": (dict(pipeline="tiny", exclude="vae"), ""),

@@ -108,6 +108,7 @@ absl::StatusOr<v1::GetPlacementResponse> AdminCore::GetPlacement(const v1::GetPl
   FillComponents(*snapshot, response.mutable_components(), [](const ComponentView&) { return true; });
   for (const std::string& w : snapshot->warnings) response.add_warnings(w);
   response.set_oom_recoveries(snapshot->counters.oom_recoveries);
+  for (v1::Adapter& adapter : core->Adapters()) *response.add_adapters() = std::move(adapter);
   return response;
 }
 

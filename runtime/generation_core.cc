@@ -1446,6 +1446,15 @@ absl::StatusOr<std::vector<GenerationCore::LoraTarget>> GenerationCore::LoraTarg
   return targets;
 }
 
+std::vector<v1::Adapter> GenerationCore::Adapters() const {
+  std::vector<v1::Adapter> out;
+  absl::MutexLock lock(&adapters_mu_);
+  for (const auto& [pipeline, adapters] : adapters_) {
+    for (const auto& [name, adapter] : adapters) out.push_back(adapter);
+  }
+  return out;
+}
+
 absl::StatusOr<v1::Adapter> GenerationCore::LoadAdapter(const std::string& pipeline_name, const std::string& name,
                                                         const std::string& path, const LoraFile& file,
                                                         const Interrupt& interrupt) {
@@ -1475,6 +1484,7 @@ absl::StatusOr<v1::Adapter> GenerationCore::LoadAdapter(const std::string& pipel
   ASSIGN_OR_RETURN(auto targets, LoraTargets(*pipeline, resolved));
   v1::Adapter adapter;
   adapter.set_name(name);
+  adapter.set_pipeline(pipeline_name);
   adapter.set_path(path);
   adapter.set_rank(static_cast<int32_t>(file.rank));
   adapter.set_layers(static_cast<int32_t>(targets.size()));

@@ -135,6 +135,9 @@ class GenerationCore {
   // removes its components. If `interrupt` fires before that, the pipeline is READY again.
   absl::Status UnloadPipeline(const std::string& name, const Interrupt& interrupt);
 
+  // Every adapter loaded on this device's pipelines (GetPlacement lists them).
+  std::vector<v1::Adapter> Adapters() const ABSL_LOCKS_EXCLUDED(adapters_mu_);
+
   // LoRA adapters (AdminService.LoadAdapter / UnloadAdapter): `file` (models/core/lora.h) is
   // attached, unmerged, to the Linear layers it names in the READY pipeline `pipeline`'s components,
   // its matrices on this device in each component's dtype, on the worker between requests.

@@ -107,6 +107,17 @@ TEST_F(LoraE2eTest, AnAdapterChangesTheImageOnlyWhereARequestNamesIt) {
     for (const v1::Adapter& a : p.adapters()) listed = listed || (p.name() == "zimage-tiny" && a.name() == "style");
   }
   EXPECT_TRUE(listed);
+  // GetPlacement lists it too, with its pipeline and its bytes on the device.
+  auto placement_adapters = [&] {
+    v1::GetPlacementResponse placement;
+    EXPECT_TRUE(server_->admin().GetPlacement(E2eServer::Authed().get(), v1::GetPlacementRequest(), &placement).ok());
+    return placement;
+  };
+  const v1::GetPlacementResponse with = placement_adapters();
+  ASSERT_EQ(with.adapters_size(), 1);
+  EXPECT_EQ(with.adapters(0).name(), "style");
+  EXPECT_EQ(with.adapters(0).pipeline(), "zimage-tiny");
+  EXPECT_EQ(with.adapters(0).bytes(), loaded.adapter().bytes());
 
   const std::string styled = Image({{"style", 1.0f}});
   EXPECT_NE(styled, base) << "the adapter changed nothing";
@@ -125,6 +136,7 @@ TEST_F(LoraE2eTest, AnAdapterChangesTheImageOnlyWhereARequestNamesIt) {
   EXPECT_EQ(png, styled);
 
   ASSERT_TRUE(Unload("style").ok());
+  EXPECT_EQ(placement_adapters().adapters_size(), 0);
   grpc::Status status;
   Image({{"style", 1.0f}}, &status);
   EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);

@@ -106,12 +106,11 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
       t8.sizes = host.sizes().vec();
       t8.compressed = IsCompressible(format, host.scalar_type(), host.sizes());
       if (t8.compressed) {
-        const QuantLayout layout = LayoutOf(format, host.sizes());
+        t8.layout = LayoutOf(format, host.sizes());
         t8.q_offset = compressed;
-        compressed += AlignScratch(layout.q_bytes);
+        compressed += AlignScratch(t8.layout.q_bytes);
         t8.scale_offset = compressed;
-        t8.scale_count = layout.scale_count;
-        compressed += AlignScratch(layout.scale_bytes());
+        compressed += AlignScratch(t8.layout.scale_bytes());
       }
       g8.tensors.push_back(std::move(t8));
     }
@@ -187,11 +186,10 @@ void CompressedHostStore::Widen(int group, const at::Tensor& slot, const at::Ten
   const WidenScratch views = WidenViews(scratch);
   for (const Tensor8& t : g8.tensors) {
     if (!t.compressed) continue;
-    const QuantLayout layout = LayoutOf(format_, t.sizes);
     const at::Tensor out = slot.narrow(0, t.slot_offset, t.bytes).view(t.dtype).view(t.sizes);
-    const at::Tensor q = region.narrow(0, t.q_offset, layout.q_bytes).view(layout.q_dtype).view(layout.q_shape);
+    const at::Tensor q = region.narrow(0, t.q_offset, t.layout.q_bytes).view(t.layout.q_dtype).view(t.layout.q_shape);
     const at::Tensor scale =
-        region.narrow(0, t.scale_offset, layout.scale_bytes()).view(layout.scale_dtype).view({layout.scale_count});
+        region.narrow(0, t.scale_offset, t.layout.scale_bytes()).view(t.layout.scale_dtype).view({t.layout.scale_count});
     WidenInto(out, q, scale, format_, views);
   }
 }

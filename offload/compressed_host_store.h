@@ -63,7 +63,7 @@ class CompressedHostStore final : public HostStore {
     std::vector<int64_t> sizes;
     int64_t q_offset = 0;      // Compressed: in the group's compressed part (= scratch region).
     int64_t scale_offset = 0;
-    int64_t scale_count = 0;
+    QuantLayout layout;        // Compressed: how q and the scales are stored.
     int64_t host_offset = 0;   // Uncompressed: in the packed buffer.
   };
   struct Group8 {

@@ -179,6 +179,32 @@ TEST_P(FormatTest, WideningMatchesTheReferenceExactly) {
   }
 }
 
+// The same widening ops on a GPU (where the copy stream runs them: CUDA kernels, fp8 through the
+// native float8 dtype when torch has one) against the host reference, bit for bit. Skipped without
+// CUDA (CI's LibTorch); the GPU host's ctest runs it.
+TEST_P(FormatTest, WideningOnCudaMatchesTheHostReferenceExactly) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
+  const CompressFormat format = GetParam();
+  const at::Device cuda(at::kCUDA, 0);
+  at::manual_seed(13);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (const std::vector<int64_t>& sizes : std::vector<std::vector<int64_t>>{{33, 70}, {64, 256}, {8, 4, 3, 4}}) {
+      const at::Tensor w = (at::randn(sizes) * 0.1).to(dtype);
+      const QuantizedTensor q = Quantize(w, format);
+      WidenScratch scratch;
+      scratch.table_f32 = Fp8E4M3Table(at::kFloat).to(cuda);
+      scratch.table_bf16 = Fp8E4M3Table(at::kBFloat16).to(cuda);
+      scratch.table_f16 = Fp8E4M3Table(at::kHalf).to(cuda);
+      scratch.index = at::empty({1000}, at::TensorOptions().dtype(at::kInt).device(cuda));
+      scratch.nibbles = at::empty({w.numel() / 2}, at::TensorOptions().dtype(at::kByte).device(cuda));
+      at::Tensor out = at::full(sizes, 7.0, at::TensorOptions().dtype(dtype).device(cuda));
+      WidenInto(out, q.q.to(cuda), q.scale.to(cuda), format, scratch);
+      EXPECT_TRUE(at::equal(out.cpu(), Dequantize(q, format, dtype, w.sizes())))
+          << c10::toString(dtype) << " " << w.sizes();
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, FormatTest,
                          ::testing::Values(CompressFormat::kInt8, CompressFormat::kFp8E4M3,
                                            CompressFormat::kInt8Grouped, CompressFormat::kInt4),

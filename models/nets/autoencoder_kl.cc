@@ -95,6 +95,24 @@ at::Tensor VaeAttention::Forward(const at::Tensor& x) {
   return to_out_->Forward(o).transpose(1, 2).reshape({b, c, h, w}) + x;
 }
 
+VaeMidBlock::VaeMidBlock(int64_t channels, int64_t groups, bool attention, const LayerOptions& o)
+    : Module("UNetMidBlock2D") {
+  auto* resnets = AddChild("resnets", std::make_unique<ModuleList<ResnetBlock2D>>());
+  resnet0_ = resnets->Append(std::make_unique<ResnetBlock2D>(channels, channels, groups, o));
+  resnet1_ = resnets->Append(std::make_unique<ResnetBlock2D>(channels, channels, groups, o));
+  if (attention) {
+    attention_ = AddChild("attentions", std::make_unique<ModuleList<VaeAttention>>())
+                     ->Append(std::make_unique<VaeAttention>(channels, groups, o));
+  }
+}
+
+at::Tensor VaeMidBlock::Forward(const at::Tensor& x) {
+  ForwardScope scope(*this);
+  at::Tensor h = resnet0_->Forward(x);
+  if (attention_ != nullptr) h = attention_->Forward(h);
+  return resnet1_->Forward(h);
+}
+
 VaeUpDecoderBlock::VaeUpDecoderBlock(int64_t in, int64_t out, int64_t layers, bool upsample, int64_t groups,
                                      const LayerOptions& o)
     : Module("UpDecoderBlock2D") {
@@ -124,14 +142,7 @@ AutoencoderKLDecoder::AutoencoderKLDecoder(const AutoencoderKLConfig& c, const L
   const int64_t top = boc.back();
   const int64_t g = c.norm_num_groups;
   conv_in_ = decoder->AddChild("conv_in", std::make_unique<Conv2d>(c.latent_channels, top, 3, 1, 1, o));
-  auto* mid = decoder->AddChild("mid_block", std::make_unique<Container>("UNetMidBlock2D"));
-  auto* resnets = mid->AddChild("resnets", std::make_unique<ModuleList<ResnetBlock2D>>());
-  mid_resnet0_ = resnets->Append(std::make_unique<ResnetBlock2D>(top, top, g, o));
-  mid_resnet1_ = resnets->Append(std::make_unique<ResnetBlock2D>(top, top, g, o));
-  if (c.mid_block_add_attention) {
-    mid_attention_ = mid->AddChild("attentions", std::make_unique<ModuleList<VaeAttention>>())
-                         ->Append(std::make_unique<VaeAttention>(top, g, o));
-  }
+  mid_block_ = decoder->AddChild("mid_block", std::make_unique<VaeMidBlock>(top, g, c.mid_block_add_attention, o));
   up_blocks_ = decoder->AddChild("up_blocks", std::make_unique<ModuleList<VaeUpDecoderBlock>>());
   const std::vector<int64_t> rev(boc.rbegin(), boc.rend());
   for (size_t i = 0; i < rev.size(); ++i) {
@@ -146,9 +157,7 @@ AutoencoderKLDecoder::AutoencoderKLDecoder(const AutoencoderKLConfig& c, const L
 at::Tensor AutoencoderKLDecoder::Decode(const at::Tensor& latents) {
   ForwardScope scope(*this);
   const at::Tensor z = latents / config_.scaling_factor + config_.shift_factor;
-  at::Tensor h = mid_resnet0_->Forward(conv_in_->Forward(z));
-  if (mid_attention_ != nullptr) h = mid_attention_->Forward(h);
-  h = mid_resnet1_->Forward(h);
+  at::Tensor h = mid_block_->Forward(conv_in_->Forward(z));
   for (VaeUpDecoderBlock* up : *up_blocks_) h = up->Forward(h);
   return conv_out_->Forward(at::silu(conv_norm_out_->Forward(h)));
 }
@@ -185,14 +194,7 @@ AutoencoderKLEncoder::AutoencoderKLEncoder(const AutoencoderKLConfig& c, const L
     const int64_t in = i == 0 ? boc.front() : boc[i - 1];
     down_blocks_->Append(std::make_unique<VaeDownEncoderBlock>(in, boc[i], c.layers_per_block, i + 1 < boc.size(), g, o));
   }
-  auto* mid = encoder->AddChild("mid_block", std::make_unique<Container>("UNetMidBlock2D"));
-  auto* resnets = mid->AddChild("resnets", std::make_unique<ModuleList<ResnetBlock2D>>());
-  mid_resnet0_ = resnets->Append(std::make_unique<ResnetBlock2D>(top, top, g, o));
-  mid_resnet1_ = resnets->Append(std::make_unique<ResnetBlock2D>(top, top, g, o));
-  if (c.mid_block_add_attention) {
-    mid_attention_ = mid->AddChild("attentions", std::make_unique<ModuleList<VaeAttention>>())
-                         ->Append(std::make_unique<VaeAttention>(top, g, o));
-  }
+  mid_block_ = encoder->AddChild("mid_block", std::make_unique<VaeMidBlock>(top, g, c.mid_block_add_attention, o));
   conv_norm_out_ = encoder->AddChild("conv_norm_out", std::make_unique<GroupNorm>(g, top, 1e-6, o));
   conv_out_ = encoder->AddChild("conv_out", std::make_unique<Conv2d>(top, 2 * c.latent_channels, 3, 1, 1, o));
   if (c.use_quant_conv) {
@@ -204,9 +206,7 @@ at::Tensor AutoencoderKLEncoder::Moments(const at::Tensor& pixels) {
   ForwardScope scope(*this);
   at::Tensor h = conv_in_->Forward(pixels);
   for (VaeDownEncoderBlock* down : *down_blocks_) h = down->Forward(h);
-  h = mid_resnet0_->Forward(h);
-  if (mid_attention_ != nullptr) h = mid_attention_->Forward(h);
-  h = mid_resnet1_->Forward(h);
+  h = mid_block_->Forward(h);
   h = conv_out_->Forward(at::silu(conv_norm_out_->Forward(h)));
   if (quant_conv_ != nullptr) h = quant_conv_->Forward(h);
   return h;

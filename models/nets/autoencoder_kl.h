@@ -54,6 +54,20 @@ class VaeAttention : public Module {
   Linear* to_out_;
 };
 
+// The middle of both halves (diffusers' UNetMidBlock2D at the widest channel count): a resnet, the
+// attention (when the config adds it), a resnet; state-dict names "resnets.0", "attentions.0",
+// "resnets.1".
+class VaeMidBlock : public Module {
+ public:
+  VaeMidBlock(int64_t channels, int64_t groups, bool attention, const LayerOptions& options);
+  at::Tensor Forward(const at::Tensor& x);
+
+ private:
+  ResnetBlock2D* resnet0_;
+  VaeAttention* attention_ = nullptr;
+  ResnetBlock2D* resnet1_;
+};
+
 class VaeUpDecoderBlock : public Module {
  public:
   VaeUpDecoderBlock(int64_t in, int64_t out, int64_t layers, bool upsample, int64_t groups,
@@ -77,9 +91,7 @@ class AutoencoderKLDecoder : public Module {
  private:
   AutoencoderKLConfig config_;
   Conv2d* conv_in_;
-  ResnetBlock2D* mid_resnet0_;
-  VaeAttention* mid_attention_ = nullptr;
-  ResnetBlock2D* mid_resnet1_;
+  VaeMidBlock* mid_block_;
   ModuleList<VaeUpDecoderBlock>* up_blocks_;
   GroupNorm* conv_norm_out_;
   Conv2d* conv_out_;
@@ -113,9 +125,7 @@ class AutoencoderKLEncoder : public Module {
   AutoencoderKLConfig config_;
   Conv2d* conv_in_;
   ModuleList<VaeDownEncoderBlock>* down_blocks_;
-  ResnetBlock2D* mid_resnet0_;
-  VaeAttention* mid_attention_ = nullptr;
-  ResnetBlock2D* mid_resnet1_;
+  VaeMidBlock* mid_block_;
   GroupNorm* conv_norm_out_;
   Conv2d* conv_out_;
   Conv2d* quant_conv_ = nullptr;

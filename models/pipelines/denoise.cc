@@ -59,9 +59,7 @@ void Denoise(const std::vector<BatchMember>& members, ComponentRunner& runner, B
         previews.emplace_back(i, EulerStep(latents[i], velocity, -sigmas[step]).to(f.latent_dtype));
       }
       latents[i] = EulerStep(latents[i], velocity, sigmas[step + 1] - sigmas[step]).to(f.latent_dtype);
-      if (inputs[i].repaint.defined()) {
-        latents[i] = KeepUnmasked(latents[i], inputs[i], sigmas[step + 1], step == n - 1).to(f.latent_dtype);
-      }
+      latents[i] = KeepUnmasked(latents[i], inputs[i], sigmas[step + 1], step == n - 1).to(f.latent_dtype);
       members[i].context->ReportStep(done, n - start);
     }
     DeliverPreviews(runner, *f.vae, members, done, previews, f.decode);

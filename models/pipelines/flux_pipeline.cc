@@ -1,7 +1,6 @@
 #include "models/pipelines/flux_pipeline.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/InferenceMode.h>
 
 #include <algorithm>

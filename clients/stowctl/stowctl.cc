@@ -30,6 +30,7 @@
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/json_util.h"
 #include "google/protobuf/util/time_util.h"
+#include "base/bounded_read.h"
 #include "base/command_line.h"
 #include "clients/stowctl/format.h"
 #include "google/protobuf/text_format.h"
@@ -178,16 +179,16 @@ bool BuildRequest(stowage::v1::GenerateRequest& request) {
     }
     request.set_guidance_scale(g);
   }
-  // Images in: the files are read here; the server checks their contents.
+  // Images in: the files are read here (at most the server's request size); the server checks
+  // their contents.
   auto read_file = [](const std::string& flag, const std::string& path, std::string* out) {
-    std::ifstream in(path, std::ios::binary);
-    std::stringstream bytes;
-    bytes << in.rdbuf();
-    if (!in || bytes.str().empty()) {
-      std::cerr << "stowctl: cannot read " << flag << " '" << path << "'\n";
+    absl::StatusOr<std::string> bytes = stowage::ReadFileAtMost(path, 32 << 20);
+    if (!bytes.ok() || bytes->empty()) {
+      std::cerr << "stowctl: cannot read " << flag << " '" << path << "'"
+                << (bytes.ok() ? ": empty" : absl::StrCat(": ", bytes.status().message())) << "\n";
       return false;
     }
-    *out = bytes.str();
+    *out = *std::move(bytes);
     return true;
   };
   const std::string image = absl::GetFlag(FLAGS_image), mask = absl::GetFlag(FLAGS_mask);

@@ -486,15 +486,13 @@ void HttpFront::ReapRunners(bool all) {
 std::optional<OpenAiError> HttpFront::ReadForm(MHD_Connection* connection, Request* request) {
   // libmicrohttpd's own form parser (multipart/form-data and url-encoded) over the whole body; each
   // part arrives in pieces at increasing offsets.
-  auto on_part = [](void* cls, MHD_ValueKind, const char* key, const char* filename, const char* content_type,
-                    const char*, const char* data, uint64_t offset, size_t size) -> MHD_Result {
+  auto on_part = [](void* cls, MHD_ValueKind, const char* key, const char*, const char*, const char*,
+                    const char* data, uint64_t offset, size_t size) -> MHD_Result {
     auto* parts = static_cast<std::vector<FormPart>*>(cls);
     if (offset == 0 || parts->empty()) {
       if (parts->size() >= kMaxFormParts) return MHD_NO;
       FormPart part;
       part.name = key != nullptr ? key : "";
-      part.filename = filename != nullptr ? filename : "";
-      part.content_type = content_type != nullptr ? content_type : "";
       parts->push_back(std::move(part));
     }
     if (size > 0) parts->back().data.append(data, size);

@@ -78,11 +78,10 @@ struct ImagesRequest {
   bool edit = false;
 };
 
-// One part of a multipart/form-data (or url-encoded) body: a text field, or a file with its name.
+// One part of a multipart/form-data (or url-encoded) body: a field's name and its bytes (a file's
+// contents or a text value; which one a field is, its name says).
 struct FormPart {
   std::string name;
-  std::string filename;
-  std::string content_type;
   std::string data;
 };
 

@@ -3,6 +3,7 @@
 // request naming it (gRPC loras, HTTP "loras") changes the image, scale 0 and no adapter give the
 // base image, the same request gives the same image, UnloadAdapter removes it; files and requests
 // that do not fit are refused naming what was wrong, and the server stays healthy.
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <thread>
@@ -37,21 +38,35 @@ std::map<std::string, std::pair<int64_t, int64_t>> TransformerLinears() {
   return out;
 }
 
-// A rank-4 LoRA on every attention projection ("attention." in the path), random but fixed.
+// A layer's key prefix and A / B suffixes in the PEFT / diffusers layout, or in kohya's
+// ("lora_unet_" and the path with '_' for '.', lora_down / lora_up).
+struct KeyNames {
+  std::string prefix, a, b;
+};
+KeyNames Keys(const std::string& path, bool kohya) {
+  if (!kohya) return {"transformer." + path, ".lora_A.weight", ".lora_B.weight"};
+  std::string flat = path;
+  std::replace(flat.begin(), flat.end(), '.', '_');
+  return {"lora_unet_" + flat, ".lora_down.weight", ".lora_up.weight"};
+}
+
+// A rank-4 LoRA on every attention projection ("attention." in the path), random but fixed (the
+// same matrices in either layout).
 std::string WriteAdapter(const std::string& name, double magnitude, bool wrong_shape = false,
-                         const std::string& bogus_layer = "") {
+                         const std::string& bogus_layer = "", bool kohya = false) {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   at::Generator gen = at::detail::createCPUGenerator(17);
   for (const auto& [path, dims] : TransformerLinears()) {
     if (path.find("attention.") == std::string::npos) continue;
-    tensors.emplace_back("transformer." + path + ".lora_A.weight",
-                         at::randn({4, dims.first + (wrong_shape ? 1 : 0)}, gen) * magnitude);
-    tensors.emplace_back("transformer." + path + ".lora_B.weight", at::randn({dims.second, 4}, gen) * magnitude);
-    tensors.emplace_back("transformer." + path + ".alpha", at::full({}, 4.0));
+    const KeyNames k = Keys(path, kohya);
+    tensors.emplace_back(k.prefix + k.a, at::randn({4, dims.first + (wrong_shape ? 1 : 0)}, gen) * magnitude);
+    tensors.emplace_back(k.prefix + k.b, at::randn({dims.second, 4}, gen) * magnitude);
+    tensors.emplace_back(k.prefix + ".alpha", at::full({}, 4.0));
   }
   if (!bogus_layer.empty()) {
-    tensors.emplace_back("transformer." + bogus_layer + ".lora_A.weight", at::ones({4, 8}));
-    tensors.emplace_back("transformer." + bogus_layer + ".lora_B.weight", at::ones({8, 4}));
+    const KeyNames k = Keys(bogus_layer, kohya);
+    tensors.emplace_back(k.prefix + k.a, at::ones({4, 8}));
+    tensors.emplace_back(k.prefix + k.b, at::ones({8, 4}));
   }
   EXPECT_FALSE(tensors.empty());
   const std::string path = std::string(::testing::TempDir()) + "/" + name + ".safetensors";
@@ -142,6 +157,30 @@ TEST_F(LoraE2eTest, AnAdapterChangesTheImageOnlyWhereARequestNamesIt) {
   EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
   EXPECT_NE(status.error_message().find("has no adapter"), std::string::npos) << status.error_message();
   EXPECT_EQ(Image({}), base);
+}
+
+// The same adapter in kohya's layout, loaded over admin: its underscored names are matched onto
+// the pipeline's layers and it draws exactly what the PEFT-layout file draws; a kohya name that
+// matches no layer is refused naming it, nothing stays attached, and the server keeps serving.
+TEST_F(LoraE2eTest, AKohyaLayoutFileDrawsWhatThePeftLayoutDraws) {
+  Start();
+  v1::LoadAdapterResponse peft, kohya;
+  ASSERT_TRUE(Load("peft", WriteAdapter("peft", 0.5), &peft).ok());
+  ASSERT_TRUE(Load("kohya", WriteAdapter("kohya", 0.5, false, "", /*kohya=*/true), &kohya).ok());
+  EXPECT_EQ(kohya.adapter().layers(), peft.adapter().layers());
+  EXPECT_EQ(kohya.adapter().bytes(), peft.adapter().bytes());
+  const std::string with_peft = Image({{"peft", 1.0f}});
+  EXPECT_NE(with_peft, Image({}));
+  EXPECT_EQ(Image({{"kohya", 1.0f}}), with_peft);
+  const grpc::Status bogus = Load("bogus", WriteAdapter("bogus", 0.5, false, "layers.0.attention.to_z", true));
+  EXPECT_EQ(bogus.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(bogus.error_message().find("kohya layer 'transformer.layers_0_attention_to_z' matches no Linear"),
+            std::string::npos)
+      << bogus.error_message();
+  grpc::Status status;
+  Image({{"bogus", 1.0f}}, &status);
+  EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);  // Not loaded.
+  EXPECT_TRUE(HealthServing(server_->channel()));
 }
 
 TEST_F(LoraE2eTest, FilesAndRequestsThatDoNotFitAreRefusedNamingWhatWasWrong) {

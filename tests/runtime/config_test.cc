@@ -176,13 +176,25 @@ TEST(ConfigTest, GroupOffloadOptionsPassDepthAndPinInPlace) {
   EXPECT_EQ(ToGroupOffloadOptions(block, "defaults")->compress, CompressFormat::kInt8);
   block.set_compress(v1::GroupOffloadConfig::COMPRESS_FP8);
   EXPECT_EQ(ToGroupOffloadOptions(block, "defaults")->compress, CompressFormat::kFp8E4M3);
-  block.set_compress(static_cast<v1::GroupOffloadConfig::Compress>(7));  // Open enum: refused.
+  block.set_compress(v1::GroupOffloadConfig::COMPRESS_INT8_GROUPED);
+  EXPECT_EQ(ToGroupOffloadOptions(block, "defaults")->compress, CompressFormat::kInt8Grouped);
+  block.set_compress(v1::GroupOffloadConfig::COMPRESS_INT4);
+  EXPECT_EQ(ToGroupOffloadOptions(block, "defaults")->compress, CompressFormat::kInt4);
+  for (const int value : {5, 7, -1}) {  // Open enum: anything past the known values is refused.
+    block.set_compress(static_cast<v1::GroupOffloadConfig::Compress>(value));
+    auto refused = ToGroupOffloadOptions(block, "defaults");
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << value;
+    EXPECT_NE(std::string(refused.status().message()).find("COMPRESS_INT4 (4)"), std::string::npos) << refused.status();
+  }
+  block.set_compress(static_cast<v1::GroupOffloadConfig::Compress>(7));
   auto bad = ToGroupOffloadOptions(block, "defaults");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(bad.status().message()).find("defaults.compress"), std::string::npos) << bad.status();
-  leaf.set_compress(v1::GroupOffloadConfig::COMPRESS_INT8);  // PAGEABLE_HOST: refused.
-  bad = ToGroupOffloadOptions(leaf, "defaults");
-  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  for (const auto compress : {v1::GroupOffloadConfig::COMPRESS_INT8, v1::GroupOffloadConfig::COMPRESS_INT4}) {
+    leaf.set_compress(compress);  // PAGEABLE_HOST: refused.
+    bad = ToGroupOffloadOptions(leaf, "defaults");
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  }
   leaf.set_compress(v1::GroupOffloadConfig::COMPRESS_NONE);
   leaf.set_prefetch_depth(-1);
   l = ToGroupOffloadOptions(leaf, "pipelines[0].group_offload.defaults");

@@ -16,7 +16,7 @@
 //                 as q + 8, two values a byte (the even index in the low nibble); uint8 storage
 //                 [C, K / 2]; K must be even. w' = (nibble − 8) * scale. 5 bits a value. (Measured
 //                 on the trained demo: groups of 32 — 4.5 bits — lose 2 of 48 caption checks, of 16
-//                 none: bench/results/fidelity_cpu_*.jsonl.)
+//                 none: bench/results/fidelity_cpu_int4_variants.md.)
 // Scales are fp32 ([C] or [C, K / G]), bf16 for kInt4. A channel (group) of zeros gets scale 1 (q = 0). Only
 // floating tensors (fp32, bf16, fp16) of rank >= 2 with elements are compressed (and for kInt4
 // an even K); the rest (biases, norms, scalars) stay in their compute dtype: they are tiny.

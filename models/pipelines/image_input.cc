@@ -3,12 +3,18 @@
 #include <ATen/ATen.h>
 
 namespace stowage {
+namespace {
 
+// The input image's clean latents, [1, latent_channels, H / f, W / f] float32 on `device`: the
+// encoder runs where its weights are (`encoder_device`, `encoder_dtype`), its noise drawn from
+// `generator`.
 at::Tensor EncodeInputImage(AutoencoderKLEncoder& encoder, const ImageInput& input, at::Generator& generator,
                             c10::Device encoder_device, at::ScalarType encoder_dtype, c10::Device device) {
   const at::Tensor pixels = ImageToTensor(input.image).to(encoder_device).to(encoder_dtype);
   return encoder.SampleLatents(pixels, generator).to(device);
 }
+
+}  // namespace
 
 void EncodeMemberInputs(const std::vector<BatchMember>& members, ComponentRunner& runner, Component& vae_encoder,
                         c10::Device default_device, BatchRun& run, std::vector<at::Generator>& generators,

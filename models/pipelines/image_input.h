@@ -25,12 +25,6 @@ struct InputLatents {
   at::Tensor repaint;  // Inpainting: 1 where repainted, 0 where kept (float32); undefined otherwise.
 };
 
-// The input image's clean latents, [1, latent_channels, H / f, W / f] float32 on `device`: the
-// encoder runs where its weights are (`encoder_device`, `encoder_dtype`), its noise ε drawn from
-// `generator`.
-at::Tensor EncodeInputImage(AutoencoderKLEncoder& encoder, const ImageInput& input, at::Generator& generator,
-                            c10::Device encoder_device, at::ScalarType encoder_dtype, c10::Device device);
-
 // The input images of the running members that have one, through `vae_encoder` in one run of it
 // (stage "encode_image"), each with its member's generator: (*inputs)[i].image = [1, C, h, w]
 // float32 on `device`. Members without an input keep an undefined tensor; a failed encoding fails

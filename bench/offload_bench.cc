@@ -15,7 +15,8 @@
 // Rows block_int8 / block_fp8 stream the block-level groups as 8-bit (compress int8 / fp8_e4m3):
 // streamed_bytes is then the 8-bit bytes per forward, floor_8bit_s their PCIe floor, and rel_l2 the
 // relative L2 error of the output against a resident forward of the same weights and inputs
-// (computed once before the row's timed forwards; 0 for uncompressed rows).
+// (computed once before the row's timed forwards; 0 for uncompressed rows). prepare_s is the time
+// of GroupOffloader::Apply (planning, pinning, quantizing).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -126,6 +127,7 @@ struct RowResult {
   std::string pin_in_place_error;
   std::string compress = "none";
   double rel_l2 = 0;
+  double prepare_s = 0;  // GroupOffloader::Apply: planning, pinning and (compressed rows) quantizing.
   std::string model;
 };
 
@@ -351,8 +353,11 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     options.compress = compress;
     result.compress = CompressFormatName(compress);
     result.prefetch_depth = options.use_stream ? options.prefetch_depth : 0;
+    const auto prepare_start = std::chrono::steady_clock::now();
     auto applied = GroupOffloader::Apply("stack", model, **weights, backend, options);
     if (!applied.ok()) return applied.status();
+    backend.Synchronize();
+    result.prepare_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - prepare_start).count();
     offloader = *std::move(applied);
     result.streamed_bytes = compress != CompressFormat::kNone
                                 ? offloader->stats().bytes_per_forward
@@ -470,7 +475,7 @@ int Main() {
           "\"achieved_h2d_bytes_per_s\": %.0f, \"config\": \"%s\", \"device\": \"%s\", "
           "\"prefetch_depth\": %d, \"staging\": \"%dx%dMiB, %d threads\", \"pinned_in_place_bytes\": %d, "
           "\"pin_in_place_error\": \"%s\", \"model\": \"%s\", \"machine\": \"%s\", \"compress\": \"%s\", "
-          "\"floor_8bit_s\": %.6f, \"rel_l2\": %.6f}\n",
+          "\"floor_8bit_s\": %.6f, \"rel_l2\": %.6f, \"prepare_s\": %.3f}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -478,7 +483,7 @@ int Main() {
           absl::GetFlag(FLAGS_staging_mib), absl::GetFlag(FLAGS_staging_threads), result->pinned_in_place,
           absl::CHexEscape(result->pin_in_place_error),
           result->model,
-          absl::GetFlag(FLAGS_machine), result->compress, floor_8bit_s, result->rel_l2);
+          absl::GetFlag(FLAGS_machine), result->compress, floor_8bit_s, result->rel_l2, result->prepare_s);
       out.flush();
     }
   }

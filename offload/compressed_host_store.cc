@@ -63,9 +63,14 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
                                                                        DeviceBackend& backend) {
   const CompressFormat format = options.compress;
   if (format == CompressFormat::kNone) return absl::InvalidArgumentError("compressed store without a format");
+  if (options.scratch_buffers != 1 && options.scratch_buffers != 2) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compressed store: scratch_buffers must be 1 or 2, not ", options.scratch_buffers));
+  }
   RETURN_IF_ERROR(weights.CheckSourceFiles());
   std::unique_ptr<CompressedHostStore> store(
       new CompressedHostStore(backend, format, ResolveGroups(groups, weights)));
+  store->areas_ = options.scratch_buffers;
 
   // The fixed part of the scratch: fp8 tables per compute dtype present, then the index chunk; or
   // int4's nibble buffer.
@@ -140,7 +145,7 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
         if (options.prequantized != nullptr && given != options.prequantized->end()) {
           ASSIGN_OR_RETURN(q, CheckPrequantized(name, given->second, host, format));
         } else {
-          q = Quantize(host, format);
+          q = QuantizeOn(host, format, backend.torch_device());  // On the GPU when there is one.
         }
         std::memcpy(base + t8.q_offset, q.q.data_ptr(), q.q.nbytes());
         std::memcpy(base + t8.scale_offset, q.scale.data_ptr(), q.scale.nbytes());
@@ -151,7 +156,8 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
           ReleaseMappedPages(host.data_ptr(), static_cast<int64_t>(host.nbytes()));
     }
   }
-  store->scratch_bytes_ = largest > 0 ? store->fixed_bytes_ + largest : 0;
+  store->area_bytes_ = largest;
+  store->scratch_bytes_ = largest > 0 ? store->fixed_bytes_ + store->areas_ * largest : 0;
   ::malloc_trim(0);  // Quantization temporaries.
   return std::unique_ptr<HostStore>(std::move(store));
 }
@@ -178,42 +184,45 @@ WidenScratch CompressedHostStore::WidenViews(const at::Tensor& scratch) const {
   return views;
 }
 
-void CompressedHostStore::Widen(int group, const at::Tensor& slot, const at::Tensor& scratch) const {
-  // On the copy stream's thread: no autograd, and the scratch may be an inference tensor.
+void CompressedHostStore::Widen(int group, const at::Tensor& slot, const at::Tensor& scratch,
+                                const at::Tensor& area) const {
+  // On the transform stream's thread: no autograd, and the scratch may be an inference tensor.
   c10::InferenceMode inference;
   const Group8& g8 = groups8_[static_cast<size_t>(group)];
-  const at::Tensor region = scratch.narrow(0, fixed_bytes_, g8.compressed_bytes);
   const WidenScratch views = WidenViews(scratch);
   for (const Tensor8& t : g8.tensors) {
     if (!t.compressed) continue;
     const at::Tensor out = slot.narrow(0, t.slot_offset, t.bytes).view(t.dtype).view(t.sizes);
-    const at::Tensor q = region.narrow(0, t.q_offset, t.layout.q_bytes).view(t.layout.q_dtype).view(t.layout.q_shape);
+    const at::Tensor q = area.narrow(0, t.q_offset, t.layout.q_bytes).view(t.layout.q_dtype).view(t.layout.q_shape);
     const at::Tensor scale =
-        region.narrow(0, t.scale_offset, t.layout.scale_bytes()).view(t.layout.scale_dtype).view({t.layout.scale_count});
+        area.narrow(0, t.scale_offset, t.layout.scale_bytes()).view(t.layout.scale_dtype).view({t.layout.scale_count});
     WidenInto(out, q, scale, format_, views);
   }
 }
 
-void CompressedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) {
+std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot,
+                                                                  const at::Tensor& scratch) {
   const auto index = static_cast<size_t>(group);
   const Group8& g8 = groups8_[index];
-  if (!g8.packed.defined()) {  // A resident group, copied once, exact.
-    CopyTensorsDirect(*backend_, groups_[index], slot);
-    return;
-  }
-  if (g8.compressed_bytes > 0) {
-    backend_->CopyToDeviceAsync(scratch.narrow(0, fixed_bytes_, g8.compressed_bytes),
-                                g8.packed.narrow(0, 0, g8.compressed_bytes));
-  }
+  if (!g8.packed.defined()) return CopyTensorsDirect(*backend_, groups_[index], slot);  // Resident, exact.
   for (const Tensor8& t : g8.tensors) {
     if (t.compressed) continue;
     backend_->CopyToDeviceAsync(slot.narrow(0, t.slot_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
   }
-  if (g8.compressed_bytes > 0) {
-    // The views are made on the copy stream's side: the scratch and slot tensors stay referenced
-    // (and their memory alive) until the work has run.
-    backend_->EnqueueOnCopyStream([this, group, slot, scratch] { Widen(group, slot, scratch); });
-  }
+  if (g8.compressed_bytes == 0) return backend_->RecordOnCopyStream();
+  const int a = next_area_;
+  next_area_ = (next_area_ + 1) % areas_;
+  // The area's last widening has read it (with one area: the last widening of any group).
+  if (area_free_[a]) backend_->CopyStreamWait(*area_free_[a]);
+  const at::Tensor area = scratch.narrow(0, fixed_bytes_ + a * area_bytes_, g8.compressed_bytes);
+  backend_->CopyToDeviceAsync(area, g8.packed.narrow(0, 0, g8.compressed_bytes));
+  std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
+  backend_->TransformStreamWait(*landed);
+  // The tensors are captured by value: the scratch and slot stay referenced (and their memory
+  // alive) until the work has run.
+  backend_->EnqueueOnTransformStream([this, group, slot, scratch, area] { Widen(group, slot, scratch, area); });
+  area_free_[a] = backend_->RecordOnTransformStream();
+  return backend_->RecordOnTransformStream();
 }
 
 }  // namespace stowage

@@ -1,16 +1,26 @@
-// CompressedHostStore (target kPinnedHost with compress int8 or fp8_e4m3): the groups that are not
-// resident are kept in pinned host memory as 8-bit weights with per-output-channel fp32 scales
-// (offload/compression.h), copied as 8-bit into the device scratch and widened there into the
-// slot, in the compute dtype, by LibTorch ops enqueued on the copy stream
-// (DeviceBackend::EnqueueOnCopyStream): the engine's prefetch hides the widening like the copy.
+// CompressedHostStore (target kPinnedHost with a compress format): the groups that are not resident
+// are kept in pinned host memory as 8-bit or 4-bit weights with their scales
+// (offload/compression.h), copied compressed into the device scratch and widened there into the
+// slot, in the compute dtype, on the transform stream (DeviceBackend::EnqueueOnTransformStream):
+//
+//   copy stream       [copy g0 → area 0][copy g1 → area 1][wait widen g0][copy g2 → area 0] ...
+//   transform stream          [wait][widen g0 → slot]  [wait][widen g1 → slot]
+//   compute stream                            [wait][forward g0]        [wait][forward g1]
+//
+// so copy(n+1) ∥ widen(n) ∥ compute(n−1): with options.scratch_buffers = 2 the scratch holds two
+// areas for the groups' compressed bytes, used in turn; the copy into an area waits for the
+// widening that last read it (an event per area). With one area every copy waits for the last
+// widening. The returned event is recorded on the transform stream after the widening.
 //
 // Per group, one pinned buffer in the order the device needs it:
 //   [ q_0 | scale_0 | q_1 | scale_1 | ... ]  the compressed tensors (rank >= 2, floating), each part
 //                                            aligned to 256: one DMA into the scratch;
 //   [ t_a | t_b | ... ]                      the other tensors (biases, norms) in their compute
 //                                            dtype: one DMA each, straight to their slot offset.
-// The scratch is [fp8 tables and int32 index chunk | the largest group's compressed part]; the
-// tables are uploaded by InitScratch whenever the engine (re)allocates the scratch.
+// The scratch is [fp8 tables and int32 index chunk, or int4's nibbles | scratch_buffers areas of
+// the largest group's compressed part]; the tables are uploaded by InitScratch whenever the engine
+// (re)allocates the scratch. The fixed part is written only by widenings, which the transform
+// stream runs one at a time.
 //
 // Exactness: after the copy the slot holds, for every compressed tensor, Dequantize(q, scale) in
 // the compute dtype bit for bit, and every other tensor exactly. Resident groups are copied once
@@ -19,8 +29,10 @@
 // safetensors mapping are dropped from RSS after quantizing, so host RAM holds the 8-bit copy plus
 // whatever originals live on the heap.
 //
-// Weights already quantized (an 8-bit checkpoint, compressed_safetensors.h) are taken from
-// options.prequantized by slot path instead of quantizing the host copy.
+// Quantizing runs at Create on the backend's device when it is a GPU (QuantizeOn: a tensor's rows
+// in chunks, so the device lends well under a GB while it runs), else on the host. Weights already
+// quantized (an 8-bit checkpoint, compressed_safetensors.h) are taken from options.prequantized by
+// slot path instead of quantizing the host copy.
 //
 // Thread-safety and lifetime: as HostStore. Work the store enqueued refers to the store: the
 // destructor synchronizes the device first.
@@ -49,7 +61,7 @@ class CompressedHostStore final : public HostStore {
                                                            HostWeights& weights, DeviceBackend& backend);
   ~CompressedHostStore() override;
 
-  void CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) override;
+  std::unique_ptr<DeviceEvent> CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) override;
   HostStoreStats stats() const override { return stats_; }
   int64_t device_scratch_bytes() const override { return scratch_bytes_; }
   void InitScratch(const at::Tensor& scratch) override;
@@ -74,15 +86,20 @@ class CompressedHostStore final : public HostStore {
 
   CompressedHostStore(DeviceBackend& backend, CompressFormat format, std::vector<StoreGroup> groups)
       : backend_(&backend), format_(format), groups_(std::move(groups)), groups8_(groups_.size()) {}
-  // Runs on the copy stream: widens group `group`'s compressed tensors from the scratch into `slot`.
-  void Widen(int group, const at::Tensor& slot, const at::Tensor& scratch) const;
+  // Runs on the transform stream: widens group `group`'s compressed tensors from `area` (a view of
+  // the scratch holding its compressed part) into `slot`.
+  void Widen(int group, const at::Tensor& slot, const at::Tensor& scratch, const at::Tensor& area) const;
   WidenScratch WidenViews(const at::Tensor& scratch) const;
 
   DeviceBackend* backend_;
   CompressFormat format_;
   std::vector<StoreGroup> groups_;
   std::vector<Group8> groups8_;
-  int64_t fixed_bytes_ = 0;     // Start of the group region in the scratch.
+  int64_t fixed_bytes_ = 0;     // Start of the group areas in the scratch.
+  int64_t area_bytes_ = 0;      // One area: the largest group's compressed part.
+  int areas_ = 1;               // options.scratch_buffers.
+  int next_area_ = 0;           // The area the next copy uses.
+  std::unique_ptr<DeviceEvent> area_free_[2];  // Transform stream: the last widening from each area.
   int64_t scratch_bytes_ = 0;   // 0 when no copied group has a compressed tensor.
   // fp8: offsets of the tables in the scratch (-1: dtype absent), the index chunk, and the tables
   // packed in pinned memory as InitScratch uploads them.

@@ -1,5 +1,6 @@
 #include "offload/compression.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -10,13 +11,12 @@
 
 #include "absl/strings/str_cat.h"
 
-// torch >= 2.1 with CUDA has a float8 dtype whose conversion kernels widen e4m3fn without the
-// table; the table path stays correct everywhere (and is what CPU CI tests).
-#if defined(STOWAGE_WITH_CUDA) && __has_include(<torch/version.h>)
-#include <torch/version.h>
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
-#define STOWAGE_NATIVE_FLOAT8 1
-#endif
+// On CUDA the widening is one kernel (widen_kernels.h); the LibTorch ops below are the portable
+// path (what CPU CI and the simulator run).
+#ifdef STOWAGE_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+
+#include "offload/widen_kernels.h"
 #endif
 
 namespace stowage {
@@ -156,7 +156,15 @@ QuantLayout LayoutOf(CompressFormat format, at::IntArrayRef sizes) {
 
 at::Tensor EncodeFp8E4M3(const at::Tensor& x) {
   const at::Tensor in = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty(in.sizes(), at::TensorOptions().dtype(at::kByte));
+  at::Tensor out = at::empty(in.sizes(), in.options().dtype(at::kByte));
+#ifdef STOWAGE_WITH_CUDA
+  if (in.is_cuda()) {
+    const int err = widen_cuda::EncodeE4M3(in.data_ptr<float>(), out.data_ptr<uint8_t>(), in.numel(),
+                                           c10::cuda::getCurrentCUDAStream(in.device().index()).stream());
+    TORCH_CHECK(err == 0, "fp8 encoding kernel failed to launch (CUDA error ", err, ")");
+    return out;
+  }
+#endif
   const float* src = in.data_ptr<float>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, in.numel(), int64_t{1} << 16, [&](int64_t begin, int64_t end) {
@@ -220,6 +228,28 @@ QuantizedTensor Quantize(const at::Tensor& w, CompressFormat format) {
   return out;
 }
 
+QuantizedTensor QuantizeOn(const at::Tensor& w, CompressFormat format, c10::Device device) {
+  if (device.is_cpu()) return Quantize(w, format);
+  const int64_t rows = w.size(0);
+  const int64_t per_row = std::max<int64_t>(1, w.numel() / rows);
+  const int64_t chunk = std::max<int64_t>(1, kQuantizeChunkElements / per_row);
+  std::vector<at::Tensor> qs;
+  std::vector<at::Tensor> scales;
+  try {
+    for (int64_t start = 0; start < rows; start += chunk) {
+      const QuantizedTensor part = Quantize(w.narrow(0, start, std::min(chunk, rows - start)).to(device), format);
+      qs.push_back(part.q.cpu());
+      scales.push_back(part.scale.cpu());
+    }
+  } catch (const c10::Error&) {
+    return Quantize(w, format);  // The device refused (out of memory under a budget): on the host.
+  }
+  QuantizedTensor out;
+  out.q = qs.size() == 1 ? qs[0] : at::cat(qs, 0);
+  out.scale = scales.size() == 1 ? scales[0] : at::cat(scales, 0);
+  return out;
+}
+
 at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::ScalarType dtype, at::IntArrayRef sizes) {
   if (!sizes.empty()) return Dequantize(t, format, dtype).reshape(sizes).contiguous();
   if (format == CompressFormat::kInt8Grouped || format == CompressFormat::kInt4) {
@@ -248,6 +278,27 @@ at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::Scala
 void WidenInto(const at::Tensor& out, const at::Tensor& q, const at::Tensor& scale, CompressFormat format,
                const WidenScratch& scratch) {
   const int64_t channels = q.size(0);
+#ifdef STOWAGE_WITH_CUDA
+  if (out.is_cuda()) {
+    TORCH_CHECK(out.is_contiguous() && q.is_contiguous() && scale.is_contiguous(), "WidenInto: not contiguous");
+    const int64_t k = out.numel() / std::max<int64_t>(1, channels);
+    const bool grouped = format == CompressFormat::kInt8Grouped || format == CompressFormat::kInt4;
+    const widen_cuda::Codes codes = format == CompressFormat::kFp8E4M3 ? widen_cuda::Codes::kFp8E4M3
+                                    : format == CompressFormat::kInt4  ? widen_cuda::Codes::kInt4
+                                                                       : widen_cuda::Codes::kInt8;
+    const widen_cuda::OutType out_type = out.scalar_type() == at::kBFloat16 ? widen_cuda::OutType::kBFloat16
+                                         : out.scalar_type() == at::kHalf   ? widen_cuda::OutType::kHalf
+                                                                            : widen_cuda::OutType::kFloat;
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf || out.scalar_type() == at::kFloat,
+                "WidenInto: unsupported compute dtype ", out.scalar_type());
+    const int64_t group = grouped ? k / (scale.numel() / channels) : k;
+    const int err = widen_cuda::Widen(codes, q.data_ptr(), scale.data_ptr(), scale.scalar_type() == at::kBFloat16,
+                                      out.data_ptr(), out_type, channels, k, group,
+                                      c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
+    TORCH_CHECK(err == 0, "widening kernel failed to launch (CUDA error ", err, ")");
+    return;
+  }
+#endif
   if (format == CompressFormat::kInt8Grouped || format == CompressFormat::kInt4) {
     const int64_t groups = scale.numel() / channels;
     if (format == CompressFormat::kInt8Grouped) {
@@ -268,13 +319,6 @@ void WidenInto(const at::Tensor& out, const at::Tensor& q, const at::Tensor& sca
   if (format == CompressFormat::kInt8) {
     out.copy_(q);
   } else {
-#ifdef STOWAGE_NATIVE_FLOAT8
-    if (out.is_cuda()) {
-      out.copy_(q.view(at::kFloat8_e4m3fn));
-      out.view({channels, -1}).mul_(scale.unsqueeze(1));
-      return;
-    }
-#endif
     const at::Tensor& table = TableFor(scratch, out.scalar_type());
     const at::Tensor out_flat = out.view({-1});
     const at::Tensor q_flat = q.view({-1});

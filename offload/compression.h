@@ -21,15 +21,17 @@
 // floating tensors (fp32, bf16, fp16) of rank >= 2 with elements are compressed (and for kInt4
 // an even K); the rest (biases, norms, scalars) stay in their compute dtype: they are tiny.
 //
-// Widening is dequantization into the compute dtype, done with LibTorch ops that allocate nothing
-// (a copy_ into the output, an index_select_out through a 256-entry table for fp8, an in-place mul_
-// by the scales), so it runs on any device and its device memory is exactly the planned scratch:
+// Widening is dequantization into the compute dtype. On CUDA it is one kernel pass
+// (widen_kernels.h: 8 values a thread, 16-byte stores). Elsewhere (the simulator, CPU) it is done
+// with LibTorch ops that allocate nothing (a copy_ into the output, an index_select_out through a
+// 256-entry table for fp8, an in-place mul_ by the scales), so its device memory is exactly the
+// planned scratch:
 //   int8: out.copy_(q); out.mul_(scale[:, None])   (grouped: out[c, g, :].mul_(scale[c, g]))
 //   fp8:  out[chunk] = table[q[chunk]] (int32 index chunk), then out.mul_(scale[:, None])
 //   int4: nibbles = q & 15 into the uint8 scratch, copied to out's even columns; q >> 4 to the odd
 //         ones; out.sub_(8); out[c, g, :].mul_(scale[c, g])
-// The result equals Dequantize() bit for bit on the same device type (the product in fp32, rounded
-// once to the compute dtype: int8 values and e4m3 values are exact in bf16 and fp16).
+// Either way the result equals Dequantize() bit for bit (the product in fp32, rounded once to the
+// compute dtype: int8, int4 and e4m3 values are exact in bf16 and fp16).
 // Debian's LibTorch 1.13 has no float8 dtype: the fp8 codec is this file's own code on uint8.
 //
 // Thread-safety: functions are reentrant.
@@ -43,6 +45,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -92,8 +95,17 @@ using PrequantizedWeights = std::map<std::string, QuantizedTensor>;
 // True when `format` compresses a tensor of this dtype and shape (see the header comment).
 bool IsCompressible(CompressFormat format, at::ScalarType dtype, at::IntArrayRef sizes);
 
-// Quantizes a CPU tensor (IsCompressible) to `format`.
+// Quantizes a tensor (IsCompressible) to `format`, on the tensor's device (CPU, or CUDA: the same
+// LibTorch ops and, for fp8, a kernel of widen_kernels.h).
 QuantizedTensor Quantize(const at::Tensor& w, CompressFormat format);
+// Quantizes a CPU tensor on `device` (the load-time path on a GPU: rows in chunks of at most
+// kQuantizeChunkElements values, so it needs well under a GB of device memory), the result on the
+// CPU. On the CPU itself, or when the device refuses (out of memory under a budget): Quantize.
+// The result equals the host's bit for bit for the 8-bit formats (the same IEEE operations per
+// value and exact maxima); for int4 the clipping search compares sums of squared errors whose
+// order of summation differs, so a near-tie may keep another (equally good) candidate.
+inline constexpr int64_t kQuantizeChunkElements = int64_t{1} << 24;
+QuantizedTensor QuantizeOn(const at::Tensor& w, CompressFormat format, c10::Device device);
 // The host reference of widening: the weight as the device sees it, in `dtype`, of shape `sizes`
 // (the weight's; empty: q's shape, or [C, K] for kInt4).
 at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::ScalarType dtype,

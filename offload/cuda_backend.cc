@@ -1,7 +1,7 @@
 // The CUDA device backend: LibTorch's caching allocator for device memory (so activations and
-// weights share one accounting), a pool stream for copies, CUDA events between the streams, and
-// cudaHostAlloc / cudaHostRegister for host memory. Compiled to a FAILED_PRECONDITION stub when
-// the build has no CUDA (STOWAGE_WITH_CUDA unset).
+// weights share one accounting), two pool streams (copies; transforms of copied bytes), CUDA events
+// between the streams, and cudaHostAlloc / cudaHostRegister for host memory. Compiled to a
+// FAILED_PRECONDITION stub when the build has no CUDA (STOWAGE_WITH_CUDA unset).
 #include "offload/device_backend.h"
 
 #include "absl/strings/str_cat.h"
@@ -99,7 +99,8 @@ class CudaBackend : public DeviceBackend {
   explicit CudaBackend(int index)
       : index_(index),
         device_(c10::kCUDA, static_cast<c10::DeviceIndex>(index)),
-        copy_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())) {
+        copy_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())),
+        transform_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())) {
     size_t free_bytes = 0;
     size_t total_bytes = 0;
     c10::cuda::CUDAGuard guard(device_);
@@ -160,10 +161,18 @@ class CudaBackend : public DeviceBackend {
     h2d_ += static_cast<int64_t>(src.nbytes());
   }
 
-  void EnqueueOnCopyStream(std::function<void()> work) override {
+  void EnqueueOnTransformStream(std::function<void()> work) override {
     c10::cuda::CUDAGuard guard(device_);
-    c10::cuda::CUDAStreamGuard stream_guard(copy_stream_);
+    c10::cuda::CUDAStreamGuard stream_guard(transform_stream_);
     work();
+  }
+  std::unique_ptr<DeviceEvent> RecordOnTransformStream() override {
+    auto event = std::make_unique<CudaEvent>();
+    event->event.record(transform_stream_);
+    return event;
+  }
+  void TransformStreamWait(DeviceEvent& event) override {
+    static_cast<CudaEvent&>(event).event.block(transform_stream_);
   }
 
   std::unique_ptr<DeviceEvent> RecordOnCopyStream() override {
@@ -185,6 +194,7 @@ class CudaBackend : public DeviceBackend {
   void Synchronize() override {
     c10::cuda::CUDAGuard guard(device_);
     copy_stream_.synchronize();
+    transform_stream_.synchronize();
     c10::cuda::getCurrentCUDAStream(device_.index()).synchronize();
   }
 
@@ -272,6 +282,7 @@ class CudaBackend : public DeviceBackend {
   int index_;
   c10::Device device_;
   c10::cuda::CUDAStream copy_stream_;
+  c10::cuda::CUDAStream transform_stream_;
   int64_t total_bytes_ = 0;
   int64_t budget_bytes_ = 0;
   // Written by the worker (construction, RefreshContextBytes); read by stats callers.

@@ -6,9 +6,10 @@
 // which lets CI test every offload and placement rule with exact byte counts. One conformance
 // suite (tests/offload/device_backend_conformance_test.cc) runs against both.
 //
-// Streams: a backend has a compute stream (where forwards run) and, if supports_streams(), a copy
-// stream. Copies issued with CopyToDeviceAsync run on the copy stream in issue order; an event
-// recorded on one stream can be waited for by the other without blocking the host.
+// Streams: a backend has a compute stream (where forwards run), a copy stream (truly concurrent if
+// supports_streams()) and a transform stream (device-side work on copied bytes). Copies issued with
+// CopyToDeviceAsync run on the copy stream in issue order; an event recorded on one stream can be
+// waited for by another without blocking the host.
 //
 // Thread-safety: all methods may be called from any thread; the engine calls them from the
 // device's request worker.
@@ -86,23 +87,27 @@ class DeviceBackend {
   // Copies `src` (host, same number of bytes) into `dst` (device) on the copy stream, without
   // blocking the host when `src` is pinned or registered. Counts host_to_device_bytes.
   virtual void CopyToDeviceAsync(const at::Tensor& dst, const at::Tensor& src) = 0;
-  // Runs `work` in copy-stream order: after every copy and work enqueued on the copy stream before
-  // it, and before anything enqueued after it (an event recorded on the copy stream afterwards
-  // completes only once `work`'s device effects are done). For device-side transforms of copied
-  // bytes, e.g. widening 8-bit weights into a slot (offload/compressed_host_store.h). `work` issues
-  // LibTorch ops on this device's tensors only; it must not throw nor wait on the compute stream.
-  //   Simulator: `work` runs on the copy worker thread, between the copies around it.
-  //   CUDA: `work` runs on the calling thread, at once, under a stream guard of the copy stream, so
-  //   the kernels it launches are queued on the copy stream (the host does not wait for them).
+  // The transform stream: device-side transforms of bytes the copy stream brought, e.g. widening
+  // 8-bit weights from a scratch area into a slot (offload/compressed_host_store.h). It has its own
+  // order, so a transform of one group overlaps the next group's copy and the compute: whoever
+  // enqueues makes it wait for the copy it reads (TransformStreamWait on a copy-stream event) and
+  // records what waits for it (RecordOnTransformStream). `work` issues LibTorch ops or kernels on
+  // this device's tensors only, on the current stream; it must not throw nor block the host.
+  //   Simulator: `work` runs on the transform worker thread, in the stream's order.
+  //   CUDA: `work` runs on the calling thread, at once, under a stream guard of the transform
+  //   stream, so the kernels it launches are queued there (the host does not wait for them).
   // Counts no host_to_device_bytes (what `work` reads is already on the device).
-  virtual void EnqueueOnCopyStream(std::function<void()> work) = 0;
+  virtual void EnqueueOnTransformStream(std::function<void()> work) = 0;
+  virtual std::unique_ptr<DeviceEvent> RecordOnTransformStream() = 0;
+  // Makes future transform-stream work wait for `event` (host does not block).
+  virtual void TransformStreamWait(DeviceEvent& event) = 0;
   virtual std::unique_ptr<DeviceEvent> RecordOnCopyStream() = 0;
   virtual std::unique_ptr<DeviceEvent> RecordOnComputeStream() = 0;
   // Makes future compute-stream work wait for `event` (host does not block).
   virtual void ComputeStreamWait(DeviceEvent& event) = 0;
   // Makes future copy-stream work wait for `event` (host does not block).
   virtual void CopyStreamWait(DeviceEvent& event) = 0;
-  // Blocks the host until all work on both streams is done.
+  // Blocks the host until all work on every stream (compute, copy, transform) is done.
   virtual void Synchronize() = 0;
 
   // Host memory the device can copy from at full speed: a fresh pinned buffer (uint8 CPU tensor)…

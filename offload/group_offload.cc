@@ -91,6 +91,7 @@ struct GroupOffloader::Impl {
     plan_options.budget_bytes = options.budget_bytes;
     plan_options.slots = options.use_stream ? options.prefetch_depth + 1 : 1;
     plan_options.fixed_scratch_bytes = scratch.fixed_bytes;
+    plan_options.scratch_buffers = store_options.scratch_buffers;
     ASSIGN_OR_RETURN(plan, stowage::PlanGroups(component, *root, tensors, plan_options));
     for (const PlannedGroup& planned : plan.groups) {
       auto g = std::make_unique<Group>();
@@ -163,7 +164,7 @@ struct GroupOffloader::Impl {
     for (auto& g : groups) {
       if (!g->resident) continue;
       ASSIGN_OR_RETURN(g->device_buffer, backend->AllocateBytes(g->bytes));
-      store->CopyGroupToSlot(g->index, g->device_buffer, at::Tensor());  // Resident: exact, no scratch.
+      (void)store->CopyGroupToSlot(g->index, g->device_buffer, at::Tensor());  // Resident: exact, no scratch.
       PointAt(*g, g->device_buffer);
     }
     backend->Synchronize();
@@ -207,8 +208,7 @@ struct GroupOffloader::Impl {
     if (holder != SlotRing::kNoOwner && holder != g.index) groups[static_cast<size_t>(holder)]->slot = -1;
     if (g.slot >= 0 && g.slot != s) ring->set_owner(g.slot, SlotRing::kNoOwner);
     ring->CopyStreamWaitReleased(s);
-    store->CopyGroupToSlot(g.index, ring->buffer(s), ring->scratch());
-    ring->RecordCopied(s);
+    ring->SetCopied(s, store->CopyGroupToSlot(g.index, ring->buffer(s), ring->scratch()));
     ring->set_owner(s, g.index);
     g.slot = static_cast<int>(s);
   }
@@ -227,8 +227,7 @@ struct GroupOffloader::Impl {
       // before it, then compute waits for the copy.
       std::unique_ptr<DeviceEvent> ready = backend->RecordOnComputeStream();
       backend->CopyStreamWait(*ready);
-      store->CopyGroupToSlot(g.index, g.device_buffer, ring->scratch());
-      std::unique_ptr<DeviceEvent> copied = backend->RecordOnCopyStream();
+      std::unique_ptr<DeviceEvent> copied = store->CopyGroupToSlot(g.index, g.device_buffer, ring->scratch());
       backend->ComputeStreamWait(*copied);
       PointAt(g, g.device_buffer);
       g.active = true;
@@ -414,6 +413,8 @@ absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
   store_options.staging_threads = options.staging_threads;
   store_options.compress = options.compress;
   store_options.prequantized = options.prequantized;
+  // With a copy stream, a compressed group's widening overlaps the next group's copy: two areas.
+  store_options.scratch_buffers = options.use_stream ? 2 : 1;
   if (absl::Status valid = ValidateHostStoreOptions(store_options); !valid.ok()) {
     return invalid(std::string(valid.message()));
   }

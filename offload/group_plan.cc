@@ -22,15 +22,15 @@ void Append(PlannedGroup& g, int index, const PlanTensor& t) {
   g.scratch_bytes += AlignUp(t.scratch_bytes);
 }
 
-// The store's scratch when the groups with `streams(g)` true are not resident: the largest of
-// theirs, plus the fixed part when any needs scratch.
+// The store's scratch when the groups with `streams(g)` true are not resident: `buffers` areas of
+// the largest of theirs, plus the fixed part when any needs scratch.
 template <typename Pred>
-int64_t ScratchFor(const std::vector<PlannedGroup*>& candidates, int64_t fixed, Pred streams) {
+int64_t ScratchFor(const std::vector<PlannedGroup*>& candidates, const GroupPlanOptions& options, Pred streams) {
   int64_t largest = 0;
   for (const PlannedGroup* g : candidates) {
     if (streams(*g)) largest = std::max(largest, g->scratch_bytes);
   }
-  return largest > 0 ? largest + fixed : 0;
+  return largest > 0 ? std::max<int64_t>(1, options.scratch_buffers) * largest + options.fixed_scratch_bytes : 0;
 }
 
 }  // namespace
@@ -166,7 +166,7 @@ absl::StatusOr<GroupPlan> ChooseResidency(const std::string& component, std::vec
     int64_t best_slot = 0;
     std::vector<PlannedGroup*> best;
     for (int64_t s : sizes) {
-      const int64_t scratch = ScratchFor(all, options.fixed_scratch_bytes,
+      const int64_t scratch = ScratchFor(all, options,
                                          [&](const PlannedGroup& g) { return g.always_on || g.bytes <= s; });
       int64_t free = options.budget_bytes - always_on - (s > 0 ? n * s : 0) - scratch;
       std::vector<PlannedGroup*> chosen;
@@ -200,7 +200,7 @@ absl::StatusOr<GroupPlan> ChooseResidency(const std::string& component, std::vec
     if (best_resident < 0) {
       // The smallest working set streams every group: slots as large as the largest group.
       const int64_t largest = ring.empty() ? 0 : *sizes.rbegin();
-      const int64_t scratch = ScratchFor(all, options.fixed_scratch_bytes, [](const PlannedGroup&) { return true; });
+      const int64_t scratch = ScratchFor(all, options, [](const PlannedGroup&) { return true; });
       return absl::InvalidArgumentError(absl::StrCat(
           "component '", component, "': budget_bytes ", options.budget_bytes,
           " is smaller than its smallest working set, ", always_on + n * largest + scratch, " bytes: ", always_on,
@@ -224,7 +224,7 @@ absl::StatusOr<GroupPlan> ChooseResidency(const std::string& component, std::vec
   plan.slots = plan.streamed_groups > 0 ? n : 0;
   if (plan.streamed_groups == 0) plan.slot_bytes = 0;
   plan.always_on_bytes = always_on;
-  plan.scratch_bytes = ScratchFor(all, options.fixed_scratch_bytes, [](const PlannedGroup& g) { return !g.resident; });
+  plan.scratch_bytes = ScratchFor(all, options, [](const PlannedGroup& g) { return !g.resident; });
   plan.working_set_bytes = plan.slots * plan.slot_bytes + always_on + plan.resident_bytes + plan.scratch_bytes;
   return plan;
 }

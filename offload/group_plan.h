@@ -30,8 +30,9 @@
 //
 // Store scratch: a host store may need a device scratch area besides the slot to copy a group (the
 // compressed store lands 8-bit weights there before widening them into the slot). Each tensor says
-// how much it needs (PlanTensor::scratch_bytes); a group needs the sum, and the store one area as
-// large as the largest group that is not resident, plus a fixed part (options.fixed_scratch_bytes)
+// how much it needs (PlanTensor::scratch_bytes); a group needs the sum, and the store
+// options.scratch_buffers areas as large as the largest group that is not resident (two let one
+// group's widening overlap the next group's copy), plus a fixed part (options.fixed_scratch_bytes)
 // when any needs some. It is part of the working set and of the budget arithmetic.
 //
 // Thread-safety: the functions are reentrant; a plan is a value.
@@ -87,6 +88,7 @@ struct GroupPlanOptions {
   int64_t budget_bytes = 0;                 // 0: stream every ring group.
   int64_t slots = 1;                        // Ring slots when any group streams (>= 1).
   int64_t fixed_scratch_bytes = 0;          // Store scratch needed once when any group needs some.
+  int64_t scratch_buffers = 1;              // Areas of the largest group's scratch (>= 1).
 };
 
 struct GroupPlan {

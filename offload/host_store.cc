@@ -34,12 +34,14 @@ at::Tensor BytesOf(const at::Tensor& t) {
   return at::from_blob(t.data_ptr(), {static_cast<int64_t>(t.nbytes())}, at::TensorOptions().dtype(at::kByte));
 }
 
-void CopyTensorsDirect(DeviceBackend& backend, const StoreGroup& group, const at::Tensor& slot) {
+std::unique_ptr<DeviceEvent> CopyTensorsDirect(DeviceBackend& backend, const StoreGroup& group,
+                                               const at::Tensor& slot) {
   for (const StoreTensor& t : group.tensors) {
     const at::Tensor& host = t.entry->host;
     const auto n = static_cast<int64_t>(host.nbytes());
     backend.CopyToDeviceAsync(slot.narrow(0, t.offset, n), BytesOf(host.contiguous()));
   }
+  return backend.RecordOnCopyStream();
 }
 
 }  // namespace stowage

@@ -20,19 +20,20 @@
 //     none); the store owns its contents between calls. After every (re)allocation the engine calls
 //     InitScratch(scratch) once, before the first copy that uses it.
 //   - `slot` is a device buffer of at least the group's planned bytes (a ring slot, or a resident
-//     or always-on group's own buffer). Once the copy stream has passed the work the call enqueues,
-//     the slot holds every tensor of the group in its compute dtype at its planned offset
+//     or always-on group's own buffer). Once the event the call returns has completed, the slot
+//     holds every tensor of the group in its compute dtype at its planned offset
 //     (PlannedTensor::offset); the bytes between tensors are unspecified.
 //   - How the bytes get there is the store's business: how many DMAs, from which host memory,
 //     through which intermediate buffers, and how many bytes cross the link. A compressed store can
-//     move fewer bytes than the slot holds (8-bit weights and per-channel scales into a device
-//     scratch area, widened into the slot by work it enqueues on the copy stream with
-//     DeviceBackend::EnqueueOnCopyStream). Work on the copy stream runs in order, so one scratch
-//     serves every group: the next group's bytes land there only after the last widening.
-//   - All device work goes on the backend's copy stream. The engine has already made the copy
-//     stream wait until the slot may be overwritten, and records the event that compute waits for
-//     right after the call. The call may block the host only on the store's own resources (a
-//     staging buffer whose previous DMA has not finished).
+//     move fewer bytes than the slot holds (8-bit weights and their scales into a device scratch
+//     area, widened into the slot by work it enqueues on the transform stream, so that one
+//     group's widening overlaps the next group's copy). The store orders its own use of the
+//     scratch between the two streams.
+//   - Copies go on the backend's copy stream, device-side transforms of copied bytes on its
+//     transform stream (after waiting for the copy they read). The engine has already made the copy
+//     stream wait until the slot may be overwritten; it makes compute wait for the returned event.
+//     The call may block the host only on the store's own resources (a staging buffer whose
+//     previous DMA has not finished).
 //   - One call per group copy: implementations loop over the group's tensors themselves; no
 //     virtual call or heap allocation per tensor beyond what the copy itself needs.
 //
@@ -49,6 +50,7 @@
 #define STOWAGE_OFFLOAD_HOST_STORE_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -82,6 +84,9 @@ struct HostStoreOptions {
   // With compress: 8-bit weights already quantized (an 8-bit checkpoint), by full slot path, used
   // instead of quantizing those host copies. Their format must be `compress`.
   std::shared_ptr<const PrequantizedWeights> prequantized;
+  // With compress: areas for a group's compressed bytes in the device scratch (1 or 2). Two let
+  // one group's widening (transform stream) overlap the next group's copy (copy stream).
+  int scratch_buffers = 1;
 };
 
 // What a store contributes to GroupOffloadStats (same meanings and names there).
@@ -106,7 +111,10 @@ class HostStore {
 
   // Enqueues on the copy stream what makes `slot` hold group `group` (an index into the planned
   // groups the store was created for). See the contract above.
-  virtual void CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) = 0;
+  // Returns the event the group's readers wait for (on the copy stream, or on the transform stream
+  // when the store transforms the bytes there).
+  virtual std::unique_ptr<DeviceEvent> CopyGroupToSlot(int group, const at::Tensor& slot,
+                                                       const at::Tensor& scratch) = 0;
 
   virtual HostStoreStats stats() const = 0;
 
@@ -148,8 +156,9 @@ int64_t NonResidentTensorBytes(const std::vector<StoreGroup>& groups);
 at::Tensor BytesOf(const at::Tensor& t);
 
 // One DMA per tensor, straight from its host copy (pinned, registered, or pageable: then the
-// backend copies synchronously) to its offset in `slot`.
-void CopyTensorsDirect(DeviceBackend& backend, const StoreGroup& group, const at::Tensor& slot);
+// backend copies synchronously) to its offset in `slot`; returns the copy-stream event after them.
+std::unique_ptr<DeviceEvent> CopyTensorsDirect(DeviceBackend& backend, const StoreGroup& group,
+                                               const at::Tensor& slot);
 
 }  // namespace stowage
 

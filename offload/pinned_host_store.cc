@@ -62,14 +62,15 @@ absl::StatusOr<std::unique_ptr<HostStore>> PinnedHostStore::Create(const std::ve
   return std::unique_ptr<HostStore>(std::move(store));
 }
 
-void PinnedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& /*scratch*/) {
+std::unique_ptr<DeviceEvent> PinnedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot,
+                                                               const at::Tensor& /*scratch*/) {
   const auto index = static_cast<size_t>(group);
   const at::Tensor& packed = packed_[index];
   if (packed.defined()) {
     backend_->CopyToDeviceAsync(slot.narrow(0, 0, groups_[index].bytes), packed);
-    return;
+    return backend_->RecordOnCopyStream();
   }
-  CopyTensorsDirect(*backend_, groups_[index], slot);  // A resident group, copied once.
+  return CopyTensorsDirect(*backend_, groups_[index], slot);  // A resident group, copied once.
 }
 
 }  // namespace stowage

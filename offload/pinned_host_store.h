@@ -27,7 +27,7 @@ class PinnedHostStore final : public HostStore {
   static absl::StatusOr<std::unique_ptr<HostStore>> Create(const std::vector<PlannedGroup>& groups,
                                                            HostWeights& weights, DeviceBackend& backend);
 
-  void CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) override;
+  std::unique_ptr<DeviceEvent> CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) override;
   HostStoreStats stats() const override { return stats_; }
 
  private:

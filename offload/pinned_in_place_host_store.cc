@@ -25,9 +25,9 @@ PinnedInPlaceHostStore::~PinnedInPlaceHostStore() {
   pinned_.Release();
 }
 
-void PinnedInPlaceHostStore::CopyGroupToSlot(int group, const at::Tensor& slot,
-                                              const at::Tensor& /*scratch*/) {
-  CopyTensorsDirect(*backend_, groups_[static_cast<size_t>(group)], slot);
+std::unique_ptr<DeviceEvent> PinnedInPlaceHostStore::CopyGroupToSlot(int group, const at::Tensor& slot,
+                                                                      const at::Tensor& /*scratch*/) {
+  return CopyTensorsDirect(*backend_, groups_[static_cast<size_t>(group)], slot);
 }
 
 }  // namespace stowage

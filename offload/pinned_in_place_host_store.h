@@ -29,7 +29,7 @@ class PinnedInPlaceHostStore final : public HostStore {
                                                            HostWeights& weights, DeviceBackend& backend);
   ~PinnedInPlaceHostStore() override;
 
-  void CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) override;
+  std::unique_ptr<DeviceEvent> CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) override;
   HostStoreStats stats() const override { return stats_; }
 
  private:

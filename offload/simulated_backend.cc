@@ -1,6 +1,7 @@
 // The simulated accelerator: device memory is host memory in a separately accounted pool with a
-// byte budget, asynchronous copies run on a worker thread (optionally at a fixed bandwidth), and the
-// "compute stream" is the calling thread, so waiting on a copy event blocks the caller.
+// byte budget, the copy stream and the transform stream are two in-order queues, each with its own
+// worker thread (copies optionally at a fixed bandwidth), and the "compute stream" is the calling
+// thread, so waiting on a copy or transform event blocks the caller.
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -61,15 +62,16 @@ struct HostLocks {
   }
 };
 
-struct CopyState {
+// Progress of one simulated stream: work items are numbered in issue order and finish in order.
+struct StreamState {
   absl::Mutex mu;
-  uint64_t issued ABSL_GUARDED_BY(mu) = 0;     // Sequence number of the last issued copy.
-  uint64_t completed ABSL_GUARDED_BY(mu) = 0;  // Sequence number of the last finished copy.
+  uint64_t issued ABSL_GUARDED_BY(mu) = 0;     // Sequence number of the last issued item.
+  uint64_t completed ABSL_GUARDED_BY(mu) = 0;  // Sequence number of the last finished item.
 };
 
 class SimEvent : public DeviceEvent {
  public:
-  SimEvent(std::shared_ptr<CopyState> state, uint64_t seq) : state_(std::move(state)), seq_(seq) {}
+  SimEvent(std::shared_ptr<StreamState> state, uint64_t seq) : state_(std::move(state)), seq_(seq) {}
   bool Query() override {
     if (state_ == nullptr) return true;
     absl::MutexLock lock(&state_->mu);
@@ -83,27 +85,123 @@ class SimEvent : public DeviceEvent {
         +[](SimEvent* self) ABSL_NO_THREAD_SAFETY_ANALYSIS { return self->state_->completed >= self->seq_; },
         this));
   }
+  // Null for a compute-stream event (complete when recorded).
+  const std::shared_ptr<StreamState>& state() const { return state_; }
+  uint64_t seq() const { return seq_; }
 
  private:
-  std::shared_ptr<CopyState> state_;  // Null: a compute-stream event, complete when recorded.
+  std::shared_ptr<StreamState> state_;
   uint64_t seq_;
+};
+
+// One simulated stream: an in-order queue of copies, work and waits run by its own thread.
+class SimStream {
+ public:
+  // Copies count their bytes in pool->h2d when they finish, taking at least bytes / bandwidth
+  // seconds each when `bandwidth_bytes_per_second` > 0.
+  SimStream(std::shared_ptr<Pool> pool, int64_t bandwidth_bytes_per_second)
+      : pool_(std::move(pool)), bandwidth_(bandwidth_bytes_per_second), state_(std::make_shared<StreamState>()) {
+    thread_ = std::thread([this] { Loop(); });
+  }
+  // Runs what is queued, then stops.
+  ~SimStream() {
+    {
+      absl::MutexLock lock(&state_->mu);
+      stopping_ = true;
+    }
+    thread_.join();
+  }
+
+  void Copy(const at::Tensor& dst, const at::Tensor& src) { Push(Item{dst, src, nullptr, nullptr, 0, 0}); }
+  void Work(std::function<void()> work) { Push(Item{at::Tensor(), at::Tensor(), std::move(work), nullptr, 0, 0}); }
+  // Later items wait until `event` (of any stream) has completed.
+  void Wait(const SimEvent& event) {
+    if (event.state() == nullptr || event.state() == state_) return;  // Complete, or earlier in this queue.
+    Push(Item{at::Tensor(), at::Tensor(), nullptr, event.state(), event.seq(), 0});
+  }
+  std::unique_ptr<SimEvent> Record() { return std::make_unique<SimEvent>(state_, Issued()); }
+  uint64_t Issued() {
+    absl::MutexLock lock(&state_->mu);
+    return state_->issued;
+  }
+  const std::shared_ptr<StreamState>& state() const { return state_; }
+
+ private:
+  // A copy (src set), work (work set) or a wait for another stream's event (wait_state set).
+  struct Item {
+    at::Tensor dst;
+    at::Tensor src;
+    std::function<void()> work;
+    std::shared_ptr<StreamState> wait_state;
+    uint64_t wait_seq;
+    uint64_t seq;
+  };
+
+  void Push(Item item) {
+    absl::MutexLock lock(&state_->mu);
+    item.seq = ++state_->issued;
+    queue_.push_back(std::move(item));
+  }
+
+  void Loop() {
+    for (;;) {
+      Item item;
+      {
+        absl::MutexLock lock(&state_->mu);
+        // Await evaluates the condition with the lock held.
+        state_->mu.Await(absl::Condition(
+            +[](SimStream* self) ABSL_NO_THREAD_SAFETY_ANALYSIS { return self->stopping_ || !self->queue_.empty(); },
+            this));
+        if (queue_.empty()) return;
+        item = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      if (item.wait_state != nullptr) {
+        SimEvent(item.wait_state, item.wait_seq).Wait();
+      } else if (item.work) {
+        item.work();
+      } else {
+        const auto start = std::chrono::steady_clock::now();
+        const size_t bytes = item.src.nbytes();
+        if (bytes > 0) std::memcpy(item.dst.data_ptr(), item.src.data_ptr(), bytes);
+        if (bandwidth_ > 0) {
+          std::this_thread::sleep_until(
+              start + std::chrono::duration<double>(static_cast<double>(bytes) / static_cast<double>(bandwidth_)));
+        }
+        absl::MutexLock lock(&pool_->mu);
+        pool_->h2d += static_cast<int64_t>(bytes);
+      }
+      const uint64_t seq = item.seq;
+      item = Item{};  // Drop the tensor references before signalling completion.
+      absl::MutexLock lock(&state_->mu);
+      state_->completed = seq;
+    }
+  }
+
+  std::shared_ptr<Pool> pool_;
+  const int64_t bandwidth_;
+  std::shared_ptr<StreamState> state_;
+  std::deque<Item> queue_ ABSL_GUARDED_BY(state_->mu);
+  bool stopping_ ABSL_GUARDED_BY(state_->mu) = false;
+  std::thread thread_;
 };
 
 class SimulatedBackend : public DeviceBackend {
  public:
   explicit SimulatedBackend(const SimulatedBackendOptions& options)
-      : options_(options), pool_(std::make_shared<Pool>()), copy_(std::make_shared<CopyState>()) {
+      : options_(options),
+        pool_(std::make_shared<Pool>()),
+        copy_(std::make_unique<SimStream>(pool_, options.bandwidth_bytes_per_second)),
+        transform_(std::make_unique<SimStream>(pool_, 0)) {
     absl::MutexLock lock(&pool_->mu);
     pool_->budget = options.budget_bytes;
-    worker_ = std::thread([this] { CopyLoop(); });
   }
 
+  // The transform stream drains first: its waits refer to copies already queued, which the copy
+  // thread still runs; then the copy stream, whose waits on transforms have all completed.
   ~SimulatedBackend() override {
-    {
-      absl::MutexLock lock(&copy_->mu);
-      stopping_ = true;
-    }
-    worker_.join();
+    transform_.reset();
+    copy_.reset();
   }
 
   std::string name() const override { return absl::StrCat("sim:", options_.index); }
@@ -168,26 +266,27 @@ class SimulatedBackend : public DeviceBackend {
     TORCH_CHECK(dst.is_contiguous() && src.is_contiguous(), "CopyToDeviceAsync needs contiguous tensors");
     const absl::Status source = CheckCopySource(src);
     TORCH_CHECK(source.ok(), "CopyToDeviceAsync: ", source.message());
-    absl::MutexLock lock(&copy_->mu);
-    queue_.push_back(Copy{dst, src, nullptr, ++copy_->issued});
+    copy_->Copy(dst, src);
   }
 
-  void EnqueueOnCopyStream(std::function<void()> work) override {
-    absl::MutexLock lock(&copy_->mu);
-    queue_.push_back(Copy{at::Tensor(), at::Tensor(), std::move(work), ++copy_->issued});
-  }
+  void EnqueueOnTransformStream(std::function<void()> work) override { transform_->Work(std::move(work)); }
+  std::unique_ptr<DeviceEvent> RecordOnTransformStream() override { return transform_->Record(); }
+  void TransformStreamWait(DeviceEvent& event) override { transform_->Wait(static_cast<SimEvent&>(event)); }
 
-  std::unique_ptr<DeviceEvent> RecordOnCopyStream() override {
-    absl::MutexLock lock(&copy_->mu);
-    return std::make_unique<SimEvent>(copy_, copy_->issued);
-  }
+  std::unique_ptr<DeviceEvent> RecordOnCopyStream() override { return copy_->Record(); }
   std::unique_ptr<DeviceEvent> RecordOnComputeStream() override {
     return std::make_unique<SimEvent>(nullptr, 0);
   }
   void ComputeStreamWait(DeviceEvent& event) override { static_cast<SimEvent&>(event).Wait(); }
-  // Compute runs on the calling thread, so its events are complete by the time anyone waits.
-  void CopyStreamWait(DeviceEvent& event) override { (void)event; }
-  void Synchronize() override { SimEvent(copy_, IssuedSeq()).Wait(); }
+  // Compute runs on the calling thread, so its events are complete by the time anyone waits; a
+  // transform event is waited for in the copy stream's order.
+  void CopyStreamWait(DeviceEvent& event) override { copy_->Wait(static_cast<SimEvent&>(event)); }
+  void Synchronize() override {
+    SimEvent copies(copy_->state(), copy_->Issued());
+    SimEvent transforms(transform_->state(), transform_->Issued());
+    copies.Wait();
+    transforms.Wait();
+  }
 
   absl::StatusOr<at::Tensor> AllocatePinnedHost(int64_t bytes) override {
     if (bytes < 0) return absl::InvalidArgumentError("negative pinned allocation");
@@ -270,56 +369,6 @@ class SimulatedBackend : public DeviceBackend {
   void ReleaseCachedMemory() override {}
 
  private:
-  // A copy, or work (EnqueueOnCopyStream) when `work` is set.
-  struct Copy {
-    at::Tensor dst;
-    at::Tensor src;
-    std::function<void()> work;
-    uint64_t seq;
-  };
-
-  uint64_t IssuedSeq() {
-    absl::MutexLock lock(&copy_->mu);
-    return copy_->issued;
-  }
-
-  void CopyLoop() {
-    for (;;) {
-      Copy copy;
-      {
-        absl::MutexLock lock(&copy_->mu);
-        // Await evaluates the condition with the lock held.
-        copy_->mu.Await(absl::Condition(
-            +[](SimulatedBackend* self) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-              return self->stopping_ || !self->queue_.empty();
-            },
-            this));
-        if (queue_.empty()) return;
-        copy = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      if (copy.work) {
-        copy.work();
-        Complete(std::move(copy));
-        continue;
-      }
-      const auto start = std::chrono::steady_clock::now();
-      const size_t bytes = copy.src.nbytes();
-      if (bytes > 0) std::memcpy(copy.dst.data_ptr(), copy.src.data_ptr(), bytes);
-      if (options_.bandwidth_bytes_per_second > 0) {
-        const auto target = start + std::chrono::duration<double>(
-                                        static_cast<double>(bytes) /
-                                        static_cast<double>(options_.bandwidth_bytes_per_second));
-        std::this_thread::sleep_until(target);
-      }
-      {
-        absl::MutexLock lock(&pool_->mu);
-        pool_->h2d += static_cast<int64_t>(bytes);
-      }
-      Complete(std::move(copy));
-    }
-  }
-
   // Like cudaMemcpy: a host range that starts in page-locked memory must end inside the same
   // registration or allocation (one that starts in pageable memory may run into page-locked
   // memory); tests/offload/device_backend_conformance_test.cc checks CUDA does the same.
@@ -337,19 +386,10 @@ class SimulatedBackend : public DeviceBackend {
     return absl::OkStatus();
   }
 
-  void Complete(Copy copy) {
-    const uint64_t seq = copy.seq;
-    copy = Copy{};  // Drop the tensor references before signalling completion.
-    absl::MutexLock lock(&copy_->mu);
-    copy_->completed = seq;  // Copies finish in issue order.
-  }
-
   const SimulatedBackendOptions options_;
   std::shared_ptr<Pool> pool_;
-  std::shared_ptr<CopyState> copy_;
-  std::deque<Copy> queue_ ABSL_GUARDED_BY(copy_->mu);
-  bool stopping_ ABSL_GUARDED_BY(copy_->mu) = false;
-  std::thread worker_;
+  std::unique_ptr<SimStream> copy_;
+  std::unique_ptr<SimStream> transform_;
   std::shared_ptr<HostLocks> locks_ = std::make_shared<HostLocks>();
 };
 

@@ -47,7 +47,9 @@ void SlotRing::CopyStreamWaitReleased(int64_t s) {
   if (slot.released) backend_->CopyStreamWait(*slot.released);
 }
 
-void SlotRing::RecordCopied(int64_t s) { slots_[static_cast<size_t>(s)].copied = backend_->RecordOnCopyStream(); }
+void SlotRing::SetCopied(int64_t s, std::unique_ptr<DeviceEvent> copied) {
+  slots_[static_cast<size_t>(s)].copied = std::move(copied);
+}
 
 void SlotRing::ComputeStreamWaitCopied(int64_t s) {
   backend_->ComputeStreamWait(*slots_[static_cast<size_t>(s)].copied);

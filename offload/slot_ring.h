@@ -3,8 +3,8 @@
 // (prefetch_depth + 1) slots (1 without a copy stream), each sized for the largest streamed group:
 // device memory for streaming is fixed and predictable, and no buffer is allocated or freed per
 // onload, so there are no cross-stream allocator hazards. Two events per slot guard its reuse:
-// `copied` (recorded on the copy stream after a group's bytes were enqueued into it; the compute
-// stream waits for it before the group's forward reads the slot) and `released` (recorded on the
+// `copied` (completes once a group's bytes are in the slot: recorded by the store on the copy or
+// the transform stream; the compute stream waits for it before the group's forward reads the slot) and `released` (recorded on the
 // compute stream after the forward that read the slot; the copy stream waits for it before the next
 // copy overwrites the slot). Which group a slot holds (its owner, an index chosen by the caller) is
 // bookkeeping for the engine's prefetch; the ring never looks at group contents.
@@ -22,7 +22,7 @@
 //
 //   SlotRing ring(backend, /*slots=*/2, /*slot_bytes=*/group_bytes);
 //   RETURN_IF_ERROR(ring.Allocate());
-//   ring.CopyStreamWaitReleased(s);  store.CopyGroupToSlot(g, ring.buffer(s));  ring.RecordCopied(s);
+//   ring.CopyStreamWaitReleased(s);  ring.SetCopied(s, store.CopyGroupToSlot(g, ring.buffer(s), ...));
 //   ring.ComputeStreamWaitCopied(s); ... forward reads ring.buffer(s) ...;       ring.RecordReleased(s);
 #ifndef STOWAGE_OFFLOAD_SLOT_RING_H_
 #define STOWAGE_OFFLOAD_SLOT_RING_H_
@@ -72,8 +72,9 @@ class SlotRing {
 
   // Copy-stream work issued next waits until the compute that last read slot `s` is done.
   void CopyStreamWaitReleased(int64_t s);
-  // After enqueuing a copy into slot `s`: marks it on the copy stream.
-  void RecordCopied(int64_t s);
+  // After enqueuing a copy into slot `s`: `copied` completes once the slot holds it (the event
+  // HostStore::CopyGroupToSlot returns).
+  void SetCopied(int64_t s, std::unique_ptr<DeviceEvent> copied);
   // Compute-stream work issued next waits for the last copy into slot `s` (which must have one).
   void ComputeStreamWaitCopied(int64_t s);
   // After enqueuing the compute that reads slot `s`: marks it on the compute stream.

@@ -31,7 +31,8 @@ absl::Status StagedHostStore::StartStaging(const HostStoreOptions& options) {
   return absl::OkStatus();
 }
 
-void StagedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& /*scratch*/) {
+std::unique_ptr<DeviceEvent> StagedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot,
+                                                               const at::Tensor& /*scratch*/) {
   for (const StoreTensor& t : groups_[static_cast<size_t>(group)].tensors) {
     const at::Tensor& host = t.entry->host;
     const auto n = static_cast<int64_t>(host.nbytes());
@@ -47,6 +48,7 @@ void StagedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot, const a
       done += len;
     }
   }
+  return backend_->RecordOnCopyStream();
 }
 
 }  // namespace stowage

@@ -36,7 +36,7 @@ class StagedHostStore : public HostStore {
                                                            HostWeights& weights, DeviceBackend& backend,
                                                            std::string why_staged);
 
-  void CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) final;
+  std::unique_ptr<DeviceEvent> CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) final;
   HostStoreStats stats() const override { return stats_; }
 
  protected:

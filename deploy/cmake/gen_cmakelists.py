@@ -35,6 +35,7 @@ from typing import Dict, List, Optional, Tuple
 # Rules deploy/cmake/host_tests.cmake registers (or extends) itself, and why.
 HOST_SPECIFIC: Dict[str, str] = {
     "//models/core:fused_kernels_o": "the CUDA kernels: nvcc through CMake's CUDA language, CUDA builds only",
+    "//offload:widen_kernels_o": "the widening kernel: nvcc through CMake's CUDA language, CUDA builds only",
     "//clients/python:client_test": "needs /usr/bin/python3 with grpc and protobuf, and grpc_python_plugin",
     "//tests/e2e:python_e2e_test": "needs /usr/bin/python3 with grpc and protobuf, and grpc_python_plugin",
     "//tests/e2e:demo_e2e_test": "needs the Python client and numpy and PIL",

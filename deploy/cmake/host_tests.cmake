@@ -22,6 +22,13 @@ if(STOWAGE_WITH_CUDA)
     CUDA_ARCHITECTURES 90 POSITION_INDEPENDENT_CODE ON CUDA_STANDARD 17)
   target_compile_options(models_core_fused_kernels_cuda PRIVATE -O3)
   target_sources(models_core_fused_ops PRIVATE $<TARGET_OBJECTS:models_core_fused_kernels_cuda>)
+  # The genrule :widen_kernels_o of offload/BUILD, the same way.
+  add_library(offload_widen_kernels_cuda OBJECT offload/widen_kernels.cu)
+  target_include_directories(offload_widen_kernels_cuda PRIVATE "${CMAKE_CURRENT_SOURCE_DIR}")
+  set_target_properties(offload_widen_kernels_cuda PROPERTIES
+    CUDA_ARCHITECTURES 90 POSITION_INDEPENDENT_CODE ON CUDA_STANDARD 17)
+  target_compile_options(offload_widen_kernels_cuda PRIVATE -O3)
+  target_sources(offload_compression PRIVATE $<TARGET_OBJECTS:offload_widen_kernels_cuda>)
 endif()
 
 # Bazel gives the server the demo pipeline's folder as runfiles (data = //models/demo:shapes); a

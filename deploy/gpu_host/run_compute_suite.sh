@@ -83,7 +83,7 @@ import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     print(f"{r['row']:18s} step {r['step_s']:.4f} s  resident {r.get('resident_step_s', 0):.4f} s  floor {r['floor_s']:.4f} s"
-          f"  floor_compressed {r.get('floor_8bit_s', 0):.4f} s  rel_l2 {r.get('rel_l2', 0):.4f}  rss {r['peak_rss_bytes'] / 2**30:.2f} GiB"
+          f"  floor_compressed {r.get('floor_8bit_s', 0):.4f} s  rel_l2 {r.get('rel_l2', 0):.4f}  rss {r['peak_rss_bytes'] / 2**30:.2f} GiB  prepare {r.get('prepare_s', 0):.1f} s"
           f"  weights {r['weight_bytes'] / 2**30:.2f} GiB")
 PY
 fi

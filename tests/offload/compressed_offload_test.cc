@@ -205,6 +205,51 @@ TEST_P(FormatTest, WideningOnCudaMatchesTheHostReferenceExactly) {
   }
 }
 
+// The widening kernel's scalar path (an output that is not 16-byte aligned) gives the same bits.
+TEST_P(FormatTest, WideningOnCudaIntoAnUnalignedOutputMatchesToo) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
+  const CompressFormat format = GetParam();
+  const at::Device cuda(at::kCUDA, 0);
+  at::manual_seed(17);
+  const at::Tensor w = (at::randn({64, 256}) * 0.1).to(at::kBFloat16);
+  const QuantizedTensor q = Quantize(w, format);
+  const at::Tensor buffer = at::zeros({64 * 256 + 1}, at::TensorOptions().dtype(at::kBFloat16).device(cuda));
+  const at::Tensor out = buffer.narrow(0, 1, 64 * 256).view({64, 256});
+  WidenInto(out, q.q.to(cuda), q.scale.to(cuda), format, WidenScratch{});
+  EXPECT_TRUE(at::equal(out.cpu(), Dequantize(q, format, at::kBFloat16, w.sizes())));
+}
+
+// Quantizing on the GPU at load (QuantizeOn, in row chunks when a tensor is larger than one) gives
+// the host's bits for the 8-bit formats; int4's clipping search may break a near-tie the other way.
+TEST_P(FormatTest, QuantizingOnCudaMatchesTheHost) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
+  const CompressFormat format = GetParam();
+  at::manual_seed(19);
+  // 4100 x 4096: more than one chunk of kQuantizeChunkElements values.
+  for (const std::vector<int64_t>& sizes : std::vector<std::vector<int64_t>>{{33, 70}, {4100, 4096}}) {
+    const at::Tensor w = (at::randn(sizes) * 0.05).to(at::kBFloat16);
+    const QuantizedTensor host = Quantize(w, format);
+    const QuantizedTensor device = QuantizeOn(w, format, at::Device(at::kCUDA, 0));
+    ASSERT_TRUE(device.q.device().is_cpu() && device.scale.device().is_cpu());
+    ASSERT_EQ(device.q.sizes(), host.q.sizes());
+    ASSERT_EQ(device.scale.sizes(), host.scale.sizes());
+    if (format != CompressFormat::kInt4) {
+      EXPECT_TRUE(at::equal(device.q, host.q)) << w.sizes();
+      EXPECT_TRUE(at::equal(device.scale, host.scale)) << w.sizes();
+    } else {
+      const double same = device.scale.eq(host.scale).to(at::kDouble).mean().item<double>();
+      EXPECT_GT(same, 0.999) << w.sizes();
+      EXPECT_NEAR(RelL2(Dequantize(device, format, at::kFloat), w.to(at::kFloat).view({sizes[0], -1})),
+                  RelL2(Dequantize(host, format, at::kFloat), w.to(at::kFloat).view({sizes[0], -1})), 1e-4);
+    }
+  }
+  if (format == CompressFormat::kFp8E4M3) {  // Every code, halfway cases, saturation, NaN.
+    const at::Tensor table = Fp8E4M3Table(at::kFloat);
+    const at::Tensor x = at::cat({table, table * 1.03125, table * 0.96875, at::tensor({1000.0f, -1000.0f, 0.0f, -0.0f})});
+    EXPECT_TRUE(at::equal(EncodeFp8E4M3(x.to(at::Device(at::kCUDA, 0))).cpu(), EncodeFp8E4M3(x)));
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, FormatTest,
                          ::testing::Values(CompressFormat::kInt8, CompressFormat::kFp8E4M3,
                                            CompressFormat::kInt8Grouped, CompressFormat::kInt4),
@@ -355,11 +400,38 @@ TEST_P(CompressedStreamingTest, Bf16MovesAboutHalf) {
   EXPECT_EQ(small.peak, small.stats.working_set_bytes);
 }
 
+// With a copy stream the scratch holds two areas for the groups' compressed bytes (one group's
+// widening on the transform stream overlaps the next group's copy), without one a single area; the
+// forward is the same bit for bit either way, and the peak is the working set.
+TEST_P(CompressedStreamingTest, TwoScratchAreasWithACopyStreamSameResult) {
+  const CompressFormat format = GetParam();
+  GroupOffloadOptions serial = Streaming(format);
+  serial.use_stream = false;
+  const StreamRun overlapped = Stream(at::kBFloat16, Streaming(format));
+  const StreamRun one_area = Stream(at::kBFloat16, serial);
+  ASSERT_TRUE(overlapped.out.defined() && one_area.out.defined());
+  EXPECT_TRUE(at::equal(overlapped.out, one_area.out));
+  // The second area holds the largest group's compressed part: a block's two weights (the groups
+  // outside the blocks are smaller).
+  StackBlock block;
+  int64_t area = 0;
+  block.ForEachSlot([&](Module&, TensorSlot& slot) {
+    const at::Tensor t = slot.value.to(at::kBFloat16);
+    if (IsCompressible(format, t.scalar_type(), t.sizes())) area += CompressedBytes(t, format);
+  });
+  ASSERT_GT(area, 0);
+  EXPECT_EQ(overlapped.stats.scratch_bytes - one_area.stats.scratch_bytes, area);
+  EXPECT_EQ(overlapped.stats.working_set_bytes - one_area.stats.working_set_bytes,
+            area + (overlapped.stats.slots - one_area.stats.slots) * overlapped.stats.slot_bytes);
+  EXPECT_EQ(overlapped.peak, overlapped.stats.working_set_bytes);
+  EXPECT_EQ(one_area.peak, one_area.stats.working_set_bytes);
+}
+
 // With a budget, resident groups stay exact and out of the scratch; the planner keeps the scratch
 // inside the budget, and the peak is the working set.
 TEST_P(CompressedStreamingTest, BudgetCountsTheScratchAndResidentGroupsStayExact) {
   const CompressFormat format = GetParam();
-  const int64_t budget = StackModel::kOutsideBytes + 4 * StackModel::kBlockBytes;
+  const int64_t budget = StackModel::kOutsideBytes + 5 * StackModel::kBlockBytes;
   const StreamRun small = Stream(at::kFloat, Streaming(format, budget));
   ASSERT_TRUE(small.out.defined());
   EXPECT_GT(small.stats.resident_groups, 0);

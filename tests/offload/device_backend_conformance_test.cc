@@ -12,6 +12,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "base/out_of_memory.h"
 
 namespace stowage {
@@ -79,9 +81,10 @@ TEST_P(DeviceBackendConformanceTest, AsyncCopyIsVisibleAfterWaitingOnItsEvent) {
   EXPECT_TRUE(at::equal(dst->to(at::kCPU), *pinned));
 }
 
-// Work enqueued on the copy stream sees the copy before it and is complete when an event recorded
-// after it is: the contract the compressed store's widening relies on.
-TEST_P(DeviceBackendConformanceTest, WorkOnTheCopyStreamRunsInStreamOrder) {
+// Work on the transform stream that waits for a copy sees it, and an event recorded after the work
+// completes only once its device effects are done: the contract the compressed store's widening
+// relies on.
+TEST_P(DeviceBackendConformanceTest, TransformStreamWorkSeesTheCopyItWaitsFor) {
   auto pinned = backend_->AllocatePinnedHost(4096);
   ASSERT_TRUE(pinned.ok()) << pinned.status();
   pinned->copy_(at::arange(4096, at::kInt).remainder(100).to(at::kByte));
@@ -92,15 +95,45 @@ TEST_P(DeviceBackendConformanceTest, WorkOnTheCopyStreamRunsInStreamOrder) {
   const at::Tensor out = widened->view(at::kFloat);
   const int64_t h2d = backend_->GetMemoryStats().host_to_device_bytes;
   backend_->CopyToDeviceAsync(dst, *pinned);
-  backend_->EnqueueOnCopyStream([dst, out] {
+  std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
+  backend_->TransformStreamWait(*landed);
+  backend_->EnqueueOnTransformStream([dst, out] {
     out.copy_(dst);
     out.mul_(0.5);
   });
-  std::unique_ptr<DeviceEvent> event = backend_->RecordOnCopyStream();
-  backend_->ComputeStreamWait(*event);
-  backend_->Synchronize();
+  std::unique_ptr<DeviceEvent> done = backend_->RecordOnTransformStream();
+  backend_->ComputeStreamWait(*done);
   EXPECT_TRUE(at::equal(out.to(at::kCPU), pinned->to(at::kFloat).mul(0.5)));
+  backend_->Synchronize();
   EXPECT_EQ(backend_->GetMemoryStats().host_to_device_bytes - h2d, 4096);  // The work moves nothing.
+}
+
+// A copy that waits for a transform does not overwrite what the transform reads (on the
+// simulator the transform is made slow, so a copy that did not wait would land first).
+TEST_P(DeviceBackendConformanceTest, ACopyWaitingForATransformLandsAfterIt) {
+  auto first = backend_->AllocatePinnedHost(1024);
+  auto second = backend_->AllocatePinnedHost(1024);
+  auto bytes = backend_->AllocateBytes(1024);
+  auto read = backend_->AllocateBytes(1024);
+  ASSERT_TRUE(first.ok() && second.ok() && bytes.ok() && read.ok());
+  first->fill_(1);
+  second->fill_(2);
+  const at::Tensor dst = *bytes;
+  const at::Tensor out = *read;
+  const bool simulated = GetParam() == Kind::kSimulated;
+  backend_->CopyToDeviceAsync(dst, *first);
+  std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
+  backend_->TransformStreamWait(*landed);
+  backend_->EnqueueOnTransformStream([dst, out, simulated] {
+    if (simulated) ::usleep(50 * 1000);
+    out.copy_(dst);
+  });
+  std::unique_ptr<DeviceEvent> consumed = backend_->RecordOnTransformStream();
+  backend_->CopyStreamWait(*consumed);
+  backend_->CopyToDeviceAsync(dst, *second);
+  backend_->Synchronize();
+  EXPECT_TRUE(at::equal(out.to(at::kCPU), *first));
+  EXPECT_TRUE(at::equal(dst.to(at::kCPU), *second));
 }
 
 TEST_P(DeviceBackendConformanceTest, BudgetTurnsOversizedAllocationIntoDeviceOom) {
@@ -234,6 +267,43 @@ TEST(SimulatedBackendTest, BandwidthLimitPacesAsyncCopies) {
   backend->ComputeStreamWait(*event);
   EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(95));
   EXPECT_TRUE(event->Query());
+}
+
+// The transform stream runs beside the copy stream: work on it sees a copy issued after it finish
+// (one shared queue would run that copy only after the work gave up).
+TEST(SimulatedBackendTest, TheTransformStreamRunsBesideTheCopyStream) {
+  std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
+  auto pinned = backend->AllocatePinnedHost(256);
+  auto bytes = backend->AllocateBytes(256);
+  ASSERT_TRUE(pinned.ok() && bytes.ok());
+  pinned->fill_(7);
+  struct Shared {
+    absl::Mutex mu;
+    std::unique_ptr<DeviceEvent> later ABSL_GUARDED_BY(mu);
+    bool saw_copy ABSL_GUARDED_BY(mu) = false;
+  };
+  auto shared = std::make_shared<Shared>();
+  backend->EnqueueOnTransformStream([shared] {
+    for (int i = 0; i < 5000; ++i) {
+      {
+        absl::MutexLock lock(&shared->mu);
+        if (shared->later != nullptr && shared->later->Query()) {
+          shared->saw_copy = true;
+          return;
+        }
+      }
+      ::usleep(1000);
+    }
+  });
+  backend->CopyToDeviceAsync(*bytes, *pinned);  // Issued after the work, runs while it waits.
+  {
+    absl::MutexLock lock(&shared->mu);
+    shared->later = backend->RecordOnCopyStream();
+  }
+  backend->Synchronize();
+  absl::MutexLock lock(&shared->mu);
+  EXPECT_TRUE(shared->saw_copy);
+  EXPECT_TRUE(at::equal(bytes->to(at::kCPU), *pinned));
 }
 
 }  // namespace

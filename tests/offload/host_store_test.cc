@@ -164,8 +164,7 @@ TEST_P(HostStoreConformanceTest, SlotHoldsTheGroupsWeightsAfterCopyGroupToSlot) 
       slot->fill_(0xEE);  // Simulated device memory is CPU memory.
       backend->Synchronize();  // Earlier asynchronous uploads (the fp8 table) count before the baseline.
       const int64_t h2d = backend->GetMemoryStats().host_to_device_bytes;
-      (*store)->CopyGroupToSlot(static_cast<int>(gi), *slot, scratch);
-      std::unique_ptr<DeviceEvent> copied = backend->RecordOnCopyStream();
+      std::unique_ptr<DeviceEvent> copied = (*store)->CopyGroupToSlot(static_cast<int>(gi), *slot, scratch);
       backend->ComputeStreamWait(*copied);
       backend->Synchronize();
       int64_t tensor_bytes = 0;

@@ -46,7 +46,7 @@ TEST(SlotRingTest, EventsOrderACopyAfterTheComputeThatReadTheSlot) {
     pinned->fill_(round + 1);
     ring.CopyStreamWaitReleased(0);  // No-op the first time: nothing has read the slot yet.
     backend->CopyToDeviceAsync(ring.buffer(0), *pinned);
-    ring.RecordCopied(0);
+    ring.SetCopied(0, backend->RecordOnCopyStream());
     ring.ComputeStreamWaitCopied(0);
     backend->Synchronize();
     EXPECT_TRUE(at::equal(ring.buffer(0).to(at::kCPU), *pinned)) << round;

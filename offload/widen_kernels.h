@@ -1,0 +1,33 @@
+// Launchers of the compression kernels (widen_kernels.cu, compiled only in CUDA builds): widening,
+// one pass from a compressed weight (offload/compression.h) to the compute dtype instead of the
+// several LibTorch ops of the portable path; and the fp8 encoder of quantization on the device. No LibTorch and no CUDA headers here: compression.cc checks the
+// tensors and passes raw pointers and the current stream.
+//
+// For every element e of the [channels, k] weight (row-major), with g = e / group_size its scale:
+//   out[e] = round_to_out_dtype(value(q, e) · scale[g])   (the product in float32, rounded once)
+// where value is q[e] (int8), the e4m3fn value of q[e] (fp8), or ((q[e / 2] >> 4·(e % 2)) & 15) − 8
+// (int4, two values a byte, the even index in the low nibble). This is compression.cc's Dequantize
+// bit for bit: int8, int4 and e4m3 values are exact in float32, and the scale is fp32 or an exact
+// bf16.
+#ifndef STOWAGE_OFFLOAD_WIDEN_KERNELS_H_
+#define STOWAGE_OFFLOAD_WIDEN_KERNELS_H_
+
+#include <cstdint>
+
+namespace stowage::widen_cuda {
+
+enum class Codes { kInt8 = 0, kFp8E4M3 = 1, kInt4 = 2 };
+enum class OutType { kFloat = 0, kBFloat16 = 1, kHalf = 2 };
+
+// `group_size` divides `k` (per-channel formats pass k); `scale_bf16` says the scales are bf16
+// (else fp32). Returns the launch's cudaError_t as an int (0 = success).
+int Widen(Codes codes, const void* q, const void* scale, bool scale_bf16, void* out, OutType out_type,
+          int64_t channels, int64_t k, int64_t group_size, void* stream);
+
+// e4m3fn bits of n float32 values, as compression.cc's host encoder gives them (round to nearest
+// even, saturating at ±448, NaN kept): quantizing on the device at load.
+int EncodeE4M3(const float* x, uint8_t* out, int64_t n, void* stream);
+
+}  // namespace stowage::widen_cuda
+
+#endif  // STOWAGE_OFFLOAD_WIDEN_KERNELS_H_

@@ -14,7 +14,7 @@ run() {
   /usr/bin/python3 "$scripts/two_pipelines.py" stowage --server "$here/server/stowage_server" \
     --stowctl "$here/clients/stowctl/stowctl" --zimage "$TEST_TMPDIR/zimage" --flux "$TEST_TMPDIR/flux" \
     --device sim --dtype float32 --size 64 --steps 2 --rounds 1 --budget_gib 0.003 \
-    --zimage_keep_gib 0.0021 --flux_keep_gib 0.0004 --machine ci "$@"
+    --zimage_keep_gib 0.0025 --flux_keep_gib 0.0005 --machine ci "$@"
 }
 run --out "$TEST_TMPDIR/rows.jsonl" --logs "$TEST_TMPDIR/logs"
 /usr/bin/python3 - "$TEST_TMPDIR/rows.jsonl" "$TEST_TMPDIR/logs" <<'PY'

@@ -65,7 +65,9 @@ float DecodeOne(uint8_t bits) {
 // (1 for an all-zero channel).
 at::Tensor ChannelScale(const at::Tensor& w2d, float top) {
   const at::Tensor amax = w2d.abs().amax(1);
-  return at::where(amax > 0, amax / top, at::ones_like(amax)).contiguous();
+  // A tensor divisor: CUDA divides by a scalar through its reciprocal, which would round some
+  // scales differently from the host's true division.
+  return at::where(amax > 0, amax / at::full_like(amax, top), at::ones_like(amax)).contiguous();
 }
 
 const at::Tensor& TableFor(const WidenScratch& scratch, at::ScalarType dtype) {

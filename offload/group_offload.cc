@@ -403,6 +403,9 @@ absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
                                 " has none"));
   }
   if (options.budget_bytes < 0) return invalid("budget_bytes must be >= 0");
+  if (options.choose_compress) {
+    return invalid("compress AUTO is chosen by placement (PlacementManager::EnableGroupOffload), not here");
+  }
   HostStoreOptions store_options;
   store_options.component = component;
   store_options.target = options.target;

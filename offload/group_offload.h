@@ -109,6 +109,9 @@ struct GroupOffloadOptions {
   bool pin_in_place = true;
   // 8-bit transfer of the groups that are not resident (see "Compression" above); kNone: off.
   CompressFormat compress = CompressFormat::kNone;
+  // Placement chooses `compress` under its host memory budget (PlacementManager::EnableGroupOffload
+  // resolves it before Apply; Apply refuses options that still have it set).
+  bool choose_compress = false;
   // With compress: weights already quantized (an 8-bit checkpoint, compressed_safetensors.h), by
   // full slot path; the others are quantized at Apply.
   std::shared_ptr<const PrequantizedWeights> prequantized;

@@ -1,6 +1,7 @@
 #include "placement/placement_manager.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <iostream>
 #include <set>
@@ -11,6 +12,8 @@
 #include "base/out_of_memory.h"
 #include "base/text.h"
 #include "base/status_macros.h"
+#include "offload/compression.h"
+#include "offload/safetensors.h"
 
 namespace stowage {
 
@@ -615,6 +618,78 @@ absl::StatusOr<PlacementManager::Entry*> PlacementManager::FindById(const std::s
                                           absl::StrJoin(ids, ", ")));
 }
 
+namespace {
+
+// Bytes of host copies outside every live safetensors mapping (heap, arena, pinned memory): what
+// stays in RAM whatever the group offloader stores beside them.
+bool InMapping(const at::Tensor& host) { return !MappedFilesContaining({host.data_ptr()}).empty(); }
+
+}  // namespace
+
+int64_t PlacementManager::EstimateHostBytes(const Entry& entry, CompressFormat format) {
+  HostWeights& weights = entry.component->host_weights();
+  if (format == CompressFormat::kNone) return weights.bytes();
+  int64_t bytes = 0;
+  for (const HostWeights::Entry& e : weights.entries()) {
+    const int64_t compressed = TensorScratchBytes(format, e.host.scalar_type(), e.host.sizes());
+    const auto original = static_cast<int64_t>(e.host.nbytes());
+    if (compressed == 0) {
+      bytes += AlignScratch(original);  // Uncompressed: a copy in the packed buffer (aligned).
+    } else {
+      bytes += compressed + (InMapping(e.host) ? 0 : original);
+    }
+  }
+  return bytes;
+}
+
+int64_t PlacementManager::HostBytesOf(const Entry& entry) const {
+  if (entry.group_offload == nullptr || entry.group_offload->stats().compress == "none") {
+    return entry.component->host_weights().bytes();
+  }
+  int64_t bytes = entry.group_offload->stats().compressed_host_bytes;
+  for (const HostWeights::Entry& e : entry.component->host_weights().entries()) {
+    if (!InMapping(e.host)) bytes += static_cast<int64_t>(e.host.nbytes());
+  }
+  return bytes;
+}
+
+int64_t PlacementManager::HostBytes() const {
+  int64_t bytes = 0;
+  for (const auto& e : entries_) {
+    if (!e->moved) bytes += HostBytesOf(*e);
+  }
+  return bytes;
+}
+
+CompressFormat PlacementManager::ChooseCompress(const Entry& entry) {
+  const int64_t others = HostBytes() - HostBytesOf(entry);
+  const CompressFormat order[] = {CompressFormat::kNone, CompressFormat::kInt8Grouped, CompressFormat::kInt4};
+  std::string estimates;
+  CompressFormat smallest = CompressFormat::kNone;
+  int64_t smallest_bytes = INT64_MAX;
+  for (CompressFormat format : order) {
+    const int64_t bytes = EstimateHostBytes(entry, format);
+    absl::StrAppend(&estimates, estimates.empty() ? "" : ", ", CompressFormatName(format), " ", bytes);
+    if (host_budget_ <= 0 || others + bytes <= host_budget_) {
+      Record(entry.id, "compress", bytes, FreeBytes(),
+             host_budget_ <= 0
+                 ? std::string("compress AUTO without a host memory budget: none")
+                 : absl::StrCat(CompressFormatName(format), ": ", others, " host bytes of other components + ", bytes,
+                                " fit the host budget of ", host_budget_, " (estimates: ", estimates, ")"));
+      return format;
+    }
+    if (bytes < smallest_bytes) {
+      smallest = format;
+      smallest_bytes = bytes;
+    }
+  }
+  Record(entry.id, "compress", smallest_bytes, FreeBytes(),
+         absl::StrCat(CompressFormatName(smallest), ", over the host budget: ", others,
+                      " host bytes of other components + the fewest estimated (", estimates, ") exceed ",
+                      host_budget_));
+  return smallest;
+}
+
 absl::Status PlacementManager::EnableLocked(Entry& entry, const GroupOffloadOptions& options) {
   if (entry.group_offload) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -622,6 +697,10 @@ absl::Status PlacementManager::EnableLocked(Entry& entry, const GroupOffloadOpti
   }
   GroupOffloadOptions effective = options;
   Component& component = *entry.component;
+  if (effective.choose_compress) {
+    effective.compress = ChooseCompress(entry);
+    effective.choose_compress = false;
+  }
   if (effective.compress != CompressFormat::kNone && effective.prequantized == nullptr &&
       component.prequantized() != nullptr && component.prequantized_format() == effective.compress) {
     effective.prequantized = component.prequantized();  // The checkpoint's own 8-bit bytes.

@@ -194,6 +194,12 @@ class PlacementManager : public ComponentRunner {
   // resident by copying its weights from the device where they are now (device to device),
   // recorded as "onload_from_peer" with `reason`. FAILED_PRECONDITION when there is no room.
   absl::Status AdoptFromPeer(const std::string& pipeline, Component& component, const std::string& reason);
+  // Host RAM the registered components' host copies may hold (0: no budget): what
+  // EnableGroupOffload chooses the compression against when options.choose_compress (see there).
+  void set_host_memory_budget(int64_t bytes) { host_budget_ = bytes; }
+  int64_t host_memory_budget() const { return host_budget_; }
+  // The host bytes of every registered component as placement counts them (HostBytesOf).
+  int64_t HostBytes() const;
   // Cross-component prefetch on (the default) or off (Prefetch does nothing; for measuring it).
   void set_prefetch_next_component(bool on) { prefetch_next_component_ = on; }
   // Pinned host copies (off by default): each component registered from now on, while it is not
@@ -211,6 +217,10 @@ class PlacementManager : public ComponentRunner {
   // Group-offloads one component (by id "<pipeline>/<component>"): if resident it leaves the device
   // first; from then on it places itself. Fails, changing nothing, if it is already group-offloaded
   // or the options are refused (the error names the component and the option).
+  // With options.choose_compress, the format is chosen first (recorded as a "compress" decision):
+  // kNone when the host bytes of the other components plus this one's uncompressed copy fit the
+  // host memory budget (or there is none), else the least lossy of int8_grouped and int4 whose
+  // estimated host bytes fit, else the one with the fewest (reason "over the host budget").
   absl::Status EnableGroupOffload(const std::string& id, const GroupOffloadOptions& options);
   // Every component of `pipeline` but the excluded ones; all or nothing.
   absl::Status EnablePipelineGroupOffload(const std::string& pipeline,
@@ -236,6 +246,15 @@ class PlacementManager : public ComponentRunner {
     bool moved = false;
   };
   void SweepMoved();
+  // The host bytes `entry` holds: its host copies; group-offloaded with compression, the compressed
+  // copy plus the originals of compressed tensors that stay in RAM (not in a safetensors mapping,
+  // whose pages are dropped) and the uncompressed tensors.
+  int64_t HostBytesOf(const Entry& entry) const;
+  // What `entry` would hold group-offloaded with `format` (kNone: its host copies), estimated from
+  // its tensors' shapes as if every group streamed.
+  static int64_t EstimateHostBytes(const Entry& entry, CompressFormat format);
+  // options.choose_compress: the format for `entry` (see EnableGroupOffload), recorded.
+  CompressFormat ChooseCompress(const Entry& entry);
   // Pins `entry`'s host copies when pin_host_copies_ and it is not group-offloaded (see
   // set_pin_host_copies).
   void PinHost(Entry& entry);
@@ -277,6 +296,7 @@ class PlacementManager : public ComponentRunner {
   PlacementCounters counters_;
   bool prefetch_next_component_ = true;
   bool pin_host_copies_ = false;
+  int64_t host_budget_ = 0;
   std::map<std::string, std::string> pin_failures_;  // Component id → why its host copies stay pageable.
   PeerEviction peer_;
   // The decision log is the one part readers on other threads see live.

@@ -351,6 +351,8 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
                                      "none"));
     RETURN_IF_ERROR(CheckNonNegative(absl::StrCat(path, ".peer_bandwidth_bytes_per_second"),
                                      device.peer_bandwidth_bytes_per_second(), "peer eviction off"));
+    RETURN_IF_ERROR(CheckNonNegative(absl::StrCat(path, ".host_memory_budget_bytes"),
+                                     device.host_memory_budget_bytes(), "no host memory budget"));
     RETURN_IF_ERROR(CheckNonNegative(absl::StrCat(path, ".host_to_device_bandwidth_bytes_per_second"),
                                      device.host_to_device_bandwidth_bytes_per_second(),
                                      "the simulated bandwidth, or 2.5e10 on CUDA"));
@@ -463,13 +465,16 @@ absl::StatusOr<GroupOffloadOptions> ToGroupOffloadOptions(const v1::GroupOffload
     case v1::GroupOffloadConfig::COMPRESS_INT4:
       o.compress = CompressFormat::kInt4;
       break;
+    case v1::GroupOffloadConfig::COMPRESS_AUTO:
+      o.choose_compress = true;
+      break;
     default:
       return absl::InvalidArgumentError(absl::StrCat(field, ".compress: ", static_cast<int>(c.compress()),
                                                      " is out of range; allowed: COMPRESS_NONE (0), "
                                                      "COMPRESS_INT8 (1), COMPRESS_FP8 (2), COMPRESS_INT8_GROUPED (3), "
-                                                     "COMPRESS_INT4 (4)"));
+                                                     "COMPRESS_INT4 (4), COMPRESS_AUTO (5)"));
   }
-  if (o.compress != CompressFormat::kNone && o.target != OffloadTarget::kPinnedHost) {
+  if ((o.compress != CompressFormat::kNone || o.choose_compress) && o.target != OffloadTarget::kPinnedHost) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ".compress: needs target PINNED_HOST (the compressed groups live in pinned memory)"));
   }

@@ -161,6 +161,7 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
   core->placement_->set_pin_host_copies(config.device().has_pin_host_copies()
                                             ? config.device().pin_host_copies()
                                             : config.device().memory_budget_bytes() > 0);
+  core->placement_->set_host_memory_budget(config.device().host_memory_budget_bytes());
   if (config.device().peer_bandwidth_bytes_per_second() > 0) {
     PeerEviction peer;
     peer.peer_bytes_per_second = static_cast<double>(config.device().peer_bandwidth_bytes_per_second());

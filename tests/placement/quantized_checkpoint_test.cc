@@ -17,6 +17,7 @@
 
 #include "models/pipelines/component.h"
 #include "models/core/diffusers_format.h"
+#include "models/core/weight_init.h"
 #include "models/nets/zimage_transformer.h"
 #include "offload/compressed_safetensors.h"
 #include "offload/safetensors.h"
@@ -116,6 +117,109 @@ TEST(QuantizedCheckpointTest, GroupOffloadStreamsTheCheckpointsOwnBytes) {
   EXPECT_LT((requantized - resident).norm().item<double>() / resident.norm().item<double>(), 0.05);
   ASSERT_TRUE(placement.DisableGroupOffload("q/transformer").ok());
   placement.Unregister("q");
+}
+
+// compress AUTO under a device's host memory budget: the fixture transformer's host copies are
+// views of its safetensors mapping (dropped from RSS once compressed), so a budget below its
+// weights picks grouped int8, a tighter one int4, one below every estimate the smallest (int4,
+// "over the host budget"); no budget: uncompressed. Each choice is a "compress" decision, and what
+// placement then counts on the host fits the budget.
+TEST(QuantizedCheckpointTest, CompressAutoChoosesTheFormatUnderTheHostBudget) {
+  absl::StatusOr<google::protobuf::Struct> json = ReadJsonFile(std::string(kFixture) + "/config.json");
+  ASSERT_TRUE(json.ok());
+  absl::StatusOr<ZImageTransformerConfig> config = ZImageTransformerConfigFromJson(*json, kFixture);
+  ASSERT_TRUE(config.ok()) << config.status();
+  struct Case {
+    double budget_fraction;  // Of the uncompressed host bytes; 0: no budget.
+    const char* want;
+    bool over;
+  };
+  // Fractions of the fp32 weights: grouped int8 needs ~0.26 of them, int4 ~0.16 (plus the 1-D tensors).
+  for (const Case& c : {Case{0, "none", false}, Case{0.5, "int8_grouped", false}, Case{0.22, "int4", false},
+                        Case{0.01, "int4", true}, Case{2.0, "none", false}}) {
+    auto module = std::make_unique<ZImageTransformer>(*config, LayerOptions{at::kFloat});
+    ASSERT_TRUE(LoadComponentWeights(*module, kFixture, at::kFloat, {}, nullptr).ok());
+    int64_t mapped = 0, total = 0;
+    module->ForEachSlot([&](Module&, TensorSlot& slot) {
+      total += static_cast<int64_t>(slot.value.nbytes());
+      if (!MappedFilesContaining({slot.value.data_ptr()}).empty()) mapped += static_cast<int64_t>(slot.value.nbytes());
+    });
+    ASSERT_EQ(mapped, total) << "the fixture's host copies should be views of its mapping";
+    absl::StatusOr<std::unique_ptr<Component>> made = Component::Create("transformer", std::move(module), at::kFloat);
+    ASSERT_TRUE(made.ok());
+    std::unique_ptr<Component> component = *std::move(made);
+    std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
+    PlacementManager placement(backend.get());
+    const auto budget = static_cast<int64_t>(c.budget_fraction * static_cast<double>(total));
+    placement.set_host_memory_budget(budget);
+    ASSERT_TRUE(placement.Register("q", component.get()).ok());
+    EXPECT_EQ(placement.HostBytes(), total);
+    GroupOffloadOptions options;
+    options.use_stream = true;
+    options.choose_compress = true;
+    ASSERT_TRUE(placement.EnableGroupOffload("q/transformer", options).ok()) << c.want;
+    auto stats = placement.GroupOffloadStatsOf("q/transformer");
+    ASSERT_TRUE(stats.ok());
+    EXPECT_EQ(stats->compress, c.want) << c.budget_fraction;
+    const std::vector<PlacementDecision> log = placement.DecisionLog(100);
+    const PlacementDecision* decision = nullptr;
+    for (const PlacementDecision& d : log) {
+      if (d.action == "compress") decision = &d;
+    }
+    ASSERT_NE(decision, nullptr);
+    EXPECT_EQ(decision->component, "q/transformer");
+    EXPECT_NE(decision->reason.find(c.want), std::string::npos) << decision->reason;
+    EXPECT_EQ(decision->reason.find("over the host budget") != std::string::npos, c.over) << decision->reason;
+    if (budget > 0 && !c.over) {
+      EXPECT_LE(placement.HostBytes(), budget) << c.want;
+      EXPECT_LE(placement.HostBytes(), decision->bytes + 4096) << c.want;  // The estimate, within alignment.
+    }
+    ASSERT_TRUE(placement.DisableGroupOffload("q/transformer").ok());
+    EXPECT_EQ(placement.HostBytes(), total);
+    placement.Unregister("q");
+  }
+}
+
+// On the heap (weights drawn, not mapped) compressing adds a copy beside the originals: AUTO keeps
+// them uncompressed, over a budget too (the fewest host bytes).
+TEST(QuantizedCheckpointTest, CompressAutoKeepsHeapWeightsUncompressed) {
+  absl::StatusOr<google::protobuf::Struct> json = ReadJsonFile(std::string(kFixture) + "/config.json");
+  ASSERT_TRUE(json.ok());
+  absl::StatusOr<ZImageTransformerConfig> config = ZImageTransformerConfigFromJson(*json, kFixture);
+  ASSERT_TRUE(config.ok());
+  auto module = std::make_unique<ZImageTransformer>(*config, LayerOptions{at::kFloat});
+  InitializeRandomWeights(*module, 7);
+  absl::StatusOr<std::unique_ptr<Component>> made = Component::Create("transformer", std::move(module), at::kFloat);
+  ASSERT_TRUE(made.ok()) << made.status();
+  std::unique_ptr<Component> component = *std::move(made);
+  std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
+  PlacementManager placement(backend.get());
+  placement.set_host_memory_budget(1024);
+  ASSERT_TRUE(placement.Register("h", component.get()).ok());
+  GroupOffloadOptions options;
+  options.choose_compress = true;
+  ASSERT_TRUE(placement.EnableGroupOffload("h/transformer", options).ok());
+  EXPECT_EQ(placement.GroupOffloadStatsOf("h/transformer")->compress, "none");
+  const std::vector<PlacementDecision> log = placement.DecisionLog(10);
+  ASSERT_FALSE(log.empty());
+  bool recorded = false;
+  for (const PlacementDecision& d : log) {
+    if (d.action == "compress") recorded = d.reason.find("none, over the host budget") != std::string::npos;
+  }
+  EXPECT_TRUE(recorded);
+  ASSERT_TRUE(placement.DisableGroupOffload("h/transformer").ok());
+  placement.Unregister("h");
+  // Apply itself refuses an unresolved choice.
+  ZImageTransformer other(*config, LayerOptions{at::kFloat});
+  InitializeRandomWeights(other, 8);
+  absl::StatusOr<std::unique_ptr<HostWeights>> weights = HostWeights::Capture(other);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  GroupOffloadOptions unresolved;
+  unresolved.choose_compress = true;
+  const auto applied = GroupOffloader::Apply("x", other, **weights, *backend, unresolved);
+  ASSERT_FALSE(applied.ok());
+  EXPECT_EQ(applied.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(applied.status().message().find("compress AUTO"), std::string::npos) << applied.status();
 }
 
 // A folder whose 8-bit file lacks a scale is refused naming it; 8-bit tensors of the wrong shape or

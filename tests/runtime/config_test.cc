@@ -180,17 +180,22 @@ TEST(ConfigTest, GroupOffloadOptionsPassDepthAndPinInPlace) {
   EXPECT_EQ(ToGroupOffloadOptions(block, "defaults")->compress, CompressFormat::kInt8Grouped);
   block.set_compress(v1::GroupOffloadConfig::COMPRESS_INT4);
   EXPECT_EQ(ToGroupOffloadOptions(block, "defaults")->compress, CompressFormat::kInt4);
-  for (const int value : {5, 7, -1}) {  // Open enum: anything past the known values is refused.
+  EXPECT_FALSE(ToGroupOffloadOptions(block, "defaults")->choose_compress);
+  block.set_compress(v1::GroupOffloadConfig::COMPRESS_AUTO);  // Placement chooses.
+  EXPECT_EQ(ToGroupOffloadOptions(block, "defaults")->compress, CompressFormat::kNone);
+  EXPECT_TRUE(ToGroupOffloadOptions(block, "defaults")->choose_compress);
+  for (const int value : {6, 7, -1}) {  // Open enum: anything past the known values is refused.
     block.set_compress(static_cast<v1::GroupOffloadConfig::Compress>(value));
     auto refused = ToGroupOffloadOptions(block, "defaults");
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << value;
-    EXPECT_NE(std::string(refused.status().message()).find("COMPRESS_INT4 (4)"), std::string::npos) << refused.status();
+    EXPECT_NE(std::string(refused.status().message()).find("COMPRESS_AUTO (5)"), std::string::npos) << refused.status();
   }
   block.set_compress(static_cast<v1::GroupOffloadConfig::Compress>(7));
   auto bad = ToGroupOffloadOptions(block, "defaults");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(std::string(bad.status().message()).find("defaults.compress"), std::string::npos) << bad.status();
-  for (const auto compress : {v1::GroupOffloadConfig::COMPRESS_INT8, v1::GroupOffloadConfig::COMPRESS_INT4}) {
+  for (const auto compress : {v1::GroupOffloadConfig::COMPRESS_INT8, v1::GroupOffloadConfig::COMPRESS_INT4,
+                              v1::GroupOffloadConfig::COMPRESS_AUTO}) {
     leaf.set_compress(compress);  // PAGEABLE_HOST: refused.
     bad = ToGroupOffloadOptions(leaf, "defaults");
     EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
@@ -261,6 +266,9 @@ TEST(ConfigRangeTest, EveryNumericOptionIsCheckedAtItsBounds) {
        {0, 1, kMax}, {-1}},
       {"device.peer_bandwidth_bytes_per_second",
        [](auto& c, int64_t v) { c.mutable_device()->set_peer_bandwidth_bytes_per_second(v); },
+       {0, 1, kMax}, {-1, -kMax}},
+      {"device.host_memory_budget_bytes",
+       [](auto& c, int64_t v) { c.mutable_device()->set_host_memory_budget_bytes(v); },
        {0, 1, kMax}, {-1, -kMax}},
       {"device.host_to_device_bandwidth_bytes_per_second",
        [](auto& c, int64_t v) { c.mutable_device()->set_host_to_device_bandwidth_bytes_per_second(v); },

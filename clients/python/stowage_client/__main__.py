@@ -446,9 +446,9 @@ def _add_admin_commands(commands: argparse._SubParsersAction) -> None:
         help="pageable/disk targets: staging buffers (default: the server's, 2)",
     )
     enable.add_argument(
-        "--compress", choices=("none", "int8", "fp8", "int8_grouped", "int4"), default="none",
+        "--compress", choices=("none", "int8", "fp8", "int8_grouped", "int4", "auto"), default="none",
         help="pinned target: stream compressed weights (int8 / fp8 per channel, int8 per 128 values, int4 per "
-        "16), widened on the device",
+        "16), widened on the device; auto: the server chooses under the device's host_memory_budget_bytes",
     )
     enable.add_argument(
         "--no-pin-in-place", action="store_true",

@@ -71,6 +71,7 @@ _COMPRESS = {
     "fp8": config_pb2.GroupOffloadConfig.COMPRESS_FP8,
     "int8_grouped": config_pb2.GroupOffloadConfig.COMPRESS_INT8_GROUPED,
     "int4": config_pb2.GroupOffloadConfig.COMPRESS_INT4,
+    "auto": config_pb2.GroupOffloadConfig.COMPRESS_AUTO,  # Placement chooses under the host budget.
 }
 
 

@@ -369,6 +369,7 @@ class RequestMappingTest(AdminServerTestCase):
             (dict(compress="fp8"), "compress", GOC.COMPRESS_FP8),
             (dict(compress="int8_grouped"), "compress", GOC.COMPRESS_INT8_GROUPED),
             (dict(compress="int4"), "compress", GOC.COMPRESS_INT4),
+            (dict(compress="auto"), "compress", GOC.COMPRESS_AUTO),
             (dict(compress="none"), "compress", GOC.COMPRESS_NONE),
             (dict(target="pinned"), "target", GOC.PINNED_HOST),
             (dict(target="pageable"), "target", GOC.PAGEABLE_HOST),

@@ -1196,7 +1196,7 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
   const v1::BatchingConfig batching = BatchingOf(pipeline->name());
   if (pipeline->batched() && batching.max_batch_size() > 1) {
     // Requests that may share a forward: one pipeline, one image size, one step count.
-    job.batch_key = absl::StrCat(pipeline->name(), "/", BatchKey(params));
+    job.batch_key = absl::StrCat(pipeline->name(), "/", BatchKey(params, pipeline->limits().mixes_adapters));
     job.max_batch_size = batching.max_batch_size();
     job.max_batch_delay = absl::Milliseconds(batching.max_queue_delay_ms());
     job.run_batch = [this](WorkerScope& scope, const std::vector<DeviceWorker::BatchMember>& members) {
@@ -1332,27 +1332,49 @@ void GenerationCore::RunOnWorker(WorkerScope& scope, const std::vector<PendingRe
   if (files.ok()) {
     // Work a pipeline does outside its components' runs (noise, the scheduler step, the image's
     // quantisation on the device) may throw too, e.g. a device out of memory: every member gets it.
-    // The batch's adapters (members share them: BatchKey) still attached? An unload may have run
-    // since the requests were accepted.
-    absl::Status adapters = absl::OkStatus();
+    // The members' adapters still attached? An unload may have run since the requests were
+    // accepted. A member whose adapter went fails alone; the others run.
+    std::vector<absl::Status> adapters(running.size());
     {
       absl::MutexLock lock(&adapters_mu_);
       auto on_pipeline = adapters_.find(pipeline.name());
-      for (const v1::LoraRef& ref : running.front()->request->loras()) {
-        const std::string& name = ref.name();
-        if (ref.scale() == 0.0f) continue;
-        if (on_pipeline == adapters_.end() || on_pipeline->second.count(name) == 0) {
-          adapters = absl::FailedPreconditionError(
-              absl::StrCat("adapter '", name, "' was unloaded from pipeline '", pipeline.name(), "' before the request ran"));
+      for (size_t i = 0; i < running.size(); ++i) {
+        for (const v1::LoraRef& ref : running[i]->request->loras()) {
+          const std::string& name = ref.name();
+          if (ref.scale() == 0.0f) continue;
+          if (on_pipeline == adapters_.end() || on_pipeline->second.count(name) == 0) {
+            adapters[i] = absl::FailedPreconditionError(absl::StrCat(
+                "adapter '", name, "' was unloaded from pipeline '", pipeline.name(), "' before the request ran"));
+          }
         }
       }
     }
-    const ScopedLoras loras(&running.front()->params.loras);
-    const absl::Status thrown =
-        adapters.ok() ? CatchAsStatus(absl::StrCat("running pipeline '", pipeline.name(), "'"),
-                                      [&] { images = pipeline.RunBatch(members, runner); })
-                      : adapters;
-    if (!thrown.ok()) images.assign(running.size(), thrown);
+    // The members that may run, and each one's adapters per batch row (the same for every row
+    // unless the pipeline mixes adapters: then it installs the rows of each batched forward itself).
+    std::vector<size_t> runnable;
+    std::vector<BatchMember> run_members;
+    LoraRows rows;
+    images.assign(running.size(), absl::InternalError("batch member did not run"));
+    for (size_t i = 0; i < running.size(); ++i) {
+      if (!adapters[i].ok()) {
+        images[i] = adapters[i];
+        continue;
+      }
+      runnable.push_back(i);
+      run_members.push_back(members[i]);
+      rows.push_back(&running[i]->params.loras);
+    }
+    if (!run_members.empty()) {
+      const ScopedLoraRows loras(&rows);
+      std::vector<absl::StatusOr<Image>> got;
+      const absl::Status thrown = CatchAsStatus(absl::StrCat("running pipeline '", pipeline.name(), "'"),
+                                                [&] { got = pipeline.RunBatch(run_members, runner); });
+      for (size_t k = 0; k < runnable.size(); ++k) {
+        images[runnable[k]] = !thrown.ok() ? absl::StatusOr<Image>(thrown)
+                              : k < got.size() ? std::move(got[k])
+                                               : absl::StatusOr<Image>(absl::InternalError("batch member without a result"));
+      }
+    }
     files = pipeline.CheckSourceFiles();  // Changed during the run: discard it.
   }
   if (!files.ok()) images.assign(running.size(), files);

@@ -32,15 +32,7 @@ at::Tensor Linear::Forward(const at::Tensor& x) {
   return WithLoras(x, at::linear(x, tensor(weight_), bias_ >= 0 ? tensor(bias_) : at::Tensor()));
 }
 
-bool Linear::LoraActive() const {
-  if (loras_.empty()) return false;
-  const LoraScales* active = ActiveLoras();
-  if (active == nullptr) return false;
-  for (const auto& [name, scale] : *active) {
-    if (scale != 0.0f && loras_.count(name) > 0) return true;
-  }
-  return false;
-}
+bool Linear::LoraActive() const { return AnyLoraActive(loras_); }
 
 at::Tensor Linear::WithLoras(const at::Tensor& x, at::Tensor y) const {
   if (loras_.empty()) return y;

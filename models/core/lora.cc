@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include "absl/base/casts.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -17,31 +18,130 @@ namespace stowage {
 namespace {
 
 thread_local const LoraScales* active_loras = nullptr;
+thread_local const LoraRows* active_rows = nullptr;
+
+bool SameScales(const LoraScales& a, const LoraScales& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].first != b[i].first || absl::bit_cast<uint32_t>(a[i].second) != absl::bit_cast<uint32_t>(b[i].second)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// The adapters of `attached` active with a non-zero scale in `scales`, in its order.
+void CollectActive(const std::map<std::string, LoraWeights>& attached, const LoraScales& scales,
+                   std::vector<std::string>* names) {
+  for (const auto& [name, scale] : scales) {
+    if (scale == 0.0f || attached.count(name) == 0) continue;
+    if (std::find(names->begin(), names->end(), name) == names->end()) names->push_back(name);
+  }
+}
+
+at::Tensor Delta(const LoraWeights& w, const at::Tensor& x) {
+  const at::Tensor down = w.down.to(x.device(), x.scalar_type());
+  const at::Tensor up = w.up.to(x.device(), x.scalar_type());
+  return at::linear(at::linear(x, down), up);
+}
+
+at::Tensor RowsDelta(const std::map<std::string, LoraWeights>& attached, const LoraRows& rows, const at::Tensor& x) {
+  std::vector<std::string> names;
+  for (const LoraScales* row : rows) CollectActive(attached, *row, &names);
+  if (names.empty()) return at::Tensor();
+  const auto r = static_cast<int64_t>(rows.size());
+  const int64_t n = x.size(0);
+  TORCH_CHECK(n == r || n == 1 || n % r == 0, "LoRA: an input of ", n, " rows in a batch of ", r,
+              " requests with different adapters");
+  at::Tensor delta;
+  for (const std::string& name : names) {
+    const LoraWeights& w = attached.at(name);
+    std::vector<float> factors(static_cast<size_t>(r), 0.0f);
+    for (int64_t i = 0; i < r; ++i) {
+      for (const auto& [row_name, scale] : *rows[static_cast<size_t>(i)]) {
+        if (row_name == name) factors[static_cast<size_t>(i)] = scale * w.factor;
+      }
+    }
+    at::Tensor f = at::tensor(factors).to(x.device());  // float32: the product rounds once, as x * scalar.
+    if (n > r) f = f.repeat_interleave(n / r);
+    std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
+    shape[0] = f.size(0);
+    const at::Tensor d = (Delta(w, x).to(at::kFloat) * f.view(shape)).to(x.scalar_type());
+    delta = delta.defined() ? delta + d : d;
+  }
+  return delta;
+}
 
 constexpr int64_t kMaxLoraRank = 1024;
 
 }  // namespace
 
-ScopedLoras::ScopedLoras(const LoraScales* scales) : previous_(active_loras) {
+ScopedLoras::ScopedLoras(const LoraScales* scales) : previous_(active_loras), previous_rows_(active_rows) {
   active_loras = scales != nullptr && !scales->empty() ? scales : nullptr;
+  active_rows = nullptr;
 }
 
-ScopedLoras::~ScopedLoras() { active_loras = previous_; }
+ScopedLoras::~ScopedLoras() {
+  active_loras = previous_;
+  active_rows = previous_rows_;
+}
 
 const LoraScales* ActiveLoras() { return active_loras; }
+const LoraRows* ActiveLoraRows() { return active_rows; }
+
+ScopedLoraRows::ScopedLoraRows(const LoraRows* rows) : previous_uniform_(active_loras), previous_rows_(active_rows) {
+  active_loras = nullptr;
+  active_rows = nullptr;
+  if (rows == nullptr || rows->empty()) return;
+  bool same = true;
+  for (const LoraScales* row : *rows) same = same && SameScales(*row, *rows->front());
+  if (same) {
+    active_loras = rows->front()->empty() ? nullptr : rows->front();
+  } else {
+    active_rows = rows;
+  }
+}
+
+ScopedLoraRows::~ScopedLoraRows() {
+  active_loras = previous_uniform_;
+  active_rows = previous_rows_;
+}
+
+ScopedLoraRow::ScopedLoraRow(size_t row) : previous_uniform_(active_loras), previous_rows_(active_rows) {
+  if (active_rows == nullptr) return;
+  TORCH_CHECK(row < active_rows->size(), "LoRA: row ", row, " of a batch of ", active_rows->size());
+  const LoraScales* scales = (*active_rows)[row];
+  active_loras = scales->empty() ? nullptr : scales;
+  active_rows = nullptr;
+}
+
+ScopedLoraRow::~ScopedLoraRow() {
+  active_loras = previous_uniform_;
+  active_rows = previous_rows_;
+}
+
+bool AnyLoraActive(const std::map<std::string, LoraWeights>& attached) {
+  if (attached.empty()) return false;
+  std::vector<std::string> names;
+  if (active_loras != nullptr) CollectActive(attached, *active_loras, &names);
+  if (active_rows != nullptr) {
+    for (const LoraScales* row : *active_rows) CollectActive(attached, *row, &names);
+  }
+  return !names.empty();
+}
 
 at::Tensor LoraDelta(const std::map<std::string, LoraWeights>& attached, const at::Tensor& x) {
+  if (attached.empty()) return at::Tensor();
+  if (active_rows != nullptr) return RowsDelta(attached, *active_rows, x);
   const LoraScales* active = active_loras;
-  if (active == nullptr || attached.empty()) return at::Tensor();
+  if (active == nullptr) return at::Tensor();
   at::Tensor delta;
   for (const auto& [name, scale] : *active) {
     if (scale == 0.0f) continue;
     auto it = attached.find(name);
     if (it == attached.end()) continue;
     const LoraWeights& w = it->second;
-    const at::Tensor down = w.down.to(x.device(), x.scalar_type());
-    const at::Tensor up = w.up.to(x.device(), x.scalar_type());
-    const at::Tensor d = at::linear(at::linear(x, down), up) * static_cast<double>(scale * w.factor);
+    const at::Tensor d = Delta(w, x) * static_cast<double>(scale * w.factor);
     delta = delta.defined() ? delta + d : d;
   }
   return delta;

@@ -6,6 +6,17 @@
 // Which adapters a forward applies, and how strongly, is the running thread's LoraScales, installed
 // for a run by ScopedLoras (the device worker around a pipeline run); a layer adds the deltas of
 // the adapters it carries that are active. Files: ReadLoraFile parses the PEFT / diffusers layout.
+//
+// Mixed batches: requests with different adapters run in one batch. ScopedLoraRows installs one
+// LoraScales per batch row (dim 0 of the activations a batched forward sees); a layer then adds to
+// each row the deltas of that row's adapters: per adapter d = (x·Aᵀ)·Bᵀ over the whole batch, times
+// a per-row factor (0 for rows without it) in float32, rounded to x's dtype as the uniform path
+// rounds its scalar product — so a row with at most two adapters gets the bits it gets run alone.
+// An input whose dim 0 is a multiple of the rows (flattened tokens) spreads each row's factor over
+// its block; one of a single row computed once for the whole batch (e.g. a shared timestep
+// embedding) becomes one row per batch row. Work a model does per sample inside a batched forward
+// names its row with ScopedLoraRow. When every row has the same adapters, the rows act as
+// ScopedLoras (the uniform path, bit-identical to an unmixed batch).
 #ifndef STOWAGE_MODELS_CORE_LORA_H_
 #define STOWAGE_MODELS_CORE_LORA_H_
 
@@ -43,13 +54,54 @@ class ScopedLoras {
 
  private:
   const LoraScales* previous_;
+  const std::vector<const LoraScales*>* previous_rows_;
 };
 
-// The running thread's active adapters (null when none).
+// The running thread's active adapters when uniform (null when none or per row).
 const LoraScales* ActiveLoras();
 
+// One LoraScales per batch row (each non-null).
+using LoraRows = std::vector<const LoraScales*>;
+
+// Installs `rows` as the running thread's per-row adapters until destroyed (restoring what was
+// active before); when every row has the same adapters and scales, as ScopedLoras(rows[0]).
+// `rows` must outlive the scope; null or empty: no adapters.
+class ScopedLoraRows {
+ public:
+  explicit ScopedLoraRows(const LoraRows* rows);
+  ~ScopedLoraRows();
+  ScopedLoraRows(const ScopedLoraRows&) = delete;
+  ScopedLoraRows& operator=(const ScopedLoraRows&) = delete;
+
+ private:
+  const LoraScales* previous_uniform_;
+  const LoraRows* previous_rows_;
+};
+
+// Inside ScopedLoraRows: row `row`'s adapters, uniformly, until destroyed (a per-sample step of a
+// batched forward). Without rows installed: no change. `row` must be one of the rows.
+class ScopedLoraRow {
+ public:
+  explicit ScopedLoraRow(size_t row);
+  ~ScopedLoraRow();
+  ScopedLoraRow(const ScopedLoraRow&) = delete;
+  ScopedLoraRow& operator=(const ScopedLoraRow&) = delete;
+
+ private:
+  const LoraScales* previous_uniform_;
+  const LoraRows* previous_rows_;
+};
+
+// The running thread's per-row adapters (null when none or uniform).
+const LoraRows* ActiveLoraRows();
+
+// True when some adapter of `attached` is active (uniformly or in any row) with a non-zero scale.
+bool AnyLoraActive(const std::map<std::string, LoraWeights>& attached);
+
 // Σ scale · factor · (x·Aᵀ)·Bᵀ over the adapters of `attached` that are active with a non-zero
-// scale, in x's dtype; undefined when none is.
+// scale, in x's dtype; undefined when none is. Per row when rows are installed (see above; the
+// delta then has the batch's rows when x has one row); c10::Error when x's dim 0 neither equals,
+// is a multiple of, nor is 1 against the rows.
 at::Tensor LoraDelta(const std::map<std::string, LoraWeights>& attached, const at::Tensor& x);
 
 // A LoRA file's layers, by the dotted path of the Linear they adapt within a pipeline component

@@ -333,7 +333,9 @@ std::vector<at::Tensor> ZImageTransformer::ForwardBatch(const std::vector<at::Te
   std::vector<at::Tensor> caps;
   std::vector<int64_t> lcs;
   int64_t lmax = 0;
-  for (const at::Tensor& caption : captions) {
+  for (size_t row = 0; row < captions.size(); ++row) {
+    const ScopedLoraRow lora_row(row);  // A per-sample step: that row's adapters (mixed batches).
+    const at::Tensor& caption = captions[row];
     const int64_t l = caption.size(0);
     const int64_t lc = l + PadTo(l);
     at::Tensor cap = cap_linear_->Forward(cap_norm_->Forward(PadWithLastRow(caption.to(dtype), lc - l)));
@@ -350,7 +352,9 @@ std::vector<at::Tensor> ZImageTransformer::ForwardBatch(const std::vector<at::Te
   const int64_t n = ft * ht * wt;
   const int64_t nx = n + PadTo(n);
   std::vector<at::Tensor> xs;
-  for (const at::Tensor& l : latents) {
+  for (size_t row = 0; row < latents.size(); ++row) {
+    const ScopedLoraRow lora_row(row);
+    const at::Tensor& l = latents[row];
     const at::Tensor patches =
         l.view({ch, ft, pf, ht, p, wt, p}).permute({1, 3, 5, 2, 4, 6, 0}).reshape({n, pf * p * p * ch});
     xs.push_back(FillPadRows(x_embedder_->Forward(PadWithLastRow(patches, nx - n)), n, tensor(x_pad_token_)));

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -122,6 +123,7 @@ class FluxPipeline : public Pipeline {
     limits_.default_guidance_scale = dev ? 3.5f : 0.0f;
     limits_.max_prompt_bytes = 4096;  // Tokens beyond the encoders' lengths are cut, as diffusers does.
     limits_.accepts_images = true;
+    limits_.mixes_adapters = true;
   }
 
   const std::string& name() const override { return options_.name; }
@@ -145,8 +147,16 @@ class FluxPipeline : public Pipeline {
     // The denoising loop runs where the transformer is; the encoders and decoder may sit elsewhere.
     const c10::Device device = runner.DeviceOf(*transformer_, options_.device);
     BatchRun run(members);
-    if (members.empty() || !run.Compatible()) return run.TakeResults();
+    if (members.empty() || !run.Compatible(limits_.mixes_adapters)) return run.TakeResults();
     const std::vector<size_t>& active = run.active();  // Shrinks as members leave (run.Filter).
+    // The members' adapters as the caller installed them, one row each (null: the same for all),
+    // and those of the members `indices` as the rows of one batched forward.
+    const LoraRows* member_rows = ActiveLoraRows();
+    auto rows_of = [&](const std::vector<size_t>& indices) {
+      LoraRows rows;
+      for (size_t i : indices) rows.push_back((*member_rows)[i]);
+      return rows;
+    };
 
     // Tokenize: CLIP's 77 ids and T5's max_sequence_length ids per member.
     run.BeginStage("tokenize", 0);
@@ -173,6 +183,9 @@ class FluxPipeline : public Pipeline {
         for (size_t i : active) rows.push_back(at::tensor(ids[i]));
         return at::stack(rows).to(runner.DeviceOf(encoder, options_.device));
       };
+      const LoraRows encoder_rows = member_rows != nullptr ? rows_of(active) : LoraRows();
+      std::optional<ScopedLoraRows> lora_rows;
+      if (member_rows != nullptr) lora_rows.emplace(&encoder_rows);
       const absl::Status clip_ran =
           runner.Run(*clip_, [&] { pooled = Clip().Forward(stack(clip_ids, *clip_)).pooled; });
       if (pooled.defined()) pooled = pooled.to(device);
@@ -244,6 +257,9 @@ class FluxPipeline : public Pipeline {
       at::Tensor g;
       if (Transformer().config().guidance_embeds) g = at::tensor(guidance).to(device);
       at::Tensor out;
+      const LoraRows rows = member_rows != nullptr ? rows_of(running) : LoraRows();
+      std::optional<ScopedLoraRows> lora_rows;
+      if (member_rows != nullptr) lora_rows.emplace(&rows);
       RETURN_IF_ERROR(runner.Run(*transformer_, [&] {
         out = Transformer().Forward(x, step_text, step_pooled, timestep, img_ids, txt_ids, g);
       }));

@@ -25,7 +25,9 @@ void RunContext::EndStage() {
   current_stage_.clear();
 }
 
-bool BatchCompatible(const GenerationParams& a, const GenerationParams& b) { return BatchKey(a) == BatchKey(b); }
+bool BatchCompatible(const GenerationParams& a, const GenerationParams& b, bool mixes_adapters) {
+  return BatchKey(a, mixes_adapters) == BatchKey(b, mixes_adapters);
+}
 
 int StartStep(const GenerationParams& params) {
   if (params.input == nullptr) return 0;
@@ -33,10 +35,11 @@ int StartStep(const GenerationParams& params) {
   return static_cast<int>(std::max(steps - std::min(steps * params.strength, steps), 0.0));
 }
 
-std::string BatchKey(const GenerationParams& params) {
+std::string BatchKey(const GenerationParams& params, bool mixes_adapters) {
   std::string key = absl::StrCat(params.width, "x", params.height, "/", params.steps);
   if (const int start = StartStep(params); start > 0) absl::StrAppend(&key, "/from", start);
   // Adapter names are [A-Za-z0-9._-] (checked where requests are validated); the scale's exact bits.
+  if (mixes_adapters) return key;
   for (const auto& [name, scale] : params.loras) absl::StrAppend(&key, "/", name, "=", absl::bit_cast<uint32_t>(scale));
   return key;
 }
@@ -46,10 +49,13 @@ BatchRun::BatchRun(const std::vector<BatchMember>& members)
   for (size_t i = 0; i < members.size(); ++i) active_.push_back(i);
 }
 
-bool BatchRun::Compatible() {
+bool BatchRun::Compatible(bool mixes_adapters) {
   for (const BatchMember& m : members_) {
-    if (!BatchCompatible(*m.params, *members_.front().params)) {
-      for (auto& r : results_) r = absl::InvalidArgumentError("batch members differ in image size or step count");
+    if (!BatchCompatible(*m.params, *members_.front().params, mixes_adapters)) {
+      for (auto& r : results_) {
+        r = absl::InvalidArgumentError(mixes_adapters ? "batch members differ in image size or step count"
+                                                      : "batch members differ in image size, step count or adapters");
+      }
       active_.clear();
       return false;
     }

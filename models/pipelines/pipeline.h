@@ -31,6 +31,10 @@ struct PipelineLimits {
   int max_prompt_bytes = 126;
   // Takes an input image (image-to-image, inpainting): GenerationParams::input.
   bool accepts_images = false;
+  // Runs requests with different LoRA adapters in one batch: its RunBatch installs per-row adapters
+  // (ScopedLoraRows, models/core/lora.h) around each batched forward and the member's own around
+  // per-member work, under the per-member rows its caller installs.
+  bool mixes_adapters = false;
 };
 
 // The input of image-to-image and inpainting, decoded and brought to the request's size by the
@@ -128,13 +132,13 @@ void DeliverPreviews(ComponentRunner& runner, Component& vae, const std::vector<
                      const std::function<at::Tensor(const at::Tensor&)>& decode);
 
 
-// Requests that may run as one batch: the same image size, step count, start step (StartStep) and
-// LoRA adapters with the same scales (prompts, negative prompts, seeds, guidance and input images
-// may differ).
-bool BatchCompatible(const GenerationParams& a, const GenerationParams& b);
-// The same rule as a string: BatchCompatible(a, b) exactly when BatchKey(a) == BatchKey(b) (the
-// device worker groups queued requests by it).
-std::string BatchKey(const GenerationParams& params);
+// Requests that may run as one batch: the same image size, step count, start step (StartStep) and,
+// unless the pipeline mixes adapters (PipelineLimits::mixes_adapters), LoRA adapters with the same
+// scales (prompts, negative prompts, seeds, guidance and input images may differ).
+bool BatchCompatible(const GenerationParams& a, const GenerationParams& b, bool mixes_adapters = false);
+// The same rule as a string: BatchCompatible(a, b, m) exactly when BatchKey(a, m) == BatchKey(b, m)
+// (the device worker groups queued requests by it).
+std::string BatchKey(const GenerationParams& params, bool mixes_adapters = false);
 
 // The bookkeeping of one batched run (a pipeline's RunBatch): every member's result, which members
 // are still running, and stage reports to those. A member leaves with the first non-OK status a
@@ -142,9 +146,9 @@ std::string BatchKey(const GenerationParams& params);
 class BatchRun {
  public:
   explicit BatchRun(const std::vector<BatchMember>& members);
-  // False when the members differ in image size or step count; then every result is
-  // INVALID_ARGUMENT and nothing should run.
-  bool Compatible();
+  // False when the members are not BatchCompatible (`mixes_adapters`: the pipeline's); then every
+  // result is INVALID_ARGUMENT and nothing should run.
+  bool Compatible(bool mixes_adapters = false);
   // Runs `check` for each running member; those it gives a non-OK status leave with it.
   void Filter(const std::function<absl::Status(size_t)>& check);
   void BeginStage(const std::string& stage, int total_steps = 0);

@@ -4,6 +4,7 @@
 #include <c10/core/InferenceMode.h>
 
 #include <functional>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "models/tokenizers/bpe_tokenizer.h"
@@ -42,6 +43,7 @@ class ZImagePipeline : public Pipeline {
     limits_.default_guidance_scale = 0.0f;  // Turbo: no guidance.
     limits_.max_prompt_bytes = 4096;        // Tokens beyond max_sequence_length are cut, as diffusers does.
     limits_.accepts_images = true;
+    limits_.mixes_adapters = true;
   }
 
   static bool Guided(const GenerationParams& params) { return params.guidance_scale > 0.0f; }
@@ -70,8 +72,10 @@ class ZImagePipeline : public Pipeline {
     const c10::Device device = runner.DeviceOf(*transformer_, options_.device);
     const c10::Device encoder_device = runner.DeviceOf(*text_encoder_, options_.device);
     BatchRun run(members);
-    if (members.empty() || !run.Compatible()) return run.TakeResults();
+    if (members.empty() || !run.Compatible(limits_.mixes_adapters)) return run.TakeResults();
     const std::vector<size_t>& active = run.active();  // Shrinks as members leave (run.Filter).
+    // The members' adapters as the caller installed them, one row each (null: the same for all).
+    const LoraRows* member_rows = ActiveLoraRows();
 
     // Tokenize: positive (and, when guided, negative) ids per member.
     run.BeginStage("tokenize", 0);
@@ -99,6 +103,7 @@ class ZImagePipeline : public Pipeline {
       runner.Prefetch(*transformer_);  // Its first groups copy while the prompts encode.
       const absl::Status encoded = runner.Run(*text_encoder_, [&] {
         for (size_t i : active) {
+          const ScopedLoraRow row(i);  // Its own adapters (no-op when all share them).
           positive[i] = encoder.Forward(positive_ids[i]);
           if (Guided(*members[i].params)) negative[i] = encoder.Forward(negative_ids[i]);
         }
@@ -138,16 +143,21 @@ class ZImagePipeline : public Pipeline {
       const float t_train = family.sigmas[step] * 1000.0f;
       const double t_model = (1000.0f - t_train) / 1000.0f;
       std::vector<at::Tensor> xs, captions;
+      LoraRows rows;  // The adapters of each batch row (a guided member's two rows share its own).
       for (size_t i : running) {
         const at::Tensor x = latents[i].to(options_.dtype);
         xs.push_back(x);
         captions.push_back(positive[i]);
+        if (member_rows != nullptr) rows.push_back((*member_rows)[i]);
         if (Guided(*members[i].params)) {
           xs.push_back(x);
           captions.push_back(negative[i]);
+          if (member_rows != nullptr) rows.push_back((*member_rows)[i]);
         }
       }
       std::vector<at::Tensor> out;
+      std::optional<ScopedLoraRows> lora_rows;
+      if (member_rows != nullptr) lora_rows.emplace(&rows);
       RETURN_IF_ERROR(runner.Run(*transformer_, [&] { out = dit.ForwardBatch(xs, t_model, captions); }));
       size_t k = 0;
       for (size_t r = 0; r < running.size(); ++r) {

@@ -14,12 +14,14 @@
 #include <gtest/gtest.h>
 
 #include "absl/strings/escaping.h"
+#include "google/protobuf/text_format.h"
 #include "models/core/layers.h"
 #include "models/pipelines/zimage_pipeline.h"
 #include "offload/safetensors.h"
 #include "runtime/config.h"
 #include "tests/e2e/http_client.h"
 #include "tests/e2e/queued_together.h"
+#include "tests/e2e/same_image.h"
 
 namespace stowage {
 namespace {
@@ -157,6 +159,70 @@ TEST_F(LoraE2eTest, AnAdapterChangesTheImageOnlyWhereARequestNamesIt) {
   EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
   EXPECT_NE(status.error_message().find("has no adapter"), std::string::npos) << status.error_message();
   EXPECT_EQ(Image({}), base);
+}
+
+// Requests naming different adapters (one, another with guidance: two batch rows, both at other
+// scales, none) queued together run as ONE batch, each row with its own adapters, and each image
+// is the image the request gets alone (byte for byte on the simulated device).
+TEST_F(LoraE2eTest, RequestsWithDifferentAdaptersShareABatchAndEachGetsItsImageAlone) {
+  v1::ServerConfig config;
+  config.set_metrics_address("127.0.0.1:0");
+  ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(
+      R"pb(pipelines { name: "zimage-tiny" builtin: "zimage-tiny" default: true
+                       batching { max_batch_size: 4 max_queue_delay_ms: 5000 } })pb",
+      &config));
+  Start(config);
+  ASSERT_TRUE(Load("ink", WriteAdapter("mixed_ink", 0.5)).ok());
+  ASSERT_TRUE(Load("gold", WriteAdapter("mixed_gold", 0.3, false, "", /*kohya=*/true)).ok());
+  std::vector<v1::GenerateRequest> requests;
+  const std::vector<std::vector<std::pair<std::string, float>>> loras = {
+      {{"ink", 1.0f}}, {{"gold", 1.0f}}, {{"ink", 0.5f}, {"gold", -0.7f}}, {}};
+  for (size_t i = 0; i < loras.size(); ++i) {
+    v1::GenerateRequest r = E2eServer::SmallRequest("zimage-tiny", static_cast<uint64_t>(20 + i));
+    r.set_output_format(v1::IMAGE_FORMAT_RGB);
+    if (i == 1) {  // Guided: two rows of the batch carry its adapter.
+      r.set_guidance_scale(2.0f);
+      r.set_negative_prompt("blurry");
+    }
+    for (const auto& [name, scale] : loras[i]) {
+      v1::LoraRef* ref = r.add_loras();
+      ref->set_name(name);
+      ref->set_scale(scale);
+    }
+    requests.push_back(r);
+  }
+  std::vector<grpc::Status> statuses(requests.size());
+  std::vector<v1::GenerateResponse> batched(requests.size());
+  {
+    LongRequest holder(server_->generation(), "zimage-tiny");
+    ASSERT_TRUE(holder.running());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      threads.emplace_back([&, i] { statuses[i] = server_->Generate(requests[i], &batched[i]); });
+    }
+    EXPECT_TRUE(WaitForQueueDepth(server_->server().metrics_address(), DeviceNameOf(v1::DeviceConfig()),
+                                  static_cast<int>(requests.size())));
+    EXPECT_TRUE(holder.Finish());
+    for (std::thread& t : threads) t.join();
+  }
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(statuses[i].ok()) << i << ": " << statuses[i].error_message();
+    EXPECT_EQ(batched[i].stats().batch_size(), 4) << i;
+  }
+  // Alone (a lone client's request runs at once, a batch of one).
+  std::vector<v1::GenerateResponse> alone(requests.size());
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(server_->Generate(requests[i], &alone[i]).ok()) << i;
+    EXPECT_EQ(alone[i].stats().batch_size(), 1) << i;
+    ExpectSameImage(batched[i], alone[i], "request " + std::to_string(i));
+  }
+  // The adapters did act: the first request without its adapter draws another image.
+  v1::GenerateRequest plain = requests[0];
+  plain.clear_loras();
+  v1::GenerateResponse base;
+  ASSERT_TRUE(server_->Generate(plain, &base).ok());
+  EXPECT_NE(base.image(), alone[0].image());
+  ExpectHealthy();
 }
 
 // The same adapter in kohya's layout, loaded over admin: its underscored names are matched onto

@@ -67,6 +67,63 @@ TEST(LoraTest, AnActiveAdapterEqualsTheMergedWeightAndAnInactiveOneChangesNothin
   EXPECT_TRUE(at::equal(layer->Forward(x), base)) << "a detached adapter still applies";
 }
 
+// Per-row adapters (a batch mixing requests): each row gets exactly what it gets alone — bit for
+// bit in float32 and bf16 for rows with up to two adapters; a flattened input spreads each row over
+// its block; an input of one row computed for the whole batch becomes one row per batch row; rows
+// with the same adapters take the uniform path; ScopedLoraRow selects one row; a shape that fits
+// no rule is refused.
+TEST(LoraTest, PerRowAdaptersGiveEachRowWhatItGetsAlone) {
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    auto layer = Layer(16, 12);
+    for (TensorSlot& slot : layer->slots()) slot.value = slot.value.to(dtype);
+    LoraWeights a = Random(16, 12, 4, 8.0f, 1), b = Random(16, 12, 2, 0.0f, 2);
+    for (LoraWeights* w : {&a, &b}) {
+      w->down = w->down.to(dtype);
+      w->up = w->up.to(dtype);
+    }
+    ASSERT_TRUE(layer->AttachLora("a", a).ok());
+    ASSERT_TRUE(layer->AttachLora("b", b).ok());
+    const LoraScales only_a = {{"a", 0.5f}}, b_then_a = {{"b", -2.0f}, {"a", 1.5f}}, none = {};
+    const LoraRows rows = {&only_a, &b_then_a, &none};
+    const at::Tensor x = at::randn({3, 5, 16}, at::detail::createCPUGenerator(9)).to(dtype);
+    auto alone = [&](const LoraScales& scales, const at::Tensor& xi) {
+      ScopedLoras scoped(&scales);
+      return layer->Forward(xi);
+    };
+    at::Tensor mixed, flat, shared, selected;
+    {
+      ScopedLoraRows scoped(&rows);
+      EXPECT_EQ(ActiveLoras(), nullptr);
+      ASSERT_NE(ActiveLoraRows(), nullptr);
+      EXPECT_TRUE(AnyLoraActive(layer->loras()));
+      mixed = layer->Forward(x);
+      flat = layer->Forward(x.reshape({15, 16}));
+      shared = layer->Forward(x.narrow(0, 0, 1));
+      {
+        ScopedLoraRow row(1);
+        EXPECT_EQ(ActiveLoras(), &b_then_a);
+        selected = layer->Forward(x.narrow(0, 0, 1));
+      }
+      EXPECT_NE(ActiveLoraRows(), nullptr) << "row scope not restored";
+      EXPECT_THROW(layer->Forward(x.reshape({5, 3, 16})), c10::Error);  // 5 rows in a batch of 3.
+    }
+    EXPECT_EQ(ActiveLoraRows(), nullptr);
+    for (int64_t r = 0; r < 3; ++r) {
+      const at::Tensor want = alone(*rows[static_cast<size_t>(r)], x.narrow(0, r, 1));
+      EXPECT_TRUE(at::equal(mixed.narrow(0, r, 1), want)) << c10::toString(dtype) << " row " << r;
+      EXPECT_TRUE(at::equal(flat.narrow(0, 5 * r, 5), want.view({5, 12}))) << c10::toString(dtype) << " row " << r;
+      EXPECT_TRUE(at::equal(shared.narrow(0, r, 1), alone(*rows[static_cast<size_t>(r)], x.narrow(0, 0, 1))))
+          << c10::toString(dtype) << " row " << r;
+    }
+    EXPECT_TRUE(at::equal(selected, alone(b_then_a, x.narrow(0, 0, 1))));
+    // The same adapters in every row: the uniform path.
+    const LoraRows same = {&only_a, &only_a};
+    ScopedLoraRows scoped(&same);
+    EXPECT_EQ(ActiveLoras(), &only_a);
+    EXPECT_EQ(ActiveLoraRows(), nullptr);
+  }
+}
+
 TEST(LoraTest, SharedForwardAppliesEachLayersOwnAdapter) {
   auto q = Layer(8, 8), k = Layer(8, 8);
   const LoraWeights a = Random(8, 8, 2, 2.0f, 4);

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "models/core/diffusers_format.h"
+#include "models/core/layers.h"
 #include "models/pipeline_registry.h"
 #include "tests/models/host_runner.h"
 
@@ -105,6 +106,59 @@ TEST(FluxPipelineTest, BatchMembersGetTheImageTheyGetAlone) {
   }
   EXPECT_EQ(batch[0]->rgb, batch[2]->rgb);
   EXPECT_NE(batch[0]->rgb, batch[1]->rgb);
+}
+
+// Members with different LoRA adapters (on the transformer and on both text encoders) in one batch:
+// the caller installs each member's adapters as a row (as the device worker does), and each image
+// is the member's image alone with its adapters (fp32: identical pixels); an interrupted member
+// leaves and the rows of the others stay theirs.
+TEST(FluxPipelineTest, MembersWithDifferentAdaptersGetTheImageTheyGetAlone) {
+  auto pipeline = Tiny();
+  ASSERT_NE(pipeline, nullptr);
+  ASSERT_TRUE(pipeline->limits().mixes_adapters);
+  // Two adapters on every Linear of every component but the VAE, random, fixed.
+  uint64_t seed = 100;
+  for (Component* c : pipeline->components()) {
+    if (c->name().rfind("vae", 0) == 0) continue;
+    c->module().ForEachModule([&](Module& m) {
+      auto* linear = dynamic_cast<Linear*>(&m);
+      if (linear == nullptr) return;
+      for (const char* name : {"ink", "gold"}) {
+        at::Generator gen = at::detail::createCPUGenerator(seed++);
+        LoraWeights w;
+        w.down = at::randn({2, linear->in_features()}, gen) * 0.2;
+        w.up = at::randn({linear->out_features(), 2}, gen) * 0.2;
+        ASSERT_TRUE(linear->AttachLora(name, w).ok());
+      }
+    });
+  }
+  std::vector<GenerationParams> params = {Params("a red lantern", 3.5f, 1), Params("a blue boat", 2.0f, 2),
+                                          Params("a red lantern", 3.5f, 1), Params("a green hill", 3.5f, 4)};
+  params[0].loras = {{"ink", 1.0f}};
+  params[1].loras = {{"gold", 0.8f}, {"ink", -0.5f}};
+  params[2].loras = {};  // Member 0's request without its adapter.
+  params[3].loras = {{"gold", 1.0f}};
+  std::vector<RunContext> contexts;
+  for (size_t i = 0; i < params.size(); ++i) contexts.emplace_back(nullptr, nullptr);
+  std::vector<BatchMember> members;
+  for (size_t i = 0; i < params.size(); ++i) members.push_back(BatchMember{&params[i], &contexts[i]});
+  LoraRows rows;
+  for (const GenerationParams& p : params) rows.push_back(&p.loras);
+  HostRunner runner;
+  std::vector<absl::StatusOr<Image>> batch;
+  {
+    const ScopedLoraRows scoped(&rows);
+    batch = pipeline->RunBatch(members, runner);
+  }
+  ASSERT_EQ(batch.size(), params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    ASSERT_TRUE(batch[i].ok()) << i << ": " << batch[i].status();
+    const ScopedLoras scoped(&params[i].loras);
+    auto alone = Alone(*pipeline, params[i]);
+    ASSERT_TRUE(alone.ok());
+    EXPECT_EQ(batch[i]->rgb, alone->rgb) << "member " << i;
+  }
+  EXPECT_NE(batch[0]->rgb, batch[2]->rgb) << "the adapter changed nothing";
 }
 
 TEST(FluxPipelineTest, OnlyTheMemberThatAsksGetsPreviewsAndNoImageChanges) {

@@ -97,6 +97,11 @@ ABSL_FLAG(std::string, compute, "bf16",
 ABSL_FLAG(std::string, profile, "",
           "CUDA builds: after the timed forwards, trace one more forward with LibTorch's Kineto profiler "
           "and save the Chrome trace here (bench/compute_bench.py summarises its kernels)");
+ABSL_FLAG(int64_t, batch, 1, "Synthetic stack: batch rows of the forward (requests batched together)");
+ABSL_FLAG(int, lora_adapters, 0,
+          "Synthetic stack: LoRA adapters attached to every Linear (rank --lora_rank, on the device); batch row i "
+          "applies adapter i % N (a batch mixing N adapters; 1: every row the same one, the uniform path)");
+ABSL_FLAG(int64_t, lora_rank, 16, "Rank of the --lora_adapters adapters");
 ABSL_FLAG(bool, fused, true,
           "Run the fused CUDA kernels where they apply (models/core/fused_ops.h); false: the plain "
           "LibTorch reference path");
@@ -232,10 +237,39 @@ absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend,
     auto stack = std::make_unique<TransformerStack>(shape.model, LayerOptions{dtype});
     FillBenchmarkWeights(*stack, 7);
     at::manual_seed(0);  // The same inputs in every process (rows compare outputs across processes).
-    const at::Tensor x = at::randn({1, shape.tokens, shape.model.dim}, options);
-    const at::Tensor c = at::randn({1, shape.model.modulation_dim}, options);
+    const int64_t batch = std::max<int64_t>(1, absl::GetFlag(FLAGS_batch));
+    const at::Tensor x = at::randn({batch, shape.tokens, shape.model.dim}, options);
+    const at::Tensor c = at::randn({batch, shape.model.modulation_dim}, options);
     TransformerStack* raw = stack.get();
-    bench.forward = [raw, x, c] { return raw->Forward(x, c); };
+    const int adapters = absl::GetFlag(FLAGS_lora_adapters);
+    if (adapters <= 0) {
+      bench.forward = [raw, x, c] { return raw->Forward(x, c); };
+    } else {
+      // Adapters on every Linear, on the device (as LoadAdapter places them), small random values.
+      const int64_t rank = absl::GetFlag(FLAGS_lora_rank);
+      at::Generator gen = at::detail::createCPUGenerator(11);
+      absl::Status attached = absl::OkStatus();
+      stack->ForEachModule([&](Module& m) {
+        auto* linear = dynamic_cast<Linear*>(&m);
+        if (linear == nullptr || !attached.ok()) return;
+        for (int a = 0; a < adapters; ++a) {
+          LoraWeights w;
+          w.down = (at::randn({rank, linear->in_features()}, gen) * 0.01).to(options);
+          w.up = (at::randn({linear->out_features(), rank}, gen) * 0.01).to(options);
+          attached = linear->AttachLora(absl::StrCat("adapter", a), std::move(w));
+          if (!attached.ok()) return;
+        }
+      });
+      RETURN_IF_ERROR(attached);
+      auto scales = std::make_shared<std::vector<LoraScales>>();
+      for (int64_t i = 0; i < batch; ++i) scales->push_back({{absl::StrCat("adapter", i % adapters), 1.0f}});
+      auto rows = std::make_shared<LoraRows>();
+      for (const LoraScales& s : *scales) rows->push_back(&s);
+      bench.forward = [raw, x, c, scales, rows] {
+        const ScopedLoraRows scoped(rows.get());
+        return raw->Forward(x, c);
+      };
+    }
     bench.root = std::move(stack);
     return bench;
   }
@@ -475,7 +509,8 @@ int Main() {
           "\"achieved_h2d_bytes_per_s\": %.0f, \"config\": \"%s\", \"device\": \"%s\", "
           "\"prefetch_depth\": %d, \"staging\": \"%dx%dMiB, %d threads\", \"pinned_in_place_bytes\": %d, "
           "\"pin_in_place_error\": \"%s\", \"model\": \"%s\", \"machine\": \"%s\", \"compress\": \"%s\", "
-          "\"floor_8bit_s\": %.6f, \"rel_l2\": %.6f, \"prepare_s\": %.3f}\n",
+          "\"floor_8bit_s\": %.6f, \"rel_l2\": %.6f, \"prepare_s\": %.3f, \"batch\": %d, \"lora_adapters\": %d, "
+          "\"lora_rank\": %d}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -483,7 +518,8 @@ int Main() {
           absl::GetFlag(FLAGS_staging_mib), absl::GetFlag(FLAGS_staging_threads), result->pinned_in_place,
           absl::CHexEscape(result->pin_in_place_error),
           result->model,
-          absl::GetFlag(FLAGS_machine), result->compress, floor_8bit_s, result->rel_l2, result->prepare_s);
+          absl::GetFlag(FLAGS_machine), result->compress, floor_8bit_s, result->rel_l2, result->prepare_s,
+          absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_lora_adapters), absl::GetFlag(FLAGS_lora_rank));
       out.flush();
     }
   }

@@ -16,6 +16,8 @@
 #             --config=full, one process per row): resident (its output the reference), block_pinned
 #             (bf16 streamed) and each compressed row ($COMPRESSED_ROWS): compressed.jsonl (commit
 #             added to every row), compressed.log
+#   lora      a batch of 8 on the full-size synthetic stack with 0, 1 and 8 different LoRA adapters
+#             (offload_bench --batch --lora_adapters): lora.jsonl, lora.log
 #   ctest     every test CMake builds (ctest -j 4; tests that use the server's default device run on
 #             cuda:0): ctest.log, ctest_junit.xml; failures re-run with thread_stack_shim.so when civetweb
 #             could not start its threads (build_and_serve.sh says why)
@@ -86,6 +88,33 @@ for line in open(sys.argv[1]):
           f"  floor_compressed {r.get('floor_8bit_s', 0):.4f} s  rel_l2 {r.get('rel_l2', 0):.4f}  rss {r['peak_rss_bytes'] / 2**30:.2f} GiB  prepare {r.get('prepare_s', 0):.1f} s"
           f"  weights {r['weight_bytes'] / 2**30:.2f} GiB")
 PY
+fi
+if [[ $parts == *" lora "* ]]; then
+  # LoRA adapters in one batch: the full-size synthetic stack resident, a batch of 8, with no adapter,
+  # one adapter on every row (the uniform path) and 8 different ones (a mixed batch), rank 16 on every
+  # Linear; one process per row: lora.jsonl, lora.log.
+  stamp "lora"
+  raw=/tmp/lora_rows.jsonl
+  rm -f "$raw"
+  for adapters in 0 1 8; do
+    timeout 200 "$build/bench/offload_bench" --config=full --rows=resident --batch=8 --lora_adapters=$adapters \
+      --lora_rank=16 --warmup=2 --iters=5 --out="$raw" --machine="$machine" >>"$OUT/lora.log" 2>&1
+    stamp "lora adapters=$adapters exit $?"
+  done
+  python3 - "$raw" "${STOWAGE_COMMIT:-unknown}" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+base = next((r["step_s"] for r in rows if r.get("lora_adapters") == 0), 0)
+with open(sys.argv[1].replace(".jsonl", "_out.jsonl"), "w") as out:
+    for r in rows:
+        r["bench"] = "lora_batch"
+        r["commit"] = sys.argv[2]
+        r["x_no_adapter"] = r["step_s"] / base if base else 0
+        out.write(json.dumps(r) + "\n")
+        print(f"lora batch {r['batch']} adapters {r['lora_adapters']:2d} rank {r['lora_rank']} step {r['step_s']:.4f} s"
+              f"  x_no_adapter {r['x_no_adapter']:.3f}")
+PY
+  cp /tmp/lora_rows_out.jsonl "$OUT/lora.jsonl" 2>/dev/null
 fi
 if [[ $parts == *" compute "* || $parts == *" conformance "* ]]; then
   stamp "conformance"

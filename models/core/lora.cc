@@ -19,6 +19,8 @@ namespace {
 
 thread_local const LoraScales* active_loras = nullptr;
 thread_local const LoraRows* active_rows = nullptr;
+// The factor cache of the innermost ScopedLoraRows (null outside one).
+thread_local std::map<ScopedLoraRows::FactorKey, at::Tensor>* active_factors = nullptr;
 
 bool SameScales(const LoraScales& a, const LoraScales& b) {
   if (a.size() != b.size()) return false;
@@ -56,14 +58,28 @@ at::Tensor RowsDelta(const std::map<std::string, LoraWeights>& attached, const L
   at::Tensor delta;
   for (const std::string& name : names) {
     const LoraWeights& w = attached.at(name);
-    std::vector<float> factors(static_cast<size_t>(r), 0.0f);
-    for (int64_t i = 0; i < r; ++i) {
-      for (const auto& [row_name, scale] : *rows[static_cast<size_t>(i)]) {
-        if (row_name == name) factors[static_cast<size_t>(i)] = scale * w.factor;
-      }
+    const int64_t repeat = n > r ? n / r : 1;
+    const ScopedLoraRows::FactorKey key{name, absl::bit_cast<uint32_t>(w.factor), x.device().type(),
+                                        x.device().index(), repeat};
+    at::Tensor* cached = nullptr;
+    if (active_factors != nullptr) {
+      auto it = active_factors->find(key);
+      if (it != active_factors->end()) cached = &it->second;
     }
-    at::Tensor f = at::tensor(factors).to(x.device());  // float32: the product rounds once, as x * scalar.
-    if (n > r) f = f.repeat_interleave(n / r);
+    at::Tensor f;
+    if (cached != nullptr) {
+      f = *cached;
+    } else {
+      std::vector<float> factors(static_cast<size_t>(r), 0.0f);
+      for (int64_t i = 0; i < r; ++i) {
+        for (const auto& [row_name, scale] : *rows[static_cast<size_t>(i)]) {
+          if (row_name == name) factors[static_cast<size_t>(i)] = scale * w.factor;
+        }
+      }
+      f = at::tensor(factors).to(x.device());  // float32: the product rounds once, as x * scalar.
+      if (repeat > 1) f = f.repeat_interleave(repeat);
+      if (active_factors != nullptr) active_factors->emplace(key, f);
+    }
     std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
     shape[0] = f.size(0);
     const at::Tensor d = (Delta(w, x).to(at::kFloat) * f.view(shape)).to(x.scalar_type());
@@ -89,7 +105,9 @@ ScopedLoras::~ScopedLoras() {
 const LoraScales* ActiveLoras() { return active_loras; }
 const LoraRows* ActiveLoraRows() { return active_rows; }
 
-ScopedLoraRows::ScopedLoraRows(const LoraRows* rows) : previous_uniform_(active_loras), previous_rows_(active_rows) {
+ScopedLoraRows::ScopedLoraRows(const LoraRows* rows)
+    : previous_uniform_(active_loras), previous_rows_(active_rows), previous_factors_(active_factors) {
+  active_factors = &factors_;
   active_loras = nullptr;
   active_rows = nullptr;
   if (rows == nullptr || rows->empty()) return;
@@ -105,6 +123,7 @@ ScopedLoraRows::ScopedLoraRows(const LoraRows* rows) : previous_uniform_(active_
 ScopedLoraRows::~ScopedLoraRows() {
   active_loras = previous_uniform_;
   active_rows = previous_rows_;
+  active_factors = previous_factors_;
 }
 
 ScopedLoraRow::ScopedLoraRow(size_t row) : previous_uniform_(active_loras), previous_rows_(active_rows) {

@@ -23,10 +23,12 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 
 #include "absl/status/statusor.h"
 
@@ -73,9 +75,16 @@ class ScopedLoraRows {
   ScopedLoraRows(const ScopedLoraRows&) = delete;
   ScopedLoraRows& operator=(const ScopedLoraRows&) = delete;
 
+  // The per-row factors of one adapter (scale · alpha/rank per row, each repeated `repeat` times)
+  // on a device, made once per scope: a forward's layers share them (no host-to-device copy per
+  // layer).
+  using FactorKey = std::tuple<std::string, uint32_t, c10::DeviceType, c10::DeviceIndex, int64_t>;
+
  private:
   const LoraScales* previous_uniform_;
   const LoraRows* previous_rows_;
+  std::map<FactorKey, at::Tensor>* previous_factors_;
+  std::map<FactorKey, at::Tensor> factors_;
 };
 
 // Inside ScopedLoraRows: row `row`'s adapters, uniformly, until destroyed (a per-sample step of a

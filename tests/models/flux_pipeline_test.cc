@@ -1,5 +1,7 @@
 #include "models/pipelines/flux_pipeline.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -110,8 +112,9 @@ TEST(FluxPipelineTest, BatchMembersGetTheImageTheyGetAlone) {
 
 // Members with different LoRA adapters (on the transformer and on both text encoders) in one batch:
 // the caller installs each member's adapters as a row (as the device worker does), and each image
-// is the member's image alone with its adapters (fp32: identical pixels); an interrupted member
-// leaves and the rows of the others stay theirs.
+// is the member's image alone with its adapters. fp32 on the CPU: identical pixels with Debian's
+// LibTorch; the GPU host's torch 2.11 CPU kernels for the adapters' rank-2 matrix products depend on
+// the number of rows (measured: one member off by a level), hence the bound of kMixedPixelBound.
 TEST(FluxPipelineTest, MembersWithDifferentAdaptersGetTheImageTheyGetAlone) {
   auto pipeline = Tiny();
   ASSERT_NE(pipeline, nullptr);
@@ -151,13 +154,22 @@ TEST(FluxPipelineTest, MembersWithDifferentAdaptersGetTheImageTheyGetAlone) {
     batch = pipeline->RunBatch(members, runner);
   }
   ASSERT_EQ(batch.size(), params.size());
+  constexpr int kMixedPixelBound = 2;
+  int exact = 0;
   for (size_t i = 0; i < params.size(); ++i) {
     ASSERT_TRUE(batch[i].ok()) << i << ": " << batch[i].status();
     const ScopedLoras scoped(&params[i].loras);
     auto alone = Alone(*pipeline, params[i]);
     ASSERT_TRUE(alone.ok());
-    EXPECT_EQ(batch[i]->rgb, alone->rgb) << "member " << i;
+    ASSERT_EQ(batch[i]->rgb.size(), alone->rgb.size());
+    int worst = 0;
+    for (size_t p = 0; p < alone->rgb.size(); ++p) {
+      worst = std::max(worst, std::abs(static_cast<int>(batch[i]->rgb[p]) - static_cast<int>(alone->rgb[p])));
+    }
+    EXPECT_LE(worst, kMixedPixelBound) << "member " << i;
+    exact += worst == 0 ? 1 : 0;
   }
+  std::printf("mixed-adapter members identical to alone: %d of %zu\n", exact, params.size());
   EXPECT_NE(batch[0]->rgb, batch[2]->rgb) << "the adapter changed nothing";
 }
 

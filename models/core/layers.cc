@@ -1,6 +1,7 @@
 #include "models/core/layers.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
 #include <ATen/ATen.h>
@@ -10,6 +11,13 @@
 #include "models/core/fused_ops.h"
 
 namespace stowage {
+
+namespace {
+std::atomic<bool> packed_lora_everywhere{false};
+}  // namespace
+
+void SetPackedLoraEverywhere(bool on) { packed_lora_everywhere.store(on); }
+
 namespace {
 
 at::Tensor Empty(at::IntArrayRef shape, const LayerOptions& options) {
@@ -36,7 +44,9 @@ bool Linear::LoraActive() const { return AnyLoraActive(loras_); }
 
 at::Tensor Linear::WithLoras(const at::Tensor& x, at::Tensor y) const {
   if (loras_.empty()) return y;
-  const at::Tensor delta = LoraDelta(loras_, x);
+  // Mixed batches run packed where the fused kernels run (CUDA): two products a layer whatever the
+  // number of adapters; elsewhere one adapter at a time, bit for bit what a request gets alone.
+  const at::Tensor delta = LoraDelta(loras_, x, fused::Active(x) || packed_lora_everywhere.load() ? &lora_pack_ : nullptr);
   return delta.defined() ? y + delta : y;
 }
 
@@ -50,10 +60,14 @@ absl::Status Linear::AttachLora(const std::string& name, LoraWeights weights) {
         weights.up.defined() ? c10::str(weights.up.sizes()) : "none"));
   }
   loras_[name] = std::move(weights);
+  lora_pack_ = LoraPack();
   return absl::OkStatus();
 }
 
-bool Linear::DetachLora(const std::string& name) { return loras_.erase(name) > 0; }
+bool Linear::DetachLora(const std::string& name) {
+  lora_pack_ = LoraPack();
+  return loras_.erase(name) > 0;
+}
 
 namespace {
 

@@ -28,6 +28,10 @@ struct LayerOptions {
   at::ScalarType dtype = at::kFloat;
 };
 
+// Mixed-adapter batches run the packed per-row LoRA path (lora.h) where the fused kernels run
+// (CUDA); true makes every device run it (tests of that path on the CPU). Process-wide.
+void SetPackedLoraEverywhere(bool on);
+
 class Linear : public Module {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias, const LayerOptions& options);
@@ -77,6 +81,8 @@ class Linear : public Module {
   int bias_ = -1;
   int weight_scale_ = -1;
   std::map<std::string, LoraWeights> loras_;
+  // The packed per-row path's concatenated adapters (lora.h), rebuilt when a batch's set changes.
+  mutable LoraPack lora_pack_;
 };
 
 // Converts every Linear inside the block lists of `root` (its ModuleList children: the transformer

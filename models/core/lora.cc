@@ -19,8 +19,9 @@ namespace {
 
 thread_local const LoraScales* active_loras = nullptr;
 thread_local const LoraRows* active_rows = nullptr;
-// The factor cache of the innermost ScopedLoraRows (null outside one).
+// The factor caches of the innermost ScopedLoraRows (null outside one).
 thread_local std::map<ScopedLoraRows::FactorKey, at::Tensor>* active_factors = nullptr;
+thread_local ScopedLoraRows::ColumnScales* active_columns = nullptr;
 
 bool SameScales(const LoraScales& a, const LoraScales& b) {
   if (a.size() != b.size()) return false;
@@ -47,7 +48,63 @@ at::Tensor Delta(const LoraWeights& w, const at::Tensor& x) {
   return at::linear(at::linear(x, down), up);
 }
 
-at::Tensor RowsDelta(const std::map<std::string, LoraWeights>& attached, const LoraRows& rows, const at::Tensor& x) {
+// The packed path of RowsDelta (see LoraDelta).
+at::Tensor PackedRowsDelta(const std::map<std::string, LoraWeights>& attached, const LoraRows& rows,
+                           const std::vector<std::string>& names, const at::Tensor& x, int64_t repeat,
+                           LoraPack& pack) {
+  if (pack.names != names || pack.device != x.device() || pack.dtype != x.scalar_type()) {
+    std::vector<at::Tensor> downs, ups;
+    pack.offsets.clear();
+    int64_t columns = 0;
+    for (const std::string& name : names) {
+      const LoraWeights& w = attached.at(name);
+      downs.push_back(w.down.to(x.device(), x.scalar_type()));
+      ups.push_back(w.up.to(x.device(), x.scalar_type()));
+      pack.offsets.push_back(columns);
+      columns += w.rank();
+    }
+    pack.offsets.push_back(columns);
+    pack.down = at::cat(downs, 0).contiguous();
+    pack.up = at::cat(ups, 1).contiguous();
+    pack.names = names;
+    pack.device = x.device();
+    pack.dtype = x.scalar_type();
+  }
+  const int64_t columns = pack.offsets.back();
+  const auto r = static_cast<int64_t>(rows.size());
+  std::string key = absl::StrCat(x.device().str(), "|", repeat);
+  for (const std::string& name : names) {
+    absl::StrAppend(&key, "|", name, "=", absl::bit_cast<uint32_t>(attached.at(name).factor));
+  }
+  at::Tensor scales;
+  if (active_columns != nullptr) {
+    auto it = active_columns->find(key);
+    if (it != active_columns->end()) scales = it->second;
+  }
+  if (!scales.defined()) {
+    std::vector<float> host(static_cast<size_t>(r * columns), 0.0f);
+    for (int64_t i = 0; i < r; ++i) {
+      for (size_t j = 0; j < names.size(); ++j) {
+        float value = 0.0f;
+        for (const auto& [row_name, scale] : *rows[static_cast<size_t>(i)]) {
+          if (row_name == names[j]) value = scale * attached.at(names[j]).factor;
+        }
+        for (int64_t c = pack.offsets[j]; c < pack.offsets[j + 1]; ++c) host[static_cast<size_t>(i * columns + c)] = value;
+      }
+    }
+    scales = at::tensor(host).view({r, columns}).to(x.device());
+    if (repeat > 1) scales = scales.repeat_interleave(repeat, 0);
+    if (active_columns != nullptr) active_columns->emplace(key, scales);
+  }
+  std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
+  shape.front() = scales.size(0);
+  shape.back() = columns;
+  const at::Tensor h = (at::linear(x, pack.down).to(at::kFloat) * scales.view(shape)).to(x.scalar_type());
+  return at::linear(h, pack.up);
+}
+
+at::Tensor RowsDelta(const std::map<std::string, LoraWeights>& attached, const LoraRows& rows, const at::Tensor& x,
+                     LoraPack* pack) {
   std::vector<std::string> names;
   for (const LoraScales* row : rows) CollectActive(attached, *row, &names);
   if (names.empty()) return at::Tensor();
@@ -55,6 +112,7 @@ at::Tensor RowsDelta(const std::map<std::string, LoraWeights>& attached, const L
   const int64_t n = x.size(0);
   TORCH_CHECK(n == r || n == 1 || n % r == 0, "LoRA: an input of ", n, " rows in a batch of ", r,
               " requests with different adapters");
+  if (pack != nullptr) return PackedRowsDelta(attached, rows, names, x, n > r ? n / r : 1, *pack);
   at::Tensor delta;
   for (const std::string& name : names) {
     const LoraWeights& w = attached.at(name);
@@ -106,8 +164,12 @@ const LoraScales* ActiveLoras() { return active_loras; }
 const LoraRows* ActiveLoraRows() { return active_rows; }
 
 ScopedLoraRows::ScopedLoraRows(const LoraRows* rows)
-    : previous_uniform_(active_loras), previous_rows_(active_rows), previous_factors_(active_factors) {
+    : previous_uniform_(active_loras),
+      previous_rows_(active_rows),
+      previous_factors_(active_factors),
+      previous_columns_(active_columns) {
   active_factors = &factors_;
+  active_columns = &columns_;
   active_loras = nullptr;
   active_rows = nullptr;
   if (rows == nullptr || rows->empty()) return;
@@ -124,6 +186,7 @@ ScopedLoraRows::~ScopedLoraRows() {
   active_loras = previous_uniform_;
   active_rows = previous_rows_;
   active_factors = previous_factors_;
+  active_columns = previous_columns_;
 }
 
 ScopedLoraRow::ScopedLoraRow(size_t row) : previous_uniform_(active_loras), previous_rows_(active_rows) {
@@ -149,9 +212,9 @@ bool AnyLoraActive(const std::map<std::string, LoraWeights>& attached) {
   return !names.empty();
 }
 
-at::Tensor LoraDelta(const std::map<std::string, LoraWeights>& attached, const at::Tensor& x) {
+at::Tensor LoraDelta(const std::map<std::string, LoraWeights>& attached, const at::Tensor& x, LoraPack* pack) {
   if (attached.empty()) return at::Tensor();
-  if (active_rows != nullptr) return RowsDelta(attached, *active_rows, x);
+  if (active_rows != nullptr) return RowsDelta(attached, *active_rows, x, pack);
   const LoraScales* active = active_loras;
   if (active == nullptr) return at::Tensor();
   at::Tensor delta;

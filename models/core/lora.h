@@ -79,12 +79,17 @@ class ScopedLoraRows {
   // on a device, made once per scope: a forward's layers share them (no host-to-device copy per
   // layer).
   using FactorKey = std::tuple<std::string, uint32_t, c10::DeviceType, c10::DeviceIndex, int64_t>;
+  // The packed path's column scales [rows × repeat, Σr], by adapters, their factors, device and
+  // repeat (a string of them).
+  using ColumnScales = std::map<std::string, at::Tensor>;
 
  private:
   const LoraScales* previous_uniform_;
   const LoraRows* previous_rows_;
   std::map<FactorKey, at::Tensor>* previous_factors_;
+  ColumnScales* previous_columns_;
   std::map<FactorKey, at::Tensor> factors_;
+  ColumnScales columns_;
 };
 
 // Inside ScopedLoraRows: row `row`'s adapters, uniformly, until destroyed (a per-sample step of a
@@ -107,11 +112,28 @@ const LoraRows* ActiveLoraRows();
 // True when some adapter of `attached` is active (uniformly or in any row) with a non-zero scale.
 bool AnyLoraActive(const std::map<std::string, LoraWeights>& attached);
 
+// A layer's adapters concatenated for the packed per-row path: the down matrices stacked
+// ([Σr, in]) and the up matrices side by side ([out, Σr]) of `names`, on one device and dtype.
+// Rebuilt when the set of adapters a batch uses changes; owned by the layer.
+struct LoraPack {
+  std::vector<std::string> names;
+  c10::Device device = c10::Device(c10::kCPU);
+  at::ScalarType dtype = at::kFloat;
+  at::Tensor down, up;
+  std::vector<int64_t> offsets;  // Column of each adapter in Σr (names' order), then Σr.
+};
+
 // Σ scale · factor · (x·Aᵀ)·Bᵀ over the adapters of `attached` that are active with a non-zero
 // scale, in x's dtype; undefined when none is. Per row when rows are installed (see above; the
 // delta then has the batch's rows when x has one row); c10::Error when x's dim 0 neither equals,
 // is a multiple of, nor is 1 against the rows.
-at::Tensor LoraDelta(const std::map<std::string, LoraWeights>& attached, const at::Tensor& x);
+// With `pack` (the fast path: Linear passes it on CUDA), rows run packed instead of one adapter at a
+// time: h = x·[A₁;…;Aₖ]ᵀ (one product for every adapter the batch uses), each row's columns scaled
+// by its scale · factor (0 for adapters it does not use) in float32 and rounded to x's dtype, then
+// h·[B₁ … Bₖ]ᵀ — two products a layer whatever k. It scales before the up-projection where the
+// per-adapter path scales after, so a row matches its image alone within rounding, not bit for bit.
+at::Tensor LoraDelta(const std::map<std::string, LoraWeights>& attached, const at::Tensor& x,
+                     LoraPack* pack = nullptr);
 
 // A LoRA file's layers, by the dotted path of the Linear they adapt within a pipeline component
 // ("transformer", "text_encoder", ...).

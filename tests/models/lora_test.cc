@@ -124,6 +124,65 @@ TEST(LoraTest, PerRowAdaptersGiveEachRowWhatItGetsAlone) {
   }
 }
 
+// The packed per-row path (two products a layer for every adapter a batch uses; what CUDA runs)
+// against the one-at-a-time path: each row within rounding (it scales before the up-projection), a
+// row without adapters exactly its base output; the concatenation is rebuilt when the batch's set of
+// adapters changes or one is detached.
+TEST(LoraTest, PackedPerRowAdaptersMatchTheOneAtATimePath) {
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    auto layer = Layer(16, 12);
+    for (TensorSlot& slot : layer->slots()) slot.value = slot.value.to(dtype);
+    LoraWeights a = Random(16, 12, 4, 8.0f, 1), b = Random(16, 12, 2, 0.0f, 2), c = Random(16, 12, 3, 3.0f, 4);
+    for (LoraWeights* w : {&a, &b, &c}) {
+      w->down = w->down.to(dtype);
+      w->up = w->up.to(dtype);
+    }
+    ASSERT_TRUE(layer->AttachLora("a", a).ok());
+    ASSERT_TRUE(layer->AttachLora("b", b).ok());
+    ASSERT_TRUE(layer->AttachLora("c", c).ok());
+    const LoraScales only_a = {{"a", 0.5f}}, b_then_a = {{"b", -2.0f}, {"a", 1.5f}}, none = {}, only_c = {{"c", 1.0f}};
+    const at::Tensor x = at::randn({3, 5, 16}, at::detail::createCPUGenerator(9)).to(dtype);
+    // Relative L2 against the one-at-a-time path: float32 rounding, or bf16's (a few ulps of outputs
+    // around 30 here).
+    const double tolerance = dtype == at::kFloat ? 1e-6 : 1e-2;
+    auto close = [&](const at::Tensor& got, const at::Tensor& want) {
+      const at::Tensor g = got.to(at::kDouble), w = want.to(at::kDouble);
+      return (g - w).norm().item<double>() <= tolerance * w.norm().item<double>();
+    };
+    for (const LoraRows& rows : {LoraRows{&only_a, &b_then_a, &none}, LoraRows{&only_c, &none, &only_a}}) {
+      at::Tensor reference, packed, flat, shared;
+      {
+        ScopedLoraRows scoped(&rows);
+        reference = layer->Forward(x);
+        SetPackedLoraEverywhere(true);
+        packed = layer->Forward(x);
+        flat = layer->Forward(x.reshape({15, 16}));
+        shared = layer->Forward(x.narrow(0, 0, 1));
+        SetPackedLoraEverywhere(false);
+      }
+      EXPECT_TRUE(close(packed, reference)) << c10::toString(dtype) << " max diff "
+                                            << (packed - reference).abs().max().item<double>();
+      EXPECT_TRUE(at::equal(flat.view({3, 5, 12}), packed));
+      for (int64_t r = 0; r < 3; ++r) {
+        if (rows[static_cast<size_t>(r)]->empty()) {
+          EXPECT_TRUE(at::equal(packed.narrow(0, r, 1), reference.narrow(0, r, 1))) << "row without adapters";
+        }
+        ScopedLoras alone(rows[static_cast<size_t>(r)]);
+        EXPECT_TRUE(close(shared.narrow(0, r, 1), layer->Forward(x.narrow(0, 0, 1)))) << c10::toString(dtype);
+      }
+    }
+    // Detaching rebuilds the concatenation: the rows now see only what is attached.
+    ASSERT_TRUE(layer->DetachLora("b"));
+    const LoraRows rows = {&only_a, &b_then_a};
+    ScopedLoraRows scoped(&rows);
+    const at::Tensor reference = layer->Forward(x.narrow(0, 0, 2));
+    SetPackedLoraEverywhere(true);
+    const at::Tensor packed = layer->Forward(x.narrow(0, 0, 2));
+    SetPackedLoraEverywhere(false);
+    EXPECT_TRUE(close(packed, reference)) << c10::toString(dtype);
+  }
+}
+
 TEST(LoraTest, SharedForwardAppliesEachLayersOwnAdapter) {
   auto q = Layer(8, 8), k = Layer(8, 8);
   const LoraWeights a = Random(8, 8, 2, 2.0f, 4);

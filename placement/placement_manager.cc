@@ -633,11 +633,9 @@ int64_t PlacementManager::EstimateHostBytes(const Entry& entry, CompressFormat f
   for (const HostWeights::Entry& e : weights.entries()) {
     const int64_t compressed = TensorScratchBytes(format, e.host.scalar_type(), e.host.sizes());
     const auto original = static_cast<int64_t>(e.host.nbytes());
-    if (compressed == 0) {
-      bytes += AlignScratch(original);  // Uncompressed: a copy in the packed buffer (aligned).
-    } else {
-      bytes += compressed + (InMapping(e.host) ? 0 : original);
-    }
+    // A copy in the packed buffer (compressed, or the tensor itself, aligned), and the original
+    // where it stays in RAM (not a view of a safetensors mapping, whose pages are dropped).
+    bytes += (compressed > 0 ? compressed : AlignScratch(original)) + (InMapping(e.host) ? 0 : original);
   }
   return bytes;
 }

@@ -1,6 +1,7 @@
 #include "models/pipeline_registry.h"
 #include "models/pipelines/zimage_pipeline.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -11,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "models/core/layers.h"
 #include "tests/models/host_runner.h"
 
 #include "base/status_macros.h"
@@ -107,6 +109,72 @@ TEST(ZImagePipelineTest, BatchMembersGetTheImageTheyGetAlone) {
     for (const auto& stage : context.stage_times()) stages.push_back(stage.stage);
     EXPECT_EQ(stages, (std::vector<std::string>{"tokenize", "encode_prompt", "denoise", "decode"}));
   }
+}
+
+// Members with different LoRA adapters on every Linear of the text encoder and the transformer (the
+// timestep embedder too, whose input is computed once for the whole batch and so becomes one row per
+// member; the caption and patch embedders, which run per sample) in one batch, one member guided
+// (two rows), one without adapters: each image is the member's image alone with its adapters
+// (float32 on the CPU: identical pixels with Debian's LibTorch; kMixedPixelBound levels otherwise,
+// as in flux_pipeline_test).
+TEST(ZImagePipelineTest, MembersWithDifferentAdaptersGetTheImageTheyGetAlone) {
+  ZImagePipelineOptions options;
+  options.dtype = at::kFloat;
+  auto pipeline = CreateTinyZImagePipeline(options);
+  ASSERT_TRUE(pipeline.ok()) << pipeline.status();
+  ASSERT_TRUE((*pipeline)->limits().mixes_adapters);
+  uint64_t seed = 200;
+  int adapted = 0;
+  for (Component* c : (*pipeline)->components()) {
+    if (c->name().rfind("vae", 0) == 0) continue;
+    c->module().ForEachModule([&](Module& m) {
+      auto* linear = dynamic_cast<Linear*>(&m);
+      if (linear == nullptr) return;
+      for (const char* name : {"ink", "gold"}) {
+        at::Generator gen = at::detail::createCPUGenerator(seed++);
+        LoraWeights w;
+        w.down = at::randn({2, linear->in_features()}, gen) * 0.2;
+        w.up = at::randn({linear->out_features(), 2}, gen) * 0.2;
+        ASSERT_TRUE(linear->AttachLora(name, w).ok());
+      }
+      ++adapted;
+    });
+  }
+  ASSERT_GT(adapted, 0);
+  std::vector<GenerationParams> params = {Params("a red lantern", 0.0f, 1), Params("a blue boat", 2.5f, 2),
+                                          Params("a red lantern", 0.0f, 1), Params("a green hill", 0.0f, 4)};
+  params[0].loras = {{"ink", 1.0f}};
+  params[1].loras = {{"gold", 0.8f}, {"ink", -0.5f}};
+  params[3].loras = {{"gold", 1.0f}};
+  std::vector<RunContext> contexts;
+  for (size_t i = 0; i < params.size(); ++i) contexts.emplace_back(nullptr, nullptr);
+  std::vector<BatchMember> members;
+  for (size_t i = 0; i < params.size(); ++i) members.push_back(BatchMember{&params[i], &contexts[i]});
+  LoraRows rows;
+  for (const GenerationParams& p : params) rows.push_back(&p.loras);
+  HostRunner runner;
+  std::vector<absl::StatusOr<Image>> batch;
+  {
+    const ScopedLoraRows scoped(&rows);
+    batch = (*pipeline)->RunBatch(members, runner);
+  }
+  ASSERT_EQ(batch.size(), params.size());
+  constexpr int kMixedPixelBound = 2;
+  for (size_t i = 0; i < params.size(); ++i) {
+    ASSERT_TRUE(batch[i].ok()) << i << ": " << batch[i].status();
+    const ScopedLoras scoped(&params[i].loras);
+    HostRunner alone_runner;
+    RunContext alone_context(nullptr, nullptr);
+    absl::StatusOr<Image> alone = (*pipeline)->Run(params[i], alone_runner, alone_context);
+    ASSERT_TRUE(alone.ok());
+    ASSERT_EQ(batch[i]->rgb.size(), alone->rgb.size());
+    int worst = 0;
+    for (size_t p = 0; p < alone->rgb.size(); ++p) {
+      worst = std::max(worst, std::abs(static_cast<int>(batch[i]->rgb[p]) - static_cast<int>(alone->rgb[p])));
+    }
+    EXPECT_LE(worst, kMixedPixelBound) << "member " << i;
+  }
+  EXPECT_NE(batch[0]->rgb, batch[2]->rgb) << "the adapter changed nothing";
 }
 
 // A member whose caller goes away leaves at the next step boundary with its status; the others

@@ -351,6 +351,58 @@ TEST_F(LoraE2eTest, UnloadingAnAdapterWhileRequestsNamingItQueueFailsThemCleanly
   ExpectHealthy();
 }
 
+// The same with batching on: requests with and without the adapter queue together as one mixed
+// batch; the unload runs before it, so the members naming the adapter fail saying so and the
+// member without it still gets its image (its image alone), in the same batch.
+TEST_F(LoraE2eTest, UnloadingAnAdapterUnderAMixedBatchFailsOnlyTheMembersNamingIt) {
+  v1::ServerConfig config;
+  config.set_metrics_address("127.0.0.1:0");
+  ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(
+      R"pb(pipelines { name: "zimage-tiny" builtin: "zimage-tiny" default: true
+                       batching { max_batch_size: 3 max_queue_delay_ms: 5000 } })pb",
+      &config));
+  Start(config);
+  ASSERT_TRUE(Load("style", WriteAdapter("style_mixed_unload", 0.5)).ok());
+  const std::vector<std::vector<std::pair<std::string, float>>> loras = {{{"style", 1.0f}}, {}, {{"style", 0.5f}}};
+  std::vector<grpc::Status> statuses(loras.size());
+  std::vector<v1::GenerateResponse> responses(loras.size());
+  {
+    LongRequest holder(server_->generation(), "zimage-tiny");
+    ASSERT_TRUE(holder.running());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < loras.size(); ++i) {
+      threads.emplace_back([&, i] {
+        v1::GenerateRequest request = E2eServer::SmallRequest("zimage-tiny", 7);
+        request.set_output_format(v1::IMAGE_FORMAT_RGB);
+        for (const auto& [name, scale] : loras[i]) {
+          v1::LoraRef* ref = request.add_loras();
+          ref->set_name(name);
+          ref->set_scale(scale);
+        }
+        statuses[i] = server_->Generate(request, &responses[i]);
+      });
+    }
+    ASSERT_TRUE(WaitForQueueDepth(server_->server().metrics_address(), DeviceNameOf(v1::DeviceConfig()),
+                                  static_cast<int>(loras.size())));
+    ASSERT_TRUE(Unload("style").ok());  // Runs at the worker's next boundary: before the batch.
+    EXPECT_TRUE(holder.Finish());
+    for (std::thread& t : threads) t.join();
+  }
+  for (size_t i : {size_t{0}, size_t{2}}) {
+    EXPECT_EQ(statuses[i].error_code(), grpc::FAILED_PRECONDITION) << i << ": " << statuses[i].error_message();
+    EXPECT_NE(statuses[i].error_message().find("adapter 'style' was unloaded"), std::string::npos)
+        << statuses[i].error_message();
+  }
+  ASSERT_TRUE(statuses[1].ok()) << statuses[1].error_message();
+  EXPECT_EQ(responses[1].stats().batch_size(), 3);
+  v1::GenerateRequest plain = E2eServer::SmallRequest("zimage-tiny", 7);
+  plain.set_output_format(v1::IMAGE_FORMAT_RGB);
+  v1::GenerateResponse alone;
+  ASSERT_TRUE(server_->Generate(plain, &alone).ok());
+  ExpectSameImage(responses[1], alone, "the member without the adapter");
+  ExpectHealthy();
+}
+
 TEST_F(LoraE2eTest, HostileAdapterCallsAndRequestsAreRefusedNamingTheField) {
   Start();
   ASSERT_TRUE(Load("ok", WriteAdapter("hostile_ok", 0.1)).ok());

@@ -620,8 +620,9 @@ absl::StatusOr<PlacementManager::Entry*> PlacementManager::FindById(const std::s
 
 namespace {
 
-// Bytes of host copies outside every live safetensors mapping (heap, arena, pinned memory): what
-// stays in RAM whatever the group offloader stores beside them.
+// True when a host copy is a view of a live safetensors mapping (its pages can be dropped from RSS);
+// copies elsewhere (heap, arena, pinned memory) stay in RAM whatever the group offloader stores
+// beside them.
 bool InMapping(const at::Tensor& host) { return !MappedFilesContaining({host.data_ptr()}).empty(); }
 
 }  // namespace

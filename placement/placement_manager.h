@@ -197,7 +197,6 @@ class PlacementManager : public ComponentRunner {
   // Host RAM the registered components' host copies may hold (0: no budget): what
   // EnableGroupOffload chooses the compression against when options.choose_compress (see there).
   void set_host_memory_budget(int64_t bytes) { host_budget_ = bytes; }
-  int64_t host_memory_budget() const { return host_budget_; }
   // The host bytes of every registered component as placement counts them (HostBytesOf).
   int64_t HostBytes() const;
   // Cross-component prefetch on (the default) or off (Prefetch does nothing; for measuring it).

@@ -19,9 +19,8 @@ namespace {
 
 thread_local const LoraScales* active_loras = nullptr;
 thread_local const LoraRows* active_rows = nullptr;
-// The factor caches of the innermost ScopedLoraRows (null outside one).
-thread_local std::map<ScopedLoraRows::FactorKey, at::Tensor>* active_factors = nullptr;
-thread_local ScopedLoraRows::ColumnScales* active_columns = nullptr;
+// The row-scale cache of the innermost ScopedLoraRows (null outside one).
+thread_local std::map<std::string, at::Tensor>* active_scales = nullptr;
 
 bool SameScales(const LoraScales& a, const LoraScales& b) {
   if (a.size() != b.size()) return false;
@@ -40,6 +39,28 @@ void CollectActive(const std::map<std::string, LoraWeights>& attached, const Lor
     if (scale == 0.0f || attached.count(name) == 0) continue;
     if (std::find(names->begin(), names->end(), name) == names->end()) names->push_back(name);
   }
+}
+
+// The per-row scales under `key` in the scope's cache, made by `make` (on the host) and moved to
+// `device` once; `repeat` > 1 repeats each row that many times (flattened tokens).
+template <typename Make>
+at::Tensor RowScales(const std::string& key, c10::Device device, int64_t repeat, Make make) {
+  if (active_scales != nullptr) {
+    auto it = active_scales->find(key);
+    if (it != active_scales->end()) return it->second;
+  }
+  at::Tensor scales = make().to(device);  // float32: the product rounds once, as x * scalar.
+  if (repeat > 1) scales = scales.repeat_interleave(repeat, 0);
+  if (active_scales != nullptr) active_scales->emplace(key, scales);
+  return scales;
+}
+
+// Row i's scale · factor of adapter `name` (0 when the row does not use it).
+float RowScale(const LoraScales& row, const std::string& name, float factor) {
+  for (const auto& [row_name, scale] : row) {
+    if (row_name == name) return scale * factor;
+  }
+  return 0.0f;
 }
 
 at::Tensor Delta(const LoraWeights& w, const at::Tensor& x) {
@@ -69,33 +90,23 @@ at::Tensor PackedRowsDelta(const std::map<std::string, LoraWeights>& attached, c
     pack.names = names;
     pack.device = x.device();
     pack.dtype = x.scalar_type();
+    pack.key = absl::StrCat("packed|", x.device().str());
+    for (const std::string& name : names) {
+      absl::StrAppend(&pack.key, "|", name, "=", absl::bit_cast<uint32_t>(attached.at(name).factor));
+    }
   }
   const int64_t columns = pack.offsets.back();
   const auto r = static_cast<int64_t>(rows.size());
-  std::string key = absl::StrCat(x.device().str(), "|", repeat);
-  for (const std::string& name : names) {
-    absl::StrAppend(&key, "|", name, "=", absl::bit_cast<uint32_t>(attached.at(name).factor));
-  }
-  at::Tensor scales;
-  if (active_columns != nullptr) {
-    auto it = active_columns->find(key);
-    if (it != active_columns->end()) scales = it->second;
-  }
-  if (!scales.defined()) {
+  const at::Tensor scales = RowScales(absl::StrCat(pack.key, "|", repeat), x.device(), repeat, [&] {
     std::vector<float> host(static_cast<size_t>(r * columns), 0.0f);
     for (int64_t i = 0; i < r; ++i) {
       for (size_t j = 0; j < names.size(); ++j) {
-        float value = 0.0f;
-        for (const auto& [row_name, scale] : *rows[static_cast<size_t>(i)]) {
-          if (row_name == names[j]) value = scale * attached.at(names[j]).factor;
-        }
+        const float value = RowScale(*rows[static_cast<size_t>(i)], names[j], attached.at(names[j]).factor);
         for (int64_t c = pack.offsets[j]; c < pack.offsets[j + 1]; ++c) host[static_cast<size_t>(i * columns + c)] = value;
       }
     }
-    scales = at::tensor(host).view({r, columns}).to(x.device());
-    if (repeat > 1) scales = scales.repeat_interleave(repeat, 0);
-    if (active_columns != nullptr) active_columns->emplace(key, scales);
-  }
+    return at::tensor(host).view({r, columns});
+  });
   std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
   shape.front() = scales.size(0);
   shape.back() = columns;
@@ -112,32 +123,18 @@ at::Tensor RowsDelta(const std::map<std::string, LoraWeights>& attached, const L
   const int64_t n = x.size(0);
   TORCH_CHECK(n == r || n == 1 || n % r == 0, "LoRA: an input of ", n, " rows in a batch of ", r,
               " requests with different adapters");
-  if (pack != nullptr) return PackedRowsDelta(attached, rows, names, x, n > r ? n / r : 1, *pack);
+  const int64_t repeat = n > r ? n / r : 1;
+  if (pack != nullptr) return PackedRowsDelta(attached, rows, names, x, repeat, *pack);
   at::Tensor delta;
   for (const std::string& name : names) {
     const LoraWeights& w = attached.at(name);
-    const int64_t repeat = n > r ? n / r : 1;
-    const ScopedLoraRows::FactorKey key{name, absl::bit_cast<uint32_t>(w.factor), x.device().type(),
-                                        x.device().index(), repeat};
-    at::Tensor* cached = nullptr;
-    if (active_factors != nullptr) {
-      auto it = active_factors->find(key);
-      if (it != active_factors->end()) cached = &it->second;
-    }
-    at::Tensor f;
-    if (cached != nullptr) {
-      f = *cached;
-    } else {
-      std::vector<float> factors(static_cast<size_t>(r), 0.0f);
-      for (int64_t i = 0; i < r; ++i) {
-        for (const auto& [row_name, scale] : *rows[static_cast<size_t>(i)]) {
-          if (row_name == name) factors[static_cast<size_t>(i)] = scale * w.factor;
-        }
-      }
-      f = at::tensor(factors).to(x.device());  // float32: the product rounds once, as x * scalar.
-      if (repeat > 1) f = f.repeat_interleave(repeat);
-      if (active_factors != nullptr) active_factors->emplace(key, f);
-    }
+    const std::string key = absl::StrCat("adapter|", x.device().str(), "|", repeat, "|", name, "=",
+                                         absl::bit_cast<uint32_t>(w.factor));
+    const at::Tensor f = RowScales(key, x.device(), repeat, [&] {
+      std::vector<float> factors(static_cast<size_t>(r));
+      for (int64_t i = 0; i < r; ++i) factors[static_cast<size_t>(i)] = RowScale(*rows[static_cast<size_t>(i)], name, w.factor);
+      return at::tensor(factors);
+    });
     std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
     shape[0] = f.size(0);
     const at::Tensor d = (Delta(w, x).to(at::kFloat) * f.view(shape)).to(x.scalar_type());
@@ -164,12 +161,8 @@ const LoraScales* ActiveLoras() { return active_loras; }
 const LoraRows* ActiveLoraRows() { return active_rows; }
 
 ScopedLoraRows::ScopedLoraRows(const LoraRows* rows)
-    : previous_uniform_(active_loras),
-      previous_rows_(active_rows),
-      previous_factors_(active_factors),
-      previous_columns_(active_columns) {
-  active_factors = &factors_;
-  active_columns = &columns_;
+    : previous_uniform_(active_loras), previous_rows_(active_rows), previous_scales_(active_scales) {
+  active_scales = &scales_;
   active_loras = nullptr;
   active_rows = nullptr;
   if (rows == nullptr || rows->empty()) return;
@@ -185,8 +178,7 @@ ScopedLoraRows::ScopedLoraRows(const LoraRows* rows)
 ScopedLoraRows::~ScopedLoraRows() {
   active_loras = previous_uniform_;
   active_rows = previous_rows_;
-  active_factors = previous_factors_;
-  active_columns = previous_columns_;
+  active_scales = previous_scales_;
 }
 
 ScopedLoraRow::ScopedLoraRow(size_t row) : previous_uniform_(active_loras), previous_rows_(active_rows) {

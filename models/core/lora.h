@@ -23,7 +23,6 @@
 #include <cstdint>
 #include <map>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -45,6 +44,9 @@ struct LoraWeights {
 // Adapter name → scale, for one run.
 using LoraScales = std::vector<std::pair<std::string, float>>;
 
+// One LoraScales per batch row (each non-null).
+using LoraRows = std::vector<const LoraScales*>;
+
 // Installs `scales` as the running thread's active adapters until destroyed (restoring what was
 // active before). `scales` must outlive the scope; null or empty: none.
 class ScopedLoras {
@@ -56,14 +58,11 @@ class ScopedLoras {
 
  private:
   const LoraScales* previous_;
-  const std::vector<const LoraScales*>* previous_rows_;
+  const LoraRows* previous_rows_;
 };
 
 // The running thread's active adapters when uniform (null when none or per row).
 const LoraScales* ActiveLoras();
-
-// One LoraScales per batch row (each non-null).
-using LoraRows = std::vector<const LoraScales*>;
 
 // Installs `rows` as the running thread's per-row adapters until destroyed (restoring what was
 // active before); when every row has the same adapters and scales, as ScopedLoras(rows[0]).
@@ -75,21 +74,13 @@ class ScopedLoraRows {
   ScopedLoraRows(const ScopedLoraRows&) = delete;
   ScopedLoraRows& operator=(const ScopedLoraRows&) = delete;
 
-  // The per-row factors of one adapter (scale · alpha/rank per row, each repeated `repeat` times)
-  // on a device, made once per scope: a forward's layers share them (no host-to-device copy per
-  // layer).
-  using FactorKey = std::tuple<std::string, uint32_t, c10::DeviceType, c10::DeviceIndex, int64_t>;
-  // The packed path's column scales [rows × repeat, Σr], by adapters, their factors, device and
-  // repeat (a string of them).
-  using ColumnScales = std::map<std::string, at::Tensor>;
-
  private:
   const LoraScales* previous_uniform_;
   const LoraRows* previous_rows_;
-  std::map<FactorKey, at::Tensor>* previous_factors_;
-  ColumnScales* previous_columns_;
-  std::map<FactorKey, at::Tensor> factors_;
-  ColumnScales columns_;
+  std::map<std::string, at::Tensor>* previous_scales_;
+  // The per-row scales a forward's layers share, made once per scope on the device (no
+  // host-to-device copy per layer): by adapters, their alpha/rank factors, device and row repeat.
+  std::map<std::string, at::Tensor> scales_;
 };
 
 // Inside ScopedLoraRows: row `row`'s adapters, uniformly, until destroyed (a per-sample step of a
@@ -121,6 +112,7 @@ struct LoraPack {
   at::ScalarType dtype = at::kFloat;
   at::Tensor down, up;
   std::vector<int64_t> offsets;  // Column of each adapter in Σr (names' order), then Σr.
+  std::string key;               // Names, factors and device: the prefix of its row scales' key.
 };
 
 // Σ scale · factor · (x·Aᵀ)·Bᵀ over the adapters of `attached` that are active with a non-zero

@@ -19,6 +19,7 @@ Options CommonOptions(const PipelineLoadOptions& o) {
   options.name = o.name;
   options.dtype = o.dtype;
   options.weight_seed = o.weight_seed;
+  options.component_seeds = o.component_seeds;
   options.device = o.device;
   options.fp8_components = o.fp8_components;
   return options;

@@ -30,6 +30,8 @@ struct PipelineLoadOptions {
   std::string name;                        // The hosted pipeline's name.
   at::ScalarType dtype = at::kFloat;       // Compute dtype of the components.
   uint64_t weight_seed = 0;                // Random-weights mode.
+  // Random-weights mode: seeds of single components (ComponentSeed), e.g. a fine-tune's transformer.
+  std::map<std::string, uint64_t> component_seeds;
   c10::Device device = c10::Device(c10::kCPU);  // Where inputs and latents are created.
   bool random_weights = false;             // Directory loads: read configs only, draw weights.
   int64_t default_size = 0;                // Default image width and height; 0: the architecture's.

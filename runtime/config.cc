@@ -267,6 +267,16 @@ absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& fi
                                                      Quoted(p.dtype())));
     }
   }
+  for (const auto& [component, seed] : p.component_weight_seeds()) {
+    const std::string entry = absl::StrCat(field, ".component_weight_seeds[", Quoted(component), "]");
+    if (!ValidName(component)) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, ": a component name must match [a-z0-9_-]{1,64}"));
+    }
+    if (p.source_case() == v1::PipelineConfig::kModelDir && !p.random_weights()) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, ": seeds draw random weights; this pipeline reads its "
+                                                     "weights from model_dir (set random_weights, or drop the seed)"));
+    }
+  }
   return FinalizeBatchingConfig(*p.mutable_batching(), absl::StrCat(field, ".batching"));
 }
 

@@ -620,6 +620,7 @@ absl::StatusOr<std::unique_ptr<Pipeline>> GenerationCore::Build(const v1::Pipeli
   options.name = p.name();
   options.dtype = p.dtype() == "bfloat16" ? at::kBFloat16 : at::kFloat;
   options.weight_seed = p.weight_seed();
+  options.component_seeds.insert(p.component_weight_seeds().begin(), p.component_weight_seeds().end());
   options.device = torch_device_;
   options.random_weights = p.random_weights();
   options.default_size = p.default_size();
@@ -644,14 +645,17 @@ absl::StatusOr<std::unique_ptr<Pipeline>> GenerationCore::Build(const v1::Pipeli
                                                                 : registry.CreateBuiltin(p.builtin(), options);
   }));
   if (pipeline.ok()) {
-    for (const std::string& name : options.fp8_components) {
-      const auto components = (*pipeline)->components();
-      if (std::none_of(components.begin(), components.end(), [&](Component* c) { return c->name() == name; })) {
-        return absl::InvalidArgumentError(absl::StrCat("pipeline.compute: '", Truncated(name),
-                                                       "' is not a component of pipeline '", p.name(),
-                                                       "'; its components: ", ComponentNames(**pipeline)));
+    const auto components = (*pipeline)->components();
+    auto check = [&](const std::string& field, const std::string& name) -> absl::Status {
+      if (std::any_of(components.begin(), components.end(), [&](Component* c) { return c->name() == name; })) {
+        return absl::OkStatus();
       }
-    }
+      return absl::InvalidArgumentError(absl::StrCat("pipeline.", field, ": '", Truncated(name),
+                                                     "' is not a component of pipeline '", p.name(),
+                                                     "'; its components: ", ComponentNames(**pipeline)));
+    };
+    for (const std::string& name : options.fp8_components) RETURN_IF_ERROR(check("compute", name));
+    for (const auto& entry : options.component_seeds) RETURN_IF_ERROR(check("component_weight_seeds", entry.first));
   }
   return pipeline;
 }

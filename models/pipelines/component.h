@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
@@ -90,30 +91,74 @@ class ComponentRunner {
 
 std::string DtypeName(at::ScalarType dtype);
 
-// Components loaded from model directories, by (directory, dtype, random-weights seed): a second
-// pipeline naming the same component gets the same object, so its weights exist once and placement
-// sees one component used by two pipelines. Holds weak references: a component lives as long as a
-// pipeline uses it.
+// Random-weights mode: the seed component `name` draws its weights from — its entry in `seeds`
+// (PipelineConfig.component_weight_seeds) or the pipeline's `seed`.
+uint64_t ComponentSeed(const std::map<std::string, uint64_t>& seeds, const std::string& name, uint64_t seed);
+
+// Where a component's weights come from, for sharing one copy between pipelines (ComponentCache).
+struct ComponentSource {
+  // Equal for two components whose weights may be the same: the role ("text_encoder", "vae_encoder"),
+  // the dtype, the compute mode, the folder's config.json (as canonical JSON: key order and spacing
+  // aside) and either the random-weights seed or each weight file's name, size and safetensors
+  // header. Exact for random weights.
+  std::string key;
+  // The folder's canonical path: same key and folder, same weights.
+  std::string folder;
+  // Weight files (canonical paths, in order): when the key matches a component loaded from another
+  // folder, their bytes decide (a content hash of each side, computed once). Empty: the key is exact.
+  std::vector<std::string> weight_files;
+};
+
+// The source of component `role` read from `folder` (a diffusers component folder: config.json and
+// *.safetensors), or drawn from `seed` when `random_weights`. Reads config.json and each weight
+// file's header, not the weights. NOT_FOUND / errors naming the file when they cannot be read.
+absl::StatusOr<ComponentSource> DescribeComponentSource(const std::string& role, const std::string& folder,
+                                                        at::ScalarType dtype, bool random_weights, uint64_t seed,
+                                                        const std::string& compute = "");
+
+// A content hash of safetensors `files`, in order (xxh3-128, hex): each header as canonical JSON,
+// then its tensors' bytes; errors name the file.
+absl::StatusOr<std::string> HashFiles(const std::vector<std::string>& files);
+
+// Components loaded from model directories, deduplicated by content: a pipeline naming a component
+// with the same source key as a loaded one gets that object — from the same folder, or from another
+// folder whose weight files hold the same bytes (a fine-tune's copied text encoder and VAE, Flux
+// [schnell] beside [dev]) — so its weights exist once and placement sees one component used by two
+// pipelines. Holds weak references: a component lives as long as a pipeline uses it.
 //
 // Thread-safety: thread-safe.
 class ComponentCache {
  public:
   using Loader = std::function<absl::StatusOr<std::unique_ptr<Component>>()>;
-  absl::StatusOr<std::shared_ptr<Component>> GetOrLoad(const std::string& key, const Loader& load);
+  absl::StatusOr<std::shared_ptr<Component>> GetOrLoad(const ComponentSource& source, const Loader& load);
+  // Components found by content in another folder (each a second pipeline's load that read nothing).
+  int64_t shared_by_content() const;
 
  private:
-  absl::Mutex mu_;
-  std::map<std::string, std::weak_ptr<Component>> components_ ABSL_GUARDED_BY(mu_);
+  struct Entry {
+    std::weak_ptr<Component> component;
+    std::string folder;
+    std::vector<std::string> weight_files;
+    std::string content_hash;  // Computed when first compared ("" until then).
+  };
+  // The live entry of `key` that `source` matches (same folder, or same content), or null. Hashes
+  // outside the lock; entries stay in the map (the lock is re-taken to read and to store hashes).
+  std::shared_ptr<Component> FindMatch(const ComponentSource& source, std::string& source_hash)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  mutable absl::Mutex mu_;
+  std::map<std::string, std::vector<Entry>> entries_ ABSL_GUARDED_BY(mu_);
+  int64_t shared_by_content_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// Loads through `cache` when there is one (sharing by `key`), else loads a private copy.
-absl::StatusOr<std::shared_ptr<Component>> LoadMaybeShared(ComponentCache* cache, const std::string& key,
+// Loads through `cache` when there is one (sharing by source), else loads a private copy.
+absl::StatusOr<std::shared_ptr<Component>> LoadMaybeShared(ComponentCache* cache, const ComponentSource& source,
                                                            const ComponentCache::Loader& load);
-
-// The cache key of a component directory: its canonical path, the dtype, the compute mode ("fp8" or
-// empty) and, for random weights, the seed.
-std::string ComponentCacheKey(const std::string& component_dir, at::ScalarType dtype,
-                              bool random_weights, uint64_t seed, const std::string& compute = "");
+// The same, describing the source first (DescribeComponentSource); without a cache nothing is read.
+absl::StatusOr<std::shared_ptr<Component>> LoadMaybeShared(ComponentCache* cache, const std::string& role,
+                                                           const std::string& folder, at::ScalarType dtype,
+                                                           bool random_weights, uint64_t seed,
+                                                           const std::string& compute,
+                                                           const ComponentCache::Loader& load);
 
 }  // namespace stowage
 

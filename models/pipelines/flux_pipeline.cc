@@ -317,40 +317,41 @@ absl::StatusOr<std::unique_ptr<Pipeline>> Assemble(const FluxPipelineOptions& op
                                                    const FluxParts& parts, std::unique_ptr<ClipTokenizer> clip_tokenizer,
                                                    std::unique_ptr<T5Tokenizer> t5_tokenizer, const std::string& dir,
                                                    bool random_weights, ComponentCache* cache) {
-  auto shared = [&](const std::string& name, const ComponentCache::Loader& load) -> absl::StatusOr<std::shared_ptr<Component>> {
+  auto seed = [&](const std::string& name) { return ComponentSeed(options.component_seeds, name, options.weight_seed); };
+  // `folder`: the component's folder under `dir` (the VAE's encoder and decoder share "vae").
+  auto shared = [&](const std::string& name, const std::string& folder,
+                    const ComponentCache::Loader& load) -> absl::StatusOr<std::shared_ptr<Component>> {
     if (dir.empty()) {
       ASSIGN_OR_RETURN(std::unique_ptr<Component> component, load());
       return std::shared_ptr<Component>(std::move(component));
     }
-    return LoadMaybeShared(cache,
-                           ComponentCacheKey(absl::StrCat(dir, "/", name), options.dtype, random_weights,
-                                             options.weight_seed, options.fp8_components.count(name) ? "fp8" : ""),
-                           load);
+    return LoadMaybeShared(cache, name, absl::StrCat(dir, "/", folder), options.dtype, random_weights, seed(name),
+                           options.fp8_components.count(name) ? "fp8" : "", load);
   };
   auto fp8 = [&](const std::string& name) { return options.fp8_components.count(name) > 0; };
   auto where = [&](const std::string& name) { return dir.empty() ? std::string() : absl::StrCat(dir, "/", name); };
-  ASSIGN_OR_RETURN(auto clip, shared("text_encoder", [&] {
+  ASSIGN_OR_RETURN(auto clip, shared("text_encoder", "text_encoder", [&] {
     return MakeComponent<ClipTextEncoder>("text_encoder", parts.clip, options.dtype, where("text_encoder"),
-                                          random_weights, options.weight_seed, {"text_model.embeddings.position_ids"},
+                                          random_weights, seed("text_encoder"), {"text_model.embeddings.position_ids"},
                                           fp8("text_encoder"));
   }));
-  ASSIGN_OR_RETURN(auto t5, shared("text_encoder_2", [&] {
+  ASSIGN_OR_RETURN(auto t5, shared("text_encoder_2", "text_encoder_2", [&] {
     return MakeComponent<T5Encoder>("text_encoder_2", parts.t5, options.dtype, where("text_encoder_2"), random_weights,
-                                    options.weight_seed, {"encoder.embed_tokens."}, fp8("text_encoder_2"));
+                                    seed("text_encoder_2"), {"encoder.embed_tokens."}, fp8("text_encoder_2"));
   }));
-  ASSIGN_OR_RETURN(auto transformer, shared("transformer", [&] {
+  ASSIGN_OR_RETURN(auto transformer, shared("transformer", "transformer", [&] {
     return MakeComponent<FluxTransformer>("transformer", parts.transformer, options.dtype, where("transformer"),
-                                          random_weights, options.weight_seed, {}, fp8("transformer"));
+                                          random_weights, seed("transformer"), {}, fp8("transformer"));
   }));
-  ASSIGN_OR_RETURN(auto vae, shared("vae", [&] {
+  ASSIGN_OR_RETURN(auto vae, shared("vae", "vae", [&] {
     return MakeComponent<AutoencoderKLDecoder>("vae", parts.vae, options.dtype, where("vae"), random_weights,
-                                               options.weight_seed, VaeDecoderIgnoredPrefixes(), fp8("vae"));
+                                               seed("vae"), VaeDecoderIgnoredPrefixes(), fp8("vae"));
   }));
   // The encoder half of the same VAE folder, its own component (placed apart: it runs only for
   // images in).
-  ASSIGN_OR_RETURN(auto vae_encoder, shared("vae_encoder", [&] {
+  ASSIGN_OR_RETURN(auto vae_encoder, shared("vae_encoder", "vae", [&] {
     return MakeComponent<AutoencoderKLEncoder>("vae_encoder", parts.vae, options.dtype, where("vae"), random_weights,
-                                               options.weight_seed, VaeEncoderIgnoredPrefixes(parts.vae),
+                                               seed("vae_encoder"), VaeEncoderIgnoredPrefixes(parts.vae),
                                                fp8("vae_encoder"));
   }));
   return std::unique_ptr<Pipeline>(new FluxPipeline(options, schedule, std::move(clip_tokenizer),

@@ -29,6 +29,8 @@ struct FluxPipelineOptions {
   at::ScalarType dtype = at::kBFloat16;
   c10::Device device = c10::Device(c10::kCPU);
   uint64_t weight_seed = 0;          // Random-weights mode only.
+  // Random-weights mode: seeds of single components (ComponentSeed), e.g. a fine-tune's transformer.
+  std::map<std::string, uint64_t> component_seeds;
   int64_t max_sequence_length = 512; // T5 tokens (diffusers' default).
   std::set<std::string> fp8_components;  // Components converted to FP8 compute at load.
   int64_t default_size = 0;          // Default width and height; 0: 1024 (Flux's), 128 for the tiny built-in.

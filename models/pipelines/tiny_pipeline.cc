@@ -153,7 +153,7 @@ absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name
   std::unique_ptr<Module> module;
   RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("building ", name), [&] {
     module = std::make_unique<T>(config, LayerOptions{options.dtype});
-    InitializeRandomWeights(*module, options.weight_seed);
+    InitializeRandomWeights(*module, ComponentSeed(options.component_seeds, name, options.weight_seed));
   }));
   return Component::Create(name, std::move(module), options.dtype);
 }
@@ -194,7 +194,7 @@ absl::StatusOr<std::unique_ptr<Component>> LoadComponent(const std::string& dir,
   }));
   const std::string component_dir = absl::StrCat(dir, "/", name);
   if (random_weights) {
-    InitializeRandomWeights(*module, options.weight_seed);
+    InitializeRandomWeights(*module, ComponentSeed(options.component_seeds, name, options.weight_seed));
   } else {
     RETURN_IF_ERROR(LoadComponentWeights(*module, component_dir, options.dtype));
   }
@@ -238,14 +238,14 @@ absl::Status SaveTinyPipeline(const TinyPipelineOptions& options, const std::str
   std::unique_ptr<Module> module;
   RETURN_IF_ERROR(CatchAsStatus("building the pipeline", [&] {
     module = std::make_unique<TinyTextEncoder>(te, LayerOptions{options.dtype});
-    InitializeRandomWeights(*module, options.weight_seed);
+    InitializeRandomWeights(*module, ComponentSeed(options.component_seeds, "text_encoder", options.weight_seed));
   }));
   RETURN_IF_ERROR(SaveComponent(*module, absl::StrCat(dir, "/text_encoder"),
                                 ConfigOf("TinyTextEncoder", {{"vocab_size", te.vocab_size}, {"max_tokens", te.max_tokens},
                                                              {"dim", te.dim}, {"heads", te.heads}, {"layers", te.layers}})));
   RETURN_IF_ERROR(CatchAsStatus("building the pipeline", [&] {
     module = std::make_unique<TinyDiT>(tr, LayerOptions{options.dtype});
-    InitializeRandomWeights(*module, options.weight_seed);
+    InitializeRandomWeights(*module, ComponentSeed(options.component_seeds, "transformer", options.weight_seed));
   }));
   RETURN_IF_ERROR(SaveComponent(*module, absl::StrCat(dir, "/transformer"),
                                 ConfigOf("TinyDiT", {{"in_channels", tr.in_channels}, {"patch_size", tr.patch_size},
@@ -255,7 +255,7 @@ absl::Status SaveTinyPipeline(const TinyPipelineOptions& options, const std::str
                                 max_shard_bytes));
   RETURN_IF_ERROR(CatchAsStatus("building the pipeline", [&] {
     module = std::make_unique<TinyVaeDecoder>(vae, LayerOptions{options.dtype});
-    InitializeRandomWeights(*module, options.weight_seed);
+    InitializeRandomWeights(*module, ComponentSeed(options.component_seeds, "vae", options.weight_seed));
   }));
   RETURN_IF_ERROR(SaveComponent(*module, absl::StrCat(dir, "/vae"),
                                 ConfigOf("TinyVaeDecoder",
@@ -301,9 +301,8 @@ absl::StatusOr<std::unique_ptr<Pipeline>> LoadTinyPipeline(const std::string& di
   }
   RETURN_IF_ERROR(ValidateTinyPipeline(options, tr_path));
   auto shared = [&](const std::string& name, const ComponentCache::Loader& load) {
-    return LoadMaybeShared(
-        cache, ComponentCacheKey(absl::StrCat(dir, "/", name), options.dtype, random_weights, options.weight_seed),
-        load);
+    return LoadMaybeShared(cache, name, absl::StrCat(dir, "/", name), options.dtype, random_weights,
+                           ComponentSeed(options.component_seeds, name, options.weight_seed), "", load);
   };
   ASSIGN_OR_RETURN(auto text_encoder, shared("text_encoder", [&] {
     return LoadComponent<TinyTextEncoder>(dir, "text_encoder", options.text_encoder, options, random_weights);

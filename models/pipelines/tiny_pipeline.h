@@ -22,6 +22,8 @@ struct TinyPipelineOptions {
   std::string name = "tiny";
   at::ScalarType dtype = at::kFloat;
   uint64_t weight_seed = 0;
+  // Random-weights mode: seeds of single components (ComponentSeed), e.g. a fine-tune's transformer.
+  std::map<std::string, uint64_t> component_seeds;
   // Where inputs and latents are created; components' weights are placed by the runner.
   c10::Device device = c10::Device(c10::kCPU);
   std::set<std::string> fp8_components;  // Refused by the registry: the tiny architecture has no FP8.

@@ -25,6 +25,8 @@ struct ZImagePipelineOptions {
   at::ScalarType dtype = at::kBFloat16;
   c10::Device device = c10::Device(c10::kCPU);
   uint64_t weight_seed = 0;     // Random-weights mode only.
+  // Random-weights mode: seeds of single components (ComponentSeed), e.g. a fine-tune's transformer.
+  std::map<std::string, uint64_t> component_seeds;
   double scheduler_shift = 3.0; // Overridden by scheduler/scheduler_config.json when present.
   int64_t max_sequence_length = 512;
   std::set<std::string> fp8_components;  // Components converted to FP8 compute at load.

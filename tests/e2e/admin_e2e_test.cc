@@ -10,6 +10,8 @@
 #include <fstream>
 #include <sstream>
 #include <memory>
+#include <map>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -392,6 +394,69 @@ TEST_F(AdminE2ETest, LoadsAPipelineFromAModelDirectory) {
   EXPECT_EQ(refused.error_code(), grpc::NOT_FOUND);
   EXPECT_NE(refused.error_message().find("pipeline.model_dir: '" + dir + "/nope' does not exist"), std::string::npos)
       << refused.error_message();
+}
+
+// Four pipelines, components deduplicated by content: a copy of a model folder shares every
+// component with the original (same bytes, another path); a fine-tune drawn with its own transformer
+// seed shares the text encoder and VAE with its base and nothing else; a seed for a component the
+// pipeline lacks is refused by name.
+TEST_F(AdminE2ETest, PipelinesShareComponentsByContent) {
+  const std::string dir = std::string(::testing::TempDir()) + "/tiny_dedup_dir";
+  const std::string copy = dir + "_copy";
+  std::system(("rm -rf '" + dir + "' '" + copy + "'").c_str());
+  TinyPipelineOptions options;
+  options.weight_seed = 91;
+  ASSERT_TRUE(SaveTinyPipeline(options, dir).ok());
+  ASSERT_EQ(std::system(("cp -r '" + dir + "' '" + copy + "'").c_str()), 0);
+  v1::LoadPipelineResponse loaded;
+  auto load = [&](const std::string& name, const std::string& from, bool random,
+                  std::map<std::string, uint64_t> seeds) {
+    v1::LoadPipelineRequest request;
+    request.mutable_pipeline()->set_name(name);
+    request.mutable_pipeline()->set_model_dir(from);
+    request.mutable_pipeline()->set_random_weights(random);
+    request.mutable_pipeline()->set_weight_seed(91);
+    for (const auto& [component, seed] : seeds) (*request.mutable_pipeline()->mutable_component_weight_seeds())[component] = seed;
+    return admin_->LoadPipeline(Authed().get(), request, &loaded);
+  };
+  ASSERT_TRUE(load("base", dir, false, {}).ok());
+  ASSERT_TRUE(load("copied", copy, false, {}).ok());
+  ASSERT_TRUE(load("drawn", dir, true, {}).ok());
+  ASSERT_TRUE(load("drawn-ft", copy, true, {{"transformer", 5}}).ok());
+  std::map<std::string, std::set<std::string>> users;  // Placement entry → its pipelines.
+  const v1::GetPlacementResponse placement = Placement();
+  for (const auto& c : placement.components()) {
+    for (const std::string& p : c.pipelines()) {
+      if (p == "base" || p == "copied" || p == "drawn" || p == "drawn-ft") users[c.id()].insert(p);
+    }
+  }
+  const std::set<std::string> files{"base", "copied"}, drawn{"drawn", "drawn-ft"};
+  EXPECT_EQ(users["base/text_encoder"], files);
+  EXPECT_EQ(users["base/transformer"], files);
+  EXPECT_EQ(users["base/vae"], files);
+  EXPECT_EQ(users["drawn/text_encoder"], drawn);
+  EXPECT_EQ(users["drawn/vae"], drawn);
+  EXPECT_EQ(users["drawn/transformer"], std::set<std::string>{"drawn"});
+  EXPECT_EQ(users["drawn-ft/transformer"], std::set<std::string>{"drawn-ft"});
+  EXPECT_EQ(users.size(), 7u);
+  v1::GenerateResponse base, copied, from_seed, tuned;
+  ASSERT_TRUE(Generate("base", &base).ok());
+  ASSERT_TRUE(Generate("copied", &copied).ok());
+  ASSERT_TRUE(Generate("drawn", &from_seed).ok());
+  ASSERT_TRUE(Generate("drawn-ft", &tuned).ok());
+  EXPECT_EQ(base.image(), copied.image());
+  EXPECT_EQ(base.image(), from_seed.image());  // The folder's weights were drawn from seed 91 too.
+  EXPECT_NE(from_seed.image(), tuned.image());
+
+  const grpc::Status refused = load("bad-seed", dir, true, {{"unet", 5}});
+  EXPECT_EQ(refused.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("pipeline.component_weight_seeds: 'unet' is not a component of pipeline "
+                                         "'bad-seed'"),
+            std::string::npos)
+      << refused.error_message();
+  const grpc::Status from_files = load("file-seed", dir, false, {{"transformer", 5}});
+  EXPECT_EQ(from_files.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(from_files.error_message().find("seeds draw random weights"), std::string::npos) << from_files.error_message();
 }
 
 TEST_F(AdminE2ETest, AModelFileTruncatedUnderTheServerFailsItsRequestsCleanly) {

@@ -134,6 +134,11 @@ TEST(ConfigTest, SemanticErrorsNameTheField) {
        "pipelines[0].compute['transformer']: FP8 compute needs dtype \"bfloat16\""},
       {"pipelines { name: \"a\" builtin: \"zimage-tiny\" dtype: \"bfloat16\" compute { key: \"Trans Former\" value: COMPUTE_FP8 } }",
        "pipelines[0].compute['Trans Former']: a component name must match"},
+      // Component seeds draw random weights: refused where the weights are read, names checked.
+      {"pipelines { name: \"a\" model_dir: \"/\" component_weight_seeds { key: \"transformer\" value: 7 } }",
+       "pipelines[0].component_weight_seeds['transformer']: seeds draw random weights"},
+      {"pipelines { name: \"a\" builtin: \"tiny\" component_weight_seeds { key: \"Trans/Former\" value: 7 } }",
+       "pipelines[0].component_weight_seeds['Trans/Former']: a component name must match"},
   };
   for (const Case& c : cases) {
     auto loaded = LoadServerConfig(WriteTemp("c.textproto", c.text));

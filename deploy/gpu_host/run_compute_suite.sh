@@ -18,6 +18,9 @@
 #             added to every row), compressed.log
 #   lora      a batch of 8 on the full-size synthetic stack with 0, 1 and 8 different LoRA adapters
 #             (offload_bench --batch --lora_adapters): lora.jsonl, lora.log
+#   multi     four pipelines under one 24 GiB budget on a seeded Poisson/Zipf trace
+#             (bench/multi_tenant.py; MULTI_ARGS adds its flags, e.g. --strategies resident):
+#             multi_tenant.jsonl, multi_logs.tgz (placement logs and server logs)
 #   ctest     every test CMake builds (ctest -j 4; tests that use the server's default device run on
 #             cuda:0): ctest.log, ctest_junit.xml; failures re-run with thread_stack_shim.so when civetweb
 #             could not start its threads (build_and_serve.sh says why)
@@ -176,4 +179,17 @@ if [[ $parts == *" e2e "* ]]; then
     stamp "e2e $system exit $?"
   done
   summarize "$OUT/e2e.jsonl"
+fi
+if [[ $parts == *" multi "* ]]; then
+  stamp "multi"
+  python3 bench/make_zimage_random_dir.py /tmp/zimage-full --size full >/dev/null
+  python3 bench/make_flux_random_dir.py /tmp/flux-full --size full >/dev/null
+  mkdir -p "$logs/multi"
+  timeout "${MULTI_TIMEOUT:-480}" python3 bench/multi_tenant.py stowage --server "$build/server/stowage_server" \
+    --stowctl "$build/clients/stowctl/stowctl" --zimage /tmp/zimage-full --flux /tmp/flux-full \
+    --out "$OUT/multi_tenant.jsonl" --logs "$logs/multi" --machine "$machine" --commit "${STOWAGE_COMMIT:-unknown}" \
+    ${MULTI_ARGS:-} >"$logs/multi/bench.txt" 2>&1
+  stamp "multi exit $?"
+  tail -40 "$logs/multi/bench.txt" >>"$OUT/summary.txt"
+  tar czf "$OUT/multi_logs.tgz" -C "$logs" multi 2>/dev/null
 fi

@@ -46,8 +46,8 @@ at::Tensor Linear::WithLoras(const at::Tensor& x, at::Tensor y) const {
   if (loras_.empty()) return y;
   // Mixed batches run packed where the fused kernels run (CUDA): two products a layer whatever the
   // number of adapters; elsewhere one adapter at a time, bit for bit what a request gets alone.
-  const at::Tensor delta = LoraDelta(loras_, x, fused::Active(x) || packed_lora_everywhere.load() ? &lora_pack_ : nullptr);
-  return delta.defined() ? y + delta : y;
+  return AddLoraDelta(loras_, x, std::move(y),
+                      fused::Active(x) || packed_lora_everywhere.load() ? &lora_pack_ : nullptr);
 }
 
 absl::Status Linear::AttachLora(const std::string& name, LoraWeights weights) {
@@ -123,9 +123,9 @@ at::Tensor Linear::ForwardGelu(const at::Tensor& x) {
 std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers, const at::Tensor& x) {
   std::vector<at::Tensor> out;
   out.reserve(layers.size());
-  // A layer with an active LoRA runs its own Forward (which adds its delta).
-  const bool hookless = std::all_of(layers.begin(), layers.end(),
-                                    [](const Linear* l) { return l->hook_count() == 0 && !l->LoraActive(); });
+  // A layer with an active LoRA adds its delta into its slice of the shared output (its up-projection
+  // accumulates there: the slice is a strided view the GEMM writes through).
+  const bool hookless = std::all_of(layers.begin(), layers.end(), [](const Linear* l) { return l->hook_count() == 0; });
   const bool any_fp8 = std::any_of(layers.begin(), layers.end(), [](const Linear* l) { return l->is_fp8(); });
   if (layers.size() > 1 && hookless && !any_fp8 && fused::Active(x)) {
     std::vector<at::Tensor> weights, biases;
@@ -139,7 +139,8 @@ std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers
       const at::Tensor y = at::linear(x, weight, bias);
       int64_t column = 0;
       for (const Linear* l : layers) {
-        out.push_back(y.narrow(-1, column, l->out_features_));
+        at::Tensor part = y.narrow(-1, column, l->out_features_);
+        out.push_back(l->LoraActive() ? l->WithLoras(x, std::move(part)) : std::move(part));
         column += l->out_features_;
       }
       return out;

@@ -69,10 +69,11 @@ at::Tensor Delta(const LoraWeights& w, const at::Tensor& x) {
   return at::linear(at::linear(x, down), up);
 }
 
-// The packed path of RowsDelta (see LoraDelta).
-at::Tensor PackedRowsDelta(const std::map<std::string, LoraWeights>& attached, const LoraRows& rows,
-                           const std::vector<std::string>& names, const at::Tensor& x, int64_t repeat,
-                           LoraPack& pack) {
+// The packed path of RowsDelta (see LoraDelta) up to the up-projection: x·[A₁;…;Aₖ]ᵀ with each row's
+// columns scaled, in x's dtype ([..., Σr]); the caller multiplies by pack.up.
+at::Tensor PackedRowsHidden(const std::map<std::string, LoraWeights>& attached, const LoraRows& rows,
+                            const std::vector<std::string>& names, const at::Tensor& x, int64_t repeat,
+                            LoraPack& pack) {
   if (pack.names != names || pack.device != x.device() || pack.dtype != x.scalar_type()) {
     std::vector<at::Tensor> downs, ups;
     pack.offsets.clear();
@@ -110,21 +111,32 @@ at::Tensor PackedRowsDelta(const std::map<std::string, LoraWeights>& attached, c
   std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
   shape.front() = scales.size(0);
   shape.back() = columns;
-  const at::Tensor h = (at::linear(x, pack.down).to(at::kFloat) * scales.view(shape)).to(x.scalar_type());
-  return at::linear(h, pack.up);
+  return (at::linear(x, pack.down).to(at::kFloat) * scales.view(shape)).to(x.scalar_type());
 }
 
-at::Tensor RowsDelta(const std::map<std::string, LoraWeights>& attached, const LoraRows& rows, const at::Tensor& x,
-                     LoraPack* pack) {
+// The adapters the rows use (each once, in first-use order).
+std::vector<std::string> RowsActive(const std::map<std::string, LoraWeights>& attached, const LoraRows& rows) {
   std::vector<std::string> names;
   for (const LoraScales* row : rows) CollectActive(attached, *row, &names);
-  if (names.empty()) return at::Tensor();
+  return names;
+}
+
+// x's rows against the batch's: how many input rows each request row spans (checked).
+int64_t RowRepeat(const LoraRows& rows, const at::Tensor& x) {
   const auto r = static_cast<int64_t>(rows.size());
   const int64_t n = x.size(0);
   TORCH_CHECK(n == r || n == 1 || n % r == 0, "LoRA: an input of ", n, " rows in a batch of ", r,
               " requests with different adapters");
-  const int64_t repeat = n > r ? n / r : 1;
-  if (pack != nullptr) return PackedRowsDelta(attached, rows, names, x, repeat, *pack);
+  return n > r ? n / r : 1;
+}
+
+at::Tensor RowsDelta(const std::map<std::string, LoraWeights>& attached, const LoraRows& rows, const at::Tensor& x,
+                     LoraPack* pack) {
+  const std::vector<std::string> names = RowsActive(attached, rows);
+  if (names.empty()) return at::Tensor();
+  const auto r = static_cast<int64_t>(rows.size());
+  const int64_t repeat = RowRepeat(rows, x);
+  if (pack != nullptr) return at::linear(PackedRowsHidden(attached, rows, names, x, repeat, *pack), pack->up);
   at::Tensor delta;
   for (const std::string& name : names) {
     const LoraWeights& w = attached.at(name);
@@ -219,6 +231,47 @@ at::Tensor LoraDelta(const std::map<std::string, LoraWeights>& attached, const a
     delta = delta.defined() ? delta + d : d;
   }
   return delta;
+}
+
+at::Tensor AddLoraDelta(const std::map<std::string, LoraWeights>& attached, const at::Tensor& x, at::Tensor y,
+                        LoraPack* pack) {
+  if (pack == nullptr || attached.empty() || y.dim() < 1 || y.size(0) != x.size(0)) {
+    const at::Tensor delta = LoraDelta(attached, x, pack);
+    return delta.defined() ? y + delta : y;
+  }
+  // Into y: the up-projection's GEMM adds to y itself (beta 1), no delta tensor. y viewed as
+  // [tokens, out] (a view when y's strides allow, e.g. a column slice of a shared GEMM's output).
+  const int64_t out = y.size(-1);
+  at::Tensor y2d = y.reshape({-1, out});
+  const bool aliased = y2d.is_alias_of(y);
+  auto flat = [](const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); };
+  bool added = false;
+  if (active_rows != nullptr) {
+    const std::vector<std::string> names = RowsActive(attached, *active_rows);
+    if (names.empty()) return y;
+    const int64_t repeat = RowRepeat(*active_rows, x);
+    // (The hidden product first: it builds the pack the up-projection reads.)
+    const at::Tensor hidden = PackedRowsHidden(attached, *active_rows, names, x, repeat, *pack);
+    if (x.size(0) == 1 && active_rows->size() > 1) {
+      // One input row for the whole batch: the delta has a row per request; y broadcasts to it.
+      return y + at::linear(hidden, pack->up);
+    }
+    y2d.addmm_(flat(hidden), pack->up.t());
+    added = true;
+  } else if (active_loras != nullptr) {
+    for (const auto& [name, scale] : *active_loras) {
+      if (scale == 0.0f) continue;
+      auto it = attached.find(name);
+      if (it == attached.end()) continue;
+      const LoraWeights& w = it->second;
+      const at::Tensor h = at::linear(x, w.down.to(x.device(), x.scalar_type()));
+      // The scale multiplies the float32 accumulator (alpha), not a rounded delta.
+      y2d.addmm_(flat(h), w.up.to(x.device(), x.scalar_type()).t(), 1, static_cast<double>(scale * w.factor));
+      added = true;
+    }
+  }
+  if (!added || aliased) return y;
+  return y2d.view(y.sizes());
 }
 
 absl::StatusOr<LoraFile> ReadLoraFile(const std::string& path, const std::string& default_component, float alpha) {

@@ -127,6 +127,14 @@ struct LoraPack {
 at::Tensor LoraDelta(const std::map<std::string, LoraWeights>& attached, const at::Tensor& x,
                      LoraPack* pack = nullptr);
 
+// y + LoraDelta(attached, x, pack) for a layer's output y (which the caller owns: it may be changed in
+// place and returned). With `pack` (the fast path) the up-projection's GEMM accumulates into y — no
+// delta tensor and no separate addition, two passes over the output fewer — and a uniform adapter's
+// scale multiplies the float32 accumulator; within rounding of the path without `pack`, which this
+// is, bit for bit, when `pack` is null.
+at::Tensor AddLoraDelta(const std::map<std::string, LoraWeights>& attached, const at::Tensor& x, at::Tensor y,
+                        LoraPack* pack = nullptr);
+
 // A LoRA file's layers, by the dotted path of the Linear they adapt within a pipeline component
 // ("transformer", "text_encoder", ...).
 struct LoraFile {

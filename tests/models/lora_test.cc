@@ -171,6 +171,17 @@ TEST(LoraTest, PackedPerRowAdaptersMatchTheOneAtATimePath) {
         EXPECT_TRUE(close(shared.narrow(0, r, 1), layer->Forward(x.narrow(0, 0, 1)))) << c10::toString(dtype);
       }
     }
+    // The uniform path's fast form (every row the same adapters: the up-projection accumulates into
+    // the output, the scale on the float32 accumulator) within the same rounding.
+    for (const LoraScales* uniform : {&b_then_a, &only_c}) {
+      ScopedLoras scoped(uniform);
+      const at::Tensor reference = layer->Forward(x);
+      SetPackedLoraEverywhere(true);
+      const at::Tensor fast = layer->Forward(x);
+      SetPackedLoraEverywhere(false);
+      EXPECT_TRUE(close(fast, reference)) << c10::toString(dtype) << " uniform, max diff "
+                                          << (fast - reference).abs().max().item<double>();
+    }
     // Detaching rebuilds the concatenation: the rows now see only what is attached.
     ASSERT_TRUE(layer->DetachLora("b"));
     const LoraRows rows = {&only_a, &b_then_a};

@@ -1,0 +1,411 @@
+"""Many pipelines, one GPU, realistic traffic (issue 24): four pipelines under one device budget,
+a seeded Poisson arrival trace with Zipf popularity, two tenants and two priorities, served first in
+arrival order (FIFO) and then by the placement-aware scheduler, beside the same trace on an
+unbudgeted server that keeps everything resident.
+
+    python3 bench/multi_tenant.py stowage --server BIN --stowctl BIN --zimage DIR --flux DIR \
+        --out ROWS.jsonl --logs LOG_DIR [--budget_gib 24] [--size 1024] [--requests 200] [--rate 0.5]
+        [--zipf 1.1] [--trace_seed 1] [--steps zimage=8,zimage-ft=8,flux-schnell=4,flux-dev=28]
+        [--strategies resident,fifo,scheduler] [--reorder_ms 4000] [--flood_requests 30]
+        [--flux_compress none|int8|int4] [--flux_keep_gib 4] [--device cuda|sim] [--dtype bfloat16]
+        [--resident_from ROWS.jsonl] [--machine M] [--commit C]
+
+The four pipelines (random weights drawn from the folders' configs: bench/make_zimage_random_dir.py,
+bench/make_flux_random_dir.py), in popularity order:
+  zimage        Z-Image-Turbo.
+  flux-schnell  the Flux folder with its transformer drawn from another seed (component_weight_seeds):
+                [schnell]'s 11.9 B shapes (it lacks [dev]'s small guidance embedder), sharing CLIP,
+                T5 and the VAE with flux-dev — one copy each, deduplicated by content.
+  zimage-ft     a Z-Image fine-tune: the transformer drawn from another seed, the Qwen3 text encoder
+                and VAE shared with zimage.
+  flux-dev      Flux.1 [dev].
+Each request picks a pipeline with Zipf(--zipf) popularity (zimage hot, three cold), a tenant
+("alice" 70 %, "bob" 30 %) and a priority (1 for 20 %, else 0), seed and arrival time from
+--trace_seed: every strategy replays the same trace.
+
+Strategies (one server each, started one after the other):
+  resident   no budget; every component kept resident (workflow keep_resident rules): each
+             pipeline's latency when nothing ever moves (resident_p50_s of every row).
+  fifo       the budget; the big text encoders (Qwen3, T5) streamed block by block, the Flux
+             transformers group-offloaded (--flux_keep_gib resident, the rest streamed, --flux_compress),
+             everything else moved whole by the footprint strategy; requests run in arrival order
+             (within priority and tenant fairness): SchedulerConfig.max_reorder_delay_ms 0.
+  scheduler  the same placement; max_reorder_delay_ms --reorder_ms: a request whose pipeline is on
+             the device may pass older ones that would move weights, each passed over for at most
+             that long. Then the flood phase: alice's requests for the hot pipeline alone
+             (--flood_requests, Poisson at --rate), and again while bob floods the hot pipeline with
+             four closed-loop clients: alice's p99 with the flood against alone.
+Latency is the client's (request sent to PNG received) over the OpenAI images API (`user` is the
+tenant, `priority` ours); bytes moved per request are the replies' X-Stowage-Host-To-Device-Bytes
+(whole components moved onto the device and streamed groups alike); peaks are the replies' device
+reserve plus CUDA context, and on CUDA also nvidia-smi's memory.used sampled every 0.2 s.
+
+Rows:
+  {"bench":"multi_tenant","strategy":..,"pipeline":<name>|"all","requests":..,"p50_s":..,"p99_s":..,
+   "resident_p50_s":..,"resident_p99_s":..,"images_per_s":..,"bytes_moved_per_request":..,
+   "peak_device_bytes":..,"peak_nvidia_smi_bytes":..,"budget_bytes":..,"ok":..,"errors":[..],
+   "size":..,"steps":..,"trace":{..},"machine":..,"commit":..}
+  {"bench":"multi_tenant","strategy":"scheduler","phase":"flood","tenant":"alice","pipeline":"zimage",
+   "p50_s":..,"p99_s":..,"alone_p50_s":..,"alone_p99_s":..,"p99_vs_alone":..,"flood_images":..,"ok":..,...}
+`ok`: every request succeeded and every peak stayed within the budget.
+
+    python3 bench/multi_tenant.py table ROWS.jsonl      the rows as a Markdown table.
+
+Standard library only.
+"""
+
+import argparse
+import base64
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from two_pipelines import Server  # noqa: E402  (the server process: config file, port file, stop)
+
+GIB = 1 << 30
+POPULARITY = ("zimage", "flux-schnell", "zimage-ft", "flux-dev")
+TOKEN = "multi-tenant-bench"
+PROMPTS = ("a lighthouse on a cliff at dusk, oil painting", "a red fox in fresh snow, morning light",
+           "a bowl of ramen, studio photograph", "an astronaut reading in a library, watercolor")
+BLOCK = "offload_type: BLOCK_LEVEL num_blocks_per_group: 1 use_stream: true"
+
+
+def percentile(values, q):
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def make_trace(count, rate, zipf, seed, steps, pipelines=POPULARITY, tenants=(("alice", 0.7), ("bob", 0.3))):
+    """The seeded arrival trace: [{"t", "pipeline", "tenant", "priority", "seed", "steps", "prompt"}]."""
+    rng = random.Random(seed)
+    weights = [1.0 / (k + 1) ** zipf for k in range(len(pipelines))]
+    t = 0.0
+    trace = []
+    for i in range(count):
+        t += rng.expovariate(rate)
+        pipeline = rng.choices(pipelines, weights)[0]
+        tenant = rng.choices([n for n, _ in tenants], [w for _, w in tenants])[0]
+        trace.append({"t": t, "pipeline": pipeline, "tenant": tenant, "priority": 1 if rng.random() < 0.2 else 0,
+                      "seed": 1000 + i, "steps": steps[pipeline], "prompt": PROMPTS[i % len(PROMPTS)]})
+    return trace
+
+
+def generate(server, request, size):
+    """One image over HTTP: a result dict (latency_s, h2d, peak, error)."""
+    body = json.dumps({"model": request["pipeline"], "prompt": request["prompt"], "size": f"{size}x{size}",
+                       "num_inference_steps": request["steps"], "seed": request["seed"],
+                       "user": request["tenant"], "priority": request["priority"],
+                       "response_format": "b64_json"}).encode()
+    http = urllib.request.Request(f"http://{server.http}/v1/images/generations", data=body,
+                                  headers={"Content-Type": "application/json"})
+    start = time.perf_counter()
+    result = {"pipeline": request["pipeline"], "tenant": request["tenant"], "priority": request["priority"],
+              "h2d": 0, "peak": 0, "error": None}
+    try:
+        with urllib.request.urlopen(http, timeout=900) as reply:
+            payload = json.loads(reply.read())
+            result["peak"] = int(reply.headers.get("X-Stowage-Peak-Device-Reserved-Bytes", "0"))
+            result["h2d"] = int(reply.headers.get("X-Stowage-Host-To-Device-Bytes", "0"))
+        if not base64.b64decode(payload["data"][0]["b64_json"]).startswith(b"\x89PNG"):
+            result["error"] = "reply is not a PNG"
+    except urllib.error.HTTPError as e:
+        result["error"] = f"HTTP {e.code}: {e.read()[:300].decode(errors='replace')}"
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+        result["error"] = f"{type(e).__name__}: {e}"
+    result["latency_s"] = time.perf_counter() - start
+    result["done"] = time.perf_counter()
+    return result
+
+
+def replay(server, trace, size, stop_when_done=None):
+    """Sends each request of `trace` at its arrival time (open loop): (results, start, end)."""
+    results = [None] * len(trace)
+    threads = []
+    start = time.perf_counter()
+
+    def one(i):
+        results[i] = generate(server, trace[i], size)
+
+    for i, request in enumerate(trace):
+        delay = start + request["t"] - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        thread = threading.Thread(target=one, args=(i,))
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    if stop_when_done is not None:
+        stop_when_done.set()
+    return results, start, max((r["done"] for r in results), default=start)
+
+
+class SmiSampler:
+    """nvidia-smi's memory.used of GPU 0, sampled every 0.2 s while running (CUDA only)."""
+
+    def __init__(self, enabled):
+        self.enabled, self.peak, self.stop_event = enabled, 0, threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def __enter__(self):
+        if self.enabled:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_event.set()
+        if self.enabled:
+            self.thread.join()
+
+    def run(self):
+        while not self.stop_event.is_set():
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                                      "-i", "0"], capture_output=True, text=True, timeout=10).stdout
+                self.peak = max(self.peak, int(out.strip().splitlines()[0]) << 20)
+            except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+                pass
+            self.stop_event.wait(0.2)
+
+
+def config_text(budget_bytes, strategy, reorder_ms):
+    kind = "KIND_SIMULATED" if ARGS.device == "sim" else "KIND_CUDA"
+    device = f"device {{ kind: {kind} memory_budget_bytes: {budget_bytes} }}"
+    sources = {"zimage": (ARGS.zimage, ""), "zimage-ft": (ARGS.zimage, "transformer"),
+               "flux-dev": (ARGS.flux, ""), "flux-schnell": (ARGS.flux, "transformer")}
+    pipelines = ""
+    for name in POPULARITY:
+        directory, reseeded = sources[name]
+        seeds = f' component_weight_seeds {{ key: "{reseeded}" value: 2 }}' if reseeded else ""
+        # No load-time warm-up: each strategy's first request per pipeline is sent unmeasured instead.
+        pipelines += (f'pipelines {{ name: "{name}" model_dir: "{directory}" random_weights: true weight_seed: 1 '
+                      f'dtype: "{ARGS.dtype}" warmup: false{seeds} }}\n')
+    scheduler = f"scheduler {{ max_reorder_delay_ms: {reorder_ms} }}"
+    return (f'grpc_address: "127.0.0.1:0"\nhttp_address: "127.0.0.1:0"\nmetrics_address: "none"\n'
+            f'queue_depth: 64\nauth {{ admin_token: "{TOKEN}" }}\n{device}\n{scheduler}\n{pipelines}{strategy}\n')
+
+
+def stowctl(server, *args):
+    command = [ARGS.stowctl, f"--target={server.grpc}", f"--token={TOKEN}", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise SystemExit(f"stowctl {' '.join(args[:2])} failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
+
+
+def keep_all():
+    rules = "".join(f'rules {{ keep_resident: "{c}" }} ' for c in ("text_encoder", "text_encoder_2", "transformer", "vae"))
+    return f"strategy {{ workflow {{ {rules}}} }}"
+
+
+def place_budgeted(server):
+    """The budgeted placement, through the admin API as an operator would set it. Components shared
+    by content are registered under the first pipeline that loaded them (zimage/, flux-schnell/)."""
+    compress = {"none": "", "int8": " compress: COMPRESS_INT8_GROUPED", "int4": " compress: COMPRESS_INT4"}
+    for component in ("zimage/text_encoder", "flux-schnell/text_encoder_2"):
+        stowctl(server, "enable-group-offload", f"--component={component}", f"--options={BLOCK}")
+    for component in ("flux-schnell/transformer", "flux-dev/transformer"):
+        stowctl(server, "enable-group-offload", f"--component={component}",
+                f"--options={BLOCK} budget_bytes: {int(ARGS.flux_keep_gib * GIB)}{compress[ARGS.flux_compress]}")
+
+
+def save_logs(server, name):
+    with open(os.path.join(ARGS.logs, f"{name}.placement_log.txt"), "w", encoding="utf-8") as f:
+        f.write(stowctl(server, "placement-log", "--limit=2000"))
+    with open(os.path.join(ARGS.logs, f"{name}.placement.txt"), "w", encoding="utf-8") as f:
+        f.write(stowctl(server, "placement"))
+
+
+def rows_for(strategy, results, start, end, budget, smi_peak, resident):
+    rows = []
+    for pipeline in POPULARITY + ("all",):
+        mine = [r for r in results if pipeline == "all" or r["pipeline"] == pipeline]
+        if not mine:
+            continue
+        good = [r for r in mine if r["error"] is None]
+        latencies = [r["latency_s"] for r in good]
+        peak = max((r["peak"] for r in mine), default=0)
+        within = budget == 0 or (peak <= budget and (smi_peak == 0 or smi_peak <= budget))
+        row = {"bench": "multi_tenant", "strategy": strategy, "pipeline": pipeline, "requests": len(mine),
+               "p50_s": round(percentile(latencies, 0.5), 4), "p99_s": round(percentile(latencies, 0.99), 4),
+               "resident_p50_s": None, "resident_p99_s": None,
+               "images_per_s": round(len(good) / (end - start), 4) if pipeline == "all" and end > start else None,
+               "bytes_moved_per_request": int(sum(r["h2d"] for r in good) / max(1, len(good))),
+               "peak_device_bytes": peak, "peak_nvidia_smi_bytes": smi_peak, "budget_bytes": budget,
+               "ok": len(good) == len(mine) and within,
+               "errors": sorted({r["error"] for r in mine if r["error"]})[:5],
+               "size": ARGS.size, "steps": STEPS, "trace": TRACE_INFO, "machine": ARGS.machine,
+               "commit": ARGS.commit}
+        own = (row["p50_s"], row["p99_s"]) if strategy == "resident" else resident.get(pipeline)
+        if own:
+            row["resident_p50_s"], row["resident_p99_s"] = own
+        rows.append(row)
+    return rows
+
+
+def flood_phase(server, budget):
+    """Alice's hot-pipeline requests alone, then under bob's closed-loop flood: two rows."""
+    trace = make_trace(ARGS.flood_requests, ARGS.rate, 0.0, ARGS.trace_seed + 1, STEPS,
+                       pipelines=(POPULARITY[0],), tenants=(("alice", 1.0),))
+    alone, _, _ = replay(server, trace, ARGS.size)
+    stop = threading.Event()
+    flood = []
+
+    def flooder(k):
+        i = 0
+        while not stop.is_set():
+            request = {"pipeline": POPULARITY[0], "tenant": "bob", "priority": 0, "seed": 50000 + 1000 * k + i,
+                       "steps": STEPS[POPULARITY[0]], "prompt": PROMPTS[i % len(PROMPTS)]}
+            flood.append(generate(server, request, ARGS.size))
+            i += 1
+
+    flooders = [threading.Thread(target=flooder, args=(k,)) for k in range(4)]
+    for t in flooders:
+        t.start()
+    time.sleep(ARGS.flood_lead_s)  # Bob's queue fills before alice's first request.
+    flooded, _, _ = replay(server, trace, ARGS.size, stop_when_done=stop)
+    for t in flooders:
+        t.join()
+    a = [r["latency_s"] for r in alone if r["error"] is None]
+    f = [r["latency_s"] for r in flooded if r["error"] is None]
+    errors = sorted({r["error"] for r in alone + flooded + flood if r["error"]})
+    # Bob's requests beyond the tenant queue limit may be refused (RESOURCE_EXHAUSTED): that is the
+    # limit working, not a failure; alice's must all succeed.
+    alice_ok = all(r["error"] is None for r in alone + flooded)
+    return [{"bench": "multi_tenant", "strategy": "scheduler", "phase": "flood", "tenant": "alice",
+             "pipeline": POPULARITY[0], "requests": len(trace),
+             "p50_s": round(percentile(f, 0.5), 4), "p99_s": round(percentile(f, 0.99), 4),
+             "alone_p50_s": round(percentile(a, 0.5), 4), "alone_p99_s": round(percentile(a, 0.99), 4),
+             "p99_vs_alone": round(percentile(f, 0.99) / percentile(a, 0.99), 3) if a and f else None,
+             "flood_images": sum(1 for r in flood if r["error"] is None),
+             "flood_refused": sum(1 for r in flood if r["error"]), "ok": alice_ok, "errors": errors[:5],
+             "budget_bytes": budget, "size": ARGS.size, "steps": STEPS, "machine": ARGS.machine,
+             "commit": ARGS.commit}]
+
+
+def run_strategy(strategy, budget, resident):
+    print(f"== {strategy}", flush=True)
+    server_budget = 0 if strategy == "resident" else budget
+    placement = keep_all() if strategy == "resident" else "strategy { footprint { reserve_bytes: 0 } }"
+    reorder = ARGS.reorder_ms if strategy == "scheduler" else 0
+    server = Server(ARGS.server, config_text(server_budget, placement, reorder),
+                    os.path.join(ARGS.logs, f"{strategy}.log"))
+    try:
+        if strategy != "resident":
+            place_budgeted(server)
+        for pipeline in POPULARITY:  # Unmeasured: each pipeline's first placement.
+            generate(server, {"pipeline": pipeline, "tenant": "warmup", "priority": 0, "seed": 1,
+                              "steps": STEPS[pipeline], "prompt": PROMPTS[0]}, ARGS.size)
+        with SmiSampler(ARGS.device == "cuda") as smi:
+            results, start, end = replay(server, TRACE, ARGS.size)
+        rows = rows_for(strategy, results, start, end, server_budget, smi.peak, resident)
+        if strategy == "scheduler" and ARGS.flood_requests > 0:
+            rows += flood_phase(server, server_budget)
+        save_logs(server, strategy)
+    finally:
+        server.stop()
+    return emit(rows)
+
+
+def emit(rows):
+    with open(ARGS.out, "a", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return rows
+
+
+def table(rows):
+    print("| strategy | pipeline | requests | p50 s | p99 s | p50 x resident | p99 x resident | images/s | "
+          "GB moved/request | peak GiB | ok |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.get("phase") == "flood":
+            continue
+        x50 = r["p50_s"] / r["resident_p50_s"] if r.get("resident_p50_s") else 0
+        x99 = r["p99_s"] / r["resident_p99_s"] if r.get("resident_p99_s") else 0
+        peak = max(r["peak_device_bytes"], r.get("peak_nvidia_smi_bytes", 0)) / GIB
+        print(f"| {r['strategy']} | {r['pipeline']} | {r['requests']} | {r['p50_s']:.3f} | {r['p99_s']:.3f} | "
+              f"{x50:.2f} | {x99:.2f} | {r['images_per_s'] or ''} | {r['bytes_moved_per_request'] / 1e9:.2f} | "
+              f"{peak:.2f} | {r['ok']} |")
+    for r in rows:
+        if r.get("phase") == "flood":
+            print(f"\nflood: alice p99 {r['p99_s']:.3f} s under bob's flood vs {r['alone_p99_s']:.3f} s alone "
+                  f"({r['p99_vs_alone']}x); bob got {r['flood_images']} images, {r['flood_refused']} refused")
+
+
+def main():
+    global ARGS, STEPS, TRACE, TRACE_INFO
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("stowage")
+    s.add_argument("--server", required=True)
+    s.add_argument("--stowctl", required=True)
+    s.add_argument("--zimage", required=True)
+    s.add_argument("--flux", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--logs", required=True)
+    s.add_argument("--budget_gib", type=float, default=24)
+    s.add_argument("--size", type=int, default=1024)
+    s.add_argument("--requests", type=int, default=200)
+    s.add_argument("--rate", type=float, default=0.5, help="mean arrivals per second (Poisson)")
+    s.add_argument("--zipf", type=float, default=1.1)
+    s.add_argument("--trace_seed", type=int, default=1)
+    s.add_argument("--steps", default="zimage=8,zimage-ft=8,flux-schnell=4,flux-dev=28")
+    s.add_argument("--strategies", default="resident,fifo,scheduler")
+    s.add_argument("--resident_from", default="",
+                   help="take resident_p50_s/resident_p99_s from the resident rows of this earlier rows file "
+                        "(same machine, trace and sizes) instead of running the resident server")
+    s.add_argument("--reorder_ms", type=int, default=4000)
+    s.add_argument("--flood_requests", type=int, default=30)
+    s.add_argument("--flood_lead_s", type=float, default=2.0)
+    s.add_argument("--flux_compress", choices=["none", "int8", "int4"], default="none")
+    s.add_argument("--flux_keep_gib", type=float, default=4.0)
+    s.add_argument("--device", choices=["cuda", "sim"], default="cuda")
+    s.add_argument("--dtype", default="bfloat16")
+    s.add_argument("--machine", default="unknown")
+    s.add_argument("--commit", default="unknown")
+    t = sub.add_parser("table")
+    t.add_argument("rows")
+    ARGS = parser.parse_args()
+    if ARGS.command == "table":
+        table([json.loads(line) for line in open(ARGS.rows, encoding="utf-8")])
+        return
+    STEPS = dict((k, int(v)) for k, v in (item.split("=") for item in ARGS.steps.split(",")))
+    if sorted(STEPS) != sorted(POPULARITY):
+        raise SystemExit(f"--steps must name each of {', '.join(POPULARITY)}")
+    TRACE = make_trace(ARGS.requests, ARGS.rate, ARGS.zipf, ARGS.trace_seed, STEPS)
+    TRACE_INFO = {"requests": ARGS.requests, "rate_per_s": ARGS.rate, "zipf": ARGS.zipf, "seed": ARGS.trace_seed,
+                  "popularity": list(POPULARITY), "tenants": {"alice": 0.7, "bob": 0.3}, "high_priority": 0.2}
+    os.makedirs(ARGS.logs, exist_ok=True)
+    budget = int(ARGS.budget_gib * GIB)
+    resident = {}
+    if ARGS.resident_from:
+        for line in open(ARGS.resident_from, encoding="utf-8"):
+            r = json.loads(line)
+            if r.get("strategy") == "resident" and r.get("trace") == TRACE_INFO and r.get("steps") == STEPS \
+                    and r.get("size") == ARGS.size:
+                resident[r["pipeline"]] = (r["p50_s"], r["p99_s"])
+        if "all" not in resident:
+            raise SystemExit(f"{ARGS.resident_from} has no resident rows for this trace, size and steps")
+    rows = []
+    for strategy in ARGS.strategies.split(","):
+        got = run_strategy(strategy, budget, resident)
+        if strategy == "resident":
+            resident = {r["pipeline"]: (r["p50_s"], r["p99_s"]) for r in got}
+        rows += got
+    table(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# bench/multi_tenant.py end to end on the simulated device: tiny Z-Image and Flux folders, four
+# pipelines (two of them drawn with their own transformer seed, sharing the rest by content) under a
+# budget that holds no two transformers, a short seeded trace replayed by three strategies and the
+# flood phase; each row has the fields the benchmark promises, every request succeeds within the
+# budget, the components are shared, and the scheduler's reorders are in its placement log.
+set -euo pipefail
+here=$(pwd)  # Holds server/, clients/, bench/ and tests/ (Bazel's runfiles root).
+scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+/usr/bin/python3 "$scripts/make_zimage_random_dir.py" "$TEST_TMPDIR/zimage" --size tiny >/dev/null
+/usr/bin/python3 "$scripts/make_flux_random_dir.py" "$TEST_TMPDIR/flux" --size tiny \
+  --tokenizers "$here/tests/fixtures/flux_tiny/pipeline" >/dev/null
+run() {
+  /usr/bin/python3 "$scripts/multi_tenant.py" stowage --server "$here/server/stowage_server" \
+    --stowctl "$here/clients/stowctl/stowctl" --zimage "$TEST_TMPDIR/zimage" --flux "$TEST_TMPDIR/flux" \
+    --device sim --dtype float32 --size 64 --steps zimage=2,zimage-ft=2,flux-schnell=1,flux-dev=3 \
+    --requests 24 --rate 40 --flood_requests 6 --flood_lead_s 0.2 --budget_gib 0.003 --flux_keep_gib 0.0005 \
+    --reorder_ms 2000 --machine ci --commit test "$@"
+}
+run --out "$TEST_TMPDIR/rows.jsonl" --logs "$TEST_TMPDIR/logs" >"$TEST_TMPDIR/out.txt"
+/usr/bin/python3 - "$TEST_TMPDIR/rows.jsonl" "$TEST_TMPDIR/logs" "$TEST_TMPDIR/out.txt" <<'PY'
+import json, os, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+main = [r for r in rows if r.get("phase") != "flood"]
+flood = [r for r in rows if r.get("phase") == "flood"]
+assert sorted({r["strategy"] for r in main}) == ["fifo", "resident", "scheduler"], rows
+fields = ("p50_s", "p99_s", "resident_p50_s", "resident_p99_s", "images_per_s", "bytes_moved_per_request",
+          "peak_device_bytes", "peak_nvidia_smi_bytes", "budget_bytes", "ok", "machine", "commit", "trace")
+for r in main:
+    assert r["bench"] == "multi_tenant", r
+    for field in fields:
+        assert field in r, (field, r)
+    assert r["ok"] and not r["errors"], r
+    assert r["p50_s"] > 0 and r["resident_p50_s"] > 0 and r["p99_s"] >= r["p50_s"], r
+    if r["strategy"] != "resident":
+        assert r["budget_bytes"] == int(0.003 * 2**30) and 0 < r["peak_device_bytes"] <= r["budget_bytes"], r
+    if r["pipeline"] == "all":
+        assert r["requests"] == 24 and r["images_per_s"] > 0, r
+# The same seeded trace for every strategy: the same requests per pipeline.
+per = {}
+for r in main:
+    per.setdefault(r["pipeline"], set()).add(r["requests"])
+assert all(len(v) == 1 for v in per.values()), per
+assert per["zimage"] == {max(n for k, v in per.items() if k != "all" for n in v)}, per  # Zipf: zimage is hot.
+assert len(flood) == 1 and flood[0]["ok"] and flood[0]["alone_p99_s"] > 0 and flood[0]["flood_images"] > 0, flood
+# Shared by content: one Qwen3, one T5, one CLIP, one VAE per family; four transformers.
+placement = open(os.path.join(sys.argv[2], "scheduler.placement.txt")).read()
+for component in ("zimage/transformer", "zimage-ft/transformer", "flux-dev/transformer",
+                  "flux-schnell/transformer", "zimage/text_encoder", "flux-schnell/text_encoder_2"):
+    assert component in placement, (component, placement[:3000])
+for absent in ("zimage-ft/text_encoder", "flux-dev/text_encoder_2", "flux-dev/vae "):
+    assert absent not in placement, (absent, placement[:3000])
+log = open(os.path.join(sys.argv[2], "scheduler.placement_log.txt")).read()
+assert "schedule" in log, log[:2000]
+assert "| strategy | pipeline |" in open(sys.argv[3]).read()
+print("ok")
+PY
+# A strategy run on its own takes the resident figures of an earlier run of the same trace; another
+# trace's rows are refused.
+run --strategies fifo --resident_from "$TEST_TMPDIR/rows.jsonl" --out "$TEST_TMPDIR/fifo.jsonl" \
+  --logs "$TEST_TMPDIR/logs_fifo" >/dev/null
+/usr/bin/python3 - "$TEST_TMPDIR/fifo.jsonl" "$TEST_TMPDIR/rows.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+resident = {r["pipeline"]: r["p50_s"] for r in map(json.loads, open(sys.argv[2])) if r["strategy"] == "resident"}
+assert rows and all(r["strategy"] == "fifo" and r["ok"] for r in rows), rows
+assert all(r["resident_p50_s"] == resident[r["pipeline"]] for r in rows), (rows, resident)
+print("ok")
+PY
+if run --strategies fifo --trace_seed 9 --resident_from "$TEST_TMPDIR/rows.jsonl" --out "$TEST_TMPDIR/x.jsonl" \
+  --logs "$TEST_TMPDIR/logs_x" 2>"$TEST_TMPDIR/err.txt"; then
+  echo "another trace's resident rows were taken"; exit 1
+fi
+grep -q "has no resident rows for this trace" "$TEST_TMPDIR/err.txt"

@@ -1,5 +1,7 @@
 #include "placement/placement_manager.h"
 
+#include "models/core/lora.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -143,7 +145,7 @@ StrategyInput PlacementManager::InputFor(const Entry& target, int64_t needed) co
   in.needed_bytes = needed;
   in.free_bytes = FreeBytes();
   for (const auto& e : entries_) {
-    if (e.get() == &target || e->state != ComponentState::kResident) continue;
+    if (e.get() == &target || e->state != ComponentState::kResident || e->holds > 0) continue;
     in.resident.push_back(Candidate{e->id, e->component->name(), e->component->weight_bytes(), e->last_use});
   }
   return in;
@@ -266,7 +268,7 @@ void PlacementManager::Evict(const std::vector<std::string>& ids, const std::str
                              const std::string& cause) {
   for (const std::string& id : ids) {
     for (auto& e : entries_) {
-      if (e->id == id && e->state == ComponentState::kResident) Offload(*e, reason, cause);
+      if (e->id == id && e->state == ComponentState::kResident && e->holds == 0) Offload(*e, reason, cause);
     }
   }
 }
@@ -291,14 +293,14 @@ void PlacementManager::EvictAfter(const Entry& target) {
 int64_t PlacementManager::EvictAllBut(const Entry& keep, const std::string& reason) {
   int64_t freed = 0;
   for (auto& e : entries_) {
-    if (e.get() == &keep || e->state != ComponentState::kResident) continue;
+    if (e.get() == &keep || e->state != ComponentState::kResident || e->holds > 0) continue;
     freed += e->component->weight_bytes();
     Offload(*e, reason, "out_of_memory");
   }
   return freed;
 }
 
-absl::Status PlacementManager::MakeResident(Entry& entry) {
+absl::Status PlacementManager::MakeResident(Entry& entry, const std::string& why, bool may_group_offload) {
   const int64_t needed = entry.component->weight_bytes();
   EvictBefore(entry, needed, absl::StrCat("make room for ", entry.id, " (", needed, " bytes)"));
   int64_t before = FreeBytes();
@@ -311,6 +313,10 @@ absl::Status PlacementManager::MakeResident(Entry& entry) {
     before = FreeBytes();
     status = entry.component->host_weights().OnloadAll(*backend_);
     if (status.ok()) ++counters_.oom_recoveries;
+  }
+  if (IsDeviceOom(status) && !may_group_offload) {
+    return MakeCannotFitStatus(absl::StrCat("component '", entry.id, "' does not fit on ", backend_->name(),
+                                            " beside what stays (", status.message(), ")"));
   }
   if (IsDeviceOom(status)) {
     // Recovery 2: nothing else can move: group-offload the component itself (block level, streams),
@@ -335,8 +341,29 @@ absl::Status PlacementManager::MakeResident(Entry& entry) {
   entry.state = ComponentState::kResident;
   ++counters_.onloads;
   counters_.onload_bytes += needed;
-  Record(entry.id, "onload", needed, before, "needed to run");
+  Record(entry.id, "onload", needed, before, why);
   return absl::OkStatus();
+}
+
+absl::Status PlacementManager::Hold(Component& component, const std::string& reason) {
+  SweepMoved();
+  Entry* entry = Find(component);
+  if (entry == nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat("component '", component.name(), "' is not registered with placement"));
+  }
+  if (entry->group_offload) {
+    return absl::FailedPreconditionError(absl::StrCat("component '", entry->id, "' is group-offloaded; only whole "
+                                                      "components are held on the device"));
+  }
+  if (entry->state == ComponentState::kOffloaded) RETURN_IF_ERROR(MakeResident(*entry, reason, /*may_group_offload=*/false));
+  ++entry->holds;
+  entry->last_use = absl::Now();
+  return absl::OkStatus();
+}
+
+void PlacementManager::Unhold(Component& component) {
+  Entry* entry = Find(component);
+  if (entry != nullptr && entry->holds > 0) --entry->holds;
 }
 
 std::string PlacementManager::SetStrategy(std::unique_ptr<OffloadStrategy> strategy) {
@@ -690,6 +717,13 @@ CompressFormat PlacementManager::ChooseCompress(const Entry& entry) {
 }
 
 absl::Status PlacementManager::EnableLocked(Entry& entry, const GroupOffloadOptions& options) {
+  if (entry.component->kind() == kLoraAdapterKind) {
+    return absl::FailedPreconditionError(absl::StrCat("component '", entry.id, "' is a LoRA adapter: adapters "
+                                                      "move whole (every adapted layer reads them), never group by group"));
+  }
+  if (entry.holds > 0) {
+    return absl::FailedPreconditionError(absl::StrCat("component '", entry.id, "' is held on the device by a run"));
+  }
   if (entry.group_offload) {
     return absl::FailedPreconditionError(absl::StrCat(
         "component '", entry.id, "' is already group-offloaded; disable it before changing options"));
@@ -740,6 +774,8 @@ absl::Status PlacementManager::EnablePipelineGroupOffload(const std::string& pip
   std::set<std::string> names;
   for (auto& entry : entries_) {
     if (std::find(entry->pipelines.begin(), entry->pipelines.end(), pipeline) == entry->pipelines.end()) continue;
+    // The pipeline's LoRA adapters move whole: a whole-pipeline call leaves them as they are.
+    if (entry->component->kind() == kLoraAdapterKind) continue;
     names.insert(entry->component->name());
     if (std::find(options.exclude.begin(), options.exclude.end(), entry->component->name()) !=
         options.exclude.end()) {

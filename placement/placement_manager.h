@@ -183,6 +183,16 @@ class PlacementManager : public ComponentRunner {
   // ComponentRunner: makes `component` resident, then runs `fn`. Exceptions from `fn` become a
   // status; a device out-of-memory error keeps its IsDeviceOom() mark.
   absl::Status Run(Component& component, const std::function<void()>& fn) override;
+
+  // For components a run reads outside their own Run — LoRA adapters, read by every adapted layer
+  // while its component runs: makes `component` resident (moving others as the strategy decides,
+  // recorded as an "onload" with `reason`) and keeps it there until the matching Unhold: no other
+  // component's move evicts a held one (strategies never see it as a candidate). Holds nest (a
+  // count). Whole components only: FAILED_PRECONDITION for a group-offloaded one; when it does not
+  // fit even with every unheld component offloaded, the cannot-fit status (OUT_OF_RANGE) naming it,
+  // nothing held.
+  absl::Status Hold(Component& component, const std::string& reason);
+  void Unhold(Component& component);
   // ComponentRunner: for a group-offloaded component with room for its working set, copies the
   // groups its next forward needs first (GroupOffloader::PrefetchNextForward) and keeps its slots
   // while other components run, until it runs itself (memory pressure may still take them).
@@ -240,6 +250,8 @@ class PlacementManager : public ComponentRunner {
     ComponentLifecycle lifecycle = ComponentLifecycle::kLoading;
     // Prefetch() started its next forward: its slots stay while others run, until it runs.
     bool prefetched = false;
+    // Hold() count: held components stay resident (never eviction candidates).
+    int holds = 0;
     // Moved to a peer by peer eviction: no longer registered here; removed at the next sweep
     // (entries_ may be being iterated when it moves).
     bool moved = false;
@@ -284,7 +296,9 @@ class PlacementManager : public ComponentRunner {
   void Evict(const std::vector<std::string>& ids, const std::string& reason, const std::string& cause)
      ;
   // Makes a non-group-offloaded entry resident, evicting per strategy, recovering from OOM.
-  absl::Status MakeResident(Entry& entry);
+  // `why`: the onload's reason in the log. `may_group_offload`: when nothing else can move, group-
+  // offload the component instead of failing (not for held components, which never forward).
+  absl::Status MakeResident(Entry& entry, const std::string& why = "needed to run", bool may_group_offload = true);
   // Evicts every movable resident but `keep`; returns the bytes freed.
   int64_t EvictAllBut(const Entry& keep, const std::string& reason);
 

@@ -865,6 +865,27 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
 }
 
 namespace {
+// The adapters a batch holds on the device (PlacementManager::Hold), each once, released at the end.
+class AdapterHolds {
+ public:
+  explicit AdapterHolds(PlacementManager& placement) : placement_(placement) {}
+  ~AdapterHolds() {
+    for (Component* c : held_) placement_.Unhold(*c);
+  }
+  AdapterHolds(const AdapterHolds&) = delete;
+  AdapterHolds& operator=(const AdapterHolds&) = delete;
+  absl::Status Hold(Component& component, const std::string& reason) {
+    if (std::find(held_.begin(), held_.end(), &component) != held_.end()) return absl::OkStatus();
+    RETURN_IF_ERROR(placement_.Hold(component, reason));
+    held_.push_back(&component);
+    return absl::OkStatus();
+  }
+
+ private:
+  PlacementManager& placement_;
+  std::vector<Component*> held_;
+};
+
 // The name an adapter is attached to Linear layers under: components are shared between pipelines
 // loaded from one folder, and each pipeline's adapter names are its own.
 std::string AdapterKey(const std::string& pipeline, const std::string& adapter) {
@@ -989,6 +1010,7 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
           }
           // Its adapters go with it (its components may live on in another pipeline that shares
           // them: nothing of this pipeline's adapters stays attached to them).
+          // (Their placement components went with Unregister above.)
           std::map<std::string, v1::Adapter> adapters;
           {
             absl::MutexLock lock(&adapters_mu_);
@@ -997,6 +1019,7 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
               adapters = std::move(it->second);
               adapters_.erase(it);
             }
+            adapter_components_.erase(name);
           }
           for (const auto& [adapter, info] : adapters) DetachAdapter(scope, *pipeline, AdapterKey(name, adapter));
           pipelines_.FinishUnload(name);
@@ -1339,9 +1362,12 @@ void GenerationCore::RunOnWorker(WorkerScope& scope, const std::vector<PendingRe
     // The members' adapters still attached? An unload may have run since the requests were
     // accepted. A member whose adapter went fails alone; the others run.
     std::vector<absl::Status> adapters(running.size());
+    // Each member's adapter components (to hold on the device while the batch runs).
+    std::vector<std::vector<std::pair<std::string, std::shared_ptr<Component>>>> uses(running.size());
     {
       absl::MutexLock lock(&adapters_mu_);
       auto on_pipeline = adapters_.find(pipeline.name());
+      auto components = adapter_components_.find(pipeline.name());
       for (size_t i = 0; i < running.size(); ++i) {
         for (const v1::LoraRef& ref : running[i]->request->loras()) {
           const std::string& name = ref.name();
@@ -1349,7 +1375,23 @@ void GenerationCore::RunOnWorker(WorkerScope& scope, const std::vector<PendingRe
           if (on_pipeline == adapters_.end() || on_pipeline->second.count(name) == 0) {
             adapters[i] = absl::FailedPreconditionError(absl::StrCat(
                 "adapter '", name, "' was unloaded from pipeline '", pipeline.name(), "' before the request ran"));
+          } else if (components != adapter_components_.end() && components->second.count(name) > 0) {
+            uses[i].emplace_back(name, components->second.at(name));
           }
+        }
+      }
+    }
+    // Adapters are placed like components: each one a member uses is made resident and held there
+    // (no other move evicts it) for the batch. One that cannot be placed fails the members using it.
+    AdapterHolds holds(placement);
+    for (size_t i = 0; i < running.size(); ++i) {
+      for (const auto& [name, component] : uses[i]) {
+        if (!adapters[i].ok()) break;
+        const absl::Status held =
+            holds.Hold(*component, absl::StrCat("adapter '", name, "' used by ",
+                                                batch_size == 1 ? ids[i] : absl::StrCat("batch member ", ids[i])));
+        if (!held.ok()) {
+          adapters[i] = absl::Status(held.code(), absl::StrCat("adapter '", name, "': ", held.message()));
         }
       }
     }
@@ -1467,7 +1509,7 @@ absl::StatusOr<std::vector<GenerationCore::LoraTarget>> GenerationCore::LoraTarg
             weights.down.size(1), "]; the pipeline's is [", it->second->out_features(), " x ",
             it->second->in_features(), "]"));
       }
-      targets.push_back(LoraTarget{it->second, &weights, component->dtype()});
+      targets.push_back(LoraTarget{it->second, &weights, component->dtype(), component_name});
     }
   }
   return targets;
@@ -1516,8 +1558,27 @@ absl::StatusOr<v1::Adapter> GenerationCore::LoadAdapter(const std::string& pipel
   adapter.set_rank(static_cast<int32_t>(file.rank));
   adapter.set_layers(static_cast<int32_t>(targets.size()));
   for (const auto& [component, layers] : file.layers) adapter.add_components(component);
+  // The adapter's matrices in one module (each in its component's dtype, on the host): its placement
+  // component, which the worker registers and attaches.
+  std::shared_ptr<Component> component;
+  std::vector<LoraWeights> placed;
+  RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("loading adapter '", name, "'"), [&] {
+    std::vector<std::pair<std::string, const LoraWeights*>> layers;
+    std::vector<at::ScalarType> dtypes;
+    for (const LoraTarget& target : targets) {
+      layers.emplace_back(absl::StrCat(target.component, ".", target.layer->path()), target.weights);
+      dtypes.push_back(target.dtype);
+    }
+    LoraAdapterModule made = MakeLoraAdapterModule(layers, dtypes);
+    placed = std::move(made.weights);
+    absl::StatusOr<std::unique_ptr<Component>> created =
+        Component::Create(absl::StrCat("lora:", name), std::move(made.module),
+                          targets.empty() ? at::kFloat : targets.front().dtype);
+    if (!created.ok()) throw std::runtime_error(std::string(created.status().message()));
+    component = std::move(*created);
+  }));
   RETURN_IF_ERROR(OnWorker(
-      [&](WorkerScope&) -> absl::Status {
+      [&](WorkerScope& scope) -> absl::Status {
         {
           absl::MutexLock lock(&adapters_mu_);
           if (adapters_[pipeline_name].count(name) > 0) {
@@ -1525,29 +1586,25 @@ absl::StatusOr<v1::Adapter> GenerationCore::LoadAdapter(const std::string& pipel
                 absl::StrCat("pipeline '", pipeline_name, "' already has an adapter named '", name, "'"));
           }
         }
-        // Each matrix on this device in its component's dtype; the deltas run where the layer runs.
-        int64_t bytes = 0;
+        // Attached while the matrices are still on the host (the layers check their shapes), then
+        // registered: placement takes them off until a run holds the adapter.
         std::vector<Linear*> attached;
         absl::Status status;
-        const absl::Status thrown = CatchAsStatus(absl::StrCat("loading adapter '", name, "'"), [&] {
-          for (const LoraTarget& target : targets) {
-            LoraWeights placed;
-            placed.down = target.weights->down.to(torch_device_, target.dtype);
-            placed.up = target.weights->up.to(torch_device_, target.dtype);
-            placed.factor = target.weights->factor;
-            bytes += placed.bytes();
-            status = target.layer->AttachLora(AdapterKey(pipeline_name, name), std::move(placed));
-            if (!status.ok()) return;
-            attached.push_back(target.layer);
-          }
-        });
-        if (!thrown.ok() || !status.ok()) {
-          for (Linear* linear : attached) linear->DetachLora(AdapterKey(pipeline_name, name));
-          return thrown.ok() ? status : thrown;
+        for (size_t i = 0; i < targets.size() && status.ok(); ++i) {
+          status = targets[i].layer->AttachLora(AdapterKey(pipeline_name, name), placed[i]);
+          if (status.ok()) attached.push_back(targets[i].layer);
         }
-        adapter.set_bytes(bytes);
+        PlacementManager& placement = Placement(scope);
+        if (status.ok()) status = placement.Register(pipeline_name, component.get());
+        if (!status.ok()) {
+          for (Linear* linear : attached) linear->DetachLora(AdapterKey(pipeline_name, name));
+          return status;
+        }
+        placement.MarkReady(pipeline_name);
+        adapter.set_bytes(component->weight_bytes());
         absl::MutexLock lock(&adapters_mu_);
         adapters_[pipeline_name][name] = adapter;
+        adapter_components_[pipeline_name][name] = component;
         return absl::OkStatus();
       },
       interrupt));
@@ -1576,6 +1633,21 @@ absl::Status GenerationCore::UnloadAdapter(const std::string& pipeline_name, con
           }
         }
         DetachAdapter(scope, *pipeline, AdapterKey(pipeline_name, name));
+        std::shared_ptr<Component> component;
+        {
+          absl::MutexLock lock(&adapters_mu_);
+          auto on_pipeline = adapter_components_.find(pipeline_name);
+          if (on_pipeline != adapter_components_.end()) {
+            auto it = on_pipeline->second.find(name);
+            if (it != on_pipeline->second.end()) {
+              component = std::move(it->second);
+              on_pipeline->second.erase(it);
+            }
+          }
+        }
+        if (component != nullptr) {
+          (void)Placement(scope).UnregisterComponent(pipeline_name, *component, "adapter unloaded");
+        }
         return absl::OkStatus();
       },
       interrupt);

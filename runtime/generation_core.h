@@ -276,7 +276,13 @@ class GenerationCore {
     Linear* layer;
     const LoraWeights* weights;
     at::ScalarType dtype;  // Its component's.
+    std::string component;
   };
+  // Each loaded adapter's matrices as a placement component of its pipeline ("lora:<name>"),
+  // registered with this device's placement: moved whole between host and device, counted in the
+  // budget, held on the device while a batch that uses it runs.
+  std::map<std::string, std::map<std::string, std::shared_ptr<Component>>> adapter_components_
+      ABSL_GUARDED_BY(adapters_mu_);
   static absl::StatusOr<std::vector<LoraTarget>> LoraTargets(Pipeline& pipeline, const LoraFile& file);
   // Detaches the adapter attached as `key` (AdapterKey) from every Linear of `pipeline`.
   static void DetachAdapter(WorkerScope& scope, Pipeline& pipeline, const std::string& key);

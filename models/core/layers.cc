@@ -51,13 +51,14 @@ at::Tensor Linear::WithLoras(const at::Tensor& x, at::Tensor y) const {
 }
 
 absl::Status Linear::AttachLora(const std::string& name, LoraWeights weights) {
-  if (!weights.down.defined() || !weights.up.defined() || weights.down.dim() != 2 || weights.up.dim() != 2 ||
-      weights.down.size(1) != in_features_ || weights.up.size(0) != out_features_ ||
-      weights.up.size(1) != weights.down.size(0)) {
+  const at::Tensor& a = weights.A();
+  const at::Tensor& b = weights.B();
+  if (!a.defined() || !b.defined() || a.dim() != 2 || b.dim() != 2 || a.size(1) != in_features_ ||
+      b.size(0) != out_features_ || b.size(1) != a.size(0)) {
     return absl::InvalidArgumentError(absl::StrCat(
         path(), ": a LoRA for this layer has A [rank, ", in_features_, "] and B [", out_features_,
-        ", rank]; got A ", weights.down.defined() ? c10::str(weights.down.sizes()) : "none", " and B ",
-        weights.up.defined() ? c10::str(weights.up.sizes()) : "none"));
+        ", rank]; got A ", a.defined() ? c10::str(a.sizes()) : "none", " and B ",
+        b.defined() ? c10::str(b.sizes()) : "none"));
   }
   loras_[name] = std::move(weights);
   lora_pack_ = LoraPack();

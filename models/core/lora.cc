@@ -21,6 +21,8 @@ thread_local const LoraScales* active_loras = nullptr;
 thread_local const LoraRows* active_rows = nullptr;
 // The row-scale cache of the innermost ScopedLoraRows (null outside one).
 thread_local std::map<std::string, at::Tensor>* active_scales = nullptr;
+// The packs built under the outermost ScopedLoraRows, emptied when it ends.
+thread_local std::vector<LoraPack*>* active_packs = nullptr;
 
 bool SameScales(const LoraScales& a, const LoraScales& b) {
   if (a.size() != b.size()) return false;
@@ -64,8 +66,8 @@ float RowScale(const LoraScales& row, const std::string& name, float factor) {
 }
 
 at::Tensor Delta(const LoraWeights& w, const at::Tensor& x) {
-  const at::Tensor down = w.down.to(x.device(), x.scalar_type());
-  const at::Tensor up = w.up.to(x.device(), x.scalar_type());
+  const at::Tensor down = w.A().to(x.device(), x.scalar_type());
+  const at::Tensor up = w.B().to(x.device(), x.scalar_type());
   return at::linear(at::linear(x, down), up);
 }
 
@@ -80,8 +82,8 @@ at::Tensor PackedRowsHidden(const std::map<std::string, LoraWeights>& attached, 
     int64_t columns = 0;
     for (const std::string& name : names) {
       const LoraWeights& w = attached.at(name);
-      downs.push_back(w.down.to(x.device(), x.scalar_type()));
-      ups.push_back(w.up.to(x.device(), x.scalar_type()));
+      downs.push_back(w.A().to(x.device(), x.scalar_type()));
+      ups.push_back(w.B().to(x.device(), x.scalar_type()));
       pack.offsets.push_back(columns);
       columns += w.rank();
     }
@@ -95,6 +97,7 @@ at::Tensor PackedRowsHidden(const std::map<std::string, LoraWeights>& attached, 
     for (const std::string& name : names) {
       absl::StrAppend(&pack.key, "|", name, "=", absl::bit_cast<uint32_t>(attached.at(name).factor));
     }
+    if (active_packs != nullptr) active_packs->push_back(&pack);
   }
   const int64_t columns = pack.offsets.back();
   const auto r = static_cast<int64_t>(rows.size());
@@ -175,6 +178,10 @@ const LoraRows* ActiveLoraRows() { return active_rows; }
 ScopedLoraRows::ScopedLoraRows(const LoraRows* rows)
     : previous_uniform_(active_loras), previous_rows_(active_rows), previous_scales_(active_scales) {
   active_scales = &scales_;
+  if (active_packs == nullptr) {
+    active_packs = &packs_;
+    owns_packs_ = true;
+  }
   active_loras = nullptr;
   active_rows = nullptr;
   if (rows == nullptr || rows->empty()) return;
@@ -188,6 +195,10 @@ ScopedLoraRows::ScopedLoraRows(const LoraRows* rows)
 }
 
 ScopedLoraRows::~ScopedLoraRows() {
+  if (owns_packs_) {
+    for (LoraPack* pack : packs_) *pack = LoraPack();
+    active_packs = nullptr;
+  }
   active_loras = previous_uniform_;
   active_rows = previous_rows_;
   active_scales = previous_scales_;
@@ -264,14 +275,39 @@ at::Tensor AddLoraDelta(const std::map<std::string, LoraWeights>& attached, cons
       auto it = attached.find(name);
       if (it == attached.end()) continue;
       const LoraWeights& w = it->second;
-      const at::Tensor h = at::linear(x, w.down.to(x.device(), x.scalar_type()));
+      const at::Tensor h = at::linear(x, w.A().to(x.device(), x.scalar_type()));
       // The scale multiplies the float32 accumulator (alpha), not a rounded delta.
-      y2d.addmm_(flat(h), w.up.to(x.device(), x.scalar_type()).t(), 1, static_cast<double>(scale * w.factor));
+      y2d.addmm_(flat(h), w.B().to(x.device(), x.scalar_type()).t(), 1, static_cast<double>(scale * w.factor));
       added = true;
     }
   }
   if (!added || aliased) return y;
   return y2d.view(y.sizes());
+}
+
+LoraAdapterModule MakeLoraAdapterModule(const std::vector<std::pair<std::string, const LoraWeights*>>& layers,
+                                        const std::vector<at::ScalarType>& dtypes) {
+  TORCH_CHECK(layers.size() == dtypes.size(), "LoRA adapter module: a dtype per layer");
+  LoraAdapterModule out;
+  out.module = std::make_unique<Module>(kLoraAdapterKind);
+  std::vector<std::pair<int, int>> indices;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const LoraWeights& w = *layers[i].second;
+    const int a = out.module->AddParameter(absl::StrCat(layers[i].first, ".lora_A"),
+                                           w.A().to(at::kCPU, dtypes[i]).contiguous());
+    const int b = out.module->AddParameter(absl::StrCat(layers[i].first, ".lora_B"),
+                                           w.B().to(at::kCPU, dtypes[i]).contiguous());
+    indices.emplace_back(a, b);
+  }
+  // Slot addresses only once every slot exists (the vector no longer grows).
+  for (size_t i = 0; i < layers.size(); ++i) {
+    LoraWeights placed;
+    placed.factor = layers[i].second->factor;
+    placed.down_slot = &out.module->slots()[static_cast<size_t>(indices[i].first)];
+    placed.up_slot = &out.module->slots()[static_cast<size_t>(indices[i].second)];
+    out.weights.push_back(placed);
+  }
+  return out;
 }
 
 absl::StatusOr<LoraFile> ReadLoraFile(const std::string& path, const std::string& default_component, float alpha) {

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -30,6 +31,7 @@
 #include <c10/core/Device.h>
 
 #include "absl/status/statusor.h"
+#include "offload/module.h"
 
 namespace stowage {
 
@@ -37,12 +39,36 @@ struct LoraWeights {
   at::Tensor down;  // A: [rank, in_features]
   at::Tensor up;    // B: [out_features, rank]
   float factor = 1.0f;  // alpha / rank
-  int64_t rank() const { return down.defined() ? down.size(0) : 0; }
-  int64_t bytes() const { return (down.defined() ? down.nbytes() : 0) + (up.defined() ? up.nbytes() : 0); }
+  // Set for the matrices of a placed adapter (MakeLoraAdapterModule): they are read from these slots
+  // of its module, wherever placement keeps them (on the device while a run holds the adapter;
+  // undefined while it is offloaded), and `down` / `up` stay empty.
+  const TensorSlot* down_slot = nullptr;
+  const TensorSlot* up_slot = nullptr;
+  const at::Tensor& A() const { return down_slot != nullptr ? down_slot->value : down; }
+  const at::Tensor& B() const { return up_slot != nullptr ? up_slot->value : up; }
+  int64_t rank() const { return A().defined() ? A().size(0) : 0; }
+  int64_t bytes() const { return (A().defined() ? A().nbytes() : 0) + (B().defined() ? B().nbytes() : 0); }
 };
+
+// The module kind of an adapter's placeable module.
+inline constexpr char kLoraAdapterKind[] = "LoraAdapter";
+
+// One adapter's matrices as a module of its own (kind kLoraAdapterKind), a parameter pair per adapted
+// layer: what placement registers as the adapter's component and moves between host and device like
+// any other (its bytes count in the device budget). `layers`: (key, weights with `down`/`up` as CPU
+// tensors, cast to `dtype` here). Returns the module and, in `layers`' order, each layer's weights
+// pointing at the module's slots (valid while the module lives).
+struct LoraAdapterModule {
+  std::unique_ptr<Module> module;
+  std::vector<LoraWeights> weights;
+};
+LoraAdapterModule MakeLoraAdapterModule(const std::vector<std::pair<std::string, const LoraWeights*>>& layers,
+                                        const std::vector<at::ScalarType>& dtypes);
 
 // Adapter name → scale, for one run.
 using LoraScales = std::vector<std::pair<std::string, float>>;
+
+struct LoraPack;
 
 // One LoraScales per batch row (each non-null).
 using LoraRows = std::vector<const LoraScales*>;
@@ -81,6 +107,9 @@ class ScopedLoraRows {
   // The per-row scales a forward's layers share, made once per scope on the device (no
   // host-to-device copy per layer): by adapters, their alpha/rank factors, device and row repeat.
   std::map<std::string, at::Tensor> scales_;
+  // The outermost scope: the layers' packs built under it, emptied when it ends.
+  bool owns_packs_ = false;
+  std::vector<LoraPack*> packs_;
 };
 
 // Inside ScopedLoraRows: row `row`'s adapters, uniformly, until destroyed (a per-sample step of a
@@ -105,7 +134,9 @@ bool AnyLoraActive(const std::map<std::string, LoraWeights>& attached);
 
 // A layer's adapters concatenated for the packed per-row path: the down matrices stacked
 // ([Σr, in]) and the up matrices side by side ([out, Σr]) of `names`, on one device and dtype.
-// Rebuilt when the set of adapters a batch uses changes; owned by the layer.
+// Rebuilt when the set of adapters a batch uses changes; owned by the layer, and emptied when the
+// outermost ScopedLoraRows that used it ends (its copies are the batch's working memory, not a
+// second resident copy of the adapters).
 struct LoraPack {
   std::vector<std::string> names;
   c10::Device device = c10::Device(c10::kCPU);

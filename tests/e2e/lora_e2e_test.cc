@@ -161,6 +161,74 @@ TEST_F(LoraE2eTest, AnAdapterChangesTheImageOnlyWhereARequestNamesIt) {
   EXPECT_EQ(Image({}), base);
 }
 
+// Adapters are placed like components: each loaded adapter is a component of its pipeline in
+// GetPlacement ("<pipeline>/lora:<name>", its bytes, off the device until used), moved onto the
+// device by placement when a request uses it (logged, with why), counted in the device budget with
+// everything else, never group-offloaded, and gone from placement when unloaded.
+TEST_F(LoraE2eTest, AnAdapterIsAPlacementComponentCountedInTheBudget) {
+  v1::ServerConfig config;
+  config.set_metrics_address("127.0.0.1:0");
+  // Room for the pipeline's largest component, the adapter and activations, not for everything:
+  // components move, and the adapter stays while its request runs.
+  ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(
+      R"pb(device { kind: KIND_SIMULATED memory_budget_bytes: 4000000 }
+           pipelines { name: "zimage-tiny" builtin: "zimage-tiny" default: true })pb",
+      &config));
+  Start(config);
+  v1::LoadAdapterResponse loaded;
+  ASSERT_TRUE(Load("style", WriteAdapter("placed_style", 0.5), &loaded).ok());
+  auto placement = [&] {
+    v1::GetPlacementResponse p;
+    EXPECT_TRUE(server_->admin().GetPlacement(E2eServer::Authed().get(), v1::GetPlacementRequest(), &p).ok());
+    return p;
+  };
+  auto find = [](const v1::GetPlacementResponse& p) -> const v1::ComponentPlacement* {
+    for (const v1::ComponentPlacement& c : p.components()) {
+      if (c.id() == "zimage-tiny/lora:style") return &c;
+    }
+    return nullptr;
+  };
+  v1::GetPlacementResponse before = placement();
+  const v1::ComponentPlacement* adapter = find(before);
+  ASSERT_NE(adapter, nullptr);
+  EXPECT_EQ(adapter->weight_bytes(), loaded.adapter().bytes());
+  EXPECT_EQ(adapter->kind(), "LoraAdapter");
+  EXPECT_EQ(adapter->state(), v1::ComponentPlacement::OFFLOADED);
+
+  const std::string base = Image({});
+  const std::string styled = Image({{"style", 1.0f}});
+  EXPECT_NE(styled, base);
+  v1::GetPlacementLogRequest log_request;
+  log_request.set_limit(500);
+  v1::GetPlacementLogResponse log;
+  ASSERT_TRUE(server_->admin().GetPlacementLog(E2eServer::Authed().get(), log_request, &log).ok());
+  bool onloaded = false;
+  for (const auto& d : log.decisions()) {
+    if (d.component() == "zimage-tiny/lora:style" && d.action() == "onload") {
+      onloaded = true;
+      EXPECT_NE(d.reason().find("adapter 'style' used by req-"), std::string::npos) << d.reason();
+    }
+  }
+  EXPECT_TRUE(onloaded) << log.DebugString().substr(0, 3000);
+  const v1::GetPlacementResponse after = placement();
+  EXPECT_LE(after.allocated_bytes(), 4000000);
+
+  v1::EnableGroupOffloadRequest offload;
+  offload.set_component_id("zimage-tiny/lora:style");
+  v1::EnableGroupOffloadResponse offloaded;
+  const grpc::Status refused = server_->admin().EnableGroupOffload(E2eServer::Authed().get(), offload, &offloaded);
+  EXPECT_EQ(refused.error_code(), grpc::FAILED_PRECONDITION);
+  EXPECT_NE(refused.error_message().find("is a LoRA adapter"), std::string::npos) << refused.error_message();
+  // A whole-pipeline call leaves the adapter as it is (and succeeds).
+  v1::EnableGroupOffloadRequest whole;
+  whole.set_pipeline("zimage-tiny");
+  EXPECT_TRUE(server_->admin().EnableGroupOffload(E2eServer::Authed().get(), whole, &offloaded).ok());
+  EXPECT_EQ(Image({{"style", 1.0f}}), styled);
+
+  ASSERT_TRUE(Unload("style").ok());
+  EXPECT_EQ(find(placement()), nullptr);
+}
+
 // Requests naming different adapters (one, another with guidance: two batch rows, both at other
 // scales, none) queued together run as ONE batch, each row with its own adapters, and each image
 // is the image the request gets alone (byte for byte on the simulated device).

@@ -21,6 +21,7 @@
 #include "models/pipelines/component.h"
 #include "models/core/diffusers_format.h"
 #include "models/core/layers.h"
+#include "models/core/lora.h"
 #include "offload/safetensors.h"
 
 namespace stowage::parity {
@@ -59,6 +60,26 @@ absl::StatusOr<std::unique_ptr<T>> Build(const Config& config, const std::string
   auto module = std::make_unique<T>(config, LayerOptions{dtype});
   RETURN_IF_ERROR(LoadComponentWeights(*module, dir, dtype, ignored));
   return module;
+}
+
+// Attaches `file`'s layers of `component` to `model`'s Linear layers under `key`: the number
+// attached, or NOT_FOUND naming a layer the model lacks.
+inline absl::StatusOr<int> AttachLoraLayers(Module& model, const LoraFile& file, const std::string& component,
+                                            const std::string& key) {
+  std::map<std::string, Linear*> linears;
+  model.ForEachModule([&](Module& m) {
+    if (auto* l = dynamic_cast<Linear*>(&m)) linears[m.path()] = l;
+  });
+  int attached = 0;
+  for (const auto& [path, weights] : file.layers.at(component)) {
+    auto it = linears.find(path);
+    if (it == linears.end()) {
+      return absl::NotFoundError("the adapter's layer " + path + " is no Linear of the " + component);
+    }
+    RETURN_IF_ERROR(it->second->AttachLora(key, weights));
+    ++attached;
+  }
+  return attached;
 }
 
 // Runs components on the CPU with their weights pointing at the host copies.

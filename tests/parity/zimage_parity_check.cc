@@ -82,13 +82,7 @@ absl::Status CheckLora(const std::string& root) {
   model->ForEachModule([&](Module& m) {
     if (auto* l = dynamic_cast<Linear*>(&m)) linears[m.path()] = l;
   });
-  int attached = 0;
-  for (const auto& [path, weights] : file.layers.at("transformer")) {
-    auto it = linears.find(path);
-    if (it == linears.end()) return absl::NotFoundError("the adapter's layer " + path + " is no Linear of the transformer");
-    RETURN_IF_ERROR(it->second->AttachLora("default", weights));
-    ++attached;
-  }
+  ASSIGN_OR_RETURN(const int attached, parity::AttachLoraLayers(*model, file, "transformer", "default"));
   std::printf("  (%d layers adapted, rank %lld, alpha %g)\n", attached, static_cast<long long>(file.rank), alpha);
   const double t = io.at("t").item<double>();
   for (const auto& [name, scale] : std::vector<std::pair<std::string, float>>{{"scale1", 1.0f}, {"scale05", 0.5f},

@@ -1,13 +1,16 @@
 #include "base/out_of_memory.h"
 #include "placement/placement_manager.h"
 
+#include <algorithm>
 #include <memory>
 #include <string>
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include "base/load_progress.h"
 
+#include "models/core/lora.h"
 #include "models/pipelines/tiny_pipeline.h"
 
 namespace stowage {
@@ -545,6 +548,76 @@ TEST(PeerEvictionTest, TheHostWinsWhenBringingItBackIsCheaper) {
   EXPECT_EQ(moved, 0);
   EXPECT_EQ(p.peer_backend->GetMemoryStats().allocated_bytes, 0);
   EXPECT_TRUE(p.peer.Snapshot().empty());
+}
+
+}  // namespace
+}  // namespace stowage
+
+namespace stowage {
+namespace {
+
+// A LoRA adapter's module as its own component: `rank` x 4096 matrices (float32).
+std::unique_ptr<Component> AdapterComponent(int64_t rank) {
+  LoraWeights w;
+  w.down = at::randn({rank, 4096});
+  w.up = at::randn({4096, rank});
+  LoraAdapterModule made = MakeLoraAdapterModule({{"layer", &w}}, {at::kFloat});
+  return std::move(*Component::Create("lora:style", std::move(made.module), at::kFloat));
+}
+
+// Adapters are placed like components but held: every adapted layer reads them while its own
+// component runs, so while a run holds one, no other component's move evicts it; released, it
+// moves like any other. Holds nest; a held or adapter component is never group-offloaded.
+TEST(PlacementManagerTest, AHeldComponentStaysResidentWhileOthersMoveAndMovesOnceReleased) {
+  Harness s;
+  auto adapter = AdapterComponent(64);  // 2 MiB.
+  ASSERT_TRUE(s.placement.Register("tiny", adapter.get()).ok());
+  int64_t largest = 0;
+  for (Component* c : s.pipeline->components()) largest = std::max(largest, c->weight_bytes());
+  const int64_t margin = int64_t{1} << 20;  // The tiny pipeline's activations.
+  ASSERT_TRUE(s.backend->SetMemoryBudget(largest + adapter->weight_bytes() + margin).ok());
+
+  ASSERT_TRUE(s.placement.Hold(*adapter, "held for the test").ok());
+  ASSERT_TRUE(s.placement.Hold(*adapter, "again (nested)").ok());
+  EXPECT_EQ(s.View("lora:style").state, ComponentState::kResident);
+  ASSERT_TRUE(s.Generate().ok());
+  EXPECT_EQ(s.View("lora:style").state, ComponentState::kResident);
+  int offloads_of_others = 0;
+  for (const PlacementDecision& d : s.placement.DecisionLog(1000)) {
+    EXPECT_FALSE(d.component == "tiny/lora:style" && d.action == "offload") << d.reason;
+    if (d.action == "offload") ++offloads_of_others;
+    if (d.component == "tiny/lora:style" && d.action == "onload") EXPECT_EQ(d.reason, "held for the test");
+  }
+  EXPECT_GT(offloads_of_others, 0) << "the budget made nothing move: the test proves nothing";
+  // Never group-offloaded: not while held, and not as an adapter.
+  GroupOffloadOptions options;
+  EXPECT_EQ(s.placement.EnableGroupOffload("tiny/lora:style", options).code(), absl::StatusCode::kFailedPrecondition);
+
+  // Released (both holds), with no room for it beside the transformer: it moves off.
+  s.placement.Unhold(*adapter);
+  ASSERT_TRUE(s.Generate().ok());
+  EXPECT_EQ(s.View("lora:style").state, ComponentState::kResident) << "still held once";
+  s.placement.Unhold(*adapter);
+  ASSERT_TRUE(s.backend->SetMemoryBudget(largest + margin).ok());
+  ASSERT_TRUE(s.Generate().ok());
+  EXPECT_EQ(s.View("lora:style").state, ComponentState::kOffloaded);
+}
+
+TEST(PlacementManagerTest, AHoldThatCannotFitFailsNamingTheComponentAndHoldsNothing) {
+  Harness s;
+  auto adapter = AdapterComponent(64);
+  ASSERT_TRUE(s.placement.Register("tiny", adapter.get()).ok());
+  ASSERT_TRUE(s.backend->SetMemoryBudget(adapter->weight_bytes() / 2).ok());
+  const absl::Status held = s.placement.Hold(*adapter, "too big");
+  EXPECT_EQ(held.code(), absl::StatusCode::kOutOfRange) << held;  // The cannot-fit status.
+  EXPECT_NE(held.message().find("tiny/lora:style"), std::string::npos) << held;
+  EXPECT_EQ(s.View("lora:style").state, ComponentState::kOffloaded);
+  // Not held: with room again it is an ordinary candidate; an unregistered component is refused.
+  ASSERT_TRUE(s.backend->SetMemoryBudget(int64_t{1} << 30).ok());
+  ASSERT_TRUE(s.placement.Hold(*adapter, "fits now").ok());
+  s.placement.Unhold(*adapter);
+  auto stranger = AdapterComponent(4);
+  EXPECT_EQ(s.placement.Hold(*stranger, "x").code(), absl::StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

@@ -865,32 +865,6 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
 }
 
 namespace {
-// The adapters a batch holds on the device (PlacementManager::Hold), each once, released at the end.
-class AdapterHolds {
- public:
-  explicit AdapterHolds(PlacementManager& placement) : placement_(placement) {}
-  ~AdapterHolds() {
-    for (Component* c : held_) placement_.Unhold(*c);
-  }
-  AdapterHolds(const AdapterHolds&) = delete;
-  AdapterHolds& operator=(const AdapterHolds&) = delete;
-  absl::Status Hold(Component& component, const std::string& reason) {
-    if (std::find(held_.begin(), held_.end(), &component) != held_.end()) return absl::OkStatus();
-    RETURN_IF_ERROR(placement_.Hold(component, reason));
-    held_.push_back(&component);
-    return absl::OkStatus();
-  }
-
- private:
-  PlacementManager& placement_;
-  std::vector<Component*> held_;
-};
-
-// The name an adapter is attached to Linear layers under: components are shared between pipelines
-// loaded from one folder, and each pipeline's adapter names are its own.
-std::string AdapterKey(const std::string& pipeline, const std::string& adapter) {
-  return absl::StrCat(pipeline, "/", adapter);
-}
 
 // Set aside for the context's growth during a warm-up's first run (GenerationCore::WarmUp).
 constexpr int64_t kWarmupContextReserve = int64_t{1} << 30;
@@ -1011,17 +985,9 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
           // Its adapters go with it (its components may live on in another pipeline that shares
           // them: nothing of this pipeline's adapters stays attached to them).
           // (Their placement components went with Unregister above.)
-          std::map<std::string, v1::Adapter> adapters;
-          {
-            absl::MutexLock lock(&adapters_mu_);
-            auto it = adapters_.find(name);
-            if (it != adapters_.end()) {
-              adapters = std::move(it->second);
-              adapters_.erase(it);
-            }
-            adapter_components_.erase(name);
+          for (const std::string& adapter : adapters_.RemovePipeline(name)) {
+            DetachAdapter(scope, *pipeline, AdapterKey(name, adapter));
           }
-          for (const auto& [adapter, info] : adapters) DetachAdapter(scope, *pipeline, AdapterKey(name, adapter));
           pipelines_.FinishUnload(name);
           return absl::OkStatus();
         },
@@ -1140,19 +1106,7 @@ absl::StatusOr<GenerationParams> GenerationCore::Validate(const v1::GenerateRequ
       return absl::InvalidArgumentError(absl::StrFormat("%s.scale is %g; allowed: finite, -%g..%g", field,
                                                         ref.scale(), kMaxLoraScale, kMaxLoraScale));
     }
-    {
-      absl::MutexLock lock(&adapters_mu_);
-      auto on_pipeline = adapters_.find(pipeline.name());
-      if (on_pipeline == adapters_.end() || on_pipeline->second.count(ref.name()) == 0) {
-        std::vector<std::string> loaded;
-        if (on_pipeline != adapters_.end()) {
-          for (const auto& [name, adapter] : on_pipeline->second) loaded.push_back(name);
-        }
-        return absl::InvalidArgumentError(absl::StrCat(field, ".name: pipeline '", pipeline.name(),
-                                                       "' has no adapter ", Truncated(ref.name()), " (loaded: ",
-                                                       loaded.empty() ? "none" : absl::StrJoin(loaded, ", "), ")"));
-      }
-    }
+    RETURN_IF_ERROR(adapters_.CheckNamed(pipeline.name(), ref.name(), field));
     for (int j = 0; j < i; ++j) {
       if (request.loras(j).name() == ref.name()) {
         return absl::InvalidArgumentError(absl::StrCat(field, ".name: adapter '", ref.name(), "' named twice"));
@@ -1363,35 +1317,26 @@ void GenerationCore::RunOnWorker(WorkerScope& scope, const std::vector<PendingRe
     // accepted. A member whose adapter went fails alone; the others run.
     std::vector<absl::Status> adapters(running.size());
     // Each member's adapter components (to hold on the device while the batch runs).
-    std::vector<std::vector<std::pair<std::string, std::shared_ptr<Component>>>> uses(running.size());
-    {
-      absl::MutexLock lock(&adapters_mu_);
-      auto on_pipeline = adapters_.find(pipeline.name());
-      auto components = adapter_components_.find(pipeline.name());
-      for (size_t i = 0; i < running.size(); ++i) {
-        for (const v1::LoraRef& ref : running[i]->request->loras()) {
-          const std::string& name = ref.name();
-          if (ref.scale() == 0.0f) continue;
-          if (on_pipeline == adapters_.end() || on_pipeline->second.count(name) == 0) {
-            adapters[i] = absl::FailedPreconditionError(absl::StrCat(
-                "adapter '", name, "' was unloaded from pipeline '", pipeline.name(), "' before the request ran"));
-          } else if (components != adapter_components_.end() && components->second.count(name) > 0) {
-            uses[i].emplace_back(name, components->second.at(name));
-          }
-        }
+    std::vector<std::vector<AdapterTable::Use>> uses(running.size());
+    for (size_t i = 0; i < running.size(); ++i) {
+      absl::StatusOr<std::vector<AdapterTable::Use>> used = adapters_.Uses(pipeline.name(), running[i]->request->loras());
+      if (used.ok()) {
+        uses[i] = std::move(*used);
+      } else {
+        adapters[i] = used.status();
       }
     }
     // Adapters are placed like components: each one a member uses is made resident and held there
     // (no other move evicts it) for the batch. One that cannot be placed fails the members using it.
     AdapterHolds holds(placement);
     for (size_t i = 0; i < running.size(); ++i) {
-      for (const auto& [name, component] : uses[i]) {
+      for (const AdapterTable::Use& use : uses[i]) {
         if (!adapters[i].ok()) break;
         const absl::Status held =
-            holds.Hold(*component, absl::StrCat("adapter '", name, "' used by ",
-                                                batch_size == 1 ? ids[i] : absl::StrCat("batch member ", ids[i])));
+            holds.Hold(*use.component, absl::StrCat("adapter '", use.name, "' used by ",
+                                                    batch_size == 1 ? ids[i] : absl::StrCat("batch member ", ids[i])));
         if (!held.ok()) {
-          adapters[i] = absl::Status(held.code(), absl::StrCat("adapter '", name, "': ", held.message()));
+          adapters[i] = absl::Status(held.code(), absl::StrCat("adapter '", use.name, "': ", held.message()));
         }
       }
     }
@@ -1478,59 +1423,11 @@ void GenerationCore::RunOnWorker(WorkerScope& scope, const std::vector<PendingRe
   }
 }
 
-absl::StatusOr<std::vector<GenerationCore::LoraTarget>> GenerationCore::LoraTargets(Pipeline& pipeline,
-                                                                                   const LoraFile& file) {
-  std::vector<LoraTarget> targets;
-  for (const auto& [component_name, layers] : file.layers) {
-    Component* component = nullptr;
-    std::vector<std::string> names;
-    for (Component* c : pipeline.components()) {
-      names.push_back(c->name());
-      if (c->name() == component_name) component = c;
-    }
-    if (component == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat("the adapter adapts component '", Truncated(component_name),
-                                                     "', which pipeline '", pipeline.name(), "' lacks (it has ",
-                                                     absl::StrJoin(names, ", "), ")"));
-    }
-    std::map<std::string, Linear*> linears;
-    component->module().ForEachModule([&](Module& m) {
-      if (auto* linear = dynamic_cast<Linear*>(&m)) linears[m.path()] = linear;
-    });
-    for (const auto& [path, weights] : layers) {
-      auto it = linears.find(path);
-      if (it == linears.end()) {
-        return absl::InvalidArgumentError(absl::StrCat("the adapter's layer '", component_name, ".", Truncated(path, 160),
-                                                       "' is no Linear layer of pipeline '", pipeline.name(), "'"));
-      }
-      if (weights.down.size(1) != it->second->in_features() || weights.up.size(0) != it->second->out_features()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "the adapter's layer '", component_name, ".", Truncated(path, 160), "' is [", weights.up.size(0), " x ",
-            weights.down.size(1), "]; the pipeline's is [", it->second->out_features(), " x ",
-            it->second->in_features(), "]"));
-      }
-      targets.push_back(LoraTarget{it->second, &weights, component->dtype(), component_name});
-    }
-  }
-  return targets;
-}
-
-std::vector<v1::Adapter> GenerationCore::Adapters() const {
-  std::vector<v1::Adapter> out;
-  absl::MutexLock lock(&adapters_mu_);
-  for (const auto& [pipeline, adapters] : adapters_) {
-    for (const auto& [name, adapter] : adapters) out.push_back(adapter);
-  }
-  return out;
-}
+std::vector<v1::Adapter> GenerationCore::Adapters() const { return adapters_.All(); }
 
 absl::StatusOr<v1::Adapter> GenerationCore::LoadAdapter(const std::string& pipeline_name, const std::string& name,
                                                         const std::string& path, const LoraFile& file,
                                                         const Interrupt& interrupt) {
-  if (name.empty() || !IsValidTenant(name)) {
-    return absl::InvalidArgumentError(absl::StrCat("name: adapter name ", Truncated(name), " is not 1..",
-                                                   kMaxTenantLength, " characters of [A-Za-z0-9._-]"));
-  }
   if (pipeline_name.empty()) {
     return absl::InvalidArgumentError("pipeline: name the pipeline the adapter is for");
   }
@@ -1539,76 +1436,37 @@ absl::StatusOr<v1::Adapter> GenerationCore::LoadAdapter(const std::string& pipel
     return absl::FailedPreconditionError(absl::StrCat("pipeline '", pipeline_name,
                                                       "' runs on several devices; LoRA adapters need a pipeline on one"));
   }
-  // A kohya file names its layers with '_' for '.': matched against this pipeline's Linear layers.
-  LoraFile resolved = file;
-  {
-    std::map<std::string, std::vector<std::string>> linear_paths;
-    for (Component* c : pipeline->components()) {
-      c->module().ForEachModule([&](Module& m) {
-        if (dynamic_cast<Linear*>(&m) != nullptr) linear_paths[c->name()].push_back(m.path());
-      });
-    }
-    RETURN_IF_ERROR(ResolveLayerPaths(resolved, linear_paths));
-  }
-  ASSIGN_OR_RETURN(auto targets, LoraTargets(*pipeline, resolved));
-  v1::Adapter adapter;
-  adapter.set_name(name);
-  adapter.set_pipeline(pipeline_name);
-  adapter.set_path(path);
-  adapter.set_rank(static_cast<int32_t>(file.rank));
-  adapter.set_layers(static_cast<int32_t>(targets.size()));
-  for (const auto& [component, layers] : file.layers) adapter.add_components(component);
-  // The adapter's matrices in one module (each in its component's dtype, on the host): its placement
-  // component, which the worker registers and attaches.
-  std::shared_ptr<Component> component;
-  std::vector<LoraWeights> placed;
-  RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("loading adapter '", name, "'"), [&] {
-    std::vector<std::pair<std::string, const LoraWeights*>> layers;
-    std::vector<at::ScalarType> dtypes;
-    for (const LoraTarget& target : targets) {
-      layers.emplace_back(absl::StrCat(target.component, ".", target.layer->path()), target.weights);
-      dtypes.push_back(target.dtype);
-    }
-    LoraAdapterModule made = MakeLoraAdapterModule(layers, dtypes);
-    placed = std::move(made.weights);
-    absl::StatusOr<std::unique_ptr<Component>> created =
-        Component::Create(absl::StrCat("lora:", name), std::move(made.module),
-                          targets.empty() ? at::kFloat : targets.front().dtype);
-    if (!created.ok()) throw std::runtime_error(std::string(created.status().message()));
-    component = std::move(*created);
-  }));
+  ASSIGN_OR_RETURN(PreparedAdapter prepared, PrepareAdapter(*pipeline, name, path, file));
   RETURN_IF_ERROR(OnWorker(
       [&](WorkerScope& scope) -> absl::Status {
-        {
-          absl::MutexLock lock(&adapters_mu_);
-          if (adapters_[pipeline_name].count(name) > 0) {
-            return absl::AlreadyExistsError(
-                absl::StrCat("pipeline '", pipeline_name, "' already has an adapter named '", name, "'"));
-          }
+        const std::string key = AdapterKey(pipeline_name, name);
+        if (adapters_.Contains(pipeline_name, name)) {
+          return absl::AlreadyExistsError(
+              absl::StrCat("pipeline '", pipeline_name, "' already has an adapter named '", name, "'"));
         }
         // Attached while the matrices are still on the host (the layers check their shapes), then
         // registered: placement takes them off until a run holds the adapter.
         std::vector<Linear*> attached;
         absl::Status status;
-        for (size_t i = 0; i < targets.size() && status.ok(); ++i) {
-          status = targets[i].layer->AttachLora(AdapterKey(pipeline_name, name), placed[i]);
-          if (status.ok()) attached.push_back(targets[i].layer);
+        for (auto& [layer, weights] : prepared.layers) {
+          status = layer->AttachLora(key, weights);
+          if (!status.ok()) break;
+          attached.push_back(layer);
         }
         PlacementManager& placement = Placement(scope);
-        if (status.ok()) status = placement.Register(pipeline_name, component.get());
-        if (!status.ok()) {
-          for (Linear* linear : attached) linear->DetachLora(AdapterKey(pipeline_name, name));
-          return status;
+        if (status.ok()) status = placement.Register(pipeline_name, prepared.component.get());
+        if (status.ok()) {
+          placement.MarkReady(pipeline_name);
+          status = adapters_.Add(pipeline_name, prepared.info, prepared.component);
+          if (!status.ok()) (void)placement.UnregisterComponent(pipeline_name, *prepared.component, "adapter load failed");
         }
-        placement.MarkReady(pipeline_name);
-        adapter.set_bytes(component->weight_bytes());
-        absl::MutexLock lock(&adapters_mu_);
-        adapters_[pipeline_name][name] = adapter;
-        adapter_components_[pipeline_name][name] = component;
-        return absl::OkStatus();
+        if (!status.ok()) {
+          for (Linear* linear : attached) linear->DetachLora(key);
+        }
+        return status;
       },
       interrupt));
-  return adapter;
+  return prepared.info;
 }
 
 void GenerationCore::DetachAdapter(WorkerScope&, Pipeline& pipeline, const std::string& key) {
@@ -1624,27 +1482,8 @@ absl::Status GenerationCore::UnloadAdapter(const std::string& pipeline_name, con
   ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.Resolve(pipeline_name));
   return OnWorker(
       [&](WorkerScope& scope) -> absl::Status {
-        {
-          absl::MutexLock lock(&adapters_mu_);
-          auto on_pipeline = adapters_.find(pipeline_name);
-          if (on_pipeline == adapters_.end() || on_pipeline->second.erase(name) == 0) {
-            return absl::NotFoundError(absl::StrCat("pipeline '", pipeline_name, "' has no adapter named '",
-                                                    Truncated(name), "'"));
-          }
-        }
+        ASSIGN_OR_RETURN(std::shared_ptr<Component> component, adapters_.Remove(pipeline_name, name));
         DetachAdapter(scope, *pipeline, AdapterKey(pipeline_name, name));
-        std::shared_ptr<Component> component;
-        {
-          absl::MutexLock lock(&adapters_mu_);
-          auto on_pipeline = adapter_components_.find(pipeline_name);
-          if (on_pipeline != adapter_components_.end()) {
-            auto it = on_pipeline->second.find(name);
-            if (it != on_pipeline->second.end()) {
-              component = std::move(it->second);
-              on_pipeline->second.erase(it);
-            }
-          }
-        }
         if (component != nullptr) {
           (void)Placement(scope).UnregisterComponent(pipeline_name, *component, "adapter unloaded");
         }
@@ -1696,13 +1535,7 @@ v1::Pipeline GenerationCore::Describe(const HostedPipelines::View& view) const {
   out.set_max_prompt_bytes(limits.max_prompt_bytes);
   out.set_accepts_images(limits.accepts_images);
   const v1::BatchingConfig batching = BatchingOf(view.name);
-  {
-    absl::MutexLock lock(&adapters_mu_);
-    auto on_pipeline = adapters_.find(view.name);
-    if (on_pipeline != adapters_.end()) {
-      for (const auto& [name, adapter] : on_pipeline->second) *out.add_adapters() = adapter;
-    }
-  }
+  for (const v1::Adapter& adapter : adapters_.Of(view.name)) *out.add_adapters() = adapter;
   out.set_max_batch_size(batching.max_batch_size());
   out.set_max_queue_delay_ms(batching.max_queue_delay_ms());
   // Names, sizes and dtypes are fixed when a component is built: reading them is no device access.

@@ -47,6 +47,7 @@
 #include "models/pipelines/pipeline.h"
 #include "offload/device_backend.h"
 #include "placement/placement_manager.h"
+#include "runtime/adapter_table.h"
 #include "runtime/device_worker.h"
 #include "runtime/hosted_pipelines.h"
 #include "runtime/metrics.h"
@@ -136,7 +137,7 @@ class GenerationCore {
   absl::Status UnloadPipeline(const std::string& name, const Interrupt& interrupt);
 
   // Every adapter loaded on this device's pipelines (GetPlacement lists them).
-  std::vector<v1::Adapter> Adapters() const ABSL_LOCKS_EXCLUDED(adapters_mu_);
+  std::vector<v1::Adapter> Adapters() const;
 
   // LoRA adapters (AdminService.LoadAdapter / UnloadAdapter): `file` (models/core/lora.h) is
   // attached, unmerged, to the Linear layers it names in the READY pipeline `pipeline`'s components,
@@ -267,23 +268,9 @@ class GenerationCore {
   mutable absl::Mutex loading_mu_;
   std::map<std::string, std::shared_ptr<LoadProgress>> loading_ ABSL_GUARDED_BY(loading_mu_);
 
-  // Adapters loaded per pipeline (changed on the worker; read by Validate, Describe and the worker).
-  mutable absl::Mutex adapters_mu_;
-  std::map<std::string, std::map<std::string, v1::Adapter>> adapters_ ABSL_GUARDED_BY(adapters_mu_);
-  // The Linear layers of a pipeline's components that `file` names; INVALID_ARGUMENT naming the
-  // first path that is not a Linear of that component.
-  struct LoraTarget {
-    Linear* layer;
-    const LoraWeights* weights;
-    at::ScalarType dtype;  // Its component's.
-    std::string component;
-  };
-  // Each loaded adapter's matrices as a placement component of its pipeline ("lora:<name>"),
-  // registered with this device's placement: moved whole between host and device, counted in the
-  // budget, held on the device while a batch that uses it runs.
-  std::map<std::string, std::map<std::string, std::shared_ptr<Component>>> adapter_components_
-      ABSL_GUARDED_BY(adapters_mu_);
-  static absl::StatusOr<std::vector<LoraTarget>> LoraTargets(Pipeline& pipeline, const LoraFile& file);
+  // LoRA adapters loaded per pipeline, with their placement components (changed on the worker;
+  // read by Validate, Describe and the worker).
+  AdapterTable adapters_;
   // Detaches the adapter attached as `key` (AdapterKey) from every Linear of `pipeline`.
   static void DetachAdapter(WorkerScope& scope, Pipeline& pipeline, const std::string& key);
 

@@ -289,11 +289,10 @@ void DeviceWorker::CollectBatch(WorkerScope& scope, std::vector<Item>& members, 
   // Copies: `members` grows below.
   const std::string key = members.front().job.batch_key;
   const size_t limit = static_cast<size_t>(std::max(1, members.front().job.max_batch_size));
-  const bool hold = concurrent_keys_.count(key) > 0;
   // Measured from now, when the batch would start: a first request that waited in the queue behind
   // a running batch still gets the chance to gather the requests that arrive right after it (clients
   // whose replies just went out), which brings clients that drifted apart back into step.
-  const absl::Time deadline = hold ? absl::Now() + members.front().job.max_batch_delay : absl::InfinitePast();
+  const absl::Time deadline = batch_policy_.HoldUntil(key, absl::Now(), members.front().job.max_batch_delay);
   struct Wait {
     DeviceWorker* worker;
     const std::string* key;
@@ -419,12 +418,7 @@ void DeviceWorker::Loop() {
         const bool queued = std::any_of(queue_.begin(), queue_.end(), [&](const Item& i) {
           return i.task == nullptr && i.job.batch_key == key;
         });
-        if (batch.size() > 1 || queued) {
-          if (concurrent_keys_.size() >= 1024) concurrent_keys_.clear();
-          concurrent_keys_.insert(key);
-        } else {
-          concurrent_keys_.erase(key);
-        }
+        batch_policy_.Ran(key, batch.size(), queued);
       }
       if (options_.after_each) options_.after_each(scope);
       for (Item& item : batch) {

@@ -55,6 +55,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "runtime/batch_policy.h"
 #include "runtime/scheduler.h"
 
 namespace stowage {
@@ -216,8 +217,8 @@ class DeviceWorker {
   const Options options_;
   absl::Mutex mu_;
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
-  // Batch keys whose last batch showed concurrent demand (see Job::batch_key); bounded.
-  std::set<std::string> concurrent_keys_ ABSL_GUARDED_BY(mu_);
+  // How long a batch waits for more members (runtime/batch_policy.h).
+  BatchPolicy batch_policy_ ABSL_GUARDED_BY(mu_);
   Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   // The remote-call lane, in arrival order.

@@ -179,6 +179,16 @@ int DeviceWorker::QueuedJobs() const {
                                         [](const Item& item) { return item.task == nullptr; }));
 }
 
+DeviceWorker::Waiting DeviceWorker::waiting() const {
+  absl::MutexLock lock(&mu_);
+  Waiting w;
+  w.jobs = QueuedJobs();
+  w.tasks = static_cast<int>(queue_.size()) - w.jobs;
+  w.calls = static_cast<int>(calls_.size());
+  w.collecting_batch = collecting_batch_;
+  return w;
+}
+
 void DeviceWorker::ReportDepth() {
   if (options_.on_queue_depth) options_.on_queue_depth(QueuedJobs());
 }
@@ -297,6 +307,7 @@ void DeviceWorker::CollectBatch(WorkerScope& scope, std::vector<Item>& members, 
     DeviceWorker* worker;
     const std::string* key;
   } wait{this, &key};
+  collecting_batch_ = true;
   for (;;) {
     TakeMatching(key, limit, members, dropped);
     if (members.size() >= limit || stopping_ || absl::Now() >= deadline) break;
@@ -325,6 +336,7 @@ void DeviceWorker::CollectBatch(WorkerScope& scope, std::vector<Item>& members, 
       break;  // The rest run now, without waiting longer for a batch their head left.
     }
   }
+  collecting_batch_ = false;
   ReportDepth();
 }
 

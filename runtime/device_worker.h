@@ -178,6 +178,17 @@ class DeviceWorker {
   // has ended. Idempotent; the destructor calls it.
   void Stop();
 
+  // What waits on this worker now — a snapshot, stale as soon as it returns (tests wait for a state
+  // with it instead of sleeping; diagnostics). `collecting_batch`: a batch holds the worker open for
+  // more members (its jobs taken so far are no longer queued).
+  struct Waiting {
+    int jobs = 0;
+    int tasks = 0;
+    int calls = 0;
+    bool collecting_batch = false;
+  };
+  Waiting waiting() const;
+
   // True on the worker's own thread (for contracts that say "worker only").
   bool OnWorkerThread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
@@ -215,12 +226,13 @@ class DeviceWorker {
   void ReportDepth() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::deque<Item> queue_ ABSL_GUARDED_BY(mu_);
   // How long a batch waits for more members (runtime/batch_policy.h).
   BatchPolicy batch_policy_ ABSL_GUARDED_BY(mu_);
   Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  bool collecting_batch_ ABSL_GUARDED_BY(mu_) = false;
   // The remote-call lane, in arrival order.
   std::deque<std::shared_ptr<CallState>> calls_ ABSL_GUARDED_BY(mu_);
   // Wakes this worker while it waits in Call (see Waker).

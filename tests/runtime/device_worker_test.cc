@@ -23,6 +23,16 @@ DeviceWorker::Options Options(std::string device, int queue_depth, std::function
   return options;
 }
 
+// Waits until the worker's waiting state satisfies `ready` (polled every millisecond, at most 30 s):
+// tests wait for a state instead of sleeping for it.
+void WaitUntil(const DeviceWorker& worker, const std::function<bool(const DeviceWorker::Waiting&)>& ready) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (!ready(worker.waiting())) {
+    ASSERT_LT(absl::Now(), give_up) << "the worker never reached the awaited state";
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+}
+
 TEST(DeviceWorkerTest, RunsJobsInOrderOneAtATimeAndRejectsWhenFull) {
   std::vector<int> depths;
   absl::Mutex depth_mu;
@@ -149,7 +159,7 @@ TEST(DeviceWorkerTest, TasksRunBetweenJobsBeforeQueuedOnesOrAfterThemAsAsked) {
                              DeviceWorker::TaskOrder::kAfterQueuedJobs)
                     .ok());
   });
-  absl::SleepFor(absl::Milliseconds(100));  // Both tasks wait behind the running job.
+  WaitUntil(worker, [](const DeviceWorker::Waiting& w) { return w.tasks == 2; });  // Both wait behind the job.
   {
     absl::MutexLock lock(&mu);
     EXPECT_TRUE(order.empty());  // Never during a job.
@@ -308,7 +318,7 @@ TEST(DeviceWorkerTest, ABatchWaitsUpToItsDelayForMoreMembers) {
   absl::Notification first_done, second_done;
   const absl::Time start = absl::Now();
   ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 1, 4, absl::Milliseconds(400), &first_done)).ok());
-  absl::SleepFor(absl::Milliseconds(50));
+  WaitUntil(worker, [](const DeviceWorker::Waiting& w) { return w.collecting_batch; });
   ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 2, 4, absl::Milliseconds(400))).ok());
   first_done.WaitForNotification();
   const absl::Duration took = absl::Now() - start;
@@ -347,7 +357,8 @@ TEST(DeviceWorkerTest, CancelledJobsLeaveTheirBatch) {
   leaving.cancelled = [] { return true; };
   leaving.drop = [&] { dropped.Notify(); };
   ASSERT_TRUE(worker.Submit(leaving).ok());
-  absl::SleepFor(absl::Milliseconds(100));
+  // The batch took its members and waits for a fourth.
+  WaitUntil(worker, [](const DeviceWorker::Waiting& w) { return w.collecting_batch && w.jobs == 0; });
   gone = true;  // The head's caller leaves while the batch waits for a fourth member.
   dropped.WaitForNotification();
   head_dropped.WaitForNotification();
@@ -388,7 +399,7 @@ TEST(DeviceWorkerTest, ALoneClientDoesNotWaitForCompanyThatDoesNotCome) {
   started.WaitForNotification();
   ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 4, 4, delay)).ok());
   release.Notify();
-  absl::SleepFor(absl::Milliseconds(200));
+  WaitUntil(worker, [](const DeviceWorker::Waiting& w) { return w.collecting_batch; });  // 4 holds for more.
   ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 5, 4, delay, &last)).ok());
   last.WaitForNotification();
   EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{1}, {2}, {3}, {4, 5}}));
@@ -559,7 +570,7 @@ TEST(DeviceWorkerCallTest, ABatchWaitingForMembersServesCalls) {
   MakeConcurrent(worker, log, "k", absl::Seconds(30));
   absl::Notification done;
   ASSERT_TRUE(worker.Submit(BatchJob(log, "k", 1, 4, absl::Seconds(30), &done)).ok());
-  absl::SleepFor(absl::Milliseconds(50));  // The batch now waits for up to 30 s.
+  WaitUntil(worker, [](const DeviceWorker::Waiting& w) { return w.collecting_batch; });  // Waits up to 30 s.
   const absl::Time start = absl::Now();
   ASSERT_TRUE(worker.Call([](WorkerScope&) { return absl::OkStatus(); }, nullptr, nullptr).ok());
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
@@ -599,7 +610,7 @@ TEST(DeviceWorkerCallTest, StoppingFailsWaitingCallsWithUnavailableInsteadOfHang
     waiting = worker.Call([&](WorkerScope&) { ran = true; return absl::OkStatus(); }, nullptr, nullptr);
     returned.Notify();
   });
-  absl::SleepFor(absl::Milliseconds(50));  // The call waits in the lane behind the blocked task.
+  WaitUntil(worker, [](const DeviceWorker::Waiting& w) { return w.calls == 1; });  // In the lane, behind the task.
   std::thread stopper([&] { worker.Stop(); });  // Joins only once the task ends.
   EXPECT_TRUE(returned.WaitForNotificationWithTimeout(absl::Seconds(10))) << "the call hung";
   caller.join();

@@ -19,6 +19,7 @@
 #include "models/nets/clip_text_encoder.h"
 #include "models/tokenizers/clip_tokenizer.h"
 #include "models/core/diffusers_format.h"
+#include "models/core/lora.h"
 #include "models/pipelines/flux_pipeline.h"
 #include "models/nets/flux_transformer.h"
 #include "models/nets/t5_encoder.h"
@@ -73,6 +74,32 @@ absl::Status CheckTransformer(const std::string& root, const std::string& varian
                        io.at("timestep").to(dtype), io.at("img_ids"), io.at("txt_ids"),
                        config.guidance_embeds ? io.at("guidance") : at::Tensor());
     ReportOutput("transformer [" + variant + "]", name, out, io, tolerance);
+  }
+  return absl::OkStatus();
+}
+
+// The LoRA fixture (make_lora_fixtures.py --arch flux): a PEFT adapter on the [dev] transformer
+// fixture (every attention projection of both streams, the feed-forwards, the single blocks' MLP and
+// output projections) in the diffusers layout, applied unmerged at scales 1 and 0.5, and off.
+absl::Status CheckLora(const std::string& root) {
+  const std::string dir = root + "/transformer_dev";
+  ASSIGN_OR_RETURN(auto json, ReadJsonFile(dir + "/config.json"));
+  ASSIGN_OR_RETURN(FluxTransformerConfig config, FluxTransformerConfigFromJson(json, dir + "/config.json"));
+  ASSIGN_OR_RETURN(auto io, ReadAll(root + "/transformer_dev_io.safetensors"));
+  ASSIGN_OR_RETURN(auto expected, ReadAll(root + "/lora_io.safetensors"));
+  ASSIGN_OR_RETURN(auto adapter_config, ReadJsonFile(root + "/lora/adapter_config.json"));
+  const float alpha = static_cast<float>(adapter_config.fields().at("lora_alpha").number_value());
+  ASSIGN_OR_RETURN(LoraFile file, ReadLoraFile(root + "/lora/adapter.safetensors", "transformer", alpha));
+  ASSIGN_OR_RETURN(auto model, Build<FluxTransformer>(config, dir, at::kFloat));
+  ASSIGN_OR_RETURN(const int attached, parity::AttachLoraLayers(*model, file, "transformer", "default"));
+  std::printf("  (%d layers adapted, rank %lld, alpha %g)\n", attached, static_cast<long long>(file.rank), alpha);
+  for (const auto& [name, scale] : std::vector<std::pair<std::string, float>>{{"scale1", 1.0f}, {"scale05", 0.5f},
+                                                                            {"off", 0.0f}}) {
+    const LoraScales scales = {{"default", scale}};
+    const ScopedLoras active(&scales);
+    const at::Tensor out = model->Forward(io.at("hidden"), io.at("text"), io.at("pooled"), io.at("timestep"),
+                                          io.at("img_ids"), io.at("txt_ids"), io.at("guidance"));
+    Report("lora " + name + " float32", RelativeError(out, expected.at("output_" + name)), 1e-5);
   }
   return absl::OkStatus();
 }
@@ -188,7 +215,8 @@ int main(int argc, char** argv) {
       {"transformer [dev]", stowage::CheckDev},   {"transformer [schnell]", stowage::CheckSchnell},
       {"clip", stowage::CheckClip},               {"t5", stowage::CheckT5},
       {"clip tokenizer", stowage::CheckClipTokenizer}, {"t5 tokenizer", stowage::CheckT5Tokenizer},
-      {"pipeline", stowage::CheckPipeline},       {"edit", stowage::CheckEdit}};
+      {"pipeline", stowage::CheckPipeline},       {"edit", stowage::CheckEdit},
+      {"lora", stowage::CheckLora}};
   for (const std::string& name : absl::GetFlag(FLAGS_skip)) {
     const auto it = std::find_if(checks.begin(), checks.end(), [&](const auto& c) { return c.first == name; });
     if (it == checks.end()) {

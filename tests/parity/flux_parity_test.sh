@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# CI side of the Flux.1 parity check: the C++ components and tokenizers against the committed
-# reference fixtures (tests/fixtures/flux_tiny, written by diffusers/transformers/tokenizers/
-# sentencepiece on the GPU host), then the same check on copies with one weight changed, which must fail
+# CI side of the Flux.1 parity check: the C++ components, tokenizers and a PEFT LoRA on the [dev]
+# transformer against the committed reference fixtures (tests/fixtures/flux_tiny, written by
+# diffusers/transformers/tokenizers/sentencepiece/PEFT on the GPU host), then the same check on copies with one weight changed, which must fail
 # on exactly the affected check — proof that the comparison sees the weights it is given.
 #
 # bfloat16: as for Z-Image (zimage_parity_test.sh), Debian's LibTorch 1.13 rounds bfloat16 differently
@@ -19,7 +19,7 @@ echo "== committed fixtures"
 "$check" "$fixtures" --bf16_tolerance="$bf16" | tee "$TEST_TMPDIR/ok.txt"
 grep -q "parity: all checks passed" "$TEST_TMPDIR/ok.txt"
 n=$(grep -c ' ok$' "$TEST_TMPDIR/ok.txt")
-[ "$n" -eq 20 ] || { echo "expected 20 passing checks, saw $n"; exit 1; }
+[ "$n" -eq 23 ] || { echo "expected 23 passing checks, saw $n"; exit 1; }
 
 source "$(dirname "$0")/parity_lib.sh"
 
@@ -39,4 +39,9 @@ cp -rL "$fixtures" "$TEST_TMPDIR/q" && chmod -R u+w "$TEST_TMPDIR/q"
 perturb "$TEST_TMPDIR/q/pipeline/transformer/diffusion_pytorch_model.safetensors" proj_out.weight
 expect_failure pipeline "$TEST_TMPDIR/q" "pipeline image 0"
 grep -Eq "^t5 tokenizer ids .* ok$" "$TEST_TMPDIR/pipeline.txt"
+echo "== LoRA up matrix changed (diffusers + PEFT's adapter, lora/adapter.safetensors)"
+cp -rL "$fixtures" "$TEST_TMPDIR/l" && chmod -R u+w "$TEST_TMPDIR/l"
+perturb "$TEST_TMPDIR/l/lora/adapter.safetensors" transformer.single_transformer_blocks.0.attn.to_q.lora_B.weight
+expect_failure lora "$TEST_TMPDIR/l" "lora scale1 float32"
+grep -Eq "^lora off float32 .* ok$" "$TEST_TMPDIR/lora.txt"
 echo "parity test: ok"

@@ -1,6 +1,10 @@
 #include "offload/compressed_safetensors.h"
 
+#include <set>
+
 #include <memory>
+
+#include <ATen/ATen.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -30,13 +34,87 @@ absl::Status WriteCompressedSafetensors(const std::string& path,
   return WriteSafetensors(path, out, {{kCompressMetadataKey, CompressFormatName(format)}});
 }
 
+bool HoldsFloat8(const SafetensorsFile& file) {
+  for (const auto& [name, info] : file.tensors()) {
+    if (info.float8_e4m3) return true;
+  }
+  return false;
+}
+
+namespace {
+
+// The common fp8 layouts (see the header): F8_E4M3 weights with a per-tensor or per-channel scale
+// under one of the names trainers and quantizers write, or none (scale 1).
+template <typename Invalid>
+absl::StatusOr<CompressedCheckpoint> ReadFloat8Checkpoint(SafetensorsFile& file, const Invalid& invalid) {
+  CompressedCheckpoint checkpoint;
+  checkpoint.format = CompressFormat::kFp8E4M3;
+  std::set<std::string> consumed;
+  for (const auto& [name, info] : file.tensors()) {
+    if (!info.float8_e4m3) continue;
+    const std::string shown = absl::StrCat("F8_E4M3 tensor '", name.substr(0, 200), "'");
+    if (info.shape.size() != 2) {
+      return invalid(absl::StrCat(shown, " has rank ", info.shape.size(),
+                                  "; fp8 checkpoints hold 2-D weights ([out, in]) only"));
+    }
+    const int64_t out = info.shape[0];
+    // compressed-tensors (llm-compressor, vLLM): "<layer>.weight_scale"; ComfyUI's scaled fp8:
+    // "<layer>.scale_weight"; this server's own convention: "<weight>.scale".
+    std::vector<std::string> candidates = {name + "_scale", name + ".scale"};
+    if (absl::EndsWith(name, ".weight")) candidates.push_back(name.substr(0, name.size() - 7) + ".scale_weight");
+    at::Tensor scale;
+    for (const std::string& candidate : candidates) {
+      auto found = file.tensors().find(candidate);
+      if (found == file.tensors().end()) continue;
+      const SafetensorsTensorInfo& s = found->second;
+      const bool shaped = s.shape.empty() || s.shape == std::vector<int64_t>{1} || s.shape == std::vector<int64_t>{out} ||
+                          s.shape == std::vector<int64_t>{out, 1};
+      if (s.float8_e4m3 || !(s.dtype == at::kFloat || s.dtype == at::kBFloat16 || s.dtype == at::kHalf) || !shaped) {
+        return invalid(absl::StrCat("scale '", candidate.substr(0, 200), "' of ", shown,
+                                    " must be F32, BF16 or F16 of shape [], [1], [", out, "] or [", out, ", 1]"));
+      }
+      ASSIGN_OR_RETURN(at::Tensor t, file.Get(candidate));
+      scale = t.to(at::kFloat).reshape({-1}).expand({out}).contiguous().clone();
+      consumed.insert(candidate);
+      break;
+    }
+    if (!scale.defined()) scale = at::ones({out}, at::TensorOptions().dtype(at::kFloat));
+    if (!at::isfinite(scale).all().item<bool>() || !(scale > 0).all().item<bool>()) {
+      return invalid(absl::StrCat("the scale of ", shown, " holds a value that is not finite and positive"));
+    }
+    ASSIGN_OR_RETURN(at::Tensor q, file.Get(name));
+    // 0x7F and 0xFF are e4m3fn's NaN: a weight that is not a number.
+    if ((q.bitwise_and(0x7F) == 0x7F).any().item<bool>()) {
+      return invalid(absl::StrCat(shown, " holds NaN bit patterns (0x7f / 0xff)"));
+    }
+    checkpoint.quantized[name] = QuantizedTensor{q.clone(), scale};
+    consumed.insert(name);
+  }
+  for (const auto& [name, info] : file.tensors()) {
+    if (consumed.count(name) > 0) continue;
+    // Activation scales and markers of the fp8 layouts: this server quantizes activations itself.
+    if (absl::EndsWith(name, ".input_scale") || absl::EndsWith(name, ".scale_input") || name == "scaled_fp8") {
+      continue;
+    }
+    ASSIGN_OR_RETURN(at::Tensor t, file.Get(name));
+    checkpoint.plain[name] = t.clone();
+  }
+  RETURN_IF_ERROR(file.CheckUnchanged());
+  return checkpoint;
+}
+
+}  // namespace
+
 absl::StatusOr<CompressedCheckpoint> ReadCompressedSafetensors(const std::string& path) {
   ASSIGN_OR_RETURN(std::shared_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
   auto invalid = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat("8-bit safetensors file '", path, "': ", what));
   };
   const auto meta = file->metadata().find(kCompressMetadataKey);
-  if (meta == file->metadata().end()) return invalid(absl::StrCat("no \"", kCompressMetadataKey, "\" metadata"));
+  if (meta == file->metadata().end()) {
+    if (HoldsFloat8(*file)) return ReadFloat8Checkpoint(*file, invalid);
+    return invalid(absl::StrCat("no \"", kCompressMetadataKey, "\" metadata and no F8_E4M3 tensors"));
+  }
   CompressedCheckpoint checkpoint;
   absl::StatusOr<CompressFormat> format = ParseCompressFormat(meta->second);
   if (!format.ok() || (*format != CompressFormat::kInt8 && *format != CompressFormat::kFp8E4M3)) {

@@ -11,6 +11,18 @@
 // A name ending in ".scale" whose prefix is an I8/U8 tensor is a scale; every I8/U8 tensor needs
 // its scale.
 //
+// Also read: the common fp8 checkpoint layouts, recognised by F8_E4M3 tensors (no metadata needed)
+// and read as fp8_e4m3 with per-output-channel scales:
+//   "<layer>.weight"        F8_E4M3 [out, in]
+//   its scale, the first present of "<layer>.weight_scale" (compressed-tensors: llm-compressor,
+//   vLLM), "<layer>.weight.scale" (the convention above) or "<layer>.scale_weight" (ComfyUI's scaled
+//   fp8), F32/BF16/F16 of shape [] or [1] (per tensor, broadcast) or [out] or [out, 1] (per
+//   channel); none: scale 1 (plain fp8 casts of a checkpoint).
+//   "<layer>.input_scale", "<layer>.scale_input" and "scaled_fp8" (activation scales, a marker) are
+//   dropped: activations are quantised per token on the device. Everything else is read as stored.
+// Refused naming the tensor: an F8_E4M3 tensor that is not 2-D, NaN bit patterns (0x7f / 0xff), a
+// scale of another shape or dtype, or one that is not finite and positive. F8_E5M2 is not read.
+//
 // Where it is used: the diffusers-format loader (models/core/diffusers_format.cc) recognises such files
 // in a component folder by their metadata, dequantizes them into the module and hands the 8-bit
 // values to the component (Component::set_prequantized); placement passes those to 8-bit group
@@ -48,7 +60,12 @@ struct CompressedCheckpoint {
   std::map<std::string, at::Tensor> plain;  // Everything else, as stored.
 };
 
-// Reads a file written by WriteCompressedSafetensors (or any file following the convention).
+class SafetensorsFile;
+// True when `file` holds an F8_E4M3 tensor (read it with ReadCompressedSafetensors).
+bool HoldsFloat8(const SafetensorsFile& file);
+
+// Reads a file written by WriteCompressedSafetensors (or any file following the convention), or a
+// file in one of the common fp8 layouts.
 // INVALID_ARGUMENT when the metadata is missing or unknown, a scale is missing or has the wrong
 // shape or dtype, or an 8-bit tensor's dtype does not match the format.
 absl::StatusOr<CompressedCheckpoint> ReadCompressedSafetensors(const std::string& path);

@@ -300,7 +300,9 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json,
     }
     SafetensorsTensorInfo info;
     if (!dtype_it->second.has_string_value()) return bad(absl::StrCat(shown, ": dtype is not a string"));
-    auto dtype = SafetensorsDtype(dtype_it->second.string_value());
+    const std::string& dtype_name = dtype_it->second.string_value();
+    info.float8_e4m3 = dtype_name == "F8_E4M3";
+    auto dtype = info.float8_e4m3 ? absl::StatusOr<at::ScalarType>(at::kByte) : SafetensorsDtype(dtype_name);
     if (!dtype.ok()) return bad(absl::StrCat(shown, ": ", dtype.status().message()));
     info.dtype = *dtype;
     if (!shape_it->second.has_list_value()) return bad(absl::StrCat(shown, ": shape is not a list"));

@@ -50,7 +50,11 @@ inline constexpr int64_t kMaxSafetensorsTensors = int64_t{1} << 20;
 inline constexpr int64_t kMaxSafetensorsRank = 16;
 
 struct SafetensorsTensorInfo {
+  // F8_E4M3 tensors (float8 e4m3fn, which this LibTorch has no type for) are kByte with
+  // `float8_e4m3` set: their bytes are the e4m3fn bit patterns (offload/compressed_safetensors.h
+  // reads them as fp8 checkpoints).
   at::ScalarType dtype;
+  bool float8_e4m3 = false;
   std::vector<int64_t> shape;
   int64_t begin = 0;  // Byte offsets within the data section.
   int64_t end = 0;

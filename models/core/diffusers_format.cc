@@ -196,8 +196,9 @@ absl::StatusOr<ComponentWeights> ReadComponentWeights(const std::string& compone
     ASSIGN_OR_RETURN(std::shared_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
     weights.files.push_back(file);
     AddLoadBytesTotal(file->data_bytes());
-    if (file->metadata().count(kCompressMetadataKey) > 0) {
-      // An 8-bit checkpoint: read (and checked) as a whole, into RAM.
+    if (file->metadata().count(kCompressMetadataKey) > 0 || HoldsFloat8(*file)) {
+      // An 8-bit checkpoint (this server's convention, or a common fp8 layout): read (and checked)
+      // as a whole, into RAM.
       ASSIGN_OR_RETURN(CompressedCheckpoint checkpoint, ReadCompressedSafetensors(path));
       if (weights.format != CompressFormat::kNone && weights.format != checkpoint.format) {
         return absl::InvalidArgumentError(absl::StrCat("'", component_dir, "' mixes 8-bit formats across its files"));

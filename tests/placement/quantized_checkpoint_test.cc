@@ -6,6 +6,8 @@
 #include <sys/stat.h>
 
 #include <fstream>
+#include <iterator>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,6 +16,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
+
+#include "absl/strings/match.h"
 
 #include "models/pipelines/component.h"
 #include "models/core/diffusers_format.h"
@@ -57,6 +61,160 @@ std::string WriteInt8Checkpoint() {
                                {{kCompressMetadataKey, "int8"}})
                   .ok());
   return dir;
+}
+
+// Rewrites a safetensors file so that its U8 tensors are declared F8_E4M3 (this LibTorch has no
+// float8 type to write them with): the bytes stay, the header changes.
+void DeclareU8AsFloat8(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  uint64_t length = 0;
+  std::memcpy(&length, bytes.data(), 8);
+  std::string header = bytes.substr(8, length);
+  const std::string data = bytes.substr(8 + length);
+  for (size_t at = header.find("\"dtype\":\"U8\""); at != std::string::npos; at = header.find("\"dtype\":\"U8\"", at)) {
+    header.replace(at, 12, "\"dtype\":\"F8_E4M3\"");
+  }
+  while (header.size() % 8 != 0) header.push_back(' ');
+  length = header.size();
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(&length), 8);
+  out << header << data;
+}
+
+// The fixture transformer as an fp8 checkpoint in one of the common layouts: "compressed-tensors"
+// (per-channel "<w>_scale" [out, 1], activation "input_scale"s), "comfy" (a per-tensor
+// "<layer>.scale_weight", "scale_input"s and the "scaled_fp8" marker) or "plain" (no scales).
+// Returns the folder; `expected` gets each weight's bytes and per-channel scales.
+std::string WriteFp8Checkpoint(const std::string& layout, PrequantizedWeights* expected) {
+  const std::string dir = std::string(::testing::TempDir()) + "/fp8_" + layout;
+  ::mkdir(dir.c_str(), 0755);
+  {
+    std::ifstream in(std::string(kFixture) + "/config.json", std::ios::binary);
+    std::ofstream out(dir + "/config.json", std::ios::binary | std::ios::trunc);
+    out << in.rdbuf();
+  }
+  absl::StatusOr<ComponentWeights> weights = ReadComponentWeights(kFixture);
+  EXPECT_TRUE(weights.ok()) << weights.status();
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, t] : weights->tensors) {
+    // Every 2-D weight the store would compress is fp8 here (the pad tokens without a scale), so
+    // streaming sends only the checkpoint's bytes.
+    if (t.dim() != 2 || !t.is_floating_point()) {
+      tensors.emplace_back(name, t.contiguous());
+      continue;
+    }
+    const bool weight = absl::EndsWith(name, ".weight");
+    const at::Tensor rows = t.to(at::kFloat);
+    at::Tensor scale = layout == "plain" || !weight ? at::ones({rows.size(0)})
+                       : layout == "comfy" ? rows.abs().amax().clamp_min(1e-8).div(kFp8E4M3Max).expand({rows.size(0)})
+                                           : rows.abs().amax(1).clamp_min(1e-8).div(kFp8E4M3Max);
+    const at::Tensor q = EncodeFp8E4M3((rows / scale.unsqueeze(1)).contiguous());
+    tensors.emplace_back(name, q);
+    (*expected)[name] = QuantizedTensor{q, scale.contiguous()};
+    if (!weight) continue;
+    const std::string layer = name.substr(0, name.size() - 7);
+    if (layout == "compressed-tensors") {
+      tensors.emplace_back(name + "_scale", scale.reshape({-1, 1}).contiguous());
+      tensors.emplace_back(layer + ".input_scale", at::ones({1}));
+    } else if (layout == "comfy") {
+      tensors.emplace_back(layer + ".scale_weight", scale.narrow(0, 0, 1).reshape({}).contiguous());
+      tensors.emplace_back(layer + ".scale_input", at::ones({}));
+    }
+  }
+  if (layout == "comfy") tensors.emplace_back("scaled_fp8", at::zeros({0}));
+  const std::string file = dir + "/diffusion_pytorch_model.safetensors";
+  EXPECT_TRUE(WriteSafetensors(file, tensors).ok());
+  DeclareU8AsFloat8(file);
+  return dir;
+}
+
+// The fp8 checkpoints people download load as they are: each layout's F8_E4M3 weights with their
+// scales (per channel, per tensor, none) become this server's fp8 host copies (value x scale) and
+// its prequantized bytes; streamed with compress fp8, the checkpoint's own bytes go to the device
+// and the output equals the resident one.
+TEST(QuantizedCheckpointTest, CommonFp8LayoutsLoadAndStreamTheirOwnBytes) {
+  for (const std::string layout : {"compressed-tensors", "comfy", "plain"}) {
+    SCOPED_TRACE(layout);
+    PrequantizedWeights expected;
+    const std::string dir = WriteFp8Checkpoint(layout, &expected);
+    absl::StatusOr<google::protobuf::Struct> json = ReadJsonFile(dir + "/config.json");
+    ASSERT_TRUE(json.ok());
+    absl::StatusOr<ZImageTransformerConfig> config = ZImageTransformerConfigFromJson(*json, dir);
+    ASSERT_TRUE(config.ok()) << config.status();
+    auto module = std::make_unique<ZImageTransformer>(*config, LayerOptions{at::kFloat});
+    CheckpointQuantization quantization;
+    const absl::Status loaded = LoadComponentWeights(*module, dir, at::kFloat, {}, &quantization);
+    ASSERT_TRUE(loaded.ok()) << loaded;
+    ASSERT_NE(quantization.weights, nullptr);
+    EXPECT_EQ(quantization.format, CompressFormat::kFp8E4M3);
+    ASSERT_EQ(quantization.weights->size(), expected.size());
+    for (const auto& [name, want] : expected) {
+      const QuantizedTensor& got = quantization.weights->at(name);
+      EXPECT_TRUE(at::equal(got.q, want.q)) << name;
+      EXPECT_TRUE(at::equal(got.scale, want.scale)) << name;
+    }
+    const std::string name = expected.begin()->first;
+    at::Tensor host;
+    module->ForEachSlot([&](Module& m, TensorSlot& slot) {
+      if (m.SlotPath(slot) == name) host = slot.value;
+    });
+    ASSERT_TRUE(host.defined()) << name;
+    EXPECT_TRUE(at::equal(host, Dequantize(expected.at(name), CompressFormat::kFp8E4M3, at::kFloat))) << name;
+
+    absl::StatusOr<std::unique_ptr<Component>> made = Component::Create("transformer", std::move(module), at::kFloat);
+    ASSERT_TRUE(made.ok());
+    std::unique_ptr<Component> component = *std::move(made);
+    component->set_prequantized(quantization.weights, quantization.format);
+    std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
+    PlacementManager placement(backend.get());
+    ASSERT_TRUE(placement.Register("q", component.get()).ok());
+    placement.MarkReady("q");
+    c10::InferenceMode guard;
+    at::Generator gen = at::detail::createCPUGenerator(5);
+    const at::Tensor latents = at::randn({config->in_channels, 1, 8, 8}, gen);
+    const at::Tensor caption = at::randn({9, config->cap_feat_dim}, gen);
+    auto& dit = static_cast<ZImageTransformer&>(component->module());
+    auto forward = [&] {
+      at::Tensor out;
+      EXPECT_TRUE(placement.Run(*component, [&] { out = dit.Forward(latents, 0.3, caption); }).ok());
+      return out;
+    };
+    const at::Tensor resident = forward();
+    GroupOffloadOptions options;
+    options.use_stream = true;
+    options.compress = CompressFormat::kFp8E4M3;
+    ASSERT_TRUE(placement.EnableGroupOffload("q/transformer", options).ok());
+    const at::Tensor streamed = forward();
+    EXPECT_TRUE(at::equal(streamed, resident)) << "max diff " << (streamed - resident).abs().max().item<double>()
+        << " of " << resident.abs().max().item<double>();
+    ASSERT_TRUE(placement.DisableGroupOffload("q/transformer").ok());
+    placement.Unregister("q");
+  }
+}
+
+TEST(QuantizedCheckpointTest, BrokenFp8CheckpointsAreRefusedNamingTheTensor) {
+  auto refused = [](const std::string& name, std::vector<std::pair<std::string, at::Tensor>> tensors,
+                    const std::string& needle) {
+    const std::string dir = std::string(::testing::TempDir()) + "/broken_fp8_" + name;
+    ::mkdir(dir.c_str(), 0755);
+    const std::string file = dir + "/diffusion_pytorch_model.safetensors";
+    ASSERT_TRUE(WriteSafetensors(file, tensors).ok());
+    DeclareU8AsFloat8(file);
+    absl::StatusOr<ComponentWeights> read = ReadComponentWeights(dir);
+    ASSERT_FALSE(read.ok()) << name;
+    EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument) << name;
+    EXPECT_NE(read.status().message().find(needle), std::string::npos) << read.status();
+    EXPECT_NE(read.status().message().find("diffusion_pytorch_model.safetensors"), std::string::npos) << read.status();
+  };
+  const at::TensorOptions u8 = at::TensorOptions().dtype(at::kByte);
+  refused("rank1", {{"w.weight", at::full({8}, 0x38, u8)}}, "F8_E4M3 tensor 'w.weight' has rank 1");
+  refused("nan", {{"w.weight", at::full({2, 4}, 0x7F, u8)}}, "NaN bit patterns");
+  refused("nan_negative", {{"w.weight", at::full({2, 4}, 0xFF, u8)}}, "NaN bit patterns");
+  refused("scale_shape", {{"w.weight", at::full({2, 4}, 0x38, u8)}, {"w.weight_scale", at::ones({3})}},
+          "scale 'w.weight_scale' of F8_E4M3 tensor 'w.weight' must be F32, BF16 or F16 of shape");
+  refused("scale_sign", {{"w.weight", at::full({2, 4}, 0x38, u8)}, {"w.scale_weight", -at::ones({})}},
+          "not finite and positive");
 }
 
 TEST(QuantizedCheckpointTest, GroupOffloadStreamsTheCheckpointsOwnBytes) {

@@ -72,12 +72,14 @@ ScheduleChoice Scheduler::Pick(const std::vector<const ScheduleEntry*>& entries,
     if (e->priority != level) continue;
     if (tenant == nullptr || tenant_time_[{level, e->tenant}] < tenant_time_[{level, *tenant}]) tenant = &e->tenant;
   }
-  std::vector<size_t> candidates;
+  size_t oldest = entries.size();
+  std::vector<size_t> candidates;  // Every request at the level, in arrival order.
   for (size_t i = 0; i < entries.size(); ++i) {
-    if (entries[i]->priority == level && entries[i]->tenant == *tenant) candidates.push_back(i);
+    if (entries[i]->priority != level) continue;
+    candidates.push_back(i);
+    if (oldest == entries.size() && entries[i]->tenant == *tenant) oldest = i;
   }
-  // 3. Residency within the tenant's requests, bounded by max_reorder_delay.
-  const size_t oldest = candidates.front();
+  // 3. Residency within the level (any tenant), bounded by max_reorder_delay.
   choice.index = oldest;
   const absl::Duration waited = now - entries[oldest]->enqueued;
   if (options_.max_reorder_delay <= absl::ZeroDuration() || candidates.size() == 1 ||
@@ -100,6 +102,10 @@ ScheduleChoice Scheduler::Pick(const std::vector<const ScheduleEntry*>& entries,
         " to move; waited ", absl::FormatDuration(absl::Trunc(waited, absl::Milliseconds(1))), " of max_reorder_delay ",
         absl::FormatDuration(options_.max_reorder_delay), "): pipeline '", entries[best]->pipeline, "' moves ",
         Bytes(bytes[entries[best]->pipeline]));
+    if (entries[best]->tenant != entries[oldest]->tenant) {
+      absl::StrAppend(&choice.reason, "; tenant '", entries[best]->tenant, "' ahead of tenant '", entries[oldest]->tenant,
+                      "', whose turn it was");
+    }
   }
   return choice;
 }

@@ -11,10 +11,12 @@
 //      (request cost / tenant weight) is its virtual time; the waiting tenant with the least goes
 //      next, so a tenant flooding the queue gets its share and no more. A tenant that had nothing
 //      waiting starts at the virtual time of the last request served (no credit saved while idle).
-//   3. Residency, within that tenant's requests: the oldest runs first unless a younger request's
-//      pipeline would move fewer bytes onto the device (its weights are there) and the oldest has
-//      waited less than max_reorder_delay; then the one moving the fewest bytes goes (the oldest of
-//      those). No request is passed over for residency once it has waited max_reorder_delay.
+//   3. Residency, within the chosen priority: the tenant's oldest request runs unless a request of
+//      the same priority (of any tenant) would move fewer bytes onto the device (its pipeline's
+//      weights are there) and the tenant's oldest has waited less than max_reorder_delay; then the
+//      one moving the fewest bytes goes (the oldest of those). The tenant passed over keeps its
+//      place in the fair order (the one served is charged), and no request is passed over for
+//      residency once it has waited max_reorder_delay: residency costs any request at most that.
 //
 // The device worker asks it under its queue lock (DeviceWorker::Options::scheduler); this class
 // holds no lock of its own. Thread-safety: not thread-safe; one owner serialises calls.

@@ -194,6 +194,25 @@ TEST(SchedulerTest, ResidencyNeverCrossesPriorityOrTenant) {
   EXPECT_EQ(q.Next(kT0, nullptr, {{"cold", 1000}}).pipeline, "cold");
 }
 
+// A request whose pipeline is on the device may run before another tenant's older one whose turn it
+// was (the same priority), within the reorder delay; the decision names both tenants. Once that
+// tenant's request has waited the delay it runs, and it kept its place in the fair order.
+TEST(SchedulerTest, ResidencyCrossesTenantsWithinTheDelay) {
+  SchedulerOptions options;
+  options.max_reorder_delay = absl::Milliseconds(500);
+  Queue q(options);
+  q.Add(Entry(0, "alice", "cold", /*age_ms=*/100));
+  q.Add(Entry(0, "bob", "hot", /*age_ms=*/10));
+  q.Add(Entry(0, "bob", "hot", /*age_ms=*/5));
+  const std::map<std::string, int64_t> cost = {{"cold", int64_t{1} << 30}, {"hot", 0}};
+  std::string reason;
+  EXPECT_EQ(q.Next(kT0, &reason, cost).tenant, "bob");
+  EXPECT_NE(reason.find("tenant 'bob' ahead of tenant 'alice', whose turn it was"), std::string::npos) << reason;
+  // Alice has now waited past the delay: she goes, though bob's second request is still resident.
+  EXPECT_EQ(q.Next(kT0 + absl::Milliseconds(450), &reason, cost).tenant, "alice");
+  EXPECT_EQ(reason, "");
+}
+
 TEST(SchedulerTest, ManyTenantsEachGetTheirRequestRun) {
   Queue q{SchedulerOptions{}};
   for (int i = 0; i < 20000; ++i) {

@@ -14,8 +14,9 @@ The four pipelines (random weights drawn from the folders' configs: bench/make_z
 bench/make_flux_random_dir.py), in popularity order:
   zimage        Z-Image-Turbo.
   flux-schnell  the Flux folder with its transformer drawn from another seed (component_weight_seeds):
-                [schnell]'s 11.9 B shapes (it lacks [dev]'s small guidance embedder), sharing CLIP,
-                T5 and the VAE with flux-dev — one copy each, deduplicated by content.
+                a stand-in for [schnell] with [dev]'s config (the same 11.9 B shapes but [dev]'s small
+                guidance embedder, which [schnell] lacks), sharing CLIP, T5 and the VAE with flux-dev
+                — one copy each, deduplicated by content.
   zimage-ft     a Z-Image fine-tune: the transformer drawn from another seed, the Qwen3 text encoder
                 and VAE shared with zimage.
   flux-dev      Flux.1 [dev].
@@ -59,6 +60,7 @@ import base64
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -121,7 +123,7 @@ def generate(server, request, size):
             result["error"] = "reply is not a PNG"
     except urllib.error.HTTPError as e:
         result["error"] = f"HTTP {e.code}: {e.read()[:300].decode(errors='replace')}"
-    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 -- any failed reply is that request's error, not the run's end.
         result["error"] = f"{type(e).__name__}: {e}"
     result["latency_s"] = time.perf_counter() - start
     result["done"] = time.perf_counter()
@@ -258,6 +260,8 @@ def flood_phase(server, budget):
     """Alice's hot-pipeline requests alone, then under bob's closed-loop flood: two rows."""
     trace = make_trace(ARGS.flood_requests, ARGS.rate, 0.0, ARGS.trace_seed + 1, STEPS,
                        pipelines=(POPULARITY[0],), tenants=(("alice", 1.0),))
+    for request in trace:
+        request["priority"] = 0  # Bob's priority: the phase measures tenant fairness, not priority.
     alone, _, _ = replay(server, trace, ARGS.size)
     stop = threading.Event()
     flood = []
@@ -346,6 +350,8 @@ def table(rows):
 
 def main():
     global ARGS, STEPS, TRACE, TRACE_INFO
+    # A time limit's SIGTERM ends the run through the `finally`s that stop the servers it started.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("stowage")

@@ -45,42 +45,71 @@ namespace {
 
 // The common fp8 layouts (see the header): F8_E4M3 weights with a per-tensor or per-channel scale
 // under one of the names trainers and quantizers write, or none (scale 1).
+}  // namespace
+
+std::vector<std::string> Float8ScaleNames(const std::string& name) {
+  // compressed-tensors (llm-compressor, vLLM): "<layer>.weight_scale"; this server's convention:
+  // "<weight>.scale"; ComfyUI's scaled fp8: "<layer>.scale_weight".
+  std::vector<std::string> names = {name + "_scale", name + ".scale"};
+  if (absl::EndsWith(name, ".weight")) names.push_back(name.substr(0, name.size() - 7) + ".scale_weight");
+  return names;
+}
+
+bool IsFloat8Auxiliary(const std::string& name) {
+  return absl::EndsWith(name, ".input_scale") || absl::EndsWith(name, ".scale_input") || name == "scaled_fp8" ||
+         absl::EndsWith(name, ".scaled_fp8");
+}
+
+absl::StatusOr<at::Tensor> Float8ChannelScales(const at::Tensor& scale, int64_t out, const std::string& scale_name) {
+  const std::vector<int64_t> shape = scale.sizes().vec();
+  const bool shaped = shape.empty() || shape == std::vector<int64_t>{1} || shape == std::vector<int64_t>{out} ||
+                      shape == std::vector<int64_t>{out, 1};
+  if (!(scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16 ||
+        scale.scalar_type() == at::kHalf) || !shaped) {
+    return absl::InvalidArgumentError(absl::StrCat("scale '", scale_name.substr(0, 200),
+                                                   "' must be F32, BF16 or F16 of shape [], [1], [", out, "] or [",
+                                                   out, ", 1]"));
+  }
+  at::Tensor channels = scale.to(at::kFloat).reshape({-1}).expand({out}).contiguous().clone();
+  if (!at::isfinite(channels).all().item<bool>() || !(channels > 0).all().item<bool>()) {
+    return absl::InvalidArgumentError(absl::StrCat("scale '", scale_name.substr(0, 200),
+                                                   "' holds a value that is not finite and positive"));
+  }
+  return channels;
+}
+
+namespace {
+
 template <typename Invalid>
 absl::StatusOr<CompressedCheckpoint> ReadFloat8Checkpoint(SafetensorsFile& file, const Invalid& invalid) {
   CompressedCheckpoint checkpoint;
   checkpoint.format = CompressFormat::kFp8E4M3;
   std::set<std::string> consumed;
   for (const auto& [name, info] : file.tensors()) {
-    if (!info.float8_e4m3) continue;
+    if (!info.float8_e4m3 || IsFloat8Auxiliary(name)) continue;  // ComfyUI's marker is an F8 tensor too.
     const std::string shown = absl::StrCat("F8_E4M3 tensor '", name.substr(0, 200), "'");
     if (info.shape.size() != 2) {
       return invalid(absl::StrCat(shown, " has rank ", info.shape.size(),
                                   "; fp8 checkpoints hold 2-D weights ([out, in]) only"));
     }
     const int64_t out = info.shape[0];
-    // compressed-tensors (llm-compressor, vLLM): "<layer>.weight_scale"; ComfyUI's scaled fp8:
-    // "<layer>.scale_weight"; this server's own convention: "<weight>.scale".
-    std::vector<std::string> candidates = {name + "_scale", name + ".scale"};
-    if (absl::EndsWith(name, ".weight")) candidates.push_back(name.substr(0, name.size() - 7) + ".scale_weight");
     at::Tensor scale;
-    for (const std::string& candidate : candidates) {
+    for (const std::string& candidate : Float8ScaleNames(name)) {
       auto found = file.tensors().find(candidate);
       if (found == file.tensors().end()) continue;
-      const SafetensorsTensorInfo& s = found->second;
-      const bool shaped = s.shape.empty() || s.shape == std::vector<int64_t>{1} || s.shape == std::vector<int64_t>{out} ||
-                          s.shape == std::vector<int64_t>{out, 1};
-      if (s.float8_e4m3 || !(s.dtype == at::kFloat || s.dtype == at::kBFloat16 || s.dtype == at::kHalf) || !shaped) {
-        return invalid(absl::StrCat("scale '", candidate.substr(0, 200), "' of ", shown,
-                                    " must be F32, BF16 or F16 of shape [], [1], [", out, "] or [", out, ", 1]"));
+      if (found->second.float8_e4m3) {
+        return invalid(absl::StrCat("scale '", candidate.substr(0, 200), "' of ", shown, " is F8_E4M3"));
       }
       ASSIGN_OR_RETURN(at::Tensor t, file.Get(candidate));
-      scale = t.to(at::kFloat).reshape({-1}).expand({out}).contiguous().clone();
+      absl::StatusOr<at::Tensor> channels = Float8ChannelScales(t, out, candidate);
+      if (!channels.ok()) return invalid(absl::StrCat(channels.status().message(), " (of ", shown, ")"));
+      scale = *channels;
       consumed.insert(candidate);
       break;
     }
-    if (!scale.defined()) scale = at::ones({out}, at::TensorOptions().dtype(at::kFloat));
-    if (!at::isfinite(scale).all().item<bool>() || !(scale > 0).all().item<bool>()) {
-      return invalid(absl::StrCat("the scale of ", shown, " holds a value that is not finite and positive"));
+    if (!scale.defined()) {
+      scale = at::ones({out}, at::TensorOptions().dtype(at::kFloat));
+      checkpoint.unscaled.push_back(name);
     }
     ASSIGN_OR_RETURN(at::Tensor q, file.Get(name));
     // 0x7F and 0xFF are e4m3fn's NaN: a weight that is not a number.
@@ -93,9 +122,7 @@ absl::StatusOr<CompressedCheckpoint> ReadFloat8Checkpoint(SafetensorsFile& file,
   for (const auto& [name, info] : file.tensors()) {
     if (consumed.count(name) > 0) continue;
     // Activation scales and markers of the fp8 layouts: this server quantizes activations itself.
-    if (absl::EndsWith(name, ".input_scale") || absl::EndsWith(name, ".scale_input") || name == "scaled_fp8") {
-      continue;
-    }
+    if (IsFloat8Auxiliary(name)) continue;
     ASSIGN_OR_RETURN(at::Tensor t, file.Get(name));
     checkpoint.plain[name] = t.clone();
   }

@@ -58,7 +58,18 @@ struct CompressedCheckpoint {
   CompressFormat format = CompressFormat::kNone;
   PrequantizedWeights quantized;         // By name: q (I8/U8, in RAM) and fp32 scales.
   std::map<std::string, at::Tensor> plain;  // Everything else, as stored.
+  // fp8 layouts: weights whose scale is not in this file (scale 1 here; a sharded checkpoint may
+  // hold it in another shard: Float8ScaleNames says where to look, ApplyFloat8Scale applies it).
+  std::vector<std::string> unscaled;
 };
+
+// The names an fp8 layout may give the scale of weight `name`, in the order they are looked for.
+std::vector<std::string> Float8ScaleNames(const std::string& name);
+// True for the fp8 layouts' activation scales and markers, which are not read.
+bool IsFloat8Auxiliary(const std::string& name);
+// `scale` (F32/BF16/F16, [], [1], [out] or [out, 1]) as weight `q`'s per-channel fp32 scales;
+// INVALID_ARGUMENT naming `scale_name` otherwise, or when not finite and positive.
+absl::StatusOr<at::Tensor> Float8ChannelScales(const at::Tensor& scale, int64_t out, const std::string& scale_name);
 
 class SafetensorsFile;
 // True when `file` holds an F8_E4M3 tensor (read it with ReadCompressedSafetensors).

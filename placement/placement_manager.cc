@@ -155,7 +155,9 @@ bool PlacementManager::TryPeerEviction(Entry& entry, const std::string& reason, 
   // Only evictions that make room before another component runs: a component evicted right after
   // its own run (a workflow "after" rule) may run again in the same request, whose tensors are
   // already on this device.
+  // Never a LoRA adapter: the layers that read it run on this device.
   if (!peer_.move || cause != "before_run" || entry.pipelines.size() != 1 || entry.group_offload ||
+      entry.component->kind() == kLoraAdapterKind ||
       peer_.peer_bytes_per_second <= 0 || peer_.host_to_device_bytes_per_second <= 0 ||
       (peer_.eligible && !peer_.eligible(entry.pipelines.front()))) {
     return false;

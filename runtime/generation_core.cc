@@ -175,6 +175,9 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
     peer.eligible = [self](const std::string& pipeline) {
       // Worker only (placement calls it). A component of a pipeline homed here, outside a peer's call.
       if (self->serving_peer_) return false;
+      // A pipeline with LoRA adapters keeps its components here: its adapted layers read adapters
+      // this device holds, and a peer's run would not see the request's adapters.
+      if (!self->adapters_.Of(pipeline).empty()) return false;
       for (const HostedPipelines::View& view : self->pipelines_.List()) {
         if (view.name == pipeline) return view.pipeline != nullptr;
       }
@@ -216,7 +219,8 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
     if (snapshot == nullptr) return 0;
     int64_t bytes = 0;
     for (const ComponentView& c : snapshot->components) {
-      if (c.state != ComponentState::kOffloaded) continue;
+      // Adapters move only for the requests that name them: not the pipeline's residency.
+      if (c.state != ComponentState::kOffloaded || c.kind == kLoraAdapterKind) continue;
       if (std::find(c.pipelines.begin(), c.pipelines.end(), pipeline) != c.pipelines.end()) bytes += c.weight_bytes;
     }
     return bytes;
@@ -1440,6 +1444,11 @@ absl::StatusOr<v1::Adapter> GenerationCore::LoadAdapter(const std::string& pipel
   RETURN_IF_ERROR(OnWorker(
       [&](WorkerScope& scope) -> absl::Status {
         const std::string key = AdapterKey(pipeline_name, name);
+        // Unloaded (or replaced) while the file was being prepared: nothing to attach to.
+        if (!pipelines_.StillHosted(pipeline_name, pipeline.get()) || !IsReady(pipeline_name)) {
+          return absl::FailedPreconditionError(absl::StrCat("pipeline '", pipeline_name,
+                                                            "' was unloaded while the adapter was being prepared"));
+        }
         if (adapters_.Contains(pipeline_name, name)) {
           return absl::AlreadyExistsError(
               absl::StrCat("pipeline '", pipeline_name, "' already has an adapter named '", name, "'"));

@@ -192,6 +192,7 @@ absl::StatusOr<ComponentWeights> ReadComponentWeights(const std::string& compone
                                             "or a *.safetensors.index.json)"));
   }
   ComponentWeights weights;
+  std::vector<std::string> unscaled;  // fp8 weights whose scale was not in their own shard.
   for (const std::string& path : files) {
     ASSIGN_OR_RETURN(std::shared_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
     weights.files.push_back(file);
@@ -221,16 +222,39 @@ absl::StatusOr<ComponentWeights> ReadComponentWeights(const std::string& compone
         RETURN_IF_ERROR(add(name));
         weights.tensors[name] = t;
       }
+      unscaled.insert(unscaled.end(), checkpoint.unscaled.begin(), checkpoint.unscaled.end());
       continue;
     }
     for (const auto& [name, info] : file->tensors()) {
-      if (weights.tensors.count(name) > 0) {
+      if (weights.tensors.count(name) > 0 || (weights.quantized != nullptr && weights.quantized->count(name) > 0)) {
         return absl::InvalidArgumentError(absl::StrCat("tensor '", Truncated(name), "' appears in both '",
                                                        weights.file_of[name], "' and '", path, "'"));
       }
       ASSIGN_OR_RETURN(at::Tensor tensor, file->Get(name));
       weights.tensors[name] = tensor;
       weights.file_of[name] = path;
+    }
+  }
+  if (weights.format == CompressFormat::kFp8E4M3 && weights.quantized != nullptr) {
+    // A sharded fp8 checkpoint may keep a weight's scale in another shard than the weight.
+    for (const std::string& name : unscaled) {
+      QuantizedTensor& q = weights.quantized->at(name);
+      for (const std::string& scale_name : Float8ScaleNames(name)) {
+        auto it = weights.tensors.find(scale_name);
+        if (it == weights.tensors.end()) continue;
+        absl::StatusOr<at::Tensor> channels = Float8ChannelScales(it->second, q.q.size(0), scale_name);
+        if (!channels.ok()) {
+          return absl::InvalidArgumentError(absl::StrCat("'", weights.file_of[scale_name], "': ", channels.status().message(),
+                                                         " (of F8_E4M3 tensor '", Truncated(name), "')"));
+        }
+        q.scale = *channels;
+        weights.tensors.erase(it);
+        break;
+      }
+    }
+    // Activation scales and markers of the fp8 layouts, in shards without F8 tensors.
+    for (auto it = weights.tensors.begin(); it != weights.tensors.end();) {
+      it = IsFloat8Auxiliary(it->first) ? weights.tensors.erase(it) : std::next(it);
     }
   }
   return weights;

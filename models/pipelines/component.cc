@@ -1,5 +1,7 @@
 #include "models/pipelines/component.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <climits>
 #include <cstdlib>
@@ -46,17 +48,63 @@ std::string Hex128(const XXH128_hash_t& h) {
 
 // JSON written the same way whatever its writer's key order and spacing (keys sorted); other bytes as
 // they are.
+// Deeper than this the bytes are taken as they are (dump() recurses per level; the loader's own
+// parser refuses such files anyway).
+constexpr int kMaxCanonicalDepth = 64;
+
+int JsonDepth(const std::string& bytes) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (char c : bytes) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 std::string CanonicalJson(const std::string& bytes) {
+  if (JsonDepth(bytes) > kMaxCanonicalDepth) return bytes;
   const nlohmann::json parsed = nlohmann::json::parse(bytes, nullptr, /*allow_exceptions=*/false);
   return parsed.is_discarded() ? bytes : parsed.dump();
 }
 
+// What identifies a file's current contents cheaply: device, inode, size and modification time.
+std::string FileIdentity(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return "missing";
+  return absl::StrCat(st.st_dev, ":", st.st_ino, ":", st.st_size, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec);
+}
+
+std::string FilesIdentity(const std::vector<std::string>& files) {
+  std::string out;
+  for (const std::string& f : files) absl::StrAppend(&out, FileIdentity(f), "|");
+  return out;
+}
+
 // A whole file's bytes (at most `limit`), or an error naming it.
 absl::StatusOr<std::string> ReadAtMost(const std::string& path, int64_t limit) {
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(path, error)) {
+    return absl::NotFoundError(absl::StrCat(path, ": not a regular file"));
+  }
+  const auto size = std::filesystem::file_size(path, error);
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot be read"));
+  if (!in || error) return absl::NotFoundError(absl::StrCat(path, ": cannot be read"));
   std::string bytes;
-  bytes.resize(static_cast<size_t>(limit));
+  bytes.resize(static_cast<size_t>(std::min<int64_t>(limit, static_cast<int64_t>(size))));
   in.read(bytes.data(), limit);
   bytes.resize(static_cast<size_t>(in.gcount()));
   return bytes;
@@ -111,7 +159,8 @@ absl::StatusOr<ComponentSource> DescribeComponentSource(const std::string& role,
   std::vector<std::string> files;
   for (const auto& entry : std::filesystem::directory_iterator(source.folder, error)) {
     const std::string name = entry.path().filename().string();
-    if (absl::EndsWith(name, ".safetensors")) files.push_back(entry.path().string());
+    std::error_code regular_error;
+    if (absl::EndsWith(name, ".safetensors") && entry.is_regular_file(regular_error)) files.push_back(entry.path().string());
   }
   if (error) return absl::NotFoundError(absl::StrCat(folder, ": cannot be listed: ", error.message()));
   std::sort(files.begin(), files.end());
@@ -152,6 +201,7 @@ std::shared_ptr<Component> ComponentCache::FindMatch(const ComponentSource& sour
     std::string folder;
     std::vector<std::string> files;
     std::string hash;
+    std::string identity;
   };
   std::vector<Candidate> candidates;
   {
@@ -162,11 +212,13 @@ std::shared_ptr<Component> ComponentCache::FindMatch(const ComponentSource& sour
       std::shared_ptr<Component> live = entry.component.lock();
       if (live == nullptr) continue;
       if (entry.folder == source.folder || source.weight_files.empty()) return live;
-      candidates.push_back({std::move(live), entry.folder, entry.weight_files, entry.content_hash});
+      candidates.push_back({std::move(live), entry.folder, entry.weight_files, entry.content_hash, entry.identity});
     }
   }
   // Another folder with the same names, sizes and headers: the bytes decide.
   for (Candidate& c : candidates) {
+    // Its folder changed since it was loaded (rewritten in place): its bytes are no longer its own.
+    if (FilesIdentity(c.files) != c.identity) continue;
     if (source_hash.empty()) {
       absl::StatusOr<std::string> hash = HashFiles(source.weight_files);
       if (!hash.ok()) return nullptr;  // The load itself reports what is wrong with the files.
@@ -194,6 +246,7 @@ absl::StatusOr<std::shared_ptr<Component>> ComponentCache::GetOrLoad(const Compo
                                                                     const Loader& load) {
   std::string source_hash;
   if (std::shared_ptr<Component> existing = FindMatch(source, source_hash)) return existing;
+  const std::string identity = FilesIdentity(source.weight_files);  // Before reading: a change during the load shows.
   ASSIGN_OR_RETURN(std::unique_ptr<Component> loaded, load());
   std::shared_ptr<Component> shared = std::move(loaded);
   absl::MutexLock lock(&mu_);
@@ -206,7 +259,7 @@ absl::StatusOr<std::shared_ptr<Component>> ComponentCache::GetOrLoad(const Compo
   entries.erase(std::remove_if(entries.begin(), entries.end(),
                                [](const Entry& e) { return e.component.expired(); }),
                 entries.end());
-  entries.push_back(Entry{shared, source.folder, source.weight_files, source_hash});
+  entries.push_back(Entry{shared, source.folder, source.weight_files, source_hash, identity});
   return shared;
 }
 

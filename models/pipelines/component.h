@@ -140,6 +140,9 @@ class ComponentCache {
     std::string folder;
     std::vector<std::string> weight_files;
     std::string content_hash;  // Computed when first compared ("" until then).
+    // The weight files' device, inode, size and mtime when it was loaded: a folder changed since
+    // no longer holds what the component holds, and matches nothing.
+    std::string identity;
   };
   // The live entry of `key` that `source` matches (same folder, or same content), or null. Hashes
   // outside the lock; entries stay in the map (the lock is re-taken to read and to store hashes).

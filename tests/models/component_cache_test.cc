@@ -132,6 +132,36 @@ TEST(ComponentCacheTest, ComponentsLiveAsLongAsAPipelineUsesThem) {
   EXPECT_EQ(cache.shared_by_content(), 3);
 }
 
+// A folder rewritten in place after its component loaded no longer holds that component's bytes:
+// a copy of the new bytes elsewhere must not be handed the old component.
+TEST(ComponentCacheTest, AFolderChangedSinceItsLoadMatchesNothing) {
+  const std::string x = Dir("changed_x"), y = Dir("changed_y");
+  ASSERT_TRUE(SaveTinyPipeline(TinyPipelineOptions(), x).ok());
+  ComponentCache cache;
+  auto px = Load(x, cache);
+  ASSERT_NE(px, nullptr);
+  FlipLastByte(x + "/vae");  // Same size and header; other bytes; the component holds the old ones.
+  fs::copy(x, y, fs::copy_options::recursive);
+  auto py = Load(y, cache);
+  ASSERT_NE(py, nullptr);
+  EXPECT_NE(ByName(*px)["vae"], ByName(*py)["vae"]) << "handed the component of bytes the folder no longer holds";
+  EXPECT_EQ(ByName(*px)["transformer"], ByName(*py)["transformer"]);  // Unchanged files still match.
+}
+
+// A config nested past any sane depth is compared as raw bytes: no recursion on hostile input.
+TEST(ComponentCacheTest, ADeeplyNestedConfigIsDescribedWithoutRecursing) {
+  const std::string dir = Dir("deep");
+  fs::create_directories(dir);
+  {
+    std::ofstream out(dir + "/config.json");
+    out << std::string(200000, '[') << std::string(200000, ']');
+  }
+  absl::StatusOr<ComponentSource> source =
+      DescribeComponentSource("transformer", dir, at::kFloat, /*random_weights=*/true, 1);
+  ASSERT_TRUE(source.ok()) << source.status();
+  EXPECT_NE(source->key.find("random:1"), std::string::npos);
+}
+
 TEST(ComponentCacheTest, DescribeNamesAMissingConfig) {
   absl::StatusOr<ComponentSource> source =
       DescribeComponentSource("transformer", Dir("missing"), at::kFloat, /*random_weights=*/false, 0);

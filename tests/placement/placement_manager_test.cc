@@ -527,6 +527,30 @@ TEST(PeerEvictionTest, ACheaperPeerAdoptsTheEvictedComponentDeviceToDevice) {
   EXPECT_EQ(p.peer_backend->GetMemoryStats().allocated_bytes, 0);
 }
 
+std::unique_ptr<Component> AdapterComponent(int64_t rank);  // Below.
+
+// A LoRA adapter is never peer-evicted: the layers that read it run here. Evicted to make room, it
+// goes to the host even when a peer would be cheaper.
+TEST(PeerEvictionTest, AnAdapterGoesToTheHostNeverToAPeer) {
+  PeerHarness p(/*peer_bandwidth=*/1e11, /*host_bandwidth=*/1e9);
+  auto adapter = AdapterComponent(64);
+  ASSERT_TRUE(p.h.placement.Register("tiny", adapter.get()).ok());
+  const int64_t tr = WeightOf(p.h, "transformer");
+  ASSERT_TRUE(p.h.backend->SetMemoryBudget(tr + (int64_t{1} << 20)).ok());  // The transformer, little else.
+  ASSERT_TRUE(p.h.placement.Hold(*adapter, "a batch").ok());
+  p.h.placement.Unhold(*adapter);  // Resident, no longer held: a candidate for eviction.
+  ASSERT_TRUE(p.h.Generate().ok());
+  bool offloaded = false;
+  for (const PlacementDecision& d : p.h.placement.DecisionLog(100)) {
+    if (d.component != "tiny/lora:style") continue;
+    EXPECT_NE(d.action, "offload_to_peer");
+    offloaded = offloaded || d.action == "offload";
+  }
+  EXPECT_TRUE(offloaded) << "the budget never made the adapter move: the test proves nothing";
+  for (const ComponentView& v : p.peer.Snapshot()) EXPECT_NE(v.id, "tiny/lora:style");
+  p.peer.Unregister("tiny");
+}
+
 TEST(PeerEvictionTest, TheHostWinsWhenBringingItBackIsCheaper) {
   PeerHarness p(/*peer_bandwidth=*/1e9, /*host_bandwidth=*/1e11);
   const int64_t tr = WeightOf(p.h, "transformer"), vae = WeightOf(p.h, "vae");

@@ -122,7 +122,8 @@ std::string WriteFp8Checkpoint(const std::string& layout, PrequantizedWeights* e
       tensors.emplace_back(layer + ".scale_input", at::ones({}));
     }
   }
-  if (layout == "comfy") tensors.emplace_back("scaled_fp8", at::zeros({0}));
+  // ComfyUI's marker is itself an F8_E4M3 tensor (it names the dtype): U8 here, declared F8 below.
+  if (layout == "comfy") tensors.emplace_back("scaled_fp8", at::zeros({2}, at::TensorOptions().dtype(at::kByte)));
   const std::string file = dir + "/diffusion_pytorch_model.safetensors";
   EXPECT_TRUE(WriteSafetensors(file, tensors).ok());
   DeclareU8AsFloat8(file);
@@ -193,6 +194,50 @@ TEST(QuantizedCheckpointTest, CommonFp8LayoutsLoadAndStreamTheirOwnBytes) {
   }
 }
 
+// A sharded fp8 checkpoint (an index naming two files) may keep a weight's scale and the activation
+// scales in another shard than the weight: they pair up across shards.
+TEST(QuantizedCheckpointTest, ShardedFp8CheckpointsPairScalesAcrossShards) {
+  PrequantizedWeights expected;
+  const std::string single = WriteFp8Checkpoint("compressed-tensors", &expected);
+  absl::StatusOr<ComponentWeights> whole = ReadComponentWeights(single);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  const std::string dir = std::string(::testing::TempDir()) + "/fp8_sharded";
+  ::mkdir(dir.c_str(), 0755);
+  {
+    std::ifstream in(single + "/config.json", std::ios::binary);
+    std::ofstream out(dir + "/config.json", std::ios::binary | std::ios::trunc);
+    out << in.rdbuf();
+  }
+  // Shard 1: the F8 weights; shard 2: their scales, activation scales and every other tensor.
+  std::vector<std::pair<std::string, at::Tensor>> weights, rest;
+  std::string map;
+  for (const auto& [name, q] : *whole->quantized) {
+    weights.emplace_back(name, q.q);
+    rest.emplace_back(name + "_scale", q.scale.reshape({-1, 1}).contiguous());
+    rest.emplace_back(name.substr(0, name.size() - 7) + ".input_scale", at::ones({1}));
+  }
+  for (const auto& [name, t] : whole->tensors) rest.emplace_back(name, t.contiguous());
+  for (const auto& [name, t] : weights) map += "\"" + name + "\": \"a.safetensors\", ";
+  for (const auto& [name, t] : rest) map += "\"" + name + "\": \"b.safetensors\", ";
+  map.resize(map.size() - 2);
+  ASSERT_TRUE(WriteSafetensors(dir + "/a.safetensors", weights).ok());
+  DeclareU8AsFloat8(dir + "/a.safetensors");
+  ASSERT_TRUE(WriteSafetensors(dir + "/b.safetensors", rest).ok());
+  {
+    std::ofstream index(dir + "/diffusion_pytorch_model.safetensors.index.json");
+    index << "{\"metadata\": {}, \"weight_map\": {" << map << "}}";
+  }
+  absl::StatusOr<ComponentWeights> sharded = ReadComponentWeights(dir);
+  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  EXPECT_EQ(sharded->format, CompressFormat::kFp8E4M3);
+  ASSERT_EQ(sharded->quantized->size(), expected.size());
+  for (const auto& [name, want] : expected) {
+    EXPECT_TRUE(at::equal(sharded->quantized->at(name).q, want.q)) << name;
+    EXPECT_TRUE(at::equal(sharded->quantized->at(name).scale, want.scale)) << name;
+  }
+  EXPECT_EQ(sharded->tensors.size(), whole->tensors.size()) << "scales or activation scales left as weights";
+}
+
 TEST(QuantizedCheckpointTest, BrokenFp8CheckpointsAreRefusedNamingTheTensor) {
   auto refused = [](const std::string& name, std::vector<std::pair<std::string, at::Tensor>> tensors,
                     const std::string& needle) {
@@ -212,7 +257,7 @@ TEST(QuantizedCheckpointTest, BrokenFp8CheckpointsAreRefusedNamingTheTensor) {
   refused("nan", {{"w.weight", at::full({2, 4}, 0x7F, u8)}}, "NaN bit patterns");
   refused("nan_negative", {{"w.weight", at::full({2, 4}, 0xFF, u8)}}, "NaN bit patterns");
   refused("scale_shape", {{"w.weight", at::full({2, 4}, 0x38, u8)}, {"w.weight_scale", at::ones({3})}},
-          "scale 'w.weight_scale' of F8_E4M3 tensor 'w.weight' must be F32, BF16 or F16 of shape");
+          "scale 'w.weight_scale' must be F32, BF16 or F16 of shape");
   refused("scale_sign", {{"w.weight", at::full({2, 4}, 0x38, u8)}, {"w.scale_weight", -at::ones({})}},
           "not finite and positive");
 }

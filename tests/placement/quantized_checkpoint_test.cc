@@ -130,6 +130,61 @@ std::string WriteFp8Checkpoint(const std::string& layout, PrequantizedWeights* e
   return dir;
 }
 
+// A checkpoint folder's transformer, loaded as the diffusers-format loader loads it (8-bit values
+// kept as the component's prequantized weights) and registered on a simulated device: its host copy
+// of a weight, and forwards on fixed inputs, resident or group-offloaded.
+struct CheckpointHarness {
+  explicit CheckpointHarness(const std::string& dir) {
+    absl::StatusOr<google::protobuf::Struct> json = ReadJsonFile(dir + "/config.json");
+    EXPECT_TRUE(json.ok()) << json.status();
+    absl::StatusOr<ZImageTransformerConfig> parsed = ZImageTransformerConfigFromJson(*json, dir);
+    EXPECT_TRUE(parsed.ok()) << parsed.status();
+    config = *parsed;
+    auto module = std::make_unique<ZImageTransformer>(config, LayerOptions{at::kFloat});
+    loaded = LoadComponentWeights(*module, dir, at::kFloat, {}, &quantization);
+    component = std::move(*Component::Create("transformer", std::move(module), at::kFloat));
+    component->set_prequantized(quantization.weights, quantization.format);
+    EXPECT_TRUE(placement.Register("q", component.get()).ok());
+    placement.MarkReady("q");
+    at::Generator gen = at::detail::createCPUGenerator(5);
+    latents = at::randn({config.in_channels, 1, 8, 8}, gen);
+    caption = at::randn({9, config.cap_feat_dim}, gen);
+  }
+  ~CheckpointHarness() { placement.Unregister("q"); }
+  // The host copy of weight `name` (undefined when there is none).
+  at::Tensor Host(const std::string& name) {
+    for (const HostWeights::Entry& entry : component->host_weights().entries()) {
+      if (entry.module->SlotPath(*entry.slot) == name) return entry.host;
+    }
+    return at::Tensor();
+  }
+  at::Tensor Forward() {
+    c10::InferenceMode guard;
+    auto& dit = static_cast<ZImageTransformer&>(component->module());
+    at::Tensor out;
+    EXPECT_TRUE(placement.Run(*component, [&] { out = dit.Forward(latents, 0.3, caption); }).ok());
+    return out;
+  }
+  // A forward with the transformer group-offloaded, its groups sent in `format`.
+  at::Tensor StreamedForward(CompressFormat format) {
+    GroupOffloadOptions options;
+    options.use_stream = true;
+    options.compress = format;
+    EXPECT_TRUE(placement.EnableGroupOffload("q/transformer", options).ok());
+    const at::Tensor out = Forward();
+    EXPECT_TRUE(placement.DisableGroupOffload("q/transformer").ok());
+    return out;
+  }
+
+  ZImageTransformerConfig config;
+  CheckpointQuantization quantization;
+  absl::Status loaded;
+  std::unique_ptr<Component> component;
+  std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
+  PlacementManager placement{backend.get()};
+  at::Tensor latents, caption;
+};
+
 // The fp8 checkpoints people download load as they are: each layout's F8_E4M3 weights with their
 // scales (per channel, per tensor, none) become this server's fp8 host copies (value x scale) and
 // its prequantized bytes; streamed with compress fp8, the checkpoint's own bytes go to the device
@@ -138,64 +193,27 @@ TEST(QuantizedCheckpointTest, CommonFp8LayoutsLoadAndStreamTheirOwnBytes) {
   for (const std::string layout : {"compressed-tensors", "comfy", "plain"}) {
     SCOPED_TRACE(layout);
     PrequantizedWeights expected;
-    const std::string dir = WriteFp8Checkpoint(layout, &expected);
-    absl::StatusOr<google::protobuf::Struct> json = ReadJsonFile(dir + "/config.json");
-    ASSERT_TRUE(json.ok());
-    absl::StatusOr<ZImageTransformerConfig> config = ZImageTransformerConfigFromJson(*json, dir);
-    ASSERT_TRUE(config.ok()) << config.status();
-    auto module = std::make_unique<ZImageTransformer>(*config, LayerOptions{at::kFloat});
-    CheckpointQuantization quantization;
-    const absl::Status loaded = LoadComponentWeights(*module, dir, at::kFloat, {}, &quantization);
-    ASSERT_TRUE(loaded.ok()) << loaded;
-    ASSERT_NE(quantization.weights, nullptr);
-    EXPECT_EQ(quantization.format, CompressFormat::kFp8E4M3);
-    ASSERT_EQ(quantization.weights->size(), expected.size());
+    CheckpointHarness h(WriteFp8Checkpoint(layout, &expected));
+    ASSERT_TRUE(h.loaded.ok()) << h.loaded;
+    ASSERT_NE(h.quantization.weights, nullptr);
+    EXPECT_EQ(h.quantization.format, CompressFormat::kFp8E4M3);
+    ASSERT_EQ(h.quantization.weights->size(), expected.size());
     for (const auto& [name, want] : expected) {
-      const QuantizedTensor& got = quantization.weights->at(name);
+      const QuantizedTensor& got = h.quantization.weights->at(name);
       EXPECT_TRUE(at::equal(got.q, want.q)) << name;
       EXPECT_TRUE(at::equal(got.scale, want.scale)) << name;
     }
     const std::string name = expected.begin()->first;
-    at::Tensor host;
-    module->ForEachSlot([&](Module& m, TensorSlot& slot) {
-      if (m.SlotPath(slot) == name) host = slot.value;
-    });
+    const at::Tensor host = h.Host(name);
     ASSERT_TRUE(host.defined()) << name;
     EXPECT_TRUE(at::equal(host, Dequantize(expected.at(name), CompressFormat::kFp8E4M3, at::kFloat))) << name;
-
-    absl::StatusOr<std::unique_ptr<Component>> made = Component::Create("transformer", std::move(module), at::kFloat);
-    ASSERT_TRUE(made.ok());
-    std::unique_ptr<Component> component = *std::move(made);
-    component->set_prequantized(quantization.weights, quantization.format);
-    std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
-    PlacementManager placement(backend.get());
-    ASSERT_TRUE(placement.Register("q", component.get()).ok());
-    placement.MarkReady("q");
-    c10::InferenceMode guard;
-    at::Generator gen = at::detail::createCPUGenerator(5);
-    const at::Tensor latents = at::randn({config->in_channels, 1, 8, 8}, gen);
-    const at::Tensor caption = at::randn({9, config->cap_feat_dim}, gen);
-    auto& dit = static_cast<ZImageTransformer&>(component->module());
-    auto forward = [&] {
-      at::Tensor out;
-      EXPECT_TRUE(placement.Run(*component, [&] { out = dit.Forward(latents, 0.3, caption); }).ok());
-      return out;
-    };
-    const at::Tensor resident = forward();
-    GroupOffloadOptions options;
-    options.use_stream = true;
-    options.compress = CompressFormat::kFp8E4M3;
-    ASSERT_TRUE(placement.EnableGroupOffload("q/transformer", options).ok());
-    const at::Tensor streamed = forward();
+    const at::Tensor resident = h.Forward();
+    const at::Tensor streamed = h.StreamedForward(CompressFormat::kFp8E4M3);
     EXPECT_TRUE(at::equal(streamed, resident)) << "max diff " << (streamed - resident).abs().max().item<double>()
         << " of " << resident.abs().max().item<double>();
-    ASSERT_TRUE(placement.DisableGroupOffload("q/transformer").ok());
-    placement.Unregister("q");
   }
 }
 
-// A sharded fp8 checkpoint (an index naming two files) may keep a weight's scale and the activation
-// scales in another shard than the weight: they pair up across shards.
 TEST(QuantizedCheckpointTest, ShardedFp8CheckpointsPairScalesAcrossShards) {
   PrequantizedWeights expected;
   const std::string single = WriteFp8Checkpoint("compressed-tensors", &expected);
@@ -263,63 +281,23 @@ TEST(QuantizedCheckpointTest, BrokenFp8CheckpointsAreRefusedNamingTheTensor) {
 }
 
 TEST(QuantizedCheckpointTest, GroupOffloadStreamsTheCheckpointsOwnBytes) {
-  const std::string dir = WriteInt8Checkpoint();
-  absl::StatusOr<google::protobuf::Struct> json = ReadJsonFile(dir + "/config.json");
-  ASSERT_TRUE(json.ok());
-  absl::StatusOr<ZImageTransformerConfig> config = ZImageTransformerConfigFromJson(*json, dir);
-  ASSERT_TRUE(config.ok()) << config.status();
-  auto module = std::make_unique<ZImageTransformer>(*config, LayerOptions{at::kFloat});
-  CheckpointQuantization quantization;
-  ASSERT_TRUE(LoadComponentWeights(*module, dir, at::kFloat, {}, &quantization).ok());
-  ASSERT_NE(quantization.weights, nullptr);
-  EXPECT_EQ(quantization.format, CompressFormat::kInt8);
+  CheckpointHarness h(WriteInt8Checkpoint());
+  ASSERT_TRUE(h.loaded.ok()) << h.loaded;
+  ASSERT_NE(h.quantization.weights, nullptr);
+  EXPECT_EQ(h.quantization.format, CompressFormat::kInt8);
   // The host copy is the dequantized checkpoint: q × scale.
-  // Not a structured binding: the lambda below captures the name (C++17 forbids that for clang).
-  const std::string name = quantization.weights->begin()->first;
-  const QuantizedTensor& stored = quantization.weights->begin()->second;
-  at::Tensor host;
-  module->ForEachSlot([&](Module& m, TensorSlot& slot) {
-    if (m.SlotPath(slot) == name) host = slot.value;
-  });
+  const auto& [name, stored] = *h.quantization.weights->begin();
+  const at::Tensor host = h.Host(name);
   ASSERT_TRUE(host.defined()) << name;
   EXPECT_TRUE(at::equal(host, Dequantize(stored, CompressFormat::kInt8, at::kFloat))) << name;
-
-  absl::StatusOr<std::unique_ptr<Component>> made = Component::Create("transformer", std::move(module), at::kFloat);
-  ASSERT_TRUE(made.ok());
-  std::unique_ptr<Component> component = *std::move(made);
-  component->set_prequantized(quantization.weights, quantization.format);
-  std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
-  PlacementManager placement(backend.get());
-  ASSERT_TRUE(placement.Register("q", component.get()).ok());
-  placement.MarkReady("q");
-
-  c10::InferenceMode guard;
-  at::Generator gen = at::detail::createCPUGenerator(5);
-  const at::Tensor latents = at::randn({config->in_channels, 1, 8, 8}, gen);
-  const at::Tensor caption = at::randn({9, config->cap_feat_dim}, gen);
-  auto& dit = static_cast<ZImageTransformer&>(component->module());
-  auto forward = [&] {
-    at::Tensor out;
-    EXPECT_TRUE(placement.Run(*component, [&] { out = dit.Forward(latents, 0.3, caption); }).ok());
-    return out;
-  };
-  const at::Tensor resident = forward();
-
-  GroupOffloadOptions options;
-  options.use_stream = true;
-  options.compress = CompressFormat::kInt8;
-  ASSERT_TRUE(placement.EnableGroupOffload("q/transformer", options).ok());
-  EXPECT_TRUE(at::equal(forward(), resident));  // The checkpoint's bytes, widened: exact.
-  ASSERT_TRUE(placement.DisableGroupOffload("q/transformer").ok());
-
+  const at::Tensor resident = h.Forward();
+  // The checkpoint's bytes, widened: exact.
+  EXPECT_TRUE(at::equal(h.StreamedForward(CompressFormat::kInt8), resident));
   // Without them the store quantizes the host copy again (absmax scales): not the same weights.
-  component->set_prequantized(nullptr, CompressFormat::kNone);
-  ASSERT_TRUE(placement.EnableGroupOffload("q/transformer", options).ok());
-  const at::Tensor requantized = forward();
+  h.component->set_prequantized(nullptr, CompressFormat::kNone);
+  const at::Tensor requantized = h.StreamedForward(CompressFormat::kInt8);
   EXPECT_FALSE(at::equal(requantized, resident));
   EXPECT_LT((requantized - resident).norm().item<double>() / resident.norm().item<double>(), 0.05);
-  ASSERT_TRUE(placement.DisableGroupOffload("q/transformer").ok());
-  placement.Unregister("q");
 }
 
 // compress AUTO under a device's host memory budget: the fixture transformer's host copies are

@@ -51,6 +51,8 @@ Rows:
 `ok`: every request succeeded and every peak stayed within the budget.
 
     python3 bench/multi_tenant.py table ROWS.jsonl      the rows as a Markdown table.
+    python3 bench/multi_tenant.py analyze LOGS ROWS     per strategy: mean run times (queueing
+        excluded), the utilisation they imply, whole-component onloads, the scheduler's reorders.
 
 Standard library only.
 """
@@ -348,6 +350,47 @@ def table(rows):
                   f"({r['p99_vs_alone']}x); bob got {r['flood_images']} images, {r['flood_refused']} refused")
 
 
+def analyze(log_dir, rows_path):
+    """Where a run's time and bytes went, from its server and placement logs: per strategy, each
+    pipeline's mean run time (the server's run_s, queueing excluded) of the measured requests (the
+    first request of each pipeline, unmeasured, left out), the utilisation that implies at the
+    trace's arrival rate, the whole-component onloads per component and the scheduler's reorders
+    (those two over the whole run: warm-up and flood phase included)."""
+    trace = next((r["trace"] for r in map(json.loads, open(rows_path, encoding="utf-8")) if "trace" in r), {})
+    rate, count = trace.get("rate_per_s"), trace.get("requests")
+    for strategy in ("resident", "fifo", "scheduler"):
+        log = os.path.join(log_dir, f"{strategy}.log")
+        if not os.path.exists(log):
+            continue
+        runs = []
+        for line in open(log, encoding="utf-8", errors="replace"):
+            if " I request " not in line or " status=OK " not in line:
+                continue
+            fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+            runs.append((fields["pipeline"], float(fields["run_s"])))
+        # The unmeasured first request of each pipeline, then the trace's (the flood phase's after it).
+        runs = runs[len(POPULARITY):len(POPULARITY) + count if count else None]
+        per = {}
+        for pipeline, run_s in runs:
+            per.setdefault(pipeline, []).append(run_s)
+        mean = sum(r for _, r in runs) / max(1, len(runs))
+        print(f"{strategy}: {len(runs)} measured requests, mean run {mean:.3f} s"
+              + (f", utilisation at {rate}/s {rate * mean:.0%}" if rate else ""))
+        for pipeline in POPULARITY:
+            if pipeline in per:
+                print(f"  {pipeline:13s} mean run {sum(per[pipeline]) / len(per[pipeline]):.3f} s (n={len(per[pipeline])})")
+        placement_log = os.path.join(log_dir, f"{strategy}.placement_log.txt")
+        if os.path.exists(placement_log):
+            onloads, reorders = {}, 0
+            for line in open(placement_log, encoding="utf-8", errors="replace"):
+                words = line.split()
+                if len(words) >= 4 and words[2] == "onload":
+                    onloads[words[3]] = onloads.get(words[3], 0) + 1
+                elif len(words) >= 2 and words[1] == "schedule":
+                    reorders += 1
+            print("  onloads: " + ", ".join(f"{c} {n}" for c, n in sorted(onloads.items())) + f"; reorders: {reorders}")
+
+
 def main():
     global ARGS, STEPS, TRACE, TRACE_INFO
     # A time limit's SIGTERM ends the run through the `finally`s that stop the servers it started.
@@ -383,9 +426,15 @@ def main():
     s.add_argument("--commit", default="unknown")
     t = sub.add_parser("table")
     t.add_argument("rows")
+    a = sub.add_parser("analyze")
+    a.add_argument("logs", help="the --logs folder of a run")
+    a.add_argument("rows", help="that run's rows (for its arrival rate)")
     ARGS = parser.parse_args()
     if ARGS.command == "table":
         table([json.loads(line) for line in open(ARGS.rows, encoding="utf-8")])
+        return
+    if ARGS.command == "analyze":
+        analyze(ARGS.logs, ARGS.rows)
         return
     STEPS = dict((k, int(v)) for k, v in (item.split("=") for item in ARGS.steps.split(",")))
     if sorted(STEPS) != sorted(POPULARITY):

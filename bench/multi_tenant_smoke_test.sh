@@ -55,6 +55,14 @@ assert "schedule" in log, log[:2000]
 assert "| strategy | pipeline |" in open(sys.argv[3]).read()
 print("ok")
 PY
+# Where the time went: each strategy's measured requests (the trace's 24, the warm-up left out) and
+# its onloads.
+/usr/bin/python3 "$scripts/multi_tenant.py" analyze "$TEST_TMPDIR/logs" "$TEST_TMPDIR/rows.jsonl" >"$TEST_TMPDIR/analysis.txt"
+for strategy in resident fifo scheduler; do
+  grep -q "^$strategy: 24 measured requests, mean run .* s, utilisation at 40.0/s" "$TEST_TMPDIR/analysis.txt" ||
+    { cat "$TEST_TMPDIR/analysis.txt"; exit 1; }
+done
+grep -q "onloads: .*zimage/transformer" "$TEST_TMPDIR/analysis.txt"
 # A strategy run on its own takes the resident figures of an earlier run of the same trace; another
 # trace's rows are refused.
 run --strategies fifo --resident_from "$TEST_TMPDIR/rows.jsonl" --out "$TEST_TMPDIR/fifo.jsonl" \

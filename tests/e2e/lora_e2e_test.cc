@@ -78,6 +78,13 @@ std::string WriteAdapter(const std::string& name, double magnitude, bool wrong_s
 
 class LoraE2eTest : public HttpTest {
  protected:
+  // Starts the server with `config` (text format) added to the defaults, a metrics endpoint on.
+  void StartWith(const std::string& text) {
+    v1::ServerConfig config;
+    config.set_metrics_address("127.0.0.1:0");
+    ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(text, &config)) << text;
+    Start(config);
+  }
   grpc::Status Load(const std::string& name, const std::string& path, v1::LoadAdapterResponse* response = nullptr) {
     v1::LoadAdapterRequest request;
     request.set_pipeline("zimage-tiny");
@@ -166,15 +173,10 @@ TEST_F(LoraE2eTest, AnAdapterChangesTheImageOnlyWhereARequestNamesIt) {
 // device by placement when a request uses it (logged, with why), counted in the device budget with
 // everything else, never group-offloaded, and gone from placement when unloaded.
 TEST_F(LoraE2eTest, AnAdapterIsAPlacementComponentCountedInTheBudget) {
-  v1::ServerConfig config;
-  config.set_metrics_address("127.0.0.1:0");
   // Room for the pipeline's largest component, the adapter and activations, not for everything:
   // components move, and the adapter stays while its request runs.
-  ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(
-      R"pb(device { kind: KIND_SIMULATED memory_budget_bytes: 4000000 }
-           pipelines { name: "zimage-tiny" builtin: "zimage-tiny" default: true })pb",
-      &config));
-  Start(config);
+  StartWith(R"pb(device { kind: KIND_SIMULATED memory_budget_bytes: 4000000 }
+                 pipelines { name: "zimage-tiny" builtin: "zimage-tiny" default: true })pb");
   v1::LoadAdapterResponse loaded;
   ASSERT_TRUE(Load("style", WriteAdapter("placed_style", 0.5), &loaded).ok());
   auto placement = [&] {
@@ -233,13 +235,8 @@ TEST_F(LoraE2eTest, AnAdapterIsAPlacementComponentCountedInTheBudget) {
 // scales, none) queued together run as ONE batch, each row with its own adapters, and each image
 // is the image the request gets alone (byte for byte on the simulated device).
 TEST_F(LoraE2eTest, RequestsWithDifferentAdaptersShareABatchAndEachGetsItsImageAlone) {
-  v1::ServerConfig config;
-  config.set_metrics_address("127.0.0.1:0");
-  ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(
-      R"pb(pipelines { name: "zimage-tiny" builtin: "zimage-tiny" default: true
-                       batching { max_batch_size: 4 max_queue_delay_ms: 5000 } })pb",
-      &config));
-  Start(config);
+  StartWith(R"pb(pipelines { name: "zimage-tiny" builtin: "zimage-tiny" default: true
+                       batching { max_batch_size: 4 max_queue_delay_ms: 5000 } })pb");
   ASSERT_TRUE(Load("ink", WriteAdapter("mixed_ink", 0.5)).ok());
   ASSERT_TRUE(Load("gold", WriteAdapter("mixed_gold", 0.3, false, "", /*kohya=*/true)).ok());
   std::vector<v1::GenerateRequest> requests;
@@ -423,13 +420,8 @@ TEST_F(LoraE2eTest, UnloadingAnAdapterWhileRequestsNamingItQueueFailsThemCleanly
 // batch; the unload runs before it, so the members naming the adapter fail saying so and the
 // member without it still gets its image (its image alone), in the same batch.
 TEST_F(LoraE2eTest, UnloadingAnAdapterUnderAMixedBatchFailsOnlyTheMembersNamingIt) {
-  v1::ServerConfig config;
-  config.set_metrics_address("127.0.0.1:0");
-  ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(
-      R"pb(pipelines { name: "zimage-tiny" builtin: "zimage-tiny" default: true
-                       batching { max_batch_size: 3 max_queue_delay_ms: 5000 } })pb",
-      &config));
-  Start(config);
+  StartWith(R"pb(pipelines { name: "zimage-tiny" builtin: "zimage-tiny" default: true
+                       batching { max_batch_size: 3 max_queue_delay_ms: 5000 } })pb");
   ASSERT_TRUE(Load("style", WriteAdapter("style_mixed_unload", 0.5)).ok());
   const std::vector<std::vector<std::pair<std::string, float>>> loras = {{{"style", 1.0f}}, {}, {{"style", 0.5f}}};
   std::vector<grpc::Status> statuses(loras.size());

@@ -185,7 +185,9 @@ void AddDefaultPipelines(v1::ServerConfig& config, const std::string& demo_dir) 
   builtin->set_builtin(kDefaultPipelineName);
 }
 
-absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& field) {
+absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& field,
+                                    const PipelineRegistry* registry_or_null) {
+  const PipelineRegistry& registry = registry_or_null != nullptr ? *registry_or_null : DefaultPipelineRegistry();
   if (!ValidName(p.name())) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ".name: ", Quoted(p.name()), " must match [a-z0-9_-]{1,64}"));
@@ -193,17 +195,17 @@ absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& fi
   if (p.source_case() == v1::PipelineConfig::SOURCE_NOT_SET) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": no source; set builtin (one of: ",
-                     absl::StrJoin(DefaultPipelineRegistry().BuiltinNames(), ", "), ") or model_dir"));
+                     absl::StrJoin(registry.BuiltinNames(), ", "), ") or model_dir"));
   }
   if (p.source_case() == v1::PipelineConfig::kModelDir) {
     if (p.model_dir().empty()) {
       return absl::InvalidArgumentError(absl::StrCat(field, ".model_dir: empty path"));
     }
     RETURN_IF_ERROR(CheckModelDir(p.model_dir(), absl::StrCat(field, ".model_dir")));
-  } else if (!DefaultPipelineRegistry().HasBuiltin(p.builtin())) {
+  } else if (!registry.HasBuiltin(p.builtin())) {
     return absl::InvalidArgumentError(absl::StrCat(field, ".builtin: unknown built-in ", Quoted(p.builtin()),
                                                    "; available: ",
-                                                   absl::StrJoin(DefaultPipelineRegistry().BuiltinNames(), ", ")));
+                                                   absl::StrJoin(registry.BuiltinNames(), ", ")));
   }
   if (p.dtype().empty()) p.set_dtype("float32");
   if (p.dtype() != "float32" && p.dtype() != "bfloat16") {
@@ -289,7 +291,7 @@ absl::Status FinalizeBatchingConfig(v1::BatchingConfig& b, const std::string& fi
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
+absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config, const PipelineRegistry* registry) {
   if (config.grpc_address().empty()) config.set_grpc_address(kDefaultGrpcAddress);
   if (config.metrics_address().empty()) config.set_metrics_address(kDefaultMetricsAddress);
   RETURN_IF_ERROR(CheckRange("queue_depth", config.queue_depth(), 0, kMaxQueueDepth,
@@ -405,7 +407,7 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config) {
   for (int i = 0; i < config.pipelines_size(); ++i) {
     v1::PipelineConfig* p = config.mutable_pipelines(i);
     const std::string field = absl::StrCat("pipelines[", i, "]");
-    RETURN_IF_ERROR(FinalizePipelineConfig(*p, field));
+    RETURN_IF_ERROR(FinalizePipelineConfig(*p, field, registry));
     if (!names.insert(p->name()).second) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ".name: ", Quoted(p->name()), " is used by another pipeline"));

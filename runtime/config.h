@@ -13,6 +13,8 @@
 
 namespace stowage {
 
+class PipelineRegistry;  // models/pipeline_registry.h
+
 inline constexpr char kDefaultGrpcAddress[] = "127.0.0.1:50051";
 inline constexpr char kDefaultMetricsAddress[] = "127.0.0.1:9464";
 inline constexpr int kDefaultQueueDepth = 16;
@@ -88,7 +90,9 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
 // "pipelines[1].name: 'Tiny!' must match [a-z0-9_-]{1,64}",
 // "queue_depth: 5000 is out of range; allowed: 0 (default 16) or 1..4096".
 // Text from the config is echoed cut to a short printable prefix (base/text.h Truncated).
-absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config);
+// Built-in pipeline names are checked against `registry` (null: DefaultPipelineRegistry()).
+absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config,
+                                                      const PipelineRegistry* registry = nullptr);
 
 // The pipelines of a server whose config names none: the trained demo from `demo_dir` (name
 // kDemoPipelineName, the default pipeline, kDemoImageSize images) when `demo_dir` is not empty,
@@ -96,7 +100,8 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config);
 void AddDefaultPipelines(v1::ServerConfig& config, const std::string& demo_dir);
 
 // Fills one pipeline's defaults and validates it; errors name `field` ("pipelines[2]").
-absl::Status FinalizePipelineConfig(v1::PipelineConfig& pipeline, const std::string& field);
+absl::Status FinalizePipelineConfig(v1::PipelineConfig& pipeline, const std::string& field,
+                                    const PipelineRegistry* registry = nullptr);
 
 // Validates batching settings (ranges above) and fills the default (max_batch_size 0 → 1, off);
 // errors name `field` ("pipelines[0].batching"). The admin SetBatching RPC uses it too.

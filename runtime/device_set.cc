@@ -29,7 +29,8 @@ std::vector<std::string> Targets(const v1::PipelineConfig& p, const std::string&
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerConfig& config,
-                                                             ServerMetrics* metrics) {
+                                                             ServerMetrics* metrics,
+                                                             const RuntimeFactories& factories) {
   std::vector<v1::DeviceConfig> devices(config.devices().begin(), config.devices().end());
   if (devices.empty()) devices.push_back(config.device());
   std::vector<std::string> names;
@@ -56,6 +57,7 @@ absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerCon
     split_any = split_any || !config.pipelines(i).component_devices().empty();
   }
   std::unique_ptr<DeviceSet> set(new DeviceSet());
+  set->registry_ = &factories.Registry();
   for (const auto& entry : config.scheduler().tenant_weights()) set->listed_tenants_.insert(entry.first);
   for (size_t i = 0; i < devices.size(); ++i) {
     // Each device gets the server's settings, its own device, and the pipelines placed on it (split
@@ -70,7 +72,7 @@ absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerCon
       const std::vector<std::string> targets = Targets(p, names.front());
       if (std::find(targets.begin(), targets.end(), names[i]) != targets.end()) *own.add_pipelines() = p;
     }
-    ASSIGN_OR_RETURN(std::unique_ptr<GenerationCore> core, GenerationCore::Create(own, metrics));
+    ASSIGN_OR_RETURN(std::unique_ptr<GenerationCore> core, GenerationCore::Create(own, metrics, factories));
     if (core->device_name() != names[i]) {
       return absl::InternalError(absl::StrCat("device ", names[i], " came up as ", core->device_name()));
     }
@@ -264,7 +266,7 @@ absl::StatusOr<v1::Pipeline> DeviceSet::LoadPipeline(const v1::PipelineConfig& c
   if (!config.component_devices().empty() && config.devices_size() > 1) {
     // FinalizePipelineConfig's message, before any other check.
     v1::PipelineConfig p = config;
-    RETURN_IF_ERROR(FinalizePipelineConfig(p, "pipeline"));
+    RETURN_IF_ERROR(FinalizePipelineConfig(p, "pipeline", registry_));
   }
   std::vector<std::string> targets = Targets(config, devices_.front()->device_name());
   std::vector<GenerationCore*> cores;

@@ -27,6 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "runtime/generation_core.h"
 #include "runtime/metrics.h"
+#include "runtime/runtime_factories.h"
 #include "stowage/v1/admin.pb.h"
 #include "stowage/v1/config.pb.h"
 #include "stowage/v1/generation.pb.h"
@@ -38,7 +39,10 @@ class DeviceSet {
   // `config` must have been through FinalizeServerConfig. Creates every device (ServerConfig.devices,
   // or the one ServerConfig.device) and loads each pipeline onto its devices; any failure fails
   // Create. INVALID_ARGUMENT when two devices have one name or a pipeline names an unknown device.
-  static absl::StatusOr<std::unique_ptr<DeviceSet>> Create(const v1::ServerConfig& config, ServerMetrics* metrics);
+  // `factories` (runtime/runtime_factories.h) go to every device; `config` must have been finalized
+  // against the same registry.
+  static absl::StatusOr<std::unique_ptr<DeviceSet>> Create(const v1::ServerConfig& config, ServerMetrics* metrics,
+                                                           const RuntimeFactories& factories = {});
   // Releases every device's state, then stops every worker (see GenerationCore::ReleaseDeviceState).
   ~DeviceSet();
 
@@ -111,6 +115,8 @@ class DeviceSet {
   std::string Resolve(const std::string& requested) const;
   v1::DrainDeviceResponse Status() const;
 
+  // The architectures pipelines are built from (RuntimeFactories::Registry()).
+  const PipelineRegistry* registry_ = nullptr;
   // The tenants of scheduler.tenant_weights (metric labels).
   std::set<std::string> listed_tenants_;
   std::vector<std::unique_ptr<GenerationCore>> devices_;

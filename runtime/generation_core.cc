@@ -147,11 +147,20 @@ std::string ComponentNames(Pipeline& pipeline) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
-    const v1::ServerConfig& config, ServerMetrics* metrics) {
+    const v1::ServerConfig& config, ServerMetrics* metrics, const RuntimeFactories& factories) {
   std::unique_ptr<GenerationCore> core(new GenerationCore());
   core->metrics_ = metrics;
+  core->registry_ = &factories.Registry();
   if (config.cpu_threads() > 0) at::set_num_threads(config.cpu_threads());
-  ASSIGN_OR_RETURN(core->backend_, CreateBackend(config.device()));
+  if (factories.make_backend) {
+    ASSIGN_OR_RETURN(core->backend_, factories.make_backend(config.device()));
+    if (core->backend_ == nullptr) return absl::InternalError("RuntimeFactories::make_backend returned no backend");
+    if (config.device().memory_budget_bytes() > 0) {
+      RETURN_IF_ERROR(core->backend_->SetMemoryBudget(config.device().memory_budget_bytes()));
+    }
+  } else {
+    ASSIGN_OR_RETURN(core->backend_, CreateBackend(config.device()));
+  }
   core->device_name_ = core->backend_->name();
   if (metrics != nullptr) metrics->InitializeDevice(core->device_name_);
   core->torch_device_ = core->backend_->torch_device();
@@ -640,7 +649,7 @@ absl::StatusOr<std::unique_ptr<Pipeline>> GenerationCore::Build(const v1::Pipeli
                                                          supported.message()));
     }
   }
-  const PipelineRegistry& registry = DefaultPipelineRegistry();
+  const PipelineRegistry& registry = *registry_;
   absl::StatusOr<std::unique_ptr<Pipeline>> pipeline = absl::InternalError("not built");
   // Loaders report problems as statuses; anything a hostile file still makes LibTorch throw is
   // caught here rather than taking the server down.
@@ -667,7 +676,7 @@ absl::StatusOr<std::unique_ptr<Pipeline>> GenerationCore::Build(const v1::Pipeli
 absl::StatusOr<v1::Pipeline> GenerationCore::LoadPipeline(const v1::PipelineConfig& config,
                                                           const Interrupt& interrupt) {
   v1::PipelineConfig p = config;
-  RETURN_IF_ERROR(FinalizePipelineConfig(p, "pipeline"));
+  RETURN_IF_ERROR(FinalizePipelineConfig(p, "pipeline", registry_));
   return LoggedLoad(p, /*make_default=*/false, interrupt, {});
 }
 
@@ -675,7 +684,7 @@ absl::StatusOr<v1::Pipeline> GenerationCore::LoadPipeline(const v1::PipelineConf
                                                           const std::map<std::string, GenerationCore*>& remote,
                                                           bool make_default) {
   v1::PipelineConfig p = config;
-  RETURN_IF_ERROR(FinalizePipelineConfig(p, "pipeline"));
+  RETURN_IF_ERROR(FinalizePipelineConfig(p, "pipeline", registry_));
   for (const auto& entry : remote) {
     if (entry.second == this || entry.second == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat("pipeline.component_devices: '", Truncated(entry.first),

@@ -51,6 +51,7 @@
 #include "runtime/device_worker.h"
 #include "runtime/hosted_pipelines.h"
 #include "runtime/metrics.h"
+#include "runtime/runtime_factories.h"
 #include "stowage/v1/config.pb.h"
 #include "stowage/v1/generation.pb.h"
 
@@ -76,8 +77,11 @@ class GenerationCore {
  public:
   // `config` must have been through FinalizeServerConfig. `metrics` may be null. Loads every
   // configured pipeline; any failure fails Create.
+  // `factories`: the pipeline registry and backend to use (runtime/runtime_factories.h; defaults:
+  // every architecture of this build, the backend the device config names).
   static absl::StatusOr<std::unique_ptr<GenerationCore>> Create(const v1::ServerConfig& config,
-                                                               ServerMetrics* metrics);
+                                                               ServerMetrics* metrics,
+                                                               const RuntimeFactories& factories = {});
   ~GenerationCore();
 
   absl::StatusOr<v1::GenerateResponse> Generate(const v1::GenerateRequest& request,
@@ -177,6 +181,9 @@ class GenerationCore {
   std::string ReadyDefault() const;
   const std::string& device_name() const { return device_name_; }
   c10::Device torch_device() const { return torch_device_; }
+  // What waits on this device's worker now (DeviceWorker::waiting): a snapshot for diagnostics and
+  // for tests that wait for a state instead of sleeping.
+  DeviceWorker::Waiting waiting() const { return worker_->waiting(); }
   // Requests accepted by Generate and not yet returned (queued or running); for routing.
   int in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
 
@@ -252,6 +259,8 @@ class GenerationCore {
   void Publish(WorkerScope& scope);
 
   ServerMetrics* metrics_ = nullptr;
+  // The architectures this device builds pipelines from (RuntimeFactories::Registry()).
+  const PipelineRegistry* registry_ = nullptr;
   std::string device_name_;
   // Device state: reached through Backend(scope) once the worker runs. The backend outlives
   // everything that may hold device memory.

@@ -1,0 +1,250 @@
+// The runtime without gRPC: a DeviceSet built from an injected registry whose "latch" pipeline
+// waits at a gate the test holds, so each test decides what runs when — a request that is running,
+// requests queued behind it, an unload or an admin change posted meanwhile — and checks the order
+// and the outcome. No test sleeps to order anything; WaitUntil waits for a state the runtime
+// reports (its worker's queue).
+#include <algorithm>
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "google/protobuf/text_format.h"
+#include "runtime/config.h"
+#include "runtime/device_set.h"
+#include "runtime/runtime_factories.h"
+#include "tests/runtime/latch_pipeline.h"
+
+namespace stowage {
+namespace {
+
+// Waits (polling a state, never ordering by time) until `ready` holds; fails after 60 s.
+template <typename Predicate>
+::testing::AssertionResult WaitUntil(Predicate ready) {
+  const absl::Time give_up = absl::Now() + absl::Seconds(60);
+  while (!ready()) {
+    if (absl::Now() > give_up) return ::testing::AssertionFailure() << "the state never came";
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return ::testing::AssertionSuccess();
+}
+
+class RuntimeCoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    gate_ = std::make_shared<LatchGate>();
+    registry_ = std::make_unique<PipelineRegistry>(LatchRegistry(gate_));
+  }
+  void TearDown() override {
+    gate_->Open();  // A failed test's runs finish; the DeviceSet's destructor does not hang.
+    for (std::thread& t : threads_) t.join();
+    devices_.reset();
+  }
+
+  // Starts a server core with one "latch" pipeline (batching up to `max_batch`).
+  void Start(int max_batch = 1) {
+    v1::ServerConfig config;
+    ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
+        absl::StrCat("pipelines { name: \"latch\" builtin: \"latch\" warmup: false batching { max_batch_size: ",
+                     max_batch, " max_queue_delay_ms: 0 } }"),
+        &config));
+    absl::StatusOr<v1::ServerConfig> finalized = FinalizeServerConfig(config, registry_.get());
+    ASSERT_TRUE(finalized.ok()) << finalized.status();
+    auto devices = DeviceSet::Create(*finalized, nullptr, RuntimeFactories{registry_.get(), {}});
+    ASSERT_TRUE(devices.ok()) << devices.status();
+    devices_ = std::move(*devices);
+  }
+
+  GenerationCore& core() { return *devices_->devices().front(); }
+
+  struct Outcome {
+    absl::Mutex mu;
+    bool done = false;
+    absl::StatusOr<v1::GenerateResponse> result = absl::UnknownError("not run");
+  };
+  // Generates on a thread of its own; `interrupt` (optional) is the request's caller.
+  std::shared_ptr<Outcome> GenerateAsync(const std::string& prompt, int steps, uint64_t seed,
+                                         std::function<absl::Status()> interrupt = nullptr) {
+    auto outcome = std::make_shared<Outcome>();
+    v1::GenerateRequest request;
+    request.set_pipeline("latch");
+    request.set_prompt(prompt);
+    request.set_num_inference_steps(steps);
+    request.set_seed(seed);
+    threads_.emplace_back([this, outcome, request, interrupt] {
+      CallControl control;
+      control.interrupt = interrupt ? interrupt : [] { return absl::OkStatus(); };
+      absl::StatusOr<v1::GenerateResponse> result = devices_->Generate(request, control);
+      absl::MutexLock lock(&outcome->mu);
+      outcome->result = std::move(result);
+      outcome->done = true;
+    });
+    return outcome;
+  }
+  static absl::StatusOr<v1::GenerateResponse> Await(const std::shared_ptr<Outcome>& outcome) {
+    absl::MutexLock lock(&outcome->mu);
+    outcome->mu.Await(absl::Condition(&outcome->done));
+    return outcome->result;
+  }
+  v1::PipelineState StateOf(const std::string& name) {
+    const v1::ListPipelinesResponse list = devices_->ListPipelines();
+    for (const v1::Pipeline& p : list.pipelines()) {
+      if (p.name() == name) return p.state();
+    }
+    return v1::PIPELINE_STATE_UNSPECIFIED;
+  }
+
+  std::shared_ptr<LatchGate> gate_;
+  std::unique_ptr<PipelineRegistry> registry_;
+  std::unique_ptr<DeviceSet> devices_;
+  std::vector<std::thread> threads_;
+};
+
+TEST_F(RuntimeCoreTest, ANewFamilyIsOneRegistrationTheRuntimeIsGiven) {
+  v1::ServerConfig config;
+  config.add_pipelines()->set_name("latch");
+  config.mutable_pipelines(0)->set_builtin("latch");
+  // The server's own registry does not know the family; the injected one does.
+  const absl::StatusOr<v1::ServerConfig> refused = FinalizeServerConfig(config);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("unknown built-in 'latch'"), std::string::npos) << refused.status();
+  Start();
+  gate_->Open();
+  absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("a red square", 2, 7));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(gate_->arrivals(), 2);  // One gate per step.
+  // A LoadPipeline through the runtime is checked against the same registry.
+  v1::PipelineConfig extra;
+  extra.set_name("second");
+  extra.set_builtin("latch");
+  extra.set_warmup(false);
+  EXPECT_TRUE(devices_->LoadPipeline(extra, [] { return absl::OkStatus(); }).ok());
+  extra.set_name("third");
+  extra.set_builtin("tiny");
+  const absl::StatusOr<v1::Pipeline> unknown = devices_->LoadPipeline(extra, [] { return absl::OkStatus(); });
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("available: latch"), std::string::npos) << unknown.status();
+}
+
+TEST_F(RuntimeCoreTest, UnloadWaitsForTheRunningRequestAndRefusesNewOnes) {
+  Start();
+  auto running = GenerateAsync("running", 2, 1);
+  gate_->AwaitArrivals(1);  // Its first step waits at the gate: the request is running.
+  absl::Status unloaded = absl::UnknownError("not returned");
+  std::atomic<bool> unload_returned{false};
+  threads_.emplace_back([&] {
+    unloaded = devices_->UnloadPipeline("latch", [] { return absl::OkStatus(); });
+    unload_returned = true;
+  });
+  ASSERT_TRUE(WaitUntil([&] { return StateOf("latch") == v1::PIPELINE_UNLOADING; }));
+  // Accepted no more; the running request is not disturbed.
+  const absl::StatusOr<v1::GenerateResponse> refused = Await(GenerateAsync("late", 2, 2));
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("unload"), std::string::npos) << refused.status();
+  EXPECT_FALSE(unload_returned.load());  // Still waits for the request that runs.
+  gate_->Allow(2);
+  const absl::StatusOr<v1::GenerateResponse> finished = Await(running);
+  ASSERT_TRUE(finished.ok()) << finished.status();
+  EXPECT_EQ(finished->width(), 64);
+  ASSERT_TRUE(WaitUntil([&] { return unload_returned.load(); }));
+  EXPECT_TRUE(unloaded.ok()) << unloaded;
+  EXPECT_EQ(StateOf("latch"), v1::PIPELINE_STATE_UNSPECIFIED);  // Gone.
+}
+
+TEST_F(RuntimeCoreTest, RequestsQueuedBehindARunningOneRunAsOneBatch) {
+  Start(/*max_batch=*/3);
+  auto first = GenerateAsync("first", 1, 1);
+  gate_->AwaitArrivals(1);
+  auto b = GenerateAsync("b", 1, 2);
+  auto c = GenerateAsync("c", 1, 3);
+  auto d = GenerateAsync("d", 1, 4);
+  ASSERT_TRUE(WaitUntil([&] { return core().waiting().jobs == 3; }));
+  gate_->Open();
+  ASSERT_TRUE(Await(first).ok());
+  for (const auto& outcome : {b, c, d}) {
+    const absl::StatusOr<v1::GenerateResponse> reply = Await(outcome);
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    EXPECT_EQ(reply->stats().batch_size(), 3);
+  }
+  const std::vector<std::vector<std::string>> batches = gate_->batches();
+  ASSERT_EQ(batches.size(), 2u);
+  EXPECT_EQ(batches[0], std::vector<std::string>{"first"});
+  std::vector<std::string> second = batches[1];
+  std::sort(second.begin(), second.end());
+  EXPECT_EQ(second, (std::vector<std::string>{"b", "c", "d"}));
+}
+
+TEST_F(RuntimeCoreTest, ACancelledMemberLeavesItsBatchAtTheNextStepAndTheOthersFinish) {
+  Start(/*max_batch=*/2);
+  auto first = GenerateAsync("first", 1, 1);
+  gate_->AwaitArrivals(1);
+  std::atomic<bool> gone{false};
+  auto stays = GenerateAsync("stays", 3, 2);
+  auto leaves = GenerateAsync("leaves", 3, 3, [&]() -> absl::Status {
+    return gone ? absl::CancelledError("cancelled by the client") : absl::OkStatus();
+  });
+  ASSERT_TRUE(WaitUntil([&] { return core().waiting().jobs == 2; }));
+  gate_->Allow(2);          // "first" finishes; the batch of two passes its first step.
+  gate_->AwaitArrivals(3);  // The batch waits at its second step...
+  gone = true;              // ...when one member's caller goes.
+  gate_->Open();
+  ASSERT_TRUE(Await(first).ok());
+  const absl::StatusOr<v1::GenerateResponse> kept = Await(stays);
+  ASSERT_TRUE(kept.ok()) << kept.status();
+  EXPECT_EQ(kept->stats().batch_size(), 2);
+  EXPECT_EQ(Await(leaves).status().code(), absl::StatusCode::kCancelled);
+  // Steps 2 and 3 ran for the one that stayed: 1 + 3 arrivals in all.
+  EXPECT_EQ(gate_->arrivals(), 4);
+}
+
+TEST_F(RuntimeCoreTest, AnAdminChangeRunsAfterTheRunningRequestAndBeforeTheQueuedOnes) {
+  Start();
+  auto first = GenerateAsync("first", 1, 1);
+  gate_->AwaitArrivals(1);
+  auto queued = GenerateAsync("queued", 1, 2);
+  ASSERT_TRUE(WaitUntil([&] { return core().waiting().jobs == 1; }));
+  size_t batches_when_changed = 99;
+  absl::Status changed = absl::UnknownError("not run");
+  threads_.emplace_back([&] {
+    changed = core().ChangeDevice(
+        [&](PlacementManager&) {
+          batches_when_changed = gate_->batches().size();
+          return absl::OkStatus();
+        },
+        [] { return absl::OkStatus(); });
+  });
+  ASSERT_TRUE(WaitUntil([&] { return core().waiting().tasks == 1; }));
+  gate_->Open();
+  ASSERT_TRUE(Await(first).ok());
+  ASSERT_TRUE(Await(queued).ok());
+  threads_.back().join();
+  threads_.pop_back();
+  EXPECT_TRUE(changed.ok()) << changed;
+  EXPECT_EQ(batches_when_changed, 1u);  // After "first" began, before "queued" did.
+}
+
+TEST_F(RuntimeCoreTest, AQueuedRequestWhoseDeadlinePassedNeverRuns) {
+  Start();
+  auto first = GenerateAsync("first", 1, 1);
+  gate_->AwaitArrivals(1);
+  std::atomic<bool> expired{false};
+  auto late = GenerateAsync("late", 1, 2, [&]() -> absl::Status {
+    return expired ? absl::DeadlineExceededError("deadline passed") : absl::OkStatus();
+  });
+  ASSERT_TRUE(WaitUntil([&] { return core().waiting().jobs == 1; }));
+  expired = true;
+  gate_->Open();
+  ASSERT_TRUE(Await(first).ok());
+  EXPECT_EQ(Await(late).status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(gate_->batches().size(), 1u);  // Only "first" ran.
+}
+
+}  // namespace
+}  // namespace stowage

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <iostream>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 
@@ -86,6 +87,55 @@ void DeviceWorker::AwaitWake(uint64_t seen, absl::Duration timeout) {
       timeout);
 }
 
+namespace {
+
+// The held waits of every worker (CallHoldingLane): caller → callee, at most one per caller (a
+// worker waits in one call at a time). Process-wide: workers are the keys, so devices of several
+// servers in one process never meet.
+struct HeldWaits {
+  absl::Mutex mu;
+  std::map<const DeviceWorker*, const DeviceWorker*> edges ABSL_GUARDED_BY(mu);
+};
+
+HeldWaits& Held() {
+  static HeldWaits* held = new HeldWaits();
+  return *held;
+}
+
+}  // namespace
+
+absl::Status DeviceWorker::CallHoldingLane(std::function<absl::Status(WorkerScope&)> fn, DeviceWorker& caller) {
+  if (!caller.OnWorkerThread()) {
+    std::cerr << "DeviceWorker::CallHoldingLane: called off the worker thread of " << caller.device() << std::endl;
+    std::abort();
+  }
+  if (&caller == this) {
+    WorkerScope scope(*this);
+    return fn(scope);
+  }
+  HeldWaits& held = Held();
+  {
+    absl::MutexLock lock(&held.mu);
+    std::string chain = options_.device;
+    for (const DeviceWorker* w = this;;) {
+      auto next = held.edges.find(w);
+      if (next == held.edges.end()) break;
+      w = next->second;
+      absl::StrAppend(&chain, " -> ", w->device());
+      if (w == &caller) {
+        return absl::AbortedError(absl::StrCat("device ", caller.device(), " cannot wait on ", options_.device,
+                                               ", which waits on it (", chain,
+                                               ") with its own state mid-change; the caller takes another way"));
+      }
+    }
+    held.edges[&caller] = this;
+  }
+  const absl::Status status = Call(std::move(fn), nullptr, nullptr);
+  absl::MutexLock lock(&held.mu);
+  held.edges.erase(&caller);
+  return status;
+}
+
 absl::Status DeviceWorker::RunCall(CallState& call, WorkerScope& scope) {
   absl::Status status;
   try {
@@ -141,6 +191,8 @@ absl::Status DeviceWorker::Call(std::function<absl::Status(WorkerScope&)> fn,
     calls_.push_back(state);
   }
   waker_->Bump();  // In case this worker itself waits in a call of its own.
+  // Everything but the interrupt wakes the wait (see the header).
+  const absl::Duration poll = interrupt ? absl::Milliseconds(20) : absl::InfiniteDuration();
   for (;;) {
     const uint64_t seen = caller != nullptr ? caller->waker_->Seq() : 0;
     {
@@ -150,14 +202,14 @@ absl::Status DeviceWorker::Call(std::function<absl::Status(WorkerScope&)> fn,
             absl::Condition(
                 +[](CallState* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->phase == CallState::Phase::kDone; },
                 state.get()),
-            absl::Milliseconds(20));
+            poll);
       }
       if (state->phase == CallState::Phase::kDone) return state->status;
     }
     if (caller != nullptr) {
       // Serve what others ask of the caller's device while it waits: they may be waiting on it.
       caller->ServeCalls(*caller_scope);
-      caller->AwaitWake(seen, absl::Milliseconds(20));
+      caller->AwaitWake(seen, poll);
     }
     {
       absl::MutexLock lock(&state->mu);
@@ -256,6 +308,7 @@ absl::Status DeviceWorker::RunTask(std::function<absl::Status(WorkerScope&)> tas
       queue_.insert(it, std::move(item));
     }
   }
+  const absl::Duration poll = interrupt ? absl::Milliseconds(20) : absl::InfiniteDuration();
   for (;;) {
     {
       absl::MutexLock lock(&state->mu);
@@ -265,7 +318,7 @@ absl::Status DeviceWorker::RunTask(std::function<absl::Status(WorkerScope&)> tas
           absl::Condition(
               +[](TaskState* s) ABSL_NO_THREAD_SAFETY_ANALYSIS { return s->phase == TaskState::Phase::kDone; },
               state.get()),
-          absl::Milliseconds(20));
+          poll);
       if (state->phase == TaskState::Phase::kDone) return state->status;
       if (state->phase == TaskState::Phase::kRunning) continue;  // Started: wait for its result.
     }

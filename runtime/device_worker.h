@@ -162,13 +162,24 @@ class DeviceWorker {
 
   // Runs `fn` on this worker through its remote-call lane and returns its status. `caller` is the
   // scope of the worker whose thread calls (null for other threads): it serves its own lane while
-  // it waits, so two workers calling each other both make progress. `interrupt` (optional) is polled every 20 ms
-  // while the call has not started: when it returns non-OK the call is withdrawn, never runs, and
-  // that status is returned; once started it runs to completion. UNAVAILABLE when this worker is
+  // it waits, so two workers calling each other both make progress. The wait is woken by events
+  // (the call's completion, a call arriving in the caller's lane); only an `interrupt` (optional: a
+  // request's caller, whose cancellation gRPC's synchronous API reports to no one) is polled, every
+  // 20 ms while the call has not started: when it returns non-OK the call is withdrawn, never runs,
+  // and that status is returned; once started it runs to completion. UNAVAILABLE when this worker is
   // stopping (Stop fails the calls still waiting in the lane with it, so a caller never hangs).
   // `fn` must not call Call itself.
   absl::Status Call(std::function<absl::Status(WorkerScope& scope)> fn,
                     const std::function<absl::Status()>& interrupt, WorkerScope* caller);
+  // A call from another worker whose device state is mid-change, so that it cannot serve its own
+  // lane while it waits (placement's peer eviction: `caller`'s worker, which must be the calling
+  // thread, moves a component here). Two such waits could wait on each other forever, so the
+  // workers order them: each held wait is an edge caller → callee in one wait graph, and a call that
+  // would close a cycle (this worker waits, directly or through others, on `caller` the same way)
+  // is refused at once with ABORTED, before anything ran — the caller takes another way (the host).
+  // Otherwise the call waits, without a timeout, until this worker runs it: every other wait of a
+  // worker serves its lane. On `caller`'s own device the function runs in place.
+  absl::Status CallHoldingLane(std::function<absl::Status(WorkerScope& scope)> fn, DeviceWorker& caller);
   // Runs the calls waiting in this worker's lane now; `scope` must be this worker's own. Jobs call
   // it between component runs.
   void ServeCalls(WorkerScope& scope);

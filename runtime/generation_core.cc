@@ -332,19 +332,18 @@ absl::Status GenerationCore::MoveToPeer(const std::string& pipeline, Component& 
   if (peer == nullptr || hosted == nullptr) {
     return absl::FailedPreconditionError(absl::StrCat("no peer ", device, " or pipeline ", pipeline, " here"));
   }
-  const absl::Time give_up = absl::Now() + absl::Milliseconds(200);
   const std::string reason = absl::StrCat("evicted from ", device_name_, ": cheaper here than from the host");
-  RETURN_IF_ERROR(peer->worker_->Call(
+  // Placement here is mid-change: this worker waits without serving its lane. The workers order such
+  // waits (DeviceWorker::CallHoldingLane): when the peer is itself evicting towards this device, this
+  // move is refused at once and placement takes the host instead.
+  RETURN_IF_ERROR(peer->worker_->CallHoldingLane(
       [&](WorkerScope& peer_scope) -> absl::Status {
         RETURN_IF_ERROR(peer->Placement(peer_scope).AdoptFromPeer(pipeline, component, reason));
         absl::MutexLock lock(&peer->split_mu_);
         peer->guests_[pipeline] = hosted;
         return absl::OkStatus();
       },
-      [give_up]() -> absl::Status {
-        return absl::Now() < give_up ? absl::OkStatus() : absl::DeadlineExceededError("the peer did not take it in 200 ms");
-      },
-      /*caller=*/nullptr));
+      *worker_));
   absl::MutexLock lock(&split_mu_);
   remote_[pipeline][&component] = peer;
   return absl::OkStatus();

@@ -238,9 +238,9 @@ class GenerationCore {
   void CheckScope(const WorkerScope& scope) const;
   // Worker only, from placement's peer eviction: moves `component` of `pipeline` (homed here,
   // resident here) to `device` by a call to its worker that copies it device to device. Waits
-  // without serving this worker's lane (placement is mid-change): gives up, for the host, when the
-  // peer has not started it within 200 ms (two devices evicting to each other at once both fall
-  // back to the host).
+  // without serving this worker's lane (placement is mid-change), ordered with the other workers'
+  // such waits (DeviceWorker::CallHoldingLane): of two devices evicting to each other at once, the
+  // second is refused at once (ABORTED) and evicts to the host; the first moves to its peer.
   absl::Status MoveToPeer(const std::string& pipeline, Component& component, const std::string& device);
   v1::Pipeline Describe(const HostedPipelines::View& view) const;
   absl::StatusOr<GenerationParams> Validate(const v1::GenerateRequest& request,

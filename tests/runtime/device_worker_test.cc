@@ -540,6 +540,94 @@ TEST(DeviceWorkerCallTest, WorkersWhoseJobsCallEachOtherDoNotDeadlock) {
   EXPECT_EQ(wrong_thread.load(), 0);
 }
 
+// Held waits (a worker whose state is mid-change waits on a peer without serving its lane) are
+// ordered by the workers: the one that would close a cycle is refused at once, the others wait
+// until served. Here a waits on b, which waits on c; c's wait on a is refused, naming the chain,
+// and then every held call runs.
+TEST(DeviceWorkerCallTest, AHeldWaitThatWouldCloseACycleIsRefusedAtOnceAndTheOthersRun) {
+  DeviceWorker a(Options("sim:0", 4));
+  DeviceWorker b(Options("sim:1", 4));
+  DeviceWorker c(Options("sim:2", 4));
+  absl::Notification c_busy, go_c, a_done, b_done, c_done;
+  absl::Status a_status, b_status, c_status;
+  std::atomic<int> ran_on_b{0}, ran_on_c{0}, ran_on_a{0};
+  DeviceWorker::Job c_job;  // Busy until the test lets it go, then waits on a: refused.
+  c_job.run = [&](WorkerScope&, absl::Duration) {
+    c_busy.Notify();
+    go_c.WaitForNotification();
+    c_status = a.CallHoldingLane([&](WorkerScope&) { ++ran_on_a; return absl::OkStatus(); }, c);
+    c_done.Notify();
+  };
+  ASSERT_TRUE(c.Submit(std::move(c_job)).ok());
+  c_busy.WaitForNotification();  // Else c would serve b's call before its job.
+  DeviceWorker::Job b_job;  // Waits on c (busy): held, queued in c's lane.
+  b_job.run = [&](WorkerScope&, absl::Duration) {
+    b_status = c.CallHoldingLane([&](WorkerScope& s) { ran_on_c += &s.worker() == &c; return absl::OkStatus(); }, b);
+    b_done.Notify();
+  };
+  ASSERT_TRUE(b.Submit(std::move(b_job)).ok());
+  WaitUntil(c, [](const DeviceWorker::Waiting& w) { return w.calls == 1; });
+  DeviceWorker::Job a_job;  // Waits on b (itself holding): held, queued in b's lane.
+  a_job.run = [&](WorkerScope&, absl::Duration) {
+    a_status = b.CallHoldingLane([&](WorkerScope& s) { ran_on_b += &s.worker() == &b; return absl::OkStatus(); }, a);
+    a_done.Notify();
+  };
+  ASSERT_TRUE(a.Submit(std::move(a_job)).ok());
+  WaitUntil(b, [](const DeviceWorker::Waiting& w) { return w.calls == 1; });
+  go_c.Notify();
+  c_done.WaitForNotification();
+  EXPECT_EQ(c_status.code(), absl::StatusCode::kAborted) << c_status;
+  EXPECT_NE(c_status.message().find("sim:0 -> sim:1 -> sim:2"), std::string::npos) << c_status;
+  EXPECT_EQ(ran_on_a.load(), 0);  // Refused before anything ran.
+  b_done.WaitForNotification();
+  a_done.WaitForNotification();
+  EXPECT_TRUE(b_status.ok()) << b_status;
+  EXPECT_TRUE(a_status.ok()) << a_status;
+  EXPECT_EQ(ran_on_c.load(), 1);
+  EXPECT_EQ(ran_on_b.load(), 1);
+  // The waits ended: the same calls in the other direction now run.
+  absl::Notification again;
+  absl::Status again_status;
+  DeviceWorker::Job retry;
+  retry.run = [&](WorkerScope&, absl::Duration) {
+    again_status = a.CallHoldingLane([&](WorkerScope&) { ++ran_on_a; return absl::OkStatus(); }, c);
+    again.Notify();
+  };
+  ASSERT_TRUE(c.Submit(std::move(retry)).ok());
+  again.WaitForNotification();
+  EXPECT_TRUE(again_status.ok()) << again_status;
+  EXPECT_EQ(ran_on_a.load(), 1);
+}
+
+// Two workers evicting to each other at the same moment: whichever registers second is refused.
+TEST(DeviceWorkerCallTest, TwoWorkersHoldingTowardEachOtherOneMovesAndOneIsRefused) {
+  DeviceWorker a(Options("sim:0", 4));
+  DeviceWorker b(Options("sim:1", 4));
+  absl::Notification b_busy, go_b, a_done, b_done;
+  absl::Status a_status, b_status;
+  DeviceWorker::Job b_job;
+  b_job.run = [&](WorkerScope&, absl::Duration) {
+    b_busy.Notify();
+    go_b.WaitForNotification();
+    b_status = a.CallHoldingLane([](WorkerScope&) { return absl::OkStatus(); }, b);
+    b_done.Notify();
+  };
+  ASSERT_TRUE(b.Submit(std::move(b_job)).ok());
+  b_busy.WaitForNotification();
+  DeviceWorker::Job a_job;
+  a_job.run = [&](WorkerScope&, absl::Duration) {
+    a_status = b.CallHoldingLane([](WorkerScope&) { return absl::OkStatus(); }, a);
+    a_done.Notify();
+  };
+  ASSERT_TRUE(a.Submit(std::move(a_job)).ok());
+  WaitUntil(b, [](const DeviceWorker::Waiting& w) { return w.calls == 1; });
+  go_b.Notify();
+  b_done.WaitForNotification();
+  a_done.WaitForNotification();
+  EXPECT_EQ(b_status.code(), absl::StatusCode::kAborted) << b_status;
+  EXPECT_TRUE(a_status.ok()) << a_status;
+}
+
 // A worker busy in a long job serves its lane at the job's component boundaries (ServeCalls).
 TEST(DeviceWorkerCallTest, ABusyWorkerServesCallsBetweenComponentRuns) {
   DeviceWorker worker(Options("sim:1", 4));

@@ -26,21 +26,13 @@
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "runtime/config.h"
-#include "runtime/image_request.h"
+#include "runtime/reply.h"
+#include "runtime/request_validation.h"
 #include "base/process_memory.h"
 
 namespace stowage {
 namespace {
 
-using google::protobuf::util::TimeUtil;
-
-google::protobuf::Duration ToProto(absl::Duration d) {
-  return TimeUtil::NanosecondsToDuration(absl::ToInt64Nanoseconds(d));
-}
-
-absl::Duration FromProto(const google::protobuf::Duration& d) {
-  return absl::Nanoseconds(TimeUtil::DurationToNanoseconds(d));
-}
 
 absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateBackend(const v1::DeviceConfig& device) {
   std::unique_ptr<DeviceBackend> backend;
@@ -57,15 +49,6 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateBackend(const v1::DeviceCon
     RETURN_IF_ERROR(backend->SetMemoryBudget(device.memory_budget_bytes()));
   }
   return backend;
-}
-
-absl::Status CheckSize(const char* field, int value, const PipelineLimits& limits) {
-  if (value < limits.min_size || value > limits.max_size || value % limits.size_multiple != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, " is ", value, "; allowed: ", limits.min_size, " to ", limits.max_size,
-        " in multiples of ", limits.size_multiple, ", or 0 for the default"));
-  }
-  return absl::OkStatus();
 }
 
 // The ComponentRunner of one run on this device: components of the pipeline that live here run
@@ -1032,109 +1015,6 @@ std::string GenerationCore::PipelineLabel(const v1::GenerateRequest& request) co
   return "unknown";
 }
 
-absl::StatusOr<GenerationParams> GenerationCore::Validate(const v1::GenerateRequest& request,
-                                                          const Pipeline& pipeline) const {
-  const PipelineLimits& limits = pipeline.limits();
-  GenerationParams params;
-  if (request.prompt().empty()) return absl::InvalidArgumentError("prompt is required");
-  if (static_cast<int>(request.prompt().size()) > limits.max_prompt_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("prompt is ", request.prompt().size(),
-                                                   " bytes; at most ", limits.max_prompt_bytes,
-                                                   " bytes allowed by pipeline '", pipeline.name(), "'"));
-  }
-  if (static_cast<int>(request.negative_prompt().size()) > limits.max_prompt_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("negative_prompt is ", request.negative_prompt().size(),
-                                                   " bytes; at most ", limits.max_prompt_bytes,
-                                                   " bytes allowed by pipeline '", pipeline.name(), "'"));
-  }
-  // Protobuf refuses invalid UTF-8 on the wire; in-process callers (and other fronts) get the
-  // same rule here.
-  if (!IsValidUtf8(request.prompt())) return absl::InvalidArgumentError("prompt is not valid UTF-8");
-  if (!IsValidUtf8(request.negative_prompt())) {
-    return absl::InvalidArgumentError("negative_prompt is not valid UTF-8");
-  }
-  params.prompt = request.prompt();
-  params.negative_prompt = request.negative_prompt();
-  params.width = request.width() == 0 ? limits.default_width : request.width();
-  params.height = request.height() == 0 ? limits.default_height : request.height();
-  RETURN_IF_ERROR(CheckSize("width", params.width, limits));
-  RETURN_IF_ERROR(CheckSize("height", params.height, limits));
-  if (request.num_inference_steps() < 0 || request.num_inference_steps() > limits.max_steps) {
-    return absl::InvalidArgumentError(absl::StrCat("num_inference_steps is ", request.num_inference_steps(),
-                                                   "; allowed: 1 to ", limits.max_steps,
-                                                   ", or 0 for the default (", limits.default_steps, ")"));
-  }
-  params.steps = request.num_inference_steps() == 0 ? limits.default_steps : request.num_inference_steps();
-  // An input image (image to image, inpainting): decoded, sized (it may set width and height).
-  RETURN_IF_ERROR(ApplyImageInput(request, limits, pipeline.name(), &params));
-  if (request.has_guidance_scale()) {
-    const float g = request.guidance_scale();
-    if (!std::isfinite(g) || g < 0.0f || g > 100.0f) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("guidance_scale is ", g, "; must be finite and within [0, 100]"));
-    }
-    params.guidance_scale = g;
-  } else {
-    params.guidance_scale = limits.default_guidance_scale;
-  }
-  if (request.output_format() != v1::IMAGE_FORMAT_UNSPECIFIED && request.output_format() != v1::IMAGE_FORMAT_PNG &&
-      request.output_format() != v1::IMAGE_FORMAT_PNG_FAST && request.output_format() != v1::IMAGE_FORMAT_RGB) {
-    return absl::InvalidArgumentError(absl::StrCat("output_format ", static_cast<int>(request.output_format()),
-                                                   " is not supported; allowed: IMAGE_FORMAT_PNG, IMAGE_FORMAT_PNG_FAST, "
-                                                   "IMAGE_FORMAT_RGB"));
-  }
-  if (request.partial_images() < 0 || request.partial_images() > kMaxPartialImages) {
-    return absl::InvalidArgumentError(absl::StrCat("partial_images is ", request.partial_images(),
-                                                   "; allowed: 0 (the default) ..", kMaxPartialImages));
-  }
-  if (request.priority() < 0 || request.priority() > kMaxPriority) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("priority is ", request.priority(), "; allowed: 0 (the default) ..", kMaxPriority));
-  }
-  if (!IsValidTenant(request.tenant())) {
-    return absl::InvalidArgumentError(absl::StrCat("tenant ", Truncated(request.tenant()), " is not at most ",
-                                                   kMaxTenantLength, " characters of [A-Za-z0-9._-]"));
-  }
-  if (request.request_id().size() > 128) {
-    return absl::InvalidArgumentError("request_id is longer than 128 characters");
-  }
-  for (char c : request.request_id()) {
-    if (c < 0x20 || c > 0x7e) {
-      return absl::InvalidArgumentError("request_id must be printable ASCII");
-    }
-  }
-  if (request.loras_size() > kMaxLorasPerRequest) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("loras: ", request.loras_size(), " adapters; at most ", kMaxLorasPerRequest, " per request"));
-  }
-  if (request.loras_size() > 0 && !RemoteOf(pipeline.name()).empty()) {
-    return absl::FailedPreconditionError(absl::StrCat("loras: pipeline '", pipeline.name(),
-                                                      "' runs on several devices; LoRA adapters need a pipeline on one"));
-  }
-  for (int i = 0; i < request.loras_size(); ++i) {
-    const v1::LoraRef& ref = request.loras(i);
-    const std::string field = absl::StrCat("loras[", i, "]");
-    if (!std::isfinite(ref.scale()) || ref.scale() < -kMaxLoraScale || ref.scale() > kMaxLoraScale) {
-      return absl::InvalidArgumentError(absl::StrFormat("%s.scale is %g; allowed: finite, -%g..%g", field,
-                                                        ref.scale(), kMaxLoraScale, kMaxLoraScale));
-    }
-    RETURN_IF_ERROR(adapters_.CheckNamed(pipeline.name(), ref.name(), field));
-    for (int j = 0; j < i; ++j) {
-      if (request.loras(j).name() == ref.name()) {
-        return absl::InvalidArgumentError(absl::StrCat(field, ".name: adapter '", ref.name(), "' named twice"));
-      }
-    }
-    if (ref.scale() != 0.0f) params.loras.emplace_back(AdapterKey(pipeline.name(), ref.name()), ref.scale());
-  }
-  if (request.has_seed()) {
-    params.seed = request.seed();
-  } else {
-    std::random_device device;
-    params.seed = (static_cast<uint64_t>(device()) << 32) ^ device();
-  }
-  return params;
-}
-
 v1::BatchingConfig GenerationCore::BatchingOf(const std::string& pipeline) const {
   absl::MutexLock lock(&batching_mu_);
   auto it = batching_.find(pipeline);
@@ -1161,7 +1041,8 @@ absl::StatusOr<v1::Pipeline> GenerationCore::SetBatching(const std::string& name
 absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::GenerateRequest& request,
                                                               const CallControl& control) {
   ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.Resolve(request.pipeline()));
-  ASSIGN_OR_RETURN(GenerationParams params, Validate(request, *pipeline));
+  ASSIGN_OR_RETURN(GenerationParams params,
+                   ValidateRequest(request, *pipeline, adapters_, /*split=*/!RemoteOf(pipeline->name()).empty()));
   RETURN_IF_ERROR(control.interrupt ? control.interrupt() : absl::OkStatus());
   in_flight_.fetch_add(1, std::memory_order_relaxed);
   struct Done {
@@ -1226,22 +1107,7 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
     *progress.mutable_queue_wait() = response.stats().queue_wait();
     control.on_progress(progress);
   }
-  const absl::Time encode_start = absl::Now();
-  const v1::ImageFormat format = pending.request != nullptr ? pending.request->output_format() : v1::IMAGE_FORMAT_PNG;
-  if (format == v1::IMAGE_FORMAT_RGB) {
-    response.set_image(std::string(pending.image.rgb.begin(), pending.image.rgb.end()));
-    response.set_format(v1::IMAGE_FORMAT_RGB);
-  } else {
-    ASSIGN_OR_RETURN(std::string png, EncodePng(pending.image, /*fast=*/format == v1::IMAGE_FORMAT_PNG_FAST));
-    response.set_image(std::move(png));
-    response.set_format(format == v1::IMAGE_FORMAT_PNG_FAST ? v1::IMAGE_FORMAT_PNG_FAST : v1::IMAGE_FORMAT_PNG);
-  }
-  const absl::Duration encode = absl::Now() - encode_start;
-  v1::RequestStats* stats = response.mutable_stats();
-  v1::StageTiming* timing = stats->add_stages();
-  timing->set_stage("encode_image");
-  *timing->mutable_duration() = ToProto(encode);
-  *stats->mutable_run_time() = ToProto(FromProto(stats->run_time()) + encode);
+  RETURN_IF_ERROR(EncodeReplyImage(pending.image, request.output_format(), response));
   return std::move(pending.result);
 }
 
@@ -1398,38 +1264,21 @@ void GenerationCore::RunOnWorker(WorkerScope& scope, const std::vector<PendingRe
       r.result = images[i].status();
       continue;
     }
-    const Image& image = *images[i];
-    v1::GenerateResponse response;
-    response.set_format(v1::IMAGE_FORMAT_PNG);
-    response.set_width(image.width);
-    response.set_height(image.height);
-    response.set_seed(r.params.seed);
-    response.set_pipeline(pipeline.name());
-    response.set_request_id(ids[i]);
-    v1::RequestStats* stats = response.mutable_stats();
-    *stats->mutable_queue_wait() = ToProto(r.queue_wait);
-    *stats->mutable_run_time() = ToProto(run_time);
-    for (const RunContext::StageTime& stage : contexts[i]->stage_times()) {
-      v1::StageTiming* timing = stats->add_stages();
-      timing->set_stage(stage.stage);
-      *timing->mutable_duration() = ToProto(stage.duration);
-      timing->set_shared(stage.shared);
-    }
-    stats->set_peak_device_memory_bytes(std::max(after.peak_allocated_bytes, peak_floor_allocated_));
-    stats->set_peak_device_reserved_bytes(std::max(after.peak_process_bytes(), peak_floor_reserved_));
-    if (memory.ok()) stats->set_peak_cpu_rss_bytes(memory->peak_rss_bytes);
-    stats->set_host_to_device_bytes(after.host_to_device_bytes - before.host_to_device_bytes);
-    stats->set_device_to_host_bytes(after.device_to_host_bytes - before.device_to_host_bytes);
-    stats->set_device(device_name_);
-    stats->set_batch_size(batch_size);
-    *stats->mutable_batch_wait() = ToProto(r.batch_wait);
-    v1::DeviceUsage* home = stats->add_devices();
-    home->set_device(device_name_);
-    home->set_peak_device_memory_bytes(stats->peak_device_memory_bytes());
-    home->set_peak_device_reserved_bytes(stats->peak_device_reserved_bytes());
-    home->set_host_to_device_bytes(stats->host_to_device_bytes());
-    home->set_device_to_host_bytes(stats->device_to_host_bytes());
-    for (const v1::DeviceUsage& peer : runner.peer_usage()) *stats->add_devices() = peer;
+    ReplyFacts facts;
+    facts.pipeline = pipeline.name();
+    facts.request_id = ids[i];
+    facts.device = device_name_;
+    facts.batch_size = batch_size;
+    facts.queue_wait = r.queue_wait;
+    facts.batch_wait = r.batch_wait;
+    facts.run_time = run_time;
+    facts.before = before;
+    facts.after = after;
+    facts.peak_floor_allocated = peak_floor_allocated_;
+    facts.peak_floor_reserved = peak_floor_reserved_;
+    if (memory.ok()) facts.peak_cpu_rss_bytes = memory->peak_rss_bytes;
+    v1::GenerateResponse response =
+        BuildReply(*images[i], r.params, facts, contexts[i]->stage_times(), runner.peer_usage());
     r.result = std::move(response);
     r.image = *std::move(images[i]);
   }

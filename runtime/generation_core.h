@@ -243,8 +243,6 @@ class GenerationCore {
   // second is refused at once (ABORTED) and evicts to the host; the first moves to its peer.
   absl::Status MoveToPeer(const std::string& pipeline, Component& component, const std::string& device);
   v1::Pipeline Describe(const HostedPipelines::View& view) const;
-  absl::StatusOr<GenerationParams> Validate(const v1::GenerateRequest& request,
-                                            const Pipeline& pipeline) const;
   v1::BatchingConfig BatchingOf(const std::string& pipeline) const;
   // One small generation so that the first request finds kernels loaded, library handles made and
   // components placed (PipelineConfig.warmup). Failures are logged, not returned.
@@ -278,7 +276,7 @@ class GenerationCore {
   std::map<std::string, std::shared_ptr<LoadProgress>> loading_ ABSL_GUARDED_BY(loading_mu_);
 
   // LoRA adapters loaded per pipeline, with their placement components (changed on the worker;
-  // read by Validate, Describe and the worker).
+  // read by ValidateRequest, Describe and the worker).
   AdapterTable adapters_;
   // Detaches the adapter attached as `key` (AdapterKey) from every Linear of `pipeline`.
   static void DetachAdapter(WorkerScope& scope, Pipeline& pipeline, const std::string& key);

@@ -2,8 +2,8 @@
 // what each one is (v1::Adapter), its placement component (its matrices as one module:
 // models/core/lora.h MakeLoraAdapterModule), and the rules that go with them — making a file ready
 // for a pipeline, the name layers attach it under, the adapters a request may name, and holding the
-// ones a batch uses on the device. GenerationCore owns one table per device and changes it on its
-// worker; attaching to layers and registering with placement stay the worker's (GenerationCore).
+// ones a batch uses on the device. DeviceRuntime owns one table per device and changes it on its
+// worker; attaching to layers and registering with placement stay the worker's (DeviceRuntime).
 #ifndef STOWAGE_RUNTIME_ADAPTER_TABLE_H_
 #define STOWAGE_RUNTIME_ADAPTER_TABLE_H_
 

@@ -96,7 +96,7 @@ void LogWarnings(const std::vector<std::string>& warnings) {
 }  // namespace
 
 absl::StatusOr<v1::GetPlacementResponse> AdminCore::GetPlacement(const v1::GetPlacementRequest& request) const {
-  ASSIGN_OR_RETURN(GenerationCore * core, devices_->Device(request.device()));
+  ASSIGN_OR_RETURN(DeviceRuntime * core, devices_->Device(request.device()));
   const std::shared_ptr<const PlacementSnapshot> snapshot = core->placement_snapshot();
   v1::GetPlacementResponse response;
   response.set_device(snapshot->device);
@@ -115,7 +115,7 @@ absl::StatusOr<v1::GetPlacementResponse> AdminCore::GetPlacement(const v1::GetPl
 absl::StatusOr<v1::SetOffloadStrategyResponse> AdminCore::SetOffloadStrategy(
     const v1::SetOffloadStrategyRequest& request, const Interrupt& interrupt) {
   v1::SetOffloadStrategyResponse response;
-  ASSIGN_OR_RETURN(GenerationCore * core, devices_->Device(request.device()));
+  ASSIGN_OR_RETURN(DeviceRuntime * core, devices_->Device(request.device()));
   RETURN_IF_ERROR(core->ChangeDevice(
       [&](PlacementManager& placement) -> absl::Status {
         // Workflow rules name components: validated against those registered now, on the worker,
@@ -135,7 +135,7 @@ absl::StatusOr<v1::SetOffloadStrategyResponse> AdminCore::SetOffloadStrategy(
 
 absl::StatusOr<v1::EnableGroupOffloadResponse> AdminCore::EnableGroupOffload(
     const v1::EnableGroupOffloadRequest& request, const Interrupt& interrupt) {
-  ASSIGN_OR_RETURN(GenerationCore * core, devices_->Device(request.device()));
+  ASSIGN_OR_RETURN(DeviceRuntime * core, devices_->Device(request.device()));
   std::function<absl::Status(PlacementManager&)> change;
   std::function<bool(const ComponentView&)> changed;
   if (request.has_component_id()) {
@@ -173,7 +173,7 @@ absl::StatusOr<v1::DisableGroupOffloadResponse> AdminCore::DisableGroupOffload(
   if (!request.has_component_id() && !request.has_pipeline()) {
     return absl::InvalidArgumentError("set component_id or pipeline");
   }
-  ASSIGN_OR_RETURN(GenerationCore * core, devices_->Device(request.device()));
+  ASSIGN_OR_RETURN(DeviceRuntime * core, devices_->Device(request.device()));
   std::vector<std::string> ids;
   RETURN_IF_ERROR(core->ChangeDevice(
       [&](PlacementManager& placement) -> absl::Status {
@@ -244,7 +244,7 @@ absl::StatusOr<v1::GetPlacementLogResponse> AdminCore::GetPlacementLog(
                      kDefaultLogLimit, ")"));
   }
   const size_t limit = request.limit() == 0 ? kDefaultLogLimit : static_cast<size_t>(request.limit());
-  ASSIGN_OR_RETURN(GenerationCore * core, devices_->Device(request.device()));
+  ASSIGN_OR_RETURN(DeviceRuntime * core, devices_->Device(request.device()));
   v1::GetPlacementLogResponse response;
   for (const PlacementDecision& d : core->DecisionLog(limit)) {
     v1::PlacementDecision* out = response.add_decisions();

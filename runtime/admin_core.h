@@ -2,7 +2,7 @@
 // response or a status, and knows nothing of gRPC or HTTP; AdminServiceImpl (and any other front)
 // is authentication plus a one-line adapter per RPC.
 //
-// Every change goes through GenerationCore::ChangeDevice (or its Load/Unload), so it runs on the
+// Every change goes through DeviceRuntime::ChangeDevice (or its Load/Unload), so it runs on the
 // device's worker between requests; reads use the snapshot the worker published. A refused change
 // changes nothing: requests are validated completely before a task is posted, and whole-pipeline
 // changes are all or nothing on the worker. Client text echoed in messages is cut to a short prefix.
@@ -13,7 +13,7 @@
 
 #include "absl/status/statusor.h"
 #include "runtime/device_set.h"
-#include "runtime/generation_core.h"
+#include "runtime/device_runtime.h"
 #include "stowage/v1/admin.pb.h"
 
 namespace stowage {

@@ -72,7 +72,7 @@ absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerCon
       const std::vector<std::string> targets = Targets(p, names.front());
       if (std::find(targets.begin(), targets.end(), names[i]) != targets.end()) *own.add_pipelines() = p;
     }
-    ASSIGN_OR_RETURN(std::unique_ptr<GenerationCore> core, GenerationCore::Create(own, metrics, factories));
+    ASSIGN_OR_RETURN(std::unique_ptr<DeviceRuntime> core, DeviceRuntime::Create(own, metrics, factories));
     if (core->device_name() != names[i]) {
       return absl::InternalError(absl::StrCat("device ", names[i], " came up as ", core->device_name()));
     }
@@ -80,7 +80,7 @@ absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerCon
     set->routes_.push_back(std::make_unique<Route>());
   }
   for (const auto& core : set->devices_) {
-    std::vector<GenerationCore*> peers;
+    std::vector<DeviceRuntime*> peers;
     for (const auto& other : set->devices_) {
       if (other != core) peers.push_back(other.get());
     }
@@ -269,9 +269,9 @@ absl::StatusOr<v1::Pipeline> DeviceSet::LoadPipeline(const v1::PipelineConfig& c
     RETURN_IF_ERROR(FinalizePipelineConfig(p, "pipeline", registry_));
   }
   std::vector<std::string> targets = Targets(config, devices_.front()->device_name());
-  std::vector<GenerationCore*> cores;
+  std::vector<DeviceRuntime*> cores;
   for (const std::string& target : targets) {
-    absl::StatusOr<GenerationCore*> core = Device(target);
+    absl::StatusOr<DeviceRuntime*> core = Device(target);
     if (!core.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("pipeline.devices: ", core.status().message()));
     }
@@ -314,7 +314,7 @@ absl::StatusOr<v1::Pipeline> DeviceSet::LoadPipeline(const v1::PipelineConfig& c
     }
     if (i == 0) first = *loaded;
   }
-  for (GenerationCore* core : cores) first.add_devices(core->device_name());
+  for (DeviceRuntime* core : cores) first.add_devices(core->device_name());
   return first;
 }
 
@@ -352,7 +352,7 @@ absl::StatusOr<v1::Adapter> DeviceSet::LoadAdapter(const v1::LoadAdapterRequest&
   if (!std::isfinite(request.alpha()) || request.alpha() < 0) {
     return absl::InvalidArgumentError(absl::StrCat("alpha is ", request.alpha(), "; allowed: 0 (none) or a positive number"));
   }
-  std::vector<GenerationCore*> cores;
+  std::vector<DeviceRuntime*> cores;
   for (const auto& core : devices_) {
     if (core->IsReady(request.pipeline())) cores.push_back(core.get());
   }
@@ -397,8 +397,8 @@ absl::StatusOr<v1::MoveComponentResponse> DeviceSet::MoveComponent(const v1::Mov
     return absl::InvalidArgumentError("component is required (a component name such as \"text_encoder\")");
   }
   if (request.device().empty()) return absl::InvalidArgumentError("device is required (for example \"cuda:1\")");
-  ASSIGN_OR_RETURN(GenerationCore * to, Device(request.device()));
-  std::vector<GenerationCore*> homes;
+  ASSIGN_OR_RETURN(DeviceRuntime * to, Device(request.device()));
+  std::vector<DeviceRuntime*> homes;
   std::vector<std::string> home_names;
   for (const auto& core : devices_) {
     for (const PipelineStateView& v : core->PipelineStates()) {
@@ -424,7 +424,7 @@ absl::StatusOr<v1::MoveComponentResponse> DeviceSet::MoveComponent(const v1::Mov
   return response;
 }
 
-absl::StatusOr<GenerationCore*> DeviceSet::Device(const std::string& name) const {
+absl::StatusOr<DeviceRuntime*> DeviceSet::Device(const std::string& name) const {
   if (name.empty()) return devices_.front().get();
   std::vector<std::string> names;
   for (const auto& core : devices_) {
@@ -463,7 +463,7 @@ v1::DrainDeviceResponse DeviceSet::Status() const {
 
 absl::StatusOr<v1::DrainDeviceResponse> DeviceSet::Drain(const std::string& device, bool drain) {
   if (device.empty()) return absl::InvalidArgumentError("device is required (for example \"cuda:1\")");
-  ASSIGN_OR_RETURN(GenerationCore * core, Device(device));
+  ASSIGN_OR_RETURN(DeviceRuntime * core, Device(device));
   for (size_t i = 0; i < devices_.size(); ++i) {
     if (devices_[i].get() != core) continue;
     absl::MutexLock lock(&routes_[i]->mu);

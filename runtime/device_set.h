@@ -1,6 +1,6 @@
 // DeviceSet: the devices of one server and the routing of requests between them.
 //
-// Each device is a GenerationCore: its own backend, worker, queue, budget, placement registry and
+// Each device is a DeviceRuntime: its own backend, worker, queue, budget, placement registry and
 // strategy, changed only by its worker (runtime/device_worker.h). A pipeline is loaded onto one or
 // more devices (PipelineConfig.devices); each copy is a full replica, and a request goes to the
 // READY, non-draining replica with the shortest expected wait: (requests in flight there + 1) ×
@@ -10,7 +10,7 @@
 // elsewhere; the ones it accepted finish there.
 //
 // With one device the same rules apply (draining it refuses new requests); every other behaviour
-// and message is GenerationCore's.
+// and message is DeviceRuntime's.
 //
 // Thread-safety: every method may be called from any thread but a device worker's.
 #ifndef STOWAGE_RUNTIME_DEVICE_SET_H_
@@ -25,7 +25,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "runtime/generation_core.h"
+#include "runtime/device_runtime.h"
 #include "runtime/metrics.h"
 #include "runtime/runtime_factories.h"
 #include "stowage/v1/admin.pb.h"
@@ -43,10 +43,10 @@ class DeviceSet {
   // against the same registry.
   static absl::StatusOr<std::unique_ptr<DeviceSet>> Create(const v1::ServerConfig& config, ServerMetrics* metrics,
                                                            const RuntimeFactories& factories = {});
-  // Releases every device's state, then stops every worker (see GenerationCore::ReleaseDeviceState).
+  // Releases every device's state, then stops every worker (see DeviceRuntime::ReleaseDeviceState).
   ~DeviceSet();
 
-  // Routes to a replica (see above). NOT_FOUND for an unknown pipeline (GenerationCore's message);
+  // Routes to a replica (see above). NOT_FOUND for an unknown pipeline (DeviceRuntime's message);
   // UNAVAILABLE when every replica's device is draining.
   absl::StatusOr<v1::GenerateResponse> Generate(const v1::GenerateRequest& request, const CallControl& control);
   // One entry per pipeline name: the first replica's description, with `devices` listing all.
@@ -76,11 +76,11 @@ class DeviceSet {
   absl::Status UnloadAdapter(const v1::UnloadAdapterRequest& request, const Interrupt& interrupt);
 
   // The device named `name` ("" = the first). NOT_FOUND naming the devices there are.
-  absl::StatusOr<GenerationCore*> Device(const std::string& name) const;
-  const std::vector<std::unique_ptr<GenerationCore>>& devices() const { return devices_; }
+  absl::StatusOr<DeviceRuntime*> Device(const std::string& name) const;
+  const std::vector<std::unique_ptr<DeviceRuntime>>& devices() const { return devices_; }
 
   // Admin MoveComponent: moves one component of a one-device (or split) pipeline to `device`, by
-  // the owning workers, between the pipeline's requests (GenerationCore::MoveComponent). A
+  // the owning workers, between the pipeline's requests (DeviceRuntime::MoveComponent). A
   // pipeline with replicas: FAILED_PRECONDITION.
   absl::StatusOr<v1::MoveComponentResponse> MoveComponent(const v1::MoveComponentRequest& request,
                                                           const Interrupt& interrupt);
@@ -96,8 +96,8 @@ class DeviceSet {
   DeviceSet() = default;
   // A split pipeline's home and the devices of its other components, by component name.
   struct Split {
-    GenerationCore* home = nullptr;
-    std::map<std::string, GenerationCore*> remote;
+    DeviceRuntime* home = nullptr;
+    std::map<std::string, DeviceRuntime*> remote;
   };
   // INVALID_ARGUMENT naming `field`.component_devices[j].device for an unknown device or the home;
   // returns the component devices.
@@ -119,7 +119,7 @@ class DeviceSet {
   const PipelineRegistry* registry_ = nullptr;
   // The tenants of scheduler.tenant_weights (metric labels).
   std::set<std::string> listed_tenants_;
-  std::vector<std::unique_ptr<GenerationCore>> devices_;
+  std::vector<std::unique_ptr<DeviceRuntime>> devices_;
   std::vector<std::unique_ptr<Route>> routes_;  // Parallel to devices_.
 };
 

@@ -32,7 +32,7 @@
 //
 // The capability: every job, task and call runs with the worker's WorkerScope, which only the
 // worker can make (on its own thread) and which cannot be copied. Code that changes device state
-// takes a WorkerScope& (GenerationCore's device accessors, SplitRunner, ServeCalls), so "worker
+// takes a WorkerScope& (DeviceRuntime's device accessors, SplitRunner, ServeCalls), so "worker
 // only" is a type the compiler checks: another thread has no scope to pass.
 //
 // Thread-safety: Submit and RunTask may be called from any thread except the worker's own (a task

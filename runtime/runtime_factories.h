@@ -1,5 +1,5 @@
 // RuntimeFactories: what the runtime builds its devices and pipelines from, injected by whoever
-// creates it (DeviceSet::Create, GenerationCore::Create). The server passes none and gets the
+// creates it (DeviceSet::Create, DeviceRuntime::Create). The server passes none and gets the
 // defaults: every architecture this build knows (DefaultPipelineRegistry) and the backend a device's
 // config names (CUDA, or the simulated accelerator). Tests pass their own registry — e.g. one with a
 // pipeline that blocks on a latch — or their own backend, to drive the runtime without gRPC and

@@ -1,4 +1,4 @@
-// What every front (gRPC, HTTP) records for one finished GenerationCore::Generate call, in one
+// What every front (gRPC, HTTP) records for one finished DeviceRuntime::Generate call, in one
 // place so that both count requests the same way: stowage_requests_total{pipeline,code},
 // stowage_request_duration_seconds, and for a successful call its per-request resources and the
 // bytes it moved.
@@ -15,7 +15,7 @@ namespace stowage {
 
 // `metrics` may be null (nothing is recorded). `response` is the call's result when it succeeded,
 // else null. `start` is when the front received the request. The pipeline label comes from
-// GenerationCore::PipelineLabel, so client input never becomes a label value.
+// DeviceRuntime::PipelineLabel, so client input never becomes a label value.
 void RecordGeneration(const DeviceSet& core, ServerMetrics* metrics, const v1::GenerateRequest& request,
                       const absl::Status& status, const v1::GenerateResponse* response, absl::Time start);
 

@@ -1,5 +1,5 @@
 // GenerationService over gRPC: a thin adapter. Each method converts the deadline and cancellation
-// into a CallControl, calls GenerationCore, converts the status once, and records metrics.
+// into a CallControl, calls DeviceRuntime, converts the status once, and records metrics.
 #ifndef STOWAGE_SERVER_GENERATION_SERVICE_H_
 #define STOWAGE_SERVER_GENERATION_SERVICE_H_
 

@@ -126,7 +126,7 @@ std::optional<OpenAiError> ParseSize(const std::string& size, v1::GenerateReques
   return std::nullopt;
 }
 
-// The request field that a GenerationCore message starts with, as this API names it.
+// The request field that a DeviceRuntime message starts with, as this API names it.
 std::string ParamOf(absl::string_view message) {
   struct Prefix {
     const char* core;
@@ -528,7 +528,7 @@ std::vector<std::pair<std::string, std::string>> StatsHeaders(const std::vector<
     h2d += s.host_to_device_bytes();
     d2h += s.device_to_host_bytes();
   }
-  // Header values must be printable ASCII: request ids are (GenerationCore checks them), pipeline
+  // Header values must be printable ASCII: request ids are (DeviceRuntime checks them), pipeline
   // and device names too; Truncated keeps that true whatever they hold.
   headers.emplace_back("X-Stowage-Pipeline", Truncated(images[0].pipeline()));
   headers.emplace_back("X-Stowage-Device", Truncated(images[0].stats().device()));

@@ -1,4 +1,4 @@
-// The OpenAI images API in terms of GenerationCore's messages, with no transport: the JSON body of
+// The OpenAI images API in terms of DeviceRuntime's messages, with no transport: the JSON body of
 // POST /v1/images/generations → GenerateRequests, GenerateResponses → the JSON reply and its stats
 // headers, ListPipelines → GET /v1/models, and absl::Status → OpenAI's error object with its HTTP
 // status. server/http_front.cc is the transport glue around these functions.
@@ -56,7 +56,7 @@ std::string ErrorBody(const OpenAiError& error);
 // A 400 invalid_request_error naming `param`.
 OpenAiError InvalidRequest(std::string message, std::string param = "", std::string code = "");
 
-// The error for a status from GenerationCore (or any absl::Status): INVALID_ARGUMENT and
+// The error for a status from DeviceRuntime (or any absl::Status): INVALID_ARGUMENT and
 // OUT_OF_RANGE → 400 (param named when the message starts with a request field: a width or height
 // error names "size"); NOT_FOUND → 404 "model_not_found"; RESOURCE_EXHAUSTED → 429 ("queue_full"
 // when the device queue refused it); UNAVAILABLE and FAILED_PRECONDITION (a pipeline loading,
@@ -90,7 +90,7 @@ struct FormPart {
 // Returns the error to answer with (always a 4xx) when the body is unacceptable: not UTF-8, not a
 // JSON object, too deep, a field of the wrong type or out of the range given here (n, size's form,
 // seed), response_format "url", or a field this API does not know. Ranges that depend on the
-// pipeline (size, steps, prompt length) are GenerationCore's to check.
+// pipeline (size, steps, prompt length) are DeviceRuntime's to check.
 std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t max_bytes, ImagesRequest* request);
 
 // The fields of a request once read from its body (a JSON object, or an edit's form as one):
@@ -99,7 +99,7 @@ std::optional<OpenAiError> ParseImagesRequest(absl::string_view body, int64_t ma
 std::optional<OpenAiError> ParseImagesFields(const google::protobuf::Struct& json, bool edit, ImagesRequest* request);
 
 // POST /v1/images/edits, as OpenAI's images.edit sends it (multipart/form-data): the file fields
-// `image` (or `image[]`: one image) and `mask` (optional) — PNGs; GenerationCore decodes and checks
+// `image` (or `image[]`: one image) and `mask` (optional) — PNGs; DeviceRuntime decodes and checks
 // them — and the text fields of the generations body (numbers, booleans and `loras`' JSON as text),
 // plus `strength`. 400 for a missing image, a field given twice, a field that is not UTF-8 or not
 // of its type, and anything ParseImagesFields refuses.

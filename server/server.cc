@@ -23,7 +23,7 @@
 #include "prometheus/exposer.h"
 #include "runtime/config.h"
 #include "runtime/device_set.h"
-#include "runtime/generation_core.h"
+#include "runtime/device_runtime.h"
 #include "server/admin_service.h"
 #include "server/generation_service.h"
 #include "server/http_front.h"

@@ -1,4 +1,4 @@
-// StowageServer: the assembled server — configuration, GenerationCore, the gRPC server (generation
+// StowageServer: the assembled server — configuration, DeviceRuntime, the gRPC server (generation
 // service, health checking, reflection), the OpenAI-compatible HTTP front (when http_address is
 // set) and the Prometheus exporter.
 //

@@ -62,7 +62,7 @@ class RuntimeCoreTest : public ::testing::Test {
     devices_ = std::move(*devices);
   }
 
-  GenerationCore& core() { return *devices_->devices().front(); }
+  DeviceRuntime& core() { return *devices_->devices().front(); }
 
   struct Outcome {
     absl::Mutex mu;

@@ -1,4 +1,4 @@
-// GenerationCore: the transport-free heart of the server for one device. It owns the device (its
+// DeviceRuntime: the transport-free heart of the server for one device. It owns the device (its
 // backend, its placement registry and the worker thread that alone changes them), the table of
 // hosted pipelines and their lifecycles, validates requests against a pipeline's limits, runs them
 // on the worker and measures their statistics. Knows protobuf messages, not gRPC.
@@ -15,7 +15,7 @@
 // placement_snapshot(), published by the worker after every job and task.
 //
 // Split layout (PipelineConfig.component_devices): a pipeline homed here may run some components
-// on other devices of the server (peers, other GenerationCores). Those components are registered
+// on other devices of the server (peers, other DeviceRuntimes). Those components are registered
 // with the peer's placement and every run of them executes on the peer's worker through its
 // remote-call lane (DeviceWorker::Call), from this device's worker during the request's job; the
 // pipeline moves tensors between the devices (ComponentRunner::DeviceOf). Registry changes for a
@@ -25,8 +25,8 @@
 // every device, then StopWorker).
 //
 // Thread-safety: every public method may be called from any thread except the worker's.
-#ifndef STOWAGE_RUNTIME_GENERATION_CORE_H_
-#define STOWAGE_RUNTIME_GENERATION_CORE_H_
+#ifndef STOWAGE_RUNTIME_DEVICE_RUNTIME_H_
+#define STOWAGE_RUNTIME_DEVICE_RUNTIME_H_
 
 #include <atomic>
 #include <functional>
@@ -51,6 +51,7 @@
 #include "runtime/device_worker.h"
 #include "runtime/hosted_pipelines.h"
 #include "runtime/metrics.h"
+#include "runtime/peer_links.h"
 #include "runtime/runtime_factories.h"
 #include "stowage/v1/config.pb.h"
 #include "stowage/v1/generation.pb.h"
@@ -73,16 +74,16 @@ struct CallControl {
   std::function<void(int index, int step, const Image& image)> on_preview;
 };
 
-class GenerationCore {
+class DeviceRuntime {
  public:
   // `config` must have been through FinalizeServerConfig. `metrics` may be null. Loads every
   // configured pipeline; any failure fails Create.
   // `factories`: the pipeline registry and backend to use (runtime/runtime_factories.h; defaults:
   // every architecture of this build, the backend the device config names).
-  static absl::StatusOr<std::unique_ptr<GenerationCore>> Create(const v1::ServerConfig& config,
+  static absl::StatusOr<std::unique_ptr<DeviceRuntime>> Create(const v1::ServerConfig& config,
                                                                ServerMetrics* metrics,
                                                                const RuntimeFactories& factories = {});
-  ~GenerationCore();
+  ~DeviceRuntime();
 
   absl::StatusOr<v1::GenerateResponse> Generate(const v1::GenerateRequest& request,
                                                 const CallControl& control);
@@ -102,7 +103,7 @@ class GenerationCore {
   // that run them (DeviceSet resolves config.component_devices; none may be this device).
   // INVALID_ARGUMENT naming pipeline.component_devices when a name is not one of its components.
   absl::StatusOr<v1::Pipeline> LoadPipeline(const v1::PipelineConfig& config, const Interrupt& interrupt,
-                                            const std::map<std::string, GenerationCore*>& remote,
+                                            const std::map<std::string, DeviceRuntime*>& remote,
                                             bool make_default);
 
   // Moves `component` of the READY pipeline `pipeline` (homed here) to `to` (this device or a
@@ -111,7 +112,7 @@ class GenerationCore {
   // FAILED_PRECONDITION when the pipeline is not READY, the component is already on `to`, is
   // shared with another pipeline, or is group-offloaded. Returns the pipeline's description.
   absl::StatusOr<v1::Pipeline> MoveComponent(const std::string& pipeline, const std::string& component,
-                                             GenerationCore* to, const Interrupt& interrupt);
+                                             DeviceRuntime* to, const Interrupt& interrupt);
 
   // Runs `fn` — one run (or, with `prefetch_only`, the Prefetch hint) of `component`, a component of
   // a split pipeline homed on another device — on this device's worker, through its remote-call
@@ -126,9 +127,9 @@ class GenerationCore {
 
   // The other devices of the server (DeviceSet, once all exist, before split pipelines load):
   // targets of peer eviction (DeviceConfig.peer_bandwidth_bytes_per_second).
-  void SetPeers(std::vector<GenerationCore*> peers);
+  void SetPeers(std::vector<DeviceRuntime*> peers);
   // The peer that runs `component` of hosted pipeline `pipeline`, or null when it runs here.
-  GenerationCore* PeerFor(const std::string& pipeline, const Component& component) const;
+  DeviceRuntime* PeerFor(const std::string& pipeline, const Component& component) const;
 
   // Shutdown in two phases (DeviceSet's destructor): removes every pipeline's components, and other
   // devices' split components hosted here, from placement (a task; split pipelines homed here call
@@ -202,23 +203,19 @@ class GenerationCore {
     Image image;
   };
 
-  GenerationCore() = default;
+  DeviceRuntime() = default;
   absl::StatusOr<std::unique_ptr<Pipeline>> Build(const v1::PipelineConfig& config);
   // Load with a log line as it begins and one with its outcome.
   absl::StatusOr<v1::Pipeline> LoggedLoad(const v1::PipelineConfig& config, bool make_default,
                                           const Interrupt& interrupt,
-                                          const std::map<std::string, GenerationCore*>& remote);
+                                          const std::map<std::string, DeviceRuntime*>& remote);
   absl::StatusOr<v1::Pipeline> Load(const v1::PipelineConfig& config, bool make_default,
                                     const Interrupt& interrupt,
-                                    const std::map<std::string, GenerationCore*>& remote = {});
-  // Components of a hosted pipeline that run on peers, and the peers (worker only, or under split_mu_).
-  std::map<const Component*, GenerationCore*> RemoteOf(const std::string& pipeline) const;
-  // The distinct peers of RemoteOf(pipeline).
-  std::set<GenerationCore*> PeersOf(const std::string& pipeline) const;
+                                    const std::map<std::string, DeviceRuntime*>& remote = {});
   // Runs `change` on `peer`'s worker with the peer's scope (a remote call from this worker, whose
   // scope is `scope`; `change` must not call again). Changes on this device itself run in place.
-  absl::Status OnPeer(WorkerScope& scope, GenerationCore* peer,
-                      const std::function<absl::Status(GenerationCore&, WorkerScope&)>& change);
+  absl::Status OnPeer(WorkerScope& scope, DeviceRuntime* peer,
+                      const std::function<absl::Status(DeviceRuntime&, WorkerScope&)>& change);
   // Peer side: registers a component of another device's split pipeline here, keeps the pipeline
   // alive while it is, and group-offloads it when `offload` says so.
   absl::Status AddGuest(WorkerScope& scope, const std::string& name, std::shared_ptr<Pipeline> pipeline,
@@ -267,10 +264,6 @@ class GenerationCore {
   // Components loaded from model directories, shared between pipelines that name the same ones.
   ComponentCache component_cache_;
   HostedPipelines pipelines_;
-  // Split layout. remote_: pipelines homed here → their components on peers (changed on the worker
-  // only; read by other threads for descriptions). guests_: pipelines homed on peers whose
-  // components this device hosts, kept alive while it does. Declared before placement_: destroyed
-  // after it.
   // Loads in progress, by pipeline name (Describe reads them for LOADING entries).
   mutable absl::Mutex loading_mu_;
   std::map<std::string, std::shared_ptr<LoadProgress>> loading_ ABSL_GUARDED_BY(loading_mu_);
@@ -281,9 +274,9 @@ class GenerationCore {
   // Detaches the adapter attached as `key` (AdapterKey) from every Linear of `pipeline`.
   static void DetachAdapter(WorkerScope& scope, Pipeline& pipeline, const std::string& key);
 
-  mutable absl::Mutex split_mu_;
-  std::map<std::string, std::map<const Component*, GenerationCore*>> remote_ ABSL_GUARDED_BY(split_mu_);
-  std::map<std::string, std::shared_ptr<Pipeline>> guests_ ABSL_GUARDED_BY(split_mu_);
+  // The other devices, this device's components on them and theirs here (split layouts, peer
+  // eviction). Declared before placement_: destroyed after it (guests' modules outlive their hooks).
+  PeerLinks links_;
   // Worker only: the device peaks a remote call reset during the current request (RunForPeer resets
   // the peak to measure its own run), so the request still reports its whole peak.
   int64_t peak_floor_allocated_ = 0;
@@ -291,8 +284,6 @@ class GenerationCore {
   // Worker only: true while this worker runs a component for a peer (RunForPeer); peer eviction
   // (which calls a peer) is off then, since a remote call makes no call itself.
   bool serving_peer_ = false;
-  // The other devices; set once by DeviceSet before any pipeline names them.
-  std::vector<GenerationCore*> peers_ ABSL_GUARDED_BY(split_mu_);
   // Reached through Placement(scope) once the worker runs (DecisionLog, safe from any thread,
   // excepted). Declared after the pipelines: destroyed before them, since group offloading hooks
   // their modules.
@@ -310,4 +301,4 @@ class GenerationCore {
 
 }  // namespace stowage
 
-#endif  // STOWAGE_RUNTIME_GENERATION_CORE_H_
+#endif  // STOWAGE_RUNTIME_DEVICE_RUNTIME_H_

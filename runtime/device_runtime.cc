@@ -1,4 +1,4 @@
-#include "runtime/generation_core.h"
+#include "runtime/device_runtime.h"
 
 #include <algorithm>
 #include <array>
@@ -53,13 +53,13 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateBackend(const v1::DeviceCon
 
 // The ComponentRunner of one run on this device: components of the pipeline that live here run
 // through this device's placement, those of a split pipeline that live on a peer run on the peer's
-// worker (GenerationCore::RunForPeer). Between component runs the worker serves its remote-call
+// worker (DeviceRuntime::RunForPeer). Between component runs the worker serves its remote-call
 // lane, so peers waiting on this device are not held up for a whole request.
 class SplitRunner : public ComponentRunner {
  public:
   // `home` is the device running the request; where each component runs is looked up at each call
   // (peer eviction may move one during the run).
-  SplitRunner(PlacementManager& local, WorkerScope& scope, const GenerationCore& home, std::string pipeline,
+  SplitRunner(PlacementManager& local, WorkerScope& scope, const DeviceRuntime& home, std::string pipeline,
               std::string request_id, Interrupt interrupt)
       : local_(local),
         scope_(scope),
@@ -70,26 +70,26 @@ class SplitRunner : public ComponentRunner {
 
   absl::Status Run(Component& component, const std::function<void()>& fn) override {
     scope_.worker().ServeCalls(scope_);
-    GenerationCore* peer = home_.PeerFor(pipeline_, component);
+    DeviceRuntime* peer = home_.PeerFor(pipeline_, component);
     if (peer == nullptr) return local_.Run(component, fn);
     return peer->RunForPeer(component, fn, /*prefetch_only=*/false, request_id_, &scope_, interrupt_, &UsageOf(*peer));
   }
   void Prefetch(Component& component) override {
-    GenerationCore* peer = home_.PeerFor(pipeline_, component);
+    DeviceRuntime* peer = home_.PeerFor(pipeline_, component);
     if (peer == nullptr) return local_.Prefetch(component);
     // A hint: a peer that cannot take it (stopping) changes nothing.
     (void)peer->RunForPeer(component, nullptr, /*prefetch_only=*/true, request_id_, &scope_, interrupt_,
                            &UsageOf(*peer));
   }
   c10::Device DeviceOf(const Component& component, const c10::Device& home) const override {
-    GenerationCore* peer = home_.PeerFor(pipeline_, component);
+    DeviceRuntime* peer = home_.PeerFor(pipeline_, component);
     return peer == nullptr ? home : peer->torch_device();
   }
   // What the run did on each peer, in the order it first used them.
   const std::vector<v1::DeviceUsage>& peer_usage() const { return usage_; }
 
  private:
-  v1::DeviceUsage& UsageOf(const GenerationCore& peer) {
+  v1::DeviceUsage& UsageOf(const DeviceRuntime& peer) {
     for (v1::DeviceUsage& u : usage_) {
       if (u.device() == peer.device_name()) return u;
     }
@@ -100,7 +100,7 @@ class SplitRunner : public ComponentRunner {
 
   PlacementManager& local_;
   WorkerScope& scope_;
-  const GenerationCore& home_;
+  const DeviceRuntime& home_;
   const std::string pipeline_;
   const std::string request_id_;
   const Interrupt interrupt_;
@@ -129,9 +129,9 @@ std::string ComponentNames(Pipeline& pipeline) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
+absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
     const v1::ServerConfig& config, ServerMetrics* metrics, const RuntimeFactories& factories) {
-  std::unique_ptr<GenerationCore> core(new GenerationCore());
+  std::unique_ptr<DeviceRuntime> core(new DeviceRuntime());
   core->metrics_ = metrics;
   core->registry_ = &factories.Registry();
   if (config.cpu_threads() > 0) at::set_num_threads(config.cpu_threads());
@@ -163,7 +163,7 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
                                           : static_cast<double>(config.device().simulated_bandwidth_bytes_per_second());
     }
     peer.host_to_device_bytes_per_second = h2d;
-    GenerationCore* self = core.get();
+    DeviceRuntime* self = core.get();
     peer.eligible = [self](const std::string& pipeline) {
       // Worker only (placement calls it). A component of a pipeline homed here, outside a peer's call.
       if (self->serving_peer_) return false;
@@ -176,13 +176,9 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
       return false;
     };
     peer.peers = [self] {
-      std::vector<GenerationCore*> peers;
-      {
-        absl::MutexLock lock(&self->split_mu_);
-        peers = self->peers_;
-      }
+      const std::vector<DeviceRuntime*> peers = self->links_.peers();
       std::vector<std::pair<std::string, int64_t>> out;
-      for (GenerationCore* p : peers) {
+      for (DeviceRuntime* p : peers) {
         const std::shared_ptr<const PlacementSnapshot> snapshot = p->placement_snapshot();
         if (snapshot != nullptr) out.emplace_back(p->device_name(), snapshot->memory.free_bytes());
       }
@@ -200,7 +196,7 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
   worker.on_queue_depth = [metrics, device](int depth) {
     if (metrics != nullptr) metrics->SetQueueDepth(device, depth);
   };
-  GenerationCore* raw = core.get();
+  DeviceRuntime* raw = core.get();
   worker.after_each = [raw](WorkerScope& scope) { raw->Publish(scope); };
   worker.scheduler = ToSchedulerOptions(config.scheduler());
   worker.tenant_queue_limit = config.scheduler().tenant_queue_limit();
@@ -236,7 +232,7 @@ absl::StatusOr<std::unique_ptr<GenerationCore>> GenerationCore::Create(
   return core;
 }
 
-absl::Status GenerationCore::ApplyStrategy(const v1::OffloadStrategy& config,
+absl::Status DeviceRuntime::ApplyStrategy(const v1::OffloadStrategy& config,
                                            const std::vector<std::string>& also_known) {
   RETURN_IF_ERROR(ChangeDevice(
       [&](PlacementManager& placement) -> absl::Status {
@@ -253,7 +249,7 @@ absl::Status GenerationCore::ApplyStrategy(const v1::OffloadStrategy& config,
   return absl::OkStatus();
 }
 
-GenerationCore::~GenerationCore() {
+DeviceRuntime::~DeviceRuntime() {
   if (worker_ != nullptr) {
     // Group offloading hooks the pipelines' modules: placement lets go of them, on the worker,
     // before anything is destroyed. (A no-op after DeviceSet's two phases stopped the worker.)
@@ -262,52 +258,34 @@ GenerationCore::~GenerationCore() {
   }
 }
 
-void GenerationCore::ReleaseDeviceState() {
+void DeviceRuntime::ReleaseDeviceState() {
   (void)worker_->RunTask(
       [this](WorkerScope& scope) {
         for (const HostedPipelines::View& view : pipelines_.List()) {
-          for (const auto& entry : RemoteOf(view.name)) {
-            (void)OnPeer(scope, entry.second, [&](GenerationCore& peer, WorkerScope& peer_scope) {
+          for (const auto& entry : links_.RemoteOf(view.name)) {
+            (void)OnPeer(scope, entry.second, [&](DeviceRuntime& peer, WorkerScope& peer_scope) {
               peer.RemoveGuest(peer_scope, view.name);
               return absl::OkStatus();
             });
           }
           Placement(scope).Unregister(view.name);
         }
-        std::vector<std::string> guests;
-        {
-          absl::MutexLock lock(&split_mu_);
-          for (const auto& entry : guests_) guests.push_back(entry.first);
-        }
-        for (const std::string& guest : guests) RemoveGuest(scope, guest);
+        for (const std::string& guest : links_.GuestNames()) RemoveGuest(scope, guest);
         return absl::OkStatus();
       },
       nullptr);
 }
 
-void GenerationCore::StopWorker() { worker_->Stop(); }
+void DeviceRuntime::StopWorker() { worker_->Stop(); }
 
-void GenerationCore::SetPeers(std::vector<GenerationCore*> peers) {
-  absl::MutexLock lock(&split_mu_);
-  peers_ = std::move(peers);
+void DeviceRuntime::SetPeers(std::vector<DeviceRuntime*> peers) { links_.SetPeers(std::move(peers)); }
+
+DeviceRuntime* DeviceRuntime::PeerFor(const std::string& pipeline, const Component& component) const {
+  return links_.PeerFor(pipeline, &component);
 }
 
-GenerationCore* GenerationCore::PeerFor(const std::string& pipeline, const Component& component) const {
-  absl::MutexLock lock(&split_mu_);
-  auto it = remote_.find(pipeline);
-  if (it == remote_.end()) return nullptr;
-  auto found = it->second.find(&component);
-  return found == it->second.end() ? nullptr : found->second;
-}
-
-absl::Status GenerationCore::MoveToPeer(const std::string& pipeline, Component& component, const std::string& device) {
-  GenerationCore* peer = nullptr;
-  {
-    absl::MutexLock lock(&split_mu_);
-    for (GenerationCore* p : peers_) {
-      if (p->device_name() == device) peer = p;
-    }
-  }
+absl::Status DeviceRuntime::MoveToPeer(const std::string& pipeline, Component& component, const std::string& device) {
+  DeviceRuntime* peer = links_.PeerNamed(device);
   std::shared_ptr<Pipeline> hosted;
   for (const HostedPipelines::View& view : pipelines_.List()) {
     if (view.name == pipeline) hosted = view.pipeline;
@@ -322,24 +300,16 @@ absl::Status GenerationCore::MoveToPeer(const std::string& pipeline, Component& 
   RETURN_IF_ERROR(peer->worker_->CallHoldingLane(
       [&](WorkerScope& peer_scope) -> absl::Status {
         RETURN_IF_ERROR(peer->Placement(peer_scope).AdoptFromPeer(pipeline, component, reason));
-        absl::MutexLock lock(&peer->split_mu_);
-        peer->guests_[pipeline] = hosted;
+        peer->links_.AddGuest(pipeline, hosted);
         return absl::OkStatus();
       },
       *worker_));
-  absl::MutexLock lock(&split_mu_);
-  remote_[pipeline][&component] = peer;
+  links_.SetRemoteComponent(pipeline, &component, peer);
   return absl::OkStatus();
 }
 
-std::set<GenerationCore*> GenerationCore::PeersOf(const std::string& pipeline) const {
-  std::set<GenerationCore*> peers;
-  for (const auto& entry : RemoteOf(pipeline)) peers.insert(entry.second);
-  return peers;
-}
-
-absl::StatusOr<v1::Pipeline> GenerationCore::MoveComponent(const std::string& name, const std::string& component_name,
-                                                           GenerationCore* to, const Interrupt& interrupt) {
+absl::StatusOr<v1::Pipeline> DeviceRuntime::MoveComponent(const std::string& name, const std::string& component_name,
+                                                           DeviceRuntime* to, const Interrupt& interrupt) {
   std::shared_ptr<Pipeline> pipeline;
   for (const HostedPipelines::View& view : pipelines_.List()) {
     if (view.name != name) continue;
@@ -368,14 +338,14 @@ absl::StatusOr<v1::Pipeline> GenerationCore::MoveComponent(const std::string& na
           return absl::FailedPreconditionError(
               absl::StrCat("pipeline '", name, "' began unloading; a component moves only while its pipeline is READY"));
         }
-        std::map<const Component*, GenerationCore*> remote = RemoteOf(name);
-        GenerationCore* from = remote.count(component) > 0 ? remote[component] : this;
+        std::map<const Component*, DeviceRuntime*> remote = links_.RemoteOf(name);
+        DeviceRuntime* from = remote.count(component) > 0 ? remote[component] : this;
         if (from == to) {
           return absl::FailedPreconditionError(absl::StrCat("component '", component_name, "' of pipeline '", name,
                                                             "' is already on ", to->device_name_, "; nothing to move"));
         }
         absl::Status checked;
-        RETURN_IF_ERROR(OnPeer(scope, from, [&](GenerationCore& source, WorkerScope& source_scope) -> absl::Status {
+        RETURN_IF_ERROR(OnPeer(scope, from, [&](DeviceRuntime& source, WorkerScope& source_scope) -> absl::Status {
           PlacementManager& source_placement = source.Placement(source_scope);
           const std::vector<std::string> users = source_placement.PipelinesOf(*component);
           if (users.size() > 1) {
@@ -394,7 +364,7 @@ absl::StatusOr<v1::Pipeline> GenerationCore::MoveComponent(const std::string& na
           return &source == this ? source_placement.UnregisterComponent(name, *component, reason)
                                  : source.RemoveGuestComponent(source_scope, name, *component, reason);
         }));
-        const absl::Status added = OnPeer(scope, to, [&](GenerationCore& target, WorkerScope& target_scope) -> absl::Status {
+        const absl::Status added = OnPeer(scope, to, [&](DeviceRuntime& target, WorkerScope& target_scope) -> absl::Status {
           if (&target == this) {
             RETURN_IF_ERROR(target.Placement(target_scope).Register(name, component));
           } else {
@@ -405,7 +375,7 @@ absl::StatusOr<v1::Pipeline> GenerationCore::MoveComponent(const std::string& na
         });
         if (!added.ok()) {
           // Back where it was, so the pipeline still has every component.
-          (void)OnPeer(scope, from, [&](GenerationCore& source, WorkerScope& source_scope) -> absl::Status {
+          (void)OnPeer(scope, from, [&](DeviceRuntime& source, WorkerScope& source_scope) -> absl::Status {
             if (&source == this) {
               RETURN_IF_ERROR(source.Placement(source_scope).Register(name, component));
             } else {
@@ -416,16 +386,7 @@ absl::StatusOr<v1::Pipeline> GenerationCore::MoveComponent(const std::string& na
           });
           return added;
         }
-        {
-          absl::MutexLock lock(&split_mu_);
-          std::map<const Component*, GenerationCore*>& map = remote_[name];
-          if (to == this) {
-            map.erase(component);
-          } else {
-            map[component] = to;
-          }
-          if (map.empty()) remote_.erase(name);
-        }
+        links_.SetRemoteComponent(name, component, to == this ? nullptr : to);
         for (const HostedPipelines::View& view : pipelines_.List()) {
           if (view.name == name) described = Describe(view);
         }
@@ -435,14 +396,8 @@ absl::StatusOr<v1::Pipeline> GenerationCore::MoveComponent(const std::string& na
   return described;
 }
 
-std::map<const Component*, GenerationCore*> GenerationCore::RemoteOf(const std::string& pipeline) const {
-  absl::MutexLock lock(&split_mu_);
-  auto it = remote_.find(pipeline);
-  return it == remote_.end() ? std::map<const Component*, GenerationCore*>{} : it->second;
-}
-
-absl::Status GenerationCore::OnPeer(WorkerScope& scope, GenerationCore* peer,
-                                    const std::function<absl::Status(GenerationCore&, WorkerScope&)>& change) {
+absl::Status DeviceRuntime::OnPeer(WorkerScope& scope, DeviceRuntime* peer,
+                                    const std::function<absl::Status(DeviceRuntime&, WorkerScope&)>& change) {
   if (peer == this) return change(*this, scope);
   return peer->worker_->Call(
       [&](WorkerScope& peer_scope) -> absl::Status {
@@ -454,7 +409,7 @@ absl::Status GenerationCore::OnPeer(WorkerScope& scope, GenerationCore* peer,
       nullptr, &scope);
 }
 
-absl::Status GenerationCore::AddGuest(WorkerScope& scope, const std::string& name, std::shared_ptr<Pipeline> pipeline,
+absl::Status DeviceRuntime::AddGuest(WorkerScope& scope, const std::string& name, std::shared_ptr<Pipeline> pipeline,
                                       Component* component, const std::optional<PipelineGroupOffloadOptions>& offload) {
   PlacementManager& placement = Placement(scope);
   RETURN_IF_ERROR(placement.Register(name, component));
@@ -471,33 +426,23 @@ absl::Status GenerationCore::AddGuest(WorkerScope& scope, const std::string& nam
       }
     }
   }
-  absl::MutexLock lock(&split_mu_);
-  guests_[name] = std::move(pipeline);
+  links_.AddGuest(name, std::move(pipeline));
   return absl::OkStatus();
 }
 
-absl::Status GenerationCore::RemoveGuestComponent(WorkerScope& scope, const std::string& name,
+absl::Status DeviceRuntime::RemoveGuestComponent(WorkerScope& scope, const std::string& name,
                                                   const Component& component, const std::string& reason) {
   RETURN_IF_ERROR(Placement(scope).UnregisterComponent(name, component, reason));
-  if (!Placement(scope).Hosts(name)) {
-    absl::MutexLock lock(&split_mu_);
-    guests_.erase(name);
-  }
+  if (!Placement(scope).Hosts(name)) (void)links_.TakeGuest(name);
   return absl::OkStatus();
 }
 
-void GenerationCore::RemoveGuest(WorkerScope& scope, const std::string& name) {
+void DeviceRuntime::RemoveGuest(WorkerScope& scope, const std::string& name) {
   Placement(scope).Unregister(name);
-  std::shared_ptr<Pipeline> last;  // Released outside the lock.
-  absl::MutexLock lock(&split_mu_);
-  auto it = guests_.find(name);
-  if (it != guests_.end()) {
-    last = std::move(it->second);
-    guests_.erase(it);
-  }
+  (void)links_.TakeGuest(name);  // Released here, outside PeerLinks' lock.
 }
 
-absl::Status GenerationCore::RunForPeer(Component& component, const std::function<void()>& fn, bool prefetch_only,
+absl::Status DeviceRuntime::RunForPeer(Component& component, const std::function<void()>& fn, bool prefetch_only,
                                         const std::string& request_id, WorkerScope* caller,
                                         const Interrupt& interrupt, v1::DeviceUsage* usage) {
   const at::ThreadLocalState caller_state;  // Inference mode and the rest of the caller's LibTorch state.
@@ -538,22 +483,22 @@ absl::Status GenerationCore::RunForPeer(Component& component, const std::functio
       interrupt, caller);
 }
 
-void GenerationCore::Publish(WorkerScope& scope) {
+void DeviceRuntime::Publish(WorkerScope& scope) {
   auto snapshot = std::make_shared<const PlacementSnapshot>(Placement(scope).TakeSnapshot());
   absl::MutexLock lock(&snapshot_mu_);
   snapshot_ = std::move(snapshot);
 }
 
-std::shared_ptr<const PlacementSnapshot> GenerationCore::placement_snapshot() const {
+std::shared_ptr<const PlacementSnapshot> DeviceRuntime::placement_snapshot() const {
   absl::MutexLock lock(&snapshot_mu_);
   return snapshot_;
 }
 
-std::vector<PlacementDecision> GenerationCore::DecisionLog(size_t limit) const {
+std::vector<PlacementDecision> DeviceRuntime::DecisionLog(size_t limit) const {
   return placement_->DecisionLog(limit);
 }
 
-std::vector<PipelineStateView> GenerationCore::PipelineStates() const {
+std::vector<PipelineStateView> DeviceRuntime::PipelineStates() const {
   std::vector<PipelineStateView> states;
   for (const HostedPipelines::View& view : pipelines_.List()) {
     states.push_back(PipelineStateView{view.name, PipelineStateName(view.state)});
@@ -561,26 +506,26 @@ std::vector<PipelineStateView> GenerationCore::PipelineStates() const {
   return states;
 }
 
-bool GenerationCore::IsReady(const std::string& name) const {
+bool DeviceRuntime::IsReady(const std::string& name) const {
   for (const HostedPipelines::View& view : pipelines_.List()) {
     if (view.name == name) return view.state == PipelineState::kReady;
   }
   return false;
 }
 
-std::string GenerationCore::ReadyDefault() const {
+std::string DeviceRuntime::ReadyDefault() const {
   for (const HostedPipelines::View& view : pipelines_.List()) {
     if (view.is_default && view.state == PipelineState::kReady) return view.name;
   }
   return "";
 }
 
-absl::Status GenerationCore::ChangeDevice(const std::function<absl::Status(PlacementManager&)>& change,
+absl::Status DeviceRuntime::ChangeDevice(const std::function<absl::Status(PlacementManager&)>& change,
                                           const Interrupt& interrupt) {
   return OnWorker([&](WorkerScope& scope) { return change(Placement(scope)); }, interrupt);
 }
 
-absl::Status GenerationCore::OnWorker(const std::function<absl::Status(WorkerScope&)>& change,
+absl::Status DeviceRuntime::OnWorker(const std::function<absl::Status(WorkerScope&)>& change,
                                       const Interrupt& interrupt, DeviceWorker::TaskOrder order) {
   return worker_->RunTask(
       [&](WorkerScope& scope) -> absl::Status {
@@ -591,7 +536,7 @@ absl::Status GenerationCore::OnWorker(const std::function<absl::Status(WorkerSco
       interrupt, order);
 }
 
-void GenerationCore::CheckScope(const WorkerScope& scope) const {
+void DeviceRuntime::CheckScope(const WorkerScope& scope) const {
   if (&scope.worker() != worker_.get()) {
     // A scope exists only on its own worker's thread: another device's scope here is a bug.
     std::cerr << "stowage_server: internal error: device " << device_name_ << "'s state reached with the scope of "
@@ -600,17 +545,17 @@ void GenerationCore::CheckScope(const WorkerScope& scope) const {
   }
 }
 
-PlacementManager& GenerationCore::Placement(WorkerScope& scope) const {
+PlacementManager& DeviceRuntime::Placement(WorkerScope& scope) const {
   CheckScope(scope);
   return *placement_;
 }
 
-DeviceBackend& GenerationCore::Backend(WorkerScope& scope) const {
+DeviceBackend& DeviceRuntime::Backend(WorkerScope& scope) const {
   CheckScope(scope);
   return *backend_;
 }
 
-absl::StatusOr<std::unique_ptr<Pipeline>> GenerationCore::Build(const v1::PipelineConfig& p) {
+absl::StatusOr<std::unique_ptr<Pipeline>> DeviceRuntime::Build(const v1::PipelineConfig& p) {
   PipelineLoadOptions options;
   options.name = p.name();
   options.dtype = p.dtype() == "bfloat16" ? at::kBFloat16 : at::kFloat;
@@ -655,15 +600,15 @@ absl::StatusOr<std::unique_ptr<Pipeline>> GenerationCore::Build(const v1::Pipeli
   return pipeline;
 }
 
-absl::StatusOr<v1::Pipeline> GenerationCore::LoadPipeline(const v1::PipelineConfig& config,
+absl::StatusOr<v1::Pipeline> DeviceRuntime::LoadPipeline(const v1::PipelineConfig& config,
                                                           const Interrupt& interrupt) {
   v1::PipelineConfig p = config;
   RETURN_IF_ERROR(FinalizePipelineConfig(p, "pipeline", registry_));
   return LoggedLoad(p, /*make_default=*/false, interrupt, {});
 }
 
-absl::StatusOr<v1::Pipeline> GenerationCore::LoadPipeline(const v1::PipelineConfig& config, const Interrupt& interrupt,
-                                                          const std::map<std::string, GenerationCore*>& remote,
+absl::StatusOr<v1::Pipeline> DeviceRuntime::LoadPipeline(const v1::PipelineConfig& config, const Interrupt& interrupt,
+                                                          const std::map<std::string, DeviceRuntime*>& remote,
                                                           bool make_default) {
   v1::PipelineConfig p = config;
   RETURN_IF_ERROR(FinalizePipelineConfig(p, "pipeline", registry_));
@@ -677,9 +622,9 @@ absl::StatusOr<v1::Pipeline> GenerationCore::LoadPipeline(const v1::PipelineConf
   return LoggedLoad(p, make_default, interrupt, remote);
 }
 
-absl::StatusOr<v1::Pipeline> GenerationCore::LoggedLoad(const v1::PipelineConfig& p, bool make_default,
+absl::StatusOr<v1::Pipeline> DeviceRuntime::LoggedLoad(const v1::PipelineConfig& p, bool make_default,
                                                         const Interrupt& interrupt,
-                                                        const std::map<std::string, GenerationCore*>& remote) {
+                                                        const std::map<std::string, DeviceRuntime*>& remote) {
   const absl::Time start = absl::Now();
   const std::string source = !p.model_dir().empty() ? absl::StrCat("model_dir=", LogValue(p.model_dir(), 512))
                                                     : absl::StrCat("builtin=", LogValue(p.builtin()));
@@ -732,9 +677,9 @@ absl::StatusOr<v1::Pipeline> GenerationCore::LoggedLoad(const v1::PipelineConfig
   return loaded;
 }
 
-absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, bool make_default,
+absl::StatusOr<v1::Pipeline> DeviceRuntime::Load(const v1::PipelineConfig& p, bool make_default,
                                                   const Interrupt& interrupt,
-                                                  const std::map<std::string, GenerationCore*>& remote_names) {
+                                                  const std::map<std::string, DeviceRuntime*>& remote_names) {
   std::optional<PipelineGroupOffloadOptions> offload;
   if (p.group_offload().enabled()) {
     ASSIGN_OR_RETURN(offload, ToPipelineGroupOffloadOptions(p.group_offload(), "pipeline.group_offload"));
@@ -748,7 +693,7 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
   }
   std::shared_ptr<Pipeline> pipeline = *std::move(built);
   // Split layout: which components run on which peer.
-  std::map<const Component*, GenerationCore*> remote;
+  std::map<const Component*, DeviceRuntime*> remote;
   std::set<std::string> all_names, local_names;
   for (Component* component : pipeline->components()) all_names.insert(component->name());
   for (const auto& entry : remote_names) {
@@ -793,14 +738,14 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
         const ScopedLoadProgress pinning(progress);
         PlacementManager& placement = Placement(scope);
         absl::Status registered;
-        std::set<GenerationCore*> peers_used;
+        std::set<DeviceRuntime*> peers_used;
         for (Component* component : pipeline->components()) {
           auto it = remote.find(component);
           if (it == remote.end()) {
             registered = placement.Register(name, component);
           } else {
             peers_used.insert(it->second);
-            registered = OnPeer(scope, it->second, [&](GenerationCore& peer, WorkerScope& peer_scope) {
+            registered = OnPeer(scope, it->second, [&](DeviceRuntime& peer, WorkerScope& peer_scope) {
               return peer.AddGuest(peer_scope, name, pipeline, component, offload);
             });
           }
@@ -811,27 +756,20 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
         }
         if (!registered.ok()) {
           placement.Unregister(name);  // All or nothing.
-          for (GenerationCore* peer : peers_used) {
-            (void)OnPeer(scope, peer, [&](GenerationCore& other, WorkerScope& other_scope) {
+          for (DeviceRuntime* peer : peers_used) {
+            (void)OnPeer(scope, peer, [&](DeviceRuntime& other, WorkerScope& other_scope) {
               other.RemoveGuest(other_scope, name);
               return absl::OkStatus();
             });
           }
           return registered;
         }
-        {
-          absl::MutexLock lock(&split_mu_);
-          if (remote.empty()) {
-            remote_.erase(name);
-          } else {
-            remote_[name] = remote;
-          }
-        }
+        links_.SetRemote(name, remote);
         const bool warmup = p.has_warmup() ? p.warmup() : torch_device_.is_cuda();
         if (warmup) WarmUp(scope, *pipeline, interrupt);
         placement.MarkReady(name);
-        for (GenerationCore* peer : peers_used) {
-          (void)OnPeer(scope, peer, [&](GenerationCore& other, WorkerScope& other_scope) {
+        for (DeviceRuntime* peer : peers_used) {
+          (void)OnPeer(scope, peer, [&](DeviceRuntime& other, WorkerScope& other_scope) {
             other.Placement(other_scope).MarkReady(name);
             return absl::OkStatus();
           });
@@ -861,13 +799,13 @@ absl::StatusOr<v1::Pipeline> GenerationCore::Load(const v1::PipelineConfig& p, b
 
 namespace {
 
-// Set aside for the context's growth during a warm-up's first run (GenerationCore::WarmUp).
+// Set aside for the context's growth during a warm-up's first run (DeviceRuntime::WarmUp).
 constexpr int64_t kWarmupContextReserve = int64_t{1} << 30;
 constexpr std::array<const char*, 12> kWarmupWords = {"a", "red", "fox", "in", "a", "snowy", "forest", "under",
                                                       "the", "northern", "lights", "painted"};
 }  // namespace
 
-void GenerationCore::RefreshContext(WorkerScope& scope) {
+void DeviceRuntime::RefreshContext(WorkerScope& scope) {
   const DeviceBackend::ContextChange change = Backend(scope).RefreshContextBytes();
   constexpr int64_t kMiB = int64_t{1} << 20;
   if (std::abs(change.after - change.before) >= 16 * kMiB) {
@@ -877,7 +815,7 @@ void GenerationCore::RefreshContext(WorkerScope& scope) {
   }
 }
 
-void GenerationCore::WarmUp(WorkerScope& scope, Pipeline& pipeline, const Interrupt& interrupt) {
+void DeviceRuntime::WarmUp(WorkerScope& scope, Pipeline& pipeline, const Interrupt& interrupt) {
   GenerationParams params;
   // About as long as a typical prompt, so the text encoder meets the shapes requests bring.
   params.prompt = "warm-up: a lighthouse on a rocky cliff above the sea at dusk, warm light, oil painting";
@@ -939,15 +877,15 @@ void GenerationCore::WarmUp(WorkerScope& scope, Pipeline& pipeline, const Interr
   }
 }
 
-absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Interrupt& interrupt) {
+absl::Status DeviceRuntime::UnloadPipeline(const std::string& name, const Interrupt& interrupt) {
   ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.BeginUnload(name));
   if (pipeline == nullptr) return absl::OkStatus();  // A failed load: nothing on the device.
   // Its components show UNLOADING at once; the removal waits behind the requests already queued.
   absl::Status status = OnWorker(
       [&](WorkerScope& scope) {
         Placement(scope).MarkUnloading(name);
-        for (GenerationCore* peer : PeersOf(name)) {
-          (void)OnPeer(scope, peer, [&](GenerationCore& other, WorkerScope& other_scope) {
+        for (DeviceRuntime* peer : links_.PeersOf(name)) {
+          (void)OnPeer(scope, peer, [&](DeviceRuntime& other, WorkerScope& other_scope) {
             other.Placement(other_scope).MarkUnloading(name);
             return absl::OkStatus();
           });
@@ -962,16 +900,13 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
           removed = true;
           // No request of the pipeline runs now (they ran before this task): its components on
           // peers go too, each by its own worker.
-          for (GenerationCore* peer : PeersOf(name)) {
-            (void)OnPeer(scope, peer, [&](GenerationCore& other, WorkerScope& other_scope) {
+          for (DeviceRuntime* peer : links_.PeersOf(name)) {
+            (void)OnPeer(scope, peer, [&](DeviceRuntime& other, WorkerScope& other_scope) {
               other.RemoveGuest(other_scope, name);
               return absl::OkStatus();
             });
           }
-          {
-            absl::MutexLock lock(&split_mu_);
-            remote_.erase(name);
-          }
+          links_.SetRemote(name, {});
           Placement(scope).Unregister(name);
           {
             absl::MutexLock lock(&batching_mu_);
@@ -995,8 +930,8 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
     (void)OnWorker(
         [&](WorkerScope& scope) {
           Placement(scope).AbandonUnloading(name);
-          for (GenerationCore* peer : PeersOf(name)) {
-            (void)OnPeer(scope, peer, [&](GenerationCore& other, WorkerScope& other_scope) {
+          for (DeviceRuntime* peer : links_.PeersOf(name)) {
+            (void)OnPeer(scope, peer, [&](DeviceRuntime& other, WorkerScope& other_scope) {
               other.Placement(other_scope).AbandonUnloading(name);
               return absl::OkStatus();
             });
@@ -1008,14 +943,14 @@ absl::Status GenerationCore::UnloadPipeline(const std::string& name, const Inter
   return status;
 }
 
-std::string GenerationCore::PipelineLabel(const v1::GenerateRequest& request) const {
+std::string DeviceRuntime::PipelineLabel(const v1::GenerateRequest& request) const {
   for (const HostedPipelines::View& view : pipelines_.List()) {
     if (request.pipeline().empty() ? view.is_default : view.name == request.pipeline()) return view.name;
   }
   return "unknown";
 }
 
-v1::BatchingConfig GenerationCore::BatchingOf(const std::string& pipeline) const {
+v1::BatchingConfig DeviceRuntime::BatchingOf(const std::string& pipeline) const {
   absl::MutexLock lock(&batching_mu_);
   auto it = batching_.find(pipeline);
   if (it != batching_.end()) return it->second;
@@ -1024,7 +959,7 @@ v1::BatchingConfig GenerationCore::BatchingOf(const std::string& pipeline) const
   return off;
 }
 
-absl::StatusOr<v1::Pipeline> GenerationCore::SetBatching(const std::string& name, const v1::BatchingConfig& batching) {
+absl::StatusOr<v1::Pipeline> DeviceRuntime::SetBatching(const std::string& name, const v1::BatchingConfig& batching) {
   v1::BatchingConfig b = batching;
   RETURN_IF_ERROR(FinalizeBatchingConfig(b, "batching"));
   for (const HostedPipelines::View& view : pipelines_.List()) {
@@ -1038,11 +973,11 @@ absl::StatusOr<v1::Pipeline> GenerationCore::SetBatching(const std::string& name
   return absl::NotFoundError(absl::StrCat("no READY pipeline named '", Truncated(name), "'; ListPipelines shows them"));
 }
 
-absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::GenerateRequest& request,
+absl::StatusOr<v1::GenerateResponse> DeviceRuntime::Generate(const v1::GenerateRequest& request,
                                                               const CallControl& control) {
   ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.Resolve(request.pipeline()));
   ASSIGN_OR_RETURN(GenerationParams params,
-                   ValidateRequest(request, *pipeline, adapters_, /*split=*/!RemoteOf(pipeline->name()).empty()));
+                   ValidateRequest(request, *pipeline, adapters_, /*split=*/!links_.RemoteOf(pipeline->name()).empty()));
   RETURN_IF_ERROR(control.interrupt ? control.interrupt() : absl::OkStatus());
   in_flight_.fetch_add(1, std::memory_order_relaxed);
   struct Done {
@@ -1111,7 +1046,7 @@ absl::StatusOr<v1::GenerateResponse> GenerationCore::Generate(const v1::Generate
   return std::move(pending.result);
 }
 
-void GenerationCore::RunOnWorker(WorkerScope& scope, const std::vector<PendingRequest*>& requests, bool batching) {
+void DeviceRuntime::RunOnWorker(WorkerScope& scope, const std::vector<PendingRequest*>& requests, bool batching) {
   // Requests whose pipeline went, or whose caller went, while they waited get their status now.
   std::vector<PendingRequest*> running;
   for (PendingRequest* r : requests) {
@@ -1284,16 +1219,16 @@ void GenerationCore::RunOnWorker(WorkerScope& scope, const std::vector<PendingRe
   }
 }
 
-std::vector<v1::Adapter> GenerationCore::Adapters() const { return adapters_.All(); }
+std::vector<v1::Adapter> DeviceRuntime::Adapters() const { return adapters_.All(); }
 
-absl::StatusOr<v1::Adapter> GenerationCore::LoadAdapter(const std::string& pipeline_name, const std::string& name,
+absl::StatusOr<v1::Adapter> DeviceRuntime::LoadAdapter(const std::string& pipeline_name, const std::string& name,
                                                         const std::string& path, const LoraFile& file,
                                                         const Interrupt& interrupt) {
   if (pipeline_name.empty()) {
     return absl::InvalidArgumentError("pipeline: name the pipeline the adapter is for");
   }
   ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.Resolve(pipeline_name));
-  if (!RemoteOf(pipeline_name).empty()) {
+  if (!links_.RemoteOf(pipeline_name).empty()) {
     return absl::FailedPreconditionError(absl::StrCat("pipeline '", pipeline_name,
                                                       "' runs on several devices; LoRA adapters need a pipeline on one"));
   }
@@ -1335,7 +1270,7 @@ absl::StatusOr<v1::Adapter> GenerationCore::LoadAdapter(const std::string& pipel
   return prepared.info;
 }
 
-void GenerationCore::DetachAdapter(WorkerScope&, Pipeline& pipeline, const std::string& key) {
+void DeviceRuntime::DetachAdapter(WorkerScope&, Pipeline& pipeline, const std::string& key) {
   for (Component* component : pipeline.components()) {
     component->module().ForEachModule([&](Module& m) {
       if (auto* linear = dynamic_cast<Linear*>(&m)) linear->DetachLora(key);
@@ -1343,7 +1278,7 @@ void GenerationCore::DetachAdapter(WorkerScope&, Pipeline& pipeline, const std::
   }
 }
 
-absl::Status GenerationCore::UnloadAdapter(const std::string& pipeline_name, const std::string& name,
+absl::Status DeviceRuntime::UnloadAdapter(const std::string& pipeline_name, const std::string& name,
                                            const Interrupt& interrupt) {
   ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.Resolve(pipeline_name));
   return OnWorker(
@@ -1358,7 +1293,7 @@ absl::Status GenerationCore::UnloadAdapter(const std::string& pipeline_name, con
       interrupt);
 }
 
-v1::Pipeline GenerationCore::Describe(const HostedPipelines::View& view) const {
+v1::Pipeline DeviceRuntime::Describe(const HostedPipelines::View& view) const {
   v1::Pipeline out;
   out.set_name(view.name);
   out.set_is_default(view.is_default);
@@ -1405,7 +1340,7 @@ v1::Pipeline GenerationCore::Describe(const HostedPipelines::View& view) const {
   out.set_max_batch_size(batching.max_batch_size());
   out.set_max_queue_delay_ms(batching.max_queue_delay_ms());
   // Names, sizes and dtypes are fixed when a component is built: reading them is no device access.
-  const std::map<const Component*, GenerationCore*> remote = RemoteOf(view.name);
+  const std::map<const Component*, DeviceRuntime*> remote = links_.RemoteOf(view.name);
   for (Component* component : view.pipeline->components()) {
     v1::PipelineComponent* c = out.add_components();
     auto it = remote.find(component);
@@ -1420,7 +1355,7 @@ v1::Pipeline GenerationCore::Describe(const HostedPipelines::View& view) const {
   return out;
 }
 
-v1::ListPipelinesResponse GenerationCore::ListPipelines() const {
+v1::ListPipelinesResponse DeviceRuntime::ListPipelines() const {
   v1::ListPipelinesResponse response;
   for (const HostedPipelines::View& view : pipelines_.List()) *response.add_pipelines() = Describe(view);
   return response;

@@ -1066,6 +1066,19 @@ void DeviceRuntime::RunOnWorker(WorkerScope& scope, const std::vector<PendingReq
   // Every member is hosted now, so all name the one hosted pipeline object.
   Pipeline& pipeline = *running.front()->pipeline;
   const int batch_size = static_cast<int>(running.size());
+  // stowage_requests_running: set while the members run (replies are set below, before the
+  // worker wakes their callers).
+  struct Running {
+    ServerMetrics* metrics;
+    const std::string& device;
+    std::atomic<int>& count;
+    ~Running() {
+      count.store(0, std::memory_order_relaxed);
+      if (metrics != nullptr) metrics->SetRunning(device, 0);
+    }
+  } running_gauge{metrics_, device_name_, running_};
+  running_.store(batch_size, std::memory_order_relaxed);
+  if (metrics_ != nullptr) metrics_->SetRunning(device_name_, batch_size);
   const absl::Time start = absl::Now();
 
   std::vector<std::string> ids;

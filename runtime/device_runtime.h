@@ -185,6 +185,8 @@ class DeviceRuntime {
   // What waits on this device's worker now (DeviceWorker::waiting): a snapshot for diagnostics and
   // for tests that wait for a state instead of sleeping.
   DeviceWorker::Waiting waiting() const { return worker_->waiting(); }
+  // Requests the worker runs now (a batch's members; 0 between runs): stowage_requests_running.
+  int running() const { return running_.load(std::memory_order_relaxed); }
   // Requests accepted by Generate and not yet returned (queued or running); for routing.
   int in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
 
@@ -290,6 +292,7 @@ class DeviceRuntime {
   std::unique_ptr<PlacementManager> placement_;
   int64_t request_counter_ = 0;
   std::atomic<int> in_flight_{0};
+  std::atomic<int> running_{0};
   // Each READY pipeline's batching settings (absent: off).
   mutable absl::Mutex batching_mu_;
   std::map<std::string, v1::BatchingConfig> batching_ ABSL_GUARDED_BY(batching_mu_);

@@ -230,6 +230,10 @@ ServerMetrics::ServerMetrics()
                        .Name("stowage_queue_depth")
                        .Help("Requests waiting in a device's queue (the running one excluded).")
                        .Register(*registry_)),
+      running_(prometheus::BuildGauge()
+                   .Name("stowage_requests_running")
+                   .Help("Requests a device's worker is running now (the members of a batch; 0 when idle).")
+                   .Register(*registry_)),
       h2d_(prometheus::BuildCounter()
                .Name("stowage_host_to_device_bytes_total")
                .Help("Bytes copied host to device by requests.")
@@ -298,6 +302,7 @@ void ServerMetrics::InitializeDevice(const std::string& device) {
   h2d_.Add({{"device", device}});
   d2h_.Add({{"device", device}});
   queue_depth_.Add({{"device", device}});
+  running_.Add({{"device", device}});
 }
 
 void ServerMetrics::InitializePipeline(const std::string& pipeline) {
@@ -316,6 +321,10 @@ void ServerMetrics::InitializePipeline(const std::string& pipeline) {
 
 void ServerMetrics::SetQueueDepth(const std::string& device, int64_t depth) {
   queue_depth_.Add({{"device", device}}).Set(static_cast<double>(depth));
+}
+
+void ServerMetrics::SetRunning(const std::string& device, int64_t requests) {
+  running_.Add({{"device", device}}).Set(static_cast<double>(requests));
 }
 
 std::shared_ptr<prometheus::Collectable> MakeProcessMemoryCollectable() {

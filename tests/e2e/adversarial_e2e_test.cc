@@ -13,6 +13,7 @@
 
 #include "google/protobuf/text_format.h"
 #include "tests/e2e/e2e_harness.h"
+#include "tests/e2e/server_state.h"
 
 namespace stowage {
 namespace {
@@ -403,7 +404,7 @@ TEST_F(LifecycleTest, UnloadsAndLoadsRacingKeepExactlyOneDefault) {
   // A busy worker makes the unload wait; its deadline passes before it runs: it is withdrawn,
   // and the pipeline is READY again.
   std::thread busy([&] { EXPECT_TRUE(server_->Generate(Slow()).ok()); });
-  absl::SleepFor(absl::Milliseconds(100));
+  EXPECT_TRUE(AwaitState([&] { return RunningRequests(server_->server().devices()) == 1; }));
   v1::UnloadPipelineRequest unload;
   unload.set_name("zimage-tiny");
   v1::UnloadPipelineResponse unloaded;
@@ -471,14 +472,18 @@ TEST_F(LifecycleTest, RequestsQueuedBeforeAnUnloadFinishAndLaterOnesAreRefused) 
   for (int i = 0; i < 2; ++i) {
     accepted.emplace_back([&] { accepted_ok += server_->Generate(slow).ok() ? 1 : 0; });
   }
-  absl::SleepFor(absl::Milliseconds(100));
+  // One runs, the other waits behind it.
+  EXPECT_TRUE(AwaitState([&] {
+    const DeviceSet& devices = server_->server().devices();
+    return RunningRequests(devices) == 1 && QueuedRequests(devices) == 1;
+  }));
   v1::UnloadPipelineRequest unload;
   unload.set_name("tiny");
   v1::UnloadPipelineResponse unloaded;
   std::thread unloader([&] {
     EXPECT_TRUE(server_->admin().UnloadPipeline(E2eServer::Authed().get(), unload, &unloaded).ok());
   });
-  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_TRUE(AwaitState([&] { return StateOf(server_->server().devices(), "tiny") == v1::PIPELINE_UNLOADING; }));
   // While it waits for the accepted requests, its components say so (from the next step boundary
   // between requests on, where the worker marks them).
   int unloading = 0;

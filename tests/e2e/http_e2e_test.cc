@@ -23,6 +23,7 @@
 #include "tests/e2e/e2e_harness.h"
 #include "tests/e2e/http_client.h"
 #include "tests/e2e/http_get.h"
+#include "tests/e2e/server_state.h"
 
 namespace stowage {
 namespace {
@@ -203,10 +204,11 @@ TEST_F(HttpTest, AFullQueueAnswers429ButARequestsOwnImagesNeverOverflowIt) {
 
   // Other requests fill it: one running (about 3 s), one waiting, and the next is refused.
   HttpResponse running, waiting;
+  const DeviceSet& devices = server_->server().devices();
   std::thread a([&] { running = Post(http_, SlowBody(30)); });
-  std::this_thread::sleep_for(milliseconds(400));
+  EXPECT_TRUE(AwaitState([&] { return RunningRequests(devices) == 1; }));
   std::thread b([&] { waiting = Post(http_, SlowBody(2)); });
-  std::this_thread::sleep_for(milliseconds(400));
+  EXPECT_TRUE(AwaitState([&] { return QueuedRequests(devices) == 1; }));
   const HttpResponse refused = Post(http_, SlowBody(2));
   a.join();
   b.join();
@@ -225,13 +227,15 @@ TEST_F(HttpTest, ShutdownLetsRunningRequestsFinishAndRefusesNewOnes) {
   // `quick` (about a second) finishes within the 5 s grace; `long_one` (four images of 100 slow
   // steps, queued behind it) cannot, and is stopped when the grace ends.
   HttpResponse quick, long_one;
+  const DeviceSet& devices = server_->server().devices();
   std::thread a([&] { quick = Post(http_, SlowBody(10)); });
-  std::this_thread::sleep_for(milliseconds(200));
+  EXPECT_TRUE(AwaitState([&] { return RunningRequests(devices) == 1; }));
   std::thread b([&] { long_one = Post(http_, SlowBody(100, 4)); });
-  std::this_thread::sleep_for(milliseconds(300));
+  EXPECT_TRUE(AwaitState([&] { return QueuedRequests(devices) >= 1; }));
   const auto start = steady_clock::now();
   std::thread stopper([&] { server_->server().Shutdown(); });
-  std::this_thread::sleep_for(milliseconds(300));
+  // Shutdown has begun once health says so.
+  EXPECT_TRUE(AwaitState([&] { return Get(http_, "/health").status == 503; }));
   const HttpResponse refused = Post(http_, kSmall);
   EXPECT_EQ(refused.status, 503) << refused.body;
   EXPECT_EQ(Field(ErrorOf(refused), "code"), "shutting_down");

@@ -20,6 +20,7 @@
 #include "server/server.h"
 #include "tests/e2e/e2e_harness.h"
 #include "tests/e2e/http_get.h"
+#include "tests/e2e/server_state.h"
 
 namespace stowage {
 namespace {
@@ -323,7 +324,7 @@ TEST_F(SplitPipelineTest, HostileMovesGetClearStatuses) {
     slow.set_num_inference_steps(60);
     (void)server_->Generate(slow, nullptr, milliseconds(300000));
   });
-  absl::SleepFor(absl::Milliseconds(300));  // The request runs.
+  EXPECT_TRUE(AwaitState([&] { return RunningRequests(server_->server().devices()) == 1; }));
   grpc::Status unloaded;
   std::thread unloading([&] {
     v1::UnloadPipelineRequest unload;
@@ -578,7 +579,8 @@ TEST(SplitPipelineShutdownTest, StoppingTheServerWhileRemoteCallsWaitAnswersEver
       }
     });
   }
-  absl::SleepFor(absl::Milliseconds(200));
+  // Shutdown while requests run.
+  EXPECT_TRUE(AwaitState([&] { return RunningRequests(server->server().devices()) >= 1; }));
   const absl::Time start = absl::Now();
   server->server().Shutdown();
   for (std::thread& t : threads) t.join();

@@ -194,13 +194,18 @@ TEST(DeviceWorkerTest, ATaskWithdrawnBeforeItStartsNeverRuns) {
 TEST(DeviceWorkerTest, AStartedTaskRunsToTheEndAndReportsItsOwnStatus) {
   DeviceWorker worker(Options("sim:0", 4));
   std::atomic<bool> inside{false};
+  absl::Notification fired;
   const absl::Status status = worker.RunTask(
       [&](WorkerScope&) {
         inside = true;
-        absl::SleepFor(absl::Milliseconds(100));  // The interrupt fires meanwhile.
+        fired.WaitForNotification();  // The caller's interrupt fires while the task runs.
         return absl::InvalidArgumentError("the task's own verdict");
       },
-      [&] { return inside.load() ? absl::CancelledError("caller gone") : absl::OkStatus(); });
+      [&] {
+        if (!inside.load()) return absl::OkStatus();
+        if (!fired.HasBeenNotified()) fired.Notify();
+        return absl::CancelledError("caller gone");
+      });
   EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(status.message(), "the task's own verdict");
 }

@@ -1,7 +1,12 @@
-// DeviceRuntime: the transport-free heart of the server for one device. It owns the device (its
-// backend, its placement registry and the worker thread that alone changes them), the table of
-// hosted pipelines and their lifecycles, validates requests against a pipeline's limits, runs them
-// on the worker and measures their statistics. Knows protobuf messages, not gRPC.
+// DeviceRuntime: the transport-free runtime of one device. It owns the device (its backend, its
+// placement registry and the worker thread that alone changes them) and composes the units that do
+// the rest: the hosted pipelines and their lifecycles (HostedPipelines), request checks
+// (ValidateRequest), the queue, scheduler and batch former (DeviceWorker, Scheduler, BatchPolicy),
+// the request executor (RequestExecutor: runs requests and batches on the worker, measures them,
+// assembles replies), LoRA adapters (AdapterTable) and the links to other devices (PeerLinks).
+// What it does itself: building and loading pipelines, unloading them, moving components between
+// devices, admin changes as worker tasks, descriptions. Knows protobuf messages, not gRPC. DeviceSet
+// holds a server's devices and routes between them.
 //
 // Ownership model (ARCHITECTURE.md, "Who may change device state"): the backend and the
 // PlacementManager are touched only by the device's worker (runtime/device_worker.h), and the type
@@ -52,27 +57,12 @@
 #include "runtime/hosted_pipelines.h"
 #include "runtime/metrics.h"
 #include "runtime/peer_links.h"
+#include "runtime/request_executor.h"
 #include "runtime/runtime_factories.h"
 #include "stowage/v1/config.pb.h"
 #include "stowage/v1/generation.pb.h"
 
 namespace stowage {
-
-// Non-OK (CANCELLED, DEADLINE_EXCEEDED) once the caller has gone.
-using Interrupt = std::function<absl::Status()>;
-
-// How a caller controls one request.
-struct CallControl {
-  // Checked before the run and between denoising steps.
-  Interrupt interrupt;
-  // Optional; called for each progress event, one at a time: on the device worker's thread while
-  // the request runs there, then on the calling thread for the final "encode_image" stage.
-  std::function<void(const v1::Progress&)> on_progress;
-  // Optional; receives the request's previews (GenerateRequest.partial_images of them, at
-  // PreviewSteps) with their index, step and image, on the device worker's thread (keep it short).
-  // Without it a request's partial_images are not made.
-  std::function<void(int index, int step, const Image& image)> on_preview;
-};
 
 class DeviceRuntime {
  public:
@@ -186,25 +176,11 @@ class DeviceRuntime {
   // for tests that wait for a state instead of sleeping.
   DeviceWorker::Waiting waiting() const { return worker_->waiting(); }
   // Requests the worker runs now (a batch's members; 0 between runs): stowage_requests_running.
-  int running() const { return running_.load(std::memory_order_relaxed); }
+  int running() const { return executor_ != nullptr ? executor_->running() : 0; }
   // Requests accepted by Generate and not yet returned (queued or running); for routing.
   int in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
 
  private:
-  // One accepted request, from Generate to the worker and back.
-  struct PendingRequest {
-    std::shared_ptr<Pipeline> pipeline;
-    GenerationParams params;
-    const v1::GenerateRequest* request = nullptr;
-    const CallControl* control = nullptr;
-    absl::Duration queue_wait;
-    absl::Duration batch_wait;
-    // Set by the worker: the response without its image, and the image, which the caller's own
-    // thread encodes (so the worker goes on to the next request meanwhile).
-    absl::StatusOr<v1::GenerateResponse> result = absl::InternalError("request did not run");
-    Image image;
-  };
-
   DeviceRuntime() = default;
   absl::StatusOr<std::unique_ptr<Pipeline>> Build(const v1::PipelineConfig& config);
   // Load with a log line as it begins and one with its outcome.
@@ -243,15 +219,9 @@ class DeviceRuntime {
   absl::Status MoveToPeer(const std::string& pipeline, Component& component, const std::string& device);
   v1::Pipeline Describe(const HostedPipelines::View& view) const;
   v1::BatchingConfig BatchingOf(const std::string& pipeline) const;
-  // One small generation so that the first request finds kernels loaded, library handles made and
-  // components placed (PipelineConfig.warmup). Failures are logged, not returned.
   // Re-measures the device memory held outside the allocator (DeviceBackend::RefreshContextBytes),
   // logging a change of 16 MiB or more.
   void RefreshContext(WorkerScope& scope);
-  void WarmUp(WorkerScope& scope, Pipeline& pipeline, const Interrupt& interrupt);
-  // Runs requests for one pipeline as one batch (or one request alone) and sets each one's result.
-  // `batching`: the pipeline batches (its batches go to the batch metrics).
-  void RunOnWorker(WorkerScope& scope, const std::vector<PendingRequest*>& requests, bool batching);
   // Publishes the snapshot other threads read (after every job, task and call).
   void Publish(WorkerScope& scope);
 
@@ -279,10 +249,6 @@ class DeviceRuntime {
   // The other devices, this device's components on them and theirs here (split layouts, peer
   // eviction). Declared before placement_: destroyed after it (guests' modules outlive their hooks).
   PeerLinks links_;
-  // Worker only: the device peaks a remote call reset during the current request (RunForPeer resets
-  // the peak to measure its own run), so the request still reports its whole peak.
-  int64_t peak_floor_allocated_ = 0;
-  int64_t peak_floor_reserved_ = 0;
   // Worker only: true while this worker runs a component for a peer (RunForPeer); peer eviction
   // (which calls a peer) is off then, since a remote call makes no call itself.
   bool serving_peer_ = false;
@@ -290,14 +256,16 @@ class DeviceRuntime {
   // excepted). Declared after the pipelines: destroyed before them, since group offloading hooks
   // their modules.
   std::unique_ptr<PlacementManager> placement_;
-  int64_t request_counter_ = 0;
   std::atomic<int> in_flight_{0};
-  std::atomic<int> running_{0};
   // Each READY pipeline's batching settings (absent: off).
   mutable absl::Mutex batching_mu_;
   std::map<std::string, v1::BatchingConfig> batching_ ABSL_GUARDED_BY(batching_mu_);
   mutable absl::Mutex snapshot_mu_;
   std::shared_ptr<const PlacementSnapshot> snapshot_ ABSL_GUARDED_BY(snapshot_mu_);
+  // Runs the requests (and the warm-up) on the worker; made by Create.
+  std::unique_ptr<RequestExecutor> executor_;
+  // The executor reaches the device's state with the worker's scope, as the runtime's own methods do.
+  friend class RequestExecutor;
   // Declared last: destroyed first, so queued work finishes while everything it uses exists.
   std::unique_ptr<DeviceWorker> worker_;
 };

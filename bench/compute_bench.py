@@ -196,10 +196,15 @@ def run(args):
         for f in (out_file, jsonl):
             if os.path.exists(f):
                 os.remove(f)
-        cmd = [args.offload_bench, f"--model_dir={args.dir}", "--rows=resident", f"--inputs={inputs_path}",
+        # *_streamed: the transformer group-offloaded block by block (block_pinned), its weights
+        # streamed from pinned host memory every step (FP8: the FP8 bytes themselves).
+        streamed = mode.endswith("_streamed")
+        fp8 = mode.startswith("fp8")
+        cmd = [args.offload_bench, f"--model_dir={args.dir}", f"--rows={'block_pinned' if streamed else 'resident'}",
+               f"--inputs={inputs_path}",
                f"--save_output={out_file}", f"--out={jsonl}", f"--warmup={args.warmup}", f"--iters={args.iters}",
                f"--machine={args.machine}", f"--fused={'false' if mode == 'bf16_reference' else 'true'}",
-               f"--compute={'fp8' if mode == 'fp8' else 'bf16'}"]
+               f"--compute={'fp8' if fp8 else 'bf16'}"]
         trace = ""
         if args.profile_dir and mode != "bf16_reference":
             trace = os.path.join(args.dir, f"trace_{model_name}_{mode}.json")
@@ -214,9 +219,16 @@ def run(args):
         with open(jsonl, encoding="utf-8") as f:
             result = json.loads(f.readline())
         err = rel_l2(load_file(out_file)["output"].float(), reference)
-        row("stowage", "fp8" if mode == "fp8" else "bf16", "reference" if mode == "bf16_reference" else "fused",
+        extra = {}
+        if streamed:
+            # floor_s: the bytes this mode streams per step over the bandwidth measured in the same process.
+            extra = dict(placement="streamed", floor_s=result.get("floor_s"),
+                         streamed_bytes=result.get("streamed_bytes"),
+                         x_floor=round(result["step_s"] / result["floor_s"], 3) if result.get("floor_s") else None,
+                         prepare_s=result.get("prepare_s"))
+        row("stowage", "fp8" if fp8 else "bf16", "reference" if mode == "bf16_reference" else "fused",
             result["step_s"], err, peak_device_bytes=result.get("peak_device_bytes"),
-            process_s=round(time.time() - start, 1))
+            process_s=round(time.time() - start, 1), **extra)
         if trace and os.path.exists(trace) and args.profile_dir:
             summarize_trace(trace, os.path.join(args.profile_dir, f"profile_{model_name}.txt"),
                             f"stowage {model_name} {mode}")

@@ -27,7 +27,8 @@
 # Results in $OUT (summary.txt too; build_tail.txt when the build fails).
 #   OUT=$OUT MODELS="zimage flux" deploy/gpu_host/unpack_and_run.sh bash deploy/gpu_host/run_compute_suite.sh
 #   OUT=$OUT PARTS="e2e fidelity" deploy/gpu_host/unpack_and_run.sh bash deploy/gpu_host/run_compute_suite.sh
-# MODES: Stowage's compute modes (bf16, bf16_reference, fp8); DIFFUSERS: eager,compile (or eager).
+# MODES: Stowage's compute modes (bf16, bf16_reference, fp8, and bf16_streamed / fp8_streamed: the
+# transformer group-offloaded block by block, its weights streamed every step); DIFFUSERS: eager,compile (or eager).
 source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/suite_lib.sh"
 suite_build compute
 if [ ! -x "$build/bench/offload_bench" ]; then

@@ -242,6 +242,21 @@ TEST_F(AdminE2ETest, LoadAndUnloadPipelines) {
     bool converted = false;
     for (const auto& c : loaded.pipeline().components()) converted |= c.name() == "transformer" && c.compute() == "fp8";
     EXPECT_TRUE(converted);
+    // Streamed: the FP8 weights and their scales travel as they are (half the bf16 bytes) and go
+    // into the FP8 GEMMs without widening — the image is the resident one's, byte for byte.
+    v1::GenerateResponse resident, streamed;
+    ASSERT_TRUE(Generate("fp8", &resident).ok());
+    v1::EnableGroupOffloadRequest stream;
+    stream.set_component_id("fp8/transformer");
+    stream.mutable_options()->set_use_stream(true);
+    v1::EnableGroupOffloadResponse streaming;
+    ASSERT_TRUE(admin_->EnableGroupOffload(Authed().get(), stream, &streaming).ok());
+    ASSERT_EQ(streaming.components_size(), 1);
+    EXPECT_EQ(streaming.components(0).state(), v1::ComponentPlacement::GROUP_OFFLOADED);
+    EXPECT_EQ(streaming.components(0).compute(), "fp8");
+    ASSERT_TRUE(Generate("fp8", &streamed).ok());
+    EXPECT_EQ(streamed.image(), resident.image());
+    EXPECT_GT(streamed.stats().host_to_device_bytes(), 0);
     v1::UnloadPipelineRequest drop;
     drop.set_name("fp8");
     v1::UnloadPipelineResponse dropped;

@@ -34,8 +34,10 @@ Strategies (one server each, started one after the other):
   scheduler  the same placement; max_reorder_delay_ms --reorder_ms: a request whose pipeline is on
              the device may pass older ones that would move weights, each passed over for at most
              that long. Then the flood phase: alice's requests for the hot pipeline alone
-             (--flood_requests, Poisson at --rate), and again while bob floods the hot pipeline with
-             four closed-loop clients: alice's p99 with the flood against alone.
+             (--flood_requests, Poisson at --flood_rate: within her fair share, half the device
+             with two tenants of equal weight — a tenant asking for more than her share queues
+             behind her own requests under any fair scheduler), and again while bob floods the hot
+             pipeline with four closed-loop clients: alice's p99 with the flood against alone.
 Latency is the client's (request sent to PNG received) over the OpenAI images API (`user` is the
 tenant, `priority` ours); bytes moved per request are the replies' X-Stowage-Host-To-Device-Bytes
 (whole components moved onto the device and streamed groups alike); peaks are the replies' device
@@ -195,7 +197,9 @@ def config_text(budget_bytes, strategy, reorder_ms):
         # No load-time warm-up: each strategy's first request per pipeline is sent unmeasured instead.
         pipelines += (f'pipelines {{ name: "{name}" model_dir: "{directory}" random_weights: true weight_seed: 1 '
                       f'dtype: "{ARGS.dtype}" warmup: false{seeds} }}\n')
-    scheduler = f"scheduler {{ max_reorder_delay_ms: {reorder_ms} }}"
+    # Both tenants listed (equal weights): logs and metrics name them instead of "other".
+    scheduler = (f"scheduler {{ max_reorder_delay_ms: {reorder_ms} "
+                 f'tenant_weights {{ key: "alice" value: 1 }} tenant_weights {{ key: "bob" value: 1 }} }}')
     return (f'grpc_address: "127.0.0.1:0"\nhttp_address: "127.0.0.1:0"\nmetrics_address: "none"\n'
             f'queue_depth: 64\nauth {{ admin_token: "{TOKEN}" }}\n{device}\n{scheduler}\n{pipelines}{strategy}\n')
 
@@ -260,7 +264,7 @@ def rows_for(strategy, results, start, end, budget, smi_peak, resident):
 
 def flood_phase(server, budget):
     """Alice's hot-pipeline requests alone, then under bob's closed-loop flood: two rows."""
-    trace = make_trace(ARGS.flood_requests, ARGS.rate, 0.0, ARGS.trace_seed + 1, STEPS,
+    trace = make_trace(ARGS.flood_requests, ARGS.flood_rate, 0.0, ARGS.trace_seed + 1, STEPS,
                        pipelines=(POPULARITY[0],), tenants=(("alice", 1.0),))
     for request in trace:
         request["priority"] = 0  # Bob's priority: the phase measures tenant fairness, not priority.
@@ -290,7 +294,7 @@ def flood_phase(server, budget):
     # limit working, not a failure; alice's must all succeed.
     alice_ok = all(r["error"] is None for r in alone + flooded)
     return [{"bench": "multi_tenant", "strategy": "scheduler", "phase": "flood", "tenant": "alice",
-             "pipeline": POPULARITY[0], "requests": len(trace),
+             "pipeline": POPULARITY[0], "requests": len(trace), "rate_per_s": ARGS.flood_rate,
              "p50_s": round(percentile(f, 0.5), 4), "p99_s": round(percentile(f, 0.99), 4),
              "alone_p50_s": round(percentile(a, 0.5), 4), "alone_p99_s": round(percentile(a, 0.99), 4),
              "p99_vs_alone": round(percentile(f, 0.99) / percentile(a, 0.99), 3) if a and f else None,
@@ -418,6 +422,8 @@ def main():
     s.add_argument("--reorder_ms", type=int, default=4000)
     s.add_argument("--flood_requests", type=int, default=30)
     s.add_argument("--flood_lead_s", type=float, default=2.0)
+    s.add_argument("--flood_rate", type=float, default=0.3,
+                   help="alice's arrivals per second in the flood phase (keep it within her fair share)")
     s.add_argument("--flux_compress", choices=["none", "int8", "int4"], default="none")
     s.add_argument("--flux_keep_gib", type=float, default=4.0)
     s.add_argument("--device", choices=["cuda", "sim"], default="cuda")

@@ -14,7 +14,7 @@ run() {
   /usr/bin/python3 "$scripts/multi_tenant.py" stowage --server "$here/server/stowage_server" \
     --stowctl "$here/clients/stowctl/stowctl" --zimage "$TEST_TMPDIR/zimage" --flux "$TEST_TMPDIR/flux" \
     --device sim --dtype float32 --size 64 --steps zimage=2,zimage-ft=2,flux-schnell=1,flux-dev=3 \
-    --requests 24 --rate 40 --flood_requests 6 --flood_lead_s 0.2 --budget_gib 0.003 --flux_keep_gib 0.0005 \
+    --requests 24 --rate 40 --flood_requests 6 --flood_rate 40 --flood_lead_s 0.2 --budget_gib 0.003 --flux_keep_gib 0.0005 \
     --reorder_ms 2000 --machine ci --commit test "$@"
 }
 run --out "$TEST_TMPDIR/rows.jsonl" --logs "$TEST_TMPDIR/logs" >"$TEST_TMPDIR/out.txt"

@@ -50,6 +50,7 @@ SchedulerOptions ToSchedulerOptions(const v1::SchedulerConfig& config) {
   options.priority_mode = config.priority_mode() == v1::SchedulerConfig::PRIORITY_WEIGHTED ? PriorityMode::kWeighted
                                                                                           : PriorityMode::kStrict;
   for (const auto& [tenant, weight] : config.tenant_weights()) options.tenant_weights[tenant] = weight;
+  options.tenant_burst = config.has_tenant_burst_work() ? config.tenant_burst_work() : kDefaultTenantBurstWork;
   return options;
 }
 namespace {
@@ -307,6 +308,12 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config, c
                              absl::StrCat("0 (first come, first served) ..", kMaxReorderDelayMs)));
   RETURN_IF_ERROR(CheckRange("scheduler.tenant_queue_limit", scheduler.tenant_queue_limit(), 0, config.queue_depth(),
                              absl::StrCat("0 (off) ..queue_depth (", config.queue_depth(), ")")));
+  if (scheduler.has_tenant_burst_work() &&
+      !(scheduler.tenant_burst_work() >= 0 && scheduler.tenant_burst_work() <= kMaxTenantBurstWork)) {
+    return absl::InvalidArgumentError(absl::StrCat("scheduler.tenant_burst_work: ", scheduler.tenant_burst_work(),
+                                                   " is out of range; allowed: 0 (no credit) ..", kMaxTenantBurstWork,
+                                                   " (unset: ", kDefaultTenantBurstWork, ")"));
+  }
   if (scheduler.tenant_weights_size() > kMaxTenantWeights) {
     return absl::InvalidArgumentError(absl::StrCat("scheduler.tenant_weights: ", scheduler.tenant_weights_size(),
                                                    " tenants; at most ", kMaxTenantWeights));

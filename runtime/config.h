@@ -74,6 +74,9 @@ inline constexpr int kMaxLorasPerRequest = 8;
 inline constexpr float kMaxLoraScale = 10.0f;
 inline constexpr int kMaxTenantWeights = 256;
 inline constexpr double kMaxTenantWeight = 1000;
+// SchedulerConfig.tenant_burst_work: its default (four 8-step 1024x1024 images) and its bound.
+inline constexpr double kDefaultTenantBurstWork = 32;
+inline constexpr double kMaxTenantBurstWork = 10000;
 
 // True for a tenant name the scheduler accepts: at most kMaxTenantLength of [A-Za-z0-9._-]
 // (empty is the default tenant).

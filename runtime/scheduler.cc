@@ -36,7 +36,9 @@ void Scheduler::LiftNewcomers(const std::vector<const ScheduleEntry*>& entries) 
   }
   for (const auto& [key, unused] : tenants_now) {
     if (tenants_waiting_.count(key) == 0) {
-      tenant_time_[key] = std::max(tenant_time_[key], last_tenant_time_[key.first]);
+      // A returning tenant may be behind the others by its burst credit, never more.
+      tenant_time_[key] = std::max(tenant_time_[key],
+                                   last_tenant_time_[key.first] - options_.tenant_burst / TenantWeight(key.second));
     }
   }
   levels_waiting_ = std::move(levels_now);

@@ -10,7 +10,9 @@
 //   2. Tenant, within the chosen priority: fair queueing by work. Each tenant's served work
 //      (request cost / tenant weight) is its virtual time; the waiting tenant with the least goes
 //      next, so a tenant flooding the queue gets its share and no more. A tenant that had nothing
-//      waiting starts at the virtual time of the last request served (no credit saved while idle).
+//      waiting starts at the virtual time of the last request served less its burst credit
+//      (tenant_burst / weight, bounded however long it was idle), so a light tenant's burst runs
+//      back to back instead of interleaved with a flood.
 //   3. Residency, within the chosen priority: the tenant's oldest request runs unless a request of
 //      the same priority (of any tenant) would move fewer bytes onto the device (its pipeline's
 //      weights are there) and the tenant's oldest has waited less than max_reorder_delay; then the
@@ -45,6 +47,8 @@ struct SchedulerOptions {
   PriorityMode priority_mode = PriorityMode::kStrict;
   // Tenants' shares; a tenant not listed (and the default tenant "") has weight 1.
   std::map<std::string, double> tenant_weights;
+  // Work a tenant returning from idle may run ahead of the others (SchedulerConfig.tenant_burst_work).
+  double tenant_burst = 0;
 };
 
 // What the scheduler knows of one waiting request.

@@ -361,6 +361,10 @@ TEST(ConfigTest, SchedulerTenantsAndModesAreChecked) {
            {R"pb(scheduler { tenant_weights { key: "two words" value: 1 } })pb",
             "scheduler.tenant_weights: tenant 'two words' is not 1..64 characters of [A-Za-z0-9._-]"},
            {R"pb(scheduler { tenant_weights { key: "" value: 1 } })pb", "scheduler.tenant_weights: tenant '' is not"},
+           {R"pb(scheduler { tenant_burst_work: -1 })pb", "scheduler.tenant_burst_work: -1 is out of range; allowed: 0"},
+           {R"pb(scheduler { tenant_burst_work: 10001 })pb", "scheduler.tenant_burst_work: 10001 is out of range"},
+           {R"pb(scheduler { tenant_burst_work: nan })pb", "scheduler.tenant_burst_work: nan"},
+           {R"pb(scheduler { tenant_burst_work: 0 })pb", ""},
        }) {
     v1::ServerConfig config;
     ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(c.text, &config)) << c.text;
@@ -389,6 +393,9 @@ TEST(ConfigTest, SchedulerTenantsAndModesAreChecked) {
   EXPECT_EQ(options.priority_mode, PriorityMode::kWeighted);
   EXPECT_EQ(options.max_reorder_delay, absl::Milliseconds(250));
   EXPECT_EQ(options.tenant_weights.at("gold"), 3);
+  EXPECT_EQ(options.tenant_burst, kDefaultTenantBurstWork);  // Unset: the default credit.
+  scheduler.set_tenant_burst_work(0);
+  EXPECT_EQ(ToSchedulerOptions(scheduler).tenant_burst, 0);  // Set to 0: none.
 }
 
 TEST(ConfigRangeTest, AHugePrefetchDepthIsRefusedWithItsFieldPathAndRange) {

@@ -1,5 +1,5 @@
 // The scheduler's choices on their own: priorities (strict and weighted), fair shares between
-// tenants (weights, floods, no credit saved while idle) and residency reordering bounded by
+// tenants (weights, floods, no credit saved while idle unless a bounded burst credit is set) and residency reordering bounded by
 // max_reorder_delay.
 #include "runtime/scheduler.h"
 
@@ -142,6 +142,44 @@ TEST(SchedulerTest, ATenantThatWasIdleSavesNoCredit) {
   for (int i = 0; i < 6; ++i) ++first_six[q.Next().tenant];
   EXPECT_EQ(first_six["a"], 3);
   EXPECT_EQ(first_six["b"], 3);
+}
+
+// With a burst credit, a tenant returning from idle runs up to that much work back to back ahead
+// of a flooding one — and no more, however long it was away; then they alternate again.
+TEST(SchedulerTest, AReturningTenantsBurstRunsAheadUpToItsCreditAndNoFurther) {
+  SchedulerOptions options;
+  options.tenant_burst = 3;  // Three requests of cost 1.
+  Queue q(options);
+  for (int i = 0; i < 50; ++i) {
+    q.KeepWaiting(Entry(0, "flood"), 4);
+    EXPECT_EQ(q.Next().tenant, "flood");
+  }
+  for (int i = 0; i < 6; ++i) q.Add(Entry(0, "light"));
+  std::vector<std::string> order;
+  for (int i = 0; i < 9; ++i) {
+    q.KeepWaiting(Entry(0, "flood"), 4);
+    order.push_back(q.Next().tenant);
+  }
+  // It starts its credit (3) behind the virtual time of the last request served, one request's work
+  // behind the flood's: four in a row, then alternating.
+  EXPECT_EQ(order, (std::vector<std::string>{"light", "light", "light", "light", "flood", "light", "flood",
+                                             "light", "flood"}));
+  // The credit is work at the tenant's weight, as its share is: at weight 2 each request advances it
+  // half as far, so (3 / 2 + 1) of virtual time is five requests.
+  SchedulerOptions weighted = options;
+  weighted.tenant_weights = {{"light", 2.0}};
+  Queue w(weighted);
+  for (int i = 0; i < 50; ++i) {
+    w.KeepWaiting(Entry(0, "flood"), 4);
+    w.Next();
+  }
+  for (int i = 0; i < 12; ++i) w.Add(Entry(0, "light"));
+  int run = 0;
+  for (;; ++run) {
+    w.KeepWaiting(Entry(0, "flood"), 4);
+    if (w.Next().tenant != "light") break;
+  }
+  EXPECT_EQ(run, 5);
 }
 
 TEST(SchedulerTest, AResidentPipelineGoesFirstWithinTheReorderDelayAndTheDecisionSaysWhy) {

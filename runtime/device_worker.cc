@@ -90,11 +90,12 @@ void DeviceWorker::AwaitWake(uint64_t seen, absl::Duration timeout) {
 namespace {
 
 // The held waits of every worker (CallHoldingLane): caller → callee, at most one per caller (a
-// worker waits in one call at a time). Process-wide: workers are the keys, so devices of several
-// servers in one process never meet.
+// worker waits in one call at a time), with the callee's device name for messages (the walk never
+// dereferences a worker: a callee may be gone before its caller erased the edge). Process-wide:
+// workers are the keys, so devices of several servers in one process never meet.
 struct HeldWaits {
   absl::Mutex mu;
-  std::map<const DeviceWorker*, const DeviceWorker*> edges ABSL_GUARDED_BY(mu);
+  std::map<const DeviceWorker*, std::pair<const DeviceWorker*, std::string>> edges ABSL_GUARDED_BY(mu);
 };
 
 HeldWaits& Held() {
@@ -120,20 +121,26 @@ absl::Status DeviceWorker::CallHoldingLane(std::function<absl::Status(WorkerScop
     for (const DeviceWorker* w = this;;) {
       auto next = held.edges.find(w);
       if (next == held.edges.end()) break;
-      w = next->second;
-      absl::StrAppend(&chain, " -> ", w->device());
+      w = next->second.first;
+      absl::StrAppend(&chain, " -> ", next->second.second);
       if (w == &caller) {
         return absl::AbortedError(absl::StrCat("device ", caller.device(), " cannot wait on ", options_.device,
                                                ", which waits on it (", chain,
                                                ") with its own state mid-change; the caller takes another way"));
       }
     }
-    held.edges[&caller] = this;
+    held.edges[&caller] = {this, options_.device};
   }
-  const absl::Status status = Call(std::move(fn), nullptr, nullptr);
-  absl::MutexLock lock(&held.mu);
-  held.edges.erase(&caller);
-  return status;
+  // The edge goes when the wait ends, however it ends.
+  struct Erase {
+    HeldWaits& held;
+    const DeviceWorker* caller;
+    ~Erase() {
+      absl::MutexLock lock(&held.mu);
+      held.edges.erase(caller);
+    }
+  } erase{held, &caller};
+  return Call(std::move(fn), nullptr, nullptr);
 }
 
 absl::Status DeviceWorker::RunCall(CallState& call, WorkerScope& scope) {

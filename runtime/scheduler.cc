@@ -117,7 +117,10 @@ void Scheduler::Charge(const ScheduleEntry& entry) {
   last_level_time_ = level_time_[level];
   level_time_[level] += entry.cost / static_cast<double>(level + 1);
   const std::pair<int, std::string> key{level, entry.tenant};
-  last_tenant_time_[level] = tenant_time_[key];
+  // The mark newcomers start from never goes back (a tenant served on its burst credit, or out of
+  // turn for residency, is behind it): each returning tenant's credit counts from the same mark,
+  // so credits never add up.
+  last_tenant_time_[level] = std::max(last_tenant_time_[level], tenant_time_[key]);
   tenant_time_[key] += entry.cost / TenantWeight(entry.tenant);
 }
 

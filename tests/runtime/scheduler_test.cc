@@ -182,6 +182,30 @@ TEST(SchedulerTest, AReturningTenantsBurstRunsAheadUpToItsCreditAndNoFurther) {
   EXPECT_EQ(run, 5);
 }
 
+// Credits never add up: a tenant returning after another one was served on its credit starts from
+// the same mark (the flood's), not from the one served behind it.
+TEST(SchedulerTest, BurstCreditsOfTenantsReturningOneAfterAnotherDoNotAddUp) {
+  SchedulerOptions options;
+  options.tenant_burst = 2;
+  Queue q(options);
+  for (int i = 0; i < 50; ++i) {
+    q.KeepWaiting(Entry(0, "flood"), 4);
+    q.Next();
+  }
+  for (int i = 0; i < 10; ++i) q.Add(Entry(0, "one"));
+  q.KeepWaiting(Entry(0, "flood"), 4);
+  EXPECT_EQ(q.Next().tenant, "one");  // From 49 - 2 = 47 (the flood is at 50).
+  for (int i = 0; i < 10; ++i) q.Add(Entry(0, "two"));
+  int ahead = 0;
+  for (;; ++ahead) {
+    q.KeepWaiting(Entry(0, "flood"), 4);
+    if (q.Next().tenant == "flood") break;
+  }
+  // "one" at 48 runs twice more, "two" from 47 three times: 5. Measured from "one"'s 47 instead,
+  // "two" would start at 45 and run five.
+  EXPECT_EQ(ahead, 5);
+}
+
 TEST(SchedulerTest, AResidentPipelineGoesFirstWithinTheReorderDelayAndTheDecisionSaysWhy) {
   SchedulerOptions options;
   options.max_reorder_delay = absl::Milliseconds(500);

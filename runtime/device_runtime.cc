@@ -33,22 +33,14 @@
 namespace stowage {
 namespace {
 
-
+// The backend a device's config names (RuntimeFactories::make_backend's default).
 absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateBackend(const v1::DeviceConfig& device) {
-  std::unique_ptr<DeviceBackend> backend;
-  if (ResolvedKind(device) == v1::DeviceConfig::KIND_CUDA) {
-    ASSIGN_OR_RETURN(backend, CreateCudaBackend(device.index()));
-  } else {
-    SimulatedBackendOptions options;
-    options.index = device.index();
-    options.bandwidth_bytes_per_second = device.simulated_bandwidth_bytes_per_second();
-    options.context_bytes = device.simulated_context_bytes();
-    backend = CreateSimulatedBackend(options);
-  }
-  if (device.memory_budget_bytes() > 0) {
-    RETURN_IF_ERROR(backend->SetMemoryBudget(device.memory_budget_bytes()));
-  }
-  return backend;
+  if (ResolvedKind(device) == v1::DeviceConfig::KIND_CUDA) return CreateCudaBackend(device.index());
+  SimulatedBackendOptions options;
+  options.index = device.index();
+  options.bandwidth_bytes_per_second = device.simulated_bandwidth_bytes_per_second();
+  options.context_bytes = device.simulated_context_bytes();
+  return CreateSimulatedBackend(options);
 }
 
 // Narrows a pipeline's group-offload options to the components on one device (exclusions and
@@ -79,14 +71,11 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
   core->metrics_ = metrics;
   core->registry_ = &factories.Registry();
   if (config.cpu_threads() > 0) at::set_num_threads(config.cpu_threads());
-  if (factories.make_backend) {
-    ASSIGN_OR_RETURN(core->backend_, factories.make_backend(config.device()));
-    if (core->backend_ == nullptr) return absl::InternalError("RuntimeFactories::make_backend returned no backend");
-    if (config.device().memory_budget_bytes() > 0) {
-      RETURN_IF_ERROR(core->backend_->SetMemoryBudget(config.device().memory_budget_bytes()));
-    }
-  } else {
-    ASSIGN_OR_RETURN(core->backend_, CreateBackend(config.device()));
+  ASSIGN_OR_RETURN(core->backend_, factories.make_backend ? factories.make_backend(config.device())
+                                                          : CreateBackend(config.device()));
+  if (core->backend_ == nullptr) return absl::InternalError("RuntimeFactories::make_backend returned no backend");
+  if (config.device().memory_budget_bytes() > 0) {
+    RETURN_IF_ERROR(core->backend_->SetMemoryBudget(config.device().memory_budget_bytes()));
   }
   core->device_name_ = core->backend_->name();
   if (metrics != nullptr) metrics->InitializeDevice(core->device_name_);
@@ -352,6 +341,16 @@ absl::Status DeviceRuntime::OnPeer(WorkerScope& scope, DeviceRuntime* peer,
         return thrown.ok() ? status : thrown;
       },
       nullptr, &scope);
+}
+
+void DeviceRuntime::OnEachPeer(WorkerScope& scope, const std::set<DeviceRuntime*>& peers,
+                               const std::function<void(DeviceRuntime&, WorkerScope&)>& change) {
+  for (DeviceRuntime* peer : peers) {
+    (void)OnPeer(scope, peer, [&](DeviceRuntime& other, WorkerScope& other_scope) {
+      change(other, other_scope);
+      return absl::OkStatus();
+    });
+  }
 }
 
 absl::Status DeviceRuntime::AddGuest(WorkerScope& scope, const std::string& name, std::shared_ptr<Pipeline> pipeline,
@@ -700,24 +699,18 @@ absl::StatusOr<v1::Pipeline> DeviceRuntime::Load(const v1::PipelineConfig& p, bo
         }
         if (!registered.ok()) {
           placement.Unregister(name);  // All or nothing.
-          for (DeviceRuntime* peer : peers_used) {
-            (void)OnPeer(scope, peer, [&](DeviceRuntime& other, WorkerScope& other_scope) {
-              other.RemoveGuest(other_scope, name);
-              return absl::OkStatus();
-            });
-          }
+          OnEachPeer(scope, peers_used, [&](DeviceRuntime& other, WorkerScope& other_scope) {
+            other.RemoveGuest(other_scope, name);
+          });
           return registered;
         }
         links_.SetRemote(name, remote);
         const bool warmup = p.has_warmup() ? p.warmup() : torch_device_.is_cuda();
         if (warmup) executor_->WarmUp(scope, *pipeline, interrupt);
         placement.MarkReady(name);
-        for (DeviceRuntime* peer : peers_used) {
-          (void)OnPeer(scope, peer, [&](DeviceRuntime& other, WorkerScope& other_scope) {
-            other.Placement(other_scope).MarkReady(name);
-            return absl::OkStatus();
-          });
-        }
+        OnEachPeer(scope, peers_used, [&](DeviceRuntime& other, WorkerScope& other_scope) {
+          other.Placement(other_scope).MarkReady(name);
+        });
         {
           absl::MutexLock lock(&batching_mu_);
           batching_[name] = p.batching();
@@ -758,12 +751,9 @@ absl::Status DeviceRuntime::UnloadPipeline(const std::string& name, const Interr
   absl::Status status = OnWorker(
       [&](WorkerScope& scope) {
         Placement(scope).MarkUnloading(name);
-        for (DeviceRuntime* peer : links_.PeersOf(name)) {
-          (void)OnPeer(scope, peer, [&](DeviceRuntime& other, WorkerScope& other_scope) {
-            other.Placement(other_scope).MarkUnloading(name);
-            return absl::OkStatus();
-          });
-        }
+        OnEachPeer(scope, links_.PeersOf(name), [&](DeviceRuntime& other, WorkerScope& other_scope) {
+          other.Placement(other_scope).MarkUnloading(name);
+        });
         return absl::OkStatus();
       },
       interrupt);
@@ -774,12 +764,9 @@ absl::Status DeviceRuntime::UnloadPipeline(const std::string& name, const Interr
           removed = true;
           // No request of the pipeline runs now (they ran before this task): its components on
           // peers go too, each by its own worker.
-          for (DeviceRuntime* peer : links_.PeersOf(name)) {
-            (void)OnPeer(scope, peer, [&](DeviceRuntime& other, WorkerScope& other_scope) {
-              other.RemoveGuest(other_scope, name);
-              return absl::OkStatus();
-            });
-          }
+          OnEachPeer(scope, links_.PeersOf(name), [&](DeviceRuntime& other, WorkerScope& other_scope) {
+            other.RemoveGuest(other_scope, name);
+          });
           links_.SetRemote(name, {});
           Placement(scope).Unregister(name);
           {
@@ -804,12 +791,9 @@ absl::Status DeviceRuntime::UnloadPipeline(const std::string& name, const Interr
     (void)OnWorker(
         [&](WorkerScope& scope) {
           Placement(scope).AbandonUnloading(name);
-          for (DeviceRuntime* peer : links_.PeersOf(name)) {
-            (void)OnPeer(scope, peer, [&](DeviceRuntime& other, WorkerScope& other_scope) {
-              other.Placement(other_scope).AbandonUnloading(name);
-              return absl::OkStatus();
-            });
-          }
+          OnEachPeer(scope, links_.PeersOf(name), [&](DeviceRuntime& other, WorkerScope& other_scope) {
+            other.Placement(other_scope).AbandonUnloading(name);
+          });
           return absl::OkStatus();
         },
         nullptr);
@@ -851,7 +835,7 @@ absl::StatusOr<v1::GenerateResponse> DeviceRuntime::Generate(const v1::GenerateR
                                                               const CallControl& control) {
   ASSIGN_OR_RETURN(std::shared_ptr<Pipeline> pipeline, pipelines_.Resolve(request.pipeline()));
   ASSIGN_OR_RETURN(GenerationParams params,
-                   ValidateRequest(request, *pipeline, adapters_, /*split=*/!links_.RemoteOf(pipeline->name()).empty()));
+                   ValidateRequest(request, *pipeline, adapters_, /*split=*/links_.HasRemote(pipeline->name())));
   RETURN_IF_ERROR(control.interrupt ? control.interrupt() : absl::OkStatus());
   in_flight_.fetch_add(1, std::memory_order_relaxed);
   struct Done {

@@ -176,7 +176,7 @@ class DeviceRuntime {
   // for tests that wait for a state instead of sleeping.
   DeviceWorker::Waiting waiting() const { return worker_->waiting(); }
   // Requests the worker runs now (a batch's members; 0 between runs): stowage_requests_running.
-  int running() const { return executor_ != nullptr ? executor_->running() : 0; }
+  int running() const { return executor_->running(); }
   // Requests accepted by Generate and not yet returned (queued or running); for routing.
   int in_flight() const { return in_flight_.load(std::memory_order_relaxed); }
 
@@ -194,6 +194,10 @@ class DeviceRuntime {
   // scope is `scope`; `change` must not call again). Changes on this device itself run in place.
   absl::Status OnPeer(WorkerScope& scope, DeviceRuntime* peer,
                       const std::function<absl::Status(DeviceRuntime&, WorkerScope&)>& change);
+  // Runs `change` on each of `peers` (OnPeer), best effort: bookkeeping a split pipeline's other
+  // devices follow (lifecycle marks, guests), whose failure changes nothing here.
+  void OnEachPeer(WorkerScope& scope, const std::set<DeviceRuntime*>& peers,
+                  const std::function<void(DeviceRuntime&, WorkerScope&)>& change);
   // Peer side: registers a component of another device's split pipeline here, keeps the pipeline
   // alive while it is, and group-offloads it when `offload` says so.
   absl::Status AddGuest(WorkerScope& scope, const std::string& name, std::shared_ptr<Pipeline> pipeline,

@@ -38,6 +38,11 @@ PeerLinks::RemoteMap PeerLinks::RemoteOf(const std::string& pipeline) const {
   return it == remote_.end() ? RemoteMap{} : it->second;
 }
 
+bool PeerLinks::HasRemote(const std::string& pipeline) const {
+  absl::MutexLock lock(&mu_);
+  return remote_.count(pipeline) > 0;  // SetRemote / SetRemoteComponent keep no empty map.
+}
+
 std::set<DeviceRuntime*> PeerLinks::PeersOf(const std::string& pipeline) const {
   std::set<DeviceRuntime*> peers;
   for (const auto& entry : RemoteOf(pipeline)) peers.insert(entry.second);

@@ -38,6 +38,8 @@ class PeerLinks {
   DeviceRuntime* PeerFor(const std::string& pipeline, const Component* component) const;
   // Every component of `pipeline` that runs on a peer, and the peer.
   RemoteMap RemoteOf(const std::string& pipeline) const;
+  // True when some component of `pipeline` runs on a peer (per request: no copy of the map).
+  bool HasRemote(const std::string& pipeline) const;
   // The distinct peers of RemoteOf(pipeline).
   std::set<DeviceRuntime*> PeersOf(const std::string& pipeline) const;
   // Replaces `pipeline`'s remote components (an empty map: all run here).

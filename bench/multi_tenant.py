@@ -445,6 +445,8 @@ def main():
     STEPS = dict((k, int(v)) for k, v in (item.split("=") for item in ARGS.steps.split(",")))
     if sorted(STEPS) != sorted(POPULARITY):
         raise SystemExit(f"--steps must name each of {', '.join(POPULARITY)}")
+    if ARGS.rate <= 0 or ARGS.flood_rate <= 0:
+        raise SystemExit("--rate and --flood_rate must be above 0 (arrivals per second)")
     TRACE = make_trace(ARGS.requests, ARGS.rate, ARGS.zipf, ARGS.trace_seed, STEPS)
     TRACE_INFO = {"requests": ARGS.requests, "rate_per_s": ARGS.rate, "zipf": ARGS.zipf, "seed": ARGS.trace_seed,
                   "popularity": list(POPULARITY), "tenants": {"alice": 0.7, "bob": 0.3}, "high_priority": 0.2}

@@ -67,6 +67,16 @@ class AdminE2ETest : public ::testing::Test {
     return generation_->Generate(&context, request, response);
   }
 
+  // EnableGroupOffload of one component, streamed (with `compress`, if any).
+  grpc::Status StreamComponent(const std::string& component_id, v1::EnableGroupOffloadResponse* response,
+                               v1::GroupOffloadConfig::Compress compress = v1::GroupOffloadConfig::COMPRESS_NONE) {
+    v1::EnableGroupOffloadRequest enable;
+    enable.set_component_id(component_id);
+    enable.mutable_options()->set_use_stream(true);
+    enable.mutable_options()->set_compress(compress);
+    return admin_->EnableGroupOffload(Authed().get(), enable, response);
+  }
+
   v1::GetPlacementResponse Placement() {
     v1::GetPlacementResponse response;
     EXPECT_TRUE(admin_->GetPlacement(Authed().get(), {}, &response).ok());
@@ -138,16 +148,13 @@ TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
   }
 
   // Group-offload the transformer; with the footprint strategy back, a warning says why it is odd.
-  v1::EnableGroupOffloadRequest enable;
-  enable.set_component_id("zimage-tiny/transformer");
-  enable.mutable_options()->set_use_stream(true);
   v1::EnableGroupOffloadResponse enabled;
-  ASSERT_TRUE(admin_->EnableGroupOffload(Authed().get(), enable, &enabled).ok());
+  ASSERT_TRUE(StreamComponent("zimage-tiny/transformer", &enabled).ok());
   ASSERT_EQ(enabled.components_size(), 1);
   EXPECT_EQ(enabled.components(0).state(), v1::ComponentPlacement::GROUP_OFFLOADED);
   EXPECT_GT(enabled.components(0).group_offload().streamed_groups(), 0);
   EXPECT_LT(enabled.components(0).device_bytes(), enabled.components(0).weight_bytes());
-  EXPECT_EQ(admin_->EnableGroupOffload(Authed().get(), enable, &enabled).error_code(), grpc::FAILED_PRECONDITION);
+  EXPECT_EQ(StreamComponent("zimage-tiny/transformer", &enabled).error_code(), grpc::FAILED_PRECONDITION);
   v1::SetOffloadStrategyRequest footprint;
   footprint.mutable_strategy()->mutable_footprint()->set_reserve_bytes(0);
   ASSERT_TRUE(admin_->SetOffloadStrategy(Authed().get(), footprint, &set).ok());
@@ -246,11 +253,8 @@ TEST_F(AdminE2ETest, LoadAndUnloadPipelines) {
     // into the FP8 GEMMs without widening — the image is the resident one's, byte for byte.
     v1::GenerateResponse resident, streamed;
     ASSERT_TRUE(Generate("fp8", &resident).ok());
-    v1::EnableGroupOffloadRequest stream;
-    stream.set_component_id("fp8/transformer");
-    stream.mutable_options()->set_use_stream(true);
     v1::EnableGroupOffloadResponse streaming;
-    ASSERT_TRUE(admin_->EnableGroupOffload(Authed().get(), stream, &streaming).ok());
+    ASSERT_TRUE(StreamComponent("fp8/transformer", &streaming).ok());
     ASSERT_EQ(streaming.components_size(), 1);
     EXPECT_EQ(streaming.components(0).state(), v1::ComponentPlacement::GROUP_OFFLOADED);
     EXPECT_EQ(streaming.components(0).compute(), "fp8");
@@ -568,12 +572,8 @@ TEST_F(AdminE2ETest, CompressedGroupOffloadIsReported) {
   load.mutable_pipeline()->set_builtin("zimage-tiny");
   v1::LoadPipelineResponse loaded;
   ASSERT_TRUE(admin_->LoadPipeline(Authed().get(), load, &loaded).ok());
-  v1::EnableGroupOffloadRequest enable;
-  enable.set_component_id("zimage/transformer");
-  enable.mutable_options()->set_use_stream(true);
-  enable.mutable_options()->set_compress(v1::GroupOffloadConfig::COMPRESS_INT8);
   v1::EnableGroupOffloadResponse enabled;
-  grpc::Status status = admin_->EnableGroupOffload(Authed().get(), enable, &enabled);
+  grpc::Status status = StreamComponent("zimage/transformer", &enabled, v1::GroupOffloadConfig::COMPRESS_INT8);
   ASSERT_TRUE(status.ok()) << status.error_message();
   ASSERT_EQ(enabled.components_size(), 1);
   const v1::GroupOffloadStatus& g = enabled.components(0).group_offload();

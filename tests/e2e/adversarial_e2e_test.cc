@@ -13,7 +13,7 @@
 
 #include "google/protobuf/text_format.h"
 #include "tests/e2e/e2e_harness.h"
-#include "tests/e2e/server_state.h"
+#include "tests/runtime/runtime_state.h"
 
 namespace stowage {
 namespace {
@@ -384,22 +384,6 @@ TEST_F(AdversarialTest, ConcurrentLoadsOfOneNameLetExactlyOneThrough) {
   EXPECT_EQ(CountDefaults(*server_), 1);
 }
 
-// Waits (at most 10 s) until `name` is listed in `state`; returns whether it got there.
-bool WaitForState(E2eServer& server, const std::string& name, v1::PipelineState state) {
-  const absl::Time give_up = absl::Now() + absl::Seconds(10);
-  for (;;) {
-    grpc::ClientContext context;
-    v1::ListPipelinesResponse list;
-    if (server.generation().ListPipelines(&context, {}, &list).ok()) {
-      for (const auto& p : list.pipelines()) {
-        if (p.name() == name && p.state() == state) return true;
-      }
-    }
-    if (absl::Now() > give_up) return false;
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-}
-
 TEST_F(LifecycleTest, UnloadsAndLoadsRacingKeepExactlyOneDefault) {
   // A busy worker makes the unload wait; its deadline passes before it runs: it is withdrawn,
   // and the pipeline is READY again.
@@ -415,7 +399,8 @@ TEST_F(LifecycleTest, UnloadsAndLoadsRacingKeepExactlyOneDefault) {
   EXPECT_EQ(CountDefaults(*server_), 1);
   // The client sees DEADLINE_EXCEEDED at its deadline; the server's handler puts the pipeline back
   // to READY only after it withdrew the task (it polls the deadline), which may be a moment later.
-  EXPECT_TRUE(WaitForState(*server_, "zimage-tiny", v1::PIPELINE_READY));
+  EXPECT_TRUE(AwaitState(
+      [&] { return StateOf(server_->server().devices(), "zimage-tiny") == v1::PIPELINE_READY; }, absl::Seconds(10)));
   const grpc::Status after_withdrawal = server_->Generate(E2eServer::SmallRequest("zimage-tiny"));
   EXPECT_TRUE(after_withdrawal.ok()) << after_withdrawal.error_code() << " " << after_withdrawal.error_message();
 

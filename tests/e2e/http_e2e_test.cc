@@ -23,7 +23,7 @@
 #include "tests/e2e/e2e_harness.h"
 #include "tests/e2e/http_client.h"
 #include "tests/e2e/http_get.h"
-#include "tests/e2e/server_state.h"
+#include "tests/runtime/runtime_state.h"
 
 namespace stowage {
 namespace {

@@ -20,7 +20,7 @@
 #include "server/server.h"
 #include "tests/e2e/e2e_harness.h"
 #include "tests/e2e/http_get.h"
-#include "tests/e2e/server_state.h"
+#include "tests/runtime/runtime_state.h"
 
 namespace stowage {
 namespace {

@@ -91,7 +91,7 @@ TEST_F(RequestValidationTest, EachOutOfRangeFieldIsRefusedNamingItself) {
   ExpectRefused(r, absl::StatusCode::kInvalidArgument, "priority is 10");
   r = Good();
   r.set_tenant("no spaces allowed");
-  ExpectRefused(r, absl::StatusCode::kInvalidArgument, "tenant");
+  ExpectRefused(r, absl::StatusCode::kInvalidArgument, "tenant no spaces allowed is not at most 64 characters");
   r = Good();
   r.set_request_id("tab\there");
   ExpectRefused(r, absl::StatusCode::kInvalidArgument, "request_id must be printable ASCII");
@@ -100,7 +100,7 @@ TEST_F(RequestValidationTest, EachOutOfRangeFieldIsRefusedNamingItself) {
   ExpectRefused(r, absl::StatusCode::kInvalidArgument, "output_format 99 is not supported");
   r = Good();
   r.set_strength(0.5);
-  ExpectRefused(r, absl::StatusCode::kInvalidArgument, "strength");
+  ExpectRefused(r, absl::StatusCode::kInvalidArgument, "strength: only for requests with an image");
 }
 
 TEST_F(RequestValidationTest, AdaptersMustBeLoadedNamedOnceAndNotOnASplitPipeline) {

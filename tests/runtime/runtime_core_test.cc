@@ -1,8 +1,8 @@
 // The runtime without gRPC: a DeviceSet built from an injected registry whose "latch" pipeline
 // waits at a gate the test holds, so each test decides what runs when — a request that is running,
 // requests queued behind it, an unload or an admin change posted meanwhile — and checks the order
-// and the outcome. No test sleeps to order anything; WaitUntil waits for a state the runtime
-// reports (its worker's queue).
+// and the outcome. No test sleeps to order anything; AwaitState (runtime_state.h) waits for a state
+// the runtime reports (its worker's queue, a pipeline's lifecycle).
 #include <algorithm>
 #include <atomic>
 #include <functional>
@@ -21,20 +21,10 @@
 #include "runtime/device_set.h"
 #include "runtime/runtime_factories.h"
 #include "tests/runtime/latch_pipeline.h"
+#include "tests/runtime/runtime_state.h"
 
 namespace stowage {
 namespace {
-
-// Waits (polling a state, never ordering by time) until `ready` holds; fails after 60 s.
-template <typename Predicate>
-::testing::AssertionResult WaitUntil(Predicate ready) {
-  const absl::Time give_up = absl::Now() + absl::Seconds(60);
-  while (!ready()) {
-    if (absl::Now() > give_up) return ::testing::AssertionFailure() << "the state never came";
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  return ::testing::AssertionSuccess();
-}
 
 class RuntimeCoreTest : public ::testing::Test {
  protected:
@@ -49,15 +39,19 @@ class RuntimeCoreTest : public ::testing::Test {
   }
 
   // Starts a server core with one "latch" pipeline (batching up to `max_batch`).
-  void Start(int max_batch = 1) {
+  // Starts a server core with one "latch" pipeline (batching up to `max_batch`) on the default
+  // device, or on what `make_backend` makes (with `budget` bytes, 0 for none).
+  void Start(int max_batch = 1, decltype(RuntimeFactories::make_backend) make_backend = nullptr, int64_t budget = 0) {
     v1::ServerConfig config;
     ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
         absl::StrCat("pipelines { name: \"latch\" builtin: \"latch\" warmup: false batching { max_batch_size: ",
                      max_batch, " max_queue_delay_ms: 0 } }"),
         &config));
+    if (make_backend) config.mutable_device()->set_kind(v1::DeviceConfig::KIND_SIMULATED);  // Its name.
+    if (budget > 0) config.mutable_device()->set_memory_budget_bytes(budget);
     absl::StatusOr<v1::ServerConfig> finalized = FinalizeServerConfig(config, registry_.get());
     ASSERT_TRUE(finalized.ok()) << finalized.status();
-    auto devices = DeviceSet::Create(*finalized, nullptr, RuntimeFactories{registry_.get(), {}});
+    auto devices = DeviceSet::Create(*finalized, nullptr, RuntimeFactories{registry_.get(), std::move(make_backend)});
     ASSERT_TRUE(devices.ok()) << devices.status();
     devices_ = std::move(*devices);
   }
@@ -93,13 +87,7 @@ class RuntimeCoreTest : public ::testing::Test {
     outcome->mu.Await(absl::Condition(&outcome->done));
     return outcome->result;
   }
-  v1::PipelineState StateOf(const std::string& name) {
-    const v1::ListPipelinesResponse list = devices_->ListPipelines();
-    for (const v1::Pipeline& p : list.pipelines()) {
-      if (p.name() == name) return p.state();
-    }
-    return v1::PIPELINE_STATE_UNSPECIFIED;
-  }
+  v1::PipelineState StateOf(const std::string& name) { return ::stowage::StateOf(*devices_, name); }
 
   std::shared_ptr<LatchGate> gate_;
   std::unique_ptr<PipelineRegistry> registry_;
@@ -133,6 +121,28 @@ TEST_F(RuntimeCoreTest, ANewFamilyIsOneRegistrationTheRuntimeIsGiven) {
   EXPECT_NE(unknown.status().message().find("available: latch"), std::string::npos) << unknown.status();
 }
 
+// The backend is injected too: the runtime runs on what the factory makes, with the config's budget.
+TEST_F(RuntimeCoreTest, TheDeviceIsTheInjectedBackendWithTheConfigsBudget) {
+  int made = 0;
+  Start(1,
+        [&](const v1::DeviceConfig& device) -> absl::StatusOr<std::unique_ptr<DeviceBackend>> {
+          ++made;
+          SimulatedBackendOptions options;
+          options.index = device.index();
+          options.context_bytes = 12345;  // Not the config's: shows whose backend runs.
+          return CreateSimulatedBackend(options);
+        },
+        /*budget=*/int64_t{1} << 20);
+  EXPECT_EQ(made, 1);
+  ASSERT_NE(core().placement_snapshot(), nullptr);
+  EXPECT_EQ(core().placement_snapshot()->memory.context_bytes, 12345);
+  EXPECT_EQ(core().placement_snapshot()->memory.budget_bytes, int64_t{1} << 20);
+  gate_->Open();
+  const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("on the injected device", 1, 3));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->stats().device(), "sim:0");
+}
+
 TEST_F(RuntimeCoreTest, UnloadWaitsForTheRunningRequestAndRefusesNewOnes) {
   Start();
   auto running = GenerateAsync("running", 2, 1);
@@ -143,7 +153,7 @@ TEST_F(RuntimeCoreTest, UnloadWaitsForTheRunningRequestAndRefusesNewOnes) {
     unloaded = devices_->UnloadPipeline("latch", [] { return absl::OkStatus(); });
     unload_returned = true;
   });
-  ASSERT_TRUE(WaitUntil([&] { return StateOf("latch") == v1::PIPELINE_UNLOADING; }));
+  ASSERT_TRUE(AwaitState([&] { return StateOf("latch") == v1::PIPELINE_UNLOADING; }));
   // Accepted no more; the running request is not disturbed.
   const absl::StatusOr<v1::GenerateResponse> refused = Await(GenerateAsync("late", 2, 2));
   ASSERT_FALSE(refused.ok());
@@ -153,7 +163,7 @@ TEST_F(RuntimeCoreTest, UnloadWaitsForTheRunningRequestAndRefusesNewOnes) {
   const absl::StatusOr<v1::GenerateResponse> finished = Await(running);
   ASSERT_TRUE(finished.ok()) << finished.status();
   EXPECT_EQ(finished->width(), 64);
-  ASSERT_TRUE(WaitUntil([&] { return unload_returned.load(); }));
+  ASSERT_TRUE(AwaitState([&] { return unload_returned.load(); }));
   EXPECT_TRUE(unloaded.ok()) << unloaded;
   EXPECT_EQ(StateOf("latch"), v1::PIPELINE_STATE_UNSPECIFIED);  // Gone.
 }
@@ -165,7 +175,7 @@ TEST_F(RuntimeCoreTest, RequestsQueuedBehindARunningOneRunAsOneBatch) {
   auto b = GenerateAsync("b", 1, 2);
   auto c = GenerateAsync("c", 1, 3);
   auto d = GenerateAsync("d", 1, 4);
-  ASSERT_TRUE(WaitUntil([&] { return core().waiting().jobs == 3; }));
+  ASSERT_TRUE(AwaitState([&] { return core().waiting().jobs == 3; }));
   gate_->Open();
   ASSERT_TRUE(Await(first).ok());
   for (const auto& outcome : {b, c, d}) {
@@ -190,7 +200,7 @@ TEST_F(RuntimeCoreTest, ACancelledMemberLeavesItsBatchAtTheNextStepAndTheOthersF
   auto leaves = GenerateAsync("leaves", 3, 3, [&]() -> absl::Status {
     return gone ? absl::CancelledError("cancelled by the client") : absl::OkStatus();
   });
-  ASSERT_TRUE(WaitUntil([&] { return core().waiting().jobs == 2; }));
+  ASSERT_TRUE(AwaitState([&] { return core().waiting().jobs == 2; }));
   gate_->Allow(2);          // "first" finishes; the batch of two passes its first step.
   gate_->AwaitArrivals(3);  // The batch waits at its second step...
   gone = true;              // ...when one member's caller goes.
@@ -209,7 +219,7 @@ TEST_F(RuntimeCoreTest, AnAdminChangeRunsAfterTheRunningRequestAndBeforeTheQueue
   auto first = GenerateAsync("first", 1, 1);
   gate_->AwaitArrivals(1);
   auto queued = GenerateAsync("queued", 1, 2);
-  ASSERT_TRUE(WaitUntil([&] { return core().waiting().jobs == 1; }));
+  ASSERT_TRUE(AwaitState([&] { return core().waiting().jobs == 1; }));
   size_t batches_when_changed = 99;
   absl::Status changed = absl::UnknownError("not run");
   threads_.emplace_back([&] {
@@ -220,7 +230,7 @@ TEST_F(RuntimeCoreTest, AnAdminChangeRunsAfterTheRunningRequestAndBeforeTheQueue
         },
         [] { return absl::OkStatus(); });
   });
-  ASSERT_TRUE(WaitUntil([&] { return core().waiting().tasks == 1; }));
+  ASSERT_TRUE(AwaitState([&] { return core().waiting().tasks == 1; }));
   gate_->Open();
   ASSERT_TRUE(Await(first).ok());
   ASSERT_TRUE(Await(queued).ok());
@@ -238,7 +248,7 @@ TEST_F(RuntimeCoreTest, AQueuedRequestWhoseDeadlinePassedNeverRuns) {
   auto late = GenerateAsync("late", 1, 2, [&]() -> absl::Status {
     return expired ? absl::DeadlineExceededError("deadline passed") : absl::OkStatus();
   });
-  ASSERT_TRUE(WaitUntil([&] { return core().waiting().jobs == 1; }));
+  ASSERT_TRUE(AwaitState([&] { return core().waiting().jobs == 1; }));
   expired = true;
   gate_->Open();
   ASSERT_TRUE(Await(first).ok());

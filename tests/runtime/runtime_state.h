@@ -1,8 +1,8 @@
-// Ordering actions in the in-process end-to-end tests without sleeping: wait for a state the server
-// reports — requests running on a device, requests queued, a pipeline's lifecycle — read from its
-// DeviceSet (whatever the devices are: sim:0 on CI, cuda:0 on the GPU host).
-#ifndef STOWAGE_TESTS_E2E_SERVER_STATE_H_
-#define STOWAGE_TESTS_E2E_SERVER_STATE_H_
+// Ordering actions in tests of the runtime and of the in-process server without sleeping: wait for a
+// state the runtime reports — requests running on a device, requests queued, a pipeline's
+// lifecycle — read from its DeviceSet (whatever the devices are: sim:0 on CI, cuda:0 on the GPU host).
+#ifndef STOWAGE_TESTS_RUNTIME_RUNTIME_STATE_H_
+#define STOWAGE_TESTS_RUNTIME_RUNTIME_STATE_H_
 
 #include <string>
 
@@ -46,4 +46,4 @@ bool AwaitState(Predicate ready, absl::Duration timeout = absl::Seconds(60)) {
 
 }  // namespace stowage
 
-#endif  // STOWAGE_TESTS_E2E_SERVER_STATE_H_
+#endif  // STOWAGE_TESTS_RUNTIME_RUNTIME_STATE_H_

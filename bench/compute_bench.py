@@ -18,7 +18,9 @@ What one `run` does, in order:
      the noise floor of a faster bf16 forward.
   5. Stowage, one offload_bench process per mode (resident row): bf16 (the fused CUDA kernels),
      bf16_reference (STOWAGE fused kernels off: the plain LibTorch path), fp8 (the blocks' linear layers as
-     FP8 GEMMs); each saves its output, compared with diffusers eager.
+     FP8 GEMMs); each saves its output, compared with diffusers eager. Resident steps replay captured CUDA
+     graphs (models/core/step_graphs.h); bf16_nographs / fp8_nographs run the same forward with them off
+     (STOWAGE_CUDA_GRAPHS=0), and rows say `cuda_graphs`.
 Rows: {"bench": "compute", "model", "system", "mode", "path", "step_s", "tflop_per_step", "limit_s",
 "rel_l2", "machine", "commit", ...}; limit_s = FLOPs / --peak_tflops (790, the H200's measured bf16 rate).
 """
@@ -199,6 +201,8 @@ def run(args):
         # *_streamed: the transformer group-offloaded block by block (block_pinned), its weights
         # streamed from pinned host memory every step (FP8: the FP8 bytes themselves).
         streamed = mode.endswith("_streamed")
+        # *_nographs: the same forward with CUDA graphs off (STOWAGE_CUDA_GRAPHS=0), beside it.
+        graphs = not mode.endswith("_nographs") and mode != "bf16_reference"
         fp8 = mode.startswith("fp8")
         cmd = [args.offload_bench, f"--model_dir={args.dir}", f"--rows={'block_pinned' if streamed else 'resident'}",
                f"--inputs={inputs_path}",
@@ -210,7 +214,8 @@ def run(args):
             trace = os.path.join(args.dir, f"trace_{model_name}_{mode}.json")
             cmd.append(f"--profile={trace}")
         start = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        env = dict(os.environ, STOWAGE_CUDA_GRAPHS="1" if graphs else "0")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         sys.stdout.write(proc.stdout[-3000:])
         if proc.returncode != 0:
             sys.stdout.write(proc.stderr[-3000:])
@@ -228,7 +233,7 @@ def run(args):
                          prepare_s=result.get("prepare_s"))
         row("stowage", "fp8" if fp8 else "bf16", "reference" if mode == "bf16_reference" else "fused",
             result["step_s"], err, peak_device_bytes=result.get("peak_device_bytes"),
-            process_s=round(time.time() - start, 1), **extra)
+            process_s=round(time.time() - start, 1), cuda_graphs=graphs and not streamed, **extra)
         if trace and os.path.exists(trace) and args.profile_dir:
             summarize_trace(trace, os.path.join(args.profile_dir, f"profile_{model_name}.txt"),
                             f"stowage {model_name} {mode}")

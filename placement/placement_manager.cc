@@ -256,6 +256,7 @@ void PlacementManager::Offload(Entry& entry, const std::string& reason, const st
   if (entry.state != ComponentState::kResident) return;
   if (TryPeerEviction(entry, reason, cause)) return;
   const int64_t before = FreeBytes();
+  entry.component->module().ReleaseDeviceCaches();  // Its captured graphs read the weights leaving.
   entry.component->host_weights().OffloadAll();
   backend_->Synchronize();
   backend_->ReleaseCachedMemory();  // What the GPU sees drops with it, not just the allocator's count.
@@ -276,6 +277,20 @@ void PlacementManager::Evict(const std::vector<std::string>& ids, const std::str
 }
 
 void PlacementManager::EvictBefore(const Entry& target, int64_t needed, const std::string& reason) {
+  if (needed > 0 && FreeBytes() != INT64_MAX) {
+    // Under a budget, what idle components keep on the device besides their weights (captured
+    // graphs: memory the budget does not see as allocated) goes before any weights move.
+    const int64_t before = FreeBytes();
+    int64_t released = 0;
+    for (auto& e : entries_) {
+      if (e.get() == &target || e->state != ComponentState::kResident) continue;
+      released += e->component->module().ReleaseDeviceCaches();
+    }
+    if (released > 0) {
+      backend_->ReleaseCachedMemory();
+      Record(target.id, "release_graphs", released, before, absl::StrCat("idle components' captured graphs, ", reason));
+    }
+  }
   const absl::Time start = absl::Now();
   const std::vector<std::string> ids = strategy_->BeforeRun(InputFor(target, needed));
   ++counters_.decisions;
@@ -743,6 +758,7 @@ absl::Status PlacementManager::EnableLocked(Entry& entry, const GroupOffloadOpti
   // One directory per component under the configured one.
   std::string name = entry.id;
   std::replace(name.begin(), name.end(), '/', '_');
+  component.module().ReleaseDeviceCaches();  // Streamed from now: its captured graphs are stale.
   component.host_weights().Unpin();  // The group offloader's host store manages the host memory now.
   auto applied = GroupOffloader::Apply(name, component.module(), component.host_weights(), *backend_, effective);
   if (!applied.ok() && IsDeviceOom(applied.status())) {

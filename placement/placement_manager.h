@@ -76,7 +76,7 @@ struct PlacementDecision {
   absl::Time time;
   std::string request_id;
   std::string component;  // Component id.
-  std::string action;     // "onload", "offload", "group_offload", "release_cache", "oom".
+  std::string action;     // "onload", "offload", "group_offload", "release_cache", "release_graphs", "oom".
   int64_t bytes = 0;
   int64_t free_before = 0;
   int64_t free_after = 0;

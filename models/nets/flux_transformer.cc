@@ -354,15 +354,26 @@ at::Tensor FluxTransformer::Forward(const at::Tensor& hidden, const at::Tensor& 
     rope.pair_cos = rope.cos.slice(1, 0, rope.cos.size(1), 2).contiguous();
     rope.pair_sin = rope.sin.slice(1, 0, rope.sin.size(1), 2).contiguous();
   }
-  for (FluxTransformerBlock* block : *blocks_) std::tie(context, x) = block->Forward(x, context, temb, rope);
-  const int64_t text_len = context.size(1);
-  at::Tensor u = at::cat({context, x}, 1);
-  for (FluxSingleTransformerBlock* block : *single_blocks_) u = block->Forward(u, temb, rope);
-  x = u.slice(1, text_len);
-  // AdaLayerNormContinuous: scale first, then shift.
-  const std::vector<at::Tensor> ss = norm_out_->Forward(at::silu(temb).to(dtype)).unsqueeze(1).chunk(2, 2);
-  x = PlainLayerNorm(x, x.size(2)) * (1 + ss[0]) + ss[1];
-  return proj_out_->Forward(x);
+  // The rest of the forward reads nothing but these and the weights.
+  auto rest = [&](at::Tensor xi, at::Tensor ci, const at::Tensor& te, const FluxRope& r) {
+    for (FluxTransformerBlock* block : *blocks_) std::tie(ci, xi) = block->Forward(xi, ci, te, r);
+    const int64_t text_len = ci.size(1);
+    at::Tensor u = at::cat({ci, xi}, 1);
+    for (FluxSingleTransformerBlock* block : *single_blocks_) u = block->Forward(u, te, r);
+    xi = u.slice(1, text_len);
+    // AdaLayerNormContinuous: scale first, then shift.
+    const std::vector<at::Tensor> ss = norm_out_->Forward(at::silu(te).to(dtype)).unsqueeze(1).chunk(2, 2);
+    xi = PlainLayerNorm(xi, xi.size(2)) * (1 + ss[0]) + ss[1];
+    return proj_out_->Forward(xi);
+  };
+  if (!rope.pair_cos.defined()) return rest(x, context, temb, rope);
+  const std::vector<at::Tensor> inputs = {x, context, temb, rope.cos, rope.sin, rope.pair_cos, rope.pair_sin};
+  return graphs_
+      .Run(*this, inputs,
+           [&](const std::vector<at::Tensor>& in) {
+             return std::vector<at::Tensor>{rest(in[0], in[1], in[2], FluxRope{in[3], in[4], in[5], in[6]})};
+           })
+      .front();
 }
 
 }  // namespace stowage

@@ -15,6 +15,7 @@
 #define STOWAGE_MODELS_NETS_FLUX_TRANSFORMER_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "absl/status/statusor.h"
 #include "google/protobuf/struct.pb.h"
 #include "models/core/layers.h"
+#include "models/core/step_graphs.h"
 
 namespace stowage {
 
@@ -127,6 +129,12 @@ class FluxTransformer : public Module {
                      const at::Tensor& guidance);
   const FluxTransformerConfig& config() const { return config_; }
 
+  // The blocks and the output layer run as a captured CUDA graph when they can
+  // (models/core/step_graphs.h: resident weights, no adapters); these drop the graphs and tell
+  // what they did.
+  int64_t ReleaseDeviceCaches() override { return graphs_.Release(); }
+  StepGraphStats graph_stats() const { return graphs_.stats(); }
+
   // Exposed for tests: RoPE cos and sin for position ids [S, 3] → [S, head_dim] each, float32, with
   // each frequency repeated for its pair of channels (diffusers' repeat_interleave_real).
   std::pair<at::Tensor, at::Tensor> Rope(const at::Tensor& ids) const;
@@ -148,6 +156,7 @@ class FluxTransformer : public Module {
   ModuleList<FluxSingleTransformerBlock>* single_blocks_;
   Linear* norm_out_;
   Linear* proj_out_;
+  StepGraphs graphs_{"FluxTransformer2DModel"};
 };
 
 }  // namespace stowage

@@ -376,27 +376,43 @@ std::vector<at::Tensor> ZImageTransformer::ForwardBatch(const std::vector<at::Te
     cap_mask = positions.lt(at::tensor(lcs).unsqueeze(1)).to(device);
   }
 
-  at::Tensor x = at::stack(xs, 0);  // [B, nx, D]
+  const at::Tensor x = at::stack(xs, 0);    // [B, nx, D]
+  const at::Tensor cap = at::stack(caps, 0);  // [B, lmax, D]
   const bool fused = fused::Active(x);
-  const ZImageRope x_rope = MakeRope(x_freqs, fused);
-  for (ZImageBlock* block : *noise_refiner_) x = block->Forward(x, x_rope, adaln);
-  at::Tensor cap = at::stack(caps, 0);  // [B, lmax, D]
-  const ZImageRope cap_rope = MakeRope(cap_freqs, fused);
-  for (ZImageBlock* block : *context_refiner_) cap = block->Forward(cap, cap_rope, at::Tensor(), cap_mask);
-
   // Image first, then caption (then, for a shorter caption, masked padding).
-  at::Tensor u = at::cat({x, cap}, 1);
   const at::Tensor u_freqs =
       ragged ? at::cat({x_freqs, cap_freqs.unsqueeze(0).expand({batch, lmax, cap_freqs.size(1)})}, 1)
              : at::cat({x_freqs, cap_freqs}, 0);
   at::Tensor u_mask;
   if (ragged) u_mask = at::cat({at::ones({batch, nx}, cap_mask.options()), cap_mask}, 1);
+  const ZImageRope x_rope = MakeRope(x_freqs, fused);
+  const ZImageRope cap_rope = MakeRope(cap_freqs, fused);
   const ZImageRope u_rope = MakeRope(u_freqs, fused);
-  for (ZImageBlock* block : *layers_) u = block->Forward(u, u_rope, adaln, u_mask);
 
-  const at::Tensor scale = 1.0 + final_modulation_->Forward(at::silu(adaln));
-  u = at::layer_norm(u, {c.dim}, {}, {}, 1e-6) * scale.unsqueeze(1);
-  u = final_linear_->Forward(u);
+  // The rest of the forward reads nothing but these, the masks and the weights.
+  auto rest = [&](at::Tensor xi, at::Tensor ci, const at::Tensor& ada, const ZImageRope& xr, const ZImageRope& cr,
+                  const ZImageRope& ur) {
+    for (ZImageBlock* block : *noise_refiner_) xi = block->Forward(xi, xr, ada);
+    for (ZImageBlock* block : *context_refiner_) ci = block->Forward(ci, cr, at::Tensor(), cap_mask);
+    at::Tensor u = at::cat({xi, ci}, 1);
+    for (ZImageBlock* block : *layers_) u = block->Forward(u, ur, ada, u_mask);
+    const at::Tensor scale = 1.0 + final_modulation_->Forward(at::silu(ada));
+    u = at::layer_norm(u, {c.dim}, {}, {}, 1e-6) * scale.unsqueeze(1);
+    return final_linear_->Forward(u);
+  };
+  at::Tensor u;
+  if (fused && !ragged) {
+    // The fused path's RoPE is its cos/sin tables: they, the embedded tokens and the timestep
+    // embedding are the graph's inputs.
+    const std::vector<at::Tensor> inputs = {x, cap, adaln, x_rope.cos, x_rope.sin, cap_rope.cos, cap_rope.sin,
+                                            u_rope.cos, u_rope.sin};
+    u = graphs_.Run(*this, inputs, [&](const std::vector<at::Tensor>& in) {
+      return std::vector<at::Tensor>{rest(in[0], in[1], in[2], ZImageRope{at::Tensor(), in[3], in[4]},
+                                          ZImageRope{at::Tensor(), in[5], in[6]}, ZImageRope{at::Tensor(), in[7], in[8]})};
+    }).front();
+  } else {
+    u = rest(x, cap, adaln, x_rope, cap_rope, u_rope);
+  }
   std::vector<at::Tensor> out;
   for (int64_t i = 0; i < batch; ++i) {
     out.push_back(u.select(0, i)

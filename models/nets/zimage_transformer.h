@@ -13,6 +13,7 @@
 #define STOWAGE_MODELS_NETS_ZIMAGE_TRANSFORMER_H_
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "google/protobuf/struct.pb.h"
 #include "models/core/layers.h"
+#include "models/core/step_graphs.h"
 
 namespace stowage {
 
@@ -113,6 +115,12 @@ class ZImageTransformer : public Module {
                                        const std::vector<at::Tensor>& captions);
   const ZImageTransformerConfig& config() const { return config_; }
 
+  // The forward after the embedders (refiners, main layers, final layer) runs as a captured CUDA
+  // graph when it can (models/core/step_graphs.h: resident weights, no adapters, captions of one
+  // padded length); these drop the graphs and tell what they did.
+  int64_t ReleaseDeviceCaches() override { return graphs_.Release(); }
+  StepGraphStats graph_stats() const { return graphs_.stats(); }
+
   // Exposed for tests: complex RoPE factors for int64 position ids [S, 3] → [S, head_dim / 2].
   at::Tensor RopeFactors(const at::Tensor& positions) const;
 
@@ -148,6 +156,7 @@ class ZImageTransformer : public Module {
   ModuleList<ZImageBlock>* noise_refiner_;
   ModuleList<ZImageBlock>* context_refiner_;
   ModuleList<ZImageBlock>* layers_;
+  StepGraphs graphs_{"ZImageTransformer2DModel"};
 };
 
 }  // namespace stowage

@@ -646,3 +646,69 @@ TEST(PlacementManagerTest, AHoldThatCannotFitFailsNamingTheComponentAndHoldsNoth
 
 }  // namespace
 }  // namespace stowage
+
+namespace stowage {
+namespace {
+
+// A module that keeps something on the device besides its weights (as a model's captured CUDA
+// graphs do: models/core/step_graphs.h), counting the calls that free it.
+class CacheHolder : public Module {
+ public:
+  explicit CacheHolder(int64_t held) : Module("CacheHolder"), held_(held) {
+    AddParameter("weight", at::zeros({256, 256}));
+  }
+  int64_t ReleaseDeviceCaches() override {
+    ++releases;
+    const int64_t freed = held_;
+    held_ = 0;
+    return freed;
+  }
+  void Refill(int64_t bytes) { held_ = bytes; }
+  int releases = 0;
+
+ private:
+  int64_t held_;
+};
+
+// Without a budget nothing asks for idle components' caches; under one, they go before weights
+// move to make room (recorded), and a component's own go when its weights leave the device.
+TEST(PlacementManagerTest, DeviceCachesOfIdleComponentsGoUnderABudgetBeforeWeightsMove) {
+  for (const bool budget : {false, true}) {
+    SCOPED_TRACE(budget ? "budget" : "no budget");
+    Harness s;
+    auto owned = std::make_unique<CacheHolder>(12345);
+    CacheHolder* holder = owned.get();
+    auto component = Component::Create("cache_holder", std::move(owned), at::kFloat);
+    ASSERT_TRUE(component.ok()) << component.status();
+    ASSERT_TRUE(s.placement.Register("tiny", component->get()).ok());
+    ASSERT_TRUE(s.placement.Hold(**component, "make it resident").ok());
+    s.placement.Unhold(**component);  // Resident and idle.
+    if (budget) {
+      // Room for the largest component and little else: every component run moves weights.
+      int64_t largest = 0;
+      for (Component* c : s.pipeline->components()) largest = std::max(largest, c->weight_bytes());
+      ASSERT_TRUE(s.backend->SetMemoryBudget(largest + (int64_t{1} << 20)).ok());
+    }
+    ASSERT_TRUE(s.Generate().ok());
+    bool recorded = false, offloaded = false;
+    for (const PlacementDecision& d : s.placement.DecisionLog(1000)) {
+      if (d.action == "release_graphs") {
+        recorded = true;
+        EXPECT_EQ(d.bytes, 12345) << d.reason;
+        EXPECT_NE(d.reason.find("idle components' captured graphs"), std::string::npos) << d.reason;
+      }
+      offloaded = offloaded || d.action == "offload";
+    }
+    if (!budget) {
+      EXPECT_EQ(holder->releases, 0) << "no budget: nothing to make room for";
+      EXPECT_FALSE(recorded);
+    } else {
+      EXPECT_GE(holder->releases, 1);
+      EXPECT_TRUE(recorded);
+      EXPECT_TRUE(offloaded) << "the budget made nothing move: the test proves nothing";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace stowage

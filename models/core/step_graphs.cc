@@ -1,0 +1,274 @@
+#include "models/core/step_graphs.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <list>
+#include <optional>
+#include <set>
+#include <utility>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "base/log.h"
+#include "models/core/lora.h"
+
+#ifdef STOWAGE_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace stowage {
+namespace {
+
+bool EnabledAtStart() {
+  const char* env = std::getenv("STOWAGE_CUDA_GRAPHS");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}
+
+std::atomic<bool>& EnabledFlag() {
+  static std::atomic<bool> enabled{EnabledAtStart()};
+  return enabled;
+}
+
+}  // namespace
+
+void SetCudaGraphsEnabled(bool enabled) { EnabledFlag().store(enabled); }
+bool CudaGraphsEnabled() { return EnabledFlag().load(); }
+
+struct StepGraphs::Impl {
+  std::string name;
+  size_t capacity;
+  StepGraphStats stats;
+#ifdef STOWAGE_WITH_CUDA
+  struct Entry {
+    std::string key;
+    std::vector<at::Tensor> inputs;   // What the graph reads: the caller's inputs are copied in.
+    std::vector<at::Tensor> outputs;  // What it writes, in the pool: copied out after each replay.
+    std::unique_ptr<at::cuda::CUDAGraph> graph;
+  };
+  std::list<Entry> entries;        // Most recently used first.
+  std::set<std::string> warmed;    // Shapes whose first forward ran eagerly on the capture stream.
+  std::optional<c10::cuda::CUDAStream> stream;
+  using PoolId = decltype(at::cuda::graph_pool_handle());
+  PoolId pool{0, 0};
+  uint64_t fingerprint = 0;  // The weights' addresses the entries were captured with.
+  bool broken = false;
+
+  void Drop() {
+    if (entries.empty()) return;
+    if (stream.has_value()) c10::cuda::getCurrentCUDAStream(stream->device_index()).synchronize();
+    stats.released += static_cast<int64_t>(entries.size());
+    entries.clear();
+    pool = {0, 0};
+    stats.held_bytes = 0;
+  }
+#endif
+};
+
+StepGraphs::StepGraphs(std::string name, size_t capacity) : impl_(std::make_unique<Impl>()) {
+  impl_->name = std::move(name);
+  impl_->capacity = capacity == 0 ? 1 : capacity;
+}
+
+StepGraphs::~StepGraphs() = default;
+
+StepGraphStats StepGraphs::stats() const { return impl_->stats; }
+
+#ifndef STOWAGE_WITH_CUDA
+
+std::vector<at::Tensor> StepGraphs::Run(Module& model, const std::vector<at::Tensor>& inputs, const Body& body) {
+  (void)model;
+  ++impl_->stats.eager;
+  return body(inputs);
+}
+
+int64_t StepGraphs::Release() { return 0; }
+
+#else
+
+namespace {
+
+// The weights' addresses, or nullopt when a graph cannot serve `model` on `device`: a hook anywhere
+// (its weights may move during a forward), or a tensor not on the device.
+std::optional<uint64_t> WeightsFingerprint(Module& model, const c10::Device& device) {
+  bool usable = true;
+  model.ForEachModule([&](Module& m) { usable = usable && m.hook_count() == 0; });
+  if (!usable) return std::nullopt;
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a over (address, bytes) of every tensor.
+  auto mix = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      hash ^= (v >> (8 * i)) & 0xff;
+      hash *= 1099511628211ull;
+    }
+  };
+  model.ForEachSlot([&](Module&, TensorSlot& slot) {
+    if (!usable) return;
+    if (!slot.value.defined() || slot.value.device() != device) {
+      usable = false;
+      return;
+    }
+    mix(reinterpret_cast<uintptr_t>(slot.value.data_ptr()));
+    mix(static_cast<uint64_t>(slot.value.nbytes()));
+  });
+  if (!usable) return std::nullopt;
+  return hash;
+}
+
+// Shapes, strides and dtypes of the inputs; empty when one cannot be copied into a static tensor of
+// the same layout (not dense) or is not on `device`.
+std::string InputKey(const std::vector<at::Tensor>& inputs, const c10::Device& device) {
+  std::string key;
+  for (const at::Tensor& t : inputs) {
+    if (!t.defined() || t.device() != device || !t.is_non_overlapping_and_dense()) return "";
+    absl::StrAppend(&key, static_cast<int>(t.scalar_type()), ":");
+    for (int64_t d = 0; d < t.dim(); ++d) absl::StrAppend(&key, t.size(d), "/", t.stride(d), ",");
+    absl::StrAppend(&key, ";");
+  }
+  return key;
+}
+
+std::vector<at::Tensor> CloneAll(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) out.push_back(t.clone());
+  return out;
+}
+
+int64_t ReservedBytes(c10::DeviceIndex index) {
+  return c10::cuda::CUDACachingAllocator::getDeviceStats(index).reserved_bytes[0].current;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> StepGraphs::Run(Module& model, const std::vector<at::Tensor>& inputs, const Body& body) {
+  Impl& s = *impl_;
+  auto eager = [&] {
+    ++s.stats.eager;
+    return body(inputs);
+  };
+  if (s.broken || !CudaGraphsEnabled() || inputs.empty() || !inputs.front().defined() ||
+      !inputs.front().is_cuda() || ActiveLoras() != nullptr || ActiveLoraRows() != nullptr) {
+    return eager();
+  }
+  const c10::Device device = inputs.front().device();
+  const std::optional<uint64_t> fingerprint = WeightsFingerprint(model, device);
+  const std::string key = InputKey(inputs, device);
+  if (!fingerprint.has_value() || key.empty()) return eager();
+
+  const c10::cuda::CUDAGuard guard(device);
+  if (s.stream.has_value() && s.stream->device() != device) {
+    s.Drop();
+    s.stream.reset();
+    s.warmed.clear();
+  }
+  if (!s.stream.has_value()) s.stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index());
+  if (*fingerprint != s.fingerprint) {
+    s.Drop();  // The weights moved since these graphs were captured.
+    s.fingerprint = *fingerprint;
+  }
+  c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device.index());
+
+  for (auto it = s.entries.begin(); it != s.entries.end(); ++it) {
+    if (it->key != key) continue;
+    for (size_t i = 0; i < inputs.size(); ++i) it->inputs[i].copy_(inputs[i]);
+    it->graph->replay();
+    ++s.stats.replays;
+    s.entries.splice(s.entries.begin(), s.entries, it);
+    return CloneAll(s.entries.front().outputs);
+  }
+
+  if (s.warmed.count(key) == 0) {
+    // The first forward of a shape runs eagerly on the capture stream (after what the caller
+    // queued; the caller's stream continues after it): cuBLAS, cuDNN and the allocator set up
+    // what they need there, outside any capture.
+    at::cuda::CUDAEvent ready;
+    ready.record(current);
+    ready.block(*s.stream);
+    std::vector<at::Tensor> out;
+    {
+      const c10::cuda::CUDAStreamGuard on_stream(*s.stream);
+      out = body(inputs);
+    }
+    at::cuda::CUDAEvent done;
+    done.record(*s.stream);
+    done.block(current);
+    s.warmed.insert(key);
+    ++s.stats.eager;
+    return out;
+  }
+
+  if (s.entries.size() >= s.capacity) {
+    current.synchronize();
+    s.entries.pop_back();
+    ++s.stats.released;
+  }
+  Impl::Entry entry;
+  entry.key = key;
+  for (const at::Tensor& t : inputs) {
+    at::Tensor copy = at::empty_strided(t.sizes(), t.strides(), t.options());
+    copy.copy_(t);
+    entry.inputs.push_back(std::move(copy));
+  }
+  entry.graph = std::make_unique<at::cuda::CUDAGraph>();
+  const int64_t reserved_before = ReservedBytes(device.index());
+  at::cuda::CUDAEvent ready;
+  ready.record(current);
+  ready.block(*s.stream);
+  std::exception_ptr failure;
+  {
+    const c10::cuda::CUDAStreamGuard on_stream(*s.stream);
+    try {
+      if (s.pool == Impl::PoolId{0, 0}) s.pool = at::cuda::graph_pool_handle();
+      entry.graph->capture_begin(s.pool, cudaStreamCaptureModeThreadLocal);
+      try {
+        entry.outputs = body(entry.inputs);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      entry.graph->capture_end();
+    } catch (...) {
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  at::cuda::CUDAEvent captured;
+  captured.record(*s.stream);
+  captured.block(current);
+  if (failure) {
+    s.broken = true;
+    ++s.stats.failures;
+    std::string what = "unknown error";
+    try {
+      std::rethrow_exception(failure);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    LogWarning(absl::StrCat("cuda_graphs model=", LogValue(s.name),
+                            " outcome=capture_failed action=eager_from_now error=", LogValue(what, 300)));
+    entry = Impl::Entry();
+    (void)cudaGetLastError();  // A failed capture leaves a non-sticky error behind.
+    return eager();
+  }
+  entry.graph->replay();
+  ++s.stats.captures;
+  ++s.stats.replays;
+  s.stats.held_bytes += std::max<int64_t>(0, ReservedBytes(device.index()) - reserved_before);
+  s.entries.push_front(std::move(entry));
+  return CloneAll(s.entries.front().outputs);
+}
+
+int64_t StepGraphs::Release() {
+  const int64_t held = impl_->stats.held_bytes;
+  impl_->Drop();
+  return held;
+}
+
+#endif
+
+}  // namespace stowage

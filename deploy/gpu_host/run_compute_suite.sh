@@ -44,7 +44,8 @@ for line in open(sys.argv[1]):
     r = json.loads(line)
     if r["bench"] == "compute":
         print(f"{r['model']:7s} {r['system']:18s} {r['mode']:5s} {r['path']:13s} step {r['step_s']:.4f} s "
-              f"x_limit {r['x_limit']:.2f} rel_l2 {r['rel_l2']:.4g}")
+              f"x_limit {r['x_limit']:.2f} rel_l2 {r['rel_l2']:.4g} graphs {r.get('cuda_graphs', '-')} "
+              f"{r.get('placement', '')} x_floor {r.get('x_floor', '-')}")
     else:
         print(f"e2e {r['system']:18s} {r.get('mode', 'bf16'):5s} {r.get('format', 'png'):8s} warm {r['warm_s']:.3f} s "
               f"first {r['first_s']:.3f} s png {r.get('png_s', 0):.3f} s load {r.get('load_s', 0):.1f} s")
@@ -124,6 +125,9 @@ if [[ $parts == *" compute "* || $parts == *" conformance "* ]]; then
   stamp "conformance"
   timeout 300 "$build/tests/models/fused_ops_test" >"$OUT/conformance.txt" 2>&1
   stamp "conformance exit $?"
+  # The captured CUDA graphs against the eager forwards (models/core/step_graphs.h).
+  timeout 300 "$build/tests/models/step_graphs_test" >>"$OUT/conformance.txt" 2>&1
+  stamp "step graphs exit $?"
   grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/conformance.txt" >>"$OUT/summary.txt"
 fi
 if [[ $parts == *" compute "* ]]; then

@@ -20,8 +20,11 @@
 //     every tensor of it is on the device;
 //   - no LoRA adapters active on the running thread (their per-request matrices are not captured);
 //   - the body never failed to capture for this cache (a failure is logged once; eager from then).
-// The cache keeps `capacity` shapes (least recently used goes); ReleaseDeviceCaches on the model
-// (placement, when its weights leave the device) calls Release.
+// The cache keeps `capacity` shapes (least recently used goes; a Z-Image request's shape includes its
+// caption length, padded to a multiple of 32). The graphs share one memory pool: they run one at a
+// time and their outputs are copied out at once, so the pool holds about one forward's activations
+// whatever the number of shapes. ReleaseDeviceCaches on the model (placement, when its weights leave
+// the device, and under a budget for idle components before weights move) calls Release.
 //
 // Thread-safety: one thread at a time (the device's worker), as the model itself.
 #ifndef STOWAGE_MODELS_CORE_STEP_GRAPHS_H_
@@ -58,7 +61,7 @@ class StepGraphs {
   using Body = std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>& inputs)>;
 
   // `name` names the cache in logs (e.g. the model kind).
-  explicit StepGraphs(std::string name, size_t capacity = 2);
+  explicit StepGraphs(std::string name, size_t capacity = 4);
   ~StepGraphs();
   StepGraphs(const StepGraphs&) = delete;
   StepGraphs& operator=(const StepGraphs&) = delete;

@@ -18,9 +18,9 @@ What one `run` does, in order:
      the noise floor of a faster bf16 forward.
   5. Stowage, one offload_bench process per mode (resident row): bf16 (the fused CUDA kernels),
      bf16_reference (STOWAGE fused kernels off: the plain LibTorch path), fp8 (the blocks' linear layers as
-     FP8 GEMMs); each saves its output, compared with diffusers eager. Resident steps replay captured CUDA
-     graphs (models/core/step_graphs.h); bf16_nographs / fp8_nographs run the same forward with them off
-     (STOWAGE_CUDA_GRAPHS=0), and rows say `cuda_graphs`.
+     FP8 GEMMs); each saves its output, compared with diffusers eager. bf16_graphs / fp8_graphs run the same
+     resident forward through captured CUDA graphs (models/core/step_graphs.h, STOWAGE_CUDA_GRAPHS=1; off
+     by default in the server and in the other modes), and rows say `cuda_graphs`.
 Rows: {"bench": "compute", "model", "system", "mode", "path", "step_s", "tflop_per_step", "limit_s",
 "rel_l2", "machine", "commit", ...}; limit_s = FLOPs / --peak_tflops (790, the H200's measured bf16 rate).
 """
@@ -201,8 +201,8 @@ def run(args):
         # *_streamed: the transformer group-offloaded block by block (block_pinned), its weights
         # streamed from pinned host memory every step (FP8: the FP8 bytes themselves).
         streamed = mode.endswith("_streamed")
-        # *_nographs: the same forward with CUDA graphs off (STOWAGE_CUDA_GRAPHS=0), beside it.
-        graphs = not mode.endswith("_nographs") and mode != "bf16_reference"
+        # *_graphs: the same forward with CUDA graphs on (STOWAGE_CUDA_GRAPHS=1; the server's default is off).
+        graphs = mode.endswith("_graphs")
         fp8 = mode.startswith("fp8")
         cmd = [args.offload_bench, f"--model_dir={args.dir}", f"--rows={'block_pinned' if streamed else 'resident'}",
                f"--inputs={inputs_path}",

@@ -1,8 +1,9 @@
 // StepGraphs: captured CUDA graphs of a transformer's steady-state forward, by input shape.
 //
-// A denoising step launches ~700 kernels; launched one by one from the host, the GPU idles between
-// dependent kernels for a few microseconds each (~5 ms of a 100 ms Z-Image step on the H200). A CUDA
-// graph replays the whole sequence with one launch. A model hands Run the tensors its forward reads
+// A denoising step launches ~700 kernels one by one from the host; a CUDA graph replays the whole
+// sequence with one launch, which pays where launches, not kernels, bound the step (small images and
+// models, a busy host). At 1024² on the H200 the kernels bound it and graphs gain nothing measurable,
+// hence off by default. A model hands Run the tensors its forward reads
 // besides its weights and a body that computes the forward from them; Run
 //   1. runs the body eagerly the first time a shape is seen (its kernels choose their algorithms and
 //      allocate their workspaces on the capture stream),
@@ -14,7 +15,7 @@
 // tensor of the model are part of a graph's key, and a model whose weights moved is captured again.
 //
 // Graphs serve a forward only when all of these hold, else Run runs the body eagerly:
-//   - a CUDA build, enabled (SetCudaGraphsEnabled / environment STOWAGE_CUDA_GRAPHS=0), inputs on a
+//   - a CUDA build, enabled (SetCudaGraphsEnabled / environment STOWAGE_CUDA_GRAPHS=1), inputs on a
 //     CUDA device;
 //   - the model has no hooks anywhere (no group offloading or streaming: its weights stay put) and
 //     every tensor of it is on the device;
@@ -42,8 +43,9 @@
 
 namespace stowage {
 
-// Process-wide switch, default on (environment STOWAGE_CUDA_GRAPHS=0 turns it off at start-up, for
-// the server too). Off: every forward runs eagerly.
+// Process-wide switch, default off (environment STOWAGE_CUDA_GRAPHS=1 turns it on at start-up, for
+// the server too: the H200 measurement behind the default is in step_graphs.cc). Off: every forward
+// runs eagerly.
 void SetCudaGraphsEnabled(bool enabled);
 bool CudaGraphsEnabled();
 

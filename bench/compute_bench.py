@@ -20,7 +20,8 @@ What one `run` does, in order:
      bf16_reference (STOWAGE fused kernels off: the plain LibTorch path), fp8 (the blocks' linear layers as
      FP8 GEMMs); each saves its output, compared with diffusers eager. bf16_graphs / fp8_graphs run the same
      resident forward through captured CUDA graphs (models/core/step_graphs.h, STOWAGE_CUDA_GRAPHS=1; off
-     by default in the server and in the other modes), and rows say `cuda_graphs`.
+     by default in the server and in the other modes), and rows say `cuda_graphs` (whether the mode turned
+     them on; offload_bench's peak_device_bytes are allocated bytes, which leave out a graph pool's free blocks).
 Rows: {"bench": "compute", "model", "system", "mode", "path", "step_s", "tflop_per_step", "limit_s",
 "rel_l2", "machine", "commit", ...}; limit_s = FLOPs / --peak_tflops (790, the H200's measured bf16 rate).
 """

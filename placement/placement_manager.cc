@@ -254,9 +254,10 @@ absl::Status PlacementManager::AdoptFromPeer(const std::string& pipeline, Compon
 
 void PlacementManager::Offload(Entry& entry, const std::string& reason, const std::string& cause) {
   if (entry.state != ComponentState::kResident) return;
+  // Its captured graphs read the weights leaving (to the host or to a peer).
+  if (entry.component->module().ReleaseDeviceCaches() > 0) backend_->ReleaseCachedMemory();
   if (TryPeerEviction(entry, reason, cause)) return;
   const int64_t before = FreeBytes();
-  entry.component->module().ReleaseDeviceCaches();  // Its captured graphs read the weights leaving.
   entry.component->host_weights().OffloadAll();
   backend_->Synchronize();
   backend_->ReleaseCachedMemory();  // What the GPU sees drops with it, not just the allocator's count.
@@ -277,18 +278,18 @@ void PlacementManager::Evict(const std::vector<std::string>& ids, const std::str
 }
 
 void PlacementManager::EvictBefore(const Entry& target, int64_t needed, const std::string& reason) {
-  if (needed > 0 && FreeBytes() != INT64_MAX) {
-    // Under a budget, what idle components keep on the device besides their weights (captured
-    // graphs: memory the budget does not see as allocated) goes before any weights move.
-    const int64_t before = FreeBytes();
-    int64_t released = 0;
+  if (needed > 0 && FreeBytes() < needed) {
+    // Under a budget, when weights are about to move to make room, what idle components keep on the
+    // device besides their weights (captured graphs: memory the budget does not see as allocated)
+    // goes first.
     for (auto& e : entries_) {
       if (e.get() == &target || e->state != ComponentState::kResident) continue;
-      released += e->component->module().ReleaseDeviceCaches();
-    }
-    if (released > 0) {
+      const int64_t before = FreeBytes();
+      const int64_t released = e->component->module().ReleaseDeviceCaches();
+      if (released == 0) continue;
       backend_->ReleaseCachedMemory();
-      Record(target.id, "release_graphs", released, before, absl::StrCat("idle components' captured graphs, ", reason));
+      Record(e->id, "release_graphs", released, before,
+             absl::StrCat("idle: its captured graphs go before weights move, ", reason));
     }
   }
   const absl::Time start = absl::Now();

@@ -57,19 +57,52 @@ struct StepGraphs::Impl {
   };
   std::list<Entry> entries;        // Most recently used first.
   std::set<std::string> warmed;    // Shapes whose first forward ran eagerly on the capture stream.
+  // The capture stream: this cache's own (not one of LibTorch's pooled streams, which the device's
+  // copy streams may share). Replays run on the caller's stream, one at a time (the worker's): the
+  // graphs sharing the pool never overlap.
+  cudaStream_t raw_stream = nullptr;
   std::optional<c10::cuda::CUDAStream> stream;
   using PoolId = decltype(at::cuda::graph_pool_handle());
   PoolId pool{0, 0};
   uint64_t fingerprint = 0;  // The weights' addresses the entries were captured with.
+  int capture_failures = 0;
   bool broken = false;
 
+  ~Impl() {
+    Drop();
+    DestroyStream();
+  }
+
   void Drop() {
-    if (entries.empty()) return;
-    if (stream.has_value()) c10::cuda::getCurrentCUDAStream(stream->device_index()).synchronize();
+    if (!entries.empty() && stream.has_value()) {  // No replay may still be running (no throw: destructors call this).
+      (void)cudaStreamSynchronize(c10::cuda::getCurrentCUDAStream(stream->device_index()).stream());
+    }
     stats.released += static_cast<int64_t>(entries.size());
     entries.clear();
     pool = {0, 0};
     stats.held_bytes = 0;
+  }
+
+  void DestroyStream() {
+    if (raw_stream == nullptr) return;
+    (void)cudaStreamSynchronize(raw_stream);
+    (void)cudaStreamDestroy(raw_stream);
+    raw_stream = nullptr;
+    stream.reset();
+  }
+
+  bool UseStream(const c10::Device& device) {
+    if (stream.has_value() && stream->device() == device) return true;
+    Drop();
+    DestroyStream();
+    warmed.clear();
+    if (cudaStreamCreateWithFlags(&raw_stream, cudaStreamNonBlocking) != cudaSuccess) {
+      (void)cudaGetLastError();
+      raw_stream = nullptr;
+      return false;
+    }
+    stream = c10::cuda::getStreamFromExternal(raw_stream, device.index());
+    return true;
   }
 #endif
 };
@@ -165,12 +198,7 @@ std::vector<at::Tensor> StepGraphs::Run(Module& model, const std::vector<at::Ten
   if (!fingerprint.has_value() || key.empty()) return eager();
 
   const c10::cuda::CUDAGuard guard(device);
-  if (s.stream.has_value() && s.stream->device() != device) {
-    s.Drop();
-    s.stream.reset();
-    s.warmed.clear();
-  }
-  if (!s.stream.has_value()) s.stream = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device.index());
+  if (!s.UseStream(device)) return eager();
   if (*fingerprint != s.fingerprint) {
     s.Drop();  // The weights moved since these graphs were captured.
     s.fingerprint = *fingerprint;
@@ -190,17 +218,24 @@ std::vector<at::Tensor> StepGraphs::Run(Module& model, const std::vector<at::Ten
     // The first forward of a shape runs eagerly on the capture stream (after what the caller
     // queued; the caller's stream continues after it): cuBLAS, cuDNN and the allocator set up
     // what they need there, outside any capture.
+    // Its activations stay cached for the capture stream until placement returns cached memory.
     at::cuda::CUDAEvent ready;
     ready.record(current);
     ready.block(*s.stream);
     std::vector<at::Tensor> out;
-    {
+    auto rejoin = [&] {  // The caller's stream waits for the reads of its inputs, whatever happened.
+      at::cuda::CUDAEvent done;
+      done.record(*s.stream);
+      done.block(current);
+    };
+    try {
       const c10::cuda::CUDAStreamGuard on_stream(*s.stream);
       out = body(inputs);
+    } catch (...) {
+      rejoin();
+      throw;
     }
-    at::cuda::CUDAEvent done;
-    done.record(*s.stream);
-    done.block(current);
+    rejoin();
     s.warmed.insert(key);
     ++s.stats.eager;
     return out;
@@ -224,17 +259,20 @@ std::vector<at::Tensor> StepGraphs::Run(Module& model, const std::vector<at::Ten
   ready.record(current);
   ready.block(*s.stream);
   std::exception_ptr failure;
+  bool began = false, ended = false;
   {
     const c10::cuda::CUDAStreamGuard on_stream(*s.stream);
     try {
       if (s.pool == Impl::PoolId{0, 0}) s.pool = at::cuda::graph_pool_handle();
       entry.graph->capture_begin(s.pool, cudaStreamCaptureModeThreadLocal);
+      began = true;
       try {
         entry.outputs = body(entry.inputs);
       } catch (...) {
         failure = std::current_exception();
       }
       entry.graph->capture_end();
+      ended = true;
     } catch (...) {
       if (!failure) failure = std::current_exception();
     }
@@ -243,19 +281,39 @@ std::vector<at::Tensor> StepGraphs::Run(Module& model, const std::vector<at::Ten
   captured.record(*s.stream);
   captured.block(current);
   if (failure) {
-    s.broken = true;
     ++s.stats.failures;
+    bool out_of_memory = false;
     std::string what = "unknown error";
     try {
       std::rethrow_exception(failure);
+    } catch (const c10::OutOfMemoryError& e) {
+      out_of_memory = true;
+      what = e.what();
     } catch (const std::exception& e) {
       what = e.what();
     } catch (...) {
     }
-    LogWarning(absl::StrCat("cuda_graphs model=", LogValue(s.name),
-                            " outcome=capture_failed action=eager_from_now error=", LogValue(what, 300)));
-    entry = Impl::Entry();
     (void)cudaGetLastError();  // A failed capture leaves a non-sticky error behind.
+    // The other graphs go first, so that nothing live shares the pool; then, when the capture did
+    // not end, the allocator stops routing this stream's allocations to the pool and lets it go.
+    const Impl::PoolId failed_pool = s.pool;
+    entry = Impl::Entry();
+    s.Drop();
+    if (began && !ended) {
+      try {
+        c10::cuda::CUDACachingAllocator::endAllocateToPool(device.index(), failed_pool);
+      } catch (...) {
+      }
+      try {
+        c10::cuda::CUDACachingAllocator::releasePool(device.index(), failed_pool);
+      } catch (...) {
+      }
+    }
+    // Out of memory is a moment's state (placement may have more resident now): eager this time,
+    // capture again later, up to a few times; anything else means the body cannot be captured.
+    s.broken = !out_of_memory || ++s.capture_failures >= 3;
+    LogWarning(absl::StrCat("cuda_graphs model=", LogValue(s.name), " outcome=capture_failed action=",
+                            s.broken ? "eager_from_now" : "eager_this_forward", " error=", LogValue(what, 300)));
     return eager();
   }
   entry.graph->replay();

@@ -20,11 +20,13 @@
 //   - the model has no hooks anywhere (no group offloading or streaming: its weights stay put) and
 //     every tensor of it is on the device;
 //   - no LoRA adapters active on the running thread (their per-request matrices are not captured);
-//   - the body never failed to capture for this cache (a failure is logged once; eager from then).
+//   - no capture of this cache failed (out of memory aside: see StepGraphStats; failures are logged).
 // The cache keeps `capacity` shapes (least recently used goes; a Z-Image request's shape includes its
 // caption length, padded to a multiple of 32). The graphs share one memory pool: they run one at a
-// time and their outputs are copied out at once, so the pool holds about one forward's activations
-// whatever the number of shapes. ReleaseDeviceCaches on the model (placement, when its weights leave
+// time, on the caller's (the worker's) stream, and their outputs are copied out at once, so the pool
+// holds about one forward's activations whatever the number of shapes. The eager first forwards run
+// on the cache's own capture stream, whose cached blocks (another forward's activations) stay
+// reserved until cached memory is returned (placement does when weights move). ReleaseDeviceCaches on the model (placement, when its weights leave
 // the device, and under a budget for idle components before weights move) calls Release.
 //
 // Thread-safety: one thread at a time (the device's worker), as the model itself.
@@ -54,8 +56,11 @@ struct StepGraphStats {
   int64_t captures = 0;    // Graphs captured.
   int64_t replays = 0;     // Forwards served by a graph (a capture's own forward included).
   int64_t released = 0;    // Graphs dropped (Release, eviction from the cache, weights moved).
-  int64_t failures = 0;    // Captures that failed (the cache runs eagerly after the first).
-  int64_t held_bytes = 0;  // Device memory the cached graphs' pool holds now (0 when none).
+  int64_t failures = 0;    // Captures that failed.
+  int64_t held_bytes = 0;  // Growth of the device's reserved memory during the cached graphs'
+                           // captures (approximate: other allocations meanwhile count too; 0 when none).
+  // A capture that runs out of memory leaves that forward eager and is tried again later (three
+  // times at most); any other failure leaves the cache eager for good.
 };
 
 class StepGraphs {

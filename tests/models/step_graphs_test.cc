@@ -59,8 +59,6 @@ TEST(StepGraphsTest, AForwardGraphsCannotServeRunsItsBody) {
   EXPECT_EQ(graphs.stats().eager, 3);
   EXPECT_EQ(graphs.stats().captures, 0);
   EXPECT_EQ(graphs.Release(), 0);
-  GraphSwitch off(false);
-  EXPECT_FALSE(CudaGraphsEnabled());
 }
 
 // --- CUDA ---------------------------------------------------------------------------------------
@@ -105,10 +103,12 @@ TEST_F(StepGraphsCudaTest, ZImageStepsThroughGraphsEqualEagerSteps) {
   Onload(model);
   c10::InferenceMode mode;
   const at::TensorOptions o = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
-  const at::Tensor caption = at::randn({40, 64}, o);
+  // Two caption lengths (padded to 64 and 96 tokens: two shapes, two graphs sharing one pool),
+  // alternating; every step draws new latents, a new caption and a new time.
   auto step = [&](int i) {
     const at::Tensor latents = at::randn({16, 1, 32, 32}, o);
-    const double t = 0.1 * (i + 1);
+    const at::Tensor caption = at::randn({i % 2 == 0 ? 40 : 70, 64}, o);
+    const double t = 0.05 * (i + 1);
     at::Tensor eager;
     {
       GraphSwitch off(false);
@@ -118,37 +118,45 @@ TEST_F(StepGraphsCudaTest, ZImageStepsThroughGraphsEqualEagerSteps) {
     std::printf("zimage step %d: rel_l2 %.3g, identical %d\n", i, RelL2(graphed, eager), at::equal(graphed, eager) ? 1 : 0);
     EXPECT_LT(RelL2(graphed, eager), 1e-3) << "step " << i;
   };
-  for (int i = 0; i < 4; ++i) step(i);
+  for (int i = 0; i < 8; ++i) step(i);
   StepGraphStats s = model.graph_stats();
-  EXPECT_EQ(s.captures, 1);
-  EXPECT_EQ(s.replays, 3) << "the first forward of a shape warms up eagerly; the rest replay";
+  EXPECT_EQ(s.captures, 2) << "one graph per caption length";
+  EXPECT_EQ(s.replays, 6) << "each shape's first forward warms up eagerly; the rest replay";
   EXPECT_GT(s.held_bytes, 0);
 
-  // The weights leave and come back (elsewhere, or where they were): the next forward still equals
-  // the eager one — captured again when the addresses changed.
-  EXPECT_GT(model.ReleaseDeviceCaches(), 0);
+  // The weights move (the old copies kept alive, so the new ones must land elsewhere), with no
+  // release: the changed addresses alone make the next forwards capture again.
+  std::vector<at::Tensor> old_weights;
+  model.ForEachSlot([&](Module&, TensorSlot& slot) { old_weights.push_back(slot.value); });
+  const void* old_address = old_weights.front().data_ptr();
   weights_->OffloadAll();
-  const at::Tensor spacer = at::empty({int64_t{64} << 20}, o);  // Moves what the allocator hands out next.
-  (void)spacer;
   ASSERT_TRUE(weights_->OnloadAll(*backend_).ok());
-  step(4);
-  step(5);
+  const void* new_address = nullptr;
+  model.ForEachSlot([&](Module&, TensorSlot& slot) {
+    if (new_address == nullptr) new_address = slot.value.data_ptr();
+  });
+  ASSERT_NE(old_address, new_address);
+  for (int i = 8; i < 12; ++i) step(i);
   s = model.graph_stats();
-  EXPECT_EQ(s.captures, 2);
+  EXPECT_EQ(s.captures, 4);
   EXPECT_EQ(s.failures, 0);
+  old_weights.clear();
+  EXPECT_GT(model.ReleaseDeviceCaches(), 0);
+  EXPECT_EQ(model.graph_stats().held_bytes, 0);
 
   // A hook (as group offloading adds) keeps the forward eager; so do active adapters.
   const int64_t eager_before = model.graph_stats().eager;
   ASSERT_TRUE(model.AddHook("test", std::make_shared<NoopHook>()).ok());
-  step(6);
+  step(12);
   EXPECT_TRUE(model.RemoveHook("test"));
   LoraScales scales = {{"style", 0.5f}};
   {
     ScopedLoras loras(&scales);
-    step(7);
+    step(13);
   }
   // Each of those steps ran two eager forwards: the switched-off reference and the one kept eager.
   EXPECT_EQ(model.graph_stats().eager, eager_before + 4);
+  EXPECT_EQ(model.graph_stats().captures, 4);
 }
 
 TEST_F(StepGraphsCudaTest, FluxStepsThroughGraphsEqualEagerSteps) {

@@ -663,7 +663,6 @@ class CacheHolder : public Module {
     held_ = 0;
     return freed;
   }
-  void Refill(int64_t bytes) { held_ = bytes; }
   int releases = 0;
 
  private:
@@ -671,7 +670,8 @@ class CacheHolder : public Module {
 };
 
 // Without a budget nothing asks for idle components' caches; under one, they go before weights
-// move to make room (recorded), and a component's own go when its weights leave the device.
+// move to make room (recorded under the idle component), and a component's own go when its weights
+// leave the device.
 TEST(PlacementManagerTest, DeviceCachesOfIdleComponentsGoUnderABudgetBeforeWeightsMove) {
   for (const bool budget : {false, true}) {
     SCOPED_TRACE(budget ? "budget" : "no budget");
@@ -694,8 +694,10 @@ TEST(PlacementManagerTest, DeviceCachesOfIdleComponentsGoUnderABudgetBeforeWeigh
     for (const PlacementDecision& d : s.placement.DecisionLog(1000)) {
       if (d.action == "release_graphs") {
         recorded = true;
+        EXPECT_EQ(d.component, "tiny/cache_holder");
         EXPECT_EQ(d.bytes, 12345) << d.reason;
-        EXPECT_NE(d.reason.find("idle components' captured graphs"), std::string::npos) << d.reason;
+        EXPECT_NE(d.reason.find("its captured graphs go before weights move"), std::string::npos) << d.reason;
+        EXPECT_FALSE(offloaded) << "released after weights had already moved";
       }
       offloaded = offloaded || d.action == "offload";
     }

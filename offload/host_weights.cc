@@ -22,6 +22,7 @@ namespace stowage {
 
 absl::StatusOr<std::unique_ptr<HostWeights>> HostWeights::Capture(Module& root) {
   std::unique_ptr<HostWeights> weights(new HostWeights());
+  weights->root_ = &root;
   absl::Status status;
   root.ForEachSlot([&](Module& module, TensorSlot& slot) {
     if (!status.ok()) return;
@@ -283,10 +284,12 @@ absl::Status HostWeights::OnloadFromPeer(DeviceBackend& backend) {
 }
 
 void HostWeights::OffloadAll() {
+  root_->ReleaseDeviceCaches();
   for (Entry& entry : entries_) entry.slot->value = at::Tensor();
 }
 
 void HostWeights::PointAtHost() {
+  root_->ReleaseDeviceCaches();
   for (Entry& entry : entries_) entry.slot->value = entry.host;
 }
 

@@ -50,6 +50,10 @@ class HostWeights {
   void OffloadAll();
   // Points every slot at its host copy (for CPU execution without a device).
   void PointAtHost();
+  // OffloadAll and PointAtHost first drop what the captured tree keeps on the device besides its
+  // weights (Module::ReleaseDeviceCaches: captured graphs read the weights leaving). OnloadFromPeer
+  // does not: it runs on the peer's worker, and the device's own worker drops them before a peer
+  // move (PlacementManager::Offload).
   // Replaces an entry's host tensor (same shape and dtype), e.g. to move it into a pinned arena.
   // Slots that pointed at the old host tensor are repointed. Unpins the weights first if pinned.
   void ReplaceHost(Entry& entry, at::Tensor host);
@@ -100,6 +104,7 @@ class HostWeights {
 
  private:
   HostWeights() = default;
+  Module* root_ = nullptr;  // The captured tree.
   std::vector<Entry> entries_;
   // Module::AddAdjacentGroup groups of the captured tree as indices into entries_ (each entry in at
   // most one group; groups whose tensors differ in device dtype are kept, the copies just land

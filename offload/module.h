@@ -120,8 +120,9 @@ class Module {
   // --- Device caches ----------------------------------------------------------------------------
   // Frees what this module keeps on the device besides its weights (a model's captured CUDA graphs
   // and the activations they hold: models/core/step_graphs.h) and returns how many bytes that held.
-  // Placement calls it on the device's worker when the module's weights leave the device, and,
-  // under a budget, on idle components when weights must move to make room. The default keeps nothing.
+  // Called on the device's worker when the module's weights leave the device (HostWeights::OffloadAll
+  // and PointAtHost; placement before a move to a peer) and, under a budget, by placement on idle
+  // components when weights must move to make room. The default keeps nothing.
   virtual int64_t ReleaseDeviceCaches() { return 0; }
 
  protected:

@@ -254,8 +254,9 @@ absl::Status PlacementManager::AdoptFromPeer(const std::string& pipeline, Compon
 
 void PlacementManager::Offload(Entry& entry, const std::string& reason, const std::string& cause) {
   if (entry.state != ComponentState::kResident) return;
-  // Its captured graphs read the weights leaving (to the host or to a peer).
-  if (entry.component->module().ReleaseDeviceCaches() > 0) backend_->ReleaseCachedMemory();
+  // A peer move copies from the peer's worker: this device's worker drops the captured graphs that
+  // read these weights first (moves to the host drop them in HostWeights::OffloadAll).
+  entry.component->module().ReleaseDeviceCaches();
   if (TryPeerEviction(entry, reason, cause)) return;
   const int64_t before = FreeBytes();
   entry.component->host_weights().OffloadAll();
@@ -759,7 +760,6 @@ absl::Status PlacementManager::EnableLocked(Entry& entry, const GroupOffloadOpti
   // One directory per component under the configured one.
   std::string name = entry.id;
   std::replace(name.begin(), name.end(), '/', '_');
-  component.module().ReleaseDeviceCaches();  // Streamed from now: its captured graphs are stale.
   component.host_weights().Unpin();  // The group offloader's host store manages the host memory now.
   auto applied = GroupOffloader::Apply(name, component.module(), component.host_weights(), *backend_, effective);
   if (!applied.ok() && IsDeviceOom(applied.status())) {

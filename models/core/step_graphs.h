@@ -26,8 +26,9 @@
 // time, on the caller's (the worker's) stream, and their outputs are copied out at once, so the pool
 // holds about one forward's activations whatever the number of shapes. The eager first forwards run
 // on the cache's own capture stream, whose cached blocks (another forward's activations) stay
-// reserved until cached memory is returned (placement does when weights move). ReleaseDeviceCaches on the model (placement, when its weights leave
-// the device, and under a budget for idle components before weights move) calls Release.
+// reserved until cached memory is returned (placement does when weights move). The model's
+// ReleaseDeviceCaches calls Release: when its weights leave the device (offload/module.h says who
+// calls it), and under a budget when placement must move weights to make room.
 //
 // Thread-safety: one thread at a time (the device's worker), as the model itself.
 #ifndef STOWAGE_MODELS_CORE_STEP_GRAPHS_H_

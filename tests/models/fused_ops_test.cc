@@ -24,6 +24,7 @@
 #include "models/nets/zimage_transformer.h"
 #include "offload/device_backend.h"
 #include "offload/host_weights.h"
+#include "tests/models/tiny_transformers.h"
 
 namespace stowage {
 namespace {
@@ -293,16 +294,7 @@ void ExpectAdjacent(Module& root, const std::vector<std::string>& paths) {
 }
 
 TEST_F(FusedKernelTest, ZImageTransformerFusedMatchesPlain) {
-  ZImageTransformerConfig c;
-  c.in_channels = 16;
-  c.dim = 256;
-  c.n_heads = 2;  // head dim 128 = 32 + 48 + 48
-  c.n_layers = 2;
-  c.n_refiner_layers = 1;
-  c.cap_feat_dim = 64;
-  c.axes_dims = {32, 48, 48};
-  c.axes_lens = {256, 64, 64};
-  ZImageTransformer model(c, LayerOptions{at::kBFloat16});
+  ZImageTransformer model(TinyZImageTransformerConfig(), LayerOptions{at::kBFloat16});
   InitializeRandomWeights(model, 3);
   OnCuda cuda(model);
   ExpectAdjacent(model, {"layers.1.attention.to_q.weight", "layers.1.attention.to_k.weight",
@@ -322,17 +314,7 @@ TEST_F(FusedKernelTest, ZImageTransformerFusedMatchesPlain) {
 }
 
 TEST_F(FusedKernelTest, FluxTransformerFusedMatchesPlain) {
-  FluxTransformerConfig c;
-  c.in_channels = 64;
-  c.num_layers = 2;
-  c.num_single_layers = 2;
-  c.attention_head_dim = 128;
-  c.num_attention_heads = 2;
-  c.joint_attention_dim = 96;
-  c.pooled_projection_dim = 32;
-  c.guidance_embeds = true;
-  c.axes_dims_rope = {16, 56, 56};
-  FluxTransformer model(c, LayerOptions{at::kBFloat16});
+  FluxTransformer model(TinyFluxTransformerConfig(), LayerOptions{at::kBFloat16});
   InitializeRandomWeights(model, 5);
   OnCuda cuda(model);
   ExpectAdjacent(model, {"single_transformer_blocks.1.attn.to_q.weight", "single_transformer_blocks.1.attn.to_k.weight",

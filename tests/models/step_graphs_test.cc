@@ -22,6 +22,7 @@
 #include "models/nets/zimage_transformer.h"
 #include "offload/device_backend.h"
 #include "offload/host_weights.h"
+#include "tests/models/tiny_transformers.h"
 
 namespace stowage {
 namespace {
@@ -86,19 +87,8 @@ class StepGraphsCudaTest : public ::testing::Test {
 
 class NoopHook : public ModuleHook {};
 
-ZImageTransformerConfig TinyZImage() {
-  ZImageTransformerConfig c;
-  c.dim = 256;
-  c.n_heads = 2;
-  c.n_layers = 2;
-  c.n_refiner_layers = 1;
-  c.cap_feat_dim = 64;
-  c.axes_lens = {256, 64, 64};
-  return c;
-}
-
 TEST_F(StepGraphsCudaTest, ZImageStepsThroughGraphsEqualEagerSteps) {
-  ZImageTransformer model(TinyZImage(), LayerOptions{at::kBFloat16});
+  ZImageTransformer model(TinyZImageTransformerConfig(), LayerOptions{at::kBFloat16});
   InitializeRandomWeights(model, 3);
   Onload(model);
   c10::InferenceMode mode;
@@ -160,17 +150,7 @@ TEST_F(StepGraphsCudaTest, ZImageStepsThroughGraphsEqualEagerSteps) {
 }
 
 TEST_F(StepGraphsCudaTest, FluxStepsThroughGraphsEqualEagerSteps) {
-  FluxTransformerConfig c;
-  c.in_channels = 64;
-  c.num_layers = 2;
-  c.num_single_layers = 2;
-  c.attention_head_dim = 128;
-  c.num_attention_heads = 2;
-  c.joint_attention_dim = 96;
-  c.pooled_projection_dim = 32;
-  c.guidance_embeds = true;
-  c.axes_dims_rope = {16, 56, 56};
-  FluxTransformer model(c, LayerOptions{at::kBFloat16});
+  FluxTransformer model(TinyFluxTransformerConfig(), LayerOptions{at::kBFloat16});
   InitializeRandomWeights(model, 5);
   Onload(model);
   c10::InferenceMode mode;

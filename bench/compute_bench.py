@@ -22,6 +22,12 @@ What one `run` does, in order:
      resident forward through captured CUDA graphs (models/core/step_graphs.h, STOWAGE_CUDA_GRAPHS=1; off
      by default in the server and in the other modes), and rows say `cuda_graphs` (whether the mode turned
      them on; offload_bench's peak_device_bytes are allocated bytes, which leave out a graph pool's free blocks).
+  6. Streamed modes (the transformer group-offloaded block by block, every block's weights copied each step):
+     bf16_streamed, fp8_streamed (the FP8 weights themselves), int8_streamed / int8g_streamed / int4_streamed
+     (a compressed host copy widened to bf16 on the device). Their rows carry floor_s (the bytes streamed per
+     step over the bandwidth measured in the same process), peak and base host RSS and prepare_s; after the
+     modes, one {"bench": "compressed"} row per streamed mode sets it beside the resident steps of this run
+     (resident_bf16_step_s, resident_fast_step_s: the fastest resident mode).
 Rows: {"bench": "compute", "model", "system", "mode", "path", "step_s", "tflop_per_step", "limit_s",
 "rel_l2", "machine", "commit", ...}; limit_s = FLOPs / --peak_tflops (790, the H200's measured bf16 rate).
 """
@@ -202,10 +208,14 @@ def run(args):
         # *_streamed: the transformer group-offloaded block by block (block_pinned), its weights
         # streamed from pinned host memory every step (FP8: the FP8 bytes themselves).
         streamed = mode.endswith("_streamed")
+        # int8_streamed / int8g_streamed / int4_streamed: streamed from a compressed host copy (per-channel
+        # int8, group-wise int8, group-wise int4), widened to bf16 on the device into the slot, bf16 compute.
+        compress = {"int8": "block_int8", "int8g": "block_int8grouped", "int4": "block_int4"}.get(mode.split("_")[0])
         # *_graphs: the same forward with CUDA graphs on (STOWAGE_CUDA_GRAPHS=1; the server's default is off).
         graphs = mode.endswith("_graphs")
         fp8 = mode.startswith("fp8")
-        cmd = [args.offload_bench, f"--model_dir={args.dir}", f"--rows={'block_pinned' if streamed else 'resident'}",
+        bench_row = compress or ("block_pinned" if streamed else "resident")
+        cmd = [args.offload_bench, f"--model_dir={args.dir}", f"--rows={bench_row}",
                f"--inputs={inputs_path}",
                f"--save_output={out_file}", f"--out={jsonl}", f"--warmup={args.warmup}", f"--iters={args.iters}",
                f"--machine={args.machine}", f"--fused={'false' if mode == 'bf16_reference' else 'true'}",
@@ -228,17 +238,54 @@ def run(args):
         extra = {}
         if streamed:
             # floor_s: the bytes this mode streams per step over the bandwidth measured in the same process.
-            extra = dict(placement="streamed", floor_s=result.get("floor_s"),
+            # offload_bench's floor_s is the bf16 bytes' floor; a compressed row's own is floor_8bit_s.
+            floor_s = result.get("floor_8bit_s") if compress else result.get("floor_s")
+            extra = dict(placement="streamed", floor_s=floor_s, compress=result.get("compress", "none"),
                          streamed_bytes=result.get("streamed_bytes"),
-                         x_floor=round(result["step_s"] / result["floor_s"], 3) if result.get("floor_s") else None,
-                         prepare_s=result.get("prepare_s"))
+                         x_floor=round(result["step_s"] / floor_s, 3) if floor_s else None,
+                         prepare_s=result.get("prepare_s"), peak_rss_bytes=result.get("peak_rss_bytes"),
+                         base_rss_bytes=result.get("base_rss_bytes"),
+                         h2d_bytes_per_s=result.get("h2d_bandwidth_bytes_per_s"))
         row("stowage", "fp8" if fp8 else "bf16", "reference" if mode == "bf16_reference" else "fused",
             result["step_s"], err, peak_device_bytes=result.get("peak_device_bytes"),
             process_s=round(time.time() - start, 1), cuda_graphs=graphs and not streamed, **extra)
         if trace and os.path.exists(trace) and args.profile_dir:
             summarize_trace(trace, os.path.join(args.profile_dir, f"profile_{model_name}.txt"),
                             f"stowage {model_name} {mode}")
+    compressed_rows(args, model_name, rows)
     return rows
+
+
+def compressed_rows(args, model_name, rows):
+    """The streaming issue's rows, from the streamed modes of this run: each beside the resident steps of
+    the same run (bf16, and the fastest resident mode), its own floor, host RSS above the process's base."""
+    resident = [r for r in rows if r["system"] == "stowage" and r.get("placement") != "streamed"
+                and r["path"] == "fused" and not r.get("cuda_graphs")]
+    streamed = [r for r in rows if r["system"] == "stowage" and r.get("placement") == "streamed"]
+    if not resident or not streamed:
+        return
+    bf16 = [r["step_s"] for r in resident if r["mode"] == "bf16"]
+    fast = min(resident, key=lambda r: r["step_s"])
+    weight_dir = os.path.join(args.dir, "transformer")
+    bf16_bytes = sum(os.path.getsize(os.path.join(weight_dir, f)) for f in os.listdir(weight_dir)
+                     if f.endswith(".safetensors"))
+    for r in streamed:
+        compress = r.get("compress", "none")
+        name = {"int8": "block_int8", "int8_grouped": "block_int8grouped", "int4": "block_int4"}.get(
+            compress, "block_fp8_compute" if r["mode"] == "fp8" else "block_bf16")
+        out = {"bench": "compressed", "system": "stowage", "model": model_name, "row": name,
+               "compute": r["mode"], "step_s": r["step_s"], "resident_bf16_step_s": bf16[0] if bf16 else None,
+               "resident_fast_step_s": fast["step_s"], "resident_fast_mode": fast["mode"],
+               "floor_s": r.get("floor_s"), "x_floor": r.get("x_floor"),
+               "x_fast": round(r["step_s"] / max(fast["step_s"], r.get("floor_s") or 0), 3),
+               "rel_l2": r["rel_l2"], "peak_rss_bytes": r.get("peak_rss_bytes"),
+               "base_rss_bytes": r.get("base_rss_bytes"), "bf16_weight_bytes": bf16_bytes,
+               "rss_above_base_x_bf16": round((r["peak_rss_bytes"] - r["base_rss_bytes"]) / bf16_bytes, 3)
+               if r.get("peak_rss_bytes") and r.get("base_rss_bytes") else None,
+               "prepare_s": r.get("prepare_s"), "machine": args.machine, "commit": args.commit}
+        print(json.dumps(out), flush=True)
+        with open(args.out, "a", encoding="utf-8") as f:
+            f.write(json.dumps(out) + "\n")
 
 
 def main():

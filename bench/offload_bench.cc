@@ -476,6 +476,9 @@ int Main() {
   const at::ScalarType dtype = at::kBFloat16;
   const bool small = absl::GetFlag(FLAGS_config) == "small";
   const double bandwidth = MeasureBandwidth(*backend, small ? (int64_t{64} << 20) : (int64_t{1} << 30));
+  // The process's own base: CUDA context, LibTorch and the bandwidth probe's device buffers, no weights.
+  const absl::StatusOr<ProcessMemory> base_memory = ReadProcessMemory();
+  const int64_t base_rss = base_memory.ok() ? base_memory->rss_bytes : 0;
   std::vector<RowResult> results;
   double resident_step = absl::GetFlag(FLAGS_resident_step_s);
   std::printf("device %s, pinned host->device %.1f GB/s\n", backend->name().c_str(), bandwidth / 1e9);
@@ -525,7 +528,7 @@ int Main() {
           "\"prefetch_depth\": %d, \"staging\": \"%dx%dMiB, %d threads\", \"pinned_in_place_bytes\": %d, "
           "\"pin_in_place_error\": \"%s\", \"model\": \"%s\", \"machine\": \"%s\", \"compress\": \"%s\", "
           "\"floor_8bit_s\": %.6f, \"rel_l2\": %.6f, \"prepare_s\": %.3f, \"batch\": %d, \"lora_adapters\": %d, "
-          "\"lora_rank\": %d}\n",
+          "\"lora_rank\": %d, \"base_rss_bytes\": %d}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -534,7 +537,7 @@ int Main() {
           absl::CHexEscape(result->pin_in_place_error),
           result->model,
           absl::GetFlag(FLAGS_machine), result->compress, floor_8bit_s, result->rel_l2, result->prepare_s,
-          absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_lora_adapters), absl::GetFlag(FLAGS_lora_rank));
+          absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_lora_adapters), absl::GetFlag(FLAGS_lora_rank), base_rss);
       out.flush();
     }
   }

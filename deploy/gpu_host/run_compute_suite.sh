@@ -27,7 +27,8 @@
 # Results in $OUT (summary.txt too; build_tail.txt when the build fails).
 #   OUT=$OUT MODELS="zimage flux" deploy/gpu_host/unpack_and_run.sh bash deploy/gpu_host/run_compute_suite.sh
 #   OUT=$OUT PARTS="e2e fidelity" deploy/gpu_host/unpack_and_run.sh bash deploy/gpu_host/run_compute_suite.sh
-# MODES: Stowage's compute modes (bf16, bf16_reference, fp8, and bf16_streamed / fp8_streamed: the
+# MODES: Stowage's compute modes (bf16, bf16_reference, fp8, *_graphs, int8_streamed / int8g_streamed /
+# int4_streamed: streamed from a compressed host copy, widened to bf16 on the device; and bf16_streamed / fp8_streamed: the
 # transformer group-offloaded block by block, its weights streamed every step); DIFFUSERS: eager,compile (or eager).
 source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/suite_lib.sh"
 suite_build compute
@@ -46,6 +47,10 @@ for line in open(sys.argv[1]):
         print(f"{r['model']:7s} {r['system']:18s} {r['mode']:5s} {r['path']:13s} step {r['step_s']:.4f} s "
               f"x_limit {r['x_limit']:.2f} rel_l2 {r['rel_l2']:.4g} graphs {r.get('cuda_graphs', '-')} "
               f"{r.get('placement', '')} x_floor {r.get('x_floor', '-')}")
+    elif r["bench"] == "compressed":
+        print(f"{r['model']:7s} compressed {r['row']:18s} step {r['step_s']:.4f} s floor {r['floor_s'] or 0:.4f} "
+              f"x_floor {r['x_floor']} x_fast {r['x_fast']} ({r['resident_fast_mode']} {r['resident_fast_step_s']:.4f}) "
+              f"rel_l2 {r['rel_l2']:.4g} rss/bf16 {r['rss_above_base_x_bf16']} prepare {r['prepare_s']}")
     else:
         print(f"e2e {r['system']:18s} {r.get('mode', 'bf16'):5s} {r.get('format', 'png'):8s} warm {r['warm_s']:.3f} s "
               f"first {r['first_s']:.3f} s png {r.get('png_s', 0):.3f} s load {r.get('load_s', 0):.1f} s")
@@ -133,9 +138,10 @@ fi
 if [[ $parts == *" compute "* ]]; then
 for model in ${MODELS:-zimage flux}; do
   stamp "compute $model"
+  modes_var="MODES_$model"  # MODES_zimage / MODES_flux: that model's modes instead of $MODES.
   timeout "${COMPUTE_TIMEOUT:-480}" python3 bench/compute_bench.py run --arch "$model" --dir "/tmp/compute-$model" \
     --offload_bench "$build/bench/offload_bench" --out "$OUT/compute.jsonl" --machine "$machine" \
-    --commit "${STOWAGE_COMMIT:-unknown}" --profile_dir "$OUT" --modes "${MODES:-bf16,bf16_reference,fp8}" \
+    --commit "${STOWAGE_COMMIT:-unknown}" --profile_dir "$OUT" --modes "${!modes_var:-${MODES:-bf16,bf16_reference,fp8}}" \
     --diffusers "${DIFFUSERS:-eager,compile}" >"$OUT/compute_$model.log" 2>&1
   stamp "compute $model exit $?"
 done

@@ -289,6 +289,24 @@ __global__ void SiluMulKernel(const bf16* __restrict__ a, int64_t a_row_stride, 
   }
 }
 
+// gelu_tanh(f) rounded to bfloat16: the one formula of GeluTanh and the fused GELU quantisation,
+// so the two round identically.
+__device__ __forceinline__ bf16 GeluTanhBf16(float f) {
+  const float inner = 0.7978845608028654f * (f + 0.044715f * f * f * f);
+  return __float2bfloat16_rn(0.5f * f * (1.f + tanhf(inner)));
+}
+
+// Packs 8 floats (already divided by the row's scale) into 8 e4m3 bytes.
+__device__ __forceinline__ uint2 PackFp8(const float (&v)[8]) {
+  __nv_fp8_storage_t bytes[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) bytes[j] = __nv_cvt_float_to_fp8(v[j], __NV_SATFINITE, __NV_E4M3);
+  uint2 packed;
+  packed.x = bytes[0] | (bytes[1] << 8) | (bytes[2] << 16) | (static_cast<uint32_t>(bytes[3]) << 24);
+  packed.y = bytes[4] | (bytes[5] << 8) | (bytes[6] << 16) | (static_cast<uint32_t>(bytes[7]) << 24);
+  return packed;
+}
+
 // One block of kQuantThreads per row, two passes over the row (the second reads it from L1/L2):
 // rows of any length that is a multiple of 8 (FP8 GEMM inputs reach 15360 values).
 constexpr int kQuantThreads = 256;
@@ -313,15 +331,59 @@ __global__ void __launch_bounds__(kQuantThreads) QuantizeRowsFp8Kernel(const bf1
   uint2* o = reinterpret_cast<uint2*>(q + row * dim);
   for (int c = threadIdx.x; c < chunks; c += kQuantThreads) {
     const Vec8 v = xr[c];
-    __nv_fp8_storage_t bytes[8];
+    float f[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      bytes[j] = __nv_cvt_float_to_fp8(__bfloat162float(v.v[j]) * inv, __NV_SATFINITE, __NV_E4M3);
+    for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(v.v[j]) * inv;
+    o[c] = PackFp8(f);
+  }
+}
+
+struct QuantParts {
+  QuantPart p[kMaxQuantParts];
+  int n;
+};
+
+// One block per row: the row's parts are read once (GELU applied where asked, rounded to bfloat16)
+// into shared memory while the block finds the row's max |value|, then written as FP8 from there.
+// Dynamic shared memory: the row's bfloat16 values (dim · 2 bytes).
+__global__ void __launch_bounds__(kQuantThreads) QuantizeConcatRowsFp8Kernel(QuantParts parts,
+                                                                             __nv_fp8_storage_t* __restrict__ q,
+                                                                             float* __restrict__ scale, int64_t seq,
+                                                                             int dim) {
+  extern __shared__ Vec8 row_values[];
+  __shared__ float shared[33];
+  const int64_t row = blockIdx.x;
+  const int64_t b = row / seq, s = row % seq;
+  float amax = 0.f;
+  int base = 0;
+  for (int p = 0; p < parts.n; ++p) {
+    const QuantPart part = parts.p[p];
+    const Vec8* xr = reinterpret_cast<const Vec8*>(static_cast<const bf16*>(part.x) + b * part.rows.batch_stride +
+                                                   s * part.rows.row_stride);
+    const int chunks = static_cast<int>(part.cols / 8);
+    for (int c = threadIdx.x; c < chunks; c += kQuantThreads) {
+      Vec8 v = xr[c];
+      if (part.gelu) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) v.v[j] = GeluTanhBf16(__bfloat162float(v.v[j]));
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(__bfloat162float(v.v[j])));
+      row_values[base + c] = v;
     }
-    uint2 packed;
-    packed.x = bytes[0] | (bytes[1] << 8) | (bytes[2] << 16) | (static_cast<uint32_t>(bytes[3]) << 24);
-    packed.y = bytes[4] | (bytes[5] << 8) | (bytes[6] << 16) | (static_cast<uint32_t>(bytes[7]) << 24);
-    o[c] = packed;
+    base += chunks;
+  }
+  amax = BlockReduce<true, kQuantThreads>(amax, shared);  // Its barriers also publish row_values.
+  const float sc = amax > 0.f ? amax / 448.f : 1.f;
+  if (threadIdx.x == 0) scale[row] = sc;
+  const float inv = 1.f / sc;
+  uint2* o = reinterpret_cast<uint2*>(q + row * dim);
+  for (int c = threadIdx.x; c < dim / 8; c += kQuantThreads) {
+    const Vec8 v = row_values[c];
+    float f[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(v.v[j]) * inv;
+    o[c] = PackFp8(f);
   }
 }
 
@@ -340,11 +402,7 @@ __global__ void RowsKernel(const bf16* __restrict__ x, Rows xr, bf16* __restrict
       result = v;
     } else {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float f = __bfloat162float(v.v[j]);
-        const float inner = 0.7978845608028654f * (f + 0.044715f * f * f * f);
-        result.v[j] = __float2bfloat16_rn(0.5f * f * (1.f + tanhf(inner)));
-      }
+      for (int j = 0; j < 8; ++j) result.v[j] = GeluTanhBf16(__bfloat162float(v.v[j]));
     }
     reinterpret_cast<Vec8*>(out + b * outr.batch_stride + s * outr.row_stride)[col] = result;
   }
@@ -471,6 +529,29 @@ int SiluMul(const void* a, int64_t a_row_stride, const void* b, int64_t b_row_st
   SiluMulKernel<<<dim3(static_cast<unsigned>(blocks)), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
       static_cast<const bf16*>(a), a_row_stride, static_cast<const bf16*>(b), b_row_stride, static_cast<bf16*>(out),
       chunks, cols / 8);
+  return LastError();
+}
+
+int QuantizeConcatRowsFp8(const QuantPart* parts, int num_parts, void* q, float* scale, int64_t batch, int64_t seq,
+                          void* stream) {
+  if (num_parts <= 0 || num_parts > kMaxQuantParts || batch <= 0 || seq <= 0) {
+    return static_cast<int>(cudaErrorInvalidValue);
+  }
+  QuantParts packed{};
+  int64_t dim = 0;
+  for (int p = 0; p < num_parts; ++p) {
+    const QuantPart& part = parts[p];
+    if (part.cols <= 0 || !RowsOk(part.rows, part.cols) || reinterpret_cast<uintptr_t>(part.x) % 16 != 0) {
+      return static_cast<int>(cudaErrorInvalidValue);
+    }
+    packed.p[p] = part;
+    dim += part.cols;
+  }
+  packed.n = num_parts;
+  if (dim > kMaxQuantConcatDim) return static_cast<int>(cudaErrorInvalidValue);
+  QuantizeConcatRowsFp8Kernel<<<dim3(static_cast<unsigned>(batch * seq)), kQuantThreads,
+                                static_cast<size_t>(dim) * sizeof(bf16), static_cast<cudaStream_t>(stream)>>>(
+      packed, static_cast<__nv_fp8_storage_t*>(q), scale, seq, static_cast<int>(dim));
   return LastError();
 }
 

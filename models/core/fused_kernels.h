@@ -69,6 +69,23 @@ int GatedAdd(const void* x, const void* gate, int64_t gate_batch_stride, const v
 //   scale[r] = max(|x_r|) / 448 (float32; 1 when the row is all zeros), q = e4m3(x_r / scale[r]).
 int QuantizeRowsFp8(const void* x, void* q, float* scale, int64_t rows, int64_t dim, void* stream);
 
+// The same quantisation of a row made of up to kMaxQuantParts parts side by side (the
+// concatenation along the last dimension that the next FP8 GEMM reads, never built): part p is a
+// [batch, seq, cols] tensor of strided rows (as Rows above), passed through gelu_tanh first (rounded
+// to bfloat16 exactly as GeluTanh) when `gelu`. q [batch · seq, Σ cols], scale [batch · seq]; the
+// row (Σ cols) at most kMaxQuantConcatDim values (it is staged in shared memory). Equal, bit for bit,
+// to QuantizeRowsFp8 of the concatenation of the parts (after GeluTanh of the flagged ones).
+constexpr int kMaxQuantParts = 4;
+constexpr int64_t kMaxQuantConcatDim = 24320;  // 47.5 KB of bfloat16: under the 48 KB a block gets without opting in.
+struct QuantPart {
+  const void* x;
+  Rows rows;
+  int64_t cols;
+  bool gelu;
+};
+int QuantizeConcatRowsFp8(const QuantPart* parts, int num_parts, void* q, float* scale, int64_t batch, int64_t seq,
+                          void* stream);
+
 }  // namespace stowage::fused_cuda
 
 #endif  // STOWAGE_MODELS_CORE_FUSED_KERNELS_H_

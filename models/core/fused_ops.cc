@@ -206,6 +206,67 @@ Fp8Input QuantizeInputFp8(const at::Tensor& x) {
   return {};
 }
 
+at::Tensor GeluConcat(const std::vector<at::Tensor>& parts, const std::vector<bool>& gelu) {
+  TORCH_CHECK(gelu.empty() || gelu.size() == parts.size(), "GeluConcat: ", gelu.size(), " GELU flags for ",
+              parts.size(), " parts");
+  std::vector<at::Tensor> values;
+  values.reserve(parts.size());
+  for (size_t i = 0; i < parts.size(); ++i) values.push_back(!gelu.empty() && gelu[i] ? GeluTanh(parts[i]) : parts[i]);
+  return values.size() == 1 ? values.front() : at::cat(values, -1);
+}
+
+Fp8Input QuantizeConcatInputFp8(const std::vector<at::Tensor>& parts, const std::vector<bool>& gelu) {
+#if defined(STOWAGE_WITH_CUDA) && defined(STOWAGE_HAS_FP8)
+  if (parts.empty() || parts.size() > static_cast<size_t>(fused_cuda::kMaxQuantParts) ||
+      (!gelu.empty() && gelu.size() != parts.size())) {
+    return {};
+  }
+  const at::Tensor& first = parts.front();
+  std::vector<fused_cuda::QuantPart> specs;
+  int64_t k = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor& p = parts[i];
+    if (!StridedRowsOk(p) || p.device() != first.device() || p.size(0) != first.size(0) || p.size(1) != first.size(1)) {
+      return {};
+    }
+    specs.push_back({p.data_ptr(), RowsOf(p), p.size(2), !gelu.empty() && gelu[i]});
+    k += p.size(2);
+  }
+  if (k % 16 != 0 || k > fused_cuda::kMaxQuantConcatDim) return {};
+  c10::cuda::CUDAGuard guard(first.device());
+  const int64_t m = first.size(0) * first.size(1);
+  Fp8Input input{at::empty({m, k}, first.options().dtype(at::kFloat8_e4m3fn)),
+                 at::empty({m, 1}, first.options().dtype(at::kFloat))};
+  Check(fused_cuda::QuantizeConcatRowsFp8(specs.data(), static_cast<int>(specs.size()), input.q.data_ptr(),
+                                          input.scale.data_ptr<float>(), first.size(0), first.size(1), Stream(first)),
+        "QuantizeConcatRowsFp8");
+  return input;
+#else
+  (void)parts, (void)gelu;
+  return {};
+#endif
+}
+
+at::Tensor Fp8LinearConcat(const std::vector<at::Tensor>& parts, const std::vector<bool>& gelu, const at::Tensor& q,
+                           const at::Tensor& scale, const at::Tensor& bias) {
+#if defined(STOWAGE_WITH_CUDA) && defined(STOWAGE_HAS_FP8)
+  const int64_t n = q.size(0);
+  if (!parts.empty() && parts.front().is_cuda() && q.is_cuda() && q.scalar_type() == at::kFloat8_e4m3fn &&
+      q.is_contiguous() && scale.scalar_type() == at::kFloat && n % 16 == 0 &&
+      (!bias.defined() || bias.scalar_type() == at::kBFloat16)) {
+    const Fp8Input quantized = QuantizeConcatInputFp8(parts, gelu);
+    if (quantized.q.defined() && quantized.q.size(1) == q.size(1)) {
+      c10::cuda::CUDAGuard guard(q.device());
+      const at::Tensor out = at::_scaled_mm(quantized.q, q.t(), quantized.scale, scale.view({1, n}),
+                                            bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
+                                            c10::nullopt, at::kBFloat16, /*use_fast_accum=*/true);
+      return out.view({parts.front().size(0), parts.front().size(1), n});
+    }
+  }
+#endif
+  return Fp8Linear(GeluConcat(parts, gelu), q, scale, bias);
+}
+
 at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias,
                      const Fp8Input* input) {
 #if defined(STOWAGE_WITH_CUDA) && defined(STOWAGE_HAS_FP8)

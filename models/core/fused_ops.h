@@ -98,6 +98,18 @@ Fp8Input QuantizeInputFp8(const at::Tensor& x);
 at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias,
                      const Fp8Input* input = nullptr);
 
+// Fp8Linear(x, q, scale, bias) for x = at::cat(parts, -1), the parts flagged in `gelu` (empty: none)
+// entering as gelu_tanh(part) — a layer that reads the concatenation of two outputs, or the GELU of
+// one, without that tensor ever being written: on the fused FP8 path one kernel quantises the parts
+// where they lie ([B, S, C] views of strided rows; the GELU applied as it reads), bit-identical to
+// quantising the built concatenation; elsewhere exactly Fp8Linear of the built concatenation.
+at::Tensor Fp8LinearConcat(const std::vector<at::Tensor>& parts, const std::vector<bool>& gelu, const at::Tensor& q,
+                           const at::Tensor& scale, const at::Tensor& bias);
+// That quantisation alone (undefined where the fused FP8 path does not take the parts).
+Fp8Input QuantizeConcatInputFp8(const std::vector<at::Tensor>& parts, const std::vector<bool>& gelu);
+// at::cat(parts, -1) with GeluTanh applied to the flagged parts: what the two above stand for.
+at::Tensor GeluConcat(const std::vector<at::Tensor>& parts, const std::vector<bool>& gelu);
+
 namespace reference {
 at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias);
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& scale);

@@ -194,18 +194,21 @@ absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root) {
   return converted;
 }
 
-at::Tensor Linear::ForwardConcat(const std::vector<at::Tensor>& parts) {
+at::Tensor Linear::ForwardConcat(const std::vector<at::Tensor>& parts, const std::vector<bool>& gelu) {
   ForwardScope scope(*this);
   const at::Tensor& w = tensor(weight_);
   const at::Tensor b = bias_ >= 0 ? tensor(bias_) : at::Tensor();
-  if (weight_scale_ >= 0 || LoraActive()) {
-    const at::Tensor x = at::cat(parts, -1);
+  TORCH_CHECK(gelu.empty() || gelu.size() == parts.size(), "Linear::ForwardConcat: ", gelu.size(), " GELU flags for ",
+              parts.size(), " parts");
+  if (weight_scale_ >= 0 && !LoraActive()) return fused::Fp8LinearConcat(parts, gelu, w, tensor(weight_scale_), b);
+  if (weight_scale_ >= 0 || LoraActive() || parts.empty() || !fused::Active(parts.front())) {
+    const at::Tensor x = fused::GeluConcat(parts, gelu);
     return WithLoras(x, weight_scale_ >= 0 ? fused::Fp8Linear(x, w, tensor(weight_scale_), b) : at::linear(x, w, b));
   }
-  if (parts.empty() || !fused::Active(parts.front())) return at::linear(at::cat(parts, -1), w, b);
   at::Tensor out;
   int64_t column = 0;
-  for (const at::Tensor& part : parts) {
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const at::Tensor part = !gelu.empty() && gelu[i] ? fused::GeluTanh(parts[i]) : parts[i];
     const int64_t k = part.size(-1);
     const at::Tensor x2d = part.reshape({-1, k});
     const at::Tensor wt = w.slice(1, column, column + k).t();  // [k, out], a strided view: no copy.

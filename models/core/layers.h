@@ -36,10 +36,12 @@ class Linear : public Module {
  public:
   Linear(int64_t in_features, int64_t out_features, bool bias, const LayerOptions& options);
   at::Tensor Forward(const at::Tensor& x);
-  // Forward(cat(parts, -1)) without building the concatenation when the fused kernels serve the
-  // parts (one GEMM per part over its slice of the weight's columns, accumulated in place);
-  // elsewhere exactly Forward(at::cat(parts, -1)).
-  at::Tensor ForwardConcat(const std::vector<at::Tensor>& parts);
+  // Forward(cat(parts, -1)) — with gelu_tanh applied first to the parts flagged in `gelu` (empty:
+  // none) — without building the concatenation when the fused kernels serve the parts: bf16, one
+  // GEMM per part over its slice of the weight's columns, accumulated in place (flagged parts through
+  // fused::GeluTanh); FP8, one kernel quantises the parts (GELU included) for one FP8 GEMM
+  // (fused::Fp8LinearConcat). Elsewhere exactly Forward(fused::GeluConcat(parts, gelu)).
+  at::Tensor ForwardConcat(const std::vector<at::Tensor>& parts, const std::vector<bool>& gelu = {});
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }
 

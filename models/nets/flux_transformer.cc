@@ -52,6 +52,13 @@ std::pair<Linear*, Linear*> GeluFeedForward(Module& parent, const std::string& n
   return {in, out};
 }
 
+// out(gelu_tanh(in(x))): with FP8 weights the GELU runs inside out's input quantisation (the
+// GELU's output is never written); otherwise in in's GEMM epilogue where the fused kernels run.
+at::Tensor GeluFeedForwardForward(Linear& in, Linear& out, const at::Tensor& x) {
+  if (out.is_fp8()) return out.ForwardConcat({in.Forward(x)}, {true});
+  return out.Forward(in.ForwardGelu(x));
+}
+
 // An AdaLayerNorm's projection: "<name>.linear" (its SiLU has no weights).
 Linear* AdaLinear(Module& parent, const std::string& name, int64_t dim, int64_t chunks, const LayerOptions& o) {
   return parent.AddChild(name, std::make_unique<Container>("AdaLayerNorm"))
@@ -235,10 +242,10 @@ std::pair<at::Tensor, at::Tensor> FluxTransformerBlock::Forward(const at::Tensor
                                                      fused::LayerNormModulate(context, 1 + c[1], c[0], kNormEps), rope);
     at::Tensor h = fused::GatedAdd(x, m[2], attn);
     const at::Tensor hm = fused::LayerNormModulate(h, 1 + m[4], m[3], kNormEps);
-    h = fused::GatedAdd(h, m[5], ff_out_->Forward(ff_in_->ForwardGelu(hm)));
+    h = fused::GatedAdd(h, m[5], GeluFeedForwardForward(*ff_in_, *ff_out_, hm));
     at::Tensor t = fused::GatedAdd(context, c[2], context_attn);
     const at::Tensor tm = fused::LayerNormModulate(t, 1 + c[4], c[3], kNormEps);
-    t = fused::GatedAdd(t, c[5], ff_context_out_->Forward(ff_context_in_->ForwardGelu(tm)));
+    t = fused::GatedAdd(t, c[5], GeluFeedForwardForward(*ff_context_in_, *ff_context_out_, tm));
     return {t, h};
   }
   const at::Tensor nx = PlainLayerNorm(x, dim) * (1 + m[1]) + m[0];
@@ -275,9 +282,9 @@ at::Tensor FluxSingleTransformerBlock::Forward(const at::Tensor& x, const at::Te
     std::vector<Linear*> layers = attn_->projections();
     layers.push_back(proj_mlp_);
     const std::vector<at::Tensor> p = Linear::ForwardShared(layers, n);
-    const at::Tensor mlp = fused::GeluTanh(p[3]);
     const at::Tensor attn = attn_->ForwardProjected(p[0], p[1], p[2], rope);
-    return fused::GatedAdd(x, m[2], proj_out_->ForwardConcat({attn, mlp}));
+    // proj_out reads [attn, gelu(mlp)]: neither the GELU nor the concatenation is written out.
+    return fused::GatedAdd(x, m[2], proj_out_->ForwardConcat({attn, p[3]}, {false, true}));
   }
   const at::Tensor n = PlainLayerNorm(x, x.size(2)) * (1 + m[1]) + m[0];
   const at::Tensor mlp = at::gelu(proj_mlp_->Forward(n), "tanh");

@@ -88,6 +88,19 @@ TEST(FusedOpsReferenceTest, ForwardConcatOffCudaIsLinearOfTheConcatenation) {
   EXPECT_TRUE(at::equal(linear.ForwardConcat({a, b}), linear.Forward(at::cat({a, b}, -1))));
 }
 
+TEST(FusedOpsReferenceTest, ForwardConcatAppliesGeluToTheFlaggedParts) {
+  c10::InferenceMode mode;
+  Linear linear(10, 6, true, LayerOptions{at::kFloat});
+  linear.ForEachSlot([](Module&, TensorSlot& slot) { slot.value.normal_(); });
+  const at::Tensor a = at::randn({2, 3, 4}), b = at::randn({2, 3, 6});
+  EXPECT_TRUE(at::equal(linear.ForwardConcat({a, b}, {false, true}),
+                        linear.Forward(at::cat({a, at::gelu(b, "tanh")}, -1))));
+  EXPECT_TRUE(at::equal(linear.ForwardConcat({at::cat({a, b}, -1)}, {true}),
+                        linear.Forward(at::gelu(at::cat({a, b}, -1), "tanh"))));
+  EXPECT_TRUE(at::equal(fused::GeluConcat({a, b}, {true, false}), at::cat({at::gelu(a, "tanh"), b}, -1)));
+  EXPECT_THROW(linear.ForwardConcat({a, b}, {true}), c10::Error);  // One flag per part.
+}
+
 TEST(FusedOpsReferenceTest, Fp8NeedsAFloat8BuildAndACapableDevice) {
 #ifdef STOWAGE_HAS_FP8
   EXPECT_EQ(fused::Fp8Supported(c10::Device(c10::kCPU)).code(), absl::StatusCode::kFailedPrecondition);
@@ -251,6 +264,54 @@ TEST_F(FusedKernelTest, Fp8LinearMatchesItsReference) {
   const std::vector<at::Tensor> shared = Linear::ForwardShared({&a, &b}, x);
   EXPECT_TRUE(at::equal(shared[0], a.Forward(x)));
   EXPECT_TRUE(at::equal(shared[1], b.Forward(x)));
+#else
+  GTEST_SKIP() << "no float8 in this LibTorch";
+#endif
+}
+
+// The FP8 input of a concatenation (GELU of some parts) quantised where the parts lie equals, bit
+// for bit, the quantisation of the built tensor: Flux's single blocks ([attn, gelu(mlp)], the MLP
+// part a strided slice of a wider GEMM output) and the feed-forward's GELU.
+TEST_F(FusedKernelTest, Fp8ConcatQuantisationEqualsQuantisingTheConcatenation) {
+#ifdef STOWAGE_HAS_FP8
+  ASSERT_TRUE(fused::Fp8Supported(c10::Device(at::kCUDA, 0)).ok());
+  c10::InferenceMode mode;
+  auto bytes = [](const at::Tensor& q) { return q.view(at::kByte); };
+  for (const int64_t batch : {1, 2}) {
+    const at::Tensor wide = Rand({batch, 300, 5 * 256}, 0.0, 2.0);
+    const at::Tensor attn = Rand({batch, 300, 256}), mlp = wide.narrow(2, 256, 4 * 256);  // Rows 1280 apart.
+    const at::Tensor zeros = at::zeros({batch, 300, 32}, attn.options());  // Rows of zeros: scale 1.
+    for (const auto& [parts, gelu] : std::vector<std::pair<std::vector<at::Tensor>, std::vector<bool>>>{
+             {{attn, mlp}, {false, true}}, {{mlp}, {true}}, {{attn, mlp, attn}, {}}, {{zeros, zeros}, {true, false}}}) {
+      const fused::Fp8Input got = fused::QuantizeConcatInputFp8(parts, gelu);
+      ASSERT_TRUE(got.q.defined()) << parts.size() << " parts";
+      const fused::Fp8Input want = fused::QuantizeInputFp8(fused::GeluConcat(parts, gelu));
+      EXPECT_TRUE(at::equal(bytes(got.q), bytes(want.q))) << parts.size() << " parts, batch " << batch;
+      EXPECT_TRUE(at::equal(got.scale, want.scale)) << parts.size() << " parts, batch " << batch;
+    }
+    const int64_t k = 256 + 4 * 256, n = 384;
+    const fused::Fp8Weight w = fused::QuantizeWeightFp8(Rand({n, k}, 0.0, 0.03));
+    const at::Tensor bias = Rand({n}, 0.0, 0.1);
+    EXPECT_TRUE(at::equal(fused::Fp8LinearConcat({attn, mlp}, {false, true}, w.q, w.scale, bias),
+                          fused::Fp8Linear(fused::GeluConcat({attn, mlp}, {false, true}), w.q, w.scale, bias)));
+  }
+  // What the kernel does not take falls back to the built concatenation: five parts, a row past the
+  // shared-memory limit, a part whose rows are not 16-byte aligned.
+  const at::Tensor p = Rand({1, 9, 64});
+  EXPECT_FALSE(fused::QuantizeConcatInputFp8({p, p, p, p, p}, {}).q.defined());
+  const at::Tensor big = Rand({1, 3, 24576});
+  EXPECT_FALSE(fused::QuantizeConcatInputFp8({big}, {}).q.defined());
+  const fused::Fp8Weight wide_w = fused::QuantizeWeightFp8(Rand({32, 24576}, 0.0, 0.01));
+  EXPECT_TRUE(at::equal(fused::Fp8LinearConcat({big}, {true}, wide_w.q, wide_w.scale, at::Tensor()),
+                        fused::Fp8Linear(fused::GeluTanh(big), wide_w.q, wide_w.scale, at::Tensor())));
+  const at::Tensor odd = Rand({1, 9, 72}).narrow(2, 4, 64);
+  EXPECT_FALSE(fused::QuantizeConcatInputFp8({odd}, {}).q.defined());
+  // A Linear in FP8 takes the fused path through ForwardConcat.
+  Linear l(64 + 128, 96, true, LayerOptions{at::kBFloat16});
+  l.ForEachSlot([](Module&, TensorSlot& slot) { slot.value = (at::randn_like(slot.value, at::kFloat) * 0.05).to(at::kBFloat16).to(at::kCUDA); });
+  ASSERT_TRUE(l.ConvertToFp8().ok());
+  const at::Tensor u = Rand({2, 17, 64}), v = Rand({2, 17, 3 * 128}).narrow(2, 128, 128);
+  EXPECT_TRUE(at::equal(l.ForwardConcat({u, v}, {false, true}), l.Forward(at::cat({u, fused::GeluTanh(v)}, -1))));
 #else
   GTEST_SKIP() << "no float8 in this LibTorch";
 #endif

@@ -231,12 +231,12 @@ FluxTransformerBlock::FluxTransformerBlock(int64_t dim, int64_t heads, int64_t h
 }
 
 std::pair<at::Tensor, at::Tensor> FluxTransformerBlock::Forward(const at::Tensor& x, const at::Tensor& context,
-                                                                const at::Tensor& temb, const FluxRope& rope) {
+                                                                const at::Tensor& silu_temb, const FluxRope& rope) {
   ForwardScope scope(*this);
   const int64_t dim = x.size(2);
   // AdaLayerNormZero: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
-  const std::vector<at::Tensor> m = norm1_->Forward(at::silu(temb)).unsqueeze(1).chunk(6, 2);
-  const std::vector<at::Tensor> c = norm1_context_->Forward(at::silu(temb)).unsqueeze(1).chunk(6, 2);
+  const std::vector<at::Tensor> m = norm1_->Forward(silu_temb).unsqueeze(1).chunk(6, 2);
+  const std::vector<at::Tensor> c = norm1_context_->Forward(silu_temb).unsqueeze(1).chunk(6, 2);
   if (rope.pair_cos.defined()) {  // Norm + modulation in one kernel; gated residuals in one.
     const auto [attn, context_attn] = attn_->Forward(fused::LayerNormModulate(x, 1 + m[1], m[0], kNormEps),
                                                      fused::LayerNormModulate(context, 1 + c[1], c[0], kNormEps), rope);
@@ -272,10 +272,10 @@ FluxSingleTransformerBlock::FluxSingleTransformerBlock(int64_t dim, int64_t head
   Linear::DeclareAdjacent(*this, shared);
 }
 
-at::Tensor FluxSingleTransformerBlock::Forward(const at::Tensor& x, const at::Tensor& temb, const FluxRope& rope) {
+at::Tensor FluxSingleTransformerBlock::Forward(const at::Tensor& x, const at::Tensor& silu_temb, const FluxRope& rope) {
   ForwardScope scope(*this);
   // AdaLayerNormZeroSingle: shift_msa, scale_msa, gate_msa.
-  const std::vector<at::Tensor> m = norm_->Forward(at::silu(temb)).unsqueeze(1).chunk(3, 2);
+  const std::vector<at::Tensor> m = norm_->Forward(silu_temb).unsqueeze(1).chunk(3, 2);
   if (rope.pair_cos.defined()) {
     // Q, K, V and the MLP input in one GEMM when their weights are adjacent.
     const at::Tensor n = fused::LayerNormModulate(x, 1 + m[1], m[0], kNormEps);
@@ -363,13 +363,14 @@ at::Tensor FluxTransformer::Forward(const at::Tensor& hidden, const at::Tensor& 
   }
   // The rest of the forward reads nothing but these and the weights.
   auto rest = [&](at::Tensor xi, at::Tensor ci, const at::Tensor& te, const FluxRope& r) {
-    for (FluxTransformerBlock* block : *blocks_) std::tie(ci, xi) = block->Forward(xi, ci, te, r);
+    const at::Tensor silu_te = at::silu(te);  // Every block's AdaLayerNorm reads it.
+    for (FluxTransformerBlock* block : *blocks_) std::tie(ci, xi) = block->Forward(xi, ci, silu_te, r);
     const int64_t text_len = ci.size(1);
     at::Tensor u = at::cat({ci, xi}, 1);
-    for (FluxSingleTransformerBlock* block : *single_blocks_) u = block->Forward(u, te, r);
+    for (FluxSingleTransformerBlock* block : *single_blocks_) u = block->Forward(u, silu_te, r);
     xi = u.slice(1, text_len);
     // AdaLayerNormContinuous: scale first, then shift.
-    const std::vector<at::Tensor> ss = norm_out_->Forward(at::silu(te).to(dtype)).unsqueeze(1).chunk(2, 2);
+    const std::vector<at::Tensor> ss = norm_out_->Forward(silu_te.to(dtype)).unsqueeze(1).chunk(2, 2);
     xi = PlainLayerNorm(xi, xi.size(2)) * (1 + ss[0]) + ss[1];
     return proj_out_->Forward(xi);
   };

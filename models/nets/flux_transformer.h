@@ -93,9 +93,9 @@ class FluxAttention : public Module {
 class FluxTransformerBlock : public Module {
  public:
   FluxTransformerBlock(int64_t dim, int64_t heads, int64_t head_dim, const LayerOptions& options);
-  // Returns (text, image).
-  std::pair<at::Tensor, at::Tensor> Forward(const at::Tensor& x, const at::Tensor& context, const at::Tensor& temb,
-                                            const FluxRope& rope);
+  // Returns (text, image). silu_temb: silu(temb), computed once per forward for every block.
+  std::pair<at::Tensor, at::Tensor> Forward(const at::Tensor& x, const at::Tensor& context,
+                                            const at::Tensor& silu_temb, const FluxRope& rope);
 
  private:
   Linear* norm1_;
@@ -110,8 +110,8 @@ class FluxTransformerBlock : public Module {
 class FluxSingleTransformerBlock : public Module {
  public:
   FluxSingleTransformerBlock(int64_t dim, int64_t heads, int64_t head_dim, const LayerOptions& options);
-  // x: [text; image] [B, S_txt + S_img, dim].
-  at::Tensor Forward(const at::Tensor& x, const at::Tensor& temb, const FluxRope& rope);
+  // x: [text; image] [B, S_txt + S_img, dim]; silu_temb: silu(temb).
+  at::Tensor Forward(const at::Tensor& x, const at::Tensor& silu_temb, const FluxRope& rope);
 
  private:
   Linear* norm_;

@@ -219,12 +219,29 @@ void HostWeights::Unpin() {
 
 absl::Status HostWeights::OnloadAll(DeviceBackend& backend) {
   // Adjacent groups first: one allocation each, the members' copies side by side in group order.
+  // The copies run on the copy stream; once a group's copies are done its mapped host pages leave
+  // this process's RSS (ReleaseMappedPages), one group behind the copies being enqueued, so a
+  // component read from a safetensors mapping holds about two groups of its pages at a time rather
+  // than all of its adjacent weights (most of a transformer: Q/K/V, the MLP's input projections).
   std::vector<bool> done(entries_.size(), false);
+  const std::vector<size_t>* in_flight = nullptr;  // The group whose copies the event follows.
+  std::unique_ptr<DeviceEvent> in_flight_copied;
+  auto release_in_flight = [&] {
+    if (in_flight == nullptr) return;
+    in_flight_copied->Wait();
+    if (pinned_by_ == nullptr) {
+      for (size_t m : *in_flight) {
+        (void)ReleaseMappedPages(entries_[m].host.data_ptr(), static_cast<int64_t>(entries_[m].host.nbytes()));
+      }
+    }
+    in_flight = nullptr;
+  };
   for (const std::vector<size_t>& group : adjacent_) {
     int64_t total = 0;
     for (size_t m : group) total += static_cast<int64_t>(entries_[m].host.nbytes());
     absl::StatusOr<at::Tensor> packed = backend.AllocateBytes(total);
     if (!packed.ok()) {
+      if (in_flight != nullptr) in_flight_copied->Wait();  // No copy may still write what is freed.
       for (size_t j = 0; j < entries_.size(); ++j) entries_[j].slot->value = at::Tensor();
       return packed.status();
     }
@@ -238,20 +255,15 @@ absl::Status HostWeights::OnloadAll(DeviceBackend& backend) {
       done[m] = true;
       offset += bytes;
     }
-  }
-  if (!adjacent_.empty()) {
-    // The copies ran on the copy stream: the compute stream (and the host pages released below)
-    // wait for them.
     std::unique_ptr<DeviceEvent> copied = backend.RecordOnCopyStream();
-    copied->Wait();
+    release_in_flight();
+    in_flight = &group;
+    in_flight_copied = std::move(copied);
   }
+  // The last group's copies: the compute stream (and the pages released) wait for them.
+  release_in_flight();
   for (size_t i = 0; i < entries_.size(); ++i) {
-    if (done[i]) {
-      if (pinned_by_ == nullptr) {
-        (void)ReleaseMappedPages(entries_[i].host.data_ptr(), static_cast<int64_t>(entries_[i].host.nbytes()));
-      }
-      continue;
-    }
+    if (done[i]) continue;
     absl::StatusOr<at::Tensor> device = backend.CopyToDevice(entries_[i].host);
     if (!device.ok()) {
       for (size_t j = 0; j < entries_.size(); ++j) entries_[j].slot->value = at::Tensor();

@@ -245,6 +245,39 @@ TEST(HostWeightsAdjacencyTest, OnloadPlacesAGroupSideBySideInItsOrder) {
   EXPECT_EQ(backend->GetMemoryStats().allocated_bytes, 0);
 }
 
+// Onloading a component whose host copies are views of a safetensors mapping drops each adjacent
+// group's mapped pages from RSS once that group's copies are done: the peak holds the device copies
+// (host memory here: the simulated device) plus about two groups' pages, not every group's.
+TEST(HostWeightsAdjacencyTest, OnloadFromAMappingDropsEachGroupsPagesAsItGoes) {
+  constexpr int64_t kTensorBytes = 16 << 20;
+  constexpr int kGroups = 8;  // Of two tensors each: 256 MiB in all.
+  const std::string path = std::string(::testing::TempDir()) + "/adjacent_groups.safetensors";
+  {
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (int i = 0; i < 2 * kGroups; ++i) tensors.emplace_back("w" + std::to_string(i), at::rand({kTensorBytes / 4}));
+    ASSERT_TRUE(WriteSafetensors(path, tensors).ok());
+  }
+  auto file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  std::vector<at::Tensor> mapped;
+  for (int i = 0; i < 2 * kGroups; ++i) mapped.push_back(*(*file)->Get("w" + std::to_string(i)));
+  TensorsModule model(mapped);
+  for (int g = 0; g < kGroups; ++g) model.AddAdjacentGroup({{&model, 2 * g}, {&model, 2 * g + 1}});
+  auto backend = CreateSimulatedBackend({});
+  auto weights = HostWeights::Capture(model);
+  ASSERT_TRUE(weights.ok()) << weights.status();
+  if (!ResetPeakRss().ok()) GTEST_SKIP() << "/proc/self/clear_refs is not writable here";
+  const int64_t before = ReadProcessMemory()->rss_bytes;
+  ASSERT_TRUE((*weights)->OnloadAll(*backend).ok());
+  const ProcessMemory after = *ReadProcessMemory();
+  const int64_t total = 2 * kGroups * kTensorBytes, group = 2 * kTensorBytes;
+  EXPECT_LT(after.peak_rss_bytes - before, total + 3 * group)
+      << "peak RSS grew by " << (after.peak_rss_bytes - before) / (1 << 20) << " MiB: more than the device copies ("
+      << total / (1 << 20) << " MiB) and about two groups of mapped pages";
+  for (int i = 0; i < 2 * kGroups; ++i) EXPECT_TRUE(at::equal(model.slots()[i].value, mapped[i])) << i;
+  (*weights)->OffloadAll();
+}
+
 // A tensor in two groups, or a group naming a tensor twice: the later group is ignored (the layout
 // stays a hint), and onloading still works.
 TEST(HostWeightsAdjacencyTest, OverlappingGroupsKeepTheFirst) {

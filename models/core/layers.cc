@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "models/core/fused_ops.h"
+#include "offload/safetensors.h"
 
 namespace stowage {
 
@@ -171,7 +172,10 @@ absl::Status Linear::ConvertToFp8() {
   if (!slots()[static_cast<size_t>(weight_)].value.defined()) {
     return absl::FailedPreconditionError(path() + ": cannot convert an offloaded weight to FP8");
   }
-  fused::Fp8Weight q = fused::QuantizeWeightFp8(tensor(weight_));
+  const at::Tensor source = tensor(weight_);
+  fused::Fp8Weight q = fused::QuantizeWeightFp8(source);
+  // A view of a safetensors mapping: its pages leave this process's RSS (the FP8 copy replaces it).
+  if (source.device().is_cpu()) (void)ReleaseMappedPages(source.data_ptr(), static_cast<int64_t>(source.nbytes()));
   slots()[static_cast<size_t>(weight_)].value = std::move(q.q);
   weight_scale_ = AddBuffer("weight_scale", std::move(q.scale));
   return absl::OkStatus();

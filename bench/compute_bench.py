@@ -24,7 +24,8 @@ What one `run` does, in order:
      them on; offload_bench's peak_device_bytes are allocated bytes, which leave out a graph pool's free blocks).
   6. Streamed modes (the transformer group-offloaded block by block, every block's weights copied each step):
      bf16_streamed, fp8_streamed (the FP8 weights themselves), int8_streamed / int8g_streamed / int4_streamed
-     (a compressed host copy widened to bf16 on the device). Their rows carry floor_s (the bytes streamed per
+     (a compressed host copy widened to bf16 on the device), fp8_int4_streamed (FP8 compute, the FP8 weights'
+     int4 copy widened back into e4m3 on the device). Their rows carry floor_s (the bytes streamed per
      step over the bandwidth measured in the same process), peak and base host RSS and prepare_s; after the
      modes, one {"bench": "compressed"} row per streamed mode sets it beside the resident steps of this run
      (resident_bf16_step_s, resident_fast_step_s: the fastest resident mode).
@@ -210,7 +211,10 @@ def run(args):
         streamed = mode.endswith("_streamed")
         # int8_streamed / int8g_streamed / int4_streamed: streamed from a compressed host copy (per-channel
         # int8, group-wise int8, group-wise int4), widened to bf16 on the device into the slot, bf16 compute.
-        compress = {"int8": "block_int8", "int8g": "block_int8grouped", "int4": "block_int4"}.get(mode.split("_")[0])
+        # fp8_int4_streamed: FP8 compute, its FP8 weights streamed as an int4 copy widened back into e4m3.
+        parts = mode.split("_")
+        compress = {"int8": "block_int8", "int8g": "block_int8grouped", "int4": "block_int4"}.get(
+            parts[1] if parts[0] == "fp8" and len(parts) == 3 else parts[0])
         # *_graphs: the same forward with CUDA graphs on (STOWAGE_CUDA_GRAPHS=1; the server's default is off).
         graphs = mode.endswith("_graphs")
         fp8 = mode.startswith("fp8")
@@ -273,6 +277,8 @@ def compressed_rows(args, model_name, rows):
         compress = r.get("compress", "none")
         name = {"int8": "block_int8", "int8_grouped": "block_int8grouped", "int4": "block_int4"}.get(
             compress, "block_fp8_compute" if r["mode"] == "fp8" else "block_bf16")
+        if r["mode"] == "fp8" and compress == "int4":
+            name = "block_int4_fp8_compute"
         out = {"bench": "compressed", "system": "stowage", "model": model_name, "row": name,
                "compute": r["mode"], "step_s": r["step_s"], "resident_bf16_step_s": bf16[0] if bf16 else None,
                "resident_fast_step_s": fast["step_s"], "resident_fast_mode": fast["mode"],

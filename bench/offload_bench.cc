@@ -323,9 +323,11 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
   if (absl::GetFlag(FLAGS_compute) == "fp8" && row != "resident") {
     // Streamed FP8 compute: the blocks' linear layers become FP8 on the host before their host
     // copies are taken, as the server does at load (PipelineConfig.compute), so the FP8 weights and
-    // scales stream as they are (half the bf16 bytes) and go into the FP8 GEMMs without widening.
-    if (row.rfind("block_int", 0) == 0 || row.rfind("block_fp8", 0) == 0) {
-      return absl::InvalidArgumentError(row + ": --compute=fp8 streams the FP8 weights themselves; use block_pinned");
+    // scales stream as they are (half the bf16 bytes) and go into the FP8 GEMMs without widening —
+    // or, block_int4, as an int4 copy of the FP8 weights widened back into e4m3 on the device.
+    if ((row.rfind("block_int", 0) == 0 && row.rfind("block_int4", 0) != 0) || row.rfind("block_fp8", 0) == 0) {
+      return absl::InvalidArgumentError(
+          row + ": --compute=fp8 streams the FP8 weights themselves (block_pinned) or their int4 copy (block_int4)");
     }
     RETURN_IF_ERROR(fused::Fp8Supported(backend.torch_device()));
     const auto start = std::chrono::steady_clock::now();

@@ -8,6 +8,7 @@
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
+#include <torch/version.h>
 
 #include "absl/strings/str_cat.h"
 
@@ -21,6 +22,16 @@
 
 namespace stowage {
 namespace {
+
+// float8 e4m3fn, the FP8 compute dtype; LibTorch builds before 2.1 (CI's Debian 1.13) have none.
+bool IsFloat8(at::ScalarType dtype) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  return dtype == at::kFloat8_e4m3fn;
+#else
+  (void)dtype;
+  return false;
+#endif
+}
 
 // Round half to even of a non-negative float (exact: callers scale by powers of two first).
 float RoundEven(float x) { return std::nearbyint(x); }  // Default rounding mode: to nearest even.
@@ -121,7 +132,9 @@ int64_t InnerSize(at::IntArrayRef sizes) {
 
 bool IsCompressible(CompressFormat format, at::ScalarType dtype, at::IntArrayRef sizes) {
   if (format == CompressFormat::kNone || sizes.size() < 2) return false;
-  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf) return false;
+  // An FP8 weight (FP8 compute) is already 8-bit: only int4 makes its host copy smaller.
+  if (IsFloat8(dtype) && format != CompressFormat::kInt4) return false;
+  if (dtype != at::kFloat && dtype != at::kBFloat16 && dtype != at::kHalf && !IsFloat8(dtype)) return false;
   for (int64_t d : sizes) {
     if (d == 0) return false;
   }
@@ -290,8 +303,10 @@ void WidenInto(const at::Tensor& out, const at::Tensor& q, const at::Tensor& sca
                                                                        : widen_cuda::Codes::kInt8;
     const widen_cuda::OutType out_type = out.scalar_type() == at::kBFloat16 ? widen_cuda::OutType::kBFloat16
                                          : out.scalar_type() == at::kHalf   ? widen_cuda::OutType::kHalf
+                                         : IsFloat8(out.scalar_type())      ? widen_cuda::OutType::kFp8E4M3
                                                                             : widen_cuda::OutType::kFloat;
-    TORCH_CHECK(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf || out.scalar_type() == at::kFloat,
+    TORCH_CHECK(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf ||
+                    out.scalar_type() == at::kFloat || IsFloat8(out.scalar_type()),
                 "WidenInto: unsupported compute dtype ", out.scalar_type());
     const int64_t group = grouped ? k / (scale.numel() / channels) : k;
     const int err = widen_cuda::Widen(codes, q.data_ptr(), scale.data_ptr(), scale.scalar_type() == at::kBFloat16,
@@ -301,6 +316,8 @@ void WidenInto(const at::Tensor& out, const at::Tensor& q, const at::Tensor& sca
     return;
   }
 #endif
+  // FP8 compute runs on CUDA only (fused::Fp8Supported), so FP8 weights are widened there only.
+  TORCH_CHECK(!IsFloat8(out.scalar_type()), "WidenInto: widening into float8 runs on CUDA only");
   if (format == CompressFormat::kInt8Grouped || format == CompressFormat::kInt4) {
     const int64_t groups = scale.numel() / channels;
     if (format == CompressFormat::kInt8Grouped) {

@@ -20,6 +20,10 @@
 // Scales are fp32 ([C] or [C, K / G]), bf16 for kInt4. A channel (group) of zeros gets scale 1 (q = 0). Only
 // floating tensors (fp32, bf16, fp16) of rank >= 2 with elements are compressed (and for kInt4
 // an even K); the rest (biases, norms, scalars) stay in their compute dtype: they are tiny.
+// float8 e4m3fn weights (FP8 compute, LibTorch 2.1 or later) are compressed by kInt4 only — their
+// values in float32 quantized as any other weight's — and widened on CUDA back into e4m3 bytes,
+// which the FP8 GEMM reads with the layer's own per-channel scale: 5 bits a value on the link
+// instead of 8, and no widening to bf16. Elsewhere widening into float8 is refused.
 //
 // Widening is dequantization into the compute dtype. On CUDA it is one kernel pass
 // (widen_kernels.h: 8 values a thread, 16-byte stores). Elsewhere (the simulator, CPU) it is done

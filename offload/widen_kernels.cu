@@ -11,6 +11,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 namespace stowage::widen_cuda {
@@ -56,6 +57,8 @@ __device__ __forceinline__ Out Round(float v) {
     return __float2bfloat16_rn(v);
   } else if constexpr (std::is_same_v<Out, __half>) {
     return __float2half_rn(v);
+  } else if constexpr (std::is_same_v<Out, uint8_t>) {  // e4m3fn bits.
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
   } else {
     return v;
   }
@@ -103,6 +106,14 @@ __global__ void WidenVector(const uint8_t* q, const void* scale, Out* out, int64
       float4* dst = reinterpret_cast<float4*>(out + e0);
       dst[0] = make_float4(v[0] * s, v[1] * s, v[2] * s, v[3] * s);
       dst[1] = make_float4(v[4] * s, v[5] * s, v[6] * s, v[7] * s);
+    } else if constexpr (std::is_same_v<Out, uint8_t>) {  // Eight e4m3 bytes: one 8-byte store.
+      uint32_t lo = 0, hi = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        lo |= static_cast<uint32_t>(Round<Out>(v[j] * s)) << (8 * j);
+        hi |= static_cast<uint32_t>(Round<Out>(v[j + 4] * s)) << (8 * j);
+      }
+      *reinterpret_cast<uint2*>(out + e0) = make_uint2(lo, hi);
     } else {
       Pack8<Out> result;
 #pragma unroll
@@ -138,6 +149,8 @@ int ForOut(const void* q, const void* scale, void* out, OutType out_type, int64_
       return Launch<C, __nv_bfloat16, kBf16>(q, scale, out, total, group, stream);
     case OutType::kHalf:
       return Launch<C, __half, kBf16>(q, scale, out, total, group, stream);
+    case OutType::kFp8E4M3:
+      return Launch<C, uint8_t, kBf16>(q, scale, out, total, group, stream);
     case OutType::kFloat:
       break;
   }

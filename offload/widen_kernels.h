@@ -17,7 +17,9 @@
 namespace stowage::widen_cuda {
 
 enum class Codes { kInt8 = 0, kFp8E4M3 = 1, kInt4 = 2 };
-enum class OutType { kFloat = 0, kBFloat16 = 1, kHalf = 2 };
+// kFp8E4M3: e4m3fn bytes (round to nearest even, saturating at ±448: a weight that computes in FP8,
+// e.g. its int4 host copy widened straight into the FP8 GEMM's operand).
+enum class OutType { kFloat = 0, kBFloat16 = 1, kHalf = 2, kFp8E4M3 = 3 };
 
 // `group_size` divides `k` (per-channel formats pass k); `scale_bf16` says the scales are bf16
 // (else fp32). Returns the launch's cudaError_t as an int (0 = success).

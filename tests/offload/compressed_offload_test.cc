@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
+#include <torch/version.h>
 
 #include "offload/compressed_safetensors.h"
 #include "offload/compression.h"
@@ -254,6 +255,38 @@ INSTANTIATE_TEST_SUITE_P(Formats, FormatTest,
                          ::testing::Values(CompressFormat::kInt8, CompressFormat::kFp8E4M3,
                                            CompressFormat::kInt8Grouped, CompressFormat::kInt4),
                          FormatLabel);
+
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+// FP8 compute weights: int4 is their one compression (the others are no smaller than e4m3); on
+// CUDA their int4 copy widens back into e4m3 bytes equal to the host reference (the float32 product
+// rounded once to e4m3), through the vector and the scalar kernel paths; elsewhere widening into
+// float8 is refused (FP8 compute runs on CUDA only).
+TEST(Int4OfFp8Test, WidensBackIntoFloat8BytesOnCudaOnly) {
+  at::manual_seed(23);
+  const std::vector<int64_t> sizes = {64, 256};
+  const at::Tensor w = (at::randn(sizes) * 60).to(at::kFloat8_e4m3fn);
+  EXPECT_TRUE(IsCompressible(CompressFormat::kInt4, w.scalar_type(), w.sizes()));
+  for (CompressFormat f : {CompressFormat::kInt8, CompressFormat::kFp8E4M3, CompressFormat::kInt8Grouped}) {
+    EXPECT_FALSE(IsCompressible(f, w.scalar_type(), w.sizes())) << CompressFormatName(f);
+  }
+  const QuantizedTensor q = Quantize(w, CompressFormat::kInt4);
+  const at::Tensor want = Dequantize(q, CompressFormat::kInt4, at::kFloat8_e4m3fn, w.sizes());
+  ASSERT_EQ(want.scalar_type(), at::kFloat8_e4m3fn);
+  EXPECT_LT(RelL2(want.to(at::kFloat), w.to(at::kFloat)), 0.15);
+  at::Tensor on_host = at::empty(sizes, at::TensorOptions().dtype(at::kFloat8_e4m3fn));
+  WidenScratch host_scratch;
+  host_scratch.nibbles = at::empty({w.numel() / 2}, at::TensorOptions().dtype(at::kByte));
+  EXPECT_THROW(WidenInto(on_host, q.q, q.scale, CompressFormat::kInt4, host_scratch), c10::Error);
+  if (!at::hasCUDA()) GTEST_SKIP() << "widening into float8 needs a GPU";
+  const at::Device cuda(at::kCUDA, 0);
+  const at::Tensor buffer = at::full({w.numel() + 1}, 0x55, at::TensorOptions().dtype(at::kByte).device(cuda));
+  for (const int64_t offset : {0, 1}) {  // Aligned: 8-byte stores; one byte off: the scalar path.
+    const at::Tensor out = buffer.narrow(0, offset, w.numel()).view(at::kFloat8_e4m3fn).view(sizes);
+    WidenInto(out, q.q.to(cuda), q.scale.to(cuda), CompressFormat::kInt4, WidenScratch{});
+    EXPECT_TRUE(at::equal(out.cpu().view(at::kByte), want.view(at::kByte))) << "offset " << offset;
+  }
+}
+#endif
 
 TEST(CompressFormatTest, NamesRoundTrip) {
   for (CompressFormat f : {CompressFormat::kNone, CompressFormat::kInt8, CompressFormat::kFp8E4M3,

@@ -7,7 +7,8 @@ unbudgeted server that keeps everything resident.
         --out ROWS.jsonl --logs LOG_DIR [--budget_gib 24] [--size 1024] [--requests 200] [--rate 0.5]
         [--zipf 1.1] [--trace_seed 1] [--steps zimage=8,zimage-ft=8,flux-schnell=4,flux-dev=28]
         [--strategies resident,fifo,scheduler] [--reorder_ms 4000] [--flood_requests 30]
-        [--flux_compress none|int8|int4] [--flux_keep_gib 4] [--device cuda|sim] [--dtype bfloat16]
+        [--flux_compress none|int8|int4] [--flux_keep_gib 4] [--keep_resident zimage/text_encoder]
+        [--device cuda|sim] [--dtype bfloat16]
         [--resident_from ROWS.jsonl] [--machine M] [--commit C]
 
 The four pipelines (random weights drawn from the folders' configs: bench/make_zimage_random_dir.py,
@@ -29,7 +30,8 @@ Strategies (one server each, started one after the other):
              pipeline's latency when nothing ever moves (resident_p50_s of every row).
   fifo       the budget; the big text encoders (Qwen3, T5) streamed block by block, the Flux
              transformers group-offloaded (--flux_keep_gib resident, the rest streamed, --flux_compress),
-             everything else moved whole by the footprint strategy; requests run in arrival order
+             everything else moved whole by the footprint strategy (never the --keep_resident
+             components: a kept text encoder stays whole on the device); requests run in arrival order
              (within priority and tenant fairness): SchedulerConfig.max_reorder_delay_ms 0.
   scheduler  the same placement; max_reorder_delay_ms --reorder_ms: a request whose pipeline is on
              the device may pass older ones that would move weights, each passed over for at most
@@ -217,11 +219,24 @@ def keep_all():
     return f"strategy {{ workflow {{ {rules}}} }}"
 
 
+def keep_list():
+    return [c for c in ARGS.keep_resident.split(",") if c]
+
+
+def budgeted_strategy():
+    """The budgeted servers' start-up strategy: footprint, never evicting the --keep_resident ones."""
+    keep = "".join(f' keep_resident: "{c}"' for c in keep_list())
+    return f"strategy {{ footprint {{ reserve_bytes: 0{keep} }} }}"
+
+
 def place_budgeted(server):
     """The budgeted placement, through the admin API as an operator would set it. Components shared
-    by content are registered under the first pipeline that loaded them (zimage/, flux-schnell/)."""
+    by content are registered under the first pipeline that loaded them (zimage/, flux-schnell/).
+    A --keep_resident text encoder is not streamed: it stays whole on the device."""
     compress = {"none": "", "int8": " compress: COMPRESS_INT8_GROUPED", "int4": " compress: COMPRESS_INT4"}
     for component in ("zimage/text_encoder", "flux-schnell/text_encoder_2"):
+        if component in keep_list():
+            continue
         stowctl(server, "enable-group-offload", f"--component={component}", f"--options={BLOCK}")
     for component in ("flux-schnell/transformer", "flux-dev/transformer"):
         stowctl(server, "enable-group-offload", f"--component={component}",
@@ -253,7 +268,8 @@ def rows_for(strategy, results, start, end, budget, smi_peak, resident):
                "peak_device_bytes": peak, "peak_nvidia_smi_bytes": smi_peak, "budget_bytes": budget,
                "ok": len(good) == len(mine) and within,
                "errors": sorted({r["error"] for r in mine if r["error"]})[:5],
-               "size": ARGS.size, "steps": STEPS, "trace": TRACE_INFO, "machine": ARGS.machine,
+               "size": ARGS.size, "steps": STEPS, "trace": TRACE_INFO,
+               "keep_resident": keep_list() if strategy != "resident" else [], "machine": ARGS.machine,
                "commit": ARGS.commit}
         own = (row["p50_s"], row["p99_s"]) if strategy == "resident" else resident.get(pipeline)
         if own:
@@ -307,7 +323,7 @@ def flood_phase(server, budget):
 def run_strategy(strategy, budget, resident):
     print(f"== {strategy}", flush=True)
     server_budget = 0 if strategy == "resident" else budget
-    placement = keep_all() if strategy == "resident" else "strategy { footprint { reserve_bytes: 0 } }"
+    placement = keep_all() if strategy == "resident" else budgeted_strategy()
     reorder = ARGS.reorder_ms if strategy == "scheduler" else 0
     server = Server(ARGS.server, config_text(server_budget, placement, reorder),
                     os.path.join(ARGS.logs, f"{strategy}.log"))
@@ -426,6 +442,10 @@ def main():
                    help="alice's arrivals per second in the flood phase (keep it within her fair share)")
     s.add_argument("--flux_compress", choices=["none", "int8", "int4"], default="none")
     s.add_argument("--flux_keep_gib", type=float, default=4.0)
+    s.add_argument("--keep_resident", default="",
+                   help="comma-separated component ids the budgeted strategies keep on the device "
+                        "(FootprintStrategy.keep_resident), e.g. zimage/text_encoder: the hot pipeline's text "
+                        "encoder, shared with zimage-ft, whole instead of streamed")
     s.add_argument("--device", choices=["cuda", "sim"], default="cuda")
     s.add_argument("--dtype", default="bfloat16")
     s.add_argument("--machine", default="unknown")

@@ -65,14 +65,23 @@ done
 grep -q "onloads: .*zimage/transformer" "$TEST_TMPDIR/analysis.txt"
 # A strategy run on its own takes the resident figures of an earlier run of the same trace; another
 # trace's rows are refused.
+# This one keeps the hot text encoder whole on the device (not streamed, never evicted by the strategy).
 run --strategies fifo --resident_from "$TEST_TMPDIR/rows.jsonl" --out "$TEST_TMPDIR/fifo.jsonl" \
-  --logs "$TEST_TMPDIR/logs_fifo" >/dev/null
-/usr/bin/python3 - "$TEST_TMPDIR/fifo.jsonl" "$TEST_TMPDIR/rows.jsonl" <<'PY'
-import json, sys
+  --logs "$TEST_TMPDIR/logs_fifo" --keep_resident zimage/text_encoder >/dev/null
+/usr/bin/python3 - "$TEST_TMPDIR/fifo.jsonl" "$TEST_TMPDIR/rows.jsonl" "$TEST_TMPDIR/logs_fifo" "$TEST_TMPDIR/logs" <<'PY'
+import json, os, re, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 resident = {r["pipeline"]: r["p50_s"] for r in map(json.loads, open(sys.argv[2])) if r["strategy"] == "resident"}
 assert rows and all(r["strategy"] == "fifo" and r["ok"] for r in rows), rows
 assert all(r["resident_p50_s"] == resident[r["pipeline"]] for r in rows), (rows, resident)
+assert all(r["keep_resident"] == ["zimage/text_encoder"] for r in rows), rows
+def text_encoder_lines(folder, name):
+    text = open(os.path.join(folder, name)).read()
+    return [l for l in text.splitlines() if "zimage/text_encoder" in l]
+kept = text_encoder_lines(sys.argv[3], "fifo.placement.txt")
+streamed = text_encoder_lines(sys.argv[4], "fifo.placement.txt")
+assert kept and streamed and kept != streamed, (kept, streamed)
+assert any("group" in l.lower() for l in streamed) and not any("group" in l.lower() for l in kept), (kept, streamed)
 print("ok")
 PY
 if run --strategies fifo --trace_seed 9 --resident_from "$TEST_TMPDIR/rows.jsonl" --out "$TEST_TMPDIR/x.jsonl" \

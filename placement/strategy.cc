@@ -67,17 +67,24 @@ std::vector<std::string> CoverDeficit(std::vector<Candidate> resident, int64_t d
 
 class FootprintStrategy : public OffloadStrategy {
  public:
-  explicit FootprintStrategy(int64_t reserve) : reserve_(reserve) {}
+  FootprintStrategy(int64_t reserve, std::vector<std::string> keep)
+      : reserve_(reserve), keep_(keep.begin(), keep.end()) {}
   std::string name() const override { return "footprint"; }
   bool footprint_based() const override { return true; }
   std::vector<std::string> BeforeRun(const StrategyInput& in) override {
     const int64_t free = in.free_bytes == INT64_MAX ? INT64_MAX : in.free_bytes - reserve_;
     if (free >= in.needed_bytes) return {};
-    return CoverDeficit(in.resident, in.needed_bytes - free);
+    if (keep_.empty()) return CoverDeficit(in.resident, in.needed_bytes - free);
+    std::vector<Candidate> movable;
+    for (const Candidate& c : in.resident) {
+      if (keep_.count(c.name) == 0 && keep_.count(c.id) == 0) movable.push_back(c);
+    }
+    return CoverDeficit(movable, in.needed_bytes - free);
   }
 
  private:
   int64_t reserve_;
+  std::set<std::string> keep_;
 };
 
 class LruStrategy : public OffloadStrategy {
@@ -163,8 +170,8 @@ Registry& GetRegistry() {
 
 }  // namespace
 
-std::unique_ptr<OffloadStrategy> MakeFootprintStrategy(int64_t reserve_bytes) {
-  return std::make_unique<FootprintStrategy>(reserve_bytes);
+std::unique_ptr<OffloadStrategy> MakeFootprintStrategy(int64_t reserve_bytes, std::vector<std::string> keep) {
+  return std::make_unique<FootprintStrategy>(reserve_bytes, std::move(keep));
 }
 
 absl::StatusOr<std::unique_ptr<OffloadStrategy>> MakeWorkflowStrategy(

@@ -52,7 +52,8 @@ class OffloadStrategy {
 // Footprint: when free - reserve < needed, evict the fewest bytes that suffice: the smallest single
 // resident that covers the deficit (least recently used among equals); otherwise largest first until
 // covered, then drop any chosen one that is not needed. O(n log n); never subset enumeration.
-std::unique_ptr<OffloadStrategy> MakeFootprintStrategy(int64_t reserve_bytes);
+// `keep`: component names or ids ("<pipeline>/<component>") never chosen (FootprintStrategy.keep_resident).
+std::unique_ptr<OffloadStrategy> MakeFootprintStrategy(int64_t reserve_bytes, std::vector<std::string> keep = {});
 
 // Declarative rules over component names.
 struct WorkflowRule {

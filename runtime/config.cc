@@ -520,9 +520,29 @@ absl::StatusOr<std::unique_ptr<OffloadStrategy>> ToOffloadStrategy(
     const v1::OffloadStrategy& strategy, const std::vector<std::string>& components) {
   switch (strategy.strategy_case()) {
     case v1::OffloadStrategy::kFootprint:
+    {
       RETURN_IF_ERROR(CheckNonNegative("strategy.footprint.reserve_bytes", strategy.footprint().reserve_bytes(),
                                        "no reserve"));
-      return MakeFootprintStrategy(strategy.footprint().reserve_bytes());
+      const auto& keep = strategy.footprint().keep_resident();
+      if (keep.size() > kMaxKeepResident) {
+        return absl::InvalidArgumentError(absl::StrCat("strategy.footprint.keep_resident: ", keep.size(),
+                                                       " entries; at most ", kMaxKeepResident));
+      }
+      const std::set<std::string> known(components.begin(), components.end());
+      for (int i = 0; i < keep.size(); ++i) {
+        const std::string& k = keep[i];
+        const size_t slash = k.rfind('/');
+        const std::string name = slash == std::string::npos ? k : k.substr(slash + 1);
+        if (known.count(name) == 0 || slash == 0) {
+          return absl::InvalidArgumentError(absl::StrCat("strategy.footprint.keep_resident[", i, "]: '", Truncated(k),
+                                                         "' names no hosted component (a name such as "
+                                                         "'text_encoder' or an id such as 'zimage/text_encoder'); "
+                                                         "known names: ", absl::StrJoin(known, ", ")));
+        }
+      }
+      return MakeFootprintStrategy(strategy.footprint().reserve_bytes(),
+                                   std::vector<std::string>(keep.begin(), keep.end()));
+    }
     case v1::OffloadStrategy::kCustom:
       return MakeCustomStrategy(strategy.custom());
     case v1::OffloadStrategy::kWorkflow: {

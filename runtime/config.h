@@ -43,6 +43,8 @@ inline constexpr int kMinDefaultSize = 16;
 inline constexpr int kMaxDefaultSize = 8192;
 // group offload prefetch_depth: 0 (the engine's choice) ..64; each step adds a device slot.
 inline constexpr int kMaxPrefetchDepth = 64;
+// strategy.footprint.keep_resident: at most this many entries.
+inline constexpr int kMaxKeepResident = 64;
 // group offload num_blocks_per_group: 0 (= 1) ..4096.
 inline constexpr int kMaxNumBlocksPerGroup = 4096;
 // group offload staging_buffer_bytes: 0 (64 MiB) or 1 MiB..4 GiB, pinned host memory each.

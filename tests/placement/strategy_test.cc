@@ -53,6 +53,27 @@ TEST(FootprintStrategyTest, SeveralComponentsLargestFirstThenPruned) {
               ElementsAre("p/b"));
 }
 
+// keep_resident: a kept component (by name: every pipeline's; or by id) is never chosen, even when it
+// is the cheapest cover (the hot pipeline's text encoder beside two transformers that swap).
+TEST(FootprintStrategyTest, KeptComponentsAreNeverChosen) {
+  const std::vector<Candidate> resident = {C("zimage/text_encoder", 80, 1), C("zimage/transformer", 120, 5),
+                                           C("flux/text_encoder", 30, 9)};
+  // Deficit 70: without keep, the text encoder (80) is the smallest single cover.
+  EXPECT_THAT(MakeFootprintStrategy(0)->BeforeRun(Input(120, 50, resident, "ft/transformer")),
+              ElementsAre("zimage/text_encoder"));
+  EXPECT_THAT(MakeFootprintStrategy(0, {"zimage/text_encoder"})->BeforeRun(Input(120, 50, resident, "ft/transformer")),
+              ElementsAre("zimage/transformer"));
+  // By name: every pipeline's text encoder stays; by id of another pipeline: only that one.
+  EXPECT_THAT(MakeFootprintStrategy(0, {"text_encoder"})->BeforeRun(Input(120, 50, resident, "ft/transformer")),
+              ElementsAre("zimage/transformer"));
+  EXPECT_THAT(MakeFootprintStrategy(0, {"flux/text_encoder"})->BeforeRun(Input(120, 50, resident, "ft/transformer")),
+              ElementsAre("zimage/text_encoder"));
+  // Nothing movable covers the deficit: what is movable is offered (the manager's out-of-memory
+  // recovery is the last resort, and it moves kept components too).
+  EXPECT_THAT(MakeFootprintStrategy(0, {"text_encoder", "transformer"})->BeforeRun(Input(120, 50, resident)),
+              IsEmpty());
+}
+
 TEST(FootprintStrategyTest, ThousandComponentsDecideWithoutEnumeratingSubsets) {
   auto s = MakeFootprintStrategy(0);
   std::vector<Candidate> many;

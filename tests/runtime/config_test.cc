@@ -157,6 +157,37 @@ TEST(ConfigTest, SemanticErrorsNameTheField) {
 namespace stowage {
 namespace {
 
+// strategy.footprint.keep_resident: names or ids of hosted components, bounded; errors name the entry.
+TEST(ConfigTest, FootprintKeepResidentNamesHostedComponents) {
+  const std::vector<std::string> hosted = {"text_encoder", "transformer", "vae"};
+  v1::OffloadStrategy strategy;
+  strategy.mutable_footprint()->add_keep_resident("zimage/text_encoder");
+  strategy.mutable_footprint()->add_keep_resident("vae");
+  auto made = ToOffloadStrategy(strategy, hosted);
+  ASSERT_TRUE(made.ok()) << made.status();
+  // It keeps them: with the deficit only the transformer covers, it is chosen over the smaller vae.
+  StrategyInput in;
+  in.target = Candidate{"ft/transformer", "transformer", 100, absl::Now()};
+  in.needed_bytes = 100;
+  in.free_bytes = 10;
+  in.resident = {Candidate{"zimage/text_encoder", "text_encoder", 95, absl::Now()},
+                 Candidate{"zimage/transformer", "transformer", 100, absl::Now()},
+                 Candidate{"zimage/vae", "vae", 95, absl::Now()}};
+  EXPECT_EQ((*made)->BeforeRun(in), std::vector<std::string>{"zimage/transformer"});
+  for (const std::string& bad : {std::string("unet"), std::string("zimage/unet"), std::string("/text_encoder"),
+                                 std::string(5000, 'x')}) {
+    v1::OffloadStrategy s;
+    s.mutable_footprint()->add_keep_resident(bad);
+    const absl::Status status = ToOffloadStrategy(s, hosted).status();
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad.substr(0, 40);
+    EXPECT_NE(std::string(status.message()).find("strategy.footprint.keep_resident[0]"), std::string::npos) << status;
+    EXPECT_LT(status.message().size(), 1000u) << "the entry is truncated in the message";
+  }
+  v1::OffloadStrategy many;
+  for (int i = 0; i <= kMaxKeepResident; ++i) many.mutable_footprint()->add_keep_resident("vae");
+  EXPECT_EQ(ToOffloadStrategy(many, hosted).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ConfigTest, GroupOffloadOptionsPassDepthAndPinInPlace) {
   v1::GroupOffloadConfig block;
   auto b = ToGroupOffloadOptions(block, "defaults");

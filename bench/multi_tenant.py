@@ -235,7 +235,7 @@ def place_budgeted(server):
     A --keep_resident text encoder is not streamed: it stays whole on the device."""
     compress = {"none": "", "int8": " compress: COMPRESS_INT8_GROUPED", "int4": " compress: COMPRESS_INT4"}
     for component in ("zimage/text_encoder", "flux-schnell/text_encoder_2"):
-        if component in keep_list():
+        if component in keep_list() or component.split("/")[1] in keep_list():  # An id, or a name.
             continue
         stowctl(server, "enable-group-offload", f"--component={component}", f"--options={BLOCK}")
     for component in ("flux-schnell/transformer", "flux-dev/transformer"):

@@ -82,6 +82,13 @@ kept = text_encoder_lines(sys.argv[3], "fifo.placement.txt")
 streamed = text_encoder_lines(sys.argv[4], "fifo.placement.txt")
 assert kept and streamed and kept != streamed, (kept, streamed)
 assert any("group" in l.lower() for l in streamed) and not any("group" in l.lower() for l in kept), (kept, streamed)
+# And the footprint strategy never chose it (the budget makes it evict others: it did). This tiny
+# budget holds no text encoder beside a transformer, so the out-of-memory recovery, the last resort,
+# still moves it: those lines say so and are not the strategy's choice.
+log = open(os.path.join(sys.argv[3], "fifo.placement_log.txt")).read().splitlines()
+chosen = [l for l in log if re.search(r"\boffload\s", l) and "[footprint]" in l and "out of memory" not in l]
+assert chosen, log[:40]
+assert not any("zimage/text_encoder " in l for l in chosen), [l for l in chosen if "zimage/text_encoder" in l]
 print("ok")
 PY
 if run --strategies fifo --trace_seed 9 --resident_from "$TEST_TMPDIR/rows.jsonl" --out "$TEST_TMPDIR/x.jsonl" \

@@ -255,13 +255,19 @@ absl::Status HostWeights::OnloadAll(DeviceBackend& backend) {
       done[m] = true;
       offset += bytes;
     }
+    if (pinned_by_ != nullptr) continue;  // Pinned pages stay: one wait for every group, below.
     std::unique_ptr<DeviceEvent> copied = backend.RecordOnCopyStream();
     release_in_flight();
     in_flight = &group;
     in_flight_copied = std::move(copied);
   }
-  // The last group's copies: the compute stream (and the pages released) wait for them.
-  release_in_flight();
+  // The last group's copies (every group's: one copy stream): the compute stream (and the pages
+  // released) wait for them.
+  if (in_flight != nullptr) {
+    release_in_flight();
+  } else if (!adjacent_.empty()) {
+    backend.RecordOnCopyStream()->Wait();
+  }
   for (size_t i = 0; i < entries_.size(); ++i) {
     if (done[i]) continue;
     absl::StatusOr<at::Tensor> device = backend.CopyToDevice(entries_[i].host);

@@ -120,9 +120,13 @@ absl::StatusOr<v1::SetOffloadStrategyResponse> AdminCore::SetOffloadStrategy(
       [&](PlacementManager& placement) -> absl::Status {
         // Workflow rules name components: validated against those registered now, on the worker,
         // so no load or unload can slip in between the check and the change.
-        std::vector<std::string> names;
-        for (const ComponentView& v : placement.Snapshot()) names.push_back(v.name);
-        ASSIGN_OR_RETURN(std::unique_ptr<OffloadStrategy> strategy, ToOffloadStrategy(request.strategy(), names));
+        std::vector<std::string> names, ids;
+        for (const ComponentView& v : placement.Snapshot()) {
+          names.push_back(v.name);
+          ids.push_back(v.id);
+        }
+        ASSIGN_OR_RETURN(std::unique_ptr<OffloadStrategy> strategy,
+                         ToOffloadStrategy(request.strategy(), names, ids));
         response.set_strategy(strategy->name());
         const std::string warning = placement.SetStrategy(std::move(strategy));
         if (!warning.empty()) response.add_warnings(warning);

@@ -517,7 +517,8 @@ absl::StatusOr<PipelineGroupOffloadOptions> ToPipelineGroupOffloadOptions(
 }
 
 absl::StatusOr<std::unique_ptr<OffloadStrategy>> ToOffloadStrategy(
-    const v1::OffloadStrategy& strategy, const std::vector<std::string>& components) {
+    const v1::OffloadStrategy& strategy, const std::vector<std::string>& components,
+    const std::vector<std::string>& ids) {
   switch (strategy.strategy_case()) {
     case v1::OffloadStrategy::kFootprint:
     {
@@ -529,15 +530,16 @@ absl::StatusOr<std::unique_ptr<OffloadStrategy>> ToOffloadStrategy(
                                                        " entries; at most ", kMaxKeepResident));
       }
       const std::set<std::string> known(components.begin(), components.end());
+      const std::set<std::string> known_ids(ids.begin(), ids.end());
       for (int i = 0; i < keep.size(); ++i) {
         const std::string& k = keep[i];
-        const size_t slash = k.rfind('/');
-        const std::string name = slash == std::string::npos ? k : k.substr(slash + 1);
-        if (known.count(name) == 0 || slash == 0) {
-          return absl::InvalidArgumentError(absl::StrCat("strategy.footprint.keep_resident[", i, "]: '", Truncated(k),
-                                                         "' names no hosted component (a name such as "
-                                                         "'text_encoder' or an id such as 'zimage/text_encoder'); "
-                                                         "known names: ", absl::StrJoin(known, ", ")));
+        // A name keeps that component of every pipeline; an id, the one registered under it (a
+        // component shared by content is registered under the first pipeline that loaded it).
+        const bool is_id = k.find('/') != std::string::npos;
+        if (is_id ? known_ids.count(k) == 0 : known.count(k) == 0) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "strategy.footprint.keep_resident[", i, "]: '", Truncated(k), "' is no hosted component ",
+              is_id ? "id; hosted ids: " : "name; hosted names: ", absl::StrJoin(is_id ? known_ids : known, ", ")));
         }
       }
       return MakeFootprintStrategy(strategy.footprint().reserve_bytes(),

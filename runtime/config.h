@@ -119,10 +119,12 @@ absl::StatusOr<GroupOffloadOptions> ToGroupOffloadOptions(const v1::GroupOffload
 absl::StatusOr<PipelineGroupOffloadOptions> ToPipelineGroupOffloadOptions(
     const v1::PipelineGroupOffload& config, const std::string& field);
 
-// A strategy message → a placement strategy. Workflow rules are validated against `components`
-// (every hosted component name); errors name the rule ("strategy.workflow.rules[2]: ...").
+// A strategy message → a placement strategy; errors name the rule ("strategy.workflow.rules[2]: ...").
+// `components`: the hosted components' names (workflow rules and footprint.keep_resident names are
+// checked against them); `ids`: their ids ("<pipeline>/<component>", what a keep_resident id must be).
 absl::StatusOr<std::unique_ptr<OffloadStrategy>> ToOffloadStrategy(
-    const v1::OffloadStrategy& strategy, const std::vector<std::string>& components);
+    const v1::OffloadStrategy& strategy, const std::vector<std::string>& components,
+    const std::vector<std::string>& ids = {});
 
 }  // namespace stowage
 

@@ -167,12 +167,16 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
 }
 
 absl::Status DeviceRuntime::ApplyStrategy(const v1::OffloadStrategy& config,
-                                           const std::vector<std::string>& also_known) {
+                                           const std::vector<std::string>& also_known,
+                                           const std::vector<std::string>& also_known_ids) {
   RETURN_IF_ERROR(ChangeDevice(
       [&](PlacementManager& placement) -> absl::Status {
-        std::vector<std::string> names = also_known;
-        for (const ComponentView& v : placement.Snapshot()) names.push_back(v.name);
-        ASSIGN_OR_RETURN(std::unique_ptr<OffloadStrategy> strategy, ToOffloadStrategy(config, names));
+        std::vector<std::string> names = also_known, ids = also_known_ids;
+        for (const ComponentView& v : placement.Snapshot()) {
+          names.push_back(v.name);
+          ids.push_back(v.id);
+        }
+        ASSIGN_OR_RETURN(std::unique_ptr<OffloadStrategy> strategy, ToOffloadStrategy(config, names, ids));
         placement.SetStrategy(std::move(strategy));
         return absl::OkStatus();
       },

@@ -152,8 +152,10 @@ class DeviceRuntime {
   // printing its warnings. Create does it, after the pipelines loaded, unless DeviceSet does it
   // later (once split pipelines have registered their components on every device). `also_known`:
   // component names on the server's other devices, which rules may name too (one strategy config
-  // serves every device; a split pipeline has some of its components on each).
-  absl::Status ApplyStrategy(const v1::OffloadStrategy& strategy, const std::vector<std::string>& also_known = {});
+  // serves every device; a split pipeline has some of its components on each); `also_known_ids`:
+  // their ids, which footprint.keep_resident may name.
+  absl::Status ApplyStrategy(const v1::OffloadStrategy& strategy, const std::vector<std::string>& also_known = {},
+                             const std::vector<std::string>& also_known_ids = {});
 
   // Runs `change` on the device's worker between requests and returns its status (exceptions
   // become INTERNAL). If `interrupt` fires before it started, it never runs.

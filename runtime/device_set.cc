@@ -96,11 +96,14 @@ absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerCon
     }
   }
   if (split_any && config.has_strategy()) {
-    std::vector<std::string> known;
+    std::vector<std::string> known, known_ids;
     for (const auto& core : set->devices_) {
-      for (const ComponentView& v : core->placement_snapshot()->components) known.push_back(v.name);
+      for (const ComponentView& v : core->placement_snapshot()->components) {
+        known.push_back(v.name);
+        known_ids.push_back(v.id);
+      }
     }
-    for (const auto& core : set->devices_) RETURN_IF_ERROR(core->ApplyStrategy(config.strategy(), known));
+    for (const auto& core : set->devices_) RETURN_IF_ERROR(core->ApplyStrategy(config.strategy(), known, known_ids));
   }
   return set;
 }

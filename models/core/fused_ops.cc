@@ -222,6 +222,9 @@ Fp8Input QuantizeConcatInputFp8(const std::vector<at::Tensor>& parts, const std:
     return {};
   }
   const at::Tensor& first = parts.front();
+  // A fused kernel like the others: STOWAGE_FUSED=0 (or SetEnabled(false)) leaves the reference path
+  // (GeluConcat's at::gelu, then the plain quantisation).
+  if (!Active(first)) return {};
   std::vector<fused_cuda::QuantPart> specs;
   int64_t k = 0;
   for (size_t i = 0; i < parts.size(); ++i) {

@@ -105,7 +105,8 @@ at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 // quantising the built concatenation; elsewhere exactly Fp8Linear of the built concatenation.
 at::Tensor Fp8LinearConcat(const std::vector<at::Tensor>& parts, const std::vector<bool>& gelu, const at::Tensor& q,
                            const at::Tensor& scale, const at::Tensor& bias);
-// That quantisation alone (undefined where the fused FP8 path does not take the parts).
+// That quantisation alone (undefined where the fused FP8 path does not take the parts, and where the
+// fused kernels are off: Active(parts.front()) false).
 Fp8Input QuantizeConcatInputFp8(const std::vector<at::Tensor>& parts, const std::vector<bool>& gelu);
 // at::cat(parts, -1) with GeluTanh applied to the flagged parts: what the two above stand for.
 at::Tensor GeluConcat(const std::vector<at::Tensor>& parts, const std::vector<bool>& gelu);

@@ -289,6 +289,7 @@ TEST_F(FusedKernelTest, Fp8ConcatQuantisationEqualsQuantisingTheConcatenation) {
       EXPECT_TRUE(at::equal(bytes(got.q), bytes(want.q))) << parts.size() << " parts, batch " << batch;
       EXPECT_TRUE(at::equal(got.scale, want.scale)) << parts.size() << " parts, batch " << batch;
     }
+    ASSERT_TRUE(fused::QuantizeConcatInputFp8({attn, mlp}, {false, true}).q.defined());
     const int64_t k = 256 + 4 * 256, n = 384;
     const fused::Fp8Weight w = fused::QuantizeWeightFp8(Rand({n, k}, 0.0, 0.03));
     const at::Tensor bias = Rand({n}, 0.0, 0.1);
@@ -311,7 +312,12 @@ TEST_F(FusedKernelTest, Fp8ConcatQuantisationEqualsQuantisingTheConcatenation) {
   l.ForEachSlot([](Module&, TensorSlot& slot) { slot.value = (at::randn_like(slot.value, at::kFloat) * 0.05).to(at::kBFloat16).to(at::kCUDA); });
   ASSERT_TRUE(l.ConvertToFp8().ok());
   const at::Tensor u = Rand({2, 17, 64}), v = Rand({2, 17, 3 * 128}).narrow(2, 128, 128);
+  ASSERT_TRUE(fused::QuantizeConcatInputFp8({u, v}, {false, true}).q.defined()) << "these parts take the kernel";
   EXPECT_TRUE(at::equal(l.ForwardConcat({u, v}, {false, true}), l.Forward(at::cat({u, fused::GeluTanh(v)}, -1))));
+  {
+    FusedSwitch off(false);  // STOWAGE_FUSED=0: the kernel is not used.
+    EXPECT_FALSE(fused::QuantizeConcatInputFp8({u, v}, {false, true}).q.defined());
+  }
 #else
   GTEST_SKIP() << "no float8 in this LibTorch";
 #endif

@@ -282,8 +282,11 @@ TEST(Int4OfFp8Test, WidensBackIntoFloat8BytesOnCudaOnly) {
   const at::Tensor buffer = at::full({w.numel() + 1}, 0x55, at::TensorOptions().dtype(at::kByte).device(cuda));
   for (const int64_t offset : {0, 1}) {  // Aligned: 8-byte stores; one byte off: the scalar path.
     const at::Tensor out = buffer.narrow(0, offset, w.numel()).view(at::kFloat8_e4m3fn).view(sizes);
+    buffer.fill_(0x55);
     WidenInto(out, q.q.to(cuda), q.scale.to(cuda), CompressFormat::kInt4, WidenScratch{});
     EXPECT_TRUE(at::equal(out.cpu().view(at::kByte), want.view(at::kByte))) << "offset " << offset;
+    const int64_t guard = offset == 0 ? w.numel() : 0;  // The byte outside the output.
+    EXPECT_EQ(buffer[guard].item<uint8_t>(), 0x55) << "offset " << offset << ": written past the output";
   }
 }
 #endif

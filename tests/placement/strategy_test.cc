@@ -68,10 +68,14 @@ TEST(FootprintStrategyTest, KeptComponentsAreNeverChosen) {
               ElementsAre("zimage/transformer"));
   EXPECT_THAT(MakeFootprintStrategy(0, {"flux/text_encoder"})->BeforeRun(Input(120, 50, resident, "ft/transformer")),
               ElementsAre("zimage/text_encoder"));
-  // Nothing movable covers the deficit: what is movable is offered (the manager's out-of-memory
-  // recovery is the last resort, and it moves kept components too).
+  // Everything kept: nothing is offered (the manager's out-of-memory recovery is the last resort,
+  // and it moves kept components too); a movable one too small to cover the deficit alone is offered.
   EXPECT_THAT(MakeFootprintStrategy(0, {"text_encoder", "transformer"})->BeforeRun(Input(120, 50, resident)),
               IsEmpty());
+  std::vector<Candidate> with_vae = resident;
+  with_vae.push_back(C("zimage/vae", 10, 3));
+  EXPECT_THAT(MakeFootprintStrategy(0, {"text_encoder", "transformer"})->BeforeRun(Input(120, 50, with_vae)),
+              ElementsAre("zimage/vae"));
 }
 
 TEST(FootprintStrategyTest, ThousandComponentsDecideWithoutEnumeratingSubsets) {

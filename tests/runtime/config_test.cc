@@ -160,10 +160,12 @@ namespace {
 // strategy.footprint.keep_resident: names or ids of hosted components, bounded; errors name the entry.
 TEST(ConfigTest, FootprintKeepResidentNamesHostedComponents) {
   const std::vector<std::string> hosted = {"text_encoder", "transformer", "vae"};
+  const std::vector<std::string> ids = {"zimage/text_encoder", "zimage/transformer", "zimage/vae",
+                                        "zimage-ft/transformer"};
   v1::OffloadStrategy strategy;
   strategy.mutable_footprint()->add_keep_resident("zimage/text_encoder");
   strategy.mutable_footprint()->add_keep_resident("vae");
-  auto made = ToOffloadStrategy(strategy, hosted);
+  auto made = ToOffloadStrategy(strategy, hosted, ids);
   ASSERT_TRUE(made.ok()) << made.status();
   // It keeps them: with the deficit only the transformer covers, it is chosen over the smaller vae.
   StrategyInput in;
@@ -174,18 +176,21 @@ TEST(ConfigTest, FootprintKeepResidentNamesHostedComponents) {
                  Candidate{"zimage/transformer", "transformer", 100, absl::Now()},
                  Candidate{"zimage/vae", "vae", 95, absl::Now()}};
   EXPECT_EQ((*made)->BeforeRun(in), std::vector<std::string>{"zimage/transformer"});
-  for (const std::string& bad : {std::string("unet"), std::string("zimage/unet"), std::string("/text_encoder"),
-                                 std::string(5000, 'x')}) {
+  // A typo in the pipeline, an id of a component shared by content (registered under zimage/, not
+  // zimage-ft/), more than one slash, no pipeline, an unknown name, a huge entry.
+  for (const std::string& bad : {std::string("unet"), std::string("zimage/unet"), std::string("zimag/text_encoder"),
+                                 std::string("zimage-ft/text_encoder"), std::string("a/zimage/text_encoder"),
+                                 std::string("/text_encoder"), std::string(5000, 'x')}) {
     v1::OffloadStrategy s;
     s.mutable_footprint()->add_keep_resident(bad);
-    const absl::Status status = ToOffloadStrategy(s, hosted).status();
+    const absl::Status status = ToOffloadStrategy(s, hosted, ids).status();
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad.substr(0, 40);
     EXPECT_NE(std::string(status.message()).find("strategy.footprint.keep_resident[0]"), std::string::npos) << status;
     EXPECT_LT(status.message().size(), 1000u) << "the entry is truncated in the message";
   }
   v1::OffloadStrategy many;
   for (int i = 0; i <= kMaxKeepResident; ++i) many.mutable_footprint()->add_keep_resident("vae");
-  EXPECT_EQ(ToOffloadStrategy(many, hosted).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ToOffloadStrategy(many, hosted, ids).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ConfigTest, GroupOffloadOptionsPassDepthAndPinInPlace) {

@@ -241,7 +241,7 @@ absl::Status HostWeights::OnloadAll(DeviceBackend& backend) {
     for (size_t m : group) total += static_cast<int64_t>(entries_[m].host.nbytes());
     absl::StatusOr<at::Tensor> packed = backend.AllocateBytes(total);
     if (!packed.ok()) {
-      if (in_flight != nullptr) in_flight_copied->Wait();  // No copy may still write what is freed.
+      backend.RecordOnCopyStream()->Wait();  // No copy may still write what is freed.
       for (size_t j = 0; j < entries_.size(); ++j) entries_[j].slot->value = at::Tensor();
       return packed.status();
     }

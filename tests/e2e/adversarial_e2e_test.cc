@@ -290,6 +290,18 @@ TEST_F(AdversarialTest, BadAdminChangesAreRefusedAndChangeNothing) {
   v1::SetOffloadStrategyResponse set;
   ExpectRefused(server_->admin().SetOffloadStrategy(E2eServer::Authed().get(), strategy, &set),
                 grpc::INVALID_ARGUMENT, "strategy: empty");
+  // footprint.keep_resident: an unknown id, an unknown name, a 1 MiB entry, an empty one, too many.
+  for (const std::string& bad : {std::string("zimage-tiny/unet"), std::string("nope"), std::string(1 << 20, 'k'),
+                                 std::string(), std::string("/")}) {
+    v1::SetOffloadStrategyRequest keep;
+    keep.mutable_strategy()->mutable_footprint()->add_keep_resident(bad);
+    ExpectRefused(server_->admin().SetOffloadStrategy(E2eServer::Authed().get(), keep, &set),
+                  grpc::INVALID_ARGUMENT, "strategy.footprint.keep_resident[0]");
+  }
+  v1::SetOffloadStrategyRequest many;
+  for (int i = 0; i < 10000; ++i) many.mutable_strategy()->mutable_footprint()->add_keep_resident("vae");
+  ExpectRefused(server_->admin().SetOffloadStrategy(E2eServer::Authed().get(), many, &set),
+                grpc::INVALID_ARGUMENT, "at most 64");
   v1::GetPlacementResponse after;
   ASSERT_TRUE(server_->admin().GetPlacement(E2eServer::Authed().get(), {}, &after).ok());
   EXPECT_EQ(after.SerializeAsString(), before.SerializeAsString());
@@ -338,6 +350,50 @@ TEST_F(AdversarialTest, GroupOffloadSwitchedWhileRequestsRunNeverBreaksThem) {
   EXPECT_EQ(failures.load(), 0);
   EXPECT_GT(runs.load(), 0);
   EXPECT_EQ(switches, 24);
+}
+
+// The footprint strategy switched between keeping components resident and not while requests run:
+// every request succeeds with the same image, every switch lands.
+TEST_F(AdversarialTest, KeepResidentStrategySwitchedWhileRequestsRunNeverBreaksThem) {
+  v1::GenerateResponse reference;
+  ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("", 9), &reference).ok());
+  std::atomic<bool> stop{false};
+  std::atomic<int> failures{0}, runs{0};
+  std::vector<std::thread> clients;
+  for (int i = 0; i < 2; ++i) {
+    clients.emplace_back([&] {
+      while (!stop) {
+        v1::GenerateResponse response;
+        const grpc::Status s = server_->Generate(E2eServer::SmallRequest("", 9), &response);
+        if (!s.ok() && s.error_code() != grpc::RESOURCE_EXHAUSTED) {
+          ++failures;
+          ADD_FAILURE() << s.error_code() << ": " << s.error_message();
+        } else if (s.ok()) {
+          ++runs;
+          if (response.image() != reference.image()) {
+            ++failures;
+            ADD_FAILURE() << "image changed under strategy switching";
+          }
+        }
+      }
+    });
+  }
+  for (int i = 0; i < 10; ++i) {
+    v1::SetOffloadStrategyRequest request;
+    auto* footprint = request.mutable_strategy()->mutable_footprint();
+    if (i % 2 == 0) {
+      footprint->add_keep_resident("zimage-tiny/text_encoder");
+      footprint->add_keep_resident("vae");
+    }
+    v1::SetOffloadStrategyResponse response;
+    const grpc::Status s = server_->admin().SetOffloadStrategy(E2eServer::Authed().get(), request, &response);
+    EXPECT_TRUE(s.ok()) << s.error_message();
+    EXPECT_EQ(response.strategy(), "footprint");
+  }
+  stop = true;
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_GT(runs.load(), 0);
 }
 
 // --- Lifecycle races -------------------------------------------------------------------------

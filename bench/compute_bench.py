@@ -244,7 +244,8 @@ def run(args):
             # floor_s: the bytes this mode streams per step over the bandwidth measured in the same process.
             # offload_bench's floor_s is the bf16 bytes' floor; a compressed row's own is floor_8bit_s.
             floor_s = result.get("floor_8bit_s") if compress else result.get("floor_s")
-            extra = dict(placement="streamed", floor_s=floor_s, compress=result.get("compress", "none"),
+            extra = dict(placement="streamed", offload_row=bench_row, floor_s=floor_s,
+                         compress=result.get("compress", "none"),
                          streamed_bytes=result.get("streamed_bytes"),
                          x_floor=round(result["step_s"] / floor_s, 3) if floor_s else None,
                          prepare_s=result.get("prepare_s"), peak_rss_bytes=result.get("peak_rss_bytes"),
@@ -274,11 +275,12 @@ def compressed_rows(args, model_name, rows):
     bf16_bytes = sum(os.path.getsize(os.path.join(weight_dir, f)) for f in os.listdir(weight_dir)
                      if f.endswith(".safetensors"))
     for r in streamed:
-        compress = r.get("compress", "none")
-        name = {"int8": "block_int8", "int8_grouped": "block_int8grouped", "int4": "block_int4"}.get(
-            compress, "block_fp8_compute" if r["mode"] == "fp8" else "block_bf16")
-        if r["mode"] == "fp8" and compress == "int4":
-            name = "block_int4_fp8_compute"
+        # offload_bench's row (block_pinned: the weights as they are), and the compute when it is FP8.
+        row = r["offload_row"]
+        if r["mode"] == "fp8":
+            name = ("block" if row == "block_pinned" else row) + "_fp8_compute"
+        else:
+            name = "block_bf16" if row == "block_pinned" else row
         out = {"bench": "compressed", "system": "stowage", "model": model_name, "row": name,
                "compute": r["mode"], "step_s": r["step_s"], "resident_bf16_step_s": bf16[0] if bf16 else None,
                "resident_fast_step_s": fast["step_s"], "resident_fast_mode": fast["mode"],

@@ -78,6 +78,16 @@ void* Stream(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.dev
 void Check(int error, const char* op) {
   TORCH_CHECK(error == 0, "fused ", op, ": CUDA launch failed with error ", error);
 }
+
+#ifdef STOWAGE_HAS_FP8
+// The FP8 GEMM of a quantised input [m, k] and weight q [n, k] with their scales: bf16 [m, n].
+at::Tensor ScaledMm(const at::Tensor& xq, const at::Tensor& x_scale, const at::Tensor& q, const at::Tensor& scale,
+                    const at::Tensor& bias) {
+  return at::_scaled_mm(xq, q.t(), x_scale, scale.view({1, q.size(0)}),
+                        bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt, c10::nullopt, at::kBFloat16,
+                        /*use_fast_accum=*/true);
+}
+#endif
 #endif
 
 }  // namespace
@@ -260,10 +270,7 @@ at::Tensor Fp8LinearConcat(const std::vector<at::Tensor>& parts, const std::vect
     const Fp8Input quantized = QuantizeConcatInputFp8(parts, gelu);
     if (quantized.q.defined() && quantized.q.size(1) == q.size(1)) {
       c10::cuda::CUDAGuard guard(q.device());
-      const at::Tensor out = at::_scaled_mm(quantized.q, q.t(), quantized.scale, scale.view({1, n}),
-                                            bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
-                                            c10::nullopt, at::kBFloat16, /*use_fast_accum=*/true);
-      return out.view({parts.front().size(0), parts.front().size(1), n});
+      return ScaledMm(quantized.q, quantized.scale, q, scale, bias).view({parts.front().size(0), parts.front().size(1), n});
     }
   }
 #endif
@@ -279,12 +286,9 @@ at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
       (!bias.defined() || bias.scalar_type() == at::kBFloat16)) {
     c10::cuda::CUDAGuard guard(x.device());
     const Fp8Input quantized = input != nullptr && input->q.defined() ? *input : QuantizeInputFp8(x);
-    const at::Tensor out = at::_scaled_mm(quantized.q, q.t(), quantized.scale, scale.view({1, n}),
-                                          bias.defined() ? c10::optional<at::Tensor>(bias) : c10::nullopt,
-                                          c10::nullopt, at::kBFloat16, /*use_fast_accum=*/true);
     std::vector<int64_t> shape = x.sizes().vec();
     shape.back() = n;
-    return out.view(shape);
+    return ScaledMm(quantized.q, quantized.scale, q, scale, bias).view(shape);
   }
 #else
   (void)input;

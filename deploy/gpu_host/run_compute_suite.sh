@@ -8,8 +8,9 @@
 #             compute_<model>.log, profile_<model>.txt (Stowage's kernels by class and name)
 #   e2e       the whole Z-Image pipeline (bench/e2e_bench.sh): Stowage bf16 and fp8, diffusers eager
 #             and + torch.compile on the same files: e2e.jsonl, e2e.log
-#   fidelity  the demo pipeline `shapes` in float32, bf16 and fp8 (bench/fidelity_bench.py):
-#             fidelity.jsonl
+#   fidelity  the demo pipeline `shapes` in $FIDELITY_MODES (default float32,bf16,fp8; the streamed
+#             compression modes stream_int8, stream_int8_grouped, stream_fp8, stream_int4, fp8_stream_int4;
+#             bench/fidelity_bench.py): fidelity.jsonl
 #   memory    device memory as nvidia-smi sees it against the budget at load and each reply's
 #             peak (bench/memory_truth.sh on real-size random Z-Image): memory.jsonl, memory.log
 #   compressed  streamed compression on the full-size synthetic Z-Image block stack (bench/offload_bench
@@ -151,6 +152,7 @@ if [[ $parts == *" fidelity "* ]]; then
   stamp "fidelity"
   timeout 300 python3 bench/fidelity_bench.py --server "$build/server/stowage_server" \
     --stowctl "$build/clients/stowctl/stowctl" --out "$OUT/fidelity.jsonl" --machine "$machine" \
+    --modes "${FIDELITY_MODES:-float32,bf16,fp8}" \
     --commit "${STOWAGE_COMMIT:-unknown}" >>"$OUT/summary.txt" 2>&1
   stamp "fidelity exit $?"
 fi

@@ -95,6 +95,8 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
     store->tables_.copy_(at::cat(tables));
   }
 
+  constexpr int64_t kTrimEvery = int64_t{64} << 20;
+  int64_t temporaries = 0;  // Bytes of quantized copies freed since the last malloc_trim.
   int64_t largest = 0;
   for (size_t gi = 0; gi < store->groups_.size(); ++gi) {
     StoreGroup& g = store->groups_[gi];
@@ -154,6 +156,11 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
       }
       store->stats_.mapped_bytes_released +=
           ReleaseMappedPages(host.data_ptr(), static_cast<int64_t>(host.nbytes()));
+      temporaries += t8.compressed ? t8.layout.q_bytes + t8.layout.scale_bytes() : 0;
+    }
+    if (temporaries >= kTrimEvery) {  // Give the quantization temporaries' heap pages back as they go.
+      ::malloc_trim(0);
+      temporaries = 0;
     }
   }
   store->area_bytes_ = largest;

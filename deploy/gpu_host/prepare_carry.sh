@@ -5,7 +5,7 @@
 #   .ref/head.tgz           `git archive` of a commit (default HEAD) without the bulky demo model
 #                           and Z-Image fixture: the device builds exactly that commit, whatever a
 #                           helper is editing in the working tree meanwhile
-#   .ref/diffusers_slim/src diffusers' source (from .ref/diffusers/src, fetched separately) with
+#   .ref/diffusers_slim.tgz diffusers' source (from .ref/diffusers/src, fetched separately) with
 #                           only the pipelines the GPU suites run (flux, z_image, stable_diffusion)
 #   .deb                    the Debian packages the CMake build links (deploy/gpu_host/fetch_debs.sh)
 # Prints the commit and the carry list. On the device: deploy/gpu_host/unpack_and_run.sh.
@@ -25,7 +25,9 @@ if [ -d .ref/diffusers/src/diffusers ]; then
   for p in .ref/diffusers_slim/src/diffusers/pipelines/*/; do
     case $(basename "$p") in flux | z_image | stable_diffusion) ;; *) rm -rf "$p" ;; esac
   done
-  carry="$carry, \".ref/diffusers_slim/src\""
+  # Carried as one gzip archive (a third of its size: tree, archive and .deb stay under 64 MiB).
+  tar czf .ref/diffusers_slim.tgz -C .ref/diffusers_slim src
+  carry="$carry, \".ref/diffusers_slim.tgz\""
 else
   echo "note: no .ref/diffusers/src (fetch github:huggingface/diffusers and copy its src/ there): suites that run diffusers will fail" >&2
 fi

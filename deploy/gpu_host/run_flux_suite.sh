@@ -17,7 +17,7 @@
 #   two_diffusers  bench/diffusers_two_pipelines.py (the diffusers baseline, both pipelines with
 #             enable_model_cpu_offload in one process) -> $OUT/two_pipelines.jsonl
 # Device calls: deploy/gpu_host/prepare_carry.sh here (prints the carry list: .ref/head.tgz, .ref/head.rev,
-# .ref/diffusers_slim/src, .deb), then on the device deploy/gpu_host/unpack_and_run.sh runs this suite in
+# .ref/diffusers_slim.tgz, .deb), then on the device deploy/gpu_host/unpack_and_run.sh runs this suite in
 # the unpacked commit (reusing its build on a warm machine):
 #   OUT=$OUT PARTS="fixtures offload" deploy/gpu_host/unpack_and_run.sh bash deploy/gpu_host/run_flux_suite.sh
 source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/suite_lib.sh"

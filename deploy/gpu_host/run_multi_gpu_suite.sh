@@ -10,7 +10,7 @@
 # Targets (issue 13): two replicas >= 1.9x the images/s of one; the split layout's larger device
 # peak below the one-device peak.
 # Device calls: deploy/gpu_host/prepare_carry.sh here (prints the carry list: .ref/head.tgz, .ref/head.rev,
-# .ref/diffusers_slim/src, .deb), then on the device deploy/gpu_host/unpack_and_run.sh runs this suite in
+# .ref/diffusers_slim.tgz, .deb), then on the device deploy/gpu_host/unpack_and_run.sh runs this suite in
 # the unpacked commit (reusing its build on a warm machine):
 #   OUT=$OUT deploy/gpu_host/unpack_and_run.sh bash deploy/gpu_host/run_multi_gpu_suite.sh
 # Environment: CONCURRENCY (default 1,2,4), REQUESTS per row (16), LAYOUTS ("single replicas

@@ -28,7 +28,9 @@ elif [ "$(cat "$dest/.stowage-rev" 2>/dev/null)" != "$rev" ]; then
   rm -rf "$dest" && mkdir -p "$dest"
   tar xzf .ref/head.tgz -C "$dest"
   [ -d .deb ] && cp -r .deb "$dest/"
-  if [ -d .ref/diffusers_slim/src ]; then
+  if [ -f .ref/diffusers_slim.tgz ]; then
+    mkdir -p "$dest/.ref/diffusers" && tar xzf .ref/diffusers_slim.tgz -C "$dest/.ref/diffusers"
+  elif [ -d .ref/diffusers_slim/src ]; then
     mkdir -p "$dest/.ref/diffusers" && ln -sfn "$carried/.ref/diffusers_slim/src" "$dest/.ref/diffusers/src"
   fi
   # Left out of the archive for size; the carried tree has them (tracked, rarely changed).

@@ -320,11 +320,13 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
   ASSIGN_OR_RETURN(BenchModel bench, MakeModel(shape, backend, dtype));
   result.model = bench.model_name;
   Module& model = *bench.root;
-  if (absl::GetFlag(FLAGS_compute) == "fp8" && row != "resident") {
-    // Streamed FP8 compute: the blocks' linear layers become FP8 on the host before their host
-    // copies are taken, as the server does at load (PipelineConfig.compute), so the FP8 weights and
-    // scales stream as they are (half the bf16 bytes) and go into the FP8 GEMMs without widening —
-    // or, block_int4, as an int4 copy of the FP8 weights widened back into e4m3 on the device.
+  if (absl::GetFlag(FLAGS_compute) == "fp8") {
+    // FP8 compute: the blocks' linear layers become FP8 on the host before their host copies are
+    // taken, as the server does at load (PipelineConfig.compute). Resident, the onload places the
+    // FP8 weights (and scales) of layers that share an input side by side, as in the server, for
+    // one FP8 GEMM; streamed, the FP8 weights and scales stream as they are (half the bf16 bytes)
+    // and go into the FP8 GEMMs without widening — or, block_int4, as an int4 copy of the FP8
+    // weights widened back into e4m3 on the device.
     if ((row.rfind("block_int", 0) == 0 && row.rfind("block_int4", 0) != 0) || row.rfind("block_fp8", 0) == 0) {
       return absl::InvalidArgumentError(
           row + ": --compute=fp8 streams the FP8 weights themselves (block_pinned) or their int4 copy (block_int4)");
@@ -367,16 +369,7 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     absl::Status status = (*weights)->OnloadAll(backend);
     if (!status.ok()) return status;
     result.streamed_bytes = 0;
-    if (absl::GetFlag(FLAGS_compute) == "fp8") {
-      RETURN_IF_ERROR(fused::Fp8Supported(backend.torch_device()));
-      const auto start = std::chrono::steady_clock::now();
-      c10::InferenceMode guard;
-      ASSIGN_OR_RETURN(const int64_t converted, ConvertBlockLinearsToFp8(model));
-      backend.Synchronize();
-      backend.ReleaseCachedMemory();
-      std::printf("fp8: %lld linear layers converted on the device in %.2f s\n", static_cast<long long>(converted),
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    } else if (absl::GetFlag(FLAGS_compute) != "bf16") {
+    if (absl::GetFlag(FLAGS_compute) != "bf16" && absl::GetFlag(FLAGS_compute) != "fp8") {
       return absl::InvalidArgumentError("--compute must be bf16 or fp8");
     }
   } else {

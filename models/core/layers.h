@@ -51,12 +51,15 @@ class Linear : public Module {
   // the build; a second call changes nothing.
   absl::Status ConvertToFp8();
   bool is_fp8() const { return weight_scale_ >= 0; }
+  friend absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root);
 
   // Forward(x) of each layer, for layers that read the same x (Q, K and V; SwiGLU's gate and up
   // projections). With the fused kernels active and the layers' weights (and biases) side by side in
   // one allocation (Module::AddAdjacentGroup, placed so by HostWeights::OnloadAll) and no hooks on
   // the layers: one GEMM over the combined weight, each result a view of its columns. When they all
-  // run FP8 GEMMs: x is quantised once for all of them. Otherwise each layer's Forward.
+  // run FP8 GEMMs: x is quantised once for all of them, and with their FP8 weights, scales (and
+  // biases) side by side and no hooks, one FP8 GEMM over the combined rows. Otherwise each layer's
+  // Forward.
   static std::vector<at::Tensor> ForwardShared(const std::vector<Linear*>& layers, const at::Tensor& x);
   // gelu_tanh(Forward(x)); with the fused kernels active, the GELU runs in the GEMM's epilogue.
   at::Tensor ForwardGelu(const at::Tensor& x);
@@ -89,7 +92,9 @@ class Linear : public Module {
 
 // Converts every Linear inside the block lists of `root` (its ModuleList children: the transformer
 // blocks, where nearly all the FLOPs are; embedders and the final layer stay in their dtype) to
-// FP8 (Linear::ConvertToFp8). Returns how many were converted.
+// FP8 (Linear::ConvertToFp8). Layers whose weights were declared adjacent (Linear::DeclareAdjacent)
+// get their new scales declared adjacent too (ForwardShared's single FP8 GEMM). Returns how many
+// were converted.
 absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root);
 
 // Root-mean-square normalisation over the last dimension, computed in float32.

@@ -360,6 +360,47 @@ void ExpectAdjacent(Module& root, const std::vector<std::string>& paths) {
   }
 }
 
+// Layers that share an input, converted to FP8 on the host (as the server does at load) and then
+// onloaded: their FP8 weights, scales and biases lie side by side, and ForwardShared runs them as one
+// FP8 GEMM whose columns are each layer's own output (the same GEMM per column; cuBLAS may tile the
+// wider GEMM differently, so within float32 accumulation order, not bit for bit).
+TEST_F(FusedKernelTest, AdjacentFp8LayersRunAsOneGemm) {
+#ifdef STOWAGE_HAS_FP8
+  ASSERT_TRUE(fused::Fp8Supported(c10::Device(at::kCUDA, 0)).ok());
+  Container root("Root");
+  auto* blocks = root.AddChild("blocks", std::make_unique<Sequential>());
+  auto* block = blocks->Add(std::make_unique<Container>("Block"));
+  std::vector<Linear*> layers;
+  for (const int64_t out : {256, 256, 256, 1024}) {
+    layers.push_back(block->AddChild("l" + std::to_string(layers.size()),
+                                     std::make_unique<Linear>(256, out, true, LayerOptions{at::kBFloat16})));
+  }
+  Linear::DeclareAdjacent(*block, layers);
+  InitializeRandomWeights(root, 9);
+  ASSERT_EQ(*ConvertBlockLinearsToFp8(root), 4);
+  OnCuda cuda(root);
+  ExpectAdjacent(root, {"blocks.0.l0.weight", "blocks.0.l1.weight", "blocks.0.l2.weight", "blocks.0.l3.weight"});
+  ExpectAdjacent(root, {"blocks.0.l0.weight_scale", "blocks.0.l1.weight_scale", "blocks.0.l2.weight_scale",
+                        "blocks.0.l3.weight_scale"});
+  ExpectAdjacent(root, {"blocks.0.l0.bias", "blocks.0.l1.bias", "blocks.0.l2.bias", "blocks.0.l3.bias"});
+  c10::InferenceMode mode;
+  const at::Tensor x = Rand({2, 300, 256});
+  const std::vector<at::Tensor> shared = Linear::ForwardShared(layers, x);
+  ASSERT_EQ(shared.size(), layers.size());
+  // One GEMM: every output is a view of one buffer.
+  for (size_t i = 1; i < shared.size(); ++i) EXPECT_TRUE(shared[i].storage().is_alias_of(shared[0].storage())) << i;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const at::Tensor alone = layers[i]->Forward(x);
+    ASSERT_EQ(shared[i].sizes(), alone.sizes()) << i;
+    EXPECT_LT(RelL2(shared[i], alone), 2e-3) << "layer " << i;
+  }
+  // A second conversion changes nothing and declares nothing twice.
+  EXPECT_EQ(*ConvertBlockLinearsToFp8(root), 0);
+#else
+  GTEST_SKIP() << "no float8 in this LibTorch";
+#endif
+}
+
 TEST_F(FusedKernelTest, ZImageTransformerFusedMatchesPlain) {
   ZImageTransformer model(TinyZImageTransformerConfig(), LayerOptions{at::kBFloat16});
   InitializeRandomWeights(model, 3);

@@ -225,16 +225,11 @@ __global__ void __launch_bounds__(256) RmsNormRopeVecKernel(
   reinterpret_cast<Vec8*>(out + ((b * out_seq + s + out_seq_offset) * heads + h) * kHeadDim)[sub] = result;
 }
 
-__global__ void __launch_bounds__(kRowThreads) LayerNormModulateKernel(
-    const bf16* __restrict__ x, const bf16* __restrict__ scale, int64_t scale_batch_stride,
-    const bf16* __restrict__ shift, int64_t shift_batch_stride, bf16* __restrict__ out, int64_t rows_per_batch,
-    int dim, float eps) {
-  __shared__ float shared[33];
-  const int64_t row = blockIdx.x;
-  const int64_t b = row / rows_per_batch;
-  const int chunks = dim / 8;
-  float vals[kMaxChunks][8];
-  LoadRow(x + row * dim, chunks, vals);
+// LayerNorm (no affine) and modulation of one row held in `vals`, in place: afterwards vals[i][j] is
+// the bfloat16 output value (as a float). The one formula of LayerNormModulateKernel and its FP8 form.
+__device__ __forceinline__ void LayerNormModulateRow(float (&vals)[kMaxChunks][8], int chunks, int dim, float eps,
+                                                     const Vec8* __restrict__ sc, const Vec8* __restrict__ sh,
+                                                     float* shared) {
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < kMaxChunks; ++i) {
@@ -253,20 +248,39 @@ __global__ void __launch_bounds__(kRowThreads) LayerNormModulateKernel(
     }
   }
   const float rstd = 1.f / sqrtf(BlockReduce<false>(centred, shared) / static_cast<float>(dim) + eps);
-  const Vec8* sc = reinterpret_cast<const Vec8*>(scale + b * scale_batch_stride);
-  const Vec8* sh = reinterpret_cast<const Vec8*>(shift + b * shift_batch_stride);
-  Vec8* o = reinterpret_cast<Vec8*>(out + row * dim);
 #pragma unroll
   for (int i = 0; i < kMaxChunks; ++i) {
     const int c = threadIdx.x + i * kRowThreads;
     if (c >= chunks) continue;
     const Vec8 s = sc[c], t = sh[c];
-    Vec8 result;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const float l = Round((vals[i][j] - mean) * rstd);
-      result.v[j] = __float2bfloat16_rn(Round(l * __bfloat162float(s.v[j])) + __bfloat162float(t.v[j]));
+      vals[i][j] = Round(Round(l * __bfloat162float(s.v[j])) + __bfloat162float(t.v[j]));
     }
+  }
+}
+
+__global__ void __launch_bounds__(kRowThreads) LayerNormModulateKernel(
+    const bf16* __restrict__ x, const bf16* __restrict__ scale, int64_t scale_batch_stride,
+    const bf16* __restrict__ shift, int64_t shift_batch_stride, bf16* __restrict__ out, int64_t rows_per_batch,
+    int dim, float eps) {
+  __shared__ float shared[33];
+  const int64_t row = blockIdx.x;
+  const int64_t b = row / rows_per_batch;
+  const int chunks = dim / 8;
+  float vals[kMaxChunks][8];
+  LoadRow(x + row * dim, chunks, vals);
+  LayerNormModulateRow(vals, chunks, dim, eps, reinterpret_cast<const Vec8*>(scale + b * scale_batch_stride),
+                       reinterpret_cast<const Vec8*>(shift + b * shift_batch_stride), shared);
+  Vec8* o = reinterpret_cast<Vec8*>(out + row * dim);
+#pragma unroll
+  for (int i = 0; i < kMaxChunks; ++i) {
+    const int c = threadIdx.x + i * kRowThreads;
+    if (c >= chunks) continue;
+    Vec8 result;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) result.v[j] = __float2bfloat16_rn(vals[i][j]);
     o[c] = result;
   }
 }
@@ -334,6 +348,43 @@ __global__ void __launch_bounds__(kQuantThreads) QuantizeRowsFp8Kernel(const bf1
     float f[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) f[j] = __bfloat162float(v.v[j]) * inv;
+    o[c] = PackFp8(f);
+  }
+}
+
+// LayerNormModulateKernel's row quantised as QuantizeRowsFp8Kernel quantises it (its max |value|
+// over the bfloat16 outputs, the same scale and division): the bfloat16 row is never written.
+__global__ void __launch_bounds__(kRowThreads) LayerNormModulateFp8Kernel(
+    const bf16* __restrict__ x, const bf16* __restrict__ scale, int64_t scale_batch_stride,
+    const bf16* __restrict__ shift, int64_t shift_batch_stride, __nv_fp8_storage_t* __restrict__ q,
+    float* __restrict__ q_scale, int64_t rows_per_batch, int dim, float eps) {
+  __shared__ float shared[33];
+  const int64_t row = blockIdx.x;
+  const int64_t b = row / rows_per_batch;
+  const int chunks = dim / 8;
+  float vals[kMaxChunks][8];
+  LoadRow(x + row * dim, chunks, vals);
+  LayerNormModulateRow(vals, chunks, dim, eps, reinterpret_cast<const Vec8*>(scale + b * scale_batch_stride),
+                       reinterpret_cast<const Vec8*>(shift + b * shift_batch_stride), shared);
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxChunks; ++i) {
+    if (threadIdx.x + i * kRowThreads >= chunks) continue;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(vals[i][j]));
+  }
+  amax = BlockReduce<true>(amax, shared);
+  const float sc = amax > 0.f ? amax / 448.f : 1.f;
+  if (threadIdx.x == 0) q_scale[row] = sc;
+  const float inv = 1.f / sc;
+  uint2* o = reinterpret_cast<uint2*>(q + row * dim);
+#pragma unroll
+  for (int i = 0; i < kMaxChunks; ++i) {
+    const int c = threadIdx.x + i * kRowThreads;
+    if (c >= chunks) continue;
+    float f[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) f[j] = vals[i][j] * inv;
     o[c] = PackFp8(f);
   }
 }
@@ -515,6 +566,17 @@ int LayerNormModulate(const void* x, const void* scale, int64_t scale_batch_stri
       static_cast<const bf16*>(x), static_cast<const bf16*>(scale), scale_batch_stride,
       static_cast<const bf16*>(shift), shift_batch_stride, static_cast<bf16*>(out), rows_per_batch,
       static_cast<int>(dim), eps);
+  return LastError();
+}
+
+int LayerNormModulateFp8(const void* x, const void* scale, int64_t scale_batch_stride, const void* shift,
+                         int64_t shift_batch_stride, void* q, float* q_scale, int64_t rows, int64_t rows_per_batch,
+                         int64_t dim, float eps, void* stream) {
+  if (!RowFits(dim) || rows <= 0 || rows_per_batch <= 0) return static_cast<int>(cudaErrorInvalidValue);
+  LayerNormModulateFp8Kernel<<<dim3(static_cast<unsigned>(rows)), kRowThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      static_cast<const bf16*>(x), static_cast<const bf16*>(scale), scale_batch_stride,
+      static_cast<const bf16*>(shift), shift_batch_stride, static_cast<__nv_fp8_storage_t*>(q), q_scale,
+      rows_per_batch, static_cast<int>(dim), eps);
   return LastError();
 }
 

@@ -40,6 +40,11 @@ int RmsNormRope(const void* x, int64_t x_token_stride, const void* weight, const
 int LayerNormModulate(const void* x, const void* scale, int64_t scale_batch_stride, const void* shift,
                       int64_t shift_batch_stride, void* out, int64_t rows, int64_t rows_per_batch, int64_t dim,
                       float eps, void* stream);
+// The same row quantised per token to FP8 as QuantizeRowsFp8 (below) quantises LayerNormModulate's
+// output, bit for bit, without writing the bfloat16 row: q [rows, dim] e4m3, q_scale [rows].
+int LayerNormModulateFp8(const void* x, const void* scale, int64_t scale_batch_stride, const void* shift,
+                         int64_t shift_batch_stride, void* q, float* q_scale, int64_t rows, int64_t rows_per_batch,
+                         int64_t dim, float eps, void* stream);
 
 // out = bf16(bf16(silu(a)) · b) over rows of `cols` values (a multiple of 8); a's and b's rows are
 // a_row_stride and b_row_stride elements apart (cols when contiguous; both halves of one GEMM's

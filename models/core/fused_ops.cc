@@ -296,6 +296,44 @@ at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   return reference::Fp8Linear(x, q, scale, bias);
 }
 
+at::Tensor Fp8LinearQuantized(const Fp8Input& input, at::IntArrayRef sizes, const at::Tensor& q,
+                              const at::Tensor& scale, const at::Tensor& bias) {
+  TORCH_CHECK(input.q.defined(), "Fp8LinearQuantized: no quantised input");
+#if defined(STOWAGE_WITH_CUDA) && defined(STOWAGE_HAS_FP8)
+  c10::cuda::CUDAGuard guard(q.device());
+  std::vector<int64_t> shape = sizes.vec();
+  shape.back() = q.size(0);
+  return ScaledMm(input.q, input.scale, q, scale, bias).view(shape);
+#else
+  (void)sizes, (void)q, (void)scale, (void)bias;
+  TORCH_CHECK(false, "Fp8LinearQuantized: this build has no FP8 GEMMs");
+#endif
+}
+
+Fp8Input LayerNormModulateFp8(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps) {
+#if defined(STOWAGE_WITH_CUDA) && defined(STOWAGE_HAS_FP8)
+  if (Active(x) && x.dim() == 3 && x.size(2) % 16 == 0) {
+    const int64_t dim = x.size(2), batch = x.size(0);
+    const int64_t scale_stride = ModulationStride(scale, batch, dim);
+    const int64_t shift_stride = ModulationStride(shift, batch, dim);
+    if (RowsOk(x, dim) && scale_stride >= 0 && shift_stride >= 0 && x.numel() > 0) {
+      c10::cuda::CUDAGuard guard(x.device());
+      const int64_t rows = x.numel() / dim;
+      Fp8Input input{at::empty({rows, dim}, x.options().dtype(at::kFloat8_e4m3fn)),
+                     at::empty({rows, 1}, x.options().dtype(at::kFloat))};
+      Check(fused_cuda::LayerNormModulateFp8(x.data_ptr(), scale.data_ptr(), scale_stride, shift.data_ptr(),
+                                             shift_stride, input.q.data_ptr(), input.scale.data_ptr<float>(), rows,
+                                             x.size(1), dim, static_cast<float>(eps), Stream(x)),
+            "LayerNormModulateFp8");
+      return input;
+    }
+  }
+#else
+  (void)x, (void)scale, (void)shift, (void)eps;
+#endif
+  return {};
+}
+
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& scale) {
 #ifdef STOWAGE_WITH_CUDA
   if (Active(x) && x.dim() == 3) {

@@ -97,6 +97,14 @@ Fp8Input QuantizeInputFp8(const at::Tensor& x);
 // elsewhere the reference (the same quantisation, then a float32 GEMM of the dequantised values).
 at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias,
                      const Fp8Input* input = nullptr);
+// Fp8Linear from x's quantisation alone (x of `sizes` is not needed): `input` defined, made by
+// QuantizeInputFp8 or LayerNormModulateFp8 (so only where the FP8 GEMM path applies).
+at::Tensor Fp8LinearQuantized(const Fp8Input& input, at::IntArrayRef sizes, const at::Tensor& q,
+                              const at::Tensor& scale, const at::Tensor& bias);
+// QuantizeInputFp8(LayerNormModulate(x, scale, shift, eps)), bit for bit, by one kernel that never
+// writes the bfloat16 values; undefined where that kernel does not apply (the fused kernels off or
+// absent, no FP8, shapes LayerNormModulate's kernel does not take, a row not a multiple of 16).
+Fp8Input LayerNormModulateFp8(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps);
 
 // Fp8Linear(x, q, scale, bias) for x = at::cat(parts, -1), the parts flagged in `gelu` (empty: none)
 // entering as gelu_tanh(part) — a layer that reads the concatenation of two outputs, or the GELU of

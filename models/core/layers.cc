@@ -123,14 +123,42 @@ at::Tensor Linear::ForwardGelu(const at::Tensor& x) {
   return at::gelu(WithLoras(x, y), "tanh");
 }
 
+SharedInput SharedInput::LayerNormModulated(at::Tensor x, at::Tensor scale, at::Tensor shift, double eps) {
+  SharedInput in{at::Tensor()};
+  in.source_ = std::move(x);
+  in.scale_ = std::move(scale);
+  in.shift_ = std::move(shift);
+  in.eps_ = eps;
+  return in;
+}
+
+const at::Tensor& SharedInput::Values() {
+  if (!x_.defined()) x_ = fused::LayerNormModulate(source_, scale_, shift_, eps_);
+  return x_;
+}
+
+const fused::Fp8Input& SharedInput::Fp8() {
+  if (fp8_made_) return fp8_;
+  fp8_made_ = true;
+  if (!x_.defined()) fp8_ = fused::LayerNormModulateFp8(source_, scale_, shift_, eps_);
+  if (!fp8_.q.defined()) fp8_ = fused::QuantizeInputFp8(Values());
+  return fp8_;
+}
+
 std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers, const at::Tensor& x) {
+  SharedInput in(x);
+  return ForwardShared(layers, in);
+}
+
+std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers, SharedInput& in) {
   std::vector<at::Tensor> out;
   out.reserve(layers.size());
+  const at::Tensor& probe = in.probe();  // x, or what x is made from: the same dtype, device and sizes.
   // A layer with an active LoRA adds its delta into its slice of the shared output (its up-projection
   // accumulates there: the slice is a strided view the GEMM writes through).
   const bool hookless = std::all_of(layers.begin(), layers.end(), [](const Linear* l) { return l->hook_count() == 0; });
   const bool any_fp8 = std::any_of(layers.begin(), layers.end(), [](const Linear* l) { return l->is_fp8(); });
-  if (layers.size() > 1 && hookless && !any_fp8 && fused::Active(x)) {
+  if (layers.size() > 1 && hookless && !any_fp8 && fused::Active(probe)) {
     std::vector<at::Tensor> weights, biases;
     for (const Linear* l : layers) {
       weights.push_back(l->slots()[static_cast<size_t>(l->weight_)].value);
@@ -138,7 +166,9 @@ std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers
     }
     const at::Tensor weight = AdjacentRows(weights);
     const at::Tensor bias = biases.empty() ? at::Tensor() : AdjacentRows(biases);
-    if (weight.defined() && weight.size(1) == x.size(-1) && (biases.empty() || (biases.size() == layers.size() && bias.defined()))) {
+    if (weight.defined() && weight.size(1) == probe.size(-1) &&
+        (biases.empty() || (biases.size() == layers.size() && bias.defined()))) {
+      const at::Tensor& x = in.Values();
       const at::Tensor y = at::linear(x, weight, bias);
       int64_t column = 0;
       for (const Linear* l : layers) {
@@ -149,15 +179,21 @@ std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers
       return out;
     }
   }
-  const bool all_fp8 = layers.size() > 1 && std::all_of(layers.begin(), layers.end(), [](const Linear* l) {
+  const bool all_fp8 = !layers.empty() && std::all_of(layers.begin(), layers.end(), [](const Linear* l) {
                          return l->is_fp8() && !l->LoraActive();
                        });
   if (!all_fp8) {
-    for (Linear* layer : layers) out.push_back(layer->Forward(x));
+    for (Linear* layer : layers) out.push_back(layer->Forward(in.Values()));
     return out;
   }
-  const fused::Fp8Input input = fused::QuantizeInputFp8(x);
-  if (hookless && fused::Active(x)) {
+  // Every layer runs an FP8 GEMM: x is quantised once (straight from the norm where a kernel does
+  // both: the bfloat16 x is then never made).
+  const fused::Fp8Input& input = in.Fp8();
+  auto fp8_linear = [&](const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias) {
+    return input.q.defined() ? fused::Fp8LinearQuantized(input, probe.sizes(), q, scale, bias)
+                             : fused::Fp8Linear(in.Values(), q, scale, bias);
+  };
+  if (hookless && fused::Active(probe)) {
     // Weights, scales and biases side by side (ConvertBlockLinearsToFp8 declares the scales adjacent
     // too): one FP8 GEMM over the combined rows — the single blocks' Q, K, V and MLP input are one
     // GEMM of 21504 columns instead of four that leave part of the last wave of tiles idle.
@@ -170,9 +206,9 @@ std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers
     const at::Tensor weight = AdjacentRows(weights);
     const at::Tensor scale = AdjacentRows(scales);
     const at::Tensor bias = biases.empty() ? at::Tensor() : AdjacentRows(biases);
-    if (weight.defined() && scale.defined() && weight.size(1) == x.size(-1) &&
+    if (weight.defined() && scale.defined() && weight.size(1) == probe.size(-1) &&
         (biases.empty() || (biases.size() == layers.size() && bias.defined()))) {
-      const at::Tensor y = fused::Fp8Linear(x, weight, scale, bias, &input);
+      const at::Tensor y = fp8_linear(weight, scale, bias);
       int64_t column = 0;
       for (const Linear* l : layers) {
         out.push_back(y.narrow(-1, column, l->out_features_));
@@ -183,8 +219,8 @@ std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers
   }
   for (Linear* layer : layers) {
     ForwardScope scope(*layer);
-    out.push_back(fused::Fp8Linear(x, layer->tensor(layer->weight_), layer->tensor(layer->weight_scale_),
-                                   layer->bias_ >= 0 ? layer->tensor(layer->bias_) : at::Tensor(), &input));
+    out.push_back(fp8_linear(layer->tensor(layer->weight_), layer->tensor(layer->weight_scale_),
+                             layer->bias_ >= 0 ? layer->tensor(layer->bias_) : at::Tensor()));
   }
   return out;
 }

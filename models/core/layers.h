@@ -8,9 +8,8 @@
 #define STOWAGE_MODELS_CORE_LAYERS_H_
 
 #include <cstdint>
-#include <memory>
-#include <string>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -18,6 +17,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "models/core/fused_ops.h"
 #include "models/core/lora.h"
 #include "offload/module.h"
 
@@ -31,6 +31,29 @@ struct LayerOptions {
 // Mixed-adapter batches run the packed per-row LoRA path (lora.h) where the fused kernels run
 // (CUDA); true makes every device run it (tests of that path on the CPU). Process-wide.
 void SetPackedLoraEverywhere(bool on);
+
+// The input several layers read (Linear::ForwardShared), made in the form they need: a tensor as
+// given, or LayerNorm + modulation of one (fused::LayerNormModulate), made when first asked — straight
+// into its per-token FP8 quantisation when every reader runs an FP8 GEMM (fused::LayerNormModulateFp8:
+// the bfloat16 values are never written), otherwise in bfloat16. One forward's, on one thread.
+class SharedInput {
+ public:
+  explicit SharedInput(at::Tensor x) : x_(std::move(x)) {}
+  static SharedInput LayerNormModulated(at::Tensor x, at::Tensor scale, at::Tensor shift, double eps);
+  // The bfloat16 (or the layers' dtype) values.
+  const at::Tensor& Values();
+  // Their FP8 quantisation; undefined where the FP8 GEMM path does not apply (fused::QuantizeInputFp8).
+  const fused::Fp8Input& Fp8();
+  // The given tensor, or the one the values are made from: the same sizes, dtype and device.
+  const at::Tensor& probe() const { return x_.defined() ? x_ : source_; }
+
+ private:
+  at::Tensor x_;
+  at::Tensor source_, scale_, shift_;  // LayerNormModulated: what x_ is made from.
+  double eps_ = 0;
+  fused::Fp8Input fp8_;
+  bool fp8_made_ = false;
+};
 
 class Linear : public Module {
  public:
@@ -61,6 +84,7 @@ class Linear : public Module {
   // biases) side by side and no hooks, one FP8 GEMM over the combined rows. Otherwise each layer's
   // Forward.
   static std::vector<at::Tensor> ForwardShared(const std::vector<Linear*>& layers, const at::Tensor& x);
+  static std::vector<at::Tensor> ForwardShared(const std::vector<Linear*>& layers, SharedInput& x);
   // gelu_tanh(Forward(x)); with the fused kernels active, the GELU runs in the GEMM's epilogue.
   at::Tensor ForwardGelu(const at::Tensor& x);
   // Declares `layers`' weights (and biases, when they have them) adjacent on `owner`

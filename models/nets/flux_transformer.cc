@@ -53,10 +53,11 @@ std::pair<Linear*, Linear*> GeluFeedForward(Module& parent, const std::string& n
 }
 
 // out(gelu_tanh(in(x))): with FP8 weights the GELU runs inside out's input quantisation (the
-// GELU's output is never written); otherwise in in's GEMM epilogue where the fused kernels run.
-at::Tensor GeluFeedForwardForward(Linear& in, Linear& out, const at::Tensor& x) {
-  if (out.is_fp8()) return out.ForwardConcat({in.Forward(x)}, {true});
-  return out.Forward(in.ForwardGelu(x));
+// GELU's output is never written) and a normed x goes straight into in's FP8 input; otherwise the
+// GELU runs in in's GEMM epilogue where the fused kernels run.
+at::Tensor GeluFeedForwardForward(Linear& in, Linear& out, SharedInput& x) {
+  if (out.is_fp8()) return out.ForwardConcat({Linear::ForwardShared({&in}, x)[0]}, {true});
+  return out.Forward(in.ForwardGelu(x.Values()));
 }
 
 // An AdaLayerNorm's projection: "<name>.linear" (its SiLU has no weights).
@@ -177,45 +178,56 @@ at::Tensor FluxAttention::ForwardProjected(const at::Tensor& q, const at::Tensor
 
 std::pair<at::Tensor, at::Tensor> FluxAttention::Forward(const at::Tensor& x, const at::Tensor& context,
                                                          const FluxRope& rope) {
+  if (rope.pair_cos.defined()) {
+    SharedInput xi(x), ci(context);
+    return Forward(xi, context.defined() ? &ci : nullptr, rope);
+  }
   ForwardScope scope(*this);
   auto heads = [&](const at::Tensor& t) { return t.view({t.size(0), t.size(1), heads_, head_dim_}); };
   const bool joint = add_q_proj_ != nullptr && context.defined();
-  at::Tensor q, k, v;
-  if (rope.pair_cos.defined()) {
-    // Norm and rotation in one kernel, written straight into the joint [text; image] tensors.
-    const int64_t text = joint ? context.size(1) : 0;
-    const std::vector<int64_t> shape = {x.size(0), text + x.size(1), heads_, head_dim_};
-    q = at::empty(shape, x.options());
-    k = at::empty(shape, x.options());
-    at::Tensor context_v;
-    if (joint) {
-      const std::vector<at::Tensor> added = Linear::ForwardShared({add_q_proj_, add_k_proj_, add_v_proj_}, context);
-      norm_added_q_->ForwardRope(heads(added[0]), rope.pair_cos, rope.pair_sin, 0, q);
-      norm_added_k_->ForwardRope(heads(added[1]), rope.pair_cos, rope.pair_sin, 0, k);
-      context_v = heads(added[2]);
-    }
-    const std::vector<at::Tensor> qkv = Linear::ForwardShared({to_q_, to_k_, to_v_}, x);
-    norm_q_->ForwardRope(heads(qkv[0]), rope.pair_cos, rope.pair_sin, text, q);
-    norm_k_->ForwardRope(heads(qkv[1]), rope.pair_cos, rope.pair_sin, text, k);
-    v = joint ? fused::ConcatTokens({context_v, heads(qkv[2])}) : heads(qkv[2]);
-  } else {
-    q = norm_q_->Forward(heads(to_q_->Forward(x)));
-    k = norm_k_->Forward(heads(to_k_->Forward(x)));
-    v = heads(to_v_->Forward(x));
-    if (joint) {
-      q = at::cat({norm_added_q_->Forward(heads(add_q_proj_->Forward(context))), q}, 1);
-      k = at::cat({norm_added_k_->Forward(heads(add_k_proj_->Forward(context))), k}, 1);
-      v = at::cat({heads(add_v_proj_->Forward(context)), v}, 1);
-    }
-    q = ApplyRope(q, rope.cos, rope.sin);
-    k = ApplyRope(k, rope.cos, rope.sin);
+  at::Tensor q = norm_q_->Forward(heads(to_q_->Forward(x)));
+  at::Tensor k = norm_k_->Forward(heads(to_k_->Forward(x)));
+  at::Tensor v = heads(to_v_->Forward(x));
+  if (joint) {
+    q = at::cat({norm_added_q_->Forward(heads(add_q_proj_->Forward(context))), q}, 1);
+    k = at::cat({norm_added_k_->Forward(heads(add_k_proj_->Forward(context))), k}, 1);
+    v = at::cat({heads(add_v_proj_->Forward(context)), v}, 1);
   }
+  return Attend(ApplyRope(q, rope.cos, rope.sin), ApplyRope(k, rope.cos, rope.sin), v, joint,
+                joint ? context.size(1) : 0);
+}
+
+std::pair<at::Tensor, at::Tensor> FluxAttention::Forward(SharedInput& x, SharedInput* context, const FluxRope& rope) {
+  ForwardScope scope(*this);
+  auto heads = [&](const at::Tensor& t) { return t.view({t.size(0), t.size(1), heads_, head_dim_}); };
+  const at::Tensor& xp = x.probe();
+  const bool joint = add_q_proj_ != nullptr && context != nullptr && context->probe().defined();
+  // Norm and rotation in one kernel, written straight into the joint [text; image] tensors.
+  const int64_t text = joint ? context->probe().size(1) : 0;
+  const std::vector<int64_t> shape = {xp.size(0), text + xp.size(1), heads_, head_dim_};
+  const at::Tensor q = at::empty(shape, xp.options());
+  const at::Tensor k = at::empty(shape, xp.options());
+  at::Tensor context_v;
+  if (joint) {
+    const std::vector<at::Tensor> added = Linear::ForwardShared({add_q_proj_, add_k_proj_, add_v_proj_}, *context);
+    norm_added_q_->ForwardRope(heads(added[0]), rope.pair_cos, rope.pair_sin, 0, q);
+    norm_added_k_->ForwardRope(heads(added[1]), rope.pair_cos, rope.pair_sin, 0, k);
+    context_v = heads(added[2]);
+  }
+  const std::vector<at::Tensor> qkv = Linear::ForwardShared({to_q_, to_k_, to_v_}, x);
+  norm_q_->ForwardRope(heads(qkv[0]), rope.pair_cos, rope.pair_sin, text, q);
+  norm_k_->ForwardRope(heads(qkv[1]), rope.pair_cos, rope.pair_sin, text, k);
+  const at::Tensor v = joint ? fused::ConcatTokens({context_v, heads(qkv[2])}) : heads(qkv[2]);
+  return Attend(q, k, v, joint, text);
+}
+
+std::pair<at::Tensor, at::Tensor> FluxAttention::Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                        bool joint, int64_t text) {
   at::Tensor o = ScaledDotProductAttention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), at::Tensor())
                      .transpose(1, 2)
                      .flatten(2, 3)
                      .to(q.scalar_type());
   if (!joint) return {to_out_ != nullptr ? to_out_->Forward(o) : o, at::Tensor()};
-  const int64_t text = context.size(1);
   const at::Tensor text_out = to_add_out_->Forward(o.slice(1, 0, text).contiguous());
   const at::Tensor image_out = to_out_->Forward(o.slice(1, text).contiguous());
   return {image_out, text_out};
@@ -237,14 +249,17 @@ std::pair<at::Tensor, at::Tensor> FluxTransformerBlock::Forward(const at::Tensor
   // AdaLayerNormZero: shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp.
   const std::vector<at::Tensor> m = norm1_->Forward(silu_temb).unsqueeze(1).chunk(6, 2);
   const std::vector<at::Tensor> c = norm1_context_->Forward(silu_temb).unsqueeze(1).chunk(6, 2);
-  if (rope.pair_cos.defined()) {  // Norm + modulation in one kernel; gated residuals in one.
-    const auto [attn, context_attn] = attn_->Forward(fused::LayerNormModulate(x, 1 + m[1], m[0], kNormEps),
-                                                     fused::LayerNormModulate(context, 1 + c[1], c[0], kNormEps), rope);
+  if (rope.pair_cos.defined()) {
+    // Norm + modulation in one kernel (with FP8 projections, writing their FP8 input directly);
+    // gated residuals in one.
+    SharedInput nx = SharedInput::LayerNormModulated(x, 1 + m[1], m[0], kNormEps);
+    SharedInput nc = SharedInput::LayerNormModulated(context, 1 + c[1], c[0], kNormEps);
+    const auto [attn, context_attn] = attn_->Forward(nx, &nc, rope);
     at::Tensor h = fused::GatedAdd(x, m[2], attn);
-    const at::Tensor hm = fused::LayerNormModulate(h, 1 + m[4], m[3], kNormEps);
+    SharedInput hm = SharedInput::LayerNormModulated(h, 1 + m[4], m[3], kNormEps);
     h = fused::GatedAdd(h, m[5], GeluFeedForwardForward(*ff_in_, *ff_out_, hm));
     at::Tensor t = fused::GatedAdd(context, c[2], context_attn);
-    const at::Tensor tm = fused::LayerNormModulate(t, 1 + c[4], c[3], kNormEps);
+    SharedInput tm = SharedInput::LayerNormModulated(t, 1 + c[4], c[3], kNormEps);
     t = fused::GatedAdd(t, c[5], GeluFeedForwardForward(*ff_context_in_, *ff_context_out_, tm));
     return {t, h};
   }
@@ -278,7 +293,7 @@ at::Tensor FluxSingleTransformerBlock::Forward(const at::Tensor& x, const at::Te
   const std::vector<at::Tensor> m = norm_->Forward(silu_temb).unsqueeze(1).chunk(3, 2);
   if (rope.pair_cos.defined()) {
     // Q, K, V and the MLP input in one GEMM when their weights are adjacent.
-    const at::Tensor n = fused::LayerNormModulate(x, 1 + m[1], m[0], kNormEps);
+    SharedInput n = SharedInput::LayerNormModulated(x, 1 + m[1], m[0], kNormEps);
     std::vector<Linear*> layers = attn_->projections();
     layers.push_back(proj_mlp_);
     const std::vector<at::Tensor> p = Linear::ForwardShared(layers, n);

@@ -69,12 +69,20 @@ class FluxAttention : public Module {
   // x: [B, S, dim]; context (joint only): [B, S_txt, dim]. Returns the image part and, when joint,
   // the text part.
   std::pair<at::Tensor, at::Tensor> Forward(const at::Tensor& x, const at::Tensor& context, const FluxRope& rope);
+  // The same on the fused path (rope.pair_cos defined), from inputs made as the projections need
+  // them (a normed input straight into FP8 where every projection runs an FP8 GEMM).
+  std::pair<at::Tensor, at::Tensor> Forward(SharedInput& x, SharedInput* context, const FluxRope& rope);
   // The fused path of a single block's attention: q, k, v already projected ([B, S, inner], rows
   // any stride apart: the single block makes them and its MLP input in one GEMM).
   at::Tensor ForwardProjected(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const FluxRope& rope);
   std::vector<Linear*> projections() const { return {to_q_, to_k_, to_v_}; }
 
  private:
+  // Attention over q, k, v [B, S, heads, head_dim] and the output projections (the text rows first
+  // when joint).
+  std::pair<at::Tensor, at::Tensor> Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool joint,
+                                           int64_t text);
+
   int64_t heads_, head_dim_;
   RMSNorm* norm_q_;
   RMSNorm* norm_k_;

@@ -360,6 +360,48 @@ void ExpectAdjacent(Module& root, const std::vector<std::string>& paths) {
   }
 }
 
+// LayerNorm + modulation written straight as FP8 equals, bit for bit, quantising the written norm;
+// FP8 layers reading a SharedInput made that way give exactly what they give from the built norm.
+TEST_F(FusedKernelTest, LayerNormModulateFp8EqualsQuantisingTheNorm) {
+#ifdef STOWAGE_HAS_FP8
+  ASSERT_TRUE(fused::Fp8Supported(c10::Device(at::kCUDA, 0)).ok());
+  c10::InferenceMode mode;
+  auto bytes = [](const at::Tensor& q) { return q.view(at::kByte); };
+  for (const auto& [batch, seq, dim] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{1, 300, 3072}, {2, 77, 64}}) {
+    const at::Tensor x = Rand({batch, seq, dim}, 0.3, 2.0);
+    // Modulation as the blocks chunk it: [B, 1, dim] views of one [B, 1, 3·dim] projection.
+    const std::vector<at::Tensor> m = Rand({batch, 1, 3 * dim}, 0.0, 0.5).chunk(3, 2);
+    const at::Tensor scale = 1 + m[1];
+    const fused::Fp8Input got = fused::LayerNormModulateFp8(x, scale, m[0], 1e-6);
+    ASSERT_TRUE(got.q.defined()) << dim;
+    const fused::Fp8Input want = fused::QuantizeInputFp8(fused::LayerNormModulate(x, scale, m[0], 1e-6));
+    EXPECT_TRUE(at::equal(bytes(got.q), bytes(want.q))) << dim;
+    EXPECT_TRUE(at::equal(got.scale, want.scale)) << dim;
+  }
+  const at::Tensor x = Rand({1, 33, 256});
+  const std::vector<at::Tensor> m = Rand({1, 1, 512}, 0.0, 0.5).chunk(2, 2);
+  {
+    FusedSwitch off(false);  // STOWAGE_FUSED=0: no fused kernel.
+    EXPECT_FALSE(fused::LayerNormModulateFp8(x, 1 + m[1], m[0], 1e-6).q.defined());
+  }
+  EXPECT_FALSE(fused::LayerNormModulateFp8(Rand({1, 3, 72}), Rand({1, 1, 72}), Rand({1, 1, 72}), 1e-6).q.defined())
+      << "a row that is not a multiple of 16 takes the bf16 norm";
+  Linear a(256, 128, true, LayerOptions{at::kBFloat16}), b(256, 64, false, LayerOptions{at::kBFloat16});
+  for (Linear* l : {&a, &b}) {
+    l->ForEachSlot([](Module&, TensorSlot& slot) { slot.value = (at::randn_like(slot.value, at::kFloat) * 0.05).to(at::kBFloat16).to(at::kCUDA); });
+    ASSERT_TRUE(l->ConvertToFp8().ok());
+  }
+  SharedInput normed = SharedInput::LayerNormModulated(x, 1 + m[1], m[0], 1e-6);
+  const std::vector<at::Tensor> got = Linear::ForwardShared({&a, &b}, normed);
+  const std::vector<at::Tensor> want = Linear::ForwardShared({&a, &b}, fused::LayerNormModulate(x, 1 + m[1], m[0], 1e-6));
+  ASSERT_EQ(got.size(), 2u);
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(at::equal(got[i], want[i])) << i;
+  EXPECT_TRUE(at::equal(Linear::ForwardShared({&a}, normed)[0], want[0])) << "one layer";
+#else
+  GTEST_SKIP() << "no float8 in this LibTorch";
+#endif
+}
+
 // Layers that share an input, converted to FP8 on the host (as the server does at load) and then
 // onloaded: their FP8 weights, scales and biases lie side by side, and ForwardShared runs them as one
 // FP8 GEMM whose columns are each layer's own output (the same GEMM per column; cuBLAS may tile the

@@ -1,10 +1,17 @@
 #include "models/core/fused_ops.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
+#include <vector>
 
 #include <ATen/ATen.h>
+#ifdef STOWAGE_HAS_FP8
+#include <c10/util/Float8_e4m3fn.h>
+#endif
 
 #include "absl/strings/str_cat.h"
 
@@ -132,6 +139,60 @@ absl::Status Fp8Supported(const c10::Device& device) {
 
 Fp8Weight QuantizeWeightFp8(const at::Tensor& w) {
 #ifdef STOWAGE_HAS_FP8
+  if (w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() && w.numel() > 0) {
+    // A checkpoint's weight on the host (FP8 compute converts at load): one pass per row over the
+    // bfloat16 values, no float32 temporaries, the rows split over threads of our own (at::parallel_for
+    // compiled into this object never forks: it is not built with OpenMP) — the same arithmetic as the
+    // reference below (float32 max, division by the scale, clamp, round to nearest e4m3).
+    const int64_t n = w.size(0), k = w.size(1);
+    Fp8Weight out{at::empty({n, k}, w.options().dtype(at::kFloat8_e4m3fn)), at::empty({n}, w.options().dtype(at::kFloat))};
+    const auto* src = static_cast<const c10::BFloat16*>(w.data_ptr());
+    auto* dst = static_cast<c10::Float8_e4m3fn*>(out.q.data_ptr());
+    auto* scales = static_cast<float*>(out.scale.data_ptr());
+    auto rows = [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const c10::BFloat16* row = src + r * k;
+        float amax = 0.f;
+        for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::abs(static_cast<float>(row[i])));
+        float scale = amax / 448.f;
+        if (!(scale > 0.f)) scale = 1.f;
+        scales[r] = scale;
+        c10::Float8_e4m3fn* q = dst + r * k;
+        for (int64_t i = 0; i < k; ++i) {
+          q[i] = c10::Float8_e4m3fn(std::min(std::max(static_cast<float>(row[i]) / scale, -448.f), 448.f));
+        }
+      }
+    };
+    constexpr int64_t kValuesPerThread = int64_t{1} << 20;  // Below this a thread costs more than it saves.
+    const int64_t threads = std::clamp<int64_t>(
+        std::min<int64_t>(n, w.numel() / kValuesPerThread), 1,
+        std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency())));
+    if (threads == 1) {
+      rows(0, n);
+    } else {
+      std::vector<std::thread> workers;
+      workers.reserve(static_cast<size_t>(threads - 1));
+      const int64_t per = (n + threads - 1) / threads;
+      for (int64_t t = 1; t < threads; ++t) {
+        const int64_t begin = std::min(n, t * per), end = std::min(n, (t + 1) * per);
+        if (begin < end) workers.emplace_back(rows, begin, end);
+      }
+      rows(0, std::min(n, per));
+      for (std::thread& worker : workers) worker.join();
+    }
+    return out;
+  }
+  return reference::QuantizeWeightFp8(w);
+#else
+  (void)w;
+  TORCH_CHECK(false, "QuantizeWeightFp8: this LibTorch has no float8 types");
+#endif
+}
+
+namespace reference {
+
+Fp8Weight QuantizeWeightFp8(const at::Tensor& w) {
+#ifdef STOWAGE_HAS_FP8
   const at::Tensor wf = w.to(at::kFloat);
   at::Tensor scale = wf.abs().amax({1}) / 448.0;
   scale = at::where(scale > 0, scale, at::ones_like(scale));
@@ -141,8 +202,6 @@ Fp8Weight QuantizeWeightFp8(const at::Tensor& w) {
   TORCH_CHECK(false, "QuantizeWeightFp8: this LibTorch has no float8 types");
 #endif
 }
-
-namespace reference {
 
 at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias) {
 #ifdef STOWAGE_HAS_FP8

@@ -120,6 +120,7 @@ Fp8Input QuantizeConcatInputFp8(const std::vector<at::Tensor>& parts, const std:
 at::Tensor GeluConcat(const std::vector<at::Tensor>& parts, const std::vector<bool>& gelu);
 
 namespace reference {
+Fp8Weight QuantizeWeightFp8(const at::Tensor& w);  // LibTorch ops in float32, any device and dtype.
 at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias);
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& scale);
 at::Tensor GatedRmsNormResidual(const at::Tensor& residual, const at::Tensor& gate, const at::Tensor& y,

@@ -111,6 +111,16 @@ TEST(FusedOpsReferenceTest, Fp8NeedsAFloat8BuildAndACapableDevice) {
   EXPECT_EQ(q.q.scalar_type(), at::kFloat8_e4m3fn);
   EXPECT_LT(RelL2(q.q.to(at::kFloat) * q.scale.unsqueeze(1), w), 0.05);
   EXPECT_LT(RelL2(fused::Fp8Linear(x, q.q, q.scale, bias), at::linear(x, w, bias)), 0.08);
+  // A bfloat16 host weight takes the one-pass threaded host conversion: bit for bit the reference's
+  // result, rows of zeros (scale 1) and of large values included; large enough to use threads.
+  at::Tensor wb = (at::randn({1030, 3840}) * 0.02).to(at::kBFloat16);
+  wb[3].zero_();
+  wb[5].mul_(1e4);
+  wb[1029].mul_(1e-3);
+  const fused::Fp8Weight fast = fused::QuantizeWeightFp8(wb), slow = fused::reference::QuantizeWeightFp8(wb);
+  EXPECT_TRUE(at::equal(fast.q.view(at::kByte), slow.q.view(at::kByte)));
+  EXPECT_TRUE(at::equal(fast.scale, slow.scale));
+  EXPECT_EQ(fast.scale[3].item<float>(), 1.f);
 #else
   EXPECT_EQ(fused::Fp8Supported(c10::Device(c10::kCPU)).code(), absl::StatusCode::kUnimplemented);
   Linear linear(16, 16, false, LayerOptions{at::kFloat});

@@ -355,9 +355,21 @@ at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
   return reference::Fp8Linear(x, q, scale, bias);
 }
 
+bool Fp8GemmTakes(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias) {
+#if defined(STOWAGE_WITH_CUDA) && defined(STOWAGE_HAS_FP8)
+  return q.defined() && q.is_cuda() && q.scalar_type() == at::kFloat8_e4m3fn && q.dim() == 2 && q.is_contiguous() &&
+         q.size(0) % 16 == 0 && q.size(1) % 16 == 0 && scale.defined() && scale.scalar_type() == at::kFloat &&
+         (!bias.defined() || bias.scalar_type() == at::kBFloat16);
+#else
+  (void)q, (void)scale, (void)bias;
+  return false;
+#endif
+}
+
 at::Tensor Fp8LinearQuantized(const Fp8Input& input, at::IntArrayRef sizes, const at::Tensor& q,
                               const at::Tensor& scale, const at::Tensor& bias) {
   TORCH_CHECK(input.q.defined(), "Fp8LinearQuantized: no quantised input");
+  TORCH_CHECK(Fp8GemmTakes(q, scale, bias), "Fp8LinearQuantized: the FP8 GEMM does not take this weight");
 #if defined(STOWAGE_WITH_CUDA) && defined(STOWAGE_HAS_FP8)
   c10::cuda::CUDAGuard guard(q.device());
   std::vector<int64_t> shape = sizes.vec();

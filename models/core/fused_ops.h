@@ -97,8 +97,11 @@ Fp8Input QuantizeInputFp8(const at::Tensor& x);
 // elsewhere the reference (the same quantisation, then a float32 GEMM of the dequantised values).
 at::Tensor Fp8Linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias,
                      const Fp8Input* input = nullptr);
+// Whether the FP8 GEMM takes this weight (CUDA float8 e4m3, contiguous, both dimensions multiples of
+// 16, float32 scales, no bias or a bfloat16 one); Fp8Linear runs its reference otherwise.
+bool Fp8GemmTakes(const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias);
 // Fp8Linear from x's quantisation alone (x of `sizes` is not needed): `input` defined, made by
-// QuantizeInputFp8 or LayerNormModulateFp8 (so only where the FP8 GEMM path applies).
+// QuantizeInputFp8 or LayerNormModulateFp8, and Fp8GemmTakes(q, scale, bias).
 at::Tensor Fp8LinearQuantized(const Fp8Input& input, at::IntArrayRef sizes, const at::Tensor& q,
                               const at::Tensor& scale, const at::Tensor& bias);
 // QuantizeInputFp8(LayerNormModulate(x, scale, shift, eps)), bit for bit, by one kernel that never

@@ -190,8 +190,11 @@ std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers
   // both: the bfloat16 x is then never made).
   const fused::Fp8Input& input = in.Fp8();
   auto fp8_linear = [&](const at::Tensor& q, const at::Tensor& scale, const at::Tensor& bias) {
-    return input.q.defined() ? fused::Fp8LinearQuantized(input, probe.sizes(), q, scale, bias)
-                             : fused::Fp8Linear(in.Values(), q, scale, bias);
+    // A weight the FP8 GEMM does not take (a width not a multiple of 16) runs the reference on the
+    // bfloat16 values.
+    return input.q.defined() && fused::Fp8GemmTakes(q, scale, bias)
+               ? fused::Fp8LinearQuantized(input, probe.sizes(), q, scale, bias)
+               : fused::Fp8Linear(in.Values(), q, scale, bias, &input);
   };
   if (hookless && fused::Active(probe)) {
     // Weights, scales and biases side by side (ConvertBlockLinearsToFp8 declares the scales adjacent

@@ -407,6 +407,13 @@ TEST_F(FusedKernelTest, LayerNormModulateFp8EqualsQuantisingTheNorm) {
   ASSERT_EQ(got.size(), 2u);
   for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(at::equal(got[i], want[i])) << i;
   EXPECT_TRUE(at::equal(Linear::ForwardShared({&a}, normed)[0], want[0])) << "one layer";
+  // A width the FP8 GEMM does not take (40, not a multiple of 16): the reference on the bf16 norm.
+  Linear narrow(256, 40, true, LayerOptions{at::kBFloat16});
+  narrow.ForEachSlot([](Module&, TensorSlot& slot) { slot.value = (at::randn_like(slot.value, at::kFloat) * 0.05).to(at::kBFloat16).to(at::kCUDA); });
+  ASSERT_TRUE(narrow.ConvertToFp8().ok());
+  SharedInput again = SharedInput::LayerNormModulated(x, 1 + m[1], m[0], 1e-6);
+  EXPECT_TRUE(at::equal(Linear::ForwardShared({&narrow}, again)[0],
+                        narrow.Forward(fused::LayerNormModulate(x, 1 + m[1], m[0], 1e-6))));
 #else
   GTEST_SKIP() << "no float8 in this LibTorch";
 #endif

@@ -22,7 +22,7 @@
 #   multi     four pipelines under one 24 GiB budget on a seeded Poisson/Zipf trace
 #             (bench/multi_tenant.py; MULTI_ARGS adds its flags, e.g. --strategies resident):
 #             multi_tenant.jsonl, multi_logs.tgz (placement logs and server logs)
-#   ctest     every test CMake builds (ctest -j 4; tests that use the server's default device run on
+#   ctest     every test CMake builds (CTEST_REGEX: only those whose names match it) (ctest -j 4; tests that use the server's default device run on
 #             cuda:0): ctest.log, ctest_junit.xml; failures re-run with thread_stack_shim.so when civetweb
 #             could not start its threads (build_and_serve.sh says why)
 # Results in $OUT (summary.txt too; build_tail.txt when the build fails).
@@ -61,7 +61,7 @@ parts=" ${PARTS:-compute} "
 if [[ $parts == *" ctest "* ]]; then
   stamp "ctest"
   (cd "$build" && env -u MODES -u MODELS -u DIFFUSERS -u STOWAGE_FRESH OMP_NUM_THREADS=4 timeout "${CTEST_TIMEOUT:-420}" ctest --output-on-failure -j 4 \
-    --output-junit "$OUT/ctest_junit.xml") >"$OUT/ctest.log" 2>&1
+    ${CTEST_REGEX:+-R "$CTEST_REGEX"} --output-junit "$OUT/ctest_junit.xml") >"$OUT/ctest.log" 2>&1
   stamp "ctest exit $?: $(grep -E 'tests passed|tests failed' "$OUT/ctest.log" | tail -1)"
   sed -n '/The following tests FAILED/,$p' "$OUT/ctest.log" >>"$OUT/summary.txt"
   if grep -q 'null context when constructing CivetServer' "$OUT/ctest.log" &&

@@ -92,8 +92,9 @@ ABSL_FLAG(std::string, inputs, "",
           "(Z-Image: latents, caption; Flux: hidden, text, pooled), e.g. the ones bench/compute_bench.py "
           "gave diffusers");
 ABSL_FLAG(std::string, compute, "bf16",
-          "bf16, or fp8: the resident row converts the transformer blocks' linear layers to FP8 on the "
-          "device after onloading them (models/core/layers.h ConvertBlockLinearsToFp8)");
+          "bf16, or fp8: the transformer blocks' linear layers are converted to FP8 on the host before "
+          "their host copies are taken, as the server does at load (models/core/layers.h "
+          "ConvertBlockLinearsToFp8); rows resident, block_pinned or block_int4");
 ABSL_FLAG(std::string, profile, "",
           "CUDA builds: after the timed forwards, trace one more forward with LibTorch's Kineto profiler "
           "and save the Chrome trace here (bench/compute_bench.py summarises its kernels)");

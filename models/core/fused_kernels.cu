@@ -20,6 +20,7 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kRowThreads = 128;   // Threads per row of the row kernels.
 constexpr int kMaxChunks = 8;      // 8-value chunks per thread: rows up to 128 * 8 * 8 = 8192 values.
+static_assert(kMaxRowKernelDim == int64_t{kRowThreads} * kMaxChunks * 8, "fused_kernels.h's row limit");
 constexpr int kMaxPairs = 8;       // Pairs per lane in RmsNormRope: head_dim up to 512.
 
 struct alignas(16) Vec8 {

@@ -34,6 +34,9 @@ int RmsNormRope(const void* x, int64_t x_token_stride, const void* weight, const
                 int64_t cs_batch, int64_t cs_seq, int64_t table_offset, void* out, int64_t batch, int64_t seq,
                 int64_t heads, int64_t head_dim, int64_t out_seq, int64_t out_seq_offset, float eps, void* stream);
 
+// The longest row the one-block-per-row norm kernels hold in registers (128 threads x 8 chunks of 8).
+constexpr int64_t kMaxRowKernelDim = 8192;
+
 // LayerNorm without affine parameters, then modulation: for row r of batch element b,
 //   out = bf16(bf16(bf16(layer_norm(x)) · scale[b]) + shift[b])
 // (scale is already 1 + the model's scale, in bfloat16, as the reference computes it).

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -175,7 +176,12 @@ Fp8Weight QuantizeWeightFp8(const at::Tensor& w) {
       const int64_t per = (n + threads - 1) / threads;
       for (int64_t t = 1; t < threads; ++t) {
         const int64_t begin = std::min(n, t * per), end = std::min(n, (t + 1) * per);
-        if (begin < end) workers.emplace_back(rows, begin, end);
+        if (begin >= end) continue;
+        try {
+          workers.emplace_back(rows, begin, end);
+        } catch (const std::system_error&) {  // No thread to be had: these rows on this one.
+          rows(begin, end);
+        }
       }
       rows(0, std::min(n, per));
       for (std::thread& worker : workers) worker.join();
@@ -383,7 +389,7 @@ at::Tensor Fp8LinearQuantized(const Fp8Input& input, at::IntArrayRef sizes, cons
 
 Fp8Input LayerNormModulateFp8(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps) {
 #if defined(STOWAGE_WITH_CUDA) && defined(STOWAGE_HAS_FP8)
-  if (Active(x) && x.dim() == 3 && x.size(2) % 16 == 0) {
+  if (Active(x) && x.dim() == 3 && x.size(2) % 16 == 0 && x.size(2) <= fused_cuda::kMaxRowKernelDim) {
     const int64_t dim = x.size(2), batch = x.size(0);
     const int64_t scale_stride = ModulationStride(scale, batch, dim);
     const int64_t shift_stride = ModulationStride(shift, batch, dim);
@@ -486,7 +492,7 @@ at::Tensor RmsNormRope(const at::Tensor& x, const at::Tensor& weight, double eps
 
 at::Tensor LayerNormModulate(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift, double eps) {
 #ifdef STOWAGE_WITH_CUDA
-  if (Active(x) && x.dim() == 3) {
+  if (Active(x) && x.dim() == 3 && x.size(2) <= fused_cuda::kMaxRowKernelDim) {
     const int64_t dim = x.size(2), batch = x.size(0);
     const int64_t scale_stride = ModulationStride(scale, batch, dim);
     const int64_t shift_stride = ModulationStride(shift, batch, dim);

@@ -6,6 +6,7 @@
 #include <set>
 
 #include <ATen/ATen.h>
+#include <ATen/ExpandUtils.h>
 #include <torch/version.h>
 
 #include "absl/strings/str_cat.h"
@@ -124,6 +125,11 @@ at::Tensor Linear::ForwardGelu(const at::Tensor& x) {
 }
 
 SharedInput SharedInput::LayerNormModulated(at::Tensor x, at::Tensor scale, at::Tensor shift, double eps) {
+  // A modulation that broadcasts x to a larger shape (one row of x for a batch of modulations): the
+  // values are made now, so that probe() has the readers' input shape.
+  if (at::infer_size(x.sizes(), at::infer_size(scale.sizes(), shift.sizes())) != x.sizes()) {
+    return SharedInput(fused::LayerNormModulate(x, scale, shift, eps));
+  }
   SharedInput in{at::Tensor()};
   in.source_ = std::move(x);
   in.scale_ = std::move(scale);

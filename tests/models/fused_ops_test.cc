@@ -101,6 +101,24 @@ TEST(FusedOpsReferenceTest, ForwardConcatAppliesGeluToTheFlaggedParts) {
   EXPECT_THROW(linear.ForwardConcat({a, b}, {true}), c10::Error);  // One flag per part.
 }
 
+// A SharedInput made by LayerNorm + modulation feeds layers exactly as the built norm does, also
+// when the modulation broadcasts x to a larger batch (the values are then made at once).
+TEST(FusedOpsReferenceTest, LayerNormModulatedSharedInputEqualsTheBuiltNorm) {
+  Linear a(32, 16, true, LayerOptions{at::kFloat}), b(32, 8, false, LayerOptions{at::kFloat});
+  for (Linear* l : {&a, &b}) l->ForEachSlot([](Module&, TensorSlot& slot) { slot.value = at::randn_like(slot.value); });
+  const at::Tensor x = at::randn({1, 5, 32});
+  for (const int64_t batch : {1, 2}) {
+    const at::Tensor scale = at::randn({batch, 1, 32}), shift = at::randn({batch, 1, 32});
+    SharedInput in = SharedInput::LayerNormModulated(x, scale, shift, 1e-6);
+    EXPECT_EQ(in.probe().size(0), batch);
+    const std::vector<at::Tensor> got = Linear::ForwardShared({&a, &b}, in);
+    const at::Tensor norm = fused::LayerNormModulate(x, scale, shift, 1e-6);
+    ASSERT_EQ(got.size(), 2u);
+    EXPECT_TRUE(at::equal(got[0], a.Forward(norm))) << batch;
+    EXPECT_TRUE(at::equal(got[1], b.Forward(norm))) << batch;
+  }
+}
+
 TEST(FusedOpsReferenceTest, Fp8NeedsAFloat8BuildAndACapableDevice) {
 #ifdef STOWAGE_HAS_FP8
   EXPECT_EQ(fused::Fp8Supported(c10::Device(c10::kCPU)).code(), absl::StatusCode::kFailedPrecondition);

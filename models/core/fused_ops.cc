@@ -1,5 +1,7 @@
 #include "models/core/fused_ops.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -165,9 +167,12 @@ Fp8Weight QuantizeWeightFp8(const at::Tensor& w) {
       }
     };
     constexpr int64_t kValuesPerThread = int64_t{1} << 20;  // Below this a thread costs more than it saves.
-    const int64_t threads = std::clamp<int64_t>(
-        std::min<int64_t>(n, w.numel() / kValuesPerThread), 1,
-        std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency())));
+    cpu_set_t allowed;  // The CPUs this process may run on (its affinity), not the machine's.
+    const int64_t cpus = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0
+                             ? CPU_COUNT(&allowed)
+                             : static_cast<int64_t>(std::thread::hardware_concurrency());
+    const int64_t threads =
+        std::clamp<int64_t>(std::min<int64_t>(n, w.numel() / kValuesPerThread), 1, std::max<int64_t>(1, cpus));
     if (threads == 1) {
       rows(0, n);
     } else {

@@ -4,6 +4,7 @@
 // a health check (checked in TearDown) and every refusal must carry a clear status.
 #include <atomic>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <string>
 #include <thread>
@@ -42,6 +43,40 @@ class AdversarialTest : public ::testing::Test {
     EXPECT_EQ(status.error_code(), code) << status.error_message();
     EXPECT_NE(status.error_message().find(needle), std::string::npos) << status.error_message();
     EXPECT_LT(status.error_message().size(), 600u) << "messages must not echo unbounded input";
+  }
+
+  // Two clients generate the same small request (seed `seed`) again and again while `admin` runs;
+  // every run must succeed (or be refused for room) with the image it has when nothing changes, and
+  // at least one must run.
+  void ExpectSameImagesWhile(int seed, const std::string& what, const std::function<void()>& admin) {
+    v1::GenerateResponse reference;
+    ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("", seed), &reference).ok());
+    std::atomic<bool> stop{false};
+    std::atomic<int> failures{0}, runs{0};
+    std::vector<std::thread> clients;
+    for (int i = 0; i < 2; ++i) {
+      clients.emplace_back([&] {
+        while (!stop) {
+          v1::GenerateResponse response;
+          const grpc::Status s = server_->Generate(E2eServer::SmallRequest("", seed), &response);
+          if (!s.ok() && s.error_code() != grpc::RESOURCE_EXHAUSTED) {
+            ++failures;
+            ADD_FAILURE() << s.error_code() << ": " << s.error_message();
+          } else if (s.ok()) {
+            ++runs;
+            if (response.image() != reference.image()) {
+              ++failures;
+              ADD_FAILURE() << "image changed under " << what;
+            }
+          }
+        }
+      });
+    }
+    admin();
+    stop = true;
+    for (auto& t : clients) t.join();
+    EXPECT_EQ(failures.load(), 0);
+    EXPECT_GT(runs.load(), 0);
   }
 
   std::unique_ptr<E2eServer> server_;
@@ -310,90 +345,40 @@ TEST_F(AdversarialTest, BadAdminChangesAreRefusedAndChangeNothing) {
 // The crash this issue started from: group offload switched on and off while requests run through
 // the same component. Every request must succeed with the same image, every switch must land.
 TEST_F(AdversarialTest, GroupOffloadSwitchedWhileRequestsRunNeverBreaksThem) {
-  v1::GenerateResponse reference;
-  ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("", 7), &reference).ok());
-  std::atomic<bool> stop{false};
-  std::atomic<int> failures{0}, runs{0};
-  std::vector<std::thread> clients;
-  for (int i = 0; i < 2; ++i) {
-    clients.emplace_back([&] {
-      while (!stop) {
-        v1::GenerateResponse response;
-        const grpc::Status s = server_->Generate(E2eServer::SmallRequest("", 7), &response);
-        if (!s.ok() && s.error_code() != grpc::RESOURCE_EXHAUSTED) {
-          ++failures;
-          ADD_FAILURE() << s.error_code() << ": " << s.error_message();
-        } else if (s.ok()) {
-          ++runs;
-          if (response.image() != reference.image()) {
-            ++failures;
-            ADD_FAILURE() << "image changed under group offload switching";
-          }
-        }
-      }
-    });
-  }
   int switches = 0;
-  for (int i = 0; i < 12; ++i) {
-    v1::EnableGroupOffloadRequest enable;
-    enable.set_component_id("zimage-tiny/transformer");
-    v1::EnableGroupOffloadResponse enabled;
-    ASSERT_TRUE(server_->admin().EnableGroupOffload(E2eServer::Authed().get(), enable, &enabled).ok());
-    v1::DisableGroupOffloadRequest disable;
-    disable.set_component_id("zimage-tiny/transformer");
-    v1::DisableGroupOffloadResponse disabled;
-    ASSERT_TRUE(server_->admin().DisableGroupOffload(E2eServer::Authed().get(), disable, &disabled).ok());
-    switches += 2;
-  }
-  stop = true;
-  for (auto& t : clients) t.join();
-  EXPECT_EQ(failures.load(), 0);
-  EXPECT_GT(runs.load(), 0);
+  ExpectSameImagesWhile(7, "group offload switching", [&] {
+    for (int i = 0; i < 12; ++i) {
+      v1::EnableGroupOffloadRequest enable;
+      enable.set_component_id("zimage-tiny/transformer");
+      v1::EnableGroupOffloadResponse enabled;
+      ASSERT_TRUE(server_->admin().EnableGroupOffload(E2eServer::Authed().get(), enable, &enabled).ok());
+      v1::DisableGroupOffloadRequest disable;
+      disable.set_component_id("zimage-tiny/transformer");
+      v1::DisableGroupOffloadResponse disabled;
+      ASSERT_TRUE(server_->admin().DisableGroupOffload(E2eServer::Authed().get(), disable, &disabled).ok());
+      switches += 2;
+    }
+  });
   EXPECT_EQ(switches, 24);
 }
 
 // The footprint strategy switched between keeping components resident and not while requests run:
 // every request succeeds with the same image, every switch lands.
 TEST_F(AdversarialTest, KeepResidentStrategySwitchedWhileRequestsRunNeverBreaksThem) {
-  v1::GenerateResponse reference;
-  ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("", 9), &reference).ok());
-  std::atomic<bool> stop{false};
-  std::atomic<int> failures{0}, runs{0};
-  std::vector<std::thread> clients;
-  for (int i = 0; i < 2; ++i) {
-    clients.emplace_back([&] {
-      while (!stop) {
-        v1::GenerateResponse response;
-        const grpc::Status s = server_->Generate(E2eServer::SmallRequest("", 9), &response);
-        if (!s.ok() && s.error_code() != grpc::RESOURCE_EXHAUSTED) {
-          ++failures;
-          ADD_FAILURE() << s.error_code() << ": " << s.error_message();
-        } else if (s.ok()) {
-          ++runs;
-          if (response.image() != reference.image()) {
-            ++failures;
-            ADD_FAILURE() << "image changed under strategy switching";
-          }
-        }
+  ExpectSameImagesWhile(9, "strategy switching", [&] {
+    for (int i = 0; i < 10; ++i) {
+      v1::SetOffloadStrategyRequest request;
+      auto* footprint = request.mutable_strategy()->mutable_footprint();
+      if (i % 2 == 0) {
+        footprint->add_keep_resident("zimage-tiny/text_encoder");
+        footprint->add_keep_resident("vae");
       }
-    });
-  }
-  for (int i = 0; i < 10; ++i) {
-    v1::SetOffloadStrategyRequest request;
-    auto* footprint = request.mutable_strategy()->mutable_footprint();
-    if (i % 2 == 0) {
-      footprint->add_keep_resident("zimage-tiny/text_encoder");
-      footprint->add_keep_resident("vae");
+      v1::SetOffloadStrategyResponse response;
+      const grpc::Status s = server_->admin().SetOffloadStrategy(E2eServer::Authed().get(), request, &response);
+      EXPECT_TRUE(s.ok()) << s.error_message();
+      EXPECT_EQ(response.strategy(), "footprint");
     }
-    v1::SetOffloadStrategyResponse response;
-    const grpc::Status s = server_->admin().SetOffloadStrategy(E2eServer::Authed().get(), request, &response);
-    EXPECT_TRUE(s.ok()) << s.error_message();
-    EXPECT_EQ(response.strategy(), "footprint");
-  }
-  stop = true;
-  for (auto& t : clients) t.join();
-  EXPECT_EQ(failures.load(), 0);
-  EXPECT_GT(runs.load(), 0);
+  });
 }
 
 // --- Lifecycle races -------------------------------------------------------------------------

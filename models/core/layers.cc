@@ -156,35 +156,51 @@ std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers
   return ForwardShared(layers, in);
 }
 
-std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers, SharedInput& in) {
+Linear::Combined Linear::Combine(const std::vector<Linear*>& layers, int64_t in_features) {
+  std::vector<at::Tensor> weights, scales, biases;
+  for (const Linear* l : layers) {
+    weights.push_back(l->slots()[static_cast<size_t>(l->weight_)].value);
+    if (l->weight_scale_ >= 0) scales.push_back(l->slots()[static_cast<size_t>(l->weight_scale_)].value);
+    if (l->bias_ >= 0) biases.push_back(l->slots()[static_cast<size_t>(l->bias_)].value);
+  }
+  Combined c{AdjacentRows(weights), scales.empty() ? at::Tensor() : AdjacentRows(scales),
+             biases.empty() ? at::Tensor() : AdjacentRows(biases)};
+  const bool scales_ok = scales.empty() || (scales.size() == layers.size() && c.scale.defined());
+  const bool biases_ok = biases.empty() || (biases.size() == layers.size() && c.bias.defined());
+  if (!c.weight.defined() || c.weight.size(1) != in_features || !scales_ok || !biases_ok) return {};
+  return c;
+}
+
+std::vector<at::Tensor> Linear::SplitColumns(const std::vector<Linear*>& layers, const at::Tensor& y) {
   std::vector<at::Tensor> out;
   out.reserve(layers.size());
+  int64_t column = 0;
+  for (const Linear* l : layers) {
+    out.push_back(y.narrow(-1, column, l->out_features_));
+    column += l->out_features_;
+  }
+  return out;
+}
+
+std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers, SharedInput& in) {
   const at::Tensor& probe = in.probe();  // x, or what x is made from: the same dtype, device and sizes.
-  // A layer with an active LoRA adds its delta into its slice of the shared output (its up-projection
-  // accumulates there: the slice is a strided view the GEMM writes through).
   const bool hookless = std::all_of(layers.begin(), layers.end(), [](const Linear* l) { return l->hook_count() == 0; });
   const bool any_fp8 = std::any_of(layers.begin(), layers.end(), [](const Linear* l) { return l->is_fp8(); });
   if (layers.size() > 1 && hookless && !any_fp8 && fused::Active(probe)) {
-    std::vector<at::Tensor> weights, biases;
-    for (const Linear* l : layers) {
-      weights.push_back(l->slots()[static_cast<size_t>(l->weight_)].value);
-      if (l->bias_ >= 0) biases.push_back(l->slots()[static_cast<size_t>(l->bias_)].value);
-    }
-    const at::Tensor weight = AdjacentRows(weights);
-    const at::Tensor bias = biases.empty() ? at::Tensor() : AdjacentRows(biases);
-    if (weight.defined() && weight.size(1) == probe.size(-1) &&
-        (biases.empty() || (biases.size() == layers.size() && bias.defined()))) {
+    const Combined c = Combine(layers, probe.size(-1));
+    if (c.weight.defined()) {
+      // A layer with an active LoRA adds its delta into its slice of the shared output (its
+      // up-projection accumulates there: the slice is a strided view the GEMM writes through).
       const at::Tensor& x = in.Values();
-      const at::Tensor y = at::linear(x, weight, bias);
-      int64_t column = 0;
-      for (const Linear* l : layers) {
-        at::Tensor part = y.narrow(-1, column, l->out_features_);
-        out.push_back(l->LoraActive() ? l->WithLoras(x, std::move(part)) : std::move(part));
-        column += l->out_features_;
+      std::vector<at::Tensor> out = SplitColumns(layers, at::linear(x, c.weight, c.bias));
+      for (size_t i = 0; i < layers.size(); ++i) {
+        if (layers[i]->LoraActive()) out[i] = layers[i]->WithLoras(x, std::move(out[i]));
       }
       return out;
     }
   }
+  std::vector<at::Tensor> out;
+  out.reserve(layers.size());
   const bool all_fp8 = !layers.empty() && std::all_of(layers.begin(), layers.end(), [](const Linear* l) {
                          return l->is_fp8() && !l->LoraActive();
                        });
@@ -206,25 +222,8 @@ std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers
     // Weights, scales and biases side by side (ConvertBlockLinearsToFp8 declares the scales adjacent
     // too): one FP8 GEMM over the combined rows — the single blocks' Q, K, V and MLP input are one
     // GEMM of 21504 columns instead of four that leave part of the last wave of tiles idle.
-    std::vector<at::Tensor> weights, scales, biases;
-    for (const Linear* l : layers) {
-      weights.push_back(l->slots()[static_cast<size_t>(l->weight_)].value);
-      scales.push_back(l->slots()[static_cast<size_t>(l->weight_scale_)].value);
-      if (l->bias_ >= 0) biases.push_back(l->slots()[static_cast<size_t>(l->bias_)].value);
-    }
-    const at::Tensor weight = AdjacentRows(weights);
-    const at::Tensor scale = AdjacentRows(scales);
-    const at::Tensor bias = biases.empty() ? at::Tensor() : AdjacentRows(biases);
-    if (weight.defined() && scale.defined() && weight.size(1) == probe.size(-1) &&
-        (biases.empty() || (biases.size() == layers.size() && bias.defined()))) {
-      const at::Tensor y = fp8_linear(weight, scale, bias);
-      int64_t column = 0;
-      for (const Linear* l : layers) {
-        out.push_back(y.narrow(-1, column, l->out_features_));
-        column += l->out_features_;
-      }
-      return out;
-    }
+    const Combined c = Combine(layers, probe.size(-1));
+    if (c.weight.defined()) return SplitColumns(layers, fp8_linear(c.weight, c.scale, c.bias));
   }
   for (Linear* layer : layers) {
     ForwardScope scope(*layer);

@@ -99,6 +99,14 @@ class Linear : public Module {
   const std::map<std::string, LoraWeights>& loras() const { return loras_; }
 
  private:
+  // The layers' weights (with FP8, their scales) and biases as one matrix each, when onloading laid
+  // them side by side and the weights take `in_features` columns; `weight` undefined otherwise.
+  struct Combined {
+    at::Tensor weight, scale, bias;
+  };
+  static Combined Combine(const std::vector<Linear*>& layers, int64_t in_features);
+  // Each layer's columns of the combined output y.
+  static std::vector<at::Tensor> SplitColumns(const std::vector<Linear*>& layers, const at::Tensor& y);
   // A LoRA delta applies to this forward (an attached adapter is active).
   bool LoraActive() const;
   // y plus the active adapters' deltas for input x.

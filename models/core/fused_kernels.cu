@@ -226,11 +226,19 @@ __global__ void __launch_bounds__(256) RmsNormRopeVecKernel(
   reinterpret_cast<Vec8*>(out + ((b * out_seq + s + out_seq_offset) * heads + h) * kHeadDim)[sub] = result;
 }
 
-// LayerNorm (no affine) and modulation of one row held in `vals`, in place: afterwards vals[i][j] is
-// the bfloat16 output value (as a float). The one formula of LayerNormModulateKernel and its FP8 form.
-__device__ __forceinline__ void LayerNormModulateRow(float (&vals)[kMaxChunks][8], int chunks, int dim, float eps,
-                                                     const Vec8* __restrict__ sc, const Vec8* __restrict__ sh,
-                                                     float* shared) {
+// LayerNorm (no affine) and modulation of the block's row (blockIdx.x) of x, read into `vals`:
+// afterwards vals[i][j] is the bfloat16 output value (as a float). The one formula of
+// LayerNormModulateKernel and its FP8 form.
+__device__ __forceinline__ void LayerNormModulateRow(const bf16* __restrict__ x, const bf16* __restrict__ scale,
+                                                     int64_t scale_batch_stride, const bf16* __restrict__ shift,
+                                                     int64_t shift_batch_stride, int64_t rows_per_batch, int dim,
+                                                     float eps, float (&vals)[kMaxChunks][8], float* shared) {
+  const int64_t row = blockIdx.x;
+  const int64_t b = row / rows_per_batch;
+  const int chunks = dim / 8;
+  const Vec8* sc = reinterpret_cast<const Vec8*>(scale + b * scale_batch_stride);
+  const Vec8* sh = reinterpret_cast<const Vec8*>(shift + b * shift_batch_stride);
+  LoadRow(x + row * dim, chunks, vals);
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < kMaxChunks; ++i) {
@@ -268,12 +276,10 @@ __global__ void __launch_bounds__(kRowThreads) LayerNormModulateKernel(
     int dim, float eps) {
   __shared__ float shared[33];
   const int64_t row = blockIdx.x;
-  const int64_t b = row / rows_per_batch;
   const int chunks = dim / 8;
   float vals[kMaxChunks][8];
-  LoadRow(x + row * dim, chunks, vals);
-  LayerNormModulateRow(vals, chunks, dim, eps, reinterpret_cast<const Vec8*>(scale + b * scale_batch_stride),
-                       reinterpret_cast<const Vec8*>(shift + b * shift_batch_stride), shared);
+  LayerNormModulateRow(x, scale, scale_batch_stride, shift, shift_batch_stride, rows_per_batch, dim, eps, vals,
+                       shared);
   Vec8* o = reinterpret_cast<Vec8*>(out + row * dim);
 #pragma unroll
   for (int i = 0; i < kMaxChunks; ++i) {
@@ -361,12 +367,10 @@ __global__ void __launch_bounds__(kRowThreads) LayerNormModulateFp8Kernel(
     float* __restrict__ q_scale, int64_t rows_per_batch, int dim, float eps) {
   __shared__ float shared[33];
   const int64_t row = blockIdx.x;
-  const int64_t b = row / rows_per_batch;
   const int chunks = dim / 8;
   float vals[kMaxChunks][8];
-  LoadRow(x + row * dim, chunks, vals);
-  LayerNormModulateRow(vals, chunks, dim, eps, reinterpret_cast<const Vec8*>(scale + b * scale_batch_stride),
-                       reinterpret_cast<const Vec8*>(shift + b * shift_batch_stride), shared);
+  LayerNormModulateRow(x, scale, scale_batch_stride, shift, shift_batch_stride, rows_per_batch, dim, eps, vals,
+                       shared);
   float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < kMaxChunks; ++i) {

@@ -225,7 +225,7 @@ class CudaBackend : public DeviceBackend {
     return attributes.type == cudaMemoryTypeHost;
   }
 
-  DeviceMemoryStats GetMemoryStats() override {
+  DeviceMemoryStats ReadMemoryStats() override {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
     DeviceMemoryStats out;
     // Index 0 is the aggregate over small and large pools.
@@ -240,7 +240,7 @@ class CudaBackend : public DeviceBackend {
     out.device_to_host_bytes = d2h_.load();
     return out;
   }
-  void ResetPeakStats() override {
+  void ResetAllocatorPeaks() override {
     c10::cuda::CUDACachingAllocator::resetPeakStats(device_.index());
   }
   absl::Status SetMemoryBudget(int64_t bytes) override {

@@ -16,6 +16,8 @@
 #ifndef STOWAGE_OFFLOAD_DEVICE_BACKEND_H_
 #define STOWAGE_OFFLOAD_DEVICE_BACKEND_H_
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -120,8 +122,32 @@ class DeviceBackend {
   // refuses both); pinning code skips it.
   virtual bool IsPageLockedHostMemory(const void* ptr) = 0;
 
-  virtual DeviceMemoryStats GetMemoryStats() = 0;
-  virtual void ResetPeakStats() = 0;
+  // Device memory now. The peaks cover everything since the last ResetPeakStats(), peak windows
+  // (below) included.
+  DeviceMemoryStats GetMemoryStats() {
+    DeviceMemoryStats stats = ReadMemoryStats();
+    stats.peak_allocated_bytes = std::max(stats.peak_allocated_bytes, peak_floor_allocated_.load());
+    stats.peak_reserved_bytes = std::max(stats.peak_reserved_bytes, peak_floor_reserved_.load());
+    return stats;
+  }
+  void ResetPeakStats() {
+    peak_floor_allocated_.store(0);
+    peak_floor_reserved_.store(0);
+    ResetAllocatorPeaks();
+  }
+  // A peak measurement inside the one ResetPeakStats() started (placement measures each
+  // component's run with it while the request's peak is measured around them all):
+  // BeginPeakWindow() returns the bytes allocated now, and WindowPeakAllocated() is the highest
+  // allocated_bytes since — until the next BeginPeakWindow() or ResetPeakStats(). GetMemoryStats()
+  // still reports the peaks since ResetPeakStats(). Called by the device's worker.
+  int64_t BeginPeakWindow() {
+    const DeviceMemoryStats stats = ReadMemoryStats();
+    RaiseTo(peak_floor_allocated_, stats.peak_allocated_bytes);
+    RaiseTo(peak_floor_reserved_, stats.peak_reserved_bytes);
+    ResetAllocatorPeaks();
+    return stats.allocated_bytes;
+  }
+  int64_t WindowPeakAllocated() { return ReadMemoryStats().peak_allocated_bytes; }
   // Usable device memory for this server, context included: 0 restores the whole device. On CUDA
   // this sets the caching allocator's memory fraction to (budget − context) / device size, so the
   // allocator's segments plus the context stay within it and allocations beyond fail as
@@ -143,6 +169,23 @@ class DeviceBackend {
   // counted in context_bytes and kept out of the allocator's share of the budget until set back to
   // 0. No-op where the context does not grow.
   virtual void SetContextReserve(int64_t bytes) { (void)bytes; }
+
+ protected:
+  // The allocator's statistics: peaks since the last ResetAllocatorPeaks(), which sets them to
+  // what is allocated (reserved) now.
+  virtual DeviceMemoryStats ReadMemoryStats() = 0;
+  virtual void ResetAllocatorPeaks() = 0;
+
+ private:
+  static void RaiseTo(std::atomic<int64_t>& floor, int64_t value) {
+    int64_t seen = floor.load();
+    while (seen < value && !floor.compare_exchange_weak(seen, value)) {
+    }
+  }
+  // The peaks reached before the windows since ResetPeakStats() began (the allocator's own peaks
+  // restart with each window).
+  std::atomic<int64_t> peak_floor_allocated_{0};
+  std::atomic<int64_t> peak_floor_reserved_{0};
 };
 
 struct SimulatedBackendOptions {

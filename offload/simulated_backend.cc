@@ -338,7 +338,7 @@ class SimulatedBackend : public DeviceBackend {
     return locks_->Holding(reinterpret_cast<uintptr_t>(ptr)) != locks_->ranges.end();
   }
 
-  DeviceMemoryStats GetMemoryStats() override {
+  DeviceMemoryStats ReadMemoryStats() override {
     absl::MutexLock lock(&pool_->mu);
     DeviceMemoryStats stats;
     stats.allocated_bytes = pool_->allocated;
@@ -352,7 +352,7 @@ class SimulatedBackend : public DeviceBackend {
     stats.device_to_host_bytes = pool_->d2h;
     return stats;
   }
-  void ResetPeakStats() override {
+  void ResetAllocatorPeaks() override {
     absl::MutexLock lock(&pool_->mu);
     pool_->peak = pool_->allocated;
   }

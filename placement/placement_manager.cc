@@ -62,6 +62,12 @@ namespace {
 bool Uses(const std::vector<std::string>& pipelines, const std::string& pipeline) {
   return std::find(pipelines.begin(), pipelines.end(), pipeline) != pipelines.end();
 }
+
+// For decision reasons: the room a component's runs need besides its weights, when known.
+std::string HeadroomNote(int64_t run_headroom) {
+  if (run_headroom <= 0) return "";
+  return absl::StrCat(", and ", run_headroom, " bytes its runs allocate");
+}
 }  // namespace
 
 void PlacementManager::MarkReady(const std::string& pipeline) {
@@ -321,7 +327,8 @@ int64_t PlacementManager::EvictAllBut(const Entry& keep, const std::string& reas
 
 absl::Status PlacementManager::MakeResident(Entry& entry, const std::string& why, bool may_group_offload) {
   const int64_t needed = entry.component->weight_bytes();
-  EvictBefore(entry, needed, absl::StrCat("make room for ", entry.id, " (", needed, " bytes)"));
+  EvictBefore(entry, needed + entry.run_headroom,
+              absl::StrCat("make room for ", entry.id, " (", needed, " bytes", HeadroomNote(entry.run_headroom), ")"));
   int64_t before = FreeBytes();
   absl::Status status = entry.component->host_weights().OnloadAll(*backend_);
   if (IsDeviceOom(status)) {
@@ -554,6 +561,7 @@ void PlacementManager::Prefetch(Component& component) {
 absl::Status PlacementManager::Run(Component& component, const std::function<void()>& fn) {
   SweepMoved();
   Entry* entry = nullptr;
+  int64_t working_set = 0;  // What a group-offloaded one's forward allocates for its groups.
   {
     entry = Find(component);
     if (entry == nullptr) {
@@ -572,18 +580,29 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     }
     if (entry->group_offload) {
       // It places itself, but its slots (when released) and its always-on groups are allocated for
-      // its forward: make room for them.
-      const int64_t needed = entry->group_offload->bytes_needed_to_run();
-      EvictBefore(*entry, needed, absl::StrCat("make room for group-offloaded ", entry->id, "'s working set"));
+      // its forward: make room for them and for what its runs allocate besides.
+      working_set = entry->group_offload->bytes_needed_to_run();
+      EvictBefore(*entry, working_set + entry->run_headroom,
+                  absl::StrCat("make room for group-offloaded ", entry->id, "'s working set",
+                               HeadroomNote(entry->run_headroom)));
     } else if (entry->state == ComponentState::kOffloaded) {
       RETURN_IF_ERROR(MakeResident(*entry));
     } else {
-      EvictBefore(*entry, 0, absl::StrCat("before ", entry->id, " runs"));
+      EvictBefore(*entry, entry->run_headroom,
+                  absl::StrCat("before ", entry->id, " runs", HeadroomNote(entry->run_headroom)));
     }
     entry->last_use = absl::Now();
     entry->prefetched = false;
   }
+  // What the run allocates beyond what is there now (less the working set a group-offloaded one
+  // allocates when its slots were released), for the room made before its next run.
+  int64_t window_start = backend_->BeginPeakWindow();
+  const auto learn_headroom = [&] {
+    const int64_t grown = backend_->WindowPeakAllocated() - window_start - working_set;
+    entry->run_headroom = std::max(entry->run_headroom, grown);
+  };
   absl::Status status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
+  if (status.ok()) learn_headroom();
   if (IsDeviceOom(status)) {
     // The forward itself ran out (activations): free everything else and try once more, then
     // group-offload the component and try again.
@@ -591,7 +610,9 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     Record(entry->id, "oom", 0, before, std::string(status.message()));
     EvictAllBut(*entry, absl::StrCat("out of memory running ", entry->id));
     backend_->ReleaseCachedMemory();
+    window_start = backend_->BeginPeakWindow();
     status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
+    if (status.ok()) learn_headroom();
     if (IsDeviceOom(status) && !entry->group_offload) {
       entry->component->host_weights().OffloadAll();
       entry->state = ComponentState::kOffloaded;
@@ -637,6 +658,7 @@ std::vector<ComponentView> PlacementManager::Snapshot() const {
     }
     view.last_use = entry->last_use;
     view.lifecycle = entry->lifecycle;
+    view.run_headroom_bytes = entry->run_headroom;
     views.push_back(std::move(view));
   }
   return views;

@@ -69,6 +69,9 @@ struct ComponentView {
   // Set for group-offloaded (and partially resident) components.
   std::optional<GroupOffloadStats> group_offload;
   ComponentLifecycle lifecycle = ComponentLifecycle::kLoading;
+  // The most device memory one of its runs allocated besides its weights (its working set when
+  // group-offloaded): placement makes that much room before it runs. 0 until it has run.
+  int64_t run_headroom_bytes = 0;
 };
 
 // One placement decision, as recorded in the bounded log.
@@ -252,6 +255,11 @@ class PlacementManager : public ComponentRunner {
     bool prefetched = false;
     // Hold() count: held components stay resident (never eviction candidates).
     int holds = 0;
+    // The most device memory one of its runs allocated beyond what was there when it began
+    // (activations, workspaces; for a group-offloaded one beyond its working set), over the runs
+    // so far: room made before it runs again, so that its run does not fail out of memory and
+    // throw everything else off the device in the recovery. Grows only.
+    int64_t run_headroom = 0;
     // Moved to a peer by peer eviction: no longer registered here; removed at the next sweep
     // (entries_ may be being iterated when it moves).
     bool moved = false;

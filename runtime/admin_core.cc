@@ -42,6 +42,7 @@ void FillComponents(const PlacementSnapshot& snapshot,
     for (const std::string& p : v.pipelines) c->add_pipelines(p);
     c->set_weight_bytes(v.weight_bytes);
     c->set_device_bytes(v.device_bytes);
+    c->set_run_headroom_bytes(v.run_headroom_bytes);
     c->set_state(ToProto(v.state));
     switch (v.lifecycle) {
       case ComponentLifecycle::kLoading:

@@ -97,9 +97,11 @@ std::string FormatPlacement(const v1::GetPlacementResponse& r) {
       r.budget_bytes() > 0 ? HumanBytes(r.budget_bytes()) : std::string("unlimited"), "; strategy ",
       r.strategy(), "; OOM recoveries ", r.oom_recoveries(), "\n");
   for (const v1::ComponentPlacement& c : r.components()) {
-    absl::StrAppendFormat(&out, "  %-24s %-18s %12s on device / %12s weights\n", c.id(),
+    absl::StrAppendFormat(&out, "  %-24s %-18s %12s on device / %12s weights", c.id(),
                           v1::ComponentPlacement::State_Name(c.state()), HumanBytes(c.device_bytes()),
                           HumanBytes(c.weight_bytes()));
+    if (c.run_headroom_bytes() > 0) absl::StrAppend(&out, "; a run allocates ", HumanBytes(c.run_headroom_bytes()), " more");
+    absl::StrAppend(&out, "\n");
     if (!c.has_group_offload()) continue;
     const v1::GroupOffloadStatus& g = c.group_offload();
     absl::StrAppendFormat(&out, "    groups %d streamed / %d resident, %s per forward, working set %s", g.streamed_groups(),

@@ -58,6 +58,33 @@ TEST_P(DeviceBackendConformanceTest, AllocationsAreAccountedAndPeakResets) {
   EXPECT_EQ(backend_->GetMemoryStats().peak_allocated_bytes, base);
 }
 
+// Placement measures each component's run in a peak window while the request's peak is measured
+// around them all: a window sees only its own peak, the request's peak survives the windows.
+TEST_P(DeviceBackendConformanceTest, APeakWindowMeasuresItsOwnPeakAndKeepsTheOuterOne) {
+  backend_->Synchronize();
+  const int64_t base = backend_->GetMemoryStats().allocated_bytes;
+  backend_->ResetPeakStats();
+  { auto big = backend_->AllocateBytes(4 << 20); ASSERT_TRUE(big.ok()) << big.status(); }
+  auto held = backend_->AllocateBytes(1 << 20);  // Stays allocated across the window.
+  ASSERT_TRUE(held.ok()) << held.status();
+  const int64_t start = backend_->BeginPeakWindow();
+  EXPECT_EQ(start, base + (1 << 20));
+  EXPECT_EQ(backend_->WindowPeakAllocated(), start);
+  { auto run = backend_->AllocateBytes(2 << 20); ASSERT_TRUE(run.ok()) << run.status(); }
+  EXPECT_EQ(backend_->WindowPeakAllocated() - start, 2 << 20);
+  // The 4 MiB before the window is still the request's peak.
+  EXPECT_EQ(backend_->GetMemoryStats().peak_allocated_bytes, base + (4 << 20));
+  EXPECT_GE(backend_->GetMemoryStats().peak_reserved_bytes, base + (4 << 20));
+  // A later window starts afresh; the outer peak still holds.
+  const int64_t second = backend_->BeginPeakWindow();
+  EXPECT_EQ(backend_->WindowPeakAllocated(), second);
+  EXPECT_EQ(backend_->GetMemoryStats().peak_allocated_bytes, base + (4 << 20));
+  *held = at::Tensor();
+  // ResetPeakStats forgets the windows' floors too.
+  backend_->ResetPeakStats();
+  EXPECT_EQ(backend_->GetMemoryStats().peak_allocated_bytes, base);
+}
+
 TEST_P(DeviceBackendConformanceTest, CopyToDeviceKeepsValuesAndCountsBytes) {
   const at::Tensor host = at::randn({3, 5});
   const int64_t h2d = backend_->GetMemoryStats().host_to_device_bytes;

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "base/load_progress.h"
 
 #include "models/core/lora.h"
@@ -422,6 +423,63 @@ TEST(PlacementScenarioTest, FootprintEvictsUnderABudgetAndRecordsWhy) {
     }
   }
   EXPECT_TRUE(evicted);
+}
+
+// A component whose run allocates more than the free memory (a VAE decoding at 1024², beside a
+// resident text encoder and transformer) runs out once; placement remembers what its run took and
+// from then on makes that room before it runs — moving off the fewest bytes that suffice, instead of
+// the out-of-memory recovery throwing every other component off the device on every request.
+TEST(PlacementScenarioTest, WhatARunAllocatesIsRoomMadeBeforeItsNextRun) {
+  Harness h;
+  (void)h.placement.SetStrategy(MakeFootprintStrategy(0));
+  Component* text_encoder = h.pipeline->components().front();
+  Component* transformer = h.pipeline->components()[1];
+  Component* vae = h.pipeline->components().back();
+  const int64_t te = text_encoder->weight_bytes(), tr = transformer->weight_bytes(), v = vae->weight_bytes();
+  const int64_t smaller = std::min(te, tr);
+  const int64_t slack = smaller / 2;
+  const int64_t activations = smaller;  // More than the slack, less than the slack and either one.
+  const auto allocating = [&](int64_t bytes) {
+    return [&h, bytes] {
+      auto t = h.backend->AllocateBytes(bytes);
+      if (!t.ok()) throw DeviceOutOfMemory("sim:0", bytes, h.backend->GetMemoryStats().allocated_bytes, 0);
+    };
+  };
+  const auto nothing = [] {};
+  ASSERT_TRUE(h.backend->SetMemoryBudget(te + tr + v + slack).ok());
+  ASSERT_TRUE(h.placement.Run(*text_encoder, nothing).ok());
+  ASSERT_TRUE(h.placement.Run(*transformer, nothing).ok());
+  EXPECT_EQ(h.View("vae").run_headroom_bytes, 0);
+  // First run: out of memory, recovered by moving everything else off.
+  ASSERT_TRUE(h.placement.Run(*vae, allocating(activations)).ok());
+  EXPECT_EQ(h.placement.TakeSnapshot().counters.oom_recoveries, 1);
+  EXPECT_EQ(h.View("text_encoder").state, ComponentState::kOffloaded);
+  EXPECT_EQ(h.View("transformer").state, ComponentState::kOffloaded);
+  EXPECT_EQ(h.View("vae").run_headroom_bytes, activations);
+  // The next request: the encoder and transformer come back; before the VAE runs, only the smaller
+  // of them leaves, and no out-of-memory happens.
+  ASSERT_TRUE(h.placement.Run(*text_encoder, nothing).ok());
+  ASSERT_TRUE(h.placement.Run(*transformer, nothing).ok());
+  const int64_t decisions_before = h.placement.DecisionLog(1000).size();
+  ASSERT_TRUE(h.placement.Run(*vae, allocating(activations)).ok());
+  EXPECT_EQ(h.placement.TakeSnapshot().counters.oom_recoveries, 1);
+  const std::string kept = te <= tr ? "transformer" : "text_encoder";
+  const std::string moved = te <= tr ? "text_encoder" : "transformer";
+  EXPECT_EQ(h.View(kept).state, ComponentState::kResident);
+  EXPECT_EQ(h.View(moved).state, ComponentState::kOffloaded);
+  const std::vector<PlacementDecision> log = h.placement.DecisionLog(1000);
+  int offloads = 0;
+  for (size_t i = decisions_before; i < log.size(); ++i) {
+    EXPECT_NE(log[i].action, "oom");
+    if (log[i].action != "offload") continue;
+    ++offloads;
+    EXPECT_EQ(log[i].component, "tiny/" + moved);
+    EXPECT_NE(log[i].reason.find(absl::StrCat(activations, " bytes its runs allocate")), std::string::npos)
+        << log[i].reason;
+  }
+  EXPECT_EQ(offloads, 1);
+  // Within the budget throughout.
+  EXPECT_LE(h.backend->GetMemoryStats().peak_allocated_bytes, te + tr + v + slack);
 }
 
 TEST(PlacementScenarioTest, OutOfMemoryIsRecoveredByGroupOffloadingAndTheImageIsExact) {

@@ -25,7 +25,8 @@ Each request picks a pipeline with Zipf(--zipf) popularity (zimage hot, three co
 ("alice" 70 %, "bob" 30 %) and a priority (1 for 20 %, else 0), seed and arrival time from
 --trace_seed: every strategy replays the same trace.
 
-Strategies (one server each, started one after the other):
+Strategies (started one after the other; FIFO and the scheduler share one loaded server, switched
+with the admin SetScheduler, unless --separate_servers):
   resident   no budget; every component kept resident (workflow keep_resident rules): each
              pipeline's latency when nothing ever moves (resident_p50_s of every row).
   fifo       the budget; the big text encoders (Qwen3, T5) streamed block by block, the Flux
@@ -63,6 +64,7 @@ Standard library only.
 
 import argparse
 import base64
+import datetime
 import json
 import os
 import random
@@ -199,11 +201,16 @@ def config_text(budget_bytes, strategy, reorder_ms):
         # No load-time warm-up: each strategy's first request per pipeline is sent unmeasured instead.
         pipelines += (f'pipelines {{ name: "{name}" model_dir: "{directory}" random_weights: true weight_seed: 1 '
                       f'dtype: "{ARGS.dtype}" warmup: false{seeds} }}\n')
-    # Both tenants listed (equal weights): logs and metrics name them instead of "other".
-    scheduler = (f"scheduler {{ max_reorder_delay_ms: {reorder_ms} "
-                 f'tenant_weights {{ key: "alice" value: 1 }} tenant_weights {{ key: "bob" value: 1 }} }}')
+    scheduler = f"scheduler {{ {scheduler_fields(reorder_ms)} }}"
     return (f'grpc_address: "127.0.0.1:0"\nhttp_address: "127.0.0.1:0"\nmetrics_address: "none"\n'
             f'queue_depth: 64\nauth {{ admin_token: "{TOKEN}" }}\n{device}\n{scheduler}\n{pipelines}{strategy}\n')
+
+
+def scheduler_fields(reorder_ms):
+    """A SchedulerConfig's text. Both tenants listed (equal weights): logs and metrics name them
+    instead of "other"."""
+    return (f"max_reorder_delay_ms: {reorder_ms} "
+            f'tenant_weights {{ key: "alice" value: 1 }} tenant_weights {{ key: "bob" value: 1 }}')
 
 
 def stowctl(server, *args):
@@ -243,9 +250,22 @@ def place_budgeted(server):
                 f"--options={BLOCK} budget_bytes: {int(ARGS.flux_keep_gib * GIB)}{compress[ARGS.flux_compress]}")
 
 
-def save_logs(server, name):
+def decision_time(line):
+    """A placement-log line's time (its first word, RFC 3339 UTC) as comparable (seconds, nanos)."""
+    stamp = line.split(" ", 1)[0].rstrip("Z")
+    seconds, _, fraction = stamp.partition(".")
+    return seconds, int((fraction + "000000000")[:9]) if fraction.isdigit() else 0
+
+
+def save_logs(server, name, since=None):
+    """The placement log (decisions from `since`, an RFC 3339 UTC time, when given) and the
+    placement now."""
+    log = stowctl(server, "placement-log", "--limit=4096")
+    if since is not None:
+        start = decision_time(since)
+        log = "".join(line for line in log.splitlines(keepends=True) if decision_time(line) >= start)
     with open(os.path.join(ARGS.logs, f"{name}.placement_log.txt"), "w", encoding="utf-8") as f:
-        f.write(stowctl(server, "placement-log", "--limit=2000"))
+        f.write(log)
     with open(os.path.join(ARGS.logs, f"{name}.placement.txt"), "w", encoding="utf-8") as f:
         f.write(stowctl(server, "placement"))
 
@@ -320,7 +340,22 @@ def flood_phase(server, budget):
              "commit": ARGS.commit}]
 
 
+def measure(server, strategy, budget, resident):
+    """Warm-ups (unmeasured: each pipeline's first placement under this strategy), the trace, and
+    for the scheduler the flood phase: the strategy's rows."""
+    for pipeline in POPULARITY:
+        generate(server, {"pipeline": pipeline, "tenant": "warmup", "priority": 0, "seed": 1,
+                          "steps": STEPS[pipeline], "prompt": PROMPTS[0]}, ARGS.size)
+    with SmiSampler(ARGS.device == "cuda") as smi:
+        results, start, end = replay(server, TRACE, ARGS.size)
+    rows = rows_for(strategy, results, start, end, budget, smi.peak, resident)
+    if strategy == "scheduler" and ARGS.flood_requests > 0:
+        rows += flood_phase(server, budget)
+    return rows
+
+
 def run_strategy(strategy, budget, resident):
+    """One strategy on a server of its own."""
     print(f"== {strategy}", flush=True)
     server_budget = 0 if strategy == "resident" else budget
     placement = keep_all() if strategy == "resident" else budgeted_strategy()
@@ -330,18 +365,40 @@ def run_strategy(strategy, budget, resident):
     try:
         if strategy != "resident":
             place_budgeted(server)
-        for pipeline in POPULARITY:  # Unmeasured: each pipeline's first placement.
-            generate(server, {"pipeline": pipeline, "tenant": "warmup", "priority": 0, "seed": 1,
-                              "steps": STEPS[pipeline], "prompt": PROMPTS[0]}, ARGS.size)
-        with SmiSampler(ARGS.device == "cuda") as smi:
-            results, start, end = replay(server, TRACE, ARGS.size)
-        rows = rows_for(strategy, results, start, end, server_budget, smi.peak, resident)
-        if strategy == "scheduler" and ARGS.flood_requests > 0:
-            rows += flood_phase(server, server_budget)
+        rows = measure(server, strategy, server_budget, resident)
         save_logs(server, strategy)
     finally:
         server.stop()
     return emit(rows)
+
+
+def run_budgeted_on_one_server(strategies, budget, resident):
+    """FIFO and the scheduler on one loaded server (budgeted.log), switched between them with the
+    admin SetScheduler (stowctl set-scheduler), which also starts the tenants' fair shares afresh:
+    one load instead of two. Each strategy's slice of the server log becomes <strategy>.log and its
+    decisions <strategy>.placement_log.txt, as with a server each."""
+    log_path = os.path.join(ARGS.logs, "budgeted.log")
+    server = Server(ARGS.server, config_text(budget, budgeted_strategy(), 0), log_path)
+    rows = []
+    try:
+        place_budgeted(server)
+        for strategy in strategies:
+            print(f"== {strategy} (one server: {', '.join(strategies)})", flush=True)
+            reorder = ARGS.reorder_ms if strategy == "scheduler" else 0
+            # Nothing runs between strategies: every decision from here on is this strategy's.
+            since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            stowctl(server, "set-scheduler", f"--scheduler={scheduler_fields(reorder)}")
+            server.log.flush()
+            offset = os.path.getsize(log_path)
+            got = measure(server, strategy, budget, resident)
+            with open(log_path, "rb") as whole, open(os.path.join(ARGS.logs, f"{strategy}.log"), "wb") as part:
+                whole.seek(offset)
+                part.write(whole.read())
+            save_logs(server, strategy, since=since)
+            rows += emit(got)
+    finally:
+        server.stop()
+    return rows
 
 
 def emit(rows):
@@ -436,6 +493,9 @@ def main():
                    help="take resident_p50_s/resident_p99_s from the resident rows of this earlier rows file "
                         "(same machine, trace and sizes) instead of running the resident server")
     s.add_argument("--reorder_ms", type=int, default=4000)
+    s.add_argument("--separate_servers", action="store_true",
+                   help="start a server for each budgeted strategy instead of switching one loaded server "
+                        "from FIFO to the scheduler with the admin SetScheduler")
     s.add_argument("--flood_requests", type=int, default=30)
     s.add_argument("--flood_lead_s", type=float, default=2.0)
     s.add_argument("--flood_rate", type=float, default=0.3,
@@ -482,7 +542,13 @@ def main():
         if "all" not in resident:
             raise SystemExit(f"{ARGS.resident_from} has no resident rows for this trace, size and steps")
     rows = []
-    for strategy in ARGS.strategies.split(","):
+    strategies = ARGS.strategies.split(",")
+    budgeted = [s for s in strategies if s in ("fifo", "scheduler")]
+    for strategy in strategies:
+        if strategy in budgeted and not ARGS.separate_servers and len(budgeted) > 1:
+            if strategy == budgeted[0]:
+                rows += run_budgeted_on_one_server(budgeted, budget, resident)
+            continue
         got = run_strategy(strategy, budget, resident)
         if strategy == "resident":
             resident = {r["pipeline"]: (r["p50_s"], r["p99_s"]) for r in got}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bench/multi_tenant.py end to end on the simulated device: tiny Z-Image and Flux folders, four
 # pipelines (two of them drawn with their own transformer seed, sharing the rest by content) under a
-# budget that holds no two transformers, a short seeded trace replayed by three strategies and the
-# flood phase; each row has the fields the benchmark promises, every request succeeds within the
+# budget that holds no two transformers, a short seeded trace replayed by three strategies (FIFO and
+# the scheduler on one server, switched at run time) and the flood phase; each row has the fields the benchmark promises, every request succeeds within the
 # budget, the components are shared, and the scheduler's reorders are in its placement log.
 set -euo pipefail
 here=$(pwd)  # Holds server/, clients/, bench/ and tests/ (Bazel's runfiles root).
@@ -52,6 +52,14 @@ for absent in ("zimage-ft/text_encoder", "flux-dev/text_encoder_2", "flux-dev/va
     assert absent not in placement, (absent, placement[:3000])
 log = open(os.path.join(sys.argv[2], "scheduler.placement_log.txt")).read()
 assert "schedule" in log, log[:2000]
+# FIFO and the scheduler ran on one loaded server (budgeted.log), switched with SetScheduler; each
+# kept its own slice of the server log and of the decisions.
+assert "starting:" in open(os.path.join(sys.argv[2], "budgeted.log")).read()
+assert "starting:" not in open(os.path.join(sys.argv[2], "scheduler.log")).read()
+def reorders(name):
+    lines = open(os.path.join(sys.argv[2], name)).read().splitlines()
+    return [l for l in lines if "schedule" in l.split()[1:3]]
+assert reorders("scheduler.placement_log.txt") and not reorders("fifo.placement_log.txt")
 assert "| strategy | pipeline |" in open(sys.argv[3]).read()
 print("ok")
 PY

@@ -165,9 +165,10 @@ class DeviceBackend {
     int64_t after = 0;
   };
   virtual ContextChange RefreshContextBytes() { return {}; }
-  // Memory set aside for the context to grow into while code runs for the first time (a warm-up):
-  // counted in context_bytes and kept out of the allocator's share of the budget until set back to
-  // 0. No-op where the context does not grow.
+  // Memory set aside for the context to grow into while code runs for the first time (a warm-up,
+  // the first request after a change on the device): counted in context_bytes and kept out of the
+  // allocator's share of the budget until set back to 0. No-op where the context does not grow
+  // (the simulator counts it only with SimulatedBackendOptions::count_context_reserve).
   virtual void SetContextReserve(int64_t bytes) { (void)bytes; }
 
  protected:
@@ -202,6 +203,10 @@ struct SimulatedBackendOptions {
   bool refuse_host_registration = false;
   // Device memory held outside the pool, as a CUDA context is: counted against the budget.
   int64_t context_bytes = 0;
+  // True: SetContextReserve is counted in context_bytes and against the budget, as on CUDA. Off
+  // by default: the simulated context never grows, and a warm-up's reserve would only shrink the
+  // exact budgets tests set.
+  bool count_context_reserve = false;
 };
 
 std::unique_ptr<DeviceBackend> CreateSimulatedBackend(const SimulatedBackendOptions& options);

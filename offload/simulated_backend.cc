@@ -36,6 +36,8 @@ struct Pool {
   int64_t h2d ABSL_GUARDED_BY(mu) = 0;
   int64_t p2d ABSL_GUARDED_BY(mu) = 0;
   int64_t d2h ABSL_GUARDED_BY(mu) = 0;
+  // SetContextReserve: counted in the context, as CUDA's backend counts it.
+  int64_t context_reserve ABSL_GUARDED_BY(mu) = 0;
 };
 
 // Page-locked host memory as CUDA tracks it: registered ranges and pinned allocations (begin → end,
@@ -212,8 +214,9 @@ class SimulatedBackend : public DeviceBackend {
     if (bytes < 0) return absl::InvalidArgumentError("negative allocation");
     {
       absl::MutexLock lock(&pool_->mu);
-      if (pool_->budget > 0 && options_.context_bytes + pool_->allocated + bytes > pool_->budget) {
-        return DeviceOutOfMemory(name(), bytes, options_.context_bytes + pool_->allocated, pool_->budget).ToStatus();
+      const int64_t context = options_.context_bytes + pool_->context_reserve;
+      if (pool_->budget > 0 && context + pool_->allocated + bytes > pool_->budget) {
+        return DeviceOutOfMemory(name(), bytes, context + pool_->allocated, pool_->budget).ToStatus();
       }
       pool_->allocated += bytes;
       pool_->peak = std::max(pool_->peak, pool_->allocated);
@@ -345,7 +348,7 @@ class SimulatedBackend : public DeviceBackend {
     stats.peak_allocated_bytes = pool_->peak;
     stats.reserved_bytes = pool_->allocated;  // No caching: reserved is what is allocated.
     stats.peak_reserved_bytes = pool_->peak;
-    stats.context_bytes = options_.context_bytes;
+    stats.context_bytes = options_.context_bytes + pool_->context_reserve;
     stats.budget_bytes = pool_->budget;
     stats.host_to_device_bytes = pool_->h2d;
     stats.peer_to_device_bytes = pool_->p2d;
@@ -367,6 +370,13 @@ class SimulatedBackend : public DeviceBackend {
     return absl::OkStatus();
   }
   void ReleaseCachedMemory() override {}
+  // The simulated context never grows; with count_context_reserve a reserve is accounted as on
+  // CUDA (in the context, against the budget).
+  void SetContextReserve(int64_t bytes) override {
+    if (!options_.count_context_reserve) return;
+    absl::MutexLock lock(&pool_->mu);
+    pool_->context_reserve = std::max<int64_t>(0, bytes);
+  }
 
  private:
   // Like cudaMemcpy: a host range that starts in page-locked memory must end inside the same

@@ -241,6 +241,19 @@ absl::StatusOr<v1::SetBatchingResponse> AdminCore::SetBatching(const v1::SetBatc
   return response;
 }
 
+absl::StatusOr<v1::SetSchedulerResponse> AdminCore::SetScheduler(const v1::SetSchedulerRequest& request) {
+  v1::SetSchedulerResponse response;
+  ASSIGN_OR_RETURN(*response.mutable_scheduler(), devices_->SetScheduler(request.scheduler()));
+  LogInfo(absl::StrCat("admin set_scheduler ", LogValue(response.scheduler().ShortDebugString())));
+  return response;
+}
+
+v1::GetSchedulerResponse AdminCore::GetScheduler() const {
+  v1::GetSchedulerResponse response;
+  *response.mutable_scheduler() = devices_->SchedulerInForce();
+  return response;
+}
+
 absl::StatusOr<v1::GetPlacementLogResponse> AdminCore::GetPlacementLog(
     const v1::GetPlacementLogRequest& request) const {
   if (request.limit() < 0 || request.limit() > kMaxLogLimit) {

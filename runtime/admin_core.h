@@ -40,6 +40,8 @@ class AdminCore {
                                                           const Interrupt& interrupt);
   absl::StatusOr<v1::GetPlacementLogResponse> GetPlacementLog(const v1::GetPlacementLogRequest& request) const;
   absl::StatusOr<v1::SetBatchingResponse> SetBatching(const v1::SetBatchingRequest& request);
+  absl::StatusOr<v1::SetSchedulerResponse> SetScheduler(const v1::SetSchedulerRequest& request);
+  v1::GetSchedulerResponse GetScheduler() const;
   absl::StatusOr<v1::DrainDeviceResponse> DrainDevice(const v1::DrainDeviceRequest& request);
   absl::StatusOr<v1::MoveComponentResponse> MoveComponent(const v1::MoveComponentRequest& request,
                                                           const Interrupt& interrupt);

@@ -292,13 +292,7 @@ absl::Status FinalizeBatchingConfig(v1::BatchingConfig& b, const std::string& fi
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config, const PipelineRegistry* registry) {
-  if (config.grpc_address().empty()) config.set_grpc_address(kDefaultGrpcAddress);
-  if (config.metrics_address().empty()) config.set_metrics_address(kDefaultMetricsAddress);
-  RETURN_IF_ERROR(CheckRange("queue_depth", config.queue_depth(), 0, kMaxQueueDepth,
-                             absl::StrCat("0 (default ", kDefaultQueueDepth, ") or 1..", kMaxQueueDepth)));
-  if (config.queue_depth() == 0) config.set_queue_depth(kDefaultQueueDepth);
-  const v1::SchedulerConfig& scheduler = config.scheduler();
+absl::Status CheckSchedulerConfig(const v1::SchedulerConfig& scheduler, int queue_depth) {
   if (!v1::SchedulerConfig::PriorityMode_IsValid(scheduler.priority_mode())) {
     return absl::InvalidArgumentError(absl::StrCat("scheduler.priority_mode: unknown value ",
                                                    static_cast<int>(scheduler.priority_mode()),
@@ -306,8 +300,8 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config, c
   }
   RETURN_IF_ERROR(CheckRange("scheduler.max_reorder_delay_ms", scheduler.max_reorder_delay_ms(), 0, kMaxReorderDelayMs,
                              absl::StrCat("0 (first come, first served) ..", kMaxReorderDelayMs)));
-  RETURN_IF_ERROR(CheckRange("scheduler.tenant_queue_limit", scheduler.tenant_queue_limit(), 0, config.queue_depth(),
-                             absl::StrCat("0 (off) ..queue_depth (", config.queue_depth(), ")")));
+  RETURN_IF_ERROR(CheckRange("scheduler.tenant_queue_limit", scheduler.tenant_queue_limit(), 0, queue_depth,
+                             absl::StrCat("0 (off) ..queue_depth (", queue_depth, ")")));
   if (scheduler.has_tenant_burst_work() &&
       !(scheduler.tenant_burst_work() >= 0 && scheduler.tenant_burst_work() <= kMaxTenantBurstWork)) {
     return absl::InvalidArgumentError(absl::StrCat("scheduler.tenant_burst_work: ", scheduler.tenant_burst_work(),
@@ -328,6 +322,16 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config, c
                                                      " is out of range; allowed: (0, ", kMaxTenantWeight, "]"));
     }
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config, const PipelineRegistry* registry) {
+  if (config.grpc_address().empty()) config.set_grpc_address(kDefaultGrpcAddress);
+  if (config.metrics_address().empty()) config.set_metrics_address(kDefaultMetricsAddress);
+  RETURN_IF_ERROR(CheckRange("queue_depth", config.queue_depth(), 0, kMaxQueueDepth,
+                             absl::StrCat("0 (default ", kDefaultQueueDepth, ") or 1..", kMaxQueueDepth)));
+  if (config.queue_depth() == 0) config.set_queue_depth(kDefaultQueueDepth);
+  RETURN_IF_ERROR(CheckSchedulerConfig(config.scheduler(), config.queue_depth()));
   // The HTTP API's limits: 0 takes the default.
   v1::HttpConfig* http = config.mutable_http();
   auto zero_or = [](const std::string& field, int64_t value, int64_t lo, int64_t hi, int64_t fallback) {

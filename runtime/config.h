@@ -85,6 +85,10 @@ inline constexpr double kMaxTenantBurstWork = 10000;
 bool IsValidTenant(const std::string& tenant);
 // The scheduler options of a validated ServerConfig.scheduler.
 SchedulerOptions ToSchedulerOptions(const v1::SchedulerConfig& config);
+// INVALID_ARGUMENT naming the field ("scheduler.max_reorder_delay_ms: ...") for a SchedulerConfig
+// out of range (tenant_queue_limit against `queue_depth`); FinalizeServerConfig and the admin
+// SetScheduler RPC use it.
+absl::Status CheckSchedulerConfig(const v1::SchedulerConfig& scheduler, int queue_depth);
 
 absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
 

@@ -10,6 +10,7 @@
 #include <optional>
 #include <random>
 #include <set>
+#include <utility>
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -469,7 +470,18 @@ std::string DeviceRuntime::ReadyDefault() const {
 
 absl::Status DeviceRuntime::ChangeDevice(const std::function<absl::Status(PlacementManager&)>& change,
                                           const Interrupt& interrupt) {
-  return OnWorker([&](WorkerScope& scope) { return change(Placement(scope)); }, interrupt);
+  return OnWorker(
+      [&](WorkerScope& scope) {
+        CheckScope(scope);
+        changed_since_request_ = true;  // Even a failed change may have moved something first.
+        return change(Placement(scope));
+      },
+      interrupt);
+}
+
+bool DeviceRuntime::TakeChangedSinceRequest(WorkerScope& scope) {
+  CheckScope(scope);
+  return std::exchange(changed_since_request_, false);
 }
 
 absl::Status DeviceRuntime::OnWorker(const std::function<absl::Status(WorkerScope&)>& change,
@@ -819,6 +831,10 @@ v1::BatchingConfig DeviceRuntime::BatchingOf(const std::string& pipeline) const 
   v1::BatchingConfig off;
   off.set_max_batch_size(1);
   return off;
+}
+
+void DeviceRuntime::SetScheduler(const v1::SchedulerConfig& scheduler) {
+  worker_->SetScheduling(ToSchedulerOptions(scheduler), scheduler.tenant_queue_limit());
 }
 
 absl::StatusOr<v1::Pipeline> DeviceRuntime::SetBatching(const std::string& name, const v1::BatchingConfig& batching) {

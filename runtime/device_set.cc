@@ -58,7 +58,12 @@ absl::StatusOr<std::unique_ptr<DeviceSet>> DeviceSet::Create(const v1::ServerCon
   }
   std::unique_ptr<DeviceSet> set(new DeviceSet());
   set->registry_ = &factories.Registry();
-  for (const auto& entry : config.scheduler().tenant_weights()) set->listed_tenants_.insert(entry.first);
+  {
+    absl::MutexLock lock(&set->scheduler_mu_);
+    set->scheduler_ = config.scheduler();
+    for (const auto& entry : config.scheduler().tenant_weights()) set->listed_tenants_.insert(entry.first);
+  }
+  set->queue_depth_ = config.queue_depth();
   for (size_t i = 0; i < devices.size(); ++i) {
     // Each device gets the server's settings, its own device, and the pipelines placed on it (split
     // pipelines load below, once every device exists).
@@ -250,7 +255,24 @@ v1::ListPipelinesResponse DeviceSet::ListPipelines() const {
 
 std::string DeviceSet::TenantLabel(const v1::GenerateRequest& request) const {
   if (request.tenant().empty()) return "default";
+  absl::MutexLock lock(&scheduler_mu_);
   return listed_tenants_.count(request.tenant()) > 0 ? request.tenant() : "other";
+}
+
+absl::StatusOr<v1::SchedulerConfig> DeviceSet::SetScheduler(const v1::SchedulerConfig& scheduler) {
+  RETURN_IF_ERROR(CheckSchedulerConfig(scheduler, queue_depth_));
+  // Held while the devices change: two calls apply in one order everywhere.
+  absl::MutexLock lock(&scheduler_mu_);
+  for (const auto& core : devices_) core->SetScheduler(scheduler);
+  scheduler_ = scheduler;
+  listed_tenants_.clear();
+  for (const auto& entry : scheduler.tenant_weights()) listed_tenants_.insert(entry.first);
+  return scheduler_;
+}
+
+v1::SchedulerConfig DeviceSet::SchedulerInForce() const {
+  absl::MutexLock lock(&scheduler_mu_);
+  return scheduler_;
 }
 
 int DeviceSet::PriorityLabel(const v1::GenerateRequest& request) {

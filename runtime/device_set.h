@@ -69,6 +69,11 @@ class DeviceSet {
   absl::Status UnloadPipeline(const std::string& name, const Interrupt& interrupt);
   // On every replica.
   absl::StatusOr<v1::Pipeline> SetBatching(const std::string& pipeline, const v1::BatchingConfig& batching);
+  // Replaces every device's scheduler (AdminService.SetScheduler) and returns it; INVALID_ARGUMENT
+  // naming the field (nothing changes then).
+  absl::StatusOr<v1::SchedulerConfig> SetScheduler(const v1::SchedulerConfig& scheduler);
+  // The scheduler in force.
+  v1::SchedulerConfig SchedulerInForce() const;
   // Reads the adapter file once and attaches it on every device hosting the pipeline READY (all or
   // nothing). NOT_FOUND when none does.
   absl::StatusOr<v1::Adapter> LoadAdapter(const v1::LoadAdapterRequest& request, const Interrupt& interrupt);
@@ -117,8 +122,12 @@ class DeviceSet {
 
   // The architectures pipelines are built from (RuntimeFactories::Registry()).
   const PipelineRegistry* registry_ = nullptr;
-  // The tenants of scheduler.tenant_weights (metric labels).
-  std::set<std::string> listed_tenants_;
+  // The scheduler in force and the tenants of its tenant_weights (metric labels); the queue depth
+  // tenant_queue_limit is checked against.
+  mutable absl::Mutex scheduler_mu_;
+  v1::SchedulerConfig scheduler_ ABSL_GUARDED_BY(scheduler_mu_);
+  std::set<std::string> listed_tenants_ ABSL_GUARDED_BY(scheduler_mu_);
+  int queue_depth_ = 0;
   std::vector<std::unique_ptr<DeviceRuntime>> devices_;
   std::vector<std::unique_ptr<Route>> routes_;  // Parallel to devices_.
 };

@@ -45,7 +45,10 @@ struct DeviceWorker::CallState {
 };
 
 DeviceWorker::DeviceWorker(Options options)
-    : options_(std::move(options)), scheduler_(options_.scheduler), waker_(std::make_shared<Waker>()) {
+    : options_(std::move(options)),
+      scheduler_(options_.scheduler),
+      tenant_queue_limit_(options_.tenant_queue_limit),
+      waker_(std::make_shared<Waker>()) {
   thread_ = std::thread([this] { Loop(); });
 }
 
@@ -263,6 +266,12 @@ void DeviceWorker::TakeCancelled(std::vector<Item>& dropped) {
   }
 }
 
+void DeviceWorker::SetScheduling(SchedulerOptions scheduler, int tenant_queue_limit) {
+  absl::MutexLock lock(&mu_);
+  scheduler_ = Scheduler(std::move(scheduler));
+  tenant_queue_limit_ = tenant_queue_limit;
+}
+
 absl::Status DeviceWorker::Submit(Job job) {
   std::vector<Item> dropped;
   absl::Status status;
@@ -271,14 +280,14 @@ absl::Status DeviceWorker::Submit(Job job) {
     if (stopping_) return absl::UnavailableError("server is shutting down");
     if (QueuedJobs() >= options_.queue_depth) TakeCancelled(dropped);
     int tenant_waiting = 0;
-    if (options_.tenant_queue_limit > 0) {
+    if (tenant_queue_limit_ > 0) {
       for (const Item& i : queue_) tenant_waiting += i.task == nullptr && i.job.schedule.tenant == job.schedule.tenant;
     }
     if (QueuedJobs() >= options_.queue_depth) {
       status = absl::ResourceExhaustedError(absl::StrCat(
           "the request queue of ", options_.device, " is full (", options_.queue_depth,
           " waiting); retry later or raise queue_depth in the server config"));
-    } else if (options_.tenant_queue_limit > 0 && tenant_waiting >= options_.tenant_queue_limit) {
+    } else if (tenant_queue_limit_ > 0 && tenant_waiting >= tenant_queue_limit_) {
       status = absl::ResourceExhaustedError(absl::StrCat(
           "tenant '", job.schedule.tenant.empty() ? std::string("(default)") : job.schedule.tenant, "' has ",
           tenant_waiting, " requests waiting on ", options_.device,

@@ -152,6 +152,10 @@ class DeviceWorker {
 
   const std::string& device() const { return options_.device; }
   absl::Status Submit(Job job);
+  // Replaces Options::scheduler and Options::tenant_queue_limit (the admin SetScheduler): the next
+  // choice among the waiting jobs, and the next Submit's limit, are under the new settings; fair
+  // shares start afresh.
+  void SetScheduling(SchedulerOptions scheduler, int tenant_queue_limit);
 
   // Runs `task` on the worker and returns its status. `interrupt` (optional) is polled while the
   // task waits; when it returns non-OK before the task started, the task is withdrawn and that
@@ -242,6 +246,7 @@ class DeviceWorker {
   // How long a batch waits for more members (runtime/batch_policy.h).
   BatchPolicy batch_policy_ ABSL_GUARDED_BY(mu_);
   Scheduler scheduler_ ABSL_GUARDED_BY(mu_);
+  int tenant_queue_limit_ ABSL_GUARDED_BY(mu_);  // Options::tenant_queue_limit until SetScheduling.
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   bool collecting_batch_ ABSL_GUARDED_BY(mu_) = false;
   // The remote-call lane, in arrival order.

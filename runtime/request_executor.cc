@@ -74,8 +74,14 @@ class SplitRunner : public ComponentRunner {
   std::vector<v1::DeviceUsage> usage_;
 };
 
-// Set aside for the context's growth during a warm-up's first run (DeviceRuntime::WarmUp).
+// Set aside for the context's growth during a warm-up's first run (DeviceRuntime::WarmUp), and
+// during the first request after a change on the device.
 constexpr int64_t kWarmupContextReserve = int64_t{1} << 30;
+
+// The reserve: 1 GiB, at most a quarter of what the context leaves of the budget.
+int64_t ContextReserve(const DeviceMemoryStats& stats) {
+  return std::min(kWarmupContextReserve, std::max<int64_t>(0, stats.budget_bytes - stats.context_bytes) / 4);
+}
 constexpr std::array<const char*, 12> kWarmupWords = {"a", "red", "fox", "in", "a", "snowy", "forest", "under",
                                                       "the", "northern", "lights", "painted"};
 
@@ -83,6 +89,19 @@ constexpr std::array<const char*, 12> kWarmupWords = {"a", "red", "fox", "in", "
 
 RequestExecutor::RequestExecutor(DeviceRuntime& device, ServerMetrics* metrics)
     : device_(device), metrics_(metrics) {}
+
+void RequestExecutor::EndContextReserve(WorkerScope& scope, int64_t reserve, const std::string& what) {
+  DeviceBackend& backend = device_.Backend(scope);
+  backend.SetContextReserve(0);
+  const int64_t context_before = backend.GetMemoryStats().context_bytes;
+  device_.RefreshContext(scope);
+  const int64_t grew = backend.GetMemoryStats().context_bytes - context_before;
+  if (grew > reserve) {
+    LogWarning(absl::StrCat(what, " device=", device_.device_name(), " context_grew_mib=", grew / (int64_t{1} << 20),
+                            " reserved_mib=", reserve / (int64_t{1} << 20),
+                            " (more than set aside: the budget may have been exceeded by the difference)"));
+  }
+}
 
 void RequestExecutor::KeepPeakFloor(const DeviceMemoryStats& before) {
   peak_floor_allocated_ = std::max(peak_floor_allocated_, before.peak_allocated_bytes);
@@ -109,21 +128,11 @@ void RequestExecutor::WarmUp(WorkerScope& scope, Pipeline& pipeline, const Inter
   // H200 for Z-Image): placement and the allocator keep a reserve (1 GiB, at most a quarter of what
   // the context leaves of the budget) out of the budget for them until the context is measured again
   // after it, so the warm-up stays within the budget.
-  const DeviceMemoryStats at_start = device_.Backend(scope).GetMemoryStats();
-  const int64_t reserve =
-      std::min(kWarmupContextReserve, std::max<int64_t>(0, at_start.budget_bytes - at_start.context_bytes) / 4);
+  const int64_t reserve = ContextReserve(device_.Backend(scope).GetMemoryStats());
   device_.Backend(scope).SetContextReserve(reserve);
   absl::Status thrown = CatchAsStatus("warm-up", [&] { image = pipeline.Run(params, runner, context); });
   device_.Backend(scope).Synchronize();
-  device_.Backend(scope).SetContextReserve(0);
-  const int64_t context_before = device_.Backend(scope).GetMemoryStats().context_bytes;
-  device_.RefreshContext(scope);
-  const int64_t grew = device_.Backend(scope).GetMemoryStats().context_bytes - context_before;
-  if (grew > reserve) {
-    LogWarning(absl::StrCat("warmup pipeline=", LogValue(pipeline.name()), " device=", device_.device_name(),
-                            " context_grew_mib=", grew / (int64_t{1} << 20), " reserved_mib=", reserve / (int64_t{1} << 20),
-                            " (more than set aside: the budget may have been exceeded by the difference)"));
-  }
+  EndContextReserve(scope, reserve, absl::StrCat("warmup pipeline=", LogValue(pipeline.name())));
   // Then one step for prompts of other lengths: each caption length the text encoder and the
   // transformer meet first builds attention plans and allocator blocks of its own, which the first
   // request of that length would otherwise pay for (seen on the H200: 2.1x the warm latency).
@@ -202,6 +211,11 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
   // Peak RSS falls back to the lifetime peak where clear_refs is not writable (still an upper
   // bound, never an under-report).
   (void)ResetPeakRss();
+  // The first request after a change on the device (group offloading enabled, the strategy
+  // switched) may run kernels and streams no warm-up ran: the context grows while it runs (700 MiB
+  // measured on the H200 after Flux went int4-streamed), so it gets the warm-up's reserve.
+  const int64_t context_reserve = device_.TakeChangedSinceRequest(scope) ? ContextReserve(backend.GetMemoryStats()) : 0;
+  if (context_reserve > 0) backend.SetContextReserve(context_reserve);
   const DeviceMemoryStats before = backend.GetMemoryStats();
 
   std::vector<std::unique_ptr<RunContext>> contexts;
@@ -307,7 +321,11 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
 
   // Kernels and workspaces a request used for the first time grew the context: the reply's peak
   // and the budget count it from now on.
-  device_.RefreshContext(scope);
+  if (context_reserve > 0) {
+    EndContextReserve(scope, context_reserve, absl::StrCat("first request after a change pipeline=", LogValue(pipeline.name())));
+  } else {
+    device_.RefreshContext(scope);
+  }
   const DeviceMemoryStats after = backend.GetMemoryStats();
   absl::StatusOr<ProcessMemory> memory = ReadProcessMemory();
   const absl::Duration run_time = absl::Now() - start;

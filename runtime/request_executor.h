@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -79,6 +80,10 @@ class RequestExecutor {
   int running() const { return running_.load(std::memory_order_relaxed); }
 
  private:
+  // Ends a context reserve set for a first run (warm-up, first request after a change): measures
+  // the context again and warns, naming `what`, when it grew beyond `reserve`.
+  void EndContextReserve(WorkerScope& scope, int64_t reserve, const std::string& what);
+
   DeviceRuntime& device_;
   ServerMetrics* const metrics_;
   // Worker only.

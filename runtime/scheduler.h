@@ -90,7 +90,7 @@ class Scheduler {
   // Lifts flows that were not waiting at the previous Pick to the last served virtual time.
   void LiftNewcomers(const std::vector<const ScheduleEntry*>& entries);
 
-  const SchedulerOptions options_;
+  SchedulerOptions options_;
   // Work served per priority level (weighted mode) and per (priority, tenant), normalised by weight.
   std::map<int, double> level_time_;
   std::map<std::pair<int, std::string>, double> tenant_time_;

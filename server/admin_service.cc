@@ -125,6 +125,20 @@ grpc::Status AdminServiceImpl::SetBatching(grpc::ServerContext* context, const v
   return Reply(core_.SetBatching(*request), response);
 }
 
+grpc::Status AdminServiceImpl::SetScheduler(grpc::ServerContext* context, const v1::SetSchedulerRequest* request,
+                                            v1::SetSchedulerResponse* response) {
+  STOWAGE_AUTHORIZE(context);
+  return Reply(core_.SetScheduler(*request), response);
+}
+
+grpc::Status AdminServiceImpl::GetScheduler(grpc::ServerContext* context, const v1::GetSchedulerRequest* request,
+                                            v1::GetSchedulerResponse* response) {
+  (void)request;
+  STOWAGE_AUTHORIZE(context);
+  *response = core_.GetScheduler();
+  return grpc::Status::OK;
+}
+
 grpc::Status AdminServiceImpl::DrainDevice(grpc::ServerContext* context, const v1::DrainDeviceRequest* request,
                                            v1::DrainDeviceResponse* response) {
   STOWAGE_AUTHORIZE(context);

@@ -45,6 +45,10 @@ class AdminServiceImpl final : public v1::AdminService::Service {
                              v1::UnloadAdapterResponse* response) override;
   grpc::Status SetBatching(grpc::ServerContext* context, const v1::SetBatchingRequest* request,
                            v1::SetBatchingResponse* response) override;
+  grpc::Status SetScheduler(grpc::ServerContext* context, const v1::SetSchedulerRequest* request,
+                            v1::SetSchedulerResponse* response) override;
+  grpc::Status GetScheduler(grpc::ServerContext* context, const v1::GetSchedulerRequest* request,
+                            v1::GetSchedulerResponse* response) override;
   grpc::Status DrainDevice(grpc::ServerContext* context, const v1::DrainDeviceRequest* request,
                            v1::DrainDeviceResponse* response) override;
   grpc::Status MoveComponent(grpc::ServerContext* context, const v1::MoveComponentRequest* request,

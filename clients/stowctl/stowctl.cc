@@ -99,6 +99,10 @@ ABSL_FLAG(std::string, device, "",
           "Admin commands: the device to act on or describe (\"cuda:1\", \"sim:0\"); empty = the server's "
           "first. drain-device / resume-device: required.");
 ABSL_FLAG(int32_t, max_batch_size, 1, "set-batching: most requests per batch, 1 (off) ..64.");
+ABSL_FLAG(std::string, scheduler, "",
+          "set-scheduler: a SchedulerConfig in protobuf text format, e.g. 'max_reorder_delay_ms: 4000' or "
+          "'priority_mode: PRIORITY_WEIGHTED tenant_weights { key: \"gold\" value: 2 }'; empty = first come, "
+          "first served.");
 ABSL_FLAG(int32_t, max_queue_delay_ms, 0,
           "set-batching: how long a batch waits for more requests, 0..60000 ms.");
 
@@ -115,7 +119,7 @@ int Usage(const std::string& message) {
                "generate|stream|pipelines|health|ready [flags]\n"
             << "       stowctl --token=T placement|set-strategy|enable-group-offload|"
                "disable-group-offload|load-pipeline|unload-pipeline|load-adapter|unload-adapter|placement-log|"
-               "set-batching|drain-device|resume-device|"
+               "set-batching|set-scheduler|get-scheduler|drain-device|resume-device|"
                "move-component [flags]\n"
             << "run 'stowctl --help' for the flags\n";
   return kUsageError;
@@ -548,6 +552,16 @@ int Admin(const std::string& command, AdminService::Stub& stub) {
     return AdminCall<SetBatchingRequest, SetBatchingResponse>(
         request, [&](auto* c, const auto& q, auto* r) { return stub.SetBatching(c, q, r); });
   }
+  if (command == "set-scheduler") {
+    SetSchedulerRequest request;
+    if (!ParseText("scheduler", absl::GetFlag(FLAGS_scheduler), request.mutable_scheduler())) return kUsageError;
+    return AdminCall<SetSchedulerRequest, SetSchedulerResponse>(
+        request, [&](auto* c, const auto& q, auto* r) { return stub.SetScheduler(c, q, r); });
+  }
+  if (command == "get-scheduler") {
+    return AdminCall<GetSchedulerRequest, GetSchedulerResponse>(
+        GetSchedulerRequest(), [&](auto* c, const auto& q, auto* r) { return stub.GetScheduler(c, q, r); });
+  }
   if (command == "placement-log") {
     GetPlacementLogRequest request;
     request.set_device(absl::GetFlag(FLAGS_device));
@@ -579,7 +593,7 @@ int main(int argc, char** argv) {
       "[--options=TEXT] | disable-group-offload ... | load-pipeline --name=N | unload-pipeline "
       "--name=N | load-adapter --pipeline=P --name=N --path=FILE [--alpha=A] | unload-adapter --pipeline=P "
       "--name=N | placement-log [--limit=N] | set-batching --pipeline=P --max_batch_size=N "
-      "[--max_queue_delay_ms=MS] | drain-device --device=D | resume-device --device=D | move-component "
+      "[--max_queue_delay_ms=MS] | set-scheduler --scheduler=TEXT | get-scheduler | drain-device --device=D | resume-device --device=D | move-component "
       "--pipeline=P --component=NAME --device=D; admin commands take "
       "--device=D on a server with several devices");
   std::vector<char*> args = stowage::ParseCommandLine(argc, argv, "clients/stowctl/stowctl.cc");

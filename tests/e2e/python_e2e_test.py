@@ -305,6 +305,48 @@ class PythonAdminEndToEndTest(unittest.TestCase):
         self.assertEqual(alone.stats.batch_size, 1)
         self.assertEqual(alone.image, results[1].image)
 
+    def test_scheduler_switched_at_run_time_through_the_python_client_and_stowctl(self) -> None:
+        self.assertEqual(self.admin.get_scheduler().max_reorder_delay_ms, 0)  # The config's: FIFO.
+        now = self.admin.set_scheduler(max_reorder_delay_ms=4000, priority_mode="weighted",
+                                       tenant_weights={"gold": 2.0}, tenant_burst_work=8)
+        self.assertEqual((now.max_reorder_delay_ms, dict(now.tenant_weights), now.tenant_burst_work),
+                         (4000, {"gold": 2.0}, 8))
+        self.assertEqual(self.admin.get_scheduler(), now)
+        # Out of range: refused by field name, and the scheduler in force is unchanged.
+        for kwargs, needle in (({"max_reorder_delay_ms": 60001}, "scheduler.max_reorder_delay_ms: 60001"),
+                               ({"tenant_weights": {"gold": 0.0}}, "scheduler.tenant_weights[gold]"),
+                               ({"tenant_weights": {"two words": 1.0}}, "tenant 'two words'"),
+                               ({"tenant_queue_limit": 100000}, "scheduler.tenant_queue_limit"),
+                               ({"tenant_burst_work": -1}, "scheduler.tenant_burst_work")):
+            with self.assertRaises(StowageError) as refused:
+                self.admin.set_scheduler(**kwargs)
+            self.assertEqual(refused.exception.code, grpc.StatusCode.INVALID_ARGUMENT, kwargs)
+            self.assertIn(needle, refused.exception.message)
+        self.assertEqual(self.admin.get_scheduler(), now)
+        with self.assertRaises(ValueError):
+            self.admin.set_scheduler(priority_mode="fastest")
+        # Requests still run under the new scheduler.
+        self.generate("after-set-scheduler")
+        # stowctl: set back to first come, first served, then read it.
+        base = [STOWCTL, f"--target={self.target}", f"--token={self.TOKEN}"]
+        done = subprocess.run(base + ["set-scheduler", "--scheduler=tenant_queue_limit: 2"],
+                              capture_output=True, text=True, timeout=60)
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn("tenant_queue_limit: 2", done.stdout)
+        got = subprocess.run(base + ["get-scheduler"], capture_output=True, text=True, timeout=60)
+        self.assertEqual(got.returncode, 0, got.stderr)
+        self.assertIn("tenant_queue_limit: 2", got.stdout)
+        self.assertNotIn("max_reorder_delay_ms", got.stdout)
+        bad = subprocess.run(base + ["set-scheduler", "--scheduler=max_reorder_delay_ms: -5"],
+                             capture_output=True, text=True, timeout=60)
+        self.assertEqual(bad.returncode, 1)
+        self.assertIn("max_reorder_delay_ms: -5", bad.stderr)
+        garbled = subprocess.run(base + ["set-scheduler", "--scheduler={{"], capture_output=True, text=True,
+                                 timeout=60)
+        self.assertEqual(garbled.returncode, 2)
+        self.assertIn("not a valid stowage.v1.SchedulerConfig", garbled.stderr)
+        self.admin.set_scheduler()
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

@@ -67,6 +67,66 @@ class SchedulingTest : public ::testing::Test {
     absl::MutexLock lock(&mu_);
     return finished_;
   }
+  void ClearFinished() {
+    absl::MutexLock lock(&mu_);
+    finished_.clear();
+  }
+
+  // Two pipelines whose weights do not fit together (two_pipelines_e2e_test's budget: the larger
+  // pipeline and half the smaller), with `scheduler` (text of a SchedulerConfig).
+  void StartTwoPipelinesUnderABudget(const std::string& scheduler) {
+    Start(R"pb(
+      device { kind: KIND_SIMULATED }
+      pipelines { name: "z" builtin: "zimage-tiny" }
+      pipelines { name: "f" builtin: "flux-tiny" }
+    )pb");
+    v1::ListPipelinesResponse list;
+    ASSERT_TRUE(server_->Pipelines(&list).ok());
+    std::map<std::string, int64_t> weights;
+    for (const auto& p : list.pipelines()) {
+      for (const auto& c : p.components()) weights[p.name()] += c.weight_bytes();
+    }
+    server_.reset();
+    Start(absl::StrCat(R"pb(
+      device { kind: KIND_SIMULATED memory_budget_bytes: )pb",
+                       std::max(weights["z"], weights["f"]) + std::min(weights["z"], weights["f"]) / 2, R"pb( }
+      pipelines { name: "z" builtin: "zimage-tiny" }
+      pipelines { name: "f" builtin: "flux-tiny" }
+      scheduler { )pb", scheduler, " }"));
+  }
+  // With "z" running on the device, an older "f" request (which would move weights) and a younger
+  // "z" one wait; returns the order they finished in. "f" is loaded afresh first (admin Unload and
+  // Load): its weights on the host, whatever an earlier round left on the device.
+  std::vector<std::string> OrderOfAnOlderMoveAndAYoungerResident() {
+    ClearFinished();
+    v1::UnloadPipelineRequest unload;
+    unload.set_name("f");
+    v1::UnloadPipelineResponse unloaded;
+    EXPECT_TRUE(server_->admin().UnloadPipeline(E2eServer::Authed().get(), unload, &unloaded).ok());
+    v1::LoadPipelineRequest load;
+    load.mutable_pipeline()->set_name("f");
+    load.mutable_pipeline()->set_builtin("flux-tiny");
+    v1::LoadPipelineResponse loaded;
+    EXPECT_TRUE(server_->admin().LoadPipeline(E2eServer::Authed().get(), load, &loaded).ok());
+    StartLong("z");  // "z" is on the device while it runs.
+    std::thread older = Send(E2eServer::SmallRequest("f", 1), "f (older, would move weights)");
+    EXPECT_TRUE(WaitForQueueDepth(1));
+    std::thread younger = Send(E2eServer::SmallRequest("z", 2), "z (younger, resident)");
+    EXPECT_TRUE(WaitForQueueDepth(2));
+    FinishLong();
+    older.join();
+    younger.join();
+    return Finished();
+  }
+  int ScheduleDecisions() {
+    v1::GetPlacementLogRequest request;
+    request.set_limit(4096);
+    v1::GetPlacementLogResponse log;
+    EXPECT_TRUE(server_->admin().GetPlacementLog(E2eServer::Authed().get(), request, &log).ok());
+    int schedules = 0;
+    for (const auto& d : log.decisions()) schedules += d.action() == "schedule";
+    return schedules;
+  }
 
   std::unique_ptr<E2eServer> server_;
   std::unique_ptr<LongRequest> long_;
@@ -75,37 +135,10 @@ class SchedulingTest : public ::testing::Test {
 };
 
 TEST_F(SchedulingTest, TheResidentPipelineRunsBeforeAnOlderRequestThatWouldMoveWeights) {
-  // Two pipelines whose weights do not fit together (two_pipelines_e2e_test's budget): "z" on the
-  // device, "f" on the host.
-  Start(R"pb(
-    device { kind: KIND_SIMULATED }
-    pipelines { name: "z" builtin: "zimage-tiny" }
-    pipelines { name: "f" builtin: "flux-tiny" }
-  )pb");
-  // The budget: what two_pipelines_e2e_test uses (the larger pipeline and half the smaller).
-  v1::ListPipelinesResponse list;
-  ASSERT_TRUE(server_->Pipelines(&list).ok());
-  std::map<std::string, int64_t> weights;
-  for (const auto& p : list.pipelines()) {
-    for (const auto& c : p.components()) weights[p.name()] += c.weight_bytes();
-  }
-  server_.reset();
-  Start(absl::StrCat(R"pb(
-    device { kind: KIND_SIMULATED memory_budget_bytes: )pb",
-                     std::max(weights["z"], weights["f"]) + std::min(weights["z"], weights["f"]) / 2, R"pb( }
-    pipelines { name: "z" builtin: "zimage-tiny" }
-    pipelines { name: "f" builtin: "flux-tiny" }
-    scheduler { max_reorder_delay_ms: 60000 }
-  )pb"));
-  StartLong("z");  // "z" is on the device while it runs.
-  std::thread older = Send(E2eServer::SmallRequest("f", 1), "f (older, would move weights)");
-  ASSERT_TRUE(WaitForQueueDepth(1));
-  std::thread younger = Send(E2eServer::SmallRequest("z", 2), "z (younger, resident)");
-  ASSERT_TRUE(WaitForQueueDepth(2));
-  FinishLong();
-  older.join();
-  younger.join();
-  EXPECT_EQ(Finished(), (std::vector<std::string>{"z (younger, resident)", "f (older, would move weights)"}));
+  // "z" on the device, "f" on the host.
+  StartTwoPipelinesUnderABudget("max_reorder_delay_ms: 60000");
+  EXPECT_EQ(OrderOfAnOlderMoveAndAYoungerResident(),
+            (std::vector<std::string>{"z (younger, resident)", "f (older, would move weights)"}));
   v1::GetPlacementLogRequest request;
   request.set_limit(200);
   v1::GetPlacementLogResponse log;
@@ -118,6 +151,70 @@ TEST_F(SchedulingTest, TheResidentPipelineRunsBeforeAnOlderRequestThatWouldMoveW
     EXPECT_NE(d.reason().find("ran before an older request of pipeline 'f'"), std::string::npos) << d.reason();
   }
   EXPECT_EQ(schedules, 1);
+}
+
+// The admin SetScheduler switches a running server between first come, first served and residency
+// reordering (what bench/multi_tenant.py compares on one loaded server); hostile settings are
+// refused by field name and leave the scheduler in force; no token, no change.
+TEST_F(SchedulingTest, TheSchedulerSwitchedAtRunTimeDecidesTheOrderFromThenOn) {
+  StartTwoPipelinesUnderABudget("");
+  const std::vector<std::string> fifo = {"f (older, would move weights)", "z (younger, resident)"};
+  const std::vector<std::string> reordered = {"z (younger, resident)", "f (older, would move weights)"};
+  EXPECT_EQ(OrderOfAnOlderMoveAndAYoungerResident(), fifo);
+  EXPECT_EQ(ScheduleDecisions(), 0);
+  v1::SetSchedulerRequest set;
+  set.mutable_scheduler()->set_max_reorder_delay_ms(60000);
+  v1::SetSchedulerResponse now;
+  ASSERT_TRUE(server_->admin().SetScheduler(E2eServer::Authed().get(), set, &now).ok());
+  EXPECT_EQ(now.scheduler().max_reorder_delay_ms(), 60000);
+  EXPECT_EQ(OrderOfAnOlderMoveAndAYoungerResident(), reordered);
+  EXPECT_EQ(ScheduleDecisions(), 1);
+  // Hostile settings: INVALID_ARGUMENT naming the field; the scheduler in force stays.
+  struct Case {
+    std::string text;
+    std::string needle;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"max_reorder_delay_ms: -1", "scheduler.max_reorder_delay_ms: -1 is out of range"},
+           {"max_reorder_delay_ms: 2147483647", "scheduler.max_reorder_delay_ms: 2147483647"},
+           {"priority_mode: 7", "scheduler.priority_mode: unknown value 7"},
+           {"tenant_queue_limit: 17", "scheduler.tenant_queue_limit: 17 is out of range; allowed: 0 (off) ..queue_depth (16)"},
+           {"tenant_burst_work: nan", "scheduler.tenant_burst_work: nan"},
+           {"tenant_burst_work: 1e300", "scheduler.tenant_burst_work"},
+           {"tenant_weights { key: \"a\" value: -1 }", "scheduler.tenant_weights[a]: -1"},
+           {"tenant_weights { key: \"a\" value: inf }", "scheduler.tenant_weights[a]: inf"},
+           {"tenant_weights { key: \"\" value: 1 }", "scheduler.tenant_weights: tenant ''"},
+           {"tenant_weights { key: \"x y\" value: 1 }", "tenant 'x y' is not"},
+       }) {
+    v1::SetSchedulerRequest bad;
+    ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(c.text, bad.mutable_scheduler())) << c.text;
+    v1::SetSchedulerResponse ignored;
+    const grpc::Status status = server_->admin().SetScheduler(E2eServer::Authed().get(), bad, &ignored);
+    EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT) << c.text;
+    EXPECT_NE(status.error_message().find(c.needle), std::string::npos) << c.text << ": " << status.error_message();
+  }
+  {
+    v1::SetSchedulerRequest many;
+    for (int i = 0; i < 10000; ++i) (*many.mutable_scheduler()->mutable_tenant_weights())[absl::StrCat("t", i)] = 1;
+    v1::SetSchedulerResponse ignored;
+    const grpc::Status status = server_->admin().SetScheduler(E2eServer::Authed().get(), many, &ignored);
+    EXPECT_EQ(status.error_code(), grpc::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find("scheduler.tenant_weights: 10000 tenants; at most"), std::string::npos)
+        << status.error_message();
+  }
+  {
+    grpc::ClientContext no_token;
+    v1::SetSchedulerResponse ignored;
+    EXPECT_EQ(server_->admin().SetScheduler(&no_token, v1::SetSchedulerRequest(), &ignored).error_code(),
+              grpc::UNAUTHENTICATED);
+  }
+  v1::GetSchedulerResponse in_force;
+  ASSERT_TRUE(server_->admin().GetScheduler(E2eServer::Authed().get(), v1::GetSchedulerRequest(), &in_force).ok());
+  EXPECT_EQ(in_force.scheduler().max_reorder_delay_ms(), 60000);
+  // Back to first come, first served.
+  ASSERT_TRUE(server_->admin().SetScheduler(E2eServer::Authed().get(), v1::SetSchedulerRequest(), &now).ok());
+  EXPECT_EQ(OrderOfAnOlderMoveAndAYoungerResident(), fifo);
+  EXPECT_EQ(ScheduleDecisions(), 1);
 }
 
 TEST_F(SchedulingTest, AHigherPriorityRunsFirstAndTenantsAreCountedByBoundedLabels) {

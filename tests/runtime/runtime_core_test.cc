@@ -214,6 +214,44 @@ TEST_F(RuntimeCoreTest, ACancelledMemberLeavesItsBatchAtTheNextStepAndTheOthersF
   EXPECT_EQ(gate_->arrivals(), 4);
 }
 
+// A change on the device (ChangeDevice: group offloading, the strategy) may put kernels and streams
+// in use that no warm-up ran, so the next request runs with the warm-up's context reserve counted
+// against the budget; later requests do not.
+TEST_F(RuntimeCoreTest, TheFirstRequestAfterAChangeRunsWithTheContextReserve) {
+  constexpr int64_t kContext = 1000;
+  constexpr int64_t kBudget = int64_t{1} << 20;
+  DeviceBackend* sim = nullptr;
+  Start(1,
+        [&](const v1::DeviceConfig& device) -> absl::StatusOr<std::unique_ptr<DeviceBackend>> {
+          SimulatedBackendOptions options;
+          options.index = device.index();
+          options.context_bytes = kContext;
+          options.count_context_reserve = true;
+          std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend(options);
+          sim = backend.get();
+          return backend;
+        },
+        kBudget);
+  ASSERT_NE(sim, nullptr);
+  const int64_t reserve = (kBudget - kContext) / 4;  // The warm-up's: a quarter of the budget at most 1 GiB.
+  const auto context_while_running = [&](const std::string& prompt, int arrivals) {
+    auto outcome = GenerateAsync(prompt, 1, 1);
+    gate_->AwaitArrivals(arrivals);
+    const int64_t context = sim->GetMemoryStats().context_bytes;
+    gate_->Allow(1);
+    EXPECT_TRUE(Await(outcome).ok()) << prompt;
+    EXPECT_EQ(sim->GetMemoryStats().context_bytes, kContext) << "after " << prompt;
+    return context;
+  };
+  // Start-up applied the strategy (a change): the first request has the reserve, the second not.
+  EXPECT_EQ(context_while_running("first", 1), kContext + reserve);
+  EXPECT_EQ(context_while_running("second", 2), kContext);
+  ASSERT_TRUE(core().ChangeDevice([](PlacementManager&) { return absl::OkStatus(); },
+                                  [] { return absl::OkStatus(); }).ok());
+  EXPECT_EQ(context_while_running("after the change", 3), kContext + reserve);
+  EXPECT_EQ(context_while_running("then", 4), kContext);
+}
+
 TEST_F(RuntimeCoreTest, AnAdminChangeRunsAfterTheRunningRequestAndBeforeTheQueuedOnes) {
   Start();
   auto first = GenerateAsync("first", 1, 1);

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
-from typing import Any
+from typing import Any, Dict, Optional
 
 import grpc
 
@@ -610,6 +610,42 @@ class AdminClient(_ChannelClient):
             batching=config_pb2.BatchingConfig(max_batch_size=max_batch_size, max_queue_delay_ms=max_queue_delay_ms),
         )
         return _pipeline_from_proto(self._call("SetBatching", request).pipeline)
+
+    def set_scheduler(
+        self,
+        max_reorder_delay_ms: int = 0,
+        priority_mode: str = "strict",
+        tenant_weights: Optional[Dict[str, float]] = None,
+        tenant_queue_limit: int = 0,
+        tenant_burst_work: Optional[float] = None,
+    ) -> "config_pb2.SchedulerConfig":
+        """Replaces every device's request scheduler and returns the one now in force: how long a
+        request may be passed over for one whose weights are on the device (0..60000 ms; 0 = first
+        come, first served), ``priority_mode`` "strict" or "weighted", tenants' shares
+        (weight in (0, 1000]), requests one tenant may have waiting (0 = off ..queue_depth), and
+        the burst credit of a returning tenant (0..10000; None = the default, 32). Fair shares
+        start afresh.
+
+        Raises:
+            StowageError: INVALID_ARGUMENT naming the field out of range (nothing changes).
+        """
+        modes = {"strict": config_pb2.SchedulerConfig.PRIORITY_STRICT,
+                 "weighted": config_pb2.SchedulerConfig.PRIORITY_WEIGHTED}
+        if priority_mode not in modes:
+            raise ValueError(f"priority_mode must be 'strict' or 'weighted', not {priority_mode!r}")
+        scheduler = config_pb2.SchedulerConfig(
+            priority_mode=modes[priority_mode],
+            max_reorder_delay_ms=max_reorder_delay_ms,
+            tenant_weights=dict(tenant_weights or {}),
+            tenant_queue_limit=tenant_queue_limit,
+        )
+        if tenant_burst_work is not None:
+            scheduler.tenant_burst_work = tenant_burst_work
+        return self._call("SetScheduler", admin_pb2.SetSchedulerRequest(scheduler=scheduler)).scheduler
+
+    def get_scheduler(self) -> "config_pb2.SchedulerConfig":
+        """The request scheduler in force (the config file's or the last set_scheduler's)."""
+        return self._call("GetScheduler", admin_pb2.GetSchedulerRequest()).scheduler
 
     def unload_pipeline(self, name: str) -> None:
         """Stops serving a pipeline. Returns once its in-flight requests have finished and its

@@ -800,6 +800,7 @@ absl::Status PlacementManager::EnableLocked(Entry& entry, const GroupOffloadOpti
   entry.group_offload = *std::move(applied);
   entry.state = entry.group_offload->stats().resident_groups > 0 ? ComponentState::kPartiallyResident
                                                                  : ComponentState::kGroupOffloaded;
+  ++run_changes_;
   return absl::OkStatus();
 }
 
@@ -860,6 +861,7 @@ absl::Status PlacementManager::DisableGroupOffload(const std::string& id) {
   entry->group_offload.reset();
   entry->state = ComponentState::kOffloaded;
   PinHost(*entry);
+  ++run_changes_;
   return absl::OkStatus();
 }
 

@@ -239,6 +239,10 @@ class PlacementManager : public ComponentRunner {
                                           const PipelineGroupOffloadOptions& options);
   // Removes group offloading; the component is then offloaded (made resident again on next use).
   absl::Status DisableGroupOffload(const std::string& id);
+  // How often a component's way of running changed (group offloading enabled — by an admin call,
+  // the config or an out-of-memory recovery — or disabled): the first run after a change may load
+  // kernels and streams (the context grows) that no earlier run used.
+  int64_t run_changes() const { return run_changes_; }
   // Statistics of a group-offloaded component; NOT_FOUND / FAILED_PRECONDITION otherwise.
   absl::StatusOr<GroupOffloadStats> GroupOffloadStatsOf(const std::string& id) const;
 
@@ -318,6 +322,7 @@ class PlacementManager : public ComponentRunner {
   bool prefetch_next_component_ = true;
   bool pin_host_copies_ = false;
   int64_t host_budget_ = 0;
+  int64_t run_changes_ = 0;  // See run_changes().
   std::map<std::string, std::string> pin_failures_;  // Component id → why its host copies stay pageable.
   PeerEviction peer_;
   // The decision log is the one part readers on other threads see live.

@@ -10,7 +10,6 @@
 #include <optional>
 #include <random>
 #include <set>
-#include <utility>
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -470,18 +469,7 @@ std::string DeviceRuntime::ReadyDefault() const {
 
 absl::Status DeviceRuntime::ChangeDevice(const std::function<absl::Status(PlacementManager&)>& change,
                                           const Interrupt& interrupt) {
-  return OnWorker(
-      [&](WorkerScope& scope) {
-        CheckScope(scope);
-        changed_since_request_ = true;  // Even a failed change may have moved something first.
-        return change(Placement(scope));
-      },
-      interrupt);
-}
-
-bool DeviceRuntime::TakeChangedSinceRequest(WorkerScope& scope) {
-  CheckScope(scope);
-  return std::exchange(changed_since_request_, false);
+  return OnWorker([&](WorkerScope& scope) { return change(Placement(scope)); }, interrupt);
 }
 
 absl::Status DeviceRuntime::OnWorker(const std::function<absl::Status(WorkerScope&)>& change,

@@ -230,10 +230,6 @@ class DeviceRuntime {
   // Re-measures the device memory held outside the allocator (DeviceBackend::RefreshContextBytes),
   // logging a change of 16 MiB or more.
   void RefreshContext(WorkerScope& scope);
-  // Whether a change posted with ChangeDevice (group offloading, the strategy, a moved component)
-  // happened since the last request: it may have put kernels and streams in use that no warm-up ran,
-  // so the next request runs with the warm-up's context reserve. Clears it.
-  bool TakeChangedSinceRequest(WorkerScope& scope);
   // Publishes the snapshot other threads read (after every job, task and call).
   void Publish(WorkerScope& scope);
 
@@ -264,8 +260,6 @@ class DeviceRuntime {
   // Worker only: true while this worker runs a component for a peer (RunForPeer); peer eviction
   // (which calls a peer) is off then, since a remote call makes no call itself.
   bool serving_peer_ = false;
-  // Worker only: set by ChangeDevice's task, taken by the next request (TakeChangedSinceRequest).
-  bool changed_since_request_ = false;
   // Reached through Placement(scope) once the worker runs (DecisionLog, safe from any thread,
   // excepted). Declared after the pipelines: destroyed before them, since group offloading hooks
   // their modules.

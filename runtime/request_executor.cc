@@ -133,6 +133,7 @@ void RequestExecutor::WarmUp(WorkerScope& scope, Pipeline& pipeline, const Inter
   absl::Status thrown = CatchAsStatus("warm-up", [&] { image = pipeline.Run(params, runner, context); });
   device_.Backend(scope).Synchronize();
   EndContextReserve(scope, reserve, absl::StrCat("warmup pipeline=", LogValue(pipeline.name())));
+  run_changes_seen_ = device_.Placement(scope).run_changes();  // The warm-up ran under them.
   // Then one step for prompts of other lengths: each caption length the text encoder and the
   // transformer meet first builds attention plans and allocator blocks of its own, which the first
   // request of that length would otherwise pay for (seen on the H200: 2.1x the warm latency).
@@ -211,10 +212,13 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
   // Peak RSS falls back to the lifetime peak where clear_refs is not writable (still an upper
   // bound, never an under-report).
   (void)ResetPeakRss();
-  // The first request after a change on the device (group offloading enabled, the strategy
-  // switched) may run kernels and streams no warm-up ran: the context grows while it runs (700 MiB
-  // measured on the H200 after Flux went int4-streamed), so it gets the warm-up's reserve.
-  const int64_t context_reserve = device_.TakeChangedSinceRequest(scope) ? ContextReserve(backend.GetMemoryStats()) : 0;
+  // The first request after a component's way of running changed (group offloading enabled or
+  // disabled since the last run) may run kernels and streams no warm-up ran: the context grows
+  // while it runs (700 MiB measured on the H200 after Flux went int4-streamed), so it gets the
+  // warm-up's reserve.
+  const bool first_after_change = placement.run_changes() != run_changes_seen_;
+  run_changes_seen_ = placement.run_changes();
+  const int64_t context_reserve = first_after_change ? ContextReserve(backend.GetMemoryStats()) : 0;
   if (context_reserve > 0) backend.SetContextReserve(context_reserve);
   const DeviceMemoryStats before = backend.GetMemoryStats();
 

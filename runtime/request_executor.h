@@ -90,6 +90,8 @@ class RequestExecutor {
   int64_t request_counter_ = 0;
   int64_t peak_floor_allocated_ = 0;
   int64_t peak_floor_reserved_ = 0;
+  // PlacementManager::run_changes() when a request or warm-up last ran.
+  int64_t run_changes_seen_ = 0;
   std::atomic<int> running_{0};
 };
 

@@ -217,6 +217,48 @@ TEST_F(SchedulingTest, TheSchedulerSwitchedAtRunTimeDecidesTheOrderFromThenOn) {
   EXPECT_EQ(ScheduleDecisions(), 1);
 }
 
+// SetScheduler while requests wait and run, from several admin clients at once: every request
+// succeeds, the last setting is the one in force, and the server still answers health checks.
+TEST_F(SchedulingTest, SchedulerChangesWhileRequestsRunLoseNoRequest) {
+  Start(R"pb(
+    device { kind: KIND_SIMULATED }
+    pipelines { name: "zimage-tiny" builtin: "zimage-tiny" }
+  )pb");
+  std::vector<std::thread> requests;
+  for (int i = 0; i < 8; ++i) {
+    v1::GenerateRequest r = E2eServer::SmallRequest("zimage-tiny", 100 + i);
+    r.set_tenant(i % 2 == 0 ? "a" : "b");
+    r.set_priority(i % 3);
+    requests.push_back(Send(r, absl::StrCat("r", i)));
+  }
+  std::vector<std::thread> admins;
+  for (int a = 0; a < 3; ++a) {
+    admins.emplace_back([this, a] {
+      for (int k = 0; k < 20; ++k) {
+        v1::SetSchedulerRequest set;
+        set.mutable_scheduler()->set_max_reorder_delay_ms((k % 2) * 5000);
+        set.mutable_scheduler()->set_priority_mode(k % 2 == 0 ? v1::SchedulerConfig::PRIORITY_WEIGHTED
+                                                              : v1::SchedulerConfig::PRIORITY_STRICT);
+        (*set.mutable_scheduler()->mutable_tenant_weights())["a"] = 1 + a;
+        set.mutable_scheduler()->set_tenant_queue_limit(k % 3);
+        v1::SetSchedulerResponse now;
+        EXPECT_TRUE(server_->admin().SetScheduler(E2eServer::Authed().get(), set, &now).ok());
+      }
+    });
+  }
+  for (std::thread& t : admins) t.join();
+  for (std::thread& t : requests) t.join();
+  EXPECT_EQ(Finished().size(), 8u);
+  v1::SetSchedulerRequest last;
+  last.mutable_scheduler()->set_max_reorder_delay_ms(1234);
+  v1::SetSchedulerResponse now;
+  ASSERT_TRUE(server_->admin().SetScheduler(E2eServer::Authed().get(), last, &now).ok());
+  v1::GetSchedulerResponse in_force;
+  ASSERT_TRUE(server_->admin().GetScheduler(E2eServer::Authed().get(), v1::GetSchedulerRequest(), &in_force).ok());
+  EXPECT_EQ(in_force.scheduler().max_reorder_delay_ms(), 1234);
+  EXPECT_TRUE(in_force.scheduler().tenant_weights().empty());
+}
+
 TEST_F(SchedulingTest, AHigherPriorityRunsFirstAndTenantsAreCountedByBoundedLabels) {
   Start(R"pb(
     device { kind: KIND_SIMULATED }

@@ -17,6 +17,8 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "google/protobuf/text_format.h"
+#include "offload/group_offload.h"
+#include "placement/placement_manager.h"
 #include "runtime/config.h"
 #include "runtime/device_set.h"
 #include "runtime/runtime_factories.h"
@@ -214,9 +216,9 @@ TEST_F(RuntimeCoreTest, ACancelledMemberLeavesItsBatchAtTheNextStepAndTheOthersF
   EXPECT_EQ(gate_->arrivals(), 4);
 }
 
-// A change on the device (ChangeDevice: group offloading, the strategy) may put kernels and streams
-// in use that no warm-up ran, so the next request runs with the warm-up's context reserve counted
-// against the budget; later requests do not.
+// A change in how a component runs (group offloading enabled or disabled) may put kernels and
+// streams in use that no warm-up ran, so the next request runs with the warm-up's context reserve
+// counted against the budget; later requests, and requests after other changes, do not.
 TEST_F(RuntimeCoreTest, TheFirstRequestAfterAChangeRunsWithTheContextReserve) {
   constexpr int64_t kContext = 1000;
   constexpr int64_t kBudget = int64_t{1} << 20;
@@ -243,13 +245,27 @@ TEST_F(RuntimeCoreTest, TheFirstRequestAfterAChangeRunsWithTheContextReserve) {
     EXPECT_EQ(sim->GetMemoryStats().context_bytes, kContext) << "after " << prompt;
     return context;
   };
-  // Start-up applied the strategy (a change): the first request has the reserve, the second not.
-  EXPECT_EQ(context_while_running("first", 1), kContext + reserve);
-  EXPECT_EQ(context_while_running("second", 2), kContext);
+  EXPECT_EQ(context_while_running("first", 1), kContext);
+  // A change that does not alter how anything runs (here: none): no reserve.
   ASSERT_TRUE(core().ChangeDevice([](PlacementManager&) { return absl::OkStatus(); },
                                   [] { return absl::OkStatus(); }).ok());
-  EXPECT_EQ(context_while_running("after the change", 3), kContext + reserve);
+  EXPECT_EQ(context_while_running("after a plain change", 2), kContext);
+  const auto group_offload = [&](bool on) {
+    return core().ChangeDevice(
+        [on](PlacementManager& placement) {
+          GroupOffloadOptions options;
+          options.type = OffloadType::kLeafLevel;
+          return on ? placement.EnableGroupOffload("latch/transformer", options)
+                    : placement.DisableGroupOffload("latch/transformer");
+        },
+        [] { return absl::OkStatus(); });
+  };
+  ASSERT_TRUE(group_offload(true).ok());
+  EXPECT_EQ(context_while_running("after group offloading", 3), kContext + reserve);
   EXPECT_EQ(context_while_running("then", 4), kContext);
+  ASSERT_TRUE(group_offload(false).ok());
+  EXPECT_EQ(context_while_running("after disabling it", 5), kContext + reserve);
+  EXPECT_EQ(context_while_running("and then", 6), kContext);
 }
 
 TEST_F(RuntimeCoreTest, AnAdminChangeRunsAfterTheRunningRequestAndBeforeTheQueuedOnes) {

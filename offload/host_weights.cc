@@ -217,7 +217,48 @@ void HostWeights::Unpin() {
   pinned_by_ = nullptr;
 }
 
+absl::StatusOr<std::unique_ptr<DeviceEvent>> HostWeights::OnloadAllAsync(DeviceBackend& backend) {
+  if (pinned_by_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "an onload that does not wait needs page-locked host copies (a copy from pageable memory waits)");
+  }
+  // Memory the allocator hands out may have been freed by work still queued on the compute stream.
+  backend.CopyStreamWait(*backend.RecordOnComputeStream());
+  std::vector<bool> done(entries_.size(), false);
+  const auto undo = [&](const absl::Status& status) {
+    backend.RecordOnCopyStream()->Wait();  // No copy may still write what is freed.
+    for (Entry& entry : entries_) entry.slot->value = at::Tensor();
+    return status;
+  };
+  std::vector<std::vector<size_t>> groups = adjacent_;
+  for (const std::vector<size_t>& group : adjacent_) {
+    for (size_t m : group) done[m] = true;
+  }
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    if (!done[i]) groups.push_back({i});
+  }
+  for (const std::vector<size_t>& group : groups) {
+    int64_t total = 0;
+    for (size_t m : group) total += static_cast<int64_t>(entries_[m].host.nbytes());
+    absl::StatusOr<at::Tensor> packed = backend.AllocateBytes(total);
+    if (!packed.ok()) return undo(packed.status());
+    int64_t offset = 0;
+    for (size_t m : group) {
+      const at::Tensor& host = entries_[m].host;
+      const int64_t bytes = static_cast<int64_t>(host.nbytes());
+      at::Tensor dst = packed->narrow(0, offset, bytes).view(host.scalar_type()).view(host.sizes());
+      if (bytes > 0) backend.CopyToDeviceAsync(dst, host);
+      entries_[m].slot->value = std::move(dst);
+      offset += bytes;
+    }
+  }
+  return backend.RecordOnCopyStream();
+}
+
 absl::Status HostWeights::OnloadAll(DeviceBackend& backend) {
+  // Memory the allocator hands out may have been freed by work still queued on the compute stream:
+  // the copy stream starts after it.
+  if (!adjacent_.empty()) backend.CopyStreamWait(*backend.RecordOnComputeStream());
   // Adjacent groups first: one allocation each, the members' copies side by side in group order.
   // The copies run on the copy stream; once a group's copies are done its mapped host pages leave
   // this process's RSS (ReleaseMappedPages), one group behind the copies being enqueued, so a

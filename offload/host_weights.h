@@ -41,6 +41,15 @@ class HostWeights {
   // Copies every tensor to the device and points the slots at the copies. On failure (for example
   // device out of memory) nothing stays on the device and the status is returned.
   absl::Status OnloadAll(DeviceBackend& backend);
+  // OnloadAll without waiting: allocates every device copy, enqueues the copies on the backend's
+  // copy stream (after the work already on its compute stream, which may still be reading memory the
+  // allocator hands out again) and points the slots at the copies, which are complete once the
+  // returned copy-stream event is. The caller makes the compute stream wait for that event before
+  // anything reads the weights, and waits for it on the host before the device copies are freed
+  // (OffloadAll). Needs the host copies page-locked (pinned_in_place): a copy from pageable memory
+  // would make the calling thread wait for it. FAILED_PRECONDITION when they are not; on an
+  // allocation failure nothing stays on the device and the status is returned.
+  absl::StatusOr<std::unique_ptr<DeviceEvent>> OnloadAllAsync(DeviceBackend& backend);
   // Copies every tensor from where the slots point now (another device, where the component is
   // resident) to `backend`'s device, device to device, and points the slots at the copies: the
   // component moves between devices without passing through the host. On failure the slots are

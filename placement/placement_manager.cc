@@ -102,6 +102,7 @@ PlacementManager::PlacementManager(DeviceBackend* backend)
 
 PlacementManager::~PlacementManager() {
   for (auto& entry : entries_) {
+    Settle(*entry);
     entry->group_offload.reset();
     // Components may outlive this manager (shared through the component cache): nothing of theirs
     // may stay registered through a backend that may go with it. Moved entries belong to a peer now.
@@ -152,6 +153,12 @@ StrategyInput PlacementManager::InputFor(const Entry& target, int64_t needed) co
   in.free_bytes = FreeBytes();
   for (const auto& e : entries_) {
     if (e.get() == &target || e->state != ComponentState::kResident || e->holds > 0) continue;
+    // Prefetched for a pipeline whose component runs now (PrefetchPipeline) and not run yet: its
+    // request is about to use it. Out-of-memory recovery may still move it.
+    if (e->pipeline_prefetched &&
+        std::any_of(e->pipelines.begin(), e->pipelines.end(), [&](const std::string& p) { return Uses(target.pipelines, p); })) {
+      continue;
+    }
     in.resident.push_back(Candidate{e->id, e->component->name(), e->component->weight_bytes(), e->last_use});
   }
   return in;
@@ -260,6 +267,7 @@ absl::Status PlacementManager::AdoptFromPeer(const std::string& pipeline, Compon
 
 void PlacementManager::Offload(Entry& entry, const std::string& reason, const std::string& cause) {
   if (entry.state != ComponentState::kResident) return;
+  DropPrefetch(entry);  // Its copies (a pipeline prefetch) complete before its device copies go anywhere.
   // A peer move copies from the peer's worker: this device's worker drops the captured graphs that
   // read these weights first (moves to the host drop them in HostWeights::OffloadAll).
   entry.component->module().ReleaseDeviceCaches();
@@ -382,6 +390,7 @@ absl::Status PlacementManager::Hold(Component& component, const std::string& rea
                                                       "components are held on the device"));
   }
   if (entry->state == ComponentState::kOffloaded) RETURN_IF_ERROR(MakeResident(*entry, reason, /*may_group_offload=*/false));
+  Arrive(*entry);
   ++entry->holds;
   entry->last_use = absl::Now();
   return absl::OkStatus();
@@ -487,6 +496,7 @@ void PlacementManager::Unregister(const std::string& pipeline) {
 }
 
 void PlacementManager::Release(Entry& e, const std::string& reason) {
+  DropPrefetch(e);
   const int64_t before = FreeBytes();
   e.group_offload.reset();
   e.component->host_weights().OffloadAll();
@@ -558,6 +568,73 @@ void PlacementManager::Prefetch(Component& component) {
          "it runs next: its first groups copy while the current component computes");
 }
 
+void PlacementManager::Arrive(Entry& entry) {
+  if (entry.pipeline_prefetched) {
+    entry.pipeline_prefetched = false;
+    ++counters_.pipeline_prefetches_used;
+    counters_.pipeline_prefetch_used_bytes += entry.component->weight_bytes();
+  }
+  if (entry.arriving == nullptr) return;
+  backend_->ComputeStreamWait(*entry.arriving);
+  entry.arriving.reset();
+}
+
+void PlacementManager::Settle(Entry& entry) {
+  if (entry.arriving == nullptr) return;
+  entry.arriving->Wait();
+  entry.arriving.reset();
+}
+
+void PlacementManager::DropPrefetch(Entry& entry) {
+  Settle(entry);
+  if (!entry.pipeline_prefetched) return;
+  entry.pipeline_prefetched = false;
+  ++counters_.pipeline_prefetches_unused;
+}
+
+int64_t PlacementManager::PrefetchPipeline(const std::string& next, const std::vector<const Component*>& next_components,
+                                           const std::vector<const Component*>& remaining, const std::string& reason) {
+  SweepMoved();
+  if (!prefetch_next_pipeline_ || next.empty()) return 0;
+  // The running request copies nothing more: every component it has still to run is resident.
+  int64_t keep = 0;
+  for (const Component* c : remaining) {
+    const Entry* e = Find(*c);
+    if (e == nullptr || e->group_offload || e->state != ComponentState::kResident) return 0;
+    keep = std::max(keep, e->run_headroom);
+  }
+  int64_t started = 0;
+  for (const Component* c : next_components) {
+    Entry* e = Find(*c);
+    if (e == nullptr || e->state != ComponentState::kOffloaded || e->group_offload || e->lifecycle != ComponentLifecycle::kReady ||
+        e->component->kind() == kLoraAdapterKind || !Uses(e->pipelines, next) ||
+        !e->component->host_weights().pinned_in_place() ||
+        std::find(remaining.begin(), remaining.end(), e->component) != remaining.end()) {
+      continue;
+    }
+    const int64_t bytes = e->component->weight_bytes();
+    const int64_t before = FreeBytes();
+    if (bytes > before - keep) continue;  // A smaller one further on may still fit.
+    absl::StatusOr<std::unique_ptr<DeviceEvent>> copying = e->component->host_weights().OnloadAllAsync(*backend_);
+    if (!copying.ok()) {
+      Record(e->id, "prefetch_failed", bytes, before, absl::StrCat(reason, ": ", copying.status().message()));
+      continue;
+    }
+    e->arriving = *std::move(copying);
+    e->state = ComponentState::kResident;
+    e->pipeline_prefetched = true;
+    e->last_use = absl::Now();
+    ++counters_.onloads;
+    counters_.onload_bytes += bytes;
+    ++counters_.pipeline_prefetches;
+    counters_.pipeline_prefetch_bytes += bytes;
+    started += bytes;
+    Record(e->id, "prefetch_pipeline", bytes, before,
+           absl::StrCat(reason, "; ", before - keep, " bytes free beyond the running request's run headroom (", keep, ")"));
+  }
+  return started;
+}
+
 absl::Status PlacementManager::Run(Component& component, const std::function<void()>& fn) {
   SweepMoved();
   Entry* entry = nullptr;
@@ -591,6 +668,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
       EvictBefore(*entry, entry->run_headroom,
                   absl::StrCat("before ", entry->id, " runs", HeadroomNote(entry->run_headroom)));
     }
+    Arrive(*entry);
     entry->last_use = absl::Now();
     entry->prefetched = false;
   }
@@ -769,6 +847,7 @@ absl::Status PlacementManager::EnableLocked(Entry& entry, const GroupOffloadOpti
     return absl::FailedPreconditionError(absl::StrCat(
         "component '", entry.id, "' is already group-offloaded; disable it before changing options"));
   }
+  DropPrefetch(entry);  // Its device copies go: the copies of a pipeline prefetch complete first.
   GroupOffloadOptions effective = options;
   Component& component = *entry.component;
   if (effective.choose_compress) {

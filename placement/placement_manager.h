@@ -120,6 +120,14 @@ struct PlacementCounters {
   int64_t offloads = 0;
   int64_t offload_bytes = 0;
   int64_t oom_recoveries = 0;
+  // Cross-pipeline prefetch (PrefetchPipeline): components whose copies started while another
+  // pipeline's request ran (also counted in onloads), those that then ran before anything evicted
+  // them, and those evicted or released unused; with their bytes.
+  int64_t pipeline_prefetches = 0;
+  int64_t pipeline_prefetch_bytes = 0;
+  int64_t pipeline_prefetches_used = 0;
+  int64_t pipeline_prefetch_used_bytes = 0;
+  int64_t pipeline_prefetches_unused = 0;
   int64_t decisions = 0;           // Strategy consultations.
   double decision_seconds = 0;     // Time spent in them.
   // (strategy, cause) → evictions; cause is "before_run", "after_run" or "out_of_memory".
@@ -214,6 +222,29 @@ class PlacementManager : public ComponentRunner {
   int64_t HostBytes() const;
   // Cross-component prefetch on (the default) or off (Prefetch does nothing; for measuring it).
   void set_prefetch_next_component(bool on) { prefetch_next_component_ = on; }
+
+  // Cross-pipeline prefetch: the weights of the pipeline whose request runs next copy onto the
+  // device while the current request computes. The caller (the request executor) names `next` (the
+  // pipeline the device's queue says runs next) with `next_components`, the components its request
+  // will run in the order it runs them (learned from its last run), and `remaining`: the components
+  // the running request has still to run, the one about to run first. Nothing happens unless every
+  // one of `remaining` is resident (whole, not streamed): then the running request copies nothing
+  // more, and copies enqueued now hold none of its own up. Each of `next_components`, in order, that
+  // is registered for `next` and offloaded — READY, not a LoRA adapter (adapters move for the
+  // requests that name them), not one of `remaining`, its host copies page-locked (an onload from
+  // pageable memory would hold up the worker) — starts copying (HostWeights::OnloadAllAsync) when
+  // its weights fit in the free device memory less the largest run headroom among `remaining`: a
+  // prefetch never evicts anything and never takes room the running request will use. It is then
+  // resident as far as placement and the scheduler see; until it first runs, the strategy does not
+  // move it to make room for a component of its own pipeline (that request is about to use it). Its
+  // first run makes the compute stream wait for the copies, and a move before that waits for them
+  // on the host. Recorded as "prefetch_pipeline"
+  // decisions naming `reason`; counted in PlacementCounters. Returns the bytes whose copies started.
+  int64_t PrefetchPipeline(const std::string& next, const std::vector<const Component*>& next_components,
+                           const std::vector<const Component*>& remaining, const std::string& reason);
+  // Cross-pipeline prefetch on or off (DeviceConfig.prefetch_next_pipeline; default on).
+  void set_prefetch_next_pipeline(bool on) { prefetch_next_pipeline_ = on; }
+  bool prefetch_next_pipeline() const { return prefetch_next_pipeline_; }
   // Pinned host copies (off by default): each component registered from now on, while it is not
   // group-offloaded, has its host copies page-locked in place (HostWeights::PinInPlace), so placement
   // moves it onto the device at the link's speed instead of pageable memory's (a tenth of it on the
@@ -259,6 +290,12 @@ class PlacementManager : public ComponentRunner {
     bool prefetched = false;
     // Hold() count: held components stay resident (never eviction candidates).
     int holds = 0;
+    // Set by PrefetchPipeline while its copies may still run: the copy-stream event they complete
+    // at. Arrive() (before it is read) makes the compute stream wait for it; Settle() (before its
+    // device copies are freed or copied elsewhere) waits for it on the host.
+    std::unique_ptr<DeviceEvent> arriving;
+    // Prefetched by PrefetchPipeline and not run since (for the used/unused counters).
+    bool pipeline_prefetched = false;
     // The most device memory one of its runs allocated beyond what was there when it began
     // (activations, workspaces; for a group-offloaded one beyond its working set), over the runs
     // so far: room made before it runs again, so that its run does not fail out of memory and
@@ -269,6 +306,11 @@ class PlacementManager : public ComponentRunner {
     bool moved = false;
   };
   void SweepMoved();
+  // See Entry::arriving. Arrive also counts a pipeline prefetch as used.
+  void Arrive(Entry& entry);
+  void Settle(Entry& entry);
+  // Settle, and a pipeline prefetch not run counts as unused (it is moved or released).
+  void DropPrefetch(Entry& entry);
   // The host bytes `entry` holds: its host copies; group-offloaded with compression, the compressed
   // copy plus the originals of compressed tensors that stay in RAM (not in a safetensors mapping,
   // whose pages are dropped) and the uncompressed tensors.
@@ -320,6 +362,7 @@ class PlacementManager : public ComponentRunner {
   std::string request_id_;
   PlacementCounters counters_;
   bool prefetch_next_component_ = true;
+  bool prefetch_next_pipeline_ = true;
   bool pin_host_copies_ = false;
   int64_t host_budget_ = 0;
   int64_t run_changes_ = 0;  // See run_changes().

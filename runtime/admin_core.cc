@@ -109,6 +109,10 @@ absl::StatusOr<v1::GetPlacementResponse> AdminCore::GetPlacement(const v1::GetPl
   FillComponents(*snapshot, response.mutable_components(), [](const ComponentView&) { return true; });
   for (const std::string& w : snapshot->warnings) response.add_warnings(w);
   response.set_oom_recoveries(snapshot->counters.oom_recoveries);
+  response.set_pipeline_prefetches(snapshot->counters.pipeline_prefetches);
+  response.set_pipeline_prefetch_bytes(snapshot->counters.pipeline_prefetch_bytes);
+  response.set_pipeline_prefetches_used(snapshot->counters.pipeline_prefetches_used);
+  response.set_pipeline_prefetches_unused(snapshot->counters.pipeline_prefetches_unused);
   for (v1::Adapter& adapter : core->Adapters()) *response.add_adapters() = std::move(adapter);
   return response;
 }

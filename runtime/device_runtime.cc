@@ -84,6 +84,8 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
   core->executor_ = std::make_unique<RequestExecutor>(*core, metrics);
   core->placement_->set_prefetch_next_component(
       !config.device().has_prefetch_next_component() || config.device().prefetch_next_component());
+  core->placement_->set_prefetch_next_pipeline(
+      !config.device().has_prefetch_next_pipeline() || config.device().prefetch_next_pipeline());
   core->placement_->set_pin_host_copies(config.device().has_pin_host_copies()
                                             ? config.device().pin_host_copies()
                                             : config.device().memory_budget_bytes() > 0);

@@ -409,6 +409,20 @@ void DeviceWorker::CollectBatch(WorkerScope& scope, std::vector<Item>& members, 
   ReportDepth();
 }
 
+std::string DeviceWorker::NextWaitingPipeline(const WorkerScope& scope, const std::string& running) const {
+  (void)scope;  // Proof of the caller's thread; the queue is read under its lock.
+  absl::MutexLock lock(&mu_);
+  const Item* best = nullptr;
+  for (const Item& item : queue_) {
+    if (item.task != nullptr) break;
+    const ScheduleEntry& s = item.job.schedule;
+    if (s.pipeline.empty() || s.pipeline == running) continue;
+    if (item.job.cancelled && item.job.cancelled()) continue;
+    if (best == nullptr || s.priority > best->job.schedule.priority) best = &item;  // Queue order: oldest first.
+  }
+  return best == nullptr ? std::string() : best->job.schedule.pipeline;
+}
+
 std::string DeviceWorker::ScheduleFront() {
   // The jobs before the first waiting task: a task queued behind jobs (kAfterQueuedJobs) keeps
   // every job queued before it ahead of it, and jobs queued after it behind it.

@@ -204,6 +204,12 @@ class DeviceWorker {
   };
   Waiting waiting() const;
 
+  // The pipeline whose job is likely to run after the current one, for prefetching its weights
+  // (a hint: the scheduler decides when the time comes): among the waiting jobs before the first
+  // waiting task, those whose pipeline is not `running`, the oldest of the highest priority; "" when
+  // there is none. `scope` must be this worker's own (jobs ask between component runs).
+  std::string NextWaitingPipeline(const WorkerScope& scope, const std::string& running) const;
+
   // True on the worker's own thread (for contracts that say "worker only").
   bool OnWorkerThread() const { return std::this_thread::get_id() == thread_.get_id(); }
 

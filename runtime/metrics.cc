@@ -127,6 +127,15 @@ class PlacementCollectable : public prometheus::Collectable {
     auto oom = Family("stowage_placement_oom_recoveries_total",
                       "Device out-of-memory errors recovered by eviction or group offloading.",
                       MetricType::Counter);
+    auto pipeline_prefetches = Family(
+        "stowage_placement_pipeline_prefetches_total",
+        "Cross-pipeline prefetches (device.prefetch_next_pipeline): components whose copies started while "
+        "another pipeline's request ran (outcome started), then ran before being moved (used) or were moved "
+        "off or unloaded first (unused).",
+        MetricType::Counter);
+    auto pipeline_prefetch_bytes = Family("stowage_placement_pipeline_prefetch_bytes_total",
+                                          "Bytes of cross-pipeline prefetches, by outcome (started, used).",
+                                          MetricType::Counter);
     auto decision_seconds = Family("stowage_placement_decision_seconds_total",
                                    "Time spent deciding placements (strategy calls).", MetricType::Counter);
     auto decisions = Family("stowage_placement_decisions_total", "Strategy calls.", MetricType::Counter);
@@ -177,12 +186,17 @@ class PlacementCollectable : public prometheus::Collectable {
         Add(evictions, static_cast<double>(n), {{"strategy", key.first}, {"cause", key.second}, {"device", d}});
       }
       Add(oom, static_cast<double>(c.oom_recoveries), {{"device", d}});
+      Add(pipeline_prefetches, static_cast<double>(c.pipeline_prefetches), {{"device", d}, {"outcome", "started"}});
+      Add(pipeline_prefetches, static_cast<double>(c.pipeline_prefetches_used), {{"device", d}, {"outcome", "used"}});
+      Add(pipeline_prefetches, static_cast<double>(c.pipeline_prefetches_unused), {{"device", d}, {"outcome", "unused"}});
+      Add(pipeline_prefetch_bytes, static_cast<double>(c.pipeline_prefetch_bytes), {{"device", d}, {"outcome", "started"}});
+      Add(pipeline_prefetch_bytes, static_cast<double>(c.pipeline_prefetch_used_bytes), {{"device", d}, {"outcome", "used"}});
       Add(decision_seconds, c.decision_seconds, {{"device", d}});
       Add(decisions, static_cast<double>(c.decisions), {{"device", d}});
       Add(warning, snapshot->warnings.empty() ? 0 : 1, {{"device", d}});
     }
     return {pipeline_state, device_memory, state, lifecycle, device, weights, onloads, onload_bytes, offloads, offload_bytes, evictions, oom,
-            decision_seconds, decisions, warning, go_bytes, go_forwards, go_onloads, go_releases};
+            pipeline_prefetches, pipeline_prefetch_bytes, decision_seconds, decisions, warning, go_bytes, go_forwards, go_onloads, go_releases};
   }
 
  private:

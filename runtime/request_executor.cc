@@ -18,6 +18,64 @@
 namespace stowage {
 namespace {
 
+// Cross-pipeline prefetch during one run (PlacementManager::PrefetchPipeline): before each of the
+// running request's components runs on this device, asks the worker which pipeline waits next and
+// hands placement the components that pipeline's request will run and those this request has still
+// to run — both known from the order each pipeline ran its components last time — so the next
+// pipeline's weights copy while this one computes, when nothing the request still needs would wait
+// behind them. Also records this run's order for the next run of the pipeline.
+class NextPipelinePrefetch {
+ public:
+  // The components a pipeline's request runs, in the order its last run first used them; empty
+  // when it has not run since it loaded (then nothing of it is prefetched).
+  using OrderOf = std::function<std::vector<const Component*>(const std::string& pipeline)>;
+
+  // `learned`: this pipeline's order (indices into components()); empty before its first run (then
+  // nothing is prefetched while it runs).
+  NextPipelinePrefetch(Pipeline& pipeline, std::vector<size_t> learned, OrderOf order_of, PlacementManager& placement,
+                       WorkerScope& scope)
+      : pipeline_(pipeline.name()),
+        components_(pipeline.components()),
+        learned_(std::move(learned)),
+        order_of_(std::move(order_of)),
+        placement_(placement),
+        scope_(scope) {}
+
+  void BeforeRun(const Component& component) {
+    const auto it = std::find(components_.begin(), components_.end(), &component);
+    if (it == components_.end()) return;  // Not one of the pipeline's own (an adapter): no order.
+    const auto index = static_cast<size_t>(it - components_.begin());
+    if (std::find(seen_.begin(), seen_.end(), index) == seen_.end()) seen_.push_back(index);
+    if (!placement_.prefetch_next_pipeline()) return;
+    const auto at = std::find(learned_.begin(), learned_.end(), index);
+    if (at == learned_.end()) return;
+    const std::string next = scope_.worker().NextWaitingPipeline(scope_, pipeline_);
+    if (next.empty()) return;
+    const std::vector<const Component*> next_components = order_of_(next);
+    if (next_components.empty()) return;
+    std::vector<const Component*> remaining;
+    for (auto i = at; i != learned_.end(); ++i) {
+      if (*i < components_.size()) remaining.push_back(components_[*i]);
+    }
+    (void)placement_.PrefetchPipeline(
+        next, next_components, remaining,
+        absl::StrCat("pipeline '", next, "' waits next in the queue: copied while '", pipeline_, "' runs ",
+                     component.name()));
+  }
+
+  // The order this run first used the pipeline's components in.
+  const std::vector<size_t>& seen() const { return seen_; }
+
+ private:
+  const std::string pipeline_;
+  const std::vector<Component*> components_;
+  const std::vector<size_t> learned_;
+  const OrderOf order_of_;
+  PlacementManager& placement_;
+  WorkerScope& scope_;
+  std::vector<size_t> seen_;
+};
+
 // The ComponentRunner of one run on this device: components of the pipeline that live here run
 // through this device's placement, those of a split pipeline that live on a peer run on the peer's
 // worker (DeviceRuntime::RunForPeer). Between component runs the worker serves its remote-call
@@ -26,19 +84,24 @@ class SplitRunner : public ComponentRunner {
  public:
   // `home` is the device running the request; where each component runs is looked up at each call
   // (peer eviction may move one during the run).
+  // `next` (optional): the cross-pipeline prefetch of a request's run.
   SplitRunner(PlacementManager& local, WorkerScope& scope, const DeviceRuntime& home, std::string pipeline,
-              std::string request_id, Interrupt interrupt)
+              std::string request_id, Interrupt interrupt, NextPipelinePrefetch* next = nullptr)
       : local_(local),
         scope_(scope),
         home_(home),
         pipeline_(std::move(pipeline)),
         request_id_(std::move(request_id)),
-        interrupt_(std::move(interrupt)) {}
+        interrupt_(std::move(interrupt)),
+        next_(next) {}
 
   absl::Status Run(Component& component, const std::function<void()>& fn) override {
     scope_.worker().ServeCalls(scope_);
     DeviceRuntime* peer = home_.PeerFor(pipeline_, component);
-    if (peer == nullptr) return local_.Run(component, fn);
+    if (peer == nullptr) {
+      if (next_ != nullptr) next_->BeforeRun(component);
+      return local_.Run(component, fn);
+    }
     return peer->RunForPeer(component, fn, /*prefetch_only=*/false, request_id_, &scope_, interrupt_, &UsageOf(*peer));
   }
   void Prefetch(Component& component) override {
@@ -71,6 +134,7 @@ class SplitRunner : public ComponentRunner {
   const std::string pipeline_;
   const std::string request_id_;
   const Interrupt interrupt_;
+  NextPipelinePrefetch* const next_;
   std::vector<v1::DeviceUsage> usage_;
 };
 
@@ -123,7 +187,11 @@ void RequestExecutor::WarmUp(WorkerScope& scope, Pipeline& pipeline, const Inter
   RunContext context(interrupt, nullptr);
   const absl::Time start = absl::Now();
   absl::StatusOr<Image> image = absl::InternalError("warm-up did not run");
-  SplitRunner runner(device_.Placement(scope), scope, device_, pipeline.name(), request_id, interrupt);
+  // The warm-up teaches the order the pipeline runs its components in (nothing is prefetched while
+  // it runs), so its first request may already be prefetched.
+  NextPipelinePrefetch learn(pipeline, {}, [](const std::string&) { return std::vector<const Component*>{}; },
+                             device_.Placement(scope), scope);
+  SplitRunner runner(device_.Placement(scope), scope, device_, pipeline.name(), request_id, interrupt, &learn);
   // The first run loads the kernels and library workspaces the pipeline uses (0.7 GB measured on an
   // H200 for Z-Image): placement and the allocator keep a reserve (1 GiB, at most a quarter of what
   // the context leaves of the budget) out of the budget for them until the context is measured again
@@ -150,6 +218,7 @@ void RequestExecutor::WarmUp(WorkerScope& scope, Pipeline& pipeline, const Inter
   }
   device_.Backend(scope).Synchronize();
   device_.RefreshContext(scope);
+  if (!learn.seen().empty()) run_order_[pipeline.name()] = LearnedOrder{&pipeline, learn.seen()};
   const absl::Status status = thrown.ok() ? image.status() : thrown;
   if (status.ok()) {
     LogInfo(absl::StrCat("warmup pipeline=", LogValue(pipeline.name()), " device=", device_.device_name(), " phase=warmed_up size=",
@@ -255,8 +324,31 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
     }
     return last;
   };
+  if (run_order_.size() > 64) {  // Pipelines unloaded since they ran leave theirs behind: bounded.
+    for (auto it = run_order_.begin(); it != run_order_.end();) {
+      it = device_.pipelines_.StillHosted(it->first, it->second.pipeline) ? std::next(it) : run_order_.erase(it);
+    }
+  }
+  LearnedOrder& order = run_order_[pipeline.name()];
+  if (order.pipeline != &pipeline) order = LearnedOrder{&pipeline, {}};  // Loaded again since: learn afresh.
+  // Another pipeline's order, when the object it was learned from is the one hosted now (its
+  // components live while it is hosted: an unload runs on this worker, never during this run).
+  const auto order_of = [this](const std::string& name) -> std::vector<const Component*> {
+    const auto it = run_order_.find(name);
+    if (it == run_order_.end()) return {};
+    const absl::StatusOr<std::shared_ptr<Pipeline>> hosted = device_.pipelines_.Resolve(name);
+    if (!hosted.ok() || hosted->get() != it->second.pipeline) return {};
+    const std::vector<Component*> all = (*hosted)->components();
+    std::vector<const Component*> out;
+    for (size_t i : it->second.components) {
+      if (i < all.size()) out.push_back(all[i]);
+    }
+    return out;
+  };
+  NextPipelinePrefetch next(pipeline, order.components, order_of, placement, scope);
   SplitRunner runner(placement, scope, device_, pipeline.name(),
-                     batch_size == 1 ? ids.front() : absl::StrCat("batch(", absl::StrJoin(ids, ","), ")"), all_gone);
+                     batch_size == 1 ? ids.front() : absl::StrCat("batch(", absl::StrJoin(ids, ","), ")"), all_gone,
+                     &next);
   std::vector<absl::StatusOr<Image>> images;
   absl::Status files = pipeline.CheckSourceFiles();
   if (files.ok()) {
@@ -318,6 +410,7 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
     files = pipeline.CheckSourceFiles();  // Changed during the run: discard it.
   }
   if (!files.ok()) images.assign(running.size(), files);
+  if (!next.seen().empty()) order.components = next.seen();
   backend.Synchronize();
   if (metrics_ != nullptr && batching) {
     metrics_->RecordBatch(pipeline.name(), batch_size, running.front()->batch_wait);

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -92,6 +93,14 @@ class RequestExecutor {
   int64_t peak_floor_reserved_ = 0;
   // PlacementManager::run_changes() when a request or warm-up last ran.
   int64_t run_changes_seen_ = 0;
+  // Per pipeline name: the order its last run first used its components in (indices into
+  // Pipeline::components() of `pipeline`, the hosted object it was learned from), for the
+  // cross-pipeline prefetch (PlacementManager::PrefetchPipeline).
+  struct LearnedOrder {
+    const Pipeline* pipeline = nullptr;
+    std::vector<size_t> components;
+  };
+  std::map<std::string, LearnedOrder> run_order_;
   std::atomic<int> running_{0};
 };
 

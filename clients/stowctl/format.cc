@@ -96,6 +96,10 @@ std::string FormatPlacement(const v1::GetPlacementResponse& r) {
       "device ", r.device(), ": ", HumanBytes(r.allocated_bytes()), " allocated of ",
       r.budget_bytes() > 0 ? HumanBytes(r.budget_bytes()) : std::string("unlimited"), "; strategy ",
       r.strategy(), "; OOM recoveries ", r.oom_recoveries(), "\n");
+  if (r.pipeline_prefetches() > 0) {
+    absl::StrAppend(&out, "pipeline prefetches: ", r.pipeline_prefetches(), " (", HumanBytes(r.pipeline_prefetch_bytes()),
+                    "), ", r.pipeline_prefetches_used(), " used, ", r.pipeline_prefetches_unused(), " moved off unused\n");
+  }
   for (const v1::ComponentPlacement& c : r.components()) {
     absl::StrAppendFormat(&out, "  %-24s %-18s %12s on device / %12s weights", c.id(),
                           v1::ComponentPlacement::State_Name(c.state()), HumanBytes(c.device_bytes()),

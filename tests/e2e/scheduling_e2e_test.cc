@@ -320,6 +320,81 @@ TEST_F(SchedulingTest, ATenantOverItsQueueLimitIsRefusedByNameAndOthersStillGetI
   EXPECT_EQ(Finished().size(), 2u);
 }
 
+// Cross-pipeline prefetch (DeviceConfig.prefetch_next_pipeline, on by default): while a long "z"
+// request computes with nothing more to copy, the "f" request queued behind it has "f"'s weights
+// (what its last run used, in that order) copied onto the device; "f" then moves only what was not
+// prefetched itself, and the placement log, GetPlacement and the metrics say so. Switched off,
+// nothing is prefetched. "f" is put back on the host after its first request (group offloading
+// enabled and disabled again: its components are then offloaded); the host copies are pinned (a
+// prefetch needs them page-locked).
+TEST_F(SchedulingTest, TheNextPipelinesWeightsCopyWhileTheRunningRequestComputes) {
+  for (const bool on : {true, false}) {
+    SCOPED_TRACE(on ? "prefetch on" : "prefetch off");
+    Start(absl::StrCat("device { kind: KIND_SIMULATED pin_host_copies: true prefetch_next_pipeline: ", on ? "true" : "false",
+                       " } pipelines { name: \"z\" builtin: \"zimage-tiny\" } "
+                       "pipelines { name: \"f\" builtin: \"flux-tiny\" }"));
+    v1::ListPipelinesResponse list;
+    ASSERT_TRUE(server_->Pipelines(&list).ok());
+    int64_t f_weights = 0;
+    for (const auto& p : list.pipelines()) {
+      if (p.name() != "f") continue;
+      for (const auto& c : p.components()) f_weights += c.weight_bytes();
+    }
+    // First requests teach the server the order each pipeline runs its components in.
+    ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("f", 1)).ok());
+    ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("z", 1)).ok());
+    v1::EnableGroupOffloadRequest enable;
+    enable.set_pipeline("f");
+    v1::EnableGroupOffloadResponse enabled;
+    ASSERT_TRUE(server_->admin().EnableGroupOffload(E2eServer::Authed().get(), enable, &enabled).ok());
+    v1::DisableGroupOffloadRequest disable;
+    disable.set_pipeline("f");
+    v1::DisableGroupOffloadResponse disabled;
+    ASSERT_TRUE(server_->admin().DisableGroupOffload(E2eServer::Authed().get(), disable, &disabled).ok());
+    for (const auto& c : disabled.components()) EXPECT_EQ(c.state(), v1::ComponentPlacement::OFFLOADED) << c.id();
+    StartLong("z");
+    v1::GenerateResponse f_reply;
+    std::thread f([&] {
+      EXPECT_TRUE(server_->Generate(E2eServer::SmallRequest("f", 2), &f_reply, milliseconds(120000)).ok());
+    });
+    EXPECT_TRUE(WaitForQueueDepth(1));
+    FinishLong();
+    f.join();
+    v1::GetPlacementLogRequest request;
+    request.set_limit(4096);
+    v1::GetPlacementLogResponse log;
+    ASSERT_TRUE(server_->admin().GetPlacementLog(E2eServer::Authed().get(), request, &log).ok());
+    int prefetches = 0;
+    for (const auto& d : log.decisions()) {
+      EXPECT_NE(d.action(), "prefetch_failed") << d.reason();
+      if (d.action() != "prefetch_pipeline") continue;
+      ++prefetches;
+      EXPECT_EQ(d.component().rfind("f/", 0), 0u) << d.component();
+      EXPECT_NE(d.reason().find("pipeline 'f' waits next in the queue: copied while 'z' runs"), std::string::npos)
+          << d.reason();
+    }
+    v1::GetPlacementResponse placement;
+    ASSERT_TRUE(server_->admin().GetPlacement(E2eServer::Authed().get(), v1::GetPlacementRequest(), &placement).ok());
+    EXPECT_EQ(placement.pipeline_prefetches(), prefetches);
+    if (on) {
+      EXPECT_GE(prefetches, 2);  // Its text encoders, transformer and VAE: not its image encoder, which it never ran.
+      EXPECT_LT(placement.pipeline_prefetch_bytes(), f_weights);
+      EXPECT_EQ(placement.pipeline_prefetches_used(), prefetches);  // "f" ran next: every one was used.
+      EXPECT_EQ(placement.pipeline_prefetches_unused(), 0);
+      // "f" itself copied its inputs only (64x64 latents and prompt tensors: kilobytes).
+      EXPECT_LE(f_reply.stats().host_to_device_bytes(), int64_t{64} << 10);
+      const std::string metrics = HttpGet(server_->server().metrics_address(), "/metrics");
+      EXPECT_NE(metrics.find(absl::StrCat("stowage_placement_pipeline_prefetches_total{device=\"sim:0\",outcome=\"used\"} ",
+                                          prefetches)),
+                std::string::npos);
+    } else {
+      EXPECT_EQ(prefetches, 0);
+      EXPECT_GE(f_reply.stats().host_to_device_bytes(), f_weights / 2);  // It onloaded its weights itself.
+    }
+    server_.reset();
+  }
+}
+
 TEST_F(SchedulingTest, HostilePrioritiesAndTenantsGetClearStatuses) {
   Start(R"pb(
     device { kind: KIND_SIMULATED }

@@ -362,6 +362,53 @@ TEST(HostWeightsPinningTest, HeapCopiesMoveIntoAnArenaThatHoldsNothingElse) {
   EXPECT_FALSE(backend->IsPageLockedHostMemory(locked));
 }
 
+// HostWeights::OnloadAllAsync, on the simulator and (where this build and host have it) CUDA: it
+// needs page-locked host copies; with them it returns at once with a copy-stream event, the slots
+// point at device copies (an adjacent group side by side) that hold the weights once the compute
+// stream waited for the event, and OffloadAll frees them. The simulated link is slow enough that the
+// copies are still running when it returns.
+TEST(HostWeightsAsyncOnloadTest, CopiesOnTheCopyStreamFromPageLockedCopiesOnly) {
+  for (const bool cuda : {false, true}) {
+    SCOPED_TRACE(cuda ? "cuda" : "simulated");
+    std::unique_ptr<DeviceBackend> backend;
+    if (cuda) {
+      auto made = CreateCudaBackend(0);
+      if (!made.ok()) continue;  // No CUDA in this build or host.
+      backend = *std::move(made);
+    } else {
+      SimulatedBackendOptions slow;
+      slow.bandwidth_bytes_per_second = 4 << 20;  // 4 MiB/s: the 48 KiB below take ~12 ms.
+      backend = CreateSimulatedBackend(slow);
+    }
+    TensorsModule model({at::randn({64, 64}), at::randn({32, 64}), at::randn({5}), at::randn({64, 64})});
+    model.AddAdjacentGroup({{&model, 0}, {&model, 1}});
+    std::unique_ptr<HostWeights> weights = *HostWeights::Capture(model);
+    std::vector<at::Tensor> host;
+    for (const TensorSlot& slot : model.slots()) host.push_back(slot.value.clone());
+    const absl::StatusOr<std::unique_ptr<DeviceEvent>> refused = weights->OnloadAllAsync(*backend);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_EQ(backend->GetMemoryStats().allocated_bytes, 0);
+    ASSERT_TRUE(weights->PinInPlace(*backend).ok());
+    absl::StatusOr<std::unique_ptr<DeviceEvent>> copying = weights->OnloadAllAsync(*backend);
+    ASSERT_TRUE(copying.ok()) << copying.status();
+    if (!cuda) EXPECT_FALSE((*copying)->Query()) << "returned only after the copies";
+    EXPECT_GE(backend->GetMemoryStats().allocated_bytes, weights->bytes());
+    backend->ComputeStreamWait(**copying);
+    const std::vector<TensorSlot>& s = model.slots();
+    for (size_t i = 0; i < s.size(); ++i) {
+      EXPECT_EQ(s[i].value.device().type(), backend->torch_device().type()) << i;
+      EXPECT_TRUE(at::equal(s[i].value.to(at::kCPU), host[i])) << i;
+    }
+    EXPECT_TRUE(s[0].value.storage().is_alias_of(s[1].value.storage()));
+    (*copying)->Wait();
+    weights->OffloadAll();
+    backend->Synchronize();
+    backend->ReleaseCachedMemory();
+    EXPECT_EQ(backend->GetMemoryStats().allocated_bytes, 0);
+    weights.reset();  // Unpins through the backend, before it goes.
+  }
+}
+
 // The bug the H200 found: two components whose host copies share a heap page. Pinning each
 // one's page ranges registered the shared page for the first and only the rest for the second, so
 // a tensor of the second ran across two registrations and CUDA refused to copy it ("invalid

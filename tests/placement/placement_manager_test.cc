@@ -774,5 +774,214 @@ TEST(PlacementManagerTest, DeviceCachesOfIdleComponentsGoUnderABudgetBeforeWeigh
   }
 }
 
+// Two tiny pipelines on one simulated device whose host copies are pinned ("a" and "b", b's weights
+// from another seed), for the cross-pipeline prefetch.
+struct TwoPipelines {
+  explicit TwoPipelines(SimulatedBackendOptions options = {}, bool pin = true, bool ready = true)
+      : backend(CreateSimulatedBackend(options)), placement(backend.get()) {
+    placement.set_pin_host_copies(pin);
+    TinyPipelineOptions a_options;
+    a_options.name = "a";
+    TinyPipelineOptions b_options;
+    b_options.name = "b";
+    b_options.weight_seed = 7;
+    a = *CreateTinyPipeline(a_options);
+    b = *CreateTinyPipeline(b_options);
+    for (Component* c : a->components()) EXPECT_TRUE(placement.Register("a", c).ok());
+    for (Component* c : b->components()) EXPECT_TRUE(placement.Register("b", c).ok());
+    placement.MarkReady("a");
+    if (ready) placement.MarkReady("b");
+  }
+  absl::StatusOr<Image> Generate(Pipeline& pipeline) {
+    RunContext context(nullptr, nullptr);
+    return pipeline.Run(HarbourParams(), placement, context);
+  }
+  static std::vector<const Component*> Components(Pipeline& pipeline) {
+    std::vector<const Component*> out;
+    for (Component* c : pipeline.components()) out.push_back(c);
+    return out;
+  }
+  static int64_t Bytes(Pipeline& pipeline) {
+    int64_t bytes = 0;
+    for (Component* c : pipeline.components()) bytes += c->weight_bytes();
+    return bytes;
+  }
+  int Decisions(const std::string& action) const {
+    int n = 0;
+    for (const PlacementDecision& d : placement.DecisionLog(1000)) n += d.action == action ? 1 : 0;
+    return n;
+  }
+  std::unique_ptr<DeviceBackend> backend;
+  std::unique_ptr<Pipeline> a;
+  std::unique_ptr<Pipeline> b;
+  PlacementManager placement;
+};
+
+// b's image with nothing prefetched, for comparison.
+absl::StatusOr<Image> ImageOfB() {
+  TwoPipelines plain;
+  return plain.Generate(*plain.b);
+}
+
+// While "a" has nothing more to copy, b's offloaded components start copying (on a slow link: still
+// arriving when the call returns) without evicting anything; b's run then onloads nothing, waits for
+// the copies, and its image is exact; the counters and the decision log say what happened.
+TEST(PipelinePrefetchTest, TheNextPipelineCopiesWhileTheRunningOneNeedsNothingMore) {
+  const absl::StatusOr<Image> expected = ImageOfB();
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  SimulatedBackendOptions slow;
+  slow.bandwidth_bytes_per_second = 20'000'000;
+  TwoPipelines s(slow);
+  ASSERT_TRUE(s.Generate(*s.a).ok());
+  const PlacementCounters before = s.placement.TakeSnapshot().counters;
+  const int64_t b_bytes = TwoPipelines::Bytes(*s.b);
+  EXPECT_EQ(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "b waits next"), b_bytes);
+  for (Component* c : s.b->components()) EXPECT_EQ(s.placement.StateOf(*c), ComponentState::kResident) << c->name();
+  for (Component* c : s.a->components()) EXPECT_EQ(s.placement.StateOf(*c), ComponentState::kResident) << c->name();
+  EXPECT_EQ(s.Decisions("prefetch_pipeline"), static_cast<int>(s.b->components().size()));
+  for (const PlacementDecision& d : s.placement.DecisionLog(1000)) {
+    if (d.action == "prefetch_pipeline") {
+      EXPECT_NE(d.reason.find("b waits next"), std::string::npos) << d.reason;
+    }
+  }
+  PlacementCounters c = s.placement.TakeSnapshot().counters;
+  EXPECT_EQ(c.pipeline_prefetches, static_cast<int64_t>(s.b->components().size()));
+  EXPECT_EQ(c.pipeline_prefetch_bytes, b_bytes);
+  EXPECT_EQ(c.onload_bytes - before.onload_bytes, b_bytes);
+  EXPECT_EQ(c.offloads, before.offloads);
+  const absl::StatusOr<Image> image = s.Generate(*s.b);
+  ASSERT_TRUE(image.ok()) << image.status();
+  EXPECT_EQ(image->rgb, expected->rgb);
+  c = s.placement.TakeSnapshot().counters;
+  EXPECT_EQ(c.onload_bytes - before.onload_bytes, b_bytes);  // Its run onloaded nothing more.
+  EXPECT_EQ(c.pipeline_prefetches_used, static_cast<int64_t>(s.b->components().size()));
+  EXPECT_EQ(c.pipeline_prefetch_used_bytes, b_bytes);
+  EXPECT_EQ(c.pipeline_prefetches_unused, 0);
+  EXPECT_EQ(s.backend->GetMemoryStats().allocated_bytes, TwoPipelines::Bytes(*s.a) + b_bytes);
+  // Nothing is left to prefetch: a second call starts nothing.
+  EXPECT_EQ(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "again"), 0);
+}
+
+// Only the components the next request runs, in the order it runs them: one it does not run (here
+// b's transformer, left out of the order) stays on the host.
+TEST(PipelinePrefetchTest, OnlyWhatTheNextRequestRunsInItsOrder) {
+  TwoPipelines s;
+  ASSERT_TRUE(s.Generate(*s.a).ok());
+  const std::vector<Component*> b = s.b->components();
+  ASSERT_EQ(b.size(), 3u);
+  EXPECT_EQ(s.placement.PrefetchPipeline("b", {b[2], b[0]}, TwoPipelines::Components(*s.a), "r"),
+            b[2]->weight_bytes() + b[0]->weight_bytes());
+  EXPECT_EQ(s.placement.StateOf(*b[1]), ComponentState::kOffloaded);
+  std::vector<std::string> order;
+  for (const PlacementDecision& d : s.placement.DecisionLog(1000)) {
+    if (d.action == "prefetch_pipeline") order.push_back(d.component);
+  }
+  EXPECT_EQ(order, (std::vector<std::string>{"b/" + b[2]->name(), "b/" + b[0]->name()}));
+}
+
+// A prefetch never holds up the running request, never evicts, and takes only what qualifies.
+TEST(PipelinePrefetchTest, OnlyWhenTheRunningRequestCopiesNothingMoreAndWhatFits) {
+  {
+    // a has not run: its components are offloaded, so its run still copies.
+    TwoPipelines s;
+    EXPECT_EQ(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "r"), 0);
+    // Only what is left of the run counts: a's transformer and VAE are still offloaded.
+    Component* text_encoder = s.a->components().front();
+    ASSERT_TRUE(s.placement.Run(*text_encoder, [] {}).ok());
+    EXPECT_EQ(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "r"), 0);
+    EXPECT_EQ(s.Decisions("prefetch_pipeline"), 0);
+  }
+  {
+    // A group-offloaded component still to run streams: nothing.
+    TwoPipelines s;
+    ASSERT_TRUE(s.Generate(*s.a).ok());
+    GroupOffloadOptions options;
+    options.use_stream = true;
+    ASSERT_TRUE(s.placement.EnableGroupOffload("a/transformer", options).ok());
+    EXPECT_EQ(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "r"), 0);
+    // Past it (only the VAE left), b may come.
+    EXPECT_EQ(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), {s.a->components().back()}, "r"), TwoPipelines::Bytes(*s.b));
+  }
+  {
+    // Room: the budget leaves space for b's smallest component only; nothing of a moves.
+    std::vector<int64_t> sizes;
+    TwoPipelines probe;
+    for (Component* c : probe.b->components()) sizes.push_back(c->weight_bytes());
+    const int64_t smallest = *std::min_element(sizes.begin(), sizes.end());
+    for (int64_t bytes : sizes) ASSERT_TRUE(bytes == smallest || bytes > smallest + smallest / 2) << bytes;
+    SimulatedBackendOptions budget;
+    budget.budget_bytes = TwoPipelines::Bytes(*probe.a) + smallest + smallest / 2;
+    TwoPipelines s(budget);
+    ASSERT_TRUE(s.Generate(*s.a).ok());
+    EXPECT_EQ(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "r"), smallest);
+    for (Component* c : s.a->components()) EXPECT_EQ(s.placement.StateOf(*c), ComponentState::kResident) << c->name();
+    EXPECT_EQ(s.placement.TakeSnapshot().counters.offloads, 0);
+  }
+  {
+    // Host copies not page-locked: an onload would hold up the worker.
+    TwoPipelines s({}, /*pin=*/false);
+    ASSERT_TRUE(s.Generate(*s.a).ok());
+    EXPECT_EQ(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "r"), 0);
+  }
+  {
+    // b still loading; then switched off; an unknown pipeline; the running pipeline itself.
+    TwoPipelines s({}, true, /*ready=*/false);
+    ASSERT_TRUE(s.Generate(*s.a).ok());
+    EXPECT_EQ(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "r"), 0);
+    s.placement.MarkReady("b");
+    s.placement.set_prefetch_next_pipeline(false);
+    EXPECT_EQ(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "r"), 0);
+    s.placement.set_prefetch_next_pipeline(true);
+    EXPECT_EQ(s.placement.PrefetchPipeline("nope", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "r"), 0);
+    EXPECT_EQ(s.placement.PrefetchPipeline("", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "r"), 0);
+    EXPECT_EQ(s.Decisions("prefetch_pipeline"), 0);
+  }
+}
+
+// A prefetched component moved off or unloaded before it ran waits for its copies first (they are
+// still running on a slow link) and counts as unused; b then runs as usual with an exact image.
+TEST(PipelinePrefetchTest, APrefetchMovedOffUnusedWaitsForItsCopiesAndCountsAsUnused) {
+  const absl::StatusOr<Image> expected = ImageOfB();
+  ASSERT_TRUE(expected.ok());
+  SimulatedBackendOptions slow;
+  slow.bandwidth_bytes_per_second = 20'000'000;
+  {
+    TwoPipelines s(slow);
+    ASSERT_TRUE(s.Generate(*s.a).ok());
+    ASSERT_GT(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "r"), 0);
+    s.placement.Unregister("b");
+    EXPECT_EQ(s.placement.TakeSnapshot().counters.pipeline_prefetches_unused,
+              static_cast<int64_t>(s.b->components().size()));
+    EXPECT_EQ(s.backend->GetMemoryStats().allocated_bytes, TwoPipelines::Bytes(*s.a));
+  }
+  {
+    // Under a budget that holds both pipelines, a third pipeline's run evicts b's prefetched
+    // components (least recently used once a's have run again).
+    TinyPipelineOptions c_options;
+    c_options.name = "c";
+    c_options.weight_seed = 9;
+    std::unique_ptr<Pipeline> c = *CreateTinyPipeline(c_options);
+    TwoPipelines probe;
+    SimulatedBackendOptions budget = slow;
+    budget.budget_bytes = TwoPipelines::Bytes(*probe.a) + TwoPipelines::Bytes(*probe.b);
+    TwoPipelines s(budget);
+    (void)s.placement.SetStrategy(*MakeCustomStrategy("lru"));
+    for (Component* component : c->components()) ASSERT_TRUE(s.placement.Register("c", component).ok());
+    s.placement.MarkReady("c");
+    ASSERT_TRUE(s.Generate(*s.a).ok());
+    ASSERT_EQ(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "r"), TwoPipelines::Bytes(*s.b));
+    for (Component* component : s.a->components()) ASSERT_TRUE(s.placement.Run(*component, [] {}).ok());
+    ASSERT_TRUE(s.placement.Run(*c->components().front(), [] {}).ok());
+    const PlacementCounters counters = s.placement.TakeSnapshot().counters;
+    EXPECT_GE(counters.pipeline_prefetches_unused, 1);
+    EXPECT_EQ(counters.pipeline_prefetches_used, 0);
+    EXPECT_LE(s.backend->GetMemoryStats().peak_allocated_bytes, budget.budget_bytes);
+    // b runs as usual (what was evicted comes back); its image is exact.
+    const absl::StatusOr<Image> image = s.Generate(*s.b);
+    ASSERT_TRUE(image.ok()) << image.status();
+    EXPECT_EQ(image->rgb, expected->rgb);
+  }
+}
+
 }  // namespace
 }  // namespace stowage

@@ -804,6 +804,52 @@ TEST(DeviceWorkerSchedulingTest, ATenantOverItsQueueLimitIsRefusedByName) {
   EXPECT_EQ(order.size(), 3u);
 }
 
+// The hint for the cross-pipeline prefetch: among the jobs waiting before the first task, those of
+// another pipeline, the oldest of the highest priority; cancelled ones and jobs behind a task do not
+// count; nothing waiting gives "".
+TEST(DeviceWorkerSchedulingTest, TheNextWaitingPipelineIsTheOldestOfTheHighestPriorityBeforeATask) {
+  DeviceWorker worker(Options("sim:0", 16));
+  absl::Notification started, release;
+  std::vector<std::string> seen;  // Written on the worker; read after a task behind it returned.
+  const auto probe = [&](const std::string& pipeline, bool block) {
+    DeviceWorker::Job job;
+    job.schedule.pipeline = pipeline;
+    job.run = [&, pipeline, block](WorkerScope& scope, absl::Duration) {
+      if (block) {
+        started.Notify();
+        release.WaitForNotification();
+      }
+      seen.push_back(scope.worker().NextWaitingPipeline(scope, pipeline));
+    };
+    return job;
+  };
+  ASSERT_TRUE(worker.Submit(probe("running", true)).ok());
+  started.WaitForNotification();
+  absl::Mutex mu;
+  std::vector<std::string> order;
+  ASSERT_TRUE(worker.Submit(Named("same", 5, "", "running", mu, order)).ok());  // Its own pipeline.
+  ASSERT_TRUE(worker.Submit(Named("cold", 0, "", "cold", mu, order)).ok());
+  DeviceWorker::Job gone = Named("gone", 4, "", "gone", mu, order);
+  gone.cancelled = [] { return true; };
+  ASSERT_TRUE(worker.Submit(gone).ok());
+  ASSERT_TRUE(worker.Submit(Named("warm", 2, "", "warm", mu, order)).ok());
+  ASSERT_TRUE(worker.Submit(Named("warm-younger", 2, "", "younger", mu, order)).ok());
+  std::thread task([&] {
+    EXPECT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr,
+                               DeviceWorker::TaskOrder::kAfterQueuedJobs)
+                    .ok());
+  });
+  WaitUntil(worker, [](const DeviceWorker::Waiting& w) { return w.tasks == 1; });
+  ASSERT_TRUE(worker.Submit(Named("urgent-behind-the-task", 9, "", "urgent", mu, order)).ok());
+  release.Notify();
+  task.join();
+  ASSERT_TRUE(worker.Submit(probe("last", false)).ok());
+  ASSERT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr,
+                             DeviceWorker::TaskOrder::kAfterQueuedJobs)
+                  .ok());
+  EXPECT_EQ(seen, (std::vector<std::string>{"warm", ""}));
+}
+
 }  // namespace scheduling
 
 }  // namespace

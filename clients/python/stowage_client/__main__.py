@@ -225,6 +225,18 @@ def format_placement(p: PlacementInfo) -> list[str]:
             ["strategy", p.strategy],
             ["OOM recoveries", str(p.oom_recoveries)],
         ]
+        + (
+            [
+                [
+                    "prefetched",
+                    f"{p.pipeline_prefetches} components of the next pipeline "
+                    f"({format_bytes(p.pipeline_prefetch_bytes)}), {p.pipeline_prefetches_used} used, "
+                    f"{p.pipeline_prefetches_unused} moved off unused",
+                ]
+            ]
+            if p.pipeline_prefetches
+            else []
+        )
     )
     lines.append("")
     lines += format_components(p.components)

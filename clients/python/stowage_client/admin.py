@@ -132,6 +132,11 @@ class PlacementInfo:
     components: list[ComponentPlacementInfo]
     warnings: list[str]
     oom_recoveries: int
+    # Cross-pipeline prefetch (device.prefetch_next_pipeline): started, their bytes, used, unused.
+    pipeline_prefetches: int = 0
+    pipeline_prefetch_bytes: int = 0
+    pipeline_prefetches_used: int = 0
+    pipeline_prefetches_unused: int = 0
 
     @property
     def free_bytes(self) -> int | None:
@@ -244,6 +249,10 @@ def _placement_from_proto(msg: admin_pb2.GetPlacementResponse) -> PlacementInfo:
         components=[_component_from_proto(c) for c in msg.components],
         warnings=list(msg.warnings),
         oom_recoveries=msg.oom_recoveries,
+        pipeline_prefetches=msg.pipeline_prefetches,
+        pipeline_prefetch_bytes=msg.pipeline_prefetch_bytes,
+        pipeline_prefetches_used=msg.pipeline_prefetches_used,
+        pipeline_prefetches_unused=msg.pipeline_prefetches_unused,
     )
 
 

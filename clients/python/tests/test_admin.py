@@ -700,6 +700,23 @@ class CliTest(AdminServerTestCase):
         _, out, _ = self.run_main("placement")
         self.assertIn("memory          50.0 MiB allocated, no budget", out.splitlines())
 
+    def test_placement_counts_the_next_pipelines_prefetches(self) -> None:
+        self.fake.placement.pipeline_prefetches = 3
+        self.fake.placement.pipeline_prefetch_bytes = 6 * 2**20
+        self.fake.placement.pipeline_prefetches_used = 2
+        self.fake.placement.pipeline_prefetches_unused = 1
+        _, out, _ = self.run_main("placement")
+        self.assertIn(
+            "prefetched      3 components of the next pipeline (6.0 MiB), 2 used, 1 moved off unused",
+            out.splitlines(),
+        )
+        record = json.loads(self.run_main("placement", "--json")[1])
+        self.assertEqual(
+            [record[k] for k in ("pipeline_prefetches", "pipeline_prefetch_bytes",
+                                 "pipeline_prefetches_used", "pipeline_prefetches_unused")],
+            [3, 6 * 2**20, 2, 1],
+        )
+
     def test_placement_json(self) -> None:
         status, out, _ = self.run_main("placement", "--json")
         self.assertEqual(status, 0)

@@ -22,6 +22,10 @@
 #   multi     four pipelines under one 24 GiB budget on a seeded Poisson/Zipf trace
 #             (bench/multi_tenant.py; MULTI_ARGS adds its flags, e.g. --strategies resident):
 #             multi_tenant.jsonl, multi_logs.tgz (placement logs and server logs)
+#   multi_diffusers  the same trace's first requests served by diffusers' enable_model_cpu_offload over
+#             the four pipelines in one process (bench/multi_tenant_diffusers.py; needs the carried
+#             diffusers; MULTI_DIFFUSERS_ARGS adds its flags, e.g. --requests 12 --resident_from ROWS):
+#             multi_tenant_diffusers.jsonl, multi_diffusers.log
 #   ctest     every test CMake builds (CTEST_REGEX: only those whose names match it) (ctest -j 4; tests that use the server's default device run on
 #             cuda:0): ctest.log, ctest_junit.xml; failures re-run with thread_stack_shim.so when civetweb
 #             could not start its threads (build_and_serve.sh says why)
@@ -205,4 +209,12 @@ if [[ $parts == *" multi "* ]]; then
   stamp "multi exit $?"
   tail -40 "$logs/multi/bench.txt" >>"$OUT/summary.txt"
   tar czf "$OUT/multi_logs.tgz" -C "$logs" multi 2>/dev/null
+fi
+if [[ $parts == *" multi_diffusers "* ]]; then
+  stamp "multi_diffusers"
+  timeout "${MULTI_DIFFUSERS_TIMEOUT:-480}" python3 bench/multi_tenant_diffusers.py \
+    --out "$OUT/multi_tenant_diffusers.jsonl" --machine "$machine" --commit "${STOWAGE_COMMIT:-unknown}" \
+    ${MULTI_DIFFUSERS_ARGS:-} >"$OUT/multi_diffusers.log" 2>&1
+  stamp "multi_diffusers exit $?"
+  tail -8 "$OUT/multi_diffusers.log" >>"$OUT/summary.txt"
 fi

@@ -25,8 +25,10 @@ Each request picks a pipeline with Zipf(--zipf) popularity (zimage hot, three co
 ("alice" 70 %, "bob" 30 %) and a priority (1 for 20 %, else 0), seed and arrival time from
 --trace_seed: every strategy replays the same trace.
 
-Strategies (started one after the other; FIFO and the scheduler share one loaded server, switched
-with the admin SetScheduler, unless --separate_servers):
+Strategies (one after the other on one loaded server unless --separate_servers: resident first,
+without a budget, then the admin SetMemoryBudget, the footprint strategy and the budgeted placement
+set at run time, FIFO and the scheduler switched with the admin SetScheduler — every row of a run
+from one process, one load):
   resident   no budget; every component kept resident (workflow keep_resident rules): each
              pipeline's latency when nothing ever moves (resident_p50_s of every row).
   fifo       the budget; the big text encoders (Qwen3, T5) streamed block by block, the Flux
@@ -189,9 +191,12 @@ class SmiSampler:
             self.stop_event.wait(0.2)
 
 
-def config_text(budget_bytes, strategy, reorder_ms):
+def config_text(budget_bytes, strategy, reorder_ms, pin=False):
+    """`pin`: host copies page-locked although the server starts without a budget (one server for
+    every strategy: its budget is set at run time, and its moves should run at the link's speed)."""
     kind = "KIND_SIMULATED" if ARGS.device == "sim" else "KIND_CUDA"
-    device = f"device {{ kind: {kind} memory_budget_bytes: {budget_bytes} }}"
+    pinned = " pin_host_copies: true" if pin else ""
+    device = f"device {{ kind: {kind} memory_budget_bytes: {budget_bytes}{pinned} }}"
     sources = {"zimage": (ARGS.zimage, ""), "zimage-ft": (ARGS.zimage, "transformer"),
                "flux-dev": (ARGS.flux, ""), "flux-schnell": (ARGS.flux, "transformer")}
     pipelines = ""
@@ -232,8 +237,12 @@ def keep_list():
 
 def budgeted_strategy():
     """The budgeted servers' start-up strategy: footprint, never evicting the --keep_resident ones."""
+    return f"strategy {{ {budgeted_strategy_fields()} }}"
+
+
+def budgeted_strategy_fields():
     keep = "".join(f' keep_resident: "{c}"' for c in keep_list())
-    return f"strategy {{ footprint {{ reserve_bytes: 0{keep} }} }}"
+    return f"footprint {{ reserve_bytes: 0{keep} }}"
 
 
 def place_budgeted(server):
@@ -372,25 +381,42 @@ def run_strategy(strategy, budget, resident):
     return emit(rows)
 
 
-def run_budgeted_on_one_server(strategies, budget, resident):
-    """FIFO and the scheduler on one loaded server (budgeted.log), switched between them with the
-    admin SetScheduler (stowctl set-scheduler), which also starts the tenants' fair shares afresh:
-    one load instead of two. Each strategy's slice of the server log becomes <strategy>.log and its
-    decisions <strategy>.placement_log.txt, as with a server each."""
-    log_path = os.path.join(ARGS.logs, "budgeted.log")
-    server = Server(ARGS.server, config_text(budget, budgeted_strategy(), 0), log_path)
+def run_on_one_server(strategies, budget, resident):
+    """The strategies on one loaded server (budgeted.log; one_server.log with resident): one load
+    instead of one per strategy. With resident first, the server starts without a budget (host
+    copies pinned), keeps every component resident for that strategy, and then gets the budget, the
+    footprint strategy and the budgeted placement through the admin API (SetMemoryBudget moves what
+    no longer fits to the host). FIFO and the scheduler are switched with the admin SetScheduler
+    (stowctl set-scheduler), which also starts the tenants' fair shares afresh. Each strategy's slice
+    of the server log becomes <strategy>.log and its decisions <strategy>.placement_log.txt, as with
+    a server each."""
+    with_resident = strategies[0] == "resident"
+    log_path = os.path.join(ARGS.logs, "one_server.log" if with_resident else "budgeted.log")
+    config = config_text(0, keep_all(), 0, pin=True) if with_resident else config_text(budget, budgeted_strategy(), 0)
+    server = Server(ARGS.server, config, log_path)
     rows = []
+    budgeted = not with_resident
     try:
-        place_budgeted(server)
+        if budgeted:
+            place_budgeted(server)
         for strategy in strategies:
             print(f"== {strategy} (one server: {', '.join(strategies)})", flush=True)
-            reorder = ARGS.reorder_ms if strategy == "scheduler" else 0
             # Nothing runs between strategies: every decision from here on is this strategy's.
             since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+            if strategy != "resident" and not budgeted:
+                # After the resident rows: the budget (what no longer fits moves to the host), the
+                # footprint strategy and the budgeted placement, as an operator would set them.
+                budgeted = True
+                stowctl(server, "set-memory-budget", f"--memory_budget_bytes={budget}")
+                stowctl(server, "set-strategy", f"--strategy={budgeted_strategy_fields()}")
+                place_budgeted(server)
+            reorder = ARGS.reorder_ms if strategy == "scheduler" else 0
             stowctl(server, "set-scheduler", f"--scheduler={scheduler_fields(reorder)}")
             server.log.flush()
             offset = os.path.getsize(log_path)
-            got = measure(server, strategy, budget, resident)
+            got = measure(server, strategy, 0 if strategy == "resident" else budget, resident)
+            if strategy == "resident":
+                resident = {r["pipeline"]: (r["p50_s"], r["p99_s"]) for r in got}
             with open(log_path, "rb") as whole, open(os.path.join(ARGS.logs, f"{strategy}.log"), "wb") as part:
                 whole.seek(offset)
                 part.write(whole.read())
@@ -543,12 +569,17 @@ def main():
             raise SystemExit(f"{ARGS.resident_from} has no resident rows for this trace, size and steps")
     rows = []
     strategies = ARGS.strategies.split(",")
-    budgeted = [s for s in strategies if s in ("fifo", "scheduler")]
+    if any(s not in ("resident", "fifo", "scheduler") for s in strategies) or len(set(strategies)) != len(strategies):
+        raise SystemExit("--strategies: distinct names among resident, fifo, scheduler")
+    if not ARGS.separate_servers and len(strategies) > 1:
+        # Resident first (its rows are the others' reference), then the budgeted ones on the same server.
+        order = [s for s in ("resident", "fifo", "scheduler") if s in strategies]
+        if ARGS.resident_from and "resident" in order:
+            raise SystemExit("--resident_from and --strategies resident: choose one")
+        rows = run_on_one_server(order, budget, resident)
+        table(rows)
+        return
     for strategy in strategies:
-        if strategy in budgeted and not ARGS.separate_servers and len(budgeted) > 1:
-            if strategy == budgeted[0]:
-                rows += run_budgeted_on_one_server(budgeted, budget, resident)
-            continue
         got = run_strategy(strategy, budget, resident)
         if strategy == "resident":
             resident = {r["pipeline"]: (r["p50_s"], r["p99_s"]) for r in got}

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # bench/multi_tenant.py end to end on the simulated device: tiny Z-Image and Flux folders, four
 # pipelines (two of them drawn with their own transformer seed, sharing the rest by content) under a
-# budget that holds no two transformers, a short seeded trace replayed by three strategies (FIFO and
-# the scheduler on one server, switched at run time) and the flood phase; each row has the fields the benchmark promises, every request succeeds within the
+# budget that holds no two transformers, a short seeded trace replayed by three strategies (on one
+# server: the budget set after the resident rows, FIFO and the scheduler switched at run time) and
+# the flood phase; each row has the fields the benchmark promises, every request succeeds within the
 # budget, the components are shared, and the scheduler's reorders are in its placement log.
 set -euo pipefail
 here=$(pwd)  # Holds server/, clients/, bench/ and tests/ (Bazel's runfiles root).
@@ -52,10 +53,16 @@ for absent in ("zimage-ft/text_encoder", "flux-dev/text_encoder_2", "flux-dev/va
     assert absent not in placement, (absent, placement[:3000])
 log = open(os.path.join(sys.argv[2], "scheduler.placement_log.txt")).read()
 assert "schedule" in log, log[:2000]
-# FIFO and the scheduler ran on one loaded server (budgeted.log), switched with SetScheduler; each
-# kept its own slice of the server log and of the decisions.
-assert "starting:" in open(os.path.join(sys.argv[2], "budgeted.log")).read()
+# The three strategies ran on one loaded server (one_server.log): resident without a budget, then the
+# budget set at run time (SetMemoryBudget: FIFO's decisions begin with it and the moves it made), FIFO
+# and the scheduler switched with SetScheduler; each kept its own slice of the server log and of the
+# decisions.
+one = open(os.path.join(sys.argv[2], "one_server.log")).read()
+assert "starting:" in one and "admin set_memory_budget" in one, one[-3000:]
 assert "starting:" not in open(os.path.join(sys.argv[2], "scheduler.log")).read()
+fifo_log = open(os.path.join(sys.argv[2], "fifo.placement_log.txt")).read()
+assert "set_budget" in fifo_log and "memory budget set to" in fifo_log, fifo_log[:3000]
+assert "set_budget" not in open(os.path.join(sys.argv[2], "resident.placement_log.txt")).read()
 def reorders(name):
     lines = open(os.path.join(sys.argv[2], name)).read().splitlines()
     return [l for l in lines if "schedule" in l.split()[1:3]]

@@ -568,6 +568,64 @@ void PlacementManager::Prefetch(Component& component) {
          "it runs next: its first groups copy while the current component computes");
 }
 
+absl::Status PlacementManager::SetMemoryBudget(int64_t bytes, std::vector<std::string>* offloaded) {
+  SweepMoved();
+  const int64_t previous = backend_->GetMemoryStats().budget_bytes;
+  const int64_t before = FreeBytes();
+  RETURN_IF_ERROR(backend_->SetMemoryBudget(bytes));
+  const std::string why = absl::StrCat("memory budget set to ", bytes, " bytes (was ", previous, ")");
+  if (FreeBytes() < 0) {
+    // What idle components hold besides their weights goes first.
+    for (auto& e : entries_) {
+      if (e->group_offload && e->group_offload->holds_slots()) {
+        const int64_t free_before = FreeBytes();
+        const int64_t released = e->group_offload->ReleaseSlots();
+        e->prefetched = false;
+        if (released > 0) Record(e->id, "release_slots", released, free_before, why);
+      }
+      if (e->state == ComponentState::kResident) {
+        const int64_t free_before = FreeBytes();
+        const int64_t released = e->component->module().ReleaseDeviceCaches();
+        if (released > 0) Record(e->id, "release_graphs", released, free_before, why);
+      }
+    }
+    backend_->ReleaseCachedMemory();
+  }
+  if (FreeBytes() < 0) {
+    std::vector<Entry*> movable;
+    int64_t movable_bytes = 0;
+    std::vector<std::string> staying;
+    for (auto& e : entries_) {
+      if (e->state == ComponentState::kResident && e->holds == 0) {
+        movable.push_back(e.get());
+        movable_bytes += e->component->weight_bytes();
+      } else if (e->holds > 0) {
+        staying.push_back(absl::StrCat(e->id, " (held by a run, ", e->component->weight_bytes(), " bytes)"));
+      } else if (e->group_offload && e->group_offload->device_bytes() > 0) {
+        staying.push_back(
+            absl::StrCat(e->id, " (group-offloaded working set, ", e->group_offload->device_bytes(), " bytes)"));
+      }
+    }
+    if (FreeBytes() + movable_bytes < 0) {
+      const int64_t short_by = -(FreeBytes() + movable_bytes);
+      const absl::Status restored = backend_->SetMemoryBudget(previous);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "a memory budget of ", bytes, " bytes is ", short_by, " bytes short of what cannot move off ",
+          backend_->name(), " (its context and ", staying.empty() ? std::string("nothing else") : absl::StrJoin(staying, ", "),
+          "); the budget stays ", previous, restored.ok() ? "" : absl::StrCat(" (restoring it failed: ", restored.message(), ")")));
+    }
+    std::sort(movable.begin(), movable.end(), [](const Entry* a, const Entry* b) { return a->last_use < b->last_use; });
+    for (Entry* e : movable) {
+      if (FreeBytes() >= 0) break;
+      Offload(*e, why, "budget");
+      offloaded->push_back(e->id);
+    }
+    SweepMoved();
+  }
+  Record("", "set_budget", bytes, before, why);
+  return absl::OkStatus();
+}
+
 void PlacementManager::Arrive(Entry& entry) {
   if (entry.pipeline_prefetched) {
     entry.pipeline_prefetched = false;

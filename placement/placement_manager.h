@@ -242,6 +242,15 @@ class PlacementManager : public ComponentRunner {
   // decisions naming `reason`; counted in PlacementCounters. Returns the bytes whose copies started.
   int64_t PrefetchPipeline(const std::string& next, const std::vector<const Component*>& next_components,
                            const std::vector<const Component*>& remaining, const std::string& reason);
+  // Sets the device's memory budget (DeviceBackend::SetMemoryBudget; 0: none) at run time, between
+  // runs. When what is allocated no longer fits, idle group-offloaded components give their slots
+  // back, idle components their device caches, cached blocks go back to the device, and then whole
+  // resident components move to the host, least recently used first, until it fits; their ids are
+  // appended to `offloaded`. FAILED_PRECONDITION, with the previous budget back and nothing moved,
+  // when what cannot move (held components, group-offloaded working sets) and the context exceed the
+  // budget; the backend's INVALID_ARGUMENT for a budget it refuses. Recorded as "set_budget".
+  absl::Status SetMemoryBudget(int64_t bytes, std::vector<std::string>* offloaded);
+
   // Cross-pipeline prefetch on or off (DeviceConfig.prefetch_next_pipeline; default on).
   void set_prefetch_next_pipeline(bool on) { prefetch_next_pipeline_ = on; }
   bool prefetch_next_pipeline() const { return prefetch_next_pipeline_; }

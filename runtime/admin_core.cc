@@ -291,6 +291,27 @@ absl::StatusOr<v1::MoveComponentResponse> AdminCore::MoveComponent(const v1::Mov
   return devices_->MoveComponent(request, interrupt);
 }
 
+absl::StatusOr<v1::SetMemoryBudgetResponse> AdminCore::SetMemoryBudget(const v1::SetMemoryBudgetRequest& request,
+                                                                       const Interrupt& interrupt) {
+  if (request.memory_budget_bytes() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("memory_budget_bytes: ", request.memory_budget_bytes(),
+                                                   " is negative; >= 0 (0: the whole device)"));
+  }
+  ASSIGN_OR_RETURN(DeviceRuntime * core, devices_->Device(request.device()));
+  std::vector<std::string> offloaded;
+  RETURN_IF_ERROR(core->ChangeDevice(
+      [&](PlacementManager& placement) { return placement.SetMemoryBudget(request.memory_budget_bytes(), &offloaded); },
+      interrupt));
+  const std::shared_ptr<const PlacementSnapshot> snapshot = core->placement_snapshot();
+  v1::SetMemoryBudgetResponse response;
+  response.set_budget_bytes(snapshot->memory.budget_bytes);
+  response.set_allocated_bytes(snapshot->memory.allocated_bytes);
+  for (std::string& id : offloaded) response.add_offloaded(std::move(id));
+  LogInfo(absl::StrCat("admin set_memory_budget device=", snapshot->device, " budget_bytes=", response.budget_bytes(),
+                       " allocated_bytes=", response.allocated_bytes(), " offloaded=", offloaded.size()));
+  return response;
+}
+
 absl::StatusOr<v1::DrainDeviceResponse> AdminCore::DrainDevice(const v1::DrainDeviceRequest& request) {
   return devices_->Drain(request.device(), request.drain());
 }

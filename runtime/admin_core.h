@@ -45,6 +45,8 @@ class AdminCore {
   absl::StatusOr<v1::DrainDeviceResponse> DrainDevice(const v1::DrainDeviceRequest& request);
   absl::StatusOr<v1::MoveComponentResponse> MoveComponent(const v1::MoveComponentRequest& request,
                                                           const Interrupt& interrupt);
+  absl::StatusOr<v1::SetMemoryBudgetResponse> SetMemoryBudget(const v1::SetMemoryBudgetRequest& request,
+                                                              const Interrupt& interrupt);
 
   // Bounds of GetPlacementLogRequest.limit (0 = kDefaultLogLimit).
   static constexpr int kMaxLogLimit = 4096;

@@ -705,6 +705,7 @@ absl::StatusOr<v1::Pipeline> DeviceRuntime::Load(const v1::PipelineConfig& p, bo
         }
         if (!registered.ok()) {
           placement.Unregister(name);  // All or nothing.
+          executor_->ForgetPipeline(name);
           OnEachPeer(scope, peers_used, [&](DeviceRuntime& other, WorkerScope& other_scope) {
             other.RemoveGuest(other_scope, name);
           });
@@ -775,6 +776,7 @@ absl::Status DeviceRuntime::UnloadPipeline(const std::string& name, const Interr
           });
           links_.SetRemote(name, {});
           Placement(scope).Unregister(name);
+          executor_->ForgetPipeline(name);
           {
             absl::MutexLock lock(&batching_mu_);
             batching_.erase(name);

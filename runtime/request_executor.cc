@@ -324,11 +324,6 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
     }
     return last;
   };
-  if (run_order_.size() > 64) {  // Pipelines unloaded since they ran leave theirs behind: bounded.
-    for (auto it = run_order_.begin(); it != run_order_.end();) {
-      it = device_.pipelines_.StillHosted(it->first, it->second.pipeline) ? std::next(it) : run_order_.erase(it);
-    }
-  }
   LearnedOrder& order = run_order_[pipeline.name()];
   if (order.pipeline != &pipeline) order = LearnedOrder{&pipeline, {}};  // Loaded again since: learn afresh.
   // Another pipeline's order, when the object it was learned from is the one hosted now (its

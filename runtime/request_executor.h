@@ -77,6 +77,9 @@ class RequestExecutor {
   // A peer's run on this device (DeviceRuntime::RunForPeer) resets the device's peaks to measure
   // itself: the request running here keeps the peak it had reached (`before`).
   void KeepPeakFloor(const DeviceMemoryStats& before);
+  // Forgets what `pipeline`'s runs taught (the order it runs its components in): it is unloaded, or
+  // its load failed. Worker only.
+  void ForgetPipeline(const std::string& pipeline) { run_order_.erase(pipeline); }
   // Requests running now (a batch's members; 0 between runs).
   int running() const { return running_.load(std::memory_order_relaxed); }
 

@@ -151,6 +151,12 @@ grpc::Status AdminServiceImpl::MoveComponent(grpc::ServerContext* context, const
   return Reply(core_.MoveComponent(*request, InterruptFor(context)), response);
 }
 
+grpc::Status AdminServiceImpl::SetMemoryBudget(grpc::ServerContext* context, const v1::SetMemoryBudgetRequest* request,
+                                               v1::SetMemoryBudgetResponse* response) {
+  STOWAGE_AUTHORIZE(context);
+  return Reply(core_.SetMemoryBudget(*request, InterruptFor(context)), response);
+}
+
 grpc::Status AdminServiceImpl::GetPlacementLog(grpc::ServerContext* context,
                                                const v1::GetPlacementLogRequest* request,
                                                v1::GetPlacementLogResponse* response) {

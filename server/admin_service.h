@@ -53,6 +53,8 @@ class AdminServiceImpl final : public v1::AdminService::Service {
                            v1::DrainDeviceResponse* response) override;
   grpc::Status MoveComponent(grpc::ServerContext* context, const v1::MoveComponentRequest* request,
                              v1::MoveComponentResponse* response) override;
+  grpc::Status SetMemoryBudget(grpc::ServerContext* context, const v1::SetMemoryBudgetRequest* request,
+                               v1::SetMemoryBudgetResponse* response) override;
   grpc::Status GetPlacementLog(grpc::ServerContext* context,
                                const v1::GetPlacementLogRequest* request,
                                v1::GetPlacementLogResponse* response) override;

@@ -103,6 +103,9 @@ ABSL_FLAG(std::string, scheduler, "",
           "set-scheduler: a SchedulerConfig in protobuf text format, e.g. 'max_reorder_delay_ms: 4000' or "
           "'priority_mode: PRIORITY_WEIGHTED tenant_weights { key: \"gold\" value: 2 }'; empty = first come, "
           "first served.");
+ABSL_FLAG(int64_t, memory_budget_bytes, -1,
+          "set-memory-budget: the device's memory budget in bytes, its context included; 0 = the whole "
+          "device (required).");
 ABSL_FLAG(int32_t, max_queue_delay_ms, 0,
           "set-batching: how long a batch waits for more requests, 0..60000 ms.");
 
@@ -120,7 +123,7 @@ int Usage(const std::string& message) {
             << "       stowctl --token=T placement|set-strategy|enable-group-offload|"
                "disable-group-offload|load-pipeline|unload-pipeline|load-adapter|unload-adapter|placement-log|"
                "set-batching|set-scheduler|get-scheduler|drain-device|resume-device|"
-               "move-component [flags]\n"
+               "move-component|set-memory-budget [flags]\n"
             << "run 'stowctl --help' for the flags\n";
   return kUsageError;
 }
@@ -558,6 +561,14 @@ int Admin(const std::string& command, AdminService::Stub& stub) {
     return AdminCall<SetSchedulerRequest, SetSchedulerResponse>(
         request, [&](auto* c, const auto& q, auto* r) { return stub.SetScheduler(c, q, r); });
   }
+  if (command == "set-memory-budget") {
+    if (absl::GetFlag(FLAGS_memory_budget_bytes) == -1) return Usage("set-memory-budget needs --memory_budget_bytes");
+    SetMemoryBudgetRequest request;
+    request.set_memory_budget_bytes(absl::GetFlag(FLAGS_memory_budget_bytes));
+    request.set_device(absl::GetFlag(FLAGS_device));
+    return AdminCall<SetMemoryBudgetRequest, SetMemoryBudgetResponse>(
+        request, [&](auto* c, const auto& q, auto* r) { return stub.SetMemoryBudget(c, q, r); });
+  }
   if (command == "get-scheduler") {
     return AdminCall<GetSchedulerRequest, GetSchedulerResponse>(
         GetSchedulerRequest(), [&](auto* c, const auto& q, auto* r) { return stub.GetScheduler(c, q, r); });
@@ -594,7 +605,7 @@ int main(int argc, char** argv) {
       "--name=N | load-adapter --pipeline=P --name=N --path=FILE [--alpha=A] | unload-adapter --pipeline=P "
       "--name=N | placement-log [--limit=N] | set-batching --pipeline=P --max_batch_size=N "
       "[--max_queue_delay_ms=MS] | set-scheduler --scheduler=TEXT | get-scheduler | drain-device --device=D | resume-device --device=D | move-component "
-      "--pipeline=P --component=NAME --device=D; admin commands take "
+      "--pipeline=P --component=NAME --device=D | set-memory-budget --memory_budget_bytes=N; admin commands take "
       "--device=D on a server with several devices");
   std::vector<char*> args = stowage::ParseCommandLine(argc, argv, "clients/stowctl/stowctl.cc");
   if (args.size() != 2) return Usage("expected exactly one command");

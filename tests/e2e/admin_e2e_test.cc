@@ -218,6 +218,92 @@ TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
   EXPECT_EQ(admin_->GetPlacementLog(Authed().get(), log_request, &log).error_code(), grpc::INVALID_ARGUMENT);
 }
 
+// SetMemoryBudget at run time: a smaller budget moves whole components to the host, least recently
+// used first, until what is allocated fits (listed in the reply and the placement log); requests then
+// run within it; hostile values are refused by name and change nothing; a budget that what cannot
+// move (a group-offloaded working set) does not fit is refused, naming it; 0 lifts the budget.
+TEST_F(AdminE2ETest, TheMemoryBudgetChangesAtRunTime) {
+  v1::GenerateResponse reply;
+  ASSERT_TRUE(Generate("", &reply).ok());
+  v1::GetPlacementResponse placement = Placement();
+  EXPECT_EQ(placement.budget_bytes(), 0);  // The simulated device's default: no limit.
+  int64_t resident = 0;
+  for (const auto& c : placement.components()) {
+    if (c.state() == v1::ComponentPlacement::RESIDENT) resident += c.device_bytes();
+  }
+  ASSERT_GT(resident, 0);
+  const int64_t budget = resident - 1;
+  v1::SetMemoryBudgetRequest request;
+  request.set_memory_budget_bytes(budget);
+  v1::SetMemoryBudgetResponse response;
+  ASSERT_TRUE(admin_->SetMemoryBudget(Authed().get(), request, &response).ok());
+  EXPECT_EQ(response.budget_bytes(), budget);
+  EXPECT_LE(response.allocated_bytes(), budget);
+  ASSERT_GE(response.offloaded_size(), 1);
+  EXPECT_EQ(response.offloaded(0), "zimage-tiny/text_encoder");  // It ran first: least recently used.
+  placement = Placement();
+  EXPECT_EQ(placement.budget_bytes(), budget);
+  for (const auto& c : placement.components()) {
+    if (c.id() == response.offloaded(0)) EXPECT_EQ(c.state(), v1::ComponentPlacement::OFFLOADED);
+  }
+  v1::GetPlacementLogRequest log_request;
+  log_request.set_limit(50);
+  v1::GetPlacementLogResponse log;
+  ASSERT_TRUE(admin_->GetPlacementLog(Authed().get(), log_request, &log).ok());
+  bool set = false, moved = false;
+  for (const auto& d : log.decisions()) {
+    set |= d.action() == "set_budget" && d.bytes() == budget;
+    moved |= d.action() == "offload" && d.component() == response.offloaded(0) &&
+             d.reason().find(absl::StrCat("memory budget set to ", budget, " bytes")) != std::string::npos;
+  }
+  EXPECT_TRUE(set);
+  EXPECT_TRUE(moved);
+  // Requests run within the new budget.
+  ASSERT_TRUE(Generate("", &reply).ok());
+  EXPECT_LE(reply.stats().peak_device_memory_bytes(), budget);
+
+  // Hostile values: refused by name; the budget stays.
+  request.set_memory_budget_bytes(-1);
+  grpc::Status refused = admin_->SetMemoryBudget(Authed().get(), request, &response);
+  EXPECT_EQ(refused.error_code(), grpc::INVALID_ARGUMENT);
+  EXPECT_NE(refused.error_message().find("memory_budget_bytes: -1"), std::string::npos) << refused.error_message();
+  request.set_memory_budget_bytes(budget / 2);
+  request.set_device("sim:9");
+  EXPECT_EQ(admin_->SetMemoryBudget(Authed().get(), request, &response).error_code(), grpc::NOT_FOUND);
+  request.clear_device();
+  grpc::ClientContext anonymous;
+  EXPECT_EQ(admin_->SetMemoryBudget(&anonymous, request, &response).error_code(), grpc::UNAUTHENTICATED);
+  EXPECT_EQ(Placement().budget_bytes(), budget);
+
+  // What cannot move does not fit: refused, naming it, nothing changed. The transformer group-
+  // offloaded with a budget that keeps most of its groups resident: those stay on the device.
+  int64_t transformer = 0;
+  placement = Placement();
+  for (const auto& c : placement.components()) {
+    if (c.id() == "zimage-tiny/transformer") transformer = c.weight_bytes();
+  }
+  v1::EnableGroupOffloadRequest enable;
+  enable.set_component_id("zimage-tiny/transformer");
+  enable.mutable_options()->set_use_stream(true);
+  enable.mutable_options()->set_budget_bytes(transformer - 1);
+  v1::EnableGroupOffloadResponse enabled;
+  const grpc::Status streamed = admin_->EnableGroupOffload(Authed().get(), enable, &enabled);
+  ASSERT_TRUE(streamed.ok()) << streamed.error_message();
+  ASSERT_TRUE(Generate("", &reply).ok());
+  request.set_memory_budget_bytes(1);
+  refused = admin_->SetMemoryBudget(Authed().get(), request, &response);
+  EXPECT_EQ(refused.error_code(), grpc::FAILED_PRECONDITION);
+  EXPECT_NE(refused.error_message().find("zimage-tiny/transformer (group-offloaded working set, "), std::string::npos)
+      << refused.error_message();
+  EXPECT_EQ(Placement().budget_bytes(), budget);
+  // 0 lifts it.
+  request.set_memory_budget_bytes(0);
+  ASSERT_TRUE(admin_->SetMemoryBudget(Authed().get(), request, &response).ok());
+  EXPECT_EQ(response.budget_bytes(), 0);
+  EXPECT_EQ(response.offloaded_size(), 0);
+  ASSERT_TRUE(Generate("", &reply).ok());
+}
+
 TEST_F(AdminE2ETest, LoadAndUnloadPipelines) {
   v1::LoadPipelineRequest load;
   load.mutable_pipeline()->set_name("second");

@@ -347,6 +347,38 @@ class PythonAdminEndToEndTest(unittest.TestCase):
         self.assertIn("not a valid stowage.v1.SchedulerConfig", garbled.stderr)
         self.admin.set_scheduler()
 
+    def test_memory_budget_changed_at_run_time_through_the_python_client_and_stowctl(self) -> None:
+        self.generate("before-set-memory-budget")
+        placement = self.admin.get_placement()
+        resident = sum(c.device_bytes for c in placement.components if c.state == "RESIDENT")
+        self.assertGreater(resident, 0)
+        try:
+            moved = self.admin.set_memory_budget(resident - 1)
+            self.assertTrue(moved)
+            self.assertTrue(all(m.startswith("zimage-tiny/") for m in moved), moved)
+            now = self.admin.get_placement()
+            self.assertEqual(now.budget_bytes, resident - 1)
+            self.assertLessEqual(now.allocated_bytes, resident - 1)
+            self.generate("under-the-new-budget")
+            with self.assertRaises(StowageError) as refused:
+                self.admin.set_memory_budget(-5)
+            self.assertEqual(refused.exception.code, grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("memory_budget_bytes: -5", refused.exception.message)
+            with self.assertRaises(StowageError) as unknown:
+                self.admin.set_memory_budget(resident, device="sim:7")
+            self.assertEqual(unknown.exception.code, grpc.StatusCode.NOT_FOUND)
+            base = [STOWCTL, f"--target={self.target}", f"--token={self.TOKEN}"]
+            missing = subprocess.run(base + ["set-memory-budget"], capture_output=True, text=True, timeout=60)
+            self.assertEqual(missing.returncode, 2)
+            self.assertIn("set-memory-budget needs --memory_budget_bytes", missing.stderr)
+            done = subprocess.run(base + ["set-memory-budget", f"--memory_budget_bytes={resident * 2}"],
+                                  capture_output=True, text=True, timeout=60)
+            self.assertEqual(done.returncode, 0, done.stderr)
+            self.assertIn(f"budget_bytes: {resident * 2}", done.stdout)
+        finally:
+            self.admin.set_memory_budget(0)
+        self.assertEqual(self.admin.get_placement().budget_bytes, 0)
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)

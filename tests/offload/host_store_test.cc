@@ -391,7 +391,9 @@ TEST(HostWeightsAsyncOnloadTest, CopiesOnTheCopyStreamFromPageLockedCopiesOnly) 
     ASSERT_TRUE(weights->PinInPlace(*backend).ok());
     absl::StatusOr<std::unique_ptr<DeviceEvent>> copying = weights->OnloadAllAsync(*backend);
     ASSERT_TRUE(copying.ok()) << copying.status();
-    if (!cuda) EXPECT_FALSE((*copying)->Query()) << "returned only after the copies";
+    if (!cuda) {
+      EXPECT_FALSE((*copying)->Query()) << "returned only after the copies";
+    }
     EXPECT_GE(backend->GetMemoryStats().allocated_bytes, weights->bytes());
     backend->ComputeStreamWait(**copying);
     const std::vector<TensorSlot>& s = model.slots();

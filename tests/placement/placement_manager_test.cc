@@ -983,5 +983,43 @@ TEST(PipelinePrefetchTest, APrefetchMovedOffUnusedWaitsForItsCopiesAndCountsAsUn
   }
 }
 
+// SetMemoryBudget at run time: a smaller budget moves whole components off, least recently used
+// first, only as many as needed; a larger one moves nothing; one that what cannot move (a held
+// component) does not fit is refused naming it, with the previous budget back and nothing moved.
+TEST(PlacementManagerTest, ASmallerBudgetMovesTheLeastRecentlyUsedUntilWhatStaysFits) {
+  Harness h;
+  ASSERT_TRUE(h.Generate().ok());
+  const int64_t te = h.View("text_encoder").weight_bytes, tr = h.View("transformer").weight_bytes,
+                v = h.View("vae").weight_bytes;
+  std::vector<std::string> moved;
+  ASSERT_TRUE(h.placement.SetMemoryBudget(te + tr + v - 1, &moved).ok());
+  EXPECT_EQ(moved, std::vector<std::string>{"tiny/text_encoder"});  // It ran first.
+  EXPECT_EQ(h.View("text_encoder").state, ComponentState::kOffloaded);
+  EXPECT_EQ(h.View("transformer").state, ComponentState::kResident);
+  EXPECT_EQ(h.backend->GetMemoryStats().budget_bytes, te + tr + v - 1);
+  EXPECT_EQ(h.backend->GetMemoryStats().allocated_bytes, tr + v);
+  const std::vector<PlacementDecision> log = h.placement.DecisionLog(5);
+  EXPECT_EQ(log.back().action, "set_budget");
+  EXPECT_EQ(log.back().bytes, te + tr + v - 1);
+  EXPECT_NE(log[log.size() - 2].reason.find("memory budget set to"), std::string::npos) << log[log.size() - 2].reason;
+  moved.clear();
+  ASSERT_TRUE(h.placement.SetMemoryBudget(te + tr + v, &moved).ok());
+  EXPECT_TRUE(moved.empty());
+  // Held: the VAE cannot move, and alone it exceeds a budget of one byte.
+  Component* vae = h.pipeline->components().back();
+  ASSERT_TRUE(h.placement.Hold(*vae, "held for the test").ok());
+  const absl::Status refused = h.placement.SetMemoryBudget(1, &moved);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.message().find("tiny/vae (held by a run, "), std::string::npos) << refused;
+  EXPECT_TRUE(moved.empty());
+  EXPECT_EQ(h.backend->GetMemoryStats().budget_bytes, te + tr + v);
+  EXPECT_EQ(h.View("transformer").state, ComponentState::kResident);
+  h.placement.Unhold(*vae);
+  EXPECT_EQ(h.placement.SetMemoryBudget(-1, &moved).code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(h.placement.SetMemoryBudget(0, &moved).ok());  // None.
+  EXPECT_TRUE(moved.empty());
+  ASSERT_TRUE(h.Generate().ok());
+}
+
 }  // namespace
 }  // namespace stowage

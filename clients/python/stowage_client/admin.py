@@ -688,6 +688,19 @@ class AdminClient(_ChannelClient):
                                  pipelines=list(d.pipelines), guest_components=list(d.guest_components))
                 for d in reply.devices]
 
+    def set_memory_budget(self, memory_budget_bytes: int, device: str = "") -> list[str]:
+        """Changes ``device``'s memory budget (bytes, its context included; 0: the whole device)
+        between requests; returns the ids of the components moved to the host to fit it, least
+        recently used first.
+
+        Raises:
+            StowageError: INVALID_ARGUMENT for a negative budget, one above the device's memory or
+                not above its context; FAILED_PRECONDITION when what cannot move does not fit (the
+                budget is then unchanged); NOT_FOUND for an unknown device.
+        """
+        request = admin_pb2.SetMemoryBudgetRequest(memory_budget_bytes=memory_budget_bytes, device=device)
+        return list(self._call("SetMemoryBudget", request).offloaded)
+
     def resume_device(self, device: str) -> list[DeviceStatusInfo]:
         """drain_device(device, drain=False)."""
         return self.drain_device(device, drain=False)

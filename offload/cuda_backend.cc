@@ -257,6 +257,7 @@ class CudaBackend : public DeviceBackend {
     ApplyBudget();
     return absl::OkStatus();
   }
+  int64_t MemoryBudget() const override { return budget_bytes_; }
   void ReleaseCachedMemory() override { c10::cuda::CUDACachingAllocator::emptyCache(); }
 
   void SetContextReserve(int64_t bytes) override {

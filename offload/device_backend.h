@@ -153,6 +153,9 @@ class DeviceBackend {
   // allocator's segments plus the context stay within it and allocations beyond fail as
   // out-of-memory. INVALID_ARGUMENT when the budget does not even hold the context.
   virtual absl::Status SetMemoryBudget(int64_t bytes) = 0;
+  // The budget as last set (0: none), unlike DeviceMemoryStats::budget_bytes, which is the card's
+  // size on CUDA without one.
+  virtual int64_t MemoryBudget() const = 0;
   // Returns cached but unused device memory to the driver (CUDA); no-op elsewhere.
   virtual void ReleaseCachedMemory() = 0;
   // Measures again what the process holds outside the allocator and, when a budget is set,

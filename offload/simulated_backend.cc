@@ -369,6 +369,10 @@ class SimulatedBackend : public DeviceBackend {
     pool_->budget = bytes;
     return absl::OkStatus();
   }
+  int64_t MemoryBudget() const override {
+    absl::MutexLock lock(&pool_->mu);
+    return pool_->budget;
+  }
   void ReleaseCachedMemory() override {}
   // The simulated context never grows; with count_context_reserve a reserve is accounted as on
   // CUDA (in the context, against the budget).

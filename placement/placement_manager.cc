@@ -155,10 +155,7 @@ StrategyInput PlacementManager::InputFor(const Entry& target, int64_t needed) co
     if (e.get() == &target || e->state != ComponentState::kResident || e->holds > 0) continue;
     // Prefetched for a pipeline whose component runs now (PrefetchPipeline) and not run yet: its
     // request is about to use it. Out-of-memory recovery may still move it.
-    if (e->pipeline_prefetched &&
-        std::any_of(e->pipelines.begin(), e->pipelines.end(), [&](const std::string& p) { return Uses(target.pipelines, p); })) {
-      continue;
-    }
+    if (e->pipeline_prefetched && Uses(target.pipelines, e->prefetched_for)) continue;
     in.resident.push_back(Candidate{e->id, e->component->name(), e->component->weight_bytes(), e->last_use});
   }
   return in;
@@ -570,10 +567,12 @@ void PlacementManager::Prefetch(Component& component) {
 
 absl::Status PlacementManager::SetMemoryBudget(int64_t bytes, std::vector<std::string>* offloaded) {
   SweepMoved();
-  const int64_t previous = backend_->GetMemoryStats().budget_bytes;
+  const int64_t previous = backend_->MemoryBudget();
   const int64_t before = FreeBytes();
   RETURN_IF_ERROR(backend_->SetMemoryBudget(bytes));
   const std::string why = absl::StrCat("memory budget set to ", bytes, " bytes (was ", previous, ")");
+  // A smaller budget: what the allocator caches beyond it goes back to the device whatever happens.
+  if (bytes > 0 && (previous == 0 || bytes < previous)) backend_->ReleaseCachedMemory();
   if (FreeBytes() < 0) {
     // What idle components hold besides their weights goes first.
     for (auto& e : entries_) {
@@ -621,6 +620,14 @@ absl::Status PlacementManager::SetMemoryBudget(int64_t bytes, std::vector<std::s
       offloaded->push_back(e->id);
     }
     SweepMoved();
+    if (FreeBytes() < 0) {  // Weights counted as movable did not free what they weigh.
+      const int64_t short_by = -FreeBytes();
+      const absl::Status restored = backend_->SetMemoryBudget(previous);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "a memory budget of ", bytes, " bytes is still ", short_by, " bytes short after moving ",
+          offloaded->size(), " components to the host; the budget stays ", previous,
+          restored.ok() ? "" : absl::StrCat(" (restoring it failed: ", restored.message(), ")")));
+    }
   }
   Record("", "set_budget", bytes, before, why);
   return absl::OkStatus();
@@ -641,6 +648,14 @@ void PlacementManager::Settle(Entry& entry) {
   if (entry.arriving == nullptr) return;
   entry.arriving->Wait();
   entry.arriving.reset();
+}
+
+void PlacementManager::EndPipelineRun(const std::string& pipeline) {
+  for (auto& e : entries_) {
+    if (!e->pipeline_prefetched || e->prefetched_for != pipeline) continue;
+    e->pipeline_prefetched = false;
+    ++counters_.pipeline_prefetches_unused;
+  }
 }
 
 void PlacementManager::DropPrefetch(Entry& entry) {
@@ -672,7 +687,13 @@ int64_t PlacementManager::PrefetchPipeline(const std::string& next, const std::v
     }
     const int64_t bytes = e->component->weight_bytes();
     const int64_t before = FreeBytes();
-    if (bytes > before - keep) continue;  // A smaller one further on may still fit.
+    // Room counted against what the allocator holds (its cached blocks too: on CUDA the budget caps
+    // them, and an allocation past it would flush the cache mid-request).
+    const DeviceMemoryStats stats = backend_->GetMemoryStats();
+    const int64_t room = stats.budget_bytes <= 0 ? INT64_MAX
+                                                 : stats.budget_bytes - stats.context_bytes -
+                                                       std::max(stats.reserved_bytes, stats.allocated_bytes);
+    if (room != INT64_MAX && bytes > room - keep) continue;  // A smaller one further on may still fit.
     absl::StatusOr<std::unique_ptr<DeviceEvent>> copying = e->component->host_weights().OnloadAllAsync(*backend_);
     if (!copying.ok()) {
       Record(e->id, "prefetch_failed", bytes, before, absl::StrCat(reason, ": ", copying.status().message()));
@@ -681,6 +702,7 @@ int64_t PlacementManager::PrefetchPipeline(const std::string& next, const std::v
     e->arriving = *std::move(copying);
     e->state = ComponentState::kResident;
     e->pipeline_prefetched = true;
+    e->prefetched_for = next;
     e->last_use = absl::Now();
     ++counters_.onloads;
     counters_.onload_bytes += bytes;

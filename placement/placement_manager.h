@@ -130,7 +130,8 @@ struct PlacementCounters {
   int64_t pipeline_prefetches_unused = 0;
   int64_t decisions = 0;           // Strategy consultations.
   double decision_seconds = 0;     // Time spent in them.
-  // (strategy, cause) → evictions; cause is "before_run", "after_run" or "out_of_memory".
+  // (strategy, cause) → evictions; cause is "before_run", "after_run", "out_of_memory" or "budget"
+  // (SetMemoryBudget).
   std::map<std::pair<std::string, std::string>, int64_t> evictions;
 };
 
@@ -248,9 +249,15 @@ class PlacementManager : public ComponentRunner {
   // resident components move to the host, least recently used first, until it fits; their ids are
   // appended to `offloaded`. FAILED_PRECONDITION, with the previous budget back and nothing moved,
   // when what cannot move (held components, group-offloaded working sets) and the context exceed the
-  // budget; the backend's INVALID_ARGUMENT for a budget it refuses. Recorded as "set_budget".
+  // budget (no weights moved then; idle slots, graphs and cached blocks may have gone), or when the
+  // moves did not free what the weights counted (the previous budget back; `offloaded` lists what
+  // moved); the backend's INVALID_ARGUMENT for a budget it refuses. Recorded as "set_budget".
   absl::Status SetMemoryBudget(int64_t bytes, std::vector<std::string>* offloaded);
 
+  // A request of `pipeline` ended: what was prefetched for it and did not run in it counts as
+  // unused, and the strategy may move it again (a component its last run used that this one did
+  // not, say an image encoder).
+  void EndPipelineRun(const std::string& pipeline);
   // Cross-pipeline prefetch on or off (DeviceConfig.prefetch_next_pipeline; default on).
   void set_prefetch_next_pipeline(bool on) { prefetch_next_pipeline_ = on; }
   bool prefetch_next_pipeline() const { return prefetch_next_pipeline_; }
@@ -303,8 +310,10 @@ class PlacementManager : public ComponentRunner {
     // at. Arrive() (before it is read) makes the compute stream wait for it; Settle() (before its
     // device copies are freed or copied elsewhere) waits for it on the host.
     std::unique_ptr<DeviceEvent> arriving;
-    // Prefetched by PrefetchPipeline and not run since (for the used/unused counters).
+    // Prefetched by PrefetchPipeline for `prefetched_for` and not run since (for the used/unused
+    // counters, and the strategy leaves it be while that pipeline's request runs).
     bool pipeline_prefetched = false;
+    std::string prefetched_for;
     // The most device memory one of its runs allocated beyond what was there when it began
     // (activations, workspaces; for a group-offloaded one beyond its working set), over the runs
     // so far: room made before it runs again, so that its run does not fail out of memory and

@@ -405,7 +405,18 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
     files = pipeline.CheckSourceFiles();  // Changed during the run: discard it.
   }
   if (!files.ok()) images.assign(running.size(), files);
-  if (!next.seen().empty()) order.components = next.seen();
+  // What was prefetched for this pipeline and not used by this run may move again.
+  placement.EndPipelineRun(pipeline.name());
+  // A run that succeeded teaches the order; components earlier runs used and this one did not (an
+  // image encoder) stay at the end, so a prefetch waits for them too.
+  if (std::all_of(images.begin(), images.end(), [](const absl::StatusOr<Image>& i) { return i.ok(); }) &&
+      !next.seen().empty()) {
+    std::vector<size_t> merged = next.seen();
+    for (size_t i : order.components) {
+      if (std::find(merged.begin(), merged.end(), i) == merged.end()) merged.push_back(i);
+    }
+    order.components = std::move(merged);
+  }
   backend.Synchronize();
   if (metrics_ != nullptr && batching) {
     metrics_->RecordBatch(pipeline.name(), batch_size, running.front()->batch_wait);

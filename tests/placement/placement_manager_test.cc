@@ -862,6 +862,25 @@ TEST(PipelinePrefetchTest, TheNextPipelineCopiesWhileTheRunningOneNeedsNothingMo
   EXPECT_EQ(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "again"), 0);
 }
 
+// A request of the next pipeline that did not run what was prefetched for it (its last run did,
+// this one did not: an image encoder, say) ends with it counted unused, and the strategy may move
+// it again; what was prefetched for another pipeline keeps its mark.
+TEST(PipelinePrefetchTest, WhatARunOfItsPipelineDidNotUseCountsAsUnused) {
+  TwoPipelines s;
+  ASSERT_TRUE(s.Generate(*s.a).ok());
+  ASSERT_GT(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), TwoPipelines::Components(*s.a), "r"), 0);
+  s.placement.EndPipelineRun("a");
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.pipeline_prefetches_unused, 0);
+  s.placement.EndPipelineRun("b");
+  const int64_t n = static_cast<int64_t>(s.b->components().size());
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.pipeline_prefetches_unused, n);
+  s.placement.EndPipelineRun("b");
+  ASSERT_TRUE(s.Generate(*s.b).ok());
+  const PlacementCounters c = s.placement.TakeSnapshot().counters;
+  EXPECT_EQ(c.pipeline_prefetches_unused, n);
+  EXPECT_EQ(c.pipeline_prefetches_used, 0);
+}
+
 // Only the components the next request runs, in the order it runs them: one it does not run (here
 // b's transformer, left out of the order) stays on the host.
 TEST(PipelinePrefetchTest, OnlyWhatTheNextRequestRunsInItsOrder) {
@@ -1016,6 +1035,16 @@ TEST(PlacementManagerTest, ASmallerBudgetMovesTheLeastRecentlyUsedUntilWhatStays
   EXPECT_EQ(h.View("transformer").state, ComponentState::kResident);
   h.placement.Unhold(*vae);
   EXPECT_EQ(h.placement.SetMemoryBudget(-1, &moved).code(), absl::StatusCode::kInvalidArgument);
+  // Refused from no budget at all: none again (not the device's size).
+  {
+    Harness fresh;
+    ASSERT_TRUE(fresh.Generate().ok());
+    Component* held = fresh.pipeline->components().back();
+    ASSERT_TRUE(fresh.placement.Hold(*held, "held for the test").ok());
+    EXPECT_EQ(fresh.placement.SetMemoryBudget(1, &moved).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_EQ(fresh.backend->MemoryBudget(), 0);
+    fresh.placement.Unhold(*held);
+  }
   ASSERT_TRUE(h.placement.SetMemoryBudget(0, &moved).ok());  // None.
   EXPECT_TRUE(moved.empty());
   ASSERT_TRUE(h.Generate().ok());

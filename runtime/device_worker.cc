@@ -412,15 +412,19 @@ void DeviceWorker::CollectBatch(WorkerScope& scope, std::vector<Item>& members, 
 std::string DeviceWorker::NextWaitingPipeline(const WorkerScope& scope, const std::string& running) const {
   (void)scope;  // Proof of the caller's thread; the queue is read under its lock.
   absl::MutexLock lock(&mu_);
-  const Item* best = nullptr;
+  std::vector<const ScheduleEntry*> entries;
   for (const Item& item : queue_) {
     if (item.task != nullptr) break;
     const ScheduleEntry& s = item.job.schedule;
     if (s.pipeline.empty() || s.pipeline == running) continue;
     if (item.job.cancelled && item.job.cancelled()) continue;
-    if (best == nullptr || s.priority > best->job.schedule.priority) best = &item;  // Queue order: oldest first.
+    entries.push_back(&s);
   }
-  return best == nullptr ? std::string() : best->job.schedule.pipeline;
+  if (entries.empty()) return "";
+  // The scheduler's own choice among them (priority, tenant fairness, residency), asked of a copy:
+  // asking changes nothing.
+  Scheduler preview = scheduler_;
+  return entries[preview.Pick(entries, options_.move_bytes, absl::Now()).index]->pipeline;
 }
 
 std::string DeviceWorker::ScheduleFront() {

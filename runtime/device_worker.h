@@ -206,8 +206,9 @@ class DeviceWorker {
 
   // The pipeline whose job is likely to run after the current one, for prefetching its weights
   // (a hint: the scheduler decides when the time comes): among the waiting jobs before the first
-  // waiting task, those whose pipeline is not `running`, the oldest of the highest priority; "" when
-  // there is none. `scope` must be this worker's own (jobs ask between component runs).
+  // waiting task, those whose pipeline is not `running`, the one the scheduler would choose now
+  // (asked of a copy of it: nothing changes); "" when there is none. `scope` must be this worker's
+  // own (jobs ask between component runs).
   std::string NextWaitingPipeline(const WorkerScope& scope, const std::string& running) const;
 
   // True on the worker's own thread (for contracts that say "worker only").

@@ -805,9 +805,10 @@ TEST(DeviceWorkerSchedulingTest, ATenantOverItsQueueLimitIsRefusedByName) {
 }
 
 // The hint for the cross-pipeline prefetch: among the jobs waiting before the first task, those of
-// another pipeline, the oldest of the highest priority; cancelled ones and jobs behind a task do not
-// count; nothing waiting gives "".
-TEST(DeviceWorkerSchedulingTest, TheNextWaitingPipelineIsTheOldestOfTheHighestPriorityBeforeATask) {
+// another pipeline, the scheduler's choice (here strict priority: the oldest of the highest; then
+// the tenant served least); cancelled ones and jobs behind a task do not count; asking changes
+// nothing (the jobs then run in the scheduler's order); nothing waiting gives "".
+TEST(DeviceWorkerSchedulingTest, TheNextWaitingPipelineIsTheSchedulersChoiceBeforeATask) {
   DeviceWorker worker(Options("sim:0", 16));
   absl::Notification started, release;
   std::vector<std::string> seen;  // Written on the worker; read after a task behind it returned.
@@ -848,6 +849,8 @@ TEST(DeviceWorkerSchedulingTest, TheNextWaitingPipelineIsTheOldestOfTheHighestPr
                              DeviceWorker::TaskOrder::kAfterQueuedJobs)
                   .ok());
   EXPECT_EQ(seen, (std::vector<std::string>{"warm", ""}));
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(order, (std::vector<std::string>{"same", "warm", "warm-younger", "cold", "urgent-behind-the-task"}));
 }
 
 }  // namespace scheduling

@@ -8,6 +8,7 @@ unbudgeted server that keeps everything resident.
         [--zipf 1.1] [--trace_seed 1] [--steps zimage=8,zimage-ft=8,flux-schnell=4,flux-dev=28]
         [--strategies resident,fifo,scheduler] [--reorder_ms 4000] [--flood_requests 30]
         [--flux_compress none|int8|int4] [--flux_keep_gib 4] [--keep_resident zimage/text_encoder]
+        [--zimage_ft_compress off|none|int8|int4] [--zimage_ft_keep_gib 0]
         [--device cuda|sim] [--dtype bfloat16]
         [--resident_from ROWS.jsonl] [--machine M] [--commit C]
 
@@ -33,6 +34,7 @@ from one process, one load):
              pipeline's latency when nothing ever moves (resident_p50_s of every row).
   fifo       the budget; the big text encoders (Qwen3, T5) streamed block by block, the Flux
              transformers group-offloaded (--flux_keep_gib resident, the rest streamed, --flux_compress),
+             the fine-tune's transformer too with --zimage_ft_compress (else moved whole),
              everything else moved whole by the footprint strategy (never the --keep_resident
              components: a kept text encoder stays whole on the device); requests run in arrival order
              (within priority and tenant fairness): SchedulerConfig.max_reorder_delay_ms 0.
@@ -257,6 +259,12 @@ def place_budgeted(server):
     for component in ("flux-schnell/transformer", "flux-dev/transformer"):
         stowctl(server, "enable-group-offload", f"--component={component}",
                 f"--options={BLOCK} budget_bytes: {int(ARGS.flux_keep_gib * GIB)}{compress[ARGS.flux_compress]}")
+    if ARGS.zimage_ft_compress != "off":
+        # The fine-tune's transformer streamed (compressed) instead of swapping whole with the hot
+        # one's: with --keep_resident zimage/transformer,zimage/text_encoder the hot pipeline never moves.
+        stowctl(server, "enable-group-offload", "--component=zimage-ft/transformer",
+                f"--options={BLOCK} budget_bytes: {int(ARGS.zimage_ft_keep_gib * GIB)}"
+                f"{compress[ARGS.zimage_ft_compress]}")
 
 
 def decision_time(line):
@@ -298,7 +306,11 @@ def rows_for(strategy, results, start, end, budget, smi_peak, resident):
                "ok": len(good) == len(mine) and within,
                "errors": sorted({r["error"] for r in mine if r["error"]})[:5],
                "size": ARGS.size, "steps": STEPS, "trace": TRACE_INFO,
-               "keep_resident": keep_list() if strategy != "resident" else [], "machine": ARGS.machine,
+               "keep_resident": keep_list() if strategy != "resident" else [],
+               "placement": {} if strategy == "resident" else {
+                   "flux_compress": ARGS.flux_compress, "flux_keep_gib": ARGS.flux_keep_gib,
+                   "zimage_ft_compress": ARGS.zimage_ft_compress, "zimage_ft_keep_gib": ARGS.zimage_ft_keep_gib},
+               "machine": ARGS.machine,
                "commit": ARGS.commit}
         own = (row["p50_s"], row["p99_s"]) if strategy == "resident" else resident.get(pipeline)
         if own:
@@ -528,6 +540,11 @@ def main():
                    help="alice's arrivals per second in the flood phase (keep it within her fair share)")
     s.add_argument("--flux_compress", choices=["none", "int8", "int4"], default="none")
     s.add_argument("--flux_keep_gib", type=float, default=4.0)
+    s.add_argument("--zimage_ft_compress", choices=["off", "none", "int8", "int4"], default="off",
+                   help="stream the fine-tune's transformer (none: bf16, or compressed) instead of moving it "
+                        "whole (off, the default)")
+    s.add_argument("--zimage_ft_keep_gib", type=float, default=0.0,
+                   help="with --zimage_ft_compress: its device bytes kept resident")
     s.add_argument("--keep_resident", default="",
                    help="comma-separated component ids the budgeted strategies keep on the device "
                         "(FootprintStrategy.keep_resident), e.g. zimage/text_encoder: the hot pipeline's text "

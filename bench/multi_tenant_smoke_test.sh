@@ -81,8 +81,9 @@ grep -q "onloads: .*zimage/transformer" "$TEST_TMPDIR/analysis.txt"
 # A strategy run on its own takes the resident figures of an earlier run of the same trace; another
 # trace's rows are refused.
 # This one keeps the hot text encoder whole on the device (not streamed, never evicted by the strategy).
+# And the fine-tune's transformer streams as int4 instead of moving whole (--zimage_ft_compress).
 run --strategies fifo --resident_from "$TEST_TMPDIR/rows.jsonl" --out "$TEST_TMPDIR/fifo.jsonl" \
-  --logs "$TEST_TMPDIR/logs_fifo" --keep_resident zimage/text_encoder >/dev/null
+  --logs "$TEST_TMPDIR/logs_fifo" --keep_resident zimage/text_encoder --zimage_ft_compress int4 >/dev/null
 /usr/bin/python3 - "$TEST_TMPDIR/fifo.jsonl" "$TEST_TMPDIR/rows.jsonl" "$TEST_TMPDIR/logs_fifo" "$TEST_TMPDIR/logs" <<'PY'
 import json, os, re, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
@@ -97,6 +98,10 @@ kept = text_encoder_lines(sys.argv[3], "fifo.placement.txt")
 streamed = text_encoder_lines(sys.argv[4], "fifo.placement.txt")
 assert kept and streamed and kept != streamed, (kept, streamed)
 assert any("group" in l.lower() for l in streamed) and not any("group" in l.lower() for l in kept), (kept, streamed)
+placement = open(os.path.join(sys.argv[3], "fifo.placement.txt")).read().splitlines()
+ft = [i for i, l in enumerate(placement) if l.strip().startswith("zimage-ft/transformer ")]
+assert ft and "GROUP_OFFLOADED" in placement[ft[0]] and "int4" in placement[ft[0] + 1], placement
+assert all(r["placement"]["zimage_ft_compress"] == "int4" for r in rows), rows
 # And the footprint strategy never chose it (the budget makes it evict others: it did). This tiny
 # budget holds no text encoder beside a transformer, so the out-of-memory recovery, the last resort,
 # still moves it: those lines say so and are not the strategy's choice.

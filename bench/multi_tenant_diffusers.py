@@ -7,11 +7,11 @@ on the host), serving the requests of the same seeded trace one at a time in arr
     PYTHONPATH=.ref/diffusers/src python3 bench/multi_tenant_diffusers.py --out ROWS.jsonl \
         [--requests 12] [--trace_requests 100] [--rate 0.8] [--zipf 1.1] [--trace_seed 1]
         [--steps zimage=8,zimage-ft=8,flux-schnell=4,flux-dev=8] [--size 1024] [--budget_gib 24]
-        [--flux_tokenizers DIR] [--resident_from ROWS.jsonl] [--machine M] [--commit C]
+        [--flux_tokenizers DIR] [--resident_from ROWS.jsonl] [--serve_s 300] [--machine M] [--commit C]
 
 The trace is bench/multi_tenant.py's (make_trace with the same --trace_requests, --rate, --zipf,
 --trace_seed and --steps: the same arrivals, pipelines, tenants, seeds and prompts); its first
---requests are served (diffusers' model offloading takes ~20-30 s per 1024² image on the H200, so a
+--requests are served (fewer when --serve_s of serving pass first: rows count those served) (diffusers' model offloading takes ~20-30 s per 1024² image on the H200, so a
 whole trace does not fit a device call). The pipelines are built as in bench/diffusers_two_pipelines.py
 (published shapes, random bf16 weights); the fine-tune and the [schnell] stand-in are the same
 pipelines with their transformer drawn from another seed, sharing every other module object (one copy
@@ -138,6 +138,8 @@ def main():
     parser.add_argument("--flux_tokenizers", default=os.path.join(HERE, "..", "tests", "fixtures", "flux_tiny",
                                                                   "pipeline"))
     parser.add_argument("--resident_from", default="")
+    parser.add_argument("--serve_s", type=float, default=300,
+                        help="stop starting requests after this many seconds of serving (rows cover those served)")
     parser.add_argument("--machine", default="unknown")
     parser.add_argument("--commit", default="unknown")
     args = parser.parse_args()
@@ -148,7 +150,7 @@ def main():
     if not 1 <= args.requests <= args.trace_requests:
         raise SystemExit("--requests must be 1..--trace_requests")
     trace = make_trace(args.trace_requests, args.rate, args.zipf, args.trace_seed, steps)[:args.requests]
-    trace_info = {"requests": args.trace_requests, "served": args.requests, "rate": args.rate, "zipf": args.zipf,
+    trace_info = {"requests": args.trace_requests, "first": args.requests, "rate": args.rate, "zipf": args.zipf,
                   "seed": args.trace_seed, "steps": steps, "size": args.size}
     resident = {}
     if args.resident_from:
@@ -195,6 +197,9 @@ def main():
     with SmiSampler(True) as smi:
         served_start = time.perf_counter()
         for request in trace:
+            if time.perf_counter() - served_start > args.serve_s:
+                print(f"--serve_s {args.serve_s} reached after {len(calls)} requests", flush=True)
+                break
             arrival = served_start + request["t"]
             if time.perf_counter() < arrival:
                 time.sleep(arrival - time.perf_counter())

@@ -1,7 +1,8 @@
 // Everything at once against one in-process server, for a bounded time: unary and streamed
 // generation, cancellation and short deadlines, group offload switched on and off, strategies
-// switched, a pipeline loaded and unloaded (and used while it comes and goes), placement views and
-// the metrics page read. Every answer must be one of the documented ones, the server must still
+// switched, the device's memory budget set and lifted, a pipeline loaded and unloaded (and used while
+// it comes and goes; host copies pinned, so its weights may be prefetched while the other runs),
+// placement views and the metrics page read. Every answer must be one of the documented ones, the server must still
 // answer a health check at the end, and the same request must still give the same image.
 //
 // Runs under ThreadSanitizer in CI (`./stowage test`); STOWAGE_STRESS_SECONDS sets the duration.
@@ -74,12 +75,20 @@ TEST(StressTest, EverythingAtOnceForABoundedTime) {
   v1::ServerConfig config;
   config.set_queue_depth(8);
   config.set_metrics_address("127.0.0.1:0");
+  // Host copies pinned: the next pipeline's weights may be prefetched while a request runs.
   ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(R"pb(
+    device { kind: KIND_SIMULATED pin_host_copies: true }
     pipelines { name: "zimage-tiny" builtin: "zimage-tiny" default: true })pb", &config));
   E2eServer server(config);
   ASSERT_TRUE(server.ok());
   v1::GenerateResponse reference;
   ASSERT_TRUE(server.Generate(E2eServer::SmallRequest("", 11), &reference).ok());
+  v1::ListPipelinesResponse listed;
+  ASSERT_TRUE(server.Pipelines(&listed).ok());
+  int64_t weights = 0;
+  for (const auto& p : listed.pipelines()) {
+    for (const auto& c : p.components()) weights += c.weight_bytes();
+  }
 
   const absl::Time end = absl::Now() + StressDuration();
   auto running = [&] { return absl::Now() < end; };
@@ -146,6 +155,17 @@ TEST(StressTest, EverythingAtOnceForABoundedTime) {
       tally.Record("strategy", server.admin().SetOffloadStrategy(E2eServer::Authed().get(), request, &response), {});
     }
   });
+  actors.emplace_back([&] {  // The device's budget set (room for both pipelines, not for much more) and lifted.
+    for (int n = 0; running(); ++n) {
+      v1::SetMemoryBudgetRequest request;
+      request.set_memory_budget_bytes(n % 2 == 0 ? 4 * weights : 0);
+      v1::SetMemoryBudgetResponse response;
+      // Refused when what cannot move at that moment does not fit: a clear status, nothing changed.
+      tally.Record("budget", server.admin().SetMemoryBudget(E2eServer::Authed().get(), request, &response),
+                   {grpc::FAILED_PRECONDITION});
+      absl::SleepFor(absl::Milliseconds(30));
+    }
+  });
   actors.emplace_back([&] {  // A pipeline that comes and goes.
     while (running()) {
       v1::LoadPipelineRequest load;
@@ -187,6 +207,7 @@ TEST(StressTest, EverythingAtOnceForABoundedTime) {
   EXPECT_GT(tally.ok("generate"), 0);
   EXPECT_GT(tally.ok("enable"), 0);
   EXPECT_GT(tally.ok("load"), 0);
+  EXPECT_GT(tally.ok("budget"), 0);
   EXPECT_TRUE(HealthServing(server.channel()));
   // Still the same image, whichever state the switches ended in.
   v1::GenerateResponse after;

@@ -590,8 +590,8 @@ std::unique_ptr<Component> AdapterComponent(int64_t rank);  // Below.
 // A LoRA adapter is never peer-evicted: the layers that read it run here. Evicted to make room, it
 // goes to the host even when a peer would be cheaper.
 TEST(PeerEvictionTest, AnAdapterGoesToTheHostNeverToAPeer) {
+  auto adapter = AdapterComponent(64);  // Outlives the managers that register it.
   PeerHarness p(/*peer_bandwidth=*/1e11, /*host_bandwidth=*/1e9);
-  auto adapter = AdapterComponent(64);
   ASSERT_TRUE(p.h.placement.Register("tiny", adapter.get()).ok());
   const int64_t tr = WeightOf(p.h, "transformer");
   ASSERT_TRUE(p.h.backend->SetMemoryBudget(tr + (int64_t{1} << 20)).ok());  // The transformer, little else.
@@ -651,8 +651,8 @@ std::unique_ptr<Component> AdapterComponent(int64_t rank) {
 // component runs, so while a run holds one, no other component's move evicts it; released, it
 // moves like any other. Holds nest; a held or adapter component is never group-offloaded.
 TEST(PlacementManagerTest, AHeldComponentStaysResidentWhileOthersMoveAndMovesOnceReleased) {
+  auto adapter = AdapterComponent(64);  // 2 MiB. Outlives the manager that registers it.
   Harness s;
-  auto adapter = AdapterComponent(64);  // 2 MiB.
   ASSERT_TRUE(s.placement.Register("tiny", adapter.get()).ok());
   int64_t largest = 0;
   for (Component* c : s.pipeline->components()) largest = std::max(largest, c->weight_bytes());
@@ -686,8 +686,8 @@ TEST(PlacementManagerTest, AHeldComponentStaysResidentWhileOthersMoveAndMovesOnc
 }
 
 TEST(PlacementManagerTest, AHoldThatCannotFitFailsNamingTheComponentAndHoldsNothing) {
+  auto adapter = AdapterComponent(64);  // Outlives the manager that registers it.
   Harness s;
-  auto adapter = AdapterComponent(64);
   ASSERT_TRUE(s.placement.Register("tiny", adapter.get()).ok());
   ASSERT_TRUE(s.backend->SetMemoryBudget(adapter->weight_bytes() / 2).ok());
   const absl::Status held = s.placement.Hold(*adapter, "too big");
@@ -770,6 +770,7 @@ TEST(PlacementManagerTest, DeviceCachesOfIdleComponentsGoUnderABudgetBeforeWeigh
       EXPECT_EQ(holder->released, 12345);
       EXPECT_TRUE(recorded);
       EXPECT_TRUE(offloaded) << "the budget made nothing move: the test proves nothing";
+      s.placement.Unregister("tiny");  // Before the component goes: it must outlive its registration.
     }
   }
 }

@@ -330,6 +330,7 @@ TEST_F(SchedulingTest, ATenantOverItsQueueLimitIsRefusedByNameAndOthersStillGetI
 // enabled and disabled again: its components are then offloaded); the host copies are pinned (a
 // prefetch needs them page-locked).
 TEST_F(SchedulingTest, TheNextPipelinesWeightsCopyWhileTheRunningRequestComputes) {
+  std::vector<std::string> f_images;  // "f"'s image with the prefetch on, then off: the same.
   for (const bool on : {true, false}) {
     SCOPED_TRACE(on ? "prefetch on" : "prefetch off");
     Start(absl::StrCat("device { kind: KIND_SIMULATED pin_host_copies: true prefetch_next_pipeline: ", on ? "true" : "false",
@@ -362,6 +363,7 @@ TEST_F(SchedulingTest, TheNextPipelinesWeightsCopyWhileTheRunningRequestComputes
     EXPECT_TRUE(WaitForQueueDepth(1));
     FinishLong();
     f.join();
+    f_images.push_back(f_reply.image());
     v1::GetPlacementLogRequest request;
     request.set_limit(4096);
     v1::GetPlacementLogResponse log;
@@ -395,6 +397,9 @@ TEST_F(SchedulingTest, TheNextPipelinesWeightsCopyWhileTheRunningRequestComputes
     }
     server_.reset();
   }
+  ASSERT_EQ(f_images.size(), 2u);
+  EXPECT_FALSE(f_images[0].empty());
+  EXPECT_EQ(f_images[0], f_images[1]) << "a prefetched pipeline made another image";
 }
 
 TEST_F(SchedulingTest, HostilePrioritiesAndTenantsGetClearStatuses) {

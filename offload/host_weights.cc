@@ -217,6 +217,28 @@ void HostWeights::Unpin() {
   pinned_by_ = nullptr;
 }
 
+absl::Status HostWeights::EnqueueGroupCopies(DeviceBackend& backend, const std::vector<size_t>& group) {
+  int64_t total = 0;
+  for (size_t m : group) total += static_cast<int64_t>(entries_[m].host.nbytes());
+  ASSIGN_OR_RETURN(at::Tensor packed, backend.AllocateBytes(total));
+  int64_t offset = 0;
+  for (size_t m : group) {
+    const at::Tensor& host = entries_[m].host;
+    const int64_t bytes = static_cast<int64_t>(host.nbytes());
+    at::Tensor dst = packed.narrow(0, offset, bytes).view(host.scalar_type()).view(host.sizes());
+    if (bytes > 0) backend.CopyToDeviceAsync(dst, host);
+    entries_[m].slot->value = std::move(dst);
+    offset += bytes;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HostWeights::UndoOnload(DeviceBackend& backend, const absl::Status& status) {
+  backend.RecordOnCopyStream()->Wait();  // No copy may still write what is freed.
+  for (Entry& entry : entries_) entry.slot->value = at::Tensor();
+  return status;
+}
+
 absl::StatusOr<std::unique_ptr<DeviceEvent>> HostWeights::OnloadAllAsync(DeviceBackend& backend) {
   if (pinned_by_ == nullptr) {
     return absl::FailedPreconditionError(
@@ -224,33 +246,18 @@ absl::StatusOr<std::unique_ptr<DeviceEvent>> HostWeights::OnloadAllAsync(DeviceB
   }
   // Memory the allocator hands out may have been freed by work still queued on the compute stream.
   backend.CopyStreamWait(*backend.RecordOnComputeStream());
-  std::vector<bool> done(entries_.size(), false);
-  const auto undo = [&](const absl::Status& status) {
-    backend.RecordOnCopyStream()->Wait();  // No copy may still write what is freed.
-    for (Entry& entry : entries_) entry.slot->value = at::Tensor();
-    return status;
-  };
+  // The adjacent groups, then every other tensor alone, all on the copy stream.
   std::vector<std::vector<size_t>> groups = adjacent_;
+  std::vector<bool> grouped(entries_.size(), false);
   for (const std::vector<size_t>& group : adjacent_) {
-    for (size_t m : group) done[m] = true;
+    for (size_t m : group) grouped[m] = true;
   }
   for (size_t i = 0; i < entries_.size(); ++i) {
-    if (!done[i]) groups.push_back({i});
+    if (!grouped[i]) groups.push_back({i});
   }
   for (const std::vector<size_t>& group : groups) {
-    int64_t total = 0;
-    for (size_t m : group) total += static_cast<int64_t>(entries_[m].host.nbytes());
-    absl::StatusOr<at::Tensor> packed = backend.AllocateBytes(total);
-    if (!packed.ok()) return undo(packed.status());
-    int64_t offset = 0;
-    for (size_t m : group) {
-      const at::Tensor& host = entries_[m].host;
-      const int64_t bytes = static_cast<int64_t>(host.nbytes());
-      at::Tensor dst = packed->narrow(0, offset, bytes).view(host.scalar_type()).view(host.sizes());
-      if (bytes > 0) backend.CopyToDeviceAsync(dst, host);
-      entries_[m].slot->value = std::move(dst);
-      offset += bytes;
-    }
+    const absl::Status enqueued = EnqueueGroupCopies(backend, group);
+    if (!enqueued.ok()) return UndoOnload(backend, enqueued);
   }
   return backend.RecordOnCopyStream();
 }
@@ -278,24 +285,9 @@ absl::Status HostWeights::OnloadAll(DeviceBackend& backend) {
     in_flight = nullptr;
   };
   for (const std::vector<size_t>& group : adjacent_) {
-    int64_t total = 0;
-    for (size_t m : group) total += static_cast<int64_t>(entries_[m].host.nbytes());
-    absl::StatusOr<at::Tensor> packed = backend.AllocateBytes(total);
-    if (!packed.ok()) {
-      backend.RecordOnCopyStream()->Wait();  // No copy may still write what is freed.
-      for (size_t j = 0; j < entries_.size(); ++j) entries_[j].slot->value = at::Tensor();
-      return packed.status();
-    }
-    int64_t offset = 0;
-    for (size_t m : group) {
-      const at::Tensor& host = entries_[m].host;
-      const int64_t bytes = static_cast<int64_t>(host.nbytes());
-      at::Tensor dst = packed->narrow(0, offset, bytes).view(host.scalar_type()).view(host.sizes());
-      backend.CopyToDeviceAsync(dst, host);
-      entries_[m].slot->value = std::move(dst);
-      done[m] = true;
-      offset += bytes;
-    }
+    const absl::Status enqueued = EnqueueGroupCopies(backend, group);
+    if (!enqueued.ok()) return UndoOnload(backend, enqueued);
+    for (size_t m : group) done[m] = true;
     if (pinned_by_ != nullptr) continue;  // Pinned pages stay: one wait for every group, below.
     std::unique_ptr<DeviceEvent> copied = backend.RecordOnCopyStream();
     release_in_flight();

@@ -124,6 +124,13 @@ class HostWeights {
   struct Arena;
   // Moves `entries` (heap host copies) into a new arena; RESOURCE_EXHAUSTED if it cannot be mapped.
   absl::Status MoveIntoArena(const std::vector<Entry*>& entries);
+  // Allocates one device buffer for the entries of `group` (indices into entries_), enqueues their
+  // copies on the copy stream side by side in group order and points their slots at them. On an
+  // allocation failure nothing of this group is allocated and the status is returned.
+  absl::Status EnqueueGroupCopies(DeviceBackend& backend, const std::vector<size_t>& group);
+  // After a failed onload: waits for the copies already enqueued (nothing may still write what is
+  // freed) and points every slot away from the device; returns `status`.
+  absl::Status UndoOnload(DeviceBackend& backend, const absl::Status& status);
 
   DeviceBackend* pinned_by_ = nullptr;  // Set while pinned in place.
   HostPinLease pinned_;

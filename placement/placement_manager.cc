@@ -294,21 +294,35 @@ void PlacementManager::EvictBefore(const Entry& target, int64_t needed, const st
     // Under a budget, when weights are about to move to make room, what idle components keep on the
     // device besides their weights (captured graphs: memory the budget does not see as allocated)
     // goes first.
-    for (auto& e : entries_) {
-      if (e.get() == &target || e->state != ComponentState::kResident) continue;
-      const int64_t before = FreeBytes();
-      const int64_t released = e->component->module().ReleaseDeviceCaches();
-      if (released == 0) continue;
-      backend_->ReleaseCachedMemory();
-      Record(e->id, "release_graphs", released, before,
-             absl::StrCat("idle: its captured graphs go before weights move, ", reason));
-    }
+    ReleaseIdleGraphs(&target, absl::StrCat("idle: its captured graphs go before weights move, ", reason));
   }
   const absl::Time start = absl::Now();
   const std::vector<std::string> ids = strategy_->BeforeRun(InputFor(target, needed));
   ++counters_.decisions;
   counters_.decision_seconds += absl::ToDoubleSeconds(absl::Now() - start);
   Evict(ids, reason, "before_run");
+}
+
+void PlacementManager::ReleaseIdleGraphs(const Entry* except, const std::string& reason) {
+  for (auto& e : entries_) {
+    if (e.get() == except || e->state != ComponentState::kResident) continue;
+    const int64_t before = FreeBytes();
+    const int64_t released = e->component->module().ReleaseDeviceCaches();
+    if (released == 0) continue;
+    backend_->ReleaseCachedMemory();
+    Record(e->id, "release_graphs", released, before, reason);
+  }
+}
+
+void PlacementManager::ReleaseIdleSlots(const Entry* running, bool keep_prefetched, const std::string& reason) {
+  for (const auto& e : entries_) {
+    if (e.get() == running || !e->group_offload || !e->group_offload->holds_slots()) continue;
+    if (keep_prefetched && e->prefetched) continue;  // Prefetched to run next: its first groups are in the slots.
+    const int64_t before = FreeBytes();
+    const int64_t released = e->group_offload->ReleaseSlots();
+    e->prefetched = false;
+    if (released > 0) Record(e->id, "release_slots", released, before, reason);
+  }
 }
 
 void PlacementManager::EvictAfter(const Entry& target) {
@@ -575,21 +589,17 @@ absl::Status PlacementManager::SetMemoryBudget(int64_t bytes, std::vector<std::s
   if (bytes > 0 && (previous == 0 || bytes < previous)) backend_->ReleaseCachedMemory();
   if (FreeBytes() < 0) {
     // What idle components hold besides their weights goes first.
-    for (auto& e : entries_) {
-      if (e->group_offload && e->group_offload->holds_slots()) {
-        const int64_t free_before = FreeBytes();
-        const int64_t released = e->group_offload->ReleaseSlots();
-        e->prefetched = false;
-        if (released > 0) Record(e->id, "release_slots", released, free_before, why);
-      }
-      if (e->state == ComponentState::kResident) {
-        const int64_t free_before = FreeBytes();
-        const int64_t released = e->component->module().ReleaseDeviceCaches();
-        if (released > 0) Record(e->id, "release_graphs", released, free_before, why);
-      }
-    }
+    ReleaseIdleSlots(nullptr, /*keep_prefetched=*/false, why);
+    ReleaseIdleGraphs(nullptr, why);
     backend_->ReleaseCachedMemory();
   }
+  // Refused: the budget as it was.
+  const auto refuse = [&](const std::string& message) {
+    const absl::Status restored = backend_->SetMemoryBudget(previous);
+    return absl::FailedPreconditionError(absl::StrCat(
+        message, "; the budget stays ", previous,
+        restored.ok() ? "" : absl::StrCat(" (restoring it failed: ", restored.message(), ")")));
+  };
   if (FreeBytes() < 0) {
     std::vector<Entry*> movable;
     int64_t movable_bytes = 0;
@@ -606,12 +616,9 @@ absl::Status PlacementManager::SetMemoryBudget(int64_t bytes, std::vector<std::s
       }
     }
     if (FreeBytes() + movable_bytes < 0) {
-      const int64_t short_by = -(FreeBytes() + movable_bytes);
-      const absl::Status restored = backend_->SetMemoryBudget(previous);
-      return absl::FailedPreconditionError(absl::StrCat(
-          "a memory budget of ", bytes, " bytes is ", short_by, " bytes short of what cannot move off ",
-          backend_->name(), " (its context and ", staying.empty() ? std::string("nothing else") : absl::StrJoin(staying, ", "),
-          "); the budget stays ", previous, restored.ok() ? "" : absl::StrCat(" (restoring it failed: ", restored.message(), ")")));
+      return refuse(absl::StrCat("a memory budget of ", bytes, " bytes is ", -(FreeBytes() + movable_bytes),
+                                 " bytes short of what cannot move off ", backend_->name(), " (its context and ",
+                                 staying.empty() ? std::string("nothing else") : absl::StrJoin(staying, ", "), ")"));
     }
     std::sort(movable.begin(), movable.end(), [](const Entry* a, const Entry* b) { return a->last_use < b->last_use; });
     for (Entry* e : movable) {
@@ -621,12 +628,8 @@ absl::Status PlacementManager::SetMemoryBudget(int64_t bytes, std::vector<std::s
     }
     SweepMoved();
     if (FreeBytes() < 0) {  // Weights counted as movable did not free what they weigh.
-      const int64_t short_by = -FreeBytes();
-      const absl::Status restored = backend_->SetMemoryBudget(previous);
-      return absl::FailedPreconditionError(absl::StrCat(
-          "a memory budget of ", bytes, " bytes is still ", short_by, " bytes short after moving ",
-          offloaded->size(), " components to the host; the budget stays ", previous,
-          restored.ok() ? "" : absl::StrCat(" (restoring it failed: ", restored.message(), ")")));
+      return refuse(absl::StrCat("a memory budget of ", bytes, " bytes is still ", -FreeBytes(),
+                                 " bytes short after moving ", offloaded->size(), " components to the host"));
     }
   }
   Record("", "set_budget", bytes, before, why);
@@ -650,19 +653,21 @@ void PlacementManager::Settle(Entry& entry) {
   entry.arriving.reset();
 }
 
+void PlacementManager::MarkUnused(Entry& entry) {
+  if (!entry.pipeline_prefetched) return;
+  entry.pipeline_prefetched = false;
+  ++counters_.pipeline_prefetches_unused;
+}
+
 void PlacementManager::EndPipelineRun(const std::string& pipeline) {
   for (auto& e : entries_) {
-    if (!e->pipeline_prefetched || e->prefetched_for != pipeline) continue;
-    e->pipeline_prefetched = false;
-    ++counters_.pipeline_prefetches_unused;
+    if (e->prefetched_for == pipeline) MarkUnused(*e);
   }
 }
 
 void PlacementManager::DropPrefetch(Entry& entry) {
   Settle(entry);
-  if (!entry.pipeline_prefetched) return;
-  entry.pipeline_prefetched = false;
-  ++counters_.pipeline_prefetches_unused;
+  MarkUnused(entry);
 }
 
 int64_t PlacementManager::PrefetchPipeline(const std::string& next, const std::vector<const Component*>& next_components,
@@ -686,10 +691,10 @@ int64_t PlacementManager::PrefetchPipeline(const std::string& next, const std::v
       continue;
     }
     const int64_t bytes = e->component->weight_bytes();
-    const int64_t before = FreeBytes();
     // Room counted against what the allocator holds (its cached blocks too: on CUDA the budget caps
     // them, and an allocation past it would flush the cache mid-request).
     const DeviceMemoryStats stats = backend_->GetMemoryStats();
+    const int64_t before = stats.free_bytes();
     const int64_t room = stats.budget_bytes <= 0 ? INT64_MAX
                                                  : stats.budget_bytes - stats.context_bytes -
                                                        std::max(stats.reserved_bytes, stats.allocated_bytes);
@@ -726,15 +731,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
           absl::StrCat("component '", component.name(), "' is not registered with placement"));
     }
     // Group-offloaded components that sit idle give their slot rings back while another runs.
-    for (const auto& other : entries_) {
-      if (other.get() == entry || !other->group_offload || !other->group_offload->holds_slots()) continue;
-      if (other->prefetched) continue;  // Prefetched to run next: its first groups are in the slots.
-      const int64_t before = FreeBytes();
-      const int64_t released = other->group_offload->ReleaseSlots();
-      if (released > 0) {
-        Record(other->id, "release_slots", released, before, absl::StrCat("idle while ", entry->id, " runs"));
-      }
-    }
+    ReleaseIdleSlots(entry, /*keep_prefetched=*/true, absl::StrCat("idle while ", entry->id, " runs"));
     if (entry->group_offload) {
       // It places itself, but its slots (when released) and its always-on groups are allocated for
       // its forward: make room for them and for what its runs allocate besides.

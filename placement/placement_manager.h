@@ -329,6 +329,13 @@ class PlacementManager : public ComponentRunner {
   void Settle(Entry& entry);
   // Settle, and a pipeline prefetch not run counts as unused (it is moved or released).
   void DropPrefetch(Entry& entry);
+  // A pipeline prefetch of `entry` not run counts as unused, and loses its mark.
+  void MarkUnused(Entry& entry);
+  // Idle components give back what they keep on the device besides their weights, each recorded
+  // with `reason`: the slot rings of group-offloaded ones (not `running`'s; with `keep_prefetched`
+  // not those prefetched to run next), and the captured graphs of resident ones (not `except`'s).
+  void ReleaseIdleSlots(const Entry* running, bool keep_prefetched, const std::string& reason);
+  void ReleaseIdleGraphs(const Entry* except, const std::string& reason);
   // The host bytes `entry` holds: its host copies; group-offloaded with compression, the compressed
   // copy plus the originals of compressed tensors that stay in RAM (not in a safetensors mapping,
   // whose pages are dropped) and the uncompressed tensors.

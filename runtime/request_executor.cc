@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <utility>
 
 #include <ATen/ThreadLocalState.h>
@@ -51,6 +52,11 @@ class NextPipelinePrefetch {
     if (at == learned_.end()) return;
     const std::string next = scope_.worker().NextWaitingPipeline(scope_, pipeline_);
     if (next.empty()) return;
+    // One attempt per position in the order and next pipeline: a component that runs again (the
+    // transformer, every step) meets the same resident components and the same room.
+    if (index == tried_index_ && next == tried_next_) return;
+    tried_index_ = index;
+    tried_next_ = next;
     const std::vector<const Component*> next_components = order_of_(next);
     if (next_components.empty()) return;
     std::vector<const Component*> remaining;
@@ -74,6 +80,8 @@ class NextPipelinePrefetch {
   PlacementManager& placement_;
   WorkerScope& scope_;
   std::vector<size_t> seen_;
+  size_t tried_index_ = SIZE_MAX;  // The last attempt's position and next pipeline.
+  std::string tried_next_;
 };
 
 // The ComponentRunner of one run on this device: components of the pipeline that live here run

@@ -24,6 +24,7 @@
 #include "runtime/config.h"
 #include "server/admin_service.h"
 #include "server/server.h"
+#include "tests/e2e/e2e_harness.h"
 #include "tests/e2e/http_get.h"
 #include "stowage/v1/admin.grpc.pb.h"
 #include "stowage/v1/generation.grpc.pb.h"
@@ -221,18 +222,20 @@ TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
 // SetMemoryBudget at run time: a smaller budget moves whole components to the host, least recently
 // used first, until what is allocated fits (listed in the reply and the placement log); requests then
 // run within it; hostile values are refused by name and change nothing; a budget that what cannot
-// move (a group-offloaded working set) does not fit is refused, naming it; 0 lifts the budget.
+// move (a group-offloaded working set) does not fit is refused, naming it; 0 lifts the budget; the
+// server answers health checks throughout. Budgets count the device's context (a CUDA context on the
+// GPU host, 0 on the simulator).
 TEST_F(AdminE2ETest, TheMemoryBudgetChangesAtRunTime) {
   v1::GenerateResponse reply;
   ASSERT_TRUE(Generate("", &reply).ok());
   v1::GetPlacementResponse placement = Placement();
-  EXPECT_EQ(placement.budget_bytes(), 0);  // The simulated device's default: no limit.
+  const int64_t unbudgeted = placement.budget_bytes();  // No limit (simulated) or the card's size (CUDA).
   int64_t resident = 0;
   for (const auto& c : placement.components()) {
     if (c.state() == v1::ComponentPlacement::RESIDENT) resident += c.device_bytes();
   }
   ASSERT_GT(resident, 0);
-  const int64_t budget = resident - 1;
+  const int64_t budget = placement.context_bytes() + resident - 1;
   v1::SetMemoryBudgetRequest request;
   request.set_memory_budget_bytes(budget);
   v1::SetMemoryBudgetResponse response;
@@ -290,18 +293,25 @@ TEST_F(AdminE2ETest, TheMemoryBudgetChangesAtRunTime) {
   const grpc::Status streamed = admin_->EnableGroupOffload(Authed().get(), enable, &enabled);
   ASSERT_TRUE(streamed.ok()) << streamed.error_message();
   ASSERT_TRUE(Generate("", &reply).ok());
-  request.set_memory_budget_bytes(1);
+  request.set_memory_budget_bytes(Placement().context_bytes() + 1);  // Room for a byte beside the context.
   refused = admin_->SetMemoryBudget(Authed().get(), request, &response);
   EXPECT_EQ(refused.error_code(), grpc::FAILED_PRECONDITION);
   EXPECT_NE(refused.error_message().find("zimage-tiny/transformer (group-offloaded working set, "), std::string::npos)
       << refused.error_message();
   EXPECT_EQ(Placement().budget_bytes(), budget);
+  // A huge budget: the simulator takes it (no limit in effect), CUDA refuses one above the card.
+  request.set_memory_budget_bytes(INT64_MAX);
+  refused = admin_->SetMemoryBudget(Authed().get(), request, &response);
+  EXPECT_TRUE(refused.ok() || (refused.error_code() == grpc::INVALID_ARGUMENT &&
+                               refused.error_message().find("exceeds") != std::string::npos))
+      << refused.error_message();
   // 0 lifts it.
   request.set_memory_budget_bytes(0);
   ASSERT_TRUE(admin_->SetMemoryBudget(Authed().get(), request, &response).ok());
-  EXPECT_EQ(response.budget_bytes(), 0);
+  EXPECT_EQ(response.budget_bytes(), unbudgeted);
   EXPECT_EQ(response.offloaded_size(), 0);
   ASSERT_TRUE(Generate("", &reply).ok());
+  EXPECT_TRUE(HealthServing(grpc::CreateChannel(server_->grpc_address(), grpc::InsecureChannelCredentials())));
 }
 
 TEST_F(AdminE2ETest, LoadAndUnloadPipelines) {

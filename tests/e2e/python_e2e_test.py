@@ -350,15 +350,17 @@ class PythonAdminEndToEndTest(unittest.TestCase):
     def test_memory_budget_changed_at_run_time_through_the_python_client_and_stowctl(self) -> None:
         self.generate("before-set-memory-budget")
         placement = self.admin.get_placement()
+        unbudgeted = placement.budget_bytes  # No limit (simulated) or the card's size (CUDA).
         resident = sum(c.device_bytes for c in placement.components if c.state == "RESIDENT")
         self.assertGreater(resident, 0)
+        budget = placement.context_bytes + resident - 1  # A budget counts the context.
         try:
-            moved = self.admin.set_memory_budget(resident - 1)
+            moved = self.admin.set_memory_budget(budget)
             self.assertTrue(moved)
             self.assertTrue(all(m.startswith("zimage-tiny/") for m in moved), moved)
             now = self.admin.get_placement()
-            self.assertEqual(now.budget_bytes, resident - 1)
-            self.assertLessEqual(now.allocated_bytes, resident - 1)
+            self.assertEqual(now.budget_bytes, budget)
+            self.assertLessEqual(now.allocated_bytes, budget)
             self.generate("under-the-new-budget")
             with self.assertRaises(StowageError) as refused:
                 self.admin.set_memory_budget(-5)
@@ -371,13 +373,14 @@ class PythonAdminEndToEndTest(unittest.TestCase):
             missing = subprocess.run(base + ["set-memory-budget"], capture_output=True, text=True, timeout=60)
             self.assertEqual(missing.returncode, 2)
             self.assertIn("set-memory-budget needs --memory_budget_bytes", missing.stderr)
-            done = subprocess.run(base + ["set-memory-budget", f"--memory_budget_bytes={resident * 2}"],
+            roomy = budget + resident
+            done = subprocess.run(base + ["set-memory-budget", f"--memory_budget_bytes={roomy}"],
                                   capture_output=True, text=True, timeout=60)
             self.assertEqual(done.returncode, 0, done.stderr)
-            self.assertIn(f"budget_bytes: {resident * 2}", done.stdout)
+            self.assertIn(f"budget_bytes: {roomy}", done.stdout)
         finally:
             self.admin.set_memory_budget(0)
-        self.assertEqual(self.admin.get_placement().budget_bytes, 0)
+        self.assertEqual(self.admin.get_placement().budget_bytes, unbudgeted)
 
 
 if __name__ == "__main__":

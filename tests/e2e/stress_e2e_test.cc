@@ -77,7 +77,7 @@ TEST(StressTest, EverythingAtOnceForABoundedTime) {
   config.set_metrics_address("127.0.0.1:0");
   // Host copies pinned: the next pipeline's weights may be prefetched while a request runs.
   ASSERT_TRUE(google::protobuf::TextFormat::MergeFromString(R"pb(
-    device { kind: KIND_SIMULATED pin_host_copies: true }
+    device { pin_host_copies: true }
     pipelines { name: "zimage-tiny" builtin: "zimage-tiny" default: true })pb", &config));
   E2eServer server(config);
   ASSERT_TRUE(server.ok());
@@ -157,8 +157,11 @@ TEST(StressTest, EverythingAtOnceForABoundedTime) {
   });
   actors.emplace_back([&] {  // The device's budget set (room for both pipelines, not for much more) and lifted.
     for (int n = 0; running(); ++n) {
+      // Beside the device's context as it is now (CUDA's on the GPU host grows as kernels load).
+      v1::GetPlacementResponse now;
+      tally.Record("budget_read", server.admin().GetPlacement(E2eServer::Authed().get(), {}, &now), {});
       v1::SetMemoryBudgetRequest request;
-      request.set_memory_budget_bytes(n % 2 == 0 ? 4 * weights : 0);
+      request.set_memory_budget_bytes(n % 2 == 0 ? now.context_bytes() + 4 * weights : 0);
       v1::SetMemoryBudgetResponse response;
       // Refused when what cannot move at that moment does not fit: a clear status, nothing changed.
       tally.Record("budget", server.admin().SetMemoryBudget(E2eServer::Authed().get(), request, &response),

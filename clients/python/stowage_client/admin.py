@@ -138,6 +138,9 @@ class PlacementInfo:
     pipeline_prefetches_used: int = 0
     pipeline_prefetches_unused: int = 0
 
+    # Held outside the allocator (CUDA context and libraries): a budget counts it.
+    context_bytes: int = 0
+
     @property
     def free_bytes(self) -> int | None:
         """Budget minus allocated bytes; None when the device has no budget."""
@@ -253,6 +256,7 @@ def _placement_from_proto(msg: admin_pb2.GetPlacementResponse) -> PlacementInfo:
         pipeline_prefetch_bytes=msg.pipeline_prefetch_bytes,
         pipeline_prefetches_used=msg.pipeline_prefetches_used,
         pipeline_prefetches_unused=msg.pipeline_prefetches_unused,
+        context_bytes=msg.context_bytes,
     )
 
 

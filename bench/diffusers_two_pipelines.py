@@ -64,6 +64,23 @@ def flux_pipeline(tokenizers):
                         tokenizer_2=t5_tok, transformer=transformer)
 
 
+def timed_call(torch, pipe, prompt, size, steps, seed, guidance_scale):
+    """One text-to-image call of a diffusers pipeline: (start, end, error) with perf_counter times around
+    it (the device synchronised before and after; output_type "pil": no PNG encoding). An exception is
+    the call's error (an out-of-memory error is the point of a budget), as is an image of another size."""
+    kwargs = dict(prompt=prompt, height=size, width=size, num_inference_steps=steps,
+                  generator=torch.Generator("cpu").manual_seed(seed), output_type="pil", guidance_scale=guidance_scale)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    try:
+        image = pipe(**kwargs).images[0]
+        torch.cuda.synchronize()
+        error = None if image.size == (size, size) else f"image of {image.size}"
+    except Exception as e:  # noqa: BLE001 -- reported in the row.
+        error = f"{type(e).__name__}: {str(e)[:300]}"
+    return t0, time.perf_counter(), error
+
+
 def context_bytes(torch):
     """Device bytes the process holds outside the caching allocator (CUDA context, libraries)."""
     try:
@@ -145,18 +162,9 @@ def main():
     print(f"built both pipelines in {time.time() - start:.0f} s", flush=True)
 
     def call(name, seed):
-        kwargs = dict(prompt=PROMPTS[name], height=args.size, width=args.size, num_inference_steps=args.steps,
-                      generator=torch.Generator("cpu").manual_seed(seed), output_type="pil")
-        kwargs["guidance_scale"] = 0.0 if name == "zimage" else 3.5
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        try:
-            image = pipes[name](**kwargs).images[0]
-            torch.cuda.synchronize()
-            error = None if image.size == (args.size, args.size) else f"image of {image.size}"
-        except Exception as e:  # Reported in the row (an out-of-memory error is the point of a budget).
-            error = f"{type(e).__name__}: {str(e)[:300]}"
-        return time.perf_counter() - t0, error
+        t0, t1, error = timed_call(torch, pipes[name], PROMPTS[name], args.size, args.steps, seed,
+                                   0.0 if name == "zimage" else 3.5)
+        return t1 - t0, error
 
     for name in pipes:  # Unmeasured.
         call(name, 0)

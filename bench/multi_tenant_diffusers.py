@@ -7,7 +7,7 @@ on the host), serving the requests of the same seeded trace one at a time in arr
     PYTHONPATH=.ref/diffusers/src python3 bench/multi_tenant_diffusers.py --out ROWS.jsonl \
         [--requests 12] [--trace_requests 100] [--rate 0.8] [--zipf 1.1] [--trace_seed 1]
         [--steps zimage=8,zimage-ft=8,flux-schnell=4,flux-dev=8] [--size 1024] [--budget_gib 24]
-        [--flux_tokenizers DIR] [--resident_from ROWS.jsonl] [--serve_s 300] [--machine M] [--commit C]
+        [--flux_tokenizers DIR] [--serve_s 300] [--machine M] [--commit C]
 
 The trace is bench/multi_tenant.py's (make_trace with the same --trace_requests, --rate, --zipf,
 --trace_seed and --steps: the same arrivals, pipelines, tenants, seeds and prompts); its first
@@ -28,9 +28,10 @@ holds outside the allocator, measured at start), and nvidia-smi's memory.used sa
 Each served request is appended at once as {"bench":"multi_tenant_call",...}; then rows in
 bench/multi_tenant.py's format with "strategy":"diffusers_model_cpu_offload", per pipeline and "all":
 {"bench":"multi_tenant","strategy":..,"pipeline":..,"requests":..,"p50_s":..,"p99_s":..,"run_s":..,
- "resident_p50_s":..,"images_per_s":..,"bytes_moved_per_request":..,"peak_device_bytes":..,
+ "images_per_s":..,"bytes_moved_per_request":..,"peak_device_bytes":..,
  "peak_nvidia_smi_bytes":..,"budget_bytes":..,"ok":..,"errors":[..],"trace":{..},"machine":..,"commit":..}
-resident_p50_s from --resident_from's resident rows (bench/multi_tenant.py --strategies resident).
+No ratio to all-resident here: that side would come from another call (bench/multi_tenant.py's
+resident rows), and a ratio never divides by another run's number.
 """
 
 import argparse
@@ -98,7 +99,7 @@ def weight_bytes(pipe):
     return total
 
 
-def rows(calls, served_start, served_end, budget, peak, smi_peak, resident, trace_info, machine, commit):
+def rows(calls, served_start, served_end, budget, peak, smi_peak, trace_info, machine, commit):
     out = []
     for name in ("all",) + POPULARITY:
         mine = [c for c in calls if name == "all" or c["pipeline"] == name]
@@ -111,15 +112,11 @@ def rows(calls, served_start, served_end, budget, peak, smi_peak, resident, trac
                "p50_s": percentile(latencies, 0.5) if latencies else None,
                "p99_s": percentile(latencies, 0.99) if latencies else None,
                "run_s": sum(c["run_s"] for c in ok_calls) / len(ok_calls) if ok_calls else None,
-               "resident_p50_s": resident.get(name, {}).get("p50_s"),
-               "resident_p99_s": resident.get(name, {}).get("p99_s"),
                "images_per_s": len(ok_calls) / (served_end - served_start) if name == "all" else None,
                "bytes_moved_per_request": sum(c["bytes_moved"] for c in mine) / len(mine),
                "peak_device_bytes": peak, "peak_nvidia_smi_bytes": smi_peak, "budget_bytes": budget,
                "ok": not errors and peak <= budget and (smi_peak or 0) <= budget, "errors": errors[:5],
                "trace": trace_info, "machine": machine, "commit": commit}
-        if row["p50_s"] is not None and row["resident_p50_s"]:
-            row["p50_vs_resident"] = row["p50_s"] / row["resident_p50_s"]
         out.append(row)
     return out
 
@@ -137,7 +134,6 @@ def main():
     parser.add_argument("--budget_gib", type=float, default=24)
     parser.add_argument("--flux_tokenizers", default=os.path.join(HERE, "..", "tests", "fixtures", "flux_tiny",
                                                                   "pipeline"))
-    parser.add_argument("--resident_from", default="")
     parser.add_argument("--serve_s", type=float, default=300,
                         help="stop starting requests after this many seconds of serving (rows cover those served)")
     parser.add_argument("--machine", default="unknown")
@@ -152,15 +148,9 @@ def main():
     trace = make_trace(args.trace_requests, args.rate, args.zipf, args.trace_seed, steps)[:args.requests]
     trace_info = {"requests": args.trace_requests, "first": args.requests, "rate": args.rate, "zipf": args.zipf,
                   "seed": args.trace_seed, "steps": steps, "size": args.size}
-    resident = {}
-    if args.resident_from:
-        for line in open(args.resident_from, encoding="utf-8"):
-            r = json.loads(line)
-            if r.get("bench") == "multi_tenant" and r.get("strategy") == "resident" and "phase" not in r:
-                resident[r["pipeline"]] = r
 
     import torch
-    from diffusers_two_pipelines import context_bytes
+    from diffusers_two_pipelines import context_bytes, timed_call
 
     torch.cuda.init()
     torch.zeros(1, device="cuda")
@@ -175,19 +165,8 @@ def main():
         if active[0] != name:  # Shared modules carry the hooks of one pipeline at a time.
             pipes[name].enable_model_cpu_offload()
             active[0] = name
-        kwargs = dict(prompt=request["prompt"], height=args.size, width=args.size,
-                      num_inference_steps=request["steps"],
-                      generator=torch.Generator("cpu").manual_seed(request["seed"]), output_type="pil")
-        kwargs["guidance_scale"] = 0.0 if name.startswith("zimage") else 3.5
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        try:
-            image = pipes[name](**kwargs).images[0]
-            torch.cuda.synchronize()
-            error = None if image.size == (args.size, args.size) else f"image of {image.size}"
-        except Exception as e:  # Reported in the row (an out-of-memory error is the point of a budget).
-            error = f"{type(e).__name__}: {str(e)[:300]}"
-        return t0, time.perf_counter(), error
+        return timed_call(torch, pipes[name], request["prompt"], args.size, request["steps"], request["seed"],
+                          0.0 if name.startswith("zimage") else 3.5)
 
     # One unmeasured small call per pipeline: kernels loaded, hooks installed once.
     for name in POPULARITY:
@@ -218,7 +197,7 @@ def main():
     peak = torch.cuda.max_memory_reserved() + context
     budget = int(args.budget_gib * GIB)
     with open(args.out, "a", encoding="utf-8") as f:
-        for row in rows(calls, served_start, served_end, budget, peak, smi_peak, resident, trace_info,
+        for row in rows(calls, served_start, served_end, budget, peak, smi_peak, trace_info,
                         args.machine, args.commit):
             row.update(context_bytes=context, torch=torch.__version__)
             f.write(json.dumps(row) + "\n")

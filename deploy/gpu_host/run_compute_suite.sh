@@ -24,7 +24,7 @@
 #             multi_tenant.jsonl, multi_logs.tgz (placement logs and server logs)
 #   multi_diffusers  the same trace's first requests served by diffusers' enable_model_cpu_offload over
 #             the four pipelines in one process (bench/multi_tenant_diffusers.py; needs the carried
-#             diffusers; MULTI_DIFFUSERS_ARGS adds its flags, e.g. --requests 12 --resident_from ROWS):
+#             diffusers; MULTI_DIFFUSERS_ARGS adds its flags, e.g. --requests 12 --serve_s 300):
 #             multi_tenant_diffusers.jsonl, multi_diffusers.log
 #   ctest     every test CMake builds (CTEST_REGEX: only those whose names match it) (ctest -j 4; tests that use the server's default device run on
 #             cuda:0): ctest.log, ctest_junit.xml; failures re-run with thread_stack_shim.so when civetweb

@@ -235,11 +235,21 @@ TEST_F(AdminE2ETest, TheMemoryBudgetChangesAtRunTime) {
     if (c.state() == v1::ComponentPlacement::RESIDENT) resident += c.device_bytes();
   }
   ASSERT_GT(resident, 0);
-  const int64_t budget = placement.context_bytes() + resident - 1;
+  ASSERT_GE(placement.allocated_bytes(), resident);
+  // A byte short of what is allocated. On CUDA the allocator also holds what is not a component's
+  // weights (library workspaces; device caches such as captured graphs, which go first): when those
+  // alone make room, nothing moves, and the next byte-short budget (from what is allocated now)
+  // must move weights.
+  int64_t budget = 0;
   v1::SetMemoryBudgetRequest request;
-  request.set_memory_budget_bytes(budget);
   v1::SetMemoryBudgetResponse response;
-  ASSERT_TRUE(admin_->SetMemoryBudget(Authed().get(), request, &response).ok());
+  for (int attempt = 0; attempt < 3 && response.offloaded_size() == 0; ++attempt) {
+    placement = Placement();
+    budget = placement.context_bytes() + placement.allocated_bytes() - 1;
+    request.set_memory_budget_bytes(budget);
+    const grpc::Status set = admin_->SetMemoryBudget(Authed().get(), request, &response);
+    ASSERT_TRUE(set.ok()) << set.error_message();
+  }
   EXPECT_EQ(response.budget_bytes(), budget);
   EXPECT_LE(response.allocated_bytes(), budget);
   ASSERT_GE(response.offloaded_size(), 1);

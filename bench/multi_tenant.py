@@ -9,6 +9,7 @@ unbudgeted server that keeps everything resident.
         [--strategies resident,fifo,scheduler] [--reorder_ms 4000] [--flood_requests 30]
         [--flux_compress none|int8|int4] [--flux_keep_gib 4] [--keep_resident zimage/text_encoder]
         [--zimage_ft_compress off|none|int8|int4] [--zimage_ft_keep_gib 0]
+        [--compute bf16|fp8] [--max_batch_size 1] [--max_queue_delay_ms 0]
         [--device cuda|sim] [--dtype bfloat16]
         [--resident_from ROWS.jsonl] [--machine M] [--commit C]
 
@@ -22,6 +23,11 @@ bench/make_flux_random_dir.py), in popularity order:
   zimage-ft     a Z-Image fine-tune: the transformer drawn from another seed, the Qwen3 text encoder
                 and VAE shared with zimage.
   flux-dev      Flux.1 [dev].
+Every strategy serves the same pipelines the same way: --compute fp8 runs each transformer's block
+linears as FP8 GEMMs (PipelineConfig.compute; half the transformer's bytes on the host and the device,
+CUDA only), for the resident rows too; --max_batch_size > 1 lets requests of one pipeline, size and
+step count queued together run as one batch (PipelineConfig.batching, holding a batch open up to
+--max_queue_delay_ms), so a streamed transformer streams once for all of them.
 Each request picks a pipeline with Zipf(--zipf) popularity (zimage hot, three cold), a tenant
 ("alice" 70 %, "bob" 30 %) and a priority (1 for 20 %, else 0), seed and arrival time from
 --trace_seed: every strategy replays the same trace.
@@ -47,12 +53,14 @@ from one process, one load):
              pipeline with four closed-loop clients: alice's p99 with the flood against alone.
 Latency is the client's (request sent to PNG received) over the OpenAI images API (`user` is the
 tenant, `priority` ours); bytes moved per request are the replies' X-Stowage-Host-To-Device-Bytes
-(whole components moved onto the device and streamed groups alike); peaks are the replies' device
+(whole components moved onto the device and streamed groups alike; a batch member counts its share
+of its batch's bytes) and mean_batch_size the replies' X-Stowage-Batch-Size; peaks are the replies' device
 reserve plus CUDA context, and on CUDA also nvidia-smi's memory.used sampled every 0.2 s.
 
 Rows:
   {"bench":"multi_tenant","strategy":..,"pipeline":<name>|"all","requests":..,"p50_s":..,"p99_s":..,
    "resident_p50_s":..,"resident_p99_s":..,"images_per_s":..,"bytes_moved_per_request":..,
+   "mean_batch_size":..,"serving":{"compute","max_batch_size","max_queue_delay_ms"},
    "peak_device_bytes":..,"peak_nvidia_smi_bytes":..,"budget_bytes":..,"ok":..,"errors":[..],
    "size":..,"steps":..,"trace":{..},"machine":..,"commit":..}
   {"bench":"multi_tenant","strategy":"scheduler","phase":"flood","tenant":"alice","pipeline":"zimage",
@@ -125,12 +133,13 @@ def generate(server, request, size):
                                   headers={"Content-Type": "application/json"})
     start = time.perf_counter()
     result = {"pipeline": request["pipeline"], "tenant": request["tenant"], "priority": request["priority"],
-              "h2d": 0, "peak": 0, "error": None}
+              "h2d": 0, "peak": 0, "batch": 1, "error": None}
     try:
         with urllib.request.urlopen(http, timeout=900) as reply:
             payload = json.loads(reply.read())
             result["peak"] = int(reply.headers.get("X-Stowage-Peak-Device-Reserved-Bytes", "0"))
             result["h2d"] = int(reply.headers.get("X-Stowage-Host-To-Device-Bytes", "0"))
+            result["batch"] = int(reply.headers.get("X-Stowage-Batch-Size", "1"))
         if not base64.b64decode(payload["data"][0]["b64_json"]).startswith(b"\x89PNG"):
             result["error"] = "reply is not a PNG"
     except urllib.error.HTTPError as e:
@@ -207,10 +216,19 @@ def config_text(budget_bytes, strategy, reorder_ms, pin=False):
         seeds = f' component_weight_seeds {{ key: "{reseeded}" value: 2 }}' if reseeded else ""
         # No load-time warm-up: each strategy's first request per pipeline is sent unmeasured instead.
         pipelines += (f'pipelines {{ name: "{name}" model_dir: "{directory}" random_weights: true weight_seed: 1 '
-                      f'dtype: "{ARGS.dtype}" warmup: false{seeds} }}\n')
+                      f'dtype: "{ARGS.dtype}" warmup: false{seeds}{pipeline_serving_fields()} }}\n')
     scheduler = f"scheduler {{ {scheduler_fields(reorder_ms)} }}"
     return (f'grpc_address: "127.0.0.1:0"\nhttp_address: "127.0.0.1:0"\nmetrics_address: "none"\n'
             f'queue_depth: 64\nauth {{ admin_token: "{TOKEN}" }}\n{device}\n{scheduler}\n{pipelines}{strategy}\n')
+
+
+def pipeline_serving_fields():
+    """What every strategy's pipelines share: the transformer's compute mode and dynamic batching."""
+    fields = ' compute { key: "transformer" value: COMPUTE_FP8 }' if ARGS.compute == "fp8" else ""
+    if ARGS.max_batch_size > 1:
+        fields += (f" batching {{ max_batch_size: {ARGS.max_batch_size} "
+                   f"max_queue_delay_ms: {ARGS.max_queue_delay_ms} }}")
+    return fields
 
 
 def scheduler_fields(reorder_ms):
@@ -302,11 +320,14 @@ def rows_for(strategy, results, start, end, budget, smi_peak, resident):
                "resident_p50_s": None, "resident_p99_s": None,
                "images_per_s": round(len(good) / (end - start), 4) if pipeline == "all" and end > start else None,
                "bytes_moved_per_request": int(sum(r["h2d"] for r in good) / max(1, len(good))),
+               "mean_batch_size": round(sum(r["batch"] for r in good) / max(1, len(good)), 3),
                "peak_device_bytes": peak, "peak_nvidia_smi_bytes": smi_peak, "budget_bytes": budget,
                "ok": len(good) == len(mine) and within,
                "errors": sorted({r["error"] for r in mine if r["error"]})[:5],
                "size": ARGS.size, "steps": STEPS, "trace": TRACE_INFO,
                "keep_resident": keep_list() if strategy != "resident" else [],
+               "serving": {"compute": ARGS.compute, "max_batch_size": ARGS.max_batch_size,
+                           "max_queue_delay_ms": ARGS.max_queue_delay_ms},
                "placement": {} if strategy == "resident" else {
                    "flux_compress": ARGS.flux_compress, "flux_keep_gib": ARGS.flux_keep_gib,
                    "zimage_ft_compress": ARGS.zimage_ft_compress, "zimage_ft_keep_gib": ARGS.zimage_ft_keep_gib},
@@ -549,6 +570,12 @@ def main():
                    help="comma-separated component ids the budgeted strategies keep on the device "
                         "(FootprintStrategy.keep_resident), e.g. zimage/text_encoder: the hot pipeline's text "
                         "encoder, shared with zimage-ft, whole instead of streamed")
+    s.add_argument("--compute", choices=["bf16", "fp8"], default="bf16",
+                   help="fp8: every transformer's block linears as FP8 GEMMs in every strategy (CUDA only)")
+    s.add_argument("--max_batch_size", type=int, default=1,
+                   help="1..64; above 1, queued requests of one pipeline, size and steps run as one batch")
+    s.add_argument("--max_queue_delay_ms", type=int, default=0,
+                   help="0..60000: how long a batch may wait for more members (BatchingConfig)")
     s.add_argument("--device", choices=["cuda", "sim"], default="cuda")
     s.add_argument("--dtype", default="bfloat16")
     s.add_argument("--machine", default="unknown")
@@ -570,6 +597,10 @@ def main():
         raise SystemExit(f"--steps must name each of {', '.join(POPULARITY)}")
     if ARGS.rate <= 0 or ARGS.flood_rate <= 0:
         raise SystemExit("--rate and --flood_rate must be above 0 (arrivals per second)")
+    if not 1 <= ARGS.max_batch_size <= 64 or not 0 <= ARGS.max_queue_delay_ms <= 60000:
+        raise SystemExit("--max_batch_size must be 1..64 and --max_queue_delay_ms 0..60000")
+    if ARGS.compute == "fp8" and ARGS.device == "sim":
+        raise SystemExit("--compute fp8 needs --device cuda (FP8 tensor cores)")
     TRACE = make_trace(ARGS.requests, ARGS.rate, ARGS.zipf, ARGS.trace_seed, STEPS)
     TRACE_INFO = {"requests": ARGS.requests, "rate_per_s": ARGS.rate, "zipf": ARGS.zipf, "seed": ARGS.trace_seed,
                   "popularity": list(POPULARITY), "tenants": {"alice": 0.7, "bob": 0.3}, "high_priority": 0.2}

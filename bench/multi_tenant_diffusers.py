@@ -37,6 +37,7 @@ resident rows), and a ratio never divides by another run's number.
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -155,6 +156,7 @@ def main():
     torch.cuda.init()
     torch.zeros(1, device="cuda")
     context = context_bytes(torch)
+    args.context_bytes = context
     start = time.time()
     pipes = build(args.flux_tokenizers)
     moved = {name: weight_bytes(pipe) for name, pipe in pipes.items()}
@@ -173,36 +175,86 @@ def main():
         call(name, {"prompt": "warm-up", "steps": 1, "seed": 0})
     torch.cuda.reset_peak_memory_stats()
     calls = []
+    # A time limit's SIGTERM (the suite's `timeout`) ends the serving loop: the rows then cover the
+    # requests served so far instead of being lost.
+    signal.signal(signal.SIGTERM, stop_serving)
     with SmiSampler(True) as smi:
         served_start = time.perf_counter()
-        for request in trace:
-            if time.perf_counter() - served_start > args.serve_s:
-                print(f"--serve_s {args.serve_s} reached after {len(calls)} requests", flush=True)
-                break
-            arrival = served_start + request["t"]
-            if time.perf_counter() < arrival:
-                time.sleep(arrival - time.perf_counter())
-            began, done, error = call(request["pipeline"], request)
-            calls.append({"bench": "multi_tenant_call", "strategy": STRATEGY, "pipeline": request["pipeline"],
-                          "tenant": request["tenant"], "priority": request["priority"], "seed": request["seed"],
-                          "arrival_s": request["t"], "latency_s": done - arrival, "run_s": done - began,
-                          "bytes_moved": moved[request["pipeline"]], "error": error,
-                          "peak_device_bytes_so_far": torch.cuda.max_memory_reserved() + context,
-                          "peak_nvidia_smi_bytes_so_far": smi.peak, "machine": args.machine, "commit": args.commit})
-            with open(args.out, "a", encoding="utf-8") as f:  # Each call at once: a run cut short keeps them.
-                f.write(json.dumps(calls[-1]) + "\n")
-            print(json.dumps(calls[-1]), flush=True)
+        try:
+            serve(trace, calls, served_start, smi, call, moved, args)
+        except StopServing:
+            print(f"SIGTERM after {len(calls)} requests: rows cover those", flush=True)
         served_end = time.perf_counter()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     smi_peak = smi.peak
     peak = torch.cuda.max_memory_reserved() + context
     budget = int(args.budget_gib * GIB)
-    with open(args.out, "a", encoding="utf-8") as f:
-        for row in rows(calls, served_start, served_end, budget, peak, smi_peak, trace_info,
-                        args.machine, args.commit):
-            row.update(context_bytes=context, torch=torch.__version__)
+    write_rows(args.out, rows(calls, served_start, served_end, budget, peak, smi_peak, trace_info,
+                              args.machine, args.commit), context_bytes=context, torch=torch.__version__)
+
+
+class StopServing(Exception):
+    pass
+
+
+def stop_serving(signum, frame):
+    raise StopServing()
+
+
+def write_rows(path, out, **extra):
+    with open(path, "a", encoding="utf-8") as f:
+        for row in out:
+            row.update(extra)
             f.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)
 
 
+def serve(trace, calls, served_start, smi, call, moved, args):
+    import torch
+    for request in trace:
+        if time.perf_counter() - served_start > args.serve_s:
+            print(f"--serve_s {args.serve_s} reached after {len(calls)} requests", flush=True)
+            return
+        arrival = served_start + request["t"]
+        if time.perf_counter() < arrival:
+            time.sleep(arrival - time.perf_counter())
+        began, done, error = call(request["pipeline"], request)
+        calls.append({"bench": "multi_tenant_call", "strategy": STRATEGY, "pipeline": request["pipeline"],
+                      "tenant": request["tenant"], "priority": request["priority"], "seed": request["seed"],
+                      "arrival_s": request["t"], "latency_s": done - arrival, "run_s": done - began,
+                      "bytes_moved": moved[request["pipeline"]], "error": error,
+                      "peak_device_bytes_so_far": torch.cuda.max_memory_reserved() + args.context_bytes,
+                      "peak_nvidia_smi_bytes_so_far": smi.peak, "machine": args.machine, "commit": args.commit})
+        with open(args.out, "a", encoding="utf-8") as f:  # Each call at once: a run cut short keeps them.
+            f.write(json.dumps(calls[-1]) + "\n")
+        print(json.dumps(calls[-1]), flush=True)
+
+
+def summarize(calls_path, budget_gib):
+    """Rows from the call rows a run appended (a run killed before it wrote its rows): served from
+    its first arrival to its last completion; peaks the last call's so-far peaks."""
+    calls = []
+    with open(calls_path, encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            if row.get("bench") == "multi_tenant":
+                raise SystemExit(f"{calls_path} already has its rows")
+            if row.get("bench") == "multi_tenant_call":
+                calls.append(row)
+    if not calls:
+        raise SystemExit(f"{calls_path} has no multi_tenant_call rows")
+    end = max(c["arrival_s"] + c["latency_s"] for c in calls)
+    last = calls[-1]
+    return rows(calls, 0.0, end, int(budget_gib * GIB), last["peak_device_bytes_so_far"],
+                last["peak_nvidia_smi_bytes_so_far"], {"first": len(calls), "from_calls": True},
+                last["machine"], last["commit"])
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) >= 2 and sys.argv[1] == "summarize":
+        if len(sys.argv) not in (3, 4):
+            raise SystemExit("usage: multi_tenant_diffusers.py summarize CALLS.jsonl [BUDGET_GIB] >> CALLS.jsonl")
+        for row in summarize(sys.argv[2], float(sys.argv[3]) if len(sys.argv) == 4 else 24):
+            print(json.dumps(row))
+    else:
+        main()

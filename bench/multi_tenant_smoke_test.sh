@@ -82,8 +82,11 @@ grep -q "onloads: .*zimage/transformer" "$TEST_TMPDIR/analysis.txt"
 # trace's rows are refused.
 # This one keeps the hot text encoder whole on the device (not streamed, never evicted by the strategy).
 # And the fine-tune's transformer streams as int4 instead of moving whole (--zimage_ft_compress).
+# Batching on (every pipeline, up to 4 a batch): the burst's queued requests of one pipeline run
+# together, each counting its share of its batch's bytes.
 run --strategies fifo --resident_from "$TEST_TMPDIR/rows.jsonl" --out "$TEST_TMPDIR/fifo.jsonl" \
-  --logs "$TEST_TMPDIR/logs_fifo" --keep_resident zimage/text_encoder --zimage_ft_compress int4 >/dev/null
+  --logs "$TEST_TMPDIR/logs_fifo" --keep_resident zimage/text_encoder --zimage_ft_compress int4 \
+  --max_batch_size 4 --max_queue_delay_ms 20 >/dev/null
 /usr/bin/python3 - "$TEST_TMPDIR/fifo.jsonl" "$TEST_TMPDIR/rows.jsonl" "$TEST_TMPDIR/logs_fifo" "$TEST_TMPDIR/logs" <<'PY'
 import json, os, re, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
@@ -102,6 +105,11 @@ placement = open(os.path.join(sys.argv[3], "fifo.placement.txt")).read().splitli
 ft = [i for i, l in enumerate(placement) if l.strip().startswith("zimage-ft/transformer ")]
 assert ft and "GROUP_OFFLOADED" in placement[ft[0]] and "int4" in placement[ft[0] + 1], placement
 assert all(r["placement"]["zimage_ft_compress"] == "int4" for r in rows), rows
+assert all(r["serving"] == {"compute": "bf16", "max_batch_size": 4, "max_queue_delay_ms": 20} for r in rows), rows
+every = [r for r in rows if r["pipeline"] == "all"][0]
+assert every["mean_batch_size"] > 1, every  # 24 requests at 40/s: some queue together.
+unbatched = [r for r in map(json.loads, open(sys.argv[2])) if r["pipeline"] == "all"]
+assert all(r["mean_batch_size"] == 1 for r in unbatched), unbatched
 # And the footprint strategy never chose it (the budget makes it evict others: it did). This tiny
 # budget holds no text encoder beside a transformer, so the out-of-memory recovery, the last resort,
 # still moves it: those lines say so and are not the strategy's choice.
@@ -116,3 +124,12 @@ if run --strategies fifo --trace_seed 9 --resident_from "$TEST_TMPDIR/rows.jsonl
   echo "another trace's resident rows were taken"; exit 1
 fi
 grep -q "has no resident rows for this trace" "$TEST_TMPDIR/err.txt"
+# Hostile flags: refused by name before anything starts.
+if run --max_batch_size 65 --out "$TEST_TMPDIR/y.jsonl" --logs "$TEST_TMPDIR/logs_y" 2>"$TEST_TMPDIR/err.txt"; then
+  echo "--max_batch_size 65 was taken"; exit 1
+fi
+grep -q "max_batch_size must be 1..64" "$TEST_TMPDIR/err.txt"
+if run --compute fp8 --out "$TEST_TMPDIR/y.jsonl" --logs "$TEST_TMPDIR/logs_y" 2>"$TEST_TMPDIR/err.txt"; then
+  echo "--compute fp8 on the simulator was taken"; exit 1
+fi
+grep -q "compute fp8 needs --device cuda" "$TEST_TMPDIR/err.txt"

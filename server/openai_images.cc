@@ -515,6 +515,7 @@ std::vector<std::pair<std::string, std::string>> StatsHeaders(const std::vector<
   std::vector<std::string> ids, seeds;
   double queue_wait = 0, run_time = 0;
   int64_t peak_device = 0, peak_reserved = 0, peak_rss = 0, h2d = 0, d2h = 0;
+  int32_t batch_size = 1;
   auto seconds = [](const google::protobuf::Duration& d) { return d.seconds() + d.nanos() * 1e-9; };
   for (const v1::GenerateResponse& image : images) {
     const v1::RequestStats& s = image.stats();
@@ -525,8 +526,11 @@ std::vector<std::pair<std::string, std::string>> StatsHeaders(const std::vector<
     peak_device = std::max(peak_device, s.peak_device_memory_bytes());
     peak_reserved = std::max(peak_reserved, s.peak_device_reserved_bytes());
     peak_rss = std::max(peak_rss, s.peak_cpu_rss_bytes());
-    h2d += s.host_to_device_bytes();
-    d2h += s.device_to_host_bytes();
+    // A batch member's byte counts are its batch's: the request counts its share of them.
+    const int64_t members = std::max(1, s.batch_size());
+    batch_size = std::max(batch_size, s.batch_size());
+    h2d += s.host_to_device_bytes() / members;
+    d2h += s.device_to_host_bytes() / members;
   }
   // Header values must be printable ASCII: request ids are (DeviceRuntime checks them), pipeline
   // and device names too; Truncated keeps that true whatever they hold.
@@ -541,6 +545,7 @@ std::vector<std::pair<std::string, std::string>> StatsHeaders(const std::vector<
   headers.emplace_back("X-Stowage-Peak-Cpu-Rss-Bytes", absl::StrCat(peak_rss));
   headers.emplace_back("X-Stowage-Host-To-Device-Bytes", absl::StrCat(h2d));
   headers.emplace_back("X-Stowage-Device-To-Host-Bytes", absl::StrCat(d2h));
+  headers.emplace_back("X-Stowage-Batch-Size", absl::StrCat(batch_size));
   return headers;
 }
 

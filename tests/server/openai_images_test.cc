@@ -258,6 +258,19 @@ TEST(ImagesResponseBodyTest, HoldsBase64PngsSeedsAndStats) {
   EXPECT_EQ(headers["X-Stowage-Peak-Device-Memory-Bytes"], "200");  // The largest.
   EXPECT_EQ(headers["X-Stowage-Host-To-Device-Bytes"], "20");       // The sum.
   EXPECT_EQ(headers["X-Stowage-Queue-Wait-Seconds"], "0.500000");
+  EXPECT_EQ(headers["X-Stowage-Batch-Size"], "1");
+
+  // Members of one batch report the batch's bytes: the request counts each image's share.
+  images[0].mutable_stats()->set_batch_size(2);
+  images[0].mutable_stats()->set_host_to_device_bytes(30);
+  images[1].mutable_stats()->set_batch_size(4);
+  images[1].mutable_stats()->set_host_to_device_bytes(40);
+  images[1].mutable_stats()->set_device_to_host_bytes(8);
+  headers.clear();
+  for (const auto& [name, value] : StatsHeaders(images)) headers[name] = value;
+  EXPECT_EQ(headers["X-Stowage-Host-To-Device-Bytes"], "25");  // 30 / 2 + 40 / 4.
+  EXPECT_EQ(headers["X-Stowage-Device-To-Host-Bytes"], "2");
+  EXPECT_EQ(headers["X-Stowage-Batch-Size"], "4");              // The largest.
 }
 
 TEST(ModelsBodyTest, ListsEveryPipelineAndFindsOne) {

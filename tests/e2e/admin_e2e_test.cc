@@ -288,6 +288,15 @@ TEST_F(AdminE2ETest, TheMemoryBudgetChangesAtRunTime) {
   EXPECT_EQ(admin_->SetMemoryBudget(&anonymous, request, &response).error_code(), grpc::UNAUTHENTICATED);
   EXPECT_EQ(Placement().budget_bytes(), budget);
 
+  // A larger budget moves nothing; requests have room again (the byte-short budget leaves a streamed
+  // transformer's working set none on CUDA).
+  placement = Placement();
+  const int64_t roomy = placement.context_bytes() + placement.allocated_bytes() + (int64_t{512} << 20);
+  request.set_memory_budget_bytes(roomy);
+  ASSERT_TRUE(admin_->SetMemoryBudget(Authed().get(), request, &response).ok());
+  EXPECT_EQ(response.offloaded_size(), 0);
+  EXPECT_EQ(Placement().budget_bytes(), roomy);
+
   // What cannot move does not fit: refused, naming it, nothing changed. The transformer group-
   // offloaded with a budget that keeps most of its groups resident: those stay on the device.
   int64_t transformer = 0;
@@ -308,7 +317,7 @@ TEST_F(AdminE2ETest, TheMemoryBudgetChangesAtRunTime) {
   EXPECT_EQ(refused.error_code(), grpc::FAILED_PRECONDITION);
   EXPECT_NE(refused.error_message().find("zimage-tiny/transformer (group-offloaded working set, "), std::string::npos)
       << refused.error_message();
-  EXPECT_EQ(Placement().budget_bytes(), budget);
+  EXPECT_EQ(Placement().budget_bytes(), roomy);
   // A huge budget: the simulator takes it (no limit in effect), CUDA refuses one above the card.
   request.set_memory_budget_bytes(INT64_MAX);
   refused = admin_->SetMemoryBudget(Authed().get(), request, &response);

@@ -9,7 +9,7 @@ unbudgeted server that keeps everything resident.
         [--strategies resident,fifo,scheduler] [--reorder_ms 4000] [--flood_requests 30]
         [--flux_compress none|int8|int4] [--flux_keep_gib 4] [--keep_resident zimage/text_encoder]
         [--zimage_ft_compress off|none|int8|int4] [--zimage_ft_keep_gib 0]
-        [--compute bf16|fp8] [--max_batch_size 1] [--max_queue_delay_ms 0]
+        [--compute bf16|fp8] [--max_batch_size 1] [--max_queue_delay_ms 0] [--batch_in resident,fifo,scheduler]
         [--device cuda|sim] [--dtype bfloat16]
         [--resident_from ROWS.jsonl] [--machine M] [--commit C]
 
@@ -25,9 +25,11 @@ bench/make_flux_random_dir.py), in popularity order:
   flux-dev      Flux.1 [dev].
 Every strategy serves the same pipelines the same way: --compute fp8 runs each transformer's block
 linears as FP8 GEMMs (PipelineConfig.compute; half the transformer's bytes on the host and the device,
-CUDA only), for the resident rows too; --max_batch_size > 1 lets requests of one pipeline, size and
-step count queued together run as one batch (PipelineConfig.batching, holding a batch open up to
---max_queue_delay_ms), so a streamed transformer streams once for all of them.
+CUDA only), for the resident rows too. --max_batch_size > 1 lets requests of one pipeline, size and
+step count queued together run as one batch (set with the admin SetBatching as each strategy named in
+--batch_in starts, holding a batch open up to --max_queue_delay_ms; off for the others), so a streamed
+transformer streams once for all of them: --batch_in resident,scheduler compares the scheduler with
+batching against FIFO as it was.
 Each request picks a pipeline with Zipf(--zipf) popularity (zimage hot, three cold), a tenant
 ("alice" 70 %, "bob" 30 %) and a priority (1 for 20 %, else 0), seed and arrival time from
 --trace_seed: every strategy replays the same trace.
@@ -223,12 +225,23 @@ def config_text(budget_bytes, strategy, reorder_ms, pin=False):
 
 
 def pipeline_serving_fields():
-    """What every strategy's pipelines share: the transformer's compute mode and dynamic batching."""
-    fields = ' compute { key: "transformer" value: COMPUTE_FP8 }' if ARGS.compute == "fp8" else ""
-    if ARGS.max_batch_size > 1:
-        fields += (f" batching {{ max_batch_size: {ARGS.max_batch_size} "
-                   f"max_queue_delay_ms: {ARGS.max_queue_delay_ms} }}")
-    return fields
+    """What every strategy's pipelines share: the transformer's compute mode."""
+    return ' compute { key: "transformer" value: COMPUTE_FP8 }' if ARGS.compute == "fp8" else ""
+
+
+def batching_strategies():
+    return [s for s in ARGS.batch_in.split(",") if s]
+
+
+def apply_batching(server, strategy):
+    """Dynamic batching for `strategy`'s requests, through the admin API (SetBatching on every
+    pipeline): --max_batch_size where --batch_in names the strategy, else off."""
+    if ARGS.max_batch_size <= 1:
+        return
+    size = ARGS.max_batch_size if strategy in batching_strategies() else 1
+    for name in POPULARITY:
+        stowctl(server, "set-batching", f"--pipeline={name}", f"--max_batch_size={size}",
+                f"--max_queue_delay_ms={ARGS.max_queue_delay_ms}")
 
 
 def scheduler_fields(reorder_ms):
@@ -326,7 +339,8 @@ def rows_for(strategy, results, start, end, budget, smi_peak, resident):
                "errors": sorted({r["error"] for r in mine if r["error"]})[:5],
                "size": ARGS.size, "steps": STEPS, "trace": TRACE_INFO,
                "keep_resident": keep_list() if strategy != "resident" else [],
-               "serving": {"compute": ARGS.compute, "max_batch_size": ARGS.max_batch_size,
+               "serving": {"compute": ARGS.compute,
+                           "max_batch_size": ARGS.max_batch_size if strategy in batching_strategies() else 1,
                            "max_queue_delay_ms": ARGS.max_queue_delay_ms},
                "placement": {} if strategy == "resident" else {
                    "flux_compress": ARGS.flux_compress, "flux_keep_gib": ARGS.flux_keep_gib,
@@ -407,6 +421,7 @@ def run_strategy(strategy, budget, resident):
     try:
         if strategy != "resident":
             place_budgeted(server)
+        apply_batching(server, strategy)
         rows = measure(server, strategy, server_budget, resident)
         save_logs(server, strategy)
     finally:
@@ -445,6 +460,7 @@ def run_on_one_server(strategies, budget, resident):
                 place_budgeted(server)
             reorder = ARGS.reorder_ms if strategy == "scheduler" else 0
             stowctl(server, "set-scheduler", f"--scheduler={scheduler_fields(reorder)}")
+            apply_batching(server, strategy)
             server.log.flush()
             offset = os.path.getsize(log_path)
             got = measure(server, strategy, 0 if strategy == "resident" else budget, resident)
@@ -576,6 +592,8 @@ def main():
                    help="1..64; above 1, queued requests of one pipeline, size and steps run as one batch")
     s.add_argument("--max_queue_delay_ms", type=int, default=0,
                    help="0..60000: how long a batch may wait for more members (BatchingConfig)")
+    s.add_argument("--batch_in", default="resident,fifo,scheduler",
+                   help="the strategies that batch (--max_batch_size); e.g. resident,scheduler keeps FIFO as it was")
     s.add_argument("--device", choices=["cuda", "sim"], default="cuda")
     s.add_argument("--dtype", default="bfloat16")
     s.add_argument("--machine", default="unknown")
@@ -599,6 +617,8 @@ def main():
         raise SystemExit("--rate and --flood_rate must be above 0 (arrivals per second)")
     if not 1 <= ARGS.max_batch_size <= 64 or not 0 <= ARGS.max_queue_delay_ms <= 60000:
         raise SystemExit("--max_batch_size must be 1..64 and --max_queue_delay_ms 0..60000")
+    if any(s not in ("resident", "fifo", "scheduler") for s in batching_strategies()):
+        raise SystemExit("--batch_in: names among resident, fifo, scheduler")
     if ARGS.compute == "fp8" and ARGS.device == "sim":
         raise SystemExit("--compute fp8 needs --device cuda (FP8 tensor cores)")
     TRACE = make_trace(ARGS.requests, ARGS.rate, ARGS.zipf, ARGS.trace_seed, STEPS)

@@ -82,8 +82,8 @@ grep -q "onloads: .*zimage/transformer" "$TEST_TMPDIR/analysis.txt"
 # trace's rows are refused.
 # This one keeps the hot text encoder whole on the device (not streamed, never evicted by the strategy).
 # And the fine-tune's transformer streams as int4 instead of moving whole (--zimage_ft_compress).
-# Batching on (every pipeline, up to 4 a batch): the burst's queued requests of one pipeline run
-# together, each counting its share of its batch's bytes.
+# Batching on (every pipeline, up to 4 a batch, set through the admin API): the burst's queued
+# requests of one pipeline run together, each counting its share of its batch's bytes.
 run --strategies fifo --resident_from "$TEST_TMPDIR/rows.jsonl" --out "$TEST_TMPDIR/fifo.jsonl" \
   --logs "$TEST_TMPDIR/logs_fifo" --keep_resident zimage/text_encoder --zimage_ft_compress int4 \
   --max_batch_size 4 --max_queue_delay_ms 20 >/dev/null
@@ -129,6 +129,25 @@ if run --max_batch_size 65 --out "$TEST_TMPDIR/y.jsonl" --logs "$TEST_TMPDIR/log
   echo "--max_batch_size 65 was taken"; exit 1
 fi
 grep -q "max_batch_size must be 1..64" "$TEST_TMPDIR/err.txt"
+if run --max_batch_size 2 --batch_in fifo,lifo --out "$TEST_TMPDIR/y.jsonl" --logs "$TEST_TMPDIR/logs_y" \
+    2>"$TEST_TMPDIR/err.txt"; then
+  echo "--batch_in lifo was taken"; exit 1
+fi
+grep -q "batch_in: names among" "$TEST_TMPDIR/err.txt"
+# The scheduler batches, FIFO as it was (one server, three strategies): only the scheduler's rows
+# (and resident's) have batches, and the admin log shows batching switched on and off.
+run --strategies resident,fifo,scheduler --flood_requests 0 --max_batch_size 4 --batch_in resident,scheduler \
+  --out "$TEST_TMPDIR/b.jsonl" --logs "$TEST_TMPDIR/logs_b" >/dev/null
+/usr/bin/python3 - "$TEST_TMPDIR/b.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+every = {r["strategy"]: r for r in rows if r["pipeline"] == "all"}
+assert sorted(every) == ["fifo", "resident", "scheduler"], rows
+assert every["fifo"]["mean_batch_size"] == 1 and every["fifo"]["serving"]["max_batch_size"] == 1, every["fifo"]
+assert every["scheduler"]["serving"]["max_batch_size"] == 4 and every["scheduler"]["mean_batch_size"] > 1, every
+assert all(r["ok"] for r in rows), rows
+print("ok")
+PY
 if run --compute fp8 --out "$TEST_TMPDIR/y.jsonl" --logs "$TEST_TMPDIR/logs_y" 2>"$TEST_TMPDIR/err.txt"; then
   echo "--compute fp8 on the simulator was taken"; exit 1
 fi

@@ -8,6 +8,7 @@ unbudgeted server that keeps everything resident.
         [--zipf 1.1] [--trace_seed 1] [--steps zimage=8,zimage-ft=8,flux-schnell=4,flux-dev=28]
         [--strategies resident,fifo,scheduler] [--reorder_ms 4000] [--flood_requests 30]
         [--flux_compress none|int8|int4] [--flux_keep_gib 4] [--keep_resident zimage/text_encoder]
+        [--text_encoder_compress none|int8|int4]
         [--zimage_ft_compress off|none|int8|int4] [--zimage_ft_keep_gib 0]
         [--compute bf16|fp8] [--max_batch_size 1] [--max_queue_delay_ms 0] [--batch_in resident,fifo,scheduler]
         [--device cuda|sim] [--dtype bfloat16]
@@ -40,7 +41,8 @@ set at run time, FIFO and the scheduler switched with the admin SetScheduler —
 from one process, one load):
   resident   no budget; every component kept resident (workflow keep_resident rules): each
              pipeline's latency when nothing ever moves (resident_p50_s of every row).
-  fifo       the budget; the big text encoders (Qwen3, T5) streamed block by block, the Flux
+  fifo       the budget; the big text encoders (Qwen3, T5) streamed block by block (from an int8 or
+             int4 host copy with --text_encoder_compress), the Flux
              transformers group-offloaded (--flux_keep_gib resident, the rest streamed, --flux_compress),
              the fine-tune's transformer too with --zimage_ft_compress (else moved whole),
              everything else moved whole by the footprint strategy (never the --keep_resident
@@ -286,7 +288,8 @@ def place_budgeted(server):
     for component in ("zimage/text_encoder", "flux-schnell/text_encoder_2"):
         if component in keep_list() or component.split("/")[1] in keep_list():  # An id, or a name.
             continue
-        stowctl(server, "enable-group-offload", f"--component={component}", f"--options={BLOCK}")
+        stowctl(server, "enable-group-offload", f"--component={component}",
+                f"--options={BLOCK}{compress[ARGS.text_encoder_compress]}")
     for component in ("flux-schnell/transformer", "flux-dev/transformer"):
         stowctl(server, "enable-group-offload", f"--component={component}",
                 f"--options={BLOCK} budget_bytes: {int(ARGS.flux_keep_gib * GIB)}{compress[ARGS.flux_compress]}")
@@ -344,6 +347,7 @@ def rows_for(strategy, results, start, end, budget, smi_peak, resident):
                            "max_queue_delay_ms": ARGS.max_queue_delay_ms},
                "placement": {} if strategy == "resident" else {
                    "flux_compress": ARGS.flux_compress, "flux_keep_gib": ARGS.flux_keep_gib,
+                   "text_encoder_compress": ARGS.text_encoder_compress,
                    "zimage_ft_compress": ARGS.zimage_ft_compress, "zimage_ft_keep_gib": ARGS.zimage_ft_keep_gib},
                "machine": ARGS.machine,
                "commit": ARGS.commit}
@@ -576,6 +580,8 @@ def main():
     s.add_argument("--flood_rate", type=float, default=0.3,
                    help="alice's arrivals per second in the flood phase (keep it within her fair share)")
     s.add_argument("--flux_compress", choices=["none", "int8", "int4"], default="none")
+    s.add_argument("--text_encoder_compress", choices=["none", "int8", "int4"], default="none",
+                   help="the streamed Qwen3 and T5 (not --keep_resident ones) from an int8 (grouped) or int4 host copy")
     s.add_argument("--flux_keep_gib", type=float, default=4.0)
     s.add_argument("--zimage_ft_compress", choices=["off", "none", "int8", "int4"], default="off",
                    help="stream the fine-tune's transformer (none: bf16, or compressed) instead of moving it "

@@ -136,8 +136,11 @@ fi
 grep -q "batch_in: names among" "$TEST_TMPDIR/err.txt"
 # The scheduler batches, FIFO as it was (one server, three strategies): only the scheduler's rows
 # (and resident's) have batches, and the admin log shows batching switched on and off.
+# T5 streams from an int8 host copy here.
 run --strategies resident,fifo,scheduler --flood_requests 0 --max_batch_size 4 --batch_in resident,scheduler \
-  --out "$TEST_TMPDIR/b.jsonl" --logs "$TEST_TMPDIR/logs_b" >/dev/null
+  --text_encoder_compress int8 --out "$TEST_TMPDIR/b.jsonl" --logs "$TEST_TMPDIR/logs_b" >/dev/null
+grep -A1 "^  flux-schnell/text_encoder_2 " "$TEST_TMPDIR/logs_b/scheduler.placement.txt" | grep -q "int8" ||
+  { cat "$TEST_TMPDIR/logs_b/scheduler.placement.txt"; exit 1; }
 /usr/bin/python3 - "$TEST_TMPDIR/b.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]

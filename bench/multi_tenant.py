@@ -12,7 +12,7 @@ unbudgeted server that keeps everything resident.
         [--zimage_ft_compress off|none|int8|int4] [--zimage_ft_keep_gib 0]
         [--compute bf16|fp8] [--max_batch_size 1] [--max_queue_delay_ms 0] [--batch_in resident,fifo,scheduler]
         [--device cuda|sim] [--dtype bfloat16]
-        [--resident_from ROWS.jsonl] [--machine M] [--commit C]
+        [--machine M] [--commit C]
 
 The four pipelines (random weights drawn from the folders' configs: bench/make_zimage_random_dir.py,
 bench/make_flux_random_dir.py), in popularity order:
@@ -568,9 +568,6 @@ def main():
     s.add_argument("--trace_seed", type=int, default=1)
     s.add_argument("--steps", default="zimage=8,zimage-ft=8,flux-schnell=4,flux-dev=28")
     s.add_argument("--strategies", default="resident,fifo,scheduler")
-    s.add_argument("--resident_from", default="",
-                   help="take resident_p50_s/resident_p99_s from the resident rows of this earlier rows file "
-                        "(same machine, trace and sizes) instead of running the resident server")
     s.add_argument("--reorder_ms", type=int, default=4000)
     s.add_argument("--separate_servers", action="store_true",
                    help="start a server for each budgeted strategy instead of switching one loaded server "
@@ -632,15 +629,9 @@ def main():
                   "popularity": list(POPULARITY), "tenants": {"alice": 0.7, "bob": 0.3}, "high_priority": 0.2}
     os.makedirs(ARGS.logs, exist_ok=True)
     budget = int(ARGS.budget_gib * GIB)
+    # The resident figures come only from this run's resident strategy: a ratio never divides by
+    # another run's number (without it, resident_p50_s/resident_p99_s stay null).
     resident = {}
-    if ARGS.resident_from:
-        for line in open(ARGS.resident_from, encoding="utf-8"):
-            r = json.loads(line)
-            if r.get("strategy") == "resident" and r.get("trace") == TRACE_INFO and r.get("steps") == STEPS \
-                    and r.get("size") == ARGS.size:
-                resident[r["pipeline"]] = (r["p50_s"], r["p99_s"])
-        if "all" not in resident:
-            raise SystemExit(f"{ARGS.resident_from} has no resident rows for this trace, size and steps")
     rows = []
     strategies = ARGS.strategies.split(",")
     if any(s not in ("resident", "fifo", "scheduler") for s in strategies) or len(set(strategies)) != len(strategies):
@@ -648,8 +639,6 @@ def main():
     if not ARGS.separate_servers and len(strategies) > 1:
         # Resident first (its rows are the others' reference), then the budgeted ones on the same server.
         order = [s for s in ("resident", "fifo", "scheduler") if s in strategies]
-        if ARGS.resident_from and "resident" in order:
-            raise SystemExit("--resident_from and --strategies resident: choose one")
         rows = run_on_one_server(order, budget, resident)
         table(rows)
         return

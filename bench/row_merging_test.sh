@@ -2,7 +2,8 @@
 # The commands that turn GPU-host output into the issues' rows, on made-up inputs (no torch):
 #   diffusers_two_pipelines.py summarize — per-call lines of runs cut short → two_pipelines rows;
 #   diffusers_offload_bench.py flux_rows — each row's floor from its own process's bandwidth, the
-#     diffusers rows' from --diffusers_bandwidth, each row keeping the commit it was measured at.
+#     diffusers rows' from --diffusers_bandwidth, each row keeping the commit it was measured at;
+#   multi_tenant_diffusers.py summarize — the multi-tenant baseline's rows from a cut run's call rows.
 set -euo pipefail
 scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 t=$TEST_TMPDIR
@@ -49,3 +50,34 @@ assert s["floor_s"] == 2.5 and abs(s["x_floor"] - 0.88) < 1e-12 and s["rss_x_wei
 assert s["machine"] == "H200, commit ccc" and rows[("stowage", "resident")]["floor_s"] == 2.0, rows
 print("flux_rows ok")
 PY
+# multi_tenant_diffusers.py summarize — a multi-tenant baseline cut short by its call's limit: rows
+# rebuilt from the call rows it appended; a file that already has its rows, or has no calls, is refused.
+mcall() {  # pipeline arrival latency run bytes error peak
+  printf '{"bench": "multi_tenant_call", "strategy": "diffusers_model_cpu_offload", "pipeline": "%s", "tenant": "alice", "priority": 0, "seed": 1, "arrival_s": %s, "latency_s": %s, "run_s": %s, "bytes_moved": %s, "error": %s, "peak_device_bytes_so_far": %s, "peak_nvidia_smi_bytes_so_far": %s, "machine": "H200, commit eee", "commit": "eee"}\n' "$@"
+}
+{ mcall zimage 0.0 10.0 10.0 100 null 1000 1100; mcall flux-dev 1.0 29.0 20.0 300 null 3000 3100;
+  mcall zimage 2.0 38.0 10.0 100 '"OutOfMemoryError: y"' 3000 5000; } >"$t/multi_calls.jsonl"
+/usr/bin/python3 "$scripts/multi_tenant_diffusers.py" summarize "$t/multi_calls.jsonl" 0.000004 >"$t/multi_rows.jsonl"
+/usr/bin/python3 - "$t/multi_rows.jsonl" <<'PY'
+import json, sys
+rows = {r["pipeline"]: r for r in map(json.loads, open(sys.argv[1]))}
+assert sorted(rows) == ["all", "flux-dev", "zimage"], rows
+a, z, f = rows["all"], rows["zimage"], rows["flux-dev"]
+assert a["strategy"] == "diffusers_model_cpu_offload" and a["requests"] == 3 and a["p50_s"] == 19.5, a
+assert a["images_per_s"] == 2 / 40.0 and a["bytes_moved_per_request"] == 500 / 3, a  # Served 0..40 s; 2 ok.
+assert a["peak_device_bytes"] == 3000 and a["peak_nvidia_smi_bytes"] == 5000 and a["budget_bytes"] == 4294, a
+assert not a["ok"] and a["errors"] == ["OutOfMemoryError: y"] and a["commit"] == "eee", a
+assert z["requests"] == 2 and z["p50_s"] == 10.0 and z["run_s"] == 10.0 and z["images_per_s"] is None, z
+assert f["p50_s"] == 29.0 and f["bytes_moved_per_request"] == 300, f
+print("multi summarize ok")
+PY
+cat "$t/multi_calls.jsonl" "$t/multi_rows.jsonl" >"$t/multi_done.jsonl"
+if /usr/bin/python3 "$scripts/multi_tenant_diffusers.py" summarize "$t/multi_done.jsonl" 2>"$t/err.txt"; then
+  echo "a file with its rows was summarized again"; exit 1
+fi
+grep -q "already has its rows" "$t/err.txt"
+: >"$t/empty.jsonl"
+if /usr/bin/python3 "$scripts/multi_tenant_diffusers.py" summarize "$t/empty.jsonl" 2>"$t/err.txt"; then
+  echo "a file without calls was summarized"; exit 1
+fi
+grep -q "has no multi_tenant_call rows" "$t/err.txt"

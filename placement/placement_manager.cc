@@ -317,12 +317,25 @@ void PlacementManager::ReleaseIdleGraphs(const Entry* except, const std::string&
 void PlacementManager::ReleaseIdleSlots(const Entry* running, bool keep_prefetched, const std::string& reason) {
   for (const auto& e : entries_) {
     if (e.get() == running || !e->group_offload || !e->group_offload->holds_slots()) continue;
-    if (keep_prefetched && e->prefetched) continue;  // Prefetched to run next: its first groups are in the slots.
+    // Prefetched to run next: its first groups are in the slots. One prefetched for another
+    // pipeline's next request stays until the request that prefetched it ended and a component not
+    // of that pipeline runs first.
+    const bool other_came_first = e->group_prefetch_run_ended && running != nullptr &&
+                                  !Uses(running->pipelines, e->prefetched_for);
+    if (keep_prefetched && e->prefetched && !other_came_first) continue;
     const int64_t before = FreeBytes();
     const int64_t released = e->group_offload->ReleaseSlots();
-    e->prefetched = false;
+    if (e->prefetched && e->group_prefetch_bytes > 0) ++counters_.pipeline_prefetches_unused;
+    ClearGroupPrefetch(*e);
     if (released > 0) Record(e->id, "release_slots", released, before, reason);
   }
+}
+
+void PlacementManager::ClearGroupPrefetch(Entry& entry) {
+  entry.prefetched = false;
+  if (entry.group_prefetch_bytes > 0) entry.prefetched_for.clear();
+  entry.group_prefetch_bytes = 0;
+  entry.group_prefetch_run_ended = false;
 }
 
 void PlacementManager::EvictAfter(const Entry& target) {
@@ -662,12 +675,17 @@ void PlacementManager::MarkUnused(Entry& entry) {
 void PlacementManager::EndPipelineRun(const std::string& pipeline) {
   for (auto& e : entries_) {
     if (e->prefetched_for == pipeline) MarkUnused(*e);
+    // First groups prefetched for another pipeline during this request: from now on a component
+    // of a third pipeline running first gives them back.
+    if (e->group_prefetch_bytes > 0 && e->prefetched_for != pipeline) e->group_prefetch_run_ended = true;
   }
 }
 
 void PlacementManager::DropPrefetch(Entry& entry) {
   Settle(entry);
   MarkUnused(entry);
+  if (entry.group_prefetch_bytes > 0) ++counters_.pipeline_prefetches_unused;  // Its slots go unrun.
+  ClearGroupPrefetch(entry);
 }
 
 int64_t PlacementManager::PrefetchPipeline(const std::string& next, const std::vector<const Component*>& next_components,
@@ -717,6 +735,39 @@ int64_t PlacementManager::PrefetchPipeline(const std::string& next, const std::v
     Record(e->id, "prefetch_pipeline", bytes, before,
            absl::StrCat(reason, "; ", before - keep, " bytes free beyond the running request's run headroom (", keep, ")"));
   }
+  // The first streamed component of the next request: its first groups.
+  for (const Component* c : next_components) {
+    Entry* e = Find(*c);
+    if (e == nullptr || !e->group_offload || e->lifecycle != ComponentLifecycle::kReady ||
+        !Uses(e->pipelines, next) || std::find(remaining.begin(), remaining.end(), e->component) != remaining.end()) {
+      continue;
+    }
+    if (e->prefetched) break;  // Its first groups are in its slots already.
+    const DeviceMemoryStats stats = backend_->GetMemoryStats();
+    const int64_t before = stats.free_bytes();
+    const int64_t room = stats.budget_bytes <= 0 ? INT64_MAX
+                                                 : stats.budget_bytes - stats.context_bytes -
+                                                       std::max(stats.reserved_bytes, stats.allocated_bytes);
+    const int64_t needed = e->group_offload->bytes_needed_to_run();
+    if (room != INT64_MAX && needed > room - keep) break;
+    absl::StatusOr<int64_t> copied = e->group_offload->PrefetchNextForward();
+    if (!copied.ok()) {
+      Record(e->id, "prefetch_failed", needed, before, absl::StrCat(reason, ": ", copied.status().message()));
+      break;
+    }
+    if (*copied == 0) break;  // Its forward has not run yet (no order recorded), or no streams.
+    e->prefetched = true;
+    e->prefetched_for = next;
+    e->group_prefetch_bytes = *copied;
+    e->group_prefetch_run_ended = false;
+    ++counters_.pipeline_prefetches;
+    counters_.pipeline_prefetch_bytes += *copied;
+    started += *copied;
+    Record(e->id, "prefetch_pipeline", *copied, before,
+           absl::StrCat(reason, "; its first groups into its slots (", needed, " bytes to allocate, ", before - keep,
+                        " free beyond the running request's run headroom)"));
+    break;
+  }
   return started;
 }
 
@@ -747,7 +798,11 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     }
     Arrive(*entry);
     entry->last_use = absl::Now();
-    entry->prefetched = false;
+    if (entry->group_prefetch_bytes > 0) {  // Its first groups came with the pipeline prefetch.
+      ++counters_.pipeline_prefetches_used;
+      counters_.pipeline_prefetch_used_bytes += entry->group_prefetch_bytes;
+    }
+    ClearGroupPrefetch(*entry);
   }
   // What the run allocates beyond what is there now (less the working set a group-offloaded one
   // allocates when its slots were released), for the room made before its next run.
@@ -1014,6 +1069,7 @@ absl::Status PlacementManager::DisableGroupOffload(const std::string& id) {
   if (!entry->group_offload) {
     return absl::FailedPreconditionError(absl::StrCat("component '", id, "' is not group-offloaded"));
   }
+  DropPrefetch(*entry);
   entry->group_offload.reset();
   entry->state = ComponentState::kOffloaded;
   PinHost(*entry);

@@ -239,7 +239,12 @@ class PlacementManager : public ComponentRunner {
   // resident as far as placement and the scheduler see; until it first runs, the strategy does not
   // move it to make room for a component of its own pipeline (that request is about to use it). Its
   // first run makes the compute stream wait for the copies, and a move before that waits for them
-  // on the host. Recorded as "prefetch_pipeline"
+  // on the host. The first group-offloaded (streamed) one of `next_components` that qualifies the
+  // same way (pinning aside: its host store is its own) gets the groups its forward loads first
+  // copied into its slots (GroupOffloader::PrefetchNextForward) when its working set fits that room:
+  // the next request's first streamed forward starts with them on the device. Those slots stay
+  // while the running request runs; after it ended, a component of another pipeline running first
+  // gives them back (counted unused); its own run counts them used. Recorded as "prefetch_pipeline"
   // decisions naming `reason`; counted in PlacementCounters. Returns the bytes whose copies started.
   int64_t PrefetchPipeline(const std::string& next, const std::vector<const Component*>& next_components,
                            const std::vector<const Component*>& remaining, const std::string& reason);
@@ -314,6 +319,12 @@ class PlacementManager : public ComponentRunner {
     // counters, and the strategy leaves it be while that pipeline's request runs).
     bool pipeline_prefetched = false;
     std::string prefetched_for;
+    // A group-offloaded one whose first groups PrefetchPipeline copied (`prefetched` with
+    // `prefetched_for` set) for the next request, and those bytes. Its slots stay while the request
+    // that prefetched it runs; once that request ended (`group_prefetch_run_ended`), the first run of
+    // another pipeline's component gives them back (the scheduler chose otherwise: counted unused).
+    int64_t group_prefetch_bytes = 0;
+    bool group_prefetch_run_ended = false;
     // The most device memory one of its runs allocated beyond what was there when it began
     // (activations, workspaces; for a group-offloaded one beyond its working set), over the runs
     // so far: room made before it runs again, so that its run does not fail out of memory and
@@ -329,6 +340,8 @@ class PlacementManager : public ComponentRunner {
   void Settle(Entry& entry);
   // Settle, and a pipeline prefetch not run counts as unused (it is moved or released).
   void DropPrefetch(Entry& entry);
+  // Entry::prefetched and the group prefetch's fields back to none.
+  void ClearGroupPrefetch(Entry& entry);
   // A pipeline prefetch of `entry` not run counts as unused, and loses its mark.
   void MarkUnused(Entry& entry);
   // Idle components give back what they keep on the device besides their weights, each recorded

@@ -958,6 +958,79 @@ TEST(PipelinePrefetchTest, OnlyWhenTheRunningRequestCopiesNothingMoreAndWhatFits
   }
 }
 
+// The next request's first streamed (group-offloaded) component gets its first groups copied into
+// its slots while the running request has nothing more to copy; they stay while that request runs;
+// the next request's forward finds them there (used, its image exact). Had another pipeline run
+// first, they go back (unused).
+TEST(PipelinePrefetchTest, TheNextRequestsFirstStreamedGroupsCopyAhead) {
+  const absl::StatusOr<Image> expected = ImageOfB();
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  for (const bool scheduler_kept_its_word : {true, false}) {
+    SCOPED_TRACE(scheduler_kept_its_word ? "b runs next" : "a runs again instead");
+    TwoPipelines s;
+    GroupOffloadOptions options;
+    options.use_stream = true;
+    ASSERT_TRUE(s.placement.EnableGroupOffload("b/transformer", options).ok());
+    ASSERT_TRUE(s.Generate(*s.b).ok());  // Its forward records the order its groups load in.
+    ASSERT_TRUE(s.Generate(*s.a).ok());  // b's idle slots go back meanwhile.
+    absl::StatusOr<GroupOffloadStats> stats = s.placement.GroupOffloadStatsOf("b/transformer");
+    ASSERT_TRUE(stats.ok()) << stats.status();
+    const int64_t early_before = stats->early_prefetches;
+    const PlacementCounters before = s.placement.TakeSnapshot().counters;
+    Component* a_vae = s.a->components().back();
+    const int64_t copied = s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), {a_vae}, "b waits next");
+    ASSERT_GT(copied, 0);
+    stats = s.placement.GroupOffloadStatsOf("b/transformer");
+    EXPECT_EQ(stats->early_prefetches, early_before + 1);
+    EXPECT_LE(copied, stats->slot_bytes);  // The groups its forward loads first (prefetch_depth 1).
+    bool logged = false;
+    for (const PlacementDecision& d : s.placement.DecisionLog(1000)) {
+      logged |= d.action == "prefetch_pipeline" && d.component == "b/transformer" && d.bytes == copied &&
+                d.reason.find("its first groups") != std::string::npos;
+    }
+    EXPECT_TRUE(logged);
+    PlacementCounters c = s.placement.TakeSnapshot().counters;
+    EXPECT_EQ(c.pipeline_prefetches - before.pipeline_prefetches, 1);
+    EXPECT_EQ(c.pipeline_prefetch_bytes - before.pipeline_prefetch_bytes, copied);
+    // Once is enough: its first groups are there.
+    EXPECT_EQ(s.placement.PrefetchPipeline("b", TwoPipelines::Components(*s.b), {a_vae}, "again"), 0);
+    const auto released = [&] {
+      int n = 0;
+      for (const PlacementDecision& d : s.placement.DecisionLog(1000)) {
+        n += d.action == "release_slots" && d.component == "b/transformer" ? 1 : 0;
+      }
+      return n;
+    };
+    // The running request's last component runs: the slots stay.
+    const int released_before = released();
+    ASSERT_TRUE(s.placement.Run(*a_vae, [] {}).ok());
+    EXPECT_EQ(released(), released_before);
+    s.placement.EndPipelineRun("a");
+    if (scheduler_kept_its_word) {
+      const int64_t sync_before = s.placement.GroupOffloadStatsOf("b/transformer")->sync_onloads;
+      const absl::StatusOr<Image> image = s.Generate(*s.b);
+      ASSERT_TRUE(image.ok()) << image.status();
+      EXPECT_EQ(image->rgb, expected->rgb);
+      c = s.placement.TakeSnapshot().counters;
+      EXPECT_EQ(c.pipeline_prefetches_used - before.pipeline_prefetches_used, 1);
+      EXPECT_EQ(c.pipeline_prefetch_used_bytes - before.pipeline_prefetch_used_bytes, copied);
+      EXPECT_EQ(c.pipeline_prefetches_unused, before.pipeline_prefetches_unused);
+      // Its first forward found its first groups on the device (no synchronous onload for them).
+      EXPECT_LE(s.placement.GroupOffloadStatsOf("b/transformer")->sync_onloads, sync_before);
+    } else {
+      ASSERT_TRUE(s.placement.Run(*s.a->components().front(), [] {}).ok());
+      EXPECT_EQ(released(), released_before + 1);
+      c = s.placement.TakeSnapshot().counters;
+      EXPECT_EQ(c.pipeline_prefetches_unused - before.pipeline_prefetches_unused, 1);
+      EXPECT_EQ(c.pipeline_prefetches_used, before.pipeline_prefetches_used);
+      // b runs as usual afterwards.
+      const absl::StatusOr<Image> image = s.Generate(*s.b);
+      ASSERT_TRUE(image.ok()) << image.status();
+      EXPECT_EQ(image->rgb, expected->rgb);
+    }
+  }
+}
+
 // A prefetched component moved off or unloaded before it ran waits for its copies first (they are
 // still running on a slow link) and counts as unused; b then runs as usual with an exact image.
 TEST(PipelinePrefetchTest, APrefetchMovedOffUnusedWaitsForItsCopiesAndCountsAsUnused) {

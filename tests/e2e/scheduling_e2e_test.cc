@@ -402,6 +402,66 @@ TEST_F(SchedulingTest, TheNextPipelinesWeightsCopyWhileTheRunningRequestComputes
   EXPECT_EQ(f_images[0], f_images[1]) << "a prefetched pipeline made another image";
 }
 
+// The next request's first streamed component (here "f"'s T5, group-offloaded) gets its first
+// groups copied into its slots while "z" runs; "f"'s run uses them (counted used) and its image is
+// the one it gets with the prefetch off.
+TEST_F(SchedulingTest, TheNextPipelinesStreamedEncoderStartsAhead) {
+  std::vector<std::string> f_images;
+  for (const bool on : {true, false}) {
+    SCOPED_TRACE(on ? "prefetch on" : "prefetch off");
+    Start(absl::StrCat("device { kind: KIND_SIMULATED pin_host_copies: true prefetch_next_pipeline: ", on ? "true" : "false",
+                       " } pipelines { name: \"z\" builtin: \"zimage-tiny\" } "
+                       "pipelines { name: \"f\" builtin: \"flux-tiny\" }"));
+    v1::EnableGroupOffloadRequest enable;
+    enable.set_component_id("f/text_encoder_2");
+    enable.mutable_options()->set_use_stream(true);
+    v1::EnableGroupOffloadResponse enabled;
+    const grpc::Status streamed = server_->admin().EnableGroupOffload(E2eServer::Authed().get(), enable, &enabled);
+    ASSERT_TRUE(streamed.ok()) << streamed.error_message();
+    // First requests teach the server the order each pipeline runs its components (and T5 its groups) in.
+    ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("f", 1)).ok());
+    ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("z", 1)).ok());
+    StartLong("z");
+    v1::GenerateResponse f_reply;
+    std::thread f([&] {
+      EXPECT_TRUE(server_->Generate(E2eServer::SmallRequest("f", 2), &f_reply, milliseconds(120000)).ok());
+    });
+    EXPECT_TRUE(WaitForQueueDepth(1));
+    FinishLong();
+    f.join();
+    f_images.push_back(f_reply.image());
+    v1::GetPlacementLogRequest request;
+    request.set_limit(4096);
+    v1::GetPlacementLogResponse log;
+    ASSERT_TRUE(server_->admin().GetPlacementLog(E2eServer::Authed().get(), request, &log).ok());
+    int first_groups = 0;
+    for (const auto& d : log.decisions()) {
+      EXPECT_NE(d.action(), "prefetch_failed") << d.reason();
+      if (d.action() == "prefetch_pipeline" && d.component() == "f/text_encoder_2") {
+        EXPECT_NE(d.reason().find("its first groups"), std::string::npos) << d.reason();
+        EXPECT_GT(d.bytes(), 0);
+        ++first_groups;
+      }
+    }
+    v1::GetPlacementResponse placement;
+    ASSERT_TRUE(server_->admin().GetPlacement(E2eServer::Authed().get(), v1::GetPlacementRequest(), &placement).ok());
+    if (on) {
+      EXPECT_EQ(first_groups, 1);
+      EXPECT_EQ(placement.pipeline_prefetches_used(), placement.pipeline_prefetches());  // "f" ran next.
+      EXPECT_GE(placement.pipeline_prefetches_used(), 1);
+      EXPECT_EQ(placement.pipeline_prefetches_unused(), 0);
+    } else {
+      EXPECT_EQ(first_groups, 0);
+      EXPECT_EQ(placement.pipeline_prefetches(), 0);
+    }
+    EXPECT_TRUE(HealthServing(server_->channel()));
+    server_.reset();
+  }
+  ASSERT_EQ(f_images.size(), 2u);
+  EXPECT_FALSE(f_images[0].empty());
+  EXPECT_EQ(f_images[0], f_images[1]) << "a prefetched encoder made another image";
+}
+
 TEST_F(SchedulingTest, HostilePrioritiesAndTenantsGetClearStatuses) {
   Start(R"pb(
     device { kind: KIND_SIMULATED }

@@ -510,8 +510,10 @@ def analyze(log_dir, rows_path):
     """Where a run's time and bytes went, from its server and placement logs: per strategy, each
     pipeline's mean run time (the server's run_s, queueing excluded) of the measured requests (the
     first request of each pipeline, unmeasured, left out), the utilisation that implies at the
-    trace's arrival rate, the whole-component onloads per component and the scheduler's reorders
-    (those two over the whole run: warm-up and flood phase included)."""
+    trace's arrival rate, the whole-component onloads per component, the scheduler's reorders and
+    the cross-pipeline prefetches (those over the whole run: warm-up and flood phase included). A
+    batch's members each log the batch's run time: each counts its share (run_s / batch_size) toward
+    the utilisation, and the mean batch size is printed."""
     trace = next((r["trace"] for r in map(json.loads, open(rows_path, encoding="utf-8")) if "trace" in r), {})
     rate, count = trace.get("rate_per_s"), trace.get("requests")
     for strategy in ("resident", "fifo", "scheduler"):
@@ -523,28 +525,34 @@ def analyze(log_dir, rows_path):
             if " I request " not in line or " status=OK " not in line:
                 continue
             fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-            runs.append((fields["pipeline"], float(fields["run_s"])))
+            runs.append((fields["pipeline"], float(fields["run_s"]), max(1, int(fields.get("batch_size", "1")))))
         # The unmeasured first request of each pipeline, then the trace's (the flood phase's after it).
         runs = runs[len(POPULARITY):len(POPULARITY) + count if count else None]
         per = {}
-        for pipeline, run_s in runs:
+        for pipeline, run_s, _ in runs:
             per.setdefault(pipeline, []).append(run_s)
-        mean = sum(r for _, r in runs) / max(1, len(runs))
+        mean = sum(r for _, r, _ in runs) / max(1, len(runs))
+        share = sum(r / b for _, r, b in runs) / max(1, len(runs))  # A batch's time split among its members.
+        batch = sum(b for _, _, b in runs) / max(1, len(runs))
         print(f"{strategy}: {len(runs)} measured requests, mean run {mean:.3f} s"
-              + (f", utilisation at {rate}/s {rate * mean:.0%}" if rate else ""))
+              + (f", utilisation at {rate}/s {rate * share:.0%}" if rate else "")
+              + (f", mean batch {batch:.2f} (a request's share of its batch's run {share:.3f} s)" if batch > 1 else ""))
         for pipeline in POPULARITY:
             if pipeline in per:
                 print(f"  {pipeline:13s} mean run {sum(per[pipeline]) / len(per[pipeline]):.3f} s (n={len(per[pipeline])})")
         placement_log = os.path.join(log_dir, f"{strategy}.placement_log.txt")
         if os.path.exists(placement_log):
-            onloads, reorders = {}, 0
+            onloads, reorders, prefetches = {}, 0, 0
             for line in open(placement_log, encoding="utf-8", errors="replace"):
                 words = line.split()
                 if len(words) >= 4 and words[2] == "onload":
                     onloads[words[3]] = onloads.get(words[3], 0) + 1
                 elif len(words) >= 2 and words[1] == "schedule":
                     reorders += 1
-            print("  onloads: " + ", ".join(f"{c} {n}" for c, n in sorted(onloads.items())) + f"; reorders: {reorders}")
+                if "prefetch_pipeline" in words[1:3]:
+                    prefetches += 1
+            print("  onloads: " + ", ".join(f"{c} {n}" for c, n in sorted(onloads.items()))
+                  + f"; reorders: {reorders}; pipeline prefetches: {prefetches}")
 
 
 def main():

@@ -135,6 +135,12 @@ run --strategies resident,fifo,scheduler --flood_requests 0 --max_batch_size 4 -
   --text_encoder_compress int8 --out "$TEST_TMPDIR/b.jsonl" --logs "$TEST_TMPDIR/logs_b" >/dev/null
 grep -A1 "^  flux-schnell/text_encoder_2 " "$TEST_TMPDIR/logs_b/scheduler.placement.txt" | grep -q "int8" ||
   { cat "$TEST_TMPDIR/logs_b/scheduler.placement.txt"; exit 1; }
+# The analysis splits a batch's run among its members (the server logs each one's batch_size).
+/usr/bin/python3 "$scripts/multi_tenant.py" analyze "$TEST_TMPDIR/logs_b" "$TEST_TMPDIR/b.jsonl" >"$TEST_TMPDIR/analysis_b.txt"
+grep -q "^scheduler: 24 measured requests, .*mean batch [0-9.]* (a request's share" "$TEST_TMPDIR/analysis_b.txt" ||
+  { cat "$TEST_TMPDIR/analysis_b.txt"; exit 1; }
+grep "^fifo: " "$TEST_TMPDIR/analysis_b.txt" | grep -vq "mean batch" || { cat "$TEST_TMPDIR/analysis_b.txt"; exit 1; }
+grep -q "pipeline prefetches: [0-9]" "$TEST_TMPDIR/analysis_b.txt"
 /usr/bin/python3 - "$TEST_TMPDIR/b.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]

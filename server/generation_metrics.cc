@@ -1,5 +1,6 @@
 #include "server/generation_metrics.h"
 
+#include <algorithm>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -30,7 +31,8 @@ void LogRequest(const DeviceSet& core, const v1::GenerateRequest& request, const
                     absl::StrFormat(" queue_wait_s=%.3f run_s=%.3f", Seconds(stats.queue_wait()), Seconds(stats.run_time())),
                     " peak_device_bytes=", stats.peak_device_memory_bytes(),
                     " peak_device_reserved_bytes=", stats.peak_device_reserved_bytes(),
-                    " peak_cpu_rss_bytes=", stats.peak_cpu_rss_bytes(), " h2d_bytes=", stats.host_to_device_bytes());
+                    " peak_cpu_rss_bytes=", stats.peak_cpu_rss_bytes(), " h2d_bytes=", stats.host_to_device_bytes(),
+                    " batch_size=", std::max(1, stats.batch_size()));
     LogInfo(line);
   } else {
     absl::StrAppend(&line, " error=", LogValue(status.message(), 200));

@@ -264,7 +264,7 @@ TEST(ClipTokenizerHostileTest, RefusesBadFilesNamingThem) {
   // "q x" merges symbols the vocabulary has, into "qx", which it has not.
   expect_invalid(WriteTokenizer("unknown_result", vocab, "#version: 0.2\nq x\n"), "merges.txt", "'qx' is not in");
   expect_invalid(WriteTokenizer("unknown_part", vocab, "#version: 0.2\n\xe2\x98\x83 a\n"), "merges.txt",
-                 "line 2: '???' is not in");
+                 "line 2: '??" "?' is not in");  // Split: three question marks then a quote form a trigraph.
   const std::string huge_merges = WriteTokenizer("huge_merges", vocab, "");
   ASSERT_EQ(::truncate((huge_merges + "/merges.txt").c_str(), int64_t{65} << 20), 0);
   expect_invalid(huge_merges, "merges.txt", "exceeds the limit");

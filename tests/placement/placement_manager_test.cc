@@ -257,7 +257,9 @@ TEST(PlacementManagerTest, EnablingGroupOffloadOnAFullDeviceMakesRoom) {
   EXPECT_LE(h.backend->GetMemoryStats().allocated_bytes, full);
   auto image = h.Generate();
   EXPECT_TRUE(image.ok()) << image.status();
-  if (image.ok()) EXPECT_EQ(image->rgb, expected->rgb);
+  if (image.ok()) {
+    EXPECT_EQ(image->rgb, expected->rgb);
+  }
   h.placement.Unregister("other");  // Before its components go.
 }
 
@@ -390,7 +392,9 @@ TEST(PlacementScenarioTest, FourModesHaveExactPeaks) {
   EXPECT_LT(std::max({te, slots + stats.always_on_bytes, vae}), std::max(te, tr + vae));
   int releases = 0;
   for (const PlacementDecision& d : grouped.placement.DecisionLog(100)) {
-    if (d.component == "tiny/transformer") EXPECT_NE(d.action, "offload");
+    if (d.component == "tiny/transformer") {
+      EXPECT_NE(d.action, "offload");
+    }
     if (d.component == "tiny/transformer" && d.action == "release_slots") {
       ++releases;
       EXPECT_EQ(d.free_after - d.free_before, slots);  // Given back to the device's budget.
@@ -668,7 +672,9 @@ TEST(PlacementManagerTest, AHeldComponentStaysResidentWhileOthersMoveAndMovesOnc
   for (const PlacementDecision& d : s.placement.DecisionLog(1000)) {
     EXPECT_FALSE(d.component == "tiny/lora:style" && d.action == "offload") << d.reason;
     if (d.action == "offload") ++offloads_of_others;
-    if (d.component == "tiny/lora:style" && d.action == "onload") EXPECT_EQ(d.reason, "held for the test");
+    if (d.component == "tiny/lora:style" && d.action == "onload") {
+      EXPECT_EQ(d.reason, "held for the test");
+    }
   }
   EXPECT_GT(offloads_of_others, 0) << "the budget made nothing move: the test proves nothing";
   // Never group-offloaded: not while held, and not as an adapter.

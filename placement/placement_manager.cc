@@ -699,24 +699,30 @@ int64_t PlacementManager::PrefetchPipeline(const std::string& next, const std::v
     if (e == nullptr || e->group_offload || e->state != ComponentState::kResident) return 0;
     keep = std::max(keep, e->run_headroom);
   }
+  // A ready component of the next request that the running one does not run.
+  const auto for_next = [&](const Entry* e) {
+    return e != nullptr && e->lifecycle == ComponentLifecycle::kReady && Uses(e->pipelines, next) &&
+           std::find(remaining.begin(), remaining.end(), e->component) == remaining.end();
+  };
+  // Whether `bytes` fit beside the running request's headroom; `before`: the free bytes now. Room is
+  // counted against what the allocator holds (its cached blocks too: on CUDA the budget caps them,
+  // and an allocation past it would flush the cache mid-request).
+  const auto fits = [&](int64_t bytes, int64_t* before) {
+    const DeviceMemoryStats stats = backend_->GetMemoryStats();
+    *before = stats.free_bytes();
+    return stats.budget_bytes <= 0 ||
+           bytes <= stats.budget_bytes - stats.context_bytes - std::max(stats.reserved_bytes, stats.allocated_bytes) - keep;
+  };
   int64_t started = 0;
   for (const Component* c : next_components) {
     Entry* e = Find(*c);
-    if (e == nullptr || e->state != ComponentState::kOffloaded || e->group_offload || e->lifecycle != ComponentLifecycle::kReady ||
-        e->component->kind() == kLoraAdapterKind || !Uses(e->pipelines, next) ||
-        !e->component->host_weights().pinned_in_place() ||
-        std::find(remaining.begin(), remaining.end(), e->component) != remaining.end()) {
+    if (!for_next(e) || e->state != ComponentState::kOffloaded || e->group_offload ||
+        e->component->kind() == kLoraAdapterKind || !e->component->host_weights().pinned_in_place()) {
       continue;
     }
     const int64_t bytes = e->component->weight_bytes();
-    // Room counted against what the allocator holds (its cached blocks too: on CUDA the budget caps
-    // them, and an allocation past it would flush the cache mid-request).
-    const DeviceMemoryStats stats = backend_->GetMemoryStats();
-    const int64_t before = stats.free_bytes();
-    const int64_t room = stats.budget_bytes <= 0 ? INT64_MAX
-                                                 : stats.budget_bytes - stats.context_bytes -
-                                                       std::max(stats.reserved_bytes, stats.allocated_bytes);
-    if (room != INT64_MAX && bytes > room - keep) continue;  // A smaller one further on may still fit.
+    int64_t before = 0;
+    if (!fits(bytes, &before)) continue;  // A smaller one further on may still fit.
     absl::StatusOr<std::unique_ptr<DeviceEvent>> copying = e->component->host_weights().OnloadAllAsync(*backend_);
     if (!copying.ok()) {
       Record(e->id, "prefetch_failed", bytes, before, absl::StrCat(reason, ": ", copying.status().message()));
@@ -738,18 +744,11 @@ int64_t PlacementManager::PrefetchPipeline(const std::string& next, const std::v
   // The first streamed component of the next request: its first groups.
   for (const Component* c : next_components) {
     Entry* e = Find(*c);
-    if (e == nullptr || !e->group_offload || e->lifecycle != ComponentLifecycle::kReady ||
-        !Uses(e->pipelines, next) || std::find(remaining.begin(), remaining.end(), e->component) != remaining.end()) {
-      continue;
-    }
+    if (!for_next(e) || !e->group_offload) continue;
     if (e->prefetched) break;  // Its first groups are in its slots already.
-    const DeviceMemoryStats stats = backend_->GetMemoryStats();
-    const int64_t before = stats.free_bytes();
-    const int64_t room = stats.budget_bytes <= 0 ? INT64_MAX
-                                                 : stats.budget_bytes - stats.context_bytes -
-                                                       std::max(stats.reserved_bytes, stats.allocated_bytes);
     const int64_t needed = e->group_offload->bytes_needed_to_run();
-    if (room != INT64_MAX && needed > room - keep) break;
+    int64_t before = 0;
+    if (!fits(needed, &before)) break;
     absl::StatusOr<int64_t> copied = e->group_offload->PrefetchNextForward();
     if (!copied.ok()) {
       Record(e->id, "prefetch_failed", needed, before, absl::StrCat(reason, ": ", copied.status().message()));

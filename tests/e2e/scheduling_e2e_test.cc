@@ -53,6 +53,35 @@ class SchedulingTest : public ::testing::Test {
     return stowage::WaitForQueueDepth(server_->server().metrics_address(), "sim:0", depth);
   }
 
+  // The cross-pipeline prefetch tests: a server with "z" (Z-Image tiny) and "f" (Flux tiny) whose
+  // host copies are pinned, with the prefetch on or off.
+  void StartZAndF(bool prefetch) {
+    Start(absl::StrCat("device { kind: KIND_SIMULATED pin_host_copies: true prefetch_next_pipeline: ",
+                       prefetch ? "true" : "false",
+                       " } pipelines { name: \"z\" builtin: \"zimage-tiny\" } "
+                       "pipelines { name: \"f\" builtin: \"flux-tiny\" }"));
+  }
+  // An "f" request queued behind a long "z" request: its reply.
+  v1::GenerateResponse FQueuedBehindLongZ() {
+    StartLong("z");
+    v1::GenerateResponse f_reply;
+    std::thread f([&] {
+      EXPECT_TRUE(server_->Generate(E2eServer::SmallRequest("f", 2), &f_reply, milliseconds(120000)).ok());
+    });
+    EXPECT_TRUE(WaitForQueueDepth(1));
+    FinishLong();
+    f.join();
+    return f_reply;
+  }
+  // The placement log's decisions (the whole log: at most 4096).
+  v1::GetPlacementLogResponse PlacementLog() {
+    v1::GetPlacementLogRequest request;
+    request.set_limit(4096);
+    v1::GetPlacementLogResponse log;
+    EXPECT_TRUE(server_->admin().GetPlacementLog(E2eServer::Authed().get(), request, &log).ok());
+    return log;
+  }
+
   // Sends `request` on a thread; records the order replies come back in.
   std::thread Send(const v1::GenerateRequest& request, const std::string& name) {
     return std::thread([this, request, name] {
@@ -119,10 +148,7 @@ class SchedulingTest : public ::testing::Test {
     return Finished();
   }
   int ScheduleDecisions() {
-    v1::GetPlacementLogRequest request;
-    request.set_limit(4096);
-    v1::GetPlacementLogResponse log;
-    EXPECT_TRUE(server_->admin().GetPlacementLog(E2eServer::Authed().get(), request, &log).ok());
+    const v1::GetPlacementLogResponse log = PlacementLog();
     int schedules = 0;
     for (const auto& d : log.decisions()) schedules += d.action() == "schedule";
     return schedules;
@@ -139,10 +165,7 @@ TEST_F(SchedulingTest, TheResidentPipelineRunsBeforeAnOlderRequestThatWouldMoveW
   StartTwoPipelinesUnderABudget("max_reorder_delay_ms: 60000");
   EXPECT_EQ(OrderOfAnOlderMoveAndAYoungerResident(),
             (std::vector<std::string>{"z (younger, resident)", "f (older, would move weights)"}));
-  v1::GetPlacementLogRequest request;
-  request.set_limit(200);
-  v1::GetPlacementLogResponse log;
-  ASSERT_TRUE(server_->admin().GetPlacementLog(E2eServer::Authed().get(), request, &log).ok());
+  const v1::GetPlacementLogResponse log = PlacementLog();
   int schedules = 0;
   for (const auto& d : log.decisions()) {
     if (d.action() != "schedule") continue;
@@ -333,9 +356,7 @@ TEST_F(SchedulingTest, TheNextPipelinesWeightsCopyWhileTheRunningRequestComputes
   std::vector<std::string> f_images;  // "f"'s image with the prefetch on, then off: the same.
   for (const bool on : {true, false}) {
     SCOPED_TRACE(on ? "prefetch on" : "prefetch off");
-    Start(absl::StrCat("device { kind: KIND_SIMULATED pin_host_copies: true prefetch_next_pipeline: ", on ? "true" : "false",
-                       " } pipelines { name: \"z\" builtin: \"zimage-tiny\" } "
-                       "pipelines { name: \"f\" builtin: \"flux-tiny\" }"));
+    StartZAndF(on);
     v1::ListPipelinesResponse list;
     ASSERT_TRUE(server_->Pipelines(&list).ok());
     int64_t f_weights = 0;
@@ -355,19 +376,9 @@ TEST_F(SchedulingTest, TheNextPipelinesWeightsCopyWhileTheRunningRequestComputes
     v1::DisableGroupOffloadResponse disabled;
     ASSERT_TRUE(server_->admin().DisableGroupOffload(E2eServer::Authed().get(), disable, &disabled).ok());
     for (const auto& c : disabled.components()) EXPECT_EQ(c.state(), v1::ComponentPlacement::OFFLOADED) << c.id();
-    StartLong("z");
-    v1::GenerateResponse f_reply;
-    std::thread f([&] {
-      EXPECT_TRUE(server_->Generate(E2eServer::SmallRequest("f", 2), &f_reply, milliseconds(120000)).ok());
-    });
-    EXPECT_TRUE(WaitForQueueDepth(1));
-    FinishLong();
-    f.join();
+    const v1::GenerateResponse f_reply = FQueuedBehindLongZ();
     f_images.push_back(f_reply.image());
-    v1::GetPlacementLogRequest request;
-    request.set_limit(4096);
-    v1::GetPlacementLogResponse log;
-    ASSERT_TRUE(server_->admin().GetPlacementLog(E2eServer::Authed().get(), request, &log).ok());
+    const v1::GetPlacementLogResponse log = PlacementLog();
     int prefetches = 0;
     for (const auto& d : log.decisions()) {
       EXPECT_NE(d.action(), "prefetch_failed") << d.reason();
@@ -409,9 +420,7 @@ TEST_F(SchedulingTest, TheNextPipelinesStreamedEncoderStartsAhead) {
   std::vector<std::string> f_images;
   for (const bool on : {true, false}) {
     SCOPED_TRACE(on ? "prefetch on" : "prefetch off");
-    Start(absl::StrCat("device { kind: KIND_SIMULATED pin_host_copies: true prefetch_next_pipeline: ", on ? "true" : "false",
-                       " } pipelines { name: \"z\" builtin: \"zimage-tiny\" } "
-                       "pipelines { name: \"f\" builtin: \"flux-tiny\" }"));
+    StartZAndF(on);
     v1::EnableGroupOffloadRequest enable;
     enable.set_component_id("f/text_encoder_2");
     enable.mutable_options()->set_use_stream(true);
@@ -421,19 +430,8 @@ TEST_F(SchedulingTest, TheNextPipelinesStreamedEncoderStartsAhead) {
     // First requests teach the server the order each pipeline runs its components (and T5 its groups) in.
     ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("f", 1)).ok());
     ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("z", 1)).ok());
-    StartLong("z");
-    v1::GenerateResponse f_reply;
-    std::thread f([&] {
-      EXPECT_TRUE(server_->Generate(E2eServer::SmallRequest("f", 2), &f_reply, milliseconds(120000)).ok());
-    });
-    EXPECT_TRUE(WaitForQueueDepth(1));
-    FinishLong();
-    f.join();
-    f_images.push_back(f_reply.image());
-    v1::GetPlacementLogRequest request;
-    request.set_limit(4096);
-    v1::GetPlacementLogResponse log;
-    ASSERT_TRUE(server_->admin().GetPlacementLog(E2eServer::Authed().get(), request, &log).ok());
+    f_images.push_back(FQueuedBehindLongZ().image());
+    const v1::GetPlacementLogResponse log = PlacementLog();
     int first_groups = 0;
     for (const auto& d : log.decisions()) {
       EXPECT_NE(d.action(), "prefetch_failed") << d.reason();

@@ -123,6 +123,11 @@ if run --max_batch_size 65 --out "$TEST_TMPDIR/y.jsonl" --logs "$TEST_TMPDIR/log
   echo "--max_batch_size 65 was taken"; exit 1
 fi
 grep -q "max_batch_size must be 1..64" "$TEST_TMPDIR/err.txt"
+if run --max_batch_size 2 --max_queue_delay_ms -1 --out "$TEST_TMPDIR/y.jsonl" --logs "$TEST_TMPDIR/logs_y" \
+    2>"$TEST_TMPDIR/err.txt"; then
+  echo "--max_queue_delay_ms -1 was taken"; exit 1
+fi
+grep -q "max_queue_delay_ms 0..60000" "$TEST_TMPDIR/err.txt"
 if run --max_batch_size 2 --batch_in fifo,lifo --out "$TEST_TMPDIR/y.jsonl" --logs "$TEST_TMPDIR/logs_y" \
     2>"$TEST_TMPDIR/err.txt"; then
   echo "--batch_in lifo was taken"; exit 1

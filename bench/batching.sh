@@ -6,10 +6,14 @@
 #   resident  every component kept resident (workflow keep_resident rules)
 #   streamed  the transformer group-offloaded (block level, one block per group, stream); text
 #             encoder and VAE resident
+#   streamed_int8, streamed_int4  the same, streamed from an 8-bit (int8, a scale per 128 values) or
+#             4-bit (int4, a bf16 scale per 16 values) host copy widened on the device
+# Rows also carry "compress" (none, int8_grouped, int4) and "compute" (bf16, fp8).
 #
 #   bench/batching.sh SERVER LOAD_BENCH MODEL_DIR OUT.jsonl [SIZE] [STEPS] [MACHINE] [DTYPE] [CONCURRENCY]
 #     [BATCH_SIZES] [REQUESTS_PER_CLIENT] [MIN_REQUESTS]
-# MODES (environment): the modes to run (default "resident streamed"); MAX_QUEUE_DELAY_MS: the
+# MODES (environment): the modes to run (default "resident streamed"); COMPUTE: bf16 (default) or
+# fp8 (the transformer's linears as FP8 GEMMs, CUDA only); MAX_QUEUE_DELAY_MS: the
 # batching delay (default 200: above the ~130 ms a 1024x1024 noise PNG takes to encode plus the
 # turnaround, so that clients out of step meet again; 100 was measured too short, batching_run4).
 # MODEL_DIR: a Z-Image directory; random weights are drawn from its configs
@@ -24,21 +28,38 @@ trap 'rm -rf "$tmp"' EXIT
 token=bench-token
 
 resident='strategy { workflow { rules { keep_resident: "text_encoder" } rules { keep_resident: "transformer" } rules { keep_resident: "vae" } } }'
-group='group_offload { enabled: true exclude: "text_encoder" exclude: "vae" defaults { offload_type: BLOCK_LEVEL num_blocks_per_group: 1 use_stream: true } }'
+# A group-offloaded transformer, its host copy compressed as $1 (COMPRESS_NONE for bf16).
+group() {
+  echo "group_offload { enabled: true exclude: \"text_encoder\" exclude: \"vae\" defaults { offload_type: BLOCK_LEVEL num_blocks_per_group: 1 use_stream: true compress: $1 } }"
+}
+compute=${COMPUTE:-bf16}
+case $compute in
+  bf16) compute_field="" ;;
+  fp8) compute_field=' compute { key: "transformer" value: COMPUTE_FP8 }' ;;
+  *) echo "batching.sh: COMPUTE must be bf16 or fp8, not '$compute'" >&2; exit 2 ;;
+esac
+
+for mode in ${MODES:-resident streamed}; do
+  case $mode in
+    resident | streamed | streamed_int8 | streamed_int4) ;;
+    *) echo "batching.sh: unknown mode '$mode' (resident, streamed, streamed_int8, streamed_int4)" >&2; exit 2 ;;
+  esac
+done
 
 run_mode() {
-  local mode=$1 strategy=$2 offload=$3
-  cat >"$tmp/$mode.textproto" <<CFG
+  local mode=$1 strategy=$2 offload=$3 compress=$4
+  cat >"$tmp/$mode-$compress.textproto" <<CFG
 grpc_address: "127.0.0.1:0"
 metrics_address: "none"
 queue_depth: 64
 auth { admin_token: "$token" }
-pipelines { name: "zimage" model_dir: "$model_dir" random_weights: true dtype: "$dtype" $offload }
+pipelines { name: "zimage" model_dir: "$model_dir" random_weights: true dtype: "$dtype" $offload$compute_field }
 $strategy
 CFG
-  start_server "$server" "$tmp/$mode.textproto" "$tmp/$mode.log" || return 1
+  start_server "$server" "$tmp/$mode-$compress.textproto" "$tmp/$mode-$compress.log" || return 1
   local rc=0
-  "$load_bench" --target="$TARGET" --token="$token" --mode="$mode" --machine="$machine" --size="$size" \
+  "$load_bench" --target="$TARGET" --token="$token" --mode="$mode" --compress="$compress" --compute="$compute" \
+    --machine="$machine" --size="$size" \
     --steps="$steps" --concurrency="$concurrency" --batch_sizes="$batch_sizes" --requests_per_client="$per_client" \
     --min_requests="$min_requests" --max_queue_delay_ms="${MAX_QUEUE_DELAY_MS:-200}" --out="$out" || rc=$?
   stop_server
@@ -47,7 +68,9 @@ CFG
 
 for mode in ${MODES:-resident streamed}; do
   case $mode in
-    resident) run_mode resident "$resident" "" ;;
-    streamed) run_mode streamed "$resident" "$group" ;;
+    resident) run_mode resident "$resident" "" none ;;
+    streamed) run_mode streamed "$resident" "$(group COMPRESS_NONE)" none ;;
+    streamed_int8) run_mode streamed "$resident" "$(group COMPRESS_INT8_GROUPED)" int8_grouped ;;
+    streamed_int4) run_mode streamed "$resident" "$(group COMPRESS_INT4)" int4 ;;
   esac
 done

@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # bench/batching.sh end to end on a tiny Z-Image (random weights) on the simulated device: every
 # row is written with the fields the benchmark promises, no request fails, and with batching on and
-# several clients the server really forms batches (mean batch size above 1).
+# several clients the server really forms batches (mean batch size above 1); the int4-streamed mode
+# labels its rows with its host copy's format.
 set -euo pipefail
 here=$(pwd)  # Holds server/ and bench/ (Bazel's runfiles root, or the CMake build folder).
 scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 /usr/bin/python3 "$scripts/make_zimage_random_dir.py" "$TEST_TMPDIR/zimage" --size tiny >/dev/null
 out="$TEST_TMPDIR/batching.jsonl"
-MODES="resident streamed" bash "$scripts/batching.sh" "$here/server/stowage_server" "$here/bench/load_bench" "$TEST_TMPDIR/zimage" "$out" \
+MODES="resident streamed streamed_int4" bash "$scripts/batching.sh" "$here/server/stowage_server" "$here/bench/load_bench" "$TEST_TMPDIR/zimage" "$out" \
   64 2 ci float32 1,4 1,4 2 4
 /usr/bin/python3 - "$out" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-keys = {(r["mode"], r["max_batch_size"], r["concurrency"]) for r in rows}
-assert keys == {(m, b, n) for m in ("resident", "streamed") for b in (1, 4) for n in (1, 4)}, keys
+keys = {(r["mode"], r["compress"], r["max_batch_size"], r["concurrency"]) for r in rows}
+modes = (("resident", "none"), ("streamed", "none"), ("streamed", "int4"))
+assert keys == {(m, c, b, n) for m, c in modes for b in (1, 4) for n in (1, 4)}, keys
 for r in rows:
-    for field in ("bench", "mode", "concurrency", "images_per_s", "p50_s", "p99_s", "machine"):
+    assert r["compute"] == "bf16", r
+    for field in ("bench", "mode", "compress", "concurrency", "images_per_s", "p50_s", "p99_s", "machine"):
         assert field in r, (field, r)
     assert r["bench"] == "batching" and r["failed"] == 0 and r["images_per_s"] > 0, r
     assert r["p50_s"] <= r["p99_s"], r
@@ -25,3 +28,13 @@ for r in rows:
         assert r["mean_batch_size"] > 1, r    # four clients, batching on: batches form
 print("ok", len(rows), "rows")
 PY
+# A mode or compute mode the script does not know is refused by name before any server starts.
+if MODES="resident streamed_int3" bash "$scripts/batching.sh" x y z "$TEST_TMPDIR/none.jsonl" 2>"$TEST_TMPDIR/err.txt"; then
+  echo "an unknown mode was accepted" >&2; exit 1
+fi
+grep -q "unknown mode 'streamed_int3'" "$TEST_TMPDIR/err.txt"
+if COMPUTE=fp4 bash "$scripts/batching.sh" x y z "$TEST_TMPDIR/none.jsonl" 2>"$TEST_TMPDIR/err.txt"; then
+  echo "an unknown compute mode was accepted" >&2; exit 1
+fi
+grep -q "COMPUTE must be bf16 or fp8, not 'fp4'" "$TEST_TMPDIR/err.txt"
+echo "refusals ok"

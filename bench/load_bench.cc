@@ -4,7 +4,7 @@
 // each client count N (--concurrency), N clients each send --requests_per_client Generate requests
 // one after another (a client sends its next request when its previous reply arrives). One JSON line
 // per (setting, N) goes to --out and a table row to stdout:
-//   {"bench":"batching","mode":..,"batching":true|false,"max_batch_size":..,"concurrency":N,
+//   {"bench":"batching","mode":..,"compress":..,"compute":..,"batching":true|false,"max_batch_size":..,"concurrency":N,
 //    "images_per_s":..,"p50_s":..,"p99_s":..,"mean_batch_size":..,"requests":..,"failed":..,
 //    "size":..,"steps":..,"machine":..}
 // images_per_s = successful requests / wall time of the row; p50/p99 of the client-side latency.
@@ -47,6 +47,8 @@ ABSL_FLAG(int32_t, requests_per_client, 4, "Requests each client sends per row."
 ABSL_FLAG(int32_t, min_requests, 8, "Each row sends at least this many requests in all.");
 ABSL_FLAG(int32_t, warmup, 1, "Unmeasured requests before each batching setting.");
 ABSL_FLAG(std::string, mode, "unknown", "Label for the placement mode (resident, streamed).");
+ABSL_FLAG(std::string, compress, "none", "Label for the streamed host copy's format (none, int8_grouped, int4).");
+ABSL_FLAG(std::string, compute, "bf16", "Label for the transformer's compute mode (bf16, fp8).");
 ABSL_FLAG(std::string, machine, "unknown", "Label for the machine.");
 ABSL_FLAG(std::string, out, "", "JSON lines file to append to.");
 
@@ -101,7 +103,7 @@ int main(int argc, char** argv) {
   if (pipeline.empty()) return 1;
   std::ofstream out;
   if (!absl::GetFlag(FLAGS_out).empty()) out.open(absl::GetFlag(FLAGS_out), std::ios::app);
-  std::printf("%-9s %-6s %4s %8s %8s %8s %10s %6s\n", "mode", "batch", "N", "img/s", "p50 s", "p99 s", "mean batch",
+  std::printf("%-24s %-6s %4s %8s %8s %8s %10s %6s\n", "mode", "batch", "N", "img/s", "p50 s", "p99 s", "mean batch",
               "failed");
   int exit_code = 0;
   const bool keep = absl::GetFlag(FLAGS_batch_sizes) == "keep";
@@ -144,16 +146,19 @@ int main(int argc, char** argv) {
       const double images_per_s = static_cast<double>(latencies.size()) / wall;
       const double mean_batch = latencies.empty() ? 0 : batch_sum / static_cast<double>(latencies.size());
       const double p50 = stowage::bench::Quantile(latencies, 0.5), p99 = stowage::bench::Quantile(latencies, 0.99);
-      std::printf("%-9s %-6d %4d %8.3f %8.3f %8.3f %10.2f %6d\n", absl::GetFlag(FLAGS_mode).c_str(), batch, n,
+      const std::string label = absl::StrCat(absl::GetFlag(FLAGS_mode), "/", absl::GetFlag(FLAGS_compress), "/",
+                                             absl::GetFlag(FLAGS_compute));
+      std::printf("%-24s %-6d %4d %8.3f %8.3f %8.3f %10.2f %6d\n", label.c_str(), batch, n,
                   images_per_s, p50, p99, mean_batch, failed);
       std::fflush(stdout);
       if (out.is_open()) {
         out << absl::StrFormat(
-                   "{\"bench\":\"batching\",\"mode\":\"%s\",\"batching\":%s,\"max_batch_size\":%d,"
+                   "{\"bench\":\"batching\",\"mode\":\"%s\",\"compress\":\"%s\",\"compute\":\"%s\",\"batching\":%s,\"max_batch_size\":%d,"
                    "\"max_queue_delay_ms\":%d,\"concurrency\":%d,\"images_per_s\":%.4f,\"p50_s\":%.4f,"
                    "\"p99_s\":%.4f,\"mean_batch_size\":%.3f,\"requests\":%d,\"failed\":%d,\"size\":%d,"
                    "\"steps\":%d,\"machine\":\"%s\"}",
-                   absl::GetFlag(FLAGS_mode), batch > 1 ? "true" : "false", batch,
+                   absl::GetFlag(FLAGS_mode), absl::GetFlag(FLAGS_compress), absl::GetFlag(FLAGS_compute),
+                   batch > 1 ? "true" : "false", batch,
                    batch > 1 ? absl::GetFlag(FLAGS_max_queue_delay_ms) : 0, n, images_per_s, p50, p99, mean_batch,
                    static_cast<int>(outcomes.size()), failed, absl::GetFlag(FLAGS_size), absl::GetFlag(FLAGS_steps),
                    absl::GetFlag(FLAGS_machine))

@@ -1,5 +1,6 @@
 #include "offload/group_offload.h"
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <utility>
@@ -30,6 +31,7 @@ struct GroupOffloader::Impl {
     bool always_on = false;        // On the device for its owners' forward, not in the ring.
     bool resident = false;         // Kept on the device (budget).
     at::Tensor device_buffer;      // Resident and always-on groups while onloaded.
+    at::Tensor cache_buffer;       // Streamed group held by the spare-room cache (defined: cached).
     int slot = -1;                 // Ring slot holding this group's bytes, -1 if none.
     bool active = false;
     std::set<Module*> done;        // Members finished since onload.
@@ -72,7 +74,7 @@ struct GroupOffloader::Impl {
   std::vector<Group*> order;  // Streamed ring groups in execution order (first forward).
   bool recording = true;
   int64_t cursor = 0;         // Absolute position of the next expected ring onload.
-  GroupOffloadStats stats;
+  GroupOffloadStats stats;    // The cache_* fields are kept current here.
 
   // --- Building ---------------------------------------------------------------------------------
 
@@ -120,17 +122,65 @@ struct GroupOffloader::Impl {
     return absl::OkStatus();
   }
 
-  int64_t ReleaseSlots() {
-    if (!ring->allocated() || ring->bytes() == 0) return 0;
-    for (auto& g : groups) {
-      if (g->active) return 0;  // Inside a forward.
+  bool InsideForward() const {
+    for (const auto& g : groups) {
+      if (g->active) return true;
     }
+    return false;
+  }
+
+  int64_t ReleaseSlots() {
+    if (InsideForward()) return 0;
+    const int64_t cached = ShrinkCache(0);
+    if (!ring->allocated() || ring->bytes() == 0) return cached;
     for (int64_t s = 0; s < ring->size(); ++s) {
       if (ring->owner(s) != SlotRing::kNoOwner) groups[static_cast<size_t>(ring->owner(s))]->slot = -1;
     }
     ring->Release();  // Synchronizes: no copy or compute may still touch the buffers.
     ++stats.slot_releases;
-    return ring->bytes();
+    return ring->bytes() + cached;
+  }
+
+  // --- Spare-room cache ---------------------------------------------------------------------------
+
+  // Gives back cached groups, the last planned first, until the cache holds at most
+  // `keep` bytes. Outside a forward only. Returns the bytes freed.
+  int64_t ShrinkCache(int64_t keep) {
+    if (stats.cache_bytes <= keep) return 0;
+    // Compute work queued before may still read the buffers, and the memory may next be filled from
+    // the copy stream (another component's onload): drain the device first.
+    backend->Synchronize();
+    int64_t freed = 0;
+    for (auto it = groups.rbegin(); it != groups.rend() && stats.cache_bytes > keep; ++it) {
+      Group& g = **it;
+      if (!g.cache_buffer.defined()) continue;
+      g.cache_buffer = at::Tensor();
+      stats.cache_bytes -= g.bytes;
+      --stats.cached_groups;
+      freed += g.bytes;
+    }
+    return freed;
+  }
+
+  int64_t SetCacheAllowance(int64_t bytes) {
+    stats.cache_allowance_bytes = std::max<int64_t>(bytes, 0);
+    if (InsideForward()) return 0;  // EndForward shrinks it.
+    return ShrinkCache(stats.cache_allowance_bytes);
+  }
+
+  // `g` leaves its slot after its forward: keep a copy in the cache when the allowance has room for
+  // it. The copy runs on the compute stream, after the compute that read the slot and before the
+  // slot's release is recorded, so the slot is not refilled under it. A refused allocation just
+  // leaves the group streamed.
+  void MaybeCache(Group& g) {
+    if (g.slot < 0 || g.cache_buffer.defined() || stats.cache_bytes + g.bytes > stats.cache_allowance_bytes) return;
+    absl::StatusOr<at::Tensor> buffer = backend->AllocateBytes(g.bytes);
+    if (!buffer.ok()) return;
+    buffer->copy_(ring->buffer(g.slot).narrow(0, 0, g.bytes));
+    g.cache_buffer = *std::move(buffer);
+    stats.cache_bytes += g.bytes;
+    ++stats.cached_groups;
+    ++stats.cache_fills;
   }
 
   // Allocates the ring (slots and store scratch) if it is not: the buffers come from the compute
@@ -251,12 +301,18 @@ struct GroupOffloader::Impl {
       }
     }
     const int64_t slot_index = (pos >= 0 ? pos : cursor) % n;
-    if (g.slot < 0) {  // Not prefetched, nor still there from its last run.
-      ++stats.sync_onloads;
-      LoadIntoSlot(g, slot_index);
+    if (g.cache_buffer.defined()) {  // Kept by the spare-room cache: nothing to copy.
+      ++stats.cache_hits;
+      stats.cache_hit_bytes += g.bytes;
+      PointAt(g, g.cache_buffer);
+    } else {
+      if (g.slot < 0) {  // Not prefetched, nor still there from its last run.
+        ++stats.sync_onloads;
+        LoadIntoSlot(g, slot_index);
+      }
+      ring->ComputeStreamWaitCopied(g.slot);
+      PointAt(g, ring->buffer(g.slot));
     }
-    ring->ComputeStreamWaitCopied(g.slot);
-    PointAt(g, ring->buffer(g.slot));
     g.active = true;
     g.done.clear();
     if (pos >= 0) cursor = pos + 1;
@@ -266,7 +322,7 @@ struct GroupOffloader::Impl {
     for (int64_t k = 1; k <= ahead && pos >= 0; ++k) {
       Group& next = *order[static_cast<size_t>((pos + k) % length)];
       const int64_t s = (pos + k) % n;
-      if (&next == &g || next.resident) continue;
+      if (&next == &g || next.resident || next.cache_buffer.defined()) continue;
       if (next.slot == s) continue;
       if (next.active) continue;
       // Never overwrite a slot that a running group reads (possible after an out-of-order onload
@@ -293,7 +349,7 @@ struct GroupOffloader::Impl {
     for (int64_t k = 0; k < std::max<int64_t>(ahead, 1); ++k) {
       Group& next = *order[static_cast<size_t>((cursor + k) % length)];
       const int64_t s = (cursor + k) % n;
-      if (next.resident || next.slot == s) continue;
+      if (next.resident || next.cache_buffer.defined() || next.slot == s) continue;
       LoadIntoSlot(next, s);
       ++stats.prefetches;
       ++stats.early_prefetches;
@@ -310,6 +366,7 @@ struct GroupOffloader::Impl {
       g.device_buffer = at::Tensor();
       return;
     }
+    MaybeCache(g);
     if (g.slot >= 0) ring->RecordReleased(g.slot);
   }
 
@@ -322,6 +379,9 @@ struct GroupOffloader::Impl {
 
   void EndForward() {
     ++stats.forwards;
+    // An allowance lowered during the forward takes effect now (the root's post hook: every group
+    // is put away by then).
+    if (stats.cache_bytes > stats.cache_allowance_bytes && !InsideForward()) ShrinkCache(stats.cache_allowance_bytes);
     if (recording) {
       recording = false;
       cursor = 0;
@@ -335,6 +395,7 @@ struct GroupOffloader::Impl {
     for (auto& g : groups) {
       PointAway(*g);
       g->device_buffer = at::Tensor();
+      g->cache_buffer = at::Tensor();
     }
     if (ring) ring->Release();
     store.reset();  // Unregisters memory pinned in place, frees the staging ring.
@@ -365,12 +426,19 @@ GroupOffloadStats GroupOffloader::stats() const {
 }
 
 int64_t GroupOffloader::device_bytes() const {
-  return (impl_->ring->allocated() ? impl_->ring->bytes() : 0) + impl_->stats.resident_bytes;
+  return (impl_->ring->allocated() ? impl_->ring->bytes() : 0) + impl_->stats.resident_bytes +
+         impl_->stats.cache_bytes;
 }
 
-bool GroupOffloader::holds_slots() const { return impl_->ring->allocated() && impl_->ring->bytes() > 0; }
+bool GroupOffloader::holds_slots() const {
+  return (impl_->ring->allocated() && impl_->ring->bytes() > 0) || impl_->stats.cache_bytes > 0;
+}
 
 int64_t GroupOffloader::ReleaseSlots() { return impl_->ReleaseSlots(); }
+
+int64_t GroupOffloader::SetCacheAllowance(int64_t bytes) { return impl_->SetCacheAllowance(bytes); }
+
+int64_t GroupOffloader::cache_bytes() const { return impl_->stats.cache_bytes; }
 
 absl::StatusOr<int64_t> GroupOffloader::PrefetchNextForward() { return impl_->PrefetchNextForward(); }
 

@@ -46,6 +46,15 @@
 // Budget: with budget_bytes > 0 the planner keeps resident the groups that minimise the bytes
 // streamed per forward, subject to resident + always-on + slots <= budget, and streams the rest.
 //
+// Spare-room cache (SetCacheAllowance): device memory the budget has free for now (placement
+// grants it before a run, PlacementManager::set_streamed_group_cache) keeps streamed groups on the
+// device between forwards. A streamed group leaving its slot after its forward is copied, device
+// to device, into a buffer of its own while the cache has room under the allowance; its next
+// onloads point at that buffer and copy nothing (prefetch skips it). The cache is given back with
+// the slots (ReleaseSlots: when another component runs, or memory is needed) and shrinks to a
+// smaller allowance at once. What is cached is the group as the compute reads it (widened when
+// compressed), so outputs are the same with or without it.
+//
 // Ownership (thread-safety): a GroupOffloader is device state. Only the device's worker thread
 // (runtime/device_worker.h) may Apply, destroy (Remove), ReleaseSlots, or run forwards of the
 // module through it, one at a time, and only it calls the accessors (stats(), device_bytes(),
@@ -152,6 +161,14 @@ struct GroupOffloadStats {
   std::string compress = "none";
   int64_t compressed_host_bytes = 0;
   int64_t bytes_per_forward = 0;
+  // Spare-room cache: its allowance now, the groups and bytes it holds now, onloads it served (no
+  // copy), the bytes those onloads did not copy, and groups it took in since Apply.
+  int64_t cache_allowance_bytes = 0;
+  int cached_groups = 0;
+  int64_t cache_bytes = 0;
+  int64_t cache_hits = 0;
+  int64_t cache_hit_bytes = 0;
+  int64_t cache_fills = 0;
 };
 
 class GroupOffloader {
@@ -171,15 +188,23 @@ class GroupOffloader {
   const GroupOffloadOptions& options() const { return options_; }
   GroupOffloadStats stats() const;
 
-  // Device bytes held now: the ring's slots and the store's scratch while allocated, and the
-  // resident groups.
+  // Device bytes held now: the ring's slots and the store's scratch while allocated, the resident
+  // groups and the spare-room cache.
   int64_t device_bytes() const;
-  // True while the ring's slots are allocated (what ReleaseSlots would free).
+  // True while the ring's slots are allocated or the cache holds groups (what ReleaseSlots would
+  // free).
   bool holds_slots() const;
-  // Frees the ring's slots while the component is idle, so that other components can use that
-  // memory; its next forward allocates them again (a device out-of-memory error there is thrown as
-  // DeviceOutOfMemory, like any onload). Does nothing during a forward. Returns the bytes freed.
+  // Frees the ring's slots and the spare-room cache while the component is idle, so that other
+  // components can use that memory; its next forward allocates the slots again (a device
+  // out-of-memory error there is thrown as DeviceOutOfMemory, like any onload). Does nothing during
+  // a forward. Returns the bytes freed.
   int64_t ReleaseSlots();
+  // The spare-room cache may hold up to `bytes` (>= 0; 0: none, the default) from now on: cached
+  // groups beyond it are given back at once when idle (during a forward, at its end). Returns the
+  // bytes freed.
+  int64_t SetCacheAllowance(int64_t bytes);
+  // The bytes the spare-room cache holds now.
+  int64_t cache_bytes() const;
   // Starts the next forward early: allocates the ring if it was released and copies the groups that
   // forward onloads first (prefetch_depth of them, at least one) into their slots on the copy
   // stream, returning at once, so the copies overlap whatever the device computes meanwhile (another

@@ -375,6 +375,80 @@ TEST(GroupOffloadTest, ReleasedSlotsComeBackOnTheNextForwardOrFailAsOutOfMemory)
   EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
 }
 
+// The spare-room cache: under an allowance, streamed groups stay on the device after a forward and
+// the next forward copies only the ones that did not fit; outputs stay the reference's; the cache
+// counts in device_bytes, shrinks to a lower allowance at once, and goes back with the slots.
+TEST(GroupOffloadTest, TheSpareRoomCacheKeepsStreamedGroupsWithinItsAllowance) {
+  for (const bool stream : {false, true}) {
+    SCOPED_TRACE(stream ? "with a copy stream" : "without");
+    Fixture f;
+    auto applied = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend,
+                                         Opts(OffloadType::kBlockLevel, 1, stream, OffloadTarget::kPinnedHost));
+    ASSERT_TRUE(applied.ok()) << applied.status();
+    GroupOffloader& offloader = **applied;
+    const GroupOffloadStats planned = offloader.stats();
+    ASSERT_GE(planned.streamed_groups, 3);
+    const int64_t ring = planned.slots * planned.slot_bytes + planned.scratch_bytes;
+    const auto h2d = [&] { return f.backend->GetMemoryStats().host_to_device_bytes; };
+    // No allowance (the default): every forward copies every streamed group.
+    int64_t copied = h2d();
+    EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+    const int64_t per_forward = h2d() - copied;
+    ASSERT_GT(per_forward, 0);
+    EXPECT_EQ(offloader.cache_bytes(), 0);
+    EXPECT_EQ(offloader.stats().cached_groups, 0);
+
+    // Room for two blocks (the stack's streamed groups are equal blocks): two are kept.
+    const int64_t block = planned.slot_bytes;
+    EXPECT_EQ(offloader.SetCacheAllowance(2 * block + block / 2), 0);
+    EXPECT_EQ(offloader.stats().cache_allowance_bytes, 2 * block + block / 2);
+    copied = h2d();
+    EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+    EXPECT_EQ(h2d() - copied, per_forward);  // The forward that fills the cache still copies all.
+    EXPECT_EQ(offloader.stats().cached_groups, 2);
+    EXPECT_EQ(offloader.cache_bytes(), 2 * block);
+    EXPECT_EQ(offloader.device_bytes(), ring + 2 * block);
+    EXPECT_EQ(f.backend->GetMemoryStats().allocated_bytes, ring + 2 * block + planned.resident_bytes);
+    copied = h2d();
+    const int64_t hits = offloader.stats().cache_hits;
+    EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+    EXPECT_EQ(h2d() - copied, per_forward - 2 * block);  // The cached two are not copied.
+    EXPECT_EQ(offloader.stats().cache_hits, hits + 2);
+    EXPECT_EQ(offloader.stats().cache_hit_bytes, 2 * block);
+    // Another order reads cached groups out of order: still exact.
+    EXPECT_TRUE(at::equal(f.Run(StackOrder::kReverse), f.reverse_reference));
+    EXPECT_TRUE(at::equal(f.Run(StackOrder::kRepeatFirst), f.repeat_reference));
+
+    // A lower allowance gives back what is over it at once.
+    const int64_t allocated = f.backend->GetMemoryStats().allocated_bytes;
+    EXPECT_EQ(offloader.SetCacheAllowance(block), block);
+    EXPECT_EQ(offloader.cache_bytes(), block);
+    EXPECT_EQ(f.backend->GetMemoryStats().allocated_bytes, allocated - block);
+    // ReleaseSlots frees the ring and the cache.
+    EXPECT_TRUE(offloader.holds_slots());
+    EXPECT_EQ(offloader.ReleaseSlots(), ring + block);
+    EXPECT_EQ(offloader.cache_bytes(), 0);
+    EXPECT_EQ(offloader.device_bytes(), planned.resident_bytes);
+    EXPECT_FALSE(offloader.holds_slots());
+    // The allowance stays: the next forward fills the cache again, the one after copies less.
+    EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+    EXPECT_EQ(offloader.cache_bytes(), block);
+    copied = h2d();
+    EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+    EXPECT_EQ(h2d() - copied, per_forward - block);
+    // Allowance 0: the cache empties; a budget with no room beyond the ring leaves groups streamed
+    // (the allocation is refused, the forward still runs).
+    EXPECT_EQ(offloader.SetCacheAllowance(0), block);
+    EXPECT_EQ(offloader.cache_bytes(), 0);
+    ASSERT_TRUE(f.backend->SetMemoryBudget(f.backend->GetMemoryStats().allocated_bytes + block / 2).ok());
+    EXPECT_EQ(offloader.SetCacheAllowance(10 * block), 0);
+    f.backend->ResetPeakStats();
+    EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+    EXPECT_EQ(offloader.cache_bytes(), 0);
+    EXPECT_LE(f.backend->GetMemoryStats().peak_allocated_bytes, f.backend->GetMemoryStats().budget_bytes);
+  }
+}
+
 TEST(GroupOffloadTest, PinnedCopiesFromASafetensorsMappingDropItsPages) {
   Fixture f;
   // The weights as a loader leaves them: views of a mapped safetensors file.
@@ -472,7 +546,9 @@ TEST(GroupOffloadTest, DepthZeroIsChosenPerLevel) {
     auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, options);
     ASSERT_TRUE(offloader.ok()) << offloader.status();
     EXPECT_EQ((*offloader)->options().prefetch_depth, c.depth);
-    if (c.budget == 0) EXPECT_EQ((*offloader)->stats().slots, c.depth + 1);
+    if (c.budget == 0) {
+      EXPECT_EQ((*offloader)->stats().slots, c.depth + 1);
+    }
     EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
   }
   Fixture f;

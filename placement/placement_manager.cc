@@ -331,6 +331,25 @@ void PlacementManager::ReleaseIdleSlots(const Entry* running, bool keep_prefetch
   }
 }
 
+void PlacementManager::GrantGroupCache(Entry& entry, int64_t working_set) {
+  int64_t allowance = 0;
+  if (streamed_group_cache_ && entry.ran) {
+    const int64_t free = FreeBytes();
+    const int64_t cached = entry.group_offload->cache_bytes();
+    if (free == INT64_MAX) {
+      allowance = INT64_MAX;  // No budget.
+    } else {
+      allowance = cached + std::max<int64_t>(free - working_set - entry.run_headroom - streamed_group_cache_margin_, 0);
+    }
+  }
+  const int64_t before = FreeBytes();
+  const int64_t freed = entry.group_offload->SetCacheAllowance(allowance);
+  if (freed > 0) {
+    Record(entry.id, "release_group_cache", freed, before,
+           absl::StrCat("its spare-room cache above the room its run leaves (", allowance, " bytes)"));
+  }
+}
+
 void PlacementManager::ClearGroupPrefetch(Entry& entry) {
   entry.prefetched = false;
   if (entry.group_prefetch_bytes > 0) entry.prefetched_for.clear();
@@ -789,6 +808,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
       EvictBefore(*entry, working_set + entry->run_headroom,
                   absl::StrCat("make room for group-offloaded ", entry->id, "'s working set",
                                HeadroomNote(entry->run_headroom)));
+      GrantGroupCache(*entry, working_set);
     } else if (entry->state == ComponentState::kOffloaded) {
       RETURN_IF_ERROR(MakeResident(*entry));
     } else {
@@ -806,9 +826,15 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
   // What the run allocates beyond what is there now (less the working set a group-offloaded one
   // allocates when its slots were released), for the room made before its next run.
   int64_t window_start = backend_->BeginPeakWindow();
+  // The spare-room cache grows during a run, and is not what the run needs: a run whose cache stayed
+  // the same (every forward but a request's first) measures the headroom, the larger wins.
+  const int64_t cache_before = entry->group_offload ? entry->group_offload->cache_bytes() : 0;
   const auto learn_headroom = [&] {
-    const int64_t grown = backend_->WindowPeakAllocated() - window_start - working_set;
+    const int64_t cache_grown =
+        entry->group_offload ? std::max<int64_t>(entry->group_offload->cache_bytes() - cache_before, 0) : 0;
+    const int64_t grown = backend_->WindowPeakAllocated() - window_start - working_set - cache_grown;
     entry->run_headroom = std::max(entry->run_headroom, grown);
+    entry->ran = true;
   };
   absl::Status status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
   if (status.ok()) learn_headroom();
@@ -817,6 +843,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     // group-offload the component and try again.
     const int64_t before = FreeBytes();
     Record(entry->id, "oom", 0, before, std::string(status.message()));
+    if (entry->group_offload) entry->group_offload->SetCacheAllowance(0);  // Its cache first.
     EvictAllBut(*entry, absl::StrCat("out of memory running ", entry->id));
     backend_->ReleaseCachedMemory();
     window_start = backend_->BeginPeakWindow();

@@ -79,7 +79,7 @@ struct PlacementDecision {
   absl::Time time;
   std::string request_id;
   std::string component;  // Component id.
-  std::string action;     // "onload", "offload", "group_offload", "release_cache", "release_graphs", "oom".
+  std::string action;     // "onload", "offload", "group_offload", "release_slots", "release_group_cache", "oom", ...
   int64_t bytes = 0;
   int64_t free_before = 0;
   int64_t free_after = 0;
@@ -263,6 +263,15 @@ class PlacementManager : public ComponentRunner {
   // unused, and the strategy may move it again (a component its last run used that this one did
   // not, say an image encoder).
   void EndPipelineRun(const std::string& pipeline);
+  // The spare-room cache of group-offloaded components (DeviceConfig.streamed_group_cache; off by
+  // default): before each run of one that ran before, GroupOffloader::SetCacheAllowance with what it
+  // holds in its cache plus the free device bytes less its working set still to allocate, its run
+  // headroom and `margin_bytes`; 0 for its first run and when off. Its cache goes back with its
+  // slots when another component runs (ReleaseIdleSlots) and before an out-of-memory retry.
+  void set_streamed_group_cache(bool on, int64_t margin_bytes) {
+    streamed_group_cache_ = on;
+    streamed_group_cache_margin_ = margin_bytes;
+  }
   // Cross-pipeline prefetch on or off (DeviceConfig.prefetch_next_pipeline; default on).
   void set_prefetch_next_pipeline(bool on) { prefetch_next_pipeline_ = on; }
   bool prefetch_next_pipeline() const { return prefetch_next_pipeline_; }
@@ -330,6 +339,8 @@ class PlacementManager : public ComponentRunner {
     // so far: room made before it runs again, so that its run does not fail out of memory and
     // throw everything else off the device in the recovery. Grows only.
     int64_t run_headroom = 0;
+    // A run of it completed (its run headroom is known).
+    bool ran = false;
     // Moved to a peer by peer eviction: no longer registered here; removed at the next sweep
     // (entries_ may be being iterated when it moves).
     bool moved = false;
@@ -340,6 +351,10 @@ class PlacementManager : public ComponentRunner {
   void Settle(Entry& entry);
   // Settle, and a pipeline prefetch not run counts as unused (it is moved or released).
   void DropPrefetch(Entry& entry);
+  // Before a run of group-offloaded `entry` whose working set still to allocate is `working_set`:
+  // its spare-room cache allowance (see set_streamed_group_cache), recorded as "release_group_cache" when
+  // that gives cached bytes back.
+  void GrantGroupCache(Entry& entry, int64_t working_set);
   // Entry::prefetched and the group prefetch's fields back to none.
   void ClearGroupPrefetch(Entry& entry);
   // A pipeline prefetch of `entry` not run counts as unused, and loses its mark.
@@ -401,6 +416,8 @@ class PlacementManager : public ComponentRunner {
   PlacementCounters counters_;
   bool prefetch_next_component_ = true;
   bool prefetch_next_pipeline_ = true;
+  bool streamed_group_cache_ = false;
+  int64_t streamed_group_cache_margin_ = 0;
   bool pin_host_copies_ = false;
   int64_t host_budget_ = 0;
   int64_t run_changes_ = 0;  // See run_changes().

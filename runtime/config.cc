@@ -374,6 +374,8 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config, c
                                      "none"));
     RETURN_IF_ERROR(CheckNonNegative(absl::StrCat(path, ".peer_bandwidth_bytes_per_second"),
                                      device.peer_bandwidth_bytes_per_second(), "peer eviction off"));
+    RETURN_IF_ERROR(CheckNonNegative(absl::StrCat(path, ".streamed_group_cache.margin_bytes"),
+                                     device.streamed_group_cache().margin_bytes(), "the default margin"));
     RETURN_IF_ERROR(CheckNonNegative(absl::StrCat(path, ".host_memory_budget_bytes"),
                                      device.host_memory_budget_bytes(), "no host memory budget"));
     RETURN_IF_ERROR(CheckNonNegative(absl::StrCat(path, ".host_to_device_bandwidth_bytes_per_second"),

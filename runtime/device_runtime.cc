@@ -90,6 +90,10 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
                                             ? config.device().pin_host_copies()
                                             : config.device().memory_budget_bytes() > 0);
   core->placement_->set_host_memory_budget(config.device().host_memory_budget_bytes());
+  if (config.device().streamed_group_cache().enabled()) {
+    const int64_t margin = config.device().streamed_group_cache().margin_bytes();
+    core->placement_->set_streamed_group_cache(true, margin > 0 ? margin : int64_t{256} << 20);
+  }
   if (config.device().peer_bandwidth_bytes_per_second() > 0) {
     PeerEviction peer;
     peer.peer_bytes_per_second = static_cast<double>(config.device().peer_bandwidth_bytes_per_second());

@@ -95,6 +95,78 @@ TEST(PlacementManagerTest, ComponentLifecycleFollowsItsPipelines) {
   EXPECT_TRUE(s.placement.Snapshot().empty());
 }
 
+// The spare-room cache (set_streamed_group_cache): a streamed transformer's later steps copy only
+// what the free room could not keep; the image is the same; the cache goes back with the slots when
+// the VAE runs; under a budget it takes only the room left beside the run, and never more.
+TEST(PlacementManagerTest, TheSpareRoomCacheKeepsStreamedGroupsBetweenStepsWithinTheBudget) {
+  GenerationParams params = HarbourParams();
+  params.steps = 4;
+  Harness plain;
+  RunContext plain_context(nullptr, nullptr);
+  auto expected = plain.pipeline->Run(params, plain.placement, plain_context);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+
+  Harness s;
+  s.placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
+  GroupOffloadOptions options;
+  options.use_stream = true;
+  ASSERT_TRUE(s.placement.EnableGroupOffload("tiny/transformer", options).ok());
+  const auto generate = [&] {
+    RunContext context(nullptr, nullptr);
+    return s.pipeline->Run(params, s.placement, context);
+  };
+  const auto stats = [&] { return *s.placement.GroupOffloadStatsOf("tiny/transformer"); };
+  const int groups = stats().streamed_groups;
+  ASSERT_GT(groups, 1);
+  const int64_t ring = stats().slots * stats().slot_bytes + stats().scratch_bytes;
+
+  // No budget: its first step (run headroom unknown) caches nothing, the second keeps every streamed
+  // group, the last two copy none of them.
+  auto image = generate();
+  ASSERT_TRUE(image.ok()) << image.status();
+  EXPECT_EQ(image->rgb, expected->rgb);
+  EXPECT_EQ(stats().cache_hits, 2 * groups);
+  EXPECT_EQ(stats().cache_hit_bytes, 2 * stats().streamed_bytes);
+  // The VAE ran last: the transformer's ring and cache went back, recorded with their bytes.
+  EXPECT_EQ(stats().cache_bytes, 0);
+  EXPECT_EQ(s.View("transformer").device_bytes, 0);
+  int64_t released = 0;
+  for (const PlacementDecision& d : s.placement.DecisionLog(100)) {
+    if (d.component == "tiny/transformer" && d.action == "release_slots") released = d.bytes;
+  }
+  EXPECT_EQ(released, ring + stats().streamed_bytes);
+  // The next request caches from its first step (the headroom is known now).
+  ASSERT_TRUE(generate().ok());
+  EXPECT_EQ(stats().cache_hits, 5 * groups);
+
+  // A budget with room for the working set, the margin and two streamed groups: two are kept, the
+  // rest stream every step, and nothing ever goes over the budget.
+  const int64_t group = stats().slot_bytes;  // The tiny transformer's blocks are equal.
+  const DeviceMemoryStats now = s.backend->GetMemoryStats();
+  const int64_t budget = now.context_bytes + now.allocated_bytes + s.placement.GroupOffloadStatsOf("tiny/transformer")
+                                                                      ->working_set_bytes - stats().resident_bytes +
+                         256 + 2 * group + group / 2;
+  ASSERT_TRUE(s.backend->SetMemoryBudget(budget).ok());
+  s.backend->ResetPeakStats();
+  const int64_t hits = stats().cache_hits, hit_bytes = stats().cache_hit_bytes;
+  const int64_t h2d = s.backend->GetMemoryStats().host_to_device_bytes;
+  image = generate();
+  ASSERT_TRUE(image.ok()) << image.status();
+  EXPECT_EQ(image->rgb, expected->rgb);
+  EXPECT_EQ(stats().cache_hits - hits, 3 * 2);  // Steps 2-4, two groups each.
+  EXPECT_LE(s.backend->GetMemoryStats().peak_allocated_bytes + now.context_bytes, budget);
+  // Steps 2-4 copy at most what the two cached groups leave (less when the groups that still stream
+  // fit the ring's slots and stay there between steps).
+  EXPECT_EQ(stats().cache_hit_bytes - hit_bytes, 3 * 2 * group);
+  EXPECT_LE(s.backend->GetMemoryStats().host_to_device_bytes - h2d, 4 * stats().bytes_per_forward - 3 * 2 * group);
+  // Off again: nothing is cached.
+  s.placement.set_streamed_group_cache(false, 0);
+  const int64_t hits_off = stats().cache_hits;
+  ASSERT_TRUE(generate().ok());
+  EXPECT_EQ(stats().cache_hits, hits_off);
+  EXPECT_EQ(stats().cache_allowance_bytes, 0);
+}
+
 TEST(PlacementManagerTest, GroupOffloadedComponentPlacesItselfAndKeepsTheImageExact) {
   Harness plain;
   auto expected = plain.Generate();

@@ -115,7 +115,12 @@ std::string FormatPlacement(const v1::GetPlacementResponse& r) {
     }
     if (g.pinned_in_place_bytes() > 0) absl::StrAppend(&out, ", pinned in place ", HumanBytes(g.pinned_in_place_bytes()));
     if (!g.pin_in_place_error().empty()) absl::StrAppend(&out, ", not pinned: ", g.pin_in_place_error());
-    absl::StrAppend(&out, "; ", g.forwards(), " forwards\n");
+    absl::StrAppend(&out, "; ", g.forwards(), " forwards");
+    if (g.cache_hits() > 0 || g.cache_bytes() > 0) {
+      absl::StrAppend(&out, "; spare-room cache ", g.cached_groups(), " groups (", HumanBytes(g.cache_bytes()), "), ",
+                      g.cache_hits(), " onloads served (", HumanBytes(g.cache_hit_bytes()), " not copied)");
+    }
+    absl::StrAppend(&out, "\n");
   }
   for (const std::string& w : r.warnings()) absl::StrAppend(&out, "  warning: ", w, "\n");
   return out;

@@ -33,5 +33,26 @@ TEST(FormatTest, PlacementCountsTheNextPipelinesPrefetchesWhenThereAreAny) {
   EXPECT_NE(text.find("pipeline prefetches: 3 (6.00 MiB), 2 used, 1 moved off unused\n"), std::string::npos) << text;
 }
 
+// A group-offloaded component's line names its spare-room cache once it holds or served anything.
+TEST(FormatTest, PlacementNamesTheSpareRoomCacheWhenItWasUsed) {
+  v1::GetPlacementResponse r;
+  r.set_device("sim:0");
+  v1::ComponentPlacement* c = r.add_components();
+  c->set_id("flux/transformer");
+  c->set_state(v1::ComponentPlacement::GROUP_OFFLOADED);
+  v1::GroupOffloadStatus* g = c->mutable_group_offload();
+  g->set_streamed_groups(4);
+  g->set_forwards(3);
+  EXPECT_EQ(FormatPlacement(r).find("spare-room cache"), std::string::npos);
+  g->set_cached_groups(2);
+  g->set_cache_bytes(int64_t{4} << 20);
+  g->set_cache_hits(4);
+  g->set_cache_hit_bytes(int64_t{8} << 20);
+  const std::string text = FormatPlacement(r);
+  EXPECT_NE(text.find("; 3 forwards; spare-room cache 2 groups (4.00 MiB), 4 onloads served (8.00 MiB not copied)\n"),
+            std::string::npos)
+      << text;
+}
+
 }  // namespace
 }  // namespace stowage

@@ -229,6 +229,75 @@ TEST(TwoPipelinesTest, EveryComponentGroupOffloadedWithDefaultsGivesTheSameImage
   }
 }
 
+// The spare-room cache through the real server: both pipelines' transformers streamed under one
+// budget with DeviceConfig.streamed_group_cache on; every image is the one an unbudgeted server draws,
+// every request's peak stays within the budget, the requests copy fewer bytes in all than the same
+// requests with the cache off (the cache only takes room nothing else holds: here the first Z-Image
+// request's later steps), and GetPlacement reports the onloads it served.
+TEST(TwoPipelinesTest, TheSpareRoomCacheCopiesLessWithinTheBudgetAndKeepsTheImages) {
+  const auto request = [](const std::string& pipeline) {
+    v1::GenerateRequest r = Request(pipeline, 1);
+    r.set_num_inference_steps(4);
+    return r;
+  };
+  std::map<std::string, std::string> reference;
+  std::map<std::string, std::vector<std::string>> others;  // Pipeline → its components but the transformer.
+  std::map<std::string, int64_t> weights;
+  {
+    E2eServer plain(TwoPipelines(0));
+    ASSERT_TRUE(plain.ok());
+    v1::ListPipelinesResponse list;
+    ASSERT_TRUE(plain.Pipelines(&list).ok());
+    for (const auto& p : list.pipelines()) {
+      for (const auto& c : p.components()) {
+        if (c.name() != "transformer") others[p.name()].push_back(c.name());
+        weights[p.name()] += c.weight_bytes();
+      }
+    }
+    for (const std::string pipeline : {"z", "f"}) {
+      v1::GenerateResponse response;
+      ASSERT_TRUE(plain.Generate(request(pipeline), &response).ok());
+      reference[pipeline] = response.image();
+    }
+  }
+  // Either pipeline's weights with room to spare, not both.
+  const int64_t budget = std::max(weights["z"], weights["f"]) + std::min(weights["z"], weights["f"]) / 2;
+  std::map<bool, int64_t> copied;  // Cache on or off → host-to-device bytes of all its requests.
+  for (const bool cache : {false, true}) {
+    SCOPED_TRACE(cache ? "cache on" : "cache off");
+    v1::ServerConfig config = TwoPipelines(budget);
+    for (auto& p : *config.mutable_pipelines()) {  // The transformers streamed, the rest placed whole.
+      p.mutable_group_offload()->set_enabled(true);
+      p.mutable_group_offload()->mutable_defaults()->set_use_stream(true);
+      for (const std::string& name : others[p.name()]) p.mutable_group_offload()->add_exclude(name);
+    }
+    config.mutable_device()->mutable_streamed_group_cache()->set_enabled(cache);
+    config.mutable_device()->mutable_streamed_group_cache()->set_margin_bytes(1 << 20);
+    E2eServer server(config);
+    ASSERT_TRUE(server.ok());
+    for (const std::string pipeline : {"z", "f", "z", "f", "z"}) {
+      v1::GenerateResponse response;
+      const grpc::Status status = server.Generate(request(pipeline), &response);
+      ASSERT_TRUE(status.ok()) << pipeline << ": " << status.error_message();
+      EXPECT_EQ(response.image(), reference[pipeline]) << pipeline;
+      EXPECT_LE(response.stats().peak_device_memory_bytes(), budget) << pipeline;
+      copied[cache] += response.stats().host_to_device_bytes();
+    }
+    v1::GetPlacementResponse placement;
+    ASSERT_TRUE(server.admin().GetPlacement(E2eServer::Authed().get(), v1::GetPlacementRequest(), &placement).ok());
+    int64_t hits = 0;
+    for (const auto& c : placement.components()) {
+      if (c.has_group_offload()) hits += c.group_offload().cache_hits();
+    }
+    if (cache) {
+      EXPECT_GT(hits, 0);
+    } else {
+      EXPECT_EQ(hits, 0);
+    }
+  }
+  EXPECT_LT(copied[true], copied[false]);
+}
+
 // What Flux refuses comes back as a clear status naming the field, and the server keeps serving both.
 TEST(TwoPipelinesTest, FluxRequestsWithANegativePromptAreRefusedSayingWhy) {
   E2eServer server(TwoPipelines(0));

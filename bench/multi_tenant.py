@@ -10,7 +10,7 @@ unbudgeted server that keeps everything resident.
         [--flux_compress none|int8|int4] [--flux_keep_gib 4] [--keep_resident zimage/text_encoder]
         [--text_encoder_compress none|int8|int4]
         [--zimage_ft_compress off|none|int8|int4] [--zimage_ft_keep_gib 0]
-        [--compute bf16|fp8] [--max_batch_size 1] [--max_queue_delay_ms 0] [--batch_in resident,fifo,scheduler]
+        [--streamed_group_cache] [--compute bf16|fp8] [--max_batch_size 1] [--max_queue_delay_ms 0] [--batch_in resident,fifo,scheduler]
         [--device cuda|sim] [--dtype bfloat16]
         [--machine M] [--commit C]
 
@@ -211,7 +211,8 @@ def config_text(budget_bytes, strategy, reorder_ms, pin=False):
     every strategy: its budget is set at run time, and its moves should run at the link's speed)."""
     kind = "KIND_SIMULATED" if ARGS.device == "sim" else "KIND_CUDA"
     pinned = " pin_host_copies: true" if pin else ""
-    device = f"device {{ kind: {kind} memory_budget_bytes: {budget_bytes}{pinned} }}"
+    cache = " streamed_group_cache { enabled: true }" if ARGS.streamed_group_cache else ""
+    device = f"device {{ kind: {kind} memory_budget_bytes: {budget_bytes}{pinned}{cache} }}"
     sources = {"zimage": (ARGS.zimage, ""), "zimage-ft": (ARGS.zimage, "transformer"),
                "flux-dev": (ARGS.flux, ""), "flux-schnell": (ARGS.flux, "transformer")}
     pipelines = ""
@@ -348,7 +349,8 @@ def rows_for(strategy, results, start, end, budget, smi_peak, resident):
                "placement": {} if strategy == "resident" else {
                    "flux_compress": ARGS.flux_compress, "flux_keep_gib": ARGS.flux_keep_gib,
                    "text_encoder_compress": ARGS.text_encoder_compress,
-                   "zimage_ft_compress": ARGS.zimage_ft_compress, "zimage_ft_keep_gib": ARGS.zimage_ft_keep_gib},
+                   "zimage_ft_compress": ARGS.zimage_ft_compress, "zimage_ft_keep_gib": ARGS.zimage_ft_keep_gib,
+                   "streamed_group_cache": ARGS.streamed_group_cache},
                "machine": ARGS.machine,
                "commit": ARGS.commit}
         own = (row["p50_s"], row["p99_s"]) if strategy == "resident" else resident.get(pipeline)
@@ -588,6 +590,9 @@ def main():
     s.add_argument("--text_encoder_compress", choices=["none", "int8", "int4"], default="none",
                    help="the streamed Qwen3 and T5 (not --keep_resident ones) from an int8 (grouped) or int4 host copy")
     s.add_argument("--flux_keep_gib", type=float, default=4.0)
+    s.add_argument("--streamed_group_cache", action="store_true",
+                   help="DeviceConfig.streamed_group_cache on: a streamed transformer keeps what the budget's "
+                        "free room holds of its groups between the steps of a request")
     s.add_argument("--zimage_ft_compress", choices=["off", "none", "int8", "int4"], default="off",
                    help="stream the fine-tune's transformer (none: bf16, or compressed) instead of moving it "
                         "whole (off, the default)")

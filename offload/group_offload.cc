@@ -130,15 +130,13 @@ struct GroupOffloader::Impl {
   }
 
   int64_t ReleaseSlots() {
-    if (InsideForward()) return 0;
-    const int64_t cached = ShrinkCache(0);
-    if (!ring->allocated() || ring->bytes() == 0) return cached;
+    if (InsideForward() || !ring->allocated() || ring->bytes() == 0) return 0;
     for (int64_t s = 0; s < ring->size(); ++s) {
       if (ring->owner(s) != SlotRing::kNoOwner) groups[static_cast<size_t>(ring->owner(s))]->slot = -1;
     }
     ring->Release();  // Synchronizes: no copy or compute may still touch the buffers.
     ++stats.slot_releases;
-    return ring->bytes() + cached;
+    return ring->bytes();
   }
 
   // --- Spare-room cache ---------------------------------------------------------------------------
@@ -430,9 +428,7 @@ int64_t GroupOffloader::device_bytes() const {
          impl_->stats.cache_bytes;
 }
 
-bool GroupOffloader::holds_slots() const {
-  return (impl_->ring->allocated() && impl_->ring->bytes() > 0) || impl_->stats.cache_bytes > 0;
-}
+bool GroupOffloader::holds_slots() const { return impl_->ring->allocated() && impl_->ring->bytes() > 0; }
 
 int64_t GroupOffloader::ReleaseSlots() { return impl_->ReleaseSlots(); }
 

@@ -50,10 +50,10 @@
 // grants it before a run, PlacementManager::set_streamed_group_cache) keeps streamed groups on the
 // device between forwards. A streamed group leaving its slot after its forward is copied, device
 // to device, into a buffer of its own while the cache has room under the allowance; its next
-// onloads point at that buffer and copy nothing (prefetch skips it). The cache is given back with
-// the slots (ReleaseSlots: when another component runs, or memory is needed) and shrinks to a
-// smaller allowance at once. What is cached is the group as the compute reads it (widened when
-// compressed), so outputs are the same with or without it.
+// onloads point at that buffer and copy nothing (prefetch skips it). The cache outlives the slots
+// (ReleaseSlots leaves it) and shrinks to a smaller allowance at once (SetCacheAllowance: placement
+// lowers it when another component needs the room). What is cached is the group as the compute
+// reads it (widened when compressed), so outputs are the same with or without it.
 //
 // Ownership (thread-safety): a GroupOffloader is device state. Only the device's worker thread
 // (runtime/device_worker.h) may Apply, destroy (Remove), ReleaseSlots, or run forwards of the
@@ -191,17 +191,16 @@ class GroupOffloader {
   // Device bytes held now: the ring's slots and the store's scratch while allocated, the resident
   // groups and the spare-room cache.
   int64_t device_bytes() const;
-  // True while the ring's slots are allocated or the cache holds groups (what ReleaseSlots would
-  // free).
+  // True while the ring's slots are allocated (what ReleaseSlots would free).
   bool holds_slots() const;
-  // Frees the ring's slots and the spare-room cache while the component is idle, so that other
-  // components can use that memory; its next forward allocates the slots again (a device
-  // out-of-memory error there is thrown as DeviceOutOfMemory, like any onload). Does nothing during
-  // a forward. Returns the bytes freed.
+  // Frees the ring's slots while the component is idle, so that other components can use that
+  // memory; its next forward allocates them again (a device out-of-memory error there is thrown as
+  // DeviceOutOfMemory, like any onload). The spare-room cache stays. Does nothing during a forward.
+  // Returns the bytes freed.
   int64_t ReleaseSlots();
   // The spare-room cache may hold up to `bytes` (>= 0; 0: none, the default) from now on: cached
-  // groups beyond it are given back at once when idle (during a forward, at its end). Returns the
-  // bytes freed.
+  // groups beyond it (the last planned first) are given back at once when idle (during a forward, at
+  // its end), after the device drained the work that may read them. Returns the bytes freed.
   int64_t SetCacheAllowance(int64_t bytes);
   // The bytes the spare-room cache holds now.
   int64_t cache_bytes() const;

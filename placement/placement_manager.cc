@@ -290,6 +290,9 @@ void PlacementManager::Evict(const std::vector<std::string>& ids, const std::str
 }
 
 void PlacementManager::EvictBefore(const Entry& target, int64_t needed, const std::string& reason) {
+  // Spare-room caches hold only room nothing else wanted: they give it back first, the least
+  // recently used first, the target's own last (before its run: its working set comes first).
+  if (FreeBytes() < needed) ShrinkCaches(nullptr, needed, absl::StrCat("make room: ", reason), &target);
   if (needed > 0 && FreeBytes() < needed) {
     // Under a budget, when weights are about to move to make room, what idle components keep on the
     // device besides their weights (captured graphs: memory the budget does not see as allocated)
@@ -331,6 +334,51 @@ void PlacementManager::ReleaseIdleSlots(const Entry* running, bool keep_prefetch
   }
 }
 
+int64_t PlacementManager::ShrinkCaches(const Entry* except, int64_t needed, const std::string& reason,
+                                       const Entry* last) {
+  std::vector<Entry*> holders;
+  for (auto& e : entries_) {
+    if (e.get() != except && e->group_offload && e->group_offload->cache_bytes() > 0) holders.push_back(e.get());
+  }
+  // Least recently used first (ties keep registry order), `last` after every other.
+  std::stable_sort(holders.begin(), holders.end(), [last](const Entry* a, const Entry* b) {
+    if ((a == last) != (b == last)) return b == last;
+    return a->last_use < b->last_use;
+  });
+  const bool all = needed == INT64_MAX;
+  int64_t freed = 0;
+  for (Entry* e : holders) {
+    if (!all && FreeBytes() >= needed) break;
+    const int64_t before = FreeBytes();
+    const int64_t cached = e->group_offload->cache_bytes();
+    const int64_t deficit = all ? cached : needed - before;
+    const int64_t released = e->group_offload->SetCacheAllowance(std::max<int64_t>(cached - deficit, 0));
+    if (released == 0) continue;
+    freed += released;
+    Record(e->id, "release_group_cache", released, before, reason);
+  }
+  // The allocator's blocks go back too, so the next allocations find them (on CUDA, rather than new
+  // segments beside cached ones).
+  if (freed > 0) backend_->ReleaseCachedMemory();
+  return freed;
+}
+
+void PlacementManager::ReleaseCachesOfOtherPipelines(const Entry& running) {
+  for (auto& e : entries_) {
+    if (e.get() == &running || !e->group_offload || e->group_offload->cache_bytes() == 0) continue;
+    bool shared = false;
+    for (const std::string& p : e->pipelines) shared = shared || Uses(running.pipelines, p);
+    if (shared) continue;
+    const int64_t before = FreeBytes();
+    const int64_t released = e->group_offload->SetCacheAllowance(0);
+    if (released > 0) {
+      Record(e->id, "release_group_cache", released, before,
+             absl::StrCat("streamed ", running.id, " of another pipeline runs: the spare room is its now"));
+      backend_->ReleaseCachedMemory();
+    }
+  }
+}
+
 void PlacementManager::GrantGroupCache(Entry& entry, int64_t working_set) {
   int64_t allowance = 0;
   if (streamed_group_cache_ && entry.ran) {
@@ -367,7 +415,7 @@ void PlacementManager::EvictAfter(const Entry& target) {
 }
 
 int64_t PlacementManager::EvictAllBut(const Entry& keep, const std::string& reason) {
-  int64_t freed = 0;
+  int64_t freed = ShrinkCaches(&keep, INT64_MAX, reason);
   for (auto& e : entries_) {
     if (e.get() == &keep || e->state != ComponentState::kResident || e->holds > 0) continue;
     freed += e->component->weight_bytes();
@@ -622,6 +670,7 @@ absl::Status PlacementManager::SetMemoryBudget(int64_t bytes, std::vector<std::s
   if (FreeBytes() < 0) {
     // What idle components hold besides their weights goes first.
     ReleaseIdleSlots(nullptr, /*keep_prefetched=*/false, why);
+    ShrinkCaches(nullptr, INT64_MAX, why);
     ReleaseIdleGraphs(nullptr, why);
     backend_->ReleaseCachedMemory();
   }
@@ -801,6 +850,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     }
     // Group-offloaded components that sit idle give their slot rings back while another runs.
     ReleaseIdleSlots(entry, /*keep_prefetched=*/true, absl::StrCat("idle while ", entry->id, " runs"));
+    if (entry->group_offload) ReleaseCachesOfOtherPipelines(*entry);
     if (entry->group_offload) {
       // It places itself, but its slots (when released) and its always-on groups are allocated for
       // its forward: make room for them and for what its runs allocate besides.

@@ -266,8 +266,10 @@ class PlacementManager : public ComponentRunner {
   // The spare-room cache of group-offloaded components (DeviceConfig.streamed_group_cache; off by
   // default): before each run of one that ran before, GroupOffloader::SetCacheAllowance with what it
   // holds in its cache plus the free device bytes less its working set still to allocate, its run
-  // headroom and `margin_bytes`; 0 for its first run and when off. Its cache goes back with its
-  // slots when another component runs (ReleaseIdleSlots) and before an out-of-memory retry.
+  // headroom and `margin_bytes`; 0 for its first run and when off. A cache stays between runs (and
+  // requests) while nothing needs its room: any move or run that needs room shrinks the caches first,
+  // least recently used first (EvictBefore), a streamed component of another pipeline starting to run
+  // takes it all, and out-of-memory recoveries and a lower budget empty them.
   void set_streamed_group_cache(bool on, int64_t margin_bytes) {
     streamed_group_cache_ = on;
     streamed_group_cache_margin_ = margin_bytes;
@@ -351,6 +353,13 @@ class PlacementManager : public ComponentRunner {
   void Settle(Entry& entry);
   // Settle, and a pipeline prefetch not run counts as unused (it is moved or released).
   void DropPrefetch(Entry& entry);
+  // Spare-room caches of group-offloaded components but `except`'s shrink, the least recently used
+  // first and `last`'s after every other, until `needed` bytes are free (INT64_MAX: all of them go),
+  // each recorded as "release_group_cache" with `reason`. Returns the bytes freed.
+  int64_t ShrinkCaches(const Entry* except, int64_t needed, const std::string& reason,
+                       const Entry* last = nullptr);
+  // Before streamed `running` runs: the caches of components that serve none of its pipelines go.
+  void ReleaseCachesOfOtherPipelines(const Entry& running);
   // Before a run of group-offloaded `entry` whose working set still to allocate is `working_set`:
   // its spare-room cache allowance (see set_streamed_group_cache), recorded as "release_group_cache" when
   // that gives cached bytes back.

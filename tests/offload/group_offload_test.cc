@@ -424,18 +424,21 @@ TEST(GroupOffloadTest, TheSpareRoomCacheKeepsStreamedGroupsWithinItsAllowance) {
     EXPECT_EQ(offloader.SetCacheAllowance(block), block);
     EXPECT_EQ(offloader.cache_bytes(), block);
     EXPECT_EQ(f.backend->GetMemoryStats().allocated_bytes, allocated - block);
-    // ReleaseSlots frees the ring and the cache.
+    // ReleaseSlots frees the ring and leaves the cache: the next forward allocates the ring again and
+    // still copies none of the cached block.
     EXPECT_TRUE(offloader.holds_slots());
-    EXPECT_EQ(offloader.ReleaseSlots(), ring + block);
-    EXPECT_EQ(offloader.cache_bytes(), 0);
-    EXPECT_EQ(offloader.device_bytes(), planned.resident_bytes);
-    EXPECT_FALSE(offloader.holds_slots());
-    // The allowance stays: the next forward fills the cache again, the one after copies less.
-    EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+    EXPECT_EQ(offloader.ReleaseSlots(), ring);
     EXPECT_EQ(offloader.cache_bytes(), block);
+    EXPECT_EQ(offloader.device_bytes(), planned.resident_bytes + block);
+    EXPECT_FALSE(offloader.holds_slots());
     copied = h2d();
     EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
     EXPECT_EQ(h2d() - copied, per_forward - block);
+    // Emptied, the allowance still there: the next forward fills the cache again.
+    EXPECT_EQ(offloader.SetCacheAllowance(0), block);
+    EXPECT_EQ(offloader.SetCacheAllowance(block), 0);
+    EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+    EXPECT_EQ(offloader.cache_bytes(), block);
     // Allowance 0: the cache empties; a budget with no room beyond the ring leaves groups streamed
     // (the allocation is refused, the forward still runs).
     EXPECT_EQ(offloader.SetCacheAllowance(0), block);

@@ -31,6 +31,24 @@
 #include "base/process_memory.h"
 
 namespace stowage {
+
+int64_t PipelineMoveBytes(const PlacementSnapshot& snapshot, const std::string& pipeline) {
+  int64_t bytes = 0;
+  for (const ComponentView& c : snapshot.components) {
+    if (c.kind == kLoraAdapterKind || std::find(c.pipelines.begin(), c.pipelines.end(), pipeline) == c.pipelines.end()) {
+      continue;
+    }
+    if (c.group_offload.has_value()) {
+      const GroupOffloadStats& g = *c.group_offload;
+      if (g.streamed_bytes <= 0) continue;
+      const double uncached = 1.0 - std::min(1.0, static_cast<double>(g.cache_bytes) / static_cast<double>(g.streamed_bytes));
+      bytes += static_cast<int64_t>(static_cast<double>(g.bytes_per_forward) * uncached);
+    } else if (c.state == ComponentState::kOffloaded) {
+      bytes += c.weight_bytes;
+    }
+  }
+  return bytes;
+}
 namespace {
 
 // The backend a device's config names (RuntimeFactories::make_backend's default).
@@ -144,14 +162,7 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
   // (group-offloaded ones stream whatever the order), from the snapshot the worker published last.
   worker.move_bytes = [raw](const std::string& pipeline) -> int64_t {
     const std::shared_ptr<const PlacementSnapshot> snapshot = raw->placement_snapshot();
-    if (snapshot == nullptr) return 0;
-    int64_t bytes = 0;
-    for (const ComponentView& c : snapshot->components) {
-      // Adapters move only for the requests that name them: not the pipeline's residency.
-      if (c.state != ComponentState::kOffloaded || c.kind == kLoraAdapterKind) continue;
-      if (std::find(c.pipelines.begin(), c.pipelines.end(), pipeline) != c.pipelines.end()) bytes += c.weight_bytes;
-    }
-    return bytes;
+    return snapshot == nullptr ? 0 : PipelineMoveBytes(*snapshot, pipeline);
   };
   worker.on_reorder = [raw](WorkerScope& scope, const DeviceWorker::Job& job, const std::string& reason) {
     std::string request_id;

@@ -18,8 +18,10 @@
 #include "absl/time/clock.h"
 #include "google/protobuf/text_format.h"
 #include "offload/group_offload.h"
+#include "models/core/lora.h"
 #include "placement/placement_manager.h"
 #include "runtime/config.h"
+#include "runtime/device_runtime.h"
 #include "runtime/device_set.h"
 #include "runtime/runtime_factories.h"
 #include "tests/runtime/latch_pipeline.h"
@@ -96,6 +98,37 @@ class RuntimeCoreTest : public ::testing::Test {
   std::unique_ptr<DeviceSet> devices_;
   std::vector<std::thread> threads_;
 };
+
+// The scheduler's residency weight: whole components on the host count whole, resident ones nothing,
+// adapters nothing, and a streamed component one forward's copy less what its cache holds.
+TEST(PipelineMoveBytesTest, CountsWholeComponentsOnTheHostAndTheUncachedShareOfStreamedOnes) {
+  PlacementSnapshot snapshot;
+  const auto add = [&](const std::string& id, std::vector<std::string> pipelines, ComponentState state,
+                       int64_t weight_bytes, const std::string& kind = "Module") -> ComponentView& {
+    ComponentView v;
+    v.id = id;
+    v.kind = kind;
+    v.pipelines = std::move(pipelines);
+    v.state = state;
+    v.weight_bytes = weight_bytes;
+    snapshot.components.push_back(v);
+    return snapshot.components.back();
+  };
+  add("a/text_encoder", {"a", "b"}, ComponentState::kOffloaded, 1000);
+  add("a/vae", {"a"}, ComponentState::kResident, 500);
+  add("a/style", {"a"}, ComponentState::kOffloaded, 300, kLoraAdapterKind);
+  GroupOffloadStats streamed;
+  streamed.streamed_bytes = 8000;
+  streamed.bytes_per_forward = 4000;  // A compressed copy: half the bytes it widens to.
+  add("b/transformer", {"b"}, ComponentState::kGroupOffloaded, 9000).group_offload = streamed;
+  EXPECT_EQ(PipelineMoveBytes(snapshot, "a"), 1000);
+  EXPECT_EQ(PipelineMoveBytes(snapshot, "b"), 1000 + 4000);
+  EXPECT_EQ(PipelineMoveBytes(snapshot, "c"), 0);
+  snapshot.components.back().group_offload->cache_bytes = 6000;  // Three quarters stay on the device.
+  EXPECT_EQ(PipelineMoveBytes(snapshot, "b"), 1000 + 1000);
+  snapshot.components.back().group_offload->cache_bytes = 8000;
+  EXPECT_EQ(PipelineMoveBytes(snapshot, "b"), 1000);
+}
 
 TEST_F(RuntimeCoreTest, ANewFamilyIsOneRegistrationTheRuntimeIsGiven) {
   v1::ServerConfig config;

@@ -6,12 +6,17 @@ absl::Time BatchPolicy::HoldUntil(const std::string& key, absl::Time now, absl::
   return ShowsDemand(key) ? now + delay : absl::InfinitePast();
 }
 
-void BatchPolicy::Ran(const std::string& key, size_t members, bool more_queued) {
-  if (members > 1 || more_queued) {
-    if (concurrent_keys_.size() >= kMaxKeys && concurrent_keys_.count(key) == 0) concurrent_keys_.clear();
-    concurrent_keys_.insert(key);
+size_t BatchPolicy::Gathered(const std::string& key) const {
+  const auto it = demand_.find(key);
+  return it == demand_.end() ? 0 : it->second;
+}
+
+void BatchPolicy::Ran(const std::string& key, size_t members, size_t queued) {
+  if (members > 1 || queued > 0) {
+    if (demand_.size() >= kMaxKeys && demand_.count(key) == 0) demand_.clear();
+    demand_[key] = members + queued;
   } else {
-    concurrent_keys_.erase(key);
+    demand_.erase(key);
   }
 }
 

@@ -372,6 +372,8 @@ void DeviceWorker::CollectBatch(WorkerScope& scope, std::vector<Item>& members, 
   // a running batch still gets the chance to gather the requests that arrive right after it (clients
   // whose replies just went out), which brings clients that drifted apart back into step.
   const absl::Time deadline = batch_policy_.HoldUntil(key, absl::Now(), members.front().job.max_batch_delay);
+  // As many as last time (and those that queued behind it) are here: no need to wait out the delay.
+  const size_t gathered = batch_policy_.Gathered(key);
   struct Wait {
     DeviceWorker* worker;
     const std::string* key;
@@ -380,6 +382,7 @@ void DeviceWorker::CollectBatch(WorkerScope& scope, std::vector<Item>& members, 
   for (;;) {
     TakeMatching(key, limit, members, dropped);
     if (members.size() >= limit || stopping_ || absl::Now() >= deadline) break;
+    if (gathered > 1 && members.size() >= gathered) break;
     // Sleep until a job of this key arrives, the worker stops, or the delay is over; wake every
     // 20 ms to see whether the first member's caller has gone.
     mu_.AwaitWithDeadline(absl::Condition(
@@ -514,9 +517,9 @@ void DeviceWorker::Loop() {
       {
         absl::MutexLock lock(&mu_);
         const std::string& key = batch.front().job.batch_key;
-        const bool queued = std::any_of(queue_.begin(), queue_.end(), [&](const Item& i) {
+        const size_t queued = static_cast<size_t>(std::count_if(queue_.begin(), queue_.end(), [&](const Item& i) {
           return i.task == nullptr && i.job.batch_key == key;
-        });
+        }));
         batch_policy_.Ran(key, batch.size(), queued);
       }
       if (options_.after_each) options_.after_each(scope);

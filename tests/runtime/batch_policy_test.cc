@@ -16,30 +16,44 @@ TEST(BatchPolicyTest, AKeyWithoutHistoryStartsAtOnce) {
   BatchPolicy policy;
   EXPECT_EQ(policy.HoldUntil("p|64x64", kNow, kDelay), absl::InfinitePast());
   // A lone batch with nothing of its kind queued after it: still no demand.
-  policy.Ran("p|64x64", 1, /*more_queued=*/false);
+  policy.Ran("p|64x64", 1, /*queued=*/0);
   EXPECT_EQ(policy.HoldUntil("p|64x64", kNow, kDelay), absl::InfinitePast());
 }
 
 TEST(BatchPolicyTest, ConcurrentDemandHoldsTheNextBatchUntilTheDelay) {
   BatchPolicy policy;
-  policy.Ran("a", 3, false);  // Several members.
-  policy.Ran("b", 1, true);   // One member, more of its kind queued when it ended.
+  policy.Ran("a", 3, 0);  // Several members.
+  policy.Ran("b", 1, 1);  // One member, more of its kind queued when it ended.
   EXPECT_EQ(policy.HoldUntil("a", kNow, kDelay), kNow + kDelay);
   EXPECT_EQ(policy.HoldUntil("b", kNow, kDelay), kNow + kDelay);
   EXPECT_EQ(policy.HoldUntil("c", kNow, kDelay), absl::InfinitePast()) << "keys are separate";
   // Demand gone (a lone batch, nothing queued): the key starts at once again.
-  policy.Ran("a", 1, false);
+  policy.Ran("a", 1, 0);
   EXPECT_FALSE(policy.ShowsDemand("a"));
   EXPECT_TRUE(policy.ShowsDemand("b"));
 }
 
+// A held batch starts once it has as many members as its key's last batch had, plus those that
+// were queued when it ended; without demand there is no such count.
+TEST(BatchPolicyTest, AHeldBatchStartsOnceItGatheredItsLastDemand) {
+  BatchPolicy policy;
+  EXPECT_EQ(policy.Gathered("a"), 0u);
+  policy.Ran("a", 2, 0);
+  EXPECT_EQ(policy.Gathered("a"), 2u);
+  policy.Ran("a", 3, 2);  // Three ran, two more were waiting: five clients.
+  EXPECT_EQ(policy.Gathered("a"), 5u);
+  policy.Ran("a", 1, 0);  // Alone, nothing queued: demand gone.
+  EXPECT_EQ(policy.Gathered("a"), 0u);
+  EXPECT_EQ(policy.HoldUntil("a", kNow, kDelay), absl::InfinitePast());
+}
+
 TEST(BatchPolicyTest, RemembersABoundedNumberOfKeys) {
   BatchPolicy policy;
-  for (size_t i = 0; i < BatchPolicy::kMaxKeys; ++i) policy.Ran(absl::StrCat("k", i), 2, false);
+  for (size_t i = 0; i < BatchPolicy::kMaxKeys; ++i) policy.Ran(absl::StrCat("k", i), 2, 0);
   EXPECT_EQ(policy.remembered(), BatchPolicy::kMaxKeys);
-  policy.Ran("k0", 2, false);  // Known: nothing forgotten.
+  policy.Ran("k0", 2, 0);  // Known: nothing forgotten.
   EXPECT_EQ(policy.remembered(), BatchPolicy::kMaxKeys);
-  policy.Ran("new", 2, false);  // One more: the old ones go, the new one stays.
+  policy.Ran("new", 2, 0);  // One more: the old ones go, the new one stays.
   EXPECT_EQ(policy.remembered(), 1u);
   EXPECT_TRUE(policy.ShowsDemand("new"));
 }

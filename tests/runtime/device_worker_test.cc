@@ -305,11 +305,12 @@ void MakeConcurrent(DeviceWorker& worker, BatchLog& log, const std::string& key,
   absl::Notification started, release, done;
   std::thread blocker = BlockWorker(worker, started, release);
   ASSERT_TRUE(worker.Submit(BatchJob(log, key, 10, 4, delay)).ok());
-  ASSERT_TRUE(worker.Submit(BatchJob(log, key, 11, 4, delay, &done)).ok());
+  ASSERT_TRUE(worker.Submit(BatchJob(log, key, 11, 4, delay)).ok());
+  ASSERT_TRUE(worker.Submit(BatchJob(log, key, 12, 4, delay, &done)).ok());
   release.Notify();
   blocker.join();
   done.WaitForNotification();
-  ASSERT_EQ(log.Get().back(), (std::vector<int>{10, 11}));
+  ASSERT_EQ(log.Get().back(), (std::vector<int>{10, 11, 12}));
 }
 
 TEST(DeviceWorkerTest, ABatchWaitsUpToItsDelayForMoreMembers) {
@@ -324,7 +325,7 @@ TEST(DeviceWorkerTest, ABatchWaitsUpToItsDelayForMoreMembers) {
   first_done.WaitForNotification();
   const absl::Duration took = absl::Now() - start;
   EXPECT_GE(took, absl::Milliseconds(390));  // Held open for the delay: the batch was not full.
-  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{10, 11}, {1, 2}}));
+  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{10, 11, 12}, {1, 2}}));
   {
     absl::MutexLock lock(&log.mu);
     EXPECT_GE(log.batch_waits[1], absl::Milliseconds(300));
@@ -337,6 +338,23 @@ TEST(DeviceWorkerTest, ABatchWaitsUpToItsDelayForMoreMembers) {
   full_done.WaitForNotification();
   EXPECT_LT(absl::Now() - full_start, absl::Seconds(10));
   EXPECT_EQ(log.Get().back(), (std::vector<int>{3}));
+}
+
+// Clients that ran together and came back together start at once: a held batch that gathered as
+// many members as its key's last batch (three) does not wait out its delay; one short of that does.
+TEST(DeviceWorkerTest, AHeldBatchStartsOnceItGatheredAsManyAsLastTime) {
+  DeviceWorker worker(Options("sim:0", 16));
+  BatchLog log;
+  MakeConcurrent(worker, log, "a", absl::Seconds(30));  // A batch of three ran.
+  absl::Notification done;
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 1, 8, absl::Seconds(30))).ok());
+  WaitUntil(worker, [](const DeviceWorker::Waiting& w) { return w.collecting_batch; });
+  ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 2, 8, absl::Seconds(30))).ok());
+  ASSERT_TRUE(worker.Submit(BatchJob(log, "a", 3, 8, absl::Seconds(30), &done)).ok());
+  done.WaitForNotification();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));  // Not the 30 s delay: the batch of 8 was not full.
+  EXPECT_EQ(log.Get().back(), (std::vector<int>{1, 2, 3}));
 }
 
 // A member whose caller has gone is dropped, not run; a head that leaves while the batch waits
@@ -365,7 +383,7 @@ TEST(DeviceWorkerTest, CancelledJobsLeaveTheirBatch) {
   head_dropped.WaitForNotification();
   last.WaitForNotification();
   EXPECT_LT(absl::Now() - start, absl::Seconds(20));
-  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{10, 11}, {2}}));
+  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{10, 11, 12}, {2}}));
 }
 
 // A key seen for the first time, and one whose last batch ran alone with nothing of its kind
@@ -666,7 +684,7 @@ TEST(DeviceWorkerCallTest, ABatchWaitingForMembersServesCalls) {
   EXPECT_EQ(log.Get().size(), 1u) << "the batch ran before the call";
   for (int id = 2; id <= 4; ++id) ASSERT_TRUE(worker.Submit(BatchJob(log, "k", id, 4, absl::Seconds(30))).ok());
   done.WaitForNotification();
-  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{10, 11}, {1, 2, 3, 4}}));
+  EXPECT_EQ(log.Get(), (std::vector<std::vector<int>>{{10, 11, 12}, {1, 2, 3, 4}}));
 }
 
 TEST(DeviceWorkerCallTest, AQueuedCallIsWithdrawnWhenItsCallerGoesAndNeverRuns) {

@@ -1,5 +1,7 @@
 #include "runtime/batch_policy.h"
 
+#include <algorithm>
+
 namespace stowage {
 
 absl::Time BatchPolicy::HoldUntil(const std::string& key, absl::Time now, absl::Duration delay) const {
@@ -14,7 +16,8 @@ size_t BatchPolicy::Gathered(const std::string& key) const {
 void BatchPolicy::Ran(const std::string& key, size_t members, size_t queued) {
   if (members > 1 || queued > 0) {
     if (demand_.size() >= kMaxKeys && demand_.count(key) == 0) demand_.clear();
-    demand_[key] = members + queued;
+    size_t& demand = demand_[key];  // 0 when new.
+    demand = std::max(demand, members + queued);
   } else {
     demand_.erase(key);
   }

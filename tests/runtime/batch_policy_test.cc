@@ -33,14 +33,16 @@ TEST(BatchPolicyTest, ConcurrentDemandHoldsTheNextBatchUntilTheDelay) {
   EXPECT_TRUE(policy.ShowsDemand("b"));
 }
 
-// A held batch starts once it has as many members as its key's last batch had, plus those that
-// were queued when it ended; without demand there is no such count.
+// A held batch starts once it has the most members its key had at once (a batch plus those queued
+// when it ended) since its demand began; without demand there is no such count.
 TEST(BatchPolicyTest, AHeldBatchStartsOnceItGatheredItsLastDemand) {
   BatchPolicy policy;
   EXPECT_EQ(policy.Gathered("a"), 0u);
   policy.Ran("a", 2, 0);
   EXPECT_EQ(policy.Gathered("a"), 2u);
   policy.Ran("a", 3, 2);  // Three ran, two more were waiting: five clients.
+  EXPECT_EQ(policy.Gathered("a"), 5u);
+  policy.Ran("a", 2, 0);  // A smaller batch (stragglers): the most seen stays.
   EXPECT_EQ(policy.Gathered("a"), 5u);
   policy.Ran("a", 1, 0);  // Alone, nothing queued: demand gone.
   EXPECT_EQ(policy.Gathered("a"), 0u);

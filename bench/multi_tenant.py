@@ -544,7 +544,7 @@ def analyze(log_dir, rows_path):
                 print(f"  {pipeline:13s} mean run {sum(per[pipeline]) / len(per[pipeline]):.3f} s (n={len(per[pipeline])})")
         placement_log = os.path.join(log_dir, f"{strategy}.placement_log.txt")
         if os.path.exists(placement_log):
-            onloads, reorders, prefetches = {}, 0, 0
+            onloads, reorders, prefetches, cache_releases = {}, 0, 0, 0
             for line in open(placement_log, encoding="utf-8", errors="replace"):
                 words = line.split()
                 if len(words) >= 4 and words[2] == "onload":
@@ -553,8 +553,20 @@ def analyze(log_dir, rows_path):
                     reorders += 1
                 if "prefetch_pipeline" in words[1:3]:
                     prefetches += 1
+                if "release_group_cache" in words[1:3]:
+                    cache_releases += 1
             print("  onloads: " + ", ".join(f"{c} {n}" for c, n in sorted(onloads.items()))
-                  + f"; reorders: {reorders}; pipeline prefetches: {prefetches}")
+                  + f"; reorders: {reorders}; pipeline prefetches: {prefetches}"
+                  + f"; spare-room cache releases: {cache_releases}")
+        # The spare-room cache per streamed component, from the placement at the strategy's end.
+        placement = os.path.join(log_dir, f"{strategy}.placement.txt")
+        if os.path.exists(placement):
+            component = None
+            for line in open(placement, encoding="utf-8", errors="replace"):
+                if line.startswith("  ") and not line.startswith("    "):
+                    component = line.split()[0]
+                elif "spare-room cache" in line and component:
+                    print(f"  {component}: spare-room cache" + line.split("spare-room cache", 1)[1].rstrip())
 
 
 def main():

@@ -146,6 +146,7 @@ grep -q "^scheduler: 24 measured requests, .*mean batch [0-9.]* (a request's sha
   { cat "$TEST_TMPDIR/analysis_b.txt"; exit 1; }
 grep "^fifo: " "$TEST_TMPDIR/analysis_b.txt" | grep -vq "mean batch" || { cat "$TEST_TMPDIR/analysis_b.txt"; exit 1; }
 grep -q "pipeline prefetches: [0-9]" "$TEST_TMPDIR/analysis_b.txt"
+grep -q "spare-room cache releases: [0-9]" "$TEST_TMPDIR/analysis_b.txt"
 /usr/bin/python3 - "$TEST_TMPDIR/b.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]

@@ -104,14 +104,15 @@ class PlacementCollectable : public prometheus::Collectable {
                            "Bytes of a group-offloaded component by kind: working_set (device: slots + "
                            "always_on + resident + scratch), slots, always_on, resident, scratch, streamed "
                            "(copied every forward), per_forward (host-to-device bytes of one forward), "
-                           "pinned_host.",
+                           "pinned_host, cache (streamed groups kept on the device by the spare-room cache, "
+                           "device.streamed_group_cache).",
                            MetricType::Gauge);
     auto go_forwards = Family("stowage_group_offload_forwards_total",
                               "Forwards of a group-offloaded component.", MetricType::Counter);
     auto go_onloads = Family("stowage_group_offload_onloads_total",
-                             "Groups reached by a forward, by how their weights got into the slot ring: ready "
-                             "(prefetched, or still there from the last run) or sync (copied while the "
-                             "forward waited).",
+                             "Groups reached by a forward, by how their weights got onto the device: ready "
+                             "(prefetched into the slot ring, or still there from the last run), sync (copied "
+                             "while the forward waited) or cached (kept by the spare-room cache: no copy).",
                              MetricType::Counter);
     auto go_releases = Family("stowage_group_offload_slot_releases_total",
                               "Times an idle group-offloaded component gave its slot ring back to the device.",
@@ -168,12 +169,14 @@ class PlacementCollectable : public prometheus::Collectable {
                  {"scratch", g.scratch_bytes},
                  {"streamed", g.streamed_bytes},
                  {"per_forward", g.bytes_per_forward},
-                 {"pinned_host", g.pinned_host_bytes}}) {
+                 {"pinned_host", g.pinned_host_bytes},
+                 {"cache", g.cache_bytes}}) {
           Add(go_bytes, static_cast<double>(bytes), {{"component", v.id}, {"kind", kind}, {"device", d}});
         }
         Add(go_forwards, static_cast<double>(g.forwards), {{"component", v.id}, {"device", d}});
-        Add(go_onloads, static_cast<double>(g.onloads - g.sync_onloads),
+        Add(go_onloads, static_cast<double>(g.onloads - g.sync_onloads - g.cache_hits),
             {{"component", v.id}, {"how", "ready"}, {"device", d}});
+        Add(go_onloads, static_cast<double>(g.cache_hits), {{"component", v.id}, {"how", "cached"}, {"device", d}});
         Add(go_onloads, static_cast<double>(g.sync_onloads), {{"component", v.id}, {"how", "sync"}, {"device", d}});
         Add(go_releases, static_cast<double>(g.slot_releases), {{"component", v.id}, {"device", d}});
       }

@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/e2e/e2e_harness.h"
+#include "tests/e2e/http_get.h"
 
 namespace stowage {
 namespace {
@@ -273,6 +274,7 @@ TEST(TwoPipelinesTest, TheSpareRoomCacheCopiesLessWithinTheBudgetAndKeepsTheImag
     }
     config.mutable_device()->mutable_streamed_group_cache()->set_enabled(cache);
     config.mutable_device()->mutable_streamed_group_cache()->set_margin_bytes(1 << 20);
+    config.set_metrics_address("127.0.0.1:0");
     E2eServer server(config);
     ASSERT_TRUE(server.ok());
     for (const std::string pipeline : {"z", "f", "z", "f", "z"}) {
@@ -286,8 +288,14 @@ TEST(TwoPipelinesTest, TheSpareRoomCacheCopiesLessWithinTheBudgetAndKeepsTheImag
     v1::GetPlacementResponse placement;
     ASSERT_TRUE(server.admin().GetPlacement(E2eServer::Authed().get(), v1::GetPlacementRequest(), &placement).ok());
     int64_t hits = 0;
+    // Prometheus carries the same counts: onloads served by the cache, per component.
+    const std::string page = HttpGet(server.server().metrics_address(), "/metrics");
     for (const auto& c : placement.components()) {
-      if (c.has_group_offload()) hits += c.group_offload().cache_hits();
+      if (!c.has_group_offload()) continue;
+      hits += c.group_offload().cache_hits();
+      const std::string line = "stowage_group_offload_onloads_total{component=\"" + c.id() + "\",how=\"cached\",device=\"sim:0\"} " +
+                               std::to_string(c.group_offload().cache_hits());
+      EXPECT_NE(page.find(line), std::string::npos) << line << "\n" << page;
     }
     if (cache) {
       EXPECT_GT(hits, 0);

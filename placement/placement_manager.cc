@@ -387,7 +387,14 @@ void PlacementManager::GrantGroupCache(Entry& entry, int64_t working_set) {
     if (free == INT64_MAX) {
       allowance = INT64_MAX;  // No budget.
     } else {
-      allowance = cached + std::max<int64_t>(free - working_set - entry.run_headroom - streamed_group_cache_margin_, 0);
+      // Whatever runs next (this one's next forward, or the next component of its request) must
+      // find its run's room without the cache giving it back mid-request.
+      int64_t headroom = entry.run_headroom;
+      for (const auto& e : entries_) {
+        if (!e->moved) headroom = std::max(headroom, e->run_headroom);
+      }
+      const int64_t margin = streamed_group_cache_margin_ + learned_cache_margin_;
+      allowance = cached + std::max<int64_t>(free - working_set - headroom - margin, 0);
     }
   }
   const int64_t before = FreeBytes();
@@ -396,6 +403,18 @@ void PlacementManager::GrantGroupCache(Entry& entry, int64_t working_set) {
     Record(entry.id, "release_group_cache", freed, before,
            absl::StrCat("its spare-room cache above the room its run leaves (", allowance, " bytes)"));
   }
+}
+
+void PlacementManager::WidenCacheMargin(const std::string& reason) {
+  const int64_t budget = backend_->MemoryBudget();
+  const int64_t cap = budget > 0 ? budget / 4 : (int64_t{4} << 30);
+  const int64_t widened =
+      std::min(std::max(2 * learned_cache_margin_, std::max<int64_t>(streamed_group_cache_margin_, 1)), cap);
+  if (widened <= learned_cache_margin_) return;
+  learned_cache_margin_ = widened;
+  Record("", "widen_cache_margin", streamed_group_cache_margin_ + learned_cache_margin_, FreeBytes(),
+         absl::StrCat(reason, ": spare-room caches leave ", streamed_group_cache_margin_ + learned_cache_margin_,
+                      " bytes free beyond what runs allocate from now on"));
 }
 
 void PlacementManager::ClearGroupPrefetch(Entry& entry) {
@@ -893,12 +912,24 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     // group-offload the component and try again.
     const int64_t before = FreeBytes();
     Record(entry->id, "oom", 0, before, std::string(status.message()));
-    if (entry->group_offload) entry->group_offload->SetCacheAllowance(0);  // Its cache first.
-    EvictAllBut(*entry, absl::StrCat("out of memory running ", entry->id));
-    backend_->ReleaseCachedMemory();
-    window_start = backend_->BeginPeakWindow();
-    status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
-    if (status.ok()) learn_headroom();
+    // Spare-room caches first: they hold only room nothing else wanted, so the run tries again
+    // with all of it back before any weights move (a kept-resident component stays), and the
+    // caches keep a wider margin from then on.
+    const int64_t cached = ShrinkCaches(nullptr, INT64_MAX, absl::StrCat("out of memory running ", entry->id));
+    if (cached > 0) {
+      WidenCacheMargin(absl::StrCat("out of memory running ", entry->id, " while spare-room caches held ",
+                                    cached, " bytes"));
+      window_start = backend_->BeginPeakWindow();
+      status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
+      if (status.ok()) learn_headroom();
+    }
+    if (IsDeviceOom(status)) {
+      EvictAllBut(*entry, absl::StrCat("out of memory running ", entry->id));
+      backend_->ReleaseCachedMemory();
+      window_start = backend_->BeginPeakWindow();
+      status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
+      if (status.ok()) learn_headroom();
+    }
     if (IsDeviceOom(status) && !entry->group_offload) {
       entry->component->host_weights().OffloadAll();
       entry->state = ComponentState::kOffloaded;

@@ -265,15 +265,23 @@ class PlacementManager : public ComponentRunner {
   void EndPipelineRun(const std::string& pipeline);
   // The spare-room cache of group-offloaded components (DeviceConfig.streamed_group_cache; off by
   // default): before each run of one that ran before, GroupOffloader::SetCacheAllowance with what it
-  // holds in its cache plus the free device bytes less its working set still to allocate, its run
-  // headroom and `margin_bytes`; 0 for its first run and when off. A cache stays between runs (and
-  // requests) while nothing needs its room: any move or run that needs room shrinks the caches first,
-  // least recently used first (EvictBefore), a streamed component of another pipeline starting to run
-  // takes it all, and out-of-memory recoveries and a lower budget empty them.
+  // holds in its cache plus the free device bytes less its working set still to allocate, the largest
+  // run headroom of any registered component (the room whatever runs next allocates: a VAE decoding
+  // at 1024² after the transformer), `margin_bytes` and the margin out-of-memory errors taught; 0 for
+  // its first run and when off. A cache stays between runs (and requests) while nothing needs its
+  // room: any move or run that needs room shrinks the caches first, least recently used first
+  // (EvictBefore), a streamed component of another pipeline starting to run takes it all, and a lower
+  // budget empties them. A run that runs out of device memory while caches hold room gets them all
+  // back and runs again before any weights move, and the caches' margin doubles from then on
+  // (recorded as "widen_cache_margin"; on CUDA, room the allocator's counts call free can be split
+  // into blocks too small for the run's largest allocation), up to a quarter of the budget.
   void set_streamed_group_cache(bool on, int64_t margin_bytes) {
     streamed_group_cache_ = on;
     streamed_group_cache_margin_ = margin_bytes;
+    learned_cache_margin_ = 0;
   }
+  // The margin out-of-memory errors added to the configured one (0 until one happened).
+  int64_t learned_cache_margin() const { return learned_cache_margin_; }
   // Cross-pipeline prefetch on or off (DeviceConfig.prefetch_next_pipeline; default on).
   void set_prefetch_next_pipeline(bool on) { prefetch_next_pipeline_ = on; }
   bool prefetch_next_pipeline() const { return prefetch_next_pipeline_; }
@@ -364,6 +372,8 @@ class PlacementManager : public ComponentRunner {
   // its spare-room cache allowance (see set_streamed_group_cache), recorded as "release_group_cache" when
   // that gives cached bytes back.
   void GrantGroupCache(Entry& entry, int64_t working_set);
+  // Doubles learned_cache_margin_ (at least the configured margin, at most a quarter of the budget).
+  void WidenCacheMargin(const std::string& reason);
   // Entry::prefetched and the group prefetch's fields back to none.
   void ClearGroupPrefetch(Entry& entry);
   // A pipeline prefetch of `entry` not run counts as unused, and loses its mark.
@@ -427,6 +437,7 @@ class PlacementManager : public ComponentRunner {
   bool prefetch_next_pipeline_ = true;
   bool streamed_group_cache_ = false;
   int64_t streamed_group_cache_margin_ = 0;
+  int64_t learned_cache_margin_ = 0;  // See set_streamed_group_cache.
   bool pin_host_copies_ = false;
   int64_t host_budget_ = 0;
   int64_t run_changes_ = 0;  // See run_changes().

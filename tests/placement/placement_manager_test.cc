@@ -227,6 +227,78 @@ TEST(PlacementManagerTest, SpareRoomCachesGiveWayBeforeWeightsMove) {
   EXPECT_EQ(cache("b/transformer"), 0);
 }
 
+// A run that runs out of device memory while spare-room caches hold room (on CUDA: a VAE at 1024²
+// whose blocks the allocator could not find beside a cache) gets the caches back and runs again
+// before any weights move; the caches keep a wider margin from then on, and the next transformer's
+// cache leaves the room the VAE's run allocates, so the next request runs out of nothing.
+TEST(PlacementManagerTest, OutOfMemoryTakesTheSpareRoomCachesBeforeAnyWeights) {
+  Harness s;
+  (void)s.placement.SetStrategy(MakeFootprintStrategy(0));
+  s.placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
+  GroupOffloadOptions options;
+  options.use_stream = true;
+  ASSERT_TRUE(s.placement.EnableGroupOffload("tiny/transformer", options).ok());
+  ASSERT_TRUE(s.Generate().ok());
+  ASSERT_TRUE(s.Generate().ok());
+  const auto stats = [&] { return *s.placement.GroupOffloadStatsOf("tiny/transformer"); };
+  const int64_t cache = stats().cache_bytes;
+  ASSERT_GT(cache, 1024);
+  Component* vae = s.pipeline->components().back();
+  const int64_t activations = cache / 4;
+  const int64_t working_set = stats().working_set_bytes;
+  const auto allocating = [&](int64_t bytes) {
+    return [&s, bytes] {
+      auto t = s.backend->AllocateBytes(bytes);
+      if (!t.ok()) throw DeviceOutOfMemory("sim:0", bytes, s.backend->GetMemoryStats().allocated_bytes, 0);
+    };
+  };
+  // Room for the VAE's activations only with the cache given back.
+  const DeviceMemoryStats now = s.backend->GetMemoryStats();
+  const int64_t extra = activations / 2;
+  const int64_t budget = now.context_bytes + now.allocated_bytes + extra;
+  ASSERT_TRUE(s.backend->SetMemoryBudget(budget).ok());
+  s.backend->ResetPeakStats();
+  size_t decisions = s.placement.DecisionLog(1000).size();
+  ASSERT_TRUE(s.placement.Run(*vae, allocating(activations)).ok());
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 1);
+  EXPECT_EQ(stats().cache_bytes, 0);
+  EXPECT_EQ(s.placement.learned_cache_margin(), 256);
+  std::vector<PlacementDecision> log = s.placement.DecisionLog(1000);
+  bool released = false, widened = false;
+  for (size_t k = decisions; k < log.size(); ++k) {
+    EXPECT_NE(log[k].action, "offload") << log[k].component << ": " << log[k].reason;
+    released = released || (log[k].action == "release_group_cache" && log[k].bytes == cache &&
+                             log[k].reason.find("out of memory running tiny/vae") != std::string::npos);
+    if (log[k].action == "widen_cache_margin") {
+      widened = true;
+      EXPECT_EQ(log[k].bytes, 512);
+    }
+  }
+  EXPECT_TRUE(released);
+  EXPECT_TRUE(widened);
+  for (const ComponentView& v : s.placement.Snapshot()) {
+    if (v.name != "transformer") EXPECT_EQ(v.state, ComponentState::kResident) << v.id;
+  }
+  EXPECT_EQ(s.View("vae").run_headroom_bytes, activations);
+  // The next request: the transformer caches again, but only what leaves the VAE's run its room and
+  // the widened margin, so the VAE finds its room without the cache or the weights moving.
+  decisions = s.placement.DecisionLog(1000).size();
+  ASSERT_TRUE(s.Generate().ok());
+  EXPECT_GT(stats().cache_bytes, 0);
+  // Its allowance: what was free once the cache went back, less its working set, the VAE's run and
+  // the margin (256 configured, 256 learned).
+  EXPECT_EQ(stats().cache_allowance_bytes, extra + cache - working_set - activations - 512);
+  EXPECT_LE(stats().cache_bytes, stats().cache_allowance_bytes);
+  ASSERT_TRUE(s.placement.Run(*vae, allocating(activations)).ok());
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 1);
+  log = s.placement.DecisionLog(1000);
+  for (size_t k = decisions; k < log.size(); ++k) {
+    EXPECT_NE(log[k].action, "oom") << log[k].reason;
+    EXPECT_NE(log[k].action, "offload") << log[k].component << ": " << log[k].reason;
+  }
+  EXPECT_LE(s.backend->GetMemoryStats().peak_allocated_bytes + now.context_bytes, budget);
+}
+
 TEST(PlacementManagerTest, GroupOffloadedComponentPlacesItselfAndKeepsTheImageExact) {
   Harness plain;
   auto expected = plain.Generate();

@@ -31,10 +31,14 @@ namespace stowage {
 namespace {
 
 // The device memory this process holds as the driver reports it (what nvidia-smi lists per
-// process), through NVML loaded at run time: libnvidia-ml ships with the driver, not the toolkit, so
-// nothing links it. -1 when NVML or this process's entry is not there (then the caller falls back to
-// the device-wide figure). NVML's declarations are repeated here (its stable C ABI) so that no NVML
-// header is needed to build.
+// process), plus what the device uses that no process's entry lists (the driver's bookkeeping:
+// nvidia-smi's memory.used counts it, ~80–110 MiB on the H200), through NVML loaded at run time:
+// libnvidia-ml ships with the driver, not the toolkit, so nothing links it. -1 when NVML or this
+// process's entry is not there (then the caller falls back to the device-wide figure). The
+// bookkeeping share is NVML's used memory (v2: what nvidia-smi shows, the firmware's reserve
+// excluded) less every compute process's; left out when that call is missing or reads outside
+// 0–1 GiB (another process's allocation racing the two reads). NVML's declarations are repeated here
+// (its stable C ABI) so that no NVML header is needed to build.
 int64_t ProcessDeviceBytesFromNvml(int cuda_index) {
   using NvmlDevice = void*;
   struct NvmlProcess {  // nvmlProcessInfo_t (v2 layout, used by the _v3 call).
@@ -43,14 +47,23 @@ int64_t ProcessDeviceBytesFromNvml(int cuda_index) {
     unsigned int gpu_instance_id;
     unsigned int compute_instance_id;
   };
+  struct NvmlMemoryV2 {  // nvmlMemory_v2_t.
+    unsigned int version;
+    unsigned long long total;
+    unsigned long long reserved;
+    unsigned long long free;
+    unsigned long long used;
+  };
   static void* lib = ::dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) return -1;
   using Init = int (*)();
   using ByPci = int (*)(const char*, NvmlDevice*);
   using Procs = int (*)(NvmlDevice, unsigned int*, NvmlProcess*);
+  using MemoryV2 = int (*)(NvmlDevice, NvmlMemoryV2*);
   static const auto init = reinterpret_cast<Init>(::dlsym(lib, "nvmlInit_v2"));
   static const auto by_pci = reinterpret_cast<ByPci>(::dlsym(lib, "nvmlDeviceGetHandleByPciBusId_v2"));
   static const auto procs = reinterpret_cast<Procs>(::dlsym(lib, "nvmlDeviceGetComputeRunningProcesses_v3"));
+  static const auto memory_v2 = reinterpret_cast<MemoryV2>(::dlsym(lib, "nvmlDeviceGetMemoryInfo_v2"));
   if (init == nullptr || by_pci == nullptr || procs == nullptr) return -1;
   static const int initialised = init();
   if (initialised != 0) return -1;
@@ -62,10 +75,22 @@ int64_t ProcessDeviceBytesFromNvml(int cuda_index) {
   unsigned int count = static_cast<unsigned int>(list.size());
   if (procs(device, &count, list.data()) != 0) return -1;
   const auto self = static_cast<unsigned int>(::getpid());
+  int64_t mine = -1;
+  int64_t every_process = 0;
   for (unsigned int i = 0; i < count && i < list.size(); ++i) {
-    if (list[i].pid == self) return static_cast<int64_t>(list[i].used_gpu_memory);
+    every_process += static_cast<int64_t>(list[i].used_gpu_memory);
+    if (list[i].pid == self) mine = static_cast<int64_t>(list[i].used_gpu_memory);
   }
-  return -1;
+  if (mine < 0) return -1;
+  if (memory_v2 != nullptr) {
+    NvmlMemoryV2 memory{};
+    memory.version = static_cast<unsigned int>(sizeof(NvmlMemoryV2)) | (2u << 24);
+    if (memory_v2(device, &memory) == 0) {
+      const int64_t bookkeeping = static_cast<int64_t>(memory.used) - every_process;
+      if (bookkeeping > 0 && bookkeeping <= (int64_t{1} << 30)) mine += bookkeeping;
+    }
+  }
+  return mine;
 }
 
 absl::Status CudaStatus(cudaError_t err, absl::string_view what) {

@@ -31,14 +31,15 @@ namespace stowage {
 namespace {
 
 // The device memory this process holds as the driver reports it (what nvidia-smi lists per
-// process), plus what the device uses that no process's entry lists (the driver's bookkeeping:
-// nvidia-smi's memory.used counts it, ~80–110 MiB on the H200), through NVML loaded at run time:
-// libnvidia-ml ships with the driver, not the toolkit, so nothing links it. -1 when NVML or this
-// process's entry is not there (then the caller falls back to the device-wide figure). The
-// bookkeeping share is NVML's used memory (v2: what nvidia-smi shows, the firmware's reserve
-// excluded) less every compute process's; left out when that call is missing or reads outside
-// 0–1 GiB (another process's allocation racing the two reads). NVML's declarations are repeated here
-// (its stable C ABI) so that no NVML header is needed to build.
+// process), through NVML loaded at run time: libnvidia-ml ships with the driver, not the toolkit, so
+// nothing links it. -1 when NVML or this process's entry is not there (then the caller falls back to
+// the device-wide figure). When this process is the device's only compute process, what the device
+// uses beyond it counts too: nvidia-smi's memory.used includes it and no process's entry lists it
+// (the multi-tenant runs' nvidia-smi peaks read 81–177 MiB above the process's own on the H200). That
+// share is NVML's used memory (v2: what nvidia-smi shows, the firmware's reserve excluded) less this
+// process's; left out when that call is missing, when other processes share the device (their
+// allocations would race the two reads), or when it reads outside 0–1 GiB. NVML's declarations are
+// repeated here (its stable C ABI) so that no NVML header is needed to build.
 int64_t ProcessDeviceBytesFromNvml(int cuda_index) {
   using NvmlDevice = void*;
   struct NvmlProcess {  // nvmlProcessInfo_t (v2 layout, used by the _v3 call).
@@ -76,18 +77,16 @@ int64_t ProcessDeviceBytesFromNvml(int cuda_index) {
   if (procs(device, &count, list.data()) != 0) return -1;
   const auto self = static_cast<unsigned int>(::getpid());
   int64_t mine = -1;
-  int64_t every_process = 0;
   for (unsigned int i = 0; i < count && i < list.size(); ++i) {
-    every_process += static_cast<int64_t>(list[i].used_gpu_memory);
     if (list[i].pid == self) mine = static_cast<int64_t>(list[i].used_gpu_memory);
   }
   if (mine < 0) return -1;
-  if (memory_v2 != nullptr) {
+  if (count == 1 && memory_v2 != nullptr) {
     NvmlMemoryV2 memory{};
     memory.version = static_cast<unsigned int>(sizeof(NvmlMemoryV2)) | (2u << 24);
     if (memory_v2(device, &memory) == 0) {
-      const int64_t bookkeeping = static_cast<int64_t>(memory.used) - every_process;
-      if (bookkeeping > 0 && bookkeeping <= (int64_t{1} << 30)) mine += bookkeeping;
+      const int64_t beyond = static_cast<int64_t>(memory.used) - mine;
+      if (beyond > 0 && beyond <= (int64_t{1} << 30)) mine += beyond;
     }
   }
   return mine;
@@ -135,8 +134,8 @@ class CudaBackend : public DeviceBackend {
     if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
       total_bytes_ = static_cast<int64_t>(total_bytes);
       // What this process holds outside the caching allocator: the context, module images and
-      // libraries' own allocations — this process's memory as the driver reports it (NVML) less
-      // the allocator's segments. Without NVML, the device's used memory less the segments (other
+      // libraries' own allocations — this process's memory as the driver reports it (NVML, with
+      // the device's share no process lists when it is alone there) less the allocator's segments. Without NVML, the device's used memory less the segments (other
       // processes on the card then count too).
       const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
       int64_t process = ProcessDeviceBytesFromNvml(index);

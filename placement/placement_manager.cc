@@ -907,6 +907,12 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
   };
   absl::Status status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
   if (status.ok()) learn_headroom();
+  // After room was made: the run once more, its headroom measured from here.
+  const auto run_again = [&] {
+    window_start = backend_->BeginPeakWindow();
+    status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
+    if (status.ok()) learn_headroom();
+  };
   if (IsDeviceOom(status)) {
     // The forward itself ran out (activations): free everything else and try once more, then
     // group-offload the component and try again.
@@ -919,16 +925,12 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     if (cached > 0) {
       WidenCacheMargin(absl::StrCat("out of memory running ", entry->id, " while spare-room caches held ",
                                     cached, " bytes"));
-      window_start = backend_->BeginPeakWindow();
-      status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
-      if (status.ok()) learn_headroom();
+      run_again();
     }
     if (IsDeviceOom(status)) {
       EvictAllBut(*entry, absl::StrCat("out of memory running ", entry->id));
       backend_->ReleaseCachedMemory();
-      window_start = backend_->BeginPeakWindow();
-      status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
-      if (status.ok()) learn_headroom();
+      run_again();
     }
     if (IsDeviceOom(status) && !entry->group_offload) {
       entry->component->host_weights().OffloadAll();

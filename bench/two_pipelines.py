@@ -4,6 +4,7 @@ budget holds neither pipeline's weights together with the other's (issue 11, par
     python3 bench/two_pipelines.py stowage --server BIN --stowctl BIN --zimage DIR --flux DIR \
         --out ROWS.jsonl --logs LOG_DIR [--budget_gib 24] [--size 1024] [--steps 8] [--machine M] \
         [--device cuda|sim] [--phases footprint,workflow,...] [--dtype bfloat16] [--resident_from ROWS.jsonl]
+        [--compute bf16|fp8] [--streamed_group_cache]
 
 DIR: model directories drawn with random weights (bench/make_zimage_random_dir.py,
 bench/make_flux_random_dir.py). Two servers run, one after the other:
@@ -26,6 +27,14 @@ bench/make_flux_random_dir.py). Two servers run, one after the other:
        best_mixed    best for Z-Image (exact), best_int8 for Flux (whose 23.8 GB transformer streams
                      half of itself every step; Z-Image's streamed part is small enough that
                      widening int8 costs it more than the halved copy saves).
+       fit           the streaming issue's modes (with --compute fp8: 5.7 + 11.2 GiB of FP8
+                     transformers fit the budget together): footprint keeping both transformers, both
+                     VAEs and CLIP resident for good (keep_resident), Qwen3 and T5 streamed from
+                     int8 group-wise host copies (COMPRESS_INT8_GROUPED: half the bf16 bytes over
+                     PCIe, once per request): nothing moves whole between the pipelines.
+--compute fp8 runs both transformers' block linears as FP8 GEMMs on both servers (the resident one
+too: every ratio is against the same compute); --streamed_group_cache turns the device's spare-room
+cache on (streamed groups kept in budget room nothing else holds).
 Each phase (and the resident server) first sends one unmeasured request per pipeline, then
 --rounds alternating requests (Z-Image, Flux, Z-Image, ...), then --rounds pairs sent concurrently
 (one per pipeline at once). Requests go over the OpenAI-compatible HTTP API; a request's latency is
@@ -67,6 +76,8 @@ BLOCK = "offload_type: BLOCK_LEVEL num_blocks_per_group: 1 use_stream: true"
 KEEP_ALL = ('strategy { workflow { rules { keep_resident: "text_encoder" } rules { keep_resident: "text_encoder_2" } '
             'rules { keep_resident: "transformer" } rules { keep_resident: "vae" } } }')
 FOOTPRINT = "footprint { reserve_bytes: 0 }"
+# The fit phase's whole components, never evicted (the text encoders stream instead).
+FIT_KEEP = ("zimage/transformer", "flux/transformer", "zimage/vae", "flux/vae", "flux/text_encoder")
 WORKFLOW = ('workflow { rules { after { component: "text_encoder" offload: "text_encoder" } } '
             'rules { after { component: "text_encoder_2" offload: "text_encoder_2" } } '
             'rules { after { component: "vae" offload: "transformer" } } }')
@@ -174,10 +185,12 @@ def save_placement(server, name):
 
 
 def config_text(budget_bytes, strategy):
-    device = ("device { kind: KIND_SIMULATED memory_budget_bytes: %d }" if ARGS.device == "sim"
-              else "device { kind: KIND_CUDA memory_budget_bytes: %d }") % budget_bytes
+    cache = " streamed_group_cache { enabled: true }" if ARGS.streamed_group_cache else ""
+    device = ("device { kind: KIND_SIMULATED memory_budget_bytes: %d%s }" if ARGS.device == "sim"
+              else "device { kind: KIND_CUDA memory_budget_bytes: %d%s }") % (budget_bytes, cache)
+    compute = ' compute { key: "transformer" value: COMPUTE_FP8 }' if ARGS.compute == "fp8" else ""
     pipelines = "".join(
-        f'pipelines {{ name: "{name}" model_dir: "{directory}" random_weights: true dtype: "{ARGS.dtype}" }}\n'
+        f'pipelines {{ name: "{name}" model_dir: "{directory}" random_weights: true dtype: "{ARGS.dtype}"{compute} }}\n'
         for name, directory in (("zimage", ARGS.zimage), ("flux", ARGS.flux)))
     return (f'grpc_address: "127.0.0.1:0"\nhttp_address: "127.0.0.1:0"\nmetrics_address: "none"\n'
             f'queue_depth: 16\nauth {{ admin_token: "{TOKEN}" }}\n{device}\n{pipelines}{strategy}\n')
@@ -190,6 +203,13 @@ def set_phase(server, phase):
                         f"--pipeline={pipeline}"], capture_output=True, timeout=600)
     if phase == "workflow":
         stowctl(server, "set-strategy", f"--strategy={WORKFLOW}")
+        return
+    if phase == "fit":
+        keep = "".join(f' keep_resident: "{c}"' for c in FIT_KEEP)
+        stowctl(server, "set-strategy", f"--strategy=footprint {{ reserve_bytes: 0{keep} }}")
+        for component in ("zimage/text_encoder", "flux/text_encoder_2"):
+            stowctl(server, "enable-group-offload", f"--component={component}",
+                    f"--options={BLOCK} compress: COMPRESS_INT8_GROUPED")
         return
     stowctl(server, "set-strategy", f"--strategy={FOOTPRINT}")
     def compress(component):
@@ -266,7 +286,8 @@ def row(strategy, key, results, resident_mean, budget):
             "latency_s": statistics.mean(r[0] for r in results), "resident_latency_s": resident_mean[key],
             "latencies_s": [r[0] for r in results], "peak_device_bytes": peak, "budget_bytes": budget,
             "ok": not errors and (budget == 0 or peak <= budget), "errors": errors, "size": ARGS.size,
-            "steps": ARGS.steps, "machine": ARGS.machine}
+            "steps": ARGS.steps, "compute": ARGS.compute, "streamed_group_cache": ARGS.streamed_group_cache,
+            "machine": ARGS.machine, "commit": ARGS.commit}
 
 
 def table(rows):
@@ -294,8 +315,13 @@ def main():
     s.add_argument("--steps", type=int, default=8)
     s.add_argument("--rounds", type=int, default=2)
     s.add_argument("--machine", default="unknown")
+    s.add_argument("--commit", default="unknown")
     s.add_argument("--device", choices=["cuda", "sim"], default="cuda")
     s.add_argument("--dtype", default="bfloat16")
+    s.add_argument("--compute", choices=["bf16", "fp8"], default="bf16",
+                   help="fp8: both transformers' block linears as FP8 GEMMs, on both servers")
+    s.add_argument("--streamed_group_cache", action="store_true",
+                   help="the device's spare-room cache for streamed groups (both servers)")
     s.add_argument("--phases", default="footprint,workflow,stream_te,best,best_int8,best_mixed")
     s.add_argument("--resident_from", default="",
                    help="take the resident latencies from this earlier rows file instead of running the resident server")

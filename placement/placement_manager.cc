@@ -7,10 +7,8 @@
 #include <cstdlib>
 #include <iostream>
 #include <set>
-#include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "base/load_progress.h"
 #include "base/out_of_memory.h"
@@ -336,29 +334,20 @@ void PlacementManager::ReleaseIdleSlots(const Entry* running, bool keep_prefetch
   }
 }
 
-double PlacementManager::CacheWorth(const Entry& entry) {
-  const int64_t room = entry.group_offload != nullptr ? entry.group_offload->stats().streamed_bytes : 0;
-  return room > 0 ? entry.stream_demand / static_cast<double>(room) : 0.0;
-}
-
 int64_t PlacementManager::ShrinkCaches(const Entry* except, int64_t needed, const std::string& reason,
                                        const Entry* last) {
-  std::vector<std::pair<double, Entry*>> holders;
+  std::vector<Entry*> holders;
   for (auto& e : entries_) {
-    if (e.get() != except && e->group_offload && e->group_offload->cache_bytes() > 0) {
-      holders.emplace_back(CacheWorth(*e), e.get());
-    }
+    if (e.get() != except && e->group_offload && e->group_offload->cache_bytes() > 0) holders.push_back(e.get());
   }
-  // The least worth first, then the least recently used (ties keep registry order), `last` after
-  // every other.
-  std::stable_sort(holders.begin(), holders.end(), [last](const auto& a, const auto& b) {
-    if ((a.second == last) != (b.second == last)) return b.second == last;
-    if (a.first != b.first) return a.first < b.first;
-    return a.second->last_use < b.second->last_use;
+  // Least recently used first (ties keep registry order), `last` after every other.
+  std::stable_sort(holders.begin(), holders.end(), [last](const Entry* a, const Entry* b) {
+    if ((a == last) != (b == last)) return b == last;
+    return a->last_use < b->last_use;
   });
   const bool all = needed == INT64_MAX;
   int64_t freed = 0;
-  for (const auto& [worth, e] : holders) {
+  for (Entry* e : holders) {
     if (!all && FreeBytes() >= needed) break;
     const int64_t before = FreeBytes();
     const int64_t cached = e->group_offload->cache_bytes();
@@ -374,61 +363,39 @@ int64_t PlacementManager::ShrinkCaches(const Entry* except, int64_t needed, cons
   return freed;
 }
 
-int64_t PlacementManager::SpareRoomFor(const Entry& entry, int64_t working_set) const {
-  const int64_t free = FreeBytes();
-  if (free == INT64_MAX) return INT64_MAX;  // No budget.
-  // Whatever runs next (this one's next forward, or the next component of its request) must find
-  // its run's room without the cache giving it back mid-request.
-  int64_t headroom = entry.run_headroom;
-  for (const auto& e : entries_) {
-    if (!e->moved) headroom = std::max(headroom, e->run_headroom);
-  }
-  const int64_t margin = streamed_group_cache_margin_ + learned_cache_margin_;
-  return std::max<int64_t>(free - working_set - headroom - margin, 0);
-}
-
-void PlacementManager::TakeCachesWorthLess(const Entry& running, int64_t working_set) {
-  if (!streamed_group_cache_ || !running.ran) return;  // Its first run caches nothing.
-  const int64_t spare = SpareRoomFor(running, working_set);
-  if (spare == INT64_MAX) return;  // No budget: room for every cache.
-  const int64_t room = running.group_offload->stats().streamed_bytes;
-  int64_t wanted = room - running.group_offload->cache_bytes() - spare;
-  if (wanted <= 0) return;
-  const double worth = CacheWorth(running);
-  std::vector<std::pair<double, Entry*>> holders;
+void PlacementManager::ReleaseCachesOfOtherPipelines(const Entry& running) {
   for (auto& e : entries_) {
     if (e.get() == &running || !e->group_offload || e->group_offload->cache_bytes() == 0) continue;
     bool shared = false;
     for (const std::string& p : e->pipelines) shared = shared || Uses(running.pipelines, p);
-    const double w = CacheWorth(*e);
-    if (!shared && w < worth) holders.emplace_back(w, e.get());
-  }
-  std::stable_sort(holders.begin(), holders.end(), [](const auto& a, const auto& b) {
-    if (a.first != b.first) return a.first < b.first;
-    return a.second->last_use < b.second->last_use;
-  });
-  bool released_any = false;
-  for (const auto& [w, e] : holders) {
-    if (wanted <= 0) break;
+    if (shared) continue;
     const int64_t before = FreeBytes();
-    const int64_t cached = e->group_offload->cache_bytes();
-    const int64_t released = e->group_offload->SetCacheAllowance(std::max<int64_t>(cached - wanted, 0));
-    if (released == 0) continue;
-    wanted -= released;
-    released_any = true;
-    Record(e->id, "release_group_cache", released, before,
-           absl::StrFormat("streamed %s of another pipeline runs and its cache is worth more: %.3g vs %.3g "
-                           "bytes its recent forwards copy per byte of room",
-                           running.id, worth, w));
+    const int64_t released = e->group_offload->SetCacheAllowance(0);
+    if (released > 0) {
+      Record(e->id, "release_group_cache", released, before,
+             absl::StrCat("streamed ", running.id, " of another pipeline runs: the spare room is its now"));
+      backend_->ReleaseCachedMemory();
+    }
   }
-  if (released_any) backend_->ReleaseCachedMemory();
 }
 
 void PlacementManager::GrantGroupCache(Entry& entry, int64_t working_set) {
   int64_t allowance = 0;
   if (streamed_group_cache_ && entry.ran) {
-    const int64_t spare = SpareRoomFor(entry, working_set);
-    allowance = spare == INT64_MAX ? INT64_MAX : entry.group_offload->cache_bytes() + spare;
+    const int64_t free = FreeBytes();
+    const int64_t cached = entry.group_offload->cache_bytes();
+    if (free == INT64_MAX) {
+      allowance = INT64_MAX;  // No budget.
+    } else {
+      // Whatever runs next (this one's next forward, or the next component of its request) must
+      // find its run's room without the cache giving it back mid-request.
+      int64_t headroom = entry.run_headroom;
+      for (const auto& e : entries_) {
+        if (!e->moved) headroom = std::max(headroom, e->run_headroom);
+      }
+      const int64_t margin = streamed_group_cache_margin_ + learned_cache_margin_;
+      allowance = cached + std::max<int64_t>(free - working_set - headroom - margin, 0);
+    }
   }
   const int64_t before = FreeBytes();
   const int64_t freed = entry.group_offload->SetCacheAllowance(allowance);
@@ -794,7 +761,6 @@ void PlacementManager::MarkUnused(Entry& entry) {
 
 void PlacementManager::EndPipelineRun(const std::string& pipeline) {
   for (auto& e : entries_) {
-    e->stream_demand *= kStreamDemandDecay;
     if (e->prefetched_for == pipeline) MarkUnused(*e);
     // First groups prefetched for another pipeline during this request: from now on a component
     // of a third pipeline running first gives them back.
@@ -903,13 +869,11 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     }
     // Group-offloaded components that sit idle give their slot rings back while another runs.
     ReleaseIdleSlots(entry, /*keep_prefetched=*/true, absl::StrCat("idle while ", entry->id, " runs"));
+    if (entry->group_offload) ReleaseCachesOfOtherPipelines(*entry);
     if (entry->group_offload) {
-      // What its cache would spare this forward counts towards what the cache is worth.
-      entry->stream_demand += static_cast<double>(entry->group_offload->stats().bytes_per_forward);
       // It places itself, but its slots (when released) and its always-on groups are allocated for
       // its forward: make room for them and for what its runs allocate besides.
       working_set = entry->group_offload->bytes_needed_to_run();
-      TakeCachesWorthLess(*entry, working_set);
       EvictBefore(*entry, working_set + entry->run_headroom,
                   absl::StrCat("make room for group-offloaded ", entry->id, "'s working set",
                                HeadroomNote(entry->run_headroom)));

@@ -270,12 +270,8 @@ class PlacementManager : public ComponentRunner {
   // at 1024² after the transformer), `margin_bytes` and the margin out-of-memory errors taught; 0 for
   // its first run and when off. A cache stays between runs (and requests) while nothing needs its
   // room: any move or run that needs room shrinks the caches first, least recently used first
-  // (EvictBefore) — the caches worth least first (see below), then the least recently used — a
-  // streamed component of another pipeline starting to run takes what its own cache could still hold
-  // from the caches worth less than its own, and a lower budget empties them. A cache's worth: the
-  // host-to-device bytes its component's forwards copied (or were spared) over about the last 32
-  // requests (each request's end decays the sum by 1/32), per byte of room its whole cache takes —
-  // a hot pipeline's cache stays while a colder pipeline's streamed component runs. A run that runs out of device memory while caches hold room gets them all
+  // (EvictBefore), a streamed component of another pipeline starting to run takes it all, and a lower
+  // budget empties them. A run that runs out of device memory while caches hold room gets them all
   // back and runs again before any weights move, and the caches' margin doubles from then on
   // (recorded as "widen_cache_margin"; on CUDA, room the allocator's counts call free can be split
   // into blocks too small for the run's largest allocation), up to a quarter of the budget.
@@ -355,9 +351,6 @@ class PlacementManager : public ComponentRunner {
     int64_t run_headroom = 0;
     // A run of it completed (its run headroom is known).
     bool ran = false;
-    // Streamed: the host-to-device bytes of its forwards (what a whole cache spares each), summed as
-    // they run and decayed by kStreamDemandDecay at each request's end (about the last 32 requests).
-    double stream_demand = 0;
     // Moved to a peer by peer eviction: no longer registered here; removed at the next sweep
     // (entries_ may be being iterated when it moves).
     bool moved = false;
@@ -373,17 +366,8 @@ class PlacementManager : public ComponentRunner {
   // each recorded as "release_group_cache" with `reason`. Returns the bytes freed.
   int64_t ShrinkCaches(const Entry* except, int64_t needed, const std::string& reason,
                        const Entry* last = nullptr);
-  // What keeping `entry`'s streamed groups on the device is worth: the bytes its recent forwards
-  // copied or were spared (Entry::stream_demand) per byte of room its whole cache takes (0 for a
-  // component that is not streamed).
-  static double CacheWorth(const Entry& entry);
-  // The free room beyond `entry`'s working set still to allocate, the largest run headroom of any
-  // registered component and the caches' margin (INT64_MAX without a budget).
-  int64_t SpareRoomFor(const Entry& entry, int64_t working_set) const;
-  // Before streamed `running` runs (not its first run): what its cache could still hold beyond the
-  // spare room comes from the caches of components that serve none of its pipelines and are worth
-  // less (CacheWorth), the least worth first, each recorded as "release_group_cache".
-  void TakeCachesWorthLess(const Entry& running, int64_t working_set);
+  // Before streamed `running` runs: the caches of components that serve none of its pipelines go.
+  void ReleaseCachesOfOtherPipelines(const Entry& running);
   // Before a run of group-offloaded `entry` whose working set still to allocate is `working_set`:
   // its spare-room cache allowance (see set_streamed_group_cache), recorded as "release_group_cache" when
   // that gives cached bytes back.
@@ -463,8 +447,6 @@ class PlacementManager : public ComponentRunner {
   mutable absl::Mutex log_mu_;
   std::deque<PlacementDecision> log_ ABSL_GUARDED_BY(log_mu_);
   static constexpr size_t kLogCapacity = 4096;
-  // Entry::stream_demand's factor at each request's end.
-  static constexpr double kStreamDemandDecay = 31.0 / 32.0;
 };
 
 }  // namespace stowage

@@ -433,10 +433,21 @@ void PlacementManager::EvictAfter(const Entry& target) {
   Evict(ids, absl::StrCat("after ", target.id, " ran"), "after_run");
 }
 
-int64_t PlacementManager::EvictAllBut(const Entry& keep, const std::string& reason) {
+bool PlacementManager::KeepsAnyResident(const Entry& except) const {
+  for (const auto& e : entries_) {
+    if (e.get() != &except && e->state == ComponentState::kResident && e->holds == 0 &&
+        strategy_->Keeps(e->id, e->component->name())) {
+      return true;
+    }
+  }
+  return false;
+}
+
+int64_t PlacementManager::EvictAllBut(const Entry& keep, const std::string& reason, bool kept_too) {
   int64_t freed = ShrinkCaches(&keep, INT64_MAX, reason);
   for (auto& e : entries_) {
     if (e.get() == &keep || e->state != ComponentState::kResident || e->holds > 0) continue;
+    if (!kept_too && strategy_->Keeps(e->id, e->component->name())) continue;
     freed += e->component->weight_bytes();
     Offload(*e, reason, "out_of_memory");
   }
@@ -452,10 +463,15 @@ absl::Status PlacementManager::MakeResident(Entry& entry, const std::string& why
   if (IsDeviceOom(status)) {
     // Recovery 1: move every other movable resident off, return cached blocks, retry.
     Record(entry.id, "oom", needed, before, std::string(status.message()));
-    EvictAllBut(entry, absl::StrCat("out of memory onloading ", entry.id));
-    backend_->ReleaseCachedMemory();
-    before = FreeBytes();
-    status = entry.component->host_weights().OnloadAll(*backend_);
+    // The strategy's kept components move only when moving everything else did not suffice.
+    for (const bool kept_too : {false, true}) {
+      if (kept_too && !KeepsAnyResident(entry)) break;
+      EvictAllBut(entry, absl::StrCat("out of memory onloading ", entry.id), kept_too);
+      backend_->ReleaseCachedMemory();
+      before = FreeBytes();
+      status = entry.component->host_weights().OnloadAll(*backend_);
+      if (!IsDeviceOom(status)) break;
+    }
     if (status.ok()) ++counters_.oom_recoveries;
   }
   if (IsDeviceOom(status) && !may_group_offload) {
@@ -927,8 +943,10 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
                                     cached, " bytes"));
       run_again();
     }
-    if (IsDeviceOom(status)) {
-      EvictAllBut(*entry, absl::StrCat("out of memory running ", entry->id));
+    // Then every other component but those the strategy keeps, and only then those.
+    for (const bool kept_too : {false, true}) {
+      if (!IsDeviceOom(status) || (kept_too && !KeepsAnyResident(*entry))) break;
+      EvictAllBut(*entry, absl::StrCat("out of memory running ", entry->id), kept_too);
       backend_->ReleaseCachedMemory();
       run_again();
     }

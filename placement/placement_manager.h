@@ -425,8 +425,11 @@ class PlacementManager : public ComponentRunner {
   // `why`: the onload's reason in the log. `may_group_offload`: when nothing else can move, group-
   // offload the component instead of failing (not for held components, which never forward).
   absl::Status MakeResident(Entry& entry, const std::string& why = "needed to run", bool may_group_offload = true);
-  // Evicts every movable resident but `keep`; returns the bytes freed.
-  int64_t EvictAllBut(const Entry& keep, const std::string& reason);
+  // Evicts every movable resident but `keep` — and but those the strategy keeps resident
+  // (OffloadStrategy::Keeps) unless `kept_too` — after every spare-room cache; returns the bytes freed.
+  int64_t EvictAllBut(const Entry& keep, const std::string& reason, bool kept_too = true);
+  // True when a resident component other than `except` that a move may take is one the strategy keeps.
+  bool KeepsAnyResident(const Entry& except) const;
 
   DeviceBackend* backend_;
   std::vector<std::unique_ptr<Entry>> entries_;

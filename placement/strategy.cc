@@ -81,6 +81,9 @@ class FootprintStrategy : public OffloadStrategy {
     }
     return CoverDeficit(movable, in.needed_bytes - free);
   }
+  bool Keeps(const std::string& id, const std::string& name) const override {
+    return keep_.count(name) > 0 || keep_.count(id) > 0;
+  }
 
  private:
   int64_t reserve_;
@@ -126,6 +129,10 @@ class WorkflowStrategy : public OffloadStrategy {
     }
   }
   std::string name() const override { return "workflow"; }
+  bool Keeps(const std::string& id, const std::string& name) const override {
+    (void)id;
+    return kept_.count(name) > 0;
+  }
   std::vector<std::string> BeforeRun(const StrategyInput& in) override {
     return Apply(WorkflowRule::Kind::kBefore, in, /*include_target=*/false);
   }

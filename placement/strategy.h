@@ -47,6 +47,12 @@ class OffloadStrategy {
   // True for strategies that reason from whole-model footprints (they misjudge group-offloaded
   // components, which hold one group at a time): the manager warns when such a strategy manages one.
   virtual bool footprint_based() const { return false; }
+  // True for a component the strategy keeps resident (keep_resident: by name or id): an
+  // out-of-memory recovery moves it only after moving everything else did not suffice.
+  virtual bool Keeps(const std::string& id, const std::string& name) const {
+    (void)id, (void)name;
+    return false;
+  }
 };
 
 // Footprint: when free - reserve < needed, evict the fewest bytes that suffice: the smallest single

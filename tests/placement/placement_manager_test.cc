@@ -299,6 +299,38 @@ TEST(PlacementManagerTest, OutOfMemoryTakesTheSpareRoomCachesBeforeAnyWeights) {
   EXPECT_LE(s.backend->GetMemoryStats().peak_allocated_bytes + now.context_bytes, budget);
 }
 
+// An out-of-memory recovery moves the strategy's kept components last: when moving the others makes
+// the room, a keep_resident transformer stays (two-pipeline run 5 on the H200: a Flux VAE's recovery moved
+// both kept transformers off); when it does not, the kept one moves too and the run still succeeds.
+TEST(PlacementManagerTest, OutOfMemoryRecoveryMovesKeptComponentsLast) {
+  Harness s;
+  (void)s.placement.SetStrategy(MakeFootprintStrategy(0, {"transformer"}));
+  ASSERT_TRUE(s.Generate().ok());
+  Component* vae = s.pipeline->components().back();
+  ASSERT_EQ(vae->name(), "vae");
+  const int64_t text_encoder = s.View("text_encoder").weight_bytes;
+  const int64_t transformer = s.View("transformer").weight_bytes;
+  ASSERT_LT(s.View("vae").run_headroom_bytes, text_encoder / 2);  // Nothing moves before the run.
+  const DeviceMemoryStats now = s.backend->GetMemoryStats();
+  ASSERT_TRUE(s.backend->SetMemoryBudget(now.context_bytes + now.allocated_bytes + text_encoder / 2).ok());
+  const auto allocating = [&](int64_t bytes) {
+    return [&s, bytes] {
+      auto t = s.backend->AllocateBytes(bytes);
+      if (!t.ok()) throw DeviceOutOfMemory("sim:0", bytes, s.backend->GetMemoryStats().allocated_bytes, 0);
+    };
+  };
+  const auto state = [&](const std::string& name) { return s.View(name).state; };
+  // Moving the text encoder off makes the room: the transformer stays.
+  ASSERT_TRUE(s.placement.Run(*vae, allocating(text_encoder)).ok());
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 1);
+  EXPECT_EQ(state("text_encoder"), ComponentState::kOffloaded);
+  EXPECT_EQ(state("transformer"), ComponentState::kResident);
+  // More than the others free: the kept transformer moves as well, and the run succeeds.
+  ASSERT_TRUE(s.placement.Run(*vae, allocating(text_encoder + text_encoder / 2 + transformer / 2)).ok());
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 2);
+  EXPECT_EQ(state("transformer"), ComponentState::kOffloaded);
+}
+
 TEST(PlacementManagerTest, GroupOffloadedComponentPlacesItselfAndKeepsTheImageExact) {
   Harness plain;
   auto expected = plain.Generate();

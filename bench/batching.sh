@@ -16,6 +16,10 @@
 # fp8 (the transformer's linears as FP8 GEMMs, CUDA only); MAX_QUEUE_DELAY_MS: the
 # batching delay (default 200: above the ~130 ms a 1024x1024 noise PNG takes to encode plus the
 # turnaround, so that clients out of step meet again; 100 was measured too short, batching_run4).
+# FORMAT: the image format the clients ask for (png, the default; png_fast; rgb: raw pixels). In a
+# closed loop whose clients all wait on one batch the device idles while the batch's images are
+# encoded and the clients turn around (~0.13 s for a 1024x1024 noise PNG); unbatched, the next
+# client's request runs during that time. Rows carry "format".
 # MODEL_DIR: a Z-Image directory; random weights are drawn from its configs
 # (bench/make_zimage_random_dir.py).
 set -euo pipefail
@@ -37,6 +41,11 @@ case $compute in
   bf16) compute_field="" ;;
   fp8) compute_field=' compute { key: "transformer" value: COMPUTE_FP8 }' ;;
   *) echo "batching.sh: COMPUTE must be bf16 or fp8, not '$compute'" >&2; exit 2 ;;
+esac
+
+case ${FORMAT:-png} in
+  png | png_fast | rgb) ;;
+  *) echo "batching.sh: FORMAT must be png, png_fast or rgb, not '$FORMAT'" >&2; exit 2 ;;
 esac
 
 for mode in ${MODES:-resident streamed}; do
@@ -61,7 +70,8 @@ CFG
   "$load_bench" --target="$TARGET" --token="$token" --mode="$mode" --compress="$compress" --compute="$compute" \
     --machine="$machine" --size="$size" \
     --steps="$steps" --concurrency="$concurrency" --batch_sizes="$batch_sizes" --requests_per_client="$per_client" \
-    --min_requests="$min_requests" --max_queue_delay_ms="${MAX_QUEUE_DELAY_MS:-200}" --out="$out" || rc=$?
+    --min_requests="$min_requests" --max_queue_delay_ms="${MAX_QUEUE_DELAY_MS:-200}" --format="${FORMAT:-png}" \
+    --out="$out" || rc=$?
   stop_server
   return $rc
 }

@@ -17,7 +17,7 @@ keys = {(r["mode"], r["compress"], r["max_batch_size"], r["concurrency"]) for r 
 modes = (("resident", "none"), ("streamed", "none"), ("streamed", "int4"))
 assert keys == {(m, c, b, n) for m, c in modes for b in (1, 4) for n in (1, 4)}, keys
 for r in rows:
-    assert r["compute"] == "bf16", r
+    assert r["compute"] == "bf16" and r["format"] == "png", r
     for field in ("bench", "mode", "compress", "concurrency", "images_per_s", "p50_s", "p99_s", "machine"):
         assert field in r, (field, r)
     assert r["bench"] == "batching" and r["failed"] == 0 and r["images_per_s"] > 0, r
@@ -37,4 +37,17 @@ if COMPUTE=fp4 bash "$scripts/batching.sh" x y z "$TEST_TMPDIR/none.jsonl" 2>"$T
   echo "an unknown compute mode was accepted" >&2; exit 1
 fi
 grep -q "COMPUTE must be bf16 or fp8, not 'fp4'" "$TEST_TMPDIR/err.txt"
+if FORMAT=jpeg bash "$scripts/batching.sh" x y z "$TEST_TMPDIR/none.jsonl" 2>"$TEST_TMPDIR/err.txt"; then
+  echo "an unknown format was accepted" >&2; exit 1
+fi
+grep -q "FORMAT must be png, png_fast or rgb, not 'jpeg'" "$TEST_TMPDIR/err.txt"
+# Raw pixels: the rows say so, and every request succeeds.
+FORMAT=rgb MODES="resident" bash "$scripts/batching.sh" "$here/server/stowage_server" "$here/bench/load_bench" \
+  "$TEST_TMPDIR/zimage" "$TEST_TMPDIR/rgb.jsonl" 64 2 ci float32 2 1,4 2 4
+/usr/bin/python3 - "$TEST_TMPDIR/rgb.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+assert len(rows) == 2 and all(r["format"] == "rgb" and r["failed"] == 0 and r["images_per_s"] > 0 for r in rows), rows
+print("rgb ok")
+PY
 echo "refusals ok"

@@ -6,7 +6,7 @@
 // per (setting, N) goes to --out and a table row to stdout:
 //   {"bench":"batching","mode":..,"compress":..,"compute":..,"batching":true|false,"max_batch_size":..,"concurrency":N,
 //    "images_per_s":..,"p50_s":..,"p99_s":..,"mean_batch_size":..,"requests":..,"failed":..,
-//    "size":..,"steps":..,"machine":..}
+//    "size":..,"steps":..,"format":"png"|"png_fast"|"rgb","machine":..}
 // images_per_s = successful requests / wall time of the row; p50/p99 of the client-side latency.
 // Before each setting's rows, --warmup requests run alone (not measured).
 //
@@ -50,6 +50,9 @@ ABSL_FLAG(std::string, mode, "unknown", "Label for the placement mode (resident,
 ABSL_FLAG(std::string, compress, "none", "Label for the streamed host copy's format (none, int8_grouped, int4).");
 ABSL_FLAG(std::string, compute, "bf16", "Label for the transformer's compute mode (bf16, fp8).");
 ABSL_FLAG(std::string, machine, "unknown", "Label for the machine.");
+ABSL_FLAG(std::string, format, "png",
+          "Image format the clients ask for: png (the default), png_fast (lossless, faster to encode) or rgb "
+          "(raw pixels, nothing encoded).");
 ABSL_FLAG(std::string, out, "", "JSON lines file to append to.");
 
 namespace {
@@ -69,8 +72,11 @@ struct Outcome {
   int batch_size = 0;
 };
 
+stowage::v1::ImageFormat g_format = stowage::v1::IMAGE_FORMAT_PNG;
+
 Outcome GenerateOnce(stowage::v1::GenerationService::Stub& stub, int client, int index) {
   stowage::v1::GenerateRequest request;
+  request.set_output_format(g_format);
   request.set_pipeline(absl::GetFlag(FLAGS_pipeline));
   request.set_prompt(absl::StrCat("a lighthouse on a cliff at dusk, study ", client, "-", index));
   request.set_width(absl::GetFlag(FLAGS_size));
@@ -95,6 +101,17 @@ Outcome GenerateOnce(stowage::v1::GenerationService::Stub& stub, int client, int
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
+  const std::string format = absl::GetFlag(FLAGS_format);
+  if (format == "png") {
+    g_format = stowage::v1::IMAGE_FORMAT_PNG;
+  } else if (format == "png_fast") {
+    g_format = stowage::v1::IMAGE_FORMAT_PNG_FAST;
+  } else if (format == "rgb") {
+    g_format = stowage::v1::IMAGE_FORMAT_RGB;
+  } else {
+    std::cerr << "load_bench: --format is '" << format << "'; allowed: png, png_fast, rgb\n";
+    return 2;
+  }
   auto channel = stowage::bench::MakeChannel(absl::GetFlag(FLAGS_target));
   auto stub = stowage::v1::GenerationService::NewStub(channel);
   auto admin = stowage::v1::AdminService::NewStub(channel);
@@ -156,12 +173,12 @@ int main(int argc, char** argv) {
                    "{\"bench\":\"batching\",\"mode\":\"%s\",\"compress\":\"%s\",\"compute\":\"%s\",\"batching\":%s,\"max_batch_size\":%d,"
                    "\"max_queue_delay_ms\":%d,\"concurrency\":%d,\"images_per_s\":%.4f,\"p50_s\":%.4f,"
                    "\"p99_s\":%.4f,\"mean_batch_size\":%.3f,\"requests\":%d,\"failed\":%d,\"size\":%d,"
-                   "\"steps\":%d,\"machine\":\"%s\"}",
+                   "\"steps\":%d,\"format\":\"%s\",\"machine\":\"%s\"}",
                    absl::GetFlag(FLAGS_mode), absl::GetFlag(FLAGS_compress), absl::GetFlag(FLAGS_compute),
                    batch > 1 ? "true" : "false", batch,
                    batch > 1 ? absl::GetFlag(FLAGS_max_queue_delay_ms) : 0, n, images_per_s, p50, p99, mean_batch,
                    static_cast<int>(outcomes.size()), failed, absl::GetFlag(FLAGS_size), absl::GetFlag(FLAGS_steps),
-                   absl::GetFlag(FLAGS_machine))
+                   format, absl::GetFlag(FLAGS_machine))
             << "\n";
         out.flush();
       }

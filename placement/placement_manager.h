@@ -193,7 +193,10 @@ class PlacementManager : public ComponentRunner {
   const std::string& request_id() const { return request_id_; }
 
   // ComponentRunner: makes `component` resident, then runs `fn`. Exceptions from `fn` become a
-  // status; a device out-of-memory error keeps its IsDeviceOom() mark.
+  // status; a device out-of-memory error keeps its IsDeviceOom() mark. A run that runs out of device
+  // memory is retried after each of, in order, until one suffices: the spare-room caches given back;
+  // every other component moved off but those the strategy keeps resident; those too; the component
+  // itself group-offloaded (a whole one). Then the cannot-fit status (OUT_OF_RANGE).
   absl::Status Run(Component& component, const std::function<void()>& fn) override;
 
   // For components a run reads outside their own Run — LoRA adapters, read by every adapted layer

@@ -58,3 +58,25 @@ assert [r["strategy"] for r in rows] == ["footprint"] * 4, rows
 assert all(r["ok"] and r["resident_latency_s"] > 0 for r in rows), rows
 print("ok")
 PY
+# The fit phase (the streaming issue's layout): both transformers, VAEs and CLIP kept resident, the big
+# text encoders streamed from int8 group-wise copies, under a budget that holds the kept ones; rows carry
+# compute, the cache setting and commit.
+run --out "$TEST_TMPDIR/fit.jsonl" --logs "$TEST_TMPDIR/fit" --phases fit --streamed_group_cache --commit abc1234 --budget_gib 0.05 \
+  --resident_from "$TEST_TMPDIR/rows.jsonl"
+/usr/bin/python3 - "$TEST_TMPDIR/fit.jsonl" "$TEST_TMPDIR/fit/fit.placement.txt" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+assert [r["strategy"] for r in rows] == ["fit"] * 4, rows
+for r in rows:
+    assert r["ok"] and r["compute"] == "bf16" and r["streamed_group_cache"] is True and r["commit"] == "abc1234", r
+states = {}
+for line in open(sys.argv[2]):
+    if line.startswith("  ") and not line.startswith("   ") and "/" in line.split()[0]:
+        states[line.split()[0]] = line.split()[1]
+for c in ("zimage/transformer", "flux/transformer", "zimage/vae", "flux/vae", "flux/text_encoder"):
+    assert states.get(c) == "RESIDENT", (c, states)
+for c in ("zimage/text_encoder", "flux/text_encoder_2"):
+    assert states.get(c) == "GROUP_OFFLOADED", (c, states)
+assert open(sys.argv[2]).read().count("int8_grouped (") == 2, open(sys.argv[2]).read()
+print("ok")
+PY

@@ -91,7 +91,9 @@ Outcome GenerateOnce(stowage::v1::GenerationService::Stub& stub, int client, int
   const grpc::Status status = stub.Generate(&context, request, &response);
   Outcome o;
   o.latency_s = std::chrono::duration<double>(Clock::now() - start).count();
-  o.ok = status.ok();
+  // A reply in another format than asked for counts as failed (the rows name the format).
+  o.ok = status.ok() && response.format() == g_format;
+  if (status.ok() && !o.ok) std::cerr << "load_bench: asked for format " << g_format << ", got " << response.format() << "\n";
   o.batch_size = response.stats().batch_size();
   if (!status.ok()) std::cerr << "load_bench: request failed: " << status.error_message() << "\n";
   return o;

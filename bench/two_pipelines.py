@@ -235,9 +235,10 @@ def main_stowage():
         resident_mean = {(r["pipeline"], r["arrival"]): r["latency_s"]
                          for r in map(json.loads, open(ARGS.resident_from, encoding="utf-8"))
                          if r.get("strategy") == "resident" and r.get("size") == ARGS.size
-                         and r.get("steps") == ARGS.steps}
+                         and r.get("steps") == ARGS.steps and r.get("compute", "bf16") == ARGS.compute}
         if len(resident_mean) != 2 * len(PIPELINES):
-            raise SystemExit(f"{ARGS.resident_from} lacks resident rows for size {ARGS.size}, {ARGS.steps} steps")
+            raise SystemExit(f"{ARGS.resident_from} lacks resident rows for size {ARGS.size}, {ARGS.steps} steps, "
+                             f"{ARGS.compute} compute")
         rows = []
     else:
         print(f"== resident server (no budget)", flush=True)

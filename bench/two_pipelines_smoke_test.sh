@@ -59,8 +59,9 @@ assert all(r["ok"] and r["resident_latency_s"] > 0 for r in rows), rows
 print("ok")
 PY
 # The fit phase (the streaming issue's layout): both transformers, VAEs and CLIP kept resident, the big
-# text encoders streamed from int8 group-wise copies, under a budget that holds the kept ones; rows carry
-# compute, the cache setting and commit.
+# text encoders streamed from int8 group-wise copies, under a budget that holds the kept ones (this
+# checks the layout the phase sets; keeping them under memory pressure is placement_manager_test's);
+# rows carry compute, the cache setting and commit.
 run --out "$TEST_TMPDIR/fit.jsonl" --logs "$TEST_TMPDIR/fit" --phases fit --streamed_group_cache --commit abc1234 --budget_gib 0.05 \
   --resident_from "$TEST_TMPDIR/rows.jsonl"
 /usr/bin/python3 - "$TEST_TMPDIR/fit.jsonl" "$TEST_TMPDIR/fit/fit.placement.txt" <<'PY'

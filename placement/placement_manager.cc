@@ -466,7 +466,8 @@ absl::Status PlacementManager::MakeResident(Entry& entry, const std::string& why
     // The strategy's kept components move only when moving everything else did not suffice.
     for (const bool kept_too : {false, true}) {
       if (kept_too && !KeepsAnyResident(entry)) break;
-      EvictAllBut(entry, absl::StrCat("out of memory onloading ", entry.id), kept_too);
+      const int64_t freed = EvictAllBut(entry, absl::StrCat("out of memory onloading ", entry.id), kept_too);
+      if (!kept_too && freed == 0 && KeepsAnyResident(entry)) continue;  // Nothing moved: no retry yet.
       backend_->ReleaseCachedMemory();
       before = FreeBytes();
       status = entry.component->host_weights().OnloadAll(*backend_);
@@ -946,7 +947,8 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     // Then every other component but those the strategy keeps, and only then those.
     for (const bool kept_too : {false, true}) {
       if (!IsDeviceOom(status) || (kept_too && !KeepsAnyResident(*entry))) break;
-      EvictAllBut(*entry, absl::StrCat("out of memory running ", entry->id), kept_too);
+      const int64_t freed = EvictAllBut(*entry, absl::StrCat("out of memory running ", entry->id), kept_too);
+      if (!kept_too && freed == 0 && KeepsAnyResident(*entry)) continue;  // Nothing moved: no retry yet.
       backend_->ReleaseCachedMemory();
       run_again();
     }

@@ -6,10 +6,10 @@ set -uo pipefail
 here=$(pwd)
 server="$here/server/stowage_server"
 stowctl="$here/clients/stowctl/stowctl"
-tmp="$TEST_TMPDIR"
-# A re-run (ctest --rerun-failed) finds the last run's files: a stale port file would let wait_ports
-# return before the new server is up.
-find "$tmp" -mindepth 1 -delete
+# A folder of its own, emptied first: a re-run (ctest --rerun-failed) would find the last run's
+# files, and a stale port file would let wait_ports return before the new server is up.
+tmp="$TEST_TMPDIR/server_process"
+rm -rf "$tmp" && mkdir -p "$tmp"
 fail() { echo "FAIL: $*"; for f in "$tmp"/*.log; do echo "== $f"; cat "$f"; done; exit 1; }
 now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
 wait_ports() {  # $1: port file, $2: pid

@@ -41,6 +41,12 @@ TEST(WeightInitTest, LargeWeightsTileTheDrawnValues) {
     const at::Tensor flat = w.reshape({-1});
     EXPECT_TRUE(at::equal(flat.slice(0, drawn, w.numel()), flat.slice(0, 0, w.numel() - drawn)));
     EXPECT_NE(flat[0].item<float>(), flat[1].item<float>());
+    // Rounding comes last: the bfloat16 weight is the float32 one rounded (scaled first, then rounded).
+    if (dtype == at::kBFloat16) {
+      Holder f(in, out, at::kFloat);
+      InitializeRandomWeights(f, 7);
+      EXPECT_TRUE(at::equal(w, f.linear->slots()[0].value.to(at::kBFloat16)));
+    }
     if (std::getenv("STOWAGE_PRINT_WEIGHT_SUM") != nullptr) {
       printf("sum %s %.17g\n", c10::toString(dtype), w.to(at::kDouble).sum().item<double>());
     }

@@ -135,8 +135,9 @@ class CudaBackend : public DeviceBackend {
       total_bytes_ = static_cast<int64_t>(total_bytes);
       // What this process holds outside the caching allocator: the context, module images and
       // libraries' own allocations — this process's memory as the driver reports it (NVML, with
-      // the device's share no process lists when it is alone there) less the allocator's segments. Without NVML, the device's used memory less the segments (other
-      // processes on the card then count too).
+      // the device's share no process lists when it is alone there) less the allocator's segments.
+      // Without NVML, the device's used memory less the segments (other processes on the card then
+      // count too).
       const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
       int64_t process = ProcessDeviceBytesFromNvml(index);
       if (process < 0) process = static_cast<int64_t>(total_bytes - free_bytes);

@@ -443,6 +443,18 @@ bool PlacementManager::KeepsAnyResident(const Entry& except) const {
   return false;
 }
 
+absl::Status PlacementManager::RetryAfterEvicting(const Entry& keep, const std::string& reason, absl::Status status,
+                                                  const std::function<absl::Status()>& retry) {
+  for (const bool kept_too : {false, true}) {
+    if (!IsDeviceOom(status) || (kept_too && !KeepsAnyResident(keep))) break;
+    const int64_t freed = EvictAllBut(keep, reason, kept_too);
+    if (!kept_too && freed == 0 && KeepsAnyResident(keep)) continue;  // Nothing moved: no retry yet.
+    backend_->ReleaseCachedMemory();
+    status = retry();
+  }
+  return status;
+}
+
 int64_t PlacementManager::EvictAllBut(const Entry& keep, const std::string& reason, bool kept_too) {
   int64_t freed = ShrinkCaches(&keep, INT64_MAX, reason);
   for (auto& e : entries_) {
@@ -463,16 +475,10 @@ absl::Status PlacementManager::MakeResident(Entry& entry, const std::string& why
   if (IsDeviceOom(status)) {
     // Recovery 1: move every other movable resident off, return cached blocks, retry.
     Record(entry.id, "oom", needed, before, std::string(status.message()));
-    // The strategy's kept components move only when moving everything else did not suffice.
-    for (const bool kept_too : {false, true}) {
-      if (kept_too && !KeepsAnyResident(entry)) break;
-      const int64_t freed = EvictAllBut(entry, absl::StrCat("out of memory onloading ", entry.id), kept_too);
-      if (!kept_too && freed == 0 && KeepsAnyResident(entry)) continue;  // Nothing moved: no retry yet.
-      backend_->ReleaseCachedMemory();
+    status = RetryAfterEvicting(entry, absl::StrCat("out of memory onloading ", entry.id), std::move(status), [&] {
       before = FreeBytes();
-      status = entry.component->host_weights().OnloadAll(*backend_);
-      if (!IsDeviceOom(status)) break;
-    }
+      return entry.component->host_weights().OnloadAll(*backend_);
+    });
     if (status.ok()) ++counters_.oom_recoveries;
   }
   if (IsDeviceOom(status) && !may_group_offload) {
@@ -944,14 +950,10 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
                                     cached, " bytes"));
       run_again();
     }
-    // Then every other component but those the strategy keeps, and only then those.
-    for (const bool kept_too : {false, true}) {
-      if (!IsDeviceOom(status) || (kept_too && !KeepsAnyResident(*entry))) break;
-      const int64_t freed = EvictAllBut(*entry, absl::StrCat("out of memory running ", entry->id), kept_too);
-      if (!kept_too && freed == 0 && KeepsAnyResident(*entry)) continue;  // Nothing moved: no retry yet.
-      backend_->ReleaseCachedMemory();
+    status = RetryAfterEvicting(*entry, absl::StrCat("out of memory running ", entry->id), std::move(status), [&] {
       run_again();
-    }
+      return status;
+    });
     if (IsDeviceOom(status) && !entry->group_offload) {
       entry->component->host_weights().OffloadAll();
       entry->state = ComponentState::kOffloaded;

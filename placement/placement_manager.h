@@ -433,6 +433,12 @@ class PlacementManager : public ComponentRunner {
   int64_t EvictAllBut(const Entry& keep, const std::string& reason, bool kept_too = true);
   // True when a resident component other than `except` that a move may take is one the strategy keeps.
   bool KeepsAnyResident(const Entry& except) const;
+  // Out-of-memory recovery while `status` is a device out-of-memory error: every other component but
+  // those the strategy keeps moves off (EvictAllBut) and `retry` runs; while it still runs out, the
+  // kept ones move too and it runs again. A pass that moved nothing does not retry. Returns the last
+  // status.
+  absl::Status RetryAfterEvicting(const Entry& keep, const std::string& reason, absl::Status status,
+                                  const std::function<absl::Status()>& retry);
 
   DeviceBackend* backend_;
   std::vector<std::unique_ptr<Entry>> entries_;

@@ -77,7 +77,7 @@ class FootprintStrategy : public OffloadStrategy {
     if (keep_.empty()) return CoverDeficit(in.resident, in.needed_bytes - free);
     std::vector<Candidate> movable;
     for (const Candidate& c : in.resident) {
-      if (keep_.count(c.name) == 0 && keep_.count(c.id) == 0) movable.push_back(c);
+      if (!Keeps(c.id, c.name)) movable.push_back(c);
     }
     return CoverDeficit(movable, in.needed_bytes - free);
   }
@@ -147,11 +147,11 @@ class WorkflowStrategy : public OffloadStrategy {
       if (r.kind == kind && r.component == in.target.name) names.insert(r.offload.begin(), r.offload.end());
     }
     std::vector<std::string> ids;
-    if (include_target && names.count(in.target.name) > 0 && kept_.count(in.target.name) == 0) {
+    if (include_target && names.count(in.target.name) > 0 && !Keeps(in.target.id, in.target.name)) {
       ids.push_back(in.target.id);
     }
     for (const Candidate& c : in.resident) {
-      if (names.count(c.name) > 0 && kept_.count(c.name) == 0) ids.push_back(c.id);
+      if (names.count(c.name) > 0 && !Keeps(c.id, c.name)) ids.push_back(c.id);
     }
     return ids;
   }

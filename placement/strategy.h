@@ -48,8 +48,8 @@ class OffloadStrategy {
   // components, which hold one group at a time): the manager warns when such a strategy manages one.
   virtual bool footprint_based() const { return false; }
   // True for a component the strategy keeps resident (footprint's keep_resident: by name or id;
-  // workflow's keep_resident rules: by name): an
-  // out-of-memory recovery moves it only after moving everything else did not suffice.
+  // workflow's keep_resident rules: by name): an out-of-memory recovery moves it only after moving
+  // everything else did not suffice.
   virtual bool Keeps(const std::string& id, const std::string& name) const {
     (void)id, (void)name;
     return false;

@@ -57,16 +57,15 @@ void InitializeRandomWeights(Module& root, uint64_t seed) {
       t.copy_(values);
       return;
     }
-    if (!t.is_contiguous()) {  // A strided view: the tiled values through one copy.
-      t.copy_(values.repeat({(t.numel() + kDrawn - 1) / kDrawn}).slice(0, 0, t.numel()).view(t.sizes()));
-      return;
-    }
+    // A strided view is filled through a contiguous tensor of its own.
+    at::Tensor dest = t.is_contiguous() ? t : at::empty(t.sizes(), t.options());
     const at::Tensor tile = values.to(t.scalar_type());
-    at::Tensor flat = t.view({-1});
+    at::Tensor flat = dest.view({-1});
     for (int64_t offset = 0; offset < t.numel(); offset += kDrawn) {
       const int64_t n = std::min(kDrawn, t.numel() - offset);
       flat.narrow(0, offset, n).copy_(tile.narrow(0, 0, n));
     }
+    if (!dest.is_same(t)) t.copy_(dest);
   });
 }
 

@@ -1,8 +1,6 @@
 #include "models/core/weight_init.h"
 
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <memory>
 
 #include <ATen/ATen.h>
@@ -46,9 +44,6 @@ TEST(WeightInitTest, LargeWeightsTileTheDrawnValues) {
       Holder f(in, out, at::kFloat);
       InitializeRandomWeights(f, 7);
       EXPECT_TRUE(at::equal(w, f.linear->slots()[0].value.to(at::kBFloat16)));
-    }
-    if (std::getenv("STOWAGE_PRINT_WEIGHT_SUM") != nullptr) {
-      printf("sum %s %.17g\n", c10::toString(dtype), w.to(at::kDouble).sum().item<double>());
     }
     // Scale: 1 / sqrt(fan_in).
     const double std = w.to(at::kFloat).std().item<double>();

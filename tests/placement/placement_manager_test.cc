@@ -2,6 +2,7 @@
 #include "placement/placement_manager.h"
 
 #include <algorithm>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -36,6 +37,14 @@ struct Harness {
   absl::StatusOr<Image> Generate() {
     RunContext context(nullptr, nullptr);
     return pipeline->Run(HarbourParams(), placement, context);
+  }
+  // A run's body that allocates `bytes` on the device (held until it returns), throwing the device's
+  // out-of-memory error when they do not fit.
+  std::function<void()> Allocating(int64_t bytes) {
+    return [this, bytes] {
+      auto t = backend->AllocateBytes(bytes);
+      if (!t.ok()) throw DeviceOutOfMemory("sim:0", bytes, backend->GetMemoryStats().allocated_bytes, 0);
+    };
   }
   const ComponentView& View(const std::string& name) {
     views = placement.Snapshot();
@@ -246,12 +255,6 @@ TEST(PlacementManagerTest, OutOfMemoryTakesTheSpareRoomCachesBeforeAnyWeights) {
   Component* vae = s.pipeline->components().back();
   const int64_t activations = cache / 4;
   const int64_t working_set = stats().working_set_bytes;
-  const auto allocating = [&](int64_t bytes) {
-    return [&s, bytes] {
-      auto t = s.backend->AllocateBytes(bytes);
-      if (!t.ok()) throw DeviceOutOfMemory("sim:0", bytes, s.backend->GetMemoryStats().allocated_bytes, 0);
-    };
-  };
   // Room for the VAE's activations only with the cache given back.
   const DeviceMemoryStats now = s.backend->GetMemoryStats();
   const int64_t extra = activations / 2;
@@ -259,7 +262,7 @@ TEST(PlacementManagerTest, OutOfMemoryTakesTheSpareRoomCachesBeforeAnyWeights) {
   ASSERT_TRUE(s.backend->SetMemoryBudget(budget).ok());
   s.backend->ResetPeakStats();
   size_t decisions = s.placement.DecisionLog(1000).size();
-  ASSERT_TRUE(s.placement.Run(*vae, allocating(activations)).ok());
+  ASSERT_TRUE(s.placement.Run(*vae, s.Allocating(activations)).ok());
   EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 1);
   EXPECT_EQ(stats().cache_bytes, 0);
   EXPECT_EQ(s.placement.learned_cache_margin(), 256);
@@ -289,7 +292,7 @@ TEST(PlacementManagerTest, OutOfMemoryTakesTheSpareRoomCachesBeforeAnyWeights) {
   // the margin (256 configured, 256 learned).
   EXPECT_EQ(stats().cache_allowance_bytes, extra + cache - working_set - activations - 512);
   EXPECT_LE(stats().cache_bytes, stats().cache_allowance_bytes);
-  ASSERT_TRUE(s.placement.Run(*vae, allocating(activations)).ok());
+  ASSERT_TRUE(s.placement.Run(*vae, s.Allocating(activations)).ok());
   EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 1);
   log = s.placement.DecisionLog(1000);
   for (size_t k = decisions; k < log.size(); ++k) {
@@ -313,20 +316,14 @@ TEST(PlacementManagerTest, OutOfMemoryRecoveryMovesKeptComponentsLast) {
   ASSERT_LT(s.View("vae").run_headroom_bytes, text_encoder / 2);  // Nothing moves before the run.
   const DeviceMemoryStats now = s.backend->GetMemoryStats();
   ASSERT_TRUE(s.backend->SetMemoryBudget(now.context_bytes + now.allocated_bytes + text_encoder / 2).ok());
-  const auto allocating = [&](int64_t bytes) {
-    return [&s, bytes] {
-      auto t = s.backend->AllocateBytes(bytes);
-      if (!t.ok()) throw DeviceOutOfMemory("sim:0", bytes, s.backend->GetMemoryStats().allocated_bytes, 0);
-    };
-  };
   const auto state = [&](const std::string& name) { return s.View(name).state; };
   // Moving the text encoder off makes the room: the transformer stays.
-  ASSERT_TRUE(s.placement.Run(*vae, allocating(text_encoder)).ok());
+  ASSERT_TRUE(s.placement.Run(*vae, s.Allocating(text_encoder)).ok());
   EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 1);
   EXPECT_EQ(state("text_encoder"), ComponentState::kOffloaded);
   EXPECT_EQ(state("transformer"), ComponentState::kResident);
   // More than the others free: the kept transformer moves as well, and the run succeeds.
-  ASSERT_TRUE(s.placement.Run(*vae, allocating(text_encoder + text_encoder / 2 + transformer / 2)).ok());
+  ASSERT_TRUE(s.placement.Run(*vae, s.Allocating(text_encoder + text_encoder / 2 + transformer / 2)).ok());
   EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 2);
   EXPECT_EQ(state("transformer"), ComponentState::kOffloaded);
 }
@@ -679,19 +676,13 @@ TEST(PlacementScenarioTest, WhatARunAllocatesIsRoomMadeBeforeItsNextRun) {
   const int64_t smaller = std::min(te, tr);
   const int64_t slack = smaller / 2;
   const int64_t activations = smaller;  // More than the slack, less than the slack and either one.
-  const auto allocating = [&](int64_t bytes) {
-    return [&h, bytes] {
-      auto t = h.backend->AllocateBytes(bytes);
-      if (!t.ok()) throw DeviceOutOfMemory("sim:0", bytes, h.backend->GetMemoryStats().allocated_bytes, 0);
-    };
-  };
   const auto nothing = [] {};
   ASSERT_TRUE(h.backend->SetMemoryBudget(te + tr + v + slack).ok());
   ASSERT_TRUE(h.placement.Run(*text_encoder, nothing).ok());
   ASSERT_TRUE(h.placement.Run(*transformer, nothing).ok());
   EXPECT_EQ(h.View("vae").run_headroom_bytes, 0);
   // First run: out of memory, recovered by moving everything else off.
-  ASSERT_TRUE(h.placement.Run(*vae, allocating(activations)).ok());
+  ASSERT_TRUE(h.placement.Run(*vae, h.Allocating(activations)).ok());
   EXPECT_EQ(h.placement.TakeSnapshot().counters.oom_recoveries, 1);
   EXPECT_EQ(h.View("text_encoder").state, ComponentState::kOffloaded);
   EXPECT_EQ(h.View("transformer").state, ComponentState::kOffloaded);
@@ -701,7 +692,7 @@ TEST(PlacementScenarioTest, WhatARunAllocatesIsRoomMadeBeforeItsNextRun) {
   ASSERT_TRUE(h.placement.Run(*text_encoder, nothing).ok());
   ASSERT_TRUE(h.placement.Run(*transformer, nothing).ok());
   const int64_t decisions_before = h.placement.DecisionLog(1000).size();
-  ASSERT_TRUE(h.placement.Run(*vae, allocating(activations)).ok());
+  ASSERT_TRUE(h.placement.Run(*vae, h.Allocating(activations)).ok());
   EXPECT_EQ(h.placement.TakeSnapshot().counters.oom_recoveries, 1);
   const std::string kept = te <= tr ? "transformer" : "text_encoder";
   const std::string moved = te <= tr ? "text_encoder" : "transformer";

@@ -26,6 +26,8 @@
 #             the four pipelines in one process (bench/multi_tenant_diffusers.py; needs the carried
 #             diffusers; MULTI_DIFFUSERS_ARGS adds its flags, e.g. --requests 12 --serve_s 300):
 #             multi_tenant_diffusers.jsonl, multi_diffusers.log
+#   png       PNG encoding of a 1024x1024 image (bench/png_bench: libpng level 1 beside the parallel
+#             writer EncodePng uses, 1 and 8 threads and its default): png.jsonl
 #   ctest     every test CMake builds (CTEST_REGEX: only those whose names match it) (ctest -j 4; tests that use the server's default device run on
 #             cuda:0): ctest.log, ctest_junit.xml; failures re-run with thread_stack_shim.so when civetweb
 #             could not start its threads (build_and_serve.sh says why)
@@ -209,6 +211,13 @@ if [[ $parts == *" multi "* ]]; then
   stamp "multi exit $?"
   tail -40 "$logs/multi/bench.txt" >>"$OUT/summary.txt"
   tar czf "$OUT/multi_logs.tgz" -C "$logs" multi 2>/dev/null
+fi
+if [[ $parts == *" png "* ]]; then
+  stamp "png"
+  "$build/bench/png_bench" --iters=21 --threads=1,8,0 --machine="$machine" --commit="${STOWAGE_COMMIT:-unknown}" \
+    --out="$OUT/png.jsonl" >"$OUT/png.log" 2>&1
+  stamp "png exit $?"
+  cut -c1-120 "$OUT/png.jsonl" >>"$OUT/summary.txt"
 fi
 if [[ $parts == *" multi_diffusers "* ]]; then
   stamp "multi_diffusers"

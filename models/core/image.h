@@ -22,7 +22,8 @@ struct Image {
 absl::StatusOr<Image> ImageFromTensor(const at::Tensor& chw);
 
 // `fast`: no compression (stored deflate blocks, no filter): a few milliseconds for 1024x1024, a
-// file of about width x height x 3 bytes. Otherwise zlib level 1 with the Sub filter.
+// file of about width x height x 3 bytes. Otherwise zlib level 1 with the Sub filter, strips of 64
+// rows deflated in parallel (png_writer.h: the same bytes on every machine).
 absl::StatusOr<std::string> EncodePng(const Image& image, bool fast = false);
 
 // The largest side DecodePng accepts (its pixel buffer is allocated after this check, so a small

@@ -5,8 +5,6 @@
 // "noise" is what random weights decode to (incompressible: the worst case); "smooth" gradients with
 // a little noise stand for a trained model's image.
 //   bazel run //bench:png_bench -- --size=1024 --iters=15 --machine="$(hostname)" [--out=FILE]
-#include <png.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -22,6 +20,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "bench/libpng_level1.h"
 #include "models/core/png_writer.h"
 
 ABSL_FLAG(int, size, 1024, "Image width and height");
@@ -32,28 +31,6 @@ ABSL_FLAG(std::string, commit, "unknown", "Recorded in every row");
 ABSL_FLAG(std::string, out, "", "Also append the rows to this file");
 
 namespace {
-
-void Append(png_structp png, png_bytep data, png_size_t length) {
-  static_cast<std::string*>(png_get_io_ptr(png))->append(reinterpret_cast<const char*>(data), length);
-}
-
-std::string Libpng(const std::vector<uint8_t>& rgb, int w, int h) {
-  png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, nullptr, nullptr, nullptr);
-  png_infop info = png_create_info_struct(png);
-  std::string out;
-  png_set_write_fn(png, &out, Append, nullptr);
-  png_set_IHDR(png, info, w, h, 8, PNG_COLOR_TYPE_RGB, PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT,
-               PNG_FILTER_TYPE_DEFAULT);
-  png_set_compression_level(png, 1);
-  png_set_filter(png, PNG_FILTER_TYPE_BASE, PNG_FILTER_SUB);
-  png_write_info(png, info);
-  std::vector<png_bytep> rows(static_cast<size_t>(h));
-  for (int y = 0; y < h; ++y) rows[y] = const_cast<png_bytep>(rgb.data() + static_cast<size_t>(y) * w * 3);
-  png_write_image(png, rows.data());
-  png_write_end(png, nullptr);
-  png_destroy_write_struct(&png, &info);
-  return out;
-}
 
 template <typename F>
 std::pair<double, double> Time(F&& encode, size_t* bytes) {
@@ -109,7 +86,7 @@ int main(int argc, char** argv) {
   }
   for (const auto& [name, rgb] : {std::pair<const char*, const std::vector<uint8_t>*>{"noise", &noise}, {"smooth", &smooth}}) {
     size_t bytes = 0;
-    const auto t = Time([&] { return Libpng(*rgb, n, n); }, &bytes);
+    const auto t = Time([&] { return stowage::LibpngLevel1(*rgb, n, n); }, &bytes);
     row(name, "libpng_level1", 1, t, bytes);
     for (int limit : thread_limits) {
       const int used = limit > 0 ? limit : std::min<int>(8, std::max(1u, std::thread::hardware_concurrency()));

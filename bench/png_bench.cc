@@ -84,7 +84,9 @@ int main(int argc, char** argv) {
     }
     thread_limits.push_back(t);
   }
-  for (const auto& [name, rgb] : {std::pair<const char*, const std::vector<uint8_t>*>{"noise", &noise}, {"smooth", &smooth}}) {
+  for (const auto& image : {std::pair<const char*, const std::vector<uint8_t>*>{"noise", &noise}, {"smooth", &smooth}}) {
+    const char* name = image.first;
+    const std::vector<uint8_t>* rgb = image.second;  // Not a structured binding: lambdas capture it.
     size_t bytes = 0;
     const auto t = Time([&] { return stowage::LibpngLevel1(*rgb, n, n); }, &bytes);
     row(name, "libpng_level1", 1, t, bytes);

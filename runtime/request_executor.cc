@@ -316,6 +316,8 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
           control->on_progress(progress);
         }));
     contexts.back()->set_shared(batch_size > 1);
+    // The compute stream only: copies on the copy stream (prefetches, streamed groups) run on.
+    contexts.back()->set_synchronize([&backend] { backend.RecordOnComputeStream()->Wait(); });
     if (r->request->partial_images() > 0 && control->on_preview) {
       contexts.back()->set_previews(PreviewSteps(r->request->partial_images(), r->params.steps - StartStep(r->params)), control->on_preview);
     }

@@ -75,8 +75,9 @@ void Denoise(const std::vector<BatchMember>& members, ComponentRunner& runner, B
     run.Filter([&](size_t) { return decoded; });
   }
   for (size_t i : active) {
-    members[i].context->EndStage();
+    // The image's bytes copied to the host count in the decode.
     run.set_result(i, ImageFromTensor(pixels[i]));
+    members[i].context->EndStage();
   }
 }
 

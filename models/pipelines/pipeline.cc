@@ -13,6 +13,7 @@ RunContext::RunContext(std::function<absl::Status()> interrupt,
 
 void RunContext::BeginStage(const std::string& stage, int total_steps) {
   EndStage();
+  if (synchronize_) synchronize_();  // The work queued before this stage is not its time.
   current_stage_ = stage;
   current_shared_ = shared_;
   stage_start_ = absl::Now();
@@ -21,6 +22,7 @@ void RunContext::BeginStage(const std::string& stage, int total_steps) {
 
 void RunContext::EndStage() {
   if (current_stage_.empty()) return;
+  if (synchronize_) synchronize_();
   stage_times_.push_back(StageTime{current_stage_, absl::Now() - stage_start_, current_shared_});
   current_stage_.clear();
 }

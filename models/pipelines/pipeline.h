@@ -98,10 +98,17 @@ class RunContext {
   const std::vector<StageTime>& stage_times() const { return stage_times_; }
   // Stages begun from now on ran for a whole batch at once (their time is the batch's).
   void set_shared(bool shared) { shared_ = shared; }
+  // Waits until the device has computed what was queued so far (the runner's compute stream: a
+  // CUDA device runs kernels after the host queued them; copies may run on). Called at every stage boundary before the clock is
+  // read, so a stage's time is its device work, not the time the host took to queue it (without
+  // it the host runs up to a denoising step ahead and the decode's device time lands after the
+  // last stage). Unset: the host's time.
+  void set_synchronize(std::function<void()> synchronize) { synchronize_ = std::move(synchronize); }
 
  private:
   std::function<absl::Status()> interrupt_;
   std::function<void(const std::string&, int, int)> progress_;
+  std::function<void()> synchronize_;
   std::vector<int> preview_steps_;
   PreviewFn on_preview_;
   int previews_sent_ = 0;

@@ -132,8 +132,9 @@ class TinyPipeline : public Pipeline {
     context.BeginStage("decode");
     at::Tensor pixels;
     RETURN_IF_ERROR(runner.Run(*vae_, [&] { pixels = decode(latents); }));
+    absl::StatusOr<Image> image = ImageFromTensor(pixels);  // Its bytes on the host count in the decode.
     context.EndStage();
-    return ImageFromTensor(pixels);
+    return image;
   }
 
  private:

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include "absl/time/clock.h"
 #include <gtest/gtest.h>
 
 #include "tests/models/host_runner.h"
@@ -65,6 +66,36 @@ TEST(PreviewStepsTest, EvenlySpacedBeforeTheLastStepAndFewerWhenStepsAreFew) {
   EXPECT_EQ(PreviewSteps(3, 4), (std::vector<int>{1, 2, 3}));
   EXPECT_EQ(PreviewSteps(3, 2), (std::vector<int>{1}));
   EXPECT_EQ(PreviewSteps(2, 1), std::vector<int>{});
+}
+
+// A stage's time is what the device took for it: each boundary waits for the device (here a wait
+// of 15 ms standing for the work a GPU still has queued) before the clock is read, so the wait at a
+// stage's end counts in that stage, and the one before a stage starts counts in none.
+TEST(TinyPipelineTest, StageTimesWaitForTheDeviceAtEachBoundary) {
+  auto pipeline = CreateTinyPipeline({});
+  ASSERT_TRUE(pipeline.ok()) << pipeline.status();
+  HostRunner runner;
+  RunContext context(nullptr, nullptr);
+  int waits = 0;
+  context.set_synchronize([&] {
+    ++waits;
+    absl::SleepFor(absl::Milliseconds(15));
+  });
+  const absl::Time start = absl::Now();
+  auto image = (*pipeline)->Run(Params(3), runner, context);
+  const absl::Duration run = absl::Now() - start;
+  ASSERT_TRUE(image.ok()) << image.status();
+  std::vector<std::string> stages;
+  absl::Duration total;
+  for (const auto& stage : context.stage_times()) {
+    stages.push_back(stage.stage);
+    EXPECT_GE(stage.duration, absl::Milliseconds(15)) << stage.stage;
+    total += stage.duration;
+  }
+  EXPECT_EQ(stages, (std::vector<std::string>{"tokenize", "encode_prompt", "denoise", "decode"}));
+  EXPECT_EQ(waits, 2 * static_cast<int>(stages.size()));  // At each stage's start and end.
+  // The waits before the stages started are in no stage's time.
+  EXPECT_LE(total, run - static_cast<int64_t>(stages.size()) * absl::Milliseconds(15));
 }
 
 TEST(TinyPipelineTest, PreviewsComeAtTheirStepsAndLeaveTheImageAsItWas) {

@@ -527,21 +527,27 @@ def analyze(log_dir, rows_path):
             if " I request " not in line or " status=OK " not in line:
                 continue
             fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-            runs.append((fields["pipeline"], float(fields["run_s"]), max(1, int(fields.get("batch_size", "1")))))
+            runs.append((fields["pipeline"], float(fields["run_s"]), max(1, int(fields.get("batch_size", "1"))),
+                         float(fields.get("queue_wait_s", "0"))))
         # The unmeasured first request of each pipeline, then the trace's (the flood phase's after it).
         runs = runs[len(POPULARITY):len(POPULARITY) + count if count else None]
-        per = {}
-        for pipeline, run_s, _ in runs:
+        per, waits = {}, {}
+        for pipeline, run_s, _, wait_s in runs:
             per.setdefault(pipeline, []).append(run_s)
-        mean = sum(r for _, r, _ in runs) / max(1, len(runs))
-        share = sum(r / b for _, r, b in runs) / max(1, len(runs))  # A batch's time split among its members.
-        batch = sum(b for _, _, b in runs) / max(1, len(runs))
+            waits.setdefault(pipeline, []).append(wait_s)
+        mean = sum(r for _, r, _, _ in runs) / max(1, len(runs))
+        share = sum(r / b for _, r, b, _ in runs) / max(1, len(runs))  # A batch's time split among its members.
+        batch = sum(b for _, _, b, _ in runs) / max(1, len(runs))
         print(f"{strategy}: {len(runs)} measured requests, mean run {mean:.3f} s"
               + (f", utilisation at {rate}/s {rate * share:.0%}" if rate else "")
               + (f", mean batch {batch:.2f} (a request's share of its batch's run {share:.3f} s)" if batch > 1 else ""))
         for pipeline in POPULARITY:
             if pipeline in per:
-                print(f"  {pipeline:13s} mean run {sum(per[pipeline]) / len(per[pipeline]):.3f} s (n={len(per[pipeline])})")
+                # The server's queue wait (admission to the device queue until the run starts): with
+                # the run time, what a request's latency is made of.
+                w = sorted(waits[pipeline])
+                print(f"  {pipeline:13s} mean run {sum(per[pipeline]) / len(per[pipeline]):.3f} s (n={len(per[pipeline])}), "
+                      f"queue wait p50 {w[len(w) // 2]:.3f} s, mean {sum(w) / len(w):.3f} s")
         placement_log = os.path.join(log_dir, f"{strategy}.placement_log.txt")
         if os.path.exists(placement_log):
             onloads, reorders, prefetches, cache_releases = {}, 0, 0, 0

@@ -18,6 +18,8 @@ for r in overlap:
 (e2e,) = [json.loads(line) for line in open(sys.argv[2])]
 assert e2e["bench"] == "e2e" and e2e["system"] == "stowage" and e2e["steps"] == 2 and e2e["size"] == 64, e2e
 assert 0 < e2e["warm_s"] and 0 < e2e["first_s"] and e2e["server_denoise_s"] > 0, e2e
+# What no stage holds is part of the run, never more than it.
+assert 0 <= e2e["server_unstaged_s"] < e2e["server_run_s"], e2e
 assert set(e2e["first_stages_s"]) >= {"encode_prompt", "denoise", "decode", "encode_image"}, e2e
 assert 0 < e2e["warm_persistent_client_s"] <= e2e["warm_s"] * 3, e2e
 print("ok")

@@ -99,10 +99,10 @@ class RunContext {
   // Stages begun from now on ran for a whole batch at once (their time is the batch's).
   void set_shared(bool shared) { shared_ = shared; }
   // Waits until the device has computed what was queued so far (the runner's compute stream: a
-  // CUDA device runs kernels after the host queued them; copies may run on). Called at every stage boundary before the clock is
-  // read, so a stage's time is its device work, not the time the host took to queue it (without
-  // it the host runs up to a denoising step ahead and the decode's device time lands after the
-  // last stage). Unset: the host's time.
+  // CUDA device runs kernels after the host queued them; copies may run on). Called at every stage
+  // boundary before the clock is read, so a stage's time is its device work, not the time the host
+  // took to queue it (without it the host runs up to a denoising step ahead and the decode's device
+  // time lands after the last stage). Unset: the host's time.
   void set_synchronize(std::function<void()> synchronize) { synchronize_ = std::move(synchronize); }
 
  private:

@@ -545,9 +545,9 @@ def analyze(log_dir, rows_path):
             if pipeline in per:
                 # The server's queue wait (admission to the device queue until the run starts): with
                 # the run time, what a request's latency is made of.
-                w = sorted(waits[pipeline])
+                w = waits[pipeline]
                 print(f"  {pipeline:13s} mean run {sum(per[pipeline]) / len(per[pipeline]):.3f} s (n={len(per[pipeline])}), "
-                      f"queue wait p50 {w[len(w) // 2]:.3f} s, mean {sum(w) / len(w):.3f} s")
+                      f"queue wait p50 {percentile(w, 0.5):.3f} s, mean {sum(w) / len(w):.3f} s")
         placement_log = os.path.join(log_dir, f"{strategy}.placement_log.txt")
         if os.path.exists(placement_log):
             onloads, reorders, prefetches, cache_releases = {}, 0, 0, 0

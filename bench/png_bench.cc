@@ -12,7 +12,6 @@
 #include <iostream>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -91,7 +90,7 @@ int main(int argc, char** argv) {
     const auto t = Time([&] { return stowage::LibpngLevel1(*rgb, n, n); }, &bytes);
     row(name, "libpng_level1", 1, t, bytes);
     for (int limit : thread_limits) {
-      const int used = limit > 0 ? limit : std::min<int>(8, std::max(1u, std::thread::hardware_concurrency()));
+      const int used = std::min(stowage::PngWriterThreads(limit), (n + stowage::kPngStripRows - 1) / stowage::kPngStripRows);
       const auto p = Time([&] { return *stowage::WriteRgbPng(rgb->data(), n, n, limit); }, &bytes);
       row(name, "parallel", used, p, bytes);
     }

@@ -1,4 +1,4 @@
-// An 8-bit RGB image and its PNG encoding (libpng).
+// An 8-bit RGB image, its PNG encoding (png_writer.h; libpng for PNG_FAST) and decoding (libpng).
 #ifndef STOWAGE_MODELS_CORE_IMAGE_H_
 #define STOWAGE_MODELS_CORE_IMAGE_H_
 

@@ -76,6 +76,11 @@ void EncodeStrip(const uint8_t* rgb, size_t row_bytes, int first_row, int rows, 
 
 }  // namespace
 
+int PngWriterThreads(int max_threads) {
+  if (max_threads > 0) return max_threads;
+  return std::min<int>(kDefaultMaxThreads, static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+}
+
 absl::StatusOr<std::string> WriteRgbPng(const uint8_t* rgb, int width, int height, int max_threads) {
   if (rgb == nullptr || width <= 0 || height <= 0) {
     return absl::InvalidArgumentError(absl::StrCat("PNG of ", width, "x", height, ": needs at least one pixel"));
@@ -87,10 +92,7 @@ absl::StatusOr<std::string> WriteRgbPng(const uint8_t* rgb, int width, int heigh
   }
   const int strips = (height + kPngStripRows - 1) / kPngStripRows;
   std::vector<Strip> encoded(static_cast<size_t>(strips));
-  if (max_threads <= 0) {
-    max_threads = std::min<int>(kDefaultMaxThreads, std::max(1u, std::thread::hardware_concurrency()));
-  }
-  const int threads = std::min(max_threads, strips);
+  const int threads = std::min(PngWriterThreads(max_threads), strips);
   std::atomic<int> next{0};
   auto work = [&] {
     for (int s = next.fetch_add(1); s < strips; s = next.fetch_add(1)) {

@@ -20,9 +20,13 @@ namespace stowage {
 
 inline constexpr int kPngStripRows = 64;
 
-// `rgb`: height rows of width × 3 bytes. `max_threads` ≤ 0: up to 8, bounded by the machine's
-// cores. INVALID_ARGUMENT for a size outside 1..2^31−1 or a buffer too large for one IDAT chunk.
+// `rgb`: height rows of width × 3 bytes. `max_threads` ≤ 0: PngWriterThreads(0). INVALID_ARGUMENT
+// for a size outside 1..2^31−1 or a buffer too large for one IDAT chunk.
 absl::StatusOr<std::string> WriteRgbPng(const uint8_t* rgb, int width, int height, int max_threads = 0);
+
+// The threads WriteRgbPng may use for `max_threads`: itself when positive, else up to 8, bounded by
+// the machine's cores (fewer when the image has fewer strips).
+int PngWriterThreads(int max_threads);
 
 }  // namespace stowage
 

@@ -137,9 +137,55 @@ def summarize_trace(path, out_path, title):
     lines.append("top kernels:")
     for name, (count, dur) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]:
         lines.append(f"  {dur / 1e3:8.2f} ms {count:5d}x  {name[:150]}")
+    lines += idle_lines(events)
     with open(out_path, "a", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n\n")
     print("\n".join(lines[:5]), flush=True)
+
+
+GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def idle_lines(events, top=12):
+    """Where the GPU idles between the first and the last activity of a trace.
+
+    A gap before an activity is `host` when its launch call began after the GPU had gone idle (the
+    host did not enqueue it in time: launch cost, a host-side wait) and `device` otherwise (it was
+    queued, the GPU still waited: a cross-stream event, the kernel's own start-up)."""
+    acts = sorted((e for e in events if e.get("cat") in GPU_ACTIVITY and "dur" in e), key=lambda e: e["ts"])
+    if not acts:
+        return ["idle: no GPU activity in the trace"]
+    launches = {}
+    for e in events:
+        corr = (e.get("args") or {}).get("correlation")
+        if e.get("cat") == "cuda_runtime" and corr is not None:
+            launches[corr] = e["ts"]
+    span = acts[-1]["ts"] + acts[-1]["dur"] - acts[0]["ts"]
+    busy = 0.0
+    idle = {"host": 0.0, "device": 0.0}
+    gaps = []
+    cur_start, cur_end, prev_name = acts[0]["ts"], acts[0]["ts"] + acts[0]["dur"], acts[0]["name"]
+    for e in acts[1:]:
+        start, end = e["ts"], e["ts"] + e["dur"]
+        if start > cur_end:
+            busy += cur_end - cur_start
+            gap = start - cur_end
+            launched = launches.get((e.get("args") or {}).get("correlation"))
+            cause = "host" if launched is not None and launched >= cur_end else "device"
+            idle[cause] += gap
+            gaps.append((gap, cause, prev_name, e["name"]))
+            cur_start = start
+        if end >= cur_end:
+            cur_end, prev_name = end, e["name"]
+    busy += cur_end - cur_start
+    small = sum(g for g, *_ in gaps if g < 10)
+    lines = [f"span {span / 1e3:.2f} ms: GPU busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms "
+             f"(host-bound {idle['host'] / 1e3:.2f} ms, device-side {idle['device'] / 1e3:.2f} ms) in "
+             f"{len(gaps)} gaps, {small / 1e3:.2f} ms of them in gaps under 10 us",
+             "largest gaps:"]
+    for gap, cause, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
+        lines.append(f"  {gap:8.1f} us {cause:6s} {before[:60]} -> {after[:60]}")
+    return lines
 
 
 def run(args):

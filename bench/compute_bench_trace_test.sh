@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# bench/compute_bench.py summarize_trace on a synthetic Kineto trace: kernel time by class, and the idle
+# analysis (busy union over streams, host-bound vs device-side gaps, the largest gaps named).
+set -euo pipefail
+scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+/usr/bin/python3 - "$TEST_TMPDIR/trace.json" <<'PY'
+import json, sys
+k = lambda name, ts, dur, corr: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                                 "args": {"correlation": corr}}
+launch = lambda ts, corr: {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 3,
+                           "args": {"correlation": corr}}
+events = [
+    launch(0, 1), k("nvjet_gemm_a", 10, 100, 1),        # busy 10..110
+    launch(20, 2), k("RmsNormKernel", 130, 20, 2),      # queued early: 20 us device-side gap
+    launch(5, 3), k("elementwise_b", 140, 30, 3),       # overlaps on another stream: busy to 170
+    launch(200, 4), k("sdpa_flash_fprop", 205, 50, 4),  # launched after the GPU went idle at 170: 35 us host
+    {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 258, "dur": 2, "args": {}},  # 3 us, no launch known
+]
+json.dump({"traceEvents": events}, open(sys.argv[1], "w"))
+PY
+/usr/bin/python3 "$scripts/compute_bench.py" summarize_trace "$TEST_TMPDIR/trace.json" --out "$TEST_TMPDIR/profile.txt" \
+  --title synthetic >/dev/null
+cat "$TEST_TMPDIR/profile.txt"
+grep -q '^# synthetic: 4 kernels, 0.20 ms of kernel time' "$TEST_TMPDIR/profile.txt"
+grep -q '^gemm .* 1 launches  *0.10 ms' "$TEST_TMPDIR/profile.txt"
+grep -q '^attention .* 1 launches  *0.05 ms' "$TEST_TMPDIR/profile.txt"
+# Span 10..260 = 250 us; busy 100 + 40 + 50 + 2 = 192; idle 58: host 35, device 20 + 3.
+grep -q '^span 0.25 ms: GPU busy 0.19 ms, idle 0.06 ms (host-bound 0.04 ms, device-side 0.02 ms) in 3 gaps, 0.00 ms of them in gaps under 10 us' \
+  "$TEST_TMPDIR/profile.txt"
+grep -A1 '^largest gaps:' "$TEST_TMPDIR/profile.txt" | grep -q '35.0 us host   elementwise_b -> sdpa_flash_fprop'
+grep -q '20.0 us device nvjet_gemm_a -> RmsNormKernel' "$TEST_TMPDIR/profile.txt"
+echo ok

@@ -26,7 +26,7 @@
 // instead of 8, and no widening to bf16. Elsewhere widening into float8 is refused.
 //
 // Widening is dequantization into the compute dtype. On CUDA it is one kernel pass
-// (widen_kernels.h: 8 values a thread, 16-byte stores). Elsewhere (the simulator, CPU) it is done
+// (widen_kernels.cu: 16 bytes of codes a thread, 16-byte stores). Elsewhere (the simulator, CPU) it is done
 // with LibTorch ops that allocate nothing (a copy_ into the output, an index_select_out through a
 // 256-entry table for fp8, an in-place mul_ by the scales), so its device memory is exactly the
 // planned scratch:

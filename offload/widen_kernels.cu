@@ -1,8 +1,10 @@
 // The compression kernels behind widen_kernels.h (built for sm_90 in CUDA builds only).
 //
-// Memory-bound: each thread of the vector path reads 8 compressed values (8 bytes, or 4 for int4)
-// and their scale, and writes 8 outputs with 16-byte stores; a scalar path takes any alignment and
-// group size.
+// Memory-bound: each thread of the vector path reads 16 bytes of codes (32 int4 values, 16 of an
+// 8-bit format; 8 values where the layout allows no more) and their scales, and writes its outputs
+// with 16-byte stores. Codes become floats without the conversion unit (Unbias) and outputs are
+// rounded two at a time, so the instruction count stays under the memory time. A scalar path takes
+// any alignment and group size.
 #include "offload/widen_kernels.h"
 
 #include <algorithm>
@@ -20,6 +22,12 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 16384;
 
+// 2^23 + m as a float holds m in its mantissa: subtracting 2^23 + bias gives m − bias exactly, with two
+// full-rate instructions instead of the integer-to-float conversion unit.
+__device__ __forceinline__ float Unbias(uint32_t m, float two23_plus_bias) {
+  return __uint_as_float(0x4B000000u | m) - two23_plus_bias;
+}
+
 // The e4m3fn value of a byte: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is
 // subnormal (m · 2^-9); S.1111.111 is NaN (no infinities).
 __device__ __forceinline__ float DecodeE4M3(uint32_t bits) {
@@ -27,7 +35,7 @@ __device__ __forceinline__ float DecodeE4M3(uint32_t bits) {
   const uint32_t exp = (bits >> 3) & 0xFu;
   const uint32_t mant = bits & 0x7u;
   if (exp == 0xFu && mant == 0x7u) return __uint_as_float(sign | 0x7FC00000u);
-  if (exp == 0) return __uint_as_float(sign | __float_as_uint(static_cast<float>(mant) * 0.001953125f));
+  if (exp == 0) return __uint_as_float(sign | __float_as_uint(Unbias(mant, 8388608.0f) * 0.001953125f));
   return __uint_as_float(sign | ((exp + 120u) << 23) | (mant << 20));
 }
 
@@ -64,11 +72,23 @@ __device__ __forceinline__ Out Round(float v) {
   }
 }
 
-// Eight 2-byte outputs: one 16-byte store.
+// Two outputs rounded by one instruction, `lo` at the lower address: 2-byte types in 32 bits, e4m3
+// bytes in 16 (PTX's cvt puts its first source in the upper half).
 template <typename Out>
-struct alignas(16) Pack8 {
-  Out v[8];
-};
+__device__ __forceinline__ uint32_t RoundPair(float lo, float hi) {
+  uint32_t bits;
+  if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(bits) : "f"(hi), "f"(lo));
+  } else if constexpr (std::is_same_v<Out, __half>) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(bits) : "f"(hi), "f"(lo));
+  } else {
+    static_assert(std::is_same_v<Out, uint8_t>, "RoundPair: 2-byte outputs and e4m3 bytes");
+    uint16_t pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+    bits = pair;
+  }
+  return bits;
+}
 
 template <Codes C, typename Out, bool kBf16>
 __global__ void WidenScalar(const uint8_t* q, const void* scale, Out* out, int64_t total, int64_t group) {
@@ -78,65 +98,121 @@ __global__ void WidenScalar(const uint8_t* q, const void* scale, Out* out, int64
   }
 }
 
-// Eight values starting at a multiple of 8 (one scale: the group size is a multiple of 8).
-template <Codes C, typename Out, bool kBf16>
-__global__ void WidenVector(const uint8_t* q, const void* scale, Out* out, int64_t chunks, int64_t group) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < chunks;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t e0 = i * 8;
-    const float s = ScaleAt<kBf16>(scale, e0 / group);
-    float v[8];
-    if constexpr (C == Codes::kInt4) {
-      const uint32_t word = reinterpret_cast<const uint32_t*>(q)[i];
+// The bytes of kChunks chunks of eight codes (4 bytes of int4 or 8 of an 8-bit format each) in one
+// load of 4, 8 or 16 bytes, as 32-bit words.
+template <int kBytes>
+struct Words {
+  uint32_t w[kBytes / 4];
+};
+
+template <int kBytes>
+__device__ __forceinline__ Words<kBytes> LoadWords(const uint8_t* p) {
+  Words<kBytes> r;
+  if constexpr (kBytes == 16) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
+  } else if constexpr (kBytes == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    r.w[0] = v.x, r.w[1] = v.y;
+  } else {
+    r.w[0] = *reinterpret_cast<const uint32_t*>(p);
+  }
+  return r;
+}
+
+// The eight values of chunk c (before scaling).
+template <Codes C, int kBytes>
+__device__ __forceinline__ void DecodeChunk(const Words<kBytes>& words, int c, float v[8]) {
+  if constexpr (C == Codes::kInt4) {
+    const uint32_t word = words.w[c];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = static_cast<float>(static_cast<int>((word >> (4 * j)) & 0xF) - 8);
-    } else {
-      const uint2 bytes = reinterpret_cast<const uint2*>(q)[i];
+    for (int j = 0; j < 8; ++j) v[j] = Unbias((word >> (4 * j)) & 0xFu, 8388616.0f);  // nibble − 8
+  } else {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const uint32_t b = ((j < 4 ? bytes.x : bytes.y) >> (8 * (j % 4))) & 0xFFu;
-        if constexpr (C == Codes::kInt8) {
-          v[j] = static_cast<float>(static_cast<int8_t>(b));
-        } else {
-          v[j] = DecodeE4M3(b);
-        }
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t b = (words.w[2 * c + j / 4] >> (8 * (j % 4))) & 0xFFu;
+      if constexpr (C == Codes::kInt8) {
+        v[j] = Unbias(b ^ 0x80u, 8388736.0f);  // The byte as two's complement: (b ^ 0x80) − 128.
+      } else {
+        v[j] = DecodeE4M3(b);
       }
     }
-    if constexpr (std::is_same_v<Out, float>) {
-      float4* dst = reinterpret_cast<float4*>(out + e0);
-      dst[0] = make_float4(v[0] * s, v[1] * s, v[2] * s, v[3] * s);
-      dst[1] = make_float4(v[4] * s, v[5] * s, v[6] * s, v[7] * s);
-    } else if constexpr (std::is_same_v<Out, uint8_t>) {  // Eight e4m3 bytes: one 8-byte store.
-      uint32_t lo = 0, hi = 0;
+  }
+}
+
+// kChunks chunks of eight values from a multiple of 8 · kChunks, each chunk under one scale (the
+// group size is a multiple of 8; `shift` is log2 of it when it is a power of two, else −1), written
+// with 16-byte stores (e4m3 bytes: 8-byte stores for one chunk).
+template <Codes C, typename Out, bool kBf16, int kChunks>
+__global__ void WidenVector(const uint8_t* q, const void* scale, Out* out, int64_t items, int64_t group,
+                            int shift) {
+  constexpr int kBytes = kChunks * (C == Codes::kInt4 ? 4 : 8);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < items;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const Words<kBytes> words = LoadWords<kBytes>(q + i * kBytes);
+    const int64_t e0 = i * 8 * kChunks;
+    uint32_t fp8[2 * kChunks];  // e4m3 outputs: four bytes a word.
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        lo |= static_cast<uint32_t>(Round<Out>(v[j] * s)) << (8 * j);
-        hi |= static_cast<uint32_t>(Round<Out>(v[j + 4] * s)) << (8 * j);
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t e = e0 + 8 * c;
+      const float s = ScaleAt<kBf16>(scale, shift >= 0 ? e >> shift : e / group);
+      float v[8];
+      DecodeChunk<C, kBytes>(words, c, v);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] *= s;
+      if constexpr (std::is_same_v<Out, float>) {
+        float4* dst = reinterpret_cast<float4*>(out + e);
+        dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+        dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+      } else if constexpr (std::is_same_v<Out, uint8_t>) {
+        fp8[2 * c] = RoundPair<Out>(v[0], v[1]) | (RoundPair<Out>(v[2], v[3]) << 16);
+        fp8[2 * c + 1] = RoundPair<Out>(v[4], v[5]) | (RoundPair<Out>(v[6], v[7]) << 16);
+      } else {
+        *reinterpret_cast<uint4*>(out + e) = make_uint4(RoundPair<Out>(v[0], v[1]), RoundPair<Out>(v[2], v[3]),
+                                                        RoundPair<Out>(v[4], v[5]), RoundPair<Out>(v[6], v[7]));
       }
-      *reinterpret_cast<uint2*>(out + e0) = make_uint2(lo, hi);
-    } else {
-      Pack8<Out> result;
+    }
+    if constexpr (std::is_same_v<Out, uint8_t>) {
+      if constexpr (kChunks == 1) {
+        *reinterpret_cast<uint2*>(out + e0) = make_uint2(fp8[0], fp8[1]);
+      } else {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) result.v[j] = Round<Out>(v[j] * s);
-      *reinterpret_cast<Pack8<Out>*>(out + e0) = result;
+        for (int c = 0; c < kChunks; c += 2) {
+          reinterpret_cast<uint4*>(out + e0)[c / 2] = make_uint4(fp8[2 * c], fp8[2 * c + 1], fp8[2 * c + 2], fp8[2 * c + 3]);
+        }
+      }
     }
   }
 }
 
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
+template <Codes C, typename Out, bool kBf16, int kChunks>
+void LaunchVector(const uint8_t* q, const void* scale, Out* out, int64_t total, int64_t group, cudaStream_t stream) {
+  const int64_t items = total / (8 * kChunks);
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>(kMaxBlocks, (items + kThreads - 1) / kThreads));
+  int shift = -1;
+  for (int b = 0; b < 62; ++b) {
+    if (group == (int64_t{1} << b)) shift = b;
+  }
+  WidenVector<C, Out, kBf16, kChunks><<<blocks, kThreads, 0, stream>>>(q, scale, out, items, group, shift);
+}
+
+// The widest path the layout allows: 16 bytes of codes a thread (32 int4 values, 16 of an 8-bit
+// format), else eight values a thread, else the scalar kernel.
 template <Codes C, typename Out, bool kBf16>
 int Launch(const void* q, const void* scale, void* out, int64_t total, int64_t group, cudaStream_t stream) {
   const auto* qb = static_cast<const uint8_t*>(q);
   auto* o = static_cast<Out*>(out);
-  const bool vector = total % 8 == 0 && group % 8 == 0 && Aligned(out, 16) &&
-                      Aligned(q, C == Codes::kInt4 ? 4 : 8);
-  const int64_t work = vector ? total / 8 : total;
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>(kMaxBlocks, (work + kThreads - 1) / kThreads));
-  if (vector) {
-    WidenVector<C, Out, kBf16><<<blocks, kThreads, 0, stream>>>(qb, scale, o, work, group);
+  constexpr int kWide = C == Codes::kInt4 ? 4 : 2;  // Chunks of eight in 16 bytes of codes.
+  const bool vector = total % 8 == 0 && group % 8 == 0 && Aligned(out, 16);
+  if (vector && total % (8 * kWide) == 0 && Aligned(q, 16)) {
+    LaunchVector<C, Out, kBf16, kWide>(qb, scale, o, total, group, stream);
+  } else if (vector && Aligned(q, C == Codes::kInt4 ? 4 : 8)) {
+    LaunchVector<C, Out, kBf16, 1>(qb, scale, o, total, group, stream);
   } else {
-    WidenScalar<C, Out, kBf16><<<blocks, kThreads, 0, stream>>>(qb, scale, o, work, group);
+    const auto blocks = static_cast<unsigned>(std::min<int64_t>(kMaxBlocks, (total + kThreads - 1) / kThreads));
+    WidenScalar<C, Out, kBf16><<<blocks, kThreads, 0, stream>>>(qb, scale, o, total, group);
   }
   return static_cast<int>(cudaGetLastError());
 }

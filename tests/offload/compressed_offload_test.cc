@@ -189,7 +189,11 @@ TEST_P(FormatTest, WideningOnCudaMatchesTheHostReferenceExactly) {
   const at::Device cuda(at::kCUDA, 0);
   at::manual_seed(13);
   for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-    for (const std::vector<int64_t>& sizes : std::vector<std::vector<int64_t>>{{33, 70}, {64, 256}, {8, 4, 3, 4}}) {
+    // Every kernel path: the scalar one ({33, 70}), 16 bytes of codes a thread ({64, 256}, {8, 4, 3, 4}),
+    // eight values a thread where the total allows no more ({3, 48} for int4, {5, 24} for the 8-bit
+    // formats) and a group size that is no power of two ({5, 24}: K = 24).
+    for (const std::vector<int64_t>& sizes :
+         std::vector<std::vector<int64_t>>{{33, 70}, {64, 256}, {8, 4, 3, 4}, {3, 48}, {5, 24}}) {
       const at::Tensor w = (at::randn(sizes) * 0.1).to(dtype);
       const QuantizedTensor q = Quantize(w, format);
       WidenScratch scratch;
@@ -279,15 +283,24 @@ TEST(Int4OfFp8Test, WidensBackIntoFloat8BytesOnCudaOnly) {
   EXPECT_THROW(WidenInto(on_host, q.q, q.scale, CompressFormat::kInt4, host_scratch), c10::Error);
   if (!at::hasCUDA()) GTEST_SKIP() << "widening into float8 needs a GPU";
   const at::Device cuda(at::kCUDA, 0);
-  const at::Tensor buffer = at::full({w.numel() + 1}, 0x55, at::TensorOptions().dtype(at::kByte).device(cuda));
-  for (const int64_t offset : {0, 1}) {  // Aligned: 8-byte stores; one byte off: the scalar path.
+  const at::Tensor buffer = at::full({w.numel() + 16}, 0x55, at::TensorOptions().dtype(at::kByte).device(cuda));
+  // 16-byte aligned: 32 values a thread; 8 bytes off: the scalar path (the vector paths store 16 bytes
+  // of bf16 or 8 of e4m3 and want 16-byte alignment); one byte off: the scalar path.
+  for (const int64_t offset : {0, 16, 8, 1}) {
     const at::Tensor out = buffer.narrow(0, offset, w.numel()).view(at::kFloat8_e4m3fn).view(sizes);
     buffer.fill_(0x55);
     WidenInto(out, q.q.to(cuda), q.scale.to(cuda), CompressFormat::kInt4, WidenScratch{});
     EXPECT_TRUE(at::equal(out.cpu().view(at::kByte), want.view(at::kByte))) << "offset " << offset;
-    const int64_t guard = offset == 0 ? w.numel() : 0;  // The byte outside the output.
-    EXPECT_EQ(buffer[guard].item<uint8_t>(), 0x55) << "offset " << offset << ": written past the output";
+    const at::Tensor outside = at::cat({buffer.narrow(0, 0, offset), buffer.narrow(0, offset + w.numel(), 16 - offset)});
+    EXPECT_TRUE(outside.eq(0x55).all().item<bool>()) << "offset " << offset << ": written outside the output";
   }
+  // 3 x 48: a total of 144 values, not a multiple of 32: eight values a thread.
+  const at::Tensor small = (at::randn({3, 48}) * 60).to(at::kFloat8_e4m3fn);
+  const QuantizedTensor qs = Quantize(small, CompressFormat::kInt4);
+  const at::Tensor out_small = at::empty({3, 48}, at::TensorOptions().dtype(at::kFloat8_e4m3fn).device(cuda));
+  WidenInto(out_small, qs.q.to(cuda), qs.scale.to(cuda), CompressFormat::kInt4, WidenScratch{});
+  EXPECT_TRUE(at::equal(out_small.cpu().view(at::kByte),
+                        Dequantize(qs, CompressFormat::kInt4, at::kFloat8_e4m3fn, small.sizes()).view(at::kByte)));
 }
 #endif
 

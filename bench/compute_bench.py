@@ -161,6 +161,11 @@ def idle_lines(events, top=12):
         if e.get("cat") == "cuda_runtime" and corr is not None:
             launches[corr] = e["ts"]
     span = acts[-1]["ts"] + acts[-1]["dur"] - acts[0]["ts"]
+    # Host time around the GPU's span: from the first host event to the first GPU activity, and from
+    # the last GPU activity to the end of the last host event (the synchronize that waits for it).
+    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation") and "dur" in e]
+    before = acts[0]["ts"] - min(e["ts"] for e in host) if host else 0.0
+    after = max(e["ts"] + e["dur"] for e in host) - (acts[-1]["ts"] + acts[-1]["dur"]) if host else 0.0
     busy = 0.0
     idle = {"host": 0.0, "device": 0.0}
     gaps = []
@@ -182,6 +187,7 @@ def idle_lines(events, top=12):
     lines = [f"span {span / 1e3:.2f} ms: GPU busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms "
              f"(host-bound {idle['host'] / 1e3:.2f} ms, device-side {idle['device'] / 1e3:.2f} ms) in "
              f"{len(gaps)} gaps, {small / 1e3:.2f} ms of them in gaps under 10 us",
+             f"host before the first GPU activity {before / 1e3:.2f} ms, after the last {after / 1e3:.2f} ms",
              "largest gaps:"]
     for gap, cause, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
         lines.append(f"  {gap:8.1f} us {cause:6s} {before[:60]} -> {after[:60]}")

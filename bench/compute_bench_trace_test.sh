@@ -10,6 +10,7 @@ k = lambda name, ts, dur, corr: {"ph": "X", "cat": "kernel", "name": name, "ts":
 launch = lambda ts, corr: {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 3,
                            "args": {"correlation": corr}}
 events = [
+    {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "ts": -40, "dur": 340},  # host: 50 us before, 40 after
     launch(0, 1), k("nvjet_gemm_a", 10, 100, 1),        # busy 10..110
     launch(20, 2), k("RmsNormKernel", 130, 20, 2),      # queued early: 20 us device-side gap
     launch(5, 3), k("elementwise_b", 140, 30, 3),       # overlaps on another stream: busy to 170
@@ -27,6 +28,7 @@ grep -q '^attention .* 1 launches  *0.05 ms' "$TEST_TMPDIR/profile.txt"
 # Span 10..260 = 250 us; busy 100 + 40 + 50 + 2 = 192; idle 58: host 35, device 20 + 3.
 grep -q '^span 0.25 ms: GPU busy 0.19 ms, idle 0.06 ms (host-bound 0.04 ms, device-side 0.02 ms) in 3 gaps, 0.00 ms of them in gaps under 10 us' \
   "$TEST_TMPDIR/profile.txt"
+grep -q '^host before the first GPU activity 0.05 ms, after the last 0.04 ms' "$TEST_TMPDIR/profile.txt"
 grep -A1 '^largest gaps:' "$TEST_TMPDIR/profile.txt" | grep -q '35.0 us host   elementwise_b -> sdpa_flash_fprop'
 grep -q '20.0 us device nvjet_gemm_a -> RmsNormKernel' "$TEST_TMPDIR/profile.txt"
 echo ok

@@ -191,6 +191,26 @@ def idle_lines(events, top=12):
              "largest gaps:"]
     for gap, cause, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
         lines.append(f"  {gap:8.1f} us {cause:6s} {before[:60]} -> {after[:60]}")
+    # Per stream (kernels only, the busiest first): a streamed step's compute stream idles where it
+    # waits for a copy or a widening on another stream (device-side) or for the host (host-bound);
+    # its kernel time against the resident step's says what contention costs the kernels themselves.
+    streams = {}
+    for e in acts:
+        if e.get("cat") == "kernel":
+            streams.setdefault((e.get("args") or {}).get("stream"), []).append(e)
+    for sid, ks in sorted(streams.items(), key=lambda kv: -sum(k["dur"] for k in kv[1]))[:3]:
+        kernel_time = sum(k["dur"] for k in ks)
+        s_span = ks[-1]["ts"] + ks[-1]["dur"] - ks[0]["ts"]
+        s_idle = {"host": 0.0, "device": 0.0}
+        end = ks[0]["ts"] + ks[0]["dur"]
+        for k in ks[1:]:
+            if k["ts"] > end:
+                launched = launches.get((k.get("args") or {}).get("correlation"))
+                s_idle["host" if launched is not None and launched >= end else "device"] += k["ts"] - end
+            end = max(end, k["ts"] + k["dur"])
+        lines.append(f"stream {sid}: {len(ks)} kernels, {kernel_time / 1e3:.2f} ms of kernel time in a "
+                     f"{s_span / 1e3:.2f} ms span; idle host-bound {s_idle['host'] / 1e3:.2f} ms, "
+                     f"device-side {s_idle['device'] / 1e3:.2f} ms")
     return lines
 
 

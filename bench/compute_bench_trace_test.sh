@@ -5,15 +5,15 @@ set -euo pipefail
 scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 /usr/bin/python3 - "$TEST_TMPDIR/trace.json" <<'PY'
 import json, sys
-k = lambda name, ts, dur, corr: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
-                                 "args": {"correlation": corr}}
+k = lambda name, ts, dur, corr, stream=7: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                                           "args": {"correlation": corr, "stream": stream}}
 launch = lambda ts, corr: {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 3,
                            "args": {"correlation": corr}}
 events = [
     {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "ts": -40, "dur": 340},  # host: 50 us before, 40 after
     launch(0, 1), k("nvjet_gemm_a", 10, 100, 1),        # busy 10..110
     launch(20, 2), k("RmsNormKernel", 130, 20, 2),      # queued early: 20 us device-side gap
-    launch(5, 3), k("elementwise_b", 140, 30, 3),       # overlaps on another stream: busy to 170
+    launch(5, 3), k("elementwise_b", 140, 30, 3, 9),       # overlaps on another stream: busy to 170
     launch(200, 4), k("sdpa_flash_fprop", 205, 50, 4),  # launched after the GPU went idle at 170: 35 us host
     {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD", "ts": 258, "dur": 2, "args": {}},  # 3 us, no launch known
 ]
@@ -31,4 +31,10 @@ grep -q '^span 0.25 ms: GPU busy 0.19 ms, idle 0.06 ms (host-bound 0.04 ms, devi
 grep -q '^host before the first GPU activity 0.05 ms, after the last 0.04 ms' "$TEST_TMPDIR/profile.txt"
 grep -A1 '^largest gaps:' "$TEST_TMPDIR/profile.txt" | grep -q '35.0 us host   elementwise_b -> sdpa_flash_fprop'
 grep -q '20.0 us device nvjet_gemm_a -> RmsNormKernel' "$TEST_TMPDIR/profile.txt"
+# Stream 7: gemm 10..110, norm 130..150, attention 205..255: 170 us of kernels in a 245 us span, idle
+# 20 us device-side (the norm was queued) and 55 us host-bound (the attention launched at 200 > 150).
+grep -q '^stream 7: 3 kernels, 0.17 ms of kernel time in a 0.24 ms span; idle host-bound 0.06 ms, device-side 0.02 ms' \
+  "$TEST_TMPDIR/profile.txt"
+grep -q '^stream 9: 1 kernels, 0.03 ms of kernel time in a 0.03 ms span; idle host-bound 0.00 ms, device-side 0.00 ms' \
+  "$TEST_TMPDIR/profile.txt"
 echo ok

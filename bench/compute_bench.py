@@ -6,6 +6,7 @@ Runs on the GPU host with diffusers' source on PYTHONPATH (deploy/gpu_host/run_c
     python3 bench/compute_bench.py run --arch zimage|flux --dir DIR --offload_bench BIN \\
         --out bench/results/compute_h200/compute.jsonl --machine "NVIDIA H200" --commit abc1234 \\
         [--modes bf16,bf16_reference,fp8] [--profile_dir OUT]
+  (a mode ending in _high runs on a CUDA stream of the highest priority, e.g. fp8_int4_streamed_high)
 
 What one `run` does, in order:
   1. DIR/transformer: random bf16 weights written by diffusers itself when missing
@@ -280,22 +281,26 @@ def run(args):
                 os.remove(f)
         # *_streamed: the transformer group-offloaded block by block (block_pinned), its weights
         # streamed from pinned host memory every step (FP8: the FP8 bytes themselves).
-        streamed = mode.endswith("_streamed")
+        # *_high: the forwards on a stream of the highest priority (offload_bench --compute_priority=high),
+        # so that a streamed row's widening takes only the SMs its compute leaves idle.
+        high = mode.endswith("_high")
+        base_mode = mode[: -len("_high")] if high else mode
+        streamed = base_mode.endswith("_streamed")
         # int8_streamed / int8g_streamed / int4_streamed: streamed from a compressed host copy (per-channel
         # int8, group-wise int8, group-wise int4), widened to bf16 on the device into the slot, bf16 compute.
         # fp8_int4_streamed: FP8 compute, its FP8 weights streamed as an int4 copy widened back into e4m3.
-        parts = mode.split("_")
+        parts = base_mode.split("_")
         compress = {"int8": "block_int8", "int8g": "block_int8grouped", "int4": "block_int4"}.get(
             parts[1] if parts[0] == "fp8" and len(parts) == 3 else parts[0])
         # *_graphs: the same forward with CUDA graphs on (STOWAGE_CUDA_GRAPHS=1; the server's default is off).
-        graphs = mode.endswith("_graphs")
+        graphs = base_mode.endswith("_graphs")
         fp8 = mode.startswith("fp8")
         bench_row = compress or ("block_pinned" if streamed else "resident")
         cmd = [args.offload_bench, f"--model_dir={args.dir}", f"--rows={bench_row}",
                f"--inputs={inputs_path}",
                f"--save_output={out_file}", f"--out={jsonl}", f"--warmup={args.warmup}", f"--iters={args.iters}",
                f"--machine={args.machine}", f"--fused={'false' if mode == 'bf16_reference' else 'true'}",
-               f"--compute={'fp8' if fp8 else 'bf16'}"]
+               f"--compute={'fp8' if fp8 else 'bf16'}", f"--compute_priority={'high' if high else 'default'}"]
         trace = ""
         if args.profile_dir and mode != "bf16_reference":
             trace = os.path.join(args.dir, f"trace_{model_name}_{mode}.json")
@@ -325,7 +330,8 @@ def run(args):
                          h2d_bytes_per_s=result.get("h2d_bandwidth_bytes_per_s"))
         row("stowage", "fp8" if fp8 else "bf16", "reference" if mode == "bf16_reference" else "fused",
             result["step_s"], err, peak_device_bytes=result.get("peak_device_bytes"),
-            process_s=round(time.time() - start, 1), cuda_graphs=graphs and not streamed, **extra)
+            process_s=round(time.time() - start, 1), cuda_graphs=graphs and not streamed,
+            compute_priority="high" if high else "default", **extra)
         if trace and os.path.exists(trace) and args.profile_dir:
             summarize_trace(trace, os.path.join(args.profile_dir, f"profile_{model_name}.txt"),
                             f"stowage {model_name} {mode}")
@@ -353,6 +359,8 @@ def compressed_rows(args, model_name, rows):
             name = ("block" if row == "block_pinned" else row) + "_fp8_compute"
         else:
             name = "block_bf16" if row == "block_pinned" else row
+        if r.get("compute_priority") == "high":
+            name += "_high"
         out = {"bench": "compressed", "system": "stowage", "model": model_name, "row": name,
                "compute": r["mode"], "step_s": r["step_s"], "resident_bf16_step_s": bf16[0] if bf16 else None,
                "resident_fast_step_s": fast["step_s"], "resident_fast_mode": fast["mode"],
@@ -362,7 +370,8 @@ def compressed_rows(args, model_name, rows):
                "base_rss_bytes": r.get("base_rss_bytes"), "bf16_weight_bytes": bf16_bytes,
                "rss_above_base_x_bf16": round((r["peak_rss_bytes"] - r["base_rss_bytes"]) / bf16_bytes, 3)
                if r.get("peak_rss_bytes") and r.get("base_rss_bytes") else None,
-               "prepare_s": r.get("prepare_s"), "machine": args.machine, "commit": args.commit}
+               "prepare_s": r.get("prepare_s"), "compute_priority": r.get("compute_priority", "default"),
+               "machine": args.machine, "commit": args.commit}
         print(json.dumps(out), flush=True)
         with open(args.out, "a", encoding="utf-8") as f:
             f.write(json.dumps(out) + "\n")

@@ -31,6 +31,9 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/version.h>
+#ifdef STOWAGE_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
 #if defined(STOWAGE_WITH_CUDA) && TORCH_VERSION_MAJOR >= 2
 #include <set>
 
@@ -103,6 +106,10 @@ ABSL_FLAG(int, lora_adapters, 0,
           "Synthetic stack: LoRA adapters attached to every Linear (rank --lora_rank, on the device); batch row i "
           "applies adapter i % N (a batch mixing N adapters; 1: every row the same one, the uniform path)");
 ABSL_FLAG(int64_t, lora_rank, 16, "Rank of the --lora_adapters adapters");
+ABSL_FLAG(std::string, compute_priority, "default",
+          "CUDA: the stream the forwards run on: default (the device's default stream, the lowest priority, "
+          "as the copy and widening streams) or high (a stream of the highest priority: the widening's "
+          "blocks then only take the SMs the compute leaves idle)");
 ABSL_FLAG(bool, fused, true,
           "Run the fused CUDA kernels where they apply (models/core/fused_ops.h); false: the plain "
           "LibTorch reference path");
@@ -469,6 +476,18 @@ int Main() {
   } else {
     backend = CreateSimulatedBackend({});
   }
+  const std::string priority = absl::GetFlag(FLAGS_compute_priority);
+  if (priority != "default" && priority != "high") {
+    std::cerr << "--compute_priority=" << priority << ": default or high\n";
+    return 1;
+  }
+#ifdef STOWAGE_WITH_CUDA
+  // Everything this thread runs (the forwards, and the backend's compute-stream events) goes on the
+  // current stream.
+  if (priority == "high" && backend->torch_device().is_cuda()) {
+    c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, backend->torch_device().index()));
+  }
+#endif
   const at::ScalarType dtype = at::kBFloat16;
   const bool small = absl::GetFlag(FLAGS_config) == "small";
   const double bandwidth = MeasureBandwidth(*backend, small ? (int64_t{64} << 20) : (int64_t{1} << 30));
@@ -524,7 +543,7 @@ int Main() {
           "\"prefetch_depth\": %d, \"staging\": \"%dx%dMiB, %d threads\", \"pinned_in_place_bytes\": %d, "
           "\"pin_in_place_error\": \"%s\", \"model\": \"%s\", \"machine\": \"%s\", \"compress\": \"%s\", "
           "\"floor_8bit_s\": %.6f, \"rel_l2\": %.6f, \"prepare_s\": %.3f, \"batch\": %d, \"lora_adapters\": %d, "
-          "\"lora_rank\": %d, \"base_rss_bytes\": %d}\n",
+          "\"lora_rank\": %d, \"base_rss_bytes\": %d, \"compute_priority\": \"%s\"}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -533,7 +552,8 @@ int Main() {
           absl::CHexEscape(result->pin_in_place_error),
           result->model,
           absl::GetFlag(FLAGS_machine), result->compress, floor_8bit_s, result->rel_l2, result->prepare_s,
-          absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_lora_adapters), absl::GetFlag(FLAGS_lora_rank), base_rss);
+          absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_lora_adapters), absl::GetFlag(FLAGS_lora_rank), base_rss,
+          priority);
       out.flush();
     }
   }

@@ -16,6 +16,7 @@ for r in rows:
     for field in ["row", "step_s", "floor_s", "resident_step_s", "peak_device_bytes",
                   "peak_rss_bytes", "weight_bytes", "machine"]:
         assert field in r, (r["row"], field)
+    assert r["compute_priority"] == "default", r
     assert r["step_s"] > 0 and r["weight_bytes"] > 0 and r["peak_rss_bytes"] > 0, r
 resident = rows[0]
 assert resident["peak_device_bytes"] >= resident["weight_bytes"], resident
@@ -81,3 +82,17 @@ assert rows[1]["pinned_in_place_bytes"] == 0, rows[1]
 assert all(r["peak_device_bytes"] < rows[0]["peak_device_bytes"] for r in rows[1:]), rows
 print("ok: Z-Image rows", [r["row"] for r in rows])
 PY
+
+# The compute stream's priority is default or high (high changes nothing off CUDA); anything else is
+# refused before any work.
+bench/offload_bench --config=small --backend=sim --warmup=1 --iters=1 --rows=resident --compute_priority=high \
+  --out="$TEST_TMPDIR/high.jsonl" --machine=ci >/dev/null
+grep -q '"compute_priority": "high"' "$TEST_TMPDIR/high.jsonl"
+if bench/offload_bench --config=small --backend=sim --rows=resident --compute_priority=urgent \
+    --out="$TEST_TMPDIR/bad.jsonl" 2>"$TEST_TMPDIR/bad.err"; then
+  echo "--compute_priority=urgent was accepted" >&2
+  exit 1
+fi
+grep -q 'compute_priority=urgent: default or high' "$TEST_TMPDIR/bad.err"
+[ ! -s "$TEST_TMPDIR/bad.jsonl" ]
+echo "ok: compute priority"

@@ -16,7 +16,8 @@
 #   compressed  streamed compression on the full-size synthetic Z-Image block stack (bench/offload_bench
 #             --config=full, one process per row): resident (its output the reference), block_pinned
 #             (bf16 streamed) and each compressed row ($COMPRESSED_ROWS): compressed.jsonl (commit
-#             added to every row), compressed.log; COMPRESSED_PROFILE=1: profile_compressed.txt
+#             added to every row), compressed.log; COMPRESSED_PROFILE=1: profile_compressed.txt;
+#             COMPRESSED_ARGS: more offload_bench flags for every row (e.g. --compute_priority=high)
 #   lora      a batch of 8 on the full-size synthetic stack with 0, 1 and 8 different LoRA adapters
 #             (offload_bench --batch --lora_adapters): lora.jsonl, lora.log
 #   multi     four pipelines under one 24 GiB budget on a seeded Poisson/Zipf trace
@@ -88,11 +89,12 @@ if [[ $parts == *" compressed "* ]]; then
     [ "${COMPRESSED_PROFILE:-0}" = 1 ] && echo "--profile=/tmp/compressed_trace_$1.json"
   }
   timeout 240 "$build/bench/offload_bench" --config=full --rows=resident --warmup=2 --iters=5 --save_output="$ref" \
-    --out="$raw" --machine="$machine" $(profile resident) >"$OUT/compressed.log" 2>&1
+    --out="$raw" --machine="$machine" $(profile resident) ${COMPRESSED_ARGS:-} >"$OUT/compressed.log" 2>&1
   resident=$(python3 -c "import json,sys; print([json.loads(l) for l in open('$raw')][-1]['step_s'])" 2>/dev/null || echo 0)
   for row in ${COMPRESSED_ROWS:-block_pinned block_int8 block_fp8 block_int8grouped block_int4}; do
     timeout 240 "$build/bench/offload_bench" --config=full --rows="$row" --warmup=2 --iters=5 --reference="$ref" \
-      --resident_step_s="$resident" --out="$raw" --machine="$machine" $(profile "$row") >>"$OUT/compressed.log" 2>&1
+      --resident_step_s="$resident" --out="$raw" --machine="$machine" $(profile "$row") ${COMPRESSED_ARGS:-} \
+      >>"$OUT/compressed.log" 2>&1
     stamp "compressed $row exit $?"
   done
   for row in resident ${COMPRESSED_ROWS:-block_pinned block_int8 block_fp8 block_int8grouped block_int4}; do

@@ -325,7 +325,8 @@ def run(args):
                          compress=result.get("compress", "none"),
                          streamed_bytes=result.get("streamed_bytes"),
                          x_floor=round(result["step_s"] / floor_s, 3) if floor_s else None,
-                         prepare_s=result.get("prepare_s"), peak_rss_bytes=result.get("peak_rss_bytes"),
+                         prepare_s=result.get("prepare_s"), page_cache_read_s=result.get("page_cache_read_s"),
+                         peak_rss_bytes=result.get("peak_rss_bytes"),
                          base_rss_bytes=result.get("base_rss_bytes"),
                          h2d_bytes_per_s=result.get("h2d_bandwidth_bytes_per_s"))
         row("stowage", "fp8" if fp8 else "bf16", "reference" if mode == "bf16_reference" else "fused",
@@ -370,7 +371,10 @@ def compressed_rows(args, model_name, rows):
                "base_rss_bytes": r.get("base_rss_bytes"), "bf16_weight_bytes": bf16_bytes,
                "rss_above_base_x_bf16": round((r["peak_rss_bytes"] - r["base_rss_bytes"]) / bf16_bytes, 3)
                if r.get("peak_rss_bytes") and r.get("base_rss_bytes") else None,
-               "prepare_s": r.get("prepare_s"), "compute_priority": r.get("compute_priority", "default"),
+               "prepare_s": r.get("prepare_s"), "page_cache_read_s": r.get("page_cache_read_s"),
+               "prepare_x_read": round(r["prepare_s"] / r["page_cache_read_s"], 2)
+               if r.get("prepare_s") and r.get("page_cache_read_s") else None,
+               "compute_priority": r.get("compute_priority", "default"),
                "machine": args.machine, "commit": args.commit}
         print(json.dumps(out), flush=True)
         with open(args.out, "a", encoding="utf-8") as f:

@@ -17,6 +17,7 @@ for r in rows:
                   "peak_rss_bytes", "weight_bytes", "machine"]:
         assert field in r, (r["row"], field)
     assert r["compute_priority"] == "default", r
+    assert r["page_cache_read_s"] == 0, r  # No --model_dir: nothing read.
     assert r["step_s"] > 0 and r["weight_bytes"] > 0 and r["peak_rss_bytes"] > 0, r
 resident = rows[0]
 assert resident["peak_device_bytes"] >= resident["weight_bytes"], resident
@@ -73,6 +74,8 @@ for r in rows:
     assert r["model"] == "ZImageTransformer2DModel", r
     assert r["weight_bytes"] == 2 * elements, (r["weight_bytes"], elements)  # bf16, every tensor.
     assert r["step_s"] > 0, r
+    # The folder's files read from the page cache once per process: the same figure in every row.
+    assert 0 < r["page_cache_read_s"] == rows[0]["page_cache_read_s"], r
 lowram = [r for r in rows if "lowram" in r["row"]]
 for r in lowram:
     # Every weight byte is pinned: the safetensors file's whole mapping is the region.

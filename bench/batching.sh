@@ -22,6 +22,8 @@
 # client's request runs during that time. Rows carry "format".
 # MODEL_DIR: a Z-Image directory; random weights are drawn from its configs
 # (bench/make_zimage_random_dir.py).
+# HIGH_PRIORITY_COMPUTE=1: the server's compute on a high-priority CUDA stream
+# (DeviceConfig.high_priority_compute); its rows' mode ends in "_hiprio".
 set -euo pipefail
 server=$1 load_bench=$2 model_dir=$3 out=$4
 size=${5:-1024} steps=${6:-8} machine=${7:-unknown} dtype=${8:-bfloat16}
@@ -48,6 +50,12 @@ case ${FORMAT:-png} in
   *) echo "batching.sh: FORMAT must be png, png_fast or rgb, not '$FORMAT'" >&2; exit 2 ;;
 esac
 
+device_block="" mode_suffix=""
+if [ "${HIGH_PRIORITY_COMPUTE:-0}" = 1 ]; then
+  device_block="device { high_priority_compute: true }"
+  mode_suffix=_hiprio
+fi
+
 for mode in ${MODES:-resident streamed}; do
   case $mode in
     resident | streamed | streamed_int8 | streamed_int4) ;;
@@ -64,10 +72,11 @@ queue_depth: 64
 auth { admin_token: "$token" }
 pipelines { name: "zimage" model_dir: "$model_dir" random_weights: true dtype: "$dtype" $offload$compute_field }
 $strategy
+$device_block
 CFG
   start_server "$server" "$tmp/$mode-$compress.textproto" "$tmp/$mode-$compress.log" || return 1
   local rc=0
-  "$load_bench" --target="$TARGET" --token="$token" --mode="$mode" --compress="$compress" --compute="$compute" \
+  "$load_bench" --target="$TARGET" --token="$token" --mode="$mode$mode_suffix" --compress="$compress" --compute="$compute" \
     --machine="$machine" --size="$size" \
     --steps="$steps" --concurrency="$concurrency" --batch_sizes="$batch_sizes" --requests_per_client="$per_client" \
     --min_requests="$min_requests" --max_queue_delay_ms="${MAX_QUEUE_DELAY_MS:-200}" --format="${FORMAT:-png}" \

@@ -50,4 +50,14 @@ rows = [json.loads(line) for line in open(sys.argv[1])]
 assert len(rows) == 2 and all(r["format"] == "rgb" and r["failed"] == 0 and r["images_per_s"] > 0 for r in rows), rows
 print("rgb ok")
 PY
+# A high-priority compute stream (a CUDA setting; the simulated device serves as before): the rows say so.
+HIGH_PRIORITY_COMPUTE=1 FORMAT=rgb MODES="streamed_int4" bash "$scripts/batching.sh" "$here/server/stowage_server" \
+  "$here/bench/load_bench" "$TEST_TMPDIR/zimage" "$TEST_TMPDIR/hiprio.jsonl" 64 2 ci float32 2 4 2 4
+/usr/bin/python3 - "$TEST_TMPDIR/hiprio.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+assert len(rows) == 1 and rows[0]["mode"] == "streamed_hiprio" and rows[0]["compress"] == "int4", rows
+assert rows[0]["failed"] == 0 and rows[0]["images_per_s"] > 0, rows
+print("hiprio ok")
+PY
 echo "refusals ok"

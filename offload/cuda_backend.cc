@@ -285,6 +285,13 @@ class CudaBackend : public DeviceBackend {
   int64_t MemoryBudget() const override { return budget_bytes_; }
   void ReleaseCachedMemory() override { c10::cuda::CUDACachingAllocator::emptyCache(); }
 
+  void EnterComputeThread(bool high_priority) override {
+    if (!high_priority) return;
+    // The calling thread's current stream is this backend's compute stream (RecordOnComputeStream,
+    // ComputeStreamWait and every LibTorch op it issues use it).
+    c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index()));
+  }
+
   void SetContextReserve(int64_t bytes) override {
     context_reserve_.store(std::max<int64_t>(0, bytes));
     ApplyBudget();

@@ -174,6 +174,12 @@ class DeviceBackend {
   // (the simulator counts it only with SimulatedBackendOptions::count_context_reserve).
   virtual void SetContextReserve(int64_t bytes) { (void)bytes; }
 
+  // Called once on the thread that will issue this device's compute (the device worker), before
+  // any: with `high_priority` the compute stream is one of the highest priority (CUDA: that
+  // thread's current stream becomes a high-priority stream of LibTorch's pool; the copy and
+  // transform streams keep the lowest). Elsewhere, and without it, nothing changes.
+  virtual void EnterComputeThread(bool high_priority) { (void)high_priority; }
+
  protected:
   // The allocator's statistics: peaks since the last ResetAllocatorPeaks(), which sets them to
   // what is allocated (reserved) now.

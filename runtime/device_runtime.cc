@@ -171,6 +171,9 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
     }
     raw->Placement(scope).RecordSchedule(request_id, job.schedule.pipeline, reason);
   };
+  if (config.device().high_priority_compute()) {
+    worker.on_start = [raw] { raw->backend_->EnterComputeThread(/*high_priority=*/true); };
+  }
   core->worker_ = std::make_unique<DeviceWorker>(std::move(worker));
   if (metrics != nullptr) metrics->SetQueueDepth(device, 0);
   // From here on only the worker touches the backend and placement.

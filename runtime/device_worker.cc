@@ -453,6 +453,7 @@ std::string DeviceWorker::ScheduleFront() {
 }
 
 void DeviceWorker::Loop() {
+  if (options_.on_start) options_.on_start();
   // The one scope of this worker: everything it runs gets it.
   WorkerScope scope(*this);
   for (;;) {

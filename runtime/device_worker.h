@@ -144,6 +144,9 @@ class DeviceWorker {
     // Optional: called on the worker thread, before the job runs, when the scheduler chose a job
     // other than the oldest of its tenant and priority for residency, with its reason.
     std::function<void(WorkerScope& scope, const Job& job, const std::string& reason)> on_reorder;
+    // Optional: called first on the worker thread, before any job, task or call (the device's
+    // compute stream is chosen there: DeviceBackend::EnterComputeThread).
+    std::function<void()> on_start;
   };
 
   explicit DeviceWorker(Options options);

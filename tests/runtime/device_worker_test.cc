@@ -81,6 +81,38 @@ TEST(DeviceWorkerTest, RunsJobsInOrderOneAtATimeAndRejectsWhenFull) {
   EXPECT_EQ(max_running.load(), 1);
 }
 
+// on_start runs once, on the worker's own thread, before the first job (the device's compute stream
+// is chosen there).
+TEST(DeviceWorkerTest, OnStartRunsOnTheWorkerThreadBeforeAnyJob) {
+  std::atomic<int> starts{0};
+  std::thread::id start_thread;
+  bool started_before_job = false;
+  DeviceWorker::Options options = Options("sim:0", /*queue_depth=*/4, nullptr);
+  options.on_start = [&] {
+    start_thread = std::this_thread::get_id();
+    ++starts;
+  };
+  DeviceWorker worker(std::move(options));
+  absl::Notification done;
+  std::thread::id job_thread;
+  for (int i = 0; i < 2; ++i) {
+    DeviceWorker::Job j;
+    j.run = [&, i](WorkerScope&, absl::Duration) {
+      if (i == 0) {
+        started_before_job = starts.load() == 1;
+        job_thread = std::this_thread::get_id();
+      }
+      if (i == 1) done.Notify();
+    };
+    ASSERT_TRUE(worker.Submit(std::move(j)).ok());
+  }
+  done.WaitForNotification();
+  EXPECT_EQ(starts.load(), 1);
+  EXPECT_TRUE(started_before_job);
+  EXPECT_EQ(start_thread, job_thread);
+  EXPECT_NE(start_thread, std::this_thread::get_id());
+}
+
 TEST(DeviceWorkerTest, ReportsQueueWait) {
   DeviceWorker worker(Options("sim:0", 4));
   absl::Notification release, done;

@@ -45,11 +45,13 @@ class RuntimeCoreTest : public ::testing::Test {
   // Starts a server core with one "latch" pipeline (batching up to `max_batch`).
   // Starts a server core with one "latch" pipeline (batching up to `max_batch`) on the default
   // device, or on what `make_backend` makes (with `budget` bytes, 0 for none).
-  void Start(int max_batch = 1, decltype(RuntimeFactories::make_backend) make_backend = nullptr, int64_t budget = 0) {
+  // `extra`: more of the server config, in text format.
+  void Start(int max_batch = 1, decltype(RuntimeFactories::make_backend) make_backend = nullptr, int64_t budget = 0,
+             const std::string& extra = "") {
     v1::ServerConfig config;
     ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(
         absl::StrCat("pipelines { name: \"latch\" builtin: \"latch\" warmup: false batching { max_batch_size: ",
-                     max_batch, " max_queue_delay_ms: 0 } }"),
+                     max_batch, " max_queue_delay_ms: 0 } } ", extra),
         &config));
     if (make_backend) config.mutable_device()->set_kind(v1::DeviceConfig::KIND_SIMULATED);  // Its name.
     if (budget > 0) config.mutable_device()->set_memory_budget_bytes(budget);
@@ -174,6 +176,15 @@ TEST_F(RuntimeCoreTest, TheDeviceIsTheInjectedBackendWithTheConfigsBudget) {
   EXPECT_EQ(core().placement_snapshot()->memory.budget_bytes, int64_t{1} << 20);
   gate_->Open();
   const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("on the injected device", 1, 3));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->stats().device(), "sim:0");
+}
+
+// A high-priority compute stream is the CUDA backend's business; elsewhere the device serves as before.
+TEST_F(RuntimeCoreTest, AHighPriorityComputeStreamLeavesTheSimulatedDeviceServing) {
+  Start(1, nullptr, 0, "device { kind: KIND_SIMULATED high_priority_compute: true }");
+  gate_->Open();
+  const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("high priority", 1, 3));
   ASSERT_TRUE(reply.ok()) << reply.status();
   EXPECT_EQ(reply->stats().device(), "sim:0");
 }

@@ -36,9 +36,6 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/version.h>
-#ifdef STOWAGE_WITH_CUDA
-#include <c10/cuda/CUDAStream.h>
-#endif
 #if defined(STOWAGE_WITH_CUDA) && TORCH_VERSION_MAJOR >= 2
 #include <set>
 
@@ -114,7 +111,8 @@ ABSL_FLAG(int64_t, lora_rank, 16, "Rank of the --lora_adapters adapters");
 ABSL_FLAG(std::string, compute_priority, "default",
           "CUDA: the stream the forwards run on: default (the device's default stream, the lowest priority, "
           "as the copy and widening streams) or high (a stream of the highest priority: the widening's "
-          "blocks then only take the SMs the compute leaves idle)");
+          "blocks then only take the SMs the compute leaves idle; DeviceBackend::EnterComputeThread, as the "
+          "server's device.high_priority_compute)");
 ABSL_FLAG(bool, fused, true,
           "Run the fused CUDA kernels where they apply (models/core/fused_ops.h); false: the plain "
           "LibTorch reference path");
@@ -515,13 +513,8 @@ int Main() {
     std::cerr << "--compute_priority=" << priority << ": default or high\n";
     return 1;
   }
-#ifdef STOWAGE_WITH_CUDA
-  // Everything this thread runs (the forwards, and the backend's compute-stream events) goes on the
-  // current stream.
-  if (priority == "high" && backend->torch_device().is_cuda()) {
-    c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, backend->torch_device().index()));
-  }
-#endif
+  // This thread runs every forward: it is the compute thread (as the server's device worker is).
+  backend->EnterComputeThread(priority == "high");
   const at::ScalarType dtype = at::kBFloat16;
   const bool small = absl::GetFlag(FLAGS_config) == "small";
   const double bandwidth = MeasureBandwidth(*backend, small ? (int64_t{64} << 20) : (int64_t{1} << 30));

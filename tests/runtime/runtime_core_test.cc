@@ -180,13 +180,15 @@ TEST_F(RuntimeCoreTest, TheDeviceIsTheInjectedBackendWithTheConfigsBudget) {
   EXPECT_EQ(reply->stats().device(), "sim:0");
 }
 
-// A high-priority compute stream is the CUDA backend's business; elsewhere the device serves as before.
-TEST_F(RuntimeCoreTest, AHighPriorityComputeStreamLeavesTheSimulatedDeviceServing) {
-  Start(1, nullptr, 0, "device { kind: KIND_SIMULATED high_priority_compute: true }");
+// With a high-priority compute stream the default device (CUDA on the GPU host, where the worker's
+// thread then computes on a high-priority stream; the simulated device elsewhere, where nothing
+// changes) serves as before.
+TEST_F(RuntimeCoreTest, AHighPriorityComputeStreamServesAsBefore) {
+  Start(1, nullptr, 0, "device { high_priority_compute: true }");
   gate_->Open();
   const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("high priority", 1, 3));
   ASSERT_TRUE(reply.ok()) << reply.status();
-  EXPECT_EQ(reply->stats().device(), "sim:0");
+  EXPECT_EQ(reply->stats().device(), core().device_name());
 }
 
 TEST_F(RuntimeCoreTest, UnloadWaitsForTheRunningRequestAndRefusesNewOnes) {

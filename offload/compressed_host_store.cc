@@ -191,14 +191,19 @@ WidenScratch CompressedHostStore::WidenViews(const at::Tensor& scratch) const {
   return views;
 }
 
-void CompressedHostStore::Widen(int group, const at::Tensor& slot, const at::Tensor& scratch,
-                                const at::Tensor& area) const {
+void CompressedHostStore::Widen(int group, const at::Tensor& slot, const at::Tensor& scratch, const at::Tensor& area,
+                                const at::Tensor& others_from) const {
   // On the transform stream's thread: no autograd, and the scratch may be an inference tensor.
   c10::InferenceMode inference;
   const Group8& g8 = groups8_[static_cast<size_t>(group)];
   const WidenScratch views = WidenViews(scratch);
   for (const Tensor8& t : g8.tensors) {
-    if (!t.compressed) continue;
+    if (!t.compressed) {
+      if (others_from.defined()) {
+        slot.narrow(0, t.slot_offset, t.bytes).copy_(others_from.narrow(0, t.host_offset, t.bytes));
+      }
+      continue;
+    }
     const at::Tensor out = slot.narrow(0, t.slot_offset, t.bytes).view(t.dtype).view(t.sizes);
     const at::Tensor q = area.narrow(0, t.q_offset, t.layout.q_bytes).view(t.layout.q_dtype).view(t.layout.q_shape);
     const at::Tensor scale =
@@ -229,6 +234,44 @@ std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlot(int group, con
   // alive) until the work has run.
   backend_->EnqueueOnTransformStream([this, group, slot, scratch, area] { Widen(group, slot, scratch, area); });
   area_free_[a] = backend_->RecordOnTransformStream();
+  return backend_->RecordOnTransformStream();
+}
+
+int64_t CompressedHostStore::device_copy_bytes(int group) const {
+  const Group8& g8 = groups8_[static_cast<size_t>(group)];
+  return g8.packed.defined() ? static_cast<int64_t>(g8.packed.nbytes()) : 0;
+}
+
+int64_t CompressedHostStore::link_bytes(int group) const {
+  const Group8& g8 = groups8_[static_cast<size_t>(group)];
+  if (!g8.packed.defined()) return 0;
+  int64_t bytes = g8.compressed_bytes;
+  for (const Tensor8& t : g8.tensors) bytes += t.compressed ? 0 : t.bytes;
+  return bytes;
+}
+
+std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlotVia(int group, const at::Tensor& slot,
+                                                                     const at::Tensor& scratch, const at::Tensor& copy,
+                                                                     bool fill) {
+  const Group8& g8 = groups8_[static_cast<size_t>(group)];
+  TORCH_CHECK(g8.packed.defined() && copy.defined() && copy.nbytes() == g8.packed.nbytes(),
+              "CopyGroupToSlotVia: group ", group, " has no device copy of ", copy.defined() ? copy.nbytes() : 0,
+              " bytes");
+  // With `fill` the packed buffer crosses the link once, into the copy; either way the copy stream's
+  // order (after the slot's release the engine made it wait for) is where the transform stream's
+  // widening starts.
+  if (fill) {  // The DMAs CopyGroupToSlot issues, into the copy instead of the scratch and slot.
+    backend_->CopyToDeviceAsync(copy.narrow(0, 0, g8.compressed_bytes), g8.packed.narrow(0, 0, g8.compressed_bytes));
+    for (const Tensor8& t : g8.tensors) {
+      if (t.compressed) continue;
+      backend_->CopyToDeviceAsync(copy.narrow(0, t.host_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
+    }
+  }
+  std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
+  backend_->TransformStreamWait(*landed);
+  const at::Tensor area = copy.narrow(0, 0, g8.compressed_bytes);
+  backend_->EnqueueOnTransformStream(
+      [this, group, slot, scratch, area, copy] { Widen(group, slot, scratch, area, copy); });
   return backend_->RecordOnTransformStream();
 }
 

@@ -17,6 +17,10 @@
 //                                            aligned to 256: one DMA into the scratch;
 //   [ t_a | t_b | ... ]                      the other tensors (biases, norms) in their compute
 //                                            dtype: one DMA each, straight to their slot offset.
+// A device copy of that buffer (CopyGroupToSlotVia: the spare-room cache keeping a group as it
+// crossed the link, at its compressed size) replaces the scratch area and the DMAs: the widening
+// reads the compressed part from the copy and the other tensors are copied from it on the transform
+// stream, so a cached group costs a widening and no link traffic.
 // The scratch is [fp8 tables and int32 index chunk, or int4's nibbles | scratch_buffers areas of
 // the largest group's compressed part]; the tables are uploaded by InitScratch whenever the engine
 // (re)allocates the scratch. The fixed part is written only by widenings, which the transform
@@ -62,6 +66,11 @@ class CompressedHostStore final : public HostStore {
   ~CompressedHostStore() override;
 
   std::unique_ptr<DeviceEvent> CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) override;
+  // A streamed group's packed pinned buffer, as it is ([compressed part | other tensors]).
+  int64_t device_copy_bytes(int group) const override;
+  int64_t link_bytes(int group) const override;
+  std::unique_ptr<DeviceEvent> CopyGroupToSlotVia(int group, const at::Tensor& slot, const at::Tensor& scratch,
+                                                  const at::Tensor& copy, bool fill) override;
   HostStoreStats stats() const override { return stats_; }
   int64_t device_scratch_bytes() const override { return scratch_bytes_; }
   void InitScratch(const at::Tensor& scratch) override;
@@ -87,8 +96,10 @@ class CompressedHostStore final : public HostStore {
   CompressedHostStore(DeviceBackend& backend, CompressFormat format, std::vector<StoreGroup> groups)
       : backend_(&backend), format_(format), groups_(std::move(groups)), groups8_(groups_.size()) {}
   // Runs on the transform stream: widens group `group`'s compressed tensors from `area` (a view of
-  // the scratch holding its compressed part) into `slot`.
-  void Widen(int group, const at::Tensor& slot, const at::Tensor& scratch, const at::Tensor& area) const;
+  // the scratch holding its compressed part, or a device copy of its packed buffer) into `slot`;
+  // with `others_from` (the device copy) also copies the group's other tensors from it.
+  void Widen(int group, const at::Tensor& slot, const at::Tensor& scratch, const at::Tensor& area,
+             const at::Tensor& others_from = at::Tensor()) const;
   WidenScratch WidenViews(const at::Tensor& scratch) const;
 
   DeviceBackend* backend_;

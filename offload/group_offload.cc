@@ -32,6 +32,10 @@ struct GroupOffloader::Impl {
     bool resident = false;         // Kept on the device (budget).
     at::Tensor device_buffer;      // Resident and always-on groups while onloaded.
     at::Tensor cache_buffer;       // Streamed group held by the spare-room cache (defined: cached).
+    // The cache holds the store's device copy of the group's host bytes (HostStore::
+    // CopyGroupToSlotVia: compressed, widened into a slot at each onload), not the group as the
+    // slot holds it.
+    bool cache_is_copy = false;
     int slot = -1;                 // Ring slot holding this group's bytes, -1 if none.
     bool active = false;
     std::set<Module*> done;        // Members finished since onload.
@@ -152,12 +156,45 @@ struct GroupOffloader::Impl {
     for (auto it = groups.rbegin(); it != groups.rend() && stats.cache_bytes > keep; ++it) {
       Group& g = **it;
       if (!g.cache_buffer.defined()) continue;
-      g.cache_buffer = at::Tensor();
-      stats.cache_bytes -= g.bytes;
-      --stats.cached_groups;
-      freed += g.bytes;
+      freed += Uncache(g);
     }
     return freed;
+  }
+
+  // The bytes a forward's onload of `g` moves across the link.
+  int64_t LinkBytes(const Group& g) const {
+    const int64_t link = store->link_bytes(g.index);
+    return link > 0 ? link : g.bytes;
+  }
+
+  // The cache's accounting of a group it takes in, or gives back (returns its device bytes).
+  void Cached(Group& g, at::Tensor buffer, bool is_copy) {
+    stats.cache_bytes += static_cast<int64_t>(buffer.nbytes());
+    stats.cache_link_bytes += LinkBytes(g);
+    ++stats.cached_groups;
+    ++stats.cache_fills;
+    g.cache_buffer = std::move(buffer);
+    g.cache_is_copy = is_copy;
+  }
+  int64_t Uncache(Group& g) {
+    const auto bytes = static_cast<int64_t>(g.cache_buffer.nbytes());
+    g.cache_buffer = at::Tensor();
+    g.cache_is_copy = false;
+    stats.cache_bytes -= bytes;
+    stats.cache_link_bytes -= LinkBytes(g);
+    --stats.cached_groups;
+    return bytes;
+  }
+
+  // Held by the cache as the slot holds it: its onload points at the cache, no slot, no copy.
+  static bool CachedWidened(const Group& g) { return g.cache_buffer.defined() && !g.cache_is_copy; }
+
+  // Groups are cached as the slot holds them when the allowance has room for every streamed group
+  // that way (then a forward copies and widens nothing); else, for a store that keeps device copies
+  // (compressed), as they cross the link — fewer bytes a group, so more of them stay, each widened
+  // on the device at its onload instead of copied.
+  bool CacheWidened(const Group& g) const {
+    return store->device_copy_bytes(g.index) == 0 || stats.cache_allowance_bytes >= stats.streamed_bytes;
   }
 
   int64_t SetCacheAllowance(int64_t bytes) {
@@ -170,15 +207,17 @@ struct GroupOffloader::Impl {
   // it. The copy runs on the compute stream, after the compute that read the slot and before the
   // slot's release is recorded, so the slot is not refilled under it. A refused allocation just
   // leaves the group streamed.
+  // A group cached as a device copy is kept widened instead once the allowance has room for every
+  // streamed group widened (its copy goes).
   void MaybeCache(Group& g) {
-    if (g.slot < 0 || g.cache_buffer.defined() || stats.cache_bytes + g.bytes > stats.cache_allowance_bytes) return;
+    if (g.slot < 0 || CachedWidened(g) || !CacheWidened(g)) return;
+    const int64_t held = g.cache_buffer.defined() ? static_cast<int64_t>(g.cache_buffer.nbytes()) : 0;
+    if (stats.cache_bytes - held + g.bytes > stats.cache_allowance_bytes) return;
     absl::StatusOr<at::Tensor> buffer = backend->AllocateBytes(g.bytes);
     if (!buffer.ok()) return;
     buffer->copy_(ring->buffer(g.slot).narrow(0, 0, g.bytes));
-    g.cache_buffer = *std::move(buffer);
-    stats.cache_bytes += g.bytes;
-    ++stats.cached_groups;
-    ++stats.cache_fills;
+    if (held > 0) Uncache(g);  // Its widening, queued before this copy, read the copy already.
+    Cached(g, *std::move(buffer), /*is_copy=*/false);
   }
 
   // Allocates the ring (slots and store scratch) if it is not: the buffers come from the compute
@@ -256,9 +295,35 @@ struct GroupOffloader::Impl {
     if (holder != SlotRing::kNoOwner && holder != g.index) groups[static_cast<size_t>(holder)]->slot = -1;
     if (g.slot >= 0 && g.slot != s) ring->set_owner(g.slot, SlotRing::kNoOwner);
     ring->CopyStreamWaitReleased(s);
-    ring->SetCopied(s, store->CopyGroupToSlot(g.index, ring->buffer(s), ring->scratch()));
+    ring->SetCopied(s, CopyIntoSlot(g, ring->buffer(s)));
     ring->set_owner(s, g.index);
     g.slot = static_cast<int>(s);
+  }
+
+  // Enqueues what makes `slot` hold `g`: from the cache's device copy of it (no link traffic), into
+  // a new device copy the cache takes in while its allowance has room (the copy the link carries
+  // anyway lands there), or straight from the host.
+  std::unique_ptr<DeviceEvent> CopyIntoSlot(Group& g, const at::Tensor& slot) {
+    if (g.cache_is_copy) {
+      ++stats.cache_hits;
+      stats.cache_hit_bytes += LinkBytes(g);
+      return store->CopyGroupToSlotVia(g.index, slot, ring->scratch(), g.cache_buffer, /*fill=*/false);
+    }
+    const int64_t copy_bytes = store->device_copy_bytes(g.index);
+    if (copy_bytes > 0 && !g.cache_buffer.defined() && !CacheWidened(g) &&
+        stats.cache_bytes + copy_bytes <= stats.cache_allowance_bytes) {
+      absl::StatusOr<at::Tensor> buffer = backend->AllocateBytes(copy_bytes);
+      if (buffer.ok()) {
+        // From the compute stream's pool: the copy into it waits for compute work queued before.
+        std::unique_ptr<DeviceEvent> ready = backend->RecordOnComputeStream();
+        backend->CopyStreamWait(*ready);
+        std::unique_ptr<DeviceEvent> event =
+            store->CopyGroupToSlotVia(g.index, slot, ring->scratch(), *buffer, /*fill=*/true);
+        Cached(g, *std::move(buffer), /*is_copy=*/true);
+        return event;
+      }
+    }
+    return store->CopyGroupToSlot(g.index, slot, ring->scratch());
   }
 
   void Onload(Group& g) {
@@ -299,7 +364,7 @@ struct GroupOffloader::Impl {
       }
     }
     const int64_t slot_index = (pos >= 0 ? pos : cursor) % n;
-    if (g.cache_buffer.defined()) {  // Kept by the spare-room cache: nothing to copy.
+    if (CachedWidened(g)) {  // Kept by the spare-room cache as the slot holds it: nothing to copy.
       ++stats.cache_hits;
       stats.cache_hit_bytes += g.bytes;
       PointAt(g, g.cache_buffer);
@@ -320,7 +385,7 @@ struct GroupOffloader::Impl {
     for (int64_t k = 1; k <= ahead && pos >= 0; ++k) {
       Group& next = *order[static_cast<size_t>((pos + k) % length)];
       const int64_t s = (pos + k) % n;
-      if (&next == &g || next.resident || next.cache_buffer.defined()) continue;
+      if (&next == &g || next.resident || CachedWidened(next)) continue;
       if (next.slot == s) continue;
       if (next.active) continue;
       // Never overwrite a slot that a running group reads (possible after an out-of-order onload
@@ -347,7 +412,7 @@ struct GroupOffloader::Impl {
     for (int64_t k = 0; k < std::max<int64_t>(ahead, 1); ++k) {
       Group& next = *order[static_cast<size_t>((cursor + k) % length)];
       const int64_t s = (cursor + k) % n;
-      if (next.resident || next.cache_buffer.defined() || next.slot == s) continue;
+      if (next.resident || CachedWidened(next) || next.slot == s) continue;
       LoadIntoSlot(next, s);
       ++stats.prefetches;
       ++stats.early_prefetches;
@@ -394,6 +459,7 @@ struct GroupOffloader::Impl {
       PointAway(*g);
       g->device_buffer = at::Tensor();
       g->cache_buffer = at::Tensor();
+      g->cache_is_copy = false;
     }
     if (ring) ring->Release();
     store.reset();  // Unregisters memory pinned in place, frees the staging ring.

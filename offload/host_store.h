@@ -118,6 +118,30 @@ class HostStore {
 
   virtual HostStoreStats stats() const = 0;
 
+  // A device copy of a group's host bytes (the spare-room cache of a store whose groups cross the
+  // link in another form than the slot holds: the compressed store). Its bytes (0: the store keeps
+  // none; the engine then caches the group as the slot holds it).
+  virtual int64_t device_copy_bytes(int group) const {
+    (void)group;
+    return 0;
+  }
+  // The bytes CopyGroupToSlot moves across the link for `group` (0: the planned group's bytes).
+  virtual int64_t link_bytes(int group) const {
+    (void)group;
+    return 0;
+  }
+  // As CopyGroupToSlot, through `copy` (a device buffer of device_copy_bytes(group) bytes): with
+  // `fill`, the group's host bytes are first copied into `copy` on the copy stream (the same
+  // link_bytes the plain call moves); then the slot is made from `copy` on the device, without crossing the link.
+  // Without `fill`, `copy` holds what an earlier filling call put there. The work enqueued keeps
+  // `copy` referenced until it has run. Only for groups with device_copy_bytes(group) > 0.
+  virtual std::unique_ptr<DeviceEvent> CopyGroupToSlotVia(int group, const at::Tensor& slot, const at::Tensor& scratch,
+                                                          const at::Tensor& copy, bool fill) {
+    (void)copy;
+    (void)fill;
+    return CopyGroupToSlot(group, slot, scratch);
+  }
+
   // Device bytes of scratch the copies need (0 for every store but the compressed one). Equals the
   // planned scratch (GroupPlan::scratch_bytes) for the groups the store was created for.
   virtual int64_t device_scratch_bytes() const { return 0; }

@@ -379,23 +379,81 @@ void PlacementManager::ReleaseCachesOfOtherPipelines(const Entry& running) {
   }
 }
 
+int64_t PlacementManager::SpareRoom(const Entry& entry, int64_t working_set) const {
+  const int64_t free = FreeBytes();
+  if (free == INT64_MAX) return INT64_MAX;  // No budget.
+  // Whatever runs next (this one's next forward, or the next component of its request) must find
+  // its run's room without the cache giving it back mid-request — for another streamed component of
+  // its pipelines that room includes the working set it allocates (else the cache would fill with
+  // the room that one takes back at its every run).
+  int64_t headroom = entry.run_headroom;
+  for (const auto& e : entries_) {
+    if (e->moved) continue;
+    int64_t needs = e->run_headroom;
+    if (e.get() != &entry && e->group_offload) {
+      bool shared = false;
+      for (const std::string& p : e->pipelines) shared = shared || Uses(entry.pipelines, p);
+      if (shared) needs += e->group_offload->bytes_needed_to_run();
+    }
+    headroom = std::max(headroom, needs);
+  }
+  const int64_t margin = streamed_group_cache_margin_ + learned_cache_margin_;
+  return std::max<int64_t>(free - working_set - headroom - margin, 0);
+}
+
+int PlacementManager::RunsPerRequest(const Entry& entry) {
+  return std::max(entry.runs_in_request, entry.runs_last_request);
+}
+
+void PlacementManager::CountRun(Entry& entry) {
+  if (entry.runs_request != request_id_) {
+    if (entry.runs_in_request > 0) entry.runs_last_request = entry.runs_in_request;
+    entry.runs_in_request = 0;
+    entry.runs_request = request_id_;
+  }
+  ++entry.runs_in_request;
+}
+
+void PlacementManager::YieldCachesTo(const Entry& entry, int64_t working_set) {
+  if (!streamed_group_cache_ || !entry.ran) return;
+  const GroupOffloadStats stats = entry.group_offload->stats();
+  const int64_t room = SpareRoom(entry, working_set);
+  if (room == INT64_MAX) return;
+  // What its cache could still take beyond the room there is (at most its streamed groups widened).
+  const int64_t wanted = stats.streamed_bytes - stats.cache_bytes - room;
+  if (wanted <= 0) return;
+  const int runs = RunsPerRequest(entry);
+  std::vector<Entry*> holders;
+  for (auto& e : entries_) {
+    if (e.get() == &entry || !e->group_offload || e->group_offload->cache_bytes() == 0) continue;
+    if (RunsPerRequest(*e) < runs) holders.push_back(e.get());
+  }
+  // The least run a request first, then the least recently used.
+  std::stable_sort(holders.begin(), holders.end(), [](const Entry* a, const Entry* b) {
+    if (RunsPerRequest(*a) != RunsPerRequest(*b)) return RunsPerRequest(*a) < RunsPerRequest(*b);
+    return a->last_use < b->last_use;
+  });
+  int64_t freed = 0;
+  for (Entry* e : holders) {
+    if (freed >= wanted) break;
+    const int64_t before = FreeBytes();
+    const int64_t cached = e->group_offload->cache_bytes();
+    const int64_t released =
+        e->group_offload->SetCacheAllowance(std::max<int64_t>(cached - (wanted - freed), 0));
+    if (released == 0) continue;
+    freed += released;
+    Record(e->id, "release_group_cache", released, before,
+           absl::StrCat(entry.id, " runs ", runs, " times a request, ", e->id, " ", RunsPerRequest(*e),
+                        ": the spare room saves more copies as its cache"));
+  }
+  if (freed > 0) backend_->ReleaseCachedMemory();
+}
+
 void PlacementManager::GrantGroupCache(Entry& entry, int64_t working_set) {
   int64_t allowance = 0;
   if (streamed_group_cache_ && entry.ran) {
-    const int64_t free = FreeBytes();
-    const int64_t cached = entry.group_offload->cache_bytes();
-    if (free == INT64_MAX) {
-      allowance = INT64_MAX;  // No budget.
-    } else {
-      // Whatever runs next (this one's next forward, or the next component of its request) must
-      // find its run's room without the cache giving it back mid-request.
-      int64_t headroom = entry.run_headroom;
-      for (const auto& e : entries_) {
-        if (!e->moved) headroom = std::max(headroom, e->run_headroom);
-      }
-      const int64_t margin = streamed_group_cache_margin_ + learned_cache_margin_;
-      allowance = cached + std::max<int64_t>(free - working_set - headroom - margin, 0);
-    }
+    const int64_t room = SpareRoom(entry, working_set);
+    allowance = room == INT64_MAX ? INT64_MAX : entry.group_offload->cache_bytes() + room;
   }
   const int64_t before = FreeBytes();
   const int64_t freed = entry.group_offload->SetCacheAllowance(allowance);
@@ -890,6 +948,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
       return absl::FailedPreconditionError(
           absl::StrCat("component '", component.name(), "' is not registered with placement"));
     }
+    CountRun(*entry);
     // Group-offloaded components that sit idle give their slot rings back while another runs.
     ReleaseIdleSlots(entry, /*keep_prefetched=*/true, absl::StrCat("idle while ", entry->id, " runs"));
     if (entry->group_offload) ReleaseCachesOfOtherPipelines(*entry);
@@ -900,6 +959,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
       EvictBefore(*entry, working_set + entry->run_headroom,
                   absl::StrCat("make room for group-offloaded ", entry->id, "'s working set",
                                HeadroomNote(entry->run_headroom)));
+      YieldCachesTo(*entry, working_set);
       GrantGroupCache(*entry, working_set);
     } else if (entry->state == ComponentState::kOffloaded) {
       RETURN_IF_ERROR(MakeResident(*entry));

@@ -269,12 +269,15 @@ class PlacementManager : public ComponentRunner {
   // The spare-room cache of group-offloaded components (DeviceConfig.streamed_group_cache; off by
   // default): before each run of one that ran before, GroupOffloader::SetCacheAllowance with what it
   // holds in its cache plus the free device bytes less its working set still to allocate, the largest
-  // run headroom of any registered component (the room whatever runs next allocates: a VAE decoding
-  // at 1024² after the transformer), `margin_bytes` and the margin out-of-memory errors taught; 0 for
-  // its first run and when off. A cache stays between runs (and requests) while nothing needs its
-  // room: any move or run that needs room shrinks the caches first, least recently used first
-  // (EvictBefore), a streamed component of another pipeline starting to run takes it all, and a lower
-  // budget empties them. A run that runs out of device memory while caches hold room gets them all
+  // room any registered component's run allocates (its run headroom: a VAE decoding at 1024² after the
+  // transformer; for another streamed component of its pipelines, plus the working set it allocates),
+  // `margin_bytes` and the margin out-of-memory errors taught; 0 for its first run and when off. A
+  // cache stays between runs (and requests) while nothing needs its room: any move or run that needs
+  // room shrinks the caches first, least recently used first (EvictBefore), a streamed component of
+  // another pipeline starting to run takes it all, a component a request runs more times than
+  // another takes the other's cache when the room left is less than it could hold (YieldCachesTo: a
+  // transformer's steps over the text encoder that filled the room first), and a lower budget empties
+  // them. A run that runs out of device memory while caches hold room gets them all
   // back and runs again before any weights move, and the caches' margin doubles from then on
   // (recorded as "widen_cache_margin"; on CUDA, room the allocator's counts call free can be split
   // into blocks too small for the run's largest allocation), up to a quarter of the budget.
@@ -357,7 +360,27 @@ class PlacementManager : public ComponentRunner {
     // Moved to a peer by peer eviction: no longer registered here; removed at the next sweep
     // (entries_ may be being iterated when it moves).
     bool moved = false;
+    // Its runs in the request it last ran in (runs_request: the request id then) and in the one
+    // before: how many times a request runs it (a transformer's steps), which ranks spare-room
+    // caches (RunsPerRequest).
+    std::string runs_request;
+    int runs_in_request = 0;
+    int runs_last_request = 0;
   };
+  // Counts a run of `entry` in the current request (Entry::runs_in_request).
+  void CountRun(Entry& entry);
+  // How many times a request runs it: the larger of the current (or last) request's runs and the
+  // one before's.
+  static int RunsPerRequest(const Entry& entry);
+  // The device bytes the budget leaves a spare-room cache of group-offloaded `entry` before its run
+  // (beside what it holds): the free bytes less its working set still to allocate, the largest run
+  // headroom of any component and the margins; INT64_MAX without a budget.
+  int64_t SpareRoom(const Entry& entry, int64_t working_set) const;
+  // Before a run of streamed `entry` whose cache could hold more than the spare room: the caches of
+  // components a request runs fewer times (a text encoder beside a transformer's steps) give it
+  // their room, the least run first, up to what it could take — each byte of its cache spares a
+  // copy every run, theirs once a request. Recorded as "release_group_cache".
+  void YieldCachesTo(const Entry& entry, int64_t working_set);
   void SweepMoved();
   // See Entry::arriving. Arrive also counts a pipeline prefetch as used.
   void Arrive(Entry& entry);

@@ -82,6 +82,7 @@ void FillComponents(const PlacementSnapshot& snapshot,
       g->set_cache_bytes(s.cache_bytes);
       g->set_cache_hits(s.cache_hits);
       g->set_cache_hit_bytes(s.cache_hit_bytes);
+      g->set_cache_link_bytes(s.cache_link_bytes);
     }
   }
 }

@@ -40,9 +40,7 @@ int64_t PipelineMoveBytes(const PlacementSnapshot& snapshot, const std::string& 
     }
     if (c.group_offload.has_value()) {
       const GroupOffloadStats& g = *c.group_offload;
-      if (g.streamed_bytes <= 0) continue;
-      const double uncached = 1.0 - std::min(1.0, static_cast<double>(g.cache_bytes) / static_cast<double>(g.streamed_bytes));
-      bytes += static_cast<int64_t>(static_cast<double>(g.bytes_per_forward) * uncached);
+      bytes += std::max<int64_t>(g.bytes_per_forward - g.cache_link_bytes, 0);
     } else if (c.state == ComponentState::kOffloaded) {
       bytes += c.weight_bytes;
     }

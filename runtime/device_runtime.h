@@ -67,9 +67,9 @@ namespace stowage {
 // What the scheduler's residency order weighs (DeviceWorker::Options::move_bytes): the bytes running
 // `pipeline` now would copy onto the device, from a placement snapshot — its whole components that
 // are on the host (adapters aside: they move only for the requests that name them), plus, for each of
-// its group-offloaded components, what one forward copies (bytes_per_forward) less the share its
-// spare-room cache holds (DeviceConfig.streamed_group_cache), so a pipeline whose streamed groups
-// stayed on the device weighs less than one whose groups all stream.
+// its group-offloaded components, what one forward copies (bytes_per_forward) less what its
+// spare-room cache spares (cache_link_bytes; DeviceConfig.streamed_group_cache), so a pipeline whose
+// streamed groups stayed on the device weighs less than one whose groups all stream.
 int64_t PipelineMoveBytes(const PlacementSnapshot& snapshot, const std::string& pipeline);
 
 class DeviceRuntime {

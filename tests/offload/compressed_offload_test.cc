@@ -544,6 +544,88 @@ TEST_P(CompressedStreamingTest, SlotsHoldTheDequantizedWeightsExactly) {
   EXPECT_EQ(check->checked, 2 * (static_cast<int>(expected.size()) - 1));  // All but the root's.
 }
 
+// The spare-room cache of a compressed component: with an allowance below its streamed groups
+// widened but enough for their compressed copies, the cache keeps every streamed group as it
+// crossed the link (device copies of the packed buffers) and the next forwards copy nothing of
+// them over the link, widening from the copies instead — bit for bit the uncached forward, with
+// and without a copy stream; an allowance for everything widened turns the copies into widened
+// groups (no copy, no widening); a lower allowance gives copies back at once.
+TEST_P(CompressedStreamingTest, TheSpareRoomCacheKeepsGroupsAsTheyCrossTheLinkWhenWidenedTheyDoNotFit) {
+  const CompressFormat format = GetParam();
+  for (const bool stream : {true, false}) {
+    SCOPED_TRACE(stream ? "with a copy stream" : "without");
+    GroupOffloadOptions options = Streaming(format);
+    options.use_stream = stream;
+    const StreamRun uncached = Stream(at::kBFloat16, options);
+    ASSERT_TRUE(uncached.out.defined());
+
+    StackModel model;
+    model.ForEachSlot([&](Module&, TensorSlot& slot) { slot.value = slot.value.to(at::kBFloat16); });
+    std::unique_ptr<HostWeights> weights = *HostWeights::Capture(model);
+    std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
+    auto applied = GroupOffloader::Apply("stack", model, *weights, *backend, options);
+    ASSERT_TRUE(applied.ok()) << applied.status();
+    GroupOffloader& offloader = **applied;
+    const GroupOffloadStats planned = offloader.stats();
+    at::manual_seed(3);
+    const at::Tensor input = at::randn({3, 5, 16}).to(at::kBFloat16);
+    c10::InferenceMode guard;
+    const auto h2d = [&] { return backend->GetMemoryStats().host_to_device_bytes; };
+    const auto forward = [&] {
+      const int64_t before = h2d();
+      at::Tensor out = model.Forward(input);
+      backend->Synchronize();
+      EXPECT_TRUE(at::equal(out, uncached.out));
+      return h2d() - before;
+    };
+    const int64_t per_forward = forward();
+    EXPECT_EQ(per_forward, planned.bytes_per_forward);
+
+    // Room for the compressed copies of every streamed group, not for them widened.
+    const int64_t allowance = planned.streamed_bytes - 1;
+    offloader.SetCacheAllowance(allowance);
+    EXPECT_EQ(forward(), per_forward);  // The filling forward: the copies land in the cache.
+    GroupOffloadStats s = offloader.stats();
+    EXPECT_EQ(s.cached_groups, planned.streamed_groups);
+    EXPECT_GT(s.cache_link_bytes, 0);
+    // Kept as they crossed the link (device copies of the packed buffers: aligned parts).
+    EXPECT_GE(s.cache_bytes, s.cache_link_bytes);
+    EXPECT_LT(s.cache_bytes, planned.streamed_bytes);
+    EXPECT_EQ(offloader.device_bytes(), planned.slots * planned.slot_bytes + planned.scratch_bytes + s.cache_bytes);
+    const int64_t cached_forward = forward();
+    // Only the always-on groups (outside the blocks; never cached) cross.
+    EXPECT_EQ(cached_forward, per_forward - s.cache_link_bytes);
+    // Each streamed group's onload is served by its copy once a forward.
+    const int64_t hits = offloader.stats().cache_hits, hit_bytes = offloader.stats().cache_hit_bytes;
+    EXPECT_EQ(forward(), cached_forward);
+    EXPECT_EQ(offloader.stats().cache_hits - hits, planned.streamed_groups);
+    EXPECT_EQ(offloader.stats().cache_hit_bytes - hit_bytes, s.cache_link_bytes);
+    // After a release of the ring (and its scratch: fp8's decode tables go up again with it), the
+    // copies still serve.
+    offloader.ReleaseSlots();
+    EXPECT_LT(forward() - cached_forward, planned.scratch_bytes);
+    EXPECT_EQ(forward(), cached_forward);
+
+    // A lower allowance gives copies back at once; the next forward copies those again.
+    const int64_t allocated = backend->GetMemoryStats().allocated_bytes;
+    const int64_t freed = offloader.SetCacheAllowance(s.cache_bytes / 2);
+    EXPECT_GT(freed, 0);
+    EXPECT_LE(offloader.cache_bytes(), s.cache_bytes / 2);
+    EXPECT_EQ(backend->GetMemoryStats().allocated_bytes, allocated - freed);
+    EXPECT_EQ(forward(), per_forward - offloader.stats().cache_link_bytes);
+
+    // Room for every streamed group widened: they are kept as the slot holds them, and a forward
+    // copies (and widens) none of them.
+    offloader.SetCacheAllowance(planned.streamed_bytes);
+    (void)forward();
+    s = offloader.stats();
+    EXPECT_EQ(s.cached_groups, planned.streamed_groups);
+    EXPECT_EQ(s.cache_bytes, planned.streamed_bytes);
+    EXPECT_EQ(forward(), cached_forward);
+    EXPECT_EQ(offloader.stats().cache_link_bytes, per_forward - cached_forward);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, CompressedStreamingTest,
                          ::testing::Values(CompressFormat::kInt8, CompressFormat::kFp8E4M3,
                                            CompressFormat::kInt8Grouped, CompressFormat::kInt4),

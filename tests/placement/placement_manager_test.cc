@@ -236,6 +236,94 @@ TEST(PlacementManagerTest, SpareRoomCachesGiveWayBeforeWeightsMove) {
   EXPECT_EQ(cache("b/transformer"), 0);
 }
 
+// Spare room goes to the component a request runs most: a streamed text encoder (once a request)
+// that filled the room first gives it to the streamed transformer (every step) when the transformer
+// could cache more than the room left, and never takes it back; the transformer's later steps and
+// the next request copy nothing of what it keeps, the images are the same, the budget holds.
+TEST(PlacementManagerTest, TheSpareRoomGoesToTheComponentARequestRunsMostOften) {
+  GenerationParams params = HarbourParams();
+  params.steps = 4;
+  Harness plain;
+  RunContext plain_context(nullptr, nullptr);
+  auto expected = plain.pipeline->Run(params, plain.placement, plain_context);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+
+  Harness s;
+  s.placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
+  GroupOffloadOptions options;
+  options.use_stream = true;
+  ASSERT_TRUE(s.placement.EnableGroupOffload("tiny/text_encoder", options).ok());
+  ASSERT_TRUE(s.placement.EnableGroupOffload("tiny/transformer", options).ok());
+  int request = 0;
+  const auto generate = [&] {
+    s.placement.SetRequestId(absl::StrCat("req-", ++request));
+    RunContext context(nullptr, nullptr);
+    return s.pipeline->Run(params, s.placement, context);
+  };
+  const auto stats = [&](const std::string& id) { return *s.placement.GroupOffloadStatsOf(id); };
+  // Unbudgeted, both keep every streamed group.
+  for (int i = 0; i < 2; ++i) {
+    auto image = generate();
+    ASSERT_TRUE(image.ok()) << image.status();
+    EXPECT_EQ(image->rgb, expected->rgb);
+  }
+  const GroupOffloadStats te = stats("tiny/text_encoder"), tr = stats("tiny/transformer");
+  ASSERT_EQ(te.cache_bytes, te.streamed_bytes);
+  ASSERT_EQ(tr.cache_bytes, tr.streamed_bytes);
+  // A budget without the caches empties them (no weights move)...
+  DeviceMemoryStats now = s.backend->GetMemoryStats();
+  std::vector<std::string> offloaded;
+  ASSERT_TRUE(s.placement.SetMemoryBudget(now.context_bytes + now.allocated_bytes - te.cache_bytes - tr.cache_bytes,
+                                          &offloaded)
+                  .ok());
+  EXPECT_TRUE(offloaded.empty());
+  EXPECT_EQ(stats("tiny/text_encoder").cache_bytes + stats("tiny/transformer").cache_bytes, 0);
+  // ...and the next one leaves the text encoder room for all of its groups beside both working sets,
+  // but once they are cached the transformer room for only half of its own (or less: the text
+  // encoder's).
+  int64_t headroom = 0;
+  for (const ComponentView& v : s.placement.Snapshot()) headroom = std::max(headroom, v.run_headroom_bytes);
+  now = s.backend->GetMemoryStats();
+  const int64_t half = std::min(tr.streamed_bytes / 2, te.streamed_bytes);
+  const int64_t budget = now.context_bytes + now.allocated_bytes + te.working_set_bytes + tr.working_set_bytes +
+                         headroom + 256 + te.streamed_bytes + tr.streamed_bytes - half;
+  ASSERT_TRUE(s.placement.SetMemoryBudget(budget, &offloaded).ok());
+  s.backend->ResetPeakStats();
+  const size_t decisions = s.placement.DecisionLog(1000).size();
+  auto image = generate();
+  ASSERT_TRUE(image.ok()) << image.status();
+  EXPECT_EQ(image->rgb, expected->rgb);
+  std::vector<PlacementDecision> log = s.placement.DecisionLog(1000);
+  int64_t yielded = 0;
+  for (size_t k = decisions; k < log.size(); ++k) {
+    EXPECT_NE(log[k].action, "offload") << log[k].component << ": " << log[k].reason;
+    EXPECT_FALSE(log[k].component == "tiny/transformer" && log[k].action == "release_group_cache") << log[k].reason;
+    if (log[k].component == "tiny/text_encoder" && log[k].action == "release_group_cache") {
+      EXPECT_NE(log[k].reason.find("tiny/transformer runs 4 times a request, tiny/text_encoder 1"), std::string::npos)
+          << log[k].reason;
+      yielded += log[k].bytes;
+    }
+  }
+  EXPECT_GT(yielded, 0);
+  EXPECT_EQ(stats("tiny/transformer").cache_bytes, tr.streamed_bytes);
+  EXPECT_LT(stats("tiny/text_encoder").cache_bytes, te.streamed_bytes);
+  EXPECT_LE(s.backend->GetMemoryStats().peak_allocated_bytes + now.context_bytes, budget);
+
+  // The next request: the text encoder finds no room beyond what it kept (the transformer's cache
+  // is not its to take), the transformer's steps copy none of its streamed groups.
+  const int64_t tr_hits = stats("tiny/transformer").cache_hits;
+  const size_t next_decisions = s.placement.DecisionLog(1000).size();
+  image = generate();
+  ASSERT_TRUE(image.ok()) << image.status();
+  EXPECT_EQ(image->rgb, expected->rgb);
+  EXPECT_EQ(stats("tiny/transformer").cache_hits - tr_hits, 4 * tr.streamed_groups);
+  log = s.placement.DecisionLog(1000);
+  for (size_t k = next_decisions; k < log.size(); ++k) {
+    EXPECT_NE(log[k].action, "release_group_cache") << log[k].component << ": " << log[k].reason;
+  }
+  EXPECT_LE(s.backend->GetMemoryStats().peak_allocated_bytes + now.context_bytes, budget);
+}
+
 // A run that runs out of device memory while spare-room caches hold room (on CUDA: a VAE at 1024²
 // whose blocks the allocator could not find beside a cache) gets the caches back and runs again
 // before any weights move; the caches keep a wider margin from then on, and the next transformer's

@@ -126,9 +126,14 @@ TEST(PipelineMoveBytesTest, CountsWholeComponentsOnTheHostAndTheUncachedShareOfS
   EXPECT_EQ(PipelineMoveBytes(snapshot, "a"), 1000);
   EXPECT_EQ(PipelineMoveBytes(snapshot, "b"), 1000 + 4000);
   EXPECT_EQ(PipelineMoveBytes(snapshot, "c"), 0);
-  snapshot.components.back().group_offload->cache_bytes = 6000;  // Three quarters stay on the device.
+  // Three quarters of its link bytes stay on the device (as 6000 widened bytes, or as 3000 bytes
+  // of compressed copies: what counts is the link bytes they spare).
+  snapshot.components.back().group_offload->cache_bytes = 6000;
+  snapshot.components.back().group_offload->cache_link_bytes = 3000;
   EXPECT_EQ(PipelineMoveBytes(snapshot, "b"), 1000 + 1000);
-  snapshot.components.back().group_offload->cache_bytes = 8000;
+  snapshot.components.back().group_offload->cache_bytes = 3000;
+  EXPECT_EQ(PipelineMoveBytes(snapshot, "b"), 1000 + 1000);
+  snapshot.components.back().group_offload->cache_link_bytes = 4000;
   EXPECT_EQ(PipelineMoveBytes(snapshot, "b"), 1000);
 }
 

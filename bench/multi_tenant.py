@@ -10,7 +10,7 @@ unbudgeted server that keeps everything resident.
         [--flux_compress none|int8|int4] [--flux_keep_gib 4] [--keep_resident zimage/text_encoder]
         [--text_encoder_compress none|int8|int4]
         [--zimage_ft_compress off|none|int8|int4] [--zimage_ft_keep_gib 0]
-        [--streamed_group_cache] [--compute bf16|fp8] [--max_batch_size 1] [--max_queue_delay_ms 0] [--batch_in resident,fifo,scheduler]
+        [--streamed_group_cache] [--cuda_expandable_segments] [--compute bf16|fp8] [--text_encoder_compute bf16|fp8] [--max_batch_size 1] [--max_queue_delay_ms 0] [--batch_in resident,fifo,scheduler]
         [--device cuda|sim] [--dtype bfloat16]
         [--machine M] [--commit C]
 
@@ -221,15 +221,20 @@ def config_text(budget_bytes, strategy, reorder_ms, pin=False):
         seeds = f' component_weight_seeds {{ key: "{reseeded}" value: 2 }}' if reseeded else ""
         # No load-time warm-up: each strategy's first request per pipeline is sent unmeasured instead.
         pipelines += (f'pipelines {{ name: "{name}" model_dir: "{directory}" random_weights: true weight_seed: 1 '
-                      f'dtype: "{ARGS.dtype}" warmup: false{seeds}{pipeline_serving_fields()} }}\n')
+                      f'dtype: "{ARGS.dtype}" warmup: false{seeds}{pipeline_serving_fields(name)} }}\n')
     scheduler = f"scheduler {{ {scheduler_fields(reorder_ms)} }}"
-    return (f'grpc_address: "127.0.0.1:0"\nhttp_address: "127.0.0.1:0"\nmetrics_address: "none"\n'
+    expandable = "cuda_expandable_segments: true\n" if ARGS.cuda_expandable_segments else ""
+    return (f'{expandable}grpc_address: "127.0.0.1:0"\nhttp_address: "127.0.0.1:0"\nmetrics_address: "none"\n'
             f'queue_depth: 64\nauth {{ admin_token: "{TOKEN}" }}\n{device}\n{scheduler}\n{pipelines}{strategy}\n')
 
 
-def pipeline_serving_fields():
-    """What every strategy's pipelines share: the transformer's compute mode."""
-    return ' compute { key: "transformer" value: COMPUTE_FP8 }' if ARGS.compute == "fp8" else ""
+def pipeline_serving_fields(name):
+    """What every strategy's pipelines share: the transformer's compute mode, and the Z-Image text
+    encoder's (Qwen3, which Z-Image and its fine-tune share) with --text_encoder_compute fp8."""
+    fields = ' compute { key: "transformer" value: COMPUTE_FP8 }' if ARGS.compute == "fp8" else ""
+    if ARGS.text_encoder_compute == "fp8" and name.startswith("zimage"):
+        fields += ' compute { key: "text_encoder" value: COMPUTE_FP8 }'
+    return fields
 
 
 def batching_strategies():
@@ -343,14 +348,15 @@ def rows_for(strategy, results, start, end, budget, smi_peak, resident):
                "errors": sorted({r["error"] for r in mine if r["error"]})[:5],
                "size": ARGS.size, "steps": STEPS, "trace": TRACE_INFO,
                "keep_resident": keep_list() if strategy != "resident" else [],
-               "serving": {"compute": ARGS.compute,
+               "serving": {"compute": ARGS.compute, "text_encoder_compute": ARGS.text_encoder_compute,
                            "max_batch_size": ARGS.max_batch_size if strategy in batching_strategies() else 1,
                            "max_queue_delay_ms": ARGS.max_queue_delay_ms},
                "placement": {} if strategy == "resident" else {
                    "flux_compress": ARGS.flux_compress, "flux_keep_gib": ARGS.flux_keep_gib,
                    "text_encoder_compress": ARGS.text_encoder_compress,
                    "zimage_ft_compress": ARGS.zimage_ft_compress, "zimage_ft_keep_gib": ARGS.zimage_ft_keep_gib,
-                   "streamed_group_cache": ARGS.streamed_group_cache},
+                   "streamed_group_cache": ARGS.streamed_group_cache,
+                   "cuda_expandable_segments": ARGS.cuda_expandable_segments},
                "machine": ARGS.machine,
                "commit": ARGS.commit}
         own = (row["p50_s"], row["p99_s"]) if strategy == "resident" else resident.get(pipeline)
@@ -608,6 +614,9 @@ def main():
     s.add_argument("--text_encoder_compress", choices=["none", "int8", "int4"], default="none",
                    help="the streamed Qwen3 and T5 (not --keep_resident ones) from an int8 (grouped) or int4 host copy")
     s.add_argument("--flux_keep_gib", type=float, default=4.0)
+    s.add_argument("--cuda_expandable_segments", action="store_true",
+                   help="ServerConfig.cuda_expandable_segments: the CUDA allocator maps memory in expandable "
+                        "segments (no blocks too small for a VAE decode beside the spare-room caches)")
     s.add_argument("--streamed_group_cache", action="store_true",
                    help="DeviceConfig.streamed_group_cache on: a streamed transformer keeps what the budget's "
                         "free room holds of its groups between the steps of a request")
@@ -622,6 +631,9 @@ def main():
                         "encoder, shared with zimage-ft, whole instead of streamed")
     s.add_argument("--compute", choices=["bf16", "fp8"], default="bf16",
                    help="fp8: every transformer's block linears as FP8 GEMMs in every strategy (CUDA only)")
+    s.add_argument("--text_encoder_compute", choices=["bf16", "fp8"], default="bf16",
+                   help="Z-Image's Qwen3 text encoder (resident beside the hot transformer) as FP8 GEMMs: half "
+                        "its 7.3 GiB, room the streamed transformers' spare-room caches can use")
     s.add_argument("--max_batch_size", type=int, default=1,
                    help="1..64; above 1, queued requests of one pipeline, size and steps run as one batch")
     s.add_argument("--max_queue_delay_ms", type=int, default=0,
@@ -653,8 +665,8 @@ def main():
         raise SystemExit("--max_batch_size must be 1..64 and --max_queue_delay_ms 0..60000")
     if any(s not in ("resident", "fifo", "scheduler") for s in batching_strategies()):
         raise SystemExit("--batch_in: names among resident, fifo, scheduler")
-    if ARGS.compute == "fp8" and ARGS.device == "sim":
-        raise SystemExit("--compute fp8 needs --device cuda (FP8 tensor cores)")
+    if (ARGS.compute == "fp8" or ARGS.text_encoder_compute == "fp8") and ARGS.device == "sim":
+        raise SystemExit("--compute fp8 and --text_encoder_compute fp8 need --device cuda (FP8 tensor cores)")
     TRACE = make_trace(ARGS.requests, ARGS.rate, ARGS.zipf, ARGS.trace_seed, STEPS)
     TRACE_INFO = {"requests": ARGS.requests, "rate_per_s": ARGS.rate, "zipf": ARGS.zipf, "seed": ARGS.trace_seed,
                   "popularity": list(POPULARITY), "tenants": {"alice": 0.7, "bob": 0.3}, "high_priority": 0.2}

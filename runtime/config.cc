@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -169,6 +170,19 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path) {
                                                    absl::StrJoin(errors.errors, "; ")));
   }
   return config;
+}
+
+std::string ApplyCudaAllocatorSettings(const v1::ServerConfig& config) {
+  if (!config.cuda_expandable_segments()) return "";
+  for (const char* name : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}) {
+    const char* set = std::getenv(name);
+    if (set != nullptr && set[0] != '\0') {
+      return absl::StrCat("cuda_expandable_segments: the environment's ", name, "=", Truncated(set),
+                          " is used as it is");
+    }
+  }
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", /*overwrite=*/0);
+  return "cuda_expandable_segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True";
 }
 
 void AddDefaultPipelines(v1::ServerConfig& config, const std::string& demo_dir) {

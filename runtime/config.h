@@ -103,6 +103,11 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
 absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config,
                                                       const PipelineRegistry* registry = nullptr);
 
+// Applies the process-wide CUDA allocator settings of `config` (cuda_expandable_segments) to the
+// environment LibTorch reads at its first CUDA allocation; call before any. Returns what it did, for
+// the start-up log ("" when the config asks nothing). Not thread-safe (setenv).
+std::string ApplyCudaAllocatorSettings(const v1::ServerConfig& config);
+
 // The pipelines of a server whose config names none: the trained demo from `demo_dir` (name
 // kDemoPipelineName, the default pipeline, kDemoImageSize images) when `demo_dir` is not empty,
 // then the built-in kDefaultPipelineName. Does nothing when `config` names pipelines.

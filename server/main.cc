@@ -220,6 +220,8 @@ int main(int argc, char** argv) {
     Log(absl::StrCat("cannot start: ", checked.status().message()));
     return 2;
   }
+  // Before anything allocates on a CUDA device (the runtime's start).
+  if (const std::string applied = stowage::ApplyCudaAllocatorSettings(config); !applied.empty()) Log(applied);
   Log(absl::StrCat("starting: loading ", std::max(config.pipelines_size(), 1),
                    " pipeline(s); SIGTERM or SIGINT stops the start-up"));
   auto server = stowage::StowageServer::Start(config);

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -149,6 +150,27 @@ TEST(ConfigTest, SemanticErrorsNameTheField) {
     EXPECT_NE(std::string(finalized.status().message()).find(c.expected), std::string::npos)
         << c.text << " -> " << finalized.status();
   }
+}
+
+// cuda_expandable_segments: set in the environment LibTorch reads (before the first CUDA
+// allocation) unless the environment already configures the allocator; nothing when off.
+TEST(ConfigTest, CudaExpandableSegmentsSetTheAllocatorsEnvironmentUnlessItIsSet) {
+  ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  ::unsetenv("PYTORCH_ALLOC_CONF");
+  v1::ServerConfig config;
+  EXPECT_EQ(ApplyCudaAllocatorSettings(config), "");
+  EXPECT_EQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), nullptr);
+  ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString("cuda_expandable_segments: true", &config));
+  EXPECT_NE(ApplyCudaAllocatorSettings(config).find("expandable_segments:True"), std::string::npos);
+  ASSERT_NE(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), nullptr);
+  EXPECT_STREQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True");
+  // A user's own setting wins and is named.
+  ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  ::setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:512", 1);
+  const std::string note = ApplyCudaAllocatorSettings(config);
+  EXPECT_NE(note.find("PYTORCH_ALLOC_CONF=max_split_size_mb:512"), std::string::npos) << note;
+  EXPECT_EQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), nullptr);
+  ::unsetenv("PYTORCH_ALLOC_CONF");
 }
 
 }  // namespace

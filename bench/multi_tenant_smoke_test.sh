@@ -104,7 +104,8 @@ placement = open(os.path.join(sys.argv[3], "fifo.placement.txt")).read().splitli
 ft = [i for i, l in enumerate(placement) if l.strip().startswith("zimage-ft/transformer ")]
 assert ft and "GROUP_OFFLOADED" in placement[ft[0]] and "int4" in placement[ft[0] + 1], placement
 assert all(r["placement"]["zimage_ft_compress"] == "int4" for r in rows), rows
-assert all(r["serving"] == {"compute": "bf16", "max_batch_size": 4, "max_queue_delay_ms": 20} for r in rows), rows
+assert all(r["serving"] == {"compute": "bf16", "text_encoder_compute": "bf16", "max_batch_size": 4,
+                           "max_queue_delay_ms": 20} for r in rows), rows
 every = [r for r in rows if r["pipeline"] == "all"][0]
 assert every["mean_batch_size"] > 1, every  # 24 requests at 40/s: some queue together.
 unbatched = [r for r in map(json.loads, open(sys.argv[2])) if r["pipeline"] == "all"]
@@ -142,6 +143,7 @@ run --strategies resident,fifo,scheduler --flood_requests 0 --max_batch_size 4 -
   --logs "$TEST_TMPDIR/logs_b" >/dev/null
 grep -q "cuda_expandable_segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" "$TEST_TMPDIR/logs_b/one_server.log" ||
   { tail -20 "$TEST_TMPDIR/logs_b/one_server.log"; exit 1; }
+grep -q "CUDA allocator: " "$TEST_TMPDIR/logs_b/one_server.log" || { tail -20 "$TEST_TMPDIR/logs_b/one_server.log"; exit 1; }
 grep -A1 "^  flux-schnell/text_encoder_2 " "$TEST_TMPDIR/logs_b/scheduler.placement.txt" | grep -q "int8" ||
   { cat "$TEST_TMPDIR/logs_b/scheduler.placement.txt"; exit 1; }
 # The analysis splits a batch's run among its members (the server logs each one's batch_size).
@@ -166,4 +168,8 @@ PY
 if run --compute fp8 --out "$TEST_TMPDIR/y.jsonl" --logs "$TEST_TMPDIR/logs_y" 2>"$TEST_TMPDIR/err.txt"; then
   echo "--compute fp8 on the simulator was taken"; exit 1
 fi
-grep -q "compute fp8 needs --device cuda" "$TEST_TMPDIR/err.txt"
+grep -q "compute fp8 need --device cuda" "$TEST_TMPDIR/err.txt"
+if run --text_encoder_compute fp8 --out "$TEST_TMPDIR/y.jsonl" --logs "$TEST_TMPDIR/logs_y" 2>"$TEST_TMPDIR/err.txt"; then
+  echo "--text_encoder_compute fp8 on the simulator was taken"; exit 1
+fi
+grep -q "text_encoder_compute fp8 need --device cuda" "$TEST_TMPDIR/err.txt"

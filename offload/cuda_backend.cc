@@ -19,6 +19,9 @@
 #include <ATen/Functions.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#if __has_include(<c10/cuda/CUDAAllocatorConfig.h>)
+#include <c10/cuda/CUDAAllocatorConfig.h>
+#endif
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -346,6 +349,15 @@ bool CudaAvailable() {
   return cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
 }
 
+std::string CudaAllocatorNote() {
+#if __has_include(<c10/cuda/CUDAAllocatorConfig.h>)
+  return absl::StrCat("CUDA allocator: expandable segments ",
+                      c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::expandable_segments() ? "on" : "off");
+#else
+  return "CUDA allocator: this LibTorch does not say whether its segments are expandable";
+#endif
+}
+
 absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_index) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || device_index < 0 || device_index >= count) {
@@ -359,6 +371,8 @@ absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_inde
 #else  // !STOWAGE_WITH_CUDA
 
 bool CudaAvailable() { return false; }
+
+std::string CudaAllocatorNote() { return "CUDA allocator: none (this build has no CUDA)"; }
 
 absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_index) {
   return absl::FailedPreconditionError(absl::StrCat(

@@ -222,6 +222,9 @@ std::unique_ptr<DeviceBackend> CreateSimulatedBackend(const SimulatedBackendOpti
 
 // True when this build has CUDA support and a CUDA device is visible.
 bool CudaAvailable();
+// What LibTorch's CUDA caching allocator runs with, for the log ("CUDA allocator: expandable
+// segments on"); says so when the build has no CUDA.
+std::string CudaAllocatorNote();
 // Fails with FAILED_PRECONDITION when the build has no CUDA or the device does not exist.
 absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_index);
 

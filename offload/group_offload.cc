@@ -79,6 +79,7 @@ struct GroupOffloader::Impl {
   bool recording = true;
   int64_t cursor = 0;         // Absolute position of the next expected ring onload.
   GroupOffloadStats stats;    // The cache_* fields are kept current here.
+  bool fills_allowed = true;  // False while PrefetchNextForward loads (see CopyIntoSlot).
 
   // --- Building ---------------------------------------------------------------------------------
 
@@ -301,8 +302,9 @@ struct GroupOffloader::Impl {
   }
 
   // Enqueues what makes `slot` hold `g`: from the cache's device copy of it (no link traffic), into
-  // a new device copy the cache takes in while its allowance has room (the copy the link carries
-  // anyway lands there), or straight from the host.
+  // a new device copy the cache takes in while its allowance has room and fills are allowed (the
+  // copy the link carries anyway lands there), or straight from the host. A fill waits for the
+  // compute queued before (its buffer comes from the compute stream's pool): only a group's first.
   std::unique_ptr<DeviceEvent> CopyIntoSlot(Group& g, const at::Tensor& slot) {
     if (g.cache_is_copy) {
       ++stats.cache_hits;
@@ -310,7 +312,7 @@ struct GroupOffloader::Impl {
       return store->CopyGroupToSlotVia(g.index, slot, ring->scratch(), g.cache_buffer, /*fill=*/false);
     }
     const int64_t copy_bytes = store->device_copy_bytes(g.index);
-    if (copy_bytes > 0 && !g.cache_buffer.defined() && !CacheWidened(g) &&
+    if (fills_allowed && copy_bytes > 0 && !g.cache_buffer.defined() && !CacheWidened(g) &&
         stats.cache_bytes + copy_bytes <= stats.cache_allowance_bytes) {
       absl::StatusOr<at::Tensor> buffer = backend->AllocateBytes(copy_bytes);
       if (buffer.ok()) {
@@ -366,7 +368,7 @@ struct GroupOffloader::Impl {
     const int64_t slot_index = (pos >= 0 ? pos : cursor) % n;
     if (CachedWidened(g)) {  // Kept by the spare-room cache as the slot holds it: nothing to copy.
       ++stats.cache_hits;
-      stats.cache_hit_bytes += g.bytes;
+      stats.cache_hit_bytes += LinkBytes(g);
       PointAt(g, g.cache_buffer);
     } else {
       if (g.slot < 0) {  // Not prefetched, nor still there from its last run.
@@ -409,6 +411,8 @@ struct GroupOffloader::Impl {
     const int64_t n = ring->size();
     const int64_t ahead = std::min<int64_t>(options.prefetch_depth, std::min<int64_t>(length, n - 1));
     int64_t copied = 0;
+    // Outside its run the allowance is the one its last run was granted: no new cache fills.
+    fills_allowed = false;
     for (int64_t k = 0; k < std::max<int64_t>(ahead, 1); ++k) {
       Group& next = *order[static_cast<size_t>((cursor + k) % length)];
       const int64_t s = (cursor + k) % n;
@@ -418,6 +422,7 @@ struct GroupOffloader::Impl {
       ++stats.early_prefetches;
       copied += next.bytes;
     }
+    fills_allowed = true;
     return copied;
   }
 

@@ -172,17 +172,30 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path) {
   return config;
 }
 
-std::string ApplyCudaAllocatorSettings(const v1::ServerConfig& config) {
-  if (!config.cuda_expandable_segments()) return "";
-  for (const char* name : {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"}) {
-    const char* set = std::getenv(name);
-    if (set != nullptr && set[0] != '\0') {
-      return absl::StrCat("cuda_expandable_segments: the environment's ", name, "=", Truncated(set),
-                          " is used as it is");
-    }
+CudaAllocatorSettings ApplyCudaAllocatorSettings(const v1::ServerConfig& config) {
+  CudaAllocatorSettings applied;
+  if (!config.cuda_expandable_segments()) return applied;
+  constexpr char kSetting[] = "expandable_segments:True";
+  const char* cuda = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
+  const char* any = std::getenv("PYTORCH_ALLOC_CONF");  // LibTorch 2.9+ reads it first.
+  const bool cuda_set = cuda != nullptr && cuda[0] != '\0';
+  const bool any_set = any != nullptr && any[0] != '\0';
+  if (cuda_set && std::string(cuda) == kSetting && !any_set) {
+    applied.note = absl::StrCat("cuda_expandable_segments: PYTORCH_CUDA_ALLOC_CONF=", kSetting);
+    return applied;
   }
-  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", /*overwrite=*/0);
-  return "cuda_expandable_segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True";
+  if (cuda_set || any_set) {
+    const char* name = any_set ? "PYTORCH_ALLOC_CONF" : "PYTORCH_CUDA_ALLOC_CONF";
+    applied.note = absl::StrCat("cuda_expandable_segments: the environment's ", name, "=",
+                                Truncated(any_set ? any : cuda), " is used as it is");
+    return applied;
+  }
+  // An empty PYTORCH_ALLOC_CONF would still be the one LibTorch reads.
+  if (any != nullptr) ::unsetenv("PYTORCH_ALLOC_CONF");
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", kSetting, /*overwrite=*/1);
+  applied.note = absl::StrCat("cuda_expandable_segments: PYTORCH_CUDA_ALLOC_CONF=", kSetting);
+  applied.changed_environment = true;
+  return applied;
 }
 
 void AddDefaultPipelines(v1::ServerConfig& config, const std::string& demo_dir) {

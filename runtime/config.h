@@ -104,9 +104,17 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config,
                                                       const PipelineRegistry* registry = nullptr);
 
 // Applies the process-wide CUDA allocator settings of `config` (cuda_expandable_segments) to the
-// environment LibTorch reads at its first CUDA allocation; call before any. Returns what it did, for
-// the start-up log ("" when the config asks nothing). Not thread-safe (setenv).
-std::string ApplyCudaAllocatorSettings(const v1::ServerConfig& config);
+// environment LibTorch's allocator reads (PYTORCH_CUDA_ALLOC_CONF), unless the environment already
+// configures the allocator (a non-empty PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF: it wins).
+// `note`: what it found or did, for the start-up log ("" when the config asks nothing);
+// `changed_environment`: it set the variable, so a process whose CUDA libraries may already have
+// read theirs should start again (stowage_server re-executes itself, as for CUDA_MODULE_LOADING).
+// Not thread-safe (setenv).
+struct CudaAllocatorSettings {
+  std::string note;
+  bool changed_environment = false;
+};
+CudaAllocatorSettings ApplyCudaAllocatorSettings(const v1::ServerConfig& config);
 
 // The pipelines of a server whose config names none: the trained demo from `demo_dir` (name
 // kDemoPipelineName, the default pipeline, kDemoImageSize images) when `demo_dir` is not empty,

@@ -221,6 +221,9 @@ void RequestExecutor::WarmUp(WorkerScope& scope, Pipeline& pipeline, const Inter
     GenerationParams short_run = params;
     short_run.prompt = prompt;
     short_run.steps = 1;
+    // A run of its own in the placement log, so placement counts each run's component runs apart
+    // (how many times a request runs a component ranks the spare-room caches).
+    device_.Placement(scope).SetRequestId(absl::StrCat(request_id, "-", words, "-words"));
     thrown = CatchAsStatus("warm-up", [&] { image = pipeline.Run(short_run, runner, context); });
     ++extra;
   }

@@ -42,6 +42,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "base/command_line.h"
+#include "offload/device_backend.h"
 #include "runtime/config.h"
 #include "server/server.h"
 
@@ -220,8 +221,16 @@ int main(int argc, char** argv) {
     Log(absl::StrCat("cannot start: ", checked.status().message()));
     return 2;
   }
-  // Before anything allocates on a CUDA device (the runtime's start).
-  if (const std::string applied = stowage::ApplyCudaAllocatorSettings(config); !applied.empty()) Log(applied);
+  // The allocator's settings: the CUDA libraries may read their variable when they load, before main
+  // (as CUDA_MODULE_LOADING above), so after setting it the server runs itself again (no thread runs
+  // yet; the new process finds it set and goes on).
+  const stowage::CudaAllocatorSettings allocator = stowage::ApplyCudaAllocatorSettings(config);
+  if (allocator.changed_environment) {
+    execv("/proc/self/exe", argv);
+    fprintf(stderr, "stowage_server: warning: could not re-execute with PYTORCH_CUDA_ALLOC_CONF set: %s\n",
+            strerror(errno));
+  }
+  if (!allocator.note.empty()) Log(allocator.note);
   Log(absl::StrCat("starting: loading ", std::max(config.pipelines_size(), 1),
                    " pipeline(s); SIGTERM or SIGINT stops the start-up"));
   auto server = stowage::StowageServer::Start(config);
@@ -230,6 +239,8 @@ int main(int argc, char** argv) {
     return server.status().code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
   g_serving.store(true);
+  // What LibTorch's CUDA allocator runs with (the setting's effect, not the variable).
+  if (config.cuda_expandable_segments()) Log(stowage::CudaAllocatorNote());
   std::cout << "stowage_server: serving gRPC on " << (*server)->grpc_address() << ", metrics on "
             << ((*server)->metrics_address().empty() ? std::string("(disabled)")
                                                       : absl::StrCat("http://", (*server)->metrics_address(), "/metrics"))

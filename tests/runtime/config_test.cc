@@ -152,25 +152,46 @@ TEST(ConfigTest, SemanticErrorsNameTheField) {
   }
 }
 
-// cuda_expandable_segments: set in the environment LibTorch reads (before the first CUDA
-// allocation) unless the environment already configures the allocator; nothing when off.
+// cuda_expandable_segments: set in the environment LibTorch's allocator reads unless the environment
+// already configures the allocator (an empty variable does not count, and an empty
+// PYTORCH_ALLOC_CONF, which LibTorch would read first, goes); nothing when off; the second call (in
+// the process the server re-executes) finds it set and changes nothing.
 TEST(ConfigTest, CudaExpandableSegmentsSetTheAllocatorsEnvironmentUnlessItIsSet) {
   ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
   ::unsetenv("PYTORCH_ALLOC_CONF");
   v1::ServerConfig config;
-  EXPECT_EQ(ApplyCudaAllocatorSettings(config), "");
+  CudaAllocatorSettings applied = ApplyCudaAllocatorSettings(config);
+  EXPECT_EQ(applied.note, "");
+  EXPECT_FALSE(applied.changed_environment);
   EXPECT_EQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), nullptr);
   ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString("cuda_expandable_segments: true", &config));
-  EXPECT_NE(ApplyCudaAllocatorSettings(config).find("expandable_segments:True"), std::string::npos);
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "", 1);
+  ::setenv("PYTORCH_ALLOC_CONF", "", 1);
+  applied = ApplyCudaAllocatorSettings(config);
+  EXPECT_TRUE(applied.changed_environment);
+  EXPECT_NE(applied.note.find("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"), std::string::npos) << applied.note;
   ASSERT_NE(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), nullptr);
   EXPECT_STREQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True");
+  EXPECT_EQ(std::getenv("PYTORCH_ALLOC_CONF"), nullptr);
+  // Again (the re-executed server): found as set, nothing changes.
+  applied = ApplyCudaAllocatorSettings(config);
+  EXPECT_FALSE(applied.changed_environment);
+  EXPECT_NE(applied.note.find("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"), std::string::npos) << applied.note;
   // A user's own setting wins and is named.
   ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
   ::setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:512", 1);
-  const std::string note = ApplyCudaAllocatorSettings(config);
-  EXPECT_NE(note.find("PYTORCH_ALLOC_CONF=max_split_size_mb:512"), std::string::npos) << note;
+  applied = ApplyCudaAllocatorSettings(config);
+  EXPECT_FALSE(applied.changed_environment);
+  EXPECT_NE(applied.note.find("PYTORCH_ALLOC_CONF=max_split_size_mb:512"), std::string::npos) << applied.note;
   EXPECT_EQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), nullptr);
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "garbage_collection_threshold:0.6", 1);
   ::unsetenv("PYTORCH_ALLOC_CONF");
+  applied = ApplyCudaAllocatorSettings(config);
+  EXPECT_FALSE(applied.changed_environment);
+  EXPECT_NE(applied.note.find("PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6 is used as it is"),
+            std::string::npos)
+      << applied.note;
+  ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
 }
 
 }  // namespace

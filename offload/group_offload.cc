@@ -36,6 +36,10 @@ struct GroupOffloader::Impl {
     // CopyGroupToSlotVia: compressed, widened into a slot at each onload), not the group as the
     // slot holds it.
     bool cache_is_copy = false;
+    // From the store, once at Apply: the bytes an onload moves across the link, and those of the
+    // store's device copy of the group (0: it keeps none).
+    int64_t link_bytes = 0;
+    int64_t copy_bytes = 0;
     int slot = -1;                 // Ring slot holding this group's bytes, -1 if none.
     bool active = false;
     std::set<Module*> done;        // Members finished since onload.
@@ -79,7 +83,6 @@ struct GroupOffloader::Impl {
   bool recording = true;
   int64_t cursor = 0;         // Absolute position of the next expected ring onload.
   GroupOffloadStats stats;    // The cache_* fields are kept current here.
-  bool fills_allowed = true;  // False while PrefetchNextForward loads (see CopyIntoSlot).
 
   // --- Building ---------------------------------------------------------------------------------
 
@@ -162,16 +165,10 @@ struct GroupOffloader::Impl {
     return freed;
   }
 
-  // The bytes a forward's onload of `g` moves across the link.
-  int64_t LinkBytes(const Group& g) const {
-    const int64_t link = store->link_bytes(g.index);
-    return link > 0 ? link : g.bytes;
-  }
-
   // The cache's accounting of a group it takes in, or gives back (returns its device bytes).
   void Cached(Group& g, at::Tensor buffer, bool is_copy) {
     stats.cache_bytes += static_cast<int64_t>(buffer.nbytes());
-    stats.cache_link_bytes += LinkBytes(g);
+    stats.cache_link_bytes += g.link_bytes;
     ++stats.cached_groups;
     ++stats.cache_fills;
     g.cache_buffer = std::move(buffer);
@@ -182,7 +179,7 @@ struct GroupOffloader::Impl {
     g.cache_buffer = at::Tensor();
     g.cache_is_copy = false;
     stats.cache_bytes -= bytes;
-    stats.cache_link_bytes -= LinkBytes(g);
+    stats.cache_link_bytes -= g.link_bytes;
     --stats.cached_groups;
     return bytes;
   }
@@ -195,7 +192,7 @@ struct GroupOffloader::Impl {
   // (compressed), as they cross the link — fewer bytes a group, so more of them stay, each widened
   // on the device at its onload instead of copied.
   bool CacheWidened(const Group& g) const {
-    return store->device_copy_bytes(g.index) == 0 || stats.cache_allowance_bytes >= stats.streamed_bytes;
+    return g.copy_bytes == 0 || stats.cache_allowance_bytes >= stats.streamed_bytes;
   }
 
   int64_t SetCacheAllowance(int64_t bytes) {
@@ -291,30 +288,29 @@ struct GroupOffloader::Impl {
 
   // Copies `g` into ring slot `s` once the compute that last read the slot is done. Invariant:
   // g.slot >= 0 exactly when the ring's slot g.slot is owned by g.
-  void LoadIntoSlot(Group& g, int64_t s) {
+  void LoadIntoSlot(Group& g, int64_t s, bool may_fill_cache = true) {
     const int holder = ring->owner(s);
     if (holder != SlotRing::kNoOwner && holder != g.index) groups[static_cast<size_t>(holder)]->slot = -1;
     if (g.slot >= 0 && g.slot != s) ring->set_owner(g.slot, SlotRing::kNoOwner);
     ring->CopyStreamWaitReleased(s);
-    ring->SetCopied(s, CopyIntoSlot(g, ring->buffer(s)));
+    ring->SetCopied(s, CopyIntoSlot(g, ring->buffer(s), may_fill_cache));
     ring->set_owner(s, g.index);
     g.slot = static_cast<int>(s);
   }
 
   // Enqueues what makes `slot` hold `g`: from the cache's device copy of it (no link traffic), into
-  // a new device copy the cache takes in while its allowance has room and fills are allowed (the
-  // copy the link carries anyway lands there), or straight from the host. A fill waits for the
-  // compute queued before (its buffer comes from the compute stream's pool): only a group's first.
-  std::unique_ptr<DeviceEvent> CopyIntoSlot(Group& g, const at::Tensor& slot) {
+  // a new device copy the cache takes in while its allowance has room and `may_fill_cache` (the copy
+  // the link carries anyway lands there), or straight from the host. A fill waits for the compute
+  // queued before (its buffer comes from the compute stream's pool): only a group's first.
+  std::unique_ptr<DeviceEvent> CopyIntoSlot(Group& g, const at::Tensor& slot, bool may_fill_cache) {
     if (g.cache_is_copy) {
       ++stats.cache_hits;
-      stats.cache_hit_bytes += LinkBytes(g);
+      stats.cache_hit_bytes += g.link_bytes;
       return store->CopyGroupToSlotVia(g.index, slot, ring->scratch(), g.cache_buffer, /*fill=*/false);
     }
-    const int64_t copy_bytes = store->device_copy_bytes(g.index);
-    if (fills_allowed && copy_bytes > 0 && !g.cache_buffer.defined() && !CacheWidened(g) &&
-        stats.cache_bytes + copy_bytes <= stats.cache_allowance_bytes) {
-      absl::StatusOr<at::Tensor> buffer = backend->AllocateBytes(copy_bytes);
+    if (may_fill_cache && g.copy_bytes > 0 && !g.cache_buffer.defined() && !CacheWidened(g) &&
+        stats.cache_bytes + g.copy_bytes <= stats.cache_allowance_bytes) {
+      absl::StatusOr<at::Tensor> buffer = backend->AllocateBytes(g.copy_bytes);
       if (buffer.ok()) {
         // From the compute stream's pool: the copy into it waits for compute work queued before.
         std::unique_ptr<DeviceEvent> ready = backend->RecordOnComputeStream();
@@ -368,7 +364,7 @@ struct GroupOffloader::Impl {
     const int64_t slot_index = (pos >= 0 ? pos : cursor) % n;
     if (CachedWidened(g)) {  // Kept by the spare-room cache as the slot holds it: nothing to copy.
       ++stats.cache_hits;
-      stats.cache_hit_bytes += LinkBytes(g);
+      stats.cache_hit_bytes += g.link_bytes;
       PointAt(g, g.cache_buffer);
     } else {
       if (g.slot < 0) {  // Not prefetched, nor still there from its last run.
@@ -411,18 +407,16 @@ struct GroupOffloader::Impl {
     const int64_t n = ring->size();
     const int64_t ahead = std::min<int64_t>(options.prefetch_depth, std::min<int64_t>(length, n - 1));
     int64_t copied = 0;
-    // Outside its run the allowance is the one its last run was granted: no new cache fills.
-    fills_allowed = false;
     for (int64_t k = 0; k < std::max<int64_t>(ahead, 1); ++k) {
       Group& next = *order[static_cast<size_t>((cursor + k) % length)];
       const int64_t s = (cursor + k) % n;
       if (next.resident || CachedWidened(next) || next.slot == s) continue;
-      LoadIntoSlot(next, s);
+      // Outside its run the allowance is the one its last run was granted: no new cache fills.
+      LoadIntoSlot(next, s, /*may_fill_cache=*/false);
       ++stats.prefetches;
       ++stats.early_prefetches;
       copied += next.bytes;
     }
-    fills_allowed = true;
     return copied;
   }
 
@@ -566,6 +560,11 @@ absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
   // The component leaves the device before its groups take their place.
   weights.OffloadAll();
   ASSIGN_OR_RETURN(impl->store, CreateHostStore(store_options, impl->plan.groups, weights, backend));
+  for (auto& g : impl->groups) {
+    const int64_t link = impl->store->link_bytes(g->index);
+    g->link_bytes = link > 0 ? link : g->bytes;
+    g->copy_bytes = impl->store->device_copy_bytes(g->index);
+  }
   absl::Status device = impl->PrepareDevice();
   if (!device.ok()) {
     impl->Remove();

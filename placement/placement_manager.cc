@@ -346,16 +346,24 @@ int64_t PlacementManager::ShrinkCaches(const Entry* except, int64_t needed, cons
     return a->last_use < b->last_use;
   });
   const bool all = needed == INT64_MAX;
+  return ReleaseCaches(holders, [&](int64_t) { return all ? INT64_MAX : needed - FreeBytes(); },
+                       [&](const Entry&) { return reason; });
+}
+
+int64_t PlacementManager::ReleaseCaches(const std::vector<Entry*>& holders,
+                                        const std::function<int64_t(int64_t freed)>& still_wanted,
+                                        const std::function<std::string(const Entry&)>& reason) {
   int64_t freed = 0;
   for (Entry* e : holders) {
-    if (!all && FreeBytes() >= needed) break;
+    const int64_t wanted = still_wanted(freed);
+    if (wanted <= 0) break;
     const int64_t before = FreeBytes();
     const int64_t cached = e->group_offload->cache_bytes();
-    const int64_t deficit = all ? cached : needed - before;
-    const int64_t released = e->group_offload->SetCacheAllowance(std::max<int64_t>(cached - deficit, 0));
+    const int64_t released =
+        e->group_offload->SetCacheAllowance(wanted >= cached ? 0 : cached - wanted);
     if (released == 0) continue;
     freed += released;
-    Record(e->id, "release_group_cache", released, before, reason);
+    Record(e->id, "release_group_cache", released, before, reason(*e));
   }
   // The allocator's blocks go back too, so the next allocations find them (on CUDA, rather than new
   // segments beside cached ones).
@@ -414,14 +422,7 @@ void PlacementManager::CountRun(Entry& entry) {
   ++entry.runs_in_request;
 }
 
-void PlacementManager::YieldCachesTo(const Entry& entry, int64_t working_set) {
-  if (!streamed_group_cache_ || !entry.ran) return;
-  const GroupOffloadStats stats = entry.group_offload->stats();
-  const int64_t room = SpareRoom(entry, working_set);
-  if (room == INT64_MAX) return;
-  // What its cache could still take beyond the room there is (at most its streamed groups widened).
-  const int64_t wanted = stats.streamed_bytes - stats.cache_bytes - room;
-  if (wanted <= 0) return;
+int64_t PlacementManager::YieldCachesTo(const Entry& entry, int64_t wanted) {
   const int runs = RunsPerRequest(entry);
   std::vector<Entry*> holders;
   for (auto& e : entries_) {
@@ -433,27 +434,28 @@ void PlacementManager::YieldCachesTo(const Entry& entry, int64_t working_set) {
     if (RunsPerRequest(*a) != RunsPerRequest(*b)) return RunsPerRequest(*a) < RunsPerRequest(*b);
     return a->last_use < b->last_use;
   });
-  int64_t freed = 0;
-  for (Entry* e : holders) {
-    if (freed >= wanted) break;
-    const int64_t before = FreeBytes();
-    const int64_t cached = e->group_offload->cache_bytes();
-    const int64_t released =
-        e->group_offload->SetCacheAllowance(std::max<int64_t>(cached - (wanted - freed), 0));
-    if (released == 0) continue;
-    freed += released;
-    Record(e->id, "release_group_cache", released, before,
-           absl::StrCat(entry.id, " runs ", runs, " times a request, ", e->id, " ", RunsPerRequest(*e),
-                        ": the spare room saves more copies as its cache"));
-  }
-  if (freed > 0) backend_->ReleaseCachedMemory();
+  return ReleaseCaches(
+      holders, [wanted](int64_t freed) { return wanted - freed; },
+      [&](const Entry& e) {
+        return absl::StrCat(entry.id, " runs ", runs, " times a request, ", e.id, " ", RunsPerRequest(e),
+                            ": the spare room saves more copies as its cache");
+      });
 }
 
 void PlacementManager::GrantGroupCache(Entry& entry, int64_t working_set) {
   int64_t allowance = 0;
   if (streamed_group_cache_ && entry.ran) {
-    const int64_t room = SpareRoom(entry, working_set);
-    allowance = room == INT64_MAX ? INT64_MAX : entry.group_offload->cache_bytes() + room;
+    int64_t room = SpareRoom(entry, working_set);
+    if (room == INT64_MAX) {
+      allowance = INT64_MAX;  // No budget.
+    } else {
+      const int64_t cached = entry.group_offload->cache_bytes();
+      // What its cache could still take beyond the room there is (at most its streamed groups
+      // widened) comes from the caches of components a request runs fewer times.
+      const int64_t wanted = entry.group_offload->stats().streamed_bytes - cached - room;
+      if (wanted > 0) room += YieldCachesTo(entry, wanted);
+      allowance = cached + room;
+    }
   }
   const int64_t before = FreeBytes();
   const int64_t freed = entry.group_offload->SetCacheAllowance(allowance);
@@ -959,7 +961,6 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
       EvictBefore(*entry, working_set + entry->run_headroom,
                   absl::StrCat("make room for group-offloaded ", entry->id, "'s working set",
                                HeadroomNote(entry->run_headroom)));
-      YieldCachesTo(*entry, working_set);
       GrantGroupCache(*entry, working_set);
     } else if (entry->state == ComponentState::kOffloaded) {
       RETURN_IF_ERROR(MakeResident(*entry));

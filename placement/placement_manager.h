@@ -376,11 +376,11 @@ class PlacementManager : public ComponentRunner {
   // (beside what it holds): the free bytes less its working set still to allocate, the largest run
   // headroom of any component and the margins; INT64_MAX without a budget.
   int64_t SpareRoom(const Entry& entry, int64_t working_set) const;
-  // Before a run of streamed `entry` whose cache could hold more than the spare room: the caches of
-  // components a request runs fewer times (a text encoder beside a transformer's steps) give it
-  // their room, the least run first, up to what it could take — each byte of its cache spares a
-  // copy every run, theirs once a request. Recorded as "release_group_cache".
-  void YieldCachesTo(const Entry& entry, int64_t working_set);
+  // Before a run of streamed `entry` whose cache could hold `wanted` bytes more than the spare room:
+  // the caches of components a request runs fewer times (a text encoder beside a transformer's
+  // steps) give it their room, the least run first, up to `wanted` — each byte of its cache spares a
+  // copy every run, theirs once a request. Recorded as "release_group_cache"; returns the bytes freed.
+  int64_t YieldCachesTo(const Entry& entry, int64_t wanted);
   void SweepMoved();
   // See Entry::arriving. Arrive also counts a pipeline prefetch as used.
   void Arrive(Entry& entry);
@@ -392,11 +392,17 @@ class PlacementManager : public ComponentRunner {
   // each recorded as "release_group_cache" with `reason`. Returns the bytes freed.
   int64_t ShrinkCaches(const Entry* except, int64_t needed, const std::string& reason,
                        const Entry* last = nullptr);
+  // Shrinks the caches of `holders`, in their order, each by what `still_wanted(bytes freed so far)`
+  // asks (all of it when that is its size or more) until it asks nothing, each recorded as
+  // "release_group_cache" with `reason(holder)`; then the allocator's cached blocks go. Returns the
+  // bytes freed.
+  int64_t ReleaseCaches(const std::vector<Entry*>& holders, const std::function<int64_t(int64_t freed)>& still_wanted,
+                        const std::function<std::string(const Entry&)>& reason);
   // Before streamed `running` runs: the caches of components that serve none of its pipelines go.
   void ReleaseCachesOfOtherPipelines(const Entry& running);
   // Before a run of group-offloaded `entry` whose working set still to allocate is `working_set`:
-  // its spare-room cache allowance (see set_streamed_group_cache), recorded as "release_group_cache" when
-  // that gives cached bytes back.
+  // its spare-room cache allowance (see set_streamed_group_cache; with YieldCachesTo's room),
+  // recorded as "release_group_cache" when that gives cached bytes back.
   void GrantGroupCache(Entry& entry, int64_t working_set);
   // Doubles learned_cache_margin_ (at least the configured margin, at most a quarter of the budget).
   void WidenCacheMargin(const std::string& reason);

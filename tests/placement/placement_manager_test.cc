@@ -61,6 +61,24 @@ struct Harness {
   std::vector<ComponentView> views;
 };
 
+// The image `params` gives on an unbudgeted device with nothing offloaded (what every run under
+// offloading and caching must reproduce).
+Image PlainImage(const GenerationParams& params) {
+  Harness plain;
+  RunContext context(nullptr, nullptr);
+  auto image = plain.pipeline->Run(params, plain.placement, context);
+  EXPECT_TRUE(image.ok()) << image.status();
+  return image.ok() ? *std::move(image) : Image{};
+}
+
+// `s` with the spare-room cache on (a 256-byte margin) and `ids` streamed on a copy stream.
+void StreamWithSpareRoomCache(Harness& s, const std::vector<std::string>& ids) {
+  s.placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
+  GroupOffloadOptions options;
+  options.use_stream = true;
+  for (const std::string& id : ids) ASSERT_TRUE(s.placement.EnableGroupOffload(id, options).ok()) << id;
+}
+
 TEST(PlacementManagerTest, ComponentsStartOffloadedAndBecomeResidentWhenRun) {
   Harness s;
   EXPECT_EQ(s.View("transformer").state, ComponentState::kOffloaded);
@@ -111,16 +129,11 @@ TEST(PlacementManagerTest, ComponentLifecycleFollowsItsPipelines) {
 TEST(PlacementManagerTest, TheSpareRoomCacheKeepsStreamedGroupsBetweenStepsWithinTheBudget) {
   GenerationParams params = HarbourParams();
   params.steps = 4;
-  Harness plain;
-  RunContext plain_context(nullptr, nullptr);
-  auto expected = plain.pipeline->Run(params, plain.placement, plain_context);
-  ASSERT_TRUE(expected.ok()) << expected.status();
+  const Image expected = PlainImage(params);
+  ASSERT_FALSE(expected.rgb.empty());
 
   Harness s;
-  s.placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
-  GroupOffloadOptions options;
-  options.use_stream = true;
-  ASSERT_TRUE(s.placement.EnableGroupOffload("tiny/transformer", options).ok());
+  StreamWithSpareRoomCache(s, {"tiny/transformer"});
   const auto generate = [&] {
     RunContext context(nullptr, nullptr);
     return s.pipeline->Run(params, s.placement, context);
@@ -135,7 +148,7 @@ TEST(PlacementManagerTest, TheSpareRoomCacheKeepsStreamedGroupsBetweenStepsWithi
   // group, the last two copy none of them.
   auto image = generate();
   ASSERT_TRUE(image.ok()) << image.status();
-  EXPECT_EQ(image->rgb, expected->rgb);
+  EXPECT_EQ(image->rgb, expected.rgb);
   EXPECT_EQ(stats().cache_hits, 2 * groups);
   EXPECT_EQ(stats().cache_hit_bytes, 2 * streamed);
   // The VAE ran last: the transformer's ring went back (recorded), its cache stayed (nothing needed
@@ -161,7 +174,7 @@ TEST(PlacementManagerTest, TheSpareRoomCacheKeepsStreamedGroupsBetweenStepsWithi
   const int64_t hits = stats().cache_hits;
   image = generate();
   ASSERT_TRUE(image.ok()) << image.status();
-  EXPECT_EQ(image->rgb, expected->rgb);
+  EXPECT_EQ(image->rgb, expected.rgb);
   EXPECT_GT(stats().cache_hits, hits);
   EXPECT_LE(s.backend->GetMemoryStats().peak_allocated_bytes + now.context_bytes, budget);
   const std::vector<PlacementDecision> log = s.placement.DecisionLog(1000);
@@ -243,17 +256,11 @@ TEST(PlacementManagerTest, SpareRoomCachesGiveWayBeforeWeightsMove) {
 TEST(PlacementManagerTest, TheSpareRoomGoesToTheComponentARequestRunsMostOften) {
   GenerationParams params = HarbourParams();
   params.steps = 4;
-  Harness plain;
-  RunContext plain_context(nullptr, nullptr);
-  auto expected = plain.pipeline->Run(params, plain.placement, plain_context);
-  ASSERT_TRUE(expected.ok()) << expected.status();
+  const Image expected = PlainImage(params);
+  ASSERT_FALSE(expected.rgb.empty());
 
   Harness s;
-  s.placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
-  GroupOffloadOptions options;
-  options.use_stream = true;
-  ASSERT_TRUE(s.placement.EnableGroupOffload("tiny/text_encoder", options).ok());
-  ASSERT_TRUE(s.placement.EnableGroupOffload("tiny/transformer", options).ok());
+  StreamWithSpareRoomCache(s, {"tiny/text_encoder", "tiny/transformer"});
   int request = 0;
   const auto generate = [&] {
     s.placement.SetRequestId(absl::StrCat("req-", ++request));
@@ -265,7 +272,7 @@ TEST(PlacementManagerTest, TheSpareRoomGoesToTheComponentARequestRunsMostOften) 
   for (int i = 0; i < 2; ++i) {
     auto image = generate();
     ASSERT_TRUE(image.ok()) << image.status();
-    EXPECT_EQ(image->rgb, expected->rgb);
+    EXPECT_EQ(image->rgb, expected.rgb);
   }
   const GroupOffloadStats te = stats("tiny/text_encoder"), tr = stats("tiny/transformer");
   ASSERT_EQ(te.cache_bytes, te.streamed_bytes);
@@ -292,7 +299,7 @@ TEST(PlacementManagerTest, TheSpareRoomGoesToTheComponentARequestRunsMostOften) 
   const size_t decisions = s.placement.DecisionLog(1000).size();
   auto image = generate();
   ASSERT_TRUE(image.ok()) << image.status();
-  EXPECT_EQ(image->rgb, expected->rgb);
+  EXPECT_EQ(image->rgb, expected.rgb);
   std::vector<PlacementDecision> log = s.placement.DecisionLog(1000);
   int64_t yielded = 0;
   for (size_t k = decisions; k < log.size(); ++k) {
@@ -315,7 +322,7 @@ TEST(PlacementManagerTest, TheSpareRoomGoesToTheComponentARequestRunsMostOften) 
   const size_t next_decisions = s.placement.DecisionLog(1000).size();
   image = generate();
   ASSERT_TRUE(image.ok()) << image.status();
-  EXPECT_EQ(image->rgb, expected->rgb);
+  EXPECT_EQ(image->rgb, expected.rgb);
   EXPECT_EQ(stats("tiny/transformer").cache_hits - tr_hits, 4 * tr.streamed_groups);
   log = s.placement.DecisionLog(1000);
   for (size_t k = next_decisions; k < log.size(); ++k) {

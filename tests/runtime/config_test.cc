@@ -191,6 +191,12 @@ TEST(ConfigTest, CudaExpandableSegmentsSetTheAllocatorsEnvironmentUnlessItIsSet)
   EXPECT_NE(applied.note.find("PYTORCH_CUDA_ALLOC_CONF=garbage_collection_threshold:0.6 is used as it is"),
             std::string::npos)
       << applied.note;
+  // A huge or unprintable value is named cut short, never echoed whole.
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", (std::string(100000, 'x') + "\x01\x7f").c_str(), 1);
+  applied = ApplyCudaAllocatorSettings(config);
+  EXPECT_FALSE(applied.changed_environment);
+  EXPECT_LT(applied.note.size(), 200u) << applied.note;
+  EXPECT_EQ(applied.note.find('\x01'), std::string::npos);
   ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
 }
 

@@ -128,12 +128,12 @@ void PlacementManager::Record(const std::string& component, const std::string& a
 }
 
 void PlacementManager::RecordSchedule(const std::string& request_id, const std::string& pipeline,
-                                      const std::string& reason) {
+                                      const std::string& reason, const std::string& action) {
   PlacementDecision d;
   d.time = absl::Now();
   d.request_id = request_id;
   d.component = pipeline;
-  d.action = "schedule";
+  d.action = action;
   d.free_before = d.free_after = FreeBytes();
   d.strategy = strategy_->name();
   d.reason = reason;
@@ -1061,6 +1061,7 @@ std::vector<ComponentView> PlacementManager::Snapshot() const {
     view.last_use = entry->last_use;
     view.lifecycle = entry->lifecycle;
     view.run_headroom_bytes = entry->run_headroom;
+    view.ran = entry->ran;
     views.push_back(std::move(view));
   }
   return views;

@@ -72,6 +72,8 @@ struct ComponentView {
   // The most device memory one of its runs allocated besides its weights (its working set when
   // group-offloaded): placement makes that much room before it runs. 0 until it has run.
   int64_t run_headroom_bytes = 0;
+  // A run of it has completed since it was registered.
+  bool ran = false;
 };
 
 // One placement decision, as recorded in the bounded log.
@@ -158,10 +160,12 @@ class PlacementManager : public ComponentRunner {
   std::string SetStrategy(std::unique_ptr<OffloadStrategy> strategy);
   // Current warnings (e.g. footprint strategy over group-offloaded components).
   std::vector<std::string> Warnings() const;
+  // Records a scheduling decision of the device's request scheduler, for `pipeline`, and why:
+  // action "schedule" (the request chosen ahead of an older one) or "preempt" (a request run
+  // between the denoising steps of the running one).
+  void RecordSchedule(const std::string& request_id, const std::string& pipeline, const std::string& reason,
+                      const std::string& action = "schedule");
   // The request id recorded with decisions from now on (set by the server per request).
-  // Records a scheduling decision of the device's request scheduler (action "schedule"): the
-  // request chosen ahead of an older one, for `pipeline`, and why.
-  void RecordSchedule(const std::string& request_id, const std::string& pipeline, const std::string& reason);
   void SetRequestId(std::string request_id);
   // The newest `limit` decisions, oldest first.
   std::vector<PlacementDecision> DecisionLog(size_t limit) const;

@@ -52,6 +52,17 @@ SchedulerOptions ToSchedulerOptions(const v1::SchedulerConfig& config) {
                                                                                           : PriorityMode::kStrict;
   for (const auto& [tenant, weight] : config.tenant_weights()) options.tenant_weights[tenant] = weight;
   options.tenant_burst = config.has_tenant_burst_work() ? config.tenant_burst_work() : kDefaultTenantBurstWork;
+  switch (config.preemption()) {
+    case v1::SchedulerConfig::PREEMPTION_PRIORITY:
+      options.preemption = Preemption::kPriority;
+      break;
+    case v1::SchedulerConfig::PREEMPTION_RESIDENT:
+      options.preemption = Preemption::kResident;
+      break;
+    default:
+      options.preemption = Preemption::kNone;
+      break;
+  }
   return options;
 }
 namespace {
@@ -324,6 +335,16 @@ absl::Status CheckSchedulerConfig(const v1::SchedulerConfig& scheduler, int queu
     return absl::InvalidArgumentError(absl::StrCat("scheduler.priority_mode: unknown value ",
                                                    static_cast<int>(scheduler.priority_mode()),
                                                    "; use PRIORITY_STRICT or PRIORITY_WEIGHTED"));
+  }
+  if (!v1::SchedulerConfig::Preemption_IsValid(scheduler.preemption())) {
+    return absl::InvalidArgumentError(absl::StrCat("scheduler.preemption: unknown value ",
+                                                   static_cast<int>(scheduler.preemption()),
+                                                   "; use PREEMPTION_NONE, PREEMPTION_PRIORITY or PREEMPTION_RESIDENT"));
+  }
+  if (scheduler.preemption() == v1::SchedulerConfig::PREEMPTION_RESIDENT && scheduler.max_reorder_delay_ms() <= 0) {
+    return absl::InvalidArgumentError(
+        "scheduler.preemption: PREEMPTION_RESIDENT bounds how long a running request may be paused by "
+        "max_reorder_delay_ms, which is 0; set scheduler.max_reorder_delay_ms (1..60000) or use PREEMPTION_PRIORITY");
   }
   RETURN_IF_ERROR(CheckRange("scheduler.max_reorder_delay_ms", scheduler.max_reorder_delay_ms(), 0, kMaxReorderDelayMs,
                              absl::StrCat("0 (first come, first served) ..", kMaxReorderDelayMs)));

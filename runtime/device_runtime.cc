@@ -33,11 +33,14 @@
 namespace stowage {
 
 int64_t PipelineMoveBytes(const PlacementSnapshot& snapshot, const std::string& pipeline) {
+  const auto ours = [&pipeline](const ComponentView& c) {
+    return c.kind != kLoraAdapterKind && std::find(c.pipelines.begin(), c.pipelines.end(), pipeline) != c.pipelines.end();
+  };
+  const bool any_ran = std::any_of(snapshot.components.begin(), snapshot.components.end(),
+                                   [&](const ComponentView& c) { return ours(c) && c.ran; });
   int64_t bytes = 0;
   for (const ComponentView& c : snapshot.components) {
-    if (c.kind == kLoraAdapterKind || std::find(c.pipelines.begin(), c.pipelines.end(), pipeline) == c.pipelines.end()) {
-      continue;
-    }
+    if (!ours(c) || (any_ran && !c.ran)) continue;
     if (c.group_offload.has_value()) {
       const GroupOffloadStats& g = *c.group_offload;
       bytes += std::max<int64_t>(g.bytes_per_forward - g.cache_link_bytes, 0);
@@ -162,13 +165,18 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
     const std::shared_ptr<const PlacementSnapshot> snapshot = raw->placement_snapshot();
     return snapshot == nullptr ? 0 : PipelineMoveBytes(*snapshot, pipeline);
   };
-  worker.on_reorder = [raw](WorkerScope& scope, const DeviceWorker::Job& job, const std::string& reason) {
-    std::string request_id;
-    if (const auto* pending = std::any_cast<RequestExecutor::Request*>(&job.payload); pending != nullptr && *pending != nullptr) {
-      request_id = (*pending)->request->request_id();
-    }
-    raw->Placement(scope).RecordSchedule(request_id, job.schedule.pipeline, reason);
+  const auto record = [raw](const std::string& action) {
+    return [raw, action](WorkerScope& scope, const DeviceWorker::Job& job, const std::string& reason) {
+      std::string request_id;
+      if (const auto* pending = std::any_cast<RequestExecutor::Request*>(&job.payload); pending != nullptr && *pending != nullptr) {
+        request_id = (*pending)->request->request_id();
+      }
+      raw->Placement(scope).RecordSchedule(request_id, job.schedule.pipeline, reason, action);
+      if (action == "preempt" && raw->metrics_ != nullptr) raw->metrics_->RecordPreemption(raw->device_name_);
+    };
   };
+  worker.on_reorder = record("schedule");
+  worker.on_preempt = record("preempt");
   if (config.device().high_priority_compute()) {
     worker.on_start = [raw] { raw->backend_->EnterComputeThread(/*high_priority=*/true); };
   }

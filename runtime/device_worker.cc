@@ -1,6 +1,7 @@
 #include "runtime/device_worker.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -430,7 +431,7 @@ std::string DeviceWorker::NextWaitingPipeline(const WorkerScope& scope, const st
   return entries[preview.Pick(entries, options_.move_bytes, absl::Now()).index]->pipeline;
 }
 
-std::string DeviceWorker::ScheduleFront() {
+std::string DeviceWorker::ScheduleFront(absl::Time now) {
   // The jobs before the first waiting task: a task queued behind jobs (kAfterQueuedJobs) keeps
   // every job queued before it ahead of it, and jobs queued after it behind it.
   std::vector<const ScheduleEntry*> entries;
@@ -440,16 +441,107 @@ std::string DeviceWorker::ScheduleFront() {
     positions.push_back(it);
   }
   if (entries.size() <= 1) {
-    if (!entries.empty()) (void)scheduler_.Pick(entries, nullptr, absl::Now());  // Tracks who waits.
+    if (!entries.empty()) (void)scheduler_.Pick(entries, nullptr, now);  // Tracks who waits.
     return "";
   }
-  const ScheduleChoice choice = scheduler_.Pick(entries, options_.move_bytes, absl::Now());
+  const ScheduleChoice choice = scheduler_.Pick(entries, options_.move_bytes, now);
   if (choice.index != 0) {
     Item chosen = std::move(*positions[choice.index]);
     queue_.erase(positions[choice.index]);
     queue_.push_front(std::move(chosen));
   }
   return choice.reason;
+}
+
+void DeviceWorker::RunJobs(WorkerScope& scope, std::vector<Item>& jobs, bool batching, absl::Duration batch_wait,
+                           const std::string& reason,
+                           const std::function<void(WorkerScope&, const Job&, const std::string&)>& log) {
+  if (!reason.empty() && log) log(scope, jobs.front().job, reason);
+  {
+    absl::MutexLock lock(&mu_);
+    for (const Item& item : jobs) scheduler_.Charge(item.job.schedule);
+  }
+  const Job* outer = running_job_;
+  const double outer_cost = running_cost_;
+  running_job_ = &jobs.front().job;
+  running_cost_ = 0;
+  for (const Item& item : jobs) running_cost_ += item.job.schedule.cost;
+  if (batching) {
+    const absl::Time start = absl::Now();
+    std::vector<BatchMember> members;
+    for (Item& item : jobs) members.push_back(BatchMember{&item.job, start - item.enqueued, batch_wait});
+    members.front().job->run_batch(scope, members);
+    absl::MutexLock lock(&mu_);
+    const std::string& key = jobs.front().job.batch_key;
+    const size_t queued = static_cast<size_t>(std::count_if(queue_.begin(), queue_.end(), [&](const Item& i) {
+      return i.task == nullptr && i.job.batch_key == key;
+    }));
+    batch_policy_.Ran(key, jobs.size(), queued);
+  } else {
+    jobs.front().job.run(scope, absl::Now() - jobs.front().enqueued);
+  }
+  running_job_ = outer;
+  running_cost_ = outer_cost;
+  if (options_.after_each) options_.after_each(scope);
+  for (Item& item : jobs) {
+    if (item.job.finish) item.job.finish();
+  }
+}
+
+bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_fraction, absl::Duration paused) {
+  if (&scope.worker() != this) {
+    std::cerr << "DeviceWorker::PreemptBetweenSteps: the scope of device " << scope.worker().device() << " on device "
+              << options_.device << std::endl;
+    std::abort();
+  }
+  // Only between the steps of a job of this worker's own, and one level deep: a preempting job
+  // runs to its end.
+  if (running_job_ == nullptr || preempting_) return false;
+  std::vector<Item> jobs;
+  std::vector<Item> dropped;
+  bool batching = false;
+  std::string reason;
+  std::string reorder_reason;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ || scheduler_.options().preemption == Preemption::kNone) return false;
+    std::vector<const ScheduleEntry*> entries;
+    for (auto it = queue_.begin(); it != queue_.end() && it->task == nullptr; ++it) entries.push_back(&it->job.schedule);
+    if (entries.empty()) return false;
+    const absl::Time now = absl::Now();
+    // The scheduler's own choice among the waiting jobs, asked of a copy: not preempting changes nothing.
+    Scheduler preview = scheduler_;
+    const size_t chosen = preview.Pick(entries, options_.move_bytes, now).index;
+    const ScheduleEntry candidate = *entries[chosen];
+    const Item& item = queue_[chosen];
+    if (item.job.cancelled && item.job.cancelled()) return false;  // Dropped when it reaches the front.
+    // Unknown residency (no move_bytes) is never "nothing to move".
+    const int64_t move = options_.move_bytes ? options_.move_bytes(candidate.pipeline) : INT64_MAX;
+    const ScheduleEntry& running = running_job_->schedule;
+    if (!scheduler_.Preempts(running, running_cost_ * std::clamp(remaining_fraction, 0.0, 1.0), paused, candidate, move,
+                             &reason)) {
+      return false;
+    }
+    // The same choice for real (same state, same time): it moves to the front and is charged.
+    reorder_reason = ScheduleFront(now);
+    Item next = std::move(queue_.front());
+    queue_.pop_front();
+    batching = !next.job.batch_key.empty();
+    const std::string key = next.job.batch_key;
+    const size_t limit = static_cast<size_t>(std::max(1, next.job.max_batch_size));
+    jobs.push_back(std::move(next));
+    // A batch takes the members queued now; it does not wait for more (the paused request waits).
+    if (batching) TakeMatching(key, limit, jobs, dropped);
+    ReportDepth();
+  }
+  for (Item& item : dropped) {
+    if (item.job.drop) item.job.drop();
+  }
+  if (!reorder_reason.empty()) absl::StrAppend(&reason, "; ", reorder_reason);
+  preempting_ = true;
+  RunJobs(scope, jobs, batching, absl::ZeroDuration(), reason, options_.on_preempt);
+  preempting_ = false;
+  return true;
 }
 
 void DeviceWorker::Loop() {
@@ -484,7 +576,7 @@ void DeviceWorker::Loop() {
         if (stopping_) return;
         continue;
       }
-      if (queue_.front().task == nullptr) reorder_reason = ScheduleFront();
+      if (queue_.front().task == nullptr) reorder_reason = ScheduleFront(absl::Now());
       next = std::move(queue_.front());
       queue_.pop_front();
       if (next.task != nullptr) {
@@ -506,27 +598,7 @@ void DeviceWorker::Loop() {
     }
     if (batching) {
       if (batch.empty()) continue;  // Its only member left while it waited.
-      const absl::Time start = absl::Now();
-      std::vector<BatchMember> members;
-      for (Item& item : batch) members.push_back(BatchMember{&item.job, start - item.enqueued, batch_wait});
-      if (!reorder_reason.empty() && options_.on_reorder) options_.on_reorder(scope, batch.front().job, reorder_reason);
-      {
-        absl::MutexLock lock(&mu_);
-        for (const Item& item : batch) scheduler_.Charge(item.job.schedule);
-      }
-      members.front().job->run_batch(scope, members);
-      {
-        absl::MutexLock lock(&mu_);
-        const std::string& key = batch.front().job.batch_key;
-        const size_t queued = static_cast<size_t>(std::count_if(queue_.begin(), queue_.end(), [&](const Item& i) {
-          return i.task == nullptr && i.job.batch_key == key;
-        }));
-        batch_policy_.Ran(key, batch.size(), queued);
-      }
-      if (options_.after_each) options_.after_each(scope);
-      for (Item& item : batch) {
-        if (item.job.finish) item.job.finish();
-      }
+      RunJobs(scope, batch, /*batching=*/true, batch_wait, reorder_reason, /*on_reorder=*/options_.on_reorder);
     } else if (next.task != nullptr) {
       const absl::Status status = next.task->fn(scope);
       if (options_.after_each) options_.after_each(scope);
@@ -536,14 +608,9 @@ void DeviceWorker::Loop() {
     } else if (next.job.cancelled && next.job.cancelled()) {
       if (next.job.drop) next.job.drop();
     } else {
-      if (!reorder_reason.empty() && options_.on_reorder) options_.on_reorder(scope, next.job, reorder_reason);
-      {
-        absl::MutexLock lock(&mu_);
-        scheduler_.Charge(next.job.schedule);
-      }
-      next.job.run(scope, absl::Now() - next.enqueued);
-      if (options_.after_each) options_.after_each(scope);
-      if (next.job.finish) next.job.finish();
+      std::vector<Item> one;
+      one.push_back(std::move(next));
+      RunJobs(scope, one, /*batching=*/false, absl::ZeroDuration(), reorder_reason, options_.on_reorder);
     }
   }
 }

@@ -144,6 +144,9 @@ class DeviceWorker {
     // Optional: called on the worker thread, before the job runs, when the scheduler chose a job
     // other than the oldest of its tenant and priority for residency, with its reason.
     std::function<void(WorkerScope& scope, const Job& job, const std::string& reason)> on_reorder;
+    // Optional: called on the worker thread, before a job runs between the denoising steps of
+    // another (PreemptBetweenSteps), with the scheduler's reason.
+    std::function<void(WorkerScope& scope, const Job& job, const std::string& reason)> on_preempt;
     // Optional: called first on the worker thread, before any job, task or call (the device's
     // compute stream is chosen there: DeviceBackend::EnterComputeThread).
     std::function<void()> on_start;
@@ -214,6 +217,15 @@ class DeviceWorker {
   // own (jobs ask between component runs).
   std::string NextWaitingPipeline(const WorkerScope& scope, const std::string& running) const;
 
+  // Preemption (SchedulerOptions::preemption): called by the job running now between two of its
+  // denoising steps, with the share of its work it has left (0..1) and how long it has been paused
+  // so far. When the scheduler's next choice among the waiting jobs (before the first waiting task)
+  // preempts it (Scheduler::Preempts), that job runs now, in place, to its end — a batch with the
+  // members of its key queued now, without waiting for more — and true is returned; otherwise
+  // nothing changes and false. A preempting job is never preempted itself (false inside it), and
+  // tasks never run here. `scope` must be this worker's own.
+  bool PreemptBetweenSteps(WorkerScope& scope, double remaining_fraction, absl::Duration paused);
+
   // True on the worker's own thread (for contracts that say "worker only").
   bool OnWorkerThread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
@@ -238,9 +250,16 @@ class DeviceWorker {
   // Moves cancelled jobs out of the queue into `dropped`.
   void TakeCancelled(std::vector<Item>& dropped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int QueuedJobs() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Moves the job the scheduler picks among those before the first waiting task (the front is a
-  // job) to the front of the queue; returns the scheduler's reason ("" for none).
-  std::string ScheduleFront() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves the job the scheduler picks at `now` among those before the first waiting task (the
+  // front is a job) to the front of the queue; returns the scheduler's reason ("" for none).
+  std::string ScheduleFront(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Runs taken jobs: one alone, or a batch (`batching`: run_batch with every member), after
+  // logging `reason` with `log` when both are set; charges them, then after_each, then each one's
+  // finish. Worker only, without mu_.
+  void RunJobs(WorkerScope& scope, std::vector<Item>& jobs, bool batching, absl::Duration batch_wait,
+               const std::string& reason,
+               const std::function<void(WorkerScope&, const Job&, const std::string&)>& log)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Runs one call's function and returns its status (without mu_).
   static absl::Status RunCall(CallState& call, WorkerScope& scope);
   // Completes `call` with `status` and wakes its waiting caller.
@@ -261,6 +280,11 @@ class DeviceWorker {
   bool collecting_batch_ ABSL_GUARDED_BY(mu_) = false;
   // The remote-call lane, in arrival order.
   std::deque<std::shared_ptr<CallState>> calls_ ABSL_GUARDED_BY(mu_);
+  // Worker thread only (no lock): the job running now (a batch's first member; null between
+  // jobs), its work (a batch's in all), and whether it preempted another.
+  const Job* running_job_ = nullptr;
+  double running_cost_ = 0;
+  bool preempting_ = false;
   // Wakes this worker while it waits in Call (see Waker).
   const std::shared_ptr<Waker> waker_;
   std::thread thread_;

@@ -251,6 +251,11 @@ ServerMetrics::ServerMetrics()
                    .Name("stowage_requests_running")
                    .Help("Requests a device's worker is running now (the members of a batch; 0 when idle).")
                    .Register(*registry_)),
+      preemptions_(prometheus::BuildCounter()
+                       .Name("stowage_preemptions_total")
+                       .Help("Requests run between the denoising steps of another request on a device "
+                             "(scheduler.preemption).")
+                       .Register(*registry_)),
       h2d_(prometheus::BuildCounter()
                .Name("stowage_host_to_device_bytes_total")
                .Help("Bytes copied host to device by requests.")
@@ -320,6 +325,7 @@ void ServerMetrics::InitializeDevice(const std::string& device) {
   d2h_.Add({{"device", device}});
   queue_depth_.Add({{"device", device}});
   running_.Add({{"device", device}});
+  preemptions_.Add({{"device", device}});
 }
 
 void ServerMetrics::InitializePipeline(const std::string& pipeline) {
@@ -338,6 +344,10 @@ void ServerMetrics::InitializePipeline(const std::string& pipeline) {
 
 void ServerMetrics::SetQueueDepth(const std::string& device, int64_t depth) {
   queue_depth_.Add({{"device", device}}).Set(static_cast<double>(depth));
+}
+
+void ServerMetrics::RecordPreemption(const std::string& device) {
+  preemptions_.Add({{"device", device}}).Increment();
 }
 
 void ServerMetrics::SetRunning(const std::string& device, int64_t requests) {

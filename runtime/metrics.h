@@ -45,6 +45,8 @@ class ServerMetrics {
   void SetQueueDepth(const std::string& device, int64_t depth);
   // Requests the device's worker is running now (a batch's members; 0 when idle).
   void SetRunning(const std::string& device, int64_t requests);
+  // One request run between the denoising steps of another on `device` (scheduler.preemption).
+  void RecordPreemption(const std::string& device);
   // One batch run by a pipeline with batching on: how many requests it held (1 = alone) and how
   // long the server held it open waiting for more.
   void RecordBatch(const std::string& pipeline, int size, absl::Duration held_open);
@@ -62,6 +64,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Histogram>& peak_rss_;
   prometheus::Family<prometheus::Gauge>& queue_depth_;
   prometheus::Family<prometheus::Gauge>& running_;
+  prometheus::Family<prometheus::Counter>& preemptions_;
   prometheus::Family<prometheus::Counter>& h2d_;
   prometheus::Family<prometheus::Counter>& d2h_;
   prometheus::Family<prometheus::Histogram>& batch_size_;

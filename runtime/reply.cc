@@ -40,8 +40,14 @@ v1::GenerateResponse BuildReply(const Image& image, const GenerationParams& para
   stats->set_peak_device_memory_bytes(std::max(facts.after.peak_allocated_bytes, facts.peak_floor_allocated));
   stats->set_peak_device_reserved_bytes(std::max(facts.after.peak_process_bytes(), facts.peak_floor_reserved));
   if (facts.peak_cpu_rss_bytes > 0) stats->set_peak_cpu_rss_bytes(facts.peak_cpu_rss_bytes);
-  stats->set_host_to_device_bytes(facts.after.host_to_device_bytes - facts.before.host_to_device_bytes);
-  stats->set_device_to_host_bytes(facts.after.device_to_host_bytes - facts.before.device_to_host_bytes);
+  stats->set_host_to_device_bytes(facts.after.host_to_device_bytes - facts.before.host_to_device_bytes -
+                                  facts.preempted_host_to_device_bytes);
+  stats->set_device_to_host_bytes(facts.after.device_to_host_bytes - facts.before.device_to_host_bytes -
+                                  facts.preempted_device_to_host_bytes);
+  if (facts.preemptions > 0) {
+    *stats->mutable_preempted_time() = ToProto(facts.preempted_time);
+    stats->set_preemptions(facts.preemptions);
+  }
   stats->set_device(facts.device);
   stats->set_batch_size(facts.batch_size);
   *stats->mutable_batch_wait() = ToProto(facts.batch_wait);

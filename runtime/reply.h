@@ -38,6 +38,12 @@ struct ReplyFacts {
   int64_t peak_floor_allocated = 0;
   int64_t peak_floor_reserved = 0;
   int64_t peak_cpu_rss_bytes = 0;  // 0: unknown (not reported).
+  // Preemption between steps: how long the run was paused for other requests, how often, and the
+  // bytes those moved (left out of the run's).
+  absl::Duration preempted_time;
+  int preemptions = 0;
+  int64_t preempted_host_to_device_bytes = 0;
+  int64_t preempted_device_to_host_bytes = 0;
 };
 
 // The reply of a run that made `image` (format and image bytes set later by EncodeReplyImage):

@@ -119,6 +119,11 @@ class SplitRunner : public ComponentRunner {
     (void)peer->RunForPeer(component, nullptr, /*prefetch_only=*/true, request_id_, &scope_, interrupt_,
                            &UsageOf(*peer));
   }
+  // Preemption between steps (RequestExecutor::Run sets it for requests; a warm-up has none).
+  void BetweenSteps(int done, int total) override {
+    if (between_steps_) between_steps_(done, total);
+  }
+  void set_between_steps(std::function<void(int done, int total)> fn) { between_steps_ = std::move(fn); }
   c10::Device DeviceOf(const Component& component, const c10::Device& home) const override {
     DeviceRuntime* peer = home_.PeerFor(pipeline_, component);
     return peer == nullptr ? home : peer->torch_device();
@@ -143,6 +148,7 @@ class SplitRunner : public ComponentRunner {
   const std::string request_id_;
   const Interrupt interrupt_;
   NextPipelinePrefetch* const next_;
+  std::function<void(int done, int total)> between_steps_;
   std::vector<v1::DeviceUsage> usage_;
 };
 
@@ -284,11 +290,11 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
   PlacementManager& placement = device_.Placement(scope);
   DeviceBackend& backend = device_.Backend(scope);
   // The placement log names the request (or the batch) its decisions were made for.
-  placement.SetRequestId(batch_size == 1 ? ids.front()
-                                           : absl::StrCat("batch(", absl::StrJoin(ids, ","), ")"));
+  placement.SetRequestId(batch_size == 1 ? ids.front() : absl::StrCat("batch(", absl::StrJoin(ids, ","), ")"));
   backend.ResetPeakStats();
   peak_floor_allocated_ = 0;
   peak_floor_reserved_ = 0;
+  peak_floor_rss_ = 0;
   // Peak RSS falls back to the lifetime peak where clear_refs is not writable (still an upper
   // bound, never an under-report).
   (void)ResetPeakRss();
@@ -354,9 +360,42 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
     return out;
   };
   NextPipelinePrefetch next(pipeline, order.components, order_of, placement, scope);
-  SplitRunner runner(placement, scope, device_, pipeline.name(),
-                     batch_size == 1 ? ids.front() : absl::StrCat("batch(", absl::StrJoin(ids, ","), ")"), all_gone,
-                     &next);
+  const std::string run_id = batch_size == 1 ? ids.front() : absl::StrCat("batch(", absl::StrJoin(ids, ","), ")");
+  SplitRunner runner(placement, scope, device_, pipeline.name(), run_id, all_gone, &next);
+  // Preemption (SchedulerConfig.preemption): between two denoising steps a waiting request the
+  // scheduler prefers runs to its end on this worker (DeviceWorker::PreemptBetweenSteps), this
+  // run's tensors kept on the device. It resets the device's peaks, the RSS peak, the placement
+  // log's request id and the running gauge for itself: this run keeps the peaks it had reached
+  // and the larger of the preempting run's (the device held both), its own id and gauge, and
+  // leaves out of its stages and byte counts the pause and what the preempting run moved. Not
+  // during a first run after a change (its context reserve measures the context's growth).
+  Paused paused;
+  if (context_reserve == 0) {
+    runner.set_between_steps([&](int done, int total) {
+      const DeviceMemoryStats at = backend.GetMemoryStats();
+      const int64_t floor_allocated = std::max(peak_floor_allocated_, at.peak_allocated_bytes);
+      const int64_t floor_reserved = std::max(peak_floor_reserved_, at.peak_process_bytes());
+      const absl::StatusOr<ProcessMemory> rss = ReadProcessMemory();
+      const int64_t floor_rss = std::max(peak_floor_rss_, rss.ok() ? rss->peak_rss_bytes : 0);
+      const absl::Time pause_start = absl::Now();
+      const double remaining = total > 0 ? static_cast<double>(total - done) / total : 0.0;
+      if (!scope.worker().PreemptBetweenSteps(scope, remaining, paused.time)) return;
+      const absl::Duration pause = absl::Now() - pause_start;
+      const DeviceMemoryStats resumed = backend.GetMemoryStats();
+      const absl::StatusOr<ProcessMemory> rss_after = ReadProcessMemory();
+      paused.time += pause;
+      ++paused.count;
+      paused.host_to_device_bytes += resumed.host_to_device_bytes - at.host_to_device_bytes;
+      paused.device_to_host_bytes += resumed.device_to_host_bytes - at.device_to_host_bytes;
+      peak_floor_allocated_ = std::max(floor_allocated, resumed.peak_allocated_bytes);
+      peak_floor_reserved_ = std::max(floor_reserved, resumed.peak_process_bytes());
+      peak_floor_rss_ = std::max(floor_rss, rss_after.ok() ? rss_after->peak_rss_bytes : 0);
+      placement.SetRequestId(run_id);
+      running_.store(batch_size, std::memory_order_relaxed);
+      if (metrics_ != nullptr) metrics_->SetRunning(device_.device_name(), batch_size);
+      for (const std::unique_ptr<RunContext>& context : contexts) context->ExcludeFromStage(pause);
+    });
+  }
   std::vector<absl::StatusOr<Image>> images;
   absl::Status files = pipeline.CheckSourceFiles();
   if (files.ok()) {
@@ -463,7 +502,11 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
     facts.after = after;
     facts.peak_floor_allocated = peak_floor_allocated_;
     facts.peak_floor_reserved = peak_floor_reserved_;
-    if (memory.ok()) facts.peak_cpu_rss_bytes = memory->peak_rss_bytes;
+    if (memory.ok()) facts.peak_cpu_rss_bytes = std::max(memory->peak_rss_bytes, peak_floor_rss_);
+    facts.preempted_time = paused.time;
+    facts.preemptions = paused.count;
+    facts.preempted_host_to_device_bytes = paused.host_to_device_bytes;
+    facts.preempted_device_to_host_bytes = paused.device_to_host_bytes;
     v1::GenerateResponse response =
         BuildReply(*images[i], r.params, facts, contexts[i]->stage_times(), runner.peer_usage());
     r.result = std::move(response);

@@ -94,6 +94,14 @@ class RequestExecutor {
   int64_t request_counter_ = 0;
   int64_t peak_floor_allocated_ = 0;
   int64_t peak_floor_reserved_ = 0;
+  int64_t peak_floor_rss_ = 0;  // A preempting run's RSS peak (it resets the process's).
+  // A run's pauses for preempting requests (Run).
+  struct Paused {
+    absl::Duration time;
+    int count = 0;
+    int64_t host_to_device_bytes = 0;
+    int64_t device_to_host_bytes = 0;
+  };
   // PlacementManager::run_changes() when a request or warm-up last ran.
   int64_t run_changes_seen_ = 0;
   // Per pipeline name: the order its last run first used its components in (indices into

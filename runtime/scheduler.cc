@@ -112,6 +112,24 @@ ScheduleChoice Scheduler::Pick(const std::vector<const ScheduleEntry*>& entries,
   return choice;
 }
 
+bool Scheduler::Preempts(const ScheduleEntry& running, double remaining_cost, absl::Duration paused,
+                         const ScheduleEntry& candidate, int64_t candidate_move_bytes, std::string* reason) const {
+  if (options_.preemption == Preemption::kNone) return false;
+  if (candidate.priority > running.priority) {
+    *reason = absl::StrCat("priority ", candidate.priority, " preempts the running request of pipeline '",
+                           running.pipeline, "' (priority ", running.priority, ") between its denoising steps");
+    return true;
+  }
+  if (options_.preemption != Preemption::kResident || candidate.priority != running.priority) return false;
+  if (candidate_move_bytes != 0 || !(candidate.cost < remaining_cost)) return false;
+  if (paused >= options_.max_reorder_delay) return false;
+  *reason = absl::StrCat("pipeline '", candidate.pipeline, "' moves nothing and its work (", candidate.cost,
+                         ") is less than the running request of pipeline '", running.pipeline, "' has left (",
+                         remaining_cost, "; paused ", absl::FormatDuration(absl::Trunc(paused, absl::Milliseconds(1))),
+                         " so far of max_reorder_delay ", absl::FormatDuration(options_.max_reorder_delay), ")");
+  return true;
+}
+
 void Scheduler::Charge(const ScheduleEntry& entry) {
   const int level = entry.priority;
   last_level_time_ = level_time_[level];

@@ -19,6 +19,11 @@
 //      one moving the fewest bytes goes (the oldest of those). The tenant passed over keeps its
 //      place in the fair order (the one served is charged), and no request is passed over for
 //      residency once it has waited max_reorder_delay: residency costs any request at most that.
+//   4. Preemption (off by default): between two denoising steps of the running request, the
+//      request Pick would choose next runs first when it has a higher priority, or (kResident) the
+//      same priority, nothing to move and less work than the running request has left, while the
+//      running request has been paused less than max_reorder_delay in all. The paused request goes
+//      on from its step afterwards; one preempting request is never itself preempted.
 //
 // The device worker asks it under its queue lock (DeviceWorker::Options::scheduler); this class
 // holds no lock of its own. Thread-safety: not thread-safe; one owner serialises calls.
@@ -40,6 +45,9 @@ inline constexpr int kMaxPriority = 9;
 
 enum class PriorityMode { kStrict, kWeighted };
 
+// Which waiting request may run between the denoising steps of the running one (SchedulerConfig.preemption).
+enum class Preemption { kNone, kPriority, kResident };
+
 struct SchedulerOptions {
   // How long a request may be passed over by younger ones whose pipelines need fewer bytes moved.
   // Zero: first come, first served within a tenant and priority.
@@ -49,6 +57,7 @@ struct SchedulerOptions {
   std::map<std::string, double> tenant_weights;
   // Work a tenant returning from idle may run ahead of the others (SchedulerConfig.tenant_burst_work).
   double tenant_burst = 0;
+  Preemption preemption = Preemption::kNone;
 };
 
 // What the scheduler knows of one waiting request.
@@ -78,6 +87,13 @@ class Scheduler {
   // weights are there); called only when reordering is on, at most once per distinct pipeline.
   ScheduleChoice Pick(const std::vector<const ScheduleEntry*>& entries,
                       const std::function<int64_t(const std::string&)>& move_bytes, absl::Time now);
+
+  // Whether `candidate` (the request Pick would run next) runs now, between two denoising steps of
+  // `running` (a batch's first member), which has `remaining_cost` of its work left and has been
+  // paused for `paused` in all so far. `candidate_move_bytes`: what running its pipeline now would
+  // move onto the device. Sets `reason` (for the decision log) when it does.
+  bool Preempts(const ScheduleEntry& running, double remaining_cost, absl::Duration paused,
+                const ScheduleEntry& candidate, int64_t candidate_move_bytes, std::string* reason) const;
 
   // Charges a request that ran (each member of a batch) to its priority level and tenant.
   void Charge(const ScheduleEntry& entry);

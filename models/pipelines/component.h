@@ -80,6 +80,14 @@ class ComponentRunner {
   // moving its weights so that the copy overlaps the current compute (placement: the first groups
   // of a group-offloaded component). Never required for correctness; the default does nothing.
   virtual void Prefetch(Component& component) { (void)component; }
+  // Between two denoising steps of the run (`done` of `total` steps done; not after the last): the
+  // runner may run other work on the device here — the server runs a waiting request that
+  // preempts this one (SchedulerConfig.preemption) to its end — with this run's tensors kept where
+  // they are. The pipeline checks its interrupt after it. The default does nothing.
+  virtual void BetweenSteps(int done, int total) {
+    (void)done;
+    (void)total;
+  }
   // The device `component` runs on: its inputs must be there, and its outputs appear there. A
   // pipeline whose components sit on several devices (a split layout) moves tensors between them
   // with this. `home` is the pipeline's own device, which the default (one device) returns.

@@ -63,6 +63,7 @@ void Denoise(const std::vector<BatchMember>& members, ComponentRunner& runner, B
       members[i].context->ReportStep(done, n - start);
     }
     DeliverPreviews(runner, *f.vae, members, done, previews, f.decode);
+    if (step < n - 1) runner.BetweenSteps(done, n - start);
     run.Filter([&](size_t i) { return members[i].context->CheckInterrupt(); });
   }
 

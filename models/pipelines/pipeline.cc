@@ -11,6 +11,10 @@ RunContext::RunContext(std::function<absl::Status()> interrupt,
                        std::function<void(const std::string&, int, int)> progress)
     : interrupt_(std::move(interrupt)), progress_(std::move(progress)) {}
 
+void RunContext::ExcludeFromStage(absl::Duration paused) {
+  if (!current_stage_.empty()) stage_start_ += paused;
+}
+
 void RunContext::BeginStage(const std::string& stage, int total_steps) {
   EndStage();
   if (synchronize_) synchronize_();  // The work queued before this stage is not its time.

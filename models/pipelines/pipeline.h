@@ -86,6 +86,9 @@ class RunContext {
   void BeginStage(const std::string& stage, int total_steps = 0);
   void EndStage();
   void ReportStep(int step, int total_steps);
+  // The run was paused for `paused` (other work ran on its device: preemption between steps): the
+  // stage running now does not count it.
+  void ExcludeFromStage(absl::Duration paused);
 
   // Previews (partial images): after each denoising step in `steps` (1-based) the pipeline decodes
   // its estimate of the final image at that point (the clean latents one Euler step to sigma 0

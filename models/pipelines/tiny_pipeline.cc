@@ -126,6 +126,7 @@ class TinyPipeline : public Pipeline {
       }
       latents = scheduler.Step(velocity, i, latents);
       context.ReportStep(i + 1, params.steps);
+      if (i < params.steps - 1) runner.BetweenSteps(i + 1, params.steps);
       RETURN_IF_ERROR(context.CheckInterrupt());
     }
 

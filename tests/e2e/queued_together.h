@@ -51,14 +51,18 @@ class LongRequest {
   bool Finish() {
     v1::GenerateStreamResponse message;
     while (reader_->Read(&message)) {
+      if (message.has_result()) result_ = message.result();
     }
     return reader_->Finish().ok();
   }
+  // Its reply, once Finish returned true.
+  const v1::GenerateResponse& result() const { return result_; }
 
  private:
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReader<v1::GenerateStreamResponse>> reader_;
   bool running_ = false;
+  v1::GenerateResponse result_;
 };
 
 }  // namespace stowage

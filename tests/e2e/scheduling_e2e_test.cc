@@ -201,6 +201,8 @@ TEST_F(SchedulingTest, TheSchedulerSwitchedAtRunTimeDecidesTheOrderFromThenOn) {
            {"max_reorder_delay_ms: -1", "scheduler.max_reorder_delay_ms: -1 is out of range"},
            {"max_reorder_delay_ms: 2147483647", "scheduler.max_reorder_delay_ms: 2147483647"},
            {"priority_mode: 7", "scheduler.priority_mode: unknown value 7"},
+           {"preemption: 12", "scheduler.preemption: unknown value 12"},
+           {"preemption: PREEMPTION_RESIDENT", "scheduler.preemption: PREEMPTION_RESIDENT bounds how long"},
            {"tenant_queue_limit: 17", "scheduler.tenant_queue_limit: 17 is out of range; allowed: 0 (off) ..queue_depth (16)"},
            {"tenant_burst_work: nan", "scheduler.tenant_burst_work: nan"},
            {"tenant_burst_work: 1e300", "scheduler.tenant_burst_work"},
@@ -458,6 +460,92 @@ TEST_F(SchedulingTest, TheNextPipelinesStreamedEncoderStartsAhead) {
   ASSERT_EQ(f_images.size(), 2u);
   EXPECT_FALSE(f_images[0].empty());
   EXPECT_EQ(f_images[0], f_images[1]) << "a prefetched encoder made another image";
+}
+
+// Preemption between steps (SchedulerConfig.preemption: PREEMPTION_PRIORITY): a higher-priority
+// request that arrives while a long one runs runs between two of its steps and replies while the
+// long one is still running; the long one then goes on from its step and its reply counts the
+// pause (preemptions, preempted_time: in its run time, not in its denoise stage). The placement
+// log records the decision, the metrics count it.
+TEST_F(SchedulingTest, AHigherPriorityRequestRunsBetweenTheStepsOfARunningOne) {
+  Start(R"pb(
+    device { kind: KIND_SIMULATED }
+    pipelines { name: "zimage-tiny" builtin: "zimage-tiny" }
+    scheduler { preemption: PREEMPTION_PRIORITY }
+  )pb");
+  StartLong("zimage-tiny");
+  v1::GenerateRequest urgent = E2eServer::SmallRequest("zimage-tiny", 2);
+  urgent.set_priority(5);
+  urgent.set_request_id("urgent");
+  v1::GenerateResponse urgent_reply;
+  ASSERT_TRUE(server_->Generate(urgent, &urgent_reply, milliseconds(120000)).ok());
+  ASSERT_TRUE(long_->Finish());
+  const v1::RequestStats& paused = long_->result().stats();
+  EXPECT_EQ(paused.preemptions(), 1);
+  const double preempted = paused.preempted_time().seconds() + paused.preempted_time().nanos() * 1e-9;
+  const double run = paused.run_time().seconds() + paused.run_time().nanos() * 1e-9;
+  EXPECT_GT(preempted, 0);
+  EXPECT_LT(preempted, run);
+  for (const v1::StageTiming& stage : paused.stages()) {
+    if (stage.stage() != "denoise") continue;
+    const double denoise = stage.duration().seconds() + stage.duration().nanos() * 1e-9;
+    EXPECT_LE(denoise + preempted, run) << "the pause is not in the denoise stage";
+  }
+  // The urgent request did not wait for the long one's 100 steps.
+  const double urgent_waited = urgent_reply.stats().queue_wait().seconds() + urgent_reply.stats().queue_wait().nanos() * 1e-9;
+  EXPECT_LT(urgent_waited, run - preempted);
+  EXPECT_EQ(urgent_reply.stats().preemptions(), 0);
+  const v1::GetPlacementLogResponse log = PlacementLog();
+  int preempts = 0;
+  for (const auto& d : log.decisions()) {
+    if (d.action() != "preempt") continue;
+    ++preempts;
+    EXPECT_EQ(d.request_id(), "urgent");
+    EXPECT_EQ(d.component(), "zimage-tiny");
+    EXPECT_NE(d.reason().find("priority 5 preempts the running request of pipeline 'zimage-tiny' (priority 0)"),
+              std::string::npos)
+        << d.reason();
+  }
+  EXPECT_EQ(preempts, 1);
+  const std::string page = HttpGet(server_->server().metrics_address(), "/metrics");
+  EXPECT_NE(page.find("stowage_preemptions_total{device=\"sim:0\"} 1"), std::string::npos);
+  // The same request again at priority 0 waits for the next long one (no preemption).
+  StartLong("zimage-tiny");
+  std::thread same = Send(E2eServer::SmallRequest("zimage-tiny", 3), "same priority");
+  ASSERT_TRUE(WaitForQueueDepth(1));
+  FinishLong();
+  same.join();
+  EXPECT_EQ(long_->result().stats().preemptions(), 0);
+}
+
+// PREEMPTION_RESIDENT: a short request of a pipeline whose weights are on the device runs between
+// the steps of a long request of another pipeline (same priority), and the decision says why.
+TEST_F(SchedulingTest, AShortRequestOfAResidentPipelineRunsBetweenTheStepsOfALongOne) {
+  Start(R"pb(
+    device { kind: KIND_SIMULATED }
+    pipelines { name: "z" builtin: "zimage-tiny" }
+    pipelines { name: "f" builtin: "flux-tiny" }
+    scheduler { preemption: PREEMPTION_RESIDENT max_reorder_delay_ms: 60000 }
+  )pb");
+  // Both run once first, so that each one's weights are on the device and the scheduler knows it.
+  ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("z", 1)).ok());
+  ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("f", 1)).ok());
+  StartLong("f");
+  v1::GenerateRequest hot = E2eServer::SmallRequest("z", 2);
+  hot.set_request_id("hot");
+  v1::GenerateResponse hot_reply;
+  ASSERT_TRUE(server_->Generate(hot, &hot_reply, milliseconds(120000)).ok());
+  ASSERT_TRUE(long_->Finish());
+  EXPECT_EQ(long_->result().stats().preemptions(), 1);
+  const v1::GetPlacementLogResponse log = PlacementLog();
+  std::string reason;
+  for (const auto& d : log.decisions()) {
+    if (d.action() == "preempt" && d.request_id() == "hot") reason = d.reason();
+  }
+  EXPECT_NE(reason.find("pipeline 'z' moves nothing and its work (0.0078125) is less than the running request of "
+                        "pipeline 'f' has left"),
+            std::string::npos)
+      << reason;
 }
 
 TEST_F(SchedulingTest, HostilePrioritiesAndTenantsGetClearStatuses) {

@@ -453,6 +453,11 @@ TEST(ConfigTest, SchedulerTenantsAndModesAreChecked) {
            {R"pb(scheduler { tenant_burst_work: 10001 })pb", "scheduler.tenant_burst_work: 10001 is out of range"},
            {R"pb(scheduler { tenant_burst_work: nan })pb", "scheduler.tenant_burst_work: nan"},
            {R"pb(scheduler { tenant_burst_work: 0 })pb", ""},
+           {R"pb(scheduler { preemption: PREEMPTION_PRIORITY })pb", ""},
+           {R"pb(scheduler { preemption: PREEMPTION_RESIDENT max_reorder_delay_ms: 2000 })pb", ""},
+           {R"pb(scheduler { preemption: PREEMPTION_RESIDENT })pb",
+            "scheduler.preemption: PREEMPTION_RESIDENT bounds how long a running request may be paused by "
+            "max_reorder_delay_ms, which is 0"},
        }) {
     v1::ServerConfig config;
     ASSERT_TRUE(google::protobuf::TextFormat::ParseFromString(c.text, &config)) << c.text;
@@ -469,6 +474,10 @@ TEST(ConfigTest, SchedulerTenantsAndModesAreChecked) {
   unknown_mode.mutable_scheduler()->set_priority_mode(static_cast<v1::SchedulerConfig::PriorityMode>(7));
   EXPECT_NE(FinalizeServerConfig(unknown_mode).status().message().find("scheduler.priority_mode: unknown value 7"),
             std::string::npos);
+  v1::ServerConfig unknown_preemption;
+  unknown_preemption.mutable_scheduler()->set_preemption(static_cast<v1::SchedulerConfig::Preemption>(9));
+  EXPECT_NE(FinalizeServerConfig(unknown_preemption).status().message().find("scheduler.preemption: unknown value 9"),
+            std::string::npos);
   v1::ServerConfig many;
   for (int i = 0; i <= kMaxTenantWeights; ++i) (*many.mutable_scheduler()->mutable_tenant_weights())[absl::StrCat("t", i)] = 1;
   EXPECT_NE(FinalizeServerConfig(many).status().message().find("257 tenants; at most 256"), std::string::npos);
@@ -484,6 +493,13 @@ TEST(ConfigTest, SchedulerTenantsAndModesAreChecked) {
   EXPECT_EQ(options.tenant_burst, kDefaultTenantBurstWork);  // Unset: the default credit.
   scheduler.set_tenant_burst_work(0);
   EXPECT_EQ(ToSchedulerOptions(scheduler).tenant_burst, 0);  // Set to 0: none.
+  EXPECT_EQ(options.preemption, Preemption::kNone);  // Unset: none.
+  scheduler.set_preemption(v1::SchedulerConfig::PREEMPTION_PRIORITY);
+  EXPECT_EQ(ToSchedulerOptions(scheduler).preemption, Preemption::kPriority);
+  scheduler.set_preemption(v1::SchedulerConfig::PREEMPTION_RESIDENT);
+  EXPECT_EQ(ToSchedulerOptions(scheduler).preemption, Preemption::kResident);
+  scheduler.set_preemption(v1::SchedulerConfig::PREEMPTION_NONE);
+  EXPECT_EQ(ToSchedulerOptions(scheduler).preemption, Preemption::kNone);
 }
 
 TEST(ConfigRangeTest, AHugePrefetchDepthIsRefusedWithItsFieldPathAndRange) {

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -902,6 +903,150 @@ TEST(DeviceWorkerSchedulingTest, TheNextWaitingPipelineIsTheSchedulersChoiceBefo
   EXPECT_EQ(seen, (std::vector<std::string>{"warm", ""}));
   absl::MutexLock lock(&mu);
   EXPECT_EQ(order, (std::vector<std::string>{"same", "warm", "warm-younger", "cold", "urgent-behind-the-task"}));
+}
+
+
+// Preemption between steps (SchedulerOptions::preemption): a job of 4 "steps" asks the worker at
+// each boundary. The waiting job the scheduler picks runs in place when it preempts (a higher
+// priority; under kResident also a shorter job of a pipeline that moves nothing, within the
+// bound), is reported through on_preempt, and cannot itself be preempted; a task waiting before
+// the jobs is never run inside a job, and with preemption off nothing runs inside.
+struct StepLog {
+  absl::Mutex mu;
+  std::vector<std::string> events;
+  void Add(const std::string& e) {
+    absl::MutexLock lock(&mu);
+    events.push_back(e);
+  }
+  std::vector<std::string> Get() {
+    absl::MutexLock lock(&mu);
+    return events;
+  }
+};
+
+// A job of `steps` steps that records each and asks to be preempted between them; the first
+// boundary waits for `gate` (so the test queues jobs meanwhile). Records what PreemptBetweenSteps
+// returned ("+" ran something, "-" nothing).
+DeviceWorker::Job Stepping(const std::string& name, int priority, const std::string& pipeline, double cost, int steps,
+                           StepLog& log, absl::Notification* at_first, absl::Notification* gate) {
+  DeviceWorker::Job job;
+  job.schedule.priority = priority;
+  job.schedule.pipeline = pipeline;
+  job.schedule.cost = cost;
+  job.run = [=, &log](WorkerScope& scope, absl::Duration) {
+    absl::Duration paused;
+    for (int step = 1; step <= steps; ++step) {
+      log.Add(absl::StrCat(name, ":", step));
+      if (step == steps) break;
+      if (step == 1 && at_first != nullptr) {
+        at_first->Notify();
+        gate->WaitForNotification();
+      }
+      const absl::Time t0 = absl::Now();
+      const bool ran = scope.worker().PreemptBetweenSteps(scope, double(steps - step) / steps, paused);
+      if (ran) paused += absl::Now() - t0;
+      log.Add(absl::StrCat(name, ran ? "+" : "-"));
+    }
+  };
+  return job;
+}
+
+TEST(DeviceWorkerSchedulingTest, AHigherPriorityJobRunsBetweenTheStepsOfTheRunningOne) {
+  DeviceWorker::Options options = Options("sim:0", 16);
+  options.scheduler.preemption = Preemption::kPriority;
+  std::vector<std::string> preempts;  // Written on the worker before the job runs.
+  options.on_preempt = [&preempts](WorkerScope&, const DeviceWorker::Job& job, const std::string& reason) {
+    preempts.push_back(job.schedule.pipeline + ": " + reason);
+  };
+  DeviceWorker worker(std::move(options));
+  StepLog log;
+  absl::Notification at_first, gate;
+  ASSERT_TRUE(worker.Submit(Stepping("long", 0, "flux", 8, 4, log, &at_first, &gate)).ok());
+  at_first.WaitForNotification();
+  ASSERT_TRUE(worker.Submit(Stepping("same", 0, "flux", 8, 2, log, nullptr, nullptr)).ok());
+  ASSERT_TRUE(worker.Submit(Stepping("urgent", 5, "zimage", 8, 3, log, nullptr, nullptr)).ok());
+  gate.Notify();
+  ASSERT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr,
+                             DeviceWorker::TaskOrder::kAfterQueuedJobs)
+                  .ok());
+  // "urgent" ran inside the first boundary, to its end, without being preempted by "same" (nor
+  // could it be: one level deep); "same" (priority 0, like "long") waited for "long" to end.
+  EXPECT_EQ(log.Get(), (std::vector<std::string>{"long:1", "urgent:1", "urgent-", "urgent:2", "urgent-", "urgent:3",
+                                                  "long+", "long:2", "long-", "long:3", "long-", "long:4", "same:1",
+                                                  "same-", "same:2"}));
+  ASSERT_EQ(preempts.size(), 1u);
+  EXPECT_EQ(preempts[0],
+            "zimage: priority 5 preempts the running request of pipeline 'flux' (priority 0) between its denoising steps");
+}
+
+TEST(DeviceWorkerSchedulingTest, AShortResidentJobPreemptsALongOneOnlyWithinTheBound) {
+  DeviceWorker::Options options = Options("sim:0", 16);
+  options.scheduler.preemption = Preemption::kResident;
+  options.scheduler.max_reorder_delay = absl::Milliseconds(150);
+  options.move_bytes = [](const std::string& pipeline) -> int64_t { return pipeline == "cold" ? 1 << 30 : 0; };
+  DeviceWorker worker(std::move(options));
+  StepLog log;
+  absl::Notification at_first, gate;
+  ASSERT_TRUE(worker.Submit(Stepping("long", 0, "flux", 8, 4, log, &at_first, &gate)).ok());
+  at_first.WaitForNotification();
+  // The scheduler's pick at the first boundary is "hot-1" (the oldest): short (2 < the 6 left)
+  // and resident, it preempts. It runs 200 ms; at the next boundaries "hot-2" (as short, as
+  // resident) does not: the long job has been paused for longer than max_reorder_delay.
+  DeviceWorker::Job hot1 = Stepping("hot-1", 0, "hot", 2, 1, log, nullptr, nullptr);
+  const auto slow = hot1.run;
+  hot1.run = [slow](WorkerScope& scope, absl::Duration waited) {
+    absl::SleepFor(absl::Milliseconds(200));  // Longer than the bound: the long job is not paused again.
+    slow(scope, waited);
+  };
+  ASSERT_TRUE(worker.Submit(hot1).ok());
+  ASSERT_TRUE(worker.Submit(Stepping("hot-2", 0, "hot", 2, 1, log, nullptr, nullptr)).ok());
+  ASSERT_TRUE(worker.Submit(Stepping("cold", 0, "cold", 1, 1, log, nullptr, nullptr)).ok());
+  gate.Notify();
+  ASSERT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr,
+                             DeviceWorker::TaskOrder::kAfterQueuedJobs)
+                  .ok());
+  const std::vector<std::string> events = log.Get();
+  ASSERT_GE(events.size(), 4u);
+  EXPECT_EQ(std::vector<std::string>(events.begin(), events.begin() + 3),
+            (std::vector<std::string>{"long:1", "hot-1:1", "long+"}));
+  // Paused 200 ms > the 150 ms bound: hot-2 waits for the long job's end.
+  EXPECT_EQ(std::vector<std::string>(events.begin() + 3, events.begin() + 8),
+            (std::vector<std::string>{"long:2", "long-", "long:3", "long-", "long:4"}));
+}
+
+TEST(DeviceWorkerSchedulingTest, NothingRunsInsideAJobWithPreemptionOffOrBeforeAWaitingTask) {
+  for (const bool off : {true, false}) {
+    SCOPED_TRACE(off ? "preemption off" : "a task waits first");
+    DeviceWorker::Options options = Options("sim:0", 16);
+    if (!off) options.scheduler.preemption = Preemption::kPriority;
+    DeviceWorker worker(std::move(options));
+    StepLog log;
+    absl::Notification at_first, gate;
+    ASSERT_TRUE(worker.Submit(Stepping("long", 0, "flux", 8, 3, log, &at_first, &gate)).ok());
+    at_first.WaitForNotification();
+    std::thread task;
+    if (!off) {
+      task = std::thread([&] {
+        EXPECT_TRUE(worker.RunTask([&log](WorkerScope&) {
+                            log.Add("task");
+                            return absl::OkStatus();
+                          },
+                          nullptr)
+                        .ok());
+      });
+      WaitUntil(worker, [](const DeviceWorker::Waiting& w) { return w.tasks == 1; });
+    }
+    ASSERT_TRUE(worker.Submit(Stepping("urgent", 9, "zimage", 1, 1, log, nullptr, nullptr)).ok());
+    gate.Notify();
+    if (task.joinable()) task.join();
+    ASSERT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr,
+                               DeviceWorker::TaskOrder::kAfterQueuedJobs)
+                    .ok());
+    std::vector<std::string> want = {"long:1", "long-", "long:2", "long-", "long:3"};
+    if (!off) want.push_back("task");
+    want.push_back("urgent:1");
+    EXPECT_EQ(log.Get(), want);
+  }
 }
 
 }  // namespace scheduling

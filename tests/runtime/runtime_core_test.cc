@@ -102,7 +102,8 @@ class RuntimeCoreTest : public ::testing::Test {
 };
 
 // The scheduler's residency weight: whole components on the host count whole, resident ones nothing,
-// adapters nothing, and a streamed component one forward's copy less what its cache holds.
+// adapters nothing, and a streamed component one forward's copy less what its cache holds; those
+// the pipeline's runs never used nothing once it has run.
 TEST(PipelineMoveBytesTest, CountsWholeComponentsOnTheHostAndTheUncachedShareOfStreamedOnes) {
   PlacementSnapshot snapshot;
   const auto add = [&](const std::string& id, std::vector<std::string> pipelines, ComponentState state,
@@ -135,6 +136,14 @@ TEST(PipelineMoveBytesTest, CountsWholeComponentsOnTheHostAndTheUncachedShareOfS
   EXPECT_EQ(PipelineMoveBytes(snapshot, "b"), 1000 + 1000);
   snapshot.components.back().group_offload->cache_link_bytes = 4000;
   EXPECT_EQ(PipelineMoveBytes(snapshot, "b"), 1000);
+  // Once some of a pipeline's components have run, a component on the host none of its runs used
+  // (an image encoder) does not count; until then every one does.
+  add("a/vae_encoder", {"a"}, ComponentState::kOffloaded, 700);
+  EXPECT_EQ(PipelineMoveBytes(snapshot, "a"), 1000 + 700);
+  snapshot.components[1].ran = true;  // a/vae.
+  EXPECT_EQ(PipelineMoveBytes(snapshot, "a"), 0);
+  snapshot.components[0].ran = true;  // a/text_encoder (on the host, it ran before: it counts).
+  EXPECT_EQ(PipelineMoveBytes(snapshot, "a"), 1000);
 }
 
 TEST_F(RuntimeCoreTest, ANewFamilyIsOneRegistrationTheRuntimeIsGiven) {

@@ -297,5 +297,49 @@ TEST(SchedulerTest, ClientChosenTenantNamesDoNotGrowItsMemory) {
   EXPECT_LE(scheduler.remembered_flows(), 4096u + 2);
 }
 
+
+// Preemption between steps: off by default; a higher priority preempts under kPriority and
+// kResident; a request of the same priority only under kResident, when its pipeline moves nothing,
+// its work is less than what the running request has left, and the running request was paused less
+// than max_reorder_delay in all.
+TEST(SchedulerTest, PreemptionTakesAHigherPriorityOrAShortResidentRequestWithinTheBound) {
+  ScheduleEntry running = Entry(0, "a", "flux");
+  running.cost = 8;
+  ScheduleEntry urgent = Entry(1, "b", "flux");
+  urgent.cost = 8;
+  ScheduleEntry hot = Entry(0, "b", "zimage");
+  hot.cost = 2;
+  std::string reason;
+
+  SchedulerOptions options;
+  options.max_reorder_delay = absl::Seconds(2);
+  EXPECT_FALSE(Scheduler(options).Preempts(running, 8, absl::ZeroDuration(), urgent, 0, &reason));  // kNone.
+
+  options.preemption = Preemption::kPriority;
+  Scheduler priority(options);
+  EXPECT_TRUE(priority.Preempts(running, 1, absl::Seconds(100), urgent, int64_t{1} << 30, &reason));
+  EXPECT_EQ(reason,
+            "priority 1 preempts the running request of pipeline 'flux' (priority 0) between its denoising steps");
+  EXPECT_FALSE(priority.Preempts(running, 8, absl::ZeroDuration(), hot, 0, &reason));  // Same priority.
+  EXPECT_FALSE(priority.Preempts(urgent, 8, absl::ZeroDuration(), running, 0, &reason));  // Lower.
+
+  options.preemption = Preemption::kResident;
+  Scheduler resident(options);
+  reason.clear();
+  EXPECT_TRUE(resident.Preempts(running, 6, absl::Milliseconds(500), hot, 0, &reason));
+  EXPECT_EQ(reason,
+            "pipeline 'zimage' moves nothing and its work (2) is less than the running request of pipeline 'flux' "
+            "has left (6; paused 500ms so far of max_reorder_delay 2s)");
+  EXPECT_TRUE(resident.Preempts(running, 1, absl::ZeroDuration(), urgent, 0, &reason));  // Priority still.
+  EXPECT_FALSE(resident.Preempts(running, 6, absl::Milliseconds(500), hot, 1, &reason));  // Moves a byte.
+  EXPECT_FALSE(resident.Preempts(running, 2, absl::Milliseconds(500), hot, 0, &reason));  // Not shorter.
+  EXPECT_FALSE(resident.Preempts(running, 6, absl::Seconds(2), hot, 0, &reason));  // Paused the bound.
+  ScheduleEntry low = hot;
+  low.priority = 0;
+  ScheduleEntry high_running = running;
+  high_running.priority = 3;
+  EXPECT_FALSE(resident.Preempts(high_running, 6, absl::ZeroDuration(), low, 0, &reason));  // Lower priority.
+}
+
 }  // namespace
 }  // namespace stowage

@@ -137,13 +137,14 @@ def generate(server, request, size):
                                   headers={"Content-Type": "application/json"})
     start = time.perf_counter()
     result = {"pipeline": request["pipeline"], "tenant": request["tenant"], "priority": request["priority"],
-              "h2d": 0, "peak": 0, "batch": 1, "error": None}
+              "h2d": 0, "peak": 0, "batch": 1, "preempted_s": 0.0, "error": None}
     try:
         with urllib.request.urlopen(http, timeout=900) as reply:
             payload = json.loads(reply.read())
             result["peak"] = int(reply.headers.get("X-Stowage-Peak-Device-Reserved-Bytes", "0"))
             result["h2d"] = int(reply.headers.get("X-Stowage-Host-To-Device-Bytes", "0"))
             result["batch"] = int(reply.headers.get("X-Stowage-Batch-Size", "1"))
+            result["preempted_s"] = float(reply.headers.get("X-Stowage-Preempted-Seconds", "0"))
         if not base64.b64decode(payload["data"][0]["b64_json"]).startswith(b"\x89PNG"):
             result["error"] = "reply is not a PNG"
     except urllib.error.HTTPError as e:
@@ -222,7 +223,7 @@ def config_text(budget_bytes, strategy, reorder_ms, pin=False):
         # No load-time warm-up: each strategy's first request per pipeline is sent unmeasured instead.
         pipelines += (f'pipelines {{ name: "{name}" model_dir: "{directory}" random_weights: true weight_seed: 1 '
                       f'dtype: "{ARGS.dtype}" warmup: false{seeds}{pipeline_serving_fields(name)} }}\n')
-    scheduler = f"scheduler {{ {scheduler_fields(reorder_ms)} }}"
+    scheduler = f"scheduler {{ {scheduler_fields(reorder_ms, ARGS.preemption if reorder_ms else 'none')} }}"
     expandable = "cuda_expandable_segments: true\n" if ARGS.cuda_expandable_segments else ""
     return (f'{expandable}grpc_address: "127.0.0.1:0"\nhttp_address: "127.0.0.1:0"\nmetrics_address: "none"\n'
             f'queue_depth: 64\nauth {{ admin_token: "{TOKEN}" }}\n{device}\n{scheduler}\n{pipelines}{strategy}\n')
@@ -252,10 +253,13 @@ def apply_batching(server, strategy):
                 f"--max_queue_delay_ms={ARGS.max_queue_delay_ms}")
 
 
-def scheduler_fields(reorder_ms):
+PREEMPTION = {"none": "PREEMPTION_NONE", "priority": "PREEMPTION_PRIORITY", "resident": "PREEMPTION_RESIDENT"}
+
+
+def scheduler_fields(reorder_ms, preemption="none"):
     """A SchedulerConfig's text. Both tenants listed (equal weights): logs and metrics name them
-    instead of "other"."""
-    return (f"max_reorder_delay_ms: {reorder_ms} "
+    instead of "other". `preemption` (--preemption) applies to the scheduler strategy only."""
+    return (f"max_reorder_delay_ms: {reorder_ms} preemption: {PREEMPTION[preemption]} "
             f'tenant_weights {{ key: "alice" value: 1 }} tenant_weights {{ key: "bob" value: 1 }}')
 
 
@@ -343,6 +347,8 @@ def rows_for(strategy, results, start, end, budget, smi_peak, resident):
                "images_per_s": round(len(good) / (end - start), 4) if pipeline == "all" and end > start else None,
                "bytes_moved_per_request": int(sum(r["h2d"] for r in good) / max(1, len(good))),
                "mean_batch_size": round(sum(r["batch"] for r in good) / max(1, len(good)), 3),
+               "preempted": sum(1 for r in good if r.get("preempted_s", 0) > 0),
+               "mean_preempted_s": round(sum(r.get("preempted_s", 0) for r in good) / max(1, len(good)), 4),
                "peak_device_bytes": peak, "peak_nvidia_smi_bytes": smi_peak, "budget_bytes": budget,
                "ok": len(good) == len(mine) and within,
                "errors": sorted({r["error"] for r in mine if r["error"]})[:5],
@@ -350,7 +356,8 @@ def rows_for(strategy, results, start, end, budget, smi_peak, resident):
                "keep_resident": keep_list() if strategy != "resident" else [],
                "serving": {"compute": ARGS.compute, "text_encoder_compute": ARGS.text_encoder_compute,
                            "max_batch_size": ARGS.max_batch_size if strategy in batching_strategies() else 1,
-                           "max_queue_delay_ms": ARGS.max_queue_delay_ms},
+                           "max_queue_delay_ms": ARGS.max_queue_delay_ms,
+                           "preemption": ARGS.preemption if strategy == "scheduler" else "none"},
                "placement": {} if strategy == "resident" else {
                    "flux_compress": ARGS.flux_compress, "flux_keep_gib": ARGS.flux_keep_gib,
                    "text_encoder_compress": ARGS.text_encoder_compress,
@@ -471,7 +478,8 @@ def run_on_one_server(strategies, budget, resident):
                 stowctl(server, "set-strategy", f"--strategy={budgeted_strategy_fields()}")
                 place_budgeted(server)
             reorder = ARGS.reorder_ms if strategy == "scheduler" else 0
-            stowctl(server, "set-scheduler", f"--scheduler={scheduler_fields(reorder)}")
+            preemption = ARGS.preemption if strategy == "scheduler" else "none"
+            stowctl(server, "set-scheduler", f"--scheduler={scheduler_fields(reorder, preemption)}")
             apply_batching(server, strategy)
             server.log.flush()
             offset = os.path.getsize(log_path)
@@ -603,6 +611,11 @@ def main():
     s.add_argument("--steps", default="zimage=8,zimage-ft=8,flux-schnell=4,flux-dev=28")
     s.add_argument("--strategies", default="resident,fifo,scheduler")
     s.add_argument("--reorder_ms", type=int, default=4000)
+    s.add_argument("--preemption", choices=sorted(PREEMPTION), default="none",
+                   help="the scheduler strategy's SchedulerConfig.preemption: a waiting request runs between "
+                        "the denoising steps of the running one when its priority is higher (priority), or also "
+                        "when its pipeline moves nothing and its work is less than the running one has left, "
+                        "within --reorder_ms of pause (resident)")
     s.add_argument("--separate_servers", action="store_true",
                    help="start a server for each budgeted strategy instead of switching one loaded server "
                         "from FIFO to the scheduler with the admin SetScheduler")
@@ -665,6 +678,8 @@ def main():
         raise SystemExit("--max_batch_size must be 1..64 and --max_queue_delay_ms 0..60000")
     if any(s not in ("resident", "fifo", "scheduler") for s in batching_strategies()):
         raise SystemExit("--batch_in: names among resident, fifo, scheduler")
+    if ARGS.preemption == "resident" and ARGS.reorder_ms <= 0:
+        raise SystemExit("--preemption resident bounds each running request's pause by --reorder_ms: set it above 0")
     if (ARGS.compute == "fp8" or ARGS.text_encoder_compute == "fp8") and ARGS.device == "sim":
         raise SystemExit("--compute fp8 and --text_encoder_compute fp8 need --device cuda (FP8 tensor cores)")
     TRACE = make_trace(ARGS.requests, ARGS.rate, ARGS.zipf, ARGS.trace_seed, STEPS)

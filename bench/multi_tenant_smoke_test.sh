@@ -18,7 +18,7 @@ run() {
     --requests 24 --rate 40 --flood_requests 6 --flood_rate 40 --flood_lead_s 0.2 --budget_gib 0.003 --flux_keep_gib 0.0005 \
     --reorder_ms 2000 --machine ci --commit test "$@"
 }
-run --out "$TEST_TMPDIR/rows.jsonl" --logs "$TEST_TMPDIR/logs" >"$TEST_TMPDIR/out.txt"
+run --out "$TEST_TMPDIR/rows.jsonl" --logs "$TEST_TMPDIR/logs" --preemption resident >"$TEST_TMPDIR/out.txt"
 /usr/bin/python3 - "$TEST_TMPDIR/rows.jsonl" "$TEST_TMPDIR/logs" "$TEST_TMPDIR/out.txt" <<'PY'
 import json, os, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
@@ -37,6 +37,12 @@ for r in main:
         assert r["budget_bytes"] == int(0.003 * 2**30) and 0 < r["peak_device_bytes"] <= r["budget_bytes"], r
     if r["pipeline"] == "all":
         assert r["requests"] == 24 and r["images_per_s"] > 0, r
+    # Preemption (--preemption resident) is the scheduler strategy's only; each row counts its
+    # requests that were paused for others.
+    assert r["serving"]["preemption"] == ("resident" if r["strategy"] == "scheduler" else "none"), r
+    assert r["preempted"] >= 0 and r["mean_preempted_s"] >= 0, r
+    if r["strategy"] != "scheduler":
+        assert r["preempted"] == 0, r
 # The same seeded trace for every strategy: the same requests per pipeline.
 per = {}
 for r in main:
@@ -105,7 +111,7 @@ ft = [i for i, l in enumerate(placement) if l.strip().startswith("zimage-ft/tran
 assert ft and "GROUP_OFFLOADED" in placement[ft[0]] and "int4" in placement[ft[0] + 1], placement
 assert all(r["placement"]["zimage_ft_compress"] == "int4" for r in rows), rows
 assert all(r["serving"] == {"compute": "bf16", "text_encoder_compute": "bf16", "max_batch_size": 4,
-                           "max_queue_delay_ms": 20} for r in rows), rows
+                           "max_queue_delay_ms": 20, "preemption": "none"} for r in rows), rows
 every = [r for r in rows if r["pipeline"] == "all"][0]
 assert every["mean_batch_size"] > 1, every  # 24 requests at 40/s: some queue together.
 unbatched = [r for r in map(json.loads, open(sys.argv[2])) if r["pipeline"] == "all"]

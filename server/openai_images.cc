@@ -513,7 +513,7 @@ std::vector<std::pair<std::string, std::string>> StatsHeaders(const std::vector<
   std::vector<std::pair<std::string, std::string>> headers;
   if (images.empty()) return headers;
   std::vector<std::string> ids, seeds;
-  double queue_wait = 0, run_time = 0;
+  double queue_wait = 0, run_time = 0, preempted = 0;
   int64_t peak_device = 0, peak_reserved = 0, peak_rss = 0, h2d = 0, d2h = 0;
   int32_t batch_size = 1;
   auto seconds = [](const google::protobuf::Duration& d) { return d.seconds() + d.nanos() * 1e-9; };
@@ -523,6 +523,7 @@ std::vector<std::pair<std::string, std::string>> StatsHeaders(const std::vector<
     seeds.push_back(absl::StrCat(image.seed()));
     queue_wait = std::max(queue_wait, seconds(s.queue_wait()));
     run_time = std::max(run_time, seconds(s.run_time()));
+    preempted = std::max(preempted, seconds(s.preempted_time()));
     peak_device = std::max(peak_device, s.peak_device_memory_bytes());
     peak_reserved = std::max(peak_reserved, s.peak_device_reserved_bytes());
     peak_rss = std::max(peak_rss, s.peak_cpu_rss_bytes());
@@ -546,6 +547,7 @@ std::vector<std::pair<std::string, std::string>> StatsHeaders(const std::vector<
   headers.emplace_back("X-Stowage-Host-To-Device-Bytes", absl::StrCat(h2d));
   headers.emplace_back("X-Stowage-Device-To-Host-Bytes", absl::StrCat(d2h));
   headers.emplace_back("X-Stowage-Batch-Size", absl::StrCat(batch_size));
+  headers.emplace_back("X-Stowage-Preempted-Seconds", absl::StrFormat("%.6f", preempted));
   return headers;
 }
 

@@ -259,6 +259,11 @@ TEST(ImagesResponseBodyTest, HoldsBase64PngsSeedsAndStats) {
   EXPECT_EQ(headers["X-Stowage-Host-To-Device-Bytes"], "20");       // The sum.
   EXPECT_EQ(headers["X-Stowage-Queue-Wait-Seconds"], "0.500000");
   EXPECT_EQ(headers["X-Stowage-Batch-Size"], "1");
+  EXPECT_EQ(headers["X-Stowage-Preempted-Seconds"], "0.000000");
+  images[1].mutable_stats()->mutable_preempted_time()->set_seconds(2);
+  headers.clear();
+  for (const auto& [name, value] : StatsHeaders(images)) headers[name] = value;
+  EXPECT_EQ(headers["X-Stowage-Preempted-Seconds"], "2.000000");  // The largest.
 
   // Members of one batch report the batch's bytes: the request counts each image's share.
   images[0].mutable_stats()->set_batch_size(2);

@@ -20,7 +20,7 @@ import urllib.request
 
 import grpc
 
-from stowage.v1 import admin_pb2, admin_pb2_grpc
+from stowage.v1 import admin_pb2, admin_pb2_grpc, config_pb2
 from stowage_client import AdminClient, StowageClient, StowageError
 
 SERVER = os.environ["STOWAGE_SERVER_BIN"]
@@ -308,16 +308,18 @@ class PythonAdminEndToEndTest(unittest.TestCase):
     def test_scheduler_switched_at_run_time_through_the_python_client_and_stowctl(self) -> None:
         self.assertEqual(self.admin.get_scheduler().max_reorder_delay_ms, 0)  # The config's: FIFO.
         now = self.admin.set_scheduler(max_reorder_delay_ms=4000, priority_mode="weighted",
-                                       tenant_weights={"gold": 2.0}, tenant_burst_work=8)
+                                       tenant_weights={"gold": 2.0}, tenant_burst_work=8, preemption="resident")
         self.assertEqual((now.max_reorder_delay_ms, dict(now.tenant_weights), now.tenant_burst_work),
                          (4000, {"gold": 2.0}, 8))
+        self.assertEqual(now.preemption, config_pb2.SchedulerConfig.PREEMPTION_RESIDENT)
         self.assertEqual(self.admin.get_scheduler(), now)
         # Out of range: refused by field name, and the scheduler in force is unchanged.
         for kwargs, needle in (({"max_reorder_delay_ms": 60001}, "scheduler.max_reorder_delay_ms: 60001"),
                                ({"tenant_weights": {"gold": 0.0}}, "scheduler.tenant_weights[gold]"),
                                ({"tenant_weights": {"two words": 1.0}}, "tenant 'two words'"),
                                ({"tenant_queue_limit": 100000}, "scheduler.tenant_queue_limit"),
-                               ({"tenant_burst_work": -1}, "scheduler.tenant_burst_work")):
+                               ({"tenant_burst_work": -1}, "scheduler.tenant_burst_work"),
+                               ({"preemption": "resident"}, "scheduler.preemption: PREEMPTION_RESIDENT bounds")):
             with self.assertRaises(StowageError) as refused:
                 self.admin.set_scheduler(**kwargs)
             self.assertEqual(refused.exception.code, grpc.StatusCode.INVALID_ARGUMENT, kwargs)
@@ -325,6 +327,8 @@ class PythonAdminEndToEndTest(unittest.TestCase):
         self.assertEqual(self.admin.get_scheduler(), now)
         with self.assertRaises(ValueError):
             self.admin.set_scheduler(priority_mode="fastest")
+        with self.assertRaises(ValueError):
+            self.admin.set_scheduler(preemption="always")
         # Requests still run under the new scheduler.
         self.generate("after-set-scheduler")
         # stowctl: set back to first come, first served, then read it.

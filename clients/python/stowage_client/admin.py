@@ -631,13 +631,17 @@ class AdminClient(_ChannelClient):
         tenant_weights: Optional[Dict[str, float]] = None,
         tenant_queue_limit: int = 0,
         tenant_burst_work: Optional[float] = None,
+        preemption: str = "none",
     ) -> "config_pb2.SchedulerConfig":
         """Replaces every device's request scheduler and returns the one now in force: how long a
         request may be passed over for one whose weights are on the device (0..60000 ms; 0 = first
         come, first served), ``priority_mode`` "strict" or "weighted", tenants' shares
         (weight in (0, 1000]), requests one tenant may have waiting (0 = off ..queue_depth), and
-        the burst credit of a returning tenant (0..10000; None = the default, 32). Fair shares
-        start afresh.
+        the burst credit of a returning tenant (0..10000; None = the default, 32), and
+        ``preemption`` between denoising steps: "none", "priority" (a higher priority waiting runs
+        between the running request's steps) or "resident" (also a shorter request of a pipeline
+        that moves nothing, each running request paused at most max_reorder_delay_ms, which must be
+        above 0). Fair shares start afresh.
 
         Raises:
             StowageError: INVALID_ARGUMENT naming the field out of range (nothing changes).
@@ -646,8 +650,14 @@ class AdminClient(_ChannelClient):
                  "weighted": config_pb2.SchedulerConfig.PRIORITY_WEIGHTED}
         if priority_mode not in modes:
             raise ValueError(f"priority_mode must be 'strict' or 'weighted', not {priority_mode!r}")
+        preemptions = {"none": config_pb2.SchedulerConfig.PREEMPTION_NONE,
+                       "priority": config_pb2.SchedulerConfig.PREEMPTION_PRIORITY,
+                       "resident": config_pb2.SchedulerConfig.PREEMPTION_RESIDENT}
+        if preemption not in preemptions:
+            raise ValueError(f"preemption must be 'none', 'priority' or 'resident', not {preemption!r}")
         scheduler = config_pb2.SchedulerConfig(
             priority_mode=modes[priority_mode],
+            preemption=preemptions[preemption],
             max_reorder_delay_ms=max_reorder_delay_ms,
             tenant_weights=dict(tenant_weights or {}),
             tenant_queue_limit=tenant_queue_limit,

@@ -522,6 +522,156 @@ def table(rows):
                   f"({r['p99_vs_alone']}x); bob got {r['flood_images']} images, {r['flood_refused']} refused")
 
 
+def measured_requests(log_path, trace):
+    """The trace's requests as one strategy's server log reports them: each one's arrival (the
+    trace's time: the log's line is written after the PNG encoding, so its time is not the run's
+    end), pipeline, priority, steps, own run time and server-side latency (queue wait + run), in
+    the trace's order; found by their seeds (the trace's request i has seed 1000 + i)."""
+    by_seed = {}
+    for line in open(log_path, encoding="utf-8", errors="replace"):
+        if " I request " not in line or " status=OK " not in line:
+            continue
+        fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        by_seed.setdefault(int(fields.get("seed", "-1")), fields)  # The trace's, not the flood's after it.
+    out = []
+    for i, request in enumerate(trace):
+        fields = by_seed.get(request["seed"])
+        if fields is None or fields["pipeline"] != request["pipeline"]:
+            continue
+        run_s, wait_s = float(fields["run_s"]), float(fields.get("queue_wait_s", "0"))
+        out.append({"arrival": request["t"], "pipeline": request["pipeline"], "priority": request["priority"],
+                    "steps": request["steps"], "run": run_s, "latency": wait_s + run_s})
+    return out
+
+
+def encode_times(requests):
+    """Each pipeline's PNG encoding time, which a reply's run time includes but the worker does not
+    wait for (the caller's thread encodes while the next request runs): where a request started as
+    soon as the one before it left the device (it had waited), that one's run ended its encoding
+    earlier. The median per pipeline (0 where no such pair was seen)."""
+    starts = sorted((r["arrival"] + r["latency"] - r["run"], r) for r in requests)
+    seen = {}
+    for (start, r), (next_start, n) in zip(starts, starts[1:]):
+        if n["latency"] - n["run"] > 0.01:  # The next one waited: the worker went on at once.
+            seen.setdefault(r["pipeline"], []).append(max(0.0, start + r["run"] - next_start))
+    return {p: percentile(v, 0.5) for p, v in seen.items()}
+
+
+def replay_model(requests, resident_pipelines, reorder_s, preemption, encode=None):
+    """A model of one device's worker replaying `requests` (their arrivals and own run times): strict
+    priority, first come first served within it, a request of a resident pipeline (nothing to move)
+    ahead of an older one while that one waited less than `reorder_s`; with `preemption`
+    ("priority" or "resident", SchedulerConfig.preemption) the request it would pick next runs
+    between two steps of the running one when it preempts (shorter: by each pipeline's mean run;
+    steps equal shares of a run; a
+    preempted run assumed no slower for the pause; `encode`: each pipeline's PNG encoding, in the
+    run time and the latency but not the worker's time). Returns each request's latency (server
+    side: arrival to reply), in the requests' order."""
+    encode = encode or {}
+    order = sorted(range(len(requests)), key=lambda i: requests[i]["arrival"])
+    waiting, latency, arrived = [], [None] * len(requests), 0
+    t = 0.0
+
+    def admit(until):
+        nonlocal arrived
+        while arrived < len(order) and requests[order[arrived]]["arrival"] <= until:
+            waiting.append(order[arrived])
+            arrived += 1
+
+    def pick(now):
+        top = max(requests[i]["priority"] for i in waiting)
+        level = [i for i in waiting if requests[i]["priority"] == top]  # In arrival order.
+        oldest = level[0]
+        if reorder_s > 0 and requests[oldest]["pipeline"] not in resident_pipelines and \
+                now - requests[oldest]["arrival"] < reorder_s:
+            resident = [i for i in level if requests[i]["pipeline"] in resident_pipelines]
+            if resident:
+                return resident[0]
+        return oldest
+
+    # Which run is shorter goes by expected seconds, as the server's once it has seen each pipeline
+    # run: each pipeline's mean run.
+    runs = {}
+    for r in requests:
+        runs.setdefault(r["pipeline"], []).append(r["run"])
+    expected = {p: sum(v) / len(v) for p, v in runs.items()}
+
+    def cost(i):
+        return expected[requests[i]["pipeline"]]
+
+    def run(i, now, may_be_preempted):
+        r = requests[i]
+        tail = min(encode.get(r["pipeline"], 0.0), r["run"])
+        step = (r["run"] - tail) / r["steps"]
+        paused = 0.0
+        for done in range(1, r["steps"] + 1):
+            now += step
+            if done == r["steps"] or not may_be_preempted or preemption == "none":
+                continue
+            admit(now)
+            if not waiting:
+                continue
+            j = pick(now)
+            c = requests[j]
+            preempts = c["priority"] > r["priority"] or (
+                preemption == "resident" and c["priority"] == r["priority"] and c["pipeline"] in resident_pipelines
+                and cost(j) < cost(i) * (r["steps"] - done) / r["steps"] and paused < reorder_s)
+            if preempts:
+                waiting.remove(j)
+                start = now
+                now = run(j, now, False)
+                paused += now - start
+        latency[i] = now + tail - r["arrival"]
+        return now
+
+    while arrived < len(order) or waiting:
+        if not waiting:
+            t = max(t, requests[order[arrived]]["arrival"])
+        admit(t)
+        i = pick(t)
+        waiting.remove(i)
+        t = run(i, t, True)
+    return latency
+
+
+def replay_preemption(log_dir, rows_path):
+    """Estimates what preemption between steps would change on a run's trace: the scheduler
+    strategy's requests (arrivals and own run times from its server log) replayed through
+    replay_model without preemption (against the measured latencies: how good the model is) and
+    with each policy, each pipeline's server-side p50 and p99 beside the resident strategy's
+    measured ones. A model, not a measurement: it assumes a preempted run is no slower afterwards
+    (its spare-room cache may have given room to the preempting request) and the hot pipeline (the
+    --keep_resident transformer's) moves nothing."""
+    rows = [json.loads(line) for line in open(rows_path, encoding="utf-8")]
+    info = next((r["trace"] for r in rows if "trace" in r), {})
+    steps = next((r["steps"] for r in rows if "steps" in r), {})
+    trace = make_trace(info["requests"], info["rate_per_s"], info["zipf"], info["seed"], steps)
+    keep = next((r.get("keep_resident") for r in rows if r.get("keep_resident")), [])
+    resident_pipelines = {c.split("/")[0] for c in keep if c.endswith("/transformer")}
+    reorder_s = next((r.get("reorder_ms", 4000) for r in rows if r.get("strategy") == "scheduler"), 4000) / 1000
+    measured = measured_requests(os.path.join(log_dir, "scheduler.log"), trace)
+    resident = measured_requests(os.path.join(log_dir, "resident.log"), trace)
+    print(f"replay of {len(measured)} requests (scheduler strategy), resident pipelines {sorted(resident_pipelines)}, "
+          f"reorder bound {reorder_s:g} s; server-side latency p50 / p99 s (x the resident strategy's measured)")
+    encode = encode_times(measured)
+    print("  PNG encoding per pipeline (in a reply's run time, off the worker): "
+          + ", ".join(f"{p} {e:.3f} s" for p, e in sorted(encode.items())))
+    models = {policy: replay_model(measured, resident_pipelines, reorder_s, policy, encode)
+              for policy in ("none", "priority", "resident")}
+    for pipeline in ("all",) + POPULARITY:
+        def sel(reqs, values):
+            return [v for r, v in zip(reqs, values) if pipeline == "all" or r["pipeline"] == pipeline]
+        base = sel(resident, [r["latency"] for r in resident])
+        if not base:
+            continue
+        b50, b99 = percentile(base, 0.5), percentile(base, 0.99)
+        cells = [("measured", sel(measured, [r["latency"] for r in measured]))]
+        cells += [(f"model {policy}", sel(measured, values)) for policy, values in models.items()]
+        text = ", ".join(f"{name} {percentile(v, 0.5):.3f} ({percentile(v, 0.5) / b50:.2f}x) / "
+                         f"{percentile(v, 0.99):.3f} ({percentile(v, 0.99) / b99:.2f}x)" for name, v in cells)
+        print(f"  {pipeline:13s} resident {b50:.3f} / {b99:.3f}; {text}")
+
+
 def analyze(log_dir, rows_path):
     """Where a run's time and bytes went, from its server and placement logs: per strategy, each
     pipeline's mean run time (the server's run_s, queueing excluded) of the measured requests (the
@@ -662,7 +812,13 @@ def main():
     a = sub.add_parser("analyze")
     a.add_argument("logs", help="the --logs folder of a run")
     a.add_argument("rows", help="that run's rows (for its arrival rate)")
+    r = sub.add_parser("replay")
+    r.add_argument("logs", help="the --logs folder of a run with resident and scheduler strategies")
+    r.add_argument("rows", help="that run's rows")
     ARGS = parser.parse_args()
+    if ARGS.command == "replay":
+        replay_preemption(ARGS.logs, ARGS.rows)
+        return
     if ARGS.command == "table":
         table([json.loads(line) for line in open(ARGS.rows, encoding="utf-8")])
         return

@@ -84,6 +84,11 @@ for strategy in resident fifo scheduler; do
     { cat "$TEST_TMPDIR/analysis.txt"; exit 1; }
 done
 grep -q "onloads: .*zimage/transformer" "$TEST_TMPDIR/analysis.txt"
+# What preemption would change on this trace, by the model replaying the scheduler strategy's runs.
+/usr/bin/python3 "$scripts/multi_tenant.py" replay "$TEST_TMPDIR/logs" "$TEST_TMPDIR/rows.jsonl" >"$TEST_TMPDIR/replay.txt"
+grep -q "^replay of 24 requests (scheduler strategy)" "$TEST_TMPDIR/replay.txt" || { cat "$TEST_TMPDIR/replay.txt"; exit 1; }
+grep -q "^  zimage .* model none .* model priority .* model resident " "$TEST_TMPDIR/replay.txt" ||
+  { cat "$TEST_TMPDIR/replay.txt"; exit 1; }
 # A strategy run on its own.
 # This one keeps the hot text encoder whole on the device (not streamed, never evicted by the strategy).
 # And the fine-tune's transformer streams as int4 instead of moving whole (--zimage_ft_compress).

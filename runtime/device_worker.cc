@@ -463,9 +463,13 @@ void DeviceWorker::RunJobs(WorkerScope& scope, std::vector<Item>& jobs, bool bat
   }
   const Job* outer = running_job_;
   const double outer_cost = running_cost_;
+  const absl::Duration outer_paused = job_paused_;
   running_job_ = &jobs.front().job;
   running_cost_ = 0;
   for (const Item& item : jobs) running_cost_ += item.job.schedule.cost;
+  const double cost = running_cost_;
+  job_paused_ = absl::ZeroDuration();
+  const absl::Time began = absl::Now();
   if (batching) {
     const absl::Time start = absl::Now();
     std::vector<BatchMember> members;
@@ -480,15 +484,31 @@ void DeviceWorker::RunJobs(WorkerScope& scope, std::vector<Item>& jobs, bool bat
   } else {
     jobs.front().job.run(scope, absl::Now() - jobs.front().enqueued);
   }
+  // The device's time for this much work of this pipeline (the pauses for preempting jobs aside).
+  LearnRunTime(jobs.front().job.schedule.pipeline, absl::ToDoubleSeconds(absl::Now() - began - job_paused_), cost);
   running_job_ = outer;
   running_cost_ = outer_cost;
+  job_paused_ = outer_paused;
   if (options_.after_each) options_.after_each(scope);
   for (Item& item : jobs) {
     if (item.job.finish) item.job.finish();
   }
 }
 
-bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_fraction, absl::Duration paused) {
+void DeviceWorker::LearnRunTime(const std::string& pipeline, double seconds, double cost) {
+  if (pipeline.empty() || !(seconds > 0) || !(cost > 0)) return;
+  if (seconds_per_work_.size() >= 256 && seconds_per_work_.count(pipeline) == 0) seconds_per_work_.clear();
+  const double rate = seconds / cost;
+  double& learned = seconds_per_work_[pipeline];
+  learned = learned > 0 ? 0.7 * learned + 0.3 * rate : rate;
+}
+
+double DeviceWorker::ExpectedSeconds(const std::string& pipeline, double cost) const {
+  const auto it = seconds_per_work_.find(pipeline);
+  return it == seconds_per_work_.end() ? 0 : it->second * cost;
+}
+
+bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_fraction) {
   if (&scope.worker() != this) {
     std::cerr << "DeviceWorker::PreemptBetweenSteps: the scope of device " << scope.worker().device() << " on device "
               << options_.device << std::endl;
@@ -517,11 +537,15 @@ bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_frac
     if (item.job.cancelled && item.job.cancelled()) return false;  // Dropped when it reaches the front.
     // Unknown residency (no move_bytes) is never "nothing to move".
     const int64_t move = options_.move_bytes ? options_.move_bytes(candidate.pipeline) : INT64_MAX;
-    const ScheduleEntry& running = running_job_->schedule;
-    if (!scheduler_.Preempts(running, running_cost_ * std::clamp(remaining_fraction, 0.0, 1.0), paused, candidate, move,
-                             &reason)) {
-      return false;
-    }
+    Scheduler::PreemptionCase c;
+    c.running = &running_job_->schedule;
+    c.remaining_cost = running_cost_ * std::clamp(remaining_fraction, 0.0, 1.0);
+    c.paused = job_paused_;
+    c.candidate = &candidate;
+    c.candidate_move_bytes = move;
+    c.remaining_seconds = ExpectedSeconds(c.running->pipeline, c.remaining_cost);
+    c.candidate_seconds = ExpectedSeconds(candidate.pipeline, candidate.cost);
+    if (!scheduler_.Preempts(c, &reason)) return false;
     // The same choice for real (same state, same time): it moves to the front and is charged.
     reorder_reason = ScheduleFront(now);
     Item next = std::move(queue_.front());
@@ -539,7 +563,9 @@ bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_frac
   }
   if (!reorder_reason.empty()) absl::StrAppend(&reason, "; ", reorder_reason);
   preempting_ = true;
+  const absl::Time began = absl::Now();
   RunJobs(scope, jobs, batching, absl::ZeroDuration(), reason, options_.on_preempt);
+  job_paused_ += absl::Now() - began;
   preempting_ = false;
   return true;
 }

@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <set>
 #include <string>
@@ -218,13 +219,14 @@ class DeviceWorker {
   std::string NextWaitingPipeline(const WorkerScope& scope, const std::string& running) const;
 
   // Preemption (SchedulerOptions::preemption): called by the job running now between two of its
-  // denoising steps, with the share of its work it has left (0..1) and how long it has been paused
-  // so far. When the scheduler's next choice among the waiting jobs (before the first waiting task)
-  // preempts it (Scheduler::Preempts), that job runs now, in place, to its end — a batch with the
-  // members of its key queued now, without waiting for more — and true is returned; otherwise
-  // nothing changes and false. A preempting job is never preempted itself (false inside it), and
-  // tasks never run here. `scope` must be this worker's own.
-  bool PreemptBetweenSteps(WorkerScope& scope, double remaining_fraction, absl::Duration paused);
+  // denoising steps, with the share of its work it has left (0..1). When the scheduler's next
+  // choice among the waiting jobs (before the first waiting task) preempts it (Scheduler::Preempts:
+  // the pause so far, and the expected seconds of both — each pipeline's device seconds per unit of
+  // work, learned from its recent jobs here, their pauses aside), that job runs now, in place, to
+  // its end — a batch with the members of its key queued now, without waiting for more — and true
+  // is returned; otherwise nothing changes and false. A preempting job is never preempted itself
+  // (false inside it), and tasks never run here. `scope` must be this worker's own.
+  bool PreemptBetweenSteps(WorkerScope& scope, double remaining_fraction);
 
   // True on the worker's own thread (for contracts that say "worker only").
   bool OnWorkerThread() const { return std::this_thread::get_id() == thread_.get_id(); }
@@ -280,11 +282,19 @@ class DeviceWorker {
   bool collecting_batch_ ABSL_GUARDED_BY(mu_) = false;
   // The remote-call lane, in arrival order.
   std::deque<std::shared_ptr<CallState>> calls_ ABSL_GUARDED_BY(mu_);
+  // Worker only: a job's device seconds per unit of work (ScheduleEntry::cost) for `pipeline`,
+  // learned as a moving average (LearnRunTime), and the expectation for `cost` of it (0: unknown).
+  void LearnRunTime(const std::string& pipeline, double seconds, double cost);
+  double ExpectedSeconds(const std::string& pipeline, double cost) const;
+
   // Worker thread only (no lock): the job running now (a batch's first member; null between
-  // jobs), its work (a batch's in all), and whether it preempted another.
+  // jobs), its work (a batch's in all), how long it has been paused for preempting jobs, whether
+  // it preempted another, and each pipeline's learned seconds per unit of work.
   const Job* running_job_ = nullptr;
   double running_cost_ = 0;
+  absl::Duration job_paused_;
   bool preempting_ = false;
+  std::map<std::string, double> seconds_per_work_;
   // Wakes this worker while it waits in Call (see Waker).
   const std::shared_ptr<Waker> waker_;
   std::thread thread_;

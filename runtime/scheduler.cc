@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace stowage {
 namespace {
@@ -112,21 +113,32 @@ ScheduleChoice Scheduler::Pick(const std::vector<const ScheduleEntry*>& entries,
   return choice;
 }
 
-bool Scheduler::Preempts(const ScheduleEntry& running, double remaining_cost, absl::Duration paused,
-                         const ScheduleEntry& candidate, int64_t candidate_move_bytes, std::string* reason) const {
-  if (options_.preemption == Preemption::kNone) return false;
+bool Scheduler::Preempts(const PreemptionCase& c, std::string* reason) const {
+  if (options_.preemption == Preemption::kNone || c.running == nullptr || c.candidate == nullptr) return false;
+  const ScheduleEntry& running = *c.running;
+  const ScheduleEntry& candidate = *c.candidate;
   if (candidate.priority > running.priority) {
     *reason = absl::StrCat("priority ", candidate.priority, " preempts the running request of pipeline '",
                            running.pipeline, "' (priority ", running.priority, ") between its denoising steps");
     return true;
   }
   if (options_.preemption != Preemption::kResident || candidate.priority != running.priority) return false;
-  if (candidate_move_bytes != 0 || !(candidate.cost < remaining_cost)) return false;
-  if (paused >= options_.max_reorder_delay) return false;
-  *reason = absl::StrCat("pipeline '", candidate.pipeline, "' moves nothing and its work (", candidate.cost,
-                         ") is less than the running request of pipeline '", running.pipeline, "' has left (",
-                         remaining_cost, "; paused ", absl::FormatDuration(absl::Trunc(paused, absl::Milliseconds(1))),
-                         " so far of max_reorder_delay ", absl::FormatDuration(options_.max_reorder_delay), ")");
+  if (c.candidate_move_bytes != 0 || c.paused >= options_.max_reorder_delay) return false;
+  const bool timed = c.remaining_seconds > 0 && c.candidate_seconds > 0;
+  if (timed ? !(c.candidate_seconds < c.remaining_seconds) : !(candidate.cost < c.remaining_cost)) return false;
+  const std::string paused = absl::StrCat(
+      "; paused ", absl::FormatDuration(absl::Trunc(c.paused, absl::Milliseconds(1))),
+      " so far of max_reorder_delay ", absl::FormatDuration(options_.max_reorder_delay), ")");
+  if (timed) {
+    *reason = absl::StrCat("pipeline '", candidate.pipeline, "' moves nothing and its run (",
+                           absl::StrFormat("%.3f", c.candidate_seconds),
+                           " s expected) is shorter than the running request of pipeline '", running.pipeline,
+                           "' has left (", absl::StrFormat("%.3f", c.remaining_seconds), " s", paused);
+  } else {
+    *reason = absl::StrCat("pipeline '", candidate.pipeline, "' moves nothing and its work (", candidate.cost,
+                           ") is less than the running request of pipeline '", running.pipeline, "' has left (",
+                           c.remaining_cost, paused);
+  }
   return true;
 }
 

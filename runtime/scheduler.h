@@ -21,7 +21,8 @@
 //      residency once it has waited max_reorder_delay: residency costs any request at most that.
 //   4. Preemption (off by default): between two denoising steps of the running request, the
 //      request Pick would choose next runs first when it has a higher priority, or (kResident) the
-//      same priority, nothing to move and less work than the running request has left, while the
+//      same priority, nothing to move and a shorter run than the running request has left (by the
+//      device's recent run times of both pipelines; by work while either is unknown), while the
 //      running request has been paused less than max_reorder_delay in all. The paused request goes
 //      on from its step afterwards; one preempting request is never itself preempted.
 //
@@ -89,11 +90,20 @@ class Scheduler {
                       const std::function<int64_t(const std::string&)>& move_bytes, absl::Time now);
 
   // Whether `candidate` (the request Pick would run next) runs now, between two denoising steps of
-  // `running` (a batch's first member), which has `remaining_cost` of its work left and has been
-  // paused for `paused` in all so far. `candidate_move_bytes`: what running its pipeline now would
-  // move onto the device. Sets `reason` (for the decision log) when it does.
-  bool Preempts(const ScheduleEntry& running, double remaining_cost, absl::Duration paused,
-                const ScheduleEntry& candidate, int64_t candidate_move_bytes, std::string* reason) const;
+  // `running` (a batch's first member). Sets `reason` (for the decision log) when it does.
+  struct PreemptionCase {
+    const ScheduleEntry* running = nullptr;
+    double remaining_cost = 0;       // The running request's work left (a batch's in all).
+    absl::Duration paused;           // How long it has been paused so far.
+    const ScheduleEntry* candidate = nullptr;
+    int64_t candidate_move_bytes = 0;  // What running the candidate's pipeline now would move.
+    // Expected seconds of the running request's rest and of the candidate's run, from the device's
+    // recent runs of their pipelines (DeviceWorker); <= 0 when unknown: then their work decides
+    // which is shorter.
+    double remaining_seconds = 0;
+    double candidate_seconds = 0;
+  };
+  bool Preempts(const PreemptionCase& c, std::string* reason) const;
 
   // Charges a request that ran (each member of a batch) to its priority level and tenant.
   void Charge(const ScheduleEntry& entry);

@@ -1,5 +1,6 @@
 #include "runtime/device_worker.h"
 
+#include <algorithm>
 #include <any>
 #include <atomic>
 #include <string>
@@ -924,27 +925,26 @@ struct StepLog {
   }
 };
 
-// A job of `steps` steps that records each and asks to be preempted between them; the first
-// boundary waits for `gate` (so the test queues jobs meanwhile). Records what PreemptBetweenSteps
-// returned ("+" ran something, "-" nothing).
+// A job of `steps` steps (each `step_time` long) that records each and asks to be preempted
+// between them; the first boundary waits for `gate` (so the test queues jobs meanwhile). Records
+// what PreemptBetweenSteps returned ("+" ran something, "-" nothing).
 DeviceWorker::Job Stepping(const std::string& name, int priority, const std::string& pipeline, double cost, int steps,
-                           StepLog& log, absl::Notification* at_first, absl::Notification* gate) {
+                           StepLog& log, absl::Notification* at_first, absl::Notification* gate,
+                           absl::Duration step_time = absl::ZeroDuration()) {
   DeviceWorker::Job job;
   job.schedule.priority = priority;
   job.schedule.pipeline = pipeline;
   job.schedule.cost = cost;
   job.run = [=, &log](WorkerScope& scope, absl::Duration) {
-    absl::Duration paused;
     for (int step = 1; step <= steps; ++step) {
       log.Add(absl::StrCat(name, ":", step));
+      if (step_time > absl::ZeroDuration()) absl::SleepFor(step_time);
       if (step == steps) break;
       if (step == 1 && at_first != nullptr) {
         at_first->Notify();
         gate->WaitForNotification();
       }
-      const absl::Time t0 = absl::Now();
-      const bool ran = scope.worker().PreemptBetweenSteps(scope, double(steps - step) / steps, paused);
-      if (ran) paused += absl::Now() - t0;
+      const bool ran = scope.worker().PreemptBetweenSteps(scope, double(steps - step) / steps);
       log.Add(absl::StrCat(name, ran ? "+" : "-"));
     }
   };
@@ -1012,6 +1012,47 @@ TEST(DeviceWorkerSchedulingTest, AShortResidentJobPreemptsALongOneOnlyWithinTheB
   // Paused 200 ms > the 150 ms bound: hot-2 waits for the long job's end.
   EXPECT_EQ(std::vector<std::string>(events.begin() + 3, events.begin() + 8),
             (std::vector<std::string>{"long:2", "long-", "long:3", "long-", "long:4"}));
+}
+
+// Which one is shorter goes by time once the worker has seen both pipelines run: "hot" requests of
+// 8 units of work take ~5 ms, "flux" ones of 8 units ~400 ms (4 steps of 100 ms). Equal work, so
+// by work "hot" would not preempt; by the learned times (5 ms against ~300 ms left) it does.
+TEST(DeviceWorkerSchedulingTest, ShorterGoesByTheLearnedRunTimesOnceBothPipelinesRan) {
+  DeviceWorker::Options options = Options("sim:0", 16);
+  options.scheduler.preemption = Preemption::kResident;
+  options.scheduler.max_reorder_delay = absl::Seconds(30);
+  options.move_bytes = [](const std::string&) -> int64_t { return 0; };
+  std::vector<std::string> reasons;  // Written on the worker.
+  options.on_preempt = [&reasons](WorkerScope&, const DeviceWorker::Job&, const std::string& reason) {
+    reasons.push_back(reason);
+  };
+  DeviceWorker worker(std::move(options));
+  StepLog log;
+  ASSERT_TRUE(worker.Submit(Stepping("hot-0", 0, "hot", 8, 1, log, nullptr, nullptr, absl::Milliseconds(5))).ok());
+  ASSERT_TRUE(
+      worker.Submit(Stepping("flux-0", 0, "flux", 8, 4, log, nullptr, nullptr, absl::Milliseconds(100))).ok());
+  ASSERT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr,
+                             DeviceWorker::TaskOrder::kAfterQueuedJobs)
+                  .ok());
+  absl::Notification at_first, gate;
+  ASSERT_TRUE(
+      worker.Submit(Stepping("flux-1", 0, "flux", 8, 4, log, &at_first, &gate, absl::Milliseconds(100))).ok());
+  at_first.WaitForNotification();
+  ASSERT_TRUE(worker.Submit(Stepping("hot-1", 0, "hot", 8, 1, log, nullptr, nullptr, absl::Milliseconds(5))).ok());
+  gate.Notify();
+  ASSERT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr,
+                             DeviceWorker::TaskOrder::kAfterQueuedJobs)
+                  .ok());
+  const std::vector<std::string> events = log.Get();
+  const auto at = std::find(events.begin(), events.end(), "flux-1:1");
+  ASSERT_NE(at, events.end());
+  ASSERT_GE(events.end() - at, 3);
+  EXPECT_EQ(std::vector<std::string>(at, at + 3), (std::vector<std::string>{"flux-1:1", "hot-1:1", "flux-1+"}));
+  ASSERT_EQ(reasons.size(), 1u);
+  EXPECT_NE(reasons[0].find("pipeline 'hot' moves nothing and its run ("), std::string::npos) << reasons[0];
+  EXPECT_NE(reasons[0].find(" s expected) is shorter than the running request of pipeline 'flux' has left ("),
+            std::string::npos)
+      << reasons[0];
 }
 
 TEST(DeviceWorkerSchedulingTest, NothingRunsInsideAJobWithPreemptionOffOrBeforeAWaitingTask) {

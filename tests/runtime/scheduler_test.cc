@@ -300,8 +300,8 @@ TEST(SchedulerTest, ClientChosenTenantNamesDoNotGrowItsMemory) {
 
 // Preemption between steps: off by default; a higher priority preempts under kPriority and
 // kResident; a request of the same priority only under kResident, when its pipeline moves nothing,
-// its work is less than what the running request has left, and the running request was paused less
-// than max_reorder_delay in all.
+// its run is shorter than what the running request has left (by the expected seconds when both are
+// known, else by work), and the running request was paused less than max_reorder_delay in all.
 TEST(SchedulerTest, PreemptionTakesAHigherPriorityOrAShortResidentRequestWithinTheBound) {
   ScheduleEntry running = Entry(0, "a", "flux");
   running.cost = 8;
@@ -309,36 +309,63 @@ TEST(SchedulerTest, PreemptionTakesAHigherPriorityOrAShortResidentRequestWithinT
   urgent.cost = 8;
   ScheduleEntry hot = Entry(0, "b", "zimage");
   hot.cost = 2;
+  const auto make = [&](const ScheduleEntry& r, double remaining, absl::Duration paused, const ScheduleEntry& c,
+                        int64_t move) {
+    Scheduler::PreemptionCase q;
+    q.running = &r;
+    q.remaining_cost = remaining;
+    q.paused = paused;
+    q.candidate = &c;
+    q.candidate_move_bytes = move;
+    return q;
+  };
   std::string reason;
 
   SchedulerOptions options;
   options.max_reorder_delay = absl::Seconds(2);
-  EXPECT_FALSE(Scheduler(options).Preempts(running, 8, absl::ZeroDuration(), urgent, 0, &reason));  // kNone.
+  EXPECT_FALSE(Scheduler(options).Preempts(make(running, 8, absl::ZeroDuration(), urgent, 0), &reason));  // kNone.
 
   options.preemption = Preemption::kPriority;
   Scheduler priority(options);
-  EXPECT_TRUE(priority.Preempts(running, 1, absl::Seconds(100), urgent, int64_t{1} << 30, &reason));
+  EXPECT_TRUE(priority.Preempts(make(running, 1, absl::Seconds(100), urgent, int64_t{1} << 30), &reason));
   EXPECT_EQ(reason,
             "priority 1 preempts the running request of pipeline 'flux' (priority 0) between its denoising steps");
-  EXPECT_FALSE(priority.Preempts(running, 8, absl::ZeroDuration(), hot, 0, &reason));  // Same priority.
-  EXPECT_FALSE(priority.Preempts(urgent, 8, absl::ZeroDuration(), running, 0, &reason));  // Lower.
+  EXPECT_FALSE(priority.Preempts(make(running, 8, absl::ZeroDuration(), hot, 0), &reason));    // Same priority.
+  EXPECT_FALSE(priority.Preempts(make(urgent, 8, absl::ZeroDuration(), running, 0), &reason));  // Lower.
 
   options.preemption = Preemption::kResident;
   Scheduler resident(options);
   reason.clear();
-  EXPECT_TRUE(resident.Preempts(running, 6, absl::Milliseconds(500), hot, 0, &reason));
+  EXPECT_TRUE(resident.Preempts(make(running, 6, absl::Milliseconds(500), hot, 0), &reason));
   EXPECT_EQ(reason,
             "pipeline 'zimage' moves nothing and its work (2) is less than the running request of pipeline 'flux' "
             "has left (6; paused 500ms so far of max_reorder_delay 2s)");
-  EXPECT_TRUE(resident.Preempts(running, 1, absl::ZeroDuration(), urgent, 0, &reason));  // Priority still.
-  EXPECT_FALSE(resident.Preempts(running, 6, absl::Milliseconds(500), hot, 1, &reason));  // Moves a byte.
-  EXPECT_FALSE(resident.Preempts(running, 2, absl::Milliseconds(500), hot, 0, &reason));  // Not shorter.
-  EXPECT_FALSE(resident.Preempts(running, 6, absl::Seconds(2), hot, 0, &reason));  // Paused the bound.
-  ScheduleEntry low = hot;
-  low.priority = 0;
+  EXPECT_TRUE(resident.Preempts(make(running, 1, absl::ZeroDuration(), urgent, 0), &reason));  // Priority still.
+  EXPECT_FALSE(resident.Preempts(make(running, 6, absl::Milliseconds(500), hot, 1), &reason));  // Moves a byte.
+  EXPECT_FALSE(resident.Preempts(make(running, 2, absl::Milliseconds(500), hot, 0), &reason));  // Not shorter.
+  EXPECT_FALSE(resident.Preempts(make(running, 6, absl::Seconds(2), hot, 0), &reason));  // Paused the bound.
   ScheduleEntry high_running = running;
   high_running.priority = 3;
-  EXPECT_FALSE(resident.Preempts(high_running, 6, absl::ZeroDuration(), low, 0, &reason));  // Lower priority.
+  EXPECT_FALSE(resident.Preempts(make(high_running, 6, absl::ZeroDuration(), hot, 0), &reason));  // Lower priority.
+
+  // With both expected times known, time decides: more work but a shorter run preempts, less work
+  // but a longer run does not; one unknown and work decides again.
+  ScheduleEntry big_hot = hot;
+  big_hot.cost = 8;
+  Scheduler::PreemptionCase timed = make(running, 4, absl::ZeroDuration(), big_hot, 0);
+  timed.remaining_seconds = 0.9;
+  timed.candidate_seconds = 0.8;
+  reason.clear();
+  EXPECT_TRUE(resident.Preempts(timed, &reason));
+  EXPECT_EQ(reason,
+            "pipeline 'zimage' moves nothing and its run (0.800 s expected) is shorter than the running request of "
+            "pipeline 'flux' has left (0.900 s; paused 0 so far of max_reorder_delay 2s)");
+  Scheduler::PreemptionCase slower = make(running, 6, absl::ZeroDuration(), hot, 0);
+  slower.remaining_seconds = 0.5;
+  slower.candidate_seconds = 0.6;
+  EXPECT_FALSE(resident.Preempts(slower, &reason));
+  slower.remaining_seconds = 0;  // Unknown: by work (2 < 6).
+  EXPECT_TRUE(resident.Preempts(slower, &reason));
 }
 
 }  // namespace

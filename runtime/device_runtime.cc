@@ -890,6 +890,7 @@ absl::StatusOr<v1::GenerateResponse> DeviceRuntime::Generate(const v1::GenerateR
   job.schedule.priority = request.priority();
   job.schedule.tenant = request.tenant();
   job.schedule.pipeline = pipeline->name();
+  job.schedule.deadline = control.deadline;
   // Work: steps x megapixels (a request of 8 steps at 1024x1024 costs 8).
   job.schedule.cost = std::max(1e-3, params.steps * static_cast<double>(params.width) * params.height / (1024.0 * 1024.0));
   job.run = [&](WorkerScope& scope, absl::Duration queue_wait) {

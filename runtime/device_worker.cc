@@ -500,6 +500,9 @@ void DeviceWorker::LearnRunTime(const std::string& pipeline, double seconds, dou
   if (seconds_per_work_.size() >= 256 && seconds_per_work_.count(pipeline) == 0) seconds_per_work_.clear();
   const double rate = seconds / cost;
   double& learned = seconds_per_work_[pipeline];
+  // A job that ended at once (its caller went, its pipeline was unloaded while it waited) says
+  // nothing about the pipeline's runs.
+  if (learned > 0 && rate < learned / 4) return;
   learned = learned > 0 ? 0.7 * learned + 0.3 * rate : rate;
 }
 
@@ -545,6 +548,7 @@ bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_frac
     c.candidate_move_bytes = move;
     c.remaining_seconds = ExpectedSeconds(c.running->pipeline, c.remaining_cost);
     c.candidate_seconds = ExpectedSeconds(candidate.pipeline, candidate.cost);
+    c.now = now;
     if (!scheduler_.Preempts(c, &reason)) return false;
     // The same choice for real (same state, same time): it moves to the front and is charged.
     reorder_reason = ScheduleFront(now);

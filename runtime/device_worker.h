@@ -283,7 +283,8 @@ class DeviceWorker {
   // The remote-call lane, in arrival order.
   std::deque<std::shared_ptr<CallState>> calls_ ABSL_GUARDED_BY(mu_);
   // Worker only: a job's device seconds per unit of work (ScheduleEntry::cost) for `pipeline`,
-  // learned as a moving average (LearnRunTime), and the expectation for `cost` of it (0: unknown).
+  // learned as a moving average (LearnRunTime: a job under a quarter of the average, one that
+  // ended at once, is left out), and the expectation for `cost` of it (0: unknown).
   void LearnRunTime(const std::string& pipeline, double seconds, double cost);
   double ExpectedSeconds(const std::string& pipeline, double cost) const;
 

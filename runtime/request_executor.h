@@ -44,6 +44,9 @@ struct CallControl {
   // PreviewSteps) with their index, step and image, on the device worker's thread (keep it short).
   // Without it a request's partial_images are not made.
   std::function<void(int index, int step, const Image& image)> on_preview;
+  // When the caller gives up (its gRPC deadline; infinite for none): the scheduler does not pause
+  // the running request for another (preemption) when the expected pause would pass it.
+  absl::Time deadline = absl::InfiniteFuture();
 };
 
 class DeviceRuntime;

@@ -117,6 +117,11 @@ bool Scheduler::Preempts(const PreemptionCase& c, std::string* reason) const {
   if (options_.preemption == Preemption::kNone || c.running == nullptr || c.candidate == nullptr) return false;
   const ScheduleEntry& running = *c.running;
   const ScheduleEntry& candidate = *c.candidate;
+  if (running.deadline != absl::InfiniteFuture() &&
+      !(c.remaining_seconds > 0 && c.candidate_seconds > 0 &&
+        c.now + absl::Seconds(c.remaining_seconds + c.candidate_seconds) < running.deadline)) {
+    return false;  // It could pass its deadline paused (or the times are not known yet).
+  }
   if (candidate.priority > running.priority) {
     *reason = absl::StrCat("priority ", candidate.priority, " preempts the running request of pipeline '",
                            running.pipeline, "' (priority ", running.priority, ") between its denoising steps");

@@ -23,8 +23,9 @@
 //      request Pick would choose next runs first when it has a higher priority, or (kResident) the
 //      same priority, nothing to move and a shorter run than the running request has left (by the
 //      device's recent run times of both pipelines; by work while either is unknown), while the
-//      running request has been paused less than max_reorder_delay in all. The paused request goes
-//      on from its step afterwards; one preempting request is never itself preempted.
+//      running request has been paused less than max_reorder_delay in all; never past the running
+//      request's deadline (by the expected times). The paused request goes on from its step
+//      afterwards; one preempting request is never itself preempted.
 //
 // The device worker asks it under its queue lock (DeviceWorker::Options::scheduler); this class
 // holds no lock of its own. Thread-safety: not thread-safe; one owner serialises calls.
@@ -68,6 +69,8 @@ struct ScheduleEntry {
   std::string tenant;    // "" is the default tenant.
   std::string pipeline;  // What it runs: its move cost decides reordering.
   double cost = 1;       // Its work (e.g. steps x megapixels), charged to its tenant when it runs.
+  // When its caller gives up (a gRPC deadline); preemption never pauses it past this.
+  absl::Time deadline = absl::InfiniteFuture();
 };
 
 struct ScheduleChoice {
@@ -102,6 +105,9 @@ class Scheduler {
     // which is shorter.
     double remaining_seconds = 0;
     double candidate_seconds = 0;
+    // A running request with a deadline is preempted only when both expected times are known and
+    // it still ends before its deadline after the candidate's run: now + both < deadline.
+    absl::Time now;
   };
   bool Preempts(const PreemptionCase& c, std::string* reason) const;
 

@@ -1,11 +1,13 @@
 #include "server/generation_service.h"
 
+#include <chrono>
 #include <deque>
 #include <string>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "models/core/image.h"
 #include "server/generation_metrics.h"
 
@@ -14,6 +16,11 @@ namespace {
 
 CallControl ControlFor(grpc::ServerContext* context) {
   CallControl control;
+  // gRPC's "no deadline" is the clock's far end: beyond a year counts as none.
+  const std::chrono::system_clock::time_point deadline = context->deadline();
+  if (deadline < std::chrono::system_clock::now() + std::chrono::hours(24 * 365)) {
+    control.deadline = absl::FromChrono(deadline);
+  }
   control.interrupt = [context]() -> absl::Status {
     if (context->deadline() < std::chrono::system_clock::now()) {
       return absl::DeadlineExceededError("deadline exceeded; the request was stopped");

@@ -473,6 +473,9 @@ TEST_F(SchedulingTest, AHigherPriorityRequestRunsBetweenTheStepsOfARunningOne) {
     pipelines { name: "zimage-tiny" builtin: "zimage-tiny" }
     scheduler { preemption: PREEMPTION_PRIORITY }
   )pb");
+  // The long request has a deadline (120 s): it is paused only once the device knows how long the
+  // pipeline's requests take (its first request here).
+  ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("zimage-tiny", 1)).ok());
   StartLong("zimage-tiny");
   v1::GenerateRequest urgent = E2eServer::SmallRequest("zimage-tiny", 2);
   urgent.set_priority(5);

@@ -368,5 +368,34 @@ TEST(SchedulerTest, PreemptionTakesAHigherPriorityOrAShortResidentRequestWithinT
   EXPECT_TRUE(resident.Preempts(slower, &reason));
 }
 
+// A running request with a deadline is paused only when the expected times say it still ends
+// before it; unknown times pause nothing — priority or residency alike.
+TEST(SchedulerTest, PreemptionNeverPausesARequestPastItsDeadline) {
+  SchedulerOptions options;
+  options.max_reorder_delay = absl::Seconds(2);
+  options.preemption = Preemption::kResident;
+  Scheduler scheduler(options);
+  ScheduleEntry running = Entry(0, "a", "flux");
+  running.cost = 8;
+  running.deadline = kT0 + absl::Seconds(2);
+  ScheduleEntry urgent = Entry(5, "b", "flux");
+  ScheduleEntry hot = Entry(0, "b", "zimage");
+  hot.cost = 1;
+  for (const ScheduleEntry* candidate : {&urgent, &hot}) {
+    Scheduler::PreemptionCase c;
+    c.running = &running;
+    c.remaining_cost = 6;
+    c.candidate = candidate;
+    c.now = kT0;
+    std::string reason;
+    EXPECT_FALSE(scheduler.Preempts(c, &reason)) << "times unknown";
+    c.remaining_seconds = 1.2;
+    c.candidate_seconds = 0.7;
+    EXPECT_TRUE(scheduler.Preempts(c, &reason)) << "ends at 1.9 s, before its deadline";
+    c.candidate_seconds = 0.8;
+    EXPECT_FALSE(scheduler.Preempts(c, &reason)) << "would end at its deadline";
+  }
+}
+
 }  // namespace
 }  // namespace stowage

@@ -634,14 +634,16 @@ def replay_model(requests, resident_pipelines, reorder_s, preemption, encode=Non
     return latency
 
 
-def replay_preemption(log_dir, rows_path):
+def replay_preemption(log_dir, rows_path, run_x=None):
     """Estimates what preemption between steps would change on a run's trace: the scheduler
     strategy's requests (arrivals and own run times from its server log) replayed through
     replay_model without preemption (against the measured latencies: how good the model is) and
     with each policy, each pipeline's server-side p50 and p99 beside the resident strategy's
     measured ones. A model, not a measurement: it assumes a preempted run is no slower afterwards
     (its spare-room cache may have given room to the preempting request) and the hot pipeline (the
-    --keep_resident transformer's) moves nothing."""
+    --keep_resident transformer's) moves nothing. `run_x` ({pipeline: x}): what if that pipeline's
+    runs under the budget took x times its resident runs (each request's run scaled by x over the
+    ratio of the pipeline's mean runs): which run times the targets need."""
     rows = [json.loads(line) for line in open(rows_path, encoding="utf-8")]
     info = next((r["trace"] for r in rows if "trace" in r), {})
     steps = next((r["steps"] for r in rows if "steps" in r), {})
@@ -651,9 +653,21 @@ def replay_preemption(log_dir, rows_path):
     reorder_s = next((r.get("reorder_ms", 4000) for r in rows if r.get("strategy") == "scheduler"), 4000) / 1000
     measured = measured_requests(os.path.join(log_dir, "scheduler.log"), trace)
     resident = measured_requests(os.path.join(log_dir, "resident.log"), trace)
+    encode = encode_times(measured)  # From the runs as measured.
+    scaled = False
+    for pipeline, x in (run_x or {}).items():
+        mine = [r for r in measured if r["pipeline"] == pipeline]
+        base = [r["run"] for r in resident if r["pipeline"] == pipeline]
+        if not mine or not base:
+            raise SystemExit(f"--run_x: no requests of pipeline '{pipeline}' in both strategies")
+        factor = x * (sum(base) / len(base)) / (sum(r["run"] for r in mine) / len(mine))
+        for r in mine:
+            r["run"] *= factor
+        scaled = True
     print(f"replay of {len(measured)} requests (scheduler strategy), resident pipelines {sorted(resident_pipelines)}, "
           f"reorder bound {reorder_s:g} s; server-side latency p50 / p99 s (x the resident strategy's measured)")
-    encode = encode_times(measured)
+    if scaled:
+        print("  runs scaled: " + ", ".join(f"{p} {x:g}x its resident run" for p, x in sorted(run_x.items())))
     print("  PNG encoding per pipeline (in a reply's run time, off the worker): "
           + ", ".join(f"{p} {e:.3f} s" for p, e in sorted(encode.items())))
     models = {policy: replay_model(measured, resident_pipelines, reorder_s, policy, encode)
@@ -665,7 +679,7 @@ def replay_preemption(log_dir, rows_path):
         if not base:
             continue
         b50, b99 = percentile(base, 0.5), percentile(base, 0.99)
-        cells = [("measured", sel(measured, [r["latency"] for r in measured]))]
+        cells = [] if scaled else [("measured", sel(measured, [r["latency"] for r in measured]))]
         cells += [(f"model {policy}", sel(measured, values)) for policy, values in models.items()]
         text = ", ".join(f"{name} {percentile(v, 0.5):.3f} ({percentile(v, 0.5) / b50:.2f}x) / "
                          f"{percentile(v, 0.99):.3f} ({percentile(v, 0.99) / b99:.2f}x)" for name, v in cells)
@@ -815,9 +829,13 @@ def main():
     r = sub.add_parser("replay")
     r.add_argument("logs", help="the --logs folder of a run with resident and scheduler strategies")
     r.add_argument("rows", help="that run's rows")
+    r.add_argument("--run_x", default="",
+                   help="e.g. flux-dev=1.1,flux-schnell=1.1: those pipelines' runs as that many times their "
+                        "resident runs (what run times the targets need)")
     ARGS = parser.parse_args()
     if ARGS.command == "replay":
-        replay_preemption(ARGS.logs, ARGS.rows)
+        run_x = dict((k, float(v)) for k, v in (i.split("=") for i in ARGS.run_x.split(",") if i))
+        replay_preemption(ARGS.logs, ARGS.rows, run_x)
         return
     if ARGS.command == "table":
         table([json.loads(line) for line in open(ARGS.rows, encoding="utf-8")])

@@ -245,15 +245,18 @@ TEST_F(SchedulingTest, TheSchedulerSwitchedAtRunTimeDecidesTheOrderFromThenOn) {
 // SetScheduler while requests wait and run, from several admin clients at once: every request
 // succeeds, the last setting is the one in force, and the server still answers health checks.
 TEST_F(SchedulingTest, SchedulerChangesWhileRequestsRunLoseNoRequest) {
+  // Batching on, and preemption switched among its modes while requests of several priorities and
+  // lengths run: batches and requests preempting others between steps lose nothing either.
   Start(R"pb(
     device { kind: KIND_SIMULATED }
-    pipelines { name: "zimage-tiny" builtin: "zimage-tiny" }
+    pipelines { name: "zimage-tiny" builtin: "zimage-tiny" batching { max_batch_size: 3 } }
   )pb");
   std::vector<std::thread> requests;
-  for (int i = 0; i < 8; ++i) {
+  for (int i = 0; i < 12; ++i) {
     v1::GenerateRequest r = E2eServer::SmallRequest("zimage-tiny", 100 + i);
     r.set_tenant(i % 2 == 0 ? "a" : "b");
     r.set_priority(i % 3);
+    r.set_num_inference_steps(i % 4 == 0 ? 12 : 2);
     requests.push_back(Send(r, absl::StrCat("r", i)));
   }
   std::vector<std::thread> admins;
@@ -265,9 +268,12 @@ TEST_F(SchedulingTest, SchedulerChangesWhileRequestsRunLoseNoRequest) {
         set.mutable_scheduler()->set_priority_mode(k % 2 == 0 ? v1::SchedulerConfig::PRIORITY_WEIGHTED
                                                               : v1::SchedulerConfig::PRIORITY_STRICT);
         (*set.mutable_scheduler()->mutable_tenant_weights())["a"] = 1 + a;
-        // Limits that change but never bite (4 requests per tenant): a refusal is a clear status,
+        // Limits that change but never bite (6 requests per tenant): a refusal is a clear status,
         // not a lost request, but it would make this test depend on timing.
-        set.mutable_scheduler()->set_tenant_queue_limit(k % 2 == 0 ? 0 : 4);
+        set.mutable_scheduler()->set_tenant_queue_limit(k % 2 == 0 ? 0 : 6);
+        set.mutable_scheduler()->set_preemption(k % 2 == 1 && a != 0 ? v1::SchedulerConfig::PREEMPTION_RESIDENT
+                                                : k % 3 == 0          ? v1::SchedulerConfig::PREEMPTION_NONE
+                                                                      : v1::SchedulerConfig::PREEMPTION_PRIORITY);
         v1::SetSchedulerResponse now;
         EXPECT_TRUE(server_->admin().SetScheduler(E2eServer::Authed().get(), set, &now).ok());
       }
@@ -275,7 +281,7 @@ TEST_F(SchedulingTest, SchedulerChangesWhileRequestsRunLoseNoRequest) {
   }
   for (std::thread& t : admins) t.join();
   for (std::thread& t : requests) t.join();
-  EXPECT_EQ(Finished().size(), 8u);
+  EXPECT_EQ(Finished().size(), 12u);
   v1::SetSchedulerRequest last;
   last.mutable_scheduler()->set_max_reorder_delay_ms(1234);
   v1::SetSchedulerResponse now;

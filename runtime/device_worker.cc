@@ -511,7 +511,8 @@ double DeviceWorker::ExpectedSeconds(const std::string& pipeline, double cost) c
   return it == seconds_per_work_.end() ? 0 : it->second * cost;
 }
 
-bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_fraction) {
+bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_fraction,
+                                       const std::function<void()>& before) {
   if (&scope.worker() != this) {
     std::cerr << "DeviceWorker::PreemptBetweenSteps: the scope of device " << scope.worker().device() << " on device "
               << options_.device << std::endl;
@@ -566,6 +567,7 @@ bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_frac
     if (item.job.drop) item.job.drop();
   }
   if (!reorder_reason.empty()) absl::StrAppend(&reason, "; ", reorder_reason);
+  if (before) before();
   preempting_ = true;
   const absl::Time began = absl::Now();
   RunJobs(scope, jobs, batching, absl::ZeroDuration(), reason, options_.on_preempt);

@@ -225,8 +225,10 @@ class DeviceWorker {
   // work, learned from its recent jobs here, their pauses aside), that job runs now, in place, to
   // its end — a batch with the members of its key queued now, without waiting for more — and true
   // is returned; otherwise nothing changes and false. A preempting job is never preempted itself
-  // (false inside it), and tasks never run here. `scope` must be this worker's own.
-  bool PreemptBetweenSteps(WorkerScope& scope, double remaining_fraction);
+  // (false inside it), and tasks never run here. `scope` must be this worker's own. `before`
+  // (optional) is called just before the preempting job runs (the paused job tells its callers).
+  bool PreemptBetweenSteps(WorkerScope& scope, double remaining_fraction,
+                           const std::function<void()>& before = nullptr);
 
   // True on the worker's own thread (for contracts that say "worker only").
   bool OnWorkerThread() const { return std::this_thread::get_id() == thread_.get_id(); }

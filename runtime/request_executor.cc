@@ -379,7 +379,10 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
       const int64_t floor_rss = std::max(peak_floor_rss_, rss.ok() ? rss->peak_rss_bytes : 0);
       const absl::Time pause_start = absl::Now();
       const double remaining = total > 0 ? static_cast<double>(total - done) / total : 0.0;
-      if (!scope.worker().PreemptBetweenSteps(scope, remaining)) return;
+      const auto tell = [&contexts, done, total] {
+        for (const std::unique_ptr<RunContext>& context : contexts) context->ReportPaused(done, total);
+      };
+      if (!scope.worker().PreemptBetweenSteps(scope, remaining, tell)) return;
       const absl::Duration pause = absl::Now() - pause_start;
       const DeviceMemoryStats resumed = backend.GetMemoryStats();
       const absl::StatusOr<ProcessMemory> rss_after = ReadProcessMemory();

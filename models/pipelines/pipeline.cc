@@ -11,6 +11,10 @@ RunContext::RunContext(std::function<absl::Status()> interrupt,
                        std::function<void(const std::string&, int, int)> progress)
     : interrupt_(std::move(interrupt)), progress_(std::move(progress)) {}
 
+void RunContext::ReportPaused(int step, int total_steps) {
+  if (progress_) progress_("paused", step, total_steps);
+}
+
 void RunContext::ExcludeFromStage(absl::Duration paused) {
   if (!current_stage_.empty()) stage_start_ += paused;
 }

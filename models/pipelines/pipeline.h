@@ -86,8 +86,10 @@ class RunContext {
   void BeginStage(const std::string& stage, int total_steps = 0);
   void EndStage();
   void ReportStep(int step, int total_steps);
-  // The run was paused for `paused` (other work ran on its device: preemption between steps): the
-  // stage running now does not count it.
+  // Preemption between steps: the run pauses after denoising step `step` of `total` while another
+  // request runs on its device (a "paused" progress event), then was paused for `paused`, which
+  // the stage running now does not count.
+  void ReportPaused(int step, int total_steps);
   void ExcludeFromStage(absl::Duration paused);
 
   // Previews (partial images): after each denoising step in `steps` (1-based) the pipeline decodes

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
@@ -52,17 +53,20 @@ class LongRequest {
     v1::GenerateStreamResponse message;
     while (reader_->Read(&message)) {
       if (message.has_result()) result_ = message.result();
+      if (message.has_progress()) stages_.push_back(message.progress().stage());
     }
     return reader_->Finish().ok();
   }
-  // Its reply, once Finish returned true.
+  // Its reply, once Finish returned true, and the stages of the progress events Finish read.
   const v1::GenerateResponse& result() const { return result_; }
+  const std::vector<std::string>& stages() const { return stages_; }
 
  private:
   grpc::ClientContext context_;
   std::unique_ptr<grpc::ClientReader<v1::GenerateStreamResponse>> reader_;
   bool running_ = false;
   v1::GenerateResponse result_;
+  std::vector<std::string> stages_;
 };
 
 }  // namespace stowage

@@ -491,6 +491,11 @@ TEST_F(SchedulingTest, AHigherPriorityRequestRunsBetweenTheStepsOfARunningOne) {
   ASSERT_TRUE(long_->Finish());
   const v1::RequestStats& paused = long_->result().stats();
   EXPECT_EQ(paused.preemptions(), 1);
+  // Its stream said so: a "paused" event, then its denoise steps again.
+  const std::vector<std::string>& stages = long_->stages();
+  const auto pause = std::find(stages.begin(), stages.end(), "paused");
+  ASSERT_NE(pause, stages.end());
+  EXPECT_NE(std::find(pause, stages.end(), "denoise"), stages.end());
   const double preempted = paused.preempted_time().seconds() + paused.preempted_time().nanos() * 1e-9;
   const double run = paused.run_time().seconds() + paused.run_time().nanos() * 1e-9;
   EXPECT_GT(preempted, 0);

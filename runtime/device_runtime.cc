@@ -36,8 +36,13 @@ int64_t PipelineMoveBytes(const PlacementSnapshot& snapshot, const std::string& 
   const auto ours = [&pipeline](const ComponentView& c) {
     return c.kind != kLoraAdapterKind && std::find(c.pipelines.begin(), c.pipelines.end(), pipeline) != c.pipelines.end();
   };
+  // Whether the pipeline itself has run: one of its own components (not shared: another pipeline's
+  // run of a shared encoder says nothing of this one's transformer) ran; a pipeline of shared
+  // components only, one of them.
+  const auto own = [&](const ComponentView& c) { return ours(c) && c.pipelines.size() == 1; };
+  const bool has_own = std::any_of(snapshot.components.begin(), snapshot.components.end(), own);
   const bool any_ran = std::any_of(snapshot.components.begin(), snapshot.components.end(),
-                                   [&](const ComponentView& c) { return ours(c) && c.ran; });
+                                   [&](const ComponentView& c) { return (has_own ? own(c) : ours(c)) && c.ran; });
   int64_t bytes = 0;
   for (const ComponentView& c : snapshot.components) {
     if (!ours(c) || (any_ran && !c.ran)) continue;

@@ -69,10 +69,11 @@ namespace stowage {
 // are on the host (adapters aside: they move only for the requests that name them), plus, for each of
 // its group-offloaded components, what one forward copies (bytes_per_forward) less what its
 // spare-room cache spares (cache_link_bytes; DeviceConfig.streamed_group_cache), so a pipeline whose
-// streamed groups stayed on the device weighs less than one whose groups all stream. Once some of
-// the pipeline's components have run, a component on the host that never ran (an image encoder
-// only image-to-image requests use) does not count: the next request most likely does not run it
-// either (so a pipeline can move "nothing", which preemption asks for).
+// streamed groups stayed on the device weighs less than one whose groups all stream. Once the
+// pipeline has run (one of its own, unshared components has; with none, one of its shared ones), a
+// component on the host that never ran (an image encoder only image-to-image requests use) does not
+// count: the next request most likely does not run it either (so a pipeline can move "nothing",
+// which preemption asks for).
 int64_t PipelineMoveBytes(const PlacementSnapshot& snapshot, const std::string& pipeline);
 
 class DeviceRuntime {

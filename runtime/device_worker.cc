@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <deque>
 #include <iostream>
 #include <map>
 
@@ -462,12 +463,18 @@ void DeviceWorker::RunJobs(WorkerScope& scope, std::vector<Item>& jobs, bool bat
     for (const Item& item : jobs) scheduler_.Charge(item.job.schedule);
   }
   const Job* outer = running_job_;
-  const double outer_cost = running_cost_;
+  const ScheduleEntry outer_entry = running_entry_;
   const absl::Duration outer_paused = job_paused_;
   running_job_ = &jobs.front().job;
-  running_cost_ = 0;
-  for (const Item& item : jobs) running_cost_ += item.job.schedule.cost;
-  const double cost = running_cost_;
+  // A batch as one request: its work in all, its highest priority, its earliest deadline.
+  running_entry_ = jobs.front().job.schedule;
+  running_entry_.cost = 0;
+  for (const Item& item : jobs) {
+    running_entry_.cost += item.job.schedule.cost;
+    running_entry_.priority = std::max(running_entry_.priority, item.job.schedule.priority);
+    running_entry_.deadline = std::min(running_entry_.deadline, item.job.schedule.deadline);
+  }
+  const double cost = running_entry_.cost;
   job_paused_ = absl::ZeroDuration();
   const absl::Time began = absl::Now();
   if (batching) {
@@ -487,7 +494,7 @@ void DeviceWorker::RunJobs(WorkerScope& scope, std::vector<Item>& jobs, bool bat
   // The device's time for this much work of this pipeline (the pauses for preempting jobs aside).
   LearnRunTime(jobs.front().job.schedule.pipeline, absl::ToDoubleSeconds(absl::Now() - began - job_paused_), cost);
   running_job_ = outer;
-  running_cost_ = outer_cost;
+  running_entry_ = outer_entry;
   job_paused_ = outer_paused;
   if (options_.after_each) options_.after_each(scope);
   for (Item& item : jobs) {
@@ -496,19 +503,25 @@ void DeviceWorker::RunJobs(WorkerScope& scope, std::vector<Item>& jobs, bool bat
 }
 
 void DeviceWorker::LearnRunTime(const std::string& pipeline, double seconds, double cost) {
-  if (pipeline.empty() || !(seconds > 0) || !(cost > 0)) return;
-  if (seconds_per_work_.size() >= 256 && seconds_per_work_.count(pipeline) == 0) seconds_per_work_.clear();
-  const double rate = seconds / cost;
-  double& learned = seconds_per_work_[pipeline];
   // A job that ended at once (its caller went, its pipeline was unloaded while it waited) says
   // nothing about the pipeline's runs.
-  if (learned > 0 && rate < learned / 4) return;
-  learned = learned > 0 ? 0.7 * learned + 0.3 * rate : rate;
+  if (pipeline.empty() || !(seconds >= 1e-3) || !(cost > 0)) return;
+  if (run_rates_.size() >= 256 && run_rates_.count(pipeline) == 0) run_rates_.clear();
+  std::deque<double>& rates = run_rates_[pipeline];
+  rates.push_back(seconds / cost);
+  if (rates.size() > kLearnedRuns) rates.pop_front();
 }
 
 double DeviceWorker::ExpectedSeconds(const std::string& pipeline, double cost) const {
-  const auto it = seconds_per_work_.find(pipeline);
-  return it == seconds_per_work_.end() ? 0 : it->second * cost;
+  const auto it = run_rates_.find(pipeline);
+  if (it == run_rates_.end() || it->second.empty()) return 0;
+  // The median of the recent runs: one outlier (a first run that loaded kernels, a cancelled
+  // one) moves it little, and it follows a lasting change within a few runs.
+  std::vector<double> sorted(it->second.begin(), it->second.end());
+  std::sort(sorted.begin(), sorted.end());
+  const size_t n = sorted.size();
+  const double median = n % 2 == 1 ? sorted[n / 2] : (sorted[n / 2 - 1] + sorted[n / 2]) / 2;
+  return median * cost;
 }
 
 bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_fraction,
@@ -521,6 +534,14 @@ bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_frac
   // Only between the steps of a job of this worker's own, and one level deep: a preempting job
   // runs to its end.
   if (running_job_ == nullptr || preempting_) return false;
+  {
+    absl::MutexLock lock(&mu_);
+    if (stopping_ || scheduler_.options().preemption == Preemption::kNone) return false;
+    if (queue_.empty() || queue_.front().task != nullptr) return false;
+  }
+  // Residency as it is now, not as the last job left it (this one may have moved weights): the
+  // snapshot move_bytes reads is published first.
+  if (options_.after_each) options_.after_each(scope);
   std::vector<Item> jobs;
   std::vector<Item> dropped;
   bool batching = false;
@@ -528,7 +549,7 @@ bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_frac
   std::string reorder_reason;
   {
     absl::MutexLock lock(&mu_);
-    if (stopping_ || scheduler_.options().preemption == Preemption::kNone) return false;
+    if (stopping_) return false;
     std::vector<const ScheduleEntry*> entries;
     for (auto it = queue_.begin(); it != queue_.end() && it->task == nullptr; ++it) entries.push_back(&it->job.schedule);
     if (entries.empty()) return false;
@@ -536,18 +557,31 @@ bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_frac
     // The scheduler's own choice among the waiting jobs, asked of a copy: not preempting changes nothing.
     Scheduler preview = scheduler_;
     const size_t chosen = preview.Pick(entries, options_.move_bytes, now).index;
-    const ScheduleEntry candidate = *entries[chosen];
     const Item& item = queue_[chosen];
     if (item.job.cancelled && item.job.cancelled()) return false;  // Dropped when it reaches the front.
+    // The candidate as it would run: with the members of its batch key queued now (up to its
+    // batch size), their work in all.
+    ScheduleEntry candidate = item.job.schedule;
+    if (!item.job.batch_key.empty()) {
+      const size_t limit = static_cast<size_t>(std::max(1, item.job.max_batch_size));
+      size_t members = 1;
+      for (const Item& other : queue_) {
+        if (members >= limit) break;
+        if (&other == &item || other.task != nullptr || other.job.batch_key != item.job.batch_key) continue;
+        if (other.job.cancelled && other.job.cancelled()) continue;
+        candidate.cost += other.job.schedule.cost;
+        ++members;
+      }
+    }
     // Unknown residency (no move_bytes) is never "nothing to move".
     const int64_t move = options_.move_bytes ? options_.move_bytes(candidate.pipeline) : INT64_MAX;
     Scheduler::PreemptionCase c;
-    c.running = &running_job_->schedule;
-    c.remaining_cost = running_cost_ * std::clamp(remaining_fraction, 0.0, 1.0);
+    c.running = &running_entry_;
+    c.remaining_cost = running_entry_.cost * std::clamp(remaining_fraction, 0.0, 1.0);
     c.paused = job_paused_;
     c.candidate = &candidate;
     c.candidate_move_bytes = move;
-    c.remaining_seconds = ExpectedSeconds(c.running->pipeline, c.remaining_cost);
+    c.remaining_seconds = ExpectedSeconds(running_entry_.pipeline, c.remaining_cost);
     c.candidate_seconds = ExpectedSeconds(candidate.pipeline, candidate.cost);
     c.now = now;
     if (!scheduler_.Preempts(c, &reason)) return false;

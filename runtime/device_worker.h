@@ -228,7 +228,7 @@ class DeviceWorker {
   // (false inside it), and tasks never run here. `scope` must be this worker's own. `before`
   // (optional) is called just before the preempting job runs (the paused job tells its callers).
   bool PreemptBetweenSteps(WorkerScope& scope, double remaining_fraction,
-                           const std::function<void()>& before = nullptr);
+                           const std::function<void()>& before = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
 
   // True on the worker's own thread (for contracts that say "worker only").
   bool OnWorkerThread() const { return std::this_thread::get_id() == thread_.get_id(); }
@@ -284,20 +284,22 @@ class DeviceWorker {
   bool collecting_batch_ ABSL_GUARDED_BY(mu_) = false;
   // The remote-call lane, in arrival order.
   std::deque<std::shared_ptr<CallState>> calls_ ABSL_GUARDED_BY(mu_);
-  // Worker only: a job's device seconds per unit of work (ScheduleEntry::cost) for `pipeline`,
-  // learned as a moving average (LearnRunTime: a job under a quarter of the average, one that
-  // ended at once, is left out), and the expectation for `cost` of it (0: unknown).
+  // Worker only: a job's device seconds per unit of work (ScheduleEntry::cost) for `pipeline`
+  // (LearnRunTime: the last kLearnedRuns jobs; one that ended within a millisecond is left out),
+  // and the expectation for `cost` of it, the median of those (0: unknown).
+  static constexpr size_t kLearnedRuns = 8;
   void LearnRunTime(const std::string& pipeline, double seconds, double cost);
   double ExpectedSeconds(const std::string& pipeline, double cost) const;
 
   // Worker thread only (no lock): the job running now (a batch's first member; null between
-  // jobs), its work (a batch's in all), how long it has been paused for preempting jobs, whether
-  // it preempted another, and each pipeline's learned seconds per unit of work.
+  // jobs) and what the scheduler weighs of it (a batch's work in all, its highest priority and
+  // earliest deadline), how long it has been paused for preempting jobs, whether it preempted
+  // another, and each pipeline's recent seconds per unit of work.
   const Job* running_job_ = nullptr;
-  double running_cost_ = 0;
+  ScheduleEntry running_entry_;
   absl::Duration job_paused_;
   bool preempting_ = false;
-  std::map<std::string, double> seconds_per_work_;
+  std::map<std::string, std::deque<double>> run_rates_;
   // Wakes this worker while it waits in Call (see Waker).
   const std::shared_ptr<Waker> waker_;
   std::thread thread_;

@@ -253,8 +253,8 @@ ServerMetrics::ServerMetrics()
                    .Register(*registry_)),
       preemptions_(prometheus::BuildCounter()
                        .Name("stowage_preemptions_total")
-                       .Help("Requests run between the denoising steps of another request on a device "
-                             "(scheduler.preemption).")
+                       .Help("Preemptions on a device: a request (or a batch) run between the denoising steps "
+                             "of another (scheduler.preemption).")
                        .Register(*registry_)),
       h2d_(prometheus::BuildCounter()
                .Name("stowage_host_to_device_bytes_total")

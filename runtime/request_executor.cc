@@ -372,17 +372,24 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
   Paused paused;
   if (context_reserve == 0) {
     runner.set_between_steps([&](int done, int total) {
-      const DeviceMemoryStats at = backend.GetMemoryStats();
-      const int64_t floor_allocated = std::max(peak_floor_allocated_, at.peak_allocated_bytes);
-      const int64_t floor_reserved = std::max(peak_floor_reserved_, at.peak_process_bytes());
-      const absl::StatusOr<ProcessMemory> rss = ReadProcessMemory();
-      const int64_t floor_rss = std::max(peak_floor_rss_, rss.ok() ? rss->peak_rss_bytes : 0);
-      const absl::Time pause_start = absl::Now();
-      const double remaining = total > 0 ? static_cast<double>(total - done) / total : 0.0;
-      const auto tell = [&contexts, done, total] {
+      // Read only when a request preempts this one (`before`, just before it runs): with nothing
+      // waiting a step boundary costs no device synchronisation and no /proc read.
+      DeviceMemoryStats at;
+      int64_t floor_allocated = 0, floor_reserved = 0, floor_rss = 0;
+      absl::Time pause_start;
+      const auto before = [&] {
+        // This run's own queued kernels finish first: they are not the pause.
+        backend.RecordOnComputeStream()->Wait();
+        at = backend.GetMemoryStats();
+        floor_allocated = std::max(peak_floor_allocated_, at.peak_allocated_bytes);
+        floor_reserved = std::max(peak_floor_reserved_, at.peak_process_bytes());
+        const absl::StatusOr<ProcessMemory> rss = ReadProcessMemory();
+        floor_rss = std::max(peak_floor_rss_, rss.ok() ? rss->peak_rss_bytes : 0);
         for (const std::unique_ptr<RunContext>& context : contexts) context->ReportPaused(done, total);
+        pause_start = absl::Now();
       };
-      if (!scope.worker().PreemptBetweenSteps(scope, remaining, tell)) return;
+      const double remaining = total > 0 ? static_cast<double>(total - done) / total : 0.0;
+      if (!scope.worker().PreemptBetweenSteps(scope, remaining, before)) return;
       const absl::Duration pause = absl::Now() - pause_start;
       const DeviceMemoryStats resumed = backend.GetMemoryStats();
       const absl::StatusOr<ProcessMemory> rss_after = ReadProcessMemory();
@@ -390,9 +397,11 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
       ++paused.count;
       paused.host_to_device_bytes += resumed.host_to_device_bytes - at.host_to_device_bytes;
       paused.device_to_host_bytes += resumed.device_to_host_bytes - at.device_to_host_bytes;
-      peak_floor_allocated_ = std::max(floor_allocated, resumed.peak_allocated_bytes);
-      peak_floor_reserved_ = std::max(floor_reserved, resumed.peak_process_bytes());
-      peak_floor_rss_ = std::max(floor_rss, rss_after.ok() ? rss_after->peak_rss_bytes : 0);
+      // The preempting run's peaks: the device's since its reset, and the floors a peer's run
+      // during it kept (KeepPeakFloor), which its Run left in the members.
+      peak_floor_allocated_ = std::max({floor_allocated, resumed.peak_allocated_bytes, peak_floor_allocated_});
+      peak_floor_reserved_ = std::max({floor_reserved, resumed.peak_process_bytes(), peak_floor_reserved_});
+      peak_floor_rss_ = std::max({floor_rss, rss_after.ok() ? rss_after->peak_rss_bytes : 0, peak_floor_rss_});
       placement.SetRequestId(run_id);
       running_.store(batch_size, std::memory_order_relaxed);
       if (metrics_ != nullptr) metrics_->SetRunning(device_.device_name(), batch_size);

@@ -1055,6 +1055,90 @@ TEST(DeviceWorkerSchedulingTest, ShorterGoesByTheLearnedRunTimesOnceBothPipeline
       << reasons[0];
 }
 
+// A stepping job of batch key `key` (up to `max` members): its run_batch records each member and
+// asks to be preempted between its `steps` steps, as the first job's Stepping does.
+DeviceWorker::Job SteppingBatch(const std::string& name, int priority, const std::string& key, int max, double cost,
+                                int steps, StepLog& log, absl::Notification* at_first, absl::Notification* gate) {
+  DeviceWorker::Job job = Stepping(name, priority, "p-" + key, cost, steps, log, at_first, gate);
+  job.batch_key = key;
+  job.max_batch_size = max;
+  job.payload = name;
+  job.run_batch = [=, &log](WorkerScope& scope, const std::vector<DeviceWorker::BatchMember>& members) {
+    std::string names;
+    for (const DeviceWorker::BatchMember& m : members) names += std::any_cast<std::string>(m.job->payload) + ";";
+    for (int step = 1; step <= steps; ++step) {
+      log.Add(absl::StrCat(names, ":", step));
+      if (step == steps) break;
+      if (step == 1 && at_first != nullptr) {
+        at_first->Notify();
+        gate->WaitForNotification();
+      }
+      const bool ran = scope.worker().PreemptBetweenSteps(scope, double(steps - step) / steps);
+      log.Add(absl::StrCat(names, ran ? "+" : "-"));
+    }
+  };
+  return job;
+}
+
+// Batches are weighed as they would run. A waiting batch counts the work of every member it would
+// take (up to its size): 3 queued jobs of 2 units are more than the 6 a running job of 8 has left
+// after its first step, 2 of them are not. A running batch counts its earliest deadline (and its
+// highest priority): a priority-3 job does not pause a batch one of whose members has a deadline
+// (the run times are not known yet), though its first member has none.
+TEST(DeviceWorkerSchedulingTest, BatchesAreWeighedAsTheyRun) {
+  for (const int size : {3, 2}) {
+    SCOPED_TRACE(absl::StrCat("batches of ", size));
+    DeviceWorker::Options options = Options("sim:0", 16);
+    options.scheduler.preemption = Preemption::kResident;
+    options.scheduler.max_reorder_delay = absl::Seconds(30);
+    options.move_bytes = [](const std::string&) -> int64_t { return 0; };
+    DeviceWorker worker(std::move(options));
+    StepLog log;
+    absl::Notification at_first, gate;
+    ASSERT_TRUE(worker.Submit(Stepping("long", 0, "flux", 8, 4, log, &at_first, &gate)).ok());
+    at_first.WaitForNotification();
+    for (const char* name : {"s1", "s2", "s3"}) {
+      ASSERT_TRUE(worker.Submit(SteppingBatch(name, 0, "short", size, 2, 1, log, nullptr, nullptr)).ok());
+    }
+    gate.Notify();
+    ASSERT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr,
+                               DeviceWorker::TaskOrder::kAfterQueuedJobs)
+                    .ok());
+    const std::vector<std::string> events = log.Get();
+    ASSERT_GE(events.size(), 3u);
+    if (size == 3) {
+      EXPECT_EQ(std::vector<std::string>(events.begin(), events.begin() + 3),
+                (std::vector<std::string>{"long:1", "long-", "long:2"}));
+    } else {
+      EXPECT_EQ(std::vector<std::string>(events.begin(), events.begin() + 3),
+                (std::vector<std::string>{"long:1", "s1;s2;:1", "long+"}));
+    }
+  }
+  {
+    DeviceWorker::Options options = Options("sim:0", 16);
+    options.scheduler.preemption = Preemption::kPriority;
+    DeviceWorker worker(std::move(options));
+    StepLog log;
+    absl::Notification started, release, at_first, gate;
+    std::thread blocker = BlockWorker(worker, started, release);
+    ASSERT_TRUE(worker.Submit(SteppingBatch("first", 0, "b", 2, 1, 3, log, &at_first, &gate)).ok());
+    DeviceWorker::Job tight = SteppingBatch("tight", 0, "b", 2, 1, 3, log, &at_first, &gate);
+    tight.schedule.deadline = absl::Now() + absl::Hours(1);  // No run times known yet: never paused.
+    ASSERT_TRUE(worker.Submit(tight).ok());
+    release.Notify();
+    blocker.join();
+    at_first.WaitForNotification();
+    ASSERT_TRUE(worker.Submit(Stepping("middle", 3, "other", 1, 1, log, nullptr, nullptr)).ok());
+    gate.Notify();
+    ASSERT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr,
+                               DeviceWorker::TaskOrder::kAfterQueuedJobs)
+                    .ok());
+    // The batch ran as one, never paused for "middle" (its second member has a deadline).
+    EXPECT_EQ(log.Get(), (std::vector<std::string>{"first;tight;:1", "first;tight;-", "first;tight;:2",
+                                                    "first;tight;-", "first;tight;:3", "middle:1"}));
+  }
+}
+
 TEST(DeviceWorkerSchedulingTest, NothingRunsInsideAJobWithPreemptionOffOrBeforeAWaitingTask) {
   for (const bool off : {true, false}) {
     SCOPED_TRACE(off ? "preemption off" : "a task waits first");

@@ -144,6 +144,12 @@ TEST(PipelineMoveBytesTest, CountsWholeComponentsOnTheHostAndTheUncachedShareOfS
   EXPECT_EQ(PipelineMoveBytes(snapshot, "a"), 0);
   snapshot.components[0].ran = true;  // a/text_encoder (on the host, it ran before: it counts).
   EXPECT_EQ(PipelineMoveBytes(snapshot, "a"), 1000);
+  // "b" shares the text encoder, which ran (for "a"): that says nothing of b's own components,
+  // none of which ran, so every one of them counts (its transformer's forward is all cached: 0).
+  add("b/vae_encoder", {"b"}, ComponentState::kOffloaded, 200);
+  EXPECT_EQ(PipelineMoveBytes(snapshot, "b"), 1000 + 200);
+  snapshot.components[3].ran = true;  // b/transformer: "b" has run; its image encoder never did.
+  EXPECT_EQ(PipelineMoveBytes(snapshot, "b"), 1000);
 }
 
 TEST_F(RuntimeCoreTest, ANewFamilyIsOneRegistrationTheRuntimeIsGiven) {

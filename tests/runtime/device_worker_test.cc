@@ -979,6 +979,27 @@ TEST(DeviceWorkerSchedulingTest, AHigherPriorityJobRunsBetweenTheStepsOfTheRunni
             "zimage: priority 5 preempts the running request of pipeline 'flux' (priority 0) between its denoising steps");
 }
 
+// A flood of higher priorities pauses a running job at most once per step boundary: one
+// preempting job, then one of its own steps, then the next.
+TEST(DeviceWorkerSchedulingTest, ARunningJobMakesAStepBetweenPreemptions) {
+  DeviceWorker::Options options = Options("sim:0", 16);
+  options.scheduler.preemption = Preemption::kPriority;
+  DeviceWorker worker(std::move(options));
+  StepLog log;
+  absl::Notification at_first, gate;
+  ASSERT_TRUE(worker.Submit(Stepping("long", 0, "flux", 8, 3, log, &at_first, &gate)).ok());
+  at_first.WaitForNotification();
+  for (const char* name : {"u1", "u2", "u3"}) {
+    ASSERT_TRUE(worker.Submit(Stepping(name, 5, "zimage", 1, 1, log, nullptr, nullptr)).ok());
+  }
+  gate.Notify();
+  ASSERT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr,
+                             DeviceWorker::TaskOrder::kAfterQueuedJobs)
+                  .ok());
+  EXPECT_EQ(log.Get(), (std::vector<std::string>{"long:1", "u1:1", "long+", "long:2", "u2:1", "long+", "long:3",
+                                                  "u3:1"}));
+}
+
 TEST(DeviceWorkerSchedulingTest, AShortResidentJobPreemptsALongOneOnlyWithinTheBound) {
   DeviceWorker::Options options = Options("sim:0", 16);
   options.scheduler.preemption = Preemption::kResident;

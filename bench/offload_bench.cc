@@ -18,6 +18,7 @@
 // (computed once before the row's timed forwards; 0 for uncompressed rows). prepare_s is the time
 // of GroupOffloader::Apply (planning, pinning, quantizing).
 #include <fcntl.h>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -557,6 +558,12 @@ int Main() {
       std::printf("%-14s failed: %s\n", row.c_str(), std::string(result.status().message()).c_str());
       continue;
     }
+    // The process's base again, now that the row freed its weights, host copies and model (heap
+    // handed back): what it holds beyond the base measured at start is what running a forward
+    // loaded and kept (the CUDA libraries' kernels), not weights.
+    ::malloc_trim(0);
+    const absl::StatusOr<ProcessMemory> after_memory = ReadProcessMemory();
+    const int64_t base_rss_after = after_memory.ok() ? after_memory->rss_bytes : 0;
     if (row == "resident") resident_step = result->step_s;
     const double floor_s = static_cast<double>(result->weight_bytes) / bandwidth;
     const double achieved = result->streamed_bytes > 0 ? result->streamed_bytes / result->step_s : 0;
@@ -580,7 +587,8 @@ int Main() {
           "\"prefetch_depth\": %d, \"staging\": \"%dx%dMiB, %d threads\", \"pinned_in_place_bytes\": %d, "
           "\"pin_in_place_error\": \"%s\", \"model\": \"%s\", \"machine\": \"%s\", \"compress\": \"%s\", "
           "\"floor_8bit_s\": %.6f, \"rel_l2\": %.6f, \"prepare_s\": %.3f, \"batch\": %d, \"lora_adapters\": %d, "
-          "\"lora_rank\": %d, \"base_rss_bytes\": %d, \"compute_priority\": \"%s\", \"page_cache_read_s\": %.6f}\n",
+          "\"lora_rank\": %d, \"base_rss_bytes\": %d, \"base_rss_after_bytes\": %d, \"compute_priority\": \"%s\", "
+          "\"page_cache_read_s\": %.6f}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -590,7 +598,7 @@ int Main() {
           result->model,
           absl::GetFlag(FLAGS_machine), result->compress, floor_8bit_s, result->rel_l2, result->prepare_s,
           absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_lora_adapters), absl::GetFlag(FLAGS_lora_rank), base_rss,
-          priority, page_cache_read_s);
+          base_rss_after, priority, page_cache_read_s);
       out.flush();
     }
   }

@@ -545,61 +545,69 @@ bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_frac
   std::vector<Item> jobs;
   std::vector<Item> dropped;
   bool batching = false;
+  bool preempt = false;
   std::string reason;
   std::string reorder_reason;
   {
     absl::MutexLock lock(&mu_);
-    if (stopping_) return false;
-    std::vector<const ScheduleEntry*> entries;
-    for (auto it = queue_.begin(); it != queue_.end() && it->task == nullptr; ++it) entries.push_back(&it->job.schedule);
-    if (entries.empty()) return false;
-    const absl::Time now = absl::Now();
-    // The scheduler's own choice among the waiting jobs, asked of a copy: not preempting changes nothing.
-    Scheduler preview = scheduler_;
-    const size_t chosen = preview.Pick(entries, options_.move_bytes, now).index;
-    const Item& item = queue_[chosen];
-    if (item.job.cancelled && item.job.cancelled()) return false;  // Dropped when it reaches the front.
-    // The candidate as it would run: with the members of its batch key queued now (up to its
-    // batch size), their work in all.
-    ScheduleEntry candidate = item.job.schedule;
-    if (!item.job.batch_key.empty()) {
-      const size_t limit = static_cast<size_t>(std::max(1, item.job.max_batch_size));
-      size_t members = 1;
-      for (const Item& other : queue_) {
-        if (members >= limit) break;
-        if (&other == &item || other.task != nullptr || other.job.batch_key != item.job.batch_key) continue;
-        if (other.job.cancelled && other.job.cancelled()) continue;
-        candidate.cost += other.job.schedule.cost;
-        ++members;
+    // Jobs whose callers went give up their places now (dropped below, whatever is decided): the
+    // scheduler chooses among the others, as it will at the front.
+    TakeCancelled(dropped);
+    do {
+      if (stopping_) break;
+      std::vector<const ScheduleEntry*> entries;
+      for (auto it = queue_.begin(); it != queue_.end() && it->task == nullptr; ++it) {
+        entries.push_back(&it->job.schedule);
       }
-    }
-    // Unknown residency (no move_bytes) is never "nothing to move".
-    const int64_t move = options_.move_bytes ? options_.move_bytes(candidate.pipeline) : INT64_MAX;
-    Scheduler::PreemptionCase c;
-    c.running = &running_entry_;
-    c.remaining_cost = running_entry_.cost * std::clamp(remaining_fraction, 0.0, 1.0);
-    c.paused = job_paused_;
-    c.candidate = &candidate;
-    c.candidate_move_bytes = move;
-    c.remaining_seconds = ExpectedSeconds(running_entry_.pipeline, c.remaining_cost);
-    c.candidate_seconds = ExpectedSeconds(candidate.pipeline, candidate.cost);
-    c.now = now;
-    if (!scheduler_.Preempts(c, &reason)) return false;
-    // The same choice for real (same state, same time): it moves to the front and is charged.
-    reorder_reason = ScheduleFront(now);
-    Item next = std::move(queue_.front());
-    queue_.pop_front();
-    batching = !next.job.batch_key.empty();
-    const std::string key = next.job.batch_key;
-    const size_t limit = static_cast<size_t>(std::max(1, next.job.max_batch_size));
-    jobs.push_back(std::move(next));
-    // A batch takes the members queued now; it does not wait for more (the paused request waits).
-    if (batching) TakeMatching(key, limit, jobs, dropped);
+      if (entries.empty()) break;
+      const absl::Time now = absl::Now();
+      // The scheduler's own choice among the waiting jobs, asked of a copy: not preempting changes nothing.
+      Scheduler preview = scheduler_;
+      const size_t chosen = preview.Pick(entries, options_.move_bytes, now).index;
+      const Item& item = queue_[chosen];
+      // The candidate as it would run: with the members of its batch key queued now (up to its
+      // batch size), their work in all.
+      ScheduleEntry candidate = item.job.schedule;
+      if (!item.job.batch_key.empty()) {
+        const size_t limit = static_cast<size_t>(std::max(1, item.job.max_batch_size));
+        size_t members = 1;
+        for (const Item& other : queue_) {
+          if (members >= limit) break;
+          if (&other == &item || other.task != nullptr || other.job.batch_key != item.job.batch_key) continue;
+          candidate.cost += other.job.schedule.cost;
+          ++members;
+        }
+      }
+      // Unknown residency (no move_bytes) is never "nothing to move".
+      const int64_t move = options_.move_bytes ? options_.move_bytes(candidate.pipeline) : INT64_MAX;
+      Scheduler::PreemptionCase c;
+      c.running = &running_entry_;
+      c.remaining_cost = running_entry_.cost * std::clamp(remaining_fraction, 0.0, 1.0);
+      c.paused = job_paused_;
+      c.candidate = &candidate;
+      c.candidate_move_bytes = move;
+      c.remaining_seconds = ExpectedSeconds(running_entry_.pipeline, c.remaining_cost);
+      c.candidate_seconds = ExpectedSeconds(candidate.pipeline, candidate.cost);
+      c.now = now;
+      if (!scheduler_.Preempts(c, &reason)) break;
+      // The same choice for real (same state, same time): it moves to the front and is charged.
+      reorder_reason = ScheduleFront(now);
+      Item next = std::move(queue_.front());
+      queue_.pop_front();
+      batching = !next.job.batch_key.empty();
+      const std::string key = next.job.batch_key;
+      const size_t limit = static_cast<size_t>(std::max(1, next.job.max_batch_size));
+      jobs.push_back(std::move(next));
+      // A batch takes the members queued now; it does not wait for more (the paused request waits).
+      if (batching) TakeMatching(key, limit, jobs, dropped);
+      preempt = true;
+    } while (false);
     ReportDepth();
   }
   for (Item& item : dropped) {
     if (item.job.drop) item.job.drop();
   }
+  if (!preempt) return false;
   if (!reorder_reason.empty()) absl::StrAppend(&reason, "; ", reorder_reason);
   if (before) before();
   preempting_ = true;

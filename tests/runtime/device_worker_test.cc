@@ -1000,6 +1000,29 @@ TEST(DeviceWorkerSchedulingTest, ARunningJobMakesAStepBetweenPreemptions) {
                                                   "u3:1"}));
 }
 
+// A waiting job whose caller went gives up its place at the step boundary (dropped, its caller
+// told) instead of standing in the way of the next one.
+TEST(DeviceWorkerSchedulingTest, ACancelledJobIsDroppedAtTheStepBoundaryAndTheNextPreempts) {
+  DeviceWorker::Options options = Options("sim:0", 16);
+  options.scheduler.preemption = Preemption::kPriority;
+  DeviceWorker worker(std::move(options));
+  StepLog log;
+  absl::Notification at_first, gate;
+  ASSERT_TRUE(worker.Submit(Stepping("long", 0, "flux", 8, 3, log, &at_first, &gate)).ok());
+  at_first.WaitForNotification();
+  DeviceWorker::Job gone = Stepping("gone", 9, "zimage", 1, 1, log, nullptr, nullptr);
+  gone.cancelled = [] { return true; };
+  gone.drop = [&log] { log.Add("gone dropped"); };
+  ASSERT_TRUE(worker.Submit(gone).ok());
+  ASSERT_TRUE(worker.Submit(Stepping("urgent", 5, "zimage", 1, 1, log, nullptr, nullptr)).ok());
+  gate.Notify();
+  ASSERT_TRUE(worker.RunTask([](WorkerScope&) { return absl::OkStatus(); }, nullptr,
+                             DeviceWorker::TaskOrder::kAfterQueuedJobs)
+                  .ok());
+  EXPECT_EQ(log.Get(), (std::vector<std::string>{"long:1", "gone dropped", "urgent:1", "long+", "long:2", "long-",
+                                                  "long:3"}));
+}
+
 TEST(DeviceWorkerSchedulingTest, AShortResidentJobPreemptsALongOneOnlyWithinTheBound) {
   DeviceWorker::Options options = Options("sim:0", 16);
   options.scheduler.preemption = Preemption::kResident;

@@ -534,14 +534,18 @@ bool DeviceWorker::PreemptBetweenSteps(WorkerScope& scope, double remaining_frac
   // Only between the steps of a job of this worker's own, and one level deep: a preempting job
   // runs to its end.
   if (running_job_ == nullptr || preempting_) return false;
+  bool residency = false;
   {
     absl::MutexLock lock(&mu_);
     if (stopping_ || scheduler_.options().preemption == Preemption::kNone) return false;
     if (queue_.empty() || queue_.front().task != nullptr) return false;
+    // Bytes to move decide the choice only with residency reordering or residency preemption.
+    residency = scheduler_.options().max_reorder_delay > absl::ZeroDuration() ||
+                scheduler_.options().preemption == Preemption::kResident;
   }
   // Residency as it is now, not as the last job left it (this one may have moved weights): the
-  // snapshot move_bytes reads is published first.
-  if (options_.after_each) options_.after_each(scope);
+  // snapshot move_bytes reads is published first — only when bytes matter (not at every step).
+  if (residency && options_.after_each) options_.after_each(scope);
   std::vector<Item> jobs;
   std::vector<Item> dropped;
   bool batching = false;

@@ -928,6 +928,22 @@ struct StepLog {
 // A job of `steps` steps (each `step_time` long) that records each and asks to be preempted
 // between them; the first boundary waits for `gate` (so the test queues jobs meanwhile). Records
 // what PreemptBetweenSteps returned ("+" ran something, "-" nothing).
+// The steps of a stepping job, logged as `label`.
+void RunSteps(WorkerScope& scope, const std::string& label, int steps, StepLog& log, absl::Notification* at_first,
+              absl::Notification* gate, absl::Duration step_time = absl::ZeroDuration()) {
+  for (int step = 1; step <= steps; ++step) {
+    log.Add(absl::StrCat(label, ":", step));
+    if (step_time > absl::ZeroDuration()) absl::SleepFor(step_time);
+    if (step == steps) break;
+    if (step == 1 && at_first != nullptr) {
+      at_first->Notify();
+      gate->WaitForNotification();
+    }
+    const bool ran = scope.worker().PreemptBetweenSteps(scope, double(steps - step) / steps);
+    log.Add(absl::StrCat(label, ran ? "+" : "-"));
+  }
+}
+
 DeviceWorker::Job Stepping(const std::string& name, int priority, const std::string& pipeline, double cost, int steps,
                            StepLog& log, absl::Notification* at_first, absl::Notification* gate,
                            absl::Duration step_time = absl::ZeroDuration()) {
@@ -935,19 +951,7 @@ DeviceWorker::Job Stepping(const std::string& name, int priority, const std::str
   job.schedule.priority = priority;
   job.schedule.pipeline = pipeline;
   job.schedule.cost = cost;
-  job.run = [=, &log](WorkerScope& scope, absl::Duration) {
-    for (int step = 1; step <= steps; ++step) {
-      log.Add(absl::StrCat(name, ":", step));
-      if (step_time > absl::ZeroDuration()) absl::SleepFor(step_time);
-      if (step == steps) break;
-      if (step == 1 && at_first != nullptr) {
-        at_first->Notify();
-        gate->WaitForNotification();
-      }
-      const bool ran = scope.worker().PreemptBetweenSteps(scope, double(steps - step) / steps);
-      log.Add(absl::StrCat(name, ran ? "+" : "-"));
-    }
-  };
+  job.run = [=, &log](WorkerScope& scope, absl::Duration) { RunSteps(scope, name, steps, log, at_first, gate, step_time); };
   return job;
 }
 
@@ -1110,16 +1114,7 @@ DeviceWorker::Job SteppingBatch(const std::string& name, int priority, const std
   job.run_batch = [=, &log](WorkerScope& scope, const std::vector<DeviceWorker::BatchMember>& members) {
     std::string names;
     for (const DeviceWorker::BatchMember& m : members) names += std::any_cast<std::string>(m.job->payload) + ";";
-    for (int step = 1; step <= steps; ++step) {
-      log.Add(absl::StrCat(names, ":", step));
-      if (step == steps) break;
-      if (step == 1 && at_first != nullptr) {
-        at_first->Notify();
-        gate->WaitForNotification();
-      }
-      const bool ran = scope.worker().PreemptBetweenSteps(scope, double(steps - step) / steps);
-      log.Add(absl::StrCat(names, ran ? "+" : "-"));
-    }
+    RunSteps(scope, names, steps, log, at_first, gate);
   };
   return job;
 }

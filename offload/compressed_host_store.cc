@@ -76,7 +76,14 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
   // int4's nibble buffer.
   const FixedLayout fixed = ScanCompressible(format, weights);
   store->fixed_bytes_ = FixedScratchBytes(format, fixed.has[0], fixed.has[1], fixed.has[2], fixed.max_numel);
-  if (format == CompressFormat::kInt4) store->nibble_bytes_ = fixed.max_numel / 2;
+  if (format == CompressFormat::kInt4 && store->fixed_bytes_ > 0) {
+    store->nibble_bytes_ = Int4TableOffset(fixed.max_numel);
+    store->table_offset_[0] = store->nibble_bytes_;
+    store->tables_at_ = store->nibble_bytes_;
+    const at::Tensor table = Fp8E4M3Table(at::kFloat);
+    ASSIGN_OR_RETURN(store->tables_, backend.AllocatePinnedHost(static_cast<int64_t>(table.nbytes())));
+    store->tables_.copy_(BytesOf(table));
+  }
   if (store->fixed_bytes_ > 0 && format == CompressFormat::kFp8E4M3) {
     int64_t offset = 0;
     const at::ScalarType dtypes[3] = {at::kFloat, at::kBFloat16, at::kHalf};
@@ -173,12 +180,15 @@ CompressedHostStore::~CompressedHostStore() { backend_->Synchronize(); }
 
 void CompressedHostStore::InitScratch(const at::Tensor& scratch) {
   if (!tables_.defined() || scratch_bytes_ == 0) return;
-  backend_->CopyToDeviceAsync(scratch.narrow(0, 0, tables_.numel()), tables_);
+  backend_->CopyToDeviceAsync(scratch.narrow(0, tables_at_, tables_.numel()), tables_);
 }
 
 WidenScratch CompressedHostStore::WidenViews(const at::Tensor& scratch) const {
   WidenScratch views;
-  if (nibble_bytes_ > 0) views.nibbles = scratch.narrow(0, 0, nibble_bytes_);
+  if (nibble_bytes_ > 0) {
+    views.nibbles = scratch.narrow(0, 0, nibble_bytes_);
+    views.table_f32 = scratch.narrow(0, table_offset_[0], 256 * 4).view(at::kFloat);
+  }
   if (fixed_bytes_ == 0 || format_ != CompressFormat::kFp8E4M3) return views;
   at::Tensor* tables[3] = {&views.table_f32, &views.table_bf16, &views.table_f16};
   const at::ScalarType dtypes[3] = {at::kFloat, at::kBFloat16, at::kHalf};

@@ -21,8 +21,8 @@
 // crossed the link, at its compressed size) replaces the scratch area and the DMAs: the widening
 // reads the compressed part from the copy and the other tensors are copied from it on the transform
 // stream, so a cached group costs a widening and no link traffic.
-// The scratch is [fp8 tables and int32 index chunk, or int4's nibbles | scratch_buffers areas of
-// the largest group's compressed part]; the tables are uploaded by InitScratch whenever the engine
+// The scratch is [fp8 tables and int32 index chunk, or int4's nibbles and fp32 table | scratch_buffers
+// areas of the largest group's compressed part]; the tables are uploaded by InitScratch whenever the engine
 // (re)allocates the scratch. The fixed part is written only by widenings, which the transform
 // stream runs one at a time.
 //
@@ -117,9 +117,11 @@ class CompressedHostStore final : public HostStore {
   int64_t table_offset_[3] = {-1, -1, -1};  // fp32, bf16, fp16.
   int64_t index_offset_ = 0;
   int64_t index_elements_ = 0;
-  // int4: the nibble buffer at the start of the scratch (the fixed part), bytes.
+  // int4: the nibble buffer at the start of the scratch (the fixed part), bytes; its fp32 table of
+  // the scale codes follows (table_offset_[0]).
   int64_t nibble_bytes_ = 0;
   at::Tensor tables_;
+  int64_t tables_at_ = 0;  // Where tables_ goes in the scratch.
   HostStoreStats stats_;
 };
 

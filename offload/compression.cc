@@ -81,6 +81,17 @@ at::Tensor ChannelScale(const at::Tensor& w2d, float top) {
   return at::where(amax > 0, amax / at::full_like(amax, top), at::ones_like(amax)).contiguous();
 }
 
+// kInt4's scale buffer as its two parts: the fp32 row scales [C] and the e4m3 group codes [C, G].
+struct Int4Scales {
+  at::Tensor rows;
+  at::Tensor codes;
+};
+Int4Scales SplitInt4Scales(const at::Tensor& scale, int64_t channels) {
+  const at::Tensor flat = scale.view({-1});
+  return {flat.narrow(0, 0, channels * 4).view(at::kFloat),
+          flat.narrow(0, channels * 4, flat.numel() - channels * 4).view({channels, -1})};
+}
+
 const at::Tensor& TableFor(const WidenScratch& scratch, at::ScalarType dtype) {
   switch (dtype) {
     case at::kBFloat16: return scratch.table_bf16;
@@ -150,8 +161,8 @@ QuantLayout LayoutOf(CompressFormat format, at::IntArrayRef sizes) {
       layout.q_bytes = c * (k / 2);
       layout.q_dtype = at::kByte;
       layout.q_shape = {c, k / 2};
-      layout.scale_count = c * (k / GroupSize(format, k));
-      layout.scale_dtype = at::kBFloat16;
+      layout.scale_count = c * 4 + c * (k / GroupSize(format, k));
+      layout.scale_dtype = at::kByte;
       break;
     case CompressFormat::kInt8Grouped:
       layout.q_bytes = c * k;
@@ -200,34 +211,44 @@ QuantizedTensor Quantize(const at::Tensor& w, CompressFormat format) {
   QuantizedTensor out;
   if (format == CompressFormat::kInt8Grouped || format == CompressFormat::kInt4) {
     const int64_t c = w2d.size(0), k = w2d.size(1), g = GroupSize(format, k);
-    const float top = format == CompressFormat::kInt4 ? 7.0f : 127.0f;
+    const float top = format == CompressFormat::kInt4 ? 7.0f : 127.0f;  // Largest code.
     const at::Tensor grouped = w2d.view({c * (k / g), g});
-    at::Tensor scale = ChannelScale(grouped, top);  // [groups]
     if (format == CompressFormat::kInt4) {
-      // Clipping search: with 15 levels the group's largest value sets a coarse step for all the
-      // others; a scale a little below max/7 (clipping the few largest) often loses less. Each group
-      // keeps the candidate of least squared error.
-      at::Tensor best_error = at::full_like(scale, std::numeric_limits<float>::infinity());
-      at::Tensor best = scale.clone();
+      // 8-bit group scales under an fp32 row scale, chosen by a clipping search: with 15 levels the
+      // group's largest value sets a coarse step for all the others, and a scale a little below max/7
+      // (clipping the few largest) often loses less. Each group keeps the candidate (as stored: an e4m3
+      // code times the row scale) of least squared error.
+      const at::Tensor amax = grouped.abs().amax(1);  // [C * G]
+      const at::Tensor row_amax = amax.view({c, k / g}).amax(1);
+      // Tensor divisors, as ChannelScale: the same rounding on CUDA as on the host.
+      const at::Tensor rows =
+          at::where(row_amax > 0, row_amax / at::full_like(row_amax, top * kFp8E4M3Max), at::ones_like(row_amax))
+              .contiguous();
+      const at::Tensor top_scale = (amax / at::full_like(amax, top)).view({c, k / g});
+      const at::Tensor table = Fp8E4M3Table(at::kFloat).to(w2d.device());
+      at::Tensor best_error = at::full_like(amax, std::numeric_limits<float>::infinity());
+      at::Tensor best_scale = at::zeros_like(amax);
+      at::Tensor best_code = at::zeros({c * (k / g)}, amax.options().dtype(at::kByte));
       for (const float ratio : {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.75f}) {
-        // As stored (bf16), and never 0 (a tiny group's scale would round to a denormal at worst).
-        const at::Tensor candidate = (scale * ratio).to(at::kBFloat16).to(at::kFloat).clamp_min(1e-30);
-        const at::Tensor back = at::round(grouped / candidate.unsqueeze(1)).clamp_(-top, top) * candidate.unsqueeze(1);
-        const at::Tensor error = (back - grouped).pow(2).sum(1);
+        const at::Tensor code = EncodeFp8E4M3((top_scale * ratio) / rows.unsqueeze(1)).view({-1});
+        const at::Tensor candidate =
+            (table.index_select(0, code.to(at::kLong)).view({c, k / g}) * rows.unsqueeze(1)).view({-1});
+        // A code of 0 (a zero group, or one under the row's range) reconstructs zeros.
+        const at::Tensor q = at::round(grouped / candidate.clamp_min(1e-30f).unsqueeze(1)).clamp_(-top, top);
+        const at::Tensor error = (q * candidate.unsqueeze(1) - grouped).pow(2).sum(1);
         const at::Tensor better = error < best_error;
-        best = at::where(better, candidate, best);
+        best_scale = at::where(better, candidate, best_scale);
+        best_code = at::where(better, code, best_code);
         best_error = at::where(better, error, best_error);
       }
-      scale = best;
-    }
-    out.scale = scale.view({c, k / g}).contiguous();
-    if (format == CompressFormat::kInt4) {
-      const at::Tensor q = at::round(grouped / scale.unsqueeze(1)).clamp_(-top, top).view({c, k});
+      const at::Tensor q =
+          at::round(grouped / best_scale.clamp_min(1e-30f).unsqueeze(1)).clamp_(-top, top).view({c, k});
       const at::Tensor nibbles = (q + 8.0f).to(at::kByte).view({c, k / 2, 2});
       out.q = at::bitwise_or(nibbles.select(2, 0), at::bitwise_left_shift(nibbles.select(2, 1), 4)).contiguous();
-      out.scale = out.scale.to(at::kBFloat16);  // Exact: the candidates were bf16 values.
+      out.scale = at::cat({rows.view(at::kByte), best_code}).contiguous();
       return out;
     }
+    out.scale = ChannelScale(grouped, top).view({c, k / g}).contiguous();
     const at::Tensor q = at::round(grouped / out.scale.view({-1, 1})).clamp_(-top, top);
     out.q = q.to(at::kChar).reshape(w.sizes()).contiguous();
     return out;
@@ -276,8 +297,16 @@ at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::Scala
     } else {
       values = t.q.reshape({c, -1}).to(at::kFloat);
     }
-    const int64_t groups = t.scale.size(1);
-    const at::Tensor scaled = values.view({c, groups, -1}) * t.scale.to(at::kFloat).unsqueeze(2);
+    at::Tensor scales;  // [C, groups] fp32.
+    if (format == CompressFormat::kInt4) {
+      const Int4Scales parts = SplitInt4Scales(t.scale, c);
+      scales = Fp8E4M3Table(at::kFloat).to(parts.codes.device()).index_select(0, parts.codes.reshape({-1}).to(at::kLong))
+                   .view(parts.codes.sizes()) * parts.rows.unsqueeze(1);
+    } else {
+      scales = t.scale.to(at::kFloat);
+    }
+    const int64_t groups = scales.size(1);
+    const at::Tensor scaled = values.view({c, groups, -1}) * scales.unsqueeze(2);
     const at::Tensor widened = scaled.to(dtype).view({c, -1});
     return (format == CompressFormat::kInt4 ? widened : widened.reshape(t.q.sizes())).contiguous();
   }
@@ -308,30 +337,53 @@ void WidenInto(const at::Tensor& out, const at::Tensor& q, const at::Tensor& sca
     TORCH_CHECK(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf ||
                     out.scalar_type() == at::kFloat || IsFloat8(out.scalar_type()),
                 "WidenInto: unsupported compute dtype ", out.scalar_type());
-    const int64_t group = grouped ? k / (scale.numel() / channels) : k;
-    const int err = widen_cuda::Widen(codes, q.data_ptr(), scale.data_ptr(), scale.scalar_type() == at::kBFloat16,
-                                      out.data_ptr(), out_type, channels, k, group,
-                                      c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
+    const bool int4 = format == CompressFormat::kInt4;
+    const int64_t groups = int4 ? (scale.numel() - 4 * channels) / channels : scale.numel() / channels;
+    const int64_t group = grouped ? k / groups : k;
+    const widen_cuda::ScaleKind scale_kind = int4                                   ? widen_cuda::ScaleKind::kE4M3Rows
+                                             : scale.scalar_type() == at::kBFloat16 ? widen_cuda::ScaleKind::kBFloat16
+                                                                                    : widen_cuda::ScaleKind::kFloat;
+    const int err = widen_cuda::Widen(codes, q.data_ptr(), scale.data_ptr(), scale_kind, out.data_ptr(), out_type,
+                                      channels, k, group, c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
     TORCH_CHECK(err == 0, "widening kernel failed to launch (CUDA error ", err, ")");
     return;
   }
 #endif
   // FP8 compute runs on CUDA only (fused::Fp8Supported), so FP8 weights are widened there only.
   TORCH_CHECK(!IsFloat8(out.scalar_type()), "WidenInto: widening into float8 runs on CUDA only");
-  if (format == CompressFormat::kInt8Grouped || format == CompressFormat::kInt4) {
-    const int64_t groups = scale.numel() / channels;
-    if (format == CompressFormat::kInt8Grouped) {
-      out.copy_(q);
-    } else {
-      const at::Tensor packed = q.view({channels, -1});
-      const at::Tensor pairs = out.view({channels, -1, 2});
-      at::Tensor nibbles = scratch.nibbles.narrow(0, 0, packed.numel()).view(packed.sizes());
-      at::bitwise_and_out(nibbles, packed, 15);
-      pairs.select(2, 0).copy_(nibbles);
-      at::bitwise_right_shift_out(nibbles, packed, 4);
-      pairs.select(2, 1).copy_(nibbles);
-      out.sub_(8);
+  if (format == CompressFormat::kInt4) {
+    const at::Tensor packed = q.view({channels, -1});
+    const at::Tensor pairs = out.view({channels, -1, 2});
+    at::Tensor nibbles = scratch.nibbles.narrow(0, 0, packed.numel()).view(packed.sizes());
+    at::bitwise_and_out(nibbles, packed, 15);
+    pairs.select(2, 0).copy_(nibbles);
+    at::bitwise_right_shift_out(nibbles, packed, 4);
+    pairs.select(2, 1).copy_(nibbles);
+    out.sub_(8);
+    // The group scales, rows in chunks through the (now free) nibble buffer: an int32 index of the
+    // codes and their fp32 values, 8 bytes a group.
+    const Int4Scales parts = SplitInt4Scales(scale, channels);
+    const int64_t groups = parts.codes.size(1);
+    const int64_t chunk_rows = std::max<int64_t>(1, scratch.nibbles.numel() / 8 / groups);
+    TORCH_CHECK(scratch.nibbles.numel() >= 8 * groups, "WidenInto: int4 scratch of ", scratch.nibbles.numel(),
+                " bytes holds no row of ", groups, " scales");
+    const at::Tensor out3 = out.view({channels, groups, -1});
+    for (int64_t row = 0; row < channels; row += chunk_rows) {
+      const int64_t rows = std::min(chunk_rows, channels - row);
+      const int64_t n = rows * groups;
+      const at::Tensor index = scratch.nibbles.narrow(0, 0, 4 * n).view(at::kInt);
+      at::Tensor values = scratch.nibbles.narrow(0, 4 * n, 4 * n).view(at::kFloat);
+      index.copy_(parts.codes.narrow(0, row, rows).reshape({-1}));
+      at::index_select_out(values, scratch.table_f32, 0, index);
+      const at::Tensor group_scales = values.view({rows, groups});
+      group_scales.mul_(parts.rows.narrow(0, row, rows).unsqueeze(1));
+      out3.narrow(0, row, rows).mul_(group_scales.unsqueeze(2));
     }
+    return;
+  }
+  if (format == CompressFormat::kInt8Grouped) {
+    const int64_t groups = scale.numel() / channels;
+    out.copy_(q);
     out.view({channels, groups, -1}).mul_(scale.view({channels, groups, 1}));
     return;
   }
@@ -361,7 +413,7 @@ int64_t TensorScratchBytes(CompressFormat format, at::ScalarType dtype, at::IntA
 }
 
 int64_t FixedScratchBytes(CompressFormat format, bool has_f32, bool has_bf16, bool has_f16, int64_t max_numel) {
-  if (format == CompressFormat::kInt4 && max_numel > 0) return AlignScratch(max_numel / 2);
+  if (format == CompressFormat::kInt4 && max_numel > 0) return Int4TableOffset(max_numel) + AlignScratch(256 * 4);
   if (format != CompressFormat::kFp8E4M3 || max_numel <= 0) return 0;
   return (has_f32 ? AlignScratch(256 * 4) : 0) + (has_bf16 ? AlignScratch(256 * 2) : 0) +
          (has_f16 ? AlignScratch(256 * 2) : 0) + AlignScratch(4 * std::min(max_numel, kFp8DecodeChunkElements));

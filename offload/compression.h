@@ -10,19 +10,26 @@
 //   kInt8Grouped  int8 as kInt8 but one scale per group of G consecutive values along K
 //                 (scale[c, g] = max|w[c, gG:(g+1)G]| / 127): G = 128 where K allows, else the
 //                 largest of 64, 32, 16 dividing K, else K (GroupSize). 8.25 bits a value at G = 128.
-//   kInt4         symmetric 4-bit per group (G = 16 where K divides by it, else K), bf16 scales:
-//                 scale[c, g] = r · max|w| / 7 with the clipping ratio r in {1, 0.95, ..., 0.75} of
-//                 least squared error for the group, q = round_half_even(w / scale) in [-7, 7] stored
-//                 as q + 8, two values a byte (the even index in the low nibble); uint8 storage
-//                 [C, K / 2]; K must be even. w' = (nibble − 8) * scale. 5 bits a value. (Measured
-//                 on the trained demo: groups of 32 — 4.5 bits — lose 2 of 48 caption checks, of 16
-//                 none: bench/results/fidelity_cpu_int4_variants.md.)
-// Scales are fp32 ([C] or [C, K / G]), bf16 for kInt4. A channel (group) of zeros gets scale 1 (q = 0). Only
+//   kInt4         symmetric 4-bit per group (G = 16 where K divides by it, else K) with 8-bit group
+//                 scales: each row c has an fp32 scale r[c] = max|w[c,:]| / (7 · 448) (1 for a zero
+//                 row) and each group an e4m3fn code s[c, g]; the group's scale is
+//                 e4m3(s[c, g]) · r[c] (the product in fp32). The code is chosen by a clipping search:
+//                 for ratios {1, 0.95, ..., 0.75} the candidate e4m3(ratio · max|group| / 7 / r[c]) · r[c],
+//                 the one of least squared error kept. q = round_half_even(w / scale) in [-7, 7]
+//                 stored as q + 8, two values a byte (the even index in the low nibble); uint8
+//                 storage [C, K / 2]; K must be even. w' = (nibble − 8) · scale. 4.5 bits a value
+//                 (0.281× bf16) at G = 16. The scales are one uint8 buffer [C · 4 + C · K / G]: the C
+//                 fp32 row scales' bytes, then the codes row by row. (Measured on the trained demo,
+//                 bench/results/fidelity_cpu_int4_variants.md: 48 of 48 caption checks and 36.8 / 29.7
+//                 dB mean / worst PSNR against bf16, where bf16 group scales — 5 bits a value — gave
+//                 36.1 / 29.1 dB; groups of 32 lose a check.)
+// Scales are fp32 ([C] or [C, K / G]) but for kInt4. A channel (group) of zeros gets scale 1 (q = 0;
+// kInt4: code 0, scale 0). Only
 // floating tensors (fp32, bf16, fp16) of rank >= 2 with elements are compressed (and for kInt4
 // an even K); the rest (biases, norms, scalars) stay in their compute dtype: they are tiny.
 // float8 e4m3fn weights (FP8 compute, LibTorch 2.1 or later) are compressed by kInt4 only — their
 // values in float32 quantized as any other weight's — and widened on CUDA back into e4m3 bytes,
-// which the FP8 GEMM reads with the layer's own per-channel scale: 5 bits a value on the link
+// which the FP8 GEMM reads with the layer's own per-channel scale: 4.5 bits a value on the link
 // instead of 8, and no widening to bf16. Elsewhere widening into float8 is refused.
 //
 // Widening is dequantization into the compute dtype. On CUDA it is one kernel pass
@@ -33,9 +40,12 @@
 //   int8: out.copy_(q); out.mul_(scale[:, None])   (grouped: out[c, g, :].mul_(scale[c, g]))
 //   fp8:  out[chunk] = table[q[chunk]] (int32 index chunk), then out.mul_(scale[:, None])
 //   int4: nibbles = q & 15 into the uint8 scratch, copied to out's even columns; q >> 4 to the odd
-//         ones; out.sub_(8); out[c, g, :].mul_(scale[c, g])
+//         ones; out.sub_(8); then, rows in chunks, the group scales decoded into the same scratch
+//         (an int32 index of the codes, index_select through the fp32 table, times the row scale)
+//         and out[c, g, :].mul_(scale[c, g])
 // Either way the result equals Dequantize() bit for bit (the product in fp32, rounded once to the
-// compute dtype: int8, int4 and e4m3 values are exact in bf16 and fp16).
+// compute dtype: int8, int4 and e4m3 values are exact in bf16 and fp16; an int4 group's scale is
+// rounded once, to fp32, everywhere).
 // Debian's LibTorch 1.13 has no float8 dtype: the fp8 codec is this file's own code on uint8.
 //
 // Thread-safety: functions are reentrant.
@@ -71,7 +81,8 @@ inline constexpr int64_t kFp8DecodeChunkElements = int64_t{1} << 20;
 
 // A weight in compressed form. `q`: int8 (kInt8, kInt8Grouped) or uint8 e4m3fn bits (kFp8E4M3), the
 // weight's shape; kInt4: uint8 [C, K / 2]; contiguous. `scale`: fp32 [C] (kInt8, kFp8E4M3) or
-// [C, K / GroupSize] (kInt8Grouped, kInt4), contiguous.
+// [C, K / GroupSize] (kInt8Grouped); kInt4: uint8 [C · 4 + C · K / GroupSize] (the row scales'
+// fp32 bytes, then the group codes); contiguous.
 struct QuantizedTensor {
   at::Tensor q;
   at::Tensor scale;
@@ -121,11 +132,12 @@ at::Tensor EncodeFp8E4M3(const at::Tensor& x);  // fp32 CPU in, uint8 out, same 
 at::Tensor Fp8E4M3Table(at::ScalarType dtype);
 
 // Device buffers the widening needs besides q and scale (views of the store's scratch): fp8's
-// tables and index chunk; int4's nibble buffer.
+// tables and index chunk; int4's nibble buffer and fp32 table (of its scale codes). CUDA's kernel
+// reads none of them.
 struct WidenScratch {
   at::Tensor table_f32, table_bf16, table_f16;  // 256 entries each (those of the dtypes used).
   at::Tensor index;                             // int32, >= min(numel, kFp8DecodeChunkElements).
-  at::Tensor nibbles;                           // uint8, >= numel / 2 of the largest tensor (kInt4).
+  at::Tensor nibbles;  // uint8, >= AlignScratch(numel / 2) of the largest tensor (kInt4).
 };
 // Enqueue-free: issues the widening of (q, scale) into `out` (compute dtype, q's shape,
 // contiguous) on the current stream of out's device.
@@ -140,8 +152,10 @@ inline int64_t AlignScratch(int64_t bytes) { return (bytes + kScratchAlign - 1) 
 int64_t TensorScratchBytes(CompressFormat format, at::ScalarType dtype, at::IntArrayRef sizes);
 // Bytes the widening needs once, whatever the group: for fp8, one table per compute dtype present
 // and the index chunk for the largest compressed tensor (`max_numel`); for int4 the nibble buffer
-// (max_numel / 2); 0 for int8 and none.
+// (AlignScratch(max_numel / 2), at its start) and the fp32 table after it; 0 for int8 and none.
 int64_t FixedScratchBytes(CompressFormat format, bool has_f32, bool has_bf16, bool has_f16, int64_t max_numel);
+// Where int4's fp32 table starts in its fixed scratch (after the nibble buffer).
+inline int64_t Int4TableOffset(int64_t max_numel) { return AlignScratch(max_numel / 2); }
 
 }  // namespace stowage
 

@@ -50,12 +50,28 @@ __device__ __forceinline__ float ValueAt(const uint8_t* q, int64_t e) {
   }
 }
 
-template <bool kBf16>
-__device__ __forceinline__ float ScaleAt(const void* scale, int64_t g) {
-  if constexpr (kBf16) {
-    return __bfloat162float(static_cast<const __nv_bfloat16*>(scale)[g]);
+// The scales as the kernels read them: `p` the buffer; for kE4M3Rows, `channels` fp32 row scales
+// then the codes, `groups_per_row` codes a row.
+struct Scales {
+  const void* p;
+  int64_t channels;
+  int64_t groups_per_row;
+};
+
+template <ScaleKind S>
+__device__ __forceinline__ float ScaleAt(const Scales& scales, int64_t g) {
+  if constexpr (S == ScaleKind::kBFloat16) {
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(scales.p)[g]);
+  } else if constexpr (S == ScaleKind::kFloat) {
+    return static_cast<const float*>(scales.p)[g];
   } else {
-    return static_cast<const float*>(scale)[g];
+    const auto* rows = static_cast<const float*>(scales.p);
+    const uint8_t* codes = static_cast<const uint8_t*>(scales.p) + 4 * scales.channels;
+    // The row by a 32-bit division where the index allows (every real weight).
+    const int64_t row = g <= 0xFFFFFFFFll
+                            ? static_cast<int64_t>(static_cast<uint32_t>(g) / static_cast<uint32_t>(scales.groups_per_row))
+                            : g / scales.groups_per_row;
+    return __fmul_rn(DecodeE4M3(codes[g]), rows[row]);
   }
 }
 
@@ -90,11 +106,11 @@ __device__ __forceinline__ uint32_t RoundPair(float lo, float hi) {
   return bits;
 }
 
-template <Codes C, typename Out, bool kBf16>
-__global__ void WidenScalar(const uint8_t* q, const void* scale, Out* out, int64_t total, int64_t group) {
+template <Codes C, typename Out, ScaleKind S>
+__global__ void WidenScalar(const uint8_t* q, Scales scale, Out* out, int64_t total, int64_t group) {
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    out[e] = Round<Out>(ValueAt<C>(q, e) * ScaleAt<kBf16>(scale, e / group));
+    out[e] = Round<Out>(ValueAt<C>(q, e) * ScaleAt<S>(scale, e / group));
   }
 }
 
@@ -143,9 +159,8 @@ __device__ __forceinline__ void DecodeChunk(const Words<kBytes>& words, int c, f
 // kChunks chunks of eight values from a multiple of 8 · kChunks, each chunk under one scale (the
 // group size is a multiple of 8; `shift` is log2 of it when it is a power of two, else −1), written
 // with 16-byte stores (e4m3 bytes: 8-byte stores for one chunk).
-template <Codes C, typename Out, bool kBf16, int kChunks>
-__global__ void WidenVector(const uint8_t* q, const void* scale, Out* out, int64_t items, int64_t group,
-                            int shift) {
+template <Codes C, typename Out, ScaleKind S, int kChunks>
+__global__ void WidenVector(const uint8_t* q, Scales scale, Out* out, int64_t items, int64_t group, int shift) {
   constexpr int kBytes = kChunks * (C == Codes::kInt4 ? 4 : 8);
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < items;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -155,7 +170,7 @@ __global__ void WidenVector(const uint8_t* q, const void* scale, Out* out, int64
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       const int64_t e = e0 + 8 * c;
-      const float s = ScaleAt<kBf16>(scale, shift >= 0 ? e >> shift : e / group);
+      const float s = ScaleAt<S>(scale, shift >= 0 ? e >> shift : e / group);
       float v[8];
       DecodeChunk<C, kBytes>(words, c, v);
 #pragma unroll
@@ -187,50 +202,68 @@ __global__ void WidenVector(const uint8_t* q, const void* scale, Out* out, int64
 
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
-template <Codes C, typename Out, bool kBf16, int kChunks>
-void LaunchVector(const uint8_t* q, const void* scale, Out* out, int64_t total, int64_t group, cudaStream_t stream) {
+template <Codes C, typename Out, ScaleKind S, int kChunks>
+void LaunchVector(const uint8_t* q, Scales scale, Out* out, int64_t total, int64_t group, cudaStream_t stream) {
   const int64_t items = total / (8 * kChunks);
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(kMaxBlocks, (items + kThreads - 1) / kThreads));
   int shift = -1;
   for (int b = 0; b < 62; ++b) {
     if (group == (int64_t{1} << b)) shift = b;
   }
-  WidenVector<C, Out, kBf16, kChunks><<<blocks, kThreads, 0, stream>>>(q, scale, out, items, group, shift);
+  WidenVector<C, Out, S, kChunks><<<blocks, kThreads, 0, stream>>>(q, scale, out, items, group, shift);
 }
 
 // The widest path the layout allows: 16 bytes of codes a thread (32 int4 values, 16 of an 8-bit
 // format), else eight values a thread, else the scalar kernel.
-template <Codes C, typename Out, bool kBf16>
-int Launch(const void* q, const void* scale, void* out, int64_t total, int64_t group, cudaStream_t stream) {
+template <Codes C, typename Out, ScaleKind S>
+int Launch(const void* q, Scales scale, void* out, int64_t total, int64_t group, cudaStream_t stream) {
   const auto* qb = static_cast<const uint8_t*>(q);
   auto* o = static_cast<Out*>(out);
   constexpr int kWide = C == Codes::kInt4 ? 4 : 2;  // Chunks of eight in 16 bytes of codes.
   const bool vector = total % 8 == 0 && group % 8 == 0 && Aligned(out, 16);
   if (vector && total % (8 * kWide) == 0 && Aligned(q, 16)) {
-    LaunchVector<C, Out, kBf16, kWide>(qb, scale, o, total, group, stream);
+    LaunchVector<C, Out, S, kWide>(qb, scale, o, total, group, stream);
   } else if (vector && Aligned(q, C == Codes::kInt4 ? 4 : 8)) {
-    LaunchVector<C, Out, kBf16, 1>(qb, scale, o, total, group, stream);
+    LaunchVector<C, Out, S, 1>(qb, scale, o, total, group, stream);
   } else {
     const auto blocks = static_cast<unsigned>(std::min<int64_t>(kMaxBlocks, (total + kThreads - 1) / kThreads));
-    WidenScalar<C, Out, kBf16><<<blocks, kThreads, 0, stream>>>(qb, scale, o, total, group);
+    WidenScalar<C, Out, S><<<blocks, kThreads, 0, stream>>>(qb, scale, o, total, group);
   }
   return static_cast<int>(cudaGetLastError());
 }
 
-template <Codes C, bool kBf16>
-int ForOut(const void* q, const void* scale, void* out, OutType out_type, int64_t total, int64_t group,
-           cudaStream_t stream) {
+template <Codes C, ScaleKind S>
+int ForOut(const void* q, Scales scale, void* out, OutType out_type, int64_t total, int64_t group, cudaStream_t stream) {
   switch (out_type) {
     case OutType::kBFloat16:
-      return Launch<C, __nv_bfloat16, kBf16>(q, scale, out, total, group, stream);
+      return Launch<C, __nv_bfloat16, S>(q, scale, out, total, group, stream);
     case OutType::kHalf:
-      return Launch<C, __half, kBf16>(q, scale, out, total, group, stream);
+      return Launch<C, __half, S>(q, scale, out, total, group, stream);
     case OutType::kFp8E4M3:
-      return Launch<C, uint8_t, kBf16>(q, scale, out, total, group, stream);
+      return Launch<C, uint8_t, S>(q, scale, out, total, group, stream);
     case OutType::kFloat:
       break;
   }
-  return Launch<C, float, kBf16>(q, scale, out, total, group, stream);
+  return Launch<C, float, S>(q, scale, out, total, group, stream);
+}
+
+// The 8-bit formats' scales are fp32 or bf16 (kE4M3Rows is int4's only).
+template <Codes C>
+int ForScales(const void* q, Scales scale, ScaleKind kind, void* out, OutType out_type, int64_t total, int64_t group,
+              cudaStream_t stream) {
+  switch (kind) {
+    case ScaleKind::kBFloat16:
+      return ForOut<C, ScaleKind::kBFloat16>(q, scale, out, out_type, total, group, stream);
+    case ScaleKind::kE4M3Rows:
+      if constexpr (C == Codes::kInt4) {
+        return ForOut<C, ScaleKind::kE4M3Rows>(q, scale, out, out_type, total, group, stream);
+      } else {
+        return static_cast<int>(cudaErrorInvalidValue);
+      }
+    case ScaleKind::kFloat:
+      break;
+  }
+  return ForOut<C, ScaleKind::kFloat>(q, scale, out, out_type, total, group, stream);
 }
 
 __global__ void EncodeE4M3Kernel(const float* x, uint8_t* out, int64_t n) {
@@ -273,24 +306,22 @@ int EncodeE4M3(const float* x, uint8_t* out, int64_t n, void* stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
-int Widen(Codes codes, const void* q, const void* scale, bool scale_bf16, void* out, OutType out_type,
+int Widen(Codes codes, const void* q, const void* scale, ScaleKind scale_kind, void* out, OutType out_type,
           int64_t channels, int64_t k, int64_t group_size, void* stream) {
   const int64_t total = channels * k;
   if (total <= 0) return 0;
   if (group_size <= 0 || k % group_size != 0) return static_cast<int>(cudaErrorInvalidValue);
   auto s = static_cast<cudaStream_t>(stream);
+  const Scales scales{scale, channels, k / group_size};
   switch (codes) {
     case Codes::kInt8:
-      return scale_bf16 ? ForOut<Codes::kInt8, true>(q, scale, out, out_type, total, group_size, s)
-                        : ForOut<Codes::kInt8, false>(q, scale, out, out_type, total, group_size, s);
+      return ForScales<Codes::kInt8>(q, scales, scale_kind, out, out_type, total, group_size, s);
     case Codes::kFp8E4M3:
-      return scale_bf16 ? ForOut<Codes::kFp8E4M3, true>(q, scale, out, out_type, total, group_size, s)
-                        : ForOut<Codes::kFp8E4M3, false>(q, scale, out, out_type, total, group_size, s);
+      return ForScales<Codes::kFp8E4M3>(q, scales, scale_kind, out, out_type, total, group_size, s);
     case Codes::kInt4:
       break;
   }
-  return scale_bf16 ? ForOut<Codes::kInt4, true>(q, scale, out, out_type, total, group_size, s)
-                    : ForOut<Codes::kInt4, false>(q, scale, out, out_type, total, group_size, s);
+  return ForScales<Codes::kInt4>(q, scales, scale_kind, out, out_type, total, group_size, s);
 }
 
 }  // namespace stowage::widen_cuda

@@ -4,11 +4,13 @@
 // tensors and passes raw pointers and the current stream.
 //
 // For every element e of the [channels, k] weight (row-major), with g = e / group_size its scale:
-//   out[e] = round_to_out_dtype(value(q, e) · scale[g])   (the product in float32, rounded once)
+//   out[e] = round_to_out_dtype(value(q, e) · scale(g))   (the product in float32, rounded once)
 // where value is q[e] (int8), the e4m3fn value of q[e] (fp8), or ((q[e / 2] >> 4·(e % 2)) & 15) − 8
-// (int4, two values a byte, the even index in the low nibble). This is compression.cc's Dequantize
-// bit for bit: int8, int4 and e4m3 values are exact in float32, and the scale is fp32 or an exact
-// bf16.
+// (int4, two values a byte, the even index in the low nibble), and scale(g) is scale[g] (fp32 or
+// bf16) or, for kE4M3Rows, e4m3(codes[g]) · rows[g / (k / group_size)] in float32 (rows: the first
+// `channels` fp32 values of the buffer, codes: the bytes after them). This is compression.cc's
+// Dequantize bit for bit: int8, int4 and e4m3 values are exact in float32, and the scale is an
+// fp32 value or an exact bf16.
 #ifndef STOWAGE_OFFLOAD_WIDEN_KERNELS_H_
 #define STOWAGE_OFFLOAD_WIDEN_KERNELS_H_
 
@@ -20,10 +22,12 @@ enum class Codes { kInt8 = 0, kFp8E4M3 = 1, kInt4 = 2 };
 // kFp8E4M3: e4m3fn bytes (round to nearest even, saturating at ±448: a weight that computes in FP8,
 // e.g. its int4 host copy widened straight into the FP8 GEMM's operand).
 enum class OutType { kFloat = 0, kBFloat16 = 1, kHalf = 2, kFp8E4M3 = 3 };
+// How the scales are stored (see above); kE4M3Rows is int4's.
+enum class ScaleKind { kFloat = 0, kBFloat16 = 1, kE4M3Rows = 2 };
 
-// `group_size` divides `k` (per-channel formats pass k); `scale_bf16` says the scales are bf16
-// (else fp32). Returns the launch's cudaError_t as an int (0 = success).
-int Widen(Codes codes, const void* q, const void* scale, bool scale_bf16, void* out, OutType out_type,
+// `group_size` divides `k` (per-channel formats pass k). Returns the launch's cudaError_t as an int
+// (0 = success).
+int Widen(Codes codes, const void* q, const void* scale, ScaleKind scale_kind, void* out, OutType out_type,
           int64_t channels, int64_t k, int64_t group_size, void* stream);
 
 // e4m3fn bits of n float32 values, as compression.cc's host encoder gives them (round to nearest

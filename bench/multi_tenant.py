@@ -10,7 +10,7 @@ unbudgeted server that keeps everything resident.
         [--flux_compress none|int8|int4] [--flux_keep_gib 4] [--keep_resident zimage/text_encoder]
         [--text_encoder_compress none|int8|int4]
         [--zimage_ft_compress off|none|int8|int4] [--zimage_ft_keep_gib 0]
-        [--streamed_group_cache] [--cuda_expandable_segments] [--compute bf16|fp8] [--text_encoder_compute bf16|fp8] [--max_batch_size 1] [--max_queue_delay_ms 0] [--batch_in resident,fifo,scheduler]
+        [--streamed_group_cache] [--cuda_expandable_segments] [--compute bf16|fp8] [--text_encoder_compute bf16|fp8] [--t5_compute bf16|fp8] [--max_batch_size 1] [--max_queue_delay_ms 0] [--batch_in resident,fifo,scheduler]
         [--device cuda|sim] [--dtype bfloat16]
         [--machine M] [--commit C]
 
@@ -231,10 +231,13 @@ def config_text(budget_bytes, strategy, reorder_ms, pin=False):
 
 def pipeline_serving_fields(name):
     """What every strategy's pipelines share: the transformer's compute mode, and the Z-Image text
-    encoder's (Qwen3, which Z-Image and its fine-tune share) with --text_encoder_compute fp8."""
+    encoder's (Qwen3, which Z-Image and its fine-tune share) with --text_encoder_compute fp8, and
+    Flux's T5 (both Flux pipelines share it) with --t5_compute fp8."""
     fields = ' compute { key: "transformer" value: COMPUTE_FP8 }' if ARGS.compute == "fp8" else ""
     if ARGS.text_encoder_compute == "fp8" and name.startswith("zimage"):
         fields += ' compute { key: "text_encoder" value: COMPUTE_FP8 }'
+    if ARGS.t5_compute == "fp8" and name.startswith("flux"):
+        fields += ' compute { key: "text_encoder_2" value: COMPUTE_FP8 }'
     return fields
 
 
@@ -355,6 +358,7 @@ def rows_for(strategy, results, start, end, budget, smi_peak, resident):
                "size": ARGS.size, "steps": STEPS, "trace": TRACE_INFO,
                "keep_resident": keep_list() if strategy != "resident" else [],
                "serving": {"compute": ARGS.compute, "text_encoder_compute": ARGS.text_encoder_compute,
+                           "t5_compute": ARGS.t5_compute,
                            "max_batch_size": ARGS.max_batch_size if strategy in batching_strategies() else 1,
                            "max_queue_delay_ms": ARGS.max_queue_delay_ms,
                            "preemption": ARGS.preemption if strategy == "scheduler" else "none"},
@@ -811,6 +815,9 @@ def main():
     s.add_argument("--text_encoder_compute", choices=["bf16", "fp8"], default="bf16",
                    help="Z-Image's Qwen3 text encoder (resident beside the hot transformer) as FP8 GEMMs: half "
                         "its 7.3 GiB, room the streamed transformers' spare-room caches can use")
+    s.add_argument("--t5_compute", choices=["bf16", "fp8"], default="bf16",
+                   help="Flux's T5 text encoder (text_encoder_2) as FP8 GEMMs: half its 8.9 GiB, so "
+                        "--keep_resident flux-schnell/text_encoder_2 keeps it whole where bf16 would not fit")
     s.add_argument("--max_batch_size", type=int, default=1,
                    help="1..64; above 1, queued requests of one pipeline, size and steps run as one batch")
     s.add_argument("--max_queue_delay_ms", type=int, default=0,
@@ -854,8 +861,9 @@ def main():
         raise SystemExit("--batch_in: names among resident, fifo, scheduler")
     if ARGS.preemption == "resident" and ARGS.reorder_ms <= 0:
         raise SystemExit("--preemption resident bounds each running request's pause by --reorder_ms: set it above 0")
-    if (ARGS.compute == "fp8" or ARGS.text_encoder_compute == "fp8") and ARGS.device == "sim":
-        raise SystemExit("--compute fp8 and --text_encoder_compute fp8 need --device cuda (FP8 tensor cores)")
+    if "fp8" in (ARGS.compute, ARGS.text_encoder_compute, ARGS.t5_compute) and ARGS.device == "sim":
+        raise SystemExit("--compute fp8, --text_encoder_compute fp8 and --t5_compute fp8 need --device cuda "
+                         "(FP8 tensor cores)")
     TRACE = make_trace(ARGS.requests, ARGS.rate, ARGS.zipf, ARGS.trace_seed, STEPS)
     TRACE_INFO = {"requests": ARGS.requests, "rate_per_s": ARGS.rate, "zipf": ARGS.zipf, "seed": ARGS.trace_seed,
                   "popularity": list(POPULARITY), "tenants": {"alice": 0.7, "bob": 0.3}, "high_priority": 0.2}

@@ -251,12 +251,31 @@ absl::Status Linear::ConvertToFp8() {
 #endif
 }
 
+namespace {
+// The block lists nearest the root: its ModuleList children (a transformer's), else those one level
+// further down (T5's encoder.block), and so on (CLIP's text_model.encoder.layers) — never the small
+// lists inside embedders beside the blocks (Z-Image's t_embedder.mlp).
+std::vector<Module*> NearestBlockLists(Module& root) {
+  std::vector<Module*> level = {&root};
+  while (!level.empty()) {
+    std::vector<Module*> lists, next;
+    for (Module* m : level) {
+      for (const auto& [name, child] : m->children()) {
+        (child->kind() == "ModuleList" ? lists : next).push_back(child);
+      }
+    }
+    if (!lists.empty()) return lists;
+    level = std::move(next);
+  }
+  return {};
+}
+}  // namespace
+
 absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root) {
   int64_t converted = 0;
   absl::Status status;
   std::set<const Linear*> now_fp8;  // Converted by this call.
-  for (const auto& [name, child] : root.children()) {
-    if (child->kind() != "ModuleList") continue;
+  for (Module* child : NearestBlockLists(root)) {
     child->ForEachModule([&](Module& m) {
       auto* linear = dynamic_cast<Linear*>(&m);
       if (linear == nullptr || !status.ok() || linear->is_fp8()) return;

@@ -122,8 +122,9 @@ class Linear : public Module {
   mutable LoraPack lora_pack_;
 };
 
-// Converts every Linear inside the block lists of `root` (its ModuleList children: the transformer
-// blocks, where nearly all the FLOPs are; embedders and the final layer stay in their dtype) to
+// Converts every Linear inside the block lists of `root` (the ModuleLists nearest the root: a
+// transformer's block lists, T5's encoder.block, CLIP's text_model.encoder.layers — where nearly all
+// the FLOPs are; embedders and the final layer stay in their dtype) to
 // FP8 (Linear::ConvertToFp8). Layers whose weights were declared adjacent (Linear::DeclareAdjacent)
 // get their new scales declared adjacent too (ForwardShared's single FP8 GEMM). Returns how many
 // were converted.

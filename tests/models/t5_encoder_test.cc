@@ -1,5 +1,6 @@
 #include "models/nets/t5_encoder.h"
 
+#include <cstdio>
 #include <map>
 #include <string>
 #include <vector>
@@ -9,6 +10,8 @@
 #include <gtest/gtest.h>
 
 #include "google/protobuf/util/json_util.h"
+#include "models/core/fused_ops.h"
+#include "models/core/layers.h"
 #include "models/core/weight_init.h"
 #include "offload/device_backend.h"
 #include "offload/group_offload.h"
@@ -121,6 +124,51 @@ TEST(T5EncoderTest, GroupOffloadedBlocksGiveTheSameOutput) {
   ASSERT_TRUE(by_default.ok()) << by_default.status();
   EXPECT_EQ((*by_default)->stats().streamed_groups, 3);
   EXPECT_TRUE(at::equal(model.Forward(ids, mask), expected));
+}
+
+// FP8 compute (PipelineConfig.compute of text_encoder_2) reaches T5's blocks, which lie inside its
+// encoder rather than at the root: the 7 linears of each block convert (embedding, bias table and
+// norms stay). Without float8 in the LibTorch the conversion is refused — not a silent 0 layers.
+// On a GPU the converted encoder runs its FP8 GEMMs, reported against bf16.
+TEST(T5EncoderTest, Fp8ConvertsTheBlocksInsideTheEncoder) {
+  T5Config config = Tiny();
+  config.d_model = 64;
+  config.d_ff = 128;
+  T5Encoder model(config, LayerOptions{at::kBFloat16});
+  InitializeRandomWeights(model, 12);
+  const at::Tensor ids = at::tensor(std::vector<int64_t>{3, 9, 27, 1, 5, 0, 0, 0}).view({1, 8});
+  const absl::StatusOr<int64_t> converted = ConvertBlockLinearsToFp8(model);
+#ifdef STOWAGE_HAS_FP8
+  ASSERT_TRUE(converted.ok()) << converted.status();
+  EXPECT_EQ(*converted, 2 * 7);
+  int scales = 0;
+  model.ForEachSlot([&](Module& owner, TensorSlot& slot) {
+    const std::string name = owner.SlotPath(slot);
+    if (name.size() > 13 && name.compare(name.size() - 13, 13, ".weight_scale") == 0) ++scales;
+    if (name == "shared.weight") EXPECT_EQ(slot.value.scalar_type(), at::kBFloat16);
+  });
+  EXPECT_EQ(scales, 2 * 7);
+  if (!at::hasCUDA()) GTEST_SKIP() << "FP8 GEMMs need a GPU";
+  T5Encoder reference(config, LayerOptions{at::kBFloat16});
+  InitializeRandomWeights(reference, 12);
+  auto backend = CreateCudaBackend(0);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto fp8_weights = HostWeights::Capture(model);
+  auto bf16_weights = HostWeights::Capture(reference);
+  ASSERT_TRUE(fp8_weights.ok() && bf16_weights.ok());
+  ASSERT_TRUE((*fp8_weights)->OnloadAll(**backend).ok());
+  ASSERT_TRUE((*bf16_weights)->OnloadAll(**backend).ok());
+  c10::InferenceMode guard;
+  const at::Tensor cuda_ids = ids.to(at::kCUDA);
+  const at::Tensor want = reference.Forward(cuda_ids).to(at::kFloat);
+  const at::Tensor got = model.Forward(cuda_ids).to(at::kFloat);
+  ASSERT_TRUE(got.isfinite().all().item<bool>());
+  const double rel = (got - want).norm().item<double>() / want.norm().item<double>();
+  std::printf("t5 tiny fp8 rel_l2 %.4f\n", rel);
+  EXPECT_LT(rel, 0.25);
+#else
+  EXPECT_EQ(converted.status().code(), absl::StatusCode::kUnimplemented) << converted.status();
+#endif
 }
 
 TEST(T5EncoderTest, ConfigFromJsonValidates) {

@@ -7,7 +7,7 @@
 #   streamed  the transformer group-offloaded (block level, one block per group, stream); text
 #             encoder and VAE resident
 #   streamed_int8, streamed_int4  the same, streamed from an 8-bit (int8, a scale per 128 values) or
-#             4-bit (int4, a bf16 scale per 16 values) host copy widened on the device
+#             4-bit (int4, an 8-bit scale per 16 values) host copy widened on the device
 # Rows also carry "compress" (none, int8_grouped, int4) and "compute" (bf16, fp8).
 #
 #   bench/batching.sh SERVER LOAD_BENCH MODEL_DIR OUT.jsonl [SIZE] [STEPS] [MACHINE] [DTYPE] [CONCURRENCY]

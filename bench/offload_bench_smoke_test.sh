@@ -29,7 +29,7 @@ for r in rows[1:]:
 print("ok:", len(rows), "rows")
 PY
 
-# The compressed rows: about half (8-bit) or 0.31 (int4) of the bf16 bytes per forward, a small
+# The compressed rows: about half (8-bit) or 0.29 (int4, 4.5 bits a value) of the bf16 bytes per forward, a small
 # error against the resident output.
 out8="$TEST_TMPDIR/rows8.jsonl"
 bench/offload_bench --config=small --backend=sim --warmup=1 --iters=2 --out="$out8" \
@@ -42,7 +42,7 @@ assert rows["block_pinned"]["rel_l2"] == 0 and rows["block_pinned"]["compress"] 
 # 16 bf16 blocks deep.
 for name, bound, fmt, lo, hi in [("block_int8", 0.06, "int8", 0.5, 0.6), ("block_fp8", 0.15, "fp8_e4m3", 0.5, 0.6),
                                  ("block_int8grouped", 0.06, "int8_grouped", 0.5, 0.6),
-                                 ("block_int4", 0.4, "int4", 0.31, 0.4)]:  # Random weights amplify int4 (fidelity: shapes).
+                                 ("block_int4", 0.4, "int4", 0.28, 0.31)]:  # Random weights amplify int4 (fidelity: shapes).
     r = rows[name]
     assert 0 < r["rel_l2"] < bound, r
     assert r["compress"] == fmt, r

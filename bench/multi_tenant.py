@@ -861,9 +861,10 @@ def main():
         raise SystemExit("--batch_in: names among resident, fifo, scheduler")
     if ARGS.preemption == "resident" and ARGS.reorder_ms <= 0:
         raise SystemExit("--preemption resident bounds each running request's pause by --reorder_ms: set it above 0")
-    if "fp8" in (ARGS.compute, ARGS.text_encoder_compute, ARGS.t5_compute) and ARGS.device == "sim":
-        raise SystemExit("--compute fp8, --text_encoder_compute fp8 and --t5_compute fp8 need --device cuda "
-                         "(FP8 tensor cores)")
+    for flag, value in (("--compute", ARGS.compute), ("--text_encoder_compute", ARGS.text_encoder_compute),
+                        ("--t5_compute", ARGS.t5_compute)):
+        if value == "fp8" and ARGS.device == "sim":
+            raise SystemExit(f"{flag} fp8 needs --device cuda (FP8 tensor cores)")
     TRACE = make_trace(ARGS.requests, ARGS.rate, ARGS.zipf, ARGS.trace_seed, STEPS)
     TRACE_INFO = {"requests": ARGS.requests, "rate_per_s": ARGS.rate, "zipf": ARGS.zipf, "seed": ARGS.trace_seed,
                   "popularity": list(POPULARITY), "tenants": {"alice": 0.7, "bob": 0.3}, "high_priority": 0.2}

@@ -115,7 +115,7 @@ placement = open(os.path.join(sys.argv[3], "fifo.placement.txt")).read().splitli
 ft = [i for i, l in enumerate(placement) if l.strip().startswith("zimage-ft/transformer ")]
 assert ft and "GROUP_OFFLOADED" in placement[ft[0]] and "int4" in placement[ft[0] + 1], placement
 assert all(r["placement"]["zimage_ft_compress"] == "int4" for r in rows), rows
-assert all(r["serving"] == {"compute": "bf16", "text_encoder_compute": "bf16", "max_batch_size": 4,
+assert all(r["serving"] == {"compute": "bf16", "text_encoder_compute": "bf16", "t5_compute": "bf16", "max_batch_size": 4,
                            "max_queue_delay_ms": 20, "preemption": "none"} for r in rows), rows
 every = [r for r in rows if r["pipeline"] == "all"][0]
 assert every["mean_batch_size"] > 1, every  # 24 requests at 40/s: some queue together.
@@ -176,11 +176,9 @@ assert all(r["placement"]["streamed_group_cache"] for r in rows if r["strategy"]
 assert all(r["placement"]["cuda_expandable_segments"] for r in rows if r["strategy"] != "resident"), rows
 print("ok")
 PY
-if run --compute fp8 --out "$TEST_TMPDIR/y.jsonl" --logs "$TEST_TMPDIR/logs_y" 2>"$TEST_TMPDIR/err.txt"; then
-  echo "--compute fp8 on the simulator was taken"; exit 1
-fi
-grep -q "compute fp8 need --device cuda" "$TEST_TMPDIR/err.txt"
-if run --text_encoder_compute fp8 --out "$TEST_TMPDIR/y.jsonl" --logs "$TEST_TMPDIR/logs_y" 2>"$TEST_TMPDIR/err.txt"; then
-  echo "--text_encoder_compute fp8 on the simulator was taken"; exit 1
-fi
-grep -q "text_encoder_compute fp8 need --device cuda" "$TEST_TMPDIR/err.txt"
+for flag in --compute --text_encoder_compute --t5_compute; do
+  if run $flag fp8 --out "$TEST_TMPDIR/y.jsonl" --logs "$TEST_TMPDIR/logs_y" 2>"$TEST_TMPDIR/err.txt"; then
+    echo "$flag fp8 on the simulator was taken"; exit 1
+  fi
+  grep -q -- "^$flag fp8 needs --device cuda" "$TEST_TMPDIR/err.txt" || { cat "$TEST_TMPDIR/err.txt"; exit 1; }
+done

@@ -20,7 +20,7 @@ for r in rows:
     assert r["page_cache_read_s"] == 0, r  # No --model_dir: nothing read.
     assert r["step_s"] > 0 and r["weight_bytes"] > 0 and r["peak_rss_bytes"] > 0, r
     # The base again after the row freed its weights: a process still running, above nothing.
-    assert r["base_rss_bytes"] > 0 and r["base_rss_after_bytes"] > 0, r
+    assert r["base_rss_bytes"] > 0 and r["base_rss_warm_bytes"] > 0 and r["base_rss_after_bytes"] > 0, r
 resident = rows[0]
 assert resident["peak_device_bytes"] >= resident["weight_bytes"], resident
 for r in rows[1:]:

@@ -121,6 +121,10 @@ QuantizedTensor Quantize(const at::Tensor& w, CompressFormat format);
 // order of summation differs, so a near-tie may keep another (equally good) candidate.
 inline constexpr int64_t kQuantizeChunkElements = int64_t{1} << 24;
 QuantizedTensor QuantizeOn(const at::Tensor& w, CompressFormat format, c10::Device device);
+// QuantizeOn's loop, exposed for tests: `w`'s rows in chunks of `chunk_rows`, each quantized on
+// `device`, put together on the host in the layout Quantize gives the whole tensor (kInt4: every
+// chunk's row scales first, then every chunk's codes). Throws what Quantize throws.
+QuantizedTensor QuantizeRowChunks(const at::Tensor& w, CompressFormat format, c10::Device device, int64_t chunk_rows);
 // The host reference of widening: the weight as the device sees it, in `dtype`, of shape `sizes`
 // (the weight's; empty: q's shape, or [C, K] for kInt4).
 at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::ScalarType dtype,

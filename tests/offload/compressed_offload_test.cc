@@ -217,6 +217,36 @@ TEST_P(FormatTest, WideningMatchesTheReferenceExactly) {
   }
 }
 
+// Quantizing a tensor's rows in chunks (QuantizeOn's loop on a GPU, here on the host) gives the
+// whole tensor's layout: the 8-bit formats bit for bit; int4 its row scales exactly, then its codes
+// (a near-tie of the clipping search may sum its errors in another order), with one chunk or many.
+TEST_P(FormatTest, QuantizingInRowChunksKeepsTheWholeTensorsLayout) {
+  const CompressFormat format = GetParam();
+  at::manual_seed(29);
+  for (const std::vector<int64_t>& sizes : std::vector<std::vector<int64_t>>{{33, 70}, {9, 256}, {140, 6}}) {
+    const at::Tensor w = (at::randn(sizes) * 0.05).to(at::kBFloat16);
+    const QuantizedTensor whole = Quantize(w, format);
+    for (const int64_t chunk_rows : {int64_t{4}, int64_t{1000}}) {
+      const QuantizedTensor chunked = QuantizeRowChunks(w, format, at::Device(at::kCPU), chunk_rows);
+      ASSERT_EQ(chunked.q.sizes(), whole.q.sizes());
+      ASSERT_EQ(chunked.scale.sizes(), whole.scale.sizes());
+      if (format != CompressFormat::kInt4) {
+        EXPECT_TRUE(at::equal(chunked.q, whole.q)) << w.sizes() << " " << chunk_rows;
+        EXPECT_TRUE(at::equal(chunked.scale, whole.scale)) << w.sizes() << " " << chunk_rows;
+        continue;
+      }
+      const int64_t rows = 4 * sizes[0];
+      EXPECT_TRUE(at::equal(chunked.scale.narrow(0, 0, rows), whole.scale.narrow(0, 0, rows))) << w.sizes();
+      const auto same = [](const at::Tensor& a, const at::Tensor& b) {
+        return a.eq(b).to(at::kDouble).mean().item<double>();
+      };
+      EXPECT_GT(same(chunked.scale.narrow(0, rows, whole.scale.numel() - rows),
+                     whole.scale.narrow(0, rows, whole.scale.numel() - rows)), 0.99) << w.sizes() << " " << chunk_rows;
+      EXPECT_GT(same(chunked.q, whole.q), 0.99) << w.sizes() << " " << chunk_rows;
+    }
+  }
+}
+
 // The same widening ops on a GPU (where the copy stream runs them: CUDA kernels, fp8 through the
 // native float8 dtype when torch has one) against the host reference, bit for bit. Skipped without
 // CUDA (CI's LibTorch); the GPU host's ctest runs it.

@@ -73,7 +73,8 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
   store->areas_ = options.scratch_buffers;
 
   // The fixed part of the scratch: fp8 tables per compute dtype present, then the index chunk; or
-  // int4's nibble buffer.
+  // int4's nibble buffer, then the fp32 table of its scale codes (both the portable path's; CUDA's
+  // kernel reads neither).
   const FixedLayout fixed = ScanCompressible(format, weights);
   store->fixed_bytes_ = FixedScratchBytes(format, fixed.has[0], fixed.has[1], fixed.has[2], fixed.max_numel);
   if (format == CompressFormat::kInt4 && store->fixed_bytes_ > 0) {

@@ -92,6 +92,13 @@ Int4Scales SplitInt4Scales(const at::Tensor& scale, int64_t channels) {
           flat.narrow(0, channels * 4, flat.numel() - channels * 4).view({channels, -1})};
 }
 
+// Each group's scale as the device uses it: e4m3(codes[c, g]) · rows[c], the product in fp32, [C, G]
+// (Quantize's candidates and Dequantize; WidenInto's portable path does the same in its scratch).
+at::Tensor Int4GroupScales(const at::Tensor& codes, const at::Tensor& rows) {
+  const at::Tensor table = Fp8E4M3Table(at::kFloat).to(codes.device());
+  return table.index_select(0, codes.reshape({-1}).to(at::kLong)).view(codes.sizes()) * rows.unsqueeze(1);
+}
+
 const at::Tensor& TableFor(const WidenScratch& scratch, at::ScalarType dtype) {
   switch (dtype) {
     case at::kBFloat16: return scratch.table_bf16;
@@ -225,20 +232,18 @@ QuantizedTensor Quantize(const at::Tensor& w, CompressFormat format) {
           at::where(row_amax > 0, row_amax / at::full_like(row_amax, top * kFp8E4M3Max), at::ones_like(row_amax))
               .contiguous();
       const at::Tensor top_scale = (amax / at::full_like(amax, top)).view({c, k / g});
-      const at::Tensor table = Fp8E4M3Table(at::kFloat).to(w2d.device());
       at::Tensor best_error = at::full_like(amax, std::numeric_limits<float>::infinity());
       at::Tensor best_scale = at::zeros_like(amax);
       at::Tensor best_code = at::zeros({c * (k / g)}, amax.options().dtype(at::kByte));
       for (const float ratio : {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.75f}) {
-        const at::Tensor code = EncodeFp8E4M3((top_scale * ratio) / rows.unsqueeze(1)).view({-1});
-        const at::Tensor candidate =
-            (table.index_select(0, code.to(at::kLong)).view({c, k / g}) * rows.unsqueeze(1)).view({-1});
+        const at::Tensor code = EncodeFp8E4M3((top_scale * ratio) / rows.unsqueeze(1));  // [C, G]
+        const at::Tensor candidate = Int4GroupScales(code, rows).view({-1});
         // A code of 0 (a zero group, or one under the row's range) reconstructs zeros.
         const at::Tensor q = at::round(grouped / candidate.clamp_min(1e-30f).unsqueeze(1)).clamp_(-top, top);
         const at::Tensor error = (q * candidate.unsqueeze(1) - grouped).pow(2).sum(1);
         const at::Tensor better = error < best_error;
         best_scale = at::where(better, candidate, best_scale);
-        best_code = at::where(better, code, best_code);
+        best_code = at::where(better, code.view({-1}), best_code);
         best_error = at::where(better, error, best_error);
       }
       const at::Tensor q =
@@ -313,8 +318,7 @@ at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::Scala
     at::Tensor scales;  // [C, groups] fp32.
     if (format == CompressFormat::kInt4) {
       const Int4Scales parts = SplitInt4Scales(t.scale, c);
-      scales = Fp8E4M3Table(at::kFloat).to(parts.codes.device()).index_select(0, parts.codes.reshape({-1}).to(at::kLong))
-                   .view(parts.codes.sizes()) * parts.rows.unsqueeze(1);
+      scales = Int4GroupScales(parts.codes, parts.rows);
     } else {
       scales = t.scale.to(at::kFloat);
     }
@@ -353,9 +357,9 @@ void WidenInto(const at::Tensor& out, const at::Tensor& q, const at::Tensor& sca
     const bool int4 = format == CompressFormat::kInt4;
     const int64_t groups = int4 ? (scale.numel() - 4 * channels) / channels : scale.numel() / channels;
     const int64_t group = grouped ? k / groups : k;
-    const widen_cuda::ScaleKind scale_kind = int4                                   ? widen_cuda::ScaleKind::kE4M3Rows
-                                             : scale.scalar_type() == at::kBFloat16 ? widen_cuda::ScaleKind::kBFloat16
-                                                                                    : widen_cuda::ScaleKind::kFloat;
+    TORCH_CHECK(scale.scalar_type() == (int4 ? at::kByte : at::kFloat), "WidenInto: ", CompressFormatName(format),
+                " scales are ", int4 ? "bytes" : "float32", ", not ", scale.scalar_type());
+    const widen_cuda::ScaleKind scale_kind = int4 ? widen_cuda::ScaleKind::kE4M3Rows : widen_cuda::ScaleKind::kFloat;
     const int err = widen_cuda::Widen(codes, q.data_ptr(), scale.data_ptr(), scale_kind, out.data_ptr(), out_type,
                                       channels, k, group, c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
     TORCH_CHECK(err == 0, "widening kernel failed to launch (CUDA error ", err, ")");

@@ -60,9 +60,7 @@ struct Scales {
 
 template <ScaleKind S>
 __device__ __forceinline__ float ScaleAt(const Scales& scales, int64_t g) {
-  if constexpr (S == ScaleKind::kBFloat16) {
-    return __bfloat162float(static_cast<const __nv_bfloat16*>(scales.p)[g]);
-  } else if constexpr (S == ScaleKind::kFloat) {
+  if constexpr (S == ScaleKind::kFloat) {
     return static_cast<const float*>(scales.p)[g];
   } else {
     const auto* rows = static_cast<const float*>(scales.p);
@@ -167,10 +165,17 @@ __global__ void WidenVector(const uint8_t* q, Scales scale, Out* out, int64_t it
     const Words<kBytes> words = LoadWords<kBytes>(q + i * kBytes);
     const int64_t e0 = i * 8 * kChunks;
     uint32_t fp8[2 * kChunks];  // e4m3 outputs: four bytes a word.
+    // Chunks of one group share its scale: read (for int4, decoded) once per group, not per chunk.
+    int64_t last_g = -1;
+    float s = 0.0f;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       const int64_t e = e0 + 8 * c;
-      const float s = ScaleAt<S>(scale, shift >= 0 ? e >> shift : e / group);
+      const int64_t g = shift >= 0 ? e >> shift : e / group;
+      if (g != last_g) {
+        s = ScaleAt<S>(scale, g);
+        last_g = g;
+      }
       float v[8];
       DecodeChunk<C, kBytes>(words, c, v);
 #pragma unroll
@@ -247,13 +252,11 @@ int ForOut(const void* q, Scales scale, void* out, OutType out_type, int64_t tot
   return Launch<C, float, S>(q, scale, out, total, group, stream);
 }
 
-// The 8-bit formats' scales are fp32 or bf16 (kE4M3Rows is int4's only).
+// The 8-bit formats' scales are fp32 (kE4M3Rows is int4's only).
 template <Codes C>
 int ForScales(const void* q, Scales scale, ScaleKind kind, void* out, OutType out_type, int64_t total, int64_t group,
               cudaStream_t stream) {
   switch (kind) {
-    case ScaleKind::kBFloat16:
-      return ForOut<C, ScaleKind::kBFloat16>(q, scale, out, out_type, total, group, stream);
     case ScaleKind::kE4M3Rows:
       if constexpr (C == Codes::kInt4) {
         return ForOut<C, ScaleKind::kE4M3Rows>(q, scale, out, out_type, total, group, stream);

@@ -6,11 +6,11 @@
 // For every element e of the [channels, k] weight (row-major), with g = e / group_size its scale:
 //   out[e] = round_to_out_dtype(value(q, e) · scale(g))   (the product in float32, rounded once)
 // where value is q[e] (int8), the e4m3fn value of q[e] (fp8), or ((q[e / 2] >> 4·(e % 2)) & 15) − 8
-// (int4, two values a byte, the even index in the low nibble), and scale(g) is scale[g] (fp32 or
-// bf16) or, for kE4M3Rows, e4m3(codes[g]) · rows[g / (k / group_size)] in float32 (rows: the first
+// (int4, two values a byte, the even index in the low nibble), and scale(g) is scale[g] (fp32: the
+// 8-bit formats) or, for kE4M3Rows (int4), e4m3(codes[g]) · rows[g / (k / group_size)] in float32 (rows: the first
 // `channels` fp32 values of the buffer, codes: the bytes after them). This is compression.cc's
-// Dequantize bit for bit: int8, int4 and e4m3 values are exact in float32, and the scale is an
-// fp32 value or an exact bf16.
+// Dequantize bit for bit: int8, int4 and e4m3 values are exact in float32, and the scale is an fp32
+// value.
 #ifndef STOWAGE_OFFLOAD_WIDEN_KERNELS_H_
 #define STOWAGE_OFFLOAD_WIDEN_KERNELS_H_
 
@@ -22,8 +22,8 @@ enum class Codes { kInt8 = 0, kFp8E4M3 = 1, kInt4 = 2 };
 // kFp8E4M3: e4m3fn bytes (round to nearest even, saturating at ±448: a weight that computes in FP8,
 // e.g. its int4 host copy widened straight into the FP8 GEMM's operand).
 enum class OutType { kFloat = 0, kBFloat16 = 1, kHalf = 2, kFp8E4M3 = 3 };
-// How the scales are stored (see above); kE4M3Rows is int4's.
-enum class ScaleKind { kFloat = 0, kBFloat16 = 1, kE4M3Rows = 2 };
+// How the scales are stored (see above): kFloat the 8-bit formats', kE4M3Rows int4's.
+enum class ScaleKind { kFloat = 0, kE4M3Rows = 1 };
 
 // `group_size` divides `k` (per-channel formats pass k). Returns the launch's cudaError_t as an int
 // (0 = success).

@@ -20,7 +20,7 @@
 //                 storage [C, K / 2]; K must be even. w' = (nibble − 8) · scale. 4.5 bits a value
 //                 (0.281× bf16) at G = 16. The scales are one uint8 buffer [C · 4 + C · K / G]: the C
 //                 fp32 row scales' bytes, then the codes row by row. (Measured on the trained demo,
-//                 bench/results/fidelity_cpu_int4_variants.md: 48 of 48 caption checks and 36.8 / 29.7
+//                 bench/results/fidelity_cpu_int4_variants.md: 48 of 48 caption checks and 36.6 / 29.8
 //                 dB mean / worst PSNR against bf16, where bf16 group scales — 5 bits a value — gave
 //                 36.1 / 29.1 dB; groups of 32 lose a check.)
 // Scales are fp32 ([C] or [C, K / G]) but for kInt4. A channel (group) of zeros gets scale 1 (q = 0;

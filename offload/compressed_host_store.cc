@@ -5,12 +5,14 @@
 #include <algorithm>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include <ATen/Functions.h>
 #include <c10/core/InferenceMode.h>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "offload/load_quantizer.h"
 #include "offload/safetensors.h"
 
 namespace stowage {
@@ -43,6 +45,19 @@ absl::StatusOr<QuantizedTensor> CheckPrequantized(const std::string& name, const
         layout.q_bytes, " values and ", layout.scale_count, " scales"));
   }
   return QuantizedTensor{given.q.contiguous(), given.scale.to(layout.scale_dtype).contiguous()};
+}
+
+// Zeroes the bytes of [0, size) outside `spans` ({offset, bytes}, disjoint): a packed group's
+// alignment padding, so the device sees deterministic bytes without the whole buffer being written
+// twice.
+void ZeroGaps(uint8_t* base, int64_t size, std::vector<std::pair<int64_t, int64_t>> spans) {
+  std::sort(spans.begin(), spans.end());
+  int64_t at = 0;
+  for (const auto& [offset, bytes] : spans) {
+    if (offset > at) std::memset(base + at, 0, static_cast<size_t>(offset - at));
+    at = std::max(at, offset + bytes);
+  }
+  if (size > at) std::memset(base + at, 0, static_cast<size_t>(size - at));
 }
 
 }  // namespace
@@ -103,6 +118,7 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
     store->tables_.copy_(at::cat(tables));
   }
 
+  std::unique_ptr<LoadQuantizer> quantizer;  // Made when the first weight needs quantizing.
   constexpr int64_t kTrimEvery = int64_t{64} << 20;
   int64_t temporaries = 0;  // Bytes of quantized copies freed since the last malloc_trim.
   int64_t largest = 0;
@@ -142,34 +158,47 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
     ASSIGN_OR_RETURN(g8.packed, backend.AllocatePinnedHost(packed_bytes));
     store->stats_.compressed_host_bytes += packed_bytes;
     store->stats_.pinned_host_bytes += packed_bytes;
-    g8.packed.zero_();  // Padding: deterministic bytes on the device.
     uint8_t* base = g8.packed.data_ptr<uint8_t>();
+    std::vector<std::pair<int64_t, int64_t>> written;
     for (size_t i = 0; i < g.tensors.size(); ++i) {
       const at::Tensor& host = g.tensors[i].entry->host;
       const Tensor8& t8 = g8.tensors[i];
       if (t8.compressed) {
+        written.emplace_back(t8.q_offset, t8.layout.q_bytes);
+        written.emplace_back(t8.scale_offset, t8.layout.scale_bytes());
         const std::string name = g.tensors[i].entry->module->SlotPath(*g.tensors[i].entry->slot);
-        QuantizedTensor q;
         const auto given = options.prequantized != nullptr ? options.prequantized->find(name)
                                                            : PrequantizedWeights::const_iterator();
         if (options.prequantized != nullptr && given != options.prequantized->end()) {
-          ASSIGN_OR_RETURN(q, CheckPrequantized(name, given->second, host, format));
+          ASSIGN_OR_RETURN(const QuantizedTensor q, CheckPrequantized(name, given->second, host, format));
+          std::memcpy(base + t8.q_offset, q.q.data_ptr(), q.q.nbytes());
+          std::memcpy(base + t8.scale_offset, q.scale.data_ptr(), q.scale.nbytes());
         } else {
-          q = QuantizeOn(host, format, backend.torch_device());  // On the GPU when there is one.
+          if (quantizer == nullptr) {
+            ASSIGN_OR_RETURN(quantizer, LoadQuantizer::Create(backend, fixed.max_numel, options.staging_threads));
+          }
+          // On the GPU when there is one, straight into the pinned group; in flight until Finish().
+          quantizer->QuantizeInto(host, format, g8.packed.narrow(0, t8.q_offset, t8.layout.q_bytes),
+                                  g8.packed.narrow(0, t8.scale_offset, t8.layout.scale_bytes()));
         }
-        std::memcpy(base + t8.q_offset, q.q.data_ptr(), q.q.nbytes());
-        std::memcpy(base + t8.scale_offset, q.scale.data_ptr(), q.scale.nbytes());
       } else {
+        written.emplace_back(t8.host_offset, t8.bytes);
         std::memcpy(base + t8.host_offset, host.data_ptr(), host.nbytes());
       }
+      // The source has been read (the quantizer's writes may still be in flight, its reads are not).
       store->stats_.mapped_bytes_released +=
           ReleaseMappedPages(host.data_ptr(), static_cast<int64_t>(host.nbytes()));
       temporaries += t8.compressed ? t8.layout.q_bytes + t8.layout.scale_bytes() : 0;
     }
+    ZeroGaps(base, packed_bytes, std::move(written));  // Padding: deterministic bytes on the device.
     if (temporaries >= kTrimEvery) {  // Give the quantization temporaries' heap pages back as they go.
       ::malloc_trim(0);
       temporaries = 0;
     }
+  }
+  if (quantizer != nullptr) {
+    quantizer->Finish();
+    store->stats_.host_quantized_fallbacks = quantizer->host_fallbacks();
   }
   store->area_bytes_ = largest;
   store->scratch_bytes_ = largest > 0 ? store->fixed_bytes_ + store->areas_ * largest : 0;

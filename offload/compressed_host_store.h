@@ -33,8 +33,10 @@
 // safetensors mapping are dropped from RSS after quantizing, so host RAM holds the 8-bit copy plus
 // whatever originals live on the heap.
 //
-// Quantizing runs at Create on the backend's device when it is a GPU (QuantizeOn: a tensor's rows
-// in chunks, so the device lends well under a GB while it runs), else on the host. Weights already
+// Quantizing runs at Create on the backend's device when it is a GPU (LoadQuantizer: a tensor's
+// rows in chunks, read by options.staging_threads threads into pinned staging, quantized on the
+// device and written straight into the pinned group, so the device lends well under a GB while it
+// runs and the host holds no temporaries), else on the host. Weights already
 // quantized (an 8-bit checkpoint, compressed_safetensors.h) are taken from options.prequantized by
 // slot path instead of quantizing the host copy.
 //

@@ -269,41 +269,6 @@ QuantizedTensor Quantize(const at::Tensor& w, CompressFormat format) {
   return out;
 }
 
-QuantizedTensor QuantizeRowChunks(const at::Tensor& w, CompressFormat format, c10::Device device, int64_t chunk_rows) {
-  const int64_t rows = w.size(0);
-  const int64_t chunk = std::max<int64_t>(1, chunk_rows);
-  std::vector<at::Tensor> qs;
-  std::vector<at::Tensor> scales;
-  std::vector<at::Tensor> codes;  // kInt4: its scale buffer is every row's scale, then every code.
-  for (int64_t start = 0; start < rows; start += chunk) {
-    const int64_t n = std::min(chunk, rows - start);
-    const QuantizedTensor part = Quantize(w.narrow(0, start, n).to(device), format);
-    qs.push_back(part.q.cpu());
-    const at::Tensor scale = part.scale.cpu();
-    if (format == CompressFormat::kInt4) {
-      scales.push_back(scale.narrow(0, 0, 4 * n));
-      codes.push_back(scale.narrow(0, 4 * n, scale.numel() - 4 * n));
-    } else {
-      scales.push_back(scale);
-    }
-  }
-  scales.insert(scales.end(), codes.begin(), codes.end());
-  QuantizedTensor out;
-  out.q = qs.size() == 1 ? qs[0] : at::cat(qs, 0);
-  out.scale = scales.size() == 1 ? scales[0] : at::cat(scales, 0).contiguous();
-  return out;
-}
-
-QuantizedTensor QuantizeOn(const at::Tensor& w, CompressFormat format, c10::Device device) {
-  if (device.is_cpu()) return Quantize(w, format);
-  const int64_t per_row = std::max<int64_t>(1, w.numel() / w.size(0));
-  try {
-    return QuantizeRowChunks(w, format, device, std::max<int64_t>(1, kQuantizeChunkElements / per_row));
-  } catch (const c10::Error&) {
-    return Quantize(w, format);  // The device refused (out of memory under a budget): on the host.
-  }
-}
-
 at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::ScalarType dtype, at::IntArrayRef sizes) {
   if (!sizes.empty()) return Dequantize(t, format, dtype).reshape(sizes).contiguous();
   if (format == CompressFormat::kInt8Grouped || format == CompressFormat::kInt4) {

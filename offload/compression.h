@@ -113,18 +113,12 @@ bool IsCompressible(CompressFormat format, at::ScalarType dtype, at::IntArrayRef
 // Quantizes a tensor (IsCompressible) to `format`, on the tensor's device (CPU, or CUDA: the same
 // LibTorch ops and, for fp8, a kernel of widen_kernels.h).
 QuantizedTensor Quantize(const at::Tensor& w, CompressFormat format);
-// Quantizes a CPU tensor on `device` (the load-time path on a GPU: rows in chunks of at most
-// kQuantizeChunkElements values, so it needs well under a GB of device memory), the result on the
-// CPU. On the CPU itself, or when the device refuses (out of memory under a budget): Quantize.
-// The result equals the host's bit for bit for the 8-bit formats (the same IEEE operations per
-// value and exact maxima); for int4 the clipping search compares sums of squared errors whose
-// order of summation differs, so a near-tie may keep another (equally good) candidate.
+// Values a chunk of rows holds at most when LoadQuantizer (offload/load_quantizer.h) quantizes a
+// weight on a GPU at load: its device memory stays well under a GB. The result equals the host's
+// Quantize() bit for bit for the 8-bit formats (the same IEEE operations per value and exact
+// maxima); for int4 the clipping search compares sums of squared errors whose order of summation
+// differs, so a near-tie may keep another (equally good) candidate.
 inline constexpr int64_t kQuantizeChunkElements = int64_t{1} << 24;
-QuantizedTensor QuantizeOn(const at::Tensor& w, CompressFormat format, c10::Device device);
-// QuantizeOn's loop, exposed for tests: `w`'s rows in chunks of `chunk_rows`, each quantized on
-// `device`, put together on the host in the layout Quantize gives the whole tensor (kInt4: every
-// chunk's row scales first, then every chunk's codes). Throws what Quantize throws.
-QuantizedTensor QuantizeRowChunks(const at::Tensor& w, CompressFormat format, c10::Device device, int64_t chunk_rows);
 // The host reference of widening: the weight as the device sees it, in `dtype`, of shape `sizes`
 // (the weight's; empty: q's shape, or [C, K] for kInt4).
 at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::ScalarType dtype,

@@ -483,6 +483,7 @@ GroupOffloadStats GroupOffloader::stats() const {
     stats.disk_files_written = host.disk_files_written;
     stats.disk_files_reused = host.disk_files_reused;
     stats.compressed_host_bytes = host.compressed_host_bytes;
+    stats.host_quantized_fallbacks = host.host_quantized_fallbacks;
     stats.bytes_per_forward = host.bytes_per_forward;
   }
   return stats;

@@ -165,6 +165,7 @@ struct GroupOffloadStats {
   // store reports the latter; uncompressed it is about streamed_bytes + always_on_bytes).
   std::string compress = "none";
   int64_t compressed_host_bytes = 0;
+  int64_t host_quantized_fallbacks = 0;  // HostStoreStats::host_quantized_fallbacks.
   int64_t bytes_per_forward = 0;
   // Spare-room cache: its allowance now, the groups and device bytes it holds now, the link bytes
   // of one forward those groups spare (of bytes_per_forward), onloads it served (no copy over the

@@ -103,6 +103,9 @@ struct HostStoreStats {
   int64_t bytes_per_forward = 0;
   // CompressedHostStore: pinned host bytes of the 8-bit groups (data, scales, 1-D tensors).
   int64_t compressed_host_bytes = 0;
+  // CompressedHostStore: weights quantized on the host at load because the device refused them
+  // (out of memory under a budget); the rest were quantized on the device (or, CPU, on the host).
+  int64_t host_quantized_fallbacks = 0;
 };
 
 class HostStore {

@@ -21,6 +21,7 @@
 #include "offload/device_backend.h"
 #include "offload/group_offload.h"
 #include "offload/host_weights.h"
+#include "offload/load_quantizer.h"
 #include "offload/safetensors.h"
 #include "tests/offload/stack_model.h"
 
@@ -217,34 +218,65 @@ TEST_P(FormatTest, WideningMatchesTheReferenceExactly) {
   }
 }
 
-// Quantizing a tensor's rows in chunks (QuantizeOn's loop on a GPU, here on the host) gives the
-// whole tensor's layout: the 8-bit formats bit for bit; int4 its row scales exactly, then its codes
-// (a near-tie of the clipping search may sum its errors in another order), with one chunk or many.
-TEST_P(FormatTest, QuantizingInRowChunksKeepsTheWholeTensorsLayout) {
+// What LoadQuantizer writes: a tensor's rows quantized in chunks, placed into destination bytes in
+// the whole tensor's layout (kInt4: every row's scale first, then every row's codes) and nothing
+// outside them — on the host path and on the device path (staging halves, copies, events) taken on
+// the CPU. The 8-bit formats give the whole tensor's Quantize() bit for bit; int4 its row scales
+// exactly and its codes but for near-ties of the clipping search (summed in another order).
+TEST_P(FormatTest, TheLoadQuantizerWritesTheWholeTensorsLayoutChunkByChunk) {
   const CompressFormat format = GetParam();
+  std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
   at::manual_seed(29);
-  for (const std::vector<int64_t>& sizes : std::vector<std::vector<int64_t>>{{33, 70}, {9, 256}, {140, 6}}) {
+  for (const std::vector<int64_t>& sizes :
+       std::vector<std::vector<int64_t>>{{33, 70}, {9, 256}, {140, 6}, {12, 4, 2, 3}}) {
     const at::Tensor w = (at::randn(sizes) * 0.05).to(at::kBFloat16);
     const QuantizedTensor whole = Quantize(w, format);
-    for (const int64_t chunk_rows : {int64_t{4}, int64_t{1000}}) {
-      const QuantizedTensor chunked = QuantizeRowChunks(w, format, at::Device(at::kCPU), chunk_rows);
-      ASSERT_EQ(chunked.q.sizes(), whole.q.sizes());
-      ASSERT_EQ(chunked.scale.sizes(), whole.scale.sizes());
-      if (format != CompressFormat::kInt4) {
-        EXPECT_TRUE(at::equal(chunked.q, whole.q)) << w.sizes() << " " << chunk_rows;
-        EXPECT_TRUE(at::equal(chunked.scale, whole.scale)) << w.sizes() << " " << chunk_rows;
-        continue;
+    const QuantLayout layout = LayoutOf(format, w.sizes());
+    for (const bool staged : {false, true}) {
+      for (const int64_t chunk : {int64_t{5}, int64_t{4 * 70}, int64_t{1} << 20}) {
+        SCOPED_TRACE(absl::StrCat(staged ? "staged" : "host", ", chunks of ", chunk, " values, ", w.sizes()[0]));
+        auto quantizer = LoadQuantizer::Create(*backend, w.numel(), /*copy_threads=*/3, chunk, staged);
+        ASSERT_TRUE(quantizer.ok()) << quantizer.status();
+        // The destinations lie inside larger buffers whose other bytes must stay as they were.
+        const at::Tensor q_buffer = at::full({layout.q_bytes + 64}, 0xA5, at::TensorOptions().dtype(at::kByte));
+        const at::Tensor s_buffer = at::full({layout.scale_bytes() + 64}, 0x5A, at::TensorOptions().dtype(at::kByte));
+        (*quantizer)->QuantizeInto(w, format, q_buffer.narrow(0, 32, layout.q_bytes),
+                                   s_buffer.narrow(0, 32, layout.scale_bytes()));
+        (*quantizer)->Finish();
+        EXPECT_EQ((*quantizer)->host_fallbacks(), 0);
+        for (const at::Tensor& buffer : {q_buffer, s_buffer}) {
+          const int64_t n = buffer.numel();
+          EXPECT_TRUE(at::equal(buffer.narrow(0, 0, 32), at::full({32}, buffer[0].item<uint8_t>(), buffer.options())));
+          EXPECT_TRUE(at::equal(buffer.narrow(0, n - 32, 32), at::full({32}, buffer[0].item<uint8_t>(), buffer.options())));
+        }
+        const at::Tensor q = q_buffer.narrow(0, 32, layout.q_bytes);
+        const at::Tensor scale = s_buffer.narrow(0, 32, layout.scale_bytes());
+        const at::Tensor want_q = at::from_blob(whole.q.data_ptr(), {layout.q_bytes}, q.options());
+        const at::Tensor want_scale = at::from_blob(whole.scale.data_ptr(), {layout.scale_bytes()}, q.options());
+        if (format != CompressFormat::kInt4) {
+          EXPECT_TRUE(at::equal(q, want_q));
+          EXPECT_TRUE(at::equal(scale, want_scale));
+          continue;
+        }
+        const int64_t rows = 4 * sizes[0];
+        EXPECT_TRUE(at::equal(scale.narrow(0, 0, rows), want_scale.narrow(0, 0, rows)));
+        const auto same = [](const at::Tensor& a, const at::Tensor& b) {
+          return a.eq(b).to(at::kDouble).mean().item<double>();
+        };
+        EXPECT_GT(same(scale.narrow(0, rows, scale.numel() - rows), want_scale.narrow(0, rows, scale.numel() - rows)),
+                  0.99);
+        EXPECT_GT(same(q, want_q), 0.99);
       }
-      const int64_t rows = 4 * sizes[0];
-      EXPECT_TRUE(at::equal(chunked.scale.narrow(0, 0, rows), whole.scale.narrow(0, 0, rows))) << w.sizes();
-      const auto same = [](const at::Tensor& a, const at::Tensor& b) {
-        return a.eq(b).to(at::kDouble).mean().item<double>();
-      };
-      EXPECT_GT(same(chunked.scale.narrow(0, rows, whole.scale.numel() - rows),
-                     whole.scale.narrow(0, rows, whole.scale.numel() - rows)), 0.99) << w.sizes() << " " << chunk_rows;
-      EXPECT_GT(same(chunked.q, whole.q), 0.99) << w.sizes() << " " << chunk_rows;
     }
   }
+}
+
+TEST(LoadQuantizerTest, RefusesBadSettings) {
+  std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
+  EXPECT_EQ(LoadQuantizer::Create(*backend, 100, /*copy_threads=*/0).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LoadQuantizer::Create(*backend, 100, 2, /*chunk_elements=*/0).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 // The same widening ops on a GPU (where the copy stream runs them: CUDA kernels, fp8 through the
@@ -291,29 +323,61 @@ TEST_P(FormatTest, WideningOnCudaIntoAnUnalignedOutputMatchesToo) {
   EXPECT_TRUE(at::equal(out.cpu(), Dequantize(q, format, at::kBFloat16, w.sizes())));
 }
 
-// Quantizing on the GPU at load (QuantizeOn, in row chunks when a tensor is larger than one) gives
-// the host's bits for the 8-bit formats; int4's clipping search may break a near-tie the other way.
+// Quantizing on the GPU at load (LoadQuantizer: rows in chunks through pinned staging, written
+// straight into pinned destinations) gives the host's bits for the 8-bit formats; int4's clipping
+// search may break a near-tie the other way. A device that refuses (a budget too small for a chunk)
+// leaves the tensor to the host, whose bytes are Quantize()'s exactly.
 TEST_P(FormatTest, QuantizingOnCudaMatchesTheHost) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "needs a GPU";
+  auto made = CreateCudaBackend(0);
+  if (!made.ok()) GTEST_SKIP() << "needs a GPU: " << made.status();
+  DeviceBackend& backend = **made;
   const CompressFormat format = GetParam();
   at::manual_seed(19);
-  // 4100 x 4096: more than one chunk of kQuantizeChunkElements values.
+  // 4100 x 4096: more than one chunk of kQuantizeChunkElements values, so both staging halves.
   for (const std::vector<int64_t>& sizes : std::vector<std::vector<int64_t>>{{33, 70}, {4100, 4096}}) {
     const at::Tensor w = (at::randn(sizes) * 0.05).to(at::kBFloat16);
     const QuantizedTensor host = Quantize(w, format);
-    const QuantizedTensor device = QuantizeOn(w, format, at::Device(at::kCUDA, 0));
-    ASSERT_TRUE(device.q.device().is_cpu() && device.scale.device().is_cpu());
-    ASSERT_EQ(device.q.sizes(), host.q.sizes());
-    ASSERT_EQ(device.scale.sizes(), host.scale.sizes());
+    const QuantLayout layout = LayoutOf(format, w.sizes());
+    auto quantizer = LoadQuantizer::Create(backend, w.numel(), /*copy_threads=*/4);
+    ASSERT_TRUE(quantizer.ok()) << quantizer.status();
+    auto q_pinned = backend.AllocatePinnedHost(layout.q_bytes);
+    auto s_pinned = backend.AllocatePinnedHost(layout.scale_bytes());
+    ASSERT_TRUE(q_pinned.ok() && s_pinned.ok());
+    (*quantizer)->QuantizeInto(w, format, *q_pinned, *s_pinned);
+    (*quantizer)->Finish();
+    EXPECT_EQ((*quantizer)->host_fallbacks(), 0);
+    const at::Tensor want_q = at::from_blob(host.q.data_ptr(), {layout.q_bytes}, q_pinned->options());
+    const at::Tensor want_scale = at::from_blob(host.scale.data_ptr(), {layout.scale_bytes()}, q_pinned->options());
     if (format != CompressFormat::kInt4) {
-      EXPECT_TRUE(at::equal(device.q, host.q)) << w.sizes();
-      EXPECT_TRUE(at::equal(device.scale, host.scale)) << w.sizes();
+      EXPECT_TRUE(at::equal(*q_pinned, want_q)) << w.sizes();
+      EXPECT_TRUE(at::equal(*s_pinned, want_scale)) << w.sizes();
     } else {
-      const double same = device.scale.eq(host.scale).to(at::kDouble).mean().item<double>();
+      const int64_t rows = 4 * sizes[0];
+      EXPECT_TRUE(at::equal(s_pinned->narrow(0, 0, rows), want_scale.narrow(0, 0, rows))) << w.sizes();
+      const double same = s_pinned->eq(want_scale).to(at::kDouble).mean().item<double>();
       EXPECT_GT(same, 0.999) << w.sizes();
+      const QuantizedTensor device{q_pinned->view(host.q.sizes()), *s_pinned};
       EXPECT_NEAR(RelL2(Dequantize(device, format, at::kFloat), w.to(at::kFloat).view({sizes[0], -1})),
                   RelL2(Dequantize(host, format, at::kFloat), w.to(at::kFloat).view({sizes[0], -1})), 1e-4);
     }
+  }
+  {  // Refused: a budget that holds the context and a few MB, far under a chunk's temporaries.
+    const at::Tensor w = (at::randn({4100, 4096}) * 0.05).to(at::kBFloat16);
+    const QuantizedTensor host = Quantize(w, format);
+    const QuantLayout layout = LayoutOf(format, w.sizes());
+    backend.ReleaseCachedMemory();
+    ASSERT_TRUE(backend.SetMemoryBudget(backend.GetMemoryStats().context_bytes +
+                                        backend.GetMemoryStats().allocated_bytes + (int64_t{4} << 20)).ok());
+    auto quantizer = LoadQuantizer::Create(backend, w.numel(), /*copy_threads=*/2);
+    ASSERT_TRUE(quantizer.ok()) << quantizer.status();
+    const at::Tensor q = at::empty({layout.q_bytes}, at::TensorOptions().dtype(at::kByte));
+    const at::Tensor scale = at::empty({layout.scale_bytes()}, at::TensorOptions().dtype(at::kByte));
+    (*quantizer)->QuantizeInto(w, format, q, scale);
+    (*quantizer)->Finish();
+    ASSERT_TRUE(backend.SetMemoryBudget(0).ok());
+    EXPECT_EQ((*quantizer)->host_fallbacks(), 1);
+    EXPECT_TRUE(at::equal(q, at::from_blob(host.q.data_ptr(), {layout.q_bytes}, q.options())));
+    EXPECT_TRUE(at::equal(scale, at::from_blob(host.scale.data_ptr(), {layout.scale_bytes()}, q.options())));
   }
   if (format == CompressFormat::kFp8E4M3) {  // Every code, halfway cases, saturation, NaN.
     const at::Tensor table = Fp8E4M3Table(at::kFloat);

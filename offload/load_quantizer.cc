@@ -1,0 +1,136 @@
+#include "offload/load_quantizer.h"
+
+#include <algorithm>
+#include <utility>
+
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace stowage {
+namespace {
+
+// The bytes of a contiguous tensor, on its own device (the view does not own them).
+at::Tensor BytesView(const at::Tensor& t) {
+  return at::from_blob(t.data_ptr(), {static_cast<int64_t>(t.nbytes())}, t.options().dtype(at::kByte));
+}
+
+// Writes the quantized rows [start, start + n) of a tensor of `rows` rows into the whole tensor's
+// layout (compression.h): q row by row; the scales row by row, but for kInt4 whose buffer is every
+// row's fp32 scale first, then every row's group codes.
+void PlaceChunk(const QuantizedTensor& part, CompressFormat format, int64_t rows, int64_t start, int64_t n,
+                const at::Tensor& q_out, const at::Tensor& scale_out, bool non_blocking) {
+  const at::Tensor q = part.q.contiguous();
+  const at::Tensor scale = part.scale.contiguous();
+  const int64_t q_row = static_cast<int64_t>(q.nbytes()) / n;
+  q_out.narrow(0, start * q_row, n * q_row).copy_(BytesView(q), non_blocking);
+  const at::Tensor scale_bytes = BytesView(scale);
+  if (format == CompressFormat::kInt4) {
+    const int64_t codes = (scale_bytes.numel() - 4 * n) / n;  // Group codes a row.
+    scale_out.narrow(0, 4 * start, 4 * n).copy_(scale_bytes.narrow(0, 0, 4 * n), non_blocking);
+    scale_out.narrow(0, 4 * rows + start * codes, n * codes)
+        .copy_(scale_bytes.narrow(0, 4 * n, n * codes), non_blocking);
+    return;
+  }
+  const int64_t scale_row = scale_bytes.numel() / n;
+  scale_out.narrow(0, start * scale_row, n * scale_row).copy_(scale_bytes, non_blocking);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<LoadQuantizer>> LoadQuantizer::Create(DeviceBackend& backend, int64_t max_numel,
+                                                                     int copy_threads, int64_t chunk_elements,
+                                                                     bool stage_on_cpu) {
+  if (copy_threads < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("load quantizer: copy_threads must be >= 1, not ", copy_threads));
+  }
+  if (chunk_elements < 1 || max_numel < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("load quantizer: chunk_elements ", chunk_elements,
+                                                   " must be >= 1 and max_numel ", max_numel, " >= 0"));
+  }
+  std::unique_ptr<LoadQuantizer> quantizer(new LoadQuantizer(backend, copy_threads, chunk_elements));
+  if ((backend.torch_device().is_cpu() && !stage_on_cpu) || max_numel == 0) return quantizer;
+  // Two halves of the largest chunk in fp32 (the widest compressible dtype), aligned.
+  quantizer->half_bytes_ = AlignScratch(std::min(max_numel, chunk_elements) * 4);
+  auto staging = backend.AllocatePinnedHost(2 * quantizer->half_bytes_);
+  if (!staging.ok()) {
+    return absl::Status(staging.status().code(),
+                        absl::StrCat("load quantizer staging: ", staging.status().message()));
+  }
+  quantizer->staging_ = *std::move(staging);
+  return quantizer;
+}
+
+LoadQuantizer::LoadQuantizer(DeviceBackend& backend, int copy_threads, int64_t chunk_elements)
+    : backend_(&backend), chunk_elements_(chunk_elements), pool_(copy_threads - 1) {}
+
+LoadQuantizer::~LoadQuantizer() { Finish(); }
+
+void LoadQuantizer::Finish() {
+  if (staging_.defined()) backend_->Synchronize();
+}
+
+void LoadQuantizer::QuantizeInto(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out,
+                                 const at::Tensor& scale_out) {
+  const QuantLayout layout = LayoutOf(format, w.sizes());
+  TORCH_CHECK(q_out.numel() == layout.q_bytes && scale_out.numel() == layout.scale_bytes() &&
+                  q_out.scalar_type() == at::kByte && scale_out.scalar_type() == at::kByte,
+              "QuantizeInto: want ", layout.q_bytes, " + ", layout.scale_bytes(), " destination bytes, got ",
+              q_out.numel(), " + ", scale_out.numel());
+  const int64_t per_row = w.numel() / w.size(0);
+  // The device path needs a staging half to hold at least one row.
+  if (!staging_.defined() || per_row * static_cast<int64_t>(w.element_size()) > half_bytes_) {
+    QuantizeOnHost(w, format, q_out, scale_out);
+    return;
+  }
+  try {
+    QuantizeOnDevice(w, format, q_out, scale_out);
+  } catch (const c10::Error&) {
+    // The device refused (out of memory under a budget). Whatever it had queued for this tensor
+    // must land before the host writes the same bytes.
+    backend_->Synchronize();
+    ++host_fallbacks_;
+    QuantizeOnHost(w, format, q_out, scale_out);
+  }
+}
+
+void LoadQuantizer::QuantizeOnHost(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out,
+                                   const at::Tensor& scale_out) {
+  const int64_t rows = w.size(0);
+  const int64_t chunk_rows = std::max<int64_t>(1, chunk_elements_ / (w.numel() / rows));
+  for (int64_t start = 0; start < rows; start += chunk_rows) {
+    const int64_t n = std::min(chunk_rows, rows - start);
+    PlaceChunk(Quantize(w.narrow(0, start, n), format), format, rows, start, n, q_out, scale_out,
+               /*non_blocking=*/false);
+  }
+}
+
+void LoadQuantizer::QuantizeOnDevice(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out,
+                                     const at::Tensor& scale_out) {
+  const int64_t rows = w.size(0);
+  const int64_t per_row = w.numel() / rows;
+  const auto row_bytes = per_row * static_cast<int64_t>(w.element_size());
+  const int64_t chunk_rows =
+      std::max<int64_t>(1, std::min(chunk_elements_ / per_row, half_bytes_ / row_bytes));
+  const at::Tensor src = w.contiguous();  // A view when it is already (the usual case).
+  const auto* src_bytes = static_cast<const uint8_t*>(src.data_ptr());
+  const c10::Device device = backend_->torch_device();
+  for (int64_t start = 0; start < rows; start += chunk_rows) {
+    const int64_t n = std::min(chunk_rows, rows - start);
+    const int half = next_half_;
+    next_half_ ^= 1;
+    // The half's previous chunk has reached the device: its bytes may be overwritten.
+    if (copied_[half] != nullptr) copied_[half]->Wait();
+    uint8_t* staged = staging_.data_ptr<uint8_t>() + half * half_bytes_;
+    pool_.Copy(staged, src_bytes + start * row_bytes, n * row_bytes);
+    const at::Tensor host_chunk = at::from_blob(staged, {n, per_row}, at::TensorOptions().dtype(w.scalar_type()));
+    at::Tensor chunk = at::empty({n, per_row}, host_chunk.options().device(device));
+    chunk.copy_(host_chunk, /*non_blocking=*/true);
+    copied_[half] = backend_->RecordOnComputeStream();
+    // Quantized where the copy landed (the current stream), straight into the pinned destination.
+    PlaceChunk(Quantize(chunk, format), format, rows, start, n, q_out, scale_out, /*non_blocking=*/true);
+  }
+}
+
+}  // namespace stowage

@@ -6,7 +6,8 @@ Runs on the GPU host with diffusers' source on PYTHONPATH (deploy/gpu_host/run_c
     python3 bench/compute_bench.py run --arch zimage|flux --dir DIR --offload_bench BIN \\
         --out bench/results/compute_h200/compute.jsonl --machine "NVIDIA H200" --commit abc1234 \\
         [--modes bf16,bf16_reference,fp8] [--profile_dir OUT]
-  (a mode ending in _high runs on a CUDA stream of the highest priority, e.g. fp8_int4_streamed_high)
+  (a mode ending in _high runs on a CUDA stream of the highest priority, e.g. fp8_int4_streamed_high;
+  a compressed mode ending in _wg, before any _high, widens a group's weights in shared launches)
 
 What one `run` does, in order:
   1. DIR/transformer: random bf16 weights written by diffusers itself when missing
@@ -285,6 +286,9 @@ def run(args):
         # so that a streamed row's widening takes only the SMs its compute leaves idle.
         high = mode.endswith("_high")
         base_mode = mode[: -len("_high")] if high else mode
+        # *_wg (before any _high): a compressed row whose groups' weights widen in shared launches.
+        per_group = base_mode.endswith("_wg")
+        base_mode = base_mode[: -len("_wg")] if per_group else base_mode
         streamed = base_mode.endswith("_streamed")
         # int8_streamed / int8g_streamed / int4_streamed: streamed from a compressed host copy (per-channel
         # int8, group-wise int8, group-wise int4), widened to bf16 on the device into the slot, bf16 compute.
@@ -296,6 +300,8 @@ def run(args):
         graphs = base_mode.endswith("_graphs")
         fp8 = mode.startswith("fp8")
         bench_row = compress or ("block_pinned" if streamed else "resident")
+        if per_group and compress:
+            bench_row += "_wg"
         cmd = [args.offload_bench, f"--model_dir={args.dir}", f"--rows={bench_row}",
                f"--inputs={inputs_path}",
                f"--save_output={out_file}", f"--out={jsonl}", f"--warmup={args.warmup}", f"--iters={args.iters}",

@@ -70,7 +70,8 @@ ABSL_FLAG(std::string, backend, "auto", "cuda, sim, or auto (CUDA when present)"
 ABSL_FLAG(std::string, rows,
           "resident,block_pinned,leaf_pinned,block_lowram,leaf_lowram,block_disk,budget25,budget50,budget75",
           "Comma-separated rows to run (also: block_int8, block_fp8, block_int8grouped, block_int4, "
-          "memcpy_probe)");
+          "memcpy_probe; a compressed row with \"_wg\" in its name widens a group's weights in shared "
+          "launches, one ending in _d<N> prefetches N groups)");
 ABSL_FLAG(int, warmup, 2, "Untimed forwards per row (the first records the order)");
 ABSL_FLAG(int, iters, 5, "Timed forwards per row (median reported)");
 ABSL_FLAG(std::string, out, "", "JSON-lines file to append rows to");
@@ -451,6 +452,8 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     options.staging_buffers = absl::GetFlag(FLAGS_staging_buffers);
     options.staging_threads = absl::GetFlag(FLAGS_staging_threads);
     if (row.find("lowram") != std::string::npos) options.target = OffloadTarget::kPageableHost;
+    // "_wg" in a compressed row's name: a group's weights widened in shared launches.
+    options.widen_per_group = row.find("_wg") != std::string::npos;
     if (row.find("disk") != std::string::npos) {
       options.target = OffloadTarget::kDisk;
       options.disk_dir = absl::GetFlag(FLAGS_disk_dir);

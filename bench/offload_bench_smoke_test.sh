@@ -33,11 +33,15 @@ PY
 # error against the resident output.
 out8="$TEST_TMPDIR/rows8.jsonl"
 bench/offload_bench --config=small --backend=sim --warmup=1 --iters=2 --out="$out8" \
-  --machine=ci --rows=block_pinned,block_int8,block_fp8,block_int8grouped,block_int4
+  --machine=ci --rows=block_pinned,block_int8,block_fp8,block_int8grouped,block_int4,block_int4_wg
 /usr/bin/python3 - "$out8" <<'PY'
 import json, sys
 rows = {r["row"]: r for r in (json.loads(line) for line in open(sys.argv[1]))}
-assert list(rows) == ["block_pinned", "block_int8", "block_fp8", "block_int8grouped", "block_int4"], list(rows)
+assert list(rows) == ["block_pinned", "block_int8", "block_fp8", "block_int8grouped", "block_int4",
+                      "block_int4_wg"], list(rows)
+# A group's weights widened in shared launches (the same code on the simulator): the same bytes and output.
+assert rows["block_int4_wg"]["streamed_bytes"] == rows["block_int4"]["streamed_bytes"]
+assert rows["block_int4_wg"]["rel_l2"] == rows["block_int4"]["rel_l2"], (rows["block_int4_wg"], rows["block_int4"])
 assert rows["block_pinned"]["rel_l2"] == 0 and rows["block_pinned"]["compress"] == "none"
 # 16 bf16 blocks deep.
 for name, bound, fmt, lo, hi in [("block_int8", 0.06, "int8", 0.5, 0.6), ("block_fp8", 0.15, "fp8_e4m3", 0.5, 0.6),

@@ -86,6 +86,7 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
   std::unique_ptr<CompressedHostStore> store(
       new CompressedHostStore(backend, format, ResolveGroups(groups, weights)));
   store->areas_ = options.scratch_buffers;
+  store->widen_per_group_ = options.widen_per_group;
 
   // The fixed part of the scratch: fp8 tables per compute dtype present, then the index chunk; or
   // int4's nibble buffer, then the fp32 table of its scale codes (both the portable path's; CUDA's
@@ -237,6 +238,7 @@ void CompressedHostStore::Widen(int group, const at::Tensor& slot, const at::Ten
   c10::InferenceMode inference;
   const Group8& g8 = groups8_[static_cast<size_t>(group)];
   const WidenScratch views = WidenViews(scratch);
+  std::vector<WidenTarget> targets;
   for (const Tensor8& t : g8.tensors) {
     if (!t.compressed) {
       if (others_from.defined()) {
@@ -244,12 +246,18 @@ void CompressedHostStore::Widen(int group, const at::Tensor& slot, const at::Ten
       }
       continue;
     }
-    const at::Tensor out = slot.narrow(0, t.slot_offset, t.bytes).view(t.dtype).view(t.sizes);
-    const at::Tensor q = area.narrow(0, t.q_offset, t.layout.q_bytes).view(t.layout.q_dtype).view(t.layout.q_shape);
-    const at::Tensor scale =
+    WidenTarget target;
+    target.out = slot.narrow(0, t.slot_offset, t.bytes).view(t.dtype).view(t.sizes);
+    target.q = area.narrow(0, t.q_offset, t.layout.q_bytes).view(t.layout.q_dtype).view(t.layout.q_shape);
+    target.scale =
         area.narrow(0, t.scale_offset, t.layout.scale_bytes()).view(t.layout.scale_dtype).view({t.layout.scale_count});
-    WidenInto(out, q, scale, format_, views);
+    if (widen_per_group_) {
+      targets.push_back(std::move(target));
+    } else {
+      WidenInto(target.out, target.q, target.scale, format_, views);
+    }
   }
+  if (!targets.empty()) WidenAllInto(targets, format_, views);  // The group's weights in shared launches.
 }
 
 std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot,

@@ -111,6 +111,7 @@ class CompressedHostStore final : public HostStore {
   int64_t fixed_bytes_ = 0;     // Start of the group areas in the scratch.
   int64_t area_bytes_ = 0;      // One area: the largest group's compressed part.
   int areas_ = 1;               // options.scratch_buffers.
+  bool widen_per_group_ = false;  // options.widen_per_group.
   int next_area_ = 0;           // The area the next copy uses.
   std::unique_ptr<DeviceEvent> area_free_[2];  // Transform stream: the last widening from each area.
   int64_t scratch_bytes_ = 0;   // 0 when no copied group has a compressed tensor.

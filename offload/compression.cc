@@ -306,32 +306,88 @@ at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::Scala
   return (values * t.scale.to(at::kFloat).unsqueeze(1)).to(dtype).reshape(t.q.sizes()).contiguous();
 }
 
+#ifdef STOWAGE_WITH_CUDA
+namespace {
+
+// A CUDA widening's arguments (widen_kernels.h), checked.
+struct CudaWiden {
+  widen_cuda::Codes codes;
+  widen_cuda::ScaleKind scale_kind;
+  widen_cuda::OutType out_type;
+  widen_cuda::WidenJob job;
+};
+
+CudaWiden CudaWidenOf(const at::Tensor& out, const at::Tensor& q, const at::Tensor& scale, CompressFormat format) {
+  TORCH_CHECK(out.is_contiguous() && q.is_contiguous() && scale.is_contiguous(), "WidenInto: not contiguous");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf ||
+                  out.scalar_type() == at::kFloat || IsFloat8(out.scalar_type()),
+              "WidenInto: unsupported compute dtype ", out.scalar_type());
+  const bool int4 = format == CompressFormat::kInt4;
+  TORCH_CHECK(scale.scalar_type() == (int4 ? at::kByte : at::kFloat), "WidenInto: ", CompressFormatName(format),
+              " scales are ", int4 ? "bytes" : "float32", ", not ", scale.scalar_type());
+  const int64_t channels = q.size(0);
+  const int64_t k = out.numel() / std::max<int64_t>(1, channels);
+  const bool grouped = format == CompressFormat::kInt8Grouped || int4;
+  const int64_t groups = int4 ? (scale.numel() - 4 * channels) / channels : scale.numel() / channels;
+  CudaWiden w;
+  w.codes = format == CompressFormat::kFp8E4M3 ? widen_cuda::Codes::kFp8E4M3
+            : int4                             ? widen_cuda::Codes::kInt4
+                                               : widen_cuda::Codes::kInt8;
+  w.scale_kind = int4 ? widen_cuda::ScaleKind::kE4M3Rows : widen_cuda::ScaleKind::kFloat;
+  w.out_type = out.scalar_type() == at::kBFloat16 ? widen_cuda::OutType::kBFloat16
+               : out.scalar_type() == at::kHalf   ? widen_cuda::OutType::kHalf
+               : IsFloat8(out.scalar_type())      ? widen_cuda::OutType::kFp8E4M3
+                                                  : widen_cuda::OutType::kFloat;
+  w.job.q = q.data_ptr();
+  w.job.scale = scale.data_ptr();
+  w.job.out = out.data_ptr();
+  w.job.channels = channels;
+  w.job.k = k;
+  w.job.group_size = grouped ? k / std::max<int64_t>(1, groups) : k;
+  return w;
+}
+
+}  // namespace
+#endif
+
+void WidenAllInto(const std::vector<WidenTarget>& targets, CompressFormat format, const WidenScratch& scratch) {
+#ifdef STOWAGE_WITH_CUDA
+  // By output type (one format: one codes and scale kind), the CUDA targets' jobs; the rest alone.
+  std::vector<widen_cuda::WidenJob> jobs[4];
+  CudaWiden last{};
+  c10::Device device = at::kCPU;
+  for (const WidenTarget& t : targets) {
+    if (!t.out.is_cuda()) {
+      WidenInto(t.out, t.q, t.scale, format, scratch);
+      continue;
+    }
+    TORCH_CHECK(device.is_cpu() || t.out.device() == device, "WidenAllInto: outputs on two devices");
+    device = t.out.device();
+    last = CudaWidenOf(t.out, t.q, t.scale, format);
+    jobs[static_cast<int>(last.out_type)].push_back(last.job);
+  }
+  if (device.is_cpu()) return;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  for (int type = 0; type < 4; ++type) {
+    if (jobs[type].empty()) continue;
+    const int err = widen_cuda::WidenMany(last.codes, last.scale_kind, static_cast<widen_cuda::OutType>(type),
+                                          jobs[type].data(), static_cast<int>(jobs[type].size()), stream);
+    TORCH_CHECK(err == 0, "widening kernels failed to launch (CUDA error ", err, ")");
+  }
+#else
+  for (const WidenTarget& t : targets) WidenInto(t.out, t.q, t.scale, format, scratch);
+#endif
+}
+
 void WidenInto(const at::Tensor& out, const at::Tensor& q, const at::Tensor& scale, CompressFormat format,
                const WidenScratch& scratch) {
   const int64_t channels = q.size(0);
 #ifdef STOWAGE_WITH_CUDA
   if (out.is_cuda()) {
-    TORCH_CHECK(out.is_contiguous() && q.is_contiguous() && scale.is_contiguous(), "WidenInto: not contiguous");
-    const int64_t k = out.numel() / std::max<int64_t>(1, channels);
-    const bool grouped = format == CompressFormat::kInt8Grouped || format == CompressFormat::kInt4;
-    const widen_cuda::Codes codes = format == CompressFormat::kFp8E4M3 ? widen_cuda::Codes::kFp8E4M3
-                                    : format == CompressFormat::kInt4  ? widen_cuda::Codes::kInt4
-                                                                       : widen_cuda::Codes::kInt8;
-    const widen_cuda::OutType out_type = out.scalar_type() == at::kBFloat16 ? widen_cuda::OutType::kBFloat16
-                                         : out.scalar_type() == at::kHalf   ? widen_cuda::OutType::kHalf
-                                         : IsFloat8(out.scalar_type())      ? widen_cuda::OutType::kFp8E4M3
-                                                                            : widen_cuda::OutType::kFloat;
-    TORCH_CHECK(out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kHalf ||
-                    out.scalar_type() == at::kFloat || IsFloat8(out.scalar_type()),
-                "WidenInto: unsupported compute dtype ", out.scalar_type());
-    const bool int4 = format == CompressFormat::kInt4;
-    const int64_t groups = int4 ? (scale.numel() - 4 * channels) / channels : scale.numel() / channels;
-    const int64_t group = grouped ? k / groups : k;
-    TORCH_CHECK(scale.scalar_type() == (int4 ? at::kByte : at::kFloat), "WidenInto: ", CompressFormatName(format),
-                " scales are ", int4 ? "bytes" : "float32", ", not ", scale.scalar_type());
-    const widen_cuda::ScaleKind scale_kind = int4 ? widen_cuda::ScaleKind::kE4M3Rows : widen_cuda::ScaleKind::kFloat;
-    const int err = widen_cuda::Widen(codes, q.data_ptr(), scale.data_ptr(), scale_kind, out.data_ptr(), out_type,
-                                      channels, k, group, c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
+    const CudaWiden w = CudaWidenOf(out, q, scale, format);
+    const int err = widen_cuda::Widen(w.codes, w.job.q, w.job.scale, w.scale_kind, w.job.out, w.out_type,
+                                      w.job.channels, w.job.k, w.job.group_size,
+                                      c10::cuda::getCurrentCUDAStream(out.device().index()).stream());
     TORCH_CHECK(err == 0, "widening kernel failed to launch (CUDA error ", err, ")");
     return;
   }

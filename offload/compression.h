@@ -142,6 +142,16 @@ struct WidenScratch {
 void WidenInto(const at::Tensor& out, const at::Tensor& q, const at::Tensor& scale, CompressFormat format,
                const WidenScratch& scratch);
 
+// One tensor of WidenAllInto.
+struct WidenTarget {
+  at::Tensor out, q, scale;
+};
+// WidenInto of every target (one format, outputs on one device), the same bytes in fewer launches:
+// on CUDA the weights whose layout the 16-byte kernel path takes share launches of up to 16 (a
+// group's weights in one or two instead of one each, widen_kernels.h WidenMany), the others
+// launch alone; elsewhere one WidenInto each.
+void WidenAllInto(const std::vector<WidenTarget>& targets, CompressFormat format, const WidenScratch& scratch);
+
 // Scratch layout, shared by the planner (through the engine) and the store.
 inline constexpr int64_t kScratchAlign = 256;
 inline int64_t AlignScratch(int64_t bytes) { return (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }

@@ -129,6 +129,10 @@ struct GroupOffloadOptions {
   // With compress: weights already quantized (an 8-bit checkpoint, compressed_safetensors.h), by
   // full slot path; the others are quantized at Apply.
   std::shared_ptr<const PrequantizedWeights> prequantized;
+  // With compress, on CUDA: widen a group's weights in shared kernel launches (up to 16 weights a
+  // launch, WidenAllInto) instead of one launch each; the same bytes. Off until measured
+  // (offload_bench's rows ending in "_wg", compute_bench's modes ending in "_wg").
+  bool widen_per_group = false;
 };
 
 struct GroupOffloadStats {

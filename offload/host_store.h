@@ -87,6 +87,8 @@ struct HostStoreOptions {
   // With compress: areas for a group's compressed bytes in the device scratch (1 or 2). Two let
   // one group's widening (transform stream) overlap the next group's copy (copy stream).
   int scratch_buffers = 1;
+  // With compress: GroupOffloadOptions::widen_per_group.
+  bool widen_per_group = false;
 };
 
 // What a store contributes to GroupOffloadStats (same meanings and names there).

@@ -154,68 +154,112 @@ __device__ __forceinline__ void DecodeChunk(const Words<kBytes>& words, int c, f
   }
 }
 
-// kChunks chunks of eight values from a multiple of 8 · kChunks, each chunk under one scale (the
-// group size is a multiple of 8; `shift` is log2 of it when it is a power of two, else −1), written
-// with 16-byte stores (e4m3 bytes: 8-byte stores for one chunk).
+// Item i of a weight: kChunks chunks of eight values from the multiple i · 8 · kChunks, each chunk
+// under one scale (the group size is a multiple of 8; `shift` is log2 of it when it is a power of
+// two, else −1), written with 16-byte stores (e4m3 bytes: 8-byte stores for one chunk).
 template <Codes C, typename Out, ScaleKind S, int kChunks>
-__global__ void WidenVector(const uint8_t* q, Scales scale, Out* out, int64_t items, int64_t group, int shift) {
+__device__ __forceinline__ void WidenItem(const uint8_t* q, const Scales& scale, Out* out, int64_t i, int64_t group,
+                                          int shift) {
   constexpr int kBytes = kChunks * (C == Codes::kInt4 ? 4 : 8);
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < items;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const Words<kBytes> words = LoadWords<kBytes>(q + i * kBytes);
-    const int64_t e0 = i * 8 * kChunks;
-    uint32_t fp8[2 * kChunks];  // e4m3 outputs: four bytes a word.
-    // Chunks of one group share its scale: read (for int4, decoded) once per group, not per chunk.
-    int64_t last_g = -1;
-    float s = 0.0f;
+  const Words<kBytes> words = LoadWords<kBytes>(q + i * kBytes);
+  const int64_t e0 = i * 8 * kChunks;
+  uint32_t fp8[2 * kChunks];  // e4m3 outputs: four bytes a word.
+  // Chunks of one group share its scale: read (for int4, decoded) once per group, not per chunk.
+  int64_t last_g = -1;
+  float s = 0.0f;
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const int64_t e = e0 + 8 * c;
-      const int64_t g = shift >= 0 ? e >> shift : e / group;
-      if (g != last_g) {
-        s = ScaleAt<S>(scale, g);
-        last_g = g;
-      }
-      float v[8];
-      DecodeChunk<C, kBytes>(words, c, v);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] *= s;
-      if constexpr (std::is_same_v<Out, float>) {
-        float4* dst = reinterpret_cast<float4*>(out + e);
-        dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-        dst[1] = make_float4(v[4], v[5], v[6], v[7]);
-      } else if constexpr (std::is_same_v<Out, uint8_t>) {
-        fp8[2 * c] = RoundPair<Out>(v[0], v[1]) | (RoundPair<Out>(v[2], v[3]) << 16);
-        fp8[2 * c + 1] = RoundPair<Out>(v[4], v[5]) | (RoundPair<Out>(v[6], v[7]) << 16);
-      } else {
-        *reinterpret_cast<uint4*>(out + e) = make_uint4(RoundPair<Out>(v[0], v[1]), RoundPair<Out>(v[2], v[3]),
-                                                        RoundPair<Out>(v[4], v[5]), RoundPair<Out>(v[6], v[7]));
-      }
+  for (int c = 0; c < kChunks; ++c) {
+    const int64_t e = e0 + 8 * c;
+    const int64_t g = shift >= 0 ? e >> shift : e / group;
+    if (g != last_g) {
+      s = ScaleAt<S>(scale, g);
+      last_g = g;
     }
-    if constexpr (std::is_same_v<Out, uint8_t>) {
-      if constexpr (kChunks == 1) {
-        *reinterpret_cast<uint2*>(out + e0) = make_uint2(fp8[0], fp8[1]);
-      } else {
+    float v[8];
+    DecodeChunk<C, kBytes>(words, c, v);
 #pragma unroll
-        for (int c = 0; c < kChunks; c += 2) {
-          reinterpret_cast<uint4*>(out + e0)[c / 2] = make_uint4(fp8[2 * c], fp8[2 * c + 1], fp8[2 * c + 2], fp8[2 * c + 3]);
-        }
+    for (int j = 0; j < 8; ++j) v[j] *= s;
+    if constexpr (std::is_same_v<Out, float>) {
+      float4* dst = reinterpret_cast<float4*>(out + e);
+      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+      dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else if constexpr (std::is_same_v<Out, uint8_t>) {
+      fp8[2 * c] = RoundPair<Out>(v[0], v[1]) | (RoundPair<Out>(v[2], v[3]) << 16);
+      fp8[2 * c + 1] = RoundPair<Out>(v[4], v[5]) | (RoundPair<Out>(v[6], v[7]) << 16);
+    } else {
+      *reinterpret_cast<uint4*>(out + e) = make_uint4(RoundPair<Out>(v[0], v[1]), RoundPair<Out>(v[2], v[3]),
+                                                      RoundPair<Out>(v[4], v[5]), RoundPair<Out>(v[6], v[7]));
+    }
+  }
+  if constexpr (std::is_same_v<Out, uint8_t>) {
+    if constexpr (kChunks == 1) {
+      *reinterpret_cast<uint2*>(out + e0) = make_uint2(fp8[0], fp8[1]);
+    } else {
+#pragma unroll
+      for (int c = 0; c < kChunks; c += 2) {
+        reinterpret_cast<uint4*>(out + e0)[c / 2] = make_uint4(fp8[2 * c], fp8[2 * c + 1], fp8[2 * c + 2], fp8[2 * c + 3]);
       }
     }
   }
 }
 
+template <Codes C, typename Out, ScaleKind S, int kChunks>
+__global__ void WidenVector(const uint8_t* q, Scales scale, Out* out, int64_t items, int64_t group, int shift) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < items;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    WidenItem<C, Out, S, kChunks>(q, scale, out, i, group, shift);
+  }
+}
+
+// Several weights of one launch (WidenMany): block b widens for job j where first_block[j] <= b <
+// first_block[j + 1], one item a thread (the blocks of a job cover its items: no grid-stride loop).
+template <typename Out>
+struct ManyJobs {
+  int count;
+  int64_t first_block[kWidenManyJobs + 1];
+  const uint8_t* q[kWidenManyJobs];
+  Scales scale[kWidenManyJobs];
+  Out* out[kWidenManyJobs];
+  int64_t items[kWidenManyJobs];
+  int64_t group[kWidenManyJobs];
+  int shift[kWidenManyJobs];
+};
+
+template <Codes C, typename Out, ScaleKind S, int kChunks>
+__global__ void WidenVectorMany(const ManyJobs<Out> jobs) {
+  const int64_t block = blockIdx.x;
+  int j = 0;
+  while (j + 1 < jobs.count && block >= jobs.first_block[j + 1]) ++j;
+  const int64_t i = (block - jobs.first_block[j]) * blockDim.x + threadIdx.x;
+  if (i < jobs.items[j]) WidenItem<C, Out, S, kChunks>(jobs.q[j], jobs.scale[j], jobs.out[j], i, jobs.group[j], jobs.shift[j]);
+}
+
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+int ShiftOf(int64_t group) {
+  for (int b = 0; b < 62; ++b) {
+    if (group == (int64_t{1} << b)) return b;
+  }
+  return -1;
+}
 
 template <Codes C, typename Out, ScaleKind S, int kChunks>
 void LaunchVector(const uint8_t* q, Scales scale, Out* out, int64_t total, int64_t group, cudaStream_t stream) {
   const int64_t items = total / (8 * kChunks);
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(kMaxBlocks, (items + kThreads - 1) / kThreads));
-  int shift = -1;
-  for (int b = 0; b < 62; ++b) {
-    if (group == (int64_t{1} << b)) shift = b;
-  }
-  WidenVector<C, Out, S, kChunks><<<blocks, kThreads, 0, stream>>>(q, scale, out, items, group, shift);
+  WidenVector<C, Out, S, kChunks><<<blocks, kThreads, 0, stream>>>(q, scale, out, items, group, ShiftOf(group));
+}
+
+// Chunks of eight in 16 bytes of codes.
+template <Codes C>
+constexpr int WideChunks() {
+  return C == Codes::kInt4 ? 4 : 2;
+}
+
+// The 16-byte path takes the weight: whole items, a scale a chunk, 16-byte aligned codes and output.
+template <Codes C>
+bool WideLayout(const void* q, const void* out, int64_t total, int64_t group) {
+  return total % (8 * WideChunks<C>()) == 0 && group % 8 == 0 && Aligned(out, 16) && Aligned(q, 16);
 }
 
 // The widest path the layout allows: 16 bytes of codes a thread (32 int4 values, 16 of an 8-bit
@@ -224,11 +268,9 @@ template <Codes C, typename Out, ScaleKind S>
 int Launch(const void* q, Scales scale, void* out, int64_t total, int64_t group, cudaStream_t stream) {
   const auto* qb = static_cast<const uint8_t*>(q);
   auto* o = static_cast<Out*>(out);
-  constexpr int kWide = C == Codes::kInt4 ? 4 : 2;  // Chunks of eight in 16 bytes of codes.
-  const bool vector = total % 8 == 0 && group % 8 == 0 && Aligned(out, 16);
-  if (vector && total % (8 * kWide) == 0 && Aligned(q, 16)) {
-    LaunchVector<C, Out, S, kWide>(qb, scale, o, total, group, stream);
-  } else if (vector && Aligned(q, C == Codes::kInt4 ? 4 : 8)) {
+  if (WideLayout<C>(q, out, total, group)) {
+    LaunchVector<C, Out, S, WideChunks<C>()>(qb, scale, o, total, group, stream);
+  } else if (total % 8 == 0 && group % 8 == 0 && Aligned(out, 16) && Aligned(q, C == Codes::kInt4 ? 4 : 8)) {
     LaunchVector<C, Out, S, 1>(qb, scale, o, total, group, stream);
   } else {
     const auto blocks = static_cast<unsigned>(std::min<int64_t>(kMaxBlocks, (total + kThreads - 1) / kThreads));
@@ -237,36 +279,93 @@ int Launch(const void* q, Scales scale, void* out, int64_t total, int64_t group,
   return static_cast<int>(cudaGetLastError());
 }
 
-template <Codes C, ScaleKind S>
-int ForOut(const void* q, Scales scale, void* out, OutType out_type, int64_t total, int64_t group, cudaStream_t stream) {
+// Widen of every job: those the 16-byte path takes share launches of up to kWidenManyJobs weights,
+// the others launch alone (Launch).
+template <Codes C, typename Out, ScaleKind S>
+int LaunchMany(const WidenJob* jobs, int count, cudaStream_t stream) {
+  constexpr int kWide = WideChunks<C>();
+  ManyJobs<Out> many{};
+  int err = 0;
+  auto flush = [&] {
+    if (many.count == 0) return;
+    const int64_t blocks = many.first_block[many.count];
+    WidenVectorMany<C, Out, S, kWide><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(many);
+    const int launched = static_cast<int>(cudaGetLastError());
+    if (err == 0) err = launched;
+    many.count = 0;
+  };
+  for (int n = 0; n < count; ++n) {
+    const WidenJob& job = jobs[n];
+    const int64_t total = job.channels * job.k;
+    if (total <= 0) continue;
+    const Scales scale{job.scale, job.channels, job.k / job.group_size};
+    if (!WideLayout<C>(job.q, job.out, total, job.group_size)) {
+      const int alone = Launch<C, Out, S>(job.q, scale, job.out, total, job.group_size, stream);
+      if (err == 0) err = alone;
+      continue;
+    }
+    const int64_t items = total / (8 * kWide);
+    const int j = many.count++;
+    many.q[j] = static_cast<const uint8_t*>(job.q);
+    many.scale[j] = scale;
+    many.out[j] = static_cast<Out*>(job.out);
+    many.items[j] = items;
+    many.group[j] = job.group_size;
+    many.shift[j] = ShiftOf(job.group_size);
+    many.first_block[j + 1] = many.first_block[j] + (items + kThreads - 1) / kThreads;
+    if (many.count == kWidenManyJobs) flush();
+  }
+  flush();
+  return err;
+}
+
+template <typename T>
+struct Type {
+  using type = T;
+};
+
+// Calls fn(Type<Out>{}) with the output type's C++ type.
+template <typename Fn>
+int ForOut(OutType out_type, Fn&& fn) {
   switch (out_type) {
     case OutType::kBFloat16:
-      return Launch<C, __nv_bfloat16, S>(q, scale, out, total, group, stream);
+      return fn(Type<__nv_bfloat16>{});
     case OutType::kHalf:
-      return Launch<C, __half, S>(q, scale, out, total, group, stream);
+      return fn(Type<__half>{});
     case OutType::kFp8E4M3:
-      return Launch<C, uint8_t, S>(q, scale, out, total, group, stream);
+      return fn(Type<uint8_t>{});
     case OutType::kFloat:
       break;
   }
-  return Launch<C, float, S>(q, scale, out, total, group, stream);
+  return fn(Type<float>{});
 }
 
-// The 8-bit formats' scales are fp32 (kE4M3Rows is int4's only).
-template <Codes C>
-int ForScales(const void* q, Scales scale, ScaleKind kind, void* out, OutType out_type, int64_t total, int64_t group,
-              cudaStream_t stream) {
-  switch (kind) {
-    case ScaleKind::kE4M3Rows:
-      if constexpr (C == Codes::kInt4) {
-        return ForOut<C, ScaleKind::kE4M3Rows>(q, scale, out, out_type, total, group, stream);
-      } else {
-        return static_cast<int>(cudaErrorInvalidValue);
-      }
-    case ScaleKind::kFloat:
+// Calls fn(Type<Out>{}, std::integral_constant<ScaleKind, S>{}) for the 8-bit formats' fp32 scales
+// or int4's rows-and-codes (kE4M3Rows is int4's only).
+template <Codes C, typename Fn>
+int ForKinds(ScaleKind kind, OutType out_type, Fn&& fn) {
+  if (kind == ScaleKind::kE4M3Rows) {
+    if constexpr (C == Codes::kInt4) {
+      return ForOut(out_type, [&](auto out) { return fn(out, std::integral_constant<ScaleKind, ScaleKind::kE4M3Rows>{}); });
+    } else {
+      return static_cast<int>(cudaErrorInvalidValue);
+    }
+  }
+  return ForOut(out_type, [&](auto out) { return fn(out, std::integral_constant<ScaleKind, ScaleKind::kFloat>{}); });
+}
+
+// Calls ForKinds<C> for the codes.
+template <typename Fn>
+int ForCodes(Codes codes, ScaleKind kind, OutType out_type, Fn&& fn) {
+  switch (codes) {
+    case Codes::kInt8:
+      return ForKinds<Codes::kInt8>(kind, out_type, [&](auto out, auto s) { return fn(std::integral_constant<Codes, Codes::kInt8>{}, out, s); });
+    case Codes::kFp8E4M3:
+      return ForKinds<Codes::kFp8E4M3>(kind, out_type, [&](auto out, auto s) { return fn(std::integral_constant<Codes, Codes::kFp8E4M3>{}, out, s); });
+    case Codes::kInt4:
       break;
   }
-  return ForOut<C, ScaleKind::kFloat>(q, scale, out, out_type, total, group, stream);
+  return ForKinds<Codes::kInt4>(kind, out_type, [&](auto out, auto s) { return fn(std::integral_constant<Codes, Codes::kInt4>{}, out, s); });
 }
 
 __global__ void EncodeE4M3Kernel(const float* x, uint8_t* out, int64_t n) {
@@ -316,15 +415,23 @@ int Widen(Codes codes, const void* q, const void* scale, ScaleKind scale_kind, v
   if (group_size <= 0 || k % group_size != 0) return static_cast<int>(cudaErrorInvalidValue);
   auto s = static_cast<cudaStream_t>(stream);
   const Scales scales{scale, channels, k / group_size};
-  switch (codes) {
-    case Codes::kInt8:
-      return ForScales<Codes::kInt8>(q, scales, scale_kind, out, out_type, total, group_size, s);
-    case Codes::kFp8E4M3:
-      return ForScales<Codes::kFp8E4M3>(q, scales, scale_kind, out, out_type, total, group_size, s);
-    case Codes::kInt4:
-      break;
+  return ForCodes(codes, scale_kind, out_type, [&](auto c, auto o, auto kind) {
+    return Launch<decltype(c)::value, typename decltype(o)::type, decltype(kind)::value>(q, scales, out, total,
+                                                                                          group_size, s);
+  });
+}
+
+int WidenMany(Codes codes, ScaleKind scale_kind, OutType out_type, const WidenJob* jobs, int count, void* stream) {
+  for (int n = 0; n < count; ++n) {
+    const WidenJob& job = jobs[n];
+    if (job.channels * job.k > 0 && (job.group_size <= 0 || job.k % job.group_size != 0)) {
+      return static_cast<int>(cudaErrorInvalidValue);
+    }
   }
-  return ForScales<Codes::kInt4>(q, scales, scale_kind, out, out_type, total, group_size, s);
+  auto s = static_cast<cudaStream_t>(stream);
+  return ForCodes(codes, scale_kind, out_type, [&](auto c, auto o, auto kind) {
+    return LaunchMany<decltype(c)::value, typename decltype(o)::type, decltype(kind)::value>(jobs, count, s);
+  });
 }
 
 }  // namespace stowage::widen_cuda

@@ -30,6 +30,23 @@ enum class ScaleKind { kFloat = 0, kE4M3Rows = 1 };
 int Widen(Codes codes, const void* q, const void* scale, ScaleKind scale_kind, void* out, OutType out_type,
           int64_t channels, int64_t k, int64_t group_size, void* stream);
 
+// One weight of a WidenMany call: Widen's arguments.
+struct WidenJob {
+  const void* q = nullptr;
+  const void* scale = nullptr;
+  void* out = nullptr;
+  int64_t channels = 0;
+  int64_t k = 0;
+  int64_t group_size = 0;
+};
+
+// Widen of every job (one codes, scale kind and output type), the same bytes, in fewer launches:
+// the jobs the 16-byte path takes (whole 16-byte items, 16-byte aligned codes and output, groups of
+// a multiple of 8) share launches of up to kWidenManyJobs weights; the others launch alone. Returns
+// the first launch error (0: none).
+inline constexpr int kWidenManyJobs = 16;
+int WidenMany(Codes codes, ScaleKind scale_kind, OutType out_type, const WidenJob* jobs, int count, void* stream);
+
 // e4m3fn bits of n float32 values, as compression.cc's host encoder gives them (round to nearest
 // even, saturating at ±448, NaN kept): quantizing on the device at load.
 int EncodeE4M3(const float* x, uint8_t* out, int64_t n, void* stream);

@@ -379,6 +379,42 @@ TEST_P(FormatTest, WideningOnCudaIntoAnUnalignedOutputMatchesToo) {
   EXPECT_TRUE(at::equal(out.cpu(), Dequantize(q, format, at::kBFloat16, w.sizes())));
 }
 
+// A group's weights widened together (WidenAllInto: on CUDA shared launches of up to 16 weights for
+// those the 16-byte path takes, the rest alone) give every weight the bytes it gets alone: 20
+// weights (two shared launches), of shapes the wide path takes and shapes it does not, two output
+// dtypes in one call. On the CPU (CI) the same call widens one weight at a time.
+TEST_P(FormatTest, WideningAGroupTogetherMatchesEachAlone) {
+  const CompressFormat format = GetParam();
+  const bool cuda = at::hasCUDA();
+  const at::Device device = cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
+  at::manual_seed(29);
+  const std::vector<std::vector<int64_t>> shapes = {{64, 256}, {33, 70}, {3, 48}, {8, 4, 3, 4}, {5, 24}, {16, 512}};
+  std::vector<at::Tensor> wants;
+  std::vector<WidenTarget> targets;
+  int64_t largest = 0;
+  for (int n = 0; n < 20; ++n) {
+    const std::vector<int64_t>& sizes = shapes[static_cast<size_t>(n) % shapes.size()];
+    const at::ScalarType dtype = n % 3 == 2 ? at::kHalf : at::kBFloat16;
+    const at::Tensor w = (at::randn(sizes) * 0.1).to(dtype);
+    largest = std::max<int64_t>(largest, w.numel());
+    const QuantizedTensor q = Quantize(w, format);
+    wants.push_back(Dequantize(q, format, dtype, w.sizes()));
+    targets.push_back({at::full(sizes, 7.0, at::TensorOptions().dtype(dtype).device(device)), q.q.to(device),
+                       q.scale.to(device)});
+  }
+  WidenScratch scratch;
+  scratch.table_f32 = Fp8E4M3Table(at::kFloat).to(device);
+  scratch.table_bf16 = Fp8E4M3Table(at::kBFloat16).to(device);
+  scratch.table_f16 = Fp8E4M3Table(at::kHalf).to(device);
+  scratch.index = at::empty({1000}, at::TensorOptions().dtype(at::kInt).device(device));
+  scratch.nibbles = at::empty({AlignScratch(largest / 2) + 1024}, at::TensorOptions().dtype(at::kByte).device(device));
+  WidenAllInto(targets, format, scratch);
+  for (size_t n = 0; n < targets.size(); ++n) {
+    EXPECT_TRUE(at::equal(targets[n].out.cpu(), wants[n])) << "weight " << n << " " << targets[n].out.sizes() << " "
+                                                           << c10::toString(targets[n].out.scalar_type());
+  }
+}
+
 // Quantizing on the GPU at load (LoadQuantizer: rows in chunks through pinned staging, written
 // straight into pinned destinations) gives the host's bits for the 8-bit formats; int4's clipping
 // search may break a near-tie the other way. A device that refuses (a budget too small for a chunk)
@@ -661,6 +697,40 @@ TEST_P(CompressedStreamingTest, TwoScratchAreasWithACopyStreamSameResult) {
             area + (overlapped.stats.slots - one_area.stats.slots) * overlapped.stats.slot_bytes);
   EXPECT_EQ(overlapped.peak, overlapped.stats.working_set_bytes);
   EXPECT_EQ(one_area.peak, one_area.stats.working_set_bytes);
+}
+
+// widen_per_group (a group's weights in shared launches on CUDA) streams the same forward bit for
+// bit as a launch per weight: on the simulator and, where this build and host have it, CUDA.
+TEST_P(CompressedStreamingTest, WideningAGroupInSharedLaunchesStreamsTheSameForward) {
+  const CompressFormat format = GetParam();
+  for (const bool cuda : {false, true}) {
+    SCOPED_TRACE(cuda ? "cuda" : "simulated");
+    std::vector<at::Tensor> outs;
+    for (const bool per_group : {false, true}) {
+      std::unique_ptr<DeviceBackend> backend;
+      if (cuda) {
+        auto made = CreateCudaBackend(0);
+        if (!made.ok()) break;  // No CUDA in this build or host.
+        backend = *std::move(made);
+      } else {
+        backend = CreateSimulatedBackend({});
+      }
+      StackModel model;
+      model.ForEachSlot([&](Module&, TensorSlot& slot) { slot.value = slot.value.to(at::kBFloat16); });
+      std::unique_ptr<HostWeights> weights = *HostWeights::Capture(model);
+      GroupOffloadOptions options = Streaming(format);
+      options.use_stream = backend->supports_streams();
+      options.widen_per_group = per_group;
+      auto applied = GroupOffloader::Apply("stack", model, *weights, *backend, options);
+      ASSERT_TRUE(applied.ok()) << applied.status();
+      at::manual_seed(3);
+      const at::Tensor input = at::randn({3, 5, 16}).to(at::kBFloat16).to(backend->torch_device());
+      c10::InferenceMode guard;
+      outs.push_back(model.Forward(input).cpu());
+      backend->Synchronize();
+    }
+    if (outs.size() == 2) EXPECT_TRUE(at::equal(outs[0], outs[1]));
+  }
 }
 
 // With a budget, resident groups stay exact and out of the scratch; the planner keeps the scratch

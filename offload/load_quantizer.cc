@@ -51,8 +51,9 @@ absl::StatusOr<std::unique_ptr<LoadQuantizer>> LoadQuantizer::Create(DeviceBacke
   }
   std::unique_ptr<LoadQuantizer> quantizer(new LoadQuantizer(backend, copy_threads, chunk_elements));
   if ((backend.torch_device().is_cpu() && !stage_on_cpu) || max_numel == 0) return quantizer;
-  // Two halves of the largest chunk in fp32 (the widest compressible dtype), aligned.
-  quantizer->half_bytes_ = AlignScratch(std::min(max_numel, chunk_elements) * 4);
+  // Two halves of the largest chunk in bf16 (32 MB each at most: the staging is pinned and counts in
+  // the host RSS while loading); an fp32 tensor goes through in chunks of half as many rows.
+  quantizer->half_bytes_ = AlignScratch(std::min(max_numel, chunk_elements) * 2);
   auto staging = backend.AllocatePinnedHost(2 * quantizer->half_bytes_);
   if (!staging.ok()) {
     return absl::Status(staging.status().code(),

@@ -39,7 +39,8 @@ namespace stowage {
 class LoadQuantizer {
  public:
   // `max_numel`: the largest tensor it will quantize (sizes the staging: two halves of
-  // min(max_numel, chunk_elements) fp32 values, pinned; none on the CPU). `copy_threads` (>= 1)
+  // min(max_numel, chunk_elements) bf16 values, pinned; none on the CPU; a tensor with a row larger
+  // than a half is quantized on the host). `copy_threads` (>= 1)
   // read the sources. `chunk_elements` (>= 1): values a chunk holds at most (tests set it small).
   // `stage_on_cpu`: take the device path (staging halves, copies, events) even where the device is
   // the CPU, so tests without a GPU run it; otherwise the CPU quantizes from the source.

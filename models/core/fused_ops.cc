@@ -17,6 +17,7 @@
 #endif
 
 #include "absl/strings/str_cat.h"
+#include "base/fp8_e4m3.h"
 
 #ifdef STOWAGE_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -140,6 +141,28 @@ absl::Status Fp8Supported(const c10::Device& device) {
 #endif
 }
 
+void QuantizeBf16RowsE4M3(const uint16_t* bf16, int64_t k, int64_t begin, int64_t end, uint8_t* codes,
+                          float* scales) {
+  for (int64_t r = begin; r < end; ++r) {
+    const uint16_t* row = bf16 + r * k;
+    // max |row| on the bits (for non-negative floats their order), in 16 lanes that vectorize: a
+    // NaN's bits lie above infinity's, so a row with one gets a NaN maximum (and scale 1), as
+    // LibTorch's amax gives.
+    uint16_t lanes[16] = {};
+    const int64_t blocks_end = k - k % 16;
+    for (int64_t i = 0; i < blocks_end; i += 16) {
+      for (int j = 0; j < 16; ++j) lanes[j] = std::max<uint16_t>(lanes[j], row[i + j] & 0x7FFFu);
+    }
+    uint16_t top = 0;
+    for (int64_t i = blocks_end; i < k; ++i) top = std::max<uint16_t>(top, row[i] & 0x7FFFu);
+    for (const uint16_t lane : lanes) top = std::max(top, lane);
+    float scale = FloatFromBits(uint32_t{top} << 16) / 448.f;
+    if (!(scale > 0.f)) scale = 1.f;
+    scales[r] = scale;
+    EncodeE4M3Scaled(row, k, scale, codes + r * k);  // Clamped to ±448 and rounded to nearest even.
+  }
+}
+
 Fp8Weight QuantizeWeightFp8(const at::Tensor& w) {
 #ifdef STOWAGE_HAS_FP8
   if (w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() && w.numel() > 0) {
@@ -149,23 +172,10 @@ Fp8Weight QuantizeWeightFp8(const at::Tensor& w) {
     // reference below (float32 max, division by the scale, clamp, round to nearest e4m3).
     const int64_t n = w.size(0), k = w.size(1);
     Fp8Weight out{at::empty({n, k}, w.options().dtype(at::kFloat8_e4m3fn)), at::empty({n}, w.options().dtype(at::kFloat))};
-    const auto* src = static_cast<const c10::BFloat16*>(w.data_ptr());
-    auto* dst = static_cast<c10::Float8_e4m3fn*>(out.q.data_ptr());
+    const auto* src = static_cast<const uint16_t*>(w.data_ptr());  // bfloat16 bits.
+    auto* dst = static_cast<uint8_t*>(out.q.data_ptr());            // e4m3fn bits.
     auto* scales = static_cast<float*>(out.scale.data_ptr());
-    auto rows = [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        const c10::BFloat16* row = src + r * k;
-        float amax = 0.f;
-        for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::abs(static_cast<float>(row[i])));
-        float scale = amax / 448.f;
-        if (!(scale > 0.f)) scale = 1.f;
-        scales[r] = scale;
-        c10::Float8_e4m3fn* q = dst + r * k;
-        for (int64_t i = 0; i < k; ++i) {
-          q[i] = c10::Float8_e4m3fn(std::min(std::max(static_cast<float>(row[i]) / scale, -448.f), 448.f));
-        }
-      }
-    };
+    auto rows = [&](int64_t begin, int64_t end) { QuantizeBf16RowsE4M3(src, k, begin, end, dst, scales); };
     constexpr int64_t kValuesPerThread = int64_t{1} << 20;  // Below this a thread costs more than it saves.
     cpu_set_t allowed;  // The CPUs this process may run on (its affinity), not the machine's.
     const int64_t cpus = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0

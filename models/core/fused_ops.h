@@ -85,6 +85,12 @@ struct Fp8Weight {
   at::Tensor scale;
 };
 Fp8Weight QuantizeWeightFp8(const at::Tensor& w);
+// QuantizeWeightFp8's host path for bfloat16 weights, float8-free so every build tests it: rows
+// [begin, end) of a [*, k] bfloat16 weight (its bits) → e4m3fn codes (bits) and fp32 scales,
+// scale = max |row| / 448 (1 for a row of zeros or one holding a NaN, as the reference gives), code =
+// e4m3(row / scale) clamped to ±448 and rounded to nearest even — bit for bit the reference's.
+void QuantizeBf16RowsE4M3(const uint16_t* bf16, int64_t k, int64_t begin, int64_t end, uint8_t* codes,
+                          float* scales);
 // x's per-token FP8 quantisation, made once for several FP8 layers that read the same x (Q, K and V
 // projections; SwiGLU's two). q and scale are undefined where the FP8 GEMM path does not apply.
 struct Fp8Input {

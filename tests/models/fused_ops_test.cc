@@ -22,6 +22,7 @@
 #include "models/core/layers.h"
 #include "models/core/weight_init.h"
 #include "models/nets/zimage_transformer.h"
+#include "offload/compression.h"
 #include "offload/device_backend.h"
 #include "offload/host_weights.h"
 #include "tests/models/tiny_transformers.h"
@@ -116,6 +117,39 @@ TEST(FusedOpsReferenceTest, LayerNormModulatedSharedInputEqualsTheBuiltNorm) {
     ASSERT_EQ(got.size(), 2u);
     EXPECT_TRUE(at::equal(got[0], a.Forward(norm))) << batch;
     EXPECT_TRUE(at::equal(got[1], b.Forward(norm))) << batch;
+  }
+}
+
+// FP8 compute's host conversion of a bfloat16 weight (float8-free, so every build runs it): its row
+// arithmetic (the maximum on the bits, the scale, the division, the blocks of 16) gives the codes and
+// scales of the per-channel e4m3 format the compressed store computes with LibTorch ops (offload
+// Quantize), bit for bit — for a width the blocks divide and one they do not, rows of zeros, of huge
+// and of tiny values, one whose other values land in e4m3's subnormals, and a row holding a NaN
+// (scale 1, as LibTorch's amax gives it); rows converted in two ranges equal one pass. (The encoder
+// both share, base/fp8_e4m3.h, is held to an independent formulation in compressed_offload_test, and
+// on FP8 builds the whole conversion to LibTorch's float8 cast in the test below.)
+TEST(FusedOpsReferenceTest, TheHostFp8ConversionOfBfloat16RowsMatchesThePerChannelFormatBitForBit) {
+  for (const int64_t k : {int64_t{3840}, int64_t{37}}) {
+    at::Tensor w = (at::randn({9, k}) * 0.02).to(at::kBFloat16);
+    w[2].zero_();
+    w[4].mul_(1e4);
+    w[6].mul_(1e-4);
+    w[7][k / 2] = 500.0;  // One large value: most of its row lands in e4m3's subnormals.
+    const int64_t n = w.size(0);
+    at::Tensor codes = at::empty({n, k}, at::kByte), scales = at::empty({n}, at::kFloat);
+    const auto* bits = static_cast<const uint16_t*>(w.data_ptr());
+    fused::QuantizeBf16RowsE4M3(bits, k, 0, 3, codes.data_ptr<uint8_t>(), scales.data_ptr<float>());
+    fused::QuantizeBf16RowsE4M3(bits, k, 3, n, codes.data_ptr<uint8_t>(), scales.data_ptr<float>());
+    const QuantizedTensor want = Quantize(w, CompressFormat::kFp8E4M3);
+    EXPECT_TRUE(at::equal(codes, want.q.view({n, k}))) << k;
+    EXPECT_TRUE(at::equal(scales, want.scale)) << k;
+    EXPECT_EQ(scales[2].item<float>(), 1.f);
+    at::Tensor with_nan = w.clone();
+    with_nan[1][3] = std::nanf("");
+    fused::QuantizeBf16RowsE4M3(static_cast<const uint16_t*>(with_nan.data_ptr()), k, 1, 2,
+                                codes.data_ptr<uint8_t>(), scales.data_ptr<float>());
+    EXPECT_EQ(scales[1].item<float>(), 1.f);
+    EXPECT_EQ(codes[1][3].item<uint8_t>() & 0x7F, 0x7F);  // NaN stays NaN.
   }
 }
 

@@ -55,11 +55,10 @@ absl::StatusOr<std::unique_ptr<LoadQuantizer>> LoadQuantizer::Create(DeviceBacke
   // the host RSS while loading); an fp32 tensor goes through in chunks of half as many rows.
   quantizer->half_bytes_ = AlignScratch(std::min(max_numel, chunk_elements) * 2);
   auto staging = backend.AllocatePinnedHost(2 * quantizer->half_bytes_);
-  if (!staging.ok()) {
-    return absl::Status(staging.status().code(),
-                        absl::StrCat("load quantizer staging: ", staging.status().message()));
-  }
-  quantizer->staging_ = *std::move(staging);
+  // Where the host refuses pinned memory the halves are pageable: the device path still runs, its
+  // copies in at pageable speed.
+  quantizer->staging_ = staging.ok() ? *std::move(staging)
+                                     : at::empty({2 * quantizer->half_bytes_}, at::TensorOptions().dtype(at::kByte));
   return quantizer;
 }
 

@@ -332,6 +332,9 @@ def run(args):
                          streamed_bytes=result.get("streamed_bytes"),
                          x_floor=round(result["step_s"] / floor_s, 3) if floor_s else None,
                          prepare_s=result.get("prepare_s"), page_cache_read_s=result.get("page_cache_read_s"),
+                         prepare_fp8_s=result.get("prepare_fp8_s"),
+                         prepare_pin_alloc_s=result.get("prepare_pin_alloc_s"),
+                         prepare_quantize_s=result.get("prepare_quantize_s"),
                          peak_rss_bytes=result.get("peak_rss_bytes"),
                          base_rss_bytes=result.get("base_rss_bytes"),
                          base_rss_after_bytes=result.get("base_rss_after_bytes"),
@@ -394,6 +397,10 @@ def compressed_rows(args, model_name, rows):
                "prepare_s": r.get("prepare_s"), "page_cache_read_s": r.get("page_cache_read_s"),
                "prepare_x_read": round(r["prepare_s"] / r["page_cache_read_s"], 2)
                if r.get("prepare_s") and r.get("page_cache_read_s") else None,
+               # Of prepare_s: the FP8 conversion, the pinned allocations (beside the quantizing) and
+               # the quantizing.
+               "prepare_fp8_s": r.get("prepare_fp8_s"), "prepare_pin_alloc_s": r.get("prepare_pin_alloc_s"),
+               "prepare_quantize_s": r.get("prepare_quantize_s"),
                "compute_priority": r.get("compute_priority", "default"),
                "machine": args.machine, "commit": args.commit}
         print(json.dumps(out), flush=True)

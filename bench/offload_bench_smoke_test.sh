@@ -53,6 +53,7 @@ for name, bound, fmt, lo, hi in [("block_int8", 0.06, "int8", 0.5, 0.6), ("block
     ratio = r["streamed_bytes"] / rows["block_pinned"]["streamed_bytes"]
     assert lo < ratio < hi, (name, ratio)
     assert r["floor_8bit_s"] > 0, r
+    assert r["prepare_pin_alloc_s"] >= 0 and r["prepare_quantize_s"] >= 0 and r["prepare_fp8_s"] == 0, r
     print(name, "rel_l2", r["rel_l2"], "bytes ratio", round(ratio, 3))
 print("ok: compressed rows")
 PY

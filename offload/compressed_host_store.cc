@@ -3,7 +3,10 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <future>
+#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -45,6 +48,32 @@ absl::StatusOr<QuantizedTensor> CheckPrequantized(const std::string& name, const
         layout.q_bytes, " values and ", layout.scale_count, " scales"));
   }
   return QuantizedTensor{given.q.contiguous(), given.scale.to(layout.scale_dtype).contiguous()};
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// A pinned buffer and the seconds its allocation took.
+struct TimedAllocation {
+  absl::StatusOr<at::Tensor> buffer;
+  double seconds = 0;
+};
+
+TimedAllocation AllocateTimed(DeviceBackend* backend, int64_t bytes) {
+  const auto start = std::chrono::steady_clock::now();
+  TimedAllocation allocated{backend->AllocatePinnedHost(bytes)};
+  allocated.seconds = SecondsSince(start);
+  return allocated;
+}
+
+// Starts allocating on a thread of its own; where no thread is to be had, get() allocates.
+std::future<TimedAllocation> AllocateAhead(DeviceBackend& backend, int64_t bytes) {
+  try {
+    return std::async(std::launch::async, AllocateTimed, &backend, bytes);
+  } catch (const std::system_error&) {
+    return std::async(std::launch::deferred, AllocateTimed, &backend, bytes);
+  }
 }
 
 // Zeroes the bytes of [0, size) outside `spans` ({offset, bytes}, disjoint): a packed group's
@@ -119,15 +148,14 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
     store->tables_.copy_(at::cat(tables));
   }
 
-  std::unique_ptr<LoadQuantizer> quantizer;  // Made when the first weight needs quantizing.
-  constexpr int64_t kTrimEvery = int64_t{64} << 20;
-  int64_t temporaries = 0;  // Bytes of quantized copies freed since the last malloc_trim.
+  // Pass 1, the layouts: per group the compressed part first (the scratch's image), then the other
+  // tensors.
   int64_t largest = 0;
+  std::vector<size_t> packed_groups;  // The groups that get a pinned buffer, in order.
   for (size_t gi = 0; gi < store->groups_.size(); ++gi) {
     StoreGroup& g = store->groups_[gi];
     if (g.resident) continue;
     Group8& g8 = store->groups8_[gi];
-    // Layout: the compressed part first (the scratch's image), then the other tensors.
     int64_t compressed = 0;
     for (const StoreTensor& t : g.tensors) {
       const at::Tensor& host = t.entry->host;
@@ -148,17 +176,37 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
     }
     g8.compressed_bytes = compressed;
     largest = std::max(largest, compressed);
-    int64_t packed_bytes = compressed;
+    g8.packed_bytes = compressed;
     for (Tensor8& t8 : g8.tensors) {
       if (t8.compressed) continue;
-      t8.host_offset = packed_bytes;
-      packed_bytes += AlignScratch(t8.bytes);
+      t8.host_offset = g8.packed_bytes;
+      g8.packed_bytes += AlignScratch(t8.bytes);
       store->stats_.bytes_per_forward += t8.bytes;
     }
     store->stats_.bytes_per_forward += compressed;
-    ASSIGN_OR_RETURN(g8.packed, backend.AllocatePinnedHost(packed_bytes));
-    store->stats_.compressed_host_bytes += packed_bytes;
-    store->stats_.pinned_host_bytes += packed_bytes;
+    packed_groups.push_back(gi);
+  }
+
+  // Pass 2, the bytes: each group's pinned buffer filled (quantized on the GPU when there is one),
+  // the next group's buffer allocated meanwhile on a thread of its own (pinning goes page by page).
+  std::unique_ptr<LoadQuantizer> quantizer;  // Made when the first weight needs quantizing.
+  constexpr int64_t kTrimEvery = int64_t{64} << 20;
+  int64_t temporaries = 0;  // Bytes of quantized copies freed since the last malloc_trim.
+  std::future<TimedAllocation> next;
+  if (!packed_groups.empty()) next = AllocateAhead(backend, store->groups8_[packed_groups[0]].packed_bytes);
+  for (size_t n = 0; n < packed_groups.size(); ++n) {
+    const size_t gi = packed_groups[n];
+    StoreGroup& g = store->groups_[gi];
+    Group8& g8 = store->groups8_[gi];
+    TimedAllocation allocated = next.get();
+    store->stats_.prepare_pin_alloc_s += allocated.seconds;
+    if (n + 1 < packed_groups.size()) {
+      next = AllocateAhead(backend, store->groups8_[packed_groups[n + 1]].packed_bytes);
+    }
+    RETURN_IF_ERROR(allocated.buffer.status());
+    g8.packed = *std::move(allocated.buffer);
+    store->stats_.compressed_host_bytes += g8.packed_bytes;
+    store->stats_.pinned_host_bytes += g8.packed_bytes;
     uint8_t* base = g8.packed.data_ptr<uint8_t>();
     std::vector<std::pair<int64_t, int64_t>> written;
     for (size_t i = 0; i < g.tensors.size(); ++i) {
@@ -179,8 +227,10 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
             ASSIGN_OR_RETURN(quantizer, LoadQuantizer::Create(backend, fixed.max_numel, options.staging_threads));
           }
           // On the GPU when there is one, straight into the pinned group; in flight until Finish().
+          const auto start = std::chrono::steady_clock::now();
           quantizer->QuantizeInto(host, format, g8.packed.narrow(0, t8.q_offset, t8.layout.q_bytes),
                                   g8.packed.narrow(0, t8.scale_offset, t8.layout.scale_bytes()));
+          store->stats_.prepare_quantize_s += SecondsSince(start);
         }
       } else {
         written.emplace_back(t8.host_offset, t8.bytes);
@@ -191,14 +241,16 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
           ReleaseMappedPages(host.data_ptr(), static_cast<int64_t>(host.nbytes()));
       temporaries += t8.compressed ? t8.layout.q_bytes + t8.layout.scale_bytes() : 0;
     }
-    ZeroGaps(base, packed_bytes, std::move(written));  // Padding: deterministic bytes on the device.
+    ZeroGaps(base, g8.packed_bytes, std::move(written));  // Padding: deterministic bytes on the device.
     if (temporaries >= kTrimEvery) {  // Give the quantization temporaries' heap pages back as they go.
       ::malloc_trim(0);
       temporaries = 0;
     }
   }
   if (quantizer != nullptr) {
+    const auto start = std::chrono::steady_clock::now();
     quantizer->Finish();
+    store->stats_.prepare_quantize_s += SecondsSince(start);
     store->stats_.host_quantized_fallbacks = quantizer->host_fallbacks();
   }
   store->area_bytes_ = largest;

@@ -92,6 +92,7 @@ class CompressedHostStore final : public HostStore {
   struct Group8 {
     at::Tensor packed;               // Pinned; undefined for resident groups.
     int64_t compressed_bytes = 0;    // The compressed part (DMA'd into the scratch).
+    int64_t packed_bytes = 0;        // Of `packed`: the compressed part, then the other tensors.
     std::vector<Tensor8> tensors;
   };
 

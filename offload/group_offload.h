@@ -170,6 +170,8 @@ struct GroupOffloadStats {
   std::string compress = "none";
   int64_t compressed_host_bytes = 0;
   int64_t host_quantized_fallbacks = 0;  // HostStoreStats::host_quantized_fallbacks.
+  double prepare_pin_alloc_s = 0;        // HostStoreStats::prepare_pin_alloc_s.
+  double prepare_quantize_s = 0;         // HostStoreStats::prepare_quantize_s.
   int64_t bytes_per_forward = 0;
   // Spare-room cache: its allowance now, the groups and device bytes it holds now, the link bytes
   // of one forward those groups spare (of bytes_per_forward), onloads it served (no copy over the

@@ -58,7 +58,7 @@ for line in open(sys.argv[1]):
     elif r["bench"] == "compressed":
         print(f"{r['model']:7s} compressed {r['row']:18s} step {r['step_s']:.4f} s floor {r['floor_s'] or 0:.4f} "
               f"x_floor {r['x_floor']} x_fast {r['x_fast']} ({r['resident_fast_mode']} {r['resident_fast_step_s']:.4f}) "
-              f"rel_l2 {r['rel_l2']:.4g} rss/bf16 {r['rss_above_base_x_bf16']} (warm base {r.get('rss_above_warm_base_x_bf16')}) prepare {r['prepare_s']} (x{r.get('prepare_x_read')} a page-cache read)")
+              f"rel_l2 {r['rel_l2']:.4g} rss/bf16 {r['rss_above_base_x_bf16']} (warm base {r.get('rss_above_warm_base_x_bf16')}) prepare {r['prepare_s']} (x{r.get('prepare_x_read')} a page-cache read; fp8 {r.get('prepare_fp8_s')} pin {r.get('prepare_pin_alloc_s')} quantize {r.get('prepare_quantize_s')})")
     else:
         print(f"e2e {r['system']:18s} {r.get('mode', 'bf16'):5s} {r.get('format', 'png'):8s} warm {r['warm_s']:.3f} s "
               f"first {r['first_s']:.3f} s png {r.get('png_s', 0):.3f} s load {r.get('load_s', 0):.1f} s")
@@ -114,7 +114,7 @@ import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     print(f"{r['row']:18s} step {r['step_s']:.4f} s  resident {r.get('resident_step_s', 0):.4f} s  floor {r['floor_s']:.4f} s"
-          f"  floor_compressed {r.get('floor_8bit_s', 0):.4f} s  rel_l2 {r.get('rel_l2', 0):.4f}  rss {r['peak_rss_bytes'] / 2**30:.2f} GiB  prepare {r.get('prepare_s', 0):.1f} s"
+          f"  floor_compressed {r.get('floor_8bit_s', 0):.4f} s  rel_l2 {r.get('rel_l2', 0):.4f}  rss {r['peak_rss_bytes'] / 2**30:.2f} GiB  prepare {r.get('prepare_s', 0):.1f} s (pin {r.get('prepare_pin_alloc_s', 0):.1f}, quantize {r.get('prepare_quantize_s', 0):.1f})"
           f"  weights {r['weight_bytes'] / 2**30:.2f} GiB  base {r.get('base_rss_bytes', 0) / 2**30:.2f}"
           f" / warm {r.get('base_rss_warm_bytes', 0) / 2**30:.2f} / after {r.get('base_rss_after_bytes', 0) / 2**30:.2f} GiB")
 PY

@@ -633,6 +633,10 @@ TEST_P(CompressedStreamingTest, Fp32ForwardIsCloseMovesAQuarterAndPeaksAtTheWork
   EXPECT_EQ(small.stats.bytes_per_forward, want);
   EXPECT_EQ(exact.h2d_per_forward, StackModel::kTotalBytes);
   EXPECT_EQ(exact.stats.bytes_per_forward, StackModel::kTotalBytes);
+  // Preparing: the pinned allocations and the quantizing are timed; nothing fell back to the host.
+  EXPECT_GT(small.stats.prepare_pin_alloc_s, 0.0);
+  EXPECT_GT(small.stats.prepare_quantize_s, 0.0);
+  EXPECT_EQ(small.stats.host_quantized_fallbacks, 0);
   const double bits = format == CompressFormat::kInt4 ? 4.0 : 8.0;  // fp32 → bits + scales.
   EXPECT_LT(small.h2d_per_forward, StackModel::kTotalBytes * (bits / 32 + 0.06));
   EXPECT_GT(small.h2d_per_forward, StackModel::kTotalBytes * (bits / 32));

@@ -19,6 +19,7 @@
 // of GroupOffloader::Apply (planning, pinning, quantizing).
 #include <fcntl.h>
 #include <malloc.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -70,7 +71,7 @@ ABSL_FLAG(std::string, backend, "auto", "cuda, sim, or auto (CUDA when present)"
 ABSL_FLAG(std::string, rows,
           "resident,block_pinned,leaf_pinned,block_lowram,leaf_lowram,block_disk,budget25,budget50,budget75",
           "Comma-separated rows to run (also: block_int8, block_fp8, block_int8grouped, block_int4, "
-          "memcpy_probe; a compressed row with \"_wg\" in its name widens a group's weights in shared "
+          "memcpy_probe, pin_probe; a compressed row with \"_wg\" in its name widens a group's weights in shared "
           "launches, one ending in _d<N> prefetches N groups)");
 ABSL_FLAG(int, warmup, 2, "Untimed forwards per row (the first records the order)");
 ABSL_FLAG(int, iters, 5, "Timed forwards per row (median reported)");
@@ -224,6 +225,46 @@ double MeasureMemcpy(DeviceBackend& backend, int threads, int64_t total) {
     runs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return static_cast<double>(total) / Median(runs);
+}
+
+// Ways of getting `total` bytes of page-locked host memory, each timed (median of 3, bytes a second):
+// the backend's pinned allocation (CUDA: cudaHostAlloc) — what a compressed store's groups use — and
+// anonymous memory written once, then registered in place (CUDA: cudaHostRegister), with and without
+// transparent huge pages (pinning 2 MiB pages instead of 4 KiB ones).
+struct PinRates {
+  double host_alloc = 0;
+  double register_4k = 0;
+  double register_huge = 0;
+};
+
+PinRates MeasurePinning(DeviceBackend& backend, int64_t total) {
+  PinRates rates;
+  std::vector<double> alloc_runs, small_runs, huge_runs;
+  for (int rep = 0; rep < 3; ++rep) {
+    {
+      const auto start = std::chrono::steady_clock::now();
+      auto pinned = backend.AllocatePinnedHost(total);
+      if (!pinned.ok()) return rates;
+      alloc_runs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    for (const bool huge : {false, true}) {
+      const auto start = std::chrono::steady_clock::now();
+      void* p = ::mmap(nullptr, static_cast<size_t>(total), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) return rates;
+      (void)::madvise(p, static_cast<size_t>(total), huge ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+      std::memset(p, 0, static_cast<size_t>(total));  // The pages exist before they are locked.
+      const absl::Status registered = backend.RegisterHostMemory(p, total, /*read_only=*/false);
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (registered.ok()) (void)backend.UnregisterHostMemory(p);
+      ::munmap(p, static_cast<size_t>(total));
+      if (!registered.ok()) return rates;
+      (huge ? huge_runs : small_runs).push_back(seconds);
+    }
+  }
+  rates.host_alloc = static_cast<double>(total) / Median(alloc_runs);
+  rates.register_4k = static_cast<double>(total) / Median(small_runs);
+  rates.register_huge = static_cast<double>(total) / Median(huge_runs);
+  return rates;
 }
 
 // The model a row runs: its module tree (weights on the host) and one forward on the device.
@@ -586,6 +627,22 @@ int Main() {
   if (!absl::GetFlag(FLAGS_out).empty()) out.open(absl::GetFlag(FLAGS_out), std::ios::app);
   const std::vector<std::string> rows = absl::StrSplit(absl::GetFlag(FLAGS_rows), ',', absl::SkipEmpty());
   for (const std::string& row : rows) {
+    if (row == "pin_probe") {
+      const int64_t total = small ? (int64_t{64} << 20) : (int64_t{1} << 30);
+      const PinRates rates = MeasurePinning(*backend, total);
+      std::printf("pinning %lld MiB: pinned allocation %.2f GB/s, written and registered %.2f GB/s (4 KiB pages), "
+                  "%.2f GB/s (huge pages)\n",
+                  static_cast<long long>(total >> 20), rates.host_alloc / 1e9, rates.register_4k / 1e9,
+                  rates.register_huge / 1e9);
+      if (out.is_open()) {
+        out << absl::StrFormat("{\"row\": \"pin_probe\", \"bytes\": %d, \"pinned_alloc_bytes_per_s\": %.0f, "
+                               "\"register_4k_bytes_per_s\": %.0f, \"register_huge_bytes_per_s\": %.0f, "
+                               "\"device\": \"%s\", \"machine\": \"%s\"}\n",
+                               total, rates.host_alloc, rates.register_4k, rates.register_huge, backend->name(),
+                               absl::GetFlag(FLAGS_machine));
+      }
+      continue;
+    }
     if (row == "memcpy_probe") {
       for (int threads : {1, 4, 8, 16}) {
         const double rate = MeasureMemcpy(*backend, threads, small ? (int64_t{256} << 20) : (int64_t{2} << 30));

@@ -106,3 +106,14 @@ fi
 grep -q 'compute_priority=urgent: default or high' "$TEST_TMPDIR/bad.err"
 [ ! -s "$TEST_TMPDIR/bad.jsonl" ]
 echo "ok: compute priority"
+
+# The pinning probe: three ways of getting page-locked host memory, each timed.
+bench/offload_bench --config=small --backend=sim --rows=pin_probe --out="$TEST_TMPDIR/pin.jsonl" --machine=ci >/dev/null
+/usr/bin/python3 - "$TEST_TMPDIR/pin.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+assert len(rows) == 1 and rows[0]["row"] == "pin_probe" and rows[0]["bytes"] == 64 << 20, rows
+for key in ("pinned_alloc_bytes_per_s", "register_4k_bytes_per_s", "register_huge_bytes_per_s"):
+    assert rows[0][key] > 0, (key, rows[0])
+print("ok: pin probe")
+PY

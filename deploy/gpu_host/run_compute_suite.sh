@@ -97,6 +97,11 @@ if [[ $parts == *" compressed "* ]]; then
       >>"$OUT/compressed.log" 2>&1
     stamp "compressed $row exit $?"
   done
+  # What preparing a copy costs on this host, apart: page-locking memory three ways (pinned
+  # allocation, written-and-registered 4 KiB pages, huge pages) and multi-threaded memcpy.
+  timeout 120 "$build/bench/offload_bench" --config=full --rows=pin_probe,memcpy_probe --out="$OUT/probes.jsonl" \
+    --machine="$machine" >>"$OUT/compressed.log" 2>&1
+  stamp "compressed probes exit $?"
   for row in resident ${COMPRESSED_ROWS:-block_pinned block_int8 block_fp8 block_int8grouped block_int4}; do
     [ -f "/tmp/compressed_trace_$row.json" ] &&
       python3 bench/compute_bench.py summarize_trace "/tmp/compressed_trace_$row.json" \

@@ -84,6 +84,9 @@ ABSL_FLAG(int, prefetch_depth, 1, "Prefetch depth of the streamed rows (a row's 
 ABSL_FLAG(double, resident_step_s, 0,
           "Resident step time measured by an earlier process (rows run one process each)");
 ABSL_FLAG(int, staging_threads, 8, "Threads copying into the staging buffers");
+ABSL_FLAG(bool, pinned_huge_pages, false,
+          "CUDA: pinned host buffers from huge-page memory registered in place instead of cudaHostAlloc "
+          "(CudaBackendOptions::pinned_huge_pages)");
 ABSL_FLAG(std::string, model_dir, "",
           "Diffusers-format Z-Image or Flux directory: benchmark its real transformer (transformer/ "
           "folder) instead of the synthetic stack");
@@ -575,7 +578,9 @@ int Main() {
   std::unique_ptr<DeviceBackend> backend;
   const std::string kind = absl::GetFlag(FLAGS_backend);
   if (kind == "cuda" || (kind == "auto" && CudaAvailable())) {
-    auto cuda = CreateCudaBackend(0);
+    CudaBackendOptions cuda_options;
+    cuda_options.pinned_huge_pages = absl::GetFlag(FLAGS_pinned_huge_pages);
+    auto cuda = CreateCudaBackend(0, cuda_options);
     if (!cuda.ok()) {
       std::cerr << cuda.status() << "\n";
       return 1;
@@ -691,7 +696,7 @@ int Main() {
           "\"floor_8bit_s\": %.6f, \"rel_l2\": %.6f, \"prepare_s\": %.3f, \"batch\": %d, \"lora_adapters\": %d, "
           "\"lora_rank\": %d, \"base_rss_bytes\": %d, \"base_rss_warm_bytes\": %d, \"base_rss_after_bytes\": %d, "
           "\"compute_priority\": \"%s\", \"page_cache_read_s\": %.6f, \"prepare_fp8_s\": %.3f, "
-          "\"prepare_pin_alloc_s\": %.3f, \"prepare_quantize_s\": %.3f}\n",
+          "\"prepare_pin_alloc_s\": %.3f, \"prepare_quantize_s\": %.3f, \"pinned_huge_pages\": %s}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -702,7 +707,8 @@ int Main() {
           absl::GetFlag(FLAGS_machine), result->compress, floor_8bit_s, result->rel_l2, result->prepare_s,
           absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_lora_adapters), absl::GetFlag(FLAGS_lora_rank), base_rss,
           base_rss_warm, base_rss_after, priority, page_cache_read_s, result->prepare_fp8_s,
-          result->prepare_pin_alloc_s, result->prepare_quantize_s);
+          result->prepare_pin_alloc_s, result->prepare_quantize_s,
+          absl::GetFlag(FLAGS_pinned_huge_pages) ? "true" : "false");
       out.flush();
     }
   }

@@ -9,6 +9,7 @@
 
 #ifdef STOWAGE_WITH_CUDA
 #include <dlfcn.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -123,8 +124,9 @@ class CudaEvent : public DeviceEvent {
 
 class CudaBackend : public DeviceBackend {
  public:
-  explicit CudaBackend(int index)
+  CudaBackend(int index, const CudaBackendOptions& options)
       : index_(index),
+        options_(options),
         device_(c10::kCUDA, static_cast<c10::DeviceIndex>(index)),
         copy_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())),
         transform_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())) {
@@ -227,11 +229,45 @@ class CudaBackend : public DeviceBackend {
   }
 
   absl::StatusOr<at::Tensor> AllocatePinnedHost(int64_t bytes) override {
+    if (options_.pinned_huge_pages && bytes > 0) return AllocateHugePinned(bytes);
     void* ptr = nullptr;
     RETURN_IF_ERROR(CudaStatus(cudaHostAlloc(&ptr, static_cast<size_t>(bytes), cudaHostAllocDefault),
                                absl::StrCat("cudaHostAlloc of ", bytes, " bytes")));
     return at::from_blob(
         ptr, {bytes}, [](void* p) { cudaFreeHost(p); }, at::TensorOptions().dtype(at::kByte));
+  }
+
+  // CudaBackendOptions::pinned_huge_pages: anonymous memory on a 2 MiB boundary, advised to
+  // transparent huge pages, registered in place (the registration faults the pages in).
+  absl::StatusOr<at::Tensor> AllocateHugePinned(int64_t bytes) {
+    constexpr size_t kHuge = size_t{2} << 20;
+    const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+    const size_t length = (static_cast<size_t>(bytes) + page - 1) / page * page;
+    const size_t mapped = length + kHuge;
+    void* base = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base == MAP_FAILED) {
+      return absl::ResourceExhaustedError(absl::StrCat("mmap of ", mapped, " bytes for pinned memory failed"));
+    }
+    const uintptr_t start = reinterpret_cast<uintptr_t>(base);
+    const uintptr_t aligned = (start + kHuge - 1) / kHuge * kHuge;
+    if (aligned > start) ::munmap(base, aligned - start);
+    const uintptr_t end = start + mapped;
+    if (end > aligned + length) ::munmap(reinterpret_cast<void*>(aligned + length), end - (aligned + length));
+    void* ptr = reinterpret_cast<void*>(aligned);
+    (void)::madvise(ptr, length, MADV_HUGEPAGE);
+    if (absl::Status registered = CudaStatus(cudaHostRegister(ptr, length, cudaHostRegisterPortable),
+                                             absl::StrCat("cudaHostRegister of ", length, " bytes"));
+        !registered.ok()) {
+      ::munmap(ptr, length);
+      return registered;
+    }
+    return at::from_blob(
+        ptr, {bytes},
+        [length](void* p) {
+          cudaHostUnregister(p);
+          ::munmap(p, length);
+        },
+        at::TensorOptions().dtype(at::kByte));
   }
 
   absl::Status RegisterHostMemory(void* ptr, int64_t bytes, bool read_only) override {
@@ -316,6 +352,7 @@ class CudaBackend : public DeviceBackend {
 
  private:
   int index_;
+  CudaBackendOptions options_;
   c10::Device device_;
   c10::cuda::CUDAStream copy_stream_;
   c10::cuda::CUDAStream transform_stream_;
@@ -358,14 +395,15 @@ std::string CudaAllocatorNote() {
 #endif
 }
 
-absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_index) {
+absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_index,
+                                                                 const CudaBackendOptions& options) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || device_index < 0 || device_index >= count) {
     cudaGetLastError();
     return absl::FailedPreconditionError(
         absl::StrCat("CUDA device ", device_index, " not present (", count, " visible)"));
   }
-  return std::unique_ptr<DeviceBackend>(new CudaBackend(device_index));
+  return std::unique_ptr<DeviceBackend>(new CudaBackend(device_index, options));
 }
 
 #else  // !STOWAGE_WITH_CUDA
@@ -374,7 +412,9 @@ bool CudaAvailable() { return false; }
 
 std::string CudaAllocatorNote() { return "CUDA allocator: none (this build has no CUDA)"; }
 
-absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_index) {
+absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_index,
+                                                                 const CudaBackendOptions& options) {
+  (void)options;
   return absl::FailedPreconditionError(absl::StrCat(
       "CUDA device ", device_index,
       " requested, but this build has no CUDA support (build with --config=cuda or the CMake "

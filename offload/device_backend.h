@@ -225,8 +225,16 @@ bool CudaAvailable();
 // What LibTorch's CUDA caching allocator runs with, for the log ("CUDA allocator: expandable
 // segments on"); says so when the build has no CUDA.
 std::string CudaAllocatorNote();
+struct CudaBackendOptions {
+  // AllocatePinnedHost takes anonymous memory on a 2 MiB boundary, advised to transparent huge
+  // pages, and registers it in place (cudaHostRegister) instead of calling cudaHostAlloc (4 KiB
+  // pages): fewer pages to fault in and lock when a compressed store prepares its groups. Off
+  // until measured on the H200 (offload_bench --pinned_huge_pages; its pin_probe row).
+  bool pinned_huge_pages = false;
+};
 // Fails with FAILED_PRECONDITION when the build has no CUDA or the device does not exist.
-absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_index);
+absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_index,
+                                                                 const CudaBackendOptions& options = {});
 
 }  // namespace stowage
 

@@ -19,11 +19,15 @@
 namespace stowage {
 namespace {
 
-enum class Kind { kSimulated, kCuda };
+// kCudaHugePinned: CUDA whose pinned allocations are huge-page memory registered in place
+// (CudaBackendOptions::pinned_huge_pages), held to the same contract.
+enum class Kind { kSimulated, kCuda, kCudaHugePinned };
 
 std::unique_ptr<DeviceBackend> Make(Kind kind) {
   if (kind == Kind::kSimulated) return CreateSimulatedBackend({});
-  auto backend = CreateCudaBackend(0);
+  CudaBackendOptions options;
+  options.pinned_huge_pages = kind == Kind::kCudaHugePinned;
+  auto backend = CreateCudaBackend(0, options);
   return backend.ok() ? *std::move(backend) : nullptr;
 }
 
@@ -274,10 +278,11 @@ TEST(SimulatedBackendTest, OverlappingHostRegistrationIsRefused) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, DeviceBackendConformanceTest,
-                         ::testing::Values(Kind::kSimulated, Kind::kCuda),
+                         ::testing::Values(Kind::kSimulated, Kind::kCuda, Kind::kCudaHugePinned),
                          [](const ::testing::TestParamInfo<Kind>& info) {
                            return info.param == Kind::kSimulated ? std::string("Simulated")
-                                                                 : std::string("Cuda");
+                                  : info.param == Kind::kCuda    ? std::string("Cuda")
+                                                                 : std::string("CudaHugePinned");
                          });
 
 TEST(SimulatedBackendTest, BandwidthLimitPacesAsyncCopies) {

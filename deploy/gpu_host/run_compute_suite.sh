@@ -97,6 +97,14 @@ if [[ $parts == *" compressed "* ]]; then
       >>"$OUT/compressed.log" 2>&1
     stamp "compressed $row exit $?"
   done
+  # COMPRESSED_HUGE_ROWS: those rows again with pinned buffers from huge-page memory registered in
+  # place (offload_bench --pinned_huge_pages; the summary marks them "+huge").
+  for row in ${COMPRESSED_HUGE_ROWS:-}; do
+    timeout 240 "$build/bench/offload_bench" --config=full --rows="$row" --warmup=2 --iters=5 --reference="$ref" \
+      --resident_step_s="$resident" --out="$raw" --machine="$machine" --pinned_huge_pages ${COMPRESSED_ARGS:-} \
+      >>"$OUT/compressed.log" 2>&1
+    stamp "compressed $row (huge pages) exit $?"
+  done
   # What preparing a copy costs on this host, apart: page-locking memory three ways (pinned
   # allocation, written-and-registered 4 KiB pages, huge pages) and multi-threaded memcpy.
   timeout 120 "$build/bench/offload_bench" --config=full --rows=pin_probe,memcpy_probe --out="$OUT/probes.jsonl" \
@@ -118,7 +126,8 @@ PY
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    print(f"{r['row']:18s} step {r['step_s']:.4f} s  resident {r.get('resident_step_s', 0):.4f} s  floor {r['floor_s']:.4f} s"
+    name = r['row'] + ("+huge" if r.get("pinned_huge_pages") else "")
+    print(f"{name:18s} step {r['step_s']:.4f} s  resident {r.get('resident_step_s', 0):.4f} s  floor {r['floor_s']:.4f} s"
           f"  floor_compressed {r.get('floor_8bit_s', 0):.4f} s  rel_l2 {r.get('rel_l2', 0):.4f}  rss {r['peak_rss_bytes'] / 2**30:.2f} GiB  prepare {r.get('prepare_s', 0):.1f} s (pin {r.get('prepare_pin_alloc_s', 0):.1f}, quantize {r.get('prepare_quantize_s', 0):.1f})"
           f"  weights {r['weight_bytes'] / 2**30:.2f} GiB  base {r.get('base_rss_bytes', 0) / 2**30:.2f}"
           f" / warm {r.get('base_rss_warm_bytes', 0) / 2**30:.2f} / after {r.get('base_rss_after_bytes', 0) / 2**30:.2f} GiB")

@@ -17,7 +17,9 @@
 #             --config=full, one process per row): resident (its output the reference), block_pinned
 #             (bf16 streamed) and each compressed row ($COMPRESSED_ROWS): compressed.jsonl (commit
 #             added to every row), compressed.log; COMPRESSED_PROFILE=1: profile_compressed.txt;
-#             COMPRESSED_ARGS: more offload_bench flags for every row (e.g. --compute_priority=high)
+#             COMPRESSED_ARGS: more offload_bench flags for every row (e.g. --compute_priority=high);
+#             COMPRESSED_HUGE_ROWS: rows run again with --pinned_huge_pages; probes.jsonl: pin_probe and
+#             memcpy_probe (what page-locking and copying host memory cost here)
 #   lora      a batch of 8 on the full-size synthetic stack with 0, 1 and 8 different LoRA adapters
 #             (offload_bench --batch --lora_adapters): lora.jsonl, lora.log
 #   multi     four pipelines under one 24 GiB budget on a seeded Poisson/Zipf trace

@@ -16,6 +16,7 @@
 // On CUDA the widening is one kernel (widen_kernels.h); the LibTorch ops below are the portable
 // path (what CPU CI and the simulator run).
 #ifdef STOWAGE_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "offload/widen_kernels.h"
@@ -168,6 +169,7 @@ at::Tensor EncodeFp8E4M3(const at::Tensor& x) {
   at::Tensor out = at::empty(in.sizes(), in.options().dtype(at::kByte));
 #ifdef STOWAGE_WITH_CUDA
   if (in.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(in.device());  // The launch goes to the tensor's device.
     const int err = widen_cuda::EncodeE4M3(in.data_ptr<float>(), out.data_ptr<uint8_t>(), in.numel(),
                                            c10::cuda::getCurrentCUDAStream(in.device().index()).stream());
     TORCH_CHECK(err == 0, "fp8 encoding kernel failed to launch (CUDA error ", err, ")");
@@ -299,6 +301,8 @@ CudaWiden CudaWidenOf(const at::Tensor& out, const at::Tensor& q, const at::Tens
   const int64_t k = out.numel() / std::max<int64_t>(1, channels);
   const bool grouped = format == CompressFormat::kInt8Grouped || int4;
   const int64_t groups = int4 ? (scale.numel() - 4 * channels) / channels : scale.numel() / channels;
+  TORCH_CHECK(groups > 0 && k % groups == 0, "WidenInto: ", scale.numel(), " scale bytes or values for ", channels,
+              " channels of ", k, " values");
   CudaWiden w;
   w.codes = format == CompressFormat::kFp8E4M3 ? widen_cuda::Codes::kFp8E4M3
             : int4                             ? widen_cuda::Codes::kInt4
@@ -313,7 +317,7 @@ CudaWiden CudaWidenOf(const at::Tensor& out, const at::Tensor& q, const at::Tens
   w.job.out = out.data_ptr();
   w.job.channels = channels;
   w.job.k = k;
-  w.job.group_size = grouped ? k / std::max<int64_t>(1, groups) : k;
+  w.job.group_size = grouped ? k / groups : k;
   return w;
 }
 
@@ -337,6 +341,7 @@ void WidenAllInto(const std::vector<WidenTarget>& targets, CompressFormat format
     jobs[static_cast<int>(last.out_type)].push_back(last.job);
   }
   if (device.is_cpu()) return;
+  const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   for (int type = 0; type < 4; ++type) {
     if (jobs[type].empty()) continue;
@@ -354,6 +359,7 @@ void WidenInto(const at::Tensor& out, const at::Tensor& q, const at::Tensor& sca
   const int64_t channels = q.size(0);
 #ifdef STOWAGE_WITH_CUDA
   if (out.is_cuda()) {
+    const c10::cuda::CUDAGuard guard(out.device());
     const CudaWiden w = CudaWidenOf(out, q, scale, format);
     const int err = widen_cuda::Widen(w.codes, w.job.q, w.job.scale, w.scale_kind, w.job.out, w.out_type,
                                       w.job.channels, w.job.k, w.job.group_size,

@@ -229,6 +229,9 @@ class CudaBackend : public DeviceBackend {
   }
 
   absl::StatusOr<at::Tensor> AllocatePinnedHost(int64_t bytes) override {
+    // Any thread may allocate (a compressed store allocates ahead on a thread of its own): this
+    // device current, so no other device gets a context.
+    const c10::cuda::CUDAGuard guard(device_);
     if (options_.pinned_huge_pages && bytes > 0) return AllocateHugePinned(bytes);
     void* ptr = nullptr;
     RETURN_IF_ERROR(CudaStatus(cudaHostAlloc(&ptr, static_cast<size_t>(bytes), cudaHostAllocDefault),

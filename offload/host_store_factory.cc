@@ -17,6 +17,10 @@ absl::Status ValidateHostStoreOptions(const HostStoreOptions& options) {
       (options.staging_buffers < 1 || options.staging_buffer_bytes < (int64_t{1} << 16))) {
     return absl::InvalidArgumentError("staging needs at least one buffer of at least 64 KiB");
   }
+  if (options.staging_threads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("staging_threads must be >= 1 (threads copying host memory), not ", options.staging_threads));
+  }
   if (options.compress != CompressFormat::kNone && options.target != OffloadTarget::kPinnedHost) {
     return absl::InvalidArgumentError(
         "compress needs target pinned_host (the 8-bit groups are packed into pinned memory)");

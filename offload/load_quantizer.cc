@@ -4,6 +4,7 @@
 #include <utility>
 
 #include <ATen/Functions.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
 #include "absl/strings/str_cat.h"
@@ -49,8 +50,9 @@ absl::StatusOr<std::unique_ptr<LoadQuantizer>> LoadQuantizer::Create(DeviceBacke
     return absl::InvalidArgumentError(absl::StrCat("load quantizer: chunk_elements ", chunk_elements,
                                                    " must be >= 1 and max_numel ", max_numel, " >= 0"));
   }
-  std::unique_ptr<LoadQuantizer> quantizer(new LoadQuantizer(backend, copy_threads, chunk_elements));
+  std::unique_ptr<LoadQuantizer> quantizer(new LoadQuantizer(backend, chunk_elements));
   if ((backend.torch_device().is_cpu() && !stage_on_cpu) || max_numel == 0) return quantizer;
+  quantizer->pool_ = std::make_unique<MemcpyPool>(copy_threads - 1);
   // Two halves of the largest chunk in bf16 (32 MB each at most: the staging is pinned and counts in
   // the host RSS while loading); an fp32 tensor goes through in chunks of half as many rows.
   quantizer->half_bytes_ = AlignScratch(std::min(max_numel, chunk_elements) * 2);
@@ -62,8 +64,8 @@ absl::StatusOr<std::unique_ptr<LoadQuantizer>> LoadQuantizer::Create(DeviceBacke
   return quantizer;
 }
 
-LoadQuantizer::LoadQuantizer(DeviceBackend& backend, int copy_threads, int64_t chunk_elements)
-    : backend_(&backend), chunk_elements_(chunk_elements), pool_(copy_threads - 1) {}
+LoadQuantizer::LoadQuantizer(DeviceBackend& backend, int64_t chunk_elements)
+    : backend_(&backend), chunk_elements_(chunk_elements) {}
 
 LoadQuantizer::~LoadQuantizer() { Finish(); }
 
@@ -86,9 +88,9 @@ void LoadQuantizer::QuantizeInto(const at::Tensor& w, CompressFormat format, con
   }
   try {
     QuantizeOnDevice(w, format, q_out, scale_out);
-  } catch (const c10::Error&) {
+  } catch (const c10::OutOfMemoryError&) {
     // The device refused (out of memory under a budget). Whatever it had queued for this tensor
-    // must land before the host writes the same bytes.
+    // must land before the host writes the same bytes. Any other error is a bug and propagates.
     backend_->Synchronize();
     ++host_fallbacks_;
     QuantizeOnHost(w, format, q_out, scale_out);
@@ -116,6 +118,9 @@ void LoadQuantizer::QuantizeOnDevice(const at::Tensor& w, CompressFormat format,
   const at::Tensor src = w.contiguous();  // A view when it is already (the usual case).
   const auto* src_bytes = static_cast<const uint8_t*>(src.data_ptr());
   const c10::Device device = backend_->torch_device();
+  // The device current while the chunks' work is issued (kernels launched without LibTorch's own
+  // guard, e.g. the fp8 encoder, go to this device's streams).
+  const c10::DeviceGuard guard(device);
   for (int64_t start = 0; start < rows; start += chunk_rows) {
     const int64_t n = std::min(chunk_rows, rows - start);
     const int half = next_half_;
@@ -123,7 +128,7 @@ void LoadQuantizer::QuantizeOnDevice(const at::Tensor& w, CompressFormat format,
     // The half's previous chunk has reached the device: its bytes may be overwritten.
     if (copied_[half] != nullptr) copied_[half]->Wait();
     uint8_t* staged = staging_.data_ptr<uint8_t>() + half * half_bytes_;
-    pool_.Copy(staged, src_bytes + start * row_bytes, n * row_bytes);
+    pool_->Copy(staged, src_bytes + start * row_bytes, n * row_bytes);
     const at::Tensor host_chunk = at::from_blob(staged, {n, per_row}, at::TensorOptions().dtype(w.scalar_type()));
     at::Tensor chunk = at::empty({n, per_row}, host_chunk.options().device(device));
     chunk.copy_(host_chunk, /*non_blocking=*/true);

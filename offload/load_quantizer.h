@@ -61,18 +61,18 @@ class LoadQuantizer {
   // Waits until every destination holds its bytes.
   void Finish();
 
-  // Tensors quantized on the host because the device refused them.
+  // Tensors quantized on the host because the device refused them (out of memory).
   int64_t host_fallbacks() const { return host_fallbacks_; }
 
  private:
-  LoadQuantizer(DeviceBackend& backend, int copy_threads, int64_t chunk_elements);
+  LoadQuantizer(DeviceBackend& backend, int64_t chunk_elements);
   void QuantizeOnHost(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out, const at::Tensor& scale_out);
   void QuantizeOnDevice(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out,
                         const at::Tensor& scale_out);
 
   DeviceBackend* backend_;
   const int64_t chunk_elements_;
-  MemcpyPool pool_;
+  std::unique_ptr<MemcpyPool> pool_;       // The device path only.
   at::Tensor staging_;                      // Pinned, two halves (the device path only).
   int64_t half_bytes_ = 0;
   std::unique_ptr<DeviceEvent> copied_[2];  // A half's last copy to the device is done.

@@ -921,6 +921,19 @@ TEST(CompressedOptionsTest, NeedThePinnedTarget) {
   EXPECT_NE(offloader.status().message().find("compress"), std::string::npos);
 }
 
+// The threads that read the weights at load are checked before anything is pinned.
+TEST(CompressedOptionsTest, NoCopyThreadsIsRefusedUpFront) {
+  StackModel model;
+  std::unique_ptr<HostWeights> weights = *HostWeights::Capture(model);
+  std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
+  GroupOffloadOptions options = Streaming(CompressFormat::kInt4);
+  options.staging_threads = 0;
+  auto offloader = GroupOffloader::Apply("stack", model, *weights, *backend, options);
+  ASSERT_FALSE(offloader.ok());
+  EXPECT_EQ(offloader.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(offloader.status().message().find("staging_threads"), std::string::npos) << offloader.status();
+}
+
 // --- 8-bit checkpoints ----------------------------------------------------------------------------
 
 TEST_P(CompressedStreamingTest, CheckpointWrittenLoadedAndStreamedAsIs) {

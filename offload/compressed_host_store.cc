@@ -5,8 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <future>
-#include <system_error>
 #include <utility>
 #include <vector>
 
@@ -52,28 +50,6 @@ absl::StatusOr<QuantizedTensor> CheckPrequantized(const std::string& name, const
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-// A pinned buffer and the seconds its allocation took.
-struct TimedAllocation {
-  absl::StatusOr<at::Tensor> buffer;
-  double seconds = 0;
-};
-
-TimedAllocation AllocateTimed(DeviceBackend* backend, int64_t bytes) {
-  const auto start = std::chrono::steady_clock::now();
-  TimedAllocation allocated{backend->AllocatePinnedHost(bytes)};
-  allocated.seconds = SecondsSince(start);
-  return allocated;
-}
-
-// Starts allocating on a thread of its own; where no thread is to be had, get() allocates.
-std::future<TimedAllocation> AllocateAhead(DeviceBackend& backend, int64_t bytes) {
-  try {
-    return std::async(std::launch::async, AllocateTimed, &backend, bytes);
-  } catch (const std::system_error&) {
-    return std::async(std::launch::deferred, AllocateTimed, &backend, bytes);
-  }
 }
 
 // Zeroes the bytes of [0, size) outside `spans` ({offset, bytes}, disjoint): a packed group's
@@ -193,7 +169,7 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
   constexpr int64_t kTrimEvery = int64_t{64} << 20;
   int64_t temporaries = 0;  // Bytes of quantized copies freed since the last malloc_trim.
   std::future<TimedAllocation> next;
-  if (!packed_groups.empty()) next = AllocateAhead(backend, store->groups8_[packed_groups[0]].packed_bytes);
+  if (!packed_groups.empty()) next = AllocatePinnedAhead(backend, store->groups8_[packed_groups[0]].packed_bytes);
   for (size_t n = 0; n < packed_groups.size(); ++n) {
     const size_t gi = packed_groups[n];
     StoreGroup& g = store->groups_[gi];
@@ -201,7 +177,7 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
     TimedAllocation allocated = next.get();
     store->stats_.prepare_pin_alloc_s += allocated.seconds;
     if (n + 1 < packed_groups.size()) {
-      next = AllocateAhead(backend, store->groups8_[packed_groups[n + 1]].packed_bytes);
+      next = AllocatePinnedAhead(backend, store->groups8_[packed_groups[n + 1]].packed_bytes);
     }
     RETURN_IF_ERROR(allocated.buffer.status());
     g8.packed = *std::move(allocated.buffer);

@@ -1,8 +1,29 @@
 #include "offload/host_store.h"
 
+#include <chrono>
+#include <system_error>
+
 #include <ATen/Functions.h>
 
 namespace stowage {
+namespace {
+
+TimedAllocation AllocateTimed(DeviceBackend* backend, int64_t bytes) {
+  const auto start = std::chrono::steady_clock::now();
+  TimedAllocation allocated{backend->AllocatePinnedHost(bytes)};
+  allocated.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return allocated;
+}
+
+}  // namespace
+
+std::future<TimedAllocation> AllocatePinnedAhead(DeviceBackend& backend, int64_t bytes) {
+  try {
+    return std::async(std::launch::async, AllocateTimed, &backend, bytes);
+  } catch (const std::system_error&) {
+    return std::async(std::launch::deferred, AllocateTimed, &backend, bytes);
+  }
+}
 
 std::vector<StoreGroup> ResolveGroups(const std::vector<PlannedGroup>& planned, HostWeights& weights) {
   std::vector<StoreGroup> groups;

@@ -50,6 +50,7 @@
 #define STOWAGE_OFFLOAD_HOST_STORE_H_
 
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -108,9 +109,10 @@ struct HostStoreStats {
   // CompressedHostStore: weights quantized on the host at load because the device refused them
   // (out of memory under a budget); the rest were quantized on the device (or, CPU, on the host).
   int64_t host_quantized_fallbacks = 0;
-  // CompressedHostStore, at Create: seconds the pinned allocations took (on a thread of their own,
-  // one group ahead, so beside the quantizing) and seconds the building thread spent quantizing
-  // (reading the sources, and waiting for the device at the end).
+  // At Create: seconds the pinned allocations took (on a thread of their own, one group or chunk
+  // ahead, so beside the filling: CompressedHostStore and PinnedHostStore), and seconds the
+  // building thread spent quantizing (CompressedHostStore: reading the sources, and waiting for the
+  // device at the end).
   double prepare_pin_alloc_s = 0;
   double prepare_quantize_s = 0;
 };
@@ -185,6 +187,16 @@ std::vector<StoreGroup> ResolveGroups(const std::vector<PlannedGroup>& planned, 
 
 // Bytes of the host copies of the groups that are not resident.
 int64_t NonResidentTensorBytes(const std::vector<StoreGroup>& groups);
+
+// A pinned host buffer and the seconds its allocation took.
+struct TimedAllocation {
+  absl::StatusOr<at::Tensor> buffer;
+  double seconds = 0;
+};
+// backend.AllocatePinnedHost(bytes), started on a thread of its own so that a store fills one
+// buffer while the next is allocated (pinning goes page by page); where no thread is to be had,
+// get() allocates. The backend must outlive the future.
+std::future<TimedAllocation> AllocatePinnedAhead(DeviceBackend& backend, int64_t bytes);
 
 // Raw bytes of a contiguous CPU tensor, without ownership (the caller keeps `t` alive).
 at::Tensor BytesOf(const at::Tensor& t);

@@ -47,7 +47,8 @@ absl::StatusOr<std::unique_ptr<HostStore>> CreateHostStore(const HostStoreOption
   }
   switch (options.target) {
     case OffloadTarget::kPinnedHost:
-      return PinnedHostStore::Create(groups, weights, backend);
+      RETURN_IF_ERROR(ValidateHostStoreOptions(options));
+      return PinnedHostStore::Create(groups, weights, backend, options.staging_threads);
     case OffloadTarget::kDisk:
       return DiskHostStore::Create(options, groups, weights, backend);
     case OffloadTarget::kPageableHost: {

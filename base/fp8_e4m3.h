@@ -8,10 +8,13 @@
 // and its mantissa rounded from 23 bits to 3 (adding 0x7FFFF plus the lowest kept bit rounds half
 // to even; a carry moves into the exponent); below 2^-6 it is a multiple of the subnormal step
 // 2^-9, rounded by the FPU in adding 2^14, whose ulp is 2^-9 (the sum's low bits are the code,
-// 0..8; 8 is the smallest normal's pattern). Equal to the frexp/ldexp formulation it replaced for
-// all 2^32 inputs (checked once exhaustively; compressed_offload_test compares a sweep and the edge
-// cases), and 8x faster in a loop on the 2-core development machine (1.3 against 10-11 ns a value,
-// one thread, -O2).
+// 0..8; 8 is the smallest normal's pattern). Equal to EncodeE4M3Reference for all 2^32 inputs
+// (checked once exhaustively; compressed_offload_test compares a sweep and the edge cases); its
+// speed against it: bench/fp8_encode_bench.cc, bench/results/fp8_encode_cpu/.
+//
+// EncodeE4M3Reference(f): the same bits by the plain formulation (frexp / ldexp, rounding with the
+// FPU's nearest-even), the one the compressed formats used before; what tests and the benchmark hold
+// EncodeE4M3 to. Slow (branches, library calls): not for loops over weights.
 //
 // EncodeE4M3Floats(x, n, out): out[i] = EncodeE4M3(x[i]); EncodeE4M3Scaled(x, n, scale, out):
 // out[i] = EncodeE4M3(x[i] / scale) for bf16 inputs (their bits as uint16). In blocks of 16 that GCC
@@ -22,6 +25,7 @@
 #define STOWAGE_BASE_FP8_E4M3_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -55,6 +59,25 @@ inline uint8_t EncodeE4M3(float f) {
   uint32_t code = (subnormal & is_subnormal) | (normal & ~is_subnormal);
   code = (0x7Fu & is_nan) | (code & ~is_nan);
   return static_cast<uint8_t>(code | sign);
+}
+
+inline uint8_t EncodeE4M3Reference(float f) {
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
+  if (std::isnan(f)) return sign | 0x7F;
+  const float a = std::fabs(f);
+  if (a >= 448.0f) return sign | 0x7E;
+  int e = 0;
+  (void)std::frexp(a, &e);  // a = m · 2^e, m in [0.5, 1).
+  const int exponent = e - 1;
+  // Subnormal: k · 2^-9, k in 0..8 (8 is the pattern of the smallest normal, 2^-6).
+  if (a == 0.0f || exponent < -6) return sign | static_cast<uint8_t>(std::nearbyint(std::ldexp(a, 9)));
+  auto mantissa = static_cast<int>(std::nearbyint(std::ldexp(a, 3 - exponent)));  // In [8, 16].
+  int biased = exponent + 7;
+  if (mantissa == 16) {
+    mantissa = 8;
+    ++biased;
+  }
+  return sign | static_cast<uint8_t>((biased << 3) | (mantissa - 8));
 }
 
 inline void EncodeE4M3Floats(const float* __restrict x, int64_t n, uint8_t* __restrict out) {

@@ -41,13 +41,10 @@ StoreScratch PlanStoreScratch(const HostStoreOptions& options, HostWeights& weig
 absl::StatusOr<std::unique_ptr<HostStore>> CreateHostStore(const HostStoreOptions& options,
                                                            const std::vector<PlannedGroup>& groups,
                                                            HostWeights& weights, DeviceBackend& backend) {
-  if (options.compress != CompressFormat::kNone) {
-    RETURN_IF_ERROR(ValidateHostStoreOptions(options));
-    return CompressedHostStore::Create(options, groups, weights, backend);
-  }
+  RETURN_IF_ERROR(ValidateHostStoreOptions(options));
+  if (options.compress != CompressFormat::kNone) return CompressedHostStore::Create(options, groups, weights, backend);
   switch (options.target) {
     case OffloadTarget::kPinnedHost:
-      RETURN_IF_ERROR(ValidateHostStoreOptions(options));
       return PinnedHostStore::Create(groups, weights, backend, options.staging_threads);
     case OffloadTarget::kDisk:
       return DiskHostStore::Create(options, groups, weights, backend);

@@ -4,7 +4,6 @@
 #include <utility>
 
 #include <ATen/Functions.h>
-#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 
 #include "absl/strings/str_cat.h"
@@ -117,10 +116,7 @@ void LoadQuantizer::QuantizeOnDevice(const at::Tensor& w, CompressFormat format,
       std::max<int64_t>(1, std::min(chunk_elements_ / per_row, half_bytes_ / row_bytes));
   const at::Tensor src = w.contiguous();  // A view when it is already (the usual case).
   const auto* src_bytes = static_cast<const uint8_t*>(src.data_ptr());
-  const c10::Device device = backend_->torch_device();
-  // The device current while the chunks' work is issued (kernels launched without LibTorch's own
-  // guard, e.g. the fp8 encoder, go to this device's streams).
-  const c10::DeviceGuard guard(device);
+  const c10::Device device = backend_->torch_device();  // Its launches guard their own device.
   for (int64_t start = 0; start < rows; start += chunk_rows) {
     const int64_t n = std::min(chunk_rows, rows - start);
     const int half = next_half_;

@@ -7,7 +7,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "offload/memcpy_pool.h"
 #include "offload/safetensors.h"
@@ -17,9 +16,6 @@ namespace stowage {
 absl::StatusOr<std::unique_ptr<HostStore>> PinnedHostStore::Create(const std::vector<PlannedGroup>& groups,
                                                                    HostWeights& weights, DeviceBackend& backend,
                                                                    int copy_threads) {
-  if (copy_threads < 1) {
-    return absl::InvalidArgumentError(absl::StrCat("pinned store: copy_threads must be >= 1, not ", copy_threads));
-  }
   // Copying from a mapping of a file that changed on disk would pack zeros or new bytes.
   RETURN_IF_ERROR(weights.CheckSourceFiles());
   std::unique_ptr<PinnedHostStore> store(new PinnedHostStore(backend, ResolveGroups(groups, weights)));

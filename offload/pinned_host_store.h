@@ -24,10 +24,10 @@ namespace stowage {
 class PinnedHostStore final : public HostStore {
  public:
   // Fails when the backend cannot allocate pinned memory; host copies already moved stay valid.
-  // `copy_threads` (>= 1) copy the weights into the pinned chunks.
+  // `copy_threads` (>= 1; CreateHostStore checks) copy the weights into the pinned chunks.
   static absl::StatusOr<std::unique_ptr<HostStore>> Create(const std::vector<PlannedGroup>& groups,
                                                            HostWeights& weights, DeviceBackend& backend,
-                                                           int copy_threads = 1);
+                                                           int copy_threads);
 
   std::unique_ptr<DeviceEvent> CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) override;
   HostStoreStats stats() const override { return stats_; }

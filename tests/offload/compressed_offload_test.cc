@@ -17,6 +17,7 @@
 #include <torch/version.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/fp8_e4m3.h"
 #include "offload/compressed_safetensors.h"
 #include "offload/compression.h"
 #include "offload/device_backend.h"
@@ -72,28 +73,11 @@ TEST(Fp8E4M3Test, RoundsToNearestEvenAndSaturates) {
   for (size_t i = 0; i < want.size(); ++i) EXPECT_EQ(q[static_cast<int64_t>(i)].item<uint8_t>(), want[i]) << i;
 }
 
-// The e4m3 encoder's bit arithmetic against the plain formulation it replaced (frexp / ldexp,
-// round to nearest even, saturation at 448, NaN kept): a sweep over every 977th float bit pattern
+// The e4m3 encoder's bit arithmetic against the plain formulation it replaced
+// (EncodeE4M3Reference: frexp / ldexp, round to nearest even, saturation at 448, NaN kept): a
+// sweep over every 977th float bit pattern
 // (all signs, exponents, NaNs and infinities), every e4m3 value, every midpoint between two
 // neighbours and the floats either side of each. Equal everywhere (exhaustively, too, when it landed).
-uint8_t ReferenceE4M3(float f) {
-  const uint8_t sign = std::signbit(f) ? 0x80 : 0x00;
-  if (std::isnan(f)) return sign | 0x7F;
-  const float a = std::fabs(f);
-  if (a >= 448.0f) return sign | 0x7E;
-  int e = 0;
-  (void)std::frexp(a, &e);
-  const int exponent = e - 1;
-  if (a == 0.0f || exponent < -6) return sign | static_cast<uint8_t>(std::nearbyint(std::ldexp(a, 9)));
-  auto mantissa = static_cast<int>(std::nearbyint(std::ldexp(a, 3 - exponent)));
-  int biased = exponent + 7;
-  if (mantissa == 16) {
-    mantissa = 8;
-    ++biased;
-  }
-  return sign | static_cast<uint8_t>((biased << 3) | (mantissa - 8));
-}
-
 TEST(Fp8E4M3Test, TheBitArithmeticEncoderEqualsTheReferenceFormulation) {
   std::vector<float> values;
   for (uint64_t bits = 0; bits < (uint64_t{1} << 32); bits += 977) {
@@ -120,8 +104,8 @@ TEST(Fp8E4M3Test, TheBitArithmeticEncoderEqualsTheReferenceFormulation) {
   const auto* codes = got.data_ptr<uint8_t>();
   int64_t mismatches = 0;
   for (size_t i = 0; i < values.size(); ++i) {
-    if (codes[i] != ReferenceE4M3(values[i]) && ++mismatches <= 5) {
-      ADD_FAILURE() << "e4m3 of " << values[i] << ": " << int{codes[i]} << " vs " << int{ReferenceE4M3(values[i])};
+    if (codes[i] != EncodeE4M3Reference(values[i]) && ++mismatches <= 5) {
+      ADD_FAILURE() << "e4m3 of " << values[i] << ": " << int{codes[i]} << " vs " << int{EncodeE4M3Reference(values[i])};
     }
   }
   EXPECT_EQ(mismatches, 0) << "of " << values.size();
@@ -592,6 +576,23 @@ GroupOffloadOptions Streaming(CompressFormat format, int64_t budget = 0) {
   return o;
 }
 
+// The simulated device, or CUDA device 0 (null where this build or host has none).
+std::unique_ptr<DeviceBackend> SimulatedOrCuda(bool cuda) {
+  if (!cuda) return CreateSimulatedBackend({});
+  auto made = CreateCudaBackend(0);
+  return made.ok() ? *std::move(made) : nullptr;
+}
+
+// The test stack with bfloat16 weights, captured as host copies.
+struct Bf16Stack {
+  Bf16Stack() {
+    model.ForEachSlot([&](Module&, TensorSlot& slot) { slot.value = slot.value.to(at::kBFloat16); });
+    weights = *HostWeights::Capture(model);
+  }
+  StackModel model;
+  std::unique_ptr<HostWeights> weights;
+};
+
 // Bytes one copy of a tensor moves compressed: its q data and fp32 scales (aligned), or itself.
 int64_t CompressedBytes(const at::Tensor& t, CompressFormat format) {
   if (!IsCompressible(format, t.scalar_type(), t.sizes())) return static_cast<int64_t>(t.nbytes());
@@ -711,26 +712,18 @@ TEST_P(CompressedStreamingTest, WideningAGroupInSharedLaunchesStreamsTheSameForw
     SCOPED_TRACE(cuda ? "cuda" : "simulated");
     std::vector<at::Tensor> outs;
     for (const bool per_group : {false, true}) {
-      std::unique_ptr<DeviceBackend> backend;
-      if (cuda) {
-        auto made = CreateCudaBackend(0);
-        if (!made.ok()) break;  // No CUDA in this build or host.
-        backend = *std::move(made);
-      } else {
-        backend = CreateSimulatedBackend({});
-      }
-      StackModel model;
-      model.ForEachSlot([&](Module&, TensorSlot& slot) { slot.value = slot.value.to(at::kBFloat16); });
-      std::unique_ptr<HostWeights> weights = *HostWeights::Capture(model);
+      std::unique_ptr<DeviceBackend> backend = SimulatedOrCuda(cuda);
+      if (backend == nullptr) break;  // No CUDA in this build or host.
+      Bf16Stack stack;
       GroupOffloadOptions options = Streaming(format);
       options.use_stream = backend->supports_streams();
       options.widen_per_group = per_group;
-      auto applied = GroupOffloader::Apply("stack", model, *weights, *backend, options);
+      auto applied = GroupOffloader::Apply("stack", stack.model, *stack.weights, *backend, options);
       ASSERT_TRUE(applied.ok()) << applied.status();
       at::manual_seed(3);
       const at::Tensor input = at::randn({3, 5, 16}).to(at::kBFloat16).to(backend->torch_device());
       c10::InferenceMode guard;
-      outs.push_back(model.Forward(input).cpu());
+      outs.push_back(stack.model.Forward(input).cpu());
       backend->Synchronize();
     }
     if (outs.size() == 2) EXPECT_TRUE(at::equal(outs[0], outs[1]));
@@ -820,18 +813,11 @@ TEST_P(CompressedStreamingTest, TheSpareRoomCacheKeepsGroupsAsTheyCrossTheLinkWh
     SCOPED_TRACE(absl::StrCat(cuda ? "cuda, " : "simulated, ", stream ? "with a copy stream" : "without"));
     GroupOffloadOptions options = Streaming(format);
     options.use_stream = stream;
-    std::unique_ptr<DeviceBackend> backend;
-    if (cuda) {
-      auto made = CreateCudaBackend(0);
-      if (!made.ok()) continue;  // No CUDA in this build or host.
-      backend = *std::move(made);
-    } else {
-      backend = CreateSimulatedBackend({});
-    }
-    StackModel model;
-    model.ForEachSlot([&](Module&, TensorSlot& slot) { slot.value = slot.value.to(at::kBFloat16); });
-    std::unique_ptr<HostWeights> weights = *HostWeights::Capture(model);
-    auto applied = GroupOffloader::Apply("stack", model, *weights, *backend, options);
+    std::unique_ptr<DeviceBackend> backend = SimulatedOrCuda(cuda);
+    if (backend == nullptr) continue;  // No CUDA in this build or host.
+    Bf16Stack stack;
+    StackModel& model = stack.model;
+    auto applied = GroupOffloader::Apply("stack", model, *stack.weights, *backend, options);
     ASSERT_TRUE(applied.ok()) << applied.status();
     GroupOffloader& offloader = **applied;
     const GroupOffloadStats planned = offloader.stats();

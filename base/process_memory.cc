@@ -30,6 +30,21 @@ absl::StatusOr<ProcessMemory> ReadProcessMemory() {
   return memory;
 }
 
+std::string ParseTransparentHugePageMode(absl::string_view enabled_file) {
+  const size_t open = enabled_file.find('[');
+  if (open == absl::string_view::npos) return "";
+  const size_t close = enabled_file.find(']', open);
+  if (close == absl::string_view::npos) return "";
+  return std::string(enabled_file.substr(open + 1, close - open - 1));
+}
+
+std::string TransparentHugePageMode() {
+  std::ifstream file("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string contents;
+  if (!file || !std::getline(file, contents)) return "";
+  return ParseTransparentHugePageMode(contents);
+}
+
 absl::Status ResetPeakRss() {
   std::ofstream clear("/proc/self/clear_refs");
   if (!clear) return absl::UnavailableError("cannot open /proc/self/clear_refs");

@@ -9,9 +9,11 @@
 #define STOWAGE_BASE_PROCESS_MEMORY_H_
 
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace stowage {
 
@@ -23,6 +25,12 @@ struct ProcessMemory {
 absl::StatusOr<ProcessMemory> ReadProcessMemory();
 // Resets VmHWM to the current RSS. Fails where /proc/self/clear_refs is not writable.
 absl::Status ResetPeakRss();
+
+// Transparent huge pages: the mode the kernel runs them in, from
+// /sys/kernel/mm/transparent_hugepage/enabled ("always [madvise] never": the bracketed word).
+// "always", "madvise" or "never"; "" where the file is missing or holds no bracketed mode.
+std::string TransparentHugePageMode();
+std::string ParseTransparentHugePageMode(absl::string_view enabled_file);
 
 }  // namespace stowage
 

@@ -71,7 +71,7 @@ ABSL_FLAG(std::string, backend, "auto", "cuda, sim, or auto (CUDA when present)"
 ABSL_FLAG(std::string, rows,
           "resident,block_pinned,leaf_pinned,block_lowram,leaf_lowram,block_disk,budget25,budget50,budget75",
           "Comma-separated rows to run (also: block_int8, block_fp8, block_int8grouped, block_int4, "
-          "memcpy_probe, pin_probe; a compressed row with \"_wg\" in its name widens a group's weights in shared "
+          "memcpy_probe, pin_probe, widen_probe; a compressed row with \"_wg\" in its name widens a group's weights in shared "
           "launches, one ending in _d<N> prefetches N groups)");
 ABSL_FLAG(int, warmup, 2, "Untimed forwards per row (the first records the order)");
 ABSL_FLAG(int, iters, 5, "Timed forwards per row (median reported)");
@@ -84,9 +84,10 @@ ABSL_FLAG(int, prefetch_depth, 1, "Prefetch depth of the streamed rows (a row's 
 ABSL_FLAG(double, resident_step_s, 0,
           "Resident step time measured by an earlier process (rows run one process each)");
 ABSL_FLAG(int, staging_threads, 8, "Threads copying into the staging buffers");
-ABSL_FLAG(bool, pinned_huge_pages, false,
+ABSL_FLAG(bool, pinned_huge_pages, true,
           "CUDA: pinned host buffers from huge-page memory registered in place instead of cudaHostAlloc "
-          "(CudaBackendOptions::pinned_huge_pages)");
+          "where the kernel runs transparent huge pages (CudaBackendOptions::pinned_huge_pages; a row's "
+          "pinned_huge_pages says whether it did); false: cudaHostAlloc");
 ABSL_FLAG(std::string, model_dir, "",
           "Diffusers-format Z-Image or Flux directory: benchmark its real transformer (transformer/ "
           "folder) instead of the synthetic stack");
@@ -228,6 +229,59 @@ double MeasureMemcpy(DeviceBackend& backend, int threads, int64_t total) {
     runs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   return static_cast<double>(total) / Median(runs);
+}
+
+// The widening kernels alone, nothing beside them on the device: for a format and an output dtype,
+// `weights` weights of [rows, k] quantized on the device, then widened `passes` times one launch
+// each (WidenInto, as the store does by default) or in shared launches (WidenAllInto,
+// widen_per_group). The rate counts the bytes a pass reads (codes and scales) and writes (the
+// widened weights): against the device's memory bandwidth it says whether the kernel or its
+// contention with the compute is what a streamed step pays for widening.
+struct WidenRate {
+  double seconds_per_pass = 0;
+  int64_t bytes_per_pass = 0;
+};
+WidenRate MeasureWidening(DeviceBackend& backend, CompressFormat format, at::ScalarType out_dtype,
+                           bool shared, int weights, int64_t rows, int64_t k) {
+  c10::InferenceMode inference;
+  const at::TensorOptions on_device = at::TensorOptions().device(backend.torch_device());
+  std::vector<QuantizedTensor> quantized;
+  std::vector<WidenTarget> targets;
+  int64_t bytes = 0;
+  for (int i = 0; i < weights; ++i) {
+    const at::Tensor w = at::randn({rows, k}, on_device.dtype(at::kFloat)).to(at::kBFloat16);
+    quantized.push_back(Quantize(w, format));
+    WidenTarget target;
+    target.q = quantized.back().q.contiguous();
+    target.scale = quantized.back().scale.contiguous();
+    target.out = at::empty({rows, k}, on_device.dtype(out_dtype));
+    bytes += static_cast<int64_t>(target.q.nbytes() + target.scale.nbytes() + target.out.nbytes());
+    targets.push_back(std::move(target));
+  }
+  // Off CUDA the widening needs int4's nibble buffer and the scale codes' table.
+  WidenScratch scratch;
+  if (format == CompressFormat::kInt4 && !backend.torch_device().is_cuda()) {
+    scratch.nibbles = at::empty({AlignScratch(rows * k / 2)}, on_device.dtype(at::kByte));
+    scratch.table_f32 = Fp8E4M3Table(at::kFloat).to(backend.torch_device());
+  }
+  const auto pass = [&] {
+    if (shared) {
+      WidenAllInto(targets, format, scratch);
+    } else {
+      for (const WidenTarget& t : targets) WidenInto(t.out, t.q, t.scale, format, scratch);
+    }
+  };
+  pass();
+  pass();
+  backend.Synchronize();
+  constexpr int kPasses = 10;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < kPasses; ++i) pass();
+  backend.Synchronize();
+  WidenRate rate;
+  rate.seconds_per_pass = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / kPasses;
+  rate.bytes_per_pass = bytes;
+  return rate;
 }
 
 // Ways of getting `total` bytes of page-locked host memory, each timed (median of 3, bytes a second):
@@ -577,9 +631,12 @@ int Main() {
   const Shape shape = ShapeFor(absl::GetFlag(FLAGS_config));
   std::unique_ptr<DeviceBackend> backend;
   const std::string kind = absl::GetFlag(FLAGS_backend);
+  const std::string thp_mode = TransparentHugePageMode();
+  bool huge_pinned = false;  // The CUDA backend's pinned buffers are huge-page memory (as it decides).
   if (kind == "cuda" || (kind == "auto" && CudaAvailable())) {
     CudaBackendOptions cuda_options;
     cuda_options.pinned_huge_pages = absl::GetFlag(FLAGS_pinned_huge_pages);
+    huge_pinned = cuda_options.pinned_huge_pages && (thp_mode == "always" || thp_mode == "madvise");
     auto cuda = CreateCudaBackend(0, cuda_options);
     if (!cuda.ok()) {
       std::cerr << cuda.status() << "\n";
@@ -648,6 +705,45 @@ int Main() {
       }
       continue;
     }
+    if (row == "widen_probe") {
+      // Z-Image's FFN shape on the full config (8 weights of [10240, 3840], 315 M values), a small
+      // one otherwise; FP8 outputs where LibTorch has float8 and the device is CUDA (FP8 compute).
+      const int64_t rows = small ? 512 : 10240, k = small ? 384 : 3840;
+      std::vector<std::pair<std::string, at::ScalarType>> outs = {{"bf16", at::kBFloat16}};
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+      if (backend->torch_device().is_cuda()) outs.emplace_back("fp8_e4m3", at::kFloat8_e4m3fn);
+#endif
+      for (const CompressFormat format : {CompressFormat::kInt8Grouped, CompressFormat::kInt4}) {
+        for (const auto& [out_name, out_dtype] : outs) {
+          for (const bool shared : {false, true}) {
+            absl::StatusOr<WidenRate> rate;
+            try {
+              rate = MeasureWidening(*backend, format, out_dtype, shared, 8, rows, k);
+            } catch (const c10::Error& e) {
+              rate = absl::InternalError(e.what_without_backtrace());
+            }
+            if (!rate.ok()) {
+              std::printf("widen_probe %s -> %s failed: %s\n", CompressFormatName(format), out_name.c_str(),
+                          std::string(rate.status().message()).c_str());
+              continue;
+            }
+            const double bytes_per_s = rate->bytes_per_pass / rate->seconds_per_pass;
+            std::printf("widening %s -> %s, %s: %.3f ms a pass of %.1f MB, %.1f GB/s\n", CompressFormatName(format),
+                        out_name.c_str(), shared ? "shared launches" : "one launch a weight",
+                        rate->seconds_per_pass * 1e3, rate->bytes_per_pass / 1e6, bytes_per_s / 1e9);
+            if (out.is_open()) {
+              out << absl::StrFormat(
+                  "{\"row\": \"widen_probe\", \"format\": \"%s\", \"out\": \"%s\", \"shared_launches\": %s, "
+                  "\"weights\": 8, \"rows\": %d, \"k\": %d, \"seconds_per_pass\": %.6f, \"bytes_per_pass\": %d, "
+                  "\"bytes_per_s\": %.0f, \"device\": \"%s\", \"machine\": \"%s\"}\n",
+                  CompressFormatName(format), out_name, shared ? "true" : "false", rows, k, rate->seconds_per_pass,
+                  rate->bytes_per_pass, bytes_per_s, backend->name(), absl::GetFlag(FLAGS_machine));
+            }
+          }
+        }
+      }
+      continue;
+    }
     if (row == "memcpy_probe") {
       for (int threads : {1, 4, 8, 16}) {
         const double rate = MeasureMemcpy(*backend, threads, small ? (int64_t{256} << 20) : (int64_t{2} << 30));
@@ -696,7 +792,8 @@ int Main() {
           "\"floor_8bit_s\": %.6f, \"rel_l2\": %.6f, \"prepare_s\": %.3f, \"batch\": %d, \"lora_adapters\": %d, "
           "\"lora_rank\": %d, \"base_rss_bytes\": %d, \"base_rss_warm_bytes\": %d, \"base_rss_after_bytes\": %d, "
           "\"compute_priority\": \"%s\", \"page_cache_read_s\": %.6f, \"prepare_fp8_s\": %.3f, "
-          "\"prepare_pin_alloc_s\": %.3f, \"prepare_quantize_s\": %.3f, \"pinned_huge_pages\": %s}\n",
+          "\"prepare_pin_alloc_s\": %.3f, \"prepare_quantize_s\": %.3f, \"pinned_huge_pages\": %s, "
+          "\"thp_mode\": \"%s\"}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -708,7 +805,7 @@ int Main() {
           absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_lora_adapters), absl::GetFlag(FLAGS_lora_rank), base_rss,
           base_rss_warm, base_rss_after, priority, page_cache_read_s, result->prepare_fp8_s,
           result->prepare_pin_alloc_s, result->prepare_quantize_s,
-          absl::GetFlag(FLAGS_pinned_huge_pages) ? "true" : "false");
+          huge_pinned ? "true" : "false", thp_mode);
       out.flush();
     }
   }

@@ -117,3 +117,20 @@ for key in ("pinned_alloc_bytes_per_s", "register_4k_bytes_per_s", "register_hug
     assert rows[0][key] > 0, (key, rows[0])
 print("ok: pin probe")
 PY
+
+# The widening probe: each streamed format widened alone, one launch a weight and shared launches;
+# the bytes a pass moves are the codes, scales and widened weights of 8 weights of [512, 384].
+bench/offload_bench --config=small --backend=sim --rows=widen_probe --out="$TEST_TMPDIR/widen.jsonl" --machine=ci >/dev/null
+/usr/bin/python3 - "$TEST_TMPDIR/widen.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+seen = {(r["format"], r["out"], r["shared_launches"]) for r in rows}
+assert seen == {(f, "bf16", s) for f in ("int8_grouped", "int4") for s in (False, True)}, seen
+values = 8 * 512 * 384
+for r in rows:
+    codes = values if r["format"] == "int8_grouped" else values // 2
+    scales = values // 128 * 4 if r["format"] == "int8_grouped" else 8 * 512 * 4 + values // 16
+    assert r["bytes_per_pass"] == codes + scales + 2 * values, r
+    assert r["seconds_per_pass"] > 0 and r["bytes_per_s"] > 0, r
+print("ok: widen probe")
+PY

@@ -18,8 +18,10 @@
 #             (bf16 streamed) and each compressed row ($COMPRESSED_ROWS): compressed.jsonl (commit
 #             added to every row), compressed.log; COMPRESSED_PROFILE=1: profile_compressed.txt;
 #             COMPRESSED_ARGS: more offload_bench flags for every row (e.g. --compute_priority=high);
-#             COMPRESSED_HUGE_ROWS: rows run again with --pinned_huge_pages; probes.jsonl: pin_probe and
-#             memcpy_probe (what page-locking and copying host memory cost here)
+#             COMPRESSED_4K_ROWS: rows run again with --pinned_huge_pages=false (cudaHostAlloc's 4 KiB
+#             pages instead of huge-page memory registered in place); probes.jsonl: pin_probe,
+#             memcpy_probe and widen_probe (what page-locking and copying host memory cost here, and the
+#             widening kernels' rate alone)
 #   lora      a batch of 8 on the full-size synthetic stack with 0, 1 and 8 different LoRA adapters
 #             (offload_bench --batch --lora_adapters): lora.jsonl, lora.log
 #   multi     four pipelines under one 24 GiB budget on a seeded Poisson/Zipf trace
@@ -99,17 +101,19 @@ if [[ $parts == *" compressed "* ]]; then
       >>"$OUT/compressed.log" 2>&1
     stamp "compressed $row exit $?"
   done
-  # COMPRESSED_HUGE_ROWS: those rows again with pinned buffers from huge-page memory registered in
-  # place (offload_bench --pinned_huge_pages; the summary marks them "+huge").
-  for row in ${COMPRESSED_HUGE_ROWS:-}; do
+  # COMPRESSED_4K_ROWS: those rows again with pinned buffers from cudaHostAlloc (4 KiB pages) instead
+  # of huge-page memory registered in place (offload_bench --pinned_huge_pages=false; rows whose
+  # pinned_huge_pages is false are marked "+4k" in the summary).
+  for row in ${COMPRESSED_4K_ROWS:-}; do
     timeout 240 "$build/bench/offload_bench" --config=full --rows="$row" --warmup=2 --iters=5 --reference="$ref" \
-      --resident_step_s="$resident" --out="$raw" --machine="$machine" --pinned_huge_pages ${COMPRESSED_ARGS:-} \
+      --resident_step_s="$resident" --out="$raw" --machine="$machine" --pinned_huge_pages=false ${COMPRESSED_ARGS:-} \
       >>"$OUT/compressed.log" 2>&1
-    stamp "compressed $row (huge pages) exit $?"
+    stamp "compressed $row (4 KiB pages) exit $?"
   done
   # What preparing a copy costs on this host, apart: page-locking memory three ways (pinned
-  # allocation, written-and-registered 4 KiB pages, huge pages) and multi-threaded memcpy.
-  timeout 120 "$build/bench/offload_bench" --config=full --rows=pin_probe,memcpy_probe --out="$OUT/probes.jsonl" \
+  # allocation, written-and-registered 4 KiB pages, huge pages) and multi-threaded memcpy; and the
+  # widening kernels alone, against which a streamed step's widening cost is read.
+  timeout 120 "$build/bench/offload_bench" --config=full --rows=pin_probe,memcpy_probe,widen_probe --out="$OUT/probes.jsonl" \
     --machine="$machine" >>"$OUT/compressed.log" 2>&1
   stamp "compressed probes exit $?"
   for row in resident ${COMPRESSED_ROWS:-block_pinned block_int8 block_fp8 block_int8grouped block_int4}; do
@@ -128,7 +132,7 @@ PY
 import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
-    name = r['row'] + ("+huge" if r.get("pinned_huge_pages") else "")
+    name = r['row'] + ("+4k" if r.get("pinned_huge_pages") is False and r.get("device", "").startswith("cuda") else "")
     print(f"{name:18s} step {r['step_s']:.4f} s  resident {r.get('resident_step_s', 0):.4f} s  floor {r['floor_s']:.4f} s"
           f"  floor_compressed {r.get('floor_8bit_s', 0):.4f} s  rel_l2 {r.get('rel_l2', 0):.4f}  rss {r['peak_rss_bytes'] / 2**30:.2f} GiB  prepare {r.get('prepare_s', 0):.1f} s (pin {r.get('prepare_pin_alloc_s', 0):.1f}, quantize {r.get('prepare_quantize_s', 0):.1f})"
           f"  weights {r['weight_bytes'] / 2**30:.2f} GiB  base {r.get('base_rss_bytes', 0) / 2**30:.2f}"

@@ -198,15 +198,19 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
           ASSIGN_OR_RETURN(const QuantizedTensor q, CheckPrequantized(name, given->second, host, format));
           std::memcpy(base + t8.q_offset, q.q.data_ptr(), q.q.nbytes());
           std::memcpy(base + t8.scale_offset, q.scale.data_ptr(), q.scale.nbytes());
+          temporaries += t8.layout.q_bytes + t8.layout.scale_bytes();
         } else {
           if (quantizer == nullptr) {
             ASSIGN_OR_RETURN(quantizer, LoadQuantizer::Create(backend, fixed.max_numel, options.staging_threads));
           }
           // On the GPU when there is one, straight into the pinned group; in flight until Finish().
           const auto start = std::chrono::steady_clock::now();
-          quantizer->QuantizeInto(host, format, g8.packed.narrow(0, t8.q_offset, t8.layout.q_bytes),
-                                  g8.packed.narrow(0, t8.scale_offset, t8.layout.scale_bytes()));
+          const bool on_host =
+              quantizer->QuantizeInto(host, format, g8.packed.narrow(0, t8.q_offset, t8.layout.q_bytes),
+                                      g8.packed.narrow(0, t8.scale_offset, t8.layout.scale_bytes()));
           store->stats_.prepare_quantize_s += SecondsSince(start);
+          // Only the host path leaves heap temporaries to trim (malloc_trim walks the whole heap).
+          if (on_host) temporaries += t8.layout.q_bytes + t8.layout.scale_bytes();
         }
       } else {
         written.emplace_back(t8.host_offset, t8.bytes);
@@ -215,7 +219,6 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
       // The source has been read (the quantizer's writes may still be in flight, its reads are not).
       store->stats_.mapped_bytes_released +=
           ReleaseMappedPages(host.data_ptr(), static_cast<int64_t>(host.nbytes()));
-      temporaries += t8.compressed ? t8.layout.q_bytes + t8.layout.scale_bytes() : 0;
     }
     ZeroGaps(base, g8.packed_bytes, std::move(written));  // Padding: deterministic bytes on the device.
     if (temporaries >= kTrimEvery) {  // Give the quantization temporaries' heap pages back as they go.

@@ -72,7 +72,7 @@ void LoadQuantizer::Finish() {
   if (staging_.defined()) backend_->Synchronize();
 }
 
-void LoadQuantizer::QuantizeInto(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out,
+bool LoadQuantizer::QuantizeInto(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out,
                                  const at::Tensor& scale_out) {
   const QuantLayout layout = LayoutOf(format, w.sizes());
   TORCH_CHECK(q_out.numel() == layout.q_bytes && scale_out.numel() == layout.scale_bytes() &&
@@ -83,16 +83,18 @@ void LoadQuantizer::QuantizeInto(const at::Tensor& w, CompressFormat format, con
   // The device path needs a staging half to hold at least one row.
   if (!staging_.defined() || per_row * static_cast<int64_t>(w.element_size()) > half_bytes_) {
     QuantizeOnHost(w, format, q_out, scale_out);
-    return;
+    return true;
   }
   try {
     QuantizeOnDevice(w, format, q_out, scale_out);
+    return false;
   } catch (const c10::OutOfMemoryError&) {
     // The device refused (out of memory under a budget). Whatever it had queued for this tensor
     // must land before the host writes the same bytes. Any other error is a bug and propagates.
     backend_->Synchronize();
     ++host_fallbacks_;
     QuantizeOnHost(w, format, q_out, scale_out);
+    return true;
   }
 }
 

@@ -55,8 +55,9 @@ class LoadQuantizer {
   // Quantizes `w` (host, contiguous or not, IsCompressible(format, ...), numel <= max_numel) into
   // `q_out` and `scale_out`: uint8 host tensors of LayoutOf(format, w.sizes()).q_bytes and
   // .scale_bytes(), laid out as Quantize()'s q and scale. The writes may still be in flight when it
-  // returns (Finish waits for them); `w` has been read.
-  void QuantizeInto(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out, const at::Tensor& scale_out);
+  // returns (Finish waits for them); `w` has been read. True when it ran on the host (its
+  // temporaries then came from the host heap; the device path allocates none there).
+  bool QuantizeInto(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out, const at::Tensor& scale_out);
 
   // Waits until every destination holds its bytes.
   void Finish();

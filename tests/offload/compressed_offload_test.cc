@@ -280,8 +280,13 @@ TEST_P(FormatTest, TheLoadQuantizerWritesTheWholeTensorsLayoutChunkByChunk) {
         // The destinations lie inside larger buffers whose other bytes must stay as they were.
         const at::Tensor q_buffer = at::full({layout.q_bytes + 64}, 0xA5, at::TensorOptions().dtype(at::kByte));
         const at::Tensor s_buffer = at::full({layout.scale_bytes() + 64}, 0x5A, at::TensorOptions().dtype(at::kByte));
-        (*quantizer)->QuantizeInto(w, format, q_buffer.narrow(0, 32, layout.q_bytes),
-                                   s_buffer.narrow(0, 32, layout.scale_bytes()));
+        // The staged path is the device path taken on the CPU: it says it did not run on the host,
+        // unless a row outgrows a staging half (bf16 rows of one chunk, 256-byte aligned).
+        const int64_t row_bytes = 2 * (w.numel() / w.size(0));
+        const bool row_fits = row_bytes <= AlignScratch(std::min(w.numel(), chunk) * 2);
+        EXPECT_EQ((*quantizer)->QuantizeInto(w, format, q_buffer.narrow(0, 32, layout.q_bytes),
+                                             s_buffer.narrow(0, 32, layout.scale_bytes())),
+                  !(staged && row_fits));
         (*quantizer)->Finish();
         EXPECT_EQ((*quantizer)->host_fallbacks(), 0);
         for (const at::Tensor& buffer : {q_buffer, s_buffer}) {
@@ -419,7 +424,7 @@ TEST_P(FormatTest, QuantizingOnCudaMatchesTheHost) {
     auto q_pinned = backend.AllocatePinnedHost(layout.q_bytes);
     auto s_pinned = backend.AllocatePinnedHost(layout.scale_bytes());
     ASSERT_TRUE(q_pinned.ok() && s_pinned.ok());
-    (*quantizer)->QuantizeInto(w, format, *q_pinned, *s_pinned);
+    EXPECT_FALSE((*quantizer)->QuantizeInto(w, format, *q_pinned, *s_pinned));  // On the device.
     (*quantizer)->Finish();
     EXPECT_EQ((*quantizer)->host_fallbacks(), 0);
     const at::Tensor want_q = at::from_blob(host.q.data_ptr(), {layout.q_bytes}, q_pinned->options());
@@ -448,7 +453,7 @@ TEST_P(FormatTest, QuantizingOnCudaMatchesTheHost) {
     ASSERT_TRUE(quantizer.ok()) << quantizer.status();
     const at::Tensor q = at::empty({layout.q_bytes}, at::TensorOptions().dtype(at::kByte));
     const at::Tensor scale = at::empty({layout.scale_bytes()}, at::TensorOptions().dtype(at::kByte));
-    (*quantizer)->QuantizeInto(w, format, q, scale);
+    EXPECT_TRUE((*quantizer)->QuantizeInto(w, format, q, scale));  // The fallback ran on the host.
     (*quantizer)->Finish();
     ASSERT_TRUE(backend.SetMemoryBudget(0).ok());
     EXPECT_EQ((*quantizer)->host_fallbacks(), 1);

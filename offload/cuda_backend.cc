@@ -267,6 +267,11 @@ class CudaBackend : public DeviceBackend {
     if (end > aligned + length) ::munmap(reinterpret_cast<void*>(aligned + length), end - (aligned + length));
     void* ptr = reinterpret_cast<void*>(aligned);
     (void)::madvise(ptr, length, MADV_HUGEPAGE);
+    // Fault the pages in here, before registering: the driver page-locks under locks that other
+    // CUDA calls of the process wait on (a compressed store pins the next group on its own thread
+    // while the quantizer launches and copies), so the registration should only lock what is there.
+    auto* bytes_ptr = static_cast<volatile uint8_t*>(ptr);
+    for (size_t offset = 0; offset < length; offset += page) bytes_ptr[offset] = 0;
     if (absl::Status registered = CudaStatus(cudaHostRegister(ptr, length, cudaHostRegisterPortable),
                                              absl::StrCat("cudaHostRegister of ", length, " bytes"));
         !registered.ok()) {

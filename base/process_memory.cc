@@ -45,6 +45,11 @@ std::string TransparentHugePageMode() {
   return ParseTransparentHugePageMode(contents);
 }
 
+bool TransparentHugePagesOn() {
+  const std::string mode = TransparentHugePageMode();
+  return mode == "always" || mode == "madvise";
+}
+
 absl::Status ResetPeakRss() {
   std::ofstream clear("/proc/self/clear_refs");
   if (!clear) return absl::UnavailableError("cannot open /proc/self/clear_refs");

@@ -31,6 +31,8 @@ absl::Status ResetPeakRss();
 // "always", "madvise" or "never"; "" where the file is missing or holds no bracketed mode.
 std::string TransparentHugePageMode();
 std::string ParseTransparentHugePageMode(absl::string_view enabled_file);
+// True where a region advised MADV_HUGEPAGE gets huge pages: the mode is "always" or "madvise".
+bool TransparentHugePagesOn();
 
 }  // namespace stowage
 

@@ -636,7 +636,7 @@ int Main() {
   if (kind == "cuda" || (kind == "auto" && CudaAvailable())) {
     CudaBackendOptions cuda_options;
     cuda_options.pinned_huge_pages = absl::GetFlag(FLAGS_pinned_huge_pages);
-    huge_pinned = cuda_options.pinned_huge_pages && (thp_mode == "always" || thp_mode == "madvise");
+    huge_pinned = cuda_options.pinned_huge_pages && TransparentHugePagesOn();
     auto cuda = CreateCudaBackend(0, cuda_options);
     if (!cuda.ok()) {
       std::cerr << cuda.status() << "\n";
@@ -709,6 +709,7 @@ int Main() {
       // Z-Image's FFN shape on the full config (8 weights of [10240, 3840], 315 M values), a small
       // one otherwise; FP8 outputs where LibTorch has float8 and the device is CUDA (FP8 compute).
       const int64_t rows = small ? 512 : 10240, k = small ? 384 : 3840;
+      constexpr int kWeights = 8;
       std::vector<std::pair<std::string, at::ScalarType>> outs = {{"bf16", at::kBFloat16}};
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
       if (backend->torch_device().is_cuda()) outs.emplace_back("fp8_e4m3", at::kFloat8_e4m3fn);
@@ -718,7 +719,7 @@ int Main() {
           for (const bool shared : {false, true}) {
             absl::StatusOr<WidenRate> rate;
             try {
-              rate = MeasureWidening(*backend, format, out_dtype, shared, 8, rows, k);
+              rate = MeasureWidening(*backend, format, out_dtype, shared, kWeights, rows, k);
             } catch (const c10::Error& e) {
               rate = absl::InternalError(e.what_without_backtrace());
             }
@@ -734,9 +735,10 @@ int Main() {
             if (out.is_open()) {
               out << absl::StrFormat(
                   "{\"row\": \"widen_probe\", \"format\": \"%s\", \"out\": \"%s\", \"shared_launches\": %s, "
-                  "\"weights\": 8, \"rows\": %d, \"k\": %d, \"seconds_per_pass\": %.6f, \"bytes_per_pass\": %d, "
+                  "\"weights\": %d, \"rows\": %d, \"k\": %d, \"seconds_per_pass\": %.6f, \"bytes_per_pass\": %d, "
                   "\"bytes_per_s\": %.0f, \"device\": \"%s\", \"machine\": \"%s\"}\n",
-                  CompressFormatName(format), out_name, shared ? "true" : "false", rows, k, rate->seconds_per_pass,
+                  CompressFormatName(format), out_name, shared ? "true" : "false", kWeights, rows, k,
+                  rate->seconds_per_pass,
                   rate->bytes_per_pass, bytes_per_s, backend->name(), absl::GetFlag(FLAGS_machine));
             }
           }

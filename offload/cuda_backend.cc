@@ -123,11 +123,6 @@ class CudaEvent : public DeviceEvent {
   void Wait() override { event.synchronize(); }
 };
 
-bool TransparentHugePagesOn() {
-  const std::string mode = TransparentHugePageMode();
-  return mode == "always" || mode == "madvise";
-}
-
 class CudaBackend : public DeviceBackend {
  public:
   CudaBackend(int index, const CudaBackendOptions& options)

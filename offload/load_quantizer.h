@@ -62,6 +62,10 @@ class LoadQuantizer {
   // Waits until every destination holds its bytes.
   void Finish();
 
+  // Bytes of one staging half (0: no device path): a tensor whose row outgrows it is quantized on
+  // the host.
+  int64_t staging_half_bytes() const { return staging_.defined() ? half_bytes_ : 0; }
+
   // Tensors quantized on the host because the device refused them (out of memory).
   int64_t host_fallbacks() const { return host_fallbacks_; }
 

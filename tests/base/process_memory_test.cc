@@ -36,11 +36,13 @@ TEST(ProcessMemoryTest, HugePageModeMatchesTheKernelsFile) {
   std::string contents;
   if (!file || !std::getline(file, contents)) {
     EXPECT_EQ(TransparentHugePageMode(), "");
+    EXPECT_FALSE(TransparentHugePagesOn());
     return;
   }
   const std::string mode = TransparentHugePageMode();
   EXPECT_EQ(mode, ParseTransparentHugePageMode(contents));
   EXPECT_TRUE(mode == "always" || mode == "madvise" || mode == "never") << contents;
+  EXPECT_EQ(TransparentHugePagesOn(), mode != "never") << contents;
 }
 
 }  // namespace

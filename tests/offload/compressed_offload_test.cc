@@ -281,9 +281,10 @@ TEST_P(FormatTest, TheLoadQuantizerWritesTheWholeTensorsLayoutChunkByChunk) {
         const at::Tensor q_buffer = at::full({layout.q_bytes + 64}, 0xA5, at::TensorOptions().dtype(at::kByte));
         const at::Tensor s_buffer = at::full({layout.scale_bytes() + 64}, 0x5A, at::TensorOptions().dtype(at::kByte));
         // The staged path is the device path taken on the CPU: it says it did not run on the host,
-        // unless a row outgrows a staging half (bf16 rows of one chunk, 256-byte aligned).
+        // unless a row outgrows a staging half.
         const int64_t row_bytes = 2 * (w.numel() / w.size(0));
-        const bool row_fits = row_bytes <= AlignScratch(std::min(w.numel(), chunk) * 2);
+        const bool row_fits = row_bytes <= (*quantizer)->staging_half_bytes();
+        EXPECT_EQ((*quantizer)->staging_half_bytes() > 0, staged);
         EXPECT_EQ((*quantizer)->QuantizeInto(w, format, q_buffer.narrow(0, 32, layout.q_bytes),
                                              s_buffer.narrow(0, 32, layout.scale_bytes())),
                   !(staged && row_fits));

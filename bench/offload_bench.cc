@@ -88,6 +88,9 @@ ABSL_FLAG(bool, pinned_huge_pages, true,
           "CUDA: pinned host buffers from huge-page memory registered in place instead of cudaHostAlloc "
           "where the kernel runs transparent huge pages (CudaBackendOptions::pinned_huge_pages; a row's "
           "pinned_huge_pages says whether it did); false: cudaHostAlloc");
+ABSL_FLAG(std::string, widen_layout, "coalesced",
+          "CUDA widening kernels' thread layout: coalesced (the default) or strided (the earlier one); rows "
+          "carry widen_layout, and widen_probe times both whatever this says");
 ABSL_FLAG(std::string, model_dir, "",
           "Diffusers-format Z-Image or Flux directory: benchmark its real transformer (transformer/ "
           "folder) instead of the synthetic stack");
@@ -282,6 +285,30 @@ WidenRate MeasureWidening(DeviceBackend& backend, CompressFormat format, at::Sca
   rate.seconds_per_pass = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / kPasses;
   rate.bytes_per_pass = bytes;
   return rate;
+}
+
+// Bytes a second (read plus written) of device-to-device copies of `weights` [rows, k] tensors of
+// `dtype`: what the device's memory gives a plain copy, the ceiling a widening pass is judged by.
+double MeasureDeviceCopy(DeviceBackend& backend, at::ScalarType dtype, int weights, int64_t rows, int64_t k) {
+  c10::InferenceMode inference;
+  const at::TensorOptions on_device = at::TensorOptions().device(backend.torch_device()).dtype(at::kByte);
+  const int64_t bytes_each = rows * k * static_cast<int64_t>(c10::elementSize(dtype));
+  std::vector<at::Tensor> src, dst;
+  for (int i = 0; i < weights; ++i) {
+    src.push_back(at::zeros({bytes_each}, on_device));
+    dst.push_back(at::empty({bytes_each}, on_device));
+  }
+  const auto pass = [&] {
+    for (int i = 0; i < weights; ++i) dst[i].copy_(src[i]);
+  };
+  pass();
+  backend.Synchronize();
+  constexpr int kPasses = 10;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < kPasses; ++i) pass();
+  backend.Synchronize();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / kPasses;
+  return 2.0 * static_cast<double>(bytes_each) * weights / seconds;
 }
 
 // Ways of getting `total` bytes of page-locked host memory, each timed (median of 3, bytes a second):
@@ -646,6 +673,10 @@ int Main() {
   } else {
     backend = CreateSimulatedBackend({});
   }
+  if (!SetWideningLayout(absl::GetFlag(FLAGS_widen_layout))) {
+    std::cerr << "--widen_layout=" << absl::GetFlag(FLAGS_widen_layout) << ": coalesced or strided\n";
+    return 1;
+  }
   const std::string priority = absl::GetFlag(FLAGS_compute_priority);
   if (priority != "default" && priority != "high") {
     std::cerr << "--compute_priority=" << priority << ": default or high\n";
@@ -714,36 +745,53 @@ int Main() {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
       if (backend->torch_device().is_cuda()) outs.emplace_back("fp8_e4m3", at::kFloat8_e4m3fn);
 #endif
-      for (const CompressFormat format : {CompressFormat::kInt8Grouped, CompressFormat::kInt4}) {
-        for (const auto& [out_name, out_dtype] : outs) {
-          for (const bool shared : {false, true}) {
-            absl::StatusOr<WidenRate> rate;
-            try {
-              rate = MeasureWidening(*backend, format, out_dtype, shared, kWeights, rows, k);
-            } catch (const c10::Error& e) {
-              rate = absl::InternalError(e.what_without_backtrace());
-            }
-            if (!rate.ok()) {
-              std::printf("widen_probe %s -> %s failed: %s\n", CompressFormatName(format), out_name.c_str(),
-                          std::string(rate.status().message()).c_str());
-              continue;
-            }
-            const double bytes_per_s = rate->bytes_per_pass / rate->seconds_per_pass;
-            std::printf("widening %s -> %s, %s: %.3f ms a pass of %.1f MB, %.1f GB/s\n", CompressFormatName(format),
-                        out_name.c_str(), shared ? "shared launches" : "one launch a weight",
-                        rate->seconds_per_pass * 1e3, rate->bytes_per_pass / 1e6, bytes_per_s / 1e9);
-            if (out.is_open()) {
-              out << absl::StrFormat(
-                  "{\"row\": \"widen_probe\", \"format\": \"%s\", \"out\": \"%s\", \"shared_launches\": %s, "
-                  "\"weights\": %d, \"rows\": %d, \"k\": %d, \"seconds_per_pass\": %.6f, \"bytes_per_pass\": %d, "
-                  "\"bytes_per_s\": %.0f, \"device\": \"%s\", \"machine\": \"%s\"}\n",
-                  CompressFormatName(format), out_name, shared ? "true" : "false", kWeights, rows, k,
-                  rate->seconds_per_pass,
-                  rate->bytes_per_pass, bytes_per_s, backend->name(), absl::GetFlag(FLAGS_machine));
+      // What the device's memory does for plain copies of the same bytes: the widening's ceiling.
+      for (const auto& [out_name, out_dtype] : outs) {
+        const double copy = MeasureDeviceCopy(*backend, out_dtype, kWeights, rows, k);
+        std::printf("device copy of %d [%lld, %lld] %s weights: %.1f GB/s (read and write)\n", kWeights,
+                    static_cast<long long>(rows), static_cast<long long>(k), out_name.c_str(), copy / 1e9);
+        if (out.is_open()) {
+          out << absl::StrFormat("{\"row\": \"widen_probe\", \"format\": \"copy\", \"out\": \"%s\", "
+                                 "\"weights\": %d, \"rows\": %d, \"k\": %d, \"bytes_per_s\": %.0f, "
+                                 "\"device\": \"%s\", \"machine\": \"%s\"}\n",
+                                 out_name, kWeights, rows, k, copy, backend->name(), absl::GetFlag(FLAGS_machine));
+        }
+      }
+      const std::string chosen_layout = WideningLayoutName();
+      for (const char* layout : {"coalesced", "strided"}) {
+        SetWideningLayout(layout);
+        for (const CompressFormat format : {CompressFormat::kInt8Grouped, CompressFormat::kInt4}) {
+          for (const auto& [out_name, out_dtype] : outs) {
+            for (const bool shared : {false, true}) {
+              absl::StatusOr<WidenRate> rate;
+              try {
+                rate = MeasureWidening(*backend, format, out_dtype, shared, kWeights, rows, k);
+              } catch (const c10::Error& e) {
+                rate = absl::InternalError(e.what_without_backtrace());
+              }
+              if (!rate.ok()) {
+                std::printf("widen_probe %s -> %s failed: %s\n", CompressFormatName(format), out_name.c_str(),
+                            std::string(rate.status().message()).c_str());
+                continue;
+              }
+              const double bytes_per_s = rate->bytes_per_pass / rate->seconds_per_pass;
+              std::printf("widening %s -> %s, %s, %s layout: %.3f ms a pass of %.1f MB, %.1f GB/s\n",
+                          CompressFormatName(format), out_name.c_str(), shared ? "shared launches" : "one launch a weight",
+                          layout, rate->seconds_per_pass * 1e3, rate->bytes_per_pass / 1e6, bytes_per_s / 1e9);
+              if (out.is_open()) {
+                out << absl::StrFormat(
+                    "{\"row\": \"widen_probe\", \"format\": \"%s\", \"out\": \"%s\", \"shared_launches\": %s, "
+                    "\"layout\": \"%s\", \"weights\": %d, \"rows\": %d, \"k\": %d, \"seconds_per_pass\": %.6f, "
+                    "\"bytes_per_pass\": %d, \"bytes_per_s\": %.0f, \"device\": \"%s\", \"machine\": \"%s\"}\n",
+                    CompressFormatName(format), out_name, shared ? "true" : "false", layout, kWeights, rows, k,
+                    rate->seconds_per_pass,
+                    rate->bytes_per_pass, bytes_per_s, backend->name(), absl::GetFlag(FLAGS_machine));
+              }
             }
           }
         }
       }
+      SetWideningLayout(chosen_layout);
       continue;
     }
     if (row == "memcpy_probe") {
@@ -795,7 +843,7 @@ int Main() {
           "\"lora_rank\": %d, \"base_rss_bytes\": %d, \"base_rss_warm_bytes\": %d, \"base_rss_after_bytes\": %d, "
           "\"compute_priority\": \"%s\", \"page_cache_read_s\": %.6f, \"prepare_fp8_s\": %.3f, "
           "\"prepare_pin_alloc_s\": %.3f, \"prepare_quantize_s\": %.3f, \"pinned_huge_pages\": %s, "
-          "\"thp_mode\": \"%s\"}\n",
+          "\"thp_mode\": \"%s\", \"widen_layout\": \"%s\"}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -807,7 +855,7 @@ int Main() {
           absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_lora_adapters), absl::GetFlag(FLAGS_lora_rank), base_rss,
           base_rss_warm, base_rss_after, priority, page_cache_read_s, result->prepare_fp8_s,
           result->prepare_pin_alloc_s, result->prepare_quantize_s,
-          huge_pinned ? "true" : "false", thp_mode);
+          huge_pinned ? "true" : "false", thp_mode, WideningLayoutName());
       out.flush();
     }
   }

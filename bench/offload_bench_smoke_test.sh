@@ -124,8 +124,13 @@ bench/offload_bench --config=small --backend=sim --rows=widen_probe --out="$TEST
 /usr/bin/python3 - "$TEST_TMPDIR/widen.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-seen = {(r["format"], r["out"], r["shared_launches"]) for r in rows}
-assert seen == {(f, "bf16", s) for f in ("int8_grouped", "int4") for s in (False, True)}, seen
+copies = [r for r in rows if r["format"] == "copy"]
+assert len(copies) == 1 and copies[0]["out"] == "bf16" and copies[0]["bytes_per_s"] > 0, copies
+rows = [r for r in rows if r["format"] != "copy"]
+seen = {(r["format"], r["out"], r["shared_launches"], r["layout"]) for r in rows}
+assert seen == {(f, "bf16", s, l) for f in ("int8_grouped", "int4") for s in (False, True)
+                for l in ("coalesced", "strided")}, seen
+assert len(rows) == len(seen), rows
 values = 8 * 512 * 384
 for r in rows:
     codes = values if r["format"] == "int8_grouped" else values // 2
@@ -134,3 +139,8 @@ for r in rows:
     assert r["seconds_per_pass"] > 0 and r["bytes_per_s"] > 0, r
 print("ok: widen probe")
 PY
+if bench/offload_bench --config=small --backend=sim --rows=block_int4 --widen_layout=diagonal >/dev/null 2>&1; then
+  echo "FAIL: --widen_layout=diagonal was accepted"
+  exit 1
+fi
+echo "ok: widen layout checked"

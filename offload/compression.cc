@@ -324,6 +324,21 @@ CudaWiden CudaWidenOf(const at::Tensor& out, const at::Tensor& q, const at::Tens
 }  // namespace
 #endif
 
+bool SetWideningLayout(absl::string_view name) {
+  if (name != "coalesced" && name != "strided") return false;
+#ifdef STOWAGE_WITH_CUDA
+  widen_cuda::SetLayout(name == "strided" ? widen_cuda::Layout::kStrided : widen_cuda::Layout::kCoalesced);
+#endif
+  return true;
+}
+
+std::string WideningLayoutName() {
+#ifdef STOWAGE_WITH_CUDA
+  if (widen_cuda::CurrentLayout() == widen_cuda::Layout::kStrided) return "strided";
+#endif
+  return "coalesced";
+}
+
 void WidenAllInto(const std::vector<WidenTarget>& targets, CompressFormat format, const WidenScratch& scratch) {
 #ifdef STOWAGE_WITH_CUDA
   // By output type (one format: one codes and scale kind), the CUDA targets' jobs; the rest alone.

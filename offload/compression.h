@@ -152,6 +152,13 @@ struct WidenTarget {
 // launch alone; elsewhere one WidenInto each.
 void WidenAllInto(const std::vector<WidenTarget>& targets, CompressFormat format, const WidenScratch& scratch);
 
+// How CUDA's widening kernels lay a weight over their threads (widen_kernels.h Layout): "coalesced"
+// (the default) or "strided" (the earlier layout, kept to measure against). A process-wide switch
+// for benchmarks; false for another name. Off CUDA builds the layout does not exist: the name is
+// accepted and nothing changes; WideningLayoutName() is "coalesced" there.
+bool SetWideningLayout(absl::string_view name);
+std::string WideningLayoutName();
+
 // Scratch layout, shared by the planner (through the engine) and the store.
 inline constexpr int64_t kScratchAlign = 256;
 inline int64_t AlignScratch(int64_t bytes) { return (bytes + kScratchAlign - 1) / kScratchAlign * kScratchAlign; }

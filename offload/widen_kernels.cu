@@ -8,7 +8,10 @@
 #include "offload/widen_kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include <cuda_bf16.h>
@@ -18,6 +21,9 @@
 
 namespace stowage::widen_cuda {
 namespace {
+
+// -1 until the first read (then STOWAGE_WIDEN_LAYOUT's choice), else a Layout.
+std::atomic<int> g_layout{-1};
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 16384;
@@ -211,6 +217,60 @@ __global__ void WidenVector(const uint8_t* q, Scales scale, Out* out, int64_t it
   }
 }
 
+// The coalesced layout: a warp widens a tile of 32 · kChunks chunks of eight values, lane l the
+// chunks l, l + 32, ... of it, so that each load instruction of the warp reads one contiguous span of
+// codes (128 bytes of int4, 256 of an 8-bit format) and each store writes one (512 bytes of bf16):
+// the strided layout above gives each thread 16 consecutive bytes of codes, so a warp's store
+// instruction scatters 16-byte pieces at 64-byte strides. Every chunk reads its own scale. A tile may
+// end past the weight (`chunks`: its chunks of eight); its lanes past the end do nothing.
+template <Codes C, typename Out, ScaleKind S, int kChunks>
+__device__ __forceinline__ void WidenTile(const uint8_t* q, const Scales& scale, Out* out, int64_t tile, int lane,
+                                          int64_t chunks, int64_t group, int shift) {
+  constexpr int kBytes = C == Codes::kInt4 ? 4 : 8;  // Codes of one chunk.
+  const int64_t first = tile * 32 * kChunks + lane;
+  Words<kBytes> words[kChunks];
+  // Every load issued before any is used: kChunks loads in flight a thread.
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int64_t chunk = first + 32 * c;
+    words[c] = chunk < chunks ? LoadWords<kBytes>(q + chunk * kBytes) : Words<kBytes>{};
+  }
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int64_t chunk = first + 32 * c;
+    if (chunk >= chunks) break;
+    const int64_t e = chunk * 8;
+    const float s = ScaleAt<S>(scale, shift >= 0 ? e >> shift : e / group);
+    float v[8];
+    DecodeChunk<C, kBytes>(words[c], 0, v);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] *= s;
+    if constexpr (std::is_same_v<Out, float>) {
+      float4* dst = reinterpret_cast<float4*>(out + e);
+      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+      dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+    } else if constexpr (std::is_same_v<Out, uint8_t>) {
+      *reinterpret_cast<uint2*>(out + e) = make_uint2(RoundPair<Out>(v[0], v[1]) | (RoundPair<Out>(v[2], v[3]) << 16),
+                                                      RoundPair<Out>(v[4], v[5]) | (RoundPair<Out>(v[6], v[7]) << 16));
+    } else {
+      *reinterpret_cast<uint4*>(out + e) = make_uint4(RoundPair<Out>(v[0], v[1]), RoundPair<Out>(v[2], v[3]),
+                                                      RoundPair<Out>(v[4], v[5]), RoundPair<Out>(v[6], v[7]));
+    }
+  }
+}
+
+constexpr int kWarpsPerBlock = kThreads / 32;
+
+template <Codes C, typename Out, ScaleKind S, int kChunks>
+__global__ void WidenTiles(const uint8_t* q, Scales scale, Out* out, int64_t chunks, int64_t group, int shift) {
+  const int64_t tiles = (chunks + 32 * kChunks - 1) / (32 * kChunks);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  for (int64_t tile = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32; tile < tiles;
+       tile += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
+    WidenTile<C, Out, S, kChunks>(q, scale, out, tile, lane, chunks, group, shift);
+  }
+}
+
 // Several weights of one launch (WidenMany): block b widens for job j where first_block[j] <= b <
 // first_block[j + 1], one item a thread (the blocks of a job cover its items: no grid-stride loop).
 template <typename Out>
@@ -232,6 +292,16 @@ __global__ void WidenVectorMany(const ManyJobs<Out> jobs) {
   while (j + 1 < jobs.count && block >= jobs.first_block[j + 1]) ++j;
   const int64_t i = (block - jobs.first_block[j]) * blockDim.x + threadIdx.x;
   if (i < jobs.items[j]) WidenItem<C, Out, S, kChunks>(jobs.q[j], jobs.scale[j], jobs.out[j], i, jobs.group[j], jobs.shift[j]);
+}
+
+template <Codes C, typename Out, ScaleKind S, int kChunks>
+__global__ void WidenTilesMany(const ManyJobs<Out> jobs) {
+  const int64_t block = blockIdx.x;
+  int j = 0;
+  while (j + 1 < jobs.count && block >= jobs.first_block[j + 1]) ++j;
+  const int64_t tile = (block - jobs.first_block[j]) * kWarpsPerBlock + threadIdx.x / 32;
+  WidenTile<C, Out, S, kChunks>(jobs.q[j], jobs.scale[j], jobs.out[j], tile, static_cast<int>(threadIdx.x % 32),
+                                jobs.items[j], jobs.group[j], jobs.shift[j]);
 }
 
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -262,13 +332,29 @@ bool WideLayout(const void* q, const void* out, int64_t total, int64_t group) {
   return total % (8 * WideChunks<C>()) == 0 && group % 8 == 0 && Aligned(out, 16) && Aligned(q, 16);
 }
 
-// The widest path the layout allows: 16 bytes of codes a thread (32 int4 values, 16 of an 8-bit
-// format), else eight values a thread, else the scalar kernel.
+// The coalesced tiles take the weight: whole chunks of eight under one scale each, a chunk's codes
+// aligned to their size (4 bytes of int4, 8 of an 8-bit format) and the output to 16 bytes.
+template <Codes C>
+bool TileLayout(const void* q, const void* out, int64_t total, int64_t group) {
+  return total % 8 == 0 && group % 8 == 0 && Aligned(out, 16) && Aligned(q, C == Codes::kInt4 ? 4 : 8);
+}
+
+int64_t TilesOf(int64_t chunks, int chunks_a_lane) { return (chunks + 32 * chunks_a_lane - 1) / (32 * chunks_a_lane); }
+
+// The widest path the layout allows: coalesced tiles (unless the strided layout is chosen), else 16
+// bytes of codes a thread (32 int4 values, 16 of an 8-bit format), else eight values a thread, else
+// the scalar kernel.
 template <Codes C, typename Out, ScaleKind S>
 int Launch(const void* q, Scales scale, void* out, int64_t total, int64_t group, cudaStream_t stream) {
   const auto* qb = static_cast<const uint8_t*>(q);
   auto* o = static_cast<Out*>(out);
-  if (WideLayout<C>(q, out, total, group)) {
+  if (CurrentLayout() == Layout::kCoalesced && TileLayout<C>(q, out, total, group)) {
+    constexpr int kChunks = WideChunks<C>();
+    const int64_t chunks = total / 8;
+    const auto blocks = static_cast<unsigned>(
+        std::min<int64_t>(kMaxBlocks, (TilesOf(chunks, kChunks) + kWarpsPerBlock - 1) / kWarpsPerBlock));
+    WidenTiles<C, Out, S, kChunks><<<blocks, kThreads, 0, stream>>>(qb, scale, o, chunks, group, ShiftOf(group));
+  } else if (WideLayout<C>(q, out, total, group)) {
     LaunchVector<C, Out, S, WideChunks<C>()>(qb, scale, o, total, group, stream);
   } else if (total % 8 == 0 && group % 8 == 0 && Aligned(out, 16) && Aligned(q, C == Codes::kInt4 ? 4 : 8)) {
     LaunchVector<C, Out, S, 1>(qb, scale, o, total, group, stream);
@@ -284,12 +370,17 @@ int Launch(const void* q, Scales scale, void* out, int64_t total, int64_t group,
 template <Codes C, typename Out, ScaleKind S>
 int LaunchMany(const WidenJob* jobs, int count, cudaStream_t stream) {
   constexpr int kWide = WideChunks<C>();
+  const bool tiles = CurrentLayout() == Layout::kCoalesced;
   ManyJobs<Out> many{};
   int err = 0;
   auto flush = [&] {
     if (many.count == 0) return;
     const int64_t blocks = many.first_block[many.count];
-    WidenVectorMany<C, Out, S, kWide><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(many);
+    if (tiles) {
+      WidenTilesMany<C, Out, S, kWide><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(many);
+    } else {
+      WidenVectorMany<C, Out, S, kWide><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(many);
+    }
     const int launched = static_cast<int>(cudaGetLastError());
     if (err == 0) err = launched;
     many.count = 0;
@@ -299,12 +390,17 @@ int LaunchMany(const WidenJob* jobs, int count, cudaStream_t stream) {
     const int64_t total = job.channels * job.k;
     if (total <= 0) continue;
     const Scales scale{job.scale, job.channels, job.k / job.group_size};
-    if (!WideLayout<C>(job.q, job.out, total, job.group_size)) {
+    if (tiles ? !TileLayout<C>(job.q, job.out, total, job.group_size)
+              : !WideLayout<C>(job.q, job.out, total, job.group_size)) {
       const int alone = Launch<C, Out, S>(job.q, scale, job.out, total, job.group_size, stream);
       if (err == 0) err = alone;
       continue;
     }
-    const int64_t items = total / (8 * kWide);
+    // Coalesced: a job's units are its chunks of eight, a block's its warps' tiles; strided: items of
+    // kWide chunks, one a thread.
+    const int64_t items = tiles ? total / 8 : total / (8 * kWide);
+    const int64_t blocks = tiles ? (TilesOf(items, kWide) + kWarpsPerBlock - 1) / kWarpsPerBlock
+                                 : (items + kThreads - 1) / kThreads;
     const int j = many.count++;
     many.q[j] = static_cast<const uint8_t*>(job.q);
     many.scale[j] = scale;
@@ -312,7 +408,7 @@ int LaunchMany(const WidenJob* jobs, int count, cudaStream_t stream) {
     many.items[j] = items;
     many.group[j] = job.group_size;
     many.shift[j] = ShiftOf(job.group_size);
-    many.first_block[j + 1] = many.first_block[j] + (items + kThreads - 1) / kThreads;
+    many.first_block[j + 1] = many.first_block[j] + blocks;
     if (many.count == kWidenManyJobs) flush();
   }
   flush();
@@ -400,6 +496,18 @@ __global__ void EncodeE4M3Kernel(const float* x, uint8_t* out, int64_t n) {
 }
 
 }  // namespace
+
+Layout CurrentLayout() {
+  int layout = g_layout.load(std::memory_order_relaxed);
+  if (layout < 0) {
+    const char* env = std::getenv("STOWAGE_WIDEN_LAYOUT");
+    layout = static_cast<int>(env != nullptr && std::strcmp(env, "strided") == 0 ? Layout::kStrided : Layout::kCoalesced);
+    g_layout.store(layout, std::memory_order_relaxed);
+  }
+  return static_cast<Layout>(layout);
+}
+
+void SetLayout(Layout layout) { g_layout.store(static_cast<int>(layout), std::memory_order_relaxed); }
 
 int EncodeE4M3(const float* x, uint8_t* out, int64_t n, void* stream) {
   if (n <= 0) return 0;

@@ -110,12 +110,33 @@ if [[ $parts == *" compressed "* ]]; then
       >>"$OUT/compressed.log" 2>&1
     stamp "compressed $row (4 KiB pages) exit $?"
   done
+  # COMPRESSED_STRIDED_ROWS: those rows again widened with the kernels' earlier strided thread layout
+  # (offload_bench --widen_layout=strided; marked "+strided" in the summary).
+  for row in ${COMPRESSED_STRIDED_ROWS:-}; do
+    timeout 240 "$build/bench/offload_bench" --config=full --rows="$row" --warmup=2 --iters=5 --reference="$ref" \
+      --resident_step_s="$resident" --out="$raw" --machine="$machine" --widen_layout=strided ${COMPRESSED_ARGS:-} \
+      >>"$OUT/compressed.log" 2>&1
+    stamp "compressed $row (strided widening) exit $?"
+  done
   # What preparing a copy costs on this host, apart: page-locking memory three ways (pinned
   # allocation, written-and-registered 4 KiB pages, huge pages) and multi-threaded memcpy; and the
   # widening kernels alone, against which a streamed step's widening cost is read.
   timeout 120 "$build/bench/offload_bench" --config=full --rows=pin_probe,memcpy_probe,widen_probe --out="$OUT/probes.jsonl" \
     --machine="$machine" >>"$OUT/compressed.log" 2>&1
   stamp "compressed probes exit $?"
+  python3 - "$OUT/probes.jsonl" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    if r.get("row") != "widen_probe":
+        continue
+    if r["format"] == "copy":
+        print(f"widen_probe copy          -> {r['out']:8s}                          {r['bytes_per_s'] / 1e9:7.1f} GB/s")
+    else:
+        launches = "shared" if r["shared_launches"] else "one-a-weight"
+        print(f"widen_probe {r['format']:13s} -> {r['out']:8s} {launches:12s} {r.get('layout', '?'):9s}"
+              f" {r['seconds_per_pass'] * 1e3:7.3f} ms {r['bytes_per_s'] / 1e9:7.1f} GB/s")
+PY
   for row in resident ${COMPRESSED_ROWS:-block_pinned block_int8 block_fp8 block_int8grouped block_int4}; do
     [ -f "/tmp/compressed_trace_$row.json" ] &&
       python3 bench/compute_bench.py summarize_trace "/tmp/compressed_trace_$row.json" \
@@ -133,6 +154,7 @@ import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     name = r['row'] + ("+4k" if r.get("pinned_huge_pages") is False and r.get("device", "").startswith("cuda") else "")
+    name += "+strided" if r.get("widen_layout") == "strided" else ""
     print(f"{name:18s} step {r['step_s']:.4f} s  resident {r.get('resident_step_s', 0):.4f} s  floor {r['floor_s']:.4f} s"
           f"  floor_compressed {r.get('floor_8bit_s', 0):.4f} s  rel_l2 {r.get('rel_l2', 0):.4f}  rss {r['peak_rss_bytes'] / 2**30:.2f} GiB  prepare {r.get('prepare_s', 0):.1f} s (pin {r.get('prepare_pin_alloc_s', 0):.1f}, quantize {r.get('prepare_quantize_s', 0):.1f})"
           f"  weights {r['weight_bytes'] / 2**30:.2f} GiB  base {r.get('base_rss_bytes', 0) / 2**30:.2f}"

@@ -333,26 +333,33 @@ TEST_P(FormatTest, WideningOnCudaMatchesTheHostReferenceExactly) {
   const CompressFormat format = GetParam();
   const at::Device cuda(at::kCUDA, 0);
   at::manual_seed(13);
-  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-    // Every kernel path: the scalar one ({33, 70}), 16 bytes of codes a thread ({64, 256}, {8, 4, 3, 4}),
-    // eight values a thread where the total allows no more ({3, 48} for int4, {5, 24} for the 8-bit
-    // formats) and a group size that is no power of two ({5, 24}: K = 24).
-    for (const std::vector<int64_t>& sizes :
-         std::vector<std::vector<int64_t>>{{33, 70}, {64, 256}, {8, 4, 3, 4}, {3, 48}, {5, 24}, {140, 6}}) {
-      const at::Tensor w = (at::randn(sizes) * 0.1).to(dtype);
-      const QuantizedTensor q = Quantize(w, format);
-      WidenScratch scratch;
-      scratch.table_f32 = Fp8E4M3Table(at::kFloat).to(cuda);
-      scratch.table_bf16 = Fp8E4M3Table(at::kBFloat16).to(cuda);
-      scratch.table_f16 = Fp8E4M3Table(at::kHalf).to(cuda);
-      scratch.index = at::empty({1000}, at::TensorOptions().dtype(at::kInt).device(cuda));
-      scratch.nibbles = at::empty({w.numel() / 2}, at::TensorOptions().dtype(at::kByte).device(cuda));
-      at::Tensor out = at::full(sizes, 7.0, at::TensorOptions().dtype(dtype).device(cuda));
-      WidenInto(out, q.q.to(cuda), q.scale.to(cuda), format, scratch);
-      EXPECT_TRUE(at::equal(out.cpu(), Dequantize(q, format, dtype, w.sizes())))
-          << c10::toString(dtype) << " " << w.sizes();
+  // Both thread layouts of the kernels (widen_kernels.h Layout).
+  for (const char* layout : {"coalesced", "strided"}) {
+    ASSERT_TRUE(SetWideningLayout(layout));
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+      // Every kernel path: the scalar one ({33, 70}), 16 bytes of codes a thread ({64, 256}, {8, 4, 3, 4}),
+      // eight values a thread where the total allows no more ({3, 48} for int4, {5, 24} for the 8-bit
+      // formats) and a group size that is no power of two ({5, 24}: K = 24); coalesced tiles that end
+      // inside the weight ({999, 264}, {1000, 272}: many tiles, the last partial; {7, 8}: one lane's
+      // chunk of a tile).
+      for (const std::vector<int64_t>& sizes : std::vector<std::vector<int64_t>>{
+               {33, 70}, {64, 256}, {8, 4, 3, 4}, {3, 48}, {5, 24}, {140, 6}, {999, 264}, {1000, 272}, {7, 8}}) {
+        const at::Tensor w = (at::randn(sizes) * 0.1).to(dtype);
+        const QuantizedTensor q = Quantize(w, format);
+        WidenScratch scratch;
+        scratch.table_f32 = Fp8E4M3Table(at::kFloat).to(cuda);
+        scratch.table_bf16 = Fp8E4M3Table(at::kBFloat16).to(cuda);
+        scratch.table_f16 = Fp8E4M3Table(at::kHalf).to(cuda);
+        scratch.index = at::empty({1000}, at::TensorOptions().dtype(at::kInt).device(cuda));
+        scratch.nibbles = at::empty({w.numel() / 2}, at::TensorOptions().dtype(at::kByte).device(cuda));
+        at::Tensor out = at::full(sizes, 7.0, at::TensorOptions().dtype(dtype).device(cuda));
+        WidenInto(out, q.q.to(cuda), q.scale.to(cuda), format, scratch);
+        EXPECT_TRUE(at::equal(out.cpu(), Dequantize(q, format, dtype, w.sizes())))
+            << layout << " " << c10::toString(dtype) << " " << w.sizes();
+      }
     }
   }
+  SetWideningLayout("coalesced");
 }
 
 // The widening kernel's scalar path (an output that is not 16-byte aligned) gives the same bits.
@@ -378,7 +385,8 @@ TEST_P(FormatTest, WideningAGroupTogetherMatchesEachAlone) {
   const bool cuda = at::hasCUDA();
   const at::Device device = cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
   at::manual_seed(29);
-  const std::vector<std::vector<int64_t>> shapes = {{64, 256}, {33, 70}, {3, 48}, {8, 4, 3, 4}, {5, 24}, {16, 512}};
+  const std::vector<std::vector<int64_t>> shapes = {{64, 256}, {33, 70}, {3, 48}, {8, 4, 3, 4}, {5, 24}, {16, 512},
+                                                     {999, 264}};
   std::vector<at::Tensor> wants;
   std::vector<WidenTarget> targets;
   int64_t largest = 0;
@@ -398,11 +406,19 @@ TEST_P(FormatTest, WideningAGroupTogetherMatchesEachAlone) {
   scratch.table_f16 = Fp8E4M3Table(at::kHalf).to(device);
   scratch.index = at::empty({1000}, at::TensorOptions().dtype(at::kInt).device(device));
   scratch.nibbles = at::empty({AlignScratch(largest / 2) + 1024}, at::TensorOptions().dtype(at::kByte).device(device));
-  WidenAllInto(targets, format, scratch);
-  for (size_t n = 0; n < targets.size(); ++n) {
-    EXPECT_TRUE(at::equal(targets[n].out.cpu(), wants[n])) << "weight " << n << " " << targets[n].out.sizes() << " "
-                                                           << c10::toString(targets[n].out.scalar_type());
+  // Both thread layouts of CUDA's kernels (one only elsewhere: the name is accepted, nothing changes).
+  for (const char* layout : {"coalesced", "strided"}) {
+    ASSERT_TRUE(SetWideningLayout(layout));
+    for (const WidenTarget& target : targets) target.out.fill_(7.0);
+    WidenAllInto(targets, format, scratch);
+    for (size_t n = 0; n < targets.size(); ++n) {
+      EXPECT_TRUE(at::equal(targets[n].out.cpu(), wants[n]))
+          << layout << " weight " << n << " " << targets[n].out.sizes() << " "
+          << c10::toString(targets[n].out.scalar_type());
+    }
   }
+  SetWideningLayout("coalesced");
+  EXPECT_FALSE(SetWideningLayout("diagonal"));
 }
 
 // Quantizing on the GPU at load (LoadQuantizer: rows in chunks through pinned staging, written

@@ -110,6 +110,23 @@ __device__ __forceinline__ uint32_t RoundPair(float lo, float hi) {
   return bits;
 }
 
+// Eight widened values stored at `dst` (16-byte aligned; e4m3 bytes: 8-byte aligned) in one store
+// (two for float).
+template <typename Out>
+__device__ __forceinline__ void StoreEight(Out* dst, const float v[8]) {
+  if constexpr (std::is_same_v<Out, float>) {
+    float4* d = reinterpret_cast<float4*>(dst);
+    d[0] = make_float4(v[0], v[1], v[2], v[3]);
+    d[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else if constexpr (std::is_same_v<Out, uint8_t>) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(RoundPair<Out>(v[0], v[1]) | (RoundPair<Out>(v[2], v[3]) << 16),
+                                                RoundPair<Out>(v[4], v[5]) | (RoundPair<Out>(v[6], v[7]) << 16));
+  } else {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(RoundPair<Out>(v[0], v[1]), RoundPair<Out>(v[2], v[3]),
+                                                RoundPair<Out>(v[4], v[5]), RoundPair<Out>(v[6], v[7]));
+  }
+}
+
 template <Codes C, typename Out, ScaleKind S>
 __global__ void WidenScalar(const uint8_t* q, Scales scale, Out* out, int64_t total, int64_t group) {
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
@@ -185,26 +202,17 @@ __device__ __forceinline__ void WidenItem(const uint8_t* q, const Scales& scale,
     DecodeChunk<C, kBytes>(words, c, v);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] *= s;
-    if constexpr (std::is_same_v<Out, float>) {
-      float4* dst = reinterpret_cast<float4*>(out + e);
-      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-      dst[1] = make_float4(v[4], v[5], v[6], v[7]);
-    } else if constexpr (std::is_same_v<Out, uint8_t>) {
+    if constexpr (std::is_same_v<Out, uint8_t> && kChunks > 1) {
       fp8[2 * c] = RoundPair<Out>(v[0], v[1]) | (RoundPair<Out>(v[2], v[3]) << 16);
       fp8[2 * c + 1] = RoundPair<Out>(v[4], v[5]) | (RoundPair<Out>(v[6], v[7]) << 16);
     } else {
-      *reinterpret_cast<uint4*>(out + e) = make_uint4(RoundPair<Out>(v[0], v[1]), RoundPair<Out>(v[2], v[3]),
-                                                      RoundPair<Out>(v[4], v[5]), RoundPair<Out>(v[6], v[7]));
+      StoreEight(out + e, v);
     }
   }
-  if constexpr (std::is_same_v<Out, uint8_t>) {
-    if constexpr (kChunks == 1) {
-      *reinterpret_cast<uint2*>(out + e0) = make_uint2(fp8[0], fp8[1]);
-    } else {
+  if constexpr (std::is_same_v<Out, uint8_t> && kChunks > 1) {
 #pragma unroll
-      for (int c = 0; c < kChunks; c += 2) {
-        reinterpret_cast<uint4*>(out + e0)[c / 2] = make_uint4(fp8[2 * c], fp8[2 * c + 1], fp8[2 * c + 2], fp8[2 * c + 3]);
-      }
+    for (int c = 0; c < kChunks; c += 2) {
+      reinterpret_cast<uint4*>(out + e0)[c / 2] = make_uint4(fp8[2 * c], fp8[2 * c + 1], fp8[2 * c + 2], fp8[2 * c + 3]);
     }
   }
 }
@@ -245,17 +253,7 @@ __device__ __forceinline__ void WidenTile(const uint8_t* q, const Scales& scale,
     DecodeChunk<C, kBytes>(words[c], 0, v);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] *= s;
-    if constexpr (std::is_same_v<Out, float>) {
-      float4* dst = reinterpret_cast<float4*>(out + e);
-      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-      dst[1] = make_float4(v[4], v[5], v[6], v[7]);
-    } else if constexpr (std::is_same_v<Out, uint8_t>) {
-      *reinterpret_cast<uint2*>(out + e) = make_uint2(RoundPair<Out>(v[0], v[1]) | (RoundPair<Out>(v[2], v[3]) << 16),
-                                                      RoundPair<Out>(v[4], v[5]) | (RoundPair<Out>(v[6], v[7]) << 16));
-    } else {
-      *reinterpret_cast<uint4*>(out + e) = make_uint4(RoundPair<Out>(v[0], v[1]), RoundPair<Out>(v[2], v[3]),
-                                                      RoundPair<Out>(v[4], v[5]), RoundPair<Out>(v[6], v[7]));
-    }
+    StoreEight(out + e, v);
   }
 }
 

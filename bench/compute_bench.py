@@ -7,8 +7,8 @@ Runs on the GPU host with diffusers' source on PYTHONPATH (deploy/gpu_host/run_c
         --out bench/results/compute_h200/compute.jsonl --machine "NVIDIA H200" --commit abc1234 \\
         [--modes bf16,bf16_reference,fp8] [--profile_dir OUT]
   (a mode ending in _high runs on a CUDA stream of the highest priority, e.g. fp8_int4_streamed_high;
-  a compressed mode ending in _wg, before any _strided or _high, widens a group's weights in shared launches;
-  one ending in _strided, before any _d<N> or _high, widens with the kernels' earlier strided thread layout;
+  a compressed mode ending in _wg, before any _strided, _coalesced or _high, widens a group's weights in shared
+  launches; one ending in _strided or _coalesced, before any _d<N> or _high, widens with that thread layout;
   a streamed mode ending in _d<N>, before any _high, prefetches N groups ahead)
 
 What one `run` does, in order:
@@ -294,11 +294,11 @@ def run(args):
         depth_match = re.search(r"_d([0-9]+)$", base_mode)
         depth = int(depth_match.group(1)) if depth_match else None
         base_mode = base_mode[: depth_match.start()] if depth_match else base_mode
-        # *_strided (before any _d<N> or _high): a compressed row widened by the kernels' earlier strided thread
-        # layout (offload_bench --widen_layout=strided) instead of the coalesced one, to measure against.
-        strided = base_mode.endswith("_strided")
-        base_mode = base_mode[: -len("_strided")] if strided else base_mode
-        # *_wg (before any _strided or _high): a compressed row whose groups' weights widen in shared launches.
+        # *_strided / *_coalesced (before any _d<N> or _high): a compressed row widened with that thread
+        # layout of the kernels (offload_bench --widen_layout); without either, the kernels' default.
+        layout = next((l for l in ("strided", "coalesced") if base_mode.endswith("_" + l)), None)
+        base_mode = base_mode[: -len(layout) - 1] if layout else base_mode
+        # *_wg (before any _strided, _coalesced or _high): a compressed row whose groups' weights widen in shared launches.
         per_group = base_mode.endswith("_wg")
         base_mode = base_mode[: -len("_wg")] if per_group else base_mode
         streamed = base_mode.endswith("_streamed")
@@ -320,8 +320,8 @@ def run(args):
                f"--inputs={inputs_path}",
                f"--save_output={out_file}", f"--out={jsonl}", f"--warmup={args.warmup}", f"--iters={args.iters}",
                f"--machine={args.machine}", f"--fused={'false' if mode == 'bf16_reference' else 'true'}",
-               f"--compute={'fp8' if fp8 else 'bf16'}", f"--compute_priority={'high' if high else 'default'}",
-               f"--widen_layout={'strided' if strided else 'coalesced'}"]
+               f"--compute={'fp8' if fp8 else 'bf16'}", f"--compute_priority={'high' if high else 'default'}"] + (
+                   [f"--widen_layout={layout}"] if layout else [])
         trace = ""
         if args.profile_dir and mode != "bf16_reference":
             trace = os.path.join(args.dir, f"trace_{model_name}_{mode}.json")
@@ -355,7 +355,8 @@ def run(args):
                          base_rss_after_bytes=result.get("base_rss_after_bytes"),
                          base_rss_warm_bytes=result.get("base_rss_warm_bytes"),
                          h2d_bytes_per_s=result.get("h2d_bandwidth_bytes_per_s"),
-                         widen_layout=result.get("widen_layout"), prefetch_depth=result.get("prefetch_depth"))
+                         widen_layout=result.get("widen_layout"), widen_layout_asked=layout,
+                         prefetch_depth=result.get("prefetch_depth"))
         row("stowage", "fp8" if fp8 else "bf16", "reference" if mode == "bf16_reference" else "fused",
             result["step_s"], err, peak_device_bytes=result.get("peak_device_bytes"),
             process_s=round(time.time() - start, 1), cuda_graphs=graphs and not streamed,
@@ -387,8 +388,8 @@ def compressed_rows(args, model_name, rows):
             name = ("block" if row == "block_pinned" else row) + "_fp8_compute"
         else:
             name = "block_bf16" if row == "block_pinned" else row
-        if r.get("widen_layout") == "strided":
-            name += "_strided"
+        if r.get("widen_layout_asked"):
+            name += "_" + r["widen_layout_asked"]
         if (r.get("prefetch_depth") or 1) != 1:
             name += f"_d{r['prefetch_depth']}"
         if r.get("compute_priority") == "high":

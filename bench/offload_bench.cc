@@ -88,9 +88,10 @@ ABSL_FLAG(bool, pinned_huge_pages, true,
           "CUDA: pinned host buffers from huge-page memory registered in place instead of cudaHostAlloc "
           "where the kernel runs transparent huge pages (CudaBackendOptions::pinned_huge_pages; a row's "
           "pinned_huge_pages says whether it did); false: cudaHostAlloc");
-ABSL_FLAG(std::string, widen_layout, "coalesced",
-          "CUDA widening kernels' thread layout: coalesced (the default) or strided (the earlier one); rows "
-          "carry widen_layout, and widen_probe times both whatever this says");
+ABSL_FLAG(std::string, widen_layout, "",
+          "CUDA widening kernels' thread layout: strided or coalesced (empty: the kernels' default, strided "
+          "unless STOWAGE_WIDEN_LAYOUT says otherwise); rows carry widen_layout, and widen_probe times both "
+          "whatever this says");
 ABSL_FLAG(std::string, model_dir, "",
           "Diffusers-format Z-Image or Flux directory: benchmark its real transformer (transformer/ "
           "folder) instead of the synthetic stack");
@@ -673,7 +674,7 @@ int Main() {
   } else {
     backend = CreateSimulatedBackend({});
   }
-  if (!SetWideningLayout(absl::GetFlag(FLAGS_widen_layout))) {
+  if (!absl::GetFlag(FLAGS_widen_layout).empty() && !SetWideningLayout(absl::GetFlag(FLAGS_widen_layout))) {
     std::cerr << "--widen_layout=" << absl::GetFlag(FLAGS_widen_layout) << ": coalesced or strided\n";
     return 1;
   }

@@ -25,13 +25,14 @@ enum class OutType { kFloat = 0, kBFloat16 = 1, kHalf = 2, kFp8E4M3 = 3 };
 // How the scales are stored (see above): kFloat the 8-bit formats', kE4M3Rows int4's.
 enum class ScaleKind { kFloat = 0, kE4M3Rows = 1 };
 
-// How a launch spreads a weight over its threads: kCoalesced (the default), a warp's lanes take
-// interleaved chunks of eight values so that each of the warp's loads and stores covers one
-// contiguous span; kStrided, each thread takes 16 consecutive bytes of codes and writes their values
-// with 16-byte stores 64 bytes apart across the warp (the layout before the coalesced one, kept to
-// measure against: offload_bench's widen_probe times both). Both give the same bytes.
-// STOWAGE_WIDEN_LAYOUT=strided in the environment chooses kStrided at the first launch; SetLayout
-// changes it for the launches after (process-wide; a benchmark's switch, not a serving setting).
+// How a launch spreads a weight over its threads: kStrided (the default), each thread takes 16
+// consecutive bytes of codes and writes their values with 16-byte stores 64 bytes apart across the
+// warp; kCoalesced, a warp's lanes take interleaved chunks of eight values so that each of the warp's
+// loads and stores covers one contiguous span. Both give the same bytes. kCoalesced has not run on a
+// GPU yet (its CUDA tests and offload_bench's widen_probe, which times both, are written): it stays
+// opt-in until they have. STOWAGE_WIDEN_LAYOUT=coalesced in the environment chooses it at the first
+// launch; SetLayout changes the layout for the launches after (process-wide; a benchmark's switch,
+// not a serving setting).
 enum class Layout { kCoalesced = 0, kStrided = 1 };
 Layout CurrentLayout();
 void SetLayout(Layout layout);

@@ -110,13 +110,16 @@ if [[ $parts == *" compressed "* ]]; then
       >>"$OUT/compressed.log" 2>&1
     stamp "compressed $row (4 KiB pages) exit $?"
   done
-  # COMPRESSED_STRIDED_ROWS: those rows again widened with the kernels' earlier strided thread layout
-  # (offload_bench --widen_layout=strided; marked "+strided" in the summary).
-  for row in ${COMPRESSED_STRIDED_ROWS:-}; do
-    timeout 240 "$build/bench/offload_bench" --config=full --rows="$row" --warmup=2 --iters=5 --reference="$ref" \
-      --resident_step_s="$resident" --out="$raw" --machine="$machine" --widen_layout=strided ${COMPRESSED_ARGS:-} \
-      >>"$OUT/compressed.log" 2>&1
-    stamp "compressed $row (strided widening) exit $?"
+  # COMPRESSED_STRIDED_ROWS / COMPRESSED_COALESCED_ROWS: those rows again widened with that thread layout of
+  # the kernels (offload_bench --widen_layout; the summary names every CUDA compressed row's layout).
+  for layout in strided coalesced; do
+    rows_var="COMPRESSED_${layout^^}_ROWS"
+    for row in ${!rows_var:-}; do
+      timeout 240 "$build/bench/offload_bench" --config=full --rows="$row" --warmup=2 --iters=5 --reference="$ref" \
+        --resident_step_s="$resident" --out="$raw" --machine="$machine" --widen_layout=$layout ${COMPRESSED_ARGS:-} \
+        >>"$OUT/compressed.log" 2>&1
+      stamp "compressed $row ($layout widening) exit $?"
+    done
   done
   # What preparing a copy costs on this host, apart: page-locking memory three ways (pinned
   # allocation, written-and-registered 4 KiB pages, huge pages) and multi-threaded memcpy; and the
@@ -154,7 +157,8 @@ import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     name = r['row'] + ("+4k" if r.get("pinned_huge_pages") is False and r.get("device", "").startswith("cuda") else "")
-    name += "+strided" if r.get("widen_layout") == "strided" else ""
+    if r.get("compress", "none") != "none" and r.get("device", "").startswith("cuda"):
+        name += "+" + r.get("widen_layout", "?")
     print(f"{name:18s} step {r['step_s']:.4f} s  resident {r.get('resident_step_s', 0):.4f} s  floor {r['floor_s']:.4f} s"
           f"  floor_compressed {r.get('floor_8bit_s', 0):.4f} s  rel_l2 {r.get('rel_l2', 0):.4f}  rss {r['peak_rss_bytes'] / 2**30:.2f} GiB  prepare {r.get('prepare_s', 0):.1f} s (pin {r.get('prepare_pin_alloc_s', 0):.1f}, quantize {r.get('prepare_quantize_s', 0):.1f})"
           f"  weights {r['weight_bytes'] / 2**30:.2f} GiB  base {r.get('base_rss_bytes', 0) / 2**30:.2f}"

@@ -333,7 +333,8 @@ TEST_P(FormatTest, WideningOnCudaMatchesTheHostReferenceExactly) {
   const CompressFormat format = GetParam();
   const at::Device cuda(at::kCUDA, 0);
   at::manual_seed(13);
-  // Both thread layouts of the kernels (widen_kernels.h Layout).
+  // Both thread layouts of the kernels (widen_kernels.h Layout); the default restored after.
+  const std::string default_layout = WideningLayoutName();
   for (const char* layout : {"coalesced", "strided"}) {
     ASSERT_TRUE(SetWideningLayout(layout));
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
@@ -359,7 +360,7 @@ TEST_P(FormatTest, WideningOnCudaMatchesTheHostReferenceExactly) {
       }
     }
   }
-  SetWideningLayout("coalesced");
+  SetWideningLayout(default_layout);
 }
 
 // The widening kernel's scalar path (an output that is not 16-byte aligned) gives the same bits.
@@ -406,7 +407,9 @@ TEST_P(FormatTest, WideningAGroupTogetherMatchesEachAlone) {
   scratch.table_f16 = Fp8E4M3Table(at::kHalf).to(device);
   scratch.index = at::empty({1000}, at::TensorOptions().dtype(at::kInt).device(device));
   scratch.nibbles = at::empty({AlignScratch(largest / 2) + 1024}, at::TensorOptions().dtype(at::kByte).device(device));
-  // Both thread layouts of CUDA's kernels (one only elsewhere: the name is accepted, nothing changes).
+  // Both thread layouts of CUDA's kernels (one only elsewhere: the name is accepted, nothing changes);
+  // the default restored after.
+  const std::string default_layout = WideningLayoutName();
   for (const char* layout : {"coalesced", "strided"}) {
     ASSERT_TRUE(SetWideningLayout(layout));
     for (const WidenTarget& target : targets) target.out.fill_(7.0);
@@ -417,7 +420,8 @@ TEST_P(FormatTest, WideningAGroupTogetherMatchesEachAlone) {
           << c10::toString(targets[n].out.scalar_type());
     }
   }
-  SetWideningLayout("coalesced");
+  SetWideningLayout(default_layout);
+  EXPECT_EQ(WideningLayoutName(), default_layout);
   EXPECT_FALSE(SetWideningLayout("diagonal"));
 }
 

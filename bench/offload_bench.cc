@@ -245,6 +245,18 @@ struct WidenRate {
   double seconds_per_pass = 0;
   int64_t bytes_per_pass = 0;
 };
+
+// Seconds one call of `pass` takes on the device: two untimed calls, then the mean of ten.
+double SecondsPerPass(DeviceBackend& backend, const std::function<void()>& pass) {
+  pass();
+  pass();
+  backend.Synchronize();
+  constexpr int kPasses = 10;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < kPasses; ++i) pass();
+  backend.Synchronize();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / kPasses;
+}
 WidenRate MeasureWidening(DeviceBackend& backend, CompressFormat format, at::ScalarType out_dtype,
                            bool shared, int weights, int64_t rows, int64_t k) {
   c10::InferenceMode inference;
@@ -275,15 +287,8 @@ WidenRate MeasureWidening(DeviceBackend& backend, CompressFormat format, at::Sca
       for (const WidenTarget& t : targets) WidenInto(t.out, t.q, t.scale, format, scratch);
     }
   };
-  pass();
-  pass();
-  backend.Synchronize();
-  constexpr int kPasses = 10;
-  const auto start = std::chrono::steady_clock::now();
-  for (int i = 0; i < kPasses; ++i) pass();
-  backend.Synchronize();
   WidenRate rate;
-  rate.seconds_per_pass = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / kPasses;
+  rate.seconds_per_pass = SecondsPerPass(backend, pass);
   rate.bytes_per_pass = bytes;
   return rate;
 }
@@ -299,16 +304,9 @@ double MeasureDeviceCopy(DeviceBackend& backend, at::ScalarType dtype, int weigh
     src.push_back(at::zeros({bytes_each}, on_device));
     dst.push_back(at::empty({bytes_each}, on_device));
   }
-  const auto pass = [&] {
+  const double seconds = SecondsPerPass(backend, [&] {
     for (int i = 0; i < weights; ++i) dst[i].copy_(src[i]);
-  };
-  pass();
-  backend.Synchronize();
-  constexpr int kPasses = 10;
-  const auto start = std::chrono::steady_clock::now();
-  for (int i = 0; i < kPasses; ++i) pass();
-  backend.Synchronize();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / kPasses;
+  });
   return 2.0 * static_cast<double>(bytes_each) * weights / seconds;
 }
 

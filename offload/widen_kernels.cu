@@ -259,9 +259,14 @@ __device__ __forceinline__ void WidenTile(const uint8_t* q, const Scales& scale,
 
 constexpr int kWarpsPerBlock = kThreads / 32;
 
+// Tiles of 32 lanes · `chunks_a_lane` chunks that cover `chunks` chunks.
+__host__ __device__ __forceinline__ int64_t TilesOf(int64_t chunks, int chunks_a_lane) {
+  return (chunks + 32 * chunks_a_lane - 1) / (32 * chunks_a_lane);
+}
+
 template <Codes C, typename Out, ScaleKind S, int kChunks>
 __global__ void WidenTiles(const uint8_t* q, Scales scale, Out* out, int64_t chunks, int64_t group, int shift) {
-  const int64_t tiles = (chunks + 32 * kChunks - 1) / (32 * kChunks);
+  const int64_t tiles = TilesOf(chunks, kChunks);
   const int lane = static_cast<int>(threadIdx.x % 32);
   for (int64_t tile = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32; tile < tiles;
        tile += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
@@ -330,14 +335,13 @@ bool WideLayout(const void* q, const void* out, int64_t total, int64_t group) {
   return total % (8 * WideChunks<C>()) == 0 && group % 8 == 0 && Aligned(out, 16) && Aligned(q, 16);
 }
 
-// The coalesced tiles take the weight: whole chunks of eight under one scale each, a chunk's codes
-// aligned to their size (4 bytes of int4, 8 of an 8-bit format) and the output to 16 bytes.
+// The coalesced tiles, and the strided kernel's eight values a thread, take the weight: whole chunks
+// of eight under one scale each, a chunk's codes aligned to their size (4 bytes of int4, 8 of an 8-bit
+// format) and the output to 16 bytes.
 template <Codes C>
 bool TileLayout(const void* q, const void* out, int64_t total, int64_t group) {
   return total % 8 == 0 && group % 8 == 0 && Aligned(out, 16) && Aligned(q, C == Codes::kInt4 ? 4 : 8);
 }
-
-int64_t TilesOf(int64_t chunks, int chunks_a_lane) { return (chunks + 32 * chunks_a_lane - 1) / (32 * chunks_a_lane); }
 
 // The widest path the layout allows: coalesced tiles (unless the strided layout is chosen), else 16
 // bytes of codes a thread (32 int4 values, 16 of an 8-bit format), else eight values a thread, else
@@ -354,7 +358,7 @@ int Launch(const void* q, Scales scale, void* out, int64_t total, int64_t group,
     WidenTiles<C, Out, S, kChunks><<<blocks, kThreads, 0, stream>>>(qb, scale, o, chunks, group, ShiftOf(group));
   } else if (WideLayout<C>(q, out, total, group)) {
     LaunchVector<C, Out, S, WideChunks<C>()>(qb, scale, o, total, group, stream);
-  } else if (total % 8 == 0 && group % 8 == 0 && Aligned(out, 16) && Aligned(q, C == Codes::kInt4 ? 4 : 8)) {
+  } else if (TileLayout<C>(q, out, total, group)) {
     LaunchVector<C, Out, S, 1>(qb, scale, o, total, group, stream);
   } else {
     const auto blocks = static_cast<unsigned>(std::min<int64_t>(kMaxBlocks, (total + kThreads - 1) / kThreads));

@@ -89,8 +89,8 @@ ABSL_FLAG(bool, pinned_huge_pages, true,
           "where the kernel runs transparent huge pages (CudaBackendOptions::pinned_huge_pages; a row's "
           "pinned_huge_pages says whether it did); false: cudaHostAlloc");
 ABSL_FLAG(std::string, widen_layout, "",
-          "CUDA widening kernels' thread layout: strided or coalesced (empty: the kernels' default, strided "
-          "unless STOWAGE_WIDEN_LAYOUT says otherwise); rows carry widen_layout, and widen_probe times both "
+          "CUDA widening kernels' thread layout: coalesced or strided (empty: the kernels' default, coalesced "
+          "unless STOWAGE_WIDEN_LAYOUT=strided); rows carry widen_layout, and widen_probe times both "
           "whatever this says");
 ABSL_FLAG(std::string, model_dir, "",
           "Diffusers-format Z-Image or Flux directory: benchmark its real transformer (transformer/ "

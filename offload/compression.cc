@@ -334,9 +334,9 @@ bool SetWideningLayout(absl::string_view name) {
 
 std::string WideningLayoutName() {
 #ifdef STOWAGE_WITH_CUDA
-  if (widen_cuda::CurrentLayout() == widen_cuda::Layout::kCoalesced) return "coalesced";
+  if (widen_cuda::CurrentLayout() == widen_cuda::Layout::kStrided) return "strided";
 #endif
-  return "strided";
+  return "coalesced";
 }
 
 void WidenAllInto(const std::vector<WidenTarget>& targets, CompressFormat format, const WidenScratch& scratch) {

@@ -152,10 +152,10 @@ struct WidenTarget {
 // launch alone; elsewhere one WidenInto each.
 void WidenAllInto(const std::vector<WidenTarget>& targets, CompressFormat format, const WidenScratch& scratch);
 
-// How CUDA's widening kernels lay a weight over their threads (widen_kernels.h Layout): "strided"
-// (the default) or "coalesced" (opt-in until it has run on a GPU). A process-wide switch for
-// benchmarks; false for another name. Off CUDA builds the layout does not exist: the name is
-// accepted and nothing changes; WideningLayoutName() is "strided" there.
+// How CUDA's widening kernels lay a weight over their threads (widen_kernels.h Layout): "coalesced"
+// (the default) or "strided". A process-wide switch for benchmarks; false for another name. Off CUDA
+// builds the layout does not exist: the name is accepted and nothing changes; WideningLayoutName()
+// is the default's name, "coalesced", there.
 bool SetWideningLayout(absl::string_view name);
 std::string WideningLayoutName();
 

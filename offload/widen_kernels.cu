@@ -503,7 +503,7 @@ Layout CurrentLayout() {
   int layout = g_layout.load(std::memory_order_relaxed);
   if (layout < 0) {
     const char* env = std::getenv("STOWAGE_WIDEN_LAYOUT");
-    layout = static_cast<int>(env != nullptr && std::strcmp(env, "coalesced") == 0 ? Layout::kCoalesced : Layout::kStrided);
+    layout = static_cast<int>(env != nullptr && std::strcmp(env, "strided") == 0 ? Layout::kStrided : Layout::kCoalesced);
     g_layout.store(layout, std::memory_order_relaxed);
   }
   return static_cast<Layout>(layout);

@@ -321,7 +321,8 @@ def run(args):
                f"--save_output={out_file}", f"--out={jsonl}", f"--warmup={args.warmup}", f"--iters={args.iters}",
                f"--machine={args.machine}", f"--fused={'false' if mode == 'bf16_reference' else 'true'}",
                f"--compute={'fp8' if fp8 else 'bf16'}", f"--compute_priority={'high' if high else 'default'}"] + (
-                   [f"--widen_layout={layout}"] if layout else [])
+                   [f"--widen_layout={layout}"] if layout else []) + (
+                   [f"--spill_dir={args.spill_dir}"] if args.spill_dir else [])
         trace = ""
         if args.profile_dir and mode != "bf16_reference":
             trace = os.path.join(args.dir, f"trace_{model_name}_{mode}.json")
@@ -356,7 +357,9 @@ def run(args):
                          base_rss_warm_bytes=result.get("base_rss_warm_bytes"),
                          h2d_bytes_per_s=result.get("h2d_bandwidth_bytes_per_s"),
                          widen_layout=result.get("widen_layout"), widen_layout_asked=layout,
-                         prefetch_depth=result.get("prefetch_depth"))
+                         prefetch_depth=result.get("prefetch_depth"),
+                         spilled_bytes=result.get("spilled_bytes"),
+                         rss_after_prepare_bytes=result.get("rss_after_prepare_bytes"))
         row("stowage", "fp8" if fp8 else "bf16", "reference" if mode == "bf16_reference" else "fused",
             result["step_s"], err, peak_device_bytes=result.get("peak_device_bytes"),
             process_s=round(time.time() - start, 1), cuda_graphs=graphs and not streamed,
@@ -445,6 +448,9 @@ def main():
     r.add_argument("--iters", type=int, default=10)
     r.add_argument("--peak_tflops", type=float, default=790.0)
     r.add_argument("--profile_dir", default="")
+    r.add_argument("--spill_dir", default="",
+                   help="offload_bench --spill_dir for Stowage's rows: host tensors no file holds (FP8 compute's "
+                        "converted weights) move into a mapped file there (PipelineConfig.host_spill_dir)")
     s = sub.add_parser("summarize_trace")
     s.add_argument("trace")
     s.add_argument("--out", required=True)

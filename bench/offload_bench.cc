@@ -61,6 +61,7 @@
 #include "offload/compression.h"
 #include "offload/device_backend.h"
 #include "offload/group_offload.h"
+#include "offload/host_spill.h"
 #include "offload/host_weights.h"
 #include "offload/safetensors.h"
 #include "base/status_macros.h"
@@ -88,6 +89,11 @@ ABSL_FLAG(bool, pinned_huge_pages, true,
           "CUDA: pinned host buffers from huge-page memory registered in place instead of cudaHostAlloc "
           "where the kernel runs transparent huge pages (CudaBackendOptions::pinned_huge_pages; a row's "
           "pinned_huge_pages says whether it did); false: cudaHostAlloc");
+ABSL_FLAG(std::string, spill_dir, "",
+          "A directory: before each row takes its host copies, the model's tensors that no file holds "
+          "(random weights, FP8 compute's converted weights) move into a mapped file there, as the server "
+          "does with PipelineConfig.host_spill_dir (offload/host_spill.h); rows carry spilled_bytes and "
+          "rss_after_prepare_bytes. Empty: they stay in RAM");
 ABSL_FLAG(std::string, widen_layout, "",
           "CUDA widening kernels' thread layout: coalesced or strided (empty: the kernels' default, coalesced "
           "unless STOWAGE_WIDEN_LAYOUT=strided); rows carry widen_layout, and widen_probe times both "
@@ -158,6 +164,8 @@ struct RowResult {
   // Of prepare_s: --compute=fp8's conversion on the host; the compressed store's pinned allocations
   // (on a thread of their own, beside the quantizing) and its quantizing (GroupOffloadStats).
   double prepare_fp8_s = 0;
+  int64_t spilled_bytes = 0;          // --spill_dir: bytes moved into the mapped file.
+  int64_t rss_after_prepare = 0;      // The process's RSS once the row's copies are prepared.
   double prepare_pin_alloc_s = 0;
   double prepare_quantize_s = 0;
   std::string model;
@@ -534,6 +542,14 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     std::printf("fp8: %lld linear layers converted on the host in %.2f s\n", static_cast<long long>(converted),
                 result.prepare_s);
   }
+  if (!absl::GetFlag(FLAGS_spill_dir).empty()) {
+    const auto start = std::chrono::steady_clock::now();
+    ASSIGN_OR_RETURN(const SpillStats spilled, SpillHeapTensors(model, absl::GetFlag(FLAGS_spill_dir), "bench"));
+    result.spilled_bytes = spilled.bytes;
+    result.prepare_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("spilled %lld tensors, %.2f GB into a mapped file in %.2f s\n", static_cast<long long>(spilled.tensors),
+                spilled.bytes / 1e9, spilled.seconds);
+  }
   auto weights = HostWeights::Capture(model);
   if (!weights.ok()) return weights.status();
   result.weight_bytes = (*weights)->bytes();
@@ -608,6 +624,10 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     result.prepare_quantize_s = offloader->stats().prepare_quantize_s;
   }
 
+  {
+    auto memory = ReadProcessMemory();
+    result.rss_after_prepare = memory.ok() ? memory->rss_bytes : 0;
+  }
   c10::InferenceMode guard;
   for (int i = 0; i < absl::GetFlag(FLAGS_warmup); ++i) bench.forward();
   backend.Synchronize();
@@ -842,7 +862,7 @@ int Main() {
           "\"lora_rank\": %d, \"base_rss_bytes\": %d, \"base_rss_warm_bytes\": %d, \"base_rss_after_bytes\": %d, "
           "\"compute_priority\": \"%s\", \"page_cache_read_s\": %.6f, \"prepare_fp8_s\": %.3f, "
           "\"prepare_pin_alloc_s\": %.3f, \"prepare_quantize_s\": %.3f, \"pinned_huge_pages\": %s, "
-          "\"thp_mode\": \"%s\", \"widen_layout\": \"%s\"}\n",
+          "\"thp_mode\": \"%s\", \"widen_layout\": \"%s\", \"spilled_bytes\": %d, \"rss_after_prepare_bytes\": %d}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -854,7 +874,8 @@ int Main() {
           absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_lora_adapters), absl::GetFlag(FLAGS_lora_rank), base_rss,
           base_rss_warm, base_rss_after, priority, page_cache_read_s, result->prepare_fp8_s,
           result->prepare_pin_alloc_s, result->prepare_quantize_s,
-          huge_pinned ? "true" : "false", thp_mode, WideningLayoutName());
+          huge_pinned ? "true" : "false", thp_mode, WideningLayoutName(), result->spilled_bytes,
+          result->rss_after_prepare);
       out.flush();
     }
   }

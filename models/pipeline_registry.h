@@ -39,6 +39,8 @@ struct PipelineLoadOptions {
   // Components whose transformer blocks run FP8 GEMMs (PipelineConfig.compute; the caller checked
   // the device). Architectures without FP8 support refuse a non-empty set.
   std::set<std::string> fp8_components;
+  // PipelineConfig.host_spill_dir: where host copies no model file holds are moved (empty: nowhere).
+  std::string host_spill_dir;
 };
 
 struct PipelineArchitecture {

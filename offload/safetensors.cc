@@ -57,7 +57,11 @@ std::string SafetensorsDtypeName(at::ScalarType dtype) {
 
 absl::Status WriteSafetensors(const std::string& path,
                               const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                              const std::map<std::string, std::string>& metadata) {
+                              const std::map<std::string, std::string>& metadata, int64_t data_align) {
+  if (data_align < 8 || (data_align & (data_align - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("safetensors data alignment ", data_align,
+                                                   " is not a power of two of at least 8"));
+  }
   google::protobuf::Struct header;
   std::vector<at::Tensor> contiguous;
   int64_t offset = 0;
@@ -85,7 +89,8 @@ absl::Status WriteSafetensors(const std::string& path,
   if (!google::protobuf::util::MessageToJsonString(header, &json).ok()) {
     return absl::InternalError("could not serialise the safetensors header");
   }
-  while (json.size() % 8 != 0) json.push_back(' ');  // Keep the data section 8-byte aligned.
+  // The data section starts after the 8-byte length and the header: pad the header to align it.
+  while ((8 + json.size()) % static_cast<size_t>(data_align) != 0) json.push_back(' ');
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);

@@ -75,9 +75,11 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json,
 absl::StatusOr<SafetensorsHeader> ParseSafetensorsBytes(absl::string_view bytes, absl::string_view what);
 
 // Writes `tensors` (CPU, any layout; written contiguous) to `path` atomically (temp file + rename).
+// The header is padded with spaces so that the data section starts at a multiple of `data_align`
+// bytes from the file's start (a power of two, at least 8; the format's 8 by default).
 absl::Status WriteSafetensors(const std::string& path,
                               const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                              const std::map<std::string, std::string>& metadata = {});
+                              const std::map<std::string, std::string>& metadata = {}, int64_t data_align = 8);
 
 class SafetensorsFile {
  public:

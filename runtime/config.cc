@@ -308,6 +308,14 @@ absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& fi
                                                      Quoted(p.dtype())));
     }
   }
+  if (!p.host_spill_dir().empty()) {
+    const std::string entry = absl::StrCat(field, ".host_spill_dir");
+    RETURN_IF_ERROR(CheckModelDir(p.host_spill_dir(), entry));
+    if (::access(p.host_spill_dir().c_str(), W_OK | X_OK) != 0) {
+      return absl::PermissionDeniedError(
+          absl::StrCat(entry, ": cannot write in ", Quoted(p.host_spill_dir(), kEchoedPathBytes)));
+    }
+  }
   for (const auto& [component, seed] : p.component_weight_seeds()) {
     const std::string entry = absl::StrCat(field, ".component_weight_seeds[", Quoted(component), "]");
     if (!ValidName(component)) {

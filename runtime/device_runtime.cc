@@ -542,6 +542,7 @@ absl::StatusOr<std::unique_ptr<Pipeline>> DeviceRuntime::Build(const v1::Pipelin
   options.device = torch_device_;
   options.random_weights = p.random_weights();
   options.default_size = p.default_size();
+  options.host_spill_dir = p.host_spill_dir();
   // A split pipeline's components are its own: a shared one would be registered on two devices.
   options.cache = p.component_devices().empty() ? &component_cache_ : nullptr;
   for (const auto& [component, mode] : p.compute()) {

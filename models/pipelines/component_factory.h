@@ -17,6 +17,7 @@
 #include "models/core/diffusers_format.h"
 #include "models/core/layers.h"
 #include "models/core/weight_init.h"
+#include "offload/host_spill.h"
 
 namespace stowage {
 
@@ -27,11 +28,16 @@ namespace stowage {
 // `fp8`: the linear layers of its transformer blocks are converted to FP8 after loading
 // (ConvertBlockLinearsToFp8, on the host: the converted copies replace the loaded ones), and the
 // component reports compute() "fp8". FAILED_PRECONDITION when the component has no such layers.
+//
+// `host_spill_dir` not empty: the host tensors no model file holds (random or converted weights)
+// are then moved into a file there, mapped in their place (offload/host_spill.h); its errors name
+// pipeline.host_spill_dir.
 template <typename T, typename Config>
 absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name, const Config& config,
                                                          at::ScalarType dtype, const std::string& dir,
                                                          bool random_weights, uint64_t seed,
-                                                         const std::vector<std::string>& ignored, bool fp8 = false) {
+                                                         const std::vector<std::string>& ignored, bool fp8 = false,
+                                                         const std::string& host_spill_dir = "") {
   RETURN_IF_ERROR(Validate(config, dir.empty() ? absl::StrCat("built-in ", name, " config")
                                                : absl::StrCat(dir, "/config.json")));
   std::unique_ptr<T> module;
@@ -52,6 +58,13 @@ absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name
     if (*converted == 0) {
       return absl::FailedPreconditionError(absl::StrCat("compute FP8: component '", name, "' (", module->kind(),
                                                         ") has no transformer blocks with linear layers"));
+    }
+  }
+  if (!host_spill_dir.empty()) {
+    absl::StatusOr<SpillStats> spilled = SpillHeapTensors(*module, host_spill_dir, name);
+    if (!spilled.ok()) {
+      return absl::Status(spilled.status().code(),
+                          absl::StrCat("pipeline.host_spill_dir: component '", name, "': ", spilled.status().message()));
     }
   }
   ASSIGN_OR_RETURN(std::unique_ptr<Component> component, Component::Create(name, std::move(module), dtype));

@@ -33,6 +33,7 @@ struct FluxPipelineOptions {
   std::map<std::string, uint64_t> component_seeds;
   int64_t max_sequence_length = 512; // T5 tokens (diffusers' default).
   std::set<std::string> fp8_components;  // Components converted to FP8 compute at load.
+  std::string host_spill_dir;  // PipelineConfig.host_spill_dir (empty: host copies stay in RAM).
   int64_t default_size = 0;          // Default width and height; 0: 1024 (Flux's), 128 for the tiny built-in.
 };
 

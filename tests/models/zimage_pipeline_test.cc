@@ -58,6 +58,31 @@ TEST(ZImagePipelineTest, TinyBuiltInRunsDeterministicallyWithDiffusersGuidanceSe
   EXPECT_NE(a->rgb, guided->rgb);  // Any g > 0 guides (pos + g·(pos − neg)).
 }
 
+// PipelineConfig.host_spill_dir: the random weights move into a mapped file that is removed at
+// once; the images are the same bytes.
+TEST(ZImagePipelineTest, HostCopiesSpilledToAFileGiveTheSameImages) {
+  ZImagePipelineOptions options;
+  options.dtype = at::kFloat;
+  auto plain = CreateTinyZImagePipeline(options);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  std::string dir = ::testing::TempDir() + "/spill.XXXXXX";
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  options.host_spill_dir = dir;
+  auto spilled = CreateTinyZImagePipeline(options);
+  ASSERT_TRUE(spilled.ok()) << spilled.status();
+  EXPECT_EQ(std::system(("test -z \"$(ls -A '" + dir + "')\"").c_str()), 0) << "the spill files are removed";
+  auto a = Draw(**plain, 1.5f, 3);
+  auto b = Draw(**spilled, 1.5f, 3);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->rgb, b->rgb);
+
+  options.host_spill_dir = dir + "/missing";
+  auto refused = CreateTinyZImagePipeline(options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(std::string(refused.status().message()).find("pipeline.host_spill_dir"), std::string::npos)
+      << refused.status();
+}
+
 GenerationParams Params(const std::string& prompt, float guidance, uint64_t seed) {
   GenerationParams p;
   p.prompt = prompt;

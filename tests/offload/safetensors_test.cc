@@ -35,6 +35,22 @@ int64_t RssFileBytes() {
   return bytes;
 }
 
+TEST(SafetensorsTest, TheDataSectionStartsAtTheAlignmentAskedFor) {
+  const std::string path = ::testing::TempDir() + "/aligned.safetensors";
+  const at::Tensor x = at::arange(10, at::kFloat);
+  for (int64_t align : {8, 64, 4096}) {
+    ASSERT_TRUE(WriteSafetensors(path, {{"x", x}, {"name that makes the header longer", x}}, {}, align).ok());
+    auto file = SafetensorsFile::Open(path);
+    ASSERT_TRUE(file.ok()) << file.status();
+    EXPECT_EQ(((*file)->data() - static_cast<const uint8_t*>((*file)->mapping())) % align, 0) << align;
+    EXPECT_TRUE(at::equal(*(*file)->Get("x"), x));
+  }
+  for (int64_t bad : {0, 4, 24}) {
+    const absl::Status status = WriteSafetensors(path, {{"x", x}}, {}, bad);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
 TEST(SafetensorsTest, RoundTripIsZeroCopyAndExact) {
   const std::string path = std::string(::testing::TempDir()) + "/roundtrip.safetensors";
   const at::Tensor a = at::arange(12, at::kFloat).reshape({3, 4});

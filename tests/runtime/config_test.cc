@@ -135,6 +135,9 @@ TEST(ConfigTest, SemanticErrorsNameTheField) {
        "pipelines[0].compute['transformer']: FP8 compute needs dtype \"bfloat16\""},
       {"pipelines { name: \"a\" builtin: \"zimage-tiny\" dtype: \"bfloat16\" compute { key: \"Trans Former\" value: COMPUTE_FP8 } }",
        "pipelines[0].compute['Trans Former']: a component name must match"},
+      // Where host copies spill: an existing directory, named when it is not.
+      {"pipelines { name: \"a\" builtin: \"zimage-tiny\" host_spill_dir: \"/proc/version\" }",
+       "pipelines[0].host_spill_dir: '/proc/version' is not a directory"},
       // Component seeds draw random weights: refused where the weights are read, names checked.
       {"pipelines { name: \"a\" model_dir: \"/\" component_weight_seeds { key: \"transformer\" value: 7 } }",
        "pipelines[0].component_weight_seeds['transformer']: seeds draw random weights"},
@@ -548,6 +551,8 @@ TEST(ConfigFilesTest, ModelDirAndTlsFilesAreCheckedNamingTheirFields) {
        "pipelines[0].model_dir: '/nonexistent/model' does not exist"},
       {"pipelines { name: \"a\" model_dir: \"" + file + "\" }", absl::StatusCode::kInvalidArgument,
        "pipelines[0].model_dir: '" + file + "' is not a directory"},
+      {"pipelines { name: \"a\" builtin: \"zimage-tiny\" host_spill_dir: \"/nonexistent/spill\" }",
+       absl::StatusCode::kNotFound, "pipelines[0].host_spill_dir: '/nonexistent/spill' does not exist"},
       {"tls { cert_file: \"/nonexistent/y\" key_file: \"" + file + "\" }", absl::StatusCode::kNotFound,
        "tls.cert_file: cannot read '/nonexistent/y': no such file"},
       {"tls { cert_file: \"" + cert + "\" key_file: \"" + tmp + "\" }", absl::StatusCode::kInvalidArgument,

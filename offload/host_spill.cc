@@ -1,0 +1,123 @@
+#include "offload/host_spill.h"
+
+#include <malloc.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <map>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "absl/strings/str_cat.h"
+#include "offload/safetensors.h"
+
+namespace stowage {
+namespace {
+
+constexpr int64_t kAlign = 64;  // Each tensor's bytes start 64-byte aligned in the file.
+
+std::string SafeLabel(absl::string_view label) {
+  std::string out(label.empty() ? "weights" : label);
+  for (char& c : out) {
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+                    c == '_' || c == '.';
+    if (!ok) c = '_';
+  }
+  return out.substr(0, 64);
+}
+
+// The memory a slot's tensor views: tensors with the same key are the same values.
+using Key = std::tuple<const void*, int64_t, int, std::vector<int64_t>, std::vector<int64_t>>;
+Key KeyOf(const at::Tensor& t) {
+  return {t.data_ptr(), static_cast<int64_t>(t.nbytes()), static_cast<int>(t.scalar_type()), t.sizes().vec(),
+          t.strides().vec()};
+}
+
+}  // namespace
+
+absl::StatusOr<SpillStats> SpillHeapTensors(Module& root, const std::string& dir, absl::string_view label,
+                                            int64_t min_bytes) {
+  const auto start = std::chrono::steady_clock::now();
+  if (dir.empty()) return absl::InvalidArgumentError("spilling host tensors needs a directory (empty)");
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || ::access(dir.c_str(), W_OK | X_OK) != 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("spill directory '", dir, "' is not a writable directory"));
+  }
+
+  // What to spill: each distinct CPU tensor outside every mapping, with the slots that view it.
+  struct Spilled {
+    at::Tensor value;
+    std::vector<TensorSlot*> slots;
+  };
+  std::vector<Spilled> spilled;
+  std::map<Key, size_t> index;
+  SpillStats stats;
+  root.ForEachModule([&](Module& m) {
+    for (TensorSlot& slot : m.slots()) {
+      const at::Tensor& v = slot.value;
+      if (!v.defined() || !v.device().is_cpu() || static_cast<int64_t>(v.nbytes()) < min_bytes) continue;
+      if (!MappedFilesContaining({v.data_ptr()}).empty()) continue;  // Already a file's view.
+      const Key key = KeyOf(v);
+      auto [it, added] = index.emplace(key, spilled.size());
+      if (added) spilled.push_back({v, {}});
+      spilled[it->second].slots.push_back(&slot);
+    }
+  });
+  if (spilled.empty()) return stats;
+
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  int64_t offset = 0;
+  for (size_t i = 0; i < spilled.size(); ++i) {
+    const int64_t pad = (kAlign - offset % kAlign) % kAlign;
+    if (pad > 0) {
+      tensors.emplace_back(absl::StrCat("pad", i), at::zeros({pad}, at::kByte));
+      offset += pad;
+    }
+    const at::Tensor bytes = spilled[i].value.contiguous().view({-1}).view(at::kByte);
+    tensors.emplace_back(absl::StrCat("t", i), bytes);
+    offset += static_cast<int64_t>(bytes.nbytes());
+    stats.bytes += static_cast<int64_t>(bytes.nbytes());
+  }
+  static std::atomic<int64_t> counter{0};
+  const std::string path = absl::StrCat(dir, "/stowage-spill-", SafeLabel(label), "-", ::getpid(), "-",
+                                        counter.fetch_add(1), ".safetensors");
+  absl::Status written = WriteSafetensors(path, tensors, {}, kAlign);
+  tensors.clear();
+  if (!written.ok()) {
+    std::remove(path.c_str());
+    return written;
+  }
+  absl::StatusOr<std::shared_ptr<SafetensorsFile>> file = SafetensorsFile::Open(path);
+  // Removed at once: the mapping keeps the file's blocks while a tensor views it.
+  std::remove(path.c_str());
+  if (!file.ok()) return file.status();
+
+  // Views first, so that nothing changes unless every one is there.
+  std::vector<at::Tensor> views;
+  views.reserve(spilled.size());
+  for (size_t i = 0; i < spilled.size(); ++i) {
+    absl::StatusOr<at::Tensor> bytes = (*file)->Get(absl::StrCat("t", i));
+    if (!bytes.ok()) return bytes.status();
+    const at::Tensor& v = spilled[i].value;
+    views.push_back(bytes->view(v.scalar_type()).view(v.sizes()));
+  }
+  for (size_t i = 0; i < spilled.size(); ++i) {
+    for (TensorSlot* slot : spilled[i].slots) {
+      slot->value = views[i];
+      ++stats.tensors;
+    }
+  }
+  spilled.clear();  // The last references to the heap copies the slots held.
+  ::malloc_trim(0);
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return stats;
+}
+
+}  // namespace stowage

@@ -536,7 +536,17 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     RETURN_IF_ERROR(fused::Fp8Supported(backend.torch_device()));
     const auto start = std::chrono::steady_clock::now();
     c10::InferenceMode guard;
-    ASSIGN_OR_RETURN(const int64_t converted, ConvertBlockLinearsToFp8(model));
+    // With --spill_dir each block's FP8 copies move into a mapped file as it converts, as the server
+    // does with host_spill_dir (the conversion never holds all of them).
+    std::function<absl::Status(Module&)> spill_block;
+    if (!absl::GetFlag(FLAGS_spill_dir).empty()) {
+      spill_block = [&result](Module& block) -> absl::Status {
+        ASSIGN_OR_RETURN(const SpillStats spilled, SpillHeapTensors(block, absl::GetFlag(FLAGS_spill_dir), "bench"));
+        result.spilled_bytes += spilled.bytes;
+        return absl::OkStatus();
+      };
+    }
+    ASSIGN_OR_RETURN(const int64_t converted, ConvertBlockLinearsToFp8(model, spill_block));
     result.prepare_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     result.prepare_fp8_s = result.prepare_s;
     std::printf("fp8: %lld linear layers converted on the host in %.2f s\n", static_cast<long long>(converted),
@@ -545,7 +555,7 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
   if (!absl::GetFlag(FLAGS_spill_dir).empty()) {
     const auto start = std::chrono::steady_clock::now();
     ASSIGN_OR_RETURN(const SpillStats spilled, SpillHeapTensors(model, absl::GetFlag(FLAGS_spill_dir), "bench"));
-    result.spilled_bytes = spilled.bytes;
+    result.spilled_bytes += spilled.bytes;
     result.prepare_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     std::printf("spilled %lld tensors, %.2f GB into a mapped file in %.2f s\n", static_cast<long long>(spilled.tensors),
                 spilled.bytes / 1e9, spilled.seconds);

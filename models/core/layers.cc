@@ -10,6 +10,7 @@
 #include <torch/version.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "models/core/fused_ops.h"
 #include "offload/safetensors.h"
 
@@ -271,21 +272,27 @@ std::vector<Module*> NearestBlockLists(Module& root) {
 }
 }  // namespace
 
-absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root) {
+absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root,
+                                                 const std::function<absl::Status(Module&)>& after_block) {
   int64_t converted = 0;
   absl::Status status;
   std::set<const Linear*> now_fp8;  // Converted by this call.
+  auto convert = [&](Module& m) {
+    auto* linear = dynamic_cast<Linear*>(&m);
+    if (linear == nullptr || !status.ok() || linear->is_fp8()) return;
+    status = linear->ConvertToFp8();
+    if (status.ok()) {
+      ++converted;
+      now_fp8.insert(linear);
+    }
+  };
   for (Module* child : NearestBlockLists(root)) {
-    child->ForEachModule([&](Module& m) {
-      auto* linear = dynamic_cast<Linear*>(&m);
-      if (linear == nullptr || !status.ok() || linear->is_fp8()) return;
-      status = linear->ConvertToFp8();
-      if (status.ok()) {
-        ++converted;
-        now_fp8.insert(linear);
-      }
-    });
-    if (!status.ok()) return status;
+    convert(*child);  // The list itself (a ModuleList holds no layers of its own).
+    for (const auto& [name, block] : child->children()) {
+      block->ForEachModule(convert);
+      if (!status.ok()) return status;
+      if (after_block) RETURN_IF_ERROR(after_block(*block));
+    }
     // Layers whose weights are declared adjacent get their new scales declared adjacent too, so that
     // once onloaded ForwardShared reads all of them as one FP8 GEMM's weight and scale.
     child->ForEachModule([&](Module& owner) {

@@ -8,6 +8,7 @@
 #define STOWAGE_MODELS_CORE_LAYERS_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -74,7 +75,8 @@ class Linear : public Module {
   // the build; a second call changes nothing.
   absl::Status ConvertToFp8();
   bool is_fp8() const { return weight_scale_ >= 0; }
-  friend absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root);
+  friend absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root,
+                                                          const std::function<absl::Status(Module&)>& after_block);
 
   // Forward(x) of each layer, for layers that read the same x (Q, K and V; SwiGLU's gate and up
   // projections). With the fused kernels active and the layers' weights (and biases) side by side in
@@ -127,8 +129,12 @@ class Linear : public Module {
 // the FLOPs are; embedders and the final layer stay in their dtype) to
 // FP8 (Linear::ConvertToFp8). Layers whose weights were declared adjacent (Linear::DeclareAdjacent)
 // get their new scales declared adjacent too (ForwardShared's single FP8 GEMM). Returns how many
-// were converted.
-absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root);
+// were converted. `after_block`, when set, runs on each block (a block list's child) once its layers
+// are converted, before the next block's are: e.g. to move the block's new FP8 host copies out of RAM
+// (SpillHeapTensors) so that the conversion never holds the whole component's; its error stops the
+// conversion and is returned.
+absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root,
+                                                 const std::function<absl::Status(Module&)>& after_block = nullptr);
 
 // Root-mean-square normalisation over the last dimension, computed in float32.
 // `cast_before_weight` follows diffusers' RMSNorm: the normalised value is cast to the weight's

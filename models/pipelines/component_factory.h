@@ -4,6 +4,7 @@
 #ifndef STOWAGE_MODELS_PIPELINES_COMPONENT_FACTORY_H_
 #define STOWAGE_MODELS_PIPELINES_COMPONENT_FACTORY_H_
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,23 +51,27 @@ absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name
   } else {
     RETURN_IF_ERROR(LoadComponentWeights(*module, dir, dtype, ignored, &quantization));
   }
+  auto spill = [&](Module& m) -> absl::Status {
+    absl::StatusOr<SpillStats> spilled = SpillHeapTensors(m, host_spill_dir, name);
+    if (spilled.ok()) return absl::OkStatus();
+    return absl::Status(spilled.status().code(),
+                        absl::StrCat("pipeline.host_spill_dir: component '", name, "': ", spilled.status().message()));
+  };
   if (fp8) {
     absl::StatusOr<int64_t> converted = absl::InternalError("not converted");
+    // With a spill directory each block's FP8 copies leave RAM before the next block converts, so
+    // the conversion never holds the whole component's.
+    std::function<absl::Status(Module&)> after_block;
+    if (!host_spill_dir.empty()) after_block = spill;
     RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("converting ", name, " to FP8"),
-                                  [&] { converted = ConvertBlockLinearsToFp8(*module); }));
+                                  [&] { converted = ConvertBlockLinearsToFp8(*module, after_block); }));
     RETURN_IF_ERROR(converted.status());
     if (*converted == 0) {
       return absl::FailedPreconditionError(absl::StrCat("compute FP8: component '", name, "' (", module->kind(),
                                                         ") has no transformer blocks with linear layers"));
     }
   }
-  if (!host_spill_dir.empty()) {
-    absl::StatusOr<SpillStats> spilled = SpillHeapTensors(*module, host_spill_dir, name);
-    if (!spilled.ok()) {
-      return absl::Status(spilled.status().code(),
-                          absl::StrCat("pipeline.host_spill_dir: component '", name, "': ", spilled.status().message()));
-    }
-  }
+  if (!host_spill_dir.empty()) RETURN_IF_ERROR(spill(*module));
   ASSIGN_OR_RETURN(std::unique_ptr<Component> component, Component::Create(name, std::move(module), dtype));
   if (fp8) component->set_compute("fp8");
   // An 8-bit checkpoint: 8-bit group offloading in its format streams its bytes as stored.

@@ -8,6 +8,7 @@
 #include "models/core/fused_ops.h"
 
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <string>
 #include <tuple>
@@ -24,7 +25,9 @@
 #include "models/nets/zimage_transformer.h"
 #include "offload/compression.h"
 #include "offload/device_backend.h"
+#include "offload/host_spill.h"
 #include "offload/host_weights.h"
+#include "offload/safetensors.h"
 #include "tests/models/tiny_transformers.h"
 
 namespace stowage {
@@ -507,6 +510,66 @@ TEST_F(FusedKernelTest, AdjacentFp8LayersRunAsOneGemm) {
   }
   // A second conversion changes nothing and declares nothing twice.
   EXPECT_EQ(*ConvertBlockLinearsToFp8(root), 0);
+#else
+  GTEST_SKIP() << "no float8 in this LibTorch";
+#endif
+}
+
+// The server's host_spill_dir with FP8 compute: each block's FP8 copies move into a mapped file as
+// soon as that block is converted (ConvertBlockLinearsToFp8's after_block), before the next block
+// converts; the weights and the forward are those of a conversion without it, bit for bit.
+TEST_F(FusedKernelTest, Fp8BlocksSpillAsTheyConvertAndComputeTheSame) {
+#ifdef STOWAGE_HAS_FP8
+  ASSERT_TRUE(fused::Fp8Supported(c10::Device(at::kCUDA, 0)).ok());
+  auto build = [](Container& root) {
+    auto* blocks = root.AddChild("blocks", std::make_unique<Sequential>());
+    for (int b = 0; b < 3; ++b) {
+      auto* block = blocks->Add(std::make_unique<Container>("Block"));
+      block->AddChild("fc", std::make_unique<Linear>(256, 512, true, LayerOptions{at::kBFloat16}));
+    }
+    InitializeRandomWeights(root, 21);
+  };
+  Container plain("Root"), spilled("Root");
+  build(plain);
+  build(spilled);
+  ASSERT_EQ(*ConvertBlockLinearsToFp8(plain), 3);
+  std::string dir = ::testing::TempDir() + "/fp8spill.XXXXXX";
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  std::vector<std::string> seen;
+  auto after_block = [&](Module& block) -> absl::Status {
+    seen.push_back(block.path());
+    // The blocks not yet converted are still bf16 on the heap.
+    const auto& list = spilled.children().front().second->children();
+    for (size_t i = seen.size(); i < list.size(); ++i) {
+      EXPECT_EQ(list[i].second->children().front().second->slots().front().value.scalar_type(), at::kBFloat16);
+    }
+    return SpillHeapTensors(block, dir, "fp8").status();
+  };
+  ASSERT_EQ(*ConvertBlockLinearsToFp8(spilled, after_block), 3);
+  EXPECT_EQ(seen, (std::vector<std::string>{"blocks.0", "blocks.1", "blocks.2"}));
+  const auto& a = plain.children().front().second->children();
+  const auto& b = spilled.children().front().second->children();
+  for (size_t i = 0; i < a.size(); ++i) {
+    const auto& pa = a[i].second->children().front().second->slots();
+    const auto& pb = b[i].second->children().front().second->slots();
+    ASSERT_EQ(pa.size(), pb.size());
+    for (size_t s = 0; s < pa.size(); ++s) {
+      EXPECT_EQ(pa[s].value.scalar_type(), pb[s].value.scalar_type());
+      EXPECT_TRUE(at::equal(pa[s].value.view(at::kByte), pb[s].value.view(at::kByte))) << i << " " << pa[s].name;
+      if (pb[s].value.nbytes() >= 4096) {
+        EXPECT_FALSE(MappedFilesContaining({pb[s].value.data_ptr()}).empty()) << i << " " << pb[s].name;
+      }
+    }
+  }
+  OnCuda on_plain(plain), on_spilled(spilled);
+  c10::InferenceMode mode;
+  const at::Tensor x = Rand({2, 64, 256});
+  for (size_t i = 0; i < a.size(); ++i) {
+    auto* la = dynamic_cast<Linear*>(a[i].second->children().front().second);
+    auto* lb = dynamic_cast<Linear*>(b[i].second->children().front().second);
+    ASSERT_TRUE(la != nullptr && lb != nullptr);
+    EXPECT_TRUE(at::equal(la->Forward(x), lb->Forward(x))) << i;
+  }
 #else
   GTEST_SKIP() << "no float8 in this LibTorch";
 #endif

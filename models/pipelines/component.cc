@@ -15,8 +15,16 @@
 #include "absl/strings/str_cat.h"
 
 #include "base/status_macros.h"
+#include "offload/host_spill.h"
 
 namespace stowage {
+
+absl::Status SpillComponentHostCopies(Module& module, const std::string& dir, const std::string& component) {
+  absl::StatusOr<SpillStats> spilled = SpillHeapTensors(module, dir, component);
+  if (spilled.ok()) return absl::OkStatus();
+  return absl::Status(spilled.status().code(), absl::StrCat("pipeline.host_spill_dir: component '", component,
+                                                            "': ", spilled.status().message()));
+}
 
 absl::StatusOr<std::unique_ptr<Component>> Component::Create(std::string name,
                                                              std::unique_ptr<Module> root,

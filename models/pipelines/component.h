@@ -24,6 +24,11 @@
 
 namespace stowage {
 
+// PipelineConfig.host_spill_dir for a module being built into a component: its heap host tensors move
+// into a mapped file in `dir` (SpillHeapTensors, offload/host_spill.h); an error names the field and
+// the component ("pipeline.host_spill_dir: component 'transformer': ...").
+absl::Status SpillComponentHostCopies(Module& module, const std::string& dir, const std::string& component);
+
 class Component {
  public:
   // `root` must hold its weights as contiguous CPU tensors (they become the host copies).

@@ -18,7 +18,6 @@
 #include "models/core/diffusers_format.h"
 #include "models/core/layers.h"
 #include "models/core/weight_init.h"
-#include "offload/host_spill.h"
 
 namespace stowage {
 
@@ -51,12 +50,7 @@ absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name
   } else {
     RETURN_IF_ERROR(LoadComponentWeights(*module, dir, dtype, ignored, &quantization));
   }
-  auto spill = [&](Module& m) -> absl::Status {
-    absl::StatusOr<SpillStats> spilled = SpillHeapTensors(m, host_spill_dir, name);
-    if (spilled.ok()) return absl::OkStatus();
-    return absl::Status(spilled.status().code(),
-                        absl::StrCat("pipeline.host_spill_dir: component '", name, "': ", spilled.status().message()));
-  };
+  auto spill = [&](Module& m) { return SpillComponentHostCopies(m, host_spill_dir, name); };
   if (fp8) {
     absl::StatusOr<int64_t> converted = absl::InternalError("not converted");
     // With a spill directory each block's FP8 copies leave RAM before the next block converts, so

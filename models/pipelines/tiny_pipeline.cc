@@ -16,7 +16,6 @@
 #include "base/status_macros.h"
 #include "base/text.h"
 #include "models/core/config_checks.h"
-#include "offload/host_spill.h"
 
 namespace stowage {
 namespace {
@@ -158,13 +157,7 @@ absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name
     module = std::make_unique<T>(config, LayerOptions{options.dtype});
     InitializeRandomWeights(*module, ComponentSeed(options.component_seeds, name, options.weight_seed));
   }));
-  if (!options.host_spill_dir.empty()) {
-    absl::StatusOr<SpillStats> spilled = SpillHeapTensors(*module, options.host_spill_dir, name);
-    if (!spilled.ok()) {
-      return absl::Status(spilled.status().code(),
-                          absl::StrCat("pipeline.host_spill_dir: component '", name, "': ", spilled.status().message()));
-    }
-  }
+  if (!options.host_spill_dir.empty()) RETURN_IF_ERROR(SpillComponentHostCopies(*module, options.host_spill_dir, name));
   return Component::Create(name, std::move(module), options.dtype);
 }
 

@@ -59,6 +59,30 @@ TEST(TinyPipelineTest, SameSeedSameImageOtherSeedOtherImage) {
                                                     "transformer", "transformer", "vae"}));
 }
 
+// PipelineConfig.host_spill_dir: the same images from weights moved into a removed, mapped file;
+// a directory that is a file is refused by name.
+TEST(TinyPipelineTest, SpilledHostCopiesGiveTheSameImage) {
+  auto plain = CreateTinyPipeline({});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  std::string dir = ::testing::TempDir() + "/tiny_spill.XXXXXX";
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  TinyPipelineOptions options;
+  options.host_spill_dir = dir;
+  auto spilled = CreateTinyPipeline(options);
+  ASSERT_TRUE(spilled.ok()) << spilled.status();
+  HostRunner runner;
+  auto a = RunOnce(**plain, Params(7), runner);
+  auto b = RunOnce(**spilled, Params(7), runner);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->rgb, b->rgb);
+  options.host_spill_dir = "/proc/version";
+  auto refused = CreateTinyPipeline(options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(std::string(refused.status().message()).find("pipeline.host_spill_dir: component 'text_encoder'"),
+            std::string::npos)
+      << refused.status();
+}
+
 TEST(PreviewStepsTest, EvenlySpacedBeforeTheLastStepAndFewerWhenStepsAreFew) {
   EXPECT_EQ(PreviewSteps(0, 8), std::vector<int>{});
   EXPECT_EQ(PreviewSteps(1, 8), (std::vector<int>{4}));

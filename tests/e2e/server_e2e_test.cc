@@ -4,6 +4,8 @@
 #include <chrono>
 #include <memory>
 #include <regex>
+#include <cstdlib>
+#include <fstream>
 #include <string>
 #include <thread>
 
@@ -395,6 +397,55 @@ TEST(ServerGroupOffloadE2ETest, ConfiguredGroupOffloadKeepsTheImageAndLowersPeak
   EXPECT_EQ(a.image(), b.image());
   EXPECT_LT(b.stats().peak_device_memory_bytes(), a.stats().peak_device_memory_bytes());
   EXPECT_GT(b.stats().host_to_device_bytes(), 0);  // Groups stream in on every request.
+}
+
+// PipelineConfig.host_spill_dir on a real server: the random weights live in a removed, mapped file and
+// the image is the same; a directory that does not exist stops the start with the field named.
+TEST(ServerSpillE2ETest, SpilledHostCopiesServeTheSameImageAndABadDirectoryIsRefused) {
+  // Also counts this process's mappings of spill files (the server runs in it), removed ones included.
+  auto generate = [](const v1::ServerConfig& config, int* spill_mappings) {
+    auto server = StowageServer::Start(config);
+    EXPECT_TRUE(server.ok()) << server.status();
+    auto stub = v1::GenerationService::NewStub(
+        grpc::CreateChannel((*server)->grpc_address(), grpc::InsecureChannelCredentials()));
+    GenerateRequest request;
+    request.set_prompt("a lantern");
+    request.set_width(64);
+    request.set_height(64);
+    request.set_num_inference_steps(3);
+    request.set_seed(4);
+    GenerateResponse response;
+    grpc::ClientContext context;
+    EXPECT_TRUE(stub->Generate(&context, request, &response).ok());
+    std::ifstream maps("/proc/self/maps");
+    std::string line;
+    *spill_mappings = 0;
+    while (std::getline(maps, line)) *spill_mappings += line.find("/stowage-spill-") != std::string::npos;
+    return response;
+  };
+  v1::ServerConfig plain;
+  plain.set_grpc_address("127.0.0.1:0");
+  plain.set_metrics_address("none");
+  v1::ServerConfig spilled = plain;
+  v1::PipelineConfig* pipeline = spilled.add_pipelines();
+  pipeline->set_name(kDefaultPipelineName);
+  pipeline->set_builtin(kDefaultPipelineName);
+  std::string dir = ::testing::TempDir() + "/server_spill.XXXXXX";
+  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  pipeline->set_host_spill_dir(dir);
+  int plain_mappings = -1, spill_mappings = -1;
+  const GenerateResponse a = generate(plain, &plain_mappings);
+  const GenerateResponse b = generate(spilled, &spill_mappings);
+  EXPECT_EQ(plain_mappings, 0);
+  EXPECT_GE(spill_mappings, 3) << "each component's weights are views of its own spill file";
+  EXPECT_FALSE(a.image().empty());
+  EXPECT_EQ(a.image(), b.image());
+  EXPECT_EQ(std::system(("test -z \"$(ls -A '" + dir + "')\"").c_str()), 0) << "nothing is left in " << dir;
+
+  pipeline->set_host_spill_dir(dir + "/gone");
+  auto refused = StowageServer::Start(spilled);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(std::string(refused.status().message()).find("host_spill_dir"), std::string::npos) << refused.status();
 }
 
 // The budget covers what the GPU would see: the device's context counts against it, the reply's

@@ -159,7 +159,7 @@ spilled, plain = [json.loads(line) for line in open(sys.argv[1])]
 # Every tensor of 4 KiB or more (all but the small biases and norms).
 assert spilled["weight_bytes"] >= spilled["spilled_bytes"] >= 0.99 * spilled["weight_bytes"] > 0, spilled
 assert plain["spilled_bytes"] == 0, plain
-assert spilled["rss_after_prepare_bytes"] > 0 and plain["rss_after_prepare_bytes"] > 0
+assert 0 < spilled["rss_after_prepare_bytes"] < plain["rss_after_prepare_bytes"], (spilled, plain)
 assert spilled["rel_l2"] == plain["rel_l2"], (spilled["rel_l2"], plain["rel_l2"])
 print("ok: spilled", spilled["spilled_bytes"], "bytes; rss after prepare", spilled["rss_after_prepare_bytes"],
       "vs", plain["rss_after_prepare_bytes"])

@@ -1,12 +1,15 @@
 #include "offload/host_spill.h"
 
 #include <malloc.h>
+#include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
-#include <atomic>
+#include <cerrno>
 #include <chrono>
-#include <cstdio>
+#include <cstring>
 #include <map>
 #include <tuple>
 #include <utility>
@@ -39,6 +42,12 @@ Key KeyOf(const at::Tensor& t) {
           t.strides().vec()};
 }
 
+bool OnRamFilesystem(const std::string& dir) {
+  struct statfs fs;
+  if (::statfs(dir.c_str(), &fs) != 0) return false;
+  return fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC;
+}
+
 }  // namespace
 
 absl::StatusOr<SpillStats> SpillHeapTensors(Module& root, const std::string& dir, absl::string_view label,
@@ -49,6 +58,10 @@ absl::StatusOr<SpillStats> SpillHeapTensors(Module& root, const std::string& dir
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || ::access(dir.c_str(), W_OK | X_OK) != 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("spill directory '", dir, "' is not a writable directory"));
+  }
+  if (OnRamFilesystem(dir)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "spill directory '", dir, "' is on a tmpfs or ramfs: its files stay in RAM; choose one on a disk"));
   }
 
   // What to spill: each distinct CPU tensor outside every mapping, with the slots that view it.
@@ -85,18 +98,21 @@ absl::StatusOr<SpillStats> SpillHeapTensors(Module& root, const std::string& dir
     offset += static_cast<int64_t>(bytes.nbytes());
     stats.bytes += static_cast<int64_t>(bytes.nbytes());
   }
-  static std::atomic<int64_t> counter{0};
-  const std::string path = absl::StrCat(dir, "/stowage-spill-", SafeLabel(label), "-", ::getpid(), "-",
-                                        counter.fetch_add(1), ".safetensors");
-  absl::Status written = WriteSafetensors(path, tensors, {}, kAlign);
-  tensors.clear();
-  if (!written.ok()) {
-    std::remove(path.c_str());
-    return written;
+  // A name of its own (mkostemp), removed as soon as it exists: from then on only the descriptor and
+  // the mapping hold the file, so nothing is left behind whatever ends the process, and no other
+  // process (another container with the same pid, say) can reach it.
+  std::string path = absl::StrCat(dir, "/stowage-spill-", SafeLabel(label), "-XXXXXX");
+  const int fd = ::mkostemp(path.data(), O_CLOEXEC);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot create a file in spill directory '", dir, "': ", std::strerror(errno)));
   }
-  absl::StatusOr<std::shared_ptr<SafetensorsFile>> file = SafetensorsFile::Open(path);
-  // Removed at once: the mapping keeps the file's blocks while a tensor views it.
-  std::remove(path.c_str());
+  ::unlink(path.c_str());
+  const absl::Status written = WriteSafetensorsToDescriptor(fd, path, tensors, {}, kAlign);
+  tensors.clear();
+  absl::StatusOr<std::shared_ptr<SafetensorsFile>> file =
+      written.ok() ? SafetensorsFile::OpenDescriptor(fd, path) : absl::StatusOr<std::shared_ptr<SafetensorsFile>>(written);
+  ::close(fd);
   if (!file.ok()) return file.status();
 
   // Views first, so that nothing changes unless every one is there.
@@ -115,7 +131,9 @@ absl::StatusOr<SpillStats> SpillHeapTensors(Module& root, const std::string& dir
     }
   }
   spilled.clear();  // The last references to the heap copies the slots held.
-  ::malloc_trim(0);
+  // Blocks below glibc's mmap threshold go back to the system only when trimmed; a trim walks every
+  // arena, so not for a few small tensors.
+  if (stats.bytes >= (int64_t{16} << 20)) ::malloc_trim(0);
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return stats;
 }

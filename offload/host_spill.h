@@ -7,10 +7,11 @@
 // source of truth beside every other copy: FP8 compute streamed from an int4 copy held its FP8 host
 // copies (half the bf16 bytes) beside the int4 copy — 0.84x the bf16 weights above the base.
 //
-// The file is written under `dir` (a directory on a disk, not a tmpfs: a tmpfs holds it in RAM),
-// mapped, and removed at once: the mapping keeps its blocks until the last tensor viewing it is
-// freed, and nothing is left behind by a crash. The values are the same bytes (views of the
-// mapping, same dtypes, shapes and strides' contiguous layout).
+// The file is created under `dir` (a directory on a disk: a tmpfs or ramfs is refused, it would hold
+// the file in RAM) with a name of its own and removed at once, then written through its descriptor
+// and synced (a full disk shows as an error here, not as a fault later) and mapped: the mapping keeps
+// its blocks until the last tensor viewing it is freed, and nothing is left behind whatever ends the
+// process. The values are the same bytes (views of the mapping, same dtypes and shapes, contiguous).
 //
 // Thread-safety: none; for the thread that builds the module, before its HostWeights are captured.
 #ifndef STOWAGE_OFFLOAD_HOST_SPILL_H_
@@ -36,8 +37,8 @@ struct SpillStats {
 // the mapped copy. Slots viewing the same memory keep sharing it. `label` names the file (letters,
 // digits, '-', '_', '.'; others become '_'). Nothing to spill: OK with zero stats, no file.
 // Errors, with nothing changed: INVALID_ARGUMENT for an empty `dir`; FAILED_PRECONDITION when `dir`
-// is not a writable directory; RESOURCE_EXHAUSTED when the file cannot be written whole (disk full);
-// each names the directory or file.
+// is not a writable directory, is on a tmpfs or ramfs, or refuses a new file; RESOURCE_EXHAUSTED when
+// the file cannot be written whole and synced (disk full, I/O error); each names the directory or file.
 absl::StatusOr<SpillStats> SpillHeapTensors(Module& root, const std::string& dir, absl::string_view label,
                                             int64_t min_bytes = 4096);
 

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <atomic>
@@ -55,15 +56,23 @@ std::string SafetensorsDtypeName(at::ScalarType dtype) {
   }
 }
 
-absl::Status WriteSafetensors(const std::string& path,
-                              const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                              const std::map<std::string, std::string>& metadata, int64_t data_align) {
+namespace {
+
+// The bytes before the data (length and header, padded so the data starts at a multiple of
+// `data_align`), and each tensor contiguous, in order.
+struct Serialized {
+  std::string head;
+  std::vector<at::Tensor> contiguous;
+};
+
+absl::StatusOr<Serialized> Serialize(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                     const std::map<std::string, std::string>& metadata, int64_t data_align) {
   if (data_align < 8 || (data_align & (data_align - 1)) != 0) {
     return absl::InvalidArgumentError(absl::StrCat("safetensors data alignment ", data_align,
                                                    " is not a power of two of at least 8"));
   }
   google::protobuf::Struct header;
-  std::vector<at::Tensor> contiguous;
+  Serialized out;
   int64_t offset = 0;
   for (const auto& [name, tensor] : tensors) {
     if (!tensor.device().is_cpu()) {
@@ -79,7 +88,7 @@ absl::Status WriteSafetensors(const std::string& path,
     offset += static_cast<int64_t>(t.nbytes());
     offsets->add_values()->set_number_value(static_cast<double>(offset));
     *(*header.mutable_fields())[name].mutable_struct_value() = info;
-    contiguous.push_back(std::move(t));
+    out.contiguous.push_back(std::move(t));
   }
   if (!metadata.empty()) {
     auto* meta = (*header.mutable_fields())["__metadata__"].mutable_struct_value();
@@ -91,16 +100,25 @@ absl::Status WriteSafetensors(const std::string& path,
   }
   // The data section starts after the 8-byte length and the header: pad the header to align it.
   while ((8 + json.size()) % static_cast<size_t>(data_align) != 0) json.push_back(' ');
+  const uint64_t n = json.size();
+  out.head.resize(8);
+  for (int i = 0; i < 8; ++i) out.head[static_cast<size_t>(i)] = static_cast<char>((n >> (8 * i)) & 0xff);
+  out.head += json;
+  return out;
+}
+
+}  // namespace
+
+absl::Status WriteSafetensors(const std::string& path,
+                              const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                              const std::map<std::string, std::string>& metadata, int64_t data_align) {
+  ASSIGN_OR_RETURN(const Serialized serialized, Serialize(tensors, metadata, data_align));
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) return absl::PermissionDeniedError(absl::StrCat("cannot write '", tmp, "'"));
-    const uint64_t n = json.size();
-    char len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-    out.write(len, 8);
-    out.write(json.data(), static_cast<std::streamsize>(json.size()));
-    for (const at::Tensor& t : contiguous) {
+    out.write(serialized.head.data(), static_cast<std::streamsize>(serialized.head.size()));
+    for (const at::Tensor& t : serialized.contiguous) {
       out.write(static_cast<const char*>(t.data_ptr()), static_cast<std::streamsize>(t.nbytes()));
     }
     out.flush();
@@ -112,6 +130,34 @@ absl::Status WriteSafetensors(const std::string& path,
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     std::remove(tmp.c_str());
     return absl::PermissionDeniedError(absl::StrCat("cannot rename '", tmp, "' to '", path, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status WriteSafetensorsToDescriptor(int fd, const std::string& what,
+                                          const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                          const std::map<std::string, std::string>& metadata, int64_t data_align) {
+  ASSIGN_OR_RETURN(const Serialized serialized, Serialize(tensors, metadata, data_align));
+  auto write_all = [fd](const char* p, size_t n) {
+    while (n > 0) {
+      const ssize_t wrote = ::write(fd, p, n);
+      if (wrote < 0 && errno == EINTR) continue;
+      if (wrote <= 0) return false;
+      p += wrote;
+      n -= static_cast<size_t>(wrote);
+    }
+    return true;
+  };
+  bool ok = write_all(serialized.head.data(), serialized.head.size());
+  for (size_t i = 0; ok && i < serialized.contiguous.size(); ++i) {
+    const at::Tensor& t = serialized.contiguous[i];
+    ok = write_all(static_cast<const char*>(t.data_ptr()), t.nbytes());
+  }
+  // Written back before the caller frees what it wrote: a full disk shows here, not as a fault later.
+  if (ok && ::fdatasync(fd) != 0) ok = false;
+  if (!ok) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("writing '", what, "' failed: ", std::strerror(errno), " (disk full?)"));
   }
   return absl::OkStatus();
 }
@@ -378,20 +424,21 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsBytes(absl::string_view bytes,
 absl::StatusOr<std::shared_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return absl::NotFoundError(absl::StrCat("cannot open '", path, "'"));
+  absl::StatusOr<std::shared_ptr<SafetensorsFile>> file = OpenDescriptor(fd, path);
+  ::close(fd);
+  return file;
+}
+
+absl::StatusOr<std::shared_ptr<SafetensorsFile>> SafetensorsFile::OpenDescriptor(int fd, const std::string& path) {
   struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    ::close(fd);
-    return absl::InternalError(absl::StrCat("cannot stat '", path, "'"));
-  }
+  if (::fstat(fd, &st) != 0) return absl::InternalError(absl::StrCat("cannot stat '", path, "'"));
   const int64_t size = st.st_size;
   const std::string what = absl::StrCat("safetensors file '", path, "'");
   if (size < 8) {
-    ::close(fd);
     return absl::InvalidArgumentError(absl::StrCat(what, ": shorter than its 8-byte header length (truncated?)"));
   }
   InstallSigbusHandlerOnce();
   void* mapping = ::mmap(nullptr, static_cast<size_t>(size), PROT_READ, MAP_SHARED, fd, 0);
-  ::close(fd);
   if (mapping == MAP_FAILED) return absl::InternalError(absl::StrCat("cannot mmap '", path, "'"));
   std::shared_ptr<SafetensorsFile> file(new SafetensorsFile());
   file->self_ = file;

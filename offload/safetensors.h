@@ -81,6 +81,14 @@ absl::Status WriteSafetensors(const std::string& path,
                               const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                               const std::map<std::string, std::string>& metadata = {}, int64_t data_align = 8);
 
+// The same bytes written to an open file descriptor from its current offset (e.g. a file created
+// and removed at once, which only the descriptor and its mappings then hold), then fdatasync'd.
+// RESOURCE_EXHAUSTED naming `what` when a write or the sync fails (disk full, I/O error).
+absl::Status WriteSafetensorsToDescriptor(int fd, const std::string& what,
+                                          const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                          const std::map<std::string, std::string>& metadata = {},
+                                          int64_t data_align = 8);
+
 class SafetensorsFile {
  public:
   using TensorInfo = SafetensorsTensorInfo;
@@ -88,6 +96,9 @@ class SafetensorsFile {
   // Maps and validates the file (ParseSafetensorsBytes): header size, JSON, dtypes, shapes against
   // byte ranges, ranges inside the file. Errors name the file and the tensor.
   static absl::StatusOr<std::shared_ptr<SafetensorsFile>> Open(const std::string& path);
+  // Open for a file already open as `fd` (read access; the caller keeps and closes it: the mapping
+  // outlives it); `path` names it in errors and in CheckUnchanged (a removed path counts as unchanged).
+  static absl::StatusOr<std::shared_ptr<SafetensorsFile>> OpenDescriptor(int fd, const std::string& path);
   ~SafetensorsFile();
 
   const std::string& path() const { return path_; }

@@ -1,6 +1,8 @@
 #include "runtime/config.h"
 
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -314,6 +316,12 @@ absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& fi
     if (::access(p.host_spill_dir().c_str(), W_OK | X_OK) != 0) {
       return absl::PermissionDeniedError(
           absl::StrCat(entry, ": cannot write in ", Quoted(p.host_spill_dir(), kEchoedPathBytes)));
+    }
+    struct statfs fs;
+    if (::statfs(p.host_spill_dir().c_str(), &fs) == 0 && (fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC)) {
+      return absl::InvalidArgumentError(absl::StrCat(entry, ": ", Quoted(p.host_spill_dir(), kEchoedPathBytes),
+                                                     " is on a tmpfs or ramfs, which keeps its files in RAM; "
+                                                     "choose a directory on a disk"));
     }
   }
   for (const auto& [component, seed] : p.component_weight_seeds()) {

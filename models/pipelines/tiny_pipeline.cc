@@ -201,6 +201,7 @@ absl::StatusOr<std::unique_ptr<Component>> LoadComponent(const std::string& dir,
   } else {
     RETURN_IF_ERROR(LoadComponentWeights(*module, component_dir, options.dtype));
   }
+  if (!options.host_spill_dir.empty()) RETURN_IF_ERROR(SpillComponentHostCopies(*module, options.host_spill_dir, name));
   return Component::Create(name, std::move(module), options.dtype);
 }
 

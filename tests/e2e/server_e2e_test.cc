@@ -19,6 +19,7 @@
 #include "server/server.h"
 #include "stowage/v1/admin.grpc.pb.h"
 #include "stowage/v1/generation.grpc.pb.h"
+#include "tests/offload/spill_dir.h"
 #include "tests/e2e/http_get.h"
 
 namespace stowage {
@@ -406,6 +407,7 @@ TEST(ServerSpillE2ETest, SpilledHostCopiesServeTheSameImageAndABadDirectoryIsRef
   auto generate = [](const v1::ServerConfig& config, int* spill_mappings) {
     auto server = StowageServer::Start(config);
     EXPECT_TRUE(server.ok()) << server.status();
+    if (!server.ok()) return GenerateResponse();
     auto stub = v1::GenerationService::NewStub(
         grpc::CreateChannel((*server)->grpc_address(), grpc::InsecureChannelCredentials()));
     GenerateRequest request;
@@ -430,8 +432,8 @@ TEST(ServerSpillE2ETest, SpilledHostCopiesServeTheSameImageAndABadDirectoryIsRef
   v1::PipelineConfig* pipeline = spilled.add_pipelines();
   pipeline->set_name(kDefaultPipelineName);
   pipeline->set_builtin(kDefaultPipelineName);
-  std::string dir = ::testing::TempDir() + "/server_spill.XXXXXX";
-  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string dir = MakeSpillTestDir();
+  ASSERT_FALSE(dir.empty());
   pipeline->set_host_spill_dir(dir);
   int plain_mappings = -1, spill_mappings = -1;
   const GenerateResponse a = generate(plain, &plain_mappings);

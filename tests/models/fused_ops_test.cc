@@ -28,6 +28,7 @@
 #include "offload/host_spill.h"
 #include "offload/host_weights.h"
 #include "offload/safetensors.h"
+#include "tests/offload/spill_dir.h"
 #include "tests/models/tiny_transformers.h"
 
 namespace stowage {
@@ -533,8 +534,8 @@ TEST_F(FusedKernelTest, Fp8BlocksSpillAsTheyConvertAndComputeTheSame) {
   build(plain);
   build(spilled);
   ASSERT_EQ(*ConvertBlockLinearsToFp8(plain), 3);
-  std::string dir = ::testing::TempDir() + "/fp8spill.XXXXXX";
-  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string dir = MakeSpillTestDir();
+  ASSERT_FALSE(dir.empty());
   std::vector<std::string> seen;
   auto after_block = [&](Module& block) -> absl::Status {
     seen.push_back(block.path());

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cmath>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
@@ -11,6 +12,7 @@
 #include "absl/time/clock.h"
 #include <gtest/gtest.h>
 
+#include "tests/offload/spill_dir.h"
 #include "tests/models/host_runner.h"
 
 #include "models/tokenizers/byte_tokenizer.h"
@@ -64,12 +66,19 @@ TEST(TinyPipelineTest, SameSeedSameImageOtherSeedOtherImage) {
 TEST(TinyPipelineTest, SpilledHostCopiesGiveTheSameImage) {
   auto plain = CreateTinyPipeline({});
   ASSERT_TRUE(plain.ok()) << plain.status();
-  std::string dir = ::testing::TempDir() + "/tiny_spill.XXXXXX";
-  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string dir = MakeSpillTestDir();
+  ASSERT_FALSE(dir.empty());
   TinyPipelineOptions options;
   options.host_spill_dir = dir;
   auto spilled = CreateTinyPipeline(options);
   ASSERT_TRUE(spilled.ok()) << spilled.status();
+  {  // Every component's weights view a removed spill file (the mappings of this process).
+    std::ifstream maps("/proc/self/maps");
+    std::string line;
+    int mappings = 0;
+    while (std::getline(maps, line)) mappings += line.find(dir + "/stowage-spill-") != std::string::npos;
+    EXPECT_GE(mappings, 3);
+  }
   HostRunner runner;
   auto a = RunOnce(**plain, Params(7), runner);
   auto b = RunOnce(**spilled, Params(7), runner);

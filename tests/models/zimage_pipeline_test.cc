@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "models/core/layers.h"
+#include "tests/offload/spill_dir.h"
 #include "tests/models/host_runner.h"
 
 #include "base/status_macros.h"
@@ -65,12 +66,19 @@ TEST(ZImagePipelineTest, HostCopiesSpilledToAFileGiveTheSameImages) {
   options.dtype = at::kFloat;
   auto plain = CreateTinyZImagePipeline(options);
   ASSERT_TRUE(plain.ok()) << plain.status();
-  std::string dir = ::testing::TempDir() + "/spill.XXXXXX";
-  ASSERT_NE(::mkdtemp(dir.data()), nullptr);
+  const std::string dir = MakeSpillTestDir();
+  ASSERT_FALSE(dir.empty());
   options.host_spill_dir = dir;
   auto spilled = CreateTinyZImagePipeline(options);
   ASSERT_TRUE(spilled.ok()) << spilled.status();
   EXPECT_EQ(std::system(("test -z \"$(ls -A '" + dir + "')\"").c_str()), 0) << "the spill files are removed";
+  {  // Every component's weights view a removed spill file (the mappings of this process).
+    std::ifstream maps("/proc/self/maps");
+    std::string line;
+    int mappings = 0;
+    while (std::getline(maps, line)) mappings += line.find(dir + "/stowage-spill-") != std::string::npos;
+    EXPECT_GE(mappings, 3);
+  }
   auto a = Draw(**plain, 1.5f, 3);
   auto b = Draw(**spilled, 1.5f, 3);
   ASSERT_TRUE(a.ok() && b.ok());

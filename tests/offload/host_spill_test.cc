@@ -1,6 +1,9 @@
 #include "offload/host_spill.h"
 
 #include <dirent.h>
+#include <linux/magic.h>
+#include <sys/vfs.h>
+#include <unistd.h>
 #include <stdlib.h>
 
 #include <memory>
@@ -12,16 +15,13 @@
 
 #include "base/process_memory.h"
 #include "offload/safetensors.h"
+#include "tests/offload/spill_dir.h"
 #include "tests/offload/stack_model.h"
 
 namespace stowage {
 namespace {
 
-std::string MakeTempDir() {
-  std::string tmpl = ::testing::TempDir() + "/spill.XXXXXX";
-  char* made = ::mkdtemp(tmpl.data());
-  return made == nullptr ? std::string() : std::string(made);
-}
+std::string MakeTempDir() { return MakeSpillTestDir(); }
 
 int FilesIn(const std::string& dir) {
   int n = 0;
@@ -145,6 +145,15 @@ TEST(HostSpillTest, ABadDirectoryIsRefusedByNameAndChangesNothing) {
 
   EXPECT_EQ(root.slots()[0].value.data_ptr(), was);
   EXPECT_EQ(FilesIn(dir), 1);
+
+  // A tmpfs would keep the "spilled" bytes in RAM: refused by name.
+  struct statfs fs;
+  if (::statfs("/dev/shm", &fs) == 0 && fs.f_type == TMPFS_MAGIC && ::access("/dev/shm", W_OK) == 0) {
+    absl::StatusOr<SpillStats> ram = SpillHeapTensors(root, "/dev/shm", "x");
+    EXPECT_EQ(ram.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(ram.status().message().find("tmpfs or ramfs"), std::string::npos) << ram.status();
+    EXPECT_EQ(root.slots()[0].value.data_ptr(), was);
+  }
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "runtime/config.h"
 
+#include <sys/vfs.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -590,6 +592,17 @@ TEST(ConfigFilesTest, ModelDirAndTlsFilesAreCheckedNamingTheirFields) {
   good.mutable_tls()->set_cert_file(cert);
   good.mutable_tls()->set_key_file(key);
   EXPECT_TRUE(FinalizeServerConfig(good).ok()) << FinalizeServerConfig(good).status();
+  // host_spill_dir: a directory on a disk is taken; a tmpfs (RAM) is refused by name.
+  p->set_host_spill_dir(".");
+  EXPECT_TRUE(FinalizeServerConfig(good).ok()) << FinalizeServerConfig(good).status();
+  struct statfs fs;
+  if (::statfs("/dev/shm", &fs) == 0 && fs.f_type == TMPFS_MAGIC && ::access("/dev/shm", W_OK | X_OK) == 0) {
+    p->set_host_spill_dir("/dev/shm");
+    auto ram = FinalizeServerConfig(good);
+    EXPECT_EQ(ram.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(ram.status().message(), "pipelines[0].host_spill_dir: '/dev/shm' is on a tmpfs or ramfs, which keeps "
+                                      "its files in RAM; choose a directory on a disk");
+  }
 }
 
 TEST(ConfigFilesTest, HttpAddressNoneAndEmptyBothDisableTheHttpFront) {

@@ -6,6 +6,7 @@
 #include <regex>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -363,25 +364,33 @@ TEST_F(ServerE2ETest, MetricsPageHoldsTheRequestsValues) {
   EXPECT_GT(value("stowage_process_resident_memory_bytes"), 1 << 20);
 }
 
+// Starts a server with `config`, sends the same 64x64 3-step request `requests` times and returns the
+// last reply; `while_serving` runs before the server stops.
+GenerateResponse GenerateLantern(const v1::ServerConfig& config, int requests,
+                                 const std::function<void()>& while_serving = nullptr) {
+  auto server = StowageServer::Start(config);
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return GenerateResponse();
+  auto stub = v1::GenerationService::NewStub(
+      grpc::CreateChannel((*server)->grpc_address(), grpc::InsecureChannelCredentials()));
+  GenerateRequest request;
+  request.set_prompt("a lantern");
+  request.set_width(64);
+  request.set_height(64);
+  request.set_num_inference_steps(3);
+  request.set_seed(4);
+  GenerateResponse response;
+  for (int i = 0; i < requests; ++i) {
+    grpc::ClientContext context;
+    EXPECT_TRUE(stub->Generate(&context, request, &response).ok());
+  }
+  if (while_serving) while_serving();
+  return response;
+}
+
 TEST(ServerGroupOffloadE2ETest, ConfiguredGroupOffloadKeepsTheImageAndLowersPeakDeviceMemory) {
-  auto generate = [](const v1::ServerConfig& config) {
-    auto server = StowageServer::Start(config);
-    EXPECT_TRUE(server.ok()) << server.status();
-    auto stub = v1::GenerationService::NewStub(
-        grpc::CreateChannel((*server)->grpc_address(), grpc::InsecureChannelCredentials()));
-    GenerateRequest request;
-    request.set_prompt("a lantern");
-    request.set_width(64);
-    request.set_height(64);
-    request.set_num_inference_steps(3);
-    request.set_seed(4);
-    GenerateResponse response;
-    for (int i = 0; i < 2; ++i) {  // The second request sees the steady state.
-      grpc::ClientContext context;
-      EXPECT_TRUE(stub->Generate(&context, request, &response).ok());
-    }
-    return response;
-  };
+  // The second request sees the steady state.
+  auto generate = [](const v1::ServerConfig& config) { return GenerateLantern(config, 2); };
   v1::ServerConfig plain;
   plain.set_grpc_address("127.0.0.1:0");
   plain.set_metrics_address("none");
@@ -403,27 +412,9 @@ TEST(ServerGroupOffloadE2ETest, ConfiguredGroupOffloadKeepsTheImageAndLowersPeak
 // PipelineConfig.host_spill_dir on a real server: the random weights live in a removed, mapped file and
 // the image is the same; a directory that does not exist stops the start with the field named.
 TEST(ServerSpillE2ETest, SpilledHostCopiesServeTheSameImageAndABadDirectoryIsRefused) {
-  // Also counts this process's mappings of spill files (the server runs in it), removed ones included.
-  auto generate = [](const v1::ServerConfig& config, int* spill_mappings) {
-    auto server = StowageServer::Start(config);
-    EXPECT_TRUE(server.ok()) << server.status();
-    if (!server.ok()) return GenerateResponse();
-    auto stub = v1::GenerationService::NewStub(
-        grpc::CreateChannel((*server)->grpc_address(), grpc::InsecureChannelCredentials()));
-    GenerateRequest request;
-    request.set_prompt("a lantern");
-    request.set_width(64);
-    request.set_height(64);
-    request.set_num_inference_steps(3);
-    request.set_seed(4);
-    GenerateResponse response;
-    grpc::ClientContext context;
-    EXPECT_TRUE(stub->Generate(&context, request, &response).ok());
-    std::ifstream maps("/proc/self/maps");
-    std::string line;
-    *spill_mappings = 0;
-    while (std::getline(maps, line)) *spill_mappings += line.find("/stowage-spill-") != std::string::npos;
-    return response;
+  // Also counts this process's mappings of spill files (the server runs in it).
+  auto generate = [](const v1::ServerConfig& config, const std::string& dir, int* spill_mappings) {
+    return GenerateLantern(config, 1, [&] { *spill_mappings = CountSpillMappings(dir); });
   };
   v1::ServerConfig plain;
   plain.set_grpc_address("127.0.0.1:0");
@@ -436,8 +427,8 @@ TEST(ServerSpillE2ETest, SpilledHostCopiesServeTheSameImageAndABadDirectoryIsRef
   ASSERT_FALSE(dir.empty());
   pipeline->set_host_spill_dir(dir);
   int plain_mappings = -1, spill_mappings = -1;
-  const GenerateResponse a = generate(plain, &plain_mappings);
-  const GenerateResponse b = generate(spilled, &spill_mappings);
+  const GenerateResponse a = generate(plain, dir, &plain_mappings);
+  const GenerateResponse b = generate(spilled, dir, &spill_mappings);
   EXPECT_EQ(plain_mappings, 0);
   EXPECT_GE(spill_mappings, 3) << "each component's weights are views of its own spill file";
   EXPECT_FALSE(a.image().empty());

@@ -72,13 +72,7 @@ TEST(TinyPipelineTest, SpilledHostCopiesGiveTheSameImage) {
   options.host_spill_dir = dir;
   auto spilled = CreateTinyPipeline(options);
   ASSERT_TRUE(spilled.ok()) << spilled.status();
-  {  // Every component's weights view a removed spill file (the mappings of this process).
-    std::ifstream maps("/proc/self/maps");
-    std::string line;
-    int mappings = 0;
-    while (std::getline(maps, line)) mappings += line.find(dir + "/stowage-spill-") != std::string::npos;
-    EXPECT_GE(mappings, 3);
-  }
+  EXPECT_GE(CountSpillMappings(dir), 3) << "every component's weights view a removed spill file";
   HostRunner runner;
   auto a = RunOnce(**plain, Params(7), runner);
   auto b = RunOnce(**spilled, Params(7), runner);

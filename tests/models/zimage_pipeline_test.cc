@@ -72,13 +72,7 @@ TEST(ZImagePipelineTest, HostCopiesSpilledToAFileGiveTheSameImages) {
   auto spilled = CreateTinyZImagePipeline(options);
   ASSERT_TRUE(spilled.ok()) << spilled.status();
   EXPECT_EQ(std::system(("test -z \"$(ls -A '" + dir + "')\"").c_str()), 0) << "the spill files are removed";
-  {  // Every component's weights view a removed spill file (the mappings of this process).
-    std::ifstream maps("/proc/self/maps");
-    std::string line;
-    int mappings = 0;
-    while (std::getline(maps, line)) mappings += line.find(dir + "/stowage-spill-") != std::string::npos;
-    EXPECT_GE(mappings, 3);
-  }
+  EXPECT_GE(CountSpillMappings(dir), 3) << "every component's weights view a removed spill file";
   auto a = Draw(**plain, 1.5f, 3);
   auto b = Draw(**spilled, 1.5f, 3);
   ASSERT_TRUE(a.ok() && b.ok());

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <sys/vfs.h>
 
+#include <fstream>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -28,6 +29,16 @@ inline std::string MakeSpillTestDir() {
     return ::realpath(dir.c_str(), absolute) != nullptr ? std::string(absolute) : dir;
   }
   return "";
+}
+
+// This process's mappings of spill files created in `dir` (removed ones included): the host copies that
+// view them.
+inline int CountSpillMappings(const std::string& dir) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  int mappings = 0;
+  while (std::getline(maps, line)) mappings += line.find(dir + "/stowage-spill-") != std::string::npos;
+  return mappings;
 }
 
 }  // namespace stowage

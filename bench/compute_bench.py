@@ -397,6 +397,8 @@ def compressed_rows(args, model_name, rows):
             name += f"_d{r['prefetch_depth']}"
         if r.get("compute_priority") == "high":
             name += "_high"
+        if r.get("spilled_bytes"):
+            name += "_spill"
         out = {"bench": "compressed", "system": "stowage", "model": model_name, "row": name,
                "compute": r["mode"], "step_s": r["step_s"], "resident_bf16_step_s": bf16[0] if bf16 else None,
                "resident_fast_step_s": fast["step_s"], "resident_fast_mode": fast["mode"],
@@ -418,6 +420,13 @@ def compressed_rows(args, model_name, rows):
                "base_rss_warm_bytes": r.get("base_rss_warm_bytes"),
                "rss_above_warm_base_x_bf16": round((r["peak_rss_bytes"] - r["base_rss_warm_bytes"]) / bf16_bytes, 3)
                if r.get("peak_rss_bytes") and r.get("base_rss_warm_bytes") else None,
+               # Once the copies are prepared, before any forward (the peak above includes preparing's
+               # transients): above the warm base. With --spill_dir, the bytes moved into a mapped file.
+               "rss_after_prepare_bytes": r.get("rss_after_prepare_bytes"),
+               "rss_after_prepare_above_warm_base_x_bf16": round(
+                   (r["rss_after_prepare_bytes"] - r["base_rss_warm_bytes"]) / bf16_bytes, 3)
+               if r.get("rss_after_prepare_bytes") and r.get("base_rss_warm_bytes") else None,
+               "spilled_bytes": r.get("spilled_bytes"),
                "prepare_s": r.get("prepare_s"), "page_cache_read_s": r.get("page_cache_read_s"),
                "prepare_x_read": round(r["prepare_s"] / r["page_cache_read_s"], 2)
                if r.get("prepare_s") and r.get("page_cache_read_s") else None,

@@ -64,7 +64,7 @@ for line in open(sys.argv[1]):
     elif r["bench"] == "compressed":
         print(f"{r['model']:7s} compressed {r['row']:18s} step {r['step_s']:.4f} s floor {r['floor_s'] or 0:.4f} "
               f"x_floor {r['x_floor']} x_fast {r['x_fast']} ({r['resident_fast_mode']} {r['resident_fast_step_s']:.4f}) "
-              f"rel_l2 {r['rel_l2']:.4g} rss/bf16 {r['rss_above_base_x_bf16']} (warm base {r.get('rss_above_warm_base_x_bf16')}) prepare {r['prepare_s']} (x{r.get('prepare_x_read')} a page-cache read; fp8 {r.get('prepare_fp8_s')} pin {r.get('prepare_pin_alloc_s')} quantize {r.get('prepare_quantize_s')})")
+              f"rel_l2 {r['rel_l2']:.4g} rss/bf16 {r['rss_above_base_x_bf16']} (warm base {r.get('rss_above_warm_base_x_bf16')}; after preparing {r.get('rss_after_prepare_above_warm_base_x_bf16')}) prepare {r['prepare_s']} (x{r.get('prepare_x_read')} a page-cache read; fp8 {r.get('prepare_fp8_s')} pin {r.get('prepare_pin_alloc_s')} quantize {r.get('prepare_quantize_s')})")
     else:
         print(f"e2e {r['system']:18s} {r.get('mode', 'bf16'):5s} {r.get('format', 'png'):8s} warm {r['warm_s']:.3f} s "
               f"first {r['first_s']:.3f} s png {r.get('png_s', 0):.3f} s load {r.get('load_s', 0):.1f} s")

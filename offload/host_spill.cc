@@ -42,13 +42,13 @@ Key KeyOf(const at::Tensor& t) {
           t.strides().vec()};
 }
 
+}  // namespace
+
 bool OnRamFilesystem(const std::string& dir) {
   struct statfs fs;
   if (::statfs(dir.c_str(), &fs) != 0) return false;
   return fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC;
 }
-
-}  // namespace
 
 absl::StatusOr<SpillStats> SpillHeapTensors(Module& root, const std::string& dir, absl::string_view label,
                                             int64_t min_bytes) {

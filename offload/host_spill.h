@@ -42,6 +42,10 @@ struct SpillStats {
 absl::StatusOr<SpillStats> SpillHeapTensors(Module& root, const std::string& dir, absl::string_view label,
                                             int64_t min_bytes = 4096);
 
+// True when `dir` is on a tmpfs or ramfs (its files live in RAM: spilling there saves nothing); false
+// for a disk, or when it cannot be asked.
+bool OnRamFilesystem(const std::string& dir);
+
 }  // namespace stowage
 
 #endif  // STOWAGE_OFFLOAD_HOST_SPILL_H_

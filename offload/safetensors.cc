@@ -111,8 +111,8 @@ absl::StatusOr<Serialized> Serialize(const std::vector<std::pair<std::string, at
 
 absl::Status WriteSafetensors(const std::string& path,
                               const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                              const std::map<std::string, std::string>& metadata, int64_t data_align) {
-  ASSIGN_OR_RETURN(const Serialized serialized, Serialize(tensors, metadata, data_align));
+                              const std::map<std::string, std::string>& metadata) {
+  ASSIGN_OR_RETURN(const Serialized serialized, Serialize(tensors, metadata, 8));
   const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);

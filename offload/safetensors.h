@@ -75,15 +75,15 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(absl::string_view json,
 absl::StatusOr<SafetensorsHeader> ParseSafetensorsBytes(absl::string_view bytes, absl::string_view what);
 
 // Writes `tensors` (CPU, any layout; written contiguous) to `path` atomically (temp file + rename).
-// The header is padded with spaces so that the data section starts at a multiple of `data_align`
-// bytes from the file's start (a power of two, at least 8; the format's 8 by default).
 absl::Status WriteSafetensors(const std::string& path,
                               const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                              const std::map<std::string, std::string>& metadata = {}, int64_t data_align = 8);
+                              const std::map<std::string, std::string>& metadata = {});
 
-// The same bytes written to an open file descriptor from its current offset (e.g. a file created
-// and removed at once, which only the descriptor and its mappings then hold), then fdatasync'd.
-// RESOURCE_EXHAUSTED naming `what` when a write or the sync fails (disk full, I/O error).
+// The same format written to an open file descriptor from its current offset (e.g. a file created
+// and removed at once, which only the descriptor and its mappings then hold), then fdatasync'd. The
+// header is padded with spaces so that the data section starts at a multiple of `data_align` bytes
+// from the file's start (a power of two, at least 8: INVALID_ARGUMENT otherwise; the format's 8 by
+// default). RESOURCE_EXHAUSTED naming `what` when a write or the sync fails (disk full, I/O error).
 absl::Status WriteSafetensorsToDescriptor(int fd, const std::string& what,
                                           const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                           const std::map<std::string, std::string>& metadata = {},

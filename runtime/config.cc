@@ -1,8 +1,6 @@
 #include "runtime/config.h"
 
-#include <linux/magic.h>
 #include <sys/stat.h>
-#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +14,7 @@
 #include <sstream>
 #include <vector>
 
+#include "offload/host_spill.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -317,8 +316,7 @@ absl::Status FinalizePipelineConfig(v1::PipelineConfig& p, const std::string& fi
       return absl::PermissionDeniedError(
           absl::StrCat(entry, ": cannot write in ", Quoted(p.host_spill_dir(), kEchoedPathBytes)));
     }
-    struct statfs fs;
-    if (::statfs(p.host_spill_dir().c_str(), &fs) == 0 && (fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC)) {
+    if (OnRamFilesystem(p.host_spill_dir())) {
       return absl::InvalidArgumentError(absl::StrCat(entry, ": ", Quoted(p.host_spill_dir(), kEchoedPathBytes),
                                                      " is on a tmpfs or ramfs, which keeps its files in RAM; "
                                                      "choose a directory on a disk"));

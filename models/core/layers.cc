@@ -287,7 +287,6 @@ absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root,
     }
   };
   for (Module* child : NearestBlockLists(root)) {
-    convert(*child);  // The list itself (a ModuleList holds no layers of its own).
     for (const auto& [name, block] : child->children()) {
       block->ForEachModule(convert);
       if (!status.ok()) return status;

@@ -38,17 +38,22 @@ int64_t RssFileBytes() {
 TEST(SafetensorsTest, TheDataSectionStartsAtTheAlignmentAskedFor) {
   const std::string path = ::testing::TempDir() + "/aligned.safetensors";
   const at::Tensor x = at::arange(10, at::kFloat);
+  auto write = [&](int64_t align) {
+    const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    EXPECT_GE(fd, 0);
+    const absl::Status status =
+        WriteSafetensorsToDescriptor(fd, path, {{"x", x}, {"name that makes the header longer", x}}, {}, align);
+    ::close(fd);
+    return status;
+  };
   for (int64_t align : {8, 64, 4096}) {
-    ASSERT_TRUE(WriteSafetensors(path, {{"x", x}, {"name that makes the header longer", x}}, {}, align).ok());
+    ASSERT_TRUE(write(align).ok());
     auto file = SafetensorsFile::Open(path);
     ASSERT_TRUE(file.ok()) << file.status();
     EXPECT_EQ(((*file)->data() - static_cast<const uint8_t*>((*file)->mapping())) % align, 0) << align;
     EXPECT_TRUE(at::equal(*(*file)->Get("x"), x));
   }
-  for (int64_t bad : {0, 4, 24}) {
-    const absl::Status status = WriteSafetensors(path, {{"x", x}}, {}, bad);
-    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad;
-  }
+  for (int64_t bad : {0, 4, 24}) EXPECT_EQ(write(bad).code(), absl::StatusCode::kInvalidArgument) << bad;
 }
 
 TEST(SafetensorsTest, RoundTripIsZeroCopyAndExact) {

@@ -5,24 +5,20 @@
 #define STOWAGE_TESTS_OFFLOAD_SPILL_DIR_H_
 
 #include <limits.h>
-#include <linux/magic.h>
 #include <stdlib.h>
-#include <sys/vfs.h>
 
 #include <fstream>
 #include <string>
 
 #include <gtest/gtest.h>
 
+#include "offload/host_spill.h"
+
 namespace stowage {
 
 inline std::string MakeSpillTestDir() {
-  auto on_ram = [](const std::string& dir) {
-    struct statfs fs;
-    return ::statfs(dir.c_str(), &fs) == 0 && (fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC);
-  };
   for (std::string base : {::testing::TempDir(), std::string(".")}) {
-    if (base.empty() || on_ram(base)) continue;
+    if (base.empty() || OnRamFilesystem(base)) continue;
     std::string dir = base + "/spill.XXXXXX";
     if (::mkdtemp(dir.data()) == nullptr) continue;
     char absolute[PATH_MAX];

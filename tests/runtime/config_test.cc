@@ -592,9 +592,15 @@ TEST(ConfigFilesTest, ModelDirAndTlsFilesAreCheckedNamingTheirFields) {
   good.mutable_tls()->set_cert_file(cert);
   good.mutable_tls()->set_key_file(key);
   EXPECT_TRUE(FinalizeServerConfig(good).ok()) << FinalizeServerConfig(good).status();
-  // host_spill_dir: a directory on a disk is taken; a tmpfs (RAM) is refused by name.
+  // host_spill_dir: a directory on a disk is taken; a tmpfs (RAM) is refused by name, and so is a path
+  // longer than any the system takes (echoed shortened).
   p->set_host_spill_dir(".");
   EXPECT_TRUE(FinalizeServerConfig(good).ok()) << FinalizeServerConfig(good).status();
+  p->set_host_spill_dir("/" + std::string(20000, 'd'));
+  auto huge = FinalizeServerConfig(good);
+  EXPECT_FALSE(huge.ok());
+  EXPECT_EQ(huge.status().message().rfind("pipelines[0].host_spill_dir: ", 0), 0u) << huge.status();
+  EXPECT_LT(huge.status().message().size(), 400u) << huge.status();
   struct statfs fs;
   if (::statfs("/dev/shm", &fs) == 0 && fs.f_type == TMPFS_MAGIC && ::access("/dev/shm", W_OK | X_OK) == 0) {
     p->set_host_spill_dir("/dev/shm");

@@ -522,6 +522,17 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
   ASSIGN_OR_RETURN(BenchModel bench, MakeModel(shape, backend, dtype));
   result.model = bench.model_name;
   Module& model = *bench.root;
+  // --spill_dir: a module's tensors that no file holds move into a mapped file, as the server does with
+  // host_spill_dir — with FP8 compute each block as it converts (the conversion never holds all of
+  // them), then whatever is left.
+  std::function<absl::Status(Module&)> spill;
+  if (!absl::GetFlag(FLAGS_spill_dir).empty()) {
+    spill = [&result](Module& m) -> absl::Status {
+      ASSIGN_OR_RETURN(const SpillStats spilled, SpillHeapTensors(m, absl::GetFlag(FLAGS_spill_dir), "bench"));
+      result.spilled_bytes += spilled.bytes;
+      return absl::OkStatus();
+    };
+  }
   if (absl::GetFlag(FLAGS_compute) == "fp8") {
     // FP8 compute: the blocks' linear layers become FP8 on the host before their host copies are
     // taken, as the server does at load (PipelineConfig.compute). Resident, the onload places the
@@ -536,29 +547,17 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     RETURN_IF_ERROR(fused::Fp8Supported(backend.torch_device()));
     const auto start = std::chrono::steady_clock::now();
     c10::InferenceMode guard;
-    // With --spill_dir each block's FP8 copies move into a mapped file as it converts, as the server
-    // does with host_spill_dir (the conversion never holds all of them).
-    std::function<absl::Status(Module&)> spill_block;
-    if (!absl::GetFlag(FLAGS_spill_dir).empty()) {
-      spill_block = [&result](Module& block) -> absl::Status {
-        ASSIGN_OR_RETURN(const SpillStats spilled, SpillHeapTensors(block, absl::GetFlag(FLAGS_spill_dir), "bench"));
-        result.spilled_bytes += spilled.bytes;
-        return absl::OkStatus();
-      };
-    }
-    ASSIGN_OR_RETURN(const int64_t converted, ConvertBlockLinearsToFp8(model, spill_block));
+    ASSIGN_OR_RETURN(const int64_t converted, ConvertBlockLinearsToFp8(model, spill));
     result.prepare_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     result.prepare_fp8_s = result.prepare_s;
     std::printf("fp8: %lld linear layers converted on the host in %.2f s\n", static_cast<long long>(converted),
                 result.prepare_s);
   }
-  if (!absl::GetFlag(FLAGS_spill_dir).empty()) {
+  if (spill) {
     const auto start = std::chrono::steady_clock::now();
-    ASSIGN_OR_RETURN(const SpillStats spilled, SpillHeapTensors(model, absl::GetFlag(FLAGS_spill_dir), "bench"));
-    result.spilled_bytes += spilled.bytes;
+    RETURN_IF_ERROR(spill(model));
     result.prepare_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::printf("spilled %lld tensors, %.2f GB into a mapped file in %.2f s\n", static_cast<long long>(spilled.tensors),
-                spilled.bytes / 1e9, spilled.seconds);
+    std::printf("spilled %.2f GB into mapped files\n", result.spilled_bytes / 1e9);
   }
   auto weights = HostWeights::Capture(model);
   if (!weights.ok()) return weights.status();

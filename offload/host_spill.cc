@@ -8,7 +8,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <chrono>
 #include <cstring>
 #include <map>
 #include <tuple>
@@ -52,7 +51,6 @@ bool OnRamFilesystem(const std::string& dir) {
 
 absl::StatusOr<SpillStats> SpillHeapTensors(Module& root, const std::string& dir, absl::string_view label,
                                             int64_t min_bytes) {
-  const auto start = std::chrono::steady_clock::now();
   if (dir.empty()) return absl::InvalidArgumentError("spilling host tensors needs a directory (empty)");
   struct stat st;
   if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode) || ::access(dir.c_str(), W_OK | X_OK) != 0) {
@@ -134,7 +132,6 @@ absl::StatusOr<SpillStats> SpillHeapTensors(Module& root, const std::string& dir
   // Blocks below glibc's mmap threshold go back to the system only when trimmed; a trim walks every
   // arena, so not for a few small tensors.
   if (stats.bytes >= (int64_t{16} << 20)) ::malloc_trim(0);
-  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return stats;
 }
 

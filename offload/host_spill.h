@@ -29,7 +29,6 @@ namespace stowage {
 struct SpillStats {
   int64_t tensors = 0;  // Slots now viewing the mapping.
   int64_t bytes = 0;    // Their bytes (tensors sharing memory counted once).
-  double seconds = 0;   // Writing, mapping and repointing.
 };
 
 // Every defined CPU tensor in a slot of `root`'s tree whose memory is not in a live safetensors

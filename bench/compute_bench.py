@@ -29,7 +29,9 @@ What one `run` does, in order:
   6. Streamed modes (the transformer group-offloaded block by block, every block's weights copied each step):
      bf16_streamed, fp8_streamed (the FP8 weights themselves), int8_streamed / int8g_streamed / int4_streamed
      (a compressed host copy widened to bf16 on the device), fp8_int4_streamed (FP8 compute, the FP8 weights'
-     int4 copy widened back into e4m3 on the device). Their rows carry floor_s (the bytes streamed per
+     int4 copy widened back into e4m3 on the device); a streamed mode ending in _b<NN> (before any _d<N>)
+     runs under a device budget of NN % of its weights, the groups that fit beside the slots kept resident
+     (rows say resident_bytes and working_set_bytes). Their rows carry floor_s (the bytes streamed per
      step over the bandwidth measured in the same process), peak and base host RSS and prepare_s; after the
      modes, one {"bench": "compressed"} row per streamed mode sets it beside the resident steps of this run
      (resident_bf16_step_s, resident_fast_step_s: the fastest resident mode).
@@ -294,6 +296,11 @@ def run(args):
         depth_match = re.search(r"_d([0-9]+)$", base_mode)
         depth = int(depth_match.group(1)) if depth_match else None
         base_mode = base_mode[: depth_match.start()] if depth_match else base_mode
+        # *_b<NN> (before any _d<N> or _high): a streamed row under a device budget of NN % of the weights'
+        # bytes (offload_bench's row suffix): the groups that fit beside the slots stay resident.
+        budget_match = re.search(r"_b([0-9]{1,2})$", base_mode)
+        budget = int(budget_match.group(1)) if budget_match else None
+        base_mode = base_mode[: budget_match.start()] if budget_match else base_mode
         # *_strided / *_coalesced (before any _d<N> or _high): a compressed row widened with that thread
         # layout of the kernels (offload_bench --widen_layout); without either, the kernels' default.
         layout = next((l for l in ("strided", "coalesced") if base_mode.endswith("_" + l)), None)
@@ -314,6 +321,8 @@ def run(args):
         bench_row = compress or ("block_pinned" if streamed else "resident")
         if per_group and compress:
             bench_row += "_wg"
+        if budget and streamed:
+            bench_row += f"_b{budget}"
         if depth and streamed:
             bench_row += f"_d{depth}"
         cmd = [args.offload_bench, f"--model_dir={args.dir}", f"--rows={bench_row}",
@@ -358,6 +367,7 @@ def run(args):
                          h2d_bytes_per_s=result.get("h2d_bandwidth_bytes_per_s"),
                          widen_layout=result.get("widen_layout"), widen_layout_asked=layout,
                          prefetch_depth=result.get("prefetch_depth"),
+                         resident_bytes=result.get("resident_bytes"), working_set_bytes=result.get("working_set_bytes"),
                          spilled_bytes=result.get("spilled_bytes"),
                          rss_after_prepare_bytes=result.get("rss_after_prepare_bytes"))
         row("stowage", "fp8" if fp8 else "bf16", "reference" if mode == "bf16_reference" else "fused",
@@ -427,6 +437,8 @@ def compressed_rows(args, model_name, rows):
                    (r["rss_after_prepare_bytes"] - r["base_rss_warm_bytes"]) / bf16_bytes, 3)
                if r.get("rss_after_prepare_bytes") and r.get("base_rss_warm_bytes") else None,
                "spilled_bytes": r.get("spilled_bytes"),
+               # *_b<NN> rows: the weights a device budget kept resident, and the device working set.
+               "resident_bytes": r.get("resident_bytes"), "working_set_bytes": r.get("working_set_bytes"),
                "prepare_s": r.get("prepare_s"), "page_cache_read_s": r.get("page_cache_read_s"),
                "prepare_x_read": round(r["prepare_s"] / r["page_cache_read_s"], 2)
                if r.get("prepare_s") and r.get("page_cache_read_s") else None,

@@ -73,7 +73,8 @@ ABSL_FLAG(std::string, rows,
           "resident,block_pinned,leaf_pinned,block_lowram,leaf_lowram,block_disk,budget25,budget50,budget75",
           "Comma-separated rows to run (also: block_int8, block_fp8, block_int8grouped, block_int4, "
           "memcpy_probe, pin_probe, widen_probe; a compressed row with \"_wg\" in its name widens a group's weights in shared "
-          "launches, one ending in _d<N> prefetches N groups)");
+          "launches, one ending in _d<N> prefetches N groups, one with _b<NN> keeps what a device budget of NN % of the "
+          "weights holds beside its slots resident)");
 ABSL_FLAG(int, warmup, 2, "Untimed forwards per row (the first records the order)");
 ABSL_FLAG(int, iters, 5, "Timed forwards per row (median reported)");
 ABSL_FLAG(std::string, out, "", "JSON-lines file to append rows to");
@@ -155,6 +156,7 @@ struct RowResult {
   int64_t weight_bytes = 0;
   int64_t streamed_bytes = 0;
   int64_t working_set = 0;
+  int64_t resident_bytes = 0;  // Streamed rows with a budget: the groups kept on the device.
   int prefetch_depth = 0;
   int64_t pinned_in_place = 0;
   std::string pin_in_place_error;
@@ -616,6 +618,15 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     if (row.rfind("budget", 0) == 0) {
       options.budget_bytes = result.weight_bytes * std::stoi(row.substr(6, 2)) / 100;
     }
+    // "_b<NN>" in a streamed row's name (e.g. block_int4_b20): a device budget of NN % of the weights'
+    // bytes in the compute dtype, so the planner keeps what fits beside the slots resident (spread
+    // along the forward) and streams the rest; the row's resident_bytes says how much it kept.
+    for (size_t at = row.find("_b"); at != std::string::npos; at = row.find("_b", at + 2)) {
+      const size_t digits = row.find_first_not_of("0123456789", at + 2);
+      const size_t end = digits == std::string::npos ? row.size() : digits;
+      if (end == at + 2 || end - at - 2 > 2 || (end < row.size() && row[end] != '_')) continue;
+      options.budget_bytes = result.weight_bytes * std::stoi(row.substr(at + 2, end - at - 2)) / 100;
+    }
     options.compress = compress;
     result.compress = CompressFormatName(compress);
     result.prefetch_depth = options.use_stream ? options.prefetch_depth : 0;
@@ -629,6 +640,7 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
                                 ? offloader->stats().bytes_per_forward
                                 : offloader->stats().streamed_bytes + offloader->stats().always_on_bytes;
     result.working_set = offloader->stats().working_set_bytes;
+    result.resident_bytes = offloader->stats().resident_bytes;
     result.prepare_pin_alloc_s = offloader->stats().prepare_pin_alloc_s;
     result.prepare_quantize_s = offloader->stats().prepare_quantize_s;
   }
@@ -871,7 +883,7 @@ int Main() {
           "\"lora_rank\": %d, \"base_rss_bytes\": %d, \"base_rss_warm_bytes\": %d, \"base_rss_after_bytes\": %d, "
           "\"compute_priority\": \"%s\", \"page_cache_read_s\": %.6f, \"prepare_fp8_s\": %.3f, "
           "\"prepare_pin_alloc_s\": %.3f, \"prepare_quantize_s\": %.3f, \"pinned_huge_pages\": %s, "
-          "\"thp_mode\": \"%s\", \"widen_layout\": \"%s\", \"spilled_bytes\": %d, \"rss_after_prepare_bytes\": %d}\n",
+          "\"thp_mode\": \"%s\", \"widen_layout\": \"%s\", \"spilled_bytes\": %d, \"rss_after_prepare_bytes\": %d, \"resident_bytes\": %d}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -884,7 +896,7 @@ int Main() {
           base_rss_warm, base_rss_after, priority, page_cache_read_s, result->prepare_fp8_s,
           result->prepare_pin_alloc_s, result->prepare_quantize_s,
           huge_pinned ? "true" : "false", thp_mode, WideningLayoutName(), result->spilled_bytes,
-          result->rss_after_prepare);
+          result->rss_after_prepare, result->resident_bytes);
       out.flush();
     }
   }

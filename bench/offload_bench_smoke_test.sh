@@ -33,12 +33,20 @@ PY
 # error against the resident output.
 out8="$TEST_TMPDIR/rows8.jsonl"
 bench/offload_bench --config=small --backend=sim --warmup=1 --iters=2 --out="$out8" \
-  --machine=ci --rows=block_pinned,block_int8,block_fp8,block_int8grouped,block_int4,block_int4_wg
+  --machine=ci --rows=block_pinned,block_int8,block_fp8,block_int8grouped,block_int4,block_int4_wg,block_int4_b50
 /usr/bin/python3 - "$out8" <<'PY'
 import json, sys
 rows = {r["row"]: r for r in (json.loads(line) for line in open(sys.argv[1]))}
 assert list(rows) == ["block_pinned", "block_int8", "block_fp8", "block_int8grouped", "block_int4",
-                      "block_int4_wg"], list(rows)
+                      "block_int4_wg", "block_int4_b50"], list(rows)
+# A device budget of half the weights: the planner keeps some groups resident in their own dtype, so
+# fewer bytes cross per forward and fewer layers are rounded; nothing without "_b" keeps any.
+kept = rows["block_int4_b50"]
+assert 0 < kept["resident_bytes"] < kept["weight_bytes"] // 2, kept
+assert kept["streamed_bytes"] < rows["block_int4"]["streamed_bytes"], (kept, rows["block_int4"])
+assert kept["rel_l2"] < rows["block_int4"]["rel_l2"], (kept, rows["block_int4"])
+assert kept["working_set_bytes"] <= kept["weight_bytes"] // 2, kept
+assert all(r["resident_bytes"] == 0 for name, r in rows.items() if "_b" not in name), rows
 # A group's weights widened in shared launches (the same code on the simulator): the same bytes and output.
 assert rows["block_int4_wg"]["streamed_bytes"] == rows["block_int4"]["streamed_bytes"]
 assert rows["block_int4_wg"]["rel_l2"] == rows["block_int4"]["rel_l2"], (rows["block_int4_wg"], rows["block_int4"])

@@ -155,8 +155,11 @@ target_link_libraries(stowage_sys_sentencepiece INTERFACE stowage_sys_paths -lse
 add_library(stowage_sys_gtest INTERFACE)
 target_link_libraries(stowage_sys_gtest INTERFACE stowage_sys_paths -lgmock -lgtest -lpthread)
 
+# gmock_main names gmock and gtest again after itself: the archives are static, so a test whose
+# helper library (linking stowage_sys_gtest) comes first on its link line would otherwise leave
+# gmock_main's references to them unresolved.
 add_library(stowage_sys_gtest_main INTERFACE)
-target_link_libraries(stowage_sys_gtest_main INTERFACE -lgmock_main stowage_sys_gtest)
+target_link_libraries(stowage_sys_gtest_main INTERFACE -lgmock_main -lgmock -lgtest stowage_sys_gtest)
 
 # ------------------------------------------------------------------------------------------------
 # LibTorch: third_party/libtorch.bzl. find_package(Torch) replaces the cpu/cuda repository rule;

@@ -19,7 +19,10 @@ suite_build() {
   logs="$(mktemp -d "/tmp/stowage-$1-logs.XXXXXX")"
   STOWAGE_SKIP_TESTS=1 STOWAGE_THREAD_STACK_SHIM=never OUT="$logs" \
     timeout "${BUILD_TIMEOUT:-300}" deploy/gpu_host/build_and_serve.sh >"$logs/build.txt" 2>&1
-  stamp "build exit $?"
+  local status=$?
+  stamp "build exit $status"
+  # A failed build's first errors come back with the results (the targets that did build still run).
+  [ "$status" -ne 0 ] && cp "$logs/build_errors.log" "$OUT/" 2>/dev/null
   tail -5 "$logs/summary.txt" >>"$OUT/summary.txt" 2>/dev/null
   export LD_LIBRARY_PATH="/tmp/stowage-deps/usr/lib/x86_64-linux-gnu:$(python3 -c 'import torch,os;print(os.path.join(os.path.dirname(torch.__file__),"lib"))'):${LD_LIBRARY_PATH:-}"
   export PYTHONPATH="$repo_root/.ref/diffusers/src" PYTHONUNBUFFERED=1

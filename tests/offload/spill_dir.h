@@ -10,14 +10,15 @@
 #include <fstream>
 #include <string>
 
-#include <gtest/gtest.h>
-
 #include "offload/host_spill.h"
 
 namespace stowage {
 
 inline std::string MakeSpillTestDir() {
-  for (std::string base : {::testing::TempDir(), std::string(".")}) {
+  // TEST_TMPDIR: Bazel's (and the CMake build's ctest) private temporary directory. No gtest here: a
+  // helper library that links gtest ahead of a test's gmock_main breaks static links (CMake build).
+  const char* test_tmpdir = ::getenv("TEST_TMPDIR");
+  for (const std::string& base : {std::string(test_tmpdir != nullptr ? test_tmpdir : "/tmp"), std::string(".")}) {
     if (base.empty() || OnRamFilesystem(base)) continue;
     std::string dir = base + "/spill.XXXXXX";
     if (::mkdtemp(dir.data()) == nullptr) continue;

@@ -2,8 +2,10 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -54,6 +56,32 @@ TEST(SafetensorsTest, TheDataSectionStartsAtTheAlignmentAskedFor) {
     EXPECT_TRUE(at::equal(*(*file)->Get("x"), x));
   }
   for (int64_t bad : {0, 4, 24}) EXPECT_EQ(write(bad).code(), absl::StatusCode::kInvalidArgument) << bad;
+}
+
+TEST(SafetensorsTest, WrittenThroughADescriptorTheFileHasItsBlocksAndAFullDeviceIsReported) {
+  const std::string path = ::testing::TempDir() + "/reserved.safetensors";
+  const at::Tensor x = at::arange(1 << 20, at::kFloat);  // 4 MiB.
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(WriteSafetensorsToDescriptor(fd, path, {{"x", x}}, {}, 64).ok());
+  struct stat st {};
+  ASSERT_EQ(::fstat(fd, &st), 0);
+  ::close(fd);
+  // Every byte of the file has its blocks (512-byte units) once the call returns.
+  EXPECT_GE(static_cast<int64_t>(st.st_blocks) * 512, static_cast<int64_t>(st.st_size));
+  auto file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  EXPECT_TRUE(at::equal(*(*file)->Get("x"), x));
+
+  // /dev/full takes no reservation and fails every write with ENOSPC: the status names the file and
+  // the cause.
+  const int full = ::open("/dev/full", O_WRONLY | O_CLOEXEC);
+  if (full < 0) GTEST_SKIP() << "no /dev/full here";
+  const absl::Status status = WriteSafetensorsToDescriptor(full, "spill-file", {{"x", x}}, {}, 64);
+  ::close(full);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_NE(status.message().find("spill-file"), std::string::npos) << status;
+  EXPECT_NE(status.message().find(std::strerror(ENOSPC)), std::string::npos) << status;
 }
 
 TEST(SafetensorsTest, RoundTripIsZeroCopyAndExact) {

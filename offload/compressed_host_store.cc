@@ -70,7 +70,10 @@ void ZeroGaps(uint8_t* base, int64_t size, std::vector<std::pair<int64_t, int64_
 StoreScratch CompressedHostStore::PlanScratch(CompressFormat format, HostWeights& weights) {
   StoreScratch scratch;
   for (const HostWeights::Entry& e : weights.entries()) {
-    scratch.tensor_bytes.push_back(TensorScratchBytes(format, e.host.scalar_type(), e.host.sizes()));
+    // A compressed tensor's q and scale, or the tensor itself: a group's whole packed buffer lands in
+    // the scratch.
+    const int64_t compressed = TensorScratchBytes(format, e.host.scalar_type(), e.host.sizes());
+    scratch.tensor_bytes.push_back(compressed > 0 ? compressed : AlignScratch(static_cast<int64_t>(e.host.nbytes())));
   }
   const FixedLayout layout = ScanCompressible(format, weights);
   scratch.fixed_bytes = FixedScratchBytes(format, layout.has[0], layout.has[1], layout.has[2], layout.max_numel);
@@ -151,7 +154,6 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
       g8.tensors.push_back(std::move(t8));
     }
     g8.compressed_bytes = compressed;
-    largest = std::max(largest, compressed);
     g8.packed_bytes = compressed;
     for (Tensor8& t8 : g8.tensors) {
       if (t8.compressed) continue;
@@ -159,6 +161,7 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
       g8.packed_bytes += AlignScratch(t8.bytes);
       store->stats_.bytes_per_forward += t8.bytes;
     }
+    largest = std::max(largest, g8.packed_bytes);
     store->stats_.bytes_per_forward += compressed;
     packed_groups.push_back(gi);
   }
@@ -291,27 +294,37 @@ void CompressedHostStore::Widen(int group, const at::Tensor& slot, const at::Ten
   if (!targets.empty()) WidenAllInto(targets, format_, views);  // The group's weights in shared launches.
 }
 
+void CompressedHostStore::CopyPacked(int group, const at::Tensor& to) {
+  // The compressed part in one DMA, then each other tensor at its offset: the link carries no padding.
+  const Group8& g8 = groups8_[static_cast<size_t>(group)];
+  if (g8.compressed_bytes > 0) {
+    backend_->CopyToDeviceAsync(to.narrow(0, 0, g8.compressed_bytes), g8.packed.narrow(0, 0, g8.compressed_bytes));
+  }
+  for (const Tensor8& t : g8.tensors) {
+    if (t.compressed) continue;
+    backend_->CopyToDeviceAsync(to.narrow(0, t.host_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
+  }
+}
+
 std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot,
                                                                   const at::Tensor& scratch) {
   const auto index = static_cast<size_t>(group);
   const Group8& g8 = groups8_[index];
   if (!g8.packed.defined()) return CopyTensorsDirect(*backend_, groups_[index], slot);  // Resident, exact.
-  for (const Tensor8& t : g8.tensors) {
-    if (t.compressed) continue;
-    backend_->CopyToDeviceAsync(slot.narrow(0, t.slot_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
-  }
-  if (g8.compressed_bytes == 0) return backend_->RecordOnCopyStream();
   const int a = next_area_;
   next_area_ = (next_area_ + 1) % areas_;
-  // The area's last widening has read it (with one area: the last widening of any group).
+  // The area's last widening has read it (with one area: the last widening of any group). The copy
+  // stream writes only the area: the slot is written on the transform stream, which the engine made
+  // wait for the slot's release.
   if (area_free_[a]) backend_->CopyStreamWait(*area_free_[a]);
-  const at::Tensor area = scratch.narrow(0, fixed_bytes_ + a * area_bytes_, g8.compressed_bytes);
-  backend_->CopyToDeviceAsync(area, g8.packed.narrow(0, 0, g8.compressed_bytes));
+  const at::Tensor area = scratch.narrow(0, fixed_bytes_ + a * area_bytes_, g8.packed_bytes);
+  CopyPacked(group, area);
   std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
   backend_->TransformStreamWait(*landed);
   // The tensors are captured by value: the scratch and slot stay referenced (and their memory
   // alive) until the work has run.
-  backend_->EnqueueOnTransformStream([this, group, slot, scratch, area] { Widen(group, slot, scratch, area); });
+  backend_->EnqueueOnTransformStream(
+      [this, group, slot, scratch, area] { Widen(group, slot, scratch, area, /*others_from=*/area); });
   area_free_[a] = backend_->RecordOnTransformStream();
   return backend_->RecordOnTransformStream();
 }
@@ -336,16 +349,10 @@ std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlotVia(int group, 
   TORCH_CHECK(g8.packed.defined() && copy.defined() && copy.nbytes() == g8.packed.nbytes(),
               "CopyGroupToSlotVia: group ", group, " has no device copy of ", copy.defined() ? copy.nbytes() : 0,
               " bytes");
-  // With `fill` the packed buffer crosses the link once, into the copy; either way the copy stream's
-  // order (after the slot's release the engine made it wait for) is where the transform stream's
-  // widening starts.
-  if (fill) {  // The DMAs CopyGroupToSlot issues, into the copy instead of the scratch and slot.
-    backend_->CopyToDeviceAsync(copy.narrow(0, 0, g8.compressed_bytes), g8.packed.narrow(0, 0, g8.compressed_bytes));
-    for (const Tensor8& t : g8.tensors) {
-      if (t.compressed) continue;
-      backend_->CopyToDeviceAsync(copy.narrow(0, t.host_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
-    }
-  }
+  // With `fill` the packed buffer crosses the link once, into the copy; either way the widening waits
+  // for the copy stream's order here and for the slot's release (the engine made the transform
+  // stream wait for it).
+  if (fill) CopyPacked(group, copy);  // The DMAs CopyGroupToSlot issues, into the copy.
   std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
   backend_->TransformStreamWait(*landed);
   const at::Tensor area = copy.narrow(0, 0, g8.compressed_bytes);

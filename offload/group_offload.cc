@@ -292,7 +292,12 @@ struct GroupOffloader::Impl {
     const int holder = ring->owner(s);
     if (holder != SlotRing::kNoOwner && holder != g.index) groups[static_cast<size_t>(holder)]->slot = -1;
     if (g.slot >= 0 && g.slot != s) ring->set_owner(g.slot, SlotRing::kNoOwner);
-    ring->CopyStreamWaitReleased(s);
+    // Whichever stream writes the slot waits until the compute that last read it is done.
+    if (store->WritesSlotsOnTransformStream()) {
+      ring->TransformStreamWaitReleased(s);
+    } else {
+      ring->CopyStreamWaitReleased(s);
+    }
     ring->SetCopied(s, CopyIntoSlot(g, ring->buffer(s), may_fill_cache));
     ring->set_owner(s, g.index);
     g.slot = static_cast<int>(s);

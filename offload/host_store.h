@@ -130,6 +130,13 @@ class HostStore {
 
   virtual HostStoreStats stats() const = 0;
 
+  // Whether CopyGroupToSlot and CopyGroupToSlotVia write the slot only on the transform stream (their
+  // copy-stream work lands elsewhere: the compressed store's scratch). The engine then makes the
+  // transform stream wait for the slot's release instead of the copy stream, so the group's bytes
+  // cross the link while the compute still reads the slot. false: the copy stream writes the slot and
+  // waits for its release.
+  virtual bool WritesSlotsOnTransformStream() const { return false; }
+
   // A device copy of a group's host bytes (the spare-room cache of a store whose groups cross the
   // link in another form than the slot holds: the compressed store). Its bytes (0: the store keeps
   // none; the engine then caches the group as the slot holds it).

@@ -47,6 +47,11 @@ void SlotRing::CopyStreamWaitReleased(int64_t s) {
   if (slot.released) backend_->CopyStreamWait(*slot.released);
 }
 
+void SlotRing::TransformStreamWaitReleased(int64_t s) {
+  Slot& slot = slots_[static_cast<size_t>(s)];
+  if (slot.released) backend_->TransformStreamWait(*slot.released);
+}
+
 void SlotRing::SetCopied(int64_t s, std::unique_ptr<DeviceEvent> copied) {
   slots_[static_cast<size_t>(s)].copied = std::move(copied);
 }

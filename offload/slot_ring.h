@@ -3,10 +3,11 @@
 // (prefetch_depth + 1) slots (1 without a copy stream), each sized for the largest streamed group:
 // device memory for streaming is fixed and predictable, and no buffer is allocated or freed per
 // onload, so there are no cross-stream allocator hazards. Two events per slot guard its reuse:
-// `copied` (completes once a group's bytes are in the slot: recorded by the store on the copy or
-// the transform stream; the compute stream waits for it before the group's forward reads the slot) and `released` (recorded on the
-// compute stream after the forward that read the slot; the copy stream waits for it before the next
-// copy overwrites the slot). Which group a slot holds (its owner, an index chosen by the caller) is
+// `copied` (completes once a group's bytes are in the slot: recorded by the store on the copy or the
+// transform stream; the compute stream waits for it before the group's forward reads the slot) and
+// `released` (recorded on the compute stream after the forward that read the slot; the stream that
+// writes the slot next — the copy stream, or the transform stream for a store that writes slots only
+// there — waits for it first). Which group a slot holds (its owner, an index chosen by the caller) is
 // bookkeeping for the engine's prefetch; the ring never looks at group contents.
 //
 // The ring also holds the host store's device scratch (HostStore::device_scratch_bytes), allocated
@@ -72,6 +73,9 @@ class SlotRing {
 
   // Copy-stream work issued next waits until the compute that last read slot `s` is done.
   void CopyStreamWaitReleased(int64_t s);
+  // The same for transform-stream work (a store that writes slots only there:
+  // HostStore::WritesSlotsOnTransformStream).
+  void TransformStreamWaitReleased(int64_t s);
   // After enqueuing a copy into slot `s`: `copied` completes once the slot holds it (the event
   // HostStore::CopyGroupToSlot returns).
   void SetCopied(int64_t s, std::unique_ptr<DeviceEvent> copied);

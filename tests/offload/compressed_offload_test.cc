@@ -703,7 +703,110 @@ TEST_P(CompressedStreamingTest, Bf16MovesAboutHalf) {
   EXPECT_EQ(small.peak, small.stats.working_set_bytes);
 }
 
-// With a copy stream the scratch holds two areas for the groups' compressed bytes (one group's
+// A backend that passes everything to the simulated one and counts, per stream, the waits on events
+// the compute stream recorded (the slots' releases among them).
+class WaitCountingBackend final : public DeviceBackend {
+ public:
+  struct Counts {
+    int copy_waits_on_compute = 0;
+    int transform_waits_on_compute = 0;
+  };
+  explicit WaitCountingBackend(std::unique_ptr<DeviceBackend> inner) : inner_(std::move(inner)) {}
+  Counts counts() const { return counts_; }
+  void ResetCounts() { counts_ = {}; }
+
+  std::string name() const override { return inner_->name(); }
+  c10::Device torch_device() const override { return inner_->torch_device(); }
+  bool supports_streams() const override { return inner_->supports_streams(); }
+  absl::StatusOr<at::Tensor> AllocateBytes(int64_t bytes) override { return inner_->AllocateBytes(bytes); }
+  absl::StatusOr<at::Tensor> CopyToDevice(const at::Tensor& host) override { return inner_->CopyToDevice(host); }
+  absl::StatusOr<at::Tensor> CopyFromPeer(const at::Tensor& src) override { return inner_->CopyFromPeer(src); }
+  void CopyToDeviceAsync(const at::Tensor& dst, const at::Tensor& src) override { inner_->CopyToDeviceAsync(dst, src); }
+  void EnqueueOnTransformStream(std::function<void()> work) override { inner_->EnqueueOnTransformStream(std::move(work)); }
+  std::unique_ptr<DeviceEvent> RecordOnTransformStream() override { return Wrap(inner_->RecordOnTransformStream(), false); }
+  std::unique_ptr<DeviceEvent> RecordOnCopyStream() override { return Wrap(inner_->RecordOnCopyStream(), false); }
+  std::unique_ptr<DeviceEvent> RecordOnComputeStream() override { return Wrap(inner_->RecordOnComputeStream(), true); }
+  void TransformStreamWait(DeviceEvent& event) override {
+    counts_.transform_waits_on_compute += Of(event).compute;
+    inner_->TransformStreamWait(*Of(event).inner);
+  }
+  void ComputeStreamWait(DeviceEvent& event) override { inner_->ComputeStreamWait(*Of(event).inner); }
+  void CopyStreamWait(DeviceEvent& event) override {
+    counts_.copy_waits_on_compute += Of(event).compute;
+    inner_->CopyStreamWait(*Of(event).inner);
+  }
+  void Synchronize() override { inner_->Synchronize(); }
+  absl::StatusOr<at::Tensor> AllocatePinnedHost(int64_t bytes) override { return inner_->AllocatePinnedHost(bytes); }
+  absl::Status RegisterHostMemory(void* ptr, int64_t bytes, bool read_only) override {
+    return inner_->RegisterHostMemory(ptr, bytes, read_only);
+  }
+  absl::Status UnregisterHostMemory(void* ptr) override { return inner_->UnregisterHostMemory(ptr); }
+  bool IsPageLockedHostMemory(const void* ptr) override { return inner_->IsPageLockedHostMemory(ptr); }
+  absl::Status SetMemoryBudget(int64_t bytes) override { return inner_->SetMemoryBudget(bytes); }
+  int64_t MemoryBudget() const override { return inner_->MemoryBudget(); }
+  void ReleaseCachedMemory() override { inner_->ReleaseCachedMemory(); }
+
+ protected:
+  DeviceMemoryStats ReadMemoryStats() override { return inner_->GetMemoryStats(); }
+  void ResetAllocatorPeaks() override { inner_->ResetPeakStats(); }
+
+ private:
+  struct Tagged final : DeviceEvent {
+    std::unique_ptr<DeviceEvent> inner;
+    bool compute = false;
+    bool Query() override { return inner->Query(); }
+    void Wait() override { inner->Wait(); }
+  };
+  static std::unique_ptr<DeviceEvent> Wrap(std::unique_ptr<DeviceEvent> inner, bool compute) {
+    auto tagged = std::make_unique<Tagged>();
+    tagged->inner = std::move(inner);
+    tagged->compute = compute;
+    return tagged;
+  }
+  static Tagged& Of(DeviceEvent& event) { return static_cast<Tagged&>(event); }
+  std::unique_ptr<DeviceBackend> inner_;
+  Counts counts_;
+};
+
+// A compressed store writes slots only on the transform stream: in a steady-state forward the copy
+// stream never waits for the compute (its copies land in the scratch while the compute still reads the
+// slot they will be widened into) and the transform stream waits for each slot's release instead; the
+// pinned store's copy stream waits for the releases itself. Both stream the resident forward's output.
+TEST(CompressedStreamingOrderTest, TheLinksCopiesDoNotWaitForTheComputeThatReadsTheSlot) {
+  for (const CompressFormat format : {CompressFormat::kNone, CompressFormat::kInt4, CompressFormat::kInt8}) {
+    SCOPED_TRACE(CompressFormatName(format));
+    Bf16Stack stack;
+    WaitCountingBackend backend(CreateSimulatedBackend({}));
+    auto applied = GroupOffloader::Apply("stack", stack.model, *stack.weights, backend, Streaming(format));
+    ASSERT_TRUE(applied.ok()) << applied.status();
+    at::manual_seed(3);
+    const at::Tensor input = at::randn({3, 5, 16}).to(at::kBFloat16);
+    c10::InferenceMode guard;
+    const at::Tensor first = stack.model.Forward(input);
+    backend.Synchronize();
+    backend.ResetCounts();
+    const at::Tensor second = stack.model.Forward(input);
+    backend.Synchronize();
+    EXPECT_TRUE(at::equal(first, second));
+    const WaitCountingBackend::Counts counts = backend.counts();
+    const GroupOffloadStats stats = (*applied)->stats();
+    const int streamed = stats.streamed_groups;
+    // Each always-on group (the stack's input and output layers) onloads into a fresh buffer from the
+    // compute stream's pool, so its copy waits for the compute queued before: that wait is not a slot's.
+    const int always_on = stats.groups - stats.streamed_groups - stats.resident_groups;
+    ASSERT_GT(streamed, 2);
+    ASSERT_GT(always_on, 0);
+    if (format == CompressFormat::kNone) {
+      EXPECT_GE(counts.copy_waits_on_compute, always_on + streamed - 2);
+      EXPECT_EQ(counts.transform_waits_on_compute, 0);
+    } else {
+      EXPECT_EQ(counts.copy_waits_on_compute, always_on);
+      EXPECT_GE(counts.transform_waits_on_compute, streamed - 2);
+    }
+  }
+}
+
+// With a copy stream the scratch holds two areas for the groups' packed bytes (one group's
 // widening on the transform stream overlaps the next group's copy), without one a single area; the
 // forward is the same bit for bit either way, and the peak is the working set.
 TEST_P(CompressedStreamingTest, TwoScratchAreasWithACopyStreamSameResult) {
@@ -714,13 +817,14 @@ TEST_P(CompressedStreamingTest, TwoScratchAreasWithACopyStreamSameResult) {
   const StreamRun one_area = Stream(at::kBFloat16, serial);
   ASSERT_TRUE(overlapped.out.defined() && one_area.out.defined());
   EXPECT_TRUE(at::equal(overlapped.out, one_area.out));
-  // The second area holds the largest group's compressed part: a block's two weights (the groups
-  // outside the blocks are smaller).
+  // The second area holds the largest group's packed buffer: a block's two compressed weights and
+  // its other tensors, each aligned (the groups outside the blocks are smaller).
   StackBlock block;
   int64_t area = 0;
   block.ForEachSlot([&](Module&, TensorSlot& slot) {
     const at::Tensor t = slot.value.to(at::kBFloat16);
-    if (IsCompressible(format, t.scalar_type(), t.sizes())) area += CompressedBytes(t, format);
+    area += IsCompressible(format, t.scalar_type(), t.sizes()) ? CompressedBytes(t, format)
+                                                                : AlignScratch(static_cast<int64_t>(t.nbytes()));
   });
   ASSERT_GT(area, 0);
   EXPECT_EQ(overlapped.stats.scratch_bytes - one_area.stats.scratch_bytes, area);

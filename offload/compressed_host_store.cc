@@ -70,10 +70,10 @@ void ZeroGaps(uint8_t* base, int64_t size, std::vector<std::pair<int64_t, int64_
 StoreScratch CompressedHostStore::PlanScratch(CompressFormat format, HostWeights& weights) {
   StoreScratch scratch;
   for (const HostWeights::Entry& e : weights.entries()) {
-    // A compressed tensor's q and scale, or the tensor itself: a group's whole packed buffer lands in
-    // the scratch.
+    // A compressed tensor's q and scale; another tensor lands there too in a group with compressed ones.
     const int64_t compressed = TensorScratchBytes(format, e.host.scalar_type(), e.host.sizes());
-    scratch.tensor_bytes.push_back(compressed > 0 ? compressed : AlignScratch(static_cast<int64_t>(e.host.nbytes())));
+    scratch.tensor_bytes.push_back(compressed);
+    scratch.carried_bytes.push_back(compressed > 0 ? 0 : AlignScratch(static_cast<int64_t>(e.host.nbytes())));
   }
   const FixedLayout layout = ScanCompressible(format, weights);
   scratch.fixed_bytes = FixedScratchBytes(format, layout.has[0], layout.has[1], layout.has[2], layout.max_numel);
@@ -161,7 +161,9 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
       g8.packed_bytes += AlignScratch(t8.bytes);
       store->stats_.bytes_per_forward += t8.bytes;
     }
-    largest = std::max(largest, g8.packed_bytes);
+    // A group with compressed weights lands whole in a scratch area; one without is copied straight
+    // into its slot and needs none.
+    if (compressed > 0) largest = std::max(largest, g8.packed_bytes);
     store->stats_.bytes_per_forward += compressed;
     packed_groups.push_back(gi);
   }
@@ -311,6 +313,14 @@ std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlot(int group, con
   const auto index = static_cast<size_t>(group);
   const Group8& g8 = groups8_[index];
   if (!g8.packed.defined()) return CopyTensorsDirect(*backend_, groups_[index], slot);  // Resident, exact.
+  if (g8.compressed_bytes == 0) {
+    // Nothing to widen: the tensors straight into the slot on the copy stream, which the engine made
+    // wait for the slot's release (WritesSlotOnTransformStream is false for this group).
+    for (const Tensor8& t : g8.tensors) {
+      backend_->CopyToDeviceAsync(slot.narrow(0, t.slot_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
+    }
+    return backend_->RecordOnCopyStream();
+  }
   const int a = next_area_;
   next_area_ = (next_area_ + 1) % areas_;
   // The area's last widening has read it (with one area: the last widening of any group). The copy
@@ -327,6 +337,11 @@ std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlot(int group, con
       [this, group, slot, scratch, area] { Widen(group, slot, scratch, area, /*others_from=*/area); });
   area_free_[a] = backend_->RecordOnTransformStream();
   return backend_->RecordOnTransformStream();
+}
+
+bool CompressedHostStore::WritesSlotOnTransformStream(int group) const {
+  const Group8& g8 = groups8_[static_cast<size_t>(group)];
+  return g8.packed.defined() && g8.compressed_bytes > 0;
 }
 
 int64_t CompressedHostStore::device_copy_bytes(int group) const {

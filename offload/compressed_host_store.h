@@ -11,26 +11,28 @@
 // areas for the groups' packed bytes, used in turn; the copy into an area waits for the
 // widening that last read it (an event per area). With one area every copy waits for the last
 // widening. The returned event is recorded on the transform stream after the widening.
-// Only the transform stream writes slots (WritesSlotsOnTransformStream): the engine makes it, not the
-// copy stream, wait for a slot's release, so a group's bytes cross the link while the compute still
-// reads the slot they will be widened into (a copy that waited for the release as well had one
-// compute period for its copy and its widening together: with FP8 compute, whose int4 copy takes
-// ~0.87 of the compute's time on an H100, the compute stream waited ~14 ms a step).
+// For a group with compressed weights only the transform stream writes the slot
+// (WritesSlotOnTransformStream): the engine makes it, not the copy stream, wait for the slot's
+// release, so a group's bytes cross the link while the compute still reads the slot they will be
+// widened into (a copy that waited for the release as well had one compute period for its copy and
+// its widening together: with FP8 compute, whose int4 copy takes ~0.87 of the compute's time on an
+// H100, the compute stream waited ~14 ms a step). A group with nothing compressed is copied straight
+// into its slot on the copy stream, after the release, and needs no area.
 //
 // Per group, one pinned buffer in the order the device needs it:
 //   [ q_0 | scale_0 | q_1 | scale_1 | ... ]  the compressed tensors (rank >= 2, floating), each part
 //                                            aligned to 256;
 //   [ t_a | t_b | ... ]                      the other tensors (biases, norms) in their compute
 //                                            dtype, each aligned to 256;
-// both parts copied into a scratch area at these offsets (the compressed part one DMA, the others one
-// each), the other tensors copied from there to their slot offsets on the transform stream beside the
-// widening.
+// in a group with compressed tensors both parts are copied into a scratch area at these offsets (the
+// compressed part one DMA, the others one each) and the other tensors from there to their slot
+// offsets on the transform stream beside the widening.
 // A device copy of that buffer (CopyGroupToSlotVia: the spare-room cache keeping a group as it
 // crossed the link, at its compressed size) replaces the scratch area and the DMAs: the widening
 // reads the compressed part from the copy and the other tensors are copied from it on the transform
 // stream, so a cached group costs a widening and no link traffic.
 // The scratch is [fp8 tables and int32 index chunk, or int4's nibbles and fp32 table | scratch_buffers
-// areas of the largest group's packed buffer]; the tables are uploaded by InitScratch whenever the engine
+// areas of the largest packed buffer of a group with compressed tensors]; the tables are uploaded by InitScratch whenever the engine
 // (re)allocates the scratch. The fixed part is written only by widenings, which the transform
 // stream runs one at a time.
 //
@@ -75,7 +77,7 @@ class CompressedHostStore final : public HostStore {
                                                            HostWeights& weights, DeviceBackend& backend);
   ~CompressedHostStore() override;
 
-  bool WritesSlotsOnTransformStream() const override { return true; }
+  bool WritesSlotOnTransformStream(int group) const override;
   std::unique_ptr<DeviceEvent> CopyGroupToSlot(int group, const at::Tensor& slot, const at::Tensor& scratch) override;
   // A streamed group's packed pinned buffer, as it is ([compressed part | other tensors]).
   int64_t device_copy_bytes(int group) const override;
@@ -100,19 +102,19 @@ class CompressedHostStore final : public HostStore {
   };
   struct Group8 {
     at::Tensor packed;               // Pinned; undefined for resident groups.
-    int64_t compressed_bytes = 0;    // The compressed part (DMA'd into the scratch).
+    int64_t compressed_bytes = 0;    // The compressed part (0: nothing to widen, no area).
     int64_t packed_bytes = 0;        // Of `packed`: the compressed part, then the other tensors.
     std::vector<Tensor8> tensors;
   };
 
   CompressedHostStore(DeviceBackend& backend, CompressFormat format, std::vector<StoreGroup> groups)
       : backend_(&backend), format_(format), groups_(std::move(groups)), groups8_(groups_.size()) {}
-  // Runs on the transform stream: widens group `group`'s compressed tensors from `area` (a view of
-  // the scratch holding its compressed part, or a device copy of its packed buffer) into `slot`;
-  // with `others_from` (the device copy) also copies the group's other tensors from it.
   // Enqueues on the copy stream the DMAs that put group `group`'s packed buffer at the start of `to`
   // (a scratch area or a device copy of the buffer's size).
   void CopyPacked(int group, const at::Tensor& to);
+  // Runs on the transform stream: widens group `group`'s compressed tensors from `area` (a scratch
+  // area or a device copy holding its packed buffer) into `slot`; with `others_from` (the same
+  // buffer) also copies the group's other tensors from it.
   void Widen(int group, const at::Tensor& slot, const at::Tensor& scratch, const at::Tensor& area,
              const at::Tensor& others_from = at::Tensor()) const;
   WidenScratch WidenViews(const at::Tensor& scratch) const;
@@ -122,7 +124,7 @@ class CompressedHostStore final : public HostStore {
   std::vector<StoreGroup> groups_;
   std::vector<Group8> groups8_;
   int64_t fixed_bytes_ = 0;     // Start of the group areas in the scratch.
-  int64_t area_bytes_ = 0;      // One area: the largest group's packed buffer.
+  int64_t area_bytes_ = 0;      // One area: the largest packed buffer of a group with compressed tensors.
   int areas_ = 1;               // options.scratch_buffers.
   bool widen_per_group_ = false;  // options.widen_per_group.
   int next_area_ = 0;           // The area the next copy uses.

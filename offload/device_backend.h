@@ -92,7 +92,8 @@ class DeviceBackend {
   // The transform stream: device-side transforms of bytes the copy stream brought, e.g. widening
   // 8-bit weights from a scratch area into a slot (offload/compressed_host_store.h). It has its own
   // order, so a transform of one group overlaps the next group's copy and the compute: whoever
-  // enqueues makes it wait for the copy it reads (TransformStreamWait on a copy-stream event) and
+  // enqueues makes it wait for the copy it reads (TransformStreamWait on a copy-stream event) and for
+  // the compute that last read what it overwrites (on a compute-stream event), and
   // records what waits for it (RecordOnTransformStream). `work` issues LibTorch ops or kernels on
   // this device's tensors only, on the current stream; it must not throw nor block the host.
   //   Simulator: `work` runs on the transform worker thread, in the stream's order.

@@ -92,7 +92,8 @@ struct GroupOffloader::Impl {
     std::vector<PlanTensor> tensors;
     for (size_t i = 0; i < weights->entries().size(); ++i) {
       HostWeights::Entry& e = weights->entries()[i];
-      tensors.push_back(PlanTensor{e.slot, static_cast<int64_t>(e.host.nbytes()), scratch.tensor_bytes[i]});
+      tensors.push_back(PlanTensor{e.slot, static_cast<int64_t>(e.host.nbytes()), scratch.tensor_bytes[i],
+                                   scratch.carried_bytes.empty() ? 0 : scratch.carried_bytes[i]});
     }
     GroupPlanOptions plan_options;
     plan_options.type = options.type;
@@ -293,7 +294,7 @@ struct GroupOffloader::Impl {
     if (holder != SlotRing::kNoOwner && holder != g.index) groups[static_cast<size_t>(holder)]->slot = -1;
     if (g.slot >= 0 && g.slot != s) ring->set_owner(g.slot, SlotRing::kNoOwner);
     // Whichever stream writes the slot waits until the compute that last read it is done.
-    if (store->WritesSlotsOnTransformStream()) {
+    if (store->WritesSlotOnTransformStream(g.index)) {
       ring->TransformStreamWaitReleased(s);
     } else {
       ring->CopyStreamWaitReleased(s);

@@ -19,7 +19,9 @@ int64_t AlignUp(int64_t n) { return (n + kGroupAlign - 1) / kGroupAlign * kGroup
 void Append(PlannedGroup& g, int index, const PlanTensor& t) {
   g.tensors.push_back(PlannedTensor{index, g.bytes, t.bytes});
   g.bytes += AlignUp(t.bytes);
-  g.scratch_bytes += AlignUp(t.scratch_bytes);
+  g.own_scratch_bytes += AlignUp(t.scratch_bytes);
+  g.carried_scratch_bytes += AlignUp(t.carried_scratch_bytes);
+  g.scratch_bytes = g.own_scratch_bytes > 0 ? g.own_scratch_bytes + g.carried_scratch_bytes : 0;
 }
 
 // The store's scratch when the groups with `streams(g)` true are not resident: `buffers` areas of

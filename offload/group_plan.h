@@ -30,7 +30,8 @@
 //
 // Store scratch: a host store may need a device scratch area besides the slot to copy a group (the
 // compressed store lands 8-bit weights there before widening them into the slot). Each tensor says
-// how much it needs (PlanTensor::scratch_bytes); a group needs the sum, and the store
+// how much it needs (PlanTensor::scratch_bytes, and carried_scratch_bytes that count only in a group
+// whose tensors need some of their own); a group needs the sum, and the store
 // options.scratch_buffers areas as large as the largest group that is not resident (two let one
 // group's widening overlap the next group's copy), plus a fixed part (options.fixed_scratch_bytes)
 // when any needs some. It is part of the working set and of the budget arithmetic.
@@ -62,6 +63,10 @@ struct PlanTensor {
   const TensorSlot* slot = nullptr;
   int64_t bytes = 0;
   int64_t scratch_bytes = 0;  // In the store's device scratch when the group is copied.
+  // Also in the scratch, but only in a group whose tensors need some of their own (scratch_bytes > 0):
+  // the compressed store carries such a group's uncompressed tensors through its area beside the
+  // compressed ones, and copies a group with nothing compressed straight into its slot.
+  int64_t carried_scratch_bytes = 0;
 };
 
 struct PlannedTensor {
@@ -75,7 +80,10 @@ struct PlannedGroup {
   std::vector<PlannedTensor> tensors;  // In layout order.
   std::vector<Module*> members;        // Modules whose forwards use the group.
   int64_t bytes = 0;                   // Packed size, each tensor aligned to kGroupAlign.
-  int64_t scratch_bytes = 0;           // Store scratch to copy it (sum of its tensors', aligned).
+  // Store scratch to copy it: its tensors' own (aligned), plus what they carry when that is > 0.
+  int64_t scratch_bytes = 0;
+  int64_t own_scratch_bytes = 0;       // The two sums scratch_bytes is made of.
+  int64_t carried_scratch_bytes = 0;
   bool always_on = false;              // On the device for its owners' whole forward; never in the ring.
   bool resident = false;               // Kept on the device by the budget.
   bool streamed() const { return !always_on && !resident; }

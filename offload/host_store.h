@@ -30,8 +30,10 @@
 //     group's widening overlaps the next group's copy). The store orders its own use of the
 //     scratch between the two streams.
 //   - Copies go on the backend's copy stream, device-side transforms of copied bytes on its
-//     transform stream (after waiting for the copy they read). The engine has already made the copy
-//     stream wait until the slot may be overwritten; it makes compute wait for the returned event.
+//     transform stream (after waiting for the copy they read). The engine has already made the stream
+//     that writes the slot (the copy stream, or the transform stream where
+//     WritesSlotOnTransformStream) wait until the slot may be overwritten; it makes compute wait for
+//     the returned event.
 //     The call may block the host only on the store's own resources (a staging buffer whose
 //     previous DMA has not finished).
 //   - One call per group copy: implementations loop over the group's tensors themselves; no
@@ -85,7 +87,7 @@ struct HostStoreOptions {
   // With compress: 8-bit weights already quantized (an 8-bit checkpoint), by full slot path, used
   // instead of quantizing those host copies. Their format must be `compress`.
   std::shared_ptr<const PrequantizedWeights> prequantized;
-  // With compress: areas for a group's compressed bytes in the device scratch (1 or 2). Two let
+  // With compress: areas for a group's packed bytes in the device scratch (1 or 2). Two let
   // one group's widening (transform stream) overlap the next group's copy (copy stream).
   int scratch_buffers = 1;
   // With compress: GroupOffloadOptions::widen_per_group.
@@ -130,12 +132,15 @@ class HostStore {
 
   virtual HostStoreStats stats() const = 0;
 
-  // Whether CopyGroupToSlot and CopyGroupToSlotVia write the slot only on the transform stream (their
-  // copy-stream work lands elsewhere: the compressed store's scratch). The engine then makes the
-  // transform stream wait for the slot's release instead of the copy stream, so the group's bytes
-  // cross the link while the compute still reads the slot. false: the copy stream writes the slot and
-  // waits for its release.
-  virtual bool WritesSlotsOnTransformStream() const { return false; }
+  // Whether CopyGroupToSlot and CopyGroupToSlotVia write group `group`'s slot only on the transform
+  // stream (their copy-stream work lands elsewhere: the compressed store's scratch, for a group with
+  // compressed weights). The engine then makes the transform stream wait for the slot's release
+  // instead of the copy stream, so the group's bytes cross the link while the compute still reads the
+  // slot. false: the copy stream writes the slot (or orders the work that does) and waits for the release.
+  virtual bool WritesSlotOnTransformStream(int group) const {
+    (void)group;
+    return false;
+  }
 
   // A device copy of a group's host bytes (the spare-room cache of a store whose groups cross the
   // link in another form than the slot holds: the compressed store). Its bytes (0: the store keeps
@@ -186,6 +191,7 @@ struct StoreGroup {
 // group_plan.h "Store scratch").
 struct StoreScratch {
   std::vector<int64_t> tensor_bytes;
+  std::vector<int64_t> carried_bytes;  // PlanTensor::carried_scratch_bytes per entry (empty: none).
   int64_t fixed_bytes = 0;
 };
 

@@ -33,7 +33,7 @@ absl::Status ValidateHostStoreOptions(const HostStoreOptions& options) {
 
 StoreScratch PlanStoreScratch(const HostStoreOptions& options, HostWeights& weights) {
   if (options.compress == CompressFormat::kNone) {
-    return StoreScratch{std::vector<int64_t>(weights.entries().size(), 0), 0};
+    return StoreScratch{std::vector<int64_t>(weights.entries().size(), 0), {}, 0};
   }
   return CompressedHostStore::PlanScratch(options.compress, weights);
 }

@@ -81,7 +81,8 @@ absl::Status WriteSafetensors(const std::string& path,
 
 // The same format written to an open file descriptor from its current offset (e.g. a file created
 // and removed at once, which only the descriptor and its mappings then hold), its blocks reserved
-// first (posix_fallocate, where the file supports it) and written back by the kernel later. The
+// first (fallocate) and written back by the kernel later — or, where the file takes no reservation (a
+// filesystem without fallocate, a device), fdatasync'd before returning. The
 // header is padded with spaces so that the data section starts at a multiple of `data_align` bytes
 // from the file's start (a power of two, at least 8: INVALID_ARGUMENT otherwise; the format's 8 by
 // default). RESOURCE_EXHAUSTED naming `what` when the reservation or a write fails (disk full, I/O

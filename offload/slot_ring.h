@@ -74,7 +74,7 @@ class SlotRing {
   // Copy-stream work issued next waits until the compute that last read slot `s` is done.
   void CopyStreamWaitReleased(int64_t s);
   // The same for transform-stream work (a store that writes slots only there:
-  // HostStore::WritesSlotsOnTransformStream).
+  // HostStore::WritesSlotOnTransformStream).
   void TransformStreamWaitReleased(int64_t s);
   // After enqueuing a copy into slot `s`: `copied` completes once the slot holds it (the event
   // HostStore::CopyGroupToSlot returns).

@@ -704,12 +704,14 @@ TEST_P(CompressedStreamingTest, Bf16MovesAboutHalf) {
 }
 
 // A backend that passes everything to the simulated one and counts, per stream, the waits on events
-// the compute stream recorded (the slots' releases among them).
+// the compute stream recorded (the slots' releases among them), and the copy-stream DMAs whose
+// destination lies in a device buffer of `watched_bytes` bytes (the ring's slots).
 class WaitCountingBackend final : public DeviceBackend {
  public:
   struct Counts {
     int copy_waits_on_compute = 0;
     int transform_waits_on_compute = 0;
+    int copies_into_watched = 0;
   };
   explicit WaitCountingBackend(std::unique_ptr<DeviceBackend> inner) : inner_(std::move(inner)) {}
   Counts counts() const { return counts_; }
@@ -718,10 +720,21 @@ class WaitCountingBackend final : public DeviceBackend {
   std::string name() const override { return inner_->name(); }
   c10::Device torch_device() const override { return inner_->torch_device(); }
   bool supports_streams() const override { return inner_->supports_streams(); }
-  absl::StatusOr<at::Tensor> AllocateBytes(int64_t bytes) override { return inner_->AllocateBytes(bytes); }
+  void Watch(int64_t bytes) { watched_bytes_ = bytes; }
+  absl::StatusOr<at::Tensor> AllocateBytes(int64_t bytes) override {
+    absl::StatusOr<at::Tensor> buffer = inner_->AllocateBytes(bytes);
+    if (buffer.ok()) allocations_.emplace_back(static_cast<const char*>(buffer->data_ptr()), bytes);
+    return buffer;
+  }
   absl::StatusOr<at::Tensor> CopyToDevice(const at::Tensor& host) override { return inner_->CopyToDevice(host); }
   absl::StatusOr<at::Tensor> CopyFromPeer(const at::Tensor& src) override { return inner_->CopyFromPeer(src); }
-  void CopyToDeviceAsync(const at::Tensor& dst, const at::Tensor& src) override { inner_->CopyToDeviceAsync(dst, src); }
+  void CopyToDeviceAsync(const at::Tensor& dst, const at::Tensor& src) override {
+    const auto* at = static_cast<const char*>(dst.data_ptr());
+    for (const auto& [begin, bytes] : allocations_) {
+      counts_.copies_into_watched += bytes == watched_bytes_ && at >= begin && at < begin + bytes;
+    }
+    inner_->CopyToDeviceAsync(dst, src);
+  }
   void EnqueueOnTransformStream(std::function<void()> work) override { inner_->EnqueueOnTransformStream(std::move(work)); }
   std::unique_ptr<DeviceEvent> RecordOnTransformStream() override { return Wrap(inner_->RecordOnTransformStream(), false); }
   std::unique_ptr<DeviceEvent> RecordOnCopyStream() override { return Wrap(inner_->RecordOnCopyStream(), false); }
@@ -766,12 +779,16 @@ class WaitCountingBackend final : public DeviceBackend {
   static Tagged& Of(DeviceEvent& event) { return static_cast<Tagged&>(event); }
   std::unique_ptr<DeviceBackend> inner_;
   Counts counts_;
+  int64_t watched_bytes_ = -1;
+  std::vector<std::pair<const char*, int64_t>> allocations_;  // Every AllocateBytes (a test's few).
 };
 
-// A compressed store writes slots only on the transform stream: in a steady-state forward the copy
-// stream never waits for the compute (its copies land in the scratch while the compute still reads the
-// slot they will be widened into) and the transform stream waits for each slot's release instead; the
-// pinned store's copy stream waits for the releases itself. Both stream the resident forward's output.
+// A compressed store writes the slots of groups with compressed weights only on the transform stream:
+// in a steady-state forward no copy-stream DMA lands in a slot and the copy stream never waits for the
+// compute (its copies land in the scratch while the compute still reads the slot they will be widened
+// into); the transform stream waits for each slot's release instead. The pinned store's copy stream
+// copies into the slots and waits for the releases itself. (The simulator runs the compute on the
+// calling thread, so these are the orders asked for, not races it could show.)
 TEST(CompressedStreamingOrderTest, TheLinksCopiesDoNotWaitForTheComputeThatReadsTheSlot) {
   for (const CompressFormat format : {CompressFormat::kNone, CompressFormat::kInt4, CompressFormat::kInt8}) {
     SCOPED_TRACE(CompressFormatName(format));
@@ -779,6 +796,7 @@ TEST(CompressedStreamingOrderTest, TheLinksCopiesDoNotWaitForTheComputeThatReads
     WaitCountingBackend backend(CreateSimulatedBackend({}));
     auto applied = GroupOffloader::Apply("stack", stack.model, *stack.weights, backend, Streaming(format));
     ASSERT_TRUE(applied.ok()) << applied.status();
+    backend.Watch((*applied)->stats().slot_bytes);
     at::manual_seed(3);
     const at::Tensor input = at::randn({3, 5, 16}).to(at::kBFloat16);
     c10::InferenceMode guard;
@@ -799,9 +817,11 @@ TEST(CompressedStreamingOrderTest, TheLinksCopiesDoNotWaitForTheComputeThatReads
     if (format == CompressFormat::kNone) {
       EXPECT_GE(counts.copy_waits_on_compute, always_on + streamed - 2);
       EXPECT_EQ(counts.transform_waits_on_compute, 0);
+      EXPECT_GE(counts.copies_into_watched, streamed);
     } else {
       EXPECT_EQ(counts.copy_waits_on_compute, always_on);
       EXPECT_GE(counts.transform_waits_on_compute, streamed - 2);
+      EXPECT_EQ(counts.copies_into_watched, 0);
     }
   }
 }

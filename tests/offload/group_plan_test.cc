@@ -220,5 +220,33 @@ TEST(GroupPlanTest, EqualGroupsKeptResidentAreSpreadAlongTheForward) {
   EXPECT_EQ(resident, (std::vector<std::string>{"blocks.0-0", "blocks.5-5"}));
 }
 
+// A store's scratch: a group needs its tensors' own scratch plus what they carry, and nothing when
+// none of its tensors needs scratch of its own (the compressed store copies such a group straight into
+// its slot); the store keeps two areas of the largest and its fixed part.
+TEST(GroupPlanTest, CarriedScratchCountsOnlyInGroupsWithScratchOfTheirOwn) {
+  Tree t({1024, 1024, 1024});
+  for (size_t i = 0; i < t.tensors.size(); ++i) {
+    const std::string& name = t.names[i];
+    // Block 0's weight needs 300 B of scratch (aligned to 512); every other tensor carries its bytes.
+    t.tensors[i].scratch_bytes = name == "blocks.0.fc.weight" ? 300 : 0;
+    t.tensors[i].carried_scratch_bytes = name == "blocks.0.fc.weight" ? 0 : t.tensors[i].bytes;
+  }
+  GroupPlanOptions options = Options(OffloadType::kBlockLevel);
+  options.scratch_buffers = 2;
+  options.fixed_scratch_bytes = 1000;
+  auto plan = PlanGroups("net", t.root, t.tensors, options);
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(Names(*plan), (std::vector<std::string>{"blocks.0-0", "blocks.1-1", "blocks.2-2", "(outside blocks)"}));
+  EXPECT_EQ(plan->groups[0].own_scratch_bytes, 512);
+  EXPECT_EQ(plan->groups[0].carried_scratch_bytes, 256);  // The bias, aligned.
+  EXPECT_EQ(plan->groups[0].scratch_bytes, 512 + 256);
+  for (size_t g = 1; g < plan->groups.size(); ++g) {
+    EXPECT_EQ(plan->groups[g].own_scratch_bytes, 0) << g;
+    EXPECT_GT(plan->groups[g].carried_scratch_bytes, 0) << g;
+    EXPECT_EQ(plan->groups[g].scratch_bytes, 0) << g;
+  }
+  EXPECT_EQ(plan->scratch_bytes, 2 * (512 + 256) + 1000);
+}
+
 }  // namespace
 }  // namespace stowage

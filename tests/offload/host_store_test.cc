@@ -60,7 +60,8 @@ TEST_P(HostStoreConformanceTest, SlotHoldsTheGroupsWeightsAfterCopyGroupToSlot) 
   for (size_t i = 0; i < weights->entries().size(); ++i) {
     HostWeights::Entry& e = weights->entries()[i];
     reference.push_back(e.host.clone());
-    tensors.push_back(PlanTensor{e.slot, static_cast<int64_t>(e.host.nbytes()), scratch_plan.tensor_bytes[i]});
+    tensors.push_back(PlanTensor{e.slot, static_cast<int64_t>(e.host.nbytes()), scratch_plan.tensor_bytes[i],
+                                 scratch_plan.carried_bytes.empty() ? 0 : scratch_plan.carried_bytes[i]});
   }
   GroupPlanOptions plan_options;
   plan_options.num_blocks_per_group = 2;

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -72,6 +73,8 @@ TEST(SafetensorsTest, WrittenThroughADescriptorTheFileHasItsBlocksAndAFullDevice
   auto file = SafetensorsFile::Open(path);
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_TRUE(at::equal(*(*file)->Get("x"), x));
+  file->reset();
+  std::remove(path.c_str());
 
   // /dev/full takes no reservation and fails every write with ENOSPC: the status names the file and
   // the cause.
@@ -82,6 +85,36 @@ TEST(SafetensorsTest, WrittenThroughADescriptorTheFileHasItsBlocksAndAFullDevice
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
   EXPECT_NE(status.message().find("spill-file"), std::string::npos) << status;
   EXPECT_NE(status.message().find(std::strerror(ENOSPC)), std::string::npos) << status;
+}
+
+// A file that may not grow as large as the tensors (RLIMIT_FSIZE below them, as a full disk would
+// refuse them) is refused by the reservation, before anything is written.
+TEST(SafetensorsTest, AReservationTheFileCannotHaveIsRefusedBeforeWriting) {
+  const std::string path = ::testing::TempDir() + "/too_large.safetensors";
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0);
+  struct rlimit was {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &was), 0);
+  void (*old_handler)(int) = std::signal(SIGXFSZ, SIG_IGN);  // EFBIG instead of the signal.
+  struct rlimit small = was;
+  small.rlim_cur = 1 << 20;  // 1 MiB; the tensor is 4.
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const absl::Status status = WriteSafetensorsToDescriptor(fd, path, {{"x", at::arange(1 << 20, at::kFloat)}}, {}, 64);
+  struct stat st {};
+  const int stat_rc = ::fstat(fd, &st);
+  ::setrlimit(RLIMIT_FSIZE, &was);
+  std::signal(SIGXFSZ, old_handler);
+  ::close(fd);
+  std::remove(path.c_str());
+  ASSERT_EQ(stat_rc, 0);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  if (status.message().find("cannot reserve") == std::string::npos) {
+    // This filesystem takes no reservation (no fallocate): the write itself was refused.
+    EXPECT_NE(status.message().find("writing"), std::string::npos) << status;
+    GTEST_SKIP() << "no fallocate on this filesystem: " << status;
+  }
+  EXPECT_NE(status.message().find(std::strerror(EFBIG)), std::string::npos) << status;
+  EXPECT_EQ(st.st_size, 0) << "bytes were written before the reservation was refused";
 }
 
 TEST(SafetensorsTest, RoundTripIsZeroCopyAndExact) {

@@ -15,10 +15,13 @@
 namespace stowage {
 
 inline std::string MakeSpillTestDir() {
-  // TEST_TMPDIR: Bazel's (and the CMake build's ctest) private temporary directory. No gtest here: a
-  // helper library that links gtest ahead of a test's gmock_main breaks static links (CMake build).
-  const char* test_tmpdir = ::getenv("TEST_TMPDIR");
-  for (const std::string& base : {std::string(test_tmpdir != nullptr ? test_tmpdir : "/tmp"), std::string(".")}) {
+  // TEST_TMPDIR: Bazel's (and the CMake build's ctest) private temporary directory, else TMPDIR, else
+  // /tmp. No gtest here: a helper library that links gtest ahead of a test's gmock_main breaks static
+  // links (CMake build).
+  const char* tmp = ::getenv("TEST_TMPDIR");
+  if (tmp == nullptr || *tmp == '\0') tmp = ::getenv("TMPDIR");
+  if (tmp == nullptr || *tmp == '\0') tmp = "/tmp";
+  for (const std::string& base : {std::string(tmp), std::string(".")}) {
     if (base.empty() || OnRamFilesystem(base)) continue;
     std::string dir = base + "/spill.XXXXXX";
     if (::mkdtemp(dir.data()) == nullptr) continue;

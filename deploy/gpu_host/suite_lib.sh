@@ -13,6 +13,12 @@ mkdir -p "$OUT"
 start=$(date +%s)
 stamp() { echo "[$(( $(date +%s) - start )) s] $*" | tee -a "$OUT/summary.txt"; }
 build="$repo_root/build/gpu"
+# The commit rows name: unpack_and_run.sh's, else the unpacked tree's marker (a later call that runs a
+# suite in that tree directly), else git's.
+if [ -z "${STOWAGE_COMMIT:-}" ]; then
+  STOWAGE_COMMIT=$(cat "$repo_root/.stowage-rev" 2>/dev/null || git -C "$repo_root" rev-parse --short HEAD 2>/dev/null || echo unknown)
+fi
+export STOWAGE_COMMIT
 
 suite_build() {
   stamp "build"

@@ -44,6 +44,27 @@ absl::StatusOr<std::vector<PlannedGroup>> FormGroups(const std::string& componen
   for (size_t i = 0; i < tensors.size(); ++i) unplaced[tensors[i].slot] = static_cast<int>(i);
   auto add_tensors = [&](PlannedGroup& g, Module& m, bool subtree) {
     auto take = [&](Module& owner) {
+      if (subtree) {
+        // Tensors the owner declares adjacent (Q/K/V weights, their FP8 scales) one after another,
+        // where the owner is visited (before its children), so that a group's slot holds them side by
+        // side as a resident onload does and one GEMM reads them as one matrix. Only when every one is
+        // still unplaced and lies in the owner's subtree (a layout hint: never across groups).
+        std::set<const Module*> below;
+        if (!owner.adjacent_groups().empty()) owner.ForEachModule([&](Module& d) { below.insert(&d); });
+        for (const auto& adjacent : owner.adjacent_groups()) {
+          const bool all_here = std::all_of(adjacent.begin(), adjacent.end(), [&](const auto& member) {
+            return below.count(member.first) > 0 && member.second >= 0 &&
+                   static_cast<size_t>(member.second) < member.first->slots().size() &&
+                   unplaced.count(&member.first->slots()[static_cast<size_t>(member.second)]) > 0;
+          });
+          if (!all_here) continue;
+          for (const auto& [member, index] : adjacent) {
+            auto it = unplaced.find(&member->slots()[static_cast<size_t>(index)]);
+            Append(g, it->second, tensors[static_cast<size_t>(it->second)]);
+            unplaced.erase(it);
+          }
+        }
+      }
       for (const TensorSlot& slot : owner.slots()) {
         auto it = unplaced.find(&slot);
         if (it == unplaced.end()) continue;

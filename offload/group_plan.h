@@ -17,8 +17,11 @@
 //     its owner's forward.
 //   Groups without tensors are dropped; a tensor belongs to exactly one group.
 //
-// Layout: a group's tensors are packed in input order, each at an offset aligned to kGroupAlign;
-// the group's bytes are the packed size. This is the layout a device buffer (a ring slot or a
+// Layout: a group's tensors are packed in module order (block_level: a module's subtree pre-order;
+// the always-on group: input order), each at an offset aligned to kGroupAlign, except that in a block
+// group the tensors a module declares adjacent (Module::AddAdjacentGroup: Q/K/V weights, their FP8
+// scales) are packed one after another where that module comes, so that one GEMM reads them as one
+// matrix as in a resident onload; the group's bytes are the packed size. This is the layout a device buffer (a ring slot or a
 // resident group's own buffer) holds, in the tensors' compute dtype, whatever the host keeps.
 //
 // Budget (budget_bytes > 0): streamed groups go through a ring of `slots` buffers of slot_bytes

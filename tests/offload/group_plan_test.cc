@@ -248,5 +248,76 @@ TEST(GroupPlanTest, CarriedScratchCountsOnlyInGroupsWithScratchOfTheirOwn) {
   EXPECT_EQ(plan->scratch_bytes, 2 * (512 + 256) + 1000);
 }
 
+// In a block group, tensors a module declares adjacent (Q/K/V weights, then their scales: interleaved
+// in module order) are packed one after another where the module comes, as a resident onload lays
+// them, so one GEMM can read them as one matrix; a declaration naming another block's tensor is
+// ignored (a layout hint never moves a tensor across groups).
+TEST(GroupPlanTest, TensorsDeclaredAdjacentArePackedSideBySideInTheirBlocksGroup) {
+  Module root{"Net"};
+  Module* blocks = root.AddChild("blocks", std::make_unique<Module>("ModuleList"));
+  std::vector<std::vector<Module*>> linears;  // Per block: q, k, v.
+  std::vector<Module*> attns;
+  for (int b = 0; b < 2; ++b) {
+    Module* block = blocks->AddChild(std::to_string(b), std::make_unique<Module>("Block"));
+    Module* attn = block->AddChild("attn", std::make_unique<Module>("Attention"));
+    attns.push_back(attn);
+    linears.emplace_back();
+    for (const char* name : {"q", "k", "v"}) {
+      Module* l = attn->AddChild(name, std::make_unique<Module>("Linear"));
+      l->AddParameter("weight", at::Tensor());
+      l->AddBuffer("weight_scale", at::Tensor());
+      linears.back().push_back(l);
+    }
+    Module* out = block->AddChild("out", std::make_unique<Module>("Linear"));
+    out->AddParameter("weight", at::Tensor());
+  }
+  for (int b = 0; b < 2; ++b) {
+    std::vector<std::pair<Module*, int>> weights, scales;
+    for (Module* l : linears[static_cast<size_t>(b)]) {
+      weights.emplace_back(l, 0);
+      scales.emplace_back(l, 1);
+    }
+    if (b == 0) {
+      // Block 0 declares only its weights, and one of them is block 1's v: ignored.
+      weights.back() = {linears[1][2], 0};
+      attns[0]->AddAdjacentGroup(weights);
+      continue;
+    }
+    attns[1]->AddAdjacentGroup(weights);
+    attns[1]->AddAdjacentGroup(scales);
+  }
+  std::vector<PlanTensor> tensors;
+  std::vector<std::string> names;
+  root.ForEachSlot([&](Module& m, TensorSlot& slot) {
+    const bool scale = slot.name == "weight_scale";
+    tensors.push_back(PlanTensor{&slot, scale ? 512 : 4096});
+    names.push_back(m.SlotPath(slot));
+  });
+  auto plan = PlanGroups("net", root, tensors, Options(OffloadType::kBlockLevel));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(Names(*plan), (std::vector<std::string>{"blocks.0-0", "blocks.1-1"}));
+  auto layout = [&](const PlannedGroup& g) {
+    std::vector<std::pair<std::string, int64_t>> out;
+    for (const PlannedTensor& t : g.tensors) out.emplace_back(names[static_cast<size_t>(t.index)], t.offset);
+    return out;
+  };
+  using Layout = std::vector<std::pair<std::string, int64_t>>;
+  EXPECT_EQ(layout(plan->groups[1]), (Layout{{"blocks.1.attn.q.weight", 0},
+                                             {"blocks.1.attn.k.weight", 4096},
+                                             {"blocks.1.attn.v.weight", 8192},
+                                             {"blocks.1.attn.q.weight_scale", 12288},
+                                             {"blocks.1.attn.k.weight_scale", 12800},
+                                             {"blocks.1.attn.v.weight_scale", 13312},
+                                             {"blocks.1.out.weight", 13824}}));
+  // Block 0, whose declaration reached into block 1: module order.
+  EXPECT_EQ(layout(plan->groups[0]), (Layout{{"blocks.0.attn.q.weight", 0},
+                                             {"blocks.0.attn.q.weight_scale", 4096},
+                                             {"blocks.0.attn.k.weight", 4608},
+                                             {"blocks.0.attn.k.weight_scale", 8704},
+                                             {"blocks.0.attn.v.weight", 9216},
+                                             {"blocks.0.attn.v.weight_scale", 13312},
+                                             {"blocks.0.out.weight", 13824}}));
+}
+
 }  // namespace
 }  // namespace stowage

@@ -365,8 +365,8 @@ std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlotVia(int group, 
               "CopyGroupToSlotVia: group ", group, " has no device copy of ", copy.defined() ? copy.nbytes() : 0,
               " bytes");
   // With `fill` the packed buffer crosses the link once, into the copy; either way the widening waits
-  // for the copy stream's order here and for the slot's release (the engine made the transform
-  // stream wait for it).
+  // for the copy stream's order here and for the slot's release (the engine made the transform stream
+  // wait for it, or, for a group with nothing compressed, the copy stream before this).
   if (fill) CopyPacked(group, copy);  // The DMAs CopyGroupToSlot issues, into the copy.
   std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
   backend_->TransformStreamWait(*landed);

@@ -21,7 +21,6 @@ void Append(PlannedGroup& g, int index, const PlanTensor& t) {
   g.bytes += AlignUp(t.bytes);
   g.own_scratch_bytes += AlignUp(t.scratch_bytes);
   g.carried_scratch_bytes += AlignUp(t.carried_scratch_bytes);
-  g.scratch_bytes = g.own_scratch_bytes > 0 ? g.own_scratch_bytes + g.carried_scratch_bytes : 0;
 }
 
 // The store's scratch when the groups with `streams(g)` true are not resident: `buffers` areas of
@@ -30,7 +29,7 @@ template <typename Pred>
 int64_t ScratchFor(const std::vector<PlannedGroup*>& candidates, const GroupPlanOptions& options, Pred streams) {
   int64_t largest = 0;
   for (const PlannedGroup* g : candidates) {
-    if (streams(*g)) largest = std::max(largest, g->scratch_bytes);
+    if (streams(*g)) largest = std::max(largest, g->scratch_bytes());
   }
   return largest > 0 ? std::max<int64_t>(1, options.scratch_buffers) * largest + options.fixed_scratch_bytes : 0;
 }

@@ -83,13 +83,13 @@ struct PlannedGroup {
   std::vector<PlannedTensor> tensors;  // In layout order.
   std::vector<Module*> members;        // Modules whose forwards use the group.
   int64_t bytes = 0;                   // Packed size, each tensor aligned to kGroupAlign.
-  // Store scratch to copy it: its tensors' own (aligned), plus what they carry when that is > 0.
-  int64_t scratch_bytes = 0;
-  int64_t own_scratch_bytes = 0;       // The two sums scratch_bytes is made of.
-  int64_t carried_scratch_bytes = 0;
+  int64_t own_scratch_bytes = 0;       // Its tensors' PlanTensor::scratch_bytes, aligned.
+  int64_t carried_scratch_bytes = 0;   // Their carried_scratch_bytes, aligned.
   bool always_on = false;              // On the device for its owners' whole forward; never in the ring.
   bool resident = false;               // Kept on the device by the budget.
   bool streamed() const { return !always_on && !resident; }
+  // Store scratch to copy it: its tensors' own, plus what they carry when that is > 0.
+  int64_t scratch_bytes() const { return own_scratch_bytes > 0 ? own_scratch_bytes + carried_scratch_bytes : 0; }
 };
 
 struct GroupPlanOptions {

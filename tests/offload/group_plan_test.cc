@@ -239,11 +239,11 @@ TEST(GroupPlanTest, CarriedScratchCountsOnlyInGroupsWithScratchOfTheirOwn) {
   ASSERT_EQ(Names(*plan), (std::vector<std::string>{"blocks.0-0", "blocks.1-1", "blocks.2-2", "(outside blocks)"}));
   EXPECT_EQ(plan->groups[0].own_scratch_bytes, 512);
   EXPECT_EQ(plan->groups[0].carried_scratch_bytes, 256);  // The bias, aligned.
-  EXPECT_EQ(plan->groups[0].scratch_bytes, 512 + 256);
+  EXPECT_EQ(plan->groups[0].scratch_bytes(), 512 + 256);
   for (size_t g = 1; g < plan->groups.size(); ++g) {
     EXPECT_EQ(plan->groups[g].own_scratch_bytes, 0) << g;
     EXPECT_GT(plan->groups[g].carried_scratch_bytes, 0) << g;
-    EXPECT_EQ(plan->groups[g].scratch_bytes, 0) << g;
+    EXPECT_EQ(plan->groups[g].scratch_bytes(), 0) << g;
   }
   EXPECT_EQ(plan->scratch_bytes, 2 * (512 + 256) + 1000);
 }

@@ -59,17 +59,13 @@ TEST(SafetensorsTest, TheDataSectionStartsAtTheAlignmentAskedFor) {
   for (int64_t bad : {0, 4, 24}) EXPECT_EQ(write(bad).code(), absl::StatusCode::kInvalidArgument) << bad;
 }
 
-TEST(SafetensorsTest, WrittenThroughADescriptorTheFileHasItsBlocksAndAFullDeviceIsReported) {
+TEST(SafetensorsTest, WrittenThroughADescriptorRoundTripsAndAFullDeviceIsReported) {
   const std::string path = ::testing::TempDir() + "/reserved.safetensors";
   const at::Tensor x = at::arange(1 << 20, at::kFloat);  // 4 MiB.
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   ASSERT_GE(fd, 0);
   ASSERT_TRUE(WriteSafetensorsToDescriptor(fd, path, {{"x", x}}, {}, 64).ok());
-  struct stat st {};
-  ASSERT_EQ(::fstat(fd, &st), 0);
   ::close(fd);
-  // Every byte of the file has its blocks (512-byte units) once the call returns.
-  EXPECT_GE(static_cast<int64_t>(st.st_blocks) * 512, static_cast<int64_t>(st.st_size));
   auto file = SafetensorsFile::Open(path);
   ASSERT_TRUE(file.ok()) << file.status();
   EXPECT_TRUE(at::equal(*(*file)->Get("x"), x));

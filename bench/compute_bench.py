@@ -9,7 +9,9 @@ Runs on the GPU host with diffusers' source on PYTHONPATH (deploy/gpu_host/run_c
   (a mode ending in _high runs on a CUDA stream of the highest priority, e.g. fp8_int4_streamed_high;
   a compressed mode ending in _wg, before any _strided, _coalesced or _high, widens a group's weights in shared
   launches; one ending in _strided or _coalesced, before any _d<N> or _high, widens with that thread layout;
-  a streamed mode ending in _d<N>, before any _high, prefetches N groups ahead)
+  a streamed mode ending in _d<N>, before any _high, prefetches N groups ahead; a mode may end in
+  +FLAG=VALUE parts, each passed to offload_bench as --FLAG=VALUE, e.g.
+  fp8_int4_streamed+transform_priority=high+widen_stage_bytes=0; rows carry them as offload_flags)
 
 What one `run` does, in order:
   1. DIR/transformer: random bf16 weights written by diffusers itself when missing
@@ -279,9 +281,16 @@ def run(args):
     del model, forward
     torch.cuda.empty_cache()
 
-    for mode in [m for m in args.modes.split(",") if m]:
-        out_file = os.path.join(args.dir, f"stowage_{mode}.safetensors")
-        jsonl = os.path.join(args.dir, f"stowage_{mode}.jsonl")
+    for full_mode in [m for m in args.modes.split(",") if m]:
+        # mode+FLAG=VALUE...: offload_bench flags of this row only (e.g. +transform_priority=high).
+        mode, *flag_parts = full_mode.split("+")
+        for part in flag_parts:
+            if not re.fullmatch(r"[a-z_0-9]+=[A-Za-z0-9_.-]+", part):
+                raise SystemExit(f"mode {full_mode}: '+{part}' is not +FLAG=VALUE")
+        offload_flags = [f"--{part}" for part in flag_parts]
+        file_tag = full_mode.replace("+", "__").replace("=", "-")
+        out_file = os.path.join(args.dir, f"stowage_{file_tag}.safetensors")
+        jsonl = os.path.join(args.dir, f"stowage_{file_tag}.jsonl")
         for f in (out_file, jsonl):
             if os.path.exists(f):
                 os.remove(f)
@@ -331,10 +340,10 @@ def run(args):
                f"--machine={args.machine}", f"--fused={'false' if mode == 'bf16_reference' else 'true'}",
                f"--compute={'fp8' if fp8 else 'bf16'}", f"--compute_priority={'high' if high else 'default'}"] + (
                    [f"--widen_layout={layout}"] if layout else []) + (
-                   [f"--spill_dir={args.spill_dir}"] if args.spill_dir else [])
+                   [f"--spill_dir={args.spill_dir}"] if args.spill_dir else []) + offload_flags
         trace = ""
         if args.profile_dir and mode != "bf16_reference":
-            trace = os.path.join(args.dir, f"trace_{model_name}_{mode}.json")
+            trace = os.path.join(args.dir, f"trace_{model_name}_{file_tag}.json")
             cmd.append(f"--profile={trace}")
         start = time.time()
         env = dict(os.environ, STOWAGE_CUDA_GRAPHS="1" if graphs else "0")
@@ -369,14 +378,16 @@ def run(args):
                          prefetch_depth=result.get("prefetch_depth"),
                          resident_bytes=result.get("resident_bytes"), working_set_bytes=result.get("working_set_bytes"),
                          spilled_bytes=result.get("spilled_bytes"),
-                         rss_after_prepare_bytes=result.get("rss_after_prepare_bytes"))
+                         rss_after_prepare_bytes=result.get("rss_after_prepare_bytes"),
+                         transform_priority=result.get("transform_priority"),
+                         widen_stage_bytes=result.get("widen_stage_bytes"))
         row("stowage", "fp8" if fp8 else "bf16", "reference" if mode == "bf16_reference" else "fused",
             result["step_s"], err, peak_device_bytes=result.get("peak_device_bytes"),
             process_s=round(time.time() - start, 1), cuda_graphs=graphs and not streamed,
-            compute_priority="high" if high else "default", **extra)
+            compute_priority="high" if high else "default", offload_flags=flag_parts, **extra)
         if trace and os.path.exists(trace) and args.profile_dir:
             summarize_trace(trace, os.path.join(args.profile_dir, f"profile_{model_name}.txt"),
-                            f"stowage {model_name} {mode}")
+                            f"stowage {model_name} {full_mode}")
     compressed_rows(args, model_name, rows)
     return rows
 
@@ -409,6 +420,8 @@ def compressed_rows(args, model_name, rows):
             name += "_high"
         if r.get("spilled_bytes"):
             name += "_spill"
+        for part in r.get("offload_flags") or []:
+            name += "+" + part
         out = {"bench": "compressed", "system": "stowage", "model": model_name, "row": name,
                "compute": r["mode"], "step_s": r["step_s"], "resident_bf16_step_s": bf16[0] if bf16 else None,
                "resident_fast_step_s": fast["step_s"], "resident_fast_mode": fast["mode"],
@@ -447,6 +460,7 @@ def compressed_rows(args, model_name, rows):
                "prepare_fp8_s": r.get("prepare_fp8_s"), "prepare_pin_alloc_s": r.get("prepare_pin_alloc_s"),
                "prepare_quantize_s": r.get("prepare_quantize_s"),
                "compute_priority": r.get("compute_priority", "default"), "widen_layout": r.get("widen_layout"),
+               "transform_priority": r.get("transform_priority"), "widen_stage_bytes": r.get("widen_stage_bytes"),
                "machine": args.machine, "commit": args.commit}
         print(json.dumps(out), flush=True)
         with open(args.out, "a", encoding="utf-8") as f:

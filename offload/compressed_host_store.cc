@@ -93,6 +93,10 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
   RETURN_IF_ERROR(weights.CheckSourceFiles());
   std::unique_ptr<CompressedHostStore> store(
       new CompressedHostStore(backend, format, ResolveGroups(groups, weights)));
+  if (options.widen_stage_bytes < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compressed store: widen_stage_bytes must be >= 0, not ", options.widen_stage_bytes));
+  }
   store->areas_ = options.scratch_buffers;
   store->widen_per_group_ = options.widen_per_group;
 
@@ -136,6 +140,7 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
     if (g.resident) continue;
     Group8& g8 = store->groups8_[gi];
     int64_t compressed = 0;
+    int64_t stage_from = 0;  // Where the stage being filled starts in the compressed part.
     for (const StoreTensor& t : g.tensors) {
       const at::Tensor& host = t.entry->host;
       Tensor8 t8;
@@ -151,7 +156,19 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
         t8.scale_offset = compressed;
         compressed += AlignScratch(t8.layout.scale_bytes());
       }
+      const bool stage_full = t8.compressed && compressed - stage_from >= std::max<int64_t>(1, options.widen_stage_bytes);
       g8.tensors.push_back(std::move(t8));
+      if (stage_full) {
+        g8.stage_end.push_back(g8.tensors.size());
+        g8.stage_bytes_end.push_back(compressed);
+        stage_from = compressed;
+      }
+    }
+    if (compressed > stage_from) {  // What is left: a last stage.
+      g8.stage_end.push_back(g8.tensors.size());
+      g8.stage_bytes_end.push_back(compressed);
+    } else if (!g8.stage_end.empty()) {  // The last stage takes the tensors after it.
+      g8.stage_end.back() = g8.tensors.size();
     }
     g8.compressed_bytes = compressed;
     g8.packed_bytes = compressed;
@@ -268,20 +285,21 @@ WidenScratch CompressedHostStore::WidenViews(const at::Tensor& scratch) const {
   return views;
 }
 
-void CompressedHostStore::Widen(int group, const at::Tensor& slot, const at::Tensor& scratch, const at::Tensor& area,
-                                const at::Tensor& others_from) const {
+void CompressedHostStore::Widen(int group, size_t first, size_t end, const at::Tensor& slot, const at::Tensor& scratch,
+                                const at::Tensor& area, const at::Tensor& others_from) const {
   // On the transform stream's thread: no autograd, and the scratch may be an inference tensor.
   c10::InferenceMode inference;
   const Group8& g8 = groups8_[static_cast<size_t>(group)];
   const WidenScratch views = WidenViews(scratch);
-  std::vector<WidenTarget> targets;
-  for (const Tensor8& t : g8.tensors) {
-    if (!t.compressed) {
-      if (others_from.defined()) {
-        slot.narrow(0, t.slot_offset, t.bytes).copy_(others_from.narrow(0, t.host_offset, t.bytes));
-      }
-      continue;
+  if (others_from.defined()) {
+    for (const Tensor8& t : g8.tensors) {
+      if (!t.compressed) slot.narrow(0, t.slot_offset, t.bytes).copy_(others_from.narrow(0, t.host_offset, t.bytes));
     }
+  }
+  std::vector<WidenTarget> targets;
+  for (size_t i = first; i < end; ++i) {
+    const Tensor8& t = g8.tensors[i];
+    if (!t.compressed) continue;
     WidenTarget target;
     target.out = slot.narrow(0, t.slot_offset, t.bytes).view(t.dtype).view(t.sizes);
     target.q = area.narrow(0, t.q_offset, t.layout.q_bytes).view(t.layout.q_dtype).view(t.layout.q_shape);
@@ -293,18 +311,34 @@ void CompressedHostStore::Widen(int group, const at::Tensor& slot, const at::Ten
       WidenInto(target.out, target.q, target.scale, format_, views);
     }
   }
-  if (!targets.empty()) WidenAllInto(targets, format_, views);  // The group's weights in shared launches.
+  if (!targets.empty()) WidenAllInto(targets, format_, views);  // The stage's weights in shared launches.
 }
 
-void CompressedHostStore::CopyPacked(int group, const at::Tensor& to) {
-  // The compressed part in one DMA, then each other tensor at its offset: the link carries no padding.
+void CompressedHostStore::CopyAndWidenInStages(int group, const at::Tensor& slot, const at::Tensor& scratch,
+                                               const at::Tensor& to) {
   const Group8& g8 = groups8_[static_cast<size_t>(group)];
-  if (g8.compressed_bytes > 0) {
-    backend_->CopyToDeviceAsync(to.narrow(0, 0, g8.compressed_bytes), g8.packed.narrow(0, 0, g8.compressed_bytes));
-  }
-  for (const Tensor8& t : g8.tensors) {
-    if (t.compressed) continue;
-    backend_->CopyToDeviceAsync(to.narrow(0, t.host_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
+  size_t first = 0;
+  int64_t from = 0;
+  for (size_t k = 0; k < g8.stage_end.size(); ++k) {
+    const bool last = k + 1 == g8.stage_end.size();
+    const int64_t bytes = g8.stage_bytes_end[k] - from;
+    if (bytes > 0) backend_->CopyToDeviceAsync(to.narrow(0, from, bytes), g8.packed.narrow(0, from, bytes));
+    if (last) {  // The other tensors, each at its offset: the link carries no padding.
+      for (const Tensor8& t : g8.tensors) {
+        if (t.compressed) continue;
+        backend_->CopyToDeviceAsync(to.narrow(0, t.host_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
+      }
+    }
+    std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
+    backend_->TransformStreamWait(*landed);
+    // The tensors are captured by value: the scratch, slot and area stay referenced (and their memory
+    // alive) until the work has run.
+    const size_t end = g8.stage_end[k];
+    const at::Tensor others = last ? to : at::Tensor();
+    backend_->EnqueueOnTransformStream(
+        [this, group, first, end, slot, scratch, to, others] { Widen(group, first, end, slot, scratch, to, others); });
+    first = end;
+    from = g8.stage_bytes_end[k];
   }
 }
 
@@ -328,13 +362,7 @@ std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlot(int group, con
   // wait for the slot's release.
   if (area_free_[a]) backend_->CopyStreamWait(*area_free_[a]);
   const at::Tensor area = scratch.narrow(0, fixed_bytes_ + a * area_bytes_, g8.packed_bytes);
-  CopyPacked(group, area);
-  std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
-  backend_->TransformStreamWait(*landed);
-  // The tensors are captured by value: the scratch and slot stay referenced (and their memory
-  // alive) until the work has run.
-  backend_->EnqueueOnTransformStream(
-      [this, group, slot, scratch, area] { Widen(group, slot, scratch, area, /*others_from=*/area); });
+  CopyAndWidenInStages(group, slot, scratch, area);
   area_free_[a] = backend_->RecordOnTransformStream();
   return backend_->RecordOnTransformStream();
 }
@@ -367,12 +395,20 @@ std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlotVia(int group, 
   // With `fill` the packed buffer crosses the link once, into the copy; either way the widening waits
   // for the copy stream's order here and for the slot's release (the engine made the transform stream
   // wait for it, or, for a group with nothing compressed, the copy stream before this).
-  if (fill) CopyPacked(group, copy);  // The DMAs CopyGroupToSlot issues, into the copy.
+  if (fill && g8.compressed_bytes > 0) {
+    CopyAndWidenInStages(group, slot, scratch, copy);  // As CopyGroupToSlot, into the copy.
+    return backend_->RecordOnTransformStream();
+  }
+  if (fill) {  // Nothing compressed: the tensors into the copy, then from it into the slot.
+    for (const Tensor8& t : g8.tensors) {
+      backend_->CopyToDeviceAsync(copy.narrow(0, t.host_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
+    }
+  }
   std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
   backend_->TransformStreamWait(*landed);
-  const at::Tensor area = copy.narrow(0, 0, g8.compressed_bytes);
+  const size_t count = g8.tensors.size();
   backend_->EnqueueOnTransformStream(
-      [this, group, slot, scratch, area, copy] { Widen(group, slot, scratch, area, copy); });
+      [this, group, count, slot, scratch, copy] { Widen(group, 0, count, slot, scratch, copy, copy); });
   return backend_->RecordOnTransformStream();
 }
 

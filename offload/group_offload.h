@@ -133,6 +133,13 @@ struct GroupOffloadOptions {
   // launch, WidenAllInto) instead of one launch each; the same bytes. Off until measured
   // (offload_bench's rows ending in "_wg", compute_bench's modes ending in "_wg").
   bool widen_per_group = false;
+  // With compress: a group's compressed part crosses the link in stages of at least this many bytes
+  // (whole tensors; the last stage takes the rest), each widened as soon as it lands, so the
+  // compute that waits for the group waits only for the last stage's widening after the last byte
+  // lands, not the whole group's. 0: a stage per compressed tensor; larger than any group: one stage
+  // per group (as before staging). Same bytes either way. Measured in compute_bench's
+  // "+widen_stage_bytes=N" rows.
+  int64_t widen_stage_bytes = int64_t{4} << 20;
 };
 
 struct GroupOffloadStats {

@@ -92,6 +92,8 @@ struct HostStoreOptions {
   int scratch_buffers = 1;
   // With compress: GroupOffloadOptions::widen_per_group.
   bool widen_per_group = false;
+  // With compress: GroupOffloadOptions::widen_stage_bytes.
+  int64_t widen_stage_bytes = int64_t{4} << 20;
 };
 
 // What a store contributes to GroupOffloadStats (same meanings and names there).

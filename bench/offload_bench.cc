@@ -30,6 +30,7 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -134,10 +135,10 @@ ABSL_FLAG(std::string, compute_priority, "default",
 ABSL_FLAG(std::string, transform_priority, "default",
           "CUDA: the widening (transform) stream's priority: default (the lowest) or high (its blocks take the "
           "SMs the compute frees first; CudaBackendOptions::high_priority_transform)");
-ABSL_FLAG(int64_t, widen_stage_bytes, int64_t{4} << 20,
+ABSL_FLAG(int64_t, widen_stage_bytes, std::numeric_limits<int64_t>::max(),
           "Compressed rows: a group's compressed part crosses the link in stages of at least this many bytes, "
-          "each widened as it lands (GroupOffloadOptions::widen_stage_bytes; 0: a stage per tensor; a large "
-          "value: one stage a group)");
+          "each widened as it lands (GroupOffloadOptions::widen_stage_bytes; 0: a stage per tensor; the "
+          "default: one stage a group)");
 ABSL_FLAG(bool, fused, true,
           "Run the fused CUDA kernels where they apply (models/core/fused_ops.h); false: the plain "
           "LibTorch reference path");

@@ -172,11 +172,33 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
     }
     g8.compressed_bytes = compressed;
     g8.packed_bytes = compressed;
-    for (Tensor8& t8 : g8.tensors) {
+    // The other tensors: as one run when the slot holds them one after another with no compressed
+    // tensor among them (the planner puts them after the compressed ones, CompressedFirst), laid out
+    // as in the slot, so that one DMA and one device copy carry them all; else each on its own.
+    int64_t run_begin = -1, run_end = -1;
+    for (const Tensor8& t8 : g8.tensors) {
       if (t8.compressed) continue;
-      t8.host_offset = g8.packed_bytes;
-      g8.packed_bytes += AlignScratch(t8.bytes);
-      store->stats_.bytes_per_forward += t8.bytes;
+      run_begin = run_begin < 0 ? t8.slot_offset : std::min(run_begin, t8.slot_offset);
+      run_end = std::max(run_end, t8.slot_offset + t8.bytes);
+    }
+    const bool run = run_begin >= 0 && std::none_of(g8.tensors.begin(), g8.tensors.end(), [&](const Tensor8& t8) {
+      return t8.compressed && t8.slot_offset < run_end && t8.slot_offset + t8.bytes > run_begin;
+    });
+    if (run) {
+      g8.others_slot_offset = run_begin;
+      g8.others_bytes = run_end - run_begin;
+      for (Tensor8& t8 : g8.tensors) {
+        if (!t8.compressed) t8.host_offset = compressed + (t8.slot_offset - run_begin);
+      }
+      g8.packed_bytes += AlignScratch(g8.others_bytes);
+      store->stats_.bytes_per_forward += g8.others_bytes;
+    } else {
+      for (Tensor8& t8 : g8.tensors) {
+        if (t8.compressed) continue;
+        t8.host_offset = g8.packed_bytes;
+        g8.packed_bytes += AlignScratch(t8.bytes);
+        store->stats_.bytes_per_forward += t8.bytes;
+      }
     }
     // A group with compressed weights lands whole in a scratch area; one without is copied straight
     // into its slot and needs none.
@@ -285,33 +307,84 @@ WidenScratch CompressedHostStore::WidenViews(const at::Tensor& scratch) const {
   return views;
 }
 
+namespace {
+// A view of `bytes` at `offset` in `buffer` as `dtype` of `sizes` that does not keep the buffer's memory
+// alive (the caller guarantees it is used only while a buffer at that address holds that layout).
+at::Tensor Unowned(const at::Tensor& buffer, int64_t offset, at::ScalarType dtype, at::IntArrayRef sizes) {
+  return at::from_blob(static_cast<uint8_t*>(buffer.data_ptr()) + offset, sizes,
+                       at::TensorOptions().dtype(dtype).device(buffer.device()));
+}
+}  // namespace
+
+const CompressedHostStore::Group8::ViewSet& CompressedHostStore::ViewsOf(int group, const at::Tensor& slot,
+                                                                         const at::Tensor& source) const {
+  // The views do not own the memory: a set describes group `group`'s layout at two addresses, which
+  // any slot and source buffer at those addresses share (the engine's slots, areas, always-on buffers
+  // and device copies of this group are all laid out so), and it is used only with buffers the caller
+  // holds. So a set kept past its buffers' release holds no device memory and stays correct.
+  const Group8& g8 = groups8_[static_cast<size_t>(group)];
+  for (const Group8::ViewSet& set : g8.view_sets) {
+    if (set.slot == slot.data_ptr() && set.source == source.data_ptr()) return set;
+  }
+  if (g8.view_sets.size() >= kViewSets) g8.view_sets.clear();
+  Group8::ViewSet set;
+  set.slot = slot.data_ptr();
+  set.source = source.data_ptr();
+  set.targets.resize(g8.tensors.size());
+  for (size_t i = 0; i < g8.tensors.size(); ++i) {
+    const Tensor8& t = g8.tensors[i];
+    if (!t.compressed) continue;
+    WidenTarget& target = set.targets[i];
+    target.out = Unowned(slot, t.slot_offset, t.dtype, t.sizes);
+    target.q = Unowned(source, t.q_offset, t.layout.q_dtype, t.layout.q_shape);
+    target.scale = Unowned(source, t.scale_offset, t.layout.scale_dtype, {t.layout.scale_count});
+  }
+  if (g8.others_bytes > 0) {
+    set.others_to = Unowned(slot, g8.others_slot_offset, at::kByte, {g8.others_bytes});
+    set.others_from = Unowned(source, g8.compressed_bytes, at::kByte, {g8.others_bytes});
+  }
+  g8.view_sets.push_back(std::move(set));
+  return g8.view_sets.back();
+}
+
 void CompressedHostStore::Widen(int group, size_t first, size_t end, const at::Tensor& slot, const at::Tensor& scratch,
                                 const at::Tensor& area, const at::Tensor& others_from) const {
   // On the transform stream's thread: no autograd, and the scratch may be an inference tensor.
   c10::InferenceMode inference;
   const Group8& g8 = groups8_[static_cast<size_t>(group)];
   const WidenScratch views = WidenViews(scratch);
-  if (others_from.defined()) {
+  const Group8::ViewSet& set = ViewsOf(group, slot, area);
+  if (others_from.defined() && g8.others_bytes > 0) {  // One run, laid out as in the slot.
+    TORCH_CHECK(others_from.data_ptr() == area.data_ptr(), "Widen: the other tensors come from the area");
+    set.others_to.copy_(set.others_from);
+  } else if (others_from.defined()) {
     for (const Tensor8& t : g8.tensors) {
       if (!t.compressed) slot.narrow(0, t.slot_offset, t.bytes).copy_(others_from.narrow(0, t.host_offset, t.bytes));
     }
   }
   std::vector<WidenTarget> targets;
   for (size_t i = first; i < end; ++i) {
-    const Tensor8& t = g8.tensors[i];
-    if (!t.compressed) continue;
-    WidenTarget target;
-    target.out = slot.narrow(0, t.slot_offset, t.bytes).view(t.dtype).view(t.sizes);
-    target.q = area.narrow(0, t.q_offset, t.layout.q_bytes).view(t.layout.q_dtype).view(t.layout.q_shape);
-    target.scale =
-        area.narrow(0, t.scale_offset, t.layout.scale_bytes()).view(t.layout.scale_dtype).view({t.layout.scale_count});
+    if (!g8.tensors[i].compressed) continue;
     if (widen_per_group_) {
-      targets.push_back(std::move(target));
+      targets.push_back(set.targets[i]);
     } else {
-      WidenInto(target.out, target.q, target.scale, format_, views);
+      WidenInto(set.targets[i].out, set.targets[i].q, set.targets[i].scale, format_, views);
     }
   }
   if (!targets.empty()) WidenAllInto(targets, format_, views);  // The stage's weights in shared launches.
+}
+
+void CompressedHostStore::CopyOthers(int group, const at::Tensor& to) {
+  const Group8& g8 = groups8_[static_cast<size_t>(group)];
+  if (g8.others_bytes > 0) {
+    backend_->CopyToDeviceAsync(to.narrow(0, g8.compressed_bytes, g8.others_bytes),
+                                g8.packed.narrow(0, g8.compressed_bytes, g8.others_bytes));
+    return;
+  }
+  for (const Tensor8& t : g8.tensors) {  // Each at its offset: the link carries no padding.
+    if (t.compressed) continue;
+    backend_->CopyToDeviceAsync(to.narrow(0, t.host_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
+  }
 }
 
 void CompressedHostStore::CopyAndWidenInStages(int group, const at::Tensor& slot, const at::Tensor& scratch,
@@ -323,12 +396,7 @@ void CompressedHostStore::CopyAndWidenInStages(int group, const at::Tensor& slot
     const bool last = k + 1 == g8.stage_end.size();
     const int64_t bytes = g8.stage_bytes_end[k] - from;
     if (bytes > 0) backend_->CopyToDeviceAsync(to.narrow(0, from, bytes), g8.packed.narrow(0, from, bytes));
-    if (last) {  // The other tensors, each at its offset: the link carries no padding.
-      for (const Tensor8& t : g8.tensors) {
-        if (t.compressed) continue;
-        backend_->CopyToDeviceAsync(to.narrow(0, t.host_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
-      }
-    }
+    if (last) CopyOthers(group, to);
     std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
     backend_->TransformStreamWait(*landed);
     // The tensors are captured by value: the scratch, slot and area stay referenced (and their memory
@@ -350,8 +418,13 @@ std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlot(int group, con
   if (g8.compressed_bytes == 0) {
     // Nothing to widen: the tensors straight into the slot on the copy stream, which the engine made
     // wait for the slot's release (WritesSlotOnTransformStream is false for this group).
-    for (const Tensor8& t : g8.tensors) {
-      backend_->CopyToDeviceAsync(slot.narrow(0, t.slot_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
+    if (g8.others_bytes > 0) {
+      backend_->CopyToDeviceAsync(slot.narrow(0, g8.others_slot_offset, g8.others_bytes),
+                                  g8.packed.narrow(0, 0, g8.others_bytes));
+    } else {
+      for (const Tensor8& t : g8.tensors) {
+        backend_->CopyToDeviceAsync(slot.narrow(0, t.slot_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
+      }
     }
     return backend_->RecordOnCopyStream();
   }
@@ -380,8 +453,10 @@ int64_t CompressedHostStore::device_copy_bytes(int group) const {
 int64_t CompressedHostStore::link_bytes(int group) const {
   const Group8& g8 = groups8_[static_cast<size_t>(group)];
   if (!g8.packed.defined()) return 0;
-  int64_t bytes = g8.compressed_bytes;
-  for (const Tensor8& t : g8.tensors) bytes += t.compressed ? 0 : t.bytes;
+  int64_t bytes = g8.compressed_bytes + g8.others_bytes;
+  if (g8.others_bytes == 0) {
+    for (const Tensor8& t : g8.tensors) bytes += t.compressed ? 0 : t.bytes;
+  }
   return bytes;
 }
 
@@ -399,11 +474,7 @@ std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlotVia(int group, 
     CopyAndWidenInStages(group, slot, scratch, copy);  // As CopyGroupToSlot, into the copy.
     return backend_->RecordOnTransformStream();
   }
-  if (fill) {  // Nothing compressed: the tensors into the copy, then from it into the slot.
-    for (const Tensor8& t : g8.tensors) {
-      backend_->CopyToDeviceAsync(copy.narrow(0, t.host_offset, t.bytes), g8.packed.narrow(0, t.host_offset, t.bytes));
-    }
-  }
+  if (fill) CopyOthers(group, copy);  // Nothing compressed: the tensors into the copy, then into the slot.
   std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
   backend_->TransformStreamWait(*landed);
   const size_t count = g8.tensors.size();

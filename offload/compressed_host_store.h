@@ -119,7 +119,26 @@ class CompressedHostStore final : public HostStore {
     // Empty when compressed_bytes is 0.
     std::vector<size_t> stage_end;
     std::vector<int64_t> stage_bytes_end;
+    // > 0: the other tensors lie in the slot as one run from others_slot_offset, with no compressed
+    // tensor among them, and the packed buffer holds that run as the slot does, right after the
+    // compressed part (one DMA, one device copy); 0: each at its own host_offset.
+    int64_t others_slot_offset = 0;
+    int64_t others_bytes = 0;
+    // The widenings' views (a target per tensor, undefined for the others; the others' run in the slot
+    // and in the source), made once per (slot, source) address pair the group is widened between and
+    // kept, so that a widening makes no tensors (nine tensor ops a weight otherwise). They do not own
+    // their memory (ViewsOf says why that is safe). At most kViewSets.
+    struct ViewSet {
+      const void* slot = nullptr;
+      const void* source = nullptr;
+      std::vector<WidenTarget> targets;
+      at::Tensor others_to, others_from;
+    };
+    mutable std::vector<ViewSet> view_sets;  // Mutable: kept by the (const) widenings.
   };
+  static constexpr size_t kViewSets = 4;
+  // Group `group`'s views between `slot` and `source` (made on first use).
+  const Group8::ViewSet& ViewsOf(int group, const at::Tensor& slot, const at::Tensor& source) const;
 
   CompressedHostStore(DeviceBackend& backend, CompressFormat format, std::vector<StoreGroup> groups)
       : backend_(&backend), format_(format), groups_(std::move(groups)), groups8_(groups_.size()) {}
@@ -127,6 +146,9 @@ class CompressedHostStore final : public HostStore {
   // scratch area or a device copy of the buffer's size; the other tensors with the last stage), and
   // after each stage's DMA, on the transform stream, the wait for it and that stage's widening from
   // `to` into `slot` (the last stage also copies the other tensors from `to`).
+  // Enqueues on the copy stream the DMAs of group `group`'s other tensors into `to` (a scratch area or
+  // device copy holding the packed buffer's layout), at their packed offsets.
+  void CopyOthers(int group, const at::Tensor& to);
   void CopyAndWidenInStages(int group, const at::Tensor& slot, const at::Tensor& scratch, const at::Tensor& to);
   // Runs on the transform stream: widens group `group`'s compressed tensors among tensors [first, end)
   // from `area` (a scratch area or a device copy holding its packed buffer) into `slot`; with

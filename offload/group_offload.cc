@@ -41,6 +41,14 @@ struct GroupOffloader::Impl {
     int64_t link_bytes = 0;
     int64_t copy_bytes = 0;
     int slot = -1;                 // Ring slot holding this group's bytes, -1 if none.
+    // Per ring slot, the group's tensors as views of that slot's buffer (made at the first onload into
+    // it: an onload then only points the modules at them, instead of three tensor ops per tensor).
+    // They reference the ring's buffers: dropped (ForgetSlotViews) before the ring releases them.
+    struct SlotViews {
+      const void* buffer = nullptr;  // The slot buffer's data they view.
+      std::vector<at::Tensor> views;
+    };
+    std::vector<SlotViews> slot_views;
     bool active = false;
     std::set<Module*> done;        // Members finished since onload.
   };
@@ -143,6 +151,7 @@ struct GroupOffloader::Impl {
     for (int64_t s = 0; s < ring->size(); ++s) {
       if (ring->owner(s) != SlotRing::kNoOwner) groups[static_cast<size_t>(ring->owner(s))]->slot = -1;
     }
+    ForgetSlotViews();
     ring->Release();  // Synchronizes: no copy or compute may still touch the buffers.
     ++stats.slot_releases;
     return ring->bytes();
@@ -245,6 +254,7 @@ struct GroupOffloader::Impl {
                                               store->device_scratch_bytes(), " bytes of device scratch, ",
                                               stats.scratch_bytes, " were planned"));
     }
+    ForgetSlotViews();
     ring = std::make_unique<SlotRing>(*backend, stats.slots, stats.slot_bytes, stats.scratch_bytes);
     RETURN_IF_ERROR(EnsureRing());
     for (auto& g : groups) {
@@ -281,6 +291,26 @@ struct GroupOffloader::Impl {
     for (SlotTensor& t : g.tensors) {
       t.slot->value = buffer.narrow(0, t.offset, t.bytes).view(t.dtype).view(t.sizes);
     }
+  }
+
+  // PointAt(g, ring->buffer(s)), through the group's views of slot s.
+  void PointAtSlot(Group& g, int64_t s) {
+    if (g.slot_views.size() != static_cast<size_t>(ring->size())) g.slot_views.assign(ring->size(), {});
+    Group::SlotViews& made = g.slot_views[static_cast<size_t>(s)];
+    const at::Tensor& buffer = ring->buffer(s);
+    if (made.buffer != buffer.data_ptr() || made.views.size() != g.tensors.size()) {
+      made.views.clear();
+      for (const SlotTensor& t : g.tensors) {
+        made.views.push_back(buffer.narrow(0, t.offset, t.bytes).view(t.dtype).view(t.sizes));
+      }
+      made.buffer = buffer.data_ptr();
+    }
+    for (size_t i = 0; i < g.tensors.size(); ++i) g.tensors[i].slot->value = made.views[i];
+  }
+
+  // Drops every group's slot views: the ring's buffers are about to go.
+  void ForgetSlotViews() {
+    for (auto& g : groups) g->slot_views.clear();
   }
 
   void PointAway(Group& g) {
@@ -378,7 +408,7 @@ struct GroupOffloader::Impl {
         LoadIntoSlot(g, slot_index);
       }
       ring->ComputeStreamWaitCopied(g.slot);
-      PointAt(g, ring->buffer(g.slot));
+      PointAtSlot(g, g.slot);
     }
     g.active = true;
     g.done.clear();
@@ -466,6 +496,7 @@ struct GroupOffloader::Impl {
       g->cache_buffer = at::Tensor();
       g->cache_is_copy = false;
     }
+    ForgetSlotViews();
     if (ring) ring->Release();
     store.reset();  // Unregisters memory pinned in place, frees the staging ring.
   }

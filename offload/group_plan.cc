@@ -34,6 +34,23 @@ int64_t ScratchFor(const std::vector<PlannedGroup*>& candidates, const GroupPlan
   return largest > 0 ? std::max<int64_t>(1, options.scratch_buffers) * largest + options.fixed_scratch_bytes : 0;
 }
 
+// In a group with tensors that need scratch of their own (a compressed store's compressed weights),
+// those first and the other tensors after them, each part in its order (so tensors declared adjacent
+// stay side by side: such a declaration names weights, or their scales, never both): the store then
+// carries the others as one contiguous run (one copy into the slot, not one per tensor).
+void CompressedFirst(PlannedGroup& g, const std::vector<PlanTensor>& tensors) {
+  const auto own = [&](const PlannedTensor& t) { return tensors[static_cast<size_t>(t.index)].scratch_bytes > 0; };
+  if (std::none_of(g.tensors.begin(), g.tensors.end(), own) || std::all_of(g.tensors.begin(), g.tensors.end(), own)) {
+    return;
+  }
+  std::stable_partition(g.tensors.begin(), g.tensors.end(), own);
+  int64_t offset = 0;
+  for (PlannedTensor& t : g.tensors) {
+    t.offset = offset;
+    offset += AlignUp(t.bytes);
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::vector<PlannedGroup>> FormGroups(const std::string& component, Module& root,
@@ -146,6 +163,7 @@ absl::StatusOr<std::vector<PlannedGroup>> FormGroups(const std::string& componen
       if (g.bytes > 0) groups.push_back(std::move(g));
     });
   }
+  for (PlannedGroup& g : groups) CompressedFirst(g, tensors);
   return groups;
 }
 

@@ -53,6 +53,7 @@
 
 #include <cstdint>
 #include <future>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -93,7 +94,7 @@ struct HostStoreOptions {
   // With compress: GroupOffloadOptions::widen_per_group.
   bool widen_per_group = false;
   // With compress: GroupOffloadOptions::widen_stage_bytes.
-  int64_t widen_stage_bytes = int64_t{4} << 20;
+  int64_t widen_stage_bytes = std::numeric_limits<int64_t>::max();
 };
 
 // What a store contributes to GroupOffloadStats (same meanings and names there).

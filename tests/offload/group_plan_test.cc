@@ -319,5 +319,68 @@ TEST(GroupPlanTest, TensorsDeclaredAdjacentArePackedSideBySideInTheirBlocksGroup
                                              {"blocks.0.out.weight", 13824}}));
 }
 
+// In a group with tensors that need scratch of their own (a compressed store's compressed weights),
+// those come first and the others after them, each part in the order it had (tensors declared
+// adjacent stay side by side), so the store carries the others as one run; groups with none, or
+// only such tensors, keep module order.
+TEST(GroupPlanTest, CompressedTensorsFirstThenTheOthersAsOneRun) {
+  Module root{"Net"};
+  Module* blocks = root.AddChild("blocks", std::make_unique<Module>("ModuleList"));
+  Module* block = blocks->AddChild("0", std::make_unique<Module>("Block"));
+  std::vector<std::pair<Module*, int>> scales;
+  for (const char* name : {"q", "k", "v"}) {
+    Module* l = block->AddChild(name, std::make_unique<Module>("Linear"));
+    l->AddParameter("weight", at::Tensor());
+    l->AddBuffer("weight_scale", at::Tensor());
+    l->AddParameter("bias", at::Tensor());
+    scales.emplace_back(l, 1);
+  }
+  block->AddAdjacentGroup(scales);  // Placed first where the block is visited, before its layers.
+  Module* norm = block->AddChild("norm", std::make_unique<Module>("RMSNorm"));
+  norm->AddParameter("weight", at::Tensor());
+  std::vector<std::string> names;
+  std::vector<PlanTensor> tensors;
+  root.ForEachSlot([&](Module& m, TensorSlot& slot) {
+    const bool weight = slot.name == "weight" && m.kind() == "Linear";
+    // The weights compress (scratch of their own); scales, biases and the norm are carried.
+    tensors.push_back(PlanTensor{&slot, weight ? 4096 : 300, weight ? 1024 : 0, weight ? 0 : 300});
+    names.push_back(m.SlotPath(slot));
+  });
+  auto layout = [&](const PlannedGroup& g) {
+    std::vector<std::pair<std::string, int64_t>> out;
+    for (const PlannedTensor& t : g.tensors) out.emplace_back(names[static_cast<size_t>(t.index)], t.offset);
+    return out;
+  };
+  using Layout = std::vector<std::pair<std::string, int64_t>>;
+  auto plan = PlanGroups("net", root, tensors, Options(OffloadType::kBlockLevel));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  ASSERT_EQ(plan->groups.size(), 1u);
+  EXPECT_EQ(layout(plan->groups[0]), (Layout{{"blocks.0.q.weight", 0},
+                                             {"blocks.0.k.weight", 4096},
+                                             {"blocks.0.v.weight", 8192},
+                                             {"blocks.0.q.weight_scale", 12288},
+                                             {"blocks.0.k.weight_scale", 12800},
+                                             {"blocks.0.v.weight_scale", 13312},
+                                             {"blocks.0.q.bias", 13824},
+                                             {"blocks.0.k.bias", 14336},
+                                             {"blocks.0.v.bias", 14848},
+                                             {"blocks.0.norm.weight", 15360}}));
+  EXPECT_EQ(plan->groups[0].bytes, 12288 + 7 * 512);
+  // Nothing with scratch of its own (an uncompressed store): module order, adjacency kept.
+  for (PlanTensor& t : tensors) t.scratch_bytes = t.carried_scratch_bytes = 0;
+  plan = PlanGroups("net", root, tensors, Options(OffloadType::kBlockLevel));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_EQ(layout(plan->groups[0]), (Layout{{"blocks.0.q.weight_scale", 0},
+                                             {"blocks.0.k.weight_scale", 512},
+                                             {"blocks.0.v.weight_scale", 1024},
+                                             {"blocks.0.q.weight", 1536},
+                                             {"blocks.0.q.bias", 5632},
+                                             {"blocks.0.k.weight", 6144},
+                                             {"blocks.0.k.bias", 10240},
+                                             {"blocks.0.v.weight", 10752},
+                                             {"blocks.0.v.bias", 14848},
+                                             {"blocks.0.norm.weight", 15360}}));
+}
+
 }  // namespace
 }  // namespace stowage

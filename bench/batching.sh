@@ -24,6 +24,8 @@
 # (bench/make_zimage_random_dir.py).
 # HIGH_PRIORITY_COMPUTE=1: the server's compute on a high-priority CUDA stream
 # (DeviceConfig.high_priority_compute); its rows' mode ends in "_hiprio".
+# PREFETCH_DEPTH=N (1..64): the streamed modes' group offload prefetches N groups ahead (its
+# prefetch_depth; unset: the engine's default for block level, 1); their rows' mode ends in "_d<N>".
 set -euo pipefail
 server=$1 load_bench=$2 model_dir=$3 out=$4
 size=${5:-1024} steps=${6:-8} machine=${7:-unknown} dtype=${8:-bfloat16}
@@ -35,8 +37,19 @@ token=bench-token
 
 resident='strategy { workflow { rules { keep_resident: "text_encoder" } rules { keep_resident: "transformer" } rules { keep_resident: "vae" } } }'
 # A group-offloaded transformer, its host copy compressed as $1 (COMPRESS_NONE for bf16).
+depth_field="" depth_suffix=""
+if [ -n "${PREFETCH_DEPTH:-}" ]; then
+  case $PREFETCH_DEPTH in
+    '' | *[!0-9]*) echo "batching.sh: PREFETCH_DEPTH must be a number 1..64, not '$PREFETCH_DEPTH'" >&2; exit 2 ;;
+  esac
+  if [ "$PREFETCH_DEPTH" -lt 1 ] || [ "$PREFETCH_DEPTH" -gt 64 ]; then
+    echo "batching.sh: PREFETCH_DEPTH must be 1..64, not $PREFETCH_DEPTH" >&2
+    exit 2
+  fi
+  depth_field=" prefetch_depth: $PREFETCH_DEPTH" depth_suffix=_d$PREFETCH_DEPTH
+fi
 group() {
-  echo "group_offload { enabled: true exclude: \"text_encoder\" exclude: \"vae\" defaults { offload_type: BLOCK_LEVEL num_blocks_per_group: 1 use_stream: true compress: $1 } }"
+  echo "group_offload { enabled: true exclude: \"text_encoder\" exclude: \"vae\" defaults { offload_type: BLOCK_LEVEL num_blocks_per_group: 1 use_stream: true compress: $1$depth_field } }"
 }
 compute=${COMPUTE:-bf16}
 case $compute in
@@ -76,7 +89,9 @@ $device_block
 CFG
   start_server "$server" "$tmp/$mode-$compress.textproto" "$tmp/$mode-$compress.log" || return 1
   local rc=0
-  "$load_bench" --target="$TARGET" --token="$token" --mode="$mode$mode_suffix" --compress="$compress" --compute="$compute" \
+  local suffix=$mode_suffix
+  [ "$mode" = streamed ] && suffix=$depth_suffix$mode_suffix
+  "$load_bench" --target="$TARGET" --token="$token" --mode="$mode$suffix" --compress="$compress" --compute="$compute" \
     --machine="$machine" --size="$size" \
     --steps="$steps" --concurrency="$concurrency" --batch_sizes="$batch_sizes" --requests_per_client="$per_client" \
     --min_requests="$min_requests" --max_queue_delay_ms="${MAX_QUEUE_DELAY_MS:-200}" --format="${FORMAT:-png}" \

@@ -552,7 +552,13 @@ absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
     const GroupOffloadOptions& requested) {
   GroupOffloadOptions options = requested;
   if (options.prefetch_depth == 0) {
-    options.prefetch_depth = options.type == OffloadType::kLeafLevel && options.budget_bytes == 0 ? 4 : 1;
+    // Compressed block-level streaming with room to spare (no group budget, no device budget): the
+    // first blocks' copies can then run during the previous step's last blocks.
+    const bool compressed_unbudgeted = options.type == OffloadType::kBlockLevel &&
+                                       options.compress != CompressFormat::kNone && !options.choose_compress &&
+                                       options.budget_bytes == 0 && backend.MemoryBudget() <= 0;
+    options.prefetch_depth =
+        (options.type == OffloadType::kLeafLevel && options.budget_bytes == 0) || compressed_unbudgeted ? 4 : 1;
   }
   auto invalid = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat("component '", component, "': ", what));

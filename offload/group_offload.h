@@ -105,8 +105,12 @@ struct GroupOffloadOptions {
   bool use_stream = false;
   // Groups copied ahead of the running one when use_stream (>= 1). 0: chosen by Apply — 4 at leaf
   // level without a budget (leaf groups are small: one copy ahead cannot hide its latency; H200:
-  // 1.30x the PCIe floor at depth 1, 1.01x at depth 4, bench/results/side_by_side_h200), else 1 (a
-  // budget sized for depth 1 would not hold the extra slots).
+  // 1.30x the PCIe floor at depth 1, 1.01x at depth 4, bench/results/side_by_side_h200); 4 at block
+  // level with `compress` when neither this budget nor the device's (DeviceBackend::MemoryBudget) is
+  // set (the first blocks' copies then run during the previous step's last blocks — Z-Image's refiners
+  // compute far less than their copies take: FP8 int4 1.109x -> 1.075x resident FP8, bf16 int4 1.060x
+  // -> 1.051x on an H100, bench/results/streaming_s34); else 1 (a budget sized for depth 1 would not
+  // hold the extra slots, and under a device budget they would take the spare-room cache's room).
   int prefetch_depth = 1;
   // kDisk: directory for the per-group safetensors files (created if missing).
   std::string disk_dir;

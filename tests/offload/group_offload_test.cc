@@ -14,6 +14,8 @@
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 
+#include "absl/strings/str_cat.h"
+#include "offload/compression.h"
 #include "offload/device_backend.h"
 #include "offload/host_weights.h"
 #include "base/out_of_memory.h"
@@ -538,21 +540,32 @@ TEST(GroupOffloadTest, DepthZeroIsChosenPerLevel) {
     OffloadType type;
     int64_t budget;
     int depth;
+    CompressFormat compress = CompressFormat::kNone;
+    int64_t device_budget = 0;
   };
-  // Leaf groups are small: 4 ahead; block level, or any level under a budget: 1.
-  for (const Case& c : {Case{OffloadType::kLeafLevel, 0, 4}, Case{OffloadType::kBlockLevel, 0, 1},
-                        Case{OffloadType::kLeafLevel, StackModel::kTotalBytes / 2, 1}}) {
+  // Leaf groups are small: 4 ahead; block level, or any level under a budget: 1; compressed block
+  // level without a budget, or a device budget: 4.
+  for (const Case& c :
+       {Case{OffloadType::kLeafLevel, 0, 4}, Case{OffloadType::kBlockLevel, 0, 1},
+        Case{OffloadType::kLeafLevel, StackModel::kTotalBytes / 2, 1},
+        Case{OffloadType::kBlockLevel, 0, 4, CompressFormat::kInt4},
+        Case{OffloadType::kBlockLevel, StackModel::kTotalBytes / 2, 1, CompressFormat::kInt4},
+        Case{OffloadType::kBlockLevel, 0, 1, CompressFormat::kInt4, int64_t{1} << 30}}) {
+    SCOPED_TRACE(absl::StrCat(static_cast<int>(c.type), " ", c.budget, " ", CompressFormatName(c.compress), " ",
+                              c.device_budget));
     Fixture f;
+    if (c.device_budget > 0) ASSERT_TRUE(f.backend->SetMemoryBudget(c.device_budget).ok());
     GroupOffloadOptions options = Opts(c.type, 1, true, OffloadTarget::kPinnedHost);
     options.prefetch_depth = 0;
     options.budget_bytes = c.budget;
+    options.compress = c.compress;
     auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, options);
     ASSERT_TRUE(offloader.ok()) << offloader.status();
     EXPECT_EQ((*offloader)->options().prefetch_depth, c.depth);
     if (c.budget == 0) {
       EXPECT_EQ((*offloader)->stats().slots, c.depth + 1);
     }
-    EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+    if (c.compress == CompressFormat::kNone) EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
   }
   Fixture f;
   GroupOffloadOptions negative = Opts(OffloadType::kLeafLevel, 1, true, OffloadTarget::kPinnedHost);

@@ -7,6 +7,7 @@
 #include <c10/util/Exception.h>
 
 #include "absl/strings/str_cat.h"
+#include "offload/safetensors.h"
 
 namespace stowage {
 namespace {
@@ -104,8 +105,11 @@ void LoadQuantizer::QuantizeOnHost(const at::Tensor& w, CompressFormat format, c
   const int64_t chunk_rows = std::max<int64_t>(1, chunk_elements_ / (w.numel() / rows));
   for (int64_t start = 0; start < rows; start += chunk_rows) {
     const int64_t n = std::min(chunk_rows, rows - start);
-    PlaceChunk(Quantize(w.narrow(0, start, n), format), format, rows, start, n, q_out, scale_out,
-               /*non_blocking=*/false);
+    const at::Tensor chunk = w.narrow(0, start, n);
+    PlaceChunk(Quantize(chunk, format), format, rows, start, n, q_out, scale_out, /*non_blocking=*/false);
+    if (chunk.is_contiguous()) {
+      released_bytes_ += ReleaseMappedPages(chunk.data_ptr(), static_cast<int64_t>(chunk.nbytes()));
+    }
   }
 }
 
@@ -127,6 +131,8 @@ void LoadQuantizer::QuantizeOnDevice(const at::Tensor& w, CompressFormat format,
     if (copied_[half] != nullptr) copied_[half]->Wait();
     uint8_t* staged = staging_.data_ptr<uint8_t>() + half * half_bytes_;
     pool_->Copy(staged, src_bytes + start * row_bytes, n * row_bytes);
+    // Read: a source in a safetensors mapping leaves the RSS chunk by chunk, not a whole tensor at once.
+    released_bytes_ += ReleaseMappedPages(src_bytes + start * row_bytes, n * row_bytes);
     const at::Tensor host_chunk = at::from_blob(staged, {n, per_row}, at::TensorOptions().dtype(w.scalar_type()));
     at::Tensor chunk = at::empty({n, per_row}, host_chunk.options().device(device));
     chunk.copy_(host_chunk, /*non_blocking=*/true);

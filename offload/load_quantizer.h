@@ -69,6 +69,10 @@ class LoadQuantizer {
   // Tensors quantized on the host because the device refused them (out of memory).
   int64_t host_fallbacks() const { return host_fallbacks_; }
 
+  // Bytes of sources in a safetensors mapping (ReleaseMappedPages) dropped from the RSS as their
+  // chunks were read — a chunk at a time, so a tensor's source never sits in the RSS whole.
+  int64_t released_bytes() const { return released_bytes_; }
+
  private:
   LoadQuantizer(DeviceBackend& backend, int64_t chunk_elements);
   void QuantizeOnHost(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out, const at::Tensor& scale_out);
@@ -83,6 +87,7 @@ class LoadQuantizer {
   std::unique_ptr<DeviceEvent> copied_[2];  // A half's last copy to the device is done.
   int next_half_ = 0;
   int64_t host_fallbacks_ = 0;
+  int64_t released_bytes_ = 0;
 };
 
 }  // namespace stowage

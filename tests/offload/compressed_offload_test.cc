@@ -2,6 +2,8 @@
 // the accuracy of dequantized weights and of a whole forward, the bytes moved per forward (exact,
 // from the backend's host-to-device counter), the peak device bytes against the planned working
 // set (scratch included), and 8-bit safetensors checkpoints streamed as they are.
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -324,6 +326,44 @@ TEST(LoadQuantizerTest, RefusesBadSettings) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(LoadQuantizer::Create(*backend, 100, 2, /*chunk_elements=*/0).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// A source in a safetensors mapping leaves the RSS chunk by chunk as the quantizer reads it (on the
+// host path and on the staged device path): the pages of every chunk but the partial ones at chunk
+// edges are released, and the bytes written are those of the same tensor quantized from the heap.
+TEST(LoadQuantizerTest, ASourceInAMappingIsReleasedChunkByChunk) {
+  std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
+  at::manual_seed(31);
+  const at::Tensor w = (at::randn({256, 4096}) * 0.05).to(at::kBFloat16);  // 2 MiB, 8 KiB a row.
+  const std::string path = std::string(::testing::TempDir()) + "/load_quantizer_source.safetensors";
+  ASSERT_TRUE(WriteSafetensors(path, {{"w", w}}).ok());
+  auto file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  auto mapped = (*file)->Get("w");
+  ASSERT_TRUE(mapped.ok()) << mapped.status();
+  ASSERT_TRUE(at::equal(*mapped, w));
+  const CompressFormat format = CompressFormat::kInt8Grouped;
+  const QuantLayout layout = LayoutOf(format, w.sizes());
+  for (const bool staged : {false, true}) {
+    SCOPED_TRACE(staged ? "staged" : "host");
+    const int64_t chunk = 32 * 4096;  // 32 rows: 256 KiB of source a chunk, 8 chunks.
+    auto from_mapping = LoadQuantizer::Create(*backend, w.numel(), /*copy_threads=*/2, chunk, staged);
+    auto from_heap = LoadQuantizer::Create(*backend, w.numel(), /*copy_threads=*/2, chunk, staged);
+    ASSERT_TRUE(from_mapping.ok() && from_heap.ok());
+    const at::Tensor q = at::empty({layout.q_bytes}, at::kByte), s = at::empty({layout.scale_bytes()}, at::kByte);
+    const at::Tensor q_heap = at::empty_like(q), s_heap = at::empty_like(s);
+    (*from_mapping)->QuantizeInto(*mapped, format, q, s);
+    (*from_mapping)->Finish();
+    (*from_heap)->QuantizeInto(w, format, q_heap, s_heap);
+    (*from_heap)->Finish();
+    EXPECT_TRUE(at::equal(q, q_heap));
+    EXPECT_TRUE(at::equal(s, s_heap));
+    EXPECT_EQ((*from_heap)->released_bytes(), 0);  // Heap memory is never released.
+    const int64_t page = ::sysconf(_SC_PAGESIZE);
+    EXPECT_GE((*from_mapping)->released_bytes(), static_cast<int64_t>(w.nbytes()) - 8 * page);
+    EXPECT_LE((*from_mapping)->released_bytes(), static_cast<int64_t>(w.nbytes()));
+    EXPECT_TRUE(at::equal(*mapped, w));  // Released pages read back from the file.
+  }
 }
 
 // The same widening ops on a GPU (where the copy stream runs them: CUDA kernels, fp8 through the

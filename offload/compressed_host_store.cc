@@ -93,10 +93,6 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
   RETURN_IF_ERROR(weights.CheckSourceFiles());
   std::unique_ptr<CompressedHostStore> store(
       new CompressedHostStore(backend, format, ResolveGroups(groups, weights)));
-  if (options.widen_stage_bytes < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("compressed store: widen_stage_bytes must be >= 0, not ", options.widen_stage_bytes));
-  }
   store->areas_ = options.scratch_buffers;
   store->widen_per_group_ = options.widen_per_group;
 

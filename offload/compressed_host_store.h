@@ -127,7 +127,7 @@ class CompressedHostStore final : public HostStore {
     // The widenings' views (a target per tensor, undefined for the others; the others' run in the slot
     // and in the source), made once per (slot, source) address pair the group is widened between and
     // kept, so that a widening makes no tensors (nine tensor ops a weight otherwise). They do not own
-    // their memory (ViewsOf says why that is safe). At most kViewSets.
+    // their memory (ViewsOf says why that is safe). At most kViewSets (then all are dropped).
     struct ViewSet {
       const void* slot = nullptr;
       const void* source = nullptr;
@@ -136,19 +136,20 @@ class CompressedHostStore final : public HostStore {
     };
     mutable std::vector<ViewSet> view_sets;  // Mutable: kept by the (const) widenings.
   };
-  static constexpr size_t kViewSets = 4;
+  // Enough for every (slot, area) pair of a deep ring (5 slots x 2 areas) and a few device buffers.
+  static constexpr size_t kViewSets = 16;
   // Group `group`'s views between `slot` and `source` (made on first use).
   const Group8::ViewSet& ViewsOf(int group, const at::Tensor& slot, const at::Tensor& source) const;
 
   CompressedHostStore(DeviceBackend& backend, CompressFormat format, std::vector<StoreGroup> groups)
       : backend_(&backend), format_(format), groups_(std::move(groups)), groups8_(groups_.size()) {}
+  // Enqueues on the copy stream the DMAs of group `group`'s other tensors into `to` (a scratch area or
+  // device copy holding the packed buffer's layout), at their packed offsets.
+  void CopyOthers(int group, const at::Tensor& to);
   // Enqueues, stage by stage, the DMAs that put group `group`'s packed buffer at the start of `to` (a
   // scratch area or a device copy of the buffer's size; the other tensors with the last stage), and
   // after each stage's DMA, on the transform stream, the wait for it and that stage's widening from
   // `to` into `slot` (the last stage also copies the other tensors from `to`).
-  // Enqueues on the copy stream the DMAs of group `group`'s other tensors into `to` (a scratch area or
-  // device copy holding the packed buffer's layout), at their packed offsets.
-  void CopyOthers(int group, const at::Tensor& to);
   void CopyAndWidenInStages(int group, const at::Tensor& slot, const at::Tensor& scratch, const at::Tensor& to);
   // Runs on the transform stream: widens group `group`'s compressed tensors among tensors [first, end)
   // from `area` (a scratch area or a device copy holding its packed buffer) into `slot`; with

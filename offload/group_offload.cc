@@ -551,14 +551,15 @@ absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
     const std::string& component, Module& root, HostWeights& weights, DeviceBackend& backend,
     const GroupOffloadOptions& requested) {
   GroupOffloadOptions options = requested;
+  // Compressed block-level streaming with no group budget and no device budget gets a deeper ring by
+  // default: the first blocks' copies then run during the previous step's last blocks. Kept only
+  // where it pays and fits (checked once planned, below).
+  bool deep_by_default = false;
   if (options.prefetch_depth == 0) {
-    // Compressed block-level streaming with room to spare (no group budget, no device budget): the
-    // first blocks' copies can then run during the previous step's last blocks.
-    const bool compressed_unbudgeted = options.type == OffloadType::kBlockLevel &&
-                                       options.compress != CompressFormat::kNone && !options.choose_compress &&
-                                       options.budget_bytes == 0 && backend.MemoryBudget() <= 0;
+    deep_by_default = options.type == OffloadType::kBlockLevel && options.compress != CompressFormat::kNone &&
+                      !options.choose_compress && options.budget_bytes == 0 && backend.MemoryBudget() <= 0;
     options.prefetch_depth =
-        (options.type == OffloadType::kLeafLevel && options.budget_bytes == 0) || compressed_unbudgeted ? 4 : 1;
+        (options.type == OffloadType::kLeafLevel && options.budget_bytes == 0) || deep_by_default ? 4 : 1;
   }
   auto invalid = [&](const std::string& what) {
     return absl::InvalidArgumentError(absl::StrCat("component '", component, "': ", what));
@@ -598,13 +599,27 @@ absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
   if (absl::Status valid = ValidateHostStoreOptions(store_options); !valid.ok()) {
     return invalid(std::string(valid.message()));
   }
-  auto impl = std::make_unique<Impl>();
-  impl->component = component;
-  impl->root = &root;
-  impl->weights = &weights;
-  impl->backend = &backend;
-  impl->options = options;
-  RETURN_IF_ERROR(impl->PlanGroups(store_options));
+  auto planned = [&](const GroupOffloadOptions& o) -> absl::StatusOr<std::unique_ptr<Impl>> {
+    auto made = std::make_unique<Impl>();
+    made->component = component;
+    made->root = &root;
+    made->weights = &weights;
+    made->backend = &backend;
+    made->options = o;
+    RETURN_IF_ERROR(made->PlanGroups(store_options));
+    return made;
+  };
+  ASSIGN_OR_RETURN(std::unique_ptr<Impl> impl, planned(options));
+  if (deep_by_default && options.use_stream) {
+    // The deeper ring pays only with more streamed groups than slots (else groups change slots every
+    // forward), and its extra slots must leave the device room: at most an eighth of what is free.
+    const int64_t extra = static_cast<int64_t>(options.prefetch_depth - 1) * impl->stats.slot_bytes;
+    const int64_t free = backend.GetMemoryStats().free_bytes();
+    if (impl->stats.streamed_groups <= options.prefetch_depth + 1 || (free != INT64_MAX && extra > free / 8)) {
+      options.prefetch_depth = 1;
+      ASSIGN_OR_RETURN(impl, planned(options));
+    }
+  }
   // The component leaves the device before its groups take their place.
   weights.OffloadAll();
   ASSIGN_OR_RETURN(impl->store, CreateHostStore(store_options, impl->plan.groups, weights, backend));

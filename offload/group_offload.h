@@ -109,8 +109,10 @@ struct GroupOffloadOptions {
   // level with `compress` when neither this budget nor the device's (DeviceBackend::MemoryBudget) is
   // set (the first blocks' copies then run during the previous step's last blocks — Z-Image's refiners
   // compute far less than their copies take: FP8 int4 1.109x -> 1.075x resident FP8, bf16 int4 1.060x
-  // -> 1.051x on an H100, bench/results/streaming_s34); else 1 (a budget sized for depth 1 would not
-  // hold the extra slots, and under a device budget they would take the spare-room cache's room).
+  // -> 1.051x on an H100, bench/results/streaming_s34) — unless the component streams no more groups
+  // than those slots or the three extra slots would take more than an eighth of the device's free
+  // memory; else 1 (a budget sized for depth 1 would not hold the extra slots, and under a device
+  // budget they would take the spare-room cache's room).
   int prefetch_depth = 1;
   // kDisk: directory for the per-group safetensors files (created if missing).
   std::string disk_dir;

@@ -542,20 +542,23 @@ TEST(GroupOffloadTest, DepthZeroIsChosenPerLevel) {
     int depth;
     CompressFormat compress = CompressFormat::kNone;
     int64_t device_budget = 0;
+    int per_group = 1;
   };
   // Leaf groups are small: 4 ahead; block level, or any level under a budget: 1; compressed block
-  // level without a budget, or a device budget: 4.
+  // level without a budget, or a device budget: 4, when it streams more groups than the slots.
   for (const Case& c :
        {Case{OffloadType::kLeafLevel, 0, 4}, Case{OffloadType::kBlockLevel, 0, 1},
         Case{OffloadType::kLeafLevel, StackModel::kTotalBytes / 2, 1},
         Case{OffloadType::kBlockLevel, 0, 4, CompressFormat::kInt4},
         Case{OffloadType::kBlockLevel, StackModel::kTotalBytes / 2, 1, CompressFormat::kInt4},
-        Case{OffloadType::kBlockLevel, 0, 1, CompressFormat::kInt4, int64_t{1} << 30}}) {
+        Case{OffloadType::kBlockLevel, 0, 1, CompressFormat::kInt4, int64_t{1} << 30},
+        // Three streamed groups: no more than the deeper ring's slots, so it stays 1.
+        Case{OffloadType::kBlockLevel, 0, 1, CompressFormat::kInt4, 0, 2}}) {
     SCOPED_TRACE(absl::StrCat(static_cast<int>(c.type), " ", c.budget, " ", CompressFormatName(c.compress), " ",
                               c.device_budget));
     Fixture f;
     if (c.device_budget > 0) ASSERT_TRUE(f.backend->SetMemoryBudget(c.device_budget).ok());
-    GroupOffloadOptions options = Opts(c.type, 1, true, OffloadTarget::kPinnedHost);
+    GroupOffloadOptions options = Opts(c.type, c.per_group, true, OffloadTarget::kPinnedHost);
     options.prefetch_depth = 0;
     options.budget_bytes = c.budget;
     options.compress = c.compress;

@@ -382,5 +382,31 @@ TEST(GroupPlanTest, CompressedTensorsFirstThenTheOthersAsOneRun) {
                                              {"blocks.0.norm.weight", 15360}}));
 }
 
+// A declaration that mixes tensors with scratch of their own and others (none does in the models)
+// keeps the group in module order rather than splitting it.
+TEST(GroupPlanTest, AMixedAdjacencyDeclarationKeepsModuleOrder) {
+  Module root{"Net"};
+  Module* blocks = root.AddChild("blocks", std::make_unique<Module>("ModuleList"));
+  Module* block = blocks->AddChild("0", std::make_unique<Module>("Block"));
+  Module* a = block->AddChild("a", std::make_unique<Module>("Linear"));
+  a->AddParameter("weight", at::Tensor());
+  a->AddParameter("bias", at::Tensor());
+  Module* b = block->AddChild("b", std::make_unique<Module>("Linear"));
+  b->AddParameter("weight", at::Tensor());
+  block->AddAdjacentGroup({{a, 0}, {a, 1}});  // a's weight (compressed) beside its bias (carried).
+  std::vector<std::string> names;
+  std::vector<PlanTensor> tensors;
+  root.ForEachSlot([&](Module& m, TensorSlot& slot) {
+    const bool weight = slot.name == "weight";
+    tensors.push_back(PlanTensor{&slot, weight ? 4096 : 300, weight ? 1024 : 0, weight ? 0 : 300});
+    names.push_back(m.SlotPath(slot));
+  });
+  auto plan = PlanGroups("net", root, tensors, Options(OffloadType::kBlockLevel));
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  std::vector<std::string> order;
+  for (const PlannedTensor& t : plan->groups[0].tensors) order.push_back(names[static_cast<size_t>(t.index)]);
+  EXPECT_EQ(order, (std::vector<std::string>{"blocks.0.a.weight", "blocks.0.a.bias", "blocks.0.b.weight"}));
+}
+
 }  // namespace
 }  // namespace stowage

@@ -386,8 +386,18 @@ def run(args):
             process_s=round(time.time() - start, 1), cuda_graphs=graphs and not streamed,
             compute_priority="high" if high else "default", offload_flags=flag_parts, **extra)
         if trace and os.path.exists(trace) and args.profile_dir:
-            summarize_trace(trace, os.path.join(args.profile_dir, f"profile_{model_name}.txt"),
-                            f"stowage {model_name} {full_mode}")
+            profile = os.path.join(args.profile_dir, f"profile_{model_name}.txt")
+            summarize_trace(trace, profile, f"stowage {model_name} {full_mode}")
+            if streamed:
+                # Where the link and the compute wait (bench/trace_gaps.py), its totals only.
+                gaps = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                    "trace_gaps.py"), trace, "--min_gap_us", "200"],
+                                      capture_output=True, text=True)
+                with open(profile, "a", encoding="utf-8") as f:
+                    f.write(f"trace_gaps (stowage {model_name} {full_mode}):\n")
+                    f.write("".join(f"  {line}\n" for line in gaps.stdout.splitlines() if not line.startswith("  ")))
+                    if gaps.returncode != 0:
+                        f.write(f"  trace_gaps failed: {gaps.stderr.strip()[-500:]}\n")
     compressed_rows(args, model_name, rows)
     return rows
 

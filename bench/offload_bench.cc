@@ -134,7 +134,8 @@ ABSL_FLAG(std::string, compute_priority, "default",
           "server's device.high_priority_compute)");
 ABSL_FLAG(std::string, transform_priority, "default",
           "CUDA: the widening (transform) stream's priority: default (the lowest) or high (its blocks take the "
-          "SMs the compute frees first; CudaBackendOptions::high_priority_transform)");
+          "SMs the compute frees first; CudaBackendOptions::high_priority_transform); off CUDA high changes "
+          "nothing");
 ABSL_FLAG(int64_t, widen_stage_bytes, std::numeric_limits<int64_t>::max(),
           "Compressed rows: a group's compressed part crosses the link in stages of at least this many bytes, "
           "each widened as it lands (GroupOffloadOptions::widen_stage_bytes; 0: a stage per tensor; the "
@@ -707,15 +708,16 @@ int Main() {
   const Shape shape = ShapeFor(absl::GetFlag(FLAGS_config));
   std::unique_ptr<DeviceBackend> backend;
   const std::string kind = absl::GetFlag(FLAGS_backend);
+  // Checked before any backend starts (off CUDA, where streams have no priorities, high changes nothing).
+  if (absl::GetFlag(FLAGS_transform_priority) != "default" && absl::GetFlag(FLAGS_transform_priority) != "high") {
+    std::cerr << "--transform_priority=" << absl::GetFlag(FLAGS_transform_priority) << ": default or high\n";
+    return 1;
+  }
   const std::string thp_mode = TransparentHugePageMode();
   bool huge_pinned = false;  // The CUDA backend's pinned buffers are huge-page memory (as it decides).
   if (kind == "cuda" || (kind == "auto" && CudaAvailable())) {
     CudaBackendOptions cuda_options;
     cuda_options.pinned_huge_pages = absl::GetFlag(FLAGS_pinned_huge_pages);
-    if (absl::GetFlag(FLAGS_transform_priority) != "default" && absl::GetFlag(FLAGS_transform_priority) != "high") {
-      std::cerr << "--transform_priority=" << absl::GetFlag(FLAGS_transform_priority) << ": default or high\n";
-      return 2;
-    }
     cuda_options.high_priority_transform = absl::GetFlag(FLAGS_transform_priority) == "high";
     huge_pinned = cuda_options.pinned_huge_pages && TransparentHugePagesOn();
     auto cuda = CreateCudaBackend(0, cuda_options);
@@ -736,6 +738,7 @@ int Main() {
     std::cerr << "--compute_priority=" << priority << ": default or high\n";
     return 1;
   }
+
   // This thread runs every forward: it is the compute thread (as the server's device worker is).
   backend->EnterComputeThread(priority == "high");
   const at::ScalarType dtype = at::kBFloat16;

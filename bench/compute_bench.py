@@ -11,7 +11,7 @@ Runs on the GPU host with diffusers' source on PYTHONPATH (deploy/gpu_host/run_c
   launches; one ending in _strided or _coalesced, before any _d<N> or _high, widens with that thread layout;
   a streamed mode ending in _d<N>, before any _high, prefetches N groups ahead; a mode may end in
   +FLAG=VALUE parts, each passed to offload_bench as --FLAG=VALUE, e.g.
-  fp8_int4_streamed+transform_priority=high+widen_stage_bytes=0; rows carry them as offload_flags)
+  fp8_int4_streamed+prefetch_depth=4; rows carry them as offload_flags)
 
 What one `run` does, in order:
   1. DIR/transformer: random bf16 weights written by diffusers itself when missing
@@ -282,7 +282,7 @@ def run(args):
     torch.cuda.empty_cache()
 
     for full_mode in [m for m in args.modes.split(",") if m]:
-        # mode+FLAG=VALUE...: offload_bench flags of this row only (e.g. +transform_priority=high).
+        # mode+FLAG=VALUE...: offload_bench flags of this row only (e.g. +pinned_huge_pages=false).
         mode, *flag_parts = full_mode.split("+")
         for part in flag_parts:
             if not re.fullmatch(r"[a-z_0-9]+=[A-Za-z0-9_.-]+", part):
@@ -378,9 +378,7 @@ def run(args):
                          prefetch_depth=result.get("prefetch_depth"),
                          resident_bytes=result.get("resident_bytes"), working_set_bytes=result.get("working_set_bytes"),
                          spilled_bytes=result.get("spilled_bytes"),
-                         rss_after_prepare_bytes=result.get("rss_after_prepare_bytes"),
-                         transform_priority=result.get("transform_priority"),
-                         widen_stage_bytes=result.get("widen_stage_bytes"))
+                         rss_after_prepare_bytes=result.get("rss_after_prepare_bytes"))
         row("stowage", "fp8" if fp8 else "bf16", "reference" if mode == "bf16_reference" else "fused",
             result["step_s"], err, peak_device_bytes=result.get("peak_device_bytes"),
             process_s=round(time.time() - start, 1), cuda_graphs=graphs and not streamed,
@@ -470,7 +468,6 @@ def compressed_rows(args, model_name, rows):
                "prepare_fp8_s": r.get("prepare_fp8_s"), "prepare_pin_alloc_s": r.get("prepare_pin_alloc_s"),
                "prepare_quantize_s": r.get("prepare_quantize_s"),
                "compute_priority": r.get("compute_priority", "default"), "widen_layout": r.get("widen_layout"),
-               "transform_priority": r.get("transform_priority"), "widen_stage_bytes": r.get("widen_stage_bytes"),
                "machine": args.machine, "commit": args.commit}
         print(json.dumps(out), flush=True)
         with open(args.out, "a", encoding="utf-8") as f:

@@ -30,7 +30,6 @@
 #include <fstream>
 #include <functional>
 #include <iostream>
-#include <limits>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -132,14 +131,6 @@ ABSL_FLAG(std::string, compute_priority, "default",
           "as the copy and widening streams) or high (a stream of the highest priority: the widening's "
           "blocks then only take the SMs the compute leaves idle; DeviceBackend::EnterComputeThread, as the "
           "server's device.high_priority_compute)");
-ABSL_FLAG(std::string, transform_priority, "default",
-          "CUDA: the widening (transform) stream's priority: default (the lowest) or high (its blocks take the "
-          "SMs the compute frees first; CudaBackendOptions::high_priority_transform); off CUDA high changes "
-          "nothing");
-ABSL_FLAG(int64_t, widen_stage_bytes, std::numeric_limits<int64_t>::max(),
-          "Compressed rows: a group's compressed part crosses the link in stages of at least this many bytes, "
-          "each widened as it lands (GroupOffloadOptions::widen_stage_bytes; 0: a stage per tensor; the "
-          "default: one stage a group)");
 ABSL_FLAG(bool, fused, true,
           "Run the fused CUDA kernels where they apply (models/core/fused_ops.h); false: the plain "
           "LibTorch reference path");
@@ -620,7 +611,6 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     if (row.find("lowram") != std::string::npos) options.target = OffloadTarget::kPageableHost;
     // "_wg" in a compressed row's name: a group's weights widened in shared launches.
     options.widen_per_group = row.find("_wg") != std::string::npos;
-    options.widen_stage_bytes = absl::GetFlag(FLAGS_widen_stage_bytes);
     if (row.find("disk") != std::string::npos) {
       options.target = OffloadTarget::kDisk;
       options.disk_dir = absl::GetFlag(FLAGS_disk_dir);
@@ -708,17 +698,11 @@ int Main() {
   const Shape shape = ShapeFor(absl::GetFlag(FLAGS_config));
   std::unique_ptr<DeviceBackend> backend;
   const std::string kind = absl::GetFlag(FLAGS_backend);
-  // Checked before any backend starts (off CUDA, where streams have no priorities, high changes nothing).
-  if (absl::GetFlag(FLAGS_transform_priority) != "default" && absl::GetFlag(FLAGS_transform_priority) != "high") {
-    std::cerr << "--transform_priority=" << absl::GetFlag(FLAGS_transform_priority) << ": default or high\n";
-    return 1;
-  }
   const std::string thp_mode = TransparentHugePageMode();
   bool huge_pinned = false;  // The CUDA backend's pinned buffers are huge-page memory (as it decides).
   if (kind == "cuda" || (kind == "auto" && CudaAvailable())) {
     CudaBackendOptions cuda_options;
     cuda_options.pinned_huge_pages = absl::GetFlag(FLAGS_pinned_huge_pages);
-    cuda_options.high_priority_transform = absl::GetFlag(FLAGS_transform_priority) == "high";
     huge_pinned = cuda_options.pinned_huge_pages && TransparentHugePagesOn();
     auto cuda = CreateCudaBackend(0, cuda_options);
     if (!cuda.ok()) {
@@ -900,8 +884,7 @@ int Main() {
           "\"lora_rank\": %d, \"base_rss_bytes\": %d, \"base_rss_warm_bytes\": %d, \"base_rss_after_bytes\": %d, "
           "\"compute_priority\": \"%s\", \"page_cache_read_s\": %.6f, \"prepare_fp8_s\": %.3f, "
           "\"prepare_pin_alloc_s\": %.3f, \"prepare_quantize_s\": %.3f, \"pinned_huge_pages\": %s, "
-          "\"thp_mode\": \"%s\", \"widen_layout\": \"%s\", \"spilled_bytes\": %d, \"rss_after_prepare_bytes\": %d, \"resident_bytes\": %d, "
-          "\"transform_priority\": \"%s\", \"widen_stage_bytes\": %d}\n",
+          "\"thp_mode\": \"%s\", \"widen_layout\": \"%s\", \"spilled_bytes\": %d, \"rss_after_prepare_bytes\": %d, \"resident_bytes\": %d}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -914,8 +897,7 @@ int Main() {
           base_rss_warm, base_rss_after, priority, page_cache_read_s, result->prepare_fp8_s,
           result->prepare_pin_alloc_s, result->prepare_quantize_s,
           huge_pinned ? "true" : "false", thp_mode, WideningLayoutName(), result->spilled_bytes,
-          result->rss_after_prepare, result->resident_bytes, absl::GetFlag(FLAGS_transform_priority),
-          absl::GetFlag(FLAGS_widen_stage_bytes));
+          result->rss_after_prepare, result->resident_bytes);
       out.flush();
     }
   }

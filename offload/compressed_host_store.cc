@@ -136,7 +136,6 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
     if (g.resident) continue;
     Group8& g8 = store->groups8_[gi];
     int64_t compressed = 0;
-    int64_t stage_from = 0;  // Where the stage being filled starts in the compressed part.
     for (const StoreTensor& t : g.tensors) {
       const at::Tensor& host = t.entry->host;
       Tensor8 t8;
@@ -152,19 +151,7 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
         t8.scale_offset = compressed;
         compressed += AlignScratch(t8.layout.scale_bytes());
       }
-      const bool stage_full = t8.compressed && compressed - stage_from >= std::max<int64_t>(1, options.widen_stage_bytes);
       g8.tensors.push_back(std::move(t8));
-      if (stage_full) {
-        g8.stage_end.push_back(g8.tensors.size());
-        g8.stage_bytes_end.push_back(compressed);
-        stage_from = compressed;
-      }
-    }
-    if (compressed > stage_from) {  // What is left: a last stage.
-      g8.stage_end.push_back(g8.tensors.size());
-      g8.stage_bytes_end.push_back(compressed);
-    } else if (!g8.stage_end.empty()) {  // The last stage takes the tensors after it.
-      g8.stage_end.back() = g8.tensors.size();
     }
     g8.compressed_bytes = compressed;
     g8.packed_bytes = compressed;
@@ -343,23 +330,22 @@ const CompressedHostStore::Group8::ViewSet& CompressedHostStore::ViewsOf(int gro
   return g8.view_sets.back();
 }
 
-void CompressedHostStore::Widen(int group, size_t first, size_t end, const at::Tensor& slot, const at::Tensor& scratch,
-                                const at::Tensor& area, const at::Tensor& others_from) const {
+void CompressedHostStore::Widen(int group, const at::Tensor& slot, const at::Tensor& scratch,
+                                const at::Tensor& area) const {
   // On the transform stream's thread: no autograd, and the scratch may be an inference tensor.
   c10::InferenceMode inference;
   const Group8& g8 = groups8_[static_cast<size_t>(group)];
   const WidenScratch views = WidenViews(scratch);
   const Group8::ViewSet& set = ViewsOf(group, slot, area);
-  if (others_from.defined() && g8.others_bytes > 0) {  // One run, laid out as in the slot.
-    TORCH_CHECK(others_from.data_ptr() == area.data_ptr(), "Widen: the other tensors come from the area");
+  if (g8.others_bytes > 0) {  // One run, laid out as in the slot.
     set.others_to.copy_(set.others_from);
-  } else if (others_from.defined()) {
+  } else {
     for (const Tensor8& t : g8.tensors) {
-      if (!t.compressed) slot.narrow(0, t.slot_offset, t.bytes).copy_(others_from.narrow(0, t.host_offset, t.bytes));
+      if (!t.compressed) slot.narrow(0, t.slot_offset, t.bytes).copy_(area.narrow(0, t.host_offset, t.bytes));
     }
   }
   std::vector<WidenTarget> targets;
-  for (size_t i = first; i < end; ++i) {
+  for (size_t i = 0; i < g8.tensors.size(); ++i) {
     if (!g8.tensors[i].compressed) continue;
     if (widen_per_group_) {
       targets.push_back(set.targets[i]);
@@ -367,7 +353,7 @@ void CompressedHostStore::Widen(int group, size_t first, size_t end, const at::T
       WidenInto(set.targets[i].out, set.targets[i].q, set.targets[i].scale, format_, views);
     }
   }
-  if (!targets.empty()) WidenAllInto(targets, format_, views);  // The stage's weights in shared launches.
+  if (!targets.empty()) WidenAllInto(targets, format_, views);  // The group's weights in shared launches.
 }
 
 void CompressedHostStore::CopyOthers(int group, const at::Tensor& to) {
@@ -383,27 +369,16 @@ void CompressedHostStore::CopyOthers(int group, const at::Tensor& to) {
   }
 }
 
-void CompressedHostStore::CopyAndWidenInStages(int group, const at::Tensor& slot, const at::Tensor& scratch,
-                                               const at::Tensor& to) {
+void CompressedHostStore::CopyAndWiden(int group, const at::Tensor& slot, const at::Tensor& scratch,
+                                       const at::Tensor& to) {
   const Group8& g8 = groups8_[static_cast<size_t>(group)];
-  size_t first = 0;
-  int64_t from = 0;
-  for (size_t k = 0; k < g8.stage_end.size(); ++k) {
-    const bool last = k + 1 == g8.stage_end.size();
-    const int64_t bytes = g8.stage_bytes_end[k] - from;
-    if (bytes > 0) backend_->CopyToDeviceAsync(to.narrow(0, from, bytes), g8.packed.narrow(0, from, bytes));
-    if (last) CopyOthers(group, to);
-    std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
-    backend_->TransformStreamWait(*landed);
-    // The tensors are captured by value: the scratch, slot and area stay referenced (and their memory
-    // alive) until the work has run.
-    const size_t end = g8.stage_end[k];
-    const at::Tensor others = last ? to : at::Tensor();
-    backend_->EnqueueOnTransformStream(
-        [this, group, first, end, slot, scratch, to, others] { Widen(group, first, end, slot, scratch, to, others); });
-    first = end;
-    from = g8.stage_bytes_end[k];
-  }
+  backend_->CopyToDeviceAsync(to.narrow(0, 0, g8.compressed_bytes), g8.packed.narrow(0, 0, g8.compressed_bytes));
+  CopyOthers(group, to);
+  std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
+  backend_->TransformStreamWait(*landed);
+  // The tensors are captured by value: the scratch, slot and area stay referenced (and their memory
+  // alive) until the work has run.
+  backend_->EnqueueOnTransformStream([this, group, slot, scratch, to] { Widen(group, slot, scratch, to); });
 }
 
 std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlot(int group, const at::Tensor& slot,
@@ -431,7 +406,7 @@ std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlot(int group, con
   // wait for the slot's release.
   if (area_free_[a]) backend_->CopyStreamWait(*area_free_[a]);
   const at::Tensor area = scratch.narrow(0, fixed_bytes_ + a * area_bytes_, g8.packed_bytes);
-  CopyAndWidenInStages(group, slot, scratch, area);
+  CopyAndWiden(group, slot, scratch, area);
   area_free_[a] = backend_->RecordOnTransformStream();
   return backend_->RecordOnTransformStream();
 }
@@ -467,15 +442,13 @@ std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlotVia(int group, 
   // for the copy stream's order here and for the slot's release (the engine made the transform stream
   // wait for it, or, for a group with nothing compressed, the copy stream before this).
   if (fill && g8.compressed_bytes > 0) {
-    CopyAndWidenInStages(group, slot, scratch, copy);  // As CopyGroupToSlot, into the copy.
+    CopyAndWiden(group, slot, scratch, copy);  // As CopyGroupToSlot, into the copy.
     return backend_->RecordOnTransformStream();
   }
   if (fill) CopyOthers(group, copy);  // Nothing compressed: the tensors into the copy, then into the slot.
   std::unique_ptr<DeviceEvent> landed = backend_->RecordOnCopyStream();
   backend_->TransformStreamWait(*landed);
-  const size_t count = g8.tensors.size();
-  backend_->EnqueueOnTransformStream(
-      [this, group, count, slot, scratch, copy] { Widen(group, 0, count, slot, scratch, copy, copy); });
+  backend_->EnqueueOnTransformStream([this, group, slot, scratch, copy] { Widen(group, slot, scratch, copy); });
   return backend_->RecordOnTransformStream();
 }
 

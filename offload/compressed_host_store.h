@@ -24,18 +24,13 @@
 //                                            aligned to 256;
 //   [ t_a | t_b | ... ]                      the other tensors (biases, norms) in their compute
 //                                            dtype, each aligned to 256;
-// in a group with compressed tensors both parts are copied into a scratch area at these offsets and
-// the other tensors from there to their slot offsets on the transform stream beside the widening.
-// The compressed part crosses in stages (options.widen_stage_bytes: whole tensors, one DMA and one
-// event each; the other tensors with the last) and each stage is widened as soon as it lands:
-//
-//   copy stream       [g1 stage 0][g1 stage 1][g1 stage 2]
-//   transform stream        [wait][widen s0] [wait][widen s1] [wait][widen s2]
-//   compute stream                                                  [wait][forward g1]
-//
-// so the compute waits, after the group's last byte lands, for the last stage's widening only (the
-// widening of a whole group, in the SMs the previous group's GEMMs leave, took the compute stream
-// ~11 ms a step in the H100 profiles of FP8 int4).
+// in a group with compressed tensors both parts are copied into a scratch area at these offsets (the
+// compressed part in one DMA; the others in one too where the planner put them after the compressed
+// ones in the slot, laid out there as in the slot) and the other tensors from there to their slot
+// offsets on the transform stream beside the widening. (Widening each tensor as soon as its bytes
+// landed instead of the whole group at once, and the transform stream at the highest priority,
+// changed nothing on an H100 — bench/results/streaming_s34: the compute waited on copies the host
+// issued late, not on the widening.)
 // A device copy of that buffer (CopyGroupToSlotVia: the spare-room cache keeping a group as it
 // crossed the link, at its compressed size) replaces the scratch area and the DMAs: the widening
 // reads the compressed part from the copy and the other tensors are copied from it on the transform
@@ -114,11 +109,6 @@ class CompressedHostStore final : public HostStore {
     int64_t compressed_bytes = 0;    // The compressed part (0: nothing to widen, no area).
     int64_t packed_bytes = 0;        // Of `packed`: the compressed part, then the other tensors.
     std::vector<Tensor8> tensors;
-    // Stage k: tensors [stage_end[k - 1], stage_end[k]) and compressed bytes [stage_bytes_end[k - 1],
-    // stage_bytes_end[k]) (from 0 for k = 0); the last ends at tensors.size() and compressed_bytes.
-    // Empty when compressed_bytes is 0.
-    std::vector<size_t> stage_end;
-    std::vector<int64_t> stage_bytes_end;
     // > 0: the other tensors lie in the slot as one run from others_slot_offset, with no compressed
     // tensor among them, and the packed buffer holds that run as the slot does, right after the
     // compressed part (one DMA, one device copy); 0: each at its own host_offset.
@@ -146,16 +136,13 @@ class CompressedHostStore final : public HostStore {
   // Enqueues on the copy stream the DMAs of group `group`'s other tensors into `to` (a scratch area or
   // device copy holding the packed buffer's layout), at their packed offsets.
   void CopyOthers(int group, const at::Tensor& to);
-  // Enqueues, stage by stage, the DMAs that put group `group`'s packed buffer at the start of `to` (a
-  // scratch area or a device copy of the buffer's size; the other tensors with the last stage), and
-  // after each stage's DMA, on the transform stream, the wait for it and that stage's widening from
-  // `to` into `slot` (the last stage also copies the other tensors from `to`).
-  void CopyAndWidenInStages(int group, const at::Tensor& slot, const at::Tensor& scratch, const at::Tensor& to);
-  // Runs on the transform stream: widens group `group`'s compressed tensors among tensors [first, end)
-  // from `area` (a scratch area or a device copy holding its packed buffer) into `slot`; with
-  // `others_from` (the same buffer) also copies all of the group's other tensors from it.
-  void Widen(int group, size_t first, size_t end, const at::Tensor& slot, const at::Tensor& scratch,
-             const at::Tensor& area, const at::Tensor& others_from = at::Tensor()) const;
+  // Enqueues the DMAs that put group `group`'s packed buffer (it has compressed tensors) at the start
+  // of `to` (a scratch area or a device copy of the buffer's size) and, on the transform stream, the
+  // wait for them and the widening from `to` into `slot`.
+  void CopyAndWiden(int group, const at::Tensor& slot, const at::Tensor& scratch, const at::Tensor& to);
+  // Runs on the transform stream: widens group `group`'s compressed tensors from `area` (a scratch
+  // area or a device copy holding its packed buffer) into `slot` and copies its other tensors from it.
+  void Widen(int group, const at::Tensor& slot, const at::Tensor& scratch, const at::Tensor& area) const;
   WidenScratch WidenViews(const at::Tensor& scratch) const;
 
   DeviceBackend* backend_;

@@ -133,9 +133,7 @@ class CudaBackend : public DeviceBackend {
         huge_pinned_(options.pinned_huge_pages && TransparentHugePagesOn()),
         device_(c10::kCUDA, static_cast<c10::DeviceIndex>(index)),
         copy_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())),
-        transform_stream_(c10::cuda::getStreamFromPool(
-            /*isHighPriority=*/options.high_priority_transform,
-            device_.index())) {
+        transform_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())) {
     size_t free_bytes = 0;
     size_t total_bytes = 0;
     c10::cuda::CUDAGuard guard(device_);

@@ -177,8 +177,8 @@ class DeviceBackend {
 
   // Called once on the thread that will issue this device's compute (the device worker), before
   // any: with `high_priority` the compute stream is one of the highest priority (CUDA: that
-  // thread's current stream becomes a high-priority stream of LibTorch's pool; the copy stream keeps
-  // the lowest, the transform stream too unless CudaBackendOptions::high_priority_transform). Elsewhere, and without it, nothing changes.
+  // thread's current stream becomes a high-priority stream of LibTorch's pool; the copy and
+  // transform streams keep the lowest). Elsewhere, and without it, nothing changes.
   virtual void EnterComputeThread(bool high_priority) { (void)high_priority; }
 
  protected:
@@ -235,11 +235,6 @@ struct CudaBackendOptions {
   // 5.39 GB/s against cudaHostAlloc's 2.92, an int4 copy of the 10 GiB stack prepared in 2.6 s
   // against 3.4, the same step. offload_bench --pinned_huge_pages=false for cudaHostAlloc.
   bool pinned_huge_pages = true;
-  // The transform stream (the widening of compressed groups) at the highest priority, so that once a
-  // group's codes land its widening takes the SMs the compute frees first and the next group's
-  // compute, which waits for it, starts sooner. Off until measured (offload_bench
-  // --transform_priority=high; compute_bench's "+transform_priority=high" rows).
-  bool high_priority_transform = false;
 };
 // Fails with FAILED_PRECONDITION when the build has no CUDA or the device does not exist.
 absl::StatusOr<std::unique_ptr<DeviceBackend>> CreateCudaBackend(int device_index,

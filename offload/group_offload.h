@@ -78,7 +78,6 @@
 #define STOWAGE_OFFLOAD_GROUP_OFFLOAD_H_
 
 #include <cstdint>
-#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -140,14 +139,6 @@ struct GroupOffloadOptions {
   // launch, WidenAllInto) instead of one launch each; the same bytes. Off until measured
   // (offload_bench's rows ending in "_wg", compute_bench's modes ending in "_wg").
   bool widen_per_group = false;
-  // With compress: a group's compressed part crosses the link in stages of at least this many bytes
-  // (whole tensors; the last stage takes the rest), each widened as soon as it lands, so that the
-  // compute waiting for the group waits after its last byte only for the last stage's widening. 0: a
-  // stage per compressed tensor; the default, one stage a group. Same bytes either way. Measured on an
-  // H100 (FP8 int4, Z-Image, bench/results/streaming_h100_7fc6ea3): 0.0795 s a step in one stage,
-  // 0.0805 in 4 MiB stages and a stage per tensor — the compute's waits come from the copies being
-  // issued late, not from the widening (compute_bench's "+widen_stage_bytes=N" rows).
-  int64_t widen_stage_bytes = std::numeric_limits<int64_t>::max();
 };
 
 struct GroupOffloadStats {

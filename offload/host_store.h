@@ -53,7 +53,6 @@
 
 #include <cstdint>
 #include <future>
-#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -93,8 +92,6 @@ struct HostStoreOptions {
   int scratch_buffers = 1;
   // With compress: GroupOffloadOptions::widen_per_group.
   bool widen_per_group = false;
-  // With compress: GroupOffloadOptions::widen_stage_bytes.
-  int64_t widen_stage_bytes = std::numeric_limits<int64_t>::max();
 };
 
 // What a store contributes to GroupOffloadStats (same meanings and names there).

@@ -28,10 +28,6 @@ absl::Status ValidateHostStoreOptions(const HostStoreOptions& options) {
   if (options.prequantized != nullptr && options.compress == CompressFormat::kNone) {
     return absl::InvalidArgumentError("8-bit weights were given but compress is none");
   }
-  if (options.widen_stage_bytes < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("widen_stage_bytes must be >= 0 (0: a stage per tensor), not ", options.widen_stage_bytes));
-  }
   return absl::OkStatus();
 }
 

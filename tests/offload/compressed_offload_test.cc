@@ -758,7 +758,6 @@ class WaitCountingBackend final : public DeviceBackend {
   struct Counts {
     int copy_waits_on_compute = 0;
     int transform_waits_on_compute = 0;
-    int transform_waits_on_copy = 0;  // Waits for bytes landed: one per widened stage.
     int copies_into_watched = 0;
     int copies = 0;  // Every host-to-device DMA.
   };
@@ -786,16 +785,11 @@ class WaitCountingBackend final : public DeviceBackend {
     inner_->CopyToDeviceAsync(dst, src);
   }
   void EnqueueOnTransformStream(std::function<void()> work) override { inner_->EnqueueOnTransformStream(std::move(work)); }
-  std::unique_ptr<DeviceEvent> RecordOnTransformStream() override {
-    return Wrap(inner_->RecordOnTransformStream(), Origin::kTransform);
-  }
-  std::unique_ptr<DeviceEvent> RecordOnCopyStream() override { return Wrap(inner_->RecordOnCopyStream(), Origin::kCopy); }
-  std::unique_ptr<DeviceEvent> RecordOnComputeStream() override {
-    return Wrap(inner_->RecordOnComputeStream(), Origin::kCompute);
-  }
+  std::unique_ptr<DeviceEvent> RecordOnTransformStream() override { return Wrap(inner_->RecordOnTransformStream(), false); }
+  std::unique_ptr<DeviceEvent> RecordOnCopyStream() override { return Wrap(inner_->RecordOnCopyStream(), false); }
+  std::unique_ptr<DeviceEvent> RecordOnComputeStream() override { return Wrap(inner_->RecordOnComputeStream(), true); }
   void TransformStreamWait(DeviceEvent& event) override {
     counts_.transform_waits_on_compute += Of(event).compute;
-    counts_.transform_waits_on_copy += Of(event).copy;
     inner_->TransformStreamWait(*Of(event).inner);
   }
   void ComputeStreamWait(DeviceEvent& event) override { inner_->ComputeStreamWait(*Of(event).inner); }
@@ -819,19 +813,16 @@ class WaitCountingBackend final : public DeviceBackend {
   void ResetAllocatorPeaks() override { inner_->ResetPeakStats(); }
 
  private:
-  enum class Origin { kCompute, kCopy, kTransform };
   struct Tagged final : DeviceEvent {
     std::unique_ptr<DeviceEvent> inner;
     bool compute = false;
-    bool copy = false;
     bool Query() override { return inner->Query(); }
     void Wait() override { inner->Wait(); }
   };
-  static std::unique_ptr<DeviceEvent> Wrap(std::unique_ptr<DeviceEvent> inner, Origin origin) {
+  static std::unique_ptr<DeviceEvent> Wrap(std::unique_ptr<DeviceEvent> inner, bool compute) {
     auto tagged = std::make_unique<Tagged>();
     tagged->inner = std::move(inner);
-    tagged->compute = origin == Origin::kCompute;
-    tagged->copy = origin == Origin::kCopy;
+    tagged->compute = compute;
     return tagged;
   }
   static Tagged& Of(DeviceEvent& event) { return static_cast<Tagged&>(event); }
@@ -888,77 +879,6 @@ TEST(CompressedStreamingOrderTest, TheLinksCopiesDoNotWaitForTheComputeThatReads
       EXPECT_EQ(counts.copies, 2 * loads);
     }
   }
-}
-
-// A group's compressed part crosses in stages, each widened once it lands (the transform stream
-// waits for each stage's bytes): widen_stage_bytes 0 makes each compressed tensor a stage, the
-// default (and a value larger than any group) one stage a group; the forward is the same bit for bit,
-// and so are the bytes on the link. A negative stage size is refused.
-TEST(CompressedStreamingOrderTest, StagesWidenAsTheyLandWithTheSameForward) {
-  for (const CompressFormat format : {CompressFormat::kInt4, CompressFormat::kInt8}) {
-    SCOPED_TRACE(CompressFormatName(format));
-    std::vector<at::Tensor> outs;
-    std::vector<int> landed_waits;
-    std::vector<int64_t> link_bytes;
-    for (const int64_t stage_bytes : {int64_t{0}, GroupOffloadOptions().widen_stage_bytes, int64_t{4} << 20}) {
-      Bf16Stack stack;
-      WaitCountingBackend backend(CreateSimulatedBackend({}));
-      GroupOffloadOptions options = Streaming(format);
-      options.widen_stage_bytes = stage_bytes;
-      auto applied = GroupOffloader::Apply("stack", stack.model, *stack.weights, backend, options);
-      ASSERT_TRUE(applied.ok()) << applied.status();
-      at::manual_seed(3);
-      const at::Tensor input = at::randn({3, 5, 16}).to(at::kBFloat16);
-      c10::InferenceMode guard;
-      (void)stack.model.Forward(input);
-      backend.Synchronize();
-      backend.ResetCounts();
-      outs.push_back(stack.model.Forward(input));
-      backend.Synchronize();
-      landed_waits.push_back(backend.counts().transform_waits_on_copy);
-      link_bytes.push_back((*applied)->stats().bytes_per_forward);
-      ASSERT_GT((*applied)->stats().streamed_groups, 2);
-      if (stage_bytes == 0) EXPECT_GE(landed_waits.back(), 2 * (*applied)->stats().streamed_groups);
-    }
-    EXPECT_TRUE(at::equal(outs[0], outs[1]));
-    EXPECT_TRUE(at::equal(outs[0], outs[2]));
-    EXPECT_GT(landed_waits[0], landed_waits[1]);  // A block's two weights: two stages against one (the default).
-    EXPECT_EQ(landed_waits[2], landed_waits[1]);  // The test stack's groups are far below 4 MiB.
-    EXPECT_EQ(link_bytes[0], link_bytes[1]);
-  }
-  Bf16Stack stack;
-  std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
-  GroupOffloadOptions options = Streaming(CompressFormat::kInt4);
-  options.widen_stage_bytes = -1;
-  auto refused = GroupOffloader::Apply("stack", stack.model, *stack.weights, *backend, options);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(refused.status().message().find("widen_stage_bytes"), std::string::npos) << refused.status();
-}
-
-// On CUDA (where this build and host have it; the simulator otherwise) the stages' DMAs, events and
-// widenings run on real streams: a stage per tensor streams the same forward bit for bit as a stage
-// per group, step after step.
-TEST_P(CompressedStreamingTest, StagedWideningOnRealStreamsStreamsTheSameForward) {
-  const CompressFormat format = GetParam();
-  const bool cuda = SimulatedOrCuda(true) != nullptr;
-  std::vector<at::Tensor> outs;
-  for (const int64_t stage_bytes : {int64_t{1} << 40, int64_t{0}}) {
-    std::unique_ptr<DeviceBackend> backend = SimulatedOrCuda(cuda);
-    ASSERT_NE(backend, nullptr);
-    Bf16Stack stack;
-    GroupOffloadOptions options = Streaming(format);
-    options.use_stream = backend->supports_streams();
-    options.widen_stage_bytes = stage_bytes;
-    auto applied = GroupOffloader::Apply("stack", stack.model, *stack.weights, *backend, options);
-    ASSERT_TRUE(applied.ok()) << applied.status();
-    at::manual_seed(3);
-    const at::Tensor input = at::randn({3, 5, 16}).to(at::kBFloat16).to(backend->torch_device());
-    c10::InferenceMode guard;
-    for (int step = 0; step < 3; ++step) outs.push_back(stack.model.Forward(input).cpu());
-    backend->Synchronize();
-  }
-  for (size_t i = 1; i < outs.size(); ++i) EXPECT_TRUE(at::equal(outs[0], outs[i])) << "forward " << i;
 }
 
 // With a copy stream the scratch holds two areas for the groups' packed bytes (one group's
@@ -1098,8 +1018,6 @@ TEST_P(CompressedStreamingTest, TheSpareRoomCacheKeepsGroupsAsTheyCrossTheLinkWh
     SCOPED_TRACE(absl::StrCat(cuda ? "cuda, " : "simulated, ", stream ? "with a copy stream" : "without"));
     GroupOffloadOptions options = Streaming(format);
     options.use_stream = stream;
-    // With a copy stream, a stage per tensor: the cache's filling copies land and widen in stages too.
-    if (stream) options.widen_stage_bytes = 0;
     std::unique_ptr<DeviceBackend> backend = SimulatedOrCuda(cuda);
     if (backend == nullptr) continue;  // No CUDA in this build or host.
     Bf16Stack stack;

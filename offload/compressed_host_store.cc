@@ -174,19 +174,20 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
         if (!t8.compressed) t8.host_offset = compressed + (t8.slot_offset - run_begin);
       }
       g8.packed_bytes += AlignScratch(g8.others_bytes);
-      store->stats_.bytes_per_forward += g8.others_bytes;
+      g8.link_bytes = compressed + g8.others_bytes;
     } else {
+      g8.link_bytes = compressed;
       for (Tensor8& t8 : g8.tensors) {
         if (t8.compressed) continue;
         t8.host_offset = g8.packed_bytes;
         g8.packed_bytes += AlignScratch(t8.bytes);
-        store->stats_.bytes_per_forward += t8.bytes;
+        g8.link_bytes += t8.bytes;
       }
     }
     // A group with compressed weights lands whole in a scratch area; one without is copied straight
     // into its slot and needs none.
     if (compressed > 0) largest = std::max(largest, g8.packed_bytes);
-    store->stats_.bytes_per_forward += compressed;
+    store->stats_.bytes_per_forward += g8.link_bytes;
     packed_groups.push_back(gi);
   }
 
@@ -423,12 +424,7 @@ int64_t CompressedHostStore::device_copy_bytes(int group) const {
 
 int64_t CompressedHostStore::link_bytes(int group) const {
   const Group8& g8 = groups8_[static_cast<size_t>(group)];
-  if (!g8.packed.defined()) return 0;
-  int64_t bytes = g8.compressed_bytes + g8.others_bytes;
-  if (g8.others_bytes == 0) {
-    for (const Tensor8& t : g8.tensors) bytes += t.compressed ? 0 : t.bytes;
-  }
-  return bytes;
+  return g8.packed.defined() ? g8.link_bytes : 0;
 }
 
 std::unique_ptr<DeviceEvent> CompressedHostStore::CopyGroupToSlotVia(int group, const at::Tensor& slot,

@@ -114,6 +114,7 @@ class CompressedHostStore final : public HostStore {
     // compressed part (one DMA, one device copy); 0: each at its own host_offset.
     int64_t others_slot_offset = 0;
     int64_t others_bytes = 0;
+    int64_t link_bytes = 0;  // What a copy of the group moves over the link (the bytes its DMAs carry).
     // The widenings' views (a target per tensor, undefined for the others; the others' run in the slot
     // and in the source), made once per (slot, source) address pair the group is widened between and
     // kept, so that a widening makes no tensors (nine tensor ops a weight otherwise). They do not own

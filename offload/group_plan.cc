@@ -37,38 +37,43 @@ int64_t ScratchFor(const std::vector<PlannedGroup*>& candidates, const GroupPlan
 // In a group with tensors that need scratch of their own (a compressed store's compressed weights),
 // those first and the other tensors after them, each part in its order (so tensors declared adjacent
 // stay side by side: such a declaration names weights, or their scales, never both): the store then
-// carries the others as one contiguous run (one copy into the slot, not one per tensor).
-void CompressedFirst(PlannedGroup& g, const std::vector<PlanTensor>& tensors,
-                     const std::map<const TensorSlot*, int>& index_of) {
+// carries the others as one contiguous run (one copy into the slot, not one per tensor). A group
+// holding a tensor of `mixed` (a declaration naming both kinds; none does today) keeps module order.
+void CompressedFirst(PlannedGroup& g, const std::vector<PlanTensor>& tensors, const std::set<int>& mixed) {
   const auto own = [&](const PlannedTensor& t) { return tensors[static_cast<size_t>(t.index)].scratch_bytes > 0; };
-  if (std::none_of(g.tensors.begin(), g.tensors.end(), own) || std::all_of(g.tensors.begin(), g.tensors.end(), own)) {
+  if (std::none_of(g.tensors.begin(), g.tensors.end(), own) || std::all_of(g.tensors.begin(), g.tensors.end(), own) ||
+      std::any_of(g.tensors.begin(), g.tensors.end(), [&](const PlannedTensor& t) { return mixed.count(t.index) > 0; })) {
     return;
   }
-  // A declaration that mixes the two (none does today) would be split: keep the module order then.
-  std::set<int> here;
-  for (const PlannedTensor& t : g.tensors) here.insert(t.index);
-  bool mixed = false;
-  for (Module* member : g.members) {
-    member->ForEachModule([&](Module& owner) {
-      for (const auto& adjacent : owner.adjacent_groups()) {
-        int with = 0, without = 0;
-        for (const auto& [m, slot] : adjacent) {
-          if (slot < 0 || static_cast<size_t>(slot) >= m->slots().size()) continue;
-          const auto it = index_of.find(&m->slots()[static_cast<size_t>(slot)]);
-          if (it == index_of.end() || here.count(it->second) == 0) continue;
-          (tensors[static_cast<size_t>(it->second)].scratch_bytes > 0 ? with : without) += 1;
-        }
-        mixed = mixed || (with > 0 && without > 0);
-      }
-    });
-  }
-  if (mixed) return;
   std::stable_partition(g.tensors.begin(), g.tensors.end(), own);
   int64_t offset = 0;
   for (PlannedTensor& t : g.tensors) {
     t.offset = offset;
     offset += AlignUp(t.bytes);
   }
+}
+
+// The tensors (indices into `tensors`) of adjacency declarations under `root` that name both tensors
+// with scratch of their own and tensors without.
+std::set<int> InMixedDeclarations(Module& root, const std::vector<PlanTensor>& tensors) {
+  std::map<const TensorSlot*, int> index_of;
+  for (size_t i = 0; i < tensors.size(); ++i) index_of[tensors[i].slot] = static_cast<int>(i);
+  std::set<int> mixed;
+  root.ForEachModule([&](Module& owner) {
+    for (const auto& adjacent : owner.adjacent_groups()) {
+      std::vector<int> members;
+      bool with = false, without = false;
+      for (const auto& [m, slot] : adjacent) {
+        if (slot < 0 || static_cast<size_t>(slot) >= m->slots().size()) continue;
+        const auto it = index_of.find(&m->slots()[static_cast<size_t>(slot)]);
+        if (it == index_of.end()) continue;
+        members.push_back(it->second);
+        (tensors[static_cast<size_t>(it->second)].scratch_bytes > 0 ? with : without) = true;
+      }
+      if (with && without) mixed.insert(members.begin(), members.end());
+    }
+  });
+  return mixed;
 }
 
 }  // namespace
@@ -183,9 +188,8 @@ absl::StatusOr<std::vector<PlannedGroup>> FormGroups(const std::string& componen
       if (g.bytes > 0) groups.push_back(std::move(g));
     });
   }
-  std::map<const TensorSlot*, int> index_of;
-  for (size_t i = 0; i < tensors.size(); ++i) index_of[tensors[i].slot] = static_cast<int>(i);
-  for (PlannedGroup& g : groups) CompressedFirst(g, tensors, index_of);
+  const std::set<int> mixed = InMixedDeclarations(root, tensors);
+  for (PlannedGroup& g : groups) CompressedFirst(g, tensors, mixed);
   return groups;
 }
 

@@ -49,6 +49,27 @@ struct Tree {
   std::vector<std::string> names;  // Of tensors[i].
 };
 
+// A group's layout: (tensor path, offset) in layout order; `names` are the tensors' paths.
+using Layout = std::vector<std::pair<std::string, int64_t>>;
+Layout GroupLayout(const PlannedGroup& g, const std::vector<std::string>& names) {
+  Layout out;
+  for (const PlannedTensor& t : g.tensors) out.emplace_back(names[static_cast<size_t>(t.index)], t.offset);
+  return out;
+}
+
+// Planner inputs for every tensor under `root`, as a compressed store sees them: a Linear's weight
+// (4096 bytes) needs scratch of its own, every other tensor (300 bytes) is carried. Their paths go to
+// `names`.
+std::vector<PlanTensor> LinearWeightsCompressed(Module& root, std::vector<std::string>& names) {
+  std::vector<PlanTensor> tensors;
+  root.ForEachSlot([&](Module& m, TensorSlot& slot) {
+    const bool weight = slot.name == "weight" && m.kind() == "Linear";
+    tensors.push_back(PlanTensor{&slot, weight ? 4096 : 300, weight ? 1024 : 0, weight ? 0 : 300});
+    names.push_back(m.SlotPath(slot));
+  });
+  return tensors;
+}
+
 GroupPlanOptions Options(OffloadType type, int per_group = 1, int64_t budget = 0, int64_t slots = 2) {
   GroupPlanOptions o;
   o.type = type;
@@ -296,12 +317,7 @@ TEST(GroupPlanTest, TensorsDeclaredAdjacentArePackedSideBySideInTheirBlocksGroup
   auto plan = PlanGroups("net", root, tensors, Options(OffloadType::kBlockLevel));
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_EQ(Names(*plan), (std::vector<std::string>{"blocks.0-0", "blocks.1-1"}));
-  auto layout = [&](const PlannedGroup& g) {
-    std::vector<std::pair<std::string, int64_t>> out;
-    for (const PlannedTensor& t : g.tensors) out.emplace_back(names[static_cast<size_t>(t.index)], t.offset);
-    return out;
-  };
-  using Layout = std::vector<std::pair<std::string, int64_t>>;
+  auto layout = [&](const PlannedGroup& g) { return GroupLayout(g, names); };
   EXPECT_EQ(layout(plan->groups[1]), (Layout{{"blocks.1.attn.q.weight", 0},
                                              {"blocks.1.attn.k.weight", 4096},
                                              {"blocks.1.attn.v.weight", 8192},
@@ -338,20 +354,10 @@ TEST(GroupPlanTest, CompressedTensorsFirstThenTheOthersAsOneRun) {
   block->AddAdjacentGroup(scales);  // Placed first where the block is visited, before its layers.
   Module* norm = block->AddChild("norm", std::make_unique<Module>("RMSNorm"));
   norm->AddParameter("weight", at::Tensor());
+  // The weights compress (scratch of their own); scales, biases and the norm are carried.
   std::vector<std::string> names;
-  std::vector<PlanTensor> tensors;
-  root.ForEachSlot([&](Module& m, TensorSlot& slot) {
-    const bool weight = slot.name == "weight" && m.kind() == "Linear";
-    // The weights compress (scratch of their own); scales, biases and the norm are carried.
-    tensors.push_back(PlanTensor{&slot, weight ? 4096 : 300, weight ? 1024 : 0, weight ? 0 : 300});
-    names.push_back(m.SlotPath(slot));
-  });
-  auto layout = [&](const PlannedGroup& g) {
-    std::vector<std::pair<std::string, int64_t>> out;
-    for (const PlannedTensor& t : g.tensors) out.emplace_back(names[static_cast<size_t>(t.index)], t.offset);
-    return out;
-  };
-  using Layout = std::vector<std::pair<std::string, int64_t>>;
+  std::vector<PlanTensor> tensors = LinearWeightsCompressed(root, names);
+  auto layout = [&](const PlannedGroup& g) { return GroupLayout(g, names); };
   auto plan = PlanGroups("net", root, tensors, Options(OffloadType::kBlockLevel));
   ASSERT_TRUE(plan.ok()) << plan.status();
   ASSERT_EQ(plan->groups.size(), 1u);
@@ -395,17 +401,11 @@ TEST(GroupPlanTest, AMixedAdjacencyDeclarationKeepsModuleOrder) {
   b->AddParameter("weight", at::Tensor());
   block->AddAdjacentGroup({{a, 0}, {a, 1}});  // a's weight (compressed) beside its bias (carried).
   std::vector<std::string> names;
-  std::vector<PlanTensor> tensors;
-  root.ForEachSlot([&](Module& m, TensorSlot& slot) {
-    const bool weight = slot.name == "weight";
-    tensors.push_back(PlanTensor{&slot, weight ? 4096 : 300, weight ? 1024 : 0, weight ? 0 : 300});
-    names.push_back(m.SlotPath(slot));
-  });
+  const std::vector<PlanTensor> tensors = LinearWeightsCompressed(root, names);
   auto plan = PlanGroups("net", root, tensors, Options(OffloadType::kBlockLevel));
   ASSERT_TRUE(plan.ok()) << plan.status();
-  std::vector<std::string> order;
-  for (const PlannedTensor& t : plan->groups[0].tensors) order.push_back(names[static_cast<size_t>(t.index)]);
-  EXPECT_EQ(order, (std::vector<std::string>{"blocks.0.a.weight", "blocks.0.a.bias", "blocks.0.b.weight"}));
+  EXPECT_EQ(GroupLayout(plan->groups[0], names),
+            (Layout{{"blocks.0.a.weight", 0}, {"blocks.0.a.bias", 4096}, {"blocks.0.b.weight", 4608}}));
 }
 
 }  // namespace

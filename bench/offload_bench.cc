@@ -118,6 +118,12 @@ ABSL_FLAG(std::string, compute, "bf16",
           "bf16, or fp8: the transformer blocks' linear layers are converted to FP8 on the host before "
           "their host copies are taken, as the server does at load (models/core/layers.h "
           "ConvertBlockLinearsToFp8); rows resident, block_pinned or block_int4");
+ABSL_FLAG(bool, fp8_one_pass, true,
+          "--compute=fp8 with a block_int4 row: the linear layers' FP8 form is declared, not made on the "
+          "host (ConvertBlockLinearsToFp8 deferred), and the int4 copy is made from the bf16 weights in one "
+          "pass on the device, as the server does for such a component; false: the FP8 host copy first, "
+          "then its int4 copy (two passes). One pass leaves the row's own resident reference out (no rel_l2: "
+          "compute_bench measures it against diffusers)");
 ABSL_FLAG(std::string, profile, "",
           "CUDA builds: after the timed forwards, trace one more forward with LibTorch's Kineto profiler "
           "and save the Chrome trace here (bench/compute_bench.py summarises its kernels)");
@@ -170,6 +176,7 @@ struct RowResult {
   int64_t rss_after_prepare = 0;      // The process's RSS once the row's copies are prepared.
   double prepare_pin_alloc_s = 0;
   double prepare_quantize_s = 0;
+  int64_t one_pass_fp8_weights = 0;  // GroupOffloadStats::one_pass_fp8_weights.
   std::string model;
 };
 
@@ -535,6 +542,9 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
       return absl::OkStatus();
     };
   }
+  // FP8 compute streamed as int4: the FP8 form made with the int4 copy, in one pass (--fp8_one_pass).
+  const bool one_pass = absl::GetFlag(FLAGS_compute) == "fp8" && absl::GetFlag(FLAGS_fp8_one_pass) &&
+                        row.rfind("block_int4", 0) == 0;
   if (absl::GetFlag(FLAGS_compute) == "fp8") {
     // FP8 compute: the blocks' linear layers become FP8 on the host before their host copies are
     // taken, as the server does at load (PipelineConfig.compute). Resident, the onload places the
@@ -549,11 +559,11 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     RETURN_IF_ERROR(fused::Fp8Supported(backend.torch_device()));
     const auto start = std::chrono::steady_clock::now();
     c10::InferenceMode guard;
-    ASSIGN_OR_RETURN(const int64_t converted, ConvertBlockLinearsToFp8(model, spill));
+    ASSIGN_OR_RETURN(const int64_t converted, ConvertBlockLinearsToFp8(model, spill, one_pass));
     result.prepare_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     result.prepare_fp8_s = result.prepare_s;
-    std::printf("fp8: %lld linear layers converted on the host in %.2f s\n", static_cast<long long>(converted),
-                result.prepare_s);
+    std::printf("fp8: %lld linear layers %s in %.2f s\n", static_cast<long long>(converted),
+                one_pass ? "declared (made with their int4 copy)" : "converted on the host", result.prepare_s);
   }
   if (spill) {
     const auto start = std::chrono::steady_clock::now();
@@ -575,6 +585,8 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     ASSIGN_OR_RETURN(auto file, SafetensorsFile::Open(absl::GetFlag(FLAGS_reference)));
     ASSIGN_OR_RETURN(at::Tensor saved, file->Get("output"));
     reference = saved.clone();
+  } else if (compress != CompressFormat::kNone && one_pass) {
+    result.rel_l2 = -1;  // Not measured: one pass leaves no FP8 host copy to onload as the reference.
   } else if (compress != CompressFormat::kNone) {
     RETURN_IF_ERROR((*weights)->OnloadAll(backend));
     {
@@ -643,6 +655,7 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     result.resident_bytes = offloader->stats().resident_bytes;
     result.prepare_pin_alloc_s = offloader->stats().prepare_pin_alloc_s;
     result.prepare_quantize_s = offloader->stats().prepare_quantize_s;
+    result.one_pass_fp8_weights = offloader->stats().one_pass_fp8_weights;
   }
 
   {
@@ -884,7 +897,8 @@ int Main() {
           "\"lora_rank\": %d, \"base_rss_bytes\": %d, \"base_rss_warm_bytes\": %d, \"base_rss_after_bytes\": %d, "
           "\"compute_priority\": \"%s\", \"page_cache_read_s\": %.6f, \"prepare_fp8_s\": %.3f, "
           "\"prepare_pin_alloc_s\": %.3f, \"prepare_quantize_s\": %.3f, \"pinned_huge_pages\": %s, "
-          "\"thp_mode\": \"%s\", \"widen_layout\": \"%s\", \"spilled_bytes\": %d, \"rss_after_prepare_bytes\": %d, \"resident_bytes\": %d}\n",
+          "\"thp_mode\": \"%s\", \"widen_layout\": \"%s\", \"spilled_bytes\": %d, \"rss_after_prepare_bytes\": %d, \"resident_bytes\": %d, "
+          "\"one_pass_fp8_weights\": %d}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -897,7 +911,7 @@ int Main() {
           base_rss_warm, base_rss_after, priority, page_cache_read_s, result->prepare_fp8_s,
           result->prepare_pin_alloc_s, result->prepare_quantize_s,
           huge_pinned ? "true" : "false", thp_mode, WideningLayoutName(), result->spilled_bytes,
-          result->rss_after_prepare, result->resident_bytes);
+          result->rss_after_prepare, result->resident_bytes, result->one_pass_fp8_weights);
       out.flush();
     }
   }

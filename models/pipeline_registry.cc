@@ -22,6 +22,7 @@ Options CommonOptions(const PipelineLoadOptions& o) {
   options.component_seeds = o.component_seeds;
   options.device = o.device;
   options.fp8_components = o.fp8_components;
+  options.fp8_one_pass_components = o.fp8_one_pass_components;
   options.host_spill_dir = o.host_spill_dir;
   return options;
 }

@@ -39,6 +39,10 @@ struct PipelineLoadOptions {
   // Components whose transformer blocks run FP8 GEMMs (PipelineConfig.compute; the caller checked
   // the device). Architectures without FP8 support refuse a non-empty set.
   std::set<std::string> fp8_components;
+  // Of those, the ones group-offloaded from an int4 host copy (PipelineConfig.group_offload): their
+  // FP8 form is made with that copy, in one pass over the bf16 weights (ConvertBlockLinearsToFp8
+  // deferred), instead of on the host at load.
+  std::set<std::string> fp8_one_pass_components;
   // PipelineConfig.host_spill_dir: where host copies no model file holds are moved (empty: nowhere).
   std::string host_spill_dir;
 };

@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <map>
+#include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -127,6 +130,37 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
     store->tables_.copy_(at::cat(tables));
   }
 
+  // Deferred FP8 weights (HostWeights::deferred): a compressed weight whose FP8 scales are carried in
+  // the same packed group is made from its source in one pass (LoadQuantizer::QuantizeFp8Into: the
+  // codes' compressed copy and the scales' bytes), its host copy never written. Every other unwritten
+  // host copy this store reads (resident groups, carried or prequantized weights) is written first.
+  std::map<const HostWeights::Entry*, const HostWeights::Entry*> one_pass;  // Codes -> scales.
+  for (const StoreGroup& g : store->groups_) {
+    for (const StoreTensor& t : g.tensors) {
+      const HostWeights::Entry& e = *t.entry;
+      if (!weights.unwritten(e) || g.resident || options.compress != CompressFormat::kInt4) continue;
+      const HostWeights::Deferred& d = weights.deferred()[static_cast<size_t>(e.deferred)];
+      const HostWeights::Entry* codes = &weights.entries()[d.codes];
+      const HostWeights::Entry* scales = &weights.entries()[d.scales];
+      if (&e != codes || !IsCompressible(format, e.host.scalar_type(), e.host.sizes())) continue;
+      const std::string name = e.module->SlotPath(*e.slot);
+      if (options.prequantized != nullptr && options.prequantized->count(name) > 0) continue;
+      const bool scales_here = std::any_of(g.tensors.begin(), g.tensors.end(), [&](const StoreTensor& other) {
+        return other.entry == scales;
+      });
+      if (scales_here && !IsCompressible(format, scales->host.scalar_type(), scales->host.sizes())) {
+        one_pass.emplace(codes, scales);
+      }
+    }
+  }
+  std::set<const HostWeights::Entry*> made_by_quantizer;  // The scales of one_pass.
+  for (const auto& [codes, scales] : one_pass) made_by_quantizer.insert(scales);
+  for (const StoreGroup& g : store->groups_) {
+    for (const StoreTensor& t : g.tensors) {
+      if (one_pass.count(t.entry) == 0 && made_by_quantizer.count(t.entry) == 0) weights.Materialize(*t.entry);
+    }
+  }
+
   // Pass 1, the layouts: per group the compressed part first (the scratch's image), then the other
   // tensors.
   int64_t largest = 0;
@@ -233,16 +267,35 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
           }
           // On the GPU when there is one, straight into the pinned group; in flight until Finish().
           const auto start = std::chrono::steady_clock::now();
-          const bool on_host =
-              quantizer->QuantizeInto(host, format, g8.packed.narrow(0, t8.q_offset, t8.layout.q_bytes),
-                                      g8.packed.narrow(0, t8.scale_offset, t8.layout.scale_bytes()));
+          const at::Tensor q_out = g8.packed.narrow(0, t8.q_offset, t8.layout.q_bytes);
+          const at::Tensor scale_out = g8.packed.narrow(0, t8.scale_offset, t8.layout.scale_bytes());
+          bool on_host = false;
+          const auto deferred = one_pass.find(g.tensors[i].entry);
+          if (deferred != one_pass.end()) {
+            // The FP8 scales' place in this group (carried: their Tensor8 is in the same group).
+            int64_t fp8_scales_at = -1;
+            for (size_t j = 0; j < g.tensors.size(); ++j) {
+              if (g.tensors[j].entry == deferred->second) fp8_scales_at = g8.tensors[j].host_offset;
+            }
+            const HostWeights::Deferred& d = weights.deferred()[static_cast<size_t>(g.tensors[i].entry->deferred)];
+            on_host = quantizer->QuantizeFp8Into(
+                d.source, format, q_out, scale_out,
+                g8.packed.narrow(0, fp8_scales_at, static_cast<int64_t>(deferred->second->host.nbytes())));
+            ++store->stats_.one_pass_fp8_weights;
+          } else {
+            on_host = quantizer->QuantizeInto(host, format, q_out, scale_out);
+          }
           store->stats_.prepare_quantize_s += SecondsSince(start);
           // Only the host path leaves heap temporaries to trim (malloc_trim walks the whole heap).
           if (on_host) temporaries += t8.layout.q_bytes + t8.layout.scale_bytes();
         }
       } else {
         written.emplace_back(t8.host_offset, t8.bytes);
-        std::memcpy(base + t8.host_offset, host.data_ptr(), host.nbytes());
+        // A deferred weight's FP8 scales are written by the quantizer with its codes (above: they
+        // come first in the group).
+        if (made_by_quantizer.count(g.tensors[i].entry) == 0) {
+          std::memcpy(base + t8.host_offset, host.data_ptr(), host.nbytes());
+        }
       }
       // The source has been read (the quantizer's writes may still be in flight, its reads are not).
       store->stats_.mapped_bytes_released +=

@@ -521,6 +521,7 @@ GroupOffloadStats GroupOffloader::stats() const {
     stats.disk_files_reused = host.disk_files_reused;
     stats.compressed_host_bytes = host.compressed_host_bytes;
     stats.host_quantized_fallbacks = host.host_quantized_fallbacks;
+    stats.one_pass_fp8_weights = host.one_pass_fp8_weights;
     stats.prepare_pin_alloc_s = host.prepare_pin_alloc_s;
     stats.prepare_quantize_s = host.prepare_quantize_s;
     stats.bytes_per_forward = host.bytes_per_forward;

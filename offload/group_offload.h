@@ -176,6 +176,7 @@ struct GroupOffloadStats {
   std::string compress = "none";
   int64_t compressed_host_bytes = 0;
   int64_t host_quantized_fallbacks = 0;  // HostStoreStats::host_quantized_fallbacks.
+  int64_t one_pass_fp8_weights = 0;      // HostStoreStats::one_pass_fp8_weights.
   double prepare_pin_alloc_s = 0;        // HostStoreStats::prepare_pin_alloc_s.
   double prepare_quantize_s = 0;         // HostStoreStats::prepare_quantize_s.
   int64_t bytes_per_forward = 0;

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <map>
+#include <set>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -71,7 +72,11 @@ absl::StatusOr<SpillStats> SpillHeapTensors(Module& root, const std::string& dir
   std::map<Key, size_t> index;
   SpillStats stats;
   root.ForEachModule([&](Module& m) {
-    for (TensorSlot& slot : m.slots()) {
+    std::set<int> deferred;  // A deferred FP8 weight's unwritten codes and scales: nothing to move.
+    for (const DeferredFp8& d : m.deferred_fp8()) deferred.insert({d.codes, d.scales});
+    for (size_t i = 0; i < m.slots().size(); ++i) {
+      if (deferred.count(static_cast<int>(i)) > 0) continue;
+      TensorSlot& slot = m.slots()[i];
       const at::Tensor& v = slot.value;
       if (!v.defined() || !v.device().is_cpu() || static_cast<int64_t>(v.nbytes()) < min_bytes) continue;
       if (!MappedFilesContaining({v.data_ptr()}).empty()) continue;  // Already a file's view.

@@ -111,6 +111,9 @@ struct HostStoreStats {
   // CompressedHostStore: weights quantized on the host at load because the device refused them
   // (out of memory under a budget); the rest were quantized on the device (or, CPU, on the host).
   int64_t host_quantized_fallbacks = 0;
+  // CompressedHostStore: deferred FP8 weights (HostWeights::deferred) whose compressed copy was made
+  // from their source in one pass, their FP8 host copy never written.
+  int64_t one_pass_fp8_weights = 0;
   // At Create: seconds the pinned allocations took (on a thread of their own, one group or chunk
   // ahead, so beside the filling: CompressedHostStore and PinnedHostStore), and seconds the
   // building thread spent quantizing (CompressedHostStore: reading the sources, and waiting for the

@@ -43,6 +43,9 @@ absl::StatusOr<std::unique_ptr<HostStore>> CreateHostStore(const HostStoreOption
                                                            HostWeights& weights, DeviceBackend& backend) {
   RETURN_IF_ERROR(ValidateHostStoreOptions(options));
   if (options.compress != CompressFormat::kNone) return CompressedHostStore::Create(options, groups, weights, backend);
+  // The other stores copy, map or pin the host bytes as they are: deferred FP8 weights are written
+  // first.
+  weights.MaterializeDeferred();
   switch (options.target) {
     case OffloadTarget::kPinnedHost:
       return PinnedHostStore::Create(groups, weights, backend, options.staging_threads);

@@ -11,11 +11,13 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <thread>
 
 #include <ATen/Functions.h>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "offload/compression.h"
 #include "offload/safetensors.h"
 
 namespace stowage {
@@ -38,6 +40,18 @@ absl::StatusOr<std::unique_ptr<HostWeights>> HostWeights::Capture(Module& root) 
   if (!status.ok()) return status;
   std::map<const TensorSlot*, size_t> index;
   for (size_t i = 0; i < weights->entries_.size(); ++i) index[weights->entries_[i].slot] = i;
+  // Deferred FP8 weights: from now on this object writes them (or a compressed store makes its copy
+  // from their sources).
+  root.ForEachModule([&](Module& module) {
+    for (DeferredFp8& d : module.TakeDeferredFp8()) {
+      const size_t codes = index.at(&module.slots()[static_cast<size_t>(d.codes)]);
+      const size_t scales = index.at(&module.slots()[static_cast<size_t>(d.scales)]);
+      const auto at = static_cast<int>(weights->deferred_.size());
+      weights->entries_[codes].deferred = at;
+      weights->entries_[scales].deferred = at;
+      weights->deferred_.push_back(Deferred{codes, scales, std::move(d.source)});
+    }
+  });
   std::vector<bool> grouped(weights->entries_.size(), false);
   root.ForEachModule([&](Module& module) {
     for (const auto& group : module.adjacent_groups()) {
@@ -58,6 +72,47 @@ absl::StatusOr<std::unique_ptr<HostWeights>> HostWeights::Capture(Module& root) 
     }
   });
   return weights;
+}
+
+void HostWeights::Materialize(const Entry& entry) {
+  if (!unwritten(entry)) return;
+  Deferred& d = deferred_[static_cast<size_t>(entry.deferred)];
+  const at::Tensor& codes = entries_[d.codes].host;
+  const at::Tensor& scales = entries_[d.scales].host;
+  const int64_t rows = d.source.size(0);
+  const int64_t per_row = d.source.numel() / std::max<int64_t>(rows, 1);
+  TORCH_CHECK(codes.numel() == d.source.numel() && codes.element_size() == 1 && scales.numel() == rows &&
+                  scales.scalar_type() == at::kFloat,
+              "deferred FP8 weight: codes of ", codes.numel(), " values and ", scales.numel(),
+              " scales do not fit a source of ", d.source.numel(), " values in ", rows, " rows");
+  // Row-local: each thread quantizes its own rows in chunks, the same bytes as one Quantize() of the
+  // whole weight.
+  const int64_t chunk_rows = std::max<int64_t>(1, kQuantizeChunkElements / 8 / std::max<int64_t>(per_row, 1));
+  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
+  const auto threads = static_cast<int64_t>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 16));
+  auto* code_bytes = static_cast<uint8_t*>(codes.data_ptr());
+  auto* scale_values = static_cast<float*>(scales.data_ptr());
+  auto work = [&](int64_t first) {
+    for (int64_t c = first; c < chunks; c += threads) {
+      const int64_t start = c * chunk_rows, n = std::min(chunk_rows, rows - start);
+      const at::Tensor part = d.source.narrow(0, start, n);
+      const QuantizedTensor q = Quantize(part, CompressFormat::kFp8E4M3);
+      std::memcpy(code_bytes + start * per_row, q.q.data_ptr(), static_cast<size_t>(n * per_row));
+      std::memcpy(scale_values + start, q.scale.data_ptr(), static_cast<size_t>(n) * sizeof(float));
+      if (part.is_contiguous()) (void)ReleaseMappedPages(part.data_ptr(), static_cast<int64_t>(part.nbytes()));
+    }
+  };
+  std::vector<std::thread> workers;
+  for (int64_t t = 1; t < std::min(threads, chunks); ++t) workers.emplace_back(work, t);
+  work(0);
+  for (std::thread& w : workers) w.join();
+  d.written = true;
+}
+
+void HostWeights::MaterializeDeferred() {
+  for (const Deferred& d : deferred_) {
+    if (!d.written) Materialize(entries_[d.codes]);
+  }
 }
 
 // Page-aligned anonymous memory holding one component's host copies and nothing else.
@@ -135,6 +190,7 @@ absl::Status HostWeights::MoveIntoArena(const std::vector<Entry*>& entries) {
 }
 
 absl::StatusOr<HostWeights::Lockable> HostWeights::LockableRegions(DeviceBackend& backend) {
+  MaterializeDeferred();  // The regions hold the bytes the copies read.
   Lockable out;
   std::vector<const void*> addresses;
   addresses.reserve(entries_.size());
@@ -244,6 +300,7 @@ absl::StatusOr<std::unique_ptr<DeviceEvent>> HostWeights::OnloadAllAsync(DeviceB
     return absl::FailedPreconditionError(
         "an onload that does not wait needs page-locked host copies (a copy from pageable memory waits)");
   }
+  MaterializeDeferred();  // Written when pinned; nothing then.
   // Memory the allocator hands out may have been freed by work still queued on the compute stream.
   backend.CopyStreamWait(*backend.RecordOnComputeStream());
   // The adjacent groups, then every other tensor alone, all on the copy stream.
@@ -263,6 +320,7 @@ absl::StatusOr<std::unique_ptr<DeviceEvent>> HostWeights::OnloadAllAsync(DeviceB
 }
 
 absl::Status HostWeights::OnloadAll(DeviceBackend& backend) {
+  MaterializeDeferred();
   // Memory the allocator hands out may have been freed by work still queued on the compute stream:
   // the copy stream starts after it.
   if (!adjacent_.empty()) backend.CopyStreamWait(*backend.RecordOnComputeStream());
@@ -340,6 +398,7 @@ void HostWeights::OffloadAll() {
 }
 
 void HostWeights::PointAtHost() {
+  MaterializeDeferred();
   root_->ReleaseDeviceCaches();
   for (Entry& entry : entries_) entry.slot->value = entry.host;
 }
@@ -348,6 +407,9 @@ absl::Status HostWeights::CheckSourceFiles() const {
   std::vector<const void*> addresses;
   addresses.reserve(entries_.size());
   for (const Entry& entry : entries_) addresses.push_back(entry.host.data_ptr());
+  for (const Deferred& d : deferred_) {
+    if (!d.written) addresses.push_back(d.source.data_ptr());  // Read when written.
+  }
   for (const auto& file : MappedFilesContaining(addresses)) {
     absl::Status status = file->CheckUnchanged();
     if (!status.ok()) return status;
@@ -356,6 +418,9 @@ absl::Status HostWeights::CheckSourceFiles() const {
 }
 
 void HostWeights::ReplaceHost(Entry& entry, at::Tensor host) {
+  // A replacement is a copy of the host bytes: they must have been written before it was made.
+  TORCH_CHECK(!unwritten(entry), "ReplaceHost: ", entry.module->SlotPath(*entry.slot),
+              " is a deferred FP8 weight not written yet (MaterializeDeferred first)");
   Unpin();  // The old host tensor may be freed: nothing of it may stay registered.
   const bool pointed_at_host = entry.slot->value.defined() && entry.slot->value.is_same(entry.host);
   entry.host = std::move(host);

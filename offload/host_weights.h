@@ -28,13 +28,39 @@ class HostWeights {
     Module* module;
     TensorSlot* slot;
     at::Tensor host;  // Contiguous CPU tensor.
+    int deferred = -1;  // A deferred FP8 weight's codes or scales: its index in deferred() (else -1).
+  };
+
+  // A deferred FP8 weight (Module::DeferFp8) taken over from the captured tree: entries `codes` and
+  // `scales` (indices into entries()) hold kFp8E4M3's Quantize(source) once written.
+  struct Deferred {
+    size_t codes;
+    size_t scales;
+    at::Tensor source;
+    bool written = false;
   };
 
   // Takes the current tensors of `root` (which must all be defined, contiguous CPU tensors) as
   // the host copies. The slots keep pointing at them until OnloadAll or Offload.
   static absl::StatusOr<std::unique_ptr<HostWeights>> Capture(Module& root);
 
+  // The host copies. A deferred FP8 weight's are not written until MaterializeDeferred (see
+  // deferred()): a reader of host bytes other than this class materializes first, or makes what it
+  // needs from the deferred source itself (the compressed store).
   std::vector<Entry>& entries() { return entries_; }
+  // Deferred FP8 weights of the tree (Module::DeferFp8 at Capture time), written or not.
+  const std::vector<Deferred>& deferred() const { return deferred_; }
+  // Whether `entry`'s host bytes are not written yet (a deferred FP8 weight's codes or scales).
+  bool unwritten(const Entry& entry) const {
+    return entry.deferred >= 0 && !deferred_[static_cast<size_t>(entry.deferred)].written;
+  }
+  // Writes every deferred FP8 weight's codes and scales on the host (threads over rows, the
+  // source's mapped pages released as they are read), so that every host copy holds its bytes.
+  // Onloading, pinning and pointing at the host call it first; so do the stores that copy host
+  // bytes as they are. Nothing when none is left.
+  void MaterializeDeferred();
+  // The same for the deferred weight `entry` belongs to (nothing when it holds its bytes).
+  void Materialize(const Entry& entry);
   int64_t bytes() const { return bytes_; }
   int64_t parameter_count() const { return parameter_count_; }
 
@@ -65,6 +91,7 @@ class HostWeights {
   // move (PlacementManager::Offload).
   // Replaces an entry's host tensor (same shape and dtype), e.g. to move it into a pinned arena.
   // Slots that pointed at the old host tensor are repointed. Unpins the weights first if pinned.
+  // The entry must hold its bytes (not unwritten(): the replacement is a copy of them).
   void ReplaceHost(Entry& entry, at::Tensor host);
 
   // The regions to page-lock so that every host copy copies at the link's full speed, each host
@@ -115,6 +142,7 @@ class HostWeights {
   HostWeights() = default;
   Module* root_ = nullptr;  // The captured tree.
   std::vector<Entry> entries_;
+  std::vector<Deferred> deferred_;
   // Module::AddAdjacentGroup groups of the captured tree as indices into entries_ (each entry in at
   // most one group; groups whose tensors differ in device dtype are kept, the copies just land
   // next to each other).

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include <ATen/Functions.h>
+#include <torch/version.h>
 #include <c10/util/Exception.h>
 
 #include "absl/strings/str_cat.h"
@@ -36,6 +37,21 @@ void PlaceChunk(const QuantizedTensor& part, CompressFormat format, int64_t rows
   }
   const int64_t scale_row = scale_bytes.numel() / n;
   scale_out.narrow(0, start * scale_row, n * scale_row).copy_(scale_bytes, non_blocking);
+}
+
+// Quantize(chunk, format), or with `fp8_scale_out` defined Quantize(its FP8 codes, format) after
+// its FP8 scales (rows [start, start + n) of the weight) are copied into `fp8_scale_out`.
+QuantizedTensor QuantizeChunk(const at::Tensor& chunk, CompressFormat format, const at::Tensor& fp8_scale_out,
+                              int64_t start, int64_t n, bool non_blocking) {
+  if (!fp8_scale_out.defined()) return Quantize(chunk, format);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+  const QuantizedTensor fp8 = Quantize(chunk, CompressFormat::kFp8E4M3);
+  fp8_scale_out.narrow(0, 4 * start, 4 * n).copy_(BytesView(fp8.scale.contiguous()), non_blocking);
+  return Quantize(fp8.q.view(at::kFloat8_e4m3fn), format);
+#else
+  (void)format, (void)start, (void)n, (void)non_blocking;
+  TORCH_CHECK(false, "QuantizeFp8Into: this LibTorch has no float8 types");
+#endif
 }
 
 }  // namespace
@@ -75,6 +91,20 @@ void LoadQuantizer::Finish() {
 
 bool LoadQuantizer::QuantizeInto(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out,
                                  const at::Tensor& scale_out) {
+  return Run(w, format, q_out, scale_out, at::Tensor());
+}
+
+bool LoadQuantizer::QuantizeFp8Into(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out,
+                                    const at::Tensor& scale_out, const at::Tensor& fp8_scale_out) {
+  TORCH_CHECK(w.dim() >= 2 && fp8_scale_out.defined() && fp8_scale_out.scalar_type() == at::kByte &&
+                  fp8_scale_out.numel() == 4 * w.size(0),
+              "QuantizeFp8Into: want ", 4 * (w.dim() >= 1 ? w.size(0) : 0), " bytes of FP8 scales, got ",
+              fp8_scale_out.defined() ? fp8_scale_out.numel() : 0);
+  return Run(w, format, q_out, scale_out, fp8_scale_out);
+}
+
+bool LoadQuantizer::Run(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out,
+                        const at::Tensor& scale_out, const at::Tensor& fp8_scale_out) {
   const QuantLayout layout = LayoutOf(format, w.sizes());
   TORCH_CHECK(q_out.numel() == layout.q_bytes && scale_out.numel() == layout.scale_bytes() &&
                   q_out.scalar_type() == at::kByte && scale_out.scalar_type() == at::kByte,
@@ -83,30 +113,31 @@ bool LoadQuantizer::QuantizeInto(const at::Tensor& w, CompressFormat format, con
   const int64_t per_row = w.numel() / w.size(0);
   // The device path needs a staging half to hold at least one row.
   if (!staging_.defined() || per_row * static_cast<int64_t>(w.element_size()) > half_bytes_) {
-    QuantizeOnHost(w, format, q_out, scale_out);
+    QuantizeOnHost(w, format, q_out, scale_out, fp8_scale_out);
     return true;
   }
   try {
-    QuantizeOnDevice(w, format, q_out, scale_out);
+    QuantizeOnDevice(w, format, q_out, scale_out, fp8_scale_out);
     return false;
   } catch (const c10::OutOfMemoryError&) {
     // The device refused (out of memory under a budget). Whatever it had queued for this tensor
     // must land before the host writes the same bytes. Any other error is a bug and propagates.
     backend_->Synchronize();
     ++host_fallbacks_;
-    QuantizeOnHost(w, format, q_out, scale_out);
+    QuantizeOnHost(w, format, q_out, scale_out, fp8_scale_out);
     return true;
   }
 }
 
 void LoadQuantizer::QuantizeOnHost(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out,
-                                   const at::Tensor& scale_out) {
+                                   const at::Tensor& scale_out, const at::Tensor& fp8_scale_out) {
   const int64_t rows = w.size(0);
   const int64_t chunk_rows = std::max<int64_t>(1, chunk_elements_ / (w.numel() / rows));
   for (int64_t start = 0; start < rows; start += chunk_rows) {
     const int64_t n = std::min(chunk_rows, rows - start);
     const at::Tensor chunk = w.narrow(0, start, n);
-    PlaceChunk(Quantize(chunk, format), format, rows, start, n, q_out, scale_out, /*non_blocking=*/false);
+    PlaceChunk(QuantizeChunk(chunk, format, fp8_scale_out, start, n, /*non_blocking=*/false), format, rows, start, n,
+               q_out, scale_out, /*non_blocking=*/false);
     if (chunk.is_contiguous()) {
       released_bytes_ += ReleaseMappedPages(chunk.data_ptr(), static_cast<int64_t>(chunk.nbytes()));
     }
@@ -114,7 +145,7 @@ void LoadQuantizer::QuantizeOnHost(const at::Tensor& w, CompressFormat format, c
 }
 
 void LoadQuantizer::QuantizeOnDevice(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out,
-                                     const at::Tensor& scale_out) {
+                                     const at::Tensor& scale_out, const at::Tensor& fp8_scale_out) {
   const int64_t rows = w.size(0);
   const int64_t per_row = w.numel() / rows;
   const auto row_bytes = per_row * static_cast<int64_t>(w.element_size());
@@ -138,7 +169,8 @@ void LoadQuantizer::QuantizeOnDevice(const at::Tensor& w, CompressFormat format,
     chunk.copy_(host_chunk, /*non_blocking=*/true);
     copied_[half] = backend_->RecordOnComputeStream();
     // Quantized where the copy landed (the current stream), straight into the pinned destination.
-    PlaceChunk(Quantize(chunk, format), format, rows, start, n, q_out, scale_out, /*non_blocking=*/true);
+    PlaceChunk(QuantizeChunk(chunk, format, fp8_scale_out, start, n, /*non_blocking=*/true), format, rows, start, n,
+               q_out, scale_out, /*non_blocking=*/true);
   }
 }
 

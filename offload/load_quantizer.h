@@ -59,6 +59,17 @@ class LoadQuantizer {
   // temporaries then came from the host heap; the device path allocates none there).
   bool QuantizeInto(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out, const at::Tensor& scale_out);
 
+  // QuantizeInto of `w`'s FP8 form — kFp8E4M3's Quantize(w): e4m3 codes and one fp32 scale a row,
+  // what FP8 compute makes of a weight — without making that form on the host: each chunk of w's
+  // rows (fp32, bf16 or fp16, on the host) is quantized to FP8 where QuantizeInto would quantize it
+  // (the device, or the host), its codes quantized on to `format` (which must take float8 e4m3:
+  // kInt4) into `q_out` / `scale_out`, and its FP8 scales copied into `fp8_scale_out` (uint8, 4 bytes
+  // a row). The bytes are those of QuantizeInto(the FP8 codes as float8) and of the FP8 scales: one
+  // pass over the source instead of an FP8 copy written, kept and read again. UNIMPLEMENTED (a
+  // c10::Error) without float8 types in this LibTorch. True when it ran on the host.
+  bool QuantizeFp8Into(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out, const at::Tensor& scale_out,
+                       const at::Tensor& fp8_scale_out);
+
   // Waits until every destination holds its bytes.
   void Finish();
 
@@ -75,9 +86,13 @@ class LoadQuantizer {
 
  private:
   LoadQuantizer(DeviceBackend& backend, int64_t chunk_elements);
-  void QuantizeOnHost(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out, const at::Tensor& scale_out);
+  // `fp8_scale_out` defined: `w` is quantized to FP8 first (QuantizeFp8Into).
+  bool Run(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out, const at::Tensor& scale_out,
+           const at::Tensor& fp8_scale_out);
+  void QuantizeOnHost(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out, const at::Tensor& scale_out,
+                      const at::Tensor& fp8_scale_out);
   void QuantizeOnDevice(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out,
-                        const at::Tensor& scale_out);
+                        const at::Tensor& scale_out, const at::Tensor& fp8_scale_out);
 
   DeviceBackend* backend_;
   const int64_t chunk_elements_;

@@ -1,6 +1,15 @@
 #include "offload/module.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <exception>
+#include <utility>
+
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
 
 #include "absl/strings/str_cat.h"
 
@@ -71,6 +80,27 @@ int64_t Module::DefinedBytes() {
   });
   return bytes;
 }
+
+at::Tensor UnwrittenHostTensor(at::IntArrayRef sizes, at::ScalarType dtype) {
+  int64_t numel = 1;
+  for (const int64_t s : sizes) numel *= s;
+  const size_t bytes = std::max<size_t>(1, static_cast<size_t>(numel) * c10::elementSize(dtype));
+  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  TORCH_CHECK(base != MAP_FAILED, "cannot map ", bytes, " bytes for an unwritten host tensor: ", std::strerror(errno));
+  return at::from_blob(
+      base, sizes, [bytes](void* p) { ::munmap(p, bytes); }, at::TensorOptions().dtype(dtype));
+}
+
+void Module::DeferFp8(int codes, int scales, at::Tensor source) {
+  TORCH_CHECK(codes >= 0 && static_cast<size_t>(codes) < slots_.size() && scales >= 0 &&
+                  static_cast<size_t>(scales) < slots_.size() && codes != scales,
+              path(), ": DeferFp8 names slots ", codes, " and ", scales, " of ", slots_.size());
+  TORCH_CHECK(source.defined() && source.device().is_cpu() && source.dim() >= 2, path(),
+              ": a deferred FP8 weight needs its source on the host, of rank >= 2");
+  deferred_fp8_.push_back(DeferredFp8{codes, scales, std::move(source)});
+}
+
+std::vector<DeferredFp8> Module::TakeDeferredFp8() { return std::exchange(deferred_fp8_, {}); }
 
 void Module::AddAdjacentGroup(std::vector<std::pair<Module*, int>> tensors) {
   adjacent_groups_.push_back(std::move(tensors));

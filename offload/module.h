@@ -62,6 +62,18 @@ struct TensorSlot {
   bool is_buffer = false;
 };
 
+// A weight whose FP8 form is declared but not computed yet (Module::DeferFp8).
+struct DeferredFp8 {
+  int codes = -1;     // Slot of the e4m3 codes [rows, k]: a host tensor not written yet.
+  int scales = -1;    // Slot of the fp32 scales [rows]: not written yet.
+  at::Tensor source;  // The weight [rows, k] on the host (fp32, bf16 or fp16) they are made from.
+};
+
+// A host tensor whose pages come from the system only as they are written (an anonymous mapping),
+// so a deferred FP8 weight that is never written holds no RAM. Zero-filled when read unwritten.
+// Throws c10::Error when the mapping is refused.
+at::Tensor UnwrittenHostTensor(at::IntArrayRef sizes, at::ScalarType dtype);
+
 class Module {
  public:
   explicit Module(std::string kind);
@@ -109,6 +121,19 @@ class Module {
   void AddAdjacentGroup(std::vector<std::pair<Module*, int>> tensors);
   const std::vector<std::vector<std::pair<Module*, int>>>& adjacent_groups() const { return adjacent_groups_; }
 
+  // --- Deferred FP8 -----------------------------------------------------------------------------
+  // Declares that slots `codes` and `scales` of this module hold CompressFormat::kFp8E4M3's
+  // Quantize(source) — e4m3 codes and one fp32 scale a row — without computing it now: their values
+  // are host tensors of that dtype and shape whose bytes are not written (UnwrittenHostTensor).
+  // HostWeights::Capture takes the declaration over and writes them on the host before anything
+  // reads its host copies, except a compressed host store, which makes its int4 copy from `source`
+  // directly (on the device: one pass over the bf16 weights instead of an FP8 copy made, kept and
+  // read again). So a module with a deferred weight runs only through HostWeights.
+  void DeferFp8(int codes, int scales, at::Tensor source);
+  // The declarations not taken yet; taking them leaves none.
+  std::vector<DeferredFp8> TakeDeferredFp8();
+  const std::vector<DeferredFp8>& deferred_fp8() const { return deferred_fp8_; }
+
   // --- Hooks ------------------------------------------------------------------------------------
   // Fails with ALREADY_EXISTS if a hook of that name is registered on this module.
   absl::Status AddHook(std::string name, std::shared_ptr<ModuleHook> hook);
@@ -151,6 +176,7 @@ class Module {
   std::vector<std::pair<std::string, Module*>> child_views_;
   std::vector<std::pair<std::string, std::shared_ptr<ModuleHook>>> hooks_;
   std::vector<std::vector<std::pair<Module*, int>>> adjacent_groups_;
+  std::vector<DeferredFp8> deferred_fp8_;
 };
 
 }  // namespace stowage

@@ -1107,7 +1107,10 @@ int64_t PlacementManager::EstimateHostBytes(const Entry& entry, CompressFormat f
     const auto original = static_cast<int64_t>(e.host.nbytes());
     // A copy in the packed buffer (compressed, or the tensor itself, aligned), and the original
     // where it stays in RAM (not a view of a safetensors mapping, whose pages are dropped).
-    bytes += (compressed > 0 ? compressed : AlignScratch(original)) + (InMapping(e.host) ? 0 : original);
+    // A deferred FP8 weight not written yet: the compressed store makes its copy from the source, so
+    // the host copy's pages are never taken.
+    const bool in_ram = !InMapping(e.host) && !weights.unwritten(e);
+    bytes += (compressed > 0 ? compressed : AlignScratch(original)) + (in_ram ? original : 0);
   }
   return bytes;
 }
@@ -1117,8 +1120,9 @@ int64_t PlacementManager::HostBytesOf(const Entry& entry) const {
     return entry.component->host_weights().bytes();
   }
   int64_t bytes = entry.group_offload->stats().compressed_host_bytes;
+  const HostWeights& weights = entry.component->host_weights();
   for (const HostWeights::Entry& e : entry.component->host_weights().entries()) {
-    if (!InMapping(e.host)) bytes += static_cast<int64_t>(e.host.nbytes());
+    if (!InMapping(e.host) && !weights.unwritten(e)) bytes += static_cast<int64_t>(e.host.nbytes());
   }
   return bytes;
 }

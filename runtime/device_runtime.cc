@@ -548,6 +548,18 @@ absl::StatusOr<std::unique_ptr<Pipeline>> DeviceRuntime::Build(const v1::Pipelin
   for (const auto& [component, mode] : p.compute()) {
     if (mode == v1::COMPUTE_FP8) options.fp8_components.insert(component);
   }
+  // FP8 components group-offloaded from an int4 host copy at start: their FP8 form is made with that
+  // copy in one pass over the bf16 weights instead of on the host first (MakeComponent's fp8_one_pass).
+  const v1::PipelineGroupOffload& offload = p.group_offload();
+  for (const std::string& name : options.fp8_components) {
+    if (!offload.enabled() ||
+        std::find(offload.exclude().begin(), offload.exclude().end(), name) != offload.exclude().end()) {
+      continue;
+    }
+    const auto it = offload.overrides().find(name);
+    const v1::GroupOffloadConfig& c = it != offload.overrides().end() ? it->second : offload.defaults();
+    if (c.compress() == v1::GroupOffloadConfig::COMPRESS_INT4) options.fp8_one_pass_components.insert(name);
+  }
   if (!options.fp8_components.empty()) {
     const absl::Status supported = fused::Fp8Supported(torch_device_);
     if (!supported.ok()) {

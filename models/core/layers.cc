@@ -234,15 +234,23 @@ std::vector<at::Tensor> Linear::ForwardShared(const std::vector<Linear*>& layers
   return out;
 }
 
-absl::Status Linear::ConvertToFp8() {
+absl::Status Linear::ConvertToFp8(bool deferred) {
   if (weight_scale_ >= 0) return absl::OkStatus();
 #ifndef STOWAGE_HAS_FP8
+  (void)deferred;
   return absl::UnimplementedError("FP8 compute needs a LibTorch with float8 types (2.1 or later)");
 #else
   if (!slots()[static_cast<size_t>(weight_)].value.defined()) {
     return absl::FailedPreconditionError(path() + ": cannot convert an offloaded weight to FP8");
   }
   const at::Tensor source = tensor(weight_);
+  if (deferred && source.device().is_cpu() && source.dim() == 2) {
+    // kFp8E4M3's Quantize is QuantizeWeightFp8 bit for bit (fused_ops_test); HostWeights writes it.
+    slots()[static_cast<size_t>(weight_)].value = UnwrittenHostTensor(source.sizes(), at::kFloat8_e4m3fn);
+    weight_scale_ = AddBuffer("weight_scale", UnwrittenHostTensor({source.size(0)}, at::kFloat));
+    DeferFp8(weight_, weight_scale_, source);
+    return absl::OkStatus();
+  }
   fused::Fp8Weight q = fused::QuantizeWeightFp8(source);
   // A view of a safetensors mapping: its pages leave this process's RSS (the FP8 copy replaces it).
   if (source.device().is_cpu()) (void)ReleaseMappedPages(source.data_ptr(), static_cast<int64_t>(source.nbytes()));
@@ -273,14 +281,15 @@ std::vector<Module*> NearestBlockLists(Module& root) {
 }  // namespace
 
 absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root,
-                                                 const std::function<absl::Status(Module&)>& after_block) {
+                                                 const std::function<absl::Status(Module&)>& after_block,
+                                                 bool deferred) {
   int64_t converted = 0;
   absl::Status status;
   std::set<const Linear*> now_fp8;  // Converted by this call.
   auto convert = [&](Module& m) {
     auto* linear = dynamic_cast<Linear*>(&m);
     if (linear == nullptr || !status.ok() || linear->is_fp8()) return;
-    status = linear->ConvertToFp8();
+    status = linear->ConvertToFp8(deferred);
     if (status.ok()) {
       ++converted;
       now_fp8.insert(linear);

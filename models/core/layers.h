@@ -73,10 +73,15 @@ class Linear : public Module {
   // output channel (a new buffer "weight_scale"), where the weight is now; Forward then runs
   // fused::Fp8Linear. The weight must be present (not offloaded). UNIMPLEMENTED without float8 in
   // the build; a second call changes nothing.
-  absl::Status ConvertToFp8();
+  // `deferred` (a weight on the host): the codes and scales are declared, not computed
+  // (Module::DeferFp8, the same bytes once written): the layer then runs only through HostWeights,
+  // which writes them when first needed — or never, when a compressed store makes its int4 copy
+  // straight from the weight (one pass at load instead of an FP8 copy made and read again).
+  absl::Status ConvertToFp8(bool deferred = false);
   bool is_fp8() const { return weight_scale_ >= 0; }
   friend absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root,
-                                                          const std::function<absl::Status(Module&)>& after_block);
+                                                          const std::function<absl::Status(Module&)>& after_block,
+                                                          bool deferred);
 
   // Forward(x) of each layer, for layers that read the same x (Q, K and V; SwiGLU's gate and up
   // projections). With the fused kernels active and the layers' weights (and biases) side by side in
@@ -132,9 +137,11 @@ class Linear : public Module {
 // were converted. `after_block`, when set, runs on each block (a block list's child) once its layers
 // are converted, before the next block's are: e.g. to move the block's new FP8 host copies out of RAM
 // (SpillHeapTensors) so that the conversion never holds the whole component's; its error stops the
-// conversion and is returned.
+// conversion and is returned. `deferred`: each layer's ConvertToFp8(true) (the tree then runs only
+// through HostWeights).
 absl::StatusOr<int64_t> ConvertBlockLinearsToFp8(Module& root,
-                                                 const std::function<absl::Status(Module&)>& after_block = nullptr);
+                                                 const std::function<absl::Status(Module&)>& after_block = nullptr,
+                                                 bool deferred = false);
 
 // Root-mean-square normalisation over the last dimension, computed in float32.
 // `cast_before_weight` follows diffusers' RMSNorm: the normalised value is cast to the weight's

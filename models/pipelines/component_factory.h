@@ -32,12 +32,19 @@ namespace stowage {
 // `host_spill_dir` not empty: the host tensors no model file holds (random or converted weights)
 // are then moved into a file there, mapped in their place (offload/host_spill.h); its errors name
 // pipeline.host_spill_dir.
+//
+// `fp8_one_pass` (with `fp8`): the FP8 form is declared, not computed (ConvertBlockLinearsToFp8
+// deferred): the component's int4 host copy is made from the loaded bf16 weights in one pass, on the
+// device (offload/host_weights.h, deferred FP8 weights); anything else that reads the host copies
+// first (a resident onload) has HostWeights write the FP8 form on the host then — into RAM, not
+// into host_spill_dir.
 template <typename T, typename Config>
 absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name, const Config& config,
                                                          at::ScalarType dtype, const std::string& dir,
                                                          bool random_weights, uint64_t seed,
                                                          const std::vector<std::string>& ignored, bool fp8 = false,
-                                                         const std::string& host_spill_dir = "") {
+                                                         const std::string& host_spill_dir = "",
+                                                         bool fp8_one_pass = false) {
   RETURN_IF_ERROR(Validate(config, dir.empty() ? absl::StrCat("built-in ", name, " config")
                                                : absl::StrCat(dir, "/config.json")));
   std::unique_ptr<T> module;
@@ -58,7 +65,7 @@ absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name
     std::function<absl::Status(Module&)> after_block;
     if (!host_spill_dir.empty()) after_block = spill;
     RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("converting ", name, " to FP8"),
-                                  [&] { converted = ConvertBlockLinearsToFp8(*module, after_block); }));
+                                  [&] { converted = ConvertBlockLinearsToFp8(*module, after_block, fp8_one_pass); }));
     RETURN_IF_ERROR(converted.status());
     if (*converted == 0) {
       return absl::FailedPreconditionError(absl::StrCat("compute FP8: component '", name, "' (", module->kind(),

@@ -329,30 +329,31 @@ absl::StatusOr<std::unique_ptr<Pipeline>> Assemble(const FluxPipelineOptions& op
                            options.fp8_components.count(name) ? "fp8" : "", load);
   };
   auto fp8 = [&](const std::string& name) { return options.fp8_components.count(name) > 0; };
+  auto one_pass = [&](const std::string& name) { return options.fp8_one_pass_components.count(name) > 0; };
   auto where = [&](const std::string& name) { return dir.empty() ? std::string() : absl::StrCat(dir, "/", name); };
   ASSIGN_OR_RETURN(auto clip, shared("text_encoder", "text_encoder", [&] {
     return MakeComponent<ClipTextEncoder>("text_encoder", parts.clip, options.dtype, where("text_encoder"),
                                           random_weights, seed("text_encoder"), {"text_model.embeddings.position_ids"},
-                                          fp8("text_encoder"), options.host_spill_dir);
+                                          fp8("text_encoder"), options.host_spill_dir, one_pass("text_encoder"));
   }));
   ASSIGN_OR_RETURN(auto t5, shared("text_encoder_2", "text_encoder_2", [&] {
     return MakeComponent<T5Encoder>("text_encoder_2", parts.t5, options.dtype, where("text_encoder_2"), random_weights,
-                                    seed("text_encoder_2"), {"encoder.embed_tokens."}, fp8("text_encoder_2"), options.host_spill_dir);
+                                    seed("text_encoder_2"), {"encoder.embed_tokens."}, fp8("text_encoder_2"), options.host_spill_dir, one_pass("text_encoder_2"));
   }));
   ASSIGN_OR_RETURN(auto transformer, shared("transformer", "transformer", [&] {
     return MakeComponent<FluxTransformer>("transformer", parts.transformer, options.dtype, where("transformer"),
-                                          random_weights, seed("transformer"), {}, fp8("transformer"), options.host_spill_dir);
+                                          random_weights, seed("transformer"), {}, fp8("transformer"), options.host_spill_dir, one_pass("transformer"));
   }));
   ASSIGN_OR_RETURN(auto vae, shared("vae", "vae", [&] {
     return MakeComponent<AutoencoderKLDecoder>("vae", parts.vae, options.dtype, where("vae"), random_weights,
-                                               seed("vae"), VaeDecoderIgnoredPrefixes(), fp8("vae"), options.host_spill_dir);
+                                               seed("vae"), VaeDecoderIgnoredPrefixes(), fp8("vae"), options.host_spill_dir, one_pass("vae"));
   }));
   // The encoder half of the same VAE folder, its own component (placed apart: it runs only for
   // images in).
   ASSIGN_OR_RETURN(auto vae_encoder, shared("vae_encoder", "vae", [&] {
     return MakeComponent<AutoencoderKLEncoder>("vae_encoder", parts.vae, options.dtype, where("vae"), random_weights,
                                                seed("vae_encoder"), VaeEncoderIgnoredPrefixes(parts.vae),
-                                               fp8("vae_encoder"), options.host_spill_dir);
+                                               fp8("vae_encoder"), options.host_spill_dir, one_pass("vae_encoder"));
   }));
   return std::unique_ptr<Pipeline>(new FluxPipeline(options, schedule, std::move(clip_tokenizer),
                                                     std::move(t5_tokenizer), std::move(clip), std::move(t5),

@@ -33,6 +33,9 @@ struct FluxPipelineOptions {
   std::map<std::string, uint64_t> component_seeds;
   int64_t max_sequence_length = 512; // T5 tokens (diffusers' default).
   std::set<std::string> fp8_components;  // Components converted to FP8 compute at load.
+  // Of those, components whose FP8 form is made with their int4 host copy in one pass (group offload
+  // with compress int4): declared at load, not converted (MakeComponent's fp8_one_pass).
+  std::set<std::string> fp8_one_pass_components;
   std::string host_spill_dir;  // PipelineConfig.host_spill_dir (empty: host copies stay in RAM).
   int64_t default_size = 0;          // Default width and height; 0: 1024 (Flux's), 128 for the tiny built-in.
 };

@@ -27,6 +27,7 @@ struct TinyPipelineOptions {
   // Where inputs and latents are created; components' weights are placed by the runner.
   c10::Device device = c10::Device(c10::kCPU);
   std::set<std::string> fp8_components;  // Refused by the registry: the tiny architecture has no FP8.
+  std::set<std::string> fp8_one_pass_components;  // Empty whenever fp8_components is.
   std::string host_spill_dir;  // PipelineConfig.host_spill_dir (empty: host copies stay in RAM).
   TinyTextEncoderConfig text_encoder;
   TinyDiTConfig transformer;

@@ -265,6 +265,7 @@ absl::StatusOr<std::unique_ptr<Pipeline>> LoadZImagePipeline(const std::string& 
                                                    qpath));
   }
   auto fp8 = [&](const std::string& name) { return options.fp8_components.count(name) > 0; };
+  auto one_pass = [&](const std::string& name) { return options.fp8_one_pass_components.count(name) > 0; };
   auto seed = [&](const std::string& name) { return ComponentSeed(options.component_seeds, name, options.weight_seed); };
   // `folder`: the component's folder under `dir` (the VAE's encoder and decoder share "vae").
   auto shared = [&](const std::string& name, const std::string& folder, const ComponentCache::Loader& load) {
@@ -274,22 +275,22 @@ absl::StatusOr<std::unique_ptr<Pipeline>> LoadZImagePipeline(const std::string& 
   ASSIGN_OR_RETURN(auto text_encoder, shared("text_encoder", "text_encoder", [&] {
     return MakeComponent<Qwen3TextEncoder>("text_encoder", qc, options.dtype, absl::StrCat(dir, "/text_encoder"),
                                            random_weights, seed("text_encoder"), Qwen3UnusedWeightPrefixes(qc),
-                                           fp8("text_encoder"), options.host_spill_dir);
+                                           fp8("text_encoder"), options.host_spill_dir, one_pass("text_encoder"));
   }));
   ASSIGN_OR_RETURN(auto transformer, shared("transformer", "transformer", [&] {
     return MakeComponent<ZImageTransformer>("transformer", tc, options.dtype, absl::StrCat(dir, "/transformer"),
-                                            random_weights, seed("transformer"), {}, fp8("transformer"), options.host_spill_dir);
+                                            random_weights, seed("transformer"), {}, fp8("transformer"), options.host_spill_dir, one_pass("transformer"));
   }));
   ASSIGN_OR_RETURN(auto vae, shared("vae", "vae", [&] {
     return MakeComponent<AutoencoderKLDecoder>("vae", vc, options.dtype, absl::StrCat(dir, "/vae"), random_weights,
-                                               seed("vae"), VaeDecoderIgnoredPrefixes(), fp8("vae"), options.host_spill_dir);
+                                               seed("vae"), VaeDecoderIgnoredPrefixes(), fp8("vae"), options.host_spill_dir, one_pass("vae"));
   }));
   // The encoder half of the same VAE folder, its own component (placed apart: it runs only for
   // images in).
   ASSIGN_OR_RETURN(auto vae_encoder, shared("vae_encoder", "vae", [&] {
     return MakeComponent<AutoencoderKLEncoder>("vae_encoder", vc, options.dtype, absl::StrCat(dir, "/vae"),
                                                random_weights, seed("vae_encoder"),
-                                               VaeEncoderIgnoredPrefixes(vc), fp8("vae_encoder"), options.host_spill_dir);
+                                               VaeEncoderIgnoredPrefixes(vc), fp8("vae_encoder"), options.host_spill_dir, one_pass("vae_encoder"));
   }));
   return std::unique_ptr<Pipeline>(new ZImagePipeline(options, std::move(tokenizer), std::move(text_encoder),
                                                       std::move(vae_encoder), std::move(transformer),
@@ -327,16 +328,17 @@ absl::StatusOr<std::unique_ptr<Pipeline>> CreateTinyZImagePipeline(const ZImageP
   auto tokenizer = BpeTokenizer::ByteLevel({"<|endoftext|>", "<|im_start|>", "<|im_end|>"});
   if (tokenizer == nullptr) return absl::InternalError("built-in tokenizer failed to build");
   auto fp8 = [&](const std::string& name) { return options.fp8_components.count(name) > 0; };
+  auto one_pass = [&](const std::string& name) { return options.fp8_one_pass_components.count(name) > 0; };
   auto seed = [&](const std::string& name) { return ComponentSeed(options.component_seeds, name, options.weight_seed); };
   ASSIGN_OR_RETURN(auto text_encoder, MakeComponent<Qwen3TextEncoder>("text_encoder", qc, options.dtype, "", true,
-                                                                      seed("text_encoder"), {}, fp8("text_encoder"), options.host_spill_dir));
+                                                                      seed("text_encoder"), {}, fp8("text_encoder"), options.host_spill_dir, one_pass("text_encoder")));
   ASSIGN_OR_RETURN(auto transformer, MakeComponent<ZImageTransformer>("transformer", tc, options.dtype, "", true,
-                                                                      seed("transformer"), {}, fp8("transformer"), options.host_spill_dir));
+                                                                      seed("transformer"), {}, fp8("transformer"), options.host_spill_dir, one_pass("transformer")));
   ASSIGN_OR_RETURN(auto vae, MakeComponent<AutoencoderKLDecoder>("vae", vc, options.dtype, "", true,
-                                                                 seed("vae"), {}, fp8("vae"), options.host_spill_dir));
+                                                                 seed("vae"), {}, fp8("vae"), options.host_spill_dir, one_pass("vae")));
   ASSIGN_OR_RETURN(auto vae_encoder, MakeComponent<AutoencoderKLEncoder>("vae_encoder", vc, options.dtype, "", true,
                                                                          seed("vae_encoder"), {},
-                                                                         fp8("vae_encoder"), options.host_spill_dir));
+                                                                         fp8("vae_encoder"), options.host_spill_dir, one_pass("vae_encoder")));
   return std::unique_ptr<Pipeline>(new ZImagePipeline(options, std::move(tokenizer), std::move(text_encoder),
                                                       std::move(vae_encoder), std::move(transformer),
                                                       std::move(vae)));

@@ -30,6 +30,9 @@ struct ZImagePipelineOptions {
   double scheduler_shift = 3.0; // Overridden by scheduler/scheduler_config.json when present.
   int64_t max_sequence_length = 512;
   std::set<std::string> fp8_components;  // Components converted to FP8 compute at load.
+  // Of those, components whose FP8 form is made with their int4 host copy in one pass (group offload
+  // with compress int4): declared at load, not converted (MakeComponent's fp8_one_pass).
+  std::set<std::string> fp8_one_pass_components;
   std::string host_spill_dir;  // PipelineConfig.host_spill_dir (empty: host copies stay in RAM).
   int64_t default_size = 0;     // Default width and height; 0: 1024 (Z-Image's), 256 for the tiny built-in.
 };

@@ -576,6 +576,62 @@ TEST_F(FusedKernelTest, Fp8BlocksSpillAsTheyConvertAndComputeTheSame) {
 #endif
 }
 
+// FP8 compute declared, not converted (ConvertBlockLinearsToFp8 deferred, as when a component's int4
+// copy is made in one pass from its bf16 weights): the layers' slots take the FP8 dtypes and shapes at
+// once, adjacent layers' scales are declared adjacent too, and once onloaded (HostWeights writes the
+// codes and scales first) the weights and the forward are those of the conversion made at once, bit
+// for bit; the bf16 weights they are made from are held only by the declaration.
+TEST_F(FusedKernelTest, DeferredFp8ConversionComputesTheSameOnceOnloaded) {
+#ifdef STOWAGE_HAS_FP8
+  ASSERT_TRUE(fused::Fp8Supported(c10::Device(at::kCUDA, 0)).ok());
+  auto build = [](Container& root) {
+    auto* blocks = root.AddChild("blocks", std::make_unique<Sequential>());
+    for (int b = 0; b < 2; ++b) {
+      auto* block = blocks->Add(std::make_unique<Container>("Block"));
+      std::vector<Linear*> pair;
+      for (const char* name : {"a", "b"}) {
+        pair.push_back(block->AddChild(name, std::make_unique<Linear>(256, 512, true, LayerOptions{at::kBFloat16})));
+      }
+      Linear::DeclareAdjacent(*block, pair);
+    }
+    InitializeRandomWeights(root, 33);
+  };
+  Container now("Root"), deferred("Root");
+  build(now);
+  build(deferred);
+  ASSERT_EQ(*ConvertBlockLinearsToFp8(now), 4);
+  ASSERT_EQ(*ConvertBlockLinearsToFp8(deferred, nullptr, /*deferred=*/true), 4);
+  int declarations = 0;
+  deferred.ForEachModule([&](Module& m) { declarations += static_cast<int>(m.deferred_fp8().size()); });
+  EXPECT_EQ(declarations, 4);
+  EXPECT_EQ(SlotAt(deferred, "blocks.0.a.weight").scalar_type(), at::kFloat8_e4m3fn);
+  EXPECT_EQ(SlotAt(deferred, "blocks.1.b.weight_scale").sizes(), (std::vector<int64_t>{512}));
+  OnCuda on_now(now), on_deferred(deferred);
+  ExpectAdjacent(deferred, {"blocks.0.a.weight_scale", "blocks.0.b.weight_scale"});
+  now.ForEachSlot([&](Module& owner, TensorSlot& slot) {
+    const at::Tensor& other = SlotAt(deferred, owner.SlotPath(slot));
+    EXPECT_EQ(other.scalar_type(), slot.value.scalar_type()) << owner.SlotPath(slot);
+    EXPECT_TRUE(at::equal(other.cpu().view(at::kByte), slot.value.cpu().view(at::kByte))) << owner.SlotPath(slot);
+  });
+  c10::InferenceMode mode;
+  const at::Tensor x = Rand({2, 64, 256});
+  for (const std::string& layer : {"blocks.0.a", "blocks.1.b"}) {
+    Linear* a = nullptr;
+    Linear* b = nullptr;
+    now.ForEachModule([&](Module& m) {
+      if (m.path() == layer) a = dynamic_cast<Linear*>(&m);
+    });
+    deferred.ForEachModule([&](Module& m) {
+      if (m.path() == layer) b = dynamic_cast<Linear*>(&m);
+    });
+    ASSERT_TRUE(a != nullptr && b != nullptr) << layer;
+    EXPECT_TRUE(at::equal(a->Forward(x), b->Forward(x))) << layer;
+  }
+#else
+  GTEST_SKIP() << "no float8 in this LibTorch";
+#endif
+}
+
 TEST_F(FusedKernelTest, ZImageTransformerFusedMatchesPlain) {
   ZImageTransformer model(TinyZImageTransformerConfig(), LayerOptions{at::kBFloat16});
   InitializeRandomWeights(model, 3);

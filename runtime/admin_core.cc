@@ -74,6 +74,7 @@ void FillComponents(const PlacementSnapshot& snapshot,
       g->set_pin_in_place_error(s.pin_in_place_error);
       g->set_compress(s.compress);
       g->set_compressed_host_bytes(s.compressed_host_bytes);
+      g->set_one_pass_fp8_weights(s.one_pass_fp8_weights);
       g->set_scratch_bytes(s.scratch_bytes);
       g->set_bytes_per_forward(s.bytes_per_forward);
       g->set_early_prefetches(s.early_prefetches);

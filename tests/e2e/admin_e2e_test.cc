@@ -376,10 +376,35 @@ TEST_F(AdminE2ETest, LoadAndUnloadPipelines) {
     ASSERT_TRUE(Generate("fp8", &streamed).ok());
     EXPECT_EQ(streamed.image(), resident.image());
     EXPECT_GT(streamed.stats().host_to_device_bytes(), 0);
+    // Streamed from an int4 copy of the FP8 weights: made from the FP8 host copy when streaming is
+    // switched on at run time (two passes), or with the FP8 form itself in one pass over the bf16
+    // weights when the pipeline loads group-offloaded with COMPRESS_INT4 — the same bytes on the
+    // device, so the same image.
+    v1::GenerateResponse two_passes, one_pass;
+    ASSERT_TRUE(StreamComponent("fp8/transformer", &streaming, v1::GroupOffloadConfig::COMPRESS_INT4).ok());
+    ASSERT_TRUE(Generate("fp8", &two_passes).ok());
+    v1::LoadPipelineRequest fp8_int4 = fp8;
+    fp8_int4.mutable_pipeline()->set_name("fp8-int4");
+    v1::PipelineGroupOffload* offload = fp8_int4.mutable_pipeline()->mutable_group_offload();
+    offload->set_enabled(true);
+    offload->mutable_defaults()->set_use_stream(true);
+    offload->mutable_defaults()->set_compress(v1::GroupOffloadConfig::COMPRESS_INT4);
+    for (const char* other : {"text_encoder", "vae", "vae_encoder"}) offload->add_exclude(other);
+    ASSERT_TRUE(admin_->LoadPipeline(Authed().get(), fp8_int4, &loaded).ok());
+    bool int4 = false;
+    for (const auto& c : Placement().components()) {
+      int4 |= c.id() == "fp8-int4/transformer" && c.group_offload().compress() == "int4" && c.compute() == "fp8" &&
+              c.group_offload().one_pass_fp8_weights() > 0;
+    }
+    EXPECT_TRUE(int4);
+    ASSERT_TRUE(Generate("fp8-int4", &one_pass).ok());
+    EXPECT_EQ(one_pass.image(), two_passes.image());
     v1::UnloadPipelineRequest drop;
-    drop.set_name("fp8");
     v1::UnloadPipelineResponse dropped;
-    ASSERT_TRUE(admin_->UnloadPipeline(Authed().get(), drop, &dropped).ok());
+    for (const char* name : {"fp8", "fp8-int4"}) {
+      drop.set_name(name);
+      ASSERT_TRUE(admin_->UnloadPipeline(Authed().get(), drop, &dropped).ok()) << name;
+    }
   } else {
     EXPECT_EQ(static_cast<int>(result.error_code()), static_cast<int>(supported.code())) << result.error_message();
     EXPECT_NE(result.error_message().find("pipeline.compute: FP8 on device " + device), std::string::npos)

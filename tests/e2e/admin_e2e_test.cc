@@ -380,7 +380,11 @@ TEST_F(AdminE2ETest, LoadAndUnloadPipelines) {
     // switched on at run time (two passes), or with the FP8 form itself in one pass over the bf16
     // weights when the pipeline loads group-offloaded with COMPRESS_INT4 — the same bytes on the
     // device, so the same image.
-    v1::GenerateResponse two_passes, one_pass;
+    v1::GenerateResponse two_passes, one_pass, written_later;
+    v1::DisableGroupOffloadRequest disable;
+    v1::DisableGroupOffloadResponse disabled;
+    disable.set_component_id("fp8/transformer");
+    ASSERT_TRUE(admin_->DisableGroupOffload(Authed().get(), disable, &disabled).ok());
     ASSERT_TRUE(StreamComponent("fp8/transformer", &streaming, v1::GroupOffloadConfig::COMPRESS_INT4).ok());
     ASSERT_TRUE(Generate("fp8", &two_passes).ok());
     v1::LoadPipelineRequest fp8_int4 = fp8;
@@ -399,6 +403,12 @@ TEST_F(AdminE2ETest, LoadAndUnloadPipelines) {
     EXPECT_TRUE(int4);
     ASSERT_TRUE(Generate("fp8-int4", &one_pass).ok());
     EXPECT_EQ(one_pass.image(), two_passes.image());
+    // Streaming switched off, the one-pass component onloads whole: its FP8 host copy, never made so
+    // far, is written first — the resident image.
+    disable.set_component_id("fp8-int4/transformer");
+    ASSERT_TRUE(admin_->DisableGroupOffload(Authed().get(), disable, &disabled).ok());
+    ASSERT_TRUE(Generate("fp8-int4", &written_later).ok());
+    EXPECT_EQ(written_later.image(), resident.image());
     v1::UnloadPipelineRequest drop;
     v1::UnloadPipelineResponse dropped;
     for (const char* name : {"fp8", "fp8-int4"}) {

@@ -396,7 +396,8 @@ TEST_F(AdminE2ETest, LoadAndUnloadPipelines) {
     for (const char* other : {"text_encoder", "vae", "vae_encoder"}) offload->add_exclude(other);
     ASSERT_TRUE(admin_->LoadPipeline(Authed().get(), fp8_int4, &loaded).ok());
     bool int4 = false;
-    for (const auto& c : Placement().components()) {
+    const v1::GetPlacementResponse placement = Placement();  // Held: the loop reads its components.
+    for (const auto& c : placement.components()) {
       int4 |= c.id() == "fp8-int4/transformer" && c.group_offload().compress() == "int4" && c.compute() == "fp8" &&
               c.group_offload().one_pass_fp8_weights() > 0;
     }

@@ -118,6 +118,9 @@ ABSL_FLAG(std::string, compute, "bf16",
           "bf16, or fp8: the transformer blocks' linear layers are converted to FP8 on the host before "
           "their host copies are taken, as the server does at load (models/core/layers.h "
           "ConvertBlockLinearsToFp8); rows resident, block_pinned or block_int4");
+ABSL_FLAG(int64_t, quantize_chunk_elements, stowage::kQuantizeChunkElements,
+          "Compressed rows: values quantized at a time at load (GroupOffloadOptions::quantize_chunk_elements; "
+          "the staging halves and the source pages read at once scale with it)");
 ABSL_FLAG(bool, fp8_one_pass, true,
           "--compute=fp8 with a block_int4 row: the linear layers' FP8 form is declared, not made on the "
           "host (ConvertBlockLinearsToFp8 deferred), and the int4 copy is made from the bf16 weights in one "
@@ -543,8 +546,10 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     };
   }
   // FP8 compute streamed as int4: the FP8 form made with the int4 copy, in one pass (--fp8_one_pass).
-  const bool one_pass = absl::GetFlag(FLAGS_compute) == "fp8" && absl::GetFlag(FLAGS_fp8_one_pass) &&
-                        row.rfind("block_int4", 0) == 0;
+  // Only weights in a file's mapping are declared (--model_dir); drawn ones convert at once.
+  const bool want_one_pass = absl::GetFlag(FLAGS_compute) == "fp8" && absl::GetFlag(FLAGS_fp8_one_pass) &&
+                             row.rfind("block_int4", 0) == 0;
+  bool one_pass = false;
   if (absl::GetFlag(FLAGS_compute) == "fp8") {
     // FP8 compute: the blocks' linear layers become FP8 on the host before their host copies are
     // taken, as the server does at load (PipelineConfig.compute). Resident, the onload places the
@@ -559,7 +564,8 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     RETURN_IF_ERROR(fused::Fp8Supported(backend.torch_device()));
     const auto start = std::chrono::steady_clock::now();
     c10::InferenceMode guard;
-    ASSIGN_OR_RETURN(const int64_t converted, ConvertBlockLinearsToFp8(model, spill, one_pass));
+    ASSIGN_OR_RETURN(const int64_t converted, ConvertBlockLinearsToFp8(model, spill, want_one_pass));
+    model.ForEachModule([&](Module& m) { one_pass |= !m.deferred_fp8().empty(); });
     result.prepare_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     result.prepare_fp8_s = result.prepare_s;
     std::printf("fp8: %lld linear layers %s in %.2f s\n", static_cast<long long>(converted),
@@ -623,6 +629,7 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     if (row.find("lowram") != std::string::npos) options.target = OffloadTarget::kPageableHost;
     // "_wg" in a compressed row's name: a group's weights widened in shared launches.
     options.widen_per_group = row.find("_wg") != std::string::npos;
+    options.quantize_chunk_elements = absl::GetFlag(FLAGS_quantize_chunk_elements);
     if (row.find("disk") != std::string::npos) {
       options.target = OffloadTarget::kDisk;
       options.disk_dir = absl::GetFlag(FLAGS_disk_dir);

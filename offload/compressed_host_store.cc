@@ -263,7 +263,8 @@ absl::StatusOr<std::unique_ptr<HostStore>> CompressedHostStore::Create(const Hos
           temporaries += t8.layout.q_bytes + t8.layout.scale_bytes();
         } else {
           if (quantizer == nullptr) {
-            ASSIGN_OR_RETURN(quantizer, LoadQuantizer::Create(backend, fixed.max_numel, options.staging_threads));
+            ASSIGN_OR_RETURN(quantizer, LoadQuantizer::Create(backend, fixed.max_numel, options.staging_threads,
+                                                              options.quantize_chunk_elements));
           }
           // On the GPU when there is one, straight into the pinned group; in flight until Finish().
           const auto start = std::chrono::steady_clock::now();

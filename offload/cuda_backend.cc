@@ -355,12 +355,14 @@ class CudaBackend : public DeviceBackend {
     // Without NVML the device-wide figure would count other processes: keep the start-up measure.
     if (process < 0) return change;
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
-    // The largest figure measured so far: NVML's reading of what lies outside the allocator swings by
-    // tens of MiB between requests (2118 -> 2144 -> 2120 MiB in multi-tenant run 11, H100), and an
-    // allocator capped against a low reading took the budget 7 MiB past its limit once the context
-    // read high again. Counting the high-water mark keeps the allocator's segments plus any reading
-    // of the context within the budget.
-    change.after = std::max(change.before, std::max<int64_t>(0, process - stats.reserved_bytes[0].current));
+    // NVML's reading of what lies outside the allocator swings by tens of MiB between requests
+    // (2118 -> 2144 -> 2120 MiB in multi-tenant run 11, H100), and an allocator capped against a low
+    // reading took the budget 7 MiB past its limit once the context read high again. So a reading at
+    // most kContextJitter below the figure counted keeps it (the allocator stays capped against the
+    // high one); a larger drop is memory really given back and is taken.
+    constexpr int64_t kContextJitter = int64_t{64} << 20;
+    const int64_t measured = std::max<int64_t>(0, process - stats.reserved_bytes[0].current);
+    change.after = measured + kContextJitter < change.before ? measured : std::max(change.before, measured);
     if (change.after == change.before) return change;
     context_bytes_.store(change.after);
     ApplyBudget();

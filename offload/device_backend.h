@@ -162,10 +162,11 @@ class DeviceBackend {
   // Measures again what the process holds outside the allocator and, when a budget is set,
   // re-applies it against the new figure. Libraries load kernels and create workspaces at their
   // first use, so on CUDA this grows after start-up (by about 0.8 GB on an H200 running Z-Image);
-  // the worker calls it after each warm-up run and each request. The figure kept is the largest
-  // measured so far (CUDA: NVML's reading swings by tens of MiB between requests; counting a low
-  // one would let the allocator fill room a high one then takes). Returns the context bytes before
-  // and after. No-op (nothing changes) where there is no such memory to measure.
+  // the worker calls it after each warm-up run and each request. A reading less than 64 MiB below the
+  // figure counted leaves it (CUDA: NVML's reading swings by tens of MiB between requests; counting
+  // a low one would let the allocator fill room a high one then takes); a larger drop is taken.
+  // Returns the context bytes before and after. No-op (nothing changes) where there is no such
+  // memory to measure.
   struct ContextChange {
     int64_t before = 0;
     int64_t after = 0;

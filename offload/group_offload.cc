@@ -594,6 +594,7 @@ absl::StatusOr<std::unique_ptr<GroupOffloader>> GroupOffloader::Apply(
   store_options.compress = options.compress;
   store_options.prequantized = options.prequantized;
   store_options.widen_per_group = options.widen_per_group;
+  store_options.quantize_chunk_elements = options.quantize_chunk_elements;
   // With a copy stream, a compressed group's widening overlaps the next group's copy: two areas.
   store_options.scratch_buffers = options.use_stream ? 2 : 1;
   if (absl::Status valid = ValidateHostStoreOptions(store_options); !valid.ok()) {

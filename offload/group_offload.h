@@ -139,6 +139,11 @@ struct GroupOffloadOptions {
   // launch, WidenAllInto) instead of one launch each; the same bytes. Off until measured
   // (offload_bench's rows ending in "_wg", compute_bench's modes ending in "_wg").
   bool widen_per_group = false;
+  // With compress, at Apply: values of a weight quantized at a time (LoadQuantizer's chunk, >= 1024):
+  // its two pinned staging halves hold that many bf16 values each, and they, with the chunk of source
+  // pages being read, are what preparing holds in RAM beyond the compressed copy (~96 MB at the
+  // default 16 Mi values). Smaller chunks hold less, in more launches.
+  int64_t quantize_chunk_elements = kQuantizeChunkElements;
 };
 
 struct GroupOffloadStats {

@@ -92,6 +92,8 @@ struct HostStoreOptions {
   int scratch_buffers = 1;
   // With compress: GroupOffloadOptions::widen_per_group.
   bool widen_per_group = false;
+  // With compress: GroupOffloadOptions::quantize_chunk_elements.
+  int64_t quantize_chunk_elements = kQuantizeChunkElements;
 };
 
 // What a store contributes to GroupOffloadStats (same meanings and names there).

@@ -25,6 +25,10 @@ absl::Status ValidateHostStoreOptions(const HostStoreOptions& options) {
     return absl::InvalidArgumentError(
         "compress needs target pinned_host (the 8-bit groups are packed into pinned memory)");
   }
+  if (options.compress != CompressFormat::kNone && options.quantize_chunk_elements < 1024) {
+    return absl::InvalidArgumentError(absl::StrCat("quantize_chunk_elements must be >= 1024 (values quantized at a time), not ",
+                                                   options.quantize_chunk_elements));
+  }
   if (options.prequantized != nullptr && options.compress == CompressFormat::kNone) {
     return absl::InvalidArgumentError("8-bit weights were given but compress is none");
   }

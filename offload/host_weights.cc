@@ -1,5 +1,6 @@
 #include "offload/host_weights.h"
 
+#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #if defined(__GLIBC__)
@@ -9,8 +10,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <exception>
 #include <map>
+#include <mutex>
 #include <set>
+#include <system_error>
 #include <thread>
 
 #include <ATen/Functions.h>
@@ -26,6 +30,14 @@ absl::StatusOr<std::unique_ptr<HostWeights>> HostWeights::Capture(Module& root) 
   std::unique_ptr<HostWeights> weights(new HostWeights());
   weights->root_ = &root;
   absl::Status status;
+  // Deferred FP8 weights another capture holds: their bytes are unwritten, and only it writes them.
+  root.ForEachModule([&](Module& module) {
+    if (status.ok() && module.deferred_fp8_held() > 0) {
+      status = absl::FailedPreconditionError(absl::StrCat(
+          "'", module.path(), "' has deferred FP8 weights another host copy holds unwritten; capture the tree once"));
+    }
+  });
+  if (!status.ok()) return status;
   root.ForEachSlot([&](Module& module, TensorSlot& slot) {
     if (!status.ok()) return;
     if (!slot.value.defined() || !slot.value.device().is_cpu() || !slot.value.is_contiguous()) {
@@ -89,24 +101,46 @@ void HostWeights::Materialize(const Entry& entry) {
   // whole weight.
   const int64_t chunk_rows = std::max<int64_t>(1, kQuantizeChunkElements / 8 / std::max<int64_t>(per_row, 1));
   const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
-  const auto threads = static_cast<int64_t>(std::clamp<unsigned>(std::thread::hardware_concurrency(), 1, 16));
+  cpu_set_t allowed;  // The CPUs this process may run on (its affinity), not the machine's.
+  const int64_t cpus = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0
+                           ? CPU_COUNT(&allowed)
+                           : static_cast<int64_t>(std::thread::hardware_concurrency());
+  const int64_t threads = std::clamp<int64_t>(cpus, 1, 16);
   auto* code_bytes = static_cast<uint8_t*>(codes.data_ptr());
   auto* scale_values = static_cast<float*>(scales.data_ptr());
-  auto work = [&](int64_t first) {
-    for (int64_t c = first; c < chunks; c += threads) {
-      const int64_t start = c * chunk_rows, n = std::min(chunk_rows, rows - start);
-      const at::Tensor part = d.source.narrow(0, start, n);
-      const QuantizedTensor q = Quantize(part, CompressFormat::kFp8E4M3);
-      std::memcpy(code_bytes + start * per_row, q.q.data_ptr(), static_cast<size_t>(n * per_row));
-      std::memcpy(scale_values + start, q.scale.data_ptr(), static_cast<size_t>(n) * sizeof(float));
-      if (part.is_contiguous()) (void)ReleaseMappedPages(part.data_ptr(), static_cast<int64_t>(part.nbytes()));
+  // An error in any thread (out of memory) is rethrown here once every thread has stopped.
+  std::mutex failed_mu;
+  std::exception_ptr failed;
+  auto work = [&](int64_t first, int64_t stride) {
+    try {
+      for (int64_t c = first; c < chunks; c += stride) {
+        const int64_t start = c * chunk_rows, n = std::min(chunk_rows, rows - start);
+        const at::Tensor part = d.source.narrow(0, start, n);
+        const QuantizedTensor q = Quantize(part, CompressFormat::kFp8E4M3);
+        std::memcpy(code_bytes + start * per_row, q.q.data_ptr(), static_cast<size_t>(n * per_row));
+        std::memcpy(scale_values + start, q.scale.data_ptr(), static_cast<size_t>(n) * sizeof(float));
+        if (part.is_contiguous()) (void)ReleaseMappedPages(part.data_ptr(), static_cast<int64_t>(part.nbytes()));
+      }
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(failed_mu);
+      if (!failed) failed = std::current_exception();
     }
   };
+  // Threads take chunks round robin; where the host refuses a thread, this one does its share too.
+  const int64_t stride = std::min(threads, chunks);
   std::vector<std::thread> workers;
-  for (int64_t t = 1; t < std::min(threads, chunks); ++t) workers.emplace_back(work, t);
-  work(0);
+  for (int64_t t = 1; t < stride; ++t) {
+    try {
+      workers.emplace_back(work, t, stride);
+    } catch (const std::system_error&) {
+      work(t, stride);
+    }
+  }
+  work(0, stride);
   for (std::thread& w : workers) w.join();
+  if (failed) std::rethrow_exception(failed);
   d.written = true;
+  entry.module->DeferredFp8Written();
 }
 
 void HostWeights::MaterializeDeferred() {
@@ -248,7 +282,16 @@ absl::StatusOr<HostWeights::Lockable> HostWeights::LockableRegions(DeviceBackend
 
 // Placement unpins a component on its device's worker before the component can go; this only
 // catches weights pinned outside placement (tests, benchmarks).
-HostWeights::~HostWeights() { Unpin(); }
+HostWeights::~HostWeights() {
+  Unpin();
+  // Deferred weights still unwritten go back to their modules: a later capture takes them over.
+  for (Deferred& d : deferred_) {
+    if (d.written) continue;
+    Module& module = *entries_[d.codes].module;
+    const auto slot = [&](size_t e) { return static_cast<int>(entries_[e].slot - module.slots().data()); };
+    module.DeferFp8(slot(d.codes), slot(d.scales), std::move(d.source), /*returned=*/true);
+  }
+}
 
 absl::Status HostWeights::PinInPlace(DeviceBackend& backend) {
   if (pinned_by_ != nullptr) return absl::OkStatus();

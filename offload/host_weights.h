@@ -8,6 +8,7 @@
 #ifndef STOWAGE_OFFLOAD_HOST_WEIGHTS_H_
 #define STOWAGE_OFFLOAD_HOST_WEIGHTS_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <utility>
@@ -53,6 +54,10 @@ class HostWeights {
   // Whether `entry`'s host bytes are not written yet (a deferred FP8 weight's codes or scales).
   bool unwritten(const Entry& entry) const {
     return entry.deferred >= 0 && !deferred_[static_cast<size_t>(entry.deferred)].written;
+  }
+  // Whether a deferred FP8 weight is not written yet.
+  bool has_unwritten() const {
+    return std::any_of(deferred_.begin(), deferred_.end(), [](const Deferred& d) { return !d.written; });
   }
   // Writes every deferred FP8 weight's codes and scales on the host (threads over rows, the
   // source's mapped pages released as they are read), so that every host copy holds its bytes.

@@ -91,16 +91,20 @@ at::Tensor UnwrittenHostTensor(at::IntArrayRef sizes, at::ScalarType dtype) {
       base, sizes, [bytes](void* p) { ::munmap(p, bytes); }, at::TensorOptions().dtype(dtype));
 }
 
-void Module::DeferFp8(int codes, int scales, at::Tensor source) {
+void Module::DeferFp8(int codes, int scales, at::Tensor source, bool returned) {
   TORCH_CHECK(codes >= 0 && static_cast<size_t>(codes) < slots_.size() && scales >= 0 &&
                   static_cast<size_t>(scales) < slots_.size() && codes != scales,
               path(), ": DeferFp8 names slots ", codes, " and ", scales, " of ", slots_.size());
   TORCH_CHECK(source.defined() && source.device().is_cpu() && source.dim() >= 2, path(),
               ": a deferred FP8 weight needs its source on the host, of rank >= 2");
   deferred_fp8_.push_back(DeferredFp8{codes, scales, std::move(source)});
+  if (returned) --deferred_fp8_held_;
 }
 
-std::vector<DeferredFp8> Module::TakeDeferredFp8() { return std::exchange(deferred_fp8_, {}); }
+std::vector<DeferredFp8> Module::TakeDeferredFp8() {
+  deferred_fp8_held_ += static_cast<int>(deferred_fp8_.size());
+  return std::exchange(deferred_fp8_, {});
+}
 
 void Module::AddAdjacentGroup(std::vector<std::pair<Module*, int>> tensors) {
   adjacent_groups_.push_back(std::move(tensors));

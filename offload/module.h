@@ -129,10 +129,15 @@ class Module {
   // reads its host copies, except a compressed host store, which makes its int4 copy from `source`
   // directly (on the device: one pass over the bf16 weights instead of an FP8 copy made, kept and
   // read again). So a module with a deferred weight runs only through HostWeights.
-  void DeferFp8(int codes, int scales, at::Tensor source);
-  // The declarations not taken yet; taking them leaves none.
+  void DeferFp8(int codes, int scales, at::Tensor source, bool returned = false);
+  // The declarations not taken yet; taking them leaves none, and counts them as held elsewhere until
+  // each is written (DeferredFp8Written) or given back (DeferFp8 again, with `returned`).
   std::vector<DeferredFp8> TakeDeferredFp8();
   const std::vector<DeferredFp8>& deferred_fp8() const { return deferred_fp8_; }
+  // Declarations taken and neither written nor given back: their slots' bytes are unwritten and only
+  // their holder may write them (HostWeights::Capture refuses a tree with any).
+  int deferred_fp8_held() const { return deferred_fp8_held_; }
+  void DeferredFp8Written() { --deferred_fp8_held_; }
 
   // --- Hooks ------------------------------------------------------------------------------------
   // Fails with ALREADY_EXISTS if a hook of that name is registered on this module.
@@ -177,6 +182,7 @@ class Module {
   std::vector<std::pair<std::string, std::shared_ptr<ModuleHook>>> hooks_;
   std::vector<std::vector<std::pair<Module*, int>>> adjacent_groups_;
   std::vector<DeferredFp8> deferred_fp8_;
+  int deferred_fp8_held_ = 0;
 };
 
 }  // namespace stowage

@@ -646,6 +646,14 @@ absl::Status PlacementManager::Register(const std::string& pipeline, Component* 
   entry->pipelines.push_back(pipeline);
   component->host_weights().OffloadAll();
   entries_.push_back(std::move(entry));
+  // Pinning reads the host copies: a component with deferred FP8 weights (made with its int4 copy
+  // when group offloading starts, right after registering) would have them written on the host
+  // first. It is pinned when it next needs to be (group offloading switched off, or refused).
+  if (component->host_weights().has_unwritten()) {
+    Record(entries_.back()->id, "pin_deferred", 0, FreeBytes(),
+           "host copies not page-locked yet: its FP8 weights are made with their int4 copy, not on the host");
+    return absl::OkStatus();
+  }
   PinHost(*entries_.back());
   return absl::OkStatus();
 }
@@ -1109,7 +1117,8 @@ int64_t PlacementManager::EstimateHostBytes(const Entry& entry, CompressFormat f
     // where it stays in RAM (not a view of a safetensors mapping, whose pages are dropped).
     // A deferred FP8 weight not written yet: the compressed store makes its copy from the source, so
     // the host copy's pages are never taken.
-    const bool in_ram = !InMapping(e.host) && !weights.unwritten(e);
+    // (int4 only: other formats do not take the FP8 codes, so the store writes them into RAM.)
+    const bool in_ram = !InMapping(e.host) && (!weights.unwritten(e) || format != CompressFormat::kInt4);
     bytes += (compressed > 0 ? compressed : AlignScratch(original)) + (in_ram ? original : 0);
   }
   return bytes;

@@ -244,7 +244,10 @@ absl::Status Linear::ConvertToFp8(bool deferred) {
     return absl::FailedPreconditionError(path() + ": cannot convert an offloaded weight to FP8");
   }
   const at::Tensor source = tensor(weight_);
-  if (deferred && source.device().is_cpu() && source.dim() == 2) {
+  // Deferred only for a weight in a file's mapping: the declaration keeps its source, which then holds
+  // no RAM beyond the pages being read; a weight on the heap (drawn at random, or converted) is
+  // converted now, as the declaration would otherwise keep its bf16 bytes in RAM.
+  if (deferred && source.device().is_cpu() && source.dim() == 2 && !MappedFilesContaining({source.data_ptr()}).empty()) {
     // kFp8E4M3's Quantize is QuantizeWeightFp8 bit for bit (fused_ops_test); HostWeights writes it.
     slots()[static_cast<size_t>(weight_)].value = UnwrittenHostTensor(source.sizes(), at::kFloat8_e4m3fn);
     weight_scale_ = AddBuffer("weight_scale", UnwrittenHostTensor({source.size(0)}, at::kFloat));

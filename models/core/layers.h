@@ -73,7 +73,8 @@ class Linear : public Module {
   // output channel (a new buffer "weight_scale"), where the weight is now; Forward then runs
   // fused::Fp8Linear. The weight must be present (not offloaded). UNIMPLEMENTED without float8 in
   // the build; a second call changes nothing.
-  // `deferred` (a weight on the host): the codes and scales are declared, not computed
+  // `deferred` (a weight in a safetensors file's mapping; one in RAM converts now): the codes and
+  // scales are declared, not computed
   // (Module::DeferFp8, the same bytes once written): the layer then runs only through HostWeights,
   // which writes them when first needed — or never, when a compressed store makes its int4 copy
   // straight from the weight (one pass at load instead of an FP8 copy made and read again).

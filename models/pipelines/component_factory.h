@@ -33,11 +33,12 @@ namespace stowage {
 // are then moved into a file there, mapped in their place (offload/host_spill.h); its errors name
 // pipeline.host_spill_dir.
 //
-// `fp8_one_pass` (with `fp8`): the FP8 form is declared, not computed (ConvertBlockLinearsToFp8
-// deferred): the component's int4 host copy is made from the loaded bf16 weights in one pass, on the
-// device (offload/host_weights.h, deferred FP8 weights); anything else that reads the host copies
-// first (a resident onload) has HostWeights write the FP8 form on the host then — into RAM, not
-// into host_spill_dir.
+// `fp8_one_pass` (with `fp8`): the FP8 form of weights in a file's mapping is declared, not computed
+// (ConvertBlockLinearsToFp8 deferred): the component's int4 host copy is made from the loaded bf16
+// weights in one pass, on the device (offload/host_weights.h, deferred FP8 weights); anything else
+// that reads the host copies first (a resident onload) has HostWeights write the FP8 form on the host
+// then — into RAM, not into host_spill_dir. Drawn (random) weights move into host_spill_dir first
+// when there is one, and are converted at once when there is none.
 template <typename T, typename Config>
 absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name, const Config& config,
                                                          at::ScalarType dtype, const std::string& dir,
@@ -64,6 +65,8 @@ absl::StatusOr<std::unique_ptr<Component>> MakeComponent(const std::string& name
     // the conversion never holds the whole component's.
     std::function<absl::Status(Module&)> after_block;
     if (!host_spill_dir.empty()) after_block = spill;
+    // One pass declares only weights in a file's mapping: drawn weights move into the spill file first.
+    if (fp8_one_pass && !host_spill_dir.empty()) RETURN_IF_ERROR(spill(*module));
     RETURN_IF_ERROR(CatchAsStatus(absl::StrCat("converting ", name, " to FP8"),
                                   [&] { converted = ConvertBlockLinearsToFp8(*module, after_block, fp8_one_pass); }));
     RETURN_IF_ERROR(converted.status());

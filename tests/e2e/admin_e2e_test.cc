@@ -26,6 +26,7 @@
 #include "server/server.h"
 #include "tests/e2e/e2e_harness.h"
 #include "tests/e2e/http_get.h"
+#include "tests/offload/spill_dir.h"
 #include "stowage/v1/admin.grpc.pb.h"
 #include "stowage/v1/generation.grpc.pb.h"
 
@@ -394,6 +395,10 @@ TEST_F(AdminE2ETest, LoadAndUnloadPipelines) {
     offload->mutable_defaults()->set_use_stream(true);
     offload->mutable_defaults()->set_compress(v1::GroupOffloadConfig::COMPRESS_INT4);
     for (const char* other : {"text_encoder", "vae", "vae_encoder"}) offload->add_exclude(other);
+    // One pass declares weights in a file's mapping: the drawn ones move into the spill file first.
+    const std::string spill_dir = MakeSpillTestDir();
+    ASSERT_FALSE(spill_dir.empty());
+    fp8_int4.mutable_pipeline()->set_host_spill_dir(spill_dir);
     ASSERT_TRUE(admin_->LoadPipeline(Authed().get(), fp8_int4, &loaded).ok());
     bool int4 = false;
     const v1::GetPlacementResponse placement = Placement();  // Held: the loop reads its components.

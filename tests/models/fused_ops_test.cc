@@ -596,14 +596,25 @@ TEST_F(FusedKernelTest, DeferredFp8ConversionComputesTheSameOnceOnloaded) {
     }
     InitializeRandomWeights(root, 33);
   };
-  Container now("Root"), deferred("Root");
+  Container now("Root"), deferred("Root"), on_heap("Root");
   build(now);
   build(deferred);
+  build(on_heap);
   ASSERT_EQ(*ConvertBlockLinearsToFp8(now), 4);
+  // Declared only for weights in a file's mapping (the declaration keeps its source): drawn weights
+  // on the heap convert at once.
+  auto declared = [](Module& root) {
+    int declarations = 0;
+    root.ForEachModule([&](Module& m) { declarations += static_cast<int>(m.deferred_fp8().size()); });
+    return declarations;
+  };
+  ASSERT_EQ(*ConvertBlockLinearsToFp8(on_heap, nullptr, /*deferred=*/true), 4);
+  EXPECT_EQ(declared(on_heap), 0);
+  const std::string dir = MakeSpillTestDir();
+  ASSERT_FALSE(dir.empty());
+  ASSERT_TRUE(SpillHeapTensors(deferred, dir, "bf16").ok());  // Now views of a file's mapping.
   ASSERT_EQ(*ConvertBlockLinearsToFp8(deferred, nullptr, /*deferred=*/true), 4);
-  int declarations = 0;
-  deferred.ForEachModule([&](Module& m) { declarations += static_cast<int>(m.deferred_fp8().size()); });
-  EXPECT_EQ(declarations, 4);
+  EXPECT_EQ(declared(deferred), 4);
   EXPECT_EQ(SlotAt(deferred, "blocks.0.a.weight").scalar_type(), at::kFloat8_e4m3fn);
   EXPECT_EQ(SlotAt(deferred, "blocks.1.b.weight_scale").sizes(), (std::vector<int64_t>{512}));
   OnCuda on_now(now), on_deferred(deferred);

@@ -1125,6 +1125,28 @@ TEST(CompressedOptionsTest, NoCopyThreadsIsRefusedUpFront) {
   EXPECT_NE(offloader.status().message().find("staging_threads"), std::string::npos) << offloader.status();
 }
 
+// The quantizer's chunk: below 1024 values refused up front, naming the option; a small one (the
+// stack's weights in several chunks each) streams the default's forward bit for bit.
+TEST(CompressedOptionsTest, TheQuantizeChunkIsCheckedAndChangesNoByte) {
+  GroupOffloadOptions bad = Streaming(CompressFormat::kInt4);
+  bad.quantize_chunk_elements = 1023;
+  {
+    StackModel model;
+    std::unique_ptr<HostWeights> weights = *HostWeights::Capture(model);
+    std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
+    auto offloader = GroupOffloader::Apply("stack", model, *weights, *backend, bad);
+    ASSERT_FALSE(offloader.ok());
+    EXPECT_EQ(offloader.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(offloader.status().message().find("quantize_chunk_elements"), std::string::npos) << offloader.status();
+  }
+  GroupOffloadOptions small = Streaming(CompressFormat::kInt4);
+  small.quantize_chunk_elements = 1024;  // 128-value rows: 8 rows a chunk, several chunks a weight.
+  const StreamRun fine = Stream(at::kBFloat16, small);
+  const StreamRun whole = Stream(at::kBFloat16, Streaming(CompressFormat::kInt4));
+  ASSERT_TRUE(fine.out.defined() && whole.out.defined());
+  EXPECT_TRUE(at::equal(fine.out, whole.out));
+}
+
 // --- 8-bit checkpoints ----------------------------------------------------------------------------
 
 TEST_P(CompressedStreamingTest, CheckpointWrittenLoadedAndStreamedAsIs) {

@@ -120,6 +120,28 @@ TEST(DeferredFp8Test, CaptureTakesTheDeclarationsAndOnloadingWritesThemFirst) {
   ExpectSameBytes(root.Forward(), WrittenForward(at::kByte, *backend));
 }
 
+// Only the capture holding the declarations may write them: a second capture of the tree is refused
+// while it holds them unwritten; destroyed, it gives them back, and the next capture writes them.
+TEST(DeferredFp8Test, TheDeclarationsHaveOneHolderAtATime) {
+  Fp8Root root(at::kByte, /*defer=*/true);
+  std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend({});
+  {
+    std::unique_ptr<HostWeights> first = *HostWeights::Capture(root);
+    const absl::StatusOr<std::unique_ptr<HostWeights>> second = HostWeights::Capture(root);
+    ASSERT_FALSE(second.ok());
+    EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_NE(second.status().message().find("layer0"), std::string::npos) << second.status();
+  }
+  EXPECT_EQ(root.leaf(0).deferred_fp8().size(), 1u);  // Given back unwritten.
+  std::unique_ptr<HostWeights> again = *HostWeights::Capture(root);
+  ASSERT_TRUE(again->OnloadAll(*backend).ok());
+  c10::InferenceMode guard;
+  ExpectSameBytes(root.Forward(), WrittenForward(at::kByte, *backend));
+  again.reset();  // Written: nothing to give back, and a new capture takes the written copies.
+  EXPECT_TRUE(root.leaf(0).deferred_fp8().empty());
+  EXPECT_TRUE(HostWeights::Capture(root).ok());
+}
+
 TEST(DeferredFp8Test, PointingAtTheHostWritesThem) {
   Fp8Root root(at::kByte, /*defer=*/true);
   std::unique_ptr<HostWeights> weights = *HostWeights::Capture(root);

@@ -14,6 +14,7 @@
 
 #include "models/core/lora.h"
 #include "models/pipelines/tiny_pipeline.h"
+#include "offload/compression.h"
 
 namespace stowage {
 namespace {
@@ -1450,6 +1451,55 @@ TEST(PlacementManagerTest, ASmallerBudgetMovesTheLeastRecentlyUsedUntilWhatStays
   ASSERT_TRUE(h.placement.SetMemoryBudget(0, &moved).ok());  // None.
   EXPECT_TRUE(moved.empty());
   ASSERT_TRUE(h.Generate().ok());
+}
+
+}  // namespace
+}  // namespace stowage
+
+namespace stowage {
+namespace {
+
+// A layer whose FP8 weight is deferred (Module::DeferFp8): its codes are written only when something
+// reads its host copy.
+class DeferredLayer : public Module {
+ public:
+  DeferredLayer() : Module("DeferredLayer") {
+    at::manual_seed(5);
+    const at::Tensor source = at::randn({64, 128}).to(at::kBFloat16);
+    const int codes = AddParameter("weight", UnwrittenHostTensor({64, 128}, at::kByte));
+    const int scales = AddBuffer("weight_scale", UnwrittenHostTensor({64}, at::kFloat));
+    DeferFp8(codes, scales, source);
+    want = Quantize(source, CompressFormat::kFp8E4M3);
+  }
+  QuantizedTensor want;
+};
+
+// Registering pins a component's host copies — which reads them: a component with deferred FP8
+// weights (made with its int4 copy when group offloading starts, right after registering) is left
+// unpinned then ("pin_deferred"), its weights unwritten; once something reads them (here an
+// uncompressed group offload) they are written, and switching group offloading off pins them.
+TEST(PlacementManagerTest, RegisteringLeavesDeferredWeightsUnwrittenAndUnpinned) {
+  auto backend = CreateSimulatedBackend({});
+  auto layer = std::make_unique<DeferredLayer>();
+  const QuantizedTensor want = layer->want;
+  std::unique_ptr<Component> component = *Component::Create("layer", std::move(layer), at::kBFloat16);
+  PlacementManager placement(backend.get());
+  placement.set_pin_host_copies(true);
+  ASSERT_TRUE(placement.Register("p", component.get()).ok());
+  HostWeights& weights = component->host_weights();
+  EXPECT_TRUE(weights.has_unwritten());
+  EXPECT_EQ(weights.pinned_in_place_bytes(), 0);
+  EXPECT_EQ(placement.DecisionLog(1).back().action, "pin_deferred");
+  GroupOffloadOptions options;
+  options.type = OffloadType::kLeafLevel;
+  options.target = OffloadTarget::kPageableHost;  // Its store pins the pages where they are, then gives them back.
+  ASSERT_TRUE(placement.EnableGroupOffload("p/layer", options).ok());
+  EXPECT_FALSE(weights.has_unwritten());
+  ASSERT_TRUE(placement.DisableGroupOffload("p/layer").ok());
+  EXPECT_GT(weights.pinned_in_place_bytes(), 0);
+  const HostWeights::Deferred& d = weights.deferred().front();
+  EXPECT_TRUE(at::equal(weights.entries()[d.codes].host, want.q));
+  EXPECT_TRUE(at::equal(weights.entries()[d.scales].host, want.scale));
 }
 
 }  // namespace

@@ -82,7 +82,10 @@ ABSL_FLAG(std::string, machine, "unknown", "Machine name recorded in every row")
 ABSL_FLAG(std::string, disk_dir, "/tmp/stowage-offload-bench", "Directory for the disk row");
 ABSL_FLAG(int64_t, staging_mib, 64, "Staging buffer size (low-CPU-RAM and disk rows)");
 ABSL_FLAG(int, staging_buffers, 4, "Staging buffers (low-CPU-RAM and disk rows)");
-ABSL_FLAG(int, prefetch_depth, 1, "Prefetch depth of the streamed rows (a row's _d<N> suffix wins)");
+ABSL_FLAG(int, prefetch_depth, 0,
+          "Prefetch depth of the streamed rows (a row's _d<N> suffix wins); 0: the engine's choice, as the "
+          "server's default (GroupOffloadOptions::prefetch_depth: 4 for compressed block-level streaming "
+          "without a budget where it fits, else 1); rows carry the depth that ran");
 ABSL_FLAG(double, resident_step_s, 0,
           "Resident step time measured by an earlier process (rows run one process each)");
 ABSL_FLAG(int, staging_threads, 8, "Threads copying into the staging buffers");
@@ -648,10 +651,11 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
     }
     options.compress = compress;
     result.compress = CompressFormatName(compress);
-    result.prefetch_depth = options.use_stream ? options.prefetch_depth : 0;
     const auto prepare_start = std::chrono::steady_clock::now();
     auto applied = GroupOffloader::Apply("stack", model, **weights, backend, options);
     if (!applied.ok()) return applied.status();
+    // The depth that runs (0 asks the engine to choose).
+    result.prefetch_depth = options.use_stream ? (*applied)->options().prefetch_depth : 0;
     backend.Synchronize();
     result.prepare_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - prepare_start).count();
     offloader = *std::move(applied);

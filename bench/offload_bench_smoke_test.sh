@@ -47,6 +47,8 @@ assert kept["streamed_bytes"] < rows["block_int4"]["streamed_bytes"], (kept, row
 assert kept["rel_l2"] < rows["block_int4"]["rel_l2"], (kept, rows["block_int4"])
 assert kept["working_set_bytes"] <= kept["weight_bytes"] // 2, kept
 assert all(r["resident_bytes"] == 0 for name, r in rows.items() if "_b" not in name), rows
+# No --prefetch_depth: the engine chose each row's depth (as the server does), and the row says which ran.
+assert all(r["prefetch_depth"] >= 1 for r in rows.values()), rows
 # A group's weights widened in shared launches (the same code on the simulator): the same bytes and output.
 assert rows["block_int4_wg"]["streamed_bytes"] == rows["block_int4"]["streamed_bytes"]
 assert rows["block_int4_wg"]["rel_l2"] == rows["block_int4"]["rel_l2"], (rows["block_int4_wg"], rows["block_int4"])
@@ -71,7 +73,7 @@ PY
 fixtures=${STOWAGE_FIXTURES:-tests/fixtures/zimage_tiny}
 out2="$TEST_TMPDIR/zimage.jsonl"
 bench/offload_bench --model_dir="$fixtures" --backend=sim --warmup=1 --iters=2 --out="$out2" --machine=ci \
-  --image_size=64 --caption_tokens=32 --rows=resident,block_pinned,block_lowram,leaf_lowram
+  --image_size=64 --caption_tokens=32 --rows=resident,block_pinned,block_lowram,leaf_lowram --prefetch_depth=1
 /usr/bin/python3 - "$out2" "$fixtures/transformer/diffusion_pytorch_model.safetensors" <<'PY'
 import json, struct, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]

@@ -113,6 +113,9 @@ std::string FormatPlacement(const v1::GetPlacementResponse& r) {
     if (!g.compress().empty() && g.compress() != "none") {
       absl::StrAppend(&out, ", ", g.compress(), " (", HumanBytes(g.compressed_host_bytes()), " on the host)");
     }
+    if (g.one_pass_fp8_weights() > 0) {
+      absl::StrAppend(&out, ", ", g.one_pass_fp8_weights(), " FP8 weights made with their int4 copy in one pass");
+    }
     if (g.pinned_in_place_bytes() > 0) absl::StrAppend(&out, ", pinned in place ", HumanBytes(g.pinned_in_place_bytes()));
     if (!g.pin_in_place_error().empty()) absl::StrAppend(&out, ", not pinned: ", g.pin_in_place_error());
     absl::StrAppend(&out, "; ", g.forwards(), " forwards");

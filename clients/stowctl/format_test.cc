@@ -54,5 +54,22 @@ TEST(FormatTest, PlacementNamesTheSpareRoomCacheWhenItWasUsed) {
       << text;
 }
 
+TEST(FormatTest, PlacementCountsTheWeightsMadeInOnePassWhenThereAreAny) {
+  v1::GetPlacementResponse r;
+  r.set_device("cuda:0");
+  v1::ComponentPlacement* c = r.add_components();
+  c->set_id("zimage/transformer");
+  c->set_state(v1::ComponentPlacement::GROUP_OFFLOADED);
+  v1::GroupOffloadStatus* g = c->mutable_group_offload();
+  g->set_compress("int4");
+  g->set_compressed_host_bytes(int64_t{3} << 30);
+  EXPECT_EQ(FormatPlacement(r).find("one pass"), std::string::npos);
+  g->set_one_pass_fp8_weights(238);
+  const std::string text = FormatPlacement(r);
+  EXPECT_NE(text.find("int4 (3.00 GiB on the host), 238 FP8 weights made with their int4 copy in one pass;"),
+            std::string::npos)
+      << text;
+}
+
 }  // namespace
 }  // namespace stowage

@@ -94,6 +94,8 @@ class GroupOffloadInfo:
     compressed_host_bytes: int = 0
     scratch_bytes: int = 0
     bytes_per_forward: int = 0
+    # FP8 weights whose int4 copy was made with their FP8 form in one pass at load.
+    one_pass_fp8_weights: int = 0
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,7 @@ def _component_from_proto(msg: admin_pb2.ComponentPlacement) -> ComponentPlaceme
             compressed_host_bytes=g.compressed_host_bytes,
             scratch_bytes=g.scratch_bytes,
             bytes_per_forward=g.bytes_per_forward,
+            one_pass_fp8_weights=g.one_pass_fp8_weights,
         )
     return ComponentPlacementInfo(
         id=msg.id,

@@ -59,6 +59,7 @@ def canned_group_status() -> admin_pb2.GroupOffloadStatus:
         groups=4, streamed_groups=3, resident_groups=1, slots=2, slot_bytes=16 * 2**20,
         working_set_bytes=48 * 2**20, forwards=10, prefetches=30, sync_onloads=1,
         compress="int8", compressed_host_bytes=7 * 2**20, scratch_bytes=2**20, bytes_per_forward=9 * 2**20,
+        one_pass_fp8_weights=3,
     )
 
 
@@ -476,7 +477,7 @@ class ConversionTest(AdminServerTestCase):
             groups=4, streamed_groups=3, resident_groups=1, slots=2, slot_bytes=16 * 2**20,
             working_set_bytes=48 * 2**20, forwards=10, prefetches=30, sync_onloads=1,
             compress="int8", compressed_host_bytes=7 * 2**20, scratch_bytes=2**20,
-            bytes_per_forward=9 * 2**20,
+            bytes_per_forward=9 * 2**20, one_pass_fp8_weights=3,
         ),
     )
 

@@ -357,12 +357,9 @@ class CudaBackend : public DeviceBackend {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
     // NVML's reading of what lies outside the allocator swings by tens of MiB between requests
     // (2118 -> 2144 -> 2120 MiB in multi-tenant run 11, H100), and an allocator capped against a low
-    // reading took the budget 7 MiB past its limit once the context read high again. So a reading at
-    // most kContextJitter below the figure counted keeps it (the allocator stays capped against the
-    // high one); a larger drop is memory really given back and is taken.
-    constexpr int64_t kContextJitter = int64_t{64} << 20;
-    const int64_t measured = std::max<int64_t>(0, process - stats.reserved_bytes[0].current);
-    change.after = measured + kContextJitter < change.before ? measured : std::max(change.before, measured);
+    // reading took the budget 7 MiB past its limit once the context read high again: a small drop
+    // keeps the figure counted (CountedContextBytes).
+    change.after = CountedContextBytes(change.before, std::max<int64_t>(0, process - stats.reserved_bytes[0].current));
     if (change.after == change.before) return change;
     context_bytes_.store(change.after);
     ApplyBudget();

@@ -171,6 +171,13 @@ class DeviceBackend {
     int64_t before = 0;
     int64_t after = 0;
   };
+  // The context figure to count after a reading of `measured` bytes when `counted` were counted:
+  // a reading at most kContextJitterBytes below keeps `counted` (the allocator stays capped against
+  // the higher figure); a larger drop is memory really given back; a rise is taken.
+  static constexpr int64_t kContextJitterBytes = int64_t{64} << 20;
+  static int64_t CountedContextBytes(int64_t counted, int64_t measured) {
+    return measured + kContextJitterBytes < counted ? measured : std::max(counted, measured);
+  }
   virtual ContextChange RefreshContextBytes() { return {}; }
   // Memory set aside for the context to grow into while code runs for the first time (a warm-up,
   // the first request after a change on the device): counted in context_bytes and kept out of the

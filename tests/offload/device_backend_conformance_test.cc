@@ -340,3 +340,21 @@ TEST(SimulatedBackendTest, TheTransformStreamRunsBesideTheCopyStream) {
 
 }  // namespace
 }  // namespace stowage
+
+namespace stowage {
+namespace {
+
+// The context counted against the budget (CUDA's RefreshContextBytes): NVML's reading swings by tens
+// of MiB between requests, so a reading less than 64 MiB below the figure counted keeps it; a larger
+// drop (memory given back) and any rise are taken.
+TEST(ContextBytesTest, ASmallDropKeepsTheFigureALargeOneOrARiseIsTaken) {
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  EXPECT_EQ(DeviceBackend::CountedContextBytes(2144 * kMiB, 2120 * kMiB), 2144 * kMiB);  // Run 11's swing.
+  EXPECT_EQ(DeviceBackend::CountedContextBytes(2144 * kMiB, 2080 * kMiB), 2144 * kMiB);  // 64 MiB: still jitter.
+  EXPECT_EQ(DeviceBackend::CountedContextBytes(2144 * kMiB, 2079 * kMiB), 2079 * kMiB);
+  EXPECT_EQ(DeviceBackend::CountedContextBytes(2118 * kMiB, 2144 * kMiB), 2144 * kMiB);
+  EXPECT_EQ(DeviceBackend::CountedContextBytes(0, 1330 * kMiB), 1330 * kMiB);  // The first reading.
+}
+
+}  // namespace
+}  // namespace stowage

@@ -12,7 +12,6 @@
 #include <cstring>
 #include <exception>
 #include <map>
-#include <mutex>
 #include <set>
 #include <system_error>
 #include <thread>
@@ -108,10 +107,11 @@ void HostWeights::Materialize(const Entry& entry) {
   const int64_t threads = std::clamp<int64_t>(cpus, 1, 16);
   auto* code_bytes = static_cast<uint8_t*>(codes.data_ptr());
   auto* scale_values = static_cast<float*>(scales.data_ptr());
-  // An error in any thread (out of memory) is rethrown here once every thread has stopped.
-  std::mutex failed_mu;
-  std::exception_ptr failed;
-  auto work = [&](int64_t first, int64_t stride) {
+  // Threads take chunks round robin (thread t: chunks t, t + stride, ...); an error in any (out of
+  // memory) is kept in its own slot and rethrown here once every thread has stopped.
+  const int64_t stride = std::min(threads, chunks);
+  std::vector<std::exception_ptr> failures(static_cast<size_t>(std::max<int64_t>(stride, 1)));
+  auto work = [&](int64_t first) {
     try {
       for (int64_t c = first; c < chunks; c += stride) {
         const int64_t start = c * chunk_rows, n = std::min(chunk_rows, rows - start);
@@ -122,23 +122,23 @@ void HostWeights::Materialize(const Entry& entry) {
         if (part.is_contiguous()) (void)ReleaseMappedPages(part.data_ptr(), static_cast<int64_t>(part.nbytes()));
       }
     } catch (...) {
-      std::lock_guard<std::mutex> lock(failed_mu);
-      if (!failed) failed = std::current_exception();
+      failures[static_cast<size_t>(first)] = std::current_exception();
     }
   };
-  // Threads take chunks round robin; where the host refuses a thread, this one does its share too.
-  const int64_t stride = std::min(threads, chunks);
+  // Where the host refuses a thread, this one does that thread's share too.
   std::vector<std::thread> workers;
   for (int64_t t = 1; t < stride; ++t) {
     try {
-      workers.emplace_back(work, t, stride);
+      workers.emplace_back(work, t);
     } catch (const std::system_error&) {
-      work(t, stride);
+      work(t);
     }
   }
-  work(0, stride);
+  work(0);
   for (std::thread& w : workers) w.join();
-  if (failed) std::rethrow_exception(failed);
+  for (const std::exception_ptr& failed : failures) {
+    if (failed) std::rethrow_exception(failed);
+  }
   d.written = true;
   entry.module->DeferredFp8Written();
 }

@@ -204,6 +204,8 @@ if [[ $parts == *" compute "* || $parts == *" conformance "* ]]; then
   grep -E "^\[  (PASSED|FAILED|SKIPPED) " "$OUT/conformance.txt" >>"$OUT/summary.txt"
 fi
 if [[ $parts == *" compute "* ]]; then
+# The spill directory must exist (offload_bench refuses a missing one: session 35's first compute run).
+if [ -n "${SPILL_DIR:-}" ]; then mkdir -p "$SPILL_DIR"; fi
 for model in ${MODELS:-zimage flux}; do
   stamp "compute $model"
   modes_var="MODES_$model"  # MODES_zimage / MODES_flux: that model's modes instead of $MODES.

@@ -1,6 +1,5 @@
 #include "offload/host_weights.h"
 
-#include <sched.h>
 #include <sys/mman.h>
 #include <unistd.h>
 #if defined(__GLIBC__)
@@ -10,15 +9,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <exception>
 #include <map>
 #include <set>
-#include <system_error>
-#include <thread>
 
 #include <ATen/Functions.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/parallel_ranges.h"
 #include "base/status_macros.h"
 #include "offload/compression.h"
 #include "offload/safetensors.h"
@@ -100,45 +97,18 @@ void HostWeights::Materialize(const Entry& entry) {
   // whole weight.
   const int64_t chunk_rows = std::max<int64_t>(1, kQuantizeChunkElements / 8 / std::max<int64_t>(per_row, 1));
   const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
-  cpu_set_t allowed;  // The CPUs this process may run on (its affinity), not the machine's.
-  const int64_t cpus = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0
-                           ? CPU_COUNT(&allowed)
-                           : static_cast<int64_t>(std::thread::hardware_concurrency());
-  const int64_t threads = std::clamp<int64_t>(cpus, 1, 16);
   auto* code_bytes = static_cast<uint8_t*>(codes.data_ptr());
   auto* scale_values = static_cast<float*>(scales.data_ptr());
-  // Threads take chunks round robin (thread t: chunks t, t + stride, ...); an error in any (out of
-  // memory) is kept in its own slot and rethrown here once every thread has stopped.
-  const int64_t stride = std::min(threads, chunks);
-  std::vector<std::exception_ptr> failures(static_cast<size_t>(std::max<int64_t>(stride, 1)));
-  auto work = [&](int64_t first) {
-    try {
-      for (int64_t c = first; c < chunks; c += stride) {
-        const int64_t start = c * chunk_rows, n = std::min(chunk_rows, rows - start);
-        const at::Tensor part = d.source.narrow(0, start, n);
-        const QuantizedTensor q = Quantize(part, CompressFormat::kFp8E4M3);
-        std::memcpy(code_bytes + start * per_row, q.q.data_ptr(), static_cast<size_t>(n * per_row));
-        std::memcpy(scale_values + start, q.scale.data_ptr(), static_cast<size_t>(n) * sizeof(float));
-        if (part.is_contiguous()) (void)ReleaseMappedPages(part.data_ptr(), static_cast<int64_t>(part.nbytes()));
-      }
-    } catch (...) {
-      failures[static_cast<size_t>(first)] = std::current_exception();
+  ParallelRanges(chunks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t c = first; c < last; ++c) {
+      const int64_t start = c * chunk_rows, n = std::min(chunk_rows, rows - start);
+      const at::Tensor part = d.source.narrow(0, start, n);
+      const QuantizedTensor q = Quantize(part, CompressFormat::kFp8E4M3);
+      std::memcpy(code_bytes + start * per_row, q.q.data_ptr(), static_cast<size_t>(n * per_row));
+      std::memcpy(scale_values + start, q.scale.data_ptr(), static_cast<size_t>(n) * sizeof(float));
+      if (part.is_contiguous()) (void)ReleaseMappedPages(part.data_ptr(), static_cast<int64_t>(part.nbytes()));
     }
-  };
-  // Where the host refuses a thread, this one does that thread's share too.
-  std::vector<std::thread> workers;
-  for (int64_t t = 1; t < stride; ++t) {
-    try {
-      workers.emplace_back(work, t);
-    } catch (const std::system_error&) {
-      work(t);
-    }
-  }
-  work(0);
-  for (std::thread& w : workers) w.join();
-  for (const std::exception_ptr& failed : failures) {
-    if (failed) std::rethrow_exception(failed);
-  }
+  });
   d.written = true;
   entry.module->DeferredFp8Written();
 }

@@ -65,8 +65,8 @@ class LoadQuantizer {
   // (the device, or the host), its codes quantized on to `format` (which must take float8 e4m3:
   // kInt4) into `q_out` / `scale_out`, and its FP8 scales copied into `fp8_scale_out` (uint8, 4 bytes
   // a row). The bytes are those of QuantizeInto(the FP8 codes as float8) and of the FP8 scales: one
-  // pass over the source instead of an FP8 copy written, kept and read again. UNIMPLEMENTED (a
-  // c10::Error) without float8 types in this LibTorch. True when it ran on the host.
+  // pass over the source instead of an FP8 copy written, kept and read again. Throws c10::Error where
+  // this LibTorch has no float8 types. True when it ran on the host.
   bool QuantizeFp8Into(const at::Tensor& w, CompressFormat format, const at::Tensor& q_out, const at::Tensor& scale_out,
                        const at::Tensor& fp8_scale_out);
 

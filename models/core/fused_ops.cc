@@ -1,14 +1,11 @@
 #include "models/core/fused_ops.h"
 
-#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <system_error>
-#include <thread>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -18,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/fp8_e4m3.h"
+#include "base/parallel_ranges.h"
 
 #ifdef STOWAGE_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -177,30 +175,7 @@ Fp8Weight QuantizeWeightFp8(const at::Tensor& w) {
     auto* scales = static_cast<float*>(out.scale.data_ptr());
     auto rows = [&](int64_t begin, int64_t end) { QuantizeBf16RowsE4M3(src, k, begin, end, dst, scales); };
     constexpr int64_t kValuesPerThread = int64_t{1} << 20;  // Below this a thread costs more than it saves.
-    cpu_set_t allowed;  // The CPUs this process may run on (its affinity), not the machine's.
-    const int64_t cpus = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0
-                             ? CPU_COUNT(&allowed)
-                             : static_cast<int64_t>(std::thread::hardware_concurrency());
-    const int64_t threads =
-        std::clamp<int64_t>(std::min<int64_t>(n, w.numel() / kValuesPerThread), 1, std::max<int64_t>(1, cpus));
-    if (threads == 1) {
-      rows(0, n);
-    } else {
-      std::vector<std::thread> workers;
-      workers.reserve(static_cast<size_t>(threads - 1));
-      const int64_t per = (n + threads - 1) / threads;
-      for (int64_t t = 1; t < threads; ++t) {
-        const int64_t begin = std::min(n, t * per), end = std::min(n, (t + 1) * per);
-        if (begin >= end) continue;
-        try {
-          workers.emplace_back(rows, begin, end);
-        } catch (const std::system_error&) {  // No thread to be had: these rows on this one.
-          rows(begin, end);
-        }
-      }
-      rows(0, std::min(n, per));
-      for (std::thread& worker : workers) worker.join();
-    }
+    ParallelRanges(n, std::max<int64_t>(1, kValuesPerThread / std::max<int64_t>(k, 1)), rows);
     return out;
   }
   return reference::QuantizeWeightFp8(w);

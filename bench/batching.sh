@@ -25,7 +25,8 @@
 # HIGH_PRIORITY_COMPUTE=1: the server's compute on a high-priority CUDA stream
 # (DeviceConfig.high_priority_compute); its rows' mode ends in "_hiprio".
 # PREFETCH_DEPTH=N (1..64): the streamed modes' group offload prefetches N groups ahead (its
-# prefetch_depth; unset: the engine's default for block level, 1); their rows' mode ends in "_d<N>".
+# prefetch_depth; unset: the engine's choice, 4 for a compressed copy streamed block by block where no
+# budget is set, as here, else 1); their rows' mode ends in "_d<N>".
 set -euo pipefail
 server=$1 load_bench=$2 model_dir=$3 out=$4
 size=${5:-1024} steps=${6:-8} machine=${7:-unknown} dtype=${8:-bfloat16}

@@ -11,7 +11,8 @@ Runs on the GPU host with diffusers' source on PYTHONPATH (deploy/gpu_host/run_c
   launches; one ending in _strided or _coalesced, before any _d<N> or _high, widens with that thread layout;
   a streamed mode ending in _d<N>, before any _high, prefetches N groups ahead; a mode may end in
   +FLAG=VALUE parts, each passed to offload_bench as --FLAG=VALUE, e.g.
-  fp8_int4_streamed+prefetch_depth=4; rows carry them as offload_flags)
+  fp8_int4_streamed+prefetch_depth=4; rows carry them as offload_flags; +batch=N runs N copies of the
+  input in one forward, the row's FLOPs and limit N times one's, sample 0's output compared)
 
 What one `run` does, in order:
   1. DIR/transformer: random bf16 weights written by diffusers itself when missing
@@ -36,8 +37,8 @@ What one `run` does, in order:
      (rows say resident_bytes and working_set_bytes). Their rows carry floor_s (the bytes streamed per
      step over the bandwidth measured in the same process), peak and base host RSS and prepare_s; after the
      modes, one {"bench": "compressed"} row per streamed mode sets it beside the resident steps of this run
-     (resident_bf16_step_s, resident_fast_step_s: the fastest resident mode).
-Rows: {"bench": "compute", "model", "system", "mode", "path", "step_s", "tflop_per_step", "limit_s",
+     (resident_bf16_step_s, resident_fast_step_s: the fastest resident mode of the same batch).
+Rows: {"bench": "compute", "model", "system", "mode", "path", "step_s", "batch", "tflop_per_step", "limit_s",
 "rel_l2", "machine", "commit", ...}; limit_s = FLOPs / --peak_tflops (790, the H200's measured bf16 rate).
 """
 
@@ -251,11 +252,12 @@ def run(args):
     limit_s = tflop / args.peak_tflops
     rows = []
 
-    def row(system, mode, path, step_s, err, **extra):
+    def row(system, mode, path, step_s, err, batch=1, **extra):
+        # batch: samples in the step (a Stowage row's +batch=N); its FLOPs and limit are batch times one's.
         r = {"bench": "compute", "model": model_name, "system": system, "mode": mode, "path": path,
-             "step_s": round(step_s, 6), "tflop_per_step": round(tflop, 3), "limit_s": round(limit_s, 6),
-             "x_limit": round(step_s / limit_s, 3), "rel_l2": err, "machine": args.machine,
-             "commit": args.commit}
+             "step_s": round(step_s, 6), "batch": batch, "tflop_per_step": round(tflop * batch, 3),
+             "limit_s": round(limit_s * batch, 6), "x_limit": round(step_s / (limit_s * batch), 3), "rel_l2": err,
+             "machine": args.machine, "commit": args.commit}
         r.update(extra)
         rows.append(r)
         print(json.dumps(r), flush=True)
@@ -288,6 +290,8 @@ def run(args):
             if not re.fullmatch(r"[a-z_0-9]+=[A-Za-z0-9_.-]+", part):
                 raise SystemExit(f"mode {full_mode}: '+{part}' is not +FLAG=VALUE")
         offload_flags = [f"--{part}" for part in flag_parts]
+        # +batch=N: N samples in one forward (offload_bench --batch; sample 0's output is compared).
+        batch = next((int(part.split("=", 1)[1]) for part in flag_parts if part.startswith("batch=")), 1)
         file_tag = full_mode.replace("+", "__").replace("=", "-")
         out_file = os.path.join(args.dir, f"stowage_{file_tag}.safetensors")
         jsonl = os.path.join(args.dir, f"stowage_{file_tag}.jsonl")
@@ -382,7 +386,7 @@ def run(args):
         row("stowage", "fp8" if fp8 else "bf16", "reference" if mode == "bf16_reference" else "fused",
             result["step_s"], err, peak_device_bytes=result.get("peak_device_bytes"),
             process_s=round(time.time() - start, 1), cuda_graphs=graphs and not streamed,
-            compute_priority="high" if high else "default", offload_flags=flag_parts, **extra)
+            compute_priority="high" if high else "default", offload_flags=flag_parts, batch=batch, **extra)
         if trace and os.path.exists(trace) and args.profile_dir:
             profile = os.path.join(args.profile_dir, f"profile_{model_name}.txt")
             summarize_trace(trace, profile, f"stowage {model_name} {full_mode}")
@@ -408,12 +412,18 @@ def compressed_rows(args, model_name, rows):
     streamed = [r for r in rows if r["system"] == "stowage" and r.get("placement") == "streamed"]
     if not resident or not streamed:
         return
-    bf16 = [r["step_s"] for r in resident if r["mode"] == "bf16"]
-    fast = min(resident, key=lambda r: r["step_s"])
     weight_dir = os.path.join(args.dir, "transformer")
     bf16_bytes = sum(os.path.getsize(os.path.join(weight_dir, f)) for f in os.listdir(weight_dir)
                      if f.endswith(".safetensors"))
     for r in streamed:
+        # Beside the resident rows of the same batch (+batch=N) only.
+        same = [x for x in resident if x.get("batch", 1) == r.get("batch", 1)]
+        if not same:
+            print(f"compressed row of {r['mode']} {r.get('offload_flags')}: no resident row of batch "
+                  f"{r.get('batch', 1)} in this run", flush=True)
+            continue
+        bf16 = [x["step_s"] for x in same if x["mode"] == "bf16"]
+        fast = min(same, key=lambda x: x["step_s"])
         # offload_bench's row (block_pinned: the weights as they are), and the compute when it is FP8.
         row = r["offload_row"]
         if r["mode"] == "fp8":
@@ -468,7 +478,7 @@ def compressed_rows(args, model_name, rows):
                "prepare_fp8_s": r.get("prepare_fp8_s"), "prepare_pin_alloc_s": r.get("prepare_pin_alloc_s"),
                "prepare_quantize_s": r.get("prepare_quantize_s"),
                "compute_priority": r.get("compute_priority", "default"), "widen_layout": r.get("widen_layout"),
-               "machine": args.machine, "commit": args.commit}
+               "batch": r.get("batch", 1), "machine": args.machine, "commit": args.commit}
         print(json.dumps(out), flush=True)
         with open(args.out, "a", encoding="utf-8") as f:
             f.write(json.dumps(out) + "\n")

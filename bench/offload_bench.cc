@@ -133,7 +133,10 @@ ABSL_FLAG(bool, fp8_one_pass, true,
 ABSL_FLAG(std::string, profile, "",
           "CUDA builds: after the timed forwards, trace one more forward with LibTorch's Kineto profiler "
           "and save the Chrome trace here (bench/compute_bench.py summarises its kernels)");
-ABSL_FLAG(int64_t, batch, 1, "Synthetic stack: batch rows of the forward (requests batched together)");
+ABSL_FLAG(int64_t, batch, 1,
+          "Samples in one forward (requests batched together, 1..64): the synthetic stack's batch rows; with "
+          "--model_dir the model's inputs repeated (Z-Image's ForwardBatch, Flux's batch dimension), sample 0's "
+          "output compared and saved");
 ABSL_FLAG(int, lora_adapters, 0,
           "Synthetic stack: LoRA adapters attached to every Linear (rank --lora_rank, on the device); batch row i "
           "applies adapter i % N (a batch mixing N adapters; 1: every row the same one, the uniform path)");
@@ -183,6 +186,7 @@ struct RowResult {
   double prepare_pin_alloc_s = 0;
   double prepare_quantize_s = 0;
   int64_t one_pass_fp8_weights = 0;  // GroupOffloadStats::one_pass_fp8_weights.
+  int64_t samples = 0;               // BenchModel::samples after the timed forwards.
   std::string model;
 };
 
@@ -378,6 +382,8 @@ struct BenchModel {
   std::unique_ptr<Module> root;
   std::function<at::Tensor()> forward;  // Valid once the weights are placed.
   std::string model_name = "transformer_stack";  // Recorded in the JSON lines.
+  // Samples the last forward computed (--batch; the rows' "samples"): set by the forward itself.
+  std::shared_ptr<int64_t> samples = std::make_shared<int64_t>(0);
 };
 
 // `drawn`, unless --inputs names a file: then its tensor `name`, on the device, in the model dtype.
@@ -431,13 +437,18 @@ absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend,
     auto stack = std::make_unique<TransformerStack>(shape.model, LayerOptions{dtype});
     FillBenchmarkWeights(*stack, 7);
     at::manual_seed(0);  // The same inputs in every process (rows compare outputs across processes).
-    const int64_t batch = std::max<int64_t>(1, absl::GetFlag(FLAGS_batch));
+    const int64_t batch = absl::GetFlag(FLAGS_batch);
     const at::Tensor x = at::randn({batch, shape.tokens, shape.model.dim}, options);
     const at::Tensor c = at::randn({batch, shape.model.modulation_dim}, options);
     TransformerStack* raw = stack.get();
     const int adapters = absl::GetFlag(FLAGS_lora_adapters);
+    auto samples = bench.samples;
     if (adapters <= 0) {
-      bench.forward = [raw, x, c] { return raw->Forward(x, c); };
+      bench.forward = [raw, x, c, samples] {
+        at::Tensor y = raw->Forward(x, c);
+        *samples = y.size(0);
+        return y;
+      };
     } else {
       // Adapters on every Linear, on the device (as LoadAdapter places them), small random values.
       const int64_t rank = absl::GetFlag(FLAGS_lora_rank);
@@ -459,9 +470,11 @@ absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend,
       for (int64_t i = 0; i < batch; ++i) scales->push_back({{absl::StrCat("adapter", i % adapters), 1.0f}});
       auto rows = std::make_shared<LoraRows>();
       for (const LoraScales& s : *scales) rows->push_back(&s);
-      bench.forward = [raw, x, c, scales, rows] {
+      bench.forward = [raw, x, c, scales, rows, samples] {
         const ScopedLoraRows scoped(rows.get());
-        return raw->Forward(x, c);
+        at::Tensor y = raw->Forward(x, c);
+        *samples = y.size(0);
+        return y;
       };
     }
     bench.root = std::move(stack);
@@ -486,7 +499,17 @@ absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend,
     const at::Tensor txt_ids = at::zeros({text_tokens, 3}, img_ids.options());
     const at::Tensor guidance = config.guidance_embeds ? at::full({1}, 3.5, options) : at::Tensor();
     FluxTransformer* raw = model.get();
-    bench.forward = [=] { return raw->Forward(hidden, text, pooled, timestep, img_ids, txt_ids, guidance); };
+    // --batch: the same sample `batch` times along the batch dimension; sample 0's output is the row's.
+    const int64_t batch = absl::GetFlag(FLAGS_batch);
+    const at::Tensor hidden_b = hidden.repeat({batch, 1, 1}), text_b = text.repeat({batch, 1, 1});
+    const at::Tensor pooled_b = pooled.repeat({batch, 1}), timestep_b = timestep.repeat({batch});
+    const at::Tensor guidance_b = guidance.defined() ? guidance.repeat({batch}) : guidance;
+    auto samples = bench.samples;
+    bench.forward = [=] {
+      at::Tensor y = raw->Forward(hidden_b, text_b, pooled_b, timestep_b, img_ids, txt_ids, guidance_b);
+      *samples = y.size(0);
+      return y.narrow(0, 0, 1);
+    };
     bench.root = std::move(model);
     bench.model_name = "FluxTransformer2DModel";
     return bench;
@@ -500,7 +523,24 @@ absl::StatusOr<BenchModel> MakeModel(const Shape& shape, DeviceBackend& backend,
   ASSIGN_OR_RETURN(const at::Tensor caption,
                    Input("caption", at::randn({absl::GetFlag(FLAGS_caption_tokens), config.cap_feat_dim}, options)));
   ZImageTransformer* raw = model.get();
-  bench.forward = [raw, latents, caption] { return raw->Forward(latents, 0.5, caption); };
+  const int64_t batch = absl::GetFlag(FLAGS_batch);
+  auto samples = bench.samples;
+  if (batch == 1) {
+    bench.forward = [raw, latents, caption, samples] {
+      *samples = 1;
+      return raw->Forward(latents, 0.5, caption);
+    };
+  } else {
+    // --batch: the same sample `batch` times in one forward (as the server batches requests of one
+    // size); sample 0's output is the row's.
+    const std::vector<at::Tensor> latents_b(static_cast<size_t>(batch), latents);
+    const std::vector<at::Tensor> captions_b(static_cast<size_t>(batch), caption);
+    bench.forward = [raw, latents_b, captions_b, samples] {
+      std::vector<at::Tensor> y = raw->ForwardBatch(latents_b, 0.5, captions_b);
+      *samples = static_cast<int64_t>(y.size());
+      return y[0];
+    };
+  }
   bench.root = std::move(model);
   bench.model_name = "ZImageTransformer2DModel";
   return bench;
@@ -703,6 +743,7 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
                                      {{"output", out.to(at::kCPU).to(at::kFloat).contiguous()}}));
   }
   result.step_s = Median(steps);
+  result.samples = *bench.samples;
   result.peak_device = backend.GetMemoryStats().peak_allocated_bytes;
   auto memory = ReadProcessMemory();
   result.peak_rss = memory.ok() ? memory->peak_rss_bytes : 0;
@@ -718,6 +759,10 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
 }
 
 int Main() {
+  if (const int64_t batch = absl::GetFlag(FLAGS_batch); batch < 1 || batch > 64) {
+    std::cerr << "--batch=" << batch << ": 1..64 samples in one forward\n";
+    return 1;
+  }
   fused::SetEnabled(absl::GetFlag(FLAGS_fused));
   const Shape shape = ShapeFor(absl::GetFlag(FLAGS_config));
   std::unique_ptr<DeviceBackend> backend;
@@ -909,7 +954,7 @@ int Main() {
           "\"compute_priority\": \"%s\", \"page_cache_read_s\": %.6f, \"prepare_fp8_s\": %.3f, "
           "\"prepare_pin_alloc_s\": %.3f, \"prepare_quantize_s\": %.3f, \"pinned_huge_pages\": %s, "
           "\"thp_mode\": \"%s\", \"widen_layout\": \"%s\", \"spilled_bytes\": %d, \"rss_after_prepare_bytes\": %d, \"resident_bytes\": %d, "
-          "\"one_pass_fp8_weights\": %d}\n",
+          "\"one_pass_fp8_weights\": %d, \"samples\": %d}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -922,7 +967,7 @@ int Main() {
           base_rss_warm, base_rss_after, priority, page_cache_read_s, result->prepare_fp8_s,
           result->prepare_pin_alloc_s, result->prepare_quantize_s,
           huge_pinned ? "true" : "false", thp_mode, WideningLayoutName(), result->spilled_bytes,
-          result->rss_after_prepare, result->resident_bytes, result->one_pass_fp8_weights);
+          result->rss_after_prepare, result->resident_bytes, result->one_pass_fp8_weights, result->samples);
       out.flush();
     }
   }

@@ -103,6 +103,51 @@ assert all(r["peak_device_bytes"] < rows[0]["peak_device_bytes"] for r in rows[1
 print("ok: Z-Image rows", [r["row"] for r in rows])
 PY
 
+# --batch with a model folder: the input N times in one forward (Z-Image's ForwardBatch, Flux's batch
+# dimension), sample 0's output the row's — the same as the batch of one's, and every batch-2 row
+# compares against the batch-2 resident row. Flux's tiny [dev] transformer goes under transformer/.
+mkdir -p "$TEST_TMPDIR/flux"
+ln -sfn "$PWD/tests/fixtures/flux_tiny/transformer_dev" "$TEST_TMPDIR/flux/transformer"
+for model in zimage flux; do
+  dir=$fixtures
+  [ $model = flux ] && dir=$TEST_TMPDIR/flux
+  for batch in 1 2; do
+    bench/offload_bench --model_dir="$dir" --backend=sim --warmup=1 --iters=1 --machine=ci --image_size=64 \
+      --caption_tokens=16 --prefetch_depth=1 --batch=$batch --rows=resident,block_pinned \
+      --out="$TEST_TMPDIR/${model}_b$batch.jsonl" --save_output="$TEST_TMPDIR/${model}_b$batch.safetensors" >/dev/null
+  done
+  /usr/bin/python3 - "$TEST_TMPDIR/${model}_b1" "$TEST_TMPDIR/${model}_b2" <<'PY'
+import json, math, struct, sys
+def output(path):
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    info = json.loads(data[8:8 + n])["output"]
+    assert info["dtype"] == "F32", info
+    start, end = info["data_offsets"]
+    values = struct.unpack(f"<{(end - start) // 4}f", data[8 + n + start:8 + n + end])
+    return info["shape"], values
+for stem in sys.argv[1:]:
+    rows = [json.loads(line) for line in open(stem + ".jsonl")]
+    assert [r["row"] for r in rows] == ["resident", "block_pinned"], rows
+    batch = 2 if stem.endswith("_b2") else 1
+    # "samples": what the forward itself returned — it did compute the whole batch.
+    assert all(r["batch"] == batch and r["samples"] == batch and r["step_s"] > 0 for r in rows), rows
+    assert rows[1]["rel_l2"] == 0, rows[1]  # Streamed: the resident row's output of the same batch.
+(shape1, one), (shape2, two) = output(sys.argv[1] + ".safetensors"), output(sys.argv[2] + ".safetensors")
+assert shape1 == shape2, (shape1, shape2)  # Sample 0 only.
+diff = math.sqrt(sum((a - b) ** 2 for a, b in zip(one, two)))
+norm = math.sqrt(sum(a * a for a in one))
+assert norm > 0 and diff / norm < 1e-2, (diff, norm)
+print("ok: batch 2 sample 0 vs batch 1", sys.argv[1], "rel", diff / norm)
+PY
+done
+if bench/offload_bench --config=small --backend=sim --rows=resident --batch=0 --out="$TEST_TMPDIR/b0.jsonl" \
+    2>"$TEST_TMPDIR/b0.err"; then
+  echo "--batch=0 was accepted" >&2
+  exit 1
+fi
+grep -q -- '--batch=0: 1..64' "$TEST_TMPDIR/b0.err"
+
 # The compute stream's priority is default or high (high changes nothing off CUDA); anything else is
 # refused before any work.
 bench/offload_bench --config=small --backend=sim --warmup=1 --iters=1 --rows=resident --compute_priority=high \

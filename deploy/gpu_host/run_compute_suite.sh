@@ -58,7 +58,7 @@ import json, sys
 for line in open(sys.argv[1]):
     r = json.loads(line)
     if r["bench"] == "compute":
-        print(f"{r['model']:7s} {r['system']:18s} {r['mode']:5s} {r['path']:13s} step {r['step_s']:.4f} s "
+        print(f"{r['model']:7s} {r['system']:18s} {r['mode']:5s} {r['path']:13s} batch {r.get('batch', 1)} step {r['step_s']:.4f} s "
               f"x_limit {r['x_limit']:.2f} rel_l2 {r['rel_l2']:.4g} graphs {r.get('cuda_graphs', '-')} "
               f"{r.get('placement', '')} x_floor {r.get('x_floor', '-')}")
     elif r["bench"] == "compressed":

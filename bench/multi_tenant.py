@@ -690,6 +690,15 @@ def replay_preemption(log_dir, rows_path, run_x=None):
         print(f"  {pipeline:13s} resident {b50:.3f} / {b99:.3f}; {text}")
 
 
+def logged_bytes(words):
+    """Bytes of a placement log's size column ("4.02", "GiB"); 0 where the line has none."""
+    units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+    try:
+        return int(float(words[0]) * units[words[1]])
+    except (IndexError, KeyError, ValueError):
+        return 0
+
+
 def analyze(log_dir, rows_path):
     """Where a run's time and bytes went, from its server and placement logs: per strategy, each
     pipeline's mean run time (the server's run_s, queueing excluded) of the measured requests (the
@@ -698,8 +707,12 @@ def analyze(log_dir, rows_path):
     the cross-pipeline prefetches (those over the whole run: warm-up and flood phase included). A
     batch's members each log the batch's run time: each counts its share (run_s / batch_size) toward
     the utilisation, and the mean batch size is printed."""
-    trace = next((r["trace"] for r in map(json.loads, open(rows_path, encoding="utf-8")) if "trace" in r), {})
+    rows = [json.loads(line) for line in open(rows_path, encoding="utf-8") if line.strip()]
+    trace = next((r["trace"] for r in rows if "trace" in r), {})
     rate, count = trace.get("rate_per_s"), trace.get("requests")
+    # Each strategy's bytes to the device per measured request (the replies' figure, its "all" row).
+    per_request = {r.get("strategy"): r.get("bytes_moved_per_request") for r in rows
+                   if r.get("pipeline") == "all" and "bytes_moved_per_request" in r}
     for strategy in ("resident", "fifo", "scheduler"):
         log = os.path.join(log_dir, f"{strategy}.log")
         if not os.path.exists(log):
@@ -732,11 +745,12 @@ def analyze(log_dir, rows_path):
                       f"queue wait p50 {percentile(w, 0.5):.3f} s, mean {sum(w) / len(w):.3f} s")
         placement_log = os.path.join(log_dir, f"{strategy}.placement_log.txt")
         if os.path.exists(placement_log):
-            onloads, reorders, prefetches, cache_releases = {}, 0, 0, 0
+            onloads, reorders, prefetches, cache_releases, onload_bytes = {}, 0, 0, 0, 0
             for line in open(placement_log, encoding="utf-8", errors="replace"):
                 words = line.split()
                 if len(words) >= 4 and words[2] == "onload":
                     onloads[words[3]] = onloads.get(words[3], 0) + 1
+                    onload_bytes += logged_bytes(words[4:6])
                 elif len(words) >= 2 and words[1] == "schedule":
                     reorders += 1
                 if "prefetch_pipeline" in words[1:3]:
@@ -746,6 +760,14 @@ def analyze(log_dir, rows_path):
             print("  onloads: " + ", ".join(f"{c} {n}" for c, n in sorted(onloads.items()))
                   + f"; reorders: {reorders}; pipeline prefetches: {prefetches}"
                   + f"; spare-room cache releases: {cache_releases}")
+            # What the order of requests can change: whole components moved onto the device (over the
+            # whole run, warm-up included, so an upper bound for the measured requests) against
+            # everything the link carried for them (streamed groups, prefetches and those moves).
+            moved = per_request.get(strategy)
+            if moved and count:
+                share = onload_bytes / (moved * count)
+                print(f"  bytes to the device per measured request {moved / 1e9:.2f} GB, of which whole-component "
+                      f"onloads at most {onload_bytes / count / 1e9:.2f} GB ({share:.1%}); the rest streamed")
         # The spare-room cache per streamed component, from the placement at the strategy's end.
         placement = os.path.join(log_dir, f"{strategy}.placement.txt")
         if os.path.exists(placement):

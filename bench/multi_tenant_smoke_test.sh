@@ -84,6 +84,9 @@ for strategy in resident fifo scheduler; do
     { cat "$TEST_TMPDIR/analysis.txt"; exit 1; }
 done
 grep -q "onloads: .*zimage/transformer" "$TEST_TMPDIR/analysis.txt"
+# The budgeted strategies' bytes split into whole-component onloads and the rest (streamed).
+[ "$(grep -c "^  bytes to the device per measured request [0-9.]* GB, of which whole-component onloads at most [0-9.]* GB" \
+    "$TEST_TMPDIR/analysis.txt")" = 2 ] || { cat "$TEST_TMPDIR/analysis.txt"; exit 1; }
 # What preemption would change on this trace, by the model replaying the scheduler strategy's runs.
 /usr/bin/python3 "$scripts/multi_tenant.py" replay "$TEST_TMPDIR/logs" "$TEST_TMPDIR/rows.jsonl" >"$TEST_TMPDIR/replay.txt"
 grep -q "^replay of 24 requests (scheduler strategy)" "$TEST_TMPDIR/replay.txt" || { cat "$TEST_TMPDIR/replay.txt"; exit 1; }

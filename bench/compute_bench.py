@@ -109,6 +109,17 @@ def time_forward(forward, warmup, iters):
     return statistics.median(steps), steps, out
 
 
+def mode_batch(full_mode):
+    """N of a mode's +batch=N part (1 without one); a value that is not a whole number 1..64 stops the run."""
+    for part in full_mode.split("+")[1:]:
+        if part.startswith("batch="):
+            value = part.split("=", 1)[1]
+            if not value.isdigit() or not 1 <= int(value) <= 64:
+                raise SystemExit(f"mode {full_mode}: +batch= takes a whole number 1..64, not '{value}'")
+            return int(value)
+    return 1
+
+
 def rel_l2(got, want):
     got, want = got.double().flatten(), want.double().flatten()
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
@@ -225,6 +236,8 @@ def idle_lines(events, top=12):
 
 
 def run(args):
+    for full_mode in [m for m in args.modes.split(",") if m]:
+        mode_batch(full_mode)  # A bad +batch= stops the run before anything is timed.
     import torch
     import diffusers
     from safetensors.torch import load_file, save_file
@@ -291,7 +304,7 @@ def run(args):
                 raise SystemExit(f"mode {full_mode}: '+{part}' is not +FLAG=VALUE")
         offload_flags = [f"--{part}" for part in flag_parts]
         # +batch=N: N samples in one forward (offload_bench --batch; sample 0's output is compared).
-        batch = next((int(part.split("=", 1)[1]) for part in flag_parts if part.startswith("batch=")), 1)
+        batch = mode_batch(full_mode)
         file_tag = full_mode.replace("+", "__").replace("=", "-")
         out_file = os.path.join(args.dir, f"stowage_{file_tag}.safetensors")
         jsonl = os.path.join(args.dir, f"stowage_{file_tag}.jsonl")

@@ -690,6 +690,11 @@ def replay_preemption(log_dir, rows_path, run_x=None):
         print(f"  {pipeline:13s} resident {b50:.3f} / {b99:.3f}; {text}")
 
 
+# Placement decisions that move whole components from the host onto the device (peer copies,
+# onload_from_peer, cross no host link and are left out).
+WHOLE_MOVES = ("onload", "prefetch_pipeline")
+
+
 def logged_bytes(words):
     """Bytes of a placement log's size column ("4.02", "GiB"); 0 where the line has none."""
     units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
@@ -748,9 +753,14 @@ def analyze(log_dir, rows_path):
             onloads, reorders, prefetches, cache_releases, onload_bytes = {}, 0, 0, 0, 0
             for line in open(placement_log, encoding="utf-8", errors="replace"):
                 words = line.split()
-                if len(words) >= 4 and words[2] == "onload":
-                    onloads[words[3]] = onloads.get(words[3], 0) + 1
-                    onload_bytes += logged_bytes(words[4:6])
+                # The action follows the time and the request id (blank for decisions of no request).
+                at = next((i for i in (1, 2) if i + 1 < len(words) and words[i] in WHOLE_MOVES), None)
+                if at is not None and (words[at] == "onload" or "its first groups" not in line):
+                    # A whole component onto the device from the host: an onload, or a next pipeline's
+                    # component prefetched whole (its first streamed groups are streaming, not a move).
+                    if words[at] == "onload":
+                        onloads[words[at + 1]] = onloads.get(words[at + 1], 0) + 1
+                    onload_bytes += logged_bytes(words[at + 2:at + 4])
                 elif len(words) >= 2 and words[1] == "schedule":
                     reorders += 1
                 if "prefetch_pipeline" in words[1:3]:
@@ -767,7 +777,8 @@ def analyze(log_dir, rows_path):
             if moved and count:
                 share = onload_bytes / (moved * count)
                 print(f"  bytes to the device per measured request {moved / 1e9:.2f} GB, of which whole-component "
-                      f"onloads at most {onload_bytes / count / 1e9:.2f} GB ({share:.1%}); the rest streamed")
+                      f"onloads at most {onload_bytes / count / 1e9:.2f} GB ({share:.1%}; {onload_bytes} bytes over "
+                      f"the run); the rest streamed")
         # The spare-room cache per streamed component, from the placement at the strategy's end.
         placement = os.path.join(log_dir, f"{strategy}.placement.txt")
         if os.path.exists(placement):

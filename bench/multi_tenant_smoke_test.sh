@@ -84,9 +84,24 @@ for strategy in resident fifo scheduler; do
     { cat "$TEST_TMPDIR/analysis.txt"; exit 1; }
 done
 grep -q "onloads: .*zimage/transformer" "$TEST_TMPDIR/analysis.txt"
-# The budgeted strategies' bytes split into whole-component onloads and the rest (streamed).
+# The budgeted strategies' bytes split into whole-component onloads and the rest (streamed): FIFO
+# moved whole components (its onloads above), so its figure is above nothing.
 [ "$(grep -c "^  bytes to the device per measured request [0-9.]* GB, of which whole-component onloads at most [0-9.]* GB" \
     "$TEST_TMPDIR/analysis.txt")" = 2 ] || { cat "$TEST_TMPDIR/analysis.txt"; exit 1; }
+/usr/bin/python3 - "$TEST_TMPDIR/analysis.txt" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+fifo = text.split("\nfifo:", 1)[1].split("\nscheduler:", 1)[0]
+m = re.search(r"whole-component onloads at most [0-9.]+ GB \([0-9.]+%; ([0-9]+) bytes over the run\)", fifo)
+assert m and int(m.group(1)) > 0, fifo
+PY
+# The log's size column as bytes.
+(cd "$scripts" && /usr/bin/python3 -c '
+import multi_tenant as m
+assert m.logged_bytes(["4.02", "GiB"]) == int(4.02 * (1 << 30))
+assert m.logged_bytes(["5.00", "KiB"]) == 5 << 10 and m.logged_bytes(["512", "B"]) == 512
+assert m.logged_bytes(["[footprint]"]) == 0 and m.logged_bytes(["1.5", "parsecs"]) == 0
+')
 # What preemption would change on this trace, by the model replaying the scheduler strategy's runs.
 /usr/bin/python3 "$scripts/multi_tenant.py" replay "$TEST_TMPDIR/logs" "$TEST_TMPDIR/rows.jsonl" >"$TEST_TMPDIR/replay.txt"
 grep -q "^replay of 24 requests (scheduler strategy)" "$TEST_TMPDIR/replay.txt" || { cat "$TEST_TMPDIR/replay.txt"; exit 1; }

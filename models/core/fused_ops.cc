@@ -1,6 +1,5 @@
 #include "models/core/fused_ops.h"
 
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>

@@ -338,12 +338,6 @@ TEST(SimulatedBackendTest, TheTransformStreamRunsBesideTheCopyStream) {
   EXPECT_TRUE(at::equal(bytes->to(at::kCPU), *pinned));
 }
 
-}  // namespace
-}  // namespace stowage
-
-namespace stowage {
-namespace {
-
 // The context counted against the budget (CUDA's RefreshContextBytes): NVML's reading swings by tens
 // of MiB between requests, so a reading less than 64 MiB below the figure counted keeps it; a larger
 // drop (memory given back) and any rise are taken.

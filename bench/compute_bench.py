@@ -392,7 +392,6 @@ def run(args):
                          base_rss_warm_bytes=result.get("base_rss_warm_bytes"),
                          h2d_bytes_per_s=result.get("h2d_bandwidth_bytes_per_s"),
                          widen_layout=result.get("widen_layout"), widen_layout_asked=layout,
-                         widen_cache=result.get("widen_cache"),
                          prefetch_depth=result.get("prefetch_depth"),
                          resident_bytes=result.get("resident_bytes"), working_set_bytes=result.get("working_set_bytes"),
                          spilled_bytes=result.get("spilled_bytes"),
@@ -492,7 +491,7 @@ def compressed_rows(args, model_name, rows):
                "prepare_fp8_s": r.get("prepare_fp8_s"), "prepare_pin_alloc_s": r.get("prepare_pin_alloc_s"),
                "prepare_quantize_s": r.get("prepare_quantize_s"),
                "compute_priority": r.get("compute_priority", "default"), "widen_layout": r.get("widen_layout"),
-               "widen_cache": r.get("widen_cache"), "offload_flags": r.get("offload_flags"),
+               "offload_flags": r.get("offload_flags"),
                "batch": r.get("batch", 1), "machine": args.machine, "commit": args.commit}
         print(json.dumps(out), flush=True)
         with open(args.out, "a", encoding="utf-8") as f:

@@ -102,10 +102,6 @@ ABSL_FLAG(std::string, widen_layout, "",
           "CUDA widening kernels' thread layout: coalesced or strided (empty: the kernels' default, coalesced "
           "unless STOWAGE_WIDEN_LAYOUT=strided); rows carry widen_layout, and widen_probe times both "
           "whatever this says");
-ABSL_FLAG(std::string, widen_cache, "",
-          "CUDA widening kernels' use of the L2 cache: normal (plain loads and stores) or streaming "
-          "(evict-first loads of the codes and stores of the output) (empty: the kernels' default, normal "
-          "unless STOWAGE_WIDEN_CACHE=streaming); rows carry widen_cache");
 ABSL_FLAG(std::string, model_dir, "",
           "Diffusers-format Z-Image or Flux directory: benchmark its real transformer (transformer/ "
           "folder) instead of the synthetic stack");
@@ -790,10 +786,6 @@ int Main() {
     std::cerr << "--widen_layout=" << absl::GetFlag(FLAGS_widen_layout) << ": coalesced or strided\n";
     return 1;
   }
-  if (!absl::GetFlag(FLAGS_widen_cache).empty() && !SetWideningCache(absl::GetFlag(FLAGS_widen_cache))) {
-    std::cerr << "--widen_cache=" << absl::GetFlag(FLAGS_widen_cache) << ": normal or streaming\n";
-    return 1;
-  }
   const std::string priority = absl::GetFlag(FLAGS_compute_priority);
   if (priority != "default" && priority != "high") {
     std::cerr << "--compute_priority=" << priority << ": default or high\n";
@@ -961,7 +953,7 @@ int Main() {
           "\"lora_rank\": %d, \"base_rss_bytes\": %d, \"base_rss_warm_bytes\": %d, \"base_rss_after_bytes\": %d, "
           "\"compute_priority\": \"%s\", \"page_cache_read_s\": %.6f, \"prepare_fp8_s\": %.3f, "
           "\"prepare_pin_alloc_s\": %.3f, \"prepare_quantize_s\": %.3f, \"pinned_huge_pages\": %s, "
-          "\"thp_mode\": \"%s\", \"widen_layout\": \"%s\", \"widen_cache\": \"%s\", \"spilled_bytes\": %d, \"rss_after_prepare_bytes\": %d, \"resident_bytes\": %d, "
+          "\"thp_mode\": \"%s\", \"widen_layout\": \"%s\", \"spilled_bytes\": %d, \"rss_after_prepare_bytes\": %d, \"resident_bytes\": %d, "
           "\"one_pass_fp8_weights\": %d, \"samples\": %d}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
@@ -974,7 +966,7 @@ int Main() {
           absl::GetFlag(FLAGS_batch), absl::GetFlag(FLAGS_lora_adapters), absl::GetFlag(FLAGS_lora_rank), base_rss,
           base_rss_warm, base_rss_after, priority, page_cache_read_s, result->prepare_fp8_s,
           result->prepare_pin_alloc_s, result->prepare_quantize_s,
-          huge_pinned ? "true" : "false", thp_mode, WideningLayoutName(), WideningCacheName(), result->spilled_bytes,
+          huge_pinned ? "true" : "false", thp_mode, WideningLayoutName(), result->spilled_bytes,
           result->rss_after_prepare, result->resident_bytes, result->one_pass_fp8_weights, result->samples);
       out.flush();
     }

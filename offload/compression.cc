@@ -339,21 +339,6 @@ std::string WideningLayoutName() {
   return "coalesced";
 }
 
-bool SetWideningCache(absl::string_view name) {
-  if (name != "normal" && name != "streaming") return false;
-#ifdef STOWAGE_WITH_CUDA
-  widen_cuda::SetCacheHint(name == "streaming" ? widen_cuda::CacheHint::kStreaming : widen_cuda::CacheHint::kNormal);
-#endif
-  return true;
-}
-
-std::string WideningCacheName() {
-#ifdef STOWAGE_WITH_CUDA
-  if (widen_cuda::CurrentCacheHint() == widen_cuda::CacheHint::kStreaming) return "streaming";
-#endif
-  return "normal";
-}
-
 void WidenAllInto(const std::vector<WidenTarget>& targets, CompressFormat format, const WidenScratch& scratch) {
 #ifdef STOWAGE_WITH_CUDA
   // By output type (one format: one codes and scale kind), the CUDA targets' jobs; the rest alone.

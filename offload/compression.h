@@ -158,11 +158,6 @@ void WidenAllInto(const std::vector<WidenTarget>& targets, CompressFormat format
 // is the default's name, "coalesced", there.
 bool SetWideningLayout(absl::string_view name);
 std::string WideningLayoutName();
-// How CUDA's widening kernels use the L2 cache (widen_kernels.h CacheHint): "normal" (the default)
-// or "streaming" (evict-first loads and stores). A process-wide switch for benchmarks, like the
-// layout; false for another name; off CUDA builds accepted and nothing changes ("normal" there).
-bool SetWideningCache(absl::string_view name);
-std::string WideningCacheName();
 
 // Scratch layout, shared by the planner (through the engine) and the store.
 inline constexpr int64_t kScratchAlign = 256;

@@ -24,8 +24,6 @@ namespace {
 
 // -1 until the first read (then STOWAGE_WIDEN_LAYOUT's choice), else a Layout.
 std::atomic<int> g_layout{-1};
-// -1 until the first read (then STOWAGE_WIDEN_CACHE's choice), else a CacheHint.
-std::atomic<int> g_cache_hint{-1};
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 16384;
@@ -112,47 +110,20 @@ __device__ __forceinline__ uint32_t RoundPair(float lo, float hi) {
   return bits;
 }
 
-// A 16- or 8-byte store, evict-first (st.global.cs) when `stream`.
-__device__ __forceinline__ void Put(uint4* dst, uint4 v, bool stream) {
-  if (stream) {
-    __stcs(dst, v);
-  } else {
-    *dst = v;
-  }
-}
-__device__ __forceinline__ void Put(uint2* dst, uint2 v, bool stream) {
-  if (stream) {
-    __stcs(dst, v);
-  } else {
-    *dst = v;
-  }
-}
-__device__ __forceinline__ void Put(float4* dst, float4 v, bool stream) {
-  if (stream) {
-    __stcs(dst, v);
-  } else {
-    *dst = v;
-  }
-}
-
 // Eight widened values stored at `dst` (16-byte aligned; e4m3 bytes: 8-byte aligned) in one store
-// (two for float), evict-first when `stream`.
+// (two for float).
 template <typename Out>
-__device__ __forceinline__ void StoreEight(Out* dst, const float v[8], bool stream) {
+__device__ __forceinline__ void StoreEight(Out* dst, const float v[8]) {
   if constexpr (std::is_same_v<Out, float>) {
     float4* d = reinterpret_cast<float4*>(dst);
-    Put(d, make_float4(v[0], v[1], v[2], v[3]), stream);
-    Put(d + 1, make_float4(v[4], v[5], v[6], v[7]), stream);
+    d[0] = make_float4(v[0], v[1], v[2], v[3]);
+    d[1] = make_float4(v[4], v[5], v[6], v[7]);
   } else if constexpr (std::is_same_v<Out, uint8_t>) {
-    Put(reinterpret_cast<uint2*>(dst),
-        make_uint2(RoundPair<Out>(v[0], v[1]) | (RoundPair<Out>(v[2], v[3]) << 16),
-                   RoundPair<Out>(v[4], v[5]) | (RoundPair<Out>(v[6], v[7]) << 16)),
-        stream);
+    *reinterpret_cast<uint2*>(dst) = make_uint2(RoundPair<Out>(v[0], v[1]) | (RoundPair<Out>(v[2], v[3]) << 16),
+                                                RoundPair<Out>(v[4], v[5]) | (RoundPair<Out>(v[6], v[7]) << 16));
   } else {
-    Put(reinterpret_cast<uint4*>(dst),
-        make_uint4(RoundPair<Out>(v[0], v[1]), RoundPair<Out>(v[2], v[3]), RoundPair<Out>(v[4], v[5]),
-                   RoundPair<Out>(v[6], v[7])),
-        stream);
+    *reinterpret_cast<uint4*>(dst) = make_uint4(RoundPair<Out>(v[0], v[1]), RoundPair<Out>(v[2], v[3]),
+                                                RoundPair<Out>(v[4], v[5]), RoundPair<Out>(v[6], v[7]));
   }
 }
 
@@ -171,26 +142,20 @@ struct Words {
   uint32_t w[kBytes / 4];
 };
 
-// `stream`: read with the evict-first policy (ld.global.cs: codes are read once; CacheHint::kStreaming).
 template <int kBytes>
-__device__ __forceinline__ Words<kBytes> LoadWords(const uint8_t* p, bool stream) {
+__device__ __forceinline__ Words<kBytes> LoadWords(const uint8_t* p) {
   Words<kBytes> r;
   if constexpr (kBytes == 16) {
-    const auto* a = reinterpret_cast<const uint4*>(p);
-    const uint4 v = stream ? __ldcs(a) : *a;
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
     r.w[0] = v.x, r.w[1] = v.y, r.w[2] = v.z, r.w[3] = v.w;
   } else if constexpr (kBytes == 8) {
-    const auto* a = reinterpret_cast<const uint2*>(p);
-    const uint2 v = stream ? __ldcs(a) : *a;
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
     r.w[0] = v.x, r.w[1] = v.y;
   } else {
-    const auto* a = reinterpret_cast<const unsigned int*>(p);
-    r.w[0] = stream ? __ldcs(a) : *a;
+    r.w[0] = *reinterpret_cast<const uint32_t*>(p);
   }
   return r;
 }
-
-
 
 // The eight values of chunk c (before scaling).
 template <Codes C, int kBytes>
@@ -217,9 +182,9 @@ __device__ __forceinline__ void DecodeChunk(const Words<kBytes>& words, int c, f
 // two, else −1), written with 16-byte stores (e4m3 bytes: 8-byte stores for one chunk).
 template <Codes C, typename Out, ScaleKind S, int kChunks>
 __device__ __forceinline__ void WidenItem(const uint8_t* q, const Scales& scale, Out* out, int64_t i, int64_t group,
-                                          int shift, bool stream) {
+                                          int shift) {
   constexpr int kBytes = kChunks * (C == Codes::kInt4 ? 4 : 8);
-  const Words<kBytes> words = LoadWords<kBytes>(q + i * kBytes, stream);
+  const Words<kBytes> words = LoadWords<kBytes>(q + i * kBytes);
   const int64_t e0 = i * 8 * kChunks;
   uint32_t fp8[2 * kChunks];  // e4m3 outputs: four bytes a word.
   // Chunks of one group share its scale: read (for int4, decoded) once per group, not per chunk.
@@ -241,24 +206,22 @@ __device__ __forceinline__ void WidenItem(const uint8_t* q, const Scales& scale,
       fp8[2 * c] = RoundPair<Out>(v[0], v[1]) | (RoundPair<Out>(v[2], v[3]) << 16);
       fp8[2 * c + 1] = RoundPair<Out>(v[4], v[5]) | (RoundPair<Out>(v[6], v[7]) << 16);
     } else {
-      StoreEight(out + e, v, stream);
+      StoreEight(out + e, v);
     }
   }
   if constexpr (std::is_same_v<Out, uint8_t> && kChunks > 1) {
 #pragma unroll
     for (int c = 0; c < kChunks; c += 2) {
-      Put(reinterpret_cast<uint4*>(out + e0) + c / 2, make_uint4(fp8[2 * c], fp8[2 * c + 1], fp8[2 * c + 2], fp8[2 * c + 3]),
-          stream);
+      reinterpret_cast<uint4*>(out + e0)[c / 2] = make_uint4(fp8[2 * c], fp8[2 * c + 1], fp8[2 * c + 2], fp8[2 * c + 3]);
     }
   }
 }
 
 template <Codes C, typename Out, ScaleKind S, int kChunks>
-__global__ void WidenVector(const uint8_t* q, Scales scale, Out* out, int64_t items, int64_t group, int shift,
-                            bool stream) {
+__global__ void WidenVector(const uint8_t* q, Scales scale, Out* out, int64_t items, int64_t group, int shift) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < items;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    WidenItem<C, Out, S, kChunks>(q, scale, out, i, group, shift, stream);
+    WidenItem<C, Out, S, kChunks>(q, scale, out, i, group, shift);
   }
 }
 
@@ -270,7 +233,7 @@ __global__ void WidenVector(const uint8_t* q, Scales scale, Out* out, int64_t it
 // end past the weight (`chunks`: its chunks of eight); its lanes past the end do nothing.
 template <Codes C, typename Out, ScaleKind S, int kChunks>
 __device__ __forceinline__ void WidenTile(const uint8_t* q, const Scales& scale, Out* out, int64_t tile, int lane,
-                                          int64_t chunks, int64_t group, int shift, bool stream) {
+                                          int64_t chunks, int64_t group, int shift) {
   constexpr int kBytes = C == Codes::kInt4 ? 4 : 8;  // Codes of one chunk.
   const int64_t first = tile * 32 * kChunks + lane;
   Words<kBytes> words[kChunks];
@@ -278,7 +241,7 @@ __device__ __forceinline__ void WidenTile(const uint8_t* q, const Scales& scale,
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     const int64_t chunk = first + 32 * c;
-    words[c] = chunk < chunks ? LoadWords<kBytes>(q + chunk * kBytes, stream) : Words<kBytes>{};
+    words[c] = chunk < chunks ? LoadWords<kBytes>(q + chunk * kBytes) : Words<kBytes>{};
   }
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
@@ -290,7 +253,7 @@ __device__ __forceinline__ void WidenTile(const uint8_t* q, const Scales& scale,
     DecodeChunk<C, kBytes>(words[c], 0, v);
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] *= s;
-    StoreEight(out + e, v, stream);
+    StoreEight(out + e, v);
   }
 }
 
@@ -302,13 +265,12 @@ __host__ __device__ __forceinline__ int64_t TilesOf(int64_t chunks, int chunks_a
 }
 
 template <Codes C, typename Out, ScaleKind S, int kChunks>
-__global__ void WidenTiles(const uint8_t* q, Scales scale, Out* out, int64_t chunks, int64_t group, int shift,
-                           bool stream) {
+__global__ void WidenTiles(const uint8_t* q, Scales scale, Out* out, int64_t chunks, int64_t group, int shift) {
   const int64_t tiles = TilesOf(chunks, kChunks);
   const int lane = static_cast<int>(threadIdx.x % 32);
   for (int64_t tile = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32; tile < tiles;
        tile += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    WidenTile<C, Out, S, kChunks>(q, scale, out, tile, lane, chunks, group, shift, stream);
+    WidenTile<C, Out, S, kChunks>(q, scale, out, tile, lane, chunks, group, shift);
   }
 }
 
@@ -324,7 +286,6 @@ struct ManyJobs {
   int64_t items[kWidenManyJobs];
   int64_t group[kWidenManyJobs];
   int shift[kWidenManyJobs];
-  bool stream;  // CacheHint::kStreaming.
 };
 
 template <Codes C, typename Out, ScaleKind S, int kChunks>
@@ -333,9 +294,7 @@ __global__ void WidenVectorMany(const ManyJobs<Out> jobs) {
   int j = 0;
   while (j + 1 < jobs.count && block >= jobs.first_block[j + 1]) ++j;
   const int64_t i = (block - jobs.first_block[j]) * blockDim.x + threadIdx.x;
-  if (i < jobs.items[j]) {
-    WidenItem<C, Out, S, kChunks>(jobs.q[j], jobs.scale[j], jobs.out[j], i, jobs.group[j], jobs.shift[j], jobs.stream);
-  }
+  if (i < jobs.items[j]) WidenItem<C, Out, S, kChunks>(jobs.q[j], jobs.scale[j], jobs.out[j], i, jobs.group[j], jobs.shift[j]);
 }
 
 template <Codes C, typename Out, ScaleKind S, int kChunks>
@@ -345,7 +304,7 @@ __global__ void WidenTilesMany(const ManyJobs<Out> jobs) {
   while (j + 1 < jobs.count && block >= jobs.first_block[j + 1]) ++j;
   const int64_t tile = (block - jobs.first_block[j]) * kWarpsPerBlock + threadIdx.x / 32;
   WidenTile<C, Out, S, kChunks>(jobs.q[j], jobs.scale[j], jobs.out[j], tile, static_cast<int>(threadIdx.x % 32),
-                                jobs.items[j], jobs.group[j], jobs.shift[j], jobs.stream);
+                                jobs.items[j], jobs.group[j], jobs.shift[j]);
 }
 
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -361,8 +320,7 @@ template <Codes C, typename Out, ScaleKind S, int kChunks>
 void LaunchVector(const uint8_t* q, Scales scale, Out* out, int64_t total, int64_t group, cudaStream_t stream) {
   const int64_t items = total / (8 * kChunks);
   const auto blocks = static_cast<unsigned>(std::min<int64_t>(kMaxBlocks, (items + kThreads - 1) / kThreads));
-  WidenVector<C, Out, S, kChunks><<<blocks, kThreads, 0, stream>>>(q, scale, out, items, group, ShiftOf(group),
-                                                                    CurrentCacheHint() == CacheHint::kStreaming);
+  WidenVector<C, Out, S, kChunks><<<blocks, kThreads, 0, stream>>>(q, scale, out, items, group, ShiftOf(group));
 }
 
 // Chunks of eight in 16 bytes of codes.
@@ -397,8 +355,7 @@ int Launch(const void* q, Scales scale, void* out, int64_t total, int64_t group,
     const int64_t chunks = total / 8;
     const auto blocks = static_cast<unsigned>(
         std::min<int64_t>(kMaxBlocks, (TilesOf(chunks, kChunks) + kWarpsPerBlock - 1) / kWarpsPerBlock));
-    WidenTiles<C, Out, S, kChunks><<<blocks, kThreads, 0, stream>>>(qb, scale, o, chunks, group, ShiftOf(group),
-                                                                   CurrentCacheHint() == CacheHint::kStreaming);
+    WidenTiles<C, Out, S, kChunks><<<blocks, kThreads, 0, stream>>>(qb, scale, o, chunks, group, ShiftOf(group));
   } else if (WideLayout<C>(q, out, total, group)) {
     LaunchVector<C, Out, S, WideChunks<C>()>(qb, scale, o, total, group, stream);
   } else if (TileLayout<C>(q, out, total, group)) {
@@ -417,7 +374,6 @@ int LaunchMany(const WidenJob* jobs, int count, cudaStream_t stream) {
   constexpr int kWide = WideChunks<C>();
   const bool tiles = CurrentLayout() == Layout::kCoalesced;
   ManyJobs<Out> many{};
-  many.stream = CurrentCacheHint() == CacheHint::kStreaming;
   int err = 0;
   auto flush = [&] {
     if (many.count == 0) return;
@@ -554,19 +510,6 @@ Layout CurrentLayout() {
 }
 
 void SetLayout(Layout layout) { g_layout.store(static_cast<int>(layout), std::memory_order_relaxed); }
-
-CacheHint CurrentCacheHint() {
-  int hint = g_cache_hint.load(std::memory_order_relaxed);
-  if (hint < 0) {
-    const char* env = std::getenv("STOWAGE_WIDEN_CACHE");
-    hint = static_cast<int>(env != nullptr && std::strcmp(env, "streaming") == 0 ? CacheHint::kStreaming
-                                                                                  : CacheHint::kNormal);
-    g_cache_hint.store(hint, std::memory_order_relaxed);
-  }
-  return static_cast<CacheHint>(hint);
-}
-
-void SetCacheHint(CacheHint hint) { g_cache_hint.store(static_cast<int>(hint), std::memory_order_relaxed); }
 
 int EncodeE4M3(const float* x, uint8_t* out, int64_t n, void* stream) {
   if (n <= 0) return 0;

@@ -37,16 +37,6 @@ enum class ScaleKind { kFloat = 0, kE4M3Rows = 1 };
 enum class Layout { kCoalesced = 0, kStrided = 1 };
 Layout CurrentLayout();
 void SetLayout(Layout layout);
-// How the vector and tile paths' loads of codes and stores of outputs use the L2 cache: kNormal
-// (the default), plain loads and stores; kStreaming, evict-first (ld.global.cs / st.global.cs), so
-// that a widening beside the compute (a streamed group's, on the copy stream) leaves the compute's
-// lines in L2 (its codes are read once; its output is read by the group's forward milliseconds later,
-// long after L2 turned over). The same bytes either way (tested bit for bit on the GPU host).
-// STOWAGE_WIDEN_CACHE=streaming in the environment chooses kStreaming at the first launch;
-// SetCacheHint changes it for the launches after (process-wide; a benchmark's switch).
-enum class CacheHint { kNormal = 0, kStreaming = 1 };
-CacheHint CurrentCacheHint();
-void SetCacheHint(CacheHint hint);
 // `group_size` divides `k` (per-channel formats pass k). Returns the launch's cudaError_t as an int
 // (0 = success).
 int Widen(Codes codes, const void* q, const void* scale, ScaleKind scale_kind, void* out, OutType out_type,

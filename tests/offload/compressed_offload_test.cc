@@ -374,15 +374,10 @@ TEST_P(FormatTest, WideningOnCudaMatchesTheHostReferenceExactly) {
   const CompressFormat format = GetParam();
   const at::Device cuda(at::kCUDA, 0);
   at::manual_seed(13);
-  // Both thread layouts of the kernels (widen_kernels.h Layout), each with both cache hints
-  // (CacheHint); the defaults restored after.
+  // Both thread layouts of the kernels (widen_kernels.h Layout); the default restored after.
   const std::string default_layout = WideningLayoutName();
-  const std::string default_cache = WideningCacheName();
-  for (const int variant : {0, 1, 2, 3}) {
-    const char* layout = variant / 2 == 0 ? "coalesced" : "strided";
-    const char* cache = variant % 2 == 0 ? "normal" : "streaming";
+  for (const char* layout : {"coalesced", "strided"}) {
     ASSERT_TRUE(SetWideningLayout(layout));
-    ASSERT_TRUE(SetWideningCache(cache));
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
       // Every kernel path: the scalar one ({33, 70}), 16 bytes of codes a thread ({64, 256}, {8, 4, 3, 4}),
       // eight values a thread where the total allows no more ({3, 48} for int4, {5, 24} for the 8-bit
@@ -402,12 +397,11 @@ TEST_P(FormatTest, WideningOnCudaMatchesTheHostReferenceExactly) {
         at::Tensor out = at::full(sizes, 7.0, at::TensorOptions().dtype(dtype).device(cuda));
         WidenInto(out, q.q.to(cuda), q.scale.to(cuda), format, scratch);
         EXPECT_TRUE(at::equal(out.cpu(), Dequantize(q, format, dtype, w.sizes())))
-            << layout << " " << cache << " " << c10::toString(dtype) << " " << w.sizes();
+            << layout << " " << c10::toString(dtype) << " " << w.sizes();
       }
     }
   }
   SetWideningLayout(default_layout);
-  SetWideningCache(default_cache);
 }
 
 // The widening kernel's scalar path (an output that is not 16-byte aligned) gives the same bits.
@@ -454,29 +448,22 @@ TEST_P(FormatTest, WideningAGroupTogetherMatchesEachAlone) {
   scratch.table_f16 = Fp8E4M3Table(at::kHalf).to(device);
   scratch.index = at::empty({1000}, at::TensorOptions().dtype(at::kInt).device(device));
   scratch.nibbles = at::empty({AlignScratch(largest / 2) + 1024}, at::TensorOptions().dtype(at::kByte).device(device));
-  // Both thread layouts of CUDA's kernels and both cache hints (one of each elsewhere: the names are
-  // accepted, nothing changes); the defaults restored after.
+  // Both thread layouts of CUDA's kernels (one only elsewhere: the name is accepted, nothing changes);
+  // the default restored after.
   const std::string default_layout = WideningLayoutName();
-  const std::string default_cache = WideningCacheName();
   for (const char* layout : {"coalesced", "strided"}) {
-    for (const char* cache : {"normal", "streaming"}) {
-      ASSERT_TRUE(SetWideningLayout(layout));
-      ASSERT_TRUE(SetWideningCache(cache));
-      for (const WidenTarget& target : targets) target.out.fill_(7.0);
-      WidenAllInto(targets, format, scratch);
-      for (size_t n = 0; n < targets.size(); ++n) {
-        EXPECT_TRUE(at::equal(targets[n].out.cpu(), wants[n]))
-            << layout << " " << cache << " weight " << n << " " << targets[n].out.sizes() << " "
-            << c10::toString(targets[n].out.scalar_type());
-      }
+    ASSERT_TRUE(SetWideningLayout(layout));
+    for (const WidenTarget& target : targets) target.out.fill_(7.0);
+    WidenAllInto(targets, format, scratch);
+    for (size_t n = 0; n < targets.size(); ++n) {
+      EXPECT_TRUE(at::equal(targets[n].out.cpu(), wants[n]))
+          << layout << " weight " << n << " " << targets[n].out.sizes() << " "
+          << c10::toString(targets[n].out.scalar_type());
     }
   }
   SetWideningLayout(default_layout);
-  SetWideningCache(default_cache);
   EXPECT_EQ(WideningLayoutName(), default_layout);
-  EXPECT_EQ(WideningCacheName(), default_cache);
   EXPECT_FALSE(SetWideningLayout("diagonal"));
-  EXPECT_FALSE(SetWideningCache("sticky"));
 }
 
 // Quantizing on the GPU at load (LoadQuantizer: rows in chunks through pinned staging, written

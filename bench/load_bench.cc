@@ -6,8 +6,13 @@
 // per (setting, N) goes to --out and a table row to stdout:
 //   {"bench":"batching","mode":..,"compress":..,"compute":..,"batching":true|false,"max_batch_size":..,"concurrency":N,
 //    "images_per_s":..,"p50_s":..,"p99_s":..,"mean_batch_size":..,"requests":..,"failed":..,
-//    "size":..,"steps":..,"format":"png"|"png_fast"|"rgb","machine":..}
+//    "size":..,"steps":..,"format":"png"|"png_fast"|"rgb","machine":..,
+//    "server_mean_s":{"queue_wait":..,"batch_wait":..,"run_time":..,"run_time_per_image":..,"<stage>":..}}
 // images_per_s = successful requests / wall time of the row; p50/p99 of the client-side latency.
+// server_mean_s: the means over the row's successful replies of what each reply's RequestStats says
+// (queue_wait, batch_wait, run_time; run_time_per_image = run_time / batch_size; each stage's time by
+// its name — a batch's shared stages are the batch's, so a batch counts once per member): where the
+// server's time goes, apart from the client's side.
 // Before each setting's rows, --warmup requests run alone (not measured).
 //
 //   load_bench --target=127.0.0.1:50051 --token=T --mode=streamed --machine=h200 --out=rows.jsonl
@@ -16,6 +21,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,6 +30,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -70,7 +77,12 @@ struct Outcome {
   double latency_s = 0;
   bool ok = false;
   int batch_size = 0;
+  // The reply's RequestStats in seconds: queue_wait, batch_wait, run_time, run_time_per_image and
+  // each stage by its name.
+  std::map<std::string, double> server_s;
 };
+
+double Seconds(const google::protobuf::Duration& d) { return static_cast<double>(d.seconds()) + d.nanos() * 1e-9; }
 
 stowage::v1::ImageFormat g_format = stowage::v1::IMAGE_FORMAT_PNG;
 
@@ -95,6 +107,14 @@ Outcome GenerateOnce(stowage::v1::GenerationService::Stub& stub, int client, int
   o.ok = status.ok() && response.format() == g_format;
   if (status.ok() && !o.ok) std::cerr << "load_bench: asked for format " << g_format << ", got " << response.format() << "\n";
   o.batch_size = response.stats().batch_size();
+  if (o.ok) {
+    const stowage::v1::RequestStats& stats = response.stats();
+    o.server_s["queue_wait"] = Seconds(stats.queue_wait());
+    o.server_s["batch_wait"] = Seconds(stats.batch_wait());
+    o.server_s["run_time"] = Seconds(stats.run_time());
+    o.server_s["run_time_per_image"] = Seconds(stats.run_time()) / std::max(1, stats.batch_size());
+    for (const stowage::v1::StageTiming& stage : stats.stages()) o.server_s[stage.stage()] += Seconds(stage.duration());
+  }
   if (!status.ok()) std::cerr << "load_bench: request failed: " << status.error_message() << "\n";
   return o;
 }
@@ -153,6 +173,7 @@ int main(int argc, char** argv) {
       std::vector<double> latencies;
       double batch_sum = 0;
       int failed = 0;
+      std::map<std::string, double> server_sum;
       for (const Outcome& o : outcomes) {
         if (!o.ok) {
           ++failed;
@@ -160,7 +181,15 @@ int main(int argc, char** argv) {
         }
         latencies.push_back(o.latency_s);
         batch_sum += o.batch_size;
+        for (const auto& [name, seconds] : o.server_s) server_sum[name] += seconds;
       }
+      // {"queue_wait":..,...}: each sum over the successful replies (a stage a reply lacks counts 0).
+      std::string server_mean = "{";
+      for (const auto& [name, sum] : server_sum) {
+        absl::StrAppend(&server_mean, server_mean.size() > 1 ? "," : "",
+                        absl::StrFormat("\"%s\":%.4f", absl::CHexEscape(name), sum / static_cast<double>(latencies.size())));
+      }
+      server_mean += "}";
       if (failed > 0) exit_code = 1;
       const double images_per_s = static_cast<double>(latencies.size()) / wall;
       const double mean_batch = latencies.empty() ? 0 : batch_sum / static_cast<double>(latencies.size());
@@ -169,18 +198,19 @@ int main(int argc, char** argv) {
                                              absl::GetFlag(FLAGS_compute));
       std::printf("%-24s %-6d %4d %8.3f %8.3f %8.3f %10.2f %6d\n", label.c_str(), batch, n,
                   images_per_s, p50, p99, mean_batch, failed);
+      std::printf("  server means (s): %s\n", server_mean.c_str());
       std::fflush(stdout);
       if (out.is_open()) {
         out << absl::StrFormat(
                    "{\"bench\":\"batching\",\"mode\":\"%s\",\"compress\":\"%s\",\"compute\":\"%s\",\"batching\":%s,\"max_batch_size\":%d,"
                    "\"max_queue_delay_ms\":%d,\"concurrency\":%d,\"images_per_s\":%.4f,\"p50_s\":%.4f,"
                    "\"p99_s\":%.4f,\"mean_batch_size\":%.3f,\"requests\":%d,\"failed\":%d,\"size\":%d,"
-                   "\"steps\":%d,\"format\":\"%s\",\"machine\":\"%s\"}",
+                   "\"steps\":%d,\"format\":\"%s\",\"machine\":\"%s\",\"server_mean_s\":%s}",
                    absl::GetFlag(FLAGS_mode), absl::GetFlag(FLAGS_compress), absl::GetFlag(FLAGS_compute),
                    batch > 1 ? "true" : "false", batch,
                    batch > 1 ? absl::GetFlag(FLAGS_max_queue_delay_ms) : 0, n, images_per_s, p50, p99, mean_batch,
                    static_cast<int>(outcomes.size()), failed, absl::GetFlag(FLAGS_size), absl::GetFlag(FLAGS_steps),
-                   format, absl::GetFlag(FLAGS_machine))
+                   format, absl::GetFlag(FLAGS_machine), server_mean)
             << "\n";
         out.flush();
       }

@@ -33,6 +33,9 @@ for r in rows:
     assert 0 < m["denoise"] <= m["run_time"] < r["p99_s"], r
     # A batch's run shared by its members: per image at most the run, less once batches form.
     assert m["run_time_per_image"] <= m["run_time"] + 1e-9, r
+    # The row's wall-clock span: 0 < start < end, a request's p50 inside it.
+    assert 0 < r["started_unix_s"] < r["ended_unix_s"], r
+    assert r["ended_unix_s"] - r["started_unix_s"] >= r["p50_s"], r
     if r["mean_batch_size"] > 1:
         assert m["run_time_per_image"] < m["run_time"], r
     else:

@@ -7,12 +7,14 @@
 //   {"bench":"batching","mode":..,"compress":..,"compute":..,"batching":true|false,"max_batch_size":..,"concurrency":N,
 //    "images_per_s":..,"p50_s":..,"p99_s":..,"mean_batch_size":..,"requests":..,"failed":..,
 //    "size":..,"steps":..,"format":"png"|"png_fast"|"rgb","machine":..,
-//    "server_mean_s":{"queue_wait":..,"batch_wait":..,"run_time":..,"run_time_per_image":..,"<stage>":..}}
+//    "server_mean_s":{"queue_wait":..,"batch_wait":..,"run_time":..,"run_time_per_image":..,"<stage>":..},
+//    "started_unix_s":..,"ended_unix_s":..}
 // images_per_s = successful requests / wall time of the row; p50/p99 of the client-side latency.
 // server_mean_s: the means over the row's successful replies of what each reply's RequestStats says
 // (queue_wait, batch_wait, run_time; run_time_per_image = run_time / batch_size; each stage's time by
 // its name — a batch's shared stages are the batch's, so a batch counts once per member): where the
-// server's time goes, apart from the client's side.
+// server's time goes, apart from the client's side. started_unix_s / ended_unix_s: the row's wall-clock
+// span (to join with samples taken beside it, e.g. the GPU's clocks and power).
 // Before each setting's rows, --warmup requests run alone (not measured).
 //
 //   load_bench --target=127.0.0.1:50051 --token=T --mode=streamed --machine=h200 --out=rows.jsonl
@@ -81,6 +83,10 @@ struct Outcome {
   // each stage by its name.
   std::map<std::string, double> server_s;
 };
+
+double UnixSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
 
 double Seconds(const google::protobuf::Duration& d) { return static_cast<double>(d.seconds()) + d.nanos() * 1e-9; }
 
@@ -158,6 +164,7 @@ int main(int argc, char** argv) {
       absl::Mutex mu;
       std::vector<Outcome> outcomes;
       const auto start = Clock::now();
+      const double started_unix_s = UnixSeconds();
       std::vector<std::thread> clients;
       for (int c = 0; c < n; ++c) {
         clients.emplace_back([&, c] {
@@ -170,6 +177,7 @@ int main(int argc, char** argv) {
       }
       for (std::thread& t : clients) t.join();
       const double wall = std::chrono::duration<double>(Clock::now() - start).count();
+      const double ended_unix_s = UnixSeconds();
       std::vector<double> latencies;
       double batch_sum = 0;
       int failed = 0;
@@ -205,12 +213,13 @@ int main(int argc, char** argv) {
                    "{\"bench\":\"batching\",\"mode\":\"%s\",\"compress\":\"%s\",\"compute\":\"%s\",\"batching\":%s,\"max_batch_size\":%d,"
                    "\"max_queue_delay_ms\":%d,\"concurrency\":%d,\"images_per_s\":%.4f,\"p50_s\":%.4f,"
                    "\"p99_s\":%.4f,\"mean_batch_size\":%.3f,\"requests\":%d,\"failed\":%d,\"size\":%d,"
-                   "\"steps\":%d,\"format\":\"%s\",\"machine\":\"%s\",\"server_mean_s\":%s}",
+                   "\"steps\":%d,\"format\":\"%s\",\"machine\":\"%s\",\"server_mean_s\":%s,"
+                   "\"started_unix_s\":%.3f,\"ended_unix_s\":%.3f}",
                    absl::GetFlag(FLAGS_mode), absl::GetFlag(FLAGS_compress), absl::GetFlag(FLAGS_compute),
                    batch > 1 ? "true" : "false", batch,
                    batch > 1 ? absl::GetFlag(FLAGS_max_queue_delay_ms) : 0, n, images_per_s, p50, p99, mean_batch,
                    static_cast<int>(outcomes.size()), failed, absl::GetFlag(FLAGS_size), absl::GetFlag(FLAGS_steps),
-                   format, absl::GetFlag(FLAGS_machine), server_mean)
+                   format, absl::GetFlag(FLAGS_machine), server_mean, started_unix_s, ended_unix_s)
             << "\n";
         out.flush();
       }

@@ -14,7 +14,8 @@
 #   overlap   bench/overlap.sh on /tmp/zimage-full: every component group-offloaded, cross-component
 #             prefetch off and on -> $OUT/overlap.jsonl
 #   batching  bench/batching.sh on /tmp/zimage-full (random weights from configs), resident and
-#             streamed, batching off and on, N = 1, 2, 4, 8 -> $OUT/batching.jsonl
+#             streamed, batching off and on, N = 1, 2, 4, 8 -> $OUT/batching.jsonl; the GPU's clocks, power
+#             and temperature sampled beside it (gpu_samples.csv) and joined with each row (gpu_clocks.txt)
 # Carry .deb (deploy/gpu_host/fetch_debs.sh) and .ref/diffusers/src (git-ignored):
 #   OUT=... PARTS="e2e" deploy/gpu_host/run_throughput_suite.sh
 source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/suite_lib.sh"
@@ -42,13 +43,26 @@ for part in ${PARTS:-e2e batching}; do
       ;;
     batching)
       full_shapes_dir
+      # The GPU's clocks, power and temperature every 500 ms beside the rows (bench/gpu_clocks.py),
+      # joined with each row's span after: gpu_clocks.txt.
+      sampler=""
+      if command -v nvidia-smi >/dev/null 2>&1; then
+        (nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+          --format=csv,noheader,nounits -lms 500 | python3 bench/gpu_clocks.py stamp >"$OUT/gpu_samples.csv") &
+        sampler=$!
+      fi
       stamp "batching"
       timeout "${BATCHING_TIMEOUT:-480}" bash bench/batching.sh "$build/server/stowage_server" \
         "$build/bench/load_bench" /tmp/zimage-full "$OUT/batching.jsonl" 1024 8 "$machine" bfloat16 \
         "${CONCURRENCY:-1,2,4,8}" "${BATCH_SIZES:-1,8}" "${PER_CLIENT:-2}" "${MIN_REQUESTS:-4}" \
         >"$OUT/batching.txt" 2>&1
       stamp "batching exit $?"
+      if [ -n "$sampler" ]; then
+        pkill -P "$sampler" nvidia-smi 2>/dev/null; kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+        python3 bench/gpu_clocks.py join "$OUT/gpu_samples.csv" "$OUT/batching.jsonl" >"$OUT/gpu_clocks.txt" 2>&1
+      fi
       cat "$OUT/batching.txt" >>"$OUT/summary.txt"
+      [ -f "$OUT/gpu_clocks.txt" ] && cat "$OUT/gpu_clocks.txt" >>"$OUT/summary.txt"
       ;;
     e2e_random)
       full_shapes_dir

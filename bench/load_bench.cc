@@ -7,7 +7,8 @@
 //   {"bench":"batching","mode":..,"compress":..,"compute":..,"batching":true|false,"max_batch_size":..,"concurrency":N,
 //    "images_per_s":..,"p50_s":..,"p99_s":..,"mean_batch_size":..,"requests":..,"failed":..,
 //    "size":..,"steps":..,"format":"png"|"png_fast"|"rgb","machine":..,
-//    "server_mean_s":{"queue_wait":..,"batch_wait":..,"run_time":..,"run_time_per_image":..,"<stage>":..},
+//    "server_mean_s":{"queue_wait":..,"batch_wait":..,"run_time":..,"run_time_per_image":..,
+//                     "stages":{"<stage>":..}},
 //    "started_unix_s":..,"ended_unix_s":..}
 // images_per_s = successful requests / wall time of the row; p50/p99 of the client-side latency.
 // server_mean_s: the means over the row's successful replies of what each reply's RequestStats says
@@ -32,7 +33,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
-#include "absl/strings/escaping.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -79,9 +80,10 @@ struct Outcome {
   double latency_s = 0;
   bool ok = false;
   int batch_size = 0;
-  // The reply's RequestStats in seconds: queue_wait, batch_wait, run_time, run_time_per_image and
+  // The reply's RequestStats in seconds: queue_wait, batch_wait, run_time, run_time_per_image; and
   // each stage by its name.
   std::map<std::string, double> server_s;
+  std::map<std::string, double> stage_s;
 };
 
 double UnixSeconds() {
@@ -119,7 +121,7 @@ Outcome GenerateOnce(stowage::v1::GenerationService::Stub& stub, int client, int
     o.server_s["batch_wait"] = Seconds(stats.batch_wait());
     o.server_s["run_time"] = Seconds(stats.run_time());
     o.server_s["run_time_per_image"] = Seconds(stats.run_time()) / std::max(1, stats.batch_size());
-    for (const stowage::v1::StageTiming& stage : stats.stages()) o.server_s[stage.stage()] += Seconds(stage.duration());
+    for (const stowage::v1::StageTiming& stage : stats.stages()) o.stage_s[stage.stage()] += Seconds(stage.duration());
   }
   if (!status.ok()) std::cerr << "load_bench: request failed: " << status.error_message() << "\n";
   return o;
@@ -181,7 +183,7 @@ int main(int argc, char** argv) {
       std::vector<double> latencies;
       double batch_sum = 0;
       int failed = 0;
-      std::map<std::string, double> server_sum;
+      std::map<std::string, double> server_sum, stage_sum;
       for (const Outcome& o : outcomes) {
         if (!o.ok) {
           ++failed;
@@ -190,14 +192,26 @@ int main(int argc, char** argv) {
         latencies.push_back(o.latency_s);
         batch_sum += o.batch_size;
         for (const auto& [name, seconds] : o.server_s) server_sum[name] += seconds;
+        for (const auto& [name, seconds] : o.stage_s) stage_sum[name] += seconds;
       }
-      // {"queue_wait":..,...}: each sum over the successful replies (a stage a reply lacks counts 0).
-      std::string server_mean = "{";
-      for (const auto& [name, sum] : server_sum) {
-        absl::StrAppend(&server_mean, server_mean.size() > 1 ? "," : "",
-                        absl::StrFormat("\"%s\":%.4f", absl::CHexEscape(name), sum / static_cast<double>(latencies.size())));
-      }
-      server_mean += "}";
+      // {"queue_wait":..,...,"stages":{..}}: each sum over the successful replies, divided by their
+      // number (a stage a reply lacks counts 0); stage names keep letters, digits, '_', '.' and '-'
+      // (others become '_': the server's names are plain words).
+      const auto means = [&](const std::map<std::string, double>& sums) {
+        std::string json;
+        for (const auto& [name, sum] : sums) {
+          std::string key = name;
+          for (char& ch : key) {
+            if (!absl::ascii_isalnum(static_cast<unsigned char>(ch)) && ch != '_' && ch != '.' && ch != '-') ch = '_';
+          }
+          absl::StrAppend(&json, json.empty() ? "" : ",",
+                          absl::StrFormat("\"%s\":%.6f", key, sum / static_cast<double>(latencies.size())));
+        }
+        return json;
+      };
+      const std::string fixed = means(server_sum);
+      const std::string server_mean =
+          absl::StrCat("{", fixed, fixed.empty() ? "" : ",", "\"stages\":{", means(stage_sum), "}}");
       if (failed > 0) exit_code = 1;
       const double images_per_s = static_cast<double>(latencies.size()) / wall;
       const double mean_batch = latencies.empty() ? 0 : batch_sum / static_cast<double>(latencies.size());

@@ -43,13 +43,15 @@ for part in ${PARTS:-e2e batching}; do
       ;;
     batching)
       full_shapes_dir
-      # The GPU's clocks, power and temperature every 500 ms beside the rows (bench/gpu_clocks.py),
-      # joined with each row's span after: gpu_clocks.txt.
+      # The GPU's clocks, power and temperature every 500 ms beside the rows (nvidia-smi's own log file,
+      # its timestamps), joined with each row's span after (bench/gpu_clocks.py): gpu_clocks.txt.
+      rm -f "$OUT/gpu_samples.csv" "$OUT/gpu_clocks.txt"
       sampler=""
       if command -v nvidia-smi >/dev/null 2>&1; then
-        (nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-          --format=csv,noheader,nounits -lms 500 | python3 bench/gpu_clocks.py stamp >"$OUT/gpu_samples.csv") &
+        nvidia-smi -i 0 --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+          --format=csv,noheader,nounits -lms 500 -f "$OUT/gpu_samples.csv" 2>"$OUT/gpu_samples.err" &
         sampler=$!
+        trap '[ -n "$sampler" ] && kill "$sampler" 2>/dev/null' EXIT
       fi
       stamp "batching"
       timeout "${BATCHING_TIMEOUT:-480}" bash bench/batching.sh "$build/server/stowage_server" \
@@ -58,11 +60,12 @@ for part in ${PARTS:-e2e batching}; do
         >"$OUT/batching.txt" 2>&1
       stamp "batching exit $?"
       if [ -n "$sampler" ]; then
-        pkill -P "$sampler" nvidia-smi 2>/dev/null; kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+        kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+        sampler=""
         python3 bench/gpu_clocks.py join "$OUT/gpu_samples.csv" "$OUT/batching.jsonl" >"$OUT/gpu_clocks.txt" 2>&1
       fi
       cat "$OUT/batching.txt" >>"$OUT/summary.txt"
-      [ -f "$OUT/gpu_clocks.txt" ] && cat "$OUT/gpu_clocks.txt" >>"$OUT/summary.txt"
+      if [ -f "$OUT/gpu_clocks.txt" ]; then cat "$OUT/gpu_clocks.txt" >>"$OUT/summary.txt"; fi
       ;;
     e2e_random)
       full_shapes_dir

@@ -382,14 +382,20 @@ class CudaBackend : public DeviceBackend {
   std::atomic<int64_t> context_reserve_{0};
 
   // The allocator's segments may take what the context (and its reserve) leave of the budget (at
-  // least nothing).
+  // least nothing). LibTorch checks the fraction only when it reserves a new segment: when the cap
+  // falls below what the allocator already holds (the context grew after the allocator had filled
+  // its share — multi-tenant run 11 stayed 7 MiB over its budget for three requests so), its cached
+  // free blocks go back to the driver at once, so the process comes back under the budget as far
+  // as live allocations allow.
   void ApplyBudget() {
     const int64_t context = context_bytes_.load() + context_reserve_.load();
-    const double fraction =
-        budget_bytes_ == 0 ? 1.0
-                           : static_cast<double>(std::max<int64_t>(0, budget_bytes_ - context)) /
-                                 static_cast<double>(total_bytes_);
-    c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, device_.index());
+    const int64_t cap = budget_bytes_ == 0 ? total_bytes_ : std::max<int64_t>(0, budget_bytes_ - context);
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(static_cast<double>(cap) / static_cast<double>(total_bytes_),
+                                                       device_.index());
+    if (budget_bytes_ > 0 &&
+        c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index()).reserved_bytes[0].current > cap) {
+      c10::cuda::CUDACachingAllocator::emptyCache();
+    }
   }
   std::atomic<int64_t> h2d_{0};
   std::atomic<int64_t> p2d_{0};

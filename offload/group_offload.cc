@@ -90,6 +90,11 @@ struct GroupOffloader::Impl {
   std::vector<Group*> order;  // Streamed ring groups in execution order (first forward).
   bool recording = true;
   int64_t cursor = 0;         // Absolute position of the next expected ring onload.
+  int64_t forward_start = 0;  // The cursor when the running (or last) forward began.
+  // The next forward is the last its run needs (SkipPrefetchAfterNextForward): it prefetches no
+  // groups of a forward after it. Cleared when that forward ends.
+  bool last_forward = false;
+  bool in_last_forward = false;
   GroupOffloadStats stats;    // The cache_* fields are kept current here.
 
   // --- Building ---------------------------------------------------------------------------------
@@ -414,9 +419,15 @@ struct GroupOffloader::Impl {
     g.done.clear();
     if (pos >= 0) cursor = pos + 1;
     if (recording || !options.use_stream || length < 2) return;
-    // Prefetch the next groups into the slots their positions map to; never the running one's.
+    // Prefetch the next groups into the slots their positions map to; never the running one's. The
+    // last forward of a run prefetches none of the next forward's (its ring goes back before one).
     const int64_t ahead = std::min<int64_t>(options.prefetch_depth, std::min<int64_t>(length - 1, n - 1));
     for (int64_t k = 1; k <= ahead && pos >= 0; ++k) {
+      if (in_last_forward && pos + k - forward_start >= length) {
+        // Each position is first looked at from `ahead` groups before it: count it once, there.
+        if (k == ahead) ++stats.prefetches_skipped_after_last;
+        continue;
+      }
       Group& next = *order[static_cast<size_t>((pos + k) % length)];
       const int64_t s = (pos + k) % n;
       if (&next == &g || next.resident || CachedWidened(next)) continue;
@@ -473,10 +484,14 @@ struct GroupOffloader::Impl {
     for (auto& g : groups) {
       if (g->active) Offload(*g);
     }
+    forward_start = cursor;
+    in_last_forward = last_forward;
+    last_forward = false;
   }
 
   void EndForward() {
     ++stats.forwards;
+    in_last_forward = false;
     // An allowance lowered during the forward takes effect now (the root's post hook: every group
     // is put away by then).
     if (stats.cache_bytes > stats.cache_allowance_bytes && !InsideForward()) ShrinkCache(stats.cache_allowance_bytes);
@@ -543,6 +558,7 @@ int64_t GroupOffloader::SetCacheAllowance(int64_t bytes) { return impl_->SetCach
 int64_t GroupOffloader::cache_bytes() const { return impl_->stats.cache_bytes; }
 
 absl::StatusOr<int64_t> GroupOffloader::PrefetchNextForward() { return impl_->PrefetchNextForward(); }
+void GroupOffloader::SkipPrefetchAfterNextForward() { impl_->last_forward = true; }
 
 int64_t GroupOffloader::bytes_needed_to_run() const {
   return (impl_->ring->allocated() ? 0 : impl_->ring->bytes()) + impl_->stats.always_on_bytes;

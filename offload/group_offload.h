@@ -167,6 +167,7 @@ struct GroupOffloadStats {
   int64_t disk_files_reused = 0;
   int64_t slot_releases = 0;   // ReleaseSlots calls that freed the ring.
   int64_t early_prefetches = 0;  // Copies issued by PrefetchNextForward (before the forward).
+  int64_t prefetches_skipped_after_last = 0;  // Not issued: past a run's last forward (SkipPrefetchAfterNextForward).
   // kPinnedHost: bytes of safetensors mappings dropped from RSS after their copy into pinned memory,
   // and the pinned host bytes allocated for the groups (exactly their packed size: no slack).
   int64_t mapped_bytes_released = 0;
@@ -237,6 +238,11 @@ class GroupOffloader {
   // without streams, or inside a forward. Returns the bytes whose copy it issued; a device
   // out-of-memory error for the ring is returned, not thrown.
   absl::StatusOr<int64_t> PrefetchNextForward();
+  // The next forward is the last its run needs for now (a request's last denoising step): while it
+  // runs, its groups prefetch only its own later groups, none of a forward after it — with the
+  // component idle next, its ring goes back (placement's idle release) and such copies would be
+  // copied again. Counted in stats().prefetches_skipped_after_last. Changes no output.
+  void SkipPrefetchAfterNextForward();
   // Bytes the next forward must allocate before it can run: the slots and scratch if released, the
   // always-on groups.
   int64_t bytes_needed_to_run() const;

@@ -769,6 +769,11 @@ void PlacementManager::Prefetch(Component& component) {
          "it runs next: its first groups copy while the current component computes");
 }
 
+void PlacementManager::LastRunNext(Component& component) {
+  Entry* entry = Find(component);
+  if (entry != nullptr && entry->group_offload) entry->group_offload->SkipPrefetchAfterNextForward();
+}
+
 absl::Status PlacementManager::SetMemoryBudget(int64_t bytes, std::vector<std::string>* offloaded) {
   SweepMoved();
   const int64_t previous = backend_->MemoryBudget();

@@ -217,6 +217,9 @@ class PlacementManager : public ComponentRunner {
   // while other components run, until it runs itself (memory pressure may still take them).
   // Recorded as a "prefetch" decision. Other components: nothing (they move when they run).
   void Prefetch(Component& component) override;
+  // Its next forward prefetches no groups of a forward after it (GroupOffloader::
+  // SkipPrefetchAfterNextForward); nothing for a component without group offloading.
+  void LastRunNext(Component& component) override;
   // Peer eviction on (see PeerEviction); off by default and with an empty `move`.
   void SetPeerEviction(PeerEviction peer) { peer_ = std::move(peer); }
   // The peer's side of a peer eviction: registers `component` of `pipeline` here and makes it

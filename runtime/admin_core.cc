@@ -78,6 +78,7 @@ void FillComponents(const PlacementSnapshot& snapshot,
       g->set_scratch_bytes(s.scratch_bytes);
       g->set_bytes_per_forward(s.bytes_per_forward);
       g->set_early_prefetches(s.early_prefetches);
+      g->set_prefetches_skipped_after_last(s.prefetches_skipped_after_last);
       g->set_cache_allowance_bytes(s.cache_allowance_bytes);
       g->set_cached_groups(s.cached_groups);
       g->set_cache_bytes(s.cache_bytes);

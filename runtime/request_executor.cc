@@ -119,6 +119,10 @@ class SplitRunner : public ComponentRunner {
     (void)peer->RunForPeer(component, nullptr, /*prefetch_only=*/true, request_id_, &scope_, interrupt_,
                            &UsageOf(*peer));
   }
+  void LastRunNext(Component& component) override {
+    // Only this device's placement prefetches within a forward (a peer's runs its own).
+    if (home_.PeerFor(pipeline_, component) == nullptr) local_.LastRunNext(component);
+  }
   // Preemption between steps (RequestExecutor::Run sets it for requests; a warm-up has none).
   void BetweenSteps(int done, int total) override {
     if (between_steps_) between_steps_(done, total);

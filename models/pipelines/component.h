@@ -85,6 +85,12 @@ class ComponentRunner {
   // moving its weights so that the copy overlaps the current compute (placement: the first groups
   // of a group-offloaded component). Never required for correctness; the default does nothing.
   virtual void Prefetch(Component& component) { (void)component; }
+  // A hint that the next Run of `component` is the last this run of the pipeline needs (a request's
+  // last denoising step): the runner need not prepare a run after it (placement: a group-offloaded
+  // component's last forward prefetches no groups of a next one, which would be copied for nothing
+  // once the component sits idle and gives its ring back). Never required for correctness; the
+  // default does nothing.
+  virtual void LastRunNext(Component& component) { (void)component; }
   // Between two denoising steps of the run (`done` of `total` steps done; not after the last): the
   // runner may run other work on the device here — the server runs a waiting request that
   // preempts this one (SchedulerConfig.preemption) to its end — with this run's tensors kept where

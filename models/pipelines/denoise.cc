@@ -43,7 +43,10 @@ void Denoise(const std::vector<BatchMember>& members, ComponentRunner& runner, B
   run.BeginStage("denoise", n - start);
   for (int step = start; step < n && !active.empty(); ++step) {
     std::vector<at::Tensor> velocities(active.size());
-    if (step == n - 1) runner.Prefetch(*f.vae);  // The decoder's first groups copy during the last step.
+    if (step == n - 1) {
+      runner.Prefetch(*f.vae);  // The decoder's first groups copy during the last step.
+      if (f.transformer != nullptr) runner.LastRunNext(*f.transformer);  // And none of a next step's groups.
+    }
     const absl::Status ran = f.forward(step, active, latents, &velocities);
     if (!ran.ok()) {
       run.Filter([&](size_t) { return ran; });

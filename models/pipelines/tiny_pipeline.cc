@@ -110,7 +110,10 @@ class TinyPipeline : public Pipeline {
           at::full({batch}, scheduler.timesteps()[i], at::TensorOptions().dtype(at::kFloat).device(device));
       const at::Tensor model_in = latents.expand({batch, -1, -1, -1});
       at::Tensor velocity;
-      if (i == params.steps - 1) runner.Prefetch(*vae_);  // The decoder's first groups: during the last step.
+      if (i == params.steps - 1) {
+        runner.Prefetch(*vae_);                // The decoder's first groups: during the last step.
+        runner.LastRunNext(*transformer_);     // And none of a next step's transformer groups.
+      }
       RETURN_IF_ERROR(runner.Run(*transformer_, [&] {
         velocity = dit.Forward(model_in, t, text, mask).to(at::kFloat);
       }));

@@ -209,6 +209,41 @@ TEST(GroupOffloadTest, PeakDeviceBytesAreOrderedAcrossModes) {
   EXPECT_LT(block3, all);
 }
 
+// A run's last forward (SkipPrefetchAfterNextForward before it) prefetches its own later groups
+// but none of a next forward's; the forward after it, with nothing prefetched, loads its first group
+// synchronously and prefetches as before; every output stays exact. At depth 3: the normal forward
+// issues every group it needs after its first plus the next forward's first three.
+TEST(GroupOffloadTest, TheLastForwardOfARunPrefetchesNothingOfTheNext) {
+  Fixture f;
+  GroupOffloadOptions options = Opts(OffloadType::kBlockLevel, 1, true, OffloadTarget::kPinnedHost);
+  options.prefetch_depth = 3;
+  auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, options);
+  ASSERT_TRUE(offloader.ok()) << offloader.status();
+  GroupOffloader& o = **offloader;
+  const int64_t groups = o.stats().streamed_groups;
+  ASSERT_GT(groups, o.stats().slots);  // Streamed through the ring, not held.
+  const auto forward = [&] {
+    at::Tensor out;
+    f.PeakOfForward(StackOrder::kForward, &out);
+    EXPECT_TRUE(at::equal(out, f.reference));
+  };
+  forward();  // Records the order.
+  forward();  // Prefetches its groups after the first and the next forward's first three.
+  GroupOffloadStats before = o.stats();
+  o.SkipPrefetchAfterNextForward();
+  forward();  // The last of a run: its first three came from the forward before; no wrap.
+  GroupOffloadStats after = o.stats();
+  EXPECT_EQ(after.prefetches - before.prefetches, groups - 3);
+  EXPECT_EQ(after.prefetches_skipped_after_last, 3);
+  EXPECT_EQ(after.sync_onloads, before.sync_onloads);
+  before = after;
+  forward();  // A new run: its first group loads synchronously, then prefetching as usual.
+  after = o.stats();
+  EXPECT_EQ(after.sync_onloads - before.sync_onloads, 1);
+  EXPECT_EQ(after.prefetches - before.prefetches, groups - 1 + 3);
+  EXPECT_EQ(after.prefetches_skipped_after_last, 3);  // The hint held for one forward only.
+}
+
 TEST(GroupOffloadTest, BudgetKeepsTheGroupsThatFitResident) {
   Fixture f;
   GroupOffloadOptions options = Opts(OffloadType::kBlockLevel, 1, true, OffloadTarget::kPinnedHost);

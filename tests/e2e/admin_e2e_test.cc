@@ -184,6 +184,10 @@ TEST_F(AdminE2ETest, PlacementStrategiesAndGroupOffload) {
     }
     const auto& g = transformer.group_offload();
     ASSERT_GT(g.forwards(), 0);
+    // Streamed through its ring, its requests' last steps copied none of a next step's groups: the
+    // server's runner passed the pipeline's hint (LastRunNext) to placement.
+    ASSERT_GT(g.streamed_groups(), g.slots());
+    EXPECT_GT(g.prefetches_skipped_after_last(), 0);
     for (const std::string& line :
          {"stowage_group_offload_forwards_total{component=\"zimage-tiny/transformer\",device=\"" + dev + "\"} " +
               std::to_string(g.forwards()),

@@ -90,7 +90,6 @@ struct GroupOffloader::Impl {
   std::vector<Group*> order;  // Streamed ring groups in execution order (first forward).
   bool recording = true;
   int64_t cursor = 0;         // Absolute position of the next expected ring onload.
-  int64_t forward_start = 0;  // The cursor when the running (or last) forward began.
   // The next forward is the last its run needs (SkipPrefetchAfterNextForward): it prefetches no
   // groups of a forward after it. Cleared when that forward ends.
   bool last_forward = false;
@@ -423,7 +422,8 @@ struct GroupOffloader::Impl {
     // last forward of a run prefetches none of the next forward's (its ring goes back before one).
     const int64_t ahead = std::min<int64_t>(options.prefetch_depth, std::min<int64_t>(length - 1, n - 1));
     for (int64_t k = 1; k <= ahead && pos >= 0; ++k) {
-      if (in_last_forward && pos + k - forward_start >= length) {
+      // Past the end of the recorded order: a group of the next forward.
+      if (in_last_forward && pos % length + k >= length) {
         // Each position is first looked at from `ahead` groups before it: count it once, there.
         if (k == ahead) ++stats.prefetches_skipped_after_last;
         continue;
@@ -484,7 +484,6 @@ struct GroupOffloader::Impl {
     for (auto& g : groups) {
       if (g->active) Offload(*g);
     }
-    forward_start = cursor;
     in_last_forward = last_forward;
     last_forward = false;
   }

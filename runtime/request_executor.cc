@@ -108,8 +108,12 @@ class SplitRunner : public ComponentRunner {
     DeviceRuntime* peer = home_.PeerFor(pipeline_, component);
     if (peer == nullptr) {
       if (next_ != nullptr) next_->BeforeRun(component);
+      // The last-run hint, given now: a peer's call served just above may have run the component.
+      if (last_run_next_ == &component) local_.LastRunNext(component);
+      last_run_next_ = nullptr;
       return local_.Run(component, fn);
     }
+    last_run_next_ = nullptr;
     return peer->RunForPeer(component, fn, /*prefetch_only=*/false, request_id_, &scope_, interrupt_, &UsageOf(*peer));
   }
   void Prefetch(Component& component) override {
@@ -119,10 +123,9 @@ class SplitRunner : public ComponentRunner {
     (void)peer->RunForPeer(component, nullptr, /*prefetch_only=*/true, request_id_, &scope_, interrupt_,
                            &UsageOf(*peer));
   }
-  void LastRunNext(Component& component) override {
-    // Only this device's placement prefetches within a forward (a peer's runs its own).
-    if (home_.PeerFor(pipeline_, component) == nullptr) local_.LastRunNext(component);
-  }
+  // Held until the component's next Run here (only this device's placement prefetches within its
+  // forwards; a component on a peer keeps its ring there, and its copies serve the next request).
+  void LastRunNext(Component& component) override { last_run_next_ = &component; }
   // Preemption between steps (RequestExecutor::Run sets it for requests; a warm-up has none).
   void BetweenSteps(int done, int total) override {
     if (between_steps_) between_steps_(done, total);
@@ -154,6 +157,7 @@ class SplitRunner : public ComponentRunner {
   NextPipelinePrefetch* const next_;
   std::function<void(int done, int total)> between_steps_;
   std::vector<v1::DeviceUsage> usage_;
+  Component* last_run_next_ = nullptr;  // LastRunNext's component, until its next Run.
 };
 
 // Set aside for the context's growth during a warm-up's first run (DeviceRuntime::WarmUp), and

@@ -28,8 +28,12 @@ for r in rows:
         assert r["mean_batch_size"] > 1, r    # four clients, batching on: batches form
     # The server's own means from the replies' stats: its run, each stage, the run per image.
     m = r["server_mean_s"]
-    for field in ("queue_wait", "batch_wait", "run_time", "run_time_per_image"):
-        assert m[field] >= 0, (field, r)
+    # Batching off: no batch is held open for company. Four clients without batching: each request
+    # waits in the queue behind the others' runs.
+    if r["max_batch_size"] == 1:
+        assert m["batch_wait"] == 0, r
+        if r["concurrency"] == 4:
+            assert m["queue_wait"] > 0, r
     stages = m["stages"]
     for stage in ("encode_prompt", "denoise", "decode"):
         assert stages[stage] > 0, (stage, r)

@@ -40,6 +40,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "bench/bench_client.h"
+#include "google/protobuf/util/time_util.h"
 #include "stowage/v1/admin.grpc.pb.h"
 #include "stowage/v1/generation.grpc.pb.h"
 
@@ -90,7 +91,9 @@ double UnixSeconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-double Seconds(const google::protobuf::Duration& d) { return static_cast<double>(d.seconds()) + d.nanos() * 1e-9; }
+double Seconds(const google::protobuf::Duration& d) {
+  return static_cast<double>(google::protobuf::util::TimeUtil::DurationToNanoseconds(d)) * 1e-9;
+}
 
 stowage::v1::ImageFormat g_format = stowage::v1::IMAGE_FORMAT_PNG;
 

@@ -394,7 +394,7 @@ class CudaBackend : public DeviceBackend {
                                                        device_.index());
     if (budget_bytes_ > 0 &&
         c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index()).reserved_bytes[0].current > cap) {
-      c10::cuda::CUDACachingAllocator::emptyCache();
+      ReleaseCachedMemory();
     }
   }
   std::atomic<int64_t> h2d_{0};

@@ -470,11 +470,23 @@ void PlacementManager::WidenCacheMargin(const std::string& reason) {
   const int64_t cap = budget > 0 ? budget / 4 : (int64_t{4} << 30);
   const int64_t widened =
       std::min(std::max(2 * learned_cache_margin_, std::max<int64_t>(streamed_group_cache_margin_, 1)), cap);
+  requests_since_margin_change_ = 0;
   if (widened <= learned_cache_margin_) return;
   learned_cache_margin_ = widened;
   Record("", "widen_cache_margin", streamed_group_cache_margin_ + learned_cache_margin_, FreeBytes(),
          absl::StrCat(reason, ": spare-room caches leave ", streamed_group_cache_margin_ + learned_cache_margin_,
                       " bytes free beyond what runs allocate from now on"));
+}
+
+void PlacementManager::MaybeNarrowCacheMargin() {
+  if (learned_cache_margin_ == 0 || requests_since_margin_change_ < kCacheMarginNarrowAfterRequests) return;
+  const int64_t was = learned_cache_margin_;
+  learned_cache_margin_ = was / 2 < std::max<int64_t>(streamed_group_cache_margin_, 1) ? 0 : was / 2;
+  requests_since_margin_change_ = 0;
+  Record("", "narrow_cache_margin", streamed_group_cache_margin_ + learned_cache_margin_, FreeBytes(),
+         absl::StrCat(kCacheMarginNarrowAfterRequests, " requests began without running out of memory since the "
+                      "margin last changed: spare-room caches leave ",
+                      streamed_group_cache_margin_ + learned_cache_margin_, " bytes free beyond what runs allocate"));
 }
 
 void PlacementManager::ClearGroupPrefetch(Entry& entry) {
@@ -624,6 +636,13 @@ std::vector<std::string> PlacementManager::Warnings() const {
 
 void PlacementManager::SetRequestId(std::string request_id) {
   request_id_ = std::move(request_id);
+}
+
+void PlacementManager::BeginRequest(std::string request_id) {
+  SetRequestId(std::move(request_id));
+  ++counters_.requests_begun;
+  ++requests_since_margin_change_;
+  MaybeNarrowCacheMargin();
 }
 
 std::vector<PlacementDecision> PlacementManager::DecisionLog(size_t limit) const {

@@ -122,6 +122,7 @@ struct PlacementCounters {
   int64_t offloads = 0;
   int64_t offload_bytes = 0;
   int64_t oom_recoveries = 0;
+  int64_t requests_begun = 0;  // BeginRequest calls: requests and batches the device began to run.
   // Cross-pipeline prefetch (PrefetchPipeline): components whose copies started while another
   // pipeline's request ran (also counted in onloads), those that then ran before anything evicted
   // them, and those evicted or released unused; with their bytes.
@@ -167,6 +168,9 @@ class PlacementManager : public ComponentRunner {
                       const std::string& action = "schedule");
   // The request id recorded with decisions from now on (set by the server per request).
   void SetRequestId(std::string request_id);
+  // A request (or a batch) begins its run: SetRequestId, and counted toward narrowing a learned
+  // cache margin (see set_streamed_group_cache). Called by the device's request executor.
+  void BeginRequest(std::string request_id);
   // The newest `limit` decisions, oldest first.
   std::vector<PlacementDecision> DecisionLog(size_t limit) const;
 
@@ -285,14 +289,21 @@ class PlacementManager : public ComponentRunner {
   // another takes the other's cache when the room left is less than it could hold (YieldCachesTo: a
   // transformer's steps over the text encoder that filled the room first), and a lower budget empties
   // them. A run that runs out of device memory while caches hold room gets them all
-  // back and runs again before any weights move, and the caches' margin doubles from then on
-  // (recorded as "widen_cache_margin"; on CUDA, room the allocator's counts call free can be split
-  // into blocks too small for the run's largest allocation), up to a quarter of the budget.
+  // back and runs again before any weights move, and the caches' margin doubles (recorded as
+  // "widen_cache_margin"; on CUDA, room the allocator's counts call free can be split into blocks
+  // too small for the run's largest allocation), up to a quarter of the budget. The learned margin
+  // halves again after kCacheMarginNarrowAfterRequests requests without such an error (recorded as
+  // "narrow_cache_margin"), down to none: the fragments that made the room unusable may be
+  // those of one moment (multi-tenant run 12: four VAE runs ran out in the first eleven requests after
+  // the budget was set, none in the 389 after, and the doubled margin kept the caches 2 GiB smaller
+  // for the whole run).
   void set_streamed_group_cache(bool on, int64_t margin_bytes) {
     streamed_group_cache_ = on;
     streamed_group_cache_margin_ = margin_bytes;
     learned_cache_margin_ = 0;
+    requests_since_margin_change_ = 0;
   }
+  static constexpr int kCacheMarginNarrowAfterRequests = 32;
   // The margin out-of-memory errors added to the configured one (0 until one happened).
   int64_t learned_cache_margin() const { return learned_cache_margin_; }
   // Cross-pipeline prefetch on or off (DeviceConfig.prefetch_next_pipeline; default on).
@@ -413,6 +424,9 @@ class PlacementManager : public ComponentRunner {
   void GrantGroupCache(Entry& entry, int64_t working_set);
   // Doubles learned_cache_margin_ (at least the configured margin, at most a quarter of the budget).
   void WidenCacheMargin(const std::string& reason);
+  // Halves learned_cache_margin_ (to none below the configured margin) once
+  // kCacheMarginNarrowAfterRequests requests began without widening it (BeginRequest).
+  void MaybeNarrowCacheMargin();
   // Entry::prefetched and the group prefetch's fields back to none.
   void ClearGroupPrefetch(Entry& entry);
   // A pipeline prefetch of `entry` not run counts as unused, and loses its mark.
@@ -486,6 +500,8 @@ class PlacementManager : public ComponentRunner {
   bool streamed_group_cache_ = false;
   int64_t streamed_group_cache_margin_ = 0;
   int64_t learned_cache_margin_ = 0;  // See set_streamed_group_cache.
+  // Requests begun (BeginRequest) since learned_cache_margin_ last changed.
+  int requests_since_margin_change_ = 0;
   bool pin_host_copies_ = false;
   int64_t host_budget_ = 0;
   int64_t run_changes_ = 0;  // See run_changes().

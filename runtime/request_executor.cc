@@ -298,7 +298,7 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
   PlacementManager& placement = device_.Placement(scope);
   DeviceBackend& backend = device_.Backend(scope);
   // The placement log names the request (or the batch) its decisions were made for.
-  placement.SetRequestId(batch_size == 1 ? ids.front() : absl::StrCat("batch(", absl::StrJoin(ids, ","), ")"));
+  placement.BeginRequest(batch_size == 1 ? ids.front() : absl::StrCat("batch(", absl::StrJoin(ids, ","), ")"));
   backend.ResetPeakStats();
   peak_floor_allocated_ = 0;
   peak_floor_reserved_ = 0;

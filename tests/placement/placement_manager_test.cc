@@ -396,6 +396,78 @@ TEST(PlacementManagerTest, OutOfMemoryTakesTheSpareRoomCachesBeforeAnyWeights) {
     EXPECT_NE(log[k].action, "offload") << log[k].component << ": " << log[k].reason;
   }
   EXPECT_LE(s.backend->GetMemoryStats().peak_allocated_bytes + now.context_bytes, budget);
+
+  // The learned margin halves once kCacheMarginNarrowAfterRequests requests began without running
+  // out (none here: half of 256 is below the configured 256), and the next cache takes that room.
+  ASSERT_TRUE(s.Generate().ok());
+  ASSERT_TRUE(s.placement.Run(*vae, s.Allocating(activations)).ok());
+  const int64_t allowance = stats().cache_allowance_bytes;
+  decisions = s.placement.DecisionLog(1000).size();
+  for (int k = 1; k < PlacementManager::kCacheMarginNarrowAfterRequests; ++k) {
+    s.placement.BeginRequest(absl::StrCat("quiet-", k));
+  }
+  EXPECT_EQ(s.placement.learned_cache_margin(), 256);
+  s.placement.BeginRequest("quiet-last");
+  EXPECT_EQ(s.placement.learned_cache_margin(), 0);
+  log = s.placement.DecisionLog(1000);
+  ASSERT_EQ(log.size(), decisions + 1);
+  EXPECT_EQ(log.back().action, "narrow_cache_margin");
+  EXPECT_EQ(log.back().bytes, 256);
+  EXPECT_EQ(log.back().request_id, "quiet-last");
+  ASSERT_TRUE(s.Generate().ok());
+  EXPECT_EQ(stats().cache_allowance_bytes, allowance + 256);
+  ASSERT_TRUE(s.placement.Run(*vae, s.Allocating(activations)).ok());
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 1);
+  EXPECT_LE(s.backend->GetMemoryStats().peak_allocated_bytes + now.context_bytes, budget);
+}
+
+// A learned margin halves step by step, and an out-of-memory error in between starts the count of
+// quiet requests again: the margin narrows only after that many requests without one.
+TEST(PlacementManagerTest, ALearnedCacheMarginNarrowsAfterQuietRequestsOnly) {
+  Harness s;
+  (void)s.placement.SetStrategy(MakeFootprintStrategy(0));
+  s.placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
+  GroupOffloadOptions options;
+  options.use_stream = true;
+  ASSERT_TRUE(s.placement.EnableGroupOffload("tiny/transformer", options).ok());
+  ASSERT_TRUE(s.Generate().ok());
+  ASSERT_TRUE(s.Generate().ok());
+  Component* vae = s.pipeline->components().back();
+  const int64_t cache = s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes;
+  ASSERT_GT(cache, 1024);
+  // Each out-of-memory run below happens with the cache full and half the VAE's run free, the run
+  // allocating more than any before it (so the headroom learned before does not make its room).
+  int64_t activations = cache / 16;
+  const auto run_out = [&](int64_t expected_margin) {
+    activations *= 2;
+    ASSERT_TRUE(s.backend->SetMemoryBudget(0).ok());
+    ASSERT_TRUE(s.Generate().ok());  // The cache fills again without a budget.
+    const DeviceMemoryStats now = s.backend->GetMemoryStats();
+    ASSERT_TRUE(s.backend->SetMemoryBudget(now.context_bytes + now.allocated_bytes + activations / 2).ok());
+    ASSERT_TRUE(s.placement.Run(*vae, s.Allocating(activations)).ok());
+    EXPECT_EQ(s.placement.learned_cache_margin(), expected_margin);
+  };
+  const auto quiet = [&](int requests) {
+    for (int k = 0; k < requests; ++k) s.placement.BeginRequest(absl::StrCat("quiet-", k));
+  };
+  run_out(256);
+  run_out(512);
+  quiet(PlacementManager::kCacheMarginNarrowAfterRequests - 1);
+  run_out(1024);  // Before the count ran out: it starts again.
+  quiet(PlacementManager::kCacheMarginNarrowAfterRequests - 1);
+  EXPECT_EQ(s.placement.learned_cache_margin(), 1024);
+  quiet(1);
+  EXPECT_EQ(s.placement.learned_cache_margin(), 512);
+  quiet(PlacementManager::kCacheMarginNarrowAfterRequests);
+  EXPECT_EQ(s.placement.learned_cache_margin(), 256);
+  quiet(PlacementManager::kCacheMarginNarrowAfterRequests);
+  EXPECT_EQ(s.placement.learned_cache_margin(), 0);
+  quiet(PlacementManager::kCacheMarginNarrowAfterRequests);
+  EXPECT_EQ(s.placement.learned_cache_margin(), 0);
+  int narrowed = 0;
+  for (const PlacementDecision& d : s.placement.DecisionLog(1000)) narrowed += d.action == "narrow_cache_margin";
+  EXPECT_EQ(narrowed, 3);
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 3);
 }
 
 // An out-of-memory recovery moves the strategy's kept components last: when moving the others makes

@@ -257,6 +257,11 @@ TEST_F(RuntimeCoreTest, RequestsQueuedBehindARunningOneRunAsOneBatch) {
   std::vector<std::string> second = batches[1];
   std::sort(second.begin(), second.end());
   EXPECT_EQ(second, (std::vector<std::string>{"b", "c", "d"}));
+  // Placement was told of each run's beginning (a learned cache margin counts them to narrow).
+  EXPECT_TRUE(AwaitState([&] {
+    const auto snapshot = core().placement_snapshot();
+    return snapshot != nullptr && snapshot->counters.requests_begun == 2;
+  }));
 }
 
 TEST_F(RuntimeCoreTest, ACancelledMemberLeavesItsBatchAtTheNextStepAndTheOthersFinish) {

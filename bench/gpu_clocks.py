@@ -5,8 +5,9 @@
       --format=csv,noheader,nounits -lms 500 -f samples.csv      (beside the benchmark; stopped after it)
   python3 bench/gpu_clocks.py join samples.csv rows.jsonl
       for each JSON row with started_unix_s / ended_unix_s (bench/load_bench.cc), the samples inside its
-      span: mean and minimum SM clock, mean memory clock, mean and maximum power, maximum temperature and
-      the throttle reasons seen (nvidia-smi's bit mask, OR'ed over the samples, by name; "GpuIdle" left
+      span: mean and minimum SM clock, the mean SM clock of the busy samples (those not flagged GpuIdle),
+      mean memory clock, mean and maximum power, the share of samples under the software power cap
+      (SwPowerCap), maximum temperature and the throttle reasons seen (nvidia-smi's bit mask, OR'ed over the samples, by name; "GpuIdle" left
       out: a closed loop idles between batches). One line a row, labelled by its mode, compress, batch
       setting and concurrency; a row without a span or without samples says so.
 
@@ -92,8 +93,13 @@ def summarize(samples, start, end):
     reasons = reason_names(mask) if known else "?"
     if known and len(known) < len(inside):
         reasons += f" ({len(inside) - len(known)} samples unknown)"
+    # Busy: samples whose reasons are known and do not say GpuIdle (a closed loop idles between batches,
+    # at the highest clocks, which would lift a plain mean).
+    busy_sm = [s["sm"] for s in inside if s["reasons"] is not None and not s["reasons"] & 0x1 and s["sm"] is not None]
+    capped = round(sum(1 for r in known if r & 0x4) / len(known), 2) if known else None
     return dict(samples=len(inside), sm_mhz_mean=mean(sm), sm_mhz_min=min(sm) if sm else None,
-                mem_mhz_mean=mean(mem), power_w_mean=mean(power), power_w_max=max(power) if power else None,
+                sm_mhz_busy_mean=mean(busy_sm), mem_mhz_mean=mean(mem), power_w_mean=mean(power),
+                power_w_max=max(power) if power else None, power_capped_share=capped,
                 temp_c_max=max(temp) if temp else None, throttle=reasons)
 
 

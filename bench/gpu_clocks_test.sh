@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # bench/gpu_clocks.py join: nvidia-smi's samples (its own local timestamps) joined with rows by their
-# Unix spans — means, minimum, maximum, throttle reasons OR'ed and named (GpuIdle left out, unknown
-# bits in hex, "[N/A]" as unknown); a row without samples or without a span says so; a line that does
-# not parse is skipped and counted; a file with no sample at all is refused.
+# Unix spans — means, minimum, maximum, the busy samples' SM clock, the power-capped share, throttle
+# reasons OR'ed and named (GpuIdle left out, unknown bits in hex, "[N/A]" as unknown); a row without
+# samples or without a span says so; a line that does not parse is skipped and counted; a file with no
+# sample at all is refused.
 set -euo pipefail
 scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 tool="$scripts/gpu_clocks.py"
@@ -24,9 +25,9 @@ JSON
 out=$(/usr/bin/python3 "$tool" join "$TEST_TMPDIR/samples.csv" "$TEST_TMPDIR/rows.jsonl" 2>"$TEST_TMPDIR/warn.txt")
 echo "$out"
 cat "$TEST_TMPDIR/warn.txt"
-echo "$out" | grep -qx "resident/none b=8 N=4: samples 3 sm_mhz_mean 1826.7 sm_mhz_min 1700.0 mem_mhz_mean 2619.0 power_w_mean 650.0 power_w_max 700.0 temp_c_max 70.0 throttle SwPowerCap+0x200"
+echo "$out" | grep -qx "resident/none b=8 N=4: samples 3 sm_mhz_mean 1826.7 sm_mhz_min 1700.0 sm_mhz_busy_mean 1750.0 mem_mhz_mean 2619.0 power_w_mean 650.0 power_w_max 700.0 power_capped_share 0.33 temp_c_max 70.0 throttle SwPowerCap+0x200"
 echo "$out" | grep -qx "streamed/int4 b=8 N=4: no GPU samples inside the row's span"
-echo "$out" | grep -qx "streamed/int4 b=8 N=8: samples 1 sm_mhz_mean 1980.0 sm_mhz_min 1980.0 mem_mhz_mean 2619.0 power_w_mean 300.0 power_w_max 300.0 temp_c_max 40.0 throttle ?"
+echo "$out" | grep -qx "streamed/int4 b=8 N=8: samples 1 sm_mhz_mean 1980.0 sm_mhz_min 1980.0 sm_mhz_busy_mean None mem_mhz_mean 2619.0 power_w_mean 300.0 power_w_max 300.0 power_capped_share None temp_c_max 40.0 throttle ?"
 echo "$out" | grep -qx "streamed/int4 b=1 N=8: no started_unix_s / ended_unix_s in the row"
 grep -q "samples.csv:4: 2 fields, not 6" "$TEST_TMPDIR/warn.txt"
 # Idle only: no throttling named.

@@ -53,7 +53,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIDE = 1024 // 8
-CAPTION_TOKENS = 512
+CAPTION_TOKENS = 512  # The default; run --caption_tokens sets it for a run (the server's short prompts: ~32).
 
 
 def draw_inputs(arch, config):
@@ -248,6 +248,8 @@ def run(args):
 
     if not os.path.exists(os.path.join(args.dir, "transformer", "config.json")):
         export(args.dir, args.arch)
+    global CAPTION_TOKENS
+    CAPTION_TOKENS = args.caption_tokens
     device = torch.device("cuda")
     class_name = "FluxTransformer2DModel" if args.arch == "flux" else "ZImageTransformer2DModel"
     model_name = "flux" if args.arch == "flux" else "zimage"
@@ -270,7 +272,7 @@ def run(args):
         r = {"bench": "compute", "model": model_name, "system": system, "mode": mode, "path": path,
              "step_s": round(step_s, 6), "batch": batch, "tflop_per_step": round(tflop * batch, 3),
              "limit_s": round(limit_s * batch, 6), "x_limit": round(step_s / (limit_s * batch), 3), "rel_l2": err,
-             "machine": args.machine, "commit": args.commit}
+             "caption_tokens": CAPTION_TOKENS, "machine": args.machine, "commit": args.commit}
         r.update(extra)
         rows.append(r)
         print(json.dumps(r), flush=True)
@@ -513,6 +515,8 @@ def main():
     r.add_argument("--warmup", type=int, default=3)
     r.add_argument("--iters", type=int, default=10)
     r.add_argument("--peak_tflops", type=float, default=790.0)
+    r.add_argument("--caption_tokens", type=int, default=CAPTION_TOKENS,
+                   help="1..4096: caption tokens of every system's forward (rows say caption_tokens)")
     r.add_argument("--profile_dir", default="")
     r.add_argument("--spill_dir", default="",
                    help="offload_bench --spill_dir for Stowage's rows: host tensors no file holds (FP8 compute's "
@@ -523,6 +527,8 @@ def main():
     s.add_argument("--title", default="trace")
     args = parser.parse_args()
     if args.command == "run":
+        if not 1 <= args.caption_tokens <= 4096:
+            parser.error(f"--caption_tokens must be 1..4096, not {args.caption_tokens}")
         run(args)
     else:
         summarize_trace(args.trace, args.out, args.title)

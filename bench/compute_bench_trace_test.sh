@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # bench/compute_bench.py summarize_trace on a synthetic Kineto trace: kernel time by class, and the idle
-# analysis (busy union over streams, host-bound vs device-side gaps, the largest gaps named).
+# analysis (busy union over streams, host-bound vs device-side gaps, the largest gaps named); run refuses a
+# --caption_tokens outside 1..4096.
 set -euo pipefail
 scripts=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 /usr/bin/python3 - "$TEST_TMPDIR/trace.json" <<'PY'
@@ -37,4 +38,12 @@ grep -q '^stream 7: 3 kernels, 0.17 ms of kernel time in a 0.24 ms span; idle ho
   "$TEST_TMPDIR/profile.txt"
 grep -q '^stream 9: 1 kernels, 0.03 ms of kernel time in a 0.03 ms span; idle host-bound 0.00 ms, device-side 0.00 ms' \
   "$TEST_TMPDIR/profile.txt"
+# run --caption_tokens outside 1..4096 is refused before anything loads (no torch needed).
+for bad in 0 4097; do
+  if /usr/bin/python3 "$scripts/compute_bench.py" run --arch zimage --dir "$TEST_TMPDIR/none" --offload_bench none --out "$TEST_TMPDIR/o.jsonl" \
+      --caption_tokens "$bad" 2>"$TEST_TMPDIR/err.txt"; then
+    echo "--caption_tokens $bad was accepted" >&2; exit 1
+  fi
+  grep -q -- "--caption_tokens must be 1..4096, not $bad" "$TEST_TMPDIR/err.txt"
+done
 echo ok

@@ -42,6 +42,7 @@
 # MODES: Stowage's compute modes (bf16, bf16_reference, fp8, *_graphs, int8_streamed / int8g_streamed /
 # int4_streamed: streamed from a compressed host copy, widened to bf16 on the device; and bf16_streamed / fp8_streamed: the
 # transformer group-offloaded block by block, its weights streamed every step); DIFFUSERS: eager,compile (or eager).
+# CAPTION_TOKENS: the compute part's caption tokens (default 512; the server's short prompts give ~32).
 # SPILL_DIR (a directory on disk): Stowage's compute rows move the host tensors no file holds (FP8 compute's
 # converted weights) into a mapped file there first (offload_bench --spill_dir, PipelineConfig.host_spill_dir).
 source "$(dirname "$(readlink -f "${BASH_SOURCE[0]}")")/suite_lib.sh"
@@ -212,7 +213,7 @@ for model in ${MODELS:-zimage flux}; do
   timeout "${COMPUTE_TIMEOUT:-480}" python3 bench/compute_bench.py run --arch "$model" --dir "/tmp/compute-$model" \
     ${SPILL_DIR:+--spill_dir "$SPILL_DIR"} --offload_bench "$build/bench/offload_bench" --out "$OUT/compute.jsonl" --machine "$machine" \
     --commit "${STOWAGE_COMMIT:-unknown}" --profile_dir "$OUT" --modes "${!modes_var:-${MODES:-bf16,bf16_reference,fp8}}" \
-    --diffusers "${DIFFUSERS:-eager,compile}" >"$OUT/compute_$model.log" 2>&1
+    --diffusers "${DIFFUSERS:-eager,compile}" --caption_tokens "${CAPTION_TOKENS:-512}" >"$OUT/compute_$model.log" 2>&1
   stamp "compute $model exit $?"
 done
 summarize "$OUT/compute.jsonl"

@@ -470,23 +470,26 @@ void PlacementManager::WidenCacheMargin(const std::string& reason) {
   const int64_t cap = budget > 0 ? budget / 4 : (int64_t{4} << 30);
   const int64_t widened =
       std::min(std::max(2 * learned_cache_margin_, std::max<int64_t>(streamed_group_cache_margin_, 1)), cap);
-  requests_since_margin_change_ = 0;
-  if (widened <= learned_cache_margin_) return;
+  // An error at the cap still says the margin is too small: the count of quiet runs starts again.
+  quiet_runs_ = 0;
+  if (widened == learned_cache_margin_) return;
+  // Below it only when the budget fell since it widened (the cap is a quarter of the budget).
   learned_cache_margin_ = widened;
   Record("", "widen_cache_margin", streamed_group_cache_margin_ + learned_cache_margin_, FreeBytes(),
          absl::StrCat(reason, ": spare-room caches leave ", streamed_group_cache_margin_ + learned_cache_margin_,
                       " bytes free beyond what runs allocate from now on"));
 }
 
-void PlacementManager::MaybeNarrowCacheMargin() {
-  if (learned_cache_margin_ == 0 || requests_since_margin_change_ < kCacheMarginNarrowAfterRequests) return;
+void PlacementManager::CountQuietRun() {
+  if (learned_cache_margin_ == 0) return;  // Nothing to narrow (and no count to keep).
+  if (++quiet_runs_ < kCacheMarginNarrowAfterRuns) return;
   const int64_t was = learned_cache_margin_;
   learned_cache_margin_ = was / 2 < std::max<int64_t>(streamed_group_cache_margin_, 1) ? 0 : was / 2;
-  requests_since_margin_change_ = 0;
+  quiet_runs_ = 0;
   Record("", "narrow_cache_margin", streamed_group_cache_margin_ + learned_cache_margin_, FreeBytes(),
-         absl::StrCat(kCacheMarginNarrowAfterRequests, " requests began without running out of memory since the "
-                      "margin last changed: spare-room caches leave ",
-                      streamed_group_cache_margin_ + learned_cache_margin_, " bytes free beyond what runs allocate"));
+         absl::StrCat(kCacheMarginNarrowAfterRuns, " runs began without one running out of memory while spare-room "
+                      "caches held room: they leave ", streamed_group_cache_margin_ + learned_cache_margin_,
+                      " bytes free beyond what runs allocate"));
 }
 
 void PlacementManager::ClearGroupPrefetch(Entry& entry) {
@@ -640,9 +643,19 @@ void PlacementManager::SetRequestId(std::string request_id) {
 
 void PlacementManager::BeginRequest(std::string request_id) {
   SetRequestId(std::move(request_id));
-  ++counters_.requests_begun;
-  ++requests_since_margin_change_;
-  MaybeNarrowCacheMargin();
+  ++counters_.runs_begun;
+  CountQuietRun();
+}
+
+void PlacementManager::BeginPeerRun(std::string request_id) {
+  // A peer's request runs its components here one call at a time (a transformer's every step):
+  // counted once, at its first.
+  if (request_id != last_peer_request_) {
+    last_peer_request_ = request_id;
+    ++counters_.runs_begun;
+    CountQuietRun();
+  }
+  SetRequestId(std::move(request_id));
 }
 
 std::vector<PlacementDecision> PlacementManager::DecisionLog(size_t limit) const {
@@ -1107,6 +1120,7 @@ PlacementSnapshot PlacementManager::TakeSnapshot() const {
   snapshot.components = Snapshot();
   snapshot.warnings = Warnings();
   snapshot.counters = counters_;
+  snapshot.cache_margin_bytes = streamed_group_cache_ ? streamed_group_cache_margin_ + learned_cache_margin_ : 0;
   return snapshot;
 }
 

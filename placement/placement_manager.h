@@ -122,7 +122,8 @@ struct PlacementCounters {
   int64_t offloads = 0;
   int64_t offload_bytes = 0;
   int64_t oom_recoveries = 0;
-  int64_t requests_begun = 0;  // BeginRequest calls: requests and batches the device began to run.
+  // Runs the device began: its requests and batches (BeginRequest), peers' requests (BeginPeerRun).
+  int64_t runs_begun = 0;
   // Cross-pipeline prefetch (PrefetchPipeline): components whose copies started while another
   // pipeline's request ran (also counted in onloads), those that then ran before anything evicted
   // them, and those evicted or released unused; with their bytes.
@@ -147,6 +148,9 @@ struct PlacementSnapshot {
   std::vector<ComponentView> components;
   std::vector<std::string> warnings;
   PlacementCounters counters;
+  // What the spare-room caches leave free beyond what runs allocate: the configured margin plus the
+  // learned one (see set_streamed_group_cache); 0 with the caches off.
+  int64_t cache_margin_bytes = 0;
 };
 
 // Lifetime: the registered components must outlive the manager (group offloading unhooks their
@@ -168,9 +172,13 @@ class PlacementManager : public ComponentRunner {
                       const std::string& action = "schedule");
   // The request id recorded with decisions from now on (set by the server per request).
   void SetRequestId(std::string request_id);
-  // A request (or a batch) begins its run: SetRequestId, and counted toward narrowing a learned
-  // cache margin (see set_streamed_group_cache). Called by the device's request executor.
+  // A request (or a batch) begins its run: SetRequestId, counted in runs_begun and toward
+  // narrowing a learned cache margin (see set_streamed_group_cache). Called by the device's request
+  // executor.
   void BeginRequest(std::string request_id);
+  // A component run for another device's request `request_id` (split pipelines): SetRequestId, and
+  // counted as BeginRequest is at the first run of each such request in a row.
+  void BeginPeerRun(std::string request_id);
   // The newest `limit` decisions, oldest first.
   std::vector<PlacementDecision> DecisionLog(size_t limit) const;
 
@@ -289,10 +297,11 @@ class PlacementManager : public ComponentRunner {
   // another takes the other's cache when the room left is less than it could hold (YieldCachesTo: a
   // transformer's steps over the text encoder that filled the room first), and a lower budget empties
   // them. A run that runs out of device memory while caches hold room gets them all
-  // back and runs again before any weights move, and the caches' margin doubles (recorded as
+  // back and runs again before any weights move, and the learned margin doubles (recorded as
   // "widen_cache_margin"; on CUDA, room the allocator's counts call free can be split into blocks
   // too small for the run's largest allocation), up to a quarter of the budget. The learned margin
-  // halves again after kCacheMarginNarrowAfterRequests requests without such an error (recorded as
+  // halves again once kCacheMarginNarrowAfterRuns runs began on this device (requests, batches and
+  // peers' requests: BeginRequest, BeginPeerRun) without such an error (recorded as
   // "narrow_cache_margin"), down to none: the fragments that made the room unusable may be
   // those of one moment (multi-tenant run 12: four VAE runs ran out in the first eleven requests after
   // the budget was set, none in the 389 after, and the doubled margin kept the caches 2 GiB smaller
@@ -301,9 +310,9 @@ class PlacementManager : public ComponentRunner {
     streamed_group_cache_ = on;
     streamed_group_cache_margin_ = margin_bytes;
     learned_cache_margin_ = 0;
-    requests_since_margin_change_ = 0;
+    quiet_runs_ = 0;
   }
-  static constexpr int kCacheMarginNarrowAfterRequests = 32;
+  static constexpr int kCacheMarginNarrowAfterRuns = 32;
   // The margin out-of-memory errors added to the configured one (0 until one happened).
   int64_t learned_cache_margin() const { return learned_cache_margin_; }
   // Cross-pipeline prefetch on or off (DeviceConfig.prefetch_next_pipeline; default on).
@@ -424,9 +433,10 @@ class PlacementManager : public ComponentRunner {
   void GrantGroupCache(Entry& entry, int64_t working_set);
   // Doubles learned_cache_margin_ (at least the configured margin, at most a quarter of the budget).
   void WidenCacheMargin(const std::string& reason);
-  // Halves learned_cache_margin_ (to none below the configured margin) once
-  // kCacheMarginNarrowAfterRequests requests began without widening it (BeginRequest).
-  void MaybeNarrowCacheMargin();
+  // One more run began (BeginRequest, BeginPeerRun): once kCacheMarginNarrowAfterRuns began since the
+  // learned margin last changed or a run last ran out of memory while caches held room, halves
+  // learned_cache_margin_ (to none below the configured margin).
+  void CountQuietRun();
   // Entry::prefetched and the group prefetch's fields back to none.
   void ClearGroupPrefetch(Entry& entry);
   // A pipeline prefetch of `entry` not run counts as unused, and loses its mark.
@@ -500,8 +510,11 @@ class PlacementManager : public ComponentRunner {
   bool streamed_group_cache_ = false;
   int64_t streamed_group_cache_margin_ = 0;
   int64_t learned_cache_margin_ = 0;  // See set_streamed_group_cache.
-  // Requests begun (BeginRequest) since learned_cache_margin_ last changed.
-  int requests_since_margin_change_ = 0;
+  // Runs begun while learned_cache_margin_ > 0 since it last changed or a run last ran out of memory
+  // while caches held room (CountQuietRun).
+  int quiet_runs_ = 0;
+  std::string last_peer_request_;  // BeginPeerRun's last request counted.
+
   bool pin_host_copies_ = false;
   int64_t host_budget_ = 0;
   int64_t run_changes_ = 0;  // See run_changes().

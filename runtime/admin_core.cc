@@ -121,6 +121,8 @@ absl::StatusOr<v1::GetPlacementResponse> AdminCore::GetPlacement(const v1::GetPl
   response.set_pipeline_prefetch_bytes(snapshot->counters.pipeline_prefetch_bytes);
   response.set_pipeline_prefetches_used(snapshot->counters.pipeline_prefetches_used);
   response.set_pipeline_prefetches_unused(snapshot->counters.pipeline_prefetches_unused);
+  response.set_runs_begun(snapshot->counters.runs_begun);
+  response.set_cache_margin_bytes(snapshot->cache_margin_bytes);
   for (v1::Adapter& adapter : core->Adapters()) *response.add_adapters() = std::move(adapter);
   return response;
 }

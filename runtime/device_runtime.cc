@@ -436,7 +436,7 @@ absl::Status DeviceRuntime::RunForPeer(Component& component, const std::function
         executor_->KeepPeakFloor(before);
         backend.ResetPeakStats();
         const std::string own_request = placement.request_id();
-        placement.SetRequestId(request_id);
+        placement.BeginPeerRun(request_id);
         absl::Status status;
         const absl::Status thrown = CatchAsStatus(absl::StrCat("running ", component.name(), " on ", device_name_), [&] {
           if (prefetch_only) {

@@ -95,7 +95,9 @@ std::string FormatPlacement(const v1::GetPlacementResponse& r) {
   std::string out = absl::StrCat(
       "device ", r.device(), ": ", HumanBytes(r.allocated_bytes()), " allocated of ",
       r.budget_bytes() > 0 ? HumanBytes(r.budget_bytes()) : std::string("unlimited"), "; strategy ",
-      r.strategy(), "; OOM recoveries ", r.oom_recoveries(), "\n");
+      r.strategy(), "; OOM recoveries ", r.oom_recoveries(),
+      r.cache_margin_bytes() > 0 ? absl::StrCat("; cache margin ", HumanBytes(r.cache_margin_bytes())) : std::string(),
+      "\n");
   if (r.pipeline_prefetches() > 0) {
     absl::StrAppend(&out, "pipeline prefetches: ", r.pipeline_prefetches(), " (", HumanBytes(r.pipeline_prefetch_bytes()),
                     "), ", r.pipeline_prefetches_used(), " used, ", r.pipeline_prefetches_unused(), " moved off unused\n");

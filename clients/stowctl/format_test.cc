@@ -31,6 +31,10 @@ TEST(FormatTest, PlacementCountsTheNextPipelinesPrefetchesWhenThereAreAny) {
             std::string::npos)
       << text;
   EXPECT_NE(text.find("pipeline prefetches: 3 (6.00 MiB), 2 used, 1 moved off unused\n"), std::string::npos) << text;
+  // With the spare-room caches on, the device line says the margin they leave.
+  r.set_cache_margin_bytes(int64_t{768} << 20);
+  EXPECT_NE(FormatPlacement(r).find("; OOM recoveries 0; cache margin 768.00 MiB\n"), std::string::npos)
+      << FormatPlacement(r);
 }
 
 // A group-offloaded component's line names its spare-room cache once it holds or served anything.

@@ -132,6 +132,7 @@ TEST_F(SplitPipelineTest, EachComponentRunsOnItsDeviceWithExactPeaksAndTheSameIm
   EXPECT_EQ(on1.count("split/text_encoder"), 1u);
   EXPECT_EQ(on1.count("split/transformer"), 0u);
 
+  const int64_t runs0 = Placement("sim:0").runs_begun(), runs1 = Placement("sim:1").runs_begun();
   v1::GenerateResponse split;
   ASSERT_TRUE(server_->Generate(E2eServer::SmallRequest("split", 7), &split).ok());
   EXPECT_EQ(split.stats().device(), "sim:0");
@@ -157,6 +158,10 @@ TEST_F(SplitPipelineTest, EachComponentRunsOnItsDeviceWithExactPeaksAndTheSameIm
   EXPECT_EQ(usage["sim:1"]->host_to_device_bytes(), 0);
   EXPECT_EQ(usage["sim:0"]->host_to_device_bytes(), 0);
   EXPECT_EQ(again.image(), split.image());
+  // Each device counted each request once: the home its own runs, the peer the runs of its text
+  // encoder for them (one request however many calls it made there).
+  EXPECT_EQ(Placement("sim:0").runs_begun(), runs0 + 2);
+  EXPECT_EQ(Placement("sim:1").runs_begun(), runs1 + 2);
 
   // The same weights unsplit draw the same image; so does the pipeline split the other way.
   v1::GenerateResponse whole, reverse;

@@ -397,13 +397,13 @@ TEST(PlacementManagerTest, OutOfMemoryTakesTheSpareRoomCachesBeforeAnyWeights) {
   }
   EXPECT_LE(s.backend->GetMemoryStats().peak_allocated_bytes + now.context_bytes, budget);
 
-  // The learned margin halves once kCacheMarginNarrowAfterRequests requests began without running
+  // The learned margin halves once kCacheMarginNarrowAfterRuns requests began without running
   // out (none here: half of 256 is below the configured 256), and the next cache takes that room.
   ASSERT_TRUE(s.Generate().ok());
   ASSERT_TRUE(s.placement.Run(*vae, s.Allocating(activations)).ok());
   const int64_t allowance = stats().cache_allowance_bytes;
   decisions = s.placement.DecisionLog(1000).size();
-  for (int k = 1; k < PlacementManager::kCacheMarginNarrowAfterRequests; ++k) {
+  for (int k = 1; k < PlacementManager::kCacheMarginNarrowAfterRuns; ++k) {
     s.placement.BeginRequest(absl::StrCat("quiet-", k));
   }
   EXPECT_EQ(s.placement.learned_cache_margin(), 256);
@@ -452,22 +452,80 @@ TEST(PlacementManagerTest, ALearnedCacheMarginNarrowsAfterQuietRequestsOnly) {
   };
   run_out(256);
   run_out(512);
-  quiet(PlacementManager::kCacheMarginNarrowAfterRequests - 1);
+  quiet(PlacementManager::kCacheMarginNarrowAfterRuns - 1);
   run_out(1024);  // Before the count ran out: it starts again.
-  quiet(PlacementManager::kCacheMarginNarrowAfterRequests - 1);
+  quiet(PlacementManager::kCacheMarginNarrowAfterRuns - 1);
   EXPECT_EQ(s.placement.learned_cache_margin(), 1024);
   quiet(1);
   EXPECT_EQ(s.placement.learned_cache_margin(), 512);
-  quiet(PlacementManager::kCacheMarginNarrowAfterRequests);
+  quiet(PlacementManager::kCacheMarginNarrowAfterRuns);
   EXPECT_EQ(s.placement.learned_cache_margin(), 256);
-  quiet(PlacementManager::kCacheMarginNarrowAfterRequests);
+  quiet(PlacementManager::kCacheMarginNarrowAfterRuns);
   EXPECT_EQ(s.placement.learned_cache_margin(), 0);
-  quiet(PlacementManager::kCacheMarginNarrowAfterRequests);
+  quiet(PlacementManager::kCacheMarginNarrowAfterRuns);
   EXPECT_EQ(s.placement.learned_cache_margin(), 0);
   int narrowed = 0;
   for (const PlacementDecision& d : s.placement.DecisionLog(1000)) narrowed += d.action == "narrow_cache_margin";
   EXPECT_EQ(narrowed, 3);
   EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 3);
+}
+
+// A peer's request runs its components here one call at a time: counted once, at its first call,
+// and each call's decisions carry its id.
+TEST(PlacementManagerTest, APeersRequestCountsAsOneRunHoweverManyCallsItMakes) {
+  Harness s;
+  s.placement.BeginRequest("own-1");
+  for (int k = 0; k < 3; ++k) s.placement.BeginPeerRun("peer-1");
+  EXPECT_EQ(s.placement.request_id(), "peer-1");
+  s.placement.SetRequestId("own-1");  // The device's own request again, between the peer's calls.
+  s.placement.BeginPeerRun("peer-1");
+  s.placement.BeginPeerRun("peer-2");
+  EXPECT_EQ(s.placement.request_id(), "peer-2");
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.runs_begun, 3);
+}
+
+// An out-of-memory error while the learned margin is already at its cap (a quarter of the budget)
+// changes nothing but still says the margin is too small: the count of quiet runs starts again.
+TEST(PlacementManagerTest, AnOutOfMemoryErrorAtTheCappedMarginRestartsTheQuietCount) {
+  Harness s;
+  (void)s.placement.SetStrategy(MakeFootprintStrategy(0));
+  s.placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
+  GroupOffloadOptions options;
+  options.use_stream = true;
+  ASSERT_TRUE(s.placement.EnableGroupOffload("tiny/transformer", options).ok());
+  ASSERT_TRUE(s.Generate().ok());
+  ASSERT_TRUE(s.Generate().ok());
+  const int64_t cache = s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes;
+  ASSERT_GT(cache, 1024);
+  // A configured margin above a quarter of any budget below: the first widening reaches the cap.
+  const DeviceMemoryStats full = s.backend->GetMemoryStats();
+  s.placement.set_streamed_group_cache(true, /*margin_bytes=*/full.allocated_bytes);
+  const int64_t activations = cache / 4;
+  const int64_t budget = full.context_bytes + full.allocated_bytes + activations / 2;
+  ASSERT_TRUE(s.backend->SetMemoryBudget(budget).ok());
+  Component* vae = s.pipeline->components().back();
+  ASSERT_TRUE(s.placement.Run(*vae, s.Allocating(activations)).ok());
+  ASSERT_EQ(s.placement.learned_cache_margin(), budget / 4);
+  const auto quiet = [&](int runs) {
+    for (int k = 0; k < runs; ++k) s.placement.BeginRequest(absl::StrCat("quiet-", k));
+  };
+  quiet(PlacementManager::kCacheMarginNarrowAfterRuns - 1);
+  // The cache full again under the same budget, and a run that allocates more than its known
+  // headroom (the text encoder's) runs out: the margin stays at its cap.
+  ASSERT_TRUE(s.backend->SetMemoryBudget(0).ok());
+  ASSERT_TRUE(s.Generate().ok());
+  ASSERT_EQ(s.backend->GetMemoryStats().allocated_bytes, full.allocated_bytes);
+  ASSERT_TRUE(s.backend->SetMemoryBudget(budget).ok());
+  Component* text_encoder = s.pipeline->components().front();
+  ASSERT_TRUE(s.placement.Run(*text_encoder, s.Allocating(activations)).ok());
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 2);
+  EXPECT_EQ(s.placement.learned_cache_margin(), budget / 4);
+  EXPECT_EQ(s.placement.TakeSnapshot().cache_margin_bytes, full.allocated_bytes + budget / 4);
+  quiet(PlacementManager::kCacheMarginNarrowAfterRuns - 1);
+  EXPECT_EQ(s.placement.learned_cache_margin(), budget / 4);
+  quiet(1);
+  EXPECT_EQ(s.placement.learned_cache_margin(), 0);  // Half of it is below the configured margin.
+  EXPECT_EQ(s.placement.TakeSnapshot().cache_margin_bytes, full.allocated_bytes);
 }
 
 // An out-of-memory recovery moves the strategy's kept components last: when moving the others makes

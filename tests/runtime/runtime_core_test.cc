@@ -260,7 +260,7 @@ TEST_F(RuntimeCoreTest, RequestsQueuedBehindARunningOneRunAsOneBatch) {
   // Placement was told of each run's beginning (a learned cache margin counts them to narrow).
   EXPECT_TRUE(AwaitState([&] {
     const auto snapshot = core().placement_snapshot();
-    return snapshot != nullptr && snapshot->counters.requests_begun == 2;
+    return snapshot != nullptr && snapshot->counters.runs_begun == 2;
   }));
 }
 

@@ -237,6 +237,7 @@ def format_placement(p: PlacementInfo) -> list[str]:
             if p.pipeline_prefetches
             else []
         )
+        + ([["cache margin", format_bytes(p.cache_margin_bytes)]] if p.cache_margin_bytes else [])
     )
     lines.append("")
     lines += format_components(p.components)

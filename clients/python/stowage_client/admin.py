@@ -139,6 +139,10 @@ class PlacementInfo:
     pipeline_prefetch_bytes: int = 0
     pipeline_prefetches_used: int = 0
     pipeline_prefetches_unused: int = 0
+    # Runs this device began (its requests and batches, other devices' requests run here).
+    runs_begun: int = 0
+    # What the spare-room caches leave free beyond what runs allocate (0: caches off).
+    cache_margin_bytes: int = 0
 
     # Held outside the allocator (CUDA context and libraries): a budget counts it.
     context_bytes: int = 0
@@ -259,6 +263,8 @@ def _placement_from_proto(msg: admin_pb2.GetPlacementResponse) -> PlacementInfo:
         pipeline_prefetch_bytes=msg.pipeline_prefetch_bytes,
         pipeline_prefetches_used=msg.pipeline_prefetches_used,
         pipeline_prefetches_unused=msg.pipeline_prefetches_unused,
+        runs_begun=msg.runs_begun,
+        cache_margin_bytes=msg.cache_margin_bytes,
         context_bytes=msg.context_bytes,
     )
 

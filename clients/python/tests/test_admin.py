@@ -718,6 +718,16 @@ class CliTest(AdminServerTestCase):
             [3, 6 * 2**20, 2, 1],
         )
 
+    def test_placement_says_the_spare_room_caches_margin_when_they_are_on(self) -> None:
+        _, out, _ = self.run_main("placement")
+        self.assertFalse(any(line.startswith("cache margin") for line in out.splitlines()))
+        self.fake.placement.cache_margin_bytes = 768 * 2**20
+        self.fake.placement.runs_begun = 41
+        _, out, _ = self.run_main("placement")
+        self.assertIn("cache margin    768.0 MiB", out.splitlines())
+        record = json.loads(self.run_main("placement", "--json")[1])
+        self.assertEqual([record["cache_margin_bytes"], record["runs_begun"]], [768 * 2**20, 41])
+
     def test_placement_json(self) -> None:
         status, out, _ = self.run_main("placement", "--json")
         self.assertEqual(status, 0)

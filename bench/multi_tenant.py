@@ -704,6 +704,21 @@ def logged_bytes(words):
         return 0
 
 
+def margin_events(lines):
+    """(out-of-memory errors, margin widenings, margin narrowings) in placement log lines: the runs that
+    ran out of device memory and how the spare-room caches' margin answered (widen_cache_margin,
+    narrow_cache_margin)."""
+    counts = {"oom": 0, "widen_cache_margin": 0, "narrow_cache_margin": 0}
+    for line in lines:
+        words = line.split()
+        # The action follows the time and the request id (blank for decisions of no request).
+        for action in words[1:3]:
+            if action in counts:
+                counts[action] += 1
+                break
+    return counts["oom"], counts["widen_cache_margin"], counts["narrow_cache_margin"]
+
+
 def analyze(log_dir, rows_path):
     """Where a run's time and bytes went, from its server and placement logs: per strategy, each
     pipeline's mean run time (the server's run_s, queueing excluded) of the measured requests (the
@@ -770,6 +785,8 @@ def analyze(log_dir, rows_path):
             print("  onloads: " + ", ".join(f"{c} {n}" for c, n in sorted(onloads.items()))
                   + f"; reorders: {reorders}; pipeline prefetches: {prefetches}"
                   + f"; spare-room cache releases: {cache_releases}")
+            ooms, widened, narrowed = margin_events(open(placement_log, encoding="utf-8", errors="replace"))
+            print(f"  out of memory: {ooms}; cache margin widened {widened}, narrowed {narrowed}")
             # What the order of requests can change: whole components moved onto the device (over the
             # whole run, warm-up included, so an upper bound for the measured requests) against
             # everything the link carried for them (streamed groups, prefetches and those moves).
@@ -784,6 +801,8 @@ def analyze(log_dir, rows_path):
         if os.path.exists(placement):
             component = None
             for line in open(placement, encoding="utf-8", errors="replace"):
+                if line.startswith("device ") and "; cache margin " in line:
+                    print(f"  cache margin at the end: {line.split('; cache margin ', 1)[1].split(';')[0].strip()}")
                 if line.startswith("  ") and not line.startswith("    "):
                     component = line.split()[0]
                 elif "spare-room cache" in line and component:

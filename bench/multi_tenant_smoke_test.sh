@@ -101,6 +101,13 @@ import multi_tenant as m
 assert m.logged_bytes(["4.02", "GiB"]) == int(4.02 * (1 << 30))
 assert m.logged_bytes(["5.00", "KiB"]) == 5 << 10 and m.logged_bytes(["512", "B"]) == 512
 assert m.logged_bytes(["[footprint]"]) == 0 and m.logged_bytes(["1.5", "parsecs"]) == 0
+# Out-of-memory errors and how the margin answered, with and without a request id before the action.
+lines = ["2026-12-06T18:39:43Z req-206    oom            flux-schnell/vae   0 B  [footprint] running vae",
+         "2026-12-06T18:39:43Z req-206    release_group_cache flux-schnell/transformer 2.68 GiB  [footprint] oom",
+         "2026-12-06T18:39:43Z req-206    widen_cache_margin    512.00 MiB  [footprint] out of memory",
+         "2026-12-06T18:45:00Z narrow_cache_margin    256.00 MiB  [footprint] 32 runs began",
+         "2026-12-06T18:45:01Z req-300    onload   zimage/vae  1 GiB  [footprint] oom widen_cache_margin"]
+assert m.margin_events(lines) == (1, 1, 1), m.margin_events(lines)
 ')
 # What preemption would change on this trace, by the model replaying the scheduler strategy's runs.
 /usr/bin/python3 "$scripts/multi_tenant.py" replay "$TEST_TMPDIR/logs" "$TEST_TMPDIR/rows.jsonl" >"$TEST_TMPDIR/replay.txt"
@@ -182,6 +189,9 @@ grep -q "^scheduler: 24 measured requests, .*mean batch [0-9.]* (a request's sha
 grep "^fifo: " "$TEST_TMPDIR/analysis_b.txt" | grep -vq "mean batch" || { cat "$TEST_TMPDIR/analysis_b.txt"; exit 1; }
 grep -q "pipeline prefetches: [0-9]" "$TEST_TMPDIR/analysis_b.txt"
 grep -q "spare-room cache releases: [0-9]" "$TEST_TMPDIR/analysis_b.txt"
+grep -q "^  out of memory: [0-9]*; cache margin widened [0-9]*, narrowed [0-9]*$" "$TEST_TMPDIR/analysis_b.txt"
+# With the caches on, the placement's device line says their margin, and the analysis repeats it.
+grep -q "^  cache margin at the end: [0-9.]* [KMG]*i*B$" "$TEST_TMPDIR/analysis_b.txt" || { cat "$TEST_TMPDIR/analysis_b.txt"; exit 1; }
 /usr/bin/python3 - "$TEST_TMPDIR/b.jsonl" <<'PY'
 import json, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]

@@ -12,7 +12,8 @@ Runs on the GPU host with diffusers' source on PYTHONPATH (deploy/gpu_host/run_c
   a streamed mode ending in _d<N>, before any _high, prefetches N groups ahead; a mode may end in
   +FLAG=VALUE parts, each passed to offload_bench as --FLAG=VALUE, e.g.
   fp8_int4_streamed+prefetch_depth=4; rows carry them as offload_flags; +batch=N runs N copies of the
-  input in one forward, the row's FLOPs and limit N times one's, sample 0's output compared)
+  input in one forward, the row's FLOPs and limit N times one's, sample 0's output compared;
+  +back_to_back=true times the forwards queued one after another as a server's steps run, their mean)
 
 What one `run` does, in order:
   1. DIR/transformer: random bf16 weights written by diffusers itself when missing

@@ -77,6 +77,10 @@ ABSL_FLAG(std::string, rows,
           "weights holds beside its slots resident)");
 ABSL_FLAG(int, warmup, 2, "Untimed forwards per row (the first records the order)");
 ABSL_FLAG(int, iters, 5, "Timed forwards per row (median reported)");
+ABSL_FLAG(bool, back_to_back, false,
+          "The timed forwards run one after another with no synchronisation between them, as a server's "
+          "denoising steps do (the next forward's copies queue behind this one's compute); step_s is their "
+          "mean (one synchronisation at the end), not the median of synchronised forwards; rows say back_to_back");
 ABSL_FLAG(std::string, out, "", "JSON-lines file to append rows to");
 ABSL_FLAG(std::string, machine, "unknown", "Machine name recorded in every row");
 ABSL_FLAG(std::string, disk_dir, "/tmp/stowage-offload-bench", "Directory for the disk row");
@@ -719,11 +723,19 @@ absl::StatusOr<RowResult> RunRow(const std::string& row, const Shape& shape, Dev
   backend.ResetPeakStats();
   std::vector<double> steps;
   at::Tensor out;
-  for (int i = 0; i < absl::GetFlag(FLAGS_iters); ++i) {
+  if (absl::GetFlag(FLAGS_back_to_back)) {
+    const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
     const auto start = std::chrono::steady_clock::now();
-    out = bench.forward();
+    for (int i = 0; i < iters; ++i) out = bench.forward();
     backend.Synchronize();
-    steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / iters);
+  } else {
+    for (int i = 0; i < absl::GetFlag(FLAGS_iters); ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      out = bench.forward();
+      backend.Synchronize();
+      steps.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
   }
   if (!absl::GetFlag(FLAGS_profile).empty()) {
     RETURN_IF_ERROR(TraceOnce(
@@ -954,7 +966,7 @@ int Main() {
           "\"compute_priority\": \"%s\", \"page_cache_read_s\": %.6f, \"prepare_fp8_s\": %.3f, "
           "\"prepare_pin_alloc_s\": %.3f, \"prepare_quantize_s\": %.3f, \"pinned_huge_pages\": %s, "
           "\"thp_mode\": \"%s\", \"widen_layout\": \"%s\", \"spilled_bytes\": %d, \"rss_after_prepare_bytes\": %d, \"resident_bytes\": %d, "
-          "\"one_pass_fp8_weights\": %d, \"samples\": %d}\n",
+          "\"one_pass_fp8_weights\": %d, \"samples\": %d, \"back_to_back\": %s}\n",
           row, result->step_s, floor_s, resident_step, result->peak_device, result->peak_rss,
           result->weight_bytes, result->streamed_bytes, result->working_set, bandwidth, achieved,
           absl::GetFlag(FLAGS_config), backend->name(), result->prefetch_depth,
@@ -967,7 +979,8 @@ int Main() {
           base_rss_warm, base_rss_after, priority, page_cache_read_s, result->prepare_fp8_s,
           result->prepare_pin_alloc_s, result->prepare_quantize_s,
           huge_pinned ? "true" : "false", thp_mode, WideningLayoutName(), result->spilled_bytes,
-          result->rss_after_prepare, result->resident_bytes, result->one_pass_fp8_weights, result->samples);
+          result->rss_after_prepare, result->resident_bytes, result->one_pass_fp8_weights, result->samples,
+          absl::GetFlag(FLAGS_back_to_back) ? "true" : "false");
       out.flush();
     }
   }

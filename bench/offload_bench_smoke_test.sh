@@ -142,6 +142,28 @@ norm = math.sqrt(sum(a * a for a in one))
 assert norm > 0 and diff / norm < 1e-2, (diff, norm)
 print("ok: batch 2 sample 0 vs batch 1", sys.argv[1], "rel", diff / norm)
 PY
+  # --back_to_back: the timed forwards queue one after another (one synchronisation at the end); the
+  # streamed row's last forward gives the same output as a synchronised one, and rows say so.
+  for mode in sync btb; do
+    bench/offload_bench --model_dir="$dir" --config=small --backend=sim --warmup=1 --iters=3 --machine=ci \
+      --image_size=64 --caption_tokens=16 --prefetch_depth=1 --batch=2 --rows=block_int8 \
+      $([ $mode = btb ] && echo --back_to_back) \
+      --out="$TEST_TMPDIR/${model}_$mode.jsonl" --save_output="$TEST_TMPDIR/${model}_$mode.safetensors" >/dev/null
+  done
+  /usr/bin/python3 - "$TEST_TMPDIR/${model}_btb" "$TEST_TMPDIR/${model}_sync" <<'PY'
+import json, struct, sys
+def output(path):  # The tensor's bytes (the header's key order varies).
+    data = open(path, "rb").read()
+    n = struct.unpack("<Q", data[:8])[0]
+    info = json.loads(data[8:8 + n])["output"]
+    start, end = info["data_offsets"]
+    return info["shape"], data[8 + n + start:8 + n + end]
+assert output(sys.argv[1] + ".safetensors") == output(sys.argv[2] + ".safetensors")
+btb = [json.loads(line) for line in open(sys.argv[1] + ".jsonl")]
+synced = [json.loads(line) for line in open(sys.argv[2] + ".jsonl")]
+assert len(btb) == 1 and btb[0]["back_to_back"] is True and btb[0]["step_s"] > 0, btb
+assert all(r["back_to_back"] is False for r in synced), synced
+PY
 done
 if bench/offload_bench --config=small --backend=sim --rows=resident --batch=0 --out="$TEST_TMPDIR/b0.jsonl" \
     2>"$TEST_TMPDIR/b0.err"; then

@@ -214,6 +214,40 @@ void ExpectClose(const at::Tensor& got, const at::Tensor& want, const std::strin
       << what << ": max |difference| " << (got.to(at::kFloat) - want.to(at::kFloat)).abs().max().item<float>();
 }
 
+// GroupNorm in bfloat16 on CUDA runs LibTorch's kernel on the bfloat16 input: the plain path's
+// results within bfloat16 rounding, without its float32 copies of the input and output (the
+// allocator's peak over the norm: the output alone, against the output and two float32 tensors).
+TEST_F(FusedKernelTest, GroupNormReadsBfloat16WithoutFloat32Copies) {
+  c10::InferenceMode mode;
+  auto cuda = CreateCudaBackend(0);
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  for (const int64_t channels : {128, 256, 512}) {
+    GroupNorm norm(32, channels, 1e-6, LayerOptions{at::kBFloat16});
+    norm.ForEachSlot([](Module&, TensorSlot& slot) {
+      slot.value = (at::randn(slot.value.sizes()) * 0.1 + 1.0).to(at::kBFloat16).to(at::kCUDA);
+    });
+    const at::Tensor x = Rand({2, channels, 96, 80}, 0.5, 3.0);
+    const int64_t bytes = x.numel() * 2;
+    const auto peak_over = [&](bool fast, at::Tensor* out) {
+      fused::SetEnabled(fast);
+      (*cuda)->Synchronize();
+      const int64_t before = (*cuda)->BeginPeakWindow();
+      *out = norm.Forward(x);
+      (*cuda)->Synchronize();
+      fused::SetEnabled(true);
+      return (*cuda)->WindowPeakAllocated() - before;
+    };
+    at::Tensor got, want;
+    const int64_t fast_peak = peak_over(true, &got);
+    const int64_t plain_peak = peak_over(false, &want);
+    const std::string what = "channels " + std::to_string(channels);
+    EXPECT_EQ(got.scalar_type(), at::kBFloat16) << what;
+    ExpectClose(got, want, what);
+    EXPECT_LT(fast_peak, 2 * bytes) << what;
+    EXPECT_GE(plain_peak, 4 * bytes) << what;  // Its input and output as float32, then the output.
+  }
+}
+
 TEST_F(FusedKernelTest, RmsNormScaledAndGatedMatchTheReference) {
   c10::InferenceMode mode;
   for (const int64_t dim : {64, 1024, 3072, 3840, 8192}) {

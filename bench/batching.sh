@@ -24,6 +24,9 @@
 # (bench/make_zimage_random_dir.py).
 # HIGH_PRIORITY_COMPUTE=1: the server's compute on a high-priority CUDA stream
 # (DeviceConfig.high_priority_compute); its rows' mode ends in "_hiprio".
+# STOWCTL=PATH and PLACEMENT_DIR=DIR: after each mode's rows, its server's GetPlacement as JSON (stowctl
+# placement --json: the streamed transformer's prefetches, sync onloads, forwards...) in
+# DIR/<k>-<mode>-<compress>.placement.json, k counting the modes run (repeats apart).
 # PREFETCH_DEPTH=N (1..64): the streamed modes' group offload prefetches N groups ahead (its
 # prefetch_depth; unset: the engine's choice, 4 for a compressed copy streamed block by block where no
 # budget is set, as here, else 1); their rows' mode ends in "_d<N>".
@@ -97,9 +100,16 @@ CFG
     --steps="$steps" --concurrency="$concurrency" --batch_sizes="$batch_sizes" --requests_per_client="$per_client" \
     --min_requests="$min_requests" --max_queue_delay_ms="${MAX_QUEUE_DELAY_MS:-200}" --format="${FORMAT:-png}" \
     --out="$out" || rc=$?
+  mode_index=$((mode_index + 1))
+  if [ -n "${STOWCTL:-}" ] && [ -n "${PLACEMENT_DIR:-}" ]; then
+    mkdir -p "$PLACEMENT_DIR"
+    "$STOWCTL" --target="$TARGET" --token="$token" placement --json \
+      >"$PLACEMENT_DIR/$mode_index-$mode-$compress.placement.json" || rc=$?
+  fi
   stop_server
   return $rc
 }
+mode_index=0
 
 for mode in ${MODES:-resident streamed}; do
   case $mode in

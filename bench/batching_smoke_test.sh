@@ -73,13 +73,23 @@ assert len(rows) == 2 and all(r["format"] == "rgb" and r["failed"] == 0 and r["i
 print("rgb ok")
 PY
 # A high-priority compute stream (a CUDA setting; the simulated device serves as before): the rows say so.
-HIGH_PRIORITY_COMPUTE=1 FORMAT=rgb MODES="streamed_int4" bash "$scripts/batching.sh" "$here/server/stowage_server" \
+# With STOWCTL and PLACEMENT_DIR each mode's placement is saved as JSON, numbered in the order run.
+HIGH_PRIORITY_COMPUTE=1 FORMAT=rgb MODES="resident streamed_int4" STOWCTL="$here/clients/stowctl/stowctl" \
+  PLACEMENT_DIR="$TEST_TMPDIR/placement" bash "$scripts/batching.sh" "$here/server/stowage_server" \
   "$here/bench/load_bench" "$TEST_TMPDIR/zimage" "$TEST_TMPDIR/hiprio.jsonl" 64 2 ci float32 2 4 2 4
-/usr/bin/python3 - "$TEST_TMPDIR/hiprio.jsonl" <<'PY'
-import json, sys
+/usr/bin/python3 - "$TEST_TMPDIR/hiprio.jsonl" "$TEST_TMPDIR/placement" <<'PY'
+import json, os, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
-assert len(rows) == 1 and rows[0]["mode"] == "streamed_hiprio" and rows[0]["compress"] == "int4", rows
-assert rows[0]["failed"] == 0 and rows[0]["images_per_s"] > 0, rows
-print("hiprio ok")
+assert [(r["mode"], r["compress"]) for r in rows] == [("resident_hiprio", "none"), ("streamed_hiprio", "int4")], rows
+assert all(r["failed"] == 0 and r["images_per_s"] > 0 for r in rows), rows
+assert sorted(os.listdir(sys.argv[2])) == ["1-resident-none.placement.json", "2-streamed-int4.placement.json"]
+def transformer(name):
+    placement = json.load(open(os.path.join(sys.argv[2], name)))
+    return next(c for c in placement["components"] if c["id"] == "zimage/transformer")
+assert int(transformer("1-resident-none.placement.json").get("groupOffload", {}).get("forwards", 0)) == 0
+g = transformer("2-streamed-int4.placement.json")["groupOffload"]
+# Every request's two steps streamed: forwards counted, their groups prefetched, the counters there.
+assert int(g["forwards"]) >= 2 * 4 and int(g["prefetches"]) > 0 and "syncOnloads" in g, g
+print("hiprio and placement ok")
 PY
 echo "refusals ok"

@@ -63,7 +63,9 @@ ABSL_FLAG(std::string, out, "", "Where to write the image (generate, stream).");
 ABSL_FLAG(std::string, format, "png",
           "generate/stream: image format of the reply: png (compressed), png_fast (uncompressed PNG, encoded "
           "in milliseconds) or rgb (raw 8-bit RGB rows; written as they come)");
-ABSL_FLAG(bool, json, false, "generate/stream: print the reply's statistics as JSON instead of a table.");
+ABSL_FLAG(bool, json, false,
+          "generate/stream: print the reply's statistics as JSON instead of a table; placement: the whole "
+          "GetPlacement reply as JSON (every counter of the streamed components) instead of the summary.");
 ABSL_FLAG(std::string, token, "",
           "Admin bearer token (admin commands); defaults to the STOWAGE_TOKEN environment variable.");
 ABSL_FLAG(std::string, strategy, "",
@@ -448,6 +450,14 @@ int Placement(AdminService::Stub& stub) {
   request.set_device(absl::GetFlag(FLAGS_device));
   const grpc::Status status = stub.GetPlacement(&context, request, &r);
   if (!status.ok()) return RpcFailure(status);
+  if (absl::GetFlag(FLAGS_json)) {  // Every field, the streamed components' counters included.
+    std::string json;
+    google::protobuf::util::JsonPrintOptions options;
+    options.always_print_primitive_fields = true;
+    (void)google::protobuf::util::MessageToJsonString(r, &json, options);
+    std::cout << json << std::endl;
+    return 0;
+  }
   std::cout << stowage::FormatPlacement(r);
   return 0;
 }

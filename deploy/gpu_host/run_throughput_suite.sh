@@ -54,7 +54,8 @@ for part in ${PARTS:-e2e batching}; do
         trap '[ -n "$sampler" ] && kill "$sampler" 2>/dev/null' EXIT
       fi
       stamp "batching"
-      timeout "${BATCHING_TIMEOUT:-480}" bash bench/batching.sh "$build/server/stowage_server" \
+      STOWCTL="$build/clients/stowctl/stowctl" PLACEMENT_DIR="$OUT/batching_placement" \
+        timeout "${BATCHING_TIMEOUT:-480}" bash bench/batching.sh "$build/server/stowage_server" \
         "$build/bench/load_bench" /tmp/zimage-full "$OUT/batching.jsonl" 1024 8 "$machine" bfloat16 \
         "${CONCURRENCY:-1,2,4,8}" "${BATCH_SIZES:-1,8}" "${PER_CLIENT:-2}" "${MIN_REQUESTS:-4}" \
         >"$OUT/batching.txt" 2>&1
@@ -66,6 +67,19 @@ for part in ${PARTS:-e2e batching}; do
       fi
       cat "$OUT/batching.txt" >>"$OUT/summary.txt"
       if [ -f "$OUT/gpu_clocks.txt" ]; then cat "$OUT/gpu_clocks.txt" >>"$OUT/summary.txt"; fi
+      # Each mode's streamed transformer: forwards, prefetches, copies waited for, prefetches skipped.
+      for f in "$OUT"/batching_placement/*.placement.json; do
+        [ -f "$f" ] || continue
+        python3 - "$f" <<'PY' >>"$OUT/summary.txt" 2>&1
+import json, os, sys
+placement = json.load(open(sys.argv[1]))
+for c in placement["components"]:
+    g = c.get("groupOffload")
+    if g and int(g.get("forwards", 0)) > 0:
+        print(os.path.basename(sys.argv[1]), c["id"], " ".join(
+            f"{k} {g.get(k, 0)}" for k in ("forwards", "prefetches", "syncOnloads", "prefetchesSkippedAfterLast")))
+PY
+      done
       ;;
     e2e_random)
       full_shapes_dir

@@ -54,22 +54,22 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SIDE = 1024 // 8
-CAPTION_TOKENS = 512  # The default; run --caption_tokens sets it for a run (the server's short prompts: ~32).
+CAPTION_TOKENS = 512  # run --caption_tokens's default (the server's short prompts give ~32).
 
 
-def draw_inputs(arch, config):
+def draw_inputs(arch, config, tokens):
     import torch
 
     torch.manual_seed(0)
     if arch == "flux":
         return {
             "hidden": torch.randn(1, (SIDE // 2) ** 2, config.in_channels, dtype=torch.bfloat16),
-            "text": torch.randn(1, CAPTION_TOKENS, config.joint_attention_dim, dtype=torch.bfloat16),
+            "text": torch.randn(1, tokens, config.joint_attention_dim, dtype=torch.bfloat16),
             "pooled": torch.randn(1, config.pooled_projection_dim, dtype=torch.bfloat16),
         }
     return {
         "latents": torch.randn(config.in_channels, 1, SIDE, SIDE, dtype=torch.bfloat16),
-        "caption": torch.randn(CAPTION_TOKENS, config.cap_feat_dim, dtype=torch.bfloat16),
+        "caption": torch.randn(tokens, config.cap_feat_dim, dtype=torch.bfloat16),
     }
 
 
@@ -85,7 +85,7 @@ def diffusers_forward(arch, model, inputs, device):
         img_ids[..., 1] += torch.arange(SIDE // 2, device=device)[:, None]
         img_ids[..., 2] += torch.arange(SIDE // 2, device=device)[None, :]
         img_ids = img_ids.reshape(-1, 3)
-        txt_ids = torch.zeros(CAPTION_TOKENS, 3, device=device)
+        txt_ids = torch.zeros(x["text"].shape[1], 3, device=device)
         return lambda: model(hidden_states=x["hidden"], encoder_hidden_states=x["text"],
                              pooled_projections=x["pooled"], timestep=t, img_ids=img_ids, txt_ids=txt_ids,
                              guidance=guidance, return_dict=False)[0][0]
@@ -249,14 +249,12 @@ def run(args):
 
     if not os.path.exists(os.path.join(args.dir, "transformer", "config.json")):
         export(args.dir, args.arch)
-    global CAPTION_TOKENS
-    CAPTION_TOKENS = args.caption_tokens
     device = torch.device("cuda")
     class_name = "FluxTransformer2DModel" if args.arch == "flux" else "ZImageTransformer2DModel"
     model_name = "flux" if args.arch == "flux" else "zimage"
     model = getattr(diffusers, class_name).from_pretrained(os.path.join(args.dir, "transformer"),
                                                            torch_dtype=torch.bfloat16).eval().to(device)
-    inputs = draw_inputs(args.arch, model.config)
+    inputs = draw_inputs(args.arch, model.config, args.caption_tokens)
     inputs_path = os.path.join(args.dir, "compute_inputs.safetensors")
     save_file({k: v.contiguous() for k, v in inputs.items()}, inputs_path)
     forward = diffusers_forward(args.arch, model, inputs, device)
@@ -273,7 +271,7 @@ def run(args):
         r = {"bench": "compute", "model": model_name, "system": system, "mode": mode, "path": path,
              "step_s": round(step_s, 6), "batch": batch, "tflop_per_step": round(tflop * batch, 3),
              "limit_s": round(limit_s * batch, 6), "x_limit": round(step_s / (limit_s * batch), 3), "rel_l2": err,
-             "caption_tokens": CAPTION_TOKENS, "machine": args.machine, "commit": args.commit}
+             "caption_tokens": args.caption_tokens, "machine": args.machine, "commit": args.commit}
         r.update(extra)
         rows.append(r)
         print(json.dumps(r), flush=True)

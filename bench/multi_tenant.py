@@ -766,7 +766,8 @@ def analyze(log_dir, rows_path):
         placement_log = os.path.join(log_dir, f"{strategy}.placement_log.txt")
         if os.path.exists(placement_log):
             onloads, reorders, prefetches, cache_releases, onload_bytes = {}, 0, 0, 0, 0
-            for line in open(placement_log, encoding="utf-8", errors="replace"):
+            lines = open(placement_log, encoding="utf-8", errors="replace").readlines()
+            for line in lines:
                 words = line.split()
                 # The action follows the time and the request id (blank for decisions of no request).
                 at = next((i for i in (1, 2) if i + 1 < len(words) and words[i] in WHOLE_MOVES), None)
@@ -785,7 +786,7 @@ def analyze(log_dir, rows_path):
             print("  onloads: " + ", ".join(f"{c} {n}" for c, n in sorted(onloads.items()))
                   + f"; reorders: {reorders}; pipeline prefetches: {prefetches}"
                   + f"; spare-room cache releases: {cache_releases}")
-            ooms, widened, narrowed = margin_events(open(placement_log, encoding="utf-8", errors="replace"))
+            ooms, widened, narrowed = margin_events(lines)
             print(f"  out of memory: {ooms}; cache margin widened {widened}, narrowed {narrowed}")
             # What the order of requests can change: whole components moved onto the device (over the
             # whole run, warm-up included, so an upper bound for the measured requests) against

@@ -474,13 +474,16 @@ void PlacementManager::WidenCacheMargin(const std::string& reason) {
   quiet_runs_ = 0;
   if (widened == learned_cache_margin_) return;
   // Below it only when the budget fell since it widened (the cap is a quarter of the budget).
+  const bool wider = widened > learned_cache_margin_;
   learned_cache_margin_ = widened;
-  Record("", "widen_cache_margin", streamed_group_cache_margin_ + learned_cache_margin_, FreeBytes(),
+  Record("", wider ? "widen_cache_margin" : "narrow_cache_margin", streamed_group_cache_margin_ + learned_cache_margin_,
+         FreeBytes(),
          absl::StrCat(reason, ": spare-room caches leave ", streamed_group_cache_margin_ + learned_cache_margin_,
                       " bytes free beyond what runs allocate from now on"));
 }
 
-void PlacementManager::CountQuietRun() {
+void PlacementManager::CountRunBegun() {
+  ++counters_.runs_begun;
   if (learned_cache_margin_ == 0) return;  // Nothing to narrow (and no count to keep).
   if (++quiet_runs_ < kCacheMarginNarrowAfterRuns) return;
   const int64_t was = learned_cache_margin_;
@@ -643,8 +646,7 @@ void PlacementManager::SetRequestId(std::string request_id) {
 
 void PlacementManager::BeginRequest(std::string request_id) {
   SetRequestId(std::move(request_id));
-  ++counters_.runs_begun;
-  CountQuietRun();
+  CountRunBegun();
 }
 
 void PlacementManager::BeginPeerRun(std::string request_id) {
@@ -652,8 +654,7 @@ void PlacementManager::BeginPeerRun(std::string request_id) {
   // counted once, at its first.
   if (request_id != last_peer_request_) {
     last_peer_request_ = request_id;
-    ++counters_.runs_begun;
-    CountQuietRun();
+    CountRunBegun();
   }
   SetRequestId(std::move(request_id));
 }

@@ -433,10 +433,10 @@ class PlacementManager : public ComponentRunner {
   void GrantGroupCache(Entry& entry, int64_t working_set);
   // Doubles learned_cache_margin_ (at least the configured margin, at most a quarter of the budget).
   void WidenCacheMargin(const std::string& reason);
-  // One more run began (BeginRequest, BeginPeerRun): once kCacheMarginNarrowAfterRuns began since the
-  // learned margin last changed or a run last ran out of memory while caches held room, halves
-  // learned_cache_margin_ (to none below the configured margin).
-  void CountQuietRun();
+  // One more run began (BeginRequest, BeginPeerRun): counted in runs_begun; once
+  // kCacheMarginNarrowAfterRuns began since the learned margin last changed or a run last ran out of
+  // memory while caches held room, halves learned_cache_margin_ (to none below the configured margin).
+  void CountRunBegun();
   // Entry::prefetched and the group prefetch's fields back to none.
   void ClearGroupPrefetch(Entry& entry);
   // A pipeline prefetch of `entry` not run counts as unused, and loses its mark.
@@ -511,7 +511,7 @@ class PlacementManager : public ComponentRunner {
   int64_t streamed_group_cache_margin_ = 0;
   int64_t learned_cache_margin_ = 0;  // See set_streamed_group_cache.
   // Runs begun while learned_cache_margin_ > 0 since it last changed or a run last ran out of memory
-  // while caches held room (CountQuietRun).
+  // while caches held room (CountRunBegun).
   int quiet_runs_ = 0;
   std::string last_peer_request_;  // BeginPeerRun's last request counted.
 

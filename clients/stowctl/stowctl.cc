@@ -130,6 +130,15 @@ int Usage(const std::string& message) {
   return kUsageError;
 }
 
+// `message` as one line of JSON, every field printed (zeros too).
+void PrintJson(const google::protobuf::Message& message) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(message, &json, options);
+  std::cout << json << std::endl;
+}
+
 int RpcFailure(const grpc::Status& status) {
   std::cerr << "error: " << status.error_code() << " " << status.error_message() << "\n";
   return kRpcError;
@@ -243,11 +252,7 @@ int WriteResult(const stowage::v1::GenerateResponse& response) {
     }
   }
   if (absl::GetFlag(FLAGS_json)) {
-    std::string json;
-    google::protobuf::util::JsonPrintOptions options;
-    options.always_print_primitive_fields = true;
-    (void)google::protobuf::util::MessageToJsonString(response.stats(), &json, options);
-    std::cout << json << std::endl;
+    PrintJson(response.stats());
     return 0;
   }
   std::cout << stowage::FormatGenerateResponse(response, out);
@@ -451,11 +456,7 @@ int Placement(AdminService::Stub& stub) {
   const grpc::Status status = stub.GetPlacement(&context, request, &r);
   if (!status.ok()) return RpcFailure(status);
   if (absl::GetFlag(FLAGS_json)) {  // Every field, the streamed components' counters included.
-    std::string json;
-    google::protobuf::util::JsonPrintOptions options;
-    options.always_print_primitive_fields = true;
-    (void)google::protobuf::util::MessageToJsonString(r, &json, options);
-    std::cout << json << std::endl;
+    PrintJson(r);
     return 0;
   }
   std::cout << stowage::FormatPlacement(r);

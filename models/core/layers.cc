@@ -421,8 +421,9 @@ at::Tensor GroupNorm::Forward(const at::Tensor& x) {
   ForwardScope scope(*this);
   // bfloat16 on CUDA (the fused path): LibTorch's kernel reads bfloat16 and keeps the statistics
   // in float32 — diffusers' nn.GroupNorm in a bfloat16 VAE — without float32 copies of the input and
-  // the output (a 1024² decode's 256-channel norms at full size made two 1 GiB float32 blocks, the
-  // largest the decode allocates: the block multi-tenant run 12's VAE runs could not find).
+  // the output (by their shapes a 1024² decode's 256-channel norms at full size made two float32
+  // blocks of 1 GiB, the largest the decode allocates, and the size multi-tenant run 12's failed VAE
+  // allocations asked for).
   if (fused::Active(x) && tensor(weight_).scalar_type() == x.scalar_type()) {
     return at::group_norm(x, groups_, tensor(weight_), tensor(bias_), eps_);
   }

@@ -80,6 +80,16 @@ void StreamWithSpareRoomCache(Harness& s, const std::vector<std::string>& ids) {
   for (const std::string& id : ids) ASSERT_TRUE(s.placement.EnableGroupOffload(id, options).ok()) << id;
 }
 
+// `s` under the footprint strategy, its transformer streamed with the spare-room cache on (as above),
+// after two requests without a budget: the cache holds every streamed group. Returns its bytes.
+int64_t FullCacheAfterTwoRequests(Harness& s) {
+  (void)s.placement.SetStrategy(MakeFootprintStrategy(0));
+  StreamWithSpareRoomCache(s, {"tiny/transformer"});
+  EXPECT_TRUE(s.Generate().ok());
+  EXPECT_TRUE(s.Generate().ok());
+  return s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes;
+}
+
 TEST(PlacementManagerTest, ComponentsStartOffloadedAndBecomeResidentWhenRun) {
   Harness s;
   EXPECT_EQ(s.View("transformer").state, ComponentState::kOffloaded);
@@ -338,15 +348,8 @@ TEST(PlacementManagerTest, TheSpareRoomGoesToTheComponentARequestRunsMostOften) 
 // cache leaves the room the VAE's run allocates, so the next request runs out of nothing.
 TEST(PlacementManagerTest, OutOfMemoryTakesTheSpareRoomCachesBeforeAnyWeights) {
   Harness s;
-  (void)s.placement.SetStrategy(MakeFootprintStrategy(0));
-  s.placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
-  GroupOffloadOptions options;
-  options.use_stream = true;
-  ASSERT_TRUE(s.placement.EnableGroupOffload("tiny/transformer", options).ok());
-  ASSERT_TRUE(s.Generate().ok());
-  ASSERT_TRUE(s.Generate().ok());
+  const int64_t cache = FullCacheAfterTwoRequests(s);
   const auto stats = [&] { return *s.placement.GroupOffloadStatsOf("tiny/transformer"); };
-  const int64_t cache = stats().cache_bytes;
   ASSERT_GT(cache, 1024);
   Component* vae = s.pipeline->components().back();
   const int64_t activations = cache / 4;
@@ -425,15 +428,8 @@ TEST(PlacementManagerTest, OutOfMemoryTakesTheSpareRoomCachesBeforeAnyWeights) {
 // quiet requests again: the margin narrows only after that many requests without one.
 TEST(PlacementManagerTest, ALearnedCacheMarginNarrowsAfterQuietRequestsOnly) {
   Harness s;
-  (void)s.placement.SetStrategy(MakeFootprintStrategy(0));
-  s.placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
-  GroupOffloadOptions options;
-  options.use_stream = true;
-  ASSERT_TRUE(s.placement.EnableGroupOffload("tiny/transformer", options).ok());
-  ASSERT_TRUE(s.Generate().ok());
-  ASSERT_TRUE(s.Generate().ok());
   Component* vae = s.pipeline->components().back();
-  const int64_t cache = s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes;
+  const int64_t cache = FullCacheAfterTwoRequests(s);
   ASSERT_GT(cache, 1024);
   // Each out-of-memory run below happens with the cache full and half the VAE's run free, the run
   // allocating more than any before it (so the headroom learned before does not make its room).
@@ -485,17 +481,11 @@ TEST(PlacementManagerTest, APeersRequestCountsAsOneRunHoweverManyCallsItMakes) {
 }
 
 // An out-of-memory error while the learned margin is already at its cap (a quarter of the budget)
-// changes nothing but still says the margin is too small: the count of quiet runs starts again.
+// changes nothing but still says the margin is too small: the count of quiet runs starts again; under
+// a lower budget one brings the margin down to that budget's cap.
 TEST(PlacementManagerTest, AnOutOfMemoryErrorAtTheCappedMarginRestartsTheQuietCount) {
   Harness s;
-  (void)s.placement.SetStrategy(MakeFootprintStrategy(0));
-  s.placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
-  GroupOffloadOptions options;
-  options.use_stream = true;
-  ASSERT_TRUE(s.placement.EnableGroupOffload("tiny/transformer", options).ok());
-  ASSERT_TRUE(s.Generate().ok());
-  ASSERT_TRUE(s.Generate().ok());
-  const int64_t cache = s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes;
+  const int64_t cache = FullCacheAfterTwoRequests(s);
   ASSERT_GT(cache, 1024);
   // A configured margin above a quarter of any budget below: the first widening reaches the cap.
   const DeviceMemoryStats full = s.backend->GetMemoryStats();
@@ -523,6 +513,25 @@ TEST(PlacementManagerTest, AnOutOfMemoryErrorAtTheCappedMarginRestartsTheQuietCo
   EXPECT_EQ(s.placement.TakeSnapshot().cache_margin_bytes, full.allocated_bytes + budget / 4);
   quiet(PlacementManager::kCacheMarginNarrowAfterRuns - 1);
   EXPECT_EQ(s.placement.learned_cache_margin(), budget / 4);
+  // Under a lower budget an error brings the margin down to that budget's cap (a narrowing).
+  ASSERT_TRUE(s.backend->SetMemoryBudget(0).ok());
+  ASSERT_TRUE(s.Generate().ok());
+  const int64_t lower = full.context_bytes + full.allocated_bytes + activations / 4;
+  ASSERT_LT(lower, budget);
+  ASSERT_TRUE(s.backend->SetMemoryBudget(lower).ok());
+  const size_t decisions = s.placement.DecisionLog(1000).size();
+  ASSERT_TRUE(s.placement.Run(*vae, s.Allocating(3 * activations)).ok());
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 3);
+  EXPECT_EQ(s.placement.learned_cache_margin(), lower / 4);
+  const std::vector<PlacementDecision> log = s.placement.DecisionLog(1000);
+  bool narrowed = false;
+  for (size_t k = decisions; k < log.size(); ++k) {
+    EXPECT_NE(log[k].action, "widen_cache_margin") << log[k].reason;
+    narrowed = narrowed || (log[k].action == "narrow_cache_margin" && log[k].bytes == full.allocated_bytes + lower / 4);
+  }
+  EXPECT_TRUE(narrowed);
+  quiet(PlacementManager::kCacheMarginNarrowAfterRuns - 1);
+  EXPECT_EQ(s.placement.learned_cache_margin(), lower / 4);
   quiet(1);
   EXPECT_EQ(s.placement.learned_cache_margin(), 0);  // Half of it is below the configured margin.
   EXPECT_EQ(s.placement.TakeSnapshot().cache_margin_bytes, full.allocated_bytes);

@@ -353,7 +353,7 @@ def run(args):
         if depth and streamed:
             bench_row += f"_d{depth}"
         cmd = [args.offload_bench, f"--model_dir={args.dir}", f"--rows={bench_row}",
-               f"--inputs={inputs_path}",
+               f"--inputs={inputs_path}", f"--caption_tokens={args.caption_tokens}",
                f"--save_output={out_file}", f"--out={jsonl}", f"--warmup={args.warmup}", f"--iters={args.iters}",
                f"--machine={args.machine}", f"--fused={'false' if mode == 'bf16_reference' else 'true'}",
                f"--compute={'fp8' if fp8 else 'bf16'}", f"--compute_priority={'high' if high else 'default'}"] + (

@@ -743,16 +743,19 @@ def analyze(log_dir, rows_path):
                 continue
             fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
             runs.append((fields["pipeline"], float(fields["run_s"]), max(1, int(fields.get("batch_size", "1"))),
-                         float(fields.get("queue_wait_s", "0"))))
+                         float(fields.get("queue_wait_s", "0")),
+                         # Logged since session 39: the allocator's retries and out-of-memory errors.
+                         int(fields.get("allocator_retries", "0")), int(fields.get("allocator_ooms", "0"))))
         # The unmeasured first request of each pipeline, then the trace's (the flood phase's after it).
         runs = runs[len(POPULARITY):len(POPULARITY) + count if count else None]
-        per, waits = {}, {}
-        for pipeline, run_s, _, wait_s in runs:
+        per, waits, short = {}, {}, {}
+        for pipeline, run_s, _, wait_s, retries, ooms in runs:
             per.setdefault(pipeline, []).append(run_s)
             waits.setdefault(pipeline, []).append(wait_s)
-        mean = sum(r for _, r, _, _ in runs) / max(1, len(runs))
-        share = sum(r / b for _, r, b, _ in runs) / max(1, len(runs))  # A batch's time split among its members.
-        batch = sum(b for _, _, b, _ in runs) / max(1, len(runs))
+            short.setdefault(pipeline, []).append((retries, ooms))
+        mean = sum(r[1] for r in runs) / max(1, len(runs))
+        share = sum(r[1] / r[2] for r in runs) / max(1, len(runs))  # A batch's time split among its members.
+        batch = sum(r[2] for r in runs) / max(1, len(runs))
         print(f"{strategy}: {len(runs)} measured requests, mean run {mean:.3f} s"
               + (f", utilisation at {rate}/s {rate * share:.0%}" if rate else "")
               + (f", mean batch {batch:.2f} (a request's share of its batch's run {share:.3f} s)" if batch > 1 else ""))
@@ -761,8 +764,14 @@ def analyze(log_dir, rows_path):
                 # The server's queue wait (admission to the device queue until the run starts): with
                 # the run time, what a request's latency is made of.
                 w = waits[pipeline]
+                # Runs during which the allocator ran short (retried after giving its cached blocks
+                # back, or raised an out-of-memory error a library or placement recovered from).
+                s = short[pipeline]
+                hit = [(a, b) for a, b in s if a or b]
                 print(f"  {pipeline:13s} mean run {sum(per[pipeline]) / len(per[pipeline]):.3f} s (n={len(per[pipeline])}), "
-                      f"queue wait p50 {percentile(w, 0.5):.3f} s, mean {sum(w) / len(w):.3f} s")
+                      f"queue wait p50 {percentile(w, 0.5):.3f} s, mean {sum(w) / len(w):.3f} s"
+                      + (f"; allocator ran short in {len(hit)} runs ({sum(a for a, _ in hit)} retries, "
+                         f"{sum(b for _, b in hit)} OOMs)" if hit else ""))
         placement_log = os.path.join(log_dir, f"{strategy}.placement_log.txt")
         if os.path.exists(placement_log):
             onloads, reorders, prefetches, cache_releases, onload_bytes = {}, 0, 0, 0, 0

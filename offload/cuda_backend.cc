@@ -314,6 +314,8 @@ class CudaBackend : public DeviceBackend {
     out.host_to_device_bytes = h2d_.load();
     out.peer_to_device_bytes = p2d_.load();
     out.device_to_host_bytes = d2h_.load();
+    out.allocator_retries = stats.num_alloc_retries;
+    out.allocator_ooms = stats.num_ooms;
     return out;
   }
   void ResetAllocatorPeaks() override {

@@ -45,6 +45,15 @@ struct DeviceMemoryStats {
   int64_t host_to_device_bytes = 0;  // Cumulative bytes copied host to device.
   int64_t device_to_host_bytes = 0;  // Cumulative bytes copied device to host.
   int64_t peer_to_device_bytes = 0;  // Cumulative bytes copied in from other devices (CopyFromPeer).
+  // Cumulative times the allocator ran short of room under its cap, though the allocation may then
+  // have succeeded. allocator_retries: allocations that succeeded only after the allocator gave back
+  // every cached block (CUDA's caching allocator synchronises the device, frees its unused segments
+  // and allocates again: the run stalls, the next allocations cost driver calls). allocator_ooms:
+  // out-of-memory errors the allocator raised, including those a library caught and recovered from
+  // (cuDNN then picks a plan with a smaller workspace, slower) — a run can succeed with them. On
+  // the simulated device: retries 0 (no cache), ooms its refused AllocateBytes calls.
+  int64_t allocator_retries = 0;
+  int64_t allocator_ooms = 0;
 
   // What the process holds on the device now and at its peak, as the GPU sees it.
   int64_t process_bytes() const { return reserved_bytes + context_bytes; }

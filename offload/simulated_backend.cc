@@ -36,6 +36,7 @@ struct Pool {
   int64_t h2d ABSL_GUARDED_BY(mu) = 0;
   int64_t p2d ABSL_GUARDED_BY(mu) = 0;
   int64_t d2h ABSL_GUARDED_BY(mu) = 0;
+  int64_t ooms ABSL_GUARDED_BY(mu) = 0;  // AllocateBytes calls refused for the budget.
   // SetContextReserve: counted in the context, as CUDA's backend counts it.
   int64_t context_reserve ABSL_GUARDED_BY(mu) = 0;
 };
@@ -216,6 +217,7 @@ class SimulatedBackend : public DeviceBackend {
       absl::MutexLock lock(&pool_->mu);
       const int64_t context = options_.context_bytes + pool_->context_reserve;
       if (pool_->budget > 0 && context + pool_->allocated + bytes > pool_->budget) {
+        ++pool_->ooms;
         return DeviceOutOfMemory(name(), bytes, context + pool_->allocated, pool_->budget).ToStatus();
       }
       pool_->allocated += bytes;
@@ -353,6 +355,7 @@ class SimulatedBackend : public DeviceBackend {
     stats.host_to_device_bytes = pool_->h2d;
     stats.peer_to_device_bytes = pool_->p2d;
     stats.device_to_host_bytes = pool_->d2h;
+    stats.allocator_ooms = pool_->ooms;
     return stats;
   }
   void ResetAllocatorPeaks() override {

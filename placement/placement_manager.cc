@@ -482,6 +482,22 @@ void PlacementManager::WidenCacheMargin(const std::string& reason) {
                       " bytes free beyond what runs allocate from now on"));
 }
 
+void PlacementManager::NoteAllocatorShortfalls(const Entry& entry, const DeviceMemoryStats& before,
+                                               int64_t cached_bytes) {
+  if (!streamed_group_cache_ || cached_bytes == 0) return;  // No cache held the room: nothing to give.
+  const DeviceMemoryStats after = backend_->GetMemoryStats();
+  const int64_t retries = after.allocator_retries - before.allocator_retries;
+  const int64_t ooms = after.allocator_ooms - before.allocator_ooms;
+  if (retries <= 0 && ooms <= 0) return;
+  // The run succeeded, but only after the allocator gave its cached blocks back (on CUDA a device
+  // synchronisation and new segments) or after a library recovered from an out-of-memory error
+  // with a slower way: the room the caches left was too tight for it, as for a run that failed.
+  WidenCacheMargin(absl::StrCat("the allocator ran short running ", entry.id, " (", retries,
+                                " allocations retried after giving back its cached blocks, ", ooms,
+                                " out-of-memory errors recovered inside the run) while spare-room caches held ",
+                                cached_bytes, " bytes"));
+}
+
 void PlacementManager::CountRunBegun() {
   ++counters_.runs_begun;
   if (learned_cache_margin_ == 0) return;  // Nothing to narrow (and no count to keep).
@@ -1035,8 +1051,17 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     entry->run_headroom = std::max(entry->run_headroom, grown);
     entry->ran = true;
   };
+  // What the caches hold while it runs, and the allocator's counts of running short before it.
+  int64_t cached_during_run = 0;
+  for (const auto& e : entries_) {
+    if (!e->moved && e->group_offload) cached_during_run += e->group_offload->cache_bytes();
+  }
+  const DeviceMemoryStats allocator_before = backend_->GetMemoryStats();
   absl::Status status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
-  if (status.ok()) learn_headroom();
+  if (status.ok()) {
+    learn_headroom();
+    NoteAllocatorShortfalls(*entry, allocator_before, cached_during_run);
+  }
   // After room was made: the run once more, its headroom measured from here.
   const auto run_again = [&] {
     window_start = backend_->BeginPeakWindow();

@@ -299,7 +299,12 @@ class PlacementManager : public ComponentRunner {
   // them. A run that runs out of device memory while caches hold room gets them all
   // back and runs again before any weights move, and the learned margin doubles (recorded as
   // "widen_cache_margin"; on CUDA, room the allocator's counts call free can be split into blocks
-  // too small for the run's largest allocation), up to a quarter of the budget. The learned margin
+  // too small for the run's largest allocation), up to a quarter of the budget. So does a run that
+  // succeeded while caches held room but during which the allocator ran short (NoteAllocatorShortfalls:
+  // it gave back its cached blocks to allocate, or a library recovered from an out-of-memory error
+  // with a slower way; multi-tenant run 13's budgeted runs were 20 % slower than resident at the
+  // narrow margin with nothing moved and no error seen, and its logs could not say whether this was
+  // why). The learned margin
   // halves again once kCacheMarginNarrowAfterRuns runs began on this device (requests, batches and
   // peers' requests: BeginRequest, BeginPeerRun) without such an error (recorded as
   // "narrow_cache_margin"), down to none: the fragments that made the room unusable may be
@@ -433,6 +438,10 @@ class PlacementManager : public ComponentRunner {
   void GrantGroupCache(Entry& entry, int64_t working_set);
   // Doubles learned_cache_margin_ (at least the configured margin, at most a quarter of the budget).
   void WidenCacheMargin(const std::string& reason);
+  // After a run of `entry` that succeeded: when the allocator ran short during it (its retries or
+  // out-of-memory errors rose from `before`) while spare-room caches held `cached_bytes`, the
+  // learned margin widens as for an out-of-memory error (WidenCacheMargin).
+  void NoteAllocatorShortfalls(const Entry& entry, const DeviceMemoryStats& before, int64_t cached_bytes);
   // One more run began (BeginRequest, BeginPeerRun): counted in runs_begun; once
   // kCacheMarginNarrowAfterRuns began since the learned margin last changed or a run last ran out of
   // memory while caches held room, halves learned_cache_margin_ (to none below the configured margin).

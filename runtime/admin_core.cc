@@ -123,6 +123,8 @@ absl::StatusOr<v1::GetPlacementResponse> AdminCore::GetPlacement(const v1::GetPl
   response.set_pipeline_prefetches_unused(snapshot->counters.pipeline_prefetches_unused);
   response.set_runs_begun(snapshot->counters.runs_begun);
   response.set_cache_margin_bytes(snapshot->cache_margin_bytes);
+  response.set_allocator_retries(snapshot->memory.allocator_retries);
+  response.set_allocator_ooms(snapshot->memory.allocator_ooms);
   for (v1::Adapter& adapter : core->Adapters()) *response.add_adapters() = std::move(adapter);
   return response;
 }

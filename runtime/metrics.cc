@@ -140,6 +140,11 @@ class PlacementCollectable : public prometheus::Collectable {
     auto decision_seconds = Family("stowage_placement_decision_seconds_total",
                                    "Time spent deciding placements (strategy calls).", MetricType::Counter);
     auto decisions = Family("stowage_placement_decisions_total", "Strategy calls.", MetricType::Counter);
+    auto allocator = Family("stowage_device_allocator_shortfalls_total",
+                            "Times the device's allocator ran short of room under its cap, by kind: retry (an "
+                            "allocation that succeeded only after it gave back its cached blocks; on CUDA with a "
+                            "device synchronisation) and oom (an out-of-memory error, recovered from or not).",
+                            MetricType::Counter);
     auto warning = Family("stowage_placement_group_offload_warning",
                           "1 while a footprint strategy manages group-offloaded components.",
                           MetricType::Gauge);
@@ -154,6 +159,8 @@ class PlacementCollectable : public prometheus::Collectable {
                {"budget", snapshot->memory.budget_bytes}}) {
         Add(device_memory, static_cast<double>(bytes), {{"device", d}, {"kind", kind}});
       }
+      Add(allocator, static_cast<double>(snapshot->memory.allocator_retries), {{"device", d}, {"kind", "retry"}});
+      Add(allocator, static_cast<double>(snapshot->memory.allocator_ooms), {{"device", d}, {"kind", "oom"}});
       for (const ComponentView& v : snapshot->components) {
         Add(state, 1, {{"component", v.id}, {"state", ComponentStateName(v.state)}, {"device", d}});
         Add(lifecycle, 1, {{"component", v.id}, {"lifecycle", ComponentLifecycleName(v.lifecycle)}, {"device", d}});
@@ -198,7 +205,7 @@ class PlacementCollectable : public prometheus::Collectable {
       Add(decisions, static_cast<double>(c.decisions), {{"device", d}});
       Add(warning, snapshot->warnings.empty() ? 0 : 1, {{"device", d}});
     }
-    return {pipeline_state, device_memory, state, lifecycle, device, weights, onloads, onload_bytes, offloads, offload_bytes, evictions, oom,
+    return {pipeline_state, device_memory, allocator, state, lifecycle, device, weights, onloads, onload_bytes, offloads, offload_bytes, evictions, oom,
             pipeline_prefetches, pipeline_prefetch_bytes, decision_seconds, decisions, warning, go_bytes, go_forwards, go_onloads, go_releases};
   }
 

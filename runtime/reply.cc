@@ -44,6 +44,9 @@ v1::GenerateResponse BuildReply(const Image& image, const GenerationParams& para
                                   facts.preempted_host_to_device_bytes);
   stats->set_device_to_host_bytes(facts.after.device_to_host_bytes - facts.before.device_to_host_bytes -
                                   facts.preempted_device_to_host_bytes);
+  stats->set_allocator_retries(facts.after.allocator_retries - facts.before.allocator_retries -
+                               facts.preempted_allocator_retries);
+  stats->set_allocator_ooms(facts.after.allocator_ooms - facts.before.allocator_ooms - facts.preempted_allocator_ooms);
   if (facts.preemptions > 0) {
     *stats->mutable_preempted_time() = ToProto(facts.preempted_time);
     stats->set_preemptions(facts.preemptions);

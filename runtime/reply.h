@@ -44,11 +44,14 @@ struct ReplyFacts {
   int preemptions = 0;
   int64_t preempted_host_to_device_bytes = 0;
   int64_t preempted_device_to_host_bytes = 0;
+  int64_t preempted_allocator_retries = 0;
+  int64_t preempted_allocator_ooms = 0;
 };
 
 // The reply of a run that made `image` (format and image bytes set later by EncodeReplyImage):
 // stats with each stage of `stages`, the peaks (the larger of after's and the floors), host↔device
-// bytes (after − before), this device's usage first, then each peer's (`peers`).
+// bytes and the allocator's retries and out-of-memory errors (after − before, less a preemption's),
+// this device's usage first, then each peer's (`peers`).
 v1::GenerateResponse BuildReply(const Image& image, const GenerationParams& params, const ReplyFacts& facts,
                                 const std::vector<RunContext::StageTime>& stages,
                                 const std::vector<v1::DeviceUsage>& peers);

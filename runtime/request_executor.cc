@@ -405,6 +405,8 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
       ++paused.count;
       paused.host_to_device_bytes += resumed.host_to_device_bytes - at.host_to_device_bytes;
       paused.device_to_host_bytes += resumed.device_to_host_bytes - at.device_to_host_bytes;
+      paused.allocator_retries += resumed.allocator_retries - at.allocator_retries;
+      paused.allocator_ooms += resumed.allocator_ooms - at.allocator_ooms;
       // The preempting run's peaks: the device's since its reset, and the floors a peer's run
       // during it kept (KeepPeakFloor), which its Run left in the members.
       peak_floor_allocated_ = std::max({floor_allocated, resumed.peak_allocated_bytes, peak_floor_allocated_});
@@ -527,6 +529,8 @@ void RequestExecutor::Run(WorkerScope& scope, const std::vector<Request*>& reque
     facts.preemptions = paused.count;
     facts.preempted_host_to_device_bytes = paused.host_to_device_bytes;
     facts.preempted_device_to_host_bytes = paused.device_to_host_bytes;
+    facts.preempted_allocator_retries = paused.allocator_retries;
+    facts.preempted_allocator_ooms = paused.allocator_ooms;
     v1::GenerateResponse response =
         BuildReply(*images[i], r.params, facts, contexts[i]->stage_times(), runner.peer_usage());
     r.result = std::move(response);

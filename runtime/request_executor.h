@@ -104,6 +104,8 @@ class RequestExecutor {
     int count = 0;
     int64_t host_to_device_bytes = 0;
     int64_t device_to_host_bytes = 0;
+    int64_t allocator_retries = 0;
+    int64_t allocator_ooms = 0;
   };
   // PlacementManager::run_changes() when a request or warm-up last ran.
   int64_t run_changes_seen_ = 0;

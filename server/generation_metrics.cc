@@ -32,7 +32,8 @@ void LogRequest(const DeviceSet& core, const v1::GenerateRequest& request, const
                     " peak_device_bytes=", stats.peak_device_memory_bytes(),
                     " peak_device_reserved_bytes=", stats.peak_device_reserved_bytes(),
                     " peak_cpu_rss_bytes=", stats.peak_cpu_rss_bytes(), " h2d_bytes=", stats.host_to_device_bytes(),
-                    " batch_size=", std::max(1, stats.batch_size()));
+                    " batch_size=", std::max(1, stats.batch_size()), " allocator_retries=", stats.allocator_retries(),
+                    " allocator_ooms=", stats.allocator_ooms());
     LogInfo(line);
   } else {
     absl::StrAppend(&line, " error=", LogValue(status.message(), 200));

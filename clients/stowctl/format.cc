@@ -97,6 +97,9 @@ std::string FormatPlacement(const v1::GetPlacementResponse& r) {
       r.budget_bytes() > 0 ? HumanBytes(r.budget_bytes()) : std::string("unlimited"), "; strategy ",
       r.strategy(), "; OOM recoveries ", r.oom_recoveries(),
       r.cache_margin_bytes() > 0 ? absl::StrCat("; cache margin ", HumanBytes(r.cache_margin_bytes())) : std::string(),
+      r.allocator_retries() > 0 || r.allocator_ooms() > 0
+          ? absl::StrCat("; allocator ran short ", r.allocator_retries(), " retries, ", r.allocator_ooms(), " OOMs")
+          : std::string(),
       "\n");
   if (r.pipeline_prefetches() > 0) {
     absl::StrAppend(&out, "pipeline prefetches: ", r.pipeline_prefetches(), " (", HumanBytes(r.pipeline_prefetch_bytes()),

@@ -35,6 +35,13 @@ TEST(FormatTest, PlacementCountsTheNextPipelinesPrefetchesWhenThereAreAny) {
   r.set_cache_margin_bytes(int64_t{768} << 20);
   EXPECT_NE(FormatPlacement(r).find("; OOM recoveries 0; cache margin 768.00 MiB\n"), std::string::npos)
       << FormatPlacement(r);
+  // Once the allocator ran short, the device line says how often.
+  EXPECT_EQ(FormatPlacement(r).find("allocator ran short"), std::string::npos);
+  r.set_allocator_retries(5);
+  r.set_allocator_ooms(2);
+  EXPECT_NE(FormatPlacement(r).find("; cache margin 768.00 MiB; allocator ran short 5 retries, 2 OOMs\n"),
+            std::string::npos)
+      << FormatPlacement(r);
 }
 
 // A group-offloaded component's line names its spare-room cache once it holds or served anything.

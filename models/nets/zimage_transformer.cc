@@ -330,18 +330,31 @@ std::vector<at::Tensor> ZImageTransformer::ForwardBatch(const std::vector<at::Te
 
   // Captions: each padded with its last row to a multiple of 32 (lc_i); pads become cap_pad_token.
   // Across the batch, shorter ones are then padded with zeros to the longest (lmax) and masked.
-  std::vector<at::Tensor> caps;
+  // The embedder runs once over the whole batch (each caption padded with its last row to lmax,
+  // [B, lmax, cap_feat_dim]; a row's adapters apply to its row): a streamed (group-offloaded)
+  // embedder is reached once a forward, as in the forward that recorded the groups' order, whatever
+  // the batch size — run once per sample, its second sample reached it out of that order, a copy
+  // the forward waited for and the prefetches after it redone (session 39, H100: 2.5 waits a
+  // batched forward). Rows past lc_i are dropped before the zero padding, so each row is what it
+  // was embedded alone.
+  std::vector<int64_t> lengths;
   std::vector<int64_t> lcs;
   int64_t lmax = 0;
-  for (size_t row = 0; row < captions.size(); ++row) {
-    const ScopedLoraRow lora_row(row);  // A per-sample step: that row's adapters (mixed batches).
-    const at::Tensor& caption = captions[row];
+  for (const at::Tensor& caption : captions) {
     const int64_t l = caption.size(0);
-    const int64_t lc = l + PadTo(l);
-    at::Tensor cap = cap_linear_->Forward(cap_norm_->Forward(PadWithLastRow(caption.to(dtype), lc - l)));
-    caps.push_back(FillPadRows(cap, l, tensor(cap_pad_token_)));
-    lcs.push_back(lc);
-    lmax = std::max(lmax, lc);
+    lengths.push_back(l);
+    lcs.push_back(l + PadTo(l));
+    lmax = std::max(lmax, lcs.back());
+  }
+  std::vector<at::Tensor> padded;
+  for (size_t row = 0; row < captions.size(); ++row) {
+    padded.push_back(PadWithLastRow(captions[row].to(dtype), lmax - lengths[row]));
+  }
+  const at::Tensor embedded = cap_linear_->Forward(cap_norm_->Forward(at::stack(padded, 0)));
+  std::vector<at::Tensor> caps;
+  for (size_t row = 0; row < captions.size(); ++row) {
+    caps.push_back(FillPadRows(embedded.select(0, static_cast<int64_t>(row)).slice(0, 0, lcs[row]), lengths[row],
+                               tensor(cap_pad_token_)));
   }
   const bool ragged = std::any_of(lcs.begin(), lcs.end(), [&](int64_t lc) { return lc != lmax; });
 

@@ -304,6 +304,13 @@ class PrometheusEndToEndTest(unittest.TestCase):
         reply = self.query('stowage_device_memory_bytes{kind="budget"}')
         budgets = {(s["metric"]["pod"], s["metric"]["device"]): float(s["value"][1]) for s in reply["data"]["result"]}
         self.assertEqual(budgets, {(pod, device): 4294967296 for pod in PODS for device in ("sim:0", "sim:1")})
+        # Each device says how often its allocator ran short, by kind (the simulated one never retries).
+        reply = self.query("stowage_device_allocator_shortfalls_total")
+        shortfalls = {(s["metric"]["pod"], s["metric"]["device"], s["metric"]["kind"]): float(s["value"][1])
+                      for s in reply["data"]["result"]}
+        self.assertEqual(set(shortfalls), {(pod, device, kind) for pod in PODS for device in ("sim:0", "sim:1")
+                                           for kind in ("retry", "oom")})
+        self.assertTrue(all(v == 0 for (_, _, kind), v in shortfalls.items() if kind == "retry"), shortfalls)
 
     def test_dashboard_keeps_servers_and_devices_apart(self) -> None:
         # A panel that adds up one device's bytes with another server's, or joins many to many,

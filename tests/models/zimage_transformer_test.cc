@@ -154,6 +154,41 @@ TEST(ZImageTransformerTest, BatchedForwardMatchesEachSampleAlone) {
   EXPECT_THROW(model.ForwardBatch({latents[0]}, 0.4, {captions[0], captions[1]}), c10::Error);
 }
 
+// Streamed, a batched forward reaches each group once, in the order the forward that recorded it (the
+// server's warm-up: one sample) did — no copy it waits for, one prefetch a streamed group. The
+// caption embedder, itself a streamed group list, once ran per sample: its second sample reached it
+// out of that order (session 39 on an H100: 2.5 waited-for copies a batched forward).
+TEST(ZImageTransformerTest, AStreamedBatchedForwardReachesEachGroupOnceInTheRecordedOrder) {
+  ZImageTransformer model(Tiny(), LayerOptions{});
+  InitializeRandomWeights(model, 7);
+  c10::InferenceMode guard;
+  std::vector<at::Tensor> latents, captions;
+  for (int64_t len : {7, 40, 70, 40}) {
+    latents.push_back(at::randn({4, 1, 6, 10}));
+    captions.push_back(at::randn({len, 48}));
+  }
+  const std::vector<at::Tensor> resident = model.ForwardBatch(latents, 0.4, captions);
+  auto weights = *HostWeights::Capture(model);
+  auto backend = CreateSimulatedBackend({});
+  ASSERT_TRUE(backend->supports_streams());
+  GroupOffloadOptions options;
+  options.use_stream = true;
+  options.prefetch_depth = 4;  // 5 slots for 6 streamed groups: a skipped position shifts every slot.
+  auto offloader = GroupOffloader::Apply("zimage", model, *weights, *backend, options);
+  ASSERT_TRUE(offloader.ok()) << offloader.status();
+  ASSERT_EQ((*offloader)->stats().streamed_groups, 6);
+  for (int i = 0; i < 2; ++i) (void)model.Forward(latents[0], 0.4, captions[0]);
+  const GroupOffloadStats before = (*offloader)->stats();
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<at::Tensor> batch = model.ForwardBatch(latents, 0.4, captions);
+    for (size_t k = 0; k < batch.size(); ++k) EXPECT_TRUE(at::equal(batch[k], resident[k])) << "forward " << i << " sample " << k;
+  }
+  const GroupOffloadStats after = (*offloader)->stats();
+  EXPECT_EQ(after.forwards - before.forwards, 3);
+  EXPECT_EQ(after.sync_onloads - before.sync_onloads, 0);
+  EXPECT_EQ(after.prefetches - before.prefetches, 3 * 6);
+}
+
 TEST(ZImageTransformerTest, ConfigFromJsonValidates) {
   google::protobuf::Struct json;
   (*json.mutable_fields())["dim"].set_number_value(64);

@@ -466,6 +466,60 @@ TEST(PlacementManagerTest, ALearnedCacheMarginNarrowsAfterQuietRequestsOnly) {
   EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 3);
 }
 
+// A run that succeeds although the allocator ran short inside it (a library caught the out-of-memory
+// error and went on another way) while the caches held room widens the margin as a failed run does,
+// and restarts the quiet count; with no cache holding room, or with the caches off, it changes
+// nothing. Either way no placement recovery is counted.
+TEST(PlacementManagerTest, ARunThatRecoveredFromAnAllocatorShortfallWidensTheCacheMargin) {
+  Harness s;
+  const int64_t cache = FullCacheAfterTwoRequests(s);
+  ASSERT_GT(cache, 1024);
+  const DeviceMemoryStats full = s.backend->GetMemoryStats();
+  ASSERT_TRUE(s.backend->SetMemoryBudget(full.context_bytes + full.allocated_bytes + cache).ok());
+  Component* vae = s.pipeline->components().back();
+  // What a library does with a workspace it cannot have: asks, is refused, runs without it.
+  const auto recovering = [&] {
+    absl::StatusOr<at::Tensor> workspace = s.backend->AllocateBytes(4 * cache);
+    if (workspace.ok()) throw std::runtime_error("the workspace was expected not to fit");
+  };
+  const int64_t ooms_before = s.backend->GetMemoryStats().allocator_ooms;
+  size_t decisions = s.placement.DecisionLog(1000).size();
+  ASSERT_TRUE(s.placement.Run(*vae, recovering).ok());
+  EXPECT_EQ(s.backend->GetMemoryStats().allocator_ooms, ooms_before + 1);
+  EXPECT_EQ(s.placement.learned_cache_margin(), 256);
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 0);
+  std::vector<PlacementDecision> log = s.placement.DecisionLog(1000);
+  ASSERT_EQ(log.size(), decisions + 1);
+  EXPECT_EQ(log.back().action, "widen_cache_margin");
+  EXPECT_NE(log.back().reason.find("the allocator ran short running tiny/vae (0 allocations retried after giving "
+                                   "back its cached blocks, 1 out-of-memory errors recovered inside the run) while "
+                                   "spare-room caches held " + std::to_string(cache) + " bytes"),
+            std::string::npos)
+      << log.back().reason;
+  // The quiet count starts again at each such run.
+  for (int k = 1; k < PlacementManager::kCacheMarginNarrowAfterRuns; ++k) s.placement.BeginRequest("quiet");
+  ASSERT_TRUE(s.placement.Run(*vae, recovering).ok());
+  EXPECT_EQ(s.placement.learned_cache_margin(), 512);
+  for (int k = 1; k < PlacementManager::kCacheMarginNarrowAfterRuns; ++k) s.placement.BeginRequest("quiet");
+  EXPECT_EQ(s.placement.learned_cache_margin(), 512);
+  s.placement.BeginRequest("quiet");
+  EXPECT_EQ(s.placement.learned_cache_margin(), 256);
+  // No cache holds room (a budget below what they hold empties them): nothing to give back, the
+  // margin stays.
+  const DeviceMemoryStats now = s.backend->GetMemoryStats();
+  std::vector<std::string> offloaded;
+  ASSERT_TRUE(s.placement.SetMemoryBudget(now.context_bytes + now.allocated_bytes - 1, &offloaded).ok());
+  ASSERT_TRUE(offloaded.empty());
+  ASSERT_EQ(s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes, 0);
+  decisions = s.placement.DecisionLog(1000).size();
+  ASSERT_TRUE(s.placement.Run(*vae, recovering).ok());
+  EXPECT_EQ(s.placement.learned_cache_margin(), 256);
+  log = s.placement.DecisionLog(1000);
+  for (size_t k = decisions; k < log.size(); ++k) EXPECT_NE(log[k].action, "widen_cache_margin") << log[k].reason;
+  EXPECT_EQ(s.backend->GetMemoryStats().allocator_ooms, ooms_before + 3);
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 0);
+}
+
 // A peer's request runs its components here one call at a time: counted once, at its first call,
 // and each call's decisions carry its id.
 TEST(PlacementManagerTest, APeersRequestCountsAsOneRunHoweverManyCallsItMakes) {

@@ -37,6 +37,14 @@ TEST(ReplyTest, StatsComeFromTheMeasurementsAndThePeersFollowThisDevice) {
   facts.after.context_bytes = 100;
   facts.peak_floor_reserved = 50;
   facts.peak_cpu_rss_bytes = 12345;
+  // The allocator ran short 7 times (2 of them while a preempting request ran) and raised 3
+  // out-of-memory errors (1 of them then).
+  facts.before.allocator_retries = 4;
+  facts.after.allocator_retries = 11;
+  facts.preempted_allocator_retries = 2;
+  facts.before.allocator_ooms = 1;
+  facts.after.allocator_ooms = 4;
+  facts.preempted_allocator_ooms = 1;
   v1::DeviceUsage peer;
   peer.set_device("sim:1");
   peer.set_host_to_device_bytes(77);
@@ -52,6 +60,8 @@ TEST(ReplyTest, StatsComeFromTheMeasurementsAndThePeersFollowThisDevice) {
   EXPECT_EQ(s.host_to_device_bytes(), 4000);
   EXPECT_EQ(s.device_to_host_bytes(), 20);
   EXPECT_EQ(s.peak_cpu_rss_bytes(), 12345);
+  EXPECT_EQ(s.allocator_retries(), 5);
+  EXPECT_EQ(s.allocator_ooms(), 2);
   EXPECT_EQ(s.batch_size(), 3);
   ASSERT_EQ(s.stages_size(), 1);
   EXPECT_TRUE(s.stages(0).shared());

@@ -238,6 +238,11 @@ def format_placement(p: PlacementInfo) -> list[str]:
             else []
         )
         + ([["cache margin", format_bytes(p.cache_margin_bytes)]] if p.cache_margin_bytes else [])
+        + (
+            [["allocator ran short", f"{p.allocator_retries} retries, {p.allocator_ooms} OOMs"]]
+            if p.allocator_retries or p.allocator_ooms
+            else []
+        )
     )
     lines.append("")
     lines += format_components(p.components)

@@ -143,6 +143,10 @@ class PlacementInfo:
     runs_begun: int = 0
     # What the spare-room caches leave free beyond what runs allocate (0: caches off).
     cache_margin_bytes: int = 0
+    # Times the allocator ran short of room under its cap since the server started: allocations it
+    # retried after giving back its cached blocks, and out-of-memory errors (recovered from or not).
+    allocator_retries: int = 0
+    allocator_ooms: int = 0
 
     # Held outside the allocator (CUDA context and libraries): a budget counts it.
     context_bytes: int = 0
@@ -265,6 +269,8 @@ def _placement_from_proto(msg: admin_pb2.GetPlacementResponse) -> PlacementInfo:
         pipeline_prefetches_unused=msg.pipeline_prefetches_unused,
         runs_begun=msg.runs_begun,
         cache_margin_bytes=msg.cache_margin_bytes,
+        allocator_retries=msg.allocator_retries,
+        allocator_ooms=msg.allocator_ooms,
         context_bytes=msg.context_bytes,
     )
 

@@ -102,6 +102,11 @@ class RequestStats:
     batch_size: int = 1
     batch_wait_s: float = 0.0
     shared_stages: tuple[str, ...] = ()
+    # Times the device's allocator ran short of room under the budget while it ran: allocations
+    # that succeeded only after it gave back its cached blocks, and out-of-memory errors it raised
+    # (a library or placement may have recovered from them; either above 0 slows the run).
+    allocator_retries: int = 0
+    allocator_ooms: int = 0
 
 
 @dataclass(frozen=True)
@@ -218,6 +223,8 @@ def _stats_from_proto(msg: generation_pb2.RequestStats) -> RequestStats:
         batch_size=max(1, msg.batch_size),
         batch_wait_s=_seconds(msg.batch_wait),
         shared_stages=tuple(t.stage for t in msg.stages if t.shared),
+        allocator_retries=msg.allocator_retries,
+        allocator_ooms=msg.allocator_ooms,
     )
 
 

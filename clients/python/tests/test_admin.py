@@ -728,6 +728,17 @@ class CliTest(AdminServerTestCase):
         record = json.loads(self.run_main("placement", "--json")[1])
         self.assertEqual([record["cache_margin_bytes"], record["runs_begun"]], [768 * 2**20, 41])
 
+    def test_placement_says_when_the_allocator_ran_short(self) -> None:
+        _, out, _ = self.run_main("placement")
+        self.assertNotIn("allocator ran short", out)
+        self.fake.placement.allocator_retries = 5
+        self.fake.placement.allocator_ooms = 2
+        _, out, _ = self.run_main("placement")
+        self.assertTrue(any(line.startswith("allocator ran short") and line.endswith("5 retries, 2 OOMs")
+                            for line in out.splitlines()), out)
+        record = json.loads(self.run_main("placement", "--json")[1])
+        self.assertEqual([record["allocator_retries"], record["allocator_ooms"]], [5, 2])
+
     def test_placement_json(self) -> None:
         status, out, _ = self.run_main("placement", "--json")
         self.assertEqual(status, 0)

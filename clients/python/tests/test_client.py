@@ -69,6 +69,8 @@ def canned_response() -> generation_pb2.GenerateResponse:
             peak_device_reserved_bytes=4 * 2**30 + 9,
             peak_cpu_rss_bytes=2**40 + 7,
             host_to_device_bytes=5 * 2**20,
+            allocator_retries=3,
+            allocator_ooms=2,
             device_to_host_bytes=1536,
             device="sim:0",
         ),
@@ -282,6 +284,7 @@ class ResultConversionTest(ServerTestCase):
         self.assertEqual(stats.host_to_device_bytes, 5 * 2**20)
         self.assertEqual(stats.device_to_host_bytes, 1536)
         self.assertEqual(stats.device, "sim:0")
+        self.assertEqual([stats.allocator_retries, stats.allocator_ooms], [3, 2])
 
     def test_generate_converts_result_and_stats(self) -> None:
         self.assert_canned_result(self.client.generate("p"))

@@ -51,6 +51,9 @@ struct GroupOffloader::Impl {
     std::vector<SlotViews> slot_views;
     bool active = false;
     std::set<Module*> done;        // Members finished since onload.
+    // stats.forwards when last onloaded from the ring: equal to it, the running forward reached
+    // this group before (a model that runs a streamed submodule once per sample).
+    int64_t onloaded_in_forward = -1;
   };
 
   class Hook : public ModuleHook {
@@ -389,6 +392,8 @@ struct GroupOffloader::Impl {
     EnsureRingOrThrow();
     const int64_t n = ring->size();
     const int64_t length = static_cast<int64_t>(order.size());
+    if (!recording && g.onloaded_in_forward == stats.forwards && OnloadAgain(g, n)) return;
+    g.onloaded_in_forward = stats.forwards;
     int64_t pos = -1;
     if (recording) {
       order.push_back(&g);
@@ -440,6 +445,34 @@ struct GroupOffloader::Impl {
       LoadIntoSlot(next, s);
       ++stats.prefetches;
     }
+  }
+
+  // A group the running forward reached before, reached again (a submodule run once per sample where
+  // the recorded order has it once): served where it is, or copied into the slot of the group
+  // reached last — the one slot the prefetches ahead leave alone —, without moving the order's
+  // cursor or prefetching. Searching the order from the cursor would find it in the next forward's
+  // place, as if every group between had been skipped: the prefetched ones then land in shifted
+  // slots and are copied again. False (the caller goes on as for any group) when that slot's group
+  // is still running.
+  bool OnloadAgain(Group& g, int64_t n) {
+    if (CachedWidened(g)) {
+      ++stats.cache_hits;
+      stats.cache_hit_bytes += g.link_bytes;
+      PointAt(g, g.cache_buffer);
+    } else {
+      if (g.slot < 0) {
+        const int64_t s = ((cursor - 1) % n + n) % n;
+        const int holder = ring->owner(s);
+        if (holder != SlotRing::kNoOwner && groups[static_cast<size_t>(holder)]->active) return false;
+        ++stats.sync_onloads;
+        LoadIntoSlot(g, s);
+      }
+      ring->ComputeStreamWaitCopied(g.slot);
+      PointAtSlot(g, g.slot);
+    }
+    g.active = true;
+    g.done.clear();
+    return true;
   }
 
   // Copies the groups the next forward onloads first into the slots they will use, on the copy

@@ -36,6 +36,7 @@ struct Fixture {
     reverse_reference = Run(StackOrder::kReverse);
     skip_reference = Run(StackOrder::kSkipOdd);
     repeat_reference = Run(StackOrder::kRepeatFirst);
+    twice_reference = Run(StackOrder::kFirstTwice);
     weights->OffloadAll();
   }
   at::Tensor Run(StackOrder order) {
@@ -57,7 +58,7 @@ struct Fixture {
   StackModel model;
   std::unique_ptr<DeviceBackend> backend;
   std::unique_ptr<HostWeights> weights;
-  at::Tensor input, reference, reverse_reference, skip_reference, repeat_reference;
+  at::Tensor input, reference, reverse_reference, skip_reference, repeat_reference, twice_reference;
 };
 
 struct ModeCase {
@@ -118,6 +119,38 @@ std::vector<ModeCase> Cases() {
 void PrintTo(const ModeCase& c, std::ostream* os) { *os << c.name; }
 
 class GroupOffloadModeTest : public ::testing::TestWithParam<ModeCase> {};
+
+// A block a forward runs twice where the recorded order has it once (a model that runs a streamed
+// submodule once per sample) is served again where it is: the forwards after wait for no copy and
+// prefetch each group once, as ordered forwards do. Searching the order for it used to find its place
+// in the next forward: the groups between counted as skipped, the prefetched ones copied again into
+// shifted slots (6 groups, 5 slots) and waited for.
+TEST(GroupOffloadTest, AGroupReachedTwiceInAForwardKeepsThePrefetchOrder) {
+  Fixture f;
+  GroupOffloadOptions options;
+  options.use_stream = true;
+  options.prefetch_depth = 4;
+  auto offloader = GroupOffloader::Apply("stack", f.model, *f.weights, *f.backend, options);
+  ASSERT_TRUE(offloader.ok()) << offloader.status();
+  ASSERT_EQ((*offloader)->stats().streamed_groups, StackModel::kBlocks);
+  ASSERT_EQ((*offloader)->stats().slots, 5);
+  for (int i = 0; i < 2; ++i) EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+  const GroupOffloadStats before = (*offloader)->stats();
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(at::equal(f.Run(StackOrder::kFirstTwice), f.twice_reference)) << i;
+  const GroupOffloadStats twice = (*offloader)->stats();
+  EXPECT_EQ(twice.onloads - before.onloads, 3 * (StackModel::kBlocks + 1));
+  EXPECT_EQ(twice.sync_onloads - before.sync_onloads, 0);
+  EXPECT_EQ(twice.prefetches - before.prefetches, 3 * StackModel::kBlocks);
+  // Ordered forwards after them go on as before.
+  for (int i = 0; i < 2; ++i) EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+  const GroupOffloadStats after = (*offloader)->stats();
+  EXPECT_EQ(after.sync_onloads - twice.sync_onloads, 0);
+  EXPECT_EQ(after.prefetches - twice.prefetches, 2 * StackModel::kBlocks);
+  // The repeat once its slot was taken (block 0 again after the last block: the prefetches of the
+  // next forward's first groups went ahead of it) stays exact.
+  EXPECT_TRUE(at::equal(f.Run(StackOrder::kRepeatFirst), f.repeat_reference));
+  EXPECT_TRUE(at::equal(f.Run(StackOrder::kForward), f.reference));
+}
 
 TEST_P(GroupOffloadModeTest, OutputEqualsResidentExactlyAndPeakIsExact) {
   Fixture f;

@@ -34,7 +34,9 @@ class StackBlock : public Module {
   RMSNorm* norm_;
 };
 
-enum class StackOrder { kForward, kReverse, kSkipOdd, kRepeatFirst };
+// kRepeatFirst: block 0 again after the last; kFirstTwice: block 0 twice before block 1 (a block run
+// once per sample).
+enum class StackOrder { kForward, kReverse, kSkipOdd, kRepeatFirst, kFirstTwice };
 
 class StackModel : public Module {
  public:
@@ -64,6 +66,7 @@ class StackModel : public Module {
     if (order == StackOrder::kReverse) std::reverse(sequence.begin(), sequence.end());
     if (order == StackOrder::kSkipOdd) sequence = {0, 2, 4};
     if (order == StackOrder::kRepeatFirst) sequence.push_back(0);
+    if (order == StackOrder::kFirstTwice) sequence.insert(sequence.begin(), 0);
     for (int i : sequence) h = (*blocks_)[static_cast<size_t>(i)].Forward(h);
     return head_->Forward(h);
   }

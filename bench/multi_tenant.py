@@ -749,10 +749,11 @@ def analyze(log_dir, rows_path):
         # The unmeasured first request of each pipeline, then the trace's (the flood phase's after it).
         runs = runs[len(POPULARITY):len(POPULARITY) + count if count else None]
         per, waits, short = {}, {}, {}
-        for pipeline, run_s, _, wait_s, retries, ooms in runs:
+        for pipeline, run_s, batch_size, wait_s, retries, ooms in runs:
             per.setdefault(pipeline, []).append(run_s)
             waits.setdefault(pipeline, []).append(wait_s)
-            short.setdefault(pipeline, []).append((retries, ooms))
+            # Each member of a batch logs the batch's counts: a member's share.
+            short.setdefault(pipeline, []).append((retries / batch_size, ooms / batch_size))
         mean = sum(r[1] for r in runs) / max(1, len(runs))
         share = sum(r[1] / r[2] for r in runs) / max(1, len(runs))  # A batch's time split among its members.
         batch = sum(r[2] for r in runs) / max(1, len(runs))
@@ -770,8 +771,8 @@ def analyze(log_dir, rows_path):
                 hit = [(a, b) for a, b in s if a or b]
                 print(f"  {pipeline:13s} mean run {sum(per[pipeline]) / len(per[pipeline]):.3f} s (n={len(per[pipeline])}), "
                       f"queue wait p50 {percentile(w, 0.5):.3f} s, mean {sum(w) / len(w):.3f} s"
-                      + (f"; allocator ran short in {len(hit)} runs ({sum(a for a, _ in hit)} retries, "
-                         f"{sum(b for _, b in hit)} OOMs)" if hit else ""))
+                      + (f"; allocator ran short in {len(hit)} runs ({sum(a for a, _ in hit):g} retries, "
+                         f"{sum(b for _, b in hit):g} OOMs)" if hit else ""))
         placement_log = os.path.join(log_dir, f"{strategy}.placement_log.txt")
         if os.path.exists(placement_log):
             onloads, reorders, prefetches, cache_releases, onload_bytes = {}, 0, 0, 0, 0

@@ -14,7 +14,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -116,6 +118,30 @@ absl::Status CatchCuda(absl::string_view what, Fn&& fn) {
   return status;
 }
 
+// Per device index, the largest allocation LibTorch's caching allocator refused since that device's
+// backend last reset its peaks: written by the allocator's out-of-memory observer (attached once per
+// process; the allocator has no way to detach one, so it writes here rather than into a backend),
+// read and reset by the backends.
+constexpr int kMaxDevices = 64;
+std::atomic<int64_t>& LargestRefused(int device) {
+  static std::array<std::atomic<int64_t>, kMaxDevices> largest{};
+  return largest[static_cast<size_t>(std::clamp(device, 0, kMaxDevices - 1))];
+}
+void ObserveRefusedAllocations() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    c10::cuda::CUDACachingAllocator::attachOutOfMemoryObserver(
+        [](int64_t device, auto allocated, auto /*device_total*/, auto /*device_free*/) {
+          if (device < 0 || device >= kMaxDevices) return;
+          std::atomic<int64_t>& largest = LargestRefused(static_cast<int>(device));
+          const int64_t bytes = static_cast<int64_t>(allocated);
+          int64_t seen = largest.load();
+          while (seen < bytes && !largest.compare_exchange_weak(seen, bytes)) {
+          }
+        });
+  });
+}
+
 class CudaEvent : public DeviceEvent {
  public:
   at::cuda::CUDAEvent event{cudaEventDisableTiming};
@@ -140,6 +166,7 @@ class CudaBackend : public DeviceBackend {
     // LibTorch initialises CUDA and its caching allocator lazily, at the first allocation; the
     // allocator's statistics calls fail ("Invalid device argument") before that.
     (void)at::empty({1}, at::TensorOptions().dtype(at::kByte).device(device_));
+    ObserveRefusedAllocations();
     if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
       total_bytes_ = static_cast<int64_t>(total_bytes);
       // What this process holds outside the caching allocator: the context, module images and
@@ -316,10 +343,12 @@ class CudaBackend : public DeviceBackend {
     out.device_to_host_bytes = d2h_.load();
     out.allocator_retries = stats.num_alloc_retries;
     out.allocator_ooms = stats.num_ooms;
+    out.largest_refused_bytes = LargestRefused(device_.index()).load();
     return out;
   }
   void ResetAllocatorPeaks() override {
     c10::cuda::CUDACachingAllocator::resetPeakStats(device_.index());
+    LargestRefused(device_.index()).store(0);
   }
   absl::Status SetMemoryBudget(int64_t bytes) override {
     if (bytes < 0) return absl::InvalidArgumentError("memory budget must be >= 0");

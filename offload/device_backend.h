@@ -54,6 +54,10 @@ struct DeviceMemoryStats {
   // the simulated device: retries 0 (no cache), ooms its refused AllocateBytes calls.
   int64_t allocator_retries = 0;
   int64_t allocator_ooms = 0;
+  // The largest allocation the allocator refused since the last ResetPeakStats() or
+  // BeginPeakWindow() (0: none): what a shortfall asked for, so placement can tell one that more
+  // room would have served from a library's probe for a workspace larger than any room.
+  int64_t largest_refused_bytes = 0;
 
   // What the process holds on the device now and at its peak, as the GPU sees it.
   int64_t process_bytes() const { return reserved_bytes + context_bytes; }

@@ -51,7 +51,7 @@ struct GroupOffloader::Impl {
     std::vector<SlotViews> slot_views;
     bool active = false;
     std::set<Module*> done;        // Members finished since onload.
-    // stats.forwards when last onloaded from the ring: equal to it, the running forward reached
+    // forward_serial when last onloaded from the ring: equal to it, the running forward reached
     // this group before (a model that runs a streamed submodule once per sample).
     int64_t onloaded_in_forward = -1;
   };
@@ -97,6 +97,7 @@ struct GroupOffloader::Impl {
   // groups of a forward after it. Cleared when that forward ends.
   bool last_forward = false;
   bool in_last_forward = false;
+  int64_t forward_serial = 0;  // Forwards begun (BeginForward), those that threw included.
   GroupOffloadStats stats;    // The cache_* fields are kept current here.
 
   // --- Building ---------------------------------------------------------------------------------
@@ -392,8 +393,8 @@ struct GroupOffloader::Impl {
     EnsureRingOrThrow();
     const int64_t n = ring->size();
     const int64_t length = static_cast<int64_t>(order.size());
-    if (!recording && g.onloaded_in_forward == stats.forwards && OnloadAgain(g, n)) return;
-    g.onloaded_in_forward = stats.forwards;
+    if (!recording && g.onloaded_in_forward == forward_serial && OnloadAgain(g, n)) return;
+    g.onloaded_in_forward = forward_serial;
     int64_t pos = -1;
     if (recording) {
       order.push_back(&g);
@@ -414,7 +415,7 @@ struct GroupOffloader::Impl {
     } else {
       if (g.slot < 0) {  // Not prefetched, nor still there from its last run.
         ++stats.sync_onloads;
-        LoadIntoSlot(g, slot_index);
+        LoadIntoSlot(g, FreeSlotFrom(slot_index, n));
       }
       ring->ComputeStreamWaitCopied(g.slot);
       PointAtSlot(g, g.slot);
@@ -445,6 +446,18 @@ struct GroupOffloader::Impl {
       LoadIntoSlot(next, s);
       ++stats.prefetches;
     }
+  }
+
+  // `s`, or (when an active group reads it: an out-of-order onload of a group whose members run in
+  // turn) the first slot after it that no active group reads. A forward holds fewer active groups
+  // than the ring has slots.
+  int64_t FreeSlotFrom(int64_t s, int64_t n) const {
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t t = (s + k) % n;
+      const int holder = ring->owner(t);
+      if (holder == SlotRing::kNoOwner || !groups[static_cast<size_t>(holder)]->active) return t;
+    }
+    return s;
   }
 
   // A group the running forward reached before, reached again (a submodule run once per sample where
@@ -517,6 +530,7 @@ struct GroupOffloader::Impl {
     for (auto& g : groups) {
       if (g->active) Offload(*g);
     }
+    ++forward_serial;  // Also for a forward after one that threw (stats.forwards counts completed ones).
     in_last_forward = last_forward;
     last_forward = false;
   }

@@ -37,6 +37,7 @@ struct Pool {
   int64_t p2d ABSL_GUARDED_BY(mu) = 0;
   int64_t d2h ABSL_GUARDED_BY(mu) = 0;
   int64_t ooms ABSL_GUARDED_BY(mu) = 0;  // AllocateBytes calls refused for the budget.
+  int64_t largest_refused ABSL_GUARDED_BY(mu) = 0;  // Since the peaks were last reset.
   // SetContextReserve: counted in the context, as CUDA's backend counts it.
   int64_t context_reserve ABSL_GUARDED_BY(mu) = 0;
 };
@@ -218,6 +219,7 @@ class SimulatedBackend : public DeviceBackend {
       const int64_t context = options_.context_bytes + pool_->context_reserve;
       if (pool_->budget > 0 && context + pool_->allocated + bytes > pool_->budget) {
         ++pool_->ooms;
+        pool_->largest_refused = std::max(pool_->largest_refused, bytes);
         return DeviceOutOfMemory(name(), bytes, context + pool_->allocated, pool_->budget).ToStatus();
       }
       pool_->allocated += bytes;
@@ -356,11 +358,13 @@ class SimulatedBackend : public DeviceBackend {
     stats.peer_to_device_bytes = pool_->p2d;
     stats.device_to_host_bytes = pool_->d2h;
     stats.allocator_ooms = pool_->ooms;
+    stats.largest_refused_bytes = pool_->largest_refused;
     return stats;
   }
   void ResetAllocatorPeaks() override {
     absl::MutexLock lock(&pool_->mu);
     pool_->peak = pool_->allocated;
+    pool_->largest_refused = 0;
   }
   absl::Status SetMemoryBudget(int64_t bytes) override {
     if (bytes < 0) return absl::InvalidArgumentError("memory budget must be >= 0");

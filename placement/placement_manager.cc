@@ -483,19 +483,35 @@ void PlacementManager::WidenCacheMargin(const std::string& reason) {
 }
 
 void PlacementManager::NoteAllocatorShortfalls(const Entry& entry, const DeviceMemoryStats& before,
-                                               int64_t cached_bytes) {
+                                               int64_t cached_bytes, int64_t free_bytes) {
   if (!streamed_group_cache_ || cached_bytes == 0) return;  // No cache held the room: nothing to give.
   const DeviceMemoryStats after = backend_->GetMemoryStats();
   const int64_t retries = after.allocator_retries - before.allocator_retries;
   const int64_t ooms = after.allocator_ooms - before.allocator_ooms;
-  if (retries <= 0 && ooms <= 0) return;
-  // The run succeeded, but only after the allocator gave its cached blocks back (on CUDA a device
-  // synchronisation and new segments) or after a library recovered from an out-of-memory error
-  // with a slower way: the room the caches left was too tight for it, as for a run that failed.
+  // A retry says the allocator reached its cap and had to give its cached blocks back (on CUDA
+  // synchronising the device); an out-of-memory error counts only when the room the caches held
+  // would have served it (a library probing for a workspace larger than the whole room is not the
+  // caches' doing).
+  const int64_t room = free_bytes == INT64_MAX ? INT64_MAX : cached_bytes + std::max<int64_t>(free_bytes, 0);
+  const bool room_would_serve = ooms > 0 && after.largest_refused_bytes > 0 && after.largest_refused_bytes <= room;
+  if (retries <= 0 && !room_would_serve) return;
+  if (shortfall_request_ == request_id_) return;  // Once a request: its runs (a step each) share one cause.
+  shortfall_request_ = request_id_;
+  // The run succeeded, but only after the allocator gave its cached blocks back or a library went
+  // a slower way: the room the caches left was too tight for it, as for a run that failed. The
+  // margin widens, and the caches give the added margin back now (a wider margin alone would only
+  // stop them from growing).
+  const int64_t margin_before = learned_cache_margin_;
   WidenCacheMargin(absl::StrCat("the allocator ran short running ", entry.id, " (", retries,
                                 " allocations retried after giving back its cached blocks, ", ooms,
-                                " out-of-memory errors recovered inside the run) while spare-room caches held ",
+                                " out-of-memory errors recovered inside the run, the largest refused ",
+                                after.largest_refused_bytes, " bytes) while spare-room caches held ",
                                 cached_bytes, " bytes"));
+  const int64_t added = learned_cache_margin_ - margin_before;
+  if (added > 0) {
+    ShrinkCaches(nullptr, FreeBytes() + added,
+                 absl::StrCat("the allocator ran short running ", entry.id, ": the caches leave the wider margin"));
+  }
 }
 
 void PlacementManager::CountRunBegun() {
@@ -1051,16 +1067,18 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     entry->run_headroom = std::max(entry->run_headroom, grown);
     entry->ran = true;
   };
-  // What the caches hold while it runs, and the allocator's counts of running short before it.
+  // What the caches hold while it runs, the room free besides, and the allocator's counts of running
+  // short before it (its largest refused allocation was reset with the peak window).
   int64_t cached_during_run = 0;
   for (const auto& e : entries_) {
     if (!e->moved && e->group_offload) cached_during_run += e->group_offload->cache_bytes();
   }
+  const int64_t free_during_run = FreeBytes();
   const DeviceMemoryStats allocator_before = backend_->GetMemoryStats();
   absl::Status status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
   if (status.ok()) {
     learn_headroom();
-    NoteAllocatorShortfalls(*entry, allocator_before, cached_during_run);
+    NoteAllocatorShortfalls(*entry, allocator_before, cached_during_run, free_during_run);
   }
   // After room was made: the run once more, its headroom measured from here.
   const auto run_again = [&] {

@@ -438,10 +438,13 @@ class PlacementManager : public ComponentRunner {
   void GrantGroupCache(Entry& entry, int64_t working_set);
   // Doubles learned_cache_margin_ (at least the configured margin, at most a quarter of the budget).
   void WidenCacheMargin(const std::string& reason);
-  // After a run of `entry` that succeeded: when the allocator ran short during it (its retries or
-  // out-of-memory errors rose from `before`) while spare-room caches held `cached_bytes`, the
-  // learned margin widens as for an out-of-memory error (WidenCacheMargin).
-  void NoteAllocatorShortfalls(const Entry& entry, const DeviceMemoryStats& before, int64_t cached_bytes);
+  // After a run of `entry` that succeeded: when the allocator ran short during it while spare-room
+  // caches held `cached_bytes` (and `free_bytes` were free) — it retried allocations after giving
+  // back its cached blocks, or refused one that the caches' room would have served — the learned
+  // margin widens as for an out-of-memory error (WidenCacheMargin), at most once a request, and the
+  // caches give back what it added.
+  void NoteAllocatorShortfalls(const Entry& entry, const DeviceMemoryStats& before, int64_t cached_bytes,
+                               int64_t free_bytes);
   // One more run began (BeginRequest, BeginPeerRun): counted in runs_begun; once
   // kCacheMarginNarrowAfterRuns began since the learned margin last changed or a run last ran out of
   // memory while caches held room, halves learned_cache_margin_ (to none below the configured margin).
@@ -523,6 +526,8 @@ class PlacementManager : public ComponentRunner {
   // while caches held room (CountRunBegun).
   int quiet_runs_ = 0;
   std::string last_peer_request_;  // BeginPeerRun's last request counted.
+  // The request whose run last widened the margin for a shortfall (none yet: nullopt).
+  std::optional<std::string> shortfall_request_;
 
   bool pin_host_copies_ = false;
   int64_t host_budget_ = 0;

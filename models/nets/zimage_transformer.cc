@@ -335,8 +335,8 @@ std::vector<at::Tensor> ZImageTransformer::ForwardBatch(const std::vector<at::Te
   // embedder is reached once a forward, as in the forward that recorded the groups' order, whatever
   // the batch size — run once per sample, its second sample reached it out of that order, a copy
   // the forward waited for and the prefetches after it redone (session 39, H100: 2.5 waits a
-  // batched forward). Rows past lc_i are dropped before the zero padding, so each row is what it
-  // was embedded alone.
+  // batched forward). Rows past lc_i are dropped before the zero padding: each row holds the values
+  // it gets embedded alone (on a GPU within the rounding a larger GEMM may bring).
   std::vector<int64_t> lengths;
   std::vector<int64_t> lcs;
   int64_t lmax = 0;

@@ -467,9 +467,11 @@ TEST(PlacementManagerTest, ALearnedCacheMarginNarrowsAfterQuietRequestsOnly) {
 }
 
 // A run that succeeds although the allocator ran short inside it (a library caught the out-of-memory
-// error and went on another way) while the caches held room widens the margin as a failed run does,
-// and restarts the quiet count; with no cache holding room, or with the caches off, it changes
-// nothing. Either way no placement recovery is counted.
+// error and went on another way) while the caches held room that would have served the refused
+// allocation widens the margin as a failed run does — once a request —, the caches give the added
+// margin back, and the quiet count starts again. A refusal larger than all the room the caches and
+// the free memory make, a shortfall with no cache holding room, or one with the caches off change
+// nothing. No placement recovery is counted.
 TEST(PlacementManagerTest, ARunThatRecoveredFromAnAllocatorShortfallWidensTheCacheMargin) {
   Harness s;
   const int64_t cache = FullCacheAfterTwoRequests(s);
@@ -478,45 +480,82 @@ TEST(PlacementManagerTest, ARunThatRecoveredFromAnAllocatorShortfallWidensTheCac
   ASSERT_TRUE(s.backend->SetMemoryBudget(full.context_bytes + full.allocated_bytes + cache).ok());
   Component* vae = s.pipeline->components().back();
   // What a library does with a workspace it cannot have: asks, is refused, runs without it.
-  const auto recovering = [&] {
-    absl::StatusOr<at::Tensor> workspace = s.backend->AllocateBytes(4 * cache);
-    if (workspace.ok()) throw std::runtime_error("the workspace was expected not to fit");
+  const auto recovering = [&](int64_t workspace_bytes) {
+    return [&s, workspace_bytes] {
+      absl::StatusOr<at::Tensor> workspace = s.backend->AllocateBytes(workspace_bytes);
+      if (workspace.ok()) throw std::runtime_error("the workspace was expected not to fit");
+    };
+  };
+  const auto widenings = [&](size_t from) {
+    int n = 0;
+    const std::vector<PlacementDecision> log = s.placement.DecisionLog(1000);
+    for (size_t k = from; k < log.size(); ++k) n += log[k].action == "widen_cache_margin";
+    return n;
   };
   const int64_t ooms_before = s.backend->GetMemoryStats().allocator_ooms;
+  // Larger than the caches and the free memory together: not the caches' doing.
   size_t decisions = s.placement.DecisionLog(1000).size();
-  ASSERT_TRUE(s.placement.Run(*vae, recovering).ok());
+  s.placement.BeginRequest("probe");
+  ASSERT_TRUE(s.placement.Run(*vae, recovering(4 * cache)).ok());
   EXPECT_EQ(s.backend->GetMemoryStats().allocator_ooms, ooms_before + 1);
+  EXPECT_EQ(widenings(decisions), 0);
+  EXPECT_EQ(s.placement.learned_cache_margin(), 0);
+  // 1.5x the free memory: the caches' room would have served it.
+  s.placement.BeginRequest("tight");
+  decisions = s.placement.DecisionLog(1000).size();
+  ASSERT_TRUE(s.placement.Run(*vae, recovering(cache + cache / 2)).ok());
   EXPECT_EQ(s.placement.learned_cache_margin(), 256);
   EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 0);
   std::vector<PlacementDecision> log = s.placement.DecisionLog(1000);
-  ASSERT_EQ(log.size(), decisions + 1);
-  EXPECT_EQ(log.back().action, "widen_cache_margin");
-  EXPECT_NE(log.back().reason.find("the allocator ran short running tiny/vae (0 allocations retried after giving "
-                                   "back its cached blocks, 1 out-of-memory errors recovered inside the run) while "
+  ASSERT_EQ(widenings(decisions), 1);
+  bool released = false;
+  for (size_t k = decisions; k < log.size(); ++k) {
+    if (log[k].action == "widen_cache_margin") {
+      EXPECT_NE(log[k].reason.find("the allocator ran short running tiny/vae (0 allocations retried after giving "
+                                   "back its cached blocks, 1 out-of-memory errors recovered inside the run, the "
+                                   "largest refused " + std::to_string(cache + cache / 2) + " bytes) while "
                                    "spare-room caches held " + std::to_string(cache) + " bytes"),
-            std::string::npos)
-      << log.back().reason;
-  // The quiet count starts again at each such run.
-  for (int k = 1; k < PlacementManager::kCacheMarginNarrowAfterRuns; ++k) s.placement.BeginRequest("quiet");
-  ASSERT_TRUE(s.placement.Run(*vae, recovering).ok());
+                std::string::npos)
+          << log[k].reason;
+    }
+    released = released || (log[k].action == "release_group_cache" &&
+                            log[k].reason.find("the caches leave the wider margin") != std::string::npos);
+  }
+  EXPECT_TRUE(released);
+  const int64_t cached_after = s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes;
+  EXPECT_LT(cached_after, cache);
+  ASSERT_GT(cached_after, 0);
+  EXPECT_GE(s.backend->GetMemoryStats().free_bytes(), 256);
+  // Refused, and within the room the caches hold.
+  const auto just_over = [&] { return s.backend->GetMemoryStats().free_bytes() + 1; };
+  // Once a request: the same request's next shortfall changes nothing.
+  decisions = s.placement.DecisionLog(1000).size();
+  ASSERT_TRUE(s.placement.Run(*vae, recovering(just_over())).ok());
+  EXPECT_EQ(widenings(decisions), 0);
+  EXPECT_EQ(s.placement.learned_cache_margin(), 256);
+  // A later request's does (begun before the quiet count ran out), and restarts the quiet count.
+  for (int k = 2; k < PlacementManager::kCacheMarginNarrowAfterRuns; ++k) s.placement.BeginRequest("quiet");
+  s.placement.BeginRequest("tight-again");
+  ASSERT_EQ(s.placement.learned_cache_margin(), 256);
+  ASSERT_GT(s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes, 0);
+  ASSERT_TRUE(s.placement.Run(*vae, recovering(just_over())).ok());
   EXPECT_EQ(s.placement.learned_cache_margin(), 512);
   for (int k = 1; k < PlacementManager::kCacheMarginNarrowAfterRuns; ++k) s.placement.BeginRequest("quiet");
   EXPECT_EQ(s.placement.learned_cache_margin(), 512);
   s.placement.BeginRequest("quiet");
   EXPECT_EQ(s.placement.learned_cache_margin(), 256);
-  // No cache holds room (a budget below what they hold empties them): nothing to give back, the
-  // margin stays.
+  // No cache holds room (a budget below what they hold empties them): nothing to give back.
   const DeviceMemoryStats now = s.backend->GetMemoryStats();
   std::vector<std::string> offloaded;
   ASSERT_TRUE(s.placement.SetMemoryBudget(now.context_bytes + now.allocated_bytes - 1, &offloaded).ok());
   ASSERT_TRUE(offloaded.empty());
   ASSERT_EQ(s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes, 0);
+  s.placement.BeginRequest("no-cache");
   decisions = s.placement.DecisionLog(1000).size();
-  ASSERT_TRUE(s.placement.Run(*vae, recovering).ok());
+  ASSERT_TRUE(s.placement.Run(*vae, recovering(s.backend->GetMemoryStats().free_bytes() + 1)).ok());
+  EXPECT_EQ(widenings(decisions), 0);
   EXPECT_EQ(s.placement.learned_cache_margin(), 256);
-  log = s.placement.DecisionLog(1000);
-  for (size_t k = decisions; k < log.size(); ++k) EXPECT_NE(log[k].action, "widen_cache_margin") << log[k].reason;
-  EXPECT_EQ(s.backend->GetMemoryStats().allocator_ooms, ooms_before + 3);
+  EXPECT_EQ(s.backend->GetMemoryStats().allocator_ooms, ooms_before + 5);
   EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 0);
 }
 

@@ -393,7 +393,16 @@ struct GroupOffloader::Impl {
     EnsureRingOrThrow();
     const int64_t n = ring->size();
     const int64_t length = static_cast<int64_t>(order.size());
-    if (!recording && g.onloaded_in_forward == forward_serial && OnloadAgain(g, n)) return;
+    // A group the running forward reached before, reached again (a submodule run once per sample
+    // where the recorded order has it once): served where it is, or copied into the slot of the
+    // group reached last — the one slot the prefetches ahead leave alone —, without moving the
+    // order's cursor or prefetching. Searching the order from the cursor would find it in the next
+    // forward's place, as if every group between had been skipped: the prefetched ones would then
+    // land in shifted slots and be copied again.
+    if (!recording && g.onloaded_in_forward == forward_serial) {
+      Serve(g, ((cursor - 1) % n + n) % n, n);
+      return;
+    }
     g.onloaded_in_forward = forward_serial;
     int64_t pos = -1;
     if (recording) {
@@ -408,20 +417,7 @@ struct GroupOffloader::Impl {
       }
     }
     const int64_t slot_index = (pos >= 0 ? pos : cursor) % n;
-    if (CachedWidened(g)) {  // Kept by the spare-room cache as the slot holds it: nothing to copy.
-      ++stats.cache_hits;
-      stats.cache_hit_bytes += g.link_bytes;
-      PointAt(g, g.cache_buffer);
-    } else {
-      if (g.slot < 0) {  // Not prefetched, nor still there from its last run.
-        ++stats.sync_onloads;
-        LoadIntoSlot(g, FreeSlotFrom(slot_index, n));
-      }
-      ring->ComputeStreamWaitCopied(g.slot);
-      PointAtSlot(g, g.slot);
-    }
-    g.active = true;
-    g.done.clear();
+    Serve(g, slot_index, n);
     if (pos >= 0) cursor = pos + 1;
     if (recording || !options.use_stream || length < 2) return;
     // Prefetch the next groups into the slots their positions map to; never the running one's. The
@@ -460,32 +456,24 @@ struct GroupOffloader::Impl {
     return s;
   }
 
-  // A group the running forward reached before, reached again (a submodule run once per sample where
-  // the recorded order has it once): served where it is, or copied into the slot of the group
-  // reached last — the one slot the prefetches ahead leave alone —, without moving the order's
-  // cursor or prefetching. Searching the order from the cursor would find it in the next forward's
-  // place, as if every group between had been skipped: the prefetched ones then land in shifted
-  // slots and are copied again. False (the caller goes on as for any group) when that slot's group
-  // is still running.
-  bool OnloadAgain(Group& g, int64_t n) {
-    if (CachedWidened(g)) {
+  // Makes `g` usable by the compute stream: from the spare-room cache's widened copy, from the slot
+  // it is still (or was prefetched) in, or copied now into `slot` (or the first slot after it that no
+  // running group reads), the forward waiting for it.
+  void Serve(Group& g, int64_t slot, int64_t n) {
+    if (CachedWidened(g)) {  // Kept by the spare-room cache as the slot holds it: nothing to copy.
       ++stats.cache_hits;
       stats.cache_hit_bytes += g.link_bytes;
       PointAt(g, g.cache_buffer);
     } else {
-      if (g.slot < 0) {
-        const int64_t s = ((cursor - 1) % n + n) % n;
-        const int holder = ring->owner(s);
-        if (holder != SlotRing::kNoOwner && groups[static_cast<size_t>(holder)]->active) return false;
+      if (g.slot < 0) {  // Not prefetched, nor still there from its last run.
         ++stats.sync_onloads;
-        LoadIntoSlot(g, s);
+        LoadIntoSlot(g, FreeSlotFrom(slot, n));
       }
       ring->ComputeStreamWaitCopied(g.slot);
       PointAtSlot(g, g.slot);
     }
     g.active = true;
     g.done.clear();
-    return true;
   }
 
   // Copies the groups the next forward onloads first into the slots they will use, on the copy

@@ -483,7 +483,7 @@ void PlacementManager::WidenCacheMargin(const std::string& reason) {
 }
 
 void PlacementManager::NoteAllocatorShortfalls(const Entry& entry, const DeviceMemoryStats& before,
-                                               int64_t cached_bytes, int64_t free_bytes) {
+                                               int64_t cached_bytes) {
   if (!streamed_group_cache_ || cached_bytes == 0) return;  // No cache held the room: nothing to give.
   const DeviceMemoryStats after = backend_->GetMemoryStats();
   const int64_t retries = after.allocator_retries - before.allocator_retries;
@@ -492,6 +492,7 @@ void PlacementManager::NoteAllocatorShortfalls(const Entry& entry, const DeviceM
   // synchronising the device); an out-of-memory error counts only when the room the caches held
   // would have served it (a library probing for a workspace larger than the whole room is not the
   // caches' doing).
+  const int64_t free_bytes = before.free_bytes();
   const int64_t room = free_bytes == INT64_MAX ? INT64_MAX : cached_bytes + std::max<int64_t>(free_bytes, 0);
   const bool room_would_serve = ooms > 0 && after.largest_refused_bytes > 0 && after.largest_refused_bytes <= room;
   if (retries <= 0 && !room_would_serve) return;
@@ -1067,18 +1068,21 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     entry->run_headroom = std::max(entry->run_headroom, grown);
     entry->ran = true;
   };
-  // What the caches hold while it runs, the room free besides, and the allocator's counts of running
-  // short before it (its largest refused allocation was reset with the peak window).
+  // With the spare-room caches on: what they hold while it runs, the room free besides, and the
+  // allocator's counts of running short before it (its largest refused allocation was reset with
+  // the peak window).
   int64_t cached_during_run = 0;
-  for (const auto& e : entries_) {
-    if (!e->moved && e->group_offload) cached_during_run += e->group_offload->cache_bytes();
+  DeviceMemoryStats allocator_before;
+  if (streamed_group_cache_) {
+    for (const auto& e : entries_) {
+      if (!e->moved && e->group_offload) cached_during_run += e->group_offload->cache_bytes();
+    }
+    allocator_before = backend_->GetMemoryStats();
   }
-  const int64_t free_during_run = FreeBytes();
-  const DeviceMemoryStats allocator_before = backend_->GetMemoryStats();
   absl::Status status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
   if (status.ok()) {
     learn_headroom();
-    NoteAllocatorShortfalls(*entry, allocator_before, cached_during_run, free_during_run);
+    NoteAllocatorShortfalls(*entry, allocator_before, cached_during_run);
   }
   // After room was made: the run once more, its headroom measured from here.
   const auto run_again = [&] {

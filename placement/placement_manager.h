@@ -439,12 +439,11 @@ class PlacementManager : public ComponentRunner {
   // Doubles learned_cache_margin_ (at least the configured margin, at most a quarter of the budget).
   void WidenCacheMargin(const std::string& reason);
   // After a run of `entry` that succeeded: when the allocator ran short during it while spare-room
-  // caches held `cached_bytes` (and `free_bytes` were free) — it retried allocations after giving
-  // back its cached blocks, or refused one that the caches' room would have served — the learned
+  // caches held `cached_bytes` (and `before`'s free bytes were free) — it retried allocations after
+  // giving back its cached blocks, or refused one that the caches' room would have served — the learned
   // margin widens as for an out-of-memory error (WidenCacheMargin), at most once a request, and the
   // caches give back what it added.
-  void NoteAllocatorShortfalls(const Entry& entry, const DeviceMemoryStats& before, int64_t cached_bytes,
-                               int64_t free_bytes);
+  void NoteAllocatorShortfalls(const Entry& entry, const DeviceMemoryStats& before, int64_t cached_bytes);
   // One more run began (BeginRequest, BeginPeerRun): counted in runs_begun; once
   // kCacheMarginNarrowAfterRuns began since the learned margin last changed or a run last ran out of
   // memory while caches held room, halves learned_cache_margin_ (to none below the configured margin).

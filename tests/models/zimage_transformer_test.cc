@@ -117,6 +117,14 @@ TEST(ZImageTransformerTest, ForwardShapesDeterminismAndGroupOffloadExactness) {
   for (int i = 0; i < 2; ++i) EXPECT_TRUE(at::equal(model.Forward(latents, 0.25, caption), a));
 }
 
+// Four samples whose captions pad to 32, 64, 96 and 64 tokens.
+void RaggedBatch(std::vector<at::Tensor>& latents, std::vector<at::Tensor>& captions) {
+  for (int64_t len : {7, 40, 70, 40}) {
+    latents.push_back(at::randn({4, 1, 6, 10}));
+    captions.push_back(at::randn({len, 48}));
+  }
+}
+
 double RelativeError(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).norm().item<double>() / b.norm().item<double>();
 }
@@ -128,10 +136,7 @@ TEST(ZImageTransformerTest, BatchedForwardMatchesEachSampleAlone) {
   InitializeRandomWeights(model, 5);
   c10::InferenceMode guard;
   std::vector<at::Tensor> latents, captions;
-  for (int64_t len : {7, 40, 70, 40}) {
-    latents.push_back(at::randn({4, 1, 6, 10}));
-    captions.push_back(at::randn({len, 48}));
-  }
+  RaggedBatch(latents, captions);
   const std::vector<at::Tensor> batch = model.ForwardBatch(latents, 0.4, captions);
   ASSERT_EQ(batch.size(), 4u);
   for (size_t i = 0; i < batch.size(); ++i) {
@@ -163,10 +168,7 @@ TEST(ZImageTransformerTest, AStreamedBatchedForwardReachesEachGroupOnceInTheReco
   InitializeRandomWeights(model, 7);
   c10::InferenceMode guard;
   std::vector<at::Tensor> latents, captions;
-  for (int64_t len : {7, 40, 70, 40}) {
-    latents.push_back(at::randn({4, 1, 6, 10}));
-    captions.push_back(at::randn({len, 48}));
-  }
+  RaggedBatch(latents, captions);
   const std::vector<at::Tensor> resident = model.ForwardBatch(latents, 0.4, captions);
   auto weights = *HostWeights::Capture(model);
   auto backend = CreateSimulatedBackend({});

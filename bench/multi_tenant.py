@@ -745,12 +745,17 @@ def analyze(log_dir, rows_path):
             runs.append((fields["pipeline"], float(fields["run_s"]), max(1, int(fields.get("batch_size", "1"))),
                          float(fields.get("queue_wait_s", "0")),
                          # Logged since session 39: the allocator's retries and out-of-memory errors.
-                         int(fields.get("allocator_retries", "0")), int(fields.get("allocator_ooms", "0"))))
+                         int(fields.get("allocator_retries", "0")), int(fields.get("allocator_ooms", "0")),
+                         # Logged since session 40: each stage's time ("denoise:0.612,decode:0.101").
+                         dict((k, float(v)) for k, v in (p.split(":", 1) for p in fields.get("stages", "none").split(",")
+                                                         if ":" in p))))
         # The unmeasured first request of each pipeline, then the trace's (the flood phase's after it).
         runs = runs[len(POPULARITY):len(POPULARITY) + count if count else None]
-        per, waits, short = {}, {}, {}
-        for pipeline, run_s, batch_size, wait_s, retries, ooms in runs:
+        per, waits, short, stages = {}, {}, {}, {}
+        for pipeline, run_s, batch_size, wait_s, retries, ooms, stage_s in runs:
             per.setdefault(pipeline, []).append(run_s)
+            for stage, seconds in stage_s.items():
+                stages.setdefault(pipeline, {}).setdefault(stage, []).append(seconds)
             waits.setdefault(pipeline, []).append(wait_s)
             # Each member of a batch logs the batch's counts: a member's share.
             short.setdefault(pipeline, []).append((retries / batch_size, ooms / batch_size))
@@ -773,6 +778,9 @@ def analyze(log_dir, rows_path):
                       f"queue wait p50 {percentile(w, 0.5):.3f} s, mean {sum(w) / len(w):.3f} s"
                       + (f"; allocator ran short in {len(hit)} runs ({sum(a for a, _ in hit):g} retries, "
                          f"{sum(b for _, b in hit):g} OOMs)" if hit else ""))
+                if pipeline in stages:
+                    # The median of each stage: which one a slower run spends its extra time in.
+                    print("    stage p50: " + ", ".join(f"{k} {percentile(v, 0.5):.3f} s" for k, v in stages[pipeline].items()))
         placement_log = os.path.join(log_dir, f"{strategy}.placement_log.txt")
         if os.path.exists(placement_log):
             onloads, reorders, prefetches, cache_releases, onload_bytes = {}, 0, 0, 0, 0

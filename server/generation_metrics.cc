@@ -34,6 +34,13 @@ void LogRequest(const DeviceSet& core, const v1::GenerateRequest& request, const
                     " peak_cpu_rss_bytes=", stats.peak_cpu_rss_bytes(), " h2d_bytes=", stats.host_to_device_bytes(),
                     " batch_size=", std::max(1, stats.batch_size()), " allocator_retries=", stats.allocator_retries(),
                     " allocator_ooms=", stats.allocator_ooms());
+    // Each stage's time (a batch's shared stages are the batch's): where a slower run spent it.
+    std::string stages;
+    for (const v1::StageTiming& stage : stats.stages()) {
+      absl::StrAppend(&stages, stages.empty() ? "" : ",", LogValue(stage.stage(), 32), ":",
+                      absl::StrFormat("%.3f", Seconds(stage.duration())));
+    }
+    absl::StrAppend(&line, " stages=", stages.empty() ? "none" : stages);
     LogInfo(line);
   } else {
     absl::StrAppend(&line, " error=", LogValue(status.message(), 200));

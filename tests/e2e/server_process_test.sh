@@ -65,7 +65,7 @@ tr '\0' '\n' </proc/$first/environ | grep -qx "CUDA_MODULE_LOADING=EAGER" ||
 stamp='^[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}\.[0-9]{3}[+-][0-9]{2}:[0-9]{2} [IWE] '
 for pattern in "load pipeline=zimage-tiny device=[a-z]+:0 builtin=zimage-tiny .* phase=begin" \
     "load pipeline=zimage-tiny device=[a-z]+:0 phase=ready seconds=[0-9.]+ components=4 weight_bytes=[0-9]+" \
-    "request id=[^ ]+ pipeline=shapes tenant=default priority=0 status=OK seconds=[0-9.]+ device=[a-z]+:0 size=64x64 steps=2 .*queue_wait_s=[0-9.]+ run_s=[0-9.]+ peak_device_bytes=[0-9]+ .*h2d_bytes=[0-9]+ batch_size=1 allocator_retries=[0-9]+ allocator_ooms=[0-9]+$"; do
+    "request id=[^ ]+ pipeline=shapes tenant=default priority=0 status=OK seconds=[0-9.]+ device=[a-z]+:0 size=64x64 steps=2 .*queue_wait_s=[0-9.]+ run_s=[0-9.]+ peak_device_bytes=[0-9]+ .*h2d_bytes=[0-9]+ batch_size=1 allocator_retries=[0-9]+ allocator_ooms=[0-9]+ stages=[a-z_:0-9.,]*denoise:[0-9.]+[a-z_:0-9.,]*$"; do
   grep -Eq "${stamp}${pattern}" "$tmp/first.log" || fail "no log line matching: $pattern ($(grep -E 'load|request' "$tmp/first.log" | head -5))"
 done
 

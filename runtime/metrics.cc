@@ -36,6 +36,12 @@ const prometheus::Histogram::BucketBoundaries& SecondBuckets() {
   return *buckets;
 }
 
+// From a millisecond (tokenizing a prompt) ~131 s (a long streamed denoise) in powers of two.
+const prometheus::Histogram::BucketBoundaries& StageBuckets() {
+  static const auto* buckets = new prometheus::Histogram::BucketBoundaries(ExponentialBuckets(0.001, 2.0, 18));
+  return *buckets;
+}
+
 class ProcessMemoryCollectable : public prometheus::Collectable {
  public:
   std::vector<prometheus::MetricFamily> Collect() const override {
@@ -250,6 +256,11 @@ ServerMetrics::ServerMetrics()
                     .Name("stowage_request_peak_cpu_rss_bytes")
                     .Help("Peak resident set size of the server while a request ran.")
                     .Register(*registry_)),
+      stage_(prometheus::BuildHistogram()
+                 .Name("stowage_request_stage_seconds")
+                 .Help("Time successful generation requests spent in each stage (tokenize, encode_prompt, "
+                       "encode_input, denoise, decode, encode_image; a batch's shared stage is each member's).")
+                 .Register(*registry_)),
       queue_depth_(prometheus::BuildGauge()
                        .Name("stowage_queue_depth")
                        .Help("Requests waiting in a device's queue (the running one excluded).")
@@ -312,6 +323,10 @@ void ServerMetrics::RecordRequestResources(const std::string& pipeline, int64_t 
   peak_device_reserved_.Add({{"pipeline", pipeline}}, ByteBuckets())
       .Observe(static_cast<double>(peak_device_reserved_bytes));
   peak_rss_.Add({{"pipeline", pipeline}}, ByteBuckets()).Observe(static_cast<double>(peak_rss_bytes));
+}
+
+void ServerMetrics::RecordStage(const std::string& pipeline, const std::string& stage, absl::Duration duration) {
+  stage_.Add({{"pipeline", pipeline}, {"stage", stage}}, StageBuckets()).Observe(absl::ToDoubleSeconds(duration));
 }
 
 void ServerMetrics::RecordBytesMoved(const std::string& device, int64_t host_to_device,

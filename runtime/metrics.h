@@ -41,6 +41,10 @@ class ServerMetrics {
   // plus context), and peak CPU RSS.
   void RecordRequestResources(const std::string& pipeline, int64_t peak_device_bytes,
                               int64_t peak_device_reserved_bytes, int64_t peak_rss_bytes);
+  // One stage of a successful request (RequestStats.stages: "tokenize", "encode_prompt", "denoise",
+  // ...; the server's own names, a bounded set): the time the request spent in it (a batch's shared
+  // stage is each member's).
+  void RecordStage(const std::string& pipeline, const std::string& stage, absl::Duration duration);
   void RecordBytesMoved(const std::string& device, int64_t host_to_device, int64_t device_to_host);
   void SetQueueDepth(const std::string& device, int64_t depth);
   // Requests the device's worker is running now (a batch's members; 0 when idle).
@@ -62,6 +66,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Histogram>& peak_device_;
   prometheus::Family<prometheus::Histogram>& peak_device_reserved_;
   prometheus::Family<prometheus::Histogram>& peak_rss_;
+  prometheus::Family<prometheus::Histogram>& stage_;
   prometheus::Family<prometheus::Gauge>& queue_depth_;
   prometheus::Family<prometheus::Gauge>& running_;
   prometheus::Family<prometheus::Counter>& preemptions_;

@@ -67,6 +67,9 @@ void RecordGeneration(const DeviceSet& core, ServerMetrics* metrics, const v1::G
     metrics->RecordRequestResources(pipeline, stats.peak_device_memory_bytes(), stats.peak_device_reserved_bytes(),
                                     stats.peak_cpu_rss_bytes());
     metrics->RecordBytesMoved(stats.device(), stats.host_to_device_bytes(), stats.device_to_host_bytes());
+    for (const v1::StageTiming& stage : stats.stages()) {
+      metrics->RecordStage(pipeline, stage.stage(), absl::Nanoseconds(TimeUtil::DurationToNanoseconds(stage.duration())));
+    }
   }
 }
 

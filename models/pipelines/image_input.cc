@@ -24,7 +24,7 @@ void EncodeMemberInputs(const std::vector<BatchMember>& members, ComponentRunner
     if (members[i].params->input != nullptr) with_input.push_back(i);
   }
   if (with_input.empty()) return;
-  run.BeginStage("encode_image", 0);
+  run.BeginStage("encode_input", 0);
   auto& encoder = static_cast<AutoencoderKLEncoder&>(vae_encoder.module());
   const c10::Device encoder_device = runner.DeviceOf(vae_encoder, default_device);
   const absl::Status encoded = runner.Run(vae_encoder, [&] {

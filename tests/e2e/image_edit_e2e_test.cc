@@ -1,6 +1,7 @@
 // Images in over gRPC: GenerateRequest.image / mask / strength on Z-Image and Flux (their tiny
 // built-ins), the size taken from the image, inpainting that keeps what the mask keeps, and every
 // hostile input refused with INVALID_ARGUMENT naming the field while the server keeps serving.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -85,7 +86,12 @@ TEST_F(ImageEditE2ETest, ImageToImageAndInpaintingOnBothFamilies) {
     EXPECT_EQ(a.height(), 64);
     std::vector<std::string> stages;
     for (const auto& s : a.stats().stages()) stages.push_back(s.stage());
-    EXPECT_NE(std::find(stages.begin(), stages.end(), "encode_image"), stages.end()) << pipeline;
+    // The input image went through the VAE's encoder before denoising (its own stage: "encode_image"
+    // is the reply's image into its format, at the end).
+    const auto input = std::find(stages.begin(), stages.end(), "encode_input");
+    ASSERT_NE(input, stages.end()) << pipeline;
+    EXPECT_LT(input - stages.begin(), std::find(stages.begin(), stages.end(), "denoise") - stages.begin()) << pipeline;
+    EXPECT_EQ(std::count(stages.begin(), stages.end(), "encode_image"), 1) << pipeline;
     ASSERT_TRUE(server_->Generate(Edit(pipeline, "a red lantern", 0.5), &b).ok());
     EXPECT_EQ(a.image(), b.image()) << pipeline;  // Deterministic for a seed.
     ASSERT_TRUE(server_->Generate(Edit(pipeline, "a red lantern", 1.0), &other).ok());

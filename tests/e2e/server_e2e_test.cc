@@ -338,15 +338,16 @@ TEST(MetricsFromStartTest, EveryCounterIsExportedAtZeroBeforeTheFirstRequest) {
 }
 
 TEST_F(ServerE2ETest, MetricsPageHoldsTheRequestsValues) {
-  GenerateResponse response;
-  ASSERT_TRUE(Call(Small(), &response).ok());
+  GenerateResponse good;
+  ASSERT_TRUE(Call(Small(), &good).ok());
+  GenerateResponse response = good;
   GenerateRequest bad = Small();
   bad.set_width(3);
   ASSERT_EQ(Call(bad, &response).error_code(), grpc::INVALID_ARGUMENT);
   const std::string page = HttpGet(server_->metrics_address(), "/metrics");
   ASSERT_FALSE(page.empty());
   auto value = [&](const std::string& series) -> double {
-    const std::regex re("\n" + series + " ([0-9.e+]+)");
+    const std::regex re("\n" + series + " ([0-9.e+-]+)");
     std::smatch match;
     if (!std::regex_search(page, match, re)) return -1;
     return std::stod(match[1]);
@@ -360,6 +361,14 @@ TEST_F(ServerE2ETest, MetricsPageHoldsTheRequestsValues) {
   EXPECT_GE(value(R"(stowage_request_peak_cpu_rss_bytes_sum\{pipeline="zimage-tiny"\})"),
             static_cast<double>(response.stats().peak_cpu_rss_bytes()));
   EXPECT_GE(value(R"(stowage_request_duration_seconds_count\{pipeline="zimage-tiny"\})"), 2);
+  // Every stage the successful reply timed is a series of its own (the failed request has none).
+  ASSERT_GE(good.stats().stages_size(), 4);
+  for (const v1::StageTiming& stage : good.stats().stages()) {
+    const std::string labels = R"(\{pipeline="zimage-tiny",stage=")" + stage.stage() + R"("\})";
+    const double seconds = static_cast<double>(stage.duration().seconds()) + stage.duration().nanos() * 1e-9;
+    EXPECT_GE(value("stowage_request_stage_seconds_count" + labels), 1) << stage.stage();
+    EXPECT_GE(value("stowage_request_stage_seconds_sum" + labels), seconds * 0.999) << stage.stage();
+  }
   EXPECT_EQ(value("stowage_queue_depth\\{device=\"" + server_->device_name() + "\"\\}"), 0);
   EXPECT_GT(value("stowage_process_resident_memory_bytes"), 1 << 20);
 }

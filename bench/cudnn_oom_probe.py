@@ -17,7 +17,8 @@ Z-Image VAE's shapes (16 latent channels, 128-256-512-512), random bfloat16 weig
 A row per level: {"bench":"cudnn_oom_probe","level":..,"room_bytes":..,"squeezed_ok":..,
 "ooms":..,"retries":..,"decode_s":..,"baseline_decode_s":..,"ratio":..,"machine":..,"commit":..}.
 A ratio that stays above 1 after a squeezed decode that succeeded with ooms > 0 says the fallback plan
-was kept.
+was kept. A last row (level "fresh_thread") times the decode on a new thread (LibTorch's cuDNN plan
+cache is per thread) beside the first thread once more: whether a fresh thread gets the fast plans back.
     PYTHONPATH=<diffusers src> python3 bench/cudnn_oom_probe.py --out rows.jsonl --machine M --commit C
 """
 import argparse
@@ -115,6 +116,28 @@ def main():
                "cudnn": torch.backends.cudnn.version(), "machine": args.machine, "commit": args.commit}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    # LibTorch's cuDNN plan cache is per thread: the same decode on a new thread (after one untimed
+    # decode there that selects its plans with all the memory free) says whether a fresh thread gets
+    # the first plans back — what retiring a device's compute thread after such an error would give.
+    import threading
+    fresh = {}
+
+    def on_fresh_thread():
+        decode()
+        torch.cuda.synchronize()
+        fresh["s"] = median_decode()
+
+    worker = threading.Thread(target=on_fresh_thread)
+    worker.start()
+    worker.join()
+    again = median_decode()  # The first thread once more, after the fresh one.
+    row = {"bench": "cudnn_oom_probe", "level": "fresh_thread", "decode_s": round(fresh["s"], 5),
+           "first_thread_decode_s": round(again, 5), "baseline_decode_s": round(baseline, 5),
+           "ratio": round(fresh["s"] / baseline, 4), "first_thread_ratio": round(again / baseline, 4),
+           "size": args.size, "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+           "machine": args.machine, "commit": args.commit}
+    rows.append(row)
+    print(json.dumps(row), flush=True)
     with open(args.out, "a", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")

@@ -49,7 +49,7 @@ struct DenoiseFamily {
 };
 
 // Runs the members still active in `run` from their latents to their images (run's results).
-// Stages "encode_image" (members with an input), "denoise" (StartStep..n-1, progress counted from
+// Stages "encode_input" (members with an input), "denoise" (StartStep..n-1, progress counted from
 // the start) and "decode".
 void Denoise(const std::vector<BatchMember>& members, ComponentRunner& runner, BatchRun& run,
              const DenoiseFamily& family);

@@ -26,7 +26,7 @@ struct InputLatents {
 };
 
 // The input images of the running members that have one, through `vae_encoder` in one run of it
-// (stage "encode_image"), each with its member's generator: (*inputs)[i].image = [1, C, h, w]
+// (stage "encode_input"), each with its member's generator: (*inputs)[i].image = [1, C, h, w]
 // float32 on `device`. Members without an input keep an undefined tensor; a failed encoding fails
 // the members that needed it. `default_device`: the pipeline's (ComponentRunner::DeviceOf).
 void EncodeMemberInputs(const std::vector<BatchMember>& members, ComponentRunner& runner, Component& vae_encoder,

@@ -366,7 +366,7 @@ TEST(ZImageEditTest, ImageToImageStartsPartWayAndBatchesLikeTextToImage) {
   EXPECT_EQ(reported, (std::vector<std::pair<int, int>>{{1, 2}, {2, 2}}));
   std::vector<std::string> stages;
   for (const auto& stage : contexts[0].stage_times()) stages.push_back(stage.stage);
-  EXPECT_EQ(stages, (std::vector<std::string>{"tokenize", "encode_prompt", "encode_image", "denoise", "decode"}));
+  EXPECT_EQ(stages, (std::vector<std::string>{"tokenize", "encode_prompt", "encode_input", "denoise", "decode"}));
   for (size_t i = 0; i < params.size(); ++i) {
     ASSERT_TRUE(batch[i].ok()) << batch[i].status();
     HostRunner alone_runner;

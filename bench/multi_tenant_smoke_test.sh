@@ -84,6 +84,16 @@ for strategy in resident fifo scheduler; do
     { cat "$TEST_TMPDIR/analysis.txt"; exit 1; }
 done
 grep -q "onloads: .*zimage/transformer" "$TEST_TMPDIR/analysis.txt"
+# Each pipeline's stage medians from the request lines; the budgeted strategies' beside resident's.
+/usr/bin/python3 - "$TEST_TMPDIR/analysis.txt" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+resident = text.split("\nfifo:", 1)[0]
+assert re.search(r"\n    stage p50: tokenize [0-9.]+ s, encode_prompt [0-9.]+ s, denoise [0-9.]+ s, decode [0-9.]+ s, "
+                 r"encode_image [0-9.]+ s\n", resident), resident
+scheduler = text.split("\nscheduler:", 1)[1]
+assert re.search(r"denoise [0-9.]+ s \([0-9.]+x resident\)", scheduler), scheduler
+PY
 # The budgeted strategies' bytes split into whole-component onloads and the rest (streamed): FIFO
 # moved whole components (its onloads above), so its figure is above nothing.
 [ "$(grep -c "^  bytes to the device per measured request [0-9.]* GB, of which whole-component onloads at most [0-9.]* GB" \

@@ -4,9 +4,10 @@ cuDNN convolutions.)
 
 Multi-tenant run 13 measured the hot Z-Image request 0.13 s slower under the budget than resident in
 the same server process, though it moved no weights; its VAE had run out of memory early in the
-budgeted phase. A hypothesis: LibTorch keeps one cuDNN execution plan per convolution shape for the
-whole process, and when a plan's workspace cannot be allocated it falls back to a plan that fits and
-keeps that one. This probe measures it outside the server: diffusers' AutoencoderKL with the Flux /
+budgeted phase. A hypothesis: LibTorch keeps one cuDNN execution plan per convolution shape and
+thread (its v8 plan cache is thread-local; a device's worker thread runs every convolution), and when
+a plan's workspace cannot be allocated it falls back to the first plan whose workspace fits and keeps
+that one. This probe measures it outside the server: diffusers' AutoencoderKL with the Flux /
 Z-Image VAE's shapes (16 latent channels, 128-256-512-512), random bfloat16 weights, a 1024² decode:
 
   1. the decode's median time, warm;

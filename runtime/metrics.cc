@@ -36,7 +36,7 @@ const prometheus::Histogram::BucketBoundaries& SecondBuckets() {
   return *buckets;
 }
 
-// From a millisecond (tokenizing a prompt) ~131 s (a long streamed denoise) in powers of two.
+// From a millisecond (tokenizing a prompt) to ~131 s (a long streamed denoise) in powers of two.
 const prometheus::Histogram::BucketBoundaries& StageBuckets() {
   static const auto* buckets = new prometheus::Histogram::BucketBoundaries(ExponentialBuckets(0.001, 2.0, 18));
   return *buckets;

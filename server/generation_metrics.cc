@@ -14,7 +14,8 @@ using google::protobuf::util::TimeUtil;
 
 namespace {
 
-double Seconds(const google::protobuf::Duration& d) { return absl::ToDoubleSeconds(absl::Nanoseconds(TimeUtil::DurationToNanoseconds(d))); }
+absl::Duration ToDuration(const google::protobuf::Duration& d) { return absl::Nanoseconds(TimeUtil::DurationToNanoseconds(d)); }
+double Seconds(const google::protobuf::Duration& d) { return absl::ToDoubleSeconds(ToDuration(d)); }
 
 // One line per request: what ran, for whom, how long it waited and ran, what it held, its outcome.
 void LogRequest(const DeviceSet& core, const v1::GenerateRequest& request, const absl::Status& status,
@@ -58,7 +59,7 @@ void RecordGeneration(const DeviceSet& core, ServerMetrics* metrics, const v1::G
   metrics->RecordRequest(pipeline, status.code(), absl::Now() - start);
   absl::Duration queue_wait;
   if (response != nullptr) {
-    queue_wait = absl::Nanoseconds(TimeUtil::DurationToNanoseconds(response->stats().queue_wait()));
+    queue_wait = ToDuration(response->stats().queue_wait());
   }
   metrics->RecordTenantRequest(core.TenantLabel(request), DeviceSet::PriorityLabel(request), status.code(),
                                response != nullptr ? &queue_wait : nullptr);
@@ -68,7 +69,7 @@ void RecordGeneration(const DeviceSet& core, ServerMetrics* metrics, const v1::G
                                     stats.peak_cpu_rss_bytes());
     metrics->RecordBytesMoved(stats.device(), stats.host_to_device_bytes(), stats.device_to_host_bytes());
     for (const v1::StageTiming& stage : stats.stages()) {
-      metrics->RecordStage(pipeline, stage.stage(), absl::Nanoseconds(TimeUtil::DurationToNanoseconds(stage.duration())));
+      metrics->RecordStage(pipeline, stage.stage(), ToDuration(stage.duration()));
     }
   }
 }

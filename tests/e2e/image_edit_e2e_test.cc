@@ -90,7 +90,9 @@ TEST_F(ImageEditE2ETest, ImageToImageAndInpaintingOnBothFamilies) {
     // is the reply's image into its format, at the end).
     const auto input = std::find(stages.begin(), stages.end(), "encode_input");
     ASSERT_NE(input, stages.end()) << pipeline;
-    EXPECT_LT(input - stages.begin(), std::find(stages.begin(), stages.end(), "denoise") - stages.begin()) << pipeline;
+    const auto denoise = std::find(stages.begin(), stages.end(), "denoise");
+    ASSERT_NE(denoise, stages.end()) << pipeline;
+    EXPECT_LT(input, denoise) << pipeline;
     EXPECT_EQ(std::count(stages.begin(), stages.end(), "encode_image"), 1) << pipeline;
     ASSERT_TRUE(server_->Generate(Edit(pipeline, "a red lantern", 0.5), &b).ok());
     EXPECT_EQ(a.image(), b.image()) << pipeline;  // Deterministic for a seed.

@@ -159,7 +159,8 @@ class CudaBackend : public DeviceBackend {
         huge_pinned_(options.pinned_huge_pages && TransparentHugePagesOn()),
         device_(c10::kCUDA, static_cast<c10::DeviceIndex>(index)),
         copy_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())),
-        transform_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())) {
+        transform_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index())),
+        compute_stream_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index())) {
     size_t free_bytes = 0;
     size_t total_bytes = 0;
     c10::cuda::CUDAGuard guard(device_);
@@ -370,8 +371,10 @@ class CudaBackend : public DeviceBackend {
   void EnterComputeThread(bool high_priority) override {
     if (!high_priority) return;
     // The calling thread's current stream is this backend's compute stream (RecordOnComputeStream,
-    // ComputeStreamWait and every LibTorch op it issues use it).
-    c10::cuda::setCurrentCUDAStream(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index()));
+    // ComputeStreamWait and every LibTorch op it issues use it). The same stream on every thread the
+    // worker goes on on (DeviceWorker's renew_thread): the work queued by the one before stays ahead
+    // of the new thread's, and the allocator's blocks keep the stream they were allocated on.
+    c10::cuda::setCurrentCUDAStream(compute_stream_);
   }
 
   void SetContextReserve(int64_t bytes) override {
@@ -404,6 +407,7 @@ class CudaBackend : public DeviceBackend {
   c10::Device device_;
   c10::cuda::CUDAStream copy_stream_;
   c10::cuda::CUDAStream transform_stream_;
+  c10::cuda::CUDAStream compute_stream_;  // EnterComputeThread(high_priority): every worker thread's stream.
   int64_t total_bytes_ = 0;
   int64_t budget_bytes_ = 0;
   // Written by the worker (construction, RefreshContextBytes); read by stats callers.

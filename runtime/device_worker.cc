@@ -51,23 +51,58 @@ DeviceWorker::DeviceWorker(Options options)
       scheduler_(options_.scheduler),
       tenant_queue_limit_(options_.tenant_queue_limit),
       waker_(std::make_shared<Waker>()) {
-  thread_ = std::thread([this] { Loop(); });
+  absl::MutexLock lock(&mu_);
+  thread_ = std::thread([this] { ThreadMain(); });
+}
+
+void DeviceWorker::ThreadMain() {
+  worker_id_.store(std::this_thread::get_id());
+  std::thread replaced;
+  {
+    absl::MutexLock lock(&mu_);
+    replaced = std::move(retired_);
+  }
+  // The replaced thread only returns from its loop: a short wait.
+  if (replaced.joinable()) replaced.join();
+  Loop();
+}
+
+bool DeviceWorker::HandOver() {
+  absl::MutexLock lock(&mu_);
+  if (stopping_) return false;
+  retired_ = std::move(thread_);
+  ++renewals_;
+  thread_ = std::thread([this] { ThreadMain(); });
+  return true;
+}
+
+int DeviceWorker::thread_renewals() const {
+  absl::MutexLock lock(&mu_);
+  return renewals_;
 }
 
 DeviceWorker::~DeviceWorker() { Stop(); }
 
 void DeviceWorker::Stop() {
   std::deque<std::shared_ptr<CallState>> failed;
+  std::thread joined[2];
   {
     absl::MutexLock lock(&mu_);
     stopping_ = true;
     failed.swap(calls_);
+    // No hand-over from here on: the thread now is the last one.
+    if (!OnWorkerThread()) {
+      joined[0] = std::move(thread_);
+      joined[1] = std::move(retired_);
+    }
   }
   for (const std::shared_ptr<CallState>& call : failed) {
     Complete(*call, absl::UnavailableError(absl::StrCat("device ", options_.device,
                                                         " is stopping (server shutting down); its remote call did not run")));
   }
-  if (thread_.joinable() && !OnWorkerThread()) thread_.join();
+  for (std::thread& thread : joined) {
+    if (thread.joinable()) thread.join();
+  }
 }
 
 void DeviceWorker::Complete(CallState& call, const absl::Status& status) {
@@ -643,6 +678,9 @@ void DeviceWorker::Loop() {
           this));
       calls_waiting = !calls_.empty();
     }
+    // Before the next item, whatever happened since the last one (the item stays queued for the
+    // thread that takes over).
+    if (options_.renew_thread && !options_.renew_thread(scope).empty() && HandOver()) return;
     if (calls_waiting) {
       // The lane first: its callers hold a job or task of their own device open meanwhile.
       ServeCalls(scope);

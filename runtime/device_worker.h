@@ -42,6 +42,7 @@
 #define STOWAGE_RUNTIME_DEVICE_WORKER_H_
 
 #include <any>
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -151,6 +152,12 @@ class DeviceWorker {
     // Optional: called first on the worker thread, before any job, task or call (the device's
     // compute stream is chosen there: DeviceBackend::EnterComputeThread).
     std::function<void()> on_start;
+    // Optional: called on the worker thread before each item it takes (a job, a batch, a task or the
+    // calls of its lane), once there is one. A non-empty reason makes the worker go on on a fresh thread: that thread runs
+    // on_start, then the loop, with everything queued kept; the old thread ends. For libraries
+    // whose caches are per thread and can go stale (LibTorch's cuDNN convolution plans: one chosen
+    // while memory was short stays with its thread). Never while stopping.
+    std::function<std::string(WorkerScope& scope)> renew_thread;
   };
 
   explicit DeviceWorker(Options options);
@@ -231,7 +238,10 @@ class DeviceWorker {
                            const std::function<void()>& before = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
 
   // True on the worker's own thread (for contracts that say "worker only").
-  bool OnWorkerThread() const { return std::this_thread::get_id() == thread_.get_id(); }
+  bool OnWorkerThread() const { return std::this_thread::get_id() == worker_id_.load(); }
+
+  // How many times the worker went on on a fresh thread (Options::renew_thread).
+  int thread_renewals() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct TaskState;
@@ -242,7 +252,12 @@ class DeviceWorker {
     std::shared_ptr<TaskState> task;    // Set for tasks.
     absl::Time enqueued;
   };
+  // The body of every worker thread: marks it the worker's, joins the thread it replaced, runs Loop.
+  void ThreadMain();
+  // Runs items until stopping, or until renew_thread asked for a fresh thread and one took over.
   void Loop();
+  // Worker only: starts the fresh thread that takes over (false when stopping: nothing changes).
+  bool HandOver() ABSL_LOCKS_EXCLUDED(mu_);
   // Adds to `members` (holding the batch's first job) the queued jobs that may join it, waiting for
   // them as Job::batch_key says; cancelled ones go to `dropped`.
   void CollectBatch(WorkerScope& scope, std::vector<Item>& members, std::vector<Item>& dropped)
@@ -302,7 +317,12 @@ class DeviceWorker {
   std::map<std::string, std::deque<double>> run_rates_;
   // Wakes this worker while it waits in Call (see Waker).
   const std::shared_ptr<Waker> waker_;
-  std::thread thread_;
+  // The worker's thread now (written by the thread itself, and by HandOver before the new one runs
+  // anything), the handle of its thread, and the one it replaced until the new one joins it.
+  std::atomic<std::thread::id> worker_id_;
+  std::thread thread_ ABSL_GUARDED_BY(mu_);
+  std::thread retired_ ABSL_GUARDED_BY(mu_);
+  int renewals_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace stowage

@@ -115,6 +115,108 @@ TEST(DeviceWorkerTest, OnStartRunsOnTheWorkerThreadBeforeAnyJob) {
   EXPECT_NE(start_thread, std::this_thread::get_id());
 }
 
+// renew_thread: a reason between items hands the loop to a fresh thread — on_start runs there
+// again, the queued work keeps its order, the new thread is the worker's (OnWorkerThread, tasks and
+// calls run on it) and the old one is gone.
+TEST(DeviceWorkerTest, RenewThreadHandsTheLoopToAFreshThread) {
+  std::atomic<int> starts{0};
+  std::atomic<bool> renew{false};
+  DeviceWorker::Options options = Options("sim:0", /*queue_depth=*/8, nullptr);
+  options.on_start = [&] { ++starts; };
+  options.renew_thread = [&](WorkerScope&) -> std::string { return renew.exchange(false) ? "stale caches" : ""; };
+  DeviceWorker worker(std::move(options));
+  absl::Mutex mu;
+  std::vector<std::thread::id> threads;
+  std::vector<int> order;
+  absl::Notification hold, done;
+  for (int i = 0; i < 3; ++i) {
+    DeviceWorker::Job j;
+    j.run = [&, i](WorkerScope& scope, absl::Duration) {
+      if (i == 0) {
+        hold.WaitForNotification();
+        renew = true;  // Asked while the first job runs: the second runs on the fresh thread.
+      }
+      EXPECT_TRUE(scope.worker().OnWorkerThread());
+      absl::MutexLock lock(&mu);
+      threads.push_back(std::this_thread::get_id());
+      order.push_back(i);
+      if (i == 2) done.Notify();
+    };
+    ASSERT_TRUE(worker.Submit(std::move(j)).ok());
+  }
+  hold.Notify();
+  done.WaitForNotification();
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
+    ASSERT_EQ(threads.size(), 3u);
+    EXPECT_NE(threads[0], threads[1]);
+    EXPECT_EQ(threads[1], threads[2]);
+  }
+  EXPECT_EQ(starts.load(), 2);
+  EXPECT_EQ(worker.thread_renewals(), 1);
+  EXPECT_FALSE(worker.OnWorkerThread());
+  std::thread::id task_thread;
+  ASSERT_TRUE(worker
+                  .RunTask(
+                      [&](WorkerScope& scope) {
+                        task_thread = std::this_thread::get_id();
+                        return scope.worker().OnWorkerThread() ? absl::OkStatus() : absl::InternalError("not the worker");
+                      },
+                      nullptr)
+                  .ok());
+  EXPECT_EQ(task_thread, threads[2]);
+  ASSERT_TRUE(worker.Call([](WorkerScope& scope) {
+                      return scope.worker().OnWorkerThread() ? absl::OkStatus() : absl::InternalError("not the worker");
+                    },
+                    nullptr, nullptr)
+                  .ok());
+}
+
+// A worker that renews its thread after every item (whatever ran since it last looked), under jobs, tasks and calls from several
+// threads, runs them all and stops cleanly (the sanitizers watch the hand-overs).
+TEST(DeviceWorkerTest, RenewThreadAfterEveryItemUnderLoadAndStop) {
+  std::atomic<int> starts{0};
+  std::atomic<int> ran{0};
+  int seen = 0;  // Worker threads only, one after another.
+  DeviceWorker::Options options = Options("sim:0", /*queue_depth=*/64, nullptr);
+  options.on_start = [&] { ++starts; };
+  options.renew_thread = [&](WorkerScope&) -> std::string {
+    const int now = ran.load();
+    if (now == seen) return "";
+    seen = now;
+    return "an item ran";
+  };
+  auto worker = std::make_unique<DeviceWorker>(std::move(options));
+  std::vector<std::thread> clients;
+  for (int c = 0; c < 3; ++c) {
+    clients.emplace_back([&, c] {
+      for (int i = 0; i < 10; ++i) {
+        absl::Status status;
+        if (c == 0) {
+          status = worker->RunTask([&](WorkerScope&) { ++ran; return absl::OkStatus(); }, nullptr);
+        } else if (c == 1) {
+          status = worker->Call([&](WorkerScope&) { ++ran; return absl::OkStatus(); }, nullptr, nullptr);
+        } else {
+          absl::Notification finished;
+          DeviceWorker::Job j;
+          j.run = [&](WorkerScope&, absl::Duration) { ++ran; };
+          j.finish = [&] { finished.Notify(); };
+          status = worker->Submit(std::move(j));
+          if (status.ok()) finished.WaitForNotification();
+        }
+        EXPECT_TRUE(status.ok()) << status;
+      }
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  EXPECT_EQ(ran.load(), 30);
+  worker->Stop();
+  EXPECT_GE(worker->thread_renewals(), 1);
+  EXPECT_EQ(starts.load(), worker->thread_renewals() + 1);  // Every thread ran on_start, then stopped.
+  worker.reset();
+}
+
 TEST(DeviceWorkerTest, ReportsQueueWait) {
   DeviceWorker worker(Options("sim:0", 4));
   absl::Notification release, done;

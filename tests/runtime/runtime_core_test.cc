@@ -339,6 +339,45 @@ TEST_F(RuntimeCoreTest, TheFirstRequestAfterAChangeRunsWithTheContextReserve) {
   EXPECT_EQ(context_while_running("and then", 6), kContext);
 }
 
+// After an out-of-memory error the allocator raised (on CUDA, one cuDNN may have caught and
+// recovered from with a slower plan it then keeps on its thread), the worker goes on on a fresh
+// thread: the next change runs there, requests still run, and without another error the thread stays.
+TEST_F(RuntimeCoreTest, AnAllocatorOutOfMemoryErrorMovesTheWorkerToAFreshThread) {
+  DeviceBackend* sim = nullptr;
+  Start(1,
+        [&](const v1::DeviceConfig& device) -> absl::StatusOr<std::unique_ptr<DeviceBackend>> {
+          SimulatedBackendOptions options;
+          options.index = device.index();
+          std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend(options);
+          sim = backend.get();
+          return backend;
+        },
+        /*budget=*/int64_t{1} << 20);
+  ASSERT_NE(sim, nullptr);
+  const auto worker_thread = [&] {
+    std::thread::id id;
+    EXPECT_TRUE(core().ChangeDevice([&](PlacementManager&) {
+                        id = std::this_thread::get_id();
+                        return absl::OkStatus();
+                      },
+                      [] { return absl::OkStatus(); })
+                    .ok());
+    return id;
+  };
+  const std::thread::id first = worker_thread();
+  EXPECT_EQ(worker_thread(), first);
+  const int64_t ooms = sim->GetMemoryStats().allocator_ooms;
+  EXPECT_FALSE(sim->AllocateBytes(int64_t{2} << 20).ok());  // Over the budget: refused, counted.
+  EXPECT_EQ(sim->GetMemoryStats().allocator_ooms, ooms + 1);
+  const std::thread::id second = worker_thread();
+  EXPECT_NE(second, first);
+  EXPECT_NE(second, std::this_thread::get_id());
+  gate_->Open();
+  const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("on the fresh thread", 1, 3));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(worker_thread(), second);
+}
+
 TEST_F(RuntimeCoreTest, AnAdminChangeRunsAfterTheRunningRequestAndBeforeTheQueuedOnes) {
   Start();
   auto first = GenerateAsync("first", 1, 1);

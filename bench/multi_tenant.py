@@ -738,8 +738,12 @@ def analyze(log_dir, rows_path):
         log = os.path.join(log_dir, f"{strategy}.log")
         if not os.path.exists(log):
             continue
-        runs = []
+        runs, renewals = [], 0
         for line in open(log, encoding="utf-8", errors="replace"):
+            # Since session 41: the device worker went on on a fresh thread after an allocator
+            # out-of-memory error (per-thread cuDNN plans chosen short of memory are left behind).
+            if " device_thread_renewed " in line:
+                renewals += 1
             if " I request " not in line or " status=OK " not in line:
                 continue
             fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
@@ -765,7 +769,8 @@ def analyze(log_dir, rows_path):
         batch = sum(r[2] for r in runs) / max(1, len(runs))
         print(f"{strategy}: {len(runs)} measured requests, mean run {mean:.3f} s"
               + (f", utilisation at {rate}/s {rate * share:.0%}" if rate else "")
-              + (f", mean batch {batch:.2f} (a request's share of its batch's run {share:.3f} s)" if batch > 1 else ""))
+              + (f", mean batch {batch:.2f} (a request's share of its batch's run {share:.3f} s)" if batch > 1 else "")
+              + (f", worker thread renewed {renewals}x after allocator out-of-memory errors" if renewals else ""))
         for pipeline in POPULARITY:
             if pipeline in per:
                 # The server's queue wait (admission to the device queue until the run starts): with

@@ -94,6 +94,17 @@ assert re.search(r"\n    stage p50: tokenize [0-9.]+ s, encode_prompt [0-9.]+ s,
 scheduler = text.split("\nscheduler:", 1)[1]
 assert re.search(r"denoise [0-9.]+ s \([0-9.]+x resident\)", scheduler), scheduler
 PY
+# The server's thread renewals (after allocator out-of-memory errors) counted per strategy: the same
+# logs with two such lines added to the resident strategy's (unbudgeted: none of its own).
+mkdir -p "$TEST_TMPDIR/logs_r" && cp "$TEST_TMPDIR"/logs/* "$TEST_TMPDIR/logs_r/"
+for n in 1 2; do
+  echo "2026-12-07T04:00:0$n.000+00:00 I device_thread_renewed device=sim:0 allocator_ooms=$n new=1 why=x" \
+    >>"$TEST_TMPDIR/logs_r/resident.log"
+done
+/usr/bin/python3 "$scripts/multi_tenant.py" analyze "$TEST_TMPDIR/logs_r" "$TEST_TMPDIR/rows.jsonl" >"$TEST_TMPDIR/analysis_r.txt"
+grep -q "^resident: .*, worker thread renewed 2x after allocator out-of-memory errors$" "$TEST_TMPDIR/analysis_r.txt" ||
+  { cat "$TEST_TMPDIR/analysis_r.txt"; exit 1; }
+grep "^resident: " "$TEST_TMPDIR/analysis.txt" | grep -vq "renewed" || { cat "$TEST_TMPDIR/analysis.txt"; exit 1; }
 # The budgeted strategies' bytes split into whole-component onloads and the rest (streamed): FIFO
 # moved whole components (its onloads above), so its figure is above nothing.
 [ "$(grep -c "^  bytes to the device per measured request [0-9.]* GB, of which whole-component onloads at most [0-9.]* GB" \

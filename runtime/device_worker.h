@@ -319,7 +319,7 @@ class DeviceWorker {
   const std::shared_ptr<Waker> waker_;
   // The worker's thread now (written by the thread itself, and by HandOver before the new one runs
   // anything), the handle of its thread, and the one it replaced until the new one joins it.
-  std::atomic<std::thread::id> worker_id_;
+  std::atomic<std::thread::id> worker_id_{std::thread::id()};
   std::thread thread_ ABSL_GUARDED_BY(mu_);
   std::thread retired_ ABSL_GUARDED_BY(mu_);
   int renewals_ ABSL_GUARDED_BY(mu_) = 0;

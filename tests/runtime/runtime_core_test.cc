@@ -378,6 +378,41 @@ TEST_F(RuntimeCoreTest, AnAllocatorOutOfMemoryErrorMovesTheWorkerToAFreshThread)
   EXPECT_EQ(worker_thread(), second);
 }
 
+// The same on the default device with its high-priority compute stream (CUDA on the GPU host: an
+// allocation no card holds makes LibTorch's allocator raise, and count, an out-of-memory error; the
+// next change runs on a fresh thread, which computes on the same stream, and a request still runs).
+// Where the refusal is not the allocator's (the simulated device without a budget), nothing moves.
+TEST_F(RuntimeCoreTest, AnOutOfMemoryErrorOnTheDefaultDeviceRenewsTheWorkerWhereTheAllocatorCountsIt) {
+  Start(1, nullptr, 0, "device { high_priority_compute: true }");
+  int64_t ooms_before = 0, ooms_after = 0;
+  std::thread::id first, second;
+  ASSERT_TRUE(core().ChangeDevice([&](PlacementManager& placement) {
+                      first = std::this_thread::get_id();
+                      ooms_before = placement.backend().GetMemoryStats().allocator_ooms;
+                      const absl::StatusOr<at::Tensor> huge = placement.backend().AllocateBytes(int64_t{1} << 50);
+                      EXPECT_FALSE(huge.ok());  // A pebibyte.
+                      ooms_after = placement.backend().GetMemoryStats().allocator_ooms;
+                      return absl::OkStatus();
+                    },
+                    [] { return absl::OkStatus(); })
+                  .ok());
+  ASSERT_TRUE(core().ChangeDevice([&](PlacementManager&) {
+                      second = std::this_thread::get_id();
+                      return absl::OkStatus();
+                    },
+                    [] { return absl::OkStatus(); })
+                  .ok());
+  if (ooms_after > ooms_before) {
+    EXPECT_NE(second, first) << core().device_name();
+  } else {
+    EXPECT_EQ(second, first) << core().device_name();
+  }
+  gate_->Open();
+  const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("after the refusal", 2, 3));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->stats().device(), core().device_name());
+}
+
 TEST_F(RuntimeCoreTest, AnAdminChangeRunsAfterTheRunningRequestAndBeforeTheQueuedOnes) {
   Start();
   auto first = GenerateAsync("first", 1, 1);

@@ -28,6 +28,7 @@
 #include "runtime/config.h"
 #include "runtime/reply.h"
 #include "runtime/request_validation.h"
+#include "runtime/thread_renewal.h"
 #include "base/process_memory.h"
 
 namespace stowage {
@@ -185,21 +186,16 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
   if (config.device().high_priority_compute()) {
     worker.on_start = [raw] { raw->backend_->EnterComputeThread(/*high_priority=*/true); };
   }
-  // LibTorch caches a cuDNN convolution plan per thread and shape, and when a plan's workspace
-  // cannot be allocated it takes the first plan whose workspace fits and keeps that one on the thread:
-  // one allocator shortfall inside a VAE decode slowed every later decode of that shape on the device
-  // (multi-tenant run 13: +0.13 s a Z-Image request from its first out-of-memory error on). After any
-  // out-of-memory error the allocator raised, the worker goes on on a fresh thread between items, whose
-  // first convolutions choose their plans again.
-  worker.renew_thread = [raw, seen = int64_t{-1}](WorkerScope&) mutable -> std::string {
-    const int64_t ooms = raw->backend_->GetMemoryStats().allocator_ooms;
-    const int64_t before = seen;
-    seen = ooms;
-    if (before < 0 || ooms <= before) return "";
-    const std::string reason = absl::StrCat("allocator_ooms ", before, " -> ", ooms);
-    LogInfo(absl::StrCat("device_thread_renewed device=", raw->device_name_, " allocator_ooms=", ooms, " new=", ooms - before,
-                         " why=per-thread_library_plans_(cuDNN)_may_have_been_chosen_short_of_memory"));
-    return reason;
+  // After allocator out-of-memory errors the worker goes on on a fresh thread, once the room is back
+  // (runtime/thread_renewal.h: LibTorch keeps a cuDNN convolution plan chosen short of memory on its
+  // thread).
+  worker.renew_thread = [raw, policy = std::make_shared<ThreadRenewalPolicy>()](WorkerScope&) -> std::string {
+    const DeviceMemoryStats stats = raw->backend_->GetMemoryStats();
+    return policy->Next(stats.allocator_ooms, stats.largest_refused_bytes, stats.free_bytes());
+  };
+  worker.on_renewed = [raw](WorkerScope&, const std::string& reason) {
+    LogInfo(absl::StrCat("device_thread_renewed device=", raw->device_name_, " reason=", LogValue(reason)));
+    if (raw->metrics_ != nullptr) raw->metrics_->RecordThreadRenewal(raw->device_name_);
   };
   core->worker_ = std::make_unique<DeviceWorker>(std::move(worker));
   if (metrics != nullptr) metrics->SetQueueDepth(device, 0);

@@ -67,12 +67,16 @@ void DeviceWorker::ThreadMain() {
   Loop();
 }
 
-bool DeviceWorker::HandOver() {
+bool DeviceWorker::HandOver(const std::string& reason) {
   absl::MutexLock lock(&mu_);
   if (stopping_) return false;
+  renewal_reason_ = reason;
+  // Started before the handles move (a failed start throws with nothing changed); it waits for mu_
+  // before it runs anything of the loop.
+  std::thread fresh([this] { ThreadMain(); });
   retired_ = std::move(thread_);
+  thread_ = std::move(fresh);
   ++renewals_;
-  thread_ = std::thread([this] { ThreadMain(); });
   return true;
 }
 
@@ -661,6 +665,14 @@ void DeviceWorker::Loop() {
   if (options_.on_start) options_.on_start();
   // The one scope of this worker: everything it runs gets it.
   WorkerScope scope(*this);
+  std::string renewed_for;
+  {
+    absl::MutexLock lock(&mu_);
+    renewed_for = std::move(renewal_reason_);
+    renewal_reason_.clear();
+  }
+  if (!renewed_for.empty() && options_.on_renewed) options_.on_renewed(scope, renewed_for);
+  bool ran_item = false;  // On this thread: its first item runs before any hand-over.
   for (;;) {
     Item next;
     bool batching = false;
@@ -668,6 +680,7 @@ void DeviceWorker::Loop() {
     std::vector<Item> dropped;
     absl::Duration batch_wait;
     bool calls_waiting = false;
+    bool stopping = false;
     std::string reorder_reason;
     {
       absl::MutexLock lock(&mu_);
@@ -677,10 +690,15 @@ void DeviceWorker::Loop() {
           },
           this));
       calls_waiting = !calls_.empty();
+      stopping = stopping_;
     }
     // Before the next item, whatever happened since the last one (the item stays queued for the
     // thread that takes over).
-    if (options_.renew_thread && !options_.renew_thread(scope).empty() && HandOver()) return;
+    if (options_.renew_thread && ran_item && !stopping) {
+      const std::string reason = options_.renew_thread(scope);
+      if (!reason.empty() && HandOver(reason)) return;
+    }
+    ran_item = true;
     if (calls_waiting) {
       // The lane first: its callers hold a job or task of their own device open meanwhile.
       ServeCalls(scope);

@@ -153,11 +153,15 @@ class DeviceWorker {
     // compute stream is chosen there: DeviceBackend::EnterComputeThread).
     std::function<void()> on_start;
     // Optional: called on the worker thread before each item it takes (a job, a batch, a task or the
-    // calls of its lane), once there is one. A non-empty reason makes the worker go on on a fresh thread: that thread runs
-    // on_start, then the loop, with everything queued kept; the old thread ends. For libraries
+    // calls of its lane) except a thread's first, never while stopping. A non-empty reason makes the
+    // worker go on on a fresh thread: that thread runs on_start, then on_renewed with the reason,
+    // then the loop, with everything queued kept in its order; the old thread ends. For libraries
     // whose caches are per thread and can go stale (LibTorch's cuDNN convolution plans: one chosen
-    // while memory was short stays with its thread). Never while stopping.
+    // while memory was short stays with its thread). A thread always runs an item before it can be
+    // replaced, so a reason on every look still makes progress.
     std::function<std::string(WorkerScope& scope)> renew_thread;
+    // Optional: called on a fresh thread after on_start with the reason renew_thread gave.
+    std::function<void(WorkerScope& scope, const std::string& reason)> on_renewed;
   };
 
   explicit DeviceWorker(Options options);
@@ -253,11 +257,12 @@ class DeviceWorker {
     absl::Time enqueued;
   };
   // The body of every worker thread: marks it the worker's, joins the thread it replaced, runs Loop.
-  void ThreadMain();
+  void ThreadMain() ABSL_LOCKS_EXCLUDED(mu_);
   // Runs items until stopping, or until renew_thread asked for a fresh thread and one took over.
   void Loop();
-  // Worker only: starts the fresh thread that takes over (false when stopping: nothing changes).
-  bool HandOver() ABSL_LOCKS_EXCLUDED(mu_);
+  // Worker only: starts the fresh thread that takes over, for `reason` (false when stopping:
+  // nothing changes).
+  bool HandOver(const std::string& reason) ABSL_LOCKS_EXCLUDED(mu_);
   // Adds to `members` (holding the batch's first job) the queued jobs that may join it, waiting for
   // them as Job::batch_key says; cancelled ones go to `dropped`.
   void CollectBatch(WorkerScope& scope, std::vector<Item>& members, std::vector<Item>& dropped)
@@ -317,11 +322,13 @@ class DeviceWorker {
   std::map<std::string, std::deque<double>> run_rates_;
   // Wakes this worker while it waits in Call (see Waker).
   const std::shared_ptr<Waker> waker_;
-  // The worker's thread now (written by the thread itself, and by HandOver before the new one runs
-  // anything), the handle of its thread, and the one it replaced until the new one joins it.
+  // The worker's thread now (each thread stores its own id first thing; the old one does nothing
+  // after handing over), the handle of its thread, the one it replaced until the new one joins it,
+  // and why the current one replaced it ("" for the first).
   std::atomic<std::thread::id> worker_id_{std::thread::id()};
   std::thread thread_ ABSL_GUARDED_BY(mu_);
   std::thread retired_ ABSL_GUARDED_BY(mu_);
+  std::string renewal_reason_ ABSL_GUARDED_BY(mu_);
   int renewals_ ABSL_GUARDED_BY(mu_) = 0;
 };
 

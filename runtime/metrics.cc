@@ -274,6 +274,12 @@ ServerMetrics::ServerMetrics()
                        .Help("Preemptions on a device: a request (or a batch) run between the denoising steps "
                              "of another (scheduler.preemption).")
                        .Register(*registry_)),
+      thread_renewals_(prometheus::BuildCounter()
+                           .Name("stowage_device_thread_renewals_total")
+                           .Help("Times a device's worker went on on a fresh thread after allocator out-of-memory "
+                                 "errors, once the room was back (LibTorch keeps a cuDNN convolution plan chosen "
+                                 "short of memory on its thread).")
+                           .Register(*registry_)),
       h2d_(prometheus::BuildCounter()
                .Name("stowage_host_to_device_bytes_total")
                .Help("Bytes copied host to device by requests.")
@@ -348,6 +354,7 @@ void ServerMetrics::InitializeDevice(const std::string& device) {
   queue_depth_.Add({{"device", device}});
   running_.Add({{"device", device}});
   preemptions_.Add({{"device", device}});
+  thread_renewals_.Add({{"device", device}});
 }
 
 void ServerMetrics::InitializePipeline(const std::string& pipeline) {
@@ -370,6 +377,10 @@ void ServerMetrics::SetQueueDepth(const std::string& device, int64_t depth) {
 
 void ServerMetrics::RecordPreemption(const std::string& device) {
   preemptions_.Add({{"device", device}}).Increment();
+}
+
+void ServerMetrics::RecordThreadRenewal(const std::string& device) {
+  thread_renewals_.Add({{"device", device}}).Increment();
 }
 
 void ServerMetrics::SetRunning(const std::string& device, int64_t requests) {

@@ -51,6 +51,9 @@ class ServerMetrics {
   void SetRunning(const std::string& device, int64_t requests);
   // One request run between the denoising steps of another on `device` (scheduler.preemption).
   void RecordPreemption(const std::string& device);
+  // The device's worker went on on a fresh thread after allocator out-of-memory errors (per-thread
+  // library plans chosen short of memory left behind: runtime/thread_renewal.h).
+  void RecordThreadRenewal(const std::string& device);
   // One batch run by a pipeline with batching on: how many requests it held (1 = alone) and how
   // long the server held it open waiting for more.
   void RecordBatch(const std::string& pipeline, int size, absl::Duration held_open);
@@ -70,6 +73,7 @@ class ServerMetrics {
   prometheus::Family<prometheus::Gauge>& queue_depth_;
   prometheus::Family<prometheus::Gauge>& running_;
   prometheus::Family<prometheus::Counter>& preemptions_;
+  prometheus::Family<prometheus::Counter>& thread_renewals_;
   prometheus::Family<prometheus::Counter>& h2d_;
   prometheus::Family<prometheus::Counter>& d2h_;
   prometheus::Family<prometheus::Histogram>& batch_size_;

@@ -7,6 +7,7 @@
 #include <list>
 #include <optional>
 #include <set>
+#include <thread>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -57,6 +58,10 @@ struct StepGraphs::Impl {
   };
   std::list<Entry> entries;        // Most recently used first.
   std::set<std::string> warmed;    // Shapes whose first forward ran eagerly on the capture stream.
+  // The thread those forwards ran on: libraries set up per thread (cuDNN's plans, cuBLAS's handles),
+  // so a forward on another thread (the device's worker goes on on a fresh one after out-of-memory
+  // errors) runs each shape eagerly again before any capture.
+  std::thread::id warmed_on;
   // The capture stream: this cache's own (not one of LibTorch's pooled streams, which the device's
   // copy streams may share). Replays run on the caller's stream, one at a time (the worker's): the
   // graphs sharing the pool never overlap.
@@ -202,6 +207,10 @@ std::vector<at::Tensor> StepGraphs::Run(Module& model, const std::vector<at::Ten
   if (*fingerprint != s.fingerprint) {
     s.Drop();  // The weights moved since these graphs were captured.
     s.fingerprint = *fingerprint;
+  }
+  if (s.warmed_on != std::this_thread::get_id()) {
+    s.warmed.clear();
+    s.warmed_on = std::this_thread::get_id();
   }
   c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream(device.index());
 

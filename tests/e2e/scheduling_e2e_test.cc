@@ -523,6 +523,9 @@ TEST_F(SchedulingTest, AHigherPriorityRequestRunsBetweenTheStepsOfARunningOne) {
   EXPECT_EQ(preempts, 1);
   const std::string page = HttpGet(server_->server().metrics_address(), "/metrics");
   EXPECT_NE(page.find("stowage_preemptions_total{device=\"sim:0\"} 1"), std::string::npos);
+  // No allocator out-of-memory error here: the worker never went on on a fresh thread (the series
+  // exists from the start).
+  EXPECT_NE(page.find("stowage_device_thread_renewals_total{device=\"sim:0\"} 0"), std::string::npos);
   // The same request again at priority 0 waits for the next long one (no preemption).
   StartLong("zimage-tiny");
   std::thread same = Send(E2eServer::SmallRequest("zimage-tiny", 3), "same priority");

@@ -212,9 +212,40 @@ TEST(DeviceWorkerTest, RenewThreadAfterEveryItemUnderLoadAndStop) {
   for (std::thread& t : clients) t.join();
   EXPECT_EQ(ran.load(), 30);
   worker->Stop();
-  EXPECT_GE(worker->thread_renewals(), 1);
+  EXPECT_GE(worker->thread_renewals(), 10);  // Each client's ten items alone would renew ten times.
   EXPECT_EQ(starts.load(), worker->thread_renewals() + 1);  // Every thread ran on_start, then stopped.
   worker.reset();
+}
+
+// A reason on every look: each thread still runs an item before it hands over (no livelock), the
+// fresh thread reports the reason (on_renewed), and Stop from another thread while the worker hands
+// over, again and again, ends every thread (the sanitizers watch).
+TEST(DeviceWorkerTest, RenewThreadOnEveryLookMakesProgressAndStopsWhileHandingOver) {
+  for (int round = 0; round < 20; ++round) {
+    std::atomic<int> ran{0};
+    std::atomic<int> renewed{0};
+    DeviceWorker::Options options = Options("sim:0", /*queue_depth=*/64, nullptr);
+    options.renew_thread = [](WorkerScope&) -> std::string { return "always"; };
+    options.on_renewed = [&](WorkerScope& scope, const std::string& reason) {
+      EXPECT_TRUE(scope.worker().OnWorkerThread());
+      EXPECT_EQ(reason, "always");
+      ++renewed;
+    };
+    auto worker = std::make_unique<DeviceWorker>(std::move(options));
+    for (int i = 0; i < 16; ++i) {
+      DeviceWorker::Job j;
+      j.run = [&](WorkerScope&, absl::Duration) { ++ran; };
+      ASSERT_TRUE(worker->Submit(std::move(j)).ok());
+    }
+    std::thread stopper([&] {
+      if (round % 2 == 1) absl::SleepFor(absl::Microseconds(50 * round));
+      worker->Stop();
+    });
+    stopper.join();
+    EXPECT_EQ(ran.load(), 16);  // Queued jobs still run when stopping.
+    EXPECT_EQ(renewed.load(), worker->thread_renewals());  // Every fresh thread reported, then ended.
+    worker.reset();
+  }
 }
 
 TEST(DeviceWorkerTest, ReportsQueueWait) {

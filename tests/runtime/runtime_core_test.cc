@@ -27,6 +27,10 @@
 #include "tests/runtime/latch_pipeline.h"
 #include "tests/runtime/runtime_state.h"
 
+#ifdef STOWAGE_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 namespace stowage {
 namespace {
 
@@ -339,74 +343,100 @@ TEST_F(RuntimeCoreTest, TheFirstRequestAfterAChangeRunsWithTheContextReserve) {
   EXPECT_EQ(context_while_running("and then", 6), kContext);
 }
 
-// After an out-of-memory error the allocator raised (on CUDA, one cuDNN may have caught and
-// recovered from with a slower plan it then keeps on its thread), the worker goes on on a fresh
-// thread: the next change runs there, requests still run, and without another error the thread stays.
-TEST_F(RuntimeCoreTest, AnAllocatorOutOfMemoryErrorMovesTheWorkerToAFreshThread) {
-  DeviceBackend* sim = nullptr;
+// Allocator out-of-memory errors move the worker to a fresh thread once the room they asked for is
+// back (on CUDA, cuDNN may have caught one and kept a slower plan on its thread): the next change
+// runs there, requests still run, and without another error the thread stays. A refusal larger than
+// the room there is now moves nothing (a fresh thread would choose short again).
+TEST_F(RuntimeCoreTest, AllocatorOutOfMemoryErrorsMoveTheWorkerToAFreshThreadOnceTheRoomIsBack) {
+  constexpr int64_t kBudget = int64_t{1} << 20;
   Start(1,
         [&](const v1::DeviceConfig& device) -> absl::StatusOr<std::unique_ptr<DeviceBackend>> {
           SimulatedBackendOptions options;
           options.index = device.index();
-          std::unique_ptr<DeviceBackend> backend = CreateSimulatedBackend(options);
-          sim = backend.get();
-          return backend;
+          return CreateSimulatedBackend(options);
         },
-        /*budget=*/int64_t{1} << 20);
-  ASSERT_NE(sim, nullptr);
-  const auto worker_thread = [&] {
+        kBudget);
+  // Runs `fn` on the worker (the only owner of the device) and returns the thread it ran on.
+  const auto on_worker = [&](const std::function<void(DeviceBackend&)>& fn) {
     std::thread::id id;
-    EXPECT_TRUE(core().ChangeDevice([&](PlacementManager&) {
+    EXPECT_TRUE(core().ChangeDevice([&](PlacementManager& placement) {
                         id = std::this_thread::get_id();
+                        fn(placement.backend());
                         return absl::OkStatus();
                       },
                       [] { return absl::OkStatus(); })
                     .ok());
     return id;
   };
-  const std::thread::id first = worker_thread();
-  EXPECT_EQ(worker_thread(), first);
-  const int64_t ooms = sim->GetMemoryStats().allocator_ooms;
-  EXPECT_FALSE(sim->AllocateBytes(int64_t{2} << 20).ok());  // Over the budget: refused, counted.
-  EXPECT_EQ(sim->GetMemoryStats().allocator_ooms, ooms + 1);
-  const std::thread::id second = worker_thread();
+  const auto nothing = [](DeviceBackend&) {};
+  int64_t ooms = 0;
+  const std::thread::id first = on_worker([&](DeviceBackend& backend) { ooms = backend.GetMemoryStats().allocator_ooms; });
+  EXPECT_EQ(on_worker(nothing), first);
+  // Refused while another allocation held the room, which is then given back.
+  EXPECT_EQ(on_worker([](DeviceBackend& backend) {
+              absl::StatusOr<at::Tensor> held = backend.AllocateBytes(kBudget / 2);
+              ASSERT_TRUE(held.ok()) << held.status();
+              EXPECT_FALSE(backend.AllocateBytes(kBudget * 3 / 4).ok());
+            }),
+            first);
+  const std::thread::id second =
+      on_worker([&](DeviceBackend& backend) { EXPECT_EQ(backend.GetMemoryStats().allocator_ooms, ooms + 1); });
   EXPECT_NE(second, first);
   EXPECT_NE(second, std::this_thread::get_id());
+  EXPECT_EQ(on_worker(nothing), second);
+  // Larger than the whole budget: counted, but the room never comes back for it.
+  EXPECT_EQ(on_worker([](DeviceBackend& backend) { EXPECT_FALSE(backend.AllocateBytes(2 * kBudget).ok()); }), second);
+  EXPECT_EQ(on_worker([&](DeviceBackend& backend) { EXPECT_EQ(backend.GetMemoryStats().allocator_ooms, ooms + 2); }),
+            second);
   gate_->Open();
   const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("on the fresh thread", 1, 3));
   ASSERT_TRUE(reply.ok()) << reply.status();
-  EXPECT_EQ(worker_thread(), second);
+  EXPECT_EQ(on_worker(nothing), second);
+  EXPECT_EQ(on_worker(nothing), second);
 }
 
-// The same on the default device with its high-priority compute stream (CUDA on the GPU host: an
-// allocation no card holds makes LibTorch's allocator raise, and count, an out-of-memory error; the
-// next change runs on a fresh thread, which computes on the same stream, and a request still runs).
-// Where the refusal is not the allocator's (the simulated device without a budget), nothing moves.
-TEST_F(RuntimeCoreTest, AnOutOfMemoryErrorOnTheDefaultDeviceRenewsTheWorkerWhereTheAllocatorCountsIt) {
+// The same on CUDA (the GPU host; skipped elsewhere) with the high-priority compute stream: an
+// allocation the card cannot hold beside another makes LibTorch's allocator raise, and count, an
+// out-of-memory error; once the other is freed the next change runs on a fresh thread, which
+// computes on the same stream, and a request still runs.
+TEST_F(RuntimeCoreTest, OnCudaTheFreshThreadKeepsTheComputeStream) {
   Start(1, nullptr, 0, "device { high_priority_compute: true }");
+  if (core().device_name().rfind("cuda", 0) != 0) GTEST_SKIP() << "needs a CUDA device, not " << core().device_name();
+  const auto on_worker = [&](const std::function<void(DeviceBackend&)>& fn, int64_t* stream) {
+    std::thread::id id;
+    EXPECT_TRUE(core().ChangeDevice([&](PlacementManager& placement) {
+                        id = std::this_thread::get_id();
+                        fn(placement.backend());
+#ifdef STOWAGE_WITH_CUDA
+                        if (stream != nullptr) *stream = c10::cuda::getCurrentCUDAStream().id();
+#endif
+                        return absl::OkStatus();
+                      },
+                      [] { return absl::OkStatus(); })
+                    .ok());
+    return id;
+  };
+  int64_t stream_before = -1, stream_after = -2;
   int64_t ooms_before = 0, ooms_after = 0;
-  std::thread::id first, second;
-  ASSERT_TRUE(core().ChangeDevice([&](PlacementManager& placement) {
-                      first = std::this_thread::get_id();
-                      ooms_before = placement.backend().GetMemoryStats().allocator_ooms;
-                      const absl::StatusOr<at::Tensor> huge = placement.backend().AllocateBytes(int64_t{1} << 50);
-                      EXPECT_FALSE(huge.ok());  // A pebibyte.
-                      ooms_after = placement.backend().GetMemoryStats().allocator_ooms;
-                      return absl::OkStatus();
-                    },
-                    [] { return absl::OkStatus(); })
-                  .ok());
-  ASSERT_TRUE(core().ChangeDevice([&](PlacementManager&) {
-                      second = std::this_thread::get_id();
-                      return absl::OkStatus();
-                    },
-                    [] { return absl::OkStatus(); })
-                  .ok());
-  if (ooms_after > ooms_before) {
-    EXPECT_NE(second, first) << core().device_name();
-  } else {
-    EXPECT_EQ(second, first) << core().device_name();
-  }
+  const std::thread::id first = on_worker([](DeviceBackend&) {}, &stream_before);
+  EXPECT_EQ(on_worker(
+                [&](DeviceBackend& backend) {
+                  const DeviceMemoryStats stats = backend.GetMemoryStats();
+                  ooms_before = stats.allocator_ooms;
+                  const int64_t room = stats.free_bytes();
+                  absl::StatusOr<at::Tensor> held = backend.AllocateBytes(room / 2);
+                  ASSERT_TRUE(held.ok()) << held.status();
+                  EXPECT_FALSE(backend.AllocateBytes(room * 3 / 4).ok());
+                  ooms_after = backend.GetMemoryStats().allocator_ooms;
+                },
+                nullptr),
+            first);
+  EXPECT_GT(ooms_after, ooms_before);
+  const std::thread::id second = on_worker([](DeviceBackend& backend) { backend.ReleaseCachedMemory(); }, &stream_after);
+  EXPECT_NE(second, first);
+#ifdef STOWAGE_WITH_CUDA
+  EXPECT_EQ(stream_after, stream_before);
+#endif
   gate_->Open();
   const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("after the refusal", 2, 3));
   ASSERT_TRUE(reply.ok()) << reply.status();

@@ -1,0 +1,36 @@
+#include "runtime/thread_renewal.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace stowage {
+
+std::string ThreadRenewalPolicy::Next(int64_t ooms, int64_t largest_refused_bytes, int64_t free_bytes) {
+  const bool grew = seen_ooms_ >= 0 && ooms > seen_ooms_;
+  const int64_t errors = grew ? ooms - seen_ooms_ : 0;
+  seen_ooms_ = ooms;
+  ++looks_since_renewal_;
+  if (renewed_ && looks_since_renewal_ == 1) {
+    // The fresh thread's first item: short again means the room, not the plans, is what is missing.
+    gap_ = grew ? std::min(gap_ * 2, kMaxGap) : 1;
+  }
+  if (grew) {
+    pending_ = true;
+    pending_errors_ += errors;
+    // The latest shortfall's: one larger than any room (a request no budget holds) must not hold
+    // back the renewal a later, passing one calls for.
+    pending_refused_ = largest_refused_bytes;
+  }
+  if (!pending_ || looks_since_renewal_ < gap_ || pending_refused_ > free_bytes) return "";
+  std::string reason = absl::StrCat(pending_errors_, " allocator out-of-memory errors, the largest refusal ",
+                                    pending_refused_, " bytes, now within the free room");
+  pending_ = false;
+  pending_errors_ = 0;
+  pending_refused_ = 0;
+  renewed_ = true;
+  looks_since_renewal_ = 0;
+  return reason;
+}
+
+}  // namespace stowage

@@ -189,8 +189,8 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
   // After allocator out-of-memory errors the worker goes on on a fresh thread, once the room is back
   // (runtime/thread_renewal.h: LibTorch keeps a cuDNN convolution plan chosen short of memory on its
   // thread).
-  worker.renew_thread = [raw, policy = std::make_shared<ThreadRenewalPolicy>()](WorkerScope&) -> std::string {
-    const DeviceMemoryStats stats = raw->backend_->GetMemoryStats();
+  worker.renew_thread = [raw, policy = std::make_shared<ThreadRenewalPolicy>()](WorkerScope& scope) -> std::string {
+    const DeviceMemoryStats stats = raw->Placement(scope).backend().GetMemoryStats();
     return policy->Next(stats.allocator_ooms, stats.largest_refused_bytes, stats.free_bytes());
   };
   worker.on_renewed = [raw](WorkerScope&, const std::string& reason) {

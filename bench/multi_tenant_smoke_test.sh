@@ -98,7 +98,7 @@ PY
 # logs with two such lines added to the resident strategy's (unbudgeted: none of its own).
 mkdir -p "$TEST_TMPDIR/logs_r" && cp "$TEST_TMPDIR"/logs/* "$TEST_TMPDIR/logs_r/"
 for n in 1 2; do
-  echo "2026-12-07T04:00:0$n.000+00:00 I device_thread_renewed device=sim:0 allocator_ooms=$n new=1 why=x" \
+  echo "2026-12-07T04:00:0$n.000+00:00 I device_thread_renewed device=sim:0 reason=\"$n allocator out-of-memory errors\"" \
     >>"$TEST_TMPDIR/logs_r/resident.log"
 done
 /usr/bin/python3 "$scripts/multi_tenant.py" analyze "$TEST_TMPDIR/logs_r" "$TEST_TMPDIR/rows.jsonl" >"$TEST_TMPDIR/analysis_r.txt"

@@ -16,16 +16,14 @@ std::string ThreadRenewalPolicy::Next(int64_t ooms, int64_t largest_refused_byte
     gap_ = grew ? std::min(gap_ * 2, kMaxGap) : 1;
   }
   if (grew) {
-    pending_ = true;
     pending_errors_ += errors;
     // The latest shortfall's: one larger than any room (a request no budget holds) must not hold
     // back the renewal a later, passing one calls for.
     pending_refused_ = largest_refused_bytes;
   }
-  if (!pending_ || looks_since_renewal_ < gap_ || pending_refused_ > free_bytes) return "";
+  if (!pending() || looks_since_renewal_ < gap_ || pending_refused_ > free_bytes) return "";
   std::string reason = absl::StrCat(pending_errors_, " allocator out-of-memory errors, the largest refusal ",
                                     pending_refused_, " bytes, now within the free room");
-  pending_ = false;
   pending_errors_ = 0;
   pending_refused_ = 0;
   renewed_ = true;

@@ -30,12 +30,12 @@ class ThreadRenewalPolicy {
   std::string Next(int64_t ooms, int64_t largest_refused_bytes, int64_t free_bytes);
 
   int gap() const { return gap_; }
-  bool pending() const { return pending_; }
+  // Errors seen since the last renewal wait for one.
+  bool pending() const { return pending_errors_ > 0; }
 
  private:
   int64_t seen_ooms_ = -1;      // The count at the last look (-1: none yet).
-  bool pending_ = false;        // Errors seen since the last renewal.
-  int64_t pending_errors_ = 0;  // How many.
+  int64_t pending_errors_ = 0;  // Errors seen since the last renewal.
   int64_t pending_refused_ = 0; // The largest refusal of the latest look that saw errors.
   bool renewed_ = false;        // A renewal happened (its first item's outcome adjusts gap_).
   int looks_since_renewal_ = 0;

@@ -395,18 +395,19 @@ TEST_F(RuntimeCoreTest, AllocatorOutOfMemoryErrorsMoveTheWorkerToAFreshThreadOnc
   EXPECT_EQ(on_worker(nothing), second);
 }
 
-// The same on CUDA (the GPU host; skipped elsewhere) with the high-priority compute stream: an
-// allocation the card cannot hold beside another makes LibTorch's allocator raise, and count, an
-// out-of-memory error; once the other is freed the next change runs on a fresh thread, which
+// The same on CUDA (the GPU host; skipped elsewhere) with the high-priority compute stream: under a
+// budget set a GiB above what the device holds (not the whole card: ctest runs other GPU tests beside
+// this one), an allocation that does not fit beside another makes LibTorch's allocator raise, and
+// count, an out-of-memory error; with the budget lifted the next change runs on a fresh thread, which
 // computes on the same stream, and a request still runs.
 TEST_F(RuntimeCoreTest, OnCudaTheFreshThreadKeepsTheComputeStream) {
   Start(1, nullptr, 0, "device { high_priority_compute: true }");
   if (core().device_name().rfind("cuda", 0) != 0) GTEST_SKIP() << "needs a CUDA device, not " << core().device_name();
-  const auto on_worker = [&](const std::function<void(DeviceBackend&)>& fn, int64_t* stream) {
+  const auto on_worker = [&](const std::function<void(PlacementManager&)>& fn, int64_t* stream) {
     std::thread::id id;
     EXPECT_TRUE(core().ChangeDevice([&](PlacementManager& placement) {
                         id = std::this_thread::get_id();
-                        fn(placement.backend());
+                        fn(placement);
 #ifdef STOWAGE_WITH_CUDA
                         if (stream != nullptr) *stream = c10::cuda::getCurrentCUDAStream().id();
 #endif
@@ -416,23 +417,30 @@ TEST_F(RuntimeCoreTest, OnCudaTheFreshThreadKeepsTheComputeStream) {
                     .ok());
     return id;
   };
+  constexpr int64_t kGiB = int64_t{1} << 30;
   int64_t stream_before = -1, stream_after = -2;
   int64_t ooms_before = 0, ooms_after = 0;
-  const std::thread::id first = on_worker([](DeviceBackend&) {}, &stream_before);
+  const std::thread::id first = on_worker([](PlacementManager&) {}, &stream_before);
   EXPECT_EQ(on_worker(
-                [&](DeviceBackend& backend) {
+                [&](PlacementManager& placement) {
+                  DeviceBackend& backend = placement.backend();
+                  backend.ReleaseCachedMemory();  // No cached block serves the refused allocation.
                   const DeviceMemoryStats stats = backend.GetMemoryStats();
                   ooms_before = stats.allocator_ooms;
-                  const int64_t room = stats.free_bytes();
-                  absl::StatusOr<at::Tensor> held = backend.AllocateBytes(room / 2);
-                  ASSERT_TRUE(held.ok()) << held.status();
-                  EXPECT_FALSE(backend.AllocateBytes(room * 3 / 4).ok());
+                  std::vector<std::string> offloaded;
+                  ASSERT_TRUE(placement.SetMemoryBudget(stats.context_bytes + stats.reserved_bytes + kGiB, &offloaded).ok());
+                  {
+                    absl::StatusOr<at::Tensor> held = backend.AllocateBytes(kGiB / 2);
+                    ASSERT_TRUE(held.ok()) << held.status();
+                    EXPECT_FALSE(backend.AllocateBytes(kGiB * 3 / 4).ok());
+                  }
                   ooms_after = backend.GetMemoryStats().allocator_ooms;
+                  EXPECT_TRUE(placement.SetMemoryBudget(0, &offloaded).ok());
                 },
                 nullptr),
             first);
   EXPECT_GT(ooms_after, ooms_before);
-  const std::thread::id second = on_worker([](DeviceBackend& backend) { backend.ReleaseCachedMemory(); }, &stream_after);
+  const std::thread::id second = on_worker([](PlacementManager&) {}, &stream_after);
   EXPECT_NE(second, first);
 #ifdef STOWAGE_WITH_CUDA
   EXPECT_EQ(stream_after, stream_before);

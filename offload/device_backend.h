@@ -51,7 +51,7 @@ struct DeviceMemoryStats {
   // and allocates again: the run stalls, the next allocations cost driver calls). allocator_ooms:
   // out-of-memory errors the allocator raised, including those a library caught and recovered from
   // (cuDNN then picks a plan with a smaller workspace, slower) — a run can succeed with them. On
-  // the simulated device: retries 0 (no cache), ooms its refused AllocateBytes calls.
+  // the simulated device: its refused AllocateBytes calls, and retries with caching_allocator.
   int64_t allocator_retries = 0;
   int64_t allocator_ooms = 0;
   // The largest allocation the allocator refused since the last ResetPeakStats() or
@@ -240,6 +240,14 @@ struct SimulatedBackendOptions {
   // by default: the simulated context never grows, and a warm-up's reserve would only shrink the
   // exact budgets tests set.
   bool count_context_reserve = false;
+  // True: a caching allocator as LibTorch's CUDA one — freed allocations stay reserved as cached
+  // blocks (counted in reserved_bytes and against the budget); an allocation takes the smallest cached
+  // block that holds it (the rest stays cached), else new room; when the cached blocks leave too
+  // little room, they are all given back first and the allocation tried again (allocator_retries),
+  // and refused (allocator_ooms) only when it still does not fit. Cached blocks too small for an
+  // allocation are the fragments that make free_bytes() overstate the room. ReleaseCachedMemory gives
+  // them back. Off by default: reserved is what is allocated.
+  bool caching_allocator = false;
 };
 
 std::unique_ptr<DeviceBackend> CreateSimulatedBackend(const SimulatedBackendOptions& options);

@@ -37,6 +37,14 @@ struct Pool {
   int64_t p2d ABSL_GUARDED_BY(mu) = 0;
   int64_t d2h ABSL_GUARDED_BY(mu) = 0;
   int64_t ooms ABSL_GUARDED_BY(mu) = 0;  // AllocateBytes calls refused for the budget.
+  // SimulatedBackendOptions::caching_allocator: freed allocations kept as cached blocks (sizes), their
+  // sum, the allocations that fitted only after every cached block was given back, and the peak of
+  // allocated + cached.
+  bool caching = false;
+  std::multiset<int64_t> cached ABSL_GUARDED_BY(mu);
+  int64_t cached_total ABSL_GUARDED_BY(mu) = 0;
+  int64_t retries ABSL_GUARDED_BY(mu) = 0;
+  int64_t peak_reserved ABSL_GUARDED_BY(mu) = 0;
   int64_t largest_refused ABSL_GUARDED_BY(mu) = 0;  // Since the peaks were last reset.
   // SetContextReserve: counted in the context, as CUDA's backend counts it.
   int64_t context_reserve ABSL_GUARDED_BY(mu) = 0;
@@ -199,6 +207,7 @@ class SimulatedBackend : public DeviceBackend {
         transform_(std::make_unique<SimStream>(pool_, 0)) {
     absl::MutexLock lock(&pool_->mu);
     pool_->budget = options.budget_bytes;
+    pool_->caching = options.caching_allocator;
   }
 
   // The transform stream drains first: its waits refer to copies already queued, which the copy
@@ -217,13 +226,30 @@ class SimulatedBackend : public DeviceBackend {
     {
       absl::MutexLock lock(&pool_->mu);
       const int64_t context = options_.context_bytes + pool_->context_reserve;
-      if (pool_->budget > 0 && context + pool_->allocated + bytes > pool_->budget) {
-        ++pool_->ooms;
-        pool_->largest_refused = std::max(pool_->largest_refused, bytes);
-        return DeviceOutOfMemory(name(), bytes, context + pool_->allocated, pool_->budget).ToStatus();
+      // The smallest cached block that holds it serves it (split: the rest stays cached); else new
+      // room, and when the cached blocks leave too little, they all go back first (a retry).
+      auto block = pool_->cached.lower_bound(bytes);
+      if (block != pool_->cached.end()) {
+        const int64_t rest = *block - bytes;
+        pool_->cached.erase(block);
+        pool_->cached_total -= bytes;
+        if (rest > 0) pool_->cached.insert(rest);
+      } else {
+        if (pool_->budget > 0 && context + pool_->allocated + pool_->cached_total + bytes > pool_->budget &&
+            !pool_->cached.empty()) {
+          pool_->cached.clear();
+          pool_->cached_total = 0;
+          ++pool_->retries;
+        }
+        if (pool_->budget > 0 && context + pool_->allocated + pool_->cached_total + bytes > pool_->budget) {
+          ++pool_->ooms;
+          pool_->largest_refused = std::max(pool_->largest_refused, bytes);
+          return DeviceOutOfMemory(name(), bytes, context + pool_->allocated, pool_->budget).ToStatus();
+        }
       }
       pool_->allocated += bytes;
       pool_->peak = std::max(pool_->peak, pool_->allocated);
+      pool_->peak_reserved = std::max(pool_->peak_reserved, pool_->allocated + pool_->cached_total);
     }
     const size_t rounded = ((static_cast<size_t>(bytes) + kAlignment - 1) / kAlignment) * kAlignment;
     void* data = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
@@ -239,6 +265,10 @@ class SimulatedBackend : public DeviceBackend {
           std::free(ptr);
           absl::MutexLock lock(&pool->mu);
           pool->allocated -= bytes;
+          if (pool->caching && bytes > 0) {
+            pool->cached.insert(bytes);
+            pool->cached_total += bytes;
+          }
         },
         at::TensorOptions().dtype(at::kByte));
   }
@@ -350,13 +380,15 @@ class SimulatedBackend : public DeviceBackend {
     DeviceMemoryStats stats;
     stats.allocated_bytes = pool_->allocated;
     stats.peak_allocated_bytes = pool_->peak;
-    stats.reserved_bytes = pool_->allocated;  // No caching: reserved is what is allocated.
-    stats.peak_reserved_bytes = pool_->peak;
+    // Without caching_allocator, reserved is what is allocated.
+    stats.reserved_bytes = pool_->allocated + pool_->cached_total;
+    stats.peak_reserved_bytes = pool_->caching ? pool_->peak_reserved : pool_->peak;
     stats.context_bytes = options_.context_bytes + pool_->context_reserve;
     stats.budget_bytes = pool_->budget;
     stats.host_to_device_bytes = pool_->h2d;
     stats.peer_to_device_bytes = pool_->p2d;
     stats.device_to_host_bytes = pool_->d2h;
+    stats.allocator_retries = pool_->retries;
     stats.allocator_ooms = pool_->ooms;
     stats.largest_refused_bytes = pool_->largest_refused;
     return stats;
@@ -364,6 +396,7 @@ class SimulatedBackend : public DeviceBackend {
   void ResetAllocatorPeaks() override {
     absl::MutexLock lock(&pool_->mu);
     pool_->peak = pool_->allocated;
+    pool_->peak_reserved = pool_->allocated + pool_->cached_total;
     pool_->largest_refused = 0;
   }
   absl::Status SetMemoryBudget(int64_t bytes) override {
@@ -380,7 +413,11 @@ class SimulatedBackend : public DeviceBackend {
     absl::MutexLock lock(&pool_->mu);
     return pool_->budget;
   }
-  void ReleaseCachedMemory() override {}
+  void ReleaseCachedMemory() override {
+    absl::MutexLock lock(&pool_->mu);
+    pool_->cached.clear();
+    pool_->cached_total = 0;
+  }
   // The simulated context never grows; with count_context_reserve a reserve is accounted as on
   // CUDA (in the context, against the budget).
   void SetContextReserve(int64_t bytes) override {

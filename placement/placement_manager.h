@@ -300,11 +300,11 @@ class PlacementManager : public ComponentRunner {
   // back and runs again before any weights move, and the learned margin doubles (recorded as
   // "widen_cache_margin"; on CUDA, room the allocator's counts call free can be split into blocks
   // too small for the run's largest allocation), up to a quarter of the budget. So does a run that
-  // succeeded while caches held room but during which the allocator ran short (NoteAllocatorShortfalls:
-  // it gave back its cached blocks to allocate, or a library recovered from an out-of-memory error
-  // with a slower way; multi-tenant run 13's budgeted runs were 20 % slower than resident at the
-  // narrow margin with nothing moved and no error seen, and its logs could not say whether this was
-  // why). The learned margin
+  // succeeded while caches held room but during which a library recovered from an out-of-memory error
+  // the caches' room would have served (NoteAllocatorShortfalls: cuDNN then goes a slower way;
+  // multi-tenant run 13's budgeted runs were 20 % slower than resident, its VAE decodes kept a
+  // fallback plan); the allocator giving back its cached blocks to fit an allocation (a retry) does
+  // not widen it (run 14: a few milliseconds for that run). The learned margin
   // halves again once kCacheMarginNarrowAfterRuns runs began on this device (requests, batches and
   // peers' requests: BeginRequest, BeginPeerRun) without such an error (recorded as
   // "narrow_cache_margin"), down to none: the fragments that made the room unusable may be
@@ -438,11 +438,12 @@ class PlacementManager : public ComponentRunner {
   void GrantGroupCache(Entry& entry, int64_t working_set);
   // Doubles learned_cache_margin_ (at least the configured margin, at most a quarter of the budget).
   void WidenCacheMargin(const std::string& reason);
-  // After a run of `entry` that succeeded: when the allocator ran short during it while spare-room
-  // caches held `cached_bytes` (and `before`'s free bytes were free) — it retried allocations after
-  // giving back its cached blocks, or refused one that the caches' room would have served — the learned
-  // margin widens as for an out-of-memory error (WidenCacheMargin), at most once a request, and the
-  // caches give back what it added.
+  // After a run of `entry` that succeeded: when the allocator refused an allocation during it that the
+  // room spare-room caches held (`cached_bytes`, beside `before`'s free bytes) would have served, the
+  // learned margin widens as for an out-of-memory error (WidenCacheMargin), at most once a request,
+  // and the caches give back what it added. Retries alone (the allocator gave its cached blocks back
+  // and the allocation then fitted) change nothing: they cost the run a few milliseconds, a wider
+  // margin every streamed request after it gigabytes of copies.
   void NoteAllocatorShortfalls(const Entry& entry, const DeviceMemoryStats& before, int64_t cached_bytes);
   // One more run began (BeginRequest, BeginPeerRun): counted in runs_begun; once
   // kCacheMarginNarrowAfterRuns began since the learned margin last changed or a run last ran out of

@@ -262,6 +262,62 @@ TEST(SimulatedBackendTest, TheContextCountsAgainstTheBudget) {
   EXPECT_EQ(backend->GetMemoryStats().free_bytes(), INT64_MAX);
 }
 
+// With caching_allocator the simulator keeps freed allocations as cached blocks, as LibTorch's CUDA
+// allocator does: reserved and counted against the budget, reused by an allocation they hold (split),
+// given back — one retry — when an allocation fits only without them, and refused only when it
+// does not fit even then (the retry counted too).
+TEST(SimulatedBackendTest, ACachingAllocatorReusesSplitsAndGivesBackItsBlocks) {
+  SimulatedBackendOptions options;
+  options.caching_allocator = true;
+  options.context_bytes = 100;
+  auto backend = CreateSimulatedBackend(options);
+  ASSERT_TRUE(backend->SetMemoryBudget(1100).ok());  // 1000 for allocations.
+  { ASSERT_TRUE(backend->AllocateBytes(600).ok()); }
+  DeviceMemoryStats stats = backend->GetMemoryStats();
+  EXPECT_EQ(stats.allocated_bytes, 0);
+  EXPECT_EQ(stats.reserved_bytes, 600);
+  EXPECT_EQ(stats.peak_reserved_bytes, 600);
+  EXPECT_EQ(stats.free_bytes(), 1000);  // As the allocator's counts say: the cached block is reusable.
+  // Served from the cached block: nothing new reserved, the rest (400) stays cached.
+  absl::StatusOr<at::Tensor> small = backend->AllocateBytes(200);
+  ASSERT_TRUE(small.ok());
+  stats = backend->GetMemoryStats();
+  EXPECT_EQ(stats.allocated_bytes, 200);
+  EXPECT_EQ(stats.reserved_bytes, 600);
+  EXPECT_EQ(stats.allocator_retries, 0);
+  // 500: no cached block holds it, and 200 + 400 cached + 500 > 1000: the cache goes back first.
+  absl::StatusOr<at::Tensor> larger = backend->AllocateBytes(500);
+  ASSERT_TRUE(larger.ok()) << larger.status();
+  stats = backend->GetMemoryStats();
+  EXPECT_EQ(stats.allocator_retries, 1);
+  EXPECT_EQ(stats.allocator_ooms, 0);
+  EXPECT_EQ(stats.allocated_bytes, 700);
+  EXPECT_EQ(stats.reserved_bytes, 700);
+  // Fits beside what is cached: no retry.
+  { ASSERT_TRUE(backend->AllocateBytes(100).ok()); }
+  EXPECT_EQ(backend->GetMemoryStats().reserved_bytes, 800);
+  ASSERT_TRUE(backend->AllocateBytes(150).ok());  // Too large for the cached 100, fits beside it.
+  EXPECT_EQ(backend->GetMemoryStats().allocator_retries, 1);
+  EXPECT_EQ(backend->GetMemoryStats().peak_reserved_bytes, 950);
+  // 301 fits only without the cached 250 (100 + 150 just freed), and not even then: a retry and an error.
+  absl::StatusOr<at::Tensor> refused = backend->AllocateBytes(301);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(IsDeviceOom(refused.status()));
+  stats = backend->GetMemoryStats();
+  EXPECT_EQ(stats.allocator_retries, 2);
+  EXPECT_EQ(stats.allocator_ooms, 1);
+  EXPECT_EQ(stats.largest_refused_bytes, 301);
+  EXPECT_EQ(stats.reserved_bytes, 700);
+  // ReleaseCachedMemory gives cached blocks back; live ones stay.
+  small = absl::InternalError("freed");
+  EXPECT_EQ(backend->GetMemoryStats().reserved_bytes, 700);
+  backend->ReleaseCachedMemory();
+  stats = backend->GetMemoryStats();
+  EXPECT_EQ(stats.reserved_bytes, 500);
+  EXPECT_EQ(stats.allocated_bytes, 500);
+  EXPECT_EQ(stats.peak_reserved_bytes, 950);
+}
+
 TEST(SimulatedBackendTest, OverlappingHostRegistrationIsRefused) {
   auto backend = CreateSimulatedBackend({});
   at::Tensor host = at::empty({1 << 16}, at::kByte);

@@ -31,7 +31,8 @@ GenerationParams HarbourParams() {
 }
 
 struct Harness {
-  Harness() : backend(CreateSimulatedBackend({})), placement(backend.get()) {
+  explicit Harness(const SimulatedBackendOptions& options = {})
+      : backend(CreateSimulatedBackend(options)), placement(backend.get()) {
     pipeline = *CreateTinyPipeline({});
     for (Component* c : pipeline->components()) EXPECT_TRUE(placement.Register("tiny", c).ok());
   }
@@ -557,6 +558,60 @@ TEST(PlacementManagerTest, ARunThatRecoveredFromAnAllocatorShortfallWidensTheCac
   EXPECT_EQ(s.placement.learned_cache_margin(), 256);
   EXPECT_EQ(s.backend->GetMemoryStats().allocator_ooms, ooms_before + 5);
   EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 0);
+}
+
+// A run during which the allocator gave its cached blocks back to fit an allocation (a retry, on a
+// device with a caching allocator) while spare-room caches held room changes no margin: the retry
+// cost that run a little, a wider margin would cost every streamed request after it copies. Nor
+// does a second one in a later request. A refusal the room would have served still widens it.
+TEST(PlacementManagerTest, AllocatorRetriesAloneLeaveTheCacheMarginAsItIs) {
+  SimulatedBackendOptions options;
+  options.caching_allocator = true;
+  Harness s(options);
+  const int64_t cache = FullCacheAfterTwoRequests(s);
+  ASSERT_GT(cache, 1024);
+  Component* vae = s.pipeline->components().back();
+  s.backend->ReleaseCachedMemory();
+  const DeviceMemoryStats full = s.backend->GetMemoryStats();
+  ASSERT_EQ(full.reserved_bytes, full.allocated_bytes);
+  ASSERT_TRUE(s.backend->SetMemoryBudget(full.context_bytes + full.allocated_bytes + cache).ok());
+  // Half the free room, given back (cached), then three quarters of it: no cached block holds it and
+  // the cached one leaves too little, so the allocator gives it back and allocates again.
+  const auto retrying = [&s] {
+    return [&s] {
+      const int64_t free_bytes = s.backend->GetMemoryStats().free_bytes();
+      { absl::StatusOr<at::Tensor> first = s.backend->AllocateBytes(free_bytes / 2); ASSERT_TRUE(first.ok()); }
+      absl::StatusOr<at::Tensor> second = s.backend->AllocateBytes(free_bytes * 3 / 4);
+      ASSERT_TRUE(second.ok()) << second.status();
+    };
+  };
+  const int64_t retries_before = s.backend->GetMemoryStats().allocator_retries;
+  const int64_t ooms_before = s.backend->GetMemoryStats().allocator_ooms;
+  size_t decisions = s.placement.DecisionLog(1000).size();
+  for (const char* request : {"retry-1", "retry-2"}) {
+    s.placement.BeginRequest(request);
+    ASSERT_TRUE(s.placement.Run(*vae, retrying()).ok());
+  }
+  EXPECT_EQ(s.backend->GetMemoryStats().allocator_retries, retries_before + 2);
+  EXPECT_EQ(s.backend->GetMemoryStats().allocator_ooms, ooms_before);
+  EXPECT_EQ(s.placement.learned_cache_margin(), 0);
+  for (const PlacementDecision& d : s.placement.DecisionLog(1000)) {
+    if (decisions-- > 0) continue;
+    EXPECT_NE(d.action, "widen_cache_margin") << d.reason;
+    EXPECT_NE(d.action, "release_group_cache") << d.reason;
+  }
+  EXPECT_EQ(s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes, cache);
+  // Refused although the room would have served it (after a retry gave the cached blocks back).
+  s.placement.BeginRequest("refused");
+  ASSERT_TRUE(s.placement
+                  .Run(*vae,
+                       [&s] {
+                         const int64_t free_bytes = s.backend->GetMemoryStats().free_bytes();
+                         EXPECT_FALSE(s.backend->AllocateBytes(free_bytes + 1).ok());
+                       })
+                  .ok());
+  EXPECT_EQ(s.backend->GetMemoryStats().allocator_ooms, ooms_before + 1);
+  EXPECT_EQ(s.placement.learned_cache_margin(), 256);
 }
 
 // A peer's request runs its components here one call at a time: counted once, at its first call,

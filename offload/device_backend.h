@@ -245,8 +245,11 @@ struct SimulatedBackendOptions {
   // block that holds it (the rest stays cached), else new room; when the cached blocks leave too
   // little room, they are all given back first and the allocation tried again (allocator_retries),
   // and refused (allocator_ooms) only when it still does not fit. Cached blocks too small for an
-  // allocation are the fragments that make free_bytes() overstate the room. ReleaseCachedMemory gives
-  // them back. Off by default: reserved is what is allocated.
+  // allocation are the fragments that force a retry; freed pieces of a split block are not merged
+  // again (CUDA merges neighbours), and unlike CUDA — whose segments holding a live block stay — a
+  // retry gives back every cached byte, so nothing within free_bytes() is refused. Without a budget
+  // nothing is given back: reserved only grows. ReleaseCachedMemory gives the cached blocks back. Off
+  // by default: reserved is what is allocated.
   bool caching_allocator = false;
 };
 

@@ -40,7 +40,7 @@ struct Pool {
   // SimulatedBackendOptions::caching_allocator: freed allocations kept as cached blocks (sizes), their
   // sum, the allocations that fitted only after every cached block was given back, and the peak of
   // allocated + cached.
-  bool caching = false;
+  bool caching ABSL_GUARDED_BY(mu) = false;
   std::multiset<int64_t> cached ABSL_GUARDED_BY(mu);
   int64_t cached_total ABSL_GUARDED_BY(mu) = 0;
   int64_t retries ABSL_GUARDED_BY(mu) = 0;
@@ -256,6 +256,10 @@ class SimulatedBackend : public DeviceBackend {
     if (data == nullptr) {
       absl::MutexLock lock(&pool_->mu);
       pool_->allocated -= bytes;
+      if (pool_->caching && bytes > 0) {  // Its room stays reserved, as the deleter would leave it.
+        pool_->cached.insert(bytes);
+        pool_->cached_total += bytes;
+      }
       return absl::ResourceExhaustedError("host allocation for the simulated device failed");
     }
     std::shared_ptr<Pool> pool = pool_;

@@ -504,9 +504,8 @@ void PlacementManager::NoteAllocatorShortfalls(const Entry& entry, const DeviceM
   shortfall_request_ = request_id_;
   // The run succeeded, but a library went a slower way (cuDNN keeps a plan chosen short of memory on
   // its thread until the worker goes on on a fresh one): the room the caches left was too tight for
-  // it, as for a run that failed. The
-  // margin widens, and the caches give the added margin back now (a wider margin alone would only
-  // stop them from growing).
+  // it, as for a run that failed. The margin widens, and the caches give the added margin back now (a
+  // wider margin alone would only stop them from growing).
   const int64_t margin_before = learned_cache_margin_;
   WidenCacheMargin(absl::StrCat("the allocator ran short running ", entry.id, " (", retries,
                                 " allocations retried after giving back its cached blocks, ", ooms,

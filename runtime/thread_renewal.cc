@@ -22,8 +22,13 @@ std::string ThreadRenewalPolicy::Next(int64_t ooms, int64_t largest_refused_byte
     pending_refused_ = largest_refused_bytes;
   }
   if (!pending() || looks_since_renewal_ < gap_ || pending_refused_ > free_bytes) return "";
-  std::string reason = absl::StrCat(pending_errors_, " allocator out-of-memory errors, the largest refusal ",
-                                    pending_refused_, " bytes, now within the free room");
+  // A size of 0: the errors' request window was reset before the look (a failed run's retry opens
+  // its own), so no size holds the renewal back.
+  std::string reason =
+      pending_refused_ > 0
+          ? absl::StrCat(pending_errors_, " allocator out-of-memory errors, the largest refusal ", pending_refused_,
+                         " bytes, now within the free room")
+          : absl::StrCat(pending_errors_, " allocator out-of-memory errors (the refused size not kept past their run)");
   pending_errors_ = 0;
   pending_refused_ = 0;
   renewed_ = true;

@@ -575,10 +575,12 @@ TEST(PlacementManagerTest, AllocatorRetriesAloneLeaveTheCacheMarginAsItIs) {
   const DeviceMemoryStats full = s.backend->GetMemoryStats();
   ASSERT_EQ(full.reserved_bytes, full.allocated_bytes);
   ASSERT_TRUE(s.backend->SetMemoryBudget(full.context_bytes + full.allocated_bytes + cache).ok());
-  // Half the free room, given back (cached), then three quarters of it: no cached block holds it and
-  // the cached one leaves too little, so the allocator gives it back and allocates again.
+  // From no cached block: half the free room, given back (cached), then three quarters of it: no
+  // cached block holds it and the cached one leaves too little, so the allocator gives it back and
+  // allocates again.
   const auto retrying = [&s] {
     return [&s] {
+      s.backend->ReleaseCachedMemory();
       const int64_t free_bytes = s.backend->GetMemoryStats().free_bytes();
       { absl::StatusOr<at::Tensor> first = s.backend->AllocateBytes(free_bytes / 2); ASSERT_TRUE(first.ok()); }
       absl::StatusOr<at::Tensor> second = s.backend->AllocateBytes(free_bytes * 3 / 4);

@@ -39,8 +39,19 @@ TEST(ThreadRenewalPolicyTest, WaitsUntilTheRefusalFitsTheFreeRoom) {
   EXPECT_EQ(policy.Next(1, kRoom, kRoom / 2), "");  // Still short: a fresh thread would choose short again.
   EXPECT_TRUE(policy.pending());
   EXPECT_EQ(policy.Next(1, 0, kRoom / 2), "");  // The refusal is remembered past the request's window.
-  EXPECT_NE(policy.Next(1, 0, kRoom), "");      // The room is back.
+  const std::string reason = policy.Next(1, 0, kRoom);  // The room is back.
+  EXPECT_NE(reason.find("the largest refusal " + std::to_string(kRoom) + " bytes, now within the free room"),
+            std::string::npos)
+      << reason;
   EXPECT_FALSE(policy.pending());
+}
+
+// Errors whose refused size was not kept (a later run's window reset it: 0) say so, and renew.
+TEST(ThreadRenewalPolicyTest, ErrorsWithoutARefusedSizeRenewAndSaySo) {
+  ThreadRenewalPolicy policy;
+  EXPECT_EQ(policy.Next(0, 0, kRoom), "");
+  const std::string reason = policy.Next(35, 0, kRoom);
+  EXPECT_EQ(reason, "35 allocator out-of-memory errors (the refused size not kept past their run)");
 }
 
 // A refusal larger than any room (a request no budget holds) is replaced by a later request's: it

@@ -9,7 +9,11 @@
 #   deploy/gpu_host/detached.sh wait NAME SECONDS
 #       waits until job NAME ends or SECONDS pass, then copies its out/ and log into $OUT (what the job
 #       wrote so far, every time); exit status: the job's own when it ended, 3 while it still runs,
-#       2 when there is no job NAME
+#       2 when there is no job NAME. With STOWAGE_CALL_DEADLINE (seconds since the epoch) it stops
+#       waiting by then at the latest: a call that begins with
+#       `export STOWAGE_CALL_DEADLINE=$(( $(date +%s) + 570 ))` gets its results back before the
+#       device's 600 s limit whatever ran before the wait (multi-tenant run 14's first call counted its
+#       wait from after the build and lost its tail to the limit).
 # $root: $STOWAGE_DETACHED_ROOT, default /tmp/stowage-detached.
 # A device call that runs a multi-tenant trace of ~900 s:
 #   call 1: deploy/gpu_host/unpack_and_run.sh bash -c 'deploy/gpu_host/detached.sh start multi env PARTS=multi
@@ -49,6 +53,11 @@ case $cmd in
     [ $# -eq 3 ] && [[ $3 =~ ^[0-9]+$ ]] || usage
     [ -f "$dir/pid" ] || { echo "$0: no job '$name' under $root" >&2; exit 2; }
     deadline=$(($(date +%s) + $3))
+    if [ -n "${STOWAGE_CALL_DEADLINE:-}" ]; then
+      [[ $STOWAGE_CALL_DEADLINE =~ ^[0-9]+$ ]] || {
+        echo "$0: STOWAGE_CALL_DEADLINE must be seconds since the epoch, not '$STOWAGE_CALL_DEADLINE'" >&2; exit 2; }
+      [ "$STOWAGE_CALL_DEADLINE" -lt "$deadline" ] && deadline=$STOWAGE_CALL_DEADLINE
+    fi
     while running "$name" && [ "$(date +%s)" -lt "$deadline" ]; do sleep 2; done
     if [ -n "${OUT:-}" ]; then
       mkdir -p "$OUT"
@@ -56,7 +65,7 @@ case $cmd in
       cp "$dir/log" "$OUT/detached_$name.log" 2>/dev/null
     fi
     if running "$name"; then
-      echo "job '$name' still running after $3 s; wait again"
+      echo "job '$name' still running; wait again"
       exit 3
     fi
     rc=$(cat "$dir/rc")

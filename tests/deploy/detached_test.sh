@@ -25,6 +25,19 @@ for _ in $(seq 50); do [ -f "$tmp/out1/a.txt" ] && break; OUT=$tmp/out1 "$script
 if "$script" start job1 true 2>"$tmp/err"; then fail "a second start of a running job succeeded"; fi
 grep -q "still running" "$tmp/err" || fail "refusal does not say why: $(cat "$tmp/err")"
 
+# A call's deadline ends a longer wait early (still running: 3); a malformed one is refused.
+start=$(date +%s)
+set +e
+STOWAGE_CALL_DEADLINE=$((start + 1)) OUT=$tmp/out1 "$script" wait job1 60 >/dev/null; rc=$?
+set -e
+[ "$rc" -eq 3 ] || fail "wait past the call's deadline: exit $rc, want 3"
+[ $(($(date +%s) - start)) -lt 20 ] || fail "the wait ran past the call's deadline"
+set +e
+STOWAGE_CALL_DEADLINE=soon "$script" wait job1 1 2>"$tmp/err"; rc=$?
+set -e
+[ "$rc" -eq 2 ] || fail "a malformed deadline: exit $rc, want 2"
+grep -q "STOWAGE_CALL_DEADLINE" "$tmp/err" || fail "the refusal does not name the variable: $(cat "$tmp/err")"
+
 touch "$go"
 set +e
 OUT=$tmp/out2 "$script" wait job1 30; rc=$?

@@ -45,6 +45,16 @@ struct Pool {
   int64_t cached_total ABSL_GUARDED_BY(mu) = 0;
   int64_t retries ABSL_GUARDED_BY(mu) = 0;
   int64_t peak_reserved ABSL_GUARDED_BY(mu) = 0;
+
+  // An allocation of `bytes` ends (its tensor freed, or its host memory never came): with caching,
+  // its room stays reserved as a cached block.
+  void Free(int64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    allocated -= bytes;
+    if (caching && bytes > 0) {
+      cached.insert(bytes);
+      cached_total += bytes;
+    }
+  }
   int64_t largest_refused ABSL_GUARDED_BY(mu) = 0;  // Since the peaks were last reset.
   // SetContextReserve: counted in the context, as CUDA's backend counts it.
   int64_t context_reserve ABSL_GUARDED_BY(mu) = 0;
@@ -235,13 +245,15 @@ class SimulatedBackend : public DeviceBackend {
         pool_->cached_total -= bytes;
         if (rest > 0) pool_->cached.insert(rest);
       } else {
-        if (pool_->budget > 0 && context + pool_->allocated + pool_->cached_total + bytes > pool_->budget &&
-            !pool_->cached.empty()) {
+        const auto over_budget = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(pool_->mu) {
+          return pool_->budget > 0 && context + pool_->allocated + pool_->cached_total + bytes > pool_->budget;
+        };
+        if (over_budget() && !pool_->cached.empty()) {
           pool_->cached.clear();
           pool_->cached_total = 0;
           ++pool_->retries;
         }
-        if (pool_->budget > 0 && context + pool_->allocated + pool_->cached_total + bytes > pool_->budget) {
+        if (over_budget()) {
           ++pool_->ooms;
           pool_->largest_refused = std::max(pool_->largest_refused, bytes);
           return DeviceOutOfMemory(name(), bytes, context + pool_->allocated, pool_->budget).ToStatus();
@@ -255,11 +267,7 @@ class SimulatedBackend : public DeviceBackend {
     void* data = std::aligned_alloc(kAlignment, rounded == 0 ? kAlignment : rounded);
     if (data == nullptr) {
       absl::MutexLock lock(&pool_->mu);
-      pool_->allocated -= bytes;
-      if (pool_->caching && bytes > 0) {  // Its room stays reserved, as the deleter would leave it.
-        pool_->cached.insert(bytes);
-        pool_->cached_total += bytes;
-      }
+      pool_->Free(bytes);
       return absl::ResourceExhaustedError("host allocation for the simulated device failed");
     }
     std::shared_ptr<Pool> pool = pool_;
@@ -268,11 +276,7 @@ class SimulatedBackend : public DeviceBackend {
         [pool, bytes](void* ptr) {
           std::free(ptr);
           absl::MutexLock lock(&pool->mu);
-          pool->allocated -= bytes;
-          if (pool->caching && bytes > 0) {
-            pool->cached.insert(bytes);
-            pool->cached_total += bytes;
-          }
+          pool->Free(bytes);
         },
         at::TensorOptions().dtype(at::kByte));
   }
@@ -384,9 +388,9 @@ class SimulatedBackend : public DeviceBackend {
     DeviceMemoryStats stats;
     stats.allocated_bytes = pool_->allocated;
     stats.peak_allocated_bytes = pool_->peak;
-    // Without caching_allocator, reserved is what is allocated.
+    // Without caching_allocator nothing is cached: reserved is what is allocated.
     stats.reserved_bytes = pool_->allocated + pool_->cached_total;
-    stats.peak_reserved_bytes = pool_->caching ? pool_->peak_reserved : pool_->peak;
+    stats.peak_reserved_bytes = pool_->peak_reserved;
     stats.context_bytes = options_.context_bytes + pool_->context_reserve;
     stats.budget_bytes = pool_->budget;
     stats.host_to_device_bytes = pool_->h2d;

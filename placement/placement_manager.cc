@@ -493,7 +493,7 @@ void PlacementManager::NoteAllocatorShortfalls(const Entry& entry, const DeviceM
   // not: the allocator gave its cached blocks back and the allocation fitted, which costs that run a
   // few milliseconds (multi-tenant run 14 on an H100: a VAE decode that retried once took 0.100 s
   // against 0.093, the requests after it none more), where a margin twice as wide keeps the spare-room
-  // caches gigabytes smaller for every streamed request after (run 14: a retry every ~38 requests at a
+  // caches gigabytes smaller for every streamed request after (run 14: a retry every 38–42 requests at a
   // 2.25 GiB margin widened it to 4.25 GiB each time; a request streamed 15.0 GB where run 13's
   // 256 MiB margin streamed 7.8).
   const int64_t free_bytes = before.free_bytes();

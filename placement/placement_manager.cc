@@ -482,43 +482,6 @@ void PlacementManager::WidenCacheMargin(const std::string& reason) {
                       " bytes free beyond what runs allocate from now on"));
 }
 
-void PlacementManager::NoteAllocatorShortfalls(const Entry& entry, const DeviceMemoryStats& before,
-                                               int64_t cached_bytes) {
-  if (!streamed_group_cache_ || cached_bytes == 0) return;  // No cache held the room: nothing to give.
-  const DeviceMemoryStats after = backend_->GetMemoryStats();
-  const int64_t retries = after.allocator_retries - before.allocator_retries;
-  const int64_t ooms = after.allocator_ooms - before.allocator_ooms;
-  // An out-of-memory error counts only when the room the caches held would have served it (a library
-  // probing for a workspace larger than the whole room is not the caches' doing). Retries alone do
-  // not: the allocator gave its cached blocks back and the allocation fitted, which costs that run a
-  // few milliseconds (multi-tenant run 14 on an H100: a VAE decode that retried once took 0.100 s
-  // against 0.093, the requests after it none more), where a margin twice as wide keeps the spare-room
-  // caches gigabytes smaller for every streamed request after (run 14: a retry every 38–42 requests at a
-  // 2.25 GiB margin widened it to 4.25 GiB each time; a request streamed 15.0 GB where run 13's
-  // 256 MiB margin streamed 7.8).
-  const int64_t free_bytes = before.free_bytes();
-  const int64_t room = free_bytes == INT64_MAX ? INT64_MAX : cached_bytes + std::max<int64_t>(free_bytes, 0);
-  const bool room_would_serve = ooms > 0 && after.largest_refused_bytes > 0 && after.largest_refused_bytes <= room;
-  if (!room_would_serve) return;
-  if (shortfall_request_ == request_id_) return;  // Once a request: its runs (a step each) share one cause.
-  shortfall_request_ = request_id_;
-  // The run succeeded, but a library went a slower way (cuDNN keeps a plan chosen short of memory on
-  // its thread until the worker goes on on a fresh one): the room the caches left was too tight for
-  // it, as for a run that failed. The margin widens, and the caches give the added margin back now (a
-  // wider margin alone would only stop them from growing).
-  const int64_t margin_before = learned_cache_margin_;
-  WidenCacheMargin(absl::StrCat("the allocator ran short running ", entry.id, " (", retries,
-                                " allocations retried after giving back its cached blocks, ", ooms,
-                                " out-of-memory errors recovered inside the run, the largest refused ",
-                                after.largest_refused_bytes, " bytes) while spare-room caches held ",
-                                cached_bytes, " bytes"));
-  const int64_t added = learned_cache_margin_ - margin_before;
-  if (added > 0) {
-    ShrinkCaches(nullptr, FreeBytes() + added,
-                 absl::StrCat("the allocator ran short running ", entry.id, ": the caches leave the wider margin"));
-  }
-}
-
 void PlacementManager::CountRunBegun() {
   ++counters_.runs_begun;
   if (learned_cache_margin_ == 0) return;  // Nothing to narrow (and no count to keep).
@@ -1072,22 +1035,8 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     entry->run_headroom = std::max(entry->run_headroom, grown);
     entry->ran = true;
   };
-  // With the spare-room caches on: what they hold while it runs, the room free besides, and the
-  // allocator's counts of running short before it (its largest refused allocation was reset with
-  // the peak window).
-  int64_t cached_during_run = 0;
-  DeviceMemoryStats allocator_before;
-  if (streamed_group_cache_) {
-    for (const auto& e : entries_) {
-      if (!e->moved && e->group_offload) cached_during_run += e->group_offload->cache_bytes();
-    }
-    allocator_before = backend_->GetMemoryStats();
-  }
   absl::Status status = CatchAsStatus(absl::StrCat("running ", component.name()), fn);
-  if (status.ok()) {
-    learn_headroom();
-    NoteAllocatorShortfalls(*entry, allocator_before, cached_during_run);
-  }
+  if (status.ok()) learn_headroom();
   // After room was made: the run once more, its headroom measured from here.
   const auto run_again = [&] {
     window_start = backend_->BeginPeakWindow();

@@ -299,12 +299,15 @@ class PlacementManager : public ComponentRunner {
   // them. A run that runs out of device memory while caches hold room gets them all
   // back and runs again before any weights move, and the learned margin doubles (recorded as
   // "widen_cache_margin"; on CUDA, room the allocator's counts call free can be split into blocks
-  // too small for the run's largest allocation), up to a quarter of the budget. So does a run that
-  // succeeded while caches held room but during which a library recovered from an out-of-memory error
-  // the caches' room would have served (NoteAllocatorShortfalls: cuDNN then goes a slower way;
-  // multi-tenant run 13's budgeted runs were 20 % slower than resident, its VAE decodes kept a
-  // fallback plan); the allocator giving back its cached blocks to fit an allocation (a retry) does
-  // not widen it (run 14: a few milliseconds for that run). The learned margin
+  // too small for the run's largest allocation), up to a quarter of the budget. A run that succeeded
+  // although the allocator ran short inside it changes no margin: neither a retry (the allocator gave
+  // its cached blocks back and the allocation fitted; multi-tenant run 14: a few milliseconds for that
+  // run) nor an out-of-memory error a library recovered from (cuDNN going a slower way: run 15's VAE
+  // decodes took 0.125–0.145 s against 0.094 that once, and the device's worker then goes on on a
+  // fresh thread so the slower plan does not stay, ThreadRenewalPolicy), where each widening it
+  // caused (sessions 41–42) kept the caches 2 GiB smaller for the next 32 runs — run 15's scheduler
+  // spent 160 of its 200 requests at 4.25 GiB and moved 8 % more bytes than FIFO, which spent half
+  // its run at 1.25–2.25 GiB. The learned margin
   // halves again once kCacheMarginNarrowAfterRuns runs began on this device (requests, batches and
   // peers' requests: BeginRequest, BeginPeerRun) without such an error (recorded as
   // "narrow_cache_margin"), down to none: the fragments that made the room unusable may be
@@ -438,13 +441,6 @@ class PlacementManager : public ComponentRunner {
   void GrantGroupCache(Entry& entry, int64_t working_set);
   // Doubles learned_cache_margin_ (at least the configured margin, at most a quarter of the budget).
   void WidenCacheMargin(const std::string& reason);
-  // After a run of `entry` that succeeded: when the allocator refused an allocation during it that the
-  // room spare-room caches held (`cached_bytes`, beside `before`'s free bytes) would have served, the
-  // learned margin widens as for an out-of-memory error (WidenCacheMargin), at most once a request,
-  // and the caches give back what it added. Retries alone (the allocator gave its cached blocks back
-  // and the allocation then fitted) change nothing: they cost the run a few milliseconds, a wider
-  // margin every streamed request after it gigabytes of copies.
-  void NoteAllocatorShortfalls(const Entry& entry, const DeviceMemoryStats& before, int64_t cached_bytes);
   // One more run began (BeginRequest, BeginPeerRun): counted in runs_begun; once
   // kCacheMarginNarrowAfterRuns began since the learned margin last changed or a run last ran out of
   // memory while caches held room, halves learned_cache_margin_ (to none below the configured margin).
@@ -526,8 +522,6 @@ class PlacementManager : public ComponentRunner {
   // while caches held room (CountRunBegun).
   int quiet_runs_ = 0;
   std::string last_peer_request_;  // BeginPeerRun's last request counted.
-  // The request whose run last widened the margin for a shortfall (none yet: nullopt).
-  std::optional<std::string> shortfall_request_;
 
   bool pin_host_copies_ = false;
   int64_t host_budget_ = 0;

@@ -197,7 +197,9 @@ TEST(PlacementManagerTest, TheSpareRoomCacheKeepsStreamedGroupsBetweenStepsWithi
   }
   EXPECT_TRUE(shrank);
   for (const ComponentView& v : s.placement.Snapshot()) {
-    if (v.name != "transformer") EXPECT_EQ(v.state, ComponentState::kResident) << v.id;
+    if (v.name != "transformer") {
+      EXPECT_EQ(v.state, ComponentState::kResident) << v.id;
+    }
   }
   // Off again: the next run's allowance is 0, so the cache empties and serves nothing.
   s.placement.set_streamed_group_cache(false, 0);
@@ -380,7 +382,9 @@ TEST(PlacementManagerTest, OutOfMemoryTakesTheSpareRoomCachesBeforeAnyWeights) {
   EXPECT_TRUE(released);
   EXPECT_TRUE(widened);
   for (const ComponentView& v : s.placement.Snapshot()) {
-    if (v.name != "transformer") EXPECT_EQ(v.state, ComponentState::kResident) << v.id;
+    if (v.name != "transformer") {
+      EXPECT_EQ(v.state, ComponentState::kResident) << v.id;
+    }
   }
   EXPECT_EQ(s.View("vae").run_headroom_bytes, activations);
   // The next request: the transformer caches again, but only what leaves the VAE's run its room and
@@ -467,104 +471,14 @@ TEST(PlacementManagerTest, ALearnedCacheMarginNarrowsAfterQuietRequestsOnly) {
   EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 3);
 }
 
-// A run that succeeds although the allocator ran short inside it (a library caught the out-of-memory
-// error and went on another way) while the caches held room that would have served the refused
-// allocation widens the margin as a failed run does — once a request —, the caches give the added
-// margin back, and the quiet count starts again. A refusal larger than all the room the caches and
-// the free memory make, a shortfall with no cache holding room, or one with the caches off change
-// nothing. No placement recovery is counted.
-TEST(PlacementManagerTest, ARunThatRecoveredFromAnAllocatorShortfallWidensTheCacheMargin) {
-  Harness s;
-  const int64_t cache = FullCacheAfterTwoRequests(s);
-  ASSERT_GT(cache, 1024);
-  const DeviceMemoryStats full = s.backend->GetMemoryStats();
-  ASSERT_TRUE(s.backend->SetMemoryBudget(full.context_bytes + full.allocated_bytes + cache).ok());
-  Component* vae = s.pipeline->components().back();
-  // What a library does with a workspace it cannot have: asks, is refused, runs without it.
-  const auto recovering = [&](int64_t workspace_bytes) {
-    return [&s, workspace_bytes] {
-      absl::StatusOr<at::Tensor> workspace = s.backend->AllocateBytes(workspace_bytes);
-      if (workspace.ok()) throw std::runtime_error("the workspace was expected not to fit");
-    };
-  };
-  const auto widenings = [&](size_t from) {
-    int n = 0;
-    const std::vector<PlacementDecision> log = s.placement.DecisionLog(1000);
-    for (size_t k = from; k < log.size(); ++k) n += log[k].action == "widen_cache_margin";
-    return n;
-  };
-  const int64_t ooms_before = s.backend->GetMemoryStats().allocator_ooms;
-  // Larger than the caches and the free memory together: not the caches' doing.
-  size_t decisions = s.placement.DecisionLog(1000).size();
-  s.placement.BeginRequest("probe");
-  ASSERT_TRUE(s.placement.Run(*vae, recovering(4 * cache)).ok());
-  EXPECT_EQ(s.backend->GetMemoryStats().allocator_ooms, ooms_before + 1);
-  EXPECT_EQ(widenings(decisions), 0);
-  EXPECT_EQ(s.placement.learned_cache_margin(), 0);
-  // 1.5x the free memory: the caches' room would have served it.
-  s.placement.BeginRequest("tight");
-  decisions = s.placement.DecisionLog(1000).size();
-  ASSERT_TRUE(s.placement.Run(*vae, recovering(cache + cache / 2)).ok());
-  EXPECT_EQ(s.placement.learned_cache_margin(), 256);
-  EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 0);
-  std::vector<PlacementDecision> log = s.placement.DecisionLog(1000);
-  ASSERT_EQ(widenings(decisions), 1);
-  bool released = false;
-  for (size_t k = decisions; k < log.size(); ++k) {
-    if (log[k].action == "widen_cache_margin") {
-      EXPECT_NE(log[k].reason.find("the allocator ran short running tiny/vae (0 allocations retried after giving "
-                                   "back its cached blocks, 1 out-of-memory errors recovered inside the run, the "
-                                   "largest refused " + std::to_string(cache + cache / 2) + " bytes) while "
-                                   "spare-room caches held " + std::to_string(cache) + " bytes"),
-                std::string::npos)
-          << log[k].reason;
-    }
-    released = released || (log[k].action == "release_group_cache" &&
-                            log[k].reason.find("the caches leave the wider margin") != std::string::npos);
-  }
-  EXPECT_TRUE(released);
-  const int64_t cached_after = s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes;
-  EXPECT_LT(cached_after, cache);
-  ASSERT_GT(cached_after, 0);
-  EXPECT_GE(s.backend->GetMemoryStats().free_bytes(), 256);
-  // Refused, and within the room the caches hold.
-  const auto just_over = [&] { return s.backend->GetMemoryStats().free_bytes() + 1; };
-  // Once a request: the same request's next shortfall changes nothing.
-  decisions = s.placement.DecisionLog(1000).size();
-  ASSERT_TRUE(s.placement.Run(*vae, recovering(just_over())).ok());
-  EXPECT_EQ(widenings(decisions), 0);
-  EXPECT_EQ(s.placement.learned_cache_margin(), 256);
-  // A later request's does (begun before the quiet count ran out), and restarts the quiet count.
-  for (int k = 2; k < PlacementManager::kCacheMarginNarrowAfterRuns; ++k) s.placement.BeginRequest("quiet");
-  s.placement.BeginRequest("tight-again");
-  ASSERT_EQ(s.placement.learned_cache_margin(), 256);
-  ASSERT_GT(s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes, 0);
-  ASSERT_TRUE(s.placement.Run(*vae, recovering(just_over())).ok());
-  EXPECT_EQ(s.placement.learned_cache_margin(), 512);
-  for (int k = 1; k < PlacementManager::kCacheMarginNarrowAfterRuns; ++k) s.placement.BeginRequest("quiet");
-  EXPECT_EQ(s.placement.learned_cache_margin(), 512);
-  s.placement.BeginRequest("quiet");
-  EXPECT_EQ(s.placement.learned_cache_margin(), 256);
-  // No cache holds room (a budget below what they hold empties them): nothing to give back.
-  const DeviceMemoryStats now = s.backend->GetMemoryStats();
-  std::vector<std::string> offloaded;
-  ASSERT_TRUE(s.placement.SetMemoryBudget(now.context_bytes + now.allocated_bytes - 1, &offloaded).ok());
-  ASSERT_TRUE(offloaded.empty());
-  ASSERT_EQ(s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes, 0);
-  s.placement.BeginRequest("no-cache");
-  decisions = s.placement.DecisionLog(1000).size();
-  ASSERT_TRUE(s.placement.Run(*vae, recovering(s.backend->GetMemoryStats().free_bytes() + 1)).ok());
-  EXPECT_EQ(widenings(decisions), 0);
-  EXPECT_EQ(s.placement.learned_cache_margin(), 256);
-  EXPECT_EQ(s.backend->GetMemoryStats().allocator_ooms, ooms_before + 5);
-  EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 0);
-}
-
-// A run during which the allocator gave its cached blocks back to fit an allocation (a retry, on a
-// device with a caching allocator) while spare-room caches held room changes no margin: the retry
-// cost that run a little, a wider margin would cost every streamed request after it copies. Nor
-// does a second one in a later request. A refusal the room would have served still widens it.
-TEST(PlacementManagerTest, AllocatorRetriesAloneLeaveTheCacheMarginAsItIs) {
+// A run that succeeded although the allocator ran short inside it changes no margin while spare-room
+// caches held room: not a retry (the allocator gave its cached blocks back and the allocation fitted),
+// not an out-of-memory error a library recovered from (a workspace refused, the caches' room would have
+// served it: cuDNN going a slower way that once, the worker's thread renewal keeping it from staying).
+// Each costs that run a little; a wider margin would cost every streamed request after it copies
+// (multi-tenant runs 14 and 15). The caches stay as they were, no placement recovery is counted, and
+// the reply's counts still see every shortfall. A run that fails for want of room still widens it.
+TEST(PlacementManagerTest, AllocatorShortfallsARunRecoveredFromLeaveTheCacheMarginAsItIs) {
   SimulatedBackendOptions options;
   options.caching_allocator = true;
   Harness s(options);
@@ -587,32 +501,38 @@ TEST(PlacementManagerTest, AllocatorRetriesAloneLeaveTheCacheMarginAsItIs) {
       ASSERT_TRUE(second.ok()) << second.status();
     };
   };
-  const int64_t retries_before = s.backend->GetMemoryStats().allocator_retries;
-  const int64_t ooms_before = s.backend->GetMemoryStats().allocator_ooms;
-  size_t decisions = s.placement.DecisionLog(1000).size();
-  for (const char* request : {"retry-1", "retry-2"}) {
-    s.placement.BeginRequest(request);
+  // What a library does with a workspace it cannot have: asks, is refused, runs without it. 1.5x the
+  // free room: the caches' room would have served it.
+  const auto recovering = [&s, cache] {
+    return [&s, cache] {
+      s.backend->ReleaseCachedMemory();
+      EXPECT_FALSE(s.backend->AllocateBytes(cache + cache / 2).ok());
+    };
+  };
+  const DeviceMemoryStats before = s.backend->GetMemoryStats();
+  const size_t decisions = s.placement.DecisionLog(1000).size();
+  int requests = 0;
+  for (int k = 0; k < 3; ++k) {
+    s.placement.BeginRequest(absl::StrCat("retry-", ++requests));
     ASSERT_TRUE(s.placement.Run(*vae, retrying()).ok());
+    s.placement.BeginRequest(absl::StrCat("refused-", ++requests));
+    ASSERT_TRUE(s.placement.Run(*vae, recovering()).ok());
   }
-  EXPECT_EQ(s.backend->GetMemoryStats().allocator_retries, retries_before + 2);
-  EXPECT_EQ(s.backend->GetMemoryStats().allocator_ooms, ooms_before);
+  const DeviceMemoryStats after = s.backend->GetMemoryStats();
+  EXPECT_EQ(after.allocator_retries, before.allocator_retries + 3);
+  EXPECT_EQ(after.allocator_ooms, before.allocator_ooms + 3);
   EXPECT_EQ(s.placement.learned_cache_margin(), 0);
-  for (const PlacementDecision& d : s.placement.DecisionLog(1000)) {
-    if (decisions-- > 0) continue;
-    EXPECT_NE(d.action, "widen_cache_margin") << d.reason;
-    EXPECT_NE(d.action, "release_group_cache") << d.reason;
+  const std::vector<PlacementDecision> log = s.placement.DecisionLog(1000);
+  for (size_t k = decisions; k < log.size(); ++k) {
+    EXPECT_NE(log[k].action, "widen_cache_margin") << log[k].reason;
+    EXPECT_NE(log[k].action, "release_group_cache") << log[k].reason;
   }
   EXPECT_EQ(s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes, cache);
-  // Refused although the room would have served it (after a retry gave the cached blocks back).
-  s.placement.BeginRequest("refused");
-  ASSERT_TRUE(s.placement
-                  .Run(*vae,
-                       [&s] {
-                         const int64_t free_bytes = s.backend->GetMemoryStats().free_bytes();
-                         EXPECT_FALSE(s.backend->AllocateBytes(free_bytes + 1).ok());
-                       })
-                  .ok());
-  EXPECT_EQ(s.backend->GetMemoryStats().allocator_ooms, ooms_before + 1);
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 0);
+  // A run that fails for want of the room the caches hold gets it back, runs again, and widens the margin.
+  s.placement.BeginRequest("failed");
+  ASSERT_TRUE(s.placement.Run(*vae, s.Allocating(cache + cache / 2)).ok());
+  EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 1);
   EXPECT_EQ(s.placement.learned_cache_margin(), 256);
 }
 

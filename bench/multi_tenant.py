@@ -84,6 +84,7 @@ import datetime
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -719,6 +720,48 @@ def margin_events(lines):
     return counts["oom"], counts["widen_cache_margin"], counts["narrow_cache_margin"]
 
 
+def request_number(request_id):
+    """req-411 -> 411; None for anything else (a decision of no request)."""
+    head, _, tail = request_id.rpartition("-")
+    return int(tail) if head and tail.isdigit() else None
+
+
+def margin_by_request(lines, request_ids, initial):
+    """How many of `request_ids` ran at each spare-room cache margin, from placement log lines: a
+    request runs at the margin the last widen_cache_margin / narrow_cache_margin before or during it
+    set (by request number; a decision of no request counts from the request after the one logged
+    before it), and at `initial` before any. Returns [(margin label, requests)], a label's requests
+    together, in the order the margins first came."""
+    changes, last = [], None  # (request number, label), in log order.
+    for line in lines:
+        words = line.split()
+        number = request_number(words[1]) if len(words) > 1 else None
+        if number is not None:
+            last = number
+        for i in (1, 2):
+            if i + 2 < len(words) and words[i] in ("widen_cache_margin", "narrow_cache_margin"):
+                at = -1 if last is None else (last if number is not None else last + 0.5)
+                changes.append((at, f"{words[i + 1]} {words[i + 2]}"))
+                break
+    counts = {}
+    for request_id in request_ids:
+        number = request_number(request_id)
+        label = initial
+        for at, margin in changes:
+            if number is not None and at <= number:
+                label = margin
+        counts[label] = counts.get(label, 0) + 1
+    order = [initial] + [m for _, m in changes]
+    return [(m, counts[m]) for i, m in enumerate(order) if m in counts and m not in order[:i]]
+
+
+# What a group-offloaded component's line in a placement dump says of its run so far:
+# "...; 216 forwards; spare-room cache 0 groups (0 B), 911 onloads served (149.04 GiB not copied)".
+# (the cache's part only once it held or served something).
+CACHE_COUNTS = re.compile(r"; (\d+) forwards(?:; spare-room cache (.*?), (\d+) onloads served "
+                          r"\(([0-9.]+) ([KMGT]?i?B) not copied\))?")
+
+
 def analyze(log_dir, rows_path):
     """Where a run's time and bytes went, from its server and placement logs: per strategy, each
     pipeline's mean run time (the server's run_s, queueing excluded) of the measured requests (the
@@ -734,11 +777,15 @@ def analyze(log_dir, rows_path):
     per_request = {r.get("strategy"): r.get("bytes_moved_per_request") for r in rows
                    if r.get("pipeline") == "all" and "bytes_moved_per_request" in r}
     resident_stages = {}  # Pipeline -> stage -> the resident strategy's median.
+    # On one loaded server (one_server.log) a strategy's placement dump counts what every strategy
+    # before it did too: each strategy's own is the difference from the one before.
+    one_server = os.path.exists(os.path.join(log_dir, "one_server.log"))
+    before_counts, before_margin = {}, None
     for strategy in ("resident", "fifo", "scheduler"):
         log = os.path.join(log_dir, f"{strategy}.log")
         if not os.path.exists(log):
             continue
-        runs, renewals = [], 0
+        runs, renewals, ids = [], 0, []
         for line in open(log, encoding="utf-8", errors="replace"):
             # Since session 41: the device worker went on on a fresh thread after an allocator
             # out-of-memory error (per-thread cuDNN plans chosen short of memory are left behind).
@@ -747,6 +794,7 @@ def analyze(log_dir, rows_path):
             if " I request " not in line or " status=OK " not in line:
                 continue
             fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+            ids.append(fields.get("id", ""))
             runs.append((fields["pipeline"], float(fields["run_s"]), max(1, int(fields.get("batch_size", "1"))),
                          float(fields.get("queue_wait_s", "0")),
                          # Logged since session 39: the allocator's retries and out-of-memory errors.
@@ -756,6 +804,7 @@ def analyze(log_dir, rows_path):
                                                          if ":" in p))))
         # The unmeasured first request of each pipeline, then the trace's (the flood phase's after it).
         runs = runs[len(POPULARITY):len(POPULARITY) + count if count else None]
+        ids = ids[len(POPULARITY):len(POPULARITY) + count if count else None]
         per, waits, short, stages = {}, {}, {}, {}
         for pipeline, run_s, batch_size, wait_s, retries, ooms, stage_s in runs:
             per.setdefault(pipeline, []).append(run_s)
@@ -819,6 +868,12 @@ def analyze(log_dir, rows_path):
                   + f"; spare-room cache releases: {cache_releases}")
             ooms, widened, narrowed = margin_events(lines)
             print(f"  out of memory: {ooms}; cache margin widened {widened}, narrowed {narrowed}")
+            if widened or narrowed:
+                # How long each margin held: the spare-room caches are that much smaller for every
+                # streamed request at it (multi-tenant run 15).
+                start = before_margin if one_server and before_margin else "the configured margin"
+                print("  measured requests by cache margin: " + ", ".join(
+                    f"{margin} {n}" for margin, n in margin_by_request(lines, ids, start)))
             # What the order of requests can change: whole components moved onto the device (over the
             # whole run, warm-up included, so an upper bound for the measured requests) against
             # everything the link carried for them (streamed groups, prefetches and those moves).
@@ -834,9 +889,20 @@ def analyze(log_dir, rows_path):
             component = None
             for line in open(placement, encoding="utf-8", errors="replace"):
                 if line.startswith("device ") and "; cache margin " in line:
-                    print(f"  cache margin at the end: {line.split('; cache margin ', 1)[1].split(';')[0].strip()}")
+                    before_margin = line.split('; cache margin ', 1)[1].split(';')[0].strip()
+                    print(f"  cache margin at the end: {before_margin}")
                 if line.startswith("  ") and not line.startswith("    "):
                     component = line.split()[0]
+                elif component and (m := CACHE_COUNTS.search(line)) and one_server:
+                    forwards = int(m.group(1))
+                    served = int(m.group(3)) if m.group(3) else 0
+                    saved = logged_bytes([m.group(4), m.group(5)]) if m.group(4) else 0
+                    f0, s0, b0 = before_counts.get(component, (0, 0, 0))
+                    before_counts[component] = (forwards, served, saved)
+                    if forwards > f0:
+                        print(f"  {component}: spare-room cache {m.group(2) or '0 groups (0 B)'} at the end; this "
+                              f"strategy's {forwards - f0} forwards, {served - s0} onloads served "
+                              f"({(saved - b0) / (1 << 30):.2f} GiB not copied)")
                 elif "spare-room cache" in line and component:
                     print(f"  {component}: spare-room cache" + line.split("spare-room cache", 1)[1].rstrip())
 

@@ -129,6 +129,15 @@ lines = ["2026-12-06T18:39:43Z req-206    oom            flux-schnell/vae   0 B 
          "2026-12-06T18:45:00Z narrow_cache_margin    256.00 MiB  [footprint] 32 runs began",
          "2026-12-06T18:45:01Z req-300    onload   zimage/vae  1 GiB  [footprint] oom widen_cache_margin"]
 assert m.margin_events(lines) == (1, 1, 1), m.margin_events(lines)
+# The requests at each margin: from the change on (by request number; a change of no request from the
+# request logged before it), the start before any.
+assert m.request_number("req-206") == 206 and m.request_number("widen_cache_margin") is None
+assert m.request_number("req-") is None and m.request_number("2026-12-06T18:45:00Z") is None
+ids = ["req-205", "req-206", "req-207", "req-299", "req-300", "req-301"]
+assert m.margin_by_request(lines, ids, "256.00 MiB") == [("256.00 MiB", 5), ("512.00 MiB", 1)], \
+    m.margin_by_request(lines, ids, "256.00 MiB")
+assert m.margin_by_request(lines[3:], ids, "start") == [("256.00 MiB", 6)], m.margin_by_request(lines[3:], ids, "start")
+assert m.margin_by_request([], ids, "start") == [("start", 6)]
 ')
 # What preemption would change on this trace, by the model replaying the scheduler strategy's runs.
 /usr/bin/python3 "$scripts/multi_tenant.py" replay "$TEST_TMPDIR/logs" "$TEST_TMPDIR/rows.jsonl" >"$TEST_TMPDIR/replay.txt"
@@ -211,6 +220,33 @@ grep "^fifo: " "$TEST_TMPDIR/analysis_b.txt" | grep -vq "mean batch" || { cat "$
 grep -q "pipeline prefetches: [0-9]" "$TEST_TMPDIR/analysis_b.txt"
 grep -q "spare-room cache releases: [0-9]" "$TEST_TMPDIR/analysis_b.txt"
 grep -q "^  out of memory: [0-9]*; cache margin widened [0-9]*, narrowed [0-9]*$" "$TEST_TMPDIR/analysis_b.txt"
+# On one server a placement dump counts every strategy so far: the analysis gives each its own
+# forwards and cache hits (the scheduler's are the difference from FIFO's dump).
+/usr/bin/python3 - "$TEST_TMPDIR/analysis_b.txt" "$TEST_TMPDIR/logs_b" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+def own(strategy):
+    part = text.split(f"\n{strategy}:", 1)[1].split("\nscheduler:", 1)[0]
+    return {m.group(1): (int(m.group(2)), int(m.group(3))) for m in re.finditer(
+        r"\n  (\S+): spare-room cache .* at the end; this strategy's ([0-9]+) forwards, ([0-9]+) onloads served "
+        r"\([0-9.]+ GiB not copied\)", part)}
+fifo, scheduler = own("fifo"), own("scheduler")
+assert fifo and scheduler, text
+def dumped(strategy):
+    counts = {}
+    component = None
+    for line in open(f"{sys.argv[2]}/{strategy}.placement.txt"):
+        if line.startswith("  ") and not line.startswith("    "):
+            component = line.split()[0]
+        m = re.search(r"; ([0-9]+) forwards", line)
+        if m and component:
+            counts[component] = int(m.group(1))
+    return counts
+before, after = dumped("fifo"), dumped("scheduler")
+for c in set(fifo) | set(scheduler):
+    assert fifo.get(c, (0, 0))[0] == before.get(c, 0), (c, text)
+    assert scheduler.get(c, (0, 0))[0] == after.get(c, 0) - before.get(c, 0), (c, text)
+PY
 # With the caches on, the placement's device line says their margin, and the analysis repeats it.
 grep -q "^  cache margin at the end: [0-9.]* [KMG]*i*B$" "$TEST_TMPDIR/analysis_b.txt" || { cat "$TEST_TMPDIR/analysis_b.txt"; exit 1; }
 /usr/bin/python3 - "$TEST_TMPDIR/b.jsonl" <<'PY'

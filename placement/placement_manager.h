@@ -306,8 +306,8 @@ class PlacementManager : public ComponentRunner {
   // decodes took 0.125–0.145 s against 0.094 that once, and the device's worker then goes on on a
   // fresh thread so the slower plan does not stay, ThreadRenewalPolicy), where each widening it
   // caused (sessions 41–42) kept the caches 2 GiB smaller for the next 32 runs — run 15's scheduler
-  // spent 160 of its 200 requests at 4.25 GiB and moved 8 % more bytes than FIFO, which spent half
-  // its run at 1.25–2.25 GiB. The learned margin
+  // ran 158 of its 200 requests at 4.25 GiB and moved 8 % more bytes than FIFO, which ran 104 of its
+  // 200 at 1.25–2.25 GiB. The learned margin
   // halves again once kCacheMarginNarrowAfterRuns runs began on this device (requests, batches and
   // peers' requests: BeginRequest, BeginPeerRun) without such an error (recorded as
   // "narrow_cache_margin"), down to none: the fragments that made the room unusable may be

@@ -482,6 +482,19 @@ void PlacementManager::WidenCacheMargin(const std::string& reason) {
                       " bytes free beyond what runs allocate from now on"));
 }
 
+void PlacementManager::WidenCacheMarginForShortRoom(const std::string& reason) {
+  if (!streamed_group_cache_) return;
+  int64_t cached = 0;
+  for (const auto& e : entries_) {
+    if (e->group_offload) cached += e->group_offload->cache_bytes();
+  }
+  if (cached == 0) return;  // No cache holds room: a wider margin would give nothing back.
+  const int64_t before = learned_cache_margin_;
+  WidenCacheMargin(absl::StrCat(reason, " while spare-room caches held ", cached, " bytes"));
+  const int64_t added = learned_cache_margin_ - before;
+  if (added > 0) ShrinkCaches(nullptr, FreeBytes() + added, absl::StrCat(reason, ": the caches leave the wider margin"));
+}
+
 void PlacementManager::CountRunBegun() {
   ++counters_.runs_begun;
   if (learned_cache_margin_ == 0) return;  // Nothing to narrow (and no count to keep).

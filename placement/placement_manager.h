@@ -307,7 +307,8 @@ class PlacementManager : public ComponentRunner {
   // fresh thread so the slower plan does not stay, ThreadRenewalPolicy), where each widening it
   // caused (sessions 41–42) kept the caches 2 GiB smaller for the next 32 runs — run 15's scheduler
   // ran 158 of its 200 requests at 4.25 GiB and moved 8 % more bytes than FIFO, which ran 104 of its
-  // 200 at 1.25–2.25 GiB. The learned margin
+  // 200 at 1.25–2.25 GiB. Only when the fresh thread's first item runs short again does the margin
+  // widen (WidenCacheMarginForShortRoom): then the room is what is missing. The learned margin
   // halves again once kCacheMarginNarrowAfterRuns runs began on this device (requests, batches and
   // peers' requests: BeginRequest, BeginPeerRun) without such an error (recorded as
   // "narrow_cache_margin"), down to none: the fragments that made the room unusable may be
@@ -323,6 +324,13 @@ class PlacementManager : public ComponentRunner {
   static constexpr int kCacheMarginNarrowAfterRuns = 32;
   // The margin out-of-memory errors added to the configured one (0 until one happened).
   int64_t learned_cache_margin() const { return learned_cache_margin_; }
+  // The device's worker went on on a fresh thread after allocator out-of-memory errors and its first
+  // item there ran short again (ThreadRenewalPolicy::fresh_thread_ran_short): the room, not a plan
+  // kept on the old thread, is what is missing. With the spare-room caches on and holding room, the
+  // learned margin widens as for a failed run (WidenCacheMargin, recorded as "widen_cache_margin"
+  // with `reason`) and the caches give back what it added; otherwise nothing changes. A single
+  // shortfall a fresh thread does not meet again widens nothing (multi-tenant run 15).
+  void WidenCacheMarginForShortRoom(const std::string& reason);
   // Cross-pipeline prefetch on or off (DeviceConfig.prefetch_next_pipeline; default on).
   void set_prefetch_next_pipeline(bool on) { prefetch_next_pipeline_ = on; }
   bool prefetch_next_pipeline() const { return prefetch_next_pipeline_; }

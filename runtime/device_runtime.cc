@@ -189,9 +189,19 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
   // After allocator out-of-memory errors the worker goes on on a fresh thread, once the room is back
   // (runtime/thread_renewal.h: LibTorch keeps a cuDNN convolution plan chosen short of memory on its
   // thread).
+  // A fresh thread whose first item ran short again says the room is what is missing: the spare-room
+  // caches' margin widens then (and only then: a single shortfall costs its run a few hundredths of a
+  // second, a wider margin every streamed request after it copies).
   worker.renew_thread = [raw, policy = std::make_shared<ThreadRenewalPolicy>()](WorkerScope& scope) -> std::string {
-    const DeviceMemoryStats stats = raw->Placement(scope).backend().GetMemoryStats();
-    return policy->Next(stats.allocator_ooms, stats.largest_refused_bytes, stats.free_bytes());
+    PlacementManager& placement = raw->Placement(scope);
+    const DeviceMemoryStats stats = placement.backend().GetMemoryStats();
+    std::string reason = policy->Next(stats.allocator_ooms, stats.largest_refused_bytes, stats.free_bytes());
+    if (policy->fresh_thread_ran_short()) {
+      placement.WidenCacheMarginForShortRoom(absl::StrCat(
+          "the worker's fresh thread ran short of memory again in its first item (the largest refusal ",
+          stats.largest_refused_bytes, " bytes)"));
+    }
+    return reason;
   };
   worker.on_renewed = [raw](WorkerScope&, const std::string& reason) {
     LogInfo(absl::StrCat("device_thread_renewed device=", raw->device_name_, " reason=", LogValue(reason)));

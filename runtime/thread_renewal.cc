@@ -11,6 +11,7 @@ std::string ThreadRenewalPolicy::Next(int64_t ooms, int64_t largest_refused_byte
   const int64_t errors = grew ? ooms - seen_ooms_ : 0;
   seen_ooms_ = ooms;
   ++looks_since_renewal_;
+  fresh_thread_ran_short_ = renewed_ && looks_since_renewal_ == 1 && grew;
   if (renewed_ && looks_since_renewal_ == 1) {
     // The fresh thread's first item: short again means the room, not the plans, is what is missing.
     gap_ = grew ? std::min(gap_ * 2, kMaxGap) : 1;

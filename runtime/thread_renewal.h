@@ -30,6 +30,10 @@ class ThreadRenewalPolicy {
   std::string Next(int64_t ooms, int64_t largest_refused_bytes, int64_t free_bytes);
 
   int gap() const { return gap_; }
+  // Whether the last Next found the fresh thread's first item short of memory again (it doubled the
+  // gap): the room, not the plans, is what is missing — the caller may make more of it (the device
+  // runtime widens the spare-room caches' margin: PlacementManager::WidenCacheMarginForShortRoom).
+  bool fresh_thread_ran_short() const { return fresh_thread_ran_short_; }
   // Errors seen since the last renewal wait for one.
   bool pending() const { return pending_errors_ > 0; }
 
@@ -38,6 +42,7 @@ class ThreadRenewalPolicy {
   int64_t pending_errors_ = 0;  // Errors seen since the last renewal.
   int64_t pending_refused_ = 0; // The largest refusal of the latest look that saw errors.
   bool renewed_ = false;        // A renewal happened (its first item's outcome adjusts gap_).
+  bool fresh_thread_ran_short_ = false;  // See fresh_thread_ran_short().
   int looks_since_renewal_ = 0;
   int gap_ = 1;                 // Looks after a renewal before the next may happen.
 };

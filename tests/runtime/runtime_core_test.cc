@@ -395,6 +395,88 @@ TEST_F(RuntimeCoreTest, AllocatorOutOfMemoryErrorsMoveTheWorkerToAFreshThreadOnc
   EXPECT_EQ(on_worker(nothing), second);
 }
 
+// A fresh thread whose first item runs short of memory again says the room, not a plan kept on the old
+// thread, is missing: then, and only then, the spare-room caches' margin widens (one shortfall a fresh
+// thread does not meet again widens nothing: multi-tenant run 15's cost of a wider margin).
+TEST_F(RuntimeCoreTest, AFreshThreadShortOfRoomAgainWidensTheSpareRoomCachesMargin) {
+  constexpr int64_t kBudget = int64_t{1} << 20;
+  Start(1,
+        [&](const v1::DeviceConfig& device) -> absl::StatusOr<std::unique_ptr<DeviceBackend>> {
+          SimulatedBackendOptions options;
+          options.index = device.index();
+          return CreateSimulatedBackend(options);
+        },
+        kBudget);
+  // Runs `fn` on the worker (the only owner of the device) and returns the thread it ran on.
+  const auto on_worker = [&](const std::function<void(PlacementManager&)>& fn) {
+    std::thread::id id;
+    EXPECT_TRUE(core().ChangeDevice([&](PlacementManager& placement) {
+                        id = std::this_thread::get_id();
+                        fn(placement);
+                        return absl::OkStatus();
+                      },
+                      [] { return absl::OkStatus(); })
+                    .ok());
+    return id;
+  };
+  const absl::Status streamed = core().ChangeDevice(
+      [](PlacementManager& placement) {
+        placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
+        GroupOffloadOptions options;
+        options.type = OffloadType::kLeafLevel;
+        options.use_stream = true;
+        return placement.EnableGroupOffload("latch/transformer", options);
+      },
+      [] { return absl::OkStatus(); });
+  ASSERT_TRUE(streamed.ok()) << streamed;
+  gate_->Open();
+  for (int k = 0; k < 2; ++k) {
+    const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync(absl::StrCat("fill ", k), 2, 1));
+    ASSERT_TRUE(reply.ok()) << reply.status();
+  }
+  int64_t margin = -1, cached = 0;
+  const auto look = [&](PlacementManager& placement) {
+    margin = placement.learned_cache_margin();
+    cached = placement.GroupOffloadStatsOf("latch/transformer")->cache_bytes;
+  };
+  const std::thread::id first = on_worker(look);
+  ASSERT_GT(cached, 0);
+  ASSERT_EQ(margin, 0);
+  // Refused while another allocation held the room, which is then given back.
+  const auto short_of_room = [](PlacementManager& placement) {
+    DeviceBackend& backend = placement.backend();
+    const int64_t free_bytes = backend.GetMemoryStats().free_bytes();
+    absl::StatusOr<at::Tensor> held = backend.AllocateBytes(free_bytes / 2);
+    ASSERT_TRUE(held.ok()) << held.status();
+    EXPECT_FALSE(backend.AllocateBytes(free_bytes * 3 / 4).ok());
+  };
+  // Once, then a clean first item on the fresh thread: no wider margin.
+  EXPECT_EQ(on_worker(short_of_room), first);
+  const std::thread::id second = on_worker(look);
+  EXPECT_NE(second, first);
+  EXPECT_EQ(on_worker(look), second);
+  EXPECT_EQ(margin, 0);
+  // Short again in the fresh thread's first item: the margin widens, the caches give back what it added.
+  EXPECT_EQ(on_worker(short_of_room), second);
+  const std::thread::id third = on_worker(short_of_room);
+  EXPECT_NE(third, second);
+  on_worker(look);
+  EXPECT_EQ(margin, 256);
+  std::vector<PlacementDecision> log;
+  on_worker([&](PlacementManager& placement) { log = placement.DecisionLog(1000); });
+  int widened = 0;
+  for (const PlacementDecision& d : log) {
+    if (d.action != "widen_cache_margin") continue;
+    ++widened;
+    EXPECT_NE(d.reason.find("the worker's fresh thread ran short of memory again in its first item"), std::string::npos)
+        << d.reason;
+  }
+  EXPECT_EQ(widened, 1);
+  // Requests still run.
+  const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("after", 2, 3));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+}
+
 // The same on CUDA (the GPU host; skipped elsewhere) with the high-priority compute stream: under a
 // budget set a GiB above what the device holds (not the whole card: ctest runs other GPU tests beside
 // this one), an allocation that does not fit beside another makes LibTorch's allocator raise, and

@@ -95,5 +95,24 @@ TEST(ThreadRenewalPolicyTest, BacksOffWhileMemoryStaysShortAndRecovers) {
   EXPECT_NE(policy.Next(++ooms, 1, kRoom), "");
 }
 
+// Whether a look found the fresh thread's first item short again (the caller then makes more room):
+// only the first look after a renewal can, and only with new errors.
+TEST(ThreadRenewalPolicyTest, SaysWhenTheFreshThreadsFirstItemRanShortAgain) {
+  ThreadRenewalPolicy policy;
+  EXPECT_EQ(policy.Next(0, 0, kRoom), "");
+  EXPECT_FALSE(policy.fresh_thread_ran_short());
+  EXPECT_NE(policy.Next(1, 1, kRoom), "");  // Errors before any renewal: a renewal, not "again".
+  EXPECT_FALSE(policy.fresh_thread_ran_short());
+  EXPECT_EQ(policy.Next(1, 0, kRoom), "");  // Its first item ran clean.
+  EXPECT_FALSE(policy.fresh_thread_ran_short());
+  EXPECT_NE(policy.Next(2, 1, kRoom), "");  // A later item's errors: a renewal again.
+  EXPECT_FALSE(policy.fresh_thread_ran_short());
+  EXPECT_EQ(policy.Next(3, 1, kRoom), "");  // Its first item ran short: the gap doubles.
+  EXPECT_TRUE(policy.fresh_thread_ran_short());
+  EXPECT_EQ(policy.gap(), 2);
+  EXPECT_NE(policy.Next(4, 1, kRoom), "");  // The second item: not the first any more.
+  EXPECT_FALSE(policy.fresh_thread_ran_short());
+}
+
 }  // namespace
 }  // namespace stowage

@@ -472,6 +472,7 @@ void PlacementManager::WidenCacheMargin(const std::string& reason) {
       std::min(std::max(2 * learned_cache_margin_, std::max<int64_t>(streamed_group_cache_margin_, 1)), cap);
   // An error at the cap still says the margin is too small: the count of quiet runs starts again.
   quiet_runs_ = 0;
+  ++cache_margin_widenings_;
   if (widened == learned_cache_margin_) return;
   // Below it only when the budget fell since it widened (the cap is a quarter of the budget).
   const bool wider = widened > learned_cache_margin_;
@@ -482,17 +483,22 @@ void PlacementManager::WidenCacheMargin(const std::string& reason) {
                       " bytes free beyond what runs allocate from now on"));
 }
 
-void PlacementManager::WidenCacheMarginForShortRoom(const std::string& reason) {
-  if (!streamed_group_cache_) return;
+bool PlacementManager::WidenCacheMarginForShortRoom(int64_t refused_bytes, const std::string& reason) {
+  // Without a budget the caches leave no margin (and FreeBytes() is INT64_MAX).
+  if (!streamed_group_cache_ || backend_->MemoryBudget() <= 0) return false;
   int64_t cached = 0;
   for (const auto& e : entries_) {
-    if (e->group_offload) cached += e->group_offload->cache_bytes();
+    if (!e->moved && e->group_offload) cached += e->group_offload->cache_bytes();
   }
-  if (cached == 0) return;  // No cache holds room: a wider margin would give nothing back.
+  if (cached == 0) return false;  // No cache holds room: a wider margin would give nothing back.
+  // A refusal larger than the caches and the free memory together (a library probing for a workspace
+  // no room holds) is not the caches' doing; 0: the size was not kept, no telling.
+  if (refused_bytes <= 0 || refused_bytes > cached + std::max<int64_t>(FreeBytes(), 0)) return false;
   const int64_t before = learned_cache_margin_;
   WidenCacheMargin(absl::StrCat(reason, " while spare-room caches held ", cached, " bytes"));
   const int64_t added = learned_cache_margin_ - before;
   if (added > 0) ShrinkCaches(nullptr, FreeBytes() + added, absl::StrCat(reason, ": the caches leave the wider margin"));
+  return true;
 }
 
 void PlacementManager::CountRunBegun() {

@@ -325,12 +325,17 @@ class PlacementManager : public ComponentRunner {
   // The margin out-of-memory errors added to the configured one (0 until one happened).
   int64_t learned_cache_margin() const { return learned_cache_margin_; }
   // The device's worker went on on a fresh thread after allocator out-of-memory errors and its first
-  // item there ran short again (ThreadRenewalPolicy::fresh_thread_ran_short): the room, not a plan
-  // kept on the old thread, is what is missing. With the spare-room caches on and holding room, the
-  // learned margin widens as for a failed run (WidenCacheMargin, recorded as "widen_cache_margin"
-  // with `reason`) and the caches give back what it added; otherwise nothing changes. A single
-  // shortfall a fresh thread does not meet again widens nothing (multi-tenant run 15).
-  void WidenCacheMarginForShortRoom(const std::string& reason);
+  // item there ran short again (ThreadRenewalPolicy::fresh_thread_ran_short), the largest refusal
+  // `refused_bytes`: the room, not a plan kept on the old thread, is what is missing. Under a budget,
+  // with the spare-room caches on and holding room, and the refusal within what they hold and the
+  // free memory together (a workspace larger than all of it is not the caches' doing), the learned
+  // margin widens as for a failed run (WidenCacheMargin, recorded as "widen_cache_margin" with
+  // `reason`) and the caches give back what it added; otherwise nothing changes. A single shortfall a
+  // fresh thread does not meet again widens nothing (multi-tenant run 15). Returns whether it widened.
+  bool WidenCacheMarginForShortRoom(int64_t refused_bytes, const std::string& reason);
+  // How many times the learned margin widened (a failed run, WidenCacheMarginForShortRoom): the
+  // device runtime compares it across an item so one shortfall does not widen twice.
+  int64_t cache_margin_widenings() const { return cache_margin_widenings_; }
   // Cross-pipeline prefetch on or off (DeviceConfig.prefetch_next_pipeline; default on).
   void set_prefetch_next_pipeline(bool on) { prefetch_next_pipeline_ = on; }
   bool prefetch_next_pipeline() const { return prefetch_next_pipeline_; }
@@ -450,8 +455,8 @@ class PlacementManager : public ComponentRunner {
   // Doubles learned_cache_margin_ (at least the configured margin, at most a quarter of the budget).
   void WidenCacheMargin(const std::string& reason);
   // One more run began (BeginRequest, BeginPeerRun): counted in runs_begun; once
-  // kCacheMarginNarrowAfterRuns began since the learned margin last changed or a run last ran out of
-  // memory while caches held room, halves learned_cache_margin_ (to none below the configured margin).
+  // kCacheMarginNarrowAfterRuns began since the learned margin last widened (or an error at its cap),
+  // halves learned_cache_margin_ (to none below the configured margin).
   void CountRunBegun();
   // Entry::prefetched and the group prefetch's fields back to none.
   void ClearGroupPrefetch(Entry& entry);
@@ -526,9 +531,10 @@ class PlacementManager : public ComponentRunner {
   bool streamed_group_cache_ = false;
   int64_t streamed_group_cache_margin_ = 0;
   int64_t learned_cache_margin_ = 0;  // See set_streamed_group_cache.
-  // Runs begun while learned_cache_margin_ > 0 since it last changed or a run last ran out of memory
-  // while caches held room (CountRunBegun).
+  // Runs begun while learned_cache_margin_ > 0 since it last changed or WidenCacheMargin last ran
+  // (CountRunBegun).
   int quiet_runs_ = 0;
+  int64_t cache_margin_widenings_ = 0;  // See cache_margin_widenings().
   std::string last_peer_request_;  // BeginPeerRun's last request counted.
 
   bool pin_host_copies_ = false;

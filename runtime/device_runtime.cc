@@ -192,15 +192,22 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
   // A fresh thread whose first item ran short again says the room is what is missing: the spare-room
   // caches' margin widens then (and only then: a single shortfall costs its run a few hundredths of a
   // second, a wider margin every streamed request after it copies).
-  worker.renew_thread = [raw, policy = std::make_shared<ThreadRenewalPolicy>()](WorkerScope& scope) -> std::string {
+  // (Not when the item's own failed run widened it already: one shortfall, one widening.)
+  struct RenewalState {
+    ThreadRenewalPolicy policy;
+    int64_t widenings = 0;  // The placement's count at the last look.
+  };
+  worker.renew_thread = [raw, state = std::make_shared<RenewalState>()](WorkerScope& scope) -> std::string {
     PlacementManager& placement = raw->Placement(scope);
     const DeviceMemoryStats stats = placement.backend().GetMemoryStats();
-    std::string reason = policy->Next(stats.allocator_ooms, stats.largest_refused_bytes, stats.free_bytes());
-    if (policy->fresh_thread_ran_short()) {
-      placement.WidenCacheMarginForShortRoom(absl::StrCat(
-          "the worker's fresh thread ran short of memory again in its first item (the largest refusal ",
-          stats.largest_refused_bytes, " bytes)"));
+    std::string reason = state->policy.Next(stats.allocator_ooms, stats.largest_refused_bytes, stats.free_bytes());
+    if (state->policy.fresh_thread_ran_short() && placement.cache_margin_widenings() == state->widenings) {
+      placement.WidenCacheMarginForShortRoom(
+          stats.largest_refused_bytes,
+          absl::StrCat("the worker's fresh thread ran short of memory again in its first item (the largest refusal ",
+                       stats.largest_refused_bytes, " bytes)"));
     }
+    state->widenings = placement.cache_margin_widenings();
     return reason;
   };
   worker.on_renewed = [raw](WorkerScope&, const std::string& reason) {

@@ -536,6 +536,43 @@ TEST(PlacementManagerTest, AllocatorShortfallsARunRecoveredFromLeaveTheCacheMarg
   EXPECT_EQ(s.placement.learned_cache_margin(), 256);
 }
 
+// The worker's fresh thread ran short again (WidenCacheMarginForShortRoom): the margin widens and the
+// caches give back what it added — only under a budget, with the caches on and holding room, and for a
+// refusal the caches and the free memory together could have served.
+TEST(PlacementManagerTest, AFreshThreadShortOfRoomWidensTheMarginOnlyWhereTheCachesCouldHaveServed) {
+  Harness s;
+  const int64_t cache = FullCacheAfterTwoRequests(s);
+  ASSERT_GT(cache, 1024);
+  const auto cached = [&] { return s.placement.GroupOffloadStatsOf("tiny/transformer")->cache_bytes; };
+  // No budget: no margin to widen.
+  EXPECT_FALSE(s.placement.WidenCacheMarginForShortRoom(cache, "unbudgeted"));
+  const DeviceMemoryStats full = s.backend->GetMemoryStats();
+  ASSERT_TRUE(s.backend->SetMemoryBudget(full.context_bytes + full.allocated_bytes + cache).ok());
+  const int64_t room = cache + s.backend->GetMemoryStats().free_bytes();
+  // Larger than all the room there is, or of no known size: not the caches' doing.
+  EXPECT_FALSE(s.placement.WidenCacheMarginForShortRoom(room + 1, "larger than the room"));
+  EXPECT_FALSE(s.placement.WidenCacheMarginForShortRoom(0, "no size"));
+  EXPECT_EQ(s.placement.learned_cache_margin(), 0);
+  EXPECT_EQ(s.placement.cache_margin_widenings(), 0);
+  EXPECT_EQ(cached(), cache);
+  // Within it: the margin widens, the caches leave it.
+  EXPECT_TRUE(s.placement.WidenCacheMarginForShortRoom(room, "short again"));
+  EXPECT_EQ(s.placement.learned_cache_margin(), 256);
+  EXPECT_EQ(s.placement.cache_margin_widenings(), 1);
+  EXPECT_LT(cached(), cache);
+  EXPECT_GE(s.backend->GetMemoryStats().free_bytes(), 256);
+  // With the caches off (or empty), nothing.
+  s.placement.set_streamed_group_cache(false, 256);
+  EXPECT_FALSE(s.placement.WidenCacheMarginForShortRoom(room, "off"));
+  s.placement.set_streamed_group_cache(true, 256);
+  std::vector<std::string> offloaded;
+  const DeviceMemoryStats now = s.backend->GetMemoryStats();
+  ASSERT_TRUE(s.placement.SetMemoryBudget(now.context_bytes + now.allocated_bytes - 1, &offloaded).ok());
+  ASSERT_EQ(cached(), 0);
+  EXPECT_FALSE(s.placement.WidenCacheMarginForShortRoom(1, "empty"));
+  EXPECT_EQ(s.placement.cache_margin_widenings(), 1);
+}
+
 // A peer's request runs its components here one call at a time: counted once, at its first call,
 // and each call's decisions carry its id.
 TEST(PlacementManagerTest, APeersRequestCountsAsOneRunHoweverManyCallsItMakes) {

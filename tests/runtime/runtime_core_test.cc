@@ -457,24 +457,45 @@ TEST_F(RuntimeCoreTest, AFreshThreadShortOfRoomAgainWidensTheSpareRoomCachesMarg
   EXPECT_EQ(on_worker(look), second);
   EXPECT_EQ(margin, 0);
   // Short again in the fresh thread's first item: the margin widens, the caches give back what it added.
+  const int64_t cached_before = cached;
   EXPECT_EQ(on_worker(short_of_room), second);
   const std::thread::id third = on_worker(short_of_room);
   EXPECT_NE(third, second);
   on_worker(look);
   EXPECT_EQ(margin, 256);
+  EXPECT_LT(cached, cached_before);
   std::vector<PlacementDecision> log;
   on_worker([&](PlacementManager& placement) { log = placement.DecisionLog(1000); });
   int widened = 0;
+  bool released = false;
   for (const PlacementDecision& d : log) {
+    released = released || (d.action == "release_group_cache" &&
+                            d.reason.find("first item (the largest refusal") != std::string::npos &&
+                            d.reason.find(": the caches leave the wider margin") != std::string::npos);
     if (d.action != "widen_cache_margin") continue;
     ++widened;
     EXPECT_NE(d.reason.find("the worker's fresh thread ran short of memory again in its first item"), std::string::npos)
         << d.reason;
   }
   EXPECT_EQ(widened, 1);
+  EXPECT_TRUE(released);
   // Requests still run.
   const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("after", 2, 3));
   ASSERT_TRUE(reply.ok()) << reply.status();
+  // A fresh thread's first item that widened the margin itself (as a run that fails for want of room
+  // does) and ran short: one widening, not two.
+  const std::thread::id fourth = on_worker(short_of_room);
+  int64_t widenings = 0;
+  const std::thread::id fifth = on_worker([&](PlacementManager& placement) {
+    ASSERT_TRUE(placement.WidenCacheMarginForShortRoom(1, "the item's own"));
+    widenings = placement.cache_margin_widenings();
+    short_of_room(placement);
+  });
+  EXPECT_NE(fifth, fourth);
+  on_worker([&](PlacementManager& placement) {
+    EXPECT_EQ(placement.cache_margin_widenings(), widenings);
+    EXPECT_EQ(placement.learned_cache_margin(), 512);
+  });
 }
 
 // The same on CUDA (the GPU host; skipped elsewhere) with the high-priority compute stream: under a

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "base/status_macros.h"
 #include "google/protobuf/text_format.h"
 #include "offload/group_offload.h"
 #include "models/core/lora.h"
@@ -98,6 +99,106 @@ class RuntimeCoreTest : public ::testing::Test {
     return outcome->result;
   }
   v1::PipelineState StateOf(const std::string& name) { return ::stowage::StateOf(*devices_, name); }
+
+  // With the latch transformer streamed through a spare-room cache under the budget `set_budget`
+  // sets (if any): one shortfall and a clean first item on the fresh thread widen nothing; short again
+  // in the fresh thread's first item widens the margin by the configured 256 bytes once, the caches
+  // giving it back; a first item that widened it itself and ran short widens it no more.
+  void ExpectAFreshThreadShortOfRoomAgainWidensTheMargin(const std::function<absl::Status(PlacementManager&)>& set_budget) {
+    // Runs `fn` on the worker (the only owner of the device) and returns the thread it ran on.
+    const auto on_worker = [&](const std::function<void(PlacementManager&)>& fn) {
+      std::thread::id id;
+      EXPECT_TRUE(core().ChangeDevice([&](PlacementManager& placement) {
+                          id = std::this_thread::get_id();
+                          fn(placement);
+                          return absl::OkStatus();
+                        },
+                        [] { return absl::OkStatus(); })
+                      .ok());
+      return id;
+    };
+    const absl::Status streamed = core().ChangeDevice(
+        [&set_budget](PlacementManager& placement) {
+          placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
+          GroupOffloadOptions options;
+          options.type = OffloadType::kLeafLevel;
+          options.use_stream = true;
+          RETURN_IF_ERROR(placement.EnableGroupOffload("latch/transformer", options));
+          return set_budget(placement);
+        },
+        [] { return absl::OkStatus(); });
+    ASSERT_TRUE(streamed.ok()) << streamed;
+    gate_->Open();
+    for (int k = 0; k < 2; ++k) {
+      const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync(absl::StrCat("fill ", k), 2, 1));
+      ASSERT_TRUE(reply.ok()) << reply.status();
+    }
+    int64_t margin = -1, cached = 0;
+    const auto look = [&](PlacementManager& placement) {
+      margin = placement.learned_cache_margin();
+      cached = placement.GroupOffloadStatsOf("latch/transformer")->cache_bytes;
+    };
+    const std::thread::id first = on_worker(look);
+    ASSERT_GT(cached, 0);
+    ASSERT_EQ(margin, 0);
+    // Refused while another allocation held the room, which is then given back.
+    const auto short_of_room = [](PlacementManager& placement) {
+      DeviceBackend& backend = placement.backend();
+      const int64_t free_bytes = backend.GetMemoryStats().free_bytes();
+      {
+        absl::StatusOr<at::Tensor> held = backend.AllocateBytes(free_bytes / 2);
+        ASSERT_TRUE(held.ok()) << held.status();
+        EXPECT_FALSE(backend.AllocateBytes(free_bytes * 3 / 4).ok());
+      }
+      backend.ReleaseCachedMemory();  // On CUDA the held block would stay reserved in the allocator.
+    };
+    // Once, then a clean first item on the fresh thread: no wider margin.
+    EXPECT_EQ(on_worker(short_of_room), first);
+    const std::thread::id second = on_worker(look);
+    EXPECT_NE(second, first);
+    EXPECT_EQ(on_worker(look), second);
+    EXPECT_EQ(margin, 0);
+    // Short again in the fresh thread's first item: the margin widens, the caches give back what it added.
+    const int64_t cached_before = cached;
+    EXPECT_EQ(on_worker(short_of_room), second);
+    const std::thread::id third = on_worker(short_of_room);
+    EXPECT_NE(third, second);
+    on_worker(look);
+    EXPECT_EQ(margin, 256);
+    EXPECT_LT(cached, cached_before);
+    std::vector<PlacementDecision> log;
+    on_worker([&](PlacementManager& placement) { log = placement.DecisionLog(1000); });
+    int widened = 0;
+    bool released = false;
+    for (const PlacementDecision& d : log) {
+      released = released || (d.action == "release_group_cache" &&
+                              d.reason.find("first item (the largest refusal") != std::string::npos &&
+                              d.reason.find(": the caches leave the wider margin") != std::string::npos);
+      if (d.action != "widen_cache_margin") continue;
+      ++widened;
+      EXPECT_NE(d.reason.find("the worker's fresh thread ran short of memory again in its first item"), std::string::npos)
+          << d.reason;
+    }
+    EXPECT_EQ(widened, 1);
+    EXPECT_TRUE(released);
+    // Requests still run.
+    const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("after", 2, 3));
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    // A fresh thread's first item that widened the margin itself (as a run that fails for want of room
+    // does) and ran short: one widening, not two.
+    const std::thread::id fourth = on_worker(short_of_room);
+    int64_t widenings = 0;
+    const std::thread::id fifth = on_worker([&](PlacementManager& placement) {
+      ASSERT_TRUE(placement.WidenCacheMarginForShortRoom(1, "the item's own"));
+      widenings = placement.cache_margin_widenings();
+      short_of_room(placement);
+    });
+    EXPECT_NE(fifth, fourth);
+    on_worker([&](PlacementManager& placement) {
+      EXPECT_EQ(placement.cache_margin_widenings(), widenings);
+      EXPECT_EQ(placement.learned_cache_margin(), 512);
+    });
+  }
 
   std::shared_ptr<LatchGate> gate_;
   std::unique_ptr<PipelineRegistry> registry_;
@@ -407,94 +508,20 @@ TEST_F(RuntimeCoreTest, AFreshThreadShortOfRoomAgainWidensTheSpareRoomCachesMarg
           return CreateSimulatedBackend(options);
         },
         kBudget);
-  // Runs `fn` on the worker (the only owner of the device) and returns the thread it ran on.
-  const auto on_worker = [&](const std::function<void(PlacementManager&)>& fn) {
-    std::thread::id id;
-    EXPECT_TRUE(core().ChangeDevice([&](PlacementManager& placement) {
-                        id = std::this_thread::get_id();
-                        fn(placement);
-                        return absl::OkStatus();
-                      },
-                      [] { return absl::OkStatus(); })
-                    .ok());
-    return id;
-  };
-  const absl::Status streamed = core().ChangeDevice(
-      [](PlacementManager& placement) {
-        placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
-        GroupOffloadOptions options;
-        options.type = OffloadType::kLeafLevel;
-        options.use_stream = true;
-        return placement.EnableGroupOffload("latch/transformer", options);
-      },
-      [] { return absl::OkStatus(); });
-  ASSERT_TRUE(streamed.ok()) << streamed;
-  gate_->Open();
-  for (int k = 0; k < 2; ++k) {
-    const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync(absl::StrCat("fill ", k), 2, 1));
-    ASSERT_TRUE(reply.ok()) << reply.status();
-  }
-  int64_t margin = -1, cached = 0;
-  const auto look = [&](PlacementManager& placement) {
-    margin = placement.learned_cache_margin();
-    cached = placement.GroupOffloadStatsOf("latch/transformer")->cache_bytes;
-  };
-  const std::thread::id first = on_worker(look);
-  ASSERT_GT(cached, 0);
-  ASSERT_EQ(margin, 0);
-  // Refused while another allocation held the room, which is then given back.
-  const auto short_of_room = [](PlacementManager& placement) {
+  ExpectAFreshThreadShortOfRoomAgainWidensTheMargin([](PlacementManager&) { return absl::OkStatus(); });
+}
+
+// The same on CUDA (the GPU host; skipped elsewhere): LibTorch's allocator refuses under a budget set
+// a GiB above what the process holds, its out-of-memory observer gives the refused size.
+TEST_F(RuntimeCoreTest, OnCudaAFreshThreadShortOfRoomAgainWidensTheSpareRoomCachesMargin) {
+  Start(1);
+  if (core().device_name().rfind("cuda", 0) != 0) GTEST_SKIP() << "needs a CUDA device, not " << core().device_name();
+  ExpectAFreshThreadShortOfRoomAgainWidensTheMargin([](PlacementManager& placement) {
     DeviceBackend& backend = placement.backend();
-    const int64_t free_bytes = backend.GetMemoryStats().free_bytes();
-    absl::StatusOr<at::Tensor> held = backend.AllocateBytes(free_bytes / 2);
-    ASSERT_TRUE(held.ok()) << held.status();
-    EXPECT_FALSE(backend.AllocateBytes(free_bytes * 3 / 4).ok());
-  };
-  // Once, then a clean first item on the fresh thread: no wider margin.
-  EXPECT_EQ(on_worker(short_of_room), first);
-  const std::thread::id second = on_worker(look);
-  EXPECT_NE(second, first);
-  EXPECT_EQ(on_worker(look), second);
-  EXPECT_EQ(margin, 0);
-  // Short again in the fresh thread's first item: the margin widens, the caches give back what it added.
-  const int64_t cached_before = cached;
-  EXPECT_EQ(on_worker(short_of_room), second);
-  const std::thread::id third = on_worker(short_of_room);
-  EXPECT_NE(third, second);
-  on_worker(look);
-  EXPECT_EQ(margin, 256);
-  EXPECT_LT(cached, cached_before);
-  std::vector<PlacementDecision> log;
-  on_worker([&](PlacementManager& placement) { log = placement.DecisionLog(1000); });
-  int widened = 0;
-  bool released = false;
-  for (const PlacementDecision& d : log) {
-    released = released || (d.action == "release_group_cache" &&
-                            d.reason.find("first item (the largest refusal") != std::string::npos &&
-                            d.reason.find(": the caches leave the wider margin") != std::string::npos);
-    if (d.action != "widen_cache_margin") continue;
-    ++widened;
-    EXPECT_NE(d.reason.find("the worker's fresh thread ran short of memory again in its first item"), std::string::npos)
-        << d.reason;
-  }
-  EXPECT_EQ(widened, 1);
-  EXPECT_TRUE(released);
-  // Requests still run.
-  const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("after", 2, 3));
-  ASSERT_TRUE(reply.ok()) << reply.status();
-  // A fresh thread's first item that widened the margin itself (as a run that fails for want of room
-  // does) and ran short: one widening, not two.
-  const std::thread::id fourth = on_worker(short_of_room);
-  int64_t widenings = 0;
-  const std::thread::id fifth = on_worker([&](PlacementManager& placement) {
-    ASSERT_TRUE(placement.WidenCacheMarginForShortRoom(1, "the item's own"));
-    widenings = placement.cache_margin_widenings();
-    short_of_room(placement);
-  });
-  EXPECT_NE(fifth, fourth);
-  on_worker([&](PlacementManager& placement) {
-    EXPECT_EQ(placement.cache_margin_widenings(), widenings);
-    EXPECT_EQ(placement.learned_cache_margin(), 512);
+    backend.ReleaseCachedMemory();
+    const DeviceMemoryStats stats = backend.GetMemoryStats();
+    std::vector<std::string> offloaded;
+    return placement.SetMemoryBudget(stats.context_bytes + stats.reserved_bytes + (int64_t{1} << 30), &offloaded);
   });
 }
 

@@ -73,7 +73,11 @@ Rows:
 
     python3 bench/multi_tenant.py table ROWS.jsonl      the rows as a Markdown table.
     python3 bench/multi_tenant.py analyze LOGS ROWS     per strategy: mean run times (queueing
-        excluded), the utilisation they imply, whole-component onloads, the scheduler's reorders.
+        excluded), the utilisation they imply, stage medians, allocator shortfalls, whole-component
+        onloads, the scheduler's reorders, the spare-room caches' margin (its changes and the measured
+        requests at each) and each streamed component's forwards and cache hits (its own, on one server).
+    python3 bench/multi_tenant.py replay LOGS ROWS      the scheduler strategy's requests replayed
+        through a model with and without preemption.
 
 Standard library only.
 """

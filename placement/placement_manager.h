@@ -333,8 +333,9 @@ class PlacementManager : public ComponentRunner {
   // `reason`) and the caches give back what it added; otherwise nothing changes. A single shortfall a
   // fresh thread does not meet again widens nothing (multi-tenant run 15). Returns whether it widened.
   bool WidenCacheMarginForShortRoom(int64_t refused_bytes, const std::string& reason);
-  // How many times the learned margin widened (a failed run, WidenCacheMarginForShortRoom): the
-  // device runtime compares it across an item so one shortfall does not widen twice.
+  // How many times WidenCacheMargin ran (a failed run, WidenCacheMarginForShortRoom; at the cap too,
+  // where it widens nothing): the device runtime compares it across an item so one shortfall does not
+  // widen twice.
   int64_t cache_margin_widenings() const { return cache_margin_widenings_; }
   // Cross-pipeline prefetch on or off (DeviceConfig.prefetch_next_pipeline; default on).
   void set_prefetch_next_pipeline(bool on) { prefetch_next_pipeline_ = on; }

@@ -11,11 +11,10 @@ std::string ThreadRenewalPolicy::Next(int64_t ooms, int64_t largest_refused_byte
   const int64_t errors = grew ? ooms - seen_ooms_ : 0;
   seen_ooms_ = ooms;
   ++looks_since_renewal_;
-  fresh_thread_ran_short_ = renewed_ && looks_since_renewal_ == 1 && grew;
-  if (renewed_ && looks_since_renewal_ == 1) {
-    // The fresh thread's first item: short again means the room, not the plans, is what is missing.
-    gap_ = grew ? std::min(gap_ * 2, kMaxGap) : 1;
-  }
+  // The fresh thread's first item: short again means the room, not the plans, is what is missing.
+  const bool first_on_fresh_thread = renewed_ && looks_since_renewal_ == 1;
+  fresh_thread_ran_short_ = first_on_fresh_thread && grew;
+  if (first_on_fresh_thread) gap_ = grew ? std::min(gap_ * 2, kMaxGap) : 1;
   if (grew) {
     pending_errors_ += errors;
     // The latest shortfall's: one larger than any room (a request no budget holds) must not hold

@@ -69,6 +69,27 @@ class RuntimeCoreTest : public ::testing::Test {
 
   DeviceRuntime& core() { return *devices_->devices().front(); }
 
+  // A backend factory for Start: the simulated device at the config's index.
+  static decltype(RuntimeFactories::make_backend) SimulatedBackend() {
+    return [](const v1::DeviceConfig& device) -> absl::StatusOr<std::unique_ptr<DeviceBackend>> {
+      SimulatedBackendOptions options;
+      options.index = device.index();
+      return CreateSimulatedBackend(options);
+    };
+  }
+  // Runs `fn` on the worker (the only owner of the device) and returns the thread it ran on.
+  std::thread::id OnWorker(const std::function<void(PlacementManager&)>& fn) {
+    std::thread::id id;
+    EXPECT_TRUE(core().ChangeDevice([&](PlacementManager& placement) {
+                        id = std::this_thread::get_id();
+                        fn(placement);
+                        return absl::OkStatus();
+                      },
+                      [] { return absl::OkStatus(); })
+                    .ok());
+    return id;
+  }
+
   struct Outcome {
     absl::Mutex mu;
     bool done = false;
@@ -105,18 +126,6 @@ class RuntimeCoreTest : public ::testing::Test {
   // in the fresh thread's first item widens the margin by the configured 256 bytes once, the caches
   // giving it back; a first item that widened it itself and ran short widens it no more.
   void ExpectAFreshThreadShortOfRoomAgainWidensTheMargin(const std::function<absl::Status(PlacementManager&)>& set_budget) {
-    // Runs `fn` on the worker (the only owner of the device) and returns the thread it ran on.
-    const auto on_worker = [&](const std::function<void(PlacementManager&)>& fn) {
-      std::thread::id id;
-      EXPECT_TRUE(core().ChangeDevice([&](PlacementManager& placement) {
-                          id = std::this_thread::get_id();
-                          fn(placement);
-                          return absl::OkStatus();
-                        },
-                        [] { return absl::OkStatus(); })
-                      .ok());
-      return id;
-    };
     const absl::Status streamed = core().ChangeDevice(
         [&set_budget](PlacementManager& placement) {
           placement.set_streamed_group_cache(true, /*margin_bytes=*/256);
@@ -138,7 +147,7 @@ class RuntimeCoreTest : public ::testing::Test {
       margin = placement.learned_cache_margin();
       cached = placement.GroupOffloadStatsOf("latch/transformer")->cache_bytes;
     };
-    const std::thread::id first = on_worker(look);
+    const std::thread::id first = OnWorker(look);
     ASSERT_GT(cached, 0);
     ASSERT_EQ(margin, 0);
     // Refused while another allocation held the room, which is then given back.
@@ -153,21 +162,21 @@ class RuntimeCoreTest : public ::testing::Test {
       backend.ReleaseCachedMemory();  // On CUDA the held block would stay reserved in the allocator.
     };
     // Once, then a clean first item on the fresh thread: no wider margin.
-    EXPECT_EQ(on_worker(short_of_room), first);
-    const std::thread::id second = on_worker(look);
+    EXPECT_EQ(OnWorker(short_of_room), first);
+    const std::thread::id second = OnWorker(look);
     EXPECT_NE(second, first);
-    EXPECT_EQ(on_worker(look), second);
+    EXPECT_EQ(OnWorker(look), second);
     EXPECT_EQ(margin, 0);
     // Short again in the fresh thread's first item: the margin widens, the caches give back what it added.
     const int64_t cached_before = cached;
-    EXPECT_EQ(on_worker(short_of_room), second);
-    const std::thread::id third = on_worker(short_of_room);
+    EXPECT_EQ(OnWorker(short_of_room), second);
+    const std::thread::id third = OnWorker(short_of_room);
     EXPECT_NE(third, second);
-    on_worker(look);
+    OnWorker(look);
     EXPECT_EQ(margin, 256);
     EXPECT_LT(cached, cached_before);
     std::vector<PlacementDecision> log;
-    on_worker([&](PlacementManager& placement) { log = placement.DecisionLog(1000); });
+    OnWorker([&](PlacementManager& placement) { log = placement.DecisionLog(1000); });
     int widened = 0;
     bool released = false;
     for (const PlacementDecision& d : log) {
@@ -186,15 +195,15 @@ class RuntimeCoreTest : public ::testing::Test {
     ASSERT_TRUE(reply.ok()) << reply.status();
     // A fresh thread's first item that widened the margin itself (as a run that fails for want of room
     // does) and ran short: one widening, not two.
-    const std::thread::id fourth = on_worker(short_of_room);
+    const std::thread::id fourth = OnWorker(short_of_room);
     int64_t widenings = 0;
-    const std::thread::id fifth = on_worker([&](PlacementManager& placement) {
+    const std::thread::id fifth = OnWorker([&](PlacementManager& placement) {
       ASSERT_TRUE(placement.WidenCacheMarginForShortRoom(1, "the item's own"));
       widenings = placement.cache_margin_widenings();
       short_of_room(placement);
     });
     EXPECT_NE(fifth, fourth);
-    on_worker([&](PlacementManager& placement) {
+    OnWorker([&](PlacementManager& placement) {
       EXPECT_EQ(placement.cache_margin_widenings(), widenings);
       EXPECT_EQ(placement.learned_cache_margin(), 512);
     });
@@ -450,24 +459,9 @@ TEST_F(RuntimeCoreTest, TheFirstRequestAfterAChangeRunsWithTheContextReserve) {
 // the room there is now moves nothing (a fresh thread would choose short again).
 TEST_F(RuntimeCoreTest, AllocatorOutOfMemoryErrorsMoveTheWorkerToAFreshThreadOnceTheRoomIsBack) {
   constexpr int64_t kBudget = int64_t{1} << 20;
-  Start(1,
-        [&](const v1::DeviceConfig& device) -> absl::StatusOr<std::unique_ptr<DeviceBackend>> {
-          SimulatedBackendOptions options;
-          options.index = device.index();
-          return CreateSimulatedBackend(options);
-        },
-        kBudget);
-  // Runs `fn` on the worker (the only owner of the device) and returns the thread it ran on.
+  Start(1, SimulatedBackend(), kBudget);
   const auto on_worker = [&](const std::function<void(DeviceBackend&)>& fn) {
-    std::thread::id id;
-    EXPECT_TRUE(core().ChangeDevice([&](PlacementManager& placement) {
-                        id = std::this_thread::get_id();
-                        fn(placement.backend());
-                        return absl::OkStatus();
-                      },
-                      [] { return absl::OkStatus(); })
-                    .ok());
-    return id;
+    return OnWorker([&](PlacementManager& placement) { fn(placement.backend()); });
   };
   const auto nothing = [](DeviceBackend&) {};
   int64_t ooms = 0;
@@ -501,13 +495,7 @@ TEST_F(RuntimeCoreTest, AllocatorOutOfMemoryErrorsMoveTheWorkerToAFreshThreadOnc
 // thread does not meet again widens nothing: multi-tenant run 15's cost of a wider margin).
 TEST_F(RuntimeCoreTest, AFreshThreadShortOfRoomAgainWidensTheSpareRoomCachesMargin) {
   constexpr int64_t kBudget = int64_t{1} << 20;
-  Start(1,
-        [&](const v1::DeviceConfig& device) -> absl::StatusOr<std::unique_ptr<DeviceBackend>> {
-          SimulatedBackendOptions options;
-          options.index = device.index();
-          return CreateSimulatedBackend(options);
-        },
-        kBudget);
+  Start(1, SimulatedBackend(), kBudget);
   ExpectAFreshThreadShortOfRoomAgainWidensTheMargin([](PlacementManager&) { return absl::OkStatus(); });
 }
 

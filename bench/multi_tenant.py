@@ -766,6 +766,17 @@ CACHE_COUNTS = re.compile(r"; (\d+) forwards(?:; spare-room cache (.*?), (\d+) o
                           r"\(([0-9.]+) ([KMGT]?i?B) not copied\))?")
 
 
+def decode_note(decodes):
+    """What running short cost the decode stage: `decodes` [(seconds, ran short)] of a pipeline's
+    runs; the range of those that ran short beside the median of the rest ("" when none did)."""
+    short = [d for d, s in decodes if s]
+    rest = [d for d, s in decodes if not s]
+    if not short or not rest:
+        return ""
+    return (f"; their decode {min(short):.3f}–{max(short):.3f} s against the others' median "
+            f"{percentile(rest, 0.5):.3f} s")
+
+
 def analyze(log_dir, rows_path):
     """Where a run's time and bytes went, from its server and placement logs: per strategy, each
     pipeline's mean run time (the server's run_s, queueing excluded) of the measured requests (the
@@ -809,8 +820,10 @@ def analyze(log_dir, rows_path):
         # The unmeasured first request of each pipeline, then the trace's (the flood phase's after it).
         runs = runs[len(POPULARITY):len(POPULARITY) + count if count else None]
         ids = ids[len(POPULARITY):len(POPULARITY) + count if count else None]
-        per, waits, short, stages = {}, {}, {}, {}
+        per, waits, short, stages, decodes = {}, {}, {}, {}, {}
         for pipeline, run_s, batch_size, wait_s, retries, ooms, stage_s in runs:
+            if "decode" in stage_s:
+                decodes.setdefault(pipeline, []).append((stage_s["decode"], bool(retries or ooms)))
             per.setdefault(pipeline, []).append(run_s)
             for stage, seconds in stage_s.items():
                 stages.setdefault(pipeline, {}).setdefault(stage, []).append(seconds)
@@ -836,7 +849,8 @@ def analyze(log_dir, rows_path):
                 print(f"  {pipeline:13s} mean run {sum(per[pipeline]) / len(per[pipeline]):.3f} s (n={len(per[pipeline])}), "
                       f"queue wait p50 {percentile(w, 0.5):.3f} s, mean {sum(w) / len(w):.3f} s"
                       + (f"; allocator ran short in {len(hit)} runs ({sum(a for a, _ in hit):g} retries, "
-                         f"{sum(b for _, b in hit):g} OOMs)" if hit else ""))
+                         f"{sum(b for _, b in hit):g} OOMs)" if hit else "")
+                      + decode_note(decodes.get(pipeline, [])))
                 if pipeline in stages:
                     # The median of each stage: which one a slower run spends its extra time in (beside
                     # the resident strategy's, from the same analysis, where it ran first).

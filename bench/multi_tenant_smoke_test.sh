@@ -138,6 +138,11 @@ assert m.margin_by_request(lines, ids, "256.00 MiB") == [("256.00 MiB", 5), ("51
     m.margin_by_request(lines, ids, "256.00 MiB")
 assert m.margin_by_request(lines[3:], ids, "start") == [("256.00 MiB", 6)], m.margin_by_request(lines[3:], ids, "start")
 assert m.margin_by_request([], ids, "start") == [("start", 6)]
+# What running short cost the decode: the range of the short runs beside the median of the rest.
+note = m.decode_note([(0.094, False), (0.145, True), (0.097, True), (0.094, False), (0.095, False)])
+expected = "; their decode 0.097–0.145 s against the others%s median %.3f s" % (chr(39), m.percentile([0.094, 0.094, 0.095], 0.5))
+assert note == expected, (note, expected)
+assert m.decode_note([(0.094, False)]) == "" and m.decode_note([(0.2, True)]) == ""
 ')
 # What preemption would change on this trace, by the model replaying the scheduler strategy's runs.
 /usr/bin/python3 "$scripts/multi_tenant.py" replay "$TEST_TMPDIR/logs" "$TEST_TMPDIR/rows.jsonl" >"$TEST_TMPDIR/replay.txt"

@@ -303,7 +303,7 @@ class PlacementManager : public ComponentRunner {
   // although the allocator ran short inside it changes no margin: neither a retry (the allocator gave
   // its cached blocks back and the allocation fitted; multi-tenant run 14: a few milliseconds for that
   // run) nor an out-of-memory error a library recovered from (cuDNN going a slower way: run 15's VAE
-  // decodes took 0.125–0.145 s against 0.094 that once, and the device's worker then goes on on a
+  // decodes took 0.097–0.145 s against 0.094 that once, and the device's worker then goes on on a
   // fresh thread so the slower plan does not stay, ThreadRenewalPolicy), where each widening it
   // caused (sessions 41–42) kept the caches 2 GiB smaller for the next 32 runs — run 15's scheduler
   // ran 158 of its 200 requests at 4.25 GiB and moved 8 % more bytes than FIFO, which ran 104 of its

@@ -10,7 +10,7 @@ unbudgeted server that keeps everything resident.
         [--flux_compress none|int8|int4] [--flux_keep_gib 4] [--keep_resident zimage/text_encoder]
         [--text_encoder_compress none|int8|int4]
         [--zimage_ft_compress off|none|int8|int4] [--zimage_ft_keep_gib 0]
-        [--streamed_group_cache] [--cuda_expandable_segments] [--compute bf16|fp8] [--text_encoder_compute bf16|fp8] [--t5_compute bf16|fp8] [--max_batch_size 1] [--max_queue_delay_ms 0] [--batch_in resident,fifo,scheduler]
+        [--streamed_group_cache] [--cuda_expandable_segments] [--cuda_max_split_size_mb 0] [--compute bf16|fp8] [--text_encoder_compute bf16|fp8] [--t5_compute bf16|fp8] [--max_batch_size 1] [--max_queue_delay_ms 0] [--batch_in resident,fifo,scheduler]
         [--device cuda|sim] [--dtype bfloat16]
         [--machine M] [--commit C]
 
@@ -230,6 +230,8 @@ def config_text(budget_bytes, strategy, reorder_ms, pin=False):
                       f'dtype: "{ARGS.dtype}" warmup: false{seeds}{pipeline_serving_fields(name)} }}\n')
     scheduler = f"scheduler {{ {scheduler_fields(reorder_ms, ARGS.preemption if reorder_ms else 'none')} }}"
     expandable = "cuda_expandable_segments: true\n" if ARGS.cuda_expandable_segments else ""
+    if ARGS.cuda_max_split_size_mb:
+        expandable += f"cuda_max_split_size_mb: {ARGS.cuda_max_split_size_mb}\n"
     return (f'{expandable}grpc_address: "127.0.0.1:0"\nhttp_address: "127.0.0.1:0"\nmetrics_address: "none"\n'
             f'queue_depth: 64\nauth {{ admin_token: "{TOKEN}" }}\n{device}\n{scheduler}\n{pipelines}{strategy}\n')
 
@@ -372,7 +374,8 @@ def rows_for(strategy, results, start, end, budget, smi_peak, resident):
                    "text_encoder_compress": ARGS.text_encoder_compress,
                    "zimage_ft_compress": ARGS.zimage_ft_compress, "zimage_ft_keep_gib": ARGS.zimage_ft_keep_gib,
                    "streamed_group_cache": ARGS.streamed_group_cache,
-                   "cuda_expandable_segments": ARGS.cuda_expandable_segments},
+                   "cuda_expandable_segments": ARGS.cuda_expandable_segments,
+                   "cuda_max_split_size_mb": ARGS.cuda_max_split_size_mb},
                "machine": ARGS.machine,
                "commit": ARGS.commit}
         own = (row["p50_s"], row["p99_s"]) if strategy == "resident" else resident.get(pipeline)
@@ -966,6 +969,10 @@ def main():
     s.add_argument("--cuda_expandable_segments", action="store_true",
                    help="ServerConfig.cuda_expandable_segments: the CUDA allocator maps memory in expandable "
                         "segments (no blocks too small for a VAE decode beside the spare-room caches)")
+    s.add_argument("--cuda_max_split_size_mb", type=int, default=0,
+                   help="ServerConfig.cuda_max_split_size_mb (0: off; 21..1048576): the CUDA allocator never "
+                        "splits cached blocks larger than this, so its retry after a refusal can give whole "
+                        "ones back (for hosts that refuse expandable segments)")
     s.add_argument("--streamed_group_cache", action="store_true",
                    help="DeviceConfig.streamed_group_cache on: a streamed transformer keeps what the budget's "
                         "free room holds of its groups between the steps of a request")

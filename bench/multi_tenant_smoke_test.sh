@@ -207,12 +207,14 @@ fi
 grep -q "batch_in: names among" "$TEST_TMPDIR/err.txt"
 # The scheduler batches, FIFO as it was (one server, three strategies): only the scheduler's rows
 # (and resident's) have batches, and the admin log shows batching switched on and off.
-# T5 streams from an int8 host copy here, and the spare-room cache is on (the CUDA allocator flag
-# is taken, logged and harmless on the simulator).
+# T5 streams from an int8 host copy here, and the spare-room cache is on (the CUDA allocator
+# flags are taken, logged and harmless on the simulator).
 run --strategies resident,fifo,scheduler --flood_requests 0 --max_batch_size 4 --batch_in resident,scheduler \
-  --text_encoder_compress int8 --streamed_group_cache --cuda_expandable_segments --out "$TEST_TMPDIR/b.jsonl" \
+  --text_encoder_compress int8 --streamed_group_cache --cuda_expandable_segments --cuda_max_split_size_mb 256 \
+  --out "$TEST_TMPDIR/b.jsonl" \
   --logs "$TEST_TMPDIR/logs_b" >/dev/null
-grep -q "cuda_expandable_segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" "$TEST_TMPDIR/logs_b/one_server.log" ||
+grep -q "cuda_expandable_segments, cuda_max_split_size_mb: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True,max_split_size_mb:256" \
+  "$TEST_TMPDIR/logs_b/one_server.log" ||
   { tail -20 "$TEST_TMPDIR/logs_b/one_server.log"; exit 1; }
 grep -q "CUDA allocator: " "$TEST_TMPDIR/logs_b/one_server.log" || { tail -20 "$TEST_TMPDIR/logs_b/one_server.log"; exit 1; }
 grep -A1 "^  flux-schnell/text_encoder_2 " "$TEST_TMPDIR/logs_b/scheduler.placement.txt" | grep -q "int8" ||
@@ -264,6 +266,7 @@ assert every["scheduler"]["serving"]["max_batch_size"] == 4 and every["scheduler
 assert all(r["ok"] for r in rows), rows
 assert all(r["placement"]["streamed_group_cache"] for r in rows if r["strategy"] != "resident"), rows
 assert all(r["placement"]["cuda_expandable_segments"] for r in rows if r["strategy"] != "resident"), rows
+assert all(r["placement"]["cuda_max_split_size_mb"] == 256 for r in rows if r["strategy"] != "resident"), rows
 print("ok")
 PY
 for flag in --compute --text_encoder_compute --t5_compute; do

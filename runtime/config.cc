@@ -184,28 +184,42 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path) {
   return config;
 }
 
+std::string CudaAllocatorConf(const v1::ServerConfig& config) {
+  std::vector<std::string> parts;
+  if (config.cuda_expandable_segments()) parts.push_back("expandable_segments:True");
+  if (config.cuda_max_split_size_mb() != 0) {
+    parts.push_back(absl::StrCat("max_split_size_mb:", config.cuda_max_split_size_mb()));
+  }
+  return absl::StrJoin(parts, ",");
+}
+
 CudaAllocatorSettings ApplyCudaAllocatorSettings(const v1::ServerConfig& config) {
   CudaAllocatorSettings applied;
-  if (!config.cuda_expandable_segments()) return applied;
-  constexpr char kSetting[] = "expandable_segments:True";
+  const std::string setting = CudaAllocatorConf(config);
+  if (setting.empty()) return applied;
+  // The config fields that asked, for the note.
+  std::vector<std::string> fields;
+  if (config.cuda_expandable_segments()) fields.push_back("cuda_expandable_segments");
+  if (config.cuda_max_split_size_mb() != 0) fields.push_back("cuda_max_split_size_mb");
+  const std::string asked = absl::StrJoin(fields, ", ");
   const char* cuda = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
   const char* any = std::getenv("PYTORCH_ALLOC_CONF");  // LibTorch 2.9+ reads it first.
   const bool cuda_set = cuda != nullptr && cuda[0] != '\0';
   const bool any_set = any != nullptr && any[0] != '\0';
-  if (cuda_set && std::string(cuda) == kSetting && !any_set) {
-    applied.note = absl::StrCat("cuda_expandable_segments: PYTORCH_CUDA_ALLOC_CONF=", kSetting);
+  if (cuda_set && std::string(cuda) == setting && !any_set) {
+    applied.note = absl::StrCat(asked, ": PYTORCH_CUDA_ALLOC_CONF=", setting);
     return applied;
   }
   if (cuda_set || any_set) {
     const char* name = any_set ? "PYTORCH_ALLOC_CONF" : "PYTORCH_CUDA_ALLOC_CONF";
-    applied.note = absl::StrCat("cuda_expandable_segments: the environment's ", name, "=",
-                                Truncated(any_set ? any : cuda), " is used as it is");
+    applied.note = absl::StrCat(asked, ": the environment's ", name, "=", Truncated(any_set ? any : cuda),
+                                " is used as it is");
     return applied;
   }
   // An empty PYTORCH_ALLOC_CONF would still be the one LibTorch reads.
   if (any != nullptr) ::unsetenv("PYTORCH_ALLOC_CONF");
-  ::setenv("PYTORCH_CUDA_ALLOC_CONF", kSetting, /*overwrite=*/1);
-  applied.note = absl::StrCat("cuda_expandable_segments: PYTORCH_CUDA_ALLOC_CONF=", kSetting);
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", setting.c_str(), /*overwrite=*/1);
+  applied.note = absl::StrCat(asked, ": PYTORCH_CUDA_ALLOC_CONF=", setting);
   applied.changed_environment = true;
   return applied;
 }
@@ -411,6 +425,12 @@ absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config, c
   }
   RETURN_IF_ERROR(zero_or("http.max_body_bytes", http->max_body_bytes(), 1024, 64 << 20, 16 << 20));
   if (http->max_body_bytes() == 0) http->set_max_body_bytes(16 << 20);
+  if (config.cuda_max_split_size_mb() != 0) {
+    RETURN_IF_ERROR(CheckRange("cuda_max_split_size_mb", config.cuda_max_split_size_mb(), kMinCudaMaxSplitSizeMb,
+                               kMaxCudaMaxSplitSizeMb,
+                               absl::StrCat("0 (LibTorch's default: no limit) or ", kMinCudaMaxSplitSizeMb, "..",
+                                            kMaxCudaMaxSplitSizeMb)));
+  }
   RETURN_IF_ERROR(CheckRange("cpu_threads", config.cpu_threads(), 0, kMaxCpuThreads,
                              absl::StrCat("0 (LibTorch's default) or 1..", kMaxCpuThreads)));
   if (config.has_device() && config.devices_size() > 0) {

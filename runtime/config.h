@@ -33,6 +33,10 @@ inline constexpr int kDemoImageSize = 128;
 inline constexpr int kMaxQueueDepth = 4096;
 // cpu_threads: 0 (LibTorch's default) ..1024.
 inline constexpr int kMaxCpuThreads = 1024;
+// ServerConfig.cuda_max_split_size_mb: LibTorch's allocator needs more than its 20 MiB large-buffer
+// size; the top is a sanity bound (1 TiB).
+inline constexpr int64_t kMinCudaMaxSplitSizeMb = 21;
+inline constexpr int64_t kMaxCudaMaxSplitSizeMb = 1 << 20;
 // device.index: 0..127 (c10::DeviceIndex is an int8_t in LibTorch 1.13).
 inline constexpr int kMaxDeviceIndex = 127;
 // batching.max_batch_size: 0 or 1 (off) ..64; batching.max_queue_delay_ms: 0..60000.
@@ -103,7 +107,11 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path);
 absl::StatusOr<v1::ServerConfig> FinalizeServerConfig(v1::ServerConfig config,
                                                       const PipelineRegistry* registry = nullptr);
 
-// Applies the process-wide CUDA allocator settings of `config` (cuda_expandable_segments) to the
+// The PYTORCH_CUDA_ALLOC_CONF value `config` asks for (cuda_expandable_segments,
+// cuda_max_split_size_mb; "" when none), e.g. "expandable_segments:True,max_split_size_mb:256".
+std::string CudaAllocatorConf(const v1::ServerConfig& config);
+
+// Applies the process-wide CUDA allocator settings of `config` (CudaAllocatorConf) to the
 // environment LibTorch's allocator reads (PYTORCH_CUDA_ALLOC_CONF), unless the environment already
 // configures the allocator (a non-empty PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF: it wins).
 // `note`: what it found or did, for the start-up log ("" when the config asks nothing);

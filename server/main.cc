@@ -240,7 +240,7 @@ int main(int argc, char** argv) {
   }
   g_serving.store(true);
   // What LibTorch's CUDA allocator runs with (the setting's effect, not the variable).
-  if (config.cuda_expandable_segments()) Log(stowage::CudaAllocatorNote());
+  if (!stowage::CudaAllocatorConf(config).empty()) Log(stowage::CudaAllocatorNote());
   std::cout << "stowage_server: serving gRPC on " << (*server)->grpc_address() << ", metrics on "
             << ((*server)->metrics_address().empty() ? std::string("(disabled)")
                                                       : absl::StrCat("http://", (*server)->metrics_address(), "/metrics"))

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -205,6 +206,48 @@ TEST(ConfigTest, CudaExpandableSegmentsSetTheAllocatorsEnvironmentUnlessItIsSet)
   ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
 }
 
+// cuda_max_split_size_mb: 0 (LibTorch's default) or 21..1048576, named with its range when out of
+// it; set alone or combined with expandable segments in the one variable LibTorch reads.
+TEST(ConfigTest, CudaMaxSplitSizeIsCheckedAndJoinsTheAllocatorsSetting) {
+  for (const auto& [value, accepted] : std::vector<std::pair<int64_t, bool>>{
+           {0, true}, {21, true}, {256, true}, {1 << 20, true}, {1, false}, {20, false}, {(1 << 20) + 1, false},
+           {4294967295LL, false}}) {
+    v1::ServerConfig config;
+    config.set_cuda_max_split_size_mb(static_cast<uint32_t>(value));
+    const auto finalized = FinalizeServerConfig(config);
+    EXPECT_EQ(finalized.ok(), accepted) << value << " -> " << finalized.status();
+    if (!accepted) {
+      EXPECT_NE(std::string(finalized.status().message())
+                    .find(absl::StrCat("cuda_max_split_size_mb: ", value,
+                                       " is out of range; allowed: 0 (LibTorch's default: no limit) or 21..1048576")),
+                std::string::npos)
+          << finalized.status();
+    }
+  }
+  ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  ::unsetenv("PYTORCH_ALLOC_CONF");
+  v1::ServerConfig config;
+  config.set_cuda_max_split_size_mb(256);
+  EXPECT_EQ(CudaAllocatorConf(config), "max_split_size_mb:256");
+  CudaAllocatorSettings applied = ApplyCudaAllocatorSettings(config);
+  EXPECT_TRUE(applied.changed_environment);
+  EXPECT_EQ(applied.note, "cuda_max_split_size_mb: PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:256");
+  EXPECT_STREQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), "max_split_size_mb:256");
+  // Both: one value (a fresh process), and the re-executed server finds it set.
+  ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  config.set_cuda_expandable_segments(true);
+  EXPECT_EQ(CudaAllocatorConf(config), "expandable_segments:True,max_split_size_mb:256");
+  applied = ApplyCudaAllocatorSettings(config);
+  EXPECT_TRUE(applied.changed_environment);
+  EXPECT_STREQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True,max_split_size_mb:256");
+  applied = ApplyCudaAllocatorSettings(config);
+  EXPECT_FALSE(applied.changed_environment);
+  EXPECT_EQ(applied.note,
+            "cuda_expandable_segments, cuda_max_split_size_mb: PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True,max_split_size_mb:256");
+  ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+}
+
 }  // namespace
 }  // namespace stowage
 
@@ -332,6 +375,9 @@ TEST(ConfigRangeTest, EveryNumericOptionIsCheckedAtItsBounds) {
        {0, 1, 4096}, {-1, 4097, 1000000}},
       {"cpu_threads", [](auto& c, int64_t v) { c.set_cpu_threads(static_cast<int32_t>(v)); },
        {0, 1, 1024}, {-1, 1025}},
+      {"cuda_max_split_size_mb",
+       [](auto& c, int64_t v) { c.set_cuda_max_split_size_mb(static_cast<uint32_t>(v)); },
+       {0, 21, 1 << 20}, {1, 20, (1 << 20) + 1}},
       {"scheduler.max_reorder_delay_ms",
        [](auto& c, int64_t v) { c.mutable_scheduler()->set_max_reorder_delay_ms(static_cast<int32_t>(v)); },
        {0, 1, 60000}, {-1, 60001}},

@@ -34,8 +34,44 @@
 
 namespace stowage {
 
+std::string DescribeAllocatorSegments(const std::vector<AllocatorSegment>& segments) {
+  int64_t pinned_free = 0, pinned_count = 0, small_free = 0, small_count = 0;
+  int64_t free_segments_bytes = 0, free_segments = 0, largest = 0;
+  for (const AllocatorSegment& segment : segments) {
+    const int64_t unallocated = segment.total_bytes - segment.allocated_bytes;
+    if (unallocated <= 0) continue;
+    largest = std::max(largest, segment.largest_free_block);
+    if (segment.allocated_bytes == 0) {
+      free_segments_bytes += unallocated;
+      ++free_segments;
+      continue;
+    }
+    pinned_free += unallocated;
+    ++pinned_count;
+    if (segment.total_bytes <= kSmallAllocatorSegmentBytes) {
+      small_free += unallocated;
+      ++small_count;
+    }
+  }
+  if (pinned_count == 0 && free_segments == 0) return "allocator: nothing reserved beyond live allocations";
+  return absl::StrCat("allocator: ", pinned_free + free_segments_bytes, " bytes reserved but unallocated: ",
+                      pinned_free, " in ", pinned_count, " segments that hold live blocks too (", small_free,
+                      " of them in ", small_count, " segments of 20 MiB or less), ", free_segments_bytes, " in ",
+                      free_segments, " free segments; the largest free block ", largest, " bytes");
+}
+
 #ifdef STOWAGE_WITH_CUDA
 namespace {
+
+// LibTorch's allocator snapshot: a list of segments (1.13) or a struct holding them (2.x).
+[[maybe_unused]] const std::vector<c10::cuda::CUDACachingAllocator::SegmentInfo>& SegmentsOf(
+    const std::vector<c10::cuda::CUDACachingAllocator::SegmentInfo>& snapshot) {
+  return snapshot;
+}
+template <typename Snapshot>
+const auto& SegmentsOf(const Snapshot& snapshot) {
+  return snapshot.segments;
+}
 
 // The device memory this process holds as the driver reports it (what nvidia-smi lists per
 // process), through NVML loaded at run time: libnvidia-ml ships with the driver, not the toolkit, so
@@ -367,6 +403,21 @@ class CudaBackend : public DeviceBackend {
   }
   int64_t MemoryBudget() const override { return budget_bytes_; }
   void ReleaseCachedMemory() override { c10::cuda::CUDACachingAllocator::emptyCache(); }
+  std::string AllocatorLayoutNote() override {
+    const auto snapshot = c10::cuda::CUDACachingAllocator::snapshot();
+    std::vector<AllocatorSegment> segments;
+    for (const auto& info : SegmentsOf(snapshot)) {
+      if (static_cast<int>(info.device) != index_) continue;
+      AllocatorSegment segment;
+      segment.total_bytes = static_cast<int64_t>(info.total_size);
+      segment.allocated_bytes = static_cast<int64_t>(info.allocated_size);
+      for (const auto& block : info.blocks) {
+        if (!block.allocated) segment.largest_free_block = std::max(segment.largest_free_block, static_cast<int64_t>(block.size));
+      }
+      segments.push_back(segment);
+    }
+    return DescribeAllocatorSegments(segments);
+  }
 
   void EnterComputeThread(bool high_priority) override {
     if (!high_priority) return;

@@ -22,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
@@ -172,6 +173,14 @@ class DeviceBackend {
   virtual int64_t MemoryBudget() const = 0;
   // Returns cached but unused device memory to the driver (CUDA); no-op elsewhere.
   virtual void ReleaseCachedMemory() = 0;
+  // Where the allocator's reserved but unallocated memory lies, for an out-of-memory decision's
+  // reason (DescribeAllocatorSegments); "" where the allocator keeps nothing beyond its live
+  // allocations. CUDA: LibTorch's segments (one cudaMalloc each) — free room in a segment that also
+  // holds a live block is what the allocator's retry after a refusal cannot give back. The
+  // simulator with SimulatedBackendOptions::caching_allocator: its cached blocks, each a free
+  // segment (its retry gives them all back). Taken after the failed run unwound, so it shows what
+  // the long-lived tensors (weights, caches) pin, not the failed run's own activations.
+  virtual std::string AllocatorLayoutNote() { return ""; }
   // Measures again what the process holds outside the allocator and, when a budget is set,
   // re-applies it against the new figure. Libraries load kernels and create workspaces at their
   // first use, so on CUDA this grows after start-up (by about 0.8 GB on an H200 running Z-Image);
@@ -221,6 +230,22 @@ class DeviceBackend {
   std::atomic<int64_t> peak_floor_allocated_{0};
   std::atomic<int64_t> peak_floor_reserved_{0};
 };
+
+// One segment of a caching allocator (one cudaMalloc on CUDA): its size, the bytes its live
+// allocations hold, and its largest free block.
+struct AllocatorSegment {
+  int64_t total_bytes = 0;
+  int64_t allocated_bytes = 0;
+  int64_t largest_free_block = 0;
+};
+// Segments of this size or less serve allocations of 1–10 MiB on CUDA (LibTorch's 20 MiB large
+// buffer) and small ones (2 MiB segments): many small weights share them.
+inline constexpr int64_t kSmallAllocatorSegmentBytes = int64_t{20} << 20;
+// What `segments` hold beyond live allocations, e.g. "allocator: 3117457408 bytes reserved but
+// unallocated: 2909798400 in 143 segments that hold live blocks too (1288490188 of them in 120
+// segments of 20 MiB or less), 207659008 in 3 free segments; the largest free block 429916160
+// bytes"; "allocator: nothing reserved beyond live allocations" when nothing is free.
+std::string DescribeAllocatorSegments(const std::vector<AllocatorSegment>& segments);
 
 struct SimulatedBackendOptions {
   // Device memory budget in bytes; 0 is unlimited.

@@ -426,6 +426,22 @@ class SimulatedBackend : public DeviceBackend {
     pool_->cached.clear();
     pool_->cached_total = 0;
   }
+  // With caching_allocator: each cached block as a free segment (the retry gives them all back);
+  // without, nothing is kept beyond live allocations.
+  std::string AllocatorLayoutNote() override {
+    std::vector<AllocatorSegment> segments;
+    {
+      absl::MutexLock lock(&pool_->mu);
+      if (!pool_->caching) return "";
+      for (const int64_t bytes : pool_->cached) {
+        AllocatorSegment segment;
+        segment.total_bytes = bytes;
+        segment.largest_free_block = bytes;
+        segments.push_back(segment);
+      }
+    }
+    return DescribeAllocatorSegments(segments);
+  }
   // The simulated context never grows; with count_context_reserve a reserve is accounted as on
   // CUDA (in the context, against the budget).
   void SetContextReserve(int64_t bytes) override {

@@ -112,6 +112,11 @@ PlacementManager::~PlacementManager() {
 
 int64_t PlacementManager::FreeBytes() const { return backend_->GetMemoryStats().free_bytes(); }
 
+std::string PlacementManager::OomReason(const absl::Status& status) {
+  const std::string layout = backend_->AllocatorLayoutNote();
+  return layout.empty() ? std::string(status.message()) : absl::StrCat(status.message(), "; ", layout);
+}
+
 void PlacementManager::Record(const std::string& component, const std::string& action,
                               int64_t bytes, int64_t free_before, const std::string& reason) {
   PlacementDecision d;
@@ -571,7 +576,7 @@ absl::Status PlacementManager::MakeResident(Entry& entry, const std::string& why
   absl::Status status = entry.component->host_weights().OnloadAll(*backend_);
   if (IsDeviceOom(status)) {
     // Recovery 1: move every other movable resident off, return cached blocks, retry.
-    Record(entry.id, "oom", needed, before, std::string(status.message()));
+    Record(entry.id, "oom", needed, before, OomReason(status));
     status = RetryAfterEvicting(entry, absl::StrCat("out of memory onloading ", entry.id), std::move(status), [&] {
       before = FreeBytes();
       return entry.component->host_weights().OnloadAll(*backend_);
@@ -1066,7 +1071,7 @@ absl::Status PlacementManager::Run(Component& component, const std::function<voi
     // The forward itself ran out (activations): free everything else and try once more, then
     // group-offload the component and try again.
     const int64_t before = FreeBytes();
-    Record(entry->id, "oom", 0, before, std::string(status.message()));
+    Record(entry->id, "oom", 0, before, OomReason(status));
     // Spare-room caches first: they hold only room nothing else wanted, so the run tries again
     // with all of it back before any weights move (a kept-resident component stays), and the
     // caches keep a wider margin from then on.
@@ -1263,7 +1268,7 @@ absl::Status PlacementManager::EnableLocked(Entry& entry, const GroupOffloadOpti
     // Its resident groups and slots do not fit beside what is resident now: make room as for an
     // out-of-memory onload (every other movable component leaves), then try once more.
     const int64_t before = FreeBytes();
-    Record(entry.id, "oom", 0, before, std::string(applied.status().message()));
+    Record(entry.id, "oom", 0, before, OomReason(applied.status()));
     EvictAllBut(entry, absl::StrCat("make room for group offloading ", entry.id));
     backend_->ReleaseCachedMemory();
     applied = GroupOffloader::Apply(name, component.module(), component.host_weights(), *backend_, effective);

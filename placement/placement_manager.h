@@ -431,6 +431,9 @@ class PlacementManager : public ComponentRunner {
   // copy every run, theirs once a request. Recorded as "release_group_cache"; returns the bytes freed.
   int64_t YieldCachesTo(const Entry& entry, int64_t wanted);
   void SweepMoved();
+  // An out-of-memory error's message for its "oom" decision, with where the allocator's reserved
+  // but unallocated memory lies (DeviceBackend::AllocatorLayoutNote) when it keeps any.
+  std::string OomReason(const absl::Status& status);
   // See Entry::arriving. Arrive also counts a pipeline prefetch as used.
   void Arrive(Entry& entry);
   void Settle(Entry& entry);

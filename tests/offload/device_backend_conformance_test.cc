@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "base/out_of_memory.h"
 
@@ -60,6 +61,27 @@ TEST_P(DeviceBackendConformanceTest, AllocationsAreAccountedAndPeakResets) {
   EXPECT_EQ(after.peak_process_bytes(), after.peak_reserved_bytes + after.context_bytes);
   backend_->ResetPeakStats();
   EXPECT_EQ(backend_->GetMemoryStats().peak_allocated_bytes, base);
+}
+
+// Where the allocator's unallocated room lies, from its own segments: on CUDA a 4 MiB block freed
+// between two live ones of a 20 MiB segment is room that segment holds beside live blocks (the
+// allocator's retry cannot give it back); the simulator keeps nothing beyond live allocations.
+TEST_P(DeviceBackendConformanceTest, TheAllocatorLayoutNoteSaysWhereFreeRoomLies) {
+  backend_->Synchronize();
+  const int64_t MiB = int64_t{1} << 20;
+  auto first = backend_->AllocateBytes(4 * MiB);
+  auto middle = backend_->AllocateBytes(4 * MiB);
+  auto last = backend_->AllocateBytes(4 * MiB);
+  ASSERT_TRUE(first.ok() && middle.ok() && last.ok());
+  middle = absl::InternalError("freed");
+  backend_->Synchronize();
+  const std::string note = backend_->AllocatorLayoutNote();
+  if (GetParam() == Kind::kSimulated) {
+    EXPECT_EQ(note, "");
+    return;
+  }
+  EXPECT_NE(note.find(" segments that hold live blocks too ("), std::string::npos) << note;
+  EXPECT_EQ(note.find(" 0 in 0 segments that hold live blocks too"), std::string::npos) << note;
 }
 
 // Placement measures each component's run in a peak window while the request's peak is measured
@@ -316,6 +338,38 @@ TEST(SimulatedBackendTest, ACachingAllocatorReusesSplitsAndGivesBackItsBlocks) {
   EXPECT_EQ(stats.reserved_bytes, 500);
   EXPECT_EQ(stats.allocated_bytes, 500);
   EXPECT_EQ(stats.peak_reserved_bytes, 950);
+}
+
+// An out-of-memory decision says where the reserved but unallocated room lies: in segments that
+// also hold live blocks (the allocator's retry cannot give those back; the small ones apart, where many
+// small weights share 20 MiB segments) or in free segments, and the largest free block.
+TEST(AllocatorLayoutTest, SaysWhereTheReservedButUnallocatedRoomLies) {
+  EXPECT_EQ(DescribeAllocatorSegments({}), "allocator: nothing reserved beyond live allocations");
+  EXPECT_EQ(DescribeAllocatorSegments({{100, 100, 0}}), "allocator: nothing reserved beyond live allocations");
+  const int64_t MiB = int64_t{1} << 20;
+  const std::vector<AllocatorSegment> segments = {
+      {20 * MiB, 12 * MiB, 4 * MiB},     // Small, pinned by live blocks: 8 MiB free.
+      {2 * MiB, 1 * MiB, MiB / 2},       // Small too: 1 MiB free.
+      {512 * MiB, 256 * MiB, 200 * MiB}, // Large, pinned: 256 MiB free.
+      {300 * MiB, 0, 300 * MiB},         // Free: the retry gives it back.
+      {64 * MiB, 64 * MiB, 0},           // Full.
+  };
+  EXPECT_EQ(DescribeAllocatorSegments(segments),
+            absl::StrCat("allocator: ", 565 * MiB, " bytes reserved but unallocated: ", 265 * MiB,
+                         " in 3 segments that hold live blocks too (", 9 * MiB,
+                         " of them in 2 segments of 20 MiB or less), ", 300 * MiB,
+                         " in 1 free segments; the largest free block ", 300 * MiB, " bytes"));
+  // The simulator's caching allocator: its cached blocks are free segments; without it, nothing.
+  EXPECT_EQ(CreateSimulatedBackend({})->AllocatorLayoutNote(), "");
+  SimulatedBackendOptions options;
+  options.caching_allocator = true;
+  auto backend = CreateSimulatedBackend(options);
+  EXPECT_EQ(backend->AllocatorLayoutNote(), "allocator: nothing reserved beyond live allocations");
+  { ASSERT_TRUE(backend->AllocateBytes(600).ok()); }
+  { ASSERT_TRUE(backend->AllocateBytes(700).ok()); }
+  EXPECT_EQ(backend->AllocatorLayoutNote(),
+            "allocator: 1300 bytes reserved but unallocated: 0 in 0 segments that hold live blocks too (0 of "
+            "them in 0 segments of 20 MiB or less), 1300 in 2 free segments; the largest free block 700 bytes");
 }
 
 TEST(SimulatedBackendTest, OverlappingHostRegistrationIsRefused) {

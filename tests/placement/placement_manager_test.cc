@@ -534,6 +534,15 @@ TEST(PlacementManagerTest, AllocatorShortfallsARunRecoveredFromLeaveTheCacheMarg
   ASSERT_TRUE(s.placement.Run(*vae, s.Allocating(cache + cache / 2)).ok());
   EXPECT_EQ(s.placement.TakeSnapshot().counters.oom_recoveries, 1);
   EXPECT_EQ(s.placement.learned_cache_margin(), 256);
+  // Its "oom" decision says where the allocator's unallocated room lay (the simulator's retry gave
+  // every cached block back before refusing).
+  int ooms = 0;
+  for (const PlacementDecision& d : s.placement.DecisionLog(1000)) {
+    if (d.action != "oom" || d.request_id != "failed") continue;
+    ++ooms;
+    EXPECT_NE(d.reason.find("; allocator: "), std::string::npos) << d.reason;
+  }
+  EXPECT_EQ(ooms, 1);
 }
 
 // The worker's fresh thread ran short again (WidenCacheMarginForShortRoom): the margin widens and the

@@ -780,6 +780,37 @@ def decode_note(decodes):
             f"{percentile(rest, 0.5):.3f} s")
 
 
+def oom_fragments(lines):
+    """Where the allocator's room lay at the placement log's out-of-memory decisions: LibTorch's
+    message ("X GiB is reserved by PyTorch but unallocated", at the error) and, since session 44,
+    the decision's "; allocator: ..." note (after the failed run unwound: what long-lived tensors
+    pin) — ranges over the errors; "" when no decision says either."""
+    at_error, pinned, small, free_segments = [], [], [], []
+    gib = float(1 << 30)
+    for line in lines:
+        words = line.split()
+        if "oom" not in words[1:3]:
+            continue
+        m = re.search(r"([0-9.]+) (GiB|MiB|KiB|bytes) is reserved by PyTorch but unallocated", line)
+        if m:
+            at_error.append(float(m.group(1)) / {"GiB": 1.0, "MiB": 1024.0, "KiB": 1024.0 ** 2,
+                                                 "bytes": gib}[m.group(2)])
+        m = re.search(r"; allocator: [0-9]+ bytes reserved but unallocated: ([0-9]+) in [0-9]+ segments that hold "
+                      r"live blocks too \(([0-9]+) of them in [0-9]+ segments of 20 MiB or less\), ([0-9]+) in", line)
+        if m:
+            pinned.append(int(m.group(1)) / gib)
+            small.append(int(m.group(2)) / gib)
+            free_segments.append(int(m.group(3)) / gib)
+    parts = []
+    span = lambda values: f"{min(values):.2f}-{max(values):.2f} GiB"
+    if at_error:
+        parts.append(f"reserved but unallocated at the {len(at_error)} errors {span(at_error)}")
+    if pinned:
+        parts.append(f"after them in segments holding live blocks {span(pinned)} (in segments of 20 MiB or less "
+                     f"{span(small)}), in free segments {span(free_segments)}")
+    return "allocator at out-of-memory errors: " + "; ".join(parts) if parts else ""
+
+
 def analyze(log_dir, rows_path):
     """Where a run's time and bytes went, from its server and placement logs: per strategy, each
     pipeline's mean run time (the server's run_s, queueing excluded) of the measured requests (the
@@ -889,6 +920,9 @@ def analyze(log_dir, rows_path):
                   + f"; spare-room cache releases: {cache_releases}")
             ooms, widened, narrowed = margin_events(lines)
             print(f"  out of memory: {ooms}; cache margin widened {widened}, narrowed {narrowed}")
+            fragments = oom_fragments(lines)
+            if fragments:
+                print("  " + fragments)
             if widened or narrowed:
                 # How long each margin held: the spare-room caches are that much smaller for every
                 # streamed request at it (multi-tenant run 15).

@@ -129,6 +129,17 @@ lines = ["2026-12-06T18:39:43Z req-206    oom            flux-schnell/vae   0 B 
          "2026-12-06T18:45:00Z narrow_cache_margin    256.00 MiB  [footprint] 32 runs began",
          "2026-12-06T18:45:01Z req-300    onload   zimage/vae  1 GiB  [footprint] oom widen_cache_margin"]
 assert m.margin_events(lines) == (1, 1, 1), m.margin_events(lines)
+# Where the allocator held its room at the out-of-memory decisions: LibTorch message at the error,
+# the decision note after it; nothing when neither is there.
+assert m.oom_fragments(lines) == "", m.oom_fragments(lines)
+oom = ("2026-12-07T13:00:24Z req-207    oom   zimage/vae   0 B  [footprint] running vae: CUDA out of memory. "
+       "3.57 GiB is reserved by PyTorch but unallocated. See; allocator: 3221225472 bytes reserved but "
+       "unallocated: 2147483648 in 10 segments that hold live blocks too (536870912 of them in 30 segments "
+       "of 20 MiB or less), 1073741824 in 2 free segments; the largest free block 10 bytes")
+found = m.oom_fragments([oom, oom.replace("3.57 GiB", "512.00 MiB").replace("2147483648", "1073741824")])
+assert found == ("allocator at out-of-memory errors: reserved but unallocated at the 2 errors 0.50-3.57 GiB; "
+                 "after them in segments holding live blocks 1.00-2.00 GiB (in segments of 20 MiB or less "
+                 "0.50-0.50 GiB), in free segments 1.00-1.00 GiB"), found
 # The requests at each margin: from the change on (by request number; a change of no request from the
 # request logged before it), the start before any.
 assert m.request_number("req-206") == 206 and m.request_number("widen_cache_margin") is None

@@ -4,6 +4,10 @@
 // FAILED_PRECONDITION stub when the build has no CUDA (STOWAGE_WITH_CUDA unset).
 #include "offload/device_backend.h"
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "base/process_memory.h"
 #include "base/status_macros.h"
@@ -403,20 +407,28 @@ class CudaBackend : public DeviceBackend {
   }
   int64_t MemoryBudget() const override { return budget_bytes_; }
   void ReleaseCachedMemory() override { c10::cuda::CUDACachingAllocator::emptyCache(); }
+  // Called on the out-of-memory path: it must not throw (a snapshot is refused under
+  // PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync, which the environment may set): "" then.
   std::string AllocatorLayoutNote() override {
-    const auto snapshot = c10::cuda::CUDACachingAllocator::snapshot();
-    std::vector<AllocatorSegment> segments;
-    for (const auto& info : SegmentsOf(snapshot)) {
-      if (static_cast<int>(info.device) != index_) continue;
-      AllocatorSegment segment;
-      segment.total_bytes = static_cast<int64_t>(info.total_size);
-      segment.allocated_bytes = static_cast<int64_t>(info.allocated_size);
-      for (const auto& block : info.blocks) {
-        if (!block.allocated) segment.largest_free_block = std::max(segment.largest_free_block, static_cast<int64_t>(block.size));
+    try {
+      const auto snapshot = c10::cuda::CUDACachingAllocator::snapshot();
+      std::vector<AllocatorSegment> segments;
+      for (const auto& info : SegmentsOf(snapshot)) {
+        if (static_cast<int>(info.device) != index_) continue;
+        AllocatorSegment segment;
+        segment.total_bytes = static_cast<int64_t>(info.total_size);
+        segment.allocated_bytes = static_cast<int64_t>(info.allocated_size);
+        for (const auto& block : info.blocks) {
+          if (!block.allocated) {
+            segment.largest_free_block = std::max(segment.largest_free_block, static_cast<int64_t>(block.size));
+          }
+        }
+        segments.push_back(segment);
       }
-      segments.push_back(segment);
+      return DescribeAllocatorSegments(segments);
+    } catch (const std::exception&) {
+      return "";
     }
-    return DescribeAllocatorSegments(segments);
   }
 
   void EnterComputeThread(bool high_priority) override {

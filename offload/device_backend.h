@@ -174,8 +174,8 @@ class DeviceBackend {
   // Returns cached but unused device memory to the driver (CUDA); no-op elsewhere.
   virtual void ReleaseCachedMemory() = 0;
   // Where the allocator's reserved but unallocated memory lies, for an out-of-memory decision's
-  // reason (DescribeAllocatorSegments); "" where the allocator keeps nothing beyond its live
-  // allocations. CUDA: LibTorch's segments (one cudaMalloc each) — free room in a segment that also
+  // reason (DescribeAllocatorSegments); "" for a backend without a caching allocator (the default
+  // simulator) or where the allocator gives no snapshot. CUDA: LibTorch's segments (one cudaMalloc each) — free room in a segment that also
   // holds a live block is what the allocator's retry after a refusal cannot give back. The
   // simulator with SimulatedBackendOptions::caching_allocator: its cached blocks, each a free
   // segment (its retry gives them all back). Taken after the failed run unwound, so it shows what

@@ -113,8 +113,12 @@ PlacementManager::~PlacementManager() {
 int64_t PlacementManager::FreeBytes() const { return backend_->GetMemoryStats().free_bytes(); }
 
 std::string PlacementManager::OomReason(const absl::Status& status) {
+  // One line: a library's message may carry a backtrace after its first line.
+  std::string message(status.message());
+  const size_t newline = message.find('\n');
+  if (newline != std::string::npos) message.resize(newline);
   const std::string layout = backend_->AllocatorLayoutNote();
-  return layout.empty() ? std::string(status.message()) : absl::StrCat(status.message(), "; ", layout);
+  return layout.empty() ? message : absl::StrCat(message, "; ", layout);
 }
 
 void PlacementManager::Record(const std::string& component, const std::string& action,

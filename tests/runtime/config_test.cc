@@ -175,7 +175,7 @@ TEST(ConfigTest, CudaExpandableSegmentsSetTheAllocatorsEnvironmentUnlessItIsSet)
   ::setenv("PYTORCH_ALLOC_CONF", "", 1);
   applied = ApplyCudaAllocatorSettings(config);
   EXPECT_TRUE(applied.changed_environment);
-  EXPECT_NE(applied.note.find("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"), std::string::npos) << applied.note;
+  EXPECT_EQ(applied.note, "cuda_expandable_segments: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True");
   ASSERT_NE(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), nullptr);
   EXPECT_STREQ(std::getenv("PYTORCH_CUDA_ALLOC_CONF"), "expandable_segments:True");
   EXPECT_EQ(std::getenv("PYTORCH_ALLOC_CONF"), nullptr);

@@ -12,6 +12,7 @@
 #include <map>
 #include <set>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 #include "offload/host_spill.h"
@@ -184,13 +185,23 @@ absl::StatusOr<v1::ServerConfig> LoadServerConfig(const std::string& path) {
   return config;
 }
 
-std::string CudaAllocatorConf(const v1::ServerConfig& config) {
-  std::vector<std::string> parts;
-  if (config.cuda_expandable_segments()) parts.push_back("expandable_segments:True");
+namespace {
+
+// What `config` asks of LibTorch's allocator: each asking field and its PYTORCH_CUDA_ALLOC_CONF part.
+std::vector<std::pair<std::string, std::string>> AllocatorAsks(const v1::ServerConfig& config) {
+  std::vector<std::pair<std::string, std::string>> asks;
+  if (config.cuda_expandable_segments()) asks.emplace_back("cuda_expandable_segments", "expandable_segments:True");
   if (config.cuda_max_split_size_mb() != 0) {
-    parts.push_back(absl::StrCat("max_split_size_mb:", config.cuda_max_split_size_mb()));
+    asks.emplace_back("cuda_max_split_size_mb", absl::StrCat("max_split_size_mb:", config.cuda_max_split_size_mb()));
   }
-  return absl::StrJoin(parts, ",");
+  return asks;
+}
+
+}  // namespace
+
+std::string CudaAllocatorConf(const v1::ServerConfig& config) {
+  return absl::StrJoin(AllocatorAsks(config), ",",
+                       [](std::string* out, const auto& ask) { out->append(ask.second); });
 }
 
 CudaAllocatorSettings ApplyCudaAllocatorSettings(const v1::ServerConfig& config) {
@@ -198,10 +209,8 @@ CudaAllocatorSettings ApplyCudaAllocatorSettings(const v1::ServerConfig& config)
   const std::string setting = CudaAllocatorConf(config);
   if (setting.empty()) return applied;
   // The config fields that asked, for the note.
-  std::vector<std::string> fields;
-  if (config.cuda_expandable_segments()) fields.push_back("cuda_expandable_segments");
-  if (config.cuda_max_split_size_mb() != 0) fields.push_back("cuda_max_split_size_mb");
-  const std::string asked = absl::StrJoin(fields, ", ");
+  const std::string asked = absl::StrJoin(AllocatorAsks(config), ", ",
+                                          [](std::string* out, const auto& ask) { out->append(ask.first); });
   const char* cuda = std::getenv("PYTORCH_CUDA_ALLOC_CONF");
   const char* any = std::getenv("PYTORCH_ALLOC_CONF");  // LibTorch 2.9+ reads it first.
   const bool cuda_set = cuda != nullptr && cuda[0] != '\0';

@@ -73,8 +73,8 @@ Rows:
 
     python3 bench/multi_tenant.py table ROWS.jsonl      the rows as a Markdown table.
     python3 bench/multi_tenant.py analyze LOGS ROWS     per strategy: mean run times (queueing
-        excluded), the utilisation they imply, stage medians, allocator shortfalls, whole-component
-        onloads, the scheduler's reorders, the spare-room caches' margin (its changes and the measured
+        excluded), the utilisation they imply, stage medians, allocator shortfalls (and where the
+        allocator's unallocated room lay at out-of-memory errors), whole-component onloads, the scheduler's reorders, the spare-room caches' margin (its changes and the measured
         requests at each) and each streamed component's forwards and cache hits (its own, on one server).
     python3 bench/multi_tenant.py replay LOGS ROWS      the scheduler strategy's requests replayed
         through a model with and without preemption.
@@ -792,9 +792,8 @@ def oom_fragments(lines):
         if "oom" not in words[1:3]:
             continue
         m = re.search(r"([0-9.]+) (GiB|MiB|KiB|bytes) is reserved by PyTorch but unallocated", line)
-        if m:
-            at_error.append(float(m.group(1)) / {"GiB": 1.0, "MiB": 1024.0, "KiB": 1024.0 ** 2,
-                                                 "bytes": gib}[m.group(2)])
+        if m:  # LibTorch writes "bytes" where the placement log writes "B".
+            at_error.append(logged_bytes([m.group(1), "B" if m.group(2) == "bytes" else m.group(2)]) / gib)
         m = re.search(r"; allocator: [0-9]+ bytes reserved but unallocated: ([0-9]+) in [0-9]+ segments that hold "
                       r"live blocks too \(([0-9]+) of them in [0-9]+ segments of 20 MiB or less\), ([0-9]+) in", line)
         if m:

@@ -140,6 +140,8 @@ found = m.oom_fragments([oom, oom.replace("3.57 GiB", "512.00 MiB").replace("214
 assert found == ("allocator at out-of-memory errors: reserved but unallocated at the 2 errors 0.50-3.57 GiB; "
                  "after them in segments holding live blocks 1.00-2.00 GiB (in segments of 20 MiB or less "
                  "0.50-0.50 GiB), in free segments 1.00-1.00 GiB"), found
+assert m.oom_fragments([oom.replace("3.57 GiB", "1073741824 bytes")]).startswith(
+    "allocator at out-of-memory errors: reserved but unallocated at the 1 errors 1.00-1.00 GiB;")
 # The requests at each margin: from the change on (by request number; a change of no request from the
 # request logged before it), the start before any.
 assert m.request_number("req-206") == 206 and m.request_number("widen_cache_margin") is None

@@ -833,12 +833,16 @@ def analyze(log_dir, rows_path):
         log = os.path.join(log_dir, f"{strategy}.log")
         if not os.path.exists(log):
             continue
-        runs, renewals, ids = [], 0, []
+        runs, renewals, renewed, ids = [], 0, "worker thread", []
         for line in open(log, encoding="utf-8", errors="replace"):
             # Since session 41: the device worker went on on a fresh thread after an allocator
-            # out-of-memory error (per-thread cuDNN plans chosen short of memory are left behind).
+            # out-of-memory error (per-thread cuDNN plans chosen short of memory are left behind);
+            # since session 45 only the device's convolutions do ("thread=convolutions").
             if " device_thread_renewed " in line:
                 renewals += 1
+                if " thread=convolutions " in line:
+                    renewed = "convolutions' thread"
+
             if " I request " not in line or " status=OK " not in line:
                 continue
             fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
@@ -869,7 +873,7 @@ def analyze(log_dir, rows_path):
         print(f"{strategy}: {len(runs)} measured requests, mean run {mean:.3f} s"
               + (f", utilisation at {rate}/s {rate * share:.0%}" if rate else "")
               + (f", mean batch {batch:.2f} (a request's share of its batch's run {share:.3f} s)" if batch > 1 else "")
-              + (f", worker thread renewed {renewals}x after allocator out-of-memory errors" if renewals else ""))
+              + (f", {renewed} renewed {renewals}x after allocator out-of-memory errors" if renewals else ""))
         for pipeline in POPULARITY:
             if pipeline in per:
                 # The server's queue wait (admission to the device queue until the run starts): with

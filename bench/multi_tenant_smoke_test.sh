@@ -105,6 +105,12 @@ done
 grep -q "^resident: .*, worker thread renewed 2x after allocator out-of-memory errors$" "$TEST_TMPDIR/analysis_r.txt" ||
   { cat "$TEST_TMPDIR/analysis_r.txt"; exit 1; }
 grep "^resident: " "$TEST_TMPDIR/analysis.txt" | grep -vq "renewed" || { cat "$TEST_TMPDIR/analysis.txt"; exit 1; }
+# Since session 45 the server renews only its convolutions' thread and says so (thread=convolutions).
+echo "2026-12-07T04:00:03.000+00:00 I device_thread_renewed device=sim:0 thread=convolutions reason=\"3 allocator out-of-memory errors\"" \
+  >>"$TEST_TMPDIR/logs_r/resident.log"
+/usr/bin/python3 "$scripts/multi_tenant.py" analyze "$TEST_TMPDIR/logs_r" "$TEST_TMPDIR/rows.jsonl" >"$TEST_TMPDIR/analysis_c.txt"
+grep -q "^resident: .*, convolutions' thread renewed 3x after allocator out-of-memory errors$" "$TEST_TMPDIR/analysis_c.txt" ||
+  { cat "$TEST_TMPDIR/analysis_c.txt"; exit 1; }
 # The budgeted strategies' bytes split into whole-component onloads and the rest (streamed): FIFO
 # moved whole components (its onloads above), so its figure is above nothing.
 [ "$(grep -c "^  bytes to the device per measured request [0-9.]* GB, of which whole-component onloads at most [0-9.]* GB" \

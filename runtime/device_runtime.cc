@@ -183,12 +183,20 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
   };
   worker.on_reorder = record("schedule");
   worker.on_preempt = record("preempt");
-  if (config.device().high_priority_compute()) {
-    worker.on_start = [raw] { raw->backend_->EnterComputeThread(/*high_priority=*/true); };
-  }
-  // After allocator out-of-memory errors the worker goes on on a fresh thread, once the room is back
-  // (runtime/thread_renewal.h: LibTorch keeps a cuDNN convolution plan chosen short of memory on its
-  // thread).
+  // The device's convolutions run on a lane of their own (models/core/conv_lane.h), installed on the
+  // worker's thread.
+  core->conv_lane_ = std::make_unique<ConvLane>();
+  ConvLane* lane = core->conv_lane_.get();
+  const bool high_priority = config.device().high_priority_compute();
+  worker.on_start = [raw, lane, high_priority] {
+    if (high_priority) raw->backend_->EnterComputeThread(/*high_priority=*/true);
+    ConvLane::SetForThisThread(lane);
+  };
+  // After allocator out-of-memory errors the convolutions go on on a fresh thread, once the room is
+  // back (runtime/thread_renewal.h: LibTorch keeps a cuDNN convolution plan chosen short of memory on
+  // its thread). Only the lane's thread: the worker's keeps the attention graphs and whatever else
+  // LibTorch cached on it (until session 45 the worker's own thread was renewed, and the next run of
+  // every pipeline built its cuDNN attention graphs again — multi-tenant run 16, 15 renewals).
   // A fresh thread whose first item ran short again says the room is what is missing: the spare-room
   // caches' margin widens then (and only then: a single shortfall costs its run a few hundredths of a
   // second, a wider margin every streamed request after it copies).
@@ -197,22 +205,25 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
     ThreadRenewalPolicy policy;
     int64_t widenings = 0;  // The placement's count at the last look.
   };
-  worker.renew_thread = [raw, state = std::make_shared<RenewalState>()](WorkerScope& scope) -> std::string {
+  worker.renew_thread = [raw, lane, state = std::make_shared<RenewalState>()](WorkerScope& scope) -> std::string {
     PlacementManager& placement = raw->Placement(scope);
     const DeviceMemoryStats stats = placement.backend().GetMemoryStats();
-    std::string reason = state->policy.Next(stats.allocator_ooms, stats.largest_refused_bytes, stats.free_bytes());
+    const std::string reason = state->policy.Next(stats.allocator_ooms, stats.largest_refused_bytes, stats.free_bytes());
     if (state->policy.fresh_thread_ran_short() && placement.cache_margin_widenings() == state->widenings) {
       placement.WidenCacheMarginForShortRoom(
           stats.largest_refused_bytes,
-          absl::StrCat("the worker's fresh thread ran short of memory again in its first item (the largest refusal ",
+          absl::StrCat("the first item after the convolutions went on on a fresh thread ran short of memory again "
+                       "(the largest refusal ",
                        stats.largest_refused_bytes, " bytes)"));
     }
     state->widenings = placement.cache_margin_widenings();
-    return reason;
-  };
-  worker.on_renewed = [raw](WorkerScope&, const std::string& reason) {
-    LogInfo(absl::StrCat("device_thread_renewed device=", raw->device_name_, " reason=", LogValue(reason)));
-    if (raw->metrics_ != nullptr) raw->metrics_->RecordThreadRenewal(raw->device_name_);
+    if (!reason.empty()) {
+      lane->Renew();
+      LogInfo(absl::StrCat("device_thread_renewed device=", raw->device_name_, " thread=convolutions reason=",
+                           LogValue(reason)));
+      if (raw->metrics_ != nullptr) raw->metrics_->RecordThreadRenewal(raw->device_name_);
+    }
+    return "";  // The worker goes on on its own thread.
   };
   core->worker_ = std::make_unique<DeviceWorker>(std::move(worker));
   if (metrics != nullptr) metrics->SetQueueDepth(device, 0);

@@ -47,6 +47,7 @@
 #include "absl/synchronization/mutex.h"
 #include "models/pipelines/component.h"
 #include "base/load_progress.h"
+#include "models/core/conv_lane.h"
 #include "models/core/layers.h"
 #include "models/core/lora.h"
 #include "models/pipelines/pipeline.h"
@@ -287,6 +288,9 @@ class DeviceRuntime {
   // The executor reaches the device's state with the worker's scope, as the runtime's own methods do.
   friend class RequestExecutor;
   // Declared last: destroyed first, so queued work finishes while everything it uses exists.
+  // The device's convolutions' own thread (models/core/conv_lane.h); outlives the worker, whose
+  // threads run convolutions through it.
+  std::unique_ptr<ConvLane> conv_lane_;
   std::unique_ptr<DeviceWorker> worker_;
 };
 

@@ -276,9 +276,9 @@ ServerMetrics::ServerMetrics()
                        .Register(*registry_)),
       thread_renewals_(prometheus::BuildCounter()
                            .Name("stowage_device_thread_renewals_total")
-                           .Help("Times a device's worker went on on a fresh thread after allocator out-of-memory "
-                                 "errors, once the room was back (LibTorch keeps a cuDNN convolution plan chosen "
-                                 "short of memory on its thread).")
+                           .Help("Times a device's convolutions went on on a fresh thread after allocator "
+                                 "out-of-memory errors, once the room was back (LibTorch keeps a cuDNN convolution "
+                                 "plan chosen short of memory on its thread).")
                            .Register(*registry_)),
       h2d_(prometheus::BuildCounter()
                .Name("stowage_host_to_device_bytes_total")

@@ -51,8 +51,8 @@ class ServerMetrics {
   void SetRunning(const std::string& device, int64_t requests);
   // One request run between the denoising steps of another on `device` (scheduler.preemption).
   void RecordPreemption(const std::string& device);
-  // The device's worker went on on a fresh thread after allocator out-of-memory errors (per-thread
-  // library plans chosen short of memory left behind: runtime/thread_renewal.h).
+  // The device's convolutions went on on a fresh thread after allocator out-of-memory errors (cuDNN
+  // plans chosen short of memory left behind: runtime/thread_renewal.h, models/core/conv_lane.h).
   void RecordThreadRenewal(const std::string& device);
   // One batch run by a pipeline with batching on: how many requests it held (1 = alone) and how
   // long the server held it open waiting for more.

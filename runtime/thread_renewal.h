@@ -1,5 +1,6 @@
-// When a device's worker goes on on a fresh thread (DeviceWorker::Options::renew_thread) after
-// out-of-memory errors its allocator raised. LibTorch caches a cuDNN convolution plan per thread and
+// When a device's convolutions go on on a fresh thread (their lane, models/core/conv_lane.h; the
+// worker asks before each item through DeviceWorker::Options::renew_thread) after out-of-memory errors
+// its allocator raised. LibTorch caches a cuDNN convolution plan per thread and
 // shape; when a plan's workspace cannot be allocated it takes the first plan whose workspace fits and
 // keeps that one on the thread, slower from then on (multi-tenant run 13: +0.13 s a Z-Image request
 // after its first such error). A fresh thread chooses its plans again — worth it only when the room

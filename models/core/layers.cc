@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "models/core/conv_lane.h"
 #include "models/core/fused_ops.h"
 #include "offload/safetensors.h"
 
@@ -441,7 +442,14 @@ Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, int64_t kernel, int64_
 
 at::Tensor Conv2d::Forward(const at::Tensor& x) {
   ForwardScope scope(*this);
-  return at::conv2d(x, tensor(weight_), tensor(bias_), {stride_, stride_}, {padding_, padding_});
+  const at::Tensor& weight = tensor(weight_);
+  const at::Tensor& bias = tensor(bias_);
+  // On the thread's convolution lane where it has one (the device's worker: models/core/conv_lane.h).
+  ConvLane* lane = ConvLane::ForThisThread();
+  if (lane == nullptr) return at::conv2d(x, weight, bias, {stride_, stride_}, {padding_, padding_});
+  at::Tensor y;
+  lane->RunOn(x.device(), [&] { y = at::conv2d(x, weight, bias, {stride_, stride_}, {padding_, padding_}); });
+  return y;
 }
 
 Embedding::Embedding(int64_t num_embeddings, int64_t dim, const LayerOptions& options)

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "base/status_macros.h"
 #include "google/protobuf/text_format.h"
 #include "offload/group_offload.h"
+#include "models/core/conv_lane.h"
 #include "models/core/lora.h"
 #include "placement/placement_manager.h"
 #include "runtime/config.h"
@@ -77,18 +79,32 @@ class RuntimeCoreTest : public ::testing::Test {
       return CreateSimulatedBackend(options);
     };
   }
-  // Runs `fn` on the worker (the only owner of the device) and returns the thread it ran on.
-  std::thread::id OnWorker(const std::function<void(PlacementManager&)>& fn) {
-    std::thread::id id;
+  // Runs `fn` on the worker (the only owner of the device) and returns the thread the device's
+  // convolutions ran on in that item (its lane's, models/core/conv_lane.h: what allocator shortfalls
+  // renew); the worker's own thread goes into worker_threads_.
+  // A number for the calling thread, its own from the first time it asks: a thread-local, as
+  // LibTorch's plan caches are (a fresh thread has none, whatever id the system reuses for it).
+  static int ThreadMark() {
+    static std::atomic<int> next{1};
+    static thread_local int mark = 0;
+    if (mark == 0) mark = next++;
+    return mark;
+  }
+  int OnWorker(const std::function<void(PlacementManager&)>& fn) {
+    int id = 0;
     EXPECT_TRUE(core().ChangeDevice([&](PlacementManager& placement) {
-                        id = std::this_thread::get_id();
+                        worker_threads_.insert(ThreadMark());
                         fn(placement);
+                        ConvLane* lane = ConvLane::ForThisThread();
+                        EXPECT_NE(lane, nullptr);
+                        if (lane != nullptr) lane->Run([&] { id = ThreadMark(); });
                         return absl::OkStatus();
                       },
                       [] { return absl::OkStatus(); })
                     .ok());
     return id;
   }
+  std::set<int> worker_threads_;  // ThreadMark of each thread the worker ran an item on.
 
   struct Outcome {
     absl::Mutex mu;
@@ -147,7 +163,7 @@ class RuntimeCoreTest : public ::testing::Test {
       margin = placement.learned_cache_margin();
       cached = placement.GroupOffloadStatsOf("latch/transformer")->cache_bytes;
     };
-    const std::thread::id first = OnWorker(look);
+    const int first = OnWorker(look);
     ASSERT_GT(cached, 0);
     ASSERT_EQ(margin, 0);
     // Refused while another allocation held the room, which is then given back.
@@ -163,14 +179,14 @@ class RuntimeCoreTest : public ::testing::Test {
     };
     // Once, then a clean first item on the fresh thread: no wider margin.
     EXPECT_EQ(OnWorker(short_of_room), first);
-    const std::thread::id second = OnWorker(look);
+    const int second = OnWorker(look);
     EXPECT_NE(second, first);
     EXPECT_EQ(OnWorker(look), second);
     EXPECT_EQ(margin, 0);
     // Short again in the fresh thread's first item: the margin widens, the caches give back what it added.
     const int64_t cached_before = cached;
     EXPECT_EQ(OnWorker(short_of_room), second);
-    const std::thread::id third = OnWorker(short_of_room);
+    const int third = OnWorker(short_of_room);
     EXPECT_NE(third, second);
     OnWorker(look);
     EXPECT_EQ(margin, 256);
@@ -181,11 +197,12 @@ class RuntimeCoreTest : public ::testing::Test {
     bool released = false;
     for (const PlacementDecision& d : log) {
       released = released || (d.action == "release_group_cache" &&
-                              d.reason.find("first item (the largest refusal") != std::string::npos &&
+                              d.reason.find("ran short of memory again (the largest refusal") != std::string::npos &&
                               d.reason.find(": the caches leave the wider margin") != std::string::npos);
       if (d.action != "widen_cache_margin") continue;
       ++widened;
-      EXPECT_NE(d.reason.find("the worker's fresh thread ran short of memory again in its first item"), std::string::npos)
+      EXPECT_NE(d.reason.find("the first item after the convolutions went on on a fresh thread ran short of memory again"),
+                std::string::npos)
           << d.reason;
     }
     EXPECT_EQ(widened, 1);
@@ -195,9 +212,9 @@ class RuntimeCoreTest : public ::testing::Test {
     ASSERT_TRUE(reply.ok()) << reply.status();
     // A fresh thread's first item that widened the margin itself (as a run that fails for want of room
     // does) and ran short: one widening, not two.
-    const std::thread::id fourth = OnWorker(short_of_room);
+    const int fourth = OnWorker(short_of_room);
     int64_t widenings = 0;
-    const std::thread::id fifth = OnWorker([&](PlacementManager& placement) {
+    const int fifth = OnWorker([&](PlacementManager& placement) {
       ASSERT_TRUE(placement.WidenCacheMarginForShortRoom(1, "the item's own"));
       widenings = placement.cache_margin_widenings();
       short_of_room(placement);
@@ -207,6 +224,7 @@ class RuntimeCoreTest : public ::testing::Test {
       EXPECT_EQ(placement.cache_margin_widenings(), widenings);
       EXPECT_EQ(placement.learned_cache_margin(), 512);
     });
+    EXPECT_EQ(worker_threads_.size(), 1u);  // Only the convolutions' thread was renewed.
   }
 
   std::shared_ptr<LatchGate> gate_;
@@ -453,11 +471,13 @@ TEST_F(RuntimeCoreTest, TheFirstRequestAfterAChangeRunsWithTheContextReserve) {
   EXPECT_EQ(context_while_running("and then", 6), kContext);
 }
 
-// Allocator out-of-memory errors move the worker to a fresh thread once the room they asked for is
-// back (on CUDA, cuDNN may have caught one and kept a slower plan on its thread): the next change
-// runs there, requests still run, and without another error the thread stays. A refusal larger than
-// the room there is now moves nothing (a fresh thread would choose short again).
-TEST_F(RuntimeCoreTest, AllocatorOutOfMemoryErrorsMoveTheWorkerToAFreshThreadOnceTheRoomIsBack) {
+// Allocator out-of-memory errors move the device's convolutions to a fresh thread once the room they
+// asked for is back (on CUDA, cuDNN may have caught one and kept a slower plan on its thread): the
+// next change's convolutions run there, requests still run, and without another error the thread
+// stays. A refusal larger than the room there is now moves nothing (a fresh thread would choose short
+// again). The worker itself stays on its thread throughout (what it cached, attention graphs among
+// it, stays with it).
+TEST_F(RuntimeCoreTest, AllocatorOutOfMemoryErrorsMoveTheConvolutionsToAFreshThreadOnceTheRoomIsBack) {
   constexpr int64_t kBudget = int64_t{1} << 20;
   Start(1, SimulatedBackend(), kBudget);
   const auto on_worker = [&](const std::function<void(DeviceBackend&)>& fn) {
@@ -465,7 +485,7 @@ TEST_F(RuntimeCoreTest, AllocatorOutOfMemoryErrorsMoveTheWorkerToAFreshThreadOnc
   };
   const auto nothing = [](DeviceBackend&) {};
   int64_t ooms = 0;
-  const std::thread::id first = on_worker([&](DeviceBackend& backend) { ooms = backend.GetMemoryStats().allocator_ooms; });
+  const int first = on_worker([&](DeviceBackend& backend) { ooms = backend.GetMemoryStats().allocator_ooms; });
   EXPECT_EQ(on_worker(nothing), first);
   // Refused while another allocation held the room, which is then given back.
   EXPECT_EQ(on_worker([](DeviceBackend& backend) {
@@ -474,10 +494,10 @@ TEST_F(RuntimeCoreTest, AllocatorOutOfMemoryErrorsMoveTheWorkerToAFreshThreadOnc
               EXPECT_FALSE(backend.AllocateBytes(kBudget * 3 / 4).ok());
             }),
             first);
-  const std::thread::id second =
+  const int second =
       on_worker([&](DeviceBackend& backend) { EXPECT_EQ(backend.GetMemoryStats().allocator_ooms, ooms + 1); });
   EXPECT_NE(second, first);
-  EXPECT_NE(second, std::this_thread::get_id());
+  EXPECT_NE(second, ThreadMark());
   EXPECT_EQ(on_worker(nothing), second);
   // Larger than the whole budget: counted, but the room never comes back for it.
   EXPECT_EQ(on_worker([](DeviceBackend& backend) { EXPECT_FALSE(backend.AllocateBytes(2 * kBudget).ok()); }), second);
@@ -488,6 +508,7 @@ TEST_F(RuntimeCoreTest, AllocatorOutOfMemoryErrorsMoveTheWorkerToAFreshThreadOnc
   ASSERT_TRUE(reply.ok()) << reply.status();
   EXPECT_EQ(on_worker(nothing), second);
   EXPECT_EQ(on_worker(nothing), second);
+  EXPECT_EQ(worker_threads_.size(), 1u);
 }
 
 // A fresh thread whose first item runs short of memory again says the room, not a plan kept on the old
@@ -516,18 +537,29 @@ TEST_F(RuntimeCoreTest, OnCudaAFreshThreadShortOfRoomAgainWidensTheSpareRoomCach
 // The same on CUDA (the GPU host; skipped elsewhere) with the high-priority compute stream: under a
 // budget set a GiB above what the device holds (not the whole card: ctest runs other GPU tests beside
 // this one), an allocation that does not fit beside another makes LibTorch's allocator raise, and
-// count, an out-of-memory error; with the budget lifted the next change runs on a fresh thread, which
-// computes on the same stream, and a request still runs.
+// count, an out-of-memory error; with the budget lifted the next change's convolutions run on a fresh
+// thread, which computes on the worker's stream (the high-priority one), and a request still runs.
 TEST_F(RuntimeCoreTest, OnCudaTheFreshThreadKeepsTheComputeStream) {
   Start(1, nullptr, 0, "device { high_priority_compute: true }");
   if (core().device_name().rfind("cuda", 0) != 0) GTEST_SKIP() << "needs a CUDA device, not " << core().device_name();
+  // The lane's thread, and the stream current there (and on the worker) while it runs.
   const auto on_worker = [&](const std::function<void(PlacementManager&)>& fn, int64_t* stream) {
-    std::thread::id id;
+    int id = 0;
     EXPECT_TRUE(core().ChangeDevice([&](PlacementManager& placement) {
-                        id = std::this_thread::get_id();
+                        worker_threads_.insert(ThreadMark());
                         fn(placement);
+                        ConvLane* lane = ConvLane::ForThisThread();
+                        EXPECT_NE(lane, nullptr);
+                        if (lane == nullptr) return absl::OkStatus();
 #ifdef STOWAGE_WITH_CUDA
-                        if (stream != nullptr) *stream = c10::cuda::getCurrentCUDAStream().id();
+                        const int64_t worker_stream = c10::cuda::getCurrentCUDAStream().id();
+                        lane->RunOn(c10::Device(c10::kCUDA, 0), [&] {
+                          id = ThreadMark();
+                          if (stream != nullptr) *stream = c10::cuda::getCurrentCUDAStream().id();
+                        });
+                        if (stream != nullptr) EXPECT_EQ(*stream, worker_stream);
+#else
+                        lane->Run([&] { id = ThreadMark(); });
 #endif
                         return absl::OkStatus();
                       },
@@ -538,7 +570,7 @@ TEST_F(RuntimeCoreTest, OnCudaTheFreshThreadKeepsTheComputeStream) {
   constexpr int64_t kGiB = int64_t{1} << 30;
   int64_t stream_before = -1, stream_after = -2;
   int64_t ooms_before = 0, ooms_after = 0;
-  const std::thread::id first = on_worker([](PlacementManager&) {}, &stream_before);
+  const int first = on_worker([](PlacementManager&) {}, &stream_before);
   EXPECT_EQ(on_worker(
                 [&](PlacementManager& placement) {
                   DeviceBackend& backend = placement.backend();
@@ -558,11 +590,12 @@ TEST_F(RuntimeCoreTest, OnCudaTheFreshThreadKeepsTheComputeStream) {
                 nullptr),
             first);
   EXPECT_GT(ooms_after, ooms_before);
-  const std::thread::id second = on_worker([](PlacementManager&) {}, &stream_after);
+  const int second = on_worker([](PlacementManager&) {}, &stream_after);
   EXPECT_NE(second, first);
 #ifdef STOWAGE_WITH_CUDA
   EXPECT_EQ(stream_after, stream_before);
 #endif
+  EXPECT_EQ(worker_threads_.size(), 1u);
   gate_->Open();
   const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("after the refusal", 2, 3));
   ASSERT_TRUE(reply.ok()) << reply.status();

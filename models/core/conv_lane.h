@@ -1,0 +1,77 @@
+// A device's convolutions on a thread of their own.
+//
+// LibTorch keeps the cuDNN convolution plan it chose per thread and shape; a plan chosen while memory
+// was short (its workspace refused, a slower plan taken instead) stays on that thread (multi-tenant
+// run 13: +0.13 s a Z-Image decode from then on). Going on on a fresh thread drops it — but the same
+// thread also holds every attention graph cuDNN built for it (per thread and shape too), so renewing
+// the device's worker thread made the next run of every pipeline build those again (multi-tenant
+// run 16: +0.10–0.17 s in a hot Z-Image denoise and +0.04–0.08 s in its prompt encoding after each of
+// 15 renewals, on a transformer that never moved). A ConvLane runs the convolutions of the threads it
+// is installed on (Conv2d::Forward asks ForThisThread) on a thread of its own, so a renewal replaces
+// that thread only: the plans it drops are the convolutions'.
+//
+// Run hands a function to the lane's thread and waits for it: the caller's inference and grad modes
+// go with it (and, with RunOn, the caller's current stream on that device); what it throws is rethrown
+// to the caller. One function at a time: callers from several threads take turns.
+#ifndef STOWAGE_MODELS_CORE_CONV_LANE_H_
+#define STOWAGE_MODELS_CORE_CONV_LANE_H_
+
+#include <cstdint>
+#include <functional>
+#include <thread>
+
+#include <c10/core/Device.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+
+namespace stowage {
+
+class ConvLane {
+ public:
+  ConvLane() = default;
+  ~ConvLane();
+  ConvLane(const ConvLane&) = delete;
+  ConvLane& operator=(const ConvLane&) = delete;
+
+  // Runs fn on the lane's thread (started on first use, or fresh after Renew) and returns once it
+  // has; rethrows what fn threw.
+  void Run(const std::function<void()>& fn) ABSL_LOCKS_EXCLUDED(turn_mu_, mu_);
+  // Run, with the caller's current stream of `device` current on the lane's thread too (a CPU
+  // device has none to carry).
+  void RunOn(const c10::Device& device, const std::function<void()>& fn) ABSL_LOCKS_EXCLUDED(turn_mu_, mu_);
+
+  // The next Run goes on a fresh thread; the current one ends then (whatever it cached with it).
+  void Renew() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Threads that have run functions so far (the first, then one for each Renew that took effect).
+  int threads_started() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Functions run so far.
+  int64_t runs() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The lane of the calling thread's convolutions (nullptr: they run where they are called).
+  static void SetForThisThread(ConvLane* lane);
+  static ConvLane* ForThisThread();
+
+ private:
+  void Loop() ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends the lane's thread, if any, and waits for it.
+  void EndThread() ABSL_EXCLUSIVE_LOCKS_REQUIRED(turn_mu_) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Held by the caller whose function is handed over, from handing it to its end: callers take turns,
+  // and only the caller holding it starts or ends the thread.
+  absl::Mutex turn_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  std::thread thread_ ABSL_GUARDED_BY(turn_mu_);
+
+  mutable absl::Mutex mu_;
+  const std::function<void()>* task_ ABSL_GUARDED_BY(mu_) = nullptr;  // The function to run now.
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;                         // task_ ran.
+  bool end_ ABSL_GUARDED_BY(mu_) = false;                              // The thread should return.
+  bool renew_ ABSL_GUARDED_BY(mu_) = false;                            // The next Run starts a fresh one.
+  int threads_started_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t runs_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace stowage
+
+#endif  // STOWAGE_MODELS_CORE_CONV_LANE_H_

@@ -8,6 +8,7 @@ unbudgeted server that keeps everything resident.
         [--zipf 1.1] [--trace_seed 1] [--steps zimage=8,zimage-ft=8,flux-schnell=4,flux-dev=28]
         [--strategies resident,fifo,scheduler] [--reorder_ms 4000] [--flood_requests 30]
         [--flux_compress none|int8|int4] [--flux_keep_gib 4] [--keep_resident zimage/text_encoder]
+        [--no_convolution_lane]
         [--text_encoder_compress none|int8|int4]
         [--zimage_ft_compress off|none|int8|int4] [--zimage_ft_keep_gib 0]
         [--streamed_group_cache] [--cuda_expandable_segments] [--cuda_max_split_size_mb 0] [--compute bf16|fp8] [--text_encoder_compute bf16|fp8] [--t5_compute bf16|fp8] [--max_batch_size 1] [--max_queue_delay_ms 0] [--batch_in resident,fifo,scheduler]
@@ -218,7 +219,8 @@ def config_text(budget_bytes, strategy, reorder_ms, pin=False):
     kind = "KIND_SIMULATED" if ARGS.device == "sim" else "KIND_CUDA"
     pinned = " pin_host_copies: true" if pin else ""
     cache = " streamed_group_cache { enabled: true }" if ARGS.streamed_group_cache else ""
-    device = f"device {{ kind: {kind} memory_budget_bytes: {budget_bytes}{pinned}{cache} }}"
+    lane = " convolution_lane: false" if ARGS.no_convolution_lane else ""
+    device = f"device {{ kind: {kind} memory_budget_bytes: {budget_bytes}{pinned}{cache}{lane} }}"
     sources = {"zimage": (ARGS.zimage, ""), "zimage-ft": (ARGS.zimage, "transformer"),
                "flux-dev": (ARGS.flux, ""), "flux-schnell": (ARGS.flux, "transformer")}
     pipelines = ""
@@ -368,7 +370,8 @@ def rows_for(strategy, results, start, end, budget, smi_peak, resident):
                            "t5_compute": ARGS.t5_compute,
                            "max_batch_size": ARGS.max_batch_size if strategy in batching_strategies() else 1,
                            "max_queue_delay_ms": ARGS.max_queue_delay_ms,
-                           "preemption": ARGS.preemption if strategy == "scheduler" else "none"},
+                           "preemption": ARGS.preemption if strategy == "scheduler" else "none",
+                           "convolution_lane": not ARGS.no_convolution_lane},
                "placement": {} if strategy == "resident" else {
                    "flux_compress": ARGS.flux_compress, "flux_keep_gib": ARGS.flux_keep_gib,
                    "text_encoder_compress": ARGS.text_encoder_compress,
@@ -1003,6 +1006,9 @@ def main():
     s.add_argument("--text_encoder_compress", choices=["none", "int8", "int4"], default="none",
                    help="the streamed Qwen3 and T5 (not --keep_resident ones) from an int8 (grouped) or int4 host copy")
     s.add_argument("--flux_keep_gib", type=float, default=4.0)
+    s.add_argument("--no_convolution_lane", action="store_true",
+                   help="DeviceConfig.convolution_lane false: the convolutions on the worker's thread, and "
+                        "allocator shortfalls renew the worker itself (the server before session 45)")
     s.add_argument("--cuda_expandable_segments", action="store_true",
                    help="ServerConfig.cuda_expandable_segments: the CUDA allocator maps memory in expandable "
                         "segments (no blocks too small for a VAE decode beside the spare-room caches)")

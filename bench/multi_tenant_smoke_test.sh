@@ -173,9 +173,10 @@ grep -q "^  zimage .* model none .* model priority .* model resident " "$TEST_TM
 # And the fine-tune's transformer streams as int4 instead of moving whole (--zimage_ft_compress).
 # Batching on (every pipeline, up to 4 a batch, set through the admin API): the burst's queued
 # requests of one pipeline run together, each counting its share of its batch's bytes.
+# And the server before session 45: convolutions on the worker's thread (--no_convolution_lane).
 run --strategies fifo --out "$TEST_TMPDIR/fifo.jsonl" \
   --logs "$TEST_TMPDIR/logs_fifo" --keep_resident zimage/text_encoder --zimage_ft_compress int4 \
-  --max_batch_size 4 --max_queue_delay_ms 20 >/dev/null
+  --max_batch_size 4 --max_queue_delay_ms 20 --no_convolution_lane >/dev/null
 /usr/bin/python3 - "$TEST_TMPDIR/fifo.jsonl" "$TEST_TMPDIR/rows.jsonl" "$TEST_TMPDIR/logs_fifo" "$TEST_TMPDIR/logs" <<'PY'
 import json, os, re, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
@@ -195,7 +196,8 @@ ft = [i for i, l in enumerate(placement) if l.strip().startswith("zimage-ft/tran
 assert ft and "GROUP_OFFLOADED" in placement[ft[0]] and "int4" in placement[ft[0] + 1], placement
 assert all(r["placement"]["zimage_ft_compress"] == "int4" for r in rows), rows
 assert all(r["serving"] == {"compute": "bf16", "text_encoder_compute": "bf16", "t5_compute": "bf16", "max_batch_size": 4,
-                           "max_queue_delay_ms": 20, "preemption": "none"} for r in rows), rows
+                           "max_queue_delay_ms": 20, "preemption": "none", "convolution_lane": False} for r in rows), rows
+assert "convolution_lane: false" in open(os.path.join(sys.argv[3], "fifo.log.textproto")).read()
 every = [r for r in rows if r["pipeline"] == "all"][0]
 assert every["mean_batch_size"] > 1, every  # 24 requests at 40/s: some queue together.
 unbatched = [r for r in map(json.loads, open(sys.argv[2])) if r["pipeline"] == "all"]

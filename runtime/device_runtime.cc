@@ -184,8 +184,10 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
   worker.on_reorder = record("schedule");
   worker.on_preempt = record("preempt");
   // The device's convolutions run on a lane of their own (models/core/conv_lane.h), installed on the
-  // worker's thread.
-  core->conv_lane_ = std::make_unique<ConvLane>();
+  // worker's thread (unless DeviceConfig.convolution_lane is false: then they run on the worker's).
+  if (!config.device().has_convolution_lane() || config.device().convolution_lane()) {
+    core->conv_lane_ = std::make_unique<ConvLane>();
+  }
   ConvLane* lane = core->conv_lane_.get();
   const bool high_priority = config.device().high_priority_compute();
   worker.on_start = [raw, lane, high_priority] {
@@ -196,7 +198,8 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
   // back (runtime/thread_renewal.h: LibTorch keeps a cuDNN convolution plan chosen short of memory on
   // its thread). Only the lane's thread: the worker's keeps the attention graphs and whatever else
   // LibTorch cached on it (until session 45 the worker's own thread was renewed, and the next run of
-  // every pipeline built its cuDNN attention graphs again — multi-tenant run 16, 15 renewals).
+  // every pipeline built its cuDNN attention graphs again — multi-tenant run 16, 15 renewals). Without
+  // a lane the worker itself goes on on a fresh thread (DeviceWorker's hand-over, on_renewed below).
   // A fresh thread whose first item ran short again says the room is what is missing: the spare-room
   // caches' margin widens then (and only then: a single shortfall costs its run a few hundredths of a
   // second, a wider margin every streamed request after it copies).
@@ -217,13 +220,17 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
                        stats.largest_refused_bytes, " bytes)"));
     }
     state->widenings = placement.cache_margin_widenings();
-    if (!reason.empty()) {
-      lane->Renew();
-      LogInfo(absl::StrCat("device_thread_renewed device=", raw->device_name_, " thread=convolutions reason=",
-                           LogValue(reason)));
-      if (raw->metrics_ != nullptr) raw->metrics_->RecordThreadRenewal(raw->device_name_);
-    }
+    if (reason.empty() || lane == nullptr) return reason;
+    lane->Renew();
+    LogInfo(absl::StrCat("device_thread_renewed device=", raw->device_name_, " thread=convolutions reason=",
+                         LogValue(reason)));
+    if (raw->metrics_ != nullptr) raw->metrics_->RecordThreadRenewal(raw->device_name_);
     return "";  // The worker goes on on its own thread.
+  };
+  worker.on_renewed = [raw](WorkerScope&, const std::string& reason) {
+    LogInfo(absl::StrCat("device_thread_renewed device=", raw->device_name_, " thread=worker reason=",
+                         LogValue(reason)));
+    if (raw->metrics_ != nullptr) raw->metrics_->RecordThreadRenewal(raw->device_name_);
   };
   core->worker_ = std::make_unique<DeviceWorker>(std::move(worker));
   if (metrics != nullptr) metrics->SetQueueDepth(device, 0);

@@ -79,9 +79,6 @@ class RuntimeCoreTest : public ::testing::Test {
       return CreateSimulatedBackend(options);
     };
   }
-  // Runs `fn` on the worker (the only owner of the device) and returns the thread the device's
-  // convolutions ran on in that item (its lane's, models/core/conv_lane.h: what allocator shortfalls
-  // renew); the worker's own thread goes into worker_threads_.
   // A number for the calling thread, its own from the first time it asks: a thread-local, as
   // LibTorch's plan caches are (a fresh thread has none, whatever id the system reuses for it).
   static int ThreadMark() {
@@ -90,14 +87,20 @@ class RuntimeCoreTest : public ::testing::Test {
     if (mark == 0) mark = next++;
     return mark;
   }
+  // Runs `fn` on the worker (the only owner of the device) and returns the thread the device's
+  // convolutions ran on in that item (its lane's, models/core/conv_lane.h: what allocator shortfalls
+  // renew; the worker's own without a lane); the worker's own thread goes into worker_threads_.
   int OnWorker(const std::function<void(PlacementManager&)>& fn) {
     int id = 0;
     EXPECT_TRUE(core().ChangeDevice([&](PlacementManager& placement) {
                         worker_threads_.insert(ThreadMark());
                         fn(placement);
                         ConvLane* lane = ConvLane::ForThisThread();
-                        EXPECT_NE(lane, nullptr);
-                        if (lane != nullptr) lane->Run([&] { id = ThreadMark(); });
+                        if (lane != nullptr) {
+                          lane->Run([&] { id = ThreadMark(); });
+                        } else {
+                          id = ThreadMark();
+                        }
                         return absl::OkStatus();
                       },
                       [] { return absl::OkStatus(); })
@@ -509,6 +512,32 @@ TEST_F(RuntimeCoreTest, AllocatorOutOfMemoryErrorsMoveTheConvolutionsToAFreshThr
   EXPECT_EQ(on_worker(nothing), second);
   EXPECT_EQ(on_worker(nothing), second);
   EXPECT_EQ(worker_threads_.size(), 1u);
+}
+
+// With DeviceConfig.convolution_lane false the convolutions run on the worker's own thread, and the
+// same refusal, once its room is back, hands the worker itself to a fresh thread (before session 45
+// the only way); requests run there.
+TEST_F(RuntimeCoreTest, WithoutAConvolutionLaneTheWorkerItselfGoesOnOnAFreshThread) {
+  constexpr int64_t kBudget = int64_t{1} << 20;
+  Start(1, SimulatedBackend(), kBudget, "device { convolution_lane: false }");
+  const auto nothing = [](PlacementManager&) {};
+  const int first = OnWorker([](PlacementManager&) { EXPECT_EQ(ConvLane::ForThisThread(), nullptr); });
+  EXPECT_EQ(OnWorker(nothing), first);
+  EXPECT_EQ(OnWorker([](PlacementManager& placement) {
+              DeviceBackend& backend = placement.backend();
+              absl::StatusOr<at::Tensor> held = backend.AllocateBytes(kBudget / 2);
+              ASSERT_TRUE(held.ok()) << held.status();
+              EXPECT_FALSE(backend.AllocateBytes(kBudget * 3 / 4).ok());
+            }),
+            first);
+  const int second = OnWorker(nothing);
+  EXPECT_NE(second, first);
+  EXPECT_EQ(OnWorker(nothing), second);
+  EXPECT_EQ(worker_threads_, (std::set<int>{first, second}));  // Here the worker's thread is the one renewed.
+  gate_->Open();
+  const absl::StatusOr<v1::GenerateResponse> reply = Await(GenerateAsync("on the fresh worker thread", 1, 3));
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(OnWorker(nothing), second);
 }
 
 // A fresh thread whose first item runs short of memory again says the room, not a plan kept on the old

@@ -706,6 +706,25 @@ def replay_preemption(log_dir, rows_path, run_x=None):
 WHOLE_MOVES = ("onload", "prefetch_pipeline")
 
 
+def renewal_cost(runs, firsts):
+    """What a thread renewal cost the runs after it: the first run of each pipeline after a renewal
+    (`firsts`, one flag per run of analyze's `runs`) against that pipeline's other runs, by their prompt
+    encoding + denoising (stages a renewal of the worker's thread slows by rebuilding cuDNN's attention
+    graphs: multi-tenant run 16; the decode, which a renewal is for, is left out). "" without such runs."""
+    def work(stage_s):
+        return stage_s.get("encode_prompt", 0.0) + stage_s["denoise"]
+    others = {}
+    for run, first in zip(runs, firsts):
+        if not first and "denoise" in run[-1]:
+            others.setdefault(run[0], []).append(work(run[-1]))
+    extra = [work(run[-1]) - percentile(others[run[0]], 0.5)
+             for run, first in zip(runs, firsts) if first and "denoise" in run[-1] and run[0] in others]
+    if not extra:
+        return ""
+    return (f"first run of a pipeline after a renewal: {len(extra)}, their prompt encoding + denoising "
+            f"{percentile(extra, 0.5):+.3f} s against the pipeline's other runs (median; largest {max(extra):+.3f} s)")
+
+
 def logged_bytes(words):
     """Bytes of a placement log's size column ("4.02", "GiB"); 0 where the line has none."""
     units = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
@@ -837,12 +856,14 @@ def analyze(log_dir, rows_path):
         if not os.path.exists(log):
             continue
         runs, renewals, renewed, ids = [], 0, "worker thread", []
+        firsts, since_renewal = [], set()  # Per run: its pipeline's first since a renewal.
         for line in open(log, encoding="utf-8", errors="replace"):
             # Since session 41: the device worker went on on a fresh thread after an allocator
             # out-of-memory error (per-thread cuDNN plans chosen short of memory are left behind);
             # since session 45 only the device's convolutions do ("thread=convolutions").
             if " device_thread_renewed " in line:
                 renewals += 1
+                since_renewal = set()
                 if " thread=convolutions " in line:
                     renewed = "convolutions' thread"
 
@@ -850,6 +871,8 @@ def analyze(log_dir, rows_path):
                 continue
             fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
             ids.append(fields.get("id", ""))
+            firsts.append(renewals > 0 and fields["pipeline"] not in since_renewal)
+            since_renewal.add(fields["pipeline"])
             runs.append((fields["pipeline"], float(fields["run_s"]), max(1, int(fields.get("batch_size", "1"))),
                          float(fields.get("queue_wait_s", "0")),
                          # Logged since session 39: the allocator's retries and out-of-memory errors.
@@ -860,6 +883,7 @@ def analyze(log_dir, rows_path):
         # The unmeasured first request of each pipeline, then the trace's (the flood phase's after it).
         runs = runs[len(POPULARITY):len(POPULARITY) + count if count else None]
         ids = ids[len(POPULARITY):len(POPULARITY) + count if count else None]
+        firsts = firsts[len(POPULARITY):len(POPULARITY) + count if count else None]
         per, waits, short, stages, decodes = {}, {}, {}, {}, {}
         for pipeline, run_s, batch_size, wait_s, retries, ooms, stage_s in runs:
             if "decode" in stage_s:
@@ -877,6 +901,9 @@ def analyze(log_dir, rows_path):
               + (f", utilisation at {rate}/s {rate * share:.0%}" if rate else "")
               + (f", mean batch {batch:.2f} (a request's share of its batch's run {share:.3f} s)" if batch > 1 else "")
               + (f", {renewed} renewed {renewals}x after allocator out-of-memory errors" if renewals else ""))
+        cost = renewal_cost(runs, firsts)
+        if cost:
+            print("  " + cost)
         for pipeline in POPULARITY:
             if pipeline in per:
                 # The server's queue wait (admission to the device queue until the run starts): with

@@ -162,6 +162,13 @@ note = m.decode_note([(0.094, False), (0.145, True), (0.097, True), (0.094, Fals
 expected = "; their decode 0.097–0.145 s against the others%s median %.3f s" % (chr(39), m.percentile([0.094, 0.094, 0.095], 0.5))
 assert note == expected, (note, expected)
 assert m.decode_note([(0.094, False)]) == "" and m.decode_note([(0.2, True)]) == ""
+# What a thread renewal cost: the first run of a pipeline after one against its other runs.
+runs = [("zimage", 0.7, 1, 0, 0, 0, {"encode_prompt": 0.02, "denoise": 0.5}),
+        ("zimage", 0.8, 1, 0, 0, 0, {"encode_prompt": 0.08, "denoise": 0.62}),
+        ("zimage", 0.7, 1, 0, 0, 0, {"encode_prompt": 0.02, "denoise": 0.52})]
+cost = m.renewal_cost(runs, [False, True, False])
+assert cost.startswith("first run of a pipeline after a renewal: 1, their prompt encoding + denoising +0.170 s"), cost
+assert m.renewal_cost(runs, [False, False, False]) == "" and m.renewal_cost(runs[:1], [True]) == ""
 ')
 # What preemption would change on this trace, by the model replaying the scheduler strategy's runs.
 /usr/bin/python3 "$scripts/multi_tenant.py" replay "$TEST_TMPDIR/logs" "$TEST_TMPDIR/rows.jsonl" >"$TEST_TMPDIR/replay.txt"

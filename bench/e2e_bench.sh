@@ -14,7 +14,9 @@
 # MODEL_DIR: written by `diffusers_pipeline_bench.py export` (real safetensors, random values).
 # SYSTEMS: "stowage diffusers" (default), any of stowage, diffusers, diffusers_compile. LOAD_BENCH (environment): bench/load_bench,
 # to add "warm_persistent_client_s" (the median of three warm requests from one connected client). RANDOM_WEIGHTS=true (environment): Stowage
-# draws the weights from MODEL_DIR's configs instead of reading them (a row "weights":"random").
+# draws the weights from MODEL_DIR's configs instead of reading them (a row "weights":"random"). CONV_LANE=off
+# (environment): DeviceConfig.convolution_lane false, the VAE's convolutions on the worker's thread (a row
+# "convolution_lane":false) — beside a default row, what the lane's hand-overs cost a decode.
 set -euo pipefail
 server=$1 stowctl=$2 model_dir=$3 out=$4 machine=$5
 size=${6:-1024} steps=${7:-8} systems=${8:-stowage diffusers}
@@ -31,6 +33,7 @@ metrics_address: "none"
 pipelines { name: "zimage" model_dir: "$model_dir" dtype: "bfloat16" random_weights: ${RANDOM_WEIGHTS:-false}
   $([ "${COMPUTE:-bf16}" = fp8 ] && echo 'compute { key: "transformer" value: COMPUTE_FP8 }') }
 strategy { workflow { rules { keep_resident: "text_encoder" } rules { keep_resident: "transformer" } rules { keep_resident: "vae" } } }
+$([ "${CONV_LANE:-on}" = off ] && echo 'device { convolution_lane: false }')
 CFG
   local t0; t0=$(date +%s.%N)
   start_server "$server" "$tmp/e2e.textproto" "$tmp/server.log" || return 1
@@ -77,7 +80,8 @@ row = {"bench": "e2e", "system": "stowage", "model": "zimage", "mode": os.enviro
        "warm_stages_s": {s["stage"]: seconds(s["duration"]) for s in replies[1].get("stages", [])},
        "first_host_to_device_bytes": int(replies[0].get("hostToDeviceBytes", 0)),
        "peak_device_bytes": int(replies[-1].get("peakDeviceReservedBytes", 0)),
-       "weights": "random" if os.environ.get("RANDOM_WEIGHTS") == "true" else "files", "machine": machine}
+       "weights": "random" if os.environ.get("RANDOM_WEIGHTS") == "true" else "files",
+       "convolution_lane": os.environ.get("CONV_LANE", "on") != "off", "machine": machine}
 if os.path.exists(f"{tmp}/persistent.jsonl"):
     row["warm_persistent_client_s"] = json.loads(open(f"{tmp}/persistent.jsonl").readline())["p50_s"]
 print(json.dumps(row))

@@ -7,7 +7,8 @@
 #             Stowage's modes side by side) for each model in $MODELS: conformance.txt, compute.jsonl,
 #             compute_<model>.log, profile_<model>.txt (Stowage's kernels by class and name)
 #   e2e       the whole Z-Image pipeline (bench/e2e_bench.sh): Stowage bf16 and fp8, diffusers eager
-#             and + torch.compile on the same files: e2e.jsonl, e2e.log
+#             and + torch.compile on the same files: e2e.jsonl, e2e.log (E2E_RUNS: Stowage's rows as
+#             COMPUTE:FORMAT[:off], e.g. "fp8:png fp8:png:off fp8:png": off without the convolution lane)
 #   fidelity  the demo pipeline `shapes` in $FIDELITY_MODES (default float32,bf16,fp8; the streamed
 #             compression modes stream_int8, stream_int8_grouped, stream_fp8, stream_int4, fp8_stream_int4;
 #             bench/fidelity_bench.py): fidelity.jsonl
@@ -250,7 +251,9 @@ if [[ $parts == *" e2e "* ]]; then
   fi
   for run in ${E2E_RUNS:-bf16:png bf16:png_fast fp8:png_fast}; do
     stamp "e2e stowage $run"
-    COMPUTE=${run%:*} FORMAT=${run#*:} timeout 300 bash bench/e2e_bench.sh "$build/server/stowage_server" \
+    # COMPUTE:FORMAT, or COMPUTE:FORMAT:off for the VAE's convolutions on the worker's thread (CONV_LANE).
+    IFS=: read -r run_compute run_format run_lane <<<"$run"
+    COMPUTE=$run_compute FORMAT=$run_format CONV_LANE=${run_lane:-on} timeout 300 bash bench/e2e_bench.sh "$build/server/stowage_server" \
       "$build/clients/stowctl/stowctl" $e2e_dir "$OUT/e2e.jsonl" "$machine" 1024 8 stowage >>"$OUT/e2e.log" 2>&1
     stamp "e2e stowage $run exit $?"
   done

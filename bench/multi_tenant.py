@@ -542,11 +542,15 @@ def measured_requests(log_path, trace):
     trace's time: the log's line is written after the PNG encoding, so its time is not the run's
     end), pipeline, priority, steps, own run time and server-side latency (queue wait + run), in
     the trace's order; found by their seeds (the trace's request i has seed 1000 + i)."""
-    by_seed = {}
+    by_seed, renewed, since_renewal = {}, False, set()
     for line in open(log_path, encoding="utf-8", errors="replace"):
+        if " device_thread_renewed " in line:
+            renewed, since_renewal = True, set()
         if " I request " not in line or " status=OK " not in line:
             continue
         fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+        fields[" first_after_renewal"] = renewed and fields["pipeline"] not in since_renewal  # Not a log field.
+        since_renewal.add(fields["pipeline"])
         by_seed.setdefault(int(fields.get("seed", "-1")), fields)  # The trace's, not the flood's after it.
     out = []
     for i, request in enumerate(trace):
@@ -554,9 +558,33 @@ def measured_requests(log_path, trace):
         if fields is None or fields["pipeline"] != request["pipeline"]:
             continue
         run_s, wait_s = float(fields["run_s"]), float(fields.get("queue_wait_s", "0"))
+        stages = dict((k, float(v)) for k, v in (p.split(":", 1) for p in fields.get("stages", "none").split(",")
+                                                 if ":" in p))
         out.append({"arrival": request["t"], "pipeline": request["pipeline"], "priority": request["priority"],
-                    "steps": request["steps"], "run": run_s, "latency": wait_s + run_s})
+                    "steps": request["steps"], "run": run_s, "latency": wait_s + run_s, "stages": stages,
+                    "first_after_renewal": fields[" first_after_renewal"]})
     return out
+
+
+def remove_renewal_cost(requests):
+    """What if thread renewals cost nothing (the convolution lane's aim): each pipeline's first run after
+    a renewal loses what its prompt encoding + denoising took over the median of the pipeline's other
+    runs (renewal_cost's measure). Changes `requests` (measured_requests') in place; returns how many
+    runs it shortened and by how many seconds in all."""
+    def work(r):
+        return r["stages"].get("encode_prompt", 0.0) + r["stages"].get("denoise", 0.0)
+    others = {}
+    for r in requests:
+        if not r["first_after_renewal"] and "denoise" in r["stages"]:
+            others.setdefault(r["pipeline"], []).append(work(r))
+    shortened, seconds = 0, 0.0
+    for r in requests:
+        if r["first_after_renewal"] and "denoise" in r["stages"] and r["pipeline"] in others:
+            extra = work(r) - percentile(others[r["pipeline"]], 0.5)
+            if extra > 0:
+                r["run"] -= extra
+                shortened, seconds = shortened + 1, seconds + extra
+    return shortened, seconds
 
 
 def encode_times(requests):
@@ -649,7 +677,7 @@ def replay_model(requests, resident_pipelines, reorder_s, preemption, encode=Non
     return latency
 
 
-def replay_preemption(log_dir, rows_path, run_x=None):
+def replay_preemption(log_dir, rows_path, run_x=None, renewal_free=False):
     """Estimates what preemption between steps would change on a run's trace: the scheduler
     strategy's requests (arrivals and own run times from its server log) replayed through
     replay_model without preemption (against the measured latencies: how good the model is) and
@@ -658,7 +686,8 @@ def replay_preemption(log_dir, rows_path, run_x=None):
     (its spare-room cache may have given room to the preempting request) and the hot pipeline (the
     --keep_resident transformer's) moves nothing. `run_x` ({pipeline: x}): what if that pipeline's
     runs under the budget took x times its resident runs (each request's run scaled by x over the
-    ratio of the pipeline's mean runs): which run times the targets need."""
+    ratio of the pipeline's mean runs): which run times the targets need. `renewal_free`: the first run
+    of each pipeline after a thread renewal without what the renewal cost it (remove_renewal_cost)."""
     rows = [json.loads(line) for line in open(rows_path, encoding="utf-8")]
     info = next((r["trace"] for r in rows if "trace" in r), {})
     steps = next((r["steps"] for r in rows if "steps" in r), {})
@@ -670,6 +699,9 @@ def replay_preemption(log_dir, rows_path, run_x=None):
     resident = measured_requests(os.path.join(log_dir, "resident.log"), trace)
     encode = encode_times(measured)  # From the runs as measured.
     scaled = False
+    if renewal_free:
+        shortened, seconds = remove_renewal_cost(measured)
+        scaled = True
     for pipeline, x in (run_x or {}).items():
         mine = [r for r in measured if r["pipeline"] == pipeline]
         base = [r["run"] for r in resident if r["pipeline"] == pipeline]
@@ -681,8 +713,10 @@ def replay_preemption(log_dir, rows_path, run_x=None):
         scaled = True
     print(f"replay of {len(measured)} requests (scheduler strategy), resident pipelines {sorted(resident_pipelines)}, "
           f"reorder bound {reorder_s:g} s; server-side latency p50 / p99 s (x the resident strategy's measured)")
-    if scaled:
+    if run_x:
         print("  runs scaled: " + ", ".join(f"{p} {x:g}x its resident run" for p, x in sorted(run_x.items())))
+    if renewal_free:
+        print(f"  renewals made free: {shortened} first runs after a renewal shortened by {seconds:.3f} s in all")
     print("  PNG encoding per pipeline (in a reply's run time, off the worker): "
           + ", ".join(f"{p} {e:.3f} s" for p, e in sorted(encode.items())))
     models = {policy: replay_model(measured, resident_pipelines, reorder_s, policy, encode)
@@ -1081,13 +1115,16 @@ def main():
     r = sub.add_parser("replay")
     r.add_argument("logs", help="the --logs folder of a run with resident and scheduler strategies")
     r.add_argument("rows", help="that run's rows")
+    r.add_argument("--renewal_free", action="store_true",
+                   help="each pipeline's first run after a thread renewal without what its prompt encoding and "
+                        "denoising took over the pipeline's median (what the convolution lane should save)")
     r.add_argument("--run_x", default="",
                    help="e.g. flux-dev=1.1,flux-schnell=1.1: those pipelines' runs as that many times their "
                         "resident runs (what run times the targets need)")
     ARGS = parser.parse_args()
     if ARGS.command == "replay":
         run_x = dict((k, float(v)) for k, v in (i.split("=") for i in ARGS.run_x.split(",") if i))
-        replay_preemption(ARGS.logs, ARGS.rows, run_x)
+        replay_preemption(ARGS.logs, ARGS.rows, run_x, ARGS.renewal_free)
         return
     if ARGS.command == "table":
         table([json.loads(line) for line in open(ARGS.rows, encoding="utf-8")])

@@ -169,12 +169,23 @@ runs = [("zimage", 0.7, 1, 0, 0, 0, {"encode_prompt": 0.02, "denoise": 0.5}),
 cost = m.renewal_cost(runs, [False, True, False])
 assert cost.startswith("first run of a pipeline after a renewal: 1, their prompt encoding + denoising +0.170 s"), cost
 assert m.renewal_cost(runs, [False, False, False]) == "" and m.renewal_cost(runs[:1], [True]) == ""
+reqs = [{"pipeline": "zimage", "run": 0.7, "stages": {"encode_prompt": 0.02, "denoise": 0.5}, "first_after_renewal": False},
+        {"pipeline": "zimage", "run": 0.8, "stages": {"encode_prompt": 0.08, "denoise": 0.62}, "first_after_renewal": True},
+        {"pipeline": "zimage", "run": 0.7, "stages": {"encode_prompt": 0.02, "denoise": 0.52}, "first_after_renewal": False}]
+shortened, seconds = m.remove_renewal_cost(reqs)
+assert shortened == 1 and abs(seconds - 0.17) < 1e-9 and abs(reqs[1]["run"] - 0.63) < 1e-9, reqs
+assert [r["run"] for r in reqs[::2]] == [0.7, 0.7], reqs
 ')
 # What preemption would change on this trace, by the model replaying the scheduler strategy's runs.
 /usr/bin/python3 "$scripts/multi_tenant.py" replay "$TEST_TMPDIR/logs" "$TEST_TMPDIR/rows.jsonl" >"$TEST_TMPDIR/replay.txt"
 grep -q "^replay of 24 requests (scheduler strategy)" "$TEST_TMPDIR/replay.txt" || { cat "$TEST_TMPDIR/replay.txt"; exit 1; }
 grep -q "^  zimage .* model none .* model priority .* model resident " "$TEST_TMPDIR/replay.txt" ||
   { cat "$TEST_TMPDIR/replay.txt"; exit 1; }
+# The same with the renewals' cost taken out of the runs after them (none in this run: nothing shortened).
+/usr/bin/python3 "$scripts/multi_tenant.py" replay "$TEST_TMPDIR/logs" "$TEST_TMPDIR/rows.jsonl" --renewal_free \
+  >"$TEST_TMPDIR/replay_free.txt"
+grep -q "^  renewals made free: 0 first runs after a renewal shortened by 0.000 s in all$" "$TEST_TMPDIR/replay_free.txt" ||
+  { cat "$TEST_TMPDIR/replay_free.txt"; exit 1; }
 # A strategy run on its own.
 # This one keeps the hot text encoder whole on the device (not streamed, never evicted by the strategy).
 # And the fine-tune's transformer streams as int4 instead of moving whole (--zimage_ft_compress).

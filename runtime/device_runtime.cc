@@ -215,8 +215,8 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
     if (state->policy.fresh_thread_ran_short() && placement.cache_margin_widenings() == state->widenings) {
       placement.WidenCacheMarginForShortRoom(
           stats.largest_refused_bytes,
-          absl::StrCat("the first item after the convolutions went on on a fresh thread ran short of memory again "
-                       "(the largest refusal ",
+          absl::StrCat("the first item after the ", lane != nullptr ? "convolutions" : "worker",
+                       " went on on a fresh thread ran short of memory again (the largest refusal ",
                        stats.largest_refused_bytes, " bytes)"));
     }
     state->widenings = placement.cache_margin_widenings();

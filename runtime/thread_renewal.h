@@ -26,8 +26,9 @@ class ThreadRenewalPolicy {
 
   // Called before each item after the first on a thread, with the allocator's cumulative
   // out-of-memory count, the largest allocation it refused in the last request's window (0: none)
-  // and the device's free room now (INT64_MAX without a budget). Returns why the worker should go on
-  // on a fresh thread now ("" for not now); the caller renews whenever it is not empty.
+  // and the device's free room now (INT64_MAX without a budget). Returns why the device's convolutions
+  // (without their lane: the worker) should go on on a fresh thread now ("" for not now); the caller
+  // renews whenever it is not empty.
   std::string Next(int64_t ooms, int64_t largest_refused_bytes, int64_t free_bytes);
 
   int gap() const { return gap_; }

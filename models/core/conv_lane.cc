@@ -2,8 +2,7 @@
 
 #include <exception>
 
-#include <c10/core/GradMode.h>
-#include <c10/core/InferenceMode.h>
+#include <ATen/ThreadLocalState.h>
 #include <c10/core/Stream.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -54,14 +53,13 @@ void ConvLane::Loop() {
 }
 
 void ConvLane::Run(const std::function<void()>& fn) {
-  // The caller's modes, set again around fn on the lane's thread (both are thread-local).
-  const bool inference = c10::InferenceMode::is_enabled();
-  const bool grad = c10::GradMode::is_enabled();
+  // The caller's thread-local state (grad and inference modes, dispatch keys, autocast, profiler),
+  // set again around fn on the lane's thread.
+  const at::ThreadLocalState state;
   std::exception_ptr error;
   const std::function<void()> task = [&] {
     try {
-      c10::InferenceMode inference_mode(inference);
-      c10::AutoGradMode grad_mode(grad);
+      at::ThreadLocalStateGuard guard(state);
       fn();
     } catch (...) {
       error = std::current_exception();
@@ -69,14 +67,7 @@ void ConvLane::Run(const std::function<void()>& fn) {
   };
   {
     absl::MutexLock turn(&turn_mu_);
-    bool fresh = !thread_.joinable();
-    {
-      absl::MutexLock lock(&mu_);
-      fresh = fresh || renew_;
-      renew_ = false;
-    }
-    if (fresh) {
-      EndThread();
+    if (!thread_.joinable()) {
       thread_ = std::thread([this] { Loop(); });
       absl::MutexLock lock(&mu_);
       ++threads_started_;
@@ -104,8 +95,12 @@ void ConvLane::RunOn(const c10::Device& device, const std::function<void()>& fn)
 }
 
 void ConvLane::Renew() {
+  absl::MutexLock turn(&turn_mu_);
+  if (!thread_.joinable()) return;  // None yet: the first run starts a fresh one anyway.
+  EndThread();
+  thread_ = std::thread([this] { Loop(); });
   absl::MutexLock lock(&mu_);
-  renew_ = true;
+  ++threads_started_;
 }
 
 int ConvLane::threads_started() const {

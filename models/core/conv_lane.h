@@ -10,9 +10,11 @@
 // is installed on (Conv2d::Forward asks ForThisThread) on a thread of its own, so a renewal replaces
 // that thread only: the plans it drops are the convolutions'.
 //
-// Run hands a function to the lane's thread and waits for it: the caller's inference and grad modes
-// go with it (and, with RunOn, the caller's current stream on that device); what it throws is rethrown
-// to the caller. One function at a time: callers from several threads take turns.
+// Run hands a function to the lane's thread and waits for it: the caller's thread-local LibTorch state
+// goes with it (at::ThreadLocalState: grad and inference modes, dispatch keys, autocast, profiler) and,
+// with RunOn, the caller's current stream on that device — device work goes through RunOn, or it would
+// queue on the lane thread's own current stream; what it throws is rethrown to the caller. One function
+// at a time: callers from several threads take turns.
 #ifndef STOWAGE_MODELS_CORE_CONV_LANE_H_
 #define STOWAGE_MODELS_CORE_CONV_LANE_H_
 
@@ -34,17 +36,18 @@ class ConvLane {
   ConvLane(const ConvLane&) = delete;
   ConvLane& operator=(const ConvLane&) = delete;
 
-  // Runs fn on the lane's thread (started on first use, or fresh after Renew) and returns once it
-  // has; rethrows what fn threw.
+  // Runs fn on the lane's thread (started on first use) and returns once it has; rethrows what fn
+  // threw.
   void Run(const std::function<void()>& fn) ABSL_LOCKS_EXCLUDED(turn_mu_, mu_);
   // Run, with the caller's current stream of `device` current on the lane's thread too (a CPU
   // device has none to carry).
   void RunOn(const c10::Device& device, const std::function<void()>& fn) ABSL_LOCKS_EXCLUDED(turn_mu_, mu_);
 
-  // The next Run goes on a fresh thread; the current one ends then (whatever it cached with it).
-  void Renew() ABSL_LOCKS_EXCLUDED(mu_);
+  // The lane goes on on a fresh thread now: the current one ends (whatever it cached with it) once
+  // the function it runs, if any, has returned. Before the first run: nothing to renew.
+  void Renew() ABSL_LOCKS_EXCLUDED(turn_mu_, mu_);
 
-  // Threads that have run functions so far (the first, then one for each Renew that took effect).
+  // Threads started so far (the first, at the first run, then one for each Renew after it).
   int threads_started() const ABSL_LOCKS_EXCLUDED(mu_);
   // Functions run so far.
   int64_t runs() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -67,7 +70,6 @@ class ConvLane {
   const std::function<void()>* task_ ABSL_GUARDED_BY(mu_) = nullptr;  // The function to run now.
   bool finished_ ABSL_GUARDED_BY(mu_) = false;                         // task_ ran.
   bool end_ ABSL_GUARDED_BY(mu_) = false;                              // The thread should return.
-  bool renew_ ABSL_GUARDED_BY(mu_) = false;                            // The next Run starts a fresh one.
   int threads_started_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t runs_ ABSL_GUARDED_BY(mu_) = 0;
 };

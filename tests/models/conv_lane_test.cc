@@ -44,22 +44,23 @@ std::thread::id LaneThreadId(ConvLane& lane) {
 
 TEST(ConvLaneTest, RunsOnItsOwnThreadUntilRenewed) {
   ConvLane lane;
+  lane.Renew();  // Nothing to renew yet.
   EXPECT_EQ(lane.threads_started(), 0);  // Started on first use.
   EXPECT_NE(LaneThreadId(lane), std::this_thread::get_id());
   const int first = LaneThread(lane);
   EXPECT_EQ(LaneThread(lane), first);
   EXPECT_EQ(lane.threads_started(), 1);
   lane.Renew();
-  EXPECT_EQ(lane.threads_started(), 1);  // Renewal takes effect at the next run.
+  EXPECT_EQ(lane.threads_started(), 2);  // At once: the old thread ended, a fresh one waits.
   const int second = LaneThread(lane);
   EXPECT_NE(second, first);
   EXPECT_NE(LaneThreadId(lane), std::this_thread::get_id());
   EXPECT_EQ(LaneThread(lane), second);
   lane.Renew();
-  lane.Renew();  // Twice before a run: one fresh thread.
+  lane.Renew();  // Twice before a run: two fresh threads, the first never ran anything.
   const int third = LaneThread(lane);
   EXPECT_NE(third, second);
-  EXPECT_EQ(lane.threads_started(), 3);
+  EXPECT_EQ(lane.threads_started(), 4);
   EXPECT_EQ(lane.runs(), 7);
 }
 
@@ -136,9 +137,16 @@ TEST(ConvLaneTest, CallersOnSeveralThreadsTakeTurns) {
   EXPECT_EQ(total.load(), 200);
   EXPECT_EQ(most.load(), 1);
   EXPECT_EQ(lane.runs(), 200);
-  EXPECT_GE(lane.threads_started(), 2);
+  // Five renewals, the first of which may come before any run (nothing to renew then).
+  EXPECT_GE(lane.threads_started(), 5);
   EXPECT_LE(lane.threads_started(), 6);
 }
+
+// Installs a lane on the calling thread for its scope.
+struct LaneOnThisThread {
+  explicit LaneOnThisThread(ConvLane* lane) { ConvLane::SetForThisThread(lane); }
+  ~LaneOnThisThread() { ConvLane::SetForThisThread(nullptr); }
+};
 
 class ConvHolder : public Module {
  public:
@@ -156,14 +164,15 @@ TEST(ConvLaneTest, Conv2dRunsOnTheLaneOfItsThread) {
   ASSERT_EQ(ConvLane::ForThisThread(), nullptr);
   const at::Tensor plain = holder.conv->Forward(x);
   ConvLane lane;
-  ConvLane::SetForThisThread(&lane);
-  at::Tensor laned;
+  at::Tensor laned, again;
   {
-    c10::InferenceMode guard;
-    laned = holder.conv->Forward(x);
+    LaneOnThisThread installed(&lane);
+    {
+      c10::InferenceMode guard;
+      laned = holder.conv->Forward(x);
+    }
+    again = holder.conv->Forward(x);
   }
-  const at::Tensor again = holder.conv->Forward(x);
-  ConvLane::SetForThisThread(nullptr);
   EXPECT_EQ(lane.runs(), 2);
   EXPECT_TRUE(at::equal(plain, laned));
   EXPECT_TRUE(at::equal(plain, again));
@@ -172,9 +181,9 @@ TEST(ConvLaneTest, Conv2dRunsOnTheLaneOfItsThread) {
   (void)holder.conv->Forward(x);
   EXPECT_EQ(lane.runs(), 2);
   // A bad input's error reaches the caller through the lane.
-  ConvLane::SetForThisThread(&lane);
+  LaneOnThisThread installed(&lane);
   EXPECT_THROW((void)holder.conv->Forward(at::randn({2, 5, 16, 16})), c10::Error);
-  ConvLane::SetForThisThread(nullptr);
+  EXPECT_EQ(lane.runs(), 3);
 }
 
 }  // namespace

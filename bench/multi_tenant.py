@@ -566,24 +566,33 @@ def measured_requests(log_path, trace):
     return out
 
 
+def renewal_excess(runs):
+    """What a thread renewal cost each run after it: `runs` as (pipeline, stages {name: s}, first run of
+    its pipeline since a renewal) — for each first run, what its prompt encoding + denoising took over the
+    median of its pipeline's other runs (the stages a renewal of the worker's thread slows by rebuilding
+    cuDNN's attention graphs: multi-tenant run 16; the decode, which a renewal is for, is left out);
+    None for the other runs and where the pipeline has no other run."""
+    def work(stages):
+        return stages.get("encode_prompt", 0.0) + stages["denoise"]
+    others = {}
+    for pipeline, stages, first in runs:
+        if not first and "denoise" in stages:
+            others.setdefault(pipeline, []).append(work(stages))
+    return [work(stages) - percentile(others[pipeline], 0.5)
+            if first and "denoise" in stages and pipeline in others else None
+            for pipeline, stages, first in runs]
+
+
 def remove_renewal_cost(requests):
     """What if thread renewals cost nothing (the convolution lane's aim): each pipeline's first run after
-    a renewal loses what its prompt encoding + denoising took over the median of the pipeline's other
-    runs (renewal_cost's measure). Changes `requests` (measured_requests') in place; returns how many
+    a renewal loses its renewal_excess. Changes `requests` (measured_requests') in place; returns how many
     runs it shortened and by how many seconds in all."""
-    def work(r):
-        return r["stages"].get("encode_prompt", 0.0) + r["stages"].get("denoise", 0.0)
-    others = {}
-    for r in requests:
-        if not r["first_after_renewal"] and "denoise" in r["stages"]:
-            others.setdefault(r["pipeline"], []).append(work(r))
     shortened, seconds = 0, 0.0
-    for r in requests:
-        if r["first_after_renewal"] and "denoise" in r["stages"] and r["pipeline"] in others:
-            extra = work(r) - percentile(others[r["pipeline"]], 0.5)
-            if extra > 0:
-                r["run"] -= extra
-                shortened, seconds = shortened + 1, seconds + extra
+    excess = renewal_excess([(r["pipeline"], r["stages"], r["first_after_renewal"]) for r in requests])
+    for r, extra in zip(requests, excess):
+        if extra is not None and extra > 0:
+            r["run"] -= extra
+            shortened, seconds = shortened + 1, seconds + extra
     return shortened, seconds
 
 
@@ -741,18 +750,10 @@ WHOLE_MOVES = ("onload", "prefetch_pipeline")
 
 
 def renewal_cost(runs, firsts):
-    """What a thread renewal cost the runs after it: the first run of each pipeline after a renewal
-    (`firsts`, one flag per run of analyze's `runs`) against that pipeline's other runs, by their prompt
-    encoding + denoising (stages a renewal of the worker's thread slows by rebuilding cuDNN's attention
-    graphs: multi-tenant run 16; the decode, which a renewal is for, is left out). "" without such runs."""
-    def work(stage_s):
-        return stage_s.get("encode_prompt", 0.0) + stage_s["denoise"]
-    others = {}
-    for run, first in zip(runs, firsts):
-        if not first and "denoise" in run[-1]:
-            others.setdefault(run[0], []).append(work(run[-1]))
-    extra = [work(run[-1]) - percentile(others[run[0]], 0.5)
-             for run, first in zip(runs, firsts) if first and "denoise" in run[-1] and run[0] in others]
+    """analyze's line for what thread renewals cost (renewal_excess of analyze's `runs`, `firsts` one flag
+    per run: its pipeline's first since a renewal); "" without such runs."""
+    extra = [e for e in renewal_excess([(run[0], run[-1], first) for run, first in zip(runs, firsts)])
+             if e is not None]
     if not extra:
         return ""
     return (f"first run of a pipeline after a renewal: {len(extra)}, their prompt encoding + denoising "

@@ -208,7 +208,13 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
     ThreadRenewalPolicy policy;
     int64_t widenings = 0;  // The placement's count at the last look.
   };
-  worker.renew_thread = [raw, lane, state = std::make_shared<RenewalState>()](WorkerScope& scope) -> std::string {
+  // Each renewal, logged and counted: `thread` says which (the convolutions' or the worker's).
+  const auto renewed = [raw](const char* thread, const std::string& reason) {
+    LogInfo(absl::StrCat("device_thread_renewed device=", raw->device_name_, " thread=", thread,
+                         " reason=", LogValue(reason)));
+    if (raw->metrics_ != nullptr) raw->metrics_->RecordThreadRenewal(raw->device_name_);
+  };
+  worker.renew_thread = [raw, lane, renewed, state = std::make_shared<RenewalState>()](WorkerScope& scope) -> std::string {
     PlacementManager& placement = raw->Placement(scope);
     const DeviceMemoryStats stats = placement.backend().GetMemoryStats();
     const std::string reason = state->policy.Next(stats.allocator_ooms, stats.largest_refused_bytes, stats.free_bytes());
@@ -222,16 +228,10 @@ absl::StatusOr<std::unique_ptr<DeviceRuntime>> DeviceRuntime::Create(
     state->widenings = placement.cache_margin_widenings();
     if (reason.empty() || lane == nullptr) return reason;
     lane->Renew();
-    LogInfo(absl::StrCat("device_thread_renewed device=", raw->device_name_, " thread=convolutions reason=",
-                         LogValue(reason)));
-    if (raw->metrics_ != nullptr) raw->metrics_->RecordThreadRenewal(raw->device_name_);
+    renewed("convolutions", reason);
     return "";  // The worker goes on on its own thread.
   };
-  worker.on_renewed = [raw](WorkerScope&, const std::string& reason) {
-    LogInfo(absl::StrCat("device_thread_renewed device=", raw->device_name_, " thread=worker reason=",
-                         LogValue(reason)));
-    if (raw->metrics_ != nullptr) raw->metrics_->RecordThreadRenewal(raw->device_name_);
-  };
+  worker.on_renewed = [renewed](WorkerScope&, const std::string& reason) { renewed("worker", reason); };
   core->worker_ = std::make_unique<DeviceWorker>(std::move(worker));
   if (metrics != nullptr) metrics->SetQueueDepth(device, 0);
   // From here on only the worker touches the backend and placement.

@@ -34,6 +34,12 @@ void ConvLane::EndThread() {
   end_ = false;
 }
 
+void ConvLane::StartThread() {
+  thread_ = std::thread([this] { Loop(); });
+  absl::MutexLock lock(&mu_);
+  ++threads_started_;
+}
+
 void ConvLane::Loop() {
   for (;;) {
     const std::function<void()>* task = nullptr;
@@ -67,11 +73,7 @@ void ConvLane::Run(const std::function<void()>& fn) {
   };
   {
     absl::MutexLock turn(&turn_mu_);
-    if (!thread_.joinable()) {
-      thread_ = std::thread([this] { Loop(); });
-      absl::MutexLock lock(&mu_);
-      ++threads_started_;
-    }
+    if (!thread_.joinable()) StartThread();
     absl::MutexLock lock(&mu_);
     finished_ = false;
     task_ = &task;
@@ -98,9 +100,7 @@ void ConvLane::Renew() {
   absl::MutexLock turn(&turn_mu_);
   if (!thread_.joinable()) return;  // None yet: the first run starts a fresh one anyway.
   EndThread();
-  thread_ = std::thread([this] { Loop(); });
-  absl::MutexLock lock(&mu_);
-  ++threads_started_;
+  StartThread();
 }
 
 int ConvLane::threads_started() const {

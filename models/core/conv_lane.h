@@ -5,8 +5,8 @@
 // run 13: +0.13 s a Z-Image decode from then on). Going on on a fresh thread drops it — but the same
 // thread also holds every attention graph cuDNN built for it (per thread and shape too), so renewing
 // the device's worker thread made the next run of every pipeline build those again (multi-tenant
-// run 16: +0.10–0.17 s in a hot Z-Image denoise and +0.04–0.08 s in its prompt encoding after each of
-// 15 renewals, on a transformer that never moved). A ConvLane runs the convolutions of the threads it
+// run 16: its 38 first runs of a pipeline after a renewal took +0.074 s at the median, up to +0.432 s,
+// in prompt encoding + denoising — `multi_tenant.py analyze`). A ConvLane runs the convolutions of the threads it
 // is installed on (Conv2d::Forward asks ForThisThread) on a thread of its own, so a renewal replaces
 // that thread only: the plans it drops are the convolutions'.
 //
@@ -14,7 +14,9 @@
 // goes with it (at::ThreadLocalState: grad and inference modes, dispatch keys, autocast, profiler) and,
 // with RunOn, the caller's current stream on that device — device work goes through RunOn, or it would
 // queue on the lane thread's own current stream; what it throws is rethrown to the caller. One function
-// at a time: callers from several threads take turns.
+// at a time: callers from several threads take turns. The caller waits throughout, so on a device's
+// worker the lane computes for the worker (an ATen op on tensors the worker handed it) and touches no
+// placement or backend state of its own.
 #ifndef STOWAGE_MODELS_CORE_CONV_LANE_H_
 #define STOWAGE_MODELS_CORE_CONV_LANE_H_
 
@@ -58,6 +60,8 @@ class ConvLane {
 
  private:
   void Loop() ABSL_LOCKS_EXCLUDED(mu_);
+  // Starts the lane's thread (none running) and counts it.
+  void StartThread() ABSL_EXCLUSIVE_LOCKS_REQUIRED(turn_mu_) ABSL_LOCKS_EXCLUDED(mu_);
   // Ends the lane's thread, if any, and waits for it.
   void EndThread() ABSL_EXCLUSIVE_LOCKS_REQUIRED(turn_mu_) ABSL_LOCKS_EXCLUDED(mu_);
 

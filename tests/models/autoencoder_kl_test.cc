@@ -8,6 +8,7 @@
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 
+#include "models/core/conv_lane.h"
 #include "models/core/diffusers_format.h"
 #include "models/core/weight_init.h"
 #include "offload/device_backend.h"
@@ -63,6 +64,37 @@ TEST(AutoencoderKLTest, DecodesAndStaysExactUnderNestedBlockOffloading) {
   EXPECT_EQ((*offloader)->stats().streamed_groups, 2);
   EXPECT_TRUE(at::equal(vae.Decode(z), image));
   EXPECT_TRUE(at::equal(vae.Decode(z), image));
+}
+
+// With a convolution lane on the thread (models/core/conv_lane.h, as a device's worker has) every
+// convolution of the decode runs there — the offloading hooks around them still on the caller — and
+// the image is bit-identical to the decode without one.
+TEST(AutoencoderKLTest, DecodesBitIdenticallyWithItsConvolutionsOnALane) {
+  AutoencoderKLDecoder vae(Tiny(), LayerOptions{});
+  InitializeRandomWeights(vae, 4);
+  c10::InferenceMode guard;
+  const at::Tensor z = at::randn({1, 4, 5, 6});
+  const at::Tensor image = vae.Decode(z);
+  ConvLane lane;
+  ConvLane::SetForThisThread(&lane);
+  const at::Tensor laned = vae.Decode(z);
+  // conv_in; mid block 2 resnets × 2; up block 0: 2 resnets × 2 + upsampler; up block 1: resnet with
+  // shortcut 3 + resnet 2; conv_out.
+  const int64_t convolutions = 1 + 4 + 5 + 5 + 1;
+  const int64_t after_one = lane.runs();
+  auto weights = *HostWeights::Capture(vae);
+  auto backend = CreateSimulatedBackend({});
+  GroupOffloadOptions options;
+  options.block_modules = {"decoder.up_blocks"};
+  options.use_stream = true;
+  auto offloader = GroupOffloader::Apply("vae", vae, *weights, *backend, options);
+  const at::Tensor streamed = offloader.ok() ? vae.Decode(z) : at::Tensor();
+  ConvLane::SetForThisThread(nullptr);
+  ASSERT_TRUE(offloader.ok()) << offloader.status();
+  EXPECT_EQ(after_one, convolutions);
+  EXPECT_EQ(lane.runs(), 2 * convolutions);
+  EXPECT_TRUE(at::equal(laned, image));
+  EXPECT_TRUE(at::equal(streamed, image));
 }
 
 TEST(AutoencoderKLTest, EncoderWeightsAreIgnoredOnlyWhenAskedTo) {

@@ -168,6 +168,23 @@ def summarize_trace(path, out_path, title):
 GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
+def host_before_lines(host, first_gpu_ts, top=8):
+    """What the host ran before the GPU's first activity: the first host events in order, then the
+    longest ones (by their time inside that window; nested ops count in their parents too)."""
+    early = sorted((e for e in host if e["ts"] < first_gpu_ts), key=lambda e: e["ts"])
+    if not early:
+        return []
+    lines = ["host events before the first GPU activity, in order:"]
+    t0 = early[0]["ts"]
+    for e in early[:top]:
+        lines.append(f"  +{(e['ts'] - t0) / 1e3:7.3f} ms {e['dur'] / 1e3:7.3f} ms {e.get('cat', ''):15s} {e['name'][:70]}")
+    lines.append("  longest there:")
+    inside = [(min(e["ts"] + e["dur"], first_gpu_ts) - e["ts"], e) for e in early]
+    for span, e in sorted(inside, key=lambda p: -p[0])[:top]:
+        lines.append(f"  {span / 1e3:7.3f} ms {e.get('cat', ''):15s} {e['name'][:70]}")
+    return lines
+
+
 def idle_lines(events, top=12):
     """Where the GPU idles between the first and the last activity of a trace.
 
@@ -209,8 +226,9 @@ def idle_lines(events, top=12):
     lines = [f"span {span / 1e3:.2f} ms: GPU busy {busy / 1e3:.2f} ms, idle {(span - busy) / 1e3:.2f} ms "
              f"(host-bound {idle['host'] / 1e3:.2f} ms, device-side {idle['device'] / 1e3:.2f} ms) in "
              f"{len(gaps)} gaps, {small / 1e3:.2f} ms of them in gaps under 10 us",
-             f"host before the first GPU activity {before / 1e3:.2f} ms, after the last {after / 1e3:.2f} ms",
-             "largest gaps:"]
+             f"host before the first GPU activity {before / 1e3:.2f} ms, after the last {after / 1e3:.2f} ms"]
+    lines += host_before_lines(host, acts[0]["ts"])
+    lines.append("largest gaps:")
     for gap, cause, before, after in sorted(gaps, key=lambda g: -g[0])[:top]:
         lines.append(f"  {gap:8.1f} us {cause:6s} {before[:60]} -> {after[:60]}")
     # Per stream (kernels only, the busiest first): a streamed step's compute stream idles where it

@@ -12,6 +12,7 @@ launch = lambda ts, corr: {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunch
                            "args": {"correlation": corr}}
 events = [
     {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "ts": -40, "dur": 340},  # host: 50 us before, 40 after
+    {"ph": "X", "cat": "cpu_op", "name": "aten::arange", "ts": -30, "dur": 25},   # inside it, before the GPU starts
     launch(0, 1), k("nvjet_gemm_a", 10, 100, 1),        # busy 10..110
     launch(20, 2), k("RmsNormKernel", 130, 20, 2),      # queued early: 20 us device-side gap
     launch(5, 3), k("elementwise_b", 140, 30, 3, 9),       # overlaps on another stream: busy to 170
@@ -30,6 +31,15 @@ grep -q '^attention .* 1 launches  *0.05 ms' "$TEST_TMPDIR/profile.txt"
 grep -q '^span 0.25 ms: GPU busy 0.19 ms, idle 0.06 ms (host-bound 0.04 ms, device-side 0.02 ms) in 3 gaps, 0.00 ms of them in gaps under 10 us' \
   "$TEST_TMPDIR/profile.txt"
 grep -q '^host before the first GPU activity 0.05 ms, after the last 0.04 ms' "$TEST_TMPDIR/profile.txt"
+# What the host ran in those 50 us: in order from the first host event, then the longest there (the
+# parent's time up to the first GPU activity, 50 us; the arange's 25 us; a launch's 3 us).
+grep -A3 '^host events before the first GPU activity, in order:' "$TEST_TMPDIR/profile.txt" >"$TEST_TMPDIR/early.txt"
+sed -n 2p "$TEST_TMPDIR/early.txt" | grep -q '+  0.000 ms   0.340 ms cpu_op  *aten::linear'
+sed -n 3p "$TEST_TMPDIR/early.txt" | grep -q '+  0.010 ms   0.025 ms cpu_op  *aten::arange'
+sed -n 4p "$TEST_TMPDIR/early.txt" | grep -q '+  0.040 ms   0.003 ms cuda_runtime  *cudaLaunchKernel'
+grep -A3 '^  longest there:' "$TEST_TMPDIR/profile.txt" >"$TEST_TMPDIR/longest.txt"
+sed -n 2p "$TEST_TMPDIR/longest.txt" | grep -q '^    0.050 ms cpu_op  *aten::linear'
+sed -n 3p "$TEST_TMPDIR/longest.txt" | grep -q '^    0.025 ms cpu_op  *aten::arange'
 grep -A1 '^largest gaps:' "$TEST_TMPDIR/profile.txt" | grep -q '35.0 us host   elementwise_b -> sdpa_flash_fprop'
 grep -q '20.0 us device nvjet_gemm_a -> RmsNormKernel' "$TEST_TMPDIR/profile.txt"
 # Stream 7: gemm 10..110, norm 130..150, attention 205..255: 170 us of kernels in a 245 us span, idle

@@ -6,6 +6,7 @@
 #             benchmark (bench/compute_bench.py: diffusers eager, diffusers + torch.compile and
 #             Stowage's modes side by side) for each model in $MODELS: conformance.txt, compute.jsonl,
 #             compute_<model>.log, profile_<model>.txt (Stowage's kernels by class and name)
+#             (COMPUTE_TRACES=1: and its Kineto traces, trace_<model>_<mode>.json.gz)
 #   e2e       the whole Z-Image pipeline (bench/e2e_bench.sh): Stowage bf16 and fp8, diffusers eager
 #             and + torch.compile on the same files: e2e.jsonl, e2e.log (E2E_RUNS: Stowage's rows as
 #             COMPUTE:FORMAT[:off], e.g. "fp8:png fp8:png:off fp8:png": off without the convolution lane)
@@ -216,6 +217,10 @@ for model in ${MODELS:-zimage flux}; do
     --commit "${STOWAGE_COMMIT:-unknown}" --profile_dir "$OUT" --modes "${!modes_var:-${MODES:-bf16,bf16_reference,fp8}}" \
     --diffusers "${DIFFUSERS:-eager,compile}" --caption_tokens "${CAPTION_TOKENS:-512}" >"$OUT/compute_$model.log" 2>&1
   stamp "compute $model exit $?"
+  # COMPUTE_TRACES=1: Stowage's Kineto traces too (gzipped), for what the profile's summary leaves out.
+  if [ "${COMPUTE_TRACES:-0}" = 1 ]; then
+    for t in /tmp/compute-"$model"/trace_*.json; do [ -f "$t" ] && gzip -c "$t" >"$OUT/$(basename "$t").gz"; done
+  fi
 done
 summarize "$OUT/compute.jsonl"
 fi

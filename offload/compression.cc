@@ -4,13 +4,16 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <unordered_map>
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorOperators.h>
 #include <torch/version.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "base/fp8_e4m3.h"
 
 // On CUDA the widening is one kernel (widen_kernels.h); the LibTorch ops below are the portable
@@ -69,10 +72,35 @@ Int4Scales SplitInt4Scales(const at::Tensor& scale, int64_t channels) {
           flat.narrow(0, channels * 4, flat.numel() - channels * 4).view({channels, -1})};
 }
 
+// Fp8E4M3Table(kFloat) on a device, copied there once per device. The copy from the host is a
+// blocking one, which waits for everything queued on the device's stream: made on each call, as
+// before session 46, it stopped the int4 quantization at load six times a chunk (once per clipping
+// candidate), so the copy threads reading the next chunk and the device quantizing this one took turns
+// instead of overlapping. The tables are never freed (a device tensor must not outlive its driver at exit).
+class DeviceFp8Tables {
+ public:
+  at::Tensor On(const c10::Device& device) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    auto it = tables_.find(device);
+    if (it == tables_.end()) it = tables_.emplace(device, Fp8E4M3Table(at::kFloat).to(device)).first;
+    return it->second;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::unordered_map<c10::Device, at::Tensor> tables_ ABSL_GUARDED_BY(mu_);
+};
+
+at::Tensor Fp8E4M3FloatTableOn(const c10::Device& device) {
+  if (device.is_cpu()) return Fp8E4M3Table(at::kFloat);
+  static DeviceFp8Tables* const tables = new DeviceFp8Tables;
+  return tables->On(device);
+}
+
 // Each group's scale as the device uses it: e4m3(codes[c, g]) · rows[c], the product in fp32, [C, G]
 // (Quantize's candidates and Dequantize; WidenInto's portable path does the same in its scratch).
 at::Tensor Int4GroupScales(const at::Tensor& codes, const at::Tensor& rows) {
-  const at::Tensor table = Fp8E4M3Table(at::kFloat).to(codes.device());
+  const at::Tensor table = Fp8E4M3FloatTableOn(codes.device());
   return table.index_select(0, codes.reshape({-1}).to(at::kLong)).view(codes.sizes()) * rows.unsqueeze(1);
 }
 

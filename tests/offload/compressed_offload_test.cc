@@ -529,6 +529,31 @@ TEST_P(FormatTest, QuantizingOnCudaMatchesTheHost) {
   }
 }
 
+// Quantizing to int4 on the GPU queues its work and returns without waiting for the device, so the
+// load quantizer's copy threads read the next chunk while the device quantizes this one. Until
+// session 46 each of the clipping search's six candidates copied the e4m3 table to the device, a
+// blocking copy that waited for everything queued before it.
+TEST(QuantizeTest, Int4OnCudaQueuesWithoutWaitingForTheDevice) {
+  auto made = CreateCudaBackend(0);
+  if (!made.ok()) GTEST_SKIP() << "needs a GPU: " << made.status();
+  DeviceBackend& backend = **made;
+  c10::InferenceMode guard;
+  const at::Device cuda(at::kCUDA, 0);
+  at::manual_seed(23);
+  const at::Tensor w = (at::randn({256, 1024}) * 0.05).to(at::kBFloat16).to(cuda);
+  const QuantizedTensor first = Quantize(w, CompressFormat::kInt4);  // A device's first call makes its table.
+  backend.Synchronize();
+  // A second or more of queued float32 matmuls (no tensor cores), then the quantization.
+  at::Tensor busy = at::randn({4096, 4096}, at::TensorOptions().dtype(at::kFloat).device(cuda));
+  for (int i = 0; i < 300; ++i) busy = at::matmul(busy, busy).mul_(1e-4);
+  const std::unique_ptr<DeviceEvent> queued = backend.RecordOnComputeStream();
+  const QuantizedTensor again = Quantize(w, CompressFormat::kInt4);
+  EXPECT_FALSE(queued->Query()) << "the int4 quantization waited for the device's queued work";
+  backend.Synchronize();
+  EXPECT_TRUE(at::equal(again.q.cpu(), first.q.cpu()));
+  EXPECT_TRUE(at::equal(again.scale.cpu(), first.scale.cpu()));
+}
+
 INSTANTIATE_TEST_SUITE_P(Formats, FormatTest,
                          ::testing::Values(CompressFormat::kInt8, CompressFormat::kFp8E4M3,
                                            CompressFormat::kInt8Grouped, CompressFormat::kInt4),

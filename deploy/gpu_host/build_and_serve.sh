@@ -20,6 +20,7 @@
 #   STOWAGE_SERVER_ARGS      extra stowage_server flags, e.g. --config=FILE (split on spaces; the
 #                            address and port-file flags are always the script's own)
 #   STOWAGE_SKIP_TESTS=1     do not run ctest
+#   STOWAGE_BUILD_TARGETS    build only these CMake targets (space-separated), then stop: no serving
 #   STOWAGE_THREAD_STACK_SHIM  auto (default): when civetweb cannot start its threads next to the
 #                            CUDA LibTorch (see thread_stack_shim.c), report that and retry with the
 #                            shim preloaded; always: preload it from the start; never
@@ -230,7 +231,10 @@ log "building with ${jobs} jobs (log: build.log)"
 keep_going=(-- -k 0)
 [[ "${generator[*]}" == *Ninja* ]] || keep_going=(-- -k)
 build_start=${SECONDS}
-if cmake --build "${build_dir}" -j "${jobs}" "${keep_going[@]}" >"${OUT}/build.log" 2>&1; then
+# STOWAGE_BUILD_TARGETS (space-separated CMake targets): build only those, then stop (no serving).
+targets=()
+for t in ${STOWAGE_BUILD_TARGETS:-}; do targets+=(--target "$t"); done
+if cmake --build "${build_dir}" -j "${jobs}" "${targets[@]}" "${keep_going[@]}" >"${OUT}/build.log" 2>&1; then
   build_status=ok
 else
   build_status=FAILED
@@ -244,6 +248,10 @@ if [[ "${build_status}" == ok ]]; then
 else
   record build FAILED "$((SECONDS - build_start)) s; first errors in build_errors.log"
   head -n 20 "${OUT}/build_errors.log" >&2 || true
+fi
+if [[ -n "${STOWAGE_BUILD_TARGETS:-}" ]]; then
+  record serve skipped "STOWAGE_BUILD_TARGETS: only ${STOWAGE_BUILD_TARGETS} built"
+  [[ "${build_status}" == ok ]] && exit 0 || exit 1
 fi
 [[ -x "${server_bin}" ]] || die server "stowage_server was not built; nothing to serve"
 

@@ -29,6 +29,20 @@
 namespace stowage {
 namespace {
 
+// A step's per-sample values (timesteps, guidance scales) as a float32 tensor on `device`, made without
+// waiting for the device: a host tensor's ordinary copy to a GPU is a blocking one, which waits for
+// everything queued there, so made that way once a step (as before session 46) the host queued each
+// step's kernels only once the GPU had run the last step's, and the GPU idled while the first ones were
+// launched. Equal values (the usual case) are filled on the device; others go through pinned memory.
+at::Tensor StepValues(const std::vector<float>& values, const c10::Device& device) {
+  const auto n = static_cast<int64_t>(values.size());
+  if (n > 0 && std::all_of(values.begin(), values.end(), [&](float v) { return v == values.front(); })) {
+    return at::full({n}, values.front(), at::TensorOptions().dtype(at::kFloat).device(device));
+  }
+  const at::Tensor host = at::tensor(values);
+  return device.is_cuda() ? host.pin_memory().to(device, /*non_blocking=*/true) : host.to(device);
+}
+
 // The scheduler as FluxPipeline configures FlowMatchEulerDiscreteScheduler: [dev] shifts by the
 // image's token count (use_dynamic_shifting, exponential), [schnell] by a fixed shift (1: none).
 struct FluxSchedule {
@@ -252,10 +266,11 @@ class FluxPipeline : public Pipeline {
       const auto b = static_cast<int64_t>(running.size());
       // diffusers: t = sigma * 1000 in float32, cast to the model's dtype, then t / 1000 in that dtype.
       const at::Tensor timestep =
-          at::full({b}, family.sigmas[step] * 1000.0f, at::TensorOptions().dtype(at::kFloat)).to(device).to(options_.dtype) /
+          StepValues(std::vector<float>(static_cast<size_t>(b), family.sigmas[step] * 1000.0f), device)
+              .to(options_.dtype) /
           1000;
       at::Tensor g;
-      if (Transformer().config().guidance_embeds) g = at::tensor(guidance).to(device);
+      if (Transformer().config().guidance_embeds) g = StepValues(guidance, device);
       at::Tensor out;
       const LoraRows rows = member_rows != nullptr ? rows_of(running) : LoraRows();
       std::optional<ScopedLoraRows> lora_rows;

@@ -34,13 +34,17 @@ namespace {
 // everything queued there, so made that way once a step (as before session 46) the host queued each
 // step's kernels only once the GPU had run the last step's, and the GPU idled while the first ones were
 // launched. Equal values (the usual case) are filled on the device; others go through pinned memory.
+// (A pinned source's copy is queued on the stream, and its block is not reused until the copy is done.)
+at::Tensor ToDeviceWithoutWaiting(const at::Tensor& host, const c10::Device& device) {
+  return device.is_cuda() ? host.pin_memory().to(device, /*non_blocking=*/true) : host.to(device);
+}
+
 at::Tensor StepValues(const std::vector<float>& values, const c10::Device& device) {
   const auto n = static_cast<int64_t>(values.size());
   if (n > 0 && std::all_of(values.begin(), values.end(), [&](float v) { return v == values.front(); })) {
     return at::full({n}, values.front(), at::TensorOptions().dtype(at::kFloat).device(device));
   }
-  const at::Tensor host = at::tensor(values);
-  return device.is_cuda() ? host.pin_memory().to(device, /*non_blocking=*/true) : host.to(device);
+  return ToDeviceWithoutWaiting(at::tensor(values), device);
 }
 
 // The scheduler as FluxPipeline configures FlowMatchEulerDiscreteScheduler: [dev] shifts by the
@@ -251,7 +255,7 @@ class FluxPipeline : public Pipeline {
         for (size_t i : running) {
           rows.push_back(std::find(encoded_rows.begin(), encoded_rows.end(), i) - encoded_rows.begin());
         }
-        const at::Tensor index = at::tensor(rows).to(device);
+        const at::Tensor index = ToDeviceWithoutWaiting(at::tensor(rows), device);  // Members came or went.
         step_text = text.index_select(0, index);
         step_pooled = pooled.index_select(0, index);
         selected_for = running;

@@ -35,8 +35,15 @@ namespace {
 // step's kernels only once the GPU had run the last step's, and the GPU idled while the first ones were
 // launched. Equal values (the usual case) are filled on the device; others go through pinned memory.
 // (A pinned source's copy is queued on the stream, and its block is not reused until the copy is done.)
+// Where the host cannot pin a few bytes more, the copy waits as it did before.
 at::Tensor ToDeviceWithoutWaiting(const at::Tensor& host, const c10::Device& device) {
-  return device.is_cuda() ? host.pin_memory().to(device, /*non_blocking=*/true) : host.to(device);
+  if (device.is_cuda()) {
+    try {
+      return host.pin_memory().to(device, /*non_blocking=*/true);
+    } catch (const c10::Error&) {
+    }
+  }
+  return host.to(device);
 }
 
 at::Tensor StepValues(const std::vector<float>& values, const c10::Device& device) {

@@ -181,11 +181,22 @@ assert [r["run"] for r in reqs[::2]] == [0.7, 0.7], reqs
 grep -q "^replay of 24 requests (scheduler strategy)" "$TEST_TMPDIR/replay.txt" || { cat "$TEST_TMPDIR/replay.txt"; exit 1; }
 grep -q "^  zimage .* model none .* model priority .* model resident " "$TEST_TMPDIR/replay.txt" ||
   { cat "$TEST_TMPDIR/replay.txt"; exit 1; }
-# The same with the renewals' cost taken out of the runs after them (none in this run: nothing shortened).
+# The same with the renewals' cost taken out of the runs after them. Whether the simulated device runs
+# short under the scheduler's budget depends on how the requests and prefetches interleave (an allocator
+# retry, then a renewal of the convolutions' thread): nothing is shortened where its log has no renewal,
+# and a run is shortened only by a positive amount.
 /usr/bin/python3 "$scripts/multi_tenant.py" replay "$TEST_TMPDIR/logs" "$TEST_TMPDIR/rows.jsonl" --renewal_free \
   >"$TEST_TMPDIR/replay_free.txt"
-grep -q "^  renewals made free: 0 first runs after a renewal shortened by 0.000 s in all$" "$TEST_TMPDIR/replay_free.txt" ||
-  { cat "$TEST_TMPDIR/replay_free.txt"; exit 1; }
+/usr/bin/python3 - "$TEST_TMPDIR/replay_free.txt" "$TEST_TMPDIR/logs/scheduler.log" <<'PY'
+import re, sys
+free = open(sys.argv[1]).read()
+renewals = open(sys.argv[2]).read().count(" device_thread_renewed ")
+m = re.search(r"^  renewals made free: ([0-9]+) first runs after a renewal shortened by ([0-9.]+) s in all$", free, re.M)
+assert m, free
+runs, seconds = int(m.group(1)), float(m.group(2))
+assert runs > 0 or seconds == 0.0, free
+assert renewals > 0 or runs == 0, (renewals, free)
+PY
 # A strategy run on its own.
 # This one keeps the hot text encoder whole on the device (not streamed, never evicted by the strategy).
 # And the fine-tune's transformer streams as int4 instead of moving whole (--zimage_ft_compress).

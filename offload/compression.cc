@@ -300,7 +300,7 @@ at::Tensor Dequantize(const QuantizedTensor& t, CompressFormat format, at::Scala
   const at::Tensor q2d = t.q.reshape({t.q.size(0), -1});
   at::Tensor values = format == CompressFormat::kInt8
                           ? q2d.to(at::kFloat)
-                          : Fp8E4M3Table(at::kFloat)
+                          : Fp8E4M3FloatTableOn(q2d.device())
                                 .index_select(0, q2d.reshape({-1}).to(at::kLong))
                                 .view(q2d.sizes());
   return (values * t.scale.to(at::kFloat).unsqueeze(1)).to(dtype).reshape(t.q.sizes()).contiguous();

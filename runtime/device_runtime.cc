@@ -13,6 +13,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -472,9 +474,23 @@ absl::Status DeviceRuntime::RunForPeer(Component& component, const std::function
                                         const std::string& request_id, WorkerScope* caller,
                                         const Interrupt& interrupt, v1::DeviceUsage* usage) {
   const at::ThreadLocalState caller_state;  // Inference mode and the rest of the caller's LibTorch state.
+  // What the caller queued on this device for `fn` (a step's timesteps, its batch's row index: tensors
+  // it made here) is on the caller's current stream for this device, which is not this worker's
+  // compute stream: the compute stream waits for it before the run reads them. (The outputs go back
+  // complete: the run synchronizes below.)
+  std::optional<c10::Event> inputs_queued;
+  if (!prefetch_only && torch_device_.is_cuda()) {
+    const c10::impl::VirtualGuardImpl streams(torch_device_.type());
+    inputs_queued.emplace(torch_device_.type());
+    inputs_queued->record(streams.getStream(torch_device_));
+  }
   return worker_->Call(
       [&](WorkerScope& scope) -> absl::Status {
         at::ThreadLocalStateGuard state_guard(caller_state);
+        if (inputs_queued.has_value()) {
+          const c10::impl::VirtualGuardImpl streams(torch_device_.type());
+          inputs_queued->block(streams.getStream(torch_device_));
+        }
         DeviceBackend& backend = Backend(scope);
         PlacementManager& placement = Placement(scope);
         serving_peer_ = true;

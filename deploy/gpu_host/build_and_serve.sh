@@ -233,8 +233,9 @@ keep_going=(-- -k 0)
 build_start=${SECONDS}
 # STOWAGE_BUILD_TARGETS (space-separated CMake targets): build only those, then stop (no serving).
 targets=()
-for t in ${STOWAGE_BUILD_TARGETS:-}; do targets+=(--target "$t"); done
-if cmake --build "${build_dir}" -j "${jobs}" "${targets[@]}" "${keep_going[@]}" >"${OUT}/build.log" 2>&1; then
+read -ra named_targets <<<"${STOWAGE_BUILD_TARGETS:-}"
+for t in ${named_targets[@]+"${named_targets[@]}"}; do targets+=(--target "$t"); done
+if cmake --build "${build_dir}" -j "${jobs}" ${targets[@]+"${targets[@]}"} "${keep_going[@]}" >"${OUT}/build.log" 2>&1; then
   build_status=ok
 else
   build_status=FAILED
@@ -249,8 +250,9 @@ else
   record build FAILED "$((SECONDS - build_start)) s; first errors in build_errors.log"
   head -n 20 "${OUT}/build_errors.log" >&2 || true
 fi
-if [[ -n "${STOWAGE_BUILD_TARGETS:-}" ]]; then
+if ((${#targets[@]})); then
   record serve skipped "STOWAGE_BUILD_TARGETS: only ${STOWAGE_BUILD_TARGETS} built"
+  record ctest skipped "STOWAGE_BUILD_TARGETS"
   [[ "${build_status}" == ok ]] && exit 0 || exit 1
 fi
 [[ -x "${server_bin}" ]] || die server "stowage_server was not built; nothing to serve"

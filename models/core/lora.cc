@@ -12,6 +12,7 @@
 #include "absl/strings/strip.h"
 #include "base/status_macros.h"
 #include "base/text.h"
+#include "models/core/device_copy.h"
 #include "offload/safetensors.h"
 
 namespace stowage {
@@ -51,7 +52,9 @@ at::Tensor RowScales(const std::string& key, c10::Device device, int64_t repeat,
     auto it = active_scales->find(key);
     if (it != active_scales->end()) return it->second;
   }
-  at::Tensor scales = make().to(device);  // float32: the product rounds once, as x * scalar.
+  // float32: the product rounds once, as x * scalar. Without waiting for the device (device_copy.h):
+  // a scope opens every denoising step in a batch that mixes adapters.
+  at::Tensor scales = ToDeviceWithoutWaiting(make(), device);
   if (repeat > 1) scales = scales.repeat_interleave(repeat, 0);
   if (active_scales != nullptr) active_scales->emplace(key, scales);
   return scales;

@@ -17,6 +17,7 @@
 #include "models/tokenizers/clip_tokenizer.h"
 #include "models/pipelines/component_factory.h"
 #include "models/core/config_checks.h"
+#include "models/core/device_copy.h"
 #include "models/core/diffusers_format.h"
 #include "models/nets/flux_latents.h"
 #include "models/pipelines/flow_match_scheduler.h"
@@ -28,31 +29,6 @@
 
 namespace stowage {
 namespace {
-
-// A step's per-sample values (timesteps, guidance scales) as a float32 tensor on `device`, made without
-// waiting for the device: a host tensor's ordinary copy to a GPU is a blocking one, which waits for
-// everything queued there, so made that way once a step (as before session 46) the host queued each
-// step's kernels only once the GPU had run the last step's, and the GPU idled while the first ones were
-// launched. Equal values (the usual case) are filled on the device; others go through pinned memory.
-// (A pinned source's copy is queued on the stream, and its block is not reused until the copy is done.)
-// Where the host cannot pin a few bytes more, the copy waits as it did before.
-at::Tensor ToDeviceWithoutWaiting(const at::Tensor& host, const c10::Device& device) {
-  if (device.is_cuda()) {
-    try {
-      return host.pin_memory().to(device, /*non_blocking=*/true);
-    } catch (const c10::Error&) {
-    }
-  }
-  return host.to(device);
-}
-
-at::Tensor StepValues(const std::vector<float>& values, const c10::Device& device) {
-  const auto n = static_cast<int64_t>(values.size());
-  if (n > 0 && std::all_of(values.begin(), values.end(), [&](float v) { return v == values.front(); })) {
-    return at::full({n}, values.front(), at::TensorOptions().dtype(at::kFloat).device(device));
-  }
-  return ToDeviceWithoutWaiting(at::tensor(values), device);
-}
 
 // The scheduler as FluxPipeline configures FlowMatchEulerDiscreteScheduler: [dev] shifts by the
 // image's token count (use_dynamic_shifting, exponential), [schnell] by a fixed shift (1: none).
@@ -276,12 +252,14 @@ class FluxPipeline : public Pipeline {
       const at::Tensor x = at::cat(xs);
       const auto b = static_cast<int64_t>(running.size());
       // diffusers: t = sigma * 1000 in float32, cast to the model's dtype, then t / 1000 in that dtype.
+      // Made on the device (device_copy.h): a host tensor copied each step would make the host wait
+      // for the last step's kernels before it queued this one's.
       const at::Tensor timestep =
-          StepValues(std::vector<float>(static_cast<size_t>(b), family.sigmas[step] * 1000.0f), device)
+          at::full({b}, family.sigmas[step] * 1000.0f, at::TensorOptions().dtype(at::kFloat).device(device))
               .to(options_.dtype) /
           1000;
       at::Tensor g;
-      if (Transformer().config().guidance_embeds) g = StepValues(guidance, device);
+      if (Transformer().config().guidance_embeds) g = FloatsOnDevice(guidance, device);
       at::Tensor out;
       const LoraRows rows = member_rows != nullptr ? rows_of(running) : LoraRows();
       std::optional<ScopedLoraRows> lora_rows;

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "models/core/config_checks.h"
 #include "models/core/fused_ops.h"
+#include "models/core/device_copy.h"
 #include "models/core/diffusers_format.h"
 #include "base/status_macros.h"
 
@@ -386,7 +387,8 @@ std::vector<at::Tensor> ZImageTransformer::ForwardBatch(const std::vector<at::Te
       if (lcs[i] < lmax) caps[i] = at::cat({caps[i], at::zeros({lmax - lcs[i], c.dim}, caps[i].options())}, 0);
     }
     const at::Tensor positions = at::arange(lmax, at::TensorOptions().dtype(at::kLong)).unsqueeze(0);
-    cap_mask = positions.lt(at::tensor(lcs).unsqueeze(1)).to(device);
+    // Made on the host and copied without waiting for the device (device_copy.h): once a step.
+    cap_mask = ToDeviceWithoutWaiting(positions.lt(at::tensor(lcs).unsqueeze(1)), device);
   }
 
   const at::Tensor x = at::stack(xs, 0);    // [B, nx, D]

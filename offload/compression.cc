@@ -72,11 +72,12 @@ Int4Scales SplitInt4Scales(const at::Tensor& scale, int64_t channels) {
           flat.narrow(0, channels * 4, flat.numel() - channels * 4).view({channels, -1})};
 }
 
-// Fp8E4M3Table(kFloat) on a device, copied there once per device. The copy from the host is a
-// blocking one, which waits for everything queued on the device's stream: made on each call, as
-// before session 46, it stopped the int4 quantization at load six times a chunk (once per clipping
-// candidate), so the copy threads reading the next chunk and the device quantizing this one took turns
-// instead of overlapping. The tables are never freed (a device tensor must not outlive its driver at exit).
+// Fp8E4M3Table(kFloat) on a device (the CPU too), made once per device and only read after. The copy
+// from the host is a blocking one, which waits for everything queued on the device's stream: made on
+// each call, as before session 46, it stopped the int4 quantization at load six times a chunk (once
+// per clipping candidate), so the copy threads reading the next chunk and the device quantizing this
+// one took turns instead of overlapping. The tables are never freed (a device tensor must not outlive
+// its driver at exit).
 class DeviceFp8Tables {
  public:
   at::Tensor On(const c10::Device& device) ABSL_LOCKS_EXCLUDED(mu_) {
@@ -92,7 +93,6 @@ class DeviceFp8Tables {
 };
 
 at::Tensor Fp8E4M3FloatTableOn(const c10::Device& device) {
-  if (device.is_cpu()) return Fp8E4M3Table(at::kFloat);
   static DeviceFp8Tables* const tables = new DeviceFp8Tables;
   return tables->On(device);
 }

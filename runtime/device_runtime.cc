@@ -478,19 +478,16 @@ absl::Status DeviceRuntime::RunForPeer(Component& component, const std::function
   // it made here) is on the caller's current stream for this device, which is not this worker's
   // compute stream: the compute stream waits for it before the run reads them. (The outputs go back
   // complete: the run synchronizes below.)
+  const c10::impl::VirtualGuardImpl streams(torch_device_.type());  // Each thread's current stream here.
   std::optional<c10::Event> inputs_queued;
   if (!prefetch_only && torch_device_.is_cuda()) {
-    const c10::impl::VirtualGuardImpl streams(torch_device_.type());
     inputs_queued.emplace(torch_device_.type());
     inputs_queued->record(streams.getStream(torch_device_));
   }
   return worker_->Call(
       [&](WorkerScope& scope) -> absl::Status {
         at::ThreadLocalStateGuard state_guard(caller_state);
-        if (inputs_queued.has_value()) {
-          const c10::impl::VirtualGuardImpl streams(torch_device_.type());
-          inputs_queued->block(streams.getStream(torch_device_));
-        }
+        if (inputs_queued.has_value()) inputs_queued->block(streams.getStream(torch_device_));
         DeviceBackend& backend = Backend(scope);
         PlacementManager& placement = Placement(scope);
         serving_peer_ = true;

@@ -1,6 +1,7 @@
 #include "models/nets/autoencoder_kl.h"
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -8,6 +9,7 @@
 #include <c10/core/InferenceMode.h>
 #include <gtest/gtest.h>
 
+#include "absl/status/statusor.h"
 #include "models/core/conv_lane.h"
 #include "models/core/diffusers_format.h"
 #include "models/core/weight_init.h"
@@ -47,54 +49,64 @@ TEST(AutoencoderKLTest, DecoderNamesAndShapesMatchDiffusers) {
   EXPECT_EQ(shapes.size(), 2u + 16 + 10 + 18 + 18 + 2 + 2);
 }
 
-TEST(AutoencoderKLTest, DecodesAndStaysExactUnderNestedBlockOffloading) {
-  AutoencoderKLDecoder vae(Tiny(), LayerOptions{});
-  InitializeRandomWeights(vae, 4);
+// The tiny decoder with random weights, a latent and its image decoded plainly (what the offloading and
+// lane tests compare with); OffloadUpBlocks group-offloads its up blocks on a simulated device.
+class TinyDecodeTest : public ::testing::Test {
+ protected:
+  TinyDecodeTest() : vae_(Tiny(), LayerOptions{}) {
+    InitializeRandomWeights(vae_, 4);
+    c10::InferenceMode guard;
+    z_ = at::randn({1, 4, 5, 6});
+    image_ = vae_.Decode(z_);
+  }
+
+  // Nested blocks, named explicitly.
+  absl::StatusOr<std::unique_ptr<GroupOffloader>> OffloadUpBlocks() {
+    weights_ = *HostWeights::Capture(vae_);
+    backend_ = CreateSimulatedBackend({});
+    GroupOffloadOptions options;
+    options.block_modules = {"decoder.up_blocks"};
+    options.use_stream = true;
+    return GroupOffloader::Apply("vae", vae_, *weights_, *backend_, options);
+  }
+
+  AutoencoderKLDecoder vae_;
+  at::Tensor z_;
+  at::Tensor image_;
+  std::unique_ptr<HostWeights> weights_;
+  std::unique_ptr<DeviceBackend> backend_;
+};
+
+TEST_F(TinyDecodeTest, DecodesAndStaysExactUnderNestedBlockOffloading) {
   c10::InferenceMode guard;
-  const at::Tensor z = at::randn({1, 4, 5, 6});
-  const at::Tensor image = vae.Decode(z);
-  EXPECT_EQ(image.sizes(), (std::vector<int64_t>{1, 3, 10, 12}));
-  auto weights = *HostWeights::Capture(vae);
-  auto backend = CreateSimulatedBackend({});
-  GroupOffloadOptions options;
-  options.block_modules = {"decoder.up_blocks"};  // Nested blocks, named explicitly.
-  options.use_stream = true;
-  auto offloader = GroupOffloader::Apply("vae", vae, *weights, *backend, options);
+  EXPECT_EQ(image_.sizes(), (std::vector<int64_t>{1, 3, 10, 12}));
+  auto offloader = OffloadUpBlocks();
   ASSERT_TRUE(offloader.ok()) << offloader.status();
   EXPECT_EQ((*offloader)->stats().streamed_groups, 2);
-  EXPECT_TRUE(at::equal(vae.Decode(z), image));
-  EXPECT_TRUE(at::equal(vae.Decode(z), image));
+  EXPECT_TRUE(at::equal(vae_.Decode(z_), image_));
+  EXPECT_TRUE(at::equal(vae_.Decode(z_), image_));
 }
 
 // With a convolution lane on the thread (models/core/conv_lane.h, as a device's worker has) every
 // convolution of the decode runs there — the offloading hooks around them still on the caller — and
 // the image is bit-identical to the decode without one.
-TEST(AutoencoderKLTest, DecodesBitIdenticallyWithItsConvolutionsOnALane) {
-  AutoencoderKLDecoder vae(Tiny(), LayerOptions{});
-  InitializeRandomWeights(vae, 4);
+TEST_F(TinyDecodeTest, DecodesBitIdenticallyWithItsConvolutionsOnALane) {
   c10::InferenceMode guard;
-  const at::Tensor z = at::randn({1, 4, 5, 6});
-  const at::Tensor image = vae.Decode(z);
   ConvLane lane;
   ConvLane::SetForThisThread(&lane);
-  const at::Tensor laned = vae.Decode(z);
+  const at::Tensor laned = vae_.Decode(z_);
   // conv_in; mid block 2 resnets × 2; up block 0: 2 resnets × 2 + upsampler; up block 1: resnet with
   // shortcut 3 + resnet 2; conv_out.
   const int64_t convolutions = 1 + 4 + 5 + 5 + 1;
   const int64_t after_one = lane.runs();
-  auto weights = *HostWeights::Capture(vae);
-  auto backend = CreateSimulatedBackend({});
-  GroupOffloadOptions options;
-  options.block_modules = {"decoder.up_blocks"};
-  options.use_stream = true;
-  auto offloader = GroupOffloader::Apply("vae", vae, *weights, *backend, options);
-  const at::Tensor streamed = offloader.ok() ? vae.Decode(z) : at::Tensor();
+  auto offloader = OffloadUpBlocks();
+  const at::Tensor streamed = offloader.ok() ? vae_.Decode(z_) : at::Tensor();
   ConvLane::SetForThisThread(nullptr);
   ASSERT_TRUE(offloader.ok()) << offloader.status();
   EXPECT_EQ(after_one, convolutions);
   EXPECT_EQ(lane.runs(), 2 * convolutions);
-  EXPECT_TRUE(at::equal(laned, image));
-  EXPECT_TRUE(at::equal(streamed, image));
+  EXPECT_TRUE(at::equal(laned, image_));
+  EXPECT_TRUE(at::equal(streamed, image_));
 }
 
 TEST(AutoencoderKLTest, EncoderWeightsAreIgnoredOnlyWhenAskedTo) {

@@ -57,26 +57,57 @@ __device__ __forceinline__ float ValueAt(const uint8_t* q, int64_t e) {
 }
 
 // The scales as the kernels read them: `p` the buffer; for kE4M3Rows, `channels` fp32 row scales
-// then the codes, `groups_per_row` codes a row.
+// then the codes, `groups_per_row` codes a row, and `row_magic` ceil(2^64 / groups_per_row) (0 when
+// groups_per_row is 1 or not below 2^32): RowOf divides by multiplying with it.
 struct Scales {
   const void* p;
   int64_t channels;
   int64_t groups_per_row;
+  uint64_t row_magic;
 };
 
-template <ScaleKind S>
-__device__ __forceinline__ float ScaleAt(const Scales& scales, int64_t g) {
+// The host's Scales of a weight whose scales are `p`.
+Scales ScalesOf(const void* p, int64_t channels, int64_t groups_per_row) {
+  return Scales{p, channels, groups_per_row, RowMagic(groups_per_row)};
+}
+
+// The row of group g: g / groups_per_row. For g < 2^32 by one 64-bit multiply-high with row_magic
+// (widen_kernels.h's RowMagic), where the 32-bit division it replaces took ~17 instructions a chunk,
+// three of them on the quarter-rate conversion unit.
+__device__ __forceinline__ int64_t RowOf(const Scales& scales, int64_t g) {
+  if (g <= 0xFFFFFFFFll) {
+    if (scales.groups_per_row == 1) return g;
+    if (scales.row_magic != 0) return static_cast<int64_t>(__umul64hi(scales.row_magic, static_cast<uint64_t>(g)));
+  }
+  return g / scales.groups_per_row;
+}
+
+// kTable: int4's group codes read through `table`, the 256 e4m3fn values in shared memory
+// (FillE4M3Table), instead of decoded from their bits.
+template <ScaleKind S, bool kTable = false>
+__device__ __forceinline__ float ScaleAt(const Scales& scales, int64_t g, const float* table = nullptr) {
   if constexpr (S == ScaleKind::kFloat) {
     return static_cast<const float*>(scales.p)[g];
   } else {
     const auto* rows = static_cast<const float*>(scales.p);
     const uint8_t* codes = static_cast<const uint8_t*>(scales.p) + 4 * scales.channels;
-    // The row by a 32-bit division where the index allows (every real weight).
-    const int64_t row = g <= 0xFFFFFFFFll
-                            ? static_cast<int64_t>(static_cast<uint32_t>(g) / static_cast<uint32_t>(scales.groups_per_row))
-                            : g / scales.groups_per_row;
-    return __fmul_rn(DecodeE4M3(codes[g]), rows[row]);
+    const uint32_t code = codes[g];
+    float value;
+    if constexpr (kTable) {
+      value = table[code];
+    } else {
+      value = DecodeE4M3(code);
+    }
+    return __fmul_rn(value, rows[RowOf(scales, g)]);
   }
+}
+
+// The block's table of the 256 e4m3fn values (int4's group codes: one shared-memory load a chunk
+// instead of decoding the bits), filled by every thread of the block before any reads it. Every
+// thread of the block must call it (it synchronizes the block).
+__device__ __forceinline__ void FillE4M3Table(float* table) {
+  for (int i = static_cast<int>(threadIdx.x); i < 256; i += static_cast<int>(blockDim.x)) table[i] = DecodeE4M3(i);
+  __syncthreads();
 }
 
 template <typename Out>
@@ -233,7 +264,7 @@ __global__ void WidenVector(const uint8_t* q, Scales scale, Out* out, int64_t it
 // end past the weight (`chunks`: its chunks of eight); its lanes past the end do nothing.
 template <Codes C, typename Out, ScaleKind S, int kChunks>
 __device__ __forceinline__ void WidenTile(const uint8_t* q, const Scales& scale, Out* out, int64_t tile, int lane,
-                                          int64_t chunks, int64_t group, int shift) {
+                                          int64_t chunks, int64_t group, int shift, const float* table) {
   constexpr int kBytes = C == Codes::kInt4 ? 4 : 8;  // Codes of one chunk.
   const int64_t first = tile * 32 * kChunks + lane;
   Words<kBytes> words[kChunks];
@@ -248,7 +279,7 @@ __device__ __forceinline__ void WidenTile(const uint8_t* q, const Scales& scale,
     const int64_t chunk = first + 32 * c;
     if (chunk >= chunks) break;
     const int64_t e = chunk * 8;
-    const float s = ScaleAt<S>(scale, shift >= 0 ? e >> shift : e / group);
+    const float s = ScaleAt<S, S == ScaleKind::kE4M3Rows>(scale, shift >= 0 ? e >> shift : e / group, table);
     float v[8];
     DecodeChunk<C, kBytes>(words[c], 0, v);
 #pragma unroll
@@ -264,13 +295,26 @@ __host__ __device__ __forceinline__ int64_t TilesOf(int64_t chunks, int chunks_a
   return (chunks + 32 * chunks_a_lane - 1) / (32 * chunks_a_lane);
 }
 
+// int4's group codes through the block's shared e4m3 table (the 8-bit formats' fp32 scales need none).
+template <ScaleKind S>
+__device__ __forceinline__ const float* BlockE4M3Table(float* shared) {
+  if constexpr (S == ScaleKind::kE4M3Rows) {
+    FillE4M3Table(shared);
+    return shared;
+  } else {
+    return nullptr;
+  }
+}
+
 template <Codes C, typename Out, ScaleKind S, int kChunks>
 __global__ void WidenTiles(const uint8_t* q, Scales scale, Out* out, int64_t chunks, int64_t group, int shift) {
+  __shared__ float shared_table[S == ScaleKind::kE4M3Rows ? 256 : 1];
+  const float* table = BlockE4M3Table<S>(shared_table);
   const int64_t tiles = TilesOf(chunks, kChunks);
   const int lane = static_cast<int>(threadIdx.x % 32);
   for (int64_t tile = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32; tile < tiles;
        tile += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    WidenTile<C, Out, S, kChunks>(q, scale, out, tile, lane, chunks, group, shift);
+    WidenTile<C, Out, S, kChunks>(q, scale, out, tile, lane, chunks, group, shift, table);
   }
 }
 
@@ -299,12 +343,14 @@ __global__ void WidenVectorMany(const ManyJobs<Out> jobs) {
 
 template <Codes C, typename Out, ScaleKind S, int kChunks>
 __global__ void WidenTilesMany(const ManyJobs<Out> jobs) {
+  __shared__ float shared_table[S == ScaleKind::kE4M3Rows ? 256 : 1];
+  const float* table = BlockE4M3Table<S>(shared_table);
   const int64_t block = blockIdx.x;
   int j = 0;
   while (j + 1 < jobs.count && block >= jobs.first_block[j + 1]) ++j;
   const int64_t tile = (block - jobs.first_block[j]) * kWarpsPerBlock + threadIdx.x / 32;
   WidenTile<C, Out, S, kChunks>(jobs.q[j], jobs.scale[j], jobs.out[j], tile, static_cast<int>(threadIdx.x % 32),
-                                jobs.items[j], jobs.group[j], jobs.shift[j]);
+                                jobs.items[j], jobs.group[j], jobs.shift[j], table);
 }
 
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -391,7 +437,7 @@ int LaunchMany(const WidenJob* jobs, int count, cudaStream_t stream) {
     const WidenJob& job = jobs[n];
     const int64_t total = job.channels * job.k;
     if (total <= 0) continue;
-    const Scales scale{job.scale, job.channels, job.k / job.group_size};
+    const Scales scale = ScalesOf(job.scale, job.channels, job.k / job.group_size);
     if (tiles ? !TileLayout<C>(job.q, job.out, total, job.group_size)
               : !WideLayout<C>(job.q, job.out, total, job.group_size)) {
       const int alone = Launch<C, Out, S>(job.q, scale, job.out, total, job.group_size, stream);
@@ -524,7 +570,7 @@ int Widen(Codes codes, const void* q, const void* scale, ScaleKind scale_kind, v
   if (total <= 0) return 0;
   if (group_size <= 0 || k % group_size != 0) return static_cast<int>(cudaErrorInvalidValue);
   auto s = static_cast<cudaStream_t>(stream);
-  const Scales scales{scale, channels, k / group_size};
+  const Scales scales = ScalesOf(scale, channels, k / group_size);
   return ForCodes(codes, scale_kind, out_type, [&](auto c, auto o, auto kind) {
     return Launch<decltype(c)::value, typename decltype(o)::type, decltype(kind)::value>(q, scales, out, total,
                                                                                           group_size, s);

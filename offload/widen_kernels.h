@@ -37,6 +37,15 @@ enum class ScaleKind { kFloat = 0, kE4M3Rows = 1 };
 enum class Layout { kCoalesced = 0, kStrided = 1 };
 Layout CurrentLayout();
 void SetLayout(Layout layout);
+// The kernels' division of an int4 group's index g by its weight's groups a row d (the row whose fp32
+// scale it takes): the high 64 bits of RowMagic(d) · g, where RowMagic(d) = ceil(2^64 / d), equal
+// g / d for every g < 2^32 and 2 <= d < 2^32 (Lemire, Kaser and Kurz, "Faster remainder by direct
+// computation", 2019: exact when 64 >= 32 + log2(d)); 0 for other d (the kernels then divide).
+// compressed_offload_test checks the identity on the CPU.
+constexpr uint64_t RowMagic(int64_t d) {
+  return d >= 2 && d <= 0xFFFFFFFFll ? ~uint64_t{0} / static_cast<uint64_t>(d) + 1 : 0;
+}
+
 // `group_size` divides `k` (per-channel formats pass k). Returns the launch's cudaError_t as an int
 // (0 = success).
 int Widen(Codes codes, const void* q, const void* scale, ScaleKind scale_kind, void* out, OutType out_type,

@@ -32,6 +32,7 @@
 #include "offload/host_weights.h"
 #include "offload/load_quantizer.h"
 #include "offload/safetensors.h"
+#include "offload/widen_kernels.h"
 #include "tests/offload/stack_model.h"
 
 namespace stowage {
@@ -603,6 +604,14 @@ TEST(Int4OfFp8Test, WidensBackIntoFloat8BytesOnCudaOnly) {
     const at::Tensor outside = at::cat({buffer.narrow(0, 0, offset), buffer.narrow(0, offset + w.numel(), 16 - offset)});
     EXPECT_TRUE(outside.eq(0x55).all().item<bool>()) << "offset " << offset << ": written outside the output";
   }
+  // Z-Image's hidden width (3840 values a row: 240 groups, no power of two, so the kernels find a
+  // group's row by RowMagic's multiply), on the default coalesced path.
+  const at::Tensor wide = (at::randn({40, 3840}) * 60).to(at::kFloat8_e4m3fn);
+  const QuantizedTensor qw = Quantize(wide, CompressFormat::kInt4);
+  const at::Tensor out_wide = at::empty({40, 3840}, at::TensorOptions().dtype(at::kFloat8_e4m3fn).device(cuda));
+  WidenInto(out_wide, qw.q.to(cuda), qw.scale.to(cuda), CompressFormat::kInt4, WidenScratch{});
+  EXPECT_TRUE(at::equal(out_wide.cpu().view(at::kByte),
+                        Dequantize(qw, CompressFormat::kInt4, at::kFloat8_e4m3fn, wide.sizes()).view(at::kByte)));
   // 3 x 48: a total of 144 values, not a multiple of 32: eight values a thread.
   const at::Tensor small = (at::randn({3, 48}) * 60).to(at::kFloat8_e4m3fn);
   const QuantizedTensor qs = Quantize(small, CompressFormat::kInt4);
@@ -612,6 +621,49 @@ TEST(Int4OfFp8Test, WidensBackIntoFloat8BytesOnCudaOnly) {
                         Dequantize(qs, CompressFormat::kInt4, at::kFloat8_e4m3fn, small.sizes()).view(at::kByte)));
 }
 #endif
+
+// The widening kernels find an int4 group's row as the high 64 bits of RowMagic(d) * g instead of
+// dividing g by the groups a row d: equal to g / d for every g < 2^32, checked here (with the
+// compiler's 128-bit product, the value of CUDA's __umul64hi) at the edges — 0, d - 1, d, d + 1,
+// each multiple of d nearest 2^32 and 2^32 - 1 — of divisors from 2 to 2^32 - 1 (small ones, powers
+// of two and their neighbours, the real weights' 240 and 640, pseudo-random ones) and at
+// pseudo-random indices; divisors outside 2..2^32 - 1 get no magic (the kernels divide).
+TEST(WidenKernelsTest, RowMagicDividesEvery32BitIndex) {
+  EXPECT_EQ(widen_cuda::RowMagic(1), 0u);
+  EXPECT_EQ(widen_cuda::RowMagic(0), 0u);
+  EXPECT_EQ(widen_cuda::RowMagic(int64_t{1} << 32), 0u);
+  std::vector<uint64_t> divisors;
+  for (uint64_t d = 2; d <= 4096; ++d) divisors.push_back(d);
+  for (int b = 12; b < 32; ++b) {
+    for (int64_t delta : {-1, 0, 1}) divisors.push_back((uint64_t{1} << b) + static_cast<uint64_t>(delta));
+  }
+  divisors.push_back(0xFFFFFFFFull);
+  uint64_t state = 0x9E3779B97F4A7C15ull;
+  auto next = [&state] {  // splitmix64
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  for (int n = 0; n < 2000; ++n) divisors.push_back(2 + next() % 0xFFFFFFFDull);
+  int64_t checked = 0;
+  for (const uint64_t d : divisors) {
+    const uint64_t magic = widen_cuda::RowMagic(static_cast<int64_t>(d));
+    ASSERT_NE(magic, 0u) << d;
+    auto quotient = [magic](uint64_t g) {
+      return static_cast<uint64_t>((static_cast<unsigned __int128>(magic) * g) >> 64);
+    };
+    const uint64_t last_multiple = 0xFFFFFFFFull / d * d;
+    std::vector<uint64_t> indices = {0, d - 1, d, d + 1, last_multiple - 1, last_multiple, 0xFFFFFFFFull};
+    for (int n = 0; n < 64; ++n) indices.push_back(next() & 0xFFFFFFFFull);
+    for (const uint64_t g : indices) {
+      if (g > 0xFFFFFFFFull) continue;
+      ASSERT_EQ(quotient(g), g / d) << g << " / " << d;
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 400000);
+}
 
 TEST(CompressFormatTest, NamesRoundTrip) {
   for (CompressFormat f : {CompressFormat::kNone, CompressFormat::kInt8, CompressFormat::kFp8E4M3,

@@ -82,32 +82,15 @@ __device__ __forceinline__ int64_t RowOf(const Scales& scales, int64_t g) {
   return g / scales.groups_per_row;
 }
 
-// kTable: int4's group codes read through `table`, the 256 e4m3fn values in shared memory
-// (FillE4M3Table), instead of decoded from their bits.
-template <ScaleKind S, bool kTable = false>
-__device__ __forceinline__ float ScaleAt(const Scales& scales, int64_t g, const float* table = nullptr) {
+template <ScaleKind S>
+__device__ __forceinline__ float ScaleAt(const Scales& scales, int64_t g) {
   if constexpr (S == ScaleKind::kFloat) {
     return static_cast<const float*>(scales.p)[g];
   } else {
     const auto* rows = static_cast<const float*>(scales.p);
     const uint8_t* codes = static_cast<const uint8_t*>(scales.p) + 4 * scales.channels;
-    const uint32_t code = codes[g];
-    float value;
-    if constexpr (kTable) {
-      value = table[code];
-    } else {
-      value = DecodeE4M3(code);
-    }
-    return __fmul_rn(value, rows[RowOf(scales, g)]);
+    return __fmul_rn(DecodeE4M3(codes[g]), rows[RowOf(scales, g)]);
   }
-}
-
-// The block's table of the 256 e4m3fn values (int4's group codes: one shared-memory load a chunk
-// instead of decoding the bits), filled by every thread of the block before any reads it. Every
-// thread of the block must call it (it synchronizes the block).
-__device__ __forceinline__ void FillE4M3Table(float* table) {
-  for (int i = static_cast<int>(threadIdx.x); i < 256; i += static_cast<int>(blockDim.x)) table[i] = DecodeE4M3(i);
-  __syncthreads();
 }
 
 template <typename Out>
@@ -264,7 +247,7 @@ __global__ void WidenVector(const uint8_t* q, Scales scale, Out* out, int64_t it
 // end past the weight (`chunks`: its chunks of eight); its lanes past the end do nothing.
 template <Codes C, typename Out, ScaleKind S, int kChunks>
 __device__ __forceinline__ void WidenTile(const uint8_t* q, const Scales& scale, Out* out, int64_t tile, int lane,
-                                          int64_t chunks, int64_t group, int shift, const float* table) {
+                                          int64_t chunks, int64_t group, int shift) {
   constexpr int kBytes = C == Codes::kInt4 ? 4 : 8;  // Codes of one chunk.
   const int64_t first = tile * 32 * kChunks + lane;
   Words<kBytes> words[kChunks];
@@ -279,7 +262,7 @@ __device__ __forceinline__ void WidenTile(const uint8_t* q, const Scales& scale,
     const int64_t chunk = first + 32 * c;
     if (chunk >= chunks) break;
     const int64_t e = chunk * 8;
-    const float s = ScaleAt<S, S == ScaleKind::kE4M3Rows>(scale, shift >= 0 ? e >> shift : e / group, table);
+    const float s = ScaleAt<S>(scale, shift >= 0 ? e >> shift : e / group);
     float v[8];
     DecodeChunk<C, kBytes>(words[c], 0, v);
 #pragma unroll
@@ -295,26 +278,13 @@ __host__ __device__ __forceinline__ int64_t TilesOf(int64_t chunks, int chunks_a
   return (chunks + 32 * chunks_a_lane - 1) / (32 * chunks_a_lane);
 }
 
-// int4's group codes through the block's shared e4m3 table (the 8-bit formats' fp32 scales need none).
-template <ScaleKind S>
-__device__ __forceinline__ const float* BlockE4M3Table(float* shared) {
-  if constexpr (S == ScaleKind::kE4M3Rows) {
-    FillE4M3Table(shared);
-    return shared;
-  } else {
-    return nullptr;
-  }
-}
-
 template <Codes C, typename Out, ScaleKind S, int kChunks>
 __global__ void WidenTiles(const uint8_t* q, Scales scale, Out* out, int64_t chunks, int64_t group, int shift) {
-  __shared__ float shared_table[S == ScaleKind::kE4M3Rows ? 256 : 1];
-  const float* table = BlockE4M3Table<S>(shared_table);
   const int64_t tiles = TilesOf(chunks, kChunks);
   const int lane = static_cast<int>(threadIdx.x % 32);
   for (int64_t tile = blockIdx.x * static_cast<int64_t>(kWarpsPerBlock) + threadIdx.x / 32; tile < tiles;
        tile += static_cast<int64_t>(gridDim.x) * kWarpsPerBlock) {
-    WidenTile<C, Out, S, kChunks>(q, scale, out, tile, lane, chunks, group, shift, table);
+    WidenTile<C, Out, S, kChunks>(q, scale, out, tile, lane, chunks, group, shift);
   }
 }
 
@@ -343,14 +313,12 @@ __global__ void WidenVectorMany(const ManyJobs<Out> jobs) {
 
 template <Codes C, typename Out, ScaleKind S, int kChunks>
 __global__ void WidenTilesMany(const ManyJobs<Out> jobs) {
-  __shared__ float shared_table[S == ScaleKind::kE4M3Rows ? 256 : 1];
-  const float* table = BlockE4M3Table<S>(shared_table);
   const int64_t block = blockIdx.x;
   int j = 0;
   while (j + 1 < jobs.count && block >= jobs.first_block[j + 1]) ++j;
   const int64_t tile = (block - jobs.first_block[j]) * kWarpsPerBlock + threadIdx.x / 32;
   WidenTile<C, Out, S, kChunks>(jobs.q[j], jobs.scale[j], jobs.out[j], tile, static_cast<int>(threadIdx.x % 32),
-                                jobs.items[j], jobs.group[j], jobs.shift[j], table);
+                                jobs.items[j], jobs.group[j], jobs.shift[j]);
 }
 
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }

@@ -824,6 +824,8 @@ def margin_by_request(lines, request_ids, initial):
 # (the cache's part only once it held or served something).
 CACHE_COUNTS = re.compile(r"; (\d+) forwards(?:; spare-room cache (.*?), (\d+) onloads served "
                           r"\(([0-9.]+) ([KMGT]?i?B) not copied\))?")
+# "..., 6.26 GiB per forward, ...": the bytes one forward of a streamed component streams.
+PER_FORWARD = re.compile(r"([0-9.]+) ([KMGT]?i?B) per forward")
 
 
 def decode_note(decodes):
@@ -1023,9 +1025,15 @@ def analyze(log_dir, rows_path):
                     f0, s0, b0 = before_counts.get(component, (0, 0, 0))
                     before_counts[component] = (forwards, served, saved)
                     if forwards > f0:
+                        # The share of its forwards' bytes the cache spared (runs 11 and 18 on one trace:
+                        # what set the Flux pipelines' p50s apart).
+                        per = PER_FORWARD.search(line)
+                        per_forward = logged_bytes([per.group(1), per.group(2)]) if per else 0
+                        share = (f", {100 * (saved - b0) / ((forwards - f0) * per_forward):.1f} % of its forwards' "
+                                 f"{per.group(1)} {per.group(2)} each" if per_forward else "")
                         print(f"  {component}: spare-room cache {m.group(2) or '0 groups (0 B)'} at the end; this "
                               f"strategy's {forwards - f0} forwards, {served - s0} onloads served "
-                              f"({(saved - b0) / (1 << 30):.2f} GiB not copied)")
+                              f"({(saved - b0) / (1 << 30):.2f} GiB not copied){share}")
                 elif "spare-room cache" in line and component:
                     print(f"  {component}: spare-room cache" + line.split("spare-room cache", 1)[1].rstrip())
 

@@ -292,7 +292,8 @@ def own(strategy):
     part = text.split(f"\n{strategy}:", 1)[1].split("\nscheduler:", 1)[0]
     return {m.group(1): (int(m.group(2)), int(m.group(3))) for m in re.finditer(
         r"\n  (\S+): spare-room cache .* at the end; this strategy's ([0-9]+) forwards, ([0-9]+) onloads served "
-        r"\([0-9.]+ GiB not copied\)", part)}
+        r"\([0-9.]+ GiB not copied\), ([0-9.]+) % of its forwards' [0-9.]+ [KMG]?i?B each", part)
+        if 0 <= float(m.group(4)) <= 100}
 fifo, scheduler = own("fifo"), own("scheduler")
 assert fifo and scheduler, text
 def dumped(strategy):

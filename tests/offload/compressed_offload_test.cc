@@ -605,20 +605,16 @@ TEST(Int4OfFp8Test, WidensBackIntoFloat8BytesOnCudaOnly) {
     EXPECT_TRUE(outside.eq(0x55).all().item<bool>()) << "offset " << offset << ": written outside the output";
   }
   // Z-Image's hidden width (3840 values a row: 240 groups, no power of two, so the kernels find a
-  // group's row by RowMagic's multiply), on the default coalesced path.
-  const at::Tensor wide = (at::randn({40, 3840}) * 60).to(at::kFloat8_e4m3fn);
-  const QuantizedTensor qw = Quantize(wide, CompressFormat::kInt4);
-  const at::Tensor out_wide = at::empty({40, 3840}, at::TensorOptions().dtype(at::kFloat8_e4m3fn).device(cuda));
-  WidenInto(out_wide, qw.q.to(cuda), qw.scale.to(cuda), CompressFormat::kInt4, WidenScratch{});
-  EXPECT_TRUE(at::equal(out_wide.cpu().view(at::kByte),
-                        Dequantize(qw, CompressFormat::kInt4, at::kFloat8_e4m3fn, wide.sizes()).view(at::kByte)));
-  // 3 x 48: a total of 144 values, not a multiple of 32: eight values a thread.
-  const at::Tensor small = (at::randn({3, 48}) * 60).to(at::kFloat8_e4m3fn);
-  const QuantizedTensor qs = Quantize(small, CompressFormat::kInt4);
-  const at::Tensor out_small = at::empty({3, 48}, at::TensorOptions().dtype(at::kFloat8_e4m3fn).device(cuda));
-  WidenInto(out_small, qs.q.to(cuda), qs.scale.to(cuda), CompressFormat::kInt4, WidenScratch{});
-  EXPECT_TRUE(at::equal(out_small.cpu().view(at::kByte),
-                        Dequantize(qs, CompressFormat::kInt4, at::kFloat8_e4m3fn, small.sizes()).view(at::kByte)));
+  // group's row by RowMagic's multiply); 3 x 48: a total of 144 values, not a multiple of 32, eight
+  // values a thread.
+  for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{{40, 3840}, {3, 48}}) {
+    const at::Tensor weight = (at::randn(shape) * 60).to(at::kFloat8_e4m3fn);
+    const QuantizedTensor quantized = Quantize(weight, CompressFormat::kInt4);
+    const at::Tensor widened = at::empty(shape, at::TensorOptions().dtype(at::kFloat8_e4m3fn).device(cuda));
+    WidenInto(widened, quantized.q.to(cuda), quantized.scale.to(cuda), CompressFormat::kInt4, WidenScratch{});
+    const at::Tensor want = Dequantize(quantized, CompressFormat::kInt4, at::kFloat8_e4m3fn, weight.sizes());
+    EXPECT_TRUE(at::equal(widened.cpu().view(at::kByte), want.view(at::kByte))) << weight.sizes();
+  }
 }
 #endif
 

@@ -72,8 +72,8 @@ Scales ScalesOf(const void* p, int64_t channels, int64_t groups_per_row) {
 }
 
 // The row of group g: g / groups_per_row. For g < 2^32 by one 64-bit multiply-high with row_magic
-// (widen_kernels.h's RowMagic), where the 32-bit division it replaces took ~17 instructions a chunk,
-// three of them on the quarter-rate conversion unit.
+// (widen_kernels.h's RowMagic), instead of the 32-bit division a chunk it replaces (the GPU has no
+// divide instruction: the compiler emits a reciprocal-and-correct sequence).
 __device__ __forceinline__ int64_t RowOf(const Scales& scales, int64_t g) {
   if (g <= 0xFFFFFFFFll) {
     if (scales.groups_per_row == 1) return g;
